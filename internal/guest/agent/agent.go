@@ -1,0 +1,301 @@
+// Package agent is dsec-guest, the agent inside every container and VM
+// sandbox. It starts and tracks processes (streams, stdin, signals, PTYs,
+// background processes a later call can attach to) and serves filesystem
+// operations, one call per connection (see api/dsec/guest/v1).
+//
+// The agent is the sandbox's init: it reaps every process, shields itself
+// from signals sent from inside the sandbox and from the OOM killer, and is
+// not dumpable, so processes in the sandbox cannot ptrace it or read its
+// file descriptors. Its channel to the node is a listening socket it
+// inherits; the socket has no path inside the sandbox.
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/guest"
+)
+
+// Version is the agent's protocol version.
+const Version = "1"
+
+// Agent serves the guest protocol.
+type Agent struct {
+	log   *slog.Logger
+	procs *procTable
+	boot  time.Time
+}
+
+// New returns an agent. Call Harden once, early, when running as a
+// sandbox's init.
+func New(log *slog.Logger) *Agent {
+	a := &Agent{log: log, procs: newProcTable(), boot: time.Now()}
+	go a.procs.reap()
+	return a
+}
+
+// Harden applies the protections an agent running as a sandbox's init
+// needs: no ptrace or /proc/<pid>/fd access from the sandbox, no death by
+// stray signals, and child-reaping for orphans.
+func Harden() {
+	unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0)
+	unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+	// A handled signal reaches the agent's handler and is dropped; children
+	// get default dispositions back at exec (an ignored one would be
+	// inherited).
+	sigs := make(chan os.Signal, 16)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT,
+		syscall.SIGUSR1, syscall.SIGUSR2, syscall.SIGTSTP, syscall.SIGTTIN, syscall.SIGTTOU, syscall.SIGPIPE)
+	go func() {
+		for range sigs {
+		}
+	}()
+}
+
+// Serve accepts connections on l until l fails.
+func (a *Agent) Serve(l net.Listener) error {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
+				time.Sleep(10 * time.Millisecond)
+				continue
+			}
+			return err
+		}
+		go a.serveConn(c)
+	}
+}
+
+// connSink sends a process's events on one connection.
+type connSink struct{ w *guest.Writer }
+
+func (s connSink) send(m *guestv1.ServerMsg) error { return s.w.Write(m) }
+
+func (a *Agent) serveConn(c net.Conn) {
+	defer c.Close()
+	r := guest.NewReader(c)
+	w := guest.NewWriter(c)
+	call := new(guestv1.ClientMsg)
+	if err := r.Read(call); err != nil {
+		return
+	}
+	fail := func(err error) { w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Error{Error: guest.ToWire(err)}}) }
+	done := func() { w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Done{Done: &guestv1.Done{}}}) }
+	switch m := call.Msg.(type) {
+	case *guestv1.ClientMsg_Hello:
+		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Hello{Hello: a.hello()}})
+	case *guestv1.ClientMsg_Exec:
+		a.serveExec(m.Exec, r, w)
+	case *guestv1.ClientMsg_Attach:
+		p := a.procs.find(m.Attach.Id, m.Attach.Tag)
+		if p == nil {
+			fail(notFound("no process %q", m.Attach.Id+m.Attach.Tag))
+			return
+		}
+		a.stream(p, r, w, true)
+	case *guestv1.ClientMsg_Input:
+		p := a.procs.find(m.Input.Id, "")
+		if p == nil {
+			fail(notFound("no process %q", m.Input.Id))
+			return
+		}
+		if err := deliverInput(p, m.Input); err != nil {
+			fail(err)
+			return
+		}
+		done()
+	case *guestv1.ClientMsg_Signal:
+		p := a.procs.find(m.Signal.Id, "")
+		if p == nil {
+			fail(notFound("no process %q", m.Signal.Id))
+			return
+		}
+		if err := p.signal(syscall.Signal(m.Signal.Signal)); err != nil {
+			fail(err)
+			return
+		}
+		done()
+	case *guestv1.ClientMsg_Resize:
+		p := a.procs.find(m.Resize.Id, "")
+		if p == nil {
+			fail(notFound("no process %q", m.Resize.Id))
+			return
+		}
+		if err := p.resize(m.Resize.Rows, m.Resize.Cols); err != nil {
+			fail(invalid("%v", err))
+			return
+		}
+		done()
+	case *guestv1.ClientMsg_ListProcs:
+		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Procs{Procs: &guestv1.Procs{Procs: a.procs.list()}}})
+	case *guestv1.ClientMsg_ReadFile:
+		serveRead(m.ReadFile, w)
+	case *guestv1.ClientMsg_WriteFile:
+		serveWrite(m.WriteFile, r, w)
+	case *guestv1.ClientMsg_Stat:
+		info, err := statPath(m.Stat.Path)
+		if err != nil {
+			fail(err)
+			return
+		}
+		w.Write(infoMsg(info))
+	case *guestv1.ClientMsg_ListDir:
+		entries, err := listDir(m.ListDir.Path, m.ListDir.Depth)
+		if err != nil {
+			fail(err)
+			return
+		}
+		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Entries{Entries: &guestv1.Entries{Entries: entries}}})
+	case *guestv1.ClientMsg_MakeDir:
+		info, err := makeDir(m.MakeDir.Path, m.MakeDir.User)
+		if err != nil {
+			fail(err)
+			return
+		}
+		w.Write(infoMsg(info))
+	case *guestv1.ClientMsg_Remove:
+		if err := remove(m.Remove.Path, m.Remove.Recursive); err != nil {
+			fail(err)
+			return
+		}
+		done()
+	case *guestv1.ClientMsg_Rename:
+		info, err := rename(m.Rename.From, m.Rename.To)
+		if err != nil {
+			fail(err)
+			return
+		}
+		w.Write(infoMsg(info))
+	case *guestv1.ClientMsg_Sync:
+		unix.Sync()
+		done()
+	default:
+		fail(invalid("unsupported call %T", call.Msg))
+	}
+}
+
+func (a *Agent) hello() *guestv1.HelloReply {
+	var u unix.Utsname
+	unix.Uname(&u)
+	host, _ := os.Hostname()
+	return &guestv1.HelloReply{
+		Version:    Version,
+		Pid:        int32(os.Getpid()),
+		Kernel:     unix.ByteSliceToString(u.Release[:]),
+		Hostname:   host,
+		BootUnixMs: a.boot.UnixMilli(),
+	}
+}
+
+func (a *Agent) serveExec(x *guestv1.Exec, r *guest.Reader, w *guest.Writer) {
+	p, err := a.start(x)
+	if err != nil {
+		// A command that cannot start is the task's failure, reported as an
+		// exit (127 like a shell), not as a broken call.
+		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Exit{Exit: &guestv1.Exit{ExitCode: 127, Error: err.Error(), Stderr: []byte(err.Error() + "\n")}}})
+		return
+	}
+	if x.Collect {
+		// Subscribing after start is safe: collect mode keeps output in the
+		// process until exit.
+		s := connSink{w}
+		p.subscribe(s, false)
+		<-p.done
+		return
+	}
+	a.stream(p, r, w, false)
+}
+
+// stream sends a process's events on a connection and applies the
+// client's input, signals and resizes until the process exits or the
+// client goes away. The process outlives the connection.
+func (a *Agent) stream(p *proc, r *guest.Reader, w *guest.Writer, replay bool) {
+	s := connSink{w}
+	if err := w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Started{Started: &guestv1.Started{Id: p.id, Pid: int32(p.pid)}}}); err != nil {
+		return
+	}
+	p.subscribe(s, replay)
+	var once sync.Once
+	gone := make(chan struct{})
+	go func() {
+		defer once.Do(func() { close(gone) })
+		for {
+			m := new(guestv1.ClientMsg)
+			if err := r.Read(m); err != nil {
+				return
+			}
+			switch v := m.Msg.(type) {
+			case *guestv1.ClientMsg_Input:
+				deliverInput(p, v.Input)
+			case *guestv1.ClientMsg_Signal:
+				p.signal(syscall.Signal(v.Signal.Signal))
+			case *guestv1.ClientMsg_Resize:
+				p.resize(v.Resize.Rows, v.Resize.Cols)
+			}
+		}
+	}()
+	select {
+	case <-p.done:
+	case <-gone:
+		p.unsubscribe(s)
+	}
+}
+
+func deliverInput(p *proc, in *guestv1.Input) error {
+	if len(in.Data) > 0 {
+		if err := p.writeStdin(in.Data); err != nil {
+			return invalid("%v", err)
+		}
+	}
+	if in.Eof {
+		p.closeStdin()
+	}
+	return nil
+}
+
+// ListenFD returns the listening socket inherited as file descriptor fd.
+func ListenFD(fd int) (net.Listener, error) {
+	unix.CloseOnExec(fd)
+	f := os.NewFile(uintptr(fd), "listener")
+	if f == nil {
+		return nil, errors.New("bad listener fd")
+	}
+	defer f.Close()
+	return net.FileListener(f)
+}
+
+// errors with wire codes
+
+type codedError struct {
+	code string
+	msg  string
+}
+
+func (e *codedError) Error() string { return e.msg }
+
+// WireCode is the code guest.ToWire sends.
+func (e *codedError) WireCode() string { return e.code }
+
+func notFound(format string, args ...any) error {
+	return &codedError{guest.CodeNotFound, fmt.Sprintf(format, args...)}
+}
+
+func invalid(format string, args ...any) error {
+	return &codedError{guest.CodeInvalid, fmt.Sprintf(format, args...)}
+}

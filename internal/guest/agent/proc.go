@@ -1,0 +1,690 @@
+package agent
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/creack/pty"
+	"golang.org/x/sys/unix"
+
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+)
+
+const (
+	// replayBytes is how much recent output a process keeps for attach.
+	replayBytes = 64 << 10
+	// defaultMaxOutput caps each stream when the caller gives no cap.
+	defaultMaxOutput = 1 << 20
+	// drainGrace is how long exit waits for the pipes to reach EOF after the
+	// process ended; a background child holding them open does not delay the
+	// answer longer than this, and its output still goes to the replay buffer.
+	drainGrace = 100 * time.Millisecond
+	// keepFinished is how many finished processes stay listed for attach.
+	keepFinished = 256
+)
+
+// procTable tracks the processes the agent started and reaps every child,
+// including orphans re-parented to it.
+type procTable struct {
+	bootID string
+
+	mu      sync.Mutex
+	seq     uint64
+	procs   map[string]*proc
+	byPid   map[int]*proc
+	byTag   map[string]*proc
+	early   map[int]exitStatus // statuses reaped before their process registered
+	retired []*proc            // finished, oldest first
+}
+
+type exitStatus struct {
+	ws  unix.WaitStatus
+	ru  unix.Rusage
+	at  time.Time
+	pid int
+}
+
+func newProcTable() *procTable {
+	var b [4]byte
+	rand.Read(b[:])
+	t := &procTable{
+		bootID: hex.EncodeToString(b[:]),
+		procs:  map[string]*proc{},
+		byPid:  map[int]*proc{},
+		byTag:  map[string]*proc{},
+		early:  map[int]exitStatus{},
+	}
+	return t
+}
+
+// reap waits for children forever. It must be the only waiter in the process.
+func (t *procTable) reap() {
+	sigs := make(chan os.Signal, 64)
+	signal.Notify(sigs, syscall.SIGCHLD)
+	tick := time.NewTicker(time.Second) // a safety net for coalesced SIGCHLDs
+	for {
+		select {
+		case <-sigs:
+		case <-tick.C:
+		}
+		for {
+			var ws unix.WaitStatus
+			var ru unix.Rusage
+			pid, err := unix.Wait4(-1, &ws, unix.WNOHANG, &ru)
+			if err == unix.EINTR {
+				continue
+			}
+			if pid <= 0 || err != nil {
+				break
+			}
+			t.exited(exitStatus{ws: ws, ru: ru, at: time.Now(), pid: pid})
+		}
+	}
+}
+
+func (t *procTable) exited(st exitStatus) {
+	t.mu.Lock()
+	p := t.byPid[st.pid]
+	if p != nil {
+		delete(t.byPid, st.pid)
+	} else {
+		t.early[st.pid] = st
+		for pid, e := range t.early {
+			if time.Since(e.at) > 10*time.Second {
+				delete(t.early, pid)
+			}
+		}
+	}
+	t.mu.Unlock()
+	if p != nil {
+		p.onExit(st)
+	}
+}
+
+// register records a started process; if the reaper already saw it exit,
+// the exit is delivered now.
+func (t *procTable) register(p *proc) {
+	t.mu.Lock()
+	t.procs[p.id] = p
+	if p.tag != "" {
+		t.byTag[p.tag] = p
+	}
+	st, early := t.early[p.pid]
+	if early {
+		delete(t.early, p.pid)
+	} else {
+		t.byPid[p.pid] = p
+	}
+	t.mu.Unlock()
+	if early {
+		p.onExit(st)
+	}
+}
+
+func (t *procTable) nextID() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.seq++
+	return t.bootID + "-" + strconv.FormatUint(t.seq, 10)
+}
+
+// retire keeps a finished process listed until keepFinished newer ones
+// finish.
+func (t *procTable) retire(p *proc) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.retired = append(t.retired, p)
+	for len(t.retired) > keepFinished {
+		old := t.retired[0]
+		t.retired = t.retired[1:]
+		delete(t.procs, old.id)
+		if t.byTag[old.tag] == old {
+			delete(t.byTag, old.tag)
+		}
+	}
+}
+
+func (t *procTable) find(id, tag string) *proc {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if id != "" {
+		return t.procs[id]
+	}
+	return t.byTag[tag]
+}
+
+func (t *procTable) list() []*guestv1.Proc {
+	t.mu.Lock()
+	ps := make([]*proc, 0, len(t.procs))
+	for _, p := range t.procs {
+		ps = append(ps, p)
+	}
+	t.mu.Unlock()
+	out := make([]*guestv1.Proc, 0, len(ps))
+	for _, p := range ps {
+		out = append(out, p.info())
+	}
+	return out
+}
+
+// sink receives a process's events. Writes happen in order from the
+// process's goroutines; a failing sink is dropped.
+type sink interface {
+	send(m *guestv1.ServerMsg) error
+}
+
+// proc is one process started by the agent.
+type proc struct {
+	table   *procTable
+	id      string
+	pid     int
+	argv    []string
+	tag     string
+	cwd     string
+	env     []string
+	pty     bool
+	start   time.Time
+	collect bool
+	max     int64
+
+	stdin   io.WriteCloser // nil when closed
+	ptyFile *os.File
+
+	mu       sync.Mutex
+	subs     map[sink]struct{}
+	replay   []byte // framed recent output for attach
+	sent     [3]int64
+	heads    [3][]byte
+	tails    [3]*tailBuf
+	trunc    bool
+	timedOut bool
+	status   *exitStatus
+	openFds  int
+	exit     *guestv1.Exit // set once finished
+	done     chan struct{}
+	stdinMu  sync.Mutex
+	timer    *time.Timer
+	graceSet bool
+}
+
+// start starts x and registers it.
+func (a *Agent) start(x *guestv1.Exec) (*proc, error) {
+	if len(x.Argv) == 0 || x.Argv[0] == "" {
+		return nil, errors.New("empty command")
+	}
+	id, err := resolveUser(x.User)
+	if err != nil {
+		return nil, err
+	}
+	env := withLoginEnv(x.Env, id)
+	cwd := x.Cwd
+	if cwd == "" {
+		cwd = id.home
+		if st, err := os.Stat(cwd); err != nil || !st.IsDir() {
+			cwd = "/"
+		}
+	}
+	path, err := lookPath(x.Argv[0], env, cwd)
+	if err != nil {
+		return nil, err
+	}
+	max := x.MaxOutput
+	if max <= 0 {
+		max = defaultMaxOutput
+	}
+	p := &proc{
+		table: a.procs, id: a.procs.nextID(), argv: x.Argv, tag: x.Tag, cwd: cwd, env: env, pty: x.Pty,
+		start: time.Now(), collect: x.Collect, max: max,
+		subs: map[sink]struct{}{}, done: make(chan struct{}),
+	}
+	sys := &syscall.SysProcAttr{}
+	if id.uid != 0 || id.gid != 0 || len(id.groups) > 1 {
+		sys.Credential = &syscall.Credential{Uid: id.uid, Gid: id.gid, Groups: id.groups}
+	}
+	var files []uintptr
+	var closeAfter []*os.File
+	var readers []*os.File
+	if x.Pty {
+		master, slave, err := pty.Open()
+		if err != nil {
+			return nil, fmt.Errorf("open pty: %w", err)
+		}
+		rows, cols := x.Rows, x.Cols
+		if rows == 0 || cols == 0 {
+			rows, cols = 24, 80
+		}
+		pty.Setsize(master, &pty.Winsize{Rows: uint16(rows), Cols: uint16(cols)})
+		sys.Setsid, sys.Setctty, sys.Ctty = true, true, 0
+		files = []uintptr{slave.Fd(), slave.Fd(), slave.Fd()}
+		closeAfter = append(closeAfter, slave)
+		p.ptyFile = master
+		p.stdin = master
+		readers = []*os.File{master}
+	} else {
+		sys.Setpgid = true
+		inR, inW, err := os.Pipe()
+		if err != nil {
+			return nil, err
+		}
+		outR, outW, err := os.Pipe()
+		if err != nil {
+			inR.Close()
+			inW.Close()
+			return nil, err
+		}
+		errR, errW, err := os.Pipe()
+		if err != nil {
+			inR.Close()
+			inW.Close()
+			outR.Close()
+			outW.Close()
+			return nil, err
+		}
+		files = []uintptr{inR.Fd(), outW.Fd(), errW.Fd()}
+		closeAfter = append(closeAfter, inR, outW, errW)
+		p.stdin = inW
+		readers = []*os.File{outR, errR}
+	}
+	pid, err := syscall.ForkExec(path, x.Argv, &syscall.ProcAttr{Dir: cwd, Env: env, Files: files, Sys: sys})
+	for _, f := range closeAfter {
+		f.Close()
+	}
+	if err != nil {
+		for _, f := range readers {
+			f.Close()
+		}
+		if p.stdin != nil && !x.Pty {
+			p.stdin.Close()
+		}
+		return nil, fmt.Errorf("start %s: %w", x.Argv[0], err)
+	}
+	p.pid = pid
+	// The agent itself is shielded from the OOM killer; its children are not.
+	os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", []byte("0"), 0)
+	applyRlimits(pid, x)
+	p.openFds = len(readers)
+	a.procs.register(p)
+	if x.Pty {
+		go p.read(1, readers[0])
+	} else {
+		go p.read(1, readers[0])
+		go p.read(2, readers[1])
+	}
+	if !x.StdinOpen {
+		data := x.StdinData
+		go func() {
+			if len(data) > 0 {
+				p.writeStdin(data)
+			}
+			if !p.pty {
+				p.closeStdin()
+			} else if len(data) > 0 {
+				p.writeStdin([]byte{4}) // ^D ends input on a terminal
+			}
+		}()
+	} else if len(x.StdinData) > 0 {
+		go p.writeStdin(x.StdinData)
+	}
+	if x.TimeoutMs > 0 {
+		p.mu.Lock()
+		p.timer = time.AfterFunc(time.Duration(x.TimeoutMs)*time.Millisecond, p.onTimeout)
+		p.mu.Unlock()
+	}
+	return p, nil
+}
+
+func applyRlimits(pid int, x *guestv1.Exec) {
+	set := func(res int, v int64) {
+		if v > 0 {
+			unix.Prlimit(pid, res, &unix.Rlimit{Cur: uint64(v), Max: uint64(v)}, nil)
+		}
+	}
+	set(unix.RLIMIT_FSIZE, x.RlimitFsizeBytes)
+	if x.RlimitCpuS > 0 {
+		// The soft limit sends SIGXCPU, the hard one a second later SIGKILL.
+		unix.Prlimit(pid, unix.RLIMIT_CPU, &unix.Rlimit{Cur: uint64(x.RlimitCpuS), Max: uint64(x.RlimitCpuS + 1)}, nil)
+	}
+	set(unix.RLIMIT_NOFILE, x.RlimitNofile)
+	set(unix.RLIMIT_AS, x.RlimitAsBytes)
+}
+
+func withLoginEnv(env []string, id identity) []string {
+	has := func(k string) bool {
+		for _, e := range env {
+			if strings.HasPrefix(e, k+"=") {
+				return true
+			}
+		}
+		return false
+	}
+	out := append([]string(nil), env...)
+	if !has("PATH") {
+		out = append(out, "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+	}
+	if !has("HOME") {
+		out = append(out, "HOME="+id.home)
+	}
+	if !has("USER") && id.name != "" {
+		out = append(out, "USER="+id.name)
+	}
+	return out
+}
+
+// lookPath finds argv0 on the PATH of env, the way execvp does.
+func lookPath(file string, env []string, cwd string) (string, error) {
+	if strings.Contains(file, "/") {
+		p := file
+		if !filepath.IsAbs(p) {
+			p = filepath.Join(cwd, p)
+		}
+		if err := executable(p); err != nil {
+			return "", fmt.Errorf("%s: %w", file, err)
+		}
+		return p, nil
+	}
+	path := ""
+	for _, e := range env {
+		if v, ok := strings.CutPrefix(e, "PATH="); ok {
+			path = v
+		}
+	}
+	for _, dir := range filepath.SplitList(path) {
+		if dir == "" {
+			dir = "."
+		}
+		p := filepath.Join(dir, file)
+		if executable(p) == nil {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("%s: command not found", file)
+}
+
+func executable(p string) error {
+	st, err := os.Stat(p)
+	if err != nil {
+		return err
+	}
+	if st.IsDir() {
+		return syscall.EISDIR
+	}
+	if st.Mode()&0o111 == 0 {
+		return syscall.EACCES
+	}
+	return nil
+}
+
+func (p *proc) writeStdin(b []byte) error {
+	p.stdinMu.Lock()
+	defer p.stdinMu.Unlock()
+	if p.stdin == nil {
+		return errors.New("stdin is closed")
+	}
+	_, err := p.stdin.Write(b)
+	return err
+}
+
+func (p *proc) closeStdin() {
+	p.stdinMu.Lock()
+	defer p.stdinMu.Unlock()
+	if p.pty {
+		if p.stdin != nil {
+			p.stdin.Write([]byte{4})
+		}
+		return
+	}
+	if p.stdin != nil {
+		p.stdin.Close()
+		p.stdin = nil
+	}
+}
+
+func (p *proc) signal(sig syscall.Signal) error {
+	// The group first; then the leader, in case it left its group.
+	err := syscall.Kill(-p.pid, sig)
+	if err2 := syscall.Kill(p.pid, sig); err != nil && err2 != nil {
+		return err2
+	}
+	return nil
+}
+
+func (p *proc) resize(rows, cols uint32) error {
+	if p.ptyFile == nil {
+		return errors.New("process has no pty")
+	}
+	return pty.Setsize(p.ptyFile, &pty.Winsize{Rows: uint16(rows), Cols: uint16(cols)})
+}
+
+func (p *proc) onTimeout() {
+	p.mu.Lock()
+	if p.exit != nil || p.status != nil {
+		p.mu.Unlock()
+		return
+	}
+	p.timedOut = true
+	p.mu.Unlock()
+	p.signal(syscall.SIGKILL)
+}
+
+// read forwards one output stream until EOF.
+func (p *proc) read(fd int32, f *os.File) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := f.Read(buf)
+		if n > 0 {
+			p.output(fd, buf[:n])
+		}
+		if err != nil {
+			break
+		}
+	}
+	f.Close()
+	p.mu.Lock()
+	p.openFds--
+	ready := p.openFds == 0 && p.status != nil && p.exit == nil
+	p.mu.Unlock()
+	if ready {
+		p.finish()
+	}
+}
+
+func (p *proc) output(fd int32, b []byte) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.exit != nil {
+		// Output after the answer (a background child): replay buffer only.
+		p.appendReplayLocked(fd, b)
+		return
+	}
+	if p.collect {
+		p.collectLocked(fd, b)
+		return
+	}
+	p.appendReplayLocked(fd, b)
+	room := p.max - p.sent[fd]
+	if room <= 0 {
+		p.trunc = true
+		return
+	}
+	if int64(len(b)) > room {
+		b = b[:room]
+		p.trunc = true
+	}
+	p.sent[fd] += int64(len(b))
+	m := &guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Output{Output: &guestv1.Output{Fd: fd, Data: b}}}
+	for s := range p.subs {
+		if err := s.send(m); err != nil {
+			delete(p.subs, s)
+		}
+	}
+}
+
+// collectLocked keeps the first and last max/2 bytes of each stream.
+func (p *proc) collectLocked(fd int32, b []byte) {
+	half := p.max / 2
+	if rest := p.max - half; p.tails[fd] == nil {
+		p.tails[fd] = &tailBuf{max: int(rest)}
+	}
+	if room := half - int64(len(p.heads[fd])); room > 0 {
+		take := min(int64(len(b)), room)
+		p.heads[fd] = append(p.heads[fd], b[:take]...)
+		b = b[take:]
+	}
+	if len(b) > 0 {
+		if p.tails[fd].add(b) {
+			p.trunc = true
+		}
+	}
+}
+
+// replay frames: 1 byte fd, 4 bytes length, data.
+func (p *proc) appendReplayLocked(fd int32, b []byte) {
+	if len(b) > replayBytes {
+		b = b[len(b)-replayBytes:]
+	}
+	p.replay = append(p.replay, byte(fd), byte(len(b)>>24), byte(len(b)>>16), byte(len(b)>>8), byte(len(b)))
+	p.replay = append(p.replay, b...)
+	for len(p.replay) > replayBytes {
+		n := int(p.replay[1])<<24 | int(p.replay[2])<<16 | int(p.replay[3])<<8 | int(p.replay[4])
+		p.replay = p.replay[5+n:]
+	}
+}
+
+func (p *proc) onExit(st exitStatus) {
+	p.mu.Lock()
+	p.status = &st
+	if p.timer != nil {
+		p.timer.Stop()
+	}
+	ready := p.openFds == 0 && p.exit == nil
+	p.mu.Unlock()
+	if ready {
+		p.finish()
+		return
+	}
+	time.AfterFunc(drainGrace, p.finish)
+}
+
+// finish builds the exit answer once, sends it to every subscriber and
+// retires the process.
+func (p *proc) finish() {
+	p.mu.Lock()
+	if p.exit != nil || p.status == nil {
+		p.mu.Unlock()
+		return
+	}
+	st := p.status
+	x := &guestv1.Exit{
+		DurationUs: st.at.Sub(p.start).Microseconds(),
+		TimedOut:   p.timedOut,
+		Truncated:  p.trunc,
+		CpuUs:      tvUs(st.ru.Utime) + tvUs(st.ru.Stime),
+		MaxRssKb:   st.ru.Maxrss,
+	}
+	switch {
+	case st.ws.Exited():
+		x.ExitCode = int32(st.ws.ExitStatus())
+	case st.ws.Signaled():
+		x.Signal = int32(st.ws.Signal())
+		x.ExitCode = 128 + int32(st.ws.Signal())
+	}
+	if p.collect {
+		for fd := int32(1); fd <= 2; fd++ {
+			out := append([]byte(nil), p.heads[fd]...)
+			if t := p.tails[fd]; t != nil {
+				out = append(out, t.bytes()...)
+			}
+			if fd == 1 {
+				x.Stdout = out
+			} else {
+				x.Stderr = out
+			}
+		}
+	}
+	p.exit = x
+	m := &guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Exit{Exit: x}}
+	for s := range p.subs {
+		s.send(m)
+		delete(p.subs, s)
+	}
+	p.heads = [3][]byte{}
+	p.tails = [3]*tailBuf{}
+	close(p.done)
+	p.mu.Unlock()
+	if !p.pty {
+		p.closeStdin()
+	}
+	p.table.retire(p)
+}
+
+func tvUs(tv unix.Timeval) int64 { return tv.Sec*1e6 + tv.Usec }
+
+// subscribe adds s for live events. With replay, buffered output is sent
+// first. If the process already finished, s gets the exit and is not kept.
+func (p *proc) subscribe(s sink, replay bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if replay {
+		r := p.replay
+		for len(r) >= 5 {
+			fd := int32(r[0])
+			n := int(r[1])<<24 | int(r[2])<<16 | int(r[3])<<8 | int(r[4])
+			s.send(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Output{Output: &guestv1.Output{Fd: fd, Data: r[5 : 5+n]}}})
+			r = r[5+n:]
+		}
+	}
+	if p.exit != nil {
+		s.send(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Exit{Exit: p.exit}})
+		return
+	}
+	p.subs[s] = struct{}{}
+}
+
+func (p *proc) unsubscribe(s sink) {
+	p.mu.Lock()
+	delete(p.subs, s)
+	p.mu.Unlock()
+}
+
+func (p *proc) info() *guestv1.Proc {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	i := &guestv1.Proc{Id: p.id, Pid: int32(p.pid), Argv: p.argv, Tag: p.tag, Running: p.exit == nil, Pty: p.pty, Cwd: p.cwd, Env: p.env}
+	if p.exit != nil {
+		i.ExitCode = p.exit.ExitCode
+	}
+	return i
+}
+
+// tailBuf keeps the last max bytes written to it.
+type tailBuf struct {
+	max  int
+	buf  []byte
+	full bool
+}
+
+// add appends b and reports whether bytes were dropped.
+func (t *tailBuf) add(b []byte) bool {
+	dropped := false
+	t.buf = append(t.buf, b...)
+	if len(t.buf) > t.max {
+		dropped = true
+		t.full = true
+		n := copy(t.buf, t.buf[len(t.buf)-t.max:])
+		t.buf = t.buf[:n]
+	}
+	return dropped || t.full
+}
+
+func (t *tailBuf) bytes() []byte { return t.buf }

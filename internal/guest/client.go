@@ -1,0 +1,468 @@
+package guest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"time"
+
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+)
+
+// DialFunc opens a new stream connection to one sandbox's agent.
+type DialFunc func(ctx context.Context) (net.Conn, error)
+
+// UnixDialer dials the agent's listening unix socket at path.
+func UnixDialer(path string) DialFunc {
+	var d net.Dialer
+	return func(ctx context.Context) (net.Conn, error) {
+		return d.DialContext(ctx, "unix", path)
+	}
+}
+
+// Client calls one sandbox's agent. It is safe for concurrent use: every
+// call opens its own connection, so calls never wait on each other.
+type Client struct {
+	dial DialFunc
+}
+
+// NewClient returns a client that connects with dial.
+func NewClient(dial DialFunc) *Client { return &Client{dial: dial} }
+
+// conn is one call's connection.
+type conn struct {
+	c    net.Conn
+	r    *Reader
+	w    *Writer
+	stop func() bool
+}
+
+// open dials and sends the call. The connection closes when ctx ends.
+func (c *Client) open(ctx context.Context, call *guestv1.ClientMsg) (*conn, error) {
+	nc, err := c.dial(ctx)
+	if err != nil {
+		return nil, unreachable(err)
+	}
+	cn := &conn{c: nc, r: NewReader(nc), w: NewWriter(nc)}
+	cn.stop = context.AfterFunc(ctx, func() { nc.SetDeadline(time.Unix(1, 0)) })
+	if err := cn.w.Write(call); err != nil {
+		cn.close()
+		return nil, cn.wrap(ctx, err)
+	}
+	return cn, nil
+}
+
+func (cn *conn) close() {
+	cn.stop()
+	cn.c.Close()
+}
+
+// recv reads the next message, turning an Error message into an error.
+func (cn *conn) recv(ctx context.Context) (*guestv1.ServerMsg, error) {
+	m := new(guestv1.ServerMsg)
+	if err := cn.r.Read(m); err != nil {
+		return nil, cn.wrap(ctx, err)
+	}
+	if e := m.GetError(); e != nil {
+		return nil, FromWire(e)
+	}
+	return m, nil
+}
+
+// wrap classifies a transport error, preferring the context's reason.
+func (cn *conn) wrap(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return errdefs.Classify(ctx.Err())
+	}
+	return unreachable(err)
+}
+
+// ErrUnreachable is the cause of every transport failure: the agent's
+// connection could not be made or broke mid-call.
+var ErrUnreachable = errors.New("sandbox agent unreachable")
+
+func unreachable(err error) error {
+	return errdefs.Unavailable("sandbox agent unreachable").WithCause(fmt.Errorf("%w: %w", ErrUnreachable, err))
+}
+
+// call runs a call with a single answer.
+func (c *Client) call(ctx context.Context, call *guestv1.ClientMsg) (*guestv1.ServerMsg, error) {
+	cn, err := c.open(ctx, call)
+	if err != nil {
+		return nil, err
+	}
+	defer cn.close()
+	return cn.recv(ctx)
+}
+
+// Hello checks that the agent answers and returns what it reports.
+func (c *Client) Hello(ctx context.Context) (*guestv1.HelloReply, error) {
+	m, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Hello{Hello: &guestv1.Hello{}}})
+	if err != nil {
+		return nil, err
+	}
+	return m.GetHello(), nil
+}
+
+// Run runs a command to completion in collect mode and returns its exit,
+// with the head and tail of its output.
+func (c *Client) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, error) {
+	x.Collect = true
+	m, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Exec{Exec: x}})
+	if err != nil {
+		return nil, err
+	}
+	exit := m.GetExit()
+	if exit == nil {
+		return nil, errdefs.Internal(nil, "agent answered exec with %T", m.Msg)
+	}
+	return exit, nil
+}
+
+// Process is a streaming connection to one process in the sandbox.
+type Process struct {
+	ID  string
+	Pid int32
+	cn  *conn
+	ctx context.Context
+}
+
+// Start starts a command in stream mode and returns once it runs.
+func (c *Client) Start(ctx context.Context, x *guestv1.Exec) (*Process, error) {
+	x.Collect = false
+	return c.startLike(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Exec{Exec: x}})
+}
+
+// Attach connects to a process started earlier, by id or tag. Buffered
+// output is replayed first.
+func (c *Client) Attach(ctx context.Context, id, tag string) (*Process, error) {
+	return c.startLike(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Attach{Attach: &guestv1.Attach{Id: id, Tag: tag}}})
+}
+
+func (c *Client) startLike(ctx context.Context, call *guestv1.ClientMsg) (*Process, error) {
+	cn, err := c.open(ctx, call)
+	if err != nil {
+		return nil, err
+	}
+	m, err := cn.recv(ctx)
+	if err != nil {
+		cn.close()
+		return nil, err
+	}
+	st := m.GetStarted()
+	if st == nil {
+		cn.close()
+		return nil, errdefs.Internal(nil, "agent answered exec with %T", m.Msg)
+	}
+	return &Process{ID: st.Id, Pid: st.Pid, cn: cn, ctx: ctx}, nil
+}
+
+// Recv returns the next Output or Exit message. After Exit it returns io.EOF.
+func (p *Process) Recv() (*guestv1.ServerMsg, error) {
+	return p.cn.recv(p.ctx)
+}
+
+// Input writes to the process's stdin.
+func (p *Process) Input(data []byte, eof bool) error {
+	return p.send(&guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Input{Input: &guestv1.Input{Data: data, Eof: eof}}})
+}
+
+// Signal signals the process group.
+func (p *Process) Signal(sig syscall.Signal) error {
+	return p.send(&guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Signal{Signal: &guestv1.Signal{Signal: int32(sig)}}})
+}
+
+// Resize changes the PTY size.
+func (p *Process) Resize(rows, cols uint32) error {
+	return p.send(&guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Resize{Resize: &guestv1.Resize{Rows: rows, Cols: cols}}})
+}
+
+func (p *Process) send(m *guestv1.ClientMsg) error {
+	if err := p.cn.w.Write(m); err != nil {
+		return p.cn.wrap(p.ctx, err)
+	}
+	return nil
+}
+
+// Close detaches from the process; the process keeps running.
+func (p *Process) Close() { p.cn.close() }
+
+// SignalProcess signals a process by id without attaching to it.
+func (c *Client) SignalProcess(ctx context.Context, id string, sig syscall.Signal) error {
+	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Signal{Signal: &guestv1.Signal{Id: id, Signal: int32(sig)}}})
+	return err
+}
+
+// ResizeProcess resizes a process's PTY by id.
+func (c *Client) ResizeProcess(ctx context.Context, id string, rows, cols uint32) error {
+	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Resize{Resize: &guestv1.Resize{Id: id, Rows: rows, Cols: cols}}})
+	return err
+}
+
+// InputProcess writes to a process's stdin by id.
+func (c *Client) InputProcess(ctx context.Context, id string, data []byte, eof bool) error {
+	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Input{Input: &guestv1.Input{Id: id, Data: data, Eof: eof}}})
+	return err
+}
+
+// ListProcs lists running and recently finished processes.
+func (c *Client) ListProcs(ctx context.Context) ([]*guestv1.Proc, error) {
+	m, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_ListProcs{ListProcs: &guestv1.ListProcs{}}})
+	if err != nil {
+		return nil, err
+	}
+	return m.GetProcs().GetProcs(), nil
+}
+
+// Stat returns a file's info.
+func (c *Client) Stat(ctx context.Context, path string) (*guestv1.FileInfo, error) {
+	return c.infoCall(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Stat{Stat: &guestv1.Path{Path: path}}})
+}
+
+// MakeDir creates a directory and its parents.
+func (c *Client) MakeDir(ctx context.Context, path, user string) (*guestv1.FileInfo, error) {
+	return c.infoCall(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_MakeDir{MakeDir: &guestv1.MakeDir{Path: path, User: user}}})
+}
+
+// Rename moves a file or directory.
+func (c *Client) Rename(ctx context.Context, from, to string) (*guestv1.FileInfo, error) {
+	return c.infoCall(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Rename{Rename: &guestv1.Rename{From: from, To: to}}})
+}
+
+func (c *Client) infoCall(ctx context.Context, call *guestv1.ClientMsg) (*guestv1.FileInfo, error) {
+	m, err := c.call(ctx, call)
+	if err != nil {
+		return nil, err
+	}
+	if m.GetInfo() == nil {
+		return nil, errdefs.Internal(nil, "agent answered with %T", m.Msg)
+	}
+	return m.GetInfo(), nil
+}
+
+// Remove removes a file, or a directory tree when recursive.
+func (c *Client) Remove(ctx context.Context, path string, recursive bool) error {
+	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Remove{Remove: &guestv1.Remove{Path: path, Recursive: recursive}}})
+	return err
+}
+
+// ListDir lists a directory to the given depth.
+func (c *Client) ListDir(ctx context.Context, path string, depth int32) ([]*guestv1.FileInfo, error) {
+	m, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_ListDir{ListDir: &guestv1.ListDir{Path: path, Depth: depth}}})
+	if err != nil {
+		return nil, err
+	}
+	return m.GetEntries().GetEntries(), nil
+}
+
+// Sync flushes the sandbox's filesystems.
+func (c *Client) Sync(ctx context.Context) error {
+	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Sync{Sync: &guestv1.Sync{}}})
+	return err
+}
+
+// FileReader streams a file's content.
+type FileReader struct {
+	Info *guestv1.FileInfo
+	cn   *conn
+	ctx  context.Context
+	buf  []byte
+	done bool
+}
+
+// ReadFile opens a file for streaming. limit 0 reads to the end.
+func (c *Client) ReadFile(ctx context.Context, path string, offset, limit int64) (*FileReader, error) {
+	cn, err := c.open(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_ReadFile{ReadFile: &guestv1.ReadFile{Path: path, Offset: offset, Limit: limit}}})
+	if err != nil {
+		return nil, err
+	}
+	m, err := cn.recv(ctx)
+	if err != nil {
+		cn.close()
+		return nil, err
+	}
+	if m.GetInfo() == nil {
+		cn.close()
+		return nil, errdefs.Internal(nil, "agent answered read with %T", m.Msg)
+	}
+	return &FileReader{Info: m.GetInfo(), cn: cn, ctx: ctx}, nil
+}
+
+// Chunk returns the next data chunk, or io.EOF at the end of the file.
+func (f *FileReader) Chunk() ([]byte, error) {
+	if f.done {
+		return nil, io.EOF
+	}
+	m, err := f.cn.recv(f.ctx)
+	if err != nil {
+		return nil, err
+	}
+	switch v := m.Msg.(type) {
+	case *guestv1.ServerMsg_Data:
+		return v.Data, nil
+	case *guestv1.ServerMsg_End:
+		f.done = true
+		return nil, io.EOF
+	}
+	return nil, errdefs.Internal(nil, "agent sent %T in a file stream", m.Msg)
+}
+
+// Read implements io.Reader.
+func (f *FileReader) Read(p []byte) (int, error) {
+	for len(f.buf) == 0 {
+		b, err := f.Chunk()
+		if err != nil {
+			return 0, err
+		}
+		f.buf = b
+	}
+	n := copy(p, f.buf)
+	f.buf = f.buf[n:]
+	return n, nil
+}
+
+// Close ends the stream.
+func (f *FileReader) Close() error { f.cn.close(); return nil }
+
+// WriteFile streams r into a file and returns the file's info.
+func (c *Client) WriteFile(ctx context.Context, w *guestv1.WriteFile, r io.Reader) (*guestv1.FileInfo, error) {
+	cn, err := c.open(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_WriteFile{WriteFile: w}})
+	if err != nil {
+		return nil, err
+	}
+	defer cn.close()
+	// The agent may refuse the write (bad path) before reading the data; a
+	// reader goroutine sees that answer while we are still sending.
+	answer := make(chan *guestv1.ServerMsg, 1)
+	answerErr := make(chan error, 1)
+	go func() {
+		m, err := cn.recv(ctx)
+		if err != nil {
+			answerErr <- err
+			return
+		}
+		answer <- m
+	}()
+	buf := make([]byte, ChunkSize)
+	for {
+		n, rerr := r.Read(buf)
+		if n > 0 {
+			if err := cn.w.Write(&guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Data{Data: buf[:n]}}); err != nil {
+				select {
+				case err := <-answerErr:
+					return nil, err
+				case m := <-answer:
+					return nil, errdefs.Internal(nil, "agent answered early with %T", m.Msg)
+				case <-time.After(5 * time.Second):
+				}
+				return nil, cn.wrap(ctx, err)
+			}
+		}
+		if rerr == io.EOF {
+			break
+		}
+		if rerr != nil {
+			return nil, errdefs.Invalid("read upload: %v", rerr)
+		}
+		select {
+		case err := <-answerErr:
+			return nil, err
+		default:
+		}
+	}
+	if err := cn.w.Write(&guestv1.ClientMsg{Msg: &guestv1.ClientMsg_End{End: &guestv1.End{}}}); err != nil {
+		return nil, cn.wrap(ctx, err)
+	}
+	select {
+	case err := <-answerErr:
+		return nil, err
+	case m := <-answer:
+		if m.GetInfo() == nil {
+			return nil, errdefs.Internal(nil, "agent answered write with %T", m.Msg)
+		}
+		return m.GetInfo(), nil
+	}
+}
+
+// Error codes the agent sends.
+const (
+	CodeNotFound   = "not_found"
+	CodeInvalid    = "invalid"
+	CodeExists     = "exists"
+	CodePermission = "permission"
+	CodeNotDir     = "not_dir"
+	CodeIsDir      = "is_dir"
+	CodeNotEmpty   = "not_empty"
+	CodeNoSpace    = "no_space"
+	CodeIO         = "io"
+	CodeInternal   = "internal"
+)
+
+// FromWire turns an agent's Error message into a classified error.
+func FromWire(e *guestv1.Error) error {
+	switch e.Code {
+	case CodeNotFound:
+		return errdefs.NotFound("%s", e.Message)
+	case CodeInvalid, CodeNotDir, CodeIsDir, CodeNotEmpty:
+		return errdefs.Invalid("%s", e.Message)
+	case CodeExists:
+		return errdefs.Conflict("%s", e.Message)
+	case CodePermission:
+		return errdefs.PermissionDenied("%s", e.Message)
+	case CodeNoSpace:
+		e := errdefs.Exhausted(0, "%s", e.Message)
+		e.Infra, e.Retryable = false, false
+		return e
+	}
+	return errdefs.Internal(nil, "%s", e.Message)
+}
+
+// ToWire turns an error from a file or process operation in the agent into
+// an Error message, naming the path as the sandbox sees it.
+func ToWire(err error) *guestv1.Error {
+	code := CodeInternal
+	var errno syscall.Errno
+	var coded interface{ WireCode() string }
+	switch {
+	case errors.As(err, &coded):
+		code = coded.WireCode()
+	case errors.As(err, &errno):
+		code = errnoCode(errno)
+	case errors.Is(err, os.ErrNotExist):
+		code = CodeNotFound
+	case errors.Is(err, os.ErrExist):
+		code = CodeExists
+	case errors.Is(err, os.ErrPermission):
+		code = CodePermission
+	}
+	return &guestv1.Error{Code: code, Message: err.Error()}
+}
+
+func errnoCode(e syscall.Errno) string {
+	switch e {
+	case syscall.ENOENT:
+		return CodeNotFound
+	case syscall.EEXIST:
+		return CodeExists
+	case syscall.EACCES, syscall.EPERM, syscall.EROFS:
+		return CodePermission
+	case syscall.ENOTDIR:
+		return CodeNotDir
+	case syscall.EISDIR:
+		return CodeIsDir
+	case syscall.ENOTEMPTY:
+		return CodeNotEmpty
+	case syscall.ENOSPC, syscall.EDQUOT, syscall.EFBIG:
+		return CodeNoSpace
+	case syscall.EINVAL, syscall.ENAMETOOLONG, syscall.ELOOP, syscall.EXDEV:
+		return CodeInvalid
+	case syscall.EIO:
+		return CodeIO
+	}
+	return CodeInternal
+}

@@ -1,0 +1,370 @@
+package guest_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/guest"
+)
+
+var agentBin string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "dsec-guest-test")
+	if err != nil {
+		panic(err)
+	}
+	agentBin = filepath.Join(dir, "dsec-guest")
+	build := exec.Command("go", "build", "-o", agentBin, "github.com/opendsec/dsec/cmd/dsec-guest")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		panic("build dsec-guest: " + err.Error() + "\n" + string(out))
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// startAgent runs the real agent binary on a unix socket.
+func startAgent(t *testing.T) *guest.Client {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "g.sock")
+	cmd := exec.Command(agentBin, "-listen", sock)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	c := guest.NewClient(guest.UnixDialer(sock))
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_, err := c.Hello(ctx)
+		cancel()
+		if err == nil {
+			return c
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("agent did not answer: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func run(t *testing.T, c *guest.Client, x *guestv1.Exec) *guestv1.Exit {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	exit, err := c.Run(ctx, x)
+	if err != nil {
+		t.Fatalf("run %v: %v", x.Argv, err)
+	}
+	return exit
+}
+
+func TestRun(t *testing.T) {
+	c := startAgent(t)
+	tests := []struct {
+		name       string
+		exec       *guestv1.Exec
+		wantCode   int32
+		wantStdout string
+		wantStderr string
+		wantSignal int32
+		timedOut   bool
+		truncated  bool
+	}{
+		{name: "echo prints its argument", exec: &guestv1.Exec{Argv: []string{"echo", "hi"}}, wantStdout: "hi\n"},
+		{name: "exit code is returned", exec: &guestv1.Exec{Argv: []string{"sh", "-c", "echo err >&2; exit 3"}}, wantCode: 3, wantStderr: "err\n"},
+		{name: "stdin data is delivered then closed", exec: &guestv1.Exec{Argv: []string{"cat"}, StdinData: []byte("abc")}, wantStdout: "abc"},
+		{name: "env and cwd apply", exec: &guestv1.Exec{Argv: []string{"sh", "-c", "echo $FOO; pwd"}, Env: []string{"FOO=bar", "PATH=/usr/bin:/bin"}, Cwd: "/tmp"}, wantStdout: "bar\n/tmp\n"},
+		{name: "unknown command exits 127", exec: &guestv1.Exec{Argv: []string{"no-such-command-xyz"}}, wantCode: 127, wantStderr: "no-such-command-xyz: command not found\n"},
+		{name: "timeout kills the process group", exec: &guestv1.Exec{Argv: []string{"sh", "-c", "sleep 100 & sleep 100"}, TimeoutMs: 200}, wantCode: 137, wantSignal: 9, timedOut: true},
+		{name: "signal death is reported", exec: &guestv1.Exec{Argv: []string{"sh", "-c", "kill -TERM $$"}}, wantCode: 143, wantSignal: 15},
+		{name: "output over the cap keeps head and tail", exec: &guestv1.Exec{Argv: []string{"sh", "-c", "echo HEAD; yes | head -c 100000; echo; echo TAIL"}, MaxOutput: 1000}, truncated: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			start := time.Now()
+			exit := run(t, c, tt.exec)
+			if exit.ExitCode != tt.wantCode {
+				t.Errorf("exit code %d, want %d (stderr %q)", exit.ExitCode, tt.wantCode, exit.Stderr)
+			}
+			if exit.Signal != tt.wantSignal {
+				t.Errorf("signal %d, want %d", exit.Signal, tt.wantSignal)
+			}
+			if exit.TimedOut != tt.timedOut {
+				t.Errorf("timed out %v, want %v", exit.TimedOut, tt.timedOut)
+			}
+			if exit.Truncated != tt.truncated {
+				t.Errorf("truncated %v, want %v", exit.Truncated, tt.truncated)
+			}
+			if tt.truncated {
+				if len(exit.Stdout) != 1000 || !strings.HasPrefix(string(exit.Stdout), "HEAD\n") || !strings.HasSuffix(string(exit.Stdout), "TAIL\n") {
+					t.Errorf("truncated stdout: len %d, head %q, tail %q", len(exit.Stdout), exit.Stdout[:10], exit.Stdout[len(exit.Stdout)-10:])
+				}
+			} else if string(exit.Stdout) != tt.wantStdout {
+				t.Errorf("stdout %q, want %q", exit.Stdout, tt.wantStdout)
+			}
+			if tt.wantStderr != "" && string(exit.Stderr) != tt.wantStderr {
+				t.Errorf("stderr %q, want %q", exit.Stderr, tt.wantStderr)
+			}
+			if tt.timedOut && time.Since(start) > 5*time.Second {
+				t.Errorf("timed-out command took %v to report; the group was not killed", time.Since(start))
+			}
+		})
+	}
+}
+
+func TestRunDoesNotWaitForBackgroundChildren(t *testing.T) {
+	c := startAgent(t)
+	start := time.Now()
+	exit := run(t, c, &guestv1.Exec{Argv: []string{"sh", "-c", "sleep 30 & echo started"}})
+	if string(exit.Stdout) != "started\n" || exit.ExitCode != 0 {
+		t.Fatalf("got %q code %d", exit.Stdout, exit.ExitCode)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Fatalf("exec waited %v for a background child holding stdout", d)
+	}
+}
+
+func TestStreamInputAndExit(t *testing.T) {
+	c := startAgent(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	p, err := c.Start(ctx, &guestv1.Exec{Argv: []string{"sh", "-c", "read line; echo got:$line; echo e >&2; exit 5"}, StdinOpen: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	if p.ID == "" || p.Pid == 0 {
+		t.Fatalf("started without id/pid: %q %d", p.ID, p.Pid)
+	}
+	if err := p.Input([]byte("hello\n"), false); err != nil {
+		t.Fatal(err)
+	}
+	var stdout, stderr bytes.Buffer
+	for {
+		m, err := p.Recv()
+		if err != nil {
+			t.Fatalf("recv: %v", err)
+		}
+		if o := m.GetOutput(); o != nil {
+			if o.Fd == 1 {
+				stdout.Write(o.Data)
+			} else {
+				stderr.Write(o.Data)
+			}
+			continue
+		}
+		if x := m.GetExit(); x != nil {
+			if x.ExitCode != 5 {
+				t.Errorf("exit %d, want 5", x.ExitCode)
+			}
+			break
+		}
+	}
+	if stdout.String() != "got:hello\n" || stderr.String() != "e\n" {
+		t.Errorf("stdout %q stderr %q", stdout.String(), stderr.String())
+	}
+}
+
+func TestProcessOutlivesConnectionAndAttachReplays(t *testing.T) {
+	c := startAgent(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	p, err := c.Start(ctx, &guestv1.Exec{Argv: []string{"sh", "-c", "echo one; read x; echo two:$x"}, StdinOpen: true, Tag: "bg"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := p.ID
+	p.Close() // disconnect; the process keeps running
+	time.Sleep(100 * time.Millisecond)
+	procs, err := c.ListProcs(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	running := false
+	for _, pr := range procs {
+		if pr.Id == id && pr.Running && pr.Tag == "bg" {
+			running = true
+		}
+	}
+	if !running {
+		t.Fatalf("process %s not listed as running after disconnect: %v", id, procs)
+	}
+	if err := c.InputProcess(ctx, id, []byte("later\n"), true); err != nil {
+		t.Fatal(err)
+	}
+	a, err := c.Attach(ctx, "", "bg")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	var out bytes.Buffer
+	for {
+		m, err := a.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if o := m.GetOutput(); o != nil {
+			out.Write(o.Data)
+		}
+		if m.GetExit() != nil {
+			break
+		}
+	}
+	if out.String() != "one\ntwo:later\n" {
+		t.Fatalf("attached output %q", out.String())
+	}
+}
+
+func TestSignalByID(t *testing.T) {
+	c := startAgent(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	p, err := c.Start(ctx, &guestv1.Exec{Argv: []string{"sleep", "60"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	if err := c.SignalProcess(ctx, p.ID, syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		m, err := p.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if x := m.GetExit(); x != nil {
+			if x.Signal != int32(syscall.SIGTERM) {
+				t.Fatalf("signal %d, want TERM", x.Signal)
+			}
+			return
+		}
+	}
+}
+
+func TestPTY(t *testing.T) {
+	c := startAgent(t)
+	exit := run(t, c, &guestv1.Exec{Argv: []string{"sh", "-c", "test -t 0 && test -t 1 && stty size"}, Pty: true, Rows: 33, Cols: 101})
+	if exit.ExitCode != 0 || !strings.Contains(string(exit.Stdout), "33 101") {
+		t.Fatalf("pty: code %d, out %q", exit.ExitCode, exit.Stdout)
+	}
+}
+
+func TestFiles(t *testing.T) {
+	c := startAgent(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	dir := t.TempDir()
+
+	t.Run("write then read returns the same bytes", func(t *testing.T) {
+		p := filepath.Join(dir, "sub", "a.txt")
+		info, err := c.WriteFile(ctx, &guestv1.WriteFile{Path: p, Mode: 0o600, Mkdirs: true}, strings.NewReader("hello"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.Size != 5 || info.Mode != 0o600 || info.Type != "file" {
+			t.Fatalf("info %+v", info)
+		}
+		f, err := c.ReadFile(ctx, p, 0, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(f)
+		f.Close()
+		if string(b) != "hello" {
+			t.Fatalf("read %q", b)
+		}
+	})
+	t.Run("a large file streams intact", func(t *testing.T) {
+		p := filepath.Join(dir, "big")
+		data := bytes.Repeat([]byte("0123456789abcdef"), 4<<20) // 64 MiB
+		if _, err := c.WriteFile(ctx, &guestv1.WriteFile{Path: p}, bytes.NewReader(data)); err != nil {
+			t.Fatal(err)
+		}
+		f, err := c.ReadFile(ctx, p, 0, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		h := sha256.New()
+		n, err := io.Copy(h, f)
+		f.Close()
+		if err != nil || n != int64(len(data)) || !bytes.Equal(h.Sum(nil), sha(data)) {
+			t.Fatalf("read back %d bytes, err %v, hash match %v", n, err, bytes.Equal(h.Sum(nil), sha(data)))
+		}
+	})
+	t.Run("offset and limit select a range", func(t *testing.T) {
+		p := filepath.Join(dir, "range")
+		c.WriteFile(ctx, &guestv1.WriteFile{Path: p}, strings.NewReader("0123456789"))
+		f, err := c.ReadFile(ctx, p, 3, 4)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(f)
+		f.Close()
+		if string(b) != "3456" {
+			t.Fatalf("range %q", b)
+		}
+	})
+	t.Run("list, stat, rename and remove", func(t *testing.T) {
+		d := filepath.Join(dir, "tree")
+		if _, err := c.MakeDir(ctx, filepath.Join(d, "x", "y"), ""); err != nil {
+			t.Fatal(err)
+		}
+		c.WriteFile(ctx, &guestv1.WriteFile{Path: filepath.Join(d, "x", "f")}, strings.NewReader("f"))
+		ents, err := c.ListDir(ctx, d, 3)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(ents) != 3 {
+			t.Fatalf("entries %v", ents)
+		}
+		if _, err := c.Rename(ctx, filepath.Join(d, "x", "f"), filepath.Join(d, "g")); err != nil {
+			t.Fatal(err)
+		}
+		if st, err := c.Stat(ctx, filepath.Join(d, "g")); err != nil || st.Size != 1 {
+			t.Fatalf("stat after rename: %v %v", st, err)
+		}
+		if err := c.Remove(ctx, d, false); !errdefs.Is(err, errdefs.KindInvalid) {
+			t.Fatalf("non-recursive remove of a non-empty dir: %v", err)
+		}
+		if err := c.Remove(ctx, d, true); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Stat(ctx, d); !errdefs.Is(err, errdefs.KindNotFound) {
+			t.Fatalf("stat after remove: %v", err)
+		}
+	})
+	t.Run("bad paths are rejected with the right class", func(t *testing.T) {
+		cases := []struct {
+			path string
+			kind errdefs.Kind
+		}{
+			{"relative/path", errdefs.KindInvalid},
+			{"", errdefs.KindInvalid},
+			{"/no/such/file", errdefs.KindNotFound},
+			{dir, errdefs.KindInvalid}, // a directory
+		}
+		for _, cs := range cases {
+			_, err := c.ReadFile(ctx, cs.path, 0, 0)
+			if !errdefs.Is(err, cs.kind) {
+				t.Errorf("read %q: %v, want %s", cs.path, err, cs.kind)
+			}
+		}
+	})
+}
+
+func sha(b []byte) []byte { h := sha256.Sum256(b); return h[:] }
