@@ -1,0 +1,419 @@
+package image
+
+import (
+	"archive/tar"
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"debug/elf"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/opendsec/dsec/internal/errdefs"
+)
+
+// Recipes are the base images Bootstrap can build offline.
+var Recipes = []string{"busybox", "debian"}
+
+// DebianPackages are installed in the "debian" recipe on top of minbase.
+var DebianPackages = []string{"bash", "coreutils", "python3", "gcc", "g++", "libc6-dev", "make", "ca-certificates", "procps"}
+
+// BootstrapOptions configure Bootstrap.
+type BootstrapOptions struct {
+	// CacheDir keeps built root filesystems across stores (default: the
+	// store's own cache/ directory).
+	CacheDir string
+	// Mirror and Suite select the apt repository for "debian" (default: the
+	// host's own apt sources and release).
+	Mirror, Suite string
+	// Packages are extra packages for "debian".
+	Packages []string
+	// Force rebuilds the root filesystem even if cached.
+	Force bool
+}
+
+// Bootstrap builds a base image from the host's packages without any
+// registry: "busybox" from the static busybox binary, "debian" with
+// debootstrap from the host's apt mirror. The root filesystem is cached in
+// opts.CacheDir, so a second store imports it in seconds.
+func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts BootstrapOptions, progress Progress) (*Image, error) {
+	if as == "" {
+		as = recipe
+	}
+	if err := ValidName(as); err != nil {
+		return nil, err
+	}
+	if opts.CacheDir == "" {
+		opts.CacheDir = filepath.Join(s.dir, "cache")
+	}
+	var (
+		key   string
+		build func(ctx context.Context, dir string, progress Progress) error
+		cfg   Config
+	)
+	switch recipe {
+	case "busybox":
+		bb, err := findBusybox()
+		if err != nil {
+			return nil, err
+		}
+		key = "busybox-" + fileDigest(bb)
+		build = func(ctx context.Context, dir string, _ Progress) error { return buildBusybox(bb, dir) }
+		cfg = Config{Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, Cmd: []string{"sh"}}
+	case "debian":
+		mirror, suite := opts.Mirror, opts.Suite
+		if mirror == "" || suite == "" {
+			m, su, err := hostAptSource()
+			if err != nil {
+				return nil, err
+			}
+			if mirror == "" {
+				mirror = m
+			}
+			if suite == "" {
+				suite = su
+			}
+		}
+		pkgs := append(append([]string(nil), DebianPackages...), opts.Packages...)
+		sort.Strings(pkgs)
+		h := sha256.Sum256([]byte(mirror + "|" + suite + "|" + strings.Join(pkgs, ",")))
+		key = "debian-" + suite + "-" + hex.EncodeToString(h[:6])
+		build = func(ctx context.Context, dir string, progress Progress) error {
+			return buildDebian(ctx, dir, mirror, suite, pkgs, progress)
+		}
+		cfg = Config{Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"}, Cmd: []string{"bash"}}
+	default:
+		return nil, errdefs.Invalid("unknown bootstrap recipe %q (have %s)", recipe, strings.Join(Recipes, ", "))
+	}
+	rootfs := filepath.Join(opts.CacheDir, "rootfs", key)
+	if opts.Force {
+		os.RemoveAll(rootfs)
+	}
+	if _, err := os.Stat(rootfs + ".complete"); err != nil {
+		progress.report("build", "building "+recipe+" root filesystem", 0, 0)
+		if err := os.MkdirAll(filepath.Dir(rootfs), 0o700); err != nil {
+			return nil, err
+		}
+		tmp := rootfs + ".building"
+		os.RemoveAll(tmp)
+		if err := os.MkdirAll(tmp, 0o755); err != nil {
+			return nil, err
+		}
+		if err := build(ctx, tmp, progress); err != nil {
+			os.RemoveAll(tmp)
+			return nil, err
+		}
+		os.RemoveAll(rootfs)
+		if err := os.Rename(tmp, rootfs); err != nil {
+			return nil, err
+		}
+		if err := os.WriteFile(rootfs+".complete", []byte(time.Now().UTC().Format(time.RFC3339)), 0o600); err != nil {
+			return nil, err
+		}
+	}
+	progress.report("unpack", "importing "+recipe+" root filesystem", 0, 0)
+	pr, pw := io.Pipe()
+	go func() { pw.CloseWithError(tarDir(rootfs, pw)) }()
+	diff, size, err := s.AddLayer(pr)
+	pr.Close()
+	if err != nil {
+		return nil, fmt.Errorf("import %s root filesystem: %w", recipe, err)
+	}
+	img := &Image{Name: as, Layers: []string{diff}, Size: size, Created: time.Now().UTC(), Source: "bootstrap:" + key, Config: cfg}
+	d := sha256.New()
+	json.NewEncoder(d).Encode(struct {
+		L []string
+		C Config
+	}{img.Layers, img.Config})
+	img.Digest = "sha256:" + hex.EncodeToString(d.Sum(nil))
+	if err := s.Put(img); err != nil {
+		return nil, err
+	}
+	progress.report("done", as, size, size)
+	return img, nil
+}
+
+func findBusybox() (string, error) {
+	for _, p := range []string{"/bin/busybox", "/usr/bin/busybox"} {
+		if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() {
+			if static, _ := isStatic(p); static {
+				return p, nil
+			}
+		}
+	}
+	return "", errdefs.Unavailable("no static busybox on this host (install Debian's busybox-static)")
+}
+
+// isStatic reports whether an ELF file has no program interpreter.
+func isStatic(p string) (bool, error) {
+	f, err := elf.Open(p)
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	for _, prog := range f.Progs {
+		if prog.Type == elf.PT_INTERP {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+func fileDigest(p string) string {
+	f, err := os.Open(p)
+	if err != nil {
+		return "unknown"
+	}
+	defer f.Close()
+	h := sha256.New()
+	io.Copy(h, f)
+	return hex.EncodeToString(h.Sum(nil))[:12]
+}
+
+func buildBusybox(bb, dir string) error {
+	for _, d := range []string{"bin", "sbin", "usr/bin", "usr/sbin", "etc", "root", "tmp", "home", "proc", "sys", "dev", "var/tmp", "run"} {
+		if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
+			return err
+		}
+	}
+	os.Chmod(filepath.Join(dir, "tmp"), 0o1777)
+	os.Chmod(filepath.Join(dir, "var/tmp"), 0o1777)
+	os.Chmod(filepath.Join(dir, "root"), 0o700)
+	data, err := os.ReadFile(bb)
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "bin/busybox"), data, 0o755); err != nil {
+		return err
+	}
+	out, err := exec.Command(bb, "--list-full").Output()
+	if err != nil {
+		return fmt.Errorf("list busybox applets: %w", err)
+	}
+	for _, applet := range strings.Fields(string(out)) {
+		if applet == "bin/busybox" {
+			continue
+		}
+		dst := filepath.Join(dir, applet)
+		os.MkdirAll(filepath.Dir(dst), 0o755)
+		rel, _ := filepath.Rel(filepath.Dir(dst), filepath.Join(dir, "bin/busybox"))
+		os.Remove(dst)
+		if err := os.Symlink(rel, dst); err != nil {
+			return err
+		}
+	}
+	files := map[string]string{
+		"etc/passwd":   "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
+		"etc/group":    "root:x:0:\nnogroup:x:65534:\n",
+		"etc/hostname": "sandbox\n",
+		"etc/hosts":    "127.0.0.1 localhost\n::1 localhost\n",
+	}
+	for name, content := range files {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func buildDebian(ctx context.Context, dir, mirror, suite string, pkgs []string, progress Progress) error {
+	if _, err := exec.LookPath("debootstrap"); err != nil {
+		return errdefs.Unavailable("debootstrap is not installed (apt-get install debootstrap)")
+	}
+	cmd := exec.CommandContext(ctx, "debootstrap", "--variant=minbase", "--include="+strings.Join(pkgs, ","), suite, dir, mirror)
+	cmd.Env = append(os.Environ(), "DEBIAN_FRONTEND=noninteractive")
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return err
+	}
+	cmd.Stderr = cmd.Stdout
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	var tail []string
+	sc := bufio.NewScanner(out)
+	for sc.Scan() {
+		line := sc.Text()
+		tail = append(tail, line)
+		if len(tail) > 20 {
+			tail = tail[1:]
+		}
+		progress.report("build", line, 0, 0)
+	}
+	if err := cmd.Wait(); err != nil {
+		return errdefs.Unavailable("debootstrap %s from %s: %v\n%s", suite, mirror, err, strings.Join(tail, "\n"))
+	}
+	// Leave a clean image: no package caches, no host identity.
+	for _, p := range []string{"var/cache/apt/archives", "var/lib/apt/lists", "var/log"} {
+		ents, _ := os.ReadDir(filepath.Join(dir, p))
+		for _, e := range ents {
+			if e.Name() != "partial" && e.Name() != "lock" {
+				os.RemoveAll(filepath.Join(dir, p, e.Name()))
+			}
+		}
+	}
+	os.WriteFile(filepath.Join(dir, "etc/resolv.conf"), nil, 0o644)
+	os.WriteFile(filepath.Join(dir, "etc/hostname"), []byte("sandbox\n"), 0o644)
+	os.WriteFile(filepath.Join(dir, "etc/apt/sources.list"), []byte(fmt.Sprintf("deb %s %s main\n", mirror, suite)), 0o644)
+	return nil
+}
+
+// hostAptSource returns the host's Debian/Ubuntu mirror and release.
+func hostAptSource() (mirror, suite string, err error) {
+	codename := osRelease("VERSION_CODENAME")
+	type src struct{ uri, suite string }
+	var srcs []src
+	if b, err := os.ReadFile("/etc/apt/sources.list"); err == nil {
+		for _, line := range strings.Split(string(b), "\n") {
+			f := strings.Fields(strings.TrimSpace(line))
+			if len(f) >= 3 && f[0] == "deb" {
+				i := 1
+				if strings.HasPrefix(f[1], "[") {
+					for i < len(f) && !strings.HasSuffix(f[i], "]") {
+						i++
+					}
+					i++
+				}
+				if i+1 < len(f) {
+					srcs = append(srcs, src{f[i], f[i+1]})
+				}
+			}
+		}
+	}
+	files, _ := filepath.Glob("/etc/apt/sources.list.d/*.sources")
+	for _, file := range files {
+		b, err := os.ReadFile(file)
+		if err != nil {
+			continue
+		}
+		for _, stanza := range strings.Split(string(b), "\n\n") {
+			fields := map[string]string{}
+			for _, line := range strings.Split(stanza, "\n") {
+				if k, v, ok := strings.Cut(line, ":"); ok && !strings.HasPrefix(line, "#") {
+					fields[strings.TrimSpace(k)] = strings.TrimSpace(v)
+				}
+			}
+			if !strings.Contains(" "+fields["Types"]+" ", " deb ") {
+				continue
+			}
+			for _, u := range strings.Fields(fields["URIs"]) {
+				for _, su := range strings.Fields(fields["Suites"]) {
+					srcs = append(srcs, src{u, su})
+				}
+			}
+		}
+	}
+	for _, s := range srcs {
+		if s.suite == codename && (strings.Contains(s.uri, "debian") || strings.Contains(s.uri, "ubuntu")) {
+			return s.uri, s.suite, nil
+		}
+	}
+	for _, s := range srcs {
+		if s.suite == codename {
+			return s.uri, s.suite, nil
+		}
+	}
+	return "", "", errdefs.Unavailable("no apt source for this host's release %q in /etc/apt", codename)
+}
+
+func osRelease(key string) string {
+	b, _ := os.ReadFile("/etc/os-release")
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, key+"="); ok {
+			return strings.Trim(v, `"`)
+		}
+	}
+	return ""
+}
+
+// tarDir writes dir as an uncompressed tar stream with owners, modes,
+// hard links, devices and file capabilities, in a stable order.
+func tarDir(dir string, w io.Writer) error {
+	tw := tar.NewWriter(w)
+	links := map[[2]uint64]string{}
+	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(dir, p)
+		if rel == "." {
+			return nil
+		}
+		info, err := d.Info()
+		if err != nil {
+			return err
+		}
+		if info.Mode()&fs.ModeSocket != 0 {
+			return nil
+		}
+		target := ""
+		if info.Mode()&fs.ModeSymlink != 0 {
+			target, _ = os.Readlink(p)
+		}
+		hdr, err := tar.FileInfoHeader(info, target)
+		if err != nil {
+			return err
+		}
+		hdr.Name = filepath.ToSlash(rel)
+		if info.IsDir() {
+			hdr.Name += "/"
+		}
+		hdr.Uname, hdr.Gname = "", ""
+		hdr.AccessTime, hdr.ChangeTime = time.Time{}, time.Time{}
+		hdr.Format = tar.FormatPAX
+		st := info.Sys().(*syscall.Stat_t)
+		if info.Mode().IsRegular() && st.Nlink > 1 {
+			key := [2]uint64{st.Dev, st.Ino}
+			if first, ok := links[key]; ok {
+				hdr.Typeflag = tar.TypeLink
+				hdr.Linkname = first
+				hdr.Size = 0
+			} else {
+				links[key] = hdr.Name
+			}
+		}
+		if info.Mode().IsRegular() {
+			if capab, err := getXattr(p, "security.capability"); err == nil && len(capab) > 0 {
+				hdr.PAXRecords = map[string]string{"SCHILY.xattr.security.capability": string(capab)}
+			}
+		}
+		if err := tw.WriteHeader(hdr); err != nil {
+			return err
+		}
+		if hdr.Typeflag == tar.TypeReg {
+			f, err := os.Open(p)
+			if err != nil {
+				return err
+			}
+			_, err = io.Copy(tw, f)
+			f.Close()
+			return err
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	return tw.Close()
+}
+
+func getXattr(p, name string) ([]byte, error) {
+	buf := make([]byte, 256)
+	n, err := unix.Lgetxattr(p, name, buf)
+	if err != nil {
+		return nil, err
+	}
+	return buf[:n], nil
+}

@@ -1,0 +1,256 @@
+package image
+
+import (
+	"archive/tar"
+	"context"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/google/go-containerregistry/pkg/authn"
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/layout"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
+
+	"github.com/opendsec/dsec/internal/errdefs"
+)
+
+var hostPlatform = v1.Platform{OS: "linux", Architecture: "amd64"}
+
+// Auth is registry credentials given with a pull; empty fields fall back
+// to the node's docker config.
+type Auth struct {
+	Username, Password, IdentityToken, RegistryToken string
+}
+
+// Pull imports an image from a registry. Without auth it uses the node's
+// docker config (~/.docker/config.json, DOCKER_CONFIG).
+func (s *Store) Pull(ctx context.Context, ref, as string, auth Auth, insecure bool, progress Progress) (*Image, error) {
+	var opts []name.Option
+	if insecure {
+		opts = append(opts, name.Insecure)
+	}
+	r, err := name.ParseReference(ref, opts...)
+	if err != nil {
+		return nil, errdefs.Invalid("bad image reference %q: %v", ref, err)
+	}
+	ropts := []remote.Option{remote.WithContext(ctx), remote.WithPlatform(hostPlatform)}
+	if auth != (Auth{}) {
+		ropts = append(ropts, remote.WithAuth(authn.FromConfig(authn.AuthConfig{
+			Username: auth.Username, Password: auth.Password, IdentityToken: auth.IdentityToken, RegistryToken: auth.RegistryToken,
+		})))
+	} else {
+		ropts = append(ropts, remote.WithAuthFromKeychain(authn.DefaultKeychain))
+	}
+	progress.report("resolve", r.String(), 0, 0)
+	img, err := remote.Image(r, ropts...)
+	if err != nil {
+		return nil, classifyRemote(ref, err)
+	}
+	if as == "" {
+		as = ref
+	}
+	return s.Import(ctx, as, "registry:"+r.String(), img, progress)
+}
+
+func classifyRemote(ref string, err error) error {
+	msg := err.Error()
+	switch {
+	case strings.Contains(msg, "MANIFEST_UNKNOWN"), strings.Contains(msg, "NAME_UNKNOWN"), strings.Contains(msg, "404"):
+		return errdefs.NotFound("image %s not found in its registry: %v", ref, err)
+	case strings.Contains(msg, "UNAUTHORIZED"), strings.Contains(msg, "401"), strings.Contains(msg, "DENIED"):
+		return errdefs.PermissionDenied("registry refused %s: %v", ref, err)
+	}
+	return errdefs.Unavailable("pull %s: %v", ref, err).WithCause(err)
+}
+
+// ImportPath imports a `docker save` archive, an OCI archive (a tar of an
+// OCI layout) or an OCI layout directory found at path on the node.
+func (s *Store) ImportPath(ctx context.Context, path, as string, progress Progress) (*Image, error) {
+	st, err := os.Stat(path)
+	if err != nil {
+		return nil, errdefs.NotFound("image source: %v", err)
+	}
+	if st.IsDir() {
+		img, err := imageFromLayout(path)
+		if err != nil {
+			return nil, err
+		}
+		return s.Import(ctx, as, "oci-layout:"+filepath.Base(path), img, progress)
+	}
+	kind, err := archiveKind(path)
+	if err != nil {
+		return nil, err
+	}
+	switch kind {
+	case "docker":
+		img, err := tarball.ImageFromPath(path, nil)
+		if err != nil {
+			return nil, errdefs.Invalid("read docker archive: %v", err)
+		}
+		return s.Import(ctx, as, "docker-archive", img, progress)
+	default:
+		dir, err := os.MkdirTemp(filepath.Join(s.dir, "tmp"), "oci-")
+		if err != nil {
+			return nil, err
+		}
+		defer os.RemoveAll(dir)
+		if err := extractPlain(path, dir); err != nil {
+			return nil, err
+		}
+		img, err := imageFromLayout(dir)
+		if err != nil {
+			return nil, err
+		}
+		return s.Import(ctx, as, "oci-archive", img, progress)
+	}
+}
+
+// ImportArchive imports an archive streamed by a client (see ImportPath for
+// the formats).
+func (s *Store) ImportArchive(ctx context.Context, r io.Reader, as string, progress Progress) (*Image, error) {
+	f, err := os.CreateTemp(filepath.Join(s.dir, "tmp"), "upload-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.Remove(f.Name())
+	defer f.Close()
+	if _, err := io.Copy(f, r); err != nil {
+		return nil, errdefs.Classify(err)
+	}
+	if err := f.Close(); err != nil {
+		return nil, err
+	}
+	return s.ImportPath(ctx, f.Name(), as, progress)
+}
+
+// archiveKind tells a docker archive ("docker": manifest.json at the top)
+// from an OCI archive ("oci": an oci-layout file).
+func archiveKind(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	tr := tar.NewReader(f)
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return "", errdefs.Invalid("image archive is not a tar file: %v", err)
+		}
+		switch strings.TrimPrefix(h.Name, "./") {
+		case "manifest.json":
+			return "docker", nil
+		case "oci-layout":
+			return "oci", nil
+		}
+	}
+	return "", errdefs.Invalid("image archive has neither manifest.json (docker save) nor oci-layout (OCI)")
+}
+
+// extractPlain extracts a trusted-shape archive of regular files and
+// directories (an OCI layout) into dir, refusing anything else.
+func extractPlain(path, dir string) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	tr := tar.NewReader(f)
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return errdefs.Invalid("read OCI archive: %v", err)
+		}
+		clean := filepath.Clean("/" + h.Name)
+		dst := filepath.Join(dir, clean)
+		switch h.Typeflag {
+		case tar.TypeDir:
+			if err := os.MkdirAll(dst, 0o700); err != nil {
+				return err
+			}
+		case tar.TypeReg, tar.TypeRegA:
+			if err := os.MkdirAll(filepath.Dir(dst), 0o700); err != nil {
+				return err
+			}
+			out, err := os.OpenFile(dst, os.O_CREATE|os.O_WRONLY|os.O_TRUNC|os.O_EXCL, 0o600)
+			if err != nil {
+				return errdefs.Invalid("OCI archive entry %q: %v", h.Name, err)
+			}
+			_, err = io.Copy(out, tr)
+			out.Close()
+			if err != nil {
+				return err
+			}
+		default:
+			return errdefs.Invalid("OCI archive entry %q has unsupported type %c", h.Name, h.Typeflag)
+		}
+	}
+}
+
+// imageFromLayout picks the linux/amd64 image of an OCI layout.
+func imageFromLayout(dir string) (v1.Image, error) {
+	p, err := layout.FromPath(dir)
+	if err != nil {
+		return nil, errdefs.Invalid("not an OCI layout: %v", err)
+	}
+	idx, err := p.ImageIndex()
+	if err != nil {
+		return nil, errdefs.Invalid("read OCI index: %v", err)
+	}
+	img, err := pickImage(idx, 0)
+	if err != nil {
+		return nil, err
+	}
+	return img, nil
+}
+
+func pickImage(idx v1.ImageIndex, depth int) (v1.Image, error) {
+	if depth > 4 {
+		return nil, errdefs.Invalid("OCI index nests too deep")
+	}
+	m, err := idx.IndexManifest()
+	if err != nil {
+		return nil, errdefs.Invalid("read OCI index: %v", err)
+	}
+	var fallback *v1.Descriptor
+	for i := range m.Manifests {
+		d := m.Manifests[i]
+		if d.MediaType.IsIndex() {
+			child, err := idx.ImageIndex(d.Digest)
+			if err != nil {
+				return nil, errdefs.Invalid("read nested index: %v", err)
+			}
+			if img, err := pickImage(child, depth+1); err == nil {
+				return img, nil
+			}
+			continue
+		}
+		if !d.MediaType.IsImage() {
+			continue
+		}
+		if d.Platform == nil || d.Platform.Satisfies(hostPlatform) {
+			return idx.Image(d.Digest)
+		}
+		if fallback == nil {
+			fallback = &d
+		}
+	}
+	if fallback != nil {
+		return nil, errdefs.Invalid("OCI layout has no linux/amd64 image (found %s)", fallback.Platform)
+	}
+	return nil, errdefs.Invalid("OCI layout holds no image")
+}
+
+
+
+

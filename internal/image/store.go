@@ -1,0 +1,465 @@
+// Package image is a node's image store: OCI images imported from a
+// registry, an OCI layout or a `docker save` archive, or bootstrapped
+// offline, kept as content-addressed unpacked layers that every sandbox of
+// an image shares read-only as overlayfs lower directories.
+//
+// Layout under the store's directory:
+//
+//	layers/<hex diff id>/   one unpacked layer (overlayfs whiteouts)
+//	l/<short>               a short symlink to a layer, for mount options
+//	refs/<hex of name>.json one image record
+//	tmp/                    work in progress; cleared on open
+package image
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+
+	"github.com/opendsec/dsec/internal/errdefs"
+)
+
+// Image is one stored image.
+type Image struct {
+	Name    string    `json:"name"`
+	Digest  string    `json:"digest"`
+	Layers  []string  `json:"layers"` // diff IDs, bottom first
+	Size    int64     `json:"size"`
+	Created time.Time `json:"created"`
+	Source  string    `json:"source"`
+	Config  Config    `json:"config"`
+}
+
+// Config is the part of an OCI image config a sandbox uses.
+type Config struct {
+	Env        []string `json:"env,omitempty"`
+	Workdir    string   `json:"workdir,omitempty"`
+	User       string   `json:"user,omitempty"`
+	Entrypoint []string `json:"entrypoint,omitempty"`
+	Cmd        []string `json:"cmd,omitempty"`
+}
+
+// Progress receives import progress. It may be nil.
+type Progress func(phase, msg string, done, total int64)
+
+func (p Progress) report(phase, msg string, done, total int64) {
+	if p != nil {
+		p(phase, msg, done, total)
+	}
+}
+
+// Store is a node's image store. It is safe for concurrent use.
+type Store struct {
+	dir string
+	log *slog.Logger
+
+	// inUse reports layers held by live sandboxes; GC keeps them.
+	inUse func() map[string]bool
+
+	unpackMu sync.Mutex
+	unpacking map[string]*sync.WaitGroup
+
+	mu     sync.Mutex
+	images map[string]*Image
+}
+
+// Open opens (creating if needed) the store in dir.
+func Open(dir string, log *slog.Logger) (*Store, error) {
+	for _, d := range []string{"layers", "l", "refs", "tmp"} {
+		if err := os.MkdirAll(filepath.Join(dir, d), 0o700); err != nil {
+			return nil, fmt.Errorf("create image store: %w", err)
+		}
+	}
+	os.RemoveAll(filepath.Join(dir, "tmp"))
+	os.MkdirAll(filepath.Join(dir, "tmp"), 0o700)
+	s := &Store{dir: dir, log: log, images: map[string]*Image{}, unpacking: map[string]*sync.WaitGroup{}}
+	ents, err := os.ReadDir(filepath.Join(dir, "refs"))
+	if err != nil {
+		return nil, err
+	}
+	for _, e := range ents {
+		b, err := os.ReadFile(filepath.Join(dir, "refs", e.Name()))
+		if err != nil {
+			continue
+		}
+		var img Image
+		if err := json.Unmarshal(b, &img); err != nil {
+			log.Warn("skipping unreadable image record", slog.String("file", e.Name()), slog.Any("error", err))
+			continue
+		}
+		s.images[img.Name] = &img
+	}
+	return s, nil
+}
+
+// SetInUse installs the function GC asks for layers held by sandboxes.
+func (s *Store) SetInUse(f func() map[string]bool) { s.inUse = f }
+
+// Dir is the store's directory.
+func (s *Store) Dir() string { return s.dir }
+
+// normalize maps "name:latest" and "name" to one key.
+func normalize(name string) string {
+	return strings.TrimSuffix(name, ":latest")
+}
+
+// ValidName reports whether name can name an image.
+func ValidName(name string) error {
+	if name == "" || len(name) > 255 {
+		return errdefs.Invalid("image name must be 1 to 255 characters")
+	}
+	for _, r := range name {
+		if r < 0x21 || r > 0x7e {
+			return errdefs.Invalid("image name %q has a character outside printable ASCII", name)
+		}
+	}
+	return nil
+}
+
+// Get returns the image named name.
+func (s *Store) Get(name string) (*Image, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if img, ok := s.images[normalize(name)]; ok {
+		return img, nil
+	}
+	return nil, errdefs.NotFound("image %q not found (see `dsec image ls`)", name)
+}
+
+// List returns all images sorted by name.
+func (s *Store) List() []*Image {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*Image, 0, len(s.images))
+	for _, img := range s.images {
+		out = append(out, img)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out
+}
+
+// LayerDir is the unpacked directory of a layer.
+func (s *Store) LayerDir(diffID string) string {
+	return filepath.Join(s.dir, "layers", strings.TrimPrefix(diffID, "sha256:"))
+}
+
+// ShortLayerPath is a short path to a layer, for overlay mount options whose
+// length the kernel limits to one page.
+func (s *Store) ShortLayerPath(diffID string) string {
+	return filepath.Join(s.dir, "l", shortID(diffID))
+}
+
+func shortID(diffID string) string {
+	h := strings.TrimPrefix(diffID, "sha256:")
+	if len(h) > 12 {
+		h = h[:12]
+	}
+	return h
+}
+
+// LowerDirs returns an image's layer paths for overlayfs, top layer first.
+func (s *Store) LowerDirs(img *Image) []string {
+	out := make([]string, 0, len(img.Layers))
+	for i := len(img.Layers) - 1; i >= 0; i-- {
+		out = append(out, s.ShortLayerPath(img.Layers[i]))
+	}
+	return out
+}
+
+// Import stores img under name, unpacking the layers the store lacks.
+func (s *Store) Import(ctx context.Context, name, source string, img v1.Image, progress Progress) (*Image, error) {
+	if err := ValidName(name); err != nil {
+		return nil, err
+	}
+	cfg, err := img.ConfigFile()
+	if err != nil {
+		return nil, errdefs.Invalid("read image config: %v", err)
+	}
+	digest, err := img.Digest()
+	if err != nil {
+		return nil, errdefs.Invalid("image digest: %v", err)
+	}
+	layers, err := img.Layers()
+	if err != nil {
+		return nil, errdefs.Invalid("read image layers: %v", err)
+	}
+	var total int64
+	for _, l := range layers {
+		if sz, err := l.Size(); err == nil {
+			total += sz
+		}
+	}
+	rec := &Image{Name: normalize(name), Digest: digest.String(), Created: time.Now().UTC(), Source: source}
+	var done int64
+	for i, l := range layers {
+		if err := ctx.Err(); err != nil {
+			return nil, errdefs.Classify(err)
+		}
+		diff, err := l.DiffID()
+		if err != nil {
+			return nil, errdefs.Invalid("layer %d diff id: %v", i, err)
+		}
+		sz, _ := l.Size()
+		msg := fmt.Sprintf("layer %d/%d %s", i+1, len(layers), shortID(diff.String()))
+		n, err := s.ensureLayer(diff.String(), func() (io.ReadCloser, error) { return l.Uncompressed() }, func(d int64) {
+			progress.report("unpack", msg, done+min(d, sz), total)
+		})
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", msg, err)
+		}
+		done += sz
+		rec.Size += n
+		rec.Layers = append(rec.Layers, diff.String())
+		progress.report("unpack", msg, done, total)
+	}
+	c := cfg.Config
+	rec.Config = Config{Env: c.Env, Workdir: c.WorkingDir, User: c.User, Entrypoint: c.Entrypoint, Cmd: c.Cmd}
+	if err := s.put(rec); err != nil {
+		return nil, err
+	}
+	progress.report("done", rec.Name, total, total)
+	return rec, nil
+}
+
+// AddLayer stores a layer from an uncompressed tar stream (snapshots use
+// it) and returns its diff ID.
+func (s *Store) AddLayer(r io.Reader) (string, int64, error) {
+	tmp, err := os.MkdirTemp(filepath.Join(s.dir, "tmp"), "layer-")
+	if err != nil {
+		return "", 0, err
+	}
+	defer os.RemoveAll(tmp)
+	diff, size, err := unpackLayer(r, tmp)
+	if err != nil {
+		return "", 0, err
+	}
+	if err := s.commitLayer(diff, tmp); err != nil {
+		return "", 0, err
+	}
+	return diff, size, nil
+}
+
+// ensureLayer unpacks a layer unless the store has it. Concurrent imports
+// of one layer unpack it once.
+func (s *Store) ensureLayer(diffID string, open func() (io.ReadCloser, error), progress func(int64)) (int64, error) {
+	for {
+		if sz, ok := s.haveLayer(diffID); ok {
+			return sz, nil
+		}
+		s.unpackMu.Lock()
+		if wg, busy := s.unpacking[diffID]; busy {
+			s.unpackMu.Unlock()
+			wg.Wait()
+			continue
+		}
+		wg := new(sync.WaitGroup)
+		wg.Add(1)
+		s.unpacking[diffID] = wg
+		s.unpackMu.Unlock()
+		n, err := s.unpack(diffID, open, progress)
+		s.unpackMu.Lock()
+		delete(s.unpacking, diffID)
+		s.unpackMu.Unlock()
+		wg.Done()
+		return n, err
+	}
+}
+
+func (s *Store) haveLayer(diffID string) (int64, bool) {
+	b, err := os.ReadFile(s.LayerDir(diffID) + ".size")
+	if err != nil {
+		return 0, false
+	}
+	var n int64
+	fmt.Sscan(string(b), &n)
+	return n, true
+}
+
+func (s *Store) unpack(diffID string, open func() (io.ReadCloser, error), progress func(int64)) (int64, error) {
+	rc, err := open()
+	if err != nil {
+		return 0, errdefs.Unavailable("open layer: %v", err).WithCause(err)
+	}
+	defer rc.Close()
+	tmp, err := os.MkdirTemp(filepath.Join(s.dir, "tmp"), "layer-")
+	if err != nil {
+		return 0, err
+	}
+	defer os.RemoveAll(tmp)
+	got, size, err := unpackLayer(&countingReader{r: rc, report: progress}, tmp)
+	if err != nil {
+		return 0, errdefs.Invalid("unpack layer: %v", err)
+	}
+	if got != diffID {
+		return 0, errdefs.Invalid("%v: got %s, want %s", errLayerDigest, got, diffID)
+	}
+	if err := s.commitLayer(diffID, tmp); err != nil {
+		return 0, err
+	}
+	return size, nil
+}
+
+// commitLayer moves an unpacked layer into place with its short link and
+// size marker; the marker is written last and means "complete".
+func (s *Store) commitLayer(diffID, tmp string) error {
+	dst := s.LayerDir(diffID)
+	if _, ok := s.haveLayer(diffID); ok {
+		return nil
+	}
+	os.RemoveAll(dst)
+	if err := os.Rename(tmp, dst); err != nil {
+		return fmt.Errorf("store layer: %w", err)
+	}
+	if err := os.Chmod(dst, 0o755); err != nil {
+		return err
+	}
+	link := s.ShortLayerPath(diffID)
+	os.Remove(link)
+	if err := os.Symlink(filepath.Join("..", "layers", strings.TrimPrefix(diffID, "sha256:")), link); err != nil {
+		return fmt.Errorf("link layer: %w", err)
+	}
+	size, _ := dirSize(dst)
+	return writeFileAtomic(dst+".size", []byte(fmt.Sprint(size)))
+}
+
+func (s *Store) put(img *Image) error {
+	b, err := json.MarshalIndent(img, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := writeFileAtomic(s.refPath(img.Name), b); err != nil {
+		return fmt.Errorf("write image record: %w", err)
+	}
+	s.mu.Lock()
+	s.images[img.Name] = img
+	s.mu.Unlock()
+	return nil
+}
+
+// Put stores a record whose layers are already in the store (snapshots).
+func (s *Store) Put(img *Image) error {
+	if err := ValidName(img.Name); err != nil {
+		return err
+	}
+	for _, l := range img.Layers {
+		if _, ok := s.haveLayer(l); !ok {
+			return errdefs.NotFound("layer %s is not in the store", shortID(l))
+		}
+	}
+	img.Name = normalize(img.Name)
+	return s.put(img)
+}
+
+func (s *Store) refPath(name string) string {
+	h := sha256.Sum256([]byte(name))
+	return filepath.Join(s.dir, "refs", hex.EncodeToString(h[:16])+".json")
+}
+
+// Delete removes an image and frees layers nothing else uses.
+func (s *Store) Delete(name string) error {
+	s.mu.Lock()
+	img, ok := s.images[normalize(name)]
+	if ok {
+		delete(s.images, img.Name)
+	}
+	s.mu.Unlock()
+	if !ok {
+		return errdefs.NotFound("image %q not found", name)
+	}
+	if err := os.Remove(s.refPath(img.Name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	s.GC()
+	return nil
+}
+
+// GC removes layers that no image references and no sandbox uses.
+func (s *Store) GC() {
+	keep := map[string]bool{}
+	if s.inUse != nil {
+		for l := range s.inUse() {
+			keep[strings.TrimPrefix(l, "sha256:")] = true
+		}
+	}
+	s.mu.Lock()
+	for _, img := range s.images {
+		for _, l := range img.Layers {
+			keep[strings.TrimPrefix(l, "sha256:")] = true
+		}
+	}
+	s.mu.Unlock()
+	ents, _ := os.ReadDir(filepath.Join(s.dir, "layers"))
+	for _, e := range ents {
+		id := strings.TrimSuffix(e.Name(), ".size")
+		if keep[id] {
+			continue
+		}
+		if s.isUnpacking("sha256:" + id) {
+			continue
+		}
+		os.Remove(filepath.Join(s.dir, "layers", id+".size"))
+		os.RemoveAll(filepath.Join(s.dir, "layers", id))
+		os.Remove(s.ShortLayerPath(id))
+	}
+}
+
+func (s *Store) isUnpacking(diffID string) bool {
+	s.unpackMu.Lock()
+	defer s.unpackMu.Unlock()
+	_, ok := s.unpacking[diffID]
+	return ok
+}
+
+type countingReader struct {
+	r      io.Reader
+	n      int64
+	report func(int64)
+	last   time.Time
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	if c.report != nil && time.Since(c.last) > 200*time.Millisecond {
+		c.last = time.Now()
+		c.report(c.n)
+	}
+	return n, err
+}
+
+func writeFileAtomic(path string, b []byte) error {
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
+}
+
+func dirSize(dir string) (int64, error) {
+	var n int64
+	err := filepath.WalkDir(dir, func(_ string, d os.DirEntry, err error) error {
+		if err != nil {
+			return nil
+		}
+		if d.Type().IsRegular() {
+			if info, err := d.Info(); err == nil {
+				n += info.Size()
+			}
+		}
+		return nil
+	})
+	return n, err
+}
