@@ -359,16 +359,19 @@ func applyRlimits(pid int, x *guestv1.Exec) {
 	set(unix.RLIMIT_AS, x.RlimitAsBytes)
 }
 
+// withLoginEnv builds a process's environment: the agent's own (the
+// sandbox's environment, set by the node at start), overridden by the call's
+// entries, plus PATH, HOME and USER when still missing.
 func withLoginEnv(env []string, id identity) []string {
+	out := mergeEnv(os.Environ(), env)
 	has := func(k string) bool {
-		for _, e := range env {
+		for _, e := range out {
 			if strings.HasPrefix(e, k+"=") {
 				return true
 			}
 		}
 		return false
 	}
-	out := append([]string(nil), env...)
 	if !has("PATH") {
 		out = append(out, "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
 	}
@@ -377,6 +380,24 @@ func withLoginEnv(env []string, id identity) []string {
 	}
 	if !has("USER") && id.name != "" {
 		out = append(out, "USER="+id.name)
+	}
+	return out
+}
+
+// mergeEnv returns base with the entries of over replacing same-named ones.
+func mergeEnv(base, over []string) []string {
+	idx := map[string]int{}
+	out := make([]string, 0, len(base)+len(over))
+	for _, list := range [][]string{base, over} {
+		for _, e := range list {
+			k, _, _ := strings.Cut(e, "=")
+			if i, ok := idx[k]; ok {
+				out[i] = e
+				continue
+			}
+			idx[k] = len(out)
+			out = append(out, e)
+		}
 	}
 	return out
 }

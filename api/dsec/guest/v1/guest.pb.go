@@ -713,7 +713,8 @@ func (x *HelloReply) GetBootUnixMs() int64 {
 type Exec struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Argv  []string               `protobuf:"bytes,1,rep,name=argv,proto3" json:"argv,omitempty"`
-	// env replaces the environment (the node merges image, sandbox and call env).
+	// env is added to the sandbox's environment (the agent's own), replacing
+	// entries with the same name.
 	Env  []string `protobuf:"bytes,2,rep,name=env,proto3" json:"env,omitempty"`
 	Cwd  string   `protobuf:"bytes,3,opt,name=cwd,proto3" json:"cwd,omitempty"`
 	User string   `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`

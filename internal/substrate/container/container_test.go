@@ -1,0 +1,230 @@
+package container
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/substrate/substratetest"
+)
+
+var (
+	guestBin string
+	layers   []string
+	setupErr string
+)
+
+func TestMain(m *testing.M) {
+	if os.Geteuid() == 0 {
+		if err := mountns.Enter(); err != nil {
+			fmt.Fprintln(os.Stderr, "mount namespace:", err)
+			os.Exit(1)
+		}
+	}
+	dir, _ := os.MkdirTemp("", "dsec-container-test")
+	code := func() int {
+		defer os.RemoveAll(dir)
+		if os.Geteuid() != 0 {
+			setupErr = "needs root"
+			return m.Run()
+		}
+		guestBin = filepath.Join(dir, "dsec-guest")
+		build := exec.Command("go", "build", "-o", guestBin, "github.com/opendsec/dsec/cmd/dsec-guest")
+		build.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := build.CombinedOutput(); err != nil {
+			fmt.Fprintf(os.Stderr, "build dsec-guest: %v\n%s", err, out)
+			return 1
+		}
+		store, err := image.Open(filepath.Join(dir, "images"), slog.Default())
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		img, err := store.Bootstrap(context.Background(), "busybox", "", image.BootstrapOptions{}, nil)
+		if err != nil {
+			setupErr = "needs Debian's busybox-static: " + err.Error()
+			return m.Run()
+		}
+		layers = store.LowerDirs(img)
+		return m.Run()
+	}()
+	os.Exit(code)
+}
+
+func newDriver(t *testing.T, state string) *Driver {
+	t.Helper()
+	if setupErr != "" {
+		t.Skip(setupErr)
+	}
+	d, err := New(Config{GuestBinary: guestBin, StateDir: state}, slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+func TestConformance(t *testing.T) {
+	state := t.TempDir()
+	d := newDriver(t, state)
+	n := 0
+	substratetest.Run(t, substratetest.Harness{
+		Driver: d,
+		NewSpec: func(t *testing.T) *substrate.Spec {
+			n++
+			return &substrate.Spec{
+				ID:       fmt.Sprintf("ct%d-%d", os.Getpid(), n),
+				Dir:      t.TempDir(),
+				Layers:   layers,
+				Hostname: "sandbox",
+				CPU:      1, MemoryMB: 256, Pids: 256,
+				Network: substrate.Network{Mode: "none"},
+			}
+		},
+		Restart: func(t *testing.T) substrate.Driver { return newDriver(t, state) },
+		Leaks:   func(t *testing.T, s *substrate.Spec) []string { return leaks(d, s) },
+		Kill: func(t *testing.T, inst substrate.Instance) {
+			syscall.Kill(inst.(*instance).st.Pid, syscall.SIGKILL)
+		},
+	})
+}
+
+// leaks lists what a destroyed sandbox left: mounts, cgroups, runtime state,
+// its agent socket.
+func leaks(d *Driver, s *substrate.Spec) []string {
+	var out []string
+	mi, _ := os.ReadFile("/proc/self/mountinfo")
+	if bytes.Contains(mi, []byte(s.Dir)) {
+		out = append(out, "mount under "+s.Dir)
+	}
+	for _, ctrl := range []string{"pids", "memory", "cpu", ""} {
+		p := d.cgroups.dir(d.cgroupPath(s.ID), ctrl)
+		if ctrl == "" && d.cgroups.mode != cgroupV2 {
+			continue
+		}
+		if _, err := os.Stat(p); err == nil {
+			out = append(out, "cgroup "+p)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(d.runRoot, s.ID)); err == nil {
+		out = append(out, "runtime state")
+	}
+	if _, err := os.Stat(d.sockPath(s.ID)); err == nil {
+		out = append(out, "agent socket")
+	}
+	return out
+}
+
+func TestGuestChannelIsNotReachableFromInside(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	spec := &substrate.Spec{ID: fmt.Sprintf("chan%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
+	inst, err := d.Create(context.Background(), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(context.Background())
+	checks := []struct {
+		name string
+		cmd  string
+	}{
+		{"no unix socket of the agent is visible", "cat /proc/net/unix | grep -v Path | grep -q ."},
+		{"the agent's fds cannot be followed", "readlink /proc/1/fd/3 || cat /proc/1/fd/3"},
+		{"the agent's memory cannot be read", "head -c1 /proc/1/mem"},
+		{"the agent's environment cannot be read", "cat /proc/1/environ"},
+		{"the agent cannot be killed from inside", "kill -9 1; kill -TERM 1; sleep 0.2; kill -0 1 && exit 1"},
+		{"the agent binary is read-only", "echo x > /.dsec/guest"},
+	}
+	for _, c := range checks {
+		t.Run(c.name, func(t *testing.T) {
+			x, err := inst.Guest().Run(context.Background(), (&runExec{c.cmd}).exec())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if x.ExitCode == 0 {
+				t.Fatalf("%q succeeded inside the sandbox: %s", c.cmd, x.Stdout)
+			}
+		})
+	}
+	if err := inst.Check(context.Background()); err != nil {
+		t.Fatalf("sandbox died: %v", err)
+	}
+}
+
+func TestHundredCreateDeleteCyclesLeaveNothing(t *testing.T) {
+	if testing.Short() {
+		t.Skip("slow")
+	}
+	d := newDriver(t, t.TempDir())
+	before := snapshotHost()
+	for i := 0; i < 100; i++ {
+		spec := &substrate.Spec{ID: fmt.Sprintf("cyc%d-%d", os.Getpid(), i), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 128, Pids: 64, CPU: 1}
+		inst, err := d.Create(context.Background(), spec)
+		if err != nil {
+			t.Fatalf("cycle %d: %v", i, err)
+		}
+		if _, err := inst.Guest().Run(context.Background(), (&runExec{"sleep 100 & true"}).exec()); err != nil {
+			t.Fatalf("cycle %d exec: %v", i, err)
+		}
+		if err := inst.Destroy(context.Background()); err != nil {
+			t.Fatalf("cycle %d destroy: %v", i, err)
+		}
+		if left := leaks(d, spec); len(left) > 0 {
+			t.Fatalf("cycle %d left %v", i, left)
+		}
+	}
+	after := snapshotHost()
+	if after.mounts > before.mounts {
+		t.Fatalf("after 100 cycles: mounts %d→%d", before.mounts, after.mounts)
+	}
+	for name, n := range after.procs {
+		if n > before.procs[name] {
+			out, _ := exec.Command("ps", "-eo", "pid,ppid,stat,etime,comm").Output()
+			t.Errorf("after 100 cycles: %d more %q processes\n%s", n-before.procs[name], name, out)
+		}
+	}
+}
+
+type hostCounts struct {
+	mounts int
+	procs  map[string]int // by command name, for the sandbox side: agents, runtimes, sleeps
+}
+
+func snapshotHost() hostCounts {
+	mi, _ := os.ReadFile("/proc/self/mountinfo")
+	ents, _ := os.ReadDir("/proc")
+	procs := map[string]int{}
+	for _, e := range ents {
+		if e.Name()[0] < '0' || e.Name()[0] > '9' {
+			continue
+		}
+		comm, err := os.ReadFile("/proc/" + e.Name() + "/comm")
+		if err != nil {
+			continue
+		}
+		if pid, _ := strconv.Atoi(e.Name()); isZombie(pid) {
+			continue // exited; waiting for the host's init to reap it
+		}
+		switch name := strings.TrimSpace(string(comm)); name {
+		case "guest", "sleep", "crun", "runc", "sh":
+			procs[name]++
+		}
+	}
+	return hostCounts{mounts: strings.Count(string(mi), "\n"), procs: procs}
+}
+
+type runExec struct{ cmd string }
+
+func (r *runExec) exec() *guestv1.Exec {
+	return &guestv1.Exec{Argv: []string{"sh", "-c", r.cmd}, TimeoutMs: 10000}
+}

@@ -1,0 +1,416 @@
+// Package container is the container substrate: sandboxes run by an OCI
+// runtime (crun, or runc as fallback) from runtime specs generated with the
+// runtime-spec types. The root filesystem is an overlay of the image's
+// shared read-only layers under a per-sandbox writable upper directory; the
+// sandbox's init is dsec-guest, reached over a listening socket it inherits.
+package container
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/undo"
+)
+
+// Config configures the driver. The zero value works given GuestBinary and
+// StateDir.
+type Config struct {
+	// Runtime is "crun", "runc" or a path (default: crun if usable here,
+	// else runc).
+	Runtime string
+	// RunDir holds runtime state and the agents' sockets; it must be short
+	// (socket paths are limited to 108 bytes). Default /run/dsec/<hash of
+	// StateDir>.
+	RunDir string
+	// CgroupParent is the cgroup under which sandboxes are created
+	// (default "/dsec").
+	CgroupParent string
+	// GuestBinary is the static dsec-guest binary bind-mounted into every
+	// sandbox (required).
+	GuestBinary string
+	// StateDir is where the driver keeps files it shares across sandboxes
+	// (required).
+	StateDir string
+	// StartTimeout bounds how long Create waits for the agent (default 30s).
+	StartTimeout time.Duration
+}
+
+// Driver is the container driver.
+type Driver struct {
+	log      *slog.Logger
+	cfg      Config
+	runtime  string // absolute path
+	rtName   string // "crun" or "runc"
+	rtVer    string
+	runRoot  string // --root for the runtime
+	sockDir  string
+	skel     string // the top lower layer with mountpoints
+	guestBin string
+	cgroups  cgroups
+	caps     substrate.Capabilities
+	// nofile is the open-file limit sandboxes get: 2^20, or the node's own
+	// hard limit when it may not raise it.
+	nofile uint64
+	// sysResource is whether the node holds CAP_SYS_RESOURCE (needed to
+	// lower the agent's OOM score).
+	sysResource bool
+}
+
+var _ substrate.Driver = (*Driver)(nil)
+
+// New probes the host and returns a driver. If containers cannot run here
+// the driver still returns, reporting why in its capabilities; Create then
+// fails with an Unavailable error.
+func New(cfg Config, log *slog.Logger) (*Driver, error) {
+	if cfg.GuestBinary == "" || cfg.StateDir == "" {
+		return nil, errors.New("container driver needs GuestBinary and StateDir")
+	}
+	if cfg.CgroupParent == "" {
+		cfg.CgroupParent = "/dsec"
+	}
+	if cfg.StartTimeout == 0 {
+		cfg.StartTimeout = 30 * time.Second
+	}
+	if cfg.RunDir == "" {
+		abs, _ := filepath.Abs(cfg.StateDir)
+		cfg.RunDir = filepath.Join("/run/dsec", shortHash(abs))
+	}
+	d := &Driver{log: log, cfg: cfg, guestBin: cfg.GuestBinary, cgroups: probeCgroups()}
+	d.runRoot = filepath.Join(cfg.RunDir, "runtime")
+	d.sockDir = filepath.Join(cfg.RunDir, "sock")
+	d.skel = filepath.Join(cfg.StateDir, "skel")
+	d.caps = substrate.Capabilities{
+		Kind: substrate.KindContainer,
+		Caps: []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapNetworkEgress},
+		Details: map[string]string{
+			"cgroup": d.cgroups.mode.String(),
+		},
+	}
+	if reason := d.probe(); reason != "" {
+		d.caps.Reason = reason
+		log.Warn("container substrate unavailable", slog.String("reason", reason))
+		return d, nil
+	}
+	d.caps.Available = true
+	d.caps.Details["runtime"] = d.rtName + " " + d.rtVer
+	log.Info("container substrate ready", slog.String("runtime", d.rtName+" "+d.rtVer), slog.String("cgroup", d.cgroups.mode.String()))
+	return d, nil
+}
+
+// probe finds a usable runtime and prepares shared state; it returns why
+// containers cannot run, or "".
+func (d *Driver) probe() string {
+	if os.Geteuid() != 0 {
+		return "the container substrate needs root"
+	}
+	d.sysResource = hasCapability(unix.CAP_SYS_RESOURCE)
+	var rl unix.Rlimit
+	d.nofile = 1 << 20
+	if unix.Getrlimit(unix.RLIMIT_NOFILE, &rl) == nil && !d.sysResource && rl.Max < d.nofile {
+		d.nofile = rl.Max
+	}
+	if !d.sysResource {
+		d.log.Warn("node lacks CAP_SYS_RESOURCE: sandbox agents are not shielded from the OOM killer")
+		d.caps.Details["oom_shield"] = "off (no CAP_SYS_RESOURCE)"
+	}
+	if b, err := os.ReadFile("/proc/filesystems"); err != nil || !bytes.Contains(b, []byte("overlay")) {
+		return "the kernel has no overlayfs"
+	}
+	if st, err := os.Stat(d.guestBin); err != nil || !st.Mode().IsRegular() {
+		return fmt.Sprintf("dsec-guest binary not found at %s", d.guestBin)
+	}
+	_, unifiedVisible := mountns.HybridCgroups()
+	candidates := []string{"crun", "runc"}
+	if d.cfg.Runtime != "" {
+		candidates = []string{d.cfg.Runtime}
+	}
+	var skipped []string
+	for _, c := range candidates {
+		p, err := exec.LookPath(c)
+		if err != nil {
+			skipped = append(skipped, c+" not installed")
+			continue
+		}
+		name := filepath.Base(p)
+		if strings.Contains(name, "crun") && unifiedVisible {
+			skipped = append(skipped, "crun refuses hybrid cgroups unless the node runs in its own mount namespace")
+			continue
+		}
+		out, err := exec.Command(p, "--version").Output()
+		if err != nil {
+			skipped = append(skipped, c+" does not run")
+			continue
+		}
+		d.runtime, d.rtName = p, "runc"
+		if strings.Contains(name, "crun") {
+			d.rtName = "crun"
+		}
+		if f := strings.Fields(string(out)); len(f) >= 3 {
+			d.rtVer = f[2]
+		}
+		break
+	}
+	if d.runtime == "" {
+		return "no usable OCI runtime: " + strings.Join(skipped, "; ") + " (apt-get install crun)"
+	}
+	for _, dir := range []string{d.runRoot, d.sockDir} {
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			return fmt.Sprintf("create %s: %v", dir, err)
+		}
+	}
+	if err := writeSkeleton(d.skel); err != nil {
+		return fmt.Sprintf("create skeleton layer: %v", err)
+	}
+	return ""
+}
+
+// writeSkeleton makes the top read-only layer that holds the mountpoints
+// the runtime needs, so it never writes them into a sandbox's upper layer
+// (and so into its snapshots).
+func writeSkeleton(dir string) error {
+	for _, d := range []string{"proc", "sys", "dev", ".dsec", "etc"} {
+		if err := os.MkdirAll(filepath.Join(dir, d), 0o755); err != nil {
+			return err
+		}
+	}
+	for _, f := range []string{guestPath, "/etc/hosts", "/etc/hostname", "/etc/resolv.conf"} {
+		p := filepath.Join(dir, f)
+		if _, err := os.Stat(p); err == nil {
+			continue
+		}
+		if err := os.WriteFile(p, nil, 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Capabilities implements substrate.Driver.
+func (d *Driver) Capabilities() substrate.Capabilities { return d.caps }
+
+func (d *Driver) cgroupPath(id string) string { return filepath.Join(d.cfg.CgroupParent, id) }
+
+func (d *Driver) sockPath(id string) string { return filepath.Join(d.sockDir, id) }
+
+// runtimeCmd runs the OCI runtime with its state root.
+func (d *Driver) runtimeCmd(ctx context.Context, args ...string) *exec.Cmd {
+	return exec.CommandContext(ctx, d.runtime, append([]string{"--root", d.runRoot}, args...)...)
+}
+
+// runRuntime runs the runtime and turns a failure into an error carrying
+// its stderr.
+func (d *Driver) runRuntime(ctx context.Context, args ...string) error {
+	cmd := d.runtimeCmd(ctx, args...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("%s %s: %w: %s", d.rtName, args[0], err, strings.TrimSpace(stderr.String()))
+	}
+	return nil
+}
+
+// state is what an instance persists.
+type state struct {
+	Pid       int    `json:"pid"`
+	StartTime uint64 `json:"start_time"`
+	Runtime   string `json:"runtime"`
+	RunRoot   string `json:"run_root"`
+	Cgroup    string `json:"cgroup"`
+	Socket    string `json:"socket"`
+	Rootfs    string `json:"rootfs"`
+}
+
+// Create implements substrate.Driver.
+func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Instance, err error) {
+	if !d.caps.Available {
+		return nil, errdefs.Unavailable("containers cannot run on this node: %s", d.caps.Reason)
+	}
+	var undo undo.Stack
+	defer undo.RunUnless(&err)
+	rootfs := filepath.Join(s.Dir, "rootfs")
+	for _, sub := range []string{"upper", "work", "rootfs"} {
+		if err := os.MkdirAll(filepath.Join(s.Dir, sub), 0o755); err != nil {
+			return nil, errdefs.Internal(err, "prepare sandbox directory")
+		}
+	}
+	if err := mountOverlay(append([]string{d.skel}, s.Layers...), filepath.Join(s.Dir, "upper"), filepath.Join(s.Dir, "work"), rootfs); err != nil {
+		return nil, err
+	}
+	undo.Push(func() { unmount(rootfs) })
+	if err := writeEtc(s.Dir, s); err != nil {
+		return nil, errdefs.Internal(err, "write sandbox /etc files")
+	}
+	spec, err := d.ociSpec(s, rootfs, s.Dir)
+	if err != nil {
+		return nil, errdefs.Internal(err, "build runtime spec")
+	}
+	b, err := json.Marshal(spec)
+	if err != nil {
+		return nil, errdefs.Internal(err, "encode runtime spec")
+	}
+	if err := os.WriteFile(filepath.Join(s.Dir, "config.json"), b, 0o600); err != nil {
+		return nil, errdefs.Internal(err, "write runtime spec")
+	}
+	sock := d.sockPath(s.ID)
+	lf, err := listenSocket(sock)
+	if err != nil {
+		return nil, errdefs.Internal(err, "create agent socket")
+	}
+	undo.Push(func() { os.Remove(sock) })
+	pidFile := filepath.Join(s.Dir, "pid")
+	cmd := d.runtimeCmd(ctx, "run", "--detach", "--pid-file", pidFile, "--bundle", s.Dir, "--preserve-fds", "1", s.ID)
+	cmd.ExtraFiles = []*os.File{lf}
+	// With --detach the container inherits the runtime's stdio: give both a
+	// file (a pipe would keep Run waiting for the agent to exit). The file
+	// is on the host, outside the sandbox's view.
+	logPath := filepath.Join(s.Dir, "init.log")
+	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		lf.Close()
+		return nil, errdefs.Internal(err, "create sandbox log")
+	}
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	runErr := cmd.Run()
+	logFile.Close()
+	lf.Close() // the agent holds the only copy now
+	undo.Push(func() { d.forceDelete(s.ID) })
+	if runErr != nil {
+		msg, _ := os.ReadFile(logPath)
+		return nil, errdefs.Unavailable("start container: %s", runtimeMessage(string(msg))).WithCause(runErr)
+	}
+	pid, err := readPidFile(pidFile)
+	if err != nil {
+		return nil, errdefs.Internal(err, "read container pid")
+	}
+	st := state{Pid: pid, StartTime: procStartTime(pid), Runtime: d.runtime, RunRoot: d.runRoot, Cgroup: d.cgroupPath(s.ID), Socket: sock, Rootfs: rootfs}
+	inst := d.newInstance(s.ID, st)
+	hctx, cancel := context.WithTimeout(ctx, d.cfg.StartTimeout)
+	defer cancel()
+	if _, err := inst.client.Hello(hctx); err != nil {
+		if inst.Check(context.WithoutCancel(ctx)) != nil {
+			return nil, errdefs.Unavailable("sandbox agent exited during start").WithCause(err)
+		}
+		return nil, errdefs.Unavailable("sandbox agent did not answer within %s", d.cfg.StartTimeout).WithCause(err)
+	}
+	inst.watch()
+	return inst, nil
+}
+
+// Attach implements substrate.Driver.
+func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (substrate.Instance, error) {
+	var st state
+	if err := json.Unmarshal(raw, &st); err != nil {
+		return nil, errdefs.Internal(err, "decode container state")
+	}
+	inst := d.newInstance(s.ID, st)
+	if !inst.alive() {
+		return inst, errdefs.Gone("sandbox %s stopped while the node was down", s.ID)
+	}
+	if _, err := inst.client.Hello(ctx); err != nil {
+		return inst, errdefs.Gone("sandbox %s agent does not answer after the node restarted", s.ID).WithCause(err)
+	}
+	inst.watch()
+	return inst, nil
+}
+
+// forceDelete kills and deletes a container; missing containers are fine.
+func (d *Driver) forceDelete(id string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err := d.runRuntime(ctx, "delete", "--force", id)
+	if err != nil && (strings.Contains(err.Error(), "does not exist") || strings.Contains(err.Error(), "not found") || strings.Contains(err.Error(), "No such file")) {
+		return nil
+	}
+	return err
+}
+
+// Sweep deletes runtime containers in this driver's state root that keep
+// is false for: leftovers of sandboxes the node no longer knows.
+func (d *Driver) Sweep(keep func(id string) bool) int {
+	if !d.caps.Available {
+		return 0
+	}
+	ents, err := os.ReadDir(d.runRoot)
+	if err != nil {
+		return 0
+	}
+	n := 0
+	for _, e := range ents {
+		if !e.IsDir() || keep(e.Name()) {
+			continue
+		}
+		if err := d.forceDelete(e.Name()); err != nil {
+			d.log.Warn("sweep leftover container", slog.String("sandbox_id", e.Name()), slog.Any("error", err))
+			continue
+		}
+		os.Remove(d.sockPath(e.Name()))
+		n++
+	}
+	return n
+}
+
+// hasCapability reports whether the process holds capability c.
+func hasCapability(c int) bool {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
+			n, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+			return err == nil && n&(1<<uint(c)) != 0
+		}
+	}
+	return false
+}
+
+func runtimeMessage(s string) string {
+	s = strings.TrimSpace(s)
+	if len(s) > 500 {
+		s = s[:500]
+	}
+	return s
+}
+
+func readPidFile(p string) (int, error) {
+	b, err := os.ReadFile(p)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.Atoi(strings.TrimSpace(string(b)))
+}
+
+// procStartTime is a process's start time in clock ticks since boot (field
+// 22 of /proc/<pid>/stat); with the pid it identifies a process across pid
+// reuse.
+func procStartTime(pid int) uint64 {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 20 {
+		return 0
+	}
+	n, _ := strconv.ParseUint(f[19], 10, 64)
+	return n
+}

@@ -1,0 +1,196 @@
+package container
+
+import (
+	"context"
+	"encoding/json"
+	"log/slog"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/guest"
+	"github.com/opendsec/dsec/internal/substrate"
+)
+
+type instance struct {
+	d      *Driver
+	id     string
+	st     state
+	client *guest.Client
+	done   chan struct{}
+
+	watchOnce sync.Once
+	mu        sync.Mutex
+	destroyed bool
+	paused    bool
+}
+
+var _ substrate.Instance = (*instance)(nil)
+
+func (d *Driver) newInstance(id string, st state) *instance {
+	return &instance{d: d, id: id, st: st, client: guest.NewClient(guest.UnixDialer(st.Socket)), done: make(chan struct{})}
+}
+
+func (i *instance) Guest() substrate.Guest { return i.client }
+
+func (i *instance) State() []byte {
+	b, _ := json.Marshal(i.st)
+	return b
+}
+
+func (i *instance) Done() <-chan struct{} { return i.done }
+
+// alive reports whether the container's init still runs (and is the same
+// process, not a reused pid).
+func (i *instance) alive() bool {
+	if i.st.Pid <= 0 {
+		return false
+	}
+	if err := syscall.Kill(i.st.Pid, 0); err != nil {
+		return false
+	}
+	st := procStartTime(i.st.Pid)
+	return st != 0 && st == i.st.StartTime && !isZombie(i.st.Pid)
+}
+
+func isZombie(pid int) bool {
+	b, err := os.ReadFile("/proc/" + itoa(pid) + "/stat")
+	if err != nil {
+		return true
+	}
+	for j := len(b) - 1; j >= 0; j-- {
+		if b[j] == ')' {
+			return j+2 < len(b) && b[j+2] == 'Z'
+		}
+	}
+	return false
+}
+
+// watch closes done when the init exits, using a pidfd in the Go poller
+// (no thread per sandbox), or polling where pidfds are missing.
+func (i *instance) watch() {
+	i.watchOnce.Do(func() {
+		fd, err := unix.PidfdOpen(i.st.Pid, unix.PIDFD_NONBLOCK)
+		if err != nil || !i.alive() {
+			if err == nil {
+				unix.Close(fd)
+			}
+			go i.poll()
+			return
+		}
+		f := os.NewFile(uintptr(fd), "pidfd")
+		go func() {
+			defer f.Close()
+			rc, err := f.SyscallConn()
+			if err != nil {
+				i.poll()
+				return
+			}
+			first := true
+			rc.Read(func(uintptr) bool {
+				if first {
+					first = false
+					return false // wait for readability: the process exited
+				}
+				return true
+			})
+			close(i.done)
+		}()
+	})
+}
+
+func (i *instance) poll() {
+	for i.alive() {
+		time.Sleep(2 * time.Second)
+	}
+	close(i.done)
+}
+
+func (i *instance) Check(ctx context.Context) error {
+	select {
+	case <-i.done:
+		return errdefs.Gone("sandbox %s has stopped", i.id)
+	default:
+	}
+	if !i.alive() {
+		return errdefs.Gone("sandbox %s has stopped", i.id)
+	}
+	return nil
+}
+
+func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
+	c := i.d.cgroups
+	return substrate.Stats{
+		MemoryBytes: c.memory(i.st.Cgroup),
+		CPUTime:     c.cpu(i.st.Cgroup),
+		Pids:        c.pids(i.st.Cgroup),
+		OOMKills:    c.oomKills(i.st.Cgroup),
+	}, nil
+}
+
+func (i *instance) Pause(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.paused {
+		return nil
+	}
+	if err := i.d.runRuntime(ctx, "pause", i.id); err != nil {
+		if i.Check(ctx) != nil {
+			return errdefs.Gone("sandbox %s has stopped", i.id)
+		}
+		return errdefs.Internal(err, "pause sandbox")
+	}
+	i.paused = true
+	i.d.cgroups.reclaim(i.st.Cgroup)
+	return nil
+}
+
+func (i *instance) Resume(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if !i.paused {
+		return nil
+	}
+	if err := i.d.runRuntime(ctx, "resume", i.id); err != nil {
+		if i.Check(ctx) != nil {
+			return errdefs.Gone("sandbox %s has stopped", i.id)
+		}
+		return errdefs.Internal(err, "resume sandbox")
+	}
+	i.paused = false
+	return nil
+}
+
+func (i *instance) Destroy(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.destroyed {
+		return nil
+	}
+	if i.paused {
+		// Frozen processes cannot receive the kill.
+		i.d.runRuntime(ctx, "resume", i.id)
+		i.paused = false
+	}
+	if err := i.d.forceDelete(i.id); err != nil {
+		i.d.log.Warn("delete container", slog.String("sandbox_id", i.id), slog.Any("error", err))
+		if i.alive() {
+			return errdefs.Internal(err, "delete container")
+		}
+	}
+	// The init is gone once the runtime returns; make sure before unmounting.
+	deadline := time.Now().Add(10 * time.Second)
+	for i.alive() && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if err := unmount(i.st.Rootfs); err != nil {
+		return errdefs.Internal(err, "unmount sandbox root filesystem")
+	}
+	os.Remove(i.st.Socket)
+	i.destroyed = true
+	return nil
+}

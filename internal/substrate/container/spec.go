@@ -1,0 +1,149 @@
+package container
+
+import (
+	"os"
+	"path/filepath"
+	"strconv"
+
+	"github.com/moby/profiles/seccomp"
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+
+	"github.com/opendsec/dsec/internal/substrate"
+)
+
+// guestPath is where the agent binary appears inside every container.
+const guestPath = "/.dsec/guest"
+
+// defaultCaps is Docker's default capability set.
+var defaultCaps = []string{
+	"CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+	"CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+	"CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+}
+
+// maskedPaths hide host information; kpage* are there because reading them
+// from a sandbox has crashed hosts (DSec paper §6.4).
+var maskedPaths = []string{
+	"/proc/asound", "/proc/acpi", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+	"/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+	"/proc/kpagecgroup", "/proc/kpagecount", "/proc/kpageflags", "/proc/sysrq-trigger",
+	"/sys/firmware", "/sys/devices/virtual/powercap", "/sys/kernel/debug",
+}
+
+var readonlyPaths = []string{
+	"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys",
+}
+
+// ociSpec builds the runtime spec for a sandbox whose init is the agent.
+func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, error) {
+	caps := append([]string(nil), defaultCaps...)
+	env := append([]string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, s.Env...)
+	var oomAdj *int
+	if d.sysResource {
+		// Shield the agent: a memory bomb kills the bomb, not the sandbox.
+		v := -998
+		oomAdj = &v
+	}
+	spec := &specs.Spec{
+		Version:  "1.0.2", // the newest version crun 1.8 and runc 1.1 accept
+		Hostname: s.Hostname,
+		Root:     &specs.Root{Path: rootfs},
+		Process: &specs.Process{
+			Args: []string{guestPath, "-listen-fd", "3"},
+			Env:  env,
+			Cwd:  "/",
+			User: specs.User{UID: 0, GID: 0},
+			Capabilities: &specs.LinuxCapabilities{
+				Bounding: caps, Effective: caps, Permitted: caps,
+			},
+			Rlimits:         []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: d.nofile, Soft: d.nofile}},
+			NoNewPrivileges: true,
+			OOMScoreAdj:     oomAdj,
+		},
+		Mounts: []specs.Mount{
+			{Destination: "/proc", Type: "proc", Source: "proc", Options: []string{"nosuid", "noexec", "nodev"}},
+			{Destination: "/dev", Type: "tmpfs", Source: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
+			{Destination: "/dev/pts", Type: "devpts", Source: "devpts", Options: []string{"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"}},
+			{Destination: "/dev/shm", Type: "tmpfs", Source: "shm", Options: []string{"nosuid", "noexec", "nodev", "mode=1777", "size=65536k"}},
+			{Destination: "/dev/mqueue", Type: "mqueue", Source: "mqueue", Options: []string{"nosuid", "noexec", "nodev"}},
+			{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
+			{Destination: "/sys/fs/cgroup", Type: "cgroup", Source: "cgroup", Options: []string{"nosuid", "noexec", "nodev", "relatime", "ro"}},
+			{Destination: guestPath, Type: "bind", Source: d.guestBin, Options: []string{"bind", "ro", "nosuid", "nodev"}},
+			{Destination: "/etc/hosts", Type: "bind", Source: filepath.Join(dir, "hosts"), Options: []string{"bind", "nosuid", "nodev"}},
+			{Destination: "/etc/hostname", Type: "bind", Source: filepath.Join(dir, "hostname"), Options: []string{"bind", "nosuid", "nodev"}},
+			{Destination: "/etc/resolv.conf", Type: "bind", Source: filepath.Join(dir, "resolv.conf"), Options: []string{"bind", "nosuid", "nodev"}},
+		},
+		Linux: &specs.Linux{
+			CgroupsPath:   d.cgroupPath(s.ID),
+			MaskedPaths:   maskedPaths,
+			ReadonlyPaths: readonlyPaths,
+			Namespaces: []specs.LinuxNamespace{
+				{Type: specs.PIDNamespace}, {Type: specs.IPCNamespace}, {Type: specs.UTSNamespace},
+				{Type: specs.MountNamespace}, {Type: specs.NetworkNamespace, Path: s.Network.NetNS},
+			},
+			Resources: d.resources(s),
+		},
+	}
+	if d.cgroups.mode == cgroupV2 {
+		spec.Linux.Namespaces = append(spec.Linux.Namespaces, specs.LinuxNamespace{Type: specs.CgroupNamespace})
+	}
+	sc, err := seccomp.GetDefaultProfile(spec)
+	if err != nil {
+		return nil, err
+	}
+	spec.Linux.Seccomp = sc
+	return spec, nil
+}
+
+func (d *Driver) resources(s *substrate.Spec) *specs.LinuxResources {
+	r := &specs.LinuxResources{
+		Devices: []specs.LinuxDeviceCgroup{{Allow: false, Access: "rwm"}},
+	}
+	for _, dev := range []struct {
+		major, minor int64
+	}{{1, 3}, {1, 5}, {1, 7}, {1, 8}, {1, 9}, {5, 0}, {5, 1}, {5, 2}, {136, -1}} {
+		dev := dev
+		major := dev.major
+		var minor *int64
+		if dev.minor >= 0 {
+			minor = &dev.minor
+		}
+		r.Devices = append(r.Devices, specs.LinuxDeviceCgroup{Allow: true, Type: "c", Major: &major, Minor: minor, Access: "rwm"})
+	}
+	if s.MemoryMB > 0 {
+		limit := s.MemoryMB << 20
+		r.Memory = &specs.LinuxMemory{Limit: &limit}
+		if d.cgroups.swapAccounting {
+			r.Memory.Swap = &limit // no swap beyond the limit
+		}
+	}
+	if s.CPU > 0 {
+		period := uint64(100000)
+		quota := int64(s.CPU * float64(period))
+		shares := uint64(s.CPU * 1024)
+		r.CPU = &specs.LinuxCPU{Period: &period, Quota: &quota, Shares: &shares}
+	}
+	if s.Pids > 0 {
+		r.Pids = &specs.LinuxPids{Limit: s.Pids}
+	}
+	return r
+}
+
+// writeEtc writes the files bind-mounted over /etc/hosts, /etc/hostname and
+// /etc/resolv.conf.
+func writeEtc(dir string, s *substrate.Spec) error {
+	host := s.Hostname
+	files := map[string]string{
+		"hosts":       "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t" + host + "\n",
+		"hostname":    host + "\n",
+		"resolv.conf": s.Network.ResolvConf,
+	}
+	for name, content := range files {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func itoa(n int) string { return strconv.Itoa(n) }

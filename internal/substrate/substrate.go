@@ -1,0 +1,169 @@
+// Package substrate is the contract between the node and the drivers that
+// run sandboxes: function, container, microvm and vm. Every driver
+// implements Driver and passes the conformance suite in substratetest; what
+// differs between kinds is declared in Capabilities, which placement and
+// the API read as data.
+package substrate
+
+import (
+	"context"
+	"io"
+	"syscall"
+	"time"
+
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/guest"
+)
+
+// Kind names a substrate.
+type Kind string
+
+const (
+	KindFunction  Kind = "function"
+	KindContainer Kind = "container"
+	KindMicroVM   Kind = "microvm"
+	KindVM        Kind = "vm"
+)
+
+// Kinds lists every kind in a stable order.
+var Kinds = []Kind{KindFunction, KindContainer, KindMicroVM, KindVM}
+
+// Capability is one verb or feature a driver may support.
+type Capability string
+
+const (
+	CapExec           Capability = "exec"
+	CapPTY            Capability = "pty"
+	CapFiles          Capability = "files"
+	CapPause          Capability = "pause"
+	CapSnapshot       Capability = "snapshot"        // writable layer (disk) snapshots
+	CapMemorySnapshot Capability = "memory_snapshot" // memory + device state
+	CapFork           Capability = "fork"
+	CapNetworkEgress  Capability = "network_egress"
+	CapScreen         Capability = "screen"
+	CapGPU            Capability = "gpu"
+)
+
+// Capabilities is what a driver can do on this host, found by probing at
+// start. A driver that cannot run here reports Available false and why.
+type Capabilities struct {
+	Kind      Kind
+	Available bool
+	Reason    string
+	Caps      []Capability
+	// Details are facts for operators: runtime and version, cgroup mode,
+	// acceleration.
+	Details map[string]string
+}
+
+// Has reports whether c includes capability x.
+func (c Capabilities) Has(x Capability) bool {
+	for _, y := range c.Caps {
+		if y == x {
+			return true
+		}
+	}
+	return false
+}
+
+// Network is the network a sandbox is attached to, prepared by the node's
+// network component before Create.
+type Network struct {
+	// Mode is "none" (a private namespace with loopback only, created by the
+	// driver) or "egress".
+	Mode string
+	// NetNS is the path of a prepared network namespace (egress).
+	NetNS string
+	// ResolvConf is the resolv.conf content for the sandbox.
+	ResolvConf string
+}
+
+// Spec is what a driver needs to start an instance.
+type Spec struct {
+	ID string
+	// Dir is a directory the driver owns for this instance's state; the node
+	// removes it after Destroy.
+	Dir string
+	// Layers are read-only root filesystem layers, top first.
+	Layers []string
+	// Env is the environment for every process (image env, then spec env).
+	Env      []string
+	User     string
+	Workdir  string
+	Hostname string
+
+	CPU      float64
+	MemoryMB int64
+	DiskMB   int64
+	Pids     int64
+
+	Network Network
+	Labels  map[string]string
+}
+
+// Guest is the in-sandbox API the node drives. *guest.Client implements it;
+// drivers that dispatch calls differently wrap one.
+type Guest interface {
+	Hello(ctx context.Context) (*guestv1.HelloReply, error)
+	Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, error)
+	Start(ctx context.Context, x *guestv1.Exec) (*guest.Process, error)
+	Attach(ctx context.Context, id, tag string) (*guest.Process, error)
+	InputProcess(ctx context.Context, id string, data []byte, eof bool) error
+	SignalProcess(ctx context.Context, id string, sig syscall.Signal) error
+	ResizeProcess(ctx context.Context, id string, rows, cols uint32) error
+	ListProcs(ctx context.Context) ([]*guestv1.Proc, error)
+	ReadFile(ctx context.Context, path string, offset, limit int64) (*guest.FileReader, error)
+	WriteFile(ctx context.Context, w *guestv1.WriteFile, r io.Reader) (*guestv1.FileInfo, error)
+	Stat(ctx context.Context, path string) (*guestv1.FileInfo, error)
+	ListDir(ctx context.Context, path string, depth int32) ([]*guestv1.FileInfo, error)
+	MakeDir(ctx context.Context, path, user string) (*guestv1.FileInfo, error)
+	Remove(ctx context.Context, path string, recursive bool) error
+	Rename(ctx context.Context, from, to string) (*guestv1.FileInfo, error)
+	Sync(ctx context.Context) error
+}
+
+var _ Guest = (*guest.Client)(nil)
+
+// Stats is an instance's resource use.
+type Stats struct {
+	MemoryBytes int64
+	CPUTime     time.Duration
+	Pids        int64
+	// OOMKills counts processes the memory limit killed since the start.
+	OOMKills int64
+}
+
+// Driver runs instances of one kind.
+type Driver interface {
+	// Capabilities reports what the driver can do on this host.
+	Capabilities() Capabilities
+	// Create starts an instance and returns once its guest answers. On error
+	// nothing of the instance is left behind. ctx bounds the start only.
+	Create(ctx context.Context, spec *Spec) (Instance, error)
+	// Attach re-adopts an instance started by an earlier process of the
+	// node, from the state it persisted. It returns a Gone error if the
+	// instance no longer runs.
+	Attach(ctx context.Context, spec *Spec, state []byte) (Instance, error)
+}
+
+// Instance is one running sandbox of a driver. Methods are safe for
+// concurrent use.
+type Instance interface {
+	// Guest is the instance's agent.
+	Guest() Guest
+	// State is what the node persists to Attach after a restart.
+	State() []byte
+	// Done is closed when the instance stops by itself (its init died).
+	Done() <-chan struct{}
+	// Check returns nil while the instance runs, else a Gone error.
+	Check(ctx context.Context) error
+	// Stats reports resource use.
+	Stats(ctx context.Context) (Stats, error)
+	// Pause freezes every process and releases what memory it can;
+	// Resume thaws. Both are idempotent. Drivers without CapPause return
+	// an Unimplemented error.
+	Pause(ctx context.Context) error
+	Resume(ctx context.Context) error
+	// Destroy releases every resource of the instance. It is idempotent.
+	Destroy(ctx context.Context) error
+}
