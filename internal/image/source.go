@@ -250,7 +250,3 @@ func pickImage(idx v1.ImageIndex, depth int) (v1.Image, error) {
 	}
 	return nil, errdefs.Invalid("OCI layout holds no image")
 }
-
-
-
-

@@ -69,7 +69,7 @@ type Store struct {
 	// inUse reports layers held by live sandboxes; GC keeps them.
 	inUse func() map[string]bool
 
-	unpackMu sync.Mutex
+	unpackMu  sync.Mutex
 	unpacking map[string]*sync.WaitGroup
 
 	mu     sync.Mutex
