@@ -17,11 +17,13 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/undo"
@@ -62,6 +64,7 @@ type Driver struct {
 	skel     string // the top lower layer with mountpoints
 	guestBin string
 	cgroups  cgroups
+	seccomp  *seccompCache
 	caps     substrate.Capabilities
 	// nofile is the open-file limit sandboxes get: 2^20, or the node's own
 	// hard limit when it may not raise it.
@@ -106,6 +109,11 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 		log.Warn("container substrate unavailable", slog.String("reason", reason))
 		return d, nil
 	}
+	sc, err := newSeccompCache(cfg.StateDir, d.rtName+" "+d.rtVer)
+	if err != nil {
+		return nil, fmt.Errorf("seccomp profile: %w", err)
+	}
+	d.seccomp = sc
 	d.caps.Available = true
 	d.caps.Details["runtime"] = d.rtName + " " + d.rtVer
 	log.Info("container substrate ready", slog.String("runtime", d.rtName+" "+d.rtVer), slog.String("cgroup", d.cgroups.mode.String()))
@@ -226,16 +234,23 @@ func (d *Driver) runRuntime(ctx context.Context, args ...string) error {
 
 // state is what an instance persists.
 type state struct {
-	Pid       int    `json:"pid"`
-	StartTime uint64 `json:"start_time"`
-	Runtime   string `json:"runtime"`
-	RunRoot   string `json:"run_root"`
-	Cgroup    string `json:"cgroup"`
-	Socket    string `json:"socket"`
-	Rootfs    string `json:"rootfs"`
+	Pid       int    `json:"pid"`        // the agent (the container's init)
+	StartTime uint64 `json:"start_time"` // of Pid, against pid reuse
+	// RuntimePid is the `crun run` process that waits for the container
+	// and removes its cgroup and state when it exits.
+	RuntimePid       int    `json:"runtime_pid"`
+	RuntimeStartTime uint64 `json:"runtime_start_time"`
+	Cgroup           string `json:"cgroup"`
+	Socket           string `json:"socket"`
+	Rootfs           string `json:"rootfs"`
 }
 
 // Create implements substrate.Driver.
+//
+// The runtime runs in the foreground for the sandbox's whole life: one
+// runtime process creates the container, waits for its init and cleans up
+// after it, so a sandbox costs one runtime execution, not two, and its
+// cgroup and state are removed even if the node is down when it ends.
 func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Instance, err error) {
 	if !d.caps.Available {
 		return nil, errdefs.Unavailable("containers cannot run on this node: %s", d.caps.Reason)
@@ -273,11 +288,11 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	}
 	undo.Push(func() { os.Remove(sock) })
 	pidFile := filepath.Join(s.Dir, "pid")
-	cmd := d.runtimeCmd(ctx, "run", "--detach", "--pid-file", pidFile, "--bundle", s.Dir, "--preserve-fds", "1", s.ID)
+	// The runtime outlives this call (and the node): no ctx on the command.
+	cmd := exec.Command(d.runtime, "--root", d.runRoot, "run", "--pid-file", pidFile, "--bundle", s.Dir, "--preserve-fds", "1", s.ID)
 	cmd.ExtraFiles = []*os.File{lf}
-	// With --detach the container inherits the runtime's stdio: give both a
-	// file (a pipe would keep Run waiting for the agent to exit). The file
-	// is on the host, outside the sandbox's view.
+	// The container inherits the runtime's stdio: a file on the host,
+	// outside the sandbox's view.
 	logPath := filepath.Join(s.Dir, "init.log")
 	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
@@ -285,28 +300,56 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		return nil, errdefs.Internal(err, "create sandbox log")
 	}
 	cmd.Stdout, cmd.Stderr = logFile, logFile
-	runErr := cmd.Run()
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // not killed by the node's terminal signals
+	startErr := cmd.Start()
 	logFile.Close()
 	lf.Close() // the agent holds the only copy now
-	undo.Push(func() { d.forceDelete(s.ID) })
-	if runErr != nil {
+	if startErr != nil {
+		return nil, errdefs.Internal(startErr, "start the OCI runtime")
+	}
+	runtimeDone := make(chan struct{})
+	go func() { cmd.Wait(); close(runtimeDone) }()
+	undo.Push(func() {
+		d.forceDelete(s.ID)
+		<-runtimeDone
+	})
+	failed := func(what string, cause error) error {
 		msg, _ := os.ReadFile(logPath)
-		return nil, errdefs.Unavailable("start container: %s", runtimeMessage(string(msg))).WithCause(runErr)
+		return errdefs.Unavailable("%s: %s", what, runtimeMessage(string(msg))).WithCause(cause)
+	}
+	hctx, cancel := context.WithTimeout(ctx, d.cfg.StartTimeout)
+	defer cancel()
+	helloErr := make(chan error, 1)
+	client := guest.NewClient(guest.UnixDialer(sock))
+	go func() { _, err := client.Hello(hctx); helloErr <- err }()
+	select {
+	case err := <-helloErr:
+		if err != nil {
+			select {
+			case <-runtimeDone:
+				return nil, failed("start container", err)
+			case <-time.After(100 * time.Millisecond):
+			}
+			return nil, errdefs.Unavailable("sandbox agent did not answer within %s", d.cfg.StartTimeout).WithCause(err)
+		}
+	case <-runtimeDone:
+		cancel()
+		return nil, failed("start container", fmt.Errorf("runtime exited: %v", cmd.ProcessState))
 	}
 	pid, err := readPidFile(pidFile)
 	if err != nil {
 		return nil, errdefs.Internal(err, "read container pid")
 	}
-	st := state{Pid: pid, StartTime: procStartTime(pid), Runtime: d.runtime, RunRoot: d.runRoot, Cgroup: d.cgroupPath(s.ID), Socket: sock, Rootfs: rootfs}
-	inst := d.newInstance(s.ID, st)
-	hctx, cancel := context.WithTimeout(ctx, d.cfg.StartTimeout)
-	defer cancel()
-	if _, err := inst.client.Hello(hctx); err != nil {
-		if inst.Check(context.WithoutCancel(ctx)) != nil {
-			return nil, errdefs.Unavailable("sandbox agent exited during start").WithCause(err)
-		}
-		return nil, errdefs.Unavailable("sandbox agent did not answer within %s", d.cfg.StartTimeout).WithCause(err)
+	st := state{
+		Pid: pid, StartTime: procStartTime(pid),
+		RuntimePid: cmd.Process.Pid, RuntimeStartTime: procStartTime(cmd.Process.Pid),
+		Cgroup: d.cgroupPath(s.ID), Socket: sock, Rootfs: rootfs,
 	}
+	if d.rtName == "crun" && d.seccomp.bpf() == "" {
+		d.seccomp.learn(filepath.Join(d.runRoot, s.ID))
+	}
+	inst := d.newInstance(s.ID, st)
+	inst.runtimeDone = runtimeDone
 	inst.watch()
 	return inst, nil
 }

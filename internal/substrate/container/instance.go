@@ -23,6 +23,10 @@ type instance struct {
 	client *guest.Client
 	done   chan struct{}
 
+	// runtimeDone is closed when the runtime process exits, if this node
+	// started it; adopted instances wait for it with a pidfd.
+	runtimeDone chan struct{}
+
 	watchOnce sync.Once
 	mu        sync.Mutex
 	destroyed bool
@@ -176,16 +180,26 @@ func (i *instance) Destroy(ctx context.Context) error {
 		i.d.runRuntime(ctx, "resume", i.id)
 		i.paused = false
 	}
-	if err := i.d.forceDelete(i.id); err != nil {
-		i.d.log.Warn("delete container", slog.String("sandbox_id", i.id), slog.Any("error", err))
-		if i.alive() {
-			return errdefs.Internal(err, "delete container")
+	// Killing the init ends the container's pid namespace, so every
+	// process in it; the runtime then removes the cgroup and its state.
+	if i.alive() {
+		if fd, err := unix.PidfdOpen(i.st.Pid, 0); err == nil {
+			if i.alive() { // the pidfd refers to the verified process
+				unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
+			}
+			unix.Close(fd)
+		} else {
+			syscall.Kill(i.st.Pid, syscall.SIGKILL)
 		}
 	}
-	// The init is gone once the runtime returns; make sure before unmounting.
-	deadline := time.Now().Add(10 * time.Second)
-	for i.alive() && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
+	if !i.waitRuntime(15 * time.Second) {
+		i.d.log.Warn("runtime did not finish after the sandbox's init died", slog.String("sandbox_id", i.id))
+	}
+	// Whatever the runtime could not clean (it was killed, or never ran).
+	if _, err := os.Stat(i.d.runRoot + "/" + i.id); err == nil {
+		if err := i.d.forceDelete(i.id); err != nil {
+			return errdefs.Internal(err, "delete container")
+		}
 	}
 	if err := unmount(i.st.Rootfs); err != nil {
 		return errdefs.Internal(err, "unmount sandbox root filesystem")
@@ -193,4 +207,27 @@ func (i *instance) Destroy(ctx context.Context) error {
 	os.Remove(i.st.Socket)
 	i.destroyed = true
 	return nil
+}
+
+// waitRuntime waits for the runtime process to exit.
+func (i *instance) waitRuntime(timeout time.Duration) bool {
+	if i.runtimeDone != nil {
+		select {
+		case <-i.runtimeDone:
+			return true
+		case <-time.After(timeout):
+			return false
+		}
+	}
+	if i.st.RuntimePid <= 0 || procStartTime(i.st.RuntimePid) != i.st.RuntimeStartTime {
+		return true
+	}
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		if procStartTime(i.st.RuntimePid) != i.st.RuntimeStartTime || isZombie(i.st.RuntimePid) {
+			return true
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	return false
 }

@@ -67,7 +67,6 @@ func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, er
 			{Destination: "/dev/shm", Type: "tmpfs", Source: "shm", Options: []string{"nosuid", "noexec", "nodev", "mode=1777", "size=65536k"}},
 			{Destination: "/dev/mqueue", Type: "mqueue", Source: "mqueue", Options: []string{"nosuid", "noexec", "nodev"}},
 			{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
-			{Destination: "/sys/fs/cgroup", Type: "cgroup", Source: "cgroup", Options: []string{"nosuid", "noexec", "nodev", "relatime", "ro"}},
 			{Destination: guestPath, Type: "bind", Source: d.guestBin, Options: []string{"bind", "ro", "nosuid", "nodev"}},
 			{Destination: "/etc/hosts", Type: "bind", Source: filepath.Join(dir, "hosts"), Options: []string{"bind", "nosuid", "nodev"}},
 			{Destination: "/etc/hostname", Type: "bind", Source: filepath.Join(dir, "hostname"), Options: []string{"bind", "nosuid", "nodev"}},
@@ -87,12 +86,21 @@ func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, er
 	if d.cgroups.mode == cgroupV2 {
 		spec.Linux.Namespaces = append(spec.Linux.Namespaces, specs.LinuxNamespace{Type: specs.CgroupNamespace})
 	}
-	sc, err := seccomp.GetDefaultProfile(spec)
-	if err != nil {
-		return nil, err
+	if bpf := d.seccomp.bpf(); bpf != "" {
+		// crun loads this precompiled filter instead of compiling the
+		// profile, which costs ~25 ms of CPU per sandbox.
+		spec.Annotations = map[string]string{"run.oci.seccomp_bpf_data": bpf}
+	} else {
+		spec.Linux.Seccomp = d.seccomp.profile
 	}
-	spec.Linux.Seccomp = sc
 	return spec, nil
+}
+
+// defaultSeccomp is Docker's default profile for the default capabilities.
+func defaultSeccomp() (*specs.LinuxSeccomp, error) {
+	return seccomp.GetDefaultProfile(&specs.Spec{Process: &specs.Process{Capabilities: &specs.LinuxCapabilities{
+		Bounding: defaultCaps, Effective: defaultCaps, Permitted: defaultCaps,
+	}}})
 }
 
 func (d *Driver) resources(s *substrate.Spec) *specs.LinuxResources {
