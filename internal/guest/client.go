@@ -126,10 +126,12 @@ func (c *Client) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, error
 
 // Process is a streaming connection to one process in the sandbox.
 type Process struct {
-	ID  string
-	Pid int32
-	cn  *conn
-	ctx context.Context
+	ID    string
+	Pid   int32
+	cn    *conn
+	ctx   context.Context
+	early *guestv1.ServerMsg // an exit received instead of "started"
+	done  bool
 }
 
 // Start starts a command in stream mode and returns once it runs.
@@ -154,6 +156,12 @@ func (c *Client) startLike(ctx context.Context, call *guestv1.ClientMsg) (*Proce
 		cn.close()
 		return nil, err
 	}
+	if x := m.GetExit(); x != nil {
+		// The command could not start (not found, bad user): the exit
+		// says why; hand it out as the process's only event.
+		cn.close()
+		return &Process{cn: cn, ctx: ctx, early: m}, nil
+	}
 	st := m.GetStarted()
 	if st == nil {
 		cn.close()
@@ -162,8 +170,17 @@ func (c *Client) startLike(ctx context.Context, call *guestv1.ClientMsg) (*Proce
 	return &Process{ID: st.Id, Pid: st.Pid, cn: cn, ctx: ctx}, nil
 }
 
-// Recv returns the next Output or Exit message. After Exit it returns io.EOF.
+// Recv returns the next Output or Exit message.
 func (p *Process) Recv() (*guestv1.ServerMsg, error) {
+	if p.early != nil {
+		m := p.early
+		p.early = nil
+		p.done = true
+		return m, nil
+	}
+	if p.done {
+		return nil, io.EOF
+	}
 	return p.cn.recv(p.ctx)
 }
 

@@ -368,3 +368,44 @@ func TestFiles(t *testing.T) {
 }
 
 func sha(b []byte) []byte { h := sha256.Sum256(b); return h[:] }
+
+func TestStreamDeliversOutputOfFastCommands(t *testing.T) {
+	c := startAgent(t)
+	for i := 0; i < 50; i++ {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		p, err := c.Start(ctx, &guestv1.Exec{Argv: []string{"echo", "fast"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out bytes.Buffer
+		for {
+			m, err := p.Recv()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if o := m.GetOutput(); o != nil {
+				out.Write(o.Data)
+			}
+			if m.GetExit() != nil {
+				break
+			}
+		}
+		p.Close()
+		cancel()
+		if out.String() != "fast\n" {
+			t.Fatalf("run %d: streamed %q", i, out.String())
+		}
+	}
+}
+
+func TestStartOfAMissingCommandIsAnExit(t *testing.T) {
+	c := startAgent(t)
+	p, err := c.Start(context.Background(), &guestv1.Exec{Argv: []string{"no-such-cmd-xyz"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := p.Recv()
+	if err != nil || m.GetExit().GetExitCode() != 127 {
+		t.Fatalf("got %v, %v", m, err)
+	}
+}

@@ -108,7 +108,7 @@ func (a *Agent) serveConn(c net.Conn) {
 			fail(notFound("no process %q", m.Attach.Id+m.Attach.Tag))
 			return
 		}
-		a.stream(p, r, w, true)
+		a.attach(p, r, w)
 	case *guestv1.ClientMsg_Input:
 		p := a.procs.find(m.Input.Id, "")
 		if p == nil {
@@ -204,7 +204,17 @@ func (a *Agent) hello() *guestv1.HelloReply {
 }
 
 func (a *Agent) serveExec(x *guestv1.Exec, r *guest.Reader, w *guest.Writer) {
-	p, err := a.start(x)
+	s := connSink{w}
+	p, err := a.start(x, func(p *proc) sink {
+		if x.Collect {
+			return s
+		}
+		// "started" goes out before any output can.
+		if err := w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Started{Started: &guestv1.Started{Id: p.id, Pid: int32(p.pid)}}}); err != nil {
+			return nil
+		}
+		return s
+	})
 	if err != nil {
 		// A command that cannot start is the task's failure, reported as an
 		// exit (127 like a shell), not as a broken call.
@@ -212,25 +222,25 @@ func (a *Agent) serveExec(x *guestv1.Exec, r *guest.Reader, w *guest.Writer) {
 		return
 	}
 	if x.Collect {
-		// Subscribing after start is safe: collect mode keeps output in the
-		// process until exit.
-		s := connSink{w}
-		p.subscribe(s, false)
 		<-p.done
 		return
 	}
-	a.stream(p, r, w, false)
+	a.follow(p, s, r)
 }
 
-// stream sends a process's events on a connection and applies the
-// client's input, signals and resizes until the process exits or the
-// client goes away. The process outlives the connection.
-func (a *Agent) stream(p *proc, r *guest.Reader, w *guest.Writer, replay bool) {
+// attach streams an existing process: replayed output, then live events.
+func (a *Agent) attach(p *proc, r *guest.Reader, w *guest.Writer) {
 	s := connSink{w}
 	if err := w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Started{Started: &guestv1.Started{Id: p.id, Pid: int32(p.pid)}}}); err != nil {
 		return
 	}
-	p.subscribe(s, replay)
+	p.subscribe(s, true)
+	a.follow(p, s, r)
+}
+
+// follow applies the client's input, signals and resizes until the process
+// exits or the client goes away. The process outlives the connection.
+func (a *Agent) follow(p *proc, s sink, r *guest.Reader) {
 	var once sync.Once
 	gone := make(chan struct{})
 	go func() {

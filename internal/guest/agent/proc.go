@@ -218,8 +218,9 @@ type proc struct {
 	graceSet bool
 }
 
-// start starts x and registers it.
-func (a *Agent) start(x *guestv1.Exec) (*proc, error) {
+// start starts x and registers it. onStart, if set, runs before any output
+// is read and returns a sink subscribed from the first byte on.
+func (a *Agent) start(x *guestv1.Exec, onStart func(*proc) sink) (*proc, error) {
 	if len(x.Argv) == 0 || x.Argv[0] == "" {
 		return nil, errors.New("empty command")
 	}
@@ -314,6 +315,11 @@ func (a *Agent) start(x *guestv1.Exec) (*proc, error) {
 	os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", []byte("0"), 0)
 	applyRlimits(pid, x)
 	p.openFds = len(readers)
+	if onStart != nil {
+		if s := onStart(p); s != nil {
+			p.subs[s] = struct{}{}
+		}
+	}
 	a.procs.register(p)
 	if x.Pty {
 		go p.read(1, readers[0])

@@ -1,0 +1,213 @@
+package main
+
+import (
+	"archive/tar"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+
+	"github.com/google/go-containerregistry/pkg/authn"
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/spf13/cobra"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+)
+
+func imageCmd(g *globals) *cobra.Command {
+	cmd := &cobra.Command{Use: "image", Short: "Manage images"}
+	cmd.AddCommand(imageImportCmd(g), imageLsCmd(g), imageRmCmd(g), imageBootstrapCmd(g))
+	return cmd
+}
+
+func imageImportCmd(g *globals) *cobra.Command {
+	var as string
+	var insecure bool
+	cmd := &cobra.Command{
+		Use:   "import SRC --name NAME",
+		Short: "Import an image: a `docker save` archive, an OCI layout directory or archive, or a registry reference",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			src := args[0]
+			c := g.client()
+			bar := newProgress("import " + src)
+			var img *dsecv1.Image
+			var err error
+			if st, statErr := os.Stat(src); statErr == nil {
+				if as == "" {
+					return fmt.Errorf("--name is required for a local archive")
+				}
+				var r io.Reader
+				size := st.Size()
+				if st.IsDir() {
+					// An OCI layout directory travels as a tar stream.
+					size = 0
+					pr, pw := io.Pipe()
+					go func() { pw.CloseWithError(tarTree(src, pw)) }()
+					r = pr
+				} else {
+					f, err := os.Open(src)
+					if err != nil {
+						return err
+					}
+					defer f.Close()
+					r = f
+				}
+				img, err = c.UploadImage(cmd.Context(), as, size, r, func(n int64) { bar.update("upload", "", n, size) })
+			} else {
+				ref, perr := name.ParseReference(src)
+				if perr != nil {
+					return fmt.Errorf("%s is neither a local file nor an image reference: %v", src, perr)
+				}
+				req := &dsecv1.PullImageRequest{Ref: src, Name: as, Insecure: insecure}
+				// Credentials come from the user's docker config, as docker does.
+				if a, kerr := authn.DefaultKeychain.Resolve(ref.Context()); kerr == nil && a != authn.Anonymous {
+					if cfg, aerr := a.Authorization(); aerr == nil {
+						req.Auth = &dsecv1.RegistryAuth{Username: cfg.Username, Password: cfg.Password, IdentityToken: cfg.IdentityToken, RegistryToken: cfg.RegistryToken}
+					}
+				}
+				img, err = c.PullImage(cmd.Context(), req, func(p *dsecv1.ImageProgress) { bar.update(p.Phase, p.Message, p.DoneBytes, p.TotalBytes) })
+			}
+			bar.finish()
+			if err != nil {
+				return err
+			}
+			if g.json() {
+				printJSON(os.Stdout, img)
+			} else {
+				fmt.Printf("%s %s (%d layers, %s)\n", img.Name, shortDigest(img.Digest), len(img.Layers), humanBytes(img.SizeBytes))
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&as, "name", "", "store the image under this name")
+	cmd.Flags().BoolVar(&insecure, "insecure", false, "allow a plain-HTTP registry")
+	return cmd
+}
+
+// tarTree writes a directory (an OCI layout) as a tar stream.
+func tarTree(dir string, w io.Writer) error {
+	tw := tar.NewWriter(w)
+	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(dir, p)
+		if rel == "." {
+			return nil
+		}
+		info, err := d.Info()
+		if err != nil {
+			return err
+		}
+		if !info.Mode().IsRegular() && !info.IsDir() {
+			return nil
+		}
+		hdr, err := tar.FileInfoHeader(info, "")
+		if err != nil {
+			return err
+		}
+		hdr.Name = filepath.ToSlash(rel)
+		if err := tw.WriteHeader(hdr); err != nil {
+			return err
+		}
+		if info.Mode().IsRegular() {
+			f, err := os.Open(p)
+			if err != nil {
+				return err
+			}
+			_, err = io.Copy(tw, f)
+			f.Close()
+			return err
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	return tw.Close()
+}
+
+func shortDigest(d string) string {
+	d = strings.TrimPrefix(d, "sha256:")
+	if len(d) > 12 {
+		return d[:12]
+	}
+	return d
+}
+
+func imageLsCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:     "ls",
+		Aliases: []string{"list"},
+		Short:   "List images",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			imgs, err := g.client().ListImages(cmd.Context())
+			if err != nil {
+				return err
+			}
+			if g.json() {
+				printJSON(os.Stdout, &dsecv1.ListImagesResponse{Images: imgs})
+				return nil
+			}
+			tw := table("NAME", "DIGEST", "LAYERS", "SIZE", "SOURCE", "CREATED")
+			for _, i := range imgs {
+				fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\n", i.Name, shortDigest(i.Digest), len(i.Layers), humanBytes(i.SizeBytes), i.Source, ago(i.CreatedAt.AsTime()))
+			}
+			return tw.Flush()
+		},
+	}
+}
+
+func imageRmCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "rm NAME...",
+		Short: "Delete images (running sandboxes keep their layers)",
+		Args:  cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			for _, n := range args {
+				if err := g.client().DeleteImage(cmd.Context(), n); err != nil {
+					return err
+				}
+				fmt.Println(n)
+			}
+			return nil
+		},
+	}
+}
+
+func imageBootstrapCmd(g *globals) *cobra.Command {
+	var as string
+	var force bool
+	var pkgs []string
+	cmd := &cobra.Command{
+		Use:   "bootstrap busybox|debian [--name NAME]",
+		Short: "Build a base image offline: busybox from busybox-static, debian with debootstrap from the host's apt mirror",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			bar := newProgress("bootstrap " + args[0])
+			img, err := g.client().BootstrapImage(cmd.Context(), &dsecv1.BootstrapImageRequest{Recipe: args[0], Name: as, Force: force, Packages: pkgs},
+				func(p *dsecv1.ImageProgress) { bar.update(p.Phase, p.Message, p.DoneBytes, p.TotalBytes) })
+			bar.finish()
+			if err != nil {
+				return err
+			}
+			if g.json() {
+				printJSON(os.Stdout, img)
+			} else {
+				fmt.Printf("%s %s (%s)\n", img.Name, shortDigest(img.Digest), humanBytes(img.SizeBytes))
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&as, "name", "", "image name (default: the recipe)")
+	cmd.Flags().BoolVar(&force, "force", false, "rebuild even if the image or its cached root filesystem exists")
+	cmd.Flags().StringArrayVar(&pkgs, "package", nil, "extra Debian package for the debian recipe (repeatable)")
+	return cmd
+}
+
+func sortStrings(s []string) { sort.Strings(s) }

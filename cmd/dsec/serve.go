@@ -1,0 +1,243 @@
+package main
+
+import (
+	"context"
+	"debug/elf"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/apiserver"
+	"github.com/opendsec/dsec/internal/config"
+	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/network"
+	"github.com/opendsec/dsec/internal/node"
+	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/substrate/container"
+)
+
+func serveCmd() *cobra.Command {
+	var (
+		file      string
+		flagCfg   config.Config
+		bootstrap string
+	)
+	cmd := &cobra.Command{
+		Use:   "serve",
+		Short: "Run the all-in-one server (API and node agent) on this host",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg, err := config.Load(file)
+			if err != nil {
+				return err
+			}
+			applyFlags(cmd, &cfg, &flagCfg, bootstrap)
+			cfg.Defaults()
+			return serve(cmd.Context(), cfg)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVarP(&file, "config", "c", "", "YAML config file")
+	f.StringVar(&flagCfg.Listen, "listen", "", "API address (default 127.0.0.1:7070)")
+	f.StringVar(&flagCfg.DataDir, "data-dir", "", "state directory (default ./.dsec)")
+	f.StringVar(&flagCfg.CacheDir, "cache-dir", "", "cache for bootstrapped images (default DATA_DIR/cache)")
+	f.StringArrayVar(&flagCfg.APIKeys, "api-key", nil, "accepted API key (repeatable; env DSEC_API_KEYS)")
+	f.StringVar(&flagCfg.GuestBinary, "guest-binary", "", "dsec-guest binary (default: next to dsec)")
+	f.StringVar(&bootstrap, "bootstrap", "", "base images to build at start if missing, e.g. busybox,debian")
+	f.StringVar(&flagCfg.LogLevel, "log-level", "", "debug, info, warn or error")
+	f.StringVar(&flagCfg.Node.Name, "name", "", "node name (default local)")
+	f.IntVar(&flagCfg.Node.MaxSandboxes, "max-sandboxes", 0, "admission limit (default 4096)")
+	f.StringVar(&flagCfg.Network.Bridge, "bridge", "", "egress bridge name (default dsec0)")
+	f.StringVar(&flagCfg.Network.Subnet, "subnet", "", "egress subnet (default 10.88.0.0/16)")
+	f.StringVar(&flagCfg.Network.Table, "nft-table", "", "nftables table (default dsec)")
+	f.StringVar(&flagCfg.Container.Runtime, "runtime", "", "OCI runtime: crun or runc (default crun)")
+	return cmd
+}
+
+// applyFlags overlays the flags that were set on cfg.
+func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
+	set := func(name string) bool { return cmd.Flags().Changed(name) }
+	if set("listen") {
+		cfg.Listen = fl.Listen
+	}
+	if set("data-dir") {
+		cfg.DataDir = fl.DataDir
+	}
+	if set("cache-dir") {
+		cfg.CacheDir = fl.CacheDir
+	}
+	if set("api-key") {
+		cfg.APIKeys = fl.APIKeys
+	}
+	if set("guest-binary") {
+		cfg.GuestBinary = fl.GuestBinary
+	}
+	if set("bootstrap") {
+		cfg.Bootstrap = nil
+		for _, b := range strings.Split(bootstrap, ",") {
+			if b = strings.TrimSpace(b); b != "" {
+				cfg.Bootstrap = append(cfg.Bootstrap, b)
+			}
+		}
+	}
+	if set("log-level") {
+		cfg.LogLevel = fl.LogLevel
+	}
+	if set("name") {
+		cfg.Node.Name = fl.Node.Name
+	}
+	if set("max-sandboxes") {
+		cfg.Node.MaxSandboxes = fl.Node.MaxSandboxes
+	}
+	if set("bridge") {
+		cfg.Network.Bridge = fl.Network.Bridge
+	}
+	if set("subnet") {
+		cfg.Network.Subnet = fl.Network.Subnet
+	}
+	if set("nft-table") {
+		cfg.Network.Table = fl.Network.Table
+	}
+	if set("runtime") {
+		cfg.Container.Runtime = fl.Container.Runtime
+	}
+}
+
+func newLogger(level string) *slog.Logger {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(level)); err != nil {
+		l = slog.LevelInfo
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: l}))
+}
+
+func serve(ctx context.Context, cfg config.Config) error {
+	log := newLogger(cfg.LogLevel)
+	// Before anything starts threads: all sandbox mounts live in a private
+	// mount namespace, which also lets crun work on hybrid cgroup hosts.
+	if os.Geteuid() == 0 {
+		if err := mountns.Enter(); err != nil {
+			return fmt.Errorf("enter a private mount namespace: %w", err)
+		}
+	} else {
+		log.Warn("not running as root: sandboxes cannot start (the container substrate needs root)")
+	}
+	dataDir, err := filepath.Abs(cfg.DataDir)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(dataDir, 0o700); err != nil {
+		return err
+	}
+	if err := apiserver.CheckListen(cfg.Listen, cfg.APIKeys); err != nil {
+		return err
+	}
+	n, err := buildNode(cfg, dataDir, log)
+	if err != nil {
+		return err
+	}
+	defer n.Close()
+	api := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, Version: version}, log, apiserver.Single{N: n})
+
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	for _, recipe := range cfg.Bootstrap {
+		if _, err := n.GetImage(ctx, recipe); err == nil {
+			continue
+		}
+		log.Info("bootstrapping base image (first run only)", slog.String("image", recipe))
+		last := time.Now()
+		_, err := n.BootstrapImage(ctx, &dsecv1.BootstrapImageRequest{Recipe: recipe}, func(p *dsecv1.ImageProgress) {
+			if time.Since(last) > 5*time.Second {
+				last = time.Now()
+				log.Info("bootstrap", slog.String("image", recipe), slog.String("phase", p.Phase), slog.String("step", p.Message))
+			}
+		})
+		if err != nil {
+			return fmt.Errorf("bootstrap image %s: %w", recipe, err)
+		}
+		log.Info("base image ready", slog.String("image", recipe))
+	}
+	l, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return err
+	}
+	log.Info("dsec serving", slog.String("listen", l.Addr().String()), slog.String("data_dir", dataDir), slog.Bool("auth", len(cfg.APIKeys) > 0))
+	return api.Serve(ctx, l)
+}
+
+// buildNode assembles a node agent with every substrate this host runs.
+func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node, error) {
+	guestBin, err := findGuest(cfg.GuestBinary)
+	if err != nil {
+		return nil, err
+	}
+	images, err := image.Open(filepath.Join(dataDir, "images"), log)
+	if err != nil {
+		return nil, err
+	}
+	netRun := filepath.Join("/run/dsec", runKey(dataDir), "netns")
+	nm, err := network.New(network.Config{Bridge: cfg.Network.Bridge, Subnet: cfg.Network.Subnet, DNS: cfg.Network.DNS, Table: cfg.Network.Table, RunDir: netRun}, log)
+	if err != nil {
+		return nil, err
+	}
+	ct, err := container.New(container.Config{
+		Runtime: cfg.Container.Runtime, CgroupParent: cfg.Container.CgroupParent,
+		GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "container"),
+	}, log)
+	if err != nil {
+		return nil, err
+	}
+	drivers := map[substrate.Kind]substrate.Driver{substrate.KindContainer: ct}
+	return node.New(node.Config{
+		Name: cfg.Node.Name, DataDir: dataDir, CacheDir: cfg.CacheDir, MaxSandboxes: cfg.Node.MaxSandboxes,
+		DefaultTTL: time.Duration(cfg.Node.DefaultTTL), MaxTTL: time.Duration(cfg.Node.MaxTTL),
+		DefaultCPU: cfg.Node.DefaultCPU, DefaultMemoryMB: cfg.Node.DefaultMemoryMB,
+		DefaultExecTimeout: time.Duration(cfg.Node.DefaultExecTimeout),
+	}, log, images, nm, drivers)
+}
+
+// runKey names a data directory's runtime directory under /run/dsec.
+func runKey(dataDir string) string {
+	h := uint32(2166136261)
+	for i := 0; i < len(dataDir); i++ {
+		h = (h ^ uint32(dataDir[i])) * 16777619
+	}
+	return fmt.Sprintf("%08x", h)
+}
+
+// findGuest locates the static dsec-guest binary.
+func findGuest(p string) (string, error) {
+	if p == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return "", err
+		}
+		p = filepath.Join(filepath.Dir(exe), "dsec-guest")
+	}
+	abs, err := filepath.Abs(p)
+	if err != nil {
+		return "", err
+	}
+	f, err := elf.Open(abs)
+	if err != nil {
+		return "", fmt.Errorf("dsec-guest not found at %s (build it with `make build` or pass --guest-binary): %w", abs, err)
+	}
+	defer f.Close()
+	for _, prog := range f.Progs {
+		if prog.Type == elf.PT_INTERP {
+			return "", fmt.Errorf("%s is dynamically linked; build it with CGO_ENABLED=0", abs)
+		}
+	}
+	return abs, nil
+}

@@ -1,0 +1,59 @@
+// Package apiserver is the control plane's front door: it authenticates
+// callers, routes each call to the node that owns the sandbox (the node is
+// encoded in the sandbox ID) and translates between the wire (Connect:
+// JSON or binary, HTTP/1.1 or h2, and gRPC) and the nodes. It holds no
+// per-sandbox state and no business logic.
+package apiserver
+
+import (
+	"context"
+	"io"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+)
+
+// Node is one node as the apiserver sees it: in `dsec serve` the node agent
+// itself, in cluster mode a client of a remote node agent.
+type Node interface {
+	Name() string
+	Info(ctx context.Context) *dsecv1.NodeInfo
+
+	Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*dsecv1.Sandbox, error)
+	Get(ctx context.Context, id string) (*dsecv1.Sandbox, error)
+	List(ctx context.Context, req *dsecv1.ListSandboxesRequest) (*dsecv1.ListSandboxesResponse, error)
+	Delete(ctx context.Context, id string) error
+	Keepalive(ctx context.Context, req *dsecv1.KeepaliveRequest) (*dsecv1.Sandbox, error)
+
+	Exec(ctx context.Context, req *dsecv1.ExecRequest) (*dsecv1.ExecResult, error)
+	ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send func(*dsecv1.ExecEvent) error) error
+	ConnectProcess(ctx context.Context, req *dsecv1.ConnectProcessRequest, send func(*dsecv1.ExecEvent) error) error
+	WriteStdin(ctx context.Context, req *dsecv1.WriteStdinRequest) error
+	SignalProcess(ctx context.Context, req *dsecv1.SignalProcessRequest) error
+	ResizePTY(ctx context.Context, req *dsecv1.ResizePTYRequest) error
+	ListProcesses(ctx context.Context, req *dsecv1.ListProcessesRequest) (*dsecv1.ListProcessesResponse, error)
+
+	ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send func(*dsecv1.ReadFileResponse) error) error
+	WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.Reader) (*dsecv1.FileInfo, error)
+	Stat(ctx context.Context, req *dsecv1.StatRequest) (*dsecv1.FileInfo, error)
+	ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (*dsecv1.ListDirResponse, error)
+	MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (*dsecv1.FileInfo, error)
+	Remove(ctx context.Context, req *dsecv1.RemoveRequest) error
+	Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.FileInfo, error)
+
+	ListImages(ctx context.Context) []*dsecv1.Image
+	GetImage(ctx context.Context, name string) (*dsecv1.Image, error)
+	DeleteImage(ctx context.Context, name string) error
+	PullImage(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
+	UploadImage(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader) (*dsecv1.Image, error)
+	BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
+}
+
+// Router finds nodes: the owner of a sandbox, and where to place a new one.
+type Router interface {
+	// ForSandbox returns the node that owns sandbox id.
+	ForSandbox(ctx context.Context, id string) (Node, error)
+	// ForCreate chooses the node for a new sandbox.
+	ForCreate(ctx context.Context, spec *dsecv1.SandboxSpec) (Node, error)
+	// Nodes lists every node (for listing and image operations).
+	Nodes(ctx context.Context) []Node
+}

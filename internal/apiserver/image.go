@@ -1,0 +1,151 @@
+package apiserver
+
+import (
+	"context"
+	"io"
+	"sort"
+
+	"connectrpc.com/connect"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
+	"github.com/opendsec/dsec/internal/errdefs"
+)
+
+// imageService translates the ImageService. Images live on nodes; a
+// cluster-wide operation runs on every node.
+type imageService struct {
+	r Router
+}
+
+var _ dsecv1connect.ImageServiceHandler = (*imageService)(nil)
+
+func (s *imageService) ListImages(ctx context.Context, req *connect.Request[dsecv1.ListImagesRequest]) (*connect.Response[dsecv1.ListImagesResponse], error) {
+	seen := map[string]*dsecv1.Image{}
+	for _, n := range s.r.Nodes(ctx) {
+		for _, img := range n.ListImages(ctx) {
+			seen[img.Name] = img
+		}
+	}
+	out := &dsecv1.ListImagesResponse{}
+	for _, img := range seen {
+		out.Images = append(out.Images, img)
+	}
+	sort.Slice(out.Images, func(i, j int) bool { return out.Images[i].Name < out.Images[j].Name })
+	return connect.NewResponse(out), nil
+}
+
+func (s *imageService) GetImage(ctx context.Context, req *connect.Request[dsecv1.GetImageRequest]) (*connect.Response[dsecv1.Image], error) {
+	var lastErr error = errdefs.NotFound("image %q not found", req.Msg.GetName())
+	for _, n := range s.r.Nodes(ctx) {
+		img, err := n.GetImage(ctx, req.Msg.GetName())
+		if err == nil {
+			return connect.NewResponse(img), nil
+		}
+		lastErr = err
+	}
+	return nil, wire(lastErr)
+}
+
+func (s *imageService) DeleteImage(ctx context.Context, req *connect.Request[dsecv1.DeleteImageRequest]) (*connect.Response[dsecv1.DeleteImageResponse], error) {
+	found := false
+	for _, n := range s.r.Nodes(ctx) {
+		err := n.DeleteImage(ctx, req.Msg.GetName())
+		if err == nil {
+			found = true
+		} else if !errdefs.Is(err, errdefs.KindNotFound) {
+			return nil, wire(err)
+		}
+	}
+	if !found {
+		return nil, wire(errdefs.NotFound("image %q not found", req.Msg.GetName()))
+	}
+	return connect.NewResponse(&dsecv1.DeleteImageResponse{}), nil
+}
+
+// eachNode runs an image import on every node, streaming progress, and
+// sends the image as the final message.
+func eachNode(ctx context.Context, r Router, stream *connect.ServerStream[dsecv1.ImageProgress], run func(Node, func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)) error {
+	var img *dsecv1.Image
+	for _, n := range r.Nodes(ctx) {
+		var sendErr error
+		progress := func(p *dsecv1.ImageProgress) {
+			if sendErr == nil {
+				sendErr = stream.Send(p)
+			}
+		}
+		got, err := run(n, progress)
+		if err != nil {
+			return wire(err)
+		}
+		if sendErr != nil {
+			return sendErr
+		}
+		img = got
+	}
+	return stream.Send(&dsecv1.ImageProgress{Phase: "done", Message: img.GetName(), Image: img})
+}
+
+func (s *imageService) PullImage(ctx context.Context, req *connect.Request[dsecv1.PullImageRequest], stream *connect.ServerStream[dsecv1.ImageProgress]) error {
+	return eachNode(ctx, s.r, stream, func(n Node, p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+		return n.PullImage(ctx, req.Msg, p)
+	})
+}
+
+func (s *imageService) BootstrapImage(ctx context.Context, req *connect.Request[dsecv1.BootstrapImageRequest], stream *connect.ServerStream[dsecv1.ImageProgress]) error {
+	return eachNode(ctx, s.r, stream, func(n Node, p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+		return n.BootstrapImage(ctx, req.Msg, p)
+	})
+}
+
+func (s *imageService) UploadImage(ctx context.Context, stream *connect.ClientStream[dsecv1.UploadImageRequest]) (*connect.Response[dsecv1.Image], error) {
+	if !stream.Receive() || stream.Msg().GetHeader() == nil {
+		return nil, wire(errdefs.Invalid("UploadImage needs a header message first"))
+	}
+	hdr := stream.Msg().GetHeader()
+	nodes := s.r.Nodes(ctx)
+	if len(nodes) != 1 {
+		return nil, wire(errdefs.Unimplemented("uploading an image to a cluster of %d nodes; pull it from a registry instead", len(nodes)))
+	}
+	img, err := nodes[0].UploadImage(ctx, hdr, &uploadReader{stream: stream})
+	if err != nil {
+		return nil, wire(err)
+	}
+	return connect.NewResponse(img), nil
+}
+
+type uploadReader struct {
+	stream *connect.ClientStream[dsecv1.UploadImageRequest]
+	buf    []byte
+}
+
+func (r *uploadReader) Read(p []byte) (int, error) {
+	for len(r.buf) == 0 {
+		if !r.stream.Receive() {
+			if err := r.stream.Err(); err != nil {
+				return 0, err
+			}
+			return 0, io.EOF
+		}
+		r.buf = r.stream.Msg().GetData()
+	}
+	n := copy(p, r.buf)
+	r.buf = r.buf[n:]
+	return n, nil
+}
+
+// systemService reports the deployment.
+type systemService struct {
+	r       Router
+	version string
+}
+
+var _ dsecv1connect.SystemServiceHandler = (*systemService)(nil)
+
+func (s *systemService) GetInfo(ctx context.Context, req *connect.Request[dsecv1.GetInfoRequest]) (*connect.Response[dsecv1.Info], error) {
+	info := &dsecv1.Info{Version: s.version}
+	for _, n := range s.r.Nodes(ctx) {
+		info.Nodes = append(info.Nodes, n.Info(ctx))
+	}
+	return connect.NewResponse(info), nil
+}

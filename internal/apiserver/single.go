@@ -1,0 +1,38 @@
+package apiserver
+
+import (
+	"context"
+	"strings"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+)
+
+// Single routes everything to one node (`dsec serve`).
+type Single struct{ N Node }
+
+var _ Router = Single{}
+
+func (s Single) ForSandbox(ctx context.Context, id string) (Node, error) {
+	_, node, ok := strings.Cut(id, "-")
+	if !ok || node == "" {
+		return nil, errdefs.Invalid("malformed sandbox id %q", clip(id))
+	}
+	if node != s.N.Name() {
+		return nil, errdefs.NotFound("sandbox %s: no node %q in this deployment", clip(id), clip(node))
+	}
+	return s.N, nil
+}
+
+func (s Single) ForCreate(ctx context.Context, spec *dsecv1.SandboxSpec) (Node, error) {
+	return s.N, nil
+}
+
+func (s Single) Nodes(ctx context.Context) []Node { return []Node{s.N} }
+
+func clip(s string) string {
+	if len(s) > 80 {
+		return s[:80] + "…"
+	}
+	return s
+}

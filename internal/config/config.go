@@ -1,0 +1,147 @@
+// Package config is the server configuration of `dsec serve` (and, later,
+// `dsec api` and `dsec node`): one struct whose zero value is a working
+// single-host default, loaded from a YAML file, then environment variables,
+// then flags, in that order of precedence (flags win).
+package config
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"sigs.k8s.io/yaml"
+)
+
+// Config is the whole server configuration. Every field's default is the
+// value used when it is left zero.
+type Config struct {
+	// Listen is the API address (default 127.0.0.1:7070). A non-loopback
+	// address requires APIKeys.
+	Listen string `json:"listen,omitempty"`
+	// DataDir holds all state: the node store, images, sandboxes
+	// (default ./.dsec).
+	DataDir string `json:"data_dir,omitempty"`
+	// CacheDir keeps bootstrapped root filesystems (default DataDir/cache).
+	CacheDir string `json:"cache_dir,omitempty"`
+	// APIKeys are accepted API keys (env DSEC_API_KEYS, comma-separated).
+	// Empty: no authentication, loopback only.
+	APIKeys []string `json:"api_keys,omitempty"`
+	// GuestBinary is the static dsec-guest binary (default: dsec-guest next
+	// to the dsec binary, env DSEC_GUEST_BINARY).
+	GuestBinary string `json:"guest_binary,omitempty"`
+	// Bootstrap lists base images built at start if missing ("busybox",
+	// "debian"); empty builds none.
+	Bootstrap []string `json:"bootstrap,omitempty"`
+	// LogLevel is debug, info (default), warn or error.
+	LogLevel string `json:"log_level,omitempty"`
+
+	Node      Node      `json:"node,omitempty"`
+	Network   Network   `json:"network,omitempty"`
+	Container Container `json:"container,omitempty"`
+}
+
+// Node configures the node agent.
+type Node struct {
+	// Name is the node's name in sandbox IDs (default "local").
+	Name string `json:"name,omitempty"`
+	// MaxSandboxes is the node's admission limit (default 4096).
+	MaxSandboxes int `json:"max_sandboxes,omitempty"`
+	// DefaultTTL and MaxTTL bound sandbox lifetimes (default 1h and 168h).
+	DefaultTTL Duration `json:"default_ttl,omitempty"`
+	MaxTTL     Duration `json:"max_ttl,omitempty"`
+	// DefaultCPU (1) and DefaultMemoryMB (512) apply when a create omits them.
+	DefaultCPU      float64 `json:"default_cpu,omitempty"`
+	DefaultMemoryMB int64   `json:"default_memory_mb,omitempty"`
+	// DefaultExecTimeout applies to exec calls without one (default 10m).
+	DefaultExecTimeout Duration `json:"default_exec_timeout,omitempty"`
+}
+
+// Network configures sandbox networking.
+type Network struct {
+	// Bridge is the egress bridge (default dsec0).
+	Bridge string `json:"bridge,omitempty"`
+	// Subnet holds egress sandbox addresses (default 10.88.0.0/16).
+	Subnet string `json:"subnet,omitempty"`
+	// DNS are the resolvers egress sandboxes use (default: the host's).
+	DNS []string `json:"dns,omitempty"`
+	// Table is the nftables table (default "dsec").
+	Table string `json:"table,omitempty"`
+}
+
+// Container configures the container substrate.
+type Container struct {
+	// Runtime is crun, runc or a path (default: crun, else runc).
+	Runtime string `json:"runtime,omitempty"`
+	// CgroupParent is the cgroup for sandboxes (default /dsec).
+	CgroupParent string `json:"cgroup_parent,omitempty"`
+}
+
+// Duration is a time.Duration written as "10m" in files.
+type Duration time.Duration
+
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	s := strings.Trim(string(b), `"`)
+	if s == "" || s == "null" {
+		return nil
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return fmt.Errorf("duration %q: %w", s, err)
+	}
+	*d = Duration(v)
+	return nil
+}
+
+func (d Duration) MarshalJSON() ([]byte, error) {
+	return []byte(`"` + time.Duration(d).String() + `"`), nil
+}
+
+// Load reads a YAML file (if path is not empty) and then the environment.
+// Flags are applied by the caller afterwards.
+func Load(path string) (Config, error) {
+	var c Config
+	if path != "" {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return c, fmt.Errorf("read config: %w", err)
+		}
+		if err := yaml.UnmarshalStrict(b, &c); err != nil {
+			return c, fmt.Errorf("parse config %s: %w", path, err)
+		}
+	}
+	if v := os.Getenv("DSEC_API_KEYS"); v != "" {
+		c.APIKeys = nil
+		for _, k := range strings.Split(v, ",") {
+			if k = strings.TrimSpace(k); k != "" {
+				c.APIKeys = append(c.APIKeys, k)
+			}
+		}
+	}
+	if v := os.Getenv("DSEC_DATA_DIR"); v != "" {
+		c.DataDir = v
+	}
+	if v := os.Getenv("DSEC_CACHE_DIR"); v != "" {
+		c.CacheDir = v
+	}
+	if v := os.Getenv("DSEC_GUEST_BINARY"); v != "" {
+		c.GuestBinary = v
+	}
+	if v := os.Getenv("DSEC_LISTEN"); v != "" {
+		c.Listen = v
+	}
+	return c, nil
+}
+
+// Defaults fills the defaults this package owns; components fill theirs.
+func (c *Config) Defaults() {
+	if c.Listen == "" {
+		c.Listen = "127.0.0.1:7070"
+	}
+	if c.DataDir == "" {
+		c.DataDir = ".dsec"
+	}
+	if c.LogLevel == "" {
+		c.LogLevel = "info"
+	}
+}

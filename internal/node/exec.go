@@ -1,0 +1,342 @@
+package node
+
+import (
+	"context"
+	"path"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/guest"
+)
+
+const (
+	maxArgs      = 4096
+	maxArgBytes  = 1 << 20
+	maxStdin     = 16 << 20
+	keepaliveGap = 15 * time.Second
+)
+
+// guestExec turns an API exec request into the agent's.
+func (n *Node) guestExec(s *sandbox, req *dsecv1.ExecRequest, collect bool) (*guestv1.Exec, error) {
+	argv := req.GetArgv()
+	switch {
+	case len(argv) > 0 && req.GetCmd() != "":
+		return nil, errdefs.Invalid("give argv or cmd, not both")
+	case len(argv) == 0 && req.GetCmd() == "":
+		return nil, errdefs.Invalid("argv or cmd is required")
+	case req.GetCmd() != "":
+		argv = []string{"/bin/sh", "-c", req.GetCmd()}
+	}
+	if len(argv) > maxArgs {
+		return nil, errdefs.Invalid("at most %d arguments", maxArgs)
+	}
+	total := 0
+	for _, a := range argv {
+		total += len(a)
+		if strings.IndexByte(a, 0) >= 0 {
+			return nil, errdefs.Invalid("arguments must not contain NUL bytes")
+		}
+	}
+	if total > maxArgBytes {
+		return nil, errdefs.Invalid("arguments larger than %d bytes", maxArgBytes)
+	}
+	if err := validEnv(req.GetEnv()); err != nil {
+		return nil, err
+	}
+	if len(req.GetStdin()) > maxStdin {
+		return nil, errdefs.Invalid("stdin larger than %d bytes; stream it with stdin_open and WriteStdin", maxStdin)
+	}
+	timeout := n.cfg.DefaultExecTimeout
+	if t := req.GetTimeoutS(); t != 0 {
+		if t < 0 || time.Duration(t*float64(time.Second)) > n.cfg.MaxExecTimeout {
+			return nil, errdefs.Invalid("timeout_s %g out of range (0, %g]", t, n.cfg.MaxExecTimeout.Seconds())
+		}
+		timeout = time.Duration(t * float64(time.Second))
+	}
+	maxOut := n.cfg.DefaultOutputBytes
+	if m := req.GetMaxOutputBytes(); m != 0 {
+		if m < 0 || m > n.cfg.MaxOutputBytes {
+			return nil, errdefs.Invalid("max_output_bytes %d out of range (0, %d]", m, n.cfg.MaxOutputBytes)
+		}
+		maxOut = m
+	}
+	if req.GetStdinOpen() && collect {
+		return nil, errdefs.Invalid("stdin_open needs ExecStream")
+	}
+	if len(req.GetTag()) > 128 {
+		return nil, errdefs.Invalid("tag longer than 128 bytes")
+	}
+	env := make([]string, 0, len(req.GetEnv()))
+	for k, v := range req.GetEnv() {
+		env = append(env, k+"="+v)
+	}
+	sort.Strings(env)
+	cwd := req.GetCwd()
+	if cwd == "" {
+		cwd = s.spec.Workdir
+	} else if !path.IsAbs(cwd) {
+		cwd = path.Join(orRoot(s.spec.Workdir), cwd)
+	}
+	user := req.GetUser()
+	if user == "" {
+		user = s.spec.User
+	}
+	return &guestv1.Exec{
+		Argv: argv, Env: env, Cwd: cwd, User: user,
+		StdinOpen: req.GetStdinOpen(), StdinData: req.GetStdin(),
+		TimeoutMs: timeout.Milliseconds(), MaxOutput: maxOut,
+		Pty: req.GetPty(), Rows: req.GetPtyRows(), Cols: req.GetPtyCols(),
+		Collect: collect, Tag: req.GetTag(),
+	}, nil
+}
+
+func orRoot(p string) string {
+	if p == "" {
+		return "/"
+	}
+	return p
+}
+
+// Exec runs a command to completion.
+func (n *Node) Exec(ctx context.Context, req *dsecv1.ExecRequest) (*dsecv1.ExecResult, error) {
+	s, err := n.live(req.GetSandboxId())
+	if err != nil {
+		return nil, err
+	}
+	x, err := n.guestExec(s, req, true)
+	if err != nil {
+		return nil, err
+	}
+	exit, err := s.inst.Guest().Run(ctx, x)
+	if err != nil {
+		return nil, n.callFailed(s, err)
+	}
+	return n.result(s, exit, ""), nil
+}
+
+func (n *Node) result(s *sandbox, x *guestv1.Exit, pid string) *dsecv1.ExecResult {
+	r := &dsecv1.ExecResult{
+		ExitCode: x.ExitCode, Stdout: x.Stdout, Stderr: x.Stderr, TimedOut: x.TimedOut,
+		Truncated: x.Truncated, DurationMs: x.DurationUs / 1000, ProcessId: pid,
+	}
+	if x.Signal != 0 {
+		r.Signal = strings.TrimPrefix(unix.SignalName(syscall.Signal(x.Signal)), "SIG")
+		if x.Signal == int32(syscall.SIGKILL) && !x.TimedOut {
+			r.OomKilled = n.oomSince(s)
+		}
+	}
+	return r
+}
+
+// oomSince reports whether the sandbox's memory limit killed a process since
+// the last check.
+func (n *Node) oomSince(s *sandbox) bool {
+	st, err := s.inst.Stats(context.Background())
+	if err != nil {
+		return false
+	}
+	prev := s.oomKills.Swap(st.OOMKills)
+	return st.OOMKills > prev
+}
+
+// callFailed classifies an agent call failure: a broken channel to a dead
+// sandbox is "gone" (infra), and the sandbox is cleaned up.
+func (n *Node) callFailed(s *sandbox, err error) error {
+	if !errdefs.Is(err, errdefs.KindUnavailable) {
+		return err
+	}
+	if cerr := s.inst.Check(context.Background()); cerr != nil {
+		go n.remove(context.Background(), s, "the sandbox died during a call", true)
+		return errdefs.Gone("sandbox %s died during the call", s.id).WithCause(err)
+	}
+	return err
+}
+
+// ExecStream runs a command and streams its events to send.
+func (n *Node) ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send func(*dsecv1.ExecEvent) error) error {
+	s, err := n.live(req.GetSandboxId())
+	if err != nil {
+		return err
+	}
+	x, err := n.guestExec(s, req, false)
+	if err != nil {
+		return err
+	}
+	p, err := s.inst.Guest().Start(ctx, x)
+	if err != nil {
+		return n.callFailed(s, err)
+	}
+	return n.pump(ctx, s, p, send)
+}
+
+// ConnectProcess attaches to a running or recently finished process.
+func (n *Node) ConnectProcess(ctx context.Context, req *dsecv1.ConnectProcessRequest, send func(*dsecv1.ExecEvent) error) error {
+	s, err := n.live(req.GetSandboxId())
+	if err != nil {
+		return err
+	}
+	if req.GetProcessId() == "" && req.GetTag() == "" {
+		return errdefs.Invalid("process_id or tag is required")
+	}
+	p, err := s.inst.Guest().Attach(ctx, req.GetProcessId(), req.GetTag())
+	if err != nil {
+		return n.callFailed(s, err)
+	}
+	return n.pump(ctx, s, p, send)
+}
+
+// pump forwards a process's events, with keepalives on quiet streams. The
+// process keeps running if the caller goes away.
+func (n *Node) pump(ctx context.Context, s *sandbox, p *guest.Process, send func(*dsecv1.ExecEvent) error) error {
+	defer p.Close()
+	if err := send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Started{Started: &dsecv1.ExecStarted{ProcessId: p.ID, Pid: p.Pid}}}); err != nil {
+		return err
+	}
+	type msg struct {
+		m   *guestv1.ServerMsg
+		err error
+	}
+	ch := make(chan msg, 16)
+	go func() {
+		for {
+			m, err := p.Recv()
+			ch <- msg{m, err}
+			if err != nil || m.GetExit() != nil {
+				return
+			}
+		}
+	}()
+	tick := time.NewTicker(keepaliveGap)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return errdefs.Classify(ctx.Err())
+		case <-tick.C:
+			if err := send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Keepalive{Keepalive: true}}); err != nil {
+				return err
+			}
+			s.touch()
+		case r := <-ch:
+			if r.err != nil {
+				return n.callFailed(s, r.err)
+			}
+			var ev *dsecv1.ExecEvent
+			switch v := r.m.Msg.(type) {
+			case *guestv1.ServerMsg_Output:
+				if v.Output.Fd == 2 {
+					ev = &dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Stderr{Stderr: v.Output.Data}}
+				} else {
+					ev = &dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Stdout{Stdout: v.Output.Data}}
+				}
+			case *guestv1.ServerMsg_Exit:
+				s.touch()
+				return send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Exit{Exit: n.result(s, v.Exit, p.ID)}})
+			default:
+				continue
+			}
+			if err := send(ev); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// WriteStdin writes to a process's stdin.
+func (n *Node) WriteStdin(ctx context.Context, req *dsecv1.WriteStdinRequest) error {
+	s, err := n.live(req.GetSandboxId())
+	if err != nil {
+		return err
+	}
+	if req.GetProcessId() == "" {
+		return errdefs.Invalid("process_id is required")
+	}
+	if len(req.GetData()) > maxStdin {
+		return errdefs.Invalid("stdin chunk larger than %d bytes", maxStdin)
+	}
+	if err := s.inst.Guest().InputProcess(ctx, req.GetProcessId(), req.GetData(), req.GetClose()); err != nil {
+		return n.callFailed(s, err)
+	}
+	return nil
+}
+
+// SignalProcess signals a process group.
+func (n *Node) SignalProcess(ctx context.Context, req *dsecv1.SignalProcessRequest) error {
+	s, err := n.live(req.GetSandboxId())
+	if err != nil {
+		return err
+	}
+	sig, err := ParseSignal(req.GetSignal())
+	if err != nil {
+		return err
+	}
+	if err := s.inst.Guest().SignalProcess(ctx, req.GetProcessId(), sig); err != nil {
+		return n.callFailed(s, err)
+	}
+	return nil
+}
+
+// ParseSignal accepts "TERM", "SIGTERM" or "15".
+func ParseSignal(name string) (syscall.Signal, error) {
+	if name == "" {
+		return syscall.SIGTERM, nil
+	}
+	if v, err := strconv.Atoi(name); err == nil && v > 0 && v < 65 {
+		return syscall.Signal(v), nil
+	}
+	s := unix.SignalNum("SIG" + strings.TrimPrefix(strings.ToUpper(name), "SIG"))
+	if s == 0 {
+		return 0, errdefs.Invalid("unknown signal %q", name)
+	}
+	return s, nil
+}
+
+// ResizePTY resizes a process's terminal.
+func (n *Node) ResizePTY(ctx context.Context, req *dsecv1.ResizePTYRequest) error {
+	s, err := n.live(req.GetSandboxId())
+	if err != nil {
+		return err
+	}
+	if req.GetRows() == 0 || req.GetCols() == 0 || req.GetRows() > 1000 || req.GetCols() > 1000 {
+		return errdefs.Invalid("rows and cols must be between 1 and 1000")
+	}
+	if err := s.inst.Guest().ResizeProcess(ctx, req.GetProcessId(), req.GetRows(), req.GetCols()); err != nil {
+		return n.callFailed(s, err)
+	}
+	return nil
+}
+
+// ListProcesses lists the agent's processes.
+func (n *Node) ListProcesses(ctx context.Context, req *dsecv1.ListProcessesRequest) (*dsecv1.ListProcessesResponse, error) {
+	s, err := n.live(req.GetSandboxId())
+	if err != nil {
+		return nil, err
+	}
+	procs, err := s.inst.Guest().ListProcs(ctx)
+	if err != nil {
+		return nil, n.callFailed(s, err)
+	}
+	out := &dsecv1.ListProcessesResponse{}
+	for _, p := range procs {
+		env := map[string]string{}
+		for _, e := range p.Env {
+			if k, v, ok := strings.Cut(e, "="); ok {
+				env[k] = v
+			}
+		}
+		out.Processes = append(out.Processes, &dsecv1.ProcessInfo{
+			ProcessId: p.Id, Pid: p.Pid, Argv: p.Argv, Tag: p.Tag, Running: p.Running,
+			ExitCode: p.ExitCode, Pty: p.Pty, Cwd: p.Cwd, Env: env,
+		})
+	}
+	sort.Slice(out.Processes, func(i, j int) bool { return out.Processes[i].ProcessId < out.Processes[j].ProcessId })
+	return out, nil
+}

@@ -1,0 +1,211 @@
+package node
+
+import (
+	"context"
+	"io"
+	"path"
+	"time"
+
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/guest"
+	"google.golang.org/protobuf/types/known/timestamppb"
+)
+
+// sandboxPath resolves a path from a caller: absolute, or relative to the
+// sandbox's working directory. The agent's root is the sandbox's root, so
+// the result cannot name anything outside the sandbox.
+func sandboxPath(s *sandbox, p string) (string, error) {
+	if p == "" {
+		return "", errdefs.Invalid("path is required")
+	}
+	if len(p) > 4096 {
+		return "", errdefs.Invalid("path longer than 4096 bytes")
+	}
+	for i := 0; i < len(p); i++ {
+		if p[i] == 0 {
+			return "", errdefs.Invalid("path contains a NUL byte")
+		}
+	}
+	if !path.IsAbs(p) {
+		p = path.Join(orRoot(s.spec.Workdir), p)
+	}
+	return path.Clean(p), nil
+}
+
+func fileInfo(i *guestv1.FileInfo) *dsecv1.FileInfo {
+	if i == nil {
+		return nil
+	}
+	return &dsecv1.FileInfo{
+		Path: i.Path, Name: i.Name, Type: i.Type, Size: i.Size, Mode: i.Mode,
+		Mtime: timestamppb.New(time.UnixMilli(i.MtimeUnixMs)), SymlinkTarget: i.SymlinkTarget,
+		Owner: i.Owner, Group: i.Group,
+	}
+}
+
+// ReadFile streams a file: info first, then data chunks.
+func (n *Node) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send func(*dsecv1.ReadFileResponse) error) error {
+	s, err := n.live(req.GetSandboxId())
+	if err != nil {
+		return err
+	}
+	p, err := sandboxPath(s, req.GetPath())
+	if err != nil {
+		return err
+	}
+	if req.GetOffset() < 0 || req.GetMaxBytes() < 0 {
+		return errdefs.Invalid("offset and max_bytes must not be negative")
+	}
+	f, err := s.inst.Guest().ReadFile(ctx, p, req.GetOffset(), req.GetMaxBytes())
+	if err != nil {
+		return n.callFailed(s, err)
+	}
+	defer f.Close()
+	if err := send(&dsecv1.ReadFileResponse{Msg: &dsecv1.ReadFileResponse_Info{Info: fileInfo(f.Info)}}); err != nil {
+		return err
+	}
+	for {
+		b, err := f.Chunk()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return n.callFailed(s, err)
+		}
+		if err := send(&dsecv1.ReadFileResponse{Msg: &dsecv1.ReadFileResponse_Data{Data: b}}); err != nil {
+			return err
+		}
+	}
+}
+
+// WriteFile writes r into a file.
+func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.Reader) (*dsecv1.FileInfo, error) {
+	s, err := n.live(hdr.GetSandboxId())
+	if err != nil {
+		return nil, err
+	}
+	p, err := sandboxPath(s, hdr.GetPath())
+	if err != nil {
+		return nil, err
+	}
+	if hdr.GetMode() > 0o7777 {
+		return nil, errdefs.Invalid("mode %o is not a permission mode", hdr.GetMode())
+	}
+	user := hdr.GetUser()
+	if user == "" {
+		user = s.spec.User
+	}
+	info, err := s.inst.Guest().WriteFile(ctx, &guestv1.WriteFile{Path: p, Mode: hdr.GetMode(), Append: hdr.GetAppend(), User: user, Mkdirs: true}, &touchReader{r: r, s: s})
+	if err != nil {
+		return nil, n.callFailed(s, err)
+	}
+	return fileInfo(info), nil
+}
+
+// touchReader keeps a long upload from counting as idle.
+type touchReader struct {
+	r    io.Reader
+	s    *sandbox
+	last time.Time
+}
+
+func (t *touchReader) Read(p []byte) (int, error) {
+	if time.Since(t.last) > time.Second {
+		t.last = time.Now()
+		t.s.touch()
+	}
+	return t.r.Read(p)
+}
+
+// Stat returns a file's info.
+func (n *Node) Stat(ctx context.Context, req *dsecv1.StatRequest) (*dsecv1.FileInfo, error) {
+	return n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(g guestCall, p string) (*guestv1.FileInfo, error) {
+		return g.Stat(ctx, p)
+	})
+}
+
+// MakeDir creates a directory and its parents.
+func (n *Node) MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (*dsecv1.FileInfo, error) {
+	return n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(g guestCall, p string) (*guestv1.FileInfo, error) {
+		return g.MakeDir(ctx, p, req.GetUser())
+	})
+}
+
+// Rename moves a file or directory.
+func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.FileInfo, error) {
+	s, err := n.live(req.GetSandboxId())
+	if err != nil {
+		return nil, err
+	}
+	from, err := sandboxPath(s, req.GetFrom())
+	if err != nil {
+		return nil, err
+	}
+	to, err := sandboxPath(s, req.GetTo())
+	if err != nil {
+		return nil, err
+	}
+	info, err := s.inst.Guest().Rename(ctx, from, to)
+	if err != nil {
+		return nil, n.callFailed(s, err)
+	}
+	return fileInfo(info), nil
+}
+
+// Remove removes a file or a tree.
+func (n *Node) Remove(ctx context.Context, req *dsecv1.RemoveRequest) error {
+	_, err := n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(g guestCall, p string) (*guestv1.FileInfo, error) {
+		return nil, g.Remove(ctx, p, req.GetRecursive())
+	})
+	return err
+}
+
+// ListDir lists a directory.
+func (n *Node) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (*dsecv1.ListDirResponse, error) {
+	s, err := n.live(req.GetSandboxId())
+	if err != nil {
+		return nil, err
+	}
+	p, err := sandboxPath(s, req.GetPath())
+	if err != nil {
+		return nil, err
+	}
+	if req.GetDepth() < 0 || req.GetDepth() > 64 {
+		return nil, errdefs.Invalid("depth must be between 0 and 64")
+	}
+	ents, err := s.inst.Guest().ListDir(ctx, p, req.GetDepth())
+	if err != nil {
+		return nil, n.callFailed(s, err)
+	}
+	out := &dsecv1.ListDirResponse{}
+	for _, e := range ents {
+		out.Entries = append(out.Entries, fileInfo(e))
+	}
+	return out, nil
+}
+
+type guestCall interface {
+	Stat(ctx context.Context, path string) (*guestv1.FileInfo, error)
+	MakeDir(ctx context.Context, path, user string) (*guestv1.FileInfo, error)
+	Remove(ctx context.Context, path string, recursive bool) error
+}
+
+var _ guestCall = (*guest.Client)(nil)
+
+func (n *Node) fileCall(ctx context.Context, id, p string, f func(guestCall, string) (*guestv1.FileInfo, error)) (*dsecv1.FileInfo, error) {
+	s, err := n.live(id)
+	if err != nil {
+		return nil, err
+	}
+	p, err = sandboxPath(s, p)
+	if err != nil {
+		return nil, err
+	}
+	info, err := f(s.inst.Guest(), p)
+	if err != nil {
+		return nil, n.callFailed(s, err)
+	}
+	return fileInfo(info), nil
+}

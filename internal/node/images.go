@@ -1,0 +1,136 @@
+package node
+
+import (
+	"context"
+	"io"
+
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/substrate"
+)
+
+func imageView(img *image.Image) *dsecv1.Image {
+	return &dsecv1.Image{
+		Name: img.Name, Digest: img.Digest, Layers: img.Layers, SizeBytes: img.Size,
+		CreatedAt: timestamppb.New(img.Created), Source: img.Source,
+		Config: &dsecv1.ImageConfig{
+			Env: img.Config.Env, Workdir: img.Config.Workdir, User: img.Config.User,
+			Entrypoint: img.Config.Entrypoint, Cmd: img.Config.Cmd,
+		},
+	}
+}
+
+// ListImages lists the node's images.
+func (n *Node) ListImages(ctx context.Context) []*dsecv1.Image {
+	var out []*dsecv1.Image
+	for _, img := range n.images.List() {
+		out = append(out, imageView(img))
+	}
+	return out
+}
+
+// GetImage returns one image.
+func (n *Node) GetImage(ctx context.Context, name string) (*dsecv1.Image, error) {
+	img, err := n.images.Get(name)
+	if err != nil {
+		return nil, err
+	}
+	return imageView(img), nil
+}
+
+// DeleteImage removes an image. Running sandboxes of it keep their layers.
+func (n *Node) DeleteImage(ctx context.Context, name string) error {
+	return n.images.Delete(name)
+}
+
+// Progress receives image import progress.
+type Progress func(*dsecv1.ImageProgress)
+
+func (p Progress) image() image.Progress {
+	if p == nil {
+		return nil
+	}
+	return func(phase, msg string, done, total int64) {
+		p(&dsecv1.ImageProgress{Phase: phase, Message: msg, DoneBytes: done, TotalBytes: total})
+	}
+}
+
+// PullImage imports an image from a registry.
+func (n *Node) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	if req.GetRef() == "" {
+		return nil, errdefs.Invalid("ref is required")
+	}
+	a := req.GetAuth()
+	img, err := n.images.Pull(ctx, req.GetRef(), req.GetName(), image.Auth{
+		Username: a.GetUsername(), Password: a.GetPassword(), IdentityToken: a.GetIdentityToken(), RegistryToken: a.GetRegistryToken(),
+	}, req.GetInsecure(), Progress(progress).image())
+	if err != nil {
+		return nil, err
+	}
+	return imageView(img), nil
+}
+
+// UploadImage imports an archive streamed by the client.
+func (n *Node) UploadImage(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader) (*dsecv1.Image, error) {
+	if err := image.ValidName(hdr.GetName()); err != nil {
+		return nil, err
+	}
+	img, err := n.images.ImportArchive(ctx, r, hdr.GetName(), nil)
+	if err != nil {
+		return nil, err
+	}
+	return imageView(img), nil
+}
+
+// BootstrapImage builds a base image offline.
+func (n *Node) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	name := req.GetName()
+	if name == "" {
+		name = req.GetRecipe()
+	}
+	if !req.GetForce() {
+		if img, err := n.images.Get(name); err == nil {
+			return imageView(img), nil
+		}
+	}
+	img, err := n.images.Bootstrap(ctx, req.GetRecipe(), name, image.BootstrapOptions{
+		CacheDir: n.cfg.CacheDir, Packages: req.GetPackages(), Force: req.GetForce(),
+	}, Progress(progress).image())
+	if err != nil {
+		return nil, err
+	}
+	return imageView(img), nil
+}
+
+// Info describes the node: its kinds, their capabilities and its load.
+func (n *Node) Info(ctx context.Context) *dsecv1.NodeInfo {
+	n.mu.Lock()
+	count := len(n.sandboxes)
+	n.mu.Unlock()
+	info := &dsecv1.NodeInfo{
+		Name: n.cfg.Name, State: "ready", Sandboxes: int64(count), MaxSandboxes: int64(n.cfg.MaxSandboxes),
+		CpuCores: float64(hostCPUs()), MemoryMb: hostMemoryMB(), Host: map[string]string{},
+	}
+	if why := n.net.EgressUnavailable(); why != "" {
+		info.Host["network_egress"] = "unavailable: " + why
+	} else {
+		info.Host["network_egress"] = "available"
+	}
+	for _, k := range substrate.Kinds {
+		d := n.drivers[k]
+		if d == nil {
+			info.Kinds = append(info.Kinds, &dsecv1.KindInfo{Kind: string(k), Reason: "not built into this node"})
+			continue
+		}
+		c := d.Capabilities()
+		ki := &dsecv1.KindInfo{Kind: string(k), Available: c.Available, Reason: c.Reason, Details: c.Details}
+		for _, x := range c.Caps {
+			ki.Capabilities = append(ki.Capabilities, string(x))
+		}
+		info.Kinds = append(info.Kinds, ki)
+	}
+	return info
+}

@@ -1,0 +1,795 @@
+// Package node is the node agent: it owns the sandboxes on one host. It
+// validates and admits creates, runs them on the substrate drivers, keeps
+// every sandbox in an embedded store so a restarted node re-adopts running
+// sandboxes, enforces TTLs, and serves exec and file calls through each
+// sandbox's agent.
+//
+// Sandbox IDs encode the owning node ("<random>-<node>"), so the control
+// plane routes any call without a lookup.
+package node
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base32"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/network"
+	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/undo"
+)
+
+// Config configures a node. The zero value works once DataDir is set and a
+// driver is registered.
+type Config struct {
+	// Name is the node's name, a DNS label that sandbox IDs carry (default
+	// "local").
+	Name string
+	// DataDir holds the store, images and sandbox directories (required).
+	DataDir string
+	// CacheDir keeps bootstrapped root filesystems across data directories
+	// (default DataDir/cache).
+	CacheDir string
+	// MaxSandboxes is the node's final admission limit (default 4096).
+	MaxSandboxes int
+	// DefaultTTL applies when a create gives none (default 1h); MaxTTL
+	// caps every TTL (default 7 days).
+	DefaultTTL, MaxTTL time.Duration
+	// Defaults and limits for resources.
+	DefaultCPU      float64 // default 1
+	MaxCPU          float64 // default: the host's cores
+	DefaultMemoryMB int64   // default 512
+	MaxMemoryMB     int64   // default: the host's memory
+	DefaultPids     int64   // default 1024
+	MaxPids         int64   // default 65536
+	// DefaultExecTimeout applies to exec calls without one (default 10m);
+	// MaxExecTimeout caps them (default 24h).
+	DefaultExecTimeout, MaxExecTimeout time.Duration
+	// DefaultOutputBytes caps each output stream of an exec (default 1 MiB);
+	// MaxOutputBytes caps what a call may ask for (default 64 MiB).
+	DefaultOutputBytes, MaxOutputBytes int64
+	// Tombstones keeps deleted sandboxes answerable for this long (default 1h).
+	Tombstones time.Duration
+	// ReapInterval is how often TTLs are checked (default 1s).
+	ReapInterval time.Duration
+}
+
+func (c *Config) defaults() {
+	if c.Name == "" {
+		c.Name = "local"
+	}
+	if c.CacheDir == "" {
+		c.CacheDir = filepath.Join(c.DataDir, "cache")
+	}
+	if c.MaxSandboxes == 0 {
+		c.MaxSandboxes = 4096
+	}
+	if c.DefaultTTL == 0 {
+		c.DefaultTTL = time.Hour
+	}
+	if c.MaxTTL == 0 {
+		c.MaxTTL = 7 * 24 * time.Hour
+	}
+	if c.DefaultCPU == 0 {
+		c.DefaultCPU = 1
+	}
+	if c.MaxCPU == 0 {
+		c.MaxCPU = float64(hostCPUs())
+	}
+	if c.DefaultMemoryMB == 0 {
+		c.DefaultMemoryMB = 512
+	}
+	if c.MaxMemoryMB == 0 {
+		c.MaxMemoryMB = hostMemoryMB()
+	}
+	if c.DefaultPids == 0 {
+		c.DefaultPids = 1024
+	}
+	if c.MaxPids == 0 {
+		c.MaxPids = 65536
+	}
+	if c.DefaultExecTimeout == 0 {
+		c.DefaultExecTimeout = 10 * time.Minute
+	}
+	if c.MaxExecTimeout == 0 {
+		c.MaxExecTimeout = 24 * time.Hour
+	}
+	if c.DefaultOutputBytes == 0 {
+		c.DefaultOutputBytes = 1 << 20
+	}
+	if c.MaxOutputBytes == 0 {
+		c.MaxOutputBytes = 64 << 20
+	}
+	if c.Tombstones == 0 {
+		c.Tombstones = time.Hour
+	}
+	if c.ReapInterval == 0 {
+		c.ReapInterval = time.Second
+	}
+}
+
+var labelRe = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$`)
+
+// ValidName reports whether name can name a node.
+func ValidName(name string) error {
+	if !labelRe.MatchString(name) {
+		return fmt.Errorf("node name %q must be a lowercase DNS label of at most 40 characters", name)
+	}
+	return nil
+}
+
+// Node owns the sandboxes of one host.
+type Node struct {
+	cfg     Config
+	log     *slog.Logger
+	store   *store
+	images  *image.Store
+	net     *network.Manager
+	drivers map[substrate.Kind]substrate.Driver
+	started time.Time
+
+	// creating counts admitted creates still starting, for admission.
+	creating atomic.Int64
+
+	mu        sync.Mutex
+	sandboxes map[string]*sandbox
+	idemWait  map[string]chan struct{} // creates in flight by idempotency key
+
+	trash chan string // sandbox directories to remove
+	stop  chan struct{}
+	wg    sync.WaitGroup
+}
+
+// sandbox is a live sandbox.
+type sandbox struct {
+	id      string
+	spec    *dsecv1.SandboxSpec
+	created time.Time
+	image   string
+	layers  []string
+	net     *network.Attachment
+	dir     string
+	idemKey string
+
+	// lastActive is the unix nano time of the last API call.
+	lastActive atomic.Int64
+	oomKills   atomic.Int64
+
+	mu      sync.Mutex
+	state   string // running, paused, deleting
+	expires time.Time
+	inst    substrate.Instance
+	rec     *record
+}
+
+func (s *sandbox) touch() { s.lastActive.Store(time.Now().UnixNano()) }
+
+// New opens a node over its data directory. Drivers are registered by kind;
+// a kind without a driver is reported unavailable.
+func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager, drivers map[substrate.Kind]substrate.Driver) (*Node, error) {
+	if cfg.DataDir == "" {
+		return nil, fmt.Errorf("node needs a data directory")
+	}
+	cfg.defaults()
+	if err := ValidName(cfg.Name); err != nil {
+		return nil, err
+	}
+	for _, d := range []string{"sandboxes", "trash"} {
+		if err := os.MkdirAll(filepath.Join(cfg.DataDir, d), 0o700); err != nil {
+			return nil, err
+		}
+	}
+	st, err := openStore(filepath.Join(cfg.DataDir, "node.db"))
+	if err != nil {
+		return nil, err
+	}
+	n := &Node{
+		cfg: cfg, log: log.With(slog.String("node", cfg.Name)), store: st, images: images, net: net,
+		drivers: drivers, started: time.Now(), sandboxes: map[string]*sandbox{}, idemWait: map[string]chan struct{}{},
+		trash: make(chan string, 1024), stop: make(chan struct{}),
+	}
+	images.SetInUse(n.layersInUse)
+	n.adopt()
+	n.wg.Add(1)
+	go n.reaper()
+	go n.emptyTrash()
+	return n, nil
+}
+
+// Name is the node's name.
+func (n *Node) Name() string { return n.cfg.Name }
+
+// Images is the node's image store.
+func (n *Node) Images() *image.Store { return n.images }
+
+// Close stops the node's background work and closes its store. Sandboxes
+// keep running; a new node over the same data directory re-adopts them.
+func (n *Node) Close() error {
+	close(n.stop)
+	n.wg.Wait()
+	return n.store.close()
+}
+
+// newID returns "<16 random base32 chars>-<node>".
+func (n *Node) newID() string {
+	var b [10]byte
+	rand.Read(b[:])
+	return strings.ToLower(base32.StdEncoding.WithPadding(base32.NoPadding).EncodeToString(b[:])) + "-" + n.cfg.Name
+}
+
+// NodeOf returns the node name a sandbox ID encodes.
+func NodeOf(id string) (string, error) {
+	r, node, ok := strings.Cut(id, "-")
+	if !ok || len(r) != 16 || node == "" || ValidName(node) != nil {
+		return "", errdefs.Invalid("malformed sandbox id %q", truncate(id, 80))
+	}
+	for _, c := range r {
+		if !(c >= 'a' && c <= 'z' || c >= '2' && c <= '7') {
+			return "", errdefs.Invalid("malformed sandbox id %q", truncate(id, 80))
+		}
+	}
+	return node, nil
+}
+
+func truncate(s string, n int) string {
+	if len(s) > n {
+		return s[:n] + "…"
+	}
+	return s
+}
+
+func (n *Node) layersInUse() map[string]bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	out := map[string]bool{}
+	for _, s := range n.sandboxes {
+		for _, l := range s.layers {
+			out[l] = true
+		}
+	}
+	return out
+}
+
+// lookup returns a live sandbox, or the error for a gone or unknown one.
+func (n *Node) lookup(id string) (*sandbox, error) {
+	n.mu.Lock()
+	s := n.sandboxes[id]
+	n.mu.Unlock()
+	if s != nil {
+		return s, nil
+	}
+	if node, err := NodeOf(id); err != nil {
+		return nil, err
+	} else if node != n.cfg.Name {
+		return nil, errdefs.NotFound("sandbox %s belongs to node %q, not %q", id, node, n.cfg.Name)
+	}
+	if t, ok := n.store.tombstone(id); ok {
+		if t.Infra {
+			return nil, errdefs.Gone("sandbox %s is gone: %s", id, t.Reason)
+		}
+		e := errdefs.NotFound("sandbox %s was deleted: %s", id, t.Reason)
+		return nil, e
+	}
+	return nil, errdefs.NotFound("sandbox %s not found", id)
+}
+
+// live returns a sandbox ready for a call, touching its idle timer.
+func (n *Node) live(id string) (*sandbox, error) {
+	s, err := n.lookup(id)
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	state, inst := s.state, s.inst
+	s.mu.Unlock()
+	if state == stateDeleting || inst == nil {
+		return nil, errdefs.NotFound("sandbox %s is being deleted", id)
+	}
+	s.touch()
+	return s, nil
+}
+
+const (
+	stateRunning  = "running"
+	statePaused   = "paused"
+	stateDeleting = "deleting"
+	stateDeleted  = "deleted"
+	stateFailed   = "failed"
+)
+
+// Create validates, admits and starts a sandbox.
+func (n *Node) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*dsecv1.Sandbox, error) {
+	spec := proto.Clone(req.GetSpec()).(*dsecv1.SandboxSpec)
+	if spec == nil {
+		spec = &dsecv1.SandboxSpec{}
+	}
+	if err := n.normalize(spec); err != nil {
+		return nil, err
+	}
+	key := req.GetIdempotencyKey()
+	if len(key) > 256 {
+		return nil, errdefs.Invalid("idempotency key longer than 256 bytes")
+	}
+	if key != "" {
+		release, existing, err := n.claimKey(ctx, key)
+		if err != nil {
+			return nil, err
+		}
+		if existing != "" {
+			return n.Get(ctx, existing)
+		}
+		defer release()
+	}
+	if err := n.admit(); err != nil {
+		return nil, err
+	}
+	defer n.creating.Add(-1)
+	s, err := n.start(ctx, spec, key)
+	if err != nil {
+		return nil, err
+	}
+	return n.view(s), nil
+}
+
+// claimKey makes one create per idempotency key proceed; a concurrent or
+// later create with the key gets the first one's sandbox.
+func (n *Node) claimKey(ctx context.Context, key string) (release func(), existing string, err error) {
+	for {
+		if id, ok := n.store.idem(key); ok {
+			return nil, id, nil
+		}
+		n.mu.Lock()
+		wait, busy := n.idemWait[key]
+		if !busy {
+			done := make(chan struct{})
+			n.idemWait[key] = done
+			n.mu.Unlock()
+			return func() {
+				n.mu.Lock()
+				delete(n.idemWait, key)
+				n.mu.Unlock()
+				close(done)
+			}, "", nil
+		}
+		n.mu.Unlock()
+		select {
+		case <-wait:
+		case <-ctx.Done():
+			return nil, "", errdefs.Classify(ctx.Err())
+		}
+	}
+}
+
+// admit is the node's final admission: it refuses creates beyond its
+// sandbox limit with a retryable exhausted error.
+func (n *Node) admit() error {
+	n.mu.Lock()
+	live := len(n.sandboxes)
+	n.mu.Unlock()
+	if int(n.creating.Add(1))+live > n.cfg.MaxSandboxes {
+		n.creating.Add(-1)
+		return errdefs.Exhausted(time.Second, "node %s is full (%d sandboxes)", n.cfg.Name, n.cfg.MaxSandboxes)
+	}
+	return nil
+}
+
+func (n *Node) start(ctx context.Context, spec *dsecv1.SandboxSpec, key string) (_ *sandbox, err error) {
+	kind := substrate.Kind(spec.Kind)
+	drv := n.drivers[kind]
+	img, err := n.images.Get(spec.Image)
+	if err != nil {
+		return nil, err
+	}
+	if spec.Workdir == "" {
+		spec.Workdir = img.Config.Workdir
+	}
+	if spec.User == "" {
+		spec.User = img.Config.User
+	}
+	var u undo.Stack
+	defer u.RunUnless(&err)
+	id := n.newID()
+	dir := filepath.Join(n.cfg.DataDir, "sandboxes", id)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, errdefs.Internal(err, "create sandbox directory")
+	}
+	u.Push(func() { n.discardDir(dir) })
+	att, err := n.net.Setup(ctx, id, spec.Network.GetMode())
+	if err != nil {
+		return nil, err
+	}
+	u.Push(func() { n.net.Release(att) })
+	s := &sandbox{
+		id: id, spec: spec, created: time.Now().UTC(), image: img.Name, layers: img.Layers,
+		net: att, dir: dir, idemKey: key, state: stateRunning,
+		expires: time.Now().Add(time.Duration(spec.TtlS) * time.Second),
+	}
+	s.touch()
+	// Register first so image GC keeps the layers while the sandbox starts.
+	n.mu.Lock()
+	n.sandboxes[id] = s
+	n.mu.Unlock()
+	u.Push(func() { n.mu.Lock(); delete(n.sandboxes, id); n.mu.Unlock() })
+	inst, err := drv.Create(ctx, n.driverSpec(s, img))
+	if err != nil {
+		n.log.Warn("sandbox start failed", slog.String("sandbox_id", id), slog.Any("error", err))
+		return nil, err
+	}
+	u.Push(func() { inst.Destroy(context.WithoutCancel(ctx)) })
+	s.inst = inst
+	s.rec = n.recordOf(s)
+	if err := n.store.put(s.rec); err != nil {
+		return nil, errdefs.Internal(err, "persist sandbox")
+	}
+	u.Release()
+	n.watch(s)
+	n.log.Debug("sandbox created", slog.String("sandbox_id", id), slog.String("image", img.Name))
+	return s, nil
+}
+
+func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
+	env := append([]string(nil), img.Config.Env...)
+	keys := make([]string, 0, len(s.spec.Env))
+	for k := range s.spec.Env {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		env = append(env, k+"="+s.spec.Env[k])
+	}
+	ds := &substrate.Spec{
+		ID: s.id, Dir: s.dir, Layers: n.images.LowerDirs(img), Env: env,
+		User: s.spec.User, Workdir: s.spec.Workdir, Hostname: "sandbox",
+		CPU: s.spec.Resources.GetCpu(), MemoryMB: s.spec.Resources.GetMemoryMb(),
+		DiskMB: s.spec.Resources.GetDiskMb(), Pids: s.spec.Resources.GetPids(),
+		Labels: s.spec.Labels,
+	}
+	if s.net != nil {
+		ds.Network = substrate.Network{Mode: s.net.Mode, NetNS: s.net.NetNS, ResolvConf: s.net.ResolvConf}
+	}
+	return ds
+}
+
+func (n *Node) recordOf(s *sandbox) *record {
+	specJSON, _ := protojson.Marshal(s.spec)
+	var netJSON []byte
+	if s.net != nil && s.net.Mode == network.ModeEgress {
+		netJSON, _ = jsonMarshal(s.net)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := &record{
+		ID: s.id, Kind: s.spec.Kind, Image: s.image, Spec: specJSON, Layers: s.layers,
+		Created: s.created, Expires: s.expires, State: s.state, Network: netJSON, IdemKey: s.idemKey,
+	}
+	if s.inst != nil {
+		r.Driver = s.inst.State()
+	}
+	return r
+}
+
+// watch reacts to a sandbox's instance stopping by itself.
+func (n *Node) watch(s *sandbox) {
+	inst := s.inst
+	go func() {
+		select {
+		case <-inst.Done():
+		case <-n.stop:
+			return
+		}
+		s.mu.Lock()
+		deleting := s.state == stateDeleting
+		s.mu.Unlock()
+		if !deleting {
+			n.log.Warn("sandbox stopped by itself", slog.String("sandbox_id", s.id))
+			n.remove(context.Background(), s, "the sandbox's init exited (crashed or killed)", true)
+		}
+	}()
+}
+
+// Get returns a sandbox's status, live or remembered.
+func (n *Node) Get(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
+	n.mu.Lock()
+	s := n.sandboxes[id]
+	n.mu.Unlock()
+	if s != nil {
+		return n.view(s), nil
+	}
+	if _, err := NodeOf(id); err != nil {
+		return nil, err
+	}
+	if t, ok := n.store.tombstone(id); ok {
+		return n.tombstoneView(t), nil
+	}
+	return nil, errdefs.NotFound("sandbox %s not found", id)
+}
+
+func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	state := s.state
+	if state == stateDeleting {
+		state = stateDeleted
+	}
+	return &dsecv1.Sandbox{
+		Id: s.id, Node: n.cfg.Name, State: state, Spec: s.spec,
+		CreatedAt:    timestamppb.New(s.created),
+		ExpiresAt:    timestamppb.New(s.expires),
+		LastActiveAt: timestamppb.New(time.Unix(0, s.lastActive.Load())),
+	}
+}
+
+func (n *Node) tombstoneView(t *record) *dsecv1.Sandbox {
+	spec := &dsecv1.SandboxSpec{}
+	protojson.Unmarshal(t.Spec, spec)
+	return &dsecv1.Sandbox{
+		Id: t.ID, Node: n.cfg.Name, State: t.State, Reason: t.Reason, Spec: spec,
+		CreatedAt: timestamppb.New(t.Created), ExpiresAt: timestamppb.New(t.Deleted),
+	}
+}
+
+// List lists live sandboxes matching the request's selector and state.
+func (n *Node) List(ctx context.Context, req *dsecv1.ListSandboxesRequest) (*dsecv1.ListSandboxesResponse, error) {
+	sel, err := ParseSelector(req.GetLabelSelector())
+	if err != nil {
+		return nil, err
+	}
+	n.mu.Lock()
+	all := make([]*sandbox, 0, len(n.sandboxes))
+	for _, s := range n.sandboxes {
+		if s.inst != nil && sel.Matches(s.spec.Labels) {
+			all = append(all, s)
+		}
+	}
+	n.mu.Unlock()
+	sort.Slice(all, func(i, j int) bool {
+		if !all[i].created.Equal(all[j].created) {
+			return all[i].created.Before(all[j].created)
+		}
+		return all[i].id < all[j].id
+	})
+	out := &dsecv1.ListSandboxesResponse{}
+	for _, s := range all {
+		v := n.view(s)
+		if req.GetState() != "" && v.State != req.GetState() {
+			continue
+		}
+		out.Sandboxes = append(out.Sandboxes, v)
+	}
+	return paginate(out, req.GetPageSize(), req.GetPageToken())
+}
+
+// Delete deletes a sandbox. Deleting a deleted or unknown sandbox of this
+// node succeeds.
+func (n *Node) Delete(ctx context.Context, id string) error {
+	n.mu.Lock()
+	s := n.sandboxes[id]
+	n.mu.Unlock()
+	if s == nil {
+		if _, err := NodeOf(id); err != nil {
+			return err
+		}
+		return nil
+	}
+	return n.remove(ctx, s, "deleted by the user", false)
+}
+
+// remove destroys a sandbox and leaves a tombstone. infra marks ends that
+// were the platform's doing (crash, eviction), which later calls report as
+// a gone (infra) error rather than not found.
+func (n *Node) remove(ctx context.Context, s *sandbox, reason string, infra bool) error {
+	s.mu.Lock()
+	if s.state == stateDeleting {
+		s.mu.Unlock()
+		return nil
+	}
+	prev := s.state
+	s.state = stateDeleting
+	inst := s.inst
+	s.mu.Unlock()
+	ctx = context.WithoutCancel(ctx)
+	if inst != nil {
+		if err := inst.Destroy(ctx); err != nil {
+			n.log.Error("destroy sandbox", slog.String("sandbox_id", s.id), slog.Any("error", err))
+			s.mu.Lock()
+			s.state = prev
+			s.mu.Unlock()
+			return errdefs.Internal(err, "delete sandbox %s", s.id)
+		}
+	}
+	n.net.Release(s.net)
+	n.discardDir(s.dir)
+	rec := s.rec
+	if rec == nil {
+		rec = n.recordOf(s)
+	}
+	t := *rec
+	t.State, t.Reason, t.Deleted, t.Infra, t.Driver = stateDeleted, reason, time.Now().UTC(), infra, nil
+	if infra {
+		t.State = stateFailed
+	}
+	if err := n.store.bury(&t); err != nil {
+		n.log.Error("persist sandbox deletion", slog.String("sandbox_id", s.id), slog.Any("error", err))
+	}
+	n.mu.Lock()
+	delete(n.sandboxes, s.id)
+	n.mu.Unlock()
+	n.log.Debug("sandbox deleted", slog.String("sandbox_id", s.id), slog.String("reason", reason))
+	return nil
+}
+
+// discardDir moves a sandbox directory to the trash, emptied in the
+// background so a large writable layer does not delay the caller.
+func (n *Node) discardDir(dir string) {
+	dst := filepath.Join(n.cfg.DataDir, "trash", filepath.Base(dir)+"-"+fmt.Sprint(time.Now().UnixNano()))
+	if err := os.Rename(dir, dst); err != nil {
+		os.RemoveAll(dir)
+		return
+	}
+	select {
+	case n.trash <- dst:
+	default:
+		// The emptier is busy; it will find this one on its next pass.
+	}
+}
+
+func (n *Node) emptyTrash() {
+	dir := filepath.Join(n.cfg.DataDir, "trash")
+	sweep := func() {
+		ents, _ := os.ReadDir(dir)
+		for _, e := range ents {
+			os.RemoveAll(filepath.Join(dir, e.Name()))
+		}
+	}
+	sweep()
+	tick := time.NewTicker(30 * time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case p := <-n.trash:
+			os.RemoveAll(p)
+		case <-tick.C:
+			sweep()
+		case <-n.stop:
+			return
+		}
+	}
+}
+
+// Keepalive resets the idle timer and optionally extends the TTL.
+func (n *Node) Keepalive(ctx context.Context, req *dsecv1.KeepaliveRequest) (*dsecv1.Sandbox, error) {
+	s, err := n.live(req.GetId())
+	if err != nil {
+		return nil, err
+	}
+	if ext := req.GetExtendTtlS(); ext != 0 {
+		if ext < 0 || time.Duration(ext)*time.Second > n.cfg.MaxTTL {
+			return nil, errdefs.Invalid("extend_ttl_s must be between 1 and %d", int64(n.cfg.MaxTTL.Seconds()))
+		}
+		s.mu.Lock()
+		s.expires = time.Now().Add(time.Duration(ext) * time.Second)
+		s.mu.Unlock()
+		s.rec = n.recordOf(s)
+		if err := n.store.put(s.rec); err != nil {
+			return nil, errdefs.Internal(err, "persist sandbox")
+		}
+	}
+	return n.view(s), nil
+}
+
+// reaper deletes sandboxes whose TTL or idle TTL passed, and forgets old
+// tombstones.
+func (n *Node) reaper() {
+	defer n.wg.Done()
+	tick := time.NewTicker(n.cfg.ReapInterval)
+	defer tick.Stop()
+	lastPurge := time.Now()
+	for {
+		select {
+		case <-n.stop:
+			return
+		case now := <-tick.C:
+			n.mu.Lock()
+			var expired []*sandbox
+			var reasons []string
+			for _, s := range n.sandboxes {
+				s.mu.Lock()
+				exp, state, inst := s.expires, s.state, s.inst
+				s.mu.Unlock()
+				if inst == nil || state == stateDeleting {
+					continue
+				}
+				idle := time.Duration(s.spec.IdleTtlS) * time.Second
+				switch {
+				case now.After(exp):
+					expired, reasons = append(expired, s), append(reasons, "ttl expired")
+				case idle > 0 && now.Sub(time.Unix(0, s.lastActive.Load())) > idle:
+					expired, reasons = append(expired, s), append(reasons, "idle ttl expired")
+				}
+			}
+			n.mu.Unlock()
+			for i, s := range expired {
+				// TTL ends are the configured lifetime, reported as gone:
+				// the sandbox vanished from under whoever was using it.
+				n.remove(context.Background(), s, reasons[i], true)
+			}
+			if now.Sub(lastPurge) > time.Minute {
+				lastPurge = now
+				n.store.purge(now.Add(-n.cfg.Tombstones))
+			}
+		}
+	}
+}
+
+// adopt re-attaches the sandboxes a previous process of this node left
+// running, and cleans up those that stopped meanwhile.
+func (n *Node) adopt() {
+	recs, err := n.store.live()
+	if err != nil {
+		n.log.Error("read sandbox records", slog.Any("error", err))
+		return
+	}
+	known := map[string]bool{}
+	for _, r := range recs {
+		known[r.ID] = true
+		spec := &dsecv1.SandboxSpec{}
+		if err := protojson.Unmarshal(r.Spec, spec); err != nil {
+			n.log.Error("unreadable sandbox record", slog.String("sandbox_id", r.ID), slog.Any("error", err))
+			continue
+		}
+		att, _ := n.net.Restore(r.ID, r.Network)
+		s := &sandbox{
+			id: r.ID, spec: spec, created: r.Created, image: r.Image, layers: r.Layers, net: att,
+			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey,
+			state: r.State, expires: r.Expires, rec: r,
+		}
+		if s.state == stateDeleting || s.state == "" {
+			s.state = stateRunning
+		}
+		s.touch()
+		drv := n.drivers[substrate.Kind(r.Kind)]
+		var inst substrate.Instance
+		var aerr error
+		if drv == nil {
+			aerr = errdefs.Unavailable("no %s driver on this node", r.Kind)
+		} else {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			inst, aerr = drv.Attach(ctx, &substrate.Spec{ID: r.ID, Dir: s.dir}, r.Driver)
+			cancel()
+		}
+		n.mu.Lock()
+		n.sandboxes[r.ID] = s
+		n.mu.Unlock()
+		s.inst = inst
+		if aerr != nil {
+			n.log.Warn("sandbox not re-adopted", slog.String("sandbox_id", r.ID), slog.Any("error", aerr))
+			n.remove(context.Background(), s, "stopped while the node was down", true)
+			continue
+		}
+		n.watch(s)
+		n.log.Info("sandbox re-adopted", slog.String("sandbox_id", r.ID))
+	}
+	for _, d := range n.drivers {
+		if sw, ok := d.(interface{ Sweep(func(string) bool) int }); ok {
+			if k := sw.Sweep(func(id string) bool { return known[id] }); k > 0 {
+				n.log.Warn("removed leftover sandboxes the store did not know", slog.Int("count", k))
+			}
+		}
+	}
+}

@@ -1,0 +1,255 @@
+package node
+
+import (
+	"encoding/json"
+	"math"
+	"regexp"
+	"runtime"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/network"
+	"github.com/opendsec/dsec/internal/substrate"
+)
+
+const (
+	maxLabels     = 64
+	maxEnv        = 256
+	maxEnvBytes   = 128 << 10
+	maxValueBytes = 1024
+)
+
+var (
+	labelKeyRe = regexp.MustCompile(`^([a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$`)
+	envKeyRe   = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+)
+
+// normalize fills defaults into spec and validates it against the node's
+// limits. Every rejection is an invalid (task) error naming the field.
+func (n *Node) normalize(spec *dsecv1.SandboxSpec) error {
+	if spec.Kind == "" {
+		spec.Kind = string(substrate.KindContainer)
+	}
+	kind := substrate.Kind(spec.Kind)
+	known := false
+	for _, k := range substrate.Kinds {
+		known = known || k == kind
+	}
+	if !known {
+		return errdefs.Invalid("unknown kind %q (use function, container, microvm or vm)", spec.Kind)
+	}
+	drv := n.drivers[kind]
+	if drv == nil {
+		return errdefs.Unimplemented("kind %q is not served by node %s", spec.Kind, n.cfg.Name)
+	}
+	if caps := drv.Capabilities(); !caps.Available {
+		return errdefs.Unavailable("kind %q is unavailable on node %s: %s", spec.Kind, n.cfg.Name, caps.Reason)
+	}
+	if spec.Image == "" {
+		return errdefs.Invalid("spec.image is required")
+	}
+	if spec.Resources == nil {
+		spec.Resources = &dsecv1.Resources{}
+	}
+	r := spec.Resources
+	if r.Cpu == 0 {
+		r.Cpu = n.cfg.DefaultCPU
+	}
+	if r.MemoryMb == 0 {
+		r.MemoryMb = n.cfg.DefaultMemoryMB
+	}
+	if r.Pids == 0 {
+		r.Pids = n.cfg.DefaultPids
+	}
+	switch {
+	case math.IsNaN(r.Cpu) || r.Cpu < 0.01 || r.Cpu > n.cfg.MaxCPU:
+		return errdefs.Invalid("resources.cpu %g out of range [0.01, %g]", r.Cpu, n.cfg.MaxCPU)
+	case r.MemoryMb < 16 || r.MemoryMb > n.cfg.MaxMemoryMB:
+		return errdefs.Invalid("resources.memory_mb %d out of range [16, %d]", r.MemoryMb, n.cfg.MaxMemoryMB)
+	case r.Pids < 8 || r.Pids > n.cfg.MaxPids:
+		return errdefs.Invalid("resources.pids %d out of range [8, %d]", r.Pids, n.cfg.MaxPids)
+	case r.DiskMb < 0:
+		return errdefs.Invalid("resources.disk_mb must not be negative")
+	case r.Gpu < 0:
+		return errdefs.Invalid("resources.gpu must not be negative")
+	case r.Gpu > 0:
+		return errdefs.Unavailable("node %s has no GPUs", n.cfg.Name)
+	}
+	if spec.TtlS == 0 {
+		spec.TtlS = int64(n.cfg.DefaultTTL / time.Second)
+	}
+	if spec.TtlS < 0 || time.Duration(spec.TtlS)*time.Second > n.cfg.MaxTTL {
+		return errdefs.Invalid("ttl_s %d out of range [1, %d]", spec.TtlS, int64(n.cfg.MaxTTL/time.Second))
+	}
+	if spec.IdleTtlS < 0 || spec.IdleTtlS > spec.TtlS {
+		return errdefs.Invalid("idle_ttl_s %d out of range [0, ttl_s]", spec.IdleTtlS)
+	}
+	if len(spec.Labels) > maxLabels {
+		return errdefs.Invalid("at most %d labels", maxLabels)
+	}
+	for k, v := range spec.Labels {
+		if !labelKeyRe.MatchString(k) {
+			return errdefs.Invalid("label key %q is not a valid key ([prefix/]name, alphanumerics, '-', '_', '.')", k)
+		}
+		if len(v) > maxValueBytes {
+			return errdefs.Invalid("label %q value longer than %d bytes", k, maxValueBytes)
+		}
+	}
+	if err := validEnv(spec.Env); err != nil {
+		return err
+	}
+	if spec.Network == nil {
+		spec.Network = &dsecv1.Network{}
+	}
+	switch spec.Network.Mode {
+	case "":
+		spec.Network.Mode = network.ModeNone
+	case network.ModeNone:
+	case network.ModeEgress:
+		if why := n.net.EgressUnavailable(); why != "" {
+			return errdefs.Unavailable("egress networking is unavailable on node %s: %s", n.cfg.Name, why)
+		}
+		if !drv.Capabilities().Has(substrate.CapNetworkEgress) {
+			return errdefs.Unimplemented("kind %q has no egress networking", spec.Kind)
+		}
+	default:
+		return errdefs.Invalid("network.mode %q (use none or egress)", spec.Network.Mode)
+	}
+	if len(spec.User) > 256 || strings.ContainsAny(spec.User, "\x00\n") {
+		return errdefs.Invalid("spec.user is malformed")
+	}
+	if spec.Workdir != "" && !strings.HasPrefix(spec.Workdir, "/") {
+		return errdefs.Invalid("spec.workdir must be an absolute path")
+	}
+	if _, err := n.images.Get(spec.Image); err != nil {
+		return err
+	}
+	return nil
+}
+
+func validEnv(env map[string]string) error {
+	if len(env) > maxEnv {
+		return errdefs.Invalid("at most %d environment variables", maxEnv)
+	}
+	total := 0
+	for k, v := range env {
+		if !envKeyRe.MatchString(k) {
+			return errdefs.Invalid("environment variable name %q is invalid", k)
+		}
+		if strings.IndexByte(v, 0) >= 0 {
+			return errdefs.Invalid("environment variable %q contains a NUL byte", k)
+		}
+		total += len(k) + len(v)
+	}
+	if total > maxEnvBytes {
+		return errdefs.Invalid("environment larger than %d bytes", maxEnvBytes)
+	}
+	return nil
+}
+
+// Selector is a parsed label selector: comma-separated requirements, each
+// "k=v" (or "k==v"), "k!=v", "k" (has k) or "!k" (lacks k).
+type Selector []requirement
+
+type requirement struct {
+	key, value string
+	op         string // "=", "!=", "exists", "!exists"
+}
+
+// ParseSelector parses a label selector.
+func ParseSelector(s string) (Selector, error) {
+	var sel Selector
+	if strings.TrimSpace(s) == "" {
+		return sel, nil
+	}
+	for _, part := range strings.Split(s, ",") {
+		part = strings.TrimSpace(part)
+		var r requirement
+		switch {
+		case strings.Contains(part, "!="):
+			k, v, _ := strings.Cut(part, "!=")
+			r = requirement{strings.TrimSpace(k), strings.TrimSpace(v), "!="}
+		case strings.Contains(part, "=="):
+			k, v, _ := strings.Cut(part, "==")
+			r = requirement{strings.TrimSpace(k), strings.TrimSpace(v), "="}
+		case strings.Contains(part, "="):
+			k, v, _ := strings.Cut(part, "=")
+			r = requirement{strings.TrimSpace(k), strings.TrimSpace(v), "="}
+		case strings.HasPrefix(part, "!"):
+			r = requirement{strings.TrimSpace(part[1:]), "", "!exists"}
+		default:
+			r = requirement{part, "", "exists"}
+		}
+		if !labelKeyRe.MatchString(r.key) {
+			return nil, errdefs.Invalid("label selector %q: bad key %q", s, r.key)
+		}
+		sel = append(sel, r)
+	}
+	return sel, nil
+}
+
+// Matches reports whether labels satisfy every requirement.
+func (sel Selector) Matches(labels map[string]string) bool {
+	for _, r := range sel {
+		v, ok := labels[r.key]
+		switch r.op {
+		case "=":
+			if !ok || v != r.value {
+				return false
+			}
+		case "!=":
+			if ok && v == r.value {
+				return false
+			}
+		case "exists":
+			if !ok {
+				return false
+			}
+		case "!exists":
+			if ok {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+func paginate(out *dsecv1.ListSandboxesResponse, size int32, token string) (*dsecv1.ListSandboxesResponse, error) {
+	if size <= 0 || size > 10000 {
+		size = 10000
+	}
+	start := 0
+	if token != "" {
+		// The token is the ID after which the next page starts.
+		start = len(out.Sandboxes)
+		for i, s := range out.Sandboxes {
+			if s.Id == token {
+				start = i + 1
+				break
+			}
+		}
+	}
+	all := out.Sandboxes
+	end := min(start+int(size), len(all))
+	page := &dsecv1.ListSandboxesResponse{Sandboxes: all[start:end]}
+	if end < len(all) {
+		page.NextPageToken = all[end-1].Id
+	}
+	return page, nil
+}
+
+func hostCPUs() int { return runtime.NumCPU() }
+
+func hostMemoryMB() int64 {
+	var si unix.Sysinfo_t
+	if unix.Sysinfo(&si) != nil {
+		return 1 << 14
+	}
+	return int64(si.Totalram) * int64(si.Unit) >> 20
+}
+
+func jsonMarshal(v any) ([]byte, error) { return json.Marshal(v) }

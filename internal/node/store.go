@@ -1,0 +1,169 @@
+package node
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+)
+
+// The node's embedded store (bbolt in the data directory) is the source of
+// truth for its sandboxes: a restarted node re-adopts what it finds here.
+var (
+	bucketSandboxes  = []byte("sandboxes")
+	bucketTombstones = []byte("tombstones")
+	bucketIdem       = []byte("idempotency")
+)
+
+// record is a sandbox as persisted.
+type record struct {
+	ID       string    `json:"id"`
+	Kind     string    `json:"kind"`
+	Image    string    `json:"image"`
+	Spec     []byte    `json:"spec"` // protojson of dsecv1.SandboxSpec
+	Layers   []string  `json:"layers"`
+	Created  time.Time `json:"created"`
+	Expires  time.Time `json:"expires"`
+	State    string    `json:"state"`
+	Reason   string    `json:"reason,omitempty"`
+	Driver   []byte    `json:"driver,omitempty"`
+	Network  []byte    `json:"network,omitempty"`
+	IdemKey  string    `json:"idem_key,omitempty"`
+	Deleted  time.Time `json:"deleted,omitempty"`
+	Infra    bool      `json:"infra,omitempty"` // the end was the platform's doing
+	Hostname string    `json:"hostname,omitempty"`
+}
+
+type store struct {
+	db *bolt.DB
+}
+
+func openStore(path string) (*store, error) {
+	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: 2 * time.Second})
+	if err != nil {
+		if errors.Is(err, bolt.ErrTimeout) {
+			return nil, fmt.Errorf("open %s: another dsec process is using this data directory", path)
+		}
+		return nil, fmt.Errorf("open node store: %w", err)
+	}
+	err = db.Update(func(tx *bolt.Tx) error {
+		for _, b := range [][]byte{bucketSandboxes, bucketTombstones, bucketIdem} {
+			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		db.Close()
+		return nil, err
+	}
+	return &store{db: db}, nil
+}
+
+func (s *store) close() error { return s.db.Close() }
+
+// put writes a live sandbox record (and its idempotency key), coalescing
+// concurrent writers into one transaction.
+func (s *store) put(r *record) error {
+	b, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	return s.db.Batch(func(tx *bolt.Tx) error {
+		if err := tx.Bucket(bucketSandboxes).Put([]byte(r.ID), b); err != nil {
+			return err
+		}
+		if r.IdemKey != "" {
+			return tx.Bucket(bucketIdem).Put([]byte(r.IdemKey), []byte(r.ID))
+		}
+		return nil
+	})
+}
+
+// bury replaces a live record with a tombstone.
+func (s *store) bury(r *record) error {
+	b, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	return s.db.Batch(func(tx *bolt.Tx) error {
+		if err := tx.Bucket(bucketSandboxes).Delete([]byte(r.ID)); err != nil {
+			return err
+		}
+		return tx.Bucket(bucketTombstones).Put([]byte(r.ID), b)
+	})
+}
+
+func (s *store) live() ([]*record, error) {
+	var out []*record
+	err := s.db.View(func(tx *bolt.Tx) error {
+		return tx.Bucket(bucketSandboxes).ForEach(func(k, v []byte) error {
+			var r record
+			if err := json.Unmarshal(v, &r); err != nil {
+				return nil // an unreadable record cannot be adopted; it is swept
+			}
+			out = append(out, &r)
+			return nil
+		})
+	})
+	return out, err
+}
+
+func (s *store) tombstone(id string) (*record, bool) {
+	var r *record
+	s.db.View(func(tx *bolt.Tx) error {
+		if v := tx.Bucket(bucketTombstones).Get([]byte(id)); v != nil {
+			r = new(record)
+			if json.Unmarshal(v, r) != nil {
+				r = nil
+			}
+		}
+		return nil
+	})
+	return r, r != nil
+}
+
+func (s *store) idem(key string) (string, bool) {
+	var id string
+	s.db.View(func(tx *bolt.Tx) error {
+		if v := tx.Bucket(bucketIdem).Get([]byte(key)); v != nil {
+			id = string(v)
+		}
+		return nil
+	})
+	return id, id != ""
+}
+
+// purge removes tombstones and idempotency keys of sandboxes deleted
+// before cutoff.
+func (s *store) purge(cutoff time.Time) (int, error) {
+	n := 0
+	err := s.db.Update(func(tx *bolt.Tx) error {
+		tb := tx.Bucket(bucketTombstones)
+		ib := tx.Bucket(bucketIdem)
+		var dead [][]byte
+		var keys [][]byte
+		tb.ForEach(func(k, v []byte) error {
+			var r record
+			if json.Unmarshal(v, &r) != nil || r.Deleted.Before(cutoff) {
+				dead = append(dead, append([]byte(nil), k...))
+				if r.IdemKey != "" {
+					keys = append(keys, []byte(r.IdemKey))
+				}
+			}
+			return nil
+		})
+		for _, k := range dead {
+			tb.Delete(k)
+		}
+		for _, k := range keys {
+			ib.Delete(k)
+		}
+		n = len(dead)
+		return nil
+	})
+	return n, err
+}

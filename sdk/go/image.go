@@ -1,0 +1,101 @@
+package dsec
+
+import (
+	"context"
+	"errors"
+	"io"
+
+	"connectrpc.com/connect"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+)
+
+// ListImages lists the images the deployment can start sandboxes from.
+func (c *Client) ListImages(ctx context.Context) ([]*dsecv1.Image, error) {
+	r, err := c.images.ListImages(ctx, connect.NewRequest(&dsecv1.ListImagesRequest{}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg.Images, nil
+}
+
+// DeleteImage removes an image.
+func (c *Client) DeleteImage(ctx context.Context, name string) error {
+	_, err := c.images.DeleteImage(ctx, connect.NewRequest(&dsecv1.DeleteImageRequest{Name: name}))
+	return err
+}
+
+// progressStream drains an image progress stream.
+func progressStream(st *connect.ServerStreamForClient[dsecv1.ImageProgress], progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	defer st.Close()
+	var img *dsecv1.Image
+	for st.Receive() {
+		p := st.Msg()
+		if p.Image != nil {
+			img = p.Image
+		}
+		if progress != nil {
+			progress(p)
+		}
+	}
+	if err := st.Err(); err != nil {
+		return nil, asError(err)
+	}
+	if img == nil {
+		return nil, errors.New("image stream ended without a result")
+	}
+	return img, nil
+}
+
+// PullImage imports an image from a registry on every node.
+func (c *Client) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	st, err := c.images.PullImage(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	return progressStream(st, progress)
+}
+
+// BootstrapImage builds a base image offline ("busybox" or "debian").
+func (c *Client) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	st, err := c.images.BootstrapImage(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	return progressStream(st, progress)
+}
+
+// UploadImage imports an archive (`docker save` or a tar of an OCI layout)
+// read from r. sent reports bytes uploaded.
+func (c *Client) UploadImage(ctx context.Context, name string, size int64, r io.Reader, sent func(int64)) (*dsecv1.Image, error) {
+	st := c.images.UploadImage(ctx)
+	if err := st.Send(&dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Header{Header: &dsecv1.UploadImageHeader{Name: name, Size: size}}}); err != nil && !errors.Is(err, io.EOF) {
+		return nil, asError(err)
+	}
+	buf := make([]byte, 1<<20)
+	var total int64
+	for {
+		n, err := r.Read(buf)
+		if n > 0 {
+			if serr := st.Send(&dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Data{Data: buf[:n]}}); serr != nil {
+				break
+			}
+			total += int64(n)
+			if sent != nil {
+				sent(total)
+			}
+		}
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			st.CloseAndReceive()
+			return nil, err
+		}
+	}
+	resp, err := st.CloseAndReceive()
+	if err != nil {
+		return nil, asError(err)
+	}
+	return resp.Msg, nil
+}

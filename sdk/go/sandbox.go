@@ -1,0 +1,328 @@
+package dsec
+
+import (
+	"context"
+	"errors"
+	"io"
+	"time"
+
+	"connectrpc.com/connect"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+)
+
+// CreateOptions describe a sandbox. Zero fields take the server's defaults.
+type CreateOptions struct {
+	Kind     string // "container" (default), "function", "microvm", "vm"
+	Image    string
+	CPU      float64
+	MemoryMB int64
+	DiskMB   int64
+	Pids     int64
+	TTL      time.Duration
+	IdleTTL  time.Duration
+	Labels   map[string]string
+	Env      map[string]string
+	Network  string // "none" (default) or "egress"
+	User     string
+	Workdir  string
+	// IdempotencyKey makes the create safe to retry.
+	IdempotencyKey string
+}
+
+func (o CreateOptions) spec() *dsecv1.SandboxSpec {
+	return &dsecv1.SandboxSpec{
+		Kind: o.Kind, Image: o.Image,
+		Resources: &dsecv1.Resources{Cpu: o.CPU, MemoryMb: o.MemoryMB, DiskMb: o.DiskMB, Pids: o.Pids},
+		TtlS:      int64(o.TTL / time.Second), IdleTtlS: int64(o.IdleTTL / time.Second),
+		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network},
+		User: o.User, Workdir: o.Workdir,
+	}
+}
+
+// Sandbox is a handle to one sandbox.
+type Sandbox struct {
+	ID   string
+	Info *dsecv1.Sandbox
+	c    *Client
+}
+
+// Create starts a sandbox.
+func (c *Client) Create(ctx context.Context, o CreateOptions) (*Sandbox, error) {
+	r, err := c.sandboxes.CreateSandbox(ctx, connect.NewRequest(&dsecv1.CreateSandboxRequest{Spec: o.spec(), IdempotencyKey: o.IdempotencyKey}))
+	if err != nil {
+		return nil, err
+	}
+	return &Sandbox{ID: r.Msg.Id, Info: r.Msg, c: c}, nil
+}
+
+// Sandbox returns a handle for an existing sandbox without a call.
+func (c *Client) Sandbox(id string) *Sandbox { return &Sandbox{ID: id, c: c} }
+
+// Get returns a sandbox's status.
+func (c *Client) Get(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
+	r, err := c.sandboxes.GetSandbox(ctx, connect.NewRequest(&dsecv1.GetSandboxRequest{Id: id}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// List lists sandboxes matching a label selector ("k=v,k2!=v").
+func (c *Client) List(ctx context.Context, selector string) ([]*dsecv1.Sandbox, error) {
+	var out []*dsecv1.Sandbox
+	token := ""
+	for {
+		r, err := c.sandboxes.ListSandboxes(ctx, connect.NewRequest(&dsecv1.ListSandboxesRequest{LabelSelector: selector, PageToken: token}))
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, r.Msg.Sandboxes...)
+		if token = r.Msg.NextPageToken; token == "" {
+			return out, nil
+		}
+	}
+}
+
+// Delete deletes a sandbox. It is idempotent.
+func (c *Client) Delete(ctx context.Context, id string) error {
+	_, err := c.sandboxes.DeleteSandbox(ctx, connect.NewRequest(&dsecv1.DeleteSandboxRequest{Id: id}))
+	return err
+}
+
+// Close deletes the sandbox. It is idempotent.
+func (s *Sandbox) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	return s.c.Delete(ctx, s.ID)
+}
+
+// Keepalive resets the idle timer; extend > 0 also moves the expiry to
+// now + extend.
+func (s *Sandbox) Keepalive(ctx context.Context, extend time.Duration) (*dsecv1.Sandbox, error) {
+	r, err := s.c.sandboxes.Keepalive(ctx, connect.NewRequest(&dsecv1.KeepaliveRequest{Id: s.ID, ExtendTtlS: int64(extend / time.Second)}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// ExecOptions describe a command.
+type ExecOptions struct {
+	Argv           []string
+	Cmd            string // run with /bin/sh -c
+	Env            map[string]string
+	Cwd            string
+	User           string
+	Stdin          []byte
+	Timeout        time.Duration
+	MaxOutputBytes int64
+	PTY            bool
+	Rows, Cols     uint32
+	Tag            string
+}
+
+// Cmd is ExecOptions for a shell command.
+func Cmd(cmd string) ExecOptions { return ExecOptions{Cmd: cmd} }
+
+// Argv is ExecOptions for a command and its arguments.
+func Argv(argv ...string) ExecOptions { return ExecOptions{Argv: argv} }
+
+func (o ExecOptions) request(id string) *dsecv1.ExecRequest {
+	return &dsecv1.ExecRequest{
+		SandboxId: id, Argv: o.Argv, Cmd: o.Cmd, Env: o.Env, Cwd: o.Cwd, User: o.User, Stdin: o.Stdin,
+		TimeoutS: o.Timeout.Seconds(), MaxOutputBytes: o.MaxOutputBytes, Pty: o.PTY, PtyRows: o.Rows, PtyCols: o.Cols, Tag: o.Tag,
+	}
+}
+
+// Exec runs a command to completion.
+func (s *Sandbox) Exec(ctx context.Context, o ExecOptions) (*dsecv1.ExecResult, error) {
+	r, err := s.c.sandboxes.Exec(ctx, connect.NewRequest(o.request(s.ID)))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// Stream is a running command's output stream.
+type Stream struct {
+	ProcessID string
+	s         *Sandbox
+	st        *connect.ServerStreamForClient[dsecv1.ExecEvent]
+}
+
+// Start starts a command and returns once it runs. With stdinOpen, write
+// its stdin with Stream.Write and Stream.CloseStdin.
+func (s *Sandbox) Start(ctx context.Context, o ExecOptions, stdinOpen bool) (*Stream, error) {
+	req := o.request(s.ID)
+	req.StdinOpen = stdinOpen
+	st, err := s.c.sandboxes.ExecStream(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	if !st.Receive() {
+		err := st.Err()
+		st.Close()
+		if err == nil {
+			err = errors.New("stream ended before the process started")
+		}
+		return nil, asError(err)
+	}
+	started := st.Msg().GetStarted()
+	if started == nil {
+		st.Close()
+		return nil, errors.New("first stream event is not 'started'")
+	}
+	return &Stream{ProcessID: started.ProcessId, s: s, st: st}, nil
+}
+
+// Next returns the next event; after the exit event it returns io.EOF.
+func (x *Stream) Next() (*dsecv1.ExecEvent, error) {
+	for x.st.Receive() {
+		ev := x.st.Msg()
+		if ev.GetKeepalive() {
+			continue
+		}
+		return ev, nil
+	}
+	if err := x.st.Err(); err != nil {
+		return nil, asError(err)
+	}
+	return nil, io.EOF
+}
+
+// Write sends data to the process's stdin.
+func (x *Stream) Write(p []byte) (int, error) {
+	_, err := x.s.c.sandboxes.WriteStdin(context.Background(), connect.NewRequest(&dsecv1.WriteStdinRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Data: p}))
+	if err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}
+
+// CloseStdin closes the process's stdin.
+func (x *Stream) CloseStdin() error {
+	_, err := x.s.c.sandboxes.WriteStdin(context.Background(), connect.NewRequest(&dsecv1.WriteStdinRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Close: true}))
+	return err
+}
+
+// Signal signals the process group ("INT", "TERM", "KILL", ...).
+func (x *Stream) Signal(ctx context.Context, sig string) error {
+	_, err := x.s.c.sandboxes.SignalProcess(ctx, connect.NewRequest(&dsecv1.SignalProcessRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Signal: sig}))
+	return err
+}
+
+// Resize resizes the process's PTY.
+func (x *Stream) Resize(ctx context.Context, rows, cols uint32) error {
+	_, err := x.s.c.sandboxes.ResizePTY(ctx, connect.NewRequest(&dsecv1.ResizePTYRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Rows: rows, Cols: cols}))
+	return err
+}
+
+// Close stops receiving; the process keeps running.
+func (x *Stream) Close() error { return x.st.Close() }
+
+// Wait copies the process's output to stdout and stderr until it exits.
+func (x *Stream) Wait(stdout, stderr io.Writer) (*dsecv1.ExecResult, error) {
+	for {
+		ev, err := x.Next()
+		if err == io.EOF {
+			return nil, errors.New("stream ended without an exit event")
+		}
+		if err != nil {
+			return nil, err
+		}
+		switch e := ev.Event.(type) {
+		case *dsecv1.ExecEvent_Stdout:
+			if stdout != nil {
+				stdout.Write(e.Stdout)
+			}
+		case *dsecv1.ExecEvent_Stderr:
+			if stderr != nil {
+				stderr.Write(e.Stderr)
+			}
+		case *dsecv1.ExecEvent_Exit:
+			return e.Exit, nil
+		}
+	}
+}
+
+// WriteFile streams r into path (mode 0 means 0644).
+func (s *Sandbox) WriteFile(ctx context.Context, path string, r io.Reader, mode uint32) (*dsecv1.FileInfo, error) {
+	st := s.c.sandboxes.WriteFile(ctx)
+	if err := st.Send(&dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Header{Header: &dsecv1.WriteFileHeader{SandboxId: s.ID, Path: path, Mode: mode}}}); err != nil && !errors.Is(err, io.EOF) {
+		return nil, asError(err)
+	}
+	buf := make([]byte, 256<<10)
+	for {
+		n, err := r.Read(buf)
+		if n > 0 {
+			if serr := st.Send(&dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Data{Data: buf[:n]}}); serr != nil {
+				// The server answered early (an error); CloseAndReceive has it.
+				break
+			}
+		}
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			st.CloseAndReceive()
+			return nil, err
+		}
+	}
+	resp, err := st.CloseAndReceive()
+	if err != nil {
+		return nil, asError(err)
+	}
+	return resp.Msg, nil
+}
+
+// ReadFile streams path into w.
+func (s *Sandbox) ReadFile(ctx context.Context, path string, w io.Writer) (*dsecv1.FileInfo, error) {
+	st, err := s.c.sandboxes.ReadFile(ctx, connect.NewRequest(&dsecv1.ReadFileRequest{SandboxId: s.ID, Path: path}))
+	if err != nil {
+		return nil, err
+	}
+	defer st.Close()
+	var info *dsecv1.FileInfo
+	for st.Receive() {
+		m := st.Msg()
+		if i := m.GetInfo(); i != nil {
+			info = i
+			continue
+		}
+		if _, err := w.Write(m.GetData()); err != nil {
+			return nil, err
+		}
+	}
+	if err := st.Err(); err != nil {
+		return nil, asError(err)
+	}
+	return info, nil
+}
+
+// Stat returns a file's info.
+func (s *Sandbox) Stat(ctx context.Context, path string) (*dsecv1.FileInfo, error) {
+	r, err := s.c.sandboxes.Stat(ctx, connect.NewRequest(&dsecv1.StatRequest{SandboxId: s.ID, Path: path}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// ListDir lists a directory.
+func (s *Sandbox) ListDir(ctx context.Context, path string, depth int32) ([]*dsecv1.FileInfo, error) {
+	r, err := s.c.sandboxes.ListDir(ctx, connect.NewRequest(&dsecv1.ListDirRequest{SandboxId: s.ID, Path: path, Depth: depth}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg.Entries, nil
+}
+
+// Processes lists the sandbox's processes.
+func (s *Sandbox) Processes(ctx context.Context) ([]*dsecv1.ProcessInfo, error) {
+	r, err := s.c.sandboxes.ListProcesses(ctx, connect.NewRequest(&dsecv1.ListProcessesRequest{SandboxId: s.ID}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg.Processes, nil
+}
