@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"runtime/debug"
+	"time"
 
 	"github.com/opendsec/dsec/internal/guest/agent"
 )
@@ -17,6 +18,7 @@ func main() {
 	listenFD := flag.Int("listen-fd", -1, "serve on this inherited listening socket")
 	listen := flag.String("listen", "", "serve on this unix socket path (for tests and debugging)")
 	version := flag.Bool("version", false, "print the protocol version and exit")
+	deadline := flag.Int64("deadline", 0, "unix time (seconds) at which to end the sandbox if the node has not")
 	flag.Parse()
 	if *version {
 		fmt.Println(agent.Version)
@@ -44,6 +46,9 @@ func main() {
 	}
 	agent.Harden()
 	a := agent.New(log)
+	if *deadline > 0 {
+		a.SetDeadline(time.Unix(*deadline, 0))
+	}
 	if err := a.Serve(l); err != nil {
 		fmt.Fprintln(os.Stderr, "dsec-guest:", err)
 		os.Exit(1)

@@ -277,6 +277,16 @@ func (c *Client) ListDir(ctx context.Context, path string, depth int32) ([]*gues
 	return m.GetEntries().GetEntries(), nil
 }
 
+// SetDeadline sets when the agent ends the sandbox by itself.
+func (c *Client) SetDeadline(ctx context.Context, t time.Time) error {
+	ms := int64(0)
+	if !t.IsZero() {
+		ms = t.UnixMilli()
+	}
+	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_SetDeadline{SetDeadline: &guestv1.SetDeadline{UnixMs: ms}}})
+	return err
+}
+
 // Sync flushes the sandbox's filesystems.
 func (c *Client) Sync(ctx context.Context) error {
 	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Sync{Sync: &guestv1.Sync{}}})

@@ -409,3 +409,21 @@ func TestStartOfAMissingCommandIsAnExit(t *testing.T) {
 		t.Fatalf("got %v, %v", m, err)
 	}
 }
+
+func TestDeadlineEndsTheAgent(t *testing.T) {
+	c := startAgent(t)
+	if err := c.SetDeadline(context.Background(), time.Now().Add(300*time.Millisecond)); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_, err := c.Hello(ctx)
+		cancel()
+		if err != nil {
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Fatal("the agent still answers after its deadline")
+}

@@ -305,6 +305,10 @@ func (n *Node) live(id string) (*sandbox, error) {
 	return s, nil
 }
 
+// deadlineGrace is how long after its TTL a sandbox ends itself if the node
+// has not deleted it (the node normally does, on time).
+const deadlineGrace = time.Minute
+
 const (
 	stateRunning  = "running"
 	statePaused   = "paused"
@@ -458,7 +462,7 @@ func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
 		User: s.spec.User, Workdir: s.spec.Workdir, Hostname: "sandbox",
 		CPU: s.spec.Resources.GetCpu(), MemoryMB: s.spec.Resources.GetMemoryMb(),
 		DiskMB: s.spec.Resources.GetDiskMb(), Pids: s.spec.Resources.GetPids(),
-		Labels: s.spec.Labels,
+		Labels: s.spec.Labels, Deadline: s.expires.Add(deadlineGrace),
 	}
 	if s.net != nil {
 		ds.Network = substrate.Network{Mode: s.net.Mode, NetNS: s.net.NetNS, ResolvConf: s.net.ResolvConf}
@@ -684,7 +688,11 @@ func (n *Node) Keepalive(ctx context.Context, req *dsecv1.KeepaliveRequest) (*ds
 		}
 		s.mu.Lock()
 		s.expires = time.Now().Add(time.Duration(ext) * time.Second)
+		exp := s.expires
 		s.mu.Unlock()
+		if err := s.inst.Guest().SetDeadline(ctx, exp.Add(deadlineGrace)); err != nil {
+			return nil, n.callFailed(s, err)
+		}
 		s.rec = n.recordOf(s)
 		if err := n.store.put(s.rec); err != nil {
 			return nil, errdefs.Internal(err, "persist sandbox")

@@ -99,6 +99,9 @@ type Spec struct {
 
 	Network Network
 	Labels  map[string]string
+	// Deadline is when the instance ends itself if the node has not
+	// deleted it: the TTL backstop for times the node is down.
+	Deadline time.Time
 }
 
 // Guest is the in-sandbox API the node drives. *guest.Client implements it;
@@ -120,6 +123,7 @@ type Guest interface {
 	Remove(ctx context.Context, path string, recursive bool) error
 	Rename(ctx context.Context, from, to string) (*guestv1.FileInfo, error)
 	Sync(ctx context.Context) error
+	SetDeadline(ctx context.Context, t time.Time) error
 }
 
 var _ Guest = (*guest.Client)(nil)

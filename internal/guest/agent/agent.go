@@ -35,6 +35,9 @@ type Agent struct {
 	log   *slog.Logger
 	procs *procTable
 	boot  time.Time
+
+	mu       sync.Mutex
+	deadline *time.Timer
 }
 
 // New returns an agent. Call Harden once, early, when running as a
@@ -185,9 +188,34 @@ func (a *Agent) serveConn(c net.Conn) {
 	case *guestv1.ClientMsg_Sync:
 		unix.Sync()
 		done()
+	case *guestv1.ClientMsg_SetDeadline:
+		a.SetDeadline(time.UnixMilli(m.SetDeadline.UnixMs))
+		done()
 	default:
 		fail(invalid("unsupported call %T", call.Msg))
 	}
+}
+
+// SetDeadline makes the agent end the sandbox at t (the zero time clears
+// it): every process is killed and the agent exits, so the runtime tears
+// the sandbox down even when no node is there to do it.
+func (a *Agent) SetDeadline(t time.Time) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.deadline != nil {
+		a.deadline.Stop()
+		a.deadline = nil
+	}
+	if t.IsZero() || t.Unix() <= 0 {
+		return
+	}
+	a.deadline = time.AfterFunc(time.Until(t), func() {
+		a.log.Warn("sandbox deadline passed; ending the sandbox")
+		if os.Getpid() == 1 {
+			syscall.Kill(-1, syscall.SIGKILL)
+		}
+		os.Exit(0)
+	})
 }
 
 func (a *Agent) hello() *guestv1.HelloReply {

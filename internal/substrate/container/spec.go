@@ -49,7 +49,7 @@ func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, er
 		Hostname: s.Hostname,
 		Root:     &specs.Root{Path: rootfs},
 		Process: &specs.Process{
-			Args: []string{guestPath, "-listen-fd", "3"},
+			Args: guestArgs(s),
 			Env:  env,
 			Cwd:  "/",
 			User: specs.User{UID: 0, GID: 0},
@@ -155,3 +155,11 @@ func writeEtc(dir string, s *substrate.Spec) error {
 }
 
 func itoa(n int) string { return strconv.Itoa(n) }
+
+func guestArgs(s *substrate.Spec) []string {
+	args := []string{guestPath, "-listen-fd", "3"}
+	if !s.Deadline.IsZero() {
+		args = append(args, "-deadline", strconv.FormatInt(s.Deadline.Unix(), 10))
+	}
+	return args
+}

@@ -1,0 +1,48 @@
+# dsec — two commands for a fresh machine:
+#   make run    set up, build, and start `dsec serve` on 127.0.0.1:7070 (state in ./.dsec)
+#   make test   set up, build, and run every test
+
+SHELL := /bin/bash
+export PATH := /usr/local/go/bin:$(PATH)
+export GOFLAGS ?= -mod=mod
+
+DATA_DIR  ?= $(CURDIR)/.dsec
+CACHE_DIR ?= $(DATA_DIR)/cache
+export DSEC_CACHE_DIR := $(CACHE_DIR)
+VERSION   ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
+LISTEN    ?= 127.0.0.1:7070
+
+.PHONY: all setup build run test test-go test-python proto bench clean
+
+all: build
+
+setup:
+	@bash scripts/setup.sh
+
+build:
+	@mkdir -p bin
+	go build -ldflags "-X main.version=$(VERSION)" -o bin/dsec ./cmd/dsec
+	CGO_ENABLED=0 go build -ldflags "-s -w" -o bin/dsec-guest ./cmd/dsec-guest
+
+run: setup build
+	bin/dsec serve --listen $(LISTEN) --data-dir $(DATA_DIR) --cache-dir $(CACHE_DIR) --bootstrap busybox,debian
+
+test: setup build test-go test-python
+
+test-go:
+	go vet ./...
+	go test -count=1 -timeout 25m ./...
+
+test-python:
+	cd sdk/python && python3 -m pytest -q tests
+
+proto:
+	protoc -I api --go_out=. --go_opt=module=github.com/opendsec/dsec \
+		--connect-go_out=. --connect-go_opt=module=github.com/opendsec/dsec \
+		api/dsec/v1/*.proto api/dsec/guest/v1/*.proto
+
+bench: build
+	go run ./bench/container
+
+clean:
+	rm -rf bin

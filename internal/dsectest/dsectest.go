@@ -1,0 +1,287 @@
+// Package dsectest runs a real `dsec serve` for tests and benchmarks: the
+// binaries are built once per process, each server gets its own data
+// directory, port, bridge, subnet and nftables table, and everything is torn
+// down at the end.
+package dsectest
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	dsec "github.com/opendsec/dsec/sdk/go"
+)
+
+var (
+	buildOnce sync.Once
+	binDir    string
+	buildErr  error
+	seq       atomic.Int32
+)
+
+// Binaries builds dsec and dsec-guest once and returns their directory.
+func Binaries(t testing.TB) string {
+	t.Helper()
+	buildOnce.Do(func() {
+		binDir, buildErr = os.MkdirTemp("", "dsec-bin-")
+		if buildErr != nil {
+			return
+		}
+		for _, b := range []struct{ out, pkg string }{
+			{"dsec", "github.com/opendsec/dsec/cmd/dsec"},
+			{"dsec-guest", "github.com/opendsec/dsec/cmd/dsec-guest"},
+		} {
+			cmd := exec.Command("go", "build", "-o", filepath.Join(binDir, b.out), b.pkg)
+			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+			if out, err := cmd.CombinedOutput(); err != nil {
+				buildErr = fmt.Errorf("build %s: %v\n%s", b.pkg, err, out)
+				return
+			}
+		}
+	})
+	if buildErr != nil {
+		t.Fatal(buildErr)
+	}
+	return binDir
+}
+
+// Need skips t unless the host can run container sandboxes.
+func Need(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (container sandboxes)")
+	}
+	for _, c := range []string{"crun", "nft"} {
+		if _, err := exec.LookPath(c); err != nil {
+			t.Skipf("needs %s (apt-get install %s)", c, map[string]string{"crun": "crun", "nft": "nftables"}[c])
+		}
+	}
+	if _, err := os.Stat("/bin/busybox"); err != nil {
+		t.Skip("needs Debian's busybox-static")
+	}
+}
+
+// Options configure a server.
+type Options struct {
+	// Images to bootstrap before serving (default busybox).
+	Images []string
+	// APIKeys enables authentication.
+	APIKeys []string
+	// Args are extra `dsec serve` flags.
+	Args []string
+	// DataDir reuses a data directory (for restart tests).
+	DataDir string
+}
+
+// Server is a running `dsec serve`.
+type Server struct {
+	URL     string
+	DataDir string
+	Bin     string
+	Addr    string
+	t       testing.TB
+	opts    Options
+	cmd     *exec.Cmd
+	log     *os.File
+	n       int32
+	done    chan struct{}
+}
+
+// Start starts a server and waits until it answers.
+func Start(t testing.TB, opts Options) *Server {
+	t.Helper()
+	Need(t)
+	bin := Binaries(t)
+	if len(opts.Images) == 0 {
+		opts.Images = []string{"busybox"}
+	}
+	s := &Server{t: t, opts: opts, Bin: filepath.Join(bin, "dsec"), n: seq.Add(1)}
+	s.DataDir = opts.DataDir
+	if s.DataDir == "" {
+		s.DataDir = t.TempDir()
+	}
+	s.start()
+	t.Cleanup(s.cleanup)
+	return s
+}
+
+func (s *Server) netArgs() []string {
+	// Unique per test process and server: concurrent test packages must not
+	// share a bridge, a subnet or a firewall table.
+	return []string{
+		"--bridge", fmt.Sprintf("dst%d-%d", os.Getpid()%10000, s.n),
+		"--subnet", fmt.Sprintf("10.%d.%d.0/24", 100+os.Getpid()%100, s.n%256),
+		"--nft-table", fmt.Sprintf("dsectest_%d_%d", os.Getpid(), s.n),
+	}
+}
+
+func freePort(t testing.TB) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func (s *Server) start() {
+	t := s.t
+	t.Helper()
+	if s.Addr == "" {
+		s.Addr = freePort(t)
+	}
+	s.URL = "http://" + s.Addr
+	args := []string{"serve", "--listen", s.Addr, "--data-dir", s.DataDir, "--log-level", "warn",
+		"--bootstrap", strings.Join(s.opts.Images, ",")}
+	args = append(args, s.netArgs()...)
+	for _, k := range s.opts.APIKeys {
+		args = append(args, "--api-key", k)
+	}
+	args = append(args, s.opts.Args...)
+	cmd := exec.Command(s.Bin, args...)
+	cmd.Env = os.Environ()
+	logf, err := os.CreateTemp("", "dsec-serve-*.log")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.log = logf
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	s.cmd = cmd
+	s.done = make(chan struct{})
+	go func() { cmd.Wait(); close(s.done) }()
+	// The debian bootstrap may take minutes on a cold cache.
+	deadline := time.Now().Add(15 * time.Minute)
+	for {
+		resp, err := http.Get(s.URL + "/healthz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return
+			}
+		}
+		select {
+		case <-s.done:
+			t.Fatalf("dsec serve exited during start:\n%s", s.Log())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("dsec serve did not start:\n%s", s.Log())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// Log returns what the server printed.
+func (s *Server) Log() string {
+	b, _ := os.ReadFile(s.log.Name())
+	return string(b)
+}
+
+// Pid is the server's process (the re-executed child runs the node).
+func (s *Server) Pid() int { return s.cmd.Process.Pid }
+
+// Client returns an SDK client for the server.
+func (s *Server) Client() *dsec.Client {
+	key := ""
+	if len(s.opts.APIKeys) > 0 {
+		key = s.opts.APIKeys[0]
+	}
+	return dsec.New(s.URL, dsec.WithAPIKey(key))
+}
+
+// CLI runs the dsec CLI against the server.
+func (s *Server) CLI(ctx context.Context, stdin string, args ...string) (stdout, stderr string, code int) {
+	cmd := exec.CommandContext(ctx, s.Bin, args...)
+	cmd.Env = append(os.Environ(), "DSEC_URL="+s.URL)
+	if len(s.opts.APIKeys) > 0 {
+		cmd.Env = append(cmd.Env, "DSEC_API_KEY="+s.opts.APIKeys[0])
+	}
+	cmd.Stdin = strings.NewReader(stdin)
+	var out, errb strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	code = 0
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	} else if err != nil {
+		code = -1
+	}
+	return out.String(), errb.String(), code
+}
+
+// Stop stops the server gracefully; sandboxes keep running.
+func (s *Server) Stop() {
+	if s.cmd == nil {
+		return
+	}
+	syscall.Kill(s.cmd.Process.Pid, syscall.SIGTERM)
+	select {
+	case <-s.done:
+	case <-time.After(30 * time.Second):
+		syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
+		<-s.done
+	}
+	s.cmd = nil
+}
+
+// Kill kills the server at once, as a crash would.
+func (s *Server) Kill() {
+	if s.cmd == nil {
+		return
+	}
+	syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
+	<-s.done
+	s.cmd = nil
+}
+
+// Restart stops and starts the server over the same data directory and
+// address.
+func (s *Server) Restart() {
+	s.Stop()
+	s.start()
+}
+
+func (s *Server) cleanup() {
+	if s.cmd != nil {
+		// Delete what the test left, then stop.
+		c := s.Client()
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		if list, err := c.List(ctx, ""); err == nil {
+			var wg sync.WaitGroup
+			for _, sb := range list {
+				wg.Add(1)
+				go func(id string) { defer wg.Done(); c.Delete(ctx, id) }(sb.Id)
+			}
+			wg.Wait()
+		}
+		cancel()
+		s.Stop()
+	}
+	args := s.netArgs()
+	exec.Command("ip", "link", "del", args[1]).Run()
+	exec.Command("nft", "delete", "table", "inet", args[5]).Run()
+	if s.t.Failed() {
+		s.t.Logf("dsec serve log:\n%s", s.Log())
+	}
+	os.Remove(s.log.Name())
+}
+
+// Spec is a convenience for a busybox sandbox spec.
+func Spec(image string) *dsecv1.SandboxSpec {
+	return &dsecv1.SandboxSpec{Image: image, TtlS: 600}
+}

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Installs what dsec needs on a Debian or Ubuntu host, skipping what is
+# already there. Run as root (make run / make test call it).
+set -euo pipefail
+
+need_pkgs=()
+want() { # want PACKAGE [COMMAND-OR-PATH]
+	local pkg=$1 probe=${2:-$1}
+	if [[ $probe == /* ]]; then
+		[[ -e $probe ]] && return 0
+	elif command -v "$probe" >/dev/null 2>&1; then
+		return 0
+	fi
+	need_pkgs+=("$pkg")
+}
+
+want crun
+want runc
+want busybox-static /bin/busybox
+want debootstrap
+want nftables nft
+want iproute2 ip
+want e2fsprogs mkfs.ext4
+want erofs-utils mkfs.erofs
+want python3
+want python3-pytest /usr/lib/python3/dist-packages/pytest
+want ca-certificates /etc/ssl/certs/ca-certificates.crt
+want curl
+
+# busybox-static must be the static build (the busybox package is dynamic).
+if [[ -e /bin/busybox ]] && LC_ALL=C readelf -l /bin/busybox 2>/dev/null | grep -q 'program interpreter'; then
+	need_pkgs+=(busybox-static)
+fi
+
+if ((${#need_pkgs[@]})); then
+	if [[ $(id -u) -ne 0 ]]; then
+		echo "setup: missing packages (${need_pkgs[*]}); run as root or install them" >&2
+		exit 1
+	fi
+	echo "setup: installing ${need_pkgs[*]}"
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update -q
+	apt-get install -y -q --no-install-recommends "${need_pkgs[@]}"
+fi
+
+if ! command -v go >/dev/null 2>&1 && [[ ! -x /usr/local/go/bin/go ]]; then
+	echo "setup: Go is missing; install Go 1.26 or newer into /usr/local/go" >&2
+	exit 1
+fi

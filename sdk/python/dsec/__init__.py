@@ -1,0 +1,55 @@
+"""dsec: sandboxes for training and evaluating AI agents.
+
+    import dsec
+    client = dsec.Client()                      # $DSEC_URL, $DSEC_API_KEY
+    with client.create(image="debian", ttl_s=600, labels={"job": "demo"}) as sb:
+        r = sb.exec("python3 -c 'print(6*7)'")
+        print(r.exit_code, r.stdout)
+
+Standard library only. Every error is a :class:`DsecError` with ``.infra``
+(mask the rollout) and ``.retryable``.
+"""
+
+from .client import Client, ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, quote
+from .errors import (
+    Conflict,
+    ConnectionFailed,
+    DeadlineExceeded,
+    DsecError,
+    Exhausted,
+    Internal,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    SandboxGone,
+    Throttled,
+    Unauthenticated,
+    Unavailable,
+    Unimplemented,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client",
+    "Sandbox",
+    "SandboxInfo",
+    "ExecResult",
+    "ExecEvent",
+    "FileInfo",
+    "quote",
+    "DsecError",
+    "InvalidRequest",
+    "NotFound",
+    "Conflict",
+    "Exhausted",
+    "Throttled",
+    "Unavailable",
+    "ConnectionFailed",
+    "SandboxGone",
+    "Unauthenticated",
+    "PermissionDenied",
+    "Unimplemented",
+    "DeadlineExceeded",
+    "Internal",
+]

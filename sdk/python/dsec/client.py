@@ -1,0 +1,448 @@
+"""The synchronous client and the sandbox handle."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+
+from . import _wire
+from .errors import DsecError, NotFound, SandboxGone, make_error
+
+DEFAULT_URL = "http://127.0.0.1:7070"
+_SANDBOX = "dsec.v1.SandboxService"
+_IMAGE = "dsec.v1.ImageService"
+_SYSTEM = "dsec.v1.SystemService"
+
+Command = Union[str, Sequence[str]]
+
+
+def _int(v: Any) -> int:
+    return int(v) if v not in (None, "") else 0
+
+
+@dataclass
+class ExecResult:
+    """The result of a command. ``return_code`` is an alias of
+    ``exit_code``; ``output`` is stdout followed by stderr; iterating gives
+    ``(exit_code, stdout, stderr)``."""
+
+    exit_code: int
+    stdout_bytes: bytes
+    stderr_bytes: bytes
+    timed_out: bool = False
+    truncated: bool = False
+    duration_ms: int = 0
+    signal: str = ""
+    oom_killed: bool = False
+    process_id: str = ""
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    @property
+    def return_code(self) -> int:
+        return self.exit_code
+
+    @property
+    def returncode(self) -> int:
+        return self.exit_code
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.exit_code, self.stdout, self.stderr))
+
+    @classmethod
+    def _from(cls, m: Dict[str, Any]) -> "ExecResult":
+        return cls(
+            exit_code=_int(m.get("exitCode")),
+            stdout_bytes=_wire.unb64(m.get("stdout")),
+            stderr_bytes=_wire.unb64(m.get("stderr")),
+            timed_out=bool(m.get("timedOut")),
+            truncated=bool(m.get("truncated")),
+            duration_ms=_int(m.get("durationMs")),
+            signal=m.get("signal", ""),
+            oom_killed=bool(m.get("oomKilled")),
+            process_id=m.get("processId", ""),
+        )
+
+
+@dataclass
+class ExecEvent:
+    """One event of a streaming command: kind is "started", "stdout",
+    "stderr" or "exit"."""
+
+    kind: str
+    data: bytes = b""
+    result: Optional[ExecResult] = None
+    process_id: str = ""
+
+
+@dataclass
+class FileInfo:
+    path: str
+    name: str
+    type: str
+    size: int
+    mode: int
+    mtime: str = ""
+    symlink_target: str = ""
+    owner: str = ""
+    group: str = ""
+
+    @classmethod
+    def _from(cls, m: Dict[str, Any]) -> "FileInfo":
+        return cls(
+            path=m.get("path", ""), name=m.get("name", ""), type=m.get("type", ""), size=_int(m.get("size")),
+            mode=_int(m.get("mode")), mtime=m.get("mtime", ""), symlink_target=m.get("symlinkTarget", ""),
+            owner=m.get("owner", ""), group=m.get("group", ""),
+        )
+
+
+@dataclass
+class SandboxInfo:
+    id: str
+    node: str
+    state: str
+    reason: str
+    kind: str
+    image: str
+    labels: Dict[str, str] = field(default_factory=dict)
+    created_at: str = ""
+    expires_at: str = ""
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def _from(cls, m: Dict[str, Any]) -> "SandboxInfo":
+        spec = m.get("spec") or {}
+        return cls(
+            id=m.get("id", ""), node=m.get("node", ""), state=m.get("state", ""), reason=m.get("reason", ""),
+            kind=spec.get("kind", ""), image=spec.get("image", ""), labels=dict(spec.get("labels") or {}),
+            created_at=m.get("createdAt", ""), expires_at=m.get("expiresAt", ""), raw=m,
+        )
+
+
+def _exec_request(sandbox_id: str, cmd: Command, *, timeout_s: Optional[float], stdin: Union[bytes, str, None],
+                  env: Optional[Mapping[str, str]], cwd: Optional[str], user: Optional[str],
+                  max_output_bytes: Optional[int], pty: bool = False, tag: Optional[str] = None) -> Dict[str, Any]:
+    req: Dict[str, Any] = {"sandboxId": sandbox_id}
+    if isinstance(cmd, str):
+        req["cmd"] = cmd
+    else:
+        req["argv"] = [str(a) for a in cmd]
+    if timeout_s:
+        req["timeoutS"] = float(timeout_s)
+    if stdin is not None:
+        req["stdin"] = _wire.b64(stdin.encode() if isinstance(stdin, str) else bytes(stdin))
+    if env:
+        req["env"] = {str(k): str(v) for k, v in env.items()}
+    if cwd:
+        req["cwd"] = cwd
+    if user:
+        req["user"] = user
+    if max_output_bytes:
+        req["maxOutputBytes"] = str(int(max_output_bytes))
+    if pty:
+        req["pty"] = True
+    if tag:
+        req["tag"] = tag
+    return req
+
+
+class Sandbox:
+    """A handle to one sandbox. ``close()`` deletes it and is idempotent;
+    the handle is a context manager that closes on exit."""
+
+    def __init__(self, client: "Client", info: Union[SandboxInfo, str]) -> None:
+        self._client = client
+        if isinstance(info, str):
+            self.id = info
+            self._info: Optional[SandboxInfo] = None
+        else:
+            self.id = info.id
+            self._info = info
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.id!r})"
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def info(self) -> SandboxInfo:
+        """The sandbox's status as last fetched (``refresh()`` updates it)."""
+        if self._info is None:
+            self.refresh()
+        assert self._info is not None
+        return self._info
+
+    @property
+    def state(self) -> str:
+        return self.refresh().state
+
+    def refresh(self) -> SandboxInfo:
+        self._info = self._client.get(self.id).info
+        return self._info
+
+    def exec(self, cmd: Command, *, timeout_s: Optional[float] = None, stdin: Union[bytes, str, None] = None,
+             env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None, user: Optional[str] = None,
+             max_output_bytes: Optional[int] = None) -> ExecResult:
+        """Run a command to completion. A string runs with ``/bin/sh -c``; a
+        list runs as argv. A non-zero exit or a timeout is a result, not an
+        exception; exceptions mean the call itself failed."""
+        req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
+                            max_output_bytes=max_output_bytes)
+        http_timeout = (timeout_s or 600) + 30
+        return ExecResult._from(self._client._t.unary(_SANDBOX, "Exec", req, timeout=http_timeout))
+
+    def exec_stream(self, cmd: Command, *, timeout_s: Optional[float] = None, stdin: Union[bytes, str, None] = None,
+                    env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None, user: Optional[str] = None,
+                    max_output_bytes: Optional[int] = None, pty: bool = False, tag: Optional[str] = None) -> Iterator[ExecEvent]:
+        """Run a command and yield its events as they happen."""
+        req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
+                            max_output_bytes=max_output_bytes, pty=pty, tag=tag)
+        pid = ""
+        for m in self._client._t.stream(_SANDBOX, "ExecStream", req, timeout=(timeout_s or 600) + 60):
+            if "started" in m:
+                pid = m["started"].get("processId", "")
+                yield ExecEvent("started", process_id=pid)
+            elif "stdout" in m:
+                yield ExecEvent("stdout", _wire.unb64(m["stdout"]), process_id=pid)
+            elif "stderr" in m:
+                yield ExecEvent("stderr", _wire.unb64(m["stderr"]), process_id=pid)
+            elif "exit" in m:
+                yield ExecEvent("exit", result=ExecResult._from(m["exit"]), process_id=pid)
+
+    def write_file(self, path: str, data: Union[bytes, str, IO[bytes]], *, mode: Optional[int] = None) -> FileInfo:
+        """Write a file (parents are created). ``data`` may be a binary file
+        object, which is streamed."""
+        q = {"path": path}
+        if mode is not None:
+            q["mode"] = format(mode, "o")
+        body: Any = data.encode() if isinstance(data, str) else data
+        headers = self._client._t.headers("application/octet-stream")
+        if not isinstance(body, (bytes, bytearray)):
+            headers["Transfer-Encoding"] = "chunked"
+        m = self._client._http_json("PUT", self._files_path(q), body, headers)
+        return FileInfo(path=m.get("path", path), name=os.path.basename(path), type="file", size=_int(m.get("size")), mode=_int(m.get("mode")))
+
+    def read_file(self, path: str, *, max_bytes: Optional[int] = None) -> bytes:
+        """Read a whole file (or its first ``max_bytes``)."""
+        chunks = []
+        for chunk in self.read_file_stream(path, max_bytes=max_bytes):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def read_file_stream(self, path: str, *, max_bytes: Optional[int] = None, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+        q: Dict[str, str] = {"path": path}
+        if max_bytes:
+            q["max_bytes"] = str(max_bytes)
+        resp = self._client._t.request("GET", self._files_path(q), None, self._client._t.headers("application/octet-stream"))
+        if resp.status != 200:
+            self._client._raise_http(resp)
+        while True:
+            chunk = resp.read(chunk_size)
+            if not chunk:
+                return
+            yield chunk
+
+    def upload(self, local_path: str, remote_path: str) -> FileInfo:
+        """Stream a local file into the sandbox."""
+        with open(local_path, "rb") as f:
+            return self.write_file(remote_path, f, mode=os.stat(local_path).st_mode & 0o777)
+
+    def download(self, remote_path: str, local_path: str) -> None:
+        """Stream a sandbox file to a local path."""
+        tmp = local_path + ".dsec-part"
+        with open(tmp, "wb") as f:
+            for chunk in self.read_file_stream(remote_path):
+                f.write(chunk)
+        os.replace(tmp, local_path)
+
+    def stat(self, path: str) -> FileInfo:
+        return FileInfo._from(self._client._t.unary(_SANDBOX, "Stat", {"sandboxId": self.id, "path": path}))
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.stat(path)
+            return True
+        except NotFound:
+            return False
+
+    def list_dir(self, path: str, depth: int = 1) -> List[FileInfo]:
+        m = self._client._t.unary(_SANDBOX, "ListDir", {"sandboxId": self.id, "path": path, "depth": depth})
+        return [FileInfo._from(e) for e in m.get("entries", [])]
+
+    def make_dir(self, path: str) -> FileInfo:
+        return FileInfo._from(self._client._t.unary(_SANDBOX, "MakeDir", {"sandboxId": self.id, "path": path}))
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        self._client._t.unary(_SANDBOX, "Remove", {"sandboxId": self.id, "path": path, "recursive": recursive})
+
+    def rename(self, src: str, dst: str) -> FileInfo:
+        return FileInfo._from(self._client._t.unary(_SANDBOX, "Rename", {"sandboxId": self.id, "from": src, "to": dst}))
+
+    def keepalive(self, extend_ttl_s: Optional[int] = None) -> SandboxInfo:
+        """Reset the idle timer (call it while the model generates); with
+        ``extend_ttl_s`` also move the expiry to now + that."""
+        req: Dict[str, Any] = {"id": self.id}
+        if extend_ttl_s:
+            req["extendTtlS"] = str(int(extend_ttl_s))
+        self._info = SandboxInfo._from(self._client._t.unary(_SANDBOX, "Keepalive", req))
+        return self._info
+
+    def alive(self) -> bool:
+        """Whether the sandbox is running. Never raises."""
+        try:
+            return self.refresh().state in ("running", "paused")
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        """Delete the sandbox. Idempotent."""
+        if self._closed:
+            return
+        self._client.delete(self.id)
+        self._closed = True
+
+    def _files_path(self, q: Mapping[str, str]) -> str:
+        return f"/v1/sandboxes/{urllib.parse.quote(self.id)}/files?" + urllib.parse.urlencode(q)
+
+
+class Client:
+    """A dsec client. ``url`` defaults to ``$DSEC_URL`` or
+    http://127.0.0.1:7070, ``api_key`` to ``$DSEC_API_KEY``. Safe to share
+    between threads (each thread gets its own kept-alive connection)."""
+
+    def __init__(self, url: Optional[str] = None, api_key: Optional[str] = None, *, timeout: float = 120.0) -> None:
+        self.url = url or os.environ.get("DSEC_URL") or DEFAULT_URL
+        self._t = _wire.Transport(self.url, api_key if api_key is not None else os.environ.get("DSEC_API_KEY"), timeout)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._t.close()
+
+    def create(self, image: str, *, kind: str = "container", cpu: Optional[float] = None, memory_mb: Optional[int] = None,
+               pids: Optional[int] = None, ttl_s: Optional[int] = None, idle_ttl_s: Optional[int] = None,
+               labels: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None,
+               network: Optional[str] = None, user: Optional[str] = None, workdir: Optional[str] = None,
+               idempotency_key: Optional[str] = None, timeout_s: float = 300) -> Sandbox:
+        """Create a sandbox and return once it accepts commands."""
+        spec: Dict[str, Any] = {"kind": kind, "image": image, "resources": {}}
+        if cpu:
+            spec["resources"]["cpu"] = float(cpu)
+        if memory_mb:
+            spec["resources"]["memoryMb"] = str(int(memory_mb))
+        if pids:
+            spec["resources"]["pids"] = str(int(pids))
+        if ttl_s:
+            spec["ttlS"] = str(int(ttl_s))
+        if idle_ttl_s:
+            spec["idleTtlS"] = str(int(idle_ttl_s))
+        if labels:
+            spec["labels"] = {str(k): str(v) for k, v in labels.items()}
+        if env:
+            spec["env"] = {str(k): str(v) for k, v in env.items()}
+        if network:
+            spec["network"] = {"mode": network}
+        if user:
+            spec["user"] = user
+        if workdir:
+            spec["workdir"] = workdir
+        req: Dict[str, Any] = {"spec": spec}
+        if idempotency_key:
+            req["idempotencyKey"] = idempotency_key
+        m = self._t.unary(_SANDBOX, "CreateSandbox", req, timeout=timeout_s)
+        return Sandbox(self, SandboxInfo._from(m))
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        """Fetch a sandbox (live or recently deleted; see ``.info.state``)."""
+        m = self._t.unary(_SANDBOX, "GetSandbox", {"id": sandbox_id})
+        return Sandbox(self, SandboxInfo._from(m))
+
+    def sandbox(self, sandbox_id: str) -> Sandbox:
+        """A handle to an existing sandbox, without a call."""
+        return Sandbox(self, sandbox_id)
+
+    def list(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None,
+             state: Optional[str] = None) -> List[SandboxInfo]:
+        """List sandboxes whose labels match ``labels`` (all must match) or a
+        selector string ("k=v,k2!=v")."""
+        parts = [f"{k}={v}" for k, v in (labels or {}).items()]
+        if selector:
+            parts.append(selector)
+        out: List[SandboxInfo] = []
+        token = ""
+        while True:
+            req: Dict[str, Any] = {"labelSelector": ",".join(parts)}
+            if state:
+                req["state"] = state
+            if token:
+                req["pageToken"] = token
+            m = self._t.unary(_SANDBOX, "ListSandboxes", req)
+            out.extend(SandboxInfo._from(s) for s in m.get("sandboxes", []))
+            token = m.get("nextPageToken", "")
+            if not token:
+                return out
+
+    def delete(self, sandbox_id: str) -> None:
+        """Delete a sandbox. Deleting a deleted sandbox succeeds."""
+        self._t.unary(_SANDBOX, "DeleteSandbox", {"id": sandbox_id})
+
+    def info(self) -> Dict[str, Any]:
+        """The deployment: nodes, substrates and their capabilities."""
+        return self._t.unary(_SYSTEM, "GetInfo", {})
+
+    def images(self) -> List[Dict[str, Any]]:
+        return self._t.unary(_IMAGE, "ListImages", {}).get("images", [])
+
+    def _http_json(self, method: str, path: str, body: Any, headers: Dict[str, str]) -> Dict[str, Any]:
+        import json
+
+        resp = self._t.request(method, path, body, headers)
+        if resp.status != 200:
+            self._raise_http(resp)
+        data = resp.read()
+        return json.loads(data) if data else {}
+
+    def _raise_http(self, resp: Any) -> None:
+        import json
+
+        data = resp.read()
+        try:
+            body = json.loads(data)
+        except ValueError:
+            raise make_error("unavailable" if resp.status >= 500 else "unknown", data.decode(errors="replace")[:500] or resp.reason, status=resp.status)
+        raise make_error(body.get("code", ""), body.get("message", ""), infra=body.get("infra"), retryable=body.get("retryable"),
+                         retry_after_s=float(resp.getheader("Retry-After")) if resp.getheader("Retry-After") else None, status=resp.status)
+
+
+def quote(argv: Sequence[str]) -> str:
+    """Join argv into a shell command."""
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+__all__ = ["Client", "Sandbox", "ExecResult", "ExecEvent", "FileInfo", "SandboxInfo", "DsecError", "SandboxGone", "quote"]
