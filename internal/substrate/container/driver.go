@@ -336,7 +336,13 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		cancel()
 		return nil, failed("start container", fmt.Errorf("runtime exited: %v", cmd.ProcessState))
 	}
+	// The runtime writes the pid file around the time the agent starts; the
+	// agent can answer first.
 	pid, err := readPidFile(pidFile)
+	for wait := time.Now().Add(5 * time.Second); err != nil && time.Now().Before(wait); {
+		time.Sleep(time.Millisecond)
+		pid, err = readPidFile(pidFile)
+	}
 	if err != nil {
 		return nil, errdefs.Internal(err, "read container pid")
 	}

@@ -1,0 +1,93 @@
+package e2e
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/opendsec/dsec/internal/dsectest"
+	dsec "github.com/opendsec/dsec/sdk/go"
+)
+
+// nodePid is the server's node process: `dsec serve` re-executes itself in a
+// private mount namespace, so the node is the first child.
+func nodePid(srv *dsectest.Server) int {
+	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", srv.Pid(), srv.Pid()))
+	var pid int
+	if f := strings.Fields(string(b)); len(f) > 0 {
+		fmt.Sscan(f[0], &pid)
+	}
+	if pid == 0 {
+		pid = srv.Pid()
+	}
+	return pid
+}
+
+func countLines(p string) int {
+	b, _ := os.ReadFile(p)
+	return strings.Count(string(b), "\n")
+}
+
+func TestHundredCreateDeleteCyclesLeaveNothingBehind(t *testing.T) {
+	srv := dsectest.Start(t, dsectest.Options{})
+	c := srv.Client()
+	ctx := ctxFor(t, 10*time.Minute)
+	mountsBefore := countLines(fmt.Sprintf("/proc/%d/mountinfo", nodePid(srv)))
+	abs, _ := filepath.Abs(filepath.Join(srv.DataDir, "container"))
+	h := sha256.Sum256([]byte(abs))
+	runtimeDir := filepath.Join("/run/dsec", hex.EncodeToString(h[:4]), "runtime")
+	ifacesBefore, _ := net.Interfaces()
+
+	var ids []string
+	for i := 0; i < 100; i++ {
+		mode := "none"
+		if i%2 == 1 {
+			mode = "egress"
+		}
+		sb, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox", Network: mode, MemoryMB: 64})
+		if err != nil {
+			t.Fatalf("cycle %d create: %v", i, err)
+		}
+		if _, err := sb.Exec(ctx, dsec.Cmd("echo x > /tmp/f; sleep 100 >/dev/null 2>&1 &")); err != nil {
+			t.Fatalf("cycle %d exec: %v", i, err)
+		}
+		if err := sb.Close(); err != nil {
+			t.Fatalf("cycle %d delete: %v", i, err)
+		}
+		ids = append(ids, sb.ID)
+	}
+	time.Sleep(time.Second) // the trash is emptied in the background
+	var left []string
+	if n := countLines(fmt.Sprintf("/proc/%d/mountinfo", nodePid(srv))); n > mountsBefore {
+		left = append(left, fmt.Sprintf("%d mounts", n-mountsBefore))
+	}
+	for _, id := range ids {
+		for _, p := range []string{
+			"/sys/fs/cgroup/pids/dsec/" + id, "/sys/fs/cgroup/memory/dsec/" + id, "/sys/fs/cgroup/dsec/" + id,
+			filepath.Join(runtimeDir, id), filepath.Join(srv.DataDir, "sandboxes", id),
+		} {
+			if _, err := os.Stat(p); err == nil {
+				left = append(left, p)
+			}
+		}
+	}
+	if ents, _ := os.ReadDir(filepath.Join(srv.DataDir, "trash")); len(ents) > 0 {
+		left = append(left, fmt.Sprintf("%d trash entries", len(ents)))
+	}
+	ifacesAfter, _ := net.Interfaces()
+	if len(ifacesAfter) > len(ifacesBefore) {
+		left = append(left, fmt.Sprintf("%d network interfaces", len(ifacesAfter)-len(ifacesBefore)))
+	}
+	if list, _ := c.List(ctx, ""); len(list) > 0 {
+		left = append(left, fmt.Sprintf("%d listed sandboxes", len(list)))
+	}
+	if len(left) > 0 {
+		t.Fatalf("after 100 create/delete cycles, left behind: %s", strings.Join(left, "; "))
+	}
+}
