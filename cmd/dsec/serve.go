@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
+	"net/http/pprof"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -61,6 +63,7 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&flagCfg.Network.Subnet, "subnet", "", "egress subnet (default 10.88.0.0/16)")
 	f.StringVar(&flagCfg.Network.Table, "nft-table", "", "nftables table (default dsec)")
 	f.StringVar(&flagCfg.Container.Runtime, "runtime", "", "OCI runtime: crun or runc (default crun)")
+	f.StringVar(&flagCfg.DebugListen, "debug-listen", "", "serve Go profiling (net/http/pprof) on this loopback address")
 	return cmd
 }
 
@@ -107,6 +110,9 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("nft-table") {
 		cfg.Network.Table = fl.Network.Table
+	}
+	if set("debug-listen") {
+		cfg.DebugListen = fl.DebugListen
 	}
 	if set("runtime") {
 		cfg.Container.Runtime = fl.Container.Runtime
@@ -168,12 +174,30 @@ func serve(ctx context.Context, cfg config.Config) error {
 		}
 		log.Info("base image ready", slog.String("image", recipe))
 	}
+	if cfg.DebugListen != "" {
+		if err := apiserver.CheckListen(cfg.DebugListen, nil); err != nil {
+			return fmt.Errorf("debug listener: %w", err)
+		}
+		go func() {
+			err := http.ListenAndServe(cfg.DebugListen, debugMux())
+			log.Warn("debug listener stopped", slog.Any("error", err))
+		}()
+	}
 	l, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		return err
 	}
 	log.Info("dsec serving", slog.String("listen", l.Addr().String()), slog.String("data_dir", dataDir), slog.Bool("auth", len(cfg.APIKeys) > 0))
 	return api.Serve(ctx, l)
+}
+
+func debugMux() *http.ServeMux {
+	m := http.NewServeMux()
+	m.HandleFunc("/debug/pprof/", pprof.Index)
+	m.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	m.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	m.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	return m
 }
 
 // buildNode assembles a node agent with every substrate this host runs.

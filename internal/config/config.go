@@ -33,6 +33,8 @@ type Config struct {
 	// Bootstrap lists base images built at start if missing ("busybox",
 	// "debian"); empty builds none.
 	Bootstrap []string `json:"bootstrap,omitempty"`
+	// DebugListen serves Go profiling on a loopback address (default off).
+	DebugListen string `json:"debug_listen,omitempty"`
 	// LogLevel is debug, info (default), warn or error.
 	LogLevel string `json:"log_level,omitempty"`
 

@@ -30,8 +30,24 @@ var (
 	seq       atomic.Int32
 )
 
+// TB is the part of testing.TB the harness uses, so benchmarks (which are
+// programs, not tests) can run servers too.
+type TB interface {
+	Helper()
+	Fatal(args ...any)
+	Fatalf(format string, args ...any)
+	Skip(args ...any)
+	Skipf(format string, args ...any)
+	Cleanup(func())
+	TempDir() string
+	Logf(format string, args ...any)
+	Failed() bool
+}
+
+var _ TB = (testing.TB)(nil)
+
 // Binaries builds dsec and dsec-guest once and returns their directory.
-func Binaries(t testing.TB) string {
+func Binaries(t TB) string {
 	t.Helper()
 	buildOnce.Do(func() {
 		binDir, buildErr = os.MkdirTemp("", "dsec-bin-")
@@ -57,7 +73,7 @@ func Binaries(t testing.TB) string {
 }
 
 // Need skips t unless the host can run container sandboxes.
-func Need(t testing.TB) {
+func Need(t TB) {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root (container sandboxes)")
@@ -90,7 +106,7 @@ type Server struct {
 	DataDir string
 	Bin     string
 	Addr    string
-	t       testing.TB
+	t       TB
 	opts    Options
 	cmd     *exec.Cmd
 	log     *os.File
@@ -99,7 +115,7 @@ type Server struct {
 }
 
 // Start starts a server and waits until it answers.
-func Start(t testing.TB, opts Options) *Server {
+func Start(t TB, opts Options) *Server {
 	t.Helper()
 	Need(t)
 	bin := Binaries(t)
@@ -126,7 +142,7 @@ func (s *Server) netArgs() []string {
 	}
 }
 
-func freePort(t testing.TB) string {
+func freePort(t TB) string {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

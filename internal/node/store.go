@@ -48,6 +48,9 @@ func openStore(path string) (*store, error) {
 		}
 		return nil, fmt.Errorf("open node store: %w", err)
 	}
+	// Batch coalesces concurrent writers into one fsync'd transaction; a
+	// short window keeps a lone writer from waiting the 10 ms default.
+	db.MaxBatchDelay = time.Millisecond
 	err = db.Update(func(tx *bolt.Tx) error {
 		for _, b := range [][]byte{bucketSandboxes, bucketTombstones, bucketIdem} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {

@@ -238,9 +238,9 @@ class Sandbox:
         if mode is not None:
             q["mode"] = format(mode, "o")
         body: Any = data.encode() if isinstance(data, str) else data
+        # http.client sends a file object with its length when it has one,
+        # else chunked.
         headers = self._client._t.headers("application/octet-stream")
-        if not isinstance(body, (bytes, bytearray)):
-            headers["Transfer-Encoding"] = "chunked"
         m = self._client._http_json("PUT", self._files_path(q), body, headers)
         return FileInfo(path=m.get("path", path), name=os.path.basename(path), type="file", size=_int(m.get("size")), mode=_int(m.get("mode")))
 

@@ -13,14 +13,17 @@ class DsecError(Exception):
     """Base class of every error the SDK raises for a server answer."""
 
     kind = "unknown"
+    #: flags an error of this class has unless the server said otherwise
+    default_infra = False
+    default_retryable = False
 
     def __init__(
         self,
         message: str,
         *,
         kind: Optional[str] = None,
-        infra: bool = False,
-        retryable: bool = False,
+        infra: Optional[bool] = None,
+        retryable: Optional[bool] = None,
         retry_after_s: Optional[float] = None,
         status: Optional[int] = None,
     ) -> None:
@@ -28,8 +31,8 @@ class DsecError(Exception):
         self.message = message
         if kind:
             self.kind = kind
-        self.infra = infra
-        self.retryable = retryable
+        self.infra = self.default_infra if infra is None else infra
+        self.retryable = self.default_retryable if retryable is None else retryable
         self.retry_after_s = retry_after_s
         self.status = status
 
@@ -58,6 +61,8 @@ class Exhausted(DsecError):
     """No capacity or quota right now; retry after ``retry_after_s``."""
 
     kind = "exhausted"
+    default_infra = True
+    default_retryable = True
 
 
 Throttled = Exhausted
@@ -67,6 +72,8 @@ class Unavailable(DsecError):
     """A platform component could not serve the call (infra)."""
 
     kind = "unavailable"
+    default_infra = True
+    default_retryable = True
 
 
 class SandboxGone(DsecError):
@@ -74,6 +81,7 @@ class SandboxGone(DsecError):
     silently re-created: mask the rollout or start a new one."""
 
     kind = "gone"
+    default_infra = True
 
 
 class Unauthenticated(DsecError):
@@ -96,6 +104,7 @@ class DeadlineExceeded(DsecError):
 
 class Internal(DsecError):
     kind = "internal"
+    default_infra = True
 
 
 class ConnectionFailed(Unavailable):
@@ -137,14 +146,6 @@ _BY_CODE = {
     "internal": Internal,
 }
 
-_DEFAULT_FLAGS = {
-    "exhausted": (True, True),
-    "unavailable": (True, True),
-    "gone": (True, False),
-    "internal": (True, False),
-}
-
-
 def make_error(
     kind: str,
     message: str,
@@ -156,13 +157,11 @@ def make_error(
     status: Optional[int] = None,
 ) -> DsecError:
     cls = _BY_KIND.get(kind) or (_BY_CODE.get(code or "") if code else None) or DsecError
-    k = kind or getattr(cls, "kind", "unknown")
-    d_infra, d_retry = _DEFAULT_FLAGS.get(k, (False, False))
     return cls(
         message,
-        kind=k,
-        infra=d_infra if infra is None else infra,
-        retryable=d_retry if retryable is None else retryable,
+        kind=kind or cls.kind,
+        infra=infra,
+        retryable=retryable,
         retry_after_s=retry_after_s,
         status=status,
     )

@@ -1,0 +1,435 @@
+// Command container benchmarks the container substrate through the API,
+// side by side with a raw crun loop on the same root filesystem, and
+// prints ratios (not a test: numbers, never pass/fail).
+//
+//	go run ./bench/container [-n 200] [-par 1,2,4,8] [-runs 3] [-idle 1000]
+//
+// Measured:
+//   - create→exec(true)→delete through the API vs. mount overlay + `crun run
+//     true` + umount (crun's default spec), at the same parallelism;
+//   - exec(true) round trip in a running sandbox vs. `crun exec`;
+//   - host memory per idle sandbox with -idle N sandboxes held at once.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/opendsec/dsec/internal/dsectest"
+	"github.com/opendsec/dsec/internal/mountns"
+	dsec "github.com/opendsec/dsec/sdk/go"
+)
+
+func main() {
+	n := flag.Int("n", 200, "iterations per parallelism level and side")
+	pars := flag.String("par", "1,2,4,8", "parallelism levels")
+	runs := flag.Int("runs", 3, "repetitions; medians are reported")
+	idle := flag.Int("idle", 0, "also hold this many idle sandboxes and report memory per sandbox")
+	execN := flag.Int("exec", 500, "exec round trips to time")
+	flag.Parse()
+	if err := mountns.Enter(); err != nil {
+		fatal(err)
+	}
+	b := &benchT{}
+	defer b.cleanup()
+	srv := dsectest.Start(b, dsectest.Options{Args: []string{"--max-sandboxes", strconv.Itoa(max(*idle+64, 4096))}})
+	c := srv.Client()
+	ctx := context.Background()
+	layers := busyboxLayers(ctx, c, srv.DataDir)
+	raw := newRaw(b.TempDir(), layers)
+
+	fmt.Printf("dsec container benchmark — %d CPUs, %s\n", runtimeCPUs(), time.Now().Format(time.RFC3339))
+	fmt.Printf("raw baseline: mount overlay of the same busybox layers + `crun run` (crun's default spec) of `true` + umount\n\n")
+	fmt.Printf("%-4s %12s %12s %7s   %s\n", "par", "dsec/s", "raw/s", "ratio", "dsec latency p50/p90/p99 (create→exec→delete)")
+	for _, ps := range strings.Split(*pars, ",") {
+		par, _ := strconv.Atoi(ps)
+		var ratios, ds, rs []float64
+		var lat []time.Duration
+		for r := 0; r < *runs; r++ {
+			// Alternate order so neither side always runs on a warmer machine.
+			var d, w float64
+			var l []time.Duration
+			if r%2 == 0 {
+				d, l = cycleAPI(ctx, c, *n, par)
+				w = raw.cycle(*n, par)
+			} else {
+				w = raw.cycle(*n, par)
+				d, l = cycleAPI(ctx, c, *n, par)
+			}
+			ds, rs, ratios = append(ds, d), append(rs, w), append(ratios, d/w)
+			lat = append(lat, l...)
+		}
+		fmt.Printf("%-4d %12.1f %12.1f %6.2fx   %s\n", par, median(ds), median(rs), median(ratios), pcts(lat))
+	}
+
+	fmt.Println("sequential cycle:", breakdown(ctx, c, 50))
+	fmt.Println()
+	d50, d99 := execAPI(ctx, c, *execN)
+	r50, r99 := raw.execLatency(*execN / 5)
+	fmt.Printf("exec(true) round trip: dsec p50 %s p99 %s; crun exec p50 %s p99 %s; dsec is %.1fx faster at p50\n",
+		d50, d99, r50, r99, float64(r50)/float64(d50))
+
+	if *idle > 0 {
+		fmt.Println()
+		idleDensity(ctx, c, *idle)
+	}
+}
+
+func cycleAPI(ctx context.Context, c *dsec.Client, n, par int) (float64, []time.Duration) {
+	var next atomic.Int64
+	var mu sync.Mutex
+	var lat []time.Duration
+	start := time.Now()
+	var wg sync.WaitGroup
+	for w := 0; w < par; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for next.Add(1) <= int64(n) {
+				t0 := time.Now()
+				sb, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox", MemoryMB: 128})
+				if err != nil {
+					fatal(err)
+				}
+				if _, err := sb.Exec(ctx, dsec.Argv("true")); err != nil {
+					fatal(err)
+				}
+				if err := sb.Close(); err != nil {
+					fatal(err)
+				}
+				mu.Lock()
+				lat = append(lat, time.Since(t0))
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return float64(n) / time.Since(start).Seconds(), lat
+}
+
+// breakdown times each step of a sequential cycle.
+func breakdown(ctx context.Context, c *dsec.Client, n int) string {
+	var cr, ex, de []time.Duration
+	for i := 0; i < n; i++ {
+		t0 := time.Now()
+		sb, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox", MemoryMB: 128})
+		if err != nil {
+			fatal(err)
+		}
+		t1 := time.Now()
+		if _, err := sb.Exec(ctx, dsec.Argv("true")); err != nil {
+			fatal(err)
+		}
+		t2 := time.Now()
+		sb.Close()
+		cr, ex, de = append(cr, t1.Sub(t0)), append(ex, time.Since(t1)-time.Since(t2)), append(de, time.Since(t2))
+	}
+	return fmt.Sprintf("create %s, exec %s, delete %s (p50)", pct(cr, 50), pct(ex, 50), pct(de, 50))
+}
+
+func execAPI(ctx context.Context, c *dsec.Client, n int) (p50, p99 time.Duration) {
+	sb, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox"})
+	if err != nil {
+		fatal(err)
+	}
+	defer sb.Close()
+	var lat []time.Duration
+	for i := 0; i < n+20; i++ {
+		t0 := time.Now()
+		if _, err := sb.Exec(ctx, dsec.Argv("true")); err != nil {
+			fatal(err)
+		}
+		if i >= 20 {
+			lat = append(lat, time.Since(t0))
+		}
+	}
+	return pct(lat, 50), pct(lat, 99)
+}
+
+// raw is the baseline: overlay + crun with crun's default spec.
+type raw struct {
+	dir    string
+	lowers string
+	seq    atomic.Int64
+}
+
+func newRaw(dir string, layers []string) *raw {
+	return &raw{dir: dir, lowers: strings.Join(layers, ":")}
+}
+
+func (r *raw) bundle(args []string) string {
+	b := filepath.Join(r.dir, fmt.Sprintf("b%d", r.seq.Add(1)))
+	for _, d := range []string{"rootfs", "upper", "work"} {
+		os.MkdirAll(filepath.Join(b, d), 0o755)
+	}
+	out, err := exec.Command("crun", "spec", "--bundle", b).CombinedOutput()
+	if err != nil {
+		fatal(fmt.Errorf("crun spec: %v %s", err, out))
+	}
+	var spec map[string]any
+	cfg := filepath.Join(b, "config.json")
+	raw, _ := os.ReadFile(cfg)
+	json.Unmarshal(raw, &spec)
+	p := spec["process"].(map[string]any)
+	p["terminal"] = false
+	p["args"] = args
+	spec["root"] = map[string]any{"path": filepath.Join(b, "rootfs")}
+	raw, _ = json.Marshal(spec)
+	os.WriteFile(cfg, raw, 0o644)
+	return b
+}
+
+func (r *raw) mount(b string) {
+	os.RemoveAll(filepath.Join(b, "upper"))
+	os.RemoveAll(filepath.Join(b, "work"))
+	os.MkdirAll(filepath.Join(b, "upper"), 0o755)
+	os.MkdirAll(filepath.Join(b, "work"), 0o755)
+	data := "lowerdir=" + r.lowers + ",upperdir=" + filepath.Join(b, "upper") + ",workdir=" + filepath.Join(b, "work")
+	if err := unix.Mount("overlay", filepath.Join(b, "rootfs"), "overlay", 0, data); err != nil {
+		fatal(fmt.Errorf("mount overlay: %w", err))
+	}
+}
+
+func (r *raw) cycle(n, par int) float64 {
+	var next atomic.Int64
+	bundles := make([]string, par)
+	for i := range bundles {
+		bundles[i] = r.bundle([]string{"true"})
+	}
+	start := time.Now()
+	var wg sync.WaitGroup
+	for w := 0; w < par; w++ {
+		wg.Add(1)
+		go func(b string) {
+			defer wg.Done()
+			for {
+				i := next.Add(1)
+				if i > int64(n) {
+					return
+				}
+				r.mount(b)
+				if out, err := exec.Command("crun", "run", "--bundle", b, fmt.Sprintf("raw%d-%d", os.Getpid(), i)).CombinedOutput(); err != nil {
+					fatal(fmt.Errorf("crun run: %v %s", err, out))
+				}
+				unix.Unmount(filepath.Join(b, "rootfs"), 0)
+			}
+		}(bundles[w])
+	}
+	wg.Wait()
+	return float64(n) / time.Since(start).Seconds()
+}
+
+func (r *raw) execLatency(n int) (p50, p99 time.Duration) {
+	b := r.bundle([]string{"sleep", "1000"})
+	r.mount(b)
+	defer unix.Unmount(filepath.Join(b, "rootfs"), 0)
+	id := fmt.Sprintf("rawexec%d", os.Getpid())
+	// The detached container inherits crun's stdio: a pipe would never close.
+	run := exec.Command("crun", "run", "--detach", "--bundle", b, id)
+	if err := run.Run(); err != nil {
+		fatal(fmt.Errorf("crun run -d: %v", err))
+	}
+	defer exec.Command("crun", "delete", "--force", id).Run()
+	var lat []time.Duration
+	for i := 0; i < n; i++ {
+		t0 := time.Now()
+		if out, err := exec.Command("crun", "exec", id, "true").CombinedOutput(); err != nil {
+			fatal(fmt.Errorf("crun exec: %v %s", err, out))
+		}
+		lat = append(lat, time.Since(t0))
+	}
+	return pct(lat, 50), pct(lat, 99)
+}
+
+func idleDensity(ctx context.Context, c *dsec.Client, n int) {
+	before := memAvailable()
+	start := time.Now()
+	ids := make([]*dsec.Sandbox, n)
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	var failed atomic.Int64
+	for w := 0; w < 4; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := next.Add(1) - 1
+				if i >= int64(n) {
+					return
+				}
+				sb, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox", MemoryMB: 64, Labels: map[string]string{"bench": "idle"}})
+				if err != nil {
+					failed.Add(1)
+					fmt.Fprintln(os.Stderr, "create:", err)
+					continue
+				}
+				ids[i] = sb
+			}
+		}()
+	}
+	wg.Wait()
+	took := time.Since(start)
+	time.Sleep(5 * time.Second) // let the agents settle
+	after := memAvailable()
+	pss := pssOf("guest") + pssOf("crun")
+	alive := 0
+	for _, sb := range ids {
+		if sb != nil {
+			if _, err := sb.Exec(ctx, dsec.Argv("true")); err == nil {
+				alive++
+			}
+		}
+	}
+	fmt.Printf("idle density: %d sandboxes held (%d create errors, %d answer exec) in %s\n", n-int(failed.Load()), failed.Load(), alive, took.Round(time.Millisecond))
+	fmt.Printf("host memory per idle sandbox: %.2f MiB (MemAvailable drop); agent+runtime PSS %.2f MiB per sandbox\n",
+		float64(before-after)/float64(n)/(1<<20), float64(pss)/float64(n)/(1<<20))
+	wg = sync.WaitGroup{}
+	next.Store(0)
+	for w := 0; w < 4; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := next.Add(1) - 1
+				if i >= int64(n) {
+					return
+				}
+				if ids[i] != nil {
+					ids[i].Close()
+				}
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+func memAvailable() int64 {
+	b, _ := os.ReadFile("/proc/meminfo")
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "MemAvailable:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			return kb << 10
+		}
+	}
+	return 0
+}
+
+// pssOf sums the proportional set size of processes named comm.
+func pssOf(comm string) int64 {
+	ents, _ := os.ReadDir("/proc")
+	var total int64
+	for _, e := range ents {
+		if e.Name()[0] < '0' || e.Name()[0] > '9' {
+			continue
+		}
+		c, _ := os.ReadFile("/proc/" + e.Name() + "/comm")
+		if strings.TrimSpace(string(c)) != comm {
+			continue
+		}
+		b, _ := os.ReadFile("/proc/" + e.Name() + "/smaps_rollup")
+		for _, line := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(line, "Pss:"); ok {
+				kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+				total += kb << 10
+			}
+		}
+	}
+	return total
+}
+
+func busyboxLayers(ctx context.Context, c *dsec.Client, dataDir string) []string {
+	imgs, err := c.ListImages(ctx)
+	if err != nil {
+		fatal(err)
+	}
+	for _, img := range imgs {
+		if img.Name == "busybox" {
+			var out []string
+			for i := len(img.Layers) - 1; i >= 0; i-- {
+				out = append(out, filepath.Join(dataDir, "images", "layers", strings.TrimPrefix(img.Layers[i], "sha256:")))
+			}
+			return out
+		}
+	}
+	fatal(fmt.Errorf("no busybox image"))
+	return nil
+}
+
+func pct(d []time.Duration, p int) time.Duration {
+	if len(d) == 0 {
+		return 0
+	}
+	s := append([]time.Duration(nil), d...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	return s[min(len(s)-1, len(s)*p/100)].Round(10 * time.Microsecond)
+}
+
+func pcts(d []time.Duration) string {
+	return fmt.Sprintf("%s / %s / %s", pct(d, 50), pct(d, 90), pct(d, 99))
+}
+
+func median(v []float64) float64 {
+	s := append([]float64(nil), v...)
+	sort.Float64s(s)
+	return s[len(s)/2]
+}
+
+func runtimeCPUs() int {
+	var set unix.CPUSet
+	unix.SchedGetaffinity(0, &set)
+	return set.Count()
+}
+
+func fatal(err error) {
+	fmt.Fprintln(os.Stderr, "bench:", err)
+	os.Exit(1)
+}
+
+// benchT lets the test harness run outside a test.
+type benchT struct {
+	mu       sync.Mutex
+	cleanups []func()
+	dirs     []string
+}
+
+func (b *benchT) Helper()                      {}
+func (b *benchT) Fatal(args ...any)            { b.cleanup(); fatal(fmt.Errorf("%s", fmt.Sprint(args...))) }
+func (b *benchT) Fatalf(f string, args ...any) { b.cleanup(); fatal(fmt.Errorf(f, args...)) }
+func (b *benchT) Skip(args ...any)             { b.Fatal(args...) }
+func (b *benchT) Skipf(f string, args ...any)  { b.Fatalf(f, args...) }
+func (b *benchT) Logf(f string, args ...any)   { fmt.Fprintf(os.Stderr, f+"\n", args...) }
+func (b *benchT) Failed() bool                 { return false }
+func (b *benchT) Cleanup(f func())             { b.mu.Lock(); b.cleanups = append(b.cleanups, f); b.mu.Unlock() }
+func (b *benchT) TempDir() string {
+	d, _ := os.MkdirTemp("", "dsec-bench-")
+	b.mu.Lock()
+	b.dirs = append(b.dirs, d)
+	b.mu.Unlock()
+	return d
+}
+
+func (b *benchT) cleanup() {
+	b.mu.Lock()
+	fns, dirs := b.cleanups, b.dirs
+	b.cleanups, b.dirs = nil, nil
+	b.mu.Unlock()
+	for i := len(fns) - 1; i >= 0; i-- {
+		fns[i]()
+	}
+	for _, d := range dirs {
+		os.RemoveAll(d)
+	}
+}
