@@ -34,7 +34,7 @@ test-go:
 	go test -count=1 -timeout 25m ./...
 
 test-python:
-	cd sdk/python && python3 -m pytest -q tests
+	cd sdk/python && /usr/bin/python3 -m pytest -q tests
 
 proto:
 	protoc -I api --go_out=. --go_opt=module=github.com/opendsec/dsec \

@@ -22,7 +22,7 @@ want nftables nft
 want iproute2 ip
 want e2fsprogs mkfs.ext4
 want erofs-utils mkfs.erofs
-want python3
+want python3 /usr/bin/python3
 want python3-pytest /usr/lib/python3/dist-packages/pytest
 want ca-certificates /etc/ssl/certs/ca-certificates.crt
 want curl

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"runtime"
 	"runtime/debug"
 	"time"
 
@@ -27,6 +28,10 @@ func main() {
 	// The agent is small and mostly idle; keep its heap small in every one
 	// of thousands of sandboxes.
 	debug.SetGCPercent(50)
+	if os.Getenv("GOMAXPROCS") == "" {
+		// Calls are I/O-bound; one P keeps per-sandbox memory and threads down.
+		runtime.GOMAXPROCS(1)
+	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 
 	var l net.Listener
