@@ -24,6 +24,7 @@ func createCmd(g *globals) *cobra.Command {
 		labels, env  []string
 		ttl, idleTTL time.Duration
 		quiet        bool
+		count        int
 	)
 	cmd := &cobra.Command{
 		Use:   "create --image IMAGE [flags]",
@@ -41,6 +42,13 @@ func createCmd(g *globals) *cobra.Command {
 				return err
 			}
 			o.TTL, o.IdleTTL = ttl, idleTTL
+			if count > 1 {
+				resp, err := g.client().CreateMany(cmd.Context(), o, count)
+				if err != nil {
+					return err
+				}
+				return printCreates(g, resp)
+			}
 			sb, err := g.client().Create(cmd.Context(), o)
 			if err != nil {
 				return err
@@ -68,8 +76,10 @@ func createCmd(g *globals) *cobra.Command {
 	f.StringVar(&o.User, "user", "", "default user for commands")
 	f.StringVar(&o.Workdir, "workdir", "", "default working directory")
 	f.StringVar(&o.IdempotencyKey, "idempotency-key", "", "return the same sandbox when retried with this key")
+	f.StringVar(&o.Snapshot, "from", "", "start from this snapshot instead of an image")
+	f.StringVar(&o.Session, "session", "", "bind the sandbox to this trainer session")
+	f.IntVarP(&count, "count", "n", 1, "create this many (one ID per line)")
 	f.BoolVarP(&quiet, "quiet", "q", false, "print only the ID (the default in text output)")
-	cmd.MarkFlagRequired("image")
 	return cmd
 }
 
@@ -79,6 +89,7 @@ func execCmd(g *globals) *cobra.Command {
 		timeout          time.Duration
 		env              []string
 		cwd, user        string
+		requestID        string
 	)
 	cmd := &cobra.Command{
 		Use:   "exec [-i] [-t] ID -- COMMAND [ARG...]",
@@ -98,7 +109,7 @@ func execCmd(g *globals) *cobra.Command {
 			if len(argv) == 0 {
 				return fmt.Errorf("no command given")
 			}
-			o := dsec.ExecOptions{Argv: argv, Env: envMap, Cwd: cwd, User: user, Timeout: timeout, PTY: tty}
+			o := dsec.ExecOptions{Argv: argv, Env: envMap, Cwd: cwd, User: user, Timeout: timeout, PTY: tty, RequestID: requestID}
 			var restore func()
 			if tty {
 				if w, h, err := term.GetSize(int(os.Stdout.Fd())); err == nil {
@@ -176,6 +187,7 @@ func execCmd(g *globals) *cobra.Command {
 	f.StringArrayVarP(&env, "env", "e", nil, "environment variable KEY=VALUE (repeatable)")
 	f.StringVarP(&cwd, "workdir", "w", "", "working directory")
 	f.StringVarP(&user, "user", "u", "", "user to run as")
+	f.StringVar(&requestID, "request-id", "", "exactly-once: a repeat with this ID returns the logged result")
 	f.SetInterspersed(false)
 	return cmd
 }

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -24,6 +25,7 @@ import (
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/network"
 	"github.com/opendsec/dsec/internal/node"
+	"github.com/opendsec/dsec/internal/session"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/container"
 )
@@ -33,6 +35,7 @@ func serveCmd() *cobra.Command {
 		file      string
 		flagCfg   config.Config
 		bootstrap string
+		pools     []string
 	)
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -44,6 +47,14 @@ func serveCmd() *cobra.Command {
 				return err
 			}
 			applyFlags(cmd, &cfg, &flagCfg, bootstrap)
+			for _, p := range pools {
+				img, size, _ := strings.Cut(p, ":")
+				n, err := strconv.Atoi(size)
+				if err != nil || img == "" {
+					return fmt.Errorf("--pool %q: want IMAGE:SIZE", p)
+				}
+				cfg.Node.Pools = append(cfg.Node.Pools, config.Pool{Image: img, Size: n})
+			}
 			cfg.Defaults()
 			return serve(cmd.Context(), cfg)
 		},
@@ -63,6 +74,7 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&flagCfg.Network.Subnet, "subnet", "", "egress subnet (default 10.88.0.0/16)")
 	f.StringVar(&flagCfg.Network.Table, "nft-table", "", "nftables table (default dsec)")
 	f.StringVar(&flagCfg.Container.Runtime, "runtime", "", "OCI runtime: crun or runc (default crun)")
+	f.StringArrayVar(&pools, "pool", nil, "warm pool IMAGE:SIZE with default resources (repeatable; see the config file for shapes)")
 	f.StringVar(&flagCfg.DebugListen, "debug-listen", "", "serve Go profiling (net/http/pprof) on this loopback address")
 	return cmd
 }
@@ -153,10 +165,18 @@ func serve(ctx context.Context, cfg config.Config) error {
 		return err
 	}
 	defer n.Close()
-	api := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, Version: version}, log, apiserver.Single{N: n})
+	router := apiserver.Single{N: n}
+	sessStore, err := session.OpenBolt(filepath.Join(dataDir, "control.db"))
+	if err != nil {
+		return err
+	}
+	defer sessStore.Close()
+	sessions := session.New(sessStore, apiserver.Actor(router), log)
+	api := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, Version: version}, log, router, sessions)
 
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	go sessions.Run(ctx)
 	for _, recipe := range cfg.Bootstrap {
 		if _, err := n.GetImage(ctx, recipe); err == nil {
 			continue
@@ -223,7 +243,12 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 		return nil, err
 	}
 	drivers := map[substrate.Kind]substrate.Driver{substrate.KindContainer: ct}
+	var pools []node.PoolConfig
+	for _, p := range cfg.Node.Pools {
+		pools = append(pools, node.PoolConfig{Kind: p.Kind, Image: p.Image, CPU: p.CPU, MemoryMB: p.MemoryMB, Pids: p.Pids, Network: p.Network, Size: p.Size})
+	}
 	return node.New(node.Config{
+		MaxConcurrentStarts: cfg.Node.MaxConcurrentStarts, StartQueue: cfg.Node.StartQueue, Pools: pools,
 		Name: cfg.Node.Name, DataDir: dataDir, CacheDir: cfg.CacheDir, MaxSandboxes: cfg.Node.MaxSandboxes,
 		DefaultTTL: time.Duration(cfg.Node.DefaultTTL), MaxTTL: time.Duration(cfg.Node.MaxTTL),
 		DefaultCPU: cfg.Node.DefaultCPU, DefaultMemoryMB: cfg.Node.DefaultMemoryMB,

@@ -40,6 +40,18 @@ type Node interface {
 	Remove(ctx context.Context, req *dsecv1.RemoveRequest) error
 	Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.FileInfo, error)
 
+	CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string) *dsecv1.CreateSandboxesResponse
+	Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error)
+	Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error)
+	Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkResponse, error)
+	Snapshot(ctx context.Context, req *dsecv1.SnapshotRequest) (*dsecv1.SnapshotInfo, error)
+	ListSnapshots(ctx context.Context) []*dsecv1.SnapshotInfo
+	DeleteSnapshot(ctx context.Context, id string) error
+	Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.CreateSandboxesResponse, error)
+	GetLog(ctx context.Context, req *dsecv1.GetLogRequest) (*dsecv1.GetLogResponse, error)
+	Replay(ctx context.Context, req *dsecv1.ReplayRequest) (*dsecv1.ReplayResponse, error)
+	Capacity(ctx context.Context) *dsecv1.Capacity
+
 	ListImages(ctx context.Context) []*dsecv1.Image
 	GetImage(ctx context.Context, name string) (*dsecv1.Image, error)
 	DeleteImage(ctx context.Context, name string) error
@@ -52,6 +64,8 @@ type Node interface {
 type Router interface {
 	// ForSandbox returns the node that owns sandbox id.
 	ForSandbox(ctx context.Context, id string) (Node, error)
+	// ForSnapshot returns the node that holds snapshot id.
+	ForSnapshot(ctx context.Context, id string) (Node, error)
 	// ForCreate chooses the node for a new sandbox.
 	ForCreate(ctx context.Context, spec *dsecv1.SandboxSpec) (Node, error)
 	// Nodes lists every node (for listing and image operations).

@@ -10,11 +10,13 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/session"
 )
 
 // sandboxService translates the SandboxService to nodes.
 type sandboxService struct {
-	r Router
+	r        Router
+	sessions *session.Manager
 }
 
 var _ dsecv1connect.SandboxServiceHandler = (*sandboxService)(nil)
@@ -35,10 +37,14 @@ func call[Req, Resp any](ctx context.Context, r Router, id string, req *Req, f f
 }
 
 func (s *sandboxService) CreateSandbox(ctx context.Context, req *connect.Request[dsecv1.CreateSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error) {
+	if err := s.admitSession(ctx, req.Msg.GetSpec()); err != nil {
+		return nil, wire(err)
+	}
 	n, err := s.r.ForCreate(ctx, req.Msg.GetSpec())
 	if err != nil {
 		return nil, wire(err)
 	}
+	req.Msg.Project = projectOf(ctx)
 	sb, err := n.Create(ctx, req.Msg)
 	if err != nil {
 		return nil, wire(err)

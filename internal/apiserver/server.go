@@ -14,12 +14,14 @@ import (
 
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/session"
 )
 
 // Config configures the apiserver. The zero value serves without
 // authentication, which Listen allows only on loopback.
 type Config struct {
-	// APIKeys are the accepted keys. Empty means no authentication.
+	// APIKeys are the accepted keys, each "KEY" (project "default") or
+	// "PROJECT=KEY". Empty means no authentication.
 	APIKeys []string
 	// Version is reported by GetInfo.
 	Version string
@@ -32,16 +34,43 @@ type Server struct {
 	log    *slog.Logger
 	router Router
 	mux    *http.ServeMux
+	keys   map[string]string // key → project
 }
 
-// New builds a server over router.
-func New(cfg Config, log *slog.Logger, router Router) *Server {
-	s := &Server{cfg: cfg, log: log, router: router, mux: http.NewServeMux()}
+// parseKeys reads "KEY" and "PROJECT=KEY" entries.
+func parseKeys(list []string) map[string]string {
+	out := map[string]string{}
+	for _, e := range list {
+		if p, k, ok := strings.Cut(e, "="); ok {
+			out[k] = p
+		} else {
+			out[e] = "default"
+		}
+	}
+	return out
+}
+
+type projectKey struct{}
+
+// projectOf is the caller's project, set by authentication.
+func projectOf(ctx context.Context) string {
+	if p, ok := ctx.Value(projectKey{}).(string); ok {
+		return p
+	}
+	return "default"
+}
+
+// New builds a server over router. sessions may be nil (no SessionService).
+func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager) *Server {
+	s := &Server{cfg: cfg, log: log, router: router, mux: http.NewServeMux(), keys: parseKeys(cfg.APIKeys)}
 	opts := []connect.HandlerOption{
-		connect.WithInterceptors(authInterceptor(cfg.APIKeys)),
+		connect.WithInterceptors(&auth{keys: s.keys}),
 		connect.WithReadMaxBytes(32 << 20),
 	}
-	s.mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxService{r: router}, opts...))
+	s.mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxService{r: router, sessions: sessions}, opts...))
+	if sessions != nil {
+		s.mux.Handle(dsecv1connect.NewSessionServiceHandler(&sessionService{m: sessions}, opts...))
+	}
 	s.mux.Handle(dsecv1connect.NewImageServiceHandler(&imageService{r: router}, opts...))
 	s.mux.Handle(dsecv1connect.NewSystemServiceHandler(&systemService{r: router, version: cfg.Version}, opts...))
 	s.mux.Handle("/v1/sandboxes/{id}/files", s.requireKey(http.HandlerFunc(s.serveFiles)))
@@ -111,41 +140,51 @@ func keyOf(h http.Header) string {
 	return h.Get("X-API-Key")
 }
 
-func validKey(keys []string, k string) bool {
+// lookupKey returns the project of an accepted key, in constant time per
+// candidate.
+func lookupKey(keys map[string]string, k string) (string, bool) {
 	if k == "" {
-		return false
+		return "", false
 	}
-	ok := false
-	for _, want := range keys {
+	project, found := "", false
+	for want, p := range keys {
 		if subtle.ConstantTimeCompare([]byte(want), []byte(k)) == 1 {
-			ok = true
+			project, found = p, true
 		}
 	}
-	return ok
+	return project, found
 }
 
 // CheckKey reports whether a request carries an accepted key (always, when
 // no keys are configured). Compatibility facades use it.
 func (s *Server) CheckKey(h http.Header) bool {
-	return len(s.cfg.APIKeys) == 0 || validKey(s.cfg.APIKeys, keyOf(h))
+	_, ok := s.authenticate(h)
+	return ok
 }
 
-func authInterceptor(keys []string) connect.Interceptor {
-	return &auth{keys: keys}
-}
-
-type auth struct{ keys []string }
-
-func (a *auth) check(h http.Header) error {
-	if len(a.keys) == 0 || validKey(a.keys, keyOf(h)) {
-		return nil
+func (s *Server) authenticate(h http.Header) (string, bool) {
+	if len(s.keys) == 0 {
+		return "default", true
 	}
-	return errdefs.ToConnect(errdefs.Unauthenticated("missing or unknown API key (set DSEC_API_KEY)"))
+	return lookupKey(s.keys, keyOf(h))
+}
+
+type auth struct{ keys map[string]string }
+
+func (a *auth) check(ctx context.Context, h http.Header) (context.Context, error) {
+	if len(a.keys) == 0 {
+		return ctx, nil
+	}
+	if p, ok := lookupKey(a.keys, keyOf(h)); ok {
+		return context.WithValue(ctx, projectKey{}, p), nil
+	}
+	return ctx, errdefs.ToConnect(errdefs.Unauthenticated("missing or unknown API key (set DSEC_API_KEY)"))
 }
 
 func (a *auth) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-		if err := a.check(req.Header()); err != nil {
+		ctx, err := a.check(ctx, req.Header())
+		if err != nil {
 			return nil, err
 		}
 		return next(ctx, req)
@@ -158,7 +197,8 @@ func (a *auth) WrapStreamingClient(next connect.StreamingClientFunc) connect.Str
 
 func (a *auth) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
-		if err := a.check(conn.RequestHeader()); err != nil {
+		ctx, err := a.check(ctx, conn.RequestHeader())
+		if err != nil {
 			return err
 		}
 		return next(ctx, conn)

@@ -24,6 +24,14 @@ func (s Single) ForSandbox(ctx context.Context, id string) (Node, error) {
 	return s.N, nil
 }
 
+func (s Single) ForSnapshot(ctx context.Context, id string) (Node, error) {
+	rest, ok := strings.CutPrefix(id, "snap-")
+	if !ok {
+		return nil, errdefs.Invalid("malformed snapshot id %q", clip(id))
+	}
+	return s.ForSandbox(ctx, rest)
+}
+
 func (s Single) ForCreate(ctx context.Context, spec *dsecv1.SandboxSpec) (Node, error) {
 	return s.N, nil
 }

@@ -57,6 +57,24 @@ type Node struct {
 	DefaultMemoryMB int64   `json:"default_memory_mb,omitempty"`
 	// DefaultExecTimeout applies to exec calls without one (default 10m).
 	DefaultExecTimeout Duration `json:"default_exec_timeout,omitempty"`
+	// MaxConcurrentStarts bounds starts in flight (default 2 per core);
+	// StartQueue bounds creates waiting for one (default 1024).
+	MaxConcurrentStarts int `json:"max_concurrent_starts,omitempty"`
+	StartQueue          int `json:"start_queue,omitempty"`
+	// Pools are warm pools of started sandboxes (default none).
+	Pools []Pool `json:"pools,omitempty"`
+}
+
+// Pool is a warm pool: Size started sandboxes of one shape. Zero resources
+// take the node's defaults, as a create would.
+type Pool struct {
+	Kind     string  `json:"kind,omitempty"`
+	Image    string  `json:"image"`
+	CPU      float64 `json:"cpu,omitempty"`
+	MemoryMB int64   `json:"memory_mb,omitempty"`
+	Pids     int64   `json:"pids,omitempty"`
+	Network  string  `json:"network,omitempty"`
+	Size     int     `json:"size"`
 }
 
 // Network configures sandbox networking.

@@ -287,6 +287,12 @@ func (c *Client) SetDeadline(ctx context.Context, t time.Time) error {
 	return err
 }
 
+// SetEnv adds variables to the sandbox's environment for later processes.
+func (c *Client) SetEnv(ctx context.Context, env []string) error {
+	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_SetEnv{SetEnv: &guestv1.SetEnv{Env: env}}})
+	return err
+}
+
 // Sync flushes the sandbox's filesystems.
 func (c *Client) Sync(ctx context.Context) error {
 	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Sync{Sync: &guestv1.Sync{}}})

@@ -340,7 +340,15 @@ func osRelease(key string) string {
 
 // tarDir writes dir as an uncompressed tar stream with owners, modes,
 // hard links, devices and file capabilities, in a stable order.
-func tarDir(dir string, w io.Writer) error {
+func tarDir(dir string, w io.Writer) error { return writeTar(dir, w, false) }
+
+// TarOverlayUpper writes an overlayfs upper directory as an OCI layer: a
+// whiteout device becomes a ".wh.<name>" entry and an opaque directory gets
+// a ".wh..wh..opq" entry. The directory must not change meanwhile (the
+// sandbox is frozen).
+func TarOverlayUpper(dir string, w io.Writer) error { return writeTar(dir, w, true) }
+
+func writeTar(dir string, w io.Writer, overlay bool) error {
 	tw := tar.NewWriter(w)
 	links := map[[2]uint64]string{}
 	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
@@ -357,6 +365,15 @@ func tarDir(dir string, w io.Writer) error {
 		}
 		if info.Mode()&fs.ModeSocket != 0 {
 			return nil
+		}
+		if overlay {
+			st := info.Sys().(*syscall.Stat_t)
+			if info.Mode()&fs.ModeCharDevice != 0 && st.Rdev == 0 {
+				return tw.WriteHeader(&tar.Header{
+					Name:     filepath.ToSlash(filepath.Join(filepath.Dir(rel), whiteoutPrefix+filepath.Base(rel))),
+					Typeflag: tar.TypeReg, Mode: 0o600, Format: tar.FormatPAX,
+				})
+			}
 		}
 		target := ""
 		if info.Mode()&fs.ModeSymlink != 0 {
@@ -391,6 +408,13 @@ func tarDir(dir string, w io.Writer) error {
 		}
 		if err := tw.WriteHeader(hdr); err != nil {
 			return err
+		}
+		if overlay && info.IsDir() {
+			if v, err := getXattr(p, "trusted.overlay.opaque"); err == nil && string(v) == "y" {
+				if err := tw.WriteHeader(&tar.Header{Name: hdr.Name + whiteoutOpaque, Typeflag: tar.TypeReg, Mode: 0o600, Format: tar.FormatPAX}); err != nil {
+					return err
+				}
+			}
 		}
 		if hdr.Typeflag == tar.TypeReg {
 			f, err := os.Open(p)

@@ -41,6 +41,19 @@ type Image struct {
 	Created time.Time `json:"created"`
 	Source  string    `json:"source"`
 	Config  Config    `json:"config"`
+	// Snapshot is set when the image is a sandbox's snapshot.
+	Snapshot *SnapshotMeta `json:"snapshot,omitempty"`
+}
+
+// SnapshotMeta describes a snapshot image.
+type SnapshotMeta struct {
+	ID        string `json:"id"`
+	Name      string `json:"name,omitempty"`
+	SandboxID string `json:"sandbox_id"`
+	Kind      string `json:"kind"`
+	BaseImage string `json:"base_image"`
+	// Size is the size of the snapshot's own layer.
+	Size int64 `json:"size"`
 }
 
 // Config is the part of an OCI image config a sandbox uses.

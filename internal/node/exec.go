@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
@@ -105,7 +106,8 @@ func orRoot(p string) string {
 	return p
 }
 
-// Exec runs a command to completion.
+// Exec runs a command to completion and logs it. With a request ID it is
+// exactly-once: a repeat is answered from the trajectory log.
 func (n *Node) Exec(ctx context.Context, req *dsecv1.ExecRequest) (*dsecv1.ExecResult, error) {
 	s, err := n.live(req.GetSandboxId())
 	if err != nil {
@@ -115,11 +117,17 @@ func (n *Node) Exec(ctx context.Context, req *dsecv1.ExecRequest) (*dsecv1.ExecR
 	if err != nil {
 		return nil, err
 	}
+	call, replay, err := n.beginExec(ctx, s, req, x)
+	if err != nil || replay != nil {
+		return replay, err
+	}
 	exit, err := s.inst.Guest().Run(ctx, x)
 	if err != nil {
+		call.abandon(err)
 		return nil, n.callFailed(s, err)
 	}
-	return n.result(s, exit, ""), nil
+	r := n.result(s, exit, "")
+	return call.finish(r)
 }
 
 func (n *Node) result(s *sandbox, x *guestv1.Exit, pid string) *dsecv1.ExecResult {
@@ -160,7 +168,8 @@ func (n *Node) callFailed(s *sandbox, err error) error {
 	return err
 }
 
-// ExecStream runs a command and streams its events to send.
+// ExecStream runs a command and streams its events to send. With a
+// request ID, a repeat replays the logged output and exit.
 func (n *Node) ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send func(*dsecv1.ExecEvent) error) error {
 	s, err := n.live(req.GetSandboxId())
 	if err != nil {
@@ -170,11 +179,43 @@ func (n *Node) ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send fun
 	if err != nil {
 		return err
 	}
+	call, replay, err := n.beginExec(ctx, s, req, x)
+	if err != nil {
+		return err
+	}
+	if replay != nil {
+		return sendReplay(replay, send)
+	}
 	p, err := s.inst.Guest().Start(ctx, x)
 	if err != nil {
+		call.abandon(err)
 		return n.callFailed(s, err)
 	}
-	return n.pump(ctx, s, p, send)
+	res, err := n.pump(ctx, s, p, send, x.MaxOutput, call)
+	if res == nil {
+		call.abandon(err)
+	}
+	return err
+}
+
+// sendReplay streams a logged result as events.
+func sendReplay(r *dsecv1.ExecResult, send func(*dsecv1.ExecEvent) error) error {
+	if err := send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Started{Started: &dsecv1.ExecStarted{ProcessId: r.ProcessId}}}); err != nil {
+		return err
+	}
+	if len(r.Stdout) > 0 {
+		if err := send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Stdout{Stdout: r.Stdout}}); err != nil {
+			return err
+		}
+	}
+	if len(r.Stderr) > 0 {
+		if err := send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Stderr{Stderr: r.Stderr}}); err != nil {
+			return err
+		}
+	}
+	exit := proto.Clone(r).(*dsecv1.ExecResult)
+	exit.Stdout, exit.Stderr = nil, nil
+	return send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Exit{Exit: exit}})
 }
 
 // ConnectProcess attaches to a running or recently finished process.
@@ -190,15 +231,17 @@ func (n *Node) ConnectProcess(ctx context.Context, req *dsecv1.ConnectProcessReq
 	if err != nil {
 		return n.callFailed(s, err)
 	}
-	return n.pump(ctx, s, p, send)
+	_, err = n.pump(ctx, s, p, send, n.cfg.DefaultOutputBytes, nil)
+	return err
 }
 
-// pump forwards a process's events, with keepalives on quiet streams. The
+// pump forwards a process's events, with keepalives on quiet streams, and
+// returns the exit (with head and tail of the output, for the log). The
 // process keeps running if the caller goes away.
-func (n *Node) pump(ctx context.Context, s *sandbox, p *guest.Process, send func(*dsecv1.ExecEvent) error) error {
+func (n *Node) pump(ctx context.Context, s *sandbox, p *guest.Process, send func(*dsecv1.ExecEvent) error, maxOut int64, call *execCall) (*dsecv1.ExecResult, error) {
 	defer p.Close()
 	if err := send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Started{Started: &dsecv1.ExecStarted{ProcessId: p.ID, Pid: p.Pid}}}); err != nil {
-		return err
+		return nil, err
 	}
 	type msg struct {
 		m   *guestv1.ServerMsg
@@ -214,41 +257,82 @@ func (n *Node) pump(ctx context.Context, s *sandbox, p *guest.Process, send func
 			}
 		}
 	}()
+	var out, errOut headTail
+	out.max, errOut.max = maxOut, maxOut
 	tick := time.NewTicker(keepaliveGap)
 	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
-			return errdefs.Classify(ctx.Err())
+			return nil, errdefs.Classify(ctx.Err())
 		case <-tick.C:
 			if err := send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Keepalive{Keepalive: true}}); err != nil {
-				return err
+				return nil, err
 			}
 			s.touch()
 		case r := <-ch:
 			if r.err != nil {
-				return n.callFailed(s, r.err)
+				return nil, n.callFailed(s, r.err)
 			}
 			var ev *dsecv1.ExecEvent
 			switch v := r.m.Msg.(type) {
 			case *guestv1.ServerMsg_Output:
 				if v.Output.Fd == 2 {
+					errOut.add(v.Output.Data)
 					ev = &dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Stderr{Stderr: v.Output.Data}}
 				} else {
+					out.add(v.Output.Data)
 					ev = &dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Stdout{Stdout: v.Output.Data}}
 				}
 			case *guestv1.ServerMsg_Exit:
 				s.touch()
-				return send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Exit{Exit: n.result(s, v.Exit, p.ID)}})
+				res := n.result(s, v.Exit, p.ID)
+				if call != nil {
+					logged := proto.Clone(res).(*dsecv1.ExecResult)
+					logged.Stdout, logged.Stderr = out.bytes(), errOut.bytes()
+					logged.Truncated = logged.Truncated || out.cut || errOut.cut
+					l, err := call.finish(logged)
+					if err != nil {
+						return res, err
+					}
+					res.Seq = l.Seq
+				}
+				return res, send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Exit{Exit: res}})
 			default:
 				continue
 			}
 			if err := send(ev); err != nil {
-				return err
+				return nil, err
 			}
 		}
 	}
 }
+
+// headTail keeps the first and last max/2 bytes of a stream.
+type headTail struct {
+	max        int64
+	head, tail []byte
+	cut        bool
+}
+
+func (h *headTail) add(b []byte) {
+	half := int(h.max / 2)
+	if room := half - len(h.head); room > 0 {
+		k := min(room, len(b))
+		h.head = append(h.head, b[:k]...)
+		b = b[k:]
+	}
+	if len(b) == 0 {
+		return
+	}
+	h.tail = append(h.tail, b...)
+	if rest := int(h.max) - half; len(h.tail) > rest {
+		h.cut = true
+		h.tail = append(h.tail[:0], h.tail[len(h.tail)-rest:]...)
+	}
+}
+
+func (h *headTail) bytes() []byte { return append(append([]byte(nil), h.head...), h.tail...) }
 
 // WriteStdin writes to a process's stdin.
 func (n *Node) WriteStdin(ctx context.Context, req *dsecv1.WriteStdinRequest) error {

@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"path"
 	"time"
@@ -10,6 +11,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
+	"github.com/opendsec/dsec/internal/trajectory"
 	"google.golang.org/protobuf/types/known/timestamppb"
 )
 
@@ -80,7 +82,9 @@ func (n *Node) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send f
 	}
 }
 
-// WriteFile writes r into a file.
+// WriteFile writes r into a file and logs it (with its content, for
+// replay). With a request ID a repeat is answered from the log; its data
+// must be the same.
 func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.Reader) (*dsecv1.FileInfo, error) {
 	s, err := n.live(hdr.GetSandboxId())
 	if err != nil {
@@ -93,13 +97,57 @@ func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.
 	if hdr.GetMode() > 0o7777 {
 		return nil, errdefs.Invalid("mode %o is not a permission mode", hdr.GetMode())
 	}
+	if len(hdr.GetRequestId()) > maxRequestID {
+		return nil, errdefs.Invalid("request_id longer than %d bytes", maxRequestID)
+	}
 	user := hdr.GetUser()
 	if user == "" {
 		user = s.spec.User
 	}
-	info, err := s.inst.Guest().WriteFile(ctx, &guestv1.WriteFile{Path: p, Mode: hdr.GetMode(), Append: hdr.GetAppend(), User: user, Mkdirs: true}, &touchReader{r: r, s: s})
+	start := time.Now()
+	var done func(*dsecv1.LogEntry) (*dsecv1.LogEntry, error)
+	if rid := hdr.GetRequestId(); rid != "" {
+		log, err := n.logs.Log(s.id)
+		if err != nil {
+			return nil, errdefs.Internal(err, "open trajectory log")
+		}
+		fp := trajectory.Fingerprint("write_file", p, fmt.Sprint(hdr.GetMode()), fmt.Sprint(hdr.GetAppend()), user)
+		replay, d, err := log.Claim(rid, fp, ctx.Done())
+		if err != nil {
+			return nil, err
+		}
+		if replay != nil {
+			// Drain the upload: the same content must come again.
+			blob := n.logs.NewBlob()
+			io.Copy(blob, r)
+			digest, _ := blob.Commit()
+			if digest != replay.ContentDigest {
+				return nil, errdefs.Conflict("%v: %s (different content)", trajectory.ErrReused, rid)
+			}
+			return &dsecv1.FileInfo{Path: replay.Path, Name: path.Base(replay.Path), Type: "file", Size: replay.Size, Mode: replay.Mode}, nil
+		}
+		done = d
+	}
+	blob := n.logs.NewBlob()
+	info, err := s.inst.Guest().WriteFile(ctx, &guestv1.WriteFile{Path: p, Mode: hdr.GetMode(), Append: hdr.GetAppend(), User: user, Mkdirs: true}, io.TeeReader(&touchReader{r: r, s: s}, blob))
+	digest, _ := blob.Commit()
+	e := &dsecv1.LogEntry{Op: "write_file", Path: p, Mode: hdr.GetMode(), User: user, ContentDigest: digest}
 	if err != nil {
+		if done != nil {
+			done(nil)
+		}
+		n.logMutation(s, e, start, err)
 		return nil, n.callFailed(s, err)
+	}
+	e.Size = info.Size
+	if done != nil {
+		e.At = timestamppb.New(start.UTC())
+		e.DurationMs = time.Since(start).Milliseconds()
+		if _, err := done(e); err != nil {
+			return nil, errdefs.Internal(err, "record the call in the trajectory log")
+		}
+	} else {
+		n.logMutation(s, e, start, nil)
 	}
 	return fileInfo(info), nil
 }
@@ -121,15 +169,18 @@ func (t *touchReader) Read(p []byte) (int, error) {
 
 // Stat returns a file's info.
 func (n *Node) Stat(ctx context.Context, req *dsecv1.StatRequest) (*dsecv1.FileInfo, error) {
-	return n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(g guestCall, p string) (*guestv1.FileInfo, error) {
+	return n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(_ *sandbox, g guestCall, p string) (*guestv1.FileInfo, error) {
 		return g.Stat(ctx, p)
 	})
 }
 
 // MakeDir creates a directory and its parents.
 func (n *Node) MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (*dsecv1.FileInfo, error) {
-	return n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(g guestCall, p string) (*guestv1.FileInfo, error) {
-		return g.MakeDir(ctx, p, req.GetUser())
+	return n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(s *sandbox, g guestCall, p string) (*guestv1.FileInfo, error) {
+		start := time.Now()
+		info, err := g.MakeDir(ctx, p, req.GetUser())
+		n.logMutation(s, &dsecv1.LogEntry{Op: "make_dir", Path: p, User: req.GetUser()}, start, err)
+		return info, err
 	})
 }
 
@@ -147,7 +198,9 @@ func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.F
 	if err != nil {
 		return nil, err
 	}
+	start := time.Now()
 	info, err := s.inst.Guest().Rename(ctx, from, to)
+	n.logMutation(s, &dsecv1.LogEntry{Op: "rename", Path: from, To: to}, start, err)
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}
@@ -156,8 +209,11 @@ func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.F
 
 // Remove removes a file or a tree.
 func (n *Node) Remove(ctx context.Context, req *dsecv1.RemoveRequest) error {
-	_, err := n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(g guestCall, p string) (*guestv1.FileInfo, error) {
-		return nil, g.Remove(ctx, p, req.GetRecursive())
+	_, err := n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(s *sandbox, g guestCall, p string) (*guestv1.FileInfo, error) {
+		start := time.Now()
+		err := g.Remove(ctx, p, req.GetRecursive())
+		n.logMutation(s, &dsecv1.LogEntry{Op: "remove", Path: p, Recursive: req.GetRecursive()}, start, err)
+		return nil, err
 	})
 	return err
 }
@@ -194,7 +250,7 @@ type guestCall interface {
 
 var _ guestCall = (*guest.Client)(nil)
 
-func (n *Node) fileCall(ctx context.Context, id, p string, f func(guestCall, string) (*guestv1.FileInfo, error)) (*dsecv1.FileInfo, error) {
+func (n *Node) fileCall(ctx context.Context, id, p string, f func(*sandbox, guestCall, string) (*guestv1.FileInfo, error)) (*dsecv1.FileInfo, error) {
 	s, err := n.live(id)
 	if err != nil {
 		return nil, err
@@ -203,7 +259,7 @@ func (n *Node) fileCall(ctx context.Context, id, p string, f func(guestCall, str
 	if err != nil {
 		return nil, err
 	}
-	info, err := f(s.inst.Guest(), p)
+	info, err := f(s, s.inst.Guest(), p)
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}

@@ -134,3 +134,19 @@ func (n *Node) Info(ctx context.Context) *dsecv1.NodeInfo {
 	}
 	return info
 }
+
+// Capacity reports the node's room: slots, the start queue, the recent
+// start rate and its warm pools.
+func (n *Node) Capacity(ctx context.Context) *dsecv1.Capacity {
+	n.mu.Lock()
+	running := int64(len(n.sandboxes))
+	n.mu.Unlock()
+	_, queued, rate := n.starts.stats()
+	free := int64(n.cfg.MaxSandboxes) - running - n.creating.Load()
+	return &dsecv1.Capacity{
+		MaxSandboxes: int64(n.cfg.MaxSandboxes), Running: running, FreeSlots: max(free, 0),
+		QueueDepth: int64(queued), QueueLimit: int64(n.cfg.StartQueue),
+		StartsPerS: rate, MaxConcurrentStarts: int64(n.cfg.MaxConcurrentStarts),
+		Pools: n.pools.stats(),
+	}
+}

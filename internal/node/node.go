@@ -32,6 +32,7 @@ import (
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/network"
 	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/trajectory"
 	"github.com/opendsec/dsec/internal/undo"
 )
 
@@ -64,10 +65,16 @@ type Config struct {
 	// DefaultOutputBytes caps each output stream of an exec (default 1 MiB);
 	// MaxOutputBytes caps what a call may ask for (default 64 MiB).
 	DefaultOutputBytes, MaxOutputBytes int64
-	// Tombstones keeps deleted sandboxes answerable for this long (default 1h).
+	// Tombstones keeps deleted sandboxes, and their trajectory logs,
+	// answerable for this long (default 24h).
 	Tombstones time.Duration
 	// ReapInterval is how often TTLs are checked (default 1s).
 	ReapInterval time.Duration
+	// MaxConcurrentStarts bounds sandbox starts in flight (default 2 per
+	// core); StartQueue bounds creates waiting for a start (default 1024).
+	MaxConcurrentStarts, StartQueue int
+	// Pools are warm pools of started sandboxes (default none).
+	Pools []PoolConfig
 }
 
 func (c *Config) defaults() {
@@ -117,7 +124,13 @@ func (c *Config) defaults() {
 		c.MaxOutputBytes = 64 << 20
 	}
 	if c.Tombstones == 0 {
-		c.Tombstones = time.Hour
+		c.Tombstones = 24 * time.Hour
+	}
+	if c.MaxConcurrentStarts == 0 {
+		c.MaxConcurrentStarts = 2 * hostCPUs()
+	}
+	if c.StartQueue == 0 {
+		c.StartQueue = 1024
 	}
 	if c.ReapInterval == 0 {
 		c.ReapInterval = time.Second
@@ -147,8 +160,13 @@ type Node struct {
 	// creating counts admitted creates still starting, for admission.
 	creating atomic.Int64
 
+	starts *admission // start slots and the fair-share queue
+	pools  *pools
+	logs   *trajectory.Store
+
 	mu        sync.Mutex
 	sandboxes map[string]*sandbox
+	reserved  map[string]*sandbox      // starting or pooled: not live yet, layers in use
 	idemWait  map[string]chan struct{} // creates in flight by idempotency key
 
 	trash chan string // sandbox directories to remove
@@ -201,11 +219,19 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 	}
 	n := &Node{
 		cfg: cfg, log: log.With(slog.String("node", cfg.Name)), store: st, images: images, net: net,
-		drivers: drivers, started: time.Now(), sandboxes: map[string]*sandbox{}, idemWait: map[string]chan struct{}{},
-		trash: make(chan string, 1024), stop: make(chan struct{}),
+		drivers: drivers, started: time.Now(), sandboxes: map[string]*sandbox{}, reserved: map[string]*sandbox{}, idemWait: map[string]chan struct{}{},
+		starts: newAdmission(cfg.MaxConcurrentStarts, cfg.StartQueue),
+		trash:  make(chan string, 1024), stop: make(chan struct{}),
 	}
+	logs, err := trajectory.Open(filepath.Join(cfg.DataDir, "trajectories"))
+	if err != nil {
+		st.close()
+		return nil, err
+	}
+	n.logs = logs
 	images.SetInUse(n.layersInUse)
 	n.adopt()
+	n.pools = newPools(n, cfg.Pools)
 	n.wg.Add(1)
 	go n.reaper()
 	go n.emptyTrash()
@@ -222,7 +248,9 @@ func (n *Node) Images() *image.Store { return n.images }
 // keep running; a new node over the same data directory re-adopts them.
 func (n *Node) Close() error {
 	close(n.stop)
+	n.pools.close()
 	n.wg.Wait()
+	n.logs.Close()
 	return n.store.close()
 }
 
@@ -258,9 +286,11 @@ func (n *Node) layersInUse() map[string]bool {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	out := map[string]bool{}
-	for _, s := range n.sandboxes {
-		for _, l := range s.layers {
-			out[l] = true
+	for _, m := range []map[string]*sandbox{n.sandboxes, n.reserved} {
+		for _, s := range m {
+			for _, l := range s.layers {
+				out[l] = true
+			}
 		}
 	}
 	return out
@@ -301,6 +331,12 @@ func (n *Node) live(id string) (*sandbox, error) {
 	if state == stateDeleting || inst == nil {
 		return nil, errdefs.NotFound("sandbox %s is being deleted", id)
 	}
+	if state == statePaused {
+		// Any call on a paused sandbox resumes it first.
+		if err := n.resume(context.Background(), s); err != nil {
+			return nil, err
+		}
+	}
 	s.touch()
 	return s, nil
 }
@@ -317,16 +353,31 @@ const (
 	stateFailed   = "failed"
 )
 
+// SessionLabel is the label binding a sandbox to a trainer session.
+const SessionLabel = "dsec.io/session"
+
 // Create validates, admits and starts a sandbox.
 func (n *Node) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*dsecv1.Sandbox, error) {
-	spec := proto.Clone(req.GetSpec()).(*dsecv1.SandboxSpec)
-	if spec == nil {
+	return n.create(ctx, req.GetSpec(), req.GetIdempotencyKey(), req.GetProject(), nil)
+}
+
+// create is Create with labels the node itself adds (reserved ones).
+func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project string, extra map[string]string) (*dsecv1.Sandbox, error) {
+	spec := proto.Clone(in).(*dsecv1.SandboxSpec)
+	if in == nil {
 		spec = &dsecv1.SandboxSpec{}
 	}
 	if err := n.normalize(spec); err != nil {
 		return nil, err
 	}
-	key := req.GetIdempotencyKey()
+	if len(extra) > 0 {
+		if spec.Labels == nil {
+			spec.Labels = map[string]string{}
+		}
+		for k, v := range extra {
+			spec.Labels[k] = v
+		}
+	}
 	if len(key) > 256 {
 		return nil, errdefs.Invalid("idempotency key longer than 256 bytes")
 	}
@@ -344,11 +395,34 @@ func (n *Node) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*d
 		return nil, err
 	}
 	defer n.creating.Add(-1)
-	s, err := n.start(ctx, spec, key)
-	if err != nil {
+	s := n.take(spec)
+	if s == nil {
+		release, err := n.starts.acquire(ctx, projectOr(project))
+		if err != nil {
+			return nil, err
+		}
+		s, err = n.prepare(ctx, spec)
+		release()
+		if err != nil {
+			return nil, err
+		}
+	}
+	s.idemKey = key
+	if err := n.commit(ctx, s); err != nil {
+		n.unreserve(s)
+		s.inst.Destroy(context.WithoutCancel(ctx))
+		n.net.Release(s.net)
+		n.discardDir(s.dir)
 		return nil, err
 	}
 	return n.view(s), nil
+}
+
+func projectOr(p string) string {
+	if p == "" {
+		return "default"
+	}
+	return p
 }
 
 // claimKey makes one create per idempotency key proceed; a concurrent or
@@ -388,23 +462,20 @@ func (n *Node) admit() error {
 	n.mu.Unlock()
 	if int(n.creating.Add(1))+live > n.cfg.MaxSandboxes {
 		n.creating.Add(-1)
-		return errdefs.Exhausted(time.Second, "node %s is full (%d sandboxes)", n.cfg.Name, n.cfg.MaxSandboxes)
+		return errdefs.Exhausted(5*time.Second, "node %s is full (%d sandboxes)", n.cfg.Name, n.cfg.MaxSandboxes)
 	}
 	return nil
 }
 
-func (n *Node) start(ctx context.Context, spec *dsecv1.SandboxSpec, key string) (_ *sandbox, err error) {
+// prepare starts a sandbox's resources (directory, network, instance) for
+// spec and reserves it, without registering it as live. On error nothing
+// is left.
+func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec) (_ *sandbox, err error) {
 	kind := substrate.Kind(spec.Kind)
 	drv := n.drivers[kind]
-	img, err := n.images.Get(spec.Image)
+	img, err := n.images.Get(imageOf(spec))
 	if err != nil {
 		return nil, err
-	}
-	if spec.Workdir == "" {
-		spec.Workdir = img.Config.Workdir
-	}
-	if spec.User == "" {
-		spec.User = img.Config.User
 	}
 	var u undo.Stack
 	defer u.RunUnless(&err)
@@ -421,30 +492,55 @@ func (n *Node) start(ctx context.Context, spec *dsecv1.SandboxSpec, key string) 
 	u.Push(func() { n.net.Release(att) })
 	s := &sandbox{
 		id: id, spec: spec, created: time.Now().UTC(), image: img.Name, layers: img.Layers,
-		net: att, dir: dir, idemKey: key, state: stateRunning,
+		net: att, dir: dir, state: stateRunning,
 		expires: time.Now().Add(time.Duration(spec.TtlS) * time.Second),
 	}
 	s.touch()
-	// Register first so image GC keeps the layers while the sandbox starts.
-	n.mu.Lock()
-	n.sandboxes[id] = s
-	n.mu.Unlock()
-	u.Push(func() { n.mu.Lock(); delete(n.sandboxes, id); n.mu.Unlock() })
+	// Reserved first so image GC keeps the layers while the sandbox starts.
+	n.reserve(s)
+	u.Push(func() { n.unreserve(s) })
 	inst, err := drv.Create(ctx, n.driverSpec(s, img))
 	if err != nil {
 		n.log.Warn("sandbox start failed", slog.String("sandbox_id", id), slog.Any("error", err))
 		return nil, err
 	}
-	u.Push(func() { inst.Destroy(context.WithoutCancel(ctx)) })
 	s.inst = inst
+	return s, nil
+}
+
+// commit makes a prepared sandbox live: persisted, listed and watched.
+func (n *Node) commit(ctx context.Context, s *sandbox) error {
 	s.rec = n.recordOf(s)
 	if err := n.store.put(s.rec); err != nil {
-		return nil, errdefs.Internal(err, "persist sandbox")
+		return errdefs.Internal(err, "persist sandbox")
 	}
-	u.Release()
+	n.mu.Lock()
+	delete(n.reserved, s.id)
+	n.sandboxes[s.id] = s
+	n.mu.Unlock()
 	n.watch(s)
-	n.log.Debug("sandbox created", slog.String("sandbox_id", id), slog.String("image", img.Name))
-	return s, nil
+	n.log.Debug("sandbox created", slog.String("sandbox_id", s.id), slog.String("image", s.image))
+	return nil
+}
+
+func (n *Node) reserve(s *sandbox) {
+	n.mu.Lock()
+	n.reserved[s.id] = s
+	n.mu.Unlock()
+}
+
+func (n *Node) unreserve(s *sandbox) {
+	n.mu.Lock()
+	delete(n.reserved, s.id)
+	n.mu.Unlock()
+}
+
+// imageOf is the image a spec starts from: its snapshot, else its image.
+func imageOf(spec *dsecv1.SandboxSpec) string {
+	if spec.Snapshot != "" {
+		return spec.Snapshot
+	}
+	return spec.Image
 }
 
 func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
@@ -634,6 +730,7 @@ func (n *Node) remove(ctx context.Context, s *sandbox, reason string, infra bool
 	n.mu.Lock()
 	delete(n.sandboxes, s.id)
 	n.mu.Unlock()
+	n.logs.Forget(s.id)
 	n.log.Debug("sandbox deleted", slog.String("sandbox_id", s.id), slog.String("reason", reason))
 	return nil
 }
@@ -724,6 +821,9 @@ func (n *Node) reaper() {
 					continue
 				}
 				idle := time.Duration(s.spec.IdleTtlS) * time.Second
+				if state == statePaused {
+					idle = 0 // a paused sandbox waits for its trainer, not for calls
+				}
 				switch {
 				case now.After(exp):
 					expired, reasons = append(expired, s), append(reasons, "ttl expired")
@@ -739,7 +839,13 @@ func (n *Node) reaper() {
 			}
 			if now.Sub(lastPurge) > time.Minute {
 				lastPurge = now
-				n.store.purge(now.Add(-n.cfg.Tombstones))
+				ids, _ := n.store.purge(now.Add(-n.cfg.Tombstones))
+				for _, id := range ids {
+					n.logs.Remove(id)
+				}
+				if len(ids) > 0 {
+					n.logs.GCBlobs()
+				}
 			}
 		}
 	}

@@ -26,6 +26,7 @@ const (
 var (
 	labelKeyRe = regexp.MustCompile(`^([a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$`)
 	envKeyRe   = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*$`)
+	sessionRe  = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$`)
 )
 
 // normalize fills defaults into spec and validates it against the node's
@@ -49,8 +50,8 @@ func (n *Node) normalize(spec *dsecv1.SandboxSpec) error {
 	if caps := drv.Capabilities(); !caps.Available {
 		return errdefs.Unavailable("kind %q is unavailable on node %s: %s", spec.Kind, n.cfg.Name, caps.Reason)
 	}
-	if spec.Image == "" {
-		return errdefs.Invalid("spec.image is required")
+	if spec.Image == "" && spec.Snapshot == "" {
+		return errdefs.Invalid("spec.image (or spec.snapshot) is required")
 	}
 	if spec.Resources == nil {
 		spec.Resources = &dsecv1.Resources{}
@@ -92,6 +93,9 @@ func (n *Node) normalize(spec *dsecv1.SandboxSpec) error {
 		return errdefs.Invalid("at most %d labels", maxLabels)
 	}
 	for k, v := range spec.Labels {
+		if strings.HasPrefix(k, "dsec.io/") && !(k == SessionLabel && v == spec.Session) {
+			return errdefs.Invalid("label %q: the dsec.io/ prefix is reserved", k)
+		}
 		if !labelKeyRe.MatchString(k) {
 			return errdefs.Invalid("label key %q is not a valid key ([prefix/]name, alphanumerics, '-', '_', '.')", k)
 		}
@@ -125,8 +129,32 @@ func (n *Node) normalize(spec *dsecv1.SandboxSpec) error {
 	if spec.Workdir != "" && !strings.HasPrefix(spec.Workdir, "/") {
 		return errdefs.Invalid("spec.workdir must be an absolute path")
 	}
-	if _, err := n.images.Get(spec.Image); err != nil {
+	img, err := n.images.Get(imageOf(spec))
+	if err != nil {
 		return err
+	}
+	if spec.Snapshot != "" {
+		if img.Snapshot == nil {
+			return errdefs.NotFound("snapshot %q not found", spec.Snapshot)
+		}
+		spec.Image = img.Snapshot.BaseImage
+	} else if img.Snapshot != nil {
+		return errdefs.Invalid("%q is a snapshot: pass it as spec.snapshot", spec.Image)
+	}
+	if spec.Workdir == "" {
+		spec.Workdir = img.Config.Workdir
+	}
+	if spec.User == "" {
+		spec.User = img.Config.User
+	}
+	if spec.Session != "" {
+		if !sessionRe.MatchString(spec.Session) {
+			return errdefs.Invalid("session name %q is invalid", spec.Session)
+		}
+		if spec.Labels == nil {
+			spec.Labels = map[string]string{}
+		}
+		spec.Labels[SessionLabel] = spec.Session
 	}
 	return nil
 }

@@ -141,9 +141,9 @@ func (s *store) idem(key string) (string, bool) {
 }
 
 // purge removes tombstones and idempotency keys of sandboxes deleted
-// before cutoff.
-func (s *store) purge(cutoff time.Time) (int, error) {
-	n := 0
+// before cutoff, and returns their IDs.
+func (s *store) purge(cutoff time.Time) ([]string, error) {
+	var ids []string
 	err := s.db.Update(func(tx *bolt.Tx) error {
 		tb := tx.Bucket(bucketTombstones)
 		ib := tx.Bucket(bucketIdem)
@@ -161,12 +161,12 @@ func (s *store) purge(cutoff time.Time) (int, error) {
 		})
 		for _, k := range dead {
 			tb.Delete(k)
+			ids = append(ids, string(k))
 		}
 		for _, k := range keys {
 			ib.Delete(k)
 		}
-		n = len(dead)
 		return nil
 	})
-	return n, err
+	return ids, err
 }

@@ -124,6 +124,7 @@ type Guest interface {
 	Rename(ctx context.Context, from, to string) (*guestv1.FileInfo, error)
 	Sync(ctx context.Context) error
 	SetDeadline(ctx context.Context, t time.Time) error
+	SetEnv(ctx context.Context, env []string) error
 }
 
 var _ Guest = (*guest.Client)(nil)
@@ -168,6 +169,10 @@ type Instance interface {
 	// an Unimplemented error.
 	Pause(ctx context.Context) error
 	Resume(ctx context.Context) error
+	// Snapshot writes the instance's writable filesystem layer, captured
+	// consistently (processes frozen), as an uncompressed OCI layer tar.
+	// Drivers without CapSnapshot return an Unimplemented error.
+	Snapshot(ctx context.Context, w io.Writer) error
 	// Destroy releases every resource of the instance. It is idempotent.
 	Destroy(ctx context.Context) error
 }

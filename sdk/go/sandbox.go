@@ -28,6 +28,10 @@ type CreateOptions struct {
 	Workdir  string
 	// IdempotencyKey makes the create safe to retry.
 	IdempotencyKey string
+	// Snapshot starts the sandbox from a snapshot instead of Image.
+	Snapshot string
+	// Session binds the sandbox to a trainer session.
+	Session string
 }
 
 func (o CreateOptions) spec() *dsecv1.SandboxSpec {
@@ -36,7 +40,7 @@ func (o CreateOptions) spec() *dsecv1.SandboxSpec {
 		Resources: &dsecv1.Resources{Cpu: o.CPU, MemoryMb: o.MemoryMB, DiskMb: o.DiskMB, Pids: o.Pids},
 		TtlS:      int64(o.TTL / time.Second), IdleTtlS: int64(o.IdleTTL / time.Second),
 		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network},
-		User: o.User, Workdir: o.Workdir,
+		User: o.User, Workdir: o.Workdir, Snapshot: o.Snapshot, Session: o.Session,
 	}
 }
 
@@ -120,6 +124,8 @@ type ExecOptions struct {
 	PTY            bool
 	Rows, Cols     uint32
 	Tag            string
+	// RequestID makes the exec exactly-once (see the trajectory log).
+	RequestID string
 }
 
 // Cmd is ExecOptions for a shell command.
@@ -131,7 +137,7 @@ func Argv(argv ...string) ExecOptions { return ExecOptions{Argv: argv} }
 func (o ExecOptions) request(id string) *dsecv1.ExecRequest {
 	return &dsecv1.ExecRequest{
 		SandboxId: id, Argv: o.Argv, Cmd: o.Cmd, Env: o.Env, Cwd: o.Cwd, User: o.User, Stdin: o.Stdin,
-		TimeoutS: o.Timeout.Seconds(), MaxOutputBytes: o.MaxOutputBytes, Pty: o.PTY, PtyRows: o.Rows, PtyCols: o.Cols, Tag: o.Tag,
+		TimeoutS: o.Timeout.Seconds(), MaxOutputBytes: o.MaxOutputBytes, Pty: o.PTY, PtyRows: o.Rows, PtyCols: o.Cols, Tag: o.Tag, RequestId: o.RequestID,
 	}
 }
 

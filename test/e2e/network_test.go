@@ -28,7 +28,10 @@ func outside(t *testing.T) string {
 		}
 	}
 	run("ip", "netns", "add", name)
-	t.Cleanup(func() { exec.Command("ip", "netns", "del", name).Run(); exec.Command("ip", "link", "del", hostIf).Run() })
+	t.Cleanup(func() {
+		exec.Command("ip", "netns", "del", name).Run()
+		exec.Command("ip", "link", "del", hostIf).Run()
+	})
 	run("ip", "link", "add", hostIf, "type", "veth", "peer", "name", "eth9", "netns", name)
 	run("ip", "addr", "add", sub+".1/24", "dev", hostIf)
 	run("ip", "link", "set", hostIf, "up")

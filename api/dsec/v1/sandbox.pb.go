@@ -251,7 +251,13 @@ type SandboxSpec struct {
 	// user runs commands as this user by default (default: the image's user).
 	User string `protobuf:"bytes,9,opt,name=user,proto3" json:"user,omitempty"`
 	// workdir is the default working directory (default: the image's).
-	Workdir       string `protobuf:"bytes,10,opt,name=workdir,proto3" json:"workdir,omitempty"`
+	Workdir string `protobuf:"bytes,10,opt,name=workdir,proto3" json:"workdir,omitempty"`
+	// snapshot starts the sandbox from a snapshot (its image and filesystem)
+	// instead of image.
+	Snapshot string `protobuf:"bytes,11,opt,name=snapshot,proto3" json:"snapshot,omitempty"`
+	// session binds the sandbox to a trainer session: when the session's
+	// heartbeats stop, the sandbox is paused or deleted.
+	Session       string `protobuf:"bytes,12,opt,name=session,proto3" json:"session,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -352,6 +358,20 @@ func (x *SandboxSpec) GetUser() string {
 func (x *SandboxSpec) GetWorkdir() string {
 	if x != nil {
 		return x.Workdir
+	}
+	return ""
+}
+
+func (x *SandboxSpec) GetSnapshot() string {
+	if x != nil {
+		return x.Snapshot
+	}
+	return ""
+}
+
+func (x *SandboxSpec) GetSession() string {
+	if x != nil {
+		return x.Session
 	}
 	return ""
 }
@@ -463,8 +483,11 @@ type CreateSandboxRequest struct {
 	Spec  *SandboxSpec           `protobuf:"bytes,1,opt,name=spec,proto3" json:"spec,omitempty"`
 	// idempotency_key makes the create safe to retry.
 	IdempotencyKey string `protobuf:"bytes,2,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// project is set by the apiserver from the caller's API key (for fair
+	// sharing of the start queue); a client's value is ignored.
+	Project       string `protobuf:"bytes,3,opt,name=project,proto3" json:"project,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *CreateSandboxRequest) Reset() {
@@ -507,6 +530,13 @@ func (x *CreateSandboxRequest) GetSpec() *SandboxSpec {
 func (x *CreateSandboxRequest) GetIdempotencyKey() string {
 	if x != nil {
 		return x.IdempotencyKey
+	}
+	return ""
+}
+
+func (x *CreateSandboxRequest) GetProject() string {
+	if x != nil {
+		return x.Project
 	}
 	return ""
 }
@@ -836,7 +866,10 @@ type ExecRequest struct {
 	PtyRows uint32 `protobuf:"varint,12,opt,name=pty_rows,json=ptyRows,proto3" json:"pty_rows,omitempty"`
 	PtyCols uint32 `protobuf:"varint,13,opt,name=pty_cols,json=ptyCols,proto3" json:"pty_cols,omitempty"`
 	// tag names the process for ConnectProcess and ListProcesses.
-	Tag           string `protobuf:"bytes,14,opt,name=tag,proto3" json:"tag,omitempty"`
+	Tag string `protobuf:"bytes,14,opt,name=tag,proto3" json:"tag,omitempty"`
+	// request_id makes the exec exactly-once: repeating it returns the
+	// logged result with replayed set, without running it again.
+	RequestId     string `protobuf:"bytes,15,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -969,6 +1002,13 @@ func (x *ExecRequest) GetTag() string {
 	return ""
 }
 
+func (x *ExecRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
 type ExecResult struct {
 	state      protoimpl.MessageState `protogen:"open.v1"`
 	ExitCode   int32                  `protobuf:"varint,1,opt,name=exit_code,json=exitCode,proto3" json:"exit_code,omitempty"`
@@ -980,8 +1020,12 @@ type ExecResult struct {
 	// signal names the signal that ended the process ("KILL"), if any.
 	Signal string `protobuf:"bytes,7,opt,name=signal,proto3" json:"signal,omitempty"`
 	// oom_killed is set when the sandbox's memory limit killed the process.
-	OomKilled     bool   `protobuf:"varint,8,opt,name=oom_killed,json=oomKilled,proto3" json:"oom_killed,omitempty"`
-	ProcessId     string `protobuf:"bytes,9,opt,name=process_id,json=processId,proto3" json:"process_id,omitempty"`
+	OomKilled bool   `protobuf:"varint,8,opt,name=oom_killed,json=oomKilled,proto3" json:"oom_killed,omitempty"`
+	ProcessId string `protobuf:"bytes,9,opt,name=process_id,json=processId,proto3" json:"process_id,omitempty"`
+	// seq is the call's position in the sandbox's trajectory log.
+	Seq uint64 `protobuf:"varint,10,opt,name=seq,proto3" json:"seq,omitempty"`
+	// replayed is set when the result came from the log.
+	Replayed      bool `protobuf:"varint,11,opt,name=replayed,proto3" json:"replayed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1077,6 +1121,20 @@ func (x *ExecResult) GetProcessId() string {
 		return x.ProcessId
 	}
 	return ""
+}
+
+func (x *ExecResult) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *ExecResult) GetReplayed() bool {
+	if x != nil {
+		return x.Replayed
+	}
+	return false
 }
 
 type ExecStarted struct {
@@ -2093,7 +2151,9 @@ type WriteFileHeader struct {
 	Mode   uint32 `protobuf:"varint,3,opt,name=mode,proto3" json:"mode,omitempty"`
 	Append bool   `protobuf:"varint,4,opt,name=append,proto3" json:"append,omitempty"`
 	// user owns a newly created file (default: the sandbox's user).
-	User          string `protobuf:"bytes,5,opt,name=user,proto3" json:"user,omitempty"`
+	User string `protobuf:"bytes,5,opt,name=user,proto3" json:"user,omitempty"`
+	// request_id makes the write exactly-once.
+	RequestId     string `protobuf:"bytes,6,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2159,6 +2219,13 @@ func (x *WriteFileHeader) GetAppend() bool {
 func (x *WriteFileHeader) GetUser() string {
 	if x != nil {
 		return x.User
+	}
+	return ""
+}
+
+func (x *WriteFileHeader) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
 	}
 	return ""
 }
@@ -2619,6 +2686,1436 @@ func (x *RenameRequest) GetTo() string {
 	return ""
 }
 
+// ItemError is the error of one item of a batch.
+type ItemError struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Kind          string                 `protobuf:"bytes,1,opt,name=kind,proto3" json:"kind,omitempty"`
+	Message       string                 `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	Infra         bool                   `protobuf:"varint,3,opt,name=infra,proto3" json:"infra,omitempty"`
+	Retryable     bool                   `protobuf:"varint,4,opt,name=retryable,proto3" json:"retryable,omitempty"`
+	RetryAfterMs  int64                  `protobuf:"varint,5,opt,name=retry_after_ms,json=retryAfterMs,proto3" json:"retry_after_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ItemError) Reset() {
+	*x = ItemError{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ItemError) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ItemError) ProtoMessage() {}
+
+func (x *ItemError) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ItemError.ProtoReflect.Descriptor instead.
+func (*ItemError) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *ItemError) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *ItemError) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
+func (x *ItemError) GetInfra() bool {
+	if x != nil {
+		return x.Infra
+	}
+	return false
+}
+
+func (x *ItemError) GetRetryable() bool {
+	if x != nil {
+		return x.Retryable
+	}
+	return false
+}
+
+func (x *ItemError) GetRetryAfterMs() int64 {
+	if x != nil {
+		return x.RetryAfterMs
+	}
+	return 0
+}
+
+type CreateSandboxesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// spec with count makes count identical sandboxes; specs makes one per item.
+	Spec  *SandboxSpec   `protobuf:"bytes,1,opt,name=spec,proto3" json:"spec,omitempty"`
+	Count int32          `protobuf:"varint,2,opt,name=count,proto3" json:"count,omitempty"`
+	Specs []*SandboxSpec `protobuf:"bytes,3,rep,name=specs,proto3" json:"specs,omitempty"`
+	// idempotency_key applies per item as "<key>/<index>".
+	IdempotencyKey string `protobuf:"bytes,4,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *CreateSandboxesRequest) Reset() {
+	*x = CreateSandboxesRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreateSandboxesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreateSandboxesRequest) ProtoMessage() {}
+
+func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreateSandboxesRequest.ProtoReflect.Descriptor instead.
+func (*CreateSandboxesRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *CreateSandboxesRequest) GetSpec() *SandboxSpec {
+	if x != nil {
+		return x.Spec
+	}
+	return nil
+}
+
+func (x *CreateSandboxesRequest) GetCount() int32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
+func (x *CreateSandboxesRequest) GetSpecs() []*SandboxSpec {
+	if x != nil {
+		return x.Specs
+	}
+	return nil
+}
+
+func (x *CreateSandboxesRequest) GetIdempotencyKey() string {
+	if x != nil {
+		return x.IdempotencyKey
+	}
+	return ""
+}
+
+type CreateResult struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Index         int32                  `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	Sandbox       *Sandbox               `protobuf:"bytes,2,opt,name=sandbox,proto3" json:"sandbox,omitempty"`
+	Error         *ItemError             `protobuf:"bytes,3,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CreateResult) Reset() {
+	*x = CreateResult{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreateResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreateResult) ProtoMessage() {}
+
+func (x *CreateResult) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreateResult.ProtoReflect.Descriptor instead.
+func (*CreateResult) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{40}
+}
+
+func (x *CreateResult) GetIndex() int32 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *CreateResult) GetSandbox() *Sandbox {
+	if x != nil {
+		return x.Sandbox
+	}
+	return nil
+}
+
+func (x *CreateResult) GetError() *ItemError {
+	if x != nil {
+		return x.Error
+	}
+	return nil
+}
+
+type CreateSandboxesResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Results []*CreateResult        `protobuf:"bytes,1,rep,name=results,proto3" json:"results,omitempty"`
+	Created int32                  `protobuf:"varint,2,opt,name=created,proto3" json:"created,omitempty"`
+	Failed  int32                  `protobuf:"varint,3,opt,name=failed,proto3" json:"failed,omitempty"`
+	// snapshot_id is the snapshot a Fork made.
+	SnapshotId    string `protobuf:"bytes,4,opt,name=snapshot_id,json=snapshotId,proto3" json:"snapshot_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CreateSandboxesResponse) Reset() {
+	*x = CreateSandboxesResponse{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CreateSandboxesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CreateSandboxesResponse) ProtoMessage() {}
+
+func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CreateSandboxesResponse.ProtoReflect.Descriptor instead.
+func (*CreateSandboxesResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *CreateSandboxesResponse) GetResults() []*CreateResult {
+	if x != nil {
+		return x.Results
+	}
+	return nil
+}
+
+func (x *CreateSandboxesResponse) GetCreated() int32 {
+	if x != nil {
+		return x.Created
+	}
+	return 0
+}
+
+func (x *CreateSandboxesResponse) GetFailed() int32 {
+	if x != nil {
+		return x.Failed
+	}
+	return 0
+}
+
+func (x *CreateSandboxesResponse) GetSnapshotId() string {
+	if x != nil {
+		return x.SnapshotId
+	}
+	return ""
+}
+
+type PauseSandboxRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PauseSandboxRequest) Reset() {
+	*x = PauseSandboxRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PauseSandboxRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PauseSandboxRequest) ProtoMessage() {}
+
+func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PauseSandboxRequest.ProtoReflect.Descriptor instead.
+func (*PauseSandboxRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *PauseSandboxRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type ResumeSandboxRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResumeSandboxRequest) Reset() {
+	*x = ResumeSandboxRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResumeSandboxRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResumeSandboxRequest) ProtoMessage() {}
+
+func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResumeSandboxRequest.ProtoReflect.Descriptor instead.
+func (*ResumeSandboxRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *ResumeSandboxRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type BulkRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	LabelSelector string                 `protobuf:"bytes,1,opt,name=label_selector,json=labelSelector,proto3" json:"label_selector,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BulkRequest) Reset() {
+	*x = BulkRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BulkRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BulkRequest) ProtoMessage() {}
+
+func (x *BulkRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BulkRequest.ProtoReflect.Descriptor instead.
+func (*BulkRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
+}
+
+func (x *BulkRequest) GetLabelSelector() string {
+	if x != nil {
+		return x.LabelSelector
+	}
+	return ""
+}
+
+type BulkFailure struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	Error         *ItemError             `protobuf:"bytes,2,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BulkFailure) Reset() {
+	*x = BulkFailure{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BulkFailure) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BulkFailure) ProtoMessage() {}
+
+func (x *BulkFailure) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BulkFailure.ProtoReflect.Descriptor instead.
+func (*BulkFailure) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
+}
+
+func (x *BulkFailure) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *BulkFailure) GetError() *ItemError {
+	if x != nil {
+		return x.Error
+	}
+	return nil
+}
+
+type BulkResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Ids           []string               `protobuf:"bytes,1,rep,name=ids,proto3" json:"ids,omitempty"`
+	Failures      []*BulkFailure         `protobuf:"bytes,2,rep,name=failures,proto3" json:"failures,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BulkResponse) Reset() {
+	*x = BulkResponse{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BulkResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BulkResponse) ProtoMessage() {}
+
+func (x *BulkResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BulkResponse.ProtoReflect.Descriptor instead.
+func (*BulkResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
+}
+
+func (x *BulkResponse) GetIds() []string {
+	if x != nil {
+		return x.Ids
+	}
+	return nil
+}
+
+func (x *BulkResponse) GetFailures() []*BulkFailure {
+	if x != nil {
+		return x.Failures
+	}
+	return nil
+}
+
+type SnapshotRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	// name is a label for the snapshot (default: none).
+	Name          string `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SnapshotRequest) Reset() {
+	*x = SnapshotRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SnapshotRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SnapshotRequest) ProtoMessage() {}
+
+func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
+func (*SnapshotRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
+}
+
+func (x *SnapshotRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *SnapshotRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type SnapshotInfo struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Id        string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	Name      string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	SandboxId string                 `protobuf:"bytes,3,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Kind      string                 `protobuf:"bytes,4,opt,name=kind,proto3" json:"kind,omitempty"`
+	// image is what the snapshotted sandbox started from.
+	Image         string                 `protobuf:"bytes,5,opt,name=image,proto3" json:"image,omitempty"`
+	SizeBytes     int64                  `protobuf:"varint,6,opt,name=size_bytes,json=sizeBytes,proto3" json:"size_bytes,omitempty"`
+	CreatedAt     *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	Node          string                 `protobuf:"bytes,8,opt,name=node,proto3" json:"node,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SnapshotInfo) Reset() {
+	*x = SnapshotInfo{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SnapshotInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SnapshotInfo) ProtoMessage() {}
+
+func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SnapshotInfo.ProtoReflect.Descriptor instead.
+func (*SnapshotInfo) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
+}
+
+func (x *SnapshotInfo) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *SnapshotInfo) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *SnapshotInfo) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *SnapshotInfo) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *SnapshotInfo) GetImage() string {
+	if x != nil {
+		return x.Image
+	}
+	return ""
+}
+
+func (x *SnapshotInfo) GetSizeBytes() int64 {
+	if x != nil {
+		return x.SizeBytes
+	}
+	return 0
+}
+
+func (x *SnapshotInfo) GetCreatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedAt
+	}
+	return nil
+}
+
+func (x *SnapshotInfo) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+type ListSnapshotsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListSnapshotsRequest) Reset() {
+	*x = ListSnapshotsRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListSnapshotsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListSnapshotsRequest) ProtoMessage() {}
+
+func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
+func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
+}
+
+type ListSnapshotsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Snapshots     []*SnapshotInfo        `protobuf:"bytes,1,rep,name=snapshots,proto3" json:"snapshots,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListSnapshotsResponse) Reset() {
+	*x = ListSnapshotsResponse{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListSnapshotsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListSnapshotsResponse) ProtoMessage() {}
+
+func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
+func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
+}
+
+func (x *ListSnapshotsResponse) GetSnapshots() []*SnapshotInfo {
+	if x != nil {
+		return x.Snapshots
+	}
+	return nil
+}
+
+type DeleteSnapshotRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeleteSnapshotRequest) Reset() {
+	*x = DeleteSnapshotRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeleteSnapshotRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeleteSnapshotRequest) ProtoMessage() {}
+
+func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
+func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
+}
+
+func (x *DeleteSnapshotRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type DeleteSnapshotResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeleteSnapshotResponse) Reset() {
+	*x = DeleteSnapshotResponse{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeleteSnapshotResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeleteSnapshotResponse) ProtoMessage() {}
+
+func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
+func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
+}
+
+type ForkRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Count     int32                  `protobuf:"varint,2,opt,name=count,proto3" json:"count,omitempty"`
+	// labels are added to every child (a "fork.index" label is always set).
+	Labels         map[string]string `protobuf:"bytes,3,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	IdempotencyKey string            `protobuf:"bytes,4,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
+	Session        string            `protobuf:"bytes,5,opt,name=session,proto3" json:"session,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *ForkRequest) Reset() {
+	*x = ForkRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ForkRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ForkRequest) ProtoMessage() {}
+
+func (x *ForkRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ForkRequest.ProtoReflect.Descriptor instead.
+func (*ForkRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
+}
+
+func (x *ForkRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *ForkRequest) GetCount() int32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
+func (x *ForkRequest) GetLabels() map[string]string {
+	if x != nil {
+		return x.Labels
+	}
+	return nil
+}
+
+func (x *ForkRequest) GetIdempotencyKey() string {
+	if x != nil {
+		return x.IdempotencyKey
+	}
+	return ""
+}
+
+func (x *ForkRequest) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+type GetLogRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	FromSeq       uint64                 `protobuf:"varint,2,opt,name=from_seq,json=fromSeq,proto3" json:"from_seq,omitempty"`
+	Limit         int32                  `protobuf:"varint,3,opt,name=limit,proto3" json:"limit,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetLogRequest) Reset() {
+	*x = GetLogRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetLogRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetLogRequest) ProtoMessage() {}
+
+func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetLogRequest.ProtoReflect.Descriptor instead.
+func (*GetLogRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
+}
+
+func (x *GetLogRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *GetLogRequest) GetFromSeq() uint64 {
+	if x != nil {
+		return x.FromSeq
+	}
+	return 0
+}
+
+func (x *GetLogRequest) GetLimit() int32 {
+	if x != nil {
+		return x.Limit
+	}
+	return 0
+}
+
+type LogEntry struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Seq       uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	RequestId string                 `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	// op is "exec", "write_file", "make_dir", "remove" or "rename".
+	Op         string                 `protobuf:"bytes,3,opt,name=op,proto3" json:"op,omitempty"`
+	At         *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=at,proto3" json:"at,omitempty"`
+	DurationMs int64                  `protobuf:"varint,5,opt,name=duration_ms,json=durationMs,proto3" json:"duration_ms,omitempty"`
+	Argv       []string               `protobuf:"bytes,6,rep,name=argv,proto3" json:"argv,omitempty"`
+	Cwd        string                 `protobuf:"bytes,7,opt,name=cwd,proto3" json:"cwd,omitempty"`
+	Env        map[string]string      `protobuf:"bytes,8,rep,name=env,proto3" json:"env,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	User       string                 `protobuf:"bytes,9,opt,name=user,proto3" json:"user,omitempty"`
+	// stdin_digest and content_digest name recorded blobs ("sha256:...").
+	StdinDigest   string      `protobuf:"bytes,10,opt,name=stdin_digest,json=stdinDigest,proto3" json:"stdin_digest,omitempty"`
+	Path          string      `protobuf:"bytes,11,opt,name=path,proto3" json:"path,omitempty"`
+	To            string      `protobuf:"bytes,12,opt,name=to,proto3" json:"to,omitempty"`
+	Size          int64       `protobuf:"varint,13,opt,name=size,proto3" json:"size,omitempty"`
+	ContentDigest string      `protobuf:"bytes,14,opt,name=content_digest,json=contentDigest,proto3" json:"content_digest,omitempty"`
+	Result        *ExecResult `protobuf:"bytes,15,opt,name=result,proto3" json:"result,omitempty"`
+	// error is set when the call failed.
+	Error     *ItemError `protobuf:"bytes,16,opt,name=error,proto3" json:"error,omitempty"`
+	Mode      uint32     `protobuf:"varint,17,opt,name=mode,proto3" json:"mode,omitempty"`
+	Recursive bool       `protobuf:"varint,18,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	TimeoutS  float64    `protobuf:"fixed64,19,opt,name=timeout_s,json=timeoutS,proto3" json:"timeout_s,omitempty"`
+	// fingerprint identifies the request's content, so a request ID reused
+	// for a different call is refused rather than answered wrongly.
+	Fingerprint   string `protobuf:"bytes,20,opt,name=fingerprint,proto3" json:"fingerprint,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LogEntry) Reset() {
+	*x = LogEntry{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LogEntry) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LogEntry) ProtoMessage() {}
+
+func (x *LogEntry) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LogEntry.ProtoReflect.Descriptor instead.
+func (*LogEntry) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
+}
+
+func (x *LogEntry) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *LogEntry) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+func (x *LogEntry) GetOp() string {
+	if x != nil {
+		return x.Op
+	}
+	return ""
+}
+
+func (x *LogEntry) GetAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.At
+	}
+	return nil
+}
+
+func (x *LogEntry) GetDurationMs() int64 {
+	if x != nil {
+		return x.DurationMs
+	}
+	return 0
+}
+
+func (x *LogEntry) GetArgv() []string {
+	if x != nil {
+		return x.Argv
+	}
+	return nil
+}
+
+func (x *LogEntry) GetCwd() string {
+	if x != nil {
+		return x.Cwd
+	}
+	return ""
+}
+
+func (x *LogEntry) GetEnv() map[string]string {
+	if x != nil {
+		return x.Env
+	}
+	return nil
+}
+
+func (x *LogEntry) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
+func (x *LogEntry) GetStdinDigest() string {
+	if x != nil {
+		return x.StdinDigest
+	}
+	return ""
+}
+
+func (x *LogEntry) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *LogEntry) GetTo() string {
+	if x != nil {
+		return x.To
+	}
+	return ""
+}
+
+func (x *LogEntry) GetSize() int64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *LogEntry) GetContentDigest() string {
+	if x != nil {
+		return x.ContentDigest
+	}
+	return ""
+}
+
+func (x *LogEntry) GetResult() *ExecResult {
+	if x != nil {
+		return x.Result
+	}
+	return nil
+}
+
+func (x *LogEntry) GetError() *ItemError {
+	if x != nil {
+		return x.Error
+	}
+	return nil
+}
+
+func (x *LogEntry) GetMode() uint32 {
+	if x != nil {
+		return x.Mode
+	}
+	return 0
+}
+
+func (x *LogEntry) GetRecursive() bool {
+	if x != nil {
+		return x.Recursive
+	}
+	return false
+}
+
+func (x *LogEntry) GetTimeoutS() float64 {
+	if x != nil {
+		return x.TimeoutS
+	}
+	return 0
+}
+
+func (x *LogEntry) GetFingerprint() string {
+	if x != nil {
+		return x.Fingerprint
+	}
+	return ""
+}
+
+type GetLogResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Entries       []*LogEntry            `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
+	NextSeq       uint64                 `protobuf:"varint,2,opt,name=next_seq,json=nextSeq,proto3" json:"next_seq,omitempty"`
+	SandboxId     string                 `protobuf:"bytes,3,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetLogResponse) Reset() {
+	*x = GetLogResponse{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetLogResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetLogResponse) ProtoMessage() {}
+
+func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetLogResponse.ProtoReflect.Descriptor instead.
+func (*GetLogResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
+}
+
+func (x *GetLogResponse) GetEntries() []*LogEntry {
+	if x != nil {
+		return x.Entries
+	}
+	return nil
+}
+
+func (x *GetLogResponse) GetNextSeq() uint64 {
+	if x != nil {
+		return x.NextSeq
+	}
+	return 0
+}
+
+func (x *GetLogResponse) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+type ReplayRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	// keep keeps the replay sandbox (default: deleted after the replay).
+	Keep bool `protobuf:"varint,2,opt,name=keep,proto3" json:"keep,omitempty"`
+	// until_seq stops after this entry (0: the whole log).
+	UntilSeq      uint64 `protobuf:"varint,3,opt,name=until_seq,json=untilSeq,proto3" json:"until_seq,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReplayRequest) Reset() {
+	*x = ReplayRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplayRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplayRequest) ProtoMessage() {}
+
+func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplayRequest.ProtoReflect.Descriptor instead.
+func (*ReplayRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
+}
+
+func (x *ReplayRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *ReplayRequest) GetKeep() bool {
+	if x != nil {
+		return x.Keep
+	}
+	return false
+}
+
+func (x *ReplayRequest) GetUntilSeq() uint64 {
+	if x != nil {
+		return x.UntilSeq
+	}
+	return 0
+}
+
+type ReplayStep struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Seq           uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	Op            string                 `protobuf:"bytes,2,opt,name=op,proto3" json:"op,omitempty"`
+	RequestId     string                 `protobuf:"bytes,3,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	Diverged      bool                   `protobuf:"varint,4,opt,name=diverged,proto3" json:"diverged,omitempty"`
+	Detail        string                 `protobuf:"bytes,5,opt,name=detail,proto3" json:"detail,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReplayStep) Reset() {
+	*x = ReplayStep{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplayStep) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplayStep) ProtoMessage() {}
+
+func (x *ReplayStep) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplayStep.ProtoReflect.Descriptor instead.
+func (*ReplayStep) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
+}
+
+func (x *ReplayStep) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *ReplayStep) GetOp() string {
+	if x != nil {
+		return x.Op
+	}
+	return ""
+}
+
+func (x *ReplayStep) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+func (x *ReplayStep) GetDiverged() bool {
+	if x != nil {
+		return x.Diverged
+	}
+	return false
+}
+
+func (x *ReplayStep) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
+type ReplayResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Replayed      int32                  `protobuf:"varint,2,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	Diverged      int32                  `protobuf:"varint,3,opt,name=diverged,proto3" json:"diverged,omitempty"`
+	Steps         []*ReplayStep          `protobuf:"bytes,4,rep,name=steps,proto3" json:"steps,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReplayResponse) Reset() {
+	*x = ReplayResponse{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReplayResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReplayResponse) ProtoMessage() {}
+
+func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReplayResponse.ProtoReflect.Descriptor instead.
+func (*ReplayResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
+}
+
+func (x *ReplayResponse) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *ReplayResponse) GetReplayed() int32 {
+	if x != nil {
+		return x.Replayed
+	}
+	return 0
+}
+
+func (x *ReplayResponse) GetDiverged() int32 {
+	if x != nil {
+		return x.Diverged
+	}
+	return 0
+}
+
+func (x *ReplayResponse) GetSteps() []*ReplayStep {
+	if x != nil {
+		return x.Steps
+	}
+	return nil
+}
+
 var File_dsec_v1_sandbox_proto protoreflect.FileDescriptor
 
 const file_dsec_v1_sandbox_proto_rawDesc = "" +
@@ -2636,7 +4133,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04pids\x18\x04 \x01(\x03R\x04pids\x12\x10\n" +
 	"\x03gpu\x18\x05 \x01(\x05R\x03gpu\"\x1d\n" +
 	"\aNetwork\x12\x12\n" +
-	"\x04mode\x18\x01 \x01(\tR\x04mode\"\xd4\x03\n" +
+	"\x04mode\x18\x01 \x01(\tR\x04mode\"\x8a\x04\n" +
 	"\vSandboxSpec\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x120\n" +
@@ -2649,7 +4146,9 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\anetwork\x18\b \x01(\v2\x10.dsec.v1.NetworkR\anetwork\x12\x12\n" +
 	"\x04user\x18\t \x01(\tR\x04user\x12\x18\n" +
 	"\aworkdir\x18\n" +
-	" \x01(\tR\aworkdir\x1a9\n" +
+	" \x01(\tR\aworkdir\x12\x1a\n" +
+	"\bsnapshot\x18\v \x01(\tR\bsnapshot\x12\x18\n" +
+	"\asession\x18\f \x01(\tR\asession\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +
@@ -2666,10 +4165,11 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"created_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x129\n" +
 	"\n" +
 	"expires_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12@\n" +
-	"\x0elast_active_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\flastActiveAt\"i\n" +
+	"\x0elast_active_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\flastActiveAt\"\x83\x01\n" +
 	"\x14CreateSandboxRequest\x12(\n" +
 	"\x04spec\x18\x01 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12'\n" +
-	"\x0fidempotency_key\x18\x02 \x01(\tR\x0eidempotencyKey\"#\n" +
+	"\x0fidempotency_key\x18\x02 \x01(\tR\x0eidempotencyKey\x12\x18\n" +
+	"\aproject\x18\x03 \x01(\tR\aproject\"#\n" +
 	"\x11GetSandboxRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"\x8f\x01\n" +
 	"\x14ListSandboxesRequest\x12%\n" +
@@ -2687,7 +4187,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x10KeepaliveRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12 \n" +
 	"\fextend_ttl_s\x18\x02 \x01(\x03R\n" +
-	"extendTtlS\"\xb7\x03\n" +
+	"extendTtlS\"\xd6\x03\n" +
 	"\vExecRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
@@ -2705,10 +4205,12 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x03pty\x18\v \x01(\bR\x03pty\x12\x19\n" +
 	"\bpty_rows\x18\f \x01(\rR\aptyRows\x12\x19\n" +
 	"\bpty_cols\x18\r \x01(\rR\aptyCols\x12\x10\n" +
-	"\x03tag\x18\x0e \x01(\tR\x03tag\x1a6\n" +
+	"\x03tag\x18\x0e \x01(\tR\x03tag\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x0f \x01(\tR\trequestId\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x8b\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb9\x02\n" +
 	"\n" +
 	"ExecResult\x12\x1b\n" +
 	"\texit_code\x18\x01 \x01(\x05R\bexitCode\x12\x16\n" +
@@ -2722,7 +4224,10 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"oom_killed\x18\b \x01(\bR\toomKilled\x12\x1d\n" +
 	"\n" +
-	"process_id\x18\t \x01(\tR\tprocessId\">\n" +
+	"process_id\x18\t \x01(\tR\tprocessId\x12\x10\n" +
+	"\x03seq\x18\n" +
+	" \x01(\x04R\x03seq\x12\x1a\n" +
+	"\breplayed\x18\v \x01(\bR\breplayed\">\n" +
 	"\vExecStarted\x12\x1d\n" +
 	"\n" +
 	"process_id\x18\x01 \x01(\tR\tprocessId\x12\x10\n" +
@@ -2801,14 +4306,16 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x10ReadFileResponse\x12'\n" +
 	"\x04info\x18\x01 \x01(\v2\x11.dsec.v1.FileInfoH\x00R\x04info\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\x05\n" +
-	"\x03msg\"\x84\x01\n" +
+	"\x03msg\"\xa3\x01\n" +
 	"\x0fWriteFileHeader\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
 	"\x04mode\x18\x03 \x01(\rR\x04mode\x12\x16\n" +
 	"\x06append\x18\x04 \x01(\bR\x06append\x12\x12\n" +
-	"\x04user\x18\x05 \x01(\tR\x04user\"c\n" +
+	"\x04user\x18\x05 \x01(\tR\x04user\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x06 \x01(\tR\trequestId\"c\n" +
 	"\x10WriteFileRequest\x122\n" +
 	"\x06header\x18\x01 \x01(\v2\x18.dsec.v1.WriteFileHeaderH\x00R\x06header\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\x05\n" +
@@ -2839,7 +4346,128 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04from\x18\x02 \x01(\tR\x04from\x12\x0e\n" +
-	"\x02to\x18\x03 \x01(\tR\x02to2\xed\t\n" +
+	"\x02to\x18\x03 \x01(\tR\x02to\"\x93\x01\n" +
+	"\tItemError\x12\x12\n" +
+	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x18\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\x12\x14\n" +
+	"\x05infra\x18\x03 \x01(\bR\x05infra\x12\x1c\n" +
+	"\tretryable\x18\x04 \x01(\bR\tretryable\x12$\n" +
+	"\x0eretry_after_ms\x18\x05 \x01(\x03R\fretryAfterMs\"\xad\x01\n" +
+	"\x16CreateSandboxesRequest\x12(\n" +
+	"\x04spec\x18\x01 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12\x14\n" +
+	"\x05count\x18\x02 \x01(\x05R\x05count\x12*\n" +
+	"\x05specs\x18\x03 \x03(\v2\x14.dsec.v1.SandboxSpecR\x05specs\x12'\n" +
+	"\x0fidempotency_key\x18\x04 \x01(\tR\x0eidempotencyKey\"z\n" +
+	"\fCreateResult\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\x05R\x05index\x12*\n" +
+	"\asandbox\x18\x02 \x01(\v2\x10.dsec.v1.SandboxR\asandbox\x12(\n" +
+	"\x05error\x18\x03 \x01(\v2\x12.dsec.v1.ItemErrorR\x05error\"\x9d\x01\n" +
+	"\x17CreateSandboxesResponse\x12/\n" +
+	"\aresults\x18\x01 \x03(\v2\x15.dsec.v1.CreateResultR\aresults\x12\x18\n" +
+	"\acreated\x18\x02 \x01(\x05R\acreated\x12\x16\n" +
+	"\x06failed\x18\x03 \x01(\x05R\x06failed\x12\x1f\n" +
+	"\vsnapshot_id\x18\x04 \x01(\tR\n" +
+	"snapshotId\"%\n" +
+	"\x13PauseSandboxRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"&\n" +
+	"\x14ResumeSandboxRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"4\n" +
+	"\vBulkRequest\x12%\n" +
+	"\x0elabel_selector\x18\x01 \x01(\tR\rlabelSelector\"G\n" +
+	"\vBulkFailure\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12(\n" +
+	"\x05error\x18\x02 \x01(\v2\x12.dsec.v1.ItemErrorR\x05error\"R\n" +
+	"\fBulkResponse\x12\x10\n" +
+	"\x03ids\x18\x01 \x03(\tR\x03ids\x120\n" +
+	"\bfailures\x18\x02 \x03(\v2\x14.dsec.v1.BulkFailureR\bfailures\"D\n" +
+	"\x0fSnapshotRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\"\xe9\x01\n" +
+	"\fSnapshotInfo\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x03 \x01(\tR\tsandboxId\x12\x12\n" +
+	"\x04kind\x18\x04 \x01(\tR\x04kind\x12\x14\n" +
+	"\x05image\x18\x05 \x01(\tR\x05image\x12\x1d\n" +
+	"\n" +
+	"size_bytes\x18\x06 \x01(\x03R\tsizeBytes\x129\n" +
+	"\n" +
+	"created_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x12\n" +
+	"\x04node\x18\b \x01(\tR\x04node\"\x16\n" +
+	"\x14ListSnapshotsRequest\"L\n" +
+	"\x15ListSnapshotsResponse\x123\n" +
+	"\tsnapshots\x18\x01 \x03(\v2\x15.dsec.v1.SnapshotInfoR\tsnapshots\"'\n" +
+	"\x15DeleteSnapshotRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"\x18\n" +
+	"\x16DeleteSnapshotResponse\"\xfa\x01\n" +
+	"\vForkRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x14\n" +
+	"\x05count\x18\x02 \x01(\x05R\x05count\x128\n" +
+	"\x06labels\x18\x03 \x03(\v2 .dsec.v1.ForkRequest.LabelsEntryR\x06labels\x12'\n" +
+	"\x0fidempotency_key\x18\x04 \x01(\tR\x0eidempotencyKey\x12\x18\n" +
+	"\asession\x18\x05 \x01(\tR\asession\x1a9\n" +
+	"\vLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"_\n" +
+	"\rGetLogRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x19\n" +
+	"\bfrom_seq\x18\x02 \x01(\x04R\afromSeq\x12\x14\n" +
+	"\x05limit\x18\x03 \x01(\x05R\x05limit\"\x82\x05\n" +
+	"\bLogEntry\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x02 \x01(\tR\trequestId\x12\x0e\n" +
+	"\x02op\x18\x03 \x01(\tR\x02op\x12*\n" +
+	"\x02at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x12\x1f\n" +
+	"\vduration_ms\x18\x05 \x01(\x03R\n" +
+	"durationMs\x12\x12\n" +
+	"\x04argv\x18\x06 \x03(\tR\x04argv\x12\x10\n" +
+	"\x03cwd\x18\a \x01(\tR\x03cwd\x12,\n" +
+	"\x03env\x18\b \x03(\v2\x1a.dsec.v1.LogEntry.EnvEntryR\x03env\x12\x12\n" +
+	"\x04user\x18\t \x01(\tR\x04user\x12!\n" +
+	"\fstdin_digest\x18\n" +
+	" \x01(\tR\vstdinDigest\x12\x12\n" +
+	"\x04path\x18\v \x01(\tR\x04path\x12\x0e\n" +
+	"\x02to\x18\f \x01(\tR\x02to\x12\x12\n" +
+	"\x04size\x18\r \x01(\x03R\x04size\x12%\n" +
+	"\x0econtent_digest\x18\x0e \x01(\tR\rcontentDigest\x12+\n" +
+	"\x06result\x18\x0f \x01(\v2\x13.dsec.v1.ExecResultR\x06result\x12(\n" +
+	"\x05error\x18\x10 \x01(\v2\x12.dsec.v1.ItemErrorR\x05error\x12\x12\n" +
+	"\x04mode\x18\x11 \x01(\rR\x04mode\x12\x1c\n" +
+	"\trecursive\x18\x12 \x01(\bR\trecursive\x12\x1b\n" +
+	"\ttimeout_s\x18\x13 \x01(\x01R\btimeoutS\x12 \n" +
+	"\vfingerprint\x18\x14 \x01(\tR\vfingerprint\x1a6\n" +
+	"\bEnvEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"w\n" +
+	"\x0eGetLogResponse\x12+\n" +
+	"\aentries\x18\x01 \x03(\v2\x11.dsec.v1.LogEntryR\aentries\x12\x19\n" +
+	"\bnext_seq\x18\x02 \x01(\x04R\anextSeq\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x03 \x01(\tR\tsandboxId\"_\n" +
+	"\rReplayRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
+	"\x04keep\x18\x02 \x01(\bR\x04keep\x12\x1b\n" +
+	"\tuntil_seq\x18\x03 \x01(\x04R\buntilSeq\"\x81\x01\n" +
+	"\n" +
+	"ReplayStep\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x0e\n" +
+	"\x02op\x18\x02 \x01(\tR\x02op\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\x03 \x01(\tR\trequestId\x12\x1a\n" +
+	"\bdiverged\x18\x04 \x01(\bR\bdiverged\x12\x16\n" +
+	"\x06detail\x18\x05 \x01(\tR\x06detail\"\x92\x01\n" +
+	"\x0eReplayResponse\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1a\n" +
+	"\breplayed\x18\x02 \x01(\x05R\breplayed\x12\x1a\n" +
+	"\bdiverged\x18\x03 \x01(\x05R\bdiverged\x12)\n" +
+	"\x05steps\x18\x04 \x03(\v2\x13.dsec.v1.ReplayStepR\x05steps2\xa4\x10\n" +
 	"\x0eSandboxService\x12@\n" +
 	"\rCreateSandbox\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12?\n" +
 	"\n" +
@@ -2862,7 +4490,19 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\aListDir\x12\x17.dsec.v1.ListDirRequest\x1a\x18.dsec.v1.ListDirResponse\x125\n" +
 	"\aMakeDir\x12\x17.dsec.v1.MakeDirRequest\x1a\x11.dsec.v1.FileInfo\x129\n" +
 	"\x06Remove\x12\x16.dsec.v1.RemoveRequest\x1a\x17.dsec.v1.RemoveResponse\x123\n" +
-	"\x06Rename\x12\x16.dsec.v1.RenameRequest\x1a\x11.dsec.v1.FileInfoB-Z+github.com/opendsec/dsec/api/dsec/v1;dsecv1b\x06proto3"
+	"\x06Rename\x12\x16.dsec.v1.RenameRequest\x1a\x11.dsec.v1.FileInfo\x12T\n" +
+	"\x0fCreateSandboxes\x12\x1f.dsec.v1.CreateSandboxesRequest\x1a .dsec.v1.CreateSandboxesResponse\x12>\n" +
+	"\fPauseSandbox\x12\x1c.dsec.v1.PauseSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12@\n" +
+	"\rResumeSandbox\x12\x1d.dsec.v1.ResumeSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12=\n" +
+	"\x0ePauseSandboxes\x12\x14.dsec.v1.BulkRequest\x1a\x15.dsec.v1.BulkResponse\x12>\n" +
+	"\x0fResumeSandboxes\x12\x14.dsec.v1.BulkRequest\x1a\x15.dsec.v1.BulkResponse\x12>\n" +
+	"\x0fDeleteSandboxes\x12\x14.dsec.v1.BulkRequest\x1a\x15.dsec.v1.BulkResponse\x12;\n" +
+	"\bSnapshot\x12\x18.dsec.v1.SnapshotRequest\x1a\x15.dsec.v1.SnapshotInfo\x12S\n" +
+	"\rListSnapshots\x12\x1d.dsec.v1.ListSnapshotsRequest\x1a\x1e.dsec.v1.ListSnapshotsResponse\"\x03\x90\x02\x01\x12Q\n" +
+	"\x0eDeleteSnapshot\x12\x1e.dsec.v1.DeleteSnapshotRequest\x1a\x1f.dsec.v1.DeleteSnapshotResponse\x12>\n" +
+	"\x04Fork\x12\x14.dsec.v1.ForkRequest\x1a .dsec.v1.CreateSandboxesResponse\x12>\n" +
+	"\x06GetLog\x12\x16.dsec.v1.GetLogRequest\x1a\x17.dsec.v1.GetLogResponse\"\x03\x90\x02\x01\x129\n" +
+	"\x06Replay\x12\x16.dsec.v1.ReplayRequest\x1a\x17.dsec.v1.ReplayResponseB-Z+github.com/opendsec/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
 var (
 	file_dsec_v1_sandbox_proto_rawDescOnce sync.Once
@@ -2876,115 +4516,179 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 66)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
-	(*ErrorInfo)(nil),             // 0: dsec.v1.ErrorInfo
-	(*Resources)(nil),             // 1: dsec.v1.Resources
-	(*Network)(nil),               // 2: dsec.v1.Network
-	(*SandboxSpec)(nil),           // 3: dsec.v1.SandboxSpec
-	(*Sandbox)(nil),               // 4: dsec.v1.Sandbox
-	(*CreateSandboxRequest)(nil),  // 5: dsec.v1.CreateSandboxRequest
-	(*GetSandboxRequest)(nil),     // 6: dsec.v1.GetSandboxRequest
-	(*ListSandboxesRequest)(nil),  // 7: dsec.v1.ListSandboxesRequest
-	(*ListSandboxesResponse)(nil), // 8: dsec.v1.ListSandboxesResponse
-	(*DeleteSandboxRequest)(nil),  // 9: dsec.v1.DeleteSandboxRequest
-	(*DeleteSandboxResponse)(nil), // 10: dsec.v1.DeleteSandboxResponse
-	(*KeepaliveRequest)(nil),      // 11: dsec.v1.KeepaliveRequest
-	(*ExecRequest)(nil),           // 12: dsec.v1.ExecRequest
-	(*ExecResult)(nil),            // 13: dsec.v1.ExecResult
-	(*ExecStarted)(nil),           // 14: dsec.v1.ExecStarted
-	(*ExecEvent)(nil),             // 15: dsec.v1.ExecEvent
-	(*ConnectProcessRequest)(nil), // 16: dsec.v1.ConnectProcessRequest
-	(*WriteStdinRequest)(nil),     // 17: dsec.v1.WriteStdinRequest
-	(*WriteStdinResponse)(nil),    // 18: dsec.v1.WriteStdinResponse
-	(*SignalProcessRequest)(nil),  // 19: dsec.v1.SignalProcessRequest
-	(*SignalProcessResponse)(nil), // 20: dsec.v1.SignalProcessResponse
-	(*ResizePTYRequest)(nil),      // 21: dsec.v1.ResizePTYRequest
-	(*ResizePTYResponse)(nil),     // 22: dsec.v1.ResizePTYResponse
-	(*ProcessInfo)(nil),           // 23: dsec.v1.ProcessInfo
-	(*ListProcessesRequest)(nil),  // 24: dsec.v1.ListProcessesRequest
-	(*ListProcessesResponse)(nil), // 25: dsec.v1.ListProcessesResponse
-	(*FileInfo)(nil),              // 26: dsec.v1.FileInfo
-	(*ReadFileRequest)(nil),       // 27: dsec.v1.ReadFileRequest
-	(*ReadFileResponse)(nil),      // 28: dsec.v1.ReadFileResponse
-	(*WriteFileHeader)(nil),       // 29: dsec.v1.WriteFileHeader
-	(*WriteFileRequest)(nil),      // 30: dsec.v1.WriteFileRequest
-	(*StatRequest)(nil),           // 31: dsec.v1.StatRequest
-	(*ListDirRequest)(nil),        // 32: dsec.v1.ListDirRequest
-	(*ListDirResponse)(nil),       // 33: dsec.v1.ListDirResponse
-	(*MakeDirRequest)(nil),        // 34: dsec.v1.MakeDirRequest
-	(*RemoveRequest)(nil),         // 35: dsec.v1.RemoveRequest
-	(*RemoveResponse)(nil),        // 36: dsec.v1.RemoveResponse
-	(*RenameRequest)(nil),         // 37: dsec.v1.RenameRequest
-	nil,                           // 38: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                           // 39: dsec.v1.SandboxSpec.EnvEntry
-	nil,                           // 40: dsec.v1.ExecRequest.EnvEntry
-	nil,                           // 41: dsec.v1.ProcessInfo.EnvEntry
-	(*timestamppb.Timestamp)(nil), // 42: google.protobuf.Timestamp
+	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
+	(*Resources)(nil),               // 1: dsec.v1.Resources
+	(*Network)(nil),                 // 2: dsec.v1.Network
+	(*SandboxSpec)(nil),             // 3: dsec.v1.SandboxSpec
+	(*Sandbox)(nil),                 // 4: dsec.v1.Sandbox
+	(*CreateSandboxRequest)(nil),    // 5: dsec.v1.CreateSandboxRequest
+	(*GetSandboxRequest)(nil),       // 6: dsec.v1.GetSandboxRequest
+	(*ListSandboxesRequest)(nil),    // 7: dsec.v1.ListSandboxesRequest
+	(*ListSandboxesResponse)(nil),   // 8: dsec.v1.ListSandboxesResponse
+	(*DeleteSandboxRequest)(nil),    // 9: dsec.v1.DeleteSandboxRequest
+	(*DeleteSandboxResponse)(nil),   // 10: dsec.v1.DeleteSandboxResponse
+	(*KeepaliveRequest)(nil),        // 11: dsec.v1.KeepaliveRequest
+	(*ExecRequest)(nil),             // 12: dsec.v1.ExecRequest
+	(*ExecResult)(nil),              // 13: dsec.v1.ExecResult
+	(*ExecStarted)(nil),             // 14: dsec.v1.ExecStarted
+	(*ExecEvent)(nil),               // 15: dsec.v1.ExecEvent
+	(*ConnectProcessRequest)(nil),   // 16: dsec.v1.ConnectProcessRequest
+	(*WriteStdinRequest)(nil),       // 17: dsec.v1.WriteStdinRequest
+	(*WriteStdinResponse)(nil),      // 18: dsec.v1.WriteStdinResponse
+	(*SignalProcessRequest)(nil),    // 19: dsec.v1.SignalProcessRequest
+	(*SignalProcessResponse)(nil),   // 20: dsec.v1.SignalProcessResponse
+	(*ResizePTYRequest)(nil),        // 21: dsec.v1.ResizePTYRequest
+	(*ResizePTYResponse)(nil),       // 22: dsec.v1.ResizePTYResponse
+	(*ProcessInfo)(nil),             // 23: dsec.v1.ProcessInfo
+	(*ListProcessesRequest)(nil),    // 24: dsec.v1.ListProcessesRequest
+	(*ListProcessesResponse)(nil),   // 25: dsec.v1.ListProcessesResponse
+	(*FileInfo)(nil),                // 26: dsec.v1.FileInfo
+	(*ReadFileRequest)(nil),         // 27: dsec.v1.ReadFileRequest
+	(*ReadFileResponse)(nil),        // 28: dsec.v1.ReadFileResponse
+	(*WriteFileHeader)(nil),         // 29: dsec.v1.WriteFileHeader
+	(*WriteFileRequest)(nil),        // 30: dsec.v1.WriteFileRequest
+	(*StatRequest)(nil),             // 31: dsec.v1.StatRequest
+	(*ListDirRequest)(nil),          // 32: dsec.v1.ListDirRequest
+	(*ListDirResponse)(nil),         // 33: dsec.v1.ListDirResponse
+	(*MakeDirRequest)(nil),          // 34: dsec.v1.MakeDirRequest
+	(*RemoveRequest)(nil),           // 35: dsec.v1.RemoveRequest
+	(*RemoveResponse)(nil),          // 36: dsec.v1.RemoveResponse
+	(*RenameRequest)(nil),           // 37: dsec.v1.RenameRequest
+	(*ItemError)(nil),               // 38: dsec.v1.ItemError
+	(*CreateSandboxesRequest)(nil),  // 39: dsec.v1.CreateSandboxesRequest
+	(*CreateResult)(nil),            // 40: dsec.v1.CreateResult
+	(*CreateSandboxesResponse)(nil), // 41: dsec.v1.CreateSandboxesResponse
+	(*PauseSandboxRequest)(nil),     // 42: dsec.v1.PauseSandboxRequest
+	(*ResumeSandboxRequest)(nil),    // 43: dsec.v1.ResumeSandboxRequest
+	(*BulkRequest)(nil),             // 44: dsec.v1.BulkRequest
+	(*BulkFailure)(nil),             // 45: dsec.v1.BulkFailure
+	(*BulkResponse)(nil),            // 46: dsec.v1.BulkResponse
+	(*SnapshotRequest)(nil),         // 47: dsec.v1.SnapshotRequest
+	(*SnapshotInfo)(nil),            // 48: dsec.v1.SnapshotInfo
+	(*ListSnapshotsRequest)(nil),    // 49: dsec.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),   // 50: dsec.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),   // 51: dsec.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),  // 52: dsec.v1.DeleteSnapshotResponse
+	(*ForkRequest)(nil),             // 53: dsec.v1.ForkRequest
+	(*GetLogRequest)(nil),           // 54: dsec.v1.GetLogRequest
+	(*LogEntry)(nil),                // 55: dsec.v1.LogEntry
+	(*GetLogResponse)(nil),          // 56: dsec.v1.GetLogResponse
+	(*ReplayRequest)(nil),           // 57: dsec.v1.ReplayRequest
+	(*ReplayStep)(nil),              // 58: dsec.v1.ReplayStep
+	(*ReplayResponse)(nil),          // 59: dsec.v1.ReplayResponse
+	nil,                             // 60: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                             // 61: dsec.v1.SandboxSpec.EnvEntry
+	nil,                             // 62: dsec.v1.ExecRequest.EnvEntry
+	nil,                             // 63: dsec.v1.ProcessInfo.EnvEntry
+	nil,                             // 64: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 65: dsec.v1.LogEntry.EnvEntry
+	(*timestamppb.Timestamp)(nil),   // 66: google.protobuf.Timestamp
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	1,  // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	38, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	39, // 2: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
+	60, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	61, // 2: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,  // 3: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
 	3,  // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	42, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	42, // 6: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	42, // 7: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	66, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	66, // 6: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	66, // 7: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	3,  // 8: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	4,  // 9: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	40, // 10: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	62, // 10: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
 	14, // 11: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
 	13, // 12: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	41, // 13: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	63, // 13: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
 	23, // 14: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	42, // 15: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	66, // 15: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
 	26, // 16: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
 	29, // 17: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
 	26, // 18: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
-	5,  // 19: dsec.v1.SandboxService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	6,  // 20: dsec.v1.SandboxService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	7,  // 21: dsec.v1.SandboxService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	9,  // 22: dsec.v1.SandboxService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	11, // 23: dsec.v1.SandboxService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	12, // 24: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	12, // 25: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	16, // 26: dsec.v1.SandboxService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	17, // 27: dsec.v1.SandboxService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	19, // 28: dsec.v1.SandboxService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	21, // 29: dsec.v1.SandboxService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	24, // 30: dsec.v1.SandboxService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	27, // 31: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	30, // 32: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	31, // 33: dsec.v1.SandboxService.Stat:input_type -> dsec.v1.StatRequest
-	32, // 34: dsec.v1.SandboxService.ListDir:input_type -> dsec.v1.ListDirRequest
-	34, // 35: dsec.v1.SandboxService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	35, // 36: dsec.v1.SandboxService.Remove:input_type -> dsec.v1.RemoveRequest
-	37, // 37: dsec.v1.SandboxService.Rename:input_type -> dsec.v1.RenameRequest
-	4,  // 38: dsec.v1.SandboxService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	4,  // 39: dsec.v1.SandboxService.GetSandbox:output_type -> dsec.v1.Sandbox
-	8,  // 40: dsec.v1.SandboxService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	10, // 41: dsec.v1.SandboxService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	4,  // 42: dsec.v1.SandboxService.Keepalive:output_type -> dsec.v1.Sandbox
-	13, // 43: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResult
-	15, // 44: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecEvent
-	15, // 45: dsec.v1.SandboxService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	18, // 46: dsec.v1.SandboxService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	20, // 47: dsec.v1.SandboxService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	22, // 48: dsec.v1.SandboxService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	25, // 49: dsec.v1.SandboxService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	28, // 50: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	26, // 51: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.FileInfo
-	26, // 52: dsec.v1.SandboxService.Stat:output_type -> dsec.v1.FileInfo
-	33, // 53: dsec.v1.SandboxService.ListDir:output_type -> dsec.v1.ListDirResponse
-	26, // 54: dsec.v1.SandboxService.MakeDir:output_type -> dsec.v1.FileInfo
-	36, // 55: dsec.v1.SandboxService.Remove:output_type -> dsec.v1.RemoveResponse
-	26, // 56: dsec.v1.SandboxService.Rename:output_type -> dsec.v1.FileInfo
-	38, // [38:57] is the sub-list for method output_type
-	19, // [19:38] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	3,  // 19: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	3,  // 20: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	4,  // 21: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	38, // 22: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	40, // 23: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	38, // 24: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	45, // 25: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	66, // 26: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	48, // 27: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	64, // 28: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	66, // 29: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	65, // 30: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	13, // 31: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	38, // 32: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	55, // 33: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	58, // 34: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	5,  // 35: dsec.v1.SandboxService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	6,  // 36: dsec.v1.SandboxService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	7,  // 37: dsec.v1.SandboxService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	9,  // 38: dsec.v1.SandboxService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	11, // 39: dsec.v1.SandboxService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	12, // 40: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	12, // 41: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	16, // 42: dsec.v1.SandboxService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	17, // 43: dsec.v1.SandboxService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	19, // 44: dsec.v1.SandboxService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	21, // 45: dsec.v1.SandboxService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	24, // 46: dsec.v1.SandboxService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	27, // 47: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	30, // 48: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	31, // 49: dsec.v1.SandboxService.Stat:input_type -> dsec.v1.StatRequest
+	32, // 50: dsec.v1.SandboxService.ListDir:input_type -> dsec.v1.ListDirRequest
+	34, // 51: dsec.v1.SandboxService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	35, // 52: dsec.v1.SandboxService.Remove:input_type -> dsec.v1.RemoveRequest
+	37, // 53: dsec.v1.SandboxService.Rename:input_type -> dsec.v1.RenameRequest
+	39, // 54: dsec.v1.SandboxService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	42, // 55: dsec.v1.SandboxService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	43, // 56: dsec.v1.SandboxService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	44, // 57: dsec.v1.SandboxService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	44, // 58: dsec.v1.SandboxService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	44, // 59: dsec.v1.SandboxService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	47, // 60: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	49, // 61: dsec.v1.SandboxService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	51, // 62: dsec.v1.SandboxService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	53, // 63: dsec.v1.SandboxService.Fork:input_type -> dsec.v1.ForkRequest
+	54, // 64: dsec.v1.SandboxService.GetLog:input_type -> dsec.v1.GetLogRequest
+	57, // 65: dsec.v1.SandboxService.Replay:input_type -> dsec.v1.ReplayRequest
+	4,  // 66: dsec.v1.SandboxService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	4,  // 67: dsec.v1.SandboxService.GetSandbox:output_type -> dsec.v1.Sandbox
+	8,  // 68: dsec.v1.SandboxService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	10, // 69: dsec.v1.SandboxService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	4,  // 70: dsec.v1.SandboxService.Keepalive:output_type -> dsec.v1.Sandbox
+	13, // 71: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResult
+	15, // 72: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecEvent
+	15, // 73: dsec.v1.SandboxService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	18, // 74: dsec.v1.SandboxService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	20, // 75: dsec.v1.SandboxService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	22, // 76: dsec.v1.SandboxService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	25, // 77: dsec.v1.SandboxService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	28, // 78: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	26, // 79: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.FileInfo
+	26, // 80: dsec.v1.SandboxService.Stat:output_type -> dsec.v1.FileInfo
+	33, // 81: dsec.v1.SandboxService.ListDir:output_type -> dsec.v1.ListDirResponse
+	26, // 82: dsec.v1.SandboxService.MakeDir:output_type -> dsec.v1.FileInfo
+	36, // 83: dsec.v1.SandboxService.Remove:output_type -> dsec.v1.RemoveResponse
+	26, // 84: dsec.v1.SandboxService.Rename:output_type -> dsec.v1.FileInfo
+	41, // 85: dsec.v1.SandboxService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	4,  // 86: dsec.v1.SandboxService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	4,  // 87: dsec.v1.SandboxService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	46, // 88: dsec.v1.SandboxService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	46, // 89: dsec.v1.SandboxService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	46, // 90: dsec.v1.SandboxService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	48, // 91: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	50, // 92: dsec.v1.SandboxService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	52, // 93: dsec.v1.SandboxService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	41, // 94: dsec.v1.SandboxService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	56, // 95: dsec.v1.SandboxService.GetLog:output_type -> dsec.v1.GetLogResponse
+	59, // 96: dsec.v1.SandboxService.Replay:output_type -> dsec.v1.ReplayResponse
+	66, // [66:97] is the sub-list for method output_type
+	35, // [35:66] is the sub-list for method input_type
+	35, // [35:35] is the sub-list for extension type_name
+	35, // [35:35] is the sub-list for extension extendee
+	0,  // [0:35] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -3013,7 +4717,7 @@ func file_dsec_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   42,
+			NumMessages:   66,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -9,6 +9,7 @@ package dsecv1
 import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
+	timestamppb "google.golang.org/protobuf/types/known/timestamppb"
 	reflect "reflect"
 	sync "sync"
 	unsafe "unsafe"
@@ -21,6 +22,622 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type GetCapacityRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetCapacityRequest) Reset() {
+	*x = GetCapacityRequest{}
+	mi := &file_dsec_v1_system_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetCapacityRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetCapacityRequest) ProtoMessage() {}
+
+func (x *GetCapacityRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetCapacityRequest.ProtoReflect.Descriptor instead.
+func (*GetCapacityRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{0}
+}
+
+type PoolStats struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Key           string                 `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	Ready         int32                  `protobuf:"varint,2,opt,name=ready,proto3" json:"ready,omitempty"`
+	Target        int32                  `protobuf:"varint,3,opt,name=target,proto3" json:"target,omitempty"`
+	Hits          int64                  `protobuf:"varint,4,opt,name=hits,proto3" json:"hits,omitempty"`
+	Misses        int64                  `protobuf:"varint,5,opt,name=misses,proto3" json:"misses,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PoolStats) Reset() {
+	*x = PoolStats{}
+	mi := &file_dsec_v1_system_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolStats) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolStats) ProtoMessage() {}
+
+func (x *PoolStats) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolStats.ProtoReflect.Descriptor instead.
+func (*PoolStats) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *PoolStats) GetKey() string {
+	if x != nil {
+		return x.Key
+	}
+	return ""
+}
+
+func (x *PoolStats) GetReady() int32 {
+	if x != nil {
+		return x.Ready
+	}
+	return 0
+}
+
+func (x *PoolStats) GetTarget() int32 {
+	if x != nil {
+		return x.Target
+	}
+	return 0
+}
+
+func (x *PoolStats) GetHits() int64 {
+	if x != nil {
+		return x.Hits
+	}
+	return 0
+}
+
+func (x *PoolStats) GetMisses() int64 {
+	if x != nil {
+		return x.Misses
+	}
+	return 0
+}
+
+type Capacity struct {
+	state        protoimpl.MessageState `protogen:"open.v1"`
+	MaxSandboxes int64                  `protobuf:"varint,1,opt,name=max_sandboxes,json=maxSandboxes,proto3" json:"max_sandboxes,omitempty"`
+	Running      int64                  `protobuf:"varint,2,opt,name=running,proto3" json:"running,omitempty"`
+	FreeSlots    int64                  `protobuf:"varint,3,opt,name=free_slots,json=freeSlots,proto3" json:"free_slots,omitempty"`
+	// queue_depth creates wait for a start slot; beyond queue_limit creates
+	// are refused with retry-after.
+	QueueDepth int64 `protobuf:"varint,4,opt,name=queue_depth,json=queueDepth,proto3" json:"queue_depth,omitempty"`
+	QueueLimit int64 `protobuf:"varint,5,opt,name=queue_limit,json=queueLimit,proto3" json:"queue_limit,omitempty"`
+	// starts_per_s is the recent start rate; max_concurrent_starts bounds
+	// starts in flight.
+	StartsPerS          float64      `protobuf:"fixed64,6,opt,name=starts_per_s,json=startsPerS,proto3" json:"starts_per_s,omitempty"`
+	MaxConcurrentStarts int64        `protobuf:"varint,7,opt,name=max_concurrent_starts,json=maxConcurrentStarts,proto3" json:"max_concurrent_starts,omitempty"`
+	Pools               []*PoolStats `protobuf:"bytes,8,rep,name=pools,proto3" json:"pools,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
+}
+
+func (x *Capacity) Reset() {
+	*x = Capacity{}
+	mi := &file_dsec_v1_system_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Capacity) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Capacity) ProtoMessage() {}
+
+func (x *Capacity) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Capacity.ProtoReflect.Descriptor instead.
+func (*Capacity) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *Capacity) GetMaxSandboxes() int64 {
+	if x != nil {
+		return x.MaxSandboxes
+	}
+	return 0
+}
+
+func (x *Capacity) GetRunning() int64 {
+	if x != nil {
+		return x.Running
+	}
+	return 0
+}
+
+func (x *Capacity) GetFreeSlots() int64 {
+	if x != nil {
+		return x.FreeSlots
+	}
+	return 0
+}
+
+func (x *Capacity) GetQueueDepth() int64 {
+	if x != nil {
+		return x.QueueDepth
+	}
+	return 0
+}
+
+func (x *Capacity) GetQueueLimit() int64 {
+	if x != nil {
+		return x.QueueLimit
+	}
+	return 0
+}
+
+func (x *Capacity) GetStartsPerS() float64 {
+	if x != nil {
+		return x.StartsPerS
+	}
+	return 0
+}
+
+func (x *Capacity) GetMaxConcurrentStarts() int64 {
+	if x != nil {
+		return x.MaxConcurrentStarts
+	}
+	return 0
+}
+
+func (x *Capacity) GetPools() []*PoolStats {
+	if x != nil {
+		return x.Pools
+	}
+	return nil
+}
+
+type Session struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// state is "active", "expired" (heartbeats stopped; sandboxes paused or
+	// deleted) or "closed".
+	State      string `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"`
+	HeartbeatS int64  `protobuf:"varint,3,opt,name=heartbeat_s,json=heartbeatS,proto3" json:"heartbeat_s,omitempty"`
+	GraceS     int64  `protobuf:"varint,4,opt,name=grace_s,json=graceS,proto3" json:"grace_s,omitempty"`
+	// on_expire is "pause" (default) or "delete".
+	OnExpire      string                 `protobuf:"bytes,5,opt,name=on_expire,json=onExpire,proto3" json:"on_expire,omitempty"`
+	CreatedAt     *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	LastHeartbeat *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=last_heartbeat,json=lastHeartbeat,proto3" json:"last_heartbeat,omitempty"`
+	ExpiredAt     *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=expired_at,json=expiredAt,proto3" json:"expired_at,omitempty"`
+	// resumed counts the sandboxes resumed when the session was reopened.
+	Resumed       int32 `protobuf:"varint,9,opt,name=resumed,proto3" json:"resumed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Session) Reset() {
+	*x = Session{}
+	mi := &file_dsec_v1_system_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Session) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Session) ProtoMessage() {}
+
+func (x *Session) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Session.ProtoReflect.Descriptor instead.
+func (*Session) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *Session) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *Session) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *Session) GetHeartbeatS() int64 {
+	if x != nil {
+		return x.HeartbeatS
+	}
+	return 0
+}
+
+func (x *Session) GetGraceS() int64 {
+	if x != nil {
+		return x.GraceS
+	}
+	return 0
+}
+
+func (x *Session) GetOnExpire() string {
+	if x != nil {
+		return x.OnExpire
+	}
+	return ""
+}
+
+func (x *Session) GetCreatedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedAt
+	}
+	return nil
+}
+
+func (x *Session) GetLastHeartbeat() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LastHeartbeat
+	}
+	return nil
+}
+
+func (x *Session) GetExpiredAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ExpiredAt
+	}
+	return nil
+}
+
+func (x *Session) GetResumed() int32 {
+	if x != nil {
+		return x.Resumed
+	}
+	return 0
+}
+
+type OpenSessionRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	HeartbeatS    int64                  `protobuf:"varint,2,opt,name=heartbeat_s,json=heartbeatS,proto3" json:"heartbeat_s,omitempty"`
+	GraceS        int64                  `protobuf:"varint,3,opt,name=grace_s,json=graceS,proto3" json:"grace_s,omitempty"`
+	OnExpire      string                 `protobuf:"bytes,4,opt,name=on_expire,json=onExpire,proto3" json:"on_expire,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenSessionRequest) Reset() {
+	*x = OpenSessionRequest{}
+	mi := &file_dsec_v1_system_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenSessionRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenSessionRequest) ProtoMessage() {}
+
+func (x *OpenSessionRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenSessionRequest.ProtoReflect.Descriptor instead.
+func (*OpenSessionRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *OpenSessionRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *OpenSessionRequest) GetHeartbeatS() int64 {
+	if x != nil {
+		return x.HeartbeatS
+	}
+	return 0
+}
+
+func (x *OpenSessionRequest) GetGraceS() int64 {
+	if x != nil {
+		return x.GraceS
+	}
+	return 0
+}
+
+func (x *OpenSessionRequest) GetOnExpire() string {
+	if x != nil {
+		return x.OnExpire
+	}
+	return ""
+}
+
+type HeartbeatRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HeartbeatRequest) Reset() {
+	*x = HeartbeatRequest{}
+	mi := &file_dsec_v1_system_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HeartbeatRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HeartbeatRequest) ProtoMessage() {}
+
+func (x *HeartbeatRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HeartbeatRequest.ProtoReflect.Descriptor instead.
+func (*HeartbeatRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *HeartbeatRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type GetSessionRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetSessionRequest) Reset() {
+	*x = GetSessionRequest{}
+	mi := &file_dsec_v1_system_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetSessionRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetSessionRequest) ProtoMessage() {}
+
+func (x *GetSessionRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetSessionRequest.ProtoReflect.Descriptor instead.
+func (*GetSessionRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *GetSessionRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type ListSessionsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListSessionsRequest) Reset() {
+	*x = ListSessionsRequest{}
+	mi := &file_dsec_v1_system_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListSessionsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListSessionsRequest) ProtoMessage() {}
+
+func (x *ListSessionsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListSessionsRequest.ProtoReflect.Descriptor instead.
+func (*ListSessionsRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{7}
+}
+
+type ListSessionsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Sessions      []*Session             `protobuf:"bytes,1,rep,name=sessions,proto3" json:"sessions,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListSessionsResponse) Reset() {
+	*x = ListSessionsResponse{}
+	mi := &file_dsec_v1_system_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListSessionsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListSessionsResponse) ProtoMessage() {}
+
+func (x *ListSessionsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListSessionsResponse.ProtoReflect.Descriptor instead.
+func (*ListSessionsResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *ListSessionsResponse) GetSessions() []*Session {
+	if x != nil {
+		return x.Sessions
+	}
+	return nil
+}
+
+type CloseSessionRequest struct {
+	state           protoimpl.MessageState `protogen:"open.v1"`
+	Name            string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	DeleteSandboxes bool                   `protobuf:"varint,2,opt,name=delete_sandboxes,json=deleteSandboxes,proto3" json:"delete_sandboxes,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *CloseSessionRequest) Reset() {
+	*x = CloseSessionRequest{}
+	mi := &file_dsec_v1_system_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CloseSessionRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CloseSessionRequest) ProtoMessage() {}
+
+func (x *CloseSessionRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CloseSessionRequest.ProtoReflect.Descriptor instead.
+func (*CloseSessionRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *CloseSessionRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *CloseSessionRequest) GetDeleteSandboxes() bool {
+	if x != nil {
+		return x.DeleteSandboxes
+	}
+	return false
+}
+
 type GetInfoRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -29,7 +646,7 @@ type GetInfoRequest struct {
 
 func (x *GetInfoRequest) Reset() {
 	*x = GetInfoRequest{}
-	mi := &file_dsec_v1_system_proto_msgTypes[0]
+	mi := &file_dsec_v1_system_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -41,7 +658,7 @@ func (x *GetInfoRequest) String() string {
 func (*GetInfoRequest) ProtoMessage() {}
 
 func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_system_proto_msgTypes[0]
+	mi := &file_dsec_v1_system_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -54,7 +671,7 @@ func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetInfoRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_system_proto_rawDescGZIP(), []int{0}
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{10}
 }
 
 type Info struct {
@@ -67,7 +684,7 @@ type Info struct {
 
 func (x *Info) Reset() {
 	*x = Info{}
-	mi := &file_dsec_v1_system_proto_msgTypes[1]
+	mi := &file_dsec_v1_system_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -79,7 +696,7 @@ func (x *Info) String() string {
 func (*Info) ProtoMessage() {}
 
 func (x *Info) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_system_proto_msgTypes[1]
+	mi := &file_dsec_v1_system_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -92,7 +709,7 @@ func (x *Info) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Info.ProtoReflect.Descriptor instead.
 func (*Info) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_system_proto_rawDescGZIP(), []int{1}
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Info) GetVersion() string {
@@ -128,7 +745,7 @@ type NodeInfo struct {
 
 func (x *NodeInfo) Reset() {
 	*x = NodeInfo{}
-	mi := &file_dsec_v1_system_proto_msgTypes[2]
+	mi := &file_dsec_v1_system_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -140,7 +757,7 @@ func (x *NodeInfo) String() string {
 func (*NodeInfo) ProtoMessage() {}
 
 func (x *NodeInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_system_proto_msgTypes[2]
+	mi := &file_dsec_v1_system_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -153,7 +770,7 @@ func (x *NodeInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeInfo.ProtoReflect.Descriptor instead.
 func (*NodeInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_system_proto_rawDescGZIP(), []int{2}
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *NodeInfo) GetName() string {
@@ -236,7 +853,7 @@ type KindInfo struct {
 
 func (x *KindInfo) Reset() {
 	*x = KindInfo{}
-	mi := &file_dsec_v1_system_proto_msgTypes[3]
+	mi := &file_dsec_v1_system_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -248,7 +865,7 @@ func (x *KindInfo) String() string {
 func (*KindInfo) ProtoMessage() {}
 
 func (x *KindInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_system_proto_msgTypes[3]
+	mi := &file_dsec_v1_system_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -261,7 +878,7 @@ func (x *KindInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KindInfo.ProtoReflect.Descriptor instead.
 func (*KindInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_system_proto_rawDescGZIP(), []int{3}
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *KindInfo) GetKind() string {
@@ -303,7 +920,56 @@ var File_dsec_v1_system_proto protoreflect.FileDescriptor
 
 const file_dsec_v1_system_proto_rawDesc = "" +
 	"\n" +
-	"\x14dsec/v1/system.proto\x12\adsec.v1\"\x10\n" +
+	"\x14dsec/v1/system.proto\x12\adsec.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x14\n" +
+	"\x12GetCapacityRequest\"w\n" +
+	"\tPoolStats\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05ready\x18\x02 \x01(\x05R\x05ready\x12\x16\n" +
+	"\x06target\x18\x03 \x01(\x05R\x06target\x12\x12\n" +
+	"\x04hits\x18\x04 \x01(\x03R\x04hits\x12\x16\n" +
+	"\x06misses\x18\x05 \x01(\x03R\x06misses\"\xaa\x02\n" +
+	"\bCapacity\x12#\n" +
+	"\rmax_sandboxes\x18\x01 \x01(\x03R\fmaxSandboxes\x12\x18\n" +
+	"\arunning\x18\x02 \x01(\x03R\arunning\x12\x1d\n" +
+	"\n" +
+	"free_slots\x18\x03 \x01(\x03R\tfreeSlots\x12\x1f\n" +
+	"\vqueue_depth\x18\x04 \x01(\x03R\n" +
+	"queueDepth\x12\x1f\n" +
+	"\vqueue_limit\x18\x05 \x01(\x03R\n" +
+	"queueLimit\x12 \n" +
+	"\fstarts_per_s\x18\x06 \x01(\x01R\n" +
+	"startsPerS\x122\n" +
+	"\x15max_concurrent_starts\x18\a \x01(\x03R\x13maxConcurrentStarts\x12(\n" +
+	"\x05pools\x18\b \x03(\v2\x12.dsec.v1.PoolStatsR\x05pools\"\xdd\x02\n" +
+	"\aSession\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
+	"\x05state\x18\x02 \x01(\tR\x05state\x12\x1f\n" +
+	"\vheartbeat_s\x18\x03 \x01(\x03R\n" +
+	"heartbeatS\x12\x17\n" +
+	"\agrace_s\x18\x04 \x01(\x03R\x06graceS\x12\x1b\n" +
+	"\ton_expire\x18\x05 \x01(\tR\bonExpire\x129\n" +
+	"\n" +
+	"created_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12A\n" +
+	"\x0elast_heartbeat\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\rlastHeartbeat\x129\n" +
+	"\n" +
+	"expired_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\texpiredAt\x12\x18\n" +
+	"\aresumed\x18\t \x01(\x05R\aresumed\"\x7f\n" +
+	"\x12OpenSessionRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1f\n" +
+	"\vheartbeat_s\x18\x02 \x01(\x03R\n" +
+	"heartbeatS\x12\x17\n" +
+	"\agrace_s\x18\x03 \x01(\x03R\x06graceS\x12\x1b\n" +
+	"\ton_expire\x18\x04 \x01(\tR\bonExpire\"&\n" +
+	"\x10HeartbeatRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"'\n" +
+	"\x11GetSessionRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"\x15\n" +
+	"\x13ListSessionsRequest\"D\n" +
+	"\x14ListSessionsResponse\x12,\n" +
+	"\bsessions\x18\x01 \x03(\v2\x10.dsec.v1.SessionR\bsessions\"T\n" +
+	"\x13CloseSessionRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12)\n" +
+	"\x10delete_sandboxes\x18\x02 \x01(\bR\x0fdeleteSandboxes\"\x10\n" +
 	"\x0eGetInfoRequest\"I\n" +
 	"\x04Info\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12'\n" +
@@ -329,9 +995,17 @@ const file_dsec_v1_system_proto_rawDesc = "" +
 	"\adetails\x18\x05 \x03(\v2\x1e.dsec.v1.KindInfo.DetailsEntryR\adetails\x1a:\n" +
 	"\fDetailsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012G\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012\x8b\x01\n" +
 	"\rSystemService\x126\n" +
-	"\aGetInfo\x12\x17.dsec.v1.GetInfoRequest\x1a\r.dsec.v1.Info\"\x03\x90\x02\x01B-Z+github.com/opendsec/dsec/api/dsec/v1;dsecv1b\x06proto3"
+	"\aGetInfo\x12\x17.dsec.v1.GetInfoRequest\x1a\r.dsec.v1.Info\"\x03\x90\x02\x01\x12B\n" +
+	"\vGetCapacity\x12\x1b.dsec.v1.GetCapacityRequest\x1a\x11.dsec.v1.Capacity\"\x03\x90\x02\x012\xdb\x02\n" +
+	"\x0eSessionService\x12<\n" +
+	"\vOpenSession\x12\x1b.dsec.v1.OpenSessionRequest\x1a\x10.dsec.v1.Session\x128\n" +
+	"\tHeartbeat\x12\x19.dsec.v1.HeartbeatRequest\x1a\x10.dsec.v1.Session\x12?\n" +
+	"\n" +
+	"GetSession\x12\x1a.dsec.v1.GetSessionRequest\x1a\x10.dsec.v1.Session\"\x03\x90\x02\x01\x12P\n" +
+	"\fListSessions\x12\x1c.dsec.v1.ListSessionsRequest\x1a\x1d.dsec.v1.ListSessionsResponse\"\x03\x90\x02\x01\x12>\n" +
+	"\fCloseSession\x12\x1c.dsec.v1.CloseSessionRequest\x1a\x10.dsec.v1.SessionB-Z+github.com/opendsec/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
 var (
 	file_dsec_v1_system_proto_rawDescOnce sync.Once
@@ -345,27 +1019,55 @@ func file_dsec_v1_system_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_system_proto_rawDescData
 }
 
-var file_dsec_v1_system_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
+var file_dsec_v1_system_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_dsec_v1_system_proto_goTypes = []any{
-	(*GetInfoRequest)(nil), // 0: dsec.v1.GetInfoRequest
-	(*Info)(nil),           // 1: dsec.v1.Info
-	(*NodeInfo)(nil),       // 2: dsec.v1.NodeInfo
-	(*KindInfo)(nil),       // 3: dsec.v1.KindInfo
-	nil,                    // 4: dsec.v1.NodeInfo.HostEntry
-	nil,                    // 5: dsec.v1.KindInfo.DetailsEntry
+	(*GetCapacityRequest)(nil),    // 0: dsec.v1.GetCapacityRequest
+	(*PoolStats)(nil),             // 1: dsec.v1.PoolStats
+	(*Capacity)(nil),              // 2: dsec.v1.Capacity
+	(*Session)(nil),               // 3: dsec.v1.Session
+	(*OpenSessionRequest)(nil),    // 4: dsec.v1.OpenSessionRequest
+	(*HeartbeatRequest)(nil),      // 5: dsec.v1.HeartbeatRequest
+	(*GetSessionRequest)(nil),     // 6: dsec.v1.GetSessionRequest
+	(*ListSessionsRequest)(nil),   // 7: dsec.v1.ListSessionsRequest
+	(*ListSessionsResponse)(nil),  // 8: dsec.v1.ListSessionsResponse
+	(*CloseSessionRequest)(nil),   // 9: dsec.v1.CloseSessionRequest
+	(*GetInfoRequest)(nil),        // 10: dsec.v1.GetInfoRequest
+	(*Info)(nil),                  // 11: dsec.v1.Info
+	(*NodeInfo)(nil),              // 12: dsec.v1.NodeInfo
+	(*KindInfo)(nil),              // 13: dsec.v1.KindInfo
+	nil,                           // 14: dsec.v1.NodeInfo.HostEntry
+	nil,                           // 15: dsec.v1.KindInfo.DetailsEntry
+	(*timestamppb.Timestamp)(nil), // 16: google.protobuf.Timestamp
 }
 var file_dsec_v1_system_proto_depIdxs = []int32{
-	2, // 0: dsec.v1.Info.nodes:type_name -> dsec.v1.NodeInfo
-	3, // 1: dsec.v1.NodeInfo.kinds:type_name -> dsec.v1.KindInfo
-	4, // 2: dsec.v1.NodeInfo.host:type_name -> dsec.v1.NodeInfo.HostEntry
-	5, // 3: dsec.v1.KindInfo.details:type_name -> dsec.v1.KindInfo.DetailsEntry
-	0, // 4: dsec.v1.SystemService.GetInfo:input_type -> dsec.v1.GetInfoRequest
-	1, // 5: dsec.v1.SystemService.GetInfo:output_type -> dsec.v1.Info
-	5, // [5:6] is the sub-list for method output_type
-	4, // [4:5] is the sub-list for method input_type
-	4, // [4:4] is the sub-list for extension type_name
-	4, // [4:4] is the sub-list for extension extendee
-	0, // [0:4] is the sub-list for field type_name
+	1,  // 0: dsec.v1.Capacity.pools:type_name -> dsec.v1.PoolStats
+	16, // 1: dsec.v1.Session.created_at:type_name -> google.protobuf.Timestamp
+	16, // 2: dsec.v1.Session.last_heartbeat:type_name -> google.protobuf.Timestamp
+	16, // 3: dsec.v1.Session.expired_at:type_name -> google.protobuf.Timestamp
+	3,  // 4: dsec.v1.ListSessionsResponse.sessions:type_name -> dsec.v1.Session
+	12, // 5: dsec.v1.Info.nodes:type_name -> dsec.v1.NodeInfo
+	13, // 6: dsec.v1.NodeInfo.kinds:type_name -> dsec.v1.KindInfo
+	14, // 7: dsec.v1.NodeInfo.host:type_name -> dsec.v1.NodeInfo.HostEntry
+	15, // 8: dsec.v1.KindInfo.details:type_name -> dsec.v1.KindInfo.DetailsEntry
+	10, // 9: dsec.v1.SystemService.GetInfo:input_type -> dsec.v1.GetInfoRequest
+	0,  // 10: dsec.v1.SystemService.GetCapacity:input_type -> dsec.v1.GetCapacityRequest
+	4,  // 11: dsec.v1.SessionService.OpenSession:input_type -> dsec.v1.OpenSessionRequest
+	5,  // 12: dsec.v1.SessionService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	6,  // 13: dsec.v1.SessionService.GetSession:input_type -> dsec.v1.GetSessionRequest
+	7,  // 14: dsec.v1.SessionService.ListSessions:input_type -> dsec.v1.ListSessionsRequest
+	9,  // 15: dsec.v1.SessionService.CloseSession:input_type -> dsec.v1.CloseSessionRequest
+	11, // 16: dsec.v1.SystemService.GetInfo:output_type -> dsec.v1.Info
+	2,  // 17: dsec.v1.SystemService.GetCapacity:output_type -> dsec.v1.Capacity
+	3,  // 18: dsec.v1.SessionService.OpenSession:output_type -> dsec.v1.Session
+	3,  // 19: dsec.v1.SessionService.Heartbeat:output_type -> dsec.v1.Session
+	3,  // 20: dsec.v1.SessionService.GetSession:output_type -> dsec.v1.Session
+	8,  // 21: dsec.v1.SessionService.ListSessions:output_type -> dsec.v1.ListSessionsResponse
+	3,  // 22: dsec.v1.SessionService.CloseSession:output_type -> dsec.v1.Session
+	16, // [16:23] is the sub-list for method output_type
+	9,  // [9:16] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_system_proto_init() }
@@ -379,9 +1081,9 @@ func file_dsec_v1_system_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_system_proto_rawDesc), len(file_dsec_v1_system_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   6,
+			NumMessages:   16,
 			NumExtensions: 0,
-			NumServices:   1,
+			NumServices:   2,
 		},
 		GoTypes:           file_dsec_v1_system_proto_goTypes,
 		DependencyIndexes: file_dsec_v1_system_proto_depIdxs,

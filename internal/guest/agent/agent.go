@@ -38,6 +38,7 @@ type Agent struct {
 
 	mu       sync.Mutex
 	deadline *time.Timer
+	env      []string // added to the agent's own environment for processes
 }
 
 // New returns an agent. Call Harden once, early, when running as a
@@ -188,6 +189,11 @@ func (a *Agent) serveConn(c net.Conn) {
 	case *guestv1.ClientMsg_Sync:
 		unix.Sync()
 		done()
+	case *guestv1.ClientMsg_SetEnv:
+		a.mu.Lock()
+		a.env = mergeEnv(a.env, m.SetEnv.Env)
+		a.mu.Unlock()
+		done()
 	case *guestv1.ClientMsg_SetDeadline:
 		a.SetDeadline(time.UnixMilli(m.SetDeadline.UnixMs))
 		done()
@@ -216,6 +222,13 @@ func (a *Agent) SetDeadline(t time.Time) {
 		}
 		os.Exit(0)
 	})
+}
+
+// baseEnv is the environment processes start from.
+func (a *Agent) baseEnv() []string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return mergeEnv(os.Environ(), a.env)
 }
 
 func (a *Agent) hello() *guestv1.HelloReply {

@@ -228,7 +228,7 @@ func (a *Agent) start(x *guestv1.Exec, onStart func(*proc) sink) (*proc, error) 
 	if err != nil {
 		return nil, err
 	}
-	env := withLoginEnv(x.Env, id)
+	env := withLoginEnv(a.baseEnv(), x.Env, id)
 	cwd := x.Cwd
 	if cwd == "" {
 		cwd = id.home
@@ -365,11 +365,11 @@ func applyRlimits(pid int, x *guestv1.Exec) {
 	set(unix.RLIMIT_AS, x.RlimitAsBytes)
 }
 
-// withLoginEnv builds a process's environment: the agent's own (the
-// sandbox's environment, set by the node at start), overridden by the call's
-// entries, plus PATH, HOME and USER when still missing.
-func withLoginEnv(env []string, id identity) []string {
-	out := mergeEnv(os.Environ(), env)
+// withLoginEnv builds a process's environment: the sandbox's (base),
+// overridden by the call's entries, plus PATH, HOME and USER when still
+// missing.
+func withLoginEnv(base, env []string, id identity) []string {
+	out := mergeEnv(base, env)
 	has := func(k string) bool {
 		for _, e := range out {
 			if strings.HasPrefix(e, k+"=") {

@@ -136,3 +136,12 @@ func (c cgroups) reclaim(path string) bool {
 func (c cgroups) exists(path string) bool {
 	return fileExists(c.dir(path, "pids"))
 }
+
+// frozen reports whether the sandbox's cgroup is frozen (paused).
+func (c cgroups) frozen(path string) bool {
+	if c.mode == cgroupV2 {
+		return readInt(filepath.Join(c.dir(path, ""), "cgroup.freeze")) == 1
+	}
+	b, err := os.ReadFile(filepath.Join(c.dir(path, "freezer"), "freezer.state"))
+	return err == nil && strings.TrimSpace(string(b)) == "FROZEN"
+}

@@ -99,7 +99,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 	d.skel = filepath.Join(cfg.StateDir, "skel")
 	d.caps = substrate.Capabilities{
 		Kind: substrate.KindContainer,
-		Caps: []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapNetworkEgress},
+		Caps: []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapSnapshot, substrate.CapFork, substrate.CapNetworkEgress},
 		Details: map[string]string{
 			"cgroup": d.cgroups.mode.String(),
 		},
@@ -369,6 +369,12 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 	inst := d.newInstance(s.ID, st)
 	if !inst.alive() {
 		return inst, errdefs.Gone("sandbox %s stopped while the node was down", s.ID)
+	}
+	if d.cgroups.frozen(st.Cgroup) {
+		// Paused before the restart: its agent cannot answer until resumed.
+		inst.paused = true
+		inst.watch()
+		return inst, nil
 	}
 	if _, err := inst.client.Hello(ctx); err != nil {
 		return inst, errdefs.Gone("sandbox %s agent does not answer after the node restarted", s.ID).WithCause(err)

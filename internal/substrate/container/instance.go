@@ -3,8 +3,10 @@ package container
 import (
 	"context"
 	"encoding/json"
+	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"sync"
 	"syscall"
 	"time"
@@ -13,6 +15,7 @@ import (
 
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
+	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/substrate"
 )
 
@@ -166,6 +169,22 @@ func (i *instance) Resume(ctx context.Context) error {
 		return errdefs.Internal(err, "resume sandbox")
 	}
 	i.paused = false
+	return nil
+}
+
+func (i *instance) Snapshot(ctx context.Context, w io.Writer) error {
+	i.mu.Lock()
+	wasPaused := i.paused
+	i.mu.Unlock()
+	if !wasPaused {
+		if err := i.Pause(ctx); err != nil {
+			return err
+		}
+		defer i.Resume(context.WithoutCancel(ctx))
+	}
+	if err := image.TarOverlayUpper(filepath.Join(filepath.Dir(i.st.Rootfs), "upper"), w); err != nil {
+		return errdefs.Internal(err, "capture the writable layer")
+	}
 	return nil
 }
 

@@ -10,7 +10,8 @@ Standard library only. Every error is a :class:`DsecError` with ``.infra``
 (mask the rollout) and ``.retryable``.
 """
 
-from .client import Client, ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, quote
+from .client import Client, ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, SnapshotInfo, quote, request_id
+from .session import Session
 from .errors import (
     Conflict,
     ConnectionFailed,
@@ -38,6 +39,9 @@ __all__ = [
     "ExecEvent",
     "FileInfo",
     "quote",
+    "request_id",
+    "Session",
+    "SnapshotInfo",
     "DsecError",
     "InvalidRequest",
     "NotFound",

@@ -109,6 +109,7 @@ class Transport:
         self.prefix = u.path.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
+        self.max_retries = 5
         self._local = threading.local()
 
     def _conn(self, timeout: Optional[float]) -> http.client.HTTPConnection:
@@ -159,7 +160,25 @@ class Transport:
                 raise ConnectionFailed(f"cannot reach dsec at {self.host}:{self.port}: {e}") from e
         raise AssertionError("unreachable")
 
-    def unary(self, service: str, method: str, msg: Dict[str, Any], timeout: Optional[float] = None) -> Dict[str, Any]:
+    def unary(self, service: str, method: str, msg: Dict[str, Any], timeout: Optional[float] = None,
+              retry: bool = False) -> Dict[str, Any]:
+        """One unary call. A refused admission (exhausted) is retried after
+        the server's Retry-After: nothing happened, so it is safe for any
+        call. Transport failures and unavailability are retried only when
+        ``retry`` says the call is idempotent."""
+        attempt = 0
+        while True:
+            try:
+                return self._unary(service, method, msg, timeout)
+            except DsecError as e:
+                attempt += 1
+                again = e.retryable and attempt <= self.max_retries and (e.kind == "exhausted" or retry)
+                if not again:
+                    raise
+                wait = e.retry_after_s if e.retry_after_s else min(0.2 * 2 ** attempt, 5.0)
+                time.sleep(min(wait, 30.0))
+
+    def _unary(self, service: str, method: str, msg: Dict[str, Any], timeout: Optional[float]) -> Dict[str, Any]:
         body = json.dumps(msg).encode()
         resp = self.request("POST", f"/{service}/{method}", body, self.headers("application/json"), timeout)
         data = resp.read()

@@ -38,6 +38,10 @@ class ExecResult:
     signal: str = ""
     oom_killed: bool = False
     process_id: str = ""
+    #: position in the sandbox's trajectory log
+    seq: int = 0
+    #: True when the result was answered from the log (a repeated request_id)
+    replayed: bool = False
 
     @property
     def stdout(self) -> str:
@@ -78,6 +82,8 @@ class ExecResult:
             signal=m.get("signal", ""),
             oom_killed=bool(m.get("oomKilled")),
             process_id=m.get("processId", ""),
+            seq=_int(m.get("seq")),
+            replayed=bool(m.get("replayed")),
         )
 
 
@@ -114,6 +120,20 @@ class FileInfo:
 
 
 @dataclass
+class SnapshotInfo:
+    id: str
+    name: str
+    sandbox_id: str
+    image: str
+    size_bytes: int
+
+    @classmethod
+    def _from(cls, m: Dict[str, Any]) -> "SnapshotInfo":
+        return cls(id=m.get("id", ""), name=m.get("name", ""), sandbox_id=m.get("sandboxId", ""),
+                   image=m.get("image", ""), size_bytes=_int(m.get("sizeBytes")))
+
+
+@dataclass
 class SandboxInfo:
     id: str
     node: str
@@ -138,8 +158,11 @@ class SandboxInfo:
 
 def _exec_request(sandbox_id: str, cmd: Command, *, timeout_s: Optional[float], stdin: Union[bytes, str, None],
                   env: Optional[Mapping[str, str]], cwd: Optional[str], user: Optional[str],
-                  max_output_bytes: Optional[int], pty: bool = False, tag: Optional[str] = None) -> Dict[str, Any]:
+                  max_output_bytes: Optional[int], pty: bool = False, tag: Optional[str] = None,
+                  request_id: Optional[str] = None) -> Dict[str, Any]:
     req: Dict[str, Any] = {"sandboxId": sandbox_id}
+    if request_id:
+        req["requestId"] = request_id
     if isinstance(cmd, str):
         req["cmd"] = cmd
     else:
@@ -161,6 +184,41 @@ def _exec_request(sandbox_id: str, cmd: Command, *, timeout_s: Optional[float], 
     if tag:
         req["tag"] = tag
     return req
+
+
+def _build_spec(image: Optional[str], *, kind: str = "container", cpu: Optional[float] = None,
+                memory_mb: Optional[int] = None, pids: Optional[int] = None, ttl_s: Optional[int] = None,
+                idle_ttl_s: Optional[int] = None, labels: Optional[Mapping[str, str]] = None,
+                env: Optional[Mapping[str, str]] = None, network: Optional[str] = None, user: Optional[str] = None,
+                workdir: Optional[str] = None, from_snapshot: Any = None, session: Any = None) -> Dict[str, Any]:
+    spec: Dict[str, Any] = {"kind": kind, "resources": {}}
+    if image:
+        spec["image"] = image
+    if from_snapshot is not None:
+        spec["snapshot"] = from_snapshot if isinstance(from_snapshot, str) else from_snapshot.id
+    if cpu:
+        spec["resources"]["cpu"] = float(cpu)
+    if memory_mb:
+        spec["resources"]["memoryMb"] = str(int(memory_mb))
+    if pids:
+        spec["resources"]["pids"] = str(int(pids))
+    if ttl_s:
+        spec["ttlS"] = str(int(ttl_s))
+    if idle_ttl_s:
+        spec["idleTtlS"] = str(int(idle_ttl_s))
+    if labels:
+        spec["labels"] = {str(k): str(v) for k, v in labels.items()}
+    if env:
+        spec["env"] = {str(k): str(v) for k, v in env.items()}
+    if network:
+        spec["network"] = {"mode": network}
+    if user:
+        spec["user"] = user
+    if workdir:
+        spec["workdir"] = workdir
+    if session is not None:
+        spec["session"] = session if isinstance(session, str) else session.name
+    return spec
 
 
 class Sandbox:
@@ -204,21 +262,27 @@ class Sandbox:
 
     def exec(self, cmd: Command, *, timeout_s: Optional[float] = None, stdin: Union[bytes, str, None] = None,
              env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None, user: Optional[str] = None,
-             max_output_bytes: Optional[int] = None) -> ExecResult:
+             max_output_bytes: Optional[int] = None, request_id: Optional[str] = None) -> ExecResult:
         """Run a command to completion. A string runs with ``/bin/sh -c``; a
         list runs as argv. A non-zero exit or a timeout is a result, not an
-        exception; exceptions mean the call itself failed."""
+        exception; exceptions mean the call itself failed.
+
+        With ``request_id`` the call is exactly-once: repeating it returns the
+        logged result (``result.replayed``) without running again, so it is
+        also safe to retry after a lost connection."""
         req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
-                            max_output_bytes=max_output_bytes)
+                            max_output_bytes=max_output_bytes, request_id=request_id)
         http_timeout = (timeout_s or 600) + 30
-        return ExecResult._from(self._client._t.unary(_SANDBOX, "Exec", req, timeout=http_timeout))
+        return ExecResult._from(self._client._t.unary(_SANDBOX, "Exec", req, timeout=http_timeout,
+                                                      retry=request_id is not None))
 
     def exec_stream(self, cmd: Command, *, timeout_s: Optional[float] = None, stdin: Union[bytes, str, None] = None,
                     env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None, user: Optional[str] = None,
-                    max_output_bytes: Optional[int] = None, pty: bool = False, tag: Optional[str] = None) -> Iterator[ExecEvent]:
+                    max_output_bytes: Optional[int] = None, pty: bool = False, tag: Optional[str] = None,
+                    request_id: Optional[str] = None) -> Iterator[ExecEvent]:
         """Run a command and yield its events as they happen."""
         req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
-                            max_output_bytes=max_output_bytes, pty=pty, tag=tag)
+                            max_output_bytes=max_output_bytes, pty=pty, tag=tag, request_id=request_id)
         pid = ""
         for m in self._client._t.stream(_SANDBOX, "ExecStream", req, timeout=(timeout_s or 600) + 60):
             if "started" in m:
@@ -309,6 +373,46 @@ class Sandbox:
         self._info = SandboxInfo._from(self._client._t.unary(_SANDBOX, "Keepalive", req))
         return self._info
 
+    def pause(self) -> SandboxInfo:
+        """Freeze the sandbox and release what memory the host allows. Any
+        later call resumes it. Pausing a paused sandbox is not an error."""
+        self._info = SandboxInfo._from(self._client._t.unary(_SANDBOX, "PauseSandbox", {"id": self.id}))
+        return self._info
+
+    def resume(self) -> SandboxInfo:
+        self._info = SandboxInfo._from(self._client._t.unary(_SANDBOX, "ResumeSandbox", {"id": self.id}))
+        return self._info
+
+    def snapshot(self, name: Optional[str] = None) -> "SnapshotInfo":
+        """Capture the sandbox (for containers its writable layer, frozen
+        while captured) as a snapshot to create sandboxes from."""
+        req: Dict[str, Any] = {"sandboxId": self.id}
+        if name:
+            req["name"] = name
+        return SnapshotInfo._from(self._client._t.unary(_SANDBOX, "Snapshot", req))
+
+    def fork(self, n: int, *, labels: Optional[Mapping[str, str]] = None, idempotency_key: Optional[str] = None) -> List["Sandbox"]:
+        """Snapshot this sandbox and start ``n`` children from it."""
+        return self._client.fork(self, n, labels=labels, idempotency_key=idempotency_key)
+
+    def log(self, from_seq: int = 0) -> List[Dict[str, Any]]:
+        """The trajectory log: every exec and file mutation, in order, with
+        results (protojson dicts)."""
+        out: List[Dict[str, Any]] = []
+        seq = from_seq
+        while True:
+            m = self._client._t.unary(_SANDBOX, "GetLog", {"sandboxId": self.id, "fromSeq": str(seq)})
+            entries = m.get("entries", [])
+            out.extend(entries)
+            nxt = _int(m.get("nextSeq"))
+            if not entries or nxt <= seq:
+                return out
+            seq = nxt
+
+    def replay(self, keep: bool = False) -> Dict[str, Any]:
+        """Re-execute the logged calls in a fresh sandbox; reports divergences."""
+        return self._client._t.unary(_SANDBOX, "Replay", {"sandboxId": self.id, "keep": keep}, timeout=3600)
+
     def alive(self) -> bool:
         """Whether the sandbox is running. Never raises."""
         try:
@@ -345,42 +449,115 @@ class Client:
     def close(self) -> None:
         self._t.close()
 
-    def create(self, image: str, *, kind: str = "container", cpu: Optional[float] = None, memory_mb: Optional[int] = None,
-               pids: Optional[int] = None, ttl_s: Optional[int] = None, idle_ttl_s: Optional[int] = None,
-               labels: Optional[Mapping[str, str]] = None, env: Optional[Mapping[str, str]] = None,
-               network: Optional[str] = None, user: Optional[str] = None, workdir: Optional[str] = None,
-               idempotency_key: Optional[str] = None, timeout_s: float = 300) -> Sandbox:
-        """Create a sandbox and return once it accepts commands."""
-        spec: Dict[str, Any] = {"kind": kind, "image": image, "resources": {}}
-        if cpu:
-            spec["resources"]["cpu"] = float(cpu)
-        if memory_mb:
-            spec["resources"]["memoryMb"] = str(int(memory_mb))
-        if pids:
-            spec["resources"]["pids"] = str(int(pids))
-        if ttl_s:
-            spec["ttlS"] = str(int(ttl_s))
-        if idle_ttl_s:
-            spec["idleTtlS"] = str(int(idle_ttl_s))
-        if labels:
-            spec["labels"] = {str(k): str(v) for k, v in labels.items()}
-        if env:
-            spec["env"] = {str(k): str(v) for k, v in env.items()}
-        if network:
-            spec["network"] = {"mode": network}
-        if user:
-            spec["user"] = user
-        if workdir:
-            spec["workdir"] = workdir
-        req: Dict[str, Any] = {"spec": spec}
+    def create(self, image: Optional[str] = None, *, count: Optional[int] = None,
+               idempotency_key: Optional[str] = None, timeout_s: float = 300, **spec: Any) -> Any:
+        """Create a sandbox and return once it accepts commands.
+
+        Spec keywords: ``kind`` ("container"), ``cpu``, ``memory_mb``,
+        ``pids``, ``ttl_s``, ``idle_ttl_s``, ``labels``, ``env``, ``network``
+        ("none" or "egress"), ``user``, ``workdir``, ``from_snapshot``,
+        ``session``. With ``count``, create that many in one request and
+        return the list of those that started (raising if none did; see
+        :meth:`create_many` for per-item results)."""
+        body = _build_spec(image, **spec)
+        if count is not None:
+            results = self._create_many(body, int(count), idempotency_key, timeout_s)
+            ok = [r for r in results if isinstance(r, Sandbox)]
+            if not ok and results:
+                raise results[0]
+            return ok
+        req: Dict[str, Any] = {"spec": body}
         if idempotency_key:
             req["idempotencyKey"] = idempotency_key
-        m = self._t.unary(_SANDBOX, "CreateSandbox", req, timeout=timeout_s)
+        m = self._t.unary(_SANDBOX, "CreateSandbox", req, timeout=timeout_s, retry=idempotency_key is not None)
         return Sandbox(self, SandboxInfo._from(m))
+
+    def create_many(self, image: Optional[str], n: int, *, idempotency_key: Optional[str] = None,
+                    timeout_s: float = 600, **spec: Any) -> List[Union["Sandbox", DsecError]]:
+        """Create ``n`` sandboxes of one spec in one request. The result has
+        one item per sandbox, in order: a Sandbox, or that item's DsecError
+        (partial success is explicit)."""
+        return self._create_many(_build_spec(image, **spec), n, idempotency_key, timeout_s)
+
+    def _create_many(self, spec: Dict[str, Any], n: int, key: Optional[str], timeout_s: float) -> List[Any]:
+        req: Dict[str, Any] = {"spec": spec, "count": n}
+        if key:
+            req["idempotencyKey"] = key
+        m = self._t.unary(_SANDBOX, "CreateSandboxes", req, timeout=timeout_s, retry=key is not None)
+        return self._results(m)
+
+    def _results(self, m: Dict[str, Any]) -> List[Any]:
+        out: List[Any] = []
+        for r in sorted(m.get("results", []), key=lambda r: _int(r.get("index"))):
+            if r.get("error"):
+                e = r["error"]
+                out.append(make_error(e.get("kind", ""), e.get("message", ""), infra=e.get("infra"), retryable=e.get("retryable")))
+            else:
+                out.append(Sandbox(self, SandboxInfo._from(r["sandbox"])))
+        return out
+
+    def fork(self, sandbox: Union[str, Sandbox], n: int, *, labels: Optional[Mapping[str, str]] = None,
+             idempotency_key: Optional[str] = None, session: Optional[str] = None) -> List[Sandbox]:
+        """Snapshot a running sandbox and start ``n`` children from it (a GRPO
+        group). Children that failed to start are left out; ``len()`` tells."""
+        sid = sandbox if isinstance(sandbox, str) else sandbox.id
+        req: Dict[str, Any] = {"sandboxId": sid, "count": n}
+        if labels:
+            req["labels"] = {str(k): str(v) for k, v in labels.items()}
+        if idempotency_key:
+            req["idempotencyKey"] = idempotency_key
+        if session:
+            req["session"] = session
+        results = self._results(self._t.unary(_SANDBOX, "Fork", req, timeout=600))
+        ok = [r for r in results if isinstance(r, Sandbox)]
+        if not ok and results:
+            raise results[0]
+        return ok
+
+    def pause(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None) -> List[str]:
+        """Pause every sandbox matching the labels (e.g. a preempted job)."""
+        return self._bulk("PauseSandboxes", labels, selector)
+
+    def resume(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None) -> List[str]:
+        return self._bulk("ResumeSandboxes", labels, selector)
+
+    def _bulk(self, method: str, labels: Optional[Mapping[str, str]], selector: Optional[str]) -> List[str]:
+        parts = [f"{k}={v}" for k, v in (labels or {}).items()]
+        if selector:
+            parts.append(selector)
+        if not parts:
+            raise ValueError("labels or selector is required")
+        m = self._t.unary(_SANDBOX, method, {"labelSelector": ",".join(parts)}, timeout=600)
+        fails = m.get("failures") or []
+        if fails:
+            f = fails[0]
+            e = f.get("error", {})
+            raise make_error(e.get("kind", ""), f"{len(fails)} sandboxes failed; first {f.get('id')}: {e.get('message', '')}",
+                             infra=e.get("infra"), retryable=e.get("retryable"))
+        return list(m.get("ids", []))
+
+    def snapshots(self) -> List[SnapshotInfo]:
+        return [SnapshotInfo._from(s) for s in self._t.unary(_SANDBOX, "ListSnapshots", {}).get("snapshots", [])]
+
+    def delete_snapshot(self, snapshot: Union[str, SnapshotInfo]) -> None:
+        self._t.unary(_SANDBOX, "DeleteSnapshot", {"id": snapshot if isinstance(snapshot, str) else snapshot.id})
+
+    def capacity(self) -> Dict[str, Any]:
+        """Free slots, queue depth, recent start rate and warm pools."""
+        return self._t.unary(_SYSTEM, "GetCapacity", {})
+
+    def session(self, name: str, *, heartbeat_s: float = 5, grace_s: Optional[float] = None,
+                on_expire: str = "pause") -> "Session":
+        """Open (or reopen) a trainer session; use it as a context manager:
+        it heartbeats in a background thread. Reopening the name after a
+        crash resumes the sandboxes the session paused."""
+        from .session import Session
+
+        return Session(self, name, heartbeat_s=heartbeat_s, grace_s=grace_s, on_expire=on_expire)
 
     def get(self, sandbox_id: str) -> Sandbox:
         """Fetch a sandbox (live or recently deleted; see ``.info.state``)."""
-        m = self._t.unary(_SANDBOX, "GetSandbox", {"id": sandbox_id})
+        m = self._t.unary(_SANDBOX, "GetSandbox", {"id": sandbox_id}, retry=True)
         return Sandbox(self, SandboxInfo._from(m))
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
@@ -402,15 +579,20 @@ class Client:
                 req["state"] = state
             if token:
                 req["pageToken"] = token
-            m = self._t.unary(_SANDBOX, "ListSandboxes", req)
+            m = self._t.unary(_SANDBOX, "ListSandboxes", req, retry=True)
             out.extend(SandboxInfo._from(s) for s in m.get("sandboxes", []))
             token = m.get("nextPageToken", "")
             if not token:
                 return out
 
-    def delete(self, sandbox_id: str) -> None:
-        """Delete a sandbox. Deleting a deleted sandbox succeeds."""
-        self._t.unary(_SANDBOX, "DeleteSandbox", {"id": sandbox_id})
+    def delete(self, sandbox_id: Optional[str] = None, *, labels: Optional[Mapping[str, str]] = None,
+               selector: Optional[str] = None) -> List[str]:
+        """Delete a sandbox, or every sandbox matching labels / a selector.
+        Deleting a deleted sandbox succeeds."""
+        if sandbox_id is None:
+            return self._bulk("DeleteSandboxes", labels, selector)
+        self._t.unary(_SANDBOX, "DeleteSandbox", {"id": sandbox_id}, retry=True)
+        return [sandbox_id]
 
     def info(self) -> Dict[str, Any]:
         """The deployment: nodes, substrates and their capabilities."""
@@ -445,4 +627,12 @@ def quote(argv: Sequence[str]) -> str:
     return " ".join(shlex.quote(a) for a in argv)
 
 
-__all__ = ["Client", "Sandbox", "ExecResult", "ExecEvent", "FileInfo", "SandboxInfo", "DsecError", "SandboxGone", "quote"]
+def request_id(trajectory: Any, step: Any, *parts: Any) -> str:
+    """A request ID derived from (trajectory, step, ...): a trainer that
+    re-runs the same rollout after a restart issues the same IDs, so its
+    completed calls are fast-forwarded from the trajectory log."""
+    return "/".join(str(p) for p in (trajectory, step) + parts)
+
+
+__all__ = ["Client", "Sandbox", "ExecResult", "ExecEvent", "FileInfo", "SandboxInfo", "SnapshotInfo", "DsecError",
+           "SandboxGone", "quote", "request_id"]

@@ -57,6 +57,7 @@ type ClientMsg struct {
 	//	*ClientMsg_Sync
 	//	*ClientMsg_Shutdown
 	//	*ClientMsg_SetDeadline
+	//	*ClientMsg_SetEnv
 	Msg           isClientMsg_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -270,6 +271,15 @@ func (x *ClientMsg) GetSetDeadline() *SetDeadline {
 	return nil
 }
 
+func (x *ClientMsg) GetSetEnv() *SetEnv {
+	if x != nil {
+		if x, ok := x.Msg.(*ClientMsg_SetEnv); ok {
+			return x.SetEnv
+		}
+	}
+	return nil
+}
+
 type isClientMsg_Msg interface {
 	isClientMsg_Msg()
 }
@@ -350,6 +360,10 @@ type ClientMsg_SetDeadline struct {
 	SetDeadline *SetDeadline `protobuf:"bytes,19,opt,name=set_deadline,json=setDeadline,proto3,oneof"`
 }
 
+type ClientMsg_SetEnv struct {
+	SetEnv *SetEnv `protobuf:"bytes,20,opt,name=set_env,json=setEnv,proto3,oneof"`
+}
+
 func (*ClientMsg_Hello) isClientMsg_Msg() {}
 
 func (*ClientMsg_Exec) isClientMsg_Msg() {}
@@ -387,6 +401,8 @@ func (*ClientMsg_Sync) isClientMsg_Msg() {}
 func (*ClientMsg_Shutdown) isClientMsg_Msg() {}
 
 func (*ClientMsg_SetDeadline) isClientMsg_Msg() {}
+
+func (*ClientMsg_SetEnv) isClientMsg_Msg() {}
 
 type ServerMsg struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1893,6 +1909,52 @@ func (*Shutdown) Descriptor() ([]byte, []int) {
 // SetDeadline sets when the agent ends the sandbox by itself (kills every
 // process and exits) if the node has not deleted it by then: a backstop for
 // TTLs while the node is down. 0 clears it.
+// SetEnv sets variables added to the sandbox's environment for every later
+// process (a pooled sandbox gets its spec's environment this way).
+type SetEnv struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Env           []string               `protobuf:"bytes,1,rep,name=env,proto3" json:"env,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetEnv) Reset() {
+	*x = SetEnv{}
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetEnv) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetEnv) ProtoMessage() {}
+
+func (x *SetEnv) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetEnv.ProtoReflect.Descriptor instead.
+func (*SetEnv) Descriptor() ([]byte, []int) {
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *SetEnv) GetEnv() []string {
+	if x != nil {
+		return x.Env
+	}
+	return nil
+}
+
 type SetDeadline struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	UnixMs        int64                  `protobuf:"varint,1,opt,name=unix_ms,json=unixMs,proto3" json:"unix_ms,omitempty"`
@@ -1902,7 +1964,7 @@ type SetDeadline struct {
 
 func (x *SetDeadline) Reset() {
 	*x = SetDeadline{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[23]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1914,7 +1976,7 @@ func (x *SetDeadline) String() string {
 func (*SetDeadline) ProtoMessage() {}
 
 func (x *SetDeadline) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[23]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1927,7 +1989,7 @@ func (x *SetDeadline) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetDeadline.ProtoReflect.Descriptor instead.
 func (*SetDeadline) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{23}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *SetDeadline) GetUnixMs() int64 {
@@ -1945,7 +2007,7 @@ type Done struct {
 
 func (x *Done) Reset() {
 	*x = Done{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[24]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1957,7 +2019,7 @@ func (x *Done) String() string {
 func (*Done) ProtoMessage() {}
 
 func (x *Done) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[24]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1970,7 +2032,7 @@ func (x *Done) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Done.ProtoReflect.Descriptor instead.
 func (*Done) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{24}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{25}
 }
 
 type FileInfo struct {
@@ -1990,7 +2052,7 @@ type FileInfo struct {
 
 func (x *FileInfo) Reset() {
 	*x = FileInfo{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[25]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2002,7 +2064,7 @@ func (x *FileInfo) String() string {
 func (*FileInfo) ProtoMessage() {}
 
 func (x *FileInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[25]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2015,7 +2077,7 @@ func (x *FileInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
 func (*FileInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{25}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *FileInfo) GetPath() string {
@@ -2090,7 +2152,7 @@ type Entries struct {
 
 func (x *Entries) Reset() {
 	*x = Entries{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[26]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2102,7 +2164,7 @@ func (x *Entries) String() string {
 func (*Entries) ProtoMessage() {}
 
 func (x *Entries) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[26]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2115,7 +2177,7 @@ func (x *Entries) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Entries.ProtoReflect.Descriptor instead.
 func (*Entries) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{26}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *Entries) GetEntries() []*FileInfo {
@@ -2142,7 +2204,7 @@ type Proc struct {
 
 func (x *Proc) Reset() {
 	*x = Proc{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[27]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2154,7 +2216,7 @@ func (x *Proc) String() string {
 func (*Proc) ProtoMessage() {}
 
 func (x *Proc) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[27]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2167,7 +2229,7 @@ func (x *Proc) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Proc.ProtoReflect.Descriptor instead.
 func (*Proc) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{27}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *Proc) GetId() string {
@@ -2242,7 +2304,7 @@ type Procs struct {
 
 func (x *Procs) Reset() {
 	*x = Procs{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[28]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2254,7 +2316,7 @@ func (x *Procs) String() string {
 func (*Procs) ProtoMessage() {}
 
 func (x *Procs) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[28]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2267,7 +2329,7 @@ func (x *Procs) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Procs.ProtoReflect.Descriptor instead.
 func (*Procs) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{28}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *Procs) GetProcs() []*Proc {
@@ -2289,7 +2351,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[29]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2301,7 +2363,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[29]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2314,7 +2376,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{29}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *Error) GetCode() string {
@@ -2335,7 +2397,7 @@ var File_dsec_guest_v1_guest_proto protoreflect.FileDescriptor
 
 const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\n" +
-	"\x19dsec/guest/v1/guest.proto\x12\rdsec.guest.v1\"\xb2\a\n" +
+	"\x19dsec/guest/v1/guest.proto\x12\rdsec.guest.v1\"\xe4\a\n" +
 	"\tClientMsg\x12,\n" +
 	"\x05hello\x18\x01 \x01(\v2\x14.dsec.guest.v1.HelloH\x00R\x05hello\x12)\n" +
 	"\x04exec\x18\x02 \x01(\v2\x13.dsec.guest.v1.ExecH\x00R\x04exec\x12/\n" +
@@ -2358,7 +2420,8 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"list_procs\x18\x10 \x01(\v2\x18.dsec.guest.v1.ListProcsH\x00R\tlistProcs\x12)\n" +
 	"\x04sync\x18\x11 \x01(\v2\x13.dsec.guest.v1.SyncH\x00R\x04sync\x125\n" +
 	"\bshutdown\x18\x12 \x01(\v2\x17.dsec.guest.v1.ShutdownH\x00R\bshutdown\x12?\n" +
-	"\fset_deadline\x18\x13 \x01(\v2\x1a.dsec.guest.v1.SetDeadlineH\x00R\vsetDeadlineB\x05\n" +
+	"\fset_deadline\x18\x13 \x01(\v2\x1a.dsec.guest.v1.SetDeadlineH\x00R\vsetDeadline\x120\n" +
+	"\aset_env\x18\x14 \x01(\v2\x15.dsec.guest.v1.SetEnvH\x00R\x06setEnvB\x05\n" +
 	"\x03msg\"\xfd\x03\n" +
 	"\tServerMsg\x121\n" +
 	"\x05hello\x18\x01 \x01(\v2\x19.dsec.guest.v1.HelloReplyH\x00R\x05hello\x122\n" +
@@ -2469,7 +2532,9 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\tListProcs\"\x06\n" +
 	"\x04Sync\"\n" +
 	"\n" +
-	"\bShutdown\"&\n" +
+	"\bShutdown\"\x1a\n" +
+	"\x06SetEnv\x12\x10\n" +
+	"\x03env\x18\x01 \x03(\tR\x03env\"&\n" +
 	"\vSetDeadline\x12\x17\n" +
 	"\aunix_ms\x18\x01 \x01(\x03R\x06unixMs\"\x06\n" +
 	"\x04Done\"\xe5\x01\n" +
@@ -2513,7 +2578,7 @@ func file_dsec_guest_v1_guest_proto_rawDescGZIP() []byte {
 	return file_dsec_guest_v1_guest_proto_rawDescData
 }
 
-var file_dsec_guest_v1_guest_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_dsec_guest_v1_guest_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
 var file_dsec_guest_v1_guest_proto_goTypes = []any{
 	(*ClientMsg)(nil),   // 0: dsec.guest.v1.ClientMsg
 	(*ServerMsg)(nil),   // 1: dsec.guest.v1.ServerMsg
@@ -2538,13 +2603,14 @@ var file_dsec_guest_v1_guest_proto_goTypes = []any{
 	(*ListProcs)(nil),   // 20: dsec.guest.v1.ListProcs
 	(*Sync)(nil),        // 21: dsec.guest.v1.Sync
 	(*Shutdown)(nil),    // 22: dsec.guest.v1.Shutdown
-	(*SetDeadline)(nil), // 23: dsec.guest.v1.SetDeadline
-	(*Done)(nil),        // 24: dsec.guest.v1.Done
-	(*FileInfo)(nil),    // 25: dsec.guest.v1.FileInfo
-	(*Entries)(nil),     // 26: dsec.guest.v1.Entries
-	(*Proc)(nil),        // 27: dsec.guest.v1.Proc
-	(*Procs)(nil),       // 28: dsec.guest.v1.Procs
-	(*Error)(nil),       // 29: dsec.guest.v1.Error
+	(*SetEnv)(nil),      // 23: dsec.guest.v1.SetEnv
+	(*SetDeadline)(nil), // 24: dsec.guest.v1.SetDeadline
+	(*Done)(nil),        // 25: dsec.guest.v1.Done
+	(*FileInfo)(nil),    // 26: dsec.guest.v1.FileInfo
+	(*Entries)(nil),     // 27: dsec.guest.v1.Entries
+	(*Proc)(nil),        // 28: dsec.guest.v1.Proc
+	(*Procs)(nil),       // 29: dsec.guest.v1.Procs
+	(*Error)(nil),       // 30: dsec.guest.v1.Error
 }
 var file_dsec_guest_v1_guest_proto_depIdxs = []int32{
 	2,  // 0: dsec.guest.v1.ClientMsg.hello:type_name -> dsec.guest.v1.Hello
@@ -2564,24 +2630,25 @@ var file_dsec_guest_v1_guest_proto_depIdxs = []int32{
 	20, // 14: dsec.guest.v1.ClientMsg.list_procs:type_name -> dsec.guest.v1.ListProcs
 	21, // 15: dsec.guest.v1.ClientMsg.sync:type_name -> dsec.guest.v1.Sync
 	22, // 16: dsec.guest.v1.ClientMsg.shutdown:type_name -> dsec.guest.v1.Shutdown
-	23, // 17: dsec.guest.v1.ClientMsg.set_deadline:type_name -> dsec.guest.v1.SetDeadline
-	3,  // 18: dsec.guest.v1.ServerMsg.hello:type_name -> dsec.guest.v1.HelloReply
-	9,  // 19: dsec.guest.v1.ServerMsg.started:type_name -> dsec.guest.v1.Started
-	10, // 20: dsec.guest.v1.ServerMsg.output:type_name -> dsec.guest.v1.Output
-	11, // 21: dsec.guest.v1.ServerMsg.exit:type_name -> dsec.guest.v1.Exit
-	25, // 22: dsec.guest.v1.ServerMsg.info:type_name -> dsec.guest.v1.FileInfo
-	14, // 23: dsec.guest.v1.ServerMsg.end:type_name -> dsec.guest.v1.End
-	29, // 24: dsec.guest.v1.ServerMsg.error:type_name -> dsec.guest.v1.Error
-	26, // 25: dsec.guest.v1.ServerMsg.entries:type_name -> dsec.guest.v1.Entries
-	28, // 26: dsec.guest.v1.ServerMsg.procs:type_name -> dsec.guest.v1.Procs
-	24, // 27: dsec.guest.v1.ServerMsg.done:type_name -> dsec.guest.v1.Done
-	25, // 28: dsec.guest.v1.Entries.entries:type_name -> dsec.guest.v1.FileInfo
-	27, // 29: dsec.guest.v1.Procs.procs:type_name -> dsec.guest.v1.Proc
-	30, // [30:30] is the sub-list for method output_type
-	30, // [30:30] is the sub-list for method input_type
-	30, // [30:30] is the sub-list for extension type_name
-	30, // [30:30] is the sub-list for extension extendee
-	0,  // [0:30] is the sub-list for field type_name
+	24, // 17: dsec.guest.v1.ClientMsg.set_deadline:type_name -> dsec.guest.v1.SetDeadline
+	23, // 18: dsec.guest.v1.ClientMsg.set_env:type_name -> dsec.guest.v1.SetEnv
+	3,  // 19: dsec.guest.v1.ServerMsg.hello:type_name -> dsec.guest.v1.HelloReply
+	9,  // 20: dsec.guest.v1.ServerMsg.started:type_name -> dsec.guest.v1.Started
+	10, // 21: dsec.guest.v1.ServerMsg.output:type_name -> dsec.guest.v1.Output
+	11, // 22: dsec.guest.v1.ServerMsg.exit:type_name -> dsec.guest.v1.Exit
+	26, // 23: dsec.guest.v1.ServerMsg.info:type_name -> dsec.guest.v1.FileInfo
+	14, // 24: dsec.guest.v1.ServerMsg.end:type_name -> dsec.guest.v1.End
+	30, // 25: dsec.guest.v1.ServerMsg.error:type_name -> dsec.guest.v1.Error
+	27, // 26: dsec.guest.v1.ServerMsg.entries:type_name -> dsec.guest.v1.Entries
+	29, // 27: dsec.guest.v1.ServerMsg.procs:type_name -> dsec.guest.v1.Procs
+	25, // 28: dsec.guest.v1.ServerMsg.done:type_name -> dsec.guest.v1.Done
+	26, // 29: dsec.guest.v1.Entries.entries:type_name -> dsec.guest.v1.FileInfo
+	28, // 30: dsec.guest.v1.Procs.procs:type_name -> dsec.guest.v1.Proc
+	31, // [31:31] is the sub-list for method output_type
+	31, // [31:31] is the sub-list for method input_type
+	31, // [31:31] is the sub-list for extension type_name
+	31, // [31:31] is the sub-list for extension extendee
+	0,  // [0:31] is the sub-list for field type_name
 }
 
 func init() { file_dsec_guest_v1_guest_proto_init() }
@@ -2609,6 +2676,7 @@ func file_dsec_guest_v1_guest_proto_init() {
 		(*ClientMsg_Sync)(nil),
 		(*ClientMsg_Shutdown)(nil),
 		(*ClientMsg_SetDeadline)(nil),
+		(*ClientMsg_SetEnv)(nil),
 	}
 	file_dsec_guest_v1_guest_proto_msgTypes[1].OneofWrappers = []any{
 		(*ServerMsg_Hello)(nil),
@@ -2629,7 +2697,7 @@ func file_dsec_guest_v1_guest_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_guest_v1_guest_proto_rawDesc), len(file_dsec_guest_v1_guest_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   30,
+			NumMessages:   31,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

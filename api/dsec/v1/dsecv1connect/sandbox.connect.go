@@ -90,6 +90,38 @@ const (
 	SandboxServiceRemoveProcedure = "/dsec.v1.SandboxService/Remove"
 	// SandboxServiceRenameProcedure is the fully-qualified name of the SandboxService's Rename RPC.
 	SandboxServiceRenameProcedure = "/dsec.v1.SandboxService/Rename"
+	// SandboxServiceCreateSandboxesProcedure is the fully-qualified name of the SandboxService's
+	// CreateSandboxes RPC.
+	SandboxServiceCreateSandboxesProcedure = "/dsec.v1.SandboxService/CreateSandboxes"
+	// SandboxServicePauseSandboxProcedure is the fully-qualified name of the SandboxService's
+	// PauseSandbox RPC.
+	SandboxServicePauseSandboxProcedure = "/dsec.v1.SandboxService/PauseSandbox"
+	// SandboxServiceResumeSandboxProcedure is the fully-qualified name of the SandboxService's
+	// ResumeSandbox RPC.
+	SandboxServiceResumeSandboxProcedure = "/dsec.v1.SandboxService/ResumeSandbox"
+	// SandboxServicePauseSandboxesProcedure is the fully-qualified name of the SandboxService's
+	// PauseSandboxes RPC.
+	SandboxServicePauseSandboxesProcedure = "/dsec.v1.SandboxService/PauseSandboxes"
+	// SandboxServiceResumeSandboxesProcedure is the fully-qualified name of the SandboxService's
+	// ResumeSandboxes RPC.
+	SandboxServiceResumeSandboxesProcedure = "/dsec.v1.SandboxService/ResumeSandboxes"
+	// SandboxServiceDeleteSandboxesProcedure is the fully-qualified name of the SandboxService's
+	// DeleteSandboxes RPC.
+	SandboxServiceDeleteSandboxesProcedure = "/dsec.v1.SandboxService/DeleteSandboxes"
+	// SandboxServiceSnapshotProcedure is the fully-qualified name of the SandboxService's Snapshot RPC.
+	SandboxServiceSnapshotProcedure = "/dsec.v1.SandboxService/Snapshot"
+	// SandboxServiceListSnapshotsProcedure is the fully-qualified name of the SandboxService's
+	// ListSnapshots RPC.
+	SandboxServiceListSnapshotsProcedure = "/dsec.v1.SandboxService/ListSnapshots"
+	// SandboxServiceDeleteSnapshotProcedure is the fully-qualified name of the SandboxService's
+	// DeleteSnapshot RPC.
+	SandboxServiceDeleteSnapshotProcedure = "/dsec.v1.SandboxService/DeleteSnapshot"
+	// SandboxServiceForkProcedure is the fully-qualified name of the SandboxService's Fork RPC.
+	SandboxServiceForkProcedure = "/dsec.v1.SandboxService/Fork"
+	// SandboxServiceGetLogProcedure is the fully-qualified name of the SandboxService's GetLog RPC.
+	SandboxServiceGetLogProcedure = "/dsec.v1.SandboxService/GetLog"
+	// SandboxServiceReplayProcedure is the fully-qualified name of the SandboxService's Replay RPC.
+	SandboxServiceReplayProcedure = "/dsec.v1.SandboxService/Replay"
 )
 
 // SandboxServiceClient is a client for the dsec.v1.SandboxService service.
@@ -136,6 +168,32 @@ type SandboxServiceClient interface {
 	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.FileInfo], error)
 	Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error)
 	Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error)
+	// CreateSandboxes creates many sandboxes (count copies of spec, or one per
+	// specs item) and reports each one: partial success is explicit.
+	CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
+	// PauseSandbox freezes a sandbox and releases what memory it can. Any
+	// later call resumes it. Pausing a paused sandbox succeeds.
+	PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error)
+	ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error)
+	// PauseSandboxes, ResumeSandboxes and DeleteSandboxes act on every
+	// sandbox matching a (non-empty) label selector, e.g. a preempted job.
+	PauseSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
+	ResumeSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
+	DeleteSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
+	// Snapshot captures a sandbox (for containers its writable layer, taken
+	// while frozen; for VMs memory and disk) as a snapshot sandboxes can be
+	// created from.
+	Snapshot(context.Context, *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotInfo], error)
+	ListSnapshots(context.Context, *connect.Request[v1.ListSnapshotsRequest]) (*connect.Response[v1.ListSnapshotsResponse], error)
+	DeleteSnapshot(context.Context, *connect.Request[v1.DeleteSnapshotRequest]) (*connect.Response[v1.DeleteSnapshotResponse], error)
+	// Fork snapshots a sandbox and creates count children from it.
+	Fork(context.Context, *connect.Request[v1.ForkRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
+	// GetLog reads a sandbox's trajectory log: every exec and file mutation,
+	// in order, with its result. Logs outlive their sandbox for a while.
+	GetLog(context.Context, *connect.Request[v1.GetLogRequest]) (*connect.Response[v1.GetLogResponse], error)
+	// Replay re-executes a sandbox's logged mutating calls, in order, in a new
+	// sandbox from the same image or snapshot, and reports divergences.
+	Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error)
 }
 
 // NewSandboxServiceClient constructs a client for the dsec.v1.SandboxService service. By default,
@@ -266,30 +324,116 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("Rename")),
 			connect.WithClientOptions(opts...),
 		),
+		createSandboxes: connect.NewClient[v1.CreateSandboxesRequest, v1.CreateSandboxesResponse](
+			httpClient,
+			baseURL+SandboxServiceCreateSandboxesProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("CreateSandboxes")),
+			connect.WithClientOptions(opts...),
+		),
+		pauseSandbox: connect.NewClient[v1.PauseSandboxRequest, v1.Sandbox](
+			httpClient,
+			baseURL+SandboxServicePauseSandboxProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("PauseSandbox")),
+			connect.WithClientOptions(opts...),
+		),
+		resumeSandbox: connect.NewClient[v1.ResumeSandboxRequest, v1.Sandbox](
+			httpClient,
+			baseURL+SandboxServiceResumeSandboxProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("ResumeSandbox")),
+			connect.WithClientOptions(opts...),
+		),
+		pauseSandboxes: connect.NewClient[v1.BulkRequest, v1.BulkResponse](
+			httpClient,
+			baseURL+SandboxServicePauseSandboxesProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("PauseSandboxes")),
+			connect.WithClientOptions(opts...),
+		),
+		resumeSandboxes: connect.NewClient[v1.BulkRequest, v1.BulkResponse](
+			httpClient,
+			baseURL+SandboxServiceResumeSandboxesProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("ResumeSandboxes")),
+			connect.WithClientOptions(opts...),
+		),
+		deleteSandboxes: connect.NewClient[v1.BulkRequest, v1.BulkResponse](
+			httpClient,
+			baseURL+SandboxServiceDeleteSandboxesProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("DeleteSandboxes")),
+			connect.WithClientOptions(opts...),
+		),
+		snapshot: connect.NewClient[v1.SnapshotRequest, v1.SnapshotInfo](
+			httpClient,
+			baseURL+SandboxServiceSnapshotProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Snapshot")),
+			connect.WithClientOptions(opts...),
+		),
+		listSnapshots: connect.NewClient[v1.ListSnapshotsRequest, v1.ListSnapshotsResponse](
+			httpClient,
+			baseURL+SandboxServiceListSnapshotsProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("ListSnapshots")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
+		deleteSnapshot: connect.NewClient[v1.DeleteSnapshotRequest, v1.DeleteSnapshotResponse](
+			httpClient,
+			baseURL+SandboxServiceDeleteSnapshotProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("DeleteSnapshot")),
+			connect.WithClientOptions(opts...),
+		),
+		fork: connect.NewClient[v1.ForkRequest, v1.CreateSandboxesResponse](
+			httpClient,
+			baseURL+SandboxServiceForkProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Fork")),
+			connect.WithClientOptions(opts...),
+		),
+		getLog: connect.NewClient[v1.GetLogRequest, v1.GetLogResponse](
+			httpClient,
+			baseURL+SandboxServiceGetLogProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("GetLog")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
+		replay: connect.NewClient[v1.ReplayRequest, v1.ReplayResponse](
+			httpClient,
+			baseURL+SandboxServiceReplayProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Replay")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // sandboxServiceClient implements SandboxServiceClient.
 type sandboxServiceClient struct {
-	createSandbox  *connect.Client[v1.CreateSandboxRequest, v1.Sandbox]
-	getSandbox     *connect.Client[v1.GetSandboxRequest, v1.Sandbox]
-	listSandboxes  *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
-	deleteSandbox  *connect.Client[v1.DeleteSandboxRequest, v1.DeleteSandboxResponse]
-	keepalive      *connect.Client[v1.KeepaliveRequest, v1.Sandbox]
-	exec           *connect.Client[v1.ExecRequest, v1.ExecResult]
-	execStream     *connect.Client[v1.ExecRequest, v1.ExecEvent]
-	connectProcess *connect.Client[v1.ConnectProcessRequest, v1.ExecEvent]
-	writeStdin     *connect.Client[v1.WriteStdinRequest, v1.WriteStdinResponse]
-	signalProcess  *connect.Client[v1.SignalProcessRequest, v1.SignalProcessResponse]
-	resizePTY      *connect.Client[v1.ResizePTYRequest, v1.ResizePTYResponse]
-	listProcesses  *connect.Client[v1.ListProcessesRequest, v1.ListProcessesResponse]
-	readFile       *connect.Client[v1.ReadFileRequest, v1.ReadFileResponse]
-	writeFile      *connect.Client[v1.WriteFileRequest, v1.FileInfo]
-	stat           *connect.Client[v1.StatRequest, v1.FileInfo]
-	listDir        *connect.Client[v1.ListDirRequest, v1.ListDirResponse]
-	makeDir        *connect.Client[v1.MakeDirRequest, v1.FileInfo]
-	remove         *connect.Client[v1.RemoveRequest, v1.RemoveResponse]
-	rename         *connect.Client[v1.RenameRequest, v1.FileInfo]
+	createSandbox   *connect.Client[v1.CreateSandboxRequest, v1.Sandbox]
+	getSandbox      *connect.Client[v1.GetSandboxRequest, v1.Sandbox]
+	listSandboxes   *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
+	deleteSandbox   *connect.Client[v1.DeleteSandboxRequest, v1.DeleteSandboxResponse]
+	keepalive       *connect.Client[v1.KeepaliveRequest, v1.Sandbox]
+	exec            *connect.Client[v1.ExecRequest, v1.ExecResult]
+	execStream      *connect.Client[v1.ExecRequest, v1.ExecEvent]
+	connectProcess  *connect.Client[v1.ConnectProcessRequest, v1.ExecEvent]
+	writeStdin      *connect.Client[v1.WriteStdinRequest, v1.WriteStdinResponse]
+	signalProcess   *connect.Client[v1.SignalProcessRequest, v1.SignalProcessResponse]
+	resizePTY       *connect.Client[v1.ResizePTYRequest, v1.ResizePTYResponse]
+	listProcesses   *connect.Client[v1.ListProcessesRequest, v1.ListProcessesResponse]
+	readFile        *connect.Client[v1.ReadFileRequest, v1.ReadFileResponse]
+	writeFile       *connect.Client[v1.WriteFileRequest, v1.FileInfo]
+	stat            *connect.Client[v1.StatRequest, v1.FileInfo]
+	listDir         *connect.Client[v1.ListDirRequest, v1.ListDirResponse]
+	makeDir         *connect.Client[v1.MakeDirRequest, v1.FileInfo]
+	remove          *connect.Client[v1.RemoveRequest, v1.RemoveResponse]
+	rename          *connect.Client[v1.RenameRequest, v1.FileInfo]
+	createSandboxes *connect.Client[v1.CreateSandboxesRequest, v1.CreateSandboxesResponse]
+	pauseSandbox    *connect.Client[v1.PauseSandboxRequest, v1.Sandbox]
+	resumeSandbox   *connect.Client[v1.ResumeSandboxRequest, v1.Sandbox]
+	pauseSandboxes  *connect.Client[v1.BulkRequest, v1.BulkResponse]
+	resumeSandboxes *connect.Client[v1.BulkRequest, v1.BulkResponse]
+	deleteSandboxes *connect.Client[v1.BulkRequest, v1.BulkResponse]
+	snapshot        *connect.Client[v1.SnapshotRequest, v1.SnapshotInfo]
+	listSnapshots   *connect.Client[v1.ListSnapshotsRequest, v1.ListSnapshotsResponse]
+	deleteSnapshot  *connect.Client[v1.DeleteSnapshotRequest, v1.DeleteSnapshotResponse]
+	fork            *connect.Client[v1.ForkRequest, v1.CreateSandboxesResponse]
+	getLog          *connect.Client[v1.GetLogRequest, v1.GetLogResponse]
+	replay          *connect.Client[v1.ReplayRequest, v1.ReplayResponse]
 }
 
 // CreateSandbox calls dsec.v1.SandboxService.CreateSandbox.
@@ -387,6 +531,66 @@ func (c *sandboxServiceClient) Rename(ctx context.Context, req *connect.Request[
 	return c.rename.CallUnary(ctx, req)
 }
 
+// CreateSandboxes calls dsec.v1.SandboxService.CreateSandboxes.
+func (c *sandboxServiceClient) CreateSandboxes(ctx context.Context, req *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
+	return c.createSandboxes.CallUnary(ctx, req)
+}
+
+// PauseSandbox calls dsec.v1.SandboxService.PauseSandbox.
+func (c *sandboxServiceClient) PauseSandbox(ctx context.Context, req *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
+	return c.pauseSandbox.CallUnary(ctx, req)
+}
+
+// ResumeSandbox calls dsec.v1.SandboxService.ResumeSandbox.
+func (c *sandboxServiceClient) ResumeSandbox(ctx context.Context, req *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
+	return c.resumeSandbox.CallUnary(ctx, req)
+}
+
+// PauseSandboxes calls dsec.v1.SandboxService.PauseSandboxes.
+func (c *sandboxServiceClient) PauseSandboxes(ctx context.Context, req *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
+	return c.pauseSandboxes.CallUnary(ctx, req)
+}
+
+// ResumeSandboxes calls dsec.v1.SandboxService.ResumeSandboxes.
+func (c *sandboxServiceClient) ResumeSandboxes(ctx context.Context, req *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
+	return c.resumeSandboxes.CallUnary(ctx, req)
+}
+
+// DeleteSandboxes calls dsec.v1.SandboxService.DeleteSandboxes.
+func (c *sandboxServiceClient) DeleteSandboxes(ctx context.Context, req *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
+	return c.deleteSandboxes.CallUnary(ctx, req)
+}
+
+// Snapshot calls dsec.v1.SandboxService.Snapshot.
+func (c *sandboxServiceClient) Snapshot(ctx context.Context, req *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotInfo], error) {
+	return c.snapshot.CallUnary(ctx, req)
+}
+
+// ListSnapshots calls dsec.v1.SandboxService.ListSnapshots.
+func (c *sandboxServiceClient) ListSnapshots(ctx context.Context, req *connect.Request[v1.ListSnapshotsRequest]) (*connect.Response[v1.ListSnapshotsResponse], error) {
+	return c.listSnapshots.CallUnary(ctx, req)
+}
+
+// DeleteSnapshot calls dsec.v1.SandboxService.DeleteSnapshot.
+func (c *sandboxServiceClient) DeleteSnapshot(ctx context.Context, req *connect.Request[v1.DeleteSnapshotRequest]) (*connect.Response[v1.DeleteSnapshotResponse], error) {
+	return c.deleteSnapshot.CallUnary(ctx, req)
+}
+
+// Fork calls dsec.v1.SandboxService.Fork.
+func (c *sandboxServiceClient) Fork(ctx context.Context, req *connect.Request[v1.ForkRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
+	return c.fork.CallUnary(ctx, req)
+}
+
+// GetLog calls dsec.v1.SandboxService.GetLog.
+func (c *sandboxServiceClient) GetLog(ctx context.Context, req *connect.Request[v1.GetLogRequest]) (*connect.Response[v1.GetLogResponse], error) {
+	return c.getLog.CallUnary(ctx, req)
+}
+
+// Replay calls dsec.v1.SandboxService.Replay.
+func (c *sandboxServiceClient) Replay(ctx context.Context, req *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error) {
+	return c.replay.CallUnary(ctx, req)
+}
+
 // SandboxServiceHandler is an implementation of the dsec.v1.SandboxService service.
 type SandboxServiceHandler interface {
 	// CreateSandbox starts one sandbox and returns once it accepts exec calls.
@@ -431,6 +635,32 @@ type SandboxServiceHandler interface {
 	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.FileInfo], error)
 	Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error)
 	Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error)
+	// CreateSandboxes creates many sandboxes (count copies of spec, or one per
+	// specs item) and reports each one: partial success is explicit.
+	CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
+	// PauseSandbox freezes a sandbox and releases what memory it can. Any
+	// later call resumes it. Pausing a paused sandbox succeeds.
+	PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error)
+	ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error)
+	// PauseSandboxes, ResumeSandboxes and DeleteSandboxes act on every
+	// sandbox matching a (non-empty) label selector, e.g. a preempted job.
+	PauseSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
+	ResumeSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
+	DeleteSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
+	// Snapshot captures a sandbox (for containers its writable layer, taken
+	// while frozen; for VMs memory and disk) as a snapshot sandboxes can be
+	// created from.
+	Snapshot(context.Context, *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotInfo], error)
+	ListSnapshots(context.Context, *connect.Request[v1.ListSnapshotsRequest]) (*connect.Response[v1.ListSnapshotsResponse], error)
+	DeleteSnapshot(context.Context, *connect.Request[v1.DeleteSnapshotRequest]) (*connect.Response[v1.DeleteSnapshotResponse], error)
+	// Fork snapshots a sandbox and creates count children from it.
+	Fork(context.Context, *connect.Request[v1.ForkRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
+	// GetLog reads a sandbox's trajectory log: every exec and file mutation,
+	// in order, with its result. Logs outlive their sandbox for a while.
+	GetLog(context.Context, *connect.Request[v1.GetLogRequest]) (*connect.Response[v1.GetLogResponse], error)
+	// Replay re-executes a sandbox's logged mutating calls, in order, in a new
+	// sandbox from the same image or snapshot, and reports divergences.
+	Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error)
 }
 
 // NewSandboxServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -557,6 +787,80 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("Rename")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServiceCreateSandboxesHandler := connect.NewUnaryHandler(
+		SandboxServiceCreateSandboxesProcedure,
+		svc.CreateSandboxes,
+		connect.WithSchema(sandboxServiceMethods.ByName("CreateSandboxes")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServicePauseSandboxHandler := connect.NewUnaryHandler(
+		SandboxServicePauseSandboxProcedure,
+		svc.PauseSandbox,
+		connect.WithSchema(sandboxServiceMethods.ByName("PauseSandbox")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceResumeSandboxHandler := connect.NewUnaryHandler(
+		SandboxServiceResumeSandboxProcedure,
+		svc.ResumeSandbox,
+		connect.WithSchema(sandboxServiceMethods.ByName("ResumeSandbox")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServicePauseSandboxesHandler := connect.NewUnaryHandler(
+		SandboxServicePauseSandboxesProcedure,
+		svc.PauseSandboxes,
+		connect.WithSchema(sandboxServiceMethods.ByName("PauseSandboxes")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceResumeSandboxesHandler := connect.NewUnaryHandler(
+		SandboxServiceResumeSandboxesProcedure,
+		svc.ResumeSandboxes,
+		connect.WithSchema(sandboxServiceMethods.ByName("ResumeSandboxes")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceDeleteSandboxesHandler := connect.NewUnaryHandler(
+		SandboxServiceDeleteSandboxesProcedure,
+		svc.DeleteSandboxes,
+		connect.WithSchema(sandboxServiceMethods.ByName("DeleteSandboxes")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceSnapshotHandler := connect.NewUnaryHandler(
+		SandboxServiceSnapshotProcedure,
+		svc.Snapshot,
+		connect.WithSchema(sandboxServiceMethods.ByName("Snapshot")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceListSnapshotsHandler := connect.NewUnaryHandler(
+		SandboxServiceListSnapshotsProcedure,
+		svc.ListSnapshots,
+		connect.WithSchema(sandboxServiceMethods.ByName("ListSnapshots")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceDeleteSnapshotHandler := connect.NewUnaryHandler(
+		SandboxServiceDeleteSnapshotProcedure,
+		svc.DeleteSnapshot,
+		connect.WithSchema(sandboxServiceMethods.ByName("DeleteSnapshot")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceForkHandler := connect.NewUnaryHandler(
+		SandboxServiceForkProcedure,
+		svc.Fork,
+		connect.WithSchema(sandboxServiceMethods.ByName("Fork")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceGetLogHandler := connect.NewUnaryHandler(
+		SandboxServiceGetLogProcedure,
+		svc.GetLog,
+		connect.WithSchema(sandboxServiceMethods.ByName("GetLog")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceReplayHandler := connect.NewUnaryHandler(
+		SandboxServiceReplayProcedure,
+		svc.Replay,
+		connect.WithSchema(sandboxServiceMethods.ByName("Replay")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.SandboxService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case SandboxServiceCreateSandboxProcedure:
@@ -597,6 +901,30 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceRemoveHandler.ServeHTTP(w, r)
 		case SandboxServiceRenameProcedure:
 			sandboxServiceRenameHandler.ServeHTTP(w, r)
+		case SandboxServiceCreateSandboxesProcedure:
+			sandboxServiceCreateSandboxesHandler.ServeHTTP(w, r)
+		case SandboxServicePauseSandboxProcedure:
+			sandboxServicePauseSandboxHandler.ServeHTTP(w, r)
+		case SandboxServiceResumeSandboxProcedure:
+			sandboxServiceResumeSandboxHandler.ServeHTTP(w, r)
+		case SandboxServicePauseSandboxesProcedure:
+			sandboxServicePauseSandboxesHandler.ServeHTTP(w, r)
+		case SandboxServiceResumeSandboxesProcedure:
+			sandboxServiceResumeSandboxesHandler.ServeHTTP(w, r)
+		case SandboxServiceDeleteSandboxesProcedure:
+			sandboxServiceDeleteSandboxesHandler.ServeHTTP(w, r)
+		case SandboxServiceSnapshotProcedure:
+			sandboxServiceSnapshotHandler.ServeHTTP(w, r)
+		case SandboxServiceListSnapshotsProcedure:
+			sandboxServiceListSnapshotsHandler.ServeHTTP(w, r)
+		case SandboxServiceDeleteSnapshotProcedure:
+			sandboxServiceDeleteSnapshotHandler.ServeHTTP(w, r)
+		case SandboxServiceForkProcedure:
+			sandboxServiceForkHandler.ServeHTTP(w, r)
+		case SandboxServiceGetLogProcedure:
+			sandboxServiceGetLogHandler.ServeHTTP(w, r)
+		case SandboxServiceReplayProcedure:
+			sandboxServiceReplayHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -680,4 +1008,52 @@ func (UnimplementedSandboxServiceHandler) Remove(context.Context, *connect.Reque
 
 func (UnimplementedSandboxServiceHandler) Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Rename is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.CreateSandboxes is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.PauseSandbox is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ResumeSandbox is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) PauseSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.PauseSandboxes is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) ResumeSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ResumeSandboxes is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) DeleteSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.DeleteSandboxes is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Snapshot(context.Context, *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotInfo], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Snapshot is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) ListSnapshots(context.Context, *connect.Request[v1.ListSnapshotsRequest]) (*connect.Response[v1.ListSnapshotsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ListSnapshots is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) DeleteSnapshot(context.Context, *connect.Request[v1.DeleteSnapshotRequest]) (*connect.Response[v1.DeleteSnapshotResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.DeleteSnapshot is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Fork(context.Context, *connect.Request[v1.ForkRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Fork is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) GetLog(context.Context, *connect.Request[v1.GetLogRequest]) (*connect.Response[v1.GetLogResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.GetLog is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Replay is not implemented"))
 }

@@ -23,6 +23,8 @@ const _ = connect.IsAtLeastVersion1_13_0
 const (
 	// SystemServiceName is the fully-qualified name of the SystemService service.
 	SystemServiceName = "dsec.v1.SystemService"
+	// SessionServiceName is the fully-qualified name of the SessionService service.
+	SessionServiceName = "dsec.v1.SessionService"
 )
 
 // These constants are the fully-qualified names of the RPCs defined in this package. They're
@@ -35,12 +37,33 @@ const (
 const (
 	// SystemServiceGetInfoProcedure is the fully-qualified name of the SystemService's GetInfo RPC.
 	SystemServiceGetInfoProcedure = "/dsec.v1.SystemService/GetInfo"
+	// SystemServiceGetCapacityProcedure is the fully-qualified name of the SystemService's GetCapacity
+	// RPC.
+	SystemServiceGetCapacityProcedure = "/dsec.v1.SystemService/GetCapacity"
+	// SessionServiceOpenSessionProcedure is the fully-qualified name of the SessionService's
+	// OpenSession RPC.
+	SessionServiceOpenSessionProcedure = "/dsec.v1.SessionService/OpenSession"
+	// SessionServiceHeartbeatProcedure is the fully-qualified name of the SessionService's Heartbeat
+	// RPC.
+	SessionServiceHeartbeatProcedure = "/dsec.v1.SessionService/Heartbeat"
+	// SessionServiceGetSessionProcedure is the fully-qualified name of the SessionService's GetSession
+	// RPC.
+	SessionServiceGetSessionProcedure = "/dsec.v1.SessionService/GetSession"
+	// SessionServiceListSessionsProcedure is the fully-qualified name of the SessionService's
+	// ListSessions RPC.
+	SessionServiceListSessionsProcedure = "/dsec.v1.SessionService/ListSessions"
+	// SessionServiceCloseSessionProcedure is the fully-qualified name of the SessionService's
+	// CloseSession RPC.
+	SessionServiceCloseSessionProcedure = "/dsec.v1.SessionService/CloseSession"
 )
 
 // SystemServiceClient is a client for the dsec.v1.SystemService service.
 type SystemServiceClient interface {
 	// GetInfo reports the nodes, their substrates and capabilities.
 	GetInfo(context.Context, *connect.Request[v1.GetInfoRequest]) (*connect.Response[v1.Info], error)
+	// GetCapacity says how fast to go: free slots, queue depth, start rate
+	// and warm pools. Clients size their concurrency from it.
+	GetCapacity(context.Context, *connect.Request[v1.GetCapacityRequest]) (*connect.Response[v1.Capacity], error)
 }
 
 // NewSystemServiceClient constructs a client for the dsec.v1.SystemService service. By default, it
@@ -61,12 +84,20 @@ func NewSystemServiceClient(httpClient connect.HTTPClient, baseURL string, opts 
 			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
 			connect.WithClientOptions(opts...),
 		),
+		getCapacity: connect.NewClient[v1.GetCapacityRequest, v1.Capacity](
+			httpClient,
+			baseURL+SystemServiceGetCapacityProcedure,
+			connect.WithSchema(systemServiceMethods.ByName("GetCapacity")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // systemServiceClient implements SystemServiceClient.
 type systemServiceClient struct {
-	getInfo *connect.Client[v1.GetInfoRequest, v1.Info]
+	getInfo     *connect.Client[v1.GetInfoRequest, v1.Info]
+	getCapacity *connect.Client[v1.GetCapacityRequest, v1.Capacity]
 }
 
 // GetInfo calls dsec.v1.SystemService.GetInfo.
@@ -74,10 +105,18 @@ func (c *systemServiceClient) GetInfo(ctx context.Context, req *connect.Request[
 	return c.getInfo.CallUnary(ctx, req)
 }
 
+// GetCapacity calls dsec.v1.SystemService.GetCapacity.
+func (c *systemServiceClient) GetCapacity(ctx context.Context, req *connect.Request[v1.GetCapacityRequest]) (*connect.Response[v1.Capacity], error) {
+	return c.getCapacity.CallUnary(ctx, req)
+}
+
 // SystemServiceHandler is an implementation of the dsec.v1.SystemService service.
 type SystemServiceHandler interface {
 	// GetInfo reports the nodes, their substrates and capabilities.
 	GetInfo(context.Context, *connect.Request[v1.GetInfoRequest]) (*connect.Response[v1.Info], error)
+	// GetCapacity says how fast to go: free slots, queue depth, start rate
+	// and warm pools. Clients size their concurrency from it.
+	GetCapacity(context.Context, *connect.Request[v1.GetCapacityRequest]) (*connect.Response[v1.Capacity], error)
 }
 
 // NewSystemServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -94,10 +133,19 @@ func NewSystemServiceHandler(svc SystemServiceHandler, opts ...connect.HandlerOp
 		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
 		connect.WithHandlerOptions(opts...),
 	)
+	systemServiceGetCapacityHandler := connect.NewUnaryHandler(
+		SystemServiceGetCapacityProcedure,
+		svc.GetCapacity,
+		connect.WithSchema(systemServiceMethods.ByName("GetCapacity")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.SystemService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case SystemServiceGetInfoProcedure:
 			systemServiceGetInfoHandler.ServeHTTP(w, r)
+		case SystemServiceGetCapacityProcedure:
+			systemServiceGetCapacityHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -109,4 +157,190 @@ type UnimplementedSystemServiceHandler struct{}
 
 func (UnimplementedSystemServiceHandler) GetInfo(context.Context, *connect.Request[v1.GetInfoRequest]) (*connect.Response[v1.Info], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SystemService.GetInfo is not implemented"))
+}
+
+func (UnimplementedSystemServiceHandler) GetCapacity(context.Context, *connect.Request[v1.GetCapacityRequest]) (*connect.Response[v1.Capacity], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SystemService.GetCapacity is not implemented"))
+}
+
+// SessionServiceClient is a client for the dsec.v1.SessionService service.
+type SessionServiceClient interface {
+	OpenSession(context.Context, *connect.Request[v1.OpenSessionRequest]) (*connect.Response[v1.Session], error)
+	Heartbeat(context.Context, *connect.Request[v1.HeartbeatRequest]) (*connect.Response[v1.Session], error)
+	GetSession(context.Context, *connect.Request[v1.GetSessionRequest]) (*connect.Response[v1.Session], error)
+	ListSessions(context.Context, *connect.Request[v1.ListSessionsRequest]) (*connect.Response[v1.ListSessionsResponse], error)
+	// CloseSession ends a session; with delete_sandboxes its sandboxes go too,
+	// otherwise they live on under their TTLs.
+	CloseSession(context.Context, *connect.Request[v1.CloseSessionRequest]) (*connect.Response[v1.Session], error)
+}
+
+// NewSessionServiceClient constructs a client for the dsec.v1.SessionService service. By default,
+// it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses, and
+// sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the connect.WithGRPC()
+// or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewSessionServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) SessionServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	sessionServiceMethods := v1.File_dsec_v1_system_proto.Services().ByName("SessionService").Methods()
+	return &sessionServiceClient{
+		openSession: connect.NewClient[v1.OpenSessionRequest, v1.Session](
+			httpClient,
+			baseURL+SessionServiceOpenSessionProcedure,
+			connect.WithSchema(sessionServiceMethods.ByName("OpenSession")),
+			connect.WithClientOptions(opts...),
+		),
+		heartbeat: connect.NewClient[v1.HeartbeatRequest, v1.Session](
+			httpClient,
+			baseURL+SessionServiceHeartbeatProcedure,
+			connect.WithSchema(sessionServiceMethods.ByName("Heartbeat")),
+			connect.WithClientOptions(opts...),
+		),
+		getSession: connect.NewClient[v1.GetSessionRequest, v1.Session](
+			httpClient,
+			baseURL+SessionServiceGetSessionProcedure,
+			connect.WithSchema(sessionServiceMethods.ByName("GetSession")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
+		listSessions: connect.NewClient[v1.ListSessionsRequest, v1.ListSessionsResponse](
+			httpClient,
+			baseURL+SessionServiceListSessionsProcedure,
+			connect.WithSchema(sessionServiceMethods.ByName("ListSessions")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
+		closeSession: connect.NewClient[v1.CloseSessionRequest, v1.Session](
+			httpClient,
+			baseURL+SessionServiceCloseSessionProcedure,
+			connect.WithSchema(sessionServiceMethods.ByName("CloseSession")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// sessionServiceClient implements SessionServiceClient.
+type sessionServiceClient struct {
+	openSession  *connect.Client[v1.OpenSessionRequest, v1.Session]
+	heartbeat    *connect.Client[v1.HeartbeatRequest, v1.Session]
+	getSession   *connect.Client[v1.GetSessionRequest, v1.Session]
+	listSessions *connect.Client[v1.ListSessionsRequest, v1.ListSessionsResponse]
+	closeSession *connect.Client[v1.CloseSessionRequest, v1.Session]
+}
+
+// OpenSession calls dsec.v1.SessionService.OpenSession.
+func (c *sessionServiceClient) OpenSession(ctx context.Context, req *connect.Request[v1.OpenSessionRequest]) (*connect.Response[v1.Session], error) {
+	return c.openSession.CallUnary(ctx, req)
+}
+
+// Heartbeat calls dsec.v1.SessionService.Heartbeat.
+func (c *sessionServiceClient) Heartbeat(ctx context.Context, req *connect.Request[v1.HeartbeatRequest]) (*connect.Response[v1.Session], error) {
+	return c.heartbeat.CallUnary(ctx, req)
+}
+
+// GetSession calls dsec.v1.SessionService.GetSession.
+func (c *sessionServiceClient) GetSession(ctx context.Context, req *connect.Request[v1.GetSessionRequest]) (*connect.Response[v1.Session], error) {
+	return c.getSession.CallUnary(ctx, req)
+}
+
+// ListSessions calls dsec.v1.SessionService.ListSessions.
+func (c *sessionServiceClient) ListSessions(ctx context.Context, req *connect.Request[v1.ListSessionsRequest]) (*connect.Response[v1.ListSessionsResponse], error) {
+	return c.listSessions.CallUnary(ctx, req)
+}
+
+// CloseSession calls dsec.v1.SessionService.CloseSession.
+func (c *sessionServiceClient) CloseSession(ctx context.Context, req *connect.Request[v1.CloseSessionRequest]) (*connect.Response[v1.Session], error) {
+	return c.closeSession.CallUnary(ctx, req)
+}
+
+// SessionServiceHandler is an implementation of the dsec.v1.SessionService service.
+type SessionServiceHandler interface {
+	OpenSession(context.Context, *connect.Request[v1.OpenSessionRequest]) (*connect.Response[v1.Session], error)
+	Heartbeat(context.Context, *connect.Request[v1.HeartbeatRequest]) (*connect.Response[v1.Session], error)
+	GetSession(context.Context, *connect.Request[v1.GetSessionRequest]) (*connect.Response[v1.Session], error)
+	ListSessions(context.Context, *connect.Request[v1.ListSessionsRequest]) (*connect.Response[v1.ListSessionsResponse], error)
+	// CloseSession ends a session; with delete_sandboxes its sandboxes go too,
+	// otherwise they live on under their TTLs.
+	CloseSession(context.Context, *connect.Request[v1.CloseSessionRequest]) (*connect.Response[v1.Session], error)
+}
+
+// NewSessionServiceHandler builds an HTTP handler from the service implementation. It returns the
+// path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewSessionServiceHandler(svc SessionServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	sessionServiceMethods := v1.File_dsec_v1_system_proto.Services().ByName("SessionService").Methods()
+	sessionServiceOpenSessionHandler := connect.NewUnaryHandler(
+		SessionServiceOpenSessionProcedure,
+		svc.OpenSession,
+		connect.WithSchema(sessionServiceMethods.ByName("OpenSession")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sessionServiceHeartbeatHandler := connect.NewUnaryHandler(
+		SessionServiceHeartbeatProcedure,
+		svc.Heartbeat,
+		connect.WithSchema(sessionServiceMethods.ByName("Heartbeat")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sessionServiceGetSessionHandler := connect.NewUnaryHandler(
+		SessionServiceGetSessionProcedure,
+		svc.GetSession,
+		connect.WithSchema(sessionServiceMethods.ByName("GetSession")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
+	sessionServiceListSessionsHandler := connect.NewUnaryHandler(
+		SessionServiceListSessionsProcedure,
+		svc.ListSessions,
+		connect.WithSchema(sessionServiceMethods.ByName("ListSessions")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
+	sessionServiceCloseSessionHandler := connect.NewUnaryHandler(
+		SessionServiceCloseSessionProcedure,
+		svc.CloseSession,
+		connect.WithSchema(sessionServiceMethods.ByName("CloseSession")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/dsec.v1.SessionService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case SessionServiceOpenSessionProcedure:
+			sessionServiceOpenSessionHandler.ServeHTTP(w, r)
+		case SessionServiceHeartbeatProcedure:
+			sessionServiceHeartbeatHandler.ServeHTTP(w, r)
+		case SessionServiceGetSessionProcedure:
+			sessionServiceGetSessionHandler.ServeHTTP(w, r)
+		case SessionServiceListSessionsProcedure:
+			sessionServiceListSessionsHandler.ServeHTTP(w, r)
+		case SessionServiceCloseSessionProcedure:
+			sessionServiceCloseSessionHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedSessionServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedSessionServiceHandler struct{}
+
+func (UnimplementedSessionServiceHandler) OpenSession(context.Context, *connect.Request[v1.OpenSessionRequest]) (*connect.Response[v1.Session], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SessionService.OpenSession is not implemented"))
+}
+
+func (UnimplementedSessionServiceHandler) Heartbeat(context.Context, *connect.Request[v1.HeartbeatRequest]) (*connect.Response[v1.Session], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SessionService.Heartbeat is not implemented"))
+}
+
+func (UnimplementedSessionServiceHandler) GetSession(context.Context, *connect.Request[v1.GetSessionRequest]) (*connect.Response[v1.Session], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SessionService.GetSession is not implemented"))
+}
+
+func (UnimplementedSessionServiceHandler) ListSessions(context.Context, *connect.Request[v1.ListSessionsRequest]) (*connect.Response[v1.ListSessionsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SessionService.ListSessions is not implemented"))
+}
+
+func (UnimplementedSessionServiceHandler) CloseSession(context.Context, *connect.Request[v1.CloseSessionRequest]) (*connect.Response[v1.Session], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SessionService.CloseSession is not implemented"))
 }

@@ -1,0 +1,309 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/spf13/cobra"
+	"google.golang.org/protobuf/encoding/protojson"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+)
+
+func lifecycleCmds(g *globals) []*cobra.Command {
+	return []*cobra.Command{snapshotCmd(g), forkCmd(g), pauseCmd(g, "pause"), pauseCmd(g, "resume"), logCmd(g), replayCmd(g), sessionCmd(g), capacityCmd(g)}
+}
+
+func snapshotCmd(g *globals) *cobra.Command {
+	var name string
+	cmd := &cobra.Command{
+		Use:   "snapshot ID | snapshot ls | snapshot rm SNAPSHOT",
+		Short: "Snapshot a sandbox (prints the snapshot ID); ls and rm manage snapshots",
+		Args:  cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c := g.client()
+			ctx := cmd.Context()
+			switch args[0] {
+			case "ls", "list":
+				list, err := c.ListSnapshots(ctx)
+				if err != nil {
+					return err
+				}
+				if g.json() {
+					printJSON(os.Stdout, &dsecv1.ListSnapshotsResponse{Snapshots: list})
+					return nil
+				}
+				tw := table("SNAPSHOT", "NAME", "FROM", "IMAGE", "SIZE", "CREATED")
+				for _, s := range list {
+					fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", s.Id, orDash(s.Name), s.SandboxId, s.Image, humanBytes(s.SizeBytes), ago(s.CreatedAt.AsTime()))
+				}
+				return tw.Flush()
+			case "rm", "delete":
+				for _, id := range args[1:] {
+					if err := c.DeleteSnapshot(ctx, id); err != nil {
+						return err
+					}
+					fmt.Println(id)
+				}
+				return nil
+			}
+			snap, err := c.Snapshot(ctx, args[0], name)
+			if err != nil {
+				return err
+			}
+			if g.json() {
+				printJSON(os.Stdout, snap)
+			} else {
+				fmt.Println(snap.Id)
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&name, "name", "", "a name for the snapshot")
+	return cmd
+}
+
+func printCreates(g *globals, resp *dsecv1.CreateSandboxesResponse) error {
+	if g.json() {
+		printJSON(os.Stdout, resp)
+	} else {
+		for _, r := range resp.Results {
+			if r.Error != nil {
+				fmt.Fprintf(os.Stderr, "dsec: item %d: %s (%s)\n", r.Index, r.Error.Message, r.Error.Kind)
+				continue
+			}
+			fmt.Println(r.Sandbox.Id)
+		}
+	}
+	if resp.Failed > 0 {
+		return fmt.Errorf("%d of %d failed", resp.Failed, len(resp.Results))
+	}
+	return nil
+}
+
+func forkCmd(g *globals) *cobra.Command {
+	var n int
+	var labels []string
+	var key, session string
+	cmd := &cobra.Command{
+		Use:   "fork ID -n N",
+		Short: "Snapshot a sandbox and create N children from it (prints their IDs)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			lm, err := parseKV(labels, "label")
+			if err != nil {
+				return err
+			}
+			resp, err := g.client().Fork(cmd.Context(), &dsecv1.ForkRequest{SandboxId: args[0], Count: int32(n), Labels: lm, IdempotencyKey: key, Session: session})
+			if err != nil {
+				return err
+			}
+			return printCreates(g, resp)
+		},
+	}
+	cmd.Flags().IntVarP(&n, "count", "n", 1, "number of children")
+	cmd.Flags().StringArrayVar(&labels, "label", nil, "label key=value for the children (repeatable)")
+	cmd.Flags().StringVar(&key, "idempotency-key", "", "return the same children when retried")
+	cmd.Flags().StringVar(&session, "session", "", "bind the children to a session (default: the parent's)")
+	return cmd
+}
+
+func pauseCmd(g *globals, op string) *cobra.Command {
+	var labels []string
+	cmd := &cobra.Command{
+		Use:   op + " ID... | " + op + " --label k=v",
+		Short: map[string]string{"pause": "Pause sandboxes (by ID or label); any later call resumes them", "resume": "Resume paused sandboxes (by ID or label)"}[op],
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c := g.client()
+			ctx := cmd.Context()
+			if len(labels) > 0 {
+				if len(args) > 0 {
+					return fmt.Errorf("give IDs or --label, not both")
+				}
+				resp, err := c.Bulk(ctx, op, strings.Join(labels, ","))
+				if err != nil {
+					return err
+				}
+				if g.json() {
+					printJSON(os.Stdout, resp)
+				} else {
+					for _, id := range resp.Ids {
+						fmt.Println(id)
+					}
+				}
+				for _, f := range resp.Failures {
+					fmt.Fprintf(os.Stderr, "dsec: %s: %s\n", f.Id, f.Error.Message)
+				}
+				if len(resp.Failures) > 0 {
+					return fmt.Errorf("%d sandboxes failed", len(resp.Failures))
+				}
+				return nil
+			}
+			if len(args) == 0 {
+				return fmt.Errorf("give sandbox IDs or --label")
+			}
+			for _, id := range args {
+				var s *dsecv1.Sandbox
+				var err error
+				if op == "pause" {
+					s, err = c.Pause(ctx, id)
+				} else {
+					s, err = c.Resume(ctx, id)
+				}
+				if err != nil {
+					return err
+				}
+				if g.json() {
+					printJSON(os.Stdout, s)
+				} else {
+					fmt.Println(s.Id)
+				}
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringArrayVarP(&labels, "label", "l", nil, "label selector term (repeatable)")
+	return cmd
+}
+
+func logCmd(g *globals) *cobra.Command {
+	var from uint64
+	cmd := &cobra.Command{
+		Use:   "log ID",
+		Short: "Print a sandbox's trajectory log (-o json: JSON Lines, one entry per line)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			entries, err := g.client().Log(cmd.Context(), args[0], from)
+			if err != nil {
+				return err
+			}
+			if g.json() {
+				for _, e := range entries {
+					b, _ := protojson.MarshalOptions{UseProtoNames: true}.Marshal(e)
+					fmt.Println(string(b))
+				}
+				return nil
+			}
+			tw := table("SEQ", "AT", "OP", "REQUEST", "RESULT", "CALL")
+			for _, e := range entries {
+				what := strings.Join(e.Argv, " ")
+				if e.Op != "exec" {
+					what = e.Path
+					if e.To != "" {
+						what += " → " + e.To
+					}
+				}
+				if len(what) > 60 {
+					what = what[:60] + "…"
+				}
+				res := "ok"
+				switch {
+				case e.Error != nil:
+					res = "error: " + e.Error.Kind
+				case e.Op == "exec":
+					res = fmt.Sprintf("exit %d", e.Result.GetExitCode())
+				}
+				fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\n", e.Seq, e.At.AsTime().Format("15:04:05.000"), e.Op, orDash(e.RequestId), res, what)
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().Uint64Var(&from, "from", 0, "start at this sequence number")
+	return cmd
+}
+
+func replayCmd(g *globals) *cobra.Command {
+	var keep bool
+	var until uint64
+	cmd := &cobra.Command{
+		Use:   "replay ID",
+		Short: "Re-execute a sandbox's logged calls in a fresh sandbox and report divergences",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			resp, err := g.client().Replay(cmd.Context(), &dsecv1.ReplayRequest{SandboxId: args[0], Keep: keep, UntilSeq: until})
+			if err != nil {
+				return err
+			}
+			if g.json() {
+				printJSON(os.Stdout, resp)
+			} else {
+				for _, s := range resp.Steps {
+					mark := "same"
+					if s.Diverged {
+						mark = "DIVERGED " + s.Detail
+					}
+					fmt.Printf("%4d %-10s %s\n", s.Seq, s.Op, mark)
+				}
+				fmt.Printf("replayed %d calls in %s: %d diverged\n", resp.Replayed, resp.SandboxId, resp.Diverged)
+			}
+			if resp.Diverged > 0 {
+				return exitError(2)
+			}
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&keep, "keep", false, "keep the replay sandbox")
+	cmd.Flags().Uint64Var(&until, "until", 0, "stop after this sequence number")
+	return cmd
+}
+
+func sessionCmd(g *globals) *cobra.Command {
+	cmd := &cobra.Command{Use: "session", Short: "Trainer sessions (leases)"}
+	cmd.AddCommand(&cobra.Command{
+		Use:     "ls",
+		Aliases: []string{"list"},
+		Short:   "List sessions",
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			list, err := g.client().ListSessions(cmd.Context())
+			if err != nil {
+				return err
+			}
+			if g.json() {
+				printJSON(os.Stdout, &dsecv1.ListSessionsResponse{Sessions: list})
+				return nil
+			}
+			tw := table("SESSION", "STATE", "HEARTBEAT", "GRACE", "ON EXPIRE", "LAST HEARTBEAT")
+			for _, s := range list {
+				fmt.Fprintf(tw, "%s\t%s\t%ds\t%ds\t%s\t%s\n", s.Name, s.State, s.HeartbeatS, s.GraceS, s.OnExpire, ago(s.LastHeartbeat.AsTime()))
+			}
+			return tw.Flush()
+		},
+	})
+	var del bool
+	closeCmd := &cobra.Command{
+		Use:   "close NAME",
+		Short: "Close a session (--delete also deletes its sandboxes)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			_, err := g.client().CloseSession(cmd.Context(), args[0], del)
+			return err
+		},
+	}
+	closeCmd.Flags().BoolVar(&del, "delete", false, "delete the session's sandboxes")
+	cmd.AddCommand(closeCmd)
+	return cmd
+}
+
+func capacityCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "capacity",
+		Short: "Show free slots, the start queue, the start rate and warm pools",
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, err := g.client().Capacity(cmd.Context())
+			if err != nil {
+				return err
+			}
+			if g.json() {
+				printJSON(os.Stdout, c)
+				return nil
+			}
+			fmt.Printf("sandboxes: %d running, %d free of %d\n", c.Running, c.FreeSlots, c.MaxSandboxes)
+			fmt.Printf("starts: %.1f/s recently, at most %d at once; queue %d of %d\n", c.StartsPerS, c.MaxConcurrentStarts, c.QueueDepth, c.QueueLimit)
+			for _, p := range c.Pools {
+				fmt.Printf("pool %s: %d/%d ready, %d hits, %d misses\n", p.Key, p.Ready, p.Target, p.Hits, p.Misses)
+			}
+			return nil
+		},
+	}
+}

@@ -1,0 +1,148 @@
+package node
+
+import (
+	"context"
+	"sync"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+)
+
+// Pause freezes a sandbox and releases what memory it can. Pausing a
+// paused sandbox succeeds.
+func (n *Node) Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
+	s, err := n.lookup(id)
+	if err != nil {
+		return nil, err
+	}
+	if err := n.pause(ctx, s); err != nil {
+		return nil, err
+	}
+	return n.view(s), nil
+}
+
+// Resume thaws a paused sandbox. Resuming a running one succeeds.
+func (n *Node) Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
+	s, err := n.lookup(id)
+	if err != nil {
+		return nil, err
+	}
+	if err := n.resume(ctx, s); err != nil {
+		return nil, err
+	}
+	s.touch()
+	return n.view(s), nil
+}
+
+func (n *Node) pause(ctx context.Context, s *sandbox) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch s.state {
+	case statePaused:
+		return nil
+	case stateDeleting:
+		return errdefs.NotFound("sandbox %s is being deleted", s.id)
+	}
+	if err := s.inst.Pause(ctx); err != nil {
+		return n.failedLocked(s, err)
+	}
+	s.state = statePaused
+	return n.persistLocked(s)
+}
+
+func (n *Node) resume(ctx context.Context, s *sandbox) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch s.state {
+	case stateRunning:
+		return nil
+	case stateDeleting:
+		return errdefs.NotFound("sandbox %s is being deleted", s.id)
+	}
+	if err := s.inst.Resume(ctx); err != nil {
+		return n.failedLocked(s, err)
+	}
+	s.state = stateRunning
+	return n.persistLocked(s)
+}
+
+// failedLocked turns a driver failure on a dead sandbox into gone.
+func (n *Node) failedLocked(s *sandbox, err error) error {
+	if s.inst.Check(context.Background()) != nil {
+		go n.remove(context.Background(), s, "the sandbox died", true)
+		return errdefs.Gone("sandbox %s died", s.id)
+	}
+	return err
+}
+
+// persistLocked writes the sandbox's record with its current state.
+func (n *Node) persistLocked(s *sandbox) error {
+	r := *s.rec
+	r.State, r.Expires = s.state, s.expires
+	if err := n.store.put(&r); err != nil {
+		return errdefs.Internal(err, "persist sandbox")
+	}
+	s.rec = &r
+	return nil
+}
+
+// Bulk pauses, resumes or deletes every live sandbox matching a non-empty
+// label selector, in parallel, and reports each failure.
+func (n *Node) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkResponse, error) {
+	if selector == "" {
+		return nil, errdefs.Invalid("a label selector is required for a bulk %s", op)
+	}
+	sel, err := ParseSelector(selector)
+	if err != nil {
+		return nil, err
+	}
+	var act func(context.Context, *sandbox) error
+	switch op {
+	case "pause":
+		act = n.pause
+	case "resume":
+		act = n.resume
+	case "delete":
+		act = func(ctx context.Context, s *sandbox) error {
+			return n.remove(ctx, s, "deleted by the user (by label)", false)
+		}
+	default:
+		return nil, errdefs.Invalid("unknown bulk operation %q", op)
+	}
+	n.mu.Lock()
+	var targets []*sandbox
+	for _, s := range n.sandboxes {
+		if s.inst != nil && sel.Matches(s.spec.Labels) {
+			targets = append(targets, s)
+		}
+	}
+	n.mu.Unlock()
+	out := &dsecv1.BulkResponse{}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 8)
+	for _, s := range targets {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func(s *sandbox) {
+			defer wg.Done()
+			defer func() { <-sem }()
+			err := act(ctx, s)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				out.Failures = append(out.Failures, &dsecv1.BulkFailure{Id: s.id, Error: ItemError(err)})
+				return
+			}
+			out.Ids = append(out.Ids, s.id)
+		}(s)
+	}
+	wg.Wait()
+	return out, nil
+}
+
+// ItemError is an error as one item of a batch answer.
+func ItemError(err error) *dsecv1.ItemError {
+	e := errdefs.Classify(err)
+	return &dsecv1.ItemError{Kind: string(e.Kind), Message: e.Msg, Infra: e.Infra, Retryable: e.Retryable, RetryAfterMs: e.RetryAfter.Milliseconds()}
+}

@@ -1,0 +1,286 @@
+package node
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"sort"
+	"strings"
+	"time"
+
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/trajectory"
+)
+
+const maxRequestID = 256
+
+// execCall is an exec on its way into the trajectory log.
+type execCall struct {
+	n     *Node
+	log   *trajectory.Log
+	entry *dsecv1.LogEntry
+	start time.Time
+	done  func(*dsecv1.LogEntry) (*dsecv1.LogEntry, error) // set for a request ID
+}
+
+// beginExec logs the start of an exec. For a request ID already in the log
+// it returns the logged result (replayed) instead.
+func (n *Node) beginExec(ctx context.Context, s *sandbox, req *dsecv1.ExecRequest, x *guestv1.Exec) (*execCall, *dsecv1.ExecResult, error) {
+	rid := req.GetRequestId()
+	if len(rid) > maxRequestID {
+		return nil, nil, errdefs.Invalid("request_id longer than %d bytes", maxRequestID)
+	}
+	log, err := n.logs.Log(s.id)
+	if err != nil {
+		return nil, nil, errdefs.Internal(err, "open trajectory log")
+	}
+	env := map[string]string{}
+	for k, v := range req.GetEnv() {
+		env[k] = v
+	}
+	e := &dsecv1.LogEntry{Op: "exec", Argv: x.Argv, Cwd: x.Cwd, Env: env, User: x.User, TimeoutS: float64(x.TimeoutMs) / 1000}
+	if len(x.StdinData) > 0 {
+		e.StdinDigest = n.logs.PutBlob(x.StdinData)
+	}
+	c := &execCall{n: n, log: log, entry: e, start: time.Now()}
+	if rid != "" {
+		keys := make([]string, 0, len(env))
+		for k, v := range env {
+			keys = append(keys, k+"="+v)
+		}
+		sort.Strings(keys)
+		fp := trajectory.Fingerprint(append(append([]string{"exec", x.Cwd, x.User, e.StdinDigest, fmt.Sprint(x.Pty)}, x.Argv...), keys...)...)
+		replay, done, err := log.Claim(rid, fp, ctx.Done())
+		if err != nil {
+			return nil, nil, err
+		}
+		if replay != nil {
+			r := proto.Clone(replay.GetResult()).(*dsecv1.ExecResult)
+			if r == nil {
+				r = &dsecv1.ExecResult{}
+			}
+			r.Seq, r.Replayed = replay.Seq, true
+			return nil, r, nil
+		}
+		c.done = done
+	}
+	return c, nil, nil
+}
+
+// finish logs the result durably and returns it with its sequence number.
+func (c *execCall) finish(r *dsecv1.ExecResult) (*dsecv1.ExecResult, error) {
+	c.entry.At = timestamppb.New(c.start.UTC())
+	c.entry.DurationMs = time.Since(c.start).Milliseconds()
+	c.entry.Result = r
+	var e *dsecv1.LogEntry
+	var err error
+	if c.done != nil {
+		e, err = c.done(c.entry)
+		c.done = nil
+	} else {
+		e, err = c.log.Append(c.entry)
+	}
+	if err != nil {
+		return nil, errdefs.Internal(err, "record the call in the trajectory log")
+	}
+	r.Seq = e.Seq
+	return r, nil
+}
+
+// abandon records a call that did not complete; a request ID stays free,
+// so a retry runs it.
+func (c *execCall) abandon(cause error) {
+	if c == nil {
+		return
+	}
+	if c.done != nil {
+		c.done(nil)
+		c.done = nil
+	}
+	c.entry.At = timestamppb.New(c.start.UTC())
+	c.entry.DurationMs = time.Since(c.start).Milliseconds()
+	c.entry.Error = ItemError(cause)
+	c.log.Append(c.entry)
+}
+
+// logMutation appends a file mutation to the log.
+func (n *Node) logMutation(s *sandbox, e *dsecv1.LogEntry, start time.Time, err error) {
+	log, lerr := n.logs.Log(s.id)
+	if lerr != nil {
+		return
+	}
+	e.At = timestamppb.New(start.UTC())
+	e.DurationMs = time.Since(start).Milliseconds()
+	if err != nil {
+		e.Error = ItemError(err)
+	}
+	log.Append(e)
+}
+
+// GetLog reads a sandbox's trajectory log, live or recently deleted.
+func (n *Node) GetLog(ctx context.Context, req *dsecv1.GetLogRequest) (*dsecv1.GetLogResponse, error) {
+	id := req.GetSandboxId()
+	if _, err := NodeOf(id); err != nil {
+		return nil, err
+	}
+	if !n.logs.Exists(id) {
+		if _, err := n.Get(ctx, id); err != nil {
+			return nil, err
+		}
+		return &dsecv1.GetLogResponse{SandboxId: id, NextSeq: 1}, nil
+	}
+	log, err := n.logs.Log(id)
+	if err != nil {
+		return nil, errdefs.Internal(err, "open trajectory log")
+	}
+	limit := int(req.GetLimit())
+	if limit <= 0 || limit > 10000 {
+		limit = 10000
+	}
+	entries, next, err := log.Read(req.GetFromSeq(), limit)
+	if err != nil {
+		return nil, err
+	}
+	return &dsecv1.GetLogResponse{SandboxId: id, Entries: entries, NextSeq: next}, nil
+}
+
+// specOf returns the spec a sandbox was created with, live or deleted.
+func (n *Node) specOf(id string) (*dsecv1.SandboxSpec, error) {
+	n.mu.Lock()
+	s := n.sandboxes[id]
+	n.mu.Unlock()
+	if s != nil {
+		return proto.Clone(s.spec).(*dsecv1.SandboxSpec), nil
+	}
+	t, ok := n.store.tombstone(id)
+	if !ok {
+		return nil, errdefs.NotFound("sandbox %s not found (its record has expired)", id)
+	}
+	spec := &dsecv1.SandboxSpec{}
+	if err := protojson.Unmarshal(t.Spec, spec); err != nil {
+		return nil, errdefs.Internal(err, "decode sandbox record")
+	}
+	return spec, nil
+}
+
+// Replay re-executes a sandbox's logged mutating calls, in order, in a new
+// sandbox started from the same image or snapshot, and reports where the
+// results diverged.
+func (n *Node) Replay(ctx context.Context, req *dsecv1.ReplayRequest) (*dsecv1.ReplayResponse, error) {
+	id := req.GetSandboxId()
+	spec, err := n.specOf(id)
+	if err != nil {
+		return nil, err
+	}
+	if !n.logs.Exists(id) {
+		return nil, errdefs.NotFound("sandbox %s has no trajectory log", id)
+	}
+	log, err := n.logs.Log(id)
+	if err != nil {
+		return nil, err
+	}
+	entries, _, err := log.Read(0, 0)
+	if err != nil {
+		return nil, err
+	}
+	spec.Session = ""
+	labels := map[string]string{}
+	for k, v := range spec.Labels {
+		if !strings.HasPrefix(k, "dsec.io/") {
+			labels[k] = v
+		}
+	}
+	spec.Labels = labels
+	if spec.Snapshot != "" {
+		spec.Image = ""
+	}
+	sb, err := n.create(ctx, spec, "", "", map[string]string{"dsec.io/replay-of": id})
+	if err != nil {
+		return nil, fmt.Errorf("start the replay sandbox: %w", err)
+	}
+	if !req.GetKeep() {
+		defer n.Delete(context.WithoutCancel(ctx), sb.Id)
+	}
+	out := &dsecv1.ReplayResponse{SandboxId: sb.Id}
+	for _, e := range entries {
+		if req.GetUntilSeq() > 0 && e.Seq > req.GetUntilSeq() {
+			break
+		}
+		if e.Error != nil {
+			continue // did not complete the first time
+		}
+		step := &dsecv1.ReplayStep{Seq: e.Seq, Op: e.Op, RequestId: e.RequestId}
+		diverged, detail := n.replayOne(ctx, sb.Id, e)
+		step.Diverged, step.Detail = diverged, detail
+		out.Replayed++
+		if diverged {
+			out.Diverged++
+		}
+		out.Steps = append(out.Steps, step)
+	}
+	return out, nil
+}
+
+func (n *Node) replayOne(ctx context.Context, id string, e *dsecv1.LogEntry) (bool, string) {
+	switch e.Op {
+	case "exec":
+		req := &dsecv1.ExecRequest{SandboxId: id, Argv: e.Argv, Cwd: e.Cwd, Env: e.Env, User: e.User, TimeoutS: e.TimeoutS}
+		if e.StdinDigest != "" {
+			f, err := n.logs.OpenBlob(e.StdinDigest)
+			if err != nil {
+				return true, "stdin was not recorded"
+			}
+			b, _ := io.ReadAll(f)
+			f.Close()
+			req.Stdin = b
+		}
+		r, err := n.Exec(ctx, req)
+		if err != nil {
+			return true, "exec failed: " + err.Error()
+		}
+		want := e.GetResult()
+		var diffs []string
+		if r.ExitCode != want.GetExitCode() {
+			diffs = append(diffs, fmt.Sprintf("exit code %d, was %d", r.ExitCode, want.GetExitCode()))
+		}
+		if string(r.Stdout) != string(want.GetStdout()) {
+			diffs = append(diffs, "stdout differs")
+		}
+		if string(r.Stderr) != string(want.GetStderr()) {
+			diffs = append(diffs, "stderr differs")
+		}
+		return len(diffs) > 0, strings.Join(diffs, "; ")
+	case "write_file":
+		f, err := n.logs.OpenBlob(e.ContentDigest)
+		if err != nil {
+			return true, "content was not recorded"
+		}
+		defer f.Close()
+		info, err := n.WriteFile(ctx, &dsecv1.WriteFileHeader{SandboxId: id, Path: e.Path, Mode: e.Mode}, f)
+		if err != nil {
+			return true, "write failed: " + err.Error()
+		}
+		if info.Size != e.Size {
+			return true, fmt.Sprintf("size %d, was %d", info.Size, e.Size)
+		}
+	case "make_dir":
+		if _, err := n.MakeDir(ctx, &dsecv1.MakeDirRequest{SandboxId: id, Path: e.Path, User: e.User}); err != nil {
+			return true, err.Error()
+		}
+	case "remove":
+		if err := n.Remove(ctx, &dsecv1.RemoveRequest{SandboxId: id, Path: e.Path, Recursive: e.Recursive}); err != nil {
+			return true, err.Error()
+		}
+	case "rename":
+		if _, err := n.Rename(ctx, &dsecv1.RenameRequest{SandboxId: id, From: e.Path, To: e.To}); err != nil {
+			return true, err.Error()
+		}
+	}
+	return false, ""
+}

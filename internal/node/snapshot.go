@@ -1,0 +1,212 @@
+package node
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base32"
+	"fmt"
+	"io"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/substrate"
+)
+
+// Labels the node sets on forked sandboxes.
+const (
+	ForkOfLabel    = "dsec.io/fork-of"
+	ForkIndexLabel = "dsec.io/fork-index"
+)
+
+// snapshotPrefix starts every snapshot ID: "snap-<16 base32>-<node>".
+const snapshotPrefix = "snap-"
+
+func (n *Node) newSnapshotID() string {
+	var b [10]byte
+	rand.Read(b[:])
+	return snapshotPrefix + strings.ToLower(base32.StdEncoding.WithPadding(base32.NoPadding).EncodeToString(b[:])) + "-" + n.cfg.Name
+}
+
+// NodeOfSnapshot returns the node a snapshot ID names.
+func NodeOfSnapshot(id string) (string, error) {
+	rest, ok := strings.CutPrefix(id, snapshotPrefix)
+	if !ok {
+		return "", errdefs.Invalid("malformed snapshot id %q", truncate(id, 80))
+	}
+	return NodeOf(rest)
+}
+
+// Snapshot captures a sandbox's writable layer, consistently (frozen), as
+// a new read-only layer stacked on its image. Children share everything
+// below it.
+func (n *Node) Snapshot(ctx context.Context, req *dsecv1.SnapshotRequest) (*dsecv1.SnapshotInfo, error) {
+	s, err := n.lookup(req.GetSandboxId())
+	if err != nil {
+		return nil, err
+	}
+	if len(req.GetName()) > 128 {
+		return nil, errdefs.Invalid("snapshot name longer than 128 bytes")
+	}
+	if !n.drivers[substrate.Kind(s.spec.Kind)].Capabilities().Has(substrate.CapSnapshot) {
+		return nil, errdefs.Unimplemented("kind %q cannot snapshot", s.spec.Kind)
+	}
+	s.touch()
+	pr, pw := io.Pipe()
+	go func() { pw.CloseWithError(s.inst.Snapshot(ctx, pw)) }()
+	diff, size, err := n.images.AddLayer(pr)
+	pr.Close()
+	if err != nil {
+		return nil, n.callFailed(s, errdefs.Classify(err))
+	}
+	base := image.Config{}
+	if img, err := n.images.Get(s.image); err == nil {
+		base = img.Config
+	}
+	cfg := base
+	cfg.Env = append([]string(nil), base.Env...)
+	for k, v := range s.spec.Env {
+		cfg.Env = append(cfg.Env, k+"="+v)
+	}
+	cfg.Workdir, cfg.User = s.spec.Workdir, s.spec.User
+	id := n.newSnapshotID()
+	rec := &image.Image{
+		Name: id, Layers: append(append([]string(nil), s.layers...), diff), Size: size,
+		Created: time.Now().UTC(), Source: "snapshot:" + s.id, Config: cfg, Digest: diff,
+		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size},
+	}
+	if err := n.images.Put(rec); err != nil {
+		return nil, err
+	}
+	return n.snapshotView(rec), nil
+}
+
+func (n *Node) snapshotView(img *image.Image) *dsecv1.SnapshotInfo {
+	m := img.Snapshot
+	return &dsecv1.SnapshotInfo{
+		Id: m.ID, Name: m.Name, SandboxId: m.SandboxID, Kind: m.Kind, Image: m.BaseImage,
+		SizeBytes: m.Size, CreatedAt: timestamppb.New(img.Created), Node: n.cfg.Name,
+	}
+}
+
+// ListSnapshots lists the node's snapshots.
+func (n *Node) ListSnapshots(ctx context.Context) []*dsecv1.SnapshotInfo {
+	var out []*dsecv1.SnapshotInfo
+	for _, img := range n.images.List() {
+		if img.Snapshot != nil {
+			out = append(out, n.snapshotView(img))
+		}
+	}
+	return out
+}
+
+// DeleteSnapshot deletes a snapshot; sandboxes created from it keep its
+// layers.
+func (n *Node) DeleteSnapshot(ctx context.Context, id string) error {
+	img, err := n.images.Get(id)
+	if err != nil || img.Snapshot == nil {
+		return errdefs.NotFound("snapshot %q not found", id)
+	}
+	return n.images.Delete(id)
+}
+
+// CreateMany creates one sandbox per spec, concurrently, and reports each;
+// keys, if given, holds each item's idempotency key.
+func (n *Node) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string) *dsecv1.CreateSandboxesResponse {
+	return n.createMany(ctx, specs, keys, project, nil)
+}
+
+// ItemKeys derives per-item idempotency keys "<key>/<i>".
+func ItemKeys(key string, n int) []string {
+	if key == "" {
+		return nil
+	}
+	out := make([]string, n)
+	for i := range out {
+		out[i] = fmt.Sprintf("%s/%d", key, i)
+	}
+	return out
+}
+
+func (n *Node) createMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string, extra func(int) map[string]string) *dsecv1.CreateSandboxesResponse {
+	out := &dsecv1.CreateSandboxesResponse{Results: make([]*dsecv1.CreateResult, len(specs))}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	sem := make(chan struct{}, 64)
+	for i, spec := range specs {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func(i int, spec *dsecv1.SandboxSpec) {
+			defer wg.Done()
+			defer func() { <-sem }()
+			k := ""
+			if i < len(keys) {
+				k = keys[i]
+			}
+			var labels map[string]string
+			if extra != nil {
+				labels = extra(i)
+			}
+			sb, err := n.create(ctx, spec, k, project, labels)
+			r := &dsecv1.CreateResult{Index: int32(i), Sandbox: sb}
+			mu.Lock()
+			if err != nil {
+				r.Error = ItemError(err)
+				out.Failed++
+			} else {
+				out.Created++
+			}
+			out.Results[i] = r
+			mu.Unlock()
+		}(i, spec)
+	}
+	wg.Wait()
+	return out
+}
+
+// Fork snapshots a sandbox and creates count children from the snapshot,
+// each with the parent's spec, labels marking the fork, and its own
+// writable layer.
+func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.CreateSandboxesResponse, error) {
+	if req.GetCount() < 1 || req.GetCount() > 1024 {
+		return nil, errdefs.Invalid("count must be between 1 and 1024")
+	}
+	parent, err := n.lookup(req.GetSandboxId())
+	if err != nil {
+		return nil, err
+	}
+	snap, err := n.Snapshot(ctx, &dsecv1.SnapshotRequest{SandboxId: req.GetSandboxId(), Name: "fork of " + req.GetSandboxId()})
+	if err != nil {
+		return nil, err
+	}
+	base := proto.Clone(parent.spec).(*dsecv1.SandboxSpec)
+	base.Snapshot, base.Image = snap.Id, ""
+	labels := map[string]string{}
+	for k, v := range base.Labels {
+		if !strings.HasPrefix(k, "dsec.io/") {
+			labels[k] = v
+		}
+	}
+	for k, v := range req.GetLabels() {
+		labels[k] = v
+	}
+	base.Labels = labels
+	if req.GetSession() != "" {
+		base.Session = req.GetSession()
+	}
+	specs := make([]*dsecv1.SandboxSpec, req.GetCount())
+	for i := range specs {
+		specs[i] = base
+	}
+	resp := n.createMany(ctx, specs, ItemKeys(req.GetIdempotencyKey(), len(specs)), "", func(i int) map[string]string {
+		return map[string]string{ForkOfLabel: parent.id, ForkIndexLabel: fmt.Sprint(i)}
+	})
+	resp.SnapshotId = snap.Id
+	return resp, nil
+}

@@ -1,0 +1,289 @@
+// Package session holds trainer leases. A trainer opens a named session
+// and heartbeats it; sandboxes created with the session carry the label
+// dsec.io/session=<name>. When heartbeats stop for longer than the grace
+// period, the session expires and its sandboxes are paused (default) or
+// deleted; a trainer that reopens the session (or heartbeats again) gets
+// them back, resumed. Sandboxes keep their own TTLs, so none is ever left
+// without an owner.
+//
+// Sessions are control-plane state: the Store is an embedded bbolt file in
+// `dsec serve` and etcd in a cluster.
+package session
+
+import (
+	"context"
+	"log/slog"
+	"regexp"
+	"sort"
+	"sync"
+	"time"
+
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+)
+
+// Label is the label that binds a sandbox to a session.
+const Label = "dsec.io/session"
+
+// States.
+const (
+	Active  = "active"
+	Expired = "expired"
+	Closed  = "closed"
+)
+
+// Record is a persisted session.
+type Record struct {
+	Name          string    `json:"name"`
+	HeartbeatS    int64     `json:"heartbeat_s"`
+	GraceS        int64     `json:"grace_s"`
+	OnExpire      string    `json:"on_expire"`
+	State         string    `json:"state"`
+	Created       time.Time `json:"created"`
+	LastHeartbeat time.Time `json:"last_heartbeat"`
+	ExpiredAt     time.Time `json:"expired_at,omitempty"`
+}
+
+// Store persists sessions.
+type Store interface {
+	GetSession(ctx context.Context, name string) (*Record, error) // NotFound if missing
+	PutSession(ctx context.Context, r *Record) error
+	DeleteSession(ctx context.Context, name string) error
+	ListSessions(ctx context.Context) ([]*Record, error)
+}
+
+// Actor applies a bulk operation ("pause", "resume", "delete") to every
+// sandbox matching a label selector, on every node, and returns how many
+// it reached.
+type Actor func(ctx context.Context, op, selector string) (int, error)
+
+var nameRe = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$`)
+
+// Manager runs sessions. It is safe for concurrent use.
+type Manager struct {
+	store   Store
+	act     Actor
+	log     *slog.Logger
+	started time.Time
+
+	mu sync.Mutex // serializes state changes of sessions
+}
+
+// New returns a manager. Run starts expiring sessions.
+func New(store Store, act Actor, log *slog.Logger) *Manager {
+	return &Manager{store: store, act: act, log: log, started: time.Now()}
+}
+
+func selector(name string) string { return Label + "=" + name }
+
+// Open opens a session, or reopens an existing one: a reopened session
+// that had expired is active again and its paused sandboxes are resumed.
+func (m *Manager) Open(ctx context.Context, req *dsecv1.OpenSessionRequest) (*dsecv1.Session, error) {
+	if !nameRe.MatchString(req.GetName()) {
+		return nil, errdefs.Invalid("session name %q must be 1 to 63 letters, digits, '.', '_' or '-'", req.GetName())
+	}
+	hb, grace, onExpire := req.GetHeartbeatS(), req.GetGraceS(), req.GetOnExpire()
+	if hb == 0 {
+		hb = 5
+	}
+	if grace == 0 {
+		grace = max(30, 3*hb)
+	}
+	if onExpire == "" {
+		onExpire = "pause"
+	}
+	switch {
+	case hb < 1 || hb > 3600:
+		return nil, errdefs.Invalid("heartbeat_s must be between 1 and 3600")
+	case grace < hb || grace > 86400:
+		return nil, errdefs.Invalid("grace_s must be between heartbeat_s and 86400")
+	case onExpire != "pause" && onExpire != "delete":
+		return nil, errdefs.Invalid("on_expire must be pause or delete")
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := time.Now().UTC()
+	r, err := m.store.GetSession(ctx, req.GetName())
+	if err != nil && !errdefs.Is(err, errdefs.KindNotFound) {
+		return nil, err
+	}
+	if r == nil || r.State == Closed {
+		r = &Record{Name: req.GetName(), Created: now}
+	}
+	r.HeartbeatS, r.GraceS, r.OnExpire = hb, grace, onExpire
+	resumed, err := m.reviveLocked(ctx, r, now)
+	if err != nil {
+		return nil, err
+	}
+	v := view(r)
+	v.Resumed = int32(resumed)
+	return v, nil
+}
+
+// reviveLocked makes r active as of now, resuming its sandboxes if it had
+// expired with "pause".
+func (m *Manager) reviveLocked(ctx context.Context, r *Record, now time.Time) (int, error) {
+	wasExpired := r.State == Expired
+	r.State, r.LastHeartbeat, r.ExpiredAt = Active, now, time.Time{}
+	if err := m.store.PutSession(ctx, r); err != nil {
+		return 0, err
+	}
+	if !wasExpired || r.OnExpire != "pause" {
+		return 0, nil
+	}
+	n, err := m.act(ctx, "resume", selector(r.Name))
+	if err != nil {
+		return n, err
+	}
+	m.log.Info("session revived; sandboxes resumed", slog.String("session", r.Name), slog.Int("sandboxes", n))
+	return n, nil
+}
+
+// Heartbeat renews a session. A heartbeat on an expired session revives
+// it (its trainer was only unreachable).
+func (m *Manager) Heartbeat(ctx context.Context, name string) (*dsecv1.Session, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	r, err := m.store.GetSession(ctx, name)
+	if err != nil {
+		return nil, err
+	}
+	if r.State == Closed {
+		return nil, errdefs.NotFound("session %q is closed", name)
+	}
+	resumed, err := m.reviveLocked(ctx, r, time.Now().UTC())
+	if err != nil {
+		return nil, err
+	}
+	v := view(r)
+	v.Resumed = int32(resumed)
+	return v, nil
+}
+
+// Get returns a session.
+func (m *Manager) Get(ctx context.Context, name string) (*dsecv1.Session, error) {
+	r, err := m.store.GetSession(ctx, name)
+	if err != nil {
+		return nil, err
+	}
+	return view(r), nil
+}
+
+// List lists sessions by name.
+func (m *Manager) List(ctx context.Context) ([]*dsecv1.Session, error) {
+	rs, err := m.store.ListSessions(ctx)
+	if err != nil {
+		return nil, err
+	}
+	sort.Slice(rs, func(i, j int) bool { return rs[i].Name < rs[j].Name })
+	out := make([]*dsecv1.Session, 0, len(rs))
+	for _, r := range rs {
+		out = append(out, view(r))
+	}
+	return out, nil
+}
+
+// Close ends a session; with deleteSandboxes its sandboxes are deleted,
+// otherwise they live on under their TTLs.
+func (m *Manager) Close(ctx context.Context, name string, deleteSandboxes bool) (*dsecv1.Session, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	r, err := m.store.GetSession(ctx, name)
+	if err != nil {
+		return nil, err
+	}
+	if deleteSandboxes {
+		if _, err := m.act(ctx, "delete", selector(name)); err != nil {
+			return nil, err
+		}
+	} else if r.State == Expired && r.OnExpire == "pause" {
+		// Leave nothing frozen behind an ended lease.
+		m.act(ctx, "resume", selector(name))
+	}
+	r.State = Closed
+	if err := m.store.DeleteSession(ctx, name); err != nil {
+		return nil, err
+	}
+	return view(r), nil
+}
+
+// Admit checks that a create may bind to session name: it must exist and
+// be active.
+func (m *Manager) Admit(ctx context.Context, name string) error {
+	r, err := m.store.GetSession(ctx, name)
+	if err != nil {
+		if errdefs.Is(err, errdefs.KindNotFound) {
+			return errdefs.NotFound("session %q does not exist; open it first", name)
+		}
+		return err
+	}
+	if r.State != Active {
+		return errdefs.Conflict("session %q is %s; reopen it first", name, r.State)
+	}
+	return nil
+}
+
+// Run expires sessions whose heartbeats stopped, until ctx ends.
+func (m *Manager) Run(ctx context.Context) {
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-tick.C:
+			m.expire(ctx, now)
+		}
+	}
+}
+
+func (m *Manager) expire(ctx context.Context, now time.Time) {
+	rs, err := m.store.ListSessions(ctx)
+	if err != nil {
+		m.log.Warn("list sessions", slog.Any("error", err))
+		return
+	}
+	for _, r := range rs {
+		if r.State != Active {
+			continue
+		}
+		// A control plane that was down did not hear heartbeats: count from
+		// its own start, not from before.
+		last := r.LastHeartbeat
+		if last.Before(m.started) {
+			last = m.started
+		}
+		if now.Sub(last) <= time.Duration(r.GraceS)*time.Second {
+			continue
+		}
+		m.mu.Lock()
+		cur, err := m.store.GetSession(ctx, r.Name)
+		if err != nil || cur.State != Active || !cur.LastHeartbeat.Equal(r.LastHeartbeat) {
+			m.mu.Unlock()
+			continue // heartbeat or reopen meanwhile
+		}
+		n, err := m.act(ctx, cur.OnExpire, selector(cur.Name))
+		if err != nil {
+			m.log.Warn("expire session", slog.String("session", cur.Name), slog.Any("error", err))
+			m.mu.Unlock()
+			continue // retried next tick
+		}
+		cur.State, cur.ExpiredAt = Expired, now.UTC()
+		m.store.PutSession(ctx, cur)
+		m.mu.Unlock()
+		m.log.Warn("session expired: heartbeats stopped", slog.String("session", cur.Name), slog.String("action", cur.OnExpire), slog.Int("sandboxes", n))
+	}
+}
+
+func view(r *Record) *dsecv1.Session {
+	v := &dsecv1.Session{
+		Name: r.Name, State: r.State, HeartbeatS: r.HeartbeatS, GraceS: r.GraceS, OnExpire: r.OnExpire,
+		CreatedAt: timestamppb.New(r.Created), LastHeartbeat: timestamppb.New(r.LastHeartbeat),
+	}
+	if !r.ExpiredAt.IsZero() {
+		v.ExpiredAt = timestamppb.New(r.ExpiredAt)
+	}
+	return v
+}

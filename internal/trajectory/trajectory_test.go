@@ -1,0 +1,116 @@
+package trajectory
+
+import (
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+)
+
+func entry(out string) *dsecv1.LogEntry {
+	return &dsecv1.LogEntry{Op: "exec", At: timestamppb.New(Now()), Argv: []string{"echo", out}, Result: &dsecv1.ExecResult{Stdout: []byte(out)}}
+}
+
+func TestExactlyOnce(t *testing.T) {
+	s, _ := Open(t.TempDir())
+	l, err := s.Log("sb1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Run("a first call runs and is logged", func(t *testing.T) {
+		replay, done, err := l.Claim("r1", "fp1", nil)
+		if err != nil || replay != nil {
+			t.Fatalf("claim: %v %v", replay, err)
+		}
+		e, err := done(entry("one"))
+		if err != nil || e.Seq != 1 {
+			t.Fatalf("append: %v seq %d", err, e.GetSeq())
+		}
+	})
+	t.Run("a repeat is answered from the log", func(t *testing.T) {
+		replay, done, err := l.Claim("r1", "fp1", nil)
+		if err != nil || done != nil || string(replay.GetResult().GetStdout()) != "one" || replay.Seq != 1 {
+			t.Fatalf("replay: %v %v", replay, err)
+		}
+	})
+	t.Run("a reused id with another request conflicts", func(t *testing.T) {
+		_, _, err := l.Claim("r1", "other", nil)
+		if !errdefs.Is(err, errdefs.KindConflict) {
+			t.Fatalf("got %v", err)
+		}
+	})
+	t.Run("concurrent duplicates run once", func(t *testing.T) {
+		var runs atomic.Int32
+		var wg sync.WaitGroup
+		for i := 0; i < 8; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				replay, done, err := l.Claim("r2", "fp2", nil)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if replay == nil {
+					runs.Add(1)
+					done(entry("two"))
+				}
+			}()
+		}
+		wg.Wait()
+		if runs.Load() != 1 {
+			t.Fatalf("ran %d times", runs.Load())
+		}
+	})
+	t.Run("the log survives reopening and a torn tail", func(t *testing.T) {
+		l.Append(entry("three"))
+		s.Close()
+		f, _ := os.OpenFile(filepath.Join(s.dir, "logs", "sb1.jsonl"), os.O_APPEND|os.O_WRONLY, 0)
+		f.Write([]byte(`{"seq":"4","op":"ex`)) // a crash mid-write
+		f.Close()
+		s2, _ := Open(s.dir)
+		l2, err := s2.Log("sb1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l2.Len() != 3 {
+			t.Fatalf("len %d after reopening", l2.Len())
+		}
+		replay, _, err := l2.Claim("r2", "fp2", nil)
+		if err != nil || string(replay.GetResult().GetStdout()) != "two" {
+			t.Fatalf("replay after reopening: %v %v", replay, err)
+		}
+		e, err := l2.Append(entry("four"))
+		if err != nil || e.Seq != 4 {
+			t.Fatalf("append after reopening: seq %d %v", e.GetSeq(), err)
+		}
+		all, next, _ := l2.Read(0, 0)
+		if len(all) != 4 || next != 5 {
+			t.Fatalf("read %d entries, next %d", len(all), next)
+		}
+		page, next, _ := l2.Read(2, 2)
+		if len(page) != 2 || page[0].Seq != 2 || next != 4 {
+			t.Fatalf("page %v next %d", page, next)
+		}
+	})
+}
+
+func TestBlobs(t *testing.T) {
+	s, _ := Open(t.TempDir())
+	d := s.PutBlob([]byte("content"))
+	f, err := s.OpenBlob(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	s.GCBlobs() // no log references it
+	if _, err := s.OpenBlob(d); !errdefs.Is(err, errdefs.KindNotFound) {
+		t.Fatalf("unreferenced blob kept: %v", err)
+	}
+}

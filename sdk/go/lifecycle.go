@@ -1,0 +1,164 @@
+package dsec
+
+import (
+	"context"
+
+	"connectrpc.com/connect"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
+)
+
+func (c *Client) sessionsClient() dsecv1connect.SessionServiceClient {
+	return dsecv1connect.NewSessionServiceClient(c.http, c.url, connect.WithInterceptors(keyInterceptor(c.key)))
+}
+
+// CreateMany creates count sandboxes of one shape and reports each.
+func (c *Client) CreateMany(ctx context.Context, o CreateOptions, count int) (*dsecv1.CreateSandboxesResponse, error) {
+	r, err := c.sandboxes.CreateSandboxes(ctx, connect.NewRequest(&dsecv1.CreateSandboxesRequest{Spec: o.spec(), Count: int32(count), IdempotencyKey: o.IdempotencyKey}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// Pause freezes a sandbox; any later call resumes it.
+func (c *Client) Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
+	r, err := c.sandboxes.PauseSandbox(ctx, connect.NewRequest(&dsecv1.PauseSandboxRequest{Id: id}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// Resume thaws a paused sandbox.
+func (c *Client) Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
+	r, err := c.sandboxes.ResumeSandbox(ctx, connect.NewRequest(&dsecv1.ResumeSandboxRequest{Id: id}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// Bulk pauses, resumes or deletes ("pause", "resume", "delete") every
+// sandbox matching selector.
+func (c *Client) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkResponse, error) {
+	req := connect.NewRequest(&dsecv1.BulkRequest{LabelSelector: selector})
+	var r *connect.Response[dsecv1.BulkResponse]
+	var err error
+	switch op {
+	case "pause":
+		r, err = c.sandboxes.PauseSandboxes(ctx, req)
+	case "resume":
+		r, err = c.sandboxes.ResumeSandboxes(ctx, req)
+	default:
+		r, err = c.sandboxes.DeleteSandboxes(ctx, req)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// Snapshot captures a sandbox.
+func (c *Client) Snapshot(ctx context.Context, id, name string) (*dsecv1.SnapshotInfo, error) {
+	r, err := c.sandboxes.Snapshot(ctx, connect.NewRequest(&dsecv1.SnapshotRequest{SandboxId: id, Name: name}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// ListSnapshots lists snapshots.
+func (c *Client) ListSnapshots(ctx context.Context) ([]*dsecv1.SnapshotInfo, error) {
+	r, err := c.sandboxes.ListSnapshots(ctx, connect.NewRequest(&dsecv1.ListSnapshotsRequest{}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg.Snapshots, nil
+}
+
+// DeleteSnapshot deletes a snapshot.
+func (c *Client) DeleteSnapshot(ctx context.Context, id string) error {
+	_, err := c.sandboxes.DeleteSnapshot(ctx, connect.NewRequest(&dsecv1.DeleteSnapshotRequest{Id: id}))
+	return err
+}
+
+// Fork snapshots a sandbox and creates count children from it.
+func (c *Client) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.CreateSandboxesResponse, error) {
+	r, err := c.sandboxes.Fork(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// Log reads a sandbox's trajectory log from seq from.
+func (c *Client) Log(ctx context.Context, id string, from uint64) ([]*dsecv1.LogEntry, error) {
+	var out []*dsecv1.LogEntry
+	for {
+		r, err := c.sandboxes.GetLog(ctx, connect.NewRequest(&dsecv1.GetLogRequest{SandboxId: id, FromSeq: from}))
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, r.Msg.Entries...)
+		if len(r.Msg.Entries) == 0 || r.Msg.NextSeq <= from {
+			return out, nil
+		}
+		from = r.Msg.NextSeq
+	}
+}
+
+// Replay re-executes a sandbox's logged calls in a fresh sandbox.
+func (c *Client) Replay(ctx context.Context, req *dsecv1.ReplayRequest) (*dsecv1.ReplayResponse, error) {
+	r, err := c.sandboxes.Replay(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// Capacity says how fast to go.
+func (c *Client) Capacity(ctx context.Context) (*dsecv1.Capacity, error) {
+	r, err := c.system.GetCapacity(ctx, connect.NewRequest(&dsecv1.GetCapacityRequest{}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// OpenSession opens (or reopens) a trainer session.
+func (c *Client) OpenSession(ctx context.Context, req *dsecv1.OpenSessionRequest) (*dsecv1.Session, error) {
+	r, err := c.sessionsClient().OpenSession(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// Heartbeat renews a session.
+func (c *Client) Heartbeat(ctx context.Context, name string) (*dsecv1.Session, error) {
+	r, err := c.sessionsClient().Heartbeat(ctx, connect.NewRequest(&dsecv1.HeartbeatRequest{Name: name}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// ListSessions lists sessions.
+func (c *Client) ListSessions(ctx context.Context) ([]*dsecv1.Session, error) {
+	r, err := c.sessionsClient().ListSessions(ctx, connect.NewRequest(&dsecv1.ListSessionsRequest{}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg.Sessions, nil
+}
+
+// CloseSession ends a session.
+func (c *Client) CloseSession(ctx context.Context, name string, deleteSandboxes bool) (*dsecv1.Session, error) {
+	r, err := c.sessionsClient().CloseSession(ctx, connect.NewRequest(&dsecv1.CloseSessionRequest{Name: name, DeleteSandboxes: deleteSandboxes}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
