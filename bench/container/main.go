@@ -43,8 +43,8 @@ func main() {
 	if err := mountns.Enter(); err != nil {
 		fatal(err)
 	}
-	b := &benchT{}
-	defer b.cleanup()
+	b := dsectest.Program()
+	defer b.Close()
 	srv := dsectest.Start(b, dsectest.Options{Args: []string{"--max-sandboxes", strconv.Itoa(max(*idle+64, 4096))}})
 	c := srv.Client()
 	ctx := context.Background()
@@ -396,40 +396,4 @@ func runtimeCPUs() int {
 func fatal(err error) {
 	fmt.Fprintln(os.Stderr, "bench:", err)
 	os.Exit(1)
-}
-
-// benchT lets the test harness run outside a test.
-type benchT struct {
-	mu       sync.Mutex
-	cleanups []func()
-	dirs     []string
-}
-
-func (b *benchT) Helper()                      {}
-func (b *benchT) Fatal(args ...any)            { b.cleanup(); fatal(fmt.Errorf("%s", fmt.Sprint(args...))) }
-func (b *benchT) Fatalf(f string, args ...any) { b.cleanup(); fatal(fmt.Errorf(f, args...)) }
-func (b *benchT) Skip(args ...any)             { b.Fatal(args...) }
-func (b *benchT) Skipf(f string, args ...any)  { b.Fatalf(f, args...) }
-func (b *benchT) Logf(f string, args ...any)   { fmt.Fprintf(os.Stderr, f+"\n", args...) }
-func (b *benchT) Failed() bool                 { return false }
-func (b *benchT) Cleanup(f func())             { b.mu.Lock(); b.cleanups = append(b.cleanups, f); b.mu.Unlock() }
-func (b *benchT) TempDir() string {
-	d, _ := os.MkdirTemp("", "dsec-bench-")
-	b.mu.Lock()
-	b.dirs = append(b.dirs, d)
-	b.mu.Unlock()
-	return d
-}
-
-func (b *benchT) cleanup() {
-	b.mu.Lock()
-	fns, dirs := b.cleanups, b.dirs
-	b.cleanups, b.dirs = nil, nil
-	b.mu.Unlock()
-	for i := len(fns) - 1; i >= 0; i-- {
-		fns[i]()
-	}
-	for _, d := range dirs {
-		os.RemoveAll(d)
-	}
 }

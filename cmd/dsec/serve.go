@@ -70,6 +70,8 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&flagCfg.LogLevel, "log-level", "", "debug, info, warn or error")
 	f.StringVar(&flagCfg.Node.Name, "name", "", "node name (default local)")
 	f.IntVar(&flagCfg.Node.MaxSandboxes, "max-sandboxes", 0, "admission limit (default 4096)")
+	f.IntVar(&flagCfg.Node.MaxConcurrentStarts, "max-starts", 0, "sandbox starts in flight (default 2 per core)")
+	f.IntVar(&flagCfg.Node.StartQueue, "start-queue", 0, "creates that may wait for a start (default 1024)")
 	f.StringVar(&flagCfg.Network.Bridge, "bridge", "", "egress bridge name (default dsec0)")
 	f.StringVar(&flagCfg.Network.Subnet, "subnet", "", "egress subnet (default 10.88.0.0/16)")
 	f.StringVar(&flagCfg.Network.Table, "nft-table", "", "nftables table (default dsec)")
@@ -113,6 +115,12 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("max-sandboxes") {
 		cfg.Node.MaxSandboxes = fl.Node.MaxSandboxes
+	}
+	if set("max-starts") {
+		cfg.Node.MaxConcurrentStarts = fl.Node.MaxConcurrentStarts
+	}
+	if set("start-queue") {
+		cfg.Node.StartQueue = fl.Node.StartQueue
 	}
 	if set("bridge") {
 		cfg.Network.Bridge = fl.Network.Bridge

@@ -109,7 +109,11 @@ func (ps *pools) fill(p *pool) {
 		cancel()
 		release()
 		if err != nil {
-			n.log.Warn("warm pool fill failed", slog.String("pool", p.key), slog.Any("error", err))
+			level := slog.LevelWarn
+			if errdefs.Is(err, errdefs.KindNotFound) {
+				level = slog.LevelDebug // the image is not imported yet
+			}
+			n.log.Log(context.Background(), level, "warm pool fill failed", slog.String("pool", p.key), slog.Any("error", err))
 			select {
 			case <-time.After(backoff):
 				backoff = min(2*backoff, time.Minute)

@@ -337,7 +337,8 @@ func (l *Log) Append(e *dsecv1.LogEntry) (*dsecv1.LogEntry, error) {
 	if err != nil {
 		return nil, err
 	}
-	b = append(compact(b), '\n')
+	// Non-multiline protojson never emits a raw newline: one entry per line.
+	b = append(b, '\n')
 	off, err := l.f.Seek(0, io.SeekEnd)
 	if err != nil {
 		return nil, errdefs.Internal(err, "write trajectory log")
@@ -354,16 +355,6 @@ func (l *Log) Append(e *dsecv1.LogEntry) (*dsecv1.LogEntry, error) {
 		l.byReq[e.RequestId] = off
 	}
 	return e, nil
-}
-
-// compact removes the spaces protojson may put between tokens, keeping one
-// entry per line.
-func compact(b []byte) []byte {
-	var out bytes.Buffer
-	if err := jsonCompact(&out, b); err != nil {
-		return b
-	}
-	return out.Bytes()
 }
 
 func (l *Log) readAt(off int64) (*dsecv1.LogEntry, error) {
