@@ -39,20 +39,26 @@ func main() {
 	runs := flag.Int("runs", 3, "repetitions; medians are reported")
 	idle := flag.Int("idle", 0, "also hold this many idle sandboxes and report memory per sandbox")
 	execN := flag.Int("exec", 500, "exec round trips to time")
+	pool := flag.Int("pool", 0, "serve creates from a warm pool of this size (0: cold creates)")
 	flag.Parse()
 	if err := mountns.Enter(); err != nil {
 		fatal(err)
 	}
 	b := dsectest.Program()
 	defer b.Close()
-	srv := dsectest.Start(b, dsectest.Options{Args: []string{"--max-sandboxes", strconv.Itoa(max(*idle+64, 4096))}})
+	args := []string{"--max-sandboxes", strconv.Itoa(max(*idle+64, 4096))}
+	if *pool > 0 {
+		args = append(args, "--pool", fmt.Sprintf("busybox:%d", *pool))
+	}
+	srv := dsectest.Start(b, dsectest.Options{Args: args})
 	c := srv.Client()
 	ctx := context.Background()
 	layers := busyboxLayers(ctx, c, srv.DataDir)
 	raw := newRaw(b.TempDir(), layers)
 
 	fmt.Printf("dsec container benchmark — %d CPUs, %s\n", runtimeCPUs(), time.Now().Format(time.RFC3339))
-	fmt.Printf("raw baseline: mount overlay of the same busybox layers + `crun run` (crun's default spec) of `true` + umount\n\n")
+	fmt.Printf("raw baseline: mount overlay of the same busybox layers + `crun run` (crun's default spec) of `true` + umount\n")
+	fmt.Printf("dsec side: warm pool of %d (0 = every create starts a container)\n\n", *pool)
 	fmt.Printf("%-4s %12s %12s %7s   %s\n", "par", "dsec/s", "raw/s", "ratio", "dsec latency p50/p90/p99 (create→exec→delete)")
 	for _, ps := range strings.Split(*pars, ",") {
 		par, _ := strconv.Atoi(ps)
@@ -100,7 +106,7 @@ func cycleAPI(ctx context.Context, c *dsec.Client, n, par int) (float64, []time.
 			defer wg.Done()
 			for next.Add(1) <= int64(n) {
 				t0 := time.Now()
-				sb, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox", MemoryMB: 128})
+				sb, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox"})
 				if err != nil {
 					fatal(err)
 				}
@@ -125,7 +131,7 @@ func breakdown(ctx context.Context, c *dsec.Client, n int) string {
 	var cr, ex, de []time.Duration
 	for i := 0; i < n; i++ {
 		t0 := time.Now()
-		sb, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox", MemoryMB: 128})
+		sb, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox"})
 		if err != nil {
 			fatal(err)
 		}

@@ -5,6 +5,7 @@
 package substratetest
 
 import (
+	"archive/tar"
 	"bytes"
 	"context"
 	"fmt"
@@ -247,6 +248,34 @@ func Run(t *testing.T, h Harness) {
 			}
 			if x := run(t, inst.Guest(), "echo", "back"); string(x.Stdout) != "back\n" {
 				t.Fatalf("after resume: %q", x.Stdout)
+			}
+		})
+	}
+
+	if caps.Has(substrate.CapSnapshot) {
+		t.Run("a snapshot holds the writable layer with deletions as whiteouts", func(t *testing.T) {
+			inst, _ := h.create(t, nil)
+			run(t, inst.Guest(), "sh", "-c", "mkdir -p /work && echo new > /work/f && rm /bin/vi")
+			var buf bytes.Buffer
+			if err := inst.Snapshot(ctxT(t, time.Minute), &buf); err != nil {
+				t.Fatal(err)
+			}
+			names := map[string]bool{}
+			tr := tar.NewReader(&buf)
+			for {
+				hdr, err := tr.Next()
+				if err != nil {
+					break
+				}
+				names[strings.TrimPrefix(hdr.Name, "./")] = true
+			}
+			for _, want := range []string{"work/f", "bin/.wh.vi"} {
+				if !names[want] {
+					t.Errorf("snapshot lacks %s: %v", want, names)
+				}
+			}
+			if x := run(t, inst.Guest(), "cat", "/work/f"); string(x.Stdout) != "new\n" {
+				t.Fatalf("instance after snapshot: %q", x.Stdout)
 			}
 		})
 	}
