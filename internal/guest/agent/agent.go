@@ -246,16 +246,13 @@ func (a *Agent) hello() *guestv1.HelloReply {
 
 func (a *Agent) serveExec(x *guestv1.Exec, r *guest.Reader, w *guest.Writer) {
 	s := connSink{w}
-	p, err := a.start(x, func(p *proc) sink {
-		if x.Collect {
-			return s
+	var started func(*proc)
+	if !x.Collect {
+		started = func(p *proc) {
+			w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Started{Started: &guestv1.Started{Id: p.id, Pid: int32(p.pid)}}})
 		}
-		// "started" goes out before any output can.
-		if err := w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Started{Started: &guestv1.Started{Id: p.id, Pid: int32(p.pid)}}}); err != nil {
-			return nil
-		}
-		return s
-	})
+	}
+	p, err := a.start(x, s, started)
 	if err != nil {
 		// A command that cannot start is the task's failure, reported as an
 		// exit (127 like a shell), not as a broken call.

@@ -218,9 +218,10 @@ type proc struct {
 	graceSet bool
 }
 
-// start starts x and registers it. onStart, if set, runs before any output
-// is read and returns a sink subscribed from the first byte on.
-func (a *Agent) start(x *guestv1.Exec, onStart func(*proc) sink) (*proc, error) {
+// start starts x and registers it. s, if set, is subscribed from the first
+// byte on; started, if set, runs once the process is registered (so calls
+// naming it find it) and before any output is read.
+func (a *Agent) start(x *guestv1.Exec, s sink, started func(*proc)) (*proc, error) {
 	if len(x.Argv) == 0 || x.Argv[0] == "" {
 		return nil, errors.New("empty command")
 	}
@@ -315,12 +316,15 @@ func (a *Agent) start(x *guestv1.Exec, onStart func(*proc) sink) (*proc, error) 
 	os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", []byte("0"), 0)
 	applyRlimits(pid, x)
 	p.openFds = len(readers)
-	if onStart != nil {
-		if s := onStart(p); s != nil {
-			p.subs[s] = struct{}{}
-		}
+	if s != nil {
+		p.subs[s] = struct{}{}
 	}
 	a.procs.register(p)
+	if started != nil {
+		// An exit cannot be sent before the readers drain (not started yet)
+		// or the drain grace passes, so "started" goes out first.
+		started(p)
+	}
 	if x.Pty {
 		go p.read(1, readers[0])
 	} else {
