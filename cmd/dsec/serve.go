@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -28,6 +29,7 @@ import (
 	"github.com/opendsec/dsec/internal/session"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/container"
+	"github.com/opendsec/dsec/internal/substrate/function"
 )
 
 func serveCmd() *cobra.Command {
@@ -168,11 +170,13 @@ func serve(ctx context.Context, cfg config.Config) error {
 	if err := apiserver.CheckListen(cfg.Listen, cfg.APIKeys); err != nil {
 		return err
 	}
-	n, err := buildNode(cfg, dataDir, log)
+	n, fn, err := buildNode(cfg, dataDir, log)
 	if err != nil {
 		return err
 	}
 	defer n.Close()
+	fn.Start()
+	defer fn.Close()
 	router := apiserver.Single{N: n}
 	sessStore, err := session.OpenBolt(filepath.Join(dataDir, "control.db"))
 	if err != nil {
@@ -229,39 +233,42 @@ func debugMux() *http.ServeMux {
 }
 
 // buildNode assembles a node agent with every substrate this host runs.
-func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node, error) {
+func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node, *function.Driver, error) {
 	guestBin, err := findGuest(cfg.GuestBinary)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	images, err := image.Open(filepath.Join(dataDir, "images"), log)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	netRun := filepath.Join("/run/dsec", runKey(dataDir), "netns")
 	nm, err := network.New(network.Config{Bridge: cfg.Network.Bridge, Subnet: cfg.Network.Subnet, DNS: cfg.Network.DNS, Table: cfg.Network.Table, RunDir: netRun}, log)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	ct, err := container.New(container.Config{
 		Runtime: cfg.Container.Runtime, CgroupParent: cfg.Container.CgroupParent,
 		GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "container"),
 	}, log)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	drivers := map[substrate.Kind]substrate.Driver{substrate.KindContainer: ct}
+	fn := function.New(function.Config{Image: cfg.Function.Image, StateDir: filepath.Join(dataDir, "function"),
+		Slots: cfg.Function.Slots, MaxWorkers: cfg.Function.MaxWorkers, WorkerMemoryMB: cfg.Function.WorkerMemoryMB}, ct, images, log, runtime.NumCPU())
+	drivers := map[substrate.Kind]substrate.Driver{substrate.KindContainer: ct, substrate.KindFunction: fn}
 	var pools []node.PoolConfig
 	for _, p := range cfg.Node.Pools {
 		pools = append(pools, node.PoolConfig{Kind: p.Kind, Image: p.Image, CPU: p.CPU, MemoryMB: p.MemoryMB, Pids: p.Pids, Network: p.Network, Size: p.Size})
 	}
-	return node.New(node.Config{
+	n, err := node.New(node.Config{
 		MaxConcurrentStarts: cfg.Node.MaxConcurrentStarts, StartQueue: cfg.Node.StartQueue, Pools: pools,
 		Name: cfg.Node.Name, DataDir: dataDir, CacheDir: cfg.CacheDir, MaxSandboxes: cfg.Node.MaxSandboxes,
 		DefaultTTL: time.Duration(cfg.Node.DefaultTTL), MaxTTL: time.Duration(cfg.Node.MaxTTL),
 		DefaultCPU: cfg.Node.DefaultCPU, DefaultMemoryMB: cfg.Node.DefaultMemoryMB,
 		DefaultExecTimeout: time.Duration(cfg.Node.DefaultExecTimeout),
 	}, log, images, nm, drivers)
+	return n, fn, err
 }
 
 // runKey names a data directory's runtime directory under /run/dsec.

@@ -52,6 +52,10 @@ type Node interface {
 	Replay(ctx context.Context, req *dsecv1.ReplayRequest) (*dsecv1.ReplayResponse, error)
 	Capacity(ctx context.Context) *dsecv1.Capacity
 
+	RunCode(ctx context.Context, req *dsecv1.RunCodeRequest) (*dsecv1.RunCodeResult, error)
+	RunCodeBatch(ctx context.Context, reqs []*dsecv1.RunCodeRequest) ([]*dsecv1.RunCodeResult, error)
+	Languages(ctx context.Context, image string) ([]*dsecv1.LanguageInfo, error)
+
 	ListImages(ctx context.Context) []*dsecv1.Image
 	GetImage(ctx context.Context, name string) (*dsecv1.Image, error)
 	DeleteImage(ctx context.Context, name string) error
@@ -66,6 +70,8 @@ type Router interface {
 	ForSandbox(ctx context.Context, id string) (Node, error)
 	// ForSnapshot returns the node that holds snapshot id.
 	ForSnapshot(ctx context.Context, id string) (Node, error)
+	// ForFunction chooses the node for function calls.
+	ForFunction(ctx context.Context) (Node, error)
 	// ForCreate chooses the node for a new sandbox.
 	ForCreate(ctx context.Context, spec *dsecv1.SandboxSpec) (Node, error)
 	// Nodes lists every node (for listing and image operations).

@@ -72,6 +72,8 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 		s.mux.Handle(dsecv1connect.NewSessionServiceHandler(&sessionService{m: sessions}, opts...))
 	}
 	s.mux.Handle(dsecv1connect.NewImageServiceHandler(&imageService{r: router}, opts...))
+	s.mux.Handle(dsecv1connect.NewFunctionServiceHandler(&functionService{r: router}, opts...))
+	s.mux.HandleFunc("/run_code", s.serveRunCode)
 	s.mux.Handle(dsecv1connect.NewSystemServiceHandler(&systemService{r: router, version: cfg.Version}, opts...))
 	s.mux.Handle("/v1/sandboxes/{id}/files", s.requireKey(http.HandlerFunc(s.serveFiles)))
 	s.mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })

@@ -32,6 +32,8 @@ func (s Single) ForSnapshot(ctx context.Context, id string) (Node, error) {
 	return s.ForSandbox(ctx, rest)
 }
 
+func (s Single) ForFunction(ctx context.Context) (Node, error) { return s.N, nil }
+
 func (s Single) ForCreate(ctx context.Context, spec *dsecv1.SandboxSpec) (Node, error) {
 	return s.N, nil
 }

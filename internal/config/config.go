@@ -39,6 +39,7 @@ type Config struct {
 	LogLevel string `json:"log_level,omitempty"`
 
 	Node      Node      `json:"node,omitempty"`
+	Function  Function  `json:"function,omitempty"`
 	Network   Network   `json:"network,omitempty"`
 	Container Container `json:"container,omitempty"`
 }
@@ -75,6 +76,18 @@ type Pool struct {
 	Pids     int64   `json:"pids,omitempty"`
 	Network  string  `json:"network,omitempty"`
 	Size     int     `json:"size"`
+}
+
+// Function configures function calls (kind "function", RunCode, /run_code).
+type Function struct {
+	// Image is the worker image (default "debian").
+	Image string `json:"image,omitempty"`
+	// Slots is how many calls one worker runs at once (default 4 per core).
+	Slots int `json:"slots,omitempty"`
+	// MaxWorkers bounds each image's worker pool (default 4).
+	MaxWorkers int `json:"max_workers,omitempty"`
+	// WorkerMemoryMB sizes each worker (default 4096).
+	WorkerMemoryMB int64 `json:"worker_memory_mb,omitempty"`
 }
 
 // Network configures sandbox networking.

@@ -293,6 +293,24 @@ func (c *Client) SetEnv(ctx context.Context, env []string) error {
 	return err
 }
 
+// StartRunner starts (or replaces) the function runner.
+func (c *Client) StartRunner(ctx context.Context, argv, env []string) error {
+	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_StartRunner{StartRunner: &guestv1.StartRunner{Argv: argv, Env: env}}})
+	return err
+}
+
+// Call runs one function call.
+func (c *Client) Call(ctx context.Context, call *guestv1.Call) (*guestv1.CallResult, error) {
+	m, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Call{Call: call}})
+	if err != nil {
+		return nil, err
+	}
+	if m.GetCallResult() == nil {
+		return nil, errdefs.Internal(nil, "agent answered a call with %T", m.Msg)
+	}
+	return m.GetCallResult(), nil
+}
+
 // Sync flushes the sandbox's filesystems.
 func (c *Client) Sync(ctx context.Context) error {
 	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Sync{Sync: &guestv1.Sync{}}})

@@ -102,6 +102,16 @@ type Spec struct {
 	// Deadline is when the instance ends itself if the node has not
 	// deleted it: the TTL backstop for times the node is down.
 	Deadline time.Time
+	// ReadOnlyRootfs mounts the root filesystem read-only; Tmpfs adds
+	// writable memory file systems (function workers use both).
+	ReadOnlyRootfs bool
+	Tmpfs          []Tmpfs
+}
+
+// Tmpfs is a tmpfs mount: Options as for mount(8), e.g. "mode=1777,size=512m".
+type Tmpfs struct {
+	Path    string
+	Options string
 }
 
 // Guest is the in-sandbox API the node drives. *guest.Client implements it;
@@ -125,6 +135,8 @@ type Guest interface {
 	Sync(ctx context.Context) error
 	SetDeadline(ctx context.Context, t time.Time) error
 	SetEnv(ctx context.Context, env []string) error
+	StartRunner(ctx context.Context, argv, env []string) error
+	Call(ctx context.Context, call *guestv1.Call) (*guestv1.CallResult, error)
 }
 
 var _ Guest = (*guest.Client)(nil)

@@ -39,6 +39,7 @@ type Agent struct {
 	mu       sync.Mutex
 	deadline *time.Timer
 	env      []string // added to the agent's own environment for processes
+	runner   *runner  // the function runner, if started
 }
 
 // New returns an agent. Call Harden once, early, when running as a
@@ -194,6 +195,14 @@ func (a *Agent) serveConn(c net.Conn) {
 		a.env = mergeEnv(a.env, m.SetEnv.Env)
 		a.mu.Unlock()
 		done()
+	case *guestv1.ClientMsg_StartRunner:
+		if err := a.startRunner(m.StartRunner); err != nil {
+			fail(err)
+			return
+		}
+		done()
+	case *guestv1.ClientMsg_Call:
+		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_CallResult{CallResult: a.runCall(m.Call)}})
 	case *guestv1.ClientMsg_SetDeadline:
 		a.SetDeadline(time.UnixMilli(m.SetDeadline.UnixMs))
 		done()

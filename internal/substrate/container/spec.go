@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 
 	"github.com/moby/profiles/seccomp"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
@@ -47,7 +48,7 @@ func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, er
 	spec := &specs.Spec{
 		Version:  "1.0.2", // the newest version crun 1.8 and runc 1.1 accept
 		Hostname: s.Hostname,
-		Root:     &specs.Root{Path: rootfs},
+		Root:     &specs.Root{Path: rootfs, Readonly: s.ReadOnlyRootfs},
 		Process: &specs.Process{
 			Args: guestArgs(s),
 			Env:  env,
@@ -82,6 +83,13 @@ func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, er
 			},
 			Resources: d.resources(s),
 		},
+	}
+	for _, t := range s.Tmpfs {
+		opts := []string{"nosuid", "nodev"}
+		if t.Options != "" {
+			opts = append(opts, strings.Split(t.Options, ",")...)
+		}
+		spec.Mounts = append(spec.Mounts, specs.Mount{Destination: t.Path, Type: "tmpfs", Source: "tmpfs", Options: opts})
 	}
 	if d.cgroups.mode == cgroupV2 {
 		spec.Linux.Namespaces = append(spec.Linux.Namespaces, specs.LinuxNamespace{Type: specs.CgroupNamespace})

@@ -58,6 +58,8 @@ type ClientMsg struct {
 	//	*ClientMsg_Shutdown
 	//	*ClientMsg_SetDeadline
 	//	*ClientMsg_SetEnv
+	//	*ClientMsg_StartRunner
+	//	*ClientMsg_Call
 	Msg           isClientMsg_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -280,6 +282,24 @@ func (x *ClientMsg) GetSetEnv() *SetEnv {
 	return nil
 }
 
+func (x *ClientMsg) GetStartRunner() *StartRunner {
+	if x != nil {
+		if x, ok := x.Msg.(*ClientMsg_StartRunner); ok {
+			return x.StartRunner
+		}
+	}
+	return nil
+}
+
+func (x *ClientMsg) GetCall() *Call {
+	if x != nil {
+		if x, ok := x.Msg.(*ClientMsg_Call); ok {
+			return x.Call
+		}
+	}
+	return nil
+}
+
 type isClientMsg_Msg interface {
 	isClientMsg_Msg()
 }
@@ -364,6 +384,14 @@ type ClientMsg_SetEnv struct {
 	SetEnv *SetEnv `protobuf:"bytes,20,opt,name=set_env,json=setEnv,proto3,oneof"`
 }
 
+type ClientMsg_StartRunner struct {
+	StartRunner *StartRunner `protobuf:"bytes,21,opt,name=start_runner,json=startRunner,proto3,oneof"`
+}
+
+type ClientMsg_Call struct {
+	Call *Call `protobuf:"bytes,22,opt,name=call,proto3,oneof"`
+}
+
 func (*ClientMsg_Hello) isClientMsg_Msg() {}
 
 func (*ClientMsg_Exec) isClientMsg_Msg() {}
@@ -404,6 +432,10 @@ func (*ClientMsg_SetDeadline) isClientMsg_Msg() {}
 
 func (*ClientMsg_SetEnv) isClientMsg_Msg() {}
 
+func (*ClientMsg_StartRunner) isClientMsg_Msg() {}
+
+func (*ClientMsg_Call) isClientMsg_Msg() {}
+
 type ServerMsg struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Msg:
@@ -419,6 +451,7 @@ type ServerMsg struct {
 	//	*ServerMsg_Entries
 	//	*ServerMsg_Procs
 	//	*ServerMsg_Done
+	//	*ServerMsg_CallResult
 	Msg           isServerMsg_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -560,6 +593,15 @@ func (x *ServerMsg) GetDone() *Done {
 	return nil
 }
 
+func (x *ServerMsg) GetCallResult() *CallResult {
+	if x != nil {
+		if x, ok := x.Msg.(*ServerMsg_CallResult); ok {
+			return x.CallResult
+		}
+	}
+	return nil
+}
+
 type isServerMsg_Msg interface {
 	isServerMsg_Msg()
 }
@@ -608,6 +650,10 @@ type ServerMsg_Done struct {
 	Done *Done `protobuf:"bytes,11,opt,name=done,proto3,oneof"`
 }
 
+type ServerMsg_CallResult struct {
+	CallResult *CallResult `protobuf:"bytes,12,opt,name=call_result,json=callResult,proto3,oneof"`
+}
+
 func (*ServerMsg_Hello) isServerMsg_Msg() {}
 
 func (*ServerMsg_Started) isServerMsg_Msg() {}
@@ -629,6 +675,8 @@ func (*ServerMsg_Entries) isServerMsg_Msg() {}
 func (*ServerMsg_Procs) isServerMsg_Msg() {}
 
 func (*ServerMsg_Done) isServerMsg_Msg() {}
+
+func (*ServerMsg_CallResult) isServerMsg_Msg() {}
 
 type Hello struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -2393,11 +2441,437 @@ func (x *Error) GetMessage() string {
 	return ""
 }
 
+// StartRunner starts the function runner: a process (a warm interpreter)
+// that creates call processes on the agent's request, with fd 3 its channel
+// to the agent. Starting it again replaces it.
+type StartRunner struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Argv          []string               `protobuf:"bytes,1,rep,name=argv,proto3" json:"argv,omitempty"`
+	Env           []string               `protobuf:"bytes,2,rep,name=env,proto3" json:"env,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StartRunner) Reset() {
+	*x = StartRunner{}
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StartRunner) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StartRunner) ProtoMessage() {}
+
+func (x *StartRunner) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StartRunner.ProtoReflect.Descriptor instead.
+func (*StartRunner) Descriptor() ([]byte, []int) {
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *StartRunner) GetArgv() []string {
+	if x != nil {
+		return x.Argv
+	}
+	return nil
+}
+
+func (x *StartRunner) GetEnv() []string {
+	if x != nil {
+		return x.Env
+	}
+	return nil
+}
+
+// Call runs one function call in a fresh directory owned by uid: files are
+// written, steps run in order as uid through the runner, files are fetched,
+// and then every process of uid is killed and everything it wrote is
+// removed. If that cannot be made certain, the result says dirty and the
+// worker must not be reused.
+type Call struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Dir   string                 `protobuf:"bytes,1,opt,name=dir,proto3" json:"dir,omitempty"`
+	Uid   uint32                 `protobuf:"varint,2,opt,name=uid,proto3" json:"uid,omitempty"`
+	Files []*CallFile            `protobuf:"bytes,3,rep,name=files,proto3" json:"files,omitempty"`
+	Steps []*CallStep            `protobuf:"bytes,4,rep,name=steps,proto3" json:"steps,omitempty"`
+	Fetch []string               `protobuf:"bytes,5,rep,name=fetch,proto3" json:"fetch,omitempty"`
+	// max_fetch bounds each fetched file.
+	MaxFetch      int64    `protobuf:"varint,6,opt,name=max_fetch,json=maxFetch,proto3" json:"max_fetch,omitempty"`
+	Env           []string `protobuf:"bytes,7,rep,name=env,proto3" json:"env,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Call) Reset() {
+	*x = Call{}
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[32]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Call) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Call) ProtoMessage() {}
+
+func (x *Call) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[32]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Call.ProtoReflect.Descriptor instead.
+func (*Call) Descriptor() ([]byte, []int) {
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{32}
+}
+
+func (x *Call) GetDir() string {
+	if x != nil {
+		return x.Dir
+	}
+	return ""
+}
+
+func (x *Call) GetUid() uint32 {
+	if x != nil {
+		return x.Uid
+	}
+	return 0
+}
+
+func (x *Call) GetFiles() []*CallFile {
+	if x != nil {
+		return x.Files
+	}
+	return nil
+}
+
+func (x *Call) GetSteps() []*CallStep {
+	if x != nil {
+		return x.Steps
+	}
+	return nil
+}
+
+func (x *Call) GetFetch() []string {
+	if x != nil {
+		return x.Fetch
+	}
+	return nil
+}
+
+func (x *Call) GetMaxFetch() int64 {
+	if x != nil {
+		return x.MaxFetch
+	}
+	return 0
+}
+
+func (x *Call) GetEnv() []string {
+	if x != nil {
+		return x.Env
+	}
+	return nil
+}
+
+type CallFile struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// path is relative to the call directory.
+	Path          string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	Content       []byte `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
+	Mode          uint32 `protobuf:"varint,3,opt,name=mode,proto3" json:"mode,omitempty"`
+	Missing       bool   `protobuf:"varint,4,opt,name=missing,proto3" json:"missing,omitempty"`
+	Truncated     bool   `protobuf:"varint,5,opt,name=truncated,proto3" json:"truncated,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CallFile) Reset() {
+	*x = CallFile{}
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CallFile) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CallFile) ProtoMessage() {}
+
+func (x *CallFile) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CallFile.ProtoReflect.Descriptor instead.
+func (*CallFile) Descriptor() ([]byte, []int) {
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{33}
+}
+
+func (x *CallFile) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *CallFile) GetContent() []byte {
+	if x != nil {
+		return x.Content
+	}
+	return nil
+}
+
+func (x *CallFile) GetMode() uint32 {
+	if x != nil {
+		return x.Mode
+	}
+	return 0
+}
+
+func (x *CallFile) GetMissing() bool {
+	if x != nil {
+		return x.Missing
+	}
+	return false
+}
+
+func (x *CallFile) GetTruncated() bool {
+	if x != nil {
+		return x.Truncated
+	}
+	return false
+}
+
+type CallStep struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Argv  []string               `protobuf:"bytes,1,rep,name=argv,proto3" json:"argv,omitempty"`
+	// python runs argv[0] (a script path) in a forked warm interpreter
+	// instead of exec'ing argv.
+	Python           bool   `protobuf:"varint,2,opt,name=python,proto3" json:"python,omitempty"`
+	Stdin            []byte `protobuf:"bytes,3,opt,name=stdin,proto3" json:"stdin,omitempty"`
+	TimeoutMs        int64  `protobuf:"varint,4,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	MaxOutput        int64  `protobuf:"varint,5,opt,name=max_output,json=maxOutput,proto3" json:"max_output,omitempty"`
+	RlimitCpuS       int64  `protobuf:"varint,6,opt,name=rlimit_cpu_s,json=rlimitCpuS,proto3" json:"rlimit_cpu_s,omitempty"`
+	RlimitAsBytes    int64  `protobuf:"varint,7,opt,name=rlimit_as_bytes,json=rlimitAsBytes,proto3" json:"rlimit_as_bytes,omitempty"`
+	RlimitFsizeBytes int64  `protobuf:"varint,8,opt,name=rlimit_fsize_bytes,json=rlimitFsizeBytes,proto3" json:"rlimit_fsize_bytes,omitempty"`
+	RlimitNproc      int64  `protobuf:"varint,9,opt,name=rlimit_nproc,json=rlimitNproc,proto3" json:"rlimit_nproc,omitempty"`
+	RlimitNofile     int64  `protobuf:"varint,10,opt,name=rlimit_nofile,json=rlimitNofile,proto3" json:"rlimit_nofile,omitempty"`
+	// stop_on_failure skips later steps if this one does not exit 0.
+	StopOnFailure bool `protobuf:"varint,11,opt,name=stop_on_failure,json=stopOnFailure,proto3" json:"stop_on_failure,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CallStep) Reset() {
+	*x = CallStep{}
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CallStep) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CallStep) ProtoMessage() {}
+
+func (x *CallStep) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CallStep.ProtoReflect.Descriptor instead.
+func (*CallStep) Descriptor() ([]byte, []int) {
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *CallStep) GetArgv() []string {
+	if x != nil {
+		return x.Argv
+	}
+	return nil
+}
+
+func (x *CallStep) GetPython() bool {
+	if x != nil {
+		return x.Python
+	}
+	return false
+}
+
+func (x *CallStep) GetStdin() []byte {
+	if x != nil {
+		return x.Stdin
+	}
+	return nil
+}
+
+func (x *CallStep) GetTimeoutMs() int64 {
+	if x != nil {
+		return x.TimeoutMs
+	}
+	return 0
+}
+
+func (x *CallStep) GetMaxOutput() int64 {
+	if x != nil {
+		return x.MaxOutput
+	}
+	return 0
+}
+
+func (x *CallStep) GetRlimitCpuS() int64 {
+	if x != nil {
+		return x.RlimitCpuS
+	}
+	return 0
+}
+
+func (x *CallStep) GetRlimitAsBytes() int64 {
+	if x != nil {
+		return x.RlimitAsBytes
+	}
+	return 0
+}
+
+func (x *CallStep) GetRlimitFsizeBytes() int64 {
+	if x != nil {
+		return x.RlimitFsizeBytes
+	}
+	return 0
+}
+
+func (x *CallStep) GetRlimitNproc() int64 {
+	if x != nil {
+		return x.RlimitNproc
+	}
+	return 0
+}
+
+func (x *CallStep) GetRlimitNofile() int64 {
+	if x != nil {
+		return x.RlimitNofile
+	}
+	return 0
+}
+
+func (x *CallStep) GetStopOnFailure() bool {
+	if x != nil {
+		return x.StopOnFailure
+	}
+	return false
+}
+
+type CallResult struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// steps holds one exit per step that ran.
+	Steps         []*Exit     `protobuf:"bytes,1,rep,name=steps,proto3" json:"steps,omitempty"`
+	Fetched       []*CallFile `protobuf:"bytes,2,rep,name=fetched,proto3" json:"fetched,omitempty"`
+	Dirty         bool        `protobuf:"varint,3,opt,name=dirty,proto3" json:"dirty,omitempty"`
+	DirtyReason   string      `protobuf:"bytes,4,opt,name=dirty_reason,json=dirtyReason,proto3" json:"dirty_reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CallResult) Reset() {
+	*x = CallResult{}
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[35]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CallResult) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CallResult) ProtoMessage() {}
+
+func (x *CallResult) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[35]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CallResult.ProtoReflect.Descriptor instead.
+func (*CallResult) Descriptor() ([]byte, []int) {
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *CallResult) GetSteps() []*Exit {
+	if x != nil {
+		return x.Steps
+	}
+	return nil
+}
+
+func (x *CallResult) GetFetched() []*CallFile {
+	if x != nil {
+		return x.Fetched
+	}
+	return nil
+}
+
+func (x *CallResult) GetDirty() bool {
+	if x != nil {
+		return x.Dirty
+	}
+	return false
+}
+
+func (x *CallResult) GetDirtyReason() string {
+	if x != nil {
+		return x.DirtyReason
+	}
+	return ""
+}
+
 var File_dsec_guest_v1_guest_proto protoreflect.FileDescriptor
 
 const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\n" +
-	"\x19dsec/guest/v1/guest.proto\x12\rdsec.guest.v1\"\xe4\a\n" +
+	"\x19dsec/guest/v1/guest.proto\x12\rdsec.guest.v1\"\xd0\b\n" +
 	"\tClientMsg\x12,\n" +
 	"\x05hello\x18\x01 \x01(\v2\x14.dsec.guest.v1.HelloH\x00R\x05hello\x12)\n" +
 	"\x04exec\x18\x02 \x01(\v2\x13.dsec.guest.v1.ExecH\x00R\x04exec\x12/\n" +
@@ -2421,8 +2895,10 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\x04sync\x18\x11 \x01(\v2\x13.dsec.guest.v1.SyncH\x00R\x04sync\x125\n" +
 	"\bshutdown\x18\x12 \x01(\v2\x17.dsec.guest.v1.ShutdownH\x00R\bshutdown\x12?\n" +
 	"\fset_deadline\x18\x13 \x01(\v2\x1a.dsec.guest.v1.SetDeadlineH\x00R\vsetDeadline\x120\n" +
-	"\aset_env\x18\x14 \x01(\v2\x15.dsec.guest.v1.SetEnvH\x00R\x06setEnvB\x05\n" +
-	"\x03msg\"\xfd\x03\n" +
+	"\aset_env\x18\x14 \x01(\v2\x15.dsec.guest.v1.SetEnvH\x00R\x06setEnv\x12?\n" +
+	"\fstart_runner\x18\x15 \x01(\v2\x1a.dsec.guest.v1.StartRunnerH\x00R\vstartRunner\x12)\n" +
+	"\x04call\x18\x16 \x01(\v2\x13.dsec.guest.v1.CallH\x00R\x04callB\x05\n" +
+	"\x03msg\"\xbb\x04\n" +
 	"\tServerMsg\x121\n" +
 	"\x05hello\x18\x01 \x01(\v2\x19.dsec.guest.v1.HelloReplyH\x00R\x05hello\x122\n" +
 	"\astarted\x18\x02 \x01(\v2\x16.dsec.guest.v1.StartedH\x00R\astarted\x12/\n" +
@@ -2435,7 +2911,9 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\aentries\x18\t \x01(\v2\x16.dsec.guest.v1.EntriesH\x00R\aentries\x12,\n" +
 	"\x05procs\x18\n" +
 	" \x01(\v2\x14.dsec.guest.v1.ProcsH\x00R\x05procs\x12)\n" +
-	"\x04done\x18\v \x01(\v2\x13.dsec.guest.v1.DoneH\x00R\x04doneB\x05\n" +
+	"\x04done\x18\v \x01(\v2\x13.dsec.guest.v1.DoneH\x00R\x04done\x12<\n" +
+	"\vcall_result\x18\f \x01(\v2\x19.dsec.guest.v1.CallResultH\x00R\n" +
+	"callResultB\x05\n" +
 	"\x03msg\"\a\n" +
 	"\x05Hello\"\x8e\x01\n" +
 	"\n" +
@@ -2564,7 +3042,46 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\x05procs\x18\x01 \x03(\v2\x13.dsec.guest.v1.ProcR\x05procs\"5\n" +
 	"\x05Error\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\tR\x04code\x12\x18\n" +
-	"\amessage\x18\x02 \x01(\tR\amessageB4Z2github.com/opendsec/dsec/api/dsec/guest/v1;guestv1b\x06proto3"
+	"\amessage\x18\x02 \x01(\tR\amessage\"3\n" +
+	"\vStartRunner\x12\x12\n" +
+	"\x04argv\x18\x01 \x03(\tR\x04argv\x12\x10\n" +
+	"\x03env\x18\x02 \x03(\tR\x03env\"\xcd\x01\n" +
+	"\x04Call\x12\x10\n" +
+	"\x03dir\x18\x01 \x01(\tR\x03dir\x12\x10\n" +
+	"\x03uid\x18\x02 \x01(\rR\x03uid\x12-\n" +
+	"\x05files\x18\x03 \x03(\v2\x17.dsec.guest.v1.CallFileR\x05files\x12-\n" +
+	"\x05steps\x18\x04 \x03(\v2\x17.dsec.guest.v1.CallStepR\x05steps\x12\x14\n" +
+	"\x05fetch\x18\x05 \x03(\tR\x05fetch\x12\x1b\n" +
+	"\tmax_fetch\x18\x06 \x01(\x03R\bmaxFetch\x12\x10\n" +
+	"\x03env\x18\a \x03(\tR\x03env\"\x84\x01\n" +
+	"\bCallFile\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x12\x18\n" +
+	"\acontent\x18\x02 \x01(\fR\acontent\x12\x12\n" +
+	"\x04mode\x18\x03 \x01(\rR\x04mode\x12\x18\n" +
+	"\amissing\x18\x04 \x01(\bR\amissing\x12\x1c\n" +
+	"\ttruncated\x18\x05 \x01(\bR\ttruncated\"\xf2\x02\n" +
+	"\bCallStep\x12\x12\n" +
+	"\x04argv\x18\x01 \x03(\tR\x04argv\x12\x16\n" +
+	"\x06python\x18\x02 \x01(\bR\x06python\x12\x14\n" +
+	"\x05stdin\x18\x03 \x01(\fR\x05stdin\x12\x1d\n" +
+	"\n" +
+	"timeout_ms\x18\x04 \x01(\x03R\ttimeoutMs\x12\x1d\n" +
+	"\n" +
+	"max_output\x18\x05 \x01(\x03R\tmaxOutput\x12 \n" +
+	"\frlimit_cpu_s\x18\x06 \x01(\x03R\n" +
+	"rlimitCpuS\x12&\n" +
+	"\x0frlimit_as_bytes\x18\a \x01(\x03R\rrlimitAsBytes\x12,\n" +
+	"\x12rlimit_fsize_bytes\x18\b \x01(\x03R\x10rlimitFsizeBytes\x12!\n" +
+	"\frlimit_nproc\x18\t \x01(\x03R\vrlimitNproc\x12#\n" +
+	"\rrlimit_nofile\x18\n" +
+	" \x01(\x03R\frlimitNofile\x12&\n" +
+	"\x0fstop_on_failure\x18\v \x01(\bR\rstopOnFailure\"\xa3\x01\n" +
+	"\n" +
+	"CallResult\x12)\n" +
+	"\x05steps\x18\x01 \x03(\v2\x13.dsec.guest.v1.ExitR\x05steps\x121\n" +
+	"\afetched\x18\x02 \x03(\v2\x17.dsec.guest.v1.CallFileR\afetched\x12\x14\n" +
+	"\x05dirty\x18\x03 \x01(\bR\x05dirty\x12!\n" +
+	"\fdirty_reason\x18\x04 \x01(\tR\vdirtyReasonB4Z2github.com/opendsec/dsec/api/dsec/guest/v1;guestv1b\x06proto3"
 
 var (
 	file_dsec_guest_v1_guest_proto_rawDescOnce sync.Once
@@ -2578,7 +3095,7 @@ func file_dsec_guest_v1_guest_proto_rawDescGZIP() []byte {
 	return file_dsec_guest_v1_guest_proto_rawDescData
 }
 
-var file_dsec_guest_v1_guest_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
+var file_dsec_guest_v1_guest_proto_msgTypes = make([]protoimpl.MessageInfo, 36)
 var file_dsec_guest_v1_guest_proto_goTypes = []any{
 	(*ClientMsg)(nil),   // 0: dsec.guest.v1.ClientMsg
 	(*ServerMsg)(nil),   // 1: dsec.guest.v1.ServerMsg
@@ -2611,6 +3128,11 @@ var file_dsec_guest_v1_guest_proto_goTypes = []any{
 	(*Proc)(nil),        // 28: dsec.guest.v1.Proc
 	(*Procs)(nil),       // 29: dsec.guest.v1.Procs
 	(*Error)(nil),       // 30: dsec.guest.v1.Error
+	(*StartRunner)(nil), // 31: dsec.guest.v1.StartRunner
+	(*Call)(nil),        // 32: dsec.guest.v1.Call
+	(*CallFile)(nil),    // 33: dsec.guest.v1.CallFile
+	(*CallStep)(nil),    // 34: dsec.guest.v1.CallStep
+	(*CallResult)(nil),  // 35: dsec.guest.v1.CallResult
 }
 var file_dsec_guest_v1_guest_proto_depIdxs = []int32{
 	2,  // 0: dsec.guest.v1.ClientMsg.hello:type_name -> dsec.guest.v1.Hello
@@ -2632,23 +3154,30 @@ var file_dsec_guest_v1_guest_proto_depIdxs = []int32{
 	22, // 16: dsec.guest.v1.ClientMsg.shutdown:type_name -> dsec.guest.v1.Shutdown
 	24, // 17: dsec.guest.v1.ClientMsg.set_deadline:type_name -> dsec.guest.v1.SetDeadline
 	23, // 18: dsec.guest.v1.ClientMsg.set_env:type_name -> dsec.guest.v1.SetEnv
-	3,  // 19: dsec.guest.v1.ServerMsg.hello:type_name -> dsec.guest.v1.HelloReply
-	9,  // 20: dsec.guest.v1.ServerMsg.started:type_name -> dsec.guest.v1.Started
-	10, // 21: dsec.guest.v1.ServerMsg.output:type_name -> dsec.guest.v1.Output
-	11, // 22: dsec.guest.v1.ServerMsg.exit:type_name -> dsec.guest.v1.Exit
-	26, // 23: dsec.guest.v1.ServerMsg.info:type_name -> dsec.guest.v1.FileInfo
-	14, // 24: dsec.guest.v1.ServerMsg.end:type_name -> dsec.guest.v1.End
-	30, // 25: dsec.guest.v1.ServerMsg.error:type_name -> dsec.guest.v1.Error
-	27, // 26: dsec.guest.v1.ServerMsg.entries:type_name -> dsec.guest.v1.Entries
-	29, // 27: dsec.guest.v1.ServerMsg.procs:type_name -> dsec.guest.v1.Procs
-	25, // 28: dsec.guest.v1.ServerMsg.done:type_name -> dsec.guest.v1.Done
-	26, // 29: dsec.guest.v1.Entries.entries:type_name -> dsec.guest.v1.FileInfo
-	28, // 30: dsec.guest.v1.Procs.procs:type_name -> dsec.guest.v1.Proc
-	31, // [31:31] is the sub-list for method output_type
-	31, // [31:31] is the sub-list for method input_type
-	31, // [31:31] is the sub-list for extension type_name
-	31, // [31:31] is the sub-list for extension extendee
-	0,  // [0:31] is the sub-list for field type_name
+	31, // 19: dsec.guest.v1.ClientMsg.start_runner:type_name -> dsec.guest.v1.StartRunner
+	32, // 20: dsec.guest.v1.ClientMsg.call:type_name -> dsec.guest.v1.Call
+	3,  // 21: dsec.guest.v1.ServerMsg.hello:type_name -> dsec.guest.v1.HelloReply
+	9,  // 22: dsec.guest.v1.ServerMsg.started:type_name -> dsec.guest.v1.Started
+	10, // 23: dsec.guest.v1.ServerMsg.output:type_name -> dsec.guest.v1.Output
+	11, // 24: dsec.guest.v1.ServerMsg.exit:type_name -> dsec.guest.v1.Exit
+	26, // 25: dsec.guest.v1.ServerMsg.info:type_name -> dsec.guest.v1.FileInfo
+	14, // 26: dsec.guest.v1.ServerMsg.end:type_name -> dsec.guest.v1.End
+	30, // 27: dsec.guest.v1.ServerMsg.error:type_name -> dsec.guest.v1.Error
+	27, // 28: dsec.guest.v1.ServerMsg.entries:type_name -> dsec.guest.v1.Entries
+	29, // 29: dsec.guest.v1.ServerMsg.procs:type_name -> dsec.guest.v1.Procs
+	25, // 30: dsec.guest.v1.ServerMsg.done:type_name -> dsec.guest.v1.Done
+	35, // 31: dsec.guest.v1.ServerMsg.call_result:type_name -> dsec.guest.v1.CallResult
+	26, // 32: dsec.guest.v1.Entries.entries:type_name -> dsec.guest.v1.FileInfo
+	28, // 33: dsec.guest.v1.Procs.procs:type_name -> dsec.guest.v1.Proc
+	33, // 34: dsec.guest.v1.Call.files:type_name -> dsec.guest.v1.CallFile
+	34, // 35: dsec.guest.v1.Call.steps:type_name -> dsec.guest.v1.CallStep
+	11, // 36: dsec.guest.v1.CallResult.steps:type_name -> dsec.guest.v1.Exit
+	33, // 37: dsec.guest.v1.CallResult.fetched:type_name -> dsec.guest.v1.CallFile
+	38, // [38:38] is the sub-list for method output_type
+	38, // [38:38] is the sub-list for method input_type
+	38, // [38:38] is the sub-list for extension type_name
+	38, // [38:38] is the sub-list for extension extendee
+	0,  // [0:38] is the sub-list for field type_name
 }
 
 func init() { file_dsec_guest_v1_guest_proto_init() }
@@ -2677,6 +3206,8 @@ func file_dsec_guest_v1_guest_proto_init() {
 		(*ClientMsg_Shutdown)(nil),
 		(*ClientMsg_SetDeadline)(nil),
 		(*ClientMsg_SetEnv)(nil),
+		(*ClientMsg_StartRunner)(nil),
+		(*ClientMsg_Call)(nil),
 	}
 	file_dsec_guest_v1_guest_proto_msgTypes[1].OneofWrappers = []any{
 		(*ServerMsg_Hello)(nil),
@@ -2690,6 +3221,7 @@ func file_dsec_guest_v1_guest_proto_init() {
 		(*ServerMsg_Entries)(nil),
 		(*ServerMsg_Procs)(nil),
 		(*ServerMsg_Done)(nil),
+		(*ServerMsg_CallResult)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -2697,7 +3229,7 @@ func file_dsec_guest_v1_guest_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_guest_v1_guest_proto_rawDesc), len(file_dsec_guest_v1_guest_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   31,
+			NumMessages:   36,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -1,0 +1,470 @@
+// Package function is the function substrate: short stateless calls ("run
+// this program on these inputs") dispatched to warm pools of worker
+// containers, per image. Each worker runs the runner (runner.py), a warm
+// Python interpreter with common modules imported that forks call
+// processes; each call gets a fresh directory and a uid of its own, per
+// call CPU, wall, memory, process, file-size and output limits, and is
+// wiped afterwards (every process of its uid killed, its files removed). A
+// worker that cannot be wiped with certainty is destroyed and replaced.
+//
+// The workers are containers made by the container driver, which this
+// driver receives as a substrate.Driver.
+package function
+
+import (
+	"context"
+	"crypto/rand"
+	_ "embed"
+	"encoding/hex"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/substrate"
+)
+
+//go:embed runner.py
+var runnerScript []byte
+
+const (
+	runnerDir = "/run/dsec-fn/runner"
+	callsDir  = "/run/dsec-fn/calls"
+	uidBase   = 20000
+)
+
+// Config configures the driver. The zero value works.
+type Config struct {
+	// Image is the default worker image (default "debian").
+	Image string
+	// StateDir holds worker directories (required).
+	StateDir string
+	// Slots is how many calls one worker runs at once (default 4 per core).
+	Slots int
+	// MinWorkers (default 1) are kept per image once used; MaxWorkers
+	// (default 4) bound each image's pool.
+	MinWorkers, MaxWorkers int
+	// WorkerCPU (default: all cores) and WorkerMemoryMB (default 4096) size
+	// each worker; calls have their own, smaller limits.
+	WorkerCPU      float64
+	WorkerMemoryMB int64
+	// IdleTimeout removes workers above MinWorkers unused this long
+	// (default 2m).
+	IdleTimeout time.Duration
+	// QueueTimeout bounds the wait for a free slot (default 60s).
+	QueueTimeout time.Duration
+	// GPUs is how many GPUs the node has for function calls (default 0).
+	GPUs int
+}
+
+// Driver runs function calls.
+type Driver struct {
+	cfg    Config
+	log    *slog.Logger
+	ct     substrate.Driver
+	images *image.Store
+	caps   substrate.Capabilities
+
+	mu    sync.Mutex
+	pools map[string]*pool // by image
+	stop  chan struct{}
+	seq   atomic.Int64
+}
+
+var _ substrate.Driver = (*Driver)(nil)
+
+// New returns a driver over the container driver ct. Call Start once the
+// node has swept leftovers.
+func New(cfg Config, ct substrate.Driver, images *image.Store, log *slog.Logger, cores int) *Driver {
+	if cfg.Image == "" {
+		cfg.Image = "debian"
+	}
+	if cfg.Slots == 0 {
+		cfg.Slots = 4 * cores
+	}
+	if cfg.MinWorkers == 0 {
+		cfg.MinWorkers = 1
+	}
+	if cfg.MaxWorkers == 0 {
+		cfg.MaxWorkers = 4
+	}
+	if cfg.WorkerCPU == 0 {
+		cfg.WorkerCPU = float64(cores)
+	}
+	if cfg.WorkerMemoryMB == 0 {
+		cfg.WorkerMemoryMB = 4096
+	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = 2 * time.Minute
+	}
+	if cfg.QueueTimeout == 0 {
+		cfg.QueueTimeout = time.Minute
+	}
+	d := &Driver{cfg: cfg, log: log, ct: ct, images: images, pools: map[string]*pool{}, stop: make(chan struct{})}
+	cc := ct.Capabilities()
+	d.caps = substrate.Capabilities{Kind: substrate.KindFunction, Available: cc.Available, Reason: cc.Reason,
+		Caps:    []substrate.Capability{substrate.CapExec},
+		Details: map[string]string{"image": cfg.Image, "slots_per_worker": fmt.Sprint(cfg.Slots), "isolation": "per-call directory and uid, rlimits, worker container"}}
+	if cfg.GPUs > 0 {
+		d.caps.Caps = append(d.caps.Caps, substrate.CapGPU)
+	}
+	if !cc.Available {
+		d.caps.Reason = "function workers are containers: " + cc.Reason
+	}
+	return d
+}
+
+// Capabilities implements substrate.Driver.
+func (d *Driver) Capabilities() substrate.Capabilities { return d.caps }
+
+// Start prewarms the default image's pool in the background.
+func (d *Driver) Start() {
+	if !d.caps.Available {
+		return
+	}
+	go func() {
+		// The default image may still be bootstrapping: wait for it.
+		for i := 0; i < 600; i++ {
+			if _, err := d.images.Get(d.cfg.Image); err == nil {
+				d.poolFor(d.cfg.Image).ensure()
+				return
+			}
+			select {
+			case <-d.stop:
+				return
+			case <-time.After(time.Second):
+			}
+		}
+	}()
+	go d.janitor()
+}
+
+// Close destroys every worker.
+func (d *Driver) Close() {
+	close(d.stop)
+	d.mu.Lock()
+	pools := d.pools
+	d.pools = map[string]*pool{}
+	d.mu.Unlock()
+	for _, p := range pools {
+		p.close()
+	}
+}
+
+func (d *Driver) poolFor(img string) *pool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	p := d.pools[img]
+	if p == nil {
+		p = &pool{d: d, image: img, free: make(chan struct{}, 1<<16)}
+		d.pools[img] = p
+	}
+	return p
+}
+
+// janitor removes idle workers above the minimum.
+func (d *Driver) janitor() {
+	t := time.NewTicker(10 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-d.stop:
+			return
+		case <-t.C:
+			d.mu.Lock()
+			var ps []*pool
+			for _, p := range d.pools {
+				ps = append(ps, p)
+			}
+			d.mu.Unlock()
+			for _, p := range ps {
+				p.shrink()
+			}
+		}
+	}
+}
+
+// pool is the workers of one image.
+type pool struct {
+	d     *Driver
+	image string
+	free  chan struct{} // a token per free slot, across workers
+
+	mu       sync.Mutex
+	workers  []*worker
+	starting int
+	lastErr  error
+}
+
+type worker struct {
+	id        string
+	dir       string
+	inst      substrate.Instance
+	have      map[string]bool
+	mu        sync.Mutex
+	slots     []bool // in use
+	lastUsed  time.Time
+	dead      bool
+	languages map[string]bool
+}
+
+// ensure starts workers up to the minimum (and one more if all are busy).
+func (p *pool) ensure() {
+	p.mu.Lock()
+	want := p.d.cfg.MinWorkers - len(p.workers) - p.starting
+	p.mu.Unlock()
+	for i := 0; i < want; i++ {
+		p.grow()
+	}
+}
+
+// grow starts one worker in the background, unless the pool is full.
+func (p *pool) grow() {
+	p.mu.Lock()
+	if len(p.workers)+p.starting >= p.d.cfg.MaxWorkers {
+		p.mu.Unlock()
+		return
+	}
+	p.starting++
+	p.mu.Unlock()
+	go func() {
+		w, err := p.d.startWorker(p.image)
+		p.mu.Lock()
+		p.starting--
+		p.lastErr = err
+		if err == nil {
+			p.workers = append(p.workers, w)
+		}
+		p.mu.Unlock()
+		if err != nil {
+			p.d.log.Warn("function worker failed to start", slog.String("image", p.image), slog.Any("error", err))
+			// Wake a waiter so it sees the error instead of waiting out its deadline.
+			select {
+			case p.free <- struct{}{}:
+			default:
+			}
+			return
+		}
+		for i := 0; i < p.d.cfg.Slots; i++ {
+			p.free <- struct{}{}
+		}
+	}()
+}
+
+// acquire takes a free slot, growing the pool when none is free.
+func (p *pool) acquire(ctx context.Context) (*worker, int, error) {
+	deadline := time.NewTimer(p.d.cfg.QueueTimeout)
+	defer deadline.Stop()
+	grown := false
+	for {
+		if w, slot := p.take(); w != nil {
+			return w, slot, nil
+		}
+		p.mu.Lock()
+		n, starting, lastErr := len(p.workers), p.starting, p.lastErr
+		p.mu.Unlock()
+		if n == 0 && starting == 0 && lastErr != nil && grown {
+			return nil, 0, errdefs.Unavailable("function workers for %s cannot start: %v", p.image, lastErr)
+		}
+		if !grown || n+starting == 0 {
+			p.grow()
+			grown = true
+		}
+		select {
+		case <-p.free:
+		case <-ctx.Done():
+			return nil, 0, errdefs.Classify(ctx.Err())
+		case <-deadline.C:
+			return nil, 0, errdefs.Exhausted(time.Second, "no function slot free within %s", p.d.cfg.QueueTimeout)
+		}
+	}
+}
+
+// take returns a worker with a free slot, preferring the busiest (to let
+// idle ones go), or nil.
+func (p *pool) take() (*worker, int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var best *worker
+	bestSlot, bestBusy := -1, -1
+	for _, w := range p.workers {
+		w.mu.Lock()
+		if !w.dead {
+			busy, free := 0, -1
+			for i, used := range w.slots {
+				if used {
+					busy++
+				} else if free < 0 {
+					free = i
+				}
+			}
+			if free >= 0 && busy > bestBusy {
+				best, bestSlot, bestBusy = w, free, busy
+			}
+		}
+		w.mu.Unlock()
+	}
+	if best == nil {
+		return nil, -1
+	}
+	best.mu.Lock()
+	best.slots[bestSlot] = true
+	best.lastUsed = time.Now()
+	best.mu.Unlock()
+	return best, bestSlot
+}
+
+// release frees a slot; a dirty worker is destroyed and replaced.
+func (p *pool) release(w *worker, slot int, dirty string) {
+	w.mu.Lock()
+	w.slots[slot] = false
+	if dirty != "" && !w.dead {
+		w.dead = true
+		w.mu.Unlock()
+		p.d.log.Warn("function worker replaced: it could not be cleaned", slog.String("worker", w.id), slog.String("reason", dirty))
+		p.remove(w)
+		p.grow()
+		return
+	}
+	dead := w.dead
+	w.mu.Unlock()
+	if !dead {
+		p.free <- struct{}{}
+	}
+}
+
+func (p *pool) remove(w *worker) {
+	p.mu.Lock()
+	for i, x := range p.workers {
+		if x == w {
+			p.workers = append(p.workers[:i], p.workers[i+1:]...)
+			break
+		}
+	}
+	p.mu.Unlock()
+	go p.d.destroyWorker(w)
+}
+
+// shrink removes idle workers above the minimum.
+func (p *pool) shrink() {
+	p.mu.Lock()
+	var idle []*worker
+	keep := len(p.workers)
+	for _, w := range p.workers {
+		w.mu.Lock()
+		busy := false
+		for _, u := range w.slots {
+			busy = busy || u
+		}
+		if !busy && !w.dead && keep > p.d.cfg.MinWorkers && time.Since(w.lastUsed) > p.d.cfg.IdleTimeout {
+			w.dead = true
+			idle = append(idle, w)
+			keep--
+		}
+		w.mu.Unlock()
+	}
+	p.mu.Unlock()
+	for _, w := range idle {
+		p.remove(w)
+	}
+}
+
+func (p *pool) close() {
+	p.mu.Lock()
+	ws := p.workers
+	p.workers = nil
+	p.mu.Unlock()
+	for _, w := range ws {
+		p.d.destroyWorker(w)
+	}
+}
+
+func (d *Driver) startWorker(img string) (_ *worker, err error) {
+	rec, err := d.images.Get(img)
+	if err != nil {
+		return nil, err
+	}
+	var b [6]byte
+	rand.Read(b[:])
+	id := "fn-" + hex.EncodeToString(b[:])
+	dir := filepath.Join(d.cfg.StateDir, "workers", id)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	inst, err := d.ct.Create(ctx, &substrate.Spec{
+		ID: id, Dir: dir, Layers: d.images.LowerDirs(rec), Env: rec.Config.Env, Hostname: "function",
+		CPU: d.cfg.WorkerCPU, MemoryMB: d.cfg.WorkerMemoryMB, Pids: int64(64*d.cfg.Slots + 256),
+		Network: substrate.Network{Mode: "none"}, ReadOnlyRootfs: true,
+		Tmpfs: []substrate.Tmpfs{
+			{Path: "/tmp", Options: "mode=1777,size=1g"},
+			{Path: "/var/tmp", Options: "mode=1777,size=256m"},
+			{Path: "/run/dsec-fn", Options: "mode=0711,size=1g"},
+		},
+	})
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	w := &worker{id: id, dir: dir, inst: inst, slots: make([]bool, d.cfg.Slots), lastUsed: time.Now()}
+	if err := d.prepareWorker(ctx, w); err != nil {
+		inst.Destroy(context.Background())
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	d.log.Info("function worker ready", slog.String("worker", id), slog.String("image", img), slog.Any("languages", keys(w.languages)))
+	return w, nil
+}
+
+func (d *Driver) prepareWorker(ctx context.Context, w *worker) error {
+	g := w.inst.Guest()
+	x, err := g.Run(ctx, &guestv1.Exec{Argv: []string{"/bin/sh", "-c", "mkdir -p " + runnerDir + " " + callsDir + " && chmod 700 " + runnerDir + " && chmod 711 " + callsDir + "; " + probeScript()}, TimeoutMs: 30000})
+	if err != nil {
+		return err
+	}
+	if x.ExitCode != 0 {
+		return fmt.Errorf("prepare worker: %s", x.Stderr)
+	}
+	have := map[string]bool{}
+	for _, b := range strings.Fields(string(x.Stdout)) {
+		have[b] = true
+	}
+	w.languages = map[string]bool{}
+	for _, l := range languages {
+		ok := true
+		for _, n := range l.needs {
+			ok = ok && have[n]
+		}
+		w.languages[l.name] = ok
+	}
+	if !have["python3"] {
+		return errdefs.Unavailable("function workers need python3 in their image (for the runner)")
+	}
+	if _, err := g.WriteFile(ctx, &guestv1.WriteFile{Path: runnerDir + "/runner.py", Mode: 0o600}, strings.NewReader(string(runnerScript))); err != nil {
+		return err
+	}
+	return g.StartRunner(ctx, []string{"python3", "-I", runnerDir + "/runner.py"}, []string{"PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"})
+}
+
+func (d *Driver) destroyWorker(w *worker) {
+	w.inst.Destroy(context.Background())
+	os.RemoveAll(w.dir)
+}
+
+func keys(m map[string]bool) []string {
+	var out []string
+	for k, v := range m {
+		if v {
+			out = append(out, k)
+		}
+	}
+	return out
+}

@@ -1,0 +1,162 @@
+package function
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/guest"
+	"github.com/opendsec/dsec/internal/substrate"
+)
+
+// A function sandbox (kind "function" through the generic API) holds no
+// container of its own: each exec is one call in a pooled worker, in a
+// fresh directory, leaving nothing behind. It is stateless by design, so
+// files, PTYs, streaming, pause and snapshots do not apply and answer
+// Unimplemented.
+
+type instance struct {
+	d     *Driver
+	image string
+	env   []string
+	done  chan struct{}
+}
+
+type instanceState struct {
+	Image string   `json:"image"`
+	Env   []string `json:"env,omitempty"`
+}
+
+// Create implements substrate.Driver.
+func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (substrate.Instance, error) {
+	if !d.caps.Available {
+		return nil, errdefs.Unavailable("function calls cannot run on this node: %s", d.caps.Reason)
+	}
+	if s.Network.Mode != "" && s.Network.Mode != "none" {
+		return nil, errdefs.Unimplemented("function sandboxes have no network")
+	}
+	img := s.Labels["dsec.io/function-image"]
+	if img == "" {
+		img = d.imageOfLayers(s.Layers)
+	}
+	return &instance{d: d, image: img, env: s.Env, done: make(chan struct{})}, nil
+}
+
+// imageOfLayers finds the image whose layers a spec names.
+func (d *Driver) imageOfLayers(layers []string) string {
+	for _, img := range d.images.List() {
+		ld := d.images.LowerDirs(img)
+		if len(ld) == len(layers) && strings.Join(ld, ":") == strings.Join(layers, ":") {
+			return img.Name
+		}
+	}
+	return d.cfg.Image
+}
+
+// Attach implements substrate.Driver.
+func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (substrate.Instance, error) {
+	var st instanceState
+	if err := json.Unmarshal(raw, &st); err != nil {
+		return nil, errdefs.Internal(err, "decode function sandbox state")
+	}
+	return &instance{d: d, image: st.Image, env: st.Env, done: make(chan struct{})}, nil
+}
+
+func (i *instance) Guest() substrate.Guest { return &callGuest{i: i} }
+
+func (i *instance) State() []byte {
+	b, _ := json.Marshal(instanceState{Image: i.image, Env: i.env})
+	return b
+}
+
+func (i *instance) Done() <-chan struct{}                          { return i.done }
+func (i *instance) Check(context.Context) error                    { return nil }
+func (i *instance) Stats(context.Context) (substrate.Stats, error) { return substrate.Stats{}, nil }
+func (i *instance) Pause(context.Context) error {
+	return errdefs.Unimplemented("function sandboxes cannot pause (they hold no state)")
+}
+func (i *instance) Resume(context.Context) error { return nil }
+func (i *instance) Snapshot(context.Context, io.Writer) error {
+	return errdefs.Unimplemented("function sandboxes cannot snapshot (they hold no state)")
+}
+func (i *instance) Destroy(context.Context) error { return nil }
+
+// callGuest runs each exec as one function call.
+type callGuest struct{ i *instance }
+
+var errStateless = errdefs.Unimplemented("function sandboxes are stateless: only exec applies (use kind container for files and processes)")
+
+func (g *callGuest) Hello(context.Context) (*guestv1.HelloReply, error) {
+	return &guestv1.HelloReply{Version: "function"}, nil
+}
+
+func (g *callGuest) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, error) {
+	if x.Pty {
+		return nil, errStateless
+	}
+	d := g.i.d
+	p := d.poolFor(g.i.image)
+	w, slot, err := p.acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	st := &guestv1.CallStep{Argv: x.Argv, Stdin: x.StdinData, TimeoutMs: x.TimeoutMs, MaxOutput: x.MaxOutput, RlimitNproc: 256, RlimitNofile: 4096}
+	call := &guestv1.Call{Dir: callsDir + "/x" + itoa(d.seq.Add(1)), Uid: uint32(uidBase + slot), Steps: []*guestv1.CallStep{st}, Env: append(append([]string(nil), g.i.env...), x.Env...)}
+	cctx, cancel := context.WithTimeout(ctx, time.Duration(x.TimeoutMs)*time.Millisecond+30*time.Second)
+	defer cancel()
+	out, err := w.inst.Guest().Call(cctx, call)
+	if err != nil {
+		p.release(w, slot, "call failed: "+err.Error())
+		return nil, errdefs.Unavailable("function worker failed").WithCause(err)
+	}
+	p.release(w, slot, out.DirtyReason)
+	if len(out.Steps) == 0 {
+		return nil, errdefs.Unavailable("function worker did not run the command: %s", out.DirtyReason)
+	}
+	return out.Steps[0], nil
+}
+
+func itoa(n int64) string { return strconv.FormatInt(n, 10) }
+
+func (g *callGuest) Start(context.Context, *guestv1.Exec) (*guest.Process, error) {
+	return nil, errdefs.Unimplemented("function sandboxes run commands to completion only (use Exec)")
+}
+func (g *callGuest) Attach(context.Context, string, string) (*guest.Process, error) {
+	return nil, errStateless
+}
+func (g *callGuest) InputProcess(context.Context, string, []byte, bool) error    { return errStateless }
+func (g *callGuest) SignalProcess(context.Context, string, syscall.Signal) error { return errStateless }
+func (g *callGuest) ResizeProcess(context.Context, string, uint32, uint32) error { return errStateless }
+func (g *callGuest) ListProcs(context.Context) ([]*guestv1.Proc, error)          { return nil, nil }
+func (g *callGuest) ReadFile(context.Context, string, int64, int64) (*guest.FileReader, error) {
+	return nil, errStateless
+}
+func (g *callGuest) WriteFile(context.Context, *guestv1.WriteFile, io.Reader) (*guestv1.FileInfo, error) {
+	return nil, errStateless
+}
+func (g *callGuest) Stat(context.Context, string) (*guestv1.FileInfo, error) {
+	return nil, errStateless
+}
+func (g *callGuest) ListDir(context.Context, string, int32) ([]*guestv1.FileInfo, error) {
+	return nil, errStateless
+}
+func (g *callGuest) MakeDir(context.Context, string, string) (*guestv1.FileInfo, error) {
+	return nil, errStateless
+}
+func (g *callGuest) Remove(context.Context, string, bool) error { return errStateless }
+func (g *callGuest) Rename(context.Context, string, string) (*guestv1.FileInfo, error) {
+	return nil, errStateless
+}
+func (g *callGuest) Sync(context.Context) error                            { return nil }
+func (g *callGuest) SetDeadline(context.Context, time.Time) error          { return nil }
+func (g *callGuest) SetEnv(context.Context, []string) error                { return nil }
+func (g *callGuest) StartRunner(context.Context, []string, []string) error { return errStateless }
+func (g *callGuest) Call(context.Context, *guestv1.Call) (*guestv1.CallResult, error) {
+	return nil, errStateless
+}

@@ -1,0 +1,165 @@
+"""dsec function runner: a warm Python interpreter that forks call processes.
+
+The dsec agent starts it with fd 3 a unix socket. Each request is one JSON
+line with the call process's stdin, stdout and stderr attached as file
+descriptors. The runner forks; the child sets its limits, drops to the
+call's uid and either runs a Python script in this already initialised
+interpreter (modules pre-imported, nothing to start) or execs a program.
+The runner answers {"id", "pid"} at once and {"id", "status", ...} when
+the child exits. It never prints: its stdout is not the calls'.
+"""
+
+import builtins
+import io
+import json
+import os
+import resource
+import selectors
+import socket
+import sys
+import traceback
+
+PRELOAD = [
+    "array", "bisect", "collections", "copy", "dataclasses", "datetime", "decimal", "fractions",
+    "functools", "hashlib", "heapq", "itertools", "json", "math", "operator", "random", "re",
+    "statistics", "string", "textwrap", "typing", "unittest", "numpy", "sympy",
+]
+for _m in PRELOAD:
+    try:
+        __import__(_m)
+    except Exception:
+        pass
+
+import random  # noqa: E402
+
+sock = socket.socket(fileno=3)
+sel = selectors.DefaultSelector()
+children = {}
+
+
+def send(obj):
+    sock.sendall((json.dumps(obj) + "\n").encode())
+
+
+def run_python(argv):
+    # A fresh interpreter would have fresh random state: so does a fork.
+    random.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        try:
+            np.random.seed(None)
+        except Exception:
+            pass
+    sys.argv = list(argv)
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), write_through=False)
+    sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)), write_through=True)
+    sys.path.insert(0, os.getcwd())
+    status = 0
+    try:
+        with open(argv[0], "rb") as f:
+            source = f.read()
+        code = compile(source, argv[0], "exec")
+        g = {"__name__": "__main__", "__file__": argv[0], "__builtins__": builtins}
+        exec(code, g)
+    except SystemExit as e:
+        if e.code is None:
+            status = 0
+        elif isinstance(e.code, int):
+            status = e.code & 0xFF
+        else:
+            print(e.code, file=sys.stderr)
+            status = 1
+    except BaseException as e:
+        # Show the program's frames only, as a fresh interpreter would.
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != argv[0]:
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb)
+        status = 1
+    try:
+        sys.stdout.flush()
+    except BaseException:
+        status = status or 1
+    try:
+        sys.stderr.flush()
+    except BaseException:
+        pass
+    os._exit(status)
+
+
+def child(req, fds):
+    try:
+        os.setsid()
+        for i, fd in enumerate(fds):
+            os.dup2(fd, i)
+        os.closerange(3, 1 << 20)
+        for name, (soft, hard) in req.get("rlimits", {}).items():
+            resource.setrlimit(getattr(resource, "RLIMIT_" + name), (soft, hard))
+        uid = req["uid"]
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        os.umask(0o077)
+        os.chdir(req["cwd"])
+        env = dict(e.split("=", 1) for e in req.get("env", []) if "=" in e)
+        if req.get("python"):
+            os.environ.clear()
+            os.environ.update(env)
+            run_python(req["argv"])
+        os.execvpe(req["argv"][0], req["argv"], env)
+    except BaseException as e:
+        try:
+            os.write(2, (f"{req['argv'][0]}: {e}\n").encode())
+        except BaseException:
+            pass
+        os._exit(127)
+
+
+def spawn(req, fds):
+    try:
+        pid = os.fork()
+    except OSError as e:
+        for fd in fds:
+            os.close(fd)
+        send({"id": req["id"], "error": f"fork: {e}"})
+        return
+    if pid == 0:
+        child(req, fds)
+    for fd in fds:
+        os.close(fd)
+    pfd = os.pidfd_open(pid)
+    children[pfd] = (req["id"], pid)
+    sel.register(pfd, selectors.EVENT_READ, "child")
+    send({"id": req["id"], "pid": pid})
+
+
+def main():
+    sel.register(sock, selectors.EVENT_READ, "sock")
+    buf = b""
+    fdq = []
+    while True:
+        for key, _ in sel.select():
+            if key.data == "sock":
+                data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 64)
+                if not data:
+                    sys.exit(0)
+                fdq.extend(fds)
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    req = json.loads(line)
+                    n = req.get("nfds", 0)
+                    mine, fdq[:] = fdq[:n], fdq[n:]
+                    spawn(req, mine)
+            else:
+                pfd = key.fd
+                rid, pid = children.pop(pfd)
+                sel.unregister(pfd)
+                _, status, ru = os.wait4(pid, 0)
+                os.close(pfd)
+                send({"id": rid, "status": status, "utime": ru.ru_utime, "stime": ru.ru_stime, "maxrss": ru.ru_maxrss})
+
+
+if __name__ == "__main__":
+    main()
