@@ -98,8 +98,18 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 		return nil, errdefs.Invalid("unknown bootstrap recipe %q (have %s)", recipe, strings.Join(Recipes, ", "))
 	}
 	rootfs := filepath.Join(opts.CacheDir, "rootfs", key)
+	if err := os.MkdirAll(filepath.Dir(rootfs), 0o700); err != nil {
+		return nil, err
+	}
+	// Stores on one host share the cache: one builds, the others wait.
+	unlock, err := lockFile(rootfs + ".lock")
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
 	if opts.Force {
 		os.RemoveAll(rootfs)
+		os.Remove(rootfs + ".complete")
 	}
 	if _, err := os.Stat(rootfs + ".complete"); err != nil {
 		progress.report("build", "building "+recipe+" root filesystem", 0, 0)
@@ -143,6 +153,19 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 	}
 	progress.report("done", as, size, size)
 	return img, nil
+}
+
+// lockFile takes an exclusive flock on path, waiting for it.
+func lockFile(path string) (func(), error) {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() { unix.Flock(int(f.Fd()), unix.LOCK_UN); f.Close() }, nil
 }
 
 func findBusybox() (string, error) {

@@ -6,6 +6,7 @@ import (
 	"io"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -26,6 +27,7 @@ type instance struct {
 	image string
 	env   []string
 	done  chan struct{}
+	once  sync.Once
 }
 
 type instanceState struct {
@@ -75,8 +77,15 @@ func (i *instance) State() []byte {
 	return b
 }
 
-func (i *instance) Done() <-chan struct{}                          { return i.done }
-func (i *instance) Check(context.Context) error                    { return nil }
+func (i *instance) Done() <-chan struct{} { return i.done }
+func (i *instance) Check(context.Context) error {
+	select {
+	case <-i.done:
+		return errdefs.Gone("function sandbox deleted")
+	default:
+		return nil
+	}
+}
 func (i *instance) Stats(context.Context) (substrate.Stats, error) { return substrate.Stats{}, nil }
 func (i *instance) Pause(context.Context) error {
 	return errdefs.Unimplemented("function sandboxes cannot pause (they hold no state)")
@@ -85,7 +94,10 @@ func (i *instance) Resume(context.Context) error { return nil }
 func (i *instance) Snapshot(context.Context, io.Writer) error {
 	return errdefs.Unimplemented("function sandboxes cannot snapshot (they hold no state)")
 }
-func (i *instance) Destroy(context.Context) error { return nil }
+func (i *instance) Destroy(context.Context) error {
+	i.once.Do(func() { close(i.done) })
+	return nil
+}
 
 // callGuest runs each exec as one function call.
 type callGuest struct{ i *instance }
