@@ -12,6 +12,8 @@ Standard library only. Every error is a :class:`DsecError` with ``.infra``
 
 from .client import Client, ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, SnapshotInfo, quote, request_id
 from .session import Session
+from .aio import AsyncClient, AsyncSandbox
+from .functions import RunCodeResult
 from .errors import (
     Conflict,
     ConnectionFailed,
@@ -33,6 +35,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Client",
+    "AsyncClient",
+    "AsyncSandbox",
+    "RunCodeResult",
     "Sandbox",
     "SandboxInfo",
     "ExecResult",

@@ -542,6 +542,26 @@ class Client:
     def delete_snapshot(self, snapshot: Union[str, SnapshotInfo]) -> None:
         self._t.unary(_SANDBOX, "DeleteSnapshot", {"id": snapshot if isinstance(snapshot, str) else snapshot.id})
 
+    def run_code(self, code: str, language: str = "python", **kw: Any) -> "RunCodeResult":
+        """Run a program as a function call in a warm worker.
+
+        Keywords: ``stdin``, ``files`` (name → bytes/str), ``fetch_files``,
+        ``tests`` (dicts with ``stdin``/``expected_stdout``, or pairs),
+        ``run_timeout``, ``compile_timeout``, ``memory_limit_mb``,
+        ``max_output_bytes``, ``case_insensitive``, ``float_tolerance``,
+        ``stop_on_first_failure``, ``image``. Function calls are stateless,
+        so they are retried on transport failures."""
+        from .functions import run_code
+
+        return run_code(self, code, language, **kw)
+
+    def run_code_batch(self, calls: Sequence[Mapping[str, Any]]) -> List["RunCodeResult"]:
+        """Run many calls (dicts of run_code's arguments) in one request;
+        results come back in order, each with its own status."""
+        from .functions import run_code_batch
+
+        return run_code_batch(self, calls)
+
     def capacity(self) -> Dict[str, Any]:
         """Free slots, queue depth, recent start rate and warm pools."""
         return self._t.unary(_SYSTEM, "GetCapacity", {})

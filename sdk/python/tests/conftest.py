@@ -42,14 +42,14 @@ class Server:
         self.table = f"dsecpy_{n}_{self.port}"
         args = [
             _binary(), "serve", "--listen", f"127.0.0.1:{self.port}", "--data-dir", self.data_dir,
-            "--bootstrap", "busybox", "--log-level", "warn", "--bridge", self.bridge,
+            "--bootstrap", "busybox,debian", "--log-level", "warn", "--bridge", self.bridge,
             "--subnet", f"10.{150 + n % 50}.{self.port % 256}.0/24", "--nft-table", self.table,
         ]
         for k in api_keys:
             args += ["--api-key", k]
         self.log = open(os.path.join(self.data_dir, "serve.log"), "wb")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 120
+        deadline = time.time() + 900  # a cold debian bootstrap takes a minute or more
         while True:
             try:
                 with urllib.request.urlopen(self.url + "/healthz", timeout=1) as r:

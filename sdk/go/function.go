@@ -1,0 +1,41 @@
+package dsec
+
+import (
+	"context"
+
+	"connectrpc.com/connect"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
+)
+
+func (c *Client) functions() dsecv1connect.FunctionServiceClient {
+	return dsecv1connect.NewFunctionServiceClient(c.http, c.url, connect.WithInterceptors(keyInterceptor(c.key)), connect.WithReadMaxBytes(256<<20))
+}
+
+// RunCode runs a program as a function call (see dsecv1.RunCodeRequest).
+func (c *Client) RunCode(ctx context.Context, req *dsecv1.RunCodeRequest) (*dsecv1.RunCodeResult, error) {
+	r, err := c.functions().RunCode(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// RunCodeBatch runs many calls; results are in order.
+func (c *Client) RunCodeBatch(ctx context.Context, reqs []*dsecv1.RunCodeRequest) ([]*dsecv1.RunCodeResult, error) {
+	r, err := c.functions().RunCodeBatch(ctx, connect.NewRequest(&dsecv1.RunCodeBatchRequest{Calls: reqs}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg.Results, nil
+}
+
+// Languages lists the function languages of an image.
+func (c *Client) Languages(ctx context.Context, image string) ([]*dsecv1.LanguageInfo, error) {
+	r, err := c.functions().ListLanguages(ctx, connect.NewRequest(&dsecv1.ListLanguagesRequest{Image: image}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg.Languages, nil
+}
