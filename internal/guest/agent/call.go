@@ -464,13 +464,14 @@ func pidsOf(uid int) []int {
 		return nil
 	}
 	want := strconv.Itoa(uid)
+	buf := make([]byte, 1024) // State and Uid are in the first lines
 	var out []int
 	for _, e := range ents {
 		pid, err := strconv.Atoi(e.Name())
 		if err != nil {
 			continue
 		}
-		b, err := os.ReadFile("/proc/" + e.Name() + "/status")
+		b, err := readHead("/proc/"+e.Name()+"/status", buf)
 		if err != nil {
 			continue
 		}
@@ -495,6 +496,16 @@ func pidsOf(uid int) []int {
 		}
 	}
 	return out
+}
+
+func readHead(path string, buf []byte) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	n, err := f.Read(buf)
+	f.Close()
+	return buf[:n], err
 }
 
 // cleanupCall kills the call's processes and removes what it wrote. It

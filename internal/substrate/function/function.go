@@ -213,6 +213,24 @@ type worker struct {
 	lastUsed  time.Time
 	dead      bool
 	languages map[string]bool
+	ooms      atomic.Int64 // the worker's OOM kills seen so far
+}
+
+// oomSince reports whether the worker's memory limit killed a process
+// since the last look; only a call with a SIGKILLed step needs to look.
+func (w *worker) oomSince(out *guestv1.CallResult) bool {
+	killed := false
+	for _, s := range out.Steps {
+		killed = killed || s.Signal == 9
+	}
+	if !killed {
+		return false
+	}
+	st, err := w.inst.Stats(context.Background())
+	if err != nil {
+		return false
+	}
+	return st.OOMKills > w.ooms.Swap(st.OOMKills)
 }
 
 // ensure starts workers up to the minimum (and one more if all are busy).

@@ -279,7 +279,6 @@ func (d *Driver) runOn(ctx context.Context, p *pool, lang *language, req *dsecv1
 		budget += time.Duration(s.TimeoutMs)*time.Millisecond + time.Second
 	}
 	cctx, cancel := context.WithTimeout(ctx, budget+30*time.Second)
-	before, _ := w.inst.Stats(cctx)
 	out, err := w.inst.Guest().Call(cctx, call)
 	cancel()
 	if err != nil {
@@ -290,8 +289,7 @@ func (d *Driver) runOn(ctx context.Context, p *pool, lang *language, req *dsecv1
 		p.release(w, slot, reason)
 		return &dsecv1.RunCodeResult{Status: StatusSandbox, Infra: true, Message: "function worker failed: " + errdefs.Classify(err).Msg}, nil
 	}
-	after, _ := w.inst.Stats(context.Background())
-	oom := after.OOMKills > before.OOMKills
+	oom := w.oomSince(out)
 	p.release(w, slot, out.DirtyReason)
 	res := classify(lang, req, out, oom)
 	if out.Dirty && len(out.Steps) < len(call.Steps) && res.Status == StatusSuccess {
