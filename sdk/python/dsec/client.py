@@ -373,6 +373,12 @@ class Sandbox:
         self._info = SandboxInfo._from(self._client._t.unary(_SANDBOX, "Keepalive", req))
         return self._info
 
+    def shell(self, name: str = "default", *, startup: Optional[str] = None) -> "ShellSession":
+        """A persistent bash session: cwd and environment carry over."""
+        from .shell import ShellSession
+
+        return ShellSession(self, name, startup=startup)
+
     def pause(self) -> SandboxInfo:
         """Freeze the sandbox and release what memory the host allows. Any
         later call resumes it. Pausing a paused sandbox is not an error."""

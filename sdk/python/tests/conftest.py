@@ -83,6 +83,7 @@ class Server:
 @pytest.fixture(scope="session")
 def server():
     s = Server()
+    os.environ["DSEC_URL"] = s.url  # for code that builds its own client, as frameworks do
     yield s
     s.stop()
 
