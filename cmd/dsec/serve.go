@@ -174,6 +174,7 @@ func serve(ctx context.Context, cfg config.Config) error {
 	if err != nil {
 		return err
 	}
+	defer removeEmptyRunDir(runDirOf(dataDir))
 	defer n.Close()
 	fn.Start()
 	defer fn.Close()
@@ -242,14 +243,14 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 	if err != nil {
 		return nil, nil, err
 	}
-	netRun := filepath.Join("/run/dsec", runKey(dataDir), "netns")
-	nm, err := network.New(network.Config{Bridge: cfg.Network.Bridge, Subnet: cfg.Network.Subnet, DNS: cfg.Network.DNS, Table: cfg.Network.Table, RunDir: netRun}, log)
+	runDir := runDirOf(dataDir)
+	nm, err := network.New(network.Config{Bridge: cfg.Network.Bridge, Subnet: cfg.Network.Subnet, DNS: cfg.Network.DNS, Table: cfg.Network.Table, RunDir: filepath.Join(runDir, "netns")}, log)
 	if err != nil {
 		return nil, nil, err
 	}
 	ct, err := container.New(container.Config{
 		Runtime: cfg.Container.Runtime, CgroupParent: cfg.Container.CgroupParent,
-		GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "container"),
+		GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "container"), RunDir: runDir,
 	}, log)
 	if err != nil {
 		return nil, nil, err
@@ -271,13 +272,23 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 	return n, fn, err
 }
 
-// runKey names a data directory's runtime directory under /run/dsec.
-func runKey(dataDir string) string {
+// runDirOf is the data directory's directory under /run: runtime state,
+// agent sockets and network namespaces, short enough for socket paths.
+func runDirOf(dataDir string) string {
 	h := uint32(2166136261)
 	for i := 0; i < len(dataDir); i++ {
 		h = (h ^ uint32(dataDir[i])) * 16777619
 	}
-	return fmt.Sprintf("%08x", h)
+	return filepath.Join("/run/dsec", fmt.Sprintf("%08x", h))
+}
+
+// removeEmptyRunDir removes the run directory if nothing is left in it
+// (live sandboxes keep their state there across a restart).
+func removeEmptyRunDir(runDir string) {
+	for _, sub := range []string{"runtime", "sock", "netns"} {
+		os.Remove(filepath.Join(runDir, sub))
+	}
+	os.Remove(runDir)
 }
 
 // findGuest locates the static dsec-guest binary.

@@ -13,7 +13,7 @@ import (
 // stream large files without framing:
 //
 //	GET /v1/sandboxes/{id}/files?path=P[&offset=N&max_bytes=N]  → the bytes
-//	PUT /v1/sandboxes/{id}/files?path=P[&mode=0644&append=1]     ← the bytes
+//	PUT /v1/sandboxes/{id}/files?path=P[&mode=0644&append=1&request_id=R]  ← the bytes
 func (s *Server) serveFiles(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
 	q := r.URL.Query()
@@ -48,6 +48,7 @@ func (s *Server) serveFiles(w http.ResponseWriter, r *http.Request) {
 		mode, _ := strconv.ParseUint(q.Get("mode"), 8, 32)
 		info, err := n.WriteFile(r.Context(), &dsecv1.WriteFileHeader{
 			SandboxId: id, Path: q.Get("path"), Mode: uint32(mode), Append: q.Get("append") == "1" || q.Get("append") == "true", User: q.Get("user"),
+			RequestId: q.Get("request_id"),
 		}, r.Body)
 		if err != nil {
 			writeHTTPError(w, err)

@@ -54,6 +54,9 @@ type SnapshotMeta struct {
 	BaseImage string `json:"base_image"`
 	// Size is the size of the snapshot's own layer.
 	Size int64 `json:"size"`
+	// Ephemeral snapshots exist to start a fork's children and are
+	// deleted once no sandbox starts from them.
+	Ephemeral bool `json:"ephemeral,omitempty"`
 }
 
 // Config is the part of an OCI image config a sandbox uses.

@@ -159,6 +159,7 @@ type Node struct {
 
 	// creating counts admitted creates still starting, for admission.
 	creating atomic.Int64
+	pinned   map[string]int // ephemeral snapshots held by forks in flight
 
 	starts *admission // start slots and the fair-share queue
 	pools  *pools
@@ -219,7 +220,7 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 	}
 	n := &Node{
 		cfg: cfg, log: log.With(slog.String("node", cfg.Name)), store: st, images: images, net: net,
-		drivers: drivers, started: time.Now(), sandboxes: map[string]*sandbox{}, reserved: map[string]*sandbox{}, idemWait: map[string]chan struct{}{},
+		drivers: drivers, started: time.Now(), sandboxes: map[string]*sandbox{}, reserved: map[string]*sandbox{}, idemWait: map[string]chan struct{}{}, pinned: map[string]int{},
 		starts: newAdmission(cfg.MaxConcurrentStarts, cfg.StartQueue),
 		trash:  make(chan string, 1024), stop: make(chan struct{}),
 	}
@@ -231,6 +232,7 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 	n.logs = logs
 	images.SetInUse(n.layersInUse)
 	n.adopt()
+	n.releaseUnusedSnapshots()
 	n.pools = newPools(n, cfg.Pools)
 	n.wg.Add(1)
 	go n.reaper()
@@ -731,6 +733,7 @@ func (n *Node) remove(ctx context.Context, s *sandbox, reason string, infra bool
 	delete(n.sandboxes, s.id)
 	n.mu.Unlock()
 	n.logs.Forget(s.id)
+	n.releaseSnapshot(s.image)
 	n.log.Debug("sandbox deleted", slog.String("sandbox_id", s.id), slog.String("reason", reason))
 	return nil
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/base32"
 	"fmt"
 	"io"
+	"log/slog"
 	"strings"
 	"sync"
 	"time"
@@ -47,6 +48,10 @@ func NodeOfSnapshot(id string) (string, error) {
 // a new read-only layer stacked on its image. Children share everything
 // below it.
 func (n *Node) Snapshot(ctx context.Context, req *dsecv1.SnapshotRequest) (*dsecv1.SnapshotInfo, error) {
+	return n.snapshot(ctx, req, false)
+}
+
+func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, ephemeral bool) (*dsecv1.SnapshotInfo, error) {
 	s, err := n.lookup(req.GetSandboxId())
 	if err != nil {
 		return nil, err
@@ -79,7 +84,7 @@ func (n *Node) Snapshot(ctx context.Context, req *dsecv1.SnapshotRequest) (*dsec
 	rec := &image.Image{
 		Name: id, Layers: append(append([]string(nil), s.layers...), diff), Size: size,
 		Created: time.Now().UTC(), Source: "snapshot:" + s.id, Config: cfg, Digest: diff,
-		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size},
+		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size, Ephemeral: ephemeral},
 	}
 	if err := n.images.Put(rec); err != nil {
 		return nil, err
@@ -114,6 +119,49 @@ func (n *Node) DeleteSnapshot(ctx context.Context, id string) error {
 		return errdefs.NotFound("snapshot %q not found", id)
 	}
 	return n.images.Delete(id)
+}
+
+// releaseSnapshot deletes an ephemeral (fork) snapshot once no live
+// sandbox starts from it and no fork is between snapshotting and
+// creating its children. The layers stay while sandboxes use them.
+func (n *Node) releaseSnapshot(id string) {
+	img, err := n.images.Get(id)
+	if err != nil || img.Snapshot == nil || !img.Snapshot.Ephemeral {
+		return
+	}
+	n.mu.Lock()
+	used := n.pinned[id] > 0
+	for _, s := range n.sandboxes {
+		if s.image == id {
+			used = true
+			break
+		}
+	}
+	n.mu.Unlock()
+	if !used {
+		if err := n.images.Delete(id); err != nil {
+			n.log.Warn("delete fork snapshot", slog.String("snapshot_id", id), slog.Any("error", err))
+		}
+	}
+}
+
+// pin holds an ephemeral snapshot while a fork creates its children.
+func (n *Node) pin(id string, d int) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.pinned[id] += d; n.pinned[id] <= 0 {
+		delete(n.pinned, id)
+	}
+}
+
+// releaseUnusedSnapshots deletes every ephemeral snapshot no sandbox
+// starts from (at start, after re-adoption).
+func (n *Node) releaseUnusedSnapshots() {
+	for _, img := range n.images.List() {
+		if img.Snapshot != nil && img.Snapshot.Ephemeral {
+			n.releaseSnapshot(img.Name)
+		}
+	}
 }
 
 // CreateMany creates one sandbox per spec, concurrently, and reports each;
@@ -181,10 +229,17 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.Creat
 	if err != nil {
 		return nil, err
 	}
-	snap, err := n.Snapshot(ctx, &dsecv1.SnapshotRequest{SandboxId: req.GetSandboxId(), Name: "fork of " + req.GetSandboxId()})
+	snap, err := n.snapshot(ctx, &dsecv1.SnapshotRequest{SandboxId: req.GetSandboxId(), Name: "fork of " + req.GetSandboxId()}, true)
 	if err != nil {
 		return nil, err
 	}
+	// Children adopted by idempotency key (a resumed trainer's repeat)
+	// start from an earlier snapshot, which leaves this one unused.
+	n.pin(snap.Id, 1)
+	defer func() {
+		n.pin(snap.Id, -1)
+		n.releaseSnapshot(snap.Id)
+	}()
 	base := proto.Clone(parent.spec).(*dsecv1.SandboxSpec)
 	base.Snapshot, base.Image = snap.Id, ""
 	labels := map[string]string{}

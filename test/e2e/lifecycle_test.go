@@ -1,9 +1,10 @@
 package e2e
 
 import (
-	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -250,6 +251,8 @@ func TestForkGivesEachChildItsOwnLayer(t *testing.T) {
 	ctx := ctxFor(t, 3*time.Minute)
 	parent := create(t, c, dsec.CreateOptions{Labels: map[string]string{"job": "grpo"}})
 	parent.Exec(ctx, dsec.Cmd("mkdir -p /repo && echo base > /repo/f && rm -rf /usr/bin/vi"))
+	layersDir := filepath.Join(srv.DataDir, "images", "layers")
+	layersBefore := countEntries(t, layersDir)
 	resp, err := c.Fork(ctx, &dsecv1.ForkRequest{SandboxId: parent.ID, Count: 8, IdempotencyKey: "g1"})
 	if err != nil || resp.Created != 8 {
 		t.Fatalf("fork: %v %v", resp, err)
@@ -257,6 +260,10 @@ func TestForkGivesEachChildItsOwnLayer(t *testing.T) {
 	again, err := c.Fork(ctx, &dsecv1.ForkRequest{SandboxId: parent.ID, Count: 8, IdempotencyKey: "g1"})
 	if err != nil || again.Results[3].Sandbox.Id != resp.Results[3].Sandbox.Id {
 		t.Fatalf("a retried fork made new children")
+	}
+	// The retry's own snapshot started no child, so it is gone already.
+	if snaps, _ := c.ListSnapshots(ctx); len(snaps) != 1 {
+		t.Fatalf("after a fork and its retry: %d snapshots, want 1", len(snaps))
 	}
 	for i, r := range resp.Results {
 		kid := c.Sandbox(r.Sandbox.Id)
@@ -277,6 +284,24 @@ func TestForkGivesEachChildItsOwnLayer(t *testing.T) {
 	if string(pr.Stdout) != "base\n" {
 		t.Fatalf("children wrote into the parent: %q", pr.Stdout)
 	}
-	c.Bulk(ctx, "delete", "dsec.io/fork-of="+parent.ID)
-	_ = context.Background
+	if _, err := c.Bulk(ctx, "delete", "dsec.io/fork-of="+parent.ID); err != nil {
+		t.Fatal(err)
+	}
+	// A fork's snapshot lives as long as its children: with the last one
+	// deleted, the snapshot and its layer are gone.
+	if snaps, _ := c.ListSnapshots(ctx); len(snaps) != 0 {
+		t.Fatalf("fork snapshots outlived their children: %v", snaps)
+	}
+	if n := countEntries(t, layersDir); n != layersBefore {
+		t.Fatalf("layer files: %d before the fork, %d after its children were deleted", layersBefore, n)
+	}
+}
+
+func countEntries(t *testing.T, dir string) int {
+	t.Helper()
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
 }

@@ -295,12 +295,17 @@ class Sandbox:
             elif "exit" in m:
                 yield ExecEvent("exit", result=ExecResult._from(m["exit"]), process_id=pid)
 
-    def write_file(self, path: str, data: Union[bytes, str, IO[bytes]], *, mode: Optional[int] = None) -> FileInfo:
+    def write_file(self, path: str, data: Union[bytes, str, IO[bytes]], *, mode: Optional[int] = None,
+                   request_id: Optional[str] = None) -> FileInfo:
         """Write a file (parents are created). ``data`` may be a binary file
-        object, which is streamed."""
+        object, which is streamed. With ``request_id`` the write is
+        exactly-once (a repeat with the same content is answered from the
+        log)."""
         q = {"path": path}
         if mode is not None:
             q["mode"] = format(mode, "o")
+        if request_id:
+            q["request_id"] = request_id
         body: Any = data.encode() if isinstance(data, str) else data
         # http.client sends a file object with its length when it has one,
         # else chunked.
