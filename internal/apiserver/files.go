@@ -55,7 +55,7 @@ func (s *Server) serveFiles(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		w.Header().Set("Content-Type", "application/json")
-		json.NewEncoder(w).Encode(map[string]any{"path": info.Path, "size": info.Size, "mode": info.Mode})
+		json.NewEncoder(w).Encode(map[string]any{"path": info.Path, "size": info.Size, "mode": info.Mode, "replayed": info.Replayed})
 	default:
 		w.Header().Set("Allow", "GET, PUT")
 		writeHTTPError(w, errdefs.Invalid("method %s not allowed", r.Method))

@@ -124,7 +124,7 @@ func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.
 			if digest != replay.ContentDigest {
 				return nil, errdefs.Conflict("%v: %s (different content)", trajectory.ErrReused, rid)
 			}
-			return &dsecv1.FileInfo{Path: replay.Path, Name: path.Base(replay.Path), Type: "file", Size: replay.Size, Mode: replay.Mode}, nil
+			return &dsecv1.FileInfo{Path: replay.Path, Name: path.Base(replay.Path), Type: "file", Size: replay.Size, Mode: replay.Mode, Replayed: true}, nil
 		}
 		done = d
 	}

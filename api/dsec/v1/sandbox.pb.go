@@ -1895,6 +1895,9 @@ type FileInfo struct {
 	SymlinkTarget string                 `protobuf:"bytes,7,opt,name=symlink_target,json=symlinkTarget,proto3" json:"symlink_target,omitempty"`
 	Owner         string                 `protobuf:"bytes,8,opt,name=owner,proto3" json:"owner,omitempty"`
 	Group         string                 `protobuf:"bytes,9,opt,name=group,proto3" json:"group,omitempty"`
+	// replayed is set on a write with a request_id that was answered from the
+	// trajectory log (the file was written by the first call).
+	Replayed      bool `protobuf:"varint,10,opt,name=replayed,proto3" json:"replayed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1990,6 +1993,13 @@ func (x *FileInfo) GetGroup() string {
 		return x.Group
 	}
 	return ""
+}
+
+func (x *FileInfo) GetReplayed() bool {
+	if x != nil {
+		return x.Replayed
+	}
+	return false
 }
 
 type ReadFileRequest struct {
@@ -4286,7 +4296,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\"K\n" +
 	"\x15ListProcessesResponse\x122\n" +
-	"\tprocesses\x18\x01 \x03(\v2\x14.dsec.v1.ProcessInfoR\tprocesses\"\xf3\x01\n" +
+	"\tprocesses\x18\x01 \x03(\v2\x14.dsec.v1.ProcessInfoR\tprocesses\"\x8f\x02\n" +
 	"\bFileInfo\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x12\n" +
@@ -4296,7 +4306,9 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x05mtime\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\x05mtime\x12%\n" +
 	"\x0esymlink_target\x18\a \x01(\tR\rsymlinkTarget\x12\x14\n" +
 	"\x05owner\x18\b \x01(\tR\x05owner\x12\x14\n" +
-	"\x05group\x18\t \x01(\tR\x05group\"y\n" +
+	"\x05group\x18\t \x01(\tR\x05group\x12\x1a\n" +
+	"\breplayed\x18\n" +
+	" \x01(\bR\breplayed\"y\n" +
 	"\x0fReadFileRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +

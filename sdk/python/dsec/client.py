@@ -109,13 +109,15 @@ class FileInfo:
     symlink_target: str = ""
     owner: str = ""
     group: str = ""
+    #: a write with a request_id answered from the trajectory log
+    replayed: bool = False
 
     @classmethod
     def _from(cls, m: Dict[str, Any]) -> "FileInfo":
         return cls(
             path=m.get("path", ""), name=m.get("name", ""), type=m.get("type", ""), size=_int(m.get("size")),
             mode=_int(m.get("mode")), mtime=m.get("mtime", ""), symlink_target=m.get("symlinkTarget", ""),
-            owner=m.get("owner", ""), group=m.get("group", ""),
+            owner=m.get("owner", ""), group=m.get("group", ""), replayed=bool(m.get("replayed")),
         )
 
 
@@ -311,7 +313,8 @@ class Sandbox:
         # else chunked.
         headers = self._client._t.headers("application/octet-stream")
         m = self._client._http_json("PUT", self._files_path(q), body, headers)
-        return FileInfo(path=m.get("path", path), name=os.path.basename(path), type="file", size=_int(m.get("size")), mode=_int(m.get("mode")))
+        return FileInfo(path=m.get("path", path), name=os.path.basename(path), type="file", size=_int(m.get("size")),
+                        mode=_int(m.get("mode")), replayed=bool(m.get("replayed")))
 
     def read_file(self, path: str, *, max_bytes: Optional[int] = None) -> bytes:
         """Read a whole file (or its first ``max_bytes``)."""

@@ -1,0 +1,2 @@
+def to_binary(n):
+    return str(n)

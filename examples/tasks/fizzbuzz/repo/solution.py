@@ -1,0 +1,2 @@
+def fizzbuzz(n):
+    return str(n)

@@ -1,0 +1,2 @@
+def is_prime(n):
+    return n % 2 == 1
