@@ -1,11 +1,12 @@
 // Command function benchmarks function calls (not a test: it prints
-// numbers and ratios measured side by side in one run):
+// numbers and ratios measured side by side in one run): Python
+// `print(sum(range(1000)))` through SandboxFusion-compatible POST /run_code at
+// 1 and 64 concurrent callers, vs. a SandboxFusion-style baseline that starts
+// a fresh python3 under bubblewrap per call; and a 1,000-call batch of mixed
+// languages with 10% broken programs (every result's classification, and
+// infra errors).
 //
-//   - Python `print(sum(range(1000)))` through SandboxFusion-compatible
-//     POST /run_code at 1 and 64 concurrent callers, vs. a SandboxFusion-style
-//     baseline that starts a fresh python3 under bubblewrap per call;
-//   - a 1,000-call batch of mixed languages with 10% broken programs:
-//     every result's classification, and infra errors.
+// Usage:
 //
 //	go run ./bench/function [-n 2000] [-c 64]
 package main

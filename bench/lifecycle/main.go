@@ -1,12 +1,11 @@
 // Command lifecycle benchmarks the RL lifecycle (not a test: it prints
-// numbers and ratios measured side by side in one run):
+// numbers and ratios measured side by side in one run): create from a warm
+// pool vs. a cold create (p50/p99); fork N children from a prepared sandbox
+// vs. N fresh creates that redo the preparation; a fast-forwarded (replayed)
+// exec vs. the live exec it replaces; a burst of creates 10x over the node's
+// start capacity (5xx count, and whether every accepted create works).
 //
-//   - create from a warm pool vs. a cold create, p50/p99;
-//   - fork N children from a prepared sandbox vs. N fresh creates that
-//     redo the preparation;
-//   - a fast-forwarded (replayed) exec vs. the live exec it replaces;
-//   - a burst of creates 10x over the node's start capacity: 5xx count and
-//     whether every accepted create works.
+// Usage:
 //
 //	go run ./bench/lifecycle [-n 100] [-fork 32]
 package main
