@@ -6,6 +6,7 @@ require (
 	connectrpc.com/connect v1.21.1
 	github.com/creack/pty v1.1.24
 	github.com/google/go-containerregistry v0.22.1
+	github.com/hashicorp/yamux v0.1.2
 	github.com/moby/profiles/seccomp v0.3.0
 	github.com/opencontainers/runtime-spec v1.2.1
 	github.com/spf13/cobra v1.10.2

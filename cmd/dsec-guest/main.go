@@ -1,8 +1,13 @@
 // Command dsec-guest is the agent inside every dsec sandbox. The node starts
-// it as the sandbox's init with a listening socket; see internal/guest/agent.
+// it as the sandbox's init with a listening socket (containers) or a
+// virtio-serial port or vsock port (VMs); see internal/guest/agent.
+//
+// `dsec-guest identity` is run by the node inside a VM restored from a
+// memory snapshot, to give it its own hostname, clock and randomness.
 package main
 
 import (
+	"encoding/hex"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -16,8 +21,14 @@ import (
 )
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "identity" {
+		identity(os.Args[2:])
+		return
+	}
 	listenFD := flag.Int("listen-fd", -1, "serve on this inherited listening socket")
 	listen := flag.String("listen", "", "serve on this unix socket path (for tests and debugging)")
+	port := flag.String("listen-port", "", "serve on the virtio-serial port with this name (VMs)")
+	vsock := flag.Uint("listen-vsock", 0, "serve on this AF_VSOCK port (VMs on hosts with vhost-vsock)")
 	version := flag.Bool("version", false, "print the protocol version and exit")
 	deadline := flag.Int64("deadline", 0, "unix time (seconds) at which to end the sandbox if the node has not")
 	flag.Parse()
@@ -39,11 +50,15 @@ func main() {
 	switch {
 	case *listenFD >= 0:
 		l, err = agent.ListenFD(*listenFD)
+	case *port != "":
+		l, err = agent.ListenVirtioPort(*port, 30*time.Second)
+	case *vsock != 0:
+		l, err = agent.ListenVsock(uint32(*vsock))
 	case *listen != "":
 		os.Remove(*listen)
 		l, err = net.Listen("unix", *listen)
 	default:
-		err = fmt.Errorf("one of -listen-fd and -listen is required")
+		err = fmt.Errorf("one of -listen-fd, -listen-port, -listen-vsock and -listen is required")
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "dsec-guest:", err)
@@ -56,6 +71,27 @@ func main() {
 	}
 	if err := a.Serve(l); err != nil {
 		fmt.Fprintln(os.Stderr, "dsec-guest:", err)
+		os.Exit(1)
+	}
+}
+
+func identity(args []string) {
+	fs := flag.NewFlagSet("identity", flag.ExitOnError)
+	host := fs.String("hostname", "", "hostname to set")
+	unixMs := fs.Int64("unix-ms", 0, "wall clock to set, unix milliseconds")
+	seed := fs.String("seed", "", "hex bytes to credit to the kernel's random pool")
+	fs.Parse(args)
+	var t time.Time
+	if *unixMs > 0 {
+		t = time.UnixMilli(*unixMs)
+	}
+	b, err := hex.DecodeString(*seed)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "dsec-guest identity: bad seed:", err)
+		os.Exit(2)
+	}
+	if err := agent.ApplyIdentity(*host, t, b); err != nil {
+		fmt.Fprintln(os.Stderr, "dsec-guest identity:", err)
 		os.Exit(1)
 	}
 }
