@@ -26,6 +26,11 @@ want python3 /usr/bin/python3
 want python3-pytest /usr/lib/python3/dist-packages/pytest
 want ca-certificates /etc/ssl/certs/ca-certificates.crt
 want curl
+# The microvm substrate: QEMU, and what scripts/guest-kernel.sh uses.
+want qemu-system-x86 qemu-system-x86_64
+want qemu-utils qemu-img
+want lz4
+want binutils readelf
 
 # busybox-static must be the static build (the busybox package is dynamic).
 if [[ -e /bin/busybox ]] && LC_ALL=C readelf -l /bin/busybox 2>/dev/null | grep -q 'program interpreter'; then
@@ -46,4 +51,10 @@ fi
 if ! command -v go >/dev/null 2>&1 && [[ ! -x /usr/local/go/bin/go ]]; then
 	echo "setup: Go is missing; install Go 1.26 or newer into /usr/local/go" >&2
 	exit 1
+fi
+
+# The microvm substrate's guest kernel, extracted from Debian's
+# linux-image-cloud-amd64 into the cache (not installed on the host).
+if [[ $(id -u) -eq 0 ]]; then
+	bash "$(dirname "$0")/guest-kernel.sh" "${DSEC_CACHE_DIR:-.dsec/cache}/guest-kernel"
 fi

@@ -106,6 +106,12 @@ type Spec struct {
 	// writable memory file systems (function workers use both).
 	ReadOnlyRootfs bool
 	Tmpfs          []Tmpfs
+	// Restore, if set, is a machine snapshot directory written by
+	// Instance.SnapshotMachine of the same kind: the instance starts from
+	// it (memory, devices and disk as they were) instead of booting, with
+	// its own writable disk and a fresh identity (hostname, clock,
+	// randomness). Layers must be the snapshotted instance's.
+	Restore string
 }
 
 // Tmpfs is a tmpfs mount: Options as for mount(8), e.g. "mode=1777,size=512m".
@@ -185,6 +191,13 @@ type Instance interface {
 	// consistently (processes frozen), as an uncompressed OCI layer tar.
 	// Drivers without CapSnapshot return an Unimplemented error.
 	Snapshot(ctx context.Context, w io.Writer) error
+	// SnapshotMachine writes the whole machine (memory, device state and
+	// writable disk), captured consistently, into the empty directory dir,
+	// which the node keeps as long as the snapshot exists. The instance
+	// keeps running (or stays paused). Any number of instances start from
+	// dir through Spec.Restore. Drivers without CapMemorySnapshot return
+	// an Unimplemented error.
+	SnapshotMachine(ctx context.Context, dir string) error
 	// Destroy releases every resource of the instance. It is idempotent.
 	Destroy(ctx context.Context) error
 }

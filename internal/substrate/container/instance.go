@@ -188,6 +188,10 @@ func (i *instance) Snapshot(ctx context.Context, w io.Writer) error {
 	return nil
 }
 
+func (i *instance) SnapshotMachine(context.Context, string) error {
+	return errdefs.Unimplemented("container sandboxes have no memory snapshots (their snapshots are filesystem layers)")
+}
+
 func (i *instance) Destroy(ctx context.Context) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()

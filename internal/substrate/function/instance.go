@@ -91,6 +91,10 @@ func (i *instance) Pause(context.Context) error {
 	return errdefs.Unimplemented("function sandboxes cannot pause (they hold no state)")
 }
 func (i *instance) Resume(context.Context) error { return nil }
+func (i *instance) SnapshotMachine(context.Context, string) error {
+	return errdefs.Unimplemented("function sandboxes cannot snapshot (they hold no state)")
+}
+
 func (i *instance) Snapshot(context.Context, io.Writer) error {
 	return errdefs.Unimplemented("function sandboxes cannot snapshot (they hold no state)")
 }

@@ -1,0 +1,77 @@
+package microvm
+
+import (
+	"fmt"
+	"math"
+	"strconv"
+
+	"github.com/opendsec/dsec/internal/qemu"
+)
+
+// machine is everything that defines a VM's hardware. A snapshot restores
+// only into an identical machine, so it is saved with the snapshot and
+// reused, not recomputed from the new spec.
+type machine struct {
+	CPUs     int    `json:"cpus"`
+	MemoryMB int64  `json:"memory_mb"`
+	Kernel   string `json:"kernel"`         // vmlinux path
+	Release  string `json:"kernel_release"` // checked on restore
+	Initrd   string `json:"initrd"`
+	Image    string `json:"image"` // the read-only EROFS disk
+	Accel    string `json:"accel"` // -accel value
+	Vsock    bool   `json:"vsock"`
+	CID      uint32 `json:"cid,omitempty"`
+	Hostname string `json:"hostname"`
+	Deadline int64  `json:"deadline"`
+}
+
+// cpusFor maps a CPU share to whole vCPUs.
+func cpusFor(cpu float64) int {
+	return max(1, int(math.Ceil(cpu)))
+}
+
+// args is QEMU's command line for m, with the sandbox's disk, sockets and
+// log files. The device order is part of the machine: a restore uses the
+// same order.
+func (m *machine) args(id, disk, agentSock, qmpSock, console string) []string {
+	append_ := "console=ttyS0 quiet loglevel=4 panic=-1 " + qemu.TSCArgs() +
+		" init_on_alloc=0 init_on_free=0 random.trust_cpu=on" +
+		" dsec.hostname=" + m.Hostname + " dsec.deadline=" + strconv.FormatInt(m.Deadline, 10)
+	if m.Vsock {
+		append_ += " dsec.chan=vsock"
+	}
+	args := []string{
+		"-name", "dsec-" + id,
+		"-M", "microvm,x-option-roms=off,isa-serial=on,rtc=on,pit=on,pic=on,acpi=on",
+		"-accel", m.Accel,
+		"-cpu", "max",
+		"-smp", strconv.Itoa(m.CPUs),
+		"-m", fmt.Sprintf("%dM", m.MemoryMB),
+		"-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+		"-serial", "file:" + console,
+		"-kernel", m.Kernel, "-initrd", m.Initrd, "-append", append_,
+		"-drive", "id=image,file=" + m.Image + ",format=raw,if=none,readonly=on,cache=none,aio=threads",
+		"-device", "virtio-blk-device,drive=image,serial=dsec-image",
+		"-drive", "id=disk,file=" + disk + ",format=raw,if=none,cache=writeback,discard=unmap,detect-zeroes=unmap",
+		"-device", "virtio-blk-device,drive=disk,serial=dsec-disk",
+		"-object", "rng-random,id=rng,filename=/dev/urandom",
+		"-device", "virtio-rng-device,rng=rng",
+		// Free pages go back to the host as the guest frees them.
+		"-device", "virtio-balloon-device,free-page-reporting=on",
+	}
+	if m.Vsock {
+		args = append(args, "-device", fmt.Sprintf("vhost-vsock-device,guest-cid=%d", m.CID))
+	} else {
+		args = append(args,
+			"-device", "virtio-serial-device,max_ports=2",
+			"-chardev", "socket,id=agent,path="+agentSock+",server=on,wait=off",
+			"-device", "virtserialport,chardev=agent,name=dsec.agent")
+	}
+	return append(args,
+		"-qmp", "unix:"+qmpSock+",server=on,wait=off",
+		// QEMU itself may not spawn processes, gain privileges or use
+		// obsolete syscalls.
+		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+		"-msg", "timestamp=on",
+	)
+}

@@ -1,0 +1,413 @@
+package microvm
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/substrate/substratetest"
+)
+
+var (
+	guestBin  string
+	layers    []string
+	kernelDir string
+	stateDir  string // shared by the tests: image disks are built once
+	setupErr  string
+)
+
+func TestMain(m *testing.M) {
+	if os.Geteuid() == 0 {
+		if err := mountns.Enter(); err != nil {
+			fmt.Fprintln(os.Stderr, "mount namespace:", err)
+			os.Exit(1)
+		}
+	}
+	dir, _ := os.MkdirTemp("", "dsec-microvm-test")
+	code := func() int {
+		defer os.RemoveAll(dir)
+		if os.Geteuid() != 0 {
+			setupErr = "needs root"
+			return m.Run()
+		}
+		cache := os.Getenv("DSEC_CACHE_DIR")
+		if cache == "" {
+			setupErr = "needs DSEC_CACHE_DIR with a guest kernel (make test sets it; scripts/setup.sh extracts the kernel)"
+			return m.Run()
+		}
+		kernelDir = filepath.Join(cache, "guest-kernel")
+		if _, err := os.Stat(filepath.Join(kernelDir, "vmlinux")); err != nil {
+			setupErr = "needs the guest kernel in " + kernelDir + " (run scripts/setup.sh)"
+			return m.Run()
+		}
+		if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
+			setupErr = "needs qemu-system-x86_64 (apt-get install qemu-system-x86)"
+			return m.Run()
+		}
+		guestBin = filepath.Join(dir, "dsec-guest")
+		build := exec.Command("go", "build", "-o", guestBin, "github.com/opendsec/dsec/cmd/dsec-guest")
+		build.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := build.CombinedOutput(); err != nil {
+			fmt.Fprintf(os.Stderr, "build dsec-guest: %v\n%s", err, out)
+			return 1
+		}
+		store, err := image.Open(filepath.Join(dir, "images"), slog.Default())
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		img, err := store.Bootstrap(context.Background(), "busybox", "", image.BootstrapOptions{CacheDir: cache}, nil)
+		if err != nil {
+			setupErr = "needs Debian's busybox-static: " + err.Error()
+			return m.Run()
+		}
+		layers = store.LowerDirs(img)
+		stateDir = filepath.Join(dir, "state")
+		return m.Run()
+	}()
+	os.Exit(code)
+}
+
+func newDriver(t *testing.T, mut func(*Config)) *Driver {
+	t.Helper()
+	if setupErr != "" {
+		t.Skip(setupErr)
+	}
+	cfg := Config{GuestBinary: guestBin, StateDir: stateDir, KernelDir: kernelDir}
+	if mut != nil {
+		mut(&cfg)
+	}
+	d, err := New(cfg, slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !d.Capabilities().Available {
+		t.Fatalf("microvm unavailable: %s", d.Capabilities().Reason)
+	}
+	return d
+}
+
+var seq int
+
+func newSpec(t *testing.T) *substrate.Spec {
+	seq++
+	return &substrate.Spec{
+		ID:       fmt.Sprintf("mvm%d-%d", os.Getpid(), seq),
+		Dir:      t.TempDir(),
+		Layers:   layers,
+		Hostname: "sandbox",
+		CPU:      1, MemoryMB: 128, DiskMB: 256, Pids: 256,
+		Network: substrate.Network{Mode: "none"},
+	}
+}
+
+func TestConformance(t *testing.T) {
+	d := newDriver(t, nil)
+	substratetest.Run(t, substratetest.Harness{
+		Driver:     d,
+		NewSpec:    newSpec,
+		Restart:    func(t *testing.T) substrate.Driver { return newDriver(t, nil) },
+		Leaks:      func(t *testing.T, s *substrate.Spec) []string { return leaks(d, s) },
+		Kill:       func(t *testing.T, inst substrate.Instance) { syscall.Kill(inst.(*instance).st.Pid, syscall.SIGKILL) },
+		SkipLimits: true,
+	})
+}
+
+// leaks lists what a destroyed microVM left: its QEMU, sockets, disk and
+// saved memory.
+func leaks(d *Driver, s *substrate.Spec) []string {
+	var out []string
+	if qemuRunning(s.ID) {
+		out = append(out, "QEMU process")
+	}
+	for _, p := range []string{d.agentSock(s.ID), d.qmpSock(s.ID), filepath.Join(s.Dir, diskFile), filepath.Join(s.Dir, pauseFile)} {
+		if _, err := os.Stat(p); err == nil {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// qemuRunning reports whether a QEMU of sandbox id runs.
+func qemuRunning(id string) bool {
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if err == nil && bytes.Contains(b, []byte("\x00dsec-"+id+"\x00")) {
+			st, _ := os.ReadFile("/proc/" + e.Name() + "/stat")
+			if !bytes.Contains(st, []byte(") Z ")) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+func ctxT(t *testing.T, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func run(t *testing.T, inst substrate.Instance, cmd string) string {
+	t.Helper()
+	x, err := inst.Guest().Run(ctxT(t, time.Minute), &guestv1.Exec{Argv: []string{"sh", "-c", cmd}, TimeoutMs: 60000})
+	if err != nil {
+		t.Fatalf("run %q: %v", cmd, err)
+	}
+	if x.ExitCode != 0 {
+		t.Fatalf("run %q: exit %d: %s%s", cmd, x.ExitCode, x.Stdout, x.Stderr)
+	}
+	return string(x.Stdout)
+}
+
+func TestTheGuestRunsItsOwnKernel(t *testing.T) {
+	d := newDriver(t, nil)
+	inst, err := d.Create(ctxT(t, 3*time.Minute), newSpec(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(context.Background())
+	if got := strings.TrimSpace(run(t, inst, "uname -r")); got != d.kernel.Release {
+		t.Fatalf("uname -r = %q, want the guest kernel %q", got, d.kernel.Release)
+	}
+	t.Run("the root file system is the image over a writable disk", func(t *testing.T) {
+		out := run(t, inst, "cat /proc/mounts")
+		if !strings.Contains(out, "overlay / overlay") {
+			t.Fatalf("mounts:\n%s", out)
+		}
+		run(t, inst, "echo x > /bin/new-file && test -f /bin/new-file")
+	})
+	t.Run("the agent's port is not reachable from inside", func(t *testing.T) {
+		x, err := inst.Guest().Run(ctxT(t, time.Minute), &guestv1.Exec{Argv: []string{"sh", "-c",
+			"ls /dev/vport* 2>/dev/null; for p in /sys/class/virtio-ports/*; do cat /dev/${p##*/} </dev/null; done"}, TimeoutMs: 10000})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if x.ExitCode == 0 || len(x.Stdout) > 0 {
+			t.Fatalf("the port is reachable: exit %d stdout %q stderr %q", x.ExitCode, x.Stdout, x.Stderr)
+		}
+		x, err = inst.Guest().Run(ctxT(t, time.Minute), &guestv1.Exec{Argv: []string{"sh", "-c",
+			"for p in /sys/class/virtio-ports/*; do mknod /tmp/p c $(cat $p/dev | tr : ' ') && cat /tmp/p </dev/null; done"}, TimeoutMs: 10000, User: "65534"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if x.ExitCode == 0 {
+			t.Fatalf("an unprivileged process opened the port: %q %q", x.Stdout, x.Stderr)
+		}
+	})
+	t.Run("the disk size is enforced", func(t *testing.T) {
+		x, err := inst.Guest().Run(ctxT(t, 2*time.Minute), &guestv1.Exec{Argv: []string{"sh", "-c", "dd if=/dev/zero of=/big bs=1M count=400 2>&1; r=$?; rm -f /big; exit $r"}, TimeoutMs: 120000})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if x.ExitCode == 0 || !strings.Contains(string(x.Stdout), "No space left") {
+			t.Fatalf("wrote 400 MiB to a 256 MiB disk: exit %d %s", x.ExitCode, x.Stdout)
+		}
+		run(t, inst, "echo still > /ok && cat /ok")
+	})
+}
+
+func TestMachineSnapshotsRestoreAndFork(t *testing.T) {
+	d := newDriver(t, nil)
+	parent, err := d.Create(ctxT(t, 3*time.Minute), newSpec(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer parent.Destroy(context.Background())
+	run(t, parent, "echo on-disk > /state; (while :; do sleep 1; done) & echo $! > /tmp/loop-pid; head -c 16 /dev/urandom | od -An -tx1 > /tmp/seed0")
+	snap := t.TempDir()
+	if err := parent.SnapshotMachine(ctxT(t, 2*time.Minute), snap); err != nil {
+		t.Fatal(err)
+	}
+	t.Run("the parent keeps running after the snapshot", func(t *testing.T) {
+		if got := run(t, parent, "cat /state"); got != "on-disk\n" {
+			t.Fatalf("parent: %q", got)
+		}
+	})
+	var children []substrate.Instance
+	for k := 0; k < 2; k++ {
+		s := newSpec(t)
+		s.Restore = snap
+		s.Env = []string{"CHILD=" + fmt.Sprint(k)}
+		c, err := d.Create(ctxT(t, 3*time.Minute), s)
+		if err != nil {
+			t.Fatalf("restore child %d: %v", k, err)
+		}
+		defer c.Destroy(context.Background())
+		children = append(children, c)
+	}
+	t.Run("children have the parent's files and processes", func(t *testing.T) {
+		for _, c := range children {
+			if got := run(t, c, "cat /state; kill -0 $(cat /tmp/loop-pid) && echo loop-alive"); got != "on-disk\nloop-alive\n" {
+				t.Fatalf("child: %q", got)
+			}
+		}
+	})
+	t.Run("children have their own disks", func(t *testing.T) {
+		run(t, children[0], "echo mine > /state")
+		if got := run(t, children[1], "cat /state"); got != "on-disk\n" {
+			t.Fatalf("child 1 sees child 0's write: %q", got)
+		}
+		if got := run(t, parent, "cat /state"); got != "on-disk\n" {
+			t.Fatalf("parent sees a child's write: %q", got)
+		}
+	})
+	t.Run("children have a current clock and their own environment", func(t *testing.T) {
+		for k, c := range children {
+			out := run(t, c, "date +%s; echo $CHILD")
+			var ts, env int
+			fmt.Sscan(out, &ts, &env)
+			if d := time.Since(time.Unix(int64(ts), 0)); d > time.Minute || d < -time.Minute {
+				t.Fatalf("child %d clock off by %v", k, d)
+			}
+			if env != k {
+				t.Fatalf("child %d env %q", k, out)
+			}
+		}
+	})
+	t.Run("children draw different random numbers", func(t *testing.T) {
+		a := run(t, children[0], "head -c 16 /dev/urandom | od -An -tx1")
+		b := run(t, children[1], "head -c 16 /dev/urandom | od -An -tx1")
+		if a == b {
+			t.Fatalf("both children drew %s", a)
+		}
+	})
+}
+
+func TestPauseFreesMemoryAndResumeRestores(t *testing.T) {
+	d := newDriver(t, nil)
+	spec := newSpec(t)
+	inst, err := d.Create(ctxT(t, 3*time.Minute), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(context.Background())
+	run(t, inst, "echo kept > /tmp/mem-only")
+	if err := inst.Pause(ctxT(t, 2*time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	if qemuRunning(spec.ID) {
+		t.Fatal("QEMU still runs while paused")
+	}
+	if st, _ := inst.Stats(context.Background()); st.MemoryBytes != 0 {
+		t.Fatalf("a paused VM holds %d bytes", st.MemoryBytes)
+	}
+	t.Run("a paused VM survives a driver restart", func(t *testing.T) {
+		again, err := newDriver(t, nil).Attach(ctxT(t, time.Minute), spec, inst.State())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := again.Resume(ctxT(t, 3*time.Minute)); err != nil {
+			t.Fatal(err)
+		}
+		if got := run(t, again, "cat /tmp/mem-only"); got != "kept\n" {
+			t.Fatalf("after resume: %q", got)
+		}
+		inst = again
+	})
+}
+
+func TestBadInput(t *testing.T) {
+	d := newDriver(t, nil)
+	cases := []struct {
+		name string
+		mut  func(*substrate.Spec)
+		kind errdefs.Kind
+	}{
+		{"a disk too small for the writable layer is invalid", func(s *substrate.Spec) { s.DiskMB = 8 }, errdefs.KindInvalid},
+		{"too little memory is invalid", func(s *substrate.Spec) { s.MemoryMB = 32 }, errdefs.KindInvalid},
+		{"a snapshot directory without a machine is not found", func(s *substrate.Spec) { s.Restore = t.TempDir() }, errdefs.KindNotFound},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			s := newSpec(t)
+			c.mut(s)
+			_, err := d.Create(ctxT(t, time.Minute), s)
+			if !errdefs.Is(err, c.kind) {
+				t.Fatalf("got %v, want %s", err, c.kind)
+			}
+			if left := leaks(d, s); len(left) > 0 {
+				t.Fatalf("left %v", left)
+			}
+		})
+	}
+}
+
+func TestFailuresAreInfraErrorsAndLeaveNothing(t *testing.T) {
+	cases := []struct {
+		name string
+		cfg  func(*Config)
+		spec func(*substrate.Spec)
+		want string
+	}{
+		{
+			name: "a guest whose init fails (no usable image) powers off and is reported",
+			spec: func(s *substrate.Spec) { s.Layers = []string{t.TempDir()} }, // an empty root: no /.dsec/guest to run
+			want: "stopped while starting",
+		},
+		{
+			name: "a guest that never starts its agent hits the boot timeout",
+			cfg:  func(c *Config) { c.BootTimeout = 3 * time.Second },
+			spec: func(s *substrate.Spec) { s.MemoryMB = 64 }, // still booting after 3s under TCG
+			want: "did not answer",
+		},
+		{
+			name: "a QEMU that cannot start is reported",
+			cfg:  func(c *Config) { c.TBSizeMiB = -1 },
+			want: "stopped while starting",
+		},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			d := newDriver(t, c.cfg)
+			s := newSpec(t)
+			if c.spec != nil {
+				c.spec(s)
+			}
+			start := time.Now()
+			_, err := d.Create(ctxT(t, 3*time.Minute), s)
+			if err == nil {
+				t.Fatal("create succeeded")
+			}
+			if !errdefs.IsInfra(err) || !strings.Contains(err.Error(), c.want) {
+				t.Fatalf("got %v (infra %v), want an infra error containing %q", err, errdefs.IsInfra(err), c.want)
+			}
+			t.Logf("failed after %v: %v", time.Since(start).Round(time.Millisecond), err)
+			if left := leaks(d, s); len(left) > 0 {
+				t.Fatalf("left %v", left)
+			}
+		})
+	}
+}
+
+func TestMissingKernelMakesTheKindUnavailable(t *testing.T) {
+	if setupErr != "" {
+		t.Skip(setupErr)
+	}
+	d, err := New(Config{GuestBinary: guestBin, StateDir: t.TempDir(), KernelDir: t.TempDir()}, slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	caps := d.Capabilities()
+	if caps.Available || !strings.Contains(caps.Reason, "no guest kernel") {
+		t.Fatalf("capabilities: %+v", caps)
+	}
+	_, err = d.Create(context.Background(), newSpec(t))
+	if !errdefs.Is(err, errdefs.KindUnavailable) || !errdefs.IsInfra(err) {
+		t.Fatalf("create: %v", err)
+	}
+}
