@@ -17,7 +17,9 @@ type CPIO struct {
 }
 
 // NewCPIO returns a writer over w.
-func NewCPIO(w io.Writer) *CPIO { return &CPIO{w: w, ino: 1, dirs: map[string]bool{".": true, "/": true}} }
+func NewCPIO(w io.Writer) *CPIO {
+	return &CPIO{w: w, ino: 1, dirs: map[string]bool{".": true, "/": true}}
+}
 
 func (c *CPIO) header(name string, mode uint32, size int, nlink uint32, rdevMajor, rdevMinor uint32) {
 	if c.err != nil {

@@ -26,6 +26,8 @@ var vsockModules = []string{"vsock", "vmw_vsock_virtio_transport_common", "vmw_v
 // whose upper layer is on the sandbox's own ext4 disk, mounts the API
 // file systems, and hands PID 1 to dsec-guest. Any failure prints a line
 // starting with "dsec-init:" and powers off, so the node sees QEMU exit.
+// The kernel argument dsec.init=hold stops the boot before the agent
+// starts (to debug a guest from its console, and to test boot timeouts).
 const initScript = `#!/bin/busybox sh
 B=/bin/busybox
 fail() { echo "dsec-init: $*" >/dev/ttyS0; $B sync; $B poweroff -f; }
@@ -41,6 +43,7 @@ for a in $($B cat /proc/cmdline); do
 	dsec.hostname=*) host=${a#dsec.hostname=} ;;
 	dsec.deadline=*) deadline=${a#dsec.deadline=} ;;
 	dsec.chan=*) chan=${a#dsec.chan=} ;;
+	dsec.init=hold) echo "dsec-init: holding before the agent (dsec.init=hold)" >/dev/ttyS0; while :; do $B sleep 3600; done ;;
 	esac
 done
 img=; disk=

@@ -65,6 +65,9 @@ type Config struct {
 	// DefaultDiskMB sizes a sandbox's writable disk when the spec gives no
 	// disk_mb (default 1024). MaxDiskMB caps it (default 65536).
 	DefaultDiskMB, MaxDiskMB int64
+	// KernelArgs are appended to the guest kernel's command line (default
+	// none; "dsec.init=hold" stops the boot before the agent starts).
+	KernelArgs string
 	// Channel is "auto" (default: vsock where /dev/vhost-vsock exists,
 	// else virtio-serial), "vsock" or "serial".
 	Channel string

@@ -51,8 +51,9 @@ type state struct {
 type instance struct {
 	d      *Driver
 	id     string
-	dialer *portmux.Dialer
-	client *guest.Client
+	dialer  *portmux.Dialer
+	release func() // of the dialer
+	client  *guest.Client
 	done   chan struct{}
 
 	mu        sync.Mutex
@@ -73,11 +74,7 @@ var _ substrate.Instance = (*instance)(nil)
 
 func (d *Driver) newInstance(id string, st state) *instance {
 	i := &instance{d: d, id: id, st: st, done: make(chan struct{})}
-	sock := d.agentSock(id)
-	i.dialer = portmux.NewDialer(func(ctx context.Context) (net.Conn, error) {
-		var nd net.Dialer
-		return nd.DialContext(ctx, "unix", sock)
-	})
+	i.dialer, i.release = channels.acquire(d.agentSock(id))
 	dial := i.dialer.Dial
 	if st.Machine.Vsock {
 		dial = vsockDialer(st.Machine.CID, vsockPort)
@@ -87,6 +84,48 @@ func (d *Driver) newInstance(id string, st state) *instance {
 }
 
 func (i *instance) path(name string) string { return filepath.Join(i.st.Dir, name) }
+
+// channels holds one portmux session per agent socket in this process.
+// A QEMU port admits one connection at a time, so instances of the same VM
+// in one process (a driver re-created over the same state, as the
+// conformance suite's restart does) share it; a new node process
+// reconnects once the old one's connection is gone.
+var channels = &channelSet{m: map[string]*sharedDialer{}}
+
+type channelSet struct {
+	mu sync.Mutex
+	m  map[string]*sharedDialer
+}
+
+type sharedDialer struct {
+	d    *portmux.Dialer
+	refs int
+}
+
+func (c *channelSet) acquire(sock string) (*portmux.Dialer, func()) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	sd := c.m[sock]
+	if sd == nil {
+		sd = &sharedDialer{d: portmux.NewDialer(func(ctx context.Context) (net.Conn, error) {
+			var nd net.Dialer
+			return nd.DialContext(ctx, "unix", sock)
+		})}
+		c.m[sock] = sd
+	}
+	sd.refs++
+	var once sync.Once
+	return sd.d, func() {
+		once.Do(func() {
+			c.mu.Lock()
+			defer c.mu.Unlock()
+			if sd.refs--; sd.refs == 0 {
+				sd.d.Close()
+				delete(c.m, sock)
+			}
+		})
+	}
+}
 
 // Create implements substrate.Driver.
 func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Instance, err error) {
@@ -149,7 +188,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		m = machine{
 			CPUs: cpusFor(s.CPU), MemoryMB: s.MemoryMB, Kernel: d.kernel.Vmlinux, Release: d.kernel.Release,
 			Initrd: d.initrd, Image: img, Accel: d.accel.Arg(d.cfg.TBSizeMiB), Vsock: d.vsock,
-			Hostname: host, Deadline: deadline,
+			Hostname: host, Deadline: deadline, ExtraArgs: d.cfg.KernelArgs,
 		}
 		if d.vsock {
 			m.CID = cidFor(s.ID)
@@ -656,7 +695,7 @@ func (i *instance) Destroy(ctx context.Context) error {
 			p.Kill(10 * time.Second)
 		}
 	}
-	i.dialer.Close()
+	i.release()
 	os.Remove(i.d.agentSock(i.id))
 	os.Remove(i.d.qmpSock(i.id))
 	var errs []error

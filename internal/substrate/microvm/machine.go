@@ -23,6 +23,8 @@ type machine struct {
 	CID      uint32 `json:"cid,omitempty"`
 	Hostname string `json:"hostname"`
 	Deadline int64  `json:"deadline"`
+	// ExtraArgs are extra kernel arguments (Config.KernelArgs).
+	ExtraArgs string `json:"extra_args,omitempty"`
 }
 
 // cpusFor maps a CPU share to whole vCPUs.
@@ -39,6 +41,9 @@ func (m *machine) args(id, disk, agentSock, qmpSock, console string) []string {
 		" dsec.hostname=" + m.Hostname + " dsec.deadline=" + strconv.FormatInt(m.Deadline, 10)
 	if m.Vsock {
 		append_ += " dsec.chan=vsock"
+	}
+	if m.ExtraArgs != "" {
+		append_ += " " + m.ExtraArgs
 	}
 	args := []string{
 		"-name", "dsec-" + id,

@@ -352,22 +352,22 @@ func TestFailuresAreInfraErrorsAndLeaveNothing(t *testing.T) {
 		name string
 		cfg  func(*Config)
 		spec func(*substrate.Spec)
+		kill bool // kill QEMU while the guest boots
 		want string
 	}{
 		{
-			name: "a guest whose init fails (no usable image) powers off and is reported",
-			spec: func(s *substrate.Spec) { s.Layers = []string{t.TempDir()} }, // an empty root: no /.dsec/guest to run
-			want: "stopped while starting",
+			name: "a guest kernel that panics is reported with the panic",
+			spec: func(s *substrate.Spec) { s.MemoryMB = 64 }, // too small for this kernel and initramfs
+			want: "Kernel panic",
 		},
 		{
 			name: "a guest that never starts its agent hits the boot timeout",
-			cfg:  func(c *Config) { c.BootTimeout = 3 * time.Second },
-			spec: func(s *substrate.Spec) { s.MemoryMB = 64 }, // still booting after 3s under TCG
+			cfg:  func(c *Config) { c.BootTimeout = 5 * time.Second; c.KernelArgs = "dsec.init=hold" },
 			want: "did not answer",
 		},
 		{
-			name: "a QEMU that cannot start is reported",
-			cfg:  func(c *Config) { c.TBSizeMiB = -1 },
+			name: "a QEMU that dies while the guest boots is reported",
+			kill: true,
 			want: "stopped while starting",
 		},
 	}
@@ -377,6 +377,14 @@ func TestFailuresAreInfraErrorsAndLeaveNothing(t *testing.T) {
 			s := newSpec(t)
 			if c.spec != nil {
 				c.spec(s)
+			}
+			if c.kill {
+				go func() {
+					for i := 0; i < 2000 && !qemuRunning(s.ID); i++ {
+						time.Sleep(5 * time.Millisecond)
+					}
+					killQEMU(s.ID)
+				}()
 			}
 			start := time.Now()
 			_, err := d.Create(ctxT(t, 3*time.Minute), s)
@@ -391,6 +399,18 @@ func TestFailuresAreInfraErrorsAndLeaveNothing(t *testing.T) {
 				t.Fatalf("left %v", left)
 			}
 		})
+	}
+}
+
+func killQEMU(id string) {
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if err == nil && bytes.Contains(b, []byte("\x00dsec-"+id+"\x00")) {
+			var pid int
+			fmt.Sscan(e.Name(), &pid)
+			syscall.Kill(pid, syscall.SIGKILL)
+		}
 	}
 }
 
