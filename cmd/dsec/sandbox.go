@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"sort"
 	"strings"
 	"syscall"
 	"time"
@@ -483,6 +484,19 @@ func infoCmd(g *globals) *cobra.Command {
 					fmt.Fprintf(tw, "  %s\t%v\t%s\n", k.Kind, k.Available, what)
 				}
 				tw.Flush()
+				for _, k := range n.Kinds {
+					if len(k.Details) == 0 {
+						continue
+					}
+					keys := make([]string, 0, len(k.Details))
+					for d := range k.Details {
+						keys = append(keys, d)
+					}
+					sort.Strings(keys)
+					for _, d := range keys {
+						fmt.Printf("  %s %s: %s\n", k.Kind, d, k.Details[d])
+					}
+				}
 				for k, v := range n.Host {
 					fmt.Printf("  %s: %s\n", k, v)
 				}

@@ -30,6 +30,7 @@ import (
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/container"
 	"github.com/opendsec/dsec/internal/substrate/function"
+	"github.com/opendsec/dsec/internal/substrate/microvm"
 )
 
 func serveCmd() *cobra.Command {
@@ -78,6 +79,8 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&flagCfg.Network.Subnet, "subnet", "", "egress subnet (default 10.88.0.0/16)")
 	f.StringVar(&flagCfg.Network.Table, "nft-table", "", "nftables table (default dsec)")
 	f.StringVar(&flagCfg.Container.Runtime, "runtime", "", "OCI runtime: crun or runc (default crun)")
+	f.StringVar(&flagCfg.MicroVM.Accel, "microvm-accel", "", "microvm acceleration: auto, kvm or tcg (default auto)")
+	f.StringVar(&flagCfg.MicroVM.KernelDir, "guest-kernel", "", "microvm guest kernel directory (default CACHE_DIR/guest-kernel)")
 	f.StringArrayVar(&pools, "pool", nil, "warm pool IMAGE:SIZE with default resources (repeatable; see the config file for shapes)")
 	f.StringVar(&flagCfg.DebugListen, "debug-listen", "", "serve Go profiling (net/http/pprof) on this loopback address")
 	return cmd
@@ -138,6 +141,12 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("runtime") {
 		cfg.Container.Runtime = fl.Container.Runtime
+	}
+	if set("microvm-accel") {
+		cfg.MicroVM.Accel = fl.MicroVM.Accel
+	}
+	if set("guest-kernel") {
+		cfg.MicroVM.KernelDir = fl.MicroVM.KernelDir
 	}
 }
 
@@ -257,7 +266,23 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 	}
 	fn := function.New(function.Config{Image: cfg.Function.Image, StateDir: filepath.Join(dataDir, "function"),
 		Slots: cfg.Function.Slots, MaxWorkers: cfg.Function.MaxWorkers, WorkerMemoryMB: cfg.Function.WorkerMemoryMB}, ct, images, log, runtime.NumCPU())
-	drivers := map[substrate.Kind]substrate.Driver{substrate.KindContainer: ct, substrate.KindFunction: fn}
+	cacheDir := cfg.CacheDir
+	if cacheDir == "" {
+		cacheDir = filepath.Join(dataDir, "cache")
+	}
+	kernelDir := cfg.MicroVM.KernelDir
+	if kernelDir == "" {
+		kernelDir = filepath.Join(cacheDir, "guest-kernel")
+	}
+	mvm, err := microvm.New(microvm.Config{
+		KernelDir: kernelDir, GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "microvm"),
+		RunDir: filepath.Join(runDir, "vm"), Accel: cfg.MicroVM.Accel, BootTimeout: time.Duration(cfg.MicroVM.BootTimeout),
+		TBSizeMiB: cfg.MicroVM.TBSizeMiB, DefaultDiskMB: cfg.MicroVM.DefaultDiskMB,
+	}, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	drivers := map[substrate.Kind]substrate.Driver{substrate.KindContainer: ct, substrate.KindFunction: fn, substrate.KindMicroVM: mvm}
 	var pools []node.PoolConfig
 	for _, p := range cfg.Node.Pools {
 		pools = append(pools, node.PoolConfig{Kind: p.Kind, Image: p.Image, CPU: p.CPU, MemoryMB: p.MemoryMB, Pids: p.Pids, Network: p.Network, Size: p.Size})
@@ -285,7 +310,7 @@ func runDirOf(dataDir string) string {
 // removeEmptyRunDir removes the run directory if nothing is left in it
 // (live sandboxes keep their state there across a restart).
 func removeEmptyRunDir(runDir string) {
-	for _, sub := range []string{"runtime", "sock", "netns"} {
+	for _, sub := range []string{"runtime", "sock", "netns", "vm"} {
 		os.Remove(filepath.Join(runDir, sub))
 	}
 	os.Remove(runDir)

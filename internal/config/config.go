@@ -42,6 +42,7 @@ type Config struct {
 	Function  Function  `json:"function,omitempty"`
 	Network   Network   `json:"network,omitempty"`
 	Container Container `json:"container,omitempty"`
+	MicroVM   MicroVM   `json:"microvm,omitempty"`
 }
 
 // Node configures the node agent.
@@ -108,6 +109,24 @@ type Container struct {
 	Runtime string `json:"runtime,omitempty"`
 	// CgroupParent is the cgroup for sandboxes (default /dsec).
 	CgroupParent string `json:"cgroup_parent,omitempty"`
+}
+
+// MicroVM configures the microvm substrate.
+type MicroVM struct {
+	// Accel is auto (default: KVM if a probe guest boots under it in time,
+	// else TCG), kvm or tcg.
+	Accel string `json:"accel,omitempty"`
+	// KernelDir holds the guest kernel scripts/setup.sh prepares (default
+	// CACHE_DIR/guest-kernel).
+	KernelDir string `json:"kernel_dir,omitempty"`
+	// BootTimeout bounds a boot or restore until the agent answers
+	// (default 90s).
+	BootTimeout Duration `json:"boot_timeout,omitempty"`
+	// TBSizeMiB is the TCG translation buffer per VM (default 32).
+	TBSizeMiB int `json:"tb_size_mib,omitempty"`
+	// DefaultDiskMB sizes the writable disk when a create gives no
+	// disk_mb (default 1024).
+	DefaultDiskMB int64 `json:"default_disk_mb,omitempty"`
 }
 
 // Duration is a time.Duration written as "10m" in files.

@@ -57,6 +57,11 @@ type SnapshotMeta struct {
 	// Ephemeral snapshots exist to start a fork's children and are
 	// deleted once no sandbox starts from them.
 	Ephemeral bool `json:"ephemeral,omitempty"`
+	// Machine snapshots (kinds with memory snapshots) hold memory, device
+	// state and the writable disk in a directory the node keeps; the
+	// record's Layers are the sandbox's image layers, and only sandboxes
+	// of Kind start from it.
+	Machine bool `json:"machine,omitempty"`
 }
 
 // Config is the part of an OCI image config a sandbox uses.

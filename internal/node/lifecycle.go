@@ -79,6 +79,11 @@ func (n *Node) failedLocked(s *sandbox, err error) error {
 func (n *Node) persistLocked(s *sandbox) error {
 	r := *s.rec
 	r.State, r.Expires = s.state, s.expires
+	if s.inst != nil {
+		// A pause or resume may change what the driver re-adopts from
+		// (a microVM's QEMU process).
+		r.Driver = s.inst.State()
+	}
 	if err := n.store.put(&r); err != nil {
 		return errdefs.Internal(err, "persist sandbox")
 	}

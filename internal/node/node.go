@@ -209,7 +209,7 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 	if err := ValidName(cfg.Name); err != nil {
 		return nil, err
 	}
-	for _, d := range []string{"sandboxes", "trash"} {
+	for _, d := range []string{"sandboxes", "trash", "snapshots"} {
 		if err := os.MkdirAll(filepath.Join(cfg.DataDir, d), 0o700); err != nil {
 			return nil, err
 		}
@@ -233,6 +233,7 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 	images.SetInUse(n.layersInUse)
 	n.adopt()
 	n.releaseUnusedSnapshots()
+	n.removeOrphanSnapshotDirs()
 	n.pools = newPools(n, cfg.Pools)
 	n.wg.Add(1)
 	go n.reaper()
@@ -564,6 +565,9 @@ func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
 	}
 	if s.net != nil {
 		ds.Network = substrate.Network{Mode: s.net.Mode, NetNS: s.net.NetNS, ResolvConf: s.net.ResolvConf}
+	}
+	if img.Snapshot != nil && img.Snapshot.Machine {
+		ds.Restore = n.snapshotDir(img.Name)
 	}
 	return ds
 }

@@ -7,10 +7,13 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -44,9 +47,14 @@ func NodeOfSnapshot(id string) (string, error) {
 	return NodeOf(rest)
 }
 
-// Snapshot captures a sandbox's writable layer, consistently (frozen), as
-// a new read-only layer stacked on its image. Children share everything
-// below it.
+// Snapshot captures a sandbox. Kinds with layer snapshots (containers)
+// capture the writable layer, consistently (frozen), as a new read-only
+// layer stacked on the image: children share everything below it. Kinds
+// with memory snapshots (microVMs) capture the whole machine: memory,
+// devices and disk, kept in the node's snapshots/<id> directory; children
+// start where the parent was, running processes included. Either way the
+// snapshot is an image record: listed, deleted and kept across restarts
+// the same way.
 func (n *Node) Snapshot(ctx context.Context, req *dsecv1.SnapshotRequest) (*dsecv1.SnapshotInfo, error) {
 	return n.snapshot(ctx, req, false)
 }
@@ -59,7 +67,11 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 	if len(req.GetName()) > 128 {
 		return nil, errdefs.Invalid("snapshot name longer than 128 bytes")
 	}
-	if !n.drivers[substrate.Kind(s.spec.Kind)].Capabilities().Has(substrate.CapSnapshot) {
+	caps := n.drivers[substrate.Kind(s.spec.Kind)].Capabilities()
+	if caps.Has(substrate.CapMemorySnapshot) {
+		return n.machineSnapshot(ctx, s, req, ephemeral)
+	}
+	if !caps.Has(substrate.CapSnapshot) {
 		return nil, errdefs.Unimplemented("kind %q cannot snapshot", s.spec.Kind)
 	}
 	s.touch()
@@ -70,16 +82,7 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 	if err != nil {
 		return nil, n.callFailed(s, errdefs.Classify(err))
 	}
-	base := image.Config{}
-	if img, err := n.images.Get(s.image); err == nil {
-		base = img.Config
-	}
-	cfg := base
-	cfg.Env = append([]string(nil), base.Env...)
-	for k, v := range s.spec.Env {
-		cfg.Env = append(cfg.Env, k+"="+v)
-	}
-	cfg.Workdir, cfg.User = s.spec.Workdir, s.spec.User
+	cfg := n.snapshotConfig(s)
 	id := n.newSnapshotID()
 	rec := &image.Image{
 		Name: id, Layers: append(append([]string(nil), s.layers...), diff), Size: size,
@@ -90,6 +93,102 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 		return nil, err
 	}
 	return n.snapshotView(rec), nil
+}
+
+// snapshotConfig is the image config a snapshot's children start with:
+// the base image's, with the sandbox's environment, user and workdir.
+func (n *Node) snapshotConfig(s *sandbox) image.Config {
+	base := image.Config{}
+	if img, err := n.images.Get(s.image); err == nil {
+		base = img.Config
+	}
+	cfg := base
+	cfg.Env = append([]string(nil), base.Env...)
+	for k, v := range s.spec.Env {
+		cfg.Env = append(cfg.Env, k+"="+v)
+	}
+	cfg.Workdir, cfg.User = s.spec.Workdir, s.spec.User
+	return cfg
+}
+
+// snapshotDir is where a machine snapshot's files live.
+func (n *Node) snapshotDir(id string) string {
+	return filepath.Join(n.cfg.DataDir, "snapshots", id)
+}
+
+// machineSnapshot captures a sandbox's whole machine through its driver.
+func (n *Node) machineSnapshot(ctx context.Context, s *sandbox, req *dsecv1.SnapshotRequest, ephemeral bool) (_ *dsecv1.SnapshotInfo, err error) {
+	s.touch()
+	id := n.newSnapshotID()
+	dir := n.snapshotDir(id)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, errdefs.Internal(err, "create snapshot directory")
+	}
+	defer func() {
+		if err != nil {
+			os.RemoveAll(dir)
+		}
+	}()
+	s.mu.Lock()
+	inst, state := s.inst, s.state
+	s.mu.Unlock()
+	if state == stateDeleting || inst == nil {
+		return nil, errdefs.NotFound("sandbox %s is being deleted", s.id)
+	}
+	if err := inst.SnapshotMachine(ctx, dir); err != nil {
+		return nil, n.callFailed(s, errdefs.Classify(err))
+	}
+	size := diskUsage(dir)
+	rec := &image.Image{
+		Name: id, Layers: append([]string(nil), s.layers...), Size: size,
+		Created: time.Now().UTC(), Source: "snapshot:" + s.id, Config: n.snapshotConfig(s), Digest: "machine:" + id,
+		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size, Ephemeral: ephemeral, Machine: true},
+	}
+	if err := n.images.Put(rec); err != nil {
+		return nil, err
+	}
+	return n.snapshotView(rec), nil
+}
+
+// diskUsage is the space a directory's files take (sparse disks count
+// what they hold).
+func diskUsage(dir string) int64 {
+	var n int64
+	filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() {
+			var st unix.Stat_t
+			if unix.Stat(p, &st) == nil {
+				n += st.Blocks * 512
+			}
+		}
+		return nil
+	})
+	return n
+}
+
+// deleteSnapshot removes a snapshot's record and, for a machine snapshot,
+// its files.
+func (n *Node) deleteSnapshot(img *image.Image) error {
+	if err := n.images.Delete(img.Name); err != nil {
+		return err
+	}
+	if img.Snapshot != nil && img.Snapshot.Machine {
+		if err := os.RemoveAll(n.snapshotDir(img.Name)); err != nil {
+			return errdefs.Internal(err, "remove snapshot files")
+		}
+	}
+	return nil
+}
+
+// removeOrphanSnapshotDirs removes machine snapshot directories without a
+// record (a snapshot interrupted by a crash), at start.
+func (n *Node) removeOrphanSnapshotDirs() {
+	ents, _ := os.ReadDir(filepath.Join(n.cfg.DataDir, "snapshots"))
+	for _, e := range ents {
+		if img, err := n.images.Get(e.Name()); err != nil || img.Snapshot == nil || !img.Snapshot.Machine {
+			os.RemoveAll(filepath.Join(n.cfg.DataDir, "snapshots", e.Name()))
+		}
+	}
 }
 
 func (n *Node) snapshotView(img *image.Image) *dsecv1.SnapshotInfo {
@@ -112,18 +211,20 @@ func (n *Node) ListSnapshots(ctx context.Context) []*dsecv1.SnapshotInfo {
 }
 
 // DeleteSnapshot deletes a snapshot; sandboxes created from it keep its
-// layers.
+// layers (and started from a machine snapshot, need nothing of it).
 func (n *Node) DeleteSnapshot(ctx context.Context, id string) error {
 	img, err := n.images.Get(id)
 	if err != nil || img.Snapshot == nil {
 		return errdefs.NotFound("snapshot %q not found", id)
 	}
-	return n.images.Delete(id)
+	return n.deleteSnapshot(img)
 }
 
 // releaseSnapshot deletes an ephemeral (fork) snapshot once no live
 // sandbox starts from it and no fork is between snapshotting and
-// creating its children. The layers stay while sandboxes use them.
+// creating its children. The layers stay while sandboxes use them. A
+// started child of a machine snapshot needs nothing of it, so machine
+// snapshots go as soon as their fork is done.
 func (n *Node) releaseSnapshot(id string) {
 	img, err := n.images.Get(id)
 	if err != nil || img.Snapshot == nil || !img.Snapshot.Ephemeral {
@@ -132,14 +233,14 @@ func (n *Node) releaseSnapshot(id string) {
 	n.mu.Lock()
 	used := n.pinned[id] > 0
 	for _, s := range n.sandboxes {
-		if s.image == id {
+		if s.image == id && !img.Snapshot.Machine {
 			used = true
 			break
 		}
 	}
 	n.mu.Unlock()
 	if !used {
-		if err := n.images.Delete(id); err != nil {
+		if err := n.deleteSnapshot(img); err != nil {
 			n.log.Warn("delete fork snapshot", slog.String("snapshot_id", id), slog.Any("error", err))
 		}
 	}

@@ -32,6 +32,12 @@ var (
 // normalize fills defaults into spec and validates it against the node's
 // limits. Every rejection is an invalid (task) error naming the field.
 func (n *Node) normalize(spec *dsecv1.SandboxSpec) error {
+	if spec.Kind == "" && spec.Snapshot != "" {
+		// A machine snapshot starts sandboxes of its own kind.
+		if img, err := n.images.Get(spec.Snapshot); err == nil && img.Snapshot != nil && img.Snapshot.Machine {
+			spec.Kind = img.Snapshot.Kind
+		}
+	}
 	if spec.Kind == "" {
 		spec.Kind = string(substrate.KindContainer)
 	}
@@ -136,6 +142,9 @@ func (n *Node) normalize(spec *dsecv1.SandboxSpec) error {
 	if spec.Snapshot != "" {
 		if img.Snapshot == nil {
 			return errdefs.NotFound("snapshot %q not found", spec.Snapshot)
+		}
+		if img.Snapshot.Machine && img.Snapshot.Kind != spec.Kind {
+			return errdefs.Invalid("snapshot %s holds a %s machine (memory and disk); it starts only %s sandboxes, not %s", spec.Snapshot, img.Snapshot.Kind, img.Snapshot.Kind, spec.Kind)
 		}
 		spec.Image = img.Snapshot.BaseImage
 	} else if img.Snapshot != nil {

@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Accel is how guests run: "kvm" (hardware virtualization) or "tcg"
@@ -72,6 +74,12 @@ func ProbeAccel(ctx context.Context, cfg ProbeConfig, log *slog.Logger) Accel {
 	f.Close()
 	key := probeKey(cfg)
 	if cfg.CacheFile != "" {
+		// One probe per host boot: concurrent nodes (and tests) wait for it.
+		os.MkdirAll(filepath.Dir(cfg.CacheFile), 0o700)
+		if lf, err := os.OpenFile(cfg.CacheFile+".lock", os.O_CREATE|os.O_RDWR, 0o600); err == nil {
+			defer lf.Close()
+			unix.Flock(int(lf.Fd()), unix.LOCK_EX)
+		}
 		if b, err := os.ReadFile(cfg.CacheFile); err == nil {
 			var a Accel
 			if json.Unmarshal(b, &a) == nil && a.Key == key {

@@ -14,6 +14,7 @@
 package microvm
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -23,6 +24,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/opendsec/dsec/internal/qemu"
@@ -219,3 +222,54 @@ func (d *Driver) Accel() qemu.Accel { return d.accel }
 
 func (d *Driver) agentSock(id string) string { return filepath.Join(d.cfg.RunDir, id+".agent") }
 func (d *Driver) qmpSock(id string) string   { return filepath.Join(d.cfg.RunDir, id+".qmp") }
+
+// Sweep kills the QEMU processes of this driver's run directory whose
+// sandbox keep is false for (leftovers the node no longer knows) and
+// removes their sockets. It returns how many it ended.
+func (d *Driver) Sweep(keep func(id string) bool) int {
+	if !d.caps.Available {
+		return 0
+	}
+	n := 0
+	for _, vm := range d.running() {
+		if keep(vm.id) {
+			continue
+		}
+		if p, err := qemu.Adopt(vm.pid, qemu.ProcStartTime(vm.pid)); err == nil {
+			p.Kill(10 * time.Second)
+		}
+		os.Remove(d.agentSock(vm.id))
+		os.Remove(d.qmpSock(vm.id))
+		n++
+	}
+	return n
+}
+
+type runningVM struct {
+	id  string
+	pid int
+}
+
+// running lists the QEMU processes started with this driver's run
+// directory.
+func (d *Driver) running() []runningVM {
+	var out []runningVM
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if err != nil || !bytes.Contains(b, []byte("unix:"+d.cfg.RunDir+"/")) {
+			continue
+		}
+		args := strings.Split(string(b), "\x00")
+		for k := 0; k+1 < len(args); k++ {
+			if args[k] == "-name" && strings.HasPrefix(args[k+1], "dsec-") {
+				out = append(out, runningVM{id: strings.TrimPrefix(args[k+1], "dsec-"), pid: pid})
+			}
+		}
+	}
+	return out
+}

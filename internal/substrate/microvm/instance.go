@@ -49,12 +49,12 @@ type state struct {
 }
 
 type instance struct {
-	d      *Driver
-	id     string
+	d       *Driver
+	id      string
 	dialer  *portmux.Dialer
 	release func() // of the dialer
 	client  *guest.Client
-	done   chan struct{}
+	done    chan struct{}
 
 	mu        sync.Mutex
 	st        state
