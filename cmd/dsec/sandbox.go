@@ -64,7 +64,7 @@ func createCmd(g *globals) *cobra.Command {
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&o.Kind, "kind", "container", "substrate: function, container, microvm or vm")
+	f.StringVar(&o.Kind, "kind", "", "substrate: function, container (default), microvm or vm; with --from, the snapshot's kind")
 	f.StringVar(&o.Image, "image", "", "image name (see `dsec image ls`)")
 	f.Float64Var(&o.CPU, "cpu", 0, "CPU limit in cores (default 1)")
 	f.StringVar(&memory, "memory", "", "memory limit, e.g. 512M or 2G (default 512M)")

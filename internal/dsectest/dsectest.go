@@ -301,3 +301,19 @@ func (s *Server) cleanup() {
 func Spec(image string) *dsecv1.SandboxSpec {
 	return &dsecv1.SandboxSpec{Image: image, TtlS: 600}
 }
+
+// NeedMicroVM skips t unless the host can run microvm sandboxes: QEMU and
+// the guest kernel scripts/setup.sh extracts into $DSEC_CACHE_DIR.
+func NeedMicroVM(t TB) string {
+	t.Helper()
+	Need(t)
+	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
+		t.Skip("needs qemu-system-x86_64 (apt-get install qemu-system-x86)")
+	}
+	dir := filepath.Join(os.Getenv("DSEC_CACHE_DIR"), "guest-kernel")
+	b, err := os.ReadFile(filepath.Join(dir, "release"))
+	if os.Getenv("DSEC_CACHE_DIR") == "" || err != nil {
+		t.Skip("needs the microvm guest kernel in $DSEC_CACHE_DIR/guest-kernel (make test sets DSEC_CACHE_DIR; scripts/setup.sh extracts it)")
+	}
+	return strings.TrimSpace(string(b))
+}

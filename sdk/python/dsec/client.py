@@ -188,12 +188,15 @@ def _exec_request(sandbox_id: str, cmd: Command, *, timeout_s: Optional[float], 
     return req
 
 
-def _build_spec(image: Optional[str], *, kind: str = "container", cpu: Optional[float] = None,
+def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Optional[float] = None,
                 memory_mb: Optional[int] = None, pids: Optional[int] = None, ttl_s: Optional[int] = None,
                 idle_ttl_s: Optional[int] = None, labels: Optional[Mapping[str, str]] = None,
                 env: Optional[Mapping[str, str]] = None, network: Optional[str] = None, user: Optional[str] = None,
                 workdir: Optional[str] = None, from_snapshot: Any = None, session: Any = None) -> Dict[str, Any]:
-    spec: Dict[str, Any] = {"kind": kind, "resources": {}}
+    # No kind: the server's default (container), or a machine snapshot's own kind.
+    spec: Dict[str, Any] = {"resources": {}}
+    if kind:
+        spec["kind"] = kind
     if image:
         spec["image"] = image
     if from_snapshot is not None:
