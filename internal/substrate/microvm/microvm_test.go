@@ -76,7 +76,17 @@ func TestMain(m *testing.M) {
 		}
 		layers = store.LowerDirs(img)
 		stateDir = filepath.Join(dir, "state")
-		return m.Run()
+		code := m.Run()
+		// Whatever the tests did, failures included: no QEMU of theirs
+		// may outlive them.
+		if left := qemusOf(fmt.Sprintf("mvm%d-", os.Getpid())); len(left) > 0 {
+			fmt.Fprintf(os.Stderr, "FAIL: QEMU processes left behind: %v\n", left)
+			for _, pid := range left {
+				syscall.Kill(pid, syscall.SIGKILL)
+			}
+			return 1
+		}
+		return code
 	}()
 	os.Exit(code)
 }
@@ -295,7 +305,7 @@ func TestPauseFreesMemoryAndResumeRestores(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer inst.Destroy(context.Background())
+	defer func() { inst.Destroy(context.Background()) }()
 	run(t, inst, "echo kept > /tmp/mem-only")
 	if err := inst.Pause(ctxT(t, 2*time.Minute)); err != nil {
 		t.Fatal(err)
@@ -400,6 +410,26 @@ func TestFailuresAreInfraErrorsAndLeaveNothing(t *testing.T) {
 			}
 		})
 	}
+}
+
+// qemusOf lists the live QEMU processes whose sandbox ID starts with prefix.
+func qemusOf(prefix string) []int {
+	var out []int
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if err != nil || !bytes.Contains(b, []byte("\x00dsec-"+prefix)) {
+			continue
+		}
+		st, _ := os.ReadFile("/proc/" + e.Name() + "/stat")
+		if bytes.Contains(st, []byte(") Z ")) {
+			continue
+		}
+		var pid int
+		fmt.Sscan(e.Name(), &pid)
+		out = append(out, pid)
+	}
+	return out
 }
 
 func killQEMU(id string) {

@@ -286,6 +286,70 @@ func Run(t *testing.T, h Harness) {
 		})
 	}
 
+	if caps.Has(substrate.CapMemorySnapshot) {
+		t.Run("a machine snapshot starts instances where the original was", func(t *testing.T) {
+			inst, _ := h.create(t, nil)
+			run(t, inst.Guest(), "sh", "-c", "echo on-disk > /tmp/disk-state; (sleep 1234 &) ; echo started")
+			dir := t.TempDir()
+			if err := inst.SnapshotMachine(ctxT(t, 2*time.Minute), dir); err != nil {
+				t.Fatal(err)
+			}
+			run(t, inst.Guest(), "sh", "-c", "echo changed > /tmp/disk-state")
+			var children []substrate.Instance
+			for k := 0; k < 2; k++ {
+				c, _ := h.create(t, func(s *substrate.Spec) { s.Restore = dir })
+				children = append(children, c)
+			}
+			for k, c := range children {
+				x := run(t, c.Guest(), "sh", "-c", "cat /tmp/disk-state; ps -o args | grep -c '^sleep 1234'")
+				if string(x.Stdout) != "on-disk\n1\n" {
+					t.Fatalf("child %d: %q", k, x.Stdout)
+				}
+			}
+			run(t, children[0].Guest(), "sh", "-c", "echo child0 > /tmp/disk-state")
+			if x := run(t, children[1].Guest(), "cat", "/tmp/disk-state"); string(x.Stdout) != "on-disk\n" {
+				t.Fatalf("children share a disk: %q", x.Stdout)
+			}
+			if x := run(t, inst.Guest(), "cat", "/tmp/disk-state"); string(x.Stdout) != "changed\n" {
+				t.Fatalf("the original after the snapshot: %q", x.Stdout)
+			}
+		})
+
+		t.Run("a paused instance can be snapshotted and resumes unchanged", func(t *testing.T) {
+			inst, _ := h.create(t, nil)
+			run(t, inst.Guest(), "sh", "-c", "echo before > /tmp/p")
+			ctx := ctxT(t, 2*time.Minute)
+			if err := inst.Pause(ctx); err != nil {
+				t.Fatal(err)
+			}
+			dir := t.TempDir()
+			if err := inst.SnapshotMachine(ctx, dir); err != nil {
+				t.Fatal(err)
+			}
+			if err := inst.Resume(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if x := run(t, inst.Guest(), "cat", "/tmp/p"); string(x.Stdout) != "before\n" {
+				t.Fatalf("after resume: %q", x.Stdout)
+			}
+			c, _ := h.create(t, func(s *substrate.Spec) { s.Restore = dir })
+			if x := run(t, c.Guest(), "cat", "/tmp/p"); string(x.Stdout) != "before\n" {
+				t.Fatalf("child of the paused snapshot: %q", x.Stdout)
+			}
+		})
+	} else {
+		t.Run("machine snapshots are refused as unimplemented", func(t *testing.T) {
+			if caps.Has(substrate.CapSnapshot) || caps.Has(substrate.CapFiles) {
+				inst, _ := h.create(t, nil)
+				if err := inst.SnapshotMachine(context.Background(), t.TempDir()); !errdefs.Is(err, errdefs.KindUnimplemented) {
+					t.Fatalf("SnapshotMachine: %v", err)
+				}
+			} else {
+				t.Skip("stateless kind")
+			}
+		})
+	}
+
 	if !h.SkipLimits {
 		t.Run("the memory limit kills the allocating process and the instance survives", func(t *testing.T) {
 			inst, _ := h.create(t, func(s *substrate.Spec) { s.MemoryMB = 64 })
