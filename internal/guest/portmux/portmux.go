@@ -5,11 +5,20 @@
 // serves.
 //
 // Streams are multiplexed with yamux. Because a serial port outlives the
-// connections over it (the node restarts; a restored VM has bytes of an
-// older session in flight), every session starts with a handshake: the
-// node sends a sync line with a fresh nonce, the guest discards whatever
-// precedes it and answers with an ack line carrying the nonce, and the node
-// discards whatever precedes that ack. Only then does yamux start.
+// connections over it (the node restarts; a VM restored from a snapshot
+// still runs the session of the node that snapshotted it), every session
+// starts with a handshake, each line carrying the node's fresh nonce:
+//
+//	node:  SYNC n (repeated every 20 ms until answered)
+//	guest: ACK n                (to the first SYNC n it sees)
+//	node:  START n              (yamux follows)
+//	guest: READY n              (yamux follows)
+//
+// Each side discards whatever precedes the line it waits for, so stale
+// bytes of an older session in either direction are skipped. A stale
+// session in the guest eats the first SYNC (it is not a yamux frame, so
+// that session fails and the guest looks for a handshake again); the
+// repetition makes the next one land.
 package portmux
 
 import (
@@ -29,8 +38,12 @@ import (
 )
 
 const (
-	syncPrefix = "\nDSEC-PORTMUX-SYNC "
-	ackPrefix  = "\nDSEC-PORTMUX-ACK "
+	syncPrefix  = "\nDSEC-PORTMUX-SYNC "
+	ackPrefix   = "\nDSEC-PORTMUX-ACK "
+	startPrefix = "\nDSEC-PORTMUX-START "
+	readyPrefix = "\nDSEC-PORTMUX-READY "
+	// syncEvery is how often the node repeats its sync line.
+	syncEvery = 20 * time.Millisecond
 	// maxGarbage bounds what either side skips while looking for the
 	// handshake line.
 	maxGarbage = 16 << 20
@@ -58,8 +71,12 @@ type ConnectFunc func(ctx context.Context) (net.Conn, error)
 // it breaks. It is safe for concurrent use.
 type Dialer struct {
 	connect ConnectFunc
-	// HandshakeTimeout bounds one handshake attempt (default 5s); Dial
-	// retries with new connections until its context ends.
+	// HandshakeTimeout bounds the first handshake attempt (default
+	// 250ms); each retry, on a new connection, doubles it up to 5s. A sync
+	// line that lands in a guest still serving an older session (a VM
+	// just restored from a snapshot) is eaten by that session, which
+	// fails and makes the guest look for the next one: the first attempt
+	// is kept short so that costs little.
 	HandshakeTimeout time.Duration
 
 	mu     sync.Mutex
@@ -69,7 +86,7 @@ type Dialer struct {
 
 // NewDialer returns a Dialer that reaches the port with connect.
 func NewDialer(connect ConnectFunc) *Dialer {
-	return &Dialer{connect: connect, HandshakeTimeout: 5 * time.Second}
+	return &Dialer{connect: connect, HandshakeTimeout: 250 * time.Millisecond}
 }
 
 // ErrClosed is returned by Dial after Close.
@@ -142,7 +159,8 @@ func (d *Dialer) session(ctx context.Context) (*yamux.Session, error) {
 			last = err
 			continue
 		}
-		br, err := handshake(ctx, c, d.HandshakeTimeout)
+		timeout := d.HandshakeTimeout << min(attempt, 5)
+		br, err := handshake(ctx, c, min(timeout, max(d.HandshakeTimeout, 5*time.Second)))
 		if err != nil {
 			c.Close()
 			last = err
@@ -179,8 +197,8 @@ func (d *Dialer) Close() error {
 	return nil
 }
 
-// handshake sends a sync line and waits for its ack; it returns a reader
-// positioned after the ack.
+// handshake runs the node's side of the handshake on c and returns a
+// reader positioned where the guest's yamux stream starts.
 func handshake(ctx context.Context, c net.Conn, timeout time.Duration) (*bufio.Reader, error) {
 	var b [8]byte
 	rand.Read(b[:])
@@ -191,12 +209,36 @@ func handshake(ctx context.Context, c net.Conn, timeout time.Duration) (*bufio.R
 	}
 	c.SetDeadline(deadline)
 	defer c.SetDeadline(time.Time{})
-	if _, err := io.WriteString(c, syncPrefix+nonce+"\n"); err != nil {
-		return nil, fmt.Errorf("portmux: send sync: %w", err)
-	}
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(syncEvery)
+		defer t.Stop()
+		for {
+			if _, err := io.WriteString(c, syncPrefix+nonce+"\n"); err != nil {
+				return
+			}
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+			}
+		}
+	}()
 	br := bufio.NewReaderSize(c, 64<<10)
-	if err := scanFor(br, []byte(ackPrefix+nonce+"\n")); err != nil {
+	err := scanFor(br, []byte(ackPrefix+nonce+"\n"))
+	close(stop)
+	wg.Wait()
+	if err != nil {
 		return nil, fmt.Errorf("portmux: wait for ack: %w", err)
+	}
+	if _, err := io.WriteString(c, startPrefix+nonce+"\n"); err != nil {
+		return nil, fmt.Errorf("portmux: send start: %w", err)
+	}
+	if err := scanFor(br, []byte(readyPrefix+nonce+"\n")); err != nil {
+		return nil, fmt.Errorf("portmux: wait for ready: %w", err)
 	}
 	return br, nil
 }
@@ -252,13 +294,15 @@ type Listener struct {
 	conns chan net.Conn
 	done  chan struct{}
 	once  sync.Once
-	// idle is how long the listener waits after the node went away
-	// before it reads the port again.
+	// idle is the longest the listener waits, once the node has gone
+	// away, before it reads the port again (it starts at a hundredth of
+	// it and doubles, so a node that reconnects at once is answered at
+	// once and an absent node costs a wakeup per idle).
 	idle time.Duration
 }
 
 // Listen starts serving sessions on port.
-func Listen(port Port) *Listener { return listen(port, 100*time.Millisecond) }
+func Listen(port Port) *Listener { return listen(port, 500*time.Millisecond) }
 
 func listen(port Port, idle time.Duration) *Listener {
 	l := &Listener{port: port, conns: make(chan net.Conn), done: make(chan struct{}), idle: idle}
@@ -317,30 +361,52 @@ func (l *Listener) run() {
 			return
 		default:
 		}
-		// Scan for a sync line.
+		// Find a sync line, answer it, and wait for its start line
+		// (answering a newer sync instead, should the node start over).
 		var scan bytes.Buffer
 		nonce := ""
-		for nonce == "" {
+		started := false
+		wait := l.idle / 100
+		for !started {
 			p, err := read()
 			if err != nil {
 				// The node is not connected: a serial port reads EOF.
-				time.Sleep(l.idle)
+				time.Sleep(wait)
+				wait = min(wait*2, l.idle)
 				scan.Reset()
+				nonce = ""
 				continue
 			}
+			wait = l.idle / 100
 			scan.Write(p)
-			n, rest, ok := findSync(scan.Bytes())
-			if ok {
-				nonce = n
-				pending = append([]byte(nil), rest...)
-			} else if scan.Len() > 1<<20 {
-				// Keep only a tail that could start a sync line.
+			for {
+				kind, n, rest, ok := findLine(scan.Bytes())
+				if !ok {
+					break
+				}
+				switch {
+				case kind == syncPrefix && n != nonce:
+					nonce = n
+					io.WriteString(l.port, ackPrefix+nonce+"\n")
+				case kind == startPrefix && n == nonce:
+					started = true
+				}
+				rest = append([]byte(nil), rest...)
+				scan.Reset()
+				scan.Write(rest)
+				if started {
+					break
+				}
+			}
+			if !started && scan.Len() > 1<<20 {
+				// Keep only a tail that could start a line.
 				tail := append([]byte(nil), scan.Bytes()[scan.Len()-64:]...)
 				scan.Reset()
 				scan.Write(tail)
 			}
 		}
-		if _, err := io.WriteString(l.port, ackPrefix+nonce+"\n"); err != nil {
+		pending = append([]byte(nil), scan.Bytes()...)
+		if _, err := io.WriteString(l.port, readyPrefix+nonce+"\n"); err != nil {
 			time.Sleep(l.idle)
 			continue
 		}
@@ -383,21 +449,24 @@ func (l *Listener) accept(sess *yamux.Session) {
 	}
 }
 
-// findSync finds a complete sync line in b and returns its nonce and the
-// bytes after it.
-func findSync(b []byte) (nonce string, rest []byte, ok bool) {
+// findLine finds the first complete sync or start line in b and returns
+// its kind (prefix), nonce and the bytes after it.
+func findLine(b []byte) (kind, nonce string, rest []byte, ok bool) {
 	for {
-		i := bytes.Index(b, []byte(syncPrefix))
-		if i < 0 {
-			return "", nil, false
+		i, k := bytes.Index(b, []byte(syncPrefix)), syncPrefix
+		if j := bytes.Index(b, []byte(startPrefix)); j >= 0 && (i < 0 || j < i) {
+			i, k = j, startPrefix
 		}
-		after := b[i+len(syncPrefix):]
+		if i < 0 {
+			return "", "", nil, false
+		}
+		after := b[i+len(k):]
 		j := bytes.IndexByte(after, '\n')
 		if j < 0 {
-			return "", nil, false
+			return "", "", nil, false
 		}
 		if n := string(after[:j]); len(n) == 16 && isHex(n) {
-			return n, after[j+1:], true
+			return k, n, after[j+1:], true
 		}
 		b = after
 	}
