@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/guest/portmux"
 )
 
@@ -30,7 +31,7 @@ func ListenVirtioPort(name string, wait time.Duration) (net.Listener, error) {
 				return nil, fmt.Errorf("open %s: %w", dev, err)
 			}
 			os.Remove(dev)
-			return portmux.Listen(f), nil
+			return portmux.Listen(f, applyStartPayload), nil
 		}
 		if time.Now().After(deadline) {
 			return nil, err
@@ -48,6 +49,17 @@ func findVirtioPort(name string) (string, error) {
 		}
 	}
 	return "", fmt.Errorf("no virtio-serial port named %q", name)
+}
+
+// applyStartPayload takes the node's clock and seed (guest.StartPayload).
+func applyStartPayload(p []byte) {
+	now, seed, ok := guest.ParseStartPayload(p)
+	if !ok {
+		return
+	}
+	if err := ApplyIdentity("", now, seed); err != nil {
+		fmt.Fprintln(os.Stderr, "dsec-guest: apply the node's clock and seed:", err)
+	}
 }
 
 // ListenVsock serves the protocol on AF_VSOCK port (a VM's channel where

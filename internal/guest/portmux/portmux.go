@@ -11,14 +11,17 @@
 //
 //	node:  SYNC n (repeated every 20 ms until answered)
 //	guest: ACK n                (to the first SYNC n it sees)
-//	node:  START n              (yamux follows)
+//	node:  START n [payload]    (yamux follows)
 //	guest: READY n              (yamux follows)
 //
 // Each side discards whatever precedes the line it waits for, so stale
 // bytes of an older session in either direction are skipped. A stale
 // session in the guest eats the first SYNC (it is not a yamux frame, so
 // that session fails and the guest looks for a handshake again); the
-// repetition makes the next one land.
+// repetition makes the next one land. The start line may carry a small
+// payload from the node (Dialer.Payload), which the guest takes before it
+// answers (Listener's onStart): a VM uses it to set its clock and seed its
+// randomness from the node at every new session, restores included.
 package portmux
 
 import (
@@ -31,6 +34,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"sync"
 	"time"
 
@@ -44,6 +48,8 @@ const (
 	readyPrefix = "\nDSEC-PORTMUX-READY "
 	// syncEvery is how often the node repeats its sync line.
 	syncEvery = 20 * time.Millisecond
+	// maxPayload bounds the start line's payload.
+	maxPayload = 1024
 	// maxGarbage bounds what either side skips while looking for the
 	// handshake line.
 	maxGarbage = 16 << 20
@@ -78,6 +84,9 @@ type Dialer struct {
 	// fails and makes the guest look for the next one: the first attempt
 	// is kept short so that costs little.
 	HandshakeTimeout time.Duration
+	// Payload, if set, is called at each handshake for the bytes the
+	// start line carries (at most 1 KiB).
+	Payload func() []byte
 
 	mu     sync.Mutex
 	sess   *yamux.Session
@@ -160,7 +169,11 @@ func (d *Dialer) session(ctx context.Context) (*yamux.Session, error) {
 			continue
 		}
 		timeout := d.HandshakeTimeout << min(attempt, 5)
-		br, err := handshake(ctx, c, min(timeout, max(d.HandshakeTimeout, 5*time.Second)))
+		var payload []byte
+		if d.Payload != nil {
+			payload = d.Payload()
+		}
+		br, err := handshake(ctx, c, min(timeout, max(d.HandshakeTimeout, 5*time.Second)), payload)
 		if err != nil {
 			c.Close()
 			last = err
@@ -199,7 +212,10 @@ func (d *Dialer) Close() error {
 
 // handshake runs the node's side of the handshake on c and returns a
 // reader positioned where the guest's yamux stream starts.
-func handshake(ctx context.Context, c net.Conn, timeout time.Duration) (*bufio.Reader, error) {
+func handshake(ctx context.Context, c net.Conn, timeout time.Duration, payload []byte) (*bufio.Reader, error) {
+	if len(payload) > maxPayload {
+		return nil, errors.New("portmux: payload too large")
+	}
 	var b [8]byte
 	rand.Read(b[:])
 	nonce := hex.EncodeToString(b[:])
@@ -234,7 +250,11 @@ func handshake(ctx context.Context, c net.Conn, timeout time.Duration) (*bufio.R
 	if err != nil {
 		return nil, fmt.Errorf("portmux: wait for ack: %w", err)
 	}
-	if _, err := io.WriteString(c, startPrefix+nonce+"\n"); err != nil {
+	start := startPrefix + nonce
+	if len(payload) > 0 {
+		start += " " + hex.EncodeToString(payload)
+	}
+	if _, err := io.WriteString(c, start+"\n"); err != nil {
 		return nil, fmt.Errorf("portmux: send start: %w", err)
 	}
 	if err := scanFor(br, []byte(readyPrefix+nonce+"\n")); err != nil {
@@ -290,10 +310,11 @@ type Port interface {
 // Listener is the guest side: it serves sessions on a port one after the
 // other, for the life of the agent, and hands their streams to Accept.
 type Listener struct {
-	port  Port
-	conns chan net.Conn
-	done  chan struct{}
-	once  sync.Once
+	port    Port
+	onStart func(payload []byte)
+	conns   chan net.Conn
+	done    chan struct{}
+	once    sync.Once
 	// idle is the longest the listener waits, once the node has gone
 	// away, before it reads the port again (it starts at a hundredth of
 	// it and doubles, so a node that reconnects at once is answered at
@@ -301,11 +322,14 @@ type Listener struct {
 	idle time.Duration
 }
 
-// Listen starts serving sessions on port.
-func Listen(port Port) *Listener { return listen(port, 500*time.Millisecond) }
+// Listen starts serving sessions on port. onStart, if not nil, receives
+// each session's start payload before the session serves any stream.
+func Listen(port Port, onStart func(payload []byte)) *Listener {
+	return listen(port, 500*time.Millisecond, onStart)
+}
 
-func listen(port Port, idle time.Duration) *Listener {
-	l := &Listener{port: port, conns: make(chan net.Conn), done: make(chan struct{}), idle: idle}
+func listen(port Port, idle time.Duration, onStart func([]byte)) *Listener {
+	l := &Listener{port: port, onStart: onStart, conns: make(chan net.Conn), done: make(chan struct{}), idle: idle}
 	go l.run()
 	return l
 }
@@ -366,6 +390,7 @@ func (l *Listener) run() {
 		var scan bytes.Buffer
 		nonce := ""
 		started := false
+		var payload []byte
 		wait := l.idle / 100
 		for !started {
 			p, err := read()
@@ -380,7 +405,7 @@ func (l *Listener) run() {
 			wait = l.idle / 100
 			scan.Write(p)
 			for {
-				kind, n, rest, ok := findLine(scan.Bytes())
+				kind, n, p, rest, ok := findLine(scan.Bytes())
 				if !ok {
 					break
 				}
@@ -389,7 +414,7 @@ func (l *Listener) run() {
 					nonce = n
 					io.WriteString(l.port, ackPrefix+nonce+"\n")
 				case kind == startPrefix && n == nonce:
-					started = true
+					started, payload = true, p
 				}
 				rest = append([]byte(nil), rest...)
 				scan.Reset()
@@ -406,6 +431,9 @@ func (l *Listener) run() {
 			}
 		}
 		pending = append([]byte(nil), scan.Bytes()...)
+		if l.onStart != nil {
+			l.onStart(payload)
+		}
 		if _, err := io.WriteString(l.port, readyPrefix+nonce+"\n"); err != nil {
 			time.Sleep(l.idle)
 			continue
@@ -450,23 +478,30 @@ func (l *Listener) accept(sess *yamux.Session) {
 }
 
 // findLine finds the first complete sync or start line in b and returns
-// its kind (prefix), nonce and the bytes after it.
-func findLine(b []byte) (kind, nonce string, rest []byte, ok bool) {
+// its kind (prefix), nonce, payload (start lines) and the bytes after it.
+func findLine(b []byte) (kind, nonce string, payload, rest []byte, ok bool) {
 	for {
 		i, k := bytes.Index(b, []byte(syncPrefix)), syncPrefix
 		if j := bytes.Index(b, []byte(startPrefix)); j >= 0 && (i < 0 || j < i) {
 			i, k = j, startPrefix
 		}
 		if i < 0 {
-			return "", "", nil, false
+			return "", "", nil, nil, false
 		}
 		after := b[i+len(k):]
 		j := bytes.IndexByte(after, '\n')
 		if j < 0 {
-			return "", "", nil, false
+			if len(after) > 2*maxPayload+64 {
+				b = after // a line that long is not ours
+				continue
+			}
+			return "", "", nil, nil, false
 		}
-		if n := string(after[:j]); len(n) == 16 && isHex(n) {
-			return k, n, after[j+1:], true
+		n, p, _ := strings.Cut(string(after[:j]), " ")
+		if len(n) == 16 && isHex(n) {
+			if pb, err := hex.DecodeString(p); err == nil && len(pb) <= maxPayload {
+				return k, n, pb, after[j+1:], true
+			}
 		}
 		b = after
 	}

@@ -120,7 +120,7 @@ func roundTrip(t *testing.T, d *Dialer, msg string) {
 
 func TestStreamsShareOnePortAndSurviveReconnects(t *testing.T) {
 	port := newSerialPort()
-	l := listen(port, time.Millisecond)
+	l := listen(port, time.Millisecond, nil)
 	defer l.Close()
 	echoServer(t, l)
 	d := NewDialer(port.connect)
@@ -151,6 +151,26 @@ func TestStreamsShareOnePortAndSurviveReconnects(t *testing.T) {
 	})
 }
 
+func TestTheStartPayloadReachesTheGuestBeforeAnyStream(t *testing.T) {
+	port := newSerialPort()
+	got := make(chan string, 4)
+	l := listen(port, time.Millisecond, func(p []byte) { got <- string(p) })
+	defer l.Close()
+	echoServer(t, l)
+	d := NewDialer(port.connect)
+	d.Payload = func() []byte { return []byte("clock and seed") }
+	defer d.Close()
+	roundTrip(t, d, "x")
+	select {
+	case p := <-got:
+		if p != "clock and seed" {
+			t.Fatalf("payload %q", p)
+		}
+	default:
+		t.Fatal("no payload before the first stream")
+	}
+}
+
 func TestDialEndsWithItsContextWhenNoGuestAnswers(t *testing.T) {
 	d := NewDialer(func(ctx context.Context) (net.Conn, error) {
 		h, g := net.Pipe()
@@ -166,10 +186,10 @@ func TestDialEndsWithItsContextWhenNoGuestAnswers(t *testing.T) {
 }
 
 func TestFindLineSkipsMalformedLines(t *testing.T) {
-	in := []byte("junk" + syncPrefix + "nothex!!nothex!!\n" + startPrefix + "0123456789abcdef\nrest")
-	k, n, rest, ok := findLine(in)
-	if !ok || k != startPrefix || n != "0123456789abcdef" || string(rest) != "rest" {
-		t.Fatalf("%q %q %q %v", k, n, rest, ok)
+	in := []byte("junk" + syncPrefix + "nothex!!nothex!!\n" + startPrefix + "0123456789abcdef 6869\nrest")
+	k, n, p, rest, ok := findLine(in)
+	if !ok || k != startPrefix || n != "0123456789abcdef" || string(p) != "hi" || string(rest) != "rest" {
+		t.Fatalf("%q %q %q %q %v", k, n, p, rest, ok)
 	}
 }
 
@@ -178,7 +198,7 @@ func TestFindLineSkipsMalformedLines(t *testing.T) {
 // and a new node must get through.
 func TestAStaleSessionInTheGuestIsReplaced(t *testing.T) {
 	port := newSerialPort()
-	l := listen(port, time.Millisecond)
+	l := listen(port, time.Millisecond, nil)
 	defer l.Close()
 	echoServer(t, l)
 	old := NewDialer(port.connect)

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -13,7 +12,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -111,6 +109,14 @@ func (c *channelSet) acquire(sock string) (*portmux.Dialer, func()) {
 			var nd net.Dialer
 			return nd.DialContext(ctx, "unix", sock)
 		})}
+		// Every session sets the guest's clock and seeds its randomness:
+		// a restored or resumed VM has a stale clock and the random state
+		// of its snapshot.
+		sd.d.Payload = func() []byte {
+			var seed [32]byte
+			rand.Read(seed[:])
+			return guest.StartPayload(time.Now(), seed[:])
+		}
 		c.m[sock] = sd
 	}
 	sd.refs++
@@ -202,8 +208,12 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		return nil, err
 	}
 	if incoming != nil {
-		if err := i.freshIdentity(ctx, s.Hostname, true); err != nil {
-			return nil, err
+		// Clock and randomness came with the channel's session; a
+		// hostname other than the snapshot's takes an exec.
+		if s.Hostname != "" && s.Hostname != m.Hostname {
+			if err := i.freshIdentity(ctx, s.Hostname); err != nil {
+				return nil, err
+			}
 		}
 		if !s.Deadline.IsZero() {
 			if err := i.client.SetDeadline(ctx, s.Deadline); err != nil {
@@ -377,18 +387,10 @@ func (i *instance) stop(r *vmRun) {
 	os.Remove(i.d.qmpSock(i.id))
 }
 
-// freshIdentity gives a restored VM the current time and new randomness,
-// and (for a new sandbox) its hostname.
-func (i *instance) freshIdentity(ctx context.Context, hostname string, reseed bool) error {
-	argv := []string{"/.dsec/guest", "identity", "-unix-ms", strconv.FormatInt(time.Now().UnixMilli(), 10)}
-	if hostname != "" {
-		argv = append(argv, "-hostname", hostname)
-	}
-	if reseed {
-		var seed [32]byte
-		rand.Read(seed[:])
-		argv = append(argv, "-seed", hex.EncodeToString(seed[:]))
-	}
+// freshIdentity gives a restored VM its own hostname (clock and
+// randomness come with every channel session).
+func (i *instance) freshIdentity(ctx context.Context, hostname string) error {
+	argv := []string{"/.dsec/guest", "identity", "-hostname", hostname}
 	x, err := i.client.Run(ctx, &guestv1.Exec{Argv: argv, TimeoutMs: 30000})
 	if err != nil {
 		return i.failed(err, "give the restored VM its identity")
@@ -596,9 +598,6 @@ func (i *instance) Resume(ctx context.Context) error {
 	}
 	defer f.Close()
 	if err := i.start(ctx, f); err != nil {
-		return err
-	}
-	if err := i.freshIdentity(ctx, "", false); err != nil {
 		return err
 	}
 	i.mu.Lock()

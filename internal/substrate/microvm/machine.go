@@ -3,9 +3,9 @@ package microvm
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
-	"math"
 	"strconv"
 
 	"github.com/opendsec/dsec/internal/qemu"
