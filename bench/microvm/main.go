@@ -12,8 +12,9 @@
 //     `-incoming` restore of the same snapshot (start → state loaded and
 //     running);
 //   - fork N from one running sandbox: per-child cost and memory;
-//   - density: N idle 128 MiB sandboxes, host memory (RSS) per VM after
-//     they settle, and idle CPU per VM.
+//   - density: N idle 128 MiB sandboxes, host memory per VM after they
+//     settle (PSS of each QEMU: its own pages plus its share of pages
+//     shared with the others, such as the kernel file), and idle CPU per VM.
 package main
 
 import (
@@ -45,6 +46,7 @@ func main() {
 	settle := flag.Duration("settle", 20*time.Second, "how long idle VMs settle before memory is measured")
 	ksm := flag.Bool("ksm", false, "enable KSM (/sys/kernel/mm/ksm/run) for the fork and density runs, restored afterwards")
 	mem := flag.Int64("memory", 128, "guest memory, MiB")
+	tb := flag.Int("tb", 0, "TCG translation buffer per VM, MiB (0: the driver's default)")
 	flag.Parse()
 	if err := mountns.Enter(); err != nil {
 		fatal(err)
@@ -61,7 +63,13 @@ func main() {
 	b := dsectest.Program()
 	prog = b
 	defer b.Close()
-	srv := dsectest.Start(b, dsectest.Options{Args: []string{"--max-sandboxes", "4096"}})
+	srvArgs := []string{"--max-sandboxes", "4096"}
+	if *tb > 0 {
+		cfg := filepath.Join(b.TempDir(), "dsec.yaml")
+		os.WriteFile(cfg, []byte(fmt.Sprintf("microvm:\n  tb_size_mib: %d\n", *tb)), 0o600)
+		srvArgs = append(srvArgs, "--config", cfg)
+	}
+	srv := dsectest.Start(b, dsectest.Options{Args: srvArgs})
 	c := srv.Client()
 	ctx := context.Background()
 	info, err := c.Info(ctx)
@@ -77,7 +85,11 @@ func main() {
 			accel = kd.Details["accel"]
 		}
 	}
-	accelArg := qemu.Accel{Name: accel}.Arg(32)
+	tbMiB := 32
+	if *tb > 0 {
+		tbMiB = *tb
+	}
+	accelArg := qemu.Accel{Name: accel}.Arg(tbMiB)
 	fmt.Printf("dsec microvm benchmark — %s, QEMU %s, guest kernel %s, accel %s, %d MiB guests\n\n",
 		time.Now().Format(time.RFC3339), mustVersion(bin), k.Release, accelArg, *mem)
 
@@ -171,7 +183,7 @@ func main() {
 		}
 		time.Sleep(*settle)
 		rss, _ := vmStats(ids)
-		fmt.Printf("fork %d: %d created in %v, %v per child; child RSS %.1f MiB each (memory is copied per child from the snapshot file, not shared; KSM pages_sharing %s)\n",
+		fmt.Printf("fork %d: %d created in %v, %v per child; child PSS %.1f MiB each (memory is copied per child from the snapshot file, not shared; KSM pages_sharing %s)\n",
 			*forkN, len(ids), total.Round(time.Millisecond), (total / time.Duration(max(1, len(ids)))).Round(time.Millisecond),
 			float64(rss)/float64(max(1, len(ids)))/(1<<20), ksmSharing())
 		for _, id := range ids {
@@ -216,7 +228,7 @@ func main() {
 			}(id)
 		}
 		wg.Wait()
-		fmt.Printf("density: RSS per idle VM %.1f MiB (%.1f after %v more), idle CPU per VM %.2f%% of a core; %d/%d answer exec afterwards\n",
+		fmt.Printf("density: PSS per idle VM %.1f MiB (%.1f after %v more), idle CPU per VM %.2f%% of a core; %d/%d answer exec afterwards\n",
 			float64(rss0)/n/(1<<20), float64(rss1)/n/(1<<20), wall.Round(time.Second),
 			100*float64(cpu1-cpu0)/n/float64(wall), alive, len(ids))
 		fmt.Printf("density: KSM pages_sharing %s\n", ksmSharing())
@@ -288,8 +300,10 @@ func rawRestoreOnce(bin, snapDir, tmp string, r int) time.Duration {
 	return time.Since(t0)
 }
 
-// vmStats sums RSS and CPU time of the QEMU processes of sandboxes ids.
-func vmStats(ids []string) (rss int64, cpu time.Duration) {
+// vmStats sums the proportional set size (PSS: shared pages such as the
+// kernel file and QEMU's binary divided among the processes mapping them)
+// and CPU time of the QEMU processes of sandboxes ids.
+func vmStats(ids []string) (pss int64, cpu time.Duration) {
 	want := map[string]bool{}
 	for _, id := range ids {
 		want["dsec-"+id] = true
@@ -309,13 +323,28 @@ func vmStats(ids []string) (rss int64, cpu time.Duration) {
 			if args[i] == "-name" && want[args[i+1]] {
 				p, err := qemu.Adopt(pid, qemu.ProcStartTime(pid))
 				if err == nil {
-					rss += p.RSS()
+					pss += procPSS(pid)
 					cpu += p.CPUTime()
 				}
 			}
 		}
 	}
-	return rss, cpu
+	return pss, cpu
+}
+
+// procPSS is a process's proportional set size in bytes.
+func procPSS(pid int) int64 {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/smaps_rollup")
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "Pss:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			return kb << 10
+		}
+	}
+	return 0
 }
 
 func ksmSharing() string {
