@@ -31,23 +31,27 @@ var vsockModules = []string{"vsock", "vmw_vsock_virtio_transport_common", "vmw_v
 const initScript = `#!/bin/busybox sh
 B=/bin/busybox
 fail() { echo "dsec-init: $*" >/dev/ttyS0; $B sync; $B poweroff -f; }
-$B mount -t devtmpfs -o nosuid,mode=0755 dev /dev || fail "mount /dev"
-$B mount -t proc -o nosuid,nodev,noexec proc /proc
-$B mount -t sysfs -o nosuid,nodev,noexec sys /sys
-for m in $($B cat /modules.list); do
-	$B insmod /lib/modules/$m.ko || fail "load module $m"
+$B mount -t proc -o nosuid,nodev,noexec proc /proc || fail "mount /proc"
+# With /proc/self/exe there, Debian's static busybox runs applets called
+# by bare name in the shell itself or in a fork without exec: much cheaper
+# than an exec per step under emulation.
+export PATH=/bin
+mount -t devtmpfs -o nosuid,mode=0755 dev /dev || fail "mount /dev"
+mount -t sysfs -o nosuid,nodev,noexec sys /sys
+for m in $(cat /modules.list); do
+	insmod /lib/modules/$m.ko || fail "load module $m"
 done
 # Report free memory to the host in 128 KiB blocks, not only whole 2 MiB
 # page blocks, so an idle guest gives back what it freed.
 [ -w /sys/module/page_reporting/parameters/page_reporting_order ] &&
 	echo 5 >/sys/module/page_reporting/parameters/page_reporting_order
 host=sandbox; deadline=0; chan=port
-for a in $($B cat /proc/cmdline); do
+for a in $(cat /proc/cmdline); do
 	case $a in
 	dsec.hostname=*) host=${a#dsec.hostname=} ;;
 	dsec.deadline=*) deadline=${a#dsec.deadline=} ;;
 	dsec.chan=*) chan=${a#dsec.chan=} ;;
-	dsec.init=hold) echo "dsec-init: holding before the agent (dsec.init=hold)" >/dev/ttyS0; while :; do $B sleep 3600; done ;;
+	dsec.init=hold) echo "dsec-init: holding before the agent (dsec.init=hold)" >/dev/ttyS0; while :; do sleep 3600; done ;;
 	esac
 done
 img=; disk=
@@ -55,37 +59,37 @@ i=0
 while [ $i -lt 500 ]; do
 	for b in /sys/block/vd*; do
 		[ -e $b/serial ] || continue
-		case $($B cat $b/serial) in
+		case $(cat $b/serial) in
 		dsec-image) img=/dev/${b##*/} ;;
 		dsec-disk) disk=/dev/${b##*/} ;;
 		esac
 	done
 	[ -n "$img" ] && [ -n "$disk" ] && break
-	$B usleep 10000; i=$((i+1))
+	usleep 10000; i=$((i+1))
 done
 [ -n "$img" ] || fail "no image disk"
 [ -n "$disk" ] || fail "no writable disk"
-$B mkdir -p /lower /rw /newroot
-$B mount -t erofs -o ro $img /lower || fail "mount the image"
-$B mount -t ext4 -o noatime,nodev $disk /rw || fail "mount the writable disk"
-$B mkdir -p /rw/upper /rw/work
-$B mount -t overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work,nodev overlay /newroot || fail "mount the root overlay"
+mkdir -p /lower /rw /newroot
+mount -t erofs -o ro $img /lower || fail "mount the image"
+mount -t ext4 -o noatime,nodev $disk /rw || fail "mount the writable disk"
+mkdir -p /rw/upper /rw/work
+mount -t overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work,nodev overlay /newroot || fail "mount the root overlay"
 R=/newroot
-$B mount -t proc -o nosuid,nodev,noexec proc $R/proc
-$B mount -t sysfs -o nosuid,nodev,noexec sys $R/sys
-$B mount --move /dev $R/dev
-$B mkdir -p $R/dev/pts $R/dev/shm
-$B mount -t devpts -o nosuid,noexec,newinstance,ptmxmode=0666,mode=0620,gid=5 devpts $R/dev/pts
-$B ln -sf pts/ptmx $R/dev/ptmx 2>/dev/null
-$B mount -t tmpfs -o nosuid,nodev,mode=1777 shm $R/dev/shm
-$B mount -t tmpfs -o nosuid,nodev,mode=0755 run $R/run
-$B mount -t tmpfs -o nosuid,nodev,mode=0755,size=1m etc $R/.dsec/etc
+mount -t proc -o nosuid,nodev,noexec proc $R/proc
+mount -t sysfs -o nosuid,nodev,noexec sys $R/sys
+mount --move /dev $R/dev
+mkdir -p $R/dev/pts $R/dev/shm
+mount -t devpts -o nosuid,noexec,newinstance,ptmxmode=0666,mode=0620,gid=5 devpts $R/dev/pts
+ln -sf pts/ptmx $R/dev/ptmx 2>/dev/null
+mount -t tmpfs -o nosuid,nodev,mode=1777 shm $R/dev/shm
+mount -t tmpfs -o nosuid,nodev,mode=0755 run $R/run
+mount -t tmpfs -o nosuid,nodev,mode=0755,size=1m etc $R/.dsec/etc
 echo "$host" >$R/.dsec/etc/hostname
 printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t%s\n' "$host" >$R/.dsec/etc/hosts
 : >$R/.dsec/etc/resolv.conf
-for f in hostname hosts resolv.conf; do $B mount --bind $R/.dsec/etc/$f $R/etc/$f; done
-$B hostname "$host"
-$B ip link set lo up 2>/dev/null || $B ifconfig lo 127.0.0.1 up
+for f in hostname hosts resolv.conf; do mount --bind $R/.dsec/etc/$f $R/etc/$f; done
+hostname "$host"
+ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up
 listen="-listen-port dsec.agent"
 [ "$chan" = vsock ] && listen="-listen-vsock 1024"
 exec $B env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
