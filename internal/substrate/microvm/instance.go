@@ -268,6 +268,7 @@ func (i *instance) start(ctx context.Context, incoming *os.File) (err error) {
 		args = append(args, "-incoming", "fd:3")
 		extra = []*os.File{incoming}
 	}
+	t0 := time.Now()
 	p, err := qemu.Start(d.qemu, args, i.path(qemuLog), extra)
 	if err != nil {
 		return errdefs.Unavailable("start QEMU").WithCause(err)
@@ -299,7 +300,10 @@ func (i *instance) start(ctx context.Context, incoming *os.File) (err error) {
 				return
 			}
 		}
+		tr := time.Now()
 		_, err := i.client.Hello(bctx)
+		d.log.Debug("microVM started", slog.String("sandbox_id", i.id), slog.Bool("restore", incoming != nil),
+			slog.Duration("qemu", tr.Sub(t0)), slog.Duration("agent", time.Since(tr)))
 		ready <- err
 	}()
 	select {
