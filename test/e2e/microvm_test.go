@@ -114,13 +114,25 @@ finally:
 	})
 
 	t.Run("microVMs and machine snapshots survive a server restart", func(t *testing.T) {
+		running, err := c.Create(ctx, dsec.CreateOptions{Kind: "microvm", Image: "busybox", MemoryMB: 256})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer running.Close()
+		if _, err := running.Exec(ctx, dsec.Cmd("echo alive > /tmp/mark; sleep 600 &")); err != nil {
+			t.Fatal(err)
+		}
 		if _, err := c.Pause(ctx, id); err != nil {
 			t.Fatal(err)
 		}
 		srv.Restart()
 		x, err := vm.Exec(ctx, dsec.Cmd("cat /state"))
 		if err != nil || string(x.Stdout) != "parent\n" {
-			t.Fatalf("exec after restart: %v %v", x, err)
+			t.Fatalf("exec on the paused one after restart: %v %v", x, err)
+		}
+		x, err = running.Exec(ctx, dsec.Cmd("cat /tmp/mark; ps -o args | grep -q '^sleep 600' && echo kept"))
+		if err != nil || string(x.Stdout) != "alive\nkept\n" {
+			t.Fatalf("exec on the running one after restart: %v %v", x, err)
 		}
 		snaps, err := c.ListSnapshots(ctx)
 		if err != nil || len(snaps) != 1 || snaps[0].Id != snap.Id || snaps[0].Kind != "microvm" {
