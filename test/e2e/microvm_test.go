@@ -170,3 +170,23 @@ finally:
 		}
 	})
 }
+
+// TestMicroVMDebian runs the debian image (python3, gcc) as a microVM.
+func TestMicroVMDebian(t *testing.T) {
+	if testing.Short() {
+		t.Skip("bootstraps debian")
+	}
+	dsectest.NeedMicroVM(t)
+	srv := dsectest.Start(t, dsectest.Options{Images: []string{"debian"}})
+	c := srv.Client()
+	ctx := ctxFor(t, 10*time.Minute)
+	sb, err := c.Create(ctx, dsec.CreateOptions{Kind: "microvm", Image: "debian", MemoryMB: 512})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sb.Close()
+	x, err := sb.Exec(ctx, dsec.Cmd("python3 -c 'print(6*7)' && echo 'int main(){return 3;}' > /tmp/a.c && gcc -o /tmp/a /tmp/a.c && /tmp/a; echo $?"))
+	if err != nil || string(x.Stdout) != "42\n3\n" {
+		t.Fatalf("debian microVM: %v %v", x, err)
+	}
+}
