@@ -8,6 +8,7 @@ import (
 	"math"
 	"net/http"
 	"net/url"
+	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -27,6 +28,11 @@ const (
 	labelPrefix = "e2b.dev/"
 	// templateLabel remembers the template ID a sandbox was created from.
 	templateLabel = labelPrefix + "template"
+	// metadataLabel holds, as a JSON object, the metadata whose keys cannot
+	// be label keys (E2B allows any string).
+	metadataLabel = labelPrefix + "metadata"
+	// maxLabelValue is the node's limit on a label value.
+	maxLabelValue = 1024
 	// clientID is the required, deprecated clientID field.
 	clientID = "dsec"
 	// maxBody bounds control-plane request bodies.
@@ -41,6 +47,10 @@ const (
 )
 
 var kinds = map[string]bool{"container": true, "microvm": true, "vm": true}
+
+// labelKey is the node's label key syntax: metadata with such keys become
+// labels of their own, which native label selectors can use.
+var labelKey = regexp.MustCompile(`^([a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$`)
 
 func (f *Facade) mountControl(handle func(string, http.Handler)) {
 	h := func(pattern string, fn func(http.ResponseWriter, *http.Request, string)) {
@@ -193,11 +203,23 @@ func (f *Facade) spec(in *newSandbox, defaultTimeout int64) (*dsecv1.SandboxSpec
 		return nil, errdefs.Invalid("timeout must be at least 1 second")
 	}
 	spec.TtlS = timeout
+	other := map[string]string{}
 	for k, v := range in.Metadata {
-		if strings.HasPrefix(k, labelPrefix) || strings.HasPrefix(k, "dsec.io/") {
+		switch {
+		case strings.HasPrefix(k, labelPrefix) || strings.HasPrefix(k, "dsec.io/"):
 			return nil, errdefs.Invalid("metadata key %q: the %s and dsec.io/ prefixes are reserved", clip(k), labelPrefix)
+		case labelKey.MatchString(k):
+			spec.Labels[k] = v
+		default:
+			other[k] = v
 		}
-		spec.Labels[k] = v
+	}
+	if len(other) > 0 {
+		b, _ := json.Marshal(other)
+		if len(b) > maxLabelValue {
+			return nil, errdefs.Invalid("metadata with keys that are not label keys ([prefix/]name of letters, digits, '-', '_', '.') must fit in %d bytes of JSON", maxLabelValue)
+		}
+		spec.Labels[metadataLabel] = string(b)
 	}
 	spec.Network = &dsecv1.Network{Mode: f.cfg.DefaultNetwork}
 	if in.AllowInternetAccess != nil {
@@ -255,12 +277,21 @@ func (f *Facade) sandboxJSON(sb *dsecv1.Sandbox) sandboxJSON {
 	}
 }
 
-// metadata is a sandbox's labels without the reserved ones.
+// metadata is a sandbox's E2B metadata: its labels without the reserved
+// ones, and the metadata kept in metadataLabel.
 func metadata(labels map[string]string) map[string]string {
 	out := map[string]string{}
 	for k, v := range labels {
 		if !strings.HasPrefix(k, labelPrefix) && !strings.HasPrefix(k, "dsec.io/") {
 			out[k] = v
+		}
+	}
+	if b := labels[metadataLabel]; b != "" {
+		var other map[string]string
+		if json.Unmarshal([]byte(b), &other) == nil {
+			for k, v := range other {
+				out[k] = v
+			}
 		}
 	}
 	return out
@@ -646,14 +677,14 @@ func unescape(s string) string {
 	return s
 }
 
-// selectorSafe reports whether a metadata pair can be a label selector
-// requirement; others are matched after listing.
+// selectorSafe reports whether a metadata value can be part of a label
+// selector; other pairs are matched after listing.
 func selectorSafe(s string) bool { return s != "" && !strings.ContainsAny(s, ",=! ") }
 
 func (lq *listQuery) matches(sb *dsecv1.Sandbox) bool {
-	labels := sb.GetSpec().GetLabels()
+	md := metadata(sb.GetSpec().GetLabels())
 	for k, v := range lq.metadata {
-		if got, ok := labels[k]; !ok || got != v {
+		if got, ok := md[k]; !ok || got != v {
 			return false
 		}
 	}
@@ -673,7 +704,7 @@ func (lq *listQuery) matches(sb *dsecv1.Sandbox) bool {
 func (f *Facade) sandboxes(ctx context.Context, lq *listQuery) ([]*dsecv1.Sandbox, error) {
 	var sel []string
 	for k, v := range lq.metadata {
-		if selectorSafe(k) && selectorSafe(v) {
+		if labelKey.MatchString(k) && selectorSafe(v) {
 			sel = append(sel, k+"="+v)
 		}
 	}
@@ -684,11 +715,6 @@ func (f *Facade) sandboxes(ctx context.Context, lq *listQuery) ([]*dsecv1.Sandbo
 		for {
 			resp, err := n.List(ctx, &dsecv1.ListSandboxesRequest{LabelSelector: strings.Join(sel, ","), PageSize: 10000, PageToken: token})
 			if err != nil {
-				if errdefs.Is(err, errdefs.KindInvalid) {
-					// A key the label syntax cannot express matches no
-					// sandbox (no label could have it).
-					return nil, nil
-				}
 				return nil, err
 			}
 			for _, sb := range resp.Sandboxes {

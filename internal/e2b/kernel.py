@@ -240,6 +240,7 @@ def worker():
     import ast
     import builtins
     import io
+    import linecache
     import traceback
 
     # The protocol runs on private copies of stdin and stdout; the
@@ -320,14 +321,18 @@ def worker():
 
     ns = {"__name__": "__main__", "__builtins__": builtins, "display": display}
 
-    def run(code):
-        tree = ast.parse(code, "<cell>", "exec")
+    def run(code, n):
+        # Each cell gets a file name of its own, with its source in
+        # linecache, so tracebacks and inspect show its lines.
+        name = "<cell-%d>" % n
+        linecache.cache[name] = (len(code), None, code.splitlines(True), name)
+        tree = ast.parse(code, name, "exec")
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
-        exec(compile(tree, "<cell>", "exec"), ns)
+        exec(compile(tree, name, "exec"), ns)
         if last is not None:
-            value = eval(compile(last, "<cell>", "eval"), ns)
+            value = eval(compile(last, name, "eval"), ns)
             sys.stdout.flush()
             sys.stderr.flush()
             if value is not None:
@@ -356,14 +361,14 @@ def worker():
                 saved[k] = os.environ.get(k)
                 os.environ[k] = str(v)
             running[0] = True
-            run(req["code"])
+            run(req["code"], count)
             running[0] = False
         except BaseException as e:  # user code may raise anything, SystemExit included
             running[0] = False
             sys.stdout.flush()
             sys.stderr.flush()
             tb = e.__traceback__
-            while tb is not None and tb.tb_frame.f_code.co_filename != "<cell>":
+            while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<cell-"):
                 tb = tb.tb_next  # the kernel's own frames
             tb = traceback.format_exception(type(e), e, tb)
             emit({"type": "error", "name": type(e).__name__, "value": str(e), "traceback": "".join(tb)})
