@@ -3,7 +3,9 @@ package e2b
 import (
 	"context"
 	"encoding/base64"
+	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"net/http"
 	"path"
@@ -136,8 +138,24 @@ func (a *envdAuth) WrapStreamingHandler(next connect.StreamingHandlerFunc) conne
 		if err != nil {
 			return err
 		}
-		return next(ctx, conn)
+		return next(ctx, requestConn{conn})
 	}
+}
+
+// requestConn reports a request stream that cannot be read (a truncated or
+// malformed envelope) as the client's error, invalid_argument, where
+// connect-go says internal.
+type requestConn struct{ connect.StreamingHandlerConn }
+
+func (c requestConn) Receive(m any) error {
+	err := c.StreamingHandlerConn.Receive(m)
+	if err == nil || errors.Is(err, io.EOF) {
+		return err // EOF ends the request stream
+	}
+	if ce := new(connect.Error); errors.As(err, &ce) && (ce.Code() == connect.CodeInternal || ce.Code() == connect.CodeUnknown) {
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("malformed request: %s", ce.Message()))
+	}
+	return err
 }
 
 // node is the node owning the request's sandbox.
