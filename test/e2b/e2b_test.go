@@ -177,6 +177,7 @@ func TestSDK(t *testing.T) {
 		{"pause-and-connect", "pause then connect resumes the sandbox with its state"},
 		{"kill-twice", "kill answers true then false, and the dead sandbox is reported as such"},
 		{"metrics", "getMetrics reports memory and CPU use"},
+		{"fork", "fork starts children with the parent's files"},
 		{"code-interpreter", "runCode keeps interpreter state per context"},
 		{"bad-input", "wrong keys, tokens, IDs and unsupported options raise the SDK's typed errors"},
 	}

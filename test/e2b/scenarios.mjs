@@ -336,6 +336,28 @@ const scenarios = {
     await rejects(sbx.files.list('/'), TimeoutError, 'files.list in a killed sandbox')
   },
 
+  // fork snapshots a running sandbox into children that start with its
+  // files and then diverge.
+  async fork() {
+    await withSandbox(async (sbx) => {
+      await sbx.files.write('/tmp/parent.txt', 'from the parent')
+      const children = await sbx.fork({ count: 2, timeoutMs: 120_000 })
+      assert.equal(children.length, 2)
+      try {
+        for (const c of children) assert.ok(!(c instanceof Error), `a fork failed: ${c}`)
+        assert.notEqual(children[0].sandboxId, children[1].sandboxId)
+        for (const c of children) assert.equal(await c.files.read('/tmp/parent.txt'), 'from the parent')
+        await children[0].files.write('/tmp/child.txt', 'only in child 0')
+        assert.equal(await children[1].files.exists('/tmp/child.txt'), false)
+        assert.equal(await sbx.files.exists('/tmp/child.txt'), false)
+        const left = (await children[0].getInfo()).endAt.getTime() - Date.now()
+        assert.ok(left > 100_000 && left <= 121_000, `a child ends in ${left} ms, want ~120 s`)
+      } finally {
+        await Promise.all(children.filter((c) => !(c instanceof Error)).map((c) => c.kill()))
+      }
+    })
+  },
+
   // Metrics report memory in use and the sandbox's limits.
   async metrics() {
     await withSandbox(async (sbx) => {

@@ -271,6 +271,16 @@ func TestEnvdErrors(t *testing.T) {
 			}
 		})
 	}
+	t.Run("a quiet stream carries keepalive events", func(t *testing.T) {
+		if testing.Short() {
+			t.Skip("waits for a keepalive (15 s)")
+		}
+		r := do(t, "POST", start, stream(envdHeaders(c)), envelope(0, []byte(`{"process":{"cmd":"sleep","args":["17"]},"stdin":false}`)))
+		code, msgs := streamEnd(t, r)
+		if code != "" || len(msgs) != 3 || !strings.Contains(msgs[1], `"keepalive"`) || !strings.Contains(msgs[2], `"end"`) {
+			t.Fatalf("got code %q and events %q, want start, keepalive, end", code, msgs)
+		}
+	})
 	t.Run("a well-formed Start streams start, data and end events", func(t *testing.T) {
 		r := do(t, "POST", start, stream(envdHeaders(c)), envelope(0, []byte(`{"process":{"cmd":"/bin/sh","args":["-c","echo hi; exit 3"]},"stdin":false}`)))
 		code, msgs := streamEnd(t, r)
