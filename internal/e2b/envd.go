@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -231,13 +232,25 @@ func processEvent(ev *dsecv1.ExecEvent, pty bool) (*process.ProcessEvent, error)
 		if x.TimedOut {
 			return nil, errTimedOut
 		}
+		// As envd reports Go's os.ProcessState: a signal's end is exit code
+		// -1, not exited, "signal: killed"; a failure's error is its status.
 		end := &process.ProcessEvent_EndEvent{ExitCode: x.ExitCode, Exited: x.Signal == "", Status: fmt.Sprintf("exit status %d", x.ExitCode)}
 		if x.Signal != "" {
-			end.Status = "signal: " + strings.ToLower(x.Signal)
-			end.Error = &end.Status
+			end.ExitCode = -1
+			end.Status = "signal: " + x.Signal
+			if n := unix.SignalNum("SIG" + x.Signal); n != 0 {
+				end.Status = "signal: " + n.String()
+			}
+		}
+		if end.ExitCode != 0 {
+			msg := end.Status
+			end.Error = &msg
 		}
 		if x.Truncated {
 			msg := fmt.Sprintf("output truncated: each stream forwards at most %d bytes", maxOutputBytes)
+			if end.Error != nil {
+				msg = *end.Error + "; " + msg
+			}
 			end.Error = &msg
 		}
 		return &process.ProcessEvent{Event: &process.ProcessEvent_End{End: end}}, nil

@@ -85,6 +85,7 @@ const scenarios = {
     await withSandbox(async (sbx) => {
       const e = await rejects(sbx.commands.run('echo partial; echo boom >&2; exit 7'), CommandExitError, 'exit 7')
       assert.equal(e.exitCode, 7)
+      assert.equal(e.error, 'exit status 7')
       assert.equal(e.stderr, 'boom\n')
       assert.equal(e.stdout, 'partial\n')
       const missing = await rejects(sbx.commands.run('no-such-command-here'), CommandExitError, 'missing command')
@@ -140,7 +141,8 @@ const scenarios = {
       const sl = await sbx.commands.run('sleep 60', { background: true })
       assert.equal(await sbx.commands.kill(sl.pid), true)
       const e = await rejects(sl.wait(), CommandExitError, 'killed command')
-      assert.equal(e.exitCode, 137)
+      assert.equal(e.exitCode, -1, 'a killed process ends with exit code -1, as envd reports it')
+      assert.equal(e.error, 'signal: killed')
       assert.equal(await sbx.commands.kill(sl.pid), false)
     })
   },
