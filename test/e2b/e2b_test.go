@@ -125,9 +125,10 @@ func scenario(t *testing.T, s *dsectest.Server, name string, env ...string) {
 	}
 }
 
-// kinds lists the sandbox kinds the server can create, except function
-// (stateless calls: no files, processes or PTYs for the facade to serve).
-func kinds(t *testing.T, s *dsectest.Server) []string {
+// kinds lists the sandbox kinds the server can create, with their
+// capabilities, except function (stateless calls: no files, processes or
+// PTYs for the facade to serve).
+func kinds(t *testing.T, s *dsectest.Server) map[string]map[string]bool {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -135,11 +136,15 @@ func kinds(t *testing.T, s *dsectest.Server) []string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var out []string
+	out := map[string]map[string]bool{}
 	for _, n := range info.Nodes {
 		for _, k := range n.Kinds {
 			if k.Available && k.Kind != "function" {
-				out = append(out, k.Kind)
+				caps := map[string]bool{}
+				for _, c := range k.Capabilities {
+					caps[c] = true
+				}
+				out[k.Kind] = caps
 			}
 		}
 	}
@@ -161,30 +166,37 @@ func templates(kind string) []string {
 func TestSDK(t *testing.T) {
 	s := server(t)
 	needNode(t)
-	tests := []struct{ scenario, name string }{
-		{"create", "create answers with a token and getInfo reports metadata and envVars"},
-		{"commands-run-streams", "commands.run streams stdout and stderr to the callbacks as they happen"},
-		{"commands-run-fails", "a failing command throws CommandExitError with its exit code and stderr"},
-		{"commands-run-timeout", "timeoutMs ends a command with TimeoutError and kills it"},
-		{"background-and-connect", "a background command outlives its client and connect reattaches"},
-		{"commands-stdin-and-kill", "stdin reaches a command and kill ends one"},
-		{"pty", "a PTY takes input, resizes and echoes"},
-		{"files", "files write, read, list, exist, rename and remove like envd"},
-		{"signed-urls", "signed upload and download URLs work and forged ones are refused"},
-		{"watch-dir", "watchDir reports changes under a directory"},
-		{"list-filters", "Sandbox.list filters by metadata and state and pages"},
-		{"set-timeout", "setTimeout moves the end of a sandbox, which then ends"},
-		{"pause-and-connect", "pause then connect resumes the sandbox with its state"},
-		{"kill-twice", "kill answers true then false, and the dead sandbox is reported as such"},
-		{"metrics", "getMetrics reports memory and CPU use"},
-		{"fork", "fork starts children with the parent's files"},
-		{"code-interpreter", "runCode keeps interpreter state per context"},
-		{"bad-input", "wrong keys, tokens, IDs and unsupported options raise the SDK's typed errors"},
+	// needs names the capability (as KindInfo reports it) a scenario
+	// depends on beyond exec and files.
+	tests := []struct{ scenario, name, needs string }{
+		{"create", "create answers with a token and getInfo reports metadata and envVars", ""},
+		{"commands-run-streams", "commands.run streams stdout and stderr to the callbacks as they happen", ""},
+		{"commands-run-fails", "a failing command throws CommandExitError with its exit code and stderr", ""},
+		{"commands-run-timeout", "timeoutMs ends a command with TimeoutError and kills it", ""},
+		{"background-and-connect", "a background command outlives its client and connect reattaches", ""},
+		{"commands-stdin-and-kill", "stdin reaches a command and kill ends one", ""},
+		{"pty", "a PTY takes input, resizes and echoes", "pty"},
+		{"files", "files write, read, list, exist, rename and remove like envd", ""},
+		{"signed-urls", "signed upload and download URLs work and forged ones are refused", ""},
+		{"watch-dir", "watchDir reports changes under a directory", ""},
+		{"list-filters", "Sandbox.list filters by metadata and state and pages", "pause"},
+		{"set-timeout", "setTimeout moves the end of a sandbox, which then ends", ""},
+		{"pause-and-connect", "pause then connect resumes the sandbox with its state", "pause"},
+		{"kill-twice", "kill answers true then false, and the dead sandbox is reported as such", ""},
+		{"metrics", "getMetrics reports memory and CPU use", ""},
+		{"fork", "fork starts children with the parent's files", "fork"},
+		{"code-interpreter", "runCode keeps interpreter state per context", ""},
+		{"bad-input", "wrong keys, tokens, IDs and unsupported options raise the SDK's typed errors", ""},
 	}
-	for _, kind := range kinds(t, s) {
+	for kind, caps := range kinds(t, s) {
 		t.Run(kind, func(t *testing.T) {
 			for _, tt := range tests {
-				t.Run(tt.name, func(t *testing.T) { scenario(t, s, tt.scenario, templates(kind)...) })
+				t.Run(tt.name, func(t *testing.T) {
+					if tt.needs != "" && !caps[tt.needs] {
+						t.Skipf("kind %s does not report the %q capability", kind, tt.needs)
+					}
+					scenario(t, s, tt.scenario, templates(kind)...)
+				})
 			}
 		})
 	}
