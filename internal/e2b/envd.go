@@ -197,7 +197,7 @@ func (p *processService) Start(ctx context.Context, req *connect.Request[process
 	// The request's deadline (Connect-Timeout-Ms) is the process's
 	// lifetime, as in envd: the agent kills it then, client or no client.
 	if d, ok := ctx.Deadline(); ok {
-		xr.TimeoutS = max(time.Until(d).Seconds(), 0.001)
+		xr.TimeoutS = min(max(time.Until(d).Seconds(), 0.001), maxExecTimeoutS)
 	}
 	err = n.ExecStream(ctx, xr, func(ev *dsecv1.ExecEvent) error {
 		out, err := processEvent(ev, xr.Pty)

@@ -5,6 +5,7 @@ import (
 	"context"
 	_ "embed"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -31,9 +32,9 @@ const kernelBoot = "import sys; exec(sys.argv[1])"
 
 // kernelClient relays stdin to the kernel and the answer to stdout; 97
 // means nothing listens (the kernel is not started yet).
-const kernelClient = `exec 3<>/dev/tcp/127.0.0.1/` + "49999" + ` 2>/dev/null || exit 97
+var kernelClient = fmt.Sprintf(`{ exec 3<>/dev/tcp/127.0.0.1/%d; } 2>/dev/null || exit 97
 cat >&3
-exec cat <&3`
+exec cat <&3`, InterpreterPort)
 
 const (
 	exitNoKernel = 97

@@ -393,6 +393,10 @@ const scenarios = {
       assert.equal(err.error.name, 'ValueError')
       assert.equal(err.error.value, 'bad value')
       assert.ok(err.error.traceback.includes('raise ValueError'), err.error.traceback)
+      const times = []
+      await sbx.runCode('import time\nprint("a")\ntime.sleep(0.8)\nprint("b")', { onStdout: () => times.push(Date.now()) })
+      assert.equal(times.length, 2)
+      assert.ok(times[1] - times[0] >= 600, 'runCode output must stream as it is printed')
       const env = await sbx.runCode('import os\nos.environ["ONLY_HERE"]', { envs: { ONLY_HERE: 'yes' } })
       assert.equal(env.text, "'yes'")
 
