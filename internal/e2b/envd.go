@@ -47,6 +47,9 @@ func (f *Facade) mountEnvd(handle func(string, http.Handler)) {
 	opts := []connect.HandlerOption{
 		connect.WithInterceptors(&envdAuth{f: f}),
 		connect.WithReadMaxBytes(32 << 20),
+		// As the native API: compressing small messages costs more CPU
+		// than it saves.
+		connect.WithCompressMinBytes(4 << 10),
 	}
 	prefix, h := processconnect.NewProcessHandler(&processService{f: f}, opts...)
 	f.mountService(handle, prefix, h, process.File_e2b_process_process_proto.Services().ByName("Process"))
