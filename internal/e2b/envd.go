@@ -67,11 +67,12 @@ func (f *Facade) mountService(handle func(string, http.Handler), prefix string, 
 	for i := 0; i < methods.Len(); i++ {
 		known[prefix+string(methods.Get(i).Name())] = true
 	}
+	ew := connect.NewErrorWriter()
 	handle(prefix, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if !known[r.URL.Path] {
-			// Connect's answer for an unknown method: 404 with an
-			// "unimplemented" error body.
-			writeJSON(w, http.StatusNotFound, map[string]string{"code": "unimplemented", "message": fmt.Sprintf("%s is not implemented by dsec's envd", clip(r.URL.Path))})
+			// An error in the request's own protocol (unary or stream), not
+			// the mux's plain-text 404.
+			ew.Write(w, r, errdefs.ToConnect(errdefs.Unimplemented("%s is not implemented by dsec's envd", clip(r.URL.Path))))
 			return
 		}
 		t, err := f.resolve(r, EnvdPort)

@@ -74,10 +74,22 @@ func (f *Facade) interpreterNode(r *http.Request) (apiserver.Node, string, error
 	return n, t.id, nil
 }
 
-// kernelHeader is the kernel's first answer line.
+// kernelHeader is the kernel's first answer line: empty, or an error of
+// one of dsec's kinds (not_found, invalid).
 type kernelHeader struct {
-	Status  int    `json:"status"`
+	Error   string `json:"error"`
 	Message string `json:"message"`
+}
+
+// err is the header's error, nil when the kernel accepted the request.
+func (h kernelHeader) err() error {
+	switch errdefs.Kind(h.Error) {
+	case "":
+		return nil
+	case errdefs.KindNotFound, errdefs.KindInvalid:
+		return errdefs.New(errdefs.Kind(h.Error), "%s", h.Message)
+	}
+	return errdefs.Internal(nil, "the code interpreter answered %s: %s", clip(h.Error), clip(h.Message))
 }
 
 // kernelCall sends one request to the sandbox's kernel, starting the kernel
@@ -221,11 +233,12 @@ func (f *Facade) execute(w http.ResponseWriter, r *http.Request) {
 	}
 	answered, ok := false, false
 	err = f.kernelCall(r.Context(), n, id, req, func(h kernelHeader) {
-		answered, ok = true, h.Status == http.StatusOK
-		if !ok {
-			writeError(w, h.Status, errdefs.New(errdefs.KindInvalid, "%s", h.Message))
+		answered = true
+		if err := h.err(); err != nil {
+			envdError(w, err)
 			return
 		}
+		ok = true
 		w.Header().Set("Content-Type", "application/x-ndjson")
 		w.WriteHeader(http.StatusOK)
 		flush()
@@ -251,11 +264,10 @@ func (f *Facade) contextCall(w http.ResponseWriter, r *http.Request, req map[str
 		envdError(w, err)
 		return
 	}
-	var status int
-	var msg string
+	var kerr error
 	var answer []byte
 	err = f.kernelCall(r.Context(), n, id, req, func(h kernelHeader) {
-		status, msg = h.Status, h.Message
+		kerr = h.err()
 	}, func(chunk []byte) error {
 		answer = append(answer, chunk...)
 		return nil
@@ -263,8 +275,8 @@ func (f *Facade) contextCall(w http.ResponseWriter, r *http.Request, req map[str
 	switch {
 	case err != nil:
 		envdError(w, f.sandboxErr(r.Context(), id, err))
-	case status != http.StatusOK:
-		writeError(w, status, errdefs.New(errdefs.KindInvalid, "%s", msg))
+	case kerr != nil:
+		envdError(w, kerr)
 	default:
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusOK)

@@ -6,7 +6,8 @@
 
 The manager keeps one worker per context: a long-lived python3 process
 whose globals persist between executions. A client connects, sends one
-JSON request line and reads the answer: a header line {"status": N, ...}
+JSON request line and reads the answer: a header line, {} or
+{"error": "not_found" | "invalid", "message": ...} (dsec's error kinds),
 and then, for "execute", the execution's output as NDJSON lines in E2B's
 format (stdout, stderr, result, error, number_of_executions). Closing the
 connection during an execution interrupts it (KeyboardInterrupt).
@@ -126,12 +127,12 @@ class Manager:
 
     def context(self, cid, language, create_default):
         if (language or "") not in LANGUAGES:
-            return None, (400, "language %r is not supported by this sandbox (only python)" % language)
+            return None, ("invalid", "language %r is not supported by this sandbox (only python)" % language)
         with self.lock:
             if cid:
                 ctx = self.contexts.get(cid)
                 if ctx is None:
-                    return None, (404, "context %s not found" % cid)
+                    return None, ("not_found", "context %s not found" % cid)
                 return ctx, None
             ctx = self.contexts.get("default")
             if ctx is None and create_default:
@@ -145,33 +146,33 @@ class Manager:
             try:
                 req = json.loads(line)
             except ValueError:
-                send_line(f, {"status": 400, "message": "the request is not JSON"})
+                send_line(f, {"error": "invalid", "message": "the request is not JSON"})
                 return
             op = req.get("op")
             if op == "execute":
                 ctx, err = self.context(req.get("context_id"), req.get("language"), True)
                 if err:
-                    send_line(f, {"status": err[0], "message": err[1]})
+                    send_line(f, {"error": err[0], "message": err[1]})
                     return
-                send_line(f, {"status": 200})
+                send_line(f, {})
                 ctx.execute(conn, f, req)
             elif op == "create_context":
                 if (req.get("language") or "") not in LANGUAGES:
-                    send_line(f, {"status": 400, "message": "language %r is not supported by this sandbox (only python)" % req.get("language")})
+                    send_line(f, {"error": "invalid", "message": "language %r is not supported by this sandbox (only python)" % req.get("language")})
                     return
                 cwd = req.get("cwd") or os.getcwd()
                 if not os.path.isdir(cwd):
-                    send_line(f, {"status": 400, "message": "cwd %s is not a directory" % cwd})
+                    send_line(f, {"error": "invalid", "message": "cwd %s is not a directory" % cwd})
                     return
                 ctx = Context(uuid.uuid4().hex, cwd)
                 with self.lock:
                     self.contexts[ctx.id] = ctx
-                send_line(f, {"status": 200})
+                send_line(f, {})
                 send_line(f, ctx.info())
             elif op == "list_contexts":
                 with self.lock:
                     infos = [c.info() for c in self.contexts.values()]
-                send_line(f, {"status": 200})
+                send_line(f, {})
                 send_line(f, infos)
             elif op in ("delete_context", "restart_context"):
                 with self.lock:
@@ -179,17 +180,17 @@ class Manager:
                     if ctx is not None and op == "delete_context":
                         del self.contexts[ctx.id]
                 if ctx is None:
-                    send_line(f, {"status": 404, "message": "context %s not found" % req.get("id")})
+                    send_line(f, {"error": "not_found", "message": "context %s not found" % req.get("id")})
                     return
                 with ctx.lock:
                     if op == "delete_context":
                         ctx.stop()
                     else:
                         ctx.restart()
-                send_line(f, {"status": 200})
+                send_line(f, {})
                 send_line(f, {})
             else:
-                send_line(f, {"status": 400, "message": "unknown op %r" % op})
+                send_line(f, {"error": "invalid", "message": "unknown op %r" % op})
         except OSError:
             pass
         finally:

@@ -240,7 +240,7 @@ func TestEnvdErrors(t *testing.T) {
 		{"a killed sandbox is unavailable (the SDKs' TimeoutError)", stat, js(envdHeaders(dead)), `{"path":"/"}`, 503, "unavailable"},
 		{"a missing file is not_found", stat, js(envdHeaders(c)), `{"path":"/no/such/file"}`, 404, "not_found"},
 		{"JSON that does not fit the message is invalid_argument", stat, js(envdHeaders(c)), `{"path": 5}`, 400, "invalid_argument"},
-		{"an unknown method is unimplemented", s.URL + "/filesystem.Filesystem/Chmod", js(envdHeaders(c)), `{}`, 404, "unimplemented"},
+		{"an unknown method is unimplemented", s.URL + "/filesystem.Filesystem/Chmod", js(envdHeaders(c)), `{}`, 501, "unimplemented"},
 		{"the polling watcher RPCs are unimplemented", s.URL + "/filesystem.Filesystem/CreateWatcher", js(envdHeaders(c)), `{"path":"/tmp"}`, 501, "unimplemented"},
 		{"a port other than envd's is unavailable", stat, js(envdHeaders(c, "E2b-Sandbox-Port", "8080")), `{"path":"/"}`, 503, "unavailable"},
 		{"signalling an unknown pid is not_found (kill returns false)", s.URL + "/process.Process/SendSignal", js(envdHeaders(c)), `{"process":{"pid":99999},"signal":"SIGNAL_SIGKILL"}`, 404, "not_found"},
@@ -271,6 +271,12 @@ func TestEnvdErrors(t *testing.T) {
 			}
 		})
 	}
+	t.Run("a stream to an unknown method ends with unimplemented", func(t *testing.T) {
+		r := do(t, "POST", s.URL+"/process.Process/Attach", stream(envdHeaders(c)), envelope(0, []byte(`{}`)))
+		if code, _ := streamEnd(t, r); code != "unimplemented" {
+			t.Fatalf("stream ended with %q (%d %q), want unimplemented", code, r.status, r.body)
+		}
+	})
 	t.Run("a quiet stream carries keepalive events", func(t *testing.T) {
 		if testing.Short() {
 			t.Skip("waits for a keepalive (15 s)")
