@@ -164,8 +164,8 @@ func templates(kind string) []string {
 }
 
 func TestSDK(t *testing.T) {
-	s := server(t)
 	needNode(t)
+	s := server(t)
 	// needs names the capability (as KindInfo reports it) a scenario
 	// depends on beyond exec and files.
 	tests := []struct{ scenario, name, needs string }{
@@ -206,7 +206,7 @@ func TestHundredConcurrentCreates(t *testing.T) {
 	if testing.Short() {
 		t.Skip("creates 100 sandboxes")
 	}
-	s := server(t)
 	needNode(t)
+	s := server(t)
 	scenario(t, s, "concurrent-creates", "COUNT=100", "TEMPLATE=base")
 }
