@@ -287,6 +287,23 @@ func (f *Facade) selected(ctx context.Context, n apiserver.Node, id string, sel 
 	return nil, errdefs.NotFound("no running process with %s", what)
 }
 
+// onProcess runs do on the running process sel names. A failure because the
+// process ended meanwhile is not_found, as for a process that was never
+// there (the SDKs' kill() then answers false).
+func (f *Facade) onProcess(ctx context.Context, n apiserver.Node, id string, sel *process.ProcessSelector, do func(*dsecv1.ProcessInfo) error) error {
+	proc, err := f.selected(ctx, n, id, sel)
+	if err != nil {
+		return err
+	}
+	if err := do(proc); err != nil {
+		if _, again := f.selected(ctx, n, id, sel); errdefs.Is(again, errdefs.KindNotFound) {
+			return errdefs.NotFound("process %d ended", proc.Pid)
+		}
+		return err
+	}
+	return nil
+}
+
 func (p *processService) Connect(ctx context.Context, req *connect.Request[process.ConnectRequest], stream *connect.ServerStream[process.ConnectResponse]) error {
 	n, id, err := p.f.node(ctx)
 	if err != nil {
@@ -341,10 +358,9 @@ func (p *processService) input(ctx context.Context, sel *process.ProcessSelector
 	if err != nil {
 		return err
 	}
-	proc, err := p.f.selected(ctx, n, id, sel)
-	if err == nil {
-		err = n.WriteStdin(ctx, &dsecv1.WriteStdinRequest{SandboxId: id, ProcessId: proc.ProcessId, Data: data, Close: eof})
-	}
+	err = p.f.onProcess(ctx, n, id, sel, func(proc *dsecv1.ProcessInfo) error {
+		return n.WriteStdin(ctx, &dsecv1.WriteStdinRequest{SandboxId: id, ProcessId: proc.ProcessId, Data: data, Close: eof})
+	})
 	return p.f.rpcErr(ctx, id, err)
 }
 
@@ -404,10 +420,9 @@ func (p *processService) SendSignal(ctx context.Context, req *connect.Request[pr
 	default:
 		return nil, errdefs.ToConnect(errdefs.Invalid("signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM"))
 	}
-	proc, err := p.f.selected(ctx, n, id, req.Msg.GetProcess())
-	if err == nil {
-		err = n.SignalProcess(ctx, &dsecv1.SignalProcessRequest{SandboxId: id, ProcessId: proc.ProcessId, Signal: sig})
-	}
+	err = p.f.onProcess(ctx, n, id, req.Msg.GetProcess(), func(proc *dsecv1.ProcessInfo) error {
+		return n.SignalProcess(ctx, &dsecv1.SignalProcessRequest{SandboxId: id, ProcessId: proc.ProcessId, Signal: sig})
+	})
 	if err != nil {
 		return nil, p.f.rpcErr(ctx, id, err)
 	}
@@ -423,10 +438,9 @@ func (p *processService) Update(ctx context.Context, req *connect.Request[proces
 	if size == nil {
 		return connect.NewResponse(&process.UpdateResponse{}), nil
 	}
-	proc, err := p.f.selected(ctx, n, id, req.Msg.GetProcess())
-	if err == nil {
-		err = n.ResizePTY(ctx, &dsecv1.ResizePTYRequest{SandboxId: id, ProcessId: proc.ProcessId, Rows: size.GetRows(), Cols: size.GetCols()})
-	}
+	err = p.f.onProcess(ctx, n, id, req.Msg.GetProcess(), func(proc *dsecv1.ProcessInfo) error {
+		return n.ResizePTY(ctx, &dsecv1.ResizePTYRequest{SandboxId: id, ProcessId: proc.ProcessId, Rows: size.GetRows(), Cols: size.GetCols()})
+	})
 	if err != nil {
 		return nil, p.f.rpcErr(ctx, id, err)
 	}
