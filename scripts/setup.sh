@@ -31,6 +31,9 @@ want qemu-system-x86 qemu-system-x86_64
 want qemu-utils qemu-img
 want lz4
 want binutils readelf
+# The E2B compatibility tests (test/e2b) run the real e2b npm SDKs.
+want nodejs node
+want npm
 
 # busybox-static must be the static build (the busybox package is dynamic).
 if [[ -e /bin/busybox ]] && LC_ALL=C readelf -l /bin/busybox 2>/dev/null | grep -q 'program interpreter'; then
@@ -46,6 +49,15 @@ if ((${#need_pkgs[@]})); then
 	export DEBIAN_FRONTEND=noninteractive
 	apt-get update -q
 	apt-get install -y -q --no-install-recommends "${need_pkgs[@]}"
+fi
+
+# The e2b SDKs need Node.js >= 20.18.1; Debian 12's own nodejs is 18, with
+# which test/e2b skips and says so.
+if command -v node >/dev/null 2>&1; then
+	node_version=$(node --version)
+	if ! node -e 'const [a,b]=process.versions.node.split(".").map(Number); process.exit(a>=22||(a===20&&b>=18)?0:1)'; then
+		echo "setup: Node.js $node_version is older than 20.18.1; the E2B SDK tests (test/e2b) will skip" >&2
+	fi
 fi
 
 if ! command -v go >/dev/null 2>&1 && [[ ! -x /usr/local/go/bin/go ]]; then

@@ -2,8 +2,11 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
 	"debug/elf"
+	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
@@ -22,6 +25,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/config"
+	"github.com/opendsec/dsec/internal/e2b"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/network"
@@ -83,6 +87,7 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&flagCfg.MicroVM.KernelDir, "guest-kernel", "", "microvm guest kernel directory (default CACHE_DIR/guest-kernel)")
 	f.StringArrayVar(&pools, "pool", nil, "warm pool IMAGE:SIZE with default resources (repeatable; see the config file for shapes)")
 	f.StringVar(&flagCfg.DebugListen, "debug-listen", "", "serve Go profiling (net/http/pprof) on this loopback address")
+	f.StringVar(&flagCfg.E2B.Domain, "e2b-domain", "", "sandbox domain E2B SDKs are told to use (default none: clients set E2B_SANDBOX_URL)")
 	return cmd
 }
 
@@ -148,6 +153,9 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	if set("guest-kernel") {
 		cfg.MicroVM.KernelDir = fl.MicroVM.KernelDir
 	}
+	if set("e2b-domain") {
+		cfg.E2B.Domain = fl.E2B.Domain
+	}
 }
 
 func newLogger(level string) *slog.Logger {
@@ -195,6 +203,9 @@ func serve(ctx context.Context, cfg config.Config) error {
 	defer sessStore.Close()
 	sessions := session.New(sessStore, apiserver.Actor(router), log)
 	api := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, Version: version}, log, router, sessions)
+	if err := mountE2B(cfg.E2B, dataDir, log, router, api); err != nil {
+		return err
+	}
 
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -231,6 +242,76 @@ func serve(ctx context.Context, cfg config.Config) error {
 	}
 	log.Info("dsec serving", slog.String("listen", l.Addr().String()), slog.String("data_dir", dataDir), slog.Bool("auth", len(cfg.APIKeys) > 0))
 	return api.Serve(ctx, l)
+}
+
+// mountE2B serves the E2B-compatible facade on the API's listener.
+func mountE2B(c config.E2B, dataDir string, log *slog.Logger, router apiserver.Router, api *apiserver.Server) error {
+	path := c.TokenSecretFile
+	if path == "" {
+		path = filepath.Join(dataDir, "e2b-token.key")
+	}
+	secret, err := loadOrCreateSecret(path)
+	if err != nil {
+		return fmt.Errorf("e2b token secret: %w", err)
+	}
+	var templates map[string]e2b.Template
+	if len(c.Templates) > 0 {
+		templates = map[string]e2b.Template{}
+		for name, t := range c.Templates {
+			templates[name] = e2b.Template{Image: t.Image, Kind: t.Kind, CPU: t.CPU, MemoryMB: t.MemoryMB}
+		}
+	}
+	fac, err := e2b.New(e2b.Config{
+		Domain: c.Domain, Templates: templates, DefaultKind: c.DefaultKind, DefaultNetwork: c.DefaultNetwork, TokenSecret: secret,
+	}, log, router, api.Authenticate)
+	if err != nil {
+		return err
+	}
+	fac.Mount(api.Handle)
+	return nil
+}
+
+// loadOrCreateSecret reads a secret file, creating it with 32 random bytes
+// when it does not exist.
+func loadOrCreateSecret(path string) ([]byte, error) {
+	b, err := os.ReadFile(path)
+	if err == nil {
+		if len(b) < 16 {
+			return nil, fmt.Errorf("%s holds fewer than 16 bytes", path)
+		}
+		return b, nil
+	}
+	if !errors.Is(err, fs.ErrNotExist) {
+		return nil, err
+	}
+	b = make([]byte, 32)
+	if _, err := rand.Read(b); err != nil {
+		return nil, err
+	}
+	// Written aside and linked into place: the file appears whole or not
+	// at all, and a concurrent creator's file wins.
+	tmp, err := os.CreateTemp(filepath.Dir(path), ".e2b-token-*")
+	if err != nil {
+		return nil, err
+	}
+	defer os.Remove(tmp.Name())
+	_, err = tmp.Write(b)
+	if err == nil {
+		err = tmp.Sync()
+	}
+	if cerr := tmp.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Link(tmp.Name(), path); err != nil {
+		if errors.Is(err, fs.ErrExist) {
+			return loadOrCreateSecret(path)
+		}
+		return nil, err
+	}
+	return b, nil
 }
 
 func debugMux() *http.ServeMux {

@@ -39,6 +39,8 @@ type Node interface {
 	MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (*dsecv1.FileInfo, error)
 	Remove(ctx context.Context, req *dsecv1.RemoveRequest) error
 	Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.FileInfo, error)
+	WatchDir(ctx context.Context, req *dsecv1.WatchDirRequest, send func(*dsecv1.WatchDirEvent) error) error
+	Stats(ctx context.Context, id string) (*dsecv1.SandboxStats, error)
 
 	CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string) *dsecv1.CreateSandboxesResponse
 	Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error)

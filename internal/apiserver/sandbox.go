@@ -225,3 +225,17 @@ func (s *sandboxService) Remove(ctx context.Context, req *connect.Request[dsecv1
 func (s *sandboxService) Rename(ctx context.Context, req *connect.Request[dsecv1.RenameRequest]) (*connect.Response[dsecv1.FileInfo], error) {
 	return call(ctx, s.r, req.Msg.GetSandboxId(), req.Msg, Node.Rename)
 }
+
+func (s *sandboxService) WatchDir(ctx context.Context, req *connect.Request[dsecv1.WatchDirRequest], stream *connect.ServerStream[dsecv1.WatchDirEvent]) error {
+	n, err := s.r.ForSandbox(ctx, req.Msg.GetSandboxId())
+	if err != nil {
+		return wire(err)
+	}
+	return wire(n.WatchDir(ctx, req.Msg, stream.Send))
+}
+
+func (s *sandboxService) GetSandboxStats(ctx context.Context, req *connect.Request[dsecv1.GetSandboxStatsRequest]) (*connect.Response[dsecv1.SandboxStats], error) {
+	return call(ctx, s.r, req.Msg.GetId(), req.Msg, func(n Node, ctx context.Context, m *dsecv1.GetSandboxStatsRequest) (*dsecv1.SandboxStats, error) {
+		return n.Stats(ctx, m.GetId())
+	})
+}

@@ -66,6 +66,9 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 	opts := []connect.HandlerOption{
 		connect.WithInterceptors(&auth{keys: s.keys}),
 		connect.WithReadMaxBytes(32 << 20),
+		// Compressing a few hundred bytes costs more CPU (a flate state
+		// reset per response) than it saves on any network.
+		connect.WithCompressMinBytes(4 << 10),
 	}
 	s.mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxService{r: router, sessions: sessions}, opts...))
 	if sessions != nil {
@@ -160,11 +163,14 @@ func lookupKey(keys map[string]string, k string) (string, bool) {
 // CheckKey reports whether a request carries an accepted key (always, when
 // no keys are configured). Compatibility facades use it.
 func (s *Server) CheckKey(h http.Header) bool {
-	_, ok := s.authenticate(h)
+	_, ok := s.Authenticate(h)
 	return ok
 }
 
-func (s *Server) authenticate(h http.Header) (string, bool) {
+// Authenticate returns the project of the key a request carries
+// (Authorization: Bearer or X-API-Key), and whether the key is accepted
+// (any request is, as project "default", when no keys are configured).
+func (s *Server) Authenticate(h http.Header) (project string, ok bool) {
 	if len(s.keys) == 0 {
 		return "default", true
 	}

@@ -43,6 +43,7 @@ type Config struct {
 	Network   Network   `json:"network,omitempty"`
 	Container Container `json:"container,omitempty"`
 	MicroVM   MicroVM   `json:"microvm,omitempty"`
+	E2B       E2B       `json:"e2b,omitempty"`
 }
 
 // Node configures the node agent.
@@ -127,6 +128,41 @@ type MicroVM struct {
 	// DefaultDiskMB sizes the writable disk when a create gives no
 	// disk_mb (default 1024).
 	DefaultDiskMB int64 `json:"default_disk_mb,omitempty"`
+}
+
+// E2B configures the E2B-compatible facade (docs/e2b.md).
+type E2B struct {
+	// Domain is the sandbox domain returned to E2B SDKs; with it, SDKs that
+	// do not set E2B_SANDBOX_URL reach sandboxes at
+	// https://<port>-<sandbox id>.<domain> through a TLS proxy in front of
+	// dsec (default "": clients set E2B_SANDBOX_URL).
+	Domain string `json:"domain,omitempty"`
+	// Templates maps E2B template IDs to dsec images and kinds (default:
+	// "base" and "code-interpreter-v1" start the debian image as
+	// containers). An unlisted template ID names an image; "<kind>/<id>"
+	// selects the kind (e.g. "microvm/base").
+	Templates map[string]E2BTemplate `json:"templates,omitempty"`
+	// DefaultKind is the kind of templates that name none (default
+	// "container").
+	DefaultKind string `json:"default_kind,omitempty"`
+	// DefaultNetwork is the network of sandboxes created without
+	// allowInternetAccess: "none" (default) or "egress" (what E2B does).
+	DefaultNetwork string `json:"default_network,omitempty"`
+	// TokenSecretFile holds the key of envd access tokens (default
+	// DataDir/e2b-token.key, created when missing). Every apiserver replica
+	// needs the same one.
+	TokenSecretFile string `json:"token_secret_file,omitempty"`
+}
+
+// E2BTemplate is what one E2B template ID starts.
+type E2BTemplate struct {
+	// Image is the dsec image (required).
+	Image string `json:"image"`
+	// Kind is the substrate (default: E2B.DefaultKind).
+	Kind string `json:"kind,omitempty"`
+	// CPU (cores) and MemoryMB size the sandbox (default: the node's).
+	CPU      float64 `json:"cpu,omitempty"`
+	MemoryMB int64   `json:"memory_mb,omitempty"`
 }
 
 // Duration is a time.Duration written as "10m" in files.

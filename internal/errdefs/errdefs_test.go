@@ -57,3 +57,27 @@ func TestRetryAfterReachesTheWire(t *testing.T) {
 		t.Fatalf("retry after %v", e.RetryAfter)
 	}
 }
+
+func TestEnvdHTTPStatus(t *testing.T) {
+	full := Exhausted(0, "disk full")
+	full.Retryable = false
+	tests := []struct {
+		name string
+		err  error
+		want int
+	}{
+		{"a sandbox that is not running is a bad gateway", Unavailable("sandbox x is not running"), 502},
+		{"a sandbox that died is a bad gateway", Gone("sandbox x died"), 502},
+		{"a full disk is insufficient storage", fmt.Errorf("write: %w", full), 507},
+		{"a missing file is not found", NotFound("no such file"), 404},
+		{"a directory read as a file is a bad request", Invalid("is a directory"), 400},
+		{"a retryable exhaustion is too many requests", Exhausted(time.Second, "busy"), 429},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := EnvdHTTPStatus(tt.err); got != tt.want {
+				t.Fatalf("EnvdHTTPStatus(%v) = %d, want %d", tt.err, got, tt.want)
+			}
+		})
+	}
+}

@@ -120,3 +120,20 @@ func retryAfterSeconds(d time.Duration) string {
 	s := int64((d + time.Second - 1) / time.Second)
 	return strconv.FormatInt(max(s, 1), 10)
 }
+
+// EnvdHTTPStatus is the status for err on the plain HTTP endpoints of the
+// E2B facade's sandbox side (/files, /health, /execute, /contexts): E2B's
+// SDKs read 502 as "the sandbox is not running" (their TimeoutError) and
+// 507 as a full disk. Everything else is HTTPStatus.
+func EnvdHTTPStatus(err error) int {
+	e := Classify(err)
+	switch {
+	case e == nil:
+		return http.StatusOK
+	case e.Kind == KindGone || e.Kind == KindUnavailable:
+		return http.StatusBadGateway
+	case e.Kind == KindExhausted && !e.Retryable:
+		return http.StatusInsufficientStorage
+	}
+	return HTTPStatus(err)
+}

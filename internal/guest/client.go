@@ -141,9 +141,9 @@ func (c *Client) Start(ctx context.Context, x *guestv1.Exec) (*Process, error) {
 }
 
 // Attach connects to a process started earlier, by id or tag. Buffered
-// output is replayed first.
-func (c *Client) Attach(ctx context.Context, id, tag string) (*Process, error) {
-	return c.startLike(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Attach{Attach: &guestv1.Attach{Id: id, Tag: tag}}})
+// output is replayed first unless liveOnly.
+func (c *Client) Attach(ctx context.Context, id, tag string, liveOnly bool) (*Process, error) {
+	return c.startLike(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Attach{Attach: &guestv1.Attach{Id: id, Tag: tag, LiveOnly: liveOnly}}})
 }
 
 func (c *Client) startLike(ctx context.Context, call *guestv1.ClientMsg) (*Process, error) {
@@ -310,6 +310,46 @@ func (c *Client) Call(ctx context.Context, call *guestv1.Call) (*guestv1.CallRes
 	}
 	return m.GetCallResult(), nil
 }
+
+// Watch is a directory watch in the sandbox.
+type Watch struct {
+	cn  *conn
+	ctx context.Context
+}
+
+// Watch watches a directory (and, when recursive, the tree below it) and
+// returns once the watch is in place. The watch ends with Close or ctx.
+func (c *Client) Watch(ctx context.Context, path string, recursive bool) (*Watch, error) {
+	cn, err := c.open(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Watch{Watch: &guestv1.Watch{Path: path, Recursive: recursive}}})
+	if err != nil {
+		return nil, err
+	}
+	m, err := cn.recv(ctx)
+	if err != nil {
+		cn.close()
+		return nil, err
+	}
+	if m.GetDone() == nil {
+		cn.close()
+		return nil, errdefs.Internal(nil, "agent answered watch with %T", m.Msg)
+	}
+	return &Watch{cn: cn, ctx: ctx}, nil
+}
+
+// Recv returns the next change.
+func (w *Watch) Recv() (*guestv1.FsEvent, error) {
+	m, err := w.cn.recv(w.ctx)
+	if err != nil {
+		return nil, err
+	}
+	if e := m.GetFsEvent(); e != nil {
+		return e, nil
+	}
+	return nil, errdefs.Internal(nil, "agent sent %T in a watch", m.Msg)
+}
+
+// Close ends the watch.
+func (w *Watch) Close() { w.cn.close() }
 
 // Sync flushes the sandbox's filesystems.
 func (c *Client) Sync(ctx context.Context) error {

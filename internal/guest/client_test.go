@@ -207,7 +207,7 @@ func TestProcessOutlivesConnectionAndAttachReplays(t *testing.T) {
 	if err := c.InputProcess(ctx, id, []byte("later\n"), true); err != nil {
 		t.Fatal(err)
 	}
-	a, err := c.Attach(ctx, "", "bg")
+	a, err := c.Attach(ctx, "", "bg", false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -426,4 +426,149 @@ func TestDeadlineEndsTheAgent(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 	t.Fatal("the agent still answers after its deadline")
+}
+
+func TestAttachLiveOnlySkipsBufferedOutput(t *testing.T) {
+	c := startAgent(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	p, err := c.Start(ctx, &guestv1.Exec{Argv: []string{"sh", "-c", "echo before; read x; echo after:$x"}, StdinOpen: true, Tag: "live"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := p.ID
+	// Read "before" so it is surely buffered, then detach.
+	for {
+		m, err := p.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if o := m.GetOutput(); o != nil && strings.Contains(string(o.Data), "before") {
+			break
+		}
+	}
+	p.Close()
+	a, err := c.Attach(ctx, id, "", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	if err := c.InputProcess(ctx, id, []byte("now\n"), true); err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	for {
+		m, err := a.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if o := m.GetOutput(); o != nil {
+			out.Write(o.Data)
+		}
+		if m.GetExit() != nil {
+			break
+		}
+	}
+	if out.String() != "after:now\n" {
+		t.Fatalf("live-only attach got %q, want only the output after the attach", out.String())
+	}
+}
+
+func TestWatch(t *testing.T) {
+	c := startAgent(t)
+	dir := t.TempDir()
+	os.Mkdir(filepath.Join(dir, "old"), 0o755)
+	type ev struct{ name, op string }
+	collect := func(t *testing.T, w *guest.Watch, want []ev) {
+		t.Helper()
+		got := map[ev]bool{}
+		done := make(chan error, 1)
+		go func() {
+			for {
+				e, err := w.Recv()
+				if err != nil {
+					done <- err
+					return
+				}
+				got[ev{e.Name, e.Op}] = true
+				all := true
+				for _, x := range want {
+					all = all && got[x]
+				}
+				if all {
+					done <- nil
+					return
+				}
+			}
+		}()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("watch ended: %v (got %v, want %v)", err, got, want)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("timed out; got %v, want %v", got, want)
+		}
+	}
+	tests := []struct {
+		name      string
+		recursive bool
+		do        func()
+		want      []ev
+	}{
+		{"creates, writes, chmods, renames and removes in the directory are reported", false, func() {
+			p := filepath.Join(dir, "f.txt")
+			os.WriteFile(p, []byte("x"), 0o644)
+			f, _ := os.OpenFile(p, os.O_APPEND|os.O_WRONLY, 0)
+			f.Write([]byte("more"))
+			f.Close()
+			os.Chmod(p, 0o600)
+			os.Rename(p, filepath.Join(dir, "g.txt"))
+			os.Remove(filepath.Join(dir, "g.txt"))
+		}, []ev{{"f.txt", "create"}, {"f.txt", "write"}, {"f.txt", "chmod"}, {"f.txt", "rename"}, {"g.txt", "create"}, {"g.txt", "remove"}}},
+		{"a recursive watch sees existing and new subdirectories", true, func() {
+			os.WriteFile(filepath.Join(dir, "old", "a"), []byte("1"), 0o644)
+			os.MkdirAll(filepath.Join(dir, "new", "deep"), 0o755)
+			time.Sleep(50 * time.Millisecond)
+			os.WriteFile(filepath.Join(dir, "new", "deep", "b"), []byte("2"), 0o644)
+		}, []ev{{"old/a", "create"}, {"new", "create"}, {"new/deep", "create"}, {"new/deep/b", "create"}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			w, err := c.Watch(ctx, dir, tt.recursive)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer w.Close()
+			tt.do()
+			collect(t, w, tt.want)
+		})
+	}
+	t.Run("a watch of a missing directory is not found", func(t *testing.T) {
+		_, err := c.Watch(context.Background(), filepath.Join(dir, "missing"), false)
+		if !errdefs.Is(err, errdefs.KindNotFound) {
+			t.Fatalf("got %v, want not_found", err)
+		}
+	})
+	t.Run("removing the watched directory ends the watch with not found", func(t *testing.T) {
+		sub := filepath.Join(dir, "gone")
+		os.Mkdir(sub, 0o755)
+		w, err := c.Watch(context.Background(), sub, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer w.Close()
+		os.Remove(sub)
+		for {
+			_, err := w.Recv()
+			if err != nil {
+				if !errdefs.Is(err, errdefs.KindNotFound) {
+					t.Fatalf("watch ended with %v, want not_found", err)
+				}
+				return
+			}
+		}
+	})
 }

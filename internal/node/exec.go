@@ -227,7 +227,7 @@ func (n *Node) ConnectProcess(ctx context.Context, req *dsecv1.ConnectProcessReq
 	if req.GetProcessId() == "" && req.GetTag() == "" {
 		return errdefs.Invalid("process_id or tag is required")
 	}
-	p, err := s.inst.Guest().Attach(ctx, req.GetProcessId(), req.GetTag())
+	p, err := s.inst.Guest().Attach(ctx, req.GetProcessId(), req.GetTag(), req.GetLiveOnly())
 	if err != nil {
 		return n.callFailed(s, err)
 	}

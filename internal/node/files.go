@@ -265,3 +265,67 @@ func (n *Node) fileCall(ctx context.Context, id, p string, f func(*sandbox, gues
 	}
 	return fileInfo(info), nil
 }
+
+// WatchDir streams changes under a directory until ctx ends: "started" once
+// the watch is in place, then one event per change, keepalives on quiet
+// streams and "overflow" when the kernel dropped events.
+func (n *Node) WatchDir(ctx context.Context, req *dsecv1.WatchDirRequest, send func(*dsecv1.WatchDirEvent) error) error {
+	s, err := n.live(req.GetSandboxId())
+	if err != nil {
+		return err
+	}
+	p, err := sandboxPath(s, req.GetPath())
+	if err != nil {
+		return err
+	}
+	w, err := s.inst.Guest().Watch(ctx, p, req.GetRecursive())
+	if err != nil {
+		return n.callFailed(s, err)
+	}
+	defer w.Close()
+	if err := send(&dsecv1.WatchDirEvent{Event: &dsecv1.WatchDirEvent_Started{Started: true}}); err != nil {
+		return err
+	}
+	type msg struct {
+		e   *guestv1.FsEvent
+		err error
+	}
+	ch := make(chan msg, 64)
+	go func() {
+		for {
+			e, err := w.Recv()
+			select {
+			case ch <- msg{e, err}:
+			case <-ctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	tick := time.NewTicker(keepaliveGap)
+	defer tick.Stop()
+	for {
+		var ev *dsecv1.WatchDirEvent
+		select {
+		case <-ctx.Done():
+			return errdefs.Classify(ctx.Err())
+		case <-tick.C:
+			s.touch()
+			ev = &dsecv1.WatchDirEvent{Event: &dsecv1.WatchDirEvent_Keepalive{Keepalive: true}}
+		case m := <-ch:
+			if m.err != nil {
+				return n.callFailed(s, m.err)
+			}
+			if m.e.Overflow {
+				ev = &dsecv1.WatchDirEvent{Event: &dsecv1.WatchDirEvent_Overflow{Overflow: true}}
+			} else {
+				ev = &dsecv1.WatchDirEvent{Event: &dsecv1.WatchDirEvent_Change{Change: &dsecv1.FsEvent{Name: m.e.Name, Op: m.e.Op}}}
+			}
+		}
+		if err := send(ev); err != nil {
+			return err
+		}
+	}
+}

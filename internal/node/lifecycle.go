@@ -4,6 +4,8 @@ import (
 	"context"
 	"sync"
 
+	"google.golang.org/protobuf/types/known/timestamppb"
+
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 )
@@ -150,4 +152,28 @@ func (n *Node) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkRespo
 func ItemError(err error) *dsecv1.ItemError {
 	e := errdefs.Classify(err)
 	return &dsecv1.ItemError{Kind: string(e.Kind), Message: e.Msg, Infra: e.Infra, Retryable: e.Retryable, RetryAfterMs: e.RetryAfter.Milliseconds()}
+}
+
+// Stats reports a sandbox's resource use. It neither resumes a paused
+// sandbox nor counts as activity.
+func (n *Node) Stats(ctx context.Context, id string) (*dsecv1.SandboxStats, error) {
+	s, err := n.lookup(id)
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	inst, state := s.inst, s.state
+	s.mu.Unlock()
+	if inst == nil || state == stateDeleting {
+		return nil, errdefs.NotFound("sandbox %s is being deleted", id)
+	}
+	st, err := inst.Stats(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &dsecv1.SandboxStats{
+		Id: id, At: timestamppb.Now(), CpuTimeMs: st.CPUTime.Milliseconds(), MemoryBytes: st.MemoryBytes,
+		Pids: st.Pids, OomKills: st.OOMKills,
+		CpuLimit: s.spec.Resources.GetCpu(), MemoryLimitMb: s.spec.Resources.GetMemoryMb(),
+	}, nil
 }

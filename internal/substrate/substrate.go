@@ -126,7 +126,7 @@ type Guest interface {
 	Hello(ctx context.Context) (*guestv1.HelloReply, error)
 	Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, error)
 	Start(ctx context.Context, x *guestv1.Exec) (*guest.Process, error)
-	Attach(ctx context.Context, id, tag string) (*guest.Process, error)
+	Attach(ctx context.Context, id, tag string, liveOnly bool) (*guest.Process, error)
 	InputProcess(ctx context.Context, id string, data []byte, eof bool) error
 	SignalProcess(ctx context.Context, id string, sig syscall.Signal) error
 	ResizeProcess(ctx context.Context, id string, rows, cols uint32) error
@@ -138,6 +138,7 @@ type Guest interface {
 	MakeDir(ctx context.Context, path, user string) (*guestv1.FileInfo, error)
 	Remove(ctx context.Context, path string, recursive bool) error
 	Rename(ctx context.Context, from, to string) (*guestv1.FileInfo, error)
+	Watch(ctx context.Context, path string, recursive bool) (*guest.Watch, error)
 	Sync(ctx context.Context) error
 	SetDeadline(ctx context.Context, t time.Time) error
 	SetEnv(ctx context.Context, env []string) error

@@ -1324,8 +1324,11 @@ type ConnectProcessRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	// process_id or tag selects the process.
-	ProcessId     string `protobuf:"bytes,2,opt,name=process_id,json=processId,proto3" json:"process_id,omitempty"`
-	Tag           string `protobuf:"bytes,3,opt,name=tag,proto3" json:"tag,omitempty"`
+	ProcessId string `protobuf:"bytes,2,opt,name=process_id,json=processId,proto3" json:"process_id,omitempty"`
+	Tag       string `protobuf:"bytes,3,opt,name=tag,proto3" json:"tag,omitempty"`
+	// live_only skips the replay of buffered output: only output produced
+	// after the call is streamed.
+	LiveOnly      bool `protobuf:"varint,4,opt,name=live_only,json=liveOnly,proto3" json:"live_only,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1379,6 +1382,13 @@ func (x *ConnectProcessRequest) GetTag() string {
 		return x.Tag
 	}
 	return ""
+}
+
+func (x *ConnectProcessRequest) GetLiveOnly() bool {
+	if x != nil {
+		return x.LiveOnly
+	}
+	return false
 }
 
 type WriteStdinRequest struct {
@@ -2696,6 +2706,390 @@ func (x *RenameRequest) GetTo() string {
 	return ""
 }
 
+type WatchDirRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	// recursive also watches every directory below path, including ones
+	// created later.
+	Recursive     bool `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchDirRequest) Reset() {
+	*x = WatchDirRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchDirRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchDirRequest) ProtoMessage() {}
+
+func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchDirRequest.ProtoReflect.Descriptor instead.
+func (*WatchDirRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *WatchDirRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *WatchDirRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *WatchDirRequest) GetRecursive() bool {
+	if x != nil {
+		return x.Recursive
+	}
+	return false
+}
+
+// FsEvent is one change under a watched directory.
+type FsEvent struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// name is the changed path relative to the watched directory.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// op is "create" (also a move into the tree), "write", "remove",
+	// "rename" (a move out of its place) or "chmod".
+	Op            string `protobuf:"bytes,2,opt,name=op,proto3" json:"op,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *FsEvent) Reset() {
+	*x = FsEvent{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FsEvent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FsEvent) ProtoMessage() {}
+
+func (x *FsEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FsEvent.ProtoReflect.Descriptor instead.
+func (*FsEvent) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *FsEvent) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *FsEvent) GetOp() string {
+	if x != nil {
+		return x.Op
+	}
+	return ""
+}
+
+type WatchDirEvent struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Event:
+	//
+	//	*WatchDirEvent_Started
+	//	*WatchDirEvent_Change
+	//	*WatchDirEvent_Keepalive
+	//	*WatchDirEvent_Overflow
+	Event         isWatchDirEvent_Event `protobuf_oneof:"event"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchDirEvent) Reset() {
+	*x = WatchDirEvent{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchDirEvent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchDirEvent) ProtoMessage() {}
+
+func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchDirEvent.ProtoReflect.Descriptor instead.
+func (*WatchDirEvent) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{40}
+}
+
+func (x *WatchDirEvent) GetEvent() isWatchDirEvent_Event {
+	if x != nil {
+		return x.Event
+	}
+	return nil
+}
+
+func (x *WatchDirEvent) GetStarted() bool {
+	if x != nil {
+		if x, ok := x.Event.(*WatchDirEvent_Started); ok {
+			return x.Started
+		}
+	}
+	return false
+}
+
+func (x *WatchDirEvent) GetChange() *FsEvent {
+	if x != nil {
+		if x, ok := x.Event.(*WatchDirEvent_Change); ok {
+			return x.Change
+		}
+	}
+	return nil
+}
+
+func (x *WatchDirEvent) GetKeepalive() bool {
+	if x != nil {
+		if x, ok := x.Event.(*WatchDirEvent_Keepalive); ok {
+			return x.Keepalive
+		}
+	}
+	return false
+}
+
+func (x *WatchDirEvent) GetOverflow() bool {
+	if x != nil {
+		if x, ok := x.Event.(*WatchDirEvent_Overflow); ok {
+			return x.Overflow
+		}
+	}
+	return false
+}
+
+type isWatchDirEvent_Event interface {
+	isWatchDirEvent_Event()
+}
+
+type WatchDirEvent_Started struct {
+	// started is sent once, when the watch is in place.
+	Started bool `protobuf:"varint,1,opt,name=started,proto3,oneof"`
+}
+
+type WatchDirEvent_Change struct {
+	Change *FsEvent `protobuf:"bytes,2,opt,name=change,proto3,oneof"`
+}
+
+type WatchDirEvent_Keepalive struct {
+	// keepalive is sent on quiet streams so proxies keep them open.
+	Keepalive bool `protobuf:"varint,3,opt,name=keepalive,proto3,oneof"`
+}
+
+type WatchDirEvent_Overflow struct {
+	// overflow reports that changes were lost: they came faster than they
+	// were read.
+	Overflow bool `protobuf:"varint,4,opt,name=overflow,proto3,oneof"`
+}
+
+func (*WatchDirEvent_Started) isWatchDirEvent_Event() {}
+
+func (*WatchDirEvent_Change) isWatchDirEvent_Event() {}
+
+func (*WatchDirEvent_Keepalive) isWatchDirEvent_Event() {}
+
+func (*WatchDirEvent_Overflow) isWatchDirEvent_Event() {}
+
+type GetSandboxStatsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetSandboxStatsRequest) Reset() {
+	*x = GetSandboxStatsRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetSandboxStatsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetSandboxStatsRequest) ProtoMessage() {}
+
+func (x *GetSandboxStatsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetSandboxStatsRequest.ProtoReflect.Descriptor instead.
+func (*GetSandboxStatsRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *GetSandboxStatsRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type SandboxStats struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	At    *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=at,proto3" json:"at,omitempty"`
+	// cpu_time_ms is the CPU time every process of the sandbox used since it
+	// started.
+	CpuTimeMs   int64 `protobuf:"varint,3,opt,name=cpu_time_ms,json=cpuTimeMs,proto3" json:"cpu_time_ms,omitempty"`
+	MemoryBytes int64 `protobuf:"varint,4,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	Pids        int64 `protobuf:"varint,5,opt,name=pids,proto3" json:"pids,omitempty"`
+	// oom_kills counts processes the memory limit killed.
+	OomKills int64 `protobuf:"varint,6,opt,name=oom_kills,json=oomKills,proto3" json:"oom_kills,omitempty"`
+	// cpu_limit (cores) and memory_limit_mb are the sandbox's limits.
+	CpuLimit      float64 `protobuf:"fixed64,7,opt,name=cpu_limit,json=cpuLimit,proto3" json:"cpu_limit,omitempty"`
+	MemoryLimitMb int64   `protobuf:"varint,8,opt,name=memory_limit_mb,json=memoryLimitMb,proto3" json:"memory_limit_mb,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SandboxStats) Reset() {
+	*x = SandboxStats{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SandboxStats) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SandboxStats) ProtoMessage() {}
+
+func (x *SandboxStats) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SandboxStats.ProtoReflect.Descriptor instead.
+func (*SandboxStats) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{42}
+}
+
+func (x *SandboxStats) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *SandboxStats) GetAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.At
+	}
+	return nil
+}
+
+func (x *SandboxStats) GetCpuTimeMs() int64 {
+	if x != nil {
+		return x.CpuTimeMs
+	}
+	return 0
+}
+
+func (x *SandboxStats) GetMemoryBytes() int64 {
+	if x != nil {
+		return x.MemoryBytes
+	}
+	return 0
+}
+
+func (x *SandboxStats) GetPids() int64 {
+	if x != nil {
+		return x.Pids
+	}
+	return 0
+}
+
+func (x *SandboxStats) GetOomKills() int64 {
+	if x != nil {
+		return x.OomKills
+	}
+	return 0
+}
+
+func (x *SandboxStats) GetCpuLimit() float64 {
+	if x != nil {
+		return x.CpuLimit
+	}
+	return 0
+}
+
+func (x *SandboxStats) GetMemoryLimitMb() int64 {
+	if x != nil {
+		return x.MemoryLimitMb
+	}
+	return 0
+}
+
 // ItemError is the error of one item of a batch.
 type ItemError struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -2710,7 +3104,7 @@ type ItemError struct {
 
 func (x *ItemError) Reset() {
 	*x = ItemError{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2722,7 +3116,7 @@ func (x *ItemError) String() string {
 func (*ItemError) ProtoMessage() {}
 
 func (x *ItemError) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2735,7 +3129,7 @@ func (x *ItemError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemError.ProtoReflect.Descriptor instead.
 func (*ItemError) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{38}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *ItemError) GetKind() string {
@@ -2787,7 +3181,7 @@ type CreateSandboxesRequest struct {
 
 func (x *CreateSandboxesRequest) Reset() {
 	*x = CreateSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2799,7 +3193,7 @@ func (x *CreateSandboxesRequest) String() string {
 func (*CreateSandboxesRequest) ProtoMessage() {}
 
 func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2812,7 +3206,7 @@ func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{39}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *CreateSandboxesRequest) GetSpec() *SandboxSpec {
@@ -2854,7 +3248,7 @@ type CreateResult struct {
 
 func (x *CreateResult) Reset() {
 	*x = CreateResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2866,7 +3260,7 @@ func (x *CreateResult) String() string {
 func (*CreateResult) ProtoMessage() {}
 
 func (x *CreateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2879,7 +3273,7 @@ func (x *CreateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateResult.ProtoReflect.Descriptor instead.
 func (*CreateResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{40}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *CreateResult) GetIndex() int32 {
@@ -2916,7 +3310,7 @@ type CreateSandboxesResponse struct {
 
 func (x *CreateSandboxesResponse) Reset() {
 	*x = CreateSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2928,7 +3322,7 @@ func (x *CreateSandboxesResponse) String() string {
 func (*CreateSandboxesResponse) ProtoMessage() {}
 
 func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2941,7 +3335,7 @@ func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{41}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *CreateSandboxesResponse) GetResults() []*CreateResult {
@@ -2981,7 +3375,7 @@ type PauseSandboxRequest struct {
 
 func (x *PauseSandboxRequest) Reset() {
 	*x = PauseSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2993,7 +3387,7 @@ func (x *PauseSandboxRequest) String() string {
 func (*PauseSandboxRequest) ProtoMessage() {}
 
 func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3006,7 +3400,7 @@ func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseSandboxRequest.ProtoReflect.Descriptor instead.
 func (*PauseSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{42}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *PauseSandboxRequest) GetId() string {
@@ -3025,7 +3419,7 @@ type ResumeSandboxRequest struct {
 
 func (x *ResumeSandboxRequest) Reset() {
 	*x = ResumeSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3037,7 +3431,7 @@ func (x *ResumeSandboxRequest) String() string {
 func (*ResumeSandboxRequest) ProtoMessage() {}
 
 func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3050,7 +3444,7 @@ func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeSandboxRequest.ProtoReflect.Descriptor instead.
 func (*ResumeSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *ResumeSandboxRequest) GetId() string {
@@ -3069,7 +3463,7 @@ type BulkRequest struct {
 
 func (x *BulkRequest) Reset() {
 	*x = BulkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3081,7 +3475,7 @@ func (x *BulkRequest) String() string {
 func (*BulkRequest) ProtoMessage() {}
 
 func (x *BulkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3094,7 +3488,7 @@ func (x *BulkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRequest.ProtoReflect.Descriptor instead.
 func (*BulkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *BulkRequest) GetLabelSelector() string {
@@ -3114,7 +3508,7 @@ type BulkFailure struct {
 
 func (x *BulkFailure) Reset() {
 	*x = BulkFailure{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3126,7 +3520,7 @@ func (x *BulkFailure) String() string {
 func (*BulkFailure) ProtoMessage() {}
 
 func (x *BulkFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3139,7 +3533,7 @@ func (x *BulkFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkFailure.ProtoReflect.Descriptor instead.
 func (*BulkFailure) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *BulkFailure) GetId() string {
@@ -3166,7 +3560,7 @@ type BulkResponse struct {
 
 func (x *BulkResponse) Reset() {
 	*x = BulkResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3178,7 +3572,7 @@ func (x *BulkResponse) String() string {
 func (*BulkResponse) ProtoMessage() {}
 
 func (x *BulkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3191,7 +3585,7 @@ func (x *BulkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkResponse.ProtoReflect.Descriptor instead.
 func (*BulkResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *BulkResponse) GetIds() []string {
@@ -3219,7 +3613,7 @@ type SnapshotRequest struct {
 
 func (x *SnapshotRequest) Reset() {
 	*x = SnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3231,7 +3625,7 @@ func (x *SnapshotRequest) String() string {
 func (*SnapshotRequest) ProtoMessage() {}
 
 func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3244,7 +3638,7 @@ func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *SnapshotRequest) GetSandboxId() string {
@@ -3278,7 +3672,7 @@ type SnapshotInfo struct {
 
 func (x *SnapshotInfo) Reset() {
 	*x = SnapshotInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3290,7 +3684,7 @@ func (x *SnapshotInfo) String() string {
 func (*SnapshotInfo) ProtoMessage() {}
 
 func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3303,7 +3697,7 @@ func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotInfo.ProtoReflect.Descriptor instead.
 func (*SnapshotInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *SnapshotInfo) GetId() string {
@@ -3370,7 +3764,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3382,7 +3776,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3395,7 +3789,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
 }
 
 type ListSnapshotsResponse struct {
@@ -3407,7 +3801,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3419,7 +3813,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3432,7 +3826,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*SnapshotInfo {
@@ -3451,7 +3845,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3463,7 +3857,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3476,7 +3870,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *DeleteSnapshotRequest) GetId() string {
@@ -3494,7 +3888,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3506,7 +3900,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3519,7 +3913,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
 }
 
 type ForkRequest struct {
@@ -3536,7 +3930,7 @@ type ForkRequest struct {
 
 func (x *ForkRequest) Reset() {
 	*x = ForkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3548,7 +3942,7 @@ func (x *ForkRequest) String() string {
 func (*ForkRequest) ProtoMessage() {}
 
 func (x *ForkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3561,7 +3955,7 @@ func (x *ForkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkRequest.ProtoReflect.Descriptor instead.
 func (*ForkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *ForkRequest) GetSandboxId() string {
@@ -3610,7 +4004,7 @@ type GetLogRequest struct {
 
 func (x *GetLogRequest) Reset() {
 	*x = GetLogRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3622,7 +4016,7 @@ func (x *GetLogRequest) String() string {
 func (*GetLogRequest) ProtoMessage() {}
 
 func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3635,7 +4029,7 @@ func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogRequest.ProtoReflect.Descriptor instead.
 func (*GetLogRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *GetLogRequest) GetSandboxId() string {
@@ -3692,7 +4086,7 @@ type LogEntry struct {
 
 func (x *LogEntry) Reset() {
 	*x = LogEntry{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3704,7 +4098,7 @@ func (x *LogEntry) String() string {
 func (*LogEntry) ProtoMessage() {}
 
 func (x *LogEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3717,7 +4111,7 @@ func (x *LogEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogEntry.ProtoReflect.Descriptor instead.
 func (*LogEntry) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *LogEntry) GetSeq() uint64 {
@@ -3871,7 +4265,7 @@ type GetLogResponse struct {
 
 func (x *GetLogResponse) Reset() {
 	*x = GetLogResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3883,7 +4277,7 @@ func (x *GetLogResponse) String() string {
 func (*GetLogResponse) ProtoMessage() {}
 
 func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3896,7 +4290,7 @@ func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogResponse.ProtoReflect.Descriptor instead.
 func (*GetLogResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *GetLogResponse) GetEntries() []*LogEntry {
@@ -3933,7 +4327,7 @@ type ReplayRequest struct {
 
 func (x *ReplayRequest) Reset() {
 	*x = ReplayRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3945,7 +4339,7 @@ func (x *ReplayRequest) String() string {
 func (*ReplayRequest) ProtoMessage() {}
 
 func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3958,7 +4352,7 @@ func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayRequest.ProtoReflect.Descriptor instead.
 func (*ReplayRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *ReplayRequest) GetSandboxId() string {
@@ -3995,7 +4389,7 @@ type ReplayStep struct {
 
 func (x *ReplayStep) Reset() {
 	*x = ReplayStep{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4007,7 +4401,7 @@ func (x *ReplayStep) String() string {
 func (*ReplayStep) ProtoMessage() {}
 
 func (x *ReplayStep) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4020,7 +4414,7 @@ func (x *ReplayStep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayStep.ProtoReflect.Descriptor instead.
 func (*ReplayStep) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *ReplayStep) GetSeq() uint64 {
@@ -4070,7 +4464,7 @@ type ReplayResponse struct {
 
 func (x *ReplayResponse) Reset() {
 	*x = ReplayResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4082,7 +4476,7 @@ func (x *ReplayResponse) String() string {
 func (*ReplayResponse) ProtoMessage() {}
 
 func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4095,7 +4489,7 @@ func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayResponse.ProtoReflect.Descriptor instead.
 func (*ReplayResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *ReplayResponse) GetSandboxId() string {
@@ -4248,13 +4642,14 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x06stderr\x18\x03 \x01(\fH\x00R\x06stderr\x12)\n" +
 	"\x04exit\x18\x04 \x01(\v2\x13.dsec.v1.ExecResultH\x00R\x04exit\x12\x1e\n" +
 	"\tkeepalive\x18\x05 \x01(\bH\x00R\tkeepaliveB\a\n" +
-	"\x05event\"g\n" +
+	"\x05event\"\x84\x01\n" +
 	"\x15ConnectProcessRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
 	"\n" +
 	"process_id\x18\x02 \x01(\tR\tprocessId\x12\x10\n" +
-	"\x03tag\x18\x03 \x01(\tR\x03tag\"{\n" +
+	"\x03tag\x18\x03 \x01(\tR\x03tag\x12\x1b\n" +
+	"\tlive_only\x18\x04 \x01(\bR\bliveOnly\"{\n" +
 	"\x11WriteStdinRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
@@ -4358,7 +4753,32 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04from\x18\x02 \x01(\tR\x04from\x12\x0e\n" +
-	"\x02to\x18\x03 \x01(\tR\x02to\"\x93\x01\n" +
+	"\x02to\x18\x03 \x01(\tR\x02to\"b\n" +
+	"\x0fWatchDirRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1c\n" +
+	"\trecursive\x18\x03 \x01(\bR\trecursive\"-\n" +
+	"\aFsEvent\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
+	"\x02op\x18\x02 \x01(\tR\x02op\"\x9e\x01\n" +
+	"\rWatchDirEvent\x12\x1a\n" +
+	"\astarted\x18\x01 \x01(\bH\x00R\astarted\x12*\n" +
+	"\x06change\x18\x02 \x01(\v2\x10.dsec.v1.FsEventH\x00R\x06change\x12\x1e\n" +
+	"\tkeepalive\x18\x03 \x01(\bH\x00R\tkeepalive\x12\x1c\n" +
+	"\boverflow\x18\x04 \x01(\bH\x00R\boverflowB\a\n" +
+	"\x05event\"(\n" +
+	"\x16GetSandboxStatsRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"\x83\x02\n" +
+	"\fSandboxStats\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12*\n" +
+	"\x02at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x12\x1e\n" +
+	"\vcpu_time_ms\x18\x03 \x01(\x03R\tcpuTimeMs\x12!\n" +
+	"\fmemory_bytes\x18\x04 \x01(\x03R\vmemoryBytes\x12\x12\n" +
+	"\x04pids\x18\x05 \x01(\x03R\x04pids\x12\x1b\n" +
+	"\toom_kills\x18\x06 \x01(\x03R\boomKills\x12\x1b\n" +
+	"\tcpu_limit\x18\a \x01(\x01R\bcpuLimit\x12&\n" +
+	"\x0fmemory_limit_mb\x18\b \x01(\x03R\rmemoryLimitMb\"\x93\x01\n" +
 	"\tItemError\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12\x14\n" +
@@ -4479,7 +4899,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1a\n" +
 	"\breplayed\x18\x02 \x01(\x05R\breplayed\x12\x1a\n" +
 	"\bdiverged\x18\x03 \x01(\x05R\bdiverged\x12)\n" +
-	"\x05steps\x18\x04 \x03(\v2\x13.dsec.v1.ReplayStepR\x05steps2\xa4\x10\n" +
+	"\x05steps\x18\x04 \x03(\v2\x13.dsec.v1.ReplayStepR\x05steps2\xb4\x11\n" +
 	"\x0eSandboxService\x12@\n" +
 	"\rCreateSandbox\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12?\n" +
 	"\n" +
@@ -4502,7 +4922,9 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\aListDir\x12\x17.dsec.v1.ListDirRequest\x1a\x18.dsec.v1.ListDirResponse\x125\n" +
 	"\aMakeDir\x12\x17.dsec.v1.MakeDirRequest\x1a\x11.dsec.v1.FileInfo\x129\n" +
 	"\x06Remove\x12\x16.dsec.v1.RemoveRequest\x1a\x17.dsec.v1.RemoveResponse\x123\n" +
-	"\x06Rename\x12\x16.dsec.v1.RenameRequest\x1a\x11.dsec.v1.FileInfo\x12T\n" +
+	"\x06Rename\x12\x16.dsec.v1.RenameRequest\x1a\x11.dsec.v1.FileInfo\x12>\n" +
+	"\bWatchDir\x12\x18.dsec.v1.WatchDirRequest\x1a\x16.dsec.v1.WatchDirEvent0\x01\x12N\n" +
+	"\x0fGetSandboxStats\x12\x1f.dsec.v1.GetSandboxStatsRequest\x1a\x15.dsec.v1.SandboxStats\"\x03\x90\x02\x01\x12T\n" +
 	"\x0fCreateSandboxes\x12\x1f.dsec.v1.CreateSandboxesRequest\x1a .dsec.v1.CreateSandboxesResponse\x12>\n" +
 	"\fPauseSandbox\x12\x1c.dsec.v1.PauseSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12@\n" +
 	"\rResumeSandbox\x12\x1d.dsec.v1.ResumeSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12=\n" +
@@ -4528,7 +4950,7 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 66)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 71)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
 	(*Resources)(nil),               // 1: dsec.v1.Resources
@@ -4568,139 +4990,150 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*RemoveRequest)(nil),           // 35: dsec.v1.RemoveRequest
 	(*RemoveResponse)(nil),          // 36: dsec.v1.RemoveResponse
 	(*RenameRequest)(nil),           // 37: dsec.v1.RenameRequest
-	(*ItemError)(nil),               // 38: dsec.v1.ItemError
-	(*CreateSandboxesRequest)(nil),  // 39: dsec.v1.CreateSandboxesRequest
-	(*CreateResult)(nil),            // 40: dsec.v1.CreateResult
-	(*CreateSandboxesResponse)(nil), // 41: dsec.v1.CreateSandboxesResponse
-	(*PauseSandboxRequest)(nil),     // 42: dsec.v1.PauseSandboxRequest
-	(*ResumeSandboxRequest)(nil),    // 43: dsec.v1.ResumeSandboxRequest
-	(*BulkRequest)(nil),             // 44: dsec.v1.BulkRequest
-	(*BulkFailure)(nil),             // 45: dsec.v1.BulkFailure
-	(*BulkResponse)(nil),            // 46: dsec.v1.BulkResponse
-	(*SnapshotRequest)(nil),         // 47: dsec.v1.SnapshotRequest
-	(*SnapshotInfo)(nil),            // 48: dsec.v1.SnapshotInfo
-	(*ListSnapshotsRequest)(nil),    // 49: dsec.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),   // 50: dsec.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),   // 51: dsec.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),  // 52: dsec.v1.DeleteSnapshotResponse
-	(*ForkRequest)(nil),             // 53: dsec.v1.ForkRequest
-	(*GetLogRequest)(nil),           // 54: dsec.v1.GetLogRequest
-	(*LogEntry)(nil),                // 55: dsec.v1.LogEntry
-	(*GetLogResponse)(nil),          // 56: dsec.v1.GetLogResponse
-	(*ReplayRequest)(nil),           // 57: dsec.v1.ReplayRequest
-	(*ReplayStep)(nil),              // 58: dsec.v1.ReplayStep
-	(*ReplayResponse)(nil),          // 59: dsec.v1.ReplayResponse
-	nil,                             // 60: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                             // 61: dsec.v1.SandboxSpec.EnvEntry
-	nil,                             // 62: dsec.v1.ExecRequest.EnvEntry
-	nil,                             // 63: dsec.v1.ProcessInfo.EnvEntry
-	nil,                             // 64: dsec.v1.ForkRequest.LabelsEntry
-	nil,                             // 65: dsec.v1.LogEntry.EnvEntry
-	(*timestamppb.Timestamp)(nil),   // 66: google.protobuf.Timestamp
+	(*WatchDirRequest)(nil),         // 38: dsec.v1.WatchDirRequest
+	(*FsEvent)(nil),                 // 39: dsec.v1.FsEvent
+	(*WatchDirEvent)(nil),           // 40: dsec.v1.WatchDirEvent
+	(*GetSandboxStatsRequest)(nil),  // 41: dsec.v1.GetSandboxStatsRequest
+	(*SandboxStats)(nil),            // 42: dsec.v1.SandboxStats
+	(*ItemError)(nil),               // 43: dsec.v1.ItemError
+	(*CreateSandboxesRequest)(nil),  // 44: dsec.v1.CreateSandboxesRequest
+	(*CreateResult)(nil),            // 45: dsec.v1.CreateResult
+	(*CreateSandboxesResponse)(nil), // 46: dsec.v1.CreateSandboxesResponse
+	(*PauseSandboxRequest)(nil),     // 47: dsec.v1.PauseSandboxRequest
+	(*ResumeSandboxRequest)(nil),    // 48: dsec.v1.ResumeSandboxRequest
+	(*BulkRequest)(nil),             // 49: dsec.v1.BulkRequest
+	(*BulkFailure)(nil),             // 50: dsec.v1.BulkFailure
+	(*BulkResponse)(nil),            // 51: dsec.v1.BulkResponse
+	(*SnapshotRequest)(nil),         // 52: dsec.v1.SnapshotRequest
+	(*SnapshotInfo)(nil),            // 53: dsec.v1.SnapshotInfo
+	(*ListSnapshotsRequest)(nil),    // 54: dsec.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),   // 55: dsec.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),   // 56: dsec.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),  // 57: dsec.v1.DeleteSnapshotResponse
+	(*ForkRequest)(nil),             // 58: dsec.v1.ForkRequest
+	(*GetLogRequest)(nil),           // 59: dsec.v1.GetLogRequest
+	(*LogEntry)(nil),                // 60: dsec.v1.LogEntry
+	(*GetLogResponse)(nil),          // 61: dsec.v1.GetLogResponse
+	(*ReplayRequest)(nil),           // 62: dsec.v1.ReplayRequest
+	(*ReplayStep)(nil),              // 63: dsec.v1.ReplayStep
+	(*ReplayResponse)(nil),          // 64: dsec.v1.ReplayResponse
+	nil,                             // 65: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                             // 66: dsec.v1.SandboxSpec.EnvEntry
+	nil,                             // 67: dsec.v1.ExecRequest.EnvEntry
+	nil,                             // 68: dsec.v1.ProcessInfo.EnvEntry
+	nil,                             // 69: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 70: dsec.v1.LogEntry.EnvEntry
+	(*timestamppb.Timestamp)(nil),   // 71: google.protobuf.Timestamp
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	1,  // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	60, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	61, // 2: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
+	65, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	66, // 2: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,  // 3: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
 	3,  // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	66, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	66, // 6: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	66, // 7: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	71, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	71, // 6: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	71, // 7: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	3,  // 8: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	4,  // 9: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	62, // 10: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	67, // 10: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
 	14, // 11: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
 	13, // 12: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	63, // 13: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	68, // 13: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
 	23, // 14: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	66, // 15: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	71, // 15: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
 	26, // 16: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
 	29, // 17: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
 	26, // 18: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
-	3,  // 19: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	3,  // 20: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	4,  // 21: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	38, // 22: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	40, // 23: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	38, // 24: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	45, // 25: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	66, // 26: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	48, // 27: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	64, // 28: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	66, // 29: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	65, // 30: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
-	13, // 31: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	38, // 32: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	55, // 33: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	58, // 34: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	5,  // 35: dsec.v1.SandboxService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	6,  // 36: dsec.v1.SandboxService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	7,  // 37: dsec.v1.SandboxService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	9,  // 38: dsec.v1.SandboxService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	11, // 39: dsec.v1.SandboxService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	12, // 40: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	12, // 41: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	16, // 42: dsec.v1.SandboxService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	17, // 43: dsec.v1.SandboxService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	19, // 44: dsec.v1.SandboxService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	21, // 45: dsec.v1.SandboxService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	24, // 46: dsec.v1.SandboxService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	27, // 47: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	30, // 48: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	31, // 49: dsec.v1.SandboxService.Stat:input_type -> dsec.v1.StatRequest
-	32, // 50: dsec.v1.SandboxService.ListDir:input_type -> dsec.v1.ListDirRequest
-	34, // 51: dsec.v1.SandboxService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	35, // 52: dsec.v1.SandboxService.Remove:input_type -> dsec.v1.RemoveRequest
-	37, // 53: dsec.v1.SandboxService.Rename:input_type -> dsec.v1.RenameRequest
-	39, // 54: dsec.v1.SandboxService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	42, // 55: dsec.v1.SandboxService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	43, // 56: dsec.v1.SandboxService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	44, // 57: dsec.v1.SandboxService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	44, // 58: dsec.v1.SandboxService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	44, // 59: dsec.v1.SandboxService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	47, // 60: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	49, // 61: dsec.v1.SandboxService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	51, // 62: dsec.v1.SandboxService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	53, // 63: dsec.v1.SandboxService.Fork:input_type -> dsec.v1.ForkRequest
-	54, // 64: dsec.v1.SandboxService.GetLog:input_type -> dsec.v1.GetLogRequest
-	57, // 65: dsec.v1.SandboxService.Replay:input_type -> dsec.v1.ReplayRequest
-	4,  // 66: dsec.v1.SandboxService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	4,  // 67: dsec.v1.SandboxService.GetSandbox:output_type -> dsec.v1.Sandbox
-	8,  // 68: dsec.v1.SandboxService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	10, // 69: dsec.v1.SandboxService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	4,  // 70: dsec.v1.SandboxService.Keepalive:output_type -> dsec.v1.Sandbox
-	13, // 71: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResult
-	15, // 72: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecEvent
-	15, // 73: dsec.v1.SandboxService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	18, // 74: dsec.v1.SandboxService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	20, // 75: dsec.v1.SandboxService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	22, // 76: dsec.v1.SandboxService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	25, // 77: dsec.v1.SandboxService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	28, // 78: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	26, // 79: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.FileInfo
-	26, // 80: dsec.v1.SandboxService.Stat:output_type -> dsec.v1.FileInfo
-	33, // 81: dsec.v1.SandboxService.ListDir:output_type -> dsec.v1.ListDirResponse
-	26, // 82: dsec.v1.SandboxService.MakeDir:output_type -> dsec.v1.FileInfo
-	36, // 83: dsec.v1.SandboxService.Remove:output_type -> dsec.v1.RemoveResponse
-	26, // 84: dsec.v1.SandboxService.Rename:output_type -> dsec.v1.FileInfo
-	41, // 85: dsec.v1.SandboxService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	4,  // 86: dsec.v1.SandboxService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	4,  // 87: dsec.v1.SandboxService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	46, // 88: dsec.v1.SandboxService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	46, // 89: dsec.v1.SandboxService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	46, // 90: dsec.v1.SandboxService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	48, // 91: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	50, // 92: dsec.v1.SandboxService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	52, // 93: dsec.v1.SandboxService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	41, // 94: dsec.v1.SandboxService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	56, // 95: dsec.v1.SandboxService.GetLog:output_type -> dsec.v1.GetLogResponse
-	59, // 96: dsec.v1.SandboxService.Replay:output_type -> dsec.v1.ReplayResponse
-	66, // [66:97] is the sub-list for method output_type
-	35, // [35:66] is the sub-list for method input_type
-	35, // [35:35] is the sub-list for extension type_name
-	35, // [35:35] is the sub-list for extension extendee
-	0,  // [0:35] is the sub-list for field type_name
+	39, // 19: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
+	71, // 20: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	3,  // 21: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	3,  // 22: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	4,  // 23: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	43, // 24: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	45, // 25: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	43, // 26: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	50, // 27: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	71, // 28: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	53, // 29: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	69, // 30: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	71, // 31: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	70, // 32: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	13, // 33: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	43, // 34: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	60, // 35: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	63, // 36: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	5,  // 37: dsec.v1.SandboxService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	6,  // 38: dsec.v1.SandboxService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	7,  // 39: dsec.v1.SandboxService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	9,  // 40: dsec.v1.SandboxService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	11, // 41: dsec.v1.SandboxService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	12, // 42: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	12, // 43: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	16, // 44: dsec.v1.SandboxService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	17, // 45: dsec.v1.SandboxService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	19, // 46: dsec.v1.SandboxService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	21, // 47: dsec.v1.SandboxService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	24, // 48: dsec.v1.SandboxService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	27, // 49: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	30, // 50: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	31, // 51: dsec.v1.SandboxService.Stat:input_type -> dsec.v1.StatRequest
+	32, // 52: dsec.v1.SandboxService.ListDir:input_type -> dsec.v1.ListDirRequest
+	34, // 53: dsec.v1.SandboxService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	35, // 54: dsec.v1.SandboxService.Remove:input_type -> dsec.v1.RemoveRequest
+	37, // 55: dsec.v1.SandboxService.Rename:input_type -> dsec.v1.RenameRequest
+	38, // 56: dsec.v1.SandboxService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	41, // 57: dsec.v1.SandboxService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	44, // 58: dsec.v1.SandboxService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	47, // 59: dsec.v1.SandboxService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	48, // 60: dsec.v1.SandboxService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	49, // 61: dsec.v1.SandboxService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	49, // 62: dsec.v1.SandboxService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	49, // 63: dsec.v1.SandboxService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	52, // 64: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	54, // 65: dsec.v1.SandboxService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	56, // 66: dsec.v1.SandboxService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	58, // 67: dsec.v1.SandboxService.Fork:input_type -> dsec.v1.ForkRequest
+	59, // 68: dsec.v1.SandboxService.GetLog:input_type -> dsec.v1.GetLogRequest
+	62, // 69: dsec.v1.SandboxService.Replay:input_type -> dsec.v1.ReplayRequest
+	4,  // 70: dsec.v1.SandboxService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	4,  // 71: dsec.v1.SandboxService.GetSandbox:output_type -> dsec.v1.Sandbox
+	8,  // 72: dsec.v1.SandboxService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	10, // 73: dsec.v1.SandboxService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	4,  // 74: dsec.v1.SandboxService.Keepalive:output_type -> dsec.v1.Sandbox
+	13, // 75: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResult
+	15, // 76: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecEvent
+	15, // 77: dsec.v1.SandboxService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	18, // 78: dsec.v1.SandboxService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	20, // 79: dsec.v1.SandboxService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	22, // 80: dsec.v1.SandboxService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	25, // 81: dsec.v1.SandboxService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	28, // 82: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	26, // 83: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.FileInfo
+	26, // 84: dsec.v1.SandboxService.Stat:output_type -> dsec.v1.FileInfo
+	33, // 85: dsec.v1.SandboxService.ListDir:output_type -> dsec.v1.ListDirResponse
+	26, // 86: dsec.v1.SandboxService.MakeDir:output_type -> dsec.v1.FileInfo
+	36, // 87: dsec.v1.SandboxService.Remove:output_type -> dsec.v1.RemoveResponse
+	26, // 88: dsec.v1.SandboxService.Rename:output_type -> dsec.v1.FileInfo
+	40, // 89: dsec.v1.SandboxService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	42, // 90: dsec.v1.SandboxService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	46, // 91: dsec.v1.SandboxService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	4,  // 92: dsec.v1.SandboxService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	4,  // 93: dsec.v1.SandboxService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	51, // 94: dsec.v1.SandboxService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	51, // 95: dsec.v1.SandboxService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	51, // 96: dsec.v1.SandboxService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	53, // 97: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	55, // 98: dsec.v1.SandboxService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	57, // 99: dsec.v1.SandboxService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	46, // 100: dsec.v1.SandboxService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	61, // 101: dsec.v1.SandboxService.GetLog:output_type -> dsec.v1.GetLogResponse
+	64, // 102: dsec.v1.SandboxService.Replay:output_type -> dsec.v1.ReplayResponse
+	70, // [70:103] is the sub-list for method output_type
+	37, // [37:70] is the sub-list for method input_type
+	37, // [37:37] is the sub-list for extension type_name
+	37, // [37:37] is the sub-list for extension extendee
+	0,  // [0:37] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -4723,13 +5156,19 @@ func file_dsec_v1_sandbox_proto_init() {
 		(*WriteFileRequest_Header)(nil),
 		(*WriteFileRequest_Data)(nil),
 	}
+	file_dsec_v1_sandbox_proto_msgTypes[40].OneofWrappers = []any{
+		(*WatchDirEvent_Started)(nil),
+		(*WatchDirEvent_Change)(nil),
+		(*WatchDirEvent_Keepalive)(nil),
+		(*WatchDirEvent_Overflow)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   66,
+			NumMessages:   71,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -113,7 +113,7 @@ func (a *Agent) serveConn(c net.Conn) {
 			fail(notFound("no process %q", m.Attach.Id+m.Attach.Tag))
 			return
 		}
-		a.attach(p, r, w)
+		a.attach(p, !m.Attach.LiveOnly, r, w)
 	case *guestv1.ClientMsg_Input:
 		p := a.procs.find(m.Input.Id, "")
 		if p == nil {
@@ -153,6 +153,8 @@ func (a *Agent) serveConn(c net.Conn) {
 		serveRead(m.ReadFile, w)
 	case *guestv1.ClientMsg_WriteFile:
 		serveWrite(m.WriteFile, r, w)
+	case *guestv1.ClientMsg_Watch:
+		serveWatch(m.Watch, r, w)
 	case *guestv1.ClientMsg_Stat:
 		info, err := statPath(m.Stat.Path)
 		if err != nil {
@@ -275,13 +277,14 @@ func (a *Agent) serveExec(x *guestv1.Exec, r *guest.Reader, w *guest.Writer) {
 	a.follow(p, s, r)
 }
 
-// attach streams an existing process: replayed output, then live events.
-func (a *Agent) attach(p *proc, r *guest.Reader, w *guest.Writer) {
+// attach streams an existing process: replayed output (with replay), then
+// live events.
+func (a *Agent) attach(p *proc, replay bool, r *guest.Reader, w *guest.Writer) {
 	s := connSink{w}
 	if err := w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Started{Started: &guestv1.Started{Id: p.id, Pid: int32(p.pid)}}}); err != nil {
 		return
 	}
-	p.subscribe(s, true)
+	p.subscribe(s, replay)
 	a.follow(p, s, r)
 }
 

@@ -143,7 +143,7 @@ func itoa(n int64) string { return strconv.FormatInt(n, 10) }
 func (g *callGuest) Start(context.Context, *guestv1.Exec) (*guest.Process, error) {
 	return nil, errdefs.Unimplemented("function sandboxes run commands to completion only (use Exec)")
 }
-func (g *callGuest) Attach(context.Context, string, string) (*guest.Process, error) {
+func (g *callGuest) Attach(context.Context, string, string, bool) (*guest.Process, error) {
 	return nil, errStateless
 }
 func (g *callGuest) InputProcess(context.Context, string, []byte, bool) error    { return errStateless }
@@ -167,6 +167,9 @@ func (g *callGuest) MakeDir(context.Context, string, string) (*guestv1.FileInfo,
 }
 func (g *callGuest) Remove(context.Context, string, bool) error { return errStateless }
 func (g *callGuest) Rename(context.Context, string, string) (*guestv1.FileInfo, error) {
+	return nil, errStateless
+}
+func (g *callGuest) Watch(context.Context, string, bool) (*guest.Watch, error) {
 	return nil, errStateless
 }
 func (g *callGuest) Sync(context.Context) error                            { return nil }

@@ -90,6 +90,11 @@ const (
 	SandboxServiceRemoveProcedure = "/dsec.v1.SandboxService/Remove"
 	// SandboxServiceRenameProcedure is the fully-qualified name of the SandboxService's Rename RPC.
 	SandboxServiceRenameProcedure = "/dsec.v1.SandboxService/Rename"
+	// SandboxServiceWatchDirProcedure is the fully-qualified name of the SandboxService's WatchDir RPC.
+	SandboxServiceWatchDirProcedure = "/dsec.v1.SandboxService/WatchDir"
+	// SandboxServiceGetSandboxStatsProcedure is the fully-qualified name of the SandboxService's
+	// GetSandboxStats RPC.
+	SandboxServiceGetSandboxStatsProcedure = "/dsec.v1.SandboxService/GetSandboxStats"
 	// SandboxServiceCreateSandboxesProcedure is the fully-qualified name of the SandboxService's
 	// CreateSandboxes RPC.
 	SandboxServiceCreateSandboxesProcedure = "/dsec.v1.SandboxService/CreateSandboxes"
@@ -168,6 +173,14 @@ type SandboxServiceClient interface {
 	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.FileInfo], error)
 	Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error)
 	Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error)
+	// WatchDir streams changes under a directory until the caller goes away:
+	// a "started" event once the watch is in place, then one event per change
+	// (and keepalives on quiet streams).
+	WatchDir(context.Context, *connect.Request[v1.WatchDirRequest]) (*connect.ServerStreamForClient[v1.WatchDirEvent], error)
+	// GetSandboxStats reports a sandbox's resource use now. It does not count
+	// as activity (the idle timer keeps running) and does not resume a paused
+	// sandbox.
+	GetSandboxStats(context.Context, *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error)
 	// CreateSandboxes creates many sandboxes (count copies of spec, or one per
 	// specs item) and reports each one: partial success is explicit.
 	CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
@@ -324,6 +337,19 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("Rename")),
 			connect.WithClientOptions(opts...),
 		),
+		watchDir: connect.NewClient[v1.WatchDirRequest, v1.WatchDirEvent](
+			httpClient,
+			baseURL+SandboxServiceWatchDirProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("WatchDir")),
+			connect.WithClientOptions(opts...),
+		),
+		getSandboxStats: connect.NewClient[v1.GetSandboxStatsRequest, v1.SandboxStats](
+			httpClient,
+			baseURL+SandboxServiceGetSandboxStatsProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("GetSandboxStats")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
 		createSandboxes: connect.NewClient[v1.CreateSandboxesRequest, v1.CreateSandboxesResponse](
 			httpClient,
 			baseURL+SandboxServiceCreateSandboxesProcedure,
@@ -422,6 +448,8 @@ type sandboxServiceClient struct {
 	makeDir         *connect.Client[v1.MakeDirRequest, v1.FileInfo]
 	remove          *connect.Client[v1.RemoveRequest, v1.RemoveResponse]
 	rename          *connect.Client[v1.RenameRequest, v1.FileInfo]
+	watchDir        *connect.Client[v1.WatchDirRequest, v1.WatchDirEvent]
+	getSandboxStats *connect.Client[v1.GetSandboxStatsRequest, v1.SandboxStats]
 	createSandboxes *connect.Client[v1.CreateSandboxesRequest, v1.CreateSandboxesResponse]
 	pauseSandbox    *connect.Client[v1.PauseSandboxRequest, v1.Sandbox]
 	resumeSandbox   *connect.Client[v1.ResumeSandboxRequest, v1.Sandbox]
@@ -531,6 +559,16 @@ func (c *sandboxServiceClient) Rename(ctx context.Context, req *connect.Request[
 	return c.rename.CallUnary(ctx, req)
 }
 
+// WatchDir calls dsec.v1.SandboxService.WatchDir.
+func (c *sandboxServiceClient) WatchDir(ctx context.Context, req *connect.Request[v1.WatchDirRequest]) (*connect.ServerStreamForClient[v1.WatchDirEvent], error) {
+	return c.watchDir.CallServerStream(ctx, req)
+}
+
+// GetSandboxStats calls dsec.v1.SandboxService.GetSandboxStats.
+func (c *sandboxServiceClient) GetSandboxStats(ctx context.Context, req *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error) {
+	return c.getSandboxStats.CallUnary(ctx, req)
+}
+
 // CreateSandboxes calls dsec.v1.SandboxService.CreateSandboxes.
 func (c *sandboxServiceClient) CreateSandboxes(ctx context.Context, req *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
 	return c.createSandboxes.CallUnary(ctx, req)
@@ -635,6 +673,14 @@ type SandboxServiceHandler interface {
 	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.FileInfo], error)
 	Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error)
 	Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error)
+	// WatchDir streams changes under a directory until the caller goes away:
+	// a "started" event once the watch is in place, then one event per change
+	// (and keepalives on quiet streams).
+	WatchDir(context.Context, *connect.Request[v1.WatchDirRequest], *connect.ServerStream[v1.WatchDirEvent]) error
+	// GetSandboxStats reports a sandbox's resource use now. It does not count
+	// as activity (the idle timer keeps running) and does not resume a paused
+	// sandbox.
+	GetSandboxStats(context.Context, *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error)
 	// CreateSandboxes creates many sandboxes (count copies of spec, or one per
 	// specs item) and reports each one: partial success is explicit.
 	CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
@@ -787,6 +833,19 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("Rename")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServiceWatchDirHandler := connect.NewServerStreamHandler(
+		SandboxServiceWatchDirProcedure,
+		svc.WatchDir,
+		connect.WithSchema(sandboxServiceMethods.ByName("WatchDir")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceGetSandboxStatsHandler := connect.NewUnaryHandler(
+		SandboxServiceGetSandboxStatsProcedure,
+		svc.GetSandboxStats,
+		connect.WithSchema(sandboxServiceMethods.ByName("GetSandboxStats")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
 	sandboxServiceCreateSandboxesHandler := connect.NewUnaryHandler(
 		SandboxServiceCreateSandboxesProcedure,
 		svc.CreateSandboxes,
@@ -901,6 +960,10 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceRemoveHandler.ServeHTTP(w, r)
 		case SandboxServiceRenameProcedure:
 			sandboxServiceRenameHandler.ServeHTTP(w, r)
+		case SandboxServiceWatchDirProcedure:
+			sandboxServiceWatchDirHandler.ServeHTTP(w, r)
+		case SandboxServiceGetSandboxStatsProcedure:
+			sandboxServiceGetSandboxStatsHandler.ServeHTTP(w, r)
 		case SandboxServiceCreateSandboxesProcedure:
 			sandboxServiceCreateSandboxesHandler.ServeHTTP(w, r)
 		case SandboxServicePauseSandboxProcedure:
@@ -1008,6 +1071,14 @@ func (UnimplementedSandboxServiceHandler) Remove(context.Context, *connect.Reque
 
 func (UnimplementedSandboxServiceHandler) Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Rename is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) WatchDir(context.Context, *connect.Request[v1.WatchDirRequest], *connect.ServerStream[v1.WatchDirEvent]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.WatchDir is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) GetSandboxStats(context.Context, *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.GetSandboxStats is not implemented"))
 }
 
 func (UnimplementedSandboxServiceHandler) CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
