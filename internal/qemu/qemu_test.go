@@ -1,0 +1,114 @@
+package qemu
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestCPIOIsReadByBusybox(t *testing.T) {
+	bb, err := exec.LookPath("busybox")
+	if err != nil {
+		t.Skip("needs busybox (apt-get install busybox-static)")
+	}
+	var buf bytes.Buffer
+	c := NewCPIO(&buf)
+	c.File("a/b/file.txt", 0o644, []byte("hello"))
+	c.CharDev("dev/console", 0o600, 5, 1)
+	c.Dir("empty", 0o755)
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	cmd := exec.Command(bb, "cpio", "-i", "-d")
+	cmd.Dir = dir
+	cmd.Stdin = &buf
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("busybox cpio: %v\n%s", err, out)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "a/b/file.txt")); err != nil || string(b) != "hello" {
+		t.Fatalf("file: %q %v", b, err)
+	}
+	if st, err := os.Stat(filepath.Join(dir, "empty")); err != nil || !st.IsDir() {
+		t.Fatalf("dir: %v", err)
+	}
+	if st, err := os.Lstat(filepath.Join(dir, "dev/console")); err != nil || st.Mode()&os.ModeCharDevice == 0 {
+		t.Fatalf("char device: %v %v", st, err)
+	}
+}
+
+func TestQMPAndProcessAgainstQEMU(t *testing.T) {
+	bin, err := FindBinary("")
+	if err != nil {
+		t.Skip(err)
+	}
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "qmp")
+	p, err := Start(bin, []string{"-M", "none", "-nodefaults", "-display", "none", "-qmp", "unix:" + sock + ",server=on,wait=off"}, filepath.Join(dir, "log"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Kill(5 * time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	q, err := DialQMP(ctx, sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer q.Close()
+	t.Run("a command answers", func(t *testing.T) {
+		st, err := q.Status(ctx)
+		if err != nil || st == "" {
+			t.Fatalf("status %q %v", st, err)
+		}
+	})
+	t.Run("an unknown command is a QMP error", func(t *testing.T) {
+		var qe *QMPError
+		if err := q.Execute(ctx, "no-such-command", nil, nil); !errors.As(err, &qe) || qe.Class != "CommandNotFound" {
+			t.Fatalf("got %v", err)
+		}
+	})
+	t.Run("an adopted process is the same process", func(t *testing.T) {
+		a, err := Adopt(p.Pid, p.StartTime)
+		if err != nil || !a.Alive() {
+			t.Fatalf("adopt: %v", err)
+		}
+		if _, err := Adopt(p.Pid, p.StartTime+1); err == nil {
+			t.Fatal("adopted with a wrong start time (a reused pid)")
+		}
+	})
+	t.Run("quit ends QEMU and Done closes", func(t *testing.T) {
+		q.Execute(ctx, "quit", nil, nil)
+		if !p.Wait(30 * time.Second) {
+			t.Fatal("QEMU still runs after quit")
+		}
+		if p.Alive() {
+			t.Fatal("Alive after exit")
+		}
+	})
+}
+
+func TestProbeAccelHonoursForcedModesAndMissingKVM(t *testing.T) {
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	for _, mode := range []string{"tcg", "kvm"} {
+		if a := ProbeAccel(context.Background(), ProbeConfig{Mode: mode}, log); a.Name != mode || !strings.Contains(a.Reason, "forced") {
+			t.Fatalf("mode %s: %+v", mode, a)
+		}
+	}
+	if _, err := os.Stat("/dev/kvm"); err != nil {
+		a := ProbeAccel(context.Background(), ProbeConfig{}, log)
+		if a.Name != "tcg" || !strings.Contains(a.Reason, "/dev/kvm") {
+			t.Fatalf("without /dev/kvm: %+v", a)
+		}
+	}
+	if got := (Accel{Name: "tcg"}).Arg(16); got != "tcg,tb-size=16" {
+		t.Fatalf("tcg arg %q", got)
+	}
+}
