@@ -27,6 +27,8 @@ var (
 	kernelDir string
 	stateDir  string // shared by the tests: image disks are built once
 	setupErr  string
+	// runDirs are the drivers' socket directories, removed at the end.
+	runDirs = map[string]string{}
 )
 
 func TestMain(m *testing.M) {
@@ -77,6 +79,10 @@ func TestMain(m *testing.M) {
 		layers = store.LowerDirs(img)
 		stateDir = filepath.Join(dir, "state")
 		code := m.Run()
+		for _, d := range runDirs {
+			os.Remove(d)
+			os.Remove(filepath.Dir(d))
+		}
 		// Whatever the tests did, failures included: no QEMU of theirs
 		// may outlive them.
 		if left := qemusOf(fmt.Sprintf("mvm%d-", os.Getpid())); len(left) > 0 {
@@ -104,6 +110,7 @@ func newDriver(t *testing.T, mut func(*Config)) *Driver {
 	if err != nil {
 		t.Fatal(err)
 	}
+	runDirs[d.cfg.RunDir] = d.cfg.RunDir
 	if !d.Capabilities().Available {
 		t.Fatalf("microvm unavailable: %s", d.Capabilities().Reason)
 	}
