@@ -503,7 +503,10 @@ func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
 }
 
 // Pause saves the VM's memory and devices to a file and stops QEMU, so a
-// paused microVM holds no memory. It is idempotent.
+// paused microVM holds no memory. It is idempotent. The instance counts as
+// paused (Check answers nil) from the moment its memory is saved, so a call
+// that breaks because QEMU goes away does not mistake the pause for a
+// crash.
 func (i *instance) Pause(ctx context.Context) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()
@@ -517,20 +520,14 @@ func (i *instance) Pause(ctx context.Context) error {
 	if r == nil {
 		return errdefs.Gone("sandbox %s has stopped", i.id)
 	}
-	tmp := i.path(pauseFile + ".tmp")
-	if err := i.saveLocked(ctx, tmp); err != nil {
-		os.Remove(tmp)
+	if err := i.saveLocked(ctx, i.path(pauseFile)); err != nil {
+		os.Remove(i.path(pauseFile))
 		return err
 	}
 	r.intended = true
-	i.mu.Unlock()
-	i.quit(r)
-	i.mu.Lock()
-	if err := os.Rename(tmp, i.path(pauseFile)); err != nil {
-		return errdefs.Internal(err, "keep the paused VM's memory")
-	}
 	i.st.Paused, i.st.Pid, i.st.StartTime = true, 0, 0
 	i.run = nil
+	i.quit(r)
 	return i.saveStateLocked()
 }
 
@@ -702,7 +699,7 @@ func (i *instance) Destroy(ctx context.Context) error {
 	os.Remove(i.d.agentSock(i.id))
 	os.Remove(i.d.qmpSock(i.id))
 	var errs []error
-	for _, f := range []string{diskFile, pauseFile, pauseFile + ".tmp"} {
+	for _, f := range []string{diskFile, pauseFile} {
 		if err := os.Remove(i.path(f)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, err)
 		}

@@ -314,8 +314,37 @@ func TestPauseFreesMemoryAndResumeRestores(t *testing.T) {
 	}
 	defer func() { inst.Destroy(context.Background()) }()
 	run(t, inst, "echo kept > /tmp/mem-only")
-	if err := inst.Pause(ctxT(t, 2*time.Minute)); err != nil {
+	// A stream open across the pause breaks when QEMU goes; the instance
+	// must still count as alive (paused), never as crashed.
+	proc, err := inst.Guest().Start(ctxT(t, time.Minute), &guestv1.Exec{Argv: []string{"sleep", "1000"}})
+	if err != nil {
 		t.Fatal(err)
+	}
+	defer proc.Close()
+	checks := make(chan error, 1)
+	stop := make(chan struct{})
+	go func() {
+		defer close(checks)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if err := inst.Check(context.Background()); err != nil {
+				checks <- err
+				return
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}()
+	err = inst.Pause(ctxT(t, 2*time.Minute))
+	close(stop)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := <-checks; err != nil {
+		t.Fatalf("check during the pause: %v", err)
 	}
 	if qemuRunning(spec.ID) {
 		t.Fatal("QEMU still runs while paused")
