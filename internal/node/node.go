@@ -151,7 +151,7 @@ type Node struct {
 	// admitted counts every create admitted since start (see Load).
 	creating atomic.Int64
 	admitted atomic.Uint64
-	changed  chan struct{} // signalled when the load changes (see LoadChanged)
+	changed  chan struct{}  // signalled when the load changes (see LoadChanged)
 	pinned   map[string]int // ephemeral snapshots held by forks in flight
 
 	starts *admission // start slots and the fair-share queue
