@@ -39,7 +39,7 @@ test-python:
 proto:
 	protoc -I api --go_out=. --go_opt=module=github.com/opendsec/dsec \
 		--connect-go_out=. --connect-go_opt=module=github.com/opendsec/dsec \
-		api/dsec/v1/*.proto api/dsec/guest/v1/*.proto \
+		api/dsec/v1/*.proto api/dsec/node/v1/*.proto api/dsec/guest/v1/*.proto \
 		api/e2b/process/process.proto api/e2b/filesystem/filesystem.proto
 
 bench: build
