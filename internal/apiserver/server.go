@@ -66,6 +66,9 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 	opts := []connect.HandlerOption{
 		connect.WithInterceptors(&auth{keys: s.keys}),
 		connect.WithReadMaxBytes(32 << 20),
+		// Compressing a few hundred bytes costs more CPU (a flate state
+		// reset per response) than it saves on any network.
+		connect.WithCompressMinBytes(4 << 10),
 	}
 	s.mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxService{r: router, sessions: sessions}, opts...))
 	if sessions != nil {

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	"github.com/opendsec/dsec/internal/image"
@@ -227,4 +228,43 @@ type runExec struct{ cmd string }
 
 func (r *runExec) exec() *guestv1.Exec {
 	return &guestv1.Exec{Argv: []string{"sh", "-c", r.cmd}, TimeoutMs: 10000}
+}
+
+// BenchmarkCreateExecDestroy times the driver's share of a sandbox cycle,
+// without the API, store or network: create (overlay + runtime + agent
+// hello), one exec of `true`, destroy. Each phase is reported as a metric.
+func BenchmarkCreateExecDestroy(b *testing.B) {
+	if setupErr != "" {
+		b.Skip(setupErr)
+	}
+	d, err := New(Config{GuestBinary: guestBin, StateDir: b.TempDir()}, slog.Default())
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx := context.Background()
+	var create, run, destroy time.Duration
+	for i := 0; b.Loop(); i++ {
+		spec := &substrate.Spec{
+			ID: fmt.Sprintf("bench%d-%d", os.Getpid(), i), Dir: b.TempDir(), Layers: layers, Hostname: "sandbox",
+			CPU: 1, MemoryMB: 256, Pids: 256, Network: substrate.Network{Mode: "none"},
+		}
+		t0 := time.Now()
+		inst, err := d.Create(ctx, spec)
+		if err != nil {
+			b.Fatal(err)
+		}
+		t1 := time.Now()
+		if _, err := inst.Guest().Run(ctx, &guestv1.Exec{Argv: []string{"true"}}); err != nil {
+			b.Fatal(err)
+		}
+		t2 := time.Now()
+		if err := inst.Destroy(ctx); err != nil {
+			b.Fatal(err)
+		}
+		create, run, destroy = create+t1.Sub(t0), run+t2.Sub(t1), destroy+time.Since(t2)
+	}
+	n := float64(b.N)
+	b.ReportMetric(float64(create.Microseconds())/n, "create-µs/op")
+	b.ReportMetric(float64(run.Microseconds())/n, "exec-µs/op")
+	b.ReportMetric(float64(destroy.Microseconds())/n, "destroy-µs/op")
 }
