@@ -121,7 +121,15 @@ func (r *remote) fail(cctx context.Context, err error) error {
 	if errors.As(err, &e) {
 		return err
 	}
-	return errdefs.Unavailable("node %s unreachable: its sandboxes cannot be reached until it answers again", r.name).WithCause(err)
+	// Keep the transport error (a refused dial says nothing was sent), not
+	// the connect error around it: that one would go to the wire as is.
+	cause := err
+	if ce != nil {
+		if cause = ce.Unwrap(); cause == nil {
+			cause = errors.New(ce.Message())
+		}
+	}
+	return errdefs.Unavailable("node %s unreachable: its sandboxes cannot be reached until it answers again", r.name).WithCause(cause)
 }
 
 // unary runs one unary call.

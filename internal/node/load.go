@@ -63,3 +63,6 @@ func (n *Node) loadChanged() {
 	default:
 	}
 }
+
+// Admitted counts creates admitted since this process started (see Load).
+func (n *Node) Admitted() uint64 { return n.admitted.Load() }

@@ -239,6 +239,9 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 // Name is the node's name.
 func (n *Node) Name() string { return n.cfg.Name }
 
+// DataDir is the node's data directory.
+func (n *Node) DataDir() string { return n.cfg.DataDir }
+
 // Images is the node's image store.
 func (n *Node) Images() *image.Store { return n.images }
 
