@@ -296,11 +296,15 @@ func clusterCmd(g *globals) *cobra.Command {
 	}
 	drain := &cobra.Command{
 		Use: "drain NODE", Short: "Stop placing sandboxes on a node; its sandboxes run until they end", Args: cobra.ExactArgs(1),
-		RunE: with(func(ctx context.Context, s *cluster.Store, args []string) error { return s.SetDrain(ctx, args[0], true) }),
+		RunE: with(func(ctx context.Context, s *cluster.Store, args []string) error {
+			return s.SetDrain(ctx, args[0], true)
+		}),
 	}
 	undrain := &cobra.Command{
 		Use: "undrain NODE", Short: "Place sandboxes on a drained node again", Args: cobra.ExactArgs(1),
-		RunE: with(func(ctx context.Context, s *cluster.Store, args []string) error { return s.SetDrain(ctx, args[0], false) }),
+		RunE: with(func(ctx context.Context, s *cluster.Store, args []string) error {
+			return s.SetDrain(ctx, args[0], false)
+		}),
 	}
 	forget := &cobra.Command{
 		Use: "forget NODE", Short: "Remove a node that left for good (IDs naming it become unknown)", Args: cobra.ExactArgs(1),
