@@ -269,12 +269,13 @@ func clusterCmd(g *globals) *cobra.Command {
 					Max       int64             `json:"max_sandboxes"`
 					Kinds     []string          `json:"kinds,omitempty"`
 					Images    []string          `json:"images,omitempty"`
+					Projects  map[string]int64  `json:"projects,omitempty"`
 				}
 				rows := []row{}
 				for _, n := range list {
 					r := row{Name: n.Name, State: n.State(), Address: n.Address, Labels: n.Labels}
 					if n.Load != nil {
-						r.Sandboxes, r.Max, r.Kinds, r.Images = n.Load.Sandboxes, n.Load.MaxSandboxes, n.Load.Kinds, n.Load.Images
+						r.Sandboxes, r.Max, r.Kinds, r.Images, r.Projects = n.Load.Sandboxes, n.Load.MaxSandboxes, n.Load.Kinds, n.Load.Images, n.Load.Projects
 					}
 					rows = append(rows, r)
 				}
