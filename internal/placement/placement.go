@@ -82,6 +82,7 @@ type Placer struct {
 type local struct {
 	pending     int64 // reserved, not answered
 	incarnation string
+	reported    uint64    // the admission counter of the last report
 	unreported  []created // answered creates newer than the last report
 }
 
@@ -165,10 +166,17 @@ func (p *Placer) Pick(view []*Node, req Request) (*Reservation, error) {
 
 // reserveLocked reserves a slot on the least used of the sampled nodes.
 func (p *Placer) reserveLocked(sample []*Node, used []float64, req *Request) *Reservation {
-	best := 0
+	best, ties := 0, 1
 	for i := 1; i < len(sample); i++ {
-		if used[i] < used[best] {
-			best = i
+		switch {
+		case used[i] < used[best]:
+			best, ties = i, 1
+		case used[i] == used[best]:
+			// Break ties at random, so no node is favoured by its place
+			// in the view.
+			if ties++; rand.IntN(ties) == 0 {
+				best = i
+			}
 		}
 	}
 	n := sample[best]
@@ -239,9 +247,10 @@ func (r *Reservation) Done(ok bool, incarnation string, admitted uint64) {
 	if l.incarnation == "" {
 		l.incarnation = incarnation
 	}
-	if !ok || incarnation != l.incarnation {
-		// Not created, or by a node process that restarted since: its next
-		// report counts what it has.
+	if !ok || incarnation != l.incarnation || (admitted != 0 && admitted <= l.reported) {
+		// Not created; or by a node process that restarted since, or
+		// counted by a report that came before the answer: the node's
+		// reports count it.
 		p.chargeLocked(r.project, -1)
 		return
 	}
@@ -266,9 +275,10 @@ func (p *Placer) Reported(node, incarnation string, admitted uint64) {
 		for _, c := range l.unreported {
 			p.chargeLocked(c.project, -1)
 		}
-		l.unreported, l.incarnation = nil, incarnation
+		l.unreported, l.incarnation, l.reported = nil, incarnation, admitted
 		return
 	}
+	l.reported = max(l.reported, admitted)
 	keep := l.unreported[:0]
 	for _, c := range l.unreported {
 		if c.admitted <= admitted { // 0 (unknown): the next report counts it

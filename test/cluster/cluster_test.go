@@ -178,7 +178,10 @@ func TestCluster(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%v: %s", err, out)
 		}
-		if !strings.Contains(out, `"node": "`+nodeOf(ids[0])+`"`) {
+		var got struct {
+			Node string `json:"node"`
+		}
+		if err := json.Unmarshal([]byte(out), &got); err != nil || got.Node != nodeOf(ids[0]) {
 			t.Fatalf("get -o json does not show node %s:\n%s", nodeOf(ids[0]), out)
 		}
 	})
