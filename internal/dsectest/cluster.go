@@ -3,6 +3,7 @@ package dsectest
 import (
 	"context"
 	"fmt"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -43,17 +44,19 @@ func StartEtcd(t TB) *Etcd {
 		dir = t.TempDir()
 	}
 	e := &Etcd{t: t, dir: dir}
-	e.URL = "http://" + freePort(t)
-	e.peer = "http://" + freePort(t)
-	e.Start()
+	ports := freePorts(t, 2)
+	e.URL, e.peer = "http://"+ports[0], "http://"+ports[1]
 	t.Cleanup(func() {
 		e.Kill()
 		if t.Failed() {
 			t.Logf("etcd log:\n%s", e.Log())
 		}
-		os.Remove(e.log.Name())
+		if e.log != nil {
+			os.Remove(e.log.Name())
+		}
 		os.RemoveAll(dir)
 	})
+	e.Start()
 	return e
 }
 
@@ -100,6 +103,20 @@ func (e *Etcd) Start() {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// freePorts returns n distinct free loopback ports.
+func freePorts(t TB, n int) []string {
+	var out []string
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		out = append(out, l.Addr().String())
+	}
+	return out
 }
 
 // Kill kills the server at once.
