@@ -26,6 +26,7 @@ want python3 /usr/bin/python3
 want python3-pytest /usr/lib/python3/dist-packages/pytest
 want ca-certificates /etc/ssl/certs/ca-certificates.crt
 want curl
+want etcd-server /usr/bin/etcd
 
 # busybox-static must be the static build (the busybox package is dynamic).
 if [[ -e /bin/busybox ]] && LC_ALL=C readelf -l /bin/busybox 2>/dev/null | grep -q 'program interpreter'; then
