@@ -351,13 +351,18 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 			}
 			rev = newRev
 		}
-		retry := r.send(ctx, todo, project, out, attempt+1 >= r.cfg.Attempts)
+		retry := r.send(ctx, todo, project, out)
+		todo = todo[:0]
 		for _, it := range retry {
 			it.exclude[it.node] = errdefs.Classify(it.lastErr).Msg
 			it.node, it.res, it.pinned = "", nil, ""
 			cl.Nodes[it.i] = ""
+			if attempt+1 >= r.cfg.Attempts {
+				fail(it, refused(it))
+				continue
+			}
+			todo = append(todo, it)
 		}
-		todo = retry
 	}
 	for _, res := range out.Results {
 		if res != nil && res.Sandbox != nil {
@@ -385,10 +390,28 @@ func kindOf(spec *dsecv1.SandboxSpec) string {
 	return spec.GetKind()
 }
 
+// refused is the error of an item every node it was tried on refused: the
+// class of the last refusal, and each node's reason.
+func refused(it *item) error {
+	names := make([]string, 0, len(it.exclude))
+	for n := range it.exclude {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	var parts []string
+	for _, n := range names {
+		parts = append(parts, n+": refused: "+it.exclude[n])
+	}
+	e := *errdefs.Classify(it.lastErr)
+	e.Msg = fmt.Sprintf("no node took this sandbox after %d attempts (%s)", len(names), strings.Join(parts, "; "))
+	e.Cause = nil
+	return &e
+}
+
 // send creates items on their nodes, each node's share in one call, all
 // nodes at once. It fills out and returns the items a node refused that
-// may go elsewhere (none when last).
-func (r *Router) send(ctx context.Context, items []*item, project string, out *dsecv1.CreateSandboxesResponse, last bool) []*item {
+// may go elsewhere.
+func (r *Router) send(ctx context.Context, items []*item, project string, out *dsecv1.CreateSandboxesResponse) []*item {
 	byNode := map[string][]*item{}
 	for _, it := range items {
 		byNode[it.node] = append(byNode[it.node], it)
@@ -422,7 +445,7 @@ func (r *Router) send(ctx context.Context, items []*item, project string, out *d
 					continue
 				}
 				it.lastErr = ierr
-				if !last && movable(it, ierr, answered, sent) {
+				if movable(it, ierr, answered, sent) {
 					retry = append(retry, it)
 					continue
 				}
