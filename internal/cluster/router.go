@@ -218,7 +218,7 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 		if sp == nil {
 			sp = &dsecv1.SandboxSpec{}
 		}
-		it := &item{i: i, spec: sp, exclude: map[string]string{}}
+		it := &item{i: i, spec: sp}
 		if i < len(keys) {
 			it.key = keys[i]
 		}
@@ -254,7 +254,7 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 			}
 		}
 	}
-	if cl == nil {
+	if cl == nil && ck != "" {
 		cl = &claim{Nodes: make([]string, len(specs))}
 	}
 	var todo, fresh []*item
@@ -317,7 +317,9 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 				continue
 			}
 			it.node, it.res = res.Node, res
-			cl.Nodes[it.i] = res.Node
+			if cl != nil {
+				cl.Nodes[it.i] = res.Node
+			}
 			placed = true
 		}
 		var ready []*item
@@ -354,9 +356,14 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 		retry := r.send(ctx, todo, project, out)
 		todo = todo[:0]
 		for _, it := range retry {
+			if it.exclude == nil {
+				it.exclude = map[string]string{}
+			}
 			it.exclude[it.node] = errdefs.Classify(it.lastErr).Msg
 			it.node, it.res, it.pinned = "", nil, ""
-			cl.Nodes[it.i] = ""
+			if cl != nil {
+				cl.Nodes[it.i] = ""
+			}
 			if attempt+1 >= r.cfg.Attempts {
 				fail(it, refused(it))
 				continue
@@ -421,9 +428,10 @@ func (r *Router) send(ctx context.Context, items []*item, project string, out *d
 		wg    sync.WaitGroup
 		retry []*item
 	)
+	one := len(byNode) == 1
 	for name, share := range byNode {
 		wg.Add(1)
-		go func() {
+		f := func() {
 			defer wg.Done()
 			results, inc, admitted, sent, err := r.createOn(ctx, name, share, project)
 			mu.Lock()
@@ -452,7 +460,12 @@ func (r *Router) send(ctx context.Context, items []*item, project string, out *d
 				out.Results[it.i] = &dsecv1.CreateResult{Index: int32(it.i), Error: itemError(ierr)}
 				out.Failed++
 			}
-		}()
+		}
+		if one {
+			f() // the common single create: no goroutine
+		} else {
+			go f()
+		}
 	}
 	wg.Wait()
 	return retry
