@@ -16,7 +16,9 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"os"
 	"sort"
@@ -48,6 +50,7 @@ var (
 	duration    = flag.Duration("duration", 5*time.Second, "length of each measured run")
 	concurrency = flag.Int("concurrency", 64, "creates in flight")
 	batch       = flag.Int("batch", 100, "sandboxes per CreateSandboxes call in the batch run")
+	profile     = flag.String("profile", "", "write the replica's CPU profile of the last single-create run to this file")
 )
 
 func main() {
@@ -64,7 +67,7 @@ func main() {
 	defer store.Close()
 
 	fmt.Printf("placement decisions on a 160-node view: %s\n", pickRate())
-	fmt.Printf("%-6s  %-26s  %12s  %9s  %9s  %14s  %16s\n", "nodes", "run", "placements/s", "p50", "p99", "etcd writes/s", "node writes/s/node")
+	fmt.Printf("%-6s  %-26s  %12s  %9s  %9s  %14s  %16s  %s\n", "nodes", "run", "placements/s", "p50", "p99", "etcd writes/s", "node writes/s/node", "replica CPU per placement")
 	var nodes []*clustertest.Node
 	var api *dsectest.Proc
 	for _, n := range []int{*maxNodes / 4, *maxNodes / 2, *maxNodes} {
@@ -77,24 +80,41 @@ func main() {
 			nodes = append(nodes, node)
 		}
 		if api == nil {
-			api = dsectest.StartAPI(p, etcd, dsectest.APIOptions{Token: token, Args: []string{"--log-level", "warn"}})
+			args := []string{"--log-level", "warn"}
+			if *profile != "" {
+				debugAddr = freeAddr(p)
+				args = append(args, "--debug-listen", debugAddr)
+			}
+			api = dsectest.StartAPI(p, etcd, dsectest.APIOptions{Token: token, Args: args})
 		}
 		c := dsec.New(api.URL)
 		waitNodes(p, c, n)
+		apiPid = api.Pid()
+		time.Sleep(2 * time.Second) // the new nodes' first publications settle
 
 		w0, e0 := writes(nodes), proposals(etcd.URL)
+		lastCPU = cpuTime(apiPid)
 		time.Sleep(*duration)
 		row(n, "idle", 0, nil, nodes, w0, e0)
 
 		w0, e0 = writes(nodes), proposals(etcd.URL)
+		lastCPU = cpuTime(apiPid)
+		var prof chan struct{}
+		if *profile != "" && n == *maxNodes {
+			prof = cpuProfile(p, *profile)
+		}
 		count, lat := drive(*concurrency, func(ctx context.Context, i int) (int, error) {
 			_, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox"})
 			return 1, err
 		})
+		if prof != nil {
+			<-prof
+		}
 		row(n, "create", count, lat, nodes, w0, e0)
 		single := float64(count) / duration.Seconds()
 
 		w0, e0 = writes(nodes), proposals(etcd.URL)
+		lastCPU = cpuTime(apiPid)
 		raw, _, _ := c.Raw()
 		count, lat = drive(max(1, *concurrency/16), func(ctx context.Context, i int) (int, error) {
 			resp, err := raw.CreateSandboxes(ctx, connect.NewRequest(&dsecv1.CreateSandboxesRequest{Spec: &dsecv1.SandboxSpec{Image: "busybox"}, Count: int32(*batch)}))
@@ -109,6 +129,7 @@ func main() {
 		row(n, fmt.Sprintf("batch of %d", *batch), count, lat, nodes, w0, e0)
 
 		w0, e0 = writes(nodes), proposals(etcd.URL)
+		lastCPU = cpuTime(apiPid)
 		var seq atomic.Int64
 		count, lat = drive(*concurrency, func(ctx context.Context, i int) (int, error) {
 			_, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox", IdempotencyKey: fmt.Sprintf("bench-%d-%d", n, seq.Add(1))})
@@ -123,6 +144,7 @@ func main() {
 			direct[i] = nodev1connect.NewNodeServiceClient(hc, "http://"+node.Addr, connect.WithInterceptors(bearer(token)))
 		}
 		w0, e0 = writes(nodes), proposals(etcd.URL)
+		lastCPU = cpuTime(apiPid)
 		count, lat = drive(*concurrency, func(ctx context.Context, i int) (int, error) {
 			_, err := direct[i%len(direct)].CreateSandboxes(ctx, connect.NewRequest(&nodev1.CreateSandboxesRequest{Specs: []*dsecv1.SandboxSpec{{Image: "busybox"}}, Project: "default"}))
 			return 1, err
@@ -181,6 +203,8 @@ func drive(workers int, f func(ctx context.Context, i int) (int, error)) (int, [
 // the nodes (per node) and in all (every client's writes, from etcd).
 func row(nodes int, run string, count int, lat []time.Duration, sims []*clustertest.Node, w0 int64, e0 float64) {
 	secs := duration.Seconds()
+	cpu := cpuTime(apiPid) - lastCPU
+	lastCPU = cpuTime(apiPid)
 	w := float64(writes(sims)-w0) / secs
 	e := (proposals(etcdURL) - e0) / secs
 	p50, p99 := "-", "-"
@@ -189,7 +213,30 @@ func row(nodes int, run string, count int, lat []time.Duration, sims []*clustert
 		p50 = lat[len(lat)/2].Round(10 * time.Microsecond).String()
 		p99 = lat[len(lat)*99/100].Round(10 * time.Microsecond).String()
 	}
-	fmt.Printf("%-6d  %-26s  %12.0f  %9s  %9s  %14.1f  %16.3f\n", nodes, run, float64(count)/secs, p50, p99, e, w/float64(nodes))
+	perCall := "-"
+	if count > 0 && !strings.HasPrefix(run, "baseline") {
+		us := float64(cpu.Microseconds()) / float64(count)
+		perCall = fmt.Sprintf("%.0fµs (%.0f/s per core)", us, 1e6/us)
+	}
+	fmt.Printf("%-6d  %-26s  %12.0f  %9s  %9s  %14.1f  %16.3f  %s\n", nodes, run, float64(count)/secs, p50, p99, e, w/float64(nodes), perCall)
+}
+
+var (
+	apiPid  int
+	lastCPU time.Duration
+)
+
+// cpuTime is a process's user and system CPU time (the replica runs as
+// one process: `dsec api` does not re-execute itself).
+func cpuTime(pid int) time.Duration {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+2:]))
+	ut, _ := strconv.ParseInt(f[11], 10, 64)
+	st, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(ut+st) * time.Second / 100 // USER_HZ
 }
 
 // writes sums the simulated nodes' etcd writes.
@@ -270,4 +317,38 @@ func bearer(token string) connect.Interceptor {
 			return next(ctx, req)
 		}
 	})
+}
+
+var debugAddr string
+
+func freeAddr(p *dsectest.ProgramTB) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		p.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// cpuProfile fetches the replica's CPU profile over the run into file.
+func cpuProfile(p *dsectest.ProgramTB, file string) chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		secs := max(1, int(duration.Seconds())-1)
+		resp, err := http.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", debugAddr, secs))
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "profile:", err)
+			return
+		}
+		defer resp.Body.Close()
+		f, err := os.Create(file)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "profile:", err)
+			return
+		}
+		defer f.Close()
+		io.Copy(f, resp.Body)
+	}()
+	return done
 }

@@ -34,6 +34,9 @@ type RouterConfig struct {
 	// IdempotencyTTL is how long a create's idempotency key is honoured
 	// across replicas (default 24h; a node keeps its own for as long).
 	IdempotencyTTL time.Duration
+	// BatchRun is how many sandboxes of one batch spec go to one node
+	// together (default 8; 1 spreads every sandbox on its own).
+	BatchRun int
 }
 
 // Router is the apiserver.Router of a cluster: it routes every call by the
@@ -65,6 +68,9 @@ func NewRouter(cfg RouterConfig, st *State, log *slog.Logger) *Router {
 	}
 	if cfg.IdempotencyTTL == 0 {
 		cfg.IdempotencyTTL = 24 * time.Hour
+	}
+	if cfg.BatchRun <= 0 {
+		cfg.BatchRun = 8
 	}
 	r := &Router{
 		cfg: cfg, state: st, log: log,
@@ -300,7 +306,8 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 	for attempt := 0; len(todo) > 0; attempt++ {
 		// Place what has no node yet.
 		placed := false
-		for _, it := range todo {
+		for idx := 0; idx < len(todo); idx++ {
+			it := todo[idx]
 			if it.node != "" {
 				continue
 			}
@@ -308,18 +315,34 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 				it.node = it.pinned
 				continue
 			}
-			res, err := r.placer.Pick(v.nodes, placement.Request{
+			// Items of one batch spec go in runs of up to BatchRun to one
+			// node: one call per run rather than per sandbox.
+			run := []*item{it}
+			for j := idx + 1; j < len(todo) && len(run) < r.cfg.BatchRun; j++ {
+				o := todo[j]
+				if o.node != "" || o.pinned != "" || o.spec != it.spec || len(o.exclude)+len(it.exclude) > 0 {
+					break
+				}
+				run = append(run, o)
+			}
+			res, err := r.placer.PickN(v.nodes, placement.Request{
 				Kind: kindOf(it.spec), Image: it.spec.GetImage(), Selector: it.spec.GetNodeSelector(),
 				Exclude: it.exclude, Project: project,
-			})
+			}, len(run))
 			if err != nil {
-				it.lastErr = err
+				for _, o := range run {
+					o.lastErr = err
+				}
+				idx += len(run) - 1
 				continue
 			}
-			it.node, it.res = res.Node, res
-			if cl != nil {
-				cl.Nodes[it.i] = res.Node
+			for j, rs := range res {
+				run[j].node, run[j].res = rs.Node, rs
+				if cl != nil {
+					cl.Nodes[run[j].i] = rs.Node
+				}
 			}
+			idx += len(res) - 1
 			placed = true
 		}
 		var ready []*item

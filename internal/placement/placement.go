@@ -112,6 +112,17 @@ type Reservation struct {
 // retry later), unavailable (nodes lost or draining, kinds missing) or
 // not_found (no node has the image or labels), with per-node reasons.
 func (p *Placer) Pick(view []*Node, req Request) (*Reservation, error) {
+	res, err := p.PickN(view, req, 1)
+	if err != nil {
+		return nil, err
+	}
+	return res[0], nil
+}
+
+// PickN is Pick for up to n sandboxes of one request: it reserves as many
+// of them as fit (at least one) on the node Pick would choose. Batches are
+// placed in such runs, so a batch costs a call per run, not per sandbox.
+func (p *Placer) PickN(view []*Node, req Request, count int) ([]*Reservation, error) {
 	var (
 		sample [8]*Node
 		used   [8]float64
@@ -138,7 +149,7 @@ func (p *Placer) Pick(view []*Node, req Request) (*Reservation, error) {
 			}
 			sample[seen], used[seen] = n, float64(n.Sandboxes+p.extraLocked(n))/float64(n.MaxSandboxes)
 			if seen++; seen == k {
-				return p.reserveLocked(sample[:k], used[:k], &req), nil
+				return p.reserveLocked(sample[:k], used[:k], &req, count), nil
 			}
 		}
 		seen = 0
@@ -160,12 +171,13 @@ func (p *Placer) Pick(view []*Node, req Request) (*Reservation, error) {
 	if seen == 0 {
 		return nil, why.err(len(view), &req)
 	}
-	n := min(seen, k)
-	return p.reserveLocked(sample[:n], used[:n], &req), nil
+	m := min(seen, k)
+	return p.reserveLocked(sample[:m], used[:m], &req, count), nil
 }
 
-// reserveLocked reserves a slot on the least used of the sampled nodes.
-func (p *Placer) reserveLocked(sample []*Node, used []float64, req *Request) *Reservation {
+// reserveLocked reserves up to n slots on the least used of the sampled
+// nodes.
+func (p *Placer) reserveLocked(sample []*Node, used []float64, req *Request, n int) []*Reservation {
 	best, ties := 0, 1
 	for i := 1; i < len(sample); i++ {
 		switch {
@@ -179,10 +191,15 @@ func (p *Placer) reserveLocked(sample []*Node, used []float64, req *Request) *Re
 			}
 		}
 	}
-	n := sample[best]
-	p.localLocked(n.Name).pending++
-	p.projects[req.Project]++
-	return &Reservation{Node: n.Name, p: p, project: req.Project}
+	node := sample[best]
+	k := int(min(int64(n), max(1, node.MaxSandboxes-node.Sandboxes-p.extraLocked(node))))
+	p.localLocked(node.Name).pending += int64(k)
+	p.projects[req.Project] += int64(k)
+	out := make([]*Reservation, k)
+	for i := range out {
+		out[i] = &Reservation{Node: node.Name, p: p, project: req.Project}
+	}
+	return out
 }
 
 // unfitLocked says why n cannot take req ("" if it can).

@@ -196,6 +196,28 @@ func TestPickNeverOverfillsFromItsOwnPlacements(t *testing.T) {
 	}
 }
 
+func TestPickNReservesARunOnOneNode(t *testing.T) {
+	view := []*Node{node("n1", 0, 5), node("n2", 1, 4)}
+	p := New(Config{Choices: 2})
+	first, err := p.PickN(view, req(), 4)
+	if err != nil || len(first) != 4 || first[0].Node != "n1" {
+		t.Fatalf("a run of 4 with n1 emptiest: %d on %v, %v", len(first), first[0].Node, err)
+	}
+	for _, r := range first {
+		if r.Node != first[0].Node {
+			t.Fatalf("a run split across nodes")
+		}
+	}
+	// n1 has 1 free slot, n2 3: the run goes to n2 and stops at its room.
+	second, err := p.PickN(view, req(), 8)
+	if err != nil || len(second) != 3 || second[0].Node != "n2" {
+		t.Fatalf("a run of 8 with n2 emptiest: %d on %s, %v", len(second), second[0].Node, err)
+	}
+	if got := p.Local("p"); got != 7 {
+		t.Fatalf("Local = %d after 7 reservations", got)
+	}
+}
+
 func TestLocalCountsUntilAReportIncludesTheCreate(t *testing.T) {
 	view := []*Node{node("n1", 0, 10)}
 	p := New(Config{})
