@@ -161,12 +161,13 @@ func (m *Member) session(ctx context.Context, load func() *nodev1.Load, changed 
 		case <-changed:
 			pendingChange = true
 		case <-timer.C:
-			if pendingChange {
-				if err := publish(); err != nil {
-					return err
-				}
-				pendingChange = false
+			// Every interval, whether signalled or not: what the node does
+			// not signal (images, kinds) changes rarely, and an unchanged
+			// load is not written.
+			if err := publish(); err != nil {
+				return err
 			}
+			pendingChange = false
 			timer.Reset(m.cfg.Interval)
 			continue
 		}
