@@ -12,7 +12,7 @@ export DSEC_CACHE_DIR := $(CACHE_DIR)
 VERSION   ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LISTEN    ?= 127.0.0.1:7070
 
-.PHONY: all setup build run test test-go test-python proto bench clean
+.PHONY: all setup build run test test-go test-python proto bench bench-cluster clean
 
 all: build
 
@@ -44,6 +44,9 @@ proto:
 
 bench: build
 	go run ./bench/container
+
+bench-cluster: setup
+	go run ./bench/cluster
 
 clean:
 	rm -rf bin
