@@ -38,6 +38,7 @@ type State struct {
 	replicas map[string]bool
 	onNode   []func(name string, n *NodeStatus) // called with mu not held, in event order
 
+	pnodes map[string]*placement.Node // each node's placement entry, rebuilt when it changes (under mu)
 	view   atomic.Pointer[view]
 	lastOK atomic.Int64 // monotonic nanoseconds (since start) of the last answer from etcd
 	start  time.Time
@@ -60,7 +61,7 @@ func (s *Store) NewState(static []string, allowOpen bool, log *slog.Logger) *Sta
 	st := &State{
 		s: s, log: log, static: apiserver.ParseKeys(static), allowOpen: allowOpen,
 		nodes: map[string]*NodeStatus{}, projects: map[string]Project{}, keys: map[string]string{}, replicas: map[string]bool{},
-		start: time.Now(), synced: make(chan struct{}),
+		pnodes: map[string]*placement.Node{}, start: time.Now(), synced: make(chan struct{}),
 	}
 	st.view.Store(&view{totals: map[string]int64{}})
 	return st
@@ -265,16 +266,20 @@ func (st *State) publish(changed map[string]bool) {
 	if len(changed) == 0 {
 		return
 	}
-	st.mu.RLock()
-	v := &view{totals: map[string]int64{}}
-	names := make([]string, 0, len(st.nodes))
-	for name := range st.nodes {
-		names = append(names, name)
+	st.mu.Lock()
+	for name := range changed {
+		if n := st.nodes[name]; n != nil {
+			st.pnodes[name] = placementNode(n)
+		} else {
+			delete(st.pnodes, name)
+		}
 	}
-	sort.Strings(names)
-	for _, name := range names {
-		n := st.nodes[name]
-		v.nodes = append(v.nodes, placementNode(n))
+	v := &view{totals: map[string]int64{}, nodes: make([]*placement.Node, 0, len(st.pnodes))}
+	for _, pn := range st.pnodes {
+		v.nodes = append(v.nodes, pn)
+	}
+	sort.Slice(v.nodes, func(i, j int) bool { return v.nodes[i].Name < v.nodes[j].Name })
+	for _, n := range st.nodes {
 		if n.Load != nil {
 			for p, c := range n.Load.Projects {
 				v.totals[p] += c
@@ -290,7 +295,7 @@ func (st *State) publish(changed map[string]bool) {
 		calls = append(calls, call{name, st.nodes[name]})
 	}
 	hooks := st.onNode
-	st.mu.RUnlock()
+	st.mu.Unlock()
 	st.view.Store(v)
 	for _, c := range calls {
 		for _, f := range hooks {
