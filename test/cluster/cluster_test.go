@@ -308,6 +308,7 @@ func TestCluster(t *testing.T) {
 		time.Sleep(3 * time.Millisecond)
 		c.apis[0].Kill()
 		firstErr := <-errc
+		t.Logf("the create on the killed replica returned %v", firstErr)
 		var sb *dsec.Sandbox
 		eventually(t, "create retried on the surviving replica", 30*time.Second, func() error {
 			var err error
@@ -449,8 +450,31 @@ func TestCluster(t *testing.T) {
 				onN2 = append(onN2, id)
 			}
 		}
+		// A stream in flight when the node dies ends with an infra error.
+		st, err := c.api(0).Sandbox(onN2[0]).Start(ctx, dsec.Cmd("sleep 600"), false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer st.Close()
+		streamErr := make(chan error, 1)
+		go func() {
+			for {
+				if _, err := st.Next(); err != nil {
+					streamErr <- err
+					return
+				}
+			}
+		}()
 		n2 := c.node("n2")
 		n2.Kill()
+		select {
+		case err := <-streamErr:
+			if e := errOf(err); !e.Infra || !strings.Contains(e.Message, "node n2") {
+				t.Fatalf("the stream in flight ended with %+v", e)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("the stream in flight on a killed node hangs")
+		}
 		for i := range c.apis {
 			cctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 			_, err := c.api(i).Sandbox(onN2[0]).Exec(cctx, dsec.Cmd("true"))
