@@ -38,7 +38,10 @@ var readonlyPaths = []string{
 // ociSpec builds the runtime spec for a sandbox whose init is the agent.
 func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, error) {
 	caps := append([]string(nil), defaultCaps...)
-	env := append([]string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, s.Env...)
+	env := s.Env
+	if !hasVar(env, "PATH") {
+		env = append([]string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, env...)
+	}
 	var oomAdj *int
 	if d.sysResource {
 		// Shield the agent: a memory bomb kills the bomb, not the sandbox.
@@ -163,6 +166,16 @@ func writeEtc(dir string, s *substrate.Spec) error {
 }
 
 func itoa(n int) string { return strconv.Itoa(n) }
+
+// hasVar reports whether env sets name.
+func hasVar(env []string, name string) bool {
+	for _, e := range env {
+		if strings.HasPrefix(e, name+"=") {
+			return true
+		}
+	}
+	return false
+}
 
 func guestArgs(s *substrate.Spec) []string {
 	args := []string{guestPath, "-listen-fd", "3"}

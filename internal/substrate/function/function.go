@@ -163,7 +163,7 @@ func (d *Driver) poolFor(img string) *pool {
 	defer d.mu.Unlock()
 	p := d.pools[img]
 	if p == nil {
-		p = &pool{d: d, image: img, free: make(chan struct{}, 1<<16)}
+		p = &pool{d: d, image: img}
 		d.pools[img] = p
 	}
 	return p
@@ -191,16 +191,25 @@ func (d *Driver) janitor() {
 	}
 }
 
-// pool is the workers of one image.
+// pool is the workers of one image. Free slots go to waiting calls in
+// arrival order: a call that arrives while others wait queues behind them,
+// so no call is starved by later ones (the tail latency of a batch is the
+// straggler a trainer waits for).
 type pool struct {
 	d     *Driver
 	image string
-	free  chan struct{} // a token per free slot, across workers
 
 	mu       sync.Mutex
 	workers  []*worker
 	starting int
-	lastErr  error
+	waiters  []chan grant // FIFO
+}
+
+// grant is a slot handed to a waiting call, or the error that ends its wait.
+type grant struct {
+	w    *worker
+	slot int
+	err  error
 }
 
 type worker struct {
@@ -208,12 +217,13 @@ type worker struct {
 	dir       string
 	inst      substrate.Instance
 	have      map[string]bool
-	mu        sync.Mutex
-	slots     []bool // in use
-	lastUsed  time.Time
-	dead      bool
 	languages map[string]bool
 	ooms      atomic.Int64 // the worker's OOM kills seen so far
+
+	// Guarded by the pool's mu.
+	slots    []bool // in use
+	lastUsed time.Time
+	dead     bool
 }
 
 // oomSince reports whether the worker's memory limit killed a process
@@ -246,127 +256,149 @@ func (p *pool) ensure() {
 // grow starts one worker in the background, unless the pool is full.
 func (p *pool) grow() {
 	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.growLocked()
+}
+
+func (p *pool) growLocked() {
 	if len(p.workers)+p.starting >= p.d.cfg.MaxWorkers {
-		p.mu.Unlock()
 		return
 	}
 	p.starting++
-	p.mu.Unlock()
 	go func() {
 		w, err := p.d.startWorker(p.image)
 		p.mu.Lock()
+		defer p.mu.Unlock()
 		p.starting--
-		p.lastErr = err
-		if err == nil {
-			p.workers = append(p.workers, w)
-		}
-		p.mu.Unlock()
 		if err != nil {
 			p.d.log.Warn("function worker failed to start", slog.String("image", p.image), slog.Any("error", err))
-			// Wake a waiter so it sees the error instead of waiting out its deadline.
-			select {
-			case p.free <- struct{}{}:
-			default:
+			if len(p.workers) == 0 && p.starting == 0 {
+				// Nothing will free a slot: tell the waiters why.
+				for _, ch := range p.waiters {
+					ch <- grant{err: errdefs.Unavailable("function workers for %s cannot start: %v", p.image, err)}
+				}
+				p.waiters = nil
 			}
 			return
 		}
-		for i := 0; i < p.d.cfg.Slots; i++ {
-			p.free <- struct{}{}
+		p.workers = append(p.workers, w)
+		for slot := range w.slots {
+			if len(p.waiters) == 0 {
+				break
+			}
+			w.slots[slot] = true
+			p.handLocked(w, slot)
 		}
 	}()
 }
 
-// acquire takes a free slot, growing the pool when none is free.
-func (p *pool) acquire(ctx context.Context) (*worker, int, error) {
-	deadline := time.NewTimer(p.d.cfg.QueueTimeout)
-	defer deadline.Stop()
-	grown := false
-	for {
-		if w, slot := p.take(); w != nil {
-			return w, slot, nil
-		}
-		p.mu.Lock()
-		n, starting, lastErr := len(p.workers), p.starting, p.lastErr
-		p.mu.Unlock()
-		if n == 0 && starting == 0 && lastErr != nil && grown {
-			return nil, 0, errdefs.Unavailable("function workers for %s cannot start: %v", p.image, lastErr)
-		}
-		if !grown || n+starting == 0 {
-			p.grow()
-			grown = true
-		}
-		select {
-		case <-p.free:
-		case <-ctx.Done():
-			return nil, 0, errdefs.Classify(ctx.Err())
-		case <-deadline.C:
-			return nil, 0, errdefs.Exhausted(time.Second, "no function slot free within %s", p.d.cfg.QueueTimeout)
-		}
-	}
+// handLocked gives a taken slot to the longest waiting call.
+func (p *pool) handLocked(w *worker, slot int) {
+	ch := p.waiters[0]
+	p.waiters = p.waiters[1:]
+	w.lastUsed = time.Now()
+	ch <- grant{w: w, slot: slot}
 }
 
-// take returns a worker with a free slot, preferring the busiest (to let
-// idle ones go), or nil.
-func (p *pool) take() (*worker, int) {
+// acquire takes a free slot, or queues for one behind the calls already
+// waiting, growing the pool when none is free.
+func (p *pool) acquire(ctx context.Context) (*worker, int, error) {
 	p.mu.Lock()
-	defer p.mu.Unlock()
+	if len(p.waiters) == 0 {
+		if w, slot := p.takeLocked(); w != nil {
+			p.mu.Unlock()
+			return w, slot, nil
+		}
+	}
+	ch := make(chan grant, 1)
+	p.waiters = append(p.waiters, ch)
+	p.growLocked()
+	p.mu.Unlock()
+
+	deadline := time.NewTimer(p.d.cfg.QueueTimeout)
+	defer deadline.Stop()
+	var err error
+	select {
+	case g := <-ch:
+		return g.w, g.slot, g.err
+	case <-ctx.Done():
+		err = errdefs.Classify(ctx.Err())
+	case <-deadline.C:
+		err = errdefs.Exhausted(time.Second, "no function slot free within %s", p.d.cfg.QueueTimeout)
+	}
+	p.mu.Lock()
+	for i, x := range p.waiters {
+		if x == ch {
+			p.waiters = append(p.waiters[:i], p.waiters[i+1:]...)
+			p.mu.Unlock()
+			return nil, 0, err
+		}
+	}
+	p.mu.Unlock()
+	// A slot was handed over as the wait ended: pass it on.
+	if g := <-ch; g.w != nil {
+		p.release(g.w, g.slot, "")
+	}
+	return nil, 0, err
+}
+
+// takeLocked returns a worker with a free slot, preferring the busiest (to
+// let idle ones go), or nil.
+func (p *pool) takeLocked() (*worker, int) {
 	var best *worker
 	bestSlot, bestBusy := -1, -1
 	for _, w := range p.workers {
-		w.mu.Lock()
-		if !w.dead {
-			busy, free := 0, -1
-			for i, used := range w.slots {
-				if used {
-					busy++
-				} else if free < 0 {
-					free = i
-				}
-			}
-			if free >= 0 && busy > bestBusy {
-				best, bestSlot, bestBusy = w, free, busy
+		if w.dead {
+			continue
+		}
+		busy, free := 0, -1
+		for i, used := range w.slots {
+			if used {
+				busy++
+			} else if free < 0 {
+				free = i
 			}
 		}
-		w.mu.Unlock()
+		if free >= 0 && busy > bestBusy {
+			best, bestSlot, bestBusy = w, free, busy
+		}
 	}
 	if best == nil {
 		return nil, -1
 	}
-	best.mu.Lock()
 	best.slots[bestSlot] = true
 	best.lastUsed = time.Now()
-	best.mu.Unlock()
 	return best, bestSlot
 }
 
-// release frees a slot; a dirty worker is destroyed and replaced.
+// release frees a slot, handing it to the longest waiting call; a dirty
+// worker is destroyed and replaced.
 func (p *pool) release(w *worker, slot int, dirty string) {
-	w.mu.Lock()
-	w.slots[slot] = false
+	p.mu.Lock()
 	if dirty != "" && !w.dead {
 		w.dead = true
-		w.mu.Unlock()
+		w.slots[slot] = false
+		p.removeLocked(w)
+		p.growLocked()
+		p.mu.Unlock()
 		p.d.log.Warn("function worker replaced: it could not be cleaned", slog.String("worker", w.id), slog.String("reason", dirty))
-		p.remove(w)
-		p.grow()
 		return
 	}
-	dead := w.dead
-	w.mu.Unlock()
-	if !dead {
-		p.free <- struct{}{}
+	if !w.dead && len(p.waiters) > 0 {
+		p.handLocked(w, slot) // the slot stays taken, by the waiter now
+	} else {
+		w.slots[slot] = false
 	}
+	p.mu.Unlock()
 }
 
-func (p *pool) remove(w *worker) {
-	p.mu.Lock()
+func (p *pool) removeLocked(w *worker) {
 	for i, x := range p.workers {
 		if x == w {
 			p.workers = append(p.workers[:i], p.workers[i+1:]...)
 			break
 		}
 	}
-	p.mu.Unlock()
 	go p.d.destroyWorker(w)
 }
 
@@ -376,7 +408,6 @@ func (p *pool) shrink() {
 	var idle []*worker
 	keep := len(p.workers)
 	for _, w := range p.workers {
-		w.mu.Lock()
 		busy := false
 		for _, u := range w.slots {
 			busy = busy || u
@@ -386,12 +417,11 @@ func (p *pool) shrink() {
 			idle = append(idle, w)
 			keep--
 		}
-		w.mu.Unlock()
+	}
+	for _, w := range idle {
+		p.removeLocked(w)
 	}
 	p.mu.Unlock()
-	for _, w := range idle {
-		p.remove(w)
-	}
 }
 
 func (p *pool) close() {
