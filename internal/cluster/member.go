@@ -96,18 +96,27 @@ func (m *Member) session(ctx context.Context, load func() *nodev1.Load, changed 
 	if err != nil {
 		return unavailable(err, "keep lease")
 	}
-	// The drain mark, read once and then watched.
-	wctx, wcancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-	defer wcancel()
+	// The drain mark, read and then watched. The watch outlives etcd
+	// outages (the client resumes it); only a compaction or a closed watch
+	// makes it read again. An outage alone never ends the lease's life:
+	// only a lease that could not be renewed does.
 	drainKey := s.key(dirDrain, m.cfg.Name)
-	gctx, gcancel := s.ctx(ctx)
-	resp, err := cli.Get(gctx, drainKey)
-	gcancel()
-	if err != nil {
-		return unavailable(err, "read drain mark")
+	watchDrain := func() (clientv3.WatchChan, context.CancelFunc, error) {
+		gctx, gcancel := s.ctx(ctx)
+		resp, err := cli.Get(gctx, drainKey)
+		gcancel()
+		if err != nil {
+			return nil, nil, unavailable(err, "read drain mark")
+		}
+		m.setDrain(len(resp.Kvs) > 0)
+		wctx, wcancel := context.WithCancel(ctx)
+		return cli.Watch(wctx, drainKey, clientv3.WithRev(resp.Header.Revision+1)), wcancel, nil
 	}
-	m.setDrain(len(resp.Kvs) > 0)
-	watch := cli.Watch(wctx, drainKey, clientv3.WithRev(resp.Header.Revision+1))
+	watch, wcancel, err := watchDrain()
+	if err != nil {
+		return err
+	}
+	defer func() { wcancel() }()
 
 	aliveKey := s.key(dirAlive, m.cfg.Name)
 	var last []byte
@@ -148,38 +157,54 @@ func (m *Member) session(ctx context.Context, load func() *nodev1.Load, changed 
 			}
 		case wr, ok := <-watch:
 			if !ok || wr.Err() != nil {
-				return errdefs.Unavailable("watch of the drain mark ended").WithCause(wr.Err())
+				wcancel()
+				if watch, wcancel, err = watchDrain(); err != nil {
+					// Read again on the next tick rather than drop the lease.
+					watch, wcancel = nil, func() {}
+					m.log.Warn("drain mark unreadable; retrying", slog.Any("error", err))
+				}
+				continue
 			}
 			for _, ev := range wr.Events {
 				m.setDrain(ev.Type == clientv3.EventTypePut)
 			}
 			pendingChange = true
-			if err := publish(); err != nil { // drains take effect at once
-				return err
+			if m.tryPublish(publish) { // drains take effect at once
+				pendingChange = false
 			}
-			pendingChange = false
 		case <-changed:
 			pendingChange = true
 		case <-timer.C:
+			if watch == nil {
+				if w, c, err := watchDrain(); err == nil {
+					watch, wcancel = w, c
+				}
+			}
 			// Every interval, whether signalled or not: what the node does
 			// not signal (images, kinds) changes rarely, and an unchanged
 			// load is not written.
-			if err := publish(); err != nil {
-				return err
+			if m.tryPublish(publish) {
+				pendingChange = false
 			}
-			pendingChange = false
 			timer.Reset(m.cfg.Interval)
 			continue
 		}
 		// Publish a change now if the last publication is old enough; the
 		// timer catches the rest.
-		if pendingChange && time.Since(lastAt) >= m.cfg.Interval {
-			if err := publish(); err != nil {
-				return err
-			}
+		if pendingChange && time.Since(lastAt) >= m.cfg.Interval && m.tryPublish(publish) {
 			pendingChange = false
 		}
 	}
+}
+
+// tryPublish publishes, and logs a failure (etcd unreachable: the next
+// interval tries again; the lease, renewed apart, keeps the node a member).
+func (m *Member) tryPublish(publish func() error) bool {
+	if err := publish(); err != nil {
+		m.log.Warn("publish load", slog.Any("error", err))
+		return false
+	}
+	return true
 }
 
 func (m *Member) setDrain(v bool) {

@@ -543,6 +543,23 @@ func TestCluster(t *testing.T) {
 	})
 
 	t.Run("with etcd down routed calls work and placements are refused, then resume", func(t *testing.T) {
+		// A stream open across the outage keeps working through it.
+		st, err := c.api(0).Sandbox(ids[0]).Start(ctx, dsec.Cmd("cat"), true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer st.Close()
+		echo := func(msg string) {
+			t.Helper()
+			if err := stdin(ctx, c.api(1), ids[0], st.ProcessID, []byte(msg), false); err != nil {
+				t.Fatal(err)
+			}
+			ev, err := st.Next()
+			if err != nil || string(ev.GetStdout()) != msg {
+				t.Fatalf("echo of %q: %v, %v", msg, ev, err)
+			}
+		}
+		echo("before\n")
 		c.etcd.Kill()
 		eventually(t, "creates refused with a clear infra error", 20*time.Second, func() error {
 			_, err := create(ctx, c.api(0), dsec.CreateOptions{})
@@ -558,11 +575,13 @@ func TestCluster(t *testing.T) {
 				}
 			}
 		}
+		echo("during\n")
 		c.etcd.Start()
 		eventually(t, "creates work again", 30*time.Second, func() error {
 			_, err := create(ctx, c.api(1), dsec.CreateOptions{})
 			return err
 		})
+		echo("after\n")
 	})
 }
 
