@@ -175,6 +175,10 @@ func (m *Member) session(ctx context.Context, load func() *nodev1.Load, changed 
 		case <-changed:
 			pendingChange = true
 		case <-timer.C:
+			if wait := m.cfg.Interval - time.Since(lastAt); wait > 0 {
+				timer.Reset(wait) // at most one write per interval
+				continue
+			}
 			if watch == nil {
 				if w, c, err := watchDrain(); err == nil {
 					watch, wcancel = w, c
