@@ -93,7 +93,7 @@ func startCluster(t *testing.T) *testCluster {
 		go func() {
 			defer wg.Done()
 			c.nodes[i] = dsectest.StartNode(t, c.etcd, fmt.Sprintf("n%d", i+1), dsectest.NodeOptions{
-				Token: token, Args: []string{"--node-ttl", "3s", "--load-interval", "200ms", "--max-sandboxes", "40"},
+				Token: token, Args: []string{"--node-ttl", "3s", "--load-interval", "200ms", "--max-sandboxes", "40", "--label", fmt.Sprintf("rack=r%d", i+1)},
 			})
 		}()
 	}
@@ -183,6 +183,22 @@ func TestCluster(t *testing.T) {
 		}
 		if err := json.Unmarshal([]byte(out), &got); err != nil || got.Node != nodeOf(ids[0]) {
 			t.Fatalf("get -o json does not show node %s:\n%s", nodeOf(ids[0]), out)
+		}
+	})
+
+	t.Run("a node selector places on the nodes with the labels", func(t *testing.T) {
+		for i := range 3 {
+			out, err := c.cli("--url", c.apis[i%2].URL, "--api-key", akey, "create", "--image", "busybox", "--ttl", "10m", "--node-selector", "rack=r2")
+			if err != nil {
+				t.Fatalf("%v: %s", err, out)
+			}
+			if id := strings.TrimSpace(out); nodeOf(id) != "n2" {
+				t.Fatalf("rack=r2 placed %s", id)
+			}
+		}
+		out, err := c.cli("--url", c.apis[0].URL, "--api-key", akey, "create", "--image", "busybox", "--node-selector", "rack=r9")
+		if err == nil || !strings.Contains(out, "labels do not match") {
+			t.Fatalf("a selector no node matches: %v: %s", err, out)
 		}
 	})
 
