@@ -57,6 +57,8 @@ type Router struct {
 	qmu       sync.Mutex // serializes quota checks with what they admit
 	buckets   map[string]*bucket
 	admitting map[string]int64 // admitted, not yet counted by the placer
+
+	afterSend func() // test hook: runs before a retried keyed create confirms
 }
 
 var _ apiserver.Router = (*Router)(nil)
@@ -203,6 +205,7 @@ type item struct {
 	res     *placement.Reservation
 	exclude map[string]string
 	lastErr error
+	adopted bool // placed by an earlier attempt's claim
 }
 
 // CreateMany places each item on a node (its claim's node when retried with
@@ -255,11 +258,12 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 		if cl != nil {
 			for i, n := range cl.Nodes {
 				if n != "" {
-					items[i].pinned, items[i].node = n, n
+					items[i].pinned, items[i].node, items[i].adopted = n, n, true
 				}
 			}
 		}
 	}
+	adopted := cl != nil
 	if cl == nil && ck != "" {
 		cl = &claim{Nodes: make([]string, len(specs))}
 	}
@@ -394,12 +398,62 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 			todo = append(todo, it)
 		}
 	}
+	if adopted {
+		if r.afterSend != nil {
+			r.afterSend()
+		}
+		r.confirm(ctx, project, ck, cl, rev, items, out)
+	}
+	out.Created, out.Failed = 0, 0
 	for _, res := range out.Results {
-		if res != nil && res.Sandbox != nil {
+		switch {
+		case res == nil:
+		case res.Sandbox != nil:
 			out.Created++
+		default:
+			out.Failed++
 		}
 	}
 	return out
+}
+
+// confirm closes the race of a retried keyed create with the attempt it
+// retries: that attempt may have moved an item the claim had on node X
+// (X refused it) to node Y while this one, having read the old claim,
+// created it on X. Rewriting the claim unchanged (compare-and-swap on the
+// revision this create read or wrote) orders the two: if it succeeds, the
+// other attempt's move fails and that attempt's client retries into this
+// result; if it fails, the claim moved, and sandboxes this create made on
+// nodes the claim no longer names are deleted and their items sent where
+// the claim says (whose node returns the other attempt's sandbox).
+func (r *Router) confirm(ctx context.Context, project, ck string, cl *claim, rev int64, items []*item, out *dsecv1.CreateSandboxesResponse) {
+	if _, ok, err := r.claims.put(ctx, project, ck, cl, rev); err != nil || ok {
+		return
+	}
+	cur, _, err := r.claims.get(ctx, project, ck)
+	if err != nil || cur == nil || len(cur.Nodes) != len(items) {
+		return
+	}
+	var redo []*item
+	for _, it := range items {
+		res := out.Results[it.i]
+		if !it.adopted || res == nil || res.Sandbox == nil {
+			continue
+		}
+		if want := cur.Nodes[it.i]; want != "" && want != res.Sandbox.Node {
+			if rn, err := r.node(res.Sandbox.Node, "duplicate"); err == nil {
+				if err := rn.Delete(ctx, res.Sandbox.Id); err != nil {
+					r.log.Warn("delete duplicate sandbox", slog.String("sandbox_id", res.Sandbox.Id), slog.Any("error", err))
+				}
+			}
+			out.Results[it.i] = nil
+			it.node, it.pinned, it.res = want, want, nil
+			redo = append(redo, it)
+		}
+	}
+	for _, it := range r.send(ctx, redo, project, out) {
+		out.Results[it.i] = &dsecv1.CreateResult{Index: int32(it.i), Error: itemError(it.lastErr)}
+	}
 }
 
 // claimed keeps the items a claim placed.

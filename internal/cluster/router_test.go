@@ -8,6 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"connectrpc.com/connect"
+
+	nodev1 "github.com/opendsec/dsec/api/dsec/node/v1"
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/cluster"
 	"github.com/opendsec/dsec/internal/cluster/clustertest"
@@ -170,6 +173,38 @@ func TestRouterPlacesAroundRefusals(t *testing.T) {
 		other := r2.CreateMany(ctx, specs[:2], keys[:2], "p")
 		if other.Failed != 2 || !strings.Contains(other.Results[0].Error.GetMessage(), "was used for a create of 4") {
 			t.Fatalf("the key reused for another batch: %v", other.Results)
+		}
+	})
+
+	t.Run("a retry that raced the first attempt's move of an item makes no duplicate", func(t *testing.T) {
+		// The retry reads a claim naming a; meanwhile the first attempt,
+		// refused by a, moves the item to b and creates it there.
+		if err := e.store.PutClaim("p", "race", []string{"a"}); err != nil {
+			t.Fatal(err)
+		}
+		var first *dsecv1.Sandbox
+		cluster.SetAfterSend(r, func() {
+			if err := e.store.PutClaim("p", "race", []string{"b"}); err != nil {
+				t.Error(err)
+			}
+			resp, err := e.nodes["b"].CreateSandboxes(ctx, connect.NewRequest(&nodev1.CreateSandboxesRequest{Specs: []*dsecv1.SandboxSpec{spec("busybox")}, IdempotencyKeys: []string{"race"}, Project: "p"}))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			first = resp.Msg.Result.Results[0].Sandbox
+		})
+		defer cluster.SetAfterSend(r, nil)
+		onA := e.nodes["a"].Count()
+		sb, err := r.Create(ctx, &dsecv1.CreateSandboxRequest{Spec: spec("busybox"), IdempotencyKey: "race", Project: "p"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if first == nil || sb.Id != first.Id {
+			t.Fatalf("the retry returned %s, the first attempt made %v", sb.Id, first)
+		}
+		if got := e.nodes["a"].Count(); got != onA {
+			t.Fatalf("node a holds %d sandboxes, %d before: the duplicate stayed", got, onA)
 		}
 	})
 
