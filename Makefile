@@ -12,7 +12,7 @@ export DSEC_CACHE_DIR := $(CACHE_DIR)
 VERSION   ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LISTEN    ?= 127.0.0.1:7070
 
-.PHONY: all setup build run test test-go test-python proto bench clean
+.PHONY: all setup build run test test-go test-python proto bench bench-cluster clean
 
 all: build
 
@@ -39,11 +39,14 @@ test-python:
 proto:
 	protoc -I api --go_out=. --go_opt=module=github.com/opendsec/dsec \
 		--connect-go_out=. --connect-go_opt=module=github.com/opendsec/dsec \
-		api/dsec/v1/*.proto api/dsec/guest/v1/*.proto \
+		api/dsec/v1/*.proto api/dsec/node/v1/*.proto api/dsec/guest/v1/*.proto \
 		api/e2b/process/process.proto api/e2b/filesystem/filesystem.proto
 
 bench: build
 	go run ./bench/container
+
+bench-cluster: setup
+	go run ./bench/cluster
 
 clean:
 	rm -rf bin

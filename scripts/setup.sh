@@ -26,6 +26,7 @@ want python3 /usr/bin/python3
 want python3-pytest /usr/lib/python3/dist-packages/pytest
 want ca-certificates /etc/ssl/certs/ca-certificates.crt
 want curl
+want etcd-server /usr/bin/etcd
 # The E2B compatibility tests (test/e2b) run the real e2b npm SDKs.
 want nodejs node
 want npm
