@@ -12,7 +12,7 @@ export DSEC_CACHE_DIR := $(CACHE_DIR)
 VERSION   ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LISTEN    ?= 127.0.0.1:7070
 
-.PHONY: all setup build run test test-go test-python proto bench bench-microvm clean
+.PHONY: all setup build run test test-go test-python proto bench bench-microvm bench-cluster clean
 
 all: build
 
@@ -39,7 +39,7 @@ test-python:
 proto:
 	protoc -I api --go_out=. --go_opt=module=github.com/opendsec/dsec \
 		--connect-go_out=. --connect-go_opt=module=github.com/opendsec/dsec \
-		api/dsec/v1/*.proto api/dsec/guest/v1/*.proto \
+		api/dsec/v1/*.proto api/dsec/node/v1/*.proto api/dsec/guest/v1/*.proto \
 		api/e2b/process/process.proto api/e2b/filesystem/filesystem.proto
 
 bench: build
@@ -47,6 +47,9 @@ bench: build
 
 bench-microvm: build
 	go run ./bench/microvm
+
+bench-cluster: setup
+	go run ./bench/cluster
 
 clean:
 	rm -rf bin

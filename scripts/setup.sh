@@ -31,6 +31,7 @@ want qemu-system-x86 qemu-system-x86_64
 want qemu-utils qemu-img
 want lz4
 want binutils readelf
+want etcd-server /usr/bin/etcd
 # The E2B compatibility tests (test/e2b) run the real e2b npm SDKs.
 want nodejs node
 want npm

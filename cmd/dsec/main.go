@@ -1,5 +1,7 @@
 // Command dsec is dsec's one binary: the server (`dsec serve`, the
-// all-in-one) and the command-line client for everything else.
+// all-in-one; `dsec api` and `dsec node` in a cluster), cluster
+// administration (`dsec cluster`) and the command-line client for
+// everything else.
 package main
 
 import (
@@ -40,7 +42,7 @@ func main() {
 	root.PersistentFlags().StringVar(&g.apiKey, "api-key", os.Getenv("DSEC_API_KEY"), "API key (env DSEC_API_KEY)")
 	root.PersistentFlags().StringVarP(&g.output, "output", "o", "text", "output format: text or json")
 
-	root.AddCommand(serveCmd())
+	root.AddCommand(serveCmd(), apiCmd(), nodeCmd(), clusterCmd(g))
 	root.AddCommand(createCmd(g), execCmd(g), cpCmd(g), lsCmd(g), getCmd(g), rmCmd(g), keepaliveCmd(g), psCmd(g))
 	root.AddCommand(imageCmd(g), infoCmd(g))
 	root.AddCommand(lifecycleCmds(g)...)

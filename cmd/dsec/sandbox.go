@@ -23,6 +23,7 @@ func createCmd(g *globals) *cobra.Command {
 		o            dsec.CreateOptions
 		memory       string
 		labels, env  []string
+		nodeSel      []string
 		ttl, idleTTL time.Duration
 		quiet        bool
 		count        int
@@ -40,6 +41,9 @@ func createCmd(g *globals) *cobra.Command {
 				return err
 			}
 			if o.Env, err = parseKV(env, "env"); err != nil {
+				return err
+			}
+			if o.NodeSelector, err = parseKV(nodeSel, "node-selector"); err != nil {
 				return err
 			}
 			o.TTL, o.IdleTTL = ttl, idleTTL
@@ -79,6 +83,7 @@ func createCmd(g *globals) *cobra.Command {
 	f.StringVar(&o.IdempotencyKey, "idempotency-key", "", "return the same sandbox when retried with this key")
 	f.StringVar(&o.Snapshot, "from", "", "start from this snapshot instead of an image")
 	f.StringVar(&o.Session, "session", "", "bind the sandbox to this trainer session")
+	f.StringArrayVar(&nodeSel, "node-selector", nil, "place only on nodes with label key=value (cluster mode; repeatable)")
 	f.IntVarP(&count, "count", "n", 1, "create this many (one ID per line)")
 	f.BoolVarP(&quiet, "quiet", "q", false, "print only the ID (the default in text output)")
 	return cmd

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"debug/elf"
 	"errors"
 	"fmt"
@@ -21,6 +22,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/apiserver"
@@ -54,13 +56,8 @@ func serveCmd() *cobra.Command {
 				return err
 			}
 			applyFlags(cmd, &cfg, &flagCfg, bootstrap)
-			for _, p := range pools {
-				img, size, _ := strings.Cut(p, ":")
-				n, err := strconv.Atoi(size)
-				if err != nil || img == "" {
-					return fmt.Errorf("--pool %q: want IMAGE:SIZE", p)
-				}
-				cfg.Node.Pools = append(cfg.Node.Pools, config.Pool{Image: img, Size: n})
+			if err := applyPools(&cfg, pools); err != nil {
+				return err
 			}
 			cfg.Defaults()
 			return serve(cmd.Context(), cfg)
@@ -69,13 +66,25 @@ func serveCmd() *cobra.Command {
 	f := cmd.Flags()
 	f.StringVarP(&file, "config", "c", "", "YAML config file")
 	f.StringVar(&flagCfg.Listen, "listen", "", "API address (default 127.0.0.1:7070)")
+	f.StringArrayVar(&flagCfg.APIKeys, "api-key", nil, "accepted API key (repeatable; env DSEC_API_KEYS)")
+	e2bFlags(f, &flagCfg)
+	nodeFlags(f, &flagCfg, &bootstrap, &pools)
+	f.StringVar(&flagCfg.Node.Name, "name", "", "node name (default local)")
+	return cmd
+}
+
+// e2bFlags are the flags of the E2B facade, shared by serve and api.
+func e2bFlags(f *pflag.FlagSet, flagCfg *config.Config) {
+	f.StringVar(&flagCfg.E2B.Domain, "e2b-domain", "", "sandbox domain E2B SDKs are told to use (default none: clients set E2B_SANDBOX_URL)")
+}
+
+// nodeFlags are the flags of a node agent, shared by serve and node.
+func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, bootstrap *string, pools *[]string) {
 	f.StringVar(&flagCfg.DataDir, "data-dir", "", "state directory (default ./.dsec)")
 	f.StringVar(&flagCfg.CacheDir, "cache-dir", "", "cache for bootstrapped images (default DATA_DIR/cache)")
-	f.StringArrayVar(&flagCfg.APIKeys, "api-key", nil, "accepted API key (repeatable; env DSEC_API_KEYS)")
 	f.StringVar(&flagCfg.GuestBinary, "guest-binary", "", "dsec-guest binary (default: next to dsec)")
-	f.StringVar(&bootstrap, "bootstrap", "", "base images to build at start if missing, e.g. busybox,debian")
+	f.StringVar(bootstrap, "bootstrap", "", "base images to build at start if missing, e.g. busybox,debian")
 	f.StringVar(&flagCfg.LogLevel, "log-level", "", "debug, info, warn or error")
-	f.StringVar(&flagCfg.Node.Name, "name", "", "node name (default local)")
 	f.IntVar(&flagCfg.Node.MaxSandboxes, "max-sandboxes", 0, "admission limit (default 4096)")
 	f.IntVar(&flagCfg.Node.MaxConcurrentStarts, "max-starts", 0, "sandbox starts in flight (default 2 per core)")
 	f.IntVar(&flagCfg.Node.StartQueue, "start-queue", 0, "creates that may wait for a start (default 1024)")
@@ -85,10 +94,21 @@ func serveCmd() *cobra.Command {
 	f.StringVar(&flagCfg.Container.Runtime, "runtime", "", "OCI runtime: crun or runc (default crun)")
 	f.StringVar(&flagCfg.MicroVM.Accel, "microvm-accel", "", "microvm acceleration: auto, kvm or tcg (default auto)")
 	f.StringVar(&flagCfg.MicroVM.KernelDir, "guest-kernel", "", "microvm guest kernel directory (default CACHE_DIR/guest-kernel)")
-	f.StringArrayVar(&pools, "pool", nil, "warm pool IMAGE:SIZE with default resources (repeatable; see the config file for shapes)")
+	f.StringArrayVar(pools, "pool", nil, "warm pool IMAGE:SIZE with default resources (repeatable; see the config file for shapes)")
 	f.StringVar(&flagCfg.DebugListen, "debug-listen", "", "serve Go profiling (net/http/pprof) on this loopback address")
-	f.StringVar(&flagCfg.E2B.Domain, "e2b-domain", "", "sandbox domain E2B SDKs are told to use (default none: clients set E2B_SANDBOX_URL)")
-	return cmd
+}
+
+// applyPools adds --pool flags to cfg.
+func applyPools(cfg *config.Config, pools []string) error {
+	for _, p := range pools {
+		img, size, _ := strings.Cut(p, ":")
+		n, err := strconv.Atoi(size)
+		if err != nil || img == "" {
+			return fmt.Errorf("--pool %q: want IMAGE:SIZE", p)
+		}
+		cfg.Node.Pools = append(cfg.Node.Pools, config.Pool{Image: img, Size: n})
+	}
+	return nil
 }
 
 // applyFlags overlays the flags that were set on cfg.
@@ -156,6 +176,24 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	if set("e2b-domain") {
 		cfg.E2B.Domain = fl.E2B.Domain
 	}
+	if set("etcd") {
+		cfg.Cluster.Etcd = fl.Cluster.Etcd
+	}
+	if set("etcd-prefix") {
+		cfg.Cluster.Prefix = fl.Cluster.Prefix
+	}
+	if set("cluster-token") {
+		cfg.Cluster.Token = fl.Cluster.Token
+	}
+	if set("advertise") {
+		cfg.Cluster.Advertise = fl.Cluster.Advertise
+	}
+	if set("node-ttl") {
+		cfg.Cluster.NodeTTL = fl.Cluster.NodeTTL
+	}
+	if set("load-interval") {
+		cfg.Cluster.LoadInterval = fl.Cluster.LoadInterval
+	}
 }
 
 func newLogger(level string) *slog.Logger {
@@ -168,49 +206,80 @@ func newLogger(level string) *slog.Logger {
 
 func serve(ctx context.Context, cfg config.Config) error {
 	log := newLogger(cfg.LogLevel)
-	// Before anything starts threads: all sandbox mounts live in a private
-	// mount namespace, which also lets crun work on hybrid cgroup hosts.
-	if os.Geteuid() == 0 {
-		if err := mountns.Enter(); err != nil {
-			return fmt.Errorf("enter a private mount namespace: %w", err)
-		}
-	} else {
-		log.Warn("not running as root: sandboxes cannot start (the container substrate needs root)")
-	}
-	dataDir, err := filepath.Abs(cfg.DataDir)
-	if err != nil {
-		return err
-	}
-	if err := os.MkdirAll(dataDir, 0o700); err != nil {
-		return err
-	}
 	if err := apiserver.CheckListen(cfg.Listen, cfg.APIKeys); err != nil {
 		return err
 	}
-	n, fn, err := buildNode(cfg, dataDir, log)
+	n, closeNode, err := openNode(cfg, log)
 	if err != nil {
 		return err
 	}
-	defer removeEmptyRunDir(runDirOf(dataDir))
-	defer n.Close()
-	fn.Start()
-	defer fn.Close()
+	defer closeNode()
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+	defer stop()
 	router := apiserver.Single{N: n}
-	sessStore, err := session.OpenBolt(filepath.Join(dataDir, "control.db"))
+	sessStore, err := session.OpenBolt(filepath.Join(n.DataDir(), "control.db"))
 	if err != nil {
 		return err
 	}
 	defer sessStore.Close()
 	sessions := session.New(sessStore, apiserver.Actor(router), log)
 	api := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, Version: version}, log, router, sessions)
-	if err := mountE2B(cfg.E2B, dataDir, log, router, api); err != nil {
+	secret, err := e2bSecret(cfg.E2B, n.DataDir(), "", log)
+	if err != nil {
+		return fmt.Errorf("e2b token secret: %w", err)
+	}
+	if err := mountE2B(cfg.E2B, secret, log, router, api); err != nil {
 		return err
 	}
-
-	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
-	defer stop()
 	go sessions.Run(ctx)
-	for _, recipe := range cfg.Bootstrap {
+	if err := bootstrapImages(ctx, n, cfg.Bootstrap, log); err != nil {
+		return err
+	}
+	if err := serveDebug(cfg.DebugListen, log); err != nil {
+		return err
+	}
+	l, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return err
+	}
+	log.Info("dsec serving", slog.String("listen", l.Addr().String()), slog.String("data_dir", n.DataDir()), slog.Bool("auth", len(cfg.APIKeys) > 0))
+	return api.Serve(ctx, l)
+}
+
+// openNode starts a node agent over cfg's data directory, with every
+// substrate this host runs. close stops it (sandboxes keep running).
+func openNode(cfg config.Config, log *slog.Logger) (_ *node.Node, close func(), _ error) {
+	// Before anything starts threads: all sandbox mounts live in a private
+	// mount namespace, which also lets crun work on hybrid cgroup hosts.
+	if os.Geteuid() == 0 {
+		if err := mountns.Enter(); err != nil {
+			return nil, nil, fmt.Errorf("enter a private mount namespace: %w", err)
+		}
+	} else {
+		log.Warn("not running as root: sandboxes cannot start (the container substrate needs root)")
+	}
+	dataDir, err := filepath.Abs(cfg.DataDir)
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := os.MkdirAll(dataDir, 0o700); err != nil {
+		return nil, nil, err
+	}
+	n, fn, err := buildNode(cfg, dataDir, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	fn.Start()
+	return n, func() {
+		fn.Close()
+		n.Close()
+		removeEmptyRunDir(runDirOf(dataDir))
+	}, nil
+}
+
+// bootstrapImages builds the base images a node lacks.
+func bootstrapImages(ctx context.Context, n *node.Node, recipes []string, log *slog.Logger) error {
+	for _, recipe := range recipes {
 		if _, err := n.GetImage(ctx, recipe); err == nil {
 			continue
 		}
@@ -227,33 +296,47 @@ func serve(ctx context.Context, cfg config.Config) error {
 		}
 		log.Info("base image ready", slog.String("image", recipe))
 	}
-	if cfg.DebugListen != "" {
-		if err := apiserver.CheckListen(cfg.DebugListen, nil); err != nil {
-			return fmt.Errorf("debug listener: %w", err)
-		}
-		go func() {
-			err := http.ListenAndServe(cfg.DebugListen, debugMux())
-			log.Warn("debug listener stopped", slog.Any("error", err))
-		}()
+	return nil
+}
+
+// serveDebug serves Go profiling on a loopback address, if one is set.
+func serveDebug(addr string, log *slog.Logger) error {
+	if addr == "" {
+		return nil
 	}
-	l, err := net.Listen("tcp", cfg.Listen)
-	if err != nil {
-		return err
+	if err := apiserver.CheckListen(addr, nil); err != nil {
+		return fmt.Errorf("debug listener: %w", err)
 	}
-	log.Info("dsec serving", slog.String("listen", l.Addr().String()), slog.String("data_dir", dataDir), slog.Bool("auth", len(cfg.APIKeys) > 0))
-	return api.Serve(ctx, l)
+	go func() {
+		err := http.ListenAndServe(addr, debugMux())
+		log.Warn("debug listener stopped", slog.Any("error", err))
+	}()
+	return nil
+}
+
+// e2bSecret is the key of E2B access tokens: a configured file, else a
+// file in the data directory (serve), else one derived from the cluster
+// token, so every replica of a cluster checks the tokens of the others.
+func e2bSecret(c config.E2B, dataDir, clusterToken string, log *slog.Logger) ([]byte, error) {
+	path := c.TokenSecretFile
+	if path == "" && dataDir != "" {
+		path = filepath.Join(dataDir, "e2b-token.key")
+	}
+	if path != "" {
+		return loadOrCreateSecret(path)
+	}
+	if clusterToken != "" {
+		sum := sha256.Sum256([]byte("dsec e2b access tokens\x00" + clusterToken))
+		return sum[:], nil
+	}
+	log.Warn("e2b access tokens are valid on this replica only: set e2b.token_secret_file or a cluster token")
+	b := make([]byte, 32)
+	_, err := rand.Read(b)
+	return b, err
 }
 
 // mountE2B serves the E2B-compatible facade on the API's listener.
-func mountE2B(c config.E2B, dataDir string, log *slog.Logger, router apiserver.Router, api *apiserver.Server) error {
-	path := c.TokenSecretFile
-	if path == "" {
-		path = filepath.Join(dataDir, "e2b-token.key")
-	}
-	secret, err := loadOrCreateSecret(path)
-	if err != nil {
-		return fmt.Errorf("e2b token secret: %w", err)
-	}
+func mountE2B(c config.E2B, secret []byte, log *slog.Logger, router apiserver.Router, api *apiserver.Server) error {
 	var templates map[string]e2b.Template
 	if len(c.Templates) > 0 {
 		templates = map[string]e2b.Template{}

@@ -8,6 +8,7 @@ package apiserver
 import (
 	"context"
 	"io"
+	"sync"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 )
@@ -66,16 +67,57 @@ type Node interface {
 	BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
 }
 
-// Router finds nodes: the owner of a sandbox, and where to place a new one.
+// Router finds nodes (the owner of a sandbox) and places new sandboxes.
+// Single is the router of `dsec serve`; a cluster's router (package
+// cluster) places over many nodes.
 type Router interface {
-	// ForSandbox returns the node that owns sandbox id.
+	// ForSandbox returns the node that owns sandbox id: a malformed id is
+	// invalid, an id of a node the deployment never had is not_found, and
+	// an unreachable node is unavailable (infra).
 	ForSandbox(ctx context.Context, id string) (Node, error)
 	// ForSnapshot returns the node that holds snapshot id.
 	ForSnapshot(ctx context.Context, id string) (Node, error)
 	// ForFunction chooses the node for function calls.
 	ForFunction(ctx context.Context) (Node, error)
-	// ForCreate chooses the node for a new sandbox.
-	ForCreate(ctx context.Context, spec *dsecv1.SandboxSpec) (Node, error)
-	// Nodes lists every node (for listing and image operations).
+	// Create places and creates a sandbox for req.Project: in `dsec serve`
+	// on the one node; in a cluster on the node placement picks, elsewhere
+	// when that node refuses. A failed placement says why.
+	Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*dsecv1.Sandbox, error)
+	// CreateMany places and creates one sandbox per spec for project; keys
+	// holds each item's idempotency key (or is nil). Items succeed or fail
+	// on their own.
+	CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string) *dsecv1.CreateSandboxesResponse
+	// Nodes lists every reachable node (for listing, bulk and image
+	// operations).
 	Nodes(ctx context.Context) []Node
+}
+
+// fanOut calls f on every node concurrently (at most 32 calls at once: a
+// cluster has many nodes) and returns the results in node order. The
+// first error in node order wins.
+func fanOut[T any](nodes []Node, f func(Node) (T, error)) ([]T, error) {
+	out := make([]T, len(nodes))
+	errs := make([]error, len(nodes))
+	if len(nodes) == 1 {
+		out[0], errs[0] = f(nodes[0])
+		return out, errs[0]
+	}
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 32)
+	for i, n := range nodes {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			out[i], errs[i] = f(n)
+		}()
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return out, err
+		}
+	}
+	return out, nil
 }

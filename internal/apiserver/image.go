@@ -22,8 +22,9 @@ var _ dsecv1connect.ImageServiceHandler = (*imageService)(nil)
 
 func (s *imageService) ListImages(ctx context.Context, req *connect.Request[dsecv1.ListImagesRequest]) (*connect.Response[dsecv1.ListImagesResponse], error) {
 	seen := map[string]*dsecv1.Image{}
-	for _, n := range s.r.Nodes(ctx) {
-		for _, img := range n.ListImages(ctx) {
+	lists, _ := fanOut(s.r.Nodes(ctx), func(n Node) ([]*dsecv1.Image, error) { return n.ListImages(ctx), nil })
+	for _, l := range lists {
+		for _, img := range l {
 			seen[img.Name] = img
 		}
 	}
@@ -144,8 +145,6 @@ var _ dsecv1connect.SystemServiceHandler = (*systemService)(nil)
 
 func (s *systemService) GetInfo(ctx context.Context, req *connect.Request[dsecv1.GetInfoRequest]) (*connect.Response[dsecv1.Info], error) {
 	info := &dsecv1.Info{Version: s.version}
-	for _, n := range s.r.Nodes(ctx) {
-		info.Nodes = append(info.Nodes, n.Info(ctx))
-	}
+	info.Nodes, _ = fanOut(s.r.Nodes(ctx), func(n Node) (*dsecv1.NodeInfo, error) { return n.Info(ctx), nil })
 	return connect.NewResponse(info), nil
 }

@@ -17,7 +17,7 @@ import (
 const maxBatch = 4096
 
 func (s *sandboxService) admitSession(ctx context.Context, spec *dsecv1.SandboxSpec) error {
-	if spec.GetSession() == "" {
+	if spec.GetSession() == "" || fromUpstream(ctx) {
 		return nil
 	}
 	if s.sessions == nil {
@@ -52,43 +52,15 @@ func (s *sandboxService) CreateSandboxes(ctx context.Context, req *connect.Reque
 			return nil, wire(err)
 		}
 	}
-	// Group items by the node placement picks; each node creates its share
-	// concurrently. Item i keeps the idempotency key "<key>/<i>".
-	type group struct {
-		n       Node
-		specs   []*dsecv1.SandboxSpec
-		keys    []string
-		indexes []int
+	// Item i keeps the idempotency key "<key>/<i>" wherever it is placed.
+	var keys []string
+	if k := m.GetIdempotencyKey(); k != "" {
+		keys = make([]string, len(specs))
+		for i := range keys {
+			keys[i] = fmt.Sprintf("%s/%d", k, i)
+		}
 	}
-	groups := map[string]*group{}
-	out := &dsecv1.CreateSandboxesResponse{Results: make([]*dsecv1.CreateResult, len(specs))}
-	for i, sp := range specs {
-		n, err := s.r.ForCreate(ctx, sp)
-		if err != nil {
-			out.Results[i] = &dsecv1.CreateResult{Index: int32(i), Error: itemError(err)}
-			out.Failed++
-			continue
-		}
-		g := groups[n.Name()]
-		if g == nil {
-			g = &group{n: n}
-			groups[n.Name()] = g
-		}
-		key := ""
-		if m.GetIdempotencyKey() != "" {
-			key = fmt.Sprintf("%s/%d", m.GetIdempotencyKey(), i)
-		}
-		g.specs, g.keys, g.indexes = append(g.specs, sp), append(g.keys, key), append(g.indexes, i)
-	}
-	for _, g := range groups {
-		resp := g.n.CreateMany(ctx, g.specs, g.keys, projectOf(ctx))
-		for j, r := range resp.Results {
-			r.Index = int32(g.indexes[j])
-			out.Results[g.indexes[j]] = r
-		}
-		out.Created += resp.Created
-		out.Failed += resp.Failed
-	}
+	out := s.r.CreateMany(ctx, specs, keys, projectOf(ctx))
 	return connect.NewResponse(out), nil
 }
 
@@ -110,11 +82,11 @@ func bulk(ctx context.Context, r Router, op, selector string) (*dsecv1.BulkRespo
 		return nil, errdefs.Invalid("a label selector is required for a bulk %s", op)
 	}
 	out := &dsecv1.BulkResponse{}
-	for _, n := range r.Nodes(ctx) {
-		resp, err := n.Bulk(ctx, op, selector)
-		if err != nil {
-			return nil, err
-		}
+	resps, err := fanOut(r.Nodes(ctx), func(n Node) (*dsecv1.BulkResponse, error) { return n.Bulk(ctx, op, selector) })
+	if err != nil {
+		return nil, err
+	}
+	for _, resp := range resps {
 		out.Ids = append(out.Ids, resp.Ids...)
 		out.Failures = append(out.Failures, resp.Failures...)
 	}
@@ -163,8 +135,9 @@ func (s *sandboxService) Snapshot(ctx context.Context, req *connect.Request[dsec
 
 func (s *sandboxService) ListSnapshots(ctx context.Context, req *connect.Request[dsecv1.ListSnapshotsRequest]) (*connect.Response[dsecv1.ListSnapshotsResponse], error) {
 	out := &dsecv1.ListSnapshotsResponse{}
-	for _, n := range s.r.Nodes(ctx) {
-		out.Snapshots = append(out.Snapshots, n.ListSnapshots(ctx)...)
+	lists, _ := fanOut(s.r.Nodes(ctx), func(n Node) ([]*dsecv1.SnapshotInfo, error) { return n.ListSnapshots(ctx), nil })
+	for _, l := range lists {
+		out.Snapshots = append(out.Snapshots, l...)
 	}
 	sort.Slice(out.Snapshots, func(i, j int) bool {
 		return out.Snapshots[i].CreatedAt.AsTime().Before(out.Snapshots[j].CreatedAt.AsTime())
@@ -242,8 +215,8 @@ func (s *sessionService) CloseSession(ctx context.Context, req *connect.Request[
 
 func (s *systemService) GetCapacity(ctx context.Context, req *connect.Request[dsecv1.GetCapacityRequest]) (*connect.Response[dsecv1.Capacity], error) {
 	out := &dsecv1.Capacity{}
-	for _, n := range s.r.Nodes(ctx) {
-		c := n.Capacity(ctx)
+	caps, _ := fanOut(s.r.Nodes(ctx), func(n Node) (*dsecv1.Capacity, error) { return n.Capacity(ctx), nil })
+	for _, c := range caps {
 		out.MaxSandboxes += c.MaxSandboxes
 		out.Running += c.Running
 		out.FreeSlots += c.FreeSlots

@@ -40,12 +40,8 @@ func (s *sandboxService) CreateSandbox(ctx context.Context, req *connect.Request
 	if err := s.admitSession(ctx, req.Msg.GetSpec()); err != nil {
 		return nil, wire(err)
 	}
-	n, err := s.r.ForCreate(ctx, req.Msg.GetSpec())
-	if err != nil {
-		return nil, wire(err)
-	}
 	req.Msg.Project = projectOf(ctx)
-	sb, err := n.Create(ctx, req.Msg)
+	sb, err := s.r.Create(ctx, req.Msg)
 	if err != nil {
 		return nil, wire(err)
 	}
@@ -61,11 +57,11 @@ func (s *sandboxService) GetSandbox(ctx context.Context, req *connect.Request[ds
 func (s *sandboxService) ListSandboxes(ctx context.Context, req *connect.Request[dsecv1.ListSandboxesRequest]) (*connect.Response[dsecv1.ListSandboxesResponse], error) {
 	all := &dsecv1.ListSandboxesResponse{}
 	q := &dsecv1.ListSandboxesRequest{LabelSelector: req.Msg.GetLabelSelector(), State: req.Msg.GetState()}
-	for _, n := range s.r.Nodes(ctx) {
-		resp, err := n.List(ctx, q)
-		if err != nil {
-			return nil, wire(err)
-		}
+	lists, err := fanOut(s.r.Nodes(ctx), func(n Node) (*dsecv1.ListSandboxesResponse, error) { return n.List(ctx, q) })
+	if err != nil {
+		return nil, wire(err)
+	}
+	for _, resp := range lists {
 		all.Sandboxes = append(all.Sandboxes, resp.Sandboxes...)
 	}
 	sort.SliceStable(all.Sandboxes, func(i, j int) bool {

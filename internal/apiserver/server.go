@@ -21,25 +21,43 @@ import (
 // authentication, which Listen allows only on loopback.
 type Config struct {
 	// APIKeys are the accepted keys, each "KEY" (project "default") or
-	// "PROJECT=KEY". Empty means no authentication.
+	// "PROJECT=KEY". Empty (and no Keys) means no authentication.
 	APIKeys []string
+	// Keys, when set, authenticates callers instead of APIKeys (a cluster
+	// keeps its keys in etcd).
+	Keys Keys
+	// ClusterToken, when set, makes this the API of a node agent behind a
+	// control plane: only callers presenting the token are accepted (API
+	// keys are the control plane's business), they name the caller's
+	// project in the Dsec-Project header, and sessions were admitted
+	// upstream.
+	ClusterToken string
 	// Version is reported by GetInfo.
 	Version string
 }
 
-// Server is the HTTP front end: the Connect services and the plain HTTP
-// endpoints, on one listener.
-type Server struct {
-	cfg    Config
-	log    *slog.Logger
-	router Router
-	mux    *http.ServeMux
-	keys   map[string]string // key → project
+// ProjectHeader carries the caller's project from the control plane to a
+// node agent.
+const ProjectHeader = "Dsec-Project"
+
+// Keys maps API keys to projects. Implementations are safe for concurrent
+// use and answer from memory (authentication is on every call's path).
+type Keys interface {
+	// Project returns the project of key; ok is false for an unknown key.
+	Project(key string) (project string, ok bool)
+	// Open reports whether callers need no key at all.
+	Open() bool
 }
 
-// parseKeys reads "KEY" and "PROJECT=KEY" entries.
-func parseKeys(list []string) map[string]string {
-	out := map[string]string{}
+// StaticKeys are keys given at start: "KEY" (project "default") or
+// "PROJECT=KEY" entries.
+type StaticKeys map[string]string
+
+var _ Keys = StaticKeys(nil)
+
+// ParseKeys reads "KEY" and "PROJECT=KEY" entries.
+func ParseKeys(list []string) StaticKeys {
+	out := StaticKeys{}
 	for _, e := range list {
 		if p, k, ok := strings.Cut(e, "="); ok {
 			out[k] = p
@@ -50,21 +68,55 @@ func parseKeys(list []string) map[string]string {
 	return out
 }
 
+// Project looks key up in constant time per candidate.
+func (m StaticKeys) Project(key string) (string, bool) { return lookupKey(m, key) }
+
+// Open is true without keys.
+func (m StaticKeys) Open() bool { return len(m) == 0 }
+
+// Server is the HTTP front end: the Connect services and the plain HTTP
+// endpoints, on one listener.
+type Server struct {
+	cfg    Config
+	log    *slog.Logger
+	router Router
+	mux    *http.ServeMux
+	auth   *auth
+}
+
 type projectKey struct{}
 
-// projectOf is the caller's project, set by authentication.
-func projectOf(ctx context.Context) string {
+// ProjectOf is the caller's project, set by authentication ("default"
+// without one).
+func ProjectOf(ctx context.Context) string {
 	if p, ok := ctx.Value(projectKey{}).(string); ok {
 		return p
 	}
 	return "default"
 }
 
+// WithProject returns ctx carrying project as the caller's project.
+func WithProject(ctx context.Context, project string) context.Context {
+	return context.WithValue(ctx, projectKey{}, project)
+}
+
+func projectOf(ctx context.Context) string { return ProjectOf(ctx) }
+
+type upstreamKey struct{}
+
+// fromUpstream reports whether the call came from a control plane (a node
+// agent's API), which admitted its session already.
+func fromUpstream(ctx context.Context) bool { return ctx.Value(upstreamKey{}) != nil }
+
 // New builds a server over router. sessions may be nil (no SessionService).
 func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager) *Server {
-	s := &Server{cfg: cfg, log: log, router: router, mux: http.NewServeMux(), keys: parseKeys(cfg.APIKeys)}
+	keys := cfg.Keys
+	if keys == nil {
+		keys = ParseKeys(cfg.APIKeys)
+	}
+	s := &Server{cfg: cfg, log: log, router: router, mux: http.NewServeMux(), auth: &auth{keys: keys, token: cfg.ClusterToken}}
 	opts := []connect.HandlerOption{
-		connect.WithInterceptors(&auth{keys: s.keys}),
+		connect.WithInterceptors(s.auth),
 		connect.WithReadMaxBytes(32 << 20),
 		// Compressing a few hundred bytes costs more CPU (a flate state
 		// reset per response) than it saves on any network.
@@ -82,6 +134,10 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 	s.mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })
 	return s
 }
+
+// Interceptor is the server's authentication, for other Connect services
+// mounted with Handle (a node agent's NodeService).
+func (s *Server) Interceptor() connect.Interceptor { return s.auth }
 
 // Handle mounts another handler (a compatibility facade) on the server.
 func (s *Server) Handle(pattern string, h http.Handler) { s.mux.Handle(pattern, h) }
@@ -167,24 +223,41 @@ func (s *Server) CheckKey(h http.Header) bool {
 	return ok
 }
 
-// Authenticate returns the project of the key a request carries
-// (Authorization: Bearer or X-API-Key), and whether the key is accepted
-// (any request is, as project "default", when no keys are configured).
+// Authenticate returns the project of the credential a request carries
+// (an API key in Authorization: Bearer or X-API-Key; the cluster token on a
+// node agent), and whether it is accepted (any request is, as project
+// "default", when no keys are configured).
 func (s *Server) Authenticate(h http.Header) (project string, ok bool) {
-	if len(s.keys) == 0 {
-		return "default", true
+	ctx, err := s.auth.check(context.Background(), h)
+	if err != nil {
+		return "", false
 	}
-	return lookupKey(s.keys, keyOf(h))
+	return ProjectOf(ctx), true
 }
 
-type auth struct{ keys map[string]string }
+// auth authenticates every call: API keys, or the cluster token on a node
+// agent's API.
+type auth struct {
+	keys  Keys
+	token string
+}
 
 func (a *auth) check(ctx context.Context, h http.Header) (context.Context, error) {
-	if len(a.keys) == 0 {
+	if a.token != "" {
+		if subtle.ConstantTimeCompare([]byte(a.token), []byte(keyOf(h))) != 1 {
+			return ctx, errdefs.ToConnect(errdefs.Unauthenticated("missing or wrong cluster token (this is a node agent; call the control plane)"))
+		}
+		p := h.Get(ProjectHeader)
+		if p == "" {
+			p = "default"
+		}
+		return context.WithValue(WithProject(ctx, p), upstreamKey{}, true), nil
+	}
+	if a.keys.Open() {
 		return ctx, nil
 	}
-	if p, ok := lookupKey(a.keys, keyOf(h)); ok {
-		return context.WithValue(ctx, projectKey{}, p), nil
+	if p, ok := a.keys.Project(keyOf(h)); ok {
+		return WithProject(ctx, p), nil
 	}
 	return ctx, errdefs.ToConnect(errdefs.Unauthenticated("missing or unknown API key (set DSEC_API_KEY)"))
 }
@@ -213,12 +286,15 @@ func (a *auth) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.S
 	}
 }
 
+// requireKey authenticates plain HTTP endpoints and puts the caller's
+// project in the request's context.
 func (s *Server) requireKey(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if !s.CheckKey(r.Header) {
-			writeHTTPError(w, errdefs.Unauthenticated("missing or unknown API key (set DSEC_API_KEY)"))
+		ctx, err := s.auth.check(r.Context(), r.Header)
+		if err != nil {
+			writeHTTPError(w, errdefs.FromConnect(err))
 			return
 		}
-		h.ServeHTTP(w, r)
+		h.ServeHTTP(w, r.WithContext(ctx))
 	})
 }

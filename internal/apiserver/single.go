@@ -34,8 +34,12 @@ func (s Single) ForSnapshot(ctx context.Context, id string) (Node, error) {
 
 func (s Single) ForFunction(ctx context.Context) (Node, error) { return s.N, nil }
 
-func (s Single) ForCreate(ctx context.Context, spec *dsecv1.SandboxSpec) (Node, error) {
-	return s.N, nil
+func (s Single) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*dsecv1.Sandbox, error) {
+	return s.N.Create(ctx, req)
+}
+
+func (s Single) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string) *dsecv1.CreateSandboxesResponse {
+	return s.N.CreateMany(ctx, specs, keys, project)
 }
 
 func (s Single) Nodes(ctx context.Context) []Node { return []Node{s.N} }

@@ -1,5 +1,5 @@
-// Package config is the server configuration of `dsec serve` (and, later,
-// `dsec api` and `dsec node`): one struct whose zero value is a working
+// Package config is the server configuration of `dsec serve`, `dsec api`
+// and `dsec node`: one struct whose zero value is a working
 // single-host default, loaded from a YAML file, then environment variables,
 // then flags, in that order of precedence (flags win).
 package config
@@ -39,6 +39,7 @@ type Config struct {
 	LogLevel string `json:"log_level,omitempty"`
 
 	Node      Node      `json:"node,omitempty"`
+	Cluster   Cluster   `json:"cluster,omitempty"`
 	Function  Function  `json:"function,omitempty"`
 	Network   Network   `json:"network,omitempty"`
 	Container Container `json:"container,omitempty"`
@@ -66,6 +67,35 @@ type Node struct {
 	StartQueue          int `json:"start_queue,omitempty"`
 	// Pools are warm pools of started sandboxes (default none).
 	Pools []Pool `json:"pools,omitempty"`
+}
+
+// Cluster configures cluster mode (`dsec api` and `dsec node`); `dsec
+// serve` ignores it.
+type Cluster struct {
+	// Etcd lists the etcd client URLs (env DSEC_ETCD, comma-separated);
+	// required in cluster mode.
+	Etcd []string `json:"etcd,omitempty"`
+	// Prefix is the cluster's etcd key prefix (default "/dsec/").
+	Prefix string `json:"prefix,omitempty"`
+	// Token authenticates apiservers to nodes (env DSEC_CLUSTER_TOKEN).
+	// Required unless the node listens on loopback only.
+	Token string `json:"token,omitempty"`
+	// Advertise is the host:port apiservers reach a node at (default: its
+	// listen address, which must then name a host).
+	Advertise string `json:"advertise,omitempty"`
+	// Labels are a node's labels, matched by a create's node_selector
+	// (default none).
+	Labels map[string]string `json:"labels,omitempty"`
+	// NodeTTL is a node's membership lease: a node silent this long is
+	// lost (default 10s).
+	NodeTTL Duration `json:"node_ttl,omitempty"`
+	// LoadInterval is the least time between a node's load publications
+	// (default 1s).
+	LoadInterval Duration `json:"load_interval,omitempty"`
+	// Choices is how many fitting nodes placement samples (default 2);
+	// Attempts how many nodes a sandbox is tried on (default 3).
+	Choices  int `json:"choices,omitempty"`
+	Attempts int `json:"attempts,omitempty"`
 }
 
 // Pool is a warm pool: Size started sandboxes of one shape. Zero resources
@@ -218,7 +248,24 @@ func Load(path string) (Config, error) {
 	if v := os.Getenv("DSEC_LISTEN"); v != "" {
 		c.Listen = v
 	}
+	if v := os.Getenv("DSEC_ETCD"); v != "" {
+		c.Cluster.Etcd = splitList(v)
+	}
+	if v := os.Getenv("DSEC_CLUSTER_TOKEN"); v != "" {
+		c.Cluster.Token = v
+	}
 	return c, nil
+}
+
+// splitList splits a comma-separated list, dropping empty entries.
+func splitList(v string) []string {
+	var out []string
+	for _, e := range strings.Split(v, ",") {
+		if e = strings.TrimSpace(e); e != "" {
+			out = append(out, e)
+		}
+	}
+	return out
 }
 
 // Defaults fills the defaults this package owns; components fill theirs.

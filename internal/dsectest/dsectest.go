@@ -1,7 +1,8 @@
-// Package dsectest runs a real `dsec serve` for tests and benchmarks: the
-// binaries are built once per process, each server gets its own data
-// directory, port, bridge, subnet and nftables table, and everything is torn
-// down at the end.
+// Package dsectest runs a real `dsec serve` for tests and benchmarks — or a
+// real cluster: Debian's etcd, `dsec node` and `dsec api` processes
+// (cluster.go). The binaries are built once per process, each server or
+// node gets its own data directory, port, bridge, subnet and nftables
+// table, and everything is torn down at the end.
 package dsectest
 
 import (

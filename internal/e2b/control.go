@@ -242,12 +242,7 @@ func (f *Facade) create(w http.ResponseWriter, r *http.Request, project string, 
 		apiError(w, err)
 		return
 	}
-	n, err := f.r.ForCreate(r.Context(), spec)
-	if err != nil {
-		apiError(w, err)
-		return
-	}
-	sb, err := n.Create(r.Context(), &dsecv1.CreateSandboxRequest{Spec: spec, Project: project})
+	sb, err := f.r.Create(r.Context(), &dsecv1.CreateSandboxRequest{Spec: spec, Project: project})
 	if err != nil {
 		apiError(w, err)
 		return

@@ -10,15 +10,11 @@ package node
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/base32"
 	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
-	"regexp"
 	"sort"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -31,6 +27,7 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/network"
+	"github.com/opendsec/dsec/internal/sandboxid"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/trajectory"
 	"github.com/opendsec/dsec/internal/undo"
@@ -137,15 +134,8 @@ func (c *Config) defaults() {
 	}
 }
 
-var labelRe = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$`)
-
 // ValidName reports whether name can name a node.
-func ValidName(name string) error {
-	if !labelRe.MatchString(name) {
-		return fmt.Errorf("node name %q must be a lowercase DNS label of at most 40 characters", name)
-	}
-	return nil
-}
+func ValidName(name string) error { return sandboxid.ValidNode(name) }
 
 // Node owns the sandboxes of one host.
 type Node struct {
@@ -157,8 +147,11 @@ type Node struct {
 	drivers map[substrate.Kind]substrate.Driver
 	started time.Time
 
-	// creating counts admitted creates still starting, for admission.
+	// creating counts admitted creates still starting, for admission;
+	// admitted counts every create admitted since start (see Load).
 	creating atomic.Int64
+	admitted atomic.Uint64
+	changed  chan struct{}  // signalled when the load changes (see LoadChanged)
 	pinned   map[string]int // ephemeral snapshots held by forks in flight
 
 	starts *admission // start slots and the fair-share queue
@@ -169,6 +162,7 @@ type Node struct {
 	sandboxes map[string]*sandbox
 	reserved  map[string]*sandbox      // starting or pooled: not live yet, layers in use
 	idemWait  map[string]chan struct{} // creates in flight by idempotency key
+	starting  map[string]int           // admitted creates still starting, by project
 
 	trash chan string // sandbox directories to remove
 	stop  chan struct{}
@@ -185,6 +179,7 @@ type sandbox struct {
 	net     *network.Attachment
 	dir     string
 	idemKey string
+	project string // the project that created it (quotas count by it)
 
 	// lastActive is the unix nano time of the last API call.
 	lastActive atomic.Int64
@@ -221,6 +216,7 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 	n := &Node{
 		cfg: cfg, log: log.With(slog.String("node", cfg.Name)), store: st, images: images, net: net,
 		drivers: drivers, started: time.Now(), sandboxes: map[string]*sandbox{}, reserved: map[string]*sandbox{}, idemWait: map[string]chan struct{}{}, pinned: map[string]int{},
+		starting: map[string]int{}, changed: make(chan struct{}, 1),
 		starts: newAdmission(cfg.MaxConcurrentStarts, cfg.StartQueue),
 		trash:  make(chan string, 1024), stop: make(chan struct{}),
 	}
@@ -244,6 +240,9 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 // Name is the node's name.
 func (n *Node) Name() string { return n.cfg.Name }
 
+// DataDir is the node's data directory.
+func (n *Node) DataDir() string { return n.cfg.DataDir }
+
 // Images is the node's image store.
 func (n *Node) Images() *image.Store { return n.images }
 
@@ -258,25 +257,10 @@ func (n *Node) Close() error {
 }
 
 // newID returns "<16 random base32 chars>-<node>".
-func (n *Node) newID() string {
-	var b [10]byte
-	rand.Read(b[:])
-	return strings.ToLower(base32.StdEncoding.WithPadding(base32.NoPadding).EncodeToString(b[:])) + "-" + n.cfg.Name
-}
+func (n *Node) newID() string { return sandboxid.New(n.cfg.Name) }
 
 // NodeOf returns the node name a sandbox ID encodes.
-func NodeOf(id string) (string, error) {
-	r, node, ok := strings.Cut(id, "-")
-	if !ok || len(r) != 16 || node == "" || ValidName(node) != nil {
-		return "", errdefs.Invalid("malformed sandbox id %q", truncate(id, 80))
-	}
-	for _, c := range r {
-		if !(c >= 'a' && c <= 'z' || c >= '2' && c <= '7') {
-			return "", errdefs.Invalid("malformed sandbox id %q", truncate(id, 80))
-		}
-	}
-	return node, nil
-}
+func NodeOf(id string) (string, error) { return sandboxid.Node(id) }
 
 func truncate(s string, n int) string {
 	if len(s) > n {
@@ -394,10 +378,11 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 		}
 		defer release()
 	}
-	if err := n.admit(); err != nil {
+	project = projectOr(project)
+	if err := n.admit(project); err != nil {
 		return nil, err
 	}
-	defer n.creating.Add(-1)
+	defer n.admitDone(project)
 	s := n.take(spec)
 	if s == nil {
 		release, err := n.starts.acquire(ctx, projectOr(project))
@@ -410,7 +395,7 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 			return nil, err
 		}
 	}
-	s.idemKey = key
+	s.idemKey, s.project = key, project
 	if err := n.commit(ctx, s); err != nil {
 		n.unreserve(s)
 		s.inst.Destroy(context.WithoutCancel(ctx))
@@ -458,8 +443,9 @@ func (n *Node) claimKey(ctx context.Context, key string) (release func(), existi
 }
 
 // admit is the node's final admission: it refuses creates beyond its
-// sandbox limit with a retryable exhausted error.
-func (n *Node) admit() error {
+// sandbox limit with a retryable exhausted error. An admitted create ends
+// with admitDone.
+func (n *Node) admit(project string) error {
 	n.mu.Lock()
 	live := len(n.sandboxes)
 	n.mu.Unlock()
@@ -467,7 +453,23 @@ func (n *Node) admit() error {
 		n.creating.Add(-1)
 		return errdefs.Exhausted(5*time.Second, "node %s is full (%d sandboxes)", n.cfg.Name, n.cfg.MaxSandboxes)
 	}
+	n.admitted.Add(1)
+	n.mu.Lock()
+	n.starting[project]++
+	n.mu.Unlock()
+	n.loadChanged()
 	return nil
+}
+
+// admitDone ends an admitted create, started or not.
+func (n *Node) admitDone(project string) {
+	n.mu.Lock()
+	if n.starting[project]--; n.starting[project] <= 0 {
+		delete(n.starting, project)
+	}
+	n.mu.Unlock()
+	n.creating.Add(-1)
+	n.loadChanged()
 }
 
 // prepare starts a sandbox's resources (directory, network, instance) for
@@ -583,6 +585,7 @@ func (n *Node) recordOf(s *sandbox) *record {
 	r := &record{
 		ID: s.id, Kind: s.spec.Kind, Image: s.image, Spec: specJSON, Layers: s.layers,
 		Created: s.created, Expires: s.expires, State: s.state, Network: netJSON, IdemKey: s.idemKey,
+		Project: s.project,
 	}
 	if s.inst != nil {
 		r.Driver = s.inst.State()
@@ -736,6 +739,7 @@ func (n *Node) remove(ctx context.Context, s *sandbox, reason string, infra bool
 	n.mu.Lock()
 	delete(n.sandboxes, s.id)
 	n.mu.Unlock()
+	n.loadChanged()
 	n.logs.Forget(s.id)
 	n.releaseSnapshot(s.image)
 	n.log.Debug("sandbox deleted", slog.String("sandbox_id", s.id), slog.String("reason", reason))
@@ -877,7 +881,7 @@ func (n *Node) adopt() {
 		att, _ := n.net.Restore(r.ID, r.Network)
 		s := &sandbox{
 			id: r.ID, spec: spec, created: r.Created, image: r.Image, layers: r.Layers, net: att,
-			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey,
+			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey, project: projectOr(r.Project),
 			state: r.State, expires: r.Expires, rec: r,
 		}
 		if s.state == stateDeleting || s.state == "" {

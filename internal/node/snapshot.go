@@ -2,8 +2,6 @@ package node
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/base32"
 	"fmt"
 	"io"
 	"log/slog"
@@ -20,6 +18,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/sandboxid"
 	"github.com/opendsec/dsec/internal/substrate"
 )
 
@@ -29,23 +28,10 @@ const (
 	ForkIndexLabel = "dsec.io/fork-index"
 )
 
-// snapshotPrefix starts every snapshot ID: "snap-<16 base32>-<node>".
-const snapshotPrefix = "snap-"
-
-func (n *Node) newSnapshotID() string {
-	var b [10]byte
-	rand.Read(b[:])
-	return snapshotPrefix + strings.ToLower(base32.StdEncoding.WithPadding(base32.NoPadding).EncodeToString(b[:])) + "-" + n.cfg.Name
-}
+func (n *Node) newSnapshotID() string { return sandboxid.NewSnapshot(n.cfg.Name) }
 
 // NodeOfSnapshot returns the node a snapshot ID names.
-func NodeOfSnapshot(id string) (string, error) {
-	rest, ok := strings.CutPrefix(id, snapshotPrefix)
-	if !ok {
-		return "", errdefs.Invalid("malformed snapshot id %q", truncate(id, 80))
-	}
-	return NodeOf(rest)
-}
+func NodeOfSnapshot(id string) (string, error) { return sandboxid.SnapshotNode(id) }
 
 // Snapshot captures a sandbox. Kinds with layer snapshots (containers)
 // capture the writable layer, consistently (frozen), as a new read-only
@@ -360,7 +346,8 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.Creat
 	for i := range specs {
 		specs[i] = base
 	}
-	resp := n.createMany(ctx, specs, ItemKeys(req.GetIdempotencyKey(), len(specs)), "", func(i int) map[string]string {
+	// Children count against the parent's project.
+	resp := n.createMany(ctx, specs, ItemKeys(req.GetIdempotencyKey(), len(specs)), parent.project, func(i int) map[string]string {
 		return map[string]string{ForkOfLabel: parent.id, ForkIndexLabel: fmt.Sprint(i)}
 	})
 	resp.SnapshotId = snap.Id

@@ -34,6 +34,7 @@ type record struct {
 	Deleted  time.Time `json:"deleted,omitempty"`
 	Infra    bool      `json:"infra,omitempty"` // the end was the platform's doing
 	Hostname string    `json:"hostname,omitempty"`
+	Project  string    `json:"project,omitempty"`
 }
 
 type store struct {

@@ -62,18 +62,30 @@ type Actor func(ctx context.Context, op, selector string) (int, error)
 var nameRe = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$`)
 
 // Manager runs sessions. It is safe for concurrent use.
+//
+// Expiry never compares a stored timestamp with this machine's clock (in a
+// cluster another replica, with another clock, wrote it): a session's grace
+// runs on this process's monotonic clock from when it first saw the
+// session's current heartbeat. A manager that starts (or, in a cluster,
+// becomes the one that expires sessions) so counts grace from its start.
 type Manager struct {
-	store   Store
-	act     Actor
-	log     *slog.Logger
-	started time.Time
+	store Store
+	act   Actor
+	log   *slog.Logger
 
-	mu sync.Mutex // serializes state changes of sessions
+	mu   sync.Mutex // serializes state changes of sessions
+	seen map[string]beat
+}
+
+// beat is a heartbeat value and when this process first saw it.
+type beat struct {
+	value time.Time
+	at    time.Time // monotonic
 }
 
 // New returns a manager. Run starts expiring sessions.
 func New(store Store, act Actor, log *slog.Logger) *Manager {
-	return &Manager{store: store, act: act, log: log, started: time.Now()}
+	return &Manager{store: store, act: act, log: log, seen: map[string]beat{}}
 }
 
 func selector(name string) string { return Label + "=" + name }
@@ -130,6 +142,7 @@ func (m *Manager) reviveLocked(ctx context.Context, r *Record, now time.Time) (i
 	if err := m.store.PutSession(ctx, r); err != nil {
 		return 0, err
 	}
+	m.seen[r.Name] = beat{value: r.LastHeartbeat, at: time.Now()}
 	if !wasExpired || r.OnExpire != "pause" {
 		return 0, nil
 	}
@@ -245,17 +258,22 @@ func (m *Manager) expire(ctx context.Context, now time.Time) {
 		m.log.Warn("list sessions", slog.Any("error", err))
 		return
 	}
+	live := map[string]bool{}
 	for _, r := range rs {
 		if r.State != Active {
 			continue
 		}
-		// A control plane that was down did not hear heartbeats: count from
-		// its own start, not from before.
-		last := r.LastHeartbeat
-		if last.Before(m.started) {
-			last = m.started
+		live[r.Name] = true
+		m.mu.Lock()
+		b, ok := m.seen[r.Name]
+		if !ok || !b.value.Equal(r.LastHeartbeat) {
+			// A heartbeat this process had not seen: grace starts now.
+			m.seen[r.Name] = beat{value: r.LastHeartbeat, at: now}
+			m.mu.Unlock()
+			continue
 		}
-		if now.Sub(last) <= time.Duration(r.GraceS)*time.Second {
+		m.mu.Unlock()
+		if now.Sub(b.at) <= time.Duration(r.GraceS)*time.Second {
 			continue
 		}
 		m.mu.Lock()
@@ -270,11 +288,19 @@ func (m *Manager) expire(ctx context.Context, now time.Time) {
 			m.mu.Unlock()
 			continue // retried next tick
 		}
-		cur.State, cur.ExpiredAt = Expired, now.UTC()
+		cur.State, cur.ExpiredAt = Expired, time.Now().UTC()
 		m.store.PutSession(ctx, cur)
+		delete(m.seen, cur.Name)
 		m.mu.Unlock()
 		m.log.Warn("session expired: heartbeats stopped", slog.String("session", cur.Name), slog.String("action", cur.OnExpire), slog.Int("sandboxes", n))
 	}
+	m.mu.Lock()
+	for name := range m.seen {
+		if !live[name] {
+			delete(m.seen, name)
+		}
+	}
+	m.mu.Unlock()
 }
 
 func view(r *Record) *dsecv1.Session {

@@ -32,6 +32,9 @@ type CreateOptions struct {
 	Snapshot string
 	// Session binds the sandbox to a trainer session.
 	Session string
+	// NodeSelector places the sandbox on a node with all these labels
+	// (cluster mode).
+	NodeSelector map[string]string
 }
 
 func (o CreateOptions) spec() *dsecv1.SandboxSpec {
@@ -41,6 +44,7 @@ func (o CreateOptions) spec() *dsecv1.SandboxSpec {
 		TtlS:      int64(o.TTL / time.Second), IdleTtlS: int64(o.IdleTTL / time.Second),
 		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network},
 		User: o.User, Workdir: o.Workdir, Snapshot: o.Snapshot, Session: o.Session,
+		NodeSelector: o.NodeSelector,
 	}
 }
 

@@ -42,7 +42,6 @@ func TestHundredCreateDeleteCyclesLeaveNothingBehind(t *testing.T) {
 	abs, _ := filepath.Abs(filepath.Join(srv.DataDir, "container"))
 	h := sha256.Sum256([]byte(abs))
 	runtimeDir := filepath.Join("/run/dsec", hex.EncodeToString(h[:4]), "runtime")
-	ifacesBefore, _ := net.Interfaces()
 
 	var ids []string
 	for i := 0; i < 100; i++ {
@@ -56,6 +55,9 @@ func TestHundredCreateDeleteCyclesLeaveNothingBehind(t *testing.T) {
 		}
 		if _, err := sb.Exec(ctx, dsec.Cmd("echo x > /tmp/f; sleep 100 >/dev/null 2>&1 &")); err != nil {
 			t.Fatalf("cycle %d exec: %v", i, err)
+		}
+		if _, err := net.InterfaceByName(vethOf(sb.ID)); mode == "egress" && err != nil {
+			t.Fatalf("cycle %d: the check below would not see the sandbox's veth: %v", i, err)
 		}
 		if err := sb.Close(); err != nil {
 			t.Fatalf("cycle %d delete: %v", i, err)
@@ -80,9 +82,15 @@ func TestHundredCreateDeleteCyclesLeaveNothingBehind(t *testing.T) {
 	if ents, _ := os.ReadDir(filepath.Join(srv.DataDir, "trash")); len(ents) > 0 {
 		left = append(left, fmt.Sprintf("%d trash entries", len(ents)))
 	}
-	ifacesAfter, _ := net.Interfaces()
-	if len(ifacesAfter) > len(ifacesBefore) {
-		left = append(left, fmt.Sprintf("%d network interfaces", len(ifacesAfter)-len(ifacesBefore)))
+	// The host-side veth of each sandbox (network.vethName): other tests on
+	// this host add and remove interfaces of their own meanwhile.
+	for _, id := range ids {
+		name := vethOf(id)
+		for _, n := range []string{name, name + "p"} {
+			if _, err := net.InterfaceByName(n); err == nil {
+				left = append(left, "network interface "+n)
+			}
+		}
 	}
 	if list, _ := c.List(ctx, ""); len(list) > 0 {
 		left = append(left, fmt.Sprintf("%d listed sandboxes", len(list)))
@@ -90,4 +98,11 @@ func TestHundredCreateDeleteCyclesLeaveNothingBehind(t *testing.T) {
 	if len(left) > 0 {
 		t.Fatalf("after 100 create/delete cycles, left behind: %s", strings.Join(left, "; "))
 	}
+}
+
+// vethOf is the host-side veth name of a sandbox (as internal/network
+// names it).
+func vethOf(id string) string {
+	name := "ds" + strings.ReplaceAll(id, "-", "")
+	return name[:min(len(name), 13)]
 }

@@ -257,7 +257,10 @@ type SandboxSpec struct {
 	Snapshot string `protobuf:"bytes,11,opt,name=snapshot,proto3" json:"snapshot,omitempty"`
 	// session binds the sandbox to a trainer session: when the session's
 	// heartbeats stop, the sandbox is paused or deleted.
-	Session       string `protobuf:"bytes,12,opt,name=session,proto3" json:"session,omitempty"`
+	Session string `protobuf:"bytes,12,opt,name=session,proto3" json:"session,omitempty"`
+	// node_selector places the sandbox on a node whose labels include every
+	// one of these (cluster mode; a single-node server ignores it).
+	NodeSelector  map[string]string `protobuf:"bytes,20,rep,name=node_selector,json=nodeSelector,proto3" json:"node_selector,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -374,6 +377,13 @@ func (x *SandboxSpec) GetSession() string {
 		return x.Session
 	}
 	return ""
+}
+
+func (x *SandboxSpec) GetNodeSelector() map[string]string {
+	if x != nil {
+		return x.NodeSelector
+	}
+	return nil
 }
 
 type Sandbox struct {
@@ -4537,7 +4547,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04pids\x18\x04 \x01(\x03R\x04pids\x12\x10\n" +
 	"\x03gpu\x18\x05 \x01(\x05R\x03gpu\"\x1d\n" +
 	"\aNetwork\x12\x12\n" +
-	"\x04mode\x18\x01 \x01(\tR\x04mode\"\x8a\x04\n" +
+	"\x04mode\x18\x01 \x01(\tR\x04mode\"\x98\x05\n" +
 	"\vSandboxSpec\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x120\n" +
@@ -4552,11 +4562,15 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\aworkdir\x18\n" +
 	" \x01(\tR\aworkdir\x12\x1a\n" +
 	"\bsnapshot\x18\v \x01(\tR\bsnapshot\x12\x18\n" +
-	"\asession\x18\f \x01(\tR\asession\x1a9\n" +
+	"\asession\x18\f \x01(\tR\asession\x12K\n" +
+	"\rnode_selector\x18\x14 \x03(\v2&.dsec.v1.SandboxSpec.NodeSelectorEntryR\fnodeSelector\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a?\n" +
+	"\x11NodeSelectorEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xbd\x02\n" +
 	"\aSandbox\x12\x0e\n" +
@@ -4950,7 +4964,7 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 71)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 72)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
 	(*Resources)(nil),               // 1: dsec.v1.Resources
@@ -5019,121 +5033,123 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ReplayResponse)(nil),          // 64: dsec.v1.ReplayResponse
 	nil,                             // 65: dsec.v1.SandboxSpec.LabelsEntry
 	nil,                             // 66: dsec.v1.SandboxSpec.EnvEntry
-	nil,                             // 67: dsec.v1.ExecRequest.EnvEntry
-	nil,                             // 68: dsec.v1.ProcessInfo.EnvEntry
-	nil,                             // 69: dsec.v1.ForkRequest.LabelsEntry
-	nil,                             // 70: dsec.v1.LogEntry.EnvEntry
-	(*timestamppb.Timestamp)(nil),   // 71: google.protobuf.Timestamp
+	nil,                             // 67: dsec.v1.SandboxSpec.NodeSelectorEntry
+	nil,                             // 68: dsec.v1.ExecRequest.EnvEntry
+	nil,                             // 69: dsec.v1.ProcessInfo.EnvEntry
+	nil,                             // 70: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 71: dsec.v1.LogEntry.EnvEntry
+	(*timestamppb.Timestamp)(nil),   // 72: google.protobuf.Timestamp
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	1,  // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
 	65, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
 	66, // 2: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,  // 3: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
-	3,  // 4: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	71, // 5: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	71, // 6: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	71, // 7: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
-	3,  // 8: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
-	4,  // 9: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	67, // 10: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
-	14, // 11: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
-	13, // 12: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	68, // 13: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
-	23, // 14: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	71, // 15: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
-	26, // 16: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
-	29, // 17: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
-	26, // 18: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
-	39, // 19: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	71, // 20: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	3,  // 21: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	3,  // 22: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	4,  // 23: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	43, // 24: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	45, // 25: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	43, // 26: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	50, // 27: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	71, // 28: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	53, // 29: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	69, // 30: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	71, // 31: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	70, // 32: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
-	13, // 33: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	43, // 34: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	60, // 35: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	63, // 36: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	5,  // 37: dsec.v1.SandboxService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	6,  // 38: dsec.v1.SandboxService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	7,  // 39: dsec.v1.SandboxService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	9,  // 40: dsec.v1.SandboxService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	11, // 41: dsec.v1.SandboxService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	12, // 42: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	12, // 43: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	16, // 44: dsec.v1.SandboxService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	17, // 45: dsec.v1.SandboxService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	19, // 46: dsec.v1.SandboxService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	21, // 47: dsec.v1.SandboxService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	24, // 48: dsec.v1.SandboxService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	27, // 49: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	30, // 50: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	31, // 51: dsec.v1.SandboxService.Stat:input_type -> dsec.v1.StatRequest
-	32, // 52: dsec.v1.SandboxService.ListDir:input_type -> dsec.v1.ListDirRequest
-	34, // 53: dsec.v1.SandboxService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	35, // 54: dsec.v1.SandboxService.Remove:input_type -> dsec.v1.RemoveRequest
-	37, // 55: dsec.v1.SandboxService.Rename:input_type -> dsec.v1.RenameRequest
-	38, // 56: dsec.v1.SandboxService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	41, // 57: dsec.v1.SandboxService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	44, // 58: dsec.v1.SandboxService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	47, // 59: dsec.v1.SandboxService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	48, // 60: dsec.v1.SandboxService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	49, // 61: dsec.v1.SandboxService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	49, // 62: dsec.v1.SandboxService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	49, // 63: dsec.v1.SandboxService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	52, // 64: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	54, // 65: dsec.v1.SandboxService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	56, // 66: dsec.v1.SandboxService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	58, // 67: dsec.v1.SandboxService.Fork:input_type -> dsec.v1.ForkRequest
-	59, // 68: dsec.v1.SandboxService.GetLog:input_type -> dsec.v1.GetLogRequest
-	62, // 69: dsec.v1.SandboxService.Replay:input_type -> dsec.v1.ReplayRequest
-	4,  // 70: dsec.v1.SandboxService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	4,  // 71: dsec.v1.SandboxService.GetSandbox:output_type -> dsec.v1.Sandbox
-	8,  // 72: dsec.v1.SandboxService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	10, // 73: dsec.v1.SandboxService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	4,  // 74: dsec.v1.SandboxService.Keepalive:output_type -> dsec.v1.Sandbox
-	13, // 75: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResult
-	15, // 76: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecEvent
-	15, // 77: dsec.v1.SandboxService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	18, // 78: dsec.v1.SandboxService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	20, // 79: dsec.v1.SandboxService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	22, // 80: dsec.v1.SandboxService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	25, // 81: dsec.v1.SandboxService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	28, // 82: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	26, // 83: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.FileInfo
-	26, // 84: dsec.v1.SandboxService.Stat:output_type -> dsec.v1.FileInfo
-	33, // 85: dsec.v1.SandboxService.ListDir:output_type -> dsec.v1.ListDirResponse
-	26, // 86: dsec.v1.SandboxService.MakeDir:output_type -> dsec.v1.FileInfo
-	36, // 87: dsec.v1.SandboxService.Remove:output_type -> dsec.v1.RemoveResponse
-	26, // 88: dsec.v1.SandboxService.Rename:output_type -> dsec.v1.FileInfo
-	40, // 89: dsec.v1.SandboxService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	42, // 90: dsec.v1.SandboxService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	46, // 91: dsec.v1.SandboxService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	4,  // 92: dsec.v1.SandboxService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	4,  // 93: dsec.v1.SandboxService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	51, // 94: dsec.v1.SandboxService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	51, // 95: dsec.v1.SandboxService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	51, // 96: dsec.v1.SandboxService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	53, // 97: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	55, // 98: dsec.v1.SandboxService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	57, // 99: dsec.v1.SandboxService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	46, // 100: dsec.v1.SandboxService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	61, // 101: dsec.v1.SandboxService.GetLog:output_type -> dsec.v1.GetLogResponse
-	64, // 102: dsec.v1.SandboxService.Replay:output_type -> dsec.v1.ReplayResponse
-	70, // [70:103] is the sub-list for method output_type
-	37, // [37:70] is the sub-list for method input_type
-	37, // [37:37] is the sub-list for extension type_name
-	37, // [37:37] is the sub-list for extension extendee
-	0,  // [0:37] is the sub-list for field type_name
+	67, // 4: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
+	3,  // 5: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
+	72, // 6: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	72, // 7: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	72, // 8: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	3,  // 9: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
+	4,  // 10: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
+	68, // 11: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	14, // 12: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
+	13, // 13: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
+	69, // 14: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	23, // 15: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
+	72, // 16: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	26, // 17: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
+	29, // 18: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
+	26, // 19: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
+	39, // 20: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
+	72, // 21: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	3,  // 22: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	3,  // 23: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	4,  // 24: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	43, // 25: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	45, // 26: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	43, // 27: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	50, // 28: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	72, // 29: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	53, // 30: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	70, // 31: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	72, // 32: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	71, // 33: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	13, // 34: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	43, // 35: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	60, // 36: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	63, // 37: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	5,  // 38: dsec.v1.SandboxService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	6,  // 39: dsec.v1.SandboxService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	7,  // 40: dsec.v1.SandboxService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	9,  // 41: dsec.v1.SandboxService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	11, // 42: dsec.v1.SandboxService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	12, // 43: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	12, // 44: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	16, // 45: dsec.v1.SandboxService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	17, // 46: dsec.v1.SandboxService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	19, // 47: dsec.v1.SandboxService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	21, // 48: dsec.v1.SandboxService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	24, // 49: dsec.v1.SandboxService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	27, // 50: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	30, // 51: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	31, // 52: dsec.v1.SandboxService.Stat:input_type -> dsec.v1.StatRequest
+	32, // 53: dsec.v1.SandboxService.ListDir:input_type -> dsec.v1.ListDirRequest
+	34, // 54: dsec.v1.SandboxService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	35, // 55: dsec.v1.SandboxService.Remove:input_type -> dsec.v1.RemoveRequest
+	37, // 56: dsec.v1.SandboxService.Rename:input_type -> dsec.v1.RenameRequest
+	38, // 57: dsec.v1.SandboxService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	41, // 58: dsec.v1.SandboxService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	44, // 59: dsec.v1.SandboxService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	47, // 60: dsec.v1.SandboxService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	48, // 61: dsec.v1.SandboxService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	49, // 62: dsec.v1.SandboxService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	49, // 63: dsec.v1.SandboxService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	49, // 64: dsec.v1.SandboxService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	52, // 65: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	54, // 66: dsec.v1.SandboxService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	56, // 67: dsec.v1.SandboxService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	58, // 68: dsec.v1.SandboxService.Fork:input_type -> dsec.v1.ForkRequest
+	59, // 69: dsec.v1.SandboxService.GetLog:input_type -> dsec.v1.GetLogRequest
+	62, // 70: dsec.v1.SandboxService.Replay:input_type -> dsec.v1.ReplayRequest
+	4,  // 71: dsec.v1.SandboxService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	4,  // 72: dsec.v1.SandboxService.GetSandbox:output_type -> dsec.v1.Sandbox
+	8,  // 73: dsec.v1.SandboxService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	10, // 74: dsec.v1.SandboxService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	4,  // 75: dsec.v1.SandboxService.Keepalive:output_type -> dsec.v1.Sandbox
+	13, // 76: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResult
+	15, // 77: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecEvent
+	15, // 78: dsec.v1.SandboxService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	18, // 79: dsec.v1.SandboxService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	20, // 80: dsec.v1.SandboxService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	22, // 81: dsec.v1.SandboxService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	25, // 82: dsec.v1.SandboxService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	28, // 83: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	26, // 84: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.FileInfo
+	26, // 85: dsec.v1.SandboxService.Stat:output_type -> dsec.v1.FileInfo
+	33, // 86: dsec.v1.SandboxService.ListDir:output_type -> dsec.v1.ListDirResponse
+	26, // 87: dsec.v1.SandboxService.MakeDir:output_type -> dsec.v1.FileInfo
+	36, // 88: dsec.v1.SandboxService.Remove:output_type -> dsec.v1.RemoveResponse
+	26, // 89: dsec.v1.SandboxService.Rename:output_type -> dsec.v1.FileInfo
+	40, // 90: dsec.v1.SandboxService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	42, // 91: dsec.v1.SandboxService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	46, // 92: dsec.v1.SandboxService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	4,  // 93: dsec.v1.SandboxService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	4,  // 94: dsec.v1.SandboxService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	51, // 95: dsec.v1.SandboxService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	51, // 96: dsec.v1.SandboxService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	51, // 97: dsec.v1.SandboxService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	53, // 98: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	55, // 99: dsec.v1.SandboxService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	57, // 100: dsec.v1.SandboxService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	46, // 101: dsec.v1.SandboxService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	61, // 102: dsec.v1.SandboxService.GetLog:output_type -> dsec.v1.GetLogResponse
+	64, // 103: dsec.v1.SandboxService.Replay:output_type -> dsec.v1.ReplayResponse
+	71, // [71:104] is the sub-list for method output_type
+	38, // [38:71] is the sub-list for method input_type
+	38, // [38:38] is the sub-list for extension type_name
+	38, // [38:38] is the sub-list for extension extendee
+	0,  // [0:38] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -5168,7 +5184,7 @@ func file_dsec_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   71,
+			NumMessages:   72,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

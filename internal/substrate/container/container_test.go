@@ -167,7 +167,10 @@ func TestHundredCreateDeleteCyclesLeaveNothing(t *testing.T) {
 		t.Skip("slow")
 	}
 	d := newDriver(t, t.TempDir())
-	before := snapshotHost()
+	// Only this test's processes count: other test packages run sandboxes
+	// on this host at the same time.
+	tag := fmt.Sprintf("cyc%d-", os.Getpid())
+	before := snapshotHost(tag)
 	for i := 0; i < 100; i++ {
 		spec := &substrate.Spec{ID: fmt.Sprintf("cyc%d-%d", os.Getpid(), i), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 128, Pids: 64, CPU: 1}
 		inst, err := d.Create(context.Background(), spec)
@@ -177,6 +180,11 @@ func TestHundredCreateDeleteCyclesLeaveNothing(t *testing.T) {
 		if _, err := inst.Guest().Run(context.Background(), (&runExec{"sleep 100 & true"}).exec()); err != nil {
 			t.Fatalf("cycle %d exec: %v", i, err)
 		}
+		if i == 0 {
+			if mid := snapshotHost(tag); mid.procs["guest"] == 0 || mid.procs["sleep"] == 0 {
+				t.Fatalf("the process count does not see this test's sandbox: %v", mid.procs)
+			}
+		}
 		if err := inst.Destroy(context.Background()); err != nil {
 			t.Fatalf("cycle %d destroy: %v", i, err)
 		}
@@ -184,7 +192,7 @@ func TestHundredCreateDeleteCyclesLeaveNothing(t *testing.T) {
 			t.Fatalf("cycle %d left %v", i, left)
 		}
 	}
-	after := snapshotHost()
+	after := snapshotHost(tag)
 	if after.mounts > before.mounts {
 		t.Fatalf("after 100 cycles: mounts %d→%d", before.mounts, after.mounts)
 	}
@@ -201,7 +209,10 @@ type hostCounts struct {
 	procs  map[string]int // by command name, for the sandbox side: agents, runtimes, sleeps
 }
 
-func snapshotHost() hostCounts {
+// snapshotHost counts this process's mounts and the sandbox-side processes
+// (agents, runtimes, sleeps) whose command line or cgroup names tag, the
+// prefix of this test's sandbox IDs.
+func snapshotHost(tag string) hostCounts {
 	mi, _ := os.ReadFile("/proc/self/mountinfo")
 	ents, _ := os.ReadDir("/proc")
 	procs := map[string]int{}
@@ -215,6 +226,11 @@ func snapshotHost() hostCounts {
 		}
 		if pid, _ := strconv.Atoi(e.Name()); isZombie(pid) {
 			continue // exited; waiting for the host's init to reap it
+		}
+		cmdline, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		cgroup, _ := os.ReadFile("/proc/" + e.Name() + "/cgroup")
+		if !strings.Contains(string(cmdline), tag) && !strings.Contains(string(cgroup), tag) {
+			continue
 		}
 		switch name := strings.TrimSpace(string(comm)); name {
 		case "guest", "sleep", "crun", "runc", "sh":

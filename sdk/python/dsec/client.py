@@ -192,7 +192,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
                 memory_mb: Optional[int] = None, pids: Optional[int] = None, ttl_s: Optional[int] = None,
                 idle_ttl_s: Optional[int] = None, labels: Optional[Mapping[str, str]] = None,
                 env: Optional[Mapping[str, str]] = None, network: Optional[str] = None, user: Optional[str] = None,
-                workdir: Optional[str] = None, from_snapshot: Any = None, session: Any = None) -> Dict[str, Any]:
+                workdir: Optional[str] = None, from_snapshot: Any = None, session: Any = None,
+                node_selector: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     # No kind: the server's default (container), or a machine snapshot's own kind.
     spec: Dict[str, Any] = {"resources": {}}
     if kind:
@@ -223,6 +224,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
         spec["workdir"] = workdir
     if session is not None:
         spec["session"] = session if isinstance(session, str) else session.name
+    if node_selector:
+        spec["nodeSelector"] = dict(node_selector)
     return spec
 
 
@@ -473,7 +476,7 @@ class Client:
         Spec keywords: ``kind`` ("container"), ``cpu``, ``memory_mb``,
         ``pids``, ``ttl_s``, ``idle_ttl_s``, ``labels``, ``env``, ``network``
         ("none" or "egress"), ``user``, ``workdir``, ``from_snapshot``,
-        ``session``. With ``count``, create that many in one request and
+        ``session``, ``node_selector`` (cluster mode: node labels). With ``count``, create that many in one request and
         return the list of those that started (raising if none did; see
         :meth:`create_many` for per-item results)."""
         body = _build_spec(image, **spec)

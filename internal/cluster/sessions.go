@@ -1,0 +1,65 @@
+package cluster
+
+import (
+	"context"
+	"encoding/json"
+
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/session"
+)
+
+// Sessions keeps trainer sessions in etcd: session.Store for the control
+// plane of a cluster. Expiry runs on one replica at a time (see
+// RunSessionExpiry).
+type Sessions struct{ s *Store }
+
+var _ session.Store = Sessions{}
+
+// Sessions returns the session store.
+func (s *Store) Sessions() Sessions { return Sessions{s} }
+
+func (ss Sessions) GetSession(ctx context.Context, name string) (*session.Record, error) {
+	ctx, cancel := ss.s.ctx(ctx)
+	defer cancel()
+	resp, err := ss.s.cli.Get(ctx, ss.s.key(dirSessions, name))
+	if err != nil {
+		return nil, unavailable(err, "get session")
+	}
+	if len(resp.Kvs) == 0 {
+		return nil, errdefs.NotFound("session %q not found", name)
+	}
+	r := new(session.Record)
+	if err := json.Unmarshal(resp.Kvs[0].Value, r); err != nil {
+		return nil, errdefs.Internal(err, "session %q is unreadable", name)
+	}
+	return r, nil
+}
+
+func (ss Sessions) PutSession(ctx context.Context, r *session.Record) error {
+	b, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := ss.s.ctx(ctx)
+	defer cancel()
+	_, err = ss.s.cli.Put(ctx, ss.s.key(dirSessions, r.Name), string(b))
+	return unavailable(err, "put session")
+}
+
+func (ss Sessions) DeleteSession(ctx context.Context, name string) error {
+	ctx, cancel := ss.s.ctx(ctx)
+	defer cancel()
+	_, err := ss.s.cli.Delete(ctx, ss.s.key(dirSessions, name))
+	return unavailable(err, "delete session")
+}
+
+func (ss Sessions) ListSessions(ctx context.Context) ([]*session.Record, error) {
+	var out []*session.Record
+	err := ss.s.list(ctx, dirSessions, func(_ string, v []byte) {
+		var r session.Record
+		if json.Unmarshal(v, &r) == nil {
+			out = append(out, &r)
+		}
+	})
+	return out, err
+}

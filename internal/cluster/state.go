@@ -1,0 +1,367 @@
+package cluster
+
+import (
+	"context"
+	"encoding/json"
+	"log/slog"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/protobuf/proto"
+
+	nodev1 "github.com/opendsec/dsec/api/dsec/node/v1"
+	"github.com/opendsec/dsec/internal/apiserver"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/placement"
+)
+
+// State is an apiserver replica's live view of the cluster state — nodes
+// with their loads and drain marks, projects, API keys and replicas — kept
+// by one watch. Every read is from memory: authentication and routing cost
+// no etcd request, and a replica keeps routing to the nodes it knows while
+// etcd is down. It is safe for concurrent use.
+type State struct {
+	s         *Store
+	log       *slog.Logger
+	static    apiserver.StaticKeys
+	allowOpen bool
+
+	mu       sync.RWMutex
+	nodes    map[string]*NodeStatus
+	projects map[string]Project
+	keys     map[string]string // key hash → project
+	replicas map[string]bool
+	onNode   []func(name string, n *NodeStatus) // called with mu not held, in event order
+
+	pnodes map[string]*placement.Node // each node's placement entry, rebuilt when it changes (under mu)
+	view   atomic.Pointer[view]
+	lastOK atomic.Int64 // monotonic nanoseconds (since start) of the last answer from etcd
+	start  time.Time
+	synced chan struct{}
+	once   sync.Once
+}
+
+// view is what placement reads, rebuilt after each batch of changes.
+type view struct {
+	nodes  []*placement.Node
+	totals map[string]int64 // sandboxes by project over live nodes
+}
+
+var _ apiserver.Keys = (*State)(nil)
+
+// NewState returns a view of the cluster state; Run keeps it. static are
+// keys given at start ("KEY" or "PROJECT=KEY"); allowOpen lets callers in
+// without a key while no key exists at all (only for a loopback listener).
+func (s *Store) NewState(static []string, allowOpen bool, log *slog.Logger) *State {
+	st := &State{
+		s: s, log: log, static: apiserver.ParseKeys(static), allowOpen: allowOpen,
+		nodes: map[string]*NodeStatus{}, projects: map[string]Project{}, keys: map[string]string{}, replicas: map[string]bool{},
+		pnodes: map[string]*placement.Node{}, start: time.Now(), synced: make(chan struct{}),
+	}
+	st.view.Store(&view{totals: map[string]int64{}})
+	return st
+}
+
+// OnNode registers f to be called whenever a node's entry changes (load,
+// drain mark, registration, loss).
+func (st *State) OnNode(f func(name string, n *NodeStatus)) {
+	st.mu.Lock()
+	st.onNode = append(st.onNode, f)
+	st.mu.Unlock()
+}
+
+// Synced is closed once the first full read of the state is done.
+func (st *State) Synced() <-chan struct{} { return st.synced }
+
+// Run keeps the view until ctx ends.
+func (st *State) Run(ctx context.Context) {
+	go st.probe(ctx)
+	backoff := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		rev, err := st.reload(ctx)
+		if err != nil {
+			st.log.Warn("read cluster state", slog.Any("error", err))
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(backoff):
+			}
+			backoff = min(2*backoff, 5*time.Second)
+			continue
+		}
+		backoff = 100 * time.Millisecond
+		st.once.Do(func() { close(st.synced) })
+		if err := st.watch(ctx, rev); err != nil && ctx.Err() == nil {
+			st.log.Warn("cluster state watch ended; reading it again", slog.Any("error", err))
+		}
+	}
+}
+
+func (st *State) ok() { st.lastOK.Store(int64(time.Since(st.start))) }
+
+// Healthy returns nil while etcd answers, else an unavailable (infra) error
+// saying since when it does not.
+func (st *State) Healthy() error {
+	last := time.Duration(st.lastOK.Load())
+	if last == 0 {
+		select {
+		case <-st.synced:
+		default:
+			return errdefs.Unavailable("cluster store (etcd) not reached yet: placing no new sandboxes")
+		}
+	}
+	if d := time.Since(st.start) - last; d > 3*time.Second {
+		return errdefs.Unavailable("cluster store (etcd) unreachable for %s: placing no new sandboxes (calls to existing sandboxes still reach their nodes)", d.Round(time.Second))
+	}
+	return nil
+}
+
+// probe reads one key every second to know whether etcd answers (a watch
+// alone stays silent through an outage).
+func (st *State) probe(ctx context.Context) {
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		pctx, cancel := context.WithTimeout(ctx, time.Second)
+		_, err := st.s.cli.Get(pctx, st.s.prefix+"health", clientv3.WithCountOnly())
+		cancel()
+		if err == nil {
+			st.ok()
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// reload reads the whole cluster/ directory and replaces the view.
+func (st *State) reload(ctx context.Context) (int64, error) {
+	gctx, cancel := st.s.ctx(ctx)
+	defer cancel()
+	resp, err := st.s.cli.Get(gctx, st.s.prefix+dirCluster, clientv3.WithPrefix())
+	if err != nil {
+		return 0, unavailable(err, "read cluster state")
+	}
+	st.ok()
+	st.mu.Lock()
+	old := st.nodes
+	st.nodes, st.projects, st.keys, st.replicas = map[string]*NodeStatus{}, map[string]Project{}, map[string]string{}, map[string]bool{}
+	changed := map[string]bool{}
+	for name := range old {
+		changed[name] = true
+	}
+	for _, kv := range resp.Kvs {
+		if name := st.applyLocked(mvccpb.PUT, kv); name != "" {
+			changed[name] = true
+		}
+	}
+	st.mu.Unlock()
+	st.publish(changed)
+	return resp.Header.Revision, nil
+}
+
+func (st *State) watch(ctx context.Context, rev int64) error {
+	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+	defer cancel()
+	for wr := range st.s.cli.Watch(wctx, st.s.prefix+dirCluster, clientv3.WithPrefix(), clientv3.WithRev(rev+1)) {
+		if err := wr.Err(); err != nil {
+			return err
+		}
+		st.ok()
+		changed := map[string]bool{}
+		st.mu.Lock()
+		for _, ev := range wr.Events {
+			if name := st.applyLocked(ev.Type, ev.Kv); name != "" {
+				changed[name] = true
+			}
+		}
+		st.mu.Unlock()
+		st.publish(changed)
+	}
+	return ctx.Err()
+}
+
+// applyLocked applies one change and returns the node it concerns ("" if
+// none).
+func (st *State) applyLocked(typ mvccpb.Event_EventType, kv *mvccpb.KeyValue) string {
+	k := strings.TrimPrefix(string(kv.Key), st.s.prefix)
+	put := typ == mvccpb.PUT
+	node := func(name string) *NodeStatus {
+		n := st.nodes[name]
+		if n == nil {
+			n = &NodeStatus{Registration: Registration{Name: name}}
+		} else {
+			c := *n // copy on write: callers hold old pointers
+			n = &c
+		}
+		st.nodes[name] = n
+		return n
+	}
+	switch {
+	case strings.HasPrefix(k, dirNodes):
+		name := strings.TrimPrefix(k, dirNodes)
+		if !put {
+			delete(st.nodes, name)
+			return name
+		}
+		n := node(name)
+		json.Unmarshal(kv.Value, &n.Registration)
+		n.Name = name
+		return name
+	case strings.HasPrefix(k, dirAlive):
+		name := strings.TrimPrefix(k, dirAlive)
+		n := node(name)
+		n.Load = nil
+		if put {
+			l := &nodev1.Load{}
+			if proto.Unmarshal(kv.Value, l) == nil {
+				n.Load = l
+				if n.Address == "" {
+					n.Address = l.Address
+				}
+			}
+		}
+		return name
+	case strings.HasPrefix(k, dirDrain):
+		name := strings.TrimPrefix(k, dirDrain)
+		node(name).Draining = put
+		return name
+	case strings.HasPrefix(k, dirProjects):
+		name := strings.TrimPrefix(k, dirProjects)
+		var p Project
+		if put && json.Unmarshal(kv.Value, &p) == nil {
+			st.projects[name] = p
+		} else {
+			delete(st.projects, name)
+		}
+	case strings.HasPrefix(k, dirKeys):
+		h := strings.TrimPrefix(k, dirKeys)
+		var r KeyRecord
+		if put && json.Unmarshal(kv.Value, &r) == nil {
+			st.keys[h] = r.Project
+		} else {
+			delete(st.keys, h)
+		}
+	case strings.HasPrefix(k, dirReplicas):
+		id := strings.TrimPrefix(k, dirReplicas)
+		if put {
+			st.replicas[id] = true
+		} else {
+			delete(st.replicas, id)
+		}
+	}
+	return ""
+}
+
+// publish rebuilds the placement view and tells listeners which nodes
+// changed.
+func (st *State) publish(changed map[string]bool) {
+	if len(changed) == 0 {
+		return
+	}
+	st.mu.Lock()
+	for name := range changed {
+		if n := st.nodes[name]; n != nil {
+			st.pnodes[name] = placementNode(n)
+		} else {
+			delete(st.pnodes, name)
+		}
+	}
+	v := &view{totals: map[string]int64{}, nodes: make([]*placement.Node, 0, len(st.pnodes))}
+	for _, pn := range st.pnodes {
+		v.nodes = append(v.nodes, pn)
+	}
+	sort.Slice(v.nodes, func(i, j int) bool { return v.nodes[i].Name < v.nodes[j].Name })
+	for _, n := range st.nodes {
+		if n.Load != nil {
+			for p, c := range n.Load.Projects {
+				v.totals[p] += c
+			}
+		}
+	}
+	type call struct {
+		name string
+		n    *NodeStatus
+	}
+	var calls []call
+	for name := range changed {
+		calls = append(calls, call{name, st.nodes[name]})
+	}
+	hooks := st.onNode
+	st.mu.Unlock()
+	st.view.Store(v)
+	for _, c := range calls {
+		for _, f := range hooks {
+			f(c.name, c.n)
+		}
+	}
+}
+
+func placementNode(n *NodeStatus) *placement.Node {
+	p := &placement.Node{Name: n.Name, Lost: n.Load == nil, Draining: n.Draining, Labels: n.Labels}
+	if l := n.Load; l != nil {
+		p.Draining = p.Draining || l.Draining
+		p.Sandboxes, p.MaxSandboxes = l.Sandboxes, l.MaxSandboxes
+		p.Incarnation, p.Admitted = l.Incarnation, l.Admitted
+		p.Kinds = make(map[string]bool, len(l.Kinds))
+		for _, k := range l.Kinds {
+			p.Kinds[k] = true
+		}
+		p.Images = make(map[string]bool, len(l.Images))
+		for _, img := range l.Images {
+			p.Images[img] = true
+		}
+		if len(l.Labels) > 0 {
+			p.Labels = l.Labels
+		}
+	}
+	return p
+}
+
+// Node returns a node's entry (nil if the cluster never had it).
+func (st *State) Node(name string) *NodeStatus {
+	st.mu.RLock()
+	defer st.mu.RUnlock()
+	return st.nodes[name]
+}
+
+// Project returns the project of an API key (apiserver.Keys).
+func (st *State) Project(key string) (string, bool) {
+	if key == "" {
+		return "", false
+	}
+	if p, ok := st.static.Project(key); ok {
+		return p, true
+	}
+	st.mu.RLock()
+	defer st.mu.RUnlock()
+	p, ok := st.keys[HashKey(key)]
+	return p, ok
+}
+
+// Open reports whether callers need no key: only when allowed and no key
+// exists at all.
+func (st *State) Open() bool {
+	if !st.allowOpen || !st.static.Open() {
+		return false
+	}
+	st.mu.RLock()
+	defer st.mu.RUnlock()
+	return len(st.keys) == 0
+}
+
+// quota returns a project's quotas and the number of replicas sharing its
+// create rate.
+func (st *State) quota(project string) (Project, bool, int) {
+	st.mu.RLock()
+	defer st.mu.RUnlock()
+	p, ok := st.projects[project]
+	return p, ok, max(1, len(st.replicas))
+}

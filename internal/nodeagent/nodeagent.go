@@ -1,0 +1,157 @@
+// Package nodeagent runs a node in a cluster (`dsec node`): it serves the
+// node's public API for its own sandboxes and the dsec.node.v1 NodeService,
+// both behind the cluster token, and keeps the node's membership and load
+// in etcd (cluster.Member). A node marked to drain refuses new sandboxes
+// (creates and forks) and keeps serving the ones it has until they end.
+package nodeagent
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"connectrpc.com/connect"
+
+	nodev1 "github.com/opendsec/dsec/api/dsec/node/v1"
+	"github.com/opendsec/dsec/api/dsec/node/v1/nodev1connect"
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/apiserver"
+	"github.com/opendsec/dsec/internal/cluster"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/node"
+)
+
+// Config configures an agent. Address and Token are required (Token may be
+// empty only on loopback); the rest default as documented.
+type Config struct {
+	// Address is host:port where apiservers reach this node.
+	Address string
+	// Token is the cluster token every caller must present.
+	Token string
+	// Labels are the node's labels (matched by node_selector).
+	Labels map[string]string
+	// Version is reported in the node's load.
+	Version string
+	// TTL is the membership lease (default 10s); Interval the least time
+	// between load publications (default 1s).
+	TTL, Interval time.Duration
+}
+
+// Agent is a node agent in a cluster.
+type Agent struct {
+	cfg         Config
+	n           *node.Node
+	member      *cluster.Member
+	api         *apiserver.Server
+	incarnation string
+	log         *slog.Logger
+}
+
+// New returns the agent of n, a member of the cluster in store.
+func New(cfg Config, n *node.Node, store *cluster.Store, log *slog.Logger) *Agent {
+	var b [8]byte
+	rand.Read(b[:])
+	a := &Agent{cfg: cfg, n: n, incarnation: hex.EncodeToString(b[:]), log: log}
+	a.member = store.NewMember(cluster.MemberConfig{
+		Name: n.Name(), Address: cfg.Address, Labels: cfg.Labels, TTL: cfg.TTL, Interval: cfg.Interval,
+	}, log)
+	a.api = apiserver.New(apiserver.Config{ClusterToken: cfg.Token, Version: cfg.Version}, log, apiserver.Single{N: agentNode{n, a}}, nil)
+	a.api.Handle(nodev1connect.NewNodeServiceHandler(a, connect.WithInterceptors(a.api.Interceptor()), connect.WithReadMaxBytes(32<<20)))
+	return a
+}
+
+// Run keeps the node's membership until ctx ends (then the node leaves the
+// cluster at once).
+func (a *Agent) Run(ctx context.Context) { a.member.Run(ctx, a.load, a.n.LoadChanged()) }
+
+// Serve serves the node API on l until ctx ends.
+func (a *Agent) Serve(ctx context.Context, l net.Listener) error { return a.api.Serve(ctx, l) }
+
+// Handler is the node API.
+func (a *Agent) Handler() http.Handler { return a.api.Handler() }
+
+func (a *Agent) load() *nodev1.Load {
+	l := a.n.Load()
+	return &nodev1.Load{
+		Incarnation: a.incarnation, Version: a.cfg.Version,
+		Kinds: l.Kinds, Images: l.Images, Sandboxes: l.Sandboxes, MaxSandboxes: l.MaxSandboxes,
+		Admitted: l.Admitted, Projects: l.Projects,
+	}
+}
+
+func (a *Agent) draining() error {
+	if a.member.Draining() {
+		return errdefs.Unavailable("node %s is draining: it takes no new sandboxes", a.n.Name())
+	}
+	return nil
+}
+
+var _ nodev1connect.NodeServiceHandler = (*Agent)(nil)
+
+// CreateSandboxes is the control plane's create: the node's admission is
+// final, and a draining node refuses every item.
+func (a *Agent) CreateSandboxes(ctx context.Context, req *connect.Request[nodev1.CreateSandboxesRequest]) (*connect.Response[nodev1.CreateSandboxesResponse], error) {
+	m := req.Msg
+	var res *dsecv1.CreateSandboxesResponse
+	if err := a.draining(); err != nil {
+		res = &dsecv1.CreateSandboxesResponse{Failed: int32(len(m.Specs))}
+		for i := range m.Specs {
+			res.Results = append(res.Results, &dsecv1.CreateResult{Index: int32(i), Error: node.ItemError(err)})
+		}
+	} else {
+		res = a.n.CreateMany(ctx, m.Specs, m.IdempotencyKeys, m.Project)
+	}
+	return connect.NewResponse(&nodev1.CreateSandboxesResponse{Result: res, Admitted: a.n.Admitted(), Incarnation: a.incarnation}), nil
+}
+
+// GetLoad returns what the node publishes.
+func (a *Agent) GetLoad(ctx context.Context, req *connect.Request[nodev1.GetLoadRequest]) (*connect.Response[nodev1.Load], error) {
+	l := a.load()
+	l.Name, l.Address, l.Labels, l.Draining = a.n.Name(), a.cfg.Address, a.cfg.Labels, a.member.Draining()
+	return connect.NewResponse(l), nil
+}
+
+// agentNode is the node as its own API serves it: new sandboxes are
+// refused while it drains.
+type agentNode struct {
+	*node.Node
+	a *Agent
+}
+
+func (n agentNode) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*dsecv1.Sandbox, error) {
+	if err := n.a.draining(); err != nil {
+		return nil, err
+	}
+	return n.Node.Create(ctx, req)
+}
+
+func (n agentNode) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string) *dsecv1.CreateSandboxesResponse {
+	if err := n.a.draining(); err != nil {
+		out := &dsecv1.CreateSandboxesResponse{Failed: int32(len(specs))}
+		for i := range specs {
+			out.Results = append(out.Results, &dsecv1.CreateResult{Index: int32(i), Error: node.ItemError(err)})
+		}
+		return out
+	}
+	return n.Node.CreateMany(ctx, specs, keys, project)
+}
+
+func (n agentNode) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.CreateSandboxesResponse, error) {
+	if err := n.a.draining(); err != nil {
+		return nil, err
+	}
+	return n.Node.Fork(ctx, req)
+}
+
+func (n agentNode) Info(ctx context.Context) *dsecv1.NodeInfo {
+	info := n.Node.Info(ctx)
+	info.Address = n.a.cfg.Address
+	if n.a.member.Draining() {
+		info.State = "draining"
+	}
+	return info
+}

@@ -1,0 +1,117 @@
+package session
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+)
+
+// memStore is a Store in memory.
+type memStore struct {
+	mu sync.Mutex
+	m  map[string]Record
+}
+
+func (s *memStore) GetSession(ctx context.Context, name string) (*Record, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r, ok := s.m[name]
+	if !ok {
+		return nil, errdefs.NotFound("session %q not found", name)
+	}
+	return &r, nil
+}
+
+func (s *memStore) PutSession(ctx context.Context, r *Record) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.m[r.Name] = *r
+	return nil
+}
+
+func (s *memStore) DeleteSession(ctx context.Context, name string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.m, name)
+	return nil
+}
+
+func (s *memStore) ListSessions(ctx context.Context) ([]*Record, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []*Record
+	for _, r := range s.m {
+		out = append(out, &r)
+	}
+	return out, nil
+}
+
+// In a cluster another replica, with another clock, writes a session's
+// heartbeat: expiry must follow this process's clock from when it saw the
+// heartbeat, whatever the stored timestamp says.
+func TestExpiryIgnoresOtherClocks(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		skew time.Duration
+	}{
+		{"a heartbeat stamped an hour in the future still expires after the grace", time.Hour},
+		{"a heartbeat stamped an hour in the past is not expired at once", -time.Hour},
+		{"an exact clock expires after the grace", 0},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			store := &memStore{m: map[string]Record{}}
+			var acted []string
+			m := New(store, func(ctx context.Context, op, sel string) (int, error) {
+				acted = append(acted, op)
+				return 1, nil
+			}, slog.New(slog.DiscardHandler))
+			ctx := context.Background()
+			start := time.Now()
+			// Another replica wrote the session with its clock.
+			store.PutSession(ctx, &Record{Name: "s", HeartbeatS: 1, GraceS: 10, OnExpire: "pause", State: Active, LastHeartbeat: start.Add(c.skew)})
+			m.expire(ctx, start) // first sight: grace starts
+			m.expire(ctx, start.Add(9*time.Second))
+			if len(acted) != 0 {
+				t.Fatalf("expired within the grace: %v", acted)
+			}
+			m.expire(ctx, start.Add(11*time.Second))
+			if len(acted) != 1 || acted[0] != "pause" {
+				t.Fatalf("not expired after the grace: %v", acted)
+			}
+			r, _ := store.GetSession(ctx, "s")
+			if r.State != Expired {
+				t.Fatalf("state %s", r.State)
+			}
+		})
+	}
+}
+
+func TestAHeartbeatSeenLateRestartsTheGrace(t *testing.T) {
+	store := &memStore{m: map[string]Record{}}
+	expired := 0
+	m := New(store, func(ctx context.Context, op, sel string) (int, error) { expired++; return 0, nil }, slog.New(slog.DiscardHandler))
+	ctx := context.Background()
+	if _, err := m.Open(ctx, &dsecv1.OpenSessionRequest{Name: "s", HeartbeatS: 1, GraceS: 10}); err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Now()
+	m.expire(ctx, t0.Add(5*time.Second))
+	// A heartbeat through another replica: a new value in the store.
+	r, _ := store.GetSession(ctx, "s")
+	r.LastHeartbeat = r.LastHeartbeat.Add(-3 * time.Hour)
+	store.PutSession(ctx, r)
+	m.expire(ctx, t0.Add(8*time.Second))  // seen now
+	m.expire(ctx, t0.Add(17*time.Second)) // 9 s after it was seen
+	if expired != 0 {
+		t.Fatal("expired within the grace of a heartbeat seen late")
+	}
+	m.expire(ctx, t0.Add(19*time.Second))
+	if expired != 1 {
+		t.Fatal("not expired after the grace")
+	}
+}

@@ -1,0 +1,625 @@
+// Package cluster_test runs a real dsec cluster on this machine: Debian's
+// etcd, three `dsec node` processes (real crun sandboxes) and two `dsec
+// api` replicas on loopback, and breaks it: nodes and replicas killed,
+// nodes drained, etcd stopped.
+package cluster_test
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/dsectest"
+	dsec "github.com/opendsec/dsec/sdk/go"
+)
+
+const (
+	token = "cluster-token-for-tests-0123456789"
+	key   = "alpha=alpha-key-0123456789abcdef"
+	akey  = "alpha-key-0123456789abcdef"
+)
+
+type testCluster struct {
+	t     *testing.T
+	etcd  *dsectest.Etcd
+	nodes []*dsectest.Proc
+	apis  []*dsectest.Proc
+}
+
+func (c *testCluster) api(i int) *dsec.Client { return c.apis[i].Client(akey) }
+
+func (c *testCluster) node(name string) *dsectest.Proc {
+	for _, n := range c.nodes {
+		if n.Name == name {
+			return n
+		}
+	}
+	c.t.Fatalf("no node %s", name)
+	return nil
+}
+
+// cli runs `dsec` with args.
+func (c *testCluster) cli(args ...string) (string, error) {
+	cmd := exec.Command(filepath.Join(dsectest.Binaries(c.t), "dsec"), args...)
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+// stdin writes to a process's stdin through c (close: closes it).
+func stdin(ctx context.Context, c *dsec.Client, id, pid string, data []byte, close bool) error {
+	raw, _, _ := c.Raw()
+	_, err := raw.WriteStdin(ctx, connect.NewRequest(&dsecv1.WriteStdinRequest{SandboxId: id, ProcessId: pid, Data: data, Close: close}))
+	return err
+}
+
+// eventually retries f until it returns nil or the deadline passes.
+func eventually(t *testing.T, what string, d time.Duration, f func() error) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		err := f()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: still %v after %s", what, err, d)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func startCluster(t *testing.T) *testCluster {
+	dsectest.Need(t)
+	c := &testCluster{t: t, etcd: dsectest.StartEtcd(t)}
+	var wg sync.WaitGroup
+	c.nodes = make([]*dsectest.Proc, 3)
+	for i := range c.nodes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c.nodes[i] = dsectest.StartNode(t, c.etcd, fmt.Sprintf("n%d", i+1), dsectest.NodeOptions{
+				Token: token, Args: []string{"--node-ttl", "3s", "--load-interval", "200ms", "--max-sandboxes", "40", "--label", fmt.Sprintf("rack=r%d", i+1)},
+			})
+		}()
+	}
+	wg.Wait()
+	for range 2 {
+		c.apis = append(c.apis, dsectest.StartAPI(t, c.etcd, dsectest.APIOptions{Token: token, APIKeys: []string{key}}))
+	}
+	for i := range c.apis {
+		eventually(t, "replica sees every node", 30*time.Second, func() error {
+			info, err := c.api(i).Info(context.Background())
+			if err != nil {
+				return err
+			}
+			if len(info.Nodes) != 3 {
+				return fmt.Errorf("%d nodes", len(info.Nodes))
+			}
+			return nil
+		})
+	}
+	return c
+}
+
+func nodeOf(id string) string { return id[strings.LastIndex(id, "-")+1:] }
+
+func create(ctx context.Context, c *dsec.Client, o dsec.CreateOptions) (*dsec.Sandbox, error) {
+	if o.Image == "" {
+		o.Image = "busybox"
+	}
+	if o.TTL == 0 {
+		o.TTL = 10 * time.Minute
+	}
+	return c.Create(ctx, o)
+}
+
+func errOf(err error) *dsec.Error {
+	var e *dsec.Error
+	if errors.As(err, &e) {
+		return e
+	}
+	return &dsec.Error{Message: fmt.Sprint(err)}
+}
+
+func TestCluster(t *testing.T) {
+	c := startCluster(t)
+	ctx := context.Background()
+	var ids []string
+
+	t.Run("creates spread across nodes and any replica routes to them", func(t *testing.T) {
+		count := map[string]int{}
+		for i := range 12 {
+			sb, err := create(ctx, c.api(i%2), dsec.CreateOptions{Labels: map[string]string{"test": "spread"}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if sb.Info.Node != nodeOf(sb.ID) {
+				t.Errorf("sandbox %s reports node %q", sb.ID, sb.Info.Node)
+			}
+			count[sb.Info.Node]++
+			ids = append(ids, sb.ID)
+		}
+		for _, n := range []string{"n1", "n2", "n3"} {
+			if count[n] < 2 {
+				t.Errorf("placements %v: node %s got %d of 12", count, n, count[n])
+			}
+		}
+		for _, id := range ids {
+			for i := range c.apis {
+				res, err := c.api(i).Sandbox(id).Exec(ctx, dsec.Cmd("echo $((6*7))"))
+				if err != nil || res.ExitCode != 0 || strings.TrimSpace(string(res.Stdout)) != "42" {
+					t.Fatalf("exec on %s through replica %d: %v %v", id, i, res, err)
+				}
+			}
+		}
+		list, err := c.api(1).List(ctx, "test=spread")
+		if err != nil || len(list) != 12 {
+			t.Fatalf("list through replica 1: %d sandboxes, %v", len(list), err)
+		}
+	})
+
+	t.Run("dsec get -o json shows the owning node", func(t *testing.T) {
+		out, err := c.cli("--url", c.apis[1].URL, "--api-key", akey, "get", ids[0], "-o", "json")
+		if err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		var got struct {
+			Node string `json:"node"`
+		}
+		if err := json.Unmarshal([]byte(out), &got); err != nil || got.Node != nodeOf(ids[0]) {
+			t.Fatalf("get -o json does not show node %s:\n%s", nodeOf(ids[0]), out)
+		}
+	})
+
+	t.Run("a node selector places on the nodes with the labels", func(t *testing.T) {
+		for i := range 3 {
+			out, err := c.cli("--url", c.apis[i%2].URL, "--api-key", akey, "create", "--image", "busybox", "--ttl", "10m", "--node-selector", "rack=r2")
+			if err != nil {
+				t.Fatalf("%v: %s", err, out)
+			}
+			if id := strings.TrimSpace(out); nodeOf(id) != "n2" {
+				t.Fatalf("rack=r2 placed %s", id)
+			}
+		}
+		out, err := c.cli("--url", c.apis[0].URL, "--api-key", akey, "create", "--image", "busybox", "--node-selector", "rack=r9")
+		if err == nil || !strings.Contains(out, "labels do not match") {
+			t.Fatalf("a selector no node matches: %v: %s", err, out)
+		}
+	})
+
+	t.Run("an exec stream and stdin pass through different replicas", func(t *testing.T) {
+		sb := c.api(0).Sandbox(ids[1])
+		st, err := sb.Start(ctx, dsec.Cmd("cat"), true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer st.Close()
+		// Stdin through the other replica; the echo must come back through
+		// the first while cat still runs: nothing waits for the end.
+		if err := stdin(ctx, c.api(1), ids[1], st.ProcessID, []byte("ping\n"), false); err != nil {
+			t.Fatal(err)
+		}
+		ev, err := st.Next()
+		if err != nil || string(ev.GetStdout()) != "ping\n" {
+			t.Fatalf("first event %v, %v", ev, err)
+		}
+		if err := stdin(ctx, c.api(1), ids[1], st.ProcessID, nil, true); err != nil {
+			t.Fatal(err)
+		}
+		for {
+			ev, err := st.Next()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ev.GetExit() != nil {
+				break
+			}
+		}
+	})
+
+	t.Run("files stream through replicas without being buffered whole", func(t *testing.T) {
+		const size = 256 << 20
+		api := c.apis[0]
+		before := hwm(t, api.Pid())
+		h := sha256.New()
+		req, _ := http.NewRequest(http.MethodPut, api.URL+"/v1/sandboxes/"+ids[2]+"/files?path=/tmp/big", io.TeeReader(io.LimitReader(zeros{}, size), h))
+		req.Header.Set("Authorization", "Bearer "+akey)
+		req.ContentLength = size
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("PUT: %d %s", resp.StatusCode, body)
+		}
+		want := h.Sum(nil)
+		req, _ = http.NewRequest(http.MethodGet, c.apis[1].URL+"/v1/sandboxes/"+ids[2]+"/files?path=/tmp/big", nil)
+		req.Header.Set("Authorization", "Bearer "+akey)
+		resp, err = http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		h.Reset()
+		n, err := io.Copy(h, resp.Body)
+		resp.Body.Close()
+		if err != nil || n != size || string(h.Sum(nil)) != string(want) {
+			t.Fatalf("GET back through the other replica: %d bytes, %v, same content %v", n, err, string(h.Sum(nil)) == string(want))
+		}
+		if grew := hwm(t, api.Pid()) - before; grew > 64<<20 {
+			t.Errorf("the replica's peak memory grew by %d MiB for a %d MiB upload", grew>>20, size>>20)
+		}
+	})
+
+	t.Run("unknown and forged IDs get clear errors", func(t *testing.T) {
+		cases := []struct {
+			id, kind, says string
+		}{
+			{"aaaaaaaaaaaaaaaa-nosuchnode", "not_found", `no node "nosuchnode" in this cluster`},
+			{"garbage", "invalid", "malformed sandbox id"},
+			{"../../etc-n1", "invalid", "malformed sandbox id"},
+			{"aaaaaaaaaaaaaaaa-n1", "not_found", "not found"},
+		}
+		for _, tc := range cases {
+			_, err := c.api(0).Get(ctx, tc.id)
+			e := errOf(err)
+			if e.Kind != tc.kind || !strings.Contains(e.Message, tc.says) || e.Infra {
+				t.Errorf("get %q: %+v, want %s saying %q", tc.id, e, tc.kind, tc.says)
+			}
+		}
+	})
+
+	t.Run("idempotency keys hold across replicas", func(t *testing.T) {
+		a, err := create(ctx, c.api(0), dsec.CreateOptions{IdempotencyKey: "one-key"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := create(ctx, c.api(1), dsec.CreateOptions{IdempotencyKey: "one-key"})
+		if err != nil || b.ID != a.ID {
+			t.Fatalf("retry through the other replica: %v, %v (first %s)", b, err, a.ID)
+		}
+		batch := func(i int) []string {
+			raw, _, _ := c.api(i).Raw()
+			resp, err := raw.CreateSandboxes(ctx, connect.NewRequest(&dsecv1.CreateSandboxesRequest{Spec: &dsecv1.SandboxSpec{Image: "busybox", TtlS: 600}, Count: 4, IdempotencyKey: "batch-key"}))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out []string
+			for _, r := range resp.Msg.Results {
+				if r.Error != nil {
+					t.Fatalf("item %d: %v", r.Index, r.Error)
+				}
+				out = append(out, r.Sandbox.Id)
+			}
+			return out
+		}
+		first, again := batch(0), batch(1)
+		if strings.Join(first, ",") != strings.Join(again, ",") {
+			t.Fatalf("batch retried through the other replica made %v, first %v", again, first)
+		}
+	})
+
+	t.Run("an apiserver killed mid-create: the retry on the other replica makes no duplicate", func(t *testing.T) {
+		errc := make(chan error, 1)
+		go func() {
+			_, err := create(ctx, c.api(0), dsec.CreateOptions{IdempotencyKey: "killed-replica", Labels: map[string]string{"test": "killed-replica"}})
+			errc <- err
+		}()
+		time.Sleep(3 * time.Millisecond)
+		c.apis[0].Kill()
+		firstErr := <-errc
+		t.Logf("the create on the killed replica returned %v", firstErr)
+		var sb *dsec.Sandbox
+		eventually(t, "create retried on the surviving replica", 30*time.Second, func() error {
+			var err error
+			sb, err = create(ctx, c.api(1), dsec.CreateOptions{IdempotencyKey: "killed-replica", Labels: map[string]string{"test": "killed-replica"}})
+			return err
+		})
+		list, err := c.api(1).List(ctx, "test=killed-replica")
+		if err != nil || len(list) != 1 || list[0].Id != sb.ID {
+			t.Fatalf("sandboxes with the key (first attempt: %v): %d, %v", firstErr, len(list), err)
+		}
+		// Calls keep working through the surviving replica meanwhile.
+		if _, err := c.api(1).Sandbox(ids[0]).Exec(ctx, dsec.Cmd("true")); err != nil {
+			t.Fatal(err)
+		}
+		c.apis[0].Start()
+	})
+
+	t.Run("quotas are enforced", func(t *testing.T) {
+		if out, err := c.cli("cluster", "--etcd", c.etcd.URL, "project", "set", "quota", "--max-sandboxes", "2"); err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		out, err := c.cli("cluster", "--etcd", c.etcd.URL, "key", "add", "quota")
+		if err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		qkey := strings.TrimSpace(out)
+		q := []*dsec.Client{c.apis[0].Client(qkey), c.apis[1].Client(qkey)}
+		for i := range q {
+			eventually(t, "replica knows the new key", 10*time.Second, func() error {
+				_, err := q[i].List(ctx, "")
+				return err
+			})
+		}
+		var mine []string
+		for range 2 {
+			sb, err := create(ctx, q[0], dsec.CreateOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			mine = append(mine, sb.ID)
+		}
+		_, err = create(ctx, q[0], dsec.CreateOptions{})
+		if e := errOf(err); e.Kind != "exhausted" || !strings.Contains(e.Message, "quota of 2 sandboxes") {
+			t.Fatalf("third create on the same replica: %+v", e)
+		}
+		// Replicas learn each other's creates from the nodes' load reports:
+		// once etcd has them, the other replica refuses too.
+		eventually(t, "the nodes report the project's sandboxes", 10*time.Second, func() error {
+			out, err := c.cli("-o", "json", "cluster", "--etcd", c.etcd.URL, "nodes")
+			if err != nil {
+				return fmt.Errorf("%v: %s", err, out)
+			}
+			var rows []struct {
+				Projects map[string]int64 `json:"projects"`
+			}
+			if err := json.Unmarshal([]byte(out), &rows); err != nil {
+				return err
+			}
+			total := int64(0)
+			for _, r := range rows {
+				total += r.Projects["quota"]
+			}
+			if total != 2 {
+				return fmt.Errorf("nodes report %d sandboxes of the project", total)
+			}
+			return nil
+		})
+		_, err = create(ctx, q[1], dsec.CreateOptions{})
+		if e := errOf(err); e.Kind != "exhausted" || !strings.Contains(e.Message, "quota of 2 sandboxes") {
+			t.Fatalf("create on the other replica: %+v", e)
+		}
+		if err := q[1].Delete(ctx, mine[0]); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "a freed slot is usable", 10*time.Second, func() error {
+			_, err := create(ctx, q[1], dsec.CreateOptions{})
+			return err
+		})
+
+		if out, err := c.cli("cluster", "--etcd", c.etcd.URL, "project", "set", "quota", "--creates-per-s", "0.2", "--burst", "2"); err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		eventually(t, "the create rate quota applies", 10*time.Second, func() error {
+			_, err1 := create(ctx, q[0], dsec.CreateOptions{})
+			_, err2 := create(ctx, q[0], dsec.CreateOptions{})
+			for _, err := range []error{err1, err2} {
+				if e := errOf(err); e.Kind == "exhausted" && strings.Contains(e.Message, "create rate quota") && e.RetryAfter > 0 {
+					return nil
+				}
+			}
+			return fmt.Errorf("two creates at once: %v, %v", err1, err2)
+		})
+		c.cli("cluster", "--etcd", c.etcd.URL, "project", "rm", "quota")
+	})
+
+	t.Run("a drained node takes no new sandboxes and keeps its own", func(t *testing.T) {
+		if out, err := c.cli("cluster", "--etcd", c.etcd.URL, "drain", "n3"); err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		for i := range c.apis {
+			eventually(t, "replica sees the drain", 10*time.Second, func() error {
+				info, err := c.api(i).Info(ctx)
+				if err != nil {
+					return err
+				}
+				for _, n := range info.Nodes {
+					if n.Name == "n3" && n.State != "draining" {
+						return fmt.Errorf("n3 is %s", n.State)
+					}
+				}
+				return nil
+			})
+		}
+		for i := range 6 {
+			sb, err := create(ctx, c.api(i%2), dsec.CreateOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if sb.Info.Node == "n3" {
+				t.Fatalf("placed %s on draining n3", sb.ID)
+			}
+		}
+		for _, id := range ids {
+			if nodeOf(id) == "n3" {
+				if _, err := c.api(0).Sandbox(id).Exec(ctx, dsec.Cmd("true")); err != nil {
+					t.Fatalf("exec on %s of the draining node: %v", id, err)
+				}
+			}
+		}
+		if out, err := c.cli("cluster", "--etcd", c.etcd.URL, "undrain", "n3"); err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+	})
+
+	t.Run("a killed node fails fast with infra errors and its sandboxes return with it", func(t *testing.T) {
+		var onN2 []string
+		for _, id := range ids {
+			if nodeOf(id) == "n2" {
+				onN2 = append(onN2, id)
+			}
+		}
+		// A stream in flight when the node dies ends with an infra error.
+		st, err := c.api(0).Sandbox(onN2[0]).Start(ctx, dsec.Cmd("sleep 600"), false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer st.Close()
+		streamErr := make(chan error, 1)
+		go func() {
+			for {
+				if _, err := st.Next(); err != nil {
+					streamErr <- err
+					return
+				}
+			}
+		}()
+		n2 := c.node("n2")
+		n2.Kill()
+		select {
+		case err := <-streamErr:
+			if e := errOf(err); !e.Infra || !strings.Contains(e.Message, "node n2") {
+				t.Fatalf("the stream in flight ended with %+v", e)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("the stream in flight on a killed node hangs")
+		}
+		for i := range c.apis {
+			cctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+			_, err := c.api(i).Sandbox(onN2[0]).Exec(cctx, dsec.Cmd("true"))
+			cancel()
+			e := errOf(err)
+			if !e.Infra || e.Kind != "unavailable" || !strings.Contains(e.Message, "node n2") {
+				t.Fatalf("exec on a killed node's sandbox through replica %d: %+v", i, e)
+			}
+		}
+		eventually(t, "the node's lease expires", 20*time.Second, func() error {
+			_, err := c.api(0).Sandbox(onN2[0]).Exec(ctx, dsec.Cmd("true"))
+			if e := errOf(err); !strings.Contains(e.Message, "node n2 lost") {
+				return err
+			}
+			return nil
+		})
+		for i := range 4 {
+			sb, err := create(ctx, c.api(i%2), dsec.CreateOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if sb.Info.Node == "n2" {
+				t.Fatalf("placed %s on lost n2", sb.ID)
+			}
+		}
+		n2.Start()
+		for _, id := range onN2 {
+			for i := range c.apis {
+				eventually(t, "sandbox reachable again", 30*time.Second, func() error {
+					_, err := c.api(i).Sandbox(id).Exec(ctx, dsec.Cmd("true"))
+					return err
+				})
+			}
+		}
+	})
+
+	t.Run("sessions live in etcd and expire on one replica", func(t *testing.T) {
+		s, err := c.api(0).OpenSession(ctx, &dsecv1.OpenSessionRequest{Name: "trainer", HeartbeatS: 1, GraceS: 2})
+		if err != nil {
+			t.Fatal(err)
+		}
+		sb, err := create(ctx, c.api(1), dsec.CreateOptions{Session: s.Name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.api(1).Heartbeat(ctx, s.Name); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "session expires without heartbeats", 20*time.Second, func() error {
+			got, err := c.api(1).Get(ctx, sb.ID)
+			if err != nil {
+				return err
+			}
+			if got.State != "paused" {
+				return fmt.Errorf("sandbox %s", got.State)
+			}
+			return nil
+		})
+		re, err := c.api(1).OpenSession(ctx, &dsecv1.OpenSessionRequest{Name: "trainer", HeartbeatS: 1, GraceS: 2})
+		if err != nil || re.Resumed != 1 {
+			t.Fatalf("reopen: %v, %v", re, err)
+		}
+		if _, err := c.api(0).CloseSession(ctx, "trainer", true); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	t.Run("with etcd down routed calls work and placements are refused, then resume", func(t *testing.T) {
+		// A stream open across the outage keeps working through it.
+		st, err := c.api(0).Sandbox(ids[0]).Start(ctx, dsec.Cmd("cat"), true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer st.Close()
+		echo := func(msg string) {
+			t.Helper()
+			if err := stdin(ctx, c.api(1), ids[0], st.ProcessID, []byte(msg), false); err != nil {
+				t.Fatal(err)
+			}
+			ev, err := st.Next()
+			if err != nil || string(ev.GetStdout()) != msg {
+				t.Fatalf("echo of %q: %v, %v", msg, ev, err)
+			}
+		}
+		echo("before\n")
+		c.etcd.Kill()
+		eventually(t, "creates refused with a clear infra error", 20*time.Second, func() error {
+			_, err := create(ctx, c.api(0), dsec.CreateOptions{})
+			if e := errOf(err); !e.Infra || !strings.Contains(e.Message, "etcd") {
+				return fmt.Errorf("create: %+v", e)
+			}
+			return nil
+		})
+		for _, id := range ids[:3] {
+			for i := range c.apis {
+				if _, err := c.api(i).Sandbox(id).Exec(ctx, dsec.Cmd("true")); err != nil {
+					t.Fatalf("exec on %s through replica %d with etcd down: %v", id, i, err)
+				}
+			}
+		}
+		echo("during\n")
+		c.etcd.Start()
+		eventually(t, "creates work again", 30*time.Second, func() error {
+			_, err := create(ctx, c.api(1), dsec.CreateOptions{})
+			return err
+		})
+		echo("after\n")
+	})
+}
+
+// hwm is a process's peak resident memory in bytes.
+func hwm(t *testing.T, pid int) int64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			return kb << 10
+		}
+	}
+	t.Fatal("no VmHWM")
+	return 0
+}
+
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) {
+	clear(p)
+	return len(p), nil
+}
