@@ -3,7 +3,8 @@
 // virtio-serial port or vsock port (VMs); see internal/guest/agent.
 //
 // `dsec-guest identity` is run by the node inside a VM restored from a
-// memory snapshot, to give it its own hostname, clock and randomness.
+// memory snapshot, to give it its own hostname, clock, randomness and (in
+// a full VM) machine ID.
 package main
 
 import (
@@ -31,6 +32,7 @@ func main() {
 	vsock := flag.Uint("listen-vsock", 0, "serve on this AF_VSOCK port (VMs on hosts with vhost-vsock)")
 	version := flag.Bool("version", false, "print the protocol version and exit")
 	deadline := flag.Int64("deadline", 0, "unix time (seconds) at which to end the sandbox if the node has not")
+	vm := flag.Bool("vm", false, "run as a service of a full VM's own init: end the sandbox by powering the machine off")
 	flag.Parse()
 	if *version {
 		fmt.Println(agent.Version)
@@ -66,6 +68,9 @@ func main() {
 	}
 	agent.Harden()
 	a := agent.New(log)
+	if *vm {
+		a.PowerOffAtDeadline()
+	}
 	if *deadline > 0 {
 		a.SetDeadline(time.Unix(*deadline, 0))
 	}
@@ -80,6 +85,7 @@ func identity(args []string) {
 	host := fs.String("hostname", "", "hostname to set")
 	unixMs := fs.Int64("unix-ms", 0, "wall clock to set, unix milliseconds")
 	seed := fs.String("seed", "", "hex bytes to credit to the kernel's random pool")
+	machineID := fs.Bool("machine-id", false, "give the machine a new random /etc/machine-id")
 	fs.Parse(args)
 	var t time.Time
 	if *unixMs > 0 {
@@ -93,5 +99,11 @@ func identity(args []string) {
 	if err := agent.ApplyIdentity(*host, t, b); err != nil {
 		fmt.Fprintln(os.Stderr, "dsec-guest identity:", err)
 		os.Exit(1)
+	}
+	if *machineID {
+		if err := agent.NewMachineID(); err != nil {
+			fmt.Fprintln(os.Stderr, "dsec-guest identity:", err)
+			os.Exit(1)
+		}
 	}
 }

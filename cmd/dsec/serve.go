@@ -37,6 +37,7 @@ import (
 	"github.com/opendsec/dsec/internal/substrate/container"
 	"github.com/opendsec/dsec/internal/substrate/function"
 	"github.com/opendsec/dsec/internal/substrate/microvm"
+	"github.com/opendsec/dsec/internal/substrate/vm"
 )
 
 func serveCmd() *cobra.Command {
@@ -83,7 +84,7 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, bootstrap *string, pool
 	f.StringVar(&flagCfg.DataDir, "data-dir", "", "state directory (default ./.dsec)")
 	f.StringVar(&flagCfg.CacheDir, "cache-dir", "", "cache for bootstrapped images (default DATA_DIR/cache)")
 	f.StringVar(&flagCfg.GuestBinary, "guest-binary", "", "dsec-guest binary (default: next to dsec)")
-	f.StringVar(bootstrap, "bootstrap", "", "base images to build at start if missing, e.g. busybox,debian")
+	f.StringVar(bootstrap, "bootstrap", "", "base images to build at start if missing, e.g. busybox,debian,debian-vm (a VM image)")
 	f.StringVar(&flagCfg.LogLevel, "log-level", "", "debug, info, warn or error")
 	f.IntVar(&flagCfg.Node.MaxSandboxes, "max-sandboxes", 0, "admission limit (default 4096)")
 	f.IntVar(&flagCfg.Node.MaxConcurrentStarts, "max-starts", 0, "sandbox starts in flight (default 2 per core)")
@@ -94,6 +95,9 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, bootstrap *string, pool
 	f.StringVar(&flagCfg.Container.Runtime, "runtime", "", "OCI runtime: crun or runc (default crun)")
 	f.StringVar(&flagCfg.MicroVM.Accel, "microvm-accel", "", "microvm acceleration: auto, kvm or tcg (default auto)")
 	f.StringVar(&flagCfg.MicroVM.KernelDir, "guest-kernel", "", "microvm guest kernel directory (default CACHE_DIR/guest-kernel)")
+	f.StringVar(&flagCfg.VM.Accel, "vm-accel", "", "vm acceleration: auto, kvm or tcg (default auto)")
+	f.StringVar(&flagCfg.VM.Boot, "vm-boot", "", "how full VMs boot: auto, firmware or direct (default auto)")
+	f.BoolVar(&flagCfg.VM.ColdBoot, "vm-cold-boot", false, "boot every full VM instead of restoring its image's boot snapshot")
 	f.StringArrayVar(pools, "pool", nil, "warm pool IMAGE:SIZE with default resources (repeatable; see the config file for shapes)")
 	f.StringVar(&flagCfg.DebugListen, "debug-listen", "", "serve Go profiling (net/http/pprof) on this loopback address")
 }
@@ -172,6 +176,15 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("guest-kernel") {
 		cfg.MicroVM.KernelDir = fl.MicroVM.KernelDir
+	}
+	if set("vm-accel") {
+		cfg.VM.Accel = fl.VM.Accel
+	}
+	if set("vm-boot") {
+		cfg.VM.Boot = fl.VM.Boot
+	}
+	if set("vm-cold-boot") {
+		cfg.VM.ColdBoot = fl.VM.ColdBoot
 	}
 	if set("e2b-domain") {
 		cfg.E2B.Domain = fl.E2B.Domain
@@ -277,15 +290,21 @@ func openNode(cfg config.Config, log *slog.Logger) (_ *node.Node, close func(), 
 	}, nil
 }
 
-// bootstrapImages builds the base images a node lacks.
+// bootstrapImages builds the base images a node lacks: a recipe name
+// ("busybox", "debian") builds layers, "<recipe>-vm" ("debian-vm") a VM
+// image.
 func bootstrapImages(ctx context.Context, n *node.Node, recipes []string, log *slog.Logger) error {
 	for _, recipe := range recipes {
 		if _, err := n.GetImage(ctx, recipe); err == nil {
 			continue
 		}
+		req := &dsecv1.BootstrapImageRequest{Recipe: recipe}
+		if base, ok := strings.CutSuffix(recipe, "-vm"); ok {
+			req = &dsecv1.BootstrapImageRequest{Recipe: base, Name: recipe, Vm: true}
+		}
 		log.Info("bootstrapping base image (first run only)", slog.String("image", recipe))
 		last := time.Now()
-		_, err := n.BootstrapImage(ctx, &dsecv1.BootstrapImageRequest{Recipe: recipe}, func(p *dsecv1.ImageProgress) {
+		_, err := n.BootstrapImage(ctx, req, func(p *dsecv1.ImageProgress) {
 			if time.Since(last) > 5*time.Second {
 				last = time.Now()
 				log.Info("bootstrap", slog.String("image", recipe), slog.String("phase", p.Phase), slog.String("step", p.Message))
@@ -341,7 +360,7 @@ func mountE2B(c config.E2B, secret []byte, log *slog.Logger, router apiserver.Ro
 	if len(c.Templates) > 0 {
 		templates = map[string]e2b.Template{}
 		for name, t := range c.Templates {
-			templates[name] = e2b.Template{Image: t.Image, Kind: t.Kind, CPU: t.CPU, MemoryMB: t.MemoryMB}
+			templates[name] = e2b.Template{Image: t.Image, Kind: t.Kind, KindImages: t.KindImages, CPU: t.CPU, MemoryMB: t.MemoryMB}
 		}
 	}
 	fac, err := e2b.New(e2b.Config{
@@ -446,7 +465,15 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 	if err != nil {
 		return nil, nil, err
 	}
-	drivers := map[substrate.Kind]substrate.Driver{substrate.KindContainer: ct, substrate.KindFunction: fn, substrate.KindMicroVM: mvm}
+	fvm, err := vm.New(vm.Config{
+		GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "vm"), RunDir: filepath.Join(runDir, "fvm"),
+		KernelDir: kernelDir, Accel: cfg.VM.Accel, Boot: cfg.VM.Boot, ColdBoot: cfg.VM.ColdBoot,
+		BootTimeout: time.Duration(cfg.VM.BootTimeout), TBSizeMiB: cfg.VM.TBSizeMiB,
+	}, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	drivers := map[substrate.Kind]substrate.Driver{substrate.KindContainer: ct, substrate.KindFunction: fn, substrate.KindMicroVM: mvm, substrate.KindVM: fvm}
 	var pools []node.PoolConfig
 	for _, p := range cfg.Node.Pools {
 		pools = append(pools, node.PoolConfig{Kind: p.Kind, Image: p.Image, CPU: p.CPU, MemoryMB: p.MemoryMB, Pids: p.Pids, Network: p.Network, Size: p.Size})
@@ -474,7 +501,7 @@ func runDirOf(dataDir string) string {
 // removeEmptyRunDir removes the run directory if nothing is left in it
 // (live sandboxes keep their state there across a restart).
 func removeEmptyRunDir(runDir string) {
-	for _, sub := range []string{"runtime", "sock", "netns", "vm"} {
+	for _, sub := range []string{"runtime", "sock", "netns", "vm", "fvm"} {
 		os.Remove(filepath.Join(runDir, sub))
 	}
 	os.Remove(runDir)

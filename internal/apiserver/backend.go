@@ -42,6 +42,8 @@ type Node interface {
 	Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.FileInfo, error)
 	WatchDir(ctx context.Context, req *dsecv1.WatchDirRequest, send func(*dsecv1.WatchDirEvent) error) error
 	Stats(ctx context.Context, id string) (*dsecv1.SandboxStats, error)
+	Screenshot(ctx context.Context, req *dsecv1.ScreenshotRequest) (*dsecv1.ScreenshotResponse, error)
+	SendInput(ctx context.Context, req *dsecv1.SendInputRequest) error
 
 	CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string) *dsecv1.CreateSandboxesResponse
 	Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error)

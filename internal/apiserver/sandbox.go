@@ -230,6 +230,16 @@ func (s *sandboxService) WatchDir(ctx context.Context, req *connect.Request[dsec
 	return wire(n.WatchDir(ctx, req.Msg, stream.Send))
 }
 
+func (s *sandboxService) Screenshot(ctx context.Context, req *connect.Request[dsecv1.ScreenshotRequest]) (*connect.Response[dsecv1.ScreenshotResponse], error) {
+	return call(ctx, s.r, req.Msg.GetSandboxId(), req.Msg, Node.Screenshot)
+}
+
+func (s *sandboxService) SendInput(ctx context.Context, req *connect.Request[dsecv1.SendInputRequest]) (*connect.Response[dsecv1.SendInputResponse], error) {
+	return call(ctx, s.r, req.Msg.GetSandboxId(), req.Msg, func(n Node, ctx context.Context, m *dsecv1.SendInputRequest) (*dsecv1.SendInputResponse, error) {
+		return &dsecv1.SendInputResponse{}, n.SendInput(ctx, m)
+	})
+}
+
 func (s *sandboxService) GetSandboxStats(ctx context.Context, req *connect.Request[dsecv1.GetSandboxStatsRequest]) (*connect.Response[dsecv1.SandboxStats], error) {
 	return call(ctx, s.r, req.Msg.GetId(), req.Msg, func(n Node, ctx context.Context, m *dsecv1.GetSandboxStatsRequest) (*dsecv1.SandboxStats, error) {
 		return n.Stats(ctx, m.GetId())

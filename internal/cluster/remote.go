@@ -354,6 +354,15 @@ func (r *remote) Stats(ctx context.Context, id string) (*dsecv1.SandboxStats, er
 	return unary(r, ctx, &dsecv1.GetSandboxStatsRequest{Id: id}, r.sb.GetSandboxStats)
 }
 
+func (r *remote) Screenshot(ctx context.Context, req *dsecv1.ScreenshotRequest) (*dsecv1.ScreenshotResponse, error) {
+	return unary(r, ctx, req, r.sb.Screenshot)
+}
+
+func (r *remote) SendInput(ctx context.Context, req *dsecv1.SendInputRequest) error {
+	_, err := unary(r, ctx, req, r.sb.SendInput)
+	return err
+}
+
 func (r *remote) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (*dsecv1.ListDirResponse, error) {
 	return unary(r, ctx, req, r.sb.ListDir)
 }

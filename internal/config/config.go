@@ -44,6 +44,7 @@ type Config struct {
 	Network   Network   `json:"network,omitempty"`
 	Container Container `json:"container,omitempty"`
 	MicroVM   MicroVM   `json:"microvm,omitempty"`
+	VM        VM        `json:"vm,omitempty"`
 	E2B       E2B       `json:"e2b,omitempty"`
 }
 
@@ -160,6 +161,24 @@ type MicroVM struct {
 	DefaultDiskMB int64 `json:"default_disk_mb,omitempty"`
 }
 
+// VM configures the vm substrate (full VMs, docs/substrates/vm.md).
+type VM struct {
+	// Accel is auto (default: KVM if a probe guest boots under it in time,
+	// else TCG; the probe is shared with microvm), kvm or tcg.
+	Accel string `json:"accel,omitempty"`
+	// Boot is auto (default: the image's own kernel when it has one, else
+	// the firmware and the disk's bootloader), firmware or direct.
+	Boot string `json:"boot,omitempty"`
+	// ColdBoot boots every sandbox instead of restoring its image's boot
+	// snapshot (default false).
+	ColdBoot bool `json:"cold_boot,omitempty"`
+	// BootTimeout bounds a boot or restore until the agent answers
+	// (default 3m).
+	BootTimeout Duration `json:"boot_timeout,omitempty"`
+	// TBSizeMiB is the TCG translation buffer per VM (default 64).
+	TBSizeMiB int `json:"tb_size_mib,omitempty"`
+}
+
 // E2B configures the E2B-compatible facade (docs/e2b.md).
 type E2B struct {
 	// Domain is the sandbox domain returned to E2B SDKs; with it, SDKs that
@@ -169,8 +188,9 @@ type E2B struct {
 	Domain string `json:"domain,omitempty"`
 	// Templates maps E2B template IDs to dsec images and kinds (default:
 	// "base" and "code-interpreter-v1" start the debian image as
-	// containers). An unlisted template ID names an image; "<kind>/<id>"
-	// selects the kind (e.g. "microvm/base").
+	// containers, and the debian-vm image as kind vm). An unlisted template
+	// ID names an image; "<kind>/<id>" selects the kind (e.g.
+	// "microvm/base").
 	Templates map[string]E2BTemplate `json:"templates,omitempty"`
 	// DefaultKind is the kind of templates that name none (default
 	// "container").
@@ -190,6 +210,9 @@ type E2BTemplate struct {
 	Image string `json:"image"`
 	// Kind is the substrate (default: E2B.DefaultKind).
 	Kind string `json:"kind,omitempty"`
+	// KindImages are images used instead of Image for some kinds, e.g.
+	// {vm: debian-vm} (default none).
+	KindImages map[string]string `json:"kind_images,omitempty"`
 	// CPU (cores) and MemoryMB size the sandbox (default: the node's).
 	CPU      float64 `json:"cpu,omitempty"`
 	MemoryMB int64   `json:"memory_mb,omitempty"`

@@ -188,6 +188,12 @@ func (f *Facade) spec(in *newSandbox, defaultTimeout int64) (*dsecv1.SandboxSpec
 		if spec.Kind == "" {
 			spec.Kind = t.Kind
 		}
+		if spec.Kind == "" {
+			spec.Kind = f.cfg.DefaultKind
+		}
+		if img, ok := t.KindImages[spec.Kind]; ok {
+			spec.Image = img
+		}
 		spec.Resources.Cpu, spec.Resources.MemoryMb = t.CPU, t.MemoryMB
 	} else {
 		spec.Image = name

@@ -76,6 +76,9 @@ type Template struct {
 	Image string `json:"image"`
 	// Kind is the substrate (default: Config.DefaultKind).
 	Kind string `json:"kind,omitempty"`
+	// KindImages are images to use instead of Image for some kinds (a vm
+	// boots a VM image, not file system layers), by kind (default none).
+	KindImages map[string]string `json:"kind_images,omitempty"`
 	// CPU (cores) and MemoryMB size the sandbox (default: the node's).
 	CPU      float64 `json:"cpu,omitempty"`
 	MemoryMB int64   `json:"memory_mb,omitempty"`
@@ -83,10 +86,11 @@ type Template struct {
 
 // DefaultTemplates are the templates the SDKs ask for by default: "base"
 // (e2b) and "code-interpreter-v1" (@e2b/code-interpreter), both on the
-// bootstrapped debian image (bash, python3, coreutils).
+// bootstrapped debian image (bash, python3, coreutils), or as full VMs on
+// the debian-vm image (`dsec image build-vm debian`).
 var DefaultTemplates = map[string]Template{
-	"base":                {Image: "debian"},
-	"code-interpreter-v1": {Image: "debian"},
+	"base":                {Image: "debian", KindImages: map[string]string{"vm": "debian-vm"}},
+	"code-interpreter-v1": {Image: "debian", KindImages: map[string]string{"vm": "debian-vm"}},
 }
 
 // Authenticator checks a control-plane request's API key and returns the

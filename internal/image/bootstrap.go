@@ -42,6 +42,8 @@ type BootstrapOptions struct {
 	Packages []string
 	// Force rebuilds the root filesystem even if cached.
 	Force bool
+	// DiskMB is the disk size of a VM image (BuildVM; default 4096).
+	DiskMB int64
 }
 
 // Bootstrap builds a base image from the host's packages without any

@@ -43,6 +43,9 @@ type Image struct {
 	Config  Config    `json:"config"`
 	// Snapshot is set when the image is a sandbox's snapshot.
 	Snapshot *SnapshotMeta `json:"snapshot,omitempty"`
+	// VM is set when the image is a bootable disk for kind vm (see
+	// VMImage); its one layer holds the disk.
+	VM *VMImage `json:"vm,omitempty"`
 }
 
 // SnapshotMeta describes a snapshot image.

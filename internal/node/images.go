@@ -13,7 +13,7 @@ import (
 )
 
 func imageView(img *image.Image) *dsecv1.Image {
-	return &dsecv1.Image{
+	v := &dsecv1.Image{
 		Name: img.Name, Digest: img.Digest, Layers: img.Layers, SizeBytes: img.Size,
 		CreatedAt: timestamppb.New(img.Created), Source: img.Source,
 		Config: &dsecv1.ImageConfig{
@@ -21,6 +21,10 @@ func imageView(img *image.Image) *dsecv1.Image {
 			Entrypoint: img.Config.Entrypoint, Cmd: img.Config.Cmd,
 		},
 	}
+	if m := img.VM; m != nil {
+		v.Vm = &dsecv1.VMImageInfo{DiskBytes: m.VirtualSize, Firmware: m.Firmware, DirectBoot: m.DirectBoot, Agent: m.Agent}
+	}
+	return v
 }
 
 // ListImages lists the node's images.
@@ -73,32 +77,54 @@ func (n *Node) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, prog
 	return imageView(img), nil
 }
 
-// UploadImage imports an archive streamed by the client.
+// UploadImage imports an archive streamed by the client: an image
+// archive, or (format "vm") a bootable disk image for kind vm.
 func (n *Node) UploadImage(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader) (*dsecv1.Image, error) {
 	if err := image.ValidName(hdr.GetName()); err != nil {
 		return nil, err
 	}
-	img, err := n.images.ImportArchive(ctx, r, hdr.GetName(), nil)
+	var img *image.Image
+	var err error
+	switch hdr.GetFormat() {
+	case "":
+		img, err = n.images.ImportArchive(ctx, r, hdr.GetName(), nil)
+	case "vm":
+		img, err = n.images.ImportVM(ctx, r, hdr.GetName(), nil)
+	default:
+		return nil, errdefs.Invalid("upload format %q (use \"\" for an image archive or \"vm\" for a VM disk)", hdr.GetFormat())
+	}
 	if err != nil {
 		return nil, err
 	}
 	return imageView(img), nil
 }
 
-// BootstrapImage builds a base image offline.
+// BootstrapImage builds a base image offline: file system layers, or
+// with req.Vm a bootable VM image.
 func (n *Node) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
 	name := req.GetName()
 	if name == "" {
 		name = req.GetRecipe()
+		if req.GetVm() {
+			name += "-vm"
+		}
 	}
 	if !req.GetForce() {
 		if img, err := n.images.Get(name); err == nil {
+			if (img.VM != nil) != req.GetVm() {
+				return nil, errdefs.Conflict("image %q exists and is not a %s", name, map[bool]string{true: "VM image", false: "layer image"}[req.GetVm()])
+			}
 			return imageView(img), nil
 		}
 	}
-	img, err := n.images.Bootstrap(ctx, req.GetRecipe(), name, image.BootstrapOptions{
-		CacheDir: n.cfg.CacheDir, Packages: req.GetPackages(), Force: req.GetForce(),
-	}, Progress(progress).image())
+	opts := image.BootstrapOptions{CacheDir: n.cfg.CacheDir, Packages: req.GetPackages(), Force: req.GetForce(), DiskMB: req.GetDiskMb()}
+	var img *image.Image
+	var err error
+	if req.GetVm() {
+		img, err = n.images.BuildVM(ctx, req.GetRecipe(), name, opts, Progress(progress).image())
+	} else {
+		img, err = n.images.Bootstrap(ctx, req.GetRecipe(), name, opts, Progress(progress).image())
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -146,9 +146,17 @@ func (n *Node) normalize(spec *dsecv1.SandboxSpec) error {
 		if img.Snapshot.Machine && img.Snapshot.Kind != spec.Kind {
 			return errdefs.Invalid("snapshot %s holds a %s machine (memory and disk); it starts only %s sandboxes, not %s", spec.Snapshot, img.Snapshot.Kind, img.Snapshot.Kind, spec.Kind)
 		}
+		if !img.Snapshot.Machine && kind == substrate.KindVM {
+			return errdefs.Invalid("snapshot %s holds %s file system layers; kind vm boots VM images", spec.Snapshot, img.Snapshot.Kind)
+		}
 		spec.Image = img.Snapshot.BaseImage
 	} else if img.Snapshot != nil {
 		return errdefs.Invalid("%q is a snapshot: pass it as spec.snapshot", spec.Image)
+	} else if isVM := img.VM != nil; isVM != (kind == substrate.KindVM) {
+		if isVM {
+			return errdefs.Invalid("%q is a VM image (a bootable disk): create it with kind vm", spec.Image)
+		}
+		return errdefs.Invalid("kind vm boots VM images; %q holds file system layers (build one with `dsec image build-vm debian`, or import a disk with `dsec image import-vm`)", spec.Image)
 	}
 	if spec.Workdir == "" {
 		spec.Workdir = img.Config.Workdir

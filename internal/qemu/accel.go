@@ -40,7 +40,7 @@ func (a Accel) Arg(tbMiB int) string {
 type ProbeConfig struct {
 	// Binary is qemu-system-x86_64.
 	Binary string
-	// Kernel boots the probe guest.
+	// Kernel boots the probe guest; without one KVM is not probed (TCG).
 	Kernel *Kernel
 	// Busybox is a static busybox for the probe's initramfs.
 	Busybox string
@@ -72,6 +72,9 @@ func ProbeAccel(ctx context.Context, cfg ProbeConfig, log *slog.Logger) Accel {
 		return Accel{Name: "tcg", Reason: fmt.Sprintf("no usable /dev/kvm (%v)", errShort(err))}
 	}
 	f.Close()
+	if cfg.Kernel == nil {
+		return Accel{Name: "tcg", Reason: "/dev/kvm exists but there is no guest kernel to probe it with (run scripts/setup.sh)"}
+	}
 	key := probeKey(cfg)
 	if cfg.CacheFile != "" {
 		// One probe per host boot: concurrent nodes (and tests) wait for it.

@@ -199,6 +199,57 @@ type Instance interface {
 	// dir through Spec.Restore. Drivers without CapMemorySnapshot return
 	// an Unimplemented error.
 	SnapshotMachine(ctx context.Context, dir string) error
+	// Screenshot captures the instance's screen as PNG. SendInput types,
+	// presses keys and moves, clicks and scrolls the mouse on it, in
+	// order. Drivers without CapScreen return an Unimplemented error.
+	Screenshot(ctx context.Context) (*Screenshot, error)
+	SendInput(ctx context.Context, actions []InputAction) error
 	// Destroy releases every resource of the instance. It is idempotent.
 	Destroy(ctx context.Context) error
 }
+
+// Screenshot is an instance's screen as a PNG image of Width x Height
+// pixels (the guest's display mode).
+type Screenshot struct {
+	PNG           []byte
+	Width, Height int
+}
+
+// InputAction is one keyboard or mouse action on an instance's screen.
+// Exactly one field is set.
+type InputAction struct {
+	// Text types characters (US keyboard layout; "\n" is Return).
+	Text string
+	// Keys presses a key combination such as "ctrl+c", "Return" or
+	// "alt+F4": each key down in order, then up in reverse.
+	Keys string
+	// Move moves the pointer to a screen position (pixels).
+	Move *Point
+	// Click moves to a position and clicks Button Count times.
+	Click *Click
+	// Button presses (Down) or releases a button where the pointer is
+	// (a drag is a move, a press, moves and a release).
+	Button *Button
+	// Scroll turns the wheel: DY clicks down (negative: up), DX right.
+	Scroll *Scroll
+}
+
+// Point is a screen position in pixels from the top left corner.
+type Point struct{ X, Y int }
+
+// Click is a mouse click at a position. Button is "left" (default),
+// "middle" or "right"; Count is 1 (default) or more (a double click).
+type Click struct {
+	Point
+	Button string
+	Count  int
+}
+
+// Button is a mouse button press or release.
+type Button struct {
+	Button string
+	Down   bool
+}
+
+// Scroll is a turn of the mouse wheel.
+type Scroll struct{ DX, DY int }

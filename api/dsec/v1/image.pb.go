@@ -32,8 +32,10 @@ type Image struct {
 	SizeBytes int64                  `protobuf:"varint,4,opt,name=size_bytes,json=sizeBytes,proto3" json:"size_bytes,omitempty"`
 	CreatedAt *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
 	// source says where the image came from.
-	Source        string       `protobuf:"bytes,6,opt,name=source,proto3" json:"source,omitempty"`
-	Config        *ImageConfig `protobuf:"bytes,7,opt,name=config,proto3" json:"config,omitempty"`
+	Source string       `protobuf:"bytes,6,opt,name=source,proto3" json:"source,omitempty"`
+	Config *ImageConfig `protobuf:"bytes,7,opt,name=config,proto3" json:"config,omitempty"`
+	// vm is set for VM images (a bootable disk for kind vm).
+	Vm            *VMImageInfo `protobuf:"bytes,8,opt,name=vm,proto3" json:"vm,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -117,6 +119,88 @@ func (x *Image) GetConfig() *ImageConfig {
 	return nil
 }
 
+func (x *Image) GetVm() *VMImageInfo {
+	if x != nil {
+		return x.Vm
+	}
+	return nil
+}
+
+// VMImageInfo describes a VM image's disk and how it boots.
+type VMImageInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// disk_bytes is the disk's size as the guest sees it.
+	DiskBytes int64 `protobuf:"varint,1,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	// firmware is how the disk boots through firmware: "bios".
+	Firmware string `protobuf:"bytes,2,opt,name=firmware,proto3" json:"firmware,omitempty"`
+	// direct_boot says the image also holds its own kernel and initramfs,
+	// which the node can boot without the firmware (faster).
+	DirectBoot bool `protobuf:"varint,3,opt,name=direct_boot,json=directBoot,proto3" json:"direct_boot,omitempty"`
+	// agent is "node" (the image runs the agent the node attaches) or
+	// "installed" (its own dsec-guest).
+	Agent         string `protobuf:"bytes,4,opt,name=agent,proto3" json:"agent,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VMImageInfo) Reset() {
+	*x = VMImageInfo{}
+	mi := &file_dsec_v1_image_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VMImageInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VMImageInfo) ProtoMessage() {}
+
+func (x *VMImageInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_image_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VMImageInfo.ProtoReflect.Descriptor instead.
+func (*VMImageInfo) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *VMImageInfo) GetDiskBytes() int64 {
+	if x != nil {
+		return x.DiskBytes
+	}
+	return 0
+}
+
+func (x *VMImageInfo) GetFirmware() string {
+	if x != nil {
+		return x.Firmware
+	}
+	return ""
+}
+
+func (x *VMImageInfo) GetDirectBoot() bool {
+	if x != nil {
+		return x.DirectBoot
+	}
+	return false
+}
+
+func (x *VMImageInfo) GetAgent() string {
+	if x != nil {
+		return x.Agent
+	}
+	return ""
+}
+
 type ImageConfig struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Env           []string               `protobuf:"bytes,1,rep,name=env,proto3" json:"env,omitempty"`
@@ -130,7 +214,7 @@ type ImageConfig struct {
 
 func (x *ImageConfig) Reset() {
 	*x = ImageConfig{}
-	mi := &file_dsec_v1_image_proto_msgTypes[1]
+	mi := &file_dsec_v1_image_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -142,7 +226,7 @@ func (x *ImageConfig) String() string {
 func (*ImageConfig) ProtoMessage() {}
 
 func (x *ImageConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[1]
+	mi := &file_dsec_v1_image_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -155,7 +239,7 @@ func (x *ImageConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImageConfig.ProtoReflect.Descriptor instead.
 func (*ImageConfig) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{1}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *ImageConfig) GetEnv() []string {
@@ -201,7 +285,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[2]
+	mi := &file_dsec_v1_image_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -213,7 +297,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[2]
+	mi := &file_dsec_v1_image_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -226,7 +310,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{2}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{3}
 }
 
 type ListImagesResponse struct {
@@ -238,7 +322,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_dsec_v1_image_proto_msgTypes[3]
+	mi := &file_dsec_v1_image_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -250,7 +334,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[3]
+	mi := &file_dsec_v1_image_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -263,7 +347,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{3}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -282,7 +366,7 @@ type GetImageRequest struct {
 
 func (x *GetImageRequest) Reset() {
 	*x = GetImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[4]
+	mi := &file_dsec_v1_image_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -294,7 +378,7 @@ func (x *GetImageRequest) String() string {
 func (*GetImageRequest) ProtoMessage() {}
 
 func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[4]
+	mi := &file_dsec_v1_image_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -307,7 +391,7 @@ func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageRequest.ProtoReflect.Descriptor instead.
 func (*GetImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{4}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *GetImageRequest) GetName() string {
@@ -326,7 +410,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[5]
+	mi := &file_dsec_v1_image_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -338,7 +422,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[5]
+	mi := &file_dsec_v1_image_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -351,7 +435,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{5}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *DeleteImageRequest) GetName() string {
@@ -369,7 +453,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_dsec_v1_image_proto_msgTypes[6]
+	mi := &file_dsec_v1_image_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -381,7 +465,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[6]
+	mi := &file_dsec_v1_image_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -394,7 +478,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{6}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{7}
 }
 
 type RegistryAuth struct {
@@ -409,7 +493,7 @@ type RegistryAuth struct {
 
 func (x *RegistryAuth) Reset() {
 	*x = RegistryAuth{}
-	mi := &file_dsec_v1_image_proto_msgTypes[7]
+	mi := &file_dsec_v1_image_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -421,7 +505,7 @@ func (x *RegistryAuth) String() string {
 func (*RegistryAuth) ProtoMessage() {}
 
 func (x *RegistryAuth) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[7]
+	mi := &file_dsec_v1_image_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -434,7 +518,7 @@ func (x *RegistryAuth) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegistryAuth.ProtoReflect.Descriptor instead.
 func (*RegistryAuth) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{7}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *RegistryAuth) GetUsername() string {
@@ -480,7 +564,7 @@ type PullImageRequest struct {
 
 func (x *PullImageRequest) Reset() {
 	*x = PullImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[8]
+	mi := &file_dsec_v1_image_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -492,7 +576,7 @@ func (x *PullImageRequest) String() string {
 func (*PullImageRequest) ProtoMessage() {}
 
 func (x *PullImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[8]
+	mi := &file_dsec_v1_image_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -505,7 +589,7 @@ func (x *PullImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PullImageRequest.ProtoReflect.Descriptor instead.
 func (*PullImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{8}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *PullImageRequest) GetRef() string {
@@ -540,14 +624,18 @@ type UploadImageHeader struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// size is the archive size in bytes, if known (for progress).
-	Size          int64 `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
+	Size int64 `protobuf:"varint,2,opt,name=size,proto3" json:"size,omitempty"`
+	// format is "" (an image archive: `docker save`, OCI layout or archive)
+	// or "vm" (a bootable disk image, qcow2 or raw, that runs dsec-guest:
+	// a VM image for kind vm).
+	Format        string `protobuf:"bytes,3,opt,name=format,proto3" json:"format,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *UploadImageHeader) Reset() {
 	*x = UploadImageHeader{}
-	mi := &file_dsec_v1_image_proto_msgTypes[9]
+	mi := &file_dsec_v1_image_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -559,7 +647,7 @@ func (x *UploadImageHeader) String() string {
 func (*UploadImageHeader) ProtoMessage() {}
 
 func (x *UploadImageHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[9]
+	mi := &file_dsec_v1_image_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -572,7 +660,7 @@ func (x *UploadImageHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadImageHeader.ProtoReflect.Descriptor instead.
 func (*UploadImageHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{9}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *UploadImageHeader) GetName() string {
@@ -589,6 +677,13 @@ func (x *UploadImageHeader) GetSize() int64 {
 	return 0
 }
 
+func (x *UploadImageHeader) GetFormat() string {
+	if x != nil {
+		return x.Format
+	}
+	return ""
+}
+
 type UploadImageRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Msg:
@@ -602,7 +697,7 @@ type UploadImageRequest struct {
 
 func (x *UploadImageRequest) Reset() {
 	*x = UploadImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[10]
+	mi := &file_dsec_v1_image_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -614,7 +709,7 @@ func (x *UploadImageRequest) String() string {
 func (*UploadImageRequest) ProtoMessage() {}
 
 func (x *UploadImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[10]
+	mi := &file_dsec_v1_image_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -627,7 +722,7 @@ func (x *UploadImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadImageRequest.ProtoReflect.Descriptor instead.
 func (*UploadImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{10}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *UploadImageRequest) GetMsg() isUploadImageRequest_Msg {
@@ -680,14 +775,20 @@ type BootstrapImageRequest struct {
 	// force rebuilds even if the image exists.
 	Force bool `protobuf:"varint,3,opt,name=force,proto3" json:"force,omitempty"`
 	// packages adds Debian packages to the "debian" recipe.
-	Packages      []string `protobuf:"bytes,4,rep,name=packages,proto3" json:"packages,omitempty"`
+	Packages []string `protobuf:"bytes,4,rep,name=packages,proto3" json:"packages,omitempty"`
+	// vm builds a VM image (kind vm): a bootable disk with a kernel from
+	// Debian's packages, systemd, GRUB and the agent's service (default
+	// name "<recipe>-vm").
+	Vm bool `protobuf:"varint,5,opt,name=vm,proto3" json:"vm,omitempty"`
+	// disk_mb is a VM image's disk size (default 4096).
+	DiskMb        int64 `protobuf:"varint,6,opt,name=disk_mb,json=diskMb,proto3" json:"disk_mb,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *BootstrapImageRequest) Reset() {
 	*x = BootstrapImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[11]
+	mi := &file_dsec_v1_image_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -699,7 +800,7 @@ func (x *BootstrapImageRequest) String() string {
 func (*BootstrapImageRequest) ProtoMessage() {}
 
 func (x *BootstrapImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[11]
+	mi := &file_dsec_v1_image_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -712,7 +813,7 @@ func (x *BootstrapImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BootstrapImageRequest.ProtoReflect.Descriptor instead.
 func (*BootstrapImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{11}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *BootstrapImageRequest) GetRecipe() string {
@@ -743,6 +844,20 @@ func (x *BootstrapImageRequest) GetPackages() []string {
 	return nil
 }
 
+func (x *BootstrapImageRequest) GetVm() bool {
+	if x != nil {
+		return x.Vm
+	}
+	return false
+}
+
+func (x *BootstrapImageRequest) GetDiskMb() int64 {
+	if x != nil {
+		return x.DiskMb
+	}
+	return 0
+}
+
 type ImageProgress struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// phase is a short word: "resolve", "download", "unpack", "build", "done".
@@ -758,7 +873,7 @@ type ImageProgress struct {
 
 func (x *ImageProgress) Reset() {
 	*x = ImageProgress{}
-	mi := &file_dsec_v1_image_proto_msgTypes[12]
+	mi := &file_dsec_v1_image_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -770,7 +885,7 @@ func (x *ImageProgress) String() string {
 func (*ImageProgress) ProtoMessage() {}
 
 func (x *ImageProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[12]
+	mi := &file_dsec_v1_image_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -783,7 +898,7 @@ func (x *ImageProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImageProgress.ProtoReflect.Descriptor instead.
 func (*ImageProgress) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ImageProgress) GetPhase() string {
@@ -825,7 +940,7 @@ var File_dsec_v1_image_proto protoreflect.FileDescriptor
 
 const file_dsec_v1_image_proto_rawDesc = "" +
 	"\n" +
-	"\x13dsec/v1/image.proto\x12\adsec.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xeb\x01\n" +
+	"\x13dsec/v1/image.proto\x12\adsec.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x91\x02\n" +
 	"\x05Image\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06digest\x18\x02 \x01(\tR\x06digest\x12\x16\n" +
@@ -835,7 +950,15 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"\n" +
 	"created_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x16\n" +
 	"\x06source\x18\x06 \x01(\tR\x06source\x12,\n" +
-	"\x06config\x18\a \x01(\v2\x14.dsec.v1.ImageConfigR\x06config\"\x7f\n" +
+	"\x06config\x18\a \x01(\v2\x14.dsec.v1.ImageConfigR\x06config\x12$\n" +
+	"\x02vm\x18\b \x01(\v2\x14.dsec.v1.VMImageInfoR\x02vm\"\x7f\n" +
+	"\vVMImageInfo\x12\x1d\n" +
+	"\n" +
+	"disk_bytes\x18\x01 \x01(\x03R\tdiskBytes\x12\x1a\n" +
+	"\bfirmware\x18\x02 \x01(\tR\bfirmware\x12\x1f\n" +
+	"\vdirect_boot\x18\x03 \x01(\bR\n" +
+	"directBoot\x12\x14\n" +
+	"\x05agent\x18\x04 \x01(\tR\x05agent\"\x7f\n" +
 	"\vImageConfig\x12\x10\n" +
 	"\x03env\x18\x01 \x03(\tR\x03env\x12\x18\n" +
 	"\aworkdir\x18\x02 \x01(\tR\aworkdir\x12\x12\n" +
@@ -861,19 +984,22 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"\x03ref\x18\x01 \x01(\tR\x03ref\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12)\n" +
 	"\x04auth\x18\x03 \x01(\v2\x15.dsec.v1.RegistryAuthR\x04auth\x12\x1a\n" +
-	"\binsecure\x18\x04 \x01(\bR\binsecure\";\n" +
+	"\binsecure\x18\x04 \x01(\bR\binsecure\"S\n" +
 	"\x11UploadImageHeader\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
-	"\x04size\x18\x02 \x01(\x03R\x04size\"g\n" +
+	"\x04size\x18\x02 \x01(\x03R\x04size\x12\x16\n" +
+	"\x06format\x18\x03 \x01(\tR\x06format\"g\n" +
 	"\x12UploadImageRequest\x124\n" +
 	"\x06header\x18\x01 \x01(\v2\x1a.dsec.v1.UploadImageHeaderH\x00R\x06header\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\x05\n" +
-	"\x03msg\"u\n" +
+	"\x03msg\"\x9e\x01\n" +
 	"\x15BootstrapImageRequest\x12\x16\n" +
 	"\x06recipe\x18\x01 \x01(\tR\x06recipe\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x14\n" +
 	"\x05force\x18\x03 \x01(\bR\x05force\x12\x1a\n" +
-	"\bpackages\x18\x04 \x03(\tR\bpackages\"\xa5\x01\n" +
+	"\bpackages\x18\x04 \x03(\tR\bpackages\x12\x0e\n" +
+	"\x02vm\x18\x05 \x01(\bR\x02vm\x12\x17\n" +
+	"\adisk_mb\x18\x06 \x01(\x03R\x06diskMb\"\xa5\x01\n" +
 	"\rImageProgress\x12\x14\n" +
 	"\x05phase\x18\x01 \x01(\tR\x05phase\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12\x1d\n" +
@@ -903,47 +1029,49 @@ func file_dsec_v1_image_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_image_proto_rawDescData
 }
 
-var file_dsec_v1_image_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_dsec_v1_image_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_dsec_v1_image_proto_goTypes = []any{
 	(*Image)(nil),                 // 0: dsec.v1.Image
-	(*ImageConfig)(nil),           // 1: dsec.v1.ImageConfig
-	(*ListImagesRequest)(nil),     // 2: dsec.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),    // 3: dsec.v1.ListImagesResponse
-	(*GetImageRequest)(nil),       // 4: dsec.v1.GetImageRequest
-	(*DeleteImageRequest)(nil),    // 5: dsec.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),   // 6: dsec.v1.DeleteImageResponse
-	(*RegistryAuth)(nil),          // 7: dsec.v1.RegistryAuth
-	(*PullImageRequest)(nil),      // 8: dsec.v1.PullImageRequest
-	(*UploadImageHeader)(nil),     // 9: dsec.v1.UploadImageHeader
-	(*UploadImageRequest)(nil),    // 10: dsec.v1.UploadImageRequest
-	(*BootstrapImageRequest)(nil), // 11: dsec.v1.BootstrapImageRequest
-	(*ImageProgress)(nil),         // 12: dsec.v1.ImageProgress
-	(*timestamppb.Timestamp)(nil), // 13: google.protobuf.Timestamp
+	(*VMImageInfo)(nil),           // 1: dsec.v1.VMImageInfo
+	(*ImageConfig)(nil),           // 2: dsec.v1.ImageConfig
+	(*ListImagesRequest)(nil),     // 3: dsec.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),    // 4: dsec.v1.ListImagesResponse
+	(*GetImageRequest)(nil),       // 5: dsec.v1.GetImageRequest
+	(*DeleteImageRequest)(nil),    // 6: dsec.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),   // 7: dsec.v1.DeleteImageResponse
+	(*RegistryAuth)(nil),          // 8: dsec.v1.RegistryAuth
+	(*PullImageRequest)(nil),      // 9: dsec.v1.PullImageRequest
+	(*UploadImageHeader)(nil),     // 10: dsec.v1.UploadImageHeader
+	(*UploadImageRequest)(nil),    // 11: dsec.v1.UploadImageRequest
+	(*BootstrapImageRequest)(nil), // 12: dsec.v1.BootstrapImageRequest
+	(*ImageProgress)(nil),         // 13: dsec.v1.ImageProgress
+	(*timestamppb.Timestamp)(nil), // 14: google.protobuf.Timestamp
 }
 var file_dsec_v1_image_proto_depIdxs = []int32{
-	13, // 0: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
-	1,  // 1: dsec.v1.Image.config:type_name -> dsec.v1.ImageConfig
-	0,  // 2: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	7,  // 3: dsec.v1.PullImageRequest.auth:type_name -> dsec.v1.RegistryAuth
-	9,  // 4: dsec.v1.UploadImageRequest.header:type_name -> dsec.v1.UploadImageHeader
-	0,  // 5: dsec.v1.ImageProgress.image:type_name -> dsec.v1.Image
-	2,  // 6: dsec.v1.ImageService.ListImages:input_type -> dsec.v1.ListImagesRequest
-	4,  // 7: dsec.v1.ImageService.GetImage:input_type -> dsec.v1.GetImageRequest
-	5,  // 8: dsec.v1.ImageService.DeleteImage:input_type -> dsec.v1.DeleteImageRequest
-	8,  // 9: dsec.v1.ImageService.PullImage:input_type -> dsec.v1.PullImageRequest
-	10, // 10: dsec.v1.ImageService.UploadImage:input_type -> dsec.v1.UploadImageRequest
-	11, // 11: dsec.v1.ImageService.BootstrapImage:input_type -> dsec.v1.BootstrapImageRequest
-	3,  // 12: dsec.v1.ImageService.ListImages:output_type -> dsec.v1.ListImagesResponse
-	0,  // 13: dsec.v1.ImageService.GetImage:output_type -> dsec.v1.Image
-	6,  // 14: dsec.v1.ImageService.DeleteImage:output_type -> dsec.v1.DeleteImageResponse
-	12, // 15: dsec.v1.ImageService.PullImage:output_type -> dsec.v1.ImageProgress
-	0,  // 16: dsec.v1.ImageService.UploadImage:output_type -> dsec.v1.Image
-	12, // 17: dsec.v1.ImageService.BootstrapImage:output_type -> dsec.v1.ImageProgress
-	12, // [12:18] is the sub-list for method output_type
-	6,  // [6:12] is the sub-list for method input_type
-	6,  // [6:6] is the sub-list for extension type_name
-	6,  // [6:6] is the sub-list for extension extendee
-	0,  // [0:6] is the sub-list for field type_name
+	14, // 0: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	2,  // 1: dsec.v1.Image.config:type_name -> dsec.v1.ImageConfig
+	1,  // 2: dsec.v1.Image.vm:type_name -> dsec.v1.VMImageInfo
+	0,  // 3: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	8,  // 4: dsec.v1.PullImageRequest.auth:type_name -> dsec.v1.RegistryAuth
+	10, // 5: dsec.v1.UploadImageRequest.header:type_name -> dsec.v1.UploadImageHeader
+	0,  // 6: dsec.v1.ImageProgress.image:type_name -> dsec.v1.Image
+	3,  // 7: dsec.v1.ImageService.ListImages:input_type -> dsec.v1.ListImagesRequest
+	5,  // 8: dsec.v1.ImageService.GetImage:input_type -> dsec.v1.GetImageRequest
+	6,  // 9: dsec.v1.ImageService.DeleteImage:input_type -> dsec.v1.DeleteImageRequest
+	9,  // 10: dsec.v1.ImageService.PullImage:input_type -> dsec.v1.PullImageRequest
+	11, // 11: dsec.v1.ImageService.UploadImage:input_type -> dsec.v1.UploadImageRequest
+	12, // 12: dsec.v1.ImageService.BootstrapImage:input_type -> dsec.v1.BootstrapImageRequest
+	4,  // 13: dsec.v1.ImageService.ListImages:output_type -> dsec.v1.ListImagesResponse
+	0,  // 14: dsec.v1.ImageService.GetImage:output_type -> dsec.v1.Image
+	7,  // 15: dsec.v1.ImageService.DeleteImage:output_type -> dsec.v1.DeleteImageResponse
+	13, // 16: dsec.v1.ImageService.PullImage:output_type -> dsec.v1.ImageProgress
+	0,  // 17: dsec.v1.ImageService.UploadImage:output_type -> dsec.v1.Image
+	13, // 18: dsec.v1.ImageService.BootstrapImage:output_type -> dsec.v1.ImageProgress
+	13, // [13:19] is the sub-list for method output_type
+	7,  // [7:13] is the sub-list for method input_type
+	7,  // [7:7] is the sub-list for extension type_name
+	7,  // [7:7] is the sub-list for extension extendee
+	0,  // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_image_proto_init() }
@@ -951,7 +1079,7 @@ func file_dsec_v1_image_proto_init() {
 	if File_dsec_v1_image_proto != nil {
 		return
 	}
-	file_dsec_v1_image_proto_msgTypes[10].OneofWrappers = []any{
+	file_dsec_v1_image_proto_msgTypes[11].OneofWrappers = []any{
 		(*UploadImageRequest_Header)(nil),
 		(*UploadImageRequest_Data)(nil),
 	}
@@ -961,7 +1089,7 @@ func file_dsec_v1_image_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_image_proto_rawDesc), len(file_dsec_v1_image_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   13,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

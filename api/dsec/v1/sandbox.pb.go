@@ -3100,6 +3100,589 @@ func (x *SandboxStats) GetMemoryLimitMb() int64 {
 	return 0
 }
 
+type ScreenshotRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ScreenshotRequest) Reset() {
+	*x = ScreenshotRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ScreenshotRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ScreenshotRequest) ProtoMessage() {}
+
+func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ScreenshotRequest.ProtoReflect.Descriptor instead.
+func (*ScreenshotRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *ScreenshotRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+type ScreenshotResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Png   []byte                 `protobuf:"bytes,1,opt,name=png,proto3" json:"png,omitempty"`
+	// width and height are the screen's size in pixels (the guest's display
+	// mode: 720x400 for an 80x25 text console).
+	Width         int32 `protobuf:"varint,2,opt,name=width,proto3" json:"width,omitempty"`
+	Height        int32 `protobuf:"varint,3,opt,name=height,proto3" json:"height,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ScreenshotResponse) Reset() {
+	*x = ScreenshotResponse{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ScreenshotResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ScreenshotResponse) ProtoMessage() {}
+
+func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ScreenshotResponse.ProtoReflect.Descriptor instead.
+func (*ScreenshotResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
+}
+
+func (x *ScreenshotResponse) GetPng() []byte {
+	if x != nil {
+		return x.Png
+	}
+	return nil
+}
+
+func (x *ScreenshotResponse) GetWidth() int32 {
+	if x != nil {
+		return x.Width
+	}
+	return 0
+}
+
+func (x *ScreenshotResponse) GetHeight() int32 {
+	if x != nil {
+		return x.Height
+	}
+	return 0
+}
+
+type SendInputRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	// actions run in order (at most 1024; text at most 16384 characters).
+	Actions       []*InputAction `protobuf:"bytes,2,rep,name=actions,proto3" json:"actions,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SendInputRequest) Reset() {
+	*x = SendInputRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SendInputRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SendInputRequest) ProtoMessage() {}
+
+func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SendInputRequest.ProtoReflect.Descriptor instead.
+func (*SendInputRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
+}
+
+func (x *SendInputRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *SendInputRequest) GetActions() []*InputAction {
+	if x != nil {
+		return x.Actions
+	}
+	return nil
+}
+
+type SendInputResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SendInputResponse) Reset() {
+	*x = SendInputResponse{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SendInputResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SendInputResponse) ProtoMessage() {}
+
+func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SendInputResponse.ProtoReflect.Descriptor instead.
+func (*SendInputResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
+}
+
+// InputAction is one keyboard or mouse action.
+type InputAction struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Action:
+	//
+	//	*InputAction_Text
+	//	*InputAction_Keys
+	//	*InputAction_Move
+	//	*InputAction_Click
+	//	*InputAction_Button
+	//	*InputAction_Scroll
+	Action        isInputAction_Action `protobuf_oneof:"action"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InputAction) Reset() {
+	*x = InputAction{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InputAction) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InputAction) ProtoMessage() {}
+
+func (x *InputAction) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InputAction.ProtoReflect.Descriptor instead.
+func (*InputAction) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
+}
+
+func (x *InputAction) GetAction() isInputAction_Action {
+	if x != nil {
+		return x.Action
+	}
+	return nil
+}
+
+func (x *InputAction) GetText() string {
+	if x != nil {
+		if x, ok := x.Action.(*InputAction_Text); ok {
+			return x.Text
+		}
+	}
+	return ""
+}
+
+func (x *InputAction) GetKeys() string {
+	if x != nil {
+		if x, ok := x.Action.(*InputAction_Keys); ok {
+			return x.Keys
+		}
+	}
+	return ""
+}
+
+func (x *InputAction) GetMove() *Point {
+	if x != nil {
+		if x, ok := x.Action.(*InputAction_Move); ok {
+			return x.Move
+		}
+	}
+	return nil
+}
+
+func (x *InputAction) GetClick() *MouseClick {
+	if x != nil {
+		if x, ok := x.Action.(*InputAction_Click); ok {
+			return x.Click
+		}
+	}
+	return nil
+}
+
+func (x *InputAction) GetButton() *MouseButton {
+	if x != nil {
+		if x, ok := x.Action.(*InputAction_Button); ok {
+			return x.Button
+		}
+	}
+	return nil
+}
+
+func (x *InputAction) GetScroll() *MouseScroll {
+	if x != nil {
+		if x, ok := x.Action.(*InputAction_Scroll); ok {
+			return x.Scroll
+		}
+	}
+	return nil
+}
+
+type isInputAction_Action interface {
+	isInputAction_Action()
+}
+
+type InputAction_Text struct {
+	// text types characters on a US keyboard layout (printable ASCII,
+	// newline for Return, tab).
+	Text string `protobuf:"bytes,1,opt,name=text,proto3,oneof"`
+}
+
+type InputAction_Keys struct {
+	// keys presses a key combination: key names joined by "+", pressed in
+	// order and released in reverse, e.g. "ctrl+c", "Return", "alt+F4",
+	// "ctrl+alt+Delete", "shift+Tab". Names: ctrl, alt, shift, super,
+	// Return, Escape, Tab, space, BackSpace, Delete, Insert, Home, End,
+	// Page_Up, Page_Down, Up, Down, Left, Right, F1-F12, or one character.
+	Keys string `protobuf:"bytes,2,opt,name=keys,proto3,oneof"`
+}
+
+type InputAction_Move struct {
+	// move moves the pointer to a screen position.
+	Move *Point `protobuf:"bytes,3,opt,name=move,proto3,oneof"`
+}
+
+type InputAction_Click struct {
+	// click moves the pointer to a position and clicks.
+	Click *MouseClick `protobuf:"bytes,4,opt,name=click,proto3,oneof"`
+}
+
+type InputAction_Button struct {
+	// button presses or releases a button where the pointer is (drag: move,
+	// press, move, release).
+	Button *MouseButton `protobuf:"bytes,5,opt,name=button,proto3,oneof"`
+}
+
+type InputAction_Scroll struct {
+	// scroll turns the mouse wheel.
+	Scroll *MouseScroll `protobuf:"bytes,6,opt,name=scroll,proto3,oneof"`
+}
+
+func (*InputAction_Text) isInputAction_Action() {}
+
+func (*InputAction_Keys) isInputAction_Action() {}
+
+func (*InputAction_Move) isInputAction_Action() {}
+
+func (*InputAction_Click) isInputAction_Action() {}
+
+func (*InputAction_Button) isInputAction_Action() {}
+
+func (*InputAction_Scroll) isInputAction_Action() {}
+
+// Point is a screen position in pixels from the top left corner.
+type Point struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	X             int32                  `protobuf:"varint,1,opt,name=x,proto3" json:"x,omitempty"`
+	Y             int32                  `protobuf:"varint,2,opt,name=y,proto3" json:"y,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Point) Reset() {
+	*x = Point{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Point) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Point) ProtoMessage() {}
+
+func (x *Point) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Point.ProtoReflect.Descriptor instead.
+func (*Point) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
+}
+
+func (x *Point) GetX() int32 {
+	if x != nil {
+		return x.X
+	}
+	return 0
+}
+
+func (x *Point) GetY() int32 {
+	if x != nil {
+		return x.Y
+	}
+	return 0
+}
+
+type MouseClick struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	X     int32                  `protobuf:"varint,1,opt,name=x,proto3" json:"x,omitempty"`
+	Y     int32                  `protobuf:"varint,2,opt,name=y,proto3" json:"y,omitempty"`
+	// button is "left" (default), "middle" or "right".
+	Button string `protobuf:"bytes,3,opt,name=button,proto3" json:"button,omitempty"`
+	// count is the number of clicks (default 1; 2 is a double click).
+	Count         int32 `protobuf:"varint,4,opt,name=count,proto3" json:"count,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MouseClick) Reset() {
+	*x = MouseClick{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MouseClick) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MouseClick) ProtoMessage() {}
+
+func (x *MouseClick) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MouseClick.ProtoReflect.Descriptor instead.
+func (*MouseClick) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
+}
+
+func (x *MouseClick) GetX() int32 {
+	if x != nil {
+		return x.X
+	}
+	return 0
+}
+
+func (x *MouseClick) GetY() int32 {
+	if x != nil {
+		return x.Y
+	}
+	return 0
+}
+
+func (x *MouseClick) GetButton() string {
+	if x != nil {
+		return x.Button
+	}
+	return ""
+}
+
+func (x *MouseClick) GetCount() int32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
+type MouseButton struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// button is "left" (default), "middle" or "right".
+	Button        string `protobuf:"bytes,1,opt,name=button,proto3" json:"button,omitempty"`
+	Down          bool   `protobuf:"varint,2,opt,name=down,proto3" json:"down,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MouseButton) Reset() {
+	*x = MouseButton{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MouseButton) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MouseButton) ProtoMessage() {}
+
+func (x *MouseButton) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MouseButton.ProtoReflect.Descriptor instead.
+func (*MouseButton) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
+}
+
+func (x *MouseButton) GetButton() string {
+	if x != nil {
+		return x.Button
+	}
+	return ""
+}
+
+func (x *MouseButton) GetDown() bool {
+	if x != nil {
+		return x.Down
+	}
+	return false
+}
+
+type MouseScroll struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// dy is wheel clicks down (negative: up); dx right (negative: left).
+	Dx            int32 `protobuf:"varint,1,opt,name=dx,proto3" json:"dx,omitempty"`
+	Dy            int32 `protobuf:"varint,2,opt,name=dy,proto3" json:"dy,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MouseScroll) Reset() {
+	*x = MouseScroll{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MouseScroll) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MouseScroll) ProtoMessage() {}
+
+func (x *MouseScroll) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MouseScroll.ProtoReflect.Descriptor instead.
+func (*MouseScroll) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
+}
+
+func (x *MouseScroll) GetDx() int32 {
+	if x != nil {
+		return x.Dx
+	}
+	return 0
+}
+
+func (x *MouseScroll) GetDy() int32 {
+	if x != nil {
+		return x.Dy
+	}
+	return 0
+}
+
 // ItemError is the error of one item of a batch.
 type ItemError struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -3114,7 +3697,7 @@ type ItemError struct {
 
 func (x *ItemError) Reset() {
 	*x = ItemError{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3126,7 +3709,7 @@ func (x *ItemError) String() string {
 func (*ItemError) ProtoMessage() {}
 
 func (x *ItemError) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3139,7 +3722,7 @@ func (x *ItemError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemError.ProtoReflect.Descriptor instead.
 func (*ItemError) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *ItemError) GetKind() string {
@@ -3191,7 +3774,7 @@ type CreateSandboxesRequest struct {
 
 func (x *CreateSandboxesRequest) Reset() {
 	*x = CreateSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3203,7 +3786,7 @@ func (x *CreateSandboxesRequest) String() string {
 func (*CreateSandboxesRequest) ProtoMessage() {}
 
 func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3216,7 +3799,7 @@ func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *CreateSandboxesRequest) GetSpec() *SandboxSpec {
@@ -3258,7 +3841,7 @@ type CreateResult struct {
 
 func (x *CreateResult) Reset() {
 	*x = CreateResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3270,7 +3853,7 @@ func (x *CreateResult) String() string {
 func (*CreateResult) ProtoMessage() {}
 
 func (x *CreateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3283,7 +3866,7 @@ func (x *CreateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateResult.ProtoReflect.Descriptor instead.
 func (*CreateResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *CreateResult) GetIndex() int32 {
@@ -3320,7 +3903,7 @@ type CreateSandboxesResponse struct {
 
 func (x *CreateSandboxesResponse) Reset() {
 	*x = CreateSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3332,7 +3915,7 @@ func (x *CreateSandboxesResponse) String() string {
 func (*CreateSandboxesResponse) ProtoMessage() {}
 
 func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3345,7 +3928,7 @@ func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *CreateSandboxesResponse) GetResults() []*CreateResult {
@@ -3385,7 +3968,7 @@ type PauseSandboxRequest struct {
 
 func (x *PauseSandboxRequest) Reset() {
 	*x = PauseSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3397,7 +3980,7 @@ func (x *PauseSandboxRequest) String() string {
 func (*PauseSandboxRequest) ProtoMessage() {}
 
 func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3410,7 +3993,7 @@ func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseSandboxRequest.ProtoReflect.Descriptor instead.
 func (*PauseSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *PauseSandboxRequest) GetId() string {
@@ -3429,7 +4012,7 @@ type ResumeSandboxRequest struct {
 
 func (x *ResumeSandboxRequest) Reset() {
 	*x = ResumeSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3441,7 +4024,7 @@ func (x *ResumeSandboxRequest) String() string {
 func (*ResumeSandboxRequest) ProtoMessage() {}
 
 func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3454,7 +4037,7 @@ func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeSandboxRequest.ProtoReflect.Descriptor instead.
 func (*ResumeSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *ResumeSandboxRequest) GetId() string {
@@ -3473,7 +4056,7 @@ type BulkRequest struct {
 
 func (x *BulkRequest) Reset() {
 	*x = BulkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3485,7 +4068,7 @@ func (x *BulkRequest) String() string {
 func (*BulkRequest) ProtoMessage() {}
 
 func (x *BulkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3498,7 +4081,7 @@ func (x *BulkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRequest.ProtoReflect.Descriptor instead.
 func (*BulkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *BulkRequest) GetLabelSelector() string {
@@ -3518,7 +4101,7 @@ type BulkFailure struct {
 
 func (x *BulkFailure) Reset() {
 	*x = BulkFailure{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3530,7 +4113,7 @@ func (x *BulkFailure) String() string {
 func (*BulkFailure) ProtoMessage() {}
 
 func (x *BulkFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3543,7 +4126,7 @@ func (x *BulkFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkFailure.ProtoReflect.Descriptor instead.
 func (*BulkFailure) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *BulkFailure) GetId() string {
@@ -3570,7 +4153,7 @@ type BulkResponse struct {
 
 func (x *BulkResponse) Reset() {
 	*x = BulkResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3582,7 +4165,7 @@ func (x *BulkResponse) String() string {
 func (*BulkResponse) ProtoMessage() {}
 
 func (x *BulkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3595,7 +4178,7 @@ func (x *BulkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkResponse.ProtoReflect.Descriptor instead.
 func (*BulkResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *BulkResponse) GetIds() []string {
@@ -3623,7 +4206,7 @@ type SnapshotRequest struct {
 
 func (x *SnapshotRequest) Reset() {
 	*x = SnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3635,7 +4218,7 @@ func (x *SnapshotRequest) String() string {
 func (*SnapshotRequest) ProtoMessage() {}
 
 func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3648,7 +4231,7 @@ func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *SnapshotRequest) GetSandboxId() string {
@@ -3682,7 +4265,7 @@ type SnapshotInfo struct {
 
 func (x *SnapshotInfo) Reset() {
 	*x = SnapshotInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3694,7 +4277,7 @@ func (x *SnapshotInfo) String() string {
 func (*SnapshotInfo) ProtoMessage() {}
 
 func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3707,7 +4290,7 @@ func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotInfo.ProtoReflect.Descriptor instead.
 func (*SnapshotInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *SnapshotInfo) GetId() string {
@@ -3774,7 +4357,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3786,7 +4369,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3799,7 +4382,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
 }
 
 type ListSnapshotsResponse struct {
@@ -3811,7 +4394,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3823,7 +4406,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3836,7 +4419,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*SnapshotInfo {
@@ -3855,7 +4438,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3867,7 +4450,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3880,7 +4463,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *DeleteSnapshotRequest) GetId() string {
@@ -3898,7 +4481,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3910,7 +4493,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3923,7 +4506,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
 }
 
 type ForkRequest struct {
@@ -3940,7 +4523,7 @@ type ForkRequest struct {
 
 func (x *ForkRequest) Reset() {
 	*x = ForkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3952,7 +4535,7 @@ func (x *ForkRequest) String() string {
 func (*ForkRequest) ProtoMessage() {}
 
 func (x *ForkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3965,7 +4548,7 @@ func (x *ForkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkRequest.ProtoReflect.Descriptor instead.
 func (*ForkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *ForkRequest) GetSandboxId() string {
@@ -4014,7 +4597,7 @@ type GetLogRequest struct {
 
 func (x *GetLogRequest) Reset() {
 	*x = GetLogRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4026,7 +4609,7 @@ func (x *GetLogRequest) String() string {
 func (*GetLogRequest) ProtoMessage() {}
 
 func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4039,7 +4622,7 @@ func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogRequest.ProtoReflect.Descriptor instead.
 func (*GetLogRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *GetLogRequest) GetSandboxId() string {
@@ -4096,7 +4679,7 @@ type LogEntry struct {
 
 func (x *LogEntry) Reset() {
 	*x = LogEntry{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4108,7 +4691,7 @@ func (x *LogEntry) String() string {
 func (*LogEntry) ProtoMessage() {}
 
 func (x *LogEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4121,7 +4704,7 @@ func (x *LogEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogEntry.ProtoReflect.Descriptor instead.
 func (*LogEntry) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *LogEntry) GetSeq() uint64 {
@@ -4275,7 +4858,7 @@ type GetLogResponse struct {
 
 func (x *GetLogResponse) Reset() {
 	*x = GetLogResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4287,7 +4870,7 @@ func (x *GetLogResponse) String() string {
 func (*GetLogResponse) ProtoMessage() {}
 
 func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4300,7 +4883,7 @@ func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogResponse.ProtoReflect.Descriptor instead.
 func (*GetLogResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *GetLogResponse) GetEntries() []*LogEntry {
@@ -4337,7 +4920,7 @@ type ReplayRequest struct {
 
 func (x *ReplayRequest) Reset() {
 	*x = ReplayRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4349,7 +4932,7 @@ func (x *ReplayRequest) String() string {
 func (*ReplayRequest) ProtoMessage() {}
 
 func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4362,7 +4945,7 @@ func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayRequest.ProtoReflect.Descriptor instead.
 func (*ReplayRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *ReplayRequest) GetSandboxId() string {
@@ -4399,7 +4982,7 @@ type ReplayStep struct {
 
 func (x *ReplayStep) Reset() {
 	*x = ReplayStep{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4411,7 +4994,7 @@ func (x *ReplayStep) String() string {
 func (*ReplayStep) ProtoMessage() {}
 
 func (x *ReplayStep) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4424,7 +5007,7 @@ func (x *ReplayStep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayStep.ProtoReflect.Descriptor instead.
 func (*ReplayStep) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *ReplayStep) GetSeq() uint64 {
@@ -4474,7 +5057,7 @@ type ReplayResponse struct {
 
 func (x *ReplayResponse) Reset() {
 	*x = ReplayResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4486,7 +5069,7 @@ func (x *ReplayResponse) String() string {
 func (*ReplayResponse) ProtoMessage() {}
 
 func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4499,7 +5082,7 @@ func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayResponse.ProtoReflect.Descriptor instead.
 func (*ReplayResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *ReplayResponse) GetSandboxId() string {
@@ -4792,7 +5375,42 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04pids\x18\x05 \x01(\x03R\x04pids\x12\x1b\n" +
 	"\toom_kills\x18\x06 \x01(\x03R\boomKills\x12\x1b\n" +
 	"\tcpu_limit\x18\a \x01(\x01R\bcpuLimit\x12&\n" +
-	"\x0fmemory_limit_mb\x18\b \x01(\x03R\rmemoryLimitMb\"\x93\x01\n" +
+	"\x0fmemory_limit_mb\x18\b \x01(\x03R\rmemoryLimitMb\"2\n" +
+	"\x11ScreenshotRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\"T\n" +
+	"\x12ScreenshotResponse\x12\x10\n" +
+	"\x03png\x18\x01 \x01(\fR\x03png\x12\x14\n" +
+	"\x05width\x18\x02 \x01(\x05R\x05width\x12\x16\n" +
+	"\x06height\x18\x03 \x01(\x05R\x06height\"a\n" +
+	"\x10SendInputRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12.\n" +
+	"\aactions\x18\x02 \x03(\v2\x14.dsec.v1.InputActionR\aactions\"\x13\n" +
+	"\x11SendInputResponse\"\xf6\x01\n" +
+	"\vInputAction\x12\x14\n" +
+	"\x04text\x18\x01 \x01(\tH\x00R\x04text\x12\x14\n" +
+	"\x04keys\x18\x02 \x01(\tH\x00R\x04keys\x12$\n" +
+	"\x04move\x18\x03 \x01(\v2\x0e.dsec.v1.PointH\x00R\x04move\x12+\n" +
+	"\x05click\x18\x04 \x01(\v2\x13.dsec.v1.MouseClickH\x00R\x05click\x12.\n" +
+	"\x06button\x18\x05 \x01(\v2\x14.dsec.v1.MouseButtonH\x00R\x06button\x12.\n" +
+	"\x06scroll\x18\x06 \x01(\v2\x14.dsec.v1.MouseScrollH\x00R\x06scrollB\b\n" +
+	"\x06action\"#\n" +
+	"\x05Point\x12\f\n" +
+	"\x01x\x18\x01 \x01(\x05R\x01x\x12\f\n" +
+	"\x01y\x18\x02 \x01(\x05R\x01y\"V\n" +
+	"\n" +
+	"MouseClick\x12\f\n" +
+	"\x01x\x18\x01 \x01(\x05R\x01x\x12\f\n" +
+	"\x01y\x18\x02 \x01(\x05R\x01y\x12\x16\n" +
+	"\x06button\x18\x03 \x01(\tR\x06button\x12\x14\n" +
+	"\x05count\x18\x04 \x01(\x05R\x05count\"9\n" +
+	"\vMouseButton\x12\x16\n" +
+	"\x06button\x18\x01 \x01(\tR\x06button\x12\x12\n" +
+	"\x04down\x18\x02 \x01(\bR\x04down\"-\n" +
+	"\vMouseScroll\x12\x0e\n" +
+	"\x02dx\x18\x01 \x01(\x05R\x02dx\x12\x0e\n" +
+	"\x02dy\x18\x02 \x01(\x05R\x02dy\"\x93\x01\n" +
 	"\tItemError\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12\x14\n" +
@@ -4913,7 +5531,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1a\n" +
 	"\breplayed\x18\x02 \x01(\x05R\breplayed\x12\x1a\n" +
 	"\bdiverged\x18\x03 \x01(\x05R\bdiverged\x12)\n" +
-	"\x05steps\x18\x04 \x03(\v2\x13.dsec.v1.ReplayStepR\x05steps2\xb4\x11\n" +
+	"\x05steps\x18\x04 \x03(\v2\x13.dsec.v1.ReplayStepR\x05steps2\xbf\x12\n" +
 	"\x0eSandboxService\x12@\n" +
 	"\rCreateSandbox\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12?\n" +
 	"\n" +
@@ -4950,7 +5568,10 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x0eDeleteSnapshot\x12\x1e.dsec.v1.DeleteSnapshotRequest\x1a\x1f.dsec.v1.DeleteSnapshotResponse\x12>\n" +
 	"\x04Fork\x12\x14.dsec.v1.ForkRequest\x1a .dsec.v1.CreateSandboxesResponse\x12>\n" +
 	"\x06GetLog\x12\x16.dsec.v1.GetLogRequest\x1a\x17.dsec.v1.GetLogResponse\"\x03\x90\x02\x01\x129\n" +
-	"\x06Replay\x12\x16.dsec.v1.ReplayRequest\x1a\x17.dsec.v1.ReplayResponseB-Z+github.com/opendsec/dsec/api/dsec/v1;dsecv1b\x06proto3"
+	"\x06Replay\x12\x16.dsec.v1.ReplayRequest\x1a\x17.dsec.v1.ReplayResponse\x12E\n" +
+	"\n" +
+	"Screenshot\x12\x1a.dsec.v1.ScreenshotRequest\x1a\x1b.dsec.v1.ScreenshotResponse\x12B\n" +
+	"\tSendInput\x12\x19.dsec.v1.SendInputRequest\x1a\x1a.dsec.v1.SendInputResponseB-Z+github.com/opendsec/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
 var (
 	file_dsec_v1_sandbox_proto_rawDescOnce sync.Once
@@ -4964,7 +5585,7 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 72)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 81)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
 	(*Resources)(nil),               // 1: dsec.v1.Resources
@@ -5009,147 +5630,165 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*WatchDirEvent)(nil),           // 40: dsec.v1.WatchDirEvent
 	(*GetSandboxStatsRequest)(nil),  // 41: dsec.v1.GetSandboxStatsRequest
 	(*SandboxStats)(nil),            // 42: dsec.v1.SandboxStats
-	(*ItemError)(nil),               // 43: dsec.v1.ItemError
-	(*CreateSandboxesRequest)(nil),  // 44: dsec.v1.CreateSandboxesRequest
-	(*CreateResult)(nil),            // 45: dsec.v1.CreateResult
-	(*CreateSandboxesResponse)(nil), // 46: dsec.v1.CreateSandboxesResponse
-	(*PauseSandboxRequest)(nil),     // 47: dsec.v1.PauseSandboxRequest
-	(*ResumeSandboxRequest)(nil),    // 48: dsec.v1.ResumeSandboxRequest
-	(*BulkRequest)(nil),             // 49: dsec.v1.BulkRequest
-	(*BulkFailure)(nil),             // 50: dsec.v1.BulkFailure
-	(*BulkResponse)(nil),            // 51: dsec.v1.BulkResponse
-	(*SnapshotRequest)(nil),         // 52: dsec.v1.SnapshotRequest
-	(*SnapshotInfo)(nil),            // 53: dsec.v1.SnapshotInfo
-	(*ListSnapshotsRequest)(nil),    // 54: dsec.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),   // 55: dsec.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),   // 56: dsec.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),  // 57: dsec.v1.DeleteSnapshotResponse
-	(*ForkRequest)(nil),             // 58: dsec.v1.ForkRequest
-	(*GetLogRequest)(nil),           // 59: dsec.v1.GetLogRequest
-	(*LogEntry)(nil),                // 60: dsec.v1.LogEntry
-	(*GetLogResponse)(nil),          // 61: dsec.v1.GetLogResponse
-	(*ReplayRequest)(nil),           // 62: dsec.v1.ReplayRequest
-	(*ReplayStep)(nil),              // 63: dsec.v1.ReplayStep
-	(*ReplayResponse)(nil),          // 64: dsec.v1.ReplayResponse
-	nil,                             // 65: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                             // 66: dsec.v1.SandboxSpec.EnvEntry
-	nil,                             // 67: dsec.v1.SandboxSpec.NodeSelectorEntry
-	nil,                             // 68: dsec.v1.ExecRequest.EnvEntry
-	nil,                             // 69: dsec.v1.ProcessInfo.EnvEntry
-	nil,                             // 70: dsec.v1.ForkRequest.LabelsEntry
-	nil,                             // 71: dsec.v1.LogEntry.EnvEntry
-	(*timestamppb.Timestamp)(nil),   // 72: google.protobuf.Timestamp
+	(*ScreenshotRequest)(nil),       // 43: dsec.v1.ScreenshotRequest
+	(*ScreenshotResponse)(nil),      // 44: dsec.v1.ScreenshotResponse
+	(*SendInputRequest)(nil),        // 45: dsec.v1.SendInputRequest
+	(*SendInputResponse)(nil),       // 46: dsec.v1.SendInputResponse
+	(*InputAction)(nil),             // 47: dsec.v1.InputAction
+	(*Point)(nil),                   // 48: dsec.v1.Point
+	(*MouseClick)(nil),              // 49: dsec.v1.MouseClick
+	(*MouseButton)(nil),             // 50: dsec.v1.MouseButton
+	(*MouseScroll)(nil),             // 51: dsec.v1.MouseScroll
+	(*ItemError)(nil),               // 52: dsec.v1.ItemError
+	(*CreateSandboxesRequest)(nil),  // 53: dsec.v1.CreateSandboxesRequest
+	(*CreateResult)(nil),            // 54: dsec.v1.CreateResult
+	(*CreateSandboxesResponse)(nil), // 55: dsec.v1.CreateSandboxesResponse
+	(*PauseSandboxRequest)(nil),     // 56: dsec.v1.PauseSandboxRequest
+	(*ResumeSandboxRequest)(nil),    // 57: dsec.v1.ResumeSandboxRequest
+	(*BulkRequest)(nil),             // 58: dsec.v1.BulkRequest
+	(*BulkFailure)(nil),             // 59: dsec.v1.BulkFailure
+	(*BulkResponse)(nil),            // 60: dsec.v1.BulkResponse
+	(*SnapshotRequest)(nil),         // 61: dsec.v1.SnapshotRequest
+	(*SnapshotInfo)(nil),            // 62: dsec.v1.SnapshotInfo
+	(*ListSnapshotsRequest)(nil),    // 63: dsec.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),   // 64: dsec.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),   // 65: dsec.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),  // 66: dsec.v1.DeleteSnapshotResponse
+	(*ForkRequest)(nil),             // 67: dsec.v1.ForkRequest
+	(*GetLogRequest)(nil),           // 68: dsec.v1.GetLogRequest
+	(*LogEntry)(nil),                // 69: dsec.v1.LogEntry
+	(*GetLogResponse)(nil),          // 70: dsec.v1.GetLogResponse
+	(*ReplayRequest)(nil),           // 71: dsec.v1.ReplayRequest
+	(*ReplayStep)(nil),              // 72: dsec.v1.ReplayStep
+	(*ReplayResponse)(nil),          // 73: dsec.v1.ReplayResponse
+	nil,                             // 74: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                             // 75: dsec.v1.SandboxSpec.EnvEntry
+	nil,                             // 76: dsec.v1.SandboxSpec.NodeSelectorEntry
+	nil,                             // 77: dsec.v1.ExecRequest.EnvEntry
+	nil,                             // 78: dsec.v1.ProcessInfo.EnvEntry
+	nil,                             // 79: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 80: dsec.v1.LogEntry.EnvEntry
+	(*timestamppb.Timestamp)(nil),   // 81: google.protobuf.Timestamp
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	1,  // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	65, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	66, // 2: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
+	74, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	75, // 2: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,  // 3: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
-	67, // 4: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
+	76, // 4: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
 	3,  // 5: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	72, // 6: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	72, // 7: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	72, // 8: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	81, // 6: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	81, // 7: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	81, // 8: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	3,  // 9: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	4,  // 10: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	68, // 11: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	77, // 11: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
 	14, // 12: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
 	13, // 13: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	69, // 14: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	78, // 14: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
 	23, // 15: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	72, // 16: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	81, // 16: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
 	26, // 17: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
 	29, // 18: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
 	26, // 19: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
 	39, // 20: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	72, // 21: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	3,  // 22: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	3,  // 23: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	4,  // 24: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	43, // 25: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	45, // 26: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	43, // 27: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	50, // 28: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	72, // 29: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	53, // 30: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	70, // 31: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	72, // 32: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	71, // 33: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
-	13, // 34: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	43, // 35: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	60, // 36: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	63, // 37: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	5,  // 38: dsec.v1.SandboxService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	6,  // 39: dsec.v1.SandboxService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	7,  // 40: dsec.v1.SandboxService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	9,  // 41: dsec.v1.SandboxService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	11, // 42: dsec.v1.SandboxService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	12, // 43: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	12, // 44: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	16, // 45: dsec.v1.SandboxService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	17, // 46: dsec.v1.SandboxService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	19, // 47: dsec.v1.SandboxService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	21, // 48: dsec.v1.SandboxService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	24, // 49: dsec.v1.SandboxService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	27, // 50: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	30, // 51: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	31, // 52: dsec.v1.SandboxService.Stat:input_type -> dsec.v1.StatRequest
-	32, // 53: dsec.v1.SandboxService.ListDir:input_type -> dsec.v1.ListDirRequest
-	34, // 54: dsec.v1.SandboxService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	35, // 55: dsec.v1.SandboxService.Remove:input_type -> dsec.v1.RemoveRequest
-	37, // 56: dsec.v1.SandboxService.Rename:input_type -> dsec.v1.RenameRequest
-	38, // 57: dsec.v1.SandboxService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	41, // 58: dsec.v1.SandboxService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	44, // 59: dsec.v1.SandboxService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	47, // 60: dsec.v1.SandboxService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	48, // 61: dsec.v1.SandboxService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	49, // 62: dsec.v1.SandboxService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	49, // 63: dsec.v1.SandboxService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	49, // 64: dsec.v1.SandboxService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	52, // 65: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	54, // 66: dsec.v1.SandboxService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	56, // 67: dsec.v1.SandboxService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	58, // 68: dsec.v1.SandboxService.Fork:input_type -> dsec.v1.ForkRequest
-	59, // 69: dsec.v1.SandboxService.GetLog:input_type -> dsec.v1.GetLogRequest
-	62, // 70: dsec.v1.SandboxService.Replay:input_type -> dsec.v1.ReplayRequest
-	4,  // 71: dsec.v1.SandboxService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	4,  // 72: dsec.v1.SandboxService.GetSandbox:output_type -> dsec.v1.Sandbox
-	8,  // 73: dsec.v1.SandboxService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	10, // 74: dsec.v1.SandboxService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	4,  // 75: dsec.v1.SandboxService.Keepalive:output_type -> dsec.v1.Sandbox
-	13, // 76: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResult
-	15, // 77: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecEvent
-	15, // 78: dsec.v1.SandboxService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	18, // 79: dsec.v1.SandboxService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	20, // 80: dsec.v1.SandboxService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	22, // 81: dsec.v1.SandboxService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	25, // 82: dsec.v1.SandboxService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	28, // 83: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	26, // 84: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.FileInfo
-	26, // 85: dsec.v1.SandboxService.Stat:output_type -> dsec.v1.FileInfo
-	33, // 86: dsec.v1.SandboxService.ListDir:output_type -> dsec.v1.ListDirResponse
-	26, // 87: dsec.v1.SandboxService.MakeDir:output_type -> dsec.v1.FileInfo
-	36, // 88: dsec.v1.SandboxService.Remove:output_type -> dsec.v1.RemoveResponse
-	26, // 89: dsec.v1.SandboxService.Rename:output_type -> dsec.v1.FileInfo
-	40, // 90: dsec.v1.SandboxService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	42, // 91: dsec.v1.SandboxService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	46, // 92: dsec.v1.SandboxService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	4,  // 93: dsec.v1.SandboxService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	4,  // 94: dsec.v1.SandboxService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	51, // 95: dsec.v1.SandboxService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	51, // 96: dsec.v1.SandboxService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	51, // 97: dsec.v1.SandboxService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	53, // 98: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	55, // 99: dsec.v1.SandboxService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	57, // 100: dsec.v1.SandboxService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	46, // 101: dsec.v1.SandboxService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	61, // 102: dsec.v1.SandboxService.GetLog:output_type -> dsec.v1.GetLogResponse
-	64, // 103: dsec.v1.SandboxService.Replay:output_type -> dsec.v1.ReplayResponse
-	71, // [71:104] is the sub-list for method output_type
-	38, // [38:71] is the sub-list for method input_type
-	38, // [38:38] is the sub-list for extension type_name
-	38, // [38:38] is the sub-list for extension extendee
-	0,  // [0:38] is the sub-list for field type_name
+	81, // 21: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	47, // 22: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
+	48, // 23: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
+	49, // 24: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
+	50, // 25: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
+	51, // 26: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
+	3,  // 27: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	3,  // 28: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	4,  // 29: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	52, // 30: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	54, // 31: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	52, // 32: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	59, // 33: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	81, // 34: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	62, // 35: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	79, // 36: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	81, // 37: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	80, // 38: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	13, // 39: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	52, // 40: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	69, // 41: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	72, // 42: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	5,  // 43: dsec.v1.SandboxService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	6,  // 44: dsec.v1.SandboxService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	7,  // 45: dsec.v1.SandboxService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	9,  // 46: dsec.v1.SandboxService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	11, // 47: dsec.v1.SandboxService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	12, // 48: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	12, // 49: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	16, // 50: dsec.v1.SandboxService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	17, // 51: dsec.v1.SandboxService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	19, // 52: dsec.v1.SandboxService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	21, // 53: dsec.v1.SandboxService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	24, // 54: dsec.v1.SandboxService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	27, // 55: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	30, // 56: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	31, // 57: dsec.v1.SandboxService.Stat:input_type -> dsec.v1.StatRequest
+	32, // 58: dsec.v1.SandboxService.ListDir:input_type -> dsec.v1.ListDirRequest
+	34, // 59: dsec.v1.SandboxService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	35, // 60: dsec.v1.SandboxService.Remove:input_type -> dsec.v1.RemoveRequest
+	37, // 61: dsec.v1.SandboxService.Rename:input_type -> dsec.v1.RenameRequest
+	38, // 62: dsec.v1.SandboxService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	41, // 63: dsec.v1.SandboxService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	53, // 64: dsec.v1.SandboxService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	56, // 65: dsec.v1.SandboxService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	57, // 66: dsec.v1.SandboxService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	58, // 67: dsec.v1.SandboxService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	58, // 68: dsec.v1.SandboxService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	58, // 69: dsec.v1.SandboxService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	61, // 70: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	63, // 71: dsec.v1.SandboxService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	65, // 72: dsec.v1.SandboxService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	67, // 73: dsec.v1.SandboxService.Fork:input_type -> dsec.v1.ForkRequest
+	68, // 74: dsec.v1.SandboxService.GetLog:input_type -> dsec.v1.GetLogRequest
+	71, // 75: dsec.v1.SandboxService.Replay:input_type -> dsec.v1.ReplayRequest
+	43, // 76: dsec.v1.SandboxService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	45, // 77: dsec.v1.SandboxService.SendInput:input_type -> dsec.v1.SendInputRequest
+	4,  // 78: dsec.v1.SandboxService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	4,  // 79: dsec.v1.SandboxService.GetSandbox:output_type -> dsec.v1.Sandbox
+	8,  // 80: dsec.v1.SandboxService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	10, // 81: dsec.v1.SandboxService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	4,  // 82: dsec.v1.SandboxService.Keepalive:output_type -> dsec.v1.Sandbox
+	13, // 83: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResult
+	15, // 84: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecEvent
+	15, // 85: dsec.v1.SandboxService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	18, // 86: dsec.v1.SandboxService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	20, // 87: dsec.v1.SandboxService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	22, // 88: dsec.v1.SandboxService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	25, // 89: dsec.v1.SandboxService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	28, // 90: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	26, // 91: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.FileInfo
+	26, // 92: dsec.v1.SandboxService.Stat:output_type -> dsec.v1.FileInfo
+	33, // 93: dsec.v1.SandboxService.ListDir:output_type -> dsec.v1.ListDirResponse
+	26, // 94: dsec.v1.SandboxService.MakeDir:output_type -> dsec.v1.FileInfo
+	36, // 95: dsec.v1.SandboxService.Remove:output_type -> dsec.v1.RemoveResponse
+	26, // 96: dsec.v1.SandboxService.Rename:output_type -> dsec.v1.FileInfo
+	40, // 97: dsec.v1.SandboxService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	42, // 98: dsec.v1.SandboxService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	55, // 99: dsec.v1.SandboxService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	4,  // 100: dsec.v1.SandboxService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	4,  // 101: dsec.v1.SandboxService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	60, // 102: dsec.v1.SandboxService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	60, // 103: dsec.v1.SandboxService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	60, // 104: dsec.v1.SandboxService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	62, // 105: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	64, // 106: dsec.v1.SandboxService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	66, // 107: dsec.v1.SandboxService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	55, // 108: dsec.v1.SandboxService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	70, // 109: dsec.v1.SandboxService.GetLog:output_type -> dsec.v1.GetLogResponse
+	73, // 110: dsec.v1.SandboxService.Replay:output_type -> dsec.v1.ReplayResponse
+	44, // 111: dsec.v1.SandboxService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	46, // 112: dsec.v1.SandboxService.SendInput:output_type -> dsec.v1.SendInputResponse
+	78, // [78:113] is the sub-list for method output_type
+	43, // [43:78] is the sub-list for method input_type
+	43, // [43:43] is the sub-list for extension type_name
+	43, // [43:43] is the sub-list for extension extendee
+	0,  // [0:43] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -5178,13 +5817,21 @@ func file_dsec_v1_sandbox_proto_init() {
 		(*WatchDirEvent_Keepalive)(nil),
 		(*WatchDirEvent_Overflow)(nil),
 	}
+	file_dsec_v1_sandbox_proto_msgTypes[47].OneofWrappers = []any{
+		(*InputAction_Text)(nil),
+		(*InputAction_Keys)(nil),
+		(*InputAction_Move)(nil),
+		(*InputAction_Click)(nil),
+		(*InputAction_Button)(nil),
+		(*InputAction_Scroll)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   72,
+			NumMessages:   81,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -36,6 +36,10 @@ type Agent struct {
 	procs *procTable
 	boot  time.Time
 
+	// powerOff ends the sandbox at its deadline by powering the machine
+	// off (the agent is a service of a full VM, not its init).
+	powerOff bool
+
 	mu       sync.Mutex
 	deadline *time.Timer
 	env      []string // added to the agent's own environment for processes
@@ -213,9 +217,16 @@ func (a *Agent) serveConn(c net.Conn) {
 	}
 }
 
+// PowerOffAtDeadline makes the deadline power the machine off instead of
+// ending the agent: in a full VM the agent is a service of the guest's own
+// init, and only the machine's end ends the sandbox. Call it before
+// SetDeadline.
+func (a *Agent) PowerOffAtDeadline() { a.powerOff = true }
+
 // SetDeadline makes the agent end the sandbox at t (the zero time clears
 // it): every process is killed and the agent exits, so the runtime tears
-// the sandbox down even when no node is there to do it.
+// the sandbox down even when no node is there to do it (in a full VM the
+// machine powers off).
 func (a *Agent) SetDeadline(t time.Time) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -228,6 +239,10 @@ func (a *Agent) SetDeadline(t time.Time) {
 	}
 	a.deadline = time.AfterFunc(time.Until(t), func() {
 		a.log.Warn("sandbox deadline passed; ending the sandbox")
+		if a.powerOff {
+			unix.Sync()
+			unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF)
+		}
 		if os.Getpid() == 1 {
 			syscall.Kill(-1, syscall.SIGKILL)
 		}

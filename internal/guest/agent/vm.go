@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
@@ -138,6 +140,28 @@ func ApplyIdentity(hostname string, now time.Time, seed []byte) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// NewMachineID gives the machine a new random machine ID, so VMs restored
+// from one snapshot do not share it. A transient ID (systemd keeps it in
+// /run/machine-id and bind-mounts that read-only on /etc/machine-id) is
+// rewritten in place; a committed one in /etc/machine-id.
+func NewMachineID() error {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return err
+	}
+	// A version 4 UUID, as systemd makes them.
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	path := "/etc/machine-id"
+	if _, err := os.Stat("/run/machine-id"); err == nil {
+		path = "/run/machine-id"
+	}
+	if err := os.WriteFile(path, []byte(hex.EncodeToString(b[:])+"\n"), 0o444); err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	return nil
 }
 
 // ioctls of random(4).

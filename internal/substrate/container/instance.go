@@ -192,6 +192,14 @@ func (i *instance) SnapshotMachine(context.Context, string) error {
 	return errdefs.Unimplemented("container sandboxes have no memory snapshots (their snapshots are filesystem layers)")
 }
 
+func (i *instance) Screenshot(context.Context) (*substrate.Screenshot, error) {
+	return nil, errdefs.Unimplemented("container sandboxes have no screen (use kind vm)")
+}
+
+func (i *instance) SendInput(context.Context, []substrate.InputAction) error {
+	return errdefs.Unimplemented("container sandboxes have no screen (use kind vm)")
+}
+
 func (i *instance) Destroy(ctx context.Context) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()

@@ -94,6 +94,12 @@ func (i *instance) Resume(context.Context) error { return nil }
 func (i *instance) SnapshotMachine(context.Context, string) error {
 	return errdefs.Unimplemented("function sandboxes cannot snapshot (they hold no state)")
 }
+func (i *instance) Screenshot(context.Context) (*substrate.Screenshot, error) {
+	return nil, errdefs.Unimplemented("function sandboxes have no screen (use kind vm)")
+}
+func (i *instance) SendInput(context.Context, []substrate.InputAction) error {
+	return errdefs.Unimplemented("function sandboxes have no screen (use kind vm)")
+}
 
 func (i *instance) Snapshot(context.Context, io.Writer) error {
 	return errdefs.Unimplemented("function sandboxes cannot snapshot (they hold no state)")

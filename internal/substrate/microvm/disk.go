@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/qemu"
 )
 
 // skeletonVersion changes when the skeleton layer does, so image disks are
@@ -45,7 +46,7 @@ func (d *Driver) imageDisk(layers []string) (string, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return "", errdefs.Internal(err, "create image disk directory")
 	}
-	unlock, err := lockFile(path + ".lock")
+	unlock, err := qemu.LockFile(path + ".lock")
 	if err != nil {
 		return "", errdefs.Internal(err, "lock image disk")
 	}
@@ -115,7 +116,7 @@ func (d *Driver) diskTemplate(sizeMB int64) (string, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return "", err
 	}
-	unlock, err := lockFile(path + ".lock")
+	unlock, err := qemu.LockFile(path + ".lock")
 	if err != nil {
 		return "", err
 	}
@@ -137,15 +138,6 @@ func (d *Driver) diskTemplate(sizeMB int64) (string, error) {
 	return path, os.Rename(tmp, path)
 }
 
-// copySparse copies a disk file keeping its holes.
-func copySparse(src, dst string) error {
-	out, err := exec.Command("cp", "--sparse=always", "--reflink=auto", src, dst).CombinedOutput()
-	if err != nil {
-		return fmt.Errorf("copy disk: %w: %s", err, bytes.TrimSpace(out))
-	}
-	return nil
-}
-
 func copyFile(src, dst string, perm os.FileMode) error {
 	in, err := os.Open(src)
 	if err != nil {
@@ -161,32 +153,4 @@ func copyFile(src, dst string, perm os.FileMode) error {
 		return err
 	}
 	return out.Close()
-}
-
-// fileDigest is a short content hash of a file.
-func fileDigest(p string) (string, error) {
-	f, err := os.Open(p)
-	if err != nil {
-		return "", err
-	}
-	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
-		return "", err
-	}
-	return hex.EncodeToString(h.Sum(nil)[:12]), nil
-}
-
-// lockFile takes an exclusive flock on path, shared with other node
-// processes on the host.
-func lockFile(path string) (func(), error) {
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o600)
-	if err != nil {
-		return nil, err
-	}
-	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
-		f.Close()
-		return nil, err
-	}
-	return func() { unix.Flock(int(f.Fd()), unix.LOCK_UN); f.Close() }, nil
 }

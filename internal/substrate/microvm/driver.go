@@ -14,7 +14,6 @@
 package microvm
 
 import (
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -24,8 +23,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/opendsec/dsec/internal/qemu"
@@ -182,7 +179,7 @@ func (d *Driver) probe() string {
 	if st, err := os.Stat(d.cfg.Busybox); err != nil || !st.Mode().IsRegular() {
 		return fmt.Sprintf("static busybox not found at %s (apt-get install busybox-static)", d.cfg.Busybox)
 	}
-	if d.guestDigest, err = fileDigest(d.cfg.GuestBinary); err != nil {
+	if d.guestDigest, err = qemu.FileDigest(d.cfg.GuestBinary); err != nil {
 		return fmt.Sprintf("dsec-guest binary not found at %s", d.cfg.GuestBinary)
 	}
 	switch d.cfg.Channel {
@@ -230,46 +227,5 @@ func (d *Driver) Sweep(keep func(id string) bool) int {
 	if !d.caps.Available {
 		return 0
 	}
-	n := 0
-	for _, vm := range d.running() {
-		if keep(vm.id) {
-			continue
-		}
-		if p, err := qemu.Adopt(vm.pid, qemu.ProcStartTime(vm.pid)); err == nil {
-			p.Kill(10 * time.Second)
-		}
-		os.Remove(d.agentSock(vm.id))
-		os.Remove(d.qmpSock(vm.id))
-		n++
-	}
-	return n
-}
-
-type runningVM struct {
-	id  string
-	pid int
-}
-
-// running lists the QEMU processes started with this driver's run
-// directory.
-func (d *Driver) running() []runningVM {
-	var out []runningVM
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-		if err != nil || !bytes.Contains(b, []byte("unix:"+d.cfg.RunDir+"/")) {
-			continue
-		}
-		args := strings.Split(string(b), "\x00")
-		for k := 0; k+1 < len(args); k++ {
-			if args[k] == "-name" && strings.HasPrefix(args[k+1], "dsec-") {
-				out = append(out, runningVM{id: strings.TrimPrefix(args[k+1], "dsec-"), pid: pid})
-			}
-		}
-	}
-	return out
+	return qemu.SweepVMs(d.cfg.RunDir, keep, func(id string) []string { return []string{d.agentSock(id), d.qmpSock(id)} })
 }

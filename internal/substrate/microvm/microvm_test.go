@@ -17,6 +17,7 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/qemu"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
 )
@@ -134,11 +135,13 @@ func newSpec(t *testing.T) *substrate.Spec {
 func TestConformance(t *testing.T) {
 	d := newDriver(t, nil)
 	substratetest.Run(t, substratetest.Harness{
-		Driver:     d,
-		NewSpec:    newSpec,
-		Restart:    func(t *testing.T) substrate.Driver { return newDriver(t, nil) },
-		Leaks:      func(t *testing.T, s *substrate.Spec) []string { return leaks(d, s) },
-		Kill:       func(t *testing.T, inst substrate.Instance) { syscall.Kill(inst.(*instance).st.Pid, syscall.SIGKILL) },
+		Driver:  d,
+		NewSpec: newSpec,
+		Restart: func(t *testing.T) substrate.Driver { return newDriver(t, nil) },
+		Leaks:   func(t *testing.T, s *substrate.Spec) []string { return leaks(d, s) },
+		Kill: func(t *testing.T, inst substrate.Instance) {
+			syscall.Kill(inst.(*instance).vm.State().Pid, syscall.SIGKILL)
+		},
 		SkipLimits: true,
 	})
 }
@@ -150,7 +153,7 @@ func leaks(d *Driver, s *substrate.Spec) []string {
 	if qemuRunning(s.ID) {
 		out = append(out, "QEMU process")
 	}
-	for _, p := range []string{d.agentSock(s.ID), d.qmpSock(s.ID), filepath.Join(s.Dir, diskFile), filepath.Join(s.Dir, pauseFile)} {
+	for _, p := range []string{d.agentSock(s.ID), d.qmpSock(s.ID), filepath.Join(s.Dir, diskFile), filepath.Join(s.Dir, qemu.PauseFile)} {
 		if _, err := os.Stat(p); err == nil {
 			out = append(out, p)
 		}

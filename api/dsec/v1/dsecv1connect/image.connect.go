@@ -64,7 +64,8 @@ type ImageServiceClient interface {
 	UploadImage(context.Context) *connect.ClientStreamForClient[v1.UploadImageRequest, v1.Image]
 	// BootstrapImage builds a base image offline on the node ("busybox" from
 	// the host's busybox-static, "debian" with debootstrap from the host's apt
-	// mirror), streaming progress.
+	// mirror; with vm, a bootable Debian disk for kind vm), streaming
+	// progress.
 	BootstrapImage(context.Context, *connect.Request[v1.BootstrapImageRequest]) (*connect.ServerStreamForClient[v1.ImageProgress], error)
 }
 
@@ -174,7 +175,8 @@ type ImageServiceHandler interface {
 	UploadImage(context.Context, *connect.ClientStream[v1.UploadImageRequest]) (*connect.Response[v1.Image], error)
 	// BootstrapImage builds a base image offline on the node ("busybox" from
 	// the host's busybox-static, "debian" with debootstrap from the host's apt
-	// mirror), streaming progress.
+	// mirror; with vm, a bootable Debian disk for kind vm), streaming
+	// progress.
 	BootstrapImage(context.Context, *connect.Request[v1.BootstrapImageRequest], *connect.ServerStream[v1.ImageProgress]) error
 }
 

@@ -127,6 +127,12 @@ const (
 	SandboxServiceGetLogProcedure = "/dsec.v1.SandboxService/GetLog"
 	// SandboxServiceReplayProcedure is the fully-qualified name of the SandboxService's Replay RPC.
 	SandboxServiceReplayProcedure = "/dsec.v1.SandboxService/Replay"
+	// SandboxServiceScreenshotProcedure is the fully-qualified name of the SandboxService's Screenshot
+	// RPC.
+	SandboxServiceScreenshotProcedure = "/dsec.v1.SandboxService/Screenshot"
+	// SandboxServiceSendInputProcedure is the fully-qualified name of the SandboxService's SendInput
+	// RPC.
+	SandboxServiceSendInputProcedure = "/dsec.v1.SandboxService/SendInput"
 )
 
 // SandboxServiceClient is a client for the dsec.v1.SandboxService service.
@@ -207,6 +213,12 @@ type SandboxServiceClient interface {
 	// Replay re-executes a sandbox's logged mutating calls, in order, in a new
 	// sandbox from the same image or snapshot, and reports divergences.
 	Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error)
+	// Screenshot captures the screen of a sandbox whose kind has the "screen"
+	// capability (vm) as a PNG image at the guest's display resolution.
+	Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error)
+	// SendInput types text, presses keys and moves, clicks and scrolls the
+	// mouse on a sandbox's screen, in order.
+	SendInput(context.Context, *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error)
 }
 
 // NewSandboxServiceClient constructs a client for the dsec.v1.SandboxService service. By default,
@@ -424,6 +436,18 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("Replay")),
 			connect.WithClientOptions(opts...),
 		),
+		screenshot: connect.NewClient[v1.ScreenshotRequest, v1.ScreenshotResponse](
+			httpClient,
+			baseURL+SandboxServiceScreenshotProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("Screenshot")),
+			connect.WithClientOptions(opts...),
+		),
+		sendInput: connect.NewClient[v1.SendInputRequest, v1.SendInputResponse](
+			httpClient,
+			baseURL+SandboxServiceSendInputProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("SendInput")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -462,6 +486,8 @@ type sandboxServiceClient struct {
 	fork            *connect.Client[v1.ForkRequest, v1.CreateSandboxesResponse]
 	getLog          *connect.Client[v1.GetLogRequest, v1.GetLogResponse]
 	replay          *connect.Client[v1.ReplayRequest, v1.ReplayResponse]
+	screenshot      *connect.Client[v1.ScreenshotRequest, v1.ScreenshotResponse]
+	sendInput       *connect.Client[v1.SendInputRequest, v1.SendInputResponse]
 }
 
 // CreateSandbox calls dsec.v1.SandboxService.CreateSandbox.
@@ -629,6 +655,16 @@ func (c *sandboxServiceClient) Replay(ctx context.Context, req *connect.Request[
 	return c.replay.CallUnary(ctx, req)
 }
 
+// Screenshot calls dsec.v1.SandboxService.Screenshot.
+func (c *sandboxServiceClient) Screenshot(ctx context.Context, req *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error) {
+	return c.screenshot.CallUnary(ctx, req)
+}
+
+// SendInput calls dsec.v1.SandboxService.SendInput.
+func (c *sandboxServiceClient) SendInput(ctx context.Context, req *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error) {
+	return c.sendInput.CallUnary(ctx, req)
+}
+
 // SandboxServiceHandler is an implementation of the dsec.v1.SandboxService service.
 type SandboxServiceHandler interface {
 	// CreateSandbox starts one sandbox and returns once it accepts exec calls.
@@ -707,6 +743,12 @@ type SandboxServiceHandler interface {
 	// Replay re-executes a sandbox's logged mutating calls, in order, in a new
 	// sandbox from the same image or snapshot, and reports divergences.
 	Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error)
+	// Screenshot captures the screen of a sandbox whose kind has the "screen"
+	// capability (vm) as a PNG image at the guest's display resolution.
+	Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error)
+	// SendInput types text, presses keys and moves, clicks and scrolls the
+	// mouse on a sandbox's screen, in order.
+	SendInput(context.Context, *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error)
 }
 
 // NewSandboxServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -920,6 +962,18 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("Replay")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServiceScreenshotHandler := connect.NewUnaryHandler(
+		SandboxServiceScreenshotProcedure,
+		svc.Screenshot,
+		connect.WithSchema(sandboxServiceMethods.ByName("Screenshot")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sandboxServiceSendInputHandler := connect.NewUnaryHandler(
+		SandboxServiceSendInputProcedure,
+		svc.SendInput,
+		connect.WithSchema(sandboxServiceMethods.ByName("SendInput")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.SandboxService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case SandboxServiceCreateSandboxProcedure:
@@ -988,6 +1042,10 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceGetLogHandler.ServeHTTP(w, r)
 		case SandboxServiceReplayProcedure:
 			sandboxServiceReplayHandler.ServeHTTP(w, r)
+		case SandboxServiceScreenshotProcedure:
+			sandboxServiceScreenshotHandler.ServeHTTP(w, r)
+		case SandboxServiceSendInputProcedure:
+			sandboxServiceSendInputHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -1127,4 +1185,12 @@ func (UnimplementedSandboxServiceHandler) GetLog(context.Context, *connect.Reque
 
 func (UnimplementedSandboxServiceHandler) Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Replay is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Screenshot is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) SendInput(context.Context, *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.SendInput is not implemented"))
 }

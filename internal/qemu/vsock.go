@@ -1,4 +1,4 @@
-package microvm
+package qemu
 
 import (
 	"context"
@@ -14,11 +14,8 @@ import (
 	"github.com/opendsec/dsec/internal/guest"
 )
 
-// vsockPort is the agent's AF_VSOCK port in the guest.
-const vsockPort = 1024
-
-// cidFor derives a guest CID (3 and up) from a sandbox ID.
-func cidFor(id string) uint32 {
+// VsockCID derives a guest CID (3 and up) from a sandbox ID.
+func VsockCID(id string) uint32 {
 	h := sha256.Sum256([]byte(id))
 	return 3 + binary.BigEndian.Uint32(h[:4])%(1<<30)
 }
@@ -53,7 +50,7 @@ func vsockDialer(cid, port uint32) guest.DialFunc {
 				}
 				return true
 			})
-			f.SetWriteDeadline(timeZero)
+			f.SetWriteDeadline(time.Time{})
 			if werr != nil || serr != nil {
 				f.Close()
 				return nil, fmt.Errorf("vsock connect: %v %v", werr, serr)
@@ -72,5 +69,3 @@ type vsockAddr struct{}
 
 func (vsockAddr) Network() string { return "vsock" }
 func (vsockAddr) String() string  { return "vsock" }
-
-var timeZero time.Time

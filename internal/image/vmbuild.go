@@ -1,0 +1,437 @@
+package image
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/opendsec/dsec/internal/errdefs"
+)
+
+// VMRecipes are the VM images BuildVM can build offline.
+var VMRecipes = []string{"debian"}
+
+// VMDebianPackages are installed in the "debian" VM image on top of
+// minbase: a kernel from Debian's packages, its initramfs tools, GRUB for
+// BIOS boot, systemd as init, and what the agent's callers expect (bash,
+// python3, ps).
+var VMDebianPackages = []string{
+	"linux-image-cloud-amd64", "initramfs-tools", "grub-pc", "systemd", "systemd-sysv", "udev", "kmod",
+	"bash", "coreutils", "procps", "python3", "ca-certificates", "iproute2",
+}
+
+// vmBuildVersion changes whenever the VM image recipe below does, so
+// cached disks are rebuilt.
+const vmBuildVersion = "2"
+
+// vmRootLabel is the label of a built VM image's root file system.
+const vmRootLabel = "dsec-root"
+
+// defaultVMDiskMB is a built VM image's disk size (sparse: only what the
+// guest writes takes space).
+const defaultVMDiskMB = 4096
+
+// VMCmdline is the kernel command line of a built VM image, both in its
+// GRUB configuration and for direct boot (the vm driver appends its own
+// arguments). Kernel messages and systemd's go to the serial console (the
+// node's console.log); the screen (tty1) shows a root shell.
+const VMCmdline = "root=LABEL=" + vmRootLabel + " ro console=tty1 console=ttyS0 quiet init_on_alloc=0"
+
+// BuildVM builds a bootable VM image offline from the host's packages:
+// "debian" is debootstrap from the host's apt mirror with a kernel from
+// Debian's packages, systemd, GRUB in the disk's MBR (it boots through
+// the firmware) and a service that runs dsec-guest, the agent, from the
+// read-only disk the node attaches to every VM (so the image does not
+// depend on the node's dsec version). The kernel and initramfs are kept
+// beside the disk for direct boot. The finished disk is cached in
+// opts.CacheDir, so one build serves every store on the host.
+//
+// The build runs the image's own kernel once under QEMU (software
+// emulation) to install GRUB and build the initramfs inside the guest, so
+// the host needs neither loop devices nor GRUB: only debootstrap,
+// mkfs.ext4, debugfs (e2fsprogs), qemu-img and qemu-system-x86_64.
+func (s *Store) BuildVM(ctx context.Context, recipe, as string, opts BootstrapOptions, progress Progress) (*Image, error) {
+	if as == "" {
+		as = recipe + "-vm"
+	}
+	if err := ValidName(as); err != nil {
+		return nil, err
+	}
+	if recipe != "debian" {
+		return nil, errdefs.Invalid("unknown VM image recipe %q (have %s)", recipe, strings.Join(VMRecipes, ", "))
+	}
+	if opts.CacheDir == "" {
+		opts.CacheDir = filepath.Join(s.dir, "cache")
+	}
+	diskMB := opts.DiskMB
+	if diskMB == 0 {
+		diskMB = defaultVMDiskMB
+	}
+	if diskMB < 1024 || diskMB > 1<<20 {
+		return nil, errdefs.Invalid("VM image disk size %d MiB out of range [1024, %d]", diskMB, 1<<20)
+	}
+	tools := map[string]string{"debootstrap": "debootstrap", "mkfs.ext4": "e2fsprogs", "debugfs": "e2fsprogs",
+		"qemu-img": "qemu-utils", "qemu-system-x86_64": "qemu-system-x86"}
+	for tool, pkg := range tools {
+		if _, err := exec.LookPath(tool); err != nil {
+			return nil, errdefs.Unavailable("%s is not installed on the node (apt-get install %s)", tool, pkg)
+		}
+	}
+	mirror, suite := opts.Mirror, opts.Suite
+	if mirror == "" || suite == "" {
+		m, su, err := hostAptSource()
+		if err != nil {
+			return nil, err
+		}
+		if mirror == "" {
+			mirror = m
+		}
+		if suite == "" {
+			suite = su
+		}
+	}
+	pkgs := append(append([]string(nil), VMDebianPackages...), opts.Packages...)
+	sort.Strings(pkgs)
+	h := sha256.Sum256([]byte(fmt.Sprintf("%s|%s|%s|%d|%s", mirror, suite, strings.Join(pkgs, ","), diskMB, vmBuildVersion)))
+	key := "debian-" + suite + "-" + hex.EncodeToString(h[:6])
+	cache := filepath.Join(opts.CacheDir, "vm", key)
+	if err := os.MkdirAll(filepath.Dir(cache), 0o700); err != nil {
+		return nil, err
+	}
+	// Stores on one host share the cache: one builds, the others wait.
+	unlock, err := lockFile(cache + ".lock")
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if opts.Force {
+		os.RemoveAll(cache)
+		os.Remove(cache + ".complete")
+	}
+	if _, err := os.Stat(cache + ".complete"); err != nil {
+		start := time.Now()
+		progress.report("build", "building the "+recipe+" VM image", 0, 0)
+		tmp := cache + ".building"
+		os.RemoveAll(tmp)
+		if err := os.MkdirAll(tmp, 0o700); err != nil {
+			return nil, err
+		}
+		if err := buildDebianVM(ctx, tmp, mirror, suite, pkgs, diskMB, progress); err != nil {
+			os.RemoveAll(tmp)
+			return nil, err
+		}
+		os.RemoveAll(cache)
+		if err := os.Rename(tmp, cache); err != nil {
+			return nil, err
+		}
+		if err := os.WriteFile(cache+".complete", []byte(time.Now().UTC().Format(time.RFC3339)), 0o600); err != nil {
+			return nil, err
+		}
+		s.log.Info("built VM image", slog.String("recipe", recipe), slog.String("cache_key", key), slog.Duration("took", time.Since(start).Round(time.Second)))
+	}
+	var c struct {
+		Digest string  `json:"digest"`
+		Meta   VMImage `json:"meta"`
+	}
+	b, err := os.ReadFile(filepath.Join(cache, "build.json"))
+	if err == nil {
+		err = json.Unmarshal(b, &c)
+	}
+	if err != nil {
+		return nil, errdefs.Internal(err, "read the cached VM image (rebuild with --force)")
+	}
+	progress.report("unpack", "importing the "+recipe+" VM image", 0, 0)
+	img, err := s.addVMLayer(as, "build-vm:"+key, cache, c.Digest, &c.Meta)
+	if err != nil {
+		return nil, err
+	}
+	progress.report("done", as, img.Size, img.Size)
+	return img, nil
+}
+
+// buildDebianVM builds the debian VM image's files into dir: disk.qcow2,
+// vmlinuz, initrd.img and build.json (digest and VMImage).
+func buildDebianVM(ctx context.Context, dir, mirror, suite string, pkgs []string, diskMB int64, progress Progress) error {
+	rootfs := filepath.Join(dir, "rootfs")
+	if err := os.MkdirAll(rootfs, 0o755); err != nil {
+		return err
+	}
+	if err := buildDebian(ctx, rootfs, mirror, suite, pkgs, progress); err != nil {
+		return err
+	}
+	progress.report("build", "configuring the guest", 0, 0)
+	if err := configureVMRootfs(rootfs); err != nil {
+		return fmt.Errorf("configure the VM image: %w", err)
+	}
+	kernels, _ := filepath.Glob(filepath.Join(rootfs, "boot", "vmlinuz-*"))
+	if len(kernels) != 1 {
+		return fmt.Errorf("the VM image should hold one kernel, found %d", len(kernels))
+	}
+	release := strings.TrimPrefix(filepath.Base(kernels[0]), "vmlinuz-")
+	if err := copyPlain(kernels[0], filepath.Join(dir, VMKernelFile)); err != nil {
+		return err
+	}
+	raw := filepath.Join(dir, "disk.raw")
+	progress.report("build", "writing the disk", 0, 0)
+	if err := writeVMDisk(ctx, raw, rootfs, diskMB); err != nil {
+		return err
+	}
+	if err := os.RemoveAll(rootfs); err != nil {
+		return err
+	}
+	progress.report("build", "installing GRUB and the initramfs (in a VM)", 0, 0)
+	if err := setupVMDisk(ctx, raw, filepath.Join(dir, VMKernelFile), filepath.Join(dir, "setup-initrd.img"), filepath.Join(dir, "setup.log")); err != nil {
+		return err
+	}
+	// The initramfs built in the guest (only the drivers a VM needs) is
+	// the one direct boot uses.
+	initrd := filepath.Join(dir, VMInitrdFile)
+	out, err := exec.CommandContext(ctx, "debugfs", "-R", "dump /boot/initrd.img-"+release+" "+initrd, raw+"?offset=1048576").CombinedOutput()
+	if st, serr := os.Stat(initrd); err != nil || serr != nil || st.Size() == 0 {
+		return fmt.Errorf("read the initramfs from the disk: %v %s", err, bytes.TrimSpace(out))
+	}
+	os.Remove(filepath.Join(dir, "setup-initrd.img"))
+	progress.report("build", "converting the disk to qcow2", 0, 0)
+	if out, err := exec.CommandContext(ctx, "qemu-img", "convert", "-q", "-f", "raw", "-O", "qcow2", raw, filepath.Join(dir, VMDiskFile)).CombinedOutput(); err != nil {
+		return fmt.Errorf("qemu-img convert: %v: %s", err, bytes.TrimSpace(out))
+	}
+	os.Remove(raw)
+	meta := VMImage{VirtualSize: diskMB << 20, Firmware: "bios", DirectBoot: true, Cmdline: VMCmdline, Agent: "node"}
+	digest, err := vmDigest(dir, &meta)
+	if err != nil {
+		return err
+	}
+	b, _ := json.MarshalIndent(map[string]any{"digest": digest, "meta": meta, "kernel": release, "packages": pkgs}, "", "  ")
+	return os.WriteFile(filepath.Join(dir, "build.json"), b, 0o600)
+}
+
+// configureVMRootfs turns a debootstrapped root file system into a VM
+// guest: its disk mounted by label, a quiet and quick boot (no timers
+// that fetch or scrub, no serial login), a root shell on the screen, a
+// transient machine ID (each boot and each restored fork gets its own),
+// the agent's service, and the one-time setup script setupVMDisk runs.
+func configureVMRootfs(root string) error {
+	files := []struct {
+		path, body string
+		mode       os.FileMode
+	}{
+		{"etc/fstab", "LABEL=" + vmRootLabel + " / ext4 defaults,noatime,errors=remount-ro 0 1\n", 0o644},
+		{"etc/hosts", "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n", 0o644},
+		// Empty: systemd makes a new one at every boot and does not commit it.
+		{"etc/machine-id", "", 0o444},
+		{"etc/default/grub", "GRUB_DEFAULT=0\nGRUB_TIMEOUT=0\nGRUB_TIMEOUT_STYLE=hidden\nGRUB_DISTRIBUTOR=Debian\n" +
+			"GRUB_CMDLINE_LINUX_DEFAULT=\"\"\nGRUB_CMDLINE_LINUX=\"" + strings.TrimPrefix(VMCmdline, "root=LABEL="+vmRootLabel+" ro ") + "\"\n" +
+			"GRUB_TERMINAL=console\nGRUB_DISABLE_OS_PROBER=true\nGRUB_DISABLE_RECOVERY=true\n", 0o644},
+		// Only what a VM boots from: a small initramfs is a fast boot.
+		{"etc/initramfs-tools/conf.d/dsec.conf", "MODULES=list\n", 0o644},
+		{"etc/initramfs-tools/modules", "virtio_pci\nvirtio_blk\n", 0o644},
+		{"etc/systemd/system/dsec-agent.service", vmAgentUnit, 0o644},
+		{"usr/local/lib/dsec/agent", vmAgentScript, 0o755},
+		{"usr/local/lib/dsec/vm-setup", vmSetupScript, 0o755},
+		{"etc/systemd/system/getty@tty1.service.d/autologin.conf",
+			"[Service]\nExecStart=\nExecStart=-/sbin/agetty --autologin root --noclear %I $TERM\n", 0o644},
+		{"etc/systemd/journald.conf.d/dsec.conf", "[Journal]\nStorage=volatile\nRuntimeMaxUse=16M\n", 0o644},
+	}
+	for _, f := range files {
+		p := filepath.Join(root, f.path)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			return err
+		}
+		os.Remove(p)
+		if err := os.WriteFile(p, []byte(f.body), f.mode); err != nil {
+			return err
+		}
+	}
+	os.Remove(filepath.Join(root, "var/lib/dbus/machine-id"))
+	links := map[string]string{
+		"etc/systemd/system/multi-user.target.wants/dsec-agent.service": "/etc/systemd/system/dsec-agent.service",
+	}
+	// The serial console is the node's log, not a terminal, and the screen
+	// has one login (tty1); nothing fetches, scrubs or trims in the
+	// background of a sandbox.
+	for _, unit := range []string{"serial-getty@ttyS0.service", "apt-daily.timer", "apt-daily-upgrade.timer",
+		"e2scrub_all.timer", "e2scrub_reap.service", "fstrim.timer", "systemd-machine-id-commit.service",
+		"systemd-firstboot.service", "dpkg-db-backup.timer", "getty-static.service"} {
+		links["etc/systemd/system/"+unit] = "/dev/null"
+	}
+	for p, target := range links {
+		full := filepath.Join(root, p)
+		if err := os.MkdirAll(filepath.Dir(full), 0o755); err != nil {
+			return err
+		}
+		os.Remove(full)
+		if err := os.Symlink(target, full); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// vmAgentUnit runs the agent as a service. It restarts if it dies, and
+// the OOM killer spares it.
+const vmAgentUnit = `[Unit]
+Description=dsec agent (dsec-guest)
+Documentation=https://github.com/opendsec/dsec/blob/main/docs/substrates/vm.md
+
+[Service]
+ExecStart=/usr/local/lib/dsec/agent
+Restart=always
+RestartSec=1
+OOMScoreAdjust=-1000
+Environment=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
+
+[Install]
+WantedBy=multi-user.target
+`
+
+// vmAgentScript starts the agent: the node's own, from the read-only disk
+// with serial number dsec-agent the vm driver attaches (an uncompressed tar
+// archive holding dsec-guest; unpacked on the root file system, as /run is
+// noexec), else one installed in the image. Its flags
+// serve the virtio-serial port named dsec.agent and power the machine off
+// at the sandbox's deadline.
+const vmAgentScript = `#!/bin/sh
+# Starts dsec-guest, the dsec agent (see docs/substrates/vm.md).
+flags="-listen-port dsec.agent -vm"
+for b in /sys/block/*; do
+	if [ "$(cat "$b/serial" 2>/dev/null)" = dsec-agent ]; then
+		mkdir -p /var/lib/dsec
+		tar -xf "/dev/${b##*/}" -C /var/lib/dsec dsec-guest && exec /var/lib/dsec/dsec-guest $flags
+	fi
+done
+exec /usr/local/bin/dsec-guest $flags
+`
+
+// vmSetupScript runs once, as init, in a VM the build starts: it builds
+// the initramfs with the drivers the guest needs, installs GRUB into the
+// disk's MBR, writes GRUB's configuration, removes itself and powers off.
+const vmSetupScript = `#!/bin/sh
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+[ -e /proc/self ] || mount -t proc proc /proc
+[ -e /sys/block ] || mount -t sysfs sys /sys
+mount -o remount,rw /
+ok=1
+update-initramfs -u -k all || ok=0
+grub-install --target=i386-pc /dev/vda || ok=0
+update-grub || ok=0
+rm -f /usr/local/lib/dsec/vm-setup
+sync
+mount -o remount,ro /
+sync
+if [ $ok = 1 ]; then echo DSEC-SETUP-OK >/dev/ttyS0; else echo DSEC-SETUP-FAILED >/dev/ttyS0; fi
+echo o >/proc/sysrq-trigger
+sleep 60
+`
+
+// writeVMDisk writes a raw disk of sizeMB: an MBR with one bootable
+// Linux partition from 1 MiB to the end, holding an ext4 file system
+// made from root (mkfs.ext4 -d, no mount).
+func writeVMDisk(ctx context.Context, path, root string, sizeMB int64) error {
+	size := sizeMB << 20
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := f.Truncate(size); err != nil {
+		f.Close()
+		return err
+	}
+	f.Close()
+	const start = 1 << 20
+	// Features GRUB 2.06 and the 6.1 kernel both read.
+	cmd := exec.CommandContext(ctx, "mkfs.ext4", "-q", "-F", "-L", vmRootLabel, "-E", fmt.Sprintf("offset=%d", start),
+		"-d", root, path, fmt.Sprintf("%dk", (size-start)>>10))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("mkfs.ext4: %v: %s", err, bytes.TrimSpace(out))
+	}
+	return writeMBR(path, start/512, (size-start)/512)
+}
+
+// writeMBR writes a DOS partition table with one bootable Linux
+// partition (LBA addressing) into the first sector of path.
+func writeMBR(path string, first, sectors int64) error {
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	var e [16]byte
+	e[0] = 0x80                            // bootable
+	copy(e[1:4], []byte{0xfe, 0xff, 0xff}) // CHS: beyond 8 GiB, use LBA
+	e[4] = 0x83                            // Linux
+	copy(e[5:8], []byte{0xfe, 0xff, 0xff})
+	binary.LittleEndian.PutUint32(e[8:], uint32(first))
+	binary.LittleEndian.PutUint32(e[12:], uint32(sectors))
+	if _, err := f.WriteAt(e[:], 446); err != nil {
+		return err
+	}
+	if _, err := f.WriteAt([]byte{0x55, 0xaa}, 510); err != nil {
+		return err
+	}
+	return f.Sync()
+}
+
+// setupVMDisk boots the disk's own kernel once with the setup script as
+// init (TCG: it runs anywhere) and checks that it finished.
+func setupVMDisk(ctx context.Context, raw, kernel, initrd, logPath string) error {
+	// The kernel package built an initramfs with every driver; boot it to
+	// build the small one.
+	out, err := exec.CommandContext(ctx, "debugfs", "-R", "ls -p /boot", raw+"?offset=1048576").Output()
+	if err != nil {
+		return fmt.Errorf("list /boot on the disk: %w", err)
+	}
+	var name string
+	for _, line := range strings.Split(string(out), "\n") {
+		for _, field := range strings.Split(line, "/") {
+			if strings.HasPrefix(field, "initrd.img-") {
+				name = field
+			}
+		}
+	}
+	if name == "" {
+		return fmt.Errorf("the disk has no /boot/initrd.img-*")
+	}
+	if out, err := exec.CommandContext(ctx, "debugfs", "-R", "dump /boot/"+name+" "+initrd, raw+"?offset=1048576").CombinedOutput(); err != nil {
+		return fmt.Errorf("read the initramfs: %v %s", err, bytes.TrimSpace(out))
+	}
+	ctx, cancel := context.WithTimeout(ctx, 15*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "qemu-system-x86_64",
+		"-M", "q35", "-accel", "tcg", "-cpu", "max", "-m", "1024", "-smp", "1",
+		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+		"-serial", "file:"+logPath,
+		"-kernel", kernel, "-initrd", initrd,
+		"-append", "root=LABEL="+vmRootLabel+" rw console=ttyS0 panic=-1 init=/usr/local/lib/dsec/vm-setup",
+		"-drive", "file="+raw+",format=raw,if=virtio,cache=unsafe")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("the setup VM failed: %v: %s", err, bytes.TrimSpace(out))
+	}
+	b, _ := os.ReadFile(logPath)
+	if !bytes.Contains(b, []byte("DSEC-SETUP-OK")) {
+		tail := string(b)
+		if len(tail) > 2000 {
+			tail = tail[len(tail)-2000:]
+		}
+		return fmt.Errorf("the setup VM did not install GRUB and the initramfs:\n%s", tail)
+	}
+	return nil
+}
+
+func copyPlain(src, dst string) error {
+	b, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(dst, b, 0o644)
+}

@@ -1,0 +1,665 @@
+package qemu
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/guest"
+	"github.com/opendsec/dsec/internal/guest/portmux"
+)
+
+// Files a VM keeps in its directory.
+const (
+	ConsoleFile = "console.log"  // the guest's serial console
+	LogFile     = "qemu.log"     // QEMU's own output
+	PauseFile   = "paused.state" // memory and devices of a paused VM
+)
+
+// VMConfig describes one sandbox's VM to NewVM. The driver builds the
+// machine (its command line); VM runs it.
+type VMConfig struct {
+	// ID names the VM: QEMU runs with "-name dsec-<ID>", which SweepVMs
+	// finds.
+	ID string
+	// Dir holds the VM's files (ConsoleFile, LogFile, PauseFile).
+	Dir string
+	// Binary is qemu-system-x86_64.
+	Binary string
+	// AgentSock is the unix socket of the agent's virtio-serial port (the
+	// chardev QEMU listens on); QMPSock is the monitor's.
+	AgentSock, QMPSock string
+	// VsockCID, if not 0, reaches the agent over vhost-vsock at this guest
+	// CID and VsockPort instead of the port (one connection per call).
+	VsockCID, VsockPort uint32
+	// Args returns QEMU's command line for the machine, without
+	// -incoming. A restore appends "-incoming fd:3".
+	Args func() []string
+	// BootTimeout bounds a boot or restore until the agent answers
+	// (default 90s).
+	BootTimeout time.Duration
+	// Kind names the VM in messages ("microVM", "VM").
+	Kind string
+	// HintLine selects the lines of the guest console and QEMU's log that
+	// explain a failure (a line naming QEMU itself always does).
+	HintLine func(line string) bool
+	// Redact lists host paths cut from messages.
+	Redact []string
+	// Persist, if set, is called with the new state whenever the VM's
+	// process or pause state changes (the driver writes it for Attach).
+	Persist func(VMState) error
+	Log     *slog.Logger
+}
+
+// VMState is what a VM persists to be adopted by a later node process.
+type VMState struct {
+	Pid       int    `json:"pid"`
+	StartTime uint64 `json:"start_time"`
+	Paused    bool   `json:"paused"`
+}
+
+// VM is one sandbox's virtual machine across the QEMU processes that run
+// it: a start boots it or restores it from a state file, a pause saves
+// its memory and devices to a file and ends QEMU (freeing the memory), a
+// resume restores that file in a new QEMU, a machine snapshot saves the
+// state beside copies of the disks while the VM is stopped. QEMU outlives
+// the node; a new node process adopts it. The agent is reached over a
+// virtio-serial port multiplexed by portmux (every session sets the
+// guest's clock and reseeds its randomness) or over vsock. Methods are
+// safe for concurrent use.
+type VM struct {
+	cfg     VMConfig
+	release func() // of the port's shared dialer
+	client  *guest.Client
+	done    chan struct{}
+
+	mu        sync.Mutex
+	st        VMState
+	run       *vmRun // the running QEMU; nil while paused or destroyed
+	destroyed bool
+	doneOnce  sync.Once
+}
+
+// vmRun is one QEMU process of a VM (a pause ends it, a resume starts
+// another).
+type vmRun struct {
+	p        *Process
+	intended bool // the VM ended it (pause, destroy): not a crash
+}
+
+// NewVM returns the VM of cfg in state st (the zero state: not started).
+func NewVM(cfg VMConfig, st VMState) *VM {
+	if cfg.BootTimeout == 0 {
+		cfg.BootTimeout = 90 * time.Second
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	if cfg.Kind == "" {
+		cfg.Kind = "VM"
+	}
+	v := &VM{cfg: cfg, st: st, done: make(chan struct{})}
+	if cfg.VsockCID != 0 {
+		v.release = func() {}
+		v.client = guest.NewClient(vsockDialer(cfg.VsockCID, cfg.VsockPort))
+	} else {
+		var d *portmux.Dialer
+		d, v.release = channels.acquire(cfg.AgentSock)
+		v.client = guest.NewClient(d.Dial)
+	}
+	return v
+}
+
+func (v *VM) path(name string) string { return filepath.Join(v.cfg.Dir, name) }
+
+// Client is the VM's agent.
+func (v *VM) Client() *guest.Client { return v.client }
+
+// State is the VM's current state.
+func (v *VM) State() VMState {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.st
+}
+
+// Done is closed when the VM stops by itself (QEMU exited while the VM
+// was neither paused nor destroyed) or is destroyed.
+func (v *VM) Done() <-chan struct{} { return v.done }
+
+// channels holds one portmux session per agent socket in this process.
+// A QEMU port admits one connection at a time, so VMs over the same
+// socket in one process (a driver re-created over the same state, as the
+// conformance suite's restart does) share it; a new node process
+// reconnects once the old one's connection is gone.
+var channels = &channelSet{m: map[string]*sharedDialer{}}
+
+type channelSet struct {
+	mu sync.Mutex
+	m  map[string]*sharedDialer
+}
+
+type sharedDialer struct {
+	d    *portmux.Dialer
+	refs int
+}
+
+func (c *channelSet) acquire(sock string) (*portmux.Dialer, func()) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	sd := c.m[sock]
+	if sd == nil {
+		sd = &sharedDialer{d: portmux.NewDialer(func(ctx context.Context) (net.Conn, error) {
+			var nd net.Dialer
+			return nd.DialContext(ctx, "unix", sock)
+		})}
+		// Every session sets the guest's clock and seeds its randomness:
+		// a restored or resumed VM has a stale clock and the random state
+		// of its snapshot.
+		sd.d.Payload = func() []byte {
+			var seed [32]byte
+			rand.Read(seed[:])
+			return guest.StartPayload(time.Now(), seed[:])
+		}
+		c.m[sock] = sd
+	}
+	sd.refs++
+	var once sync.Once
+	return sd.d, func() {
+		once.Do(func() {
+			c.mu.Lock()
+			defer c.mu.Unlock()
+			if sd.refs--; sd.refs == 0 {
+				sd.d.Close()
+				delete(c.m, sock)
+			}
+		})
+	}
+}
+
+// Start starts QEMU for the machine, booting it or (with incoming, a
+// state file) restoring it, and returns once the agent answers, within
+// BootTimeout. On error QEMU is stopped and its sockets removed; the
+// error is unavailable (infra) with what the guest console or QEMU said
+// last.
+func (v *VM) Start(ctx context.Context, incoming *os.File) (err error) {
+	os.Remove(v.cfg.AgentSock)
+	os.Remove(v.cfg.QMPSock)
+	args := v.cfg.Args()
+	var extra []*os.File
+	if incoming != nil {
+		args = append(args, "-incoming", "fd:3")
+		extra = []*os.File{incoming}
+	}
+	t0 := time.Now()
+	p, err := Start(v.cfg.Binary, args, v.path(LogFile), extra)
+	if err != nil {
+		return errdefs.Unavailable("start QEMU").WithCause(err)
+	}
+	run := &vmRun{p: p}
+	v.mu.Lock()
+	v.run = run
+	v.st.Pid, v.st.StartTime = p.Pid, p.StartTime
+	v.mu.Unlock()
+	v.watch(run)
+	defer func() {
+		if err != nil {
+			v.stop(run)
+		}
+	}()
+	bctx, cancel := context.WithTimeout(ctx, v.cfg.BootTimeout)
+	defer cancel()
+	ready := make(chan error, 1)
+	go func() {
+		if incoming != nil {
+			q, err := DialQMP(bctx, v.cfg.QMPSock)
+			if err != nil {
+				ready <- err
+				return
+			}
+			defer q.Close()
+			if err := WaitIncoming(bctx, q); err != nil {
+				ready <- fmt.Errorf("restore: %w", err)
+				return
+			}
+		}
+		tr := time.Now()
+		_, err := v.client.Hello(bctx)
+		v.cfg.Log.Debug(v.cfg.Kind+" started", slog.String("sandbox_id", v.cfg.ID), slog.Bool("restore", incoming != nil),
+			slog.Duration("qemu", tr.Sub(t0)), slog.Duration("agent", time.Since(tr)))
+		ready <- err
+	}()
+	select {
+	case err := <-ready:
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-p.Done():
+			return v.died("the " + v.cfg.Kind + " stopped while starting")
+		case <-time.After(200 * time.Millisecond):
+		}
+		if ctx.Err() != nil {
+			return errdefs.Classify(ctx.Err())
+		}
+		return errdefs.Unavailable("the %s's agent did not answer within %s%s", v.cfg.Kind, v.cfg.BootTimeout, v.Hint()).WithCause(err)
+	case <-p.Done():
+		cancel()
+		return v.died("the " + v.cfg.Kind + " stopped while starting")
+	}
+}
+
+// died is the error for a QEMU that exited, with what the guest or QEMU
+// said last.
+func (v *VM) died(what string) error {
+	return errdefs.Unavailable("%s%s", what, v.Hint())
+}
+
+// Hint is the end of the guest console or QEMU's log that explains a
+// failure (": <line>"), for error messages, with host paths cut; "" if
+// nothing does.
+func (v *VM) Hint() string {
+	var lines []string
+	for _, f := range []string{ConsoleFile, LogFile} {
+		t := ReadLogTail(v.path(f), 2048)
+		for _, l := range strings.Split(t, "\n") {
+			l = strings.TrimSpace(l)
+			if strings.Contains(l, "qemu-system") || (v.cfg.HintLine != nil && v.cfg.HintLine(l)) {
+				lines = append(lines, l)
+			}
+		}
+	}
+	if len(lines) == 0 {
+		return ""
+	}
+	last := lines[len(lines)-1]
+	if j := strings.Index(last, "qemu-system-x86_64: "); j >= 0 {
+		last = last[j+len("qemu-system-x86_64: "):]
+	}
+	for _, p := range append([]string{v.cfg.Dir}, v.cfg.Redact...) {
+		if p != "" {
+			last = strings.ReplaceAll(last, p, "…")
+		}
+	}
+	if len(last) > 300 {
+		last = last[:300]
+	}
+	return ": " + last
+}
+
+// watch closes done when a QEMU process the VM did not end exits.
+func (v *VM) watch(r *vmRun) {
+	go func() {
+		<-r.p.Done()
+		v.mu.Lock()
+		crashed := !r.intended && !v.destroyed
+		if v.run == r {
+			v.run = nil
+		}
+		v.mu.Unlock()
+		if crashed {
+			v.cfg.Log.Warn(v.cfg.Kind+" exited by itself", slog.String("sandbox_id", v.cfg.ID), slog.String("hint", v.Hint()))
+			v.closeDone()
+		}
+	}()
+}
+
+func (v *VM) closeDone() { v.doneOnce.Do(func() { close(v.done) }) }
+
+// stop kills a QEMU process the VM ends on purpose.
+func (v *VM) stop(r *vmRun) {
+	v.mu.Lock()
+	r.intended = true
+	v.mu.Unlock()
+	if !r.p.Kill(10 * time.Second) {
+		v.cfg.Log.Warn("QEMU did not exit after SIGKILL", slog.String("sandbox_id", v.cfg.ID), slog.Int("pid", r.p.Pid))
+	}
+	os.Remove(v.cfg.AgentSock)
+	os.Remove(v.cfg.QMPSock)
+}
+
+// Failed wraps an agent call that failed during a start as unavailable
+// (infra), keeping cancellations and deadlines as they are.
+func Failed(err error, what string) error {
+	if e := errdefs.Classify(err); e.Kind == errdefs.KindCanceled || e.Kind == errdefs.KindDeadlineExceeded {
+		return err
+	}
+	return errdefs.Unavailable("%s", what).WithCause(err)
+}
+
+// Adopt re-attaches the VM from its persisted state, as a new node
+// process does: a paused VM needs its saved memory; a running one its
+// QEMU (pid and start time) and an answering agent. It returns a Gone
+// error if the VM no longer runs.
+func (v *VM) Adopt(ctx context.Context) error {
+	v.mu.Lock()
+	st := v.st
+	v.mu.Unlock()
+	if st.Paused {
+		if _, err := os.Stat(v.path(PauseFile)); err != nil {
+			return errdefs.Gone("paused sandbox %s lost its saved memory", v.cfg.ID)
+		}
+		return nil
+	}
+	p, err := Adopt(st.Pid, st.StartTime)
+	if err != nil {
+		return errdefs.Gone("sandbox %s stopped while the node was down", v.cfg.ID)
+	}
+	run := &vmRun{p: p}
+	v.mu.Lock()
+	v.run = run
+	v.mu.Unlock()
+	v.watch(run)
+	if _, err := v.client.Hello(ctx); err != nil {
+		return errdefs.Gone("sandbox %s agent does not answer after the node restarted", v.cfg.ID).WithCause(err)
+	}
+	return nil
+}
+
+// Check returns nil while the VM runs or is paused, else a Gone error.
+func (v *VM) Check() error {
+	select {
+	case <-v.done:
+		return errdefs.Gone("sandbox %s has stopped", v.cfg.ID)
+	default:
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.destroyed {
+		return errdefs.Gone("sandbox %s has stopped", v.cfg.ID)
+	}
+	if v.st.Paused {
+		return nil
+	}
+	if v.run == nil || !v.run.p.Alive() {
+		return errdefs.Gone("sandbox %s has stopped", v.cfg.ID)
+	}
+	return nil
+}
+
+// Usage is QEMU's resident memory and CPU time (the guest's and the
+// emulation's); zero while paused.
+func (v *VM) Usage() (rss int64, cpu time.Duration) {
+	v.mu.Lock()
+	r := v.run
+	v.mu.Unlock()
+	if r == nil {
+		return 0, 0
+	}
+	return r.p.RSS(), r.p.CPUTime()
+}
+
+// Pause saves the VM's memory and devices to PauseFile and ends QEMU, so
+// a paused VM holds no memory. It is idempotent. The VM counts as paused
+// (Check answers nil) from the moment its memory is saved, so a call
+// that breaks because QEMU goes away does not mistake the pause for a
+// crash.
+func (v *VM) Pause(ctx context.Context) error {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.destroyed {
+		return errdefs.Gone("sandbox %s has stopped", v.cfg.ID)
+	}
+	if v.st.Paused {
+		return nil
+	}
+	r := v.run
+	if r == nil {
+		return errdefs.Gone("sandbox %s has stopped", v.cfg.ID)
+	}
+	if err := v.saveLocked(ctx, v.path(PauseFile)); err != nil {
+		os.Remove(v.path(PauseFile))
+		return err
+	}
+	r.intended = true
+	v.st = VMState{Paused: true}
+	v.run = nil
+	v.quit(r)
+	return v.persistLocked()
+}
+
+func (v *VM) persistLocked() error {
+	if v.cfg.Persist == nil {
+		return nil
+	}
+	if err := v.cfg.Persist(v.st); err != nil {
+		return errdefs.Internal(err, "persist the %s's state", v.cfg.Kind)
+	}
+	return nil
+}
+
+// saveLocked writes the running VM's memory and devices to path and
+// leaves it stopped; on error the VM is continued.
+func (v *VM) saveLocked(ctx context.Context, path string) error {
+	q, err := DialQMP(ctx, v.cfg.QMPSock)
+	if err != nil {
+		return v.callErrLocked(err, "reach the VM's monitor")
+	}
+	defer q.Close()
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
+	if err != nil {
+		return errdefs.Internal(err, "create the memory snapshot file")
+	}
+	defer f.Close()
+	if err := SaveState(ctx, q, f); err != nil {
+		Cont(context.WithoutCancel(ctx), q)
+		return v.callErrLocked(err, "save the VM's memory")
+	}
+	if err := f.Sync(); err != nil {
+		Cont(context.WithoutCancel(ctx), q)
+		return errdefs.Internal(err, "sync the memory snapshot")
+	}
+	return nil
+}
+
+// callErrLocked classifies a failure talking to QEMU: gone if it died.
+func (v *VM) callErrLocked(err error, what string) error {
+	if v.run == nil || !v.run.p.Alive() {
+		return errdefs.Gone("sandbox %s has stopped", v.cfg.ID)
+	}
+	return errdefs.Internal(err, "%s", what)
+}
+
+// quit ends a stopped QEMU: quit through the monitor, SIGKILL if it
+// lingers.
+func (v *VM) quit(r *vmRun) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if q, err := DialQMP(ctx, v.cfg.QMPSock); err == nil {
+		q.Execute(ctx, "quit", nil, nil)
+		q.Close()
+	}
+	if !r.p.Wait(5 * time.Second) {
+		r.p.Kill(10 * time.Second)
+	}
+	os.Remove(v.cfg.AgentSock)
+	os.Remove(v.cfg.QMPSock)
+}
+
+// Resume restores a paused VM from its saved memory. It is idempotent.
+func (v *VM) Resume(ctx context.Context) error {
+	v.mu.Lock()
+	if v.destroyed {
+		v.mu.Unlock()
+		return errdefs.Gone("sandbox %s has stopped", v.cfg.ID)
+	}
+	if !v.st.Paused {
+		v.mu.Unlock()
+		return nil
+	}
+	// Start takes mu itself; the node serializes pause, resume, snapshot
+	// and destroy of one sandbox.
+	v.mu.Unlock()
+	f, err := os.Open(v.path(PauseFile))
+	if err != nil {
+		return errdefs.Gone("paused sandbox %s lost its saved memory", v.cfg.ID)
+	}
+	defer f.Close()
+	if err := v.Start(ctx, f); err != nil {
+		return err
+	}
+	v.mu.Lock()
+	v.st.Paused = false
+	err = v.persistLocked()
+	v.mu.Unlock()
+	os.Remove(v.path(PauseFile))
+	return err
+}
+
+// SaveMachine writes the VM's memory and devices to memPath and, while
+// the VM is stopped (so disk and memory agree), calls copyDisks to copy
+// its writable disks; then the VM continues. A paused VM's saved memory
+// is copied as it is.
+func (v *VM) SaveMachine(ctx context.Context, memPath string, copyDisks func() error) error {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.destroyed {
+		return errdefs.Gone("sandbox %s has stopped", v.cfg.ID)
+	}
+	if v.st.Paused {
+		if err := CopySparse(v.path(PauseFile), memPath); err != nil {
+			return errdefs.Internal(err, "copy the paused VM's memory")
+		}
+	} else {
+		if v.run == nil {
+			return errdefs.Gone("sandbox %s has stopped", v.cfg.ID)
+		}
+		if err := v.saveLocked(ctx, memPath); err != nil {
+			return err
+		}
+		defer func() {
+			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+			defer cancel()
+			if q, err := DialQMP(cctx, v.cfg.QMPSock); err == nil {
+				if err := Cont(cctx, q); err != nil {
+					v.cfg.Log.Warn("continue VM after snapshot", slog.String("sandbox_id", v.cfg.ID), slog.Any("error", err))
+				}
+				q.Close()
+			}
+		}()
+	}
+	// QEMU flushed the disks when the migration completed and the VM is
+	// stopped.
+	if err := copyDisks(); err != nil {
+		return errdefs.Internal(err, "copy the writable disk")
+	}
+	return nil
+}
+
+// Monitor connects to the running VM's QEMU monitor, for commands beyond
+// the lifecycle (screen, input). The caller closes it.
+func (v *VM) Monitor(ctx context.Context) (*QMP, error) {
+	v.mu.Lock()
+	paused, destroyed, run := v.st.Paused, v.destroyed, v.run
+	v.mu.Unlock()
+	switch {
+	case destroyed || (!paused && run == nil):
+		return nil, errdefs.Gone("sandbox %s has stopped", v.cfg.ID)
+	case paused:
+		return nil, errdefs.Conflict("sandbox %s is paused", v.cfg.ID)
+	}
+	q, err := DialQMP(ctx, v.cfg.QMPSock)
+	if err != nil {
+		if !run.p.Alive() {
+			return nil, errdefs.Gone("sandbox %s has stopped", v.cfg.ID)
+		}
+		return nil, errdefs.Classify(err)
+	}
+	return q, nil
+}
+
+// Destroy kills QEMU and removes the VM's sockets and saved memory (the
+// driver removes its disks). It is idempotent.
+func (v *VM) Destroy() {
+	v.mu.Lock()
+	if v.destroyed {
+		v.mu.Unlock()
+		return
+	}
+	v.destroyed = true
+	r := v.run
+	st := v.st
+	v.mu.Unlock()
+	if r != nil {
+		v.stop(r)
+	} else if st.Pid > 0 {
+		// Adopted but not watched, or a failed start: make sure.
+		if p, err := Adopt(st.Pid, st.StartTime); err == nil {
+			p.Kill(10 * time.Second)
+		}
+	}
+	v.release()
+	os.Remove(v.cfg.AgentSock)
+	os.Remove(v.cfg.QMPSock)
+	os.Remove(v.path(PauseFile))
+	v.closeDone()
+}
+
+// CopySparse copies a disk or memory file keeping its holes (reflinked
+// where the file system can).
+func CopySparse(src, dst string) error {
+	out, err := exec.Command("cp", "--sparse=always", "--reflink=auto", src, dst).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("copy %s: %w: %s", filepath.Base(src), err, bytes.TrimSpace(out))
+	}
+	return nil
+}
+
+// SweepVMs kills the QEMU processes started with a monitor or agent socket
+// in runDir whose VM ID keep is false for (leftovers a node no longer
+// knows) and removes the files sockets names for each. It returns how
+// many it ended.
+func SweepVMs(runDir string, keep func(id string) bool, sockets func(id string) []string) int {
+	n := 0
+	for _, vm := range runningVMs(runDir) {
+		if keep(vm.id) {
+			continue
+		}
+		if p, err := Adopt(vm.pid, ProcStartTime(vm.pid)); err == nil {
+			p.Kill(10 * time.Second)
+		}
+		for _, s := range sockets(vm.id) {
+			os.Remove(s)
+		}
+		n++
+	}
+	return n
+}
+
+type runningVM struct {
+	id  string
+	pid int
+}
+
+// runningVMs lists the QEMU processes whose sockets are in runDir.
+func runningVMs(runDir string) []runningVM {
+	var out []runningVM
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+		if err != nil || !bytes.Contains(b, []byte("unix:"+runDir+"/")) {
+			continue
+		}
+		args := strings.Split(string(b), "\x00")
+		for k := 0; k+1 < len(args); k++ {
+			if args[k] == "-name" && strings.HasPrefix(args[k+1], "dsec-") {
+				out = append(out, runningVM{id: strings.TrimPrefix(args[k+1], "dsec-"), pid: pid})
+			}
+		}
+	}
+	return out
+}

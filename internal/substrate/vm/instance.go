@@ -1,0 +1,337 @@
+package vm
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/qemu"
+	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/undo"
+)
+
+// Files in a sandbox's directory (beside qemu.ConsoleFile, qemu.LogFile
+// and qemu.PauseFile) and in a machine snapshot directory.
+const (
+	stateFile   = "vm.json"      // the instance's state, for Attach
+	diskFile    = "disk.qcow2"   // the copy-on-write disk over the image's base
+	machineFile = "machine.json" // a snapshot's machine
+	memFile     = "state"        // a snapshot's memory and devices
+)
+
+// state is what an instance persists (in its directory and through the
+// node) to be re-adopted.
+type state struct {
+	qemu.VMState
+	Machine machine `json:"machine"`
+	Dir     string  `json:"dir"`
+}
+
+// instance is one full VM: the driver's machine run by a qemu.VM.
+type instance struct {
+	d       *Driver
+	id      string
+	dir     string
+	machine machine
+	vm      *qemu.VM
+}
+
+var _ substrate.Instance = (*instance)(nil)
+
+func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instance {
+	i := &instance{d: d, id: id, dir: dir, machine: m}
+	var cid uint32
+	if m.Vsock {
+		cid = m.CID
+	}
+	i.vm = qemu.NewVM(qemu.VMConfig{
+		ID: id, Dir: dir, Binary: d.qemu, AgentSock: d.agentSock(id), QMPSock: d.qmpSock(id),
+		VsockCID: cid, VsockPort: vsockPort,
+		Args: func() []string {
+			return i.machine.args(id, i.path(diskFile), d.agentSock(id), d.qmpSock(id), i.path(qemu.ConsoleFile))
+		},
+		BootTimeout: d.cfg.BootTimeout, Kind: "VM",
+		HintLine: func(l string) bool {
+			return strings.Contains(l, "Kernel panic") || strings.Contains(l, "No bootable device") ||
+				strings.Contains(l, "Boot failed") || strings.Contains(l, "Gave up waiting for root")
+		},
+		Redact:  []string{d.cfg.StateDir},
+		Persist: i.persist,
+		Log:     d.log,
+	}, st)
+	return i
+}
+
+func (i *instance) path(name string) string { return filepath.Join(i.dir, name) }
+
+// persist writes the instance's state for Attach (vm.json; the node keeps
+// a copy in its record).
+func (i *instance) persist(st qemu.VMState) error {
+	b, err := json.Marshal(state{VMState: st, Machine: i.machine, Dir: i.dir})
+	if err != nil {
+		return err
+	}
+	tmp := i.path(stateFile + ".tmp")
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, i.path(stateFile))
+}
+
+// Create implements substrate.Driver. A sandbox starts from a machine
+// snapshot (Spec.Restore), else from its image's boot snapshot, else by
+// booting its image; a boot saves the boot snapshot for the next ones.
+func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Instance, err error) {
+	if !d.caps.Available {
+		return nil, errdefs.Unavailable("full VMs cannot run on this node: %s", d.caps.Reason)
+	}
+	if s.MemoryMB < minMemoryMB {
+		return nil, errdefs.Invalid("a vm needs at least %d MiB of memory (resources.memory_mb %d)", minMemoryMB, s.MemoryMB)
+	}
+	if s.DiskMB > d.cfg.MaxDiskMB {
+		return nil, errdefs.Invalid("resources.disk_mb %d is more than %d", s.DiskMB, d.cfg.MaxDiskMB)
+	}
+	var u undo.Stack
+	defer u.RunUnless(&err)
+	disk := filepath.Join(s.Dir, diskFile)
+	u.Push(func() { os.Remove(disk) })
+	var m machine
+	var incoming *os.File
+	restored := ""
+	if s.Restore != "" {
+		if m, err = d.restoreMachine(s.Restore); err != nil {
+			return nil, err
+		}
+		restored = s.Restore
+	} else {
+		if m, err = d.newMachine(s); err != nil {
+			return nil, err
+		}
+		if !d.cfg.ColdBoot {
+			if dir, ok := d.bootSnapshot(m); ok {
+				restored = dir
+			}
+		}
+	}
+	if restored != "" {
+		if err := qemu.CopySparse(filepath.Join(restored, diskFile), disk); err != nil {
+			return nil, errdefs.Internal(err, "copy the snapshot's disk")
+		}
+		incoming, err = os.Open(filepath.Join(restored, memFile))
+		if err != nil {
+			return nil, errdefs.NotFound("the machine snapshot has no memory state")
+		}
+		defer incoming.Close()
+	} else if err := d.createDisk(m, disk); err != nil {
+		return nil, err
+	}
+	if m.Vsock {
+		m.CID = qemu.VsockCID(s.ID)
+	}
+	i := d.newInstance(s.ID, s.Dir, m, qemu.VMState{})
+	u.Push(func() { i.Destroy(context.WithoutCancel(ctx)) })
+	if err := i.vm.Start(ctx, incoming); err != nil {
+		return nil, err
+	}
+	if restored == "" && !d.cfg.ColdBoot && s.Restore == "" {
+		d.saveBootSnapshot(ctx, i)
+	}
+	if err := i.personalize(ctx, s, restored != ""); err != nil {
+		return nil, err
+	}
+	if err := i.persist(i.vm.State()); err != nil {
+		return nil, errdefs.Internal(err, "persist vm state")
+	}
+	return i, nil
+}
+
+// newMachine is the machine for a fresh sandbox of spec's image.
+func (d *Driver) newMachine(s *substrate.Spec) (machine, error) {
+	if len(s.Layers) != 1 {
+		return machine{}, errdefs.Invalid("the image is not a VM image: build one with `dsec image build-vm` or import a disk with `dsec image import-vm`")
+	}
+	dir, err := filepath.EvalSymlinks(s.Layers[0])
+	if err != nil {
+		return machine{}, errdefs.Internal(err, "resolve the VM image's layer")
+	}
+	img, err := image.ReadVMLayer(dir)
+	if err != nil {
+		return machine{}, err
+	}
+	m := machine{
+		CPUs: cpusFor(s.CPU), MemoryMB: s.MemoryMB, Base: filepath.Join(dir, image.VMDiskFile), Layer: filepath.Base(dir),
+		DiskBytes: max(img.VirtualSize, s.DiskMB<<20), AgentDisk: d.agentDisk, Accel: d.accel.Arg(d.cfg.TBSizeMiB),
+		Vsock: d.vsock, Hostname: "sandbox", Boot: "firmware",
+	}
+	switch {
+	case d.cfg.Boot == "direct" && !img.DirectBoot:
+		return machine{}, errdefs.Invalid("the VM image has no kernel of its own for direct boot (it boots through its bootloader)")
+	case d.cfg.Boot != "firmware" && img.DirectBoot:
+		m.Boot = "direct"
+		m.Kernel, m.Initrd = filepath.Join(dir, image.VMKernelFile), filepath.Join(dir, image.VMInitrdFile)
+		m.Cmdline = strings.TrimSpace(img.Cmdline + " " + qemu.TSCArgs() + " " + d.cfg.KernelArgs)
+	}
+	return m, nil
+}
+
+// createDisk creates the sandbox's copy-on-write disk over the image's
+// base.
+func (d *Driver) createDisk(m machine, disk string) error {
+	cmd := exec.Command(d.qemuImg, "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", m.Base,
+		"-o", "lazy_refcounts=on,cluster_size=65536", disk, fmt.Sprint(m.DiskBytes))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return errdefs.Internal(fmt.Errorf("%w: %s", err, bytes.TrimSpace(out)), "create the copy-on-write disk")
+	}
+	return nil
+}
+
+// restoreMachine reads a snapshot's machine and checks it can run here.
+func (d *Driver) restoreMachine(dir string) (machine, error) {
+	var m machine
+	b, err := os.ReadFile(filepath.Join(dir, machineFile))
+	if err != nil {
+		return m, errdefs.NotFound("machine snapshot not found")
+	}
+	if err := json.Unmarshal(b, &m); err != nil {
+		return m, errdefs.Unavailable("the machine snapshot is corrupt: %v", err)
+	}
+	if strings.HasPrefix(m.Accel, "kvm") && d.accel.Name != "kvm" {
+		return m, errdefs.Unavailable("the snapshot was taken under KVM; this node runs VMs under %s", d.accel.Name)
+	}
+	files := []string{m.Base, m.AgentDisk}
+	if m.Boot == "direct" {
+		files = append(files, m.Kernel, m.Initrd)
+	}
+	for _, f := range files {
+		if _, err := os.Stat(f); err != nil {
+			return m, errdefs.Unavailable("a file the snapshot's machine needs is gone (its image disk, kernel or agent)")
+		}
+	}
+	return m, nil
+}
+
+// personalize makes a started VM the spec's sandbox: a VM restored from a
+// snapshot gets its own hostname and machine ID (clock and randomness come
+// with every channel session), then every VM gets its deadline and
+// environment.
+func (i *instance) personalize(ctx context.Context, s *substrate.Spec, restored bool) error {
+	client := i.vm.Client()
+	host := s.Hostname
+	if host == "" {
+		host = "sandbox"
+	}
+	if restored || host != i.machine.Hostname {
+		// The agent runs itself (the child of its fork execs
+		// /proc/self/exe): where it is installed varies between images.
+		argv := []string{"/proc/self/exe", "identity", "-hostname", host}
+		if restored {
+			argv = append(argv, "-machine-id")
+		}
+		x, err := client.Run(ctx, &guestv1.Exec{Argv: argv, TimeoutMs: 60000})
+		if err != nil {
+			return qemu.Failed(err, "give the VM its identity")
+		}
+		if x.ExitCode != 0 {
+			return errdefs.Unavailable("give the VM its identity: exit %d: %s", x.ExitCode, bytes.TrimSpace(x.Stderr))
+		}
+		i.machine.Hostname = host
+	}
+	if !s.Deadline.IsZero() {
+		if err := client.SetDeadline(ctx, s.Deadline); err != nil {
+			return qemu.Failed(err, "set the sandbox's deadline")
+		}
+	}
+	if len(s.Env) > 0 {
+		if err := client.SetEnv(ctx, s.Env); err != nil {
+			return qemu.Failed(err, "set the sandbox's environment")
+		}
+	}
+	return nil
+}
+
+// Attach implements substrate.Driver.
+func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (substrate.Instance, error) {
+	var st state
+	// The instance's own file is newer than the node's record after a
+	// pause or resume.
+	if b, err := os.ReadFile(filepath.Join(s.Dir, stateFile)); err == nil {
+		raw = b
+	}
+	if err := json.Unmarshal(raw, &st); err != nil {
+		return nil, errdefs.Internal(err, "decode vm state")
+	}
+	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState)
+	return i, i.vm.Adopt(ctx)
+}
+
+func (i *instance) Guest() substrate.Guest { return i.vm.Client() }
+
+func (i *instance) State() []byte {
+	b, _ := json.Marshal(state{VMState: i.vm.State(), Machine: i.machine, Dir: i.dir})
+	return b
+}
+
+func (i *instance) Done() <-chan struct{} { return i.vm.Done() }
+
+func (i *instance) Check(ctx context.Context) error { return i.vm.Check() }
+
+// Stats reports QEMU's resident memory and CPU time (the guest's and the
+// emulation's). A paused VM holds no memory.
+func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
+	rss, cpu := i.vm.Usage()
+	return substrate.Stats{MemoryBytes: rss, CPUTime: cpu}, nil
+}
+
+// Pause saves the VM's memory and devices and ends QEMU, so a paused VM
+// holds no memory. It is idempotent.
+func (i *instance) Pause(ctx context.Context) error { return i.vm.Pause(ctx) }
+
+// Resume restores a paused VM from its saved memory. It is idempotent.
+func (i *instance) Resume(ctx context.Context) error { return i.vm.Resume(ctx) }
+
+// Snapshot implements substrate.Instance: VM snapshots are machine
+// snapshots (SnapshotMachine), not filesystem layers.
+func (i *instance) Snapshot(context.Context, io.Writer) error {
+	return errdefs.Unimplemented("vm snapshots hold memory and disk: use a machine snapshot")
+}
+
+// SnapshotMachine writes memory, devices and the copy-on-write disk into
+// dir. A running VM is stopped for the capture (so disk and memory agree)
+// and continued; a paused one is copied as it is. The disk copy keeps
+// referring to the image's base, which the snapshot's image record keeps.
+func (i *instance) SnapshotMachine(ctx context.Context, dir string) error {
+	mb, err := json.Marshal(i.machine)
+	if err != nil {
+		return errdefs.Internal(err, "encode the machine")
+	}
+	err = i.vm.SaveMachine(ctx, filepath.Join(dir, memFile), func() error {
+		return qemu.CopySparse(i.path(diskFile), filepath.Join(dir, diskFile))
+	})
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, machineFile), mb, 0o600); err != nil {
+		return errdefs.Internal(err, "write the machine snapshot")
+	}
+	return nil
+}
+
+// Destroy kills QEMU and removes the instance's sockets, disk and saved
+// memory. It is idempotent.
+func (i *instance) Destroy(ctx context.Context) error {
+	i.vm.Destroy()
+	if err := os.Remove(i.path(diskFile)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return errdefs.Internal(err, "remove the VM's disk")
+	}
+	return nil
+}

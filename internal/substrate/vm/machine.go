@@ -1,0 +1,98 @@
+package vm
+
+import (
+	"fmt"
+	"math"
+	"strconv"
+)
+
+// machine is everything that defines a VM's hardware. A snapshot restores
+// only into an identical machine, so it is saved with the snapshot (and
+// the boot snapshots) and reused, not recomputed from the new spec.
+type machine struct {
+	CPUs     int   `json:"cpus"`
+	MemoryMB int64 `json:"memory_mb"`
+	// Base is the image's read-only disk (the backing file of every
+	// sandbox's copy-on-write disk); Layer names its image layer.
+	Base  string `json:"base"`
+	Layer string `json:"layer"`
+	// DiskBytes is the size of the sandbox's disk as the guest sees it.
+	DiskBytes int64 `json:"disk_bytes"`
+	// Boot is "firmware" (SeaBIOS and the disk's bootloader) or "direct"
+	// (Kernel and Initrd with Cmdline).
+	Boot    string `json:"boot"`
+	Kernel  string `json:"kernel,omitempty"`
+	Initrd  string `json:"initrd,omitempty"`
+	Cmdline string `json:"cmdline,omitempty"`
+	// AgentDisk is the read-only disk holding the node's dsec-guest.
+	AgentDisk string `json:"agent_disk"`
+	Accel     string `json:"accel"` // -accel value
+	Vsock     bool   `json:"vsock"`
+	CID       uint32 `json:"cid,omitempty"`
+	// Hostname is the guest's hostname when the machine was started.
+	Hostname string `json:"hostname"`
+}
+
+// cpusFor maps a CPU share to whole vCPUs.
+func cpusFor(cpu float64) int {
+	return max(1, int(math.Ceil(cpu)))
+}
+
+// args is QEMU's command line for m, with the sandbox's disk, sockets and
+// console file. The device order is part of the machine: a restore uses
+// the same order.
+func (m *machine) args(id, disk, agentSock, qmpSock, console string) []string {
+	// The firmware boots the disk and nothing else; a direct boot's kernel
+	// is the first boot entry itself.
+	bootIndex := ",bootindex=1"
+	if m.Boot == "direct" {
+		bootIndex = ""
+	}
+	args := []string{
+		"-name", "dsec-" + id,
+		// No SMM: SeaBIOS boots faster and nothing here needs it.
+		"-M", "q35,smm=off,vmport=off,memory-backend=mem",
+		"-accel", m.Accel,
+		"-cpu", "max",
+		"-smp", strconv.Itoa(m.CPUs),
+		"-m", fmt.Sprintf("%dM", m.MemoryMB),
+		// Guest RAM in a memfd: no transparent huge pages (with them every
+		// 4 KiB the guest touches holds 2 MiB of host memory), and pages
+		// the guest reports free are punched out.
+		"-object", fmt.Sprintf("memory-backend-memfd,id=mem,size=%dM", m.MemoryMB),
+		"-nodefaults", "-no-user-config",
+		// The screen: standard VGA (text mode, or a framebuffer the guest
+		// sets up); keyboard and mouse are the machine's PS/2 ones, and a
+		// tablet gives absolute pointer positions.
+		"-display", "none",
+		"-device", "VGA",
+		"-device", "virtio-tablet-pci",
+		"-serial", "file:" + console,
+		"-drive", "id=disk,file=" + disk + ",format=qcow2,if=none,cache=writeback,discard=unmap,detect-zeroes=unmap",
+		"-device", "virtio-blk-pci,drive=disk,serial=dsec-disk" + bootIndex,
+		"-drive", "id=agent,file=" + m.AgentDisk + ",format=raw,if=none,readonly=on",
+		"-device", "virtio-blk-pci,drive=agent,serial=dsec-agent",
+		"-object", "rng-random,id=rng,filename=/dev/urandom",
+		"-device", "virtio-rng-pci,rng=rng",
+		// Free pages go back to the host as the guest frees them.
+		"-device", "virtio-balloon-pci,free-page-reporting=on",
+	}
+	if m.Boot == "direct" {
+		args = append(args, "-kernel", m.Kernel, "-initrd", m.Initrd, "-append", m.Cmdline)
+	}
+	if m.Vsock {
+		args = append(args, "-device", fmt.Sprintf("vhost-vsock-pci,guest-cid=%d", m.CID))
+	} else {
+		args = append(args,
+			"-device", "virtio-serial-pci,max_ports=2",
+			"-chardev", "socket,id=agent,path="+agentSock+",server=on,wait=off",
+			"-device", "virtserialport,chardev=agent,name=dsec.agent")
+	}
+	return append(args,
+		"-qmp", "unix:"+qmpSock+",server=on,wait=off",
+		// QEMU itself may not spawn processes, gain privileges or use
+		// obsolete syscalls.
+		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+		"-msg", "timestamp=on",
+	)
+}
