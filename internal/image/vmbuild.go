@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/qemu"
 )
 
 // VMRecipes are the VM images BuildVM can build offline.
@@ -33,7 +34,7 @@ var VMDebianPackages = []string{
 
 // vmBuildVersion changes whenever the VM image recipe below does, so
 // cached disks are rebuilt.
-const vmBuildVersion = "2"
+const vmBuildVersion = "4"
 
 // vmRootLabel is the label of a built VM image's root file system.
 const vmRootLabel = "dsec-root"
@@ -45,8 +46,10 @@ const defaultVMDiskMB = 4096
 // VMCmdline is the kernel command line of a built VM image, both in its
 // GRUB configuration and for direct boot (the vm driver appends its own
 // arguments). Kernel messages and systemd's go to the serial console (the
-// node's console.log); the screen (tty1) shows a root shell.
-const VMCmdline = "root=LABEL=" + vmRootLabel + " ro console=tty1 console=ttyS0 quiet init_on_alloc=0"
+// node's console.log); the screen (tty1) shows a root shell. The root file
+// system is mounted read-write by the initramfs and has no fstab entry, so
+// systemd neither checks nor waits for its device.
+const VMCmdline = "root=LABEL=" + vmRootLabel + " rw console=tty1 console=ttyS0 quiet init_on_alloc=0"
 
 // BuildVM builds a bootable VM image offline from the host's packages:
 // "debian" is debootstrap from the host's apt mirror with a kernel from
@@ -182,6 +185,12 @@ func buildDebianVM(ctx context.Context, dir, mirror, suite string, pkgs []string
 	if err := copyPlain(kernels[0], filepath.Join(dir, VMKernelFile)); err != nil {
 		return err
 	}
+	// Direct boot takes a small initramfs of our own: busybox and the two
+	// modules that reach the disk, no udev (much faster under emulation
+	// than the distribution's, which GRUB boots).
+	if err := writeVMInitramfs(filepath.Join(dir, VMInitrdFile), rootfs, release); err != nil {
+		return fmt.Errorf("build the direct-boot initramfs: %w", err)
+	}
 	raw := filepath.Join(dir, "disk.raw")
 	progress.report("build", "writing the disk", 0, 0)
 	if err := writeVMDisk(ctx, raw, rootfs, diskMB); err != nil {
@@ -193,13 +202,6 @@ func buildDebianVM(ctx context.Context, dir, mirror, suite string, pkgs []string
 	progress.report("build", "installing GRUB and the initramfs (in a VM)", 0, 0)
 	if err := setupVMDisk(ctx, raw, filepath.Join(dir, VMKernelFile), filepath.Join(dir, "setup-initrd.img"), filepath.Join(dir, "setup.log")); err != nil {
 		return err
-	}
-	// The initramfs built in the guest (only the drivers a VM needs) is
-	// the one direct boot uses.
-	initrd := filepath.Join(dir, VMInitrdFile)
-	out, err := exec.CommandContext(ctx, "debugfs", "-R", "dump /boot/initrd.img-"+release+" "+initrd, raw+"?offset=1048576").CombinedOutput()
-	if st, serr := os.Stat(initrd); err != nil || serr != nil || st.Size() == 0 {
-		return fmt.Errorf("read the initramfs from the disk: %v %s", err, bytes.TrimSpace(out))
 	}
 	os.Remove(filepath.Join(dir, "setup-initrd.img"))
 	progress.report("build", "converting the disk to qcow2", 0, 0)
@@ -226,7 +228,8 @@ func configureVMRootfs(root string) error {
 		path, body string
 		mode       os.FileMode
 	}{
-		{"etc/fstab", "LABEL=" + vmRootLabel + " / ext4 defaults,noatime,errors=remount-ro 0 1\n", 0o644},
+		// The initramfs mounts the root file system read-write (VMCmdline).
+		{"etc/fstab", "# / is LABEL=" + vmRootLabel + ", mounted read-write by the initramfs (see the kernel command line)\n", 0o644},
 		{"etc/hosts", "127.0.0.1\tlocalhost\n127.0.1.1\tsandbox\n::1\tlocalhost ip6-localhost ip6-loopback\n", 0o644},
 		// Empty: systemd makes a new one at every boot and does not commit it.
 		{"etc/machine-id", "", 0o444},
@@ -278,11 +281,14 @@ func configureVMRootfs(root string) error {
 	return nil
 }
 
-// vmAgentUnit runs the agent as a service. It restarts if it dies, and
-// the OOM killer spares it.
+// vmAgentUnit runs the agent as a service, once the system has booted. It
+// restarts if it dies, and the OOM killer spares it.
 const vmAgentUnit = `[Unit]
 Description=dsec agent (dsec-guest)
 Documentation=https://github.com/opendsec/dsec/blob/main/docs/substrates/vm.md
+# Answer once the system is up: the node takes an image's boot snapshot
+# when the agent first answers, and that should be an idle, booted system.
+After=multi-user.target
 
 [Service]
 ExecStart=/usr/local/lib/dsec/agent
@@ -314,8 +320,9 @@ exec /usr/local/bin/dsec-guest $flags
 `
 
 // vmSetupScript runs once, as init, in a VM the build starts: it builds
-// the initramfs with the drivers the guest needs, installs GRUB into the
-// disk's MBR, writes GRUB's configuration, removes itself and powers off.
+// the distribution's initramfs with the drivers the guest needs (GRUB
+// boots it), installs GRUB into the disk's MBR, writes GRUB's
+// configuration and powers off.
 const vmSetupScript = `#!/bin/sh
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 [ -e /proc/self ] || mount -t proc proc /proc
@@ -325,9 +332,8 @@ ok=1
 update-initramfs -u -k all || ok=0
 grub-install --target=i386-pc /dev/vda || ok=0
 update-grub || ok=0
-rm -f /usr/local/lib/dsec/vm-setup
 sync
-mount -o remount,ro /
+mount -o remount,ro / || echo u >/proc/sysrq-trigger
 sync
 if [ $ok = 1 ]; then echo DSEC-SETUP-OK >/dev/ttyS0; else echo DSEC-SETUP-FAILED >/dev/ttyS0; fi
 echo o >/proc/sysrq-trigger
@@ -426,6 +432,123 @@ func setupVMDisk(ctx context.Context, raw, kernel, initrd, logPath string) error
 		return fmt.Errorf("the setup VM did not install GRUB and the initramfs:\n%s", tail)
 	}
 	return nil
+}
+
+// initModules are the modules a VM's direct-boot initramfs loads to reach
+// its disk (with what they depend on).
+var initModules = []string{"virtio_pci", "virtio_blk"}
+
+// vmInit is the direct-boot initramfs's init: it loads the disk's
+// drivers, mounts the root file system named by root=LABEL= (read-write
+// with rw), and hands over to the image's init (systemd). Failures are
+// printed on the console (the node reports them) and panic the kernel.
+const vmInit = `#!/bin/busybox sh
+export PATH=/bin
+busybox mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+fail() { echo "dsec-initramfs: $*" >/dev/console; exit 1; }
+for m in $(cat /modules.list); do insmod /lib/modules/$m.ko || fail "load $m"; done
+root= mode=ro init=/sbin/init
+for a in $(cat /proc/cmdline); do
+	case $a in
+	root=*) root=${a#root=} ;;
+	rw) mode=rw ;;
+	ro) mode=ro ;;
+	init=*) init=${a#init=} ;;
+	esac
+done
+i=0
+while ! dev=$(findfs "$root" 2>/dev/null); do
+	i=$((i+1)); [ $i -gt 3000 ] && fail "no disk $root"
+	usleep 10000
+done
+mkdir -p /root
+mount -t ext4 -o $mode "$dev" /root || fail "mount $root"
+mount --move /dev /root/dev
+umount /sys
+# Applets run by bare name need /proc/self/exe: switch_root is called by
+# its file.
+umount /proc
+exec /bin/busybox switch_root /root "$init"
+`
+
+// writeVMInitramfs writes the direct-boot initramfs: the host's static
+// busybox, the image's own modules that reach a virtio disk (in
+// dependency order, from its modules.dep) and vmInit.
+func writeVMInitramfs(path, rootfs, release string) error {
+	bb, err := findBusybox()
+	if err != nil {
+		return err
+	}
+	moddir := filepath.Join(rootfs, "lib/modules", release)
+	dep, err := os.ReadFile(filepath.Join(moddir, "modules.dep"))
+	if err != nil {
+		return err
+	}
+	deps := map[string][]string{} // module name -> its file, then its dependencies' files
+	for _, line := range strings.Split(string(dep), "\n") {
+		mod, rest, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		deps[modName(mod)] = append([]string{mod}, strings.Fields(rest)...)
+	}
+	var order []string
+	seen := map[string]bool{}
+	var visit func(name string) error
+	visit = func(name string) error {
+		if seen[name] {
+			return nil
+		}
+		seen[name] = true
+		files, ok := deps[name]
+		if !ok {
+			return nil // built into the kernel
+		}
+		for _, d := range files[1:] {
+			if err := visit(modName(d)); err != nil {
+				return err
+			}
+		}
+		order = append(order, files[0])
+		return nil
+	}
+	for _, m := range initModules {
+		if _, ok := deps[m]; !ok {
+			return fmt.Errorf("kernel %s has no module %s", release, m)
+		}
+		if err := visit(m); err != nil {
+			return err
+		}
+	}
+	var buf bytes.Buffer
+	c := qemu.NewCPIO(&buf)
+	c.FileFrom("bin/busybox", 0o755, bb)
+	for _, d := range []string{"dev", "proc", "sys", "root", "lib/modules"} {
+		c.Dir(d, 0o755)
+	}
+	c.CharDev("dev/console", 0o600, 5, 1)
+	var list []string
+	for _, f := range order {
+		if !strings.HasSuffix(f, ".ko") {
+			return fmt.Errorf("module %s is compressed; the initramfs loads plain .ko files", f)
+		}
+		name := modName(f)
+		c.FileFrom("lib/modules/"+name+".ko", 0o644, filepath.Join(moddir, f))
+		list = append(list, name)
+	}
+	c.File("modules.list", 0o644, []byte(strings.Join(list, "\n")+"\n"))
+	c.File("init", 0o755, []byte(vmInit))
+	if err := c.Close(); err != nil {
+		return err
+	}
+	return os.WriteFile(path, buf.Bytes(), 0o644)
+}
+
+// modName is a module's name from its path in modules.dep.
+func modName(p string) string {
+	return strings.TrimSuffix(filepath.Base(p), ".ko")
 }
 
 func copyPlain(src, dst string) error {

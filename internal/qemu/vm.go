@@ -54,6 +54,9 @@ type VMConfig struct {
 	// HintLine selects the lines of the guest console and QEMU's log that
 	// explain a failure (a line naming QEMU itself always does).
 	HintLine func(line string) bool
+	// FatalLine, if set, selects guest console lines that end a start at
+	// once (a kernel panic, no bootable disk) instead of at BootTimeout.
+	FatalLine func(line string) bool
 	// Redact lists host paths cut from messages.
 	Redact []string
 	// Persist, if set, is called with the new state whenever the VM's
@@ -239,24 +242,44 @@ func (v *VM) Start(ctx context.Context, incoming *os.File) (err error) {
 			slog.Duration("qemu", tr.Sub(t0)), slog.Duration("agent", time.Since(tr)))
 		ready <- err
 	}()
-	select {
-	case err := <-ready:
-		if err == nil {
-			return nil
-		}
-		select {
-		case <-p.Done():
-			return v.died("the " + v.cfg.Kind + " stopped while starting")
-		case <-time.After(200 * time.Millisecond):
-		}
-		if ctx.Err() != nil {
-			return errdefs.Classify(ctx.Err())
-		}
-		return errdefs.Unavailable("the %s's agent did not answer within %s%s", v.cfg.Kind, v.cfg.BootTimeout, v.Hint()).WithCause(err)
-	case <-p.Done():
-		cancel()
-		return v.died("the " + v.cfg.Kind + " stopped while starting")
+	var fatal <-chan time.Time
+	if v.cfg.FatalLine != nil {
+		t := time.NewTicker(250 * time.Millisecond)
+		defer t.Stop()
+		fatal = t.C
 	}
+	for {
+		select {
+		case err := <-ready:
+			return v.startErr(ctx, p, err)
+		case <-p.Done():
+			cancel()
+			return v.died("the " + v.cfg.Kind + " stopped while starting")
+		case <-fatal:
+			for _, l := range strings.Split(ReadLogTail(v.path(ConsoleFile), 4096), "\n") {
+				if v.cfg.FatalLine(strings.TrimSpace(l)) {
+					cancel()
+					return v.died("the " + v.cfg.Kind + " failed to boot")
+				}
+			}
+		}
+	}
+}
+
+// startErr is the error of a start whose agent call returned err.
+func (v *VM) startErr(ctx context.Context, p *Process, err error) error {
+	if err == nil {
+		return nil
+	}
+	select {
+	case <-p.Done():
+		return v.died("the " + v.cfg.Kind + " stopped while starting")
+	case <-time.After(200 * time.Millisecond):
+	}
+	if ctx.Err() != nil {
+		return errdefs.Classify(ctx.Err())
+	}
+	return errdefs.Unavailable("the %s's agent did not answer within %s%s", v.cfg.Kind, v.cfg.BootTimeout, v.Hint()).WithCause(err)
 }
 
 // died is the error for a QEMU that exited, with what the guest or QEMU

@@ -62,9 +62,10 @@ func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instan
 		},
 		BootTimeout: d.cfg.BootTimeout, Kind: "VM",
 		HintLine: func(l string) bool {
-			return strings.Contains(l, "Kernel panic") || strings.Contains(l, "No bootable device") ||
-				strings.Contains(l, "Boot failed") || strings.Contains(l, "Gave up waiting for root")
+			return fatalLine(l) || strings.Contains(l, "Boot failed") || strings.Contains(l, "Gave up waiting for root") ||
+				strings.Contains(l, "dsec-initramfs:")
 		},
+		FatalLine: fatalLine,
 		Redact:  []string{d.cfg.StateDir},
 		Persist: i.persist,
 		Log:     d.log,
@@ -73,6 +74,13 @@ func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instan
 }
 
 func (i *instance) path(name string) string { return filepath.Join(i.dir, name) }
+
+// fatalLine reports a guest console line after which a boot cannot
+// succeed: a kernel panic (a guest that reboots would loop), or SeaBIOS
+// finding nothing to boot.
+func fatalLine(l string) bool {
+	return strings.Contains(l, "Kernel panic") || strings.Contains(l, "No bootable device")
+}
 
 // persist writes the instance's state for Attach (vm.json; the node keeps
 // a copy in its record).
