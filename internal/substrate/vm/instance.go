@@ -66,9 +66,9 @@ func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instan
 				strings.Contains(l, "dsec-initramfs:")
 		},
 		FatalLine: fatalLine,
-		Redact:  []string{d.cfg.StateDir},
-		Persist: i.persist,
-		Log:     d.log,
+		Redact:    []string{d.cfg.StateDir},
+		Persist:   i.persist,
+		Log:       d.log,
 	}, st)
 	return i
 }
