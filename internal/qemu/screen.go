@@ -97,16 +97,20 @@ type InputEvent struct {
 // AbsMax is the largest absolute pointer coordinate QEMU takes.
 const AbsMax = 0x7fff
 
-// SendInput sends events to the VM's keyboard and pointer in batches
-// small enough for the guest to drain its PS/2 queue, pausing between
-// them; events within a batch arrive together.
+// SendInput sends events to the VM's keyboard and pointer, in order. Key
+// events go in small batches with a pause between them: a PS/2 keyboard
+// holds only 16 bytes of scancodes (QEMU drops what does not fit), and a
+// guest under emulation drains them slowly. Pointer events are not
+// limited.
 func SendInput(ctx context.Context, q *QMP, events []InputEvent) error {
-	const batch = 24 // events: 12 keys pressed and released
+	const keysPerBatch = 6 // key events: three keys pressed and released
 	for len(events) > 0 {
-		n := min(batch, len(events))
-		// Keep a key's press and release in one batch.
-		if n < len(events) && events[n-1].Key != "" && events[n-1].Down {
-			n--
+		n, keys := 0, 0
+		for n < len(events) && (events[n].Key == "" || keys < keysPerBatch) {
+			if events[n].Key != "" {
+				keys++
+			}
+			n++
 		}
 		var list []map[string]any
 		for _, e := range events[:n] {
@@ -126,7 +130,7 @@ func SendInput(ctx context.Context, q *QMP, events []InputEvent) error {
 			return err
 		}
 		events = events[n:]
-		if len(events) > 0 {
+		if keys > 0 && len(events) > 0 {
 			select {
 			case <-ctx.Done():
 				return ctx.Err()

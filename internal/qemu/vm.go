@@ -57,6 +57,9 @@ type VMConfig struct {
 	// FatalLine, if set, selects guest console lines that end a start at
 	// once (a kernel panic, no bootable disk) instead of at BootTimeout.
 	FatalLine func(line string) bool
+	// Logs are more guest log files in Dir (a firmware's) that Hint and
+	// FatalLine read after the console.
+	Logs []string
 	// Redact lists host paths cut from messages.
 	Redact []string
 	// Persist, if set, is called with the new state whenever the VM's
@@ -256,10 +259,12 @@ func (v *VM) Start(ctx context.Context, incoming *os.File) (err error) {
 			cancel()
 			return v.died("the " + v.cfg.Kind + " stopped while starting")
 		case <-fatal:
-			for _, l := range strings.Split(ReadLogTail(v.path(ConsoleFile), 4096), "\n") {
-				if v.cfg.FatalLine(strings.TrimSpace(l)) {
-					cancel()
-					return v.died("the " + v.cfg.Kind + " failed to boot")
+			for _, f := range append([]string{ConsoleFile}, v.cfg.Logs...) {
+				for _, l := range strings.Split(ReadLogTail(v.path(f), 4096), "\n") {
+					if v.cfg.FatalLine(strings.TrimSpace(l)) {
+						cancel()
+						return v.died("the " + v.cfg.Kind + " failed to boot")
+					}
 				}
 			}
 		}
@@ -293,7 +298,7 @@ func (v *VM) died(what string) error {
 // nothing does.
 func (v *VM) Hint() string {
 	var lines []string
-	for _, f := range []string{ConsoleFile, LogFile} {
+	for _, f := range append(append([]string{ConsoleFile}, v.cfg.Logs...), LogFile) {
 		t := ReadLogTail(v.path(f), 2048)
 		for _, l := range strings.Split(t, "\n") {
 			l = strings.TrimSpace(l)

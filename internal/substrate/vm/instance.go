@@ -66,6 +66,7 @@ func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instan
 				strings.Contains(l, "dsec-initramfs:")
 		},
 		FatalLine: fatalLine,
+		Logs:      []string{firmwareLog},
 		Redact:    []string{d.cfg.StateDir},
 		Persist:   i.persist,
 		Log:       d.log,

@@ -3,8 +3,12 @@ package vm
 import (
 	"fmt"
 	"math"
+	"path/filepath"
 	"strconv"
 )
+
+// firmwareLog is SeaBIOS's debug output, in the sandbox's directory.
+const firmwareLog = "firmware.log"
 
 // machine is everything that defines a VM's hardware. A snapshot restores
 // only into an identical machine, so it is saved with the snapshot (and
@@ -62,12 +66,17 @@ func (m *machine) args(id, disk, agentSock, qmpSock, console string) []string {
 		"-object", fmt.Sprintf("memory-backend-memfd,id=mem,size=%dM", m.MemoryMB),
 		"-nodefaults", "-no-user-config",
 		// The screen: standard VGA (text mode, or a framebuffer the guest
-		// sets up); keyboard and mouse are the machine's PS/2 ones, and a
-		// tablet gives absolute pointer positions.
+		// sets up). Keys go to a virtio keyboard once the guest drives it
+		// (it buffers more than the machine's PS/2 one, which the firmware
+		// and bootloader use); a tablet gives absolute pointer positions.
 		"-display", "none",
 		"-device", "VGA",
+		"-device", "virtio-keyboard-pci",
 		"-device", "virtio-tablet-pci",
 		"-serial", "file:" + console,
+		// SeaBIOS's own log (which disk it boots, or that none boots).
+		"-chardev", "file,id=firmware,path=" + filepath.Join(filepath.Dir(console), firmwareLog),
+		"-device", "isa-debugcon,iobase=0x402,chardev=firmware",
 		"-drive", "id=disk,file=" + disk + ",format=qcow2,if=none,cache=writeback,discard=unmap,detect-zeroes=unmap",
 		"-device", "virtio-blk-pci,drive=disk,serial=dsec-disk" + bootIndex,
 		"-drive", "id=agent,file=" + m.AgentDisk + ",format=raw,if=none,readonly=on",

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"image/png"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/qemu"
@@ -255,6 +257,297 @@ func TestBootPaths(t *testing.T) {
 			}
 			if lines[3] != "running" {
 				t.Fatalf("systemd: %q", lines[3])
+			}
+		})
+	}
+}
+
+// evdevReader records the tablet's absolute positions and buttons as the
+// guest's kernel reports them ("type code value" lines in /tmp/ev).
+const evdevReader = `
+import glob, os, select, struct, sys, time
+dev = None
+for p in glob.glob('/sys/class/input/event*/device/name'):
+    if 'Tablet' in open(p).read():
+        dev = '/dev/input/' + p.split('/')[4]
+fd = os.open(dev, os.O_RDONLY)
+out = open('/tmp/ev', 'w')
+end = time.time() + float(sys.argv[1])
+while time.time() < end:
+    r, _, _ = select.select([fd], [], [], 0.2)
+    if r:
+        data = os.read(fd, 24 * 64)
+        for i in range(0, len(data), 24):
+            _, _, typ, code, val = struct.unpack('llHHi', data[i:i + 24])
+            if typ in (1, 3):
+                out.write('%d %d %d\n' % (typ, code, val))
+                out.flush()
+`
+
+// waitFor runs cmd in the guest until its output contains want.
+func waitFor(t *testing.T, inst substrate.Instance, cmd, want string) string {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		x, err := inst.Guest().Run(ctxT(t, time.Minute), &guestv1.Exec{Argv: []string{"sh", "-c", cmd}, TimeoutMs: 30000})
+		if err == nil && strings.Contains(string(x.Stdout), want) {
+			return string(x.Stdout)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%q never printed %q: %v %s", cmd, want, err, x.GetStdout())
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// TestScreenAndInput drives the VM's screen like a computer-use agent: a
+// screenshot of the text console, typing into the root shell it shows,
+// key combinations, and the pointer as the guest's kernel sees it.
+func TestScreenAndInput(t *testing.T) {
+	d := newDriver(t, nil)
+	inst := create(t, d, newSpec(t))
+	ctx := ctxT(t, 5*time.Minute)
+	before, err := inst.Screenshot(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Run("a screenshot is a PNG at the guest's resolution", func(t *testing.T) {
+		img, err := png.Decode(bytes.NewReader(before.PNG))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b := img.Bounds()
+		if b.Dx() != before.Width || b.Dy() != before.Height {
+			t.Fatalf("PNG is %dx%d, reported %dx%d", b.Dx(), b.Dy(), before.Width, before.Height)
+		}
+		// The console is VGA text mode: 9x16 pixel cells.
+		var rows, cols int
+		fmt.Sscan(run(t, inst, "stty -F /dev/tty1 size"), &rows, &cols)
+		if rows == 0 || b.Dx() != cols*9 || b.Dy() != rows*16 {
+			t.Fatalf("screenshot %dx%d, console %d rows x %d columns", b.Dx(), b.Dy(), rows, cols)
+		}
+	})
+	t.Run("typed text reaches the shell on the screen", func(t *testing.T) {
+		if err := inst.SendInput(ctx, []substrate.InputAction{{Text: "echo \"typed-$((6*7))\" > /tmp/typed; echo 'ok:{}|~'\n"}}); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, inst, "cat /tmp/typed 2>/dev/null", "typed-42")
+		after, err := inst.Screenshot(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if bytes.Equal(after.PNG, before.PNG) {
+			t.Fatal("the screen did not change")
+		}
+	})
+	t.Run("a key combination interrupts a command", func(t *testing.T) {
+		if err := inst.SendInput(ctx, []substrate.InputAction{{Text: "sleep 1234\n"}}); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, inst, "pgrep -xc sleep || true", "1")
+		if err := inst.SendInput(ctx, []substrate.InputAction{{Keys: "ctrl+c"}}); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, inst, "pgrep -xc sleep || true", "0")
+	})
+	t.Run("the pointer moves to absolute positions and clicks", func(t *testing.T) {
+		if _, err := inst.Guest().WriteFile(ctx, &guestv1.WriteFile{Path: "/tmp/ev.py"}, strings.NewReader(evdevReader)); err != nil {
+			t.Fatal(err)
+		}
+		run(t, inst, "rm -f /tmp/ev; python3 /tmp/ev.py 60 >/tmp/ev.log 2>&1 &")
+		waitFor(t, inst, "test -e /tmp/ev && echo ready", "ready")
+		w, h := before.Width, before.Height
+		err := inst.SendInput(ctx, []substrate.InputAction{
+			{Move: &substrate.Point{X: w / 2, Y: h / 4}},
+			{Click: &substrate.Click{Point: substrate.Point{X: w - 1, Y: h - 1}, Button: "right"}},
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// EV_ABS (3) ABS_X (0) / ABS_Y (1) in QEMU's 0..32767 range;
+		// EV_KEY (1) BTN_RIGHT (273) down and up.
+		want := []string{
+			fmt.Sprintf("3 0 %d", (w/2)*qemu.AbsMax/(w-1)), fmt.Sprintf("3 1 %d", (h/4)*qemu.AbsMax/(h-1)),
+			"3 0 32767", "3 1 32767", "1 273 1", "1 273 0",
+		}
+		out := waitFor(t, inst, "cat /tmp/ev", "1 273 0")
+		for _, line := range want {
+			if !strings.Contains(out, line+"\n") {
+				t.Fatalf("guest input events lack %q:\n%s", line, out)
+			}
+		}
+	})
+	t.Run("bad input is refused", func(t *testing.T) {
+		for _, a := range []substrate.InputAction{
+			{Move: &substrate.Point{X: before.Width, Y: 0}},
+			{Keys: "ctrl+nosuchkey"},
+			{Text: "naïve"},
+			{Click: &substrate.Click{Button: "fourth"}},
+		} {
+			if err := inst.SendInput(ctx, []substrate.InputAction{a}); !errdefs.Is(err, errdefs.KindInvalid) {
+				t.Errorf("%+v: %v", a, err)
+			}
+		}
+	})
+}
+
+// TestBootSnapshots: the first sandbox of an image and shape boots and
+// saves the boot snapshot; the next ones restore it, each with its own
+// identity.
+func TestBootSnapshots(t *testing.T) {
+	d := newDriver(t, func(c *Config) { c.StateDir = t.TempDir() })
+	first := newSpec(t)
+	first.MemoryMB = 384 // a shape of its own
+	a := create(t, d, first)
+	if _, ok := d.bootSnapshot(a.(*instance).machine); !ok {
+		t.Fatal("the first boot saved no boot snapshot")
+	}
+	second := newSpec(t)
+	second.MemoryMB, second.Hostname = 384, "other"
+	second.Env = []string{"ONLY_B=yes"}
+	start := time.Now()
+	b := create(t, d, second)
+	t.Logf("restored the boot snapshot in %v", time.Since(start).Round(time.Millisecond))
+	ida := run(t, a, "cat /proc/sys/kernel/random/boot_id /etc/machine-id; hostname; echo $ONLY_B")
+	idb := run(t, b, "cat /proc/sys/kernel/random/boot_id /etc/machine-id; hostname; echo $ONLY_B")
+	la, lb := strings.Fields(ida), strings.Fields(idb)
+	if len(la) != 3 || len(lb) != 4 {
+		t.Fatalf("a: %q b: %q", ida, idb)
+	}
+	t.Run("a restored sandbox shares the boot", func(t *testing.T) {
+		if la[0] != lb[0] {
+			t.Fatalf("boot IDs %s and %s: b did not restore a's boot", la[0], lb[0])
+		}
+	})
+	t.Run("but has its own machine ID, hostname and environment", func(t *testing.T) {
+		if la[1] == lb[1] || len(lb[1]) != 32 {
+			t.Fatalf("machine IDs %s and %s", la[1], lb[1])
+		}
+		if la[2] != "sandbox" || lb[2] != "other" || lb[3] != "yes" {
+			t.Fatalf("a: %q b: %q", ida, idb)
+		}
+	})
+	t.Run("and its own disk", func(t *testing.T) {
+		run(t, a, "echo a > /root/mine")
+		if out := run(t, b, "cat /root/mine 2>/dev/null || echo none"); out != "none\n" {
+			t.Fatalf("b sees a's file: %q", out)
+		}
+	})
+	t.Run("cold boot saves and restores no boot snapshot", func(t *testing.T) {
+		cold := newDriver(t, func(c *Config) { c.StateDir = d.cfg.StateDir; c.ColdBoot = true })
+		s := newSpec(t)
+		s.MemoryMB = 384
+		c := create(t, cold, s)
+		if idc := strings.Fields(run(t, c, "cat /proc/sys/kernel/random/boot_id")); idc[0] == la[0] {
+			t.Fatal("a cold boot restored the boot snapshot")
+		}
+	})
+}
+
+// TestPauseFreesMemoryAndSurvivesARestart: a paused VM is a file, not a
+// process; a new driver adopts it and resumes it with its memory.
+func TestPauseFreesMemoryAndSurvivesARestart(t *testing.T) {
+	d := newDriver(t, nil)
+	spec := newSpec(t)
+	inst, err := d.Create(ctxT(t, 5*time.Minute), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { inst.Destroy(context.Background()) }()
+	run(t, inst, "echo kept > /dev/shm/mem-only")
+	if err := inst.Pause(ctxT(t, 2*time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	if qemuRunning(spec.ID) {
+		t.Fatal("QEMU still runs while paused")
+	}
+	if st, _ := inst.Stats(context.Background()); st.MemoryBytes != 0 {
+		t.Fatalf("a paused VM holds %d bytes", st.MemoryBytes)
+	}
+	again, err := newDriver(t, nil).Attach(ctxT(t, time.Minute), spec, inst.State())
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst = again
+	if err := again.Resume(ctxT(t, 3*time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	if got := run(t, again, "cat /dev/shm/mem-only"); got != "kept\n" {
+		t.Fatalf("after resume: %q", got)
+	}
+	if _, err := again.Screenshot(ctxT(t, time.Minute)); err != nil {
+		t.Fatalf("screenshot after resume: %v", err)
+	}
+}
+
+// TestBadInput: what cannot start is refused or fails with a clear infra
+// error within the boot timeout, and leaves nothing behind.
+func TestBadInput(t *testing.T) {
+	if setupErr != "" {
+		t.Skip(setupErr)
+	}
+	dir := t.TempDir()
+	blank := filepath.Join(dir, "blank")
+	os.MkdirAll(blank, 0o755)
+	if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", filepath.Join(blank, image.VMDiskFile), "64M").CombinedOutput(); err != nil {
+		t.Fatalf("%v %s", err, out)
+	}
+	os.WriteFile(filepath.Join(blank, image.VMMetaFile), []byte(`{"virtual_size":67108864,"firmware":"bios","agent":"installed"}`), 0o644)
+	corrupt := func(t *testing.T, mangle func(dir string)) string {
+		d := newDriver(t, nil)
+		inst := create(t, d, newSpec(t))
+		snap := t.TempDir()
+		if err := inst.SnapshotMachine(ctxT(t, 2*time.Minute), snap); err != nil {
+			t.Fatal(err)
+		}
+		mangle(snap)
+		return snap
+	}
+	cases := []struct {
+		name  string
+		cfg   func(*Config)
+		spec  func(t *testing.T, s *substrate.Spec)
+		kind  errdefs.Kind
+		infra bool
+		want  string
+	}{
+		{name: "too little memory is invalid", spec: func(t *testing.T, s *substrate.Spec) { s.MemoryMB = 128 }, kind: errdefs.KindInvalid},
+		{name: "an image of file system layers is invalid", spec: func(t *testing.T, s *substrate.Spec) {
+			if bbLayers == nil {
+				t.Skip("needs busybox-static")
+			}
+			s.Layers = bbLayers
+		}, kind: errdefs.KindInvalid, want: "not a VM image"},
+		{name: "a disk that does not boot fails with the firmware's word", cfg: func(c *Config) { c.ColdBoot = true },
+			spec: func(t *testing.T, s *substrate.Spec) { s.Layers = []string{blank} }, kind: errdefs.KindUnavailable, infra: true, want: "No bootable device"},
+		{name: "a guest without the agent hits the boot timeout",
+			cfg: func(c *Config) {
+				c.ColdBoot, c.Boot, c.BootTimeout, c.KernelArgs = true, "direct", 45*time.Second, "systemd.mask=dsec-agent.service"
+			},
+			kind: errdefs.KindUnavailable, infra: true, want: "did not answer within 45s"},
+		{name: "a corrupt memory snapshot fails to restore", spec: func(t *testing.T, s *substrate.Spec) {
+			s.Restore = corrupt(t, func(dir string) { os.Truncate(filepath.Join(dir, memFile), 4096) })
+		}, kind: errdefs.KindUnavailable, infra: true, want: "stopped while starting"},
+		{name: "a corrupt machine description is refused", spec: func(t *testing.T, s *substrate.Spec) {
+			s.Restore = corrupt(t, func(dir string) { os.WriteFile(filepath.Join(dir, machineFile), []byte("{garbage"), 0o600) })
+		}, kind: errdefs.KindUnavailable, infra: true, want: "corrupt"},
+		{name: "a snapshot directory without a machine is not found", spec: func(t *testing.T, s *substrate.Spec) { s.Restore = t.TempDir() }, kind: errdefs.KindNotFound},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			s := newSpec(t)
+			if c.spec != nil {
+				c.spec(t, s)
+			}
+			d := newDriver(t, c.cfg)
+			start := time.Now()
+			_, err := d.Create(ctxT(t, 5*time.Minute), s)
+			if !errdefs.Is(err, c.kind) || errdefs.IsInfra(err) != c.infra || !strings.Contains(err.Error(), c.want) {
+				t.Fatalf("got %v (infra %v), want %s (infra %v) containing %q", err, errdefs.IsInfra(err), c.kind, c.infra, c.want)
+			}
+			t.Logf("failed after %v: %v", time.Since(start).Round(time.Millisecond), err)
+			if left := leaks(d, s); len(left) > 0 {
+				t.Fatalf("left %v", left)
 			}
 		})
 	}
