@@ -19,7 +19,7 @@ import (
 
 func imageCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "image", Short: "Manage images"}
-	cmd.AddCommand(imageImportCmd(g), imageLsCmd(g), imageRmCmd(g), imageBootstrapCmd(g))
+	cmd.AddCommand(imageImportCmd(g), imageLsCmd(g), imageRmCmd(g), imageBootstrapCmd(g), imageBuildVMCmd(g), imageImportVMCmd(g))
 	return cmd
 }
 
@@ -156,7 +156,11 @@ func imageLsCmd(g *globals) *cobra.Command {
 			}
 			tw := table("NAME", "DIGEST", "LAYERS", "SIZE", "SOURCE", "CREATED")
 			for _, i := range imgs {
-				fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\n", i.Name, shortDigest(i.Digest), len(i.Layers), humanBytes(i.SizeBytes), i.Source, ago(i.CreatedAt.AsTime()))
+				layers := fmt.Sprint(len(i.Layers))
+				if i.Vm != nil {
+					layers = "vm disk"
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", i.Name, shortDigest(i.Digest), layers, humanBytes(i.SizeBytes), i.Source, ago(i.CreatedAt.AsTime()))
 			}
 			return tw.Flush()
 		},
@@ -208,6 +212,84 @@ func imageBootstrapCmd(g *globals) *cobra.Command {
 	cmd.Flags().BoolVar(&force, "force", false, "rebuild even if the image or its cached root filesystem exists")
 	cmd.Flags().StringArrayVar(&pkgs, "package", nil, "extra Debian package for the debian recipe (repeatable)")
 	return cmd
+}
+
+func imageBuildVMCmd(g *globals) *cobra.Command {
+	var as string
+	var force bool
+	var pkgs []string
+	var diskMB int64
+	cmd := &cobra.Command{
+		Use:   "build-vm debian [--name NAME]",
+		Short: "Build a bootable VM image (kind vm) offline: Debian from the host's apt mirror, its kernel, systemd, GRUB and the agent's service",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			bar := newProgress("build-vm " + args[0])
+			img, err := g.client().BootstrapImage(cmd.Context(), &dsecv1.BootstrapImageRequest{Recipe: args[0], Name: as, Force: force, Packages: pkgs, Vm: true, DiskMb: diskMB},
+				func(p *dsecv1.ImageProgress) { bar.update(p.Phase, p.Message, p.DoneBytes, p.TotalBytes) })
+			bar.finish()
+			if err != nil {
+				return err
+			}
+			printImage(g, img)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&as, "name", "", "image name (default: RECIPE-vm)")
+	cmd.Flags().BoolVar(&force, "force", false, "rebuild even if the image or its cached disk exists")
+	cmd.Flags().StringArrayVar(&pkgs, "package", nil, "extra Debian package (repeatable)")
+	cmd.Flags().Int64Var(&diskMB, "disk-mb", 0, "disk size in MiB (default 4096; sparse)")
+	return cmd
+}
+
+func imageImportVMCmd(g *globals) *cobra.Command {
+	var as string
+	cmd := &cobra.Command{
+		Use:   "import-vm FILE --name NAME",
+		Short: "Import a bootable disk image (qcow2 or raw) that runs dsec-guest as a VM image (kind vm; see docs/substrates/vm.md)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if as == "" {
+				return fmt.Errorf("--name is required")
+			}
+			f, err := os.Open(args[0])
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			st, err := f.Stat()
+			if err != nil {
+				return err
+			}
+			bar := newProgress("import-vm " + args[0])
+			img, err := g.client().UploadVMImage(cmd.Context(), as, st.Size(), f, func(n int64) { bar.update("upload", "", n, st.Size()) })
+			bar.finish()
+			if err != nil {
+				return err
+			}
+			printImage(g, img)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&as, "name", "", "store the image under this name")
+	return cmd
+}
+
+// printImage prints a built or imported image.
+func printImage(g *globals, img *dsecv1.Image) {
+	if g.json() {
+		printJSON(os.Stdout, img)
+		return
+	}
+	if vm := img.GetVm(); vm != nil {
+		boot := "firmware"
+		if vm.DirectBoot {
+			boot = "firmware or direct"
+		}
+		fmt.Printf("%s %s (VM image: %s disk, boots through %s, %s)\n", img.Name, shortDigest(img.Digest), humanBytes(vm.DiskBytes), boot, humanBytes(img.SizeBytes))
+		return
+	}
+	fmt.Printf("%s %s (%s)\n", img.Name, shortDigest(img.Digest), humanBytes(img.SizeBytes))
 }
 
 func sortStrings(s []string) { sort.Strings(s) }

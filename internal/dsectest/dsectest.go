@@ -318,3 +318,19 @@ func NeedMicroVM(t TB) string {
 	}
 	return strings.TrimSpace(string(b))
 }
+
+// NeedVM skips t unless the host can run full VMs (kind vm) and build the
+// debian VM image (`--bootstrap debian-vm`), which is cached in
+// $DSEC_CACHE_DIR so a host builds it once.
+func NeedVM(t TB) {
+	t.Helper()
+	Need(t)
+	for tool, pkg := range map[string]string{"qemu-system-x86_64": "qemu-system-x86", "qemu-img": "qemu-utils", "debootstrap": "debootstrap", "debugfs": "e2fsprogs"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("needs %s (apt-get install %s; scripts/setup.sh installs it)", tool, pkg)
+		}
+	}
+	if os.Getenv("DSEC_CACHE_DIR") == "" {
+		t.Skip("needs DSEC_CACHE_DIR, where the debian VM image is built once per host (make test sets it)")
+	}
+}

@@ -56,7 +56,8 @@ func (c *Client) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, pr
 	return progressStream(st, progress)
 }
 
-// BootstrapImage builds a base image offline ("busybox" or "debian").
+// BootstrapImage builds a base image offline ("busybox" or "debian"; with
+// req.Vm a bootable VM image for kind vm).
 func (c *Client) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
 	st, err := c.images.BootstrapImage(ctx, connect.NewRequest(req))
 	if err != nil {
@@ -68,8 +69,18 @@ func (c *Client) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageR
 // UploadImage imports an archive (`docker save` or a tar of an OCI layout)
 // read from r. sent reports bytes uploaded.
 func (c *Client) UploadImage(ctx context.Context, name string, size int64, r io.Reader, sent func(int64)) (*dsecv1.Image, error) {
+	return c.upload(ctx, &dsecv1.UploadImageHeader{Name: name, Size: size}, r, sent)
+}
+
+// UploadVMImage imports a bootable disk image (qcow2 or raw) that runs
+// dsec-guest, read from r, as a VM image for kind vm.
+func (c *Client) UploadVMImage(ctx context.Context, name string, size int64, r io.Reader, sent func(int64)) (*dsecv1.Image, error) {
+	return c.upload(ctx, &dsecv1.UploadImageHeader{Name: name, Size: size, Format: "vm"}, r, sent)
+}
+
+func (c *Client) upload(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader, sent func(int64)) (*dsecv1.Image, error) {
 	st := c.images.UploadImage(ctx)
-	if err := st.Send(&dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Header{Header: &dsecv1.UploadImageHeader{Name: name, Size: size}}}); err != nil && !errors.Is(err, io.EOF) {
+	if err := st.Send(&dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Header{Header: hdr}}); err != nil && !errors.Is(err, io.EOF) {
 		return nil, asError(err)
 	}
 	buf := make([]byte, 1<<20)

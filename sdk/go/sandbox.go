@@ -336,3 +336,13 @@ func (s *Sandbox) Processes(ctx context.Context) ([]*dsecv1.ProcessInfo, error) 
 	}
 	return r.Msg.Processes, nil
 }
+
+// Stats reports the sandbox's resource use (CPU time, memory, processes,
+// OOM kills). It neither resumes a paused sandbox nor counts as activity.
+func (s *Sandbox) Stats(ctx context.Context) (*dsecv1.SandboxStats, error) {
+	r, err := s.c.sandboxes.GetSandboxStats(ctx, connect.NewRequest(&dsecv1.GetSandboxStatsRequest{Id: s.ID}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}

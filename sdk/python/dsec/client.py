@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import shlex
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _wire
 from .errors import DsecError, NotFound, SandboxGone, make_error
@@ -432,6 +433,46 @@ class Sandbox:
     def replay(self, keep: bool = False) -> Dict[str, Any]:
         """Re-execute the logged calls in a fresh sandbox; reports divergences."""
         return self._client._t.unary(_SANDBOX, "Replay", {"sandboxId": self.id, "keep": keep}, timeout=3600)
+
+    def screenshot(self) -> bytes:
+        """The sandbox's screen as PNG bytes (kinds with the "screen"
+        capability: vm). ``screenshot_info`` also gives its size."""
+        return self.screenshot_info()[0]
+
+    def screenshot_info(self) -> Tuple[bytes, int, int]:
+        """The screen as ``(png, width, height)``: the guest's resolution
+        (720x400 for an 80x25 text console)."""
+        m = self._client._t.unary(_SANDBOX, "Screenshot", {"sandboxId": self.id})
+        return base64.b64decode(m.get("png", "")), _int(m.get("width")), _int(m.get("height"))
+
+    def input(self, *actions: Mapping[str, Any]) -> None:
+        """Send keyboard and mouse actions to the screen, in order: dicts
+        such as ``{"text": "ls\\n"}``, ``{"keys": "ctrl+c"}``,
+        ``{"move": {"x": 10, "y": 20}}``, ``{"click": {"x": 10, "y": 20,
+        "button": "right", "count": 2}}``, ``{"button": {"button": "left",
+        "down": True}}``, ``{"scroll": {"dy": 3}}``. The helpers below
+        send one action each."""
+        self._client._t.unary(_SANDBOX, "SendInput", {"sandboxId": self.id, "actions": list(actions)})
+
+    def type_text(self, text: str) -> None:
+        """Type text on a US keyboard layout ("\\n" is Return)."""
+        self.input({"text": text})
+
+    def press_keys(self, combo: str) -> None:
+        """Press a key combination: "Return", "ctrl+c", "alt+F4", ..."""
+        self.input({"keys": combo})
+
+    def mouse_move(self, x: int, y: int) -> None:
+        """Move the pointer to a screen position (pixels)."""
+        self.input({"move": {"x": x, "y": y}})
+
+    def click(self, x: int, y: int, button: str = "left", count: int = 1) -> None:
+        """Click at a screen position (count 2 is a double click)."""
+        self.input({"click": {"x": x, "y": y, "button": button, "count": count}})
+
+    def scroll(self, dy: int, dx: int = 0) -> None:
+        """Turn the mouse wheel: dy clicks down (negative: up)."""
+        self.input({"scroll": {"dx": dx, "dy": dy}})
 
     def alive(self) -> bool:
         """Whether the sandbox is running. Never raises."""
