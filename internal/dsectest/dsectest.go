@@ -319,18 +319,30 @@ func NeedMicroVM(t TB) string {
 	return strings.TrimSpace(string(b))
 }
 
-// NeedVM skips t unless the host can run full VMs (kind vm) and build the
-// debian VM image (`--bootstrap debian-vm`), which is cached in
-// $DSEC_CACHE_DIR so a host builds it once.
-func NeedVM(t TB) {
-	t.Helper()
-	Need(t)
-	for tool, pkg := range map[string]string{"qemu-system-x86_64": "qemu-system-x86", "qemu-img": "qemu-utils", "debootstrap": "debootstrap", "debugfs": "e2fsprogs"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("needs %s (apt-get install %s; scripts/setup.sh installs it)", tool, pkg)
+// VMReady reports whether the host can run full VMs (kind vm) and build
+// the debian VM image (`--bootstrap debian-vm`), which is cached in
+// $DSEC_CACHE_DIR so a host builds it once; if not, it says what is
+// missing. Container sandboxes (Need) are assumed.
+func VMReady() (bool, string) {
+	for _, t := range []struct{ tool, pkg string }{
+		{"qemu-system-x86_64", "qemu-system-x86"}, {"qemu-img", "qemu-utils"}, {"debootstrap", "debootstrap"}, {"debugfs", "e2fsprogs"},
+	} {
+		if _, err := exec.LookPath(t.tool); err != nil {
+			return false, fmt.Sprintf("needs %s (apt-get install %s; scripts/setup.sh installs it)", t.tool, t.pkg)
 		}
 	}
 	if os.Getenv("DSEC_CACHE_DIR") == "" {
-		t.Skip("needs DSEC_CACHE_DIR, where the debian VM image is built once per host (make test sets it)")
+		return false, "needs DSEC_CACHE_DIR, where the debian VM image is built once per host (make test sets it)"
+	}
+	return true, ""
+}
+
+// NeedVM skips t unless the host can run full VMs and build their image
+// (see VMReady).
+func NeedVM(t TB) {
+	t.Helper()
+	Need(t)
+	if ok, why := VMReady(); !ok {
+		t.Skip(why)
 	}
 }

@@ -40,8 +40,8 @@ var (
 	npmErr  error
 )
 
-// server starts (once) a dsec with the debian image and an API key in
-// E2B's form.
+// server starts (once) a dsec with the debian images (as layers, and as a
+// VM image where the host can build one) and an API key in E2B's form.
 func server(t *testing.T) *dsectest.Server {
 	t.Helper()
 	dsectest.Need(t)
@@ -49,7 +49,11 @@ func server(t *testing.T) *dsectest.Server {
 		b := make([]byte, 20)
 		rand.Read(b)
 		apiKey = "e2b_" + hex.EncodeToString(b)
-		srv = dsectest.Start(shared, dsectest.Options{Images: []string{"busybox", "debian"}, APIKeys: []string{apiKey}})
+		images := []string{"busybox", "debian"}
+		if ok, _ := dsectest.VMReady(); ok {
+			images = append(images, "debian-vm")
+		}
+		srv = dsectest.Start(shared, dsectest.Options{Images: images, APIKeys: []string{apiKey}})
 	})
 	if srv == nil {
 		t.Fatal("the shared server did not start")
@@ -190,6 +194,9 @@ func TestSDK(t *testing.T) {
 	}
 	for kind, caps := range kinds(t, s) {
 		t.Run(kind, func(t *testing.T) {
+			if ok, why := dsectest.VMReady(); kind == "vm" && !ok {
+				t.Skipf("the server has no VM image to start: %s", why)
+			}
 			for _, tt := range tests {
 				t.Run(tt.name, func(t *testing.T) {
 					if tt.needs != "" && !caps[tt.needs] {
