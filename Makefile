@@ -12,7 +12,7 @@ export DSEC_CACHE_DIR := $(CACHE_DIR)
 VERSION   ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LISTEN    ?= 127.0.0.1:7070
 
-.PHONY: all setup build run test test-go test-python proto bench bench-microvm bench-cluster clean
+.PHONY: all setup build run test test-go test-python proto bench bench-microvm bench-vm bench-cluster clean
 
 all: build
 
@@ -47,6 +47,9 @@ bench: build
 
 bench-microvm: build
 	go run ./bench/microvm
+
+bench-vm: build
+	go run ./bench/vm
 
 bench-cluster: setup
 	go run ./bench/cluster

@@ -31,6 +31,9 @@ want qemu-system-x86 qemu-system-x86_64
 want qemu-utils qemu-img
 want lz4
 want binutils readelf
+# The vm substrate (full VMs): SeaBIOS, and what `dsec image build-vm`
+# uses besides debootstrap and e2fsprogs (debugfs).
+want seabios /usr/share/seabios/bios-256k.bin
 want etcd-server /usr/bin/etcd
 # The E2B compatibility tests (test/e2b) run the real e2b npm SDKs.
 want nodejs node

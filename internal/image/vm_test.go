@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -13,7 +14,21 @@ import (
 	"time"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/mountns"
 )
+
+// TestMain runs the package's tests in a private mount namespace when
+// root: debootstrap mounts /proc and /sys in the root file systems it
+// builds, and a test killed midway must not leave them in the host's.
+func TestMain(m *testing.M) {
+	if os.Geteuid() == 0 {
+		if err := mountns.Enter(); err != nil {
+			fmt.Fprintln(os.Stderr, "mount namespace:", err)
+			os.Exit(1)
+		}
+	}
+	os.Exit(m.Run())
+}
 
 func needVMTools(t *testing.T, tools ...string) {
 	t.Helper()

@@ -34,7 +34,7 @@ var VMDebianPackages = []string{
 
 // vmBuildVersion changes whenever the VM image recipe below does, so
 // cached disks are rebuilt.
-const vmBuildVersion = "4"
+const vmBuildVersion = "6"
 
 // vmRootLabel is the label of a built VM image's root file system.
 const vmRootLabel = "dsec-root"
@@ -46,10 +46,11 @@ const defaultVMDiskMB = 4096
 // VMCmdline is the kernel command line of a built VM image, both in its
 // GRUB configuration and for direct boot (the vm driver appends its own
 // arguments). Kernel messages and systemd's go to the serial console (the
-// node's console.log); the screen (tty1) shows a root shell. The root file
+// node's console.log); the screen (tty1) shows a root shell; a panic
+// reboots, which ends the VM (QEMU runs with -no-reboot). The root file
 // system is mounted read-write by the initramfs and has no fstab entry, so
 // systemd neither checks nor waits for its device.
-const VMCmdline = "root=LABEL=" + vmRootLabel + " rw console=tty1 console=ttyS0 quiet init_on_alloc=0"
+const VMCmdline = "root=LABEL=" + vmRootLabel + " rw console=tty1 console=ttyS0 quiet init_on_alloc=0 panic=-1"
 
 // BuildVM builds a bootable VM image offline from the host's packages:
 // "debian" is debootstrap from the host's apt mirror with a kernel from
@@ -262,10 +263,18 @@ func configureVMRootfs(root string) error {
 	}
 	// The serial console is the node's log, not a terminal, and the screen
 	// has one login (tty1); nothing fetches, scrubs or trims in the
-	// background of a sandbox.
+	// background of a sandbox. A boot under emulation runs on one slow
+	// CPU, so what a sandbox VM does not need is not started at all: binfmt
+	// handlers, hugetlbfs, debugfs, tracefs, configfs and fusectl mounts,
+	// EFI and device-mapper modules, the random seed file (the node seeds
+	// the guest at every channel session).
 	for _, unit := range []string{"serial-getty@ttyS0.service", "apt-daily.timer", "apt-daily-upgrade.timer",
 		"e2scrub_all.timer", "e2scrub_reap.service", "fstrim.timer", "systemd-machine-id-commit.service",
-		"systemd-firstboot.service", "dpkg-db-backup.timer", "getty-static.service"} {
+		"systemd-firstboot.service", "dpkg-db-backup.timer", "getty-static.service",
+		"systemd-binfmt.service", "proc-sys-fs-binfmt_misc.automount", "proc-sys-fs-binfmt_misc.mount",
+		"dev-hugepages.mount", "sys-kernel-debug.mount", "sys-kernel-tracing.mount", "sys-kernel-config.mount",
+		"sys-fs-fuse-connections.mount", "modprobe@efi_pstore.service", "modprobe@dm_mod.service",
+		"systemd-random-seed.service"} {
 		links["etc/systemd/system/"+unit] = "/dev/null"
 	}
 	for p, target := range links {

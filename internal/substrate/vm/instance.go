@@ -189,7 +189,7 @@ func (d *Driver) newMachine(s *substrate.Spec) (machine, error) {
 	case d.cfg.Boot != "firmware" && img.DirectBoot:
 		m.Boot = "direct"
 		m.Kernel, m.Initrd = filepath.Join(dir, image.VMKernelFile), filepath.Join(dir, image.VMInitrdFile)
-		m.Cmdline = strings.TrimSpace(img.Cmdline + " " + qemu.TSCArgs() + " " + d.cfg.KernelArgs)
+		m.Cmdline = strings.TrimSpace(img.Cmdline + " panic=-1 " + qemu.TSCArgs() + " " + d.cfg.KernelArgs)
 	}
 	return m, nil
 }

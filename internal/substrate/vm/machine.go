@@ -65,6 +65,10 @@ func (m *machine) args(id, disk, agentSock, qmpSock, console string) []string {
 		// the guest reports free are punched out.
 		"-object", fmt.Sprintf("memory-backend-memfd,id=mem,size=%dM", m.MemoryMB),
 		"-nodefaults", "-no-user-config",
+		// A guest reboot or panic (panic=-1) ends QEMU, and so the sandbox:
+		// its node sees it gone rather than a VM that boots again behind
+		// its back.
+		"-no-reboot",
 		// The screen: standard VGA (text mode, or a framebuffer the guest
 		// sets up). Keys go to a virtio keyboard once the guest drives it
 		// (it buffers more than the machine's PS/2 one, which the firmware
