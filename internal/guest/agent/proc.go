@@ -27,8 +27,11 @@ const (
 	// defaultMaxOutput caps each stream when the caller gives no cap.
 	defaultMaxOutput = 1 << 20
 	// drainGrace is how long exit waits for the pipes to reach EOF after the
-	// process ended; a background child holding them open does not delay the
-	// answer longer than this, and its output still goes to the replay buffer.
+	// process ended while another process (a background child) still holds
+	// their write ends: it does not delay the answer longer than this, and
+	// its output still goes to the replay buffer. When no process holds them
+	// the exit waits for EOF however long the readers take to run (a slow
+	// or emulated guest under load).
 	drainGrace = 100 * time.Millisecond
 	// keepFinished is how many finished processes stay listed for attach.
 	keepFinished = 256
@@ -211,6 +214,7 @@ type proc struct {
 	timedOut bool
 	status   *exitStatus
 	openFds  int
+	readers  []*os.File // the output pipes (or the PTY master) being read
 	exit     *guestv1.Exit // set once finished
 	done     chan struct{}
 	stdinMu  sync.Mutex
@@ -316,6 +320,7 @@ func (a *Agent) start(x *guestv1.Exec, s sink, started func(*proc)) (*proc, erro
 	os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", []byte("0"), 0)
 	applyRlimits(pid, x)
 	p.openFds = len(readers)
+	p.readers = readers
 	if s != nil {
 		p.subs[s] = struct{}{}
 	}
@@ -599,12 +604,54 @@ func (p *proc) onExit(st exitStatus) {
 		p.timer.Stop()
 	}
 	ready := p.openFds == 0 && p.exit == nil
+	readers := p.readers
 	p.mu.Unlock()
 	if ready {
 		p.finish()
 		return
 	}
-	time.AfterFunc(drainGrace, p.finish)
+	// Another process may hold the pipes for a moment (one the agent is
+	// starting, between its fork and exec) or for good (a background
+	// child): wait up to drainGrace for them to let go; once none does, the
+	// readers reach EOF and finish.
+	go func() {
+		deadline := time.Now().Add(drainGrace)
+		for !writersGone(readers) {
+			if time.Now().After(deadline) {
+				p.finish()
+				return
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}()
+}
+
+// writersGone reports whether no process holds the write end of any of
+// the output streams still being read (poll reports a hang-up), so their
+// readers reach EOF without waiting on anyone. A stream already closed
+// is done.
+func writersGone(files []*os.File) bool {
+	for _, f := range files {
+		rc, err := f.SyscallConn()
+		if err != nil {
+			continue
+		}
+		hup := true
+		// Control keeps the descriptor valid while it runs, even if the
+		// reader closes the file meanwhile.
+		if err := rc.Control(func(fd uintptr) {
+			pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+			if n, err := unix.Poll(pfd, 0); err != nil || n == 0 || pfd[0].Revents&unix.POLLHUP == 0 {
+				hup = false
+			}
+		}); err != nil {
+			continue
+		}
+		if !hup {
+			return false
+		}
+	}
+	return true
 }
 
 // finish builds the exit answer once, sends it to every subscriber and
