@@ -65,6 +65,9 @@ func main() {
 		os.Exit(2)
 	}
 	agent.Harden()
+	// Spare threads for when the sandbox's pids are all taken (~8 KiB of
+	// memory each; an idle agent otherwise runs 5).
+	agent.ReserveThreads(8)
 	a := agent.New(log)
 	if *deadline > 0 {
 		a.SetDeadline(time.Unix(*deadline, 0))

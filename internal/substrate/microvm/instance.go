@@ -68,7 +68,10 @@ type vmRun struct {
 	intended bool // the driver ended it (pause, destroy): not a crash
 }
 
-var _ substrate.Instance = (*instance)(nil)
+var (
+	_ substrate.Instance  = (*instance)(nil)
+	_ substrate.Diagnoser = (*instance)(nil)
+)
 
 func (d *Driver) newInstance(id string, st state) *instance {
 	i := &instance{d: d, id: id, st: st, done: make(chan struct{})}
@@ -331,6 +334,9 @@ func (i *instance) start(ctx context.Context, incoming *os.File) (err error) {
 func (i *instance) died(what string) error {
 	return errdefs.Unavailable("%s%s", what, i.consoleHint())
 }
+
+// LastWords implements substrate.Diagnoser.
+func (i *instance) LastWords() string { return strings.TrimPrefix(i.consoleHint(), ": ") }
 
 // consoleHint is the end of the guest console (init failures, kernel
 // panics) or of QEMU's log, for error messages; host paths are cut.
