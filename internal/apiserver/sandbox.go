@@ -3,6 +3,7 @@ package apiserver
 import (
 	"context"
 	"io"
+	"log/slog"
 	"sort"
 
 	"connectrpc.com/connect"
@@ -17,6 +18,7 @@ import (
 type sandboxService struct {
 	r        Router
 	sessions *session.Manager
+	log      *slog.Logger
 }
 
 var _ dsecv1connect.SandboxServiceHandler = (*sandboxService)(nil)
@@ -44,6 +46,11 @@ func (s *sandboxService) CreateSandbox(ctx context.Context, req *connect.Request
 	sb, err := s.r.Create(ctx, req.Msg)
 	if err != nil {
 		return nil, wire(err)
+	}
+	res := []*dsecv1.CreateResult{{Sandbox: sb}}
+	s.settle(ctx, res)
+	if e := res[0].GetError(); e != nil {
+		return nil, wire(errdefs.Conflict("%s", e.GetMessage()))
 	}
 	return connect.NewResponse(sb), nil
 }

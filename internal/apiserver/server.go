@@ -122,7 +122,7 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 		// reset per response) than it saves on any network.
 		connect.WithCompressMinBytes(4 << 10),
 	}
-	s.mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxService{r: router, sessions: sessions}, opts...))
+	s.mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxService{r: router, sessions: sessions, log: log}, opts...))
 	if sessions != nil {
 		s.mux.Handle(dsecv1connect.NewSessionServiceHandler(&sessionService{m: sessions}, opts...))
 	}
