@@ -11,6 +11,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 	"github.com/opendsec/dsec/internal/session"
 )
 
@@ -23,7 +24,7 @@ type sandboxService struct {
 
 var _ dsecv1connect.SandboxServiceHandler = (*sandboxService)(nil)
 
-func wire(err error) error { return errdefs.ToConnect(err) }
+func wire(err error) error { return errwire.ToConnect(err) }
 
 // call routes a unary call by sandbox ID.
 func call[Req, Resp any](ctx context.Context, r Router, id string, req *Req, f func(Node, context.Context, *Req) (*Resp, error)) (*connect.Response[Resp], error) {
