@@ -21,8 +21,8 @@ setup:
 
 build:
 	@mkdir -p bin
-	go build -ldflags "-X main.version=$(VERSION)" -o bin/dsec ./cmd/dsec
-	CGO_ENABLED=0 go build -ldflags "-s -w" -o bin/dsec-guest ./cmd/dsec-guest
+	go build -trimpath -ldflags "-X main.version=$(VERSION)" -o bin/dsec ./cmd/dsec
+	CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o bin/dsec-guest ./cmd/dsec-guest
 
 run: setup build
 	bin/dsec serve --listen $(LISTEN) --data-dir $(DATA_DIR) --cache-dir $(CACHE_DIR) --bootstrap busybox,debian

@@ -7,6 +7,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 )
 
 // serveFiles is plain HTTP file transfer, for curl and for clients that
@@ -70,7 +71,7 @@ func writeHTTPError(w http.ResponseWriter, err error) {
 	if e.RetryAfter > 0 {
 		w.Header().Set("Retry-After", strconv.Itoa(int((e.RetryAfter.Seconds())+0.999)))
 	}
-	w.WriteHeader(errdefs.HTTPStatus(err))
+	w.WriteHeader(errwire.HTTPStatus(err))
 	json.NewEncoder(w).Encode(map[string]any{
 		"code": string(e.Kind), "message": e.Msg, "infra": e.Infra, "retryable": e.Retryable,
 	})

@@ -3,6 +3,7 @@ package apiserver
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"sort"
 
 	"connectrpc.com/connect"
@@ -24,6 +25,39 @@ func (s *sandboxService) admitSession(ctx context.Context, spec *dsecv1.SandboxS
 		return errdefs.Unimplemented("sessions are not served here")
 	}
 	return s.sessions.Admit(ctx, spec.GetSession())
+}
+
+// settle re-checks the sessions of sandboxes just created (see
+// session.Manager.Settle). A sandbox whose session expired while it
+// started gets the session's action: paused, it is returned paused;
+// deleted, its result becomes a conflict error.
+func (s *sandboxService) settle(ctx context.Context, results []*dsecv1.CreateResult) {
+	if s.sessions == nil || fromUpstream(ctx) {
+		return
+	}
+	done := map[string]string{}
+	for _, r := range results {
+		name := r.GetSandbox().GetSpec().GetSession()
+		if name == "" {
+			continue
+		}
+		action, seen := done[name]
+		if !seen {
+			var err error
+			action, err = s.sessions.Settle(ctx, name)
+			if err != nil {
+				s.log.Warn("apply an expired session's action to a new sandbox", slog.String("session", name), slog.Any("error", err))
+			}
+			done[name] = action
+		}
+		switch action {
+		case "pause":
+			r.Sandbox.State = "paused"
+		case "delete":
+			r.Error = itemError(errdefs.Conflict("session %q expired while sandbox %s started; it was deleted with the session's sandboxes", name, r.Sandbox.GetId()))
+			r.Sandbox = nil
+		}
+	}
 }
 
 func itemError(err error) *dsecv1.ItemError {
@@ -61,6 +95,8 @@ func (s *sandboxService) CreateSandboxes(ctx context.Context, req *connect.Reque
 		}
 	}
 	out := s.r.CreateMany(ctx, specs, keys, projectOf(ctx))
+	s.settle(ctx, out.GetResults())
+	recount(out)
 	return connect.NewResponse(out), nil
 }
 
@@ -162,7 +198,24 @@ func (s *sandboxService) Fork(ctx context.Context, req *connect.Request[dsecv1.F
 			return nil, wire(err)
 		}
 	}
-	return call(ctx, s.r, req.Msg.GetSandboxId(), req.Msg, Node.Fork)
+	resp, err := call(ctx, s.r, req.Msg.GetSandboxId(), req.Msg, Node.Fork)
+	if err == nil {
+		s.settle(ctx, resp.Msg.GetResults())
+		recount(resp.Msg)
+	}
+	return resp, err
+}
+
+// recount sets a batch's totals from its results.
+func recount(out *dsecv1.CreateSandboxesResponse) {
+	out.Created, out.Failed = 0, 0
+	for _, r := range out.GetResults() {
+		if r.GetError() != nil {
+			out.Failed++
+		} else {
+			out.Created++
+		}
+	}
 }
 
 func (s *sandboxService) GetLog(ctx context.Context, req *connect.Request[dsecv1.GetLogRequest]) (*connect.Response[dsecv1.GetLogResponse], error) {

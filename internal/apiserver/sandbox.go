@@ -3,6 +3,7 @@ package apiserver
 import (
 	"context"
 	"io"
+	"log/slog"
 	"sort"
 
 	"connectrpc.com/connect"
@@ -10,6 +11,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 	"github.com/opendsec/dsec/internal/session"
 )
 
@@ -17,11 +19,12 @@ import (
 type sandboxService struct {
 	r        Router
 	sessions *session.Manager
+	log      *slog.Logger
 }
 
 var _ dsecv1connect.SandboxServiceHandler = (*sandboxService)(nil)
 
-func wire(err error) error { return errdefs.ToConnect(err) }
+func wire(err error) error { return errwire.ToConnect(err) }
 
 // call routes a unary call by sandbox ID.
 func call[Req, Resp any](ctx context.Context, r Router, id string, req *Req, f func(Node, context.Context, *Req) (*Resp, error)) (*connect.Response[Resp], error) {
@@ -44,6 +47,11 @@ func (s *sandboxService) CreateSandbox(ctx context.Context, req *connect.Request
 	sb, err := s.r.Create(ctx, req.Msg)
 	if err != nil {
 		return nil, wire(err)
+	}
+	res := []*dsecv1.CreateResult{{Sandbox: sb}}
+	s.settle(ctx, res)
+	if e := res[0].GetError(); e != nil {
+		return nil, wire(errdefs.Conflict("%s", e.GetMessage()))
 	}
 	return connect.NewResponse(sb), nil
 }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 	"github.com/opendsec/dsec/internal/session"
 )
 
@@ -122,7 +123,7 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 		// reset per response) than it saves on any network.
 		connect.WithCompressMinBytes(4 << 10),
 	}
-	s.mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxService{r: router, sessions: sessions}, opts...))
+	s.mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxService{r: router, sessions: sessions, log: log}, opts...))
 	if sessions != nil {
 		s.mux.Handle(dsecv1connect.NewSessionServiceHandler(&sessionService{m: sessions}, opts...))
 	}
@@ -245,7 +246,7 @@ type auth struct {
 func (a *auth) check(ctx context.Context, h http.Header) (context.Context, error) {
 	if a.token != "" {
 		if subtle.ConstantTimeCompare([]byte(a.token), []byte(keyOf(h))) != 1 {
-			return ctx, errdefs.ToConnect(errdefs.Unauthenticated("missing or wrong cluster token (this is a node agent; call the control plane)"))
+			return ctx, errwire.ToConnect(errdefs.Unauthenticated("missing or wrong cluster token (this is a node agent; call the control plane)"))
 		}
 		p := h.Get(ProjectHeader)
 		if p == "" {
@@ -259,7 +260,7 @@ func (a *auth) check(ctx context.Context, h http.Header) (context.Context, error
 	if p, ok := a.keys.Project(keyOf(h)); ok {
 		return WithProject(ctx, p), nil
 	}
-	return ctx, errdefs.ToConnect(errdefs.Unauthenticated("missing or unknown API key (set DSEC_API_KEY)"))
+	return ctx, errwire.ToConnect(errdefs.Unauthenticated("missing or unknown API key (set DSEC_API_KEY)"))
 }
 
 func (a *auth) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
@@ -292,7 +293,7 @@ func (s *Server) requireKey(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		ctx, err := s.auth.check(r.Context(), r.Header)
 		if err != nil {
-			writeHTTPError(w, errdefs.FromConnect(err))
+			writeHTTPError(w, errwire.FromConnect(err))
 			return
 		}
 		h.ServeHTTP(w, r.WithContext(ctx))

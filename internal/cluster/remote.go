@@ -17,6 +17,7 @@ import (
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 )
 
 // remote is a node agent as the apiserver sees it: a Connect client of the
@@ -109,7 +110,7 @@ func (r *remote) fail(cctx context.Context, err error) error {
 		for _, d := range ce.Details() {
 			if v, derr := d.Value(); derr == nil {
 				if _, ok := v.(*dsecv1.ErrorInfo); ok {
-					return errdefs.FromConnect(err) // the node's own answer
+					return errwire.FromConnect(err) // the node's own answer
 				}
 			}
 		}

@@ -17,6 +17,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 )
 
 // The control plane: E2B's REST API (api.e2b.app), authenticated with
@@ -581,7 +582,7 @@ func (f *Facade) fork(w http.ResponseWriter, r *http.Request, _ string) {
 	out := make([]result, len(resp.Results))
 	for i, res := range resp.Results {
 		if e := res.GetError(); e != nil {
-			code := errdefs.HTTPStatus(&errdefs.Error{Kind: errdefs.Kind(e.Kind)})
+			code := errwire.HTTPStatus(&errdefs.Error{Kind: errdefs.Kind(e.Kind)})
 			out[i].Error = &errorBody{Code: code, Message: e.Message}
 			continue
 		}
@@ -590,7 +591,7 @@ func (f *Facade) fork(w http.ResponseWriter, r *http.Request, _ string) {
 			if kept, err := n.Keepalive(ctx, &dsecv1.KeepaliveRequest{Id: sb.Id, ExtendTtlS: *in.Timeout}); err == nil {
 				sb = kept
 			} else {
-				out[i].Error = &errorBody{Code: errdefs.HTTPStatus(err), Message: errdefs.Classify(err).Msg}
+				out[i].Error = &errorBody{Code: errwire.HTTPStatus(err), Message: errdefs.Classify(err).Msg}
 				continue
 			}
 		}

@@ -25,6 +25,7 @@ import (
 	"github.com/opendsec/dsec/api/e2b/process/processconnect"
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 )
 
 // The sandbox side: envd's Connect services (process.Process,
@@ -72,7 +73,7 @@ func (f *Facade) mountService(handle func(string, http.Handler), prefix string, 
 		if !known[r.URL.Path] {
 			// An error in the request's own protocol (unary or stream), not
 			// the mux's plain-text 404.
-			ew.Write(w, r, errdefs.ToConnect(errdefs.Unimplemented("%s is not implemented by dsec's envd", clip(r.URL.Path))))
+			ew.Write(w, r, errwire.ToConnect(errdefs.Unimplemented("%s is not implemented by dsec's envd", clip(r.URL.Path))))
 			return
 		}
 		t, err := f.resolve(r, EnvdPort)
@@ -99,23 +100,23 @@ type envdAuth struct{ f *Facade }
 
 func (a *envdAuth) check(ctx context.Context, h http.Header) (context.Context, error) {
 	if err, ok := ctx.Value(targetErrKey{}).(error); ok {
-		return ctx, errdefs.ToConnect(err)
+		return ctx, errwire.ToConnect(err)
 	}
 	t := targetOf(ctx)
 	if t.port != EnvdPort {
-		return ctx, errdefs.ToConnect(errdefs.Unavailable("port %d of sandbox %s is not served: dsec forwards only envd (%d) and the code interpreter (%d)", t.port, clip(t.id), EnvdPort, InterpreterPort))
+		return ctx, errwire.ToConnect(errdefs.Unavailable("port %d of sandbox %s is not served: dsec forwards only envd (%d) and the code interpreter (%d)", t.port, clip(t.id), EnvdPort, InterpreterPort))
 	}
 	if !equal(h.Get("X-Access-Token"), a.f.AccessToken(t.id)) {
-		return ctx, errdefs.ToConnect(errdefs.Unauthenticated("missing or wrong X-Access-Token for sandbox %s", clip(t.id)))
+		return ctx, errwire.ToConnect(errdefs.Unauthenticated("missing or wrong X-Access-Token for sandbox %s", clip(t.id)))
 	}
 	if auth := h.Get("Authorization"); auth != "" {
 		enc, ok := strings.CutPrefix(auth, "Basic ")
 		if !ok {
-			return ctx, errdefs.ToConnect(errdefs.Unauthenticated("Authorization must be Basic <user:>"))
+			return ctx, errwire.ToConnect(errdefs.Unauthenticated("Authorization must be Basic <user:>"))
 		}
 		b, err := base64.StdEncoding.DecodeString(strings.TrimSpace(enc))
 		if err != nil {
-			return ctx, errdefs.ToConnect(errdefs.Unauthenticated("Authorization: malformed Basic credentials"))
+			return ctx, errwire.ToConnect(errdefs.Unauthenticated("Authorization: malformed Basic credentials"))
 		}
 		user, _, _ := strings.Cut(string(b), ":")
 		ctx = context.WithValue(ctx, userKey{}, user)
@@ -168,7 +169,7 @@ func (f *Facade) node(ctx context.Context) (apiserver.Node, string, error) {
 	id := targetOf(ctx).id
 	n, err := f.r.ForSandbox(ctx, id)
 	if err != nil {
-		return nil, id, errdefs.ToConnect(notRunning(id))
+		return nil, id, errwire.ToConnect(notRunning(id))
 	}
 	return n, id, nil
 }
@@ -185,10 +186,10 @@ func (p *processService) Start(ctx context.Context, req *connect.Request[process
 	}
 	cfg := req.Msg.GetProcess()
 	if cfg.GetCmd() == "" {
-		return errdefs.ToConnect(errdefs.Invalid("process.cmd is required"))
+		return errwire.ToConnect(errdefs.Invalid("process.cmd is required"))
 	}
 	if strings.HasPrefix(req.Msg.GetTag(), internalTag) {
-		return errdefs.ToConnect(errdefs.Invalid("tags starting with %s are reserved", internalTag))
+		return errwire.ToConnect(errdefs.Invalid("tags starting with %s are reserved", internalTag))
 	}
 	xr := &dsecv1.ExecRequest{
 		SandboxId: id, Argv: append([]string{cfg.GetCmd()}, cfg.GetArgs()...), Env: cfg.GetEnvs(), Cwd: cfg.GetCwd(),
@@ -393,7 +394,7 @@ func (p *processService) StreamInput(ctx context.Context, stream *connect.Client
 			sel = e.Start.GetProcess()
 		case *process.StreamInputRequest_Data:
 			if sel == nil {
-				return nil, errdefs.ToConnect(errdefs.Invalid("StreamInput needs a start event first"))
+				return nil, errwire.ToConnect(errdefs.Invalid("StreamInput needs a start event first"))
 			}
 			if err := p.input(ctx, sel, inputBytes(e.Data.GetInput()), false); err != nil {
 				return nil, err
@@ -418,7 +419,7 @@ func (p *processService) SendSignal(ctx context.Context, req *connect.Request[pr
 	case process.Signal_SIGNAL_SIGTERM:
 		sig = "TERM"
 	default:
-		return nil, errdefs.ToConnect(errdefs.Invalid("signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM"))
+		return nil, errwire.ToConnect(errdefs.Invalid("signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM"))
 	}
 	err = p.f.onProcess(ctx, n, id, req.Msg.GetProcess(), func(proc *dsecv1.ProcessInfo) error {
 		return n.SignalProcess(ctx, &dsecv1.SignalProcessRequest{SandboxId: id, ProcessId: proc.ProcessId, Signal: sig})
@@ -507,9 +508,9 @@ func (s *filesystemService) MakeDir(ctx context.Context, req *connect.Request[fi
 	}
 	if info, err := n.Stat(ctx, &dsecv1.StatRequest{SandboxId: id, Path: req.Msg.GetPath()}); err == nil {
 		if info.Type == "dir" {
-			return nil, errdefs.ToConnect(errdefs.Conflict("directory %s already exists", clip(info.Path)))
+			return nil, errwire.ToConnect(errdefs.Conflict("directory %s already exists", clip(info.Path)))
 		}
-		return nil, errdefs.ToConnect(errdefs.Conflict("%s exists and is not a directory", clip(info.Path)))
+		return nil, errwire.ToConnect(errdefs.Conflict("%s exists and is not a directory", clip(info.Path)))
 	} else if !errdefs.Is(err, errdefs.KindNotFound) {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
@@ -551,7 +552,7 @@ func (s *filesystemService) ListDir(ctx context.Context, req *connect.Request[fi
 		depth = 1
 	}
 	if depth > 64 {
-		return nil, errdefs.ToConnect(errdefs.Invalid("depth must be between 1 and 64"))
+		return nil, errwire.ToConnect(errdefs.Invalid("depth must be between 1 and 64"))
 	}
 	list, err := n.ListDir(ctx, &dsecv1.ListDirRequest{SandboxId: id, Path: req.Msg.GetPath(), Depth: int32(depth)})
 	if err != nil {
@@ -592,7 +593,7 @@ func (s *filesystemService) WatchDir(ctx context.Context, req *connect.Request[f
 		return err
 	}
 	if req.Msg.GetIncludeEntry() {
-		return errdefs.ToConnect(errdefs.Unimplemented("includeEntry needs envd 0.6.3; this server reports %s", EnvdVersion))
+		return errwire.ToConnect(errdefs.Unimplemented("includeEntry needs envd 0.6.3; this server reports %s", EnvdVersion))
 	}
 	err = n.WatchDir(ctx, &dsecv1.WatchDirRequest{SandboxId: id, Path: req.Msg.GetPath(), Recursive: req.Msg.GetRecursive()}, func(ev *dsecv1.WatchDirEvent) error {
 		var out *filesystem.WatchDirResponse

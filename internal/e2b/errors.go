@@ -9,6 +9,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 )
 
 // E2B's error body, everywhere outside Connect: {"code": <HTTP status>,
@@ -36,10 +37,10 @@ func writeError(w http.ResponseWriter, status int, err error) {
 }
 
 // apiError writes a control-plane error.
-func apiError(w http.ResponseWriter, err error) { writeError(w, errdefs.HTTPStatus(err), err) }
+func apiError(w http.ResponseWriter, err error) { writeError(w, errwire.HTTPStatus(err), err) }
 
 // envdError writes an error of the sandbox side's plain HTTP endpoints.
-func envdError(w http.ResponseWriter, err error) { writeError(w, errdefs.EnvdHTTPStatus(err), err) }
+func envdError(w http.ResponseWriter, err error) { writeError(w, errwire.EnvdHTTPStatus(err), err) }
 
 // notRunning is how the data plane reports a sandbox that does not run
 // (unknown, deleted, expired or dead): E2B's proxy answers 502, which the
@@ -82,5 +83,5 @@ func (f *Facade) rpcErr(ctx context.Context, id string, err error) error {
 	if _, ok := err.(*connect.Error); ok {
 		return err
 	}
-	return errdefs.ToConnect(f.sandboxErr(ctx, id, err))
+	return errwire.ToConnect(f.sandboxErr(ctx, id, err))
 }

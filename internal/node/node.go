@@ -606,8 +606,16 @@ func (n *Node) watch(s *sandbox) {
 		deleting := s.state == stateDeleting
 		s.mu.Unlock()
 		if !deleting {
-			n.log.Warn("sandbox stopped by itself", slog.String("sandbox_id", s.id))
-			n.remove(context.Background(), s, "the sandbox's init exited (crashed or killed)", true)
+			reason := "the sandbox's init exited (crashed or killed)"
+			attrs := []any{slog.String("sandbox_id", s.id)}
+			if d, ok := inst.(substrate.Diagnoser); ok {
+				if w := d.LastWords(); w != "" {
+					reason += ": " + w
+					attrs = append(attrs, slog.String("last_words", w))
+				}
+			}
+			n.log.Warn("sandbox stopped by itself", attrs...)
+			n.remove(context.Background(), s, reason, true)
 		}
 	}()
 }

@@ -44,6 +44,9 @@ type Record struct {
 	Created       time.Time `json:"created"`
 	LastHeartbeat time.Time `json:"last_heartbeat"`
 	ExpiredAt     time.Time `json:"expired_at,omitempty"`
+	// ActionPending is set while an expired session's action (pause or
+	// delete) has not reached every node yet; it is retried every tick.
+	ActionPending bool `json:"action_pending,omitempty"`
 }
 
 // Store persists sessions.
@@ -138,7 +141,7 @@ func (m *Manager) Open(ctx context.Context, req *dsecv1.OpenSessionRequest) (*ds
 // expired with "pause".
 func (m *Manager) reviveLocked(ctx context.Context, r *Record, now time.Time) (int, error) {
 	wasExpired := r.State == Expired
-	r.State, r.LastHeartbeat, r.ExpiredAt = Active, now, time.Time{}
+	r.State, r.LastHeartbeat, r.ExpiredAt, r.ActionPending = Active, now, time.Time{}, false
 	if err := m.store.PutSession(ctx, r); err != nil {
 		return 0, err
 	}
@@ -238,6 +241,23 @@ func (m *Manager) Admit(ctx context.Context, name string) error {
 	return nil
 }
 
+// Settle is called after sandboxes bound to session name were created. A
+// session that expired while they started (after Admit) may have applied
+// its action before they existed: Settle applies it again, to every
+// sandbox of the session, and returns the action ("" while the session
+// is active). Expiry records the state before it acts, so a create either
+// is seen by the expiry's action or sees the expired state here.
+func (m *Manager) Settle(ctx context.Context, name string) (string, error) {
+	r, err := m.store.GetSession(ctx, name)
+	if err != nil || r.State != Expired {
+		return "", nil // active, or closed (its sandboxes live on under their TTLs)
+	}
+	if _, err := m.act(ctx, r.OnExpire, selector(name)); err != nil {
+		return r.OnExpire, err
+	}
+	return r.OnExpire, nil
+}
+
 // Run expires sessions whose heartbeats stopped, until ctx ends.
 func (m *Manager) Run(ctx context.Context) {
 	tick := time.NewTicker(time.Second)
@@ -260,6 +280,10 @@ func (m *Manager) expire(ctx context.Context, now time.Time) {
 	}
 	live := map[string]bool{}
 	for _, r := range rs {
+		if r.State == Expired && r.ActionPending {
+			m.apply(ctx, r.Name)
+			continue
+		}
 		if r.State != Active {
 			continue
 		}
@@ -282,17 +306,17 @@ func (m *Manager) expire(ctx context.Context, now time.Time) {
 			m.mu.Unlock()
 			continue // heartbeat or reopen meanwhile
 		}
-		n, err := m.act(ctx, cur.OnExpire, selector(cur.Name))
-		if err != nil {
-			m.log.Warn("expire session", slog.String("session", cur.Name), slog.Any("error", err))
-			m.mu.Unlock()
-			continue // retried next tick
-		}
-		cur.State, cur.ExpiredAt = Expired, time.Now().UTC()
-		m.store.PutSession(ctx, cur)
+		// The state first, then the action: a create that raced past Admit
+		// sees the state in Settle if the action missed its sandbox.
+		cur.State, cur.ExpiredAt, cur.ActionPending = Expired, time.Now().UTC(), true
+		err = m.store.PutSession(ctx, cur)
 		delete(m.seen, cur.Name)
 		m.mu.Unlock()
-		m.log.Warn("session expired: heartbeats stopped", slog.String("session", cur.Name), slog.String("action", cur.OnExpire), slog.Int("sandboxes", n))
+		if err != nil {
+			m.log.Warn("expire session", slog.String("session", cur.Name), slog.Any("error", err))
+			continue
+		}
+		m.apply(ctx, cur.Name)
 	}
 	m.mu.Lock()
 	for name := range m.seen {
@@ -301,6 +325,28 @@ func (m *Manager) expire(ctx context.Context, now time.Time) {
 		}
 	}
 	m.mu.Unlock()
+}
+
+// apply carries out an expired session's action and clears ActionPending;
+// on failure it stays pending, retried next tick.
+func (m *Manager) apply(ctx context.Context, name string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	cur, err := m.store.GetSession(ctx, name)
+	if err != nil || cur.State != Expired || !cur.ActionPending {
+		return // revived, closed or done meanwhile
+	}
+	n, err := m.act(ctx, cur.OnExpire, selector(cur.Name))
+	if err != nil {
+		m.log.Warn("expire session", slog.String("session", cur.Name), slog.Any("error", err))
+		return
+	}
+	cur.ActionPending = false
+	if err := m.store.PutSession(ctx, cur); err != nil {
+		m.log.Warn("expire session", slog.String("session", cur.Name), slog.Any("error", err))
+		return
+	}
+	m.log.Warn("session expired: heartbeats stopped", slog.String("session", cur.Name), slog.String("action", cur.OnExpire), slog.Int("sandboxes", n))
 }
 
 func view(r *Record) *dsecv1.Session {

@@ -115,3 +115,122 @@ func TestAHeartbeatSeenLateRestartsTheGrace(t *testing.T) {
 		t.Fatal("not expired after the grace")
 	}
 }
+
+// sandboxes is a node's view for an Actor: which sandboxes exist and which
+// are paused.
+type sandboxes struct {
+	mu     sync.Mutex
+	live   map[string]bool // id → paused
+	failOn int             // fail this many act calls first
+}
+
+func (s *sandboxes) act(ctx context.Context, op, sel string) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.failOn > 0 {
+		s.failOn--
+		return 0, errdefs.Unavailable("node unreachable")
+	}
+	for id := range s.live {
+		switch op {
+		case "pause":
+			s.live[id] = true
+		case "resume":
+			s.live[id] = false
+		case "delete":
+			delete(s.live, id)
+		}
+	}
+	return len(s.live), nil
+}
+
+func (s *sandboxes) add(id string) {
+	s.mu.Lock()
+	s.live[id] = false
+	s.mu.Unlock()
+}
+
+func (s *sandboxes) state(id string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	paused, ok := s.live[id]
+	switch {
+	case !ok:
+		return "deleted"
+	case paused:
+		return "paused"
+	}
+	return "running"
+}
+
+// A create admitted just before its session expires finishes after the
+// expiry acted on the session's sandboxes: Settle catches it.
+func TestASandboxCreatedAsItsSessionExpiresGetsTheAction(t *testing.T) {
+	for _, onExpire := range []string{"pause", "delete"} {
+		t.Run("on_expire "+onExpire, func(t *testing.T) {
+			store := &memStore{m: map[string]Record{}}
+			sbs := &sandboxes{live: map[string]bool{"old": false}}
+			m := New(store, sbs.act, slog.New(slog.DiscardHandler))
+			ctx := context.Background()
+			if _, err := m.Open(ctx, &dsecv1.OpenSessionRequest{Name: "s", HeartbeatS: 1, GraceS: 2, OnExpire: onExpire}); err != nil {
+				t.Fatal(err)
+			}
+			if err := m.Admit(ctx, "s"); err != nil { // the create is admitted...
+				t.Fatal(err)
+			}
+			t0 := time.Now()
+			m.expire(ctx, t0)
+			m.expire(ctx, t0.Add(3*time.Second)) // ...the session expires while it starts...
+			want := map[string]string{"pause": "paused", "delete": "deleted"}[onExpire]
+			if got := sbs.state("old"); got != want {
+				t.Fatalf("the existing sandbox is %s", got)
+			}
+			sbs.add("new") // ...and its sandbox appears after the action
+			action, err := m.Settle(ctx, "s")
+			if err != nil || action != onExpire {
+				t.Fatalf("settle: %q %v", action, err)
+			}
+			if got := sbs.state("new"); got != want {
+				t.Fatalf("the sandbox created during expiry is %s, want %s", got, want)
+			}
+		})
+	}
+	t.Run("an active session settles nothing", func(t *testing.T) {
+		store := &memStore{m: map[string]Record{}}
+		sbs := &sandboxes{live: map[string]bool{}}
+		m := New(store, sbs.act, slog.New(slog.DiscardHandler))
+		ctx := context.Background()
+		m.Open(ctx, &dsecv1.OpenSessionRequest{Name: "s", HeartbeatS: 1, GraceS: 2})
+		sbs.add("new")
+		if action, _ := m.Settle(ctx, "s"); action != "" || sbs.state("new") != "running" {
+			t.Fatalf("settle acted on an active session: %q %s", action, sbs.state("new"))
+		}
+	})
+}
+
+// The expired state is recorded before the action; an action that fails is
+// retried until it reaches every node.
+func TestAFailedExpiryActionIsRetried(t *testing.T) {
+	store := &memStore{m: map[string]Record{}}
+	sbs := &sandboxes{live: map[string]bool{"a": false}, failOn: 2}
+	m := New(store, sbs.act, slog.New(slog.DiscardHandler))
+	ctx := context.Background()
+	m.Open(ctx, &dsecv1.OpenSessionRequest{Name: "s", HeartbeatS: 1, GraceS: 2})
+	t0 := time.Now()
+	m.expire(ctx, t0)
+	m.expire(ctx, t0.Add(3*time.Second)) // fails (1)
+	r, _ := store.GetSession(ctx, "s")
+	if r.State != Expired || !r.ActionPending {
+		t.Fatalf("after a failed action: state %s, pending %v", r.State, r.ActionPending)
+	}
+	m.expire(ctx, t0.Add(4*time.Second)) // fails (2)
+	m.expire(ctx, t0.Add(5*time.Second)) // works
+	r, _ = store.GetSession(ctx, "s")
+	if sbs.state("a") != "paused" || r.ActionPending {
+		t.Fatalf("sandbox %s, pending %v", sbs.state("a"), r.ActionPending)
+	}
+	// Reopening resumes.
+	if s, err := m.Open(ctx, &dsecv1.OpenSessionRequest{Name: "s", HeartbeatS: 1, GraceS: 2}); err != nil || s.Resumed != 1 || sbs.state("a") != "running" {
+		t.Fatalf("reopen: %v %v %s", s, err, sbs.state("a"))
+	}
+}

@@ -148,6 +148,15 @@ type Guest interface {
 
 var _ Guest = (*guest.Client)(nil)
 
+// Diagnoser is implemented by instances that keep what their init (or the
+// guest console) printed last. When an instance stops by itself the node
+// records it with the sandbox's end, so a crash says why.
+type Diagnoser interface {
+	// LastWords returns the end of that output, short and free of host
+	// paths, or "".
+	LastWords() string
+}
+
 // Stats is an instance's resource use.
 type Stats struct {
 	MemoryBytes int64

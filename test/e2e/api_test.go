@@ -244,6 +244,16 @@ func TestBadInputGetsClearErrorsAndHurtsNoOne(t *testing.T) {
 		}, "not_found"},
 		{"reading a directory is invalid", func() error { _, err := sb.ReadFile(ctx, "/etc", io.Discard); return err }, "invalid"},
 		{"a missing file is not found", func() error { _, err := sb.ReadFile(ctx, "/nope", io.Discard); return err }, "not_found"},
+		{"reading a FIFO is invalid, at once", func() error {
+			sb.Exec(ctx, dsec.Cmd("mkfifo /tmp/fifo"))
+			_, err := sb.ReadFile(ctxFor(t, 20*time.Second), "/tmp/fifo", io.Discard)
+			return err
+		}, "invalid"},
+		{"writing a FIFO is invalid, at once", func() error {
+			sb.Exec(ctx, dsec.Cmd("mkfifo /tmp/fifo2"))
+			_, err := sb.WriteFile(ctxFor(t, 20*time.Second), "/tmp/fifo2", strings.NewReader("x"), 0)
+			return err
+		}, "invalid"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -286,6 +296,33 @@ func TestWorkloadsThatMisbehaveAreContained(t *testing.T) {
 		}
 		if r, err := sb.Exec(ctx, dsec.Cmd("echo alive")); err != nil || string(r.Stdout) != "alive\n" {
 			t.Fatalf("sandbox after OOM: %v %v", r, err)
+		}
+	})
+	t.Run("with every pid taken the agent still answers concurrent calls", func(t *testing.T) {
+		// The agent is a Go program: a runtime that needs one more thread
+		// when none can be made dies, and the sandbox with it.
+		sb := create(t, c, dsec.CreateOptions{Pids: 24})
+		res, err := sb.Exec(ctx, dsec.Cmd(`i=0; while [ $i -lt 64 ]; do sleep 600 & i=$((i+1)); done 2>/dev/null; echo filled`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("filling the pids limit: exit %d %q", res.ExitCode, res.Stdout)
+		var wg sync.WaitGroup
+		for i := 0; i < 16; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				// Each start fails (no pid); the agent must survive the attempt.
+				sb.Exec(ctx, dsec.ExecOptions{Argv: []string{"sleep", "1"}, Timeout: 5 * time.Second})
+				sb.Stat(ctx, "/proc/1/status")
+			}()
+		}
+		wg.Wait()
+		if _, err := sb.Stat(ctx, "/proc/1/status"); err != nil {
+			t.Fatalf("the agent died with its pids exhausted: %v", err)
+		}
+		if r, err := sb.Exec(ctx, dsec.Cmd("true")); err != nil || r.ExitCode == 0 {
+			t.Logf("exec with no pid free: %+v %v", r, err)
 		}
 	})
 	t.Run("a fork bomb is contained by the pids limit", func(t *testing.T) {

@@ -26,6 +26,7 @@ import (
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/opendsec/dsec/internal/cluster"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 	"github.com/opendsec/dsec/internal/sandboxid"
 )
 
@@ -228,7 +229,7 @@ func (s *sandboxes) get(id string) (*dsecv1.Sandbox, error) {
 	defer s.n.mu.Unlock()
 	sb := s.n.sandboxes[id]
 	if sb == nil {
-		return nil, errdefs.ToConnect(errdefs.NotFound("sandbox %s not found", id))
+		return nil, errwire.ToConnect(errdefs.NotFound("sandbox %s not found", id))
 	}
 	return sb, nil
 }
@@ -288,7 +289,7 @@ func tokenCheck(token string) connect.Interceptor {
 	check := func(h http.Header) error {
 		got, _ := strings.CutPrefix(h.Get("Authorization"), "Bearer ")
 		if subtle.ConstantTimeCompare([]byte(got), []byte(token)) != 1 {
-			return errdefs.ToConnect(errdefs.Unauthenticated("missing or wrong cluster token"))
+			return errwire.ToConnect(errdefs.Unauthenticated("missing or wrong cluster token"))
 		}
 		return nil
 	}

@@ -224,7 +224,9 @@ func serveRead(rf *guestv1.ReadFile, w *guest.Writer) {
 		fail(err)
 		return
 	}
-	f, err := os.Open(p)
+	// O_NONBLOCK: opening a FIFO would otherwise wait for a writer,
+	// forever, holding one of the agent's threads.
+	f, err := os.OpenFile(p, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		fail(err)
 		return
@@ -237,6 +239,10 @@ func serveRead(rf *guestv1.ReadFile, w *guest.Writer) {
 	}
 	if st.IsDir() {
 		fail(&codedError{guest.CodeIsDir, p + " is a directory"})
+		return
+	}
+	if !st.Mode().IsRegular() {
+		fail(invalid("%s is not a regular file", p))
 		return
 	}
 	if rf.Offset > 0 {
@@ -301,9 +307,18 @@ func serveWrite(wf *guestv1.WriteFile, r *guest.Reader, w *guest.Writer) {
 	}
 	_, statErr := os.Lstat(p)
 	created := errors.Is(statErr, fs.ErrNotExist)
-	f, err := os.OpenFile(p, flags, mode)
+	// O_NONBLOCK, then only regular files: a FIFO would block the open.
+	f, err := os.OpenFile(p, flags|syscall.O_NONBLOCK, mode)
+	if errors.Is(err, syscall.ENXIO) {
+		err = invalid("%s is not a regular file", p)
+	}
 	if err != nil {
 		fail(err)
+		return
+	}
+	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
+		f.Close()
+		fail(invalid("%s is not a regular file", p))
 		return
 	}
 	if created {

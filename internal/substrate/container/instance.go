@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -36,7 +37,43 @@ type instance struct {
 	paused    bool
 }
 
-var _ substrate.Instance = (*instance)(nil)
+var (
+	_ substrate.Instance  = (*instance)(nil)
+	_ substrate.Diagnoser = (*instance)(nil)
+)
+
+// LastWords implements substrate.Diagnoser: the last line the agent (or the
+// runtime, for a container that never started) wrote to the init log.
+func (i *instance) LastWords() string {
+	b, err := readTail(filepath.Join(filepath.Dir(i.st.Rootfs), "init.log"), 2048)
+	if err != nil {
+		return ""
+	}
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	last := strings.TrimSpace(lines[len(lines)-1])
+	last = strings.ReplaceAll(last, filepath.Dir(i.st.Rootfs), "…")
+	if len(last) > 300 {
+		last = last[:300]
+	}
+	return last
+}
+
+// readTail reads at most the last n bytes of a file.
+func readTail(path string, n int64) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	off := max(st.Size()-n, 0)
+	b := make([]byte, st.Size()-off)
+	_, err = f.ReadAt(b, off)
+	return b, err
+}
 
 func (d *Driver) newInstance(id string, st state) *instance {
 	return &instance{d: d, id: id, st: st, client: guest.NewClient(guest.UnixDialer(st.Socket)), done: make(chan struct{})}

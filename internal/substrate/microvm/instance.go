@@ -47,7 +47,10 @@ type instance struct {
 	vm      *qemu.VM
 }
 
-var _ substrate.Instance = (*instance)(nil)
+var (
+	_ substrate.Instance  = (*instance)(nil)
+	_ substrate.Diagnoser = (*instance)(nil)
+)
 
 func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instance {
 	i := &instance{d: d, id: id, dir: dir, machine: m}
@@ -234,6 +237,10 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 }
 
 func (i *instance) Guest() substrate.Guest { return i.vm.Client() }
+
+// LastWords implements substrate.Diagnoser: the end of the guest console
+// or QEMU's log that explains a stop.
+func (i *instance) LastWords() string { return strings.TrimPrefix(i.vm.Hint(), ": ") }
 
 func (i *instance) State() []byte {
 	b, _ := json.Marshal(state{VMState: i.vm.State(), Machine: i.machine, Dir: i.dir})
