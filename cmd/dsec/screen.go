@@ -37,6 +37,26 @@ func screenshotCmd(g *globals) *cobra.Command {
 	}
 }
 
+func vncCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "vnc ID",
+		Short: "Give a sandbox's VNC server a new password and print its loopback address and the password (kind vm, node with vm.vnc)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			v, err := g.client().Sandbox(args[0]).OpenVNC(cmd.Context())
+			if err != nil {
+				return err
+			}
+			if g.json() {
+				printJSON(os.Stdout, v)
+				return nil
+			}
+			fmt.Printf("address  %s (on the node)\npassword %s\nexpires  %s\n", v.Address, v.Password, until(v.ExpiresAt.AsTime()))
+			return nil
+		},
+	}
+}
+
 func inputCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:   "input ID ACTION ARG [ACTION ARG]...",

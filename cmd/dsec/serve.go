@@ -98,6 +98,7 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, bootstrap *string, pool
 	f.StringVar(&flagCfg.VM.Accel, "vm-accel", "", "vm acceleration: auto, kvm or tcg (default auto)")
 	f.StringVar(&flagCfg.VM.Boot, "vm-boot", "", "how full VMs boot: auto, firmware or direct (default auto)")
 	f.BoolVar(&flagCfg.VM.ColdBoot, "vm-cold-boot", false, "boot every full VM instead of restoring its image's boot snapshot")
+	f.BoolVar(&flagCfg.VM.VNC, "vm-vnc", false, "give every full VM a password-locked VNC server on 127.0.0.1 (see dsec vnc)")
 	f.StringArrayVar(pools, "pool", nil, "warm pool IMAGE:SIZE with default resources (repeatable; see the config file for shapes)")
 	f.StringVar(&flagCfg.DebugListen, "debug-listen", "", "serve Go profiling (net/http/pprof) on this loopback address")
 }
@@ -185,6 +186,9 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("vm-cold-boot") {
 		cfg.VM.ColdBoot = fl.VM.ColdBoot
+	}
+	if set("vm-vnc") {
+		cfg.VM.VNC = fl.VM.VNC
 	}
 	if set("e2b-domain") {
 		cfg.E2B.Domain = fl.E2B.Domain
@@ -468,7 +472,7 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 	fvm, err := vm.New(vm.Config{
 		GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "vm"), RunDir: filepath.Join(runDir, "fvm"),
 		KernelDir: kernelDir, Accel: cfg.VM.Accel, Boot: cfg.VM.Boot, ColdBoot: cfg.VM.ColdBoot,
-		BootTimeout: time.Duration(cfg.VM.BootTimeout), TBSizeMiB: cfg.VM.TBSizeMiB,
+		BootTimeout: time.Duration(cfg.VM.BootTimeout), TBSizeMiB: cfg.VM.TBSizeMiB, VNC: cfg.VM.VNC,
 	}, log)
 	if err != nil {
 		return nil, nil, err

@@ -44,6 +44,7 @@ type Node interface {
 	Stats(ctx context.Context, id string) (*dsecv1.SandboxStats, error)
 	Screenshot(ctx context.Context, req *dsecv1.ScreenshotRequest) (*dsecv1.ScreenshotResponse, error)
 	SendInput(ctx context.Context, req *dsecv1.SendInputRequest) error
+	OpenVNC(ctx context.Context, req *dsecv1.OpenVNCRequest) (*dsecv1.OpenVNCResponse, error)
 
 	CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string) *dsecv1.CreateSandboxesResponse
 	Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error)

@@ -248,6 +248,10 @@ func (s *sandboxService) SendInput(ctx context.Context, req *connect.Request[dse
 	})
 }
 
+func (s *sandboxService) OpenVNC(ctx context.Context, req *connect.Request[dsecv1.OpenVNCRequest]) (*connect.Response[dsecv1.OpenVNCResponse], error) {
+	return call(ctx, s.r, req.Msg.GetSandboxId(), req.Msg, Node.OpenVNC)
+}
+
 func (s *sandboxService) GetSandboxStats(ctx context.Context, req *connect.Request[dsecv1.GetSandboxStatsRequest]) (*connect.Response[dsecv1.SandboxStats], error) {
 	return call(ctx, s.r, req.Msg.GetId(), req.Msg, func(n Node, ctx context.Context, m *dsecv1.GetSandboxStatsRequest) (*dsecv1.SandboxStats, error) {
 		return n.Stats(ctx, m.GetId())

@@ -364,6 +364,10 @@ func (r *remote) SendInput(ctx context.Context, req *dsecv1.SendInputRequest) er
 	return err
 }
 
+func (r *remote) OpenVNC(ctx context.Context, req *dsecv1.OpenVNCRequest) (*dsecv1.OpenVNCResponse, error) {
+	return unary(r, ctx, req, r.sb.OpenVNC)
+}
+
 func (r *remote) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (*dsecv1.ListDirResponse, error) {
 	return unary(r, ctx, req, r.sb.ListDir)
 }

@@ -177,6 +177,9 @@ type VM struct {
 	BootTimeout Duration `json:"boot_timeout,omitempty"`
 	// TBSizeMiB is the TCG translation buffer per VM (default 64).
 	TBSizeMiB int `json:"tb_size_mib,omitempty"`
+	// VNC gives every VM a VNC server on 127.0.0.1, locked until `dsec vnc`
+	// (OpenVNC) sets a password (default false).
+	VNC bool `json:"vnc,omitempty"`
 }
 
 // E2B configures the E2B-compatible facade (docs/e2b.md).

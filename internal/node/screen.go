@@ -3,6 +3,8 @@ package node
 import (
 	"context"
 
+	"google.golang.org/protobuf/types/known/timestamppb"
+
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/substrate"
@@ -55,6 +57,20 @@ func (n *Node) SendInput(ctx context.Context, req *dsecv1.SendInputRequest) erro
 		return n.callFailed(s, err)
 	}
 	return nil
+}
+
+// OpenVNC gives a sandbox's VNC server a new password and returns it
+// with the server's loopback address.
+func (n *Node) OpenVNC(ctx context.Context, req *dsecv1.OpenVNCRequest) (*dsecv1.OpenVNCResponse, error) {
+	s, err := n.screen(req.GetSandboxId())
+	if err != nil {
+		return nil, err
+	}
+	v, err := s.inst.OpenVNC(ctx)
+	if err != nil {
+		return nil, n.callFailed(s, err)
+	}
+	return &dsecv1.OpenVNCResponse{Address: v.Address, Password: v.Password, ExpiresAt: timestamppb.New(v.Expires)}, nil
 }
 
 // inputActions validates API input actions and converts them for the

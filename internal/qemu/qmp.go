@@ -31,6 +31,8 @@ type qmpMsg struct {
 		Desc  string `json:"desc"`
 	} `json:"error"`
 	Event string `json:"event"`
+	// QMP is set on the greeting.
+	QMP json.RawMessage `json:"QMP"`
 }
 
 // QMPError is an error QEMU answered a command with.
@@ -86,16 +88,21 @@ func (q *QMP) read(greeting chan<- error) {
 	sc.Buffer(make([]byte, 64<<10), 16<<20)
 	first := true
 	for sc.Scan() {
-		if first {
-			first = false
-			greeting <- nil
-			continue
-		}
 		var m qmpMsg
 		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
 			continue
 		}
-		if m.Event != "" {
+		// An event can come before the greeting (one QEMU emitted while
+		// accepting the connection); only the greeting opens the session,
+		// and only answers answer commands.
+		if m.QMP != nil {
+			if first {
+				first = false
+				greeting <- nil
+			}
+			continue
+		}
+		if m.Event != "" || first {
 			continue
 		}
 		select {

@@ -213,6 +213,10 @@ type Instance interface {
 	// order. Drivers without CapScreen return an Unimplemented error.
 	Screenshot(ctx context.Context) (*Screenshot, error)
 	SendInput(ctx context.Context, actions []InputAction) error
+	// OpenVNC gives the screen's VNC server a new password and returns
+	// it with the server's loopback address. Drivers without CapScreen, or
+	// without VNC configured, return an Unimplemented error.
+	OpenVNC(ctx context.Context) (*VNC, error)
 	// Destroy releases every resource of the instance. It is idempotent.
 	Destroy(ctx context.Context) error
 }
@@ -222,6 +226,13 @@ type Instance interface {
 type Screenshot struct {
 	PNG           []byte
 	Width, Height int
+}
+
+// VNC is a screen's VNC server: its address on the node's loopback and a
+// password valid until Expires.
+type VNC struct {
+	Address, Password string
+	Expires           time.Time
 }
 
 // InputAction is one keyboard or mouse action on an instance's screen.

@@ -26,6 +26,17 @@ func (s *Sandbox) Input(ctx context.Context, actions ...*dsecv1.InputAction) err
 	return err
 }
 
+// OpenVNC gives the sandbox's VNC server a new password and returns it
+// with the server's address, on the node's loopback interface (a node
+// started with vm.vnc).
+func (s *Sandbox) OpenVNC(ctx context.Context) (*dsecv1.OpenVNCResponse, error) {
+	r, err := s.c.sandboxes.OpenVNC(ctx, connect.NewRequest(&dsecv1.OpenVNCRequest{SandboxId: s.ID}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
 // TypeText types text on a US keyboard layout ("\n" is Return).
 func TypeText(text string) *dsecv1.InputAction {
 	return &dsecv1.InputAction{Action: &dsecv1.InputAction_Text{Text: text}}

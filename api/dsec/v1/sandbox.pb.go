@@ -3295,6 +3295,114 @@ func (*SendInputResponse) Descriptor() ([]byte, []int) {
 	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
 }
 
+type OpenVNCRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenVNCRequest) Reset() {
+	*x = OpenVNCRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenVNCRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenVNCRequest) ProtoMessage() {}
+
+func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenVNCRequest.ProtoReflect.Descriptor instead.
+func (*OpenVNCRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
+}
+
+func (x *OpenVNCRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+type OpenVNCResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// address is host:port on the node's loopback interface.
+	Address string `protobuf:"bytes,1,opt,name=address,proto3" json:"address,omitempty"`
+	// password is valid until expires_at, the next OpenVNC, or until the VM
+	// is paused or restored (8 characters: VNC's authentication takes no
+	// more).
+	Password      string                 `protobuf:"bytes,2,opt,name=password,proto3" json:"password,omitempty"`
+	ExpiresAt     *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenVNCResponse) Reset() {
+	*x = OpenVNCResponse{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenVNCResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenVNCResponse) ProtoMessage() {}
+
+func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenVNCResponse.ProtoReflect.Descriptor instead.
+func (*OpenVNCResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
+}
+
+func (x *OpenVNCResponse) GetAddress() string {
+	if x != nil {
+		return x.Address
+	}
+	return ""
+}
+
+func (x *OpenVNCResponse) GetPassword() string {
+	if x != nil {
+		return x.Password
+	}
+	return ""
+}
+
+func (x *OpenVNCResponse) GetExpiresAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ExpiresAt
+	}
+	return nil
+}
+
 // InputAction is one keyboard or mouse action.
 type InputAction struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -3313,7 +3421,7 @@ type InputAction struct {
 
 func (x *InputAction) Reset() {
 	*x = InputAction{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3325,7 +3433,7 @@ func (x *InputAction) String() string {
 func (*InputAction) ProtoMessage() {}
 
 func (x *InputAction) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3338,7 +3446,7 @@ func (x *InputAction) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InputAction.ProtoReflect.Descriptor instead.
 func (*InputAction) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *InputAction) GetAction() isInputAction_Action {
@@ -3465,7 +3573,7 @@ type Point struct {
 
 func (x *Point) Reset() {
 	*x = Point{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3477,7 +3585,7 @@ func (x *Point) String() string {
 func (*Point) ProtoMessage() {}
 
 func (x *Point) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3490,7 +3598,7 @@ func (x *Point) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Point.ProtoReflect.Descriptor instead.
 func (*Point) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *Point) GetX() int32 {
@@ -3521,7 +3629,7 @@ type MouseClick struct {
 
 func (x *MouseClick) Reset() {
 	*x = MouseClick{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3533,7 +3641,7 @@ func (x *MouseClick) String() string {
 func (*MouseClick) ProtoMessage() {}
 
 func (x *MouseClick) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3546,7 +3654,7 @@ func (x *MouseClick) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseClick.ProtoReflect.Descriptor instead.
 func (*MouseClick) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *MouseClick) GetX() int32 {
@@ -3588,7 +3696,7 @@ type MouseButton struct {
 
 func (x *MouseButton) Reset() {
 	*x = MouseButton{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3600,7 +3708,7 @@ func (x *MouseButton) String() string {
 func (*MouseButton) ProtoMessage() {}
 
 func (x *MouseButton) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3613,7 +3721,7 @@ func (x *MouseButton) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseButton.ProtoReflect.Descriptor instead.
 func (*MouseButton) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *MouseButton) GetButton() string {
@@ -3641,7 +3749,7 @@ type MouseScroll struct {
 
 func (x *MouseScroll) Reset() {
 	*x = MouseScroll{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3653,7 +3761,7 @@ func (x *MouseScroll) String() string {
 func (*MouseScroll) ProtoMessage() {}
 
 func (x *MouseScroll) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3666,7 +3774,7 @@ func (x *MouseScroll) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseScroll.ProtoReflect.Descriptor instead.
 func (*MouseScroll) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *MouseScroll) GetDx() int32 {
@@ -3697,7 +3805,7 @@ type ItemError struct {
 
 func (x *ItemError) Reset() {
 	*x = ItemError{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3709,7 +3817,7 @@ func (x *ItemError) String() string {
 func (*ItemError) ProtoMessage() {}
 
 func (x *ItemError) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3722,7 +3830,7 @@ func (x *ItemError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemError.ProtoReflect.Descriptor instead.
 func (*ItemError) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *ItemError) GetKind() string {
@@ -3774,7 +3882,7 @@ type CreateSandboxesRequest struct {
 
 func (x *CreateSandboxesRequest) Reset() {
 	*x = CreateSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3786,7 +3894,7 @@ func (x *CreateSandboxesRequest) String() string {
 func (*CreateSandboxesRequest) ProtoMessage() {}
 
 func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3799,7 +3907,7 @@ func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *CreateSandboxesRequest) GetSpec() *SandboxSpec {
@@ -3841,7 +3949,7 @@ type CreateResult struct {
 
 func (x *CreateResult) Reset() {
 	*x = CreateResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3853,7 +3961,7 @@ func (x *CreateResult) String() string {
 func (*CreateResult) ProtoMessage() {}
 
 func (x *CreateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3866,7 +3974,7 @@ func (x *CreateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateResult.ProtoReflect.Descriptor instead.
 func (*CreateResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *CreateResult) GetIndex() int32 {
@@ -3903,7 +4011,7 @@ type CreateSandboxesResponse struct {
 
 func (x *CreateSandboxesResponse) Reset() {
 	*x = CreateSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3915,7 +4023,7 @@ func (x *CreateSandboxesResponse) String() string {
 func (*CreateSandboxesResponse) ProtoMessage() {}
 
 func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3928,7 +4036,7 @@ func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *CreateSandboxesResponse) GetResults() []*CreateResult {
@@ -3968,7 +4076,7 @@ type PauseSandboxRequest struct {
 
 func (x *PauseSandboxRequest) Reset() {
 	*x = PauseSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3980,7 +4088,7 @@ func (x *PauseSandboxRequest) String() string {
 func (*PauseSandboxRequest) ProtoMessage() {}
 
 func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3993,7 +4101,7 @@ func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseSandboxRequest.ProtoReflect.Descriptor instead.
 func (*PauseSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *PauseSandboxRequest) GetId() string {
@@ -4012,7 +4120,7 @@ type ResumeSandboxRequest struct {
 
 func (x *ResumeSandboxRequest) Reset() {
 	*x = ResumeSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4024,7 +4132,7 @@ func (x *ResumeSandboxRequest) String() string {
 func (*ResumeSandboxRequest) ProtoMessage() {}
 
 func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4037,7 +4145,7 @@ func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeSandboxRequest.ProtoReflect.Descriptor instead.
 func (*ResumeSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *ResumeSandboxRequest) GetId() string {
@@ -4056,7 +4164,7 @@ type BulkRequest struct {
 
 func (x *BulkRequest) Reset() {
 	*x = BulkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4068,7 +4176,7 @@ func (x *BulkRequest) String() string {
 func (*BulkRequest) ProtoMessage() {}
 
 func (x *BulkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4081,7 +4189,7 @@ func (x *BulkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRequest.ProtoReflect.Descriptor instead.
 func (*BulkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *BulkRequest) GetLabelSelector() string {
@@ -4101,7 +4209,7 @@ type BulkFailure struct {
 
 func (x *BulkFailure) Reset() {
 	*x = BulkFailure{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4113,7 +4221,7 @@ func (x *BulkFailure) String() string {
 func (*BulkFailure) ProtoMessage() {}
 
 func (x *BulkFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4126,7 +4234,7 @@ func (x *BulkFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkFailure.ProtoReflect.Descriptor instead.
 func (*BulkFailure) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *BulkFailure) GetId() string {
@@ -4153,7 +4261,7 @@ type BulkResponse struct {
 
 func (x *BulkResponse) Reset() {
 	*x = BulkResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4165,7 +4273,7 @@ func (x *BulkResponse) String() string {
 func (*BulkResponse) ProtoMessage() {}
 
 func (x *BulkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4178,7 +4286,7 @@ func (x *BulkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkResponse.ProtoReflect.Descriptor instead.
 func (*BulkResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *BulkResponse) GetIds() []string {
@@ -4206,7 +4314,7 @@ type SnapshotRequest struct {
 
 func (x *SnapshotRequest) Reset() {
 	*x = SnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4218,7 +4326,7 @@ func (x *SnapshotRequest) String() string {
 func (*SnapshotRequest) ProtoMessage() {}
 
 func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4231,7 +4339,7 @@ func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *SnapshotRequest) GetSandboxId() string {
@@ -4265,7 +4373,7 @@ type SnapshotInfo struct {
 
 func (x *SnapshotInfo) Reset() {
 	*x = SnapshotInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4277,7 +4385,7 @@ func (x *SnapshotInfo) String() string {
 func (*SnapshotInfo) ProtoMessage() {}
 
 func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4290,7 +4398,7 @@ func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotInfo.ProtoReflect.Descriptor instead.
 func (*SnapshotInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *SnapshotInfo) GetId() string {
@@ -4357,7 +4465,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4369,7 +4477,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4382,7 +4490,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
 }
 
 type ListSnapshotsResponse struct {
@@ -4394,7 +4502,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4406,7 +4514,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4419,7 +4527,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*SnapshotInfo {
@@ -4438,7 +4546,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4450,7 +4558,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4463,7 +4571,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *DeleteSnapshotRequest) GetId() string {
@@ -4481,7 +4589,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4493,7 +4601,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4506,7 +4614,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
 }
 
 type ForkRequest struct {
@@ -4523,7 +4631,7 @@ type ForkRequest struct {
 
 func (x *ForkRequest) Reset() {
 	*x = ForkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4535,7 +4643,7 @@ func (x *ForkRequest) String() string {
 func (*ForkRequest) ProtoMessage() {}
 
 func (x *ForkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4548,7 +4656,7 @@ func (x *ForkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkRequest.ProtoReflect.Descriptor instead.
 func (*ForkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *ForkRequest) GetSandboxId() string {
@@ -4597,7 +4705,7 @@ type GetLogRequest struct {
 
 func (x *GetLogRequest) Reset() {
 	*x = GetLogRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4609,7 +4717,7 @@ func (x *GetLogRequest) String() string {
 func (*GetLogRequest) ProtoMessage() {}
 
 func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4622,7 +4730,7 @@ func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogRequest.ProtoReflect.Descriptor instead.
 func (*GetLogRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *GetLogRequest) GetSandboxId() string {
@@ -4679,7 +4787,7 @@ type LogEntry struct {
 
 func (x *LogEntry) Reset() {
 	*x = LogEntry{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4691,7 +4799,7 @@ func (x *LogEntry) String() string {
 func (*LogEntry) ProtoMessage() {}
 
 func (x *LogEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4704,7 +4812,7 @@ func (x *LogEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogEntry.ProtoReflect.Descriptor instead.
 func (*LogEntry) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *LogEntry) GetSeq() uint64 {
@@ -4858,7 +4966,7 @@ type GetLogResponse struct {
 
 func (x *GetLogResponse) Reset() {
 	*x = GetLogResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4870,7 +4978,7 @@ func (x *GetLogResponse) String() string {
 func (*GetLogResponse) ProtoMessage() {}
 
 func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4883,7 +4991,7 @@ func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogResponse.ProtoReflect.Descriptor instead.
 func (*GetLogResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *GetLogResponse) GetEntries() []*LogEntry {
@@ -4920,7 +5028,7 @@ type ReplayRequest struct {
 
 func (x *ReplayRequest) Reset() {
 	*x = ReplayRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4932,7 +5040,7 @@ func (x *ReplayRequest) String() string {
 func (*ReplayRequest) ProtoMessage() {}
 
 func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4945,7 +5053,7 @@ func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayRequest.ProtoReflect.Descriptor instead.
 func (*ReplayRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *ReplayRequest) GetSandboxId() string {
@@ -4982,7 +5090,7 @@ type ReplayStep struct {
 
 func (x *ReplayStep) Reset() {
 	*x = ReplayStep{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4994,7 +5102,7 @@ func (x *ReplayStep) String() string {
 func (*ReplayStep) ProtoMessage() {}
 
 func (x *ReplayStep) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5007,7 +5115,7 @@ func (x *ReplayStep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayStep.ProtoReflect.Descriptor instead.
 func (*ReplayStep) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *ReplayStep) GetSeq() uint64 {
@@ -5057,7 +5165,7 @@ type ReplayResponse struct {
 
 func (x *ReplayResponse) Reset() {
 	*x = ReplayResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5069,7 +5177,7 @@ func (x *ReplayResponse) String() string {
 func (*ReplayResponse) ProtoMessage() {}
 
 func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5082,7 +5190,7 @@ func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayResponse.ProtoReflect.Descriptor instead.
 func (*ReplayResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *ReplayResponse) GetSandboxId() string {
@@ -5387,7 +5495,15 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12.\n" +
 	"\aactions\x18\x02 \x03(\v2\x14.dsec.v1.InputActionR\aactions\"\x13\n" +
-	"\x11SendInputResponse\"\xf6\x01\n" +
+	"\x11SendInputResponse\"/\n" +
+	"\x0eOpenVNCRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\"\x82\x01\n" +
+	"\x0fOpenVNCResponse\x12\x18\n" +
+	"\aaddress\x18\x01 \x01(\tR\aaddress\x12\x1a\n" +
+	"\bpassword\x18\x02 \x01(\tR\bpassword\x129\n" +
+	"\n" +
+	"expires_at\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\"\xf6\x01\n" +
 	"\vInputAction\x12\x14\n" +
 	"\x04text\x18\x01 \x01(\tH\x00R\x04text\x12\x14\n" +
 	"\x04keys\x18\x02 \x01(\tH\x00R\x04keys\x12$\n" +
@@ -5531,7 +5647,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1a\n" +
 	"\breplayed\x18\x02 \x01(\x05R\breplayed\x12\x1a\n" +
 	"\bdiverged\x18\x03 \x01(\x05R\bdiverged\x12)\n" +
-	"\x05steps\x18\x04 \x03(\v2\x13.dsec.v1.ReplayStepR\x05steps2\xbf\x12\n" +
+	"\x05steps\x18\x04 \x03(\v2\x13.dsec.v1.ReplayStepR\x05steps2\xfd\x12\n" +
 	"\x0eSandboxService\x12@\n" +
 	"\rCreateSandbox\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12?\n" +
 	"\n" +
@@ -5571,7 +5687,8 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x06Replay\x12\x16.dsec.v1.ReplayRequest\x1a\x17.dsec.v1.ReplayResponse\x12E\n" +
 	"\n" +
 	"Screenshot\x12\x1a.dsec.v1.ScreenshotRequest\x1a\x1b.dsec.v1.ScreenshotResponse\x12B\n" +
-	"\tSendInput\x12\x19.dsec.v1.SendInputRequest\x1a\x1a.dsec.v1.SendInputResponseB-Z+github.com/opendsec/dsec/api/dsec/v1;dsecv1b\x06proto3"
+	"\tSendInput\x12\x19.dsec.v1.SendInputRequest\x1a\x1a.dsec.v1.SendInputResponse\x12<\n" +
+	"\aOpenVNC\x12\x17.dsec.v1.OpenVNCRequest\x1a\x18.dsec.v1.OpenVNCResponseB-Z+github.com/opendsec/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
 var (
 	file_dsec_v1_sandbox_proto_rawDescOnce sync.Once
@@ -5585,7 +5702,7 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 81)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 83)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
 	(*Resources)(nil),               // 1: dsec.v1.Resources
@@ -5634,161 +5751,166 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ScreenshotResponse)(nil),      // 44: dsec.v1.ScreenshotResponse
 	(*SendInputRequest)(nil),        // 45: dsec.v1.SendInputRequest
 	(*SendInputResponse)(nil),       // 46: dsec.v1.SendInputResponse
-	(*InputAction)(nil),             // 47: dsec.v1.InputAction
-	(*Point)(nil),                   // 48: dsec.v1.Point
-	(*MouseClick)(nil),              // 49: dsec.v1.MouseClick
-	(*MouseButton)(nil),             // 50: dsec.v1.MouseButton
-	(*MouseScroll)(nil),             // 51: dsec.v1.MouseScroll
-	(*ItemError)(nil),               // 52: dsec.v1.ItemError
-	(*CreateSandboxesRequest)(nil),  // 53: dsec.v1.CreateSandboxesRequest
-	(*CreateResult)(nil),            // 54: dsec.v1.CreateResult
-	(*CreateSandboxesResponse)(nil), // 55: dsec.v1.CreateSandboxesResponse
-	(*PauseSandboxRequest)(nil),     // 56: dsec.v1.PauseSandboxRequest
-	(*ResumeSandboxRequest)(nil),    // 57: dsec.v1.ResumeSandboxRequest
-	(*BulkRequest)(nil),             // 58: dsec.v1.BulkRequest
-	(*BulkFailure)(nil),             // 59: dsec.v1.BulkFailure
-	(*BulkResponse)(nil),            // 60: dsec.v1.BulkResponse
-	(*SnapshotRequest)(nil),         // 61: dsec.v1.SnapshotRequest
-	(*SnapshotInfo)(nil),            // 62: dsec.v1.SnapshotInfo
-	(*ListSnapshotsRequest)(nil),    // 63: dsec.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),   // 64: dsec.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),   // 65: dsec.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),  // 66: dsec.v1.DeleteSnapshotResponse
-	(*ForkRequest)(nil),             // 67: dsec.v1.ForkRequest
-	(*GetLogRequest)(nil),           // 68: dsec.v1.GetLogRequest
-	(*LogEntry)(nil),                // 69: dsec.v1.LogEntry
-	(*GetLogResponse)(nil),          // 70: dsec.v1.GetLogResponse
-	(*ReplayRequest)(nil),           // 71: dsec.v1.ReplayRequest
-	(*ReplayStep)(nil),              // 72: dsec.v1.ReplayStep
-	(*ReplayResponse)(nil),          // 73: dsec.v1.ReplayResponse
-	nil,                             // 74: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                             // 75: dsec.v1.SandboxSpec.EnvEntry
-	nil,                             // 76: dsec.v1.SandboxSpec.NodeSelectorEntry
-	nil,                             // 77: dsec.v1.ExecRequest.EnvEntry
-	nil,                             // 78: dsec.v1.ProcessInfo.EnvEntry
-	nil,                             // 79: dsec.v1.ForkRequest.LabelsEntry
-	nil,                             // 80: dsec.v1.LogEntry.EnvEntry
-	(*timestamppb.Timestamp)(nil),   // 81: google.protobuf.Timestamp
+	(*OpenVNCRequest)(nil),          // 47: dsec.v1.OpenVNCRequest
+	(*OpenVNCResponse)(nil),         // 48: dsec.v1.OpenVNCResponse
+	(*InputAction)(nil),             // 49: dsec.v1.InputAction
+	(*Point)(nil),                   // 50: dsec.v1.Point
+	(*MouseClick)(nil),              // 51: dsec.v1.MouseClick
+	(*MouseButton)(nil),             // 52: dsec.v1.MouseButton
+	(*MouseScroll)(nil),             // 53: dsec.v1.MouseScroll
+	(*ItemError)(nil),               // 54: dsec.v1.ItemError
+	(*CreateSandboxesRequest)(nil),  // 55: dsec.v1.CreateSandboxesRequest
+	(*CreateResult)(nil),            // 56: dsec.v1.CreateResult
+	(*CreateSandboxesResponse)(nil), // 57: dsec.v1.CreateSandboxesResponse
+	(*PauseSandboxRequest)(nil),     // 58: dsec.v1.PauseSandboxRequest
+	(*ResumeSandboxRequest)(nil),    // 59: dsec.v1.ResumeSandboxRequest
+	(*BulkRequest)(nil),             // 60: dsec.v1.BulkRequest
+	(*BulkFailure)(nil),             // 61: dsec.v1.BulkFailure
+	(*BulkResponse)(nil),            // 62: dsec.v1.BulkResponse
+	(*SnapshotRequest)(nil),         // 63: dsec.v1.SnapshotRequest
+	(*SnapshotInfo)(nil),            // 64: dsec.v1.SnapshotInfo
+	(*ListSnapshotsRequest)(nil),    // 65: dsec.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),   // 66: dsec.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),   // 67: dsec.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),  // 68: dsec.v1.DeleteSnapshotResponse
+	(*ForkRequest)(nil),             // 69: dsec.v1.ForkRequest
+	(*GetLogRequest)(nil),           // 70: dsec.v1.GetLogRequest
+	(*LogEntry)(nil),                // 71: dsec.v1.LogEntry
+	(*GetLogResponse)(nil),          // 72: dsec.v1.GetLogResponse
+	(*ReplayRequest)(nil),           // 73: dsec.v1.ReplayRequest
+	(*ReplayStep)(nil),              // 74: dsec.v1.ReplayStep
+	(*ReplayResponse)(nil),          // 75: dsec.v1.ReplayResponse
+	nil,                             // 76: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                             // 77: dsec.v1.SandboxSpec.EnvEntry
+	nil,                             // 78: dsec.v1.SandboxSpec.NodeSelectorEntry
+	nil,                             // 79: dsec.v1.ExecRequest.EnvEntry
+	nil,                             // 80: dsec.v1.ProcessInfo.EnvEntry
+	nil,                             // 81: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 82: dsec.v1.LogEntry.EnvEntry
+	(*timestamppb.Timestamp)(nil),   // 83: google.protobuf.Timestamp
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	1,  // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	74, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	75, // 2: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
+	76, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	77, // 2: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,  // 3: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
-	76, // 4: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
+	78, // 4: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
 	3,  // 5: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	81, // 6: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	81, // 7: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	81, // 8: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	83, // 6: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	83, // 7: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	83, // 8: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	3,  // 9: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	4,  // 10: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	77, // 11: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	79, // 11: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
 	14, // 12: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
 	13, // 13: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	78, // 14: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	80, // 14: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
 	23, // 15: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	81, // 16: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	83, // 16: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
 	26, // 17: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
 	29, // 18: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
 	26, // 19: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
 	39, // 20: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	81, // 21: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	47, // 22: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
-	48, // 23: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
-	49, // 24: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
-	50, // 25: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
-	51, // 26: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
-	3,  // 27: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	3,  // 28: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	4,  // 29: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	52, // 30: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	54, // 31: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	52, // 32: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	59, // 33: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	81, // 34: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	62, // 35: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	79, // 36: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	81, // 37: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	80, // 38: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
-	13, // 39: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	52, // 40: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	69, // 41: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	72, // 42: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	5,  // 43: dsec.v1.SandboxService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	6,  // 44: dsec.v1.SandboxService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	7,  // 45: dsec.v1.SandboxService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	9,  // 46: dsec.v1.SandboxService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	11, // 47: dsec.v1.SandboxService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	12, // 48: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	12, // 49: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	16, // 50: dsec.v1.SandboxService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	17, // 51: dsec.v1.SandboxService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	19, // 52: dsec.v1.SandboxService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	21, // 53: dsec.v1.SandboxService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	24, // 54: dsec.v1.SandboxService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	27, // 55: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	30, // 56: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	31, // 57: dsec.v1.SandboxService.Stat:input_type -> dsec.v1.StatRequest
-	32, // 58: dsec.v1.SandboxService.ListDir:input_type -> dsec.v1.ListDirRequest
-	34, // 59: dsec.v1.SandboxService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	35, // 60: dsec.v1.SandboxService.Remove:input_type -> dsec.v1.RemoveRequest
-	37, // 61: dsec.v1.SandboxService.Rename:input_type -> dsec.v1.RenameRequest
-	38, // 62: dsec.v1.SandboxService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	41, // 63: dsec.v1.SandboxService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	53, // 64: dsec.v1.SandboxService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	56, // 65: dsec.v1.SandboxService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	57, // 66: dsec.v1.SandboxService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	58, // 67: dsec.v1.SandboxService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	58, // 68: dsec.v1.SandboxService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	58, // 69: dsec.v1.SandboxService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	61, // 70: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	63, // 71: dsec.v1.SandboxService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	65, // 72: dsec.v1.SandboxService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	67, // 73: dsec.v1.SandboxService.Fork:input_type -> dsec.v1.ForkRequest
-	68, // 74: dsec.v1.SandboxService.GetLog:input_type -> dsec.v1.GetLogRequest
-	71, // 75: dsec.v1.SandboxService.Replay:input_type -> dsec.v1.ReplayRequest
-	43, // 76: dsec.v1.SandboxService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	45, // 77: dsec.v1.SandboxService.SendInput:input_type -> dsec.v1.SendInputRequest
-	4,  // 78: dsec.v1.SandboxService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	4,  // 79: dsec.v1.SandboxService.GetSandbox:output_type -> dsec.v1.Sandbox
-	8,  // 80: dsec.v1.SandboxService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	10, // 81: dsec.v1.SandboxService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	4,  // 82: dsec.v1.SandboxService.Keepalive:output_type -> dsec.v1.Sandbox
-	13, // 83: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResult
-	15, // 84: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecEvent
-	15, // 85: dsec.v1.SandboxService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	18, // 86: dsec.v1.SandboxService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	20, // 87: dsec.v1.SandboxService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	22, // 88: dsec.v1.SandboxService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	25, // 89: dsec.v1.SandboxService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	28, // 90: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	26, // 91: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.FileInfo
-	26, // 92: dsec.v1.SandboxService.Stat:output_type -> dsec.v1.FileInfo
-	33, // 93: dsec.v1.SandboxService.ListDir:output_type -> dsec.v1.ListDirResponse
-	26, // 94: dsec.v1.SandboxService.MakeDir:output_type -> dsec.v1.FileInfo
-	36, // 95: dsec.v1.SandboxService.Remove:output_type -> dsec.v1.RemoveResponse
-	26, // 96: dsec.v1.SandboxService.Rename:output_type -> dsec.v1.FileInfo
-	40, // 97: dsec.v1.SandboxService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	42, // 98: dsec.v1.SandboxService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	55, // 99: dsec.v1.SandboxService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	4,  // 100: dsec.v1.SandboxService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	4,  // 101: dsec.v1.SandboxService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	60, // 102: dsec.v1.SandboxService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	60, // 103: dsec.v1.SandboxService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	60, // 104: dsec.v1.SandboxService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	62, // 105: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	64, // 106: dsec.v1.SandboxService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	66, // 107: dsec.v1.SandboxService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	55, // 108: dsec.v1.SandboxService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	70, // 109: dsec.v1.SandboxService.GetLog:output_type -> dsec.v1.GetLogResponse
-	73, // 110: dsec.v1.SandboxService.Replay:output_type -> dsec.v1.ReplayResponse
-	44, // 111: dsec.v1.SandboxService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	46, // 112: dsec.v1.SandboxService.SendInput:output_type -> dsec.v1.SendInputResponse
-	78, // [78:113] is the sub-list for method output_type
-	43, // [43:78] is the sub-list for method input_type
-	43, // [43:43] is the sub-list for extension type_name
-	43, // [43:43] is the sub-list for extension extendee
-	0,  // [0:43] is the sub-list for field type_name
+	83, // 21: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	49, // 22: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
+	83, // 23: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
+	50, // 24: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
+	51, // 25: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
+	52, // 26: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
+	53, // 27: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
+	3,  // 28: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	3,  // 29: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	4,  // 30: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	54, // 31: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	56, // 32: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	54, // 33: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	61, // 34: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	83, // 35: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	64, // 36: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	81, // 37: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	83, // 38: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	82, // 39: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	13, // 40: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	54, // 41: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	71, // 42: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	74, // 43: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	5,  // 44: dsec.v1.SandboxService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	6,  // 45: dsec.v1.SandboxService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	7,  // 46: dsec.v1.SandboxService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	9,  // 47: dsec.v1.SandboxService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	11, // 48: dsec.v1.SandboxService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	12, // 49: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
+	12, // 50: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
+	16, // 51: dsec.v1.SandboxService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	17, // 52: dsec.v1.SandboxService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	19, // 53: dsec.v1.SandboxService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	21, // 54: dsec.v1.SandboxService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	24, // 55: dsec.v1.SandboxService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	27, // 56: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	30, // 57: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	31, // 58: dsec.v1.SandboxService.Stat:input_type -> dsec.v1.StatRequest
+	32, // 59: dsec.v1.SandboxService.ListDir:input_type -> dsec.v1.ListDirRequest
+	34, // 60: dsec.v1.SandboxService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	35, // 61: dsec.v1.SandboxService.Remove:input_type -> dsec.v1.RemoveRequest
+	37, // 62: dsec.v1.SandboxService.Rename:input_type -> dsec.v1.RenameRequest
+	38, // 63: dsec.v1.SandboxService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	41, // 64: dsec.v1.SandboxService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	55, // 65: dsec.v1.SandboxService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	58, // 66: dsec.v1.SandboxService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	59, // 67: dsec.v1.SandboxService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	60, // 68: dsec.v1.SandboxService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	60, // 69: dsec.v1.SandboxService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	60, // 70: dsec.v1.SandboxService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	63, // 71: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	65, // 72: dsec.v1.SandboxService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	67, // 73: dsec.v1.SandboxService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	69, // 74: dsec.v1.SandboxService.Fork:input_type -> dsec.v1.ForkRequest
+	70, // 75: dsec.v1.SandboxService.GetLog:input_type -> dsec.v1.GetLogRequest
+	73, // 76: dsec.v1.SandboxService.Replay:input_type -> dsec.v1.ReplayRequest
+	43, // 77: dsec.v1.SandboxService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	45, // 78: dsec.v1.SandboxService.SendInput:input_type -> dsec.v1.SendInputRequest
+	47, // 79: dsec.v1.SandboxService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	4,  // 80: dsec.v1.SandboxService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	4,  // 81: dsec.v1.SandboxService.GetSandbox:output_type -> dsec.v1.Sandbox
+	8,  // 82: dsec.v1.SandboxService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	10, // 83: dsec.v1.SandboxService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	4,  // 84: dsec.v1.SandboxService.Keepalive:output_type -> dsec.v1.Sandbox
+	13, // 85: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResult
+	15, // 86: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecEvent
+	15, // 87: dsec.v1.SandboxService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	18, // 88: dsec.v1.SandboxService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	20, // 89: dsec.v1.SandboxService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	22, // 90: dsec.v1.SandboxService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	25, // 91: dsec.v1.SandboxService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	28, // 92: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	26, // 93: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.FileInfo
+	26, // 94: dsec.v1.SandboxService.Stat:output_type -> dsec.v1.FileInfo
+	33, // 95: dsec.v1.SandboxService.ListDir:output_type -> dsec.v1.ListDirResponse
+	26, // 96: dsec.v1.SandboxService.MakeDir:output_type -> dsec.v1.FileInfo
+	36, // 97: dsec.v1.SandboxService.Remove:output_type -> dsec.v1.RemoveResponse
+	26, // 98: dsec.v1.SandboxService.Rename:output_type -> dsec.v1.FileInfo
+	40, // 99: dsec.v1.SandboxService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	42, // 100: dsec.v1.SandboxService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	57, // 101: dsec.v1.SandboxService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	4,  // 102: dsec.v1.SandboxService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	4,  // 103: dsec.v1.SandboxService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	62, // 104: dsec.v1.SandboxService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	62, // 105: dsec.v1.SandboxService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	62, // 106: dsec.v1.SandboxService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	64, // 107: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	66, // 108: dsec.v1.SandboxService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	68, // 109: dsec.v1.SandboxService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	57, // 110: dsec.v1.SandboxService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	72, // 111: dsec.v1.SandboxService.GetLog:output_type -> dsec.v1.GetLogResponse
+	75, // 112: dsec.v1.SandboxService.Replay:output_type -> dsec.v1.ReplayResponse
+	44, // 113: dsec.v1.SandboxService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	46, // 114: dsec.v1.SandboxService.SendInput:output_type -> dsec.v1.SendInputResponse
+	48, // 115: dsec.v1.SandboxService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	80, // [80:116] is the sub-list for method output_type
+	44, // [44:80] is the sub-list for method input_type
+	44, // [44:44] is the sub-list for extension type_name
+	44, // [44:44] is the sub-list for extension extendee
+	0,  // [0:44] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -5817,7 +5939,7 @@ func file_dsec_v1_sandbox_proto_init() {
 		(*WatchDirEvent_Keepalive)(nil),
 		(*WatchDirEvent_Overflow)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[47].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[49].OneofWrappers = []any{
 		(*InputAction_Text)(nil),
 		(*InputAction_Keys)(nil),
 		(*InputAction_Move)(nil),
@@ -5831,7 +5953,7 @@ func file_dsec_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   81,
+			NumMessages:   83,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -237,6 +237,10 @@ func (i *instance) SendInput(context.Context, []substrate.InputAction) error {
 	return errdefs.Unimplemented("container sandboxes have no screen (use kind vm)")
 }
 
+func (i *instance) OpenVNC(context.Context) (*substrate.VNC, error) {
+	return nil, errdefs.Unimplemented("container sandboxes have no screen (use kind vm)")
+}
+
 func (i *instance) Destroy(ctx context.Context) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()

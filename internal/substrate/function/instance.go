@@ -101,6 +101,10 @@ func (i *instance) SendInput(context.Context, []substrate.InputAction) error {
 	return errdefs.Unimplemented("function sandboxes have no screen (use kind vm)")
 }
 
+func (i *instance) OpenVNC(context.Context) (*substrate.VNC, error) {
+	return nil, errdefs.Unimplemented("function sandboxes have no screen (use kind vm)")
+}
+
 func (i *instance) Snapshot(context.Context, io.Writer) error {
 	return errdefs.Unimplemented("function sandboxes cannot snapshot (they hold no state)")
 }

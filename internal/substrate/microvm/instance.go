@@ -301,6 +301,10 @@ func (i *instance) SendInput(context.Context, []substrate.InputAction) error {
 	return errdefs.Unimplemented("microVMs have no screen (use kind vm)")
 }
 
+func (i *instance) OpenVNC(context.Context) (*substrate.VNC, error) {
+	return nil, errdefs.Unimplemented("microVMs have no screen (use kind vm)")
+}
+
 // Destroy kills QEMU and removes the instance's sockets, disk and saved
 // memory. It is idempotent.
 func (i *instance) Destroy(ctx context.Context) error {

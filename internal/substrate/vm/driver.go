@@ -82,6 +82,9 @@ type Config struct {
 	// Channel is "auto" (default: vsock where /dev/vhost-vsock exists,
 	// else virtio-serial), "vsock" or "serial".
 	Channel string
+	// VNC gives every VM a VNC server on 127.0.0.1 (ports from 5900),
+	// locked until OpenVNC sets a password (default false).
+	VNC bool
 }
 
 // minMemoryMB is the least memory a full VM gets (systemd and a Debian
@@ -222,7 +225,10 @@ func (d *Driver) probe() string {
 	d.caps.Details["accel_reason"] = d.accel.Reason
 	d.caps.Details["boot"] = d.cfg.Boot
 	d.caps.Details["boot_snapshots"] = fmt.Sprint(!d.cfg.ColdBoot)
-	d.caps.Details["screen"] = "VGA (PNG screenshots), PS/2 keyboard, virtio tablet"
+	d.caps.Details["screen"] = "VGA (PNG screenshots), virtio and PS/2 keyboards, virtio tablet"
+	if d.cfg.VNC {
+		d.caps.Details["screen"] += ", VNC on loopback"
+	}
 	return ""
 }
 

@@ -62,7 +62,7 @@ func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instan
 		ID: id, Dir: dir, Binary: d.qemu, AgentSock: d.agentSock(id), QMPSock: d.qmpSock(id),
 		VsockCID: cid, VsockPort: vsockPort,
 		Args: func() []string {
-			return i.machine.args(id, i.path(diskFile), d.agentSock(id), d.qmpSock(id), i.path(qemu.ConsoleFile))
+			return i.machine.args(id, i.path(diskFile), d.agentSock(id), d.qmpSock(id), i.path(qemu.ConsoleFile), d.cfg.VNC)
 		},
 		BootTimeout: d.cfg.BootTimeout, Kind: "VM",
 		HintLine: func(l string) bool {

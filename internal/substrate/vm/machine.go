@@ -43,9 +43,10 @@ func cpusFor(cpu float64) int {
 }
 
 // args is QEMU's command line for m, with the sandbox's disk, sockets and
-// console file. The device order is part of the machine: a restore uses
-// the same order.
-func (m *machine) args(id, disk, agentSock, qmpSock, console string) []string {
+// console file, and with vnc a VNC server on loopback. The device order is
+// part of the machine: a restore uses the same order (a VNC server is not
+// a device: it may differ).
+func (m *machine) args(id, disk, agentSock, qmpSock, console string, vnc bool) []string {
 	// The firmware boots the disk and nothing else; a direct boot's kernel
 	// is the first boot entry itself.
 	bootIndex := ",bootindex=1"
@@ -73,7 +74,6 @@ func (m *machine) args(id, disk, agentSock, qmpSock, console string) []string {
 		// sets up). Keys go to a virtio keyboard once the guest drives it
 		// (it buffers more than the machine's PS/2 one, which the firmware
 		// and bootloader use); a tablet gives absolute pointer positions.
-		"-display", "none",
 		"-device", "VGA",
 		"-device", "virtio-keyboard-pci",
 		"-device", "virtio-tablet-pci",
@@ -92,6 +92,13 @@ func (m *machine) args(id, disk, agentSock, qmpSock, console string) []string {
 	}
 	if m.Boot == "direct" {
 		args = append(args, "-kernel", m.Kernel, "-initrd", m.Initrd, "-append", m.Cmdline)
+	}
+	if vnc {
+		// The first free port from 5900 on the loopback interface; no
+		// client gets in before OpenVNC sets a password.
+		args = append(args, "-vnc", "127.0.0.1:0,to=59000,password=on")
+	} else {
+		args = append(args, "-display", "none")
 	}
 	if m.Vsock {
 		args = append(args, "-device", fmt.Sprintf("vhost-vsock-pci,guest-cid=%d", m.CID))

@@ -5,6 +5,9 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"fmt"
+	"net"
+	"time"
 
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/qemu"
@@ -116,6 +119,48 @@ func (i *instance) SendInput(ctx context.Context, actions []substrate.InputActio
 		return i.monitorErr(err, "send input")
 	}
 	return nil
+}
+
+// vncPasswordTTL is how long an OpenVNC password is valid.
+const vncPasswordTTL = time.Hour
+
+// OpenVNC gives the VM's VNC server a new random password (QMP
+// set_password; VNC authentication takes 8 characters) valid for an hour,
+// and returns it with the server's loopback address (query-vnc).
+func (i *instance) OpenVNC(ctx context.Context) (*substrate.VNC, error) {
+	if !i.d.cfg.VNC {
+		return nil, errdefs.Unimplemented("this node starts VMs without VNC (vm.vnc: true turns it on)")
+	}
+	q, err := i.vm.Monitor(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer q.Close()
+	var info struct {
+		Enabled bool   `json:"enabled"`
+		Host    string `json:"host"`
+		Service string `json:"service"`
+	}
+	if err := q.Execute(ctx, "query-vnc", nil, &info); err != nil {
+		return nil, i.monitorErr(err, "query the VNC server")
+	}
+	if !info.Enabled {
+		return nil, errdefs.Unimplemented("this VM was started without VNC")
+	}
+	const letters = "abcdefghijkmnpqrstuvwxyzABCDEFGHJKLMNPQRSTUVWXYZ23456789"
+	b := make([]byte, 8)
+	rand.Read(b)
+	for k := range b {
+		b[k] = letters[int(b[k])%len(letters)]
+	}
+	expires := time.Now().Add(vncPasswordTTL)
+	if err := q.Execute(ctx, "set_password", map[string]any{"protocol": "vnc", "password": string(b)}, nil); err != nil {
+		return nil, i.monitorErr(err, "set the VNC password")
+	}
+	if err := q.Execute(ctx, "expire_password", map[string]any{"protocol": "vnc", "time": fmt.Sprint(expires.Unix())}, nil); err != nil {
+		return nil, i.monitorErr(err, "set the VNC password's expiry")
+	}
+	return &substrate.VNC{Address: net.JoinHostPort(info.Host, info.Service), Password: string(b), Expires: expires}, nil
 }
 
 // button maps a button name to QEMU's.

@@ -3,8 +3,13 @@ package vm
 import (
 	"bytes"
 	"context"
+	"crypto/des"
+	"encoding/binary"
 	"fmt"
 	"image/png"
+	"io"
+	"math/bits"
+	"net"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -545,4 +550,92 @@ func TestBadInput(t *testing.T) {
 			}
 		})
 	}
+}
+
+// vncAuth connects to a VNC server and authenticates with password (RFB
+// 3.8, VNC authentication: the challenge DES-encrypted with the password,
+// each key byte's bits reversed). It reports whether the server accepted.
+func vncAuth(t *testing.T, addr, password string) bool {
+	t.Helper()
+	c, err := net.DialTimeout("tcp", addr, 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(30 * time.Second))
+	version := make([]byte, 12)
+	if _, err := io.ReadFull(c, version); err != nil || !strings.HasPrefix(string(version), "RFB 003.") {
+		t.Fatalf("server version %q: %v", version, err)
+	}
+	c.Write([]byte("RFB 003.008\n"))
+	var n [1]byte
+	io.ReadFull(c, n[:])
+	types := make([]byte, n[0])
+	io.ReadFull(c, types)
+	if !bytes.Contains(types, []byte{2}) {
+		t.Fatalf("security types %v lack VNC authentication", types)
+	}
+	c.Write([]byte{2})
+	challenge := make([]byte, 16)
+	if _, err := io.ReadFull(c, challenge); err != nil {
+		t.Fatal(err)
+	}
+	key := make([]byte, 8)
+	copy(key, password)
+	for i, b := range key {
+		key[i] = bits.Reverse8(b)
+	}
+	block, err := des.NewCipher(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp := make([]byte, 16)
+	block.Encrypt(resp[:8], challenge[:8])
+	block.Encrypt(resp[8:], challenge[8:])
+	c.Write(resp)
+	var result [4]byte
+	if _, err := io.ReadFull(c, result[:]); err != nil {
+		t.Fatal(err)
+	}
+	return binary.BigEndian.Uint32(result[:]) == 0
+}
+
+// TestVNC: with vm.vnc a VM's screen is served over VNC on loopback,
+// locked until OpenVNC sets a password.
+func TestVNC(t *testing.T) {
+	d := newDriver(t, func(c *Config) { c.VNC = true })
+	inst := create(t, d, newSpec(t))
+	v, err := inst.OpenVNC(ctxT(t, time.Minute))
+	if err != nil {
+		t.Fatal(err)
+	}
+	host, _, _ := net.SplitHostPort(v.Address)
+	if host != "127.0.0.1" || len(v.Password) != 8 || time.Until(v.Expires) < 50*time.Minute {
+		t.Fatalf("OpenVNC: %+v", v)
+	}
+	t.Run("the password opens the screen", func(t *testing.T) {
+		if !vncAuth(t, v.Address, v.Password) {
+			t.Fatal("refused the password OpenVNC set")
+		}
+	})
+	t.Run("another password does not", func(t *testing.T) {
+		if vncAuth(t, v.Address, "wrong123") {
+			t.Fatal("accepted a wrong password")
+		}
+	})
+	t.Run("a new OpenVNC retires the old password", func(t *testing.T) {
+		again, err := inst.OpenVNC(ctxT(t, time.Minute))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if again.Password == v.Password || vncAuth(t, v.Address, v.Password) || !vncAuth(t, again.Address, again.Password) {
+			t.Fatalf("old %q new %q", v.Password, again.Password)
+		}
+	})
+	t.Run("without vm.vnc it is unimplemented", func(t *testing.T) {
+		plain := create(t, newDriver(t, nil), newSpec(t))
+		if _, err := plain.OpenVNC(ctxT(t, time.Minute)); !errdefs.Is(err, errdefs.KindUnimplemented) {
+			t.Fatalf("OpenVNC: %v", err)
+		}
+	})
 }

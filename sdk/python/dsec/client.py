@@ -454,6 +454,12 @@ class Sandbox:
         send one action each."""
         self._client._t.unary(_SANDBOX, "SendInput", {"sandboxId": self.id, "actions": list(actions)})
 
+    def vnc(self) -> Dict[str, Any]:
+        """Give the screen's VNC server a new password: ``{"address":
+        "127.0.0.1:5901", "password": ..., "expiresAt": ...}`` (the address is
+        on the node's loopback; the node must run with ``vm.vnc``)."""
+        return self._client._t.unary(_SANDBOX, "OpenVNC", {"sandboxId": self.id})
+
     def type_text(self, text: str) -> None:
         """Type text on a US keyboard layout ("\\n" is Return)."""
         self.input({"text": text})

@@ -133,6 +133,8 @@ const (
 	// SandboxServiceSendInputProcedure is the fully-qualified name of the SandboxService's SendInput
 	// RPC.
 	SandboxServiceSendInputProcedure = "/dsec.v1.SandboxService/SendInput"
+	// SandboxServiceOpenVNCProcedure is the fully-qualified name of the SandboxService's OpenVNC RPC.
+	SandboxServiceOpenVNCProcedure = "/dsec.v1.SandboxService/OpenVNC"
 )
 
 // SandboxServiceClient is a client for the dsec.v1.SandboxService service.
@@ -219,6 +221,11 @@ type SandboxServiceClient interface {
 	// SendInput types text, presses keys and moves, clicks and scrolls the
 	// mouse on a sandbox's screen, in order.
 	SendInput(context.Context, *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error)
+	// OpenVNC gives a sandbox's screen a new VNC password and returns its VNC
+	// server's address, which is on the node's loopback interface (reach it
+	// from the node or through a tunnel). Needs a node started with VNC
+	// (vm.vnc).
+	OpenVNC(context.Context, *connect.Request[v1.OpenVNCRequest]) (*connect.Response[v1.OpenVNCResponse], error)
 }
 
 // NewSandboxServiceClient constructs a client for the dsec.v1.SandboxService service. By default,
@@ -448,6 +455,12 @@ func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sandboxServiceMethods.ByName("SendInput")),
 			connect.WithClientOptions(opts...),
 		),
+		openVNC: connect.NewClient[v1.OpenVNCRequest, v1.OpenVNCResponse](
+			httpClient,
+			baseURL+SandboxServiceOpenVNCProcedure,
+			connect.WithSchema(sandboxServiceMethods.ByName("OpenVNC")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -488,6 +501,7 @@ type sandboxServiceClient struct {
 	replay          *connect.Client[v1.ReplayRequest, v1.ReplayResponse]
 	screenshot      *connect.Client[v1.ScreenshotRequest, v1.ScreenshotResponse]
 	sendInput       *connect.Client[v1.SendInputRequest, v1.SendInputResponse]
+	openVNC         *connect.Client[v1.OpenVNCRequest, v1.OpenVNCResponse]
 }
 
 // CreateSandbox calls dsec.v1.SandboxService.CreateSandbox.
@@ -665,6 +679,11 @@ func (c *sandboxServiceClient) SendInput(ctx context.Context, req *connect.Reque
 	return c.sendInput.CallUnary(ctx, req)
 }
 
+// OpenVNC calls dsec.v1.SandboxService.OpenVNC.
+func (c *sandboxServiceClient) OpenVNC(ctx context.Context, req *connect.Request[v1.OpenVNCRequest]) (*connect.Response[v1.OpenVNCResponse], error) {
+	return c.openVNC.CallUnary(ctx, req)
+}
+
 // SandboxServiceHandler is an implementation of the dsec.v1.SandboxService service.
 type SandboxServiceHandler interface {
 	// CreateSandbox starts one sandbox and returns once it accepts exec calls.
@@ -749,6 +768,11 @@ type SandboxServiceHandler interface {
 	// SendInput types text, presses keys and moves, clicks and scrolls the
 	// mouse on a sandbox's screen, in order.
 	SendInput(context.Context, *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error)
+	// OpenVNC gives a sandbox's screen a new VNC password and returns its VNC
+	// server's address, which is on the node's loopback interface (reach it
+	// from the node or through a tunnel). Needs a node started with VNC
+	// (vm.vnc).
+	OpenVNC(context.Context, *connect.Request[v1.OpenVNCRequest]) (*connect.Response[v1.OpenVNCResponse], error)
 }
 
 // NewSandboxServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -974,6 +998,12 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sandboxServiceMethods.ByName("SendInput")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sandboxServiceOpenVNCHandler := connect.NewUnaryHandler(
+		SandboxServiceOpenVNCProcedure,
+		svc.OpenVNC,
+		connect.WithSchema(sandboxServiceMethods.ByName("OpenVNC")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.SandboxService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case SandboxServiceCreateSandboxProcedure:
@@ -1046,6 +1076,8 @@ func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.Handler
 			sandboxServiceScreenshotHandler.ServeHTTP(w, r)
 		case SandboxServiceSendInputProcedure:
 			sandboxServiceSendInputHandler.ServeHTTP(w, r)
+		case SandboxServiceOpenVNCProcedure:
+			sandboxServiceOpenVNCHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -1193,4 +1225,8 @@ func (UnimplementedSandboxServiceHandler) Screenshot(context.Context, *connect.R
 
 func (UnimplementedSandboxServiceHandler) SendInput(context.Context, *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.SendInput is not implemented"))
+}
+
+func (UnimplementedSandboxServiceHandler) OpenVNC(context.Context, *connect.Request[v1.OpenVNCRequest]) (*connect.Response[v1.OpenVNCResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.OpenVNC is not implemented"))
 }
