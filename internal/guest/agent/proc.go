@@ -214,7 +214,7 @@ type proc struct {
 	timedOut bool
 	status   *exitStatus
 	openFds  int
-	readers  []*os.File // the output pipes (or the PTY master) being read
+	readers  []*os.File    // the output pipes (or the PTY master) being read
 	exit     *guestv1.Exit // set once finished
 	done     chan struct{}
 	stdinMu  sync.Mutex
