@@ -639,3 +639,28 @@ func TestVNC(t *testing.T) {
 		}
 	})
 }
+
+// TestSweepEndsVMsTheNodeDoesNotKnow: a restarted node kills the QEMU
+// processes of its run directory that its store does not know, and only
+// those.
+func TestSweepEndsVMsTheNodeDoesNotKnow(t *testing.T) {
+	d := newDriver(t, nil)
+	known, unknown := newSpec(t), newSpec(t)
+	a := create(t, d, known)
+	create(t, d, unknown)
+	n := newDriver(t, nil).Sweep(func(id string) bool { return id != unknown.ID })
+	if n != 1 {
+		t.Fatalf("swept %d VMs, want 1", n)
+	}
+	if qemuRunning(unknown.ID) {
+		t.Fatal("the unknown VM's QEMU still runs")
+	}
+	for _, p := range []string{d.agentSock(unknown.ID), d.qmpSock(unknown.ID)} {
+		if _, err := os.Stat(p); err == nil {
+			t.Fatalf("%s left", p)
+		}
+	}
+	if got := run(t, a, "echo kept"); got != "kept\n" {
+		t.Fatalf("the known VM: %q", got)
+	}
+}

@@ -144,3 +144,14 @@ def test_client_is_shared_between_threads(client, sandbox):
 def test_keepalive_extends(sandbox):
     info = sandbox.keepalive(extend_ttl_s=3600)
     assert info.state == "running" and info.expires_at
+
+
+def test_screen_calls_need_a_kind_with_a_screen(sandbox):
+    # Containers have no screen (kind vm does: test/e2e drives one).
+    with pytest.raises(dsec.Unimplemented) as e:
+        sandbox.screenshot()
+    assert not e.value.infra
+    with pytest.raises(dsec.Unimplemented):
+        sandbox.type_text("ls\n")
+    with pytest.raises(dsec.InvalidRequest):
+        sandbox.input()
