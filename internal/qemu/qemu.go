@@ -1,9 +1,12 @@
 // Package qemu is the QEMU plumbing the VM substrates share (microvm and
 // vm): finding the binary and a guest kernel, probing for KVM with a TCG
 // fallback, starting and adopting QEMU processes, the QMP monitor client,
-// initramfs archives, and memory snapshots through QEMU's migration
-// stream. It knows nothing of sandboxes; drivers build their own machine
-// command lines.
+// initramfs archives, memory snapshots through QEMU's migration stream,
+// the screen and input (screendump, input-send-event), and VM, the
+// lifecycle of one sandbox's VM across its QEMU processes (start or
+// restore until the agent answers, pause to a file, resume, machine
+// snapshots, adoption by a restarted node, the agent channel). Drivers
+// build their own machines' command lines; VM runs them.
 package qemu
 
 import (
