@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -192,7 +193,11 @@ func (d *Driver) newMachine(s *substrate.Spec) (machine, error) {
 	case d.cfg.Boot != "firmware" && img.DirectBoot:
 		m.Boot = "direct"
 		m.Kernel, m.Initrd = filepath.Join(dir, image.VMKernelFile), filepath.Join(dir, image.VMInitrdFile)
-		m.Cmdline = strings.TrimSpace(img.Cmdline + " panic=-1 " + qemu.TSCArgs() + " " + d.cfg.KernelArgs)
+		args := img.Cmdline
+		if !slices.Contains(strings.Fields(args), "panic=-1") {
+			args += " panic=-1" // an imported image's own command line may lack it
+		}
+		m.Cmdline = strings.TrimSpace(args + " " + qemu.TSCArgs() + " " + d.cfg.KernelArgs)
 	}
 	return m, nil
 }
