@@ -542,7 +542,8 @@ func (f *Facade) metrics(w http.ResponseWriter, r *http.Request, _ string) {
 		}
 		out = append(out, metricJSON{
 			Timestamp: now.UTC().Format(time.RFC3339Nano), TimestampUnix: now.Unix(),
-			CPUUsedPct: math.Round(max(pct, 0)*100) / 100, CPUCount: cpus,
+			// Sampling skew aside, the use is bounded by the CPUs.
+			CPUUsedPct: math.Round(min(max(pct, 0), 100)*100) / 100, CPUCount: cpus,
 			MemUsed: b.MemoryBytes, MemTotal: b.MemoryLimitMb << 20,
 		})
 	}

@@ -251,11 +251,9 @@ func (i *instance) Done() <-chan struct{} { return i.vm.Done() }
 
 func (i *instance) Check(ctx context.Context) error { return i.vm.Check() }
 
-// Stats reports QEMU's resident memory and CPU time (the guest's and the
-// emulation's). A paused VM holds no memory.
+// Stats reports the guest's own use (qemu.VM.Stats).
 func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
-	rss, cpu := i.vm.Usage()
-	return substrate.Stats{MemoryBytes: rss, CPUTime: cpu}, nil
+	return i.vm.Stats(ctx), nil
 }
 
 // Pause saves the VM's memory and devices and stops QEMU, so a paused

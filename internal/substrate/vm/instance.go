@@ -12,7 +12,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"time"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
@@ -307,49 +306,9 @@ func (i *instance) Done() <-chan struct{} { return i.vm.Done() }
 
 func (i *instance) Check(ctx context.Context) error { return i.vm.Check() }
 
-// Stats reports the memory the guest uses as it counts it (MemTotal less
-// MemAvailable: QEMU's resident memory also holds guest memory the guest
-// has freed but not yet reported, the translation cache and QEMU itself)
-// and QEMU's CPU time (the guest's and the emulation's). A paused VM
-// holds no memory.
+// Stats reports the guest's own use (qemu.VM.Stats).
 func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
-	rss, cpu := i.vm.Usage()
-	if rss == 0 {
-		return substrate.Stats{}, nil
-	}
-	st := substrate.Stats{MemoryBytes: rss, CPUTime: cpu}
-	if used, err := i.guestMemory(ctx); err == nil {
-		st.MemoryBytes = used
-	}
-	return st, nil
-}
-
-// guestMemory is the guest's memory in use, from its /proc/meminfo.
-func (i *instance) guestMemory(ctx context.Context) (int64, error) {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	f, err := i.vm.Client().ReadFile(ctx, "/proc/meminfo", 0, 64<<10)
-	if err != nil {
-		return 0, err
-	}
-	defer f.Close()
-	b, err := io.ReadAll(f)
-	if err != nil {
-		return 0, err
-	}
-	kb := map[string]int64{}
-	for _, line := range strings.Split(string(b), "\n") {
-		var k string
-		var v int64
-		if n, _ := fmt.Sscanf(line, "%s %d", &k, &v); n == 2 {
-			kb[strings.TrimSuffix(k, ":")] = v
-		}
-	}
-	total, avail := kb["MemTotal"], kb["MemAvailable"]
-	if total == 0 || avail > total {
-		return 0, fmt.Errorf("unreadable /proc/meminfo")
-	}
-	return (total - avail) << 10, nil
+	return i.vm.Stats(ctx), nil
 }
 
 // Pause saves the VM's memory and devices and ends QEMU, so a paused VM
