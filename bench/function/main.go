@@ -36,13 +36,18 @@ const program = "print(sum(range(1000)))"
 func main() {
 	n := flag.Int("n", 2000, "calls per measurement")
 	conc := flag.Int("c", 64, "concurrent callers")
+	config := flag.String("config", "", "a `dsec serve` config file (e.g. function slots and workers)")
 	flag.Parse()
 	if err := mountns.Enter(); err != nil {
 		fatal(err)
 	}
 	b := dsectest.Program()
 	defer b.Close()
-	srv := dsectest.Start(b, dsectest.Options{Images: []string{"debian"}})
+	var args []string
+	if *config != "" {
+		args = []string{"--config", *config}
+	}
+	srv := dsectest.Start(b, dsectest.Options{Images: []string{"debian"}, Args: args})
 	hc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256, MaxConnsPerHost: 256}}
 	call := func() (time.Duration, error) {
 		t := time.Now()
@@ -64,8 +69,9 @@ func main() {
 		}
 		return time.Since(t), nil
 	}
-	// Warm up the workers.
-	load(200, 8, call)
+	// Warm up the workers at the highest concurrency measured, so the pool
+	// has grown to it: the measurements are of a warm pool.
+	load(1000, *conc, call)
 	fmt.Printf("dsec function benchmark — %s\n\n", time.Now().Format(time.RFC3339))
 	bw, err := exec.LookPath("bwrap")
 	if err != nil {

@@ -8,8 +8,11 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"sync"
 	"testing"
+	"time"
 
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/substrate"
@@ -30,6 +33,22 @@ func TestMain(m *testing.M) {
 // TestConformance runs the parts of the suite that apply to a stateless
 // kind: exec, concurrency, destroy; the rest is skipped by capability.
 func TestConformance(t *testing.T) {
+	d, store, img := newDriver(t, Config{Slots: 4, MaxWorkers: 1})
+	n := 0
+	substratetest.Run(t, substratetest.Harness{
+		Driver: d,
+		NewSpec: func(t *testing.T) *substrate.Spec {
+			n++
+			return &substrate.Spec{ID: fmt.Sprintf("f%d", n), Dir: t.TempDir(), Layers: store.LowerDirs(img), Env: []string{"DSEC_TEST=42"}}
+		},
+		SkipLimits: true, // per-call limits are tested through RunCode
+	})
+}
+
+// newDriver starts a driver with cfg over real containers of the debian
+// image, or skips.
+func newDriver(t *testing.T, cfg Config) (*Driver, *image.Store, *image.Image) {
+	t.Helper()
 	if testing.Short() {
 		t.Skip("needs the debian image")
 	}
@@ -58,18 +77,52 @@ func TestConformance(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d := New(Config{StateDir: filepath.Join(dir, "function"), Slots: 4, MaxWorkers: 1}, ct, store, slog.Default(), runtime.NumCPU())
-	defer d.Close()
+	cfg.StateDir = filepath.Join(dir, "function")
+	d := New(cfg, ct, store, slog.Default(), runtime.NumCPU())
+	t.Cleanup(d.Close)
 	if !d.Capabilities().Available {
 		t.Skip(d.Capabilities().Reason)
 	}
-	n := 0
-	substratetest.Run(t, substratetest.Harness{
-		Driver: d,
-		NewSpec: func(t *testing.T) *substrate.Spec {
-			n++
-			return &substrate.Spec{ID: fmt.Sprintf("f%d", n), Dir: t.TempDir(), Layers: store.LowerDirs(img), Env: []string{"DSEC_TEST=42"}}
-		},
-		SkipLimits: true, // per-call limits are tested through RunCode
-	})
+	return d, store, img
+}
+
+// TestPoolGrowsWhenCallsWait: calls that wait GrowAfter for a slot start
+// another worker; calls that get a slot sooner do not.
+func TestPoolGrowsWhenCallsWait(t *testing.T) {
+	d, _, _ := newDriver(t, Config{Slots: 1, MaxWorkers: 2, GrowAfter: 300 * time.Millisecond})
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	calls := func(code string, n int) {
+		t.Helper()
+		var wg sync.WaitGroup
+		errs := make(chan error, n)
+		for i := 0; i < n; i++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				res, err := d.RunCode(ctx, &dsecv1.RunCodeRequest{Language: "bash", Code: code})
+				if err == nil && res.Status != "success" {
+					err = fmt.Errorf("status %v", res.Status)
+				}
+				errs <- err
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	calls("true", 1) // the first worker
+	p := d.poolFor(d.cfg.Image)
+	calls("true", 2) // the second waits for the first's ~10 ms, not 300
+	if n := p.size(); n != 1 {
+		t.Fatalf("%d workers after calls that waited briefly, want 1", n)
+	}
+	calls("sleep 2", 2) // the second waits past GrowAfter
+	if n := p.size(); n != 2 {
+		t.Fatalf("%d workers after a call waited %v, want 2", n, d.cfg.GrowAfter)
+	}
 }
