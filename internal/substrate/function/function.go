@@ -156,8 +156,14 @@ func (d *Driver) Start() {
 	go d.janitor()
 }
 
-// Close destroys every worker.
+// Close destroys every worker, those still starting too. It is
+// idempotent.
 func (d *Driver) Close() {
+	select {
+	case <-d.stop:
+		return
+	default:
+	}
 	close(d.stop)
 	d.mu.Lock()
 	pools := d.pools
@@ -213,6 +219,8 @@ type pool struct {
 	workers  []*worker
 	starting int
 	waiters  []chan grant // FIFO
+	closed   bool
+	starts   sync.WaitGroup // workers starting, for close
 }
 
 // grant is a slot handed to a waiting call, or the error that ends its wait.
@@ -271,15 +279,22 @@ func (p *pool) grow() {
 }
 
 func (p *pool) growLocked() {
-	if len(p.workers)+p.starting >= p.d.cfg.MaxWorkers {
+	if p.closed || len(p.workers)+p.starting >= p.d.cfg.MaxWorkers {
 		return
 	}
 	p.starting++
+	p.starts.Add(1)
 	go func() {
+		defer p.starts.Done()
 		w, err := p.d.startWorker(p.image)
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		p.starting--
+		if err == nil && p.closed {
+			// The driver closed while the worker started.
+			p.d.destroyWorker(w)
+			return
+		}
 		if err != nil {
 			p.d.log.Warn("function worker failed to start", slog.String("image", p.image), slog.Any("error", err))
 			if len(p.workers) == 0 && p.starting == 0 {
@@ -452,12 +467,18 @@ func (p *pool) shrink() {
 
 func (p *pool) close() {
 	p.mu.Lock()
+	p.closed = true
 	ws := p.workers
 	p.workers = nil
+	for _, ch := range p.waiters {
+		ch <- grant{err: errdefs.Unavailable("the function driver is shutting down")}
+	}
+	p.waiters = nil
 	p.mu.Unlock()
 	for _, w := range ws {
 		p.d.destroyWorker(w)
 	}
+	p.starts.Wait() // and those still starting destroy themselves
 }
 
 func (d *Driver) startWorker(img string) (_ *worker, err error) {

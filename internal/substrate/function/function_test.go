@@ -126,3 +126,27 @@ func TestPoolGrowsWhenCallsWait(t *testing.T) {
 		t.Fatalf("%d workers after a call waited %v, want 2", n, d.cfg.GrowAfter)
 	}
 }
+
+// TestCloseEndsWorkersStillStarting: a worker that starts while the driver
+// closes is destroyed, not left running.
+func TestCloseEndsWorkersStillStarting(t *testing.T) {
+	d, _, _ := newDriver(t, Config{MaxWorkers: 1})
+	p := d.poolFor(d.cfg.Image)
+	p.grow()
+	workers := filepath.Join(d.cfg.StateDir, "workers")
+	deadline := time.Now().Add(time.Minute)
+	for {
+		ents, _ := os.ReadDir(workers)
+		if len(ents) == 1 && p.size() == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no worker started")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	d.Close()
+	if ents, _ := os.ReadDir(workers); len(ents) != 0 {
+		t.Fatalf("%d workers left after Close", len(ents))
+	}
+}
