@@ -306,27 +306,15 @@ func rawRestoreOnce(bin, snapDir, tmp string, r int) time.Duration {
 func vmStats(ids []string) (pss int64, cpu time.Duration) {
 	want := map[string]bool{}
 	for _, id := range ids {
-		want["dsec-"+id] = true
+		want[id] = true
 	}
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
+	for _, vm := range qemu.VMProcesses() {
+		if !want[vm.ID] {
 			continue
 		}
-		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-		if err != nil {
-			continue
-		}
-		args := strings.Split(string(b), "\x00")
-		for i := 0; i+1 < len(args); i++ {
-			if args[i] == "-name" && want[args[i+1]] {
-				p, err := qemu.Adopt(pid, qemu.ProcStartTime(pid))
-				if err == nil {
-					pss += procPSS(pid)
-					cpu += p.CPUTime()
-				}
-			}
+		if p, err := qemu.Adopt(vm.Pid, qemu.ProcStartTime(vm.Pid)); err == nil {
+			pss += procPSS(vm.Pid)
+			cpu += p.CPUTime()
 		}
 	}
 	return pss, cpu

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"log/slog"
 	"net"
@@ -643,35 +645,51 @@ func CopySparse(src, dst string) error {
 	return nil
 }
 
+// RunDir is the directory of a driver's VM sockets (name: the driver's)
+// for the state directory stateDir: short, as a socket's path is limited
+// to 108 bytes, and one per state directory, so nodes on one host keep
+// apart.
+func RunDir(stateDir, name string) string {
+	abs, _ := filepath.Abs(stateDir)
+	h := sha256.Sum256([]byte(abs))
+	return filepath.Join("/run/dsec", hex.EncodeToString(h[:4]), name)
+}
+
+// AgentSock is VM id's agent channel socket in runDir.
+func AgentSock(runDir, id string) string { return filepath.Join(runDir, id+".agent") }
+
+// QMPSock is VM id's monitor socket in runDir.
+func QMPSock(runDir, id string) string { return filepath.Join(runDir, id+".qmp") }
+
 // SweepVMs kills the QEMU processes started with a monitor or agent socket
 // in runDir whose VM ID keep is false for (leftovers a node no longer
-// knows) and removes the files sockets names for each. It returns how
-// many it ended.
-func SweepVMs(runDir string, keep func(id string) bool, sockets func(id string) []string) int {
+// knows) and removes their sockets. It returns how many it ended.
+func SweepVMs(runDir string, keep func(id string) bool) int {
 	n := 0
-	for _, vm := range runningVMs(runDir) {
-		if keep(vm.id) {
+	for _, vm := range VMProcesses() {
+		if !strings.Contains(vm.Cmdline, "unix:"+runDir+"/") || keep(vm.ID) {
 			continue
 		}
-		if p, err := Adopt(vm.pid, ProcStartTime(vm.pid)); err == nil {
+		if p, err := Adopt(vm.Pid, ProcStartTime(vm.Pid)); err == nil {
 			p.Kill(10 * time.Second)
 		}
-		for _, s := range sockets(vm.id) {
-			os.Remove(s)
-		}
+		os.Remove(AgentSock(runDir, vm.ID))
+		os.Remove(QMPSock(runDir, vm.ID))
 		n++
 	}
 	return n
 }
 
-type runningVM struct {
-	id  string
-	pid int
+// VMProcess is a live QEMU process of a dsec VM.
+type VMProcess struct {
+	ID      string // from -name dsec-<ID>
+	Pid     int
+	Cmdline string // arguments separated by NUL bytes
 }
 
-// runningVMs lists the QEMU processes whose sockets are in runDir.
-func runningVMs(runDir string) []runningVM {
-	var out []runningVM
+// VMProcesses lists the live (not zombie) QEMU processes of dsec VMs.
+func VMProcesses() []VMProcess {
+	var out []VMProcess
 	ents, _ := os.ReadDir("/proc")
 	for _, e := range ents {
 		pid, err := strconv.Atoi(e.Name())
@@ -679,13 +697,16 @@ func runningVMs(runDir string) []runningVM {
 			continue
 		}
 		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-		if err != nil || !bytes.Contains(b, []byte("unix:"+runDir+"/")) {
+		if err != nil || !bytes.Contains(b, []byte("\x00-name\x00dsec-")) {
+			continue
+		}
+		if st, _ := os.ReadFile("/proc/" + e.Name() + "/stat"); bytes.Contains(st, []byte(") Z ")) {
 			continue
 		}
 		args := strings.Split(string(b), "\x00")
 		for k := 0; k+1 < len(args); k++ {
 			if args[k] == "-name" && strings.HasPrefix(args[k+1], "dsec-") {
-				out = append(out, runningVM{id: strings.TrimPrefix(args[k+1], "dsec-"), pid: pid})
+				out = append(out, VMProcess{ID: strings.TrimPrefix(args[k+1], "dsec-"), Pid: pid, Cmdline: string(b)})
 			}
 		}
 	}

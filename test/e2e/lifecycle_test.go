@@ -200,7 +200,8 @@ func TestWarmPool(t *testing.T) {
 	if d := time.Until(info.ExpiresAt.AsTime()); d > 91*time.Second || d < 60*time.Second {
 		t.Fatalf("a pooled sandbox's TTL is %v, want the create's 90s", d)
 	}
-	waitReady(2) // a refill that yields to takes still happens once they pause
+	// A refill that yields to takes still happens once they pause.
+	waitReady(2)
 	for i := 0; i < 3; i++ { // more than the pool holds: at least one miss
 		create(t, c, dsec.CreateOptions{})
 	}

@@ -13,6 +13,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/dsectest"
+	"github.com/opendsec/dsec/internal/qemu"
 	dsec "github.com/opendsec/dsec/sdk/go"
 )
 
@@ -256,13 +257,8 @@ func waitExec(t *testing.T, sb *dsec.Sandbox, cmd, want string) {
 // server's data directory.
 func qemusOfDataDir(dataDir string) int {
 	n := 0
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-		if err != nil || !bytes.Contains(b, []byte("qemu-system")) || !bytes.Contains(b, []byte(dataDir+"/")) {
-			continue
-		}
-		if st, _ := os.ReadFile("/proc/" + e.Name() + "/stat"); !bytes.Contains(st, []byte(") Z ")) {
+	for _, vm := range qemu.VMProcesses() {
+		if strings.Contains(vm.Cmdline, dataDir+"/") {
 			n++
 		}
 	}

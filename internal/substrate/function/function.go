@@ -376,13 +376,6 @@ func (p *pool) acquire(ctx context.Context) (*worker, int, error) {
 	return nil, 0, err
 }
 
-// size is the pool's workers, started and starting.
-func (p *pool) size() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return len(p.workers) + p.starting
-}
-
 // takeLocked returns a worker with a free slot, preferring the busiest (to
 // let idle ones go), or nil.
 func (p *pool) takeLocked() (*worker, int) {

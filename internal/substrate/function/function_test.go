@@ -118,11 +118,11 @@ func TestPoolGrowsWhenCallsWait(t *testing.T) {
 	calls("true", 1) // the first worker
 	p := d.poolFor(d.cfg.Image)
 	calls("true", 2) // the second waits for the first's ~10 ms, not 300
-	if n := p.size(); n != 1 {
+	if n := poolSize(p); n != 1 {
 		t.Fatalf("%d workers after calls that waited briefly, want 1", n)
 	}
 	calls("sleep 2", 2) // the second waits past GrowAfter
-	if n := p.size(); n != 2 {
+	if n := poolSize(p); n != 2 {
 		t.Fatalf("%d workers after a call waited %v, want 2", n, d.cfg.GrowAfter)
 	}
 }
@@ -137,7 +137,7 @@ func TestCloseEndsWorkersStillStarting(t *testing.T) {
 	deadline := time.Now().Add(time.Minute)
 	for {
 		ents, _ := os.ReadDir(workers)
-		if len(ents) == 1 && p.size() == 1 {
+		if len(ents) == 1 && poolSize(p) == 1 {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -149,4 +149,11 @@ func TestCloseEndsWorkersStillStarting(t *testing.T) {
 	if ents, _ := os.ReadDir(workers); len(ents) != 0 {
 		t.Fatalf("%d workers left after Close", len(ents))
 	}
+}
+
+// poolSize is p's workers, started and starting.
+func poolSize(p *pool) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.workers) + p.starting
 }

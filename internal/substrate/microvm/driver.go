@@ -15,8 +15,6 @@ package microvm
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -121,9 +119,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 		cfg.MaxDiskMB = 64 << 10
 	}
 	if cfg.RunDir == "" {
-		abs, _ := filepath.Abs(cfg.StateDir)
-		h := sha256.Sum256([]byte(abs))
-		cfg.RunDir = filepath.Join("/run/dsec", hex.EncodeToString(h[:4]), "vm")
+		cfg.RunDir = qemu.RunDir(cfg.StateDir, "vm")
 	}
 	d := &Driver{log: log, cfg: cfg}
 	d.caps = substrate.Capabilities{
@@ -217,8 +213,8 @@ func (d *Driver) Capabilities() substrate.Capabilities { return d.caps }
 // Accel is how this driver's guests run.
 func (d *Driver) Accel() qemu.Accel { return d.accel }
 
-func (d *Driver) agentSock(id string) string { return filepath.Join(d.cfg.RunDir, id+".agent") }
-func (d *Driver) qmpSock(id string) string   { return filepath.Join(d.cfg.RunDir, id+".qmp") }
+func (d *Driver) agentSock(id string) string { return qemu.AgentSock(d.cfg.RunDir, id) }
+func (d *Driver) qmpSock(id string) string   { return qemu.QMPSock(d.cfg.RunDir, id) }
 
 // Sweep kills the QEMU processes of this driver's run directory whose
 // sandbox keep is false for (leftovers the node no longer knows) and
@@ -227,5 +223,5 @@ func (d *Driver) Sweep(keep func(id string) bool) int {
 	if !d.caps.Available {
 		return 0
 	}
-	return qemu.SweepVMs(d.cfg.RunDir, keep, func(id string) []string { return []string{d.agentSock(id), d.qmpSock(id)} })
+	return qemu.SweepVMs(d.cfg.RunDir, keep)
 }

@@ -3,8 +3,6 @@ package microvm
 import (
 	"bytes"
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -18,33 +16,19 @@ import (
 	"github.com/opendsec/dsec/internal/undo"
 )
 
-// Files in a sandbox's directory (beside qemu.ConsoleFile, qemu.LogFile
-// and qemu.PauseFile) and in a machine snapshot directory.
+// The writable disk's name in a sandbox's directory and in a machine
+// snapshot's (beside the files qemu.Instance keeps there).
 const (
-	stateFile   = "vm.json"      // the instance's state, for Attach
-	diskFile    = "disk.img"     // the writable ext4 disk
-	machineFile = "machine.json" // a snapshot's machine
-	memFile     = "state"        // a snapshot's memory and devices
+	diskFile = "disk.img" // the writable ext4 disk
 )
 
 // vsockPort is the agent's AF_VSOCK port in the guest.
 const vsockPort = 1024
 
-// state is what an instance persists (in its directory and through the
-// node) to be re-adopted.
-type state struct {
-	qemu.VMState
-	Machine machine `json:"machine"`
-	Dir     string  `json:"dir"`
-}
-
 // instance is one microVM: the driver's machine run by a qemu.VM.
 type instance struct {
-	d       *Driver
-	id      string
-	dir     string
-	machine machine
-	vm      *qemu.VM
+	qemu.Instance[machine]
+	d *Driver
 }
 
 var (
@@ -53,40 +37,24 @@ var (
 )
 
 func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instance {
-	i := &instance{d: d, id: id, dir: dir, machine: m}
+	i := &instance{Instance: qemu.Instance[machine]{ID: id, Dir: dir, Machine: m, DiskFile: diskFile}, d: d}
 	var cid uint32
 	if m.Vsock {
 		cid = m.CID
 	}
-	i.vm = qemu.NewVM(qemu.VMConfig{
+	i.VM = qemu.NewVM(qemu.VMConfig{
 		ID: id, Dir: dir, Binary: d.qemu, AgentSock: d.agentSock(id), QMPSock: d.qmpSock(id),
 		VsockCID: cid, VsockPort: vsockPort,
 		Args: func() []string {
-			return i.machine.args(id, i.path(diskFile), d.agentSock(id), d.qmpSock(id), i.path(qemu.ConsoleFile))
+			return i.Machine.args(id, i.Path(diskFile), d.agentSock(id), d.qmpSock(id), i.Path(qemu.ConsoleFile))
 		},
 		BootTimeout: d.cfg.BootTimeout, Kind: "microVM",
 		HintLine: func(l string) bool { return strings.Contains(l, "dsec-init:") || strings.Contains(l, "Kernel panic") },
 		Redact:   []string{d.cfg.StateDir},
-		Persist:  i.persist,
+		Persist:  i.Persist,
 		Log:      d.log,
 	}, st)
 	return i
-}
-
-func (i *instance) path(name string) string { return filepath.Join(i.dir, name) }
-
-// persist writes the instance's state for Attach (vm.json; the node keeps
-// a copy in its record).
-func (i *instance) persist(st qemu.VMState) error {
-	b, err := json.Marshal(state{VMState: st, Machine: i.machine, Dir: i.dir})
-	if err != nil {
-		return err
-	}
-	tmp := i.path(stateFile + ".tmp")
-	if err := os.WriteFile(tmp, b, 0o600); err != nil {
-		return err
-	}
-	return os.Rename(tmp, i.path(stateFile))
 }
 
 // Create implements substrate.Driver.
@@ -121,7 +89,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		if err := qemu.CopySparse(filepath.Join(s.Restore, diskFile), disk); err != nil {
 			return nil, errdefs.Internal(err, "copy the snapshot's disk")
 		}
-		incoming, err = os.Open(filepath.Join(s.Restore, memFile))
+		incoming, err = os.Open(filepath.Join(s.Restore, qemu.MemoryFile))
 		if err != nil {
 			return nil, errdefs.NotFound("the machine snapshot has no memory state")
 		}
@@ -157,10 +125,10 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	}
 	i := d.newInstance(s.ID, s.Dir, m, qemu.VMState{})
 	u.Push(func() { i.Destroy(context.WithoutCancel(ctx)) })
-	if err := i.vm.Start(ctx, incoming); err != nil {
+	if err := i.VM.Start(ctx, incoming); err != nil {
 		return nil, err
 	}
-	client := i.vm.Client()
+	client := i.VM.Client()
 	if incoming != nil {
 		// Clock and randomness came with the channel's session; a
 		// hostname other than the snapshot's takes an exec.
@@ -180,7 +148,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 			return nil, qemu.Failed(err, "set the sandbox's environment")
 		}
 	}
-	if err := i.persist(i.vm.State()); err != nil {
+	if err := i.Persist(i.VM.State()); err != nil {
 		return nil, errdefs.Internal(err, "persist microvm state")
 	}
 	return i, nil
@@ -188,13 +156,9 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 
 // restoreMachine reads a snapshot's machine and checks it can run here.
 func (d *Driver) restoreMachine(dir string) (machine, error) {
-	var m machine
-	b, err := os.ReadFile(filepath.Join(dir, machineFile))
+	m, err := qemu.ReadMachine[machine](dir)
 	if err != nil {
-		return m, errdefs.NotFound("machine snapshot not found")
-	}
-	if err := json.Unmarshal(b, &m); err != nil {
-		return m, errdefs.Internal(err, "decode the machine snapshot")
+		return m, err
 	}
 	if m.Release != d.kernel.Release {
 		return m, errdefs.Unavailable("the snapshot was taken with guest kernel %s; this node has %s", m.Release, d.kernel.Release)
@@ -211,7 +175,7 @@ func (d *Driver) restoreMachine(dir string) (machine, error) {
 // randomness come with every channel session).
 func (i *instance) freshIdentity(ctx context.Context, hostname string) error {
 	argv := []string{"/.dsec/guest", "identity", "-hostname", hostname}
-	x, err := i.vm.Client().Run(ctx, &guestv1.Exec{Argv: argv, TimeoutMs: 30000})
+	x, err := i.VM.Client().Run(ctx, &guestv1.Exec{Argv: argv, TimeoutMs: 30000})
 	if err != nil {
 		return qemu.Failed(err, "give the restored VM its identity")
 	}
@@ -223,70 +187,18 @@ func (i *instance) freshIdentity(ctx context.Context, hostname string) error {
 
 // Attach implements substrate.Driver.
 func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (substrate.Instance, error) {
-	var st state
-	// The instance's own file is newer than the node's record after a
-	// pause or resume.
-	if b, err := os.ReadFile(filepath.Join(s.Dir, stateFile)); err == nil {
-		raw = b
-	}
-	if err := json.Unmarshal(raw, &st); err != nil {
-		return nil, errdefs.Internal(err, "decode microvm state")
+	st, err := qemu.LoadInstanceState[machine](s.Dir, raw)
+	if err != nil {
+		return nil, err
 	}
 	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState)
-	return i, i.vm.Adopt(ctx)
+	return i, i.VM.Adopt(ctx)
 }
-
-func (i *instance) Guest() substrate.Guest { return i.vm.Client() }
-
-// LastWords implements substrate.Diagnoser: the end of the guest console
-// or QEMU's log that explains a stop.
-func (i *instance) LastWords() string { return strings.TrimPrefix(i.vm.Hint(), ": ") }
-
-func (i *instance) State() []byte {
-	b, _ := json.Marshal(state{VMState: i.vm.State(), Machine: i.machine, Dir: i.dir})
-	return b
-}
-
-func (i *instance) Done() <-chan struct{} { return i.vm.Done() }
-
-func (i *instance) Check(ctx context.Context) error { return i.vm.Check() }
-
-// Stats reports the guest's own use (qemu.VM.Stats).
-func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
-	return i.vm.Stats(ctx), nil
-}
-
-// Pause saves the VM's memory and devices and stops QEMU, so a paused
-// microVM holds no memory. It is idempotent.
-func (i *instance) Pause(ctx context.Context) error { return i.vm.Pause(ctx) }
-
-// Resume restores a paused VM from its saved memory. It is idempotent.
-func (i *instance) Resume(ctx context.Context) error { return i.vm.Resume(ctx) }
 
 // Snapshot implements substrate.Instance: microVM snapshots are machine
 // snapshots (SnapshotMachine), not filesystem layers.
 func (i *instance) Snapshot(context.Context, io.Writer) error {
 	return errdefs.Unimplemented("microvm snapshots hold memory and disk: use a machine snapshot")
-}
-
-// SnapshotMachine writes memory, devices and the writable disk into dir.
-// A running VM is stopped for the capture (so disk and memory agree) and
-// continued; a paused one is copied as it is.
-func (i *instance) SnapshotMachine(ctx context.Context, dir string) error {
-	mb, err := json.Marshal(i.machine)
-	if err != nil {
-		return errdefs.Internal(err, "encode the machine")
-	}
-	err = i.vm.SaveMachine(ctx, filepath.Join(dir, memFile), func() error {
-		return qemu.CopySparse(i.path(diskFile), filepath.Join(dir, diskFile))
-	})
-	if err != nil {
-		return err
-	}
-	if err := os.WriteFile(filepath.Join(dir, machineFile), mb, 0o600); err != nil {
-		return errdefs.Internal(err, "write the machine snapshot")
-	}
-	return nil
 }
 
 // Screenshot implements substrate.Instance: microVMs have no screen.
@@ -301,14 +213,4 @@ func (i *instance) SendInput(context.Context, []substrate.InputAction) error {
 
 func (i *instance) OpenVNC(context.Context) (*substrate.VNC, error) {
 	return nil, errdefs.Unimplemented("microVMs have no screen (use kind vm)")
-}
-
-// Destroy kills QEMU and removes the instance's sockets, disk and saved
-// memory. It is idempotent.
-func (i *instance) Destroy(ctx context.Context) error {
-	i.vm.Destroy()
-	if err := os.Remove(i.path(diskFile)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return errdefs.Internal(err, "remove the microVM's disk")
-	}
-	return nil
 }

@@ -1,11 +1,8 @@
 package microvm
 
 import (
-	"encoding/json"
 	"fmt"
 	"math"
-	"os"
-	"path/filepath"
 	"strconv"
 
 	"github.com/opendsec/dsec/internal/qemu"
@@ -93,12 +90,8 @@ func (m *machine) args(id, disk, agentSock, qmpSock, console string) []string {
 // the given disk, sockets and console file. The driver restores this way;
 // benchmarks run it raw as the baseline of a restore.
 func SnapshotArgs(dir, id, disk, agentSock, qmpSock, console string) ([]string, error) {
-	b, err := os.ReadFile(filepath.Join(dir, machineFile))
+	m, err := qemu.ReadMachine[machine](dir)
 	if err != nil {
-		return nil, err
-	}
-	var m machine
-	if err := json.Unmarshal(b, &m); err != nil {
 		return nil, err
 	}
 	return append(m.args(id, disk, agentSock, qmpSock, console), "-incoming", "fd:3"), nil

@@ -1,7 +1,6 @@
 package microvm
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
@@ -18,6 +17,7 @@ import (
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/qemu"
+	"github.com/opendsec/dsec/internal/qemu/qemutest"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
 )
@@ -86,7 +86,7 @@ func TestMain(m *testing.M) {
 		}
 		// Whatever the tests did, failures included: no QEMU of theirs
 		// may outlive them.
-		if left := qemusOf(fmt.Sprintf("mvm%d-", os.Getpid())); len(left) > 0 {
+		if left := qemutest.Pids(fmt.Sprintf("mvm%d-", os.Getpid())); len(left) > 0 {
 			fmt.Fprintf(os.Stderr, "FAIL: QEMU processes left behind: %v\n", left)
 			for _, pid := range left {
 				syscall.Kill(pid, syscall.SIGKILL)
@@ -140,40 +140,10 @@ func TestConformance(t *testing.T) {
 		Restart: func(t *testing.T) substrate.Driver { return newDriver(t, nil) },
 		Leaks:   func(t *testing.T, s *substrate.Spec) []string { return leaks(d, s) },
 		Kill: func(t *testing.T, inst substrate.Instance) {
-			syscall.Kill(inst.(*instance).vm.State().Pid, syscall.SIGKILL)
+			syscall.Kill(inst.(*instance).VM.State().Pid, syscall.SIGKILL)
 		},
 		SkipLimits: true,
 	})
-}
-
-// leaks lists what a destroyed microVM left: its QEMU, sockets, disk and
-// saved memory.
-func leaks(d *Driver, s *substrate.Spec) []string {
-	var out []string
-	if qemuRunning(s.ID) {
-		out = append(out, "QEMU process")
-	}
-	for _, p := range []string{d.agentSock(s.ID), d.qmpSock(s.ID), filepath.Join(s.Dir, diskFile), filepath.Join(s.Dir, qemu.PauseFile)} {
-		if _, err := os.Stat(p); err == nil {
-			out = append(out, p)
-		}
-	}
-	return out
-}
-
-// qemuRunning reports whether a QEMU of sandbox id runs.
-func qemuRunning(id string) bool {
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-		if err == nil && bytes.Contains(b, []byte("\x00dsec-"+id+"\x00")) {
-			st, _ := os.ReadFile("/proc/" + e.Name() + "/stat")
-			if !bytes.Contains(st, []byte(") Z ")) {
-				return true
-			}
-		}
-	}
-	return false
 }
 
 func ctxT(t *testing.T, d time.Duration) context.Context {
@@ -349,7 +319,7 @@ func TestPauseFreesMemoryAndResumeRestores(t *testing.T) {
 	if err := <-checks; err != nil {
 		t.Fatalf("check during the pause: %v", err)
 	}
-	if qemuRunning(spec.ID) {
+	if qemutest.Running(spec.ID) {
 		t.Fatal("QEMU still runs while paused")
 	}
 	if st, _ := inst.Stats(context.Background()); st.MemoryBytes != 0 {
@@ -429,10 +399,10 @@ func TestFailuresAreInfraErrorsAndLeaveNothing(t *testing.T) {
 			}
 			if c.kill {
 				go func() {
-					for i := 0; i < 2000 && !qemuRunning(s.ID); i++ {
+					for i := 0; i < 2000 && !qemutest.Running(s.ID); i++ {
 						time.Sleep(5 * time.Millisecond)
 					}
-					killQEMU(s.ID)
+					qemutest.Kill(s.ID)
 				}()
 			}
 			start := time.Now()
@@ -448,38 +418,6 @@ func TestFailuresAreInfraErrorsAndLeaveNothing(t *testing.T) {
 				t.Fatalf("left %v", left)
 			}
 		})
-	}
-}
-
-// qemusOf lists the live QEMU processes whose sandbox ID starts with prefix.
-func qemusOf(prefix string) []int {
-	var out []int
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-		if err != nil || !bytes.Contains(b, []byte("\x00dsec-"+prefix)) {
-			continue
-		}
-		st, _ := os.ReadFile("/proc/" + e.Name() + "/stat")
-		if bytes.Contains(st, []byte(") Z ")) {
-			continue
-		}
-		var pid int
-		fmt.Sscan(e.Name(), &pid)
-		out = append(out, pid)
-	}
-	return out
-}
-
-func killQEMU(id string) {
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-		if err == nil && bytes.Contains(b, []byte("\x00dsec-"+id+"\x00")) {
-			var pid int
-			fmt.Sscan(e.Name(), &pid)
-			syscall.Kill(pid, syscall.SIGKILL)
-		}
 	}
 }
 
@@ -499,4 +437,10 @@ func TestMissingKernelMakesTheKindUnavailable(t *testing.T) {
 	if !errdefs.Is(err, errdefs.KindUnavailable) || !errdefs.IsInfra(err) {
 		t.Fatalf("create: %v", err)
 	}
+}
+
+// leaks lists what a destroyed microVM left: its QEMU, sockets, disk and
+// saved memory.
+func leaks(d *Driver, s *substrate.Spec) []string {
+	return qemutest.Leftovers(d.cfg.RunDir, s.ID, s.Dir, diskFile, qemu.PauseFile)
 }

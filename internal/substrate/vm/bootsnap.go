@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/opendsec/dsec/internal/qemu"
 	"golang.org/x/sys/unix"
 )
 
@@ -39,7 +40,7 @@ func (d *Driver) bootDir(m machine) string {
 // bootSnapshot returns the boot snapshot of machine m, if there is one.
 func (d *Driver) bootSnapshot(m machine) (string, bool) {
 	dir := d.bootDir(m)
-	if _, err := os.Stat(filepath.Join(dir, machineFile)); err != nil {
+	if _, err := os.Stat(filepath.Join(dir, qemu.MachineFile)); err != nil {
 		return "", false
 	}
 	return dir, true
@@ -49,8 +50,8 @@ func (d *Driver) bootSnapshot(m machine) (string, bool) {
 // snapshot, unless one exists or another create is saving it. A failure
 // costs later creates a boot, nothing more.
 func (d *Driver) saveBootSnapshot(ctx context.Context, i *instance) {
-	dir := d.bootDir(i.machine)
-	if _, err := os.Stat(filepath.Join(dir, machineFile)); err == nil {
+	dir := d.bootDir(i.Machine)
+	if _, err := os.Stat(filepath.Join(dir, qemu.MachineFile)); err == nil {
 		return
 	}
 	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
@@ -64,7 +65,7 @@ func (d *Driver) saveBootSnapshot(ctx context.Context, i *instance) {
 	if unix.Flock(int(lf.Fd()), unix.LOCK_EX|unix.LOCK_NB) != nil {
 		return // another create is saving it
 	}
-	if _, err := os.Stat(filepath.Join(dir, machineFile)); err == nil {
+	if _, err := os.Stat(filepath.Join(dir, qemu.MachineFile)); err == nil {
 		return
 	}
 	start := time.Now()
@@ -77,15 +78,15 @@ func (d *Driver) saveBootSnapshot(ctx context.Context, i *instance) {
 	defer cancel()
 	if err := i.SnapshotMachine(sctx, tmp); err != nil {
 		os.RemoveAll(tmp)
-		d.log.Warn("could not save the image's boot snapshot; its sandboxes boot", slog.String("sandbox_id", i.id), slog.Any("error", err))
+		d.log.Warn("could not save the image's boot snapshot; its sandboxes boot", slog.String("sandbox_id", i.ID), slog.Any("error", err))
 		return
 	}
 	if err := os.Rename(tmp, dir); err != nil {
 		os.RemoveAll(tmp)
 		return
 	}
-	d.log.Info("saved a boot snapshot: new sandboxes of this image restore it", slog.String("sandbox_id", i.id),
-		slog.String("layer", i.machine.Layer), slog.Duration("took", time.Since(start)))
+	d.log.Info("saved a boot snapshot: new sandboxes of this image restore it", slog.String("sandbox_id", i.ID),
+		slog.String("layer", i.Machine.Layer), slog.Duration("took", time.Since(start)))
 }
 
 // pruneBootSnapshots removes boot snapshots whose image disk is gone or
@@ -112,7 +113,7 @@ func (d *Driver) pruneBootSnapshots() {
 			continue
 		}
 		var m machine
-		b, err := os.ReadFile(filepath.Join(p, machineFile))
+		b, err := os.ReadFile(filepath.Join(p, qemu.MachineFile))
 		if err == nil {
 			err = json.Unmarshal(b, &m)
 		}

@@ -3,8 +3,6 @@ package vm
 import (
 	"bytes"
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -21,30 +19,16 @@ import (
 	"github.com/opendsec/dsec/internal/undo"
 )
 
-// Files in a sandbox's directory (beside qemu.ConsoleFile, qemu.LogFile
-// and qemu.PauseFile) and in a machine snapshot directory.
+// The writable disk's name in a sandbox's directory and in a machine
+// snapshot's (beside the files qemu.Instance keeps there).
 const (
-	stateFile   = "vm.json"      // the instance's state, for Attach
-	diskFile    = "disk.qcow2"   // the copy-on-write disk over the image's base
-	machineFile = "machine.json" // a snapshot's machine
-	memFile     = "state"        // a snapshot's memory and devices
+	diskFile = "disk.qcow2" // the copy-on-write disk over the image's base
 )
-
-// state is what an instance persists (in its directory and through the
-// node) to be re-adopted.
-type state struct {
-	qemu.VMState
-	Machine machine `json:"machine"`
-	Dir     string  `json:"dir"`
-}
 
 // instance is one full VM: the driver's machine run by a qemu.VM.
 type instance struct {
-	d       *Driver
-	id      string
-	dir     string
-	machine machine
-	vm      *qemu.VM
+	qemu.Instance[machine]
+	d *Driver
 }
 
 var (
@@ -53,16 +37,16 @@ var (
 )
 
 func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instance {
-	i := &instance{d: d, id: id, dir: dir, machine: m}
+	i := &instance{Instance: qemu.Instance[machine]{ID: id, Dir: dir, Machine: m, DiskFile: diskFile}, d: d}
 	var cid uint32
 	if m.Vsock {
 		cid = m.CID
 	}
-	i.vm = qemu.NewVM(qemu.VMConfig{
+	i.VM = qemu.NewVM(qemu.VMConfig{
 		ID: id, Dir: dir, Binary: d.qemu, AgentSock: d.agentSock(id), QMPSock: d.qmpSock(id),
 		VsockCID: cid, VsockPort: vsockPort,
 		Args: func() []string {
-			return i.machine.args(id, i.path(diskFile), d.agentSock(id), d.qmpSock(id), i.path(qemu.ConsoleFile), d.cfg.VNC)
+			return i.Machine.args(id, i.Path(diskFile), d.agentSock(id), d.qmpSock(id), i.Path(qemu.ConsoleFile), d.cfg.VNC)
 		},
 		BootTimeout: d.cfg.BootTimeout, Kind: "VM",
 		HintLine: func(l string) bool {
@@ -72,33 +56,17 @@ func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instan
 		FatalLine: fatalLine,
 		Logs:      []string{firmwareLog},
 		Redact:    []string{d.cfg.StateDir},
-		Persist:   i.persist,
+		Persist:   i.Persist,
 		Log:       d.log,
 	}, st)
 	return i
 }
-
-func (i *instance) path(name string) string { return filepath.Join(i.dir, name) }
 
 // fatalLine reports a guest console line after which a boot cannot
 // succeed: a kernel panic (a guest that reboots would loop), or SeaBIOS
 // finding nothing to boot.
 func fatalLine(l string) bool {
 	return strings.Contains(l, "Kernel panic") || strings.Contains(l, "No bootable device")
-}
-
-// persist writes the instance's state for Attach (vm.json; the node keeps
-// a copy in its record).
-func (i *instance) persist(st qemu.VMState) error {
-	b, err := json.Marshal(state{VMState: st, Machine: i.machine, Dir: i.dir})
-	if err != nil {
-		return err
-	}
-	tmp := i.path(stateFile + ".tmp")
-	if err := os.WriteFile(tmp, b, 0o600); err != nil {
-		return err
-	}
-	return os.Rename(tmp, i.path(stateFile))
 }
 
 // Create implements substrate.Driver. A sandbox starts from a machine
@@ -140,7 +108,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		if err := qemu.CopySparse(filepath.Join(restored, diskFile), disk); err != nil {
 			return nil, errdefs.Internal(err, "copy the snapshot's disk")
 		}
-		incoming, err = os.Open(filepath.Join(restored, memFile))
+		incoming, err = os.Open(filepath.Join(restored, qemu.MemoryFile))
 		if err != nil {
 			return nil, errdefs.NotFound("the machine snapshot has no memory state")
 		}
@@ -153,7 +121,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	}
 	i := d.newInstance(s.ID, s.Dir, m, qemu.VMState{})
 	u.Push(func() { i.Destroy(context.WithoutCancel(ctx)) })
-	if err := i.vm.Start(ctx, incoming); err != nil {
+	if err := i.VM.Start(ctx, incoming); err != nil {
 		return nil, err
 	}
 	if restored == "" && !d.cfg.ColdBoot && s.Restore == "" {
@@ -162,7 +130,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if err := i.personalize(ctx, s, restored != ""); err != nil {
 		return nil, err
 	}
-	if err := i.persist(i.vm.State()); err != nil {
+	if err := i.Persist(i.VM.State()); err != nil {
 		return nil, errdefs.Internal(err, "persist vm state")
 	}
 	return i, nil
@@ -214,13 +182,9 @@ func (d *Driver) createDisk(m machine, disk string) error {
 
 // restoreMachine reads a snapshot's machine and checks it can run here.
 func (d *Driver) restoreMachine(dir string) (machine, error) {
-	var m machine
-	b, err := os.ReadFile(filepath.Join(dir, machineFile))
+	m, err := qemu.ReadMachine[machine](dir)
 	if err != nil {
-		return m, errdefs.NotFound("machine snapshot not found")
-	}
-	if err := json.Unmarshal(b, &m); err != nil {
-		return m, errdefs.Unavailable("the machine snapshot is corrupt: %v", err)
+		return m, err
 	}
 	if strings.HasPrefix(m.Accel, "kvm") && d.accel.Name != "kvm" {
 		return m, errdefs.Unavailable("the snapshot was taken under KVM; this node runs VMs under %s", d.accel.Name)
@@ -242,12 +206,12 @@ func (d *Driver) restoreMachine(dir string) (machine, error) {
 // with every channel session), then every VM gets its deadline and
 // environment.
 func (i *instance) personalize(ctx context.Context, s *substrate.Spec, restored bool) error {
-	client := i.vm.Client()
+	client := i.VM.Client()
 	host := s.Hostname
 	if host == "" {
 		host = "sandbox"
 	}
-	if restored || host != i.machine.Hostname {
+	if restored || host != i.Machine.Hostname {
 		// The agent runs itself (the child of its fork execs
 		// /proc/self/exe): where it is installed varies between images.
 		argv := []string{"/proc/self/exe", "identity", "-hostname", host}
@@ -261,7 +225,7 @@ func (i *instance) personalize(ctx context.Context, s *substrate.Spec, restored 
 		if x.ExitCode != 0 {
 			return errdefs.Unavailable("give the VM its identity: exit %d: %s", x.ExitCode, bytes.TrimSpace(x.Stderr))
 		}
-		i.machine.Hostname = host
+		i.Machine.Hostname = host
 	}
 	if !s.Deadline.IsZero() {
 		if err := client.SetDeadline(ctx, s.Deadline); err != nil {
@@ -278,79 +242,16 @@ func (i *instance) personalize(ctx context.Context, s *substrate.Spec, restored 
 
 // Attach implements substrate.Driver.
 func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (substrate.Instance, error) {
-	var st state
-	// The instance's own file is newer than the node's record after a
-	// pause or resume.
-	if b, err := os.ReadFile(filepath.Join(s.Dir, stateFile)); err == nil {
-		raw = b
-	}
-	if err := json.Unmarshal(raw, &st); err != nil {
-		return nil, errdefs.Internal(err, "decode vm state")
+	st, err := qemu.LoadInstanceState[machine](s.Dir, raw)
+	if err != nil {
+		return nil, err
 	}
 	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState)
-	return i, i.vm.Adopt(ctx)
+	return i, i.VM.Adopt(ctx)
 }
-
-func (i *instance) Guest() substrate.Guest { return i.vm.Client() }
-
-// LastWords implements substrate.Diagnoser: the end of the guest console
-// or QEMU's log that explains a stop.
-func (i *instance) LastWords() string { return strings.TrimPrefix(i.vm.Hint(), ": ") }
-
-func (i *instance) State() []byte {
-	b, _ := json.Marshal(state{VMState: i.vm.State(), Machine: i.machine, Dir: i.dir})
-	return b
-}
-
-func (i *instance) Done() <-chan struct{} { return i.vm.Done() }
-
-func (i *instance) Check(ctx context.Context) error { return i.vm.Check() }
-
-// Stats reports the guest's own use (qemu.VM.Stats).
-func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
-	return i.vm.Stats(ctx), nil
-}
-
-// Pause saves the VM's memory and devices and ends QEMU, so a paused VM
-// holds no memory. It is idempotent.
-func (i *instance) Pause(ctx context.Context) error { return i.vm.Pause(ctx) }
-
-// Resume restores a paused VM from its saved memory. It is idempotent.
-func (i *instance) Resume(ctx context.Context) error { return i.vm.Resume(ctx) }
 
 // Snapshot implements substrate.Instance: VM snapshots are machine
 // snapshots (SnapshotMachine), not filesystem layers.
 func (i *instance) Snapshot(context.Context, io.Writer) error {
 	return errdefs.Unimplemented("vm snapshots hold memory and disk: use a machine snapshot")
-}
-
-// SnapshotMachine writes memory, devices and the copy-on-write disk into
-// dir. A running VM is stopped for the capture (so disk and memory agree)
-// and continued; a paused one is copied as it is. The disk copy keeps
-// referring to the image's base, which the snapshot's image record keeps.
-func (i *instance) SnapshotMachine(ctx context.Context, dir string) error {
-	mb, err := json.Marshal(i.machine)
-	if err != nil {
-		return errdefs.Internal(err, "encode the machine")
-	}
-	err = i.vm.SaveMachine(ctx, filepath.Join(dir, memFile), func() error {
-		return qemu.CopySparse(i.path(diskFile), filepath.Join(dir, diskFile))
-	})
-	if err != nil {
-		return err
-	}
-	if err := os.WriteFile(filepath.Join(dir, machineFile), mb, 0o600); err != nil {
-		return errdefs.Internal(err, "write the machine snapshot")
-	}
-	return nil
-}
-
-// Destroy kills QEMU and removes the instance's sockets, disk and saved
-// memory. It is idempotent.
-func (i *instance) Destroy(ctx context.Context) error {
-	i.vm.Destroy()
-	if err := os.Remove(i.path(diskFile)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return errdefs.Internal(err, "remove the VM's disk")
-	}
-	return nil
 }

@@ -17,12 +17,12 @@ import (
 // Screenshot captures the VM's display (QMP screendump) as PNG, at the
 // resolution the guest set (720x400 for an 80x25 text console).
 func (i *instance) Screenshot(ctx context.Context) (*substrate.Screenshot, error) {
-	q, err := i.vm.Monitor(ctx)
+	q, err := i.VM.Monitor(ctx)
 	if err != nil {
 		return nil, err
 	}
 	defer q.Close()
-	png, w, h, err := qemu.Screendump(ctx, q, i.path("screen-"+randomHex()+".png"))
+	png, w, h, err := qemu.Screendump(ctx, q, i.Path("screen-"+randomHex()+".png"))
 	if err != nil {
 		return nil, i.monitorErr(err, "take a screenshot")
 	}
@@ -34,7 +34,7 @@ func (i *instance) Screenshot(ctx context.Context) (*substrate.Screenshot, error
 // positions to the virtio tablet (absolute, scaled from the screen's
 // pixels), buttons and the wheel to the pointer the guest uses.
 func (i *instance) SendInput(ctx context.Context, actions []substrate.InputAction) error {
-	q, err := i.vm.Monitor(ctx)
+	q, err := i.VM.Monitor(ctx)
 	if err != nil {
 		return err
 	}
@@ -44,7 +44,7 @@ func (i *instance) SendInput(ctx context.Context, actions []substrate.InputActio
 		if w > 0 {
 			return nil
 		}
-		_, w, h, err = qemu.Screendump(ctx, q, i.path("screen-"+randomHex()+".png"))
+		_, w, h, err = qemu.Screendump(ctx, q, i.Path("screen-"+randomHex()+".png"))
 		if err != nil {
 			return i.monitorErr(err, "read the screen size")
 		}
@@ -131,7 +131,7 @@ func (i *instance) OpenVNC(ctx context.Context) (*substrate.VNC, error) {
 	if !i.d.cfg.VNC {
 		return nil, errdefs.Unimplemented("this node starts VMs without VNC (vm.vnc: true turns it on)")
 	}
-	q, err := i.vm.Monitor(ctx)
+	q, err := i.VM.Monitor(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -177,7 +177,7 @@ func button(name string) (string, error) {
 // monitorErr classifies a failed monitor command: gone if QEMU died,
 // invalid if QEMU refused the command's arguments.
 func (i *instance) monitorErr(err error, what string) error {
-	if cerr := i.vm.Check(); cerr != nil {
+	if cerr := i.VM.Check(); cerr != nil {
 		return cerr
 	}
 	var qe *qemu.QMPError

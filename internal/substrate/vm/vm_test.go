@@ -24,6 +24,7 @@ import (
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/qemu"
+	"github.com/opendsec/dsec/internal/qemu/qemutest"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
 )
@@ -98,7 +99,7 @@ func TestMain(m *testing.M) {
 		}
 		// Whatever the tests did, failures included: no QEMU of theirs
 		// may outlive them.
-		if left := qemusOf(fmt.Sprintf("vm%d-", os.Getpid())); len(left) > 0 {
+		if left := qemutest.Pids(fmt.Sprintf("vm%d-", os.Getpid())); len(left) > 0 {
 			fmt.Fprintf(os.Stderr, "FAIL: QEMU processes left behind: %v\n", left)
 			for _, pid := range left {
 				syscall.Kill(pid, syscall.SIGKILL)
@@ -153,56 +154,10 @@ func TestConformance(t *testing.T) {
 		Restart: func(t *testing.T) substrate.Driver { return newDriver(t, nil) },
 		Leaks:   func(t *testing.T, s *substrate.Spec) []string { return leaks(d, s) },
 		Kill: func(t *testing.T, inst substrate.Instance) {
-			syscall.Kill(inst.(*instance).vm.State().Pid, syscall.SIGKILL)
+			syscall.Kill(inst.(*instance).VM.State().Pid, syscall.SIGKILL)
 		},
 		SkipLimits: true,
 	})
-}
-
-// leaks lists what a destroyed VM left: its QEMU, sockets, disk and
-// saved memory.
-func leaks(d *Driver, s *substrate.Spec) []string {
-	var out []string
-	if qemuRunning(s.ID) {
-		out = append(out, "QEMU process")
-	}
-	for _, p := range []string{d.agentSock(s.ID), d.qmpSock(s.ID), filepath.Join(s.Dir, diskFile), filepath.Join(s.Dir, qemu.PauseFile)} {
-		if _, err := os.Stat(p); err == nil {
-			out = append(out, p)
-		}
-	}
-	shots, _ := filepath.Glob(filepath.Join(s.Dir, "screen-*"))
-	return append(out, shots...)
-}
-
-// qemuRunning reports whether a QEMU of sandbox id runs.
-func qemuRunning(id string) bool {
-	for _, pid := range qemusOf(id) {
-		if pid > 0 {
-			return true
-		}
-	}
-	return false
-}
-
-// qemusOf lists the live QEMU processes whose sandbox ID starts with prefix.
-func qemusOf(prefix string) []int {
-	var out []int
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-		if err != nil || !bytes.Contains(b, []byte("\x00dsec-"+prefix)) {
-			continue
-		}
-		st, _ := os.ReadFile("/proc/" + e.Name() + "/stat")
-		if bytes.Contains(st, []byte(") Z ")) {
-			continue
-		}
-		var pid int
-		fmt.Sscan(e.Name(), &pid)
-		out = append(out, pid)
-	}
-	return out
 }
 
 func ctxT(t *testing.T, d time.Duration) context.Context {
@@ -246,7 +201,7 @@ func TestBootPaths(t *testing.T) {
 			start := time.Now()
 			inst := create(t, d, newSpec(t))
 			t.Logf("booted (%s) to the agent in %v under %s", c.boot, time.Since(start).Round(time.Millisecond), d.Accel().Name)
-			if _, ok := d.bootSnapshot(inst.(*instance).machine); ok {
+			if _, ok := d.bootSnapshot(inst.(*instance).Machine); ok {
 				t.Fatal("a cold boot saved a boot snapshot")
 			}
 			out := run(t, inst, "cat /proc/cmdline; cat /proc/1/comm; uname -r; systemctl is-system-running --wait || true")
@@ -407,7 +362,7 @@ func TestBootSnapshots(t *testing.T) {
 	first := newSpec(t)
 	first.MemoryMB = 384 // a shape of its own
 	a := create(t, d, first)
-	if _, ok := d.bootSnapshot(a.(*instance).machine); !ok {
+	if _, ok := d.bootSnapshot(a.(*instance).Machine); !ok {
 		t.Fatal("the first boot saved no boot snapshot")
 	}
 	second := newSpec(t)
@@ -457,7 +412,7 @@ func TestPauseFreesMemoryAndSurvivesARestart(t *testing.T) {
 	if err := inst.Pause(ctxT(t, 2*time.Minute)); err != nil {
 		t.Fatal(err)
 	}
-	if qemuRunning(spec.ID) {
+	if qemutest.Running(spec.ID) {
 		t.Fatal("QEMU still runs while paused")
 	}
 	if st, _ := inst.Stats(context.Background()); st.MemoryBytes != 0 {
@@ -525,10 +480,10 @@ func TestBadInput(t *testing.T) {
 			},
 			kind: errdefs.KindUnavailable, infra: true, want: "did not answer within 20s"},
 		{name: "a corrupt memory snapshot fails to restore", spec: func(t *testing.T, s *substrate.Spec) {
-			s.Restore = corrupt(t, func(dir string) { os.Truncate(filepath.Join(dir, memFile), 4096) })
+			s.Restore = corrupt(t, func(dir string) { os.Truncate(filepath.Join(dir, qemu.MemoryFile), 4096) })
 		}, kind: errdefs.KindUnavailable, infra: true, want: "stopped while starting"},
 		{name: "a corrupt machine description is refused", spec: func(t *testing.T, s *substrate.Spec) {
-			s.Restore = corrupt(t, func(dir string) { os.WriteFile(filepath.Join(dir, machineFile), []byte("{garbage"), 0o600) })
+			s.Restore = corrupt(t, func(dir string) { os.WriteFile(filepath.Join(dir, qemu.MachineFile), []byte("{garbage"), 0o600) })
 		}, kind: errdefs.KindUnavailable, infra: true, want: "corrupt"},
 		{name: "a snapshot directory without a machine is not found", spec: func(t *testing.T, s *substrate.Spec) { s.Restore = t.TempDir() }, kind: errdefs.KindNotFound},
 	}
@@ -652,7 +607,7 @@ func TestSweepEndsVMsTheNodeDoesNotKnow(t *testing.T) {
 	if n != 1 {
 		t.Fatalf("swept %d VMs, want 1", n)
 	}
-	if qemuRunning(unknown.ID) {
+	if qemutest.Running(unknown.ID) {
 		t.Fatal("the unknown VM's QEMU still runs")
 	}
 	for _, p := range []string{d.agentSock(unknown.ID), d.qmpSock(unknown.ID)} {
@@ -663,4 +618,11 @@ func TestSweepEndsVMsTheNodeDoesNotKnow(t *testing.T) {
 	if got := run(t, a, "echo kept"); got != "kept\n" {
 		t.Fatalf("the known VM: %q", got)
 	}
+}
+
+// leaks lists what a destroyed VM left: its QEMU, sockets, disk, saved
+// memory and screenshots.
+func leaks(d *Driver, s *substrate.Spec) []string {
+	shots, _ := filepath.Glob(filepath.Join(s.Dir, "screen-*"))
+	return append(qemutest.Leftovers(d.cfg.RunDir, s.ID, s.Dir, diskFile, qemu.PauseFile), shots...)
 }
