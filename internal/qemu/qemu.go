@@ -11,6 +11,7 @@ package qemu
 
 import (
 	"errors"
+	"fmt"
 	"os/exec"
 )
 
@@ -24,4 +25,28 @@ func FindBinary(name string) (string, error) {
 		return "", errors.New(name + " not installed (apt-get install qemu-system-x86)")
 	}
 	return p, nil
+}
+
+// ControlArgs are the QEMU arguments every dsec VM ends with: the agent
+// channel (vhost-vsock with guest CID cid when vsock, else a virtio-serial
+// port on agentSock), the monitor on qmpSock, and QEMU's own seccomp
+// sandbox. transport is the machine's virtio transport: "device"
+// (virtio-mmio, the microvm machine) or "pci".
+func ControlArgs(transport string, vsock bool, cid uint32, agentSock, qmpSock string) []string {
+	var args []string
+	if vsock {
+		args = append(args, "-device", fmt.Sprintf("vhost-vsock-%s,guest-cid=%d", transport, cid))
+	} else {
+		args = append(args,
+			"-device", "virtio-serial-"+transport+",max_ports=2",
+			"-chardev", "socket,id=agent,path="+agentSock+",server=on,wait=off",
+			"-device", "virtserialport,chardev=agent,name=dsec.agent")
+	}
+	return append(args,
+		"-qmp", "unix:"+qmpSock+",server=on,wait=off",
+		// QEMU itself may not spawn processes, gain privileges or use
+		// obsolete syscalls.
+		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+		"-msg", "timestamp=on",
+	)
 }

@@ -112,3 +112,16 @@ func TestProbeAccelHonoursForcedModesAndMissingKVM(t *testing.T) {
 		t.Fatalf("tcg arg %q", got)
 	}
 }
+
+func TestControlArgs(t *testing.T) {
+	serial := strings.Join(ControlArgs("pci", false, 0, "/r/a.agent", "/r/a.qmp"), " ")
+	for _, want := range []string{"-device virtio-serial-pci,max_ports=2", "socket,id=agent,path=/r/a.agent,server=on,wait=off", "-qmp unix:/r/a.qmp,server=on,wait=off", "spawn=deny"} {
+		if !strings.Contains(serial, want) {
+			t.Errorf("serial channel args %q lack %q", serial, want)
+		}
+	}
+	vsock := strings.Join(ControlArgs("device", true, 7, "/r/a.agent", "/r/a.qmp"), " ")
+	if !strings.Contains(vsock, "-device vhost-vsock-device,guest-cid=7") || strings.Contains(vsock, "virtio-serial") {
+		t.Errorf("vsock channel args %q", vsock)
+	}
+}

@@ -68,21 +68,7 @@ func (m *machine) args(id, disk, agentSock, qmpSock, console string) []string {
 		// Free pages go back to the host as the guest frees them.
 		"-device", "virtio-balloon-device,free-page-reporting=on",
 	}
-	if m.Vsock {
-		args = append(args, "-device", fmt.Sprintf("vhost-vsock-device,guest-cid=%d", m.CID))
-	} else {
-		args = append(args,
-			"-device", "virtio-serial-device,max_ports=2",
-			"-chardev", "socket,id=agent,path="+agentSock+",server=on,wait=off",
-			"-device", "virtserialport,chardev=agent,name=dsec.agent")
-	}
-	return append(args,
-		"-qmp", "unix:"+qmpSock+",server=on,wait=off",
-		// QEMU itself may not spawn processes, gain privileges or use
-		// obsolete syscalls.
-		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-		"-msg", "timestamp=on",
-	)
+	return append(args, qemu.ControlArgs("device", m.Vsock, m.CID, agentSock, qmpSock)...)
 }
 
 // SnapshotArgs returns the QEMU command line that restores the machine

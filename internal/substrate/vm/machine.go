@@ -5,6 +5,8 @@ import (
 	"math"
 	"path/filepath"
 	"strconv"
+
+	"github.com/opendsec/dsec/internal/qemu"
 )
 
 // firmwareLog is SeaBIOS's debug output, in the sandbox's directory.
@@ -100,19 +102,5 @@ func (m *machine) args(id, disk, agentSock, qmpSock, console string, vnc bool) [
 	} else {
 		args = append(args, "-display", "none")
 	}
-	if m.Vsock {
-		args = append(args, "-device", fmt.Sprintf("vhost-vsock-pci,guest-cid=%d", m.CID))
-	} else {
-		args = append(args,
-			"-device", "virtio-serial-pci,max_ports=2",
-			"-chardev", "socket,id=agent,path="+agentSock+",server=on,wait=off",
-			"-device", "virtserialport,chardev=agent,name=dsec.agent")
-	}
-	return append(args,
-		"-qmp", "unix:"+qmpSock+",server=on,wait=off",
-		// QEMU itself may not spawn processes, gain privileges or use
-		// obsolete syscalls.
-		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-		"-msg", "timestamp=on",
-	)
+	return append(args, qemu.ControlArgs("pci", m.Vsock, m.CID, agentSock, qmpSock)...)
 }
