@@ -1,0 +1,152 @@
+// Package hostile attacks dsec the way an adversarial RL agent would: from
+// inside a sandbox, and with a second project's API key from outside. Each
+// test mounts one attack beside a neighbour sandbox and asserts that the
+// attack is contained, that the caller gets a clear, typed status, and that
+// the neighbour's exec latency (p50 over 20 calls) during the attack stays
+// within 2x of its value before it.
+//
+// The tests run against a real `dsec serve` (crun, nftables) and need root;
+// `make test` runs them.
+package hostile
+
+import (
+	"context"
+	"errors"
+	"os"
+	"sort"
+	"testing"
+	"time"
+
+	"github.com/opendsec/dsec/internal/dsectest"
+	dsec "github.com/opendsec/dsec/sdk/go"
+)
+
+// shared owns the servers several tests use; it is closed after all tests.
+var shared = dsectest.Program()
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	shared.Close()
+	os.Exit(code)
+}
+
+// Keys of the two projects the shared server knows.
+const (
+	keyA = "proj-a=key-for-project-a-0123456789"
+	keyB = "proj-b=key-for-project-b-0123456789"
+)
+
+func secret(entry string) string {
+	for i := 0; i < len(entry); i++ {
+		if entry[i] == '=' {
+			return entry[i+1:]
+		}
+	}
+	return entry
+}
+
+var server *dsectest.Server
+
+// srv is the server the tests share: two projects, egress networking
+// available.
+func srv(t *testing.T) *dsectest.Server {
+	t.Helper()
+	if server == nil {
+		dsectest.Need(t)
+		server = dsectest.Start(shared, dsectest.Options{
+			APIKeys: []string{keyA, keyB},
+		})
+	}
+	return server
+}
+
+// client is project A's client of the shared server.
+func client(t *testing.T) *dsec.Client { return clientFor(t, keyA) }
+
+func clientFor(t *testing.T, entry string) *dsec.Client {
+	return dsec.New(srv(t).URL, dsec.WithAPIKey(secret(entry)))
+}
+
+func ctxFor(t *testing.T, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func create(t *testing.T, c *dsec.Client, o dsec.CreateOptions) *dsec.Sandbox {
+	t.Helper()
+	if o.Image == "" {
+		o.Image = "busybox"
+	}
+	if o.TTL == 0 {
+		o.TTL = 10 * time.Minute
+	}
+	sb, err := c.Create(ctxFor(t, 2*time.Minute), o)
+	if err != nil {
+		t.Fatalf("create: %v", err)
+	}
+	t.Cleanup(func() { sb.Close() })
+	return sb
+}
+
+func kindOf(err error) string {
+	var e *dsec.Error
+	if errors.As(err, &e) {
+		return e.Kind
+	}
+	return ""
+}
+
+func infraOf(err error) bool {
+	var e *dsec.Error
+	return errors.As(err, &e) && e.Infra
+}
+
+// neighbour is a sandbox of another project beside the attack, whose exec
+// latency shows whether the attack reaches past its own sandbox.
+type neighbour struct {
+	sb     *dsec.Sandbox
+	before time.Duration
+}
+
+const neighbourSamples = 20
+
+// newNeighbour starts the neighbour (project B) and measures its p50.
+func newNeighbour(t *testing.T) *neighbour {
+	t.Helper()
+	nb := &neighbour{sb: create(t, clientFor(t, keyB), dsec.CreateOptions{})}
+	nb.p50(t) // warm the connection and the sandbox
+	nb.before = nb.p50(t)
+	return nb
+}
+
+// p50 is the median round trip of `true` in the neighbour.
+func (nb *neighbour) p50(t *testing.T) time.Duration {
+	t.Helper()
+	ctx := ctxFor(t, time.Minute)
+	d := make([]time.Duration, 0, neighbourSamples)
+	for range neighbourSamples {
+		start := time.Now()
+		r, err := nb.sb.Exec(ctx, dsec.Argv("true"))
+		if err != nil {
+			t.Fatalf("neighbour exec: %v", err)
+		}
+		if r.ExitCode != 0 {
+			t.Fatalf("neighbour exec: exit %d", r.ExitCode)
+		}
+		d = append(d, time.Since(start))
+	}
+	sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
+	return d[len(d)/2]
+}
+
+// check measures the neighbour while an attack runs and fails t if its
+// p50 is more than twice what it was before the attack.
+func (nb *neighbour) check(t *testing.T) {
+	t.Helper()
+	during := nb.p50(t)
+	t.Logf("neighbour exec p50: %v before, %v during the attack", nb.before, during)
+	if during > 2*nb.before {
+		t.Errorf("neighbour exec p50 %v during the attack, more than 2x its %v before", during, nb.before)
+	}
+}
