@@ -64,7 +64,8 @@ func apiCmd() *cobra.Command {
 	f := cmd.Flags()
 	f.StringVarP(&file, "config", "c", "", "YAML config file")
 	f.StringVar(&flagCfg.Listen, "listen", "", "API address (default 127.0.0.1:7070)")
-	f.StringArrayVar(&flagCfg.APIKeys, "api-key", nil, "an API key accepted besides those in etcd (repeatable; env DSEC_API_KEYS)")
+	f.StringArrayVar(&flagCfg.APIKeys, "api-key", nil, "an API key accepted besides those in etcd, KEY or PROJECT=KEY (repeatable; env DSEC_API_KEYS)")
+	f.StringArrayVar(&flagCfg.AdminKeys, "admin-key", nil, "an operator's key accepted besides those in etcd: reaches every project (repeatable; env DSEC_ADMIN_KEYS)")
 	f.StringVar(&flagCfg.Cluster.Token, "cluster-token", "", "token presented to node agents (env DSEC_CLUSTER_TOKEN)")
 	e2bFlags(f, &flagCfg)
 	f.IntVar(&flagCfg.Cluster.Choices, "choices", 0, "fitting nodes sampled per placement (default 2)")
@@ -87,13 +88,19 @@ func runAPI(ctx context.Context, cfg config.Config) error {
 	defer store.Close()
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	state := store.NewState(cfg.APIKeys, open, log)
+	state, err := store.NewState(cfg.APIKeys, cfg.AdminKeys, open, log)
+	if err != nil {
+		return err
+	}
 	go state.Run(ctx)
 	router := cluster.NewRouter(cluster.RouterConfig{
 		Token: cfg.Cluster.Token, Choices: cfg.Cluster.Choices, Attempts: cfg.Cluster.Attempts,
 	}, state, log)
 	sessions := session.New(store.Sessions(), apiserver.Actor(router), log)
-	api := apiserver.New(apiserver.Config{Keys: state, Version: version}, log, router, sessions)
+	api, err := apiserver.New(apiserver.Config{Keys: state, Version: version}, log, router, sessions)
+	if err != nil {
+		return err
+	}
 	secret, err := e2bSecret(cfg.E2B, "", cfg.Cluster.Token, log)
 	if err != nil {
 		return fmt.Errorf("e2b token secret: %w", err)
@@ -209,10 +216,13 @@ func runNode(ctx context.Context, cfg config.Config) error {
 	if err := bootstrapImages(ctx, n, cfg.Bootstrap, log); err != nil {
 		return err
 	}
-	agent := nodeagent.New(nodeagent.Config{
+	agent, err := nodeagent.New(nodeagent.Config{
 		Address: advertise, Token: cfg.Cluster.Token, Labels: cfg.Cluster.Labels, Version: version,
 		TTL: time.Duration(cfg.Cluster.NodeTTL), Interval: time.Duration(cfg.Cluster.LoadInterval),
 	}, n, store, log)
+	if err != nil {
+		return err
+	}
 	if err := serveDebug(cfg.DebugListen, log); err != nil {
 		return err
 	}
@@ -371,6 +381,7 @@ func projectCmd(g *globals, with storeFunc) *cobra.Command {
 func keyCmd(g *globals, with storeFunc) *cobra.Command {
 	cmd := &cobra.Command{Use: "key", Short: "API keys (only their hashes are stored)"}
 	var name, given string
+	var admin bool
 	add := &cobra.Command{
 		Use: "add PROJECT", Short: "Create an API key of a project and print it (once)", Args: cobra.ExactArgs(1),
 		RunE: with(func(ctx context.Context, s *cluster.Store, args []string) error {
@@ -380,7 +391,7 @@ func keyCmd(g *globals, with storeFunc) *cobra.Command {
 				rand.Read(b[:])
 				key = "dsec_" + strings.ToLower(base32.StdEncoding.WithPadding(base32.NoPadding).EncodeToString(b[:]))
 			}
-			if err := s.AddKey(ctx, key, args[0], name); err != nil {
+			if err := s.AddKey(ctx, key, args[0], name, admin); err != nil {
 				return err
 			}
 			fmt.Println(key)
@@ -389,6 +400,7 @@ func keyCmd(g *globals, with storeFunc) *cobra.Command {
 	}
 	add.Flags().StringVar(&name, "name", "", "a note to recognize the key by")
 	add.Flags().StringVar(&given, "key", "", "store this key instead of generating one")
+	add.Flags().BoolVar(&admin, "admin", false, "an operator's key: reaches every project's sandboxes, sessions, snapshots, images and logs")
 	ls := &cobra.Command{
 		Use: "ls", Short: "List keys by hash", Args: cobra.NoArgs,
 		RunE: with(func(ctx context.Context, s *cluster.Store, _ []string) error {

@@ -25,7 +25,16 @@ type globals struct {
 }
 
 func (g *globals) client() *dsec.Client {
-	return dsec.New(g.url, dsec.WithAPIKey(g.apiKey))
+	return dsec.New(g.url, dsec.WithAPIKey(g.key()))
+}
+
+// key is --api-key, else $DSEC_API_KEY. The environment is read here, not
+// as the flag's default, so --help never prints a secret.
+func (g *globals) key() string {
+	if g.apiKey != "" {
+		return g.apiKey
+	}
+	return os.Getenv("DSEC_API_KEY")
 }
 
 func (g *globals) json() bool { return g.output == "json" }
@@ -39,7 +48,7 @@ func main() {
 		SilenceErrors: true,
 	}
 	root.PersistentFlags().StringVar(&g.url, "url", envOr("DSEC_URL", dsec.DefaultURL), "server URL (env DSEC_URL)")
-	root.PersistentFlags().StringVar(&g.apiKey, "api-key", os.Getenv("DSEC_API_KEY"), "API key (env DSEC_API_KEY)")
+	root.PersistentFlags().StringVar(&g.apiKey, "api-key", "", "API key (default $DSEC_API_KEY)")
 	root.PersistentFlags().StringVarP(&g.output, "output", "o", "text", "output format: text or json")
 
 	root.AddCommand(serveCmd(), apiCmd(), nodeCmd(), clusterCmd(g))

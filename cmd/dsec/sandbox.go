@@ -96,6 +96,7 @@ func execCmd(g *globals) *cobra.Command {
 		env              []string
 		cwd, user        string
 		requestID        string
+		maxOutput        string
 	)
 	cmd := &cobra.Command{
 		Use:   "exec [-i] [-t] ID -- COMMAND [ARG...]",
@@ -115,7 +116,11 @@ func execCmd(g *globals) *cobra.Command {
 			if len(argv) == 0 {
 				return fmt.Errorf("no command given")
 			}
-			o := dsec.ExecOptions{Argv: argv, Env: envMap, Cwd: cwd, User: user, Timeout: timeout, PTY: tty, RequestID: requestID}
+			maxMB, err := parseMemory(maxOutput)
+			if err != nil {
+				return fmt.Errorf("--max-output: %w", err)
+			}
+			o := dsec.ExecOptions{Argv: argv, Env: envMap, Cwd: cwd, User: user, Timeout: timeout, PTY: tty, RequestID: requestID, MaxOutputBytes: maxMB << 20}
 			var restore func()
 			if tty {
 				if w, h, err := term.GetSize(int(os.Stdout.Fd())); err == nil {
@@ -177,6 +182,9 @@ func execCmd(g *globals) *cobra.Command {
 			if res.TimedOut {
 				fmt.Fprintf(os.Stderr, "dsec: command timed out after %s\n", timeout)
 			}
+			if res.Truncated {
+				fmt.Fprintln(os.Stderr, "dsec: output truncated: each stream is capped (the server's default is 1M; raise it with --max-output)")
+			}
 			if res.OomKilled {
 				fmt.Fprintln(os.Stderr, "dsec: command was killed by the sandbox's memory limit")
 			}
@@ -194,6 +202,7 @@ func execCmd(g *globals) *cobra.Command {
 	f.StringVarP(&cwd, "workdir", "w", "", "working directory")
 	f.StringVarP(&user, "user", "u", "", "user to run as")
 	f.StringVar(&requestID, "request-id", "", "exactly-once: a repeat with this ID returns the logged result")
+	f.StringVar(&maxOutput, "max-output", "", "cap on each output stream, e.g. 16M (default: the server's, 1M)")
 	f.SetInterspersed(false)
 	return cmd
 }

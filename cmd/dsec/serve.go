@@ -38,6 +38,7 @@ import (
 	"github.com/opendsec/dsec/internal/substrate/function"
 	"github.com/opendsec/dsec/internal/substrate/microvm"
 	"github.com/opendsec/dsec/internal/substrate/vm"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 func serveCmd() *cobra.Command {
@@ -67,7 +68,8 @@ func serveCmd() *cobra.Command {
 	f := cmd.Flags()
 	f.StringVarP(&file, "config", "c", "", "YAML config file")
 	f.StringVar(&flagCfg.Listen, "listen", "", "API address (default 127.0.0.1:7070)")
-	f.StringArrayVar(&flagCfg.APIKeys, "api-key", nil, "accepted API key (repeatable; env DSEC_API_KEYS)")
+	f.StringArrayVar(&flagCfg.APIKeys, "api-key", nil, "accepted API key, KEY (project default) or PROJECT=KEY (repeatable; env DSEC_API_KEYS)")
+	f.StringArrayVar(&flagCfg.AdminKeys, "admin-key", nil, "an operator's key: reaches every project (repeatable; env DSEC_ADMIN_KEYS)")
 	e2bFlags(f, &flagCfg)
 	nodeFlags(f, &flagCfg, &bootstrap, &pools)
 	f.StringVar(&flagCfg.Node.Name, "name", "", "node name (default local)")
@@ -130,6 +132,9 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("api-key") {
 		cfg.APIKeys = fl.APIKeys
+	}
+	if set("admin-key") {
+		cfg.AdminKeys = fl.AdminKeys
 	}
 	if set("guest-binary") {
 		cfg.GuestBinary = fl.GuestBinary
@@ -223,7 +228,7 @@ func newLogger(level string) *slog.Logger {
 
 func serve(ctx context.Context, cfg config.Config) error {
 	log := newLogger(cfg.LogLevel)
-	if err := apiserver.CheckListen(cfg.Listen, cfg.APIKeys); err != nil {
+	if err := apiserver.CheckListen(cfg.Listen, append(cfg.APIKeys, cfg.AdminKeys...)); err != nil {
 		return err
 	}
 	n, closeNode, err := openNode(cfg, log)
@@ -240,7 +245,10 @@ func serve(ctx context.Context, cfg config.Config) error {
 	}
 	defer sessStore.Close()
 	sessions := session.New(sessStore, apiserver.Actor(router), log)
-	api := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, Version: version}, log, router, sessions)
+	api, err := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, AdminKeys: cfg.AdminKeys, Version: version}, log, router, sessions)
+	if err != nil {
+		return err
+	}
 	secret, err := e2bSecret(cfg.E2B, n.DataDir(), "", log)
 	if err != nil {
 		return fmt.Errorf("e2b token secret: %w", err)
@@ -259,7 +267,7 @@ func serve(ctx context.Context, cfg config.Config) error {
 	if err != nil {
 		return err
 	}
-	log.Info("dsec serving", slog.String("listen", l.Addr().String()), slog.String("data_dir", n.DataDir()), slog.Bool("auth", len(cfg.APIKeys) > 0))
+	log.Info("dsec serving", slog.String("listen", l.Addr().String()), slog.String("data_dir", n.DataDir()), slog.Bool("auth", len(cfg.APIKeys)+len(cfg.AdminKeys) > 0))
 	return api.Serve(ctx, l)
 }
 
@@ -298,6 +306,8 @@ func openNode(cfg config.Config, log *slog.Logger) (_ *node.Node, close func(), 
 // ("busybox", "debian") builds layers, "<recipe>-vm" ("debian-vm") a VM
 // image.
 func bootstrapImages(ctx context.Context, n *node.Node, recipes []string, log *slog.Logger) error {
+	// The server's own images are shared by every project.
+	ctx = tenant.System(ctx)
 	for _, recipe := range recipes {
 		if _, err := n.GetImage(ctx, recipe); err == nil {
 			continue

@@ -42,8 +42,14 @@ func (s *Server) serveFiles(w http.ResponseWriter, r *http.Request) {
 			_, err := w.Write(m.GetData())
 			return err
 		})
-		if err != nil && !started {
+		switch {
+		case err != nil && !started:
 			writeHTTPError(w, err)
+		case err != nil:
+			// The status is sent: break the response off (no final chunk,
+			// or fewer bytes than Content-Length) so no client takes a
+			// short body for the file.
+			panic(http.ErrAbortHandler)
 		}
 	case http.MethodPut, http.MethodPost:
 		mode, _ := strconv.ParseUint(q.Get("mode"), 8, 32)

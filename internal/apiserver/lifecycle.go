@@ -12,6 +12,7 @@ import (
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/session"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // maxBatch bounds one CreateSandboxes request.
@@ -94,7 +95,7 @@ func (s *sandboxService) CreateSandboxes(ctx context.Context, req *connect.Reque
 			keys[i] = fmt.Sprintf("%s/%d", k, i)
 		}
 	}
-	out := s.r.CreateMany(ctx, specs, keys, projectOf(ctx))
+	out := s.r.CreateMany(ctx, specs, keys, tenant.Project(ctx))
 	s.settle(ctx, out.GetResults())
 	recount(out)
 	return connect.NewResponse(out), nil

@@ -13,6 +13,7 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/errwire"
 	"github.com/opendsec/dsec/internal/session"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // sandboxService translates the SandboxService to nodes.
@@ -43,7 +44,7 @@ func (s *sandboxService) CreateSandbox(ctx context.Context, req *connect.Request
 	if err := s.admitSession(ctx, req.Msg.GetSpec()); err != nil {
 		return nil, wire(err)
 	}
-	req.Msg.Project = projectOf(ctx)
+	req.Msg.Project = tenant.Project(ctx)
 	sb, err := s.r.Create(ctx, req.Msg)
 	if err != nil {
 		return nil, wire(err)

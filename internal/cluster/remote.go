@@ -18,6 +18,7 @@ import (
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/errwire"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // remote is a node agent as the apiserver sees it: a Connect client of the
@@ -161,14 +162,15 @@ func serverStream[Req, Msg any](r *remote, ctx context.Context, req *Req, f func
 	return r.fail(cctx, stream.Err())
 }
 
-// nodeAuth sends the cluster token and the caller's project.
+// nodeAuth sends the cluster token and the caller (its project and
+// role), which the node checks every object against.
 type nodeAuth struct{ token string }
 
 func (a *nodeAuth) set(ctx context.Context, h http.Header) {
 	if a.token != "" {
 		h.Set("Authorization", "Bearer "+a.token)
 	}
-	h.Set(apiserver.ProjectHeader, apiserver.ProjectOf(ctx))
+	apiserver.SetCaller(ctx, h)
 }
 
 func (a *nodeAuth) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
@@ -211,7 +213,8 @@ func (r *remote) Info(ctx context.Context) *dsecv1.NodeInfo {
 
 // createOn creates sandboxes on this node through NodeService.
 func (r *remote) createOn(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string) (*nodev1.CreateSandboxesResponse, error) {
-	return unary(r, apiserver.WithProject(ctx, project), &nodev1.CreateSandboxesRequest{Specs: specs, IdempotencyKeys: keys, Project: project}, r.nd.CreateSandboxes)
+	ctx = tenant.With(ctx, tenant.Caller{Project: project, Admin: tenant.From(ctx).Admin})
+	return unary(r, ctx, &nodev1.CreateSandboxesRequest{Specs: specs, IdempotencyKeys: keys, Project: project}, r.nd.CreateSandboxes)
 }
 
 func (r *remote) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*dsecv1.Sandbox, error) {
@@ -426,7 +429,7 @@ func (r *remote) DeleteSnapshot(ctx context.Context, id string) error {
 // Fork creates children on the parent's node; they count against the
 // project's quotas like any create.
 func (r *remote) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.CreateSandboxesResponse, error) {
-	allowed, release, err := r.router.admitQuota(apiserver.ProjectOf(ctx), int(req.GetCount()))
+	allowed, release, err := r.router.admitQuota(tenant.Project(ctx), int(req.GetCount()))
 	defer release()
 	if allowed < int(req.GetCount()) {
 		return nil, err

@@ -18,6 +18,7 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/placement"
 	"github.com/opendsec/dsec/internal/sandboxid"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // RouterConfig configures a Router. The zero value works (without a
@@ -146,7 +147,7 @@ func (r *Router) ForSnapshot(ctx context.Context, id string) (apiserver.Node, er
 // ForFunction picks a node that runs function calls, by the same load
 // view as creates.
 func (r *Router) ForFunction(ctx context.Context) (apiserver.Node, error) {
-	res, err := r.placer.Pick(r.state.view.Load().nodes, placement.Request{Kind: "function", Project: apiserver.ProjectOf(ctx)})
+	res, err := r.placer.Pick(r.state.view.Load().nodes, placement.Request{Kind: "function", Project: tenant.Project(ctx)})
 	if err != nil {
 		return nil, err
 	}

@@ -57,7 +57,10 @@ func (e *env) node(cfg clustertest.Config) *clustertest.Node {
 func (e *env) router(n int) *cluster.Router {
 	ctx, cancel := context.WithCancel(context.Background())
 	e.t.Cleanup(cancel)
-	st := e.store.NewState(nil, true, slog.New(slog.DiscardHandler))
+	st, err := e.store.NewState(nil, nil, true, slog.New(slog.DiscardHandler))
+	if err != nil {
+		e.t.Fatal(err)
+	}
 	r := cluster.NewRouter(cluster.RouterConfig{Token: token}, st, slog.New(slog.DiscardHandler))
 	go st.Run(ctx)
 	waitFor(e.t, fmt.Sprintf("%d live nodes", n), func() error {

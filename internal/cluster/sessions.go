@@ -18,19 +18,19 @@ var _ session.Store = Sessions{}
 // Sessions returns the session store.
 func (s *Store) Sessions() Sessions { return Sessions{s} }
 
-func (ss Sessions) GetSession(ctx context.Context, name string) (*session.Record, error) {
+func (ss Sessions) GetSession(ctx context.Context, key string) (*session.Record, error) {
 	ctx, cancel := ss.s.ctx(ctx)
 	defer cancel()
-	resp, err := ss.s.cli.Get(ctx, ss.s.key(dirSessions, name))
+	resp, err := ss.s.cli.Get(ctx, ss.s.key(dirSessions, key))
 	if err != nil {
 		return nil, unavailable(err, "get session")
 	}
 	if len(resp.Kvs) == 0 {
-		return nil, errdefs.NotFound("session %q not found", name)
+		return nil, errdefs.NotFound("session %q not found", key)
 	}
 	r := new(session.Record)
 	if err := json.Unmarshal(resp.Kvs[0].Value, r); err != nil {
-		return nil, errdefs.Internal(err, "session %q is unreadable", name)
+		return nil, errdefs.Internal(err, "session %q is unreadable", key)
 	}
 	return r, nil
 }
@@ -42,14 +42,14 @@ func (ss Sessions) PutSession(ctx context.Context, r *session.Record) error {
 	}
 	ctx, cancel := ss.s.ctx(ctx)
 	defer cancel()
-	_, err = ss.s.cli.Put(ctx, ss.s.key(dirSessions, r.Name), string(b))
+	_, err = ss.s.cli.Put(ctx, ss.s.key(dirSessions, r.Key()), string(b))
 	return unavailable(err, "put session")
 }
 
-func (ss Sessions) DeleteSession(ctx context.Context, name string) error {
+func (ss Sessions) DeleteSession(ctx context.Context, key string) error {
 	ctx, cancel := ss.s.ctx(ctx)
 	defer cancel()
-	_, err := ss.s.cli.Delete(ctx, ss.s.key(dirSessions, name))
+	_, err := ss.s.cli.Delete(ctx, ss.s.key(dirSessions, key))
 	return unavailable(err, "delete session")
 }
 

@@ -18,6 +18,7 @@ import (
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/placement"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // State is an apiserver replica's live view of the cluster state — nodes
@@ -34,7 +35,7 @@ type State struct {
 	mu       sync.RWMutex
 	nodes    map[string]*NodeStatus
 	projects map[string]Project
-	keys     map[string]string // key hash → project
+	keys     map[string]tenant.Caller // key hash → caller
 	replicas map[string]bool
 	onNode   []func(name string, n *NodeStatus) // called with mu not held, in event order
 
@@ -55,16 +56,21 @@ type view struct {
 var _ apiserver.Keys = (*State)(nil)
 
 // NewState returns a view of the cluster state; Run keeps it. static are
-// keys given at start ("KEY" or "PROJECT=KEY"); allowOpen lets callers in
-// without a key while no key exists at all (only for a loopback listener).
-func (s *Store) NewState(static []string, allowOpen bool, log *slog.Logger) *State {
+// projects' keys given at start ("KEY" or "PROJECT=KEY") and admin
+// operators' keys; allowOpen lets callers in without a key while no key
+// exists at all (only for a loopback listener).
+func (s *Store) NewState(static, admin []string, allowOpen bool, log *slog.Logger) (*State, error) {
+	keys, err := apiserver.ParseKeys(static, admin)
+	if err != nil {
+		return nil, err
+	}
 	st := &State{
-		s: s, log: log, static: apiserver.ParseKeys(static), allowOpen: allowOpen,
-		nodes: map[string]*NodeStatus{}, projects: map[string]Project{}, keys: map[string]string{}, replicas: map[string]bool{},
+		s: s, log: log, static: keys, allowOpen: allowOpen,
+		nodes: map[string]*NodeStatus{}, projects: map[string]Project{}, keys: map[string]tenant.Caller{}, replicas: map[string]bool{},
 		pnodes: map[string]*placement.Node{}, start: time.Now(), synced: make(chan struct{}),
 	}
 	st.view.Store(&view{totals: map[string]int64{}})
-	return st
+	return st, nil
 }
 
 // OnNode registers f to be called whenever a node's entry changes (load,
@@ -152,7 +158,7 @@ func (st *State) reload(ctx context.Context) (int64, error) {
 	st.ok()
 	st.mu.Lock()
 	old := st.nodes
-	st.nodes, st.projects, st.keys, st.replicas = map[string]*NodeStatus{}, map[string]Project{}, map[string]string{}, map[string]bool{}
+	st.nodes, st.projects, st.keys, st.replicas = map[string]*NodeStatus{}, map[string]Project{}, map[string]tenant.Caller{}, map[string]bool{}
 	changed := map[string]bool{}
 	for name := range old {
 		changed[name] = true
@@ -245,7 +251,7 @@ func (st *State) applyLocked(typ mvccpb.Event_EventType, kv *mvccpb.KeyValue) st
 		h := strings.TrimPrefix(k, dirKeys)
 		var r KeyRecord
 		if put && json.Unmarshal(kv.Value, &r) == nil {
-			st.keys[h] = r.Project
+			st.keys[h] = tenant.Caller{Project: r.Project, Admin: r.Admin}
 		} else {
 			delete(st.keys, h)
 		}
@@ -332,18 +338,18 @@ func (st *State) Node(name string) *NodeStatus {
 	return st.nodes[name]
 }
 
-// Project returns the project of an API key (apiserver.Keys).
-func (st *State) Project(key string) (string, bool) {
+// Caller returns the caller an API key authenticates (apiserver.Keys).
+func (st *State) Caller(key string) (tenant.Caller, bool) {
 	if key == "" {
-		return "", false
+		return tenant.Caller{}, false
 	}
-	if p, ok := st.static.Project(key); ok {
-		return p, true
+	if c, ok := st.static.Caller(key); ok {
+		return c, true
 	}
 	st.mu.RLock()
 	defer st.mu.RUnlock()
-	p, ok := st.keys[HashKey(key)]
-	return p, ok
+	c, ok := st.keys[HashKey(key)]
+	return c, ok
 }
 
 // Open reports whether callers need no key: only when allowed and no key

@@ -24,9 +24,15 @@ type Config struct {
 	DataDir string `json:"data_dir,omitempty"`
 	// CacheDir keeps bootstrapped root filesystems (default DataDir/cache).
 	CacheDir string `json:"cache_dir,omitempty"`
-	// APIKeys are accepted API keys (env DSEC_API_KEYS, comma-separated).
-	// Empty: no authentication, loopback only.
+	// APIKeys are accepted API keys, "KEY" (project "default") or
+	// "PROJECT=KEY" (env DSEC_API_KEYS, comma-separated). A key reaches only
+	// its project's sandboxes, snapshots, sessions, images and logs. Empty
+	// (and no AdminKeys): no authentication, loopback only.
 	APIKeys []string `json:"api_keys,omitempty"`
+	// AdminKeys are operators' keys, which reach every project's objects
+	// and make shared images (env DSEC_ADMIN_KEYS, comma-separated;
+	// default none).
+	AdminKeys []string `json:"admin_keys,omitempty"`
 	// GuestBinary is the static dsec-guest binary (default: dsec-guest next
 	// to the dsec binary, env DSEC_GUEST_BINARY).
 	GuestBinary string `json:"guest_binary,omitempty"`
@@ -255,12 +261,10 @@ func Load(path string) (Config, error) {
 		}
 	}
 	if v := os.Getenv("DSEC_API_KEYS"); v != "" {
-		c.APIKeys = nil
-		for _, k := range strings.Split(v, ",") {
-			if k = strings.TrimSpace(k); k != "" {
-				c.APIKeys = append(c.APIKeys, k)
-			}
-		}
+		c.APIKeys = splitList(v)
+	}
+	if v := os.Getenv("DSEC_ADMIN_KEYS"); v != "" {
+		c.AdminKeys = splitList(v)
 	}
 	if v := os.Getenv("DSEC_DATA_DIR"); v != "" {
 		c.DataDir = v

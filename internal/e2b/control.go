@@ -18,6 +18,7 @@ import (
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/errwire"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // The control plane: E2B's REST API (api.e2b.app), authenticated with
@@ -42,6 +43,9 @@ const (
 	// deprecated v1 (POST /sandboxes).
 	defaultTimeoutV2 = 300
 	defaultTimeoutV1 = 15
+	// maxTimeoutS bounds a timeout before it becomes a Duration (which it
+	// would overflow); the node refuses more than its own maximum TTL.
+	maxTimeoutS = 1 << 32
 	// metricsWindow is how long GET /sandboxes/{id}/metrics watches the
 	// sandbox's CPU time to report its current CPU use.
 	metricsWindow = 200 * time.Millisecond
@@ -56,12 +60,14 @@ var labelKey = regexp.MustCompile(`^([a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Z
 func (f *Facade) mountControl(handle func(string, http.Handler)) {
 	h := func(pattern string, fn func(http.ResponseWriter, *http.Request, string)) {
 		handle(pattern, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			project, ok := f.auth(r.Header)
+			caller, ok := f.auth(r.Header)
 			if !ok {
 				apiError(w, errdefs.Unauthenticated("missing or unknown API key: set E2B_API_KEY to a dsec API key"))
 				return
 			}
-			fn(w, r, project)
+			// Every call the handler makes acts for the caller: another
+			// project's sandboxes are not found.
+			fn(w, r.WithContext(tenant.With(r.Context(), caller)), caller.Project)
 		}))
 	}
 	h("POST /v2/sandboxes", func(w http.ResponseWriter, r *http.Request, p string) { f.create(w, r, p, defaultTimeoutV2) })
@@ -474,7 +480,7 @@ func (f *Facade) wake(w http.ResponseWriter, r *http.Request, timeout *int64, pa
 		apiError(w, errdefs.Conflict("sandbox %s is already running", id))
 		return
 	}
-	if timeout != nil && *timeout > 0 && time.Now().Add(time.Duration(*timeout)*time.Second).After(sb.GetExpiresAt().AsTime()) {
+	if timeout != nil && *timeout > 0 && (*timeout > maxTimeoutS || time.Now().Add(time.Duration(*timeout)*time.Second).After(sb.GetExpiresAt().AsTime())) {
 		if sb, err = n.Keepalive(ctx, &dsecv1.KeepaliveRequest{Id: id, ExtendTtlS: *timeout}); err != nil {
 			apiError(w, err)
 			return

@@ -30,6 +30,7 @@ import (
 
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // EnvdVersion is the envd version the facade reports. It is the lowest
@@ -94,8 +95,8 @@ var DefaultTemplates = map[string]Template{
 }
 
 // Authenticator checks a control-plane request's API key and returns the
-// caller's project.
-type Authenticator func(h http.Header) (project string, ok bool)
+// caller.
+type Authenticator func(h http.Header) (c tenant.Caller, ok bool)
 
 // Facade serves the E2B protocol.
 type Facade struct {

@@ -26,6 +26,7 @@ import (
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/errwire"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // The sandbox side: envd's Connect services (process.Process,
@@ -46,7 +47,7 @@ const (
 
 func (f *Facade) mountEnvd(handle func(string, http.Handler)) {
 	opts := []connect.HandlerOption{
-		connect.WithInterceptors(&envdAuth{f: f}),
+		connect.WithInterceptors(streamErrors{}),
 		connect.WithReadMaxBytes(32 << 20),
 		// As the native API: compressing small messages costs more CPU
 		// than it saves.
@@ -76,16 +77,21 @@ func (f *Facade) mountService(handle func(string, http.Handler), prefix string, 
 			ew.Write(w, r, errwire.ToConnect(errdefs.Unimplemented("%s is not implemented by dsec's envd", clip(r.URL.Path))))
 			return
 		}
+		// The access token is checked from the headers, before the body
+		// is read.
 		t, err := f.resolve(r, EnvdPort)
-		ctx := withTarget(r.Context(), t)
 		if err != nil {
-			ctx = context.WithValue(ctx, targetErrKey{}, err)
+			ew.Write(w, r, errwire.ToConnect(err))
+			return
+		}
+		ctx, err := f.envdAuth(withTarget(r.Context(), t), r.Header)
+		if err != nil {
+			ew.Write(w, r, errwire.ToConnect(err))
+			return
 		}
 		h.ServeHTTP(w, r.WithContext(ctx))
 	}))
 }
-
-type targetErrKey struct{}
 
 type userKey struct{}
 
@@ -96,54 +102,49 @@ func userOf(ctx context.Context) string {
 
 // envdAuth checks that an envd call names a sandbox on the envd port and
 // carries its access token, and takes the user from Authorization: Basic.
-type envdAuth struct{ f *Facade }
-
-func (a *envdAuth) check(ctx context.Context, h http.Header) (context.Context, error) {
-	if err, ok := ctx.Value(targetErrKey{}).(error); ok {
-		return ctx, errwire.ToConnect(err)
-	}
+// The context it returns acts for the token's holder (tokenHolder).
+func (f *Facade) envdAuth(ctx context.Context, h http.Header) (context.Context, error) {
 	t := targetOf(ctx)
 	if t.port != EnvdPort {
-		return ctx, errwire.ToConnect(errdefs.Unavailable("port %d of sandbox %s is not served: dsec forwards only envd (%d) and the code interpreter (%d)", t.port, clip(t.id), EnvdPort, InterpreterPort))
+		return ctx, errdefs.Unavailable("port %d of sandbox %s is not served: dsec forwards only envd (%d) and the code interpreter (%d)", t.port, clip(t.id), EnvdPort, InterpreterPort)
 	}
-	if !equal(h.Get("X-Access-Token"), a.f.AccessToken(t.id)) {
-		return ctx, errwire.ToConnect(errdefs.Unauthenticated("missing or wrong X-Access-Token for sandbox %s", clip(t.id)))
+	if !equal(h.Get("X-Access-Token"), f.AccessToken(t.id)) {
+		return ctx, errdefs.Unauthenticated("missing or wrong X-Access-Token for sandbox %s", clip(t.id))
 	}
 	if auth := h.Get("Authorization"); auth != "" {
 		enc, ok := strings.CutPrefix(auth, "Basic ")
 		if !ok {
-			return ctx, errwire.ToConnect(errdefs.Unauthenticated("Authorization must be Basic <user:>"))
+			return ctx, errdefs.Unauthenticated("Authorization must be Basic <user:>")
 		}
 		b, err := base64.StdEncoding.DecodeString(strings.TrimSpace(enc))
 		if err != nil {
-			return ctx, errwire.ToConnect(errdefs.Unauthenticated("Authorization: malformed Basic credentials"))
+			return ctx, errdefs.Unauthenticated("Authorization: malformed Basic credentials")
 		}
 		user, _, _ := strings.Cut(string(b), ":")
 		ctx = context.WithValue(ctx, userKey{}, user)
 	}
-	return ctx, nil
+	return tokenHolder(ctx), nil
 }
 
-func (a *envdAuth) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
-	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-		ctx, err := a.check(ctx, req.Header())
-		if err != nil {
-			return nil, err
-		}
-		return next(ctx, req)
-	}
-}
+// tokenHolder returns ctx acting for the holder of a sandbox's access
+// token. The token (checked before) was handed out only to a caller of the
+// sandbox's project, and names the sandbox: every node call the facade
+// makes with this context addresses that one sandbox (targetOf(ctx).id),
+// never another, so it may act with the platform's own reach.
+func tokenHolder(ctx context.Context) context.Context { return tenant.System(ctx) }
 
-func (a *envdAuth) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+// streamErrors reports unreadable request streams as the client's error
+// (requestConn).
+type streamErrors struct{}
+
+func (streamErrors) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc { return next }
+
+func (streamErrors) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
 	return next
 }
 
-func (a *envdAuth) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+func (streamErrors) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
-		ctx, err := a.check(ctx, conn.RequestHeader())
-		if err != nil {
-			return err
-		}
 		return next(ctx, requestConn{conn})
 	}
 }

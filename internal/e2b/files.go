@@ -98,6 +98,7 @@ func (f *Facade) files(w http.ResponseWriter, r *http.Request) {
 		envdError(w, err)
 		return
 	}
+	r = r.WithContext(tokenHolder(r.Context()))
 	n, err := f.r.ForSandbox(r.Context(), t.id)
 	if err != nil {
 		envdError(w, notRunning(t.id))

@@ -54,7 +54,7 @@ func (f *Facade) mountInterpreter(handle func(string, http.Handler)) {
 
 // interpreterNode authorizes a code-interpreter request (X-Access-Token or
 // E2B-Traffic-Access-Token: the SDK sends only the latter on /contexts) and
-// returns its sandbox's node.
+// returns its sandbox's node. Calls on it use tokenHolder(r.Context()).
 func (f *Facade) interpreterNode(r *http.Request) (apiserver.Node, string, error) {
 	t, err := f.resolve(r, InterpreterPort)
 	if err != nil {
@@ -207,6 +207,7 @@ type executeRequest struct {
 // execute streams an execution's output as NDJSON, flushed as it comes.
 func (f *Facade) execute(w http.ResponseWriter, r *http.Request) {
 	n, id, err := f.interpreterNode(r)
+	r = r.WithContext(tokenHolder(r.Context()))
 	if err != nil {
 		envdError(w, err)
 		return
@@ -260,6 +261,7 @@ func (f *Facade) execute(w http.ResponseWriter, r *http.Request) {
 // contextCall runs a context operation whose answer is one JSON value.
 func (f *Facade) contextCall(w http.ResponseWriter, r *http.Request, req map[string]any) {
 	n, id, err := f.interpreterNode(r)
+	r = r.WithContext(tokenHolder(r.Context()))
 	if err != nil {
 		envdError(w, err)
 		return

@@ -22,6 +22,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // Recipes are the base images Bootstrap can build offline.
@@ -143,7 +144,7 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 	if err != nil {
 		return nil, fmt.Errorf("import %s root filesystem: %w", recipe, err)
 	}
-	img := &Image{Name: as, Layers: []string{diff}, Size: size, Created: time.Now().UTC(), Source: "bootstrap:" + key, Config: cfg}
+	img := &Image{Name: as, Owner: tenant.ImageOwner(ctx), Layers: []string{diff}, Size: size, Created: time.Now().UTC(), Source: "bootstrap:" + key, Config: cfg}
 	d := sha256.New()
 	json.NewEncoder(d).Encode(struct {
 		L []string

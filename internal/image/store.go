@@ -30,11 +30,16 @@ import (
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // Image is one stored image.
 type Image struct {
-	Name    string    `json:"name"`
+	Name string `json:"name"`
+	// Owner is the project that owns the image, or tenant.Shared for an
+	// image every project sees (made by an operator or the server itself).
+	// A project's own image shadows a shared one of the same name for it.
+	Owner   string    `json:"owner,omitempty"`
 	Digest  string    `json:"digest"`
 	Layers  []string  `json:"layers"` // diff IDs, bottom first
 	Size    int64     `json:"size"`
@@ -124,7 +129,18 @@ func Open(dir string, log *slog.Logger) (*Store, error) {
 			log.Warn("skipping unreadable image record", slog.String("file", e.Name()), slog.Any("error", err))
 			continue
 		}
-		s.images[img.Name] = &img
+		if img.Snapshot != nil && img.Owner == tenant.Shared {
+			// A snapshot from before snapshots had owners: the default
+			// project's, as every sandbox then was.
+			img.Owner = tenant.DefaultProject
+			if err := s.put(&img); err != nil {
+				log.Warn("migrate snapshot record", slog.String("file", e.Name()), slog.Any("error", err))
+				continue
+			}
+			os.Remove(filepath.Join(dir, "refs", e.Name()))
+			continue
+		}
+		s.images[img.Key()] = &img
 	}
 	return s, nil
 }
@@ -153,11 +169,34 @@ func ValidName(name string) error {
 	return nil
 }
 
-// Get returns the image named name.
-func (s *Store) Get(name string) (*Image, error) {
+// Key is the image's key in the store: its name for a shared image,
+// "<owner> <name>" for a project's (tenant.ImageKey).
+func (img *Image) Key() string { return tenant.ImageKey(img.Owner, img.Name) }
+
+// Get returns the image with key (see Image.Key): a shared image by its
+// name.
+func (s *Store) Get(key string) (*Image, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if img, ok := s.images[normalize(name)]; ok {
+	if img, ok := s.images[normalize(key)]; ok {
+		return img, nil
+	}
+	return nil, errdefs.NotFound("image %q not found (see `dsec image ls`)", key)
+}
+
+// Lookup returns the image named name as project owner sees it: its own
+// image of that name, else the shared one. A shared owner sees only
+// shared images.
+func (s *Store) Lookup(owner, name string) (*Image, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	name = normalize(name)
+	if owner != tenant.Shared {
+		if img, ok := s.images[tenant.ImageKey(owner, name)]; ok {
+			return img, nil
+		}
+	}
+	if img, ok := s.images[name]; ok {
 		return img, nil
 	}
 	return nil, errdefs.NotFound("image %q not found (see `dsec image ls`)", name)
@@ -226,7 +265,7 @@ func (s *Store) Import(ctx context.Context, name, source string, img v1.Image, p
 			total += sz
 		}
 	}
-	rec := &Image{Name: normalize(name), Digest: digest.String(), Created: time.Now().UTC(), Source: source}
+	rec := &Image{Name: normalize(name), Owner: tenant.ImageOwner(ctx), Digest: digest.String(), Created: time.Now().UTC(), Source: source}
 	var done int64
 	for i, l := range layers {
 		if err := ctx.Err(); err != nil {
@@ -364,16 +403,17 @@ func (s *Store) put(img *Image) error {
 	if err != nil {
 		return err
 	}
-	if err := writeFileAtomic(s.refPath(img.Name), b); err != nil {
+	if err := writeFileAtomic(s.refPath(img.Key()), b); err != nil {
 		return fmt.Errorf("write image record: %w", err)
 	}
 	s.mu.Lock()
-	s.images[img.Name] = img
+	s.images[img.Key()] = img
 	s.mu.Unlock()
 	return nil
 }
 
-// Put stores a record whose layers are already in the store (snapshots).
+// Put stores a record whose layers are already in the store (snapshots),
+// under img.Owner.
 func (s *Store) Put(img *Image) error {
 	if err := ValidName(img.Name); err != nil {
 		return err
@@ -387,23 +427,24 @@ func (s *Store) Put(img *Image) error {
 	return s.put(img)
 }
 
-func (s *Store) refPath(name string) string {
-	h := sha256.Sum256([]byte(name))
+func (s *Store) refPath(key string) string {
+	h := sha256.Sum256([]byte(key))
 	return filepath.Join(s.dir, "refs", hex.EncodeToString(h[:16])+".json")
 }
 
-// Delete removes an image and frees layers nothing else uses.
-func (s *Store) Delete(name string) error {
+// Delete removes the image with key (see Image.Key) and frees layers
+// nothing else uses.
+func (s *Store) Delete(key string) error {
 	s.mu.Lock()
-	img, ok := s.images[normalize(name)]
+	img, ok := s.images[normalize(key)]
 	if ok {
-		delete(s.images, img.Name)
+		delete(s.images, img.Key())
 	}
 	s.mu.Unlock()
 	if !ok {
-		return errdefs.NotFound("image %q not found", name)
+		return errdefs.NotFound("image %q not found", key)
 	}
-	if err := os.Remove(s.refPath(img.Name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := os.Remove(s.refPath(img.Key())); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
 	s.GC()

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // A VM image (kind vm) is a bootable disk rather than file system layers.
@@ -74,7 +75,7 @@ func ReadVMLayer(dir string) (*VMImage, error) {
 // records the image. Files are hard-linked when dir is on the store's file
 // system (a build cache), else copied. digest identifies the files
 // ("sha256:<hex>").
-func (s *Store) addVMLayer(name, source, dir, digest string, meta *VMImage) (*Image, error) {
+func (s *Store) addVMLayer(owner, name, source, dir, digest string, meta *VMImage) (*Image, error) {
 	tmp, err := os.MkdirTemp(filepath.Join(s.dir, "tmp"), "vm-")
 	if err != nil {
 		return nil, err
@@ -98,7 +99,7 @@ func (s *Store) addVMLayer(name, source, dir, digest string, meta *VMImage) (*Im
 	}
 	size, _ := s.haveLayer(digest)
 	img := &Image{
-		Name: normalize(name), Digest: digest, Layers: []string{digest}, Size: size,
+		Name: normalize(name), Owner: owner, Digest: digest, Layers: []string{digest}, Size: size,
 		Created: time.Now().UTC(), Source: source, VM: meta,
 		Config: Config{Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}},
 	}
@@ -193,7 +194,7 @@ func (s *Store) ImportVM(ctx context.Context, r io.Reader, name string, progress
 	if err != nil {
 		return nil, err
 	}
-	img, err := s.addVMLayer(name, "import-vm", tmp, digest, meta)
+	img, err := s.addVMLayer(tenant.ImageOwner(ctx), name, "import-vm", tmp, digest, meta)
 	if err != nil {
 		return nil, err
 	}

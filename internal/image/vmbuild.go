@@ -18,6 +18,7 @@ import (
 
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/qemu"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // VMRecipes are the VM images BuildVM can build offline.
@@ -156,7 +157,7 @@ func (s *Store) BuildVM(ctx context.Context, recipe, as string, opts BootstrapOp
 		return nil, errdefs.Internal(err, "read the cached VM image (rebuild with --force)")
 	}
 	progress.report("unpack", "importing the "+recipe+" VM image", 0, 0)
-	img, err := s.addVMLayer(as, "build-vm:"+key, cache, c.Digest, &c.Meta)
+	img, err := s.addVMLayer(tenant.ImageOwner(ctx), as, "build-vm:"+key, cache, c.Digest, &c.Meta)
 	if err != nil {
 		return nil, err
 	}

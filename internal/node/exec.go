@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"math"
 	"path"
 	"sort"
 	"strconv"
@@ -57,7 +58,8 @@ func (n *Node) guestExec(s *sandbox, req *dsecv1.ExecRequest, collect bool) (*gu
 	}
 	timeout := n.cfg.DefaultExecTimeout
 	if t := req.GetTimeoutS(); t != 0 {
-		if t < 0 || time.Duration(t*float64(time.Second)) > n.cfg.MaxExecTimeout {
+		// In seconds, NaN and infinities refused: no Duration overflow.
+		if math.IsNaN(t) || t < 0 || t > n.cfg.MaxExecTimeout.Seconds() {
 			return nil, errdefs.Invalid("timeout_s %g out of range (0, %g]", t, n.cfg.MaxExecTimeout.Seconds())
 		}
 		timeout = time.Duration(t * float64(time.Second))
@@ -109,7 +111,7 @@ func orRoot(p string) string {
 // Exec runs a command to completion and logs it. With a request ID it is
 // exactly-once: a repeat is answered from the trajectory log.
 func (n *Node) Exec(ctx context.Context, req *dsecv1.ExecRequest) (*dsecv1.ExecResult, error) {
-	s, err := n.live(req.GetSandboxId())
+	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err
 	}
@@ -171,7 +173,7 @@ func (n *Node) callFailed(s *sandbox, err error) error {
 // ExecStream runs a command and streams its events to send. With a
 // request ID, a repeat replays the logged output and exit.
 func (n *Node) ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send func(*dsecv1.ExecEvent) error) error {
-	s, err := n.live(req.GetSandboxId())
+	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return err
 	}
@@ -220,7 +222,7 @@ func sendReplay(r *dsecv1.ExecResult, send func(*dsecv1.ExecEvent) error) error 
 
 // ConnectProcess attaches to a running or recently finished process.
 func (n *Node) ConnectProcess(ctx context.Context, req *dsecv1.ConnectProcessRequest, send func(*dsecv1.ExecEvent) error) error {
-	s, err := n.live(req.GetSandboxId())
+	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return err
 	}
@@ -336,7 +338,7 @@ func (h *headTail) bytes() []byte { return append(append([]byte(nil), h.head...)
 
 // WriteStdin writes to a process's stdin.
 func (n *Node) WriteStdin(ctx context.Context, req *dsecv1.WriteStdinRequest) error {
-	s, err := n.live(req.GetSandboxId())
+	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return err
 	}
@@ -354,7 +356,7 @@ func (n *Node) WriteStdin(ctx context.Context, req *dsecv1.WriteStdinRequest) er
 
 // SignalProcess signals a process group.
 func (n *Node) SignalProcess(ctx context.Context, req *dsecv1.SignalProcessRequest) error {
-	s, err := n.live(req.GetSandboxId())
+	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return err
 	}
@@ -385,7 +387,7 @@ func ParseSignal(name string) (syscall.Signal, error) {
 
 // ResizePTY resizes a process's terminal.
 func (n *Node) ResizePTY(ctx context.Context, req *dsecv1.ResizePTYRequest) error {
-	s, err := n.live(req.GetSandboxId())
+	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return err
 	}
@@ -400,7 +402,7 @@ func (n *Node) ResizePTY(ctx context.Context, req *dsecv1.ResizePTYRequest) erro
 
 // ListProcesses lists the agent's processes.
 func (n *Node) ListProcesses(ctx context.Context, req *dsecv1.ListProcessesRequest) (*dsecv1.ListProcessesResponse, error) {
-	s, err := n.live(req.GetSandboxId())
+	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err
 	}

@@ -49,7 +49,7 @@ func fileInfo(i *guestv1.FileInfo) *dsecv1.FileInfo {
 
 // ReadFile streams a file: info first, then data chunks.
 func (n *Node) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send func(*dsecv1.ReadFileResponse) error) error {
-	s, err := n.live(req.GetSandboxId())
+	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return err
 	}
@@ -65,6 +65,11 @@ func (n *Node) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send f
 		return n.callFailed(s, err)
 	}
 	defer f.Close()
+	if f.Info.GetType() == "dir" {
+		// Refused before anything is sent: an error after the info would
+		// reach plain HTTP callers as a short answer.
+		return errdefs.Invalid("%s is a directory (use ListDir)", req.GetPath())
+	}
 	if err := send(&dsecv1.ReadFileResponse{Msg: &dsecv1.ReadFileResponse_Info{Info: fileInfo(f.Info)}}); err != nil {
 		return err
 	}
@@ -86,7 +91,7 @@ func (n *Node) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send f
 // replay). With a request ID a repeat is answered from the log; its data
 // must be the same.
 func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.Reader) (*dsecv1.FileInfo, error) {
-	s, err := n.live(hdr.GetSandboxId())
+	s, err := n.live(ctx, hdr.GetSandboxId())
 	if err != nil {
 		return nil, err
 	}
@@ -186,7 +191,7 @@ func (n *Node) MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (*dsecv1
 
 // Rename moves a file or directory.
 func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.FileInfo, error) {
-	s, err := n.live(req.GetSandboxId())
+	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err
 	}
@@ -220,7 +225,7 @@ func (n *Node) Remove(ctx context.Context, req *dsecv1.RemoveRequest) error {
 
 // ListDir lists a directory.
 func (n *Node) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (*dsecv1.ListDirResponse, error) {
-	s, err := n.live(req.GetSandboxId())
+	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err
 	}
@@ -251,7 +256,7 @@ type guestCall interface {
 var _ guestCall = (*guest.Client)(nil)
 
 func (n *Node) fileCall(ctx context.Context, id, p string, f func(*sandbox, guestCall, string) (*guestv1.FileInfo, error)) (*dsecv1.FileInfo, error) {
-	s, err := n.live(id)
+	s, err := n.live(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -270,7 +275,7 @@ func (n *Node) fileCall(ctx context.Context, id, p string, f func(*sandbox, gues
 // the watch is in place, then one event per change, keepalives on quiet
 // streams and "overflow" when the kernel dropped events.
 func (n *Node) WatchDir(ctx context.Context, req *dsecv1.WatchDirRequest, send func(*dsecv1.WatchDirEvent) error) error {
-	s, err := n.live(req.GetSandboxId())
+	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return err
 	}

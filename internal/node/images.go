@@ -10,6 +10,7 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 func imageView(img *image.Image) *dsecv1.Image {
@@ -27,27 +28,39 @@ func imageView(img *image.Image) *dsecv1.Image {
 	return v
 }
 
-// ListImages lists the node's images.
+// ListImages lists the node's images the caller sees: the shared ones and
+// its project's own (an operator: all).
 func (n *Node) ListImages(ctx context.Context) []*dsecv1.Image {
 	var out []*dsecv1.Image
 	for _, img := range n.images.List() {
-		out = append(out, imageView(img))
+		if tenant.Sees(ctx, img.Owner) {
+			out = append(out, imageView(img))
+		}
 	}
 	return out
 }
 
-// GetImage returns one image.
+// GetImage returns one image as the caller sees it: its project's own of
+// that name, else the shared one.
 func (n *Node) GetImage(ctx context.Context, name string) (*dsecv1.Image, error) {
-	img, err := n.images.Get(name)
+	img, err := n.images.Lookup(tenant.Project(ctx), name)
 	if err != nil {
 		return nil, err
 	}
 	return imageView(img), nil
 }
 
-// DeleteImage removes an image. Running sandboxes of it keep their layers.
+// DeleteImage removes an image as the caller sees it. Running sandboxes of
+// it keep their layers. Only operators delete shared images.
 func (n *Node) DeleteImage(ctx context.Context, name string) error {
-	return n.images.Delete(name)
+	img, err := n.images.Lookup(tenant.Project(ctx), name)
+	if err != nil {
+		return err
+	}
+	if img.Owner == tenant.Shared && !tenant.From(ctx).Admin {
+		return errdefs.PermissionDenied("image %q is shared by every project; only an operator can delete it", name)
+	}
+	return n.images.Delete(img.Key())
 }
 
 // Progress receives image import progress.
@@ -110,7 +123,7 @@ func (n *Node) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageReq
 		}
 	}
 	if !req.GetForce() {
-		if img, err := n.images.Get(name); err == nil {
+		if img, err := n.images.Lookup(tenant.Project(ctx), name); err == nil {
 			if (img.VM != nil) != req.GetVm() {
 				return nil, errdefs.Conflict("image %q exists and is not a %s", name, map[bool]string{true: "VM image", false: "layer image"}[req.GetVm()])
 			}

@@ -8,12 +8,13 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // Pause freezes a sandbox and releases what memory it can. Pausing a
 // paused sandbox succeeds.
 func (n *Node) Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
-	s, err := n.lookup(id)
+	s, err := n.lookup(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -25,7 +26,7 @@ func (n *Node) Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
 
 // Resume thaws a paused sandbox. Resuming a running one succeeds.
 func (n *Node) Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
-	s, err := n.lookup(id)
+	s, err := n.lookup(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -93,8 +94,9 @@ func (n *Node) persistLocked(s *sandbox) error {
 	return nil
 }
 
-// Bulk pauses, resumes or deletes every live sandbox matching a non-empty
-// label selector, in parallel, and reports each failure.
+// Bulk pauses, resumes or deletes every live sandbox of the caller's
+// (an operator: of any project) matching a non-empty label selector, in
+// parallel, and reports each failure.
 func (n *Node) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkResponse, error) {
 	if selector == "" {
 		return nil, errdefs.Invalid("a label selector is required for a bulk %s", op)
@@ -119,7 +121,7 @@ func (n *Node) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkRespo
 	n.mu.Lock()
 	var targets []*sandbox
 	for _, s := range n.sandboxes {
-		if s.inst != nil && sel.Matches(s.spec.Labels) {
+		if s.inst != nil && tenant.Reaches(ctx, s.project) && sel.Matches(s.spec.Labels) {
 			targets = append(targets, s)
 		}
 	}
@@ -157,7 +159,7 @@ func ItemError(err error) *dsecv1.ItemError {
 // Stats reports a sandbox's resource use. It neither resumes a paused
 // sandbox nor counts as activity.
 func (n *Node) Stats(ctx context.Context, id string) (*dsecv1.SandboxStats, error) {
-	s, err := n.lookup(id)
+	s, err := n.lookup(ctx, id)
 	if err != nil {
 		return nil, err
 	}

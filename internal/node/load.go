@@ -47,7 +47,7 @@ func (n *Node) Load() Load {
 		}
 	}
 	for _, img := range n.images.List() {
-		l.Images = append(l.Images, img.Name)
+		l.Images = append(l.Images, img.Key())
 	}
 	sort.Strings(l.Images)
 	return l

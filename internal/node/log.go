@@ -126,13 +126,10 @@ func (n *Node) logMutation(s *sandbox, e *dsecv1.LogEntry, start time.Time, err 
 // GetLog reads a sandbox's trajectory log, live or recently deleted.
 func (n *Node) GetLog(ctx context.Context, req *dsecv1.GetLogRequest) (*dsecv1.GetLogResponse, error) {
 	id := req.GetSandboxId()
-	if _, err := NodeOf(id); err != nil {
+	if _, _, err := n.find(ctx, id); err != nil {
 		return nil, err
 	}
 	if !n.logs.Exists(id) {
-		if _, err := n.Get(ctx, id); err != nil {
-			return nil, err
-		}
 		return &dsecv1.GetLogResponse{SandboxId: id, NextSeq: 1}, nil
 	}
 	log, err := n.logs.Log(id)
@@ -150,23 +147,21 @@ func (n *Node) GetLog(ctx context.Context, req *dsecv1.GetLogRequest) (*dsecv1.G
 	return &dsecv1.GetLogResponse{SandboxId: id, Entries: entries, NextSeq: next}, nil
 }
 
-// specOf returns the spec a sandbox was created with, live or deleted.
-func (n *Node) specOf(id string) (*dsecv1.SandboxSpec, error) {
-	n.mu.Lock()
-	s := n.sandboxes[id]
-	n.mu.Unlock()
-	if s != nil {
-		return proto.Clone(s.spec).(*dsecv1.SandboxSpec), nil
+// specOf returns the spec and project of a live or recently deleted
+// sandbox the caller can see.
+func (n *Node) specOf(ctx context.Context, id string) (*dsecv1.SandboxSpec, string, error) {
+	s, t, err := n.find(ctx, id)
+	if err != nil {
+		return nil, "", err
 	}
-	t, ok := n.store.tombstone(id)
-	if !ok {
-		return nil, errdefs.NotFound("sandbox %s not found (its record has expired)", id)
+	if s != nil {
+		return proto.Clone(s.spec).(*dsecv1.SandboxSpec), s.project, nil
 	}
 	spec := &dsecv1.SandboxSpec{}
 	if err := protojson.Unmarshal(t.Spec, spec); err != nil {
-		return nil, errdefs.Internal(err, "decode sandbox record")
+		return nil, "", errdefs.Internal(err, "decode sandbox record")
 	}
-	return spec, nil
+	return spec, projectOr(t.Project), nil
 }
 
 // Replay re-executes a sandbox's logged mutating calls, in order, in a new
@@ -174,7 +169,7 @@ func (n *Node) specOf(id string) (*dsecv1.SandboxSpec, error) {
 // results diverged.
 func (n *Node) Replay(ctx context.Context, req *dsecv1.ReplayRequest) (*dsecv1.ReplayResponse, error) {
 	id := req.GetSandboxId()
-	spec, err := n.specOf(id)
+	spec, project, err := n.specOf(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -200,7 +195,7 @@ func (n *Node) Replay(ctx context.Context, req *dsecv1.ReplayRequest) (*dsecv1.R
 	if spec.Snapshot != "" {
 		spec.Image = ""
 	}
-	sb, err := n.create(ctx, spec, "", "", map[string]string{"dsec.io/replay-of": id})
+	sb, err := n.create(ctx, spec, "", project, map[string]string{"dsec.io/replay-of": id})
 	if err != nil {
 		return nil, fmt.Errorf("start the replay sandbox: %w", err)
 	}

@@ -29,6 +29,7 @@ import (
 	"github.com/opendsec/dsec/internal/network"
 	"github.com/opendsec/dsec/internal/sandboxid"
 	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/trajectory"
 	"github.com/opendsec/dsec/internal/undo"
 )
@@ -283,32 +284,53 @@ func (n *Node) layersInUse() map[string]bool {
 	return out
 }
 
-// lookup returns a live sandbox, or the error for a gone or unknown one.
-func (n *Node) lookup(id string) (*sandbox, error) {
+// find returns the live sandbox id names, or else its tombstone, as ctx's
+// caller sees them: a sandbox of another project is not found, live or
+// deleted, with the very error an unknown ID gets. Every call that takes a
+// sandbox ID from a caller goes through find (lookup, live, Get, Delete,
+// the log): it is the node's one ownership check.
+func (n *Node) find(ctx context.Context, id string) (*sandbox, *record, error) {
 	n.mu.Lock()
 	s := n.sandboxes[id]
 	n.mu.Unlock()
 	if s != nil {
-		return s, nil
+		if !tenant.Reaches(ctx, s.project) {
+			return nil, nil, notFound(id)
+		}
+		return s, nil, nil
 	}
 	if node, err := NodeOf(id); err != nil {
-		return nil, err
+		return nil, nil, err
 	} else if node != n.cfg.Name {
-		return nil, errdefs.NotFound("sandbox %s belongs to node %q, not %q", id, node, n.cfg.Name)
+		return nil, nil, errdefs.NotFound("sandbox %s belongs to node %q, not %q", id, node, n.cfg.Name)
 	}
-	if t, ok := n.store.tombstone(id); ok {
-		if t.Infra {
-			return nil, errdefs.Gone("sandbox %s is gone: %s", id, t.Reason)
-		}
-		e := errdefs.NotFound("sandbox %s was deleted: %s", id, t.Reason)
-		return nil, e
+	if t, ok := n.store.tombstone(id); ok && tenant.Reaches(ctx, t.Project) {
+		return nil, t, nil
 	}
-	return nil, errdefs.NotFound("sandbox %s not found", id)
+	return nil, nil, notFound(id)
+}
+
+// notFound is the answer for a sandbox ID the caller cannot see.
+func notFound(id string) error { return errdefs.NotFound("sandbox %s not found", id) }
+
+// lookup returns a live sandbox, or the error for a gone or unknown one.
+func (n *Node) lookup(ctx context.Context, id string) (*sandbox, error) {
+	s, t, err := n.find(ctx, id)
+	switch {
+	case err != nil:
+		return nil, err
+	case s != nil:
+		return s, nil
+	case t.Infra:
+		return nil, errdefs.Gone("sandbox %s is gone: %s", id, t.Reason)
+	default:
+		return nil, errdefs.NotFound("sandbox %s was deleted: %s", id, t.Reason)
+	}
 }
 
 // live returns a sandbox ready for a call, touching its idle timer.
-func (n *Node) live(id string) (*sandbox, error) {
-	s, err := n.lookup(id)
+func (n *Node) live(ctx context.Context, id string) (*sandbox, error) {
+	s, err := n.lookup(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -348,13 +370,17 @@ func (n *Node) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*d
 	return n.create(ctx, req.GetSpec(), req.GetIdempotencyKey(), req.GetProject(), nil)
 }
 
-// create is Create with labels the node itself adds (reserved ones).
+// create is Create with labels the node itself adds (reserved ones). The
+// sandbox belongs to project, whose images (and the shared ones) it may
+// start from.
 func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project string, extra map[string]string) (*dsecv1.Sandbox, error) {
+	project = projectOr(project)
 	spec := proto.Clone(in).(*dsecv1.SandboxSpec)
 	if in == nil {
 		spec = &dsecv1.SandboxSpec{}
 	}
-	if err := n.normalize(spec); err != nil {
+	img, err := n.normalize(project, spec)
+	if err != nil {
 		return nil, err
 	}
 	if len(extra) > 0 {
@@ -369,27 +395,31 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 		return nil, errdefs.Invalid("idempotency key longer than 256 bytes")
 	}
 	if key != "" {
+		key = idemKey(project, key)
 		release, existing, err := n.claimKey(ctx, key)
 		if err != nil {
 			return nil, err
 		}
 		if existing != "" {
-			return n.Get(ctx, existing)
+			return n.Get(tenant.With(ctx, tenant.Caller{Project: project}), existing)
 		}
 		defer release()
 	}
-	project = projectOr(project)
 	if err := n.admit(project); err != nil {
 		return nil, err
 	}
 	defer n.admitDone(project)
-	s := n.take(spec)
+	var s *sandbox
+	if img.Owner == tenant.Shared {
+		// Pools hold shared images only.
+		s = n.take(spec)
+	}
 	if s == nil {
-		release, err := n.starts.acquire(ctx, projectOr(project))
+		release, err := n.starts.acquire(ctx, project)
 		if err != nil {
 			return nil, err
 		}
-		s, err = n.prepare(ctx, spec)
+		s, err = n.prepare(ctx, spec, img)
 		release()
 		if err != nil {
 			return nil, err
@@ -404,6 +434,15 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 		return nil, err
 	}
 	return n.view(s), nil
+}
+
+// idemKey is a project's idempotency key in the node's store: keys of
+// different projects never meet.
+func idemKey(project, key string) string {
+	if project == tenant.DefaultProject {
+		return key // as stores before projects had their own keys
+	}
+	return project + "\x00" + key
 }
 
 func projectOr(p string) string {
@@ -473,15 +512,11 @@ func (n *Node) admitDone(project string) {
 }
 
 // prepare starts a sandbox's resources (directory, network, instance) for
-// spec and reserves it, without registering it as live. On error nothing
-// is left.
-func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec) (_ *sandbox, err error) {
+// spec, from img (what normalize resolved), and reserves it, without
+// registering it as live. On error nothing is left.
+func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image.Image) (_ *sandbox, err error) {
 	kind := substrate.Kind(spec.Kind)
 	drv := n.drivers[kind]
-	img, err := n.images.Get(imageOf(spec))
-	if err != nil {
-		return nil, err
-	}
 	var u undo.Stack
 	defer u.RunUnless(&err)
 	id := n.newID()
@@ -496,7 +531,7 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec) (_ *sandbo
 	}
 	u.Push(func() { n.net.Release(att) })
 	s := &sandbox{
-		id: id, spec: spec, created: time.Now().UTC(), image: img.Name, layers: img.Layers,
+		id: id, spec: spec, created: time.Now().UTC(), image: img.Key(), layers: img.Layers,
 		net: att, dir: dir, state: stateRunning,
 		expires: time.Now().Add(time.Duration(spec.TtlS) * time.Second),
 	}
@@ -622,19 +657,15 @@ func (n *Node) watch(s *sandbox) {
 
 // Get returns a sandbox's status, live or remembered.
 func (n *Node) Get(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
-	n.mu.Lock()
-	s := n.sandboxes[id]
-	n.mu.Unlock()
-	if s != nil {
-		return n.view(s), nil
-	}
-	if _, err := NodeOf(id); err != nil {
+	s, t, err := n.find(ctx, id)
+	switch {
+	case err != nil:
 		return nil, err
-	}
-	if t, ok := n.store.tombstone(id); ok {
+	case s != nil:
+		return n.view(s), nil
+	default:
 		return n.tombstoneView(t), nil
 	}
-	return nil, errdefs.NotFound("sandbox %s not found", id)
 }
 
 func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
@@ -661,7 +692,8 @@ func (n *Node) tombstoneView(t *record) *dsecv1.Sandbox {
 	}
 }
 
-// List lists live sandboxes matching the request's selector and state.
+// List lists the live sandboxes the caller sees (its project's; an
+// operator's: all) matching the request's selector and state.
 func (n *Node) List(ctx context.Context, req *dsecv1.ListSandboxesRequest) (*dsecv1.ListSandboxesResponse, error) {
 	sel, err := ParseSelector(req.GetLabelSelector())
 	if err != nil {
@@ -670,7 +702,7 @@ func (n *Node) List(ctx context.Context, req *dsecv1.ListSandboxesRequest) (*dse
 	n.mu.Lock()
 	all := make([]*sandbox, 0, len(n.sandboxes))
 	for _, s := range n.sandboxes {
-		if s.inst != nil && sel.Matches(s.spec.Labels) {
+		if s.inst != nil && tenant.Reaches(ctx, s.project) && sel.Matches(s.spec.Labels) {
 			all = append(all, s)
 		}
 	}
@@ -693,15 +725,16 @@ func (n *Node) List(ctx context.Context, req *dsecv1.ListSandboxesRequest) (*dse
 }
 
 // Delete deletes a sandbox. Deleting a deleted or unknown sandbox of this
-// node succeeds.
+// node (or one the caller cannot see) succeeds and does nothing.
 func (n *Node) Delete(ctx context.Context, id string) error {
-	n.mu.Lock()
-	s := n.sandboxes[id]
-	n.mu.Unlock()
-	if s == nil {
-		if _, err := NodeOf(id); err != nil {
-			return err
+	s, _, err := n.find(ctx, id)
+	if err != nil {
+		if errdefs.Is(err, errdefs.KindNotFound) {
+			return nil
 		}
+		return err
+	}
+	if s == nil {
 		return nil
 	}
 	return n.remove(ctx, s, "deleted by the user", false)
@@ -794,12 +827,12 @@ func (n *Node) emptyTrash() {
 
 // Keepalive resets the idle timer and optionally extends the TTL.
 func (n *Node) Keepalive(ctx context.Context, req *dsecv1.KeepaliveRequest) (*dsecv1.Sandbox, error) {
-	s, err := n.live(req.GetId())
+	s, err := n.live(ctx, req.GetId())
 	if err != nil {
 		return nil, err
 	}
 	if ext := req.GetExtendTtlS(); ext != 0 {
-		if ext < 0 || time.Duration(ext)*time.Second > n.cfg.MaxTTL {
+		if ext < 0 || ext > int64(n.cfg.MaxTTL/time.Second) { // in seconds: no Duration overflow
 			return nil, errdefs.Invalid("extend_ttl_s must be between 1 and %d", int64(n.cfg.MaxTTL.Seconds()))
 		}
 		s.mu.Lock()
@@ -885,6 +918,11 @@ func (n *Node) adopt() {
 		if err := protojson.Unmarshal(r.Spec, spec); err != nil {
 			n.log.Error("unreadable sandbox record", slog.String("sandbox_id", r.ID), slog.Any("error", err))
 			continue
+		}
+		if _, err := n.images.Get(r.Image); err != nil {
+			if img := n.snapshotByID(r.Image); img != nil {
+				r.Image = img.Key() // a record from before snapshots had owners
+			}
 		}
 		att, _ := n.net.Restore(r.ID, r.Network)
 		s := &sandbox{

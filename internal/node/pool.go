@@ -13,6 +13,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // PoolConfig is a warm pool: Size sandboxes of one shape kept started, so
@@ -69,7 +70,7 @@ func newPools(n *Node, cfgs []PoolConfig) *pools {
 			Resources: &dsecv1.Resources{Cpu: c.CPU, MemoryMb: c.MemoryMB, Pids: c.Pids, DiskMb: c.DiskMB},
 			Network:   &dsecv1.Network{Mode: c.Network},
 		}
-		if err := n.normalize(spec); err != nil && !errdefs.Is(err, errdefs.KindNotFound) {
+		if _, err := n.normalize(tenant.Shared, spec); err != nil && !errdefs.Is(err, errdefs.KindNotFound) {
 			n.log.Error("warm pool not started", slog.String("image", c.Image), slog.Any("error", err))
 			continue
 		}
@@ -119,10 +120,10 @@ func (ps *pools) fill(p *pool) {
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		spec := proto.Clone(p.spec).(*dsecv1.SandboxSpec)
-		err = n.normalize(spec)
+		img, err := n.normalize(tenant.Shared, spec)
 		var s *sandbox
 		if err == nil {
-			s, err = n.prepare(ctx, spec)
+			s, err = n.prepare(ctx, spec, img)
 		}
 		cancel()
 		release()

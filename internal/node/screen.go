@@ -17,8 +17,8 @@ const (
 )
 
 // screen returns a live sandbox whose kind has a screen.
-func (n *Node) screen(id string) (*sandbox, error) {
-	s, err := n.live(id)
+func (n *Node) screen(ctx context.Context, id string) (*sandbox, error) {
+	s, err := n.live(ctx, id)
 	if err != nil {
 		return nil, err
 	}
@@ -31,7 +31,7 @@ func (n *Node) screen(id string) (*sandbox, error) {
 // Screenshot captures a sandbox's screen as PNG. A paused sandbox is
 // resumed first, as for any call.
 func (n *Node) Screenshot(ctx context.Context, req *dsecv1.ScreenshotRequest) (*dsecv1.ScreenshotResponse, error) {
-	s, err := n.screen(req.GetSandboxId())
+	s, err := n.screen(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err
 	}
@@ -49,7 +49,7 @@ func (n *Node) SendInput(ctx context.Context, req *dsecv1.SendInputRequest) erro
 	if err != nil {
 		return err
 	}
-	s, err := n.screen(req.GetSandboxId())
+	s, err := n.screen(ctx, req.GetSandboxId())
 	if err != nil {
 		return err
 	}
@@ -62,7 +62,7 @@ func (n *Node) SendInput(ctx context.Context, req *dsecv1.SendInputRequest) erro
 // OpenVNC gives a sandbox's VNC server a new password and returns it
 // with the server's loopback address.
 func (n *Node) OpenVNC(ctx context.Context, req *dsecv1.OpenVNCRequest) (*dsecv1.OpenVNCResponse, error) {
-	s, err := n.screen(req.GetSandboxId())
+	s, err := n.screen(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/sandboxid"
 	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // Labels the node sets on forked sandboxes.
@@ -46,7 +47,7 @@ func (n *Node) Snapshot(ctx context.Context, req *dsecv1.SnapshotRequest) (*dsec
 }
 
 func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, ephemeral bool) (*dsecv1.SnapshotInfo, error) {
-	s, err := n.lookup(req.GetSandboxId())
+	s, err := n.lookup(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err
 	}
@@ -71,7 +72,7 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 	cfg := n.snapshotConfig(s)
 	id := n.newSnapshotID()
 	rec := &image.Image{
-		Name: id, Layers: append(append([]string(nil), s.layers...), diff), Size: size,
+		Name: id, Owner: s.project, Layers: append(append([]string(nil), s.layers...), diff), Size: size,
 		Created: time.Now().UTC(), Source: "snapshot:" + s.id, Config: cfg, Digest: diff,
 		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size, Ephemeral: ephemeral},
 	}
@@ -126,7 +127,7 @@ func (n *Node) machineSnapshot(ctx context.Context, s *sandbox, req *dsecv1.Snap
 	}
 	size := diskUsage(dir)
 	rec := &image.Image{
-		Name: id, Layers: append([]string(nil), s.layers...), Size: size,
+		Name: id, Owner: s.project, Layers: append([]string(nil), s.layers...), Size: size,
 		Created: time.Now().UTC(), Source: "snapshot:" + s.id, Config: n.snapshotConfig(s), Digest: "machine:" + id,
 		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size, Ephemeral: ephemeral, Machine: true},
 	}
@@ -155,7 +156,7 @@ func diskUsage(dir string) int64 {
 // deleteSnapshot removes a snapshot's record and, for a machine snapshot,
 // its files.
 func (n *Node) deleteSnapshot(img *image.Image) error {
-	if err := n.images.Delete(img.Name); err != nil {
+	if err := n.images.Delete(img.Key()); err != nil {
 		return err
 	}
 	if img.Snapshot != nil && img.Snapshot.Machine {
@@ -171,10 +172,21 @@ func (n *Node) deleteSnapshot(img *image.Image) error {
 func (n *Node) removeOrphanSnapshotDirs() {
 	ents, _ := os.ReadDir(filepath.Join(n.cfg.DataDir, "snapshots"))
 	for _, e := range ents {
-		if img, err := n.images.Get(e.Name()); err != nil || img.Snapshot == nil || !img.Snapshot.Machine {
+		if img := n.snapshotByID(e.Name()); img == nil || !img.Snapshot.Machine {
 			os.RemoveAll(filepath.Join(n.cfg.DataDir, "snapshots", e.Name()))
 		}
 	}
+}
+
+// snapshotByID returns the snapshot with ID id, whichever project owns it,
+// or nil.
+func (n *Node) snapshotByID(id string) *image.Image {
+	for _, img := range n.images.List() {
+		if img.Snapshot != nil && img.Name == id {
+			return img
+		}
+	}
+	return nil
 }
 
 func (n *Node) snapshotView(img *image.Image) *dsecv1.SnapshotInfo {
@@ -185,11 +197,12 @@ func (n *Node) snapshotView(img *image.Image) *dsecv1.SnapshotInfo {
 	}
 }
 
-// ListSnapshots lists the node's snapshots.
+// ListSnapshots lists the node's snapshots the caller sees (its
+// project's; an operator's: all).
 func (n *Node) ListSnapshots(ctx context.Context) []*dsecv1.SnapshotInfo {
 	var out []*dsecv1.SnapshotInfo
 	for _, img := range n.images.List() {
-		if img.Snapshot != nil {
+		if img.Snapshot != nil && tenant.Reaches(ctx, img.Owner) {
 			out = append(out, n.snapshotView(img))
 		}
 	}
@@ -199,8 +212,8 @@ func (n *Node) ListSnapshots(ctx context.Context) []*dsecv1.SnapshotInfo {
 // DeleteSnapshot deletes a snapshot; sandboxes created from it keep its
 // layers (and started from a machine snapshot, need nothing of it).
 func (n *Node) DeleteSnapshot(ctx context.Context, id string) error {
-	img, err := n.images.Get(id)
-	if err != nil || img.Snapshot == nil {
+	img := n.snapshotByID(id)
+	if img == nil || !tenant.Reaches(ctx, img.Owner) {
 		return errdefs.NotFound("snapshot %q not found", id)
 	}
 	return n.deleteSnapshot(img)
@@ -210,16 +223,17 @@ func (n *Node) DeleteSnapshot(ctx context.Context, id string) error {
 // sandbox starts from it and no fork is between snapshotting and
 // creating its children. The layers stay while sandboxes use them. A
 // started child of a machine snapshot needs nothing of it, so machine
-// snapshots go as soon as their fork is done.
-func (n *Node) releaseSnapshot(id string) {
-	img, err := n.images.Get(id)
+// snapshots go as soon as their fork is done. key is the snapshot's image
+// key (image.Image.Key).
+func (n *Node) releaseSnapshot(key string) {
+	img, err := n.images.Get(key)
 	if err != nil || img.Snapshot == nil || !img.Snapshot.Ephemeral {
 		return
 	}
 	n.mu.Lock()
-	used := n.pinned[id] > 0
+	used := n.pinned[key] > 0
 	for _, s := range n.sandboxes {
-		if s.image == id && !img.Snapshot.Machine {
+		if s.image == key && !img.Snapshot.Machine {
 			used = true
 			break
 		}
@@ -227,17 +241,18 @@ func (n *Node) releaseSnapshot(id string) {
 	n.mu.Unlock()
 	if !used {
 		if err := n.deleteSnapshot(img); err != nil {
-			n.log.Warn("delete fork snapshot", slog.String("snapshot_id", id), slog.Any("error", err))
+			n.log.Warn("delete fork snapshot", slog.String("snapshot_id", img.Name), slog.Any("error", err))
 		}
 	}
 }
 
-// pin holds an ephemeral snapshot while a fork creates its children.
-func (n *Node) pin(id string, d int) {
+// pin holds an ephemeral snapshot (by image key) while a fork creates its
+// children.
+func (n *Node) pin(key string, d int) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if n.pinned[id] += d; n.pinned[id] <= 0 {
-		delete(n.pinned, id)
+	if n.pinned[key] += d; n.pinned[key] <= 0 {
+		delete(n.pinned, key)
 	}
 }
 
@@ -246,7 +261,7 @@ func (n *Node) pin(id string, d int) {
 func (n *Node) releaseUnusedSnapshots() {
 	for _, img := range n.images.List() {
 		if img.Snapshot != nil && img.Snapshot.Ephemeral {
-			n.releaseSnapshot(img.Name)
+			n.releaseSnapshot(img.Key())
 		}
 	}
 }
@@ -312,7 +327,7 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.Creat
 	if req.GetCount() < 1 || req.GetCount() > 1024 {
 		return nil, errdefs.Invalid("count must be between 1 and 1024")
 	}
-	parent, err := n.lookup(req.GetSandboxId())
+	parent, err := n.lookup(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err
 	}
@@ -322,10 +337,11 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.Creat
 	}
 	// Children adopted by idempotency key (a resumed trainer's repeat)
 	// start from an earlier snapshot, which leaves this one unused.
-	n.pin(snap.Id, 1)
+	snapKey := tenant.ImageKey(parent.project, snap.Id)
+	n.pin(snapKey, 1)
 	defer func() {
-		n.pin(snap.Id, -1)
-		n.releaseSnapshot(snap.Id)
+		n.pin(snapKey, -1)
+		n.releaseSnapshot(snapKey)
 	}()
 	base := proto.Clone(parent.spec).(*dsecv1.SandboxSpec)
 	base.Snapshot, base.Image = snap.Id, ""

@@ -12,6 +12,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/network"
 	"github.com/opendsec/dsec/internal/substrate"
 )
@@ -30,13 +31,18 @@ var (
 )
 
 // normalize fills defaults into spec and validates it against the node's
-// limits. Every rejection is an invalid (task) error naming the field.
-func (n *Node) normalize(spec *dsecv1.SandboxSpec) error {
-	if spec.Kind == "" && spec.Snapshot != "" {
+// limits, and resolves its image (or snapshot) as project sees it (its own
+// images and snapshots, and the shared images; tenant.Shared sees only the
+// shared images). Every rejection is an invalid (task) error naming the
+// field, or not found for an image the project cannot see.
+func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image, error) {
+	img, imgErr := n.images.Lookup(project, imageOf(spec))
+	if imgErr == nil && spec.Snapshot != "" && img.Snapshot == nil {
+		img, imgErr = nil, errdefs.NotFound("snapshot %q not found", spec.Snapshot)
+	}
+	if spec.Kind == "" && imgErr == nil && img.Snapshot != nil && img.Snapshot.Machine {
 		// A machine snapshot starts sandboxes of its own kind.
-		if img, err := n.images.Get(spec.Snapshot); err == nil && img.Snapshot != nil && img.Snapshot.Machine {
-			spec.Kind = img.Snapshot.Kind
-		}
+		spec.Kind = img.Snapshot.Kind
 	}
 	if spec.Kind == "" {
 		spec.Kind = string(substrate.KindContainer)
@@ -47,17 +53,17 @@ func (n *Node) normalize(spec *dsecv1.SandboxSpec) error {
 		known = known || k == kind
 	}
 	if !known {
-		return errdefs.Invalid("unknown kind %q (use function, container, microvm or vm)", spec.Kind)
+		return nil, errdefs.Invalid("unknown kind %q (use function, container, microvm or vm)", spec.Kind)
 	}
 	drv := n.drivers[kind]
 	if drv == nil {
-		return errdefs.Unimplemented("kind %q is not served by node %s", spec.Kind, n.cfg.Name)
+		return nil, errdefs.Unimplemented("kind %q is not served by node %s", spec.Kind, n.cfg.Name)
 	}
 	if caps := drv.Capabilities(); !caps.Available {
-		return errdefs.Unavailable("kind %q is unavailable on node %s: %s", spec.Kind, n.cfg.Name, caps.Reason)
+		return nil, errdefs.Unavailable("kind %q is unavailable on node %s: %s", spec.Kind, n.cfg.Name, caps.Reason)
 	}
 	if spec.Image == "" && spec.Snapshot == "" {
-		return errdefs.Invalid("spec.image (or spec.snapshot) is required")
+		return nil, errdefs.Invalid("spec.image (or spec.snapshot) is required")
 	}
 	if spec.Resources == nil {
 		spec.Resources = &dsecv1.Resources{}
@@ -74,43 +80,44 @@ func (n *Node) normalize(spec *dsecv1.SandboxSpec) error {
 	}
 	switch {
 	case math.IsNaN(r.Cpu) || r.Cpu < 0.01 || r.Cpu > n.cfg.MaxCPU:
-		return errdefs.Invalid("resources.cpu %g out of range [0.01, %g]", r.Cpu, n.cfg.MaxCPU)
+		return nil, errdefs.Invalid("resources.cpu %g out of range [0.01, %g]", r.Cpu, n.cfg.MaxCPU)
 	case r.MemoryMb < 16 || r.MemoryMb > n.cfg.MaxMemoryMB:
-		return errdefs.Invalid("resources.memory_mb %d out of range [16, %d]", r.MemoryMb, n.cfg.MaxMemoryMB)
+		return nil, errdefs.Invalid("resources.memory_mb %d out of range [16, %d]", r.MemoryMb, n.cfg.MaxMemoryMB)
 	case r.Pids < 8 || r.Pids > n.cfg.MaxPids:
-		return errdefs.Invalid("resources.pids %d out of range [8, %d]", r.Pids, n.cfg.MaxPids)
+		return nil, errdefs.Invalid("resources.pids %d out of range [8, %d]", r.Pids, n.cfg.MaxPids)
 	case r.DiskMb < 0:
-		return errdefs.Invalid("resources.disk_mb must not be negative")
+		return nil, errdefs.Invalid("resources.disk_mb must not be negative")
 	case r.Gpu < 0:
-		return errdefs.Invalid("resources.gpu must not be negative")
+		return nil, errdefs.Invalid("resources.gpu must not be negative")
 	case r.Gpu > 0:
-		return errdefs.Unavailable("node %s has no GPUs", n.cfg.Name)
+		return nil, errdefs.Unavailable("node %s has no GPUs", n.cfg.Name)
 	}
 	if spec.TtlS == 0 {
 		spec.TtlS = int64(n.cfg.DefaultTTL / time.Second)
 	}
-	if spec.TtlS < 0 || time.Duration(spec.TtlS)*time.Second > n.cfg.MaxTTL {
-		return errdefs.Invalid("ttl_s %d out of range [1, %d]", spec.TtlS, int64(n.cfg.MaxTTL/time.Second))
+	// Compared in seconds: a huge ttl_s must not wrap around in a Duration.
+	if spec.TtlS < 0 || spec.TtlS > int64(n.cfg.MaxTTL/time.Second) {
+		return nil, errdefs.Invalid("ttl_s %d out of range [1, %d]", spec.TtlS, int64(n.cfg.MaxTTL/time.Second))
 	}
 	if spec.IdleTtlS < 0 || spec.IdleTtlS > spec.TtlS {
-		return errdefs.Invalid("idle_ttl_s %d out of range [0, ttl_s]", spec.IdleTtlS)
+		return nil, errdefs.Invalid("idle_ttl_s %d out of range [0, ttl_s]", spec.IdleTtlS)
 	}
 	if len(spec.Labels) > maxLabels {
-		return errdefs.Invalid("at most %d labels", maxLabels)
+		return nil, errdefs.Invalid("at most %d labels", maxLabels)
 	}
 	for k, v := range spec.Labels {
 		if strings.HasPrefix(k, "dsec.io/") && !(k == SessionLabel && v == spec.Session) {
-			return errdefs.Invalid("label %q: the dsec.io/ prefix is reserved", k)
+			return nil, errdefs.Invalid("label %q: the dsec.io/ prefix is reserved", k)
 		}
 		if !labelKeyRe.MatchString(k) {
-			return errdefs.Invalid("label key %q is not a valid key ([prefix/]name, alphanumerics, '-', '_', '.')", k)
+			return nil, errdefs.Invalid("label key %q is not a valid key ([prefix/]name, alphanumerics, '-', '_', '.')", k)
 		}
 		if len(v) > maxValueBytes {
-			return errdefs.Invalid("label %q value longer than %d bytes", k, maxValueBytes)
+			return nil, errdefs.Invalid("label %q value longer than %d bytes", k, maxValueBytes)
 		}
 	}
 	if err := validEnv(spec.Env); err != nil {
-		return err
+		return nil, err
 	}
 	if spec.Network == nil {
 		spec.Network = &dsecv1.Network{}
@@ -121,42 +128,38 @@ func (n *Node) normalize(spec *dsecv1.SandboxSpec) error {
 	case network.ModeNone:
 	case network.ModeEgress:
 		if why := n.net.EgressUnavailable(); why != "" {
-			return errdefs.Unavailable("egress networking is unavailable on node %s: %s", n.cfg.Name, why)
+			return nil, errdefs.Unavailable("egress networking is unavailable on node %s: %s", n.cfg.Name, why)
 		}
 		if !drv.Capabilities().Has(substrate.CapNetworkEgress) {
-			return errdefs.Unimplemented("kind %q has no egress networking", spec.Kind)
+			return nil, errdefs.Unimplemented("kind %q has no egress networking", spec.Kind)
 		}
 	default:
-		return errdefs.Invalid("network.mode %q (use none or egress)", spec.Network.Mode)
+		return nil, errdefs.Invalid("network.mode %q (use none or egress)", spec.Network.Mode)
 	}
 	if len(spec.User) > 256 || strings.ContainsAny(spec.User, "\x00\n") {
-		return errdefs.Invalid("spec.user is malformed")
+		return nil, errdefs.Invalid("spec.user is malformed")
 	}
 	if spec.Workdir != "" && !strings.HasPrefix(spec.Workdir, "/") {
-		return errdefs.Invalid("spec.workdir must be an absolute path")
+		return nil, errdefs.Invalid("spec.workdir must be an absolute path")
 	}
-	img, err := n.images.Get(imageOf(spec))
-	if err != nil {
-		return err
+	if imgErr != nil {
+		return nil, imgErr
 	}
 	if spec.Snapshot != "" {
-		if img.Snapshot == nil {
-			return errdefs.NotFound("snapshot %q not found", spec.Snapshot)
-		}
 		if img.Snapshot.Machine && img.Snapshot.Kind != spec.Kind {
-			return errdefs.Invalid("snapshot %s holds a %s machine (memory and disk); it starts only %s sandboxes, not %s", spec.Snapshot, img.Snapshot.Kind, img.Snapshot.Kind, spec.Kind)
+			return nil, errdefs.Invalid("snapshot %s holds a %s machine (memory and disk); it starts only %s sandboxes, not %s", spec.Snapshot, img.Snapshot.Kind, img.Snapshot.Kind, spec.Kind)
 		}
 		if !img.Snapshot.Machine && kind == substrate.KindVM {
-			return errdefs.Invalid("snapshot %s holds %s file system layers; kind vm boots VM images", spec.Snapshot, img.Snapshot.Kind)
+			return nil, errdefs.Invalid("snapshot %s holds %s file system layers; kind vm boots VM images", spec.Snapshot, img.Snapshot.Kind)
 		}
 		spec.Image = img.Snapshot.BaseImage
 	} else if img.Snapshot != nil {
-		return errdefs.Invalid("%q is a snapshot: pass it as spec.snapshot", spec.Image)
+		return nil, errdefs.Invalid("%q is a snapshot: pass it as spec.snapshot", spec.Image)
 	} else if isVM := img.VM != nil; isVM != (kind == substrate.KindVM) {
 		if isVM {
-			return errdefs.Invalid("%q is a VM image (a bootable disk): create it with kind vm", spec.Image)
+			return nil, errdefs.Invalid("%q is a VM image (a bootable disk): create it with kind vm", spec.Image)
 		}
-		return errdefs.Invalid("kind vm boots VM images; %q holds file system layers (build one with `dsec image build-vm debian`, or import a disk with `dsec image import-vm`)", spec.Image)
+		return nil, errdefs.Invalid("kind vm boots VM images; %q holds file system layers (build one with `dsec image build-vm debian`, or import a disk with `dsec image import-vm`)", spec.Image)
 	}
 	if spec.Workdir == "" {
 		spec.Workdir = img.Config.Workdir
@@ -166,14 +169,14 @@ func (n *Node) normalize(spec *dsecv1.SandboxSpec) error {
 	}
 	if spec.Session != "" {
 		if !sessionRe.MatchString(spec.Session) {
-			return errdefs.Invalid("session name %q is invalid", spec.Session)
+			return nil, errdefs.Invalid("session name %q is invalid", spec.Session)
 		}
 		if spec.Labels == nil {
 			spec.Labels = map[string]string{}
 		}
 		spec.Labels[SessionLabel] = spec.Session
 	}
-	return nil
+	return img, nil
 }
 
 func validEnv(env map[string]string) error {

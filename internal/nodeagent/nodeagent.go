@@ -52,16 +52,20 @@ type Agent struct {
 }
 
 // New returns the agent of n, a member of the cluster in store.
-func New(cfg Config, n *node.Node, store *cluster.Store, log *slog.Logger) *Agent {
+func New(cfg Config, n *node.Node, store *cluster.Store, log *slog.Logger) (*Agent, error) {
 	var b [8]byte
 	rand.Read(b[:])
 	a := &Agent{cfg: cfg, n: n, incarnation: hex.EncodeToString(b[:]), log: log}
 	a.member = store.NewMember(cluster.MemberConfig{
 		Name: n.Name(), Address: cfg.Address, Labels: cfg.Labels, TTL: cfg.TTL, Interval: cfg.Interval,
 	}, log)
-	a.api = apiserver.New(apiserver.Config{ClusterToken: cfg.Token, Version: cfg.Version}, log, apiserver.Single{N: agentNode{n, a}}, nil)
-	a.api.Handle(nodev1connect.NewNodeServiceHandler(a, connect.WithInterceptors(a.api.Interceptor()), connect.WithReadMaxBytes(32<<20)))
-	return a
+	api, err := apiserver.New(apiserver.Config{ClusterToken: cfg.Token, Version: cfg.Version}, log, apiserver.Single{N: agentNode{n, a}}, nil)
+	if err != nil {
+		return nil, err
+	}
+	a.api = api
+	a.api.HandleConnect(nodev1connect.NewNodeServiceHandler(a, apiserver.ConnectOptions()...))
+	return a, nil
 }
 
 // Run keeps the node's membership until ctx ends (then the node leaves the

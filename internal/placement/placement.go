@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // Node is one node as placement sees it: its last load report. A Node is
@@ -49,7 +50,8 @@ type Node struct {
 // Request is what a new sandbox needs.
 type Request struct {
 	Kind string
-	// Image must be present on the node ("" for none).
+	// Image must be present on the node ("" for none): shared, or Project's
+	// own (its load report lists tenant.ImageKey(Project, Image)).
 	Image string
 	// Selector must be a subset of the node's labels.
 	Selector map[string]string
@@ -216,7 +218,7 @@ func (p *Placer) unfitLocked(n *Node, req *Request) string {
 	if !n.Kinds[req.Kind] {
 		return "no " + req.Kind + " substrate"
 	}
-	if req.Image != "" && !n.Images[req.Image] {
+	if req.Image != "" && !n.Images[req.Image] && !n.Images[tenant.ImageKey(req.Project, req.Image)] {
 		return "no image " + req.Image
 	}
 	for k, v := range req.Selector {

@@ -56,7 +56,7 @@ func (s *BoltStore) PutSession(ctx context.Context, r *Record) error {
 	if err != nil {
 		return err
 	}
-	return s.db.Update(func(tx *bolt.Tx) error { return tx.Bucket(bucket).Put([]byte(r.Name), b) })
+	return s.db.Update(func(tx *bolt.Tx) error { return tx.Bucket(bucket).Put([]byte(r.Key()), b) })
 }
 
 func (s *BoltStore) DeleteSession(ctx context.Context, name string) error {

@@ -22,6 +22,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // Label is the label that binds a sandbox to a session.
@@ -36,7 +37,10 @@ const (
 
 // Record is a persisted session.
 type Record struct {
-	Name          string    `json:"name"`
+	Name string `json:"name"`
+	// Project owns the session ("" is the default project): only its
+	// callers see it, and its expiry acts on its project's sandboxes.
+	Project       string    `json:"project,omitempty"`
 	HeartbeatS    int64     `json:"heartbeat_s"`
 	GraceS        int64     `json:"grace_s"`
 	OnExpire      string    `json:"on_expire"`
@@ -49,12 +53,31 @@ type Record struct {
 	ActionPending bool `json:"action_pending,omitempty"`
 }
 
-// Store persists sessions.
+// Store persists sessions by key (Key).
 type Store interface {
-	GetSession(ctx context.Context, name string) (*Record, error) // NotFound if missing
-	PutSession(ctx context.Context, r *Record) error
-	DeleteSession(ctx context.Context, name string) error
+	GetSession(ctx context.Context, key string) (*Record, error) // NotFound if missing
+	PutSession(ctx context.Context, r *Record) error             // under r.Key()
+	DeleteSession(ctx context.Context, key string) error
 	ListSessions(ctx context.Context) ([]*Record, error)
+}
+
+// Key is where a session of project named name is stored: its name for
+// the default project (as before projects), "<project>/<name>" otherwise.
+// Session names hold no '/'.
+func Key(project, name string) string {
+	if project == "" || project == tenant.DefaultProject {
+		return name
+	}
+	return project + "/" + name
+}
+
+// Key is where r is stored.
+func (r *Record) Key() string { return Key(r.Project, r.Name) }
+
+// forProject returns ctx acting for r's project, so the sandboxes a
+// session's action reaches are its own project's only.
+func (r *Record) forProject(ctx context.Context) context.Context {
+	return tenant.With(ctx, tenant.Caller{Project: r.Project})
 }
 
 // Actor applies a bulk operation ("pause", "resume", "delete") to every
@@ -120,12 +143,13 @@ func (m *Manager) Open(ctx context.Context, req *dsecv1.OpenSessionRequest) (*ds
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	now := time.Now().UTC()
-	r, err := m.store.GetSession(ctx, req.GetName())
+	project := tenant.Project(ctx)
+	r, err := m.store.GetSession(ctx, Key(project, req.GetName()))
 	if err != nil && !errdefs.Is(err, errdefs.KindNotFound) {
 		return nil, err
 	}
 	if r == nil || r.State == Closed {
-		r = &Record{Name: req.GetName(), Created: now}
+		r = &Record{Name: req.GetName(), Project: project, Created: now}
 	}
 	r.HeartbeatS, r.GraceS, r.OnExpire = hb, grace, onExpire
 	resumed, err := m.reviveLocked(ctx, r, now)
@@ -145,11 +169,11 @@ func (m *Manager) reviveLocked(ctx context.Context, r *Record, now time.Time) (i
 	if err := m.store.PutSession(ctx, r); err != nil {
 		return 0, err
 	}
-	m.seen[r.Name] = beat{value: r.LastHeartbeat, at: time.Now()}
+	m.seen[r.Key()] = beat{value: r.LastHeartbeat, at: time.Now()}
 	if !wasExpired || r.OnExpire != "pause" {
 		return 0, nil
 	}
-	n, err := m.act(ctx, "resume", selector(r.Name))
+	n, err := m.act(r.forProject(ctx), "resume", selector(r.Name))
 	if err != nil {
 		return n, err
 	}
@@ -162,7 +186,7 @@ func (m *Manager) reviveLocked(ctx context.Context, r *Record, now time.Time) (i
 func (m *Manager) Heartbeat(ctx context.Context, name string) (*dsecv1.Session, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	r, err := m.store.GetSession(ctx, name)
+	r, err := m.get(ctx, name)
 	if err != nil {
 		return nil, err
 	}
@@ -178,25 +202,37 @@ func (m *Manager) Heartbeat(ctx context.Context, name string) (*dsecv1.Session, 
 	return v, nil
 }
 
-// Get returns a session.
+// get reads the session named name of ctx's caller's project.
+func (m *Manager) get(ctx context.Context, name string) (*Record, error) {
+	r, err := m.store.GetSession(ctx, Key(tenant.Project(ctx), name))
+	if errdefs.Is(err, errdefs.KindNotFound) {
+		return nil, errdefs.NotFound("session %q not found", name)
+	}
+	return r, err
+}
+
+// Get returns a session of the caller's project.
 func (m *Manager) Get(ctx context.Context, name string) (*dsecv1.Session, error) {
-	r, err := m.store.GetSession(ctx, name)
+	r, err := m.get(ctx, name)
 	if err != nil {
 		return nil, err
 	}
 	return view(r), nil
 }
 
-// List lists sessions by name.
+// List lists the sessions the caller sees (its project's; an operator's:
+// all) by name.
 func (m *Manager) List(ctx context.Context) ([]*dsecv1.Session, error) {
 	rs, err := m.store.ListSessions(ctx)
 	if err != nil {
 		return nil, err
 	}
-	sort.Slice(rs, func(i, j int) bool { return rs[i].Name < rs[j].Name })
+	sort.Slice(rs, func(i, j int) bool { return rs[i].Key() < rs[j].Key() })
 	out := make([]*dsecv1.Session, 0, len(rs))
 	for _, r := range rs {
-		out = append(out, view(r))
+		if tenant.Reaches(ctx, r.Project) {
+			out = append(out, view(r))
+		}
 	}
 	return out, nil
 }
@@ -206,29 +242,29 @@ func (m *Manager) List(ctx context.Context) ([]*dsecv1.Session, error) {
 func (m *Manager) Close(ctx context.Context, name string, deleteSandboxes bool) (*dsecv1.Session, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	r, err := m.store.GetSession(ctx, name)
+	r, err := m.get(ctx, name)
 	if err != nil {
 		return nil, err
 	}
 	if deleteSandboxes {
-		if _, err := m.act(ctx, "delete", selector(name)); err != nil {
+		if _, err := m.act(r.forProject(ctx), "delete", selector(name)); err != nil {
 			return nil, err
 		}
 	} else if r.State == Expired && r.OnExpire == "pause" {
 		// Leave nothing frozen behind an ended lease.
-		m.act(ctx, "resume", selector(name))
+		m.act(r.forProject(ctx), "resume", selector(name))
 	}
 	r.State = Closed
-	if err := m.store.DeleteSession(ctx, name); err != nil {
+	if err := m.store.DeleteSession(ctx, r.Key()); err != nil {
 		return nil, err
 	}
 	return view(r), nil
 }
 
-// Admit checks that a create may bind to session name: it must exist and
-// be active.
+// Admit checks that a create may bind to session name: it must exist in
+// the caller's project and be active.
 func (m *Manager) Admit(ctx context.Context, name string) error {
-	r, err := m.store.GetSession(ctx, name)
+	r, err := m.store.GetSession(ctx, Key(tenant.Project(ctx), name))
 	if err != nil {
 		if errdefs.Is(err, errdefs.KindNotFound) {
 			return errdefs.NotFound("session %q does not exist; open it first", name)
@@ -248,11 +284,11 @@ func (m *Manager) Admit(ctx context.Context, name string) error {
 // is active). Expiry records the state before it acts, so a create either
 // is seen by the expiry's action or sees the expired state here.
 func (m *Manager) Settle(ctx context.Context, name string) (string, error) {
-	r, err := m.store.GetSession(ctx, name)
+	r, err := m.store.GetSession(ctx, Key(tenant.Project(ctx), name))
 	if err != nil || r.State != Expired {
 		return "", nil // active, or closed (its sandboxes live on under their TTLs)
 	}
-	if _, err := m.act(ctx, r.OnExpire, selector(name)); err != nil {
+	if _, err := m.act(r.forProject(ctx), r.OnExpire, selector(name)); err != nil {
 		return r.OnExpire, err
 	}
 	return r.OnExpire, nil
@@ -281,18 +317,18 @@ func (m *Manager) expire(ctx context.Context, now time.Time) {
 	live := map[string]bool{}
 	for _, r := range rs {
 		if r.State == Expired && r.ActionPending {
-			m.apply(ctx, r.Name)
+			m.apply(ctx, r.Key())
 			continue
 		}
 		if r.State != Active {
 			continue
 		}
-		live[r.Name] = true
+		live[r.Key()] = true
 		m.mu.Lock()
-		b, ok := m.seen[r.Name]
+		b, ok := m.seen[r.Key()]
 		if !ok || !b.value.Equal(r.LastHeartbeat) {
 			// A heartbeat this process had not seen: grace starts now.
-			m.seen[r.Name] = beat{value: r.LastHeartbeat, at: now}
+			m.seen[r.Key()] = beat{value: r.LastHeartbeat, at: now}
 			m.mu.Unlock()
 			continue
 		}
@@ -301,7 +337,7 @@ func (m *Manager) expire(ctx context.Context, now time.Time) {
 			continue
 		}
 		m.mu.Lock()
-		cur, err := m.store.GetSession(ctx, r.Name)
+		cur, err := m.store.GetSession(ctx, r.Key())
 		if err != nil || cur.State != Active || !cur.LastHeartbeat.Equal(r.LastHeartbeat) {
 			m.mu.Unlock()
 			continue // heartbeat or reopen meanwhile
@@ -310,13 +346,13 @@ func (m *Manager) expire(ctx context.Context, now time.Time) {
 		// sees the state in Settle if the action missed its sandbox.
 		cur.State, cur.ExpiredAt, cur.ActionPending = Expired, time.Now().UTC(), true
 		err = m.store.PutSession(ctx, cur)
-		delete(m.seen, cur.Name)
+		delete(m.seen, cur.Key())
 		m.mu.Unlock()
 		if err != nil {
 			m.log.Warn("expire session", slog.String("session", cur.Name), slog.Any("error", err))
 			continue
 		}
-		m.apply(ctx, cur.Name)
+		m.apply(ctx, cur.Key())
 	}
 	m.mu.Lock()
 	for name := range m.seen {
@@ -327,16 +363,16 @@ func (m *Manager) expire(ctx context.Context, now time.Time) {
 	m.mu.Unlock()
 }
 
-// apply carries out an expired session's action and clears ActionPending;
-// on failure it stays pending, retried next tick.
-func (m *Manager) apply(ctx context.Context, name string) {
+// apply carries out an expired session's action (stored under key) and
+// clears ActionPending; on failure it stays pending, retried next tick.
+func (m *Manager) apply(ctx context.Context, key string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	cur, err := m.store.GetSession(ctx, name)
+	cur, err := m.store.GetSession(ctx, key)
 	if err != nil || cur.State != Expired || !cur.ActionPending {
 		return // revived, closed or done meanwhile
 	}
-	n, err := m.act(ctx, cur.OnExpire, selector(cur.Name))
+	n, err := m.act(cur.forProject(ctx), cur.OnExpire, selector(cur.Name))
 	if err != nil {
 		m.log.Warn("expire session", slog.String("session", cur.Name), slog.Any("error", err))
 		return

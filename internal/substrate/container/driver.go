@@ -11,6 +11,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -54,13 +55,17 @@ type Config struct {
 
 // Driver is the container driver.
 type Driver struct {
-	log      *slog.Logger
-	cfg      Config
-	runtime  string // absolute path
-	rtName   string // "crun" or "runc"
-	rtVer    string
-	runRoot  string // --root for the runtime
-	sockDir  string
+	log     *slog.Logger
+	cfg     Config
+	runtime string // absolute path
+	rtName  string // "crun" or "runc"
+	rtVer   string
+	runRoot string // --root for the runtime
+	sockDir string
+	// files holds what is bind-mounted into sandboxes (the agent binary,
+	// each sandbox's /etc files): a tmpfs of its own, so a sandbox's
+	// /proc/self/mountinfo names no host path.
+	files    string
 	skel     string // the top lower layer with mountpoints
 	guestBin string
 	cgroups  cgroups
@@ -96,6 +101,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 	d := &Driver{log: log, cfg: cfg, guestBin: cfg.GuestBinary, cgroups: probeCgroups()}
 	d.runRoot = filepath.Join(cfg.RunDir, "runtime")
 	d.sockDir = filepath.Join(cfg.RunDir, "sock")
+	d.files = filepath.Join(cfg.RunDir, "files")
 	d.skel = filepath.Join(cfg.StateDir, "skel")
 	d.caps = substrate.Capabilities{
 		Kind: substrate.KindContainer,
@@ -181,11 +187,45 @@ func (d *Driver) probe() string {
 			return fmt.Sprintf("create %s: %v", dir, err)
 		}
 	}
+	if err := d.prepareFiles(); err != nil {
+		return fmt.Sprintf("prepare the sandboxes' bind-mounted files: %v", err)
+	}
 	if err := writeSkeleton(d.skel); err != nil {
 		return fmt.Sprintf("create skeleton layer: %v", err)
 	}
 	return ""
 }
+
+// prepareFiles mounts the tmpfs sandboxes' bind mounts come from (in the
+// node's private mount namespace; elsewhere, as in some tests, a plain
+// directory) and copies the agent binary into it.
+func (d *Driver) prepareFiles() error {
+	if err := os.MkdirAll(d.files, 0o700); err != nil {
+		return err
+	}
+	if mountns.Entered() {
+		if err := unix.Mount("tmpfs", d.files, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=0700,size=256m"); err != nil {
+			return err
+		}
+	}
+	src, err := os.Open(d.guestBin)
+	if err != nil {
+		return err
+	}
+	defer src.Close()
+	dst, err := os.OpenFile(filepath.Join(d.files, "dsec-guest"), os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o555)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(dst, src); err != nil {
+		dst.Close()
+		return err
+	}
+	return dst.Close()
+}
+
+// filesOf is the directory of a sandbox's bind-mounted /etc files.
+func (d *Driver) filesOf(id string) string { return filepath.Join(d.files, id) }
 
 // writeSkeleton makes the top read-only layer that holds the mountpoints
 // the runtime needs, so it never writes them into a sandbox's upper layer
@@ -263,13 +303,14 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 			return nil, errdefs.Internal(err, "prepare sandbox directory")
 		}
 	}
-	if err := mountOverlay(append([]string{d.skel}, s.Layers...), filepath.Join(s.Dir, "upper"), filepath.Join(s.Dir, "work"), rootfs); err != nil {
+	if err := mountOverlay(s.Dir, append([]string{d.skel}, s.Layers...), filepath.Join(s.Dir, "upper"), filepath.Join(s.Dir, "work"), rootfs); err != nil {
 		return nil, err
 	}
 	undo.Push(func() { unmount(rootfs) })
-	if err := writeEtc(s.Dir, s); err != nil {
+	if err := writeEtc(d.filesOf(s.ID), s); err != nil {
 		return nil, errdefs.Internal(err, "write sandbox /etc files")
 	}
+	undo.Push(func() { os.RemoveAll(d.filesOf(s.ID)) })
 	spec, err := d.ociSpec(s, rootfs, s.Dir)
 	if err != nil {
 		return nil, errdefs.Internal(err, "build runtime spec")

@@ -277,6 +277,7 @@ func (i *instance) Destroy(ctx context.Context) error {
 		return errdefs.Internal(err, "unmount sandbox root filesystem")
 	}
 	os.Remove(i.st.Socket)
+	os.RemoveAll(i.d.filesOf(i.id))
 	i.destroyed = true
 	return nil
 }

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"net"
 	"os"
+	"path/filepath"
+	"runtime"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -16,16 +18,71 @@ import (
 // maxMountData is the kernel's limit on mount options (one page).
 const maxMountData = 4095
 
-// mountOverlay mounts lowers (top first) under upper at target.
-func mountOverlay(lowers []string, upper, work, target string) error {
-	data := "lowerdir=" + strings.Join(lowers, ":") + ",upperdir=" + upper + ",workdir=" + work
+// mountOverlay mounts lowers (top first) under upper at target. The
+// directories are given to the kernel relative to base, so the mount's
+// options — which a sandbox reads in its own /proc/self/mountinfo — hold
+// no host path.
+func mountOverlay(base string, lowers []string, upper, work, target string) error {
+	base, err := filepath.Abs(base)
+	if err != nil {
+		return errdefs.Internal(err, "mount sandbox root filesystem")
+	}
+	rel := func(p string) (string, error) {
+		abs, err := filepath.Abs(p)
+		if err != nil {
+			return "", errdefs.Internal(err, "mount sandbox root filesystem")
+		}
+		r, err := filepath.Rel(base, abs)
+		if err != nil {
+			return "", errdefs.Internal(err, "mount sandbox root filesystem")
+		}
+		return r, nil
+	}
+	parts := make([]string, 0, len(lowers))
+	for _, l := range lowers {
+		r, err := rel(l)
+		if err != nil {
+			return err
+		}
+		parts = append(parts, r)
+	}
+	up, err := rel(upper)
+	if err != nil {
+		return err
+	}
+	wk, err := rel(work)
+	if err != nil {
+		return err
+	}
+	data := "lowerdir=" + strings.Join(parts, ":") + ",upperdir=" + up + ",workdir=" + wk
 	if len(data) > maxMountData {
 		return errdefs.Invalid("image has too many layers for one overlay mount (%d)", len(lowers)-1)
 	}
-	if err := unix.Mount("overlay", target, "overlay", unix.MS_NODEV, data); err != nil {
+	if err := inDir(base, func() error { return unix.Mount("overlay", target, "overlay", unix.MS_NODEV, data) }); err != nil {
 		return errdefs.Internal(err, "mount sandbox root filesystem")
 	}
 	return nil
+}
+
+// inDir runs f on a thread of its own whose working directory is dir (the
+// process's stays where it is). The thread is discarded afterwards.
+func inDir(dir string, f func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		// Never unlocked: the goroutine's end ends the thread, with its
+		// own file system context.
+		runtime.LockOSThread()
+		if err := unix.Unshare(unix.CLONE_FS); err != nil {
+			errc <- err
+			return
+		}
+		if err := unix.Chdir(dir); err != nil {
+			errc <- err
+			return
+		}
+		errc <- f()
+	}()
+	return <-errc
 }
 
 // unmount detaches a mount; a path that is not mounted (or no longer

@@ -71,10 +71,10 @@ func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, er
 			{Destination: "/dev/shm", Type: "tmpfs", Source: "shm", Options: []string{"nosuid", "noexec", "nodev", "mode=1777", "size=65536k"}},
 			{Destination: "/dev/mqueue", Type: "mqueue", Source: "mqueue", Options: []string{"nosuid", "noexec", "nodev"}},
 			{Destination: "/sys", Type: "sysfs", Source: "sysfs", Options: []string{"nosuid", "noexec", "nodev", "ro"}},
-			{Destination: guestPath, Type: "bind", Source: d.guestBin, Options: []string{"bind", "ro", "nosuid", "nodev"}},
-			{Destination: "/etc/hosts", Type: "bind", Source: filepath.Join(dir, "hosts"), Options: []string{"bind", "nosuid", "nodev"}},
-			{Destination: "/etc/hostname", Type: "bind", Source: filepath.Join(dir, "hostname"), Options: []string{"bind", "nosuid", "nodev"}},
-			{Destination: "/etc/resolv.conf", Type: "bind", Source: filepath.Join(dir, "resolv.conf"), Options: []string{"bind", "nosuid", "nodev"}},
+			{Destination: guestPath, Type: "bind", Source: filepath.Join(d.files, "dsec-guest"), Options: []string{"bind", "ro", "nosuid", "nodev"}},
+			{Destination: "/etc/hosts", Type: "bind", Source: filepath.Join(d.filesOf(s.ID), "hosts"), Options: []string{"bind", "nosuid", "nodev"}},
+			{Destination: "/etc/hostname", Type: "bind", Source: filepath.Join(d.filesOf(s.ID), "hostname"), Options: []string{"bind", "nosuid", "nodev"}},
+			{Destination: "/etc/resolv.conf", Type: "bind", Source: filepath.Join(d.filesOf(s.ID), "resolv.conf"), Options: []string{"bind", "nosuid", "nodev"}},
 		},
 		Linux: &specs.Linux{
 			CgroupsPath:   d.cgroupPath(s.ID),
@@ -149,8 +149,11 @@ func (d *Driver) resources(s *substrate.Spec) *specs.LinuxResources {
 }
 
 // writeEtc writes the files bind-mounted over /etc/hosts, /etc/hostname and
-// /etc/resolv.conf.
+// /etc/resolv.conf into dir.
 func writeEtc(dir string, s *substrate.Spec) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
 	host := s.Hostname
 	files := map[string]string{
 		"hosts":       "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t" + host + "\n",
