@@ -212,21 +212,30 @@ func (s *Server) Log() string {
 // Pid is the server's process (the re-executed child runs the node).
 func (s *Server) Pid() int { return s.cmd.Process.Pid }
 
+// Key is the key of the server's first API key entry ("KEY" or
+// "PROJECT=KEY"), or "" without keys.
+func (s *Server) Key() string {
+	if len(s.opts.APIKeys) == 0 {
+		return ""
+	}
+	e := s.opts.APIKeys[0]
+	if _, k, ok := strings.Cut(e, "="); ok {
+		return k
+	}
+	return e
+}
+
 // Client returns an SDK client for the server.
 func (s *Server) Client() *dsec.Client {
-	key := ""
-	if len(s.opts.APIKeys) > 0 {
-		key = s.opts.APIKeys[0]
-	}
-	return dsec.New(s.URL, dsec.WithAPIKey(key))
+	return dsec.New(s.URL, dsec.WithAPIKey(s.Key()))
 }
 
 // CLI runs the dsec CLI against the server.
 func (s *Server) CLI(ctx context.Context, stdin string, args ...string) (stdout, stderr string, code int) {
 	cmd := exec.CommandContext(ctx, s.Bin, args...)
 	cmd.Env = append(os.Environ(), "DSEC_URL="+s.URL)
-	if len(s.opts.APIKeys) > 0 {
-		cmd.Env = append(cmd.Env, "DSEC_API_KEY="+s.opts.APIKeys[0])
+	if k := s.Key(); k != "" {
+		cmd.Env = append(cmd.Env, "DSEC_API_KEY="+k)
 	}
 	cmd.Stdin = strings.NewReader(stdin)
 	var out, errb strings.Builder

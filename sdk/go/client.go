@@ -138,6 +138,10 @@ func (e *Error) Error() string {
 	return fmt.Sprintf("%s (%s%s)", e.Message, e.Kind, flags)
 }
 
+// AsError converts an error of a raw client (Client.Raw) into an *Error,
+// as every other method of the SDK returns them.
+func AsError(err error) error { return asError(err) }
+
 // asError converts a connect error into an *Error.
 func asError(err error) error {
 	if err == nil {

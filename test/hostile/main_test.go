@@ -30,10 +30,11 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// Keys of the two projects the shared server knows.
+// Keys of the two projects the shared server knows, and of its operator.
 const (
-	keyA = "proj-a=key-for-project-a-0123456789"
-	keyB = "proj-b=key-for-project-b-0123456789"
+	keyA     = "proj-a=key-for-project-a-0123456789"
+	keyB     = "proj-b=key-for-project-b-0123456789"
+	keyAdmin = "key-for-the-operator-0123456789"
 )
 
 func secret(entry string) string {
@@ -47,14 +48,15 @@ func secret(entry string) string {
 
 var server *dsectest.Server
 
-// srv is the server the tests share: two projects, egress networking
-// available.
+// srv is the server the tests share: two projects and an operator,
+// egress networking available.
 func srv(t *testing.T) *dsectest.Server {
 	t.Helper()
 	if server == nil {
 		dsectest.Need(t)
 		server = dsectest.Start(shared, dsectest.Options{
 			APIKeys: []string{keyA, keyB},
+			Args:    []string{"--admin-key", keyAdmin},
 		})
 	}
 	return server
