@@ -320,7 +320,13 @@ func (p *Proc) cleanupNode() {
 	if p.cmd == nil {
 		p.Start()
 	}
-	c := p.Client(p.token)
+	// The node API behind the cluster token, as an operator: every
+	// project's sandboxes.
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	c := dsec.New(p.URL, dsec.WithAPIKey(p.token), dsec.WithHTTPClient(&http.Client{Transport: roundTripper(func(r *http.Request) (*http.Response, error) {
+		r.Header.Set("Dsec-Role", "admin")
+		return tr.RoundTrip(r)
+	})}))
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	if list, err := c.List(ctx, ""); err == nil {
 		var wg sync.WaitGroup
@@ -339,3 +345,8 @@ func (p *Proc) cleanupNode() {
 	}
 	os.Remove(p.log.Name())
 }
+
+// roundTripper is a function as an http.RoundTripper.
+type roundTripper func(*http.Request) (*http.Response, error)
+
+func (f roundTripper) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }

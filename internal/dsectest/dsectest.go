@@ -165,6 +165,11 @@ func (s *Server) start() {
 	for _, k := range s.opts.APIKeys {
 		args = append(args, "--api-key", k)
 	}
+	if len(s.opts.APIKeys) > 0 {
+		// The harness's own operator key, to clean up every project's
+		// sandboxes.
+		args = append(args, "--admin-key", s.adminKey())
+	}
 	args = append(args, s.opts.Args...)
 	cmd := exec.Command(s.Bin, args...)
 	cmd.Env = os.Environ()
@@ -211,6 +216,9 @@ func (s *Server) Log() string {
 
 // Pid is the server's process (the re-executed child runs the node).
 func (s *Server) Pid() int { return s.cmd.Process.Pid }
+
+// adminKey is the operator key the harness gives a server with keys.
+func (s *Server) adminKey() string { return fmt.Sprintf("dsectest-operator-%d-%d", os.Getpid(), s.n) }
 
 // Key is the key of the server's first API key entry ("KEY" or
 // "PROJECT=KEY"), or "" without keys.
@@ -284,8 +292,11 @@ func (s *Server) Restart() {
 
 func (s *Server) cleanup() {
 	if s.cmd != nil {
-		// Delete what the test left, then stop.
+		// Delete what the test left, of every project, then stop.
 		c := s.Client()
+		if len(s.opts.APIKeys) > 0 {
+			c = dsec.New(s.URL, dsec.WithAPIKey(s.adminKey()))
+		}
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		if list, err := c.List(ctx, ""); err == nil {
 			var wg sync.WaitGroup

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 func needRoot(t *testing.T) {
@@ -191,7 +192,7 @@ func TestImportFormats(t *testing.T) {
 		{"an OCI archive imports", ociTar},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			got, err := s.ImportPath(context.Background(), tt.path, "img-"+filepath.Base(tt.path), nil)
+			got, err := s.ImportPath(tenant.System(context.Background()), tt.path, "img-"+filepath.Base(tt.path), nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -211,7 +212,7 @@ func TestImportFormats(t *testing.T) {
 	t.Run("an archive of something else is invalid", func(t *testing.T) {
 		bad := filepath.Join(src, "bad.tar")
 		os.WriteFile(bad, tarOf(t, []entry{{name: "hello", body: "x"}}), 0o644)
-		_, err := s.ImportPath(context.Background(), bad, "bad", nil)
+		_, err := s.ImportPath(tenant.System(context.Background()), bad, "bad", nil)
 		if !errdefs.Is(err, errdefs.KindInvalid) {
 			t.Fatalf("got %v", err)
 		}
@@ -231,14 +232,41 @@ func TestImportFormats(t *testing.T) {
 			t.Fatalf("unreferenced layer kept: %v", err)
 		}
 	})
+	t.Run("a project's image is its own and shadows a shared one", func(t *testing.T) {
+		ctx := tenant.With(context.Background(), tenant.Caller{Project: "proj-a"})
+		if _, err := s.ImportPath(ctx, docker, "mine", nil); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.ImportPath(ctx, docker, "again", nil); err != nil {
+			t.Fatal(err)
+		}
+		if img, err := s.Lookup("proj-a", "mine"); err != nil || img.Owner != "proj-a" {
+			t.Fatalf("the owner's lookup: %v, %v", img, err)
+		}
+		for _, other := range []string{"proj-b", tenant.Shared} {
+			if _, err := s.Lookup(other, "mine"); !errdefs.Is(err, errdefs.KindNotFound) {
+				t.Fatalf("lookup as %q: %v, want not found", other, err)
+			}
+		}
+		s.ImportPath(tenant.System(context.Background()), docker, "again", nil)
+		if img, _ := s.Lookup("proj-a", "again"); img.Owner != "proj-a" {
+			t.Fatalf("proj-a sees %q's image, not its own", img.Owner)
+		}
+		if img, _ := s.Lookup("proj-b", "again"); img.Owner != tenant.Shared {
+			t.Fatalf("proj-b sees %q's image, not the shared one", img.Owner)
+		}
+	})
 	t.Run("records survive reopening", func(t *testing.T) {
-		s.ImportPath(context.Background(), docker, "again", nil)
+		s.ImportPath(tenant.System(context.Background()), docker, "again", nil)
 		s2, err := Open(s.Dir(), slog.Default())
 		if err != nil {
 			t.Fatal(err)
 		}
 		if _, err := s2.Get("again"); err != nil {
 			t.Fatal(err)
+		}
+		if img, err := s2.Lookup("proj-a", "mine"); err != nil || img.Owner != "proj-a" {
+			t.Fatalf("a project's image after reopening: %v, %v", img, err)
 		}
 		if _, err := s2.Get("missing"); !errdefs.Is(err, errdefs.KindNotFound) {
 			t.Fatalf("missing image: %v", err)
@@ -255,7 +283,7 @@ func TestBootstrapBusybox(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	img, err := s.Bootstrap(context.Background(), "busybox", "", BootstrapOptions{}, nil)
+	img, err := s.Bootstrap(tenant.System(context.Background()), "busybox", "", BootstrapOptions{}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -263,7 +291,7 @@ func TestBootstrapBusybox(t *testing.T) {
 	if target, err := os.Readlink(filepath.Join(dir, "bin/sh")); err != nil || target != "busybox" {
 		t.Fatalf("bin/sh -> %q, %v", target, err)
 	}
-	again, err := s.Bootstrap(context.Background(), "busybox", "bb2", BootstrapOptions{}, nil)
+	again, err := s.Bootstrap(tenant.System(context.Background()), "busybox", "bb2", BootstrapOptions{}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/mountns"
 )
 
@@ -69,7 +70,7 @@ func TestBuildVM(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	ctx, cancel := context.WithTimeout(tenant.System(context.Background()), 20*time.Minute)
 	defer cancel()
 	img, err := s.BuildVM(ctx, "debian", "", BootstrapOptions{CacheDir: cache}, nil)
 	if err != nil {
@@ -150,7 +151,7 @@ func TestImportVM(t *testing.T) {
 		return f
 	}
 	t.Run("a raw disk is stored as qcow2", func(t *testing.T) {
-		img, err := s.ImportVM(context.Background(), open(raw), "mine", nil)
+		img, err := s.ImportVM(tenant.System(context.Background()), open(raw), "mine", nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -169,7 +170,7 @@ func TestImportVM(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			_, err := s.ImportVM(context.Background(), c.data(), "bad", nil)
+			_, err := s.ImportVM(tenant.System(context.Background()), c.data(), "bad", nil)
 			if !errdefs.Is(err, errdefs.KindInvalid) || !strings.Contains(err.Error(), c.want) {
 				t.Fatalf("got %v, want invalid mentioning %q", err, c.want)
 			}

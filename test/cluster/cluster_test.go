@@ -342,6 +342,58 @@ func TestCluster(t *testing.T) {
 		c.apis[0].Start()
 	})
 
+	t.Run("another project's key reaches nothing through any replica", func(t *testing.T) {
+		keyOf := func(args ...string) string {
+			out, err := c.cli(append([]string{"cluster", "--etcd", c.etcd.URL, "key", "add"}, args...)...)
+			if err != nil {
+				t.Fatalf("%v: %s", err, out)
+			}
+			return strings.TrimSpace(out)
+		}
+		ka, kb, kops := keyOf("tenant-a"), keyOf("tenant-b"), keyOf("ops", "--admin")
+		clients := map[string][]*dsec.Client{}
+		for name, k := range map[string]string{"a": ka, "b": kb, "ops": kops} {
+			for i := range c.apis {
+				cl := c.apis[i].Client(k)
+				eventually(t, "replica knows the new key", 10*time.Second, func() error {
+					_, err := cl.List(ctx, "")
+					return err
+				})
+				clients[name] = append(clients[name], cl)
+			}
+		}
+		sb, err := create(ctx, clients["a"][0], dsec.CreateOptions{Labels: map[string]string{"tenant": "a"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer clients["a"][0].Delete(context.Background(), sb.ID)
+		for i, b := range clients["b"] {
+			if _, err := b.Get(ctx, sb.ID); errOf(err).Kind != "not_found" {
+				t.Errorf("replica %d: B's get of A's sandbox: %v", i, err)
+			}
+			if _, err := b.Sandbox(sb.ID).Exec(ctx, dsec.Cmd("true")); errOf(err).Kind != "not_found" {
+				t.Errorf("replica %d: B's exec in A's sandbox: %v", i, err)
+			}
+			list, err := b.List(ctx, "tenant=a")
+			if err != nil || len(list) != 0 {
+				t.Errorf("replica %d: B lists %d of A's sandboxes (%v)", i, len(list), err)
+			}
+			if resp, err := b.Bulk(ctx, "delete", "tenant=a"); err != nil || len(resp.Ids) != 0 {
+				t.Errorf("replica %d: B's bulk delete by A's label: %v, %v", i, resp.GetIds(), err)
+			}
+			if err := b.Delete(ctx, sb.ID); err != nil {
+				t.Errorf("replica %d: B's delete of A's sandbox answered %v, not as for an unknown ID", i, err)
+			}
+		}
+		for i, ops := range clients["ops"] {
+			if _, err := ops.Get(ctx, sb.ID); err != nil {
+				t.Errorf("replica %d: the operator cannot see A's sandbox: %v", i, err)
+			}
+		}
+		if r, err := sb.Exec(ctx, dsec.Cmd("true")); err != nil || r.ExitCode != 0 {
+			t.Fatalf("A's sandbox after B's attempts: %v, %v", r, err)
+		}
+	})
 	t.Run("quotas are enforced", func(t *testing.T) {
 		if out, err := c.cli("cluster", "--etcd", c.etcd.URL, "project", "set", "quota", "--max-sandboxes", "2"); err != nil {
 			t.Fatalf("%v: %s", err, out)

@@ -18,6 +18,7 @@ import (
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
 )
 
@@ -53,7 +54,7 @@ func TestMain(m *testing.M) {
 			fmt.Fprintln(os.Stderr, err)
 			return 1
 		}
-		img, err := store.Bootstrap(context.Background(), "busybox", "", image.BootstrapOptions{}, nil)
+		img, err := store.Bootstrap(tenant.System(context.Background()), "busybox", "", image.BootstrapOptions{}, nil)
 		if err != nil {
 			setupErr = "needs Debian's busybox-static: " + err.Error()
 			return m.Run()

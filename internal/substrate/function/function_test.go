@@ -16,6 +16,7 @@ import (
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/substrate/container"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
 )
@@ -69,7 +70,7 @@ func newDriver(t *testing.T, cfg Config) (*Driver, *image.Store, *image.Image) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	img, err := store.Bootstrap(context.Background(), "debian", "", image.BootstrapOptions{CacheDir: os.Getenv("DSEC_CACHE_DIR")}, nil)
+	img, err := store.Bootstrap(tenant.System(context.Background()), "debian", "", image.BootstrapOptions{CacheDir: os.Getenv("DSEC_CACHE_DIR")}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -89,7 +90,9 @@ func newDriver(t *testing.T, cfg Config) (*Driver, *image.Store, *image.Image) {
 // TestPoolGrowsWhenCallsWait: calls that wait GrowAfter for a slot start
 // another worker; calls that get a slot sooner do not.
 func TestPoolGrowsWhenCallsWait(t *testing.T) {
-	d, _, _ := newDriver(t, Config{Slots: 1, MaxWorkers: 2, GrowAfter: 300 * time.Millisecond})
+	// GrowAfter far above a call's ~10 ms, so a busy machine's slow call is
+	// not taken for a wait.
+	d, _, _ := newDriver(t, Config{Slots: 1, MaxWorkers: 2, GrowAfter: 3 * time.Second})
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	calls := func(code string, n int) {
@@ -117,11 +120,11 @@ func TestPoolGrowsWhenCallsWait(t *testing.T) {
 	}
 	calls("true", 1) // the first worker
 	p := d.poolFor(d.cfg.Image)
-	calls("true", 2) // the second waits for the first's ~10 ms, not 300
+	calls("true", 2) // the second waits for the first's ~10 ms, not 3 s
 	if n := poolSize(p); n != 1 {
 		t.Fatalf("%d workers after calls that waited briefly, want 1", n)
 	}
-	calls("sleep 2", 2) // the second waits past GrowAfter
+	calls("sleep 6", 2) // the second waits past GrowAfter
 	if n := poolSize(p); n != 2 {
 		t.Fatalf("%d workers after a call waited %v, want 2", n, d.cfg.GrowAfter)
 	}

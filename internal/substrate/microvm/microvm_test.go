@@ -19,6 +19,7 @@ import (
 	"github.com/opendsec/dsec/internal/qemu"
 	"github.com/opendsec/dsec/internal/qemu/qemutest"
 	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
 )
 
@@ -72,7 +73,7 @@ func TestMain(m *testing.M) {
 			fmt.Fprintln(os.Stderr, err)
 			return 1
 		}
-		img, err := store.Bootstrap(context.Background(), "busybox", "", image.BootstrapOptions{CacheDir: cache}, nil)
+		img, err := store.Bootstrap(tenant.System(context.Background()), "busybox", "", image.BootstrapOptions{CacheDir: cache}, nil)
 		if err != nil {
 			setupErr = "needs Debian's busybox-static: " + err.Error()
 			return m.Run()

@@ -26,6 +26,7 @@ import (
 	"github.com/opendsec/dsec/internal/qemu"
 	"github.com/opendsec/dsec/internal/qemu/qemutest"
 	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
 )
 
@@ -79,7 +80,7 @@ func TestMain(m *testing.M) {
 			fmt.Fprintln(os.Stderr, err)
 			return 1
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+		ctx, cancel := context.WithTimeout(tenant.System(context.Background()), 20*time.Minute)
 		defer cancel()
 		img, err := store.BuildVM(ctx, "debian", "", image.BootstrapOptions{CacheDir: cache}, nil)
 		if err != nil {
