@@ -56,9 +56,13 @@ func main() {
 	ctx := context.Background()
 	c := srv.Client()
 	testDir := filepath.Join(repoRoot(), "test", "e2b")
+	nodeBin, nodeEnv, why, ok := dsectest.NodeJS()
+	if !ok {
+		fatal(fmt.Errorf("%s", why))
+	}
 	if _, err := os.Stat(filepath.Join(testDir, "node_modules", "e2b")); err != nil {
 		cmd := exec.Command("npm", "ci", "--no-audit", "--no-fund", "--loglevel=error")
-		cmd.Dir, cmd.Stdout, cmd.Stderr = testDir, os.Stderr, os.Stderr
+		cmd.Dir, cmd.Env, cmd.Stdout, cmd.Stderr = testDir, nodeEnv, os.Stderr, os.Stderr
 		if err := cmd.Run(); err != nil {
 			fatal(fmt.Errorf("npm ci in %s: %w", testDir, err))
 		}
@@ -68,7 +72,7 @@ func main() {
 	var sdk, goE2B, native, nativeTrue [][]time.Duration
 	for r := 0; r < *runs; r++ {
 		sides := []func(){
-			func() { sdk = append(sdk, e2bSDK(srv, testDir, *n)) },
+			func() { sdk = append(sdk, e2bSDK(srv, testDir, nodeBin, nodeEnv, *n)) },
 			func() { goE2B = append(goE2B, e2bGo(ctx, srv, *n)) },
 			func() { native = append(native, nativeExec(ctx, c, *n, "/bin/bash", "-l", "-c", "true")) },
 			func() { nativeTrue = append(nativeTrue, nativeExec(ctx, c, *n, "true")) },
@@ -93,10 +97,10 @@ func main() {
 }
 
 // e2bSDK times commands.run('true') through the JS SDK.
-func e2bSDK(srv *dsectest.Server, dir string, n int) []time.Duration {
-	cmd := exec.Command("node", "bench.mjs")
+func e2bSDK(srv *dsectest.Server, dir, nodeBin string, nodeEnv []string, n int) []time.Duration {
+	cmd := exec.Command(nodeBin, "bench.mjs")
 	cmd.Dir = dir
-	cmd.Env = append(os.Environ(), "E2B_API_KEY="+key, "E2B_API_URL="+srv.URL, "E2B_SANDBOX_URL="+srv.URL, "N="+strconv.Itoa(n), "TEMPLATE=base")
+	cmd.Env = append(append([]string(nil), nodeEnv...), "E2B_API_KEY="+key, "E2B_API_URL="+srv.URL, "E2B_SANDBOX_URL="+srv.URL, "N="+strconv.Itoa(n), "TEMPLATE=base")
 	cmd.Stderr = os.Stderr
 	out, err := cmd.Output()
 	if err != nil {

@@ -13,7 +13,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -65,25 +64,19 @@ func server(t *testing.T) *dsectest.Server {
 // the pinned SDKs (once) from the committed lockfile.
 func needNode(t *testing.T) {
 	t.Helper()
-	node, err := exec.LookPath("node")
-	if err != nil {
-		t.Skip("needs Node.js >= 20.18.1 and npm (scripts/setup.sh installs them)")
+	var why string
+	var ok bool
+	if nodeBin, nodeEnv, why, ok = dsectest.NodeJS(); !ok {
+		t.Skip(why)
 	}
 	if _, err := exec.LookPath("npm"); err != nil {
 		t.Skip("needs npm (scripts/setup.sh installs it)")
-	}
-	out, err := exec.Command(node, "--version").Output()
-	if err != nil {
-		t.Skipf("node --version: %v", err)
-	}
-	if v := strings.TrimSpace(string(out)); !nodeRecentEnough(v) {
-		t.Skipf("needs Node.js >= 20.18.1 (the e2b SDK's engines), have %s", v)
 	}
 	npmOnce.Do(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 		defer cancel()
 		cmd := exec.CommandContext(ctx, "npm", "ci", "--no-audit", "--no-fund", "--loglevel=error")
-		cmd.Dir = testDir()
+		cmd.Dir, cmd.Env = testDir(), nodeEnv
 		if out, err := cmd.CombinedOutput(); err != nil {
 			npmErr = fmt.Errorf("npm ci (needs the npm registry): %v\n%s", err, out)
 		}
@@ -93,15 +86,12 @@ func needNode(t *testing.T) {
 	}
 }
 
-func nodeRecentEnough(v string) bool {
-	parts := strings.SplitN(strings.TrimPrefix(v, "v"), ".", 3)
-	if len(parts) < 2 {
-		return false
-	}
-	major, _ := strconv.Atoi(parts[0])
-	minor, _ := strconv.Atoi(parts[1])
-	return major >= 22 || (major == 20 && minor >= 18)
-}
+// nodeBin is the Node.js dsectest.NodeJS found; nodeEnv runs it and npm
+// (it first on PATH).
+var (
+	nodeBin string
+	nodeEnv []string
+)
 
 func testDir() string {
 	_, file, _, _ := runtime.Caller(0)
@@ -114,9 +104,9 @@ func scenario(t *testing.T, s *dsectest.Server, name string, env ...string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, "node", "scenarios.mjs", name)
+	cmd := exec.CommandContext(ctx, nodeBin, "scenarios.mjs", name)
 	cmd.Dir = testDir()
-	cmd.Env = append(os.Environ(),
+	cmd.Env = append(append([]string(nil), nodeEnv...),
 		"E2B_API_KEY="+apiKey, "E2B_API_URL="+s.URL, "E2B_SANDBOX_URL="+s.URL, "E2B_DEBUG=false",
 	)
 	cmd.Env = append(cmd.Env, env...)
