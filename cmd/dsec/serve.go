@@ -28,6 +28,7 @@ import (
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/config"
 	"github.com/opendsec/dsec/internal/e2b"
+	"github.com/opendsec/dsec/internal/hostlimits"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/network"
@@ -91,6 +92,7 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, bootstrap *string, pool
 	f.IntVar(&flagCfg.Node.MaxSandboxes, "max-sandboxes", 0, "admission limit (default 4096)")
 	f.IntVar(&flagCfg.Node.MaxConcurrentStarts, "max-starts", 0, "sandbox starts in flight (default 2 per core)")
 	f.IntVar(&flagCfg.Node.StartQueue, "start-queue", 0, "creates that may wait for a start (default 1024)")
+	f.BoolVar(&flagCfg.Node.KeepKernelLimits, "keep-kernel-limits", false, "leave the host's kernel limits (pid_max, inotify, conntrack, ...) as they are instead of raising those a dense node needs")
 	f.StringVar(&flagCfg.Network.Bridge, "bridge", "", "egress bridge name (default dsec0)")
 	f.StringVar(&flagCfg.Network.Subnet, "subnet", "", "egress subnet (default 10.88.0.0/16)")
 	f.StringVar(&flagCfg.Network.Table, "nft-table", "", "nftables table (default dsec)")
@@ -161,6 +163,9 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("start-queue") {
 		cfg.Node.StartQueue = fl.Node.StartQueue
+	}
+	if set("keep-kernel-limits") {
+		cfg.Node.KeepKernelLimits = fl.Node.KeepKernelLimits
 	}
 	if set("bridge") {
 		cfg.Network.Bridge = fl.Network.Bridge
@@ -282,6 +287,11 @@ func openNode(cfg config.Config, log *slog.Logger) (_ *node.Node, close func(), 
 		}
 	} else {
 		log.Warn("not running as root: sandboxes cannot start (the container substrate needs root)")
+	}
+	if os.Geteuid() == 0 && !cfg.Node.KeepKernelLimits {
+		if err := hostlimits.Apply(log); err != nil {
+			log.Warn("kernel limits not checked", slog.Any("error", err))
+		}
 	}
 	dataDir, err := filepath.Abs(cfg.DataDir)
 	if err != nil {

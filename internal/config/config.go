@@ -74,6 +74,11 @@ type Node struct {
 	StartQueue          int `json:"start_queue,omitempty"`
 	// Pools are warm pools of started sandboxes (default none).
 	Pools []Pool `json:"pools,omitempty"`
+	// KeepKernelLimits leaves the host's kernel limits as they are
+	// (default false: at start the node raises those below what a node
+	// packed with sandboxes needs — kernel.pid_max, inotify instances and
+	// watches, nf_conntrack_max, ... — and logs each change).
+	KeepKernelLimits bool `json:"keep_kernel_limits,omitempty"`
 }
 
 // Cluster configures cluster mode (`dsec api` and `dsec node`); `dsec
