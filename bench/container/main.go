@@ -399,7 +399,8 @@ func runtimeCPUs() int {
 	return set.Count()
 }
 
+// fatal reports err and exits, leaving nothing behind (dsectest.Exit).
 func fatal(err error) {
 	fmt.Fprintln(os.Stderr, "bench:", err)
-	os.Exit(1)
+	dsectest.Exit(1)
 }

@@ -220,7 +220,8 @@ func repoRoot() string {
 	return dir
 }
 
+// fatal reports err and exits, leaving nothing behind (dsectest.Exit).
 func fatal(err error) {
 	fmt.Fprintln(os.Stderr, "bench:", err)
-	os.Exit(1)
+	dsectest.Exit(1)
 }

@@ -194,7 +194,8 @@ func pct(d []time.Duration, p int) time.Duration {
 	return s[min(len(s)-1, len(s)*p/100)].Round(10 * time.Microsecond)
 }
 
+// fatal reports err and exits, leaving nothing behind (dsectest.Exit).
 func fatal(err error) {
 	fmt.Fprintln(os.Stderr, "bench:", err)
-	os.Exit(1)
+	dsectest.Exit(1)
 }

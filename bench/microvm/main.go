@@ -61,7 +61,6 @@ func main() {
 		fatal(err)
 	}
 	b := dsectest.Program()
-	prog = b
 	defer b.Close()
 	srvArgs := []string{"--max-sandboxes", "4096"}
 	if *tb > 0 {
@@ -387,13 +386,8 @@ func mustVersion(bin string) string {
 	return v
 }
 
-// prog owns the server; fatal closes it.
-var prog *dsectest.ProgramTB
 
 func fatal(err error) {
-	if prog != nil {
-		prog.Close()
-	}
 	fmt.Fprintln(os.Stderr, "bench:", err)
-	os.Exit(1)
+	dsectest.Exit(1)
 }

@@ -165,13 +165,10 @@ func human(n int64) string {
 	}
 }
 
-// prog owns the servers; fatal closes it.
+// prog owns the servers.
 var prog *dsectest.ProgramTB
 
 func fatal(err error) {
-	if prog != nil {
-		prog.Close()
-	}
 	fmt.Fprintln(os.Stderr, "bench:", err)
-	os.Exit(1)
+	dsectest.Exit(1)
 }

@@ -3,19 +3,59 @@ package dsectest
 import (
 	"fmt"
 	"os"
+	"os/signal"
 	"sync"
+	"syscall"
 )
 
 // ProgramTB runs the harness from a program (a benchmark): failures print
-// and exit, cleanups run at Close.
+// and exit, cleanups run at Close. A program leaves nothing behind on any
+// exit path: its failures (Fatal, Exit), an interrupt or termination
+// signal, and a normal end (Close) all run the cleanups.
 type ProgramTB struct {
 	mu       sync.Mutex
 	cleanups []func()
 	dirs     []string
 }
 
-// Program returns a TB for programs. Call Close before exiting.
-func Program() *ProgramTB { return &ProgramTB{} }
+var (
+	programsMu sync.Mutex
+	programs   []*ProgramTB
+	signalOnce sync.Once
+)
+
+// Program returns a TB for programs. Call Close before exiting normally;
+// leave in any other way through Exit (or b.Fatal). An interrupt (Ctrl-C)
+// or SIGTERM closes every program and exits.
+func Program() *ProgramTB {
+	b := &ProgramTB{}
+	programsMu.Lock()
+	programs = append(programs, b)
+	programsMu.Unlock()
+	signalOnce.Do(func() {
+		sigs := make(chan os.Signal, 1)
+		signal.Notify(sigs, os.Interrupt, syscall.SIGTERM, syscall.SIGHUP)
+		go func() {
+			s := <-sigs
+			fmt.Fprintf(os.Stderr, "bench: %v: cleaning up\n", s)
+			Exit(130)
+		}()
+	})
+	return b
+}
+
+// Exit closes every program (its servers, sandboxes, networks and
+// directories), then exits with code: what a program calls instead of
+// os.Exit.
+func Exit(code int) {
+	programsMu.Lock()
+	ps := append([]*ProgramTB(nil), programs...)
+	programsMu.Unlock()
+	for i := len(ps) - 1; i >= 0; i-- {
+		ps[i].Close()
+	}
+	os.Exit(code)
+}
 
 func (b *ProgramTB) Helper()                      {}
 func (b *ProgramTB) Fatal(args ...any)            { b.fail(fmt.Sprint(args...)) }
@@ -27,9 +67,8 @@ func (b *ProgramTB) Failed() bool                 { return false }
 func (b *ProgramTB) Cleanup(f func())             { b.mu.Lock(); b.cleanups = append(b.cleanups, f); b.mu.Unlock() }
 
 func (b *ProgramTB) fail(msg string) {
-	b.Close()
 	fmt.Fprintln(os.Stderr, "bench:", msg)
-	os.Exit(1)
+	Exit(1)
 }
 
 // TempDir makes a directory removed at Close.
