@@ -29,6 +29,9 @@ run: setup build
 
 test: setup build test-go test-python
 
+# The tests' servers run the binaries just built (internal/dsectest).
+test-go test-python: export DSEC_TEST_BIN := $(CURDIR)/bin
+
 # Every test runs: testreport fails the run when a test skipped for any
 # reason but hardware this host lacks (a KVM that boots, a GPU), and keeps
 # the full record in $(DATA_DIR)/go-test.json.

@@ -39,7 +39,7 @@ func StartEtcd(t TB) *Etcd {
 	}
 	// Memory-backed when the host has /dev/shm: a test's etcd fsyncs
 	// every write, and the disk is shared with builds.
-	dir, err := os.MkdirTemp("/dev/shm", "dsec-etcd-")
+	dir, err := os.MkdirTemp("/dev/shm", fmt.Sprintf("dsec-etcd-%d-", os.Getpid()))
 	if err != nil {
 		dir = t.TempDir()
 	}
@@ -71,14 +71,14 @@ func (e *Etcd) Start() {
 		"--listen-peer-urls", e.peer, "--initial-advertise-peer-urls", e.peer,
 		"--initial-cluster", "dsectest="+e.peer, "--log-level", "warn")
 	if e.log == nil {
-		f, err := os.CreateTemp("", "dsec-etcd-*.log")
+		f, err := os.CreateTemp("", fmt.Sprintf("dsec-etcd-%d-*.log", os.Getpid()))
 		if err != nil {
 			t.Fatal(err)
 		}
 		e.log = f
 	}
 	cmd.Stdout, cmd.Stderr = e.log, e.log
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.SysProcAttr = procAttr()
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -180,7 +180,7 @@ func StartNode(t TB, etcd *Etcd, name string, opts NodeOptions) *Proc {
 	p.Addr = freePort(t)
 	p.URL = "http://" + p.Addr
 	p.netArgs = []string{
-		"--bridge", fmt.Sprintf("dsc%d-%d", os.Getpid()%10000, n),
+		"--bridge", fmt.Sprintf("dsc%d-%d", os.Getpid(), n),
 		"--subnet", fmt.Sprintf("10.%d.%d.0/24", 100+os.Getpid()%100, n%256),
 		"--nft-table", fmt.Sprintf("dsectest_%d_%d", os.Getpid(), n),
 	}
@@ -230,14 +230,14 @@ func (p *Proc) Start() {
 	cmd := exec.Command(p.bin, p.args...)
 	cmd.Env = os.Environ()
 	if p.log == nil {
-		f, err := os.CreateTemp("", "dsec-cluster-*.log")
+		f, err := os.CreateTemp("", fmt.Sprintf("dsec-cluster-%d-*.log", os.Getpid()))
 		if err != nil {
 			t.Fatal(err)
 		}
 		p.log = f
 	}
 	cmd.Stdout, cmd.Stderr = p.log, p.log
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.SysProcAttr = procAttr()
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}

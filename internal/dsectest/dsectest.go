@@ -47,11 +47,21 @@ type TB interface {
 
 var _ TB = (testing.TB)(nil)
 
-// Binaries builds dsec and dsec-guest once and returns their directory.
+// Binaries builds dsec and dsec-guest once and returns their directory:
+// $DSEC_TEST_BIN when it holds both (make test builds them into bin/), else
+// a directory of this process's own. The first call also removes what
+// earlier test processes that died left behind (sweep).
 func Binaries(t TB) string {
 	t.Helper()
 	buildOnce.Do(func() {
-		binDir, buildErr = os.MkdirTemp("", "dsec-bin-")
+		sweep()
+		if dir := os.Getenv("DSEC_TEST_BIN"); dir != "" {
+			if haveBinaries(dir) {
+				binDir = dir
+				return
+			}
+		}
+		binDir, buildErr = os.MkdirTemp("", fmt.Sprintf("dsec-bin-%d-", os.Getpid()))
 		if buildErr != nil {
 			return
 		}
@@ -139,7 +149,7 @@ func (s *Server) netArgs() []string {
 	// Unique per test process and server: concurrent test packages must not
 	// share a bridge, a subnet or a firewall table.
 	return []string{
-		"--bridge", fmt.Sprintf("dst%d-%d", os.Getpid()%10000, s.n),
+		"--bridge", fmt.Sprintf("dst%d-%d", os.Getpid(), s.n),
 		"--subnet", fmt.Sprintf("10.%d.%d.0/24", 100+os.Getpid()%100, s.n%256),
 		"--nft-table", fmt.Sprintf("dsectest_%d_%d", os.Getpid(), s.n),
 	}
@@ -178,13 +188,13 @@ func (s *Server) start() {
 	if s.opts.Env != nil {
 		cmd.Env = s.opts.Env
 	}
-	logf, err := os.CreateTemp("", "dsec-serve-*.log")
+	logf, err := os.CreateTemp("", fmt.Sprintf("dsec-serve-%d-*.log", os.Getpid()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	s.log = logf
 	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.SysProcAttr = procAttr()
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,72 @@
+package dsectest
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+)
+
+// procAttr starts a server, node, replica or etcd of the harness in a
+// process group of its own, and ends it when the test process dies (a test
+// binary killed by its timeout runs no cleanups): it gets SIGTERM and
+// stops as it does on any stop.
+func procAttr() *syscall.SysProcAttr {
+	return &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
+}
+
+func haveBinaries(dir string) bool {
+	for _, b := range []string{"dsec", "dsec-guest"} {
+		if st, err := os.Stat(filepath.Join(dir, b)); err != nil || !st.Mode().IsRegular() {
+			return false
+		}
+	}
+	return true
+}
+
+// Names of what the harness leaves on the host while a test process runs,
+// each carrying that process's pid.
+var (
+	leftoverFile   = regexp.MustCompile(`^dsec-(?:bin|serve|etcd|cluster)-(\d+)-`)
+	leftoverTable  = regexp.MustCompile(`^table inet (dsectest_(\d+)_\d+)$`)
+	leftoverBridge = regexp.MustCompile(`^\d+: (ds[tc](\d+)-\d+)[:@]`)
+)
+
+// sweep removes what test processes that are no longer alive left behind:
+// their binaries, logs and etcd directories, their nftables tables and
+// their bridges. (Their servers died with them: procAttr.)
+func sweep() {
+	dead := func(pid string) bool {
+		n, err := strconv.Atoi(pid)
+		if err != nil || n == os.Getpid() {
+			return false
+		}
+		_, err = os.Stat("/proc/" + pid)
+		return os.IsNotExist(err)
+	}
+	for _, dir := range []string{os.TempDir(), "/dev/shm"} {
+		ents, _ := os.ReadDir(dir)
+		for _, e := range ents {
+			if m := leftoverFile.FindStringSubmatch(e.Name()); m != nil && dead(m[1]) {
+				os.RemoveAll(filepath.Join(dir, e.Name()))
+			}
+		}
+	}
+	if out, err := exec.Command("nft", "list", "tables").Output(); err == nil {
+		for _, l := range strings.Split(string(out), "\n") {
+			if m := leftoverTable.FindStringSubmatch(strings.TrimSpace(l)); m != nil && dead(m[2]) {
+				exec.Command("nft", "delete", "table", "inet", m[1]).Run()
+			}
+		}
+	}
+	if out, err := exec.Command("ip", "-o", "link", "show", "type", "bridge").Output(); err == nil {
+		for _, l := range strings.Split(string(out), "\n") {
+			if m := leftoverBridge.FindStringSubmatch(l); m != nil && dead(m[2]) {
+				exec.Command("ip", "link", "del", m[1]).Run()
+			}
+		}
+	}
+}
