@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"syscall"
 	"time"
 )
 
@@ -114,8 +115,16 @@ func Unimplemented(format string, args ...any) *Error {
 }
 
 // Internal wraps an unexpected platform failure. The cause is kept for logs;
-// users see msg.
+// users see msg. A cause that is the platform's own disk running out of
+// space (ENOSPC, EDQUOT) is not unexpected: it becomes an unavailable,
+// retryable infra error that says so (disk space comes back; a sandbox's
+// own full disk reaches callers through the agent's codes instead).
 func Internal(cause error, format string, args ...any) *Error {
+	if errors.Is(cause, syscall.ENOSPC) || errors.Is(cause, syscall.EDQUOT) {
+		e := New(KindUnavailable, "the node is out of disk space (%s)", fmt.Sprintf(format, args...))
+		e.Cause, e.RetryAfter = cause, 10*time.Second
+		return e
+	}
 	e := New(KindInternal, format, args...)
 	e.Cause = cause
 	return e
