@@ -1,0 +1,144 @@
+// Package structure_test keeps the repository's structural rules
+// mechanical, in the spirit of Tailscale's deptest and pkgdoc tests: every
+// package says what it is for, and the in-sandbox agent's dependencies are
+// a checked-in list that changes only on purpose. (The import boundaries
+// between the control plane and the node, and the agent's freedom from
+// HTTP, are checked beside the packages they guard:
+// internal/cluster/boundary_test.go, internal/guest/agent/boundary_test.go.)
+package structure_test
+
+import (
+	"flag"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sort"
+	"strings"
+	"testing"
+)
+
+var update = flag.Bool("update", false, "rewrite the checked-in lists from what the code has now")
+
+const mod = "github.com/opendsec/dsec"
+
+func root() string {
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Join(filepath.Dir(file), "..", "..")
+}
+
+func goCmd(t *testing.T) string {
+	t.Helper()
+	g, err := exec.LookPath("go")
+	if err != nil {
+		t.Fatal("the go command is required (go list)")
+	}
+	return g
+}
+
+// TestEveryPackageSaysWhatItIsFor: each package, tests-only packages
+// included, has a package comment in one of its files. Generated packages
+// (protobuf) are exempt.
+func TestEveryPackageSaysWhatItIsFor(t *testing.T) {
+	out, err := exec.Command(goCmd(t), "list", "-f", "{{.Dir}}", mod+"/...").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go list: %v\n%s", err, out)
+	}
+	dirs := strings.Fields(string(out))
+	if len(dirs) < 20 {
+		t.Fatalf("go list found %d packages", len(dirs))
+	}
+	for _, dir := range dirs {
+		if missing := packagesWithoutDoc(t, dir); len(missing) > 0 {
+			rel, _ := filepath.Rel(root(), dir)
+			t.Errorf("package %s (%s) has no package comment: add `// Package %s ...` above one file's package clause", missing[0], rel, missing[0])
+		}
+	}
+}
+
+// packagesWithoutDoc returns the packages in dir (a package and its
+// external test package count apart) none of whose files carries a package
+// comment; generated files are skipped.
+func packagesWithoutDoc(t *testing.T, dir string) []string {
+	t.Helper()
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	documented := map[string]bool{}
+	for _, e := range ents {
+		if !strings.HasSuffix(e.Name(), ".go") {
+			continue
+		}
+		f, err := parser.ParseFile(token.NewFileSet(), filepath.Join(dir, e.Name()), nil, parser.ParseComments|parser.PackageClauseOnly)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if isGenerated(f.Comments) {
+			continue
+		}
+		name := f.Name.Name
+		if !documented[name] {
+			documented[name] = f.Doc != nil && strings.TrimSpace(f.Doc.Text()) != ""
+		}
+	}
+	var missing []string
+	for name, ok := range documented {
+		if !ok && !(strings.HasSuffix(name, "_test") && documented[strings.TrimSuffix(name, "_test")]) {
+			missing = append(missing, name)
+		}
+	}
+	return missing
+}
+
+func isGenerated(comments []*ast.CommentGroup) bool {
+	for _, c := range comments {
+		if strings.Contains(c.Text(), "Code generated") && strings.Contains(c.Text(), "DO NOT EDIT") {
+			return true
+		}
+	}
+	return false
+}
+
+// TestTheAgentsDependenciesAreTheCheckedInList: dsec-guest runs in every
+// sandbox; a new dependency (and the memory and attack surface it brings)
+// is a reviewed change of cmd/dsec-guest/deps.txt, made with
+// `go test ./test/structure -run Agent -update`.
+func TestTheAgentsDependenciesAreTheCheckedInList(t *testing.T) {
+	out, err := exec.Command(goCmd(t), "list", "-deps", "-f", "{{if not .Standard}}{{.ImportPath}}{{end}}", mod+"/cmd/dsec-guest").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go list: %v\n%s", err, out)
+	}
+	have := strings.Fields(string(out))
+	sort.Strings(have)
+	path := filepath.Join(root(), "cmd", "dsec-guest", "deps.txt")
+	if *update {
+		if err := os.WriteFile(path, []byte(strings.Join(have, "\n")+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("%v (create it with -update)", err)
+	}
+	want := strings.Fields(string(b))
+	wantSet, haveSet := map[string]bool{}, map[string]bool{}
+	for _, d := range want {
+		wantSet[d] = true
+	}
+	for _, d := range have {
+		haveSet[d] = true
+		if !wantSet[d] {
+			t.Errorf("dsec-guest now depends on %s, which cmd/dsec-guest/deps.txt does not list (review it; then -update)", d)
+		}
+	}
+	for _, d := range want {
+		if !haveSet[d] {
+			t.Errorf("dsec-guest no longer depends on %s: remove it from cmd/dsec-guest/deps.txt (-update)", d)
+		}
+	}
+}
