@@ -160,26 +160,26 @@ func (g *callGuest) InputProcess(context.Context, string, []byte, bool) error   
 func (g *callGuest) SignalProcess(context.Context, string, syscall.Signal) error { return errStateless }
 func (g *callGuest) ResizeProcess(context.Context, string, uint32, uint32) error { return errStateless }
 func (g *callGuest) ListProcs(context.Context) ([]*guestv1.Proc, error)          { return nil, nil }
-func (g *callGuest) ReadFile(context.Context, string, int64, int64) (*guest.FileReader, error) {
+func (g *callGuest) ReadFile(context.Context, *guestv1.ReadFile) (*guest.FileReader, error) {
 	return nil, errStateless
 }
 func (g *callGuest) WriteFile(context.Context, *guestv1.WriteFile, io.Reader) (*guestv1.FileInfo, error) {
 	return nil, errStateless
 }
-func (g *callGuest) Stat(context.Context, string) (*guestv1.FileInfo, error) {
+func (g *callGuest) Stat(context.Context, *guestv1.Path) (*guestv1.FileInfo, error) {
 	return nil, errStateless
 }
-func (g *callGuest) ListDir(context.Context, string, int32) ([]*guestv1.FileInfo, error) {
+func (g *callGuest) ListDir(context.Context, *guestv1.ListDir) ([]*guestv1.FileInfo, error) {
 	return nil, errStateless
 }
-func (g *callGuest) MakeDir(context.Context, string, string) (*guestv1.FileInfo, error) {
+func (g *callGuest) MakeDir(context.Context, *guestv1.MakeDir) (*guestv1.FileInfo, error) {
 	return nil, errStateless
 }
-func (g *callGuest) Remove(context.Context, string, bool) error { return errStateless }
-func (g *callGuest) Rename(context.Context, string, string) (*guestv1.FileInfo, error) {
+func (g *callGuest) Remove(context.Context, *guestv1.Remove) error { return errStateless }
+func (g *callGuest) Rename(context.Context, *guestv1.Rename) (*guestv1.FileInfo, error) {
 	return nil, errStateless
 }
-func (g *callGuest) Watch(context.Context, string, bool) (*guest.Watch, error) {
+func (g *callGuest) Watch(context.Context, *guestv1.Watch) (*guest.Watch, error) {
 	return nil, errStateless
 }
 func (g *callGuest) Sync(context.Context) error                            { return nil }
