@@ -130,7 +130,7 @@ type Process struct {
 	Pid   int32
 	cn    *conn
 	ctx   context.Context
-	early *guestv1.ServerMsg // an exit received instead of "started"
+	early []*guestv1.ServerMsg // what an exit received instead of "started" stands for
 	done  bool
 }
 
@@ -158,9 +158,16 @@ func (c *Client) startLike(ctx context.Context, call *guestv1.ClientMsg) (*Proce
 	}
 	if x := m.GetExit(); x != nil {
 		// The command could not start (not found, bad user): the exit
-		// says why; hand it out as the process's only event.
+		// says why. A stream carries output as events, not in its exit, so
+		// the reason comes as stderr output, then the exit.
 		cn.close()
-		return &Process{cn: cn, ctx: ctx, early: m}, nil
+		p := &Process{cn: cn, ctx: ctx}
+		if len(x.Stderr) > 0 {
+			p.early = append(p.early, &guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Output{Output: &guestv1.Output{Fd: 2, Data: x.Stderr}}})
+			x.Stderr = nil
+		}
+		p.early = append(p.early, m)
+		return p, nil
 	}
 	st := m.GetStarted()
 	if st == nil {
@@ -172,10 +179,10 @@ func (c *Client) startLike(ctx context.Context, call *guestv1.ClientMsg) (*Proce
 
 // Recv returns the next Output or Exit message.
 func (p *Process) Recv() (*guestv1.ServerMsg, error) {
-	if p.early != nil {
-		m := p.early
-		p.early = nil
-		p.done = true
+	if len(p.early) > 0 {
+		m := p.early[0]
+		p.early = p.early[1:]
+		p.done = len(p.early) == 0
 		return m, nil
 	}
 	if p.done {

@@ -487,9 +487,17 @@ func TestStartOfAMissingCommandIsAnExit(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The reason comes as stderr, as a streaming client shows output.
 	m, err := p.Recv()
-	if err != nil || m.GetExit().GetExitCode() != 127 {
+	if err != nil || m.GetOutput().GetFd() != 2 || !strings.Contains(string(m.GetOutput().GetData()), "no-such-cmd-xyz: command not found") {
+		t.Fatalf("got %v, %v; want the reason on stderr", m, err)
+	}
+	m, err = p.Recv()
+	if err != nil || m.GetExit().GetExitCode() != 127 || m.GetExit().GetError() == "" {
 		t.Fatalf("got %v, %v", m, err)
+	}
+	if _, err := p.Recv(); err != io.EOF {
+		t.Fatalf("after the exit: %v, want EOF", err)
 	}
 }
 
