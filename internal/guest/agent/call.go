@@ -22,16 +22,35 @@ import (
 )
 
 // Function calls. A runner (a warm interpreter the node provides) forks
-// call processes on request; the agent gives each call a fresh directory
-// and a uid of its own, feeds and drains the process's stdio, enforces the
-// wall timeout, and afterwards kills every process of the uid and removes
+// call processes on request; the agent gives each call storage and a uid
+// of its own, feeds and drains the process's stdio, enforces the wall
+// timeout, and afterwards kills every process of the uid and removes
 // everything it wrote. A uid cannot be shed without privileges (which call
 // processes do not have), so "every process of the uid" is every process
 // of the call, however it forked or daemonized.
+//
+// A call's storage is a tmpfs of its own (size-limited) mounted at its
+// directory: its working directory and what its processes see as /tmp,
+// /var/tmp and /dev/shm, bound over them in a mount namespace the runner
+// makes for each step (before it drops to the uid). One call therefore
+// cannot fill another's /tmp, nor read it, and its files go with its mount.
 
-// writableDirs are the only places outside its directory where a call can
-// write (the worker's root filesystem is read-only).
+// writableDirs are the only places outside its directory where a process of
+// the worker can write (the worker's root filesystem is read-only). Calls
+// see their own storage there instead; cleanup still checks them.
 var writableDirs = []string{"/tmp", "/var/tmp", "/dev/shm"}
+
+// privateDirs are the places a call's processes see from its storage:
+// subdirectory of the call's tmpfs → where it is bound.
+var privateDirs = [][2]string{{"tmp", "/tmp"}, {"var-tmp", "/var/tmp"}, {"shm", "/dev/shm"}}
+
+const (
+	// defaultCallDisk bounds a call's storage when the node gives no size.
+	defaultCallDisk = 512 << 20
+	// callInodes bounds the files of one call (each costs kernel memory
+	// that the size does not count).
+	callInodes = 65536
+)
 
 type runner struct {
 	pid  int
@@ -185,23 +204,23 @@ func (a *Agent) runCall(c *guestv1.Call) *guestv1.CallResult {
 	if !filepath.IsAbs(dir) || dir == "/" {
 		return dirty("bad call directory")
 	}
+	uid := int(c.Uid)
+	if err := mountCallStorage(dir, uid, c.DiskBytes); err != nil {
+		return dirty("call storage: " + err.Error())
+	}
 	defer func() {
-		if reason := a.cleanupCall(dir, int(c.Uid)); reason != "" {
+		if reason := a.cleanupCall(dir, uid); reason != "" {
 			res.Dirty, res.DirtyReason = true, reason
 		}
 	}()
-	if err := os.Mkdir(dir, 0o700); err != nil {
-		return dirty("create call directory: " + err.Error())
-	}
-	uid := int(c.Uid)
-	os.Chown(dir, uid, uid)
+	work := filepath.Join(dir, "work")
 	for _, f := range c.Files {
-		p, err := inside(dir, f.Path)
+		p, err := inside(work, f.Path)
 		if err != nil {
 			res.Steps = append(res.Steps, &guestv1.Exit{ExitCode: 2, Error: err.Error()})
 			return res
 		}
-		if err := writeOwned(dir, p, f.Content, f.Mode, uid); err != nil {
+		if err := writeOwned(work, p, f.Content, f.Mode, uid); err != nil {
 			res.Steps = append(res.Steps, &guestv1.Exit{ExitCode: 2, Error: "write " + f.Path + ": " + err.Error()})
 			return res
 		}
@@ -217,9 +236,39 @@ func (a *Agent) runCall(c *guestv1.Call) *guestv1.CallResult {
 		}
 	}
 	for _, name := range c.Fetch {
-		res.Fetched = append(res.Fetched, fetch(dir, name, c.MaxFetch))
+		res.Fetched = append(res.Fetched, fetch(work, name, c.MaxFetch))
 	}
 	return res
+}
+
+// mountCallStorage makes dir a fresh tmpfs of size bytes (0: the default)
+// owned by uid, with the call's working directory and private /tmp,
+// /var/tmp and /dev/shm in it.
+func mountCallStorage(dir string, uid int, size int64) error {
+	if size <= 0 {
+		size = defaultCallDisk
+	}
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return err
+	}
+	opts := fmt.Sprintf("size=%d,nr_inodes=%d,mode=0700,uid=%d,gid=%d", size, callInodes, uid, uid)
+	if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+		os.Remove(dir)
+		return fmt.Errorf("mount a tmpfs (the worker needs CAP_SYS_ADMIN and mount in its seccomp profile): %w", err)
+	}
+	for _, sub := range []string{"work", "tmp", "var-tmp", "shm"} {
+		p := filepath.Join(dir, sub)
+		err := os.Mkdir(p, 0o700)
+		if err == nil {
+			err = os.Chown(p, uid, uid)
+		}
+		if err != nil {
+			unix.Unmount(dir, unix.MNT_DETACH)
+			os.Remove(dir)
+			return err
+		}
+	}
+	return nil
 }
 
 // inside resolves a relative path in dir, refusing escapes.
@@ -313,7 +362,12 @@ func (a *Agent) runStep(r *runner, st *guestv1.CallStep, dir string, uid int, en
 	add("FSIZE", st.RlimitFsizeBytes)
 	add("NPROC", st.RlimitNproc)
 	add("NOFILE", st.RlimitNofile)
-	req := map[string]any{"argv": st.Argv, "python": st.Python, "cwd": dir, "uid": uid, "env": withCallEnv(env, dir), "rlimits": rl}
+	work := filepath.Join(dir, "work")
+	binds := make([][2]string, 0, len(privateDirs))
+	for _, b := range privateDirs {
+		binds = append(binds, [2]string{filepath.Join(dir, b[0]), b[1]})
+	}
+	req := map[string]any{"argv": st.Argv, "python": st.Python, "cwd": work, "uid": uid, "env": withCallEnv(env, work), "rlimits": rl, "binds": binds}
 	id, ch, err := r.spawn(req, []int{int(inR.Fd()), int(outW.Fd()), int(errW.Fd())})
 	inR.Close()
 	outW.Close()
@@ -401,7 +455,7 @@ func (a *Agent) runStep(r *runner, st *guestv1.CallStep, dir string, uid int, en
 }
 
 func withCallEnv(env []string, dir string) []string {
-	base := []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=" + dir, "TMPDIR=" + dir, "LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1"}
+	base := []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=" + dir, "TMPDIR=/tmp", "LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1"}
 	return mergeEnv(base, env)
 }
 
@@ -514,7 +568,22 @@ func (a *Agent) cleanupCall(dir string, uid int) string {
 	if !killUID(uid, 50) {
 		return fmt.Sprintf("processes of uid %d survive SIGKILL", uid)
 	}
-	if err := os.RemoveAll(dir); err != nil {
+	// The files go first: a step of another call that started meanwhile
+	// copied this mount into its namespace and keeps it (empty) until it
+	// ends.
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return "read call storage: " + err.Error()
+	}
+	for _, e := range ents {
+		if err := os.RemoveAll(filepath.Join(dir, e.Name())); err != nil {
+			return "empty call storage: " + err.Error()
+		}
+	}
+	if err := unix.Unmount(dir, unix.MNT_DETACH); err != nil {
+		return "unmount call storage: " + err.Error()
+	}
+	if err := os.Remove(dir); err != nil {
 		return "remove call directory: " + err.Error()
 	}
 	for _, d := range writableDirs {

@@ -133,7 +133,7 @@ func (g *callGuest) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, er
 		return nil, err
 	}
 	st := &guestv1.CallStep{Argv: x.Argv, Stdin: x.StdinData, TimeoutMs: x.TimeoutMs, MaxOutput: x.MaxOutput, RlimitNproc: 256, RlimitNofile: 4096}
-	call := &guestv1.Call{Dir: callsDir + "/x" + itoa(d.seq.Add(1)), Uid: uint32(uidBase + slot), Steps: []*guestv1.CallStep{st}, Env: append(append([]string(nil), g.i.env...), x.Env...)}
+	call := &guestv1.Call{Dir: callsDir + "/x" + itoa(d.seq.Add(1)), Uid: uint32(uidBase + slot), DiskBytes: d.cfg.CallDiskMB << 20, Steps: []*guestv1.CallStep{st}, Env: append(append([]string(nil), g.i.env...), x.Env...)}
 	cctx, cancel := context.WithTimeout(ctx, time.Duration(x.TimeoutMs)*time.Millisecond+30*time.Second)
 	defer cancel()
 	out, err := w.inst.Guest().Call(cctx, call)

@@ -2,14 +2,18 @@
 
 The dsec agent starts it with fd 3 a unix socket. Each request is one JSON
 line with the call process's stdin, stdout and stderr attached as file
-descriptors. The runner forks; the child sets its limits, drops to the
-call's uid and either runs a Python script in this already initialised
-interpreter (modules pre-imported, nothing to start) or execs a program.
-The runner answers {"id", "pid"} at once and {"id", "status", ...} when
-the child exits. It never prints: its stdout is not the calls'.
+descriptors. The runner forks; the child makes its own mount namespace with
+the call's private directories bound over /tmp, /var/tmp and /dev/shm
+("binds"), sets its limits, drops to the call's uid and either runs a Python
+script in this already initialised interpreter (modules pre-imported,
+nothing to start) or execs a program. The runner answers {"id", "pid"} once
+the child's mounts are in place ({"id", "error": "runner: ..."} if they
+cannot be) and {"id", "status", ...} when the child exits. It never prints:
+its stdout is not the calls'.
 """
 
 import builtins
+import ctypes
 import io
 import json
 import os
@@ -38,6 +42,27 @@ import random  # noqa: E402
 # copies far fewer pages.
 gc.collect()
 gc.freeze()
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+CLONE_NEWNS = 0x00020000
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+
+
+def private_mounts(binds):
+    """Gives this process a mount namespace of its own where each
+    [source, target] of binds is bound over target."""
+    if libc.unshare(CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS): " + os.strerror(ctypes.get_errno()))
+    # Nothing made here may propagate back to the worker's namespace.
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        raise OSError(ctypes.get_errno(), "make / private: " + os.strerror(ctypes.get_errno()))
+    for src, dst in binds:
+        if libc.mount(src.encode(), dst.encode(), None, MS_BIND, None) != 0:
+            raise OSError(ctypes.get_errno(), "bind over " + dst + ": " + os.strerror(ctypes.get_errno()))
+
 
 sock = socket.socket(fileno=3)
 sel = selectors.DefaultSelector()
@@ -95,7 +120,20 @@ def run_python(argv):
     os._exit(status)
 
 
-def child(req, fds):
+def child(req, fds, ready):
+    # Mounts first, as root, before anything else of the call happens; the
+    # runner waits for the answer on ready.
+    try:
+        binds = req.get("binds")
+        if binds:
+            private_mounts(binds)
+        os.write(ready, b"ok")
+        os.close(ready)
+    except BaseException as e:
+        try:
+            os.write(ready, str(e).encode()[:1000] or b"failed")
+        finally:
+            os._exit(127)
     try:
         os.setsid()
         for i, fd in enumerate(fds):
@@ -124,20 +162,33 @@ def child(req, fds):
 
 
 def spawn(req, fds):
+    r, w = os.pipe()
     try:
         pid = os.fork()
     except OSError as e:
-        for fd in fds:
+        for fd in fds + [r, w]:
             os.close(fd)
         send({"id": req["id"], "error": f"fork: {e}"})
         return
     if pid == 0:
-        child(req, fds)
+        os.close(r)
+        child(req, fds, w)
+    os.close(w)
     for fd in fds:
         os.close(fd)
+    # The child's mounts take a fraction of a millisecond; its answer (or
+    # EOF, if it died first) says whether the call may run.
+    try:
+        ready = os.read(r, 1024)
+    finally:
+        os.close(r)
     pfd = os.pidfd_open(pid)
     children[pfd] = (req["id"], pid)
     sel.register(pfd, selectors.EVENT_READ, "child")
+    if ready != b"ok":
+        why = ready.decode(errors="replace") or "the call process died before it ran"
+        send({"id": req["id"], "error": "runner: private /tmp: " + why})
+        return
     send({"id": req["id"], "pid": pid})
 
 

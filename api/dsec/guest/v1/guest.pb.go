@@ -2588,11 +2588,15 @@ func (x *StartRunner) GetEnv() []string {
 	return nil
 }
 
-// Call runs one function call in a fresh directory owned by uid: files are
-// written, steps run in order as uid through the runner, files are fetched,
-// and then every process of uid is killed and everything it wrote is
-// removed. If that cannot be made certain, the result says dirty and the
-// worker must not be reused.
+// Call runs one function call with storage and a uid of its own: a fresh
+// tmpfs of disk_bytes is mounted at dir, owned by uid, holding the call's
+// working directory (dir/work) and what its processes see as /tmp, /var/tmp
+// and /dev/shm (dir/tmp, dir/var-tmp, dir/shm, bound there in a mount
+// namespace of each step's own), so no call can fill or read another's.
+// Files are written, steps run in order as uid through the runner, files
+// are fetched, and then every process of uid is killed, the storage is
+// emptied and unmounted. If that cannot be made certain, the result says
+// dirty and the worker must not be reused.
 type Call struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Dir   string                 `protobuf:"bytes,1,opt,name=dir,proto3" json:"dir,omitempty"`
@@ -2601,8 +2605,10 @@ type Call struct {
 	Steps []*CallStep            `protobuf:"bytes,4,rep,name=steps,proto3" json:"steps,omitempty"`
 	Fetch []string               `protobuf:"bytes,5,rep,name=fetch,proto3" json:"fetch,omitempty"`
 	// max_fetch bounds each fetched file.
-	MaxFetch      int64    `protobuf:"varint,6,opt,name=max_fetch,json=maxFetch,proto3" json:"max_fetch,omitempty"`
-	Env           []string `protobuf:"bytes,7,rep,name=env,proto3" json:"env,omitempty"`
+	MaxFetch int64    `protobuf:"varint,6,opt,name=max_fetch,json=maxFetch,proto3" json:"max_fetch,omitempty"`
+	Env      []string `protobuf:"bytes,7,rep,name=env,proto3" json:"env,omitempty"`
+	// disk_bytes bounds the call's storage (0: 512 MiB).
+	DiskBytes     int64 `protobuf:"varint,8,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2686,9 +2692,16 @@ func (x *Call) GetEnv() []string {
 	return nil
 }
 
+func (x *Call) GetDiskBytes() int64 {
+	if x != nil {
+		return x.DiskBytes
+	}
+	return 0
+}
+
 type CallFile struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// path is relative to the call directory.
+	// path is relative to the call's working directory.
 	Path          string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
 	Content       []byte `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
 	Mode          uint32 `protobuf:"varint,3,opt,name=mode,proto3" json:"mode,omitempty"`
@@ -3272,7 +3285,7 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\amessage\x18\x02 \x01(\tR\amessage\"3\n" +
 	"\vStartRunner\x12\x12\n" +
 	"\x04argv\x18\x01 \x03(\tR\x04argv\x12\x10\n" +
-	"\x03env\x18\x02 \x03(\tR\x03env\"\xcd\x01\n" +
+	"\x03env\x18\x02 \x03(\tR\x03env\"\xec\x01\n" +
 	"\x04Call\x12\x10\n" +
 	"\x03dir\x18\x01 \x01(\tR\x03dir\x12\x10\n" +
 	"\x03uid\x18\x02 \x01(\rR\x03uid\x12-\n" +
@@ -3280,7 +3293,9 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\x05steps\x18\x04 \x03(\v2\x17.dsec.guest.v1.CallStepR\x05steps\x12\x14\n" +
 	"\x05fetch\x18\x05 \x03(\tR\x05fetch\x12\x1b\n" +
 	"\tmax_fetch\x18\x06 \x01(\x03R\bmaxFetch\x12\x10\n" +
-	"\x03env\x18\a \x03(\tR\x03env\"\x84\x01\n" +
+	"\x03env\x18\a \x03(\tR\x03env\x12\x1d\n" +
+	"\n" +
+	"disk_bytes\x18\b \x01(\x03R\tdiskBytes\"\x84\x01\n" +
 	"\bCallFile\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\fR\acontent\x12\x12\n" +
