@@ -129,6 +129,49 @@ func TestAFunctionCallThatFillsTmpDoesNotFailAnothersWrites(t *testing.T) {
 	}
 }
 
+// TestFetchedFilesCannotLinkOutOfTheCall: fetch_files are read back by
+// the agent after the run; the call's links must not make it read what the
+// call could not (the agent's own /proc entries, root-only files of the
+// worker).
+func TestFetchedFilesCannotLinkOutOfTheCall(t *testing.T) {
+	s := functionSrv(t)
+	c := dsec.New(s.URL, dsec.WithAPIKey(secret(keyA)))
+	nb := &neighbour{sb: createOn(t, dsec.New(s.URL, dsec.WithAPIKey(secret(keyB))))}
+	nb.p50(t)
+	nb.before = nb.p50(t)
+	code := "import os\n" +
+		"os.symlink('/proc/1', 'agent')\n" +
+		"os.symlink('/etc', 'etc')\n" +
+		"os.symlink('/', 'root')\n" +
+		"os.mkdir('out')\n" +
+		"os.symlink('../../../../../../etc', 'out/up')\n" +
+		"open('mine.txt', 'w').write('mine')\n"
+	fetch := []string{"agent/environ", "agent/cmdline", "etc/shadow", "root/etc/shadow", "out/up/shadow", "agent/root/etc/shadow", "mine.txt"}
+	r, err := c.RunCode(ctxFor(t, 3*time.Minute), &dsecv1.RunCodeRequest{Language: "python", Code: code, FetchFiles: fetch})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Status != "success" {
+		t.Fatalf("the call: %v", r)
+	}
+	for name, b := range r.Files {
+		if name != "mine.txt" {
+			t.Errorf("fetched %s through the call's link: %q", name, clip(string(b)))
+		}
+	}
+	if string(r.Files["mine.txt"]) != "mine" {
+		t.Errorf("the call's own file: %q", r.Files["mine.txt"])
+	}
+	nb.check(t)
+}
+
+func clip(s string) string {
+	if len(s) > 80 {
+		return s[:80] + "..."
+	}
+	return s
+}
+
 // createOn makes a busybox sandbox with c (a client of another server than
 // srv's).
 func createOn(t *testing.T, c *dsec.Client) *dsec.Sandbox {

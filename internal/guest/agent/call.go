@@ -236,7 +236,7 @@ func (a *Agent) runCall(c *guestv1.Call) *guestv1.CallResult {
 		}
 	}
 	for _, name := range c.Fetch {
-		res.Fetched = append(res.Fetched, fetch(work, name, c.MaxFetch))
+		res.Fetched = append(res.Fetched, fetch(work, uid, name, c.MaxFetch))
 	}
 	return res
 }
@@ -305,25 +305,39 @@ func writeOwned(dir, p string, content []byte, mode uint32, uid int) error {
 	return err
 }
 
-func fetch(dir, name string, max int64) *guestv1.CallFile {
-	out := &guestv1.CallFile{Path: name}
-	p, err := inside(dir, name)
-	if err != nil {
-		out.Missing = true
+// fetch reads the file name of the call's working directory work. The
+// call made what is there, links too: the file is opened as the call's uid
+// and resolved inside work (as if it were the root: ".." and absolute links
+// stay in it, /proc's links are refused), so a link cannot have the agent
+// read, as root, what the call could not (another call's files, the
+// agent's own).
+func fetch(work string, uid int, name string, max int64) *guestv1.CallFile {
+	out := &guestv1.CallFile{Path: name, Missing: true}
+	if _, err := inside(work, name); err != nil {
 		return out
 	}
-	// O_NOFOLLOW on every component is not available; the uid cannot write
-	// outside its directory and the tmp dirs, and a symlink the call made
-	// cannot give it more than it could read itself, but the agent reads as
-	// root: refuse symlinks.
-	st, err := os.Lstat(p)
-	if err != nil || !st.Mode().IsRegular() {
-		out.Missing = true
-		return out
-	}
-	f, err := os.OpenFile(p, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	var f *os.File
+	var mode uint32
+	id := identity{name: strconv.Itoa(uid), uid: uint32(uid), gid: uint32(uid), groups: []uint32{uint32(uid)}}
+	err := asUser(id, func() error {
+		dir, err := unix.Open(work, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(dir)
+		fd, err := openAt(dir, name, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY, 0)
+		if err != nil {
+			return err
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || ownProc(fd) {
+			unix.Close(fd)
+			return unix.EINVAL
+		}
+		f, mode = os.NewFile(uintptr(fd), name), st.Mode&0o777
+		return nil
+	})
 	if err != nil {
-		out.Missing = true
 		return out
 	}
 	defer f.Close()
@@ -334,7 +348,7 @@ func fetch(dir, name string, max int64) *guestv1.CallFile {
 	if int64(len(b)) > max {
 		b, out.Truncated = b[:max], true
 	}
-	out.Content, out.Mode = b, uint32(st.Mode().Perm())
+	out.Content, out.Mode, out.Missing = b, mode, false
 	return out
 }
 

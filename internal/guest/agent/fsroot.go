@@ -57,6 +57,12 @@ func openIn(p string, flags int, mode uint32) (int, error) {
 		return -1, err
 	}
 	defer unix.Close(root)
+	return openAt(root, p, flags, mode)
+}
+
+// openAt opens p inside the directory root as if root were "/": ".." and
+// absolute symlinks stay inside it, magic links are refused.
+func openAt(root int, p string, flags int, mode uint32) (int, error) {
 	if !haveOpenat2() {
 		return openSlow(root, p, flags|unix.O_CLOEXEC, mode)
 	}

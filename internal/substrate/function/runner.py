@@ -66,7 +66,6 @@ def private_mounts(binds):
 
 sock = socket.socket(fileno=3)
 sel = selectors.DefaultSelector()
-children = {}
 
 
 def send(obj):
@@ -161,6 +160,18 @@ def child(req, fds, ready):
         os._exit(127)
 
 
+class Child:
+    """A call process: its request id, pid, pidfd and, until the child
+    has answered, the pipe it answers on."""
+
+    def __init__(self, rid, pid, pfd, ready):
+        self.rid, self.pid, self.pfd, self.ready = rid, pid, pfd, ready
+
+
+children = {}  # pidfd -> Child
+readies = {}  # ready pipe -> Child
+
+
 def spawn(req, fds):
     r, w = os.pipe()
     try:
@@ -176,20 +187,40 @@ def spawn(req, fds):
     os.close(w)
     for fd in fds:
         os.close(fd)
-    # The child's mounts take a fraction of a millisecond; its answer (or
-    # EOF, if it died first) says whether the call may run.
+    c = Child(req["id"], pid, os.pidfd_open(pid), r)
+    children[c.pfd] = c
+    readies[r] = c
+    # The pid goes to the agent once the child's mounts are in place; the
+    # runner serves others meanwhile.
+    sel.register(r, selectors.EVENT_READ, ("ready", c))
+    sel.register(c.pfd, selectors.EVENT_READ, ("child", c))
+
+
+def answered(c):
+    """Reads the child's answer (it has written it, or died) and tells the
+    agent the pid, or why the call cannot run."""
+    r, c.ready = c.ready, None
+    del readies[r]
+    sel.unregister(r)
     try:
         ready = os.read(r, 1024)
     finally:
         os.close(r)
-    pfd = os.pidfd_open(pid)
-    children[pfd] = (req["id"], pid)
-    sel.register(pfd, selectors.EVENT_READ, "child")
     if ready != b"ok":
         why = ready.decode(errors="replace") or "the call process died before it ran"
-        send({"id": req["id"], "error": "runner: private /tmp: " + why})
+        send({"id": c.rid, "error": "runner: private /tmp: " + why})
         return
-    send({"id": req["id"], "pid": pid})
+    send({"id": c.rid, "pid": c.pid})
+
+
+def exited(c):
+    if c.ready is not None:
+        answered(c)  # the pid (or the error) goes first
+    del children[c.pfd]
+    sel.unregister(c.pfd)
+    _, status, ru = os.wait4(c.pid, 0)
+    os.close(c.pfd)
+    send({"id": c.rid, "status": status, "utime": ru.ru_utime, "stime": ru.ru_stime, "maxrss": ru.ru_maxrss})
 
 
 def main():
@@ -211,12 +242,14 @@ def main():
                     mine, fdq[:] = fdq[:n], fdq[n:]
                     spawn(req, mine)
             else:
-                pfd = key.fd
-                rid, pid = children.pop(pfd)
-                sel.unregister(pfd)
-                _, status, ru = os.wait4(pid, 0)
-                os.close(pfd)
-                send({"id": rid, "status": status, "utime": ru.ru_utime, "stime": ru.ru_stime, "maxrss": ru.ru_maxrss})
+                # An event of this batch may be for a descriptor an earlier
+                # one closed (and a spawn reused): act only on the child it
+                # was registered for.
+                kind, c = key.data
+                if kind == "ready" and readies.get(key.fd) is c:
+                    answered(c)
+                elif kind == "child" and children.get(key.fd) is c:
+                    exited(c)
 
 
 if __name__ == "__main__":
