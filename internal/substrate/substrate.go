@@ -109,9 +109,9 @@ type Spec struct {
 	// MountNamespaces lets the instance's root processes make mount
 	// namespaces and mounts (function workers give each call its own /tmp
 	// this way): CAP_SYS_ADMIN, and a seccomp profile that allows
-	// unshare(CLONE_NEWNS), mount and umount2 beyond the default and
-	// nothing else that capability would open (no user namespaces, no
-	// setns). Processes of other users gain nothing: they hold no
+	// unshare and setns of mount namespaces, mount and umount2 beyond the
+	// default and nothing else that capability would open (no user
+	// namespaces). Processes of other users gain nothing: they hold no
 	// capabilities. Drivers without it ignore it.
 	MountNamespaces bool
 	// Restore, if set, is a machine snapshot directory written by

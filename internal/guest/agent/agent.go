@@ -44,6 +44,8 @@ type Agent struct {
 	deadline *time.Timer
 	env      []string // added to the agent's own environment for processes
 	runner   *runner  // the function runner, if started
+
+	calls callSlots // function calls' storage (call.go)
 }
 
 // New returns an agent. Call Harden once, early, when running as a

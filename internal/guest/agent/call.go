@@ -29,28 +29,14 @@ import (
 // processes do not have), so "every process of the uid" is every process
 // of the call, however it forked or daemonized.
 //
-// A call's storage is a tmpfs of its own (size-limited) mounted at its
-// directory: its working directory and what its processes see as /tmp,
-// /var/tmp and /dev/shm, bound over them in a mount namespace the runner
-// makes for each step (before it drops to the uid). One call therefore
-// cannot fill another's /tmp, nor read it, and its files go with its mount.
+// A call's storage and its /tmp, /var/tmp and /dev/shm are its uid's slot
+// (callslot.go): a tmpfs of its own, seen through a mount namespace of its
+// own, emptied after every call.
 
 // writableDirs are the only places outside its directory where a process of
 // the worker can write (the worker's root filesystem is read-only). Calls
 // see their own storage there instead; cleanup still checks them.
 var writableDirs = []string{"/tmp", "/var/tmp", "/dev/shm"}
-
-// privateDirs are the places a call's processes see from its storage:
-// subdirectory of the call's tmpfs → where it is bound.
-var privateDirs = [][2]string{{"tmp", "/tmp"}, {"var-tmp", "/var/tmp"}, {"shm", "/dev/shm"}}
-
-const (
-	// defaultCallDisk bounds a call's storage when the node gives no size.
-	defaultCallDisk = 512 << 20
-	// callInodes bounds the files of one call (each costs kernel memory
-	// that the size does not count).
-	callInodes = 65536
-)
 
 type runner struct {
 	pid  int
@@ -205,15 +191,16 @@ func (a *Agent) runCall(c *guestv1.Call) *guestv1.CallResult {
 		return dirty("bad call directory")
 	}
 	uid := int(c.Uid)
-	if err := mountCallStorage(dir, uid, c.DiskBytes); err != nil {
+	slot, err := a.calls.get(dir, uid, c.DiskBytes)
+	if err != nil {
 		return dirty("call storage: " + err.Error())
 	}
 	defer func() {
-		if reason := a.cleanupCall(dir, uid); reason != "" {
+		if reason := a.cleanupCall(slot); reason != "" {
 			res.Dirty, res.DirtyReason = true, reason
 		}
 	}()
-	work := filepath.Join(dir, "work")
+	work := slot.work()
 	for _, f := range c.Files {
 		p, err := inside(work, f.Path)
 		if err != nil {
@@ -226,7 +213,7 @@ func (a *Agent) runCall(c *guestv1.Call) *guestv1.CallResult {
 		}
 	}
 	for _, st := range c.Steps {
-		x := a.runStep(r, st, dir, uid, c.Env)
+		x := a.runStep(r, st, slot, c.Env)
 		res.Steps = append(res.Steps, x)
 		if x.Error != "" && strings.HasPrefix(x.Error, "runner:") {
 			return dirty(x.Error)
@@ -239,36 +226,6 @@ func (a *Agent) runCall(c *guestv1.Call) *guestv1.CallResult {
 		res.Fetched = append(res.Fetched, fetch(work, uid, name, c.MaxFetch))
 	}
 	return res
-}
-
-// mountCallStorage makes dir a fresh tmpfs of size bytes (0: the default)
-// owned by uid, with the call's working directory and private /tmp,
-// /var/tmp and /dev/shm in it.
-func mountCallStorage(dir string, uid int, size int64) error {
-	if size <= 0 {
-		size = defaultCallDisk
-	}
-	if err := os.Mkdir(dir, 0o700); err != nil {
-		return err
-	}
-	opts := fmt.Sprintf("size=%d,nr_inodes=%d,mode=0700,uid=%d,gid=%d", size, callInodes, uid, uid)
-	if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
-		os.Remove(dir)
-		return fmt.Errorf("mount a tmpfs (the worker needs CAP_SYS_ADMIN and mount in its seccomp profile): %w", err)
-	}
-	for _, sub := range []string{"work", "tmp", "var-tmp", "shm"} {
-		p := filepath.Join(dir, sub)
-		err := os.Mkdir(p, 0o700)
-		if err == nil {
-			err = os.Chown(p, uid, uid)
-		}
-		if err != nil {
-			unix.Unmount(dir, unix.MNT_DETACH)
-			os.Remove(dir)
-			return err
-		}
-	}
-	return nil
 }
 
 // inside resolves a relative path in dir, refusing escapes.
@@ -352,7 +309,8 @@ func fetch(work string, uid int, name string, max int64) *guestv1.CallFile {
 	return out
 }
 
-func (a *Agent) runStep(r *runner, st *guestv1.CallStep, dir string, uid int, env []string) *guestv1.Exit {
+func (a *Agent) runStep(r *runner, st *guestv1.CallStep, slot *callSlot, env []string) *guestv1.Exit {
+	uid := slot.uid
 	start := time.Now()
 	if len(st.Argv) == 0 {
 		return &guestv1.Exit{ExitCode: 2, Error: "empty command"}
@@ -376,13 +334,11 @@ func (a *Agent) runStep(r *runner, st *guestv1.CallStep, dir string, uid int, en
 	add("FSIZE", st.RlimitFsizeBytes)
 	add("NPROC", st.RlimitNproc)
 	add("NOFILE", st.RlimitNofile)
-	work := filepath.Join(dir, "work")
-	binds := make([][2]string, 0, len(privateDirs))
-	for _, b := range privateDirs {
-		binds = append(binds, [2]string{filepath.Join(dir, b[0]), b[1]})
-	}
-	req := map[string]any{"argv": st.Argv, "python": st.Python, "cwd": work, "uid": uid, "env": withCallEnv(env, work), "rlimits": rl, "binds": binds}
-	id, ch, err := r.spawn(req, []int{int(inR.Fd()), int(outW.Fd()), int(errW.Fd())})
+	work := slot.work()
+	// The fourth descriptor is the slot's mount namespace, which the call
+	// process enters before anything else.
+	req := map[string]any{"argv": st.Argv, "python": st.Python, "cwd": work, "uid": uid, "env": withCallEnv(env, work), "rlimits": rl, "mntns": true}
+	id, ch, err := r.spawn(req, []int{int(inR.Fd()), int(outW.Fd()), int(errW.Fd()), slot.nsfd})
 	inR.Close()
 	outW.Close()
 	errW.Close()
@@ -578,27 +534,13 @@ func readHead(path string, buf []byte) ([]byte, error) {
 
 // cleanupCall kills the call's processes and removes what it wrote. It
 // returns why the worker cannot be trusted any more, or "".
-func (a *Agent) cleanupCall(dir string, uid int) string {
+func (a *Agent) cleanupCall(slot *callSlot) string {
+	uid := slot.uid
 	if !killUID(uid, 50) {
 		return fmt.Sprintf("processes of uid %d survive SIGKILL", uid)
 	}
-	// The files go first: a step of another call that started meanwhile
-	// copied this mount into its namespace and keeps it (empty) until it
-	// ends.
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return "read call storage: " + err.Error()
-	}
-	for _, e := range ents {
-		if err := os.RemoveAll(filepath.Join(dir, e.Name())); err != nil {
-			return "empty call storage: " + err.Error()
-		}
-	}
-	if err := unix.Unmount(dir, unix.MNT_DETACH); err != nil {
-		return "unmount call storage: " + err.Error()
-	}
-	if err := os.Remove(dir); err != nil {
-		return "remove call directory: " + err.Error()
+	if err := slot.empty(); err != nil {
+		return "empty call storage: " + err.Error()
 	}
 	for _, d := range writableDirs {
 		ents, err := os.ReadDir(d)

@@ -128,9 +128,9 @@ func defaultSeccomp() (*specs.LinuxSeccomp, error) {
 }
 
 // mountsSeccomp is the default profile (of the default capabilities, not of
-// CAP_SYS_ADMIN, which would also open user namespaces, setns, bpf and
-// more) plus what MountNamespaces needs: unshare of a mount namespace
-// alone, mount and umount2. Each still needs CAP_SYS_ADMIN, which only the
+// CAP_SYS_ADMIN, which would also open user namespaces, bpf and more) plus
+// what MountNamespaces needs: unshare and setns of a mount namespace alone,
+// mount and umount2. Each still needs CAP_SYS_ADMIN, which only the
 // sandbox's root processes hold.
 func mountsSeccomp() (*specs.LinuxSeccomp, error) {
 	p, err := defaultSeccomp()
@@ -141,6 +141,8 @@ func mountsSeccomp() (*specs.LinuxSeccomp, error) {
 		specs.LinuxSyscall{Names: []string{"mount", "umount2"}, Action: specs.ActAllow},
 		specs.LinuxSyscall{Names: []string{"unshare"}, Action: specs.ActAllow,
 			Args: []specs.LinuxSeccompArg{{Index: 0, Value: unix.CLONE_NEWNS, Op: specs.OpEqualTo}}},
+		specs.LinuxSyscall{Names: []string{"setns"}, Action: specs.ActAllow,
+			Args: []specs.LinuxSeccompArg{{Index: 1, Value: unix.CLONE_NEWNS, Op: specs.OpEqualTo}}},
 	)
 	return p, nil
 }

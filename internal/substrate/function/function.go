@@ -88,7 +88,6 @@ type Driver struct {
 	mu    sync.Mutex
 	pools map[string]*pool // by image
 	stop  chan struct{}
-	seq   atomic.Int64
 }
 
 var _ substrate.Driver = (*Driver)(nil)
@@ -557,7 +556,7 @@ func (d *Driver) prepareWorker(ctx context.Context, w *worker) error {
 	}
 	// One call end to end (storage, namespace, uid, cleanup), so a worker
 	// that cannot run calls fails here, not under every call.
-	out, err := g.Call(ctx, &guestv1.Call{Dir: callsDir + "/probe", Uid: uidBase, DiskBytes: 1 << 20,
+	out, err := g.Call(ctx, &guestv1.Call{Dir: slotDir(0), Uid: uidBase, DiskBytes: d.cfg.CallDiskMB << 20,
 		Steps: []*guestv1.CallStep{{Argv: []string{"true"}, TimeoutMs: 30000}}})
 	if err != nil {
 		return err
@@ -571,6 +570,10 @@ func (d *Driver) prepareWorker(ctx context.Context, w *worker) error {
 	}
 	return nil
 }
+
+// slotDir is where the calls of a slot keep their storage (the agent
+// mounts it on the slot's first call and empties it after each).
+func slotDir(slot int) string { return fmt.Sprintf("%s/s%d", callsDir, slot) }
 
 func (d *Driver) destroyWorker(w *worker) {
 	w.inst.Destroy(context.Background())

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"io"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -133,7 +132,7 @@ func (g *callGuest) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, er
 		return nil, err
 	}
 	st := &guestv1.CallStep{Argv: x.Argv, Stdin: x.StdinData, TimeoutMs: x.TimeoutMs, MaxOutput: x.MaxOutput, RlimitNproc: 256, RlimitNofile: 4096}
-	call := &guestv1.Call{Dir: callsDir + "/x" + itoa(d.seq.Add(1)), Uid: uint32(uidBase + slot), DiskBytes: d.cfg.CallDiskMB << 20, Steps: []*guestv1.CallStep{st}, Env: append(append([]string(nil), g.i.env...), x.Env...)}
+	call := &guestv1.Call{Dir: slotDir(slot), Uid: uint32(uidBase + slot), DiskBytes: d.cfg.CallDiskMB << 20, Steps: []*guestv1.CallStep{st}, Env: append(append([]string(nil), g.i.env...), x.Env...)}
 	cctx, cancel := context.WithTimeout(ctx, time.Duration(x.TimeoutMs)*time.Millisecond+30*time.Second)
 	defer cancel()
 	out, err := w.inst.Guest().Call(cctx, call)
@@ -147,8 +146,6 @@ func (g *callGuest) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, er
 	}
 	return out.Steps[0], nil
 }
-
-func itoa(n int64) string { return strconv.FormatInt(n, 10) }
 
 func (g *callGuest) Start(context.Context, *guestv1.Exec) (*guest.Process, error) {
 	return nil, errdefs.Unimplemented("function sandboxes run commands to completion only (use Exec)")

@@ -2,14 +2,15 @@
 
 The dsec agent starts it with fd 3 a unix socket. Each request is one JSON
 line with the call process's stdin, stdout and stderr attached as file
-descriptors. The runner forks; the child makes its own mount namespace with
-the call's private directories bound over /tmp, /var/tmp and /dev/shm
-("binds"), sets its limits, drops to the call's uid and either runs a Python
-script in this already initialised interpreter (modules pre-imported,
-nothing to start) or execs a program. The runner answers {"id", "pid"} once
-the child's mounts are in place ({"id", "error": "runner: ..."} if they
-cannot be) and {"id", "status", ...} when the child exits. It never prints:
-its stdout is not the calls'.
+descriptors, and with "mntns" a fourth: the mount namespace of the call's
+slot (where the call's own directories are bound over /tmp, /var/tmp and
+/dev/shm). The runner forks; the child enters that namespace, sets its
+limits, drops to the call's uid and either runs a Python script in this
+already initialised interpreter (modules pre-imported, nothing to start) or
+execs a program. The runner answers {"id", "pid"} once the child is in the
+namespace ({"id", "error": "runner: ..."} if it cannot be) and {"id",
+"status", ...} when the child exits. It never prints: its stdout is not the
+calls'.
 """
 
 import builtins
@@ -44,24 +45,12 @@ gc.collect()
 gc.freeze()
 
 libc = ctypes.CDLL(None, use_errno=True)
-libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
 CLONE_NEWNS = 0x00020000
-MS_BIND = 0x1000
-MS_REC = 0x4000
-MS_PRIVATE = 0x40000
 
 
-def private_mounts(binds):
-    """Gives this process a mount namespace of its own where each
-    [source, target] of binds is bound over target."""
-    if libc.unshare(CLONE_NEWNS) != 0:
-        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS): " + os.strerror(ctypes.get_errno()))
-    # Nothing made here may propagate back to the worker's namespace.
-    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        raise OSError(ctypes.get_errno(), "make / private: " + os.strerror(ctypes.get_errno()))
-    for src, dst in binds:
-        if libc.mount(src.encode(), dst.encode(), None, MS_BIND, None) != 0:
-            raise OSError(ctypes.get_errno(), "bind over " + dst + ": " + os.strerror(ctypes.get_errno()))
+def enter_mount_namespace(fd):
+    if libc.setns(fd, CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "setns(CLONE_NEWNS): " + os.strerror(ctypes.get_errno()))
 
 
 sock = socket.socket(fileno=3)
@@ -120,12 +109,11 @@ def run_python(argv):
 
 
 def child(req, fds, ready):
-    # Mounts first, as root, before anything else of the call happens; the
-    # runner waits for the answer on ready.
+    # The call's namespace first, as root, before anything else of the call
+    # happens; the runner answers the agent once ready says so.
     try:
-        binds = req.get("binds")
-        if binds:
-            private_mounts(binds)
+        if req.get("mntns"):
+            enter_mount_namespace(fds[3])
         os.write(ready, b"ok")
         os.close(ready)
     except BaseException as e:
@@ -135,7 +123,7 @@ def child(req, fds, ready):
             os._exit(127)
     try:
         os.setsid()
-        for i, fd in enumerate(fds):
+        for i, fd in enumerate(fds[:3]):
             os.dup2(fd, i)
         os.closerange(3, 1 << 20)
         for name, (soft, hard) in req.get("rlimits", {}).items():
@@ -190,8 +178,8 @@ def spawn(req, fds):
     c = Child(req["id"], pid, os.pidfd_open(pid), r)
     children[c.pfd] = c
     readies[r] = c
-    # The pid goes to the agent once the child's mounts are in place; the
-    # runner serves others meanwhile.
+    # The pid goes to the agent once the child is in the call's namespace;
+    # the runner serves others meanwhile.
     sel.register(r, selectors.EVENT_READ, ("ready", c))
     sel.register(c.pfd, selectors.EVENT_READ, ("child", c))
 
@@ -208,7 +196,7 @@ def answered(c):
         os.close(r)
     if ready != b"ok":
         why = ready.decode(errors="replace") or "the call process died before it ran"
-        send({"id": c.rid, "error": "runner: private /tmp: " + why})
+        send({"id": c.rid, "error": "runner: enter the call's mount namespace: " + why})
         return
     send({"id": c.rid, "pid": c.pid})
 

@@ -2588,15 +2588,16 @@ func (x *StartRunner) GetEnv() []string {
 	return nil
 }
 
-// Call runs one function call with storage and a uid of its own: a fresh
-// tmpfs of disk_bytes is mounted at dir, owned by uid, holding the call's
-// working directory (dir/work) and what its processes see as /tmp, /var/tmp
-// and /dev/shm (dir/tmp, dir/var-tmp, dir/shm, bound there in a mount
-// namespace of each step's own), so no call can fill or read another's.
-// Files are written, steps run in order as uid through the runner, files
-// are fetched, and then every process of uid is killed, the storage is
-// emptied and unmounted. If that cannot be made certain, the result says
-// dirty and the worker must not be reused.
+// Call runs one function call as uid, with the storage of uid's slot: a
+// tmpfs of disk_bytes mounted at dir on the slot's first call (dir names
+// the slot: the same for every call of the uid, one call at a time),
+// holding the call's working directory (dir/work) and what its processes
+// see as /tmp, /var/tmp and /dev/shm (dir/tmp, dir/var-tmp, dir/shm, bound
+// there in the slot's mount namespace, which every call process enters),
+// so no call can fill or read another's. Files are written, steps run in
+// order as uid through the runner, files are fetched, and then every
+// process of uid is killed and the storage is emptied. If that cannot be
+// made certain, the result says dirty and the worker must not be reused.
 type Call struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Dir   string                 `protobuf:"bytes,1,opt,name=dir,proto3" json:"dir,omitempty"`
@@ -2607,7 +2608,7 @@ type Call struct {
 	// max_fetch bounds each fetched file.
 	MaxFetch int64    `protobuf:"varint,6,opt,name=max_fetch,json=maxFetch,proto3" json:"max_fetch,omitempty"`
 	Env      []string `protobuf:"bytes,7,rep,name=env,proto3" json:"env,omitempty"`
-	// disk_bytes bounds the call's storage (0: 512 MiB).
+	// disk_bytes bounds the slot's storage when it is made (0: 512 MiB).
 	DiskBytes     int64 `protobuf:"varint,8,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
