@@ -79,6 +79,7 @@ for d in ("/tmp", "/var/tmp", "/dev/shm", "."):
         f.write(data)
     assert os.path.getsize(p) == len(data), p
 seen = [n for n in os.listdir("/tmp") if n != "mine.bin"]
+time.sleep(3)  # the first call stays full while the neighbour is measured
 c.close()
 print("ok", seen)
 `
