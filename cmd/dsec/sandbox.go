@@ -99,20 +99,32 @@ func execCmd(g *globals) *cobra.Command {
 		maxOutput        string
 	)
 	cmd := &cobra.Command{
-		Use:   "exec [-i] [-t] ID -- COMMAND [ARG...]",
+		Use:   "exec [flags] ID [flags] [--] COMMAND [ARG...]",
 		Short: "Run a command in a sandbox, streaming its output; exits with its exit code",
-		Args:  cobra.MinimumNArgs(2),
+		Long: "Run a command in a sandbox, streaming its output; exits with its exit code.\n\n" +
+			"Flags go before or after the ID (dsec exec -u root ID id, dsec exec ID -u root id);\n" +
+			"everything from the command on is the command's, and -- ends the flags.",
+		Args: cobra.MinimumNArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			argv := args[1:]
+			// Flags after the ID: parsing stopped at the ID (the command's
+			// own flags must not be taken), so parse what follows it up to
+			// the command or "--". Without this, "dsec exec ID -u root id"
+			// ran a command named "-u".
+			if len(argv) > 0 && strings.HasPrefix(argv[0], "-") && argv[0] != "--" && argv[0] != "-" {
+				if err := cmd.Flags().Parse(argv); err != nil {
+					return err
+				}
+				argv = cmd.Flags().Args()
+			} else if len(argv) > 0 && argv[0] == "--" {
+				argv = argv[1:]
+			}
 			envMap, err := parseKV(env, "env")
 			if err != nil {
 				return err
 			}
 			ctx := cmd.Context()
 			sb := g.client().Sandbox(args[0])
-			argv := args[1:]
-			if len(argv) > 0 && argv[0] == "--" {
-				argv = argv[1:]
-			}
 			if len(argv) == 0 {
 				return fmt.Errorf("no command given")
 			}

@@ -472,7 +472,8 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 		return nil, nil, err
 	}
 	fn := function.New(function.Config{Image: cfg.Function.Image, StateDir: filepath.Join(dataDir, "function"),
-		Slots: cfg.Function.Slots, MaxWorkers: cfg.Function.MaxWorkers, WorkerMemoryMB: cfg.Function.WorkerMemoryMB}, ct, images, log, runtime.NumCPU())
+		Slots: cfg.Function.Slots, MaxWorkers: cfg.Function.MaxWorkers, WorkerMemoryMB: cfg.Function.WorkerMemoryMB,
+		CallDiskMB: cfg.Function.CallDiskMB}, ct, images, log, runtime.NumCPU())
 	cacheDir := cfg.CacheDir
 	if cacheDir == "" {
 		cacheDir = filepath.Join(dataDir, "cache")

@@ -13,8 +13,10 @@ import (
 // serveFiles is plain HTTP file transfer, for curl and for clients that
 // stream large files without framing:
 //
-//	GET /v1/sandboxes/{id}/files?path=P[&offset=N&max_bytes=N]  → the bytes
-//	PUT /v1/sandboxes/{id}/files?path=P[&mode=0644&append=1&request_id=R]  ← the bytes
+//	GET /v1/sandboxes/{id}/files?path=P[&offset=N&max_bytes=N&user=U]  → the bytes
+//	PUT /v1/sandboxes/{id}/files?path=P[&mode=0644&append=1&user=U&request_id=R]  ← the bytes
+//
+// Both act as user U inside the sandbox (default: the sandbox's user).
 func (s *Server) serveFiles(w http.ResponseWriter, r *http.Request) {
 	id := r.PathValue("id")
 	q := r.URL.Query()
@@ -28,7 +30,7 @@ func (s *Server) serveFiles(w http.ResponseWriter, r *http.Request) {
 		offset, _ := strconv.ParseInt(q.Get("offset"), 10, 64)
 		limit, _ := strconv.ParseInt(q.Get("max_bytes"), 10, 64)
 		started := false
-		err := n.ReadFile(r.Context(), &dsecv1.ReadFileRequest{SandboxId: id, Path: q.Get("path"), Offset: offset, MaxBytes: limit}, func(m *dsecv1.ReadFileResponse) error {
+		err := n.ReadFile(r.Context(), &dsecv1.ReadFileRequest{SandboxId: id, Path: q.Get("path"), Offset: offset, MaxBytes: limit, User: q.Get("user")}, func(m *dsecv1.ReadFileResponse) error {
 			if info := m.GetInfo(); info != nil {
 				w.Header().Set("Content-Type", "application/octet-stream")
 				if limit == 0 && offset == 0 {

@@ -132,6 +132,9 @@ type Function struct {
 	MaxWorkers int `json:"max_workers,omitempty"`
 	// WorkerMemoryMB sizes each worker (default 4096).
 	WorkerMemoryMB int64 `json:"worker_memory_mb,omitempty"`
+	// CallDiskMB bounds one call's storage: its directory, /tmp, /var/tmp
+	// and /dev/shm together, memory of its worker's (default 512).
+	CallDiskMB int64 `json:"call_disk_mb,omitempty"`
 }
 
 // Network configures sandbox networking.

@@ -493,7 +493,7 @@ func (s *filesystemService) Stat(ctx context.Context, req *connect.Request[files
 	if err != nil {
 		return nil, err
 	}
-	info, err := n.Stat(ctx, &dsecv1.StatRequest{SandboxId: id, Path: req.Msg.GetPath()})
+	info, err := n.Stat(ctx, &dsecv1.StatRequest{SandboxId: id, Path: req.Msg.GetPath(), User: userOf(ctx)})
 	if err != nil {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
@@ -507,7 +507,7 @@ func (s *filesystemService) MakeDir(ctx context.Context, req *connect.Request[fi
 	if err != nil {
 		return nil, err
 	}
-	if info, err := n.Stat(ctx, &dsecv1.StatRequest{SandboxId: id, Path: req.Msg.GetPath()}); err == nil {
+	if info, err := n.Stat(ctx, &dsecv1.StatRequest{SandboxId: id, Path: req.Msg.GetPath(), User: userOf(ctx)}); err == nil {
 		if info.Type == "dir" {
 			return nil, errwire.ToConnect(errdefs.Conflict("directory %s already exists", clip(info.Path)))
 		}
@@ -530,13 +530,13 @@ func (s *filesystemService) Move(ctx context.Context, req *connect.Request[files
 	}
 	dst := req.Msg.GetDestination()
 	if parent := path.Dir(dst); path.IsAbs(dst) && parent != "/" {
-		if _, err := n.Stat(ctx, &dsecv1.StatRequest{SandboxId: id, Path: parent}); errdefs.Is(err, errdefs.KindNotFound) {
+		if _, err := n.Stat(ctx, &dsecv1.StatRequest{SandboxId: id, Path: parent, User: userOf(ctx)}); errdefs.Is(err, errdefs.KindNotFound) {
 			if _, err := n.MakeDir(ctx, &dsecv1.MakeDirRequest{SandboxId: id, Path: parent, User: userOf(ctx)}); err != nil {
 				return nil, s.f.rpcErr(ctx, id, err)
 			}
 		}
 	}
-	info, err := n.Rename(ctx, &dsecv1.RenameRequest{SandboxId: id, From: req.Msg.GetSource(), To: dst})
+	info, err := n.Rename(ctx, &dsecv1.RenameRequest{SandboxId: id, From: req.Msg.GetSource(), To: dst, User: userOf(ctx)})
 	if err != nil {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
@@ -555,7 +555,7 @@ func (s *filesystemService) ListDir(ctx context.Context, req *connect.Request[fi
 	if depth > 64 {
 		return nil, errwire.ToConnect(errdefs.Invalid("depth must be between 1 and 64"))
 	}
-	list, err := n.ListDir(ctx, &dsecv1.ListDirRequest{SandboxId: id, Path: req.Msg.GetPath(), Depth: int32(depth)})
+	list, err := n.ListDir(ctx, &dsecv1.ListDirRequest{SandboxId: id, Path: req.Msg.GetPath(), Depth: int32(depth), User: userOf(ctx)})
 	if err != nil {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
@@ -572,7 +572,7 @@ func (s *filesystemService) Remove(ctx context.Context, req *connect.Request[fil
 	if err != nil {
 		return nil, err
 	}
-	if err := n.Remove(ctx, &dsecv1.RemoveRequest{SandboxId: id, Path: req.Msg.GetPath(), Recursive: true}); err != nil {
+	if err := n.Remove(ctx, &dsecv1.RemoveRequest{SandboxId: id, Path: req.Msg.GetPath(), Recursive: true, User: userOf(ctx)}); err != nil {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
 	return connect.NewResponse(&filesystem.RemoveResponse{}), nil
@@ -596,7 +596,7 @@ func (s *filesystemService) WatchDir(ctx context.Context, req *connect.Request[f
 	if req.Msg.GetIncludeEntry() {
 		return errwire.ToConnect(errdefs.Unimplemented("includeEntry needs envd 0.6.3; this server reports %s", EnvdVersion))
 	}
-	err = n.WatchDir(ctx, &dsecv1.WatchDirRequest{SandboxId: id, Path: req.Msg.GetPath(), Recursive: req.Msg.GetRecursive()}, func(ev *dsecv1.WatchDirEvent) error {
+	err = n.WatchDir(ctx, &dsecv1.WatchDirRequest{SandboxId: id, Path: req.Msg.GetPath(), Recursive: req.Msg.GetRecursive(), User: userOf(ctx)}, func(ev *dsecv1.WatchDirEvent) error {
 		var out *filesystem.WatchDirResponse
 		switch e := ev.Event.(type) {
 		case *dsecv1.WatchDirEvent_Started:

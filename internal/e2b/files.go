@@ -118,7 +118,7 @@ func (f *Facade) download(w http.ResponseWriter, r *http.Request, n apiserver.No
 		return
 	}
 	started := false
-	err := n.ReadFile(r.Context(), &dsecv1.ReadFileRequest{SandboxId: id, Path: p}, func(m *dsecv1.ReadFileResponse) error {
+	err := n.ReadFile(r.Context(), &dsecv1.ReadFileRequest{SandboxId: id, Path: p, User: r.URL.Query().Get("username")}, func(m *dsecv1.ReadFileResponse) error {
 		if info := m.GetInfo(); info != nil {
 			h := w.Header()
 			h.Set("Content-Type", "application/octet-stream")

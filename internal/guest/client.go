@@ -130,7 +130,7 @@ type Process struct {
 	Pid   int32
 	cn    *conn
 	ctx   context.Context
-	early *guestv1.ServerMsg // an exit received instead of "started"
+	early []*guestv1.ServerMsg // what an exit received instead of "started" stands for
 	done  bool
 }
 
@@ -158,9 +158,16 @@ func (c *Client) startLike(ctx context.Context, call *guestv1.ClientMsg) (*Proce
 	}
 	if x := m.GetExit(); x != nil {
 		// The command could not start (not found, bad user): the exit
-		// says why; hand it out as the process's only event.
+		// says why. A stream carries output as events, not in its exit, so
+		// the reason comes as stderr output, then the exit.
 		cn.close()
-		return &Process{cn: cn, ctx: ctx, early: m}, nil
+		p := &Process{cn: cn, ctx: ctx}
+		if len(x.Stderr) > 0 {
+			p.early = append(p.early, &guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Output{Output: &guestv1.Output{Fd: 2, Data: x.Stderr}}})
+			x.Stderr = nil
+		}
+		p.early = append(p.early, m)
+		return p, nil
 	}
 	st := m.GetStarted()
 	if st == nil {
@@ -172,10 +179,10 @@ func (c *Client) startLike(ctx context.Context, call *guestv1.ClientMsg) (*Proce
 
 // Recv returns the next Output or Exit message.
 func (p *Process) Recv() (*guestv1.ServerMsg, error) {
-	if p.early != nil {
-		m := p.early
-		p.early = nil
-		p.done = true
+	if len(p.early) > 0 {
+		m := p.early[0]
+		p.early = p.early[1:]
+		p.done = len(p.early) == 0
 		return m, nil
 	}
 	if p.done {
@@ -236,19 +243,23 @@ func (c *Client) ListProcs(ctx context.Context) ([]*guestv1.Proc, error) {
 	return m.GetProcs().GetProcs(), nil
 }
 
-// Stat returns a file's info.
-func (c *Client) Stat(ctx context.Context, path string) (*guestv1.FileInfo, error) {
-	return c.infoCall(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Stat{Stat: &guestv1.Path{Path: path}}})
+// File calls act as the message's user inside the sandbox (empty: root);
+// see guestv1.ReadFile. A path that user may not touch is a
+// permission_denied error.
+
+// Stat returns a file's info (of a symlink itself, not its target).
+func (c *Client) Stat(ctx context.Context, p *guestv1.Path) (*guestv1.FileInfo, error) {
+	return c.infoCall(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Stat{Stat: p}})
 }
 
 // MakeDir creates a directory and its parents.
-func (c *Client) MakeDir(ctx context.Context, path, user string) (*guestv1.FileInfo, error) {
-	return c.infoCall(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_MakeDir{MakeDir: &guestv1.MakeDir{Path: path, User: user}}})
+func (c *Client) MakeDir(ctx context.Context, m *guestv1.MakeDir) (*guestv1.FileInfo, error) {
+	return c.infoCall(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_MakeDir{MakeDir: m}})
 }
 
 // Rename moves a file or directory.
-func (c *Client) Rename(ctx context.Context, from, to string) (*guestv1.FileInfo, error) {
-	return c.infoCall(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Rename{Rename: &guestv1.Rename{From: from, To: to}}})
+func (c *Client) Rename(ctx context.Context, m *guestv1.Rename) (*guestv1.FileInfo, error) {
+	return c.infoCall(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Rename{Rename: m}})
 }
 
 func (c *Client) infoCall(ctx context.Context, call *guestv1.ClientMsg) (*guestv1.FileInfo, error) {
@@ -263,14 +274,14 @@ func (c *Client) infoCall(ctx context.Context, call *guestv1.ClientMsg) (*guestv
 }
 
 // Remove removes a file, or a directory tree when recursive.
-func (c *Client) Remove(ctx context.Context, path string, recursive bool) error {
-	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Remove{Remove: &guestv1.Remove{Path: path, Recursive: recursive}}})
+func (c *Client) Remove(ctx context.Context, m *guestv1.Remove) error {
+	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Remove{Remove: m}})
 	return err
 }
 
 // ListDir lists a directory to the given depth.
-func (c *Client) ListDir(ctx context.Context, path string, depth int32) ([]*guestv1.FileInfo, error) {
-	m, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_ListDir{ListDir: &guestv1.ListDir{Path: path, Depth: depth}}})
+func (c *Client) ListDir(ctx context.Context, l *guestv1.ListDir) ([]*guestv1.FileInfo, error) {
+	m, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_ListDir{ListDir: l}})
 	if err != nil {
 		return nil, err
 	}
@@ -319,8 +330,8 @@ type Watch struct {
 
 // Watch watches a directory (and, when recursive, the tree below it) and
 // returns once the watch is in place. The watch ends with Close or ctx.
-func (c *Client) Watch(ctx context.Context, path string, recursive bool) (*Watch, error) {
-	cn, err := c.open(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Watch{Watch: &guestv1.Watch{Path: path, Recursive: recursive}}})
+func (c *Client) Watch(ctx context.Context, w *guestv1.Watch) (*Watch, error) {
+	cn, err := c.open(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Watch{Watch: w}})
 	if err != nil {
 		return nil, err
 	}
@@ -366,9 +377,9 @@ type FileReader struct {
 	done bool
 }
 
-// ReadFile opens a file for streaming. limit 0 reads to the end.
-func (c *Client) ReadFile(ctx context.Context, path string, offset, limit int64) (*FileReader, error) {
-	cn, err := c.open(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_ReadFile{ReadFile: &guestv1.ReadFile{Path: path, Offset: offset, Limit: limit}}})
+// ReadFile opens a file for streaming. Limit 0 reads to the end.
+func (c *Client) ReadFile(ctx context.Context, r *guestv1.ReadFile) (*FileReader, error) {
+	cn, err := c.open(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_ReadFile{ReadFile: r}})
 	if err != nil {
 		return nil, err
 	}

@@ -279,7 +279,7 @@ func TestFiles(t *testing.T) {
 		if info.Size != 5 || info.Mode != 0o600 || info.Type != "file" {
 			t.Fatalf("info %+v", info)
 		}
-		f, err := c.ReadFile(ctx, p, 0, 0)
+		f, err := c.ReadFile(ctx, &guestv1.ReadFile{Path: p})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -295,7 +295,7 @@ func TestFiles(t *testing.T) {
 		if _, err := c.WriteFile(ctx, &guestv1.WriteFile{Path: p}, bytes.NewReader(data)); err != nil {
 			t.Fatal(err)
 		}
-		f, err := c.ReadFile(ctx, p, 0, 0)
+		f, err := c.ReadFile(ctx, &guestv1.ReadFile{Path: p})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -309,7 +309,7 @@ func TestFiles(t *testing.T) {
 	t.Run("offset and limit select a range", func(t *testing.T) {
 		p := filepath.Join(dir, "range")
 		c.WriteFile(ctx, &guestv1.WriteFile{Path: p}, strings.NewReader("0123456789"))
-		f, err := c.ReadFile(ctx, p, 3, 4)
+		f, err := c.ReadFile(ctx, &guestv1.ReadFile{Path: p, Offset: 3, Limit: 4})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -321,30 +321,30 @@ func TestFiles(t *testing.T) {
 	})
 	t.Run("list, stat, rename and remove", func(t *testing.T) {
 		d := filepath.Join(dir, "tree")
-		if _, err := c.MakeDir(ctx, filepath.Join(d, "x", "y"), ""); err != nil {
+		if _, err := c.MakeDir(ctx, &guestv1.MakeDir{Path: filepath.Join(d, "x", "y")}); err != nil {
 			t.Fatal(err)
 		}
 		c.WriteFile(ctx, &guestv1.WriteFile{Path: filepath.Join(d, "x", "f")}, strings.NewReader("f"))
-		ents, err := c.ListDir(ctx, d, 3)
+		ents, err := c.ListDir(ctx, &guestv1.ListDir{Path: d, Depth: 3})
 		if err != nil {
 			t.Fatal(err)
 		}
 		if len(ents) != 3 {
 			t.Fatalf("entries %v", ents)
 		}
-		if _, err := c.Rename(ctx, filepath.Join(d, "x", "f"), filepath.Join(d, "g")); err != nil {
+		if _, err := c.Rename(ctx, &guestv1.Rename{From: filepath.Join(d, "x", "f"), To: filepath.Join(d, "g")}); err != nil {
 			t.Fatal(err)
 		}
-		if st, err := c.Stat(ctx, filepath.Join(d, "g")); err != nil || st.Size != 1 {
+		if st, err := c.Stat(ctx, &guestv1.Path{Path: filepath.Join(d, "g")}); err != nil || st.Size != 1 {
 			t.Fatalf("stat after rename: %v %v", st, err)
 		}
-		if err := c.Remove(ctx, d, false); !errdefs.Is(err, errdefs.KindInvalid) {
+		if err := c.Remove(ctx, &guestv1.Remove{Path: d}); !errdefs.Is(err, errdefs.KindInvalid) {
 			t.Fatalf("non-recursive remove of a non-empty dir: %v", err)
 		}
-		if err := c.Remove(ctx, d, true); err != nil {
+		if err := c.Remove(ctx, &guestv1.Remove{Path: d, Recursive: true}); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := c.Stat(ctx, d); !errdefs.Is(err, errdefs.KindNotFound) {
+		if _, err := c.Stat(ctx, &guestv1.Path{Path: d}); !errdefs.Is(err, errdefs.KindNotFound) {
 			t.Fatalf("stat after remove: %v", err)
 		}
 	})
@@ -359,10 +359,93 @@ func TestFiles(t *testing.T) {
 			{dir, errdefs.KindInvalid}, // a directory
 		}
 		for _, cs := range cases {
-			_, err := c.ReadFile(ctx, cs.path, 0, 0)
+			_, err := c.ReadFile(ctx, &guestv1.ReadFile{Path: cs.path})
 			if !errdefs.Is(err, cs.kind) {
 				t.Errorf("read %q: %v, want %s", cs.path, err, cs.kind)
 			}
+		}
+	})
+}
+
+func TestFileCallsActAsTheirUser(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (acts as nobody)")
+	}
+	c := startAgent(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dir := t.TempDir()
+	for d := dir; d != os.TempDir() && d != "/"; d = filepath.Dir(d) {
+		os.Chmod(d, 0o755)
+	}
+	open := filepath.Join(dir, "open")
+	os.Mkdir(open, 0o777)
+	os.Chmod(open, 0o777)
+	secret := filepath.Join(dir, "secret")
+	os.WriteFile(secret, []byte("root only"), 0o600)
+	os.Symlink(secret, filepath.Join(open, "answer.txt"))
+	os.Symlink("/proc/self/fd/1", filepath.Join(open, "stdout"))
+	os.Mkdir(filepath.Join(dir, "closed"), 0o700)
+	const user = "nobody"
+	denied := func(t *testing.T, err error) {
+		t.Helper()
+		if !errdefs.Is(err, errdefs.KindPermissionDenied) || errdefs.IsInfra(err) {
+			t.Fatalf("got %v, want permission_denied (not infra)", err)
+		}
+	}
+	t.Run("an upload through the user's link to a root-only file is denied and changes nothing", func(t *testing.T) {
+		_, err := c.WriteFile(ctx, &guestv1.WriteFile{Path: filepath.Join(open, "answer.txt"), User: user}, strings.NewReader("pwned"))
+		denied(t, err)
+		if b, _ := os.ReadFile(secret); string(b) != "root only" {
+			t.Fatalf("the root-only file is now %q", b)
+		}
+	})
+	t.Run("a read of a root-only file is denied", func(t *testing.T) {
+		_, err := c.ReadFile(ctx, &guestv1.ReadFile{Path: secret, User: user})
+		denied(t, err)
+	})
+	t.Run("links through /proc to the agent's files are refused with a clear message", func(t *testing.T) {
+		_, err := c.WriteFile(ctx, &guestv1.WriteFile{Path: filepath.Join(open, "stdout"), User: user}, strings.NewReader("x"))
+		denied(t, err)
+		if !strings.Contains(err.Error(), "/proc link") {
+			t.Fatalf("message %q does not say why", err)
+		}
+		_, err = c.ReadFile(ctx, &guestv1.ReadFile{Path: "/proc/self/environ", User: user})
+		denied(t, err)
+		_, err = c.ReadFile(ctx, &guestv1.ReadFile{Path: "/proc/self/environ"})
+		denied(t, err) // root too: the agent's own entries are not the sandbox's
+	})
+	t.Run("stat, list, watch, mkdir, rename and remove apply the user's permissions", func(t *testing.T) {
+		_, err := c.Stat(ctx, &guestv1.Path{Path: filepath.Join(dir, "closed", "x"), User: user})
+		denied(t, err)
+		_, err = c.ListDir(ctx, &guestv1.ListDir{Path: filepath.Join(dir, "closed"), User: user})
+		denied(t, err)
+		_, err = c.Watch(ctx, &guestv1.Watch{Path: filepath.Join(dir, "closed"), User: user})
+		denied(t, err)
+		_, err = c.MakeDir(ctx, &guestv1.MakeDir{Path: filepath.Join(dir, "closed", "d"), User: user})
+		denied(t, err)
+		_, err = c.Rename(ctx, &guestv1.Rename{From: secret, To: filepath.Join(open, "stolen"), User: user})
+		denied(t, err)
+		err = c.Remove(ctx, &guestv1.Remove{Path: secret, User: user})
+		denied(t, err)
+		if _, err := os.Stat(secret); err != nil {
+			t.Fatal(err)
+		}
+	})
+	t.Run("what the user writes and makes is the user's", func(t *testing.T) {
+		info, err := c.WriteFile(ctx, &guestv1.WriteFile{Path: filepath.Join(open, "new", "deep", "f"), User: user, Mkdirs: true, Mode: 0o640}, strings.NewReader("mine"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.Owner != "nobody" || info.Mode != 0o640 {
+			t.Fatalf("info %+v", info)
+		}
+		d, err := c.Stat(ctx, &guestv1.Path{Path: filepath.Join(open, "new", "deep")})
+		if err != nil || d.Owner != "nobody" {
+			t.Fatalf("made directory %+v %v", d, err)
+		}
+		if err := c.Remove(ctx, &guestv1.Remove{Path: filepath.Join(open, "new"), Recursive: true, User: user}); err != nil {
+			t.Fatal(err)
 		}
 	})
 }
@@ -404,9 +487,17 @@ func TestStartOfAMissingCommandIsAnExit(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The reason comes as stderr, as a streaming client shows output.
 	m, err := p.Recv()
-	if err != nil || m.GetExit().GetExitCode() != 127 {
+	if err != nil || m.GetOutput().GetFd() != 2 || !strings.Contains(string(m.GetOutput().GetData()), "no-such-cmd-xyz: command not found") {
+		t.Fatalf("got %v, %v; want the reason on stderr", m, err)
+	}
+	m, err = p.Recv()
+	if err != nil || m.GetExit().GetExitCode() != 127 || m.GetExit().GetError() == "" {
 		t.Fatalf("got %v, %v", m, err)
+	}
+	if _, err := p.Recv(); err != io.EOF {
+		t.Fatalf("after the exit: %v, want EOF", err)
 	}
 }
 
@@ -537,7 +628,7 @@ func TestWatch(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			w, err := c.Watch(ctx, dir, tt.recursive)
+			w, err := c.Watch(ctx, &guestv1.Watch{Path: dir, Recursive: tt.recursive})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -547,7 +638,7 @@ func TestWatch(t *testing.T) {
 		})
 	}
 	t.Run("a watch of a missing directory is not found", func(t *testing.T) {
-		_, err := c.Watch(context.Background(), filepath.Join(dir, "missing"), false)
+		_, err := c.Watch(context.Background(), &guestv1.Watch{Path: filepath.Join(dir, "missing")})
 		if !errdefs.Is(err, errdefs.KindNotFound) {
 			t.Fatalf("got %v, want not_found", err)
 		}
@@ -555,7 +646,7 @@ func TestWatch(t *testing.T) {
 	t.Run("removing the watched directory ends the watch with not found", func(t *testing.T) {
 		sub := filepath.Join(dir, "gone")
 		os.Mkdir(sub, 0o755)
-		w, err := c.Watch(context.Background(), sub, false)
+		w, err := c.Watch(context.Background(), &guestv1.Watch{Path: sub})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -15,9 +15,11 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 )
 
-// sandboxPath resolves a path from a caller: absolute, or relative to the
-// sandbox's working directory. The agent's root is the sandbox's root, so
-// the result cannot name anything outside the sandbox.
+// sandboxPath makes a path from a caller absolute: relative paths are
+// relative to the sandbox's working directory. Resolving it is the agent's
+// work: inside the sandbox's root, as the call's user (fileUser), so ".."
+// and symlinks cannot lead outside the sandbox or to files that user may
+// not touch.
 func sandboxPath(s *sandbox, p string) (string, error) {
 	if p == "" {
 		return "", errdefs.Invalid("path is required")
@@ -34,6 +36,16 @@ func sandboxPath(s *sandbox, p string) (string, error) {
 		p = path.Join(orRoot(s.spec.Workdir), p)
 	}
 	return path.Clean(p), nil
+}
+
+// fileUser is the user a file call acts as inside the sandbox: the
+// request's, else the sandbox's (spec.User, defaulted to the image's at
+// create), else root ("").
+func fileUser(s *sandbox, requested string) string {
+	if requested != "" {
+		return requested
+	}
+	return s.spec.User
 }
 
 func fileInfo(i *guestv1.FileInfo) *dsecv1.FileInfo {
@@ -60,7 +72,7 @@ func (n *Node) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send f
 	if req.GetOffset() < 0 || req.GetMaxBytes() < 0 {
 		return errdefs.Invalid("offset and max_bytes must not be negative")
 	}
-	f, err := s.inst.Guest().ReadFile(ctx, p, req.GetOffset(), req.GetMaxBytes())
+	f, err := s.inst.Guest().ReadFile(ctx, &guestv1.ReadFile{Path: p, Offset: req.GetOffset(), Limit: req.GetMaxBytes(), User: fileUser(s, req.GetUser())})
 	if err != nil {
 		return n.callFailed(s, err)
 	}
@@ -105,10 +117,7 @@ func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.
 	if len(hdr.GetRequestId()) > maxRequestID {
 		return nil, errdefs.Invalid("request_id longer than %d bytes", maxRequestID)
 	}
-	user := hdr.GetUser()
-	if user == "" {
-		user = s.spec.User
-	}
+	user := fileUser(s, hdr.GetUser())
 	start := time.Now()
 	var done func(*dsecv1.LogEntry) (*dsecv1.LogEntry, error)
 	if rid := hdr.GetRequestId(); rid != "" {
@@ -174,8 +183,8 @@ func (t *touchReader) Read(p []byte) (int, error) {
 
 // Stat returns a file's info.
 func (n *Node) Stat(ctx context.Context, req *dsecv1.StatRequest) (*dsecv1.FileInfo, error) {
-	return n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(_ *sandbox, g guestCall, p string) (*guestv1.FileInfo, error) {
-		return g.Stat(ctx, p)
+	return n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(s *sandbox, g guestCall, p string) (*guestv1.FileInfo, error) {
+		return g.Stat(ctx, &guestv1.Path{Path: p, User: fileUser(s, req.GetUser())})
 	})
 }
 
@@ -183,8 +192,9 @@ func (n *Node) Stat(ctx context.Context, req *dsecv1.StatRequest) (*dsecv1.FileI
 func (n *Node) MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (*dsecv1.FileInfo, error) {
 	return n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(s *sandbox, g guestCall, p string) (*guestv1.FileInfo, error) {
 		start := time.Now()
-		info, err := g.MakeDir(ctx, p, req.GetUser())
-		n.logMutation(s, &dsecv1.LogEntry{Op: "make_dir", Path: p, User: req.GetUser()}, start, err)
+		user := fileUser(s, req.GetUser())
+		info, err := g.MakeDir(ctx, &guestv1.MakeDir{Path: p, User: user})
+		n.logMutation(s, &dsecv1.LogEntry{Op: "make_dir", Path: p, User: user}, start, err)
 		return info, err
 	})
 }
@@ -204,8 +214,9 @@ func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.F
 		return nil, err
 	}
 	start := time.Now()
-	info, err := s.inst.Guest().Rename(ctx, from, to)
-	n.logMutation(s, &dsecv1.LogEntry{Op: "rename", Path: from, To: to}, start, err)
+	user := fileUser(s, req.GetUser())
+	info, err := s.inst.Guest().Rename(ctx, &guestv1.Rename{From: from, To: to, User: user})
+	n.logMutation(s, &dsecv1.LogEntry{Op: "rename", Path: from, To: to, User: user}, start, err)
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}
@@ -216,8 +227,9 @@ func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.F
 func (n *Node) Remove(ctx context.Context, req *dsecv1.RemoveRequest) error {
 	_, err := n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(s *sandbox, g guestCall, p string) (*guestv1.FileInfo, error) {
 		start := time.Now()
-		err := g.Remove(ctx, p, req.GetRecursive())
-		n.logMutation(s, &dsecv1.LogEntry{Op: "remove", Path: p, Recursive: req.GetRecursive()}, start, err)
+		user := fileUser(s, req.GetUser())
+		err := g.Remove(ctx, &guestv1.Remove{Path: p, Recursive: req.GetRecursive(), User: user})
+		n.logMutation(s, &dsecv1.LogEntry{Op: "remove", Path: p, Recursive: req.GetRecursive(), User: user}, start, err)
 		return nil, err
 	})
 	return err
@@ -236,7 +248,7 @@ func (n *Node) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (*dsecv1
 	if req.GetDepth() < 0 || req.GetDepth() > 64 {
 		return nil, errdefs.Invalid("depth must be between 0 and 64")
 	}
-	ents, err := s.inst.Guest().ListDir(ctx, p, req.GetDepth())
+	ents, err := s.inst.Guest().ListDir(ctx, &guestv1.ListDir{Path: p, Depth: req.GetDepth(), User: fileUser(s, req.GetUser())})
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}
@@ -248,9 +260,9 @@ func (n *Node) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (*dsecv1
 }
 
 type guestCall interface {
-	Stat(ctx context.Context, path string) (*guestv1.FileInfo, error)
-	MakeDir(ctx context.Context, path, user string) (*guestv1.FileInfo, error)
-	Remove(ctx context.Context, path string, recursive bool) error
+	Stat(ctx context.Context, p *guestv1.Path) (*guestv1.FileInfo, error)
+	MakeDir(ctx context.Context, m *guestv1.MakeDir) (*guestv1.FileInfo, error)
+	Remove(ctx context.Context, r *guestv1.Remove) error
 }
 
 var _ guestCall = (*guest.Client)(nil)
@@ -283,7 +295,7 @@ func (n *Node) WatchDir(ctx context.Context, req *dsecv1.WatchDirRequest, send f
 	if err != nil {
 		return err
 	}
-	w, err := s.inst.Guest().Watch(ctx, p, req.GetRecursive())
+	w, err := s.inst.Guest().Watch(ctx, &guestv1.Watch{Path: p, Recursive: req.GetRecursive(), User: fileUser(s, req.GetUser())})
 	if err != nil {
 		return n.callFailed(s, err)
 	}

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	"github.com/opendsec/dsec/internal/substrate"
 )
 
@@ -41,7 +42,7 @@ func (v *VM) GuestUsage(ctx context.Context) (memory int64, cpu time.Duration, e
 }
 
 func (v *VM) readGuestFile(ctx context.Context, path string) (string, error) {
-	f, err := v.client.ReadFile(ctx, path, 0, 64<<10)
+	f, err := v.client.ReadFile(ctx, &guestv1.ReadFile{Path: path, Limit: 64 << 10})
 	if err != nil {
 		return "", err
 	}

@@ -106,6 +106,14 @@ type Spec struct {
 	// writable memory file systems (function workers use both).
 	ReadOnlyRootfs bool
 	Tmpfs          []Tmpfs
+	// MountNamespaces lets the instance's root processes make mount
+	// namespaces and mounts (function workers give each call its own /tmp
+	// this way): CAP_SYS_ADMIN, and a seccomp profile that allows
+	// unshare and setns of mount namespaces, mount and umount2 beyond the
+	// default and nothing else that capability would open (no user
+	// namespaces). Processes of other users gain nothing: they hold no
+	// capabilities. Drivers without it ignore it.
+	MountNamespaces bool
 	// Restore, if set, is a machine snapshot directory written by
 	// Instance.SnapshotMachine of the same kind: the instance starts from
 	// it (memory, devices and disk as they were) instead of booting, with
@@ -131,14 +139,16 @@ type Guest interface {
 	SignalProcess(ctx context.Context, id string, sig syscall.Signal) error
 	ResizeProcess(ctx context.Context, id string, rows, cols uint32) error
 	ListProcs(ctx context.Context) ([]*guestv1.Proc, error)
-	ReadFile(ctx context.Context, path string, offset, limit int64) (*guest.FileReader, error)
+	// File calls act as the message's user inside the sandbox (see
+	// guestv1.ReadFile).
+	ReadFile(ctx context.Context, r *guestv1.ReadFile) (*guest.FileReader, error)
 	WriteFile(ctx context.Context, w *guestv1.WriteFile, r io.Reader) (*guestv1.FileInfo, error)
-	Stat(ctx context.Context, path string) (*guestv1.FileInfo, error)
-	ListDir(ctx context.Context, path string, depth int32) ([]*guestv1.FileInfo, error)
-	MakeDir(ctx context.Context, path, user string) (*guestv1.FileInfo, error)
-	Remove(ctx context.Context, path string, recursive bool) error
-	Rename(ctx context.Context, from, to string) (*guestv1.FileInfo, error)
-	Watch(ctx context.Context, path string, recursive bool) (*guest.Watch, error)
+	Stat(ctx context.Context, p *guestv1.Path) (*guestv1.FileInfo, error)
+	ListDir(ctx context.Context, l *guestv1.ListDir) ([]*guestv1.FileInfo, error)
+	MakeDir(ctx context.Context, m *guestv1.MakeDir) (*guestv1.FileInfo, error)
+	Remove(ctx context.Context, r *guestv1.Remove) error
+	Rename(ctx context.Context, r *guestv1.Rename) (*guestv1.FileInfo, error)
+	Watch(ctx context.Context, w *guestv1.Watch) (*guest.Watch, error)
 	Sync(ctx context.Context) error
 	SetDeadline(ctx context.Context, t time.Time) error
 	SetEnv(ctx context.Context, env []string) error

@@ -314,7 +314,7 @@ func (s *Sandbox) ReadFile(ctx context.Context, path string, w io.Writer) (*dsec
 func (s *Sandbox) Stat(ctx context.Context, path string) (*dsecv1.FileInfo, error) {
 	r, err := s.c.sandboxes.Stat(ctx, connect.NewRequest(&dsecv1.StatRequest{SandboxId: s.ID, Path: path}))
 	if err != nil {
-		return nil, err
+		return nil, asError(err)
 	}
 	return r.Msg, nil
 }
@@ -323,7 +323,7 @@ func (s *Sandbox) Stat(ctx context.Context, path string) (*dsecv1.FileInfo, erro
 func (s *Sandbox) ListDir(ctx context.Context, path string, depth int32) ([]*dsecv1.FileInfo, error) {
 	r, err := s.c.sandboxes.ListDir(ctx, connect.NewRequest(&dsecv1.ListDirRequest{SandboxId: s.ID, Path: path, Depth: depth}))
 	if err != nil {
-		return nil, err
+		return nil, asError(err)
 	}
 	return r.Msg.Entries, nil
 }

@@ -2022,13 +2022,19 @@ func (x *FileInfo) GetReplayed() bool {
 	return false
 }
 
+// File calls act as a user inside the sandbox: the request's user, else
+// the sandbox's (spec.user, else the image's, else root). That user's
+// permissions apply and what the call creates is that user's. Paths stay
+// inside the sandbox: ".." and absolute symlinks resolve within its root,
+// and links through /proc to other files are refused (permission_denied).
 type ReadFileRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	Offset    int64                  `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"`
 	// max_bytes stops after this many bytes (0: whole file).
-	MaxBytes      int64 `protobuf:"varint,4,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
+	MaxBytes      int64  `protobuf:"varint,4,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
+	User          string `protobuf:"bytes,5,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2089,6 +2095,13 @@ func (x *ReadFileRequest) GetMaxBytes() int64 {
 		return x.MaxBytes
 	}
 	return 0
+}
+
+func (x *ReadFileRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
 }
 
 type ReadFileResponse struct {
@@ -2180,7 +2193,8 @@ type WriteFileHeader struct {
 	// mode is the permission bits for a new file (default 0644).
 	Mode   uint32 `protobuf:"varint,3,opt,name=mode,proto3" json:"mode,omitempty"`
 	Append bool   `protobuf:"varint,4,opt,name=append,proto3" json:"append,omitempty"`
-	// user owns a newly created file (default: the sandbox's user).
+	// user writes the file and owns it if it is new (default: the
+	// sandbox's user).
 	User string `protobuf:"bytes,5,opt,name=user,proto3" json:"user,omitempty"`
 	// request_id makes the write exactly-once.
 	RequestId     string `protobuf:"bytes,6,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
@@ -2346,6 +2360,7 @@ type StatRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Path          string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	User          string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2394,12 +2409,20 @@ func (x *StatRequest) GetPath() string {
 	return ""
 }
 
+func (x *StatRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type ListDirRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	// depth lists this many levels (default 1).
-	Depth         int32 `protobuf:"varint,3,opt,name=depth,proto3" json:"depth,omitempty"`
+	Depth         int32  `protobuf:"varint,3,opt,name=depth,proto3" json:"depth,omitempty"`
+	User          string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2455,6 +2478,13 @@ func (x *ListDirRequest) GetDepth() int32 {
 	return 0
 }
 
+func (x *ListDirRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type ListDirResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Entries       []*FileInfo            `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
@@ -2500,10 +2530,11 @@ func (x *ListDirResponse) GetEntries() []*FileInfo {
 }
 
 type MakeDirRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	Path          string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
-	User          string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	// user makes the directories and owns them (default: the sandbox's user).
+	User          string `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2564,7 +2595,8 @@ type RemoveRequest struct {
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	// recursive removes directories and their contents.
-	Recursive     bool `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	Recursive     bool   `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	User          string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2620,6 +2652,13 @@ func (x *RemoveRequest) GetRecursive() bool {
 	return false
 }
 
+func (x *RemoveRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type RemoveResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -2661,6 +2700,7 @@ type RenameRequest struct {
 	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	From          string                 `protobuf:"bytes,2,opt,name=from,proto3" json:"from,omitempty"`
 	To            string                 `protobuf:"bytes,3,opt,name=to,proto3" json:"to,omitempty"`
+	User          string                 `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2716,13 +2756,21 @@ func (x *RenameRequest) GetTo() string {
 	return ""
 }
 
+func (x *RenameRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type WatchDirRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	// recursive also watches every directory below path, including ones
 	// created later.
-	Recursive     bool `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	Recursive     bool   `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	User          string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2776,6 +2824,13 @@ func (x *WatchDirRequest) GetRecursive() bool {
 		return x.Recursive
 	}
 	return false
+}
+
+func (x *WatchDirRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
 }
 
 // FsEvent is one change under a watched directory.
@@ -5408,13 +5463,14 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x05owner\x18\b \x01(\tR\x05owner\x12\x14\n" +
 	"\x05group\x18\t \x01(\tR\x05group\x12\x1a\n" +
 	"\breplayed\x18\n" +
-	" \x01(\bR\breplayed\"y\n" +
+	" \x01(\bR\breplayed\"\x8d\x01\n" +
 	"\x0fReadFileRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x16\n" +
 	"\x06offset\x18\x03 \x01(\x03R\x06offset\x12\x1b\n" +
-	"\tmax_bytes\x18\x04 \x01(\x03R\bmaxBytes\"X\n" +
+	"\tmax_bytes\x18\x04 \x01(\x03R\bmaxBytes\x12\x12\n" +
+	"\x04user\x18\x05 \x01(\tR\x04user\"X\n" +
 	"\x10ReadFileResponse\x12'\n" +
 	"\x04info\x18\x01 \x01(\v2\x11.dsec.v1.FileInfoH\x00R\x04info\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\x05\n" +
@@ -5431,39 +5487,44 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x10WriteFileRequest\x122\n" +
 	"\x06header\x18\x01 \x01(\v2\x18.dsec.v1.WriteFileHeaderH\x00R\x06header\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\x05\n" +
-	"\x03msg\"@\n" +
+	"\x03msg\"T\n" +
 	"\vStatRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
-	"\x04path\x18\x02 \x01(\tR\x04path\"Y\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\"m\n" +
 	"\x0eListDirRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x14\n" +
-	"\x05depth\x18\x03 \x01(\x05R\x05depth\">\n" +
+	"\x05depth\x18\x03 \x01(\x05R\x05depth\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\">\n" +
 	"\x0fListDirResponse\x12+\n" +
 	"\aentries\x18\x01 \x03(\v2\x11.dsec.v1.FileInfoR\aentries\"W\n" +
 	"\x0eMakeDirRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
-	"\x04user\x18\x03 \x01(\tR\x04user\"`\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\"t\n" +
 	"\rRemoveRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1c\n" +
-	"\trecursive\x18\x03 \x01(\bR\trecursive\"\x10\n" +
-	"\x0eRemoveResponse\"R\n" +
+	"\trecursive\x18\x03 \x01(\bR\trecursive\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\"\x10\n" +
+	"\x0eRemoveResponse\"f\n" +
 	"\rRenameRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04from\x18\x02 \x01(\tR\x04from\x12\x0e\n" +
-	"\x02to\x18\x03 \x01(\tR\x02to\"b\n" +
+	"\x02to\x18\x03 \x01(\tR\x02to\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\"v\n" +
 	"\x0fWatchDirRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1c\n" +
-	"\trecursive\x18\x03 \x01(\bR\trecursive\"-\n" +
+	"\trecursive\x18\x03 \x01(\bR\trecursive\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\"-\n" +
 	"\aFsEvent\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
 	"\x02op\x18\x02 \x01(\tR\x02op\"\x9e\x01\n" +

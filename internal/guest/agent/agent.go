@@ -44,6 +44,8 @@ type Agent struct {
 	deadline *time.Timer
 	env      []string // added to the agent's own environment for processes
 	runner   *runner  // the function runner, if started
+
+	calls callSlots // function calls' storage (call.go)
 }
 
 // New returns an agent. Call Harden once, early, when running as a
@@ -160,34 +162,34 @@ func (a *Agent) serveConn(c net.Conn) {
 	case *guestv1.ClientMsg_Watch:
 		serveWatch(m.Watch, r, w)
 	case *guestv1.ClientMsg_Stat:
-		info, err := statPath(m.Stat.Path)
+		info, err := statPath(m.Stat)
 		if err != nil {
 			fail(err)
 			return
 		}
 		w.Write(infoMsg(info))
 	case *guestv1.ClientMsg_ListDir:
-		entries, err := listDir(m.ListDir.Path, m.ListDir.Depth)
+		entries, err := listDir(m.ListDir)
 		if err != nil {
 			fail(err)
 			return
 		}
 		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Entries{Entries: &guestv1.Entries{Entries: entries}}})
 	case *guestv1.ClientMsg_MakeDir:
-		info, err := makeDir(m.MakeDir.Path, m.MakeDir.User)
+		info, err := makeDir(m.MakeDir)
 		if err != nil {
 			fail(err)
 			return
 		}
 		w.Write(infoMsg(info))
 	case *guestv1.ClientMsg_Remove:
-		if err := remove(m.Remove.Path, m.Remove.Recursive); err != nil {
+		if err := remove(m.Remove); err != nil {
 			fail(err)
 			return
 		}
 		done()
 	case *guestv1.ClientMsg_Rename:
-		info, err := rename(m.Rename.From, m.Rename.To)
+		info, err := rename(m.Rename)
 		if err != nil {
 			fail(err)
 			return

@@ -22,15 +22,20 @@ import (
 )
 
 // Function calls. A runner (a warm interpreter the node provides) forks
-// call processes on request; the agent gives each call a fresh directory
-// and a uid of its own, feeds and drains the process's stdio, enforces the
-// wall timeout, and afterwards kills every process of the uid and removes
+// call processes on request; the agent gives each call storage and a uid
+// of its own, feeds and drains the process's stdio, enforces the wall
+// timeout, and afterwards kills every process of the uid and removes
 // everything it wrote. A uid cannot be shed without privileges (which call
 // processes do not have), so "every process of the uid" is every process
 // of the call, however it forked or daemonized.
+//
+// A call's storage and its /tmp, /var/tmp and /dev/shm are its uid's slot
+// (callslot.go): a tmpfs of its own, seen through a mount namespace of its
+// own, emptied after every call.
 
-// writableDirs are the only places outside its directory where a call can
-// write (the worker's root filesystem is read-only).
+// writableDirs are the only places outside its directory where a process of
+// the worker can write (the worker's root filesystem is read-only). Calls
+// see their own storage there instead; cleanup still checks them.
 var writableDirs = []string{"/tmp", "/var/tmp", "/dev/shm"}
 
 type runner struct {
@@ -185,29 +190,30 @@ func (a *Agent) runCall(c *guestv1.Call) *guestv1.CallResult {
 	if !filepath.IsAbs(dir) || dir == "/" {
 		return dirty("bad call directory")
 	}
+	uid := int(c.Uid)
+	slot, err := a.calls.get(dir, uid, c.DiskBytes)
+	if err != nil {
+		return dirty("call storage: " + err.Error())
+	}
 	defer func() {
-		if reason := a.cleanupCall(dir, int(c.Uid)); reason != "" {
+		if reason := a.cleanupCall(slot); reason != "" {
 			res.Dirty, res.DirtyReason = true, reason
 		}
 	}()
-	if err := os.Mkdir(dir, 0o700); err != nil {
-		return dirty("create call directory: " + err.Error())
-	}
-	uid := int(c.Uid)
-	os.Chown(dir, uid, uid)
+	work := slot.work()
 	for _, f := range c.Files {
-		p, err := inside(dir, f.Path)
+		p, err := inside(work, f.Path)
 		if err != nil {
 			res.Steps = append(res.Steps, &guestv1.Exit{ExitCode: 2, Error: err.Error()})
 			return res
 		}
-		if err := writeOwned(dir, p, f.Content, f.Mode, uid); err != nil {
+		if err := writeOwned(work, p, f.Content, f.Mode, uid); err != nil {
 			res.Steps = append(res.Steps, &guestv1.Exit{ExitCode: 2, Error: "write " + f.Path + ": " + err.Error()})
 			return res
 		}
 	}
 	for _, st := range c.Steps {
-		x := a.runStep(r, st, dir, uid, c.Env)
+		x := a.runStep(r, st, slot, c.Env)
 		res.Steps = append(res.Steps, x)
 		if x.Error != "" && strings.HasPrefix(x.Error, "runner:") {
 			return dirty(x.Error)
@@ -217,7 +223,7 @@ func (a *Agent) runCall(c *guestv1.Call) *guestv1.CallResult {
 		}
 	}
 	for _, name := range c.Fetch {
-		res.Fetched = append(res.Fetched, fetch(dir, name, c.MaxFetch))
+		res.Fetched = append(res.Fetched, fetch(work, uid, name, c.MaxFetch))
 	}
 	return res
 }
@@ -256,25 +262,39 @@ func writeOwned(dir, p string, content []byte, mode uint32, uid int) error {
 	return err
 }
 
-func fetch(dir, name string, max int64) *guestv1.CallFile {
-	out := &guestv1.CallFile{Path: name}
-	p, err := inside(dir, name)
-	if err != nil {
-		out.Missing = true
+// fetch reads the file name of the call's working directory work. The
+// call made what is there, links too: the file is opened as the call's uid
+// and resolved inside work (as if it were the root: ".." and absolute links
+// stay in it, /proc's links are refused), so a link cannot have the agent
+// read, as root, what the call could not (another call's files, the
+// agent's own).
+func fetch(work string, uid int, name string, max int64) *guestv1.CallFile {
+	out := &guestv1.CallFile{Path: name, Missing: true}
+	if _, err := inside(work, name); err != nil {
 		return out
 	}
-	// O_NOFOLLOW on every component is not available; the uid cannot write
-	// outside its directory and the tmp dirs, and a symlink the call made
-	// cannot give it more than it could read itself, but the agent reads as
-	// root: refuse symlinks.
-	st, err := os.Lstat(p)
-	if err != nil || !st.Mode().IsRegular() {
-		out.Missing = true
-		return out
-	}
-	f, err := os.OpenFile(p, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	var f *os.File
+	var mode uint32
+	id := identity{name: strconv.Itoa(uid), uid: uint32(uid), gid: uint32(uid), groups: []uint32{uint32(uid)}}
+	err := asUser(id, func() error {
+		dir, err := unix.Open(work, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(dir)
+		fd, err := openAt(dir, name, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY, 0)
+		if err != nil {
+			return err
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || ownProc(fd) {
+			unix.Close(fd)
+			return unix.EINVAL
+		}
+		f, mode = os.NewFile(uintptr(fd), name), st.Mode&0o777
+		return nil
+	})
 	if err != nil {
-		out.Missing = true
 		return out
 	}
 	defer f.Close()
@@ -285,11 +305,12 @@ func fetch(dir, name string, max int64) *guestv1.CallFile {
 	if int64(len(b)) > max {
 		b, out.Truncated = b[:max], true
 	}
-	out.Content, out.Mode = b, uint32(st.Mode().Perm())
+	out.Content, out.Mode, out.Missing = b, mode, false
 	return out
 }
 
-func (a *Agent) runStep(r *runner, st *guestv1.CallStep, dir string, uid int, env []string) *guestv1.Exit {
+func (a *Agent) runStep(r *runner, st *guestv1.CallStep, slot *callSlot, env []string) *guestv1.Exit {
+	uid := slot.uid
 	start := time.Now()
 	if len(st.Argv) == 0 {
 		return &guestv1.Exit{ExitCode: 2, Error: "empty command"}
@@ -313,8 +334,11 @@ func (a *Agent) runStep(r *runner, st *guestv1.CallStep, dir string, uid int, en
 	add("FSIZE", st.RlimitFsizeBytes)
 	add("NPROC", st.RlimitNproc)
 	add("NOFILE", st.RlimitNofile)
-	req := map[string]any{"argv": st.Argv, "python": st.Python, "cwd": dir, "uid": uid, "env": withCallEnv(env, dir), "rlimits": rl}
-	id, ch, err := r.spawn(req, []int{int(inR.Fd()), int(outW.Fd()), int(errW.Fd())})
+	work := slot.work()
+	// The fourth descriptor is the slot's mount namespace, which the call
+	// process enters before anything else.
+	req := map[string]any{"argv": st.Argv, "python": st.Python, "cwd": work, "uid": uid, "env": withCallEnv(env, work), "rlimits": rl, "mntns": true}
+	id, ch, err := r.spawn(req, []int{int(inR.Fd()), int(outW.Fd()), int(errW.Fd()), slot.nsfd})
 	inR.Close()
 	outW.Close()
 	errW.Close()
@@ -401,7 +425,7 @@ func (a *Agent) runStep(r *runner, st *guestv1.CallStep, dir string, uid int, en
 }
 
 func withCallEnv(env []string, dir string) []string {
-	base := []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=" + dir, "TMPDIR=" + dir, "LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1"}
+	base := []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=" + dir, "TMPDIR=/tmp", "LANG=C.UTF-8", "PYTHONDONTWRITEBYTECODE=1"}
 	return mergeEnv(base, env)
 }
 
@@ -510,12 +534,13 @@ func readHead(path string, buf []byte) ([]byte, error) {
 
 // cleanupCall kills the call's processes and removes what it wrote. It
 // returns why the worker cannot be trusted any more, or "".
-func (a *Agent) cleanupCall(dir string, uid int) string {
+func (a *Agent) cleanupCall(slot *callSlot) string {
+	uid := slot.uid
 	if !killUID(uid, 50) {
 		return fmt.Sprintf("processes of uid %d survive SIGKILL", uid)
 	}
-	if err := os.RemoveAll(dir); err != nil {
-		return "remove call directory: " + err.Error()
+	if err := slot.empty(); err != nil {
+		return "empty call storage: " + err.Error()
 	}
 	for _, d := range writableDirs {
 		ents, err := os.ReadDir(d)

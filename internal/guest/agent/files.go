@@ -8,7 +8,9 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	"github.com/opendsec/dsec/internal/guest"
@@ -17,9 +19,9 @@ import (
 // maxPath bounds paths from callers.
 const maxPath = 4096
 
-// cleanPath validates a path from the node. The agent's root is the
-// sandbox's root, so ".." and absolute symlinks cannot leave the sandbox;
-// the checks here only reject malformed input.
+// cleanPath validates a path from the node and cleans it. Resolving it is
+// openIn's work (inside the sandbox's root); the checks here only reject
+// malformed input.
 func cleanPath(p string) (string, error) {
 	if p == "" {
 		return "", invalid("empty path")
@@ -34,6 +36,15 @@ func cleanPath(p string) (string, error) {
 		return "", invalid("path %q is not absolute", p)
 	}
 	return filepath.Clean(p), nil
+}
+
+// fileUser resolves the user a file call acts as.
+func fileUser(spec string) (identity, error) {
+	id, err := resolveUser(spec)
+	if err != nil {
+		return identity{}, invalid("%v", err)
+	}
+	return id, nil
 }
 
 func infoMsg(i *guestv1.FileInfo) *guestv1.ServerMsg {
@@ -53,168 +64,327 @@ func (n names) lookup(file string, id uint32) string {
 	return v
 }
 
-func fileInfo(path string, st fs.FileInfo, n names) *guestv1.FileInfo {
+// fileInfo describes the entry name of directory dir, whose status is st,
+// as path. The target of a symlink is read, except for /proc's magic links
+// (whose targets are the agent's or another process's files).
+func fileInfo(path string, dir int, name string, st *unix.Stat_t, n names) *guestv1.FileInfo {
 	i := &guestv1.FileInfo{
 		Path:        path,
 		Name:        filepath.Base(path),
-		Size:        st.Size(),
-		Mode:        uint32(st.Mode().Perm()),
-		MtimeUnixMs: st.ModTime().UnixMilli(),
+		Size:        st.Size,
+		Mode:        st.Mode & 0o777,
+		MtimeUnixMs: time.Unix(st.Mtim.Unix()).UnixMilli(),
 	}
-	switch {
-	case st.Mode().IsRegular():
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
 		i.Type = "file"
-	case st.IsDir():
+	case unix.S_IFDIR:
 		i.Type = "dir"
-	case st.Mode()&fs.ModeSymlink != 0:
+	case unix.S_IFLNK:
 		i.Type = "symlink"
-		i.SymlinkTarget, _ = os.Readlink(path)
+		if !inProcBelowRoot(dir) {
+			i.SymlinkTarget, _ = readlinkAt(dir, name)
+		}
 	default:
 		i.Type = "other"
 	}
-	if sys, ok := st.Sys().(*syscall.Stat_t); ok {
-		if n == nil {
-			n = names{}
-		}
-		i.Owner = n.lookup("/etc/passwd", sys.Uid)
-		i.Group = n.lookup("/etc/group", sys.Gid)
+	if n == nil {
+		n = names{}
 	}
+	i.Owner = n.lookup("/etc/passwd", st.Uid)
+	i.Group = n.lookup("/etc/group", st.Gid)
 	return i
 }
 
-func statPath(p string) (*guestv1.FileInfo, error) {
-	p, err := cleanPath(p)
-	if err != nil {
-		return nil, err
+// statIn returns the info of p itself (a symlink is not followed). It runs
+// with the caller's credentials.
+func statIn(p string, n names) (*guestv1.FileInfo, error) {
+	var st unix.Stat_t
+	if p == "/" {
+		fd, err := openIn(p, unix.O_PATH|unix.O_DIRECTORY, 0)
+		if err != nil {
+			return nil, pathErr("stat", p, err)
+		}
+		defer unix.Close(fd)
+		if err := unix.Fstat(fd, &st); err != nil {
+			return nil, pathErr("stat", p, err)
+		}
+		return fileInfo(p, fd, "", &st, n), nil
 	}
-	st, err := os.Lstat(p)
+	dir, name, err := openParent(p)
 	if err != nil {
-		return nil, err
+		return nil, pathErr("stat", p, err)
 	}
-	return fileInfo(p, st, nil), nil
+	defer unix.Close(dir)
+	if err := unix.Fstatat(dir, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return nil, pathErr("stat", p, err)
+	}
+	return fileInfo(p, dir, name, &st, n), nil
 }
 
-func listDir(p string, depth int32) ([]*guestv1.FileInfo, error) {
-	p, err := cleanPath(p)
+func statPath(m *guestv1.Path) (*guestv1.FileInfo, error) {
+	p, err := cleanPath(m.Path)
 	if err != nil {
 		return nil, err
 	}
+	id, err := fileUser(m.User)
+	if err != nil {
+		return nil, err
+	}
+	var info *guestv1.FileInfo
+	err = asUser(id, func() (err error) {
+		info, err = statIn(p, nil)
+		return err
+	})
+	return info, err
+}
+
+// maxEntries bounds a listing.
+const maxEntries = 100000
+
+func listDir(m *guestv1.ListDir) ([]*guestv1.FileInfo, error) {
+	p, err := cleanPath(m.Path)
+	if err != nil {
+		return nil, err
+	}
+	id, err := fileUser(m.User)
+	if err != nil {
+		return nil, err
+	}
+	depth := m.Depth
 	if depth <= 0 {
 		depth = 1
 	}
-	st, err := os.Stat(p)
-	if err != nil {
-		return nil, err
-	}
-	if !st.IsDir() {
-		return nil, &codedError{guest.CodeNotDir, p + " is not a directory"}
-	}
 	var out []*guestv1.FileInfo
-	n := names{}
-	const maxEntries = 100000
-	var walk func(dir string, level int32) error
-	walk = func(dir string, level int32) error {
-		ents, err := os.ReadDir(dir)
-		if err != nil {
-			return err
+	err = asUser(id, func() error {
+		fd, err := openIn(p, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+		if errors.Is(err, unix.ENOTDIR) {
+			return &codedError{guest.CodeNotDir, p + " is not a directory"}
 		}
-		for _, e := range ents {
-			if len(out) >= maxEntries {
-				return invalid("directory listing exceeds %d entries; list a narrower path", maxEntries)
-			}
-			full := filepath.Join(dir, e.Name())
-			info, err := e.Info()
+		if err != nil {
+			return pathErr("open", p, err)
+		}
+		n := names{}
+		var walk func(dir int, path string, level int32) error
+		walk = func(dir int, path string, level int32) error {
+			f := os.NewFile(uintptr(dir), path)
+			defer f.Close()
+			ents, err := f.Readdirnames(-1)
 			if err != nil {
-				continue // removed meanwhile
+				return pathErr("list", path, underlying(err))
 			}
-			out = append(out, fileInfo(full, info, n))
-			if e.IsDir() && level < depth {
-				if err := walk(full, level+1); err != nil && !errors.Is(err, fs.ErrPermission) {
-					return err
+			for _, name := range ents {
+				if len(out) >= maxEntries {
+					return invalid("directory listing exceeds %d entries; list a narrower path", maxEntries)
+				}
+				var st unix.Stat_t
+				if unix.Fstatat(dir, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
+					continue // removed meanwhile
+				}
+				full := filepath.Join(path, name)
+				out = append(out, fileInfo(full, dir, name, &st, n))
+				if st.Mode&unix.S_IFMT == unix.S_IFDIR && level < depth {
+					sub, err := unix.Openat(dir, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+					if err != nil {
+						continue // not the user's to read, or replaced meanwhile
+					}
+					if err := walk(sub, full, level+1); err != nil && !errors.Is(err, fs.ErrPermission) {
+						return err
+					}
 				}
 			}
+			return nil
 		}
-		return nil
-	}
-	if err := walk(p, 1); err != nil {
+		return walk(fd, p, 1)
+	})
+	if err != nil {
 		return nil, err
 	}
 	return out, nil
 }
 
-func makeDir(p, user string) (*guestv1.FileInfo, error) {
-	p, err := cleanPath(p)
-	if err != nil {
-		return nil, err
+// underlying is the errno inside an os error.
+func underlying(err error) error {
+	var errno unix.Errno
+	if errors.As(err, &errno) {
+		return errno
 	}
-	if st, err := os.Stat(p); err == nil {
-		if !st.IsDir() {
-			return nil, &codedError{guest.CodeExists, p + " exists and is not a directory"}
-		}
-		return fileInfo(p, st, nil), nil
-	}
-	id, err := resolveUser(user)
-	if err != nil {
-		return nil, invalid("%v", err)
-	}
-	if err := mkdirAllOwned(p, id); err != nil {
-		return nil, err
-	}
-	return statPath(p)
+	return err
 }
 
-// mkdirAllOwned creates p and missing parents, owned by id.
-func mkdirAllOwned(p string, id identity) error {
-	if st, err := os.Stat(p); err == nil {
-		if st.IsDir() {
-			return nil
-		}
-		return &codedError{guest.CodeNotDir, p + " is not a directory"}
+func makeDir(m *guestv1.MakeDir) (*guestv1.FileInfo, error) {
+	p, err := cleanPath(m.Path)
+	if err != nil {
+		return nil, err
 	}
-	if parent := filepath.Dir(p); parent != p {
-		if err := mkdirAllOwned(parent, id); err != nil {
+	id, err := fileUser(m.User)
+	if err != nil {
+		return nil, err
+	}
+	var info *guestv1.FileInfo
+	err = asUser(id, func() error {
+		fd, err := mkdirAll(p)
+		if err != nil {
 			return err
 		}
-	}
-	if err := os.Mkdir(p, 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
+		unix.Close(fd)
+		info, err = statIn(p, nil)
 		return err
-	}
-	if id.uid != 0 || id.gid != 0 {
-		os.Lchown(p, int(id.uid), int(id.gid))
-	}
-	return nil
+	})
+	return info, err
 }
 
-func remove(p string, recursive bool) error {
-	p, err := cleanPath(p)
+// mkdirAll creates p and its missing parents (with the caller's
+// credentials, so they are the caller's) and returns p opened O_PATH. A
+// symlink to a directory counts as one, inside the root.
+func mkdirAll(p string) (int, error) {
+	fd, err := openIn(p, unix.O_PATH|unix.O_DIRECTORY, 0)
+	if err == nil {
+		return fd, nil
+	}
+	if errors.Is(err, unix.ENOTDIR) {
+		if _, serr := statIn(p, nil); serr == nil {
+			return -1, &codedError{guest.CodeExists, p + " exists and is not a directory"}
+		}
+	}
+	if !errors.Is(err, unix.ENOENT) || p == "/" {
+		return -1, pathErr("mkdir", p, err)
+	}
+	parent, err := mkdirAll(filepath.Dir(p))
+	if err != nil {
+		return -1, err
+	}
+	defer unix.Close(parent)
+	name := filepath.Base(p)
+	if err := unix.Mkdirat(parent, name, 0o755); err != nil && err != unix.EEXIST {
+		return -1, pathErr("mkdir", p, err)
+	}
+	fd, err = unix.Openat(parent, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		// Made meanwhile as something else (a symlink is resolved in the
+		// root; anything else is refused).
+		if fd, err = openIn(p, unix.O_PATH|unix.O_DIRECTORY, 0); err != nil {
+			return -1, pathErr("mkdir", p, err)
+		}
+	}
+	return fd, nil
+}
+
+func remove(m *guestv1.Remove) error {
+	p, err := cleanPath(m.Path)
 	if err != nil {
 		return err
 	}
 	if p == "/" {
 		return invalid("refusing to remove /")
 	}
-	if _, err := os.Lstat(p); err != nil {
+	id, err := fileUser(m.User)
+	if err != nil {
 		return err
 	}
-	if recursive {
-		return os.RemoveAll(p)
-	}
-	return os.Remove(p)
+	return asUser(id, func() error {
+		dir, name, err := openParent(p)
+		if err != nil {
+			return pathErr("remove", p, err)
+		}
+		defer unix.Close(dir)
+		var st unix.Stat_t
+		if err := unix.Fstatat(dir, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return pathErr("remove", p, err)
+		}
+		if m.Recursive {
+			return removeAll(dir, name, p)
+		}
+		err = unix.Unlinkat(dir, name, 0)
+		if err == unix.EISDIR || (err == unix.EPERM && st.Mode&unix.S_IFMT == unix.S_IFDIR) {
+			err = unix.Unlinkat(dir, name, unix.AT_REMOVEDIR)
+		}
+		if err != nil {
+			return pathErr("remove", p, err)
+		}
+		return nil
+	})
 }
 
-func rename(from, to string) (*guestv1.FileInfo, error) {
-	from, err := cleanPath(from)
+// removeAll removes name in dir and, if it is a directory, everything
+// below it, never following symlinks. path names it in errors.
+func removeAll(dir int, name, path string) error {
+	err := unix.Unlinkat(dir, name, 0)
+	if err == nil || err == unix.ENOENT {
+		return nil
+	}
+	if err != unix.EISDIR && err != unix.EPERM {
+		return pathErr("remove", path, err)
+	}
+	for round := 0; ; round++ {
+		sub, err := unix.Openat(dir, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err == unix.ENOENT {
+			return nil
+		}
+		if err != nil {
+			return pathErr("remove", path, err)
+		}
+		f := os.NewFile(uintptr(sub), path)
+		ents, rerr := f.Readdirnames(-1)
+		var first error
+		for _, e := range ents {
+			if err := removeAll(sub, e, filepath.Join(path, e)); err != nil && first == nil {
+				first = err
+			}
+		}
+		f.Close()
+		if rerr != nil {
+			return pathErr("remove", path, underlying(rerr))
+		}
+		if first != nil {
+			return first
+		}
+		err = unix.Unlinkat(dir, name, unix.AT_REMOVEDIR)
+		if err == nil || err == unix.ENOENT {
+			return nil
+		}
+		// Entries made meanwhile: go again, a few times.
+		if err != unix.ENOTEMPTY || round == 8 {
+			return pathErr("remove", path, err)
+		}
+	}
+}
+
+func rename(m *guestv1.Rename) (*guestv1.FileInfo, error) {
+	from, err := cleanPath(m.From)
 	if err != nil {
 		return nil, err
 	}
-	to, err = cleanPath(to)
+	to, err := cleanPath(m.To)
 	if err != nil {
 		return nil, err
 	}
-	if err := os.Rename(from, to); err != nil {
+	if from == "/" || to == "/" {
+		return nil, invalid("refusing to rename /")
+	}
+	id, err := fileUser(m.User)
+	if err != nil {
 		return nil, err
 	}
-	return statPath(to)
+	var info *guestv1.FileInfo
+	err = asUser(id, func() error {
+		fromDir, fromName, err := openParent(from)
+		if err != nil {
+			return pathErr("rename", from, err)
+		}
+		defer unix.Close(fromDir)
+		toDir, toName, err := openParent(to)
+		if err != nil {
+			return pathErr("rename", to, err)
+		}
+		defer unix.Close(toDir)
+		if err := unix.Renameat(fromDir, fromName, toDir, toName); err != nil {
+			return pathErr("rename", from, err)
+		}
+		info, err = statIn(to, nil)
+		return err
+	})
+	return info, err
 }
 
 func serveRead(rf *guestv1.ReadFile, w *guest.Writer) {
@@ -224,34 +394,54 @@ func serveRead(rf *guestv1.ReadFile, w *guest.Writer) {
 		fail(err)
 		return
 	}
-	// O_NONBLOCK: opening a FIFO would otherwise wait for a writer,
-	// forever, holding one of the agent's threads.
-	f, err := os.OpenFile(p, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+	id, err := fileUser(rf.User)
+	if err != nil {
+		fail(err)
+		return
+	}
+	// Opened as the user; reading an open file checks nothing more, so the
+	// rest runs with the agent's credentials.
+	var f *os.File
+	var info *guestv1.FileInfo
+	err = asUser(id, func() error {
+		// O_NONBLOCK: opening a FIFO would otherwise wait for a writer,
+		// forever, holding one of the agent's threads.
+		fd, err := openIn(p, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY, 0)
+		if err != nil {
+			return pathErr("open", p, err)
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			unix.Close(fd)
+			return pathErr("open", p, err)
+		}
+		switch {
+		case st.Mode&unix.S_IFMT == unix.S_IFDIR:
+			unix.Close(fd)
+			return &codedError{guest.CodeIsDir, p + " is a directory"}
+		case st.Mode&unix.S_IFMT != unix.S_IFREG:
+			unix.Close(fd)
+			return invalid("%s is not a regular file", p)
+		case ownProc(fd):
+			unix.Close(fd)
+			return errOwnProc("open", p)
+		}
+		f = os.NewFile(uintptr(fd), p)
+		info = fileInfo(p, -1, "", &st, nil)
+		return nil
+	})
 	if err != nil {
 		fail(err)
 		return
 	}
 	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		fail(err)
-		return
-	}
-	if st.IsDir() {
-		fail(&codedError{guest.CodeIsDir, p + " is a directory"})
-		return
-	}
-	if !st.Mode().IsRegular() {
-		fail(invalid("%s is not a regular file", p))
-		return
-	}
 	if rf.Offset > 0 {
 		if _, err := f.Seek(rf.Offset, io.SeekStart); err != nil {
 			fail(err)
 			return
 		}
 	}
-	if err := w.Write(infoMsg(fileInfo(p, st, nil))); err != nil {
+	if err := w.Write(infoMsg(info)); err != nil {
 		return
 	}
 	var r io.Reader = f
@@ -284,48 +474,67 @@ func serveWrite(wf *guestv1.WriteFile, r *guest.Reader, w *guest.Writer) {
 		fail(err)
 		return
 	}
-	id, err := resolveUser(wf.User)
-	if err != nil {
-		fail(invalid("%v", err))
+	if p == "/" {
+		fail(&codedError{guest.CodeIsDir, "/ is a directory"})
 		return
 	}
-	if wf.Mkdirs {
-		if err := mkdirAllOwned(filepath.Dir(p), id); err != nil {
-			fail(err)
-			return
-		}
-	}
-	mode := fs.FileMode(wf.Mode & 0o7777)
-	if mode == 0 {
-		mode = 0o644
-	}
-	flags := os.O_WRONLY | os.O_CREATE
-	if wf.Append {
-		flags |= os.O_APPEND
-	} else {
-		flags |= os.O_TRUNC
-	}
-	_, statErr := os.Lstat(p)
-	created := errors.Is(statErr, fs.ErrNotExist)
-	// O_NONBLOCK, then only regular files: a FIFO would block the open.
-	f, err := os.OpenFile(p, flags|syscall.O_NONBLOCK, mode)
-	if errors.Is(err, syscall.ENXIO) {
-		err = invalid("%s is not a regular file", p)
-	}
+	id, err := fileUser(wf.User)
 	if err != nil {
 		fail(err)
 		return
 	}
-	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
-		f.Close()
-		fail(invalid("%s is not a regular file", p))
-		return
+	mode := uint32(wf.Mode & 0o7777)
+	if mode == 0 {
+		mode = 0o644
 	}
-	if created {
-		f.Chmod(mode) // not subject to umask
-		if id.uid != 0 || id.gid != 0 {
-			f.Chown(int(id.uid), int(id.gid))
+	flags := unix.O_WRONLY | unix.O_CREAT | unix.O_NONBLOCK | unix.O_NOCTTY
+	if wf.Append {
+		flags |= unix.O_APPEND
+	} else {
+		flags |= unix.O_TRUNC
+	}
+	// Created, opened and given its mode as the user (so the file is the
+	// user's); the data is written through the open file afterwards.
+	var f *os.File
+	err = asUser(id, func() error {
+		if wf.Mkdirs {
+			fd, err := mkdirAll(filepath.Dir(p))
+			if err != nil {
+				return err
+			}
+			unix.Close(fd)
 		}
+		created := true
+		fd, err := openIn(p, flags|unix.O_EXCL, mode)
+		if err == unix.EEXIST {
+			created = false
+			fd, err = openIn(p, flags, mode)
+		}
+		// O_NONBLOCK, then only regular files: a FIFO would block the open.
+		if err == unix.ENXIO {
+			return invalid("%s is not a regular file", p)
+		}
+		if err != nil {
+			return pathErr("open", p, err)
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
+			unix.Close(fd)
+			return invalid("%s is not a regular file", p)
+		}
+		if ownProc(fd) {
+			unix.Close(fd)
+			return errOwnProc("open", p)
+		}
+		if created {
+			unix.Fchmod(fd, mode) // not subject to umask
+		}
+		f = os.NewFile(uintptr(fd), p)
+		return nil
+	})
+	if err != nil {
+		fail(err)
+		return
 	}
 	var werr error
 	for {
@@ -355,7 +564,7 @@ func serveWrite(wf *guestv1.WriteFile, r *guest.Reader, w *guest.Writer) {
 		fail(werr)
 		return
 	}
-	info, err := statPath(p)
+	info, err := statPath(&guestv1.Path{Path: p, User: wf.User})
 	if err != nil {
 		fail(err)
 		return

@@ -6,6 +6,8 @@ import (
 	"os"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // identity is a resolved user: the credentials a process runs with.
@@ -106,11 +108,17 @@ func supplementaryGroups(user string, primary uint32) []uint32 {
 // scanColon calls fn for each line of a colon-separated file with at least
 // n fields, until fn returns false.
 func scanColon(path string, n int, fn func([]string) bool) {
-	f, err := os.Open(path)
+	// Resolved like the paths of file calls: the sandbox's user may have
+	// made it a link.
+	fd, err := openIn(path, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_NOCTTY, 0)
 	if err != nil {
 		return
 	}
+	f := os.NewFile(uintptr(fd), path)
 	defer f.Close()
+	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
+		return
+	}
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
 		line := sc.Text()

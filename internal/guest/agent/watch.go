@@ -2,9 +2,9 @@ package agent
 
 import (
 	"errors"
-	"io/fs"
 	"os"
 	"path/filepath"
+	"strconv"
 	"syscall"
 	"unsafe"
 
@@ -25,10 +25,14 @@ const watchMask = unix.IN_CREATE | unix.IN_MOVED_TO | unix.IN_MODIFY | unix.IN_D
 	unix.IN_MOVED_FROM | unix.IN_ATTRIB | unix.IN_DELETE_SELF | unix.IN_MOVE_SELF | unix.IN_ONLYDIR
 
 // watcher is one watch call: an inotify instance over a directory tree.
+// Directories are found as the call's user (inside the sandbox's root) and
+// watched through their open descriptors, so the user's permissions apply
+// and no link leads outside.
 type watcher struct {
 	f         *os.File
 	fd        int
 	root      string
+	id        identity
 	recursive bool
 	dirs      map[int]string // watch descriptor → directory relative to root
 }
@@ -42,13 +46,9 @@ func serveWatch(m *guestv1.Watch, r *guest.Reader, w *guest.Writer) {
 		fail(err)
 		return
 	}
-	st, err := os.Stat(root)
+	id, err := fileUser(m.User)
 	if err != nil {
 		fail(err)
-		return
-	}
-	if !st.IsDir() {
-		fail(&codedError{guest.CodeNotDir, root + " is not a directory"})
 		return
 	}
 	// Non-blocking, so the file joins Go's poller and Close ends a Read.
@@ -57,17 +57,36 @@ func serveWatch(m *guestv1.Watch, r *guest.Reader, w *guest.Writer) {
 		fail(inotifyLimit(err))
 		return
 	}
-	wt := &watcher{f: os.NewFile(uintptr(fd), "inotify"), fd: fd, root: root, recursive: m.Recursive, dirs: map[int]string{}}
+	wt := &watcher{f: os.NewFile(uintptr(fd), "inotify"), fd: fd, root: root, id: id, recursive: m.Recursive, dirs: map[int]string{}}
 	defer wt.f.Close()
-	if err := wt.add(""); err != nil {
+	err = asUser(id, func() error {
+		dir, err := openIn(root, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+		if errors.Is(err, unix.ENOTDIR) {
+			return &codedError{guest.CodeNotDir, root + " is not a directory"}
+		}
+		if err != nil {
+			return pathErr("watch", root, err)
+		}
+		defer unix.Close(dir)
+		if err := wt.addFD(dir, ""); err != nil {
+			return err
+		}
+		if !m.Recursive {
+			return nil
+		}
+		return below(dir, "", func(rel string, sub int) error {
+			if sub < 0 {
+				return errSkip
+			}
+			if err := wt.addFD(sub, rel); err != nil {
+				return err
+			}
+			return nil
+		})
+	})
+	if err != nil {
 		fail(err)
 		return
-	}
-	if m.Recursive {
-		if err := wt.addTree(""); err != nil {
-			fail(err)
-			return
-		}
 	}
 	if err := w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Done{Done: &guestv1.Done{}}}); err != nil {
 		return
@@ -142,9 +161,10 @@ func (wt *watcher) event(ev *unix.InotifyEvent, name string) (out []*guestv1.FsE
 			// A new (or moved-in) directory: watch it and what it already
 			// holds. Entries made before its watch existed are reported as
 			// creations, so nothing is silently missed.
-			if wt.add(rel) == nil {
+			asUser(wt.id, func() error {
 				out = append(out, wt.existing(rel)...)
-			}
+				return nil
+			})
 		}
 	case mask&unix.IN_DELETE != 0:
 		add("remove")
@@ -158,15 +178,21 @@ func (wt *watcher) event(ev *unix.InotifyEvent, name string) (out []*guestv1.FsE
 	return out, false
 }
 
-// add watches the directory rel (relative to the root).
-func (wt *watcher) add(rel string) error {
+// addFD watches the open directory fd, rel below the root. inotify takes a
+// path: the descriptor's /proc link, which names exactly the directory
+// already resolved (a process may follow its own /proc/self/fd links
+// whatever its credentials).
+func (wt *watcher) addFD(fd int, rel string) error {
 	if len(wt.dirs) >= maxWatchDirs {
 		return &codedError{guest.CodeInvalid, "the watched tree has more than 8192 directories; watch a narrower path"}
 	}
-	wd, err := unix.InotifyAddWatch(wt.fd, filepath.Join(wt.root, rel), watchMask)
+	wd, err := unix.InotifyAddWatch(wt.fd, "/proc/self/fd/"+strconv.Itoa(fd), watchMask)
 	if err != nil {
 		if errors.Is(err, syscall.ENOTDIR) || errors.Is(err, syscall.ENOENT) {
 			return err // raced with a removal or replaced by a file
+		}
+		if errors.Is(err, syscall.EACCES) {
+			return pathErr("watch", filepath.Join(wt.root, rel), err)
 		}
 		return inotifyLimit(err)
 	}
@@ -174,46 +200,59 @@ func (wt *watcher) add(rel string) error {
 	return nil
 }
 
-// addTree watches every directory below rel.
-func (wt *watcher) addTree(rel string) error {
-	return filepath.WalkDir(filepath.Join(wt.root, rel), func(p string, d fs.DirEntry, err error) error {
+// errSkip tells below not to descend into a directory.
+var errSkip = errors.New("skip")
+
+// below calls visit for every entry below the open directory dir (rel is
+// its path relative to the watched root), depth first, never following
+// symlinks. sub is the entry opened as a directory, or -1 for other
+// entries and directories the caller may not read; visit returning errSkip
+// skips a directory's contents, any other error ends the walk.
+func below(dir int, rel string, visit func(rel string, sub int) error) error {
+	d, err := unix.Dup(dir)
+	if err != nil {
+		return err
+	}
+	f := os.NewFile(uintptr(d), rel)
+	names, _ := f.Readdirnames(-1)
+	f.Close()
+	for _, name := range names {
+		r := filepath.Join(rel, name)
+		sub, err := unix.Openat(dir, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 		if err != nil {
-			if errors.Is(err, fs.ErrPermission) || errors.Is(err, fs.ErrNotExist) {
-				return nil
-			}
+			sub = -1
+		}
+		err = visit(r, sub)
+		if err == nil && sub >= 0 {
+			err = below(sub, r, visit)
+		}
+		if sub >= 0 {
+			unix.Close(sub)
+		}
+		if err != nil && err != errSkip {
 			return err
 		}
-		if !d.IsDir() {
-			return nil
-		}
-		r, _ := filepath.Rel(wt.root, p)
-		if r == "." || r == rel {
-			return nil
-		}
-		if err := wt.add(r); err != nil && !errors.Is(err, syscall.ENOENT) && !errors.Is(err, syscall.ENOTDIR) {
-			return err
-		}
-		return nil
-	})
+	}
+	return nil
 }
 
 // existing lists what a directory that just appeared already holds, as
-// creations, and watches its subdirectories.
+// creations, and watches it and its subdirectories. It runs as the
+// watch's user.
 func (wt *watcher) existing(rel string) []*guestv1.FsEvent {
+	dir, err := openIn(filepath.Join(wt.root, rel), unix.O_RDONLY|unix.O_DIRECTORY, 0)
+	if err != nil {
+		return nil // gone again, or replaced by a file
+	}
+	defer unix.Close(dir)
+	if wt.addFD(dir, rel) != nil {
+		return nil
+	}
 	var out []*guestv1.FsEvent
-	filepath.WalkDir(filepath.Join(wt.root, rel), func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return nil
-		}
-		r, _ := filepath.Rel(wt.root, p)
-		if r == rel {
-			return nil
-		}
+	below(dir, rel, func(r string, sub int) error {
 		out = append(out, &guestv1.FsEvent{Name: r, Op: "create"})
-		if d.IsDir() {
-			if wt.add(r) != nil {
-				return filepath.SkipDir
-			}
+		if sub >= 0 && wt.addFD(sub, r) != nil {
+			return errSkip
 		}
 		return nil
 	})

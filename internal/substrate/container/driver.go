@@ -70,7 +70,9 @@ type Driver struct {
 	guestBin string
 	cgroups  cgroups
 	seccomp  *seccompCache
-	caps     substrate.Capabilities
+	// seccompMounts is the profile of instances with MountNamespaces.
+	seccompMounts *seccompCache
+	caps          substrate.Capabilities
 	// nofile is the open-file limit sandboxes get: 2^20, or the node's own
 	// hard limit when it may not raise it.
 	nofile uint64
@@ -115,11 +117,14 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 		log.Warn("container substrate unavailable", slog.String("reason", reason))
 		return d, nil
 	}
-	sc, err := newSeccompCache(cfg.StateDir, d.rtName+" "+d.rtVer)
+	sc, err := newSeccompCache(cfg.StateDir, d.rtName+" "+d.rtVer, defaultSeccomp)
 	if err != nil {
 		return nil, fmt.Errorf("seccomp profile: %w", err)
 	}
 	d.seccomp = sc
+	if d.seccompMounts, err = newSeccompCache(cfg.StateDir, d.rtName+" "+d.rtVer, mountsSeccomp); err != nil {
+		return nil, fmt.Errorf("seccomp profile: %w", err)
+	}
 	d.caps.Available = true
 	d.caps.Details["runtime"] = d.rtName + " " + d.rtVer
 	log.Info("container substrate ready", slog.String("runtime", d.rtName+" "+d.rtVer), slog.String("cgroup", d.cgroups.mode.String()))
@@ -392,8 +397,8 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		RuntimePid: cmd.Process.Pid, RuntimeStartTime: procStartTime(cmd.Process.Pid),
 		Cgroup: d.cgroupPath(s.ID), Socket: sock, Rootfs: rootfs,
 	}
-	if d.rtName == "crun" && d.seccomp.bpf() == "" {
-		d.seccomp.learn(filepath.Join(d.runRoot, s.ID))
+	if sc := d.seccompFor(s); d.rtName == "crun" && sc.bpf() == "" {
+		sc.learn(filepath.Join(d.runRoot, s.ID))
 	}
 	inst := d.newInstance(s.ID, st)
 	inst.runtimeDone = runtimeDone

@@ -26,8 +26,8 @@ type seccompCache struct {
 	data string // base64 BPF, "" until learned
 }
 
-func newSeccompCache(stateDir, runtimeVersion string) (*seccompCache, error) {
-	p, err := defaultSeccomp()
+func newSeccompCache(stateDir, runtimeVersion string, profile func() (*specs.LinuxSeccomp, error)) (*seccompCache, error) {
+	p, err := profile()
 	if err != nil {
 		return nil, err
 	}

@@ -8,6 +8,7 @@ import (
 
 	"github.com/moby/profiles/seccomp"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/substrate"
 )
@@ -38,6 +39,9 @@ var readonlyPaths = []string{
 // ociSpec builds the runtime spec for a sandbox whose init is the agent.
 func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, error) {
 	caps := append([]string(nil), defaultCaps...)
+	if s.MountNamespaces {
+		caps = append(caps, "CAP_SYS_ADMIN")
+	}
 	env := s.Env
 	if !hasVar(env, "PATH") {
 		env = append([]string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, env...)
@@ -97,14 +101,23 @@ func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, er
 	if d.cgroups.mode == cgroupV2 {
 		spec.Linux.Namespaces = append(spec.Linux.Namespaces, specs.LinuxNamespace{Type: specs.CgroupNamespace})
 	}
-	if bpf := d.seccomp.bpf(); bpf != "" {
+	sc := d.seccompFor(s)
+	if bpf := sc.bpf(); bpf != "" {
 		// crun loads this precompiled filter instead of compiling the
 		// profile, which costs ~25 ms of CPU per sandbox.
 		spec.Annotations = map[string]string{"run.oci.seccomp_bpf_data": bpf}
 	} else {
-		spec.Linux.Seccomp = d.seccomp.profile
+		spec.Linux.Seccomp = sc.profile
 	}
 	return spec, nil
+}
+
+// seccompFor is the profile of s's sandbox.
+func (d *Driver) seccompFor(s *substrate.Spec) *seccompCache {
+	if s.MountNamespaces {
+		return d.seccompMounts
+	}
+	return d.seccomp
 }
 
 // defaultSeccomp is Docker's default profile for the default capabilities.
@@ -112,6 +125,26 @@ func defaultSeccomp() (*specs.LinuxSeccomp, error) {
 	return seccomp.GetDefaultProfile(&specs.Spec{Process: &specs.Process{Capabilities: &specs.LinuxCapabilities{
 		Bounding: defaultCaps, Effective: defaultCaps, Permitted: defaultCaps,
 	}}})
+}
+
+// mountsSeccomp is the default profile (of the default capabilities, not of
+// CAP_SYS_ADMIN, which would also open user namespaces, bpf and more) plus
+// what MountNamespaces needs: unshare and setns of a mount namespace alone,
+// mount and umount2. Each still needs CAP_SYS_ADMIN, which only the
+// sandbox's root processes hold.
+func mountsSeccomp() (*specs.LinuxSeccomp, error) {
+	p, err := defaultSeccomp()
+	if err != nil {
+		return nil, err
+	}
+	p.Syscalls = append(p.Syscalls,
+		specs.LinuxSyscall{Names: []string{"mount", "umount2"}, Action: specs.ActAllow},
+		specs.LinuxSyscall{Names: []string{"unshare"}, Action: specs.ActAllow,
+			Args: []specs.LinuxSeccompArg{{Index: 0, Value: unix.CLONE_NEWNS, Op: specs.OpEqualTo}}},
+		specs.LinuxSyscall{Names: []string{"setns"}, Action: specs.ActAllow,
+			Args: []specs.LinuxSeccompArg{{Index: 1, Value: unix.CLONE_NEWNS, Op: specs.OpEqualTo}}},
+	)
+	return p, nil
 }
 
 func (d *Driver) resources(s *substrate.Spec) *specs.LinuxResources {

@@ -2,10 +2,12 @@
 // this program on these inputs") dispatched to warm pools of worker
 // containers, per image. Each worker runs the runner (runner.py), a warm
 // Python interpreter with common modules imported that forks call
-// processes; each call gets a fresh directory and a uid of its own, per
-// call CPU, wall, memory, process, file-size and output limits, and is
-// wiped afterwards (every process of its uid killed, its files removed). A
-// worker that cannot be wiped with certainty is destroyed and replaced.
+// processes; each call gets storage of its own (a size-limited tmpfs
+// holding its directory and, in a mount namespace per step, its /tmp,
+// /var/tmp and /dev/shm), a uid of its own, per call CPU, wall, memory,
+// process, file-size and output limits, and is wiped afterwards (every
+// process of its uid killed, its storage emptied and unmounted). A worker
+// that cannot be wiped with certainty is destroyed and replaced.
 //
 // The workers are containers made by the container driver, which this
 // driver receives as a substrate.Driver.
@@ -69,6 +71,10 @@ type Config struct {
 	GrowAfter time.Duration
 	// GPUs is how many GPUs the node has for function calls (default 0).
 	GPUs int
+	// CallDiskMB bounds one call's storage: its directory, /tmp, /var/tmp
+	// and /dev/shm together (default 512). It is memory of the worker's
+	// (tmpfs), counted against WorkerMemoryMB while used.
+	CallDiskMB int64
 }
 
 // Driver runs function calls.
@@ -82,7 +88,6 @@ type Driver struct {
 	mu    sync.Mutex
 	pools map[string]*pool // by image
 	stop  chan struct{}
-	seq   atomic.Int64
 }
 
 var _ substrate.Driver = (*Driver)(nil)
@@ -117,11 +122,14 @@ func New(cfg Config, ct substrate.Driver, images *image.Store, log *slog.Logger,
 	if cfg.GrowAfter == 0 {
 		cfg.GrowAfter = 500 * time.Millisecond
 	}
+	if cfg.CallDiskMB == 0 {
+		cfg.CallDiskMB = 512
+	}
 	d := &Driver{cfg: cfg, log: log, ct: ct, images: images, pools: map[string]*pool{}, stop: make(chan struct{})}
 	cc := ct.Capabilities()
 	d.caps = substrate.Capabilities{Kind: substrate.KindFunction, Available: cc.Available, Reason: cc.Reason,
 		Caps:    []substrate.Capability{substrate.CapExec},
-		Details: map[string]string{"image": cfg.Image, "slots_per_worker": fmt.Sprint(cfg.Slots), "isolation": "per-call directory and uid, rlimits, worker container"}}
+		Details: map[string]string{"image": cfg.Image, "slots_per_worker": fmt.Sprint(cfg.Slots), "isolation": "per-call storage (tmpfs; private /tmp, /var/tmp, /dev/shm) and uid, rlimits, worker container"}}
 	if cfg.GPUs > 0 {
 		d.caps.Caps = append(d.caps.Caps, substrate.CapGPU)
 	}
@@ -492,11 +500,15 @@ func (d *Driver) startWorker(img string) (_ *worker, err error) {
 		ID: id, Dir: dir, Layers: d.images.LowerDirs(rec), Env: rec.Config.Env, Hostname: "function",
 		CPU: d.cfg.WorkerCPU, MemoryMB: d.cfg.WorkerMemoryMB, Pids: int64(64*d.cfg.Slots + 256),
 		Network: substrate.Network{Mode: "none"}, ReadOnlyRootfs: true,
+		// Calls see their own storage over /tmp and /var/tmp (and /dev/shm),
+		// mounted in /run/dsec-fn/calls: these hold only the runner and
+		// mountpoints.
 		Tmpfs: []substrate.Tmpfs{
-			{Path: "/tmp", Options: "mode=1777,size=1g"},
-			{Path: "/var/tmp", Options: "mode=1777,size=256m"},
-			{Path: "/run/dsec-fn", Options: "mode=0711,size=1g"},
+			{Path: "/tmp", Options: "mode=1777,size=16m"},
+			{Path: "/var/tmp", Options: "mode=1777,size=16m"},
+			{Path: "/run/dsec-fn", Options: "mode=0711,size=16m"},
 		},
+		MountNamespaces: true,
 	})
 	if err != nil {
 		os.RemoveAll(dir)
@@ -539,8 +551,29 @@ func (d *Driver) prepareWorker(ctx context.Context, w *worker) error {
 	if _, err := g.WriteFile(ctx, &guestv1.WriteFile{Path: runnerDir + "/runner.py", Mode: 0o600}, strings.NewReader(string(runnerScript))); err != nil {
 		return err
 	}
-	return g.StartRunner(ctx, []string{"python3", "-I", runnerDir + "/runner.py"}, []string{"PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"})
+	if err := g.StartRunner(ctx, []string{"python3", "-I", runnerDir + "/runner.py"}, []string{"PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"}); err != nil {
+		return err
+	}
+	// One call end to end (storage, namespace, uid, cleanup), so a worker
+	// that cannot run calls fails here, not under every call.
+	out, err := g.Call(ctx, &guestv1.Call{Dir: slotDir(0), Uid: uidBase, DiskBytes: d.cfg.CallDiskMB << 20,
+		Steps: []*guestv1.CallStep{{Argv: []string{"true"}, TimeoutMs: 30000}}})
+	if err != nil {
+		return err
+	}
+	if out.Dirty || len(out.Steps) != 1 || out.Steps[0].ExitCode != 0 {
+		reason := out.DirtyReason
+		if reason == "" && len(out.Steps) > 0 {
+			reason = out.Steps[0].Error + string(out.Steps[0].Stderr)
+		}
+		return errdefs.Unavailable("function worker cannot run calls: %s", reason)
+	}
+	return nil
 }
+
+// slotDir is where the calls of a slot keep their storage (the agent
+// mounts it on the slot's first call and empties it after each).
+func slotDir(slot int) string { return fmt.Sprintf("%s/s%d", callsDir, slot) }
 
 func (d *Driver) destroyWorker(w *worker) {
 	w.inst.Destroy(context.Background())

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"io"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -133,7 +132,7 @@ func (g *callGuest) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, er
 		return nil, err
 	}
 	st := &guestv1.CallStep{Argv: x.Argv, Stdin: x.StdinData, TimeoutMs: x.TimeoutMs, MaxOutput: x.MaxOutput, RlimitNproc: 256, RlimitNofile: 4096}
-	call := &guestv1.Call{Dir: callsDir + "/x" + itoa(d.seq.Add(1)), Uid: uint32(uidBase + slot), Steps: []*guestv1.CallStep{st}, Env: append(append([]string(nil), g.i.env...), x.Env...)}
+	call := &guestv1.Call{Dir: slotDir(slot), Uid: uint32(uidBase + slot), DiskBytes: d.cfg.CallDiskMB << 20, Steps: []*guestv1.CallStep{st}, Env: append(append([]string(nil), g.i.env...), x.Env...)}
 	cctx, cancel := context.WithTimeout(ctx, time.Duration(x.TimeoutMs)*time.Millisecond+30*time.Second)
 	defer cancel()
 	out, err := w.inst.Guest().Call(cctx, call)
@@ -148,8 +147,6 @@ func (g *callGuest) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, er
 	return out.Steps[0], nil
 }
 
-func itoa(n int64) string { return strconv.FormatInt(n, 10) }
-
 func (g *callGuest) Start(context.Context, *guestv1.Exec) (*guest.Process, error) {
 	return nil, errdefs.Unimplemented("function sandboxes run commands to completion only (use Exec)")
 }
@@ -160,26 +157,26 @@ func (g *callGuest) InputProcess(context.Context, string, []byte, bool) error   
 func (g *callGuest) SignalProcess(context.Context, string, syscall.Signal) error { return errStateless }
 func (g *callGuest) ResizeProcess(context.Context, string, uint32, uint32) error { return errStateless }
 func (g *callGuest) ListProcs(context.Context) ([]*guestv1.Proc, error)          { return nil, nil }
-func (g *callGuest) ReadFile(context.Context, string, int64, int64) (*guest.FileReader, error) {
+func (g *callGuest) ReadFile(context.Context, *guestv1.ReadFile) (*guest.FileReader, error) {
 	return nil, errStateless
 }
 func (g *callGuest) WriteFile(context.Context, *guestv1.WriteFile, io.Reader) (*guestv1.FileInfo, error) {
 	return nil, errStateless
 }
-func (g *callGuest) Stat(context.Context, string) (*guestv1.FileInfo, error) {
+func (g *callGuest) Stat(context.Context, *guestv1.Path) (*guestv1.FileInfo, error) {
 	return nil, errStateless
 }
-func (g *callGuest) ListDir(context.Context, string, int32) ([]*guestv1.FileInfo, error) {
+func (g *callGuest) ListDir(context.Context, *guestv1.ListDir) ([]*guestv1.FileInfo, error) {
 	return nil, errStateless
 }
-func (g *callGuest) MakeDir(context.Context, string, string) (*guestv1.FileInfo, error) {
+func (g *callGuest) MakeDir(context.Context, *guestv1.MakeDir) (*guestv1.FileInfo, error) {
 	return nil, errStateless
 }
-func (g *callGuest) Remove(context.Context, string, bool) error { return errStateless }
-func (g *callGuest) Rename(context.Context, string, string) (*guestv1.FileInfo, error) {
+func (g *callGuest) Remove(context.Context, *guestv1.Remove) error { return errStateless }
+func (g *callGuest) Rename(context.Context, *guestv1.Rename) (*guestv1.FileInfo, error) {
 	return nil, errStateless
 }
-func (g *callGuest) Watch(context.Context, string, bool) (*guest.Watch, error) {
+func (g *callGuest) Watch(context.Context, *guestv1.Watch) (*guest.Watch, error) {
 	return nil, errStateless
 }
 func (g *callGuest) Sync(context.Context) error                            { return nil }

@@ -271,7 +271,7 @@ func (d *Driver) runOn(ctx context.Context, p *pool, lang *language, req *dsecv1
 		return nil, err
 	}
 	call := &guestv1.Call{
-		Dir: fmt.Sprintf("%s/c%d", callsDir, d.seq.Add(1)), Uid: uint32(uidBase + slot),
+		Dir: slotDir(slot), Uid: uint32(uidBase + slot), DiskBytes: d.cfg.CallDiskMB << 20,
 		Files: plan.Files, Steps: plan.Steps, Fetch: plan.Fetch, MaxFetch: plan.MaxFetch,
 	}
 	var budget time.Duration

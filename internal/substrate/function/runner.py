@@ -2,14 +2,19 @@
 
 The dsec agent starts it with fd 3 a unix socket. Each request is one JSON
 line with the call process's stdin, stdout and stderr attached as file
-descriptors. The runner forks; the child sets its limits, drops to the
-call's uid and either runs a Python script in this already initialised
-interpreter (modules pre-imported, nothing to start) or execs a program.
-The runner answers {"id", "pid"} at once and {"id", "status", ...} when
-the child exits. It never prints: its stdout is not the calls'.
+descriptors, and with "mntns" a fourth: the mount namespace of the call's
+slot (where the call's own directories are bound over /tmp, /var/tmp and
+/dev/shm). The runner forks; the child enters that namespace, sets its
+limits, drops to the call's uid and either runs a Python script in this
+already initialised interpreter (modules pre-imported, nothing to start) or
+execs a program. The runner answers {"id", "pid"} once the child is in the
+namespace ({"id", "error": "runner: ..."} if it cannot be) and {"id",
+"status", ...} when the child exits. It never prints: its stdout is not the
+calls'.
 """
 
 import builtins
+import ctypes
 import io
 import json
 import os
@@ -39,9 +44,17 @@ import random  # noqa: E402
 gc.collect()
 gc.freeze()
 
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS = 0x00020000
+
+
+def enter_mount_namespace(fd):
+    if libc.setns(fd, CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "setns(CLONE_NEWNS): " + os.strerror(ctypes.get_errno()))
+
+
 sock = socket.socket(fileno=3)
 sel = selectors.DefaultSelector()
-children = {}
 
 
 def send(obj):
@@ -95,10 +108,22 @@ def run_python(argv):
     os._exit(status)
 
 
-def child(req, fds):
+def child(req, fds, ready):
+    # The call's namespace first, as root, before anything else of the call
+    # happens; the runner answers the agent once ready says so.
+    try:
+        if req.get("mntns"):
+            enter_mount_namespace(fds[3])
+        os.write(ready, b"ok")
+        os.close(ready)
+    except BaseException as e:
+        try:
+            os.write(ready, str(e).encode()[:1000] or b"failed")
+        finally:
+            os._exit(127)
     try:
         os.setsid()
-        for i, fd in enumerate(fds):
+        for i, fd in enumerate(fds[:3]):
             os.dup2(fd, i)
         os.closerange(3, 1 << 20)
         for name, (soft, hard) in req.get("rlimits", {}).items():
@@ -123,22 +148,67 @@ def child(req, fds):
         os._exit(127)
 
 
+class Child:
+    """A call process: its request id, pid, pidfd and, until the child
+    has answered, the pipe it answers on."""
+
+    def __init__(self, rid, pid, pfd, ready):
+        self.rid, self.pid, self.pfd, self.ready = rid, pid, pfd, ready
+
+
+children = {}  # pidfd -> Child
+readies = {}  # ready pipe -> Child
+
+
 def spawn(req, fds):
+    r, w = os.pipe()
     try:
         pid = os.fork()
     except OSError as e:
-        for fd in fds:
+        for fd in fds + [r, w]:
             os.close(fd)
         send({"id": req["id"], "error": f"fork: {e}"})
         return
     if pid == 0:
-        child(req, fds)
+        os.close(r)
+        child(req, fds, w)
+    os.close(w)
     for fd in fds:
         os.close(fd)
-    pfd = os.pidfd_open(pid)
-    children[pfd] = (req["id"], pid)
-    sel.register(pfd, selectors.EVENT_READ, "child")
-    send({"id": req["id"], "pid": pid})
+    c = Child(req["id"], pid, os.pidfd_open(pid), r)
+    children[c.pfd] = c
+    readies[r] = c
+    # The pid goes to the agent once the child is in the call's namespace;
+    # the runner serves others meanwhile.
+    sel.register(r, selectors.EVENT_READ, ("ready", c))
+    sel.register(c.pfd, selectors.EVENT_READ, ("child", c))
+
+
+def answered(c):
+    """Reads the child's answer (it has written it, or died) and tells the
+    agent the pid, or why the call cannot run."""
+    r, c.ready = c.ready, None
+    del readies[r]
+    sel.unregister(r)
+    try:
+        ready = os.read(r, 1024)
+    finally:
+        os.close(r)
+    if ready != b"ok":
+        why = ready.decode(errors="replace") or "the call process died before it ran"
+        send({"id": c.rid, "error": "runner: enter the call's mount namespace: " + why})
+        return
+    send({"id": c.rid, "pid": c.pid})
+
+
+def exited(c):
+    if c.ready is not None:
+        answered(c)  # the pid (or the error) goes first
+    del children[c.pfd]
+    sel.unregister(c.pfd)
+    _, status, ru = os.wait4(c.pid, 0)
+    os.close(c.pfd)
+    send({"id": c.rid, "status": status, "utime": ru.ru_utime, "stime": ru.ru_stime, "maxrss": ru.ru_maxrss})
 
 
 def main():
@@ -160,12 +230,14 @@ def main():
                     mine, fdq[:] = fdq[:n], fdq[n:]
                     spawn(req, mine)
             else:
-                pfd = key.fd
-                rid, pid = children.pop(pfd)
-                sel.unregister(pfd)
-                _, status, ru = os.wait4(pid, 0)
-                os.close(pfd)
-                send({"id": rid, "status": status, "utime": ru.ru_utime, "stime": ru.ru_stime, "maxrss": ru.ru_maxrss})
+                # An event of this batch may be for a descriptor an earlier
+                # one closed (and a spawn reused): act only on the child it
+                # was registered for.
+                kind, c = key.data
+                if kind == "ready" and readies.get(key.fd) is c:
+                    answered(c)
+                elif kind == "child" and children.get(key.fd) is c:
+                    exited(c)
 
 
 if __name__ == "__main__":

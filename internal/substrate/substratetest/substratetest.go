@@ -107,7 +107,7 @@ func Run(t *testing.T, h Harness) {
 		if _, err := g.WriteFile(ctx, &guestv1.WriteFile{Path: "/work/data.bin", Mkdirs: true}, bytes.NewReader(data)); err != nil {
 			t.Fatal(err)
 		}
-		f, err := g.ReadFile(ctx, "/work/data.bin", 0, 0)
+		f, err := g.ReadFile(ctx, &guestv1.ReadFile{Path: "/work/data.bin"})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -116,7 +116,7 @@ func Run(t *testing.T, h Harness) {
 		if !bytes.Equal(got, data) {
 			t.Fatalf("read %d bytes, want %d", len(got), len(data))
 		}
-		ents, err := g.ListDir(ctx, "/work", 1)
+		ents, err := g.ListDir(ctx, &guestv1.ListDir{Path: "/work", Depth: 1})
 		if err != nil || len(ents) != 1 || ents[0].Name != "data.bin" {
 			t.Fatalf("list: %v %v", ents, err)
 		}
@@ -136,7 +136,7 @@ func Run(t *testing.T, h Harness) {
 		if _, err := a.Guest().WriteFile(ctx, &guestv1.WriteFile{Path: "/tmp/only-in-a"}, strings.NewReader("a")); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := b.Guest().Stat(ctx, "/tmp/only-in-a"); !errdefs.Is(err, errdefs.KindNotFound) {
+		if _, err := b.Guest().Stat(ctx, &guestv1.Path{Path: "/tmp/only-in-a"}); !errdefs.Is(err, errdefs.KindNotFound) {
 			t.Fatalf("b sees a's file: %v", err)
 		}
 		run(t, a.Guest(), "sh", "-c", "sleep 1234 & echo started")

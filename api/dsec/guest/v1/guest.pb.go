@@ -1466,11 +1466,19 @@ func (x *Exit) GetError() string {
 	return ""
 }
 
+// File calls (read_file, write_file, stat, list_dir, make_dir, remove,
+// rename, watch) act as user ("name", "uid", "name:group" or "uid:gid",
+// resolved in the sandbox's /etc/passwd and /etc/group; empty is root):
+// that user's permissions apply and what the call creates is that user's.
+// Paths resolve inside the sandbox's root: ".." and absolute symlinks stay
+// in it, and /proc links to other files (/proc/PID/fd/N, /root, /cwd,
+// /exe) and the agent's own /proc entries are refused.
 type ReadFile struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
 	Offset        int64                  `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
 	Limit         int64                  `protobuf:"varint,3,opt,name=limit,proto3" json:"limit,omitempty"`
+	User          string                 `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1526,13 +1534,20 @@ func (x *ReadFile) GetLimit() int64 {
 	return 0
 }
 
+func (x *ReadFile) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type WriteFile struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
 	Path   string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
 	Mode   uint32                 `protobuf:"varint,2,opt,name=mode,proto3" json:"mode,omitempty"`
 	Append bool                   `protobuf:"varint,3,opt,name=append,proto3" json:"append,omitempty"`
 	User   string                 `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
-	// mkdirs creates missing parent directories.
+	// mkdirs creates missing parent directories (the user's).
 	Mkdirs        bool `protobuf:"varint,5,opt,name=mkdirs,proto3" json:"mkdirs,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1642,6 +1657,7 @@ func (*End) Descriptor() ([]byte, []int) {
 type Path struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	User          string                 `protobuf:"bytes,2,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1683,10 +1699,18 @@ func (x *Path) GetPath() string {
 	return ""
 }
 
+func (x *Path) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type ListDir struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
 	Depth         int32                  `protobuf:"varint,2,opt,name=depth,proto3" json:"depth,omitempty"`
+	User          string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1733,6 +1757,13 @@ func (x *ListDir) GetDepth() int32 {
 		return x.Depth
 	}
 	return 0
+}
+
+func (x *ListDir) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
 }
 
 type MakeDir struct {
@@ -1791,6 +1822,7 @@ type Remove struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
 	Recursive     bool                   `protobuf:"varint,2,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	User          string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1839,10 +1871,18 @@ func (x *Remove) GetRecursive() bool {
 	return false
 }
 
+func (x *Remove) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type Rename struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	From          string                 `protobuf:"bytes,1,opt,name=from,proto3" json:"from,omitempty"`
 	To            string                 `protobuf:"bytes,2,opt,name=to,proto3" json:"to,omitempty"`
+	User          string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1887,6 +1927,13 @@ func (x *Rename) GetFrom() string {
 func (x *Rename) GetTo() string {
 	if x != nil {
 		return x.To
+	}
+	return ""
+}
+
+func (x *Rename) GetUser() string {
+	if x != nil {
+		return x.User
 	}
 	return ""
 }
@@ -2541,11 +2588,16 @@ func (x *StartRunner) GetEnv() []string {
 	return nil
 }
 
-// Call runs one function call in a fresh directory owned by uid: files are
-// written, steps run in order as uid through the runner, files are fetched,
-// and then every process of uid is killed and everything it wrote is
-// removed. If that cannot be made certain, the result says dirty and the
-// worker must not be reused.
+// Call runs one function call as uid, with the storage of uid's slot: a
+// tmpfs of disk_bytes mounted at dir on the slot's first call (dir names
+// the slot: the same for every call of the uid, one call at a time),
+// holding the call's working directory (dir/work) and what its processes
+// see as /tmp, /var/tmp and /dev/shm (dir/tmp, dir/var-tmp, dir/shm, bound
+// there in the slot's mount namespace, which every call process enters),
+// so no call can fill or read another's. Files are written, steps run in
+// order as uid through the runner, files are fetched, and then every
+// process of uid is killed and the storage is emptied. If that cannot be
+// made certain, the result says dirty and the worker must not be reused.
 type Call struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Dir   string                 `protobuf:"bytes,1,opt,name=dir,proto3" json:"dir,omitempty"`
@@ -2554,8 +2606,10 @@ type Call struct {
 	Steps []*CallStep            `protobuf:"bytes,4,rep,name=steps,proto3" json:"steps,omitempty"`
 	Fetch []string               `protobuf:"bytes,5,rep,name=fetch,proto3" json:"fetch,omitempty"`
 	// max_fetch bounds each fetched file.
-	MaxFetch      int64    `protobuf:"varint,6,opt,name=max_fetch,json=maxFetch,proto3" json:"max_fetch,omitempty"`
-	Env           []string `protobuf:"bytes,7,rep,name=env,proto3" json:"env,omitempty"`
+	MaxFetch int64    `protobuf:"varint,6,opt,name=max_fetch,json=maxFetch,proto3" json:"max_fetch,omitempty"`
+	Env      []string `protobuf:"bytes,7,rep,name=env,proto3" json:"env,omitempty"`
+	// disk_bytes bounds the slot's storage when it is made (0: 512 MiB).
+	DiskBytes     int64 `protobuf:"varint,8,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2639,9 +2693,16 @@ func (x *Call) GetEnv() []string {
 	return nil
 }
 
+func (x *Call) GetDiskBytes() int64 {
+	if x != nil {
+		return x.DiskBytes
+	}
+	return 0
+}
+
 type CallFile struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// path is relative to the call directory.
+	// path is relative to the call's working directory.
 	Path          string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
 	Content       []byte `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
 	Mode          uint32 `protobuf:"varint,3,opt,name=mode,proto3" json:"mode,omitempty"`
@@ -2918,6 +2979,7 @@ type Watch struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
 	Recursive     bool                   `protobuf:"varint,2,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	User          string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2964,6 +3026,13 @@ func (x *Watch) GetRecursive() bool {
 		return x.Recursive
 	}
 	return false
+}
+
+func (x *Watch) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
 }
 
 // FsEvent is one change under a watched directory.
@@ -3148,32 +3217,37 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\n" +
 	"max_rss_kb\x18\t \x01(\x03R\bmaxRssKb\x12\x14\n" +
 	"\x05error\x18\n" +
-	" \x01(\tR\x05error\"L\n" +
+	" \x01(\tR\x05error\"`\n" +
 	"\bReadFile\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x03R\x06offset\x12\x14\n" +
-	"\x05limit\x18\x03 \x01(\x03R\x05limit\"w\n" +
+	"\x05limit\x18\x03 \x01(\x03R\x05limit\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\"w\n" +
 	"\tWriteFile\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04mode\x18\x02 \x01(\rR\x04mode\x12\x16\n" +
 	"\x06append\x18\x03 \x01(\bR\x06append\x12\x12\n" +
 	"\x04user\x18\x04 \x01(\tR\x04user\x12\x16\n" +
 	"\x06mkdirs\x18\x05 \x01(\bR\x06mkdirs\"\x05\n" +
-	"\x03End\"\x1a\n" +
+	"\x03End\".\n" +
 	"\x04Path\x12\x12\n" +
-	"\x04path\x18\x01 \x01(\tR\x04path\"3\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
+	"\x04user\x18\x02 \x01(\tR\x04user\"G\n" +
 	"\aListDir\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x14\n" +
-	"\x05depth\x18\x02 \x01(\x05R\x05depth\"1\n" +
+	"\x05depth\x18\x02 \x01(\x05R\x05depth\x12\x12\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\"1\n" +
 	"\aMakeDir\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
-	"\x04user\x18\x02 \x01(\tR\x04user\":\n" +
+	"\x04user\x18\x02 \x01(\tR\x04user\"N\n" +
 	"\x06Remove\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x1c\n" +
-	"\trecursive\x18\x02 \x01(\bR\trecursive\",\n" +
+	"\trecursive\x18\x02 \x01(\bR\trecursive\x12\x12\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\"@\n" +
 	"\x06Rename\x12\x12\n" +
 	"\x04from\x18\x01 \x01(\tR\x04from\x12\x0e\n" +
-	"\x02to\x18\x02 \x01(\tR\x02to\"\v\n" +
+	"\x02to\x18\x02 \x01(\tR\x02to\x12\x12\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\"\v\n" +
 	"\tListProcs\"\x06\n" +
 	"\x04Sync\"\n" +
 	"\n" +
@@ -3212,7 +3286,7 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\amessage\x18\x02 \x01(\tR\amessage\"3\n" +
 	"\vStartRunner\x12\x12\n" +
 	"\x04argv\x18\x01 \x03(\tR\x04argv\x12\x10\n" +
-	"\x03env\x18\x02 \x03(\tR\x03env\"\xcd\x01\n" +
+	"\x03env\x18\x02 \x03(\tR\x03env\"\xec\x01\n" +
 	"\x04Call\x12\x10\n" +
 	"\x03dir\x18\x01 \x01(\tR\x03dir\x12\x10\n" +
 	"\x03uid\x18\x02 \x01(\rR\x03uid\x12-\n" +
@@ -3220,7 +3294,9 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\x05steps\x18\x04 \x03(\v2\x17.dsec.guest.v1.CallStepR\x05steps\x12\x14\n" +
 	"\x05fetch\x18\x05 \x03(\tR\x05fetch\x12\x1b\n" +
 	"\tmax_fetch\x18\x06 \x01(\x03R\bmaxFetch\x12\x10\n" +
-	"\x03env\x18\a \x03(\tR\x03env\"\x84\x01\n" +
+	"\x03env\x18\a \x03(\tR\x03env\x12\x1d\n" +
+	"\n" +
+	"disk_bytes\x18\b \x01(\x03R\tdiskBytes\"\x84\x01\n" +
 	"\bCallFile\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\fR\acontent\x12\x12\n" +
@@ -3248,10 +3324,11 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\x05steps\x18\x01 \x03(\v2\x13.dsec.guest.v1.ExitR\x05steps\x121\n" +
 	"\afetched\x18\x02 \x03(\v2\x17.dsec.guest.v1.CallFileR\afetched\x12\x14\n" +
 	"\x05dirty\x18\x03 \x01(\bR\x05dirty\x12!\n" +
-	"\fdirty_reason\x18\x04 \x01(\tR\vdirtyReason\"9\n" +
+	"\fdirty_reason\x18\x04 \x01(\tR\vdirtyReason\"M\n" +
 	"\x05Watch\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x1c\n" +
-	"\trecursive\x18\x02 \x01(\bR\trecursive\"I\n" +
+	"\trecursive\x18\x02 \x01(\bR\trecursive\x12\x12\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\"I\n" +
 	"\aFsEvent\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
 	"\x02op\x18\x02 \x01(\tR\x02op\x12\x1a\n" +
