@@ -257,7 +257,7 @@ func (n *Node) replayOne(ctx context.Context, id string, e *dsecv1.LogEntry) (bo
 			return true, "content was not recorded"
 		}
 		defer f.Close()
-		info, err := n.WriteFile(ctx, &dsecv1.WriteFileHeader{SandboxId: id, Path: e.Path, Mode: e.Mode}, f)
+		info, err := n.WriteFile(ctx, &dsecv1.WriteFileHeader{SandboxId: id, Path: e.Path, Mode: e.Mode, User: e.User}, f)
 		if err != nil {
 			return true, "write failed: " + err.Error()
 		}
@@ -269,11 +269,11 @@ func (n *Node) replayOne(ctx context.Context, id string, e *dsecv1.LogEntry) (bo
 			return true, err.Error()
 		}
 	case "remove":
-		if err := n.Remove(ctx, &dsecv1.RemoveRequest{SandboxId: id, Path: e.Path, Recursive: e.Recursive}); err != nil {
+		if err := n.Remove(ctx, &dsecv1.RemoveRequest{SandboxId: id, Path: e.Path, Recursive: e.Recursive, User: e.User}); err != nil {
 			return true, err.Error()
 		}
 	case "rename":
-		if _, err := n.Rename(ctx, &dsecv1.RenameRequest{SandboxId: id, From: e.Path, To: e.To}); err != nil {
+		if _, err := n.Rename(ctx, &dsecv1.RenameRequest{SandboxId: id, From: e.Path, To: e.To, User: e.User}); err != nil {
 			return true, err.Error()
 		}
 	}
