@@ -1,22 +1,24 @@
 // Command network times an egress sandbox's network setup and release,
-// side by side, for three designs (not a test: numbers, never pass/fail):
+// side by side, for these designs (not a test: numbers, never pass/fail):
 //
-//		go run ./bench/network [-n 200] [-runs 3]
-//
-//	  - "bridge, no source checks": what internal/network did before ports
-//	    were checked (isolated bridge port, nothing per sandbox in nftables);
-//	  - "bridge + source checks": internal/network.Manager as it is (the
-//	    port's element in the bridge table over nfnetlink, static forwarding
-//	    entry, no learning or flooding, permanent neighbour entry);
-//	  - "routed /32": the alternative without shared L2 (a point-to-point
-//	    veth per sandbox, a /32 route, the gateway address on each veth,
-//	    strict rp_filter), which needs nothing per sandbox in nftables.
+//   - "bridge, no source checks": what internal/network did before ports
+//     were checked (isolated bridge port, nothing per sandbox in nftables);
+//   - "bridge + source checks": internal/network.Manager as it is (the
+//     port's element in the bridge table over nfnetlink, static forwarding
+//     entry, no learning or flooding, permanent neighbour entry);
+//   - "routed /32": the alternative without shared L2 (a point-to-point
+//     veth per sandbox, a /32 route, the gateway address on each veth,
+//     strict rp_filter), which needs nothing per sandbox in nftables;
+//   - the first again with the veth's peer moved into the namespace after
+//     its creation, as internal/network did before it made the peer there.
 //
 // Every design makes the same namespace and veth pair and configures the
 // sandbox's side the same way; runs alternate between designs so load on
 // the host affects them alike. Needs root and nft. (BenchmarkSourceElement
 // in internal/network times the bridge table element alone, through
-// nfnetlink and through `nft`.)
+// nfnetlink and through `nft`.) Run it as
+//
+//	go run ./bench/network [-n 200] [-runs 3]
 package main
 
 import (
@@ -87,7 +89,7 @@ func main() {
 		name string
 		run  func(i int) (setup, release time.Duration)
 	}{
-		{"bridge, no source checks (before)", plain.cycle},
+		{"bridge, no source checks", plain.cycle},
 		{"bridge + source checks (now)", func(i int) (time.Duration, time.Duration) {
 			id := fmt.Sprintf("bm%d-%d", pid, i)
 			t0 := time.Now()
@@ -100,6 +102,7 @@ func main() {
 			return t1.Sub(t0), time.Since(t1)
 		}},
 		{"routed /32 (alternative)", routedCycle},
+		{"bridge, no checks, peer moved in", plain.cycleMoved},
 	}
 	setups := make([][]time.Duration, len(designs))
 	releases := make([][]time.Duration, len(designs))
@@ -152,7 +155,11 @@ func newPlainBridge() *plainBridge {
 
 func (b *plainBridge) close() { netlink.LinkDel(b.br) }
 
-func (b *plainBridge) cycle(i int) (time.Duration, time.Duration) {
+func (b *plainBridge) cycle(i int) (time.Duration, time.Duration) { return b.run(i, false) }
+
+func (b *plainBridge) cycleMoved(i int) (time.Duration, time.Duration) { return b.run(i, true) }
+
+func (b *plainBridge) run(i int, move bool) (time.Duration, time.Duration) {
 	name := fmt.Sprintf("dsbp%d-%d", pid%1000, i)
 	addr := nth(b.prefix, i)
 	t0 := time.Now()
@@ -160,18 +167,50 @@ func (b *plainBridge) cycle(i int) (time.Duration, time.Duration) {
 	attrs := netlink.NewLinkAttrs()
 	attrs.Name = name
 	attrs.MTU = 1500
-	veth := &netlink.Veth{LinkAttrs: attrs, PeerName: name + "p"}
-	must(netlink.LinkAdd(veth))
+	must(addVeth(attrs, path, move))
 	host, err := netlink.LinkByName(name)
 	must(err)
 	must(netlink.LinkSetMaster(host, b.br))
 	must(netlink.LinkSetIsolated(host, true))
 	must(netlink.LinkSetUp(host))
-	moveAndConfigure(name+"p", path, addr, 16, b.prefix.Addr().Next(), false)
+	configure(path, addr, 16, b.prefix.Addr().Next(), false)
 	t1 := time.Now()
 	netlink.LinkDel(host)
 	dropNS(path)
 	return t1.Sub(t0), time.Since(t1)
+}
+
+// addVeth makes the pair with its peer, eth0, inside the namespace at
+// path: made there, or (move) moved there afterwards.
+func addVeth(attrs netlink.LinkAttrs, path string, move bool) error {
+	ns, err := netns.GetFromPath(path)
+	if err != nil {
+		return err
+	}
+	defer ns.Close()
+	if !move {
+		return netlink.LinkAdd(&netlink.Veth{LinkAttrs: attrs, PeerName: "eth0", PeerNamespace: netlink.NsFd(int(ns))})
+	}
+	peer := attrs.Name + "p"
+	if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: attrs, PeerName: peer}); err != nil {
+		return err
+	}
+	l, err := netlink.LinkByName(peer)
+	if err != nil {
+		return err
+	}
+	if err := netlink.LinkSetNsFd(l, int(ns)); err != nil {
+		return err
+	}
+	h, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	if l, err = h.LinkByName(peer); err != nil {
+		return err
+	}
+	return h.LinkSetName(l, "eth0")
 }
 
 // routedCycle is the routed alternative: no bridge; the host side of the
@@ -186,15 +225,14 @@ func routedCycle(i int) (time.Duration, time.Duration) {
 	attrs.Name = name
 	attrs.MTU = 1500
 	attrs.Group = 7 // what nftables rules would match instead of the bridge
-	veth := &netlink.Veth{LinkAttrs: attrs, PeerName: name + "p"}
-	must(netlink.LinkAdd(veth))
+	must(addVeth(attrs, path, false))
 	host, err := netlink.LinkByName(name)
 	must(err)
 	must(netlink.AddrAdd(host, &netlink.Addr{IPNet: &net.IPNet{IP: gw.AsSlice(), Mask: net.CIDRMask(32, 32)}}))
 	must(os.WriteFile("/proc/sys/net/ipv4/conf/"+name+"/rp_filter", []byte("1"), 0))
 	must(netlink.LinkSetUp(host))
 	must(netlink.RouteAdd(&netlink.Route{LinkIndex: host.Attrs().Index, Dst: &net.IPNet{IP: addr.AsSlice(), Mask: net.CIDRMask(32, 32)}, Scope: netlink.SCOPE_LINK}))
-	moveAndConfigure(name+"p", path, addr, 32, gw, true)
+	configure(path, addr, 32, gw, true)
 	t1 := time.Now()
 	netlink.LinkDel(host)
 	dropNS(path)
@@ -233,19 +271,16 @@ func dropNS(path string) {
 	os.Remove(path)
 }
 
-func moveAndConfigure(ifname, path string, addr netip.Addr, bits int, gw netip.Addr, onlink bool) {
-	peer, err := netlink.LinkByName(ifname)
-	must(err)
+// configure gives eth0 in the namespace at path its address and routes.
+func configure(path string, addr netip.Addr, bits int, gw netip.Addr, onlink bool) {
 	ns, err := netns.GetFromPath(path)
 	must(err)
 	defer ns.Close()
-	must(netlink.LinkSetNsFd(peer, int(ns)))
 	h, err := netlink.NewHandleAt(ns)
 	must(err)
 	defer h.Close()
-	l, err := h.LinkByName(ifname)
+	l, err := h.LinkByName("eth0")
 	must(err)
-	must(h.LinkSetName(l, "eth0"))
 	must(h.AddrAdd(l, &netlink.Addr{IPNet: &net.IPNet{IP: addr.AsSlice(), Mask: net.CIDRMask(bits, 32)}}))
 	must(h.LinkSetUp(l))
 	if lo, err := h.LinkByName("lo"); err == nil {

@@ -528,13 +528,20 @@ func (m *Manager) Setup(ctx context.Context, id, mode string) (_ *Attachment, er
 		return nil, errdefs.Internal(err, "create network namespace")
 	}
 	u.Push(func() { unix.Unmount(nsPath, unix.MNT_DETACH); os.Remove(nsPath) })
+	ns, err := netns.GetFromPath(nsPath)
+	if err != nil {
+		return nil, errdefs.Internal(err, "open network namespace")
+	}
+	defer ns.Close()
 	hostName := vethName(id)
 	mac := macOf(addr)
 	attrs := netlink.NewLinkAttrs()
 	attrs.Name = hostName
 	attrs.MTU = m.bridgeMTU()
 	attrs.Group = m.group // from now on the bridge table filters the port
-	veth := &netlink.Veth{LinkAttrs: attrs, PeerName: hostName + "p", PeerHardwareAddr: mac}
+	// The peer is made inside the namespace: moving it there afterwards
+	// costs the kernel an RCU grace period (~30 ms here).
+	veth := &netlink.Veth{LinkAttrs: attrs, PeerName: "eth0", PeerHardwareAddr: mac, PeerNamespace: netlink.NsFd(int(ns))}
 	if err := netlink.LinkAdd(veth); err != nil {
 		return nil, errdefs.Internal(err, "create veth")
 	}
@@ -562,19 +569,7 @@ func (m *Manager) Setup(ctx context.Context, id, mode string) (_ *Attachment, er
 	if err := netlink.LinkSetUp(host); err != nil {
 		return nil, errdefs.Internal(err, "bring veth up")
 	}
-	peer, err := netlink.LinkByName(hostName + "p")
-	if err != nil {
-		return nil, errdefs.Internal(err, "find veth peer")
-	}
-	ns, err := netns.GetFromPath(nsPath)
-	if err != nil {
-		return nil, errdefs.Internal(err, "open network namespace")
-	}
-	defer ns.Close()
-	if err := netlink.LinkSetNsFd(peer, int(ns)); err != nil {
-		return nil, errdefs.Internal(err, "move veth into namespace")
-	}
-	if err := m.configureInside(ns, hostName+"p", addr); err != nil {
+	if err := m.configureInside(ns, "eth0", addr); err != nil {
 		return nil, errdefs.Internal(err, "configure sandbox interface")
 	}
 	return a, nil
@@ -743,9 +738,6 @@ func (m *Manager) configureInside(ns netns.NsHandle, ifname string, addr netip.A
 	if err != nil {
 		return err
 	}
-	if err := h.LinkSetName(link, "eth0"); err != nil {
-		return err
-	}
 	ipnet := &net.IPNet{IP: addr.AsSlice(), Mask: net.CIDRMask(m.prefix.Bits(), 32)}
 	if err := h.AddrAdd(link, &netlink.Addr{IPNet: ipnet}); err != nil {
 		return err
@@ -836,6 +828,13 @@ func (m *Manager) readopt(a *Attachment) error {
 	br, err := netlink.LinkByName(m.cfg.Bridge)
 	if err != nil {
 		return fmt.Errorf("find bridge: %w", err)
+	}
+	// A bridge deleted while the node was down was made anew at start,
+	// without ports.
+	if host.Attrs().MasterIndex != br.Attrs().Index {
+		if err := netlink.LinkSetMaster(host, br); err != nil {
+			return fmt.Errorf("attach veth to bridge: %w", err)
+		}
 	}
 	return m.hardenPort(host, br, a)
 }

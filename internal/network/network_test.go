@@ -271,6 +271,26 @@ func TestRestoreAfterARestart(t *testing.T) {
 		}
 		a = r
 	})
+	t.Run("a bridge deleted while the node was down gets its ports back", func(t *testing.T) {
+		m.Close()
+		if out, err := exec.Command("ip", "link", "del", m.cfg.Bridge).CombinedOutput(); err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		m = start(t, m.cfg)
+		r, err := m.Restore(id, raw)
+		if err != nil {
+			t.Fatal(err)
+		}
+		host, _ := netlink.LinkByName(a.HostVeth)
+		br, _ := netlink.LinkByName(m.cfg.Bridge)
+		if host.Attrs().MasterIndex != br.Attrs().Index {
+			t.Fatalf("the port's master is %d, not the bridge (%d)", host.Attrs().MasterIndex, br.Attrs().Index)
+		}
+		if pi, _ := netlink.LinkGetProtinfo(host); !pi.Isolated {
+			t.Fatal("the port is not isolated")
+		}
+		a = r
+	})
 	t.Run("release after a restore leaves nothing", func(t *testing.T) {
 		m.Release(a)
 		if l := left(t, m, a); len(l) > 0 {
