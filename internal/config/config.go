@@ -145,7 +145,8 @@ type Network struct {
 	Subnet string `json:"subnet,omitempty"`
 	// DNS are the resolvers egress sandboxes use (default: the host's).
 	DNS []string `json:"dns,omitempty"`
-	// Table is the nftables table (default "dsec").
+	// Table names the nftables tables, one inet and one bridge (default
+	// "dsec").
 	Table string `json:"table,omitempty"`
 }
 

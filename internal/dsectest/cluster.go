@@ -340,6 +340,7 @@ func (p *Proc) cleanupNode() {
 	p.Stop()
 	exec.Command("ip", "link", "del", p.netArgs[1]).Run()
 	exec.Command("nft", "delete", "table", "inet", p.netArgs[5]).Run()
+	exec.Command("nft", "delete", "table", "bridge", p.netArgs[5]).Run()
 	if p.t.Failed() {
 		p.t.Logf("%s log:\n%s", p, p.Log())
 	}

@@ -155,6 +155,13 @@ func (s *Server) netArgs() []string {
 	}
 }
 
+// Network names the server's bridge and nftables tables (one inet, one
+// bridge).
+func (s *Server) Network() (bridge, table string) {
+	args := s.netArgs()
+	return args[1], args[5]
+}
+
 func freePort(t TB) string {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -327,6 +334,7 @@ func (s *Server) cleanup() {
 	args := s.netArgs()
 	exec.Command("ip", "link", "del", args[1]).Run()
 	exec.Command("nft", "delete", "table", "inet", args[5]).Run()
+	exec.Command("nft", "delete", "table", "bridge", args[5]).Run()
 	if s.t.Failed() {
 		s.t.Logf("dsec serve log:\n%s", s.Log())
 	}

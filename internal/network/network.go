@@ -3,10 +3,20 @@
 // "egress" is a namespace on the node's bridge with NAT to the outside and
 // nothing else: bridge ports are isolated (sandboxes cannot reach each
 // other), traffic from sandboxes to the host is dropped (no host services,
-// no node API), private and link-local destinations are dropped (no cloud
-// metadata, no LAN) except the DNS resolvers, and nothing comes in.
+// no node API), private, link-local and multicast destinations and the
+// host's own networks are dropped (no cloud metadata, no LAN) except the
+// DNS resolvers, and nothing comes in.
 //
-// The rules live in one nftables table, "inet dsec". Per-sandbox policies
+// Sandboxes cannot forge their sources: each bridge port accepts only
+// frames carrying its sandbox's MAC and IPv4 address (Ethernet source, ARP
+// sender, IPv4 source) and nothing else (no IPv6, no other ethertype); the
+// host's neighbour entry for each sandbox is permanent and the bridge's
+// forwarding entry static; a reverse-path check drops what the routes
+// would not send back through the bridge.
+//
+// The rules live in two nftables tables named Config.Table: "inet" (the
+// host's side: input, forwarding, NAT, reverse path, the host's networks)
+// and "bridge" (the per-port source checks). Per-sandbox policies
 // (allowlists by destination) will attach to the per-sandbox address this
 // package already assigns.
 package network
@@ -24,8 +34,11 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
+	"sort"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -53,7 +66,8 @@ type Config struct {
 	DNS []string
 	// RunDir holds the namespace files (default /run/dsec/netns).
 	RunDir string
-	// Table is the nftables table name (default "dsec").
+	// Table names the nftables tables, one "inet" and one "bridge"
+	// (default "dsec").
 	Table string
 }
 
@@ -65,23 +79,48 @@ type Manager struct {
 	gateway netip.Addr
 	dns     []netip.Addr
 	egress  string // why egress is unavailable, or ""
+	// group marks the host side of this manager's veths (the interface
+	// group, IFLA_GROUP): the bridge table checks every frame entering
+	// the bridge through a port of this group, and only those, so other
+	// bridges and other managers' ports are left alone.
+	group    uint32
+	stop     chan struct{}
+	stopOnce sync.Once
 
 	mu   sync.Mutex
 	used map[netip.Addr]string // address → sandbox
 	next netip.Addr
+
+	hostMu   sync.Mutex
+	hostNets []netip.Prefix // in the inet table's hostnets set
+
+	forgetMu  sync.Mutex
+	forgotten [][]byte // bridge table elements to remove, batched
+	flushing  *time.Timer
 }
+
+// forgetBatch is how long removals of bridge table elements gather before
+// one transaction removes them all: the kernel holds every change to the
+// tables (creates' elements too) for an RCU grace period per removal
+// transaction, ~15 ms on a busy host.
+const forgetBatch = 250 * time.Millisecond
 
 // Attachment is one sandbox's network, as persisted by the node.
 type Attachment struct {
-	Mode       string `json:"mode"`
-	NetNS      string `json:"netns,omitempty"`
-	Addr       string `json:"addr,omitempty"`
-	HostVeth   string `json:"host_veth,omitempty"`
+	Mode     string `json:"mode"`
+	NetNS    string `json:"netns,omitempty"`
+	Addr     string `json:"addr,omitempty"`
+	HostVeth string `json:"host_veth,omitempty"`
+	// MAC is the sandbox's interface address (empty in attachments made
+	// before it was kept: Restore reads it from the namespace).
+	MAC        string `json:"mac,omitempty"`
 	ResolvConf string `json:"-"`
 }
 
 // New prepares the manager. Egress needs root, nftables and bridges; when
 // they are missing, egress is reported unavailable and "none" still works.
+// The host's own networks are read now and followed as they change, until
+// Close.
 func New(cfg Config, log *slog.Logger) (*Manager, error) {
 	if cfg.Bridge == "" {
 		cfg.Bridge = "dsec0"
@@ -100,15 +139,37 @@ func New(cfg Config, log *slog.Logger) (*Manager, error) {
 		return nil, fmt.Errorf("network subnet %q: need an IPv4 prefix of /24 or larger", cfg.Subnet)
 	}
 	prefix = prefix.Masked()
-	m := &Manager{log: log, cfg: cfg, prefix: prefix, used: map[netip.Addr]string{}}
+	m := &Manager{log: log, cfg: cfg, prefix: prefix, used: map[netip.Addr]string{}, stop: make(chan struct{})}
 	m.gateway = prefix.Addr().Next()
 	m.next = m.gateway.Next()
 	m.dns = parseDNS(cfg.DNS)
+	m.group = portGroup(cfg.Table)
 	if reason := m.setup(); reason != "" {
 		m.egress = reason
 		log.Warn("egress networking unavailable", slog.String("reason", reason))
+	} else {
+		go m.followHostNetworks()
 	}
 	return m, nil
+}
+
+// Close stops following the host's networks and removes the bridge table
+// elements of released sandboxes still waiting for their batch. Sandbox
+// networks, rules and the bridge stay. It is idempotent.
+func (m *Manager) Close() {
+	m.stopOnce.Do(func() { close(m.stop) })
+	m.flushForgotten()
+}
+
+// portGroup is the interface group of a manager's ports, derived from its
+// table name: stable across restarts, distinct between the managers of one
+// host (tests run several), never 0 (every interface's default group).
+func portGroup(table string) uint32 {
+	h := uint32(2166136261)
+	for _, c := range []byte("dsec-ports/" + table) {
+		h = (h ^ uint32(c)) * 16777619
+	}
+	return h | 1<<31
 }
 
 // EgressUnavailable says why egress cannot be used here, or "".
@@ -159,7 +220,7 @@ func (m *Manager) resolvConf() string {
 	return b.String()
 }
 
-// setup creates the bridge and the firewall table; it returns why egress
+// setup creates the bridge and the firewall tables; it returns why egress
 // cannot work, or "".
 func (m *Manager) setup() string {
 	if os.Geteuid() != 0 {
@@ -182,6 +243,14 @@ func (m *Manager) setup() string {
 			return fmt.Sprintf("find bridge %s: %v", m.cfg.Bridge, err)
 		}
 	}
+	// A MAC of its own: otherwise a bridge takes its ports' smallest, which
+	// changes as sandboxes come and go and leaves the others' neighbour
+	// entries for the gateway pointing at an address no port has.
+	if mac := macOf(m.gateway); !bytes.Equal(br.Attrs().HardwareAddr, mac) {
+		if err := netlink.LinkSetHardwareAddr(br, mac); err != nil {
+			return fmt.Sprintf("set the bridge's MAC: %v", err)
+		}
+	}
 	addr := &netlink.Addr{IPNet: &net.IPNet{IP: m.gateway.AsSlice(), Mask: net.CIDRMask(m.prefix.Bits(), 32)}}
 	if err := netlink.AddrReplace(br, addr); err != nil {
 		return fmt.Sprintf("address bridge: %v", err)
@@ -192,14 +261,33 @@ func (m *Manager) setup() string {
 	if err := os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0); err != nil {
 		return fmt.Sprintf("enable forwarding: %v", err)
 	}
-	if err := m.applyRules(); err != nil {
+	// Strict reverse path on the bridge, as the inet table's prerouting
+	// chain also checks (the sysctl alone is weakened by a looser
+	// net.ipv4.conf.all.rp_filter).
+	if err := os.WriteFile("/proc/sys/net/ipv4/conf/"+m.cfg.Bridge+"/rp_filter", []byte("1"), 0); err != nil {
+		return fmt.Sprintf("reverse-path filter on the bridge: %v", err)
+	}
+	nets, err := hostNetworks()
+	if err != nil {
+		return fmt.Sprintf("read the host's addresses: %v", err)
+	}
+	if err := m.applyRules(nets); err != nil {
 		return err.Error()
 	}
 	return ""
 }
 
-// applyRules (re)installs the nftables table atomically.
-func (m *Manager) applyRules() error {
+// privateNets are dropped destinations besides the host's own networks:
+// "this" network, RFC 1918, shared (CGN) space, loopback, link-local (cloud
+// metadata), multicast and reserved.
+const privateNets = "0.0.0.0/8, 10.0.0.0/8, 100.64.0.0/10, 127.0.0.0/8, 169.254.0.0/16, 172.16.0.0/12, 192.168.0.0/16, 224.0.0.0/3"
+
+// applyRules (re)installs both nftables tables atomically, with nets as
+// the host's networks. The bridge table's sources start empty: until Setup
+// or Restore adds a sandbox's element, its port drops everything.
+func (m *Manager) applyRules(nets []netip.Prefix) error {
+	m.hostMu.Lock()
+	defer m.hostMu.Unlock()
 	var dns []string
 	for _, a := range m.dns {
 		dns = append(dns, a.String())
@@ -211,6 +299,14 @@ func (m *Manager) applyRules() error {
 	rules := fmt.Sprintf(`table inet %[1]s
 delete table inet %[1]s
 table inet %[1]s {
+	set hostnets {
+		type ipv4_addr
+		flags interval
+%[5]s	}
+	chain prerouting {
+		type filter hook prerouting priority raw; policy accept;
+		iifname %[2]q fib saddr . iif oif missing drop
+	}
 	chain input {
 		type filter hook input priority -10; policy accept;
 		iifname %[2]q ct state established,related accept
@@ -220,7 +316,8 @@ table inet %[1]s {
 		type filter hook forward priority -10; policy accept;
 		oifname %[2]q ct state established,related accept
 		oifname %[2]q drop
-%[4]s		iifname %[2]q ip daddr { 0.0.0.0/8, 10.0.0.0/8, 100.64.0.0/10, 127.0.0.0/8, 169.254.0.0/16, 172.16.0.0/12, 192.168.0.0/16, 224.0.0.0/3 } drop
+%[4]s		iifname %[2]q ip daddr { %[6]s } drop
+		iifname %[2]q ip daddr @hostnets drop
 		iifname %[2]q meta nfproto ipv6 drop
 		iifname %[2]q accept
 	}
@@ -229,15 +326,181 @@ table inet %[1]s {
 		ip saddr %[3]s oifname != %[2]q masquerade
 	}
 }
-`, m.cfg.Table, m.cfg.Bridge, m.prefix, dnsRule)
+table bridge %[1]s
+delete table bridge %[1]s
+table bridge %[1]s {
+	set sources {
+		type ifname . ether_addr . ipv4_addr
+	}
+	chain prerouting {
+		type filter hook prerouting priority -300; policy accept;
+		meta iifgroup != %[7]d accept
+		arp htype 1 arp ptype ip arp hlen 6 arp plen 4 iifname . ether saddr . arp saddr ip @sources iifname . arp saddr ether . arp saddr ip @sources accept
+		iifname . ether saddr . ip saddr @sources accept
+		counter drop
+	}
+}
+`, m.cfg.Table, m.cfg.Bridge, m.prefix, dnsRule, hostNetsElements(nets), privateNets, m.group)
+	if err := nft(rules); err != nil {
+		return fmt.Errorf("install nftables rules: %w", err)
+	}
+	m.hostNets = nets
+	return nil
+}
+
+func hostNetsElements(nets []netip.Prefix) string {
+	if len(nets) == 0 {
+		return ""
+	}
+	var s []string
+	for _, p := range nets {
+		s = append(s, p.String())
+	}
+	return "\t\telements = { " + strings.Join(s, ", ") + " }\n"
+}
+
+// nft runs an nft script (one atomic transaction).
+func nft(script string) error {
 	cmd := exec.Command("nft", "-f", "-")
-	cmd.Stdin = strings.NewReader(rules)
+	cmd.Stdin = strings.NewReader(script)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Run(); err != nil {
-		return fmt.Errorf("install nftables rules: %v: %s", err, strings.TrimSpace(stderr.String()))
+		return fmt.Errorf("%v: %s", err, strings.TrimSpace(stderr.String()))
 	}
 	return nil
+}
+
+// hostNetworks are the host's IPv4 networks: every address on its
+// interfaces as a /32 and the prefix it is on (a point-to-point peer's
+// too), loopback aside, reduced to the prefixes no other one contains.
+func hostNetworks() ([]netip.Prefix, error) {
+	addrs, err := netlink.AddrList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		return nil, err
+	}
+	var all []netip.Prefix
+	for _, a := range addrs {
+		for _, ipn := range []*net.IPNet{a.IPNet, a.Peer} {
+			if ipn == nil {
+				continue
+			}
+			ip, ok := netip.AddrFromSlice(ipn.IP.To4())
+			if !ok || ip.IsLoopback() {
+				continue
+			}
+			all = append(all, netip.PrefixFrom(ip, 32))
+			// A default-sized prefix (/0) would drop the internet; the
+			// address alone is kept.
+			if bits, _ := ipn.Mask.Size(); bits > 0 {
+				all = append(all, netip.PrefixFrom(ip, bits).Masked())
+			}
+		}
+	}
+	return outermost(all), nil
+}
+
+// outermost sorts prefixes and drops those another one contains, so none
+// overlap (an nftables interval set refuses overlapping elements).
+func outermost(ps []netip.Prefix) []netip.Prefix {
+	sort.Slice(ps, func(i, j int) bool {
+		if c := ps[i].Addr().Compare(ps[j].Addr()); c != 0 {
+			return c < 0
+		}
+		return ps[i].Bits() < ps[j].Bits()
+	})
+	var out []netip.Prefix
+	for _, p := range ps {
+		if n := len(out); n > 0 && out[n-1].Bits() <= p.Bits() && out[n-1].Contains(p.Addr()) {
+			continue
+		}
+		out = append(out, p)
+	}
+	return out
+}
+
+// followHostNetworks keeps the hostnets set equal to the host's networks:
+// addresses added or removed on any interface, later, count as much as
+// those the node started with. Changes are applied 100 ms after the last
+// of a burst; a lost subscription is renewed and the set re-read.
+func (m *Manager) followHostNetworks() {
+	for {
+		updates := make(chan netlink.AddrUpdate, 256)
+		done := make(chan struct{})
+		err := netlink.AddrSubscribeWithOptions(updates, done, netlink.AddrSubscribeOptions{
+			ErrorCallback: func(err error) {
+				select {
+				case <-done: // closed here: the subscription's end
+				default:
+					m.log.Warn("following the host's addresses", slog.Any("error", err))
+				}
+			},
+		})
+		if err != nil {
+			m.log.Error("cannot follow the host's addresses", slog.Any("error", err))
+			close(done)
+			select {
+			case <-m.stop:
+				return
+			case <-time.After(5 * time.Second):
+			}
+			continue
+		}
+		// Changes between the start (or a lost subscription) and now.
+		m.refreshHostNetworks()
+		var debounce <-chan time.Time
+	loop:
+		for {
+			select {
+			case <-m.stop:
+				close(done)
+				return
+			case _, ok := <-updates:
+				if !ok {
+					break loop
+				}
+				debounce = time.After(100 * time.Millisecond)
+			case <-debounce:
+				debounce = nil
+				m.refreshHostNetworks()
+			}
+		}
+		close(done)
+		select {
+		case <-m.stop:
+			return
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+// refreshHostNetworks rewrites the hostnets set if the host's networks
+// changed, atomically (no moment without the set).
+func (m *Manager) refreshHostNetworks() {
+	nets, err := hostNetworks()
+	if err != nil {
+		m.log.Error("read the host's addresses", slog.Any("error", err))
+		return
+	}
+	m.hostMu.Lock()
+	defer m.hostMu.Unlock()
+	if slices.Equal(nets, m.hostNets) {
+		return
+	}
+	script := fmt.Sprintf("flush set inet %s hostnets\n", m.cfg.Table)
+	if len(nets) > 0 {
+		var s []string
+		for _, p := range nets {
+			s = append(s, p.String())
+		}
+		script += fmt.Sprintf("add element inet %s hostnets { %s }\n", m.cfg.Table, strings.Join(s, ", "))
+	}
+	if err := nft(script); err != nil {
+		m.log.Error("update the host's networks in the firewall", slog.Any("error", err))
+		return
+	}
+	m.hostNets = nets
+	m.log.Info("host networks dropped for sandboxes", slog.Any("networks", nets))
 }
 
 // Setup prepares a sandbox's network. For "none" it returns an empty
@@ -265,15 +528,29 @@ func (m *Manager) Setup(ctx context.Context, id, mode string) (_ *Attachment, er
 		return nil, errdefs.Internal(err, "create network namespace")
 	}
 	u.Push(func() { unix.Unmount(nsPath, unix.MNT_DETACH); os.Remove(nsPath) })
+	ns, err := netns.GetFromPath(nsPath)
+	if err != nil {
+		return nil, errdefs.Internal(err, "open network namespace")
+	}
+	defer ns.Close()
 	hostName := vethName(id)
+	mac := macOf(addr)
 	attrs := netlink.NewLinkAttrs()
 	attrs.Name = hostName
 	attrs.MTU = m.bridgeMTU()
-	veth := &netlink.Veth{LinkAttrs: attrs, PeerName: hostName + "p"}
+	attrs.Group = m.group // from now on the bridge table filters the port
+	// The peer is made inside the namespace: moving it there afterwards
+	// costs the kernel an RCU grace period (~30 ms here).
+	veth := &netlink.Veth{LinkAttrs: attrs, PeerName: "eth0", PeerHardwareAddr: mac, PeerNamespace: netlink.NsFd(int(ns))}
 	if err := netlink.LinkAdd(veth); err != nil {
 		return nil, errdefs.Internal(err, "create veth")
 	}
 	u.Push(func() { netlink.LinkDel(veth) })
+	a := &Attachment{Mode: ModeEgress, NetNS: nsPath, Addr: addr.String(), HostVeth: hostName, MAC: mac.String(), ResolvConf: m.resolvConf()}
+	if err := m.allowSource(a); err != nil {
+		return nil, errdefs.Internal(err, "allow the sandbox's addresses on the bridge")
+	}
+	u.Push(func() { m.forgetSource(a) })
 	br, err := netlink.LinkByName(m.cfg.Bridge)
 	if err != nil {
 		return nil, errdefs.Internal(err, "find bridge")
@@ -285,28 +562,154 @@ func (m *Manager) Setup(ctx context.Context, id, mode string) (_ *Attachment, er
 	if err := netlink.LinkSetMaster(host, br); err != nil {
 		return nil, errdefs.Internal(err, "attach veth to bridge")
 	}
-	if err := netlink.LinkSetIsolated(host, true); err != nil {
-		return nil, errdefs.Internal(err, "isolate bridge port")
+	u.Push(func() { m.forgetNeighbour(a) })
+	if err := m.hardenPort(host, br, a); err != nil {
+		return nil, errdefs.Internal(err, "harden bridge port")
 	}
 	if err := netlink.LinkSetUp(host); err != nil {
 		return nil, errdefs.Internal(err, "bring veth up")
 	}
-	peer, err := netlink.LinkByName(hostName + "p")
-	if err != nil {
-		return nil, errdefs.Internal(err, "find veth peer")
-	}
-	ns, err := netns.GetFromPath(nsPath)
-	if err != nil {
-		return nil, errdefs.Internal(err, "open network namespace")
-	}
-	defer ns.Close()
-	if err := netlink.LinkSetNsFd(peer, int(ns)); err != nil {
-		return nil, errdefs.Internal(err, "move veth into namespace")
-	}
-	if err := m.configureInside(ns, hostName+"p", addr); err != nil {
+	if err := m.configureInside(ns, "eth0", addr); err != nil {
 		return nil, errdefs.Internal(err, "configure sandbox interface")
 	}
-	return &Attachment{Mode: ModeEgress, NetNS: nsPath, Addr: addr.String(), HostVeth: hostName, ResolvConf: m.resolvConf()}, nil
+	return a, nil
+}
+
+// macOf is a sandbox's MAC: locally administered, unicast, its IPv4
+// address in the last four bytes (unique on the bridge, as addresses are).
+func macOf(a netip.Addr) net.HardwareAddr {
+	b := a.As4()
+	return net.HardwareAddr{0x02, 0x64, b[0], b[1], b[2], b[3]}
+}
+
+// sourceKey is a sandbox's element of the bridge table's sources set
+// (ifname . ether_addr . ipv4_addr, each field padded to 4 bytes).
+func sourceKey(a *Attachment) ([]byte, error) {
+	mac, err := net.ParseMAC(a.MAC)
+	if err != nil || len(mac) != 6 {
+		return nil, fmt.Errorf("sandbox MAC %q: %v", a.MAC, err)
+	}
+	ip, err := netip.ParseAddr(a.Addr)
+	if err != nil || !ip.Is4() {
+		return nil, fmt.Errorf("sandbox address %q: %v", a.Addr, err)
+	}
+	if len(a.HostVeth) == 0 || len(a.HostVeth) >= unix.IFNAMSIZ {
+		return nil, fmt.Errorf("bridge port %q", a.HostVeth)
+	}
+	k := make([]byte, unix.IFNAMSIZ+8+4)
+	copy(k, a.HostVeth)
+	copy(k[unix.IFNAMSIZ:], mac)
+	b := ip.As4()
+	copy(k[unix.IFNAMSIZ+8:], b[:])
+	return k, nil
+}
+
+// allowSource lets the sandbox's port carry its MAC and address. Adding
+// it again is harmless.
+func (m *Manager) allowSource(a *Attachment) error {
+	k, err := sourceKey(a)
+	if err != nil {
+		return err
+	}
+	m.forgetMu.Lock()
+	m.forgotten = slices.DeleteFunc(m.forgotten, func(f []byte) bool { return bytes.Equal(f, k) })
+	m.forgetMu.Unlock()
+	return setElements(false, unix.NFPROTO_BRIDGE, m.cfg.Table, "sources", k)
+}
+
+// forgetSource removes what allowSource added, within forgetBatch. The
+// element is inert meanwhile: its port is gone or going, and port names
+// are never reused.
+func (m *Manager) forgetSource(a *Attachment) {
+	k, err := sourceKey(a)
+	if err != nil {
+		return
+	}
+	m.forgetMu.Lock()
+	defer m.forgetMu.Unlock()
+	m.forgotten = append(m.forgotten, k)
+	if m.flushing == nil {
+		m.flushing = time.AfterFunc(forgetBatch, m.flushForgotten)
+	}
+}
+
+// flushForgotten removes the queued elements in one transaction (one by
+// one if some are gone already, which fails the whole transaction).
+func (m *Manager) flushForgotten() {
+	m.forgetMu.Lock()
+	keys := m.forgotten
+	m.forgotten = nil
+	if m.flushing != nil {
+		m.flushing.Stop()
+		m.flushing = nil
+	}
+	m.forgetMu.Unlock()
+	if len(keys) == 0 {
+		return
+	}
+	err := setElements(true, unix.NFPROTO_BRIDGE, m.cfg.Table, "sources", keys...)
+	if isNotExist(err) && len(keys) > 1 {
+		err = nil
+		for _, k := range keys {
+			if e := setElements(true, unix.NFPROTO_BRIDGE, m.cfg.Table, "sources", k); e != nil && !isNotExist(e) {
+				err = e
+			}
+		}
+	}
+	if err != nil && !isNotExist(err) {
+		m.log.Warn("remove released sandboxes' addresses from the bridge table", slog.Int("elements", len(keys)), slog.Any("error", err))
+	}
+}
+
+// hardenPort fixes what the bridge and the host believe about the port:
+// isolated (no frames to other ports), no learning and a static
+// forwarding entry for the sandbox's MAC (frames to it go to this port
+// only, whatever others send), no flooding of unknown unicast to it, and
+// a permanent neighbour entry on the host (ARP cannot rewrite it). All of
+// it is idempotent, so Restore repeats it.
+func (m *Manager) hardenPort(host, br netlink.Link, a *Attachment) error {
+	mac, err := net.ParseMAC(a.MAC)
+	if err != nil {
+		return err
+	}
+	ip, err := netip.ParseAddr(a.Addr)
+	if err != nil {
+		return err
+	}
+	if err := netlink.LinkSetIsolated(host, true); err != nil {
+		return fmt.Errorf("isolate: %w", err)
+	}
+	if err := netlink.LinkSetLearning(host, false); err != nil {
+		return fmt.Errorf("learning off: %w", err)
+	}
+	if err := netlink.LinkSetFlood(host, false); err != nil {
+		return fmt.Errorf("flooding off: %w", err)
+	}
+	if err := netlink.NeighSet(&netlink.Neigh{
+		LinkIndex: host.Attrs().Index, Family: unix.AF_BRIDGE, Flags: netlink.NTF_MASTER,
+		State: netlink.NUD_NOARP, HardwareAddr: mac,
+	}); err != nil {
+		return fmt.Errorf("static forwarding entry: %w", err)
+	}
+	if err := netlink.NeighSet(&netlink.Neigh{
+		LinkIndex: br.Attrs().Index, Family: unix.AF_INET, State: netlink.NUD_PERMANENT,
+		IP: ip.AsSlice(), HardwareAddr: mac,
+	}); err != nil {
+		return fmt.Errorf("permanent neighbour entry: %w", err)
+	}
+	return nil
+}
+
+// forgetNeighbour removes the host's neighbour entry for the sandbox, if
+// there is one.
+func (m *Manager) forgetNeighbour(a *Attachment) {
+	ip, err := netip.ParseAddr(a.Addr)
+	if err != nil {
+		return
+	}
+	if br, err := netlink.LinkByName(m.cfg.Bridge); err == nil {
+		netlink.NeighDel(&netlink.Neigh{LinkIndex: br.Attrs().Index, Family: unix.AF_INET, IP: ip.AsSlice()})
+	}
 }
 
 func (m *Manager) bridgeMTU() int {
@@ -335,9 +738,6 @@ func (m *Manager) configureInside(ns netns.NsHandle, ifname string, addr netip.A
 	if err != nil {
 		return err
 	}
-	if err := h.LinkSetName(link, "eth0"); err != nil {
-		return err
-	}
 	ipnet := &net.IPNet{IP: addr.AsSlice(), Mask: net.CIDRMask(m.prefix.Bits(), 32)}
 	if err := h.AddrAdd(link, &netlink.Addr{IPNet: ipnet}); err != nil {
 		return err
@@ -351,11 +751,17 @@ func (m *Manager) configureInside(ns netns.NsHandle, ifname string, addr netip.A
 	return h.RouteAdd(&netlink.Route{LinkIndex: link.Attrs().Index, Gw: m.gateway.AsSlice()})
 }
 
-// Release tears a sandbox's network down. It is idempotent.
+// Release tears a sandbox's network down: the host's neighbour entry, the
+// veth (with the port's forwarding entry), the namespace, and, batched
+// within forgetBatch, its bridge table element. It is idempotent.
 func (m *Manager) Release(a *Attachment) {
 	if a == nil || a.Mode != ModeEgress {
 		return
 	}
+	if a.MAC != "" && m.egress == "" {
+		m.forgetSource(a)
+	}
+	m.forgetNeighbour(a)
 	if a.HostVeth != "" {
 		if l, err := netlink.LinkByName(a.HostVeth); err == nil {
 			netlink.LinkDel(l)
@@ -370,7 +776,11 @@ func (m *Manager) Release(a *Attachment) {
 	}
 }
 
-// Restore re-registers an attachment persisted before a restart.
+// Restore re-registers an attachment persisted before a restart and puts
+// back what the restart's fresh rules lack: the port's element in the
+// bridge table (until then the port drops everything), and the port's
+// group and hardening for attachments made before them. An error leaves
+// the port closed; Release still cleans up.
 func (m *Manager) Restore(id string, raw []byte) (*Attachment, error) {
 	if len(raw) == 0 {
 		return &Attachment{Mode: ModeNone}, nil
@@ -385,7 +795,67 @@ func (m *Manager) Restore(id string, raw []byte) (*Attachment, error) {
 		m.mu.Unlock()
 	}
 	a.ResolvConf = m.resolvConf()
+	if a.Mode != ModeEgress || m.egress != "" {
+		return &a, nil
+	}
+	if err := m.readopt(&a); err != nil {
+		m.log.Warn("re-adopt a sandbox's network: its port stays closed", slog.String("sandbox_id", id), slog.Any("error", err))
+		return &a, err
+	}
 	return &a, nil
+}
+
+func (m *Manager) readopt(a *Attachment) error {
+	host, err := netlink.LinkByName(a.HostVeth)
+	if err != nil {
+		return fmt.Errorf("find veth: %w", err)
+	}
+	if a.MAC == "" {
+		mac, err := macInside(a.NetNS)
+		if err != nil {
+			return fmt.Errorf("read the sandbox's MAC: %w", err)
+		}
+		a.MAC = mac.String()
+	}
+	if err := m.allowSource(a); err != nil {
+		return err
+	}
+	if host.Attrs().Group != m.group {
+		if err := netlink.LinkSetGroup(host, int(m.group)); err != nil {
+			return fmt.Errorf("set the port's group: %w", err)
+		}
+	}
+	br, err := netlink.LinkByName(m.cfg.Bridge)
+	if err != nil {
+		return fmt.Errorf("find bridge: %w", err)
+	}
+	// A bridge deleted while the node was down was made anew at start,
+	// without ports.
+	if host.Attrs().MasterIndex != br.Attrs().Index {
+		if err := netlink.LinkSetMaster(host, br); err != nil {
+			return fmt.Errorf("attach veth to bridge: %w", err)
+		}
+	}
+	return m.hardenPort(host, br, a)
+}
+
+// macInside reads eth0's MAC in the namespace at path.
+func macInside(path string) (net.HardwareAddr, error) {
+	ns, err := netns.GetFromPath(path)
+	if err != nil {
+		return nil, err
+	}
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		return nil, err
+	}
+	defer h.Close()
+	l, err := h.LinkByName("eth0")
+	if err != nil {
+		return nil, err
+	}
+	return l.Attrs().HardwareAddr, nil
 }
 
 func (m *Manager) allocate(id string) (netip.Addr, error) {
@@ -445,6 +915,13 @@ func newNamedNetNS(path string) error {
 		// Never unlocked: the thread exits with this goroutine.
 		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
 			errc <- err
+			return
+		}
+		// Sandboxes have no IPv6: interfaces made or moved into the
+		// namespace from now on (eth0) get none; loopback keeps ::1.
+		// Without IPv6 in the kernel there is nothing to turn off.
+		if err := os.WriteFile("/proc/sys/net/ipv6/conf/default/disable_ipv6", []byte("1"), 0); err != nil && !os.IsNotExist(err) {
+			errc <- fmt.Errorf("disable IPv6: %w", err)
 			return
 		}
 		src := fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid())

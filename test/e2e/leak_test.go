@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -59,6 +60,12 @@ func TestHundredCreateDeleteCyclesLeaveNothingBehind(t *testing.T) {
 		if _, err := net.InterfaceByName(vethOf(sb.ID)); mode == "egress" && err != nil {
 			t.Fatalf("cycle %d: the check below would not see the sandbox's veth: %v", i, err)
 		}
+		if i == 1 {
+			_, table := srv.Network()
+			if out, _ := exec.Command("nft", "list", "set", "bridge", table, "sources").CombinedOutput(); !strings.Contains(string(out), vethOf(sb.ID)) {
+				t.Fatalf("the check below would not see the sandbox's bridge table element: %s", out)
+			}
+		}
 		if err := sb.Close(); err != nil {
 			t.Fatalf("cycle %d delete: %v", i, err)
 		}
@@ -91,6 +98,17 @@ func TestHundredCreateDeleteCyclesLeaveNothingBehind(t *testing.T) {
 				left = append(left, "network interface "+n)
 			}
 		}
+	}
+	// The bridge table's per-sandbox source elements and the host's
+	// permanent neighbour entries for sandboxes.
+	bridge, table := srv.Network()
+	if out, err := exec.Command("nft", "list", "set", "bridge", table, "sources").CombinedOutput(); err != nil {
+		left = append(left, fmt.Sprintf("unreadable bridge table: %v: %s", err, out))
+	} else if strings.Contains(string(out), "elements") {
+		left = append(left, "bridge table elements: "+string(out))
+	}
+	if out, _ := exec.Command("ip", "neigh", "show", "dev", bridge, "nud", "permanent").CombinedOutput(); len(strings.TrimSpace(string(out))) > 0 {
+		left = append(left, "permanent neighbour entries: "+string(out))
 	}
 	if list, _ := c.List(ctx, ""); len(list) > 0 {
 		left = append(left, fmt.Sprintf("%d listed sandboxes", len(list)))

@@ -15,7 +15,9 @@ import (
 )
 
 // outside makes a network namespace that stands for the internet: a veth to
-// the host with a web server behind it.
+// the host with a web server behind it, reached through a /32 route (the
+// host's address on the veth is a /32 too), so it is beyond the host and
+// none of the host's own networks, which sandboxes cannot reach.
 func outside(t *testing.T) string {
 	t.Helper()
 	name := fmt.Sprintf("dsecext%d", os.Getpid()%100000)
@@ -33,11 +35,13 @@ func outside(t *testing.T) string {
 		exec.Command("ip", "link", "del", hostIf).Run()
 	})
 	run("ip", "link", "add", hostIf, "type", "veth", "peer", "name", "eth9", "netns", name)
-	run("ip", "addr", "add", sub+".1/24", "dev", hostIf)
+	run("ip", "addr", "add", sub+".1/32", "dev", hostIf)
 	run("ip", "link", "set", hostIf, "up")
-	run("ip", "netns", "exec", name, "ip", "addr", "add", sub+".2/24", "dev", "eth9")
+	run("ip", "route", "add", sub+".2/32", "dev", hostIf)
+	run("ip", "netns", "exec", name, "ip", "addr", "add", sub+".2/32", "dev", "eth9")
 	run("ip", "netns", "exec", name, "ip", "link", "set", "eth9", "up")
 	run("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
+	run("ip", "netns", "exec", name, "ip", "route", "add", sub+".1/32", "dev", "eth9")
 	run("ip", "netns", "exec", name, "ip", "route", "add", "default", "via", sub+".1")
 	dir := t.TempDir()
 	os.WriteFile(dir+"/index.html", []byte("hello from outside\n"), 0o644)
@@ -138,6 +142,19 @@ func TestEgressNetwork(t *testing.T) {
 		r, _ := none.Exec(ctx, dsec.Cmd("ls /sys/class/net"))
 		if strings.TrimSpace(string(r.Stdout)) != "lo" {
 			t.Fatalf("interfaces: %q", r.Stdout)
+		}
+	})
+	t.Run("after a node restart an egress sandbox's network is re-adopted", func(t *testing.T) {
+		// The restart reinstalls the rules with every port closed;
+		// re-adoption opens the sandbox's port for its own addresses.
+		srv.Restart()
+		_, table := srv.Network()
+		out, err := exec.Command("nft", "list", "set", "bridge", table, "sources").CombinedOutput()
+		if err != nil || !strings.Contains(string(out), vethOf(a.ID)) {
+			t.Fatalf("the bridge table after the restart (%v): %s", err, out)
+		}
+		if out, ok := fetch(a, "http://"+ext+":8080/"); !ok || out != "hello from outside\n" {
+			t.Fatalf("got %q ok=%v", out, ok)
 		}
 	})
 }

@@ -143,10 +143,18 @@ func (nb *neighbour) p50(t *testing.T) time.Duration {
 }
 
 // check measures the neighbour while an attack runs and fails t if its
-// p50 is more than twice what it was before the attack.
+// p50 is more than twice what it was before the attack. The host is
+// shared, and a burst of others' load can double one p50, while an
+// attack's effect lasts as long as it runs: the best of up to three
+// measurements counts.
 func (nb *neighbour) check(t *testing.T) {
 	t.Helper()
-	during := nb.p50(t)
+	var during time.Duration
+	for i := 0; i < 3 && (i == 0 || during > 2*nb.before); i++ {
+		if d := nb.p50(t); i == 0 || d < during {
+			during = d
+		}
+	}
 	t.Logf("neighbour exec p50: %v before, %v during the attack", nb.before, during)
 	if during > 2*nb.before {
 		t.Errorf("neighbour exec p50 %v during the attack, more than 2x its %v before", during, nb.before)

@@ -163,6 +163,78 @@ func TestGuestChannelIsNotReachableFromInside(t *testing.T) {
 	}
 }
 
+func TestSandboxesHaveNoRawSocketsButPing(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	// A layer over the image with a copy of busybox carrying
+	// cap_net_raw+ep, as Debian installs ping.
+	top := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(top, "opt"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	bb, err := os.ReadFile("/bin/busybox")
+	if err != nil {
+		t.Skip("needs Debian's busybox-static")
+	}
+	capped := filepath.Join(top, "opt", "busybox")
+	if err := os.WriteFile(capped, bb, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// VFS_CAP_REVISION_2, effective, permitted = 1<<CAP_NET_RAW.
+	xattr := []byte{0x01, 0x00, 0x00, 0x02, 0x00, 0x20, 0x00, 0x00, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+	if err := syscall.Setxattr(capped, "security.capability", xattr, 0); err != nil {
+		t.Skipf("cannot set file capabilities here: %v", err)
+	}
+	spec := &substrate.Spec{ID: fmt.Sprintf("raw%d", os.Getpid()), Dir: t.TempDir(), Layers: append([]string{top}, layers...), Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
+	inst, err := d.Create(context.Background(), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(context.Background())
+	run := func(t *testing.T, cmd string) (int32, string) {
+		t.Helper()
+		x, err := inst.Guest().Run(context.Background(), (&runExec{cmd + " 2>&1"}).exec())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return x.ExitCode, string(x.Stdout)
+	}
+	t.Run("CAP_NET_RAW is in no set a process uses", func(t *testing.T) {
+		for _, cmd := range []string{"cat /proc/self/status", "/opt/busybox cat /proc/self/status"} {
+			_, out := run(t, cmd)
+			for _, line := range strings.Split(out, "\n") {
+				f := strings.Fields(line)
+				if len(f) != 2 || !strings.HasPrefix(f[0], "Cap") || f[0] == "CapBnd:" {
+					continue
+				}
+				v, err := strconv.ParseUint(f[1], 16, 64)
+				if err != nil {
+					t.Fatalf("%q: %v", line, err)
+				}
+				if v&(1<<13) != 0 { // CAP_NET_RAW
+					t.Errorf("%s: %s has CAP_NET_RAW", cmd, line)
+				}
+			}
+		}
+	})
+	t.Run("raw and packet sockets are refused", func(t *testing.T) {
+		for _, cmd := range []string{"ping -c1 -W1 127.0.0.1", "arping -c1 -w1 -I lo 127.0.0.1", "/opt/busybox arping -c1 -w1 -I lo 127.0.0.1"} {
+			if code, out := run(t, cmd); code == 0 || !strings.Contains(strings.ToLower(out), "permi") {
+				t.Errorf("%s: exit %d, %q", cmd, code, out)
+			}
+		}
+	})
+	t.Run("a binary with file capability cap_net_raw+ep still runs", func(t *testing.T) {
+		if code, out := run(t, "/opt/busybox true"); code != 0 {
+			t.Errorf("exit %d, %q", code, out)
+		}
+	})
+	t.Run("ICMP datagram sockets are open to every group", func(t *testing.T) {
+		if _, out := run(t, "cat /proc/sys/net/ipv4/ping_group_range"); strings.Join(strings.Fields(out), " ") != "0 2147483647" {
+			t.Errorf("ping_group_range %q", out)
+		}
+	})
+}
+
 func TestHundredCreateDeleteCyclesLeaveNothing(t *testing.T) {
 	if testing.Short() {
 		t.Skip("slow")

@@ -16,11 +16,34 @@ import (
 // guestPath is where the agent binary appears inside every container.
 const guestPath = "/.dsec/guest"
 
-// defaultCaps is Docker's default capability set.
-var defaultCaps = []string{
-	"CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+// sandboxCaps are the capabilities of a sandbox's processes: Docker's
+// default set without CAP_NET_RAW. Without it nothing in a sandbox opens a
+// raw or packet socket, so nothing forges frames (ARP, MAC or source
+// address spoofing on the node's bridge, which also filters them: see
+// internal/network). Ping uses ICMP datagram sockets instead, which
+// sandboxSysctls open to every group.
+var sandboxCaps = []string{
+	"CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD",
 	"CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
 	"CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+}
+
+// boundingCaps are sandboxCaps and CAP_NET_RAW, in the bounding set only.
+// The kernel refuses to execute a file whose capabilities (xattr) are not
+// all in the bounding set, and Debian's iputils-ping is installed with
+// cap_net_raw+ep: without it there, `ping` would not even start (EPERM).
+// It grants nothing: with no_new_privs, which every sandbox has, an execve
+// never raises the permitted set above the caller's, so ping runs without
+// the capability and falls back to a datagram socket. Were no_new_privs
+// ever dropped, CAP_NET_RAW must leave this set too.
+var boundingCaps = append(append([]string(nil), sandboxCaps...), "CAP_NET_RAW")
+
+// sandboxSysctls are set in every sandbox's network namespace.
+var sandboxSysctls = map[string]string{
+	// ICMP echo sockets (SOCK_DGRAM, IPPROTO_ICMP) for every group: ping
+	// without CAP_NET_RAW. They send echo requests only; the kernel sets
+	// the headers.
+	"net.ipv4.ping_group_range": "0 2147483647",
 }
 
 // maskedPaths hide host information; kpage* are there because reading them
@@ -38,9 +61,12 @@ var readonlyPaths = []string{
 
 // ociSpec builds the runtime spec for a sandbox whose init is the agent.
 func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, error) {
-	caps := append([]string(nil), defaultCaps...)
+	caps := append([]string(nil), sandboxCaps...)
+	bounding := append([]string(nil), boundingCaps...)
 	if s.MountNamespaces {
+		// Function workers' root processes make calls' private mounts.
 		caps = append(caps, "CAP_SYS_ADMIN")
+		bounding = append(bounding, "CAP_SYS_ADMIN")
 	}
 	env := s.Env
 	if !hasVar(env, "PATH") {
@@ -62,10 +88,10 @@ func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, er
 			Cwd:  "/",
 			User: specs.User{UID: 0, GID: 0},
 			Capabilities: &specs.LinuxCapabilities{
-				Bounding: caps, Effective: caps, Permitted: caps,
+				Bounding: bounding, Effective: caps, Permitted: caps,
 			},
 			Rlimits:         []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: d.nofile, Soft: d.nofile}},
-			NoNewPrivileges: true,
+			NoNewPrivileges: true, // boundingCaps rely on it
 			OOMScoreAdj:     oomAdj,
 		},
 		Mounts: []specs.Mount{
@@ -89,6 +115,7 @@ func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, er
 				{Type: specs.MountNamespace}, {Type: specs.NetworkNamespace, Path: s.Network.NetNS},
 			},
 			Resources: d.resources(s),
+			Sysctl:    sandboxSysctls,
 		},
 	}
 	for _, t := range s.Tmpfs {
@@ -120,10 +147,11 @@ func (d *Driver) seccompFor(s *substrate.Spec) *seccompCache {
 	return d.seccomp
 }
 
-// defaultSeccomp is Docker's default profile for the default capabilities.
+// defaultSeccomp is Docker's default profile for the sandbox's
+// capabilities (those its processes can use).
 func defaultSeccomp() (*specs.LinuxSeccomp, error) {
 	return seccomp.GetDefaultProfile(&specs.Spec{Process: &specs.Process{Capabilities: &specs.LinuxCapabilities{
-		Bounding: defaultCaps, Effective: defaultCaps, Permitted: defaultCaps,
+		Bounding: sandboxCaps, Effective: sandboxCaps, Permitted: sandboxCaps,
 	}}})
 }
 

@@ -1,0 +1,106 @@
+package network
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// setElements adds (or, with del, deletes) elements of a named nftables set
+// in one nfnetlink transaction, as `nft add element` does, without starting
+// nft (≈3 ms of CPU a time). Adding an element that exists is not an
+// error; deleting one that does not is (ENOENT, which callers may ignore).
+// keys are the elements' data as the kernel stores them: each field of a
+// concatenation padded to a multiple of 4 bytes.
+func setElements(del bool, family uint8, table, set string, keys ...[]byte) error {
+	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
+	if err != nil {
+		return fmt.Errorf("nfnetlink socket: %w", err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return fmt.Errorf("nfnetlink bind: %w", err)
+	}
+	tv := unix.Timeval{Sec: 5}
+	if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
+		return err
+	}
+
+	var elems []byte
+	for _, k := range keys {
+		key := attr(unix.NFTA_SET_ELEM_KEY|unix.NLA_F_NESTED, attr(unix.NFTA_DATA_VALUE, k))
+		elems = append(elems, attr(unix.NFTA_LIST_ELEM|unix.NLA_F_NESTED, key)...)
+	}
+	var body []byte
+	body = append(body, attr(unix.NFTA_SET_ELEM_LIST_TABLE, cstring(table))...)
+	body = append(body, attr(unix.NFTA_SET_ELEM_LIST_SET, cstring(set))...)
+	body = append(body, attr(unix.NFTA_SET_ELEM_LIST_ELEMENTS|unix.NLA_F_NESTED, elems)...)
+
+	typ, flags := uint16(unix.NFT_MSG_NEWSETELEM), uint16(unix.NLM_F_REQUEST|unix.NLM_F_ACK|unix.NLM_F_CREATE)
+	if del {
+		typ, flags = unix.NFT_MSG_DELSETELEM, unix.NLM_F_REQUEST|unix.NLM_F_ACK
+	}
+	const seq = 2 // of the message whose answer counts; the batch is 1..3
+	var b []byte
+	b = nfMessage(b, unix.NFNL_MSG_BATCH_BEGIN, unix.NLM_F_REQUEST, 1, unix.AF_UNSPEC, unix.NFNL_SUBSYS_NFTABLES, nil)
+	b = nfMessage(b, unix.NFNL_SUBSYS_NFTABLES<<8|typ, flags, seq, family, 0, body)
+	b = nfMessage(b, unix.NFNL_MSG_BATCH_END, unix.NLM_F_REQUEST, 3, unix.AF_UNSPEC, unix.NFNL_SUBSYS_NFTABLES, nil)
+	if err := unix.Sendto(fd, b, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return fmt.Errorf("nfnetlink send: %w", err)
+	}
+	buf := make([]byte, 1<<16)
+	for {
+		n, _, err := unix.Recvfrom(fd, buf, 0)
+		if err != nil {
+			return fmt.Errorf("nfnetlink receive: %w", err)
+		}
+		msgs, err := syscall.ParseNetlinkMessage(buf[:n])
+		if err != nil {
+			return fmt.Errorf("nfnetlink answer: %w", err)
+		}
+		for _, m := range msgs {
+			if m.Header.Type != unix.NLMSG_ERROR || len(m.Data) < 4 {
+				continue
+			}
+			errno := -int32(binary.NativeEndian.Uint32(m.Data[:4]))
+			if errno != 0 {
+				return syscall.Errno(errno)
+			}
+			if m.Header.Seq == seq {
+				return nil
+			}
+		}
+	}
+}
+
+// isNotExist reports whether err says the element (or its set) is gone.
+func isNotExist(err error) bool { return errors.Is(err, unix.ENOENT) }
+
+// nfMessage appends a netlink message with an nfgenmsg header.
+func nfMessage(b []byte, typ, flags uint16, seq uint32, family uint8, resID uint16, body []byte) []byte {
+	const hdr = unix.SizeofNlMsghdr + 4
+	b = binary.NativeEndian.AppendUint32(b, uint32(hdr+len(body)))
+	b = binary.NativeEndian.AppendUint16(b, typ)
+	b = binary.NativeEndian.AppendUint16(b, flags)
+	b = binary.NativeEndian.AppendUint32(b, seq)
+	b = binary.NativeEndian.AppendUint32(b, 0) // port id: the kernel's
+	b = append(b, family, unix.NFNETLINK_V0)
+	b = binary.BigEndian.AppendUint16(b, resID)
+	return append(b, body...)
+}
+
+// attr encodes one netlink attribute, padded to 4 bytes.
+func attr(typ uint16, data []byte) []byte {
+	b := binary.NativeEndian.AppendUint16(nil, uint16(4+len(data)))
+	b = binary.NativeEndian.AppendUint16(b, typ)
+	b = append(b, data...)
+	for len(b)%4 != 0 {
+		b = append(b, 0)
+	}
+	return b
+}
+
+func cstring(s string) []byte { return append([]byte(s), 0) }
