@@ -450,19 +450,25 @@ func (c *Client) WriteFile(ctx context.Context, w *guestv1.WriteFile, r io.Reade
 		}
 		answer <- m
 	}()
+	// sendFailed prefers the agent's answer to a failed send: an agent that
+	// refused the write answers, then closes, and the next send (data or
+	// the end mark) breaks on the closed connection.
+	sendFailed := func(err error) error {
+		select {
+		case err := <-answerErr:
+			return err
+		case m := <-answer:
+			return errdefs.Internal(nil, "agent answered early with %T", m.Msg)
+		case <-time.After(5 * time.Second):
+		}
+		return cn.wrap(ctx, err)
+	}
 	buf := make([]byte, ChunkSize)
 	for {
 		n, rerr := r.Read(buf)
 		if n > 0 {
 			if err := cn.w.Write(&guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Data{Data: buf[:n]}}); err != nil {
-				select {
-				case err := <-answerErr:
-					return nil, err
-				case m := <-answer:
-					return nil, errdefs.Internal(nil, "agent answered early with %T", m.Msg)
-				case <-time.After(5 * time.Second):
-				}
-				return nil, cn.wrap(ctx, err)
+				return nil, sendFailed(err)
 			}
 		}
 		if rerr == io.EOF {
@@ -478,7 +484,7 @@ func (c *Client) WriteFile(ctx context.Context, w *guestv1.WriteFile, r io.Reade
 		}
 	}
 	if err := cn.w.Write(&guestv1.ClientMsg{Msg: &guestv1.ClientMsg_End{End: &guestv1.End{}}}); err != nil {
-		return nil, cn.wrap(ctx, err)
+		return nil, sendFailed(err)
 	}
 	select {
 	case err := <-answerErr:

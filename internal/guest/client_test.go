@@ -319,6 +319,17 @@ func TestFiles(t *testing.T) {
 			t.Fatalf("range %q", b)
 		}
 	})
+	t.Run("a write the agent refuses at once answers with the refusal, never as unreachable", func(t *testing.T) {
+		// The agent answers and closes before the data and the end mark are
+		// sent: whichever send breaks, the caller gets the agent's reason.
+		missing := filepath.Join(dir, "no", "such", "dir", "f")
+		for i := range 200 {
+			_, err := c.WriteFile(ctx, &guestv1.WriteFile{Path: missing}, strings.NewReader("x"))
+			if !errdefs.Is(err, errdefs.KindNotFound) {
+				t.Fatalf("write %d into a missing directory: %v, want not found", i, err)
+			}
+		}
+	})
 	t.Run("list, stat, rename and remove", func(t *testing.T) {
 		d := filepath.Join(dir, "tree")
 		if _, err := c.MakeDir(ctx, &guestv1.MakeDir{Path: filepath.Join(d, "x", "y")}); err != nil {

@@ -325,7 +325,7 @@ func udpFrame(dst, src net.HardwareAddr, sip, dip net.IP, payload []byte) []byte
 	return append(b, ip...)
 }
 
-func marker(what string) []byte {
+func frameMarker(what string) []byte {
 	r := make([]byte, 6)
 	rand.Read(r)
 	return []byte("dsec-" + what + "-" + hex.EncodeToString(r))
@@ -490,7 +490,7 @@ func TestASandboxWithRawSocketsCannotSpoofItsNeighbours(t *testing.T) {
 
 	raw := openPacket(t, attackerNS, "eth0")
 	outCap := openPacket(t, outsideNS, "eth9")
-	spoofVictim, spoofForeign, spoofMAC, legit := marker("spoof-victim-ip"), marker("spoof-foreign-ip"), marker("spoof-mac"), marker("legit")
+	spoofVictim, spoofForeign, spoofMAC, legit := frameMarker("spoof-victim-ip"), frameMarker("spoof-foreign-ip"), frameMarker("spoof-mac"), frameMarker("legit")
 	foreign := net.IPv4(203, 0, 113, 99).To4()
 	zero := make(net.HardwareAddr, 6)
 	arpSpoofing := [][]byte{
@@ -547,7 +547,7 @@ func TestASandboxWithRawSocketsCannotSpoofItsNeighbours(t *testing.T) {
 	probeVictim := func(t *testing.T) {
 		victimCap := openPacket(t, victimNS, "eth0")
 		attackerCap := openPacket(t, attackerNS, "eth0")
-		probe := marker("probe")
+		probe := frameMarker("probe")
 		stop := make(chan struct{})
 		var victimSeen, attackerSeen map[string]int
 		var wg sync.WaitGroup
