@@ -16,7 +16,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"os/signal"
 	"sync"
 	"syscall"
 	"time"
@@ -56,20 +55,12 @@ func New(log *slog.Logger) *Agent {
 
 // Harden applies the protections an agent running as a sandbox's init
 // needs: no ptrace or /proc/<pid>/fd access from the sandbox, no death by
-// stray signals, and child-reaping for orphans.
+// any signal a process can send (see ignoreSignals), and child-reaping for
+// orphans.
 func Harden() {
 	unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0)
 	unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-	// A handled signal reaches the agent's handler and is dropped; children
-	// get default dispositions back at exec (an ignored one would be
-	// inherited).
-	sigs := make(chan os.Signal, 16)
-	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT,
-		syscall.SIGUSR1, syscall.SIGUSR2, syscall.SIGTSTP, syscall.SIGTTIN, syscall.SIGTTOU, syscall.SIGPIPE)
-	go func() {
-		for range sigs {
-		}
-	}()
+	ignoreSignals()
 }
 
 // Serve accepts connections on l until l fails.
