@@ -39,6 +39,12 @@ type Agent struct {
 	// off (the agent is a service of a full VM, not its init).
 	powerOff bool
 
+	// spawner forks every process (nil: from any thread, no cgroups);
+	// spoolDir holds spooled output (nil: memory). Both are set before
+	// Serve.
+	spawner  *Spawner
+	spoolDir *os.File
+
 	mu       sync.Mutex
 	deadline *time.Timer
 	env      []string // added to the agent's own environment for processes
@@ -52,6 +58,14 @@ func New(log *slog.Logger) *Agent {
 	go a.procs.reap()
 	return a
 }
+
+// UseSpawner makes the agent start every process with sp (see Shield).
+// Call it before Serve.
+func (a *Agent) UseSpawner(sp *Spawner) { a.spawner = sp }
+
+// SpoolIn makes the agent spool collected output in dir, a directory
+// outside the sandbox's reach (see tailSpool). Call it before Serve.
+func (a *Agent) SpoolIn(dir *os.File) { a.spoolDir = dir }
 
 // Harden applies the protections an agent running as a sandbox's init
 // needs: no ptrace or /proc/<pid>/fd access from the sandbox, no death by
@@ -276,10 +290,7 @@ func (a *Agent) serveExec(x *guestv1.Exec, r *guest.Reader, w *guest.Writer) {
 		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Exit{Exit: &guestv1.Exit{ExitCode: 127, Error: err.Error(), Stderr: []byte(err.Error() + "\n")}}})
 		return
 	}
-	if x.Collect {
-		<-p.done
-		return
-	}
+	// Collect mode too: stdin larger than a frame arrives as Input.
 	a.follow(p, s, r)
 }
 

@@ -270,10 +270,16 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if err := writeEtc(s.Dir, s); err != nil {
 		return nil, errdefs.Internal(err, "write sandbox /etc files")
 	}
+	agentFiles, undoAgent, err := d.prepareAgent(s.ID, s.Dir)
+	if err != nil {
+		return nil, errdefs.Internal(err, "prepare the agent's cgroups")
+	}
+	undo.Push(undoAgent)
 	spec, err := d.ociSpec(s, rootfs, s.Dir)
 	if err != nil {
 		return nil, errdefs.Internal(err, "build runtime spec")
 	}
+	spec.Process.Args = append(spec.Process.Args, agentFiles.args...)
 	b, err := json.Marshal(spec)
 	if err != nil {
 		return nil, errdefs.Internal(err, "encode runtime spec")
@@ -289,8 +295,8 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	undo.Push(func() { os.Remove(sock) })
 	pidFile := filepath.Join(s.Dir, "pid")
 	// The runtime outlives this call (and the node): no ctx on the command.
-	cmd := exec.Command(d.runtime, "--root", d.runRoot, "run", "--pid-file", pidFile, "--bundle", s.Dir, "--preserve-fds", "1", s.ID)
-	cmd.ExtraFiles = []*os.File{lf}
+	cmd := exec.Command(d.runtime, "--root", d.runRoot, "run", "--pid-file", pidFile, "--bundle", s.Dir, "--preserve-fds", strconv.Itoa(1+len(agentFiles.files)), s.ID)
+	cmd.ExtraFiles = append([]*os.File{lf}, agentFiles.files...)
 	// The container inherits the runtime's stdio: a file on the host,
 	// outside the sandbox's view.
 	logPath := filepath.Join(s.Dir, "init.log")
@@ -304,6 +310,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	startErr := cmd.Start()
 	logFile.Close()
 	lf.Close() // the agent holds the only copy now
+	agentFiles.close()
 	if startErr != nil {
 		return nil, errdefs.Internal(startErr, "start the OCI runtime")
 	}
@@ -416,6 +423,7 @@ func (d *Driver) Sweep(keep func(id string) bool) int {
 		os.Remove(d.sockPath(e.Name()))
 		n++
 	}
+	d.sweepAgentCgroups(keep)
 	return n
 }
 
