@@ -132,9 +132,14 @@ func (d *Driver) probe() string {
 	if unix.Getrlimit(unix.RLIMIT_NOFILE, &rl) == nil && !d.sysResource && rl.Max < d.nofile {
 		d.nofile = rl.Max
 	}
-	if !d.sysResource {
-		d.log.Warn("node lacks CAP_SYS_RESOURCE: sandbox agents are not shielded from the OOM killer")
-		d.caps.Details["oom_shield"] = "off (no CAP_SYS_RESOURCE)"
+	switch {
+	case d.shieldable():
+		d.caps.Details["agent_shield"] = "cgroups (the agent's own memory and pids cgroups)"
+	case d.sysResource:
+		d.caps.Details["agent_shield"] = "oom_score_adj only (cgroup v2)"
+	default:
+		d.log.Warn("cgroup v2 and no CAP_SYS_RESOURCE: sandbox agents are not shielded from the OOM killer")
+		d.caps.Details["agent_shield"] = "off (cgroup v2 and no CAP_SYS_RESOURCE)"
 	}
 	if b, err := os.ReadFile("/proc/filesystems"); err != nil || !bytes.Contains(b, []byte("overlay")) {
 		return "the kernel has no overlayfs"
