@@ -143,6 +143,7 @@ func (n *Node) result(s *sandbox, x *guestv1.Exit, pid string) *dsecv1.ExecResul
 		// (a memory bomb, a fork bomb): the task's failure, named.
 		r.OomKilled, r.PidsLimited = n.limitsHitSince(s)
 	}
+	r.PidsLimited = r.PidsLimited || x.PidsLimited
 	return r
 }
 

@@ -287,7 +287,10 @@ func (a *Agent) serveExec(x *guestv1.Exec, r *guest.Reader, w *guest.Writer) {
 	if err != nil {
 		// A command that cannot start is the task's failure, reported as an
 		// exit (127 like a shell), not as a broken call.
-		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Exit{Exit: &guestv1.Exit{ExitCode: 127, Error: err.Error(), Stderr: []byte(err.Error() + "\n")}}})
+		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Exit{Exit: &guestv1.Exit{
+			ExitCode: 127, Error: err.Error(), Stderr: []byte(err.Error() + "\n"),
+			PidsLimited: errors.Is(err, syscall.EAGAIN),
+		}}})
 		return
 	}
 	// Collect mode too: stdin larger than a frame arrives as Input.

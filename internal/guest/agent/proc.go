@@ -619,6 +619,13 @@ func (p *proc) appendReplayLocked(fd int32, b []byte) {
 }
 
 func (p *proc) onExit(st exitStatus) {
+	if p.cg != nil && st.ws.Signaled() && st.ws.Signal() == syscall.SIGKILL {
+		// Killed outright (the OOM killer, a timeout, a caller's KILL), the
+		// process could not stop what it started: what it leaves in the
+		// exec's cgroup goes with it, so a fork or memory bomb whose first
+		// process the OOM killer took does not keep the sandbox full.
+		go p.cg.kill()
+	}
 	p.mu.Lock()
 	p.status = &st
 	if p.timer != nil {
@@ -691,6 +698,9 @@ func (p *proc) finish() {
 		CpuUs:      tvUs(st.ru.Utime) + tvUs(st.ru.Stime),
 		MaxRssKb:   st.ru.Maxrss,
 	}
+	if p.cg != nil {
+		x.PidsLimited = p.cg.limitHits() > 0
+	}
 	switch {
 	case st.ws.Exited():
 		x.ExitCode = int32(st.ws.ExitStatus())
@@ -698,7 +708,7 @@ func (p *proc) finish() {
 		x.Signal = int32(st.ws.Signal())
 		x.ExitCode = 128 + int32(st.ws.Signal())
 	}
-	if p.collect {
+	if p.collect && len(p.subs) > 0 {
 		// The tails follow the heads the client has already received.
 		for fd := int32(1); fd <= 2; fd++ {
 			if t := p.tails[fd]; t != nil {

@@ -56,8 +56,9 @@ type Spawner struct {
 	pidsHome *os.File
 	seq      atomic.Uint64
 
-	mu      sync.Mutex
-	pending []string // exec cgroups still holding processes when their exec ended
+	mu        sync.Mutex
+	pending   []string // exec cgroups still holding processes when their exec ended
+	lastSweep time.Time
 }
 
 // Shield moves the agent into the cgroups whose cgroup.procs files are
@@ -117,6 +118,10 @@ func writeCgroup(f *os.File, v string) error {
 type execCgroup struct {
 	sp   *Spawner
 	name string
+
+	mu     sync.Mutex
+	killed bool
+	hits   int // fork failures before the kill (which refuses every fork)
 }
 
 // forkExec starts a process from the spawner thread, in an exec cgroup of
@@ -175,6 +180,36 @@ func (cg *execCgroup) write(file, v string) error {
 	return err
 }
 
+// limitHits counts forks in the exec's cgroup that the sandbox's pids
+// limit refused (those the kill refused are not counted).
+func (cg *execCgroup) limitHits() int {
+	cg.mu.Lock()
+	defer cg.mu.Unlock()
+	if cg.killed {
+		return cg.hits
+	}
+	return cg.forkFailures()
+}
+
+// forkFailures counts forks in the exec's cgroup that a pids limit (its
+// own or the sandbox's) refused.
+func (cg *execCgroup) forkFailures() int {
+	fd, err := unix.Openat(int(cg.sp.execDir.Fd()), cg.name+"/pids.events", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return 0
+	}
+	f := os.NewFile(uintptr(fd), "pids.events")
+	defer f.Close()
+	b, _ := readAll(f)
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "max "); ok {
+			n, _ := strconv.Atoi(strings.TrimSpace(v))
+			return n
+		}
+	}
+	return 0
+}
+
 func (cg *execCgroup) pids() []int {
 	fd, err := unix.Openat(int(cg.sp.execDir.Fd()), cg.name+"/cgroup.procs", unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -209,6 +244,11 @@ func readAll(f *os.File) ([]byte, error) {
 // outrun the kill, then every member is killed until none is left (a fork
 // under way when the limit dropped can still add one).
 func (cg *execCgroup) kill() {
+	cg.mu.Lock()
+	if !cg.killed {
+		cg.hits, cg.killed = cg.forkFailures(), true
+	}
+	cg.mu.Unlock()
 	cg.write("pids.max", "0")
 	for i := 0; i < 50; i++ {
 		pids := cg.pids()
@@ -246,10 +286,16 @@ func (cg *execCgroup) remove() {
 	cg.sp.mu.Unlock()
 }
 
-// sweep removes exec cgroups whose last process has gone.
+// sweep removes exec cgroups whose last process has gone, at most once a
+// second (each holds a live process, so there are at most as many as the
+// sandbox's pids limit).
 func (sp *Spawner) sweep() {
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
+	if len(sp.pending) == 0 || time.Since(sp.lastSweep) < time.Second {
+		return
+	}
+	sp.lastSweep = time.Now()
 	kept := sp.pending[:0]
 	for _, name := range sp.pending {
 		if unix.Unlinkat(int(sp.execDir.Fd()), name, unix.AT_REMOVEDIR) != nil {
