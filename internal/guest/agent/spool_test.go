@@ -52,3 +52,32 @@ func TestTailSpoolKeepsTheLastBytesInOrder(t *testing.T) {
 		}
 	}
 }
+
+func TestTailsShareABudgetAndGiveItBack(t *testing.T) {
+	dir, err := os.Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dir.Close()
+	big := newTailSpool(dir, spoolBudget-10)
+	short := newTailSpool(dir, 100)
+	if short.max != 10 {
+		t.Fatalf("the second tail keeps %d bytes, want the 10 left of the budget", short.max)
+	}
+	data := bytes.Repeat([]byte("x"), 50)
+	if !short.add(data) {
+		t.Error("50 bytes through a tail cut to 10 are not reported as dropped")
+	}
+	var got []byte
+	short.each(64, func(b []byte) { got = append(got, b...) })
+	if len(got) != 10 {
+		t.Errorf("the short tail kept %d bytes, want 10", len(got))
+	}
+	big.close()
+	big.close()
+	if again := newTailSpool(dir, spoolBudget); again.max != spoolBudget {
+		t.Errorf("after both tails closed a new one gets %d bytes, want the whole budget", again.max)
+	} else {
+		again.close()
+	}
+}

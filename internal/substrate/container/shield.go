@@ -16,9 +16,9 @@ const (
 	// agentSuffix names a sandbox's agent cgroup, beside the sandbox's
 	// own: <CgroupParent>/<id>.agent.
 	agentSuffix = ".agent"
-	// agentMemoryLimit bounds the agent's own memory cgroup: its heap, its
-	// threads and the page cache of the output it spools (which the
-	// kernel reclaims under the limit).
+	// agentMemoryLimit bounds the agent's own memory cgroup: its heap and
+	// threads (~20 MiB) and the page cache of the output it spools (at
+	// most the agent's spool budget, 128 MiB, dirty or not).
 	agentMemoryLimit = 256 << 20
 	// agentPidsLimit bounds the agent's threads.
 	agentPidsLimit = 512
