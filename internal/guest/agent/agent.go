@@ -3,10 +3,12 @@
 // background processes a later call can attach to) and serves filesystem
 // operations, one call per connection (see api/dsec/guest/v1).
 //
-// The agent is the sandbox's init: it reaps every process, shields itself
-// from signals sent from inside the sandbox and from the OOM killer, and is
-// not dumpable, so processes in the sandbox cannot ptrace it or read its
-// file descriptors. Its channel to the node is a listening socket it
+// The agent is the sandbox's init: it reaps every process, ignores every
+// signal a process in the sandbox can send (see ignoreSignals), lives in
+// cgroups of its own where the node provides them (see Shield), so the
+// sandbox's OOM killer and pids limit never reach it, and is not dumpable,
+// so processes in the sandbox cannot ptrace it or read its file
+// descriptors. Its channel to the node is a listening socket it
 // inherits; the socket has no path inside the sandbox.
 package agent
 

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -279,6 +280,31 @@ func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 	}
 	if got := member(f, "pids"); !strings.HasPrefix(got, d.cgroupPath(spec.ID)+"/exec-") {
 		t.Errorf("a child is in pids cgroup %q, want an exec's below the sandbox's", got)
+	}
+	// Threads the runtime starts later, while execs block their threads,
+	// are made in the agent's cgroups too: only the spawner is in the
+	// sandbox's.
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			inst.Guest().Run(context.Background(), (&runExec{"sleep 0.3"}).exec())
+		}()
+	}
+	wg.Wait()
+	tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	inSandbox := 0
+	for _, task := range tasks {
+		for _, c := range []string{"memory", "pids"} {
+			if member(fmt.Sprintf("/proc/%d/task/%s/cgroup", pid, task.Name()), c) != d.agentCgroup(spec.ID) {
+				inSandbox++
+			}
+		}
+	}
+	t.Logf("the agent runs %d threads", len(tasks))
+	if inSandbox != 2 {
+		t.Errorf("of the agent's %d threads, %d memberships are outside its cgroups, want 2 (the spawner's memory and pids)", len(tasks), inSandbox)
 	}
 }
 
