@@ -274,6 +274,7 @@ func (i *instance) Destroy(ctx context.Context) error {
 			return errdefs.Internal(err, "delete container")
 		}
 	}
+	i.d.removeSandboxCgroups(i.id)
 	if err := i.d.removeAgentCgroups(i.id); err != nil {
 		i.d.log.Warn("remove the agent's cgroups", slog.String("sandbox_id", i.id), slog.Any("error", err))
 	}

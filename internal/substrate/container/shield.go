@@ -8,8 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-
-	"golang.org/x/sys/unix"
+	"time"
 )
 
 const (
@@ -146,7 +145,54 @@ func (d *Driver) removeAgentCgroups(id string) error {
 	return errors.Join(errs...)
 }
 
-// sweepAgentCgroups removes agent cgroups of sandboxes keep is false for.
+// removeSandboxCgroups removes what is left of a sandbox's own cgroups
+// once its runtime is done: the runtime removes them, but gives up when an
+// exec's cgroup below is still emptying (a fork bomb's thousands of
+// processes take a moment to die). It retries for a few seconds.
+func (d *Driver) removeSandboxCgroups(id string) {
+	if !d.shieldable() {
+		return
+	}
+	ents, err := os.ReadDir(d.cgroups.root)
+	if err != nil {
+		return
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for _, h := range ents {
+		if !h.IsDir() || h.Name() == "unified" {
+			continue
+		}
+		p := filepath.Join(d.cgroups.root, h.Name(), d.cgroupPath(id))
+		for removeTree(p) != nil && time.Now().Before(deadline) {
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+}
+
+// removeTree removes a cgroup and the cgroups below it. A missing one is
+// fine.
+func removeTree(p string) error {
+	ents, err := os.ReadDir(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	for _, e := range ents {
+		if e.IsDir() {
+			if err := removeTree(filepath.Join(p, e.Name())); err != nil {
+				return err
+			}
+		}
+	}
+	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// sweepAgentCgroups removes empty agent cgroups of sandboxes keep is false
+// for. Nodes on one host share the cgroup parent: another node's sandbox
+// is not kept here either, but its agent cgroup is not empty (it cannot be
+// removed), or was made less than a minute ago (it may be starting).
 func (d *Driver) sweepAgentCgroups(keep func(id string) bool) {
 	if !d.shieldable() {
 		return
@@ -160,6 +206,9 @@ func (d *Driver) sweepAgentCgroups(keep func(id string) bool) {
 		if !ok || !e.IsDir() || keep(id) {
 			continue
 		}
+		if info, err := e.Info(); err != nil || time.Since(info.ModTime()) < time.Minute {
+			continue
+		}
 		d.removeAgentCgroups(id)
 	}
 }
@@ -168,5 +217,3 @@ func (d *Driver) sweepAgentCgroups(keep func(id string) bool) {
 func (c cgroups) pidsLimitHits(path string) int64 {
 	return keyed(filepath.Join(c.dir(path, "pids"), "pids.events"), "max")
 }
-
-var _ = unix.O_DIRECTORY
