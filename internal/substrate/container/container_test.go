@@ -308,30 +308,6 @@ func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 	}
 }
 
-func TestDestroyLeavesNoCgroupWhileAForkBombIsDying(t *testing.T) {
-	d := newDriver(t, t.TempDir())
-	for i := range 3 {
-		spec := &substrate.Spec{ID: fmt.Sprintf("cgd%d-%d", os.Getpid(), i), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 64, Pids: 4096, CPU: 1}
-		inst, err := d.Create(context.Background(), spec)
-		if err != nil {
-			t.Fatal(err)
-		}
-		// A fork bomb filling the exec's cgroup when the sandbox goes.
-		x, err := inst.Guest().Run(context.Background(), (&runExec{"b() { b | b & }; b"}).exec())
-		if err != nil {
-			t.Fatalf("start the bomb: %v", err)
-		}
-		_ = x
-		time.Sleep(2 * time.Second)
-		if err := inst.Destroy(context.Background()); err != nil {
-			t.Fatal(err)
-		}
-		if l := leaks(d, spec); len(l) > 0 {
-			t.Fatalf("left behind: %v", l)
-		}
-	}
-}
-
 type runExec struct{ cmd string }
 
 func (r *runExec) exec() *guestv1.Exec {
