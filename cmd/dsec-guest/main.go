@@ -9,6 +9,7 @@ package main
 
 import (
 	"encoding/hex"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -16,6 +17,9 @@ import (
 	"os"
 	"runtime"
 	"runtime/debug"
+	"strconv"
+	"strings"
+	"syscall"
 	"time"
 
 	"github.com/opendsec/dsec/internal/guest/agent"
@@ -33,6 +37,10 @@ func main() {
 	version := flag.Bool("version", false, "print the protocol version and exit")
 	deadline := flag.Int64("deadline", 0, "unix time (seconds) at which to end the sandbox if the node has not")
 	vm := flag.Bool("vm", false, "run as a service of a full VM's own init: end the sandbox by powering the machine off")
+	joinFDs := flag.String("join-fds", "", "inherited cgroup.procs files of the agent's own cgroups, comma-separated: the agent moves into them (see agent.Shield)")
+	homeFDs := flag.String("home-fds", "", "inherited tasks files of the sandbox's cgroups: the thread that starts processes moves back into them")
+	pidsDirFD := flag.Int("pids-dir-fd", -1, "inherited directory of the sandbox's pids cgroup, for per-exec cgroups; its tasks file is the last of -home-fds")
+	spoolFD := flag.Int("spool-fd", -1, "inherited directory to spool collected output in, outside the sandbox")
 	flag.Parse()
 	if *version {
 		fmt.Println(agent.Version)
@@ -67,6 +75,27 @@ func main() {
 		os.Exit(2)
 	}
 	agent.Harden()
+	// Before anything locks a thread (ReserveThreads): see agent.Shield.
+	var spawner *agent.Spawner
+	if *joinFDs != "" || *homeFDs != "" {
+		join, err1 := inherited(*joinFDs)
+		home, err2 := inherited(*homeFDs)
+		if err := errors.Join(err1, err2); err != nil || len(home) == 0 {
+			fmt.Fprintln(os.Stderr, "dsec-guest: bad -join-fds or -home-fds:", err)
+			os.Exit(2)
+		}
+		var pidsDir *os.File
+		if *pidsDirFD >= 0 {
+			pidsDir = inheritedFD(*pidsDirFD)
+		}
+		// A failure here is fatal: the agent could be half-moved, and its
+		// children must never be born outside the sandbox's cgroups.
+		spawner, err = agent.Shield(join, home, pidsDir, home[len(home)-1])
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "dsec-guest:", err)
+			os.Exit(2)
+		}
+	}
 	// Spare threads for when the sandbox's pids are all taken: the runtime
 	// starts one whenever a system call stalls (the scheduler hands the P
 	// to another thread), and under a fork bomb on a busy host they stall.
@@ -74,6 +103,10 @@ func main() {
 	// (their stacks stay untouched).
 	agent.ReserveThreads(4)
 	a := agent.New(log)
+	a.UseSpawner(spawner)
+	if *spoolFD >= 0 {
+		a.SpoolIn(inheritedFD(*spoolFD))
+	}
 	if *vm {
 		a.PowerOffAtDeadline()
 	}
@@ -84,6 +117,28 @@ func main() {
 		fmt.Fprintln(os.Stderr, "dsec-guest:", err)
 		os.Exit(1)
 	}
+}
+
+// inheritedFD adopts an inherited descriptor, closed on exec: no process
+// the agent starts inherits it.
+func inheritedFD(fd int) *os.File {
+	syscall.CloseOnExec(fd)
+	return os.NewFile(uintptr(fd), "fd"+strconv.Itoa(fd))
+}
+
+func inherited(list string) ([]*os.File, error) {
+	var out []*os.File
+	for _, f := range strings.Split(list, ",") {
+		if f == "" {
+			continue
+		}
+		fd, err := strconv.Atoi(f)
+		if err != nil || fd < 3 {
+			return nil, fmt.Errorf("bad descriptor %q", f)
+		}
+		out = append(out, inheritedFD(fd))
+	}
+	return out, nil
 }
 
 func identity(args []string) {

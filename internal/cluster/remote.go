@@ -65,7 +65,10 @@ func newRemote(r *Router, name, addr string) *remote {
 	base := "http://" + addr
 	opts := []connect.ClientOption{
 		connect.WithInterceptors(&nodeAuth{token: r.cfg.Token}),
-		connect.WithReadMaxBytes(64 << 20),
+		// An exec result holds up to two streams at the largest output cap
+		// a node allows (64 MiB each by default): a smaller bound would
+		// fail such a result on every try.
+		connect.WithReadMaxBytes(129 << 20),
 		connect.WithSendMaxBytes(64 << 20),
 		// Node traffic stays in the data center: compression costs CPU on
 		// both ends for little.

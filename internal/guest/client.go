@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"time"
 
+	"google.golang.org/protobuf/proto"
+
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 )
@@ -52,9 +54,56 @@ func (c *Client) open(ctx context.Context, call *guestv1.ClientMsg) (*conn, erro
 	cn.stop = context.AfterFunc(ctx, func() { nc.SetDeadline(time.Unix(1, 0)) })
 	if err := cn.w.Write(call); err != nil {
 		cn.close()
-		return nil, cn.wrap(ctx, err)
+		return nil, cn.wrapSend(ctx, err)
 	}
 	return cn, nil
+}
+
+// wrapSend classifies a failure to send: a message too large for a frame
+// is the caller's (deterministic: not retryable, not infra).
+func (cn *conn) wrapSend(ctx context.Context, err error) error {
+	if errors.Is(err, errTooLarge) {
+		return errdefs.Invalid("request larger than the sandbox agent accepts (%d bytes in one message)", MaxMessage)
+	}
+	return cn.wrap(ctx, err)
+}
+
+// inlineStdin is the most stdin sent inside an Exec message; more follows
+// it as Input messages of at most inputChunk bytes, so no stdin is too
+// large for a frame.
+const (
+	inlineStdin = 1 << 20
+	inputChunk  = 1 << 20
+)
+
+// splitStdin moves stdin larger than inlineStdin out of x (a copy when it
+// does): the agent keeps stdin open for it, and closes it after when eof.
+func splitStdin(x *guestv1.Exec) (out *guestv1.Exec, rest []byte, eof bool) {
+	if len(x.StdinData) <= inlineStdin {
+		return x, nil, false
+	}
+	out = proto.Clone(x).(*guestv1.Exec)
+	rest, eof = out.StdinData, !out.StdinOpen
+	out.StdinData, out.StdinOpen = nil, true
+	return out, rest, eof
+}
+
+// feed sends data as Input messages, then end of input when eof. It stops
+// at the first failure (the process ended, the call is over).
+func (cn *conn) feed(data []byte, eof bool) error {
+	for first := true; first || len(data) > 0; first = false {
+		k := min(len(data), inputChunk)
+		last := k == len(data)
+		if k == 0 && !eof {
+			return nil
+		}
+		in := &guestv1.Input{Data: data[:k], Eof: eof && last}
+		if err := cn.w.Write(&guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Input{Input: in}}); err != nil {
+			return err
+		}
+		data = data[k:]
+	}
+	return nil
 }
 
 func (cn *conn) close() {
@@ -66,6 +115,9 @@ func (cn *conn) close() {
 func (cn *conn) recv(ctx context.Context) (*guestv1.ServerMsg, error) {
 	m := new(guestv1.ServerMsg)
 	if err := cn.r.Read(m); err != nil {
+		if errors.Is(err, errTooLarge) {
+			return nil, errdefs.Internal(err, "the sandbox agent sent a message larger than %d bytes", MaxMessage)
+		}
 		return nil, cn.wrap(ctx, err)
 	}
 	if e := m.GetError(); e != nil {
@@ -110,18 +162,40 @@ func (c *Client) Hello(ctx context.Context) (*guestv1.HelloReply, error) {
 }
 
 // Run runs a command to completion in collect mode and returns its exit,
-// with the head and tail of its output.
+// with the head and tail of its output. The agent streams both (the head
+// as it comes, the tail at the end) and stdin larger than inlineStdin goes
+// in chunks: no size fits a frame or not.
 func (c *Client) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, error) {
 	x.Collect = true
-	m, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Exec{Exec: x}})
+	x, stdin, eof := splitStdin(x)
+	cn, err := c.open(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Exec{Exec: x}})
 	if err != nil {
 		return nil, err
 	}
-	exit := m.GetExit()
-	if exit == nil {
-		return nil, errdefs.Internal(nil, "agent answered exec with %T", m.Msg)
+	defer cn.close()
+	if stdin != nil {
+		go cn.feed(stdin, eof)
 	}
-	return exit, nil
+	var out [3][]byte
+	for {
+		m, err := cn.recv(ctx)
+		if err != nil {
+			return nil, err
+		}
+		switch v := m.Msg.(type) {
+		case *guestv1.ServerMsg_Output:
+			if fd := v.Output.Fd; fd == 1 || fd == 2 {
+				out[fd] = append(out[fd], v.Output.Data...)
+			}
+		case *guestv1.ServerMsg_Exit:
+			// An agent of an older protocol sends the output in the exit.
+			v.Exit.Stdout = append(out[1], v.Exit.Stdout...)
+			v.Exit.Stderr = append(out[2], v.Exit.Stderr...)
+			return v.Exit, nil
+		default:
+			return nil, errdefs.Internal(nil, "agent answered exec with %T", m.Msg)
+		}
+	}
 }
 
 // Process is a streaming connection to one process in the sandbox.
@@ -137,7 +211,12 @@ type Process struct {
 // Start starts a command in stream mode and returns once it runs.
 func (c *Client) Start(ctx context.Context, x *guestv1.Exec) (*Process, error) {
 	x.Collect = false
-	return c.startLike(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Exec{Exec: x}})
+	x, stdin, eof := splitStdin(x)
+	p, err := c.startLike(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Exec{Exec: x}})
+	if err == nil && stdin != nil && p.early == nil {
+		go p.cn.feed(stdin, eof)
+	}
+	return p, err
 }
 
 // Attach connects to a process started earlier, by id or tag. Buffered
@@ -191,9 +270,12 @@ func (p *Process) Recv() (*guestv1.ServerMsg, error) {
 	return p.cn.recv(p.ctx)
 }
 
-// Input writes to the process's stdin.
+// Input writes to the process's stdin, in chunks a frame holds.
 func (p *Process) Input(data []byte, eof bool) error {
-	return p.send(&guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Input{Input: &guestv1.Input{Data: data, Eof: eof}}})
+	if err := p.cn.feed(data, eof); err != nil {
+		return p.cn.wrapSend(p.ctx, err)
+	}
+	return nil
 }
 
 // Signal signals the process group.
@@ -208,7 +290,7 @@ func (p *Process) Resize(rows, cols uint32) error {
 
 func (p *Process) send(m *guestv1.ClientMsg) error {
 	if err := p.cn.w.Write(m); err != nil {
-		return p.cn.wrap(p.ctx, err)
+		return p.cn.wrapSend(p.ctx, err)
 	}
 	return nil
 }
@@ -228,10 +310,18 @@ func (c *Client) ResizeProcess(ctx context.Context, id string, rows, cols uint32
 	return err
 }
 
-// InputProcess writes to a process's stdin by id.
+// InputProcess writes to a process's stdin by id: one call per chunk a
+// frame holds, in order.
 func (c *Client) InputProcess(ctx context.Context, id string, data []byte, eof bool) error {
-	_, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Input{Input: &guestv1.Input{Id: id, Data: data, Eof: eof}}})
-	return err
+	for first := true; first || len(data) > 0; first = false {
+		k := min(len(data), inputChunk)
+		in := &guestv1.Input{Id: id, Data: data[:k], Eof: eof && k == len(data)}
+		if _, err := c.call(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Input{Input: in}}); err != nil {
+			return err
+		}
+		data = data[k:]
+	}
+	return nil
 }
 
 // ListProcs lists running and recently finished processes.

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -671,6 +672,54 @@ func TestWatch(t *testing.T) {
 				}
 				return
 			}
+		}
+	})
+}
+
+func TestStdinAndOutputLargerThanAFrameGoThroughInChunks(t *testing.T) {
+	c := startAgent(t)
+	in := bytes.Repeat([]byte("0123456789abcdef"), (guest.MaxMessage+3<<20)/16)
+	t.Run("collect mode", func(t *testing.T) {
+		x := run(t, c, &guestv1.Exec{Argv: []string{"cat"}, StdinData: in, MaxOutput: 2 * int64(len(in))})
+		if x.ExitCode != 0 || !bytes.Equal(x.Stdout, in) {
+			t.Fatalf("exit %d, %d bytes back of %d", x.ExitCode, len(x.Stdout), len(in))
+		}
+	})
+	t.Run("collect mode keeps head and tail of the cap", func(t *testing.T) {
+		x := run(t, c, &guestv1.Exec{Argv: []string{"cat"}, StdinData: in, MaxOutput: 1 << 20})
+		if !x.Truncated || len(x.Stdout) != 1<<20 {
+			t.Fatalf("truncated %v, %d bytes", x.Truncated, len(x.Stdout))
+		}
+		if !bytes.Equal(x.Stdout[:512<<10], in[:512<<10]) || !bytes.Equal(x.Stdout[512<<10:], in[len(in)-512<<10:]) {
+			t.Fatal("the output is not the input's head and tail")
+		}
+	})
+	t.Run("stream mode with stdin by id", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		p, err := c.Start(ctx, &guestv1.Exec{Argv: []string{"wc", "-c"}, StdinOpen: true, MaxOutput: 1 << 20})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close()
+		if err := c.InputProcess(ctx, p.ID, in, true); err != nil {
+			t.Fatalf("write %d bytes of stdin: %v", len(in), err)
+		}
+		var out []byte
+		for {
+			m, err := p.Recv()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if o := m.GetOutput(); o != nil {
+				out = append(out, o.Data...)
+			}
+			if m.GetExit() != nil {
+				break
+			}
+		}
+		if got := strings.TrimSpace(string(out)); got != strconv.Itoa(len(in)) {
+			t.Fatalf("wc -c counted %q, want %d", got, len(in))
 		}
 	})
 }

@@ -139,22 +139,27 @@ func (n *Node) result(s *sandbox, x *guestv1.Exit, pid string) *dsecv1.ExecResul
 	}
 	if x.Signal != 0 {
 		r.Signal = strings.TrimPrefix(unix.SignalName(syscall.Signal(x.Signal)), "SIG")
-		if x.Signal == int32(syscall.SIGKILL) && !x.TimedOut {
-			r.OomKilled = n.oomSince(s)
-		}
 	}
+	if x.ExitCode != 0 || x.Signal != 0 || x.TimedOut {
+		// A command that failed may have failed of the sandbox's limits
+		// (a memory bomb, a fork bomb): the task's failure, named.
+		r.OomKilled, r.PidsLimited = n.limitsHitSince(s)
+	}
+	r.PidsLimited = r.PidsLimited || x.PidsLimited
 	return r
 }
 
-// oomSince reports whether the sandbox's memory limit killed a process since
-// the last check.
-func (n *Node) oomSince(s *sandbox) bool {
+// limitsHitSince reports whether the sandbox's memory limit killed a
+// process, and whether its process limit refused a fork, since the last
+// check.
+func (n *Node) limitsHitSince(s *sandbox) (oom, pids bool) {
 	st, err := s.inst.Stats(context.Background())
 	if err != nil {
-		return false
+		return false, false
 	}
-	prev := s.oomKills.Swap(st.OOMKills)
-	return st.OOMKills > prev
+	oom = st.OOMKills > s.oomKills.Swap(st.OOMKills)
+	pids = st.PidsLimitHits > s.pidsHits.Swap(st.PidsLimitHits)
+	return oom, pids
 }
 
 // callFailed classifies an agent call failure: a broken channel to a dead

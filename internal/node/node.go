@@ -185,6 +185,7 @@ type sandbox struct {
 	// lastActive is the unix nano time of the last API call.
 	lastActive atomic.Int64
 	oomKills   atomic.Int64
+	pidsHits   atomic.Int64
 
 	mu      sync.Mutex
 	state   string // running, paused, deleting

@@ -174,6 +174,9 @@ type Stats struct {
 	Pids        int64
 	// OOMKills counts processes the memory limit killed since the start.
 	OOMKills int64
+	// PidsLimitHits counts forks the process limit refused since the
+	// start (0 where the substrate cannot tell).
+	PidsLimitHits int64
 }
 
 // Driver runs instances of one kind.

@@ -66,7 +66,9 @@ func New(url string, opts ...Option) *Client {
 		}
 		c.http = &http.Client{Transport: t}
 	}
-	copts := []connect.ClientOption{connect.WithInterceptors(keyInterceptor(c.key)), connect.WithReadMaxBytes(64 << 20)}
+	// An exec result holds up to two streams at the largest output cap a
+	// node allows (64 MiB each by default).
+	copts := []connect.ClientOption{connect.WithInterceptors(keyInterceptor(c.key)), connect.WithReadMaxBytes(129 << 20)}
 	c.sandboxes = dsecv1connect.NewSandboxServiceClient(c.http, c.url, copts...)
 	c.images = dsecv1connect.NewImageServiceClient(c.http, c.url, copts...)
 	c.system = dsecv1connect.NewSystemServiceClient(c.http, c.url, copts...)

@@ -144,19 +144,18 @@ func (nb *neighbour) p50(t *testing.T) time.Duration {
 
 // check measures the neighbour while an attack runs and fails t if its
 // p50 is more than twice what it was before the attack. The host is
-// shared, and a burst of others' load can double one p50, while an
-// attack's effect lasts as long as it runs: the best of up to three
-// measurements counts.
+// shared (other test processes come and go): a measurement over 2x is
+// taken again, up to three times, and an attack fails the check only if
+// every one is.
 func (nb *neighbour) check(t *testing.T) {
 	t.Helper()
 	var during time.Duration
-	for i := 0; i < 3 && (i == 0 || during > 2*nb.before); i++ {
-		if d := nb.p50(t); i == 0 || d < during {
-			during = d
+	for range 3 {
+		during = nb.p50(t)
+		t.Logf("neighbour exec p50: %v before, %v during the attack", nb.before, during)
+		if during <= 2*nb.before {
+			return
 		}
 	}
-	t.Logf("neighbour exec p50: %v before, %v during the attack", nb.before, during)
-	if during > 2*nb.before {
-		t.Errorf("neighbour exec p50 %v during the attack, more than 2x its %v before", during, nb.before)
-	}
+	t.Errorf("neighbour exec p50 %v during the attack, more than 2x its %v before", during, nb.before)
 }

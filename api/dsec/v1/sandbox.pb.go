@@ -1035,7 +1035,11 @@ type ExecResult struct {
 	// seq is the call's position in the sandbox's trajectory log.
 	Seq uint64 `protobuf:"varint,10,opt,name=seq,proto3" json:"seq,omitempty"`
 	// replayed is set when the result came from the log.
-	Replayed      bool `protobuf:"varint,11,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	Replayed bool `protobuf:"varint,11,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	// pids_limited is set when the sandbox's process limit refused a fork
+	// while the command ran (a fork bomb, or too many processes): the task's
+	// failure, like oom_killed.
+	PidsLimited   bool `protobuf:"varint,12,opt,name=pids_limited,json=pidsLimited,proto3" json:"pids_limited,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1143,6 +1147,13 @@ func (x *ExecResult) GetSeq() uint64 {
 func (x *ExecResult) GetReplayed() bool {
 	if x != nil {
 		return x.Replayed
+	}
+	return false
+}
+
+func (x *ExecResult) GetPidsLimited() bool {
+	if x != nil {
+		return x.PidsLimited
 	}
 	return false
 }
@@ -5374,7 +5385,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"request_id\x18\x0f \x01(\tR\trequestId\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xb9\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xdc\x02\n" +
 	"\n" +
 	"ExecResult\x12\x1b\n" +
 	"\texit_code\x18\x01 \x01(\x05R\bexitCode\x12\x16\n" +
@@ -5391,7 +5402,8 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"process_id\x18\t \x01(\tR\tprocessId\x12\x10\n" +
 	"\x03seq\x18\n" +
 	" \x01(\x04R\x03seq\x12\x1a\n" +
-	"\breplayed\x18\v \x01(\bR\breplayed\">\n" +
+	"\breplayed\x18\v \x01(\bR\breplayed\x12!\n" +
+	"\fpids_limited\x18\f \x01(\bR\vpidsLimited\">\n" +
 	"\vExecStarted\x12\x1d\n" +
 	"\n" +
 	"process_id\x18\x01 \x01(\tR\tprocessId\x12\x10\n" +

@@ -3,10 +3,12 @@
 // background processes a later call can attach to) and serves filesystem
 // operations, one call per connection (see api/dsec/guest/v1).
 //
-// The agent is the sandbox's init: it reaps every process, shields itself
-// from signals sent from inside the sandbox and from the OOM killer, and is
-// not dumpable, so processes in the sandbox cannot ptrace it or read its
-// file descriptors. Its channel to the node is a listening socket it
+// The agent is the sandbox's init: it reaps every process, ignores every
+// signal a process in the sandbox can send (see ignoreSignals), lives in
+// cgroups of its own where the node provides them (see Shield), so the
+// sandbox's OOM killer and pids limit never reach it, and is not dumpable,
+// so processes in the sandbox cannot ptrace it or read its file
+// descriptors. Its channel to the node is a listening socket it
 // inherits; the socket has no path inside the sandbox.
 package agent
 
@@ -16,7 +18,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"os/signal"
 	"sync"
 	"syscall"
 	"time"
@@ -40,6 +41,12 @@ type Agent struct {
 	// off (the agent is a service of a full VM, not its init).
 	powerOff bool
 
+	// spawner forks every process (nil: from any thread, no cgroups);
+	// spoolDir holds spooled output (nil: memory). Both are set before
+	// Serve.
+	spawner  *Spawner
+	spoolDir *os.File
+
 	mu       sync.Mutex
 	deadline *time.Timer
 	env      []string // added to the agent's own environment for processes
@@ -56,22 +63,22 @@ func New(log *slog.Logger) *Agent {
 	return a
 }
 
+// UseSpawner makes the agent start every process with sp (see Shield).
+// Call it before Serve.
+func (a *Agent) UseSpawner(sp *Spawner) { a.spawner = sp }
+
+// SpoolIn makes the agent spool collected output in dir, a directory
+// outside the sandbox's reach (see tailSpool). Call it before Serve.
+func (a *Agent) SpoolIn(dir *os.File) { a.spoolDir = dir }
+
 // Harden applies the protections an agent running as a sandbox's init
 // needs: no ptrace or /proc/<pid>/fd access from the sandbox, no death by
-// stray signals, and child-reaping for orphans.
+// any signal a process can send (see ignoreSignals), and child-reaping for
+// orphans.
 func Harden() {
 	unix.Prctl(unix.PR_SET_DUMPABLE, 0, 0, 0, 0)
 	unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-	// A handled signal reaches the agent's handler and is dropped; children
-	// get default dispositions back at exec (an ignored one would be
-	// inherited).
-	sigs := make(chan os.Signal, 16)
-	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT,
-		syscall.SIGUSR1, syscall.SIGUSR2, syscall.SIGTSTP, syscall.SIGTTIN, syscall.SIGTTOU, syscall.SIGPIPE)
-	go func() {
-		for range sigs {
-		}
-	}()
+	ignoreSignals()
 }
 
 // Serve accepts connections on l until l fails.
@@ -284,13 +291,13 @@ func (a *Agent) serveExec(x *guestv1.Exec, r *guest.Reader, w *guest.Writer) {
 	if err != nil {
 		// A command that cannot start is the task's failure, reported as an
 		// exit (127 like a shell), not as a broken call.
-		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Exit{Exit: &guestv1.Exit{ExitCode: 127, Error: err.Error(), Stderr: []byte(err.Error() + "\n")}}})
+		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Exit{Exit: &guestv1.Exit{
+			ExitCode: 127, Error: err.Error(), Stderr: []byte(err.Error() + "\n"),
+			PidsLimited: errors.Is(err, syscall.EAGAIN),
+		}}})
 		return
 	}
-	if x.Collect {
-		<-p.done
-		return
-	}
+	// Collect mode too: stdin larger than a frame arrives as Input.
 	a.follow(p, s, r)
 }
 

@@ -77,11 +77,11 @@ func (a *Agent) startRunner(m *guestv1.StartRunner) error {
 	}
 	devnull, _ := os.Open(os.DevNull)
 	defer devnull.Close()
-	pid, err := syscall.ForkExec(path, m.Argv, &syscall.ProcAttr{
+	pid, _, err := a.spawner.forkExec(path, m.Argv, &syscall.ProcAttr{
 		Dir: "/", Env: m.Env,
 		Files: []uintptr{devnull.Fd(), os.Stderr.Fd(), os.Stderr.Fd(), theirs.Fd()},
 		Sys:   &syscall.SysProcAttr{Setsid: true},
-	})
+	}, false)
 	if err != nil {
 		mine.Close()
 		return fmt.Errorf("start runner: %w", err)

@@ -35,6 +35,8 @@ const (
 	drainGrace = 100 * time.Millisecond
 	// keepFinished is how many finished processes stay listed for attach.
 	keepFinished = 256
+	// outputChunk bounds the data of one Output message sent from a spool.
+	outputChunk = 64 << 10
 )
 
 // procTable tracks the processes the agent started and reaps every child,
@@ -208,8 +210,9 @@ type proc struct {
 	subs     map[sink]struct{}
 	replay   []byte // framed recent output for attach
 	sent     [3]int64
-	heads    [3][]byte
-	tails    [3]*tailBuf
+	tails    [3]*tailSpool // collect mode: what follows the head
+	spool    *os.File      // the directory tails spool in (nil: memory)
+	cg       *execCgroup   // the exec's own cgroup, if any
 	trunc    bool
 	timedOut bool
 	status   *exitStatus
@@ -251,7 +254,7 @@ func (a *Agent) start(x *guestv1.Exec, s sink, started func(*proc)) (*proc, erro
 	}
 	p := &proc{
 		table: a.procs, id: a.procs.nextID(), argv: x.Argv, tag: x.Tag, cwd: cwd, env: env, pty: x.Pty,
-		start: time.Now(), collect: x.Collect, max: max,
+		start: time.Now(), collect: x.Collect, max: max, spool: a.spoolDir,
 		subs: map[sink]struct{}{}, done: make(chan struct{}),
 	}
 	sys := &syscall.SysProcAttr{}
@@ -302,7 +305,7 @@ func (a *Agent) start(x *guestv1.Exec, s sink, started func(*proc)) (*proc, erro
 		p.stdin = inW
 		readers = []*os.File{outR, errR}
 	}
-	pid, err := syscall.ForkExec(path, x.Argv, &syscall.ProcAttr{Dir: cwd, Env: env, Files: files, Sys: sys})
+	pid, cg, err := a.spawner.forkExec(path, x.Argv, &syscall.ProcAttr{Dir: cwd, Env: env, Files: files, Sys: sys}, true)
 	for _, f := range closeAfter {
 		f.Close()
 	}
@@ -313,9 +316,16 @@ func (a *Agent) start(x *guestv1.Exec, s sink, started func(*proc)) (*proc, erro
 		if p.stdin != nil && !x.Pty {
 			p.stdin.Close()
 		}
+		if errors.Is(err, syscall.EAGAIN) {
+			return nil, fmt.Errorf("start %s: the sandbox's process limit is reached (%w)", x.Argv[0], err)
+		}
+		if errors.Is(err, syscall.ENOMEM) {
+			return nil, fmt.Errorf("start %s: the sandbox's memory limit is reached (%w)", x.Argv[0], err)
+		}
 		return nil, fmt.Errorf("start %s: %w", x.Argv[0], err)
 	}
 	p.pid = pid
+	p.cg = cg
 	// The agent itself is shielded from the OOM killer; its children are not.
 	os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", []byte("0"), 0)
 	applyRlimits(pid, x)
@@ -511,6 +521,10 @@ func (p *proc) onTimeout() {
 	p.timedOut = true
 	p.mu.Unlock()
 	p.signal(syscall.SIGKILL)
+	if p.cg != nil {
+		// Every process the exec started, in its process group or not.
+		p.cg.kill()
+	}
 }
 
 // read forwards one output stream until EOF.
@@ -558,6 +572,10 @@ func (p *proc) output(fd int32, b []byte) {
 		p.trunc = true
 	}
 	p.sent[fd] += int64(len(b))
+	p.sendLocked(fd, b)
+}
+
+func (p *proc) sendLocked(fd int32, b []byte) {
 	m := &guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Output{Output: &guestv1.Output{Fd: fd, Data: b}}}
 	for s := range p.subs {
 		if err := s.send(m); err != nil {
@@ -566,18 +584,21 @@ func (p *proc) output(fd int32, b []byte) {
 	}
 }
 
-// collectLocked keeps the first and last max/2 bytes of each stream.
+// collectLocked sends the first max/2 bytes of each stream as they come
+// and keeps the last max/2 (spooled, see tailSpool) for the end: the
+// agent never holds a stream's cap in memory.
 func (p *proc) collectLocked(fd int32, b []byte) {
 	half := p.max / 2
-	if rest := p.max - half; p.tails[fd] == nil {
-		p.tails[fd] = &tailBuf{max: int(rest)}
-	}
-	if room := half - int64(len(p.heads[fd])); room > 0 {
+	if room := half - p.sent[fd]; room > 0 {
 		take := min(int64(len(b)), room)
-		p.heads[fd] = append(p.heads[fd], b[:take]...)
+		p.sent[fd] += take
+		p.sendLocked(fd, b[:take])
 		b = b[take:]
 	}
 	if len(b) > 0 {
+		if p.tails[fd] == nil {
+			p.tails[fd] = newTailSpool(p.spool, p.max-half)
+		}
 		if p.tails[fd].add(b) {
 			p.trunc = true
 		}
@@ -598,6 +619,13 @@ func (p *proc) appendReplayLocked(fd int32, b []byte) {
 }
 
 func (p *proc) onExit(st exitStatus) {
+	if p.cg != nil && st.ws.Signaled() && st.ws.Signal() == syscall.SIGKILL {
+		// Killed outright (the OOM killer, a timeout, a caller's KILL), the
+		// process could not stop what it started: what it leaves in the
+		// exec's cgroup goes with it, so a fork or memory bomb whose first
+		// process the OOM killer took does not keep the sandbox full.
+		go p.cg.kill()
+	}
 	p.mu.Lock()
 	p.status = &st
 	if p.timer != nil {
@@ -670,6 +698,9 @@ func (p *proc) finish() {
 		CpuUs:      tvUs(st.ru.Utime) + tvUs(st.ru.Stime),
 		MaxRssKb:   st.ru.Maxrss,
 	}
+	if p.cg != nil {
+		x.PidsLimited = p.cg.limitHits() > 0
+	}
 	switch {
 	case st.ws.Exited():
 		x.ExitCode = int32(st.ws.ExitStatus())
@@ -677,29 +708,31 @@ func (p *proc) finish() {
 		x.Signal = int32(st.ws.Signal())
 		x.ExitCode = 128 + int32(st.ws.Signal())
 	}
-	if p.collect {
+	if p.collect && len(p.subs) > 0 {
+		// The tails follow the heads the client has already received.
 		for fd := int32(1); fd <= 2; fd++ {
-			out := append([]byte(nil), p.heads[fd]...)
 			if t := p.tails[fd]; t != nil {
-				out = append(out, t.bytes()...)
-			}
-			if fd == 1 {
-				x.Stdout = out
-			} else {
-				x.Stderr = out
+				t.each(outputChunk, func(b []byte) { p.sendLocked(fd, b) })
 			}
 		}
 	}
+	for _, t := range p.tails {
+		if t != nil {
+			t.close()
+		}
+	}
+	p.tails = [3]*tailSpool{}
 	p.exit = x
 	m := &guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Exit{Exit: x}}
 	for s := range p.subs {
 		s.send(m)
 		delete(p.subs, s)
 	}
-	p.heads = [3][]byte{}
-	p.tails = [3]*tailBuf{}
 	close(p.done)
 	p.mu.Unlock()
+	if p.cg != nil {
+		p.cg.remove()
+	}
 	if !p.pty {
 		p.closeStdin()
 	}

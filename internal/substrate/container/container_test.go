@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -111,12 +112,13 @@ func leaks(d *Driver, s *substrate.Spec) []string {
 		out = append(out, "mount under "+s.Dir)
 	}
 	for _, ctrl := range []string{"pids", "memory", "cpu", ""} {
-		p := d.cgroups.dir(d.cgroupPath(s.ID), ctrl)
 		if ctrl == "" && d.cgroups.mode != cgroupV2 {
 			continue
 		}
-		if _, err := os.Stat(p); err == nil {
-			out = append(out, "cgroup "+p)
+		for _, p := range []string{d.cgroups.dir(d.cgroupPath(s.ID), ctrl), d.cgroups.dir(d.agentCgroup(s.ID), ctrl)} {
+			if _, err := os.Stat(p); err == nil {
+				out = append(out, "cgroup "+p)
+			}
 		}
 	}
 	if _, err := os.Stat(filepath.Join(d.runRoot, s.ID)); err == nil {
@@ -141,7 +143,8 @@ func TestGuestChannelIsNotReachableFromInside(t *testing.T) {
 		cmd  string
 	}{
 		{"no unix socket of the agent is visible", "cat /proc/net/unix | grep -v Path | grep -q ."},
-		{"the agent's fds cannot be followed", "readlink /proc/1/fd/3 || cat /proc/1/fd/3"},
+		{"the agent's fds cannot be followed", "readlink /proc/1/fd/3 || cat /proc/1/fd/3 || readlink /proc/1/fd/5 || cat /proc/1/fd/9"},
+		{"no process inherits the agent's descriptors", "test $(ls /proc/self/fd | wc -l) -gt 4"},
 		{"the agent's memory cannot be read", "head -c1 /proc/1/mem"},
 		{"the agent's environment cannot be read", "cat /proc/1/environ"},
 		{"the agent cannot be killed from inside", "kill -9 1; kill -TERM 1; sleep 0.2; kill -0 1 && exit 1"},
@@ -311,6 +314,71 @@ func snapshotHost(tag string) hostCounts {
 		}
 	}
 	return hostCounts{mounts: strings.Count(string(mi), "\n"), procs: procs}
+}
+
+func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	if !d.shieldable() {
+		t.Skipf("agents are shielded on cgroup v1 controllers only; this host has %s", d.cgroups.mode)
+	}
+	spec := &substrate.Spec{ID: fmt.Sprintf("cg%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 64, Pids: 64, CPU: 1}
+	inst, err := d.Create(context.Background(), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(context.Background())
+	member := func(cgroupFile, controller string) string {
+		b, _ := os.ReadFile(cgroupFile)
+		for _, l := range strings.Split(string(b), "\n") {
+			if f := strings.SplitN(l, ":", 3); len(f) == 3 && f[1] == controller {
+				return f[2]
+			}
+		}
+		return ""
+	}
+	pid := inst.(*instance).st.Pid
+	for _, c := range []string{"memory", "pids"} {
+		if got, want := member(fmt.Sprintf("/proc/%d/cgroup", pid), c), d.agentCgroup(spec.ID); got != want {
+			t.Errorf("the agent is in %s cgroup %q, want %q", c, got, want)
+		}
+	}
+	x, err := inst.Guest().Run(context.Background(), (&runExec{"cat /proc/self/cgroup"}).exec())
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := filepath.Join(t.TempDir(), "cgroup")
+	os.WriteFile(f, x.Stdout, 0o600)
+	if got, want := member(f, "memory"), d.cgroupPath(spec.ID); got != want {
+		t.Errorf("a child is in memory cgroup %q, want the sandbox's %q", got, want)
+	}
+	if got := member(f, "pids"); !strings.HasPrefix(got, d.cgroupPath(spec.ID)+"/exec-") {
+		t.Errorf("a child is in pids cgroup %q, want an exec's below the sandbox's", got)
+	}
+	// Threads the runtime starts later, while execs block their threads,
+	// are made in the agent's cgroups too: only the spawner is in the
+	// sandbox's.
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			inst.Guest().Run(context.Background(), (&runExec{"sleep 0.3"}).exec())
+		}()
+	}
+	wg.Wait()
+	tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	inSandbox := 0
+	for _, task := range tasks {
+		for _, c := range []string{"memory", "pids"} {
+			if member(fmt.Sprintf("/proc/%d/task/%s/cgroup", pid, task.Name()), c) != d.agentCgroup(spec.ID) {
+				inSandbox++
+			}
+		}
+	}
+	t.Logf("the agent runs %d threads", len(tasks))
+	if inSandbox != 2 {
+		t.Errorf("of the agent's %d threads, %d memberships are outside its cgroups, want 2 (the spawner's memory and pids)", len(tasks), inSandbox)
+	}
 }
 
 type runExec struct{ cmd string }

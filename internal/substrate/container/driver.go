@@ -143,9 +143,14 @@ func (d *Driver) probe() string {
 	if unix.Getrlimit(unix.RLIMIT_NOFILE, &rl) == nil && !d.sysResource && rl.Max < d.nofile {
 		d.nofile = rl.Max
 	}
-	if !d.sysResource {
-		d.log.Warn("node lacks CAP_SYS_RESOURCE: sandbox agents are not shielded from the OOM killer")
-		d.caps.Details["oom_shield"] = "off (no CAP_SYS_RESOURCE)"
+	switch {
+	case d.shieldable():
+		d.caps.Details["agent_shield"] = "cgroups (the agent's own memory and pids cgroups)"
+	case d.sysResource:
+		d.caps.Details["agent_shield"] = "oom_score_adj only (cgroup v2)"
+	default:
+		d.log.Warn("cgroup v2 and no CAP_SYS_RESOURCE: sandbox agents are not shielded from the OOM killer")
+		d.caps.Details["agent_shield"] = "off (cgroup v2 and no CAP_SYS_RESOURCE)"
 	}
 	if b, err := os.ReadFile("/proc/filesystems"); err != nil || !bytes.Contains(b, []byte("overlay")) {
 		return "the kernel has no overlayfs"
@@ -316,10 +321,16 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		return nil, errdefs.Internal(err, "write sandbox /etc files")
 	}
 	undo.Push(func() { os.RemoveAll(d.filesOf(s.ID)) })
+	agentFiles, undoAgent, err := d.prepareAgent(s.ID, s.Dir)
+	if err != nil {
+		return nil, errdefs.Internal(err, "prepare the agent's cgroups")
+	}
+	undo.Push(undoAgent)
 	spec, err := d.ociSpec(s, rootfs, s.Dir)
 	if err != nil {
 		return nil, errdefs.Internal(err, "build runtime spec")
 	}
+	spec.Process.Args = append(spec.Process.Args, agentFiles.args...)
 	b, err := json.Marshal(spec)
 	if err != nil {
 		return nil, errdefs.Internal(err, "encode runtime spec")
@@ -335,8 +346,8 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	undo.Push(func() { os.Remove(sock) })
 	pidFile := filepath.Join(s.Dir, "pid")
 	// The runtime outlives this call (and the node): no ctx on the command.
-	cmd := exec.Command(d.runtime, "--root", d.runRoot, "run", "--pid-file", pidFile, "--bundle", s.Dir, "--preserve-fds", "1", s.ID)
-	cmd.ExtraFiles = []*os.File{lf}
+	cmd := exec.Command(d.runtime, "--root", d.runRoot, "run", "--pid-file", pidFile, "--bundle", s.Dir, "--preserve-fds", strconv.Itoa(1+len(agentFiles.files)), s.ID)
+	cmd.ExtraFiles = append([]*os.File{lf}, agentFiles.files...)
 	// The container inherits the runtime's stdio: a file on the host,
 	// outside the sandbox's view.
 	logPath := filepath.Join(s.Dir, "init.log")
@@ -350,6 +361,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	startErr := cmd.Start()
 	logFile.Close()
 	lf.Close() // the agent holds the only copy now
+	agentFiles.close()
 	if startErr != nil {
 		return nil, errdefs.Internal(startErr, "start the OCI runtime")
 	}
@@ -462,6 +474,7 @@ func (d *Driver) Sweep(keep func(id string) bool) int {
 		os.Remove(d.sockPath(e.Name()))
 		n++
 	}
+	d.sweepAgentCgroups(keep)
 	return n
 }
 

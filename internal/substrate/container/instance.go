@@ -169,10 +169,11 @@ func (i *instance) Check(ctx context.Context) error {
 func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
 	c := i.d.cgroups
 	return substrate.Stats{
-		MemoryBytes: c.memory(i.st.Cgroup),
-		CPUTime:     c.cpu(i.st.Cgroup),
-		Pids:        c.pids(i.st.Cgroup),
-		OOMKills:    c.oomKills(i.st.Cgroup),
+		MemoryBytes:   c.memory(i.st.Cgroup),
+		CPUTime:       c.cpu(i.st.Cgroup),
+		Pids:          c.pids(i.st.Cgroup),
+		OOMKills:      c.oomKills(i.st.Cgroup),
+		PidsLimitHits: c.pidsLimitHits(i.st.Cgroup),
 	}, nil
 }
 
@@ -272,6 +273,10 @@ func (i *instance) Destroy(ctx context.Context) error {
 		if err := i.d.forceDelete(i.id); err != nil {
 			return errdefs.Internal(err, "delete container")
 		}
+	}
+	i.d.removeSandboxCgroups(i.id)
+	if err := i.d.removeAgentCgroups(i.id); err != nil {
+		i.d.log.Warn("remove the agent's cgroups", slog.String("sandbox_id", i.id), slog.Any("error", err))
 	}
 	if err := unmount(i.st.Rootfs); err != nil {
 		return errdefs.Internal(err, "unmount sandbox root filesystem")

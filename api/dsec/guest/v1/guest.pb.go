@@ -1361,7 +1361,11 @@ type Exit struct {
 	// max_rss_kb is the peak resident set size of the largest process.
 	MaxRssKb int64 `protobuf:"varint,9,opt,name=max_rss_kb,json=maxRssKb,proto3" json:"max_rss_kb,omitempty"`
 	// error is set when the command could not be started (e.g. not found).
-	Error         string `protobuf:"bytes,10,opt,name=error,proto3" json:"error,omitempty"`
+	Error string `protobuf:"bytes,10,opt,name=error,proto3" json:"error,omitempty"`
+	// pids_limited is set when the sandbox's process limit refused a fork of
+	// the command or of a process it started (known where the exec has a
+	// cgroup of its own, and when the command itself could not be forked).
+	PidsLimited   bool `protobuf:"varint,11,opt,name=pids_limited,json=pidsLimited,proto3" json:"pids_limited,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1464,6 +1468,13 @@ func (x *Exit) GetError() string {
 		return x.Error
 	}
 	return ""
+}
+
+func (x *Exit) GetPidsLimited() bool {
+	if x != nil {
+		return x.PidsLimited
+	}
+	return false
 }
 
 // File calls (read_file, write_file, stat, list_dir, make_dir, remove,
@@ -3203,7 +3214,7 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\x03pid\x18\x02 \x01(\x05R\x03pid\",\n" +
 	"\x06Output\x12\x0e\n" +
 	"\x02fd\x18\x01 \x01(\x05R\x02fd\x12\x12\n" +
-	"\x04data\x18\x02 \x01(\fR\x04data\"\x92\x02\n" +
+	"\x04data\x18\x02 \x01(\fR\x04data\"\xb5\x02\n" +
 	"\x04Exit\x12\x1b\n" +
 	"\texit_code\x18\x01 \x01(\x05R\bexitCode\x12\x16\n" +
 	"\x06signal\x18\x02 \x01(\x05R\x06signal\x12\x1b\n" +
@@ -3217,7 +3228,8 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\n" +
 	"max_rss_kb\x18\t \x01(\x03R\bmaxRssKb\x12\x14\n" +
 	"\x05error\x18\n" +
-	" \x01(\tR\x05error\"`\n" +
+	" \x01(\tR\x05error\x12!\n" +
+	"\fpids_limited\x18\v \x01(\bR\vpidsLimited\"`\n" +
 	"\bReadFile\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x03R\x06offset\x12\x14\n" +

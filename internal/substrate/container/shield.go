@@ -1,0 +1,219 @@
+package container
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+)
+
+const (
+	// agentSuffix names a sandbox's agent cgroup, beside the sandbox's
+	// own: <CgroupParent>/<id>.agent.
+	agentSuffix = ".agent"
+	// agentMemoryLimit bounds the agent's own memory cgroup: its heap and
+	// threads (~20 MiB) and the page cache of the output it spools (at
+	// most the agent's spool budget, 128 MiB, dirty or not).
+	agentMemoryLimit = 256 << 20
+	// agentPidsLimit bounds the agent's threads.
+	agentPidsLimit = 512
+)
+
+// agentFiles are the descriptors a sandbox's agent inherits besides its
+// listening socket, and the flags that tell it which is which.
+type agentFiles struct {
+	files []*os.File
+	args  []string
+}
+
+func (a *agentFiles) close() {
+	for _, f := range a.files {
+		f.Close()
+	}
+}
+
+// add appends f and returns the descriptor number the agent will see it
+// as (the listening socket is 3).
+func (a *agentFiles) add(f *os.File) int {
+	a.files = append(a.files, f)
+	return 3 + len(a.files)
+}
+
+// agentCgroup is a sandbox's agent cgroup path, relative to each
+// hierarchy.
+func (d *Driver) agentCgroup(id string) string { return d.cgroupPath(id) + agentSuffix }
+
+// shieldable reports whether agents can be shielded on this host: cgroup v1
+// controllers (membership per thread) for memory and pids. On cgroup v2 a
+// process's threads share one cgroup and children would have to be cloned
+// into the sandbox's with clone3, which the sandbox's seccomp profile
+// refuses; there the agent stays in the sandbox's cgroup.
+func (d *Driver) shieldable() bool {
+	return d.cgroups.mode == cgroupV1 || d.cgroups.mode == cgroupHybrid
+}
+
+// prepareAgent makes what a sandbox's agent inherits: a spool directory
+// for collected output (dir/spool), and, where shieldable, the agent's own
+// cgroups and the sandbox's (which the runtime then joins), opened here
+// because cgroup v1 checks the opener's credentials (see agent.Shield).
+// On error nothing is left behind; undo removes what it made.
+func (d *Driver) prepareAgent(id, dir string) (_ *agentFiles, undo func(), err error) {
+	a := &agentFiles{}
+	var made []string // cgroup directories, in creation order
+	undo = func() {
+		a.close()
+		for i := len(made) - 1; i >= 0; i-- {
+			os.Remove(made[i])
+		}
+	}
+	defer func() {
+		if err != nil {
+			undo()
+		}
+	}()
+	spool := filepath.Join(dir, "spool")
+	if err := os.MkdirAll(spool, 0o700); err != nil {
+		return nil, nil, err
+	}
+	sf, err := os.Open(spool)
+	if err != nil {
+		return nil, nil, err
+	}
+	a.args = append(a.args, "-spool-fd", strconv.Itoa(a.add(sf)))
+	if !d.shieldable() {
+		return a, undo, nil
+	}
+	var join, home []string
+	var pidsDir int
+	for _, c := range []string{"memory", "pids"} {
+		sandbox := d.cgroups.dir(d.cgroupPath(id), c)
+		agent := d.cgroups.dir(d.agentCgroup(id), c)
+		for _, p := range []string{sandbox, agent} {
+			if err := os.MkdirAll(p, 0o755); err != nil {
+				return nil, nil, fmt.Errorf("create cgroup %s: %w", p, err)
+			}
+			made = append(made, p)
+		}
+		limit := filepath.Join(agent, "memory.limit_in_bytes")
+		v := strconv.Itoa(agentMemoryLimit)
+		if c == "pids" {
+			limit, v = filepath.Join(agent, "pids.max"), strconv.Itoa(agentPidsLimit)
+		}
+		if err := os.WriteFile(limit, []byte(v), 0); err != nil {
+			return nil, nil, fmt.Errorf("limit the agent's cgroup: %w", err)
+		}
+		procs, err := os.OpenFile(filepath.Join(agent, "cgroup.procs"), os.O_WRONLY, 0)
+		if err != nil {
+			return nil, nil, err
+		}
+		join = append(join, strconv.Itoa(a.add(procs)))
+		tasks, err := os.OpenFile(filepath.Join(sandbox, "tasks"), os.O_WRONLY, 0)
+		if err != nil {
+			return nil, nil, err
+		}
+		home = append(home, strconv.Itoa(a.add(tasks)))
+		if c == "pids" {
+			df, err := os.Open(sandbox)
+			if err != nil {
+				return nil, nil, err
+			}
+			pidsDir = a.add(df)
+		}
+	}
+	// The pids tasks file is the last of -home-fds: the agent's per-exec
+	// cgroups are in the pids hierarchy.
+	a.args = append(a.args, "-join-fds", strings.Join(join, ","), "-home-fds", strings.Join(home, ","), "-pids-dir-fd", strconv.Itoa(pidsDir))
+	return a, undo, nil
+}
+
+// removeAgentCgroups removes a sandbox's agent cgroups once its agent has
+// exited. A missing one is fine.
+func (d *Driver) removeAgentCgroups(id string) error {
+	if !d.shieldable() {
+		return nil
+	}
+	var errs []error
+	for _, c := range []string{"memory", "pids"} {
+		if err := os.Remove(d.cgroups.dir(d.agentCgroup(id), c)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// removeSandboxCgroups removes what is left of a sandbox's own cgroups
+// once its runtime is done: the runtime removes them, but gives up when an
+// exec's cgroup below is still emptying (a fork bomb's thousands of
+// processes take a moment to die). It retries for a few seconds.
+func (d *Driver) removeSandboxCgroups(id string) {
+	if !d.shieldable() {
+		return
+	}
+	ents, err := os.ReadDir(d.cgroups.root)
+	if err != nil {
+		return
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for _, h := range ents {
+		if !h.IsDir() || h.Name() == "unified" {
+			continue
+		}
+		p := filepath.Join(d.cgroups.root, h.Name(), d.cgroupPath(id))
+		for removeTree(p) != nil && time.Now().Before(deadline) {
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+}
+
+// removeTree removes a cgroup and the cgroups below it. A missing one is
+// fine.
+func removeTree(p string) error {
+	ents, err := os.ReadDir(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	for _, e := range ents {
+		if e.IsDir() {
+			if err := removeTree(filepath.Join(p, e.Name())); err != nil {
+				return err
+			}
+		}
+	}
+	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// sweepAgentCgroups removes empty agent cgroups of sandboxes keep is false
+// for. Nodes on one host share the cgroup parent: another node's sandbox
+// is not kept here either, but its agent cgroup is not empty (it cannot be
+// removed), or was made less than a minute ago (it may be starting).
+func (d *Driver) sweepAgentCgroups(keep func(id string) bool) {
+	if !d.shieldable() {
+		return
+	}
+	ents, err := os.ReadDir(d.cgroups.dir(d.cfg.CgroupParent, "pids"))
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		id, ok := strings.CutSuffix(e.Name(), agentSuffix)
+		if !ok || !e.IsDir() || keep(id) {
+			continue
+		}
+		if info, err := e.Info(); err != nil || time.Since(info.ModTime()) < time.Minute {
+			continue
+		}
+		d.removeAgentCgroups(id)
+	}
+}
+
+// pidsLimitHits counts forks the sandbox's pids limit refused.
+func (c cgroups) pidsLimitHits(path string) int64 {
+	return keyed(filepath.Join(c.dir(path, "pids"), "pids.events"), "max")
+}

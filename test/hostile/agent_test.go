@@ -1,0 +1,305 @@
+package hostile
+
+// Attacks on dsec-guest, the agent that is PID 1 of every container
+// sandbox: a process inside must not be able to end it (which the caller
+// would see as the platform's failure), to make it buffer without bound, or
+// to outlive the exec that started it.
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	dsec "github.com/opendsec/dsec/sdk/go"
+)
+
+var (
+	sigsendOnce sync.Once
+	sigsendBin  string
+	sigsendErr  error
+)
+
+// sigsend builds testdata/sigsend (static) once and returns its path.
+func sigsend(t *testing.T) string {
+	t.Helper()
+	sigsendOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "dsec-sigsend-")
+		if err != nil {
+			sigsendErr = err
+			return
+		}
+		sigsendBin = filepath.Join(dir, "sigsend")
+		cmd := exec.Command("go", "build", "-o", sigsendBin, "./testdata/sigsend")
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			sigsendErr = fmt.Errorf("build sigsend: %v\n%s", err, out)
+		}
+	})
+	if sigsendErr != nil {
+		t.Fatal(sigsendErr)
+	}
+	return sigsendBin
+}
+
+// upload copies a host file into the sandbox as an executable.
+func uploadFile(t *testing.T, sb *dsec.Sandbox, host, path string) {
+	t.Helper()
+	f, err := os.Open(host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := sb.WriteFile(ctxFor(t, time.Minute), path, f, 0o755); err != nil {
+		t.Fatalf("upload %s: %v", path, err)
+	}
+}
+
+// answers fails t unless the sandbox still runs commands.
+func answers(t *testing.T, sb *dsec.Sandbox, what string) {
+	t.Helper()
+	r, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("echo alive"))
+	if err != nil {
+		t.Fatalf("after %s the sandbox does not answer: %v (kind %q, infra %v)", what, err, kindOf(err), infraOf(err))
+	}
+	if r.ExitCode != 0 || string(r.Stdout) != "alive\n" {
+		t.Fatalf("after %s: exit %d, stdout %q, stderr %q", what, r.ExitCode, r.Stdout, r.Stderr)
+	}
+}
+
+// taskFailure fails t if err is not nil: whatever the workload did, the
+// caller must get a result (the task's failure), never an error.
+func taskFailure(t *testing.T, what string, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatalf("%s: the call failed with %v (kind %q, infra %v); want a result", what, err, kindOf(err), infraOf(err))
+	}
+}
+
+func TestAgentSurvivesEverySignalSentToPID1(t *testing.T) {
+	c := client(t)
+	nb := newNeighbour(t)
+	// Every signal a process can send (KILL and STOP are refused by the
+	// kernel for a pid namespace's init), by kill(2), by rt_sigqueueinfo
+	// with a forged si_code and by F_SETOWN/F_SETSIG.
+	ways := []struct{ name, cmd string }{
+		{"kill", "kill -%d 1"},
+		{"rt_sigqueueinfo with SI_QUEUE", "/tmp/sigsend queue %d"},
+		{"F_SETSIG on a pipe owned by PID 1", "/tmp/sigsend sigio %d"},
+	}
+	for _, w := range ways {
+		t.Run("sent by "+w.name, func(t *testing.T) {
+			sb := create(t, c, dsec.CreateOptions{})
+			uploadFile(t, sb, sigsend(t), "/tmp/sigsend")
+			for sig := 1; sig <= 64; sig++ {
+				if sig == int(unix.SIGKILL) || sig == int(unix.SIGSTOP) {
+					continue
+				}
+				cmd := fmt.Sprintf(w.cmd, sig) + "; sleep 0.05; echo sent"
+				r, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd(cmd))
+				if err != nil {
+					t.Fatalf("signal %d (%s): the exec failed: %v (kind %q, infra %v)", sig, unix.SignalName(unix.Signal(sig)), err, kindOf(err), infraOf(err))
+				}
+				if r.ExitCode != 0 {
+					t.Fatalf("signal %d: exit %d, stderr %q", sig, r.ExitCode, r.Stderr)
+				}
+				answers(t, sb, fmt.Sprintf("signal %d", sig))
+				if sig == 20 {
+					nb.check(t)
+				}
+			}
+		})
+	}
+	t.Run("children still get default dispositions", func(t *testing.T) {
+		sb := create(t, c, dsec.CreateOptions{})
+		r, err := sb.Exec(ctxFor(t, time.Minute), dsec.Argv("grep", "-E", "^Sig(Ign|Blk)", "/proc/self/status"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n"; string(r.Stdout) != want {
+			t.Errorf("a child's signal state is %q, want %q", r.Stdout, want)
+		}
+	})
+}
+
+func TestForkBombIsTheTasksFailureNotTheSandboxs(t *testing.T) {
+	c := client(t)
+	nb := newNeighbour(t)
+	for _, tc := range []struct {
+		name              string
+		opts              dsec.CreateOptions
+		wantOOM, wantPids bool
+	}{
+		// Enough pids that the bomb's kernel memory fills the memory limit
+		// before it runs out of pids.
+		{"filling the memory limit", dsec.CreateOptions{MemoryMB: 64, Pids: 4096}, true, false},
+		{"filling the pids limit", dsec.CreateOptions{MemoryMB: 512, Pids: 64}, false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sb := create(t, c, tc.opts)
+			done := make(chan struct{})
+			var r *dsecv1.ExecResult
+			var err error
+			go func() {
+				defer close(done)
+				r, err = sb.Exec(ctxFor(t, 2*time.Minute), dsec.ExecOptions{Cmd: "b() { b | b & }; b; sleep 30", Timeout: 15 * time.Second})
+			}()
+			time.Sleep(3 * time.Second)
+			nb.check(t)
+			<-done
+			taskFailure(t, "fork bomb", err)
+			t.Logf("fork bomb: exit %d, signal %q, timed out %v, oom %v, pids limited %v", r.ExitCode, r.Signal, r.TimedOut, r.OomKilled, r.PidsLimited)
+			if tc.wantOOM && !r.OomKilled {
+				t.Errorf("the result does not name the memory limit")
+			}
+			if tc.wantPids && !r.PidsLimited {
+				t.Errorf("the result does not name the pids limit")
+			}
+			answers(t, sb, "the fork bomb")
+		})
+	}
+}
+
+func TestMemoryBombOfSmallProcessesIsReportedAsOOM(t *testing.T) {
+	c := client(t)
+	nb := newNeighbour(t)
+	sb := create(t, c, dsec.CreateOptions{MemoryMB: 64})
+	// Many processes, each smaller than the agent: the OOM killer's
+	// biggest candidate would be the agent if it were one.
+	bomb := `for i in $(seq 40); do (x=$(head -c 3000000 /dev/zero | tr '\0' a); sleep 60) & done; wait`
+	done := make(chan struct{})
+	var r *dsecv1.ExecResult
+	var err error
+	go func() {
+		defer close(done)
+		r, err = sb.Exec(ctxFor(t, 2*time.Minute), dsec.ExecOptions{Cmd: bomb, Timeout: 20 * time.Second})
+	}()
+	time.Sleep(2 * time.Second)
+	nb.check(t)
+	<-done
+	taskFailure(t, "memory bomb", err)
+	t.Logf("memory bomb: exit %d, signal %q, timed out %v, oom %v", r.ExitCode, r.Signal, r.TimedOut, r.OomKilled)
+	if !r.OomKilled {
+		t.Errorf("the memory bomb is not reported as OOM")
+	}
+	answers(t, sb, "the memory bomb")
+}
+
+func TestEndlessOutputAtTheLargestCapIsCappedNotBuffered(t *testing.T) {
+	c := client(t)
+	nb := newNeighbour(t)
+	// The cap is larger than the sandbox's memory: buffering it in the
+	// sandbox would OOM.
+	sb := create(t, c, dsec.CreateOptions{MemoryMB: 64})
+	const capBytes = 64 << 20
+	done := make(chan struct{})
+	var r *dsecv1.ExecResult
+	var err error
+	go func() {
+		defer close(done)
+		r, err = sb.Exec(ctxFor(t, 3*time.Minute), dsec.ExecOptions{Cmd: "yes dsec", MaxOutputBytes: capBytes, Timeout: 10 * time.Second})
+	}()
+	time.Sleep(3 * time.Second)
+	nb.check(t)
+	<-done
+	taskFailure(t, "endless output", err)
+	if !r.TimedOut || !r.Truncated {
+		t.Errorf("timed out %v, truncated %v; want both", r.TimedOut, r.Truncated)
+	}
+	if len(r.Stdout) != capBytes {
+		t.Errorf("stdout has %d bytes, want the cap, %d", len(r.Stdout), capBytes)
+	}
+	if !bytes.HasPrefix(r.Stdout, []byte("dsec\ndsec\n")) {
+		t.Errorf("stdout starts %q", r.Stdout[:min(len(r.Stdout), 20)])
+	}
+	answers(t, sb, "endless output")
+}
+
+func TestStdinAndResultLargerThanAGuestFrameWork(t *testing.T) {
+	c := client(t)
+	nb := newNeighbour(t)
+	sb := create(t, c, dsec.CreateOptions{})
+	in := bytes.Repeat([]byte("0123456789abcdef"), 12<<20/16) // 12 MiB
+	// The neighbour is measured while large execs run back to back.
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	ctx := ctxFor(t, 5*time.Minute)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			sb.Exec(ctx, dsec.ExecOptions{Argv: []string{"cat"}, Stdin: in, MaxOutputBytes: 16 << 20})
+		}
+	}()
+	nb.check(t)
+	close(stop)
+	wg.Wait()
+	r, err := sb.Exec(ctxFor(t, 2*time.Minute), dsec.ExecOptions{Argv: []string{"cat"}, Stdin: in, MaxOutputBytes: 16 << 20})
+	if err != nil {
+		t.Fatalf("12 MiB through cat: %v (kind %q, infra %v)", err, kindOf(err), infraOf(err))
+	}
+	if r.ExitCode != 0 || r.Truncated || !bytes.Equal(r.Stdout, in) {
+		t.Fatalf("exit %d, truncated %v, %d bytes back (equal %v), stderr %q", r.ExitCode, r.Truncated, len(r.Stdout), bytes.Equal(r.Stdout, in), r.Stderr)
+	}
+	t.Run("streamed stdin", func(t *testing.T) {
+		st, err := sb.Start(ctxFor(t, 2*time.Minute), dsec.ExecOptions{Cmd: "wc -c", MaxOutputBytes: 1 << 20}, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer st.Close()
+		if _, err := st.Write(in); err != nil {
+			t.Fatalf("write 12 MiB of stdin: %v (kind %q, infra %v)", err, kindOf(err), infraOf(err))
+		}
+		if err := st.CloseStdin(); err != nil {
+			t.Fatal(err)
+		}
+		var out bytes.Buffer
+		res, err := st.Wait(&out, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := strings.TrimSpace(out.String()); res.ExitCode != 0 || got != fmt.Sprint(len(in)) {
+			t.Errorf("wc -c says %q (exit %d), want %d", got, res.ExitCode, len(in))
+		}
+	})
+}
+
+func TestTimedOutExecLeavesNoProcessBehind(t *testing.T) {
+	c := client(t)
+	nb := newNeighbour(t)
+	sb := create(t, c, dsec.CreateOptions{})
+	// A child in its own session (out of the exec's process group) and a
+	// grandchild re-parented to PID 1 by a double fork.
+	cmd := `setsid sleep 4242 >/dev/null 2>&1 & (sh -c 'sleep 4343 >/dev/null 2>&1 &') ; sleep 600`
+	r, err := sb.Exec(ctxFor(t, time.Minute), dsec.ExecOptions{Cmd: cmd, Timeout: 2 * time.Second})
+	taskFailure(t, "the exec", err)
+	if !r.TimedOut {
+		t.Fatalf("the exec did not time out: exit %d, signal %q", r.ExitCode, r.Signal)
+	}
+	nb.check(t)
+	var left string
+	for range 20 {
+		ps, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("ps -o pid,args | grep -E 'sleep (4242|4343|600)' | grep -v grep"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if left = string(ps.Stdout); left == "" {
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Errorf("processes of the timed-out exec still run:\n%s", left)
+}
