@@ -43,7 +43,9 @@ const (
 // caught and which the kernel never delivers to a pid namespace's init
 // from inside it. Signals the runtime left at their default (it installs
 // no handler for 32, for example) are dropped by the kernel for an init
-// already, and stay default for children.
+// already, and stay default for children; one the agent inherited ignored
+// and the runtime left so is made default (else children would inherit it
+// ignored: seen with signal 32 under make).
 //
 // It returns the signals it ignored. Real faults in the agent (a nil
 // dereference) are forced by the kernel and still end it.
@@ -59,7 +61,16 @@ func ignoreSignals() []syscall.Signal {
 			continue
 		}
 		var act kernelSigaction
-		if rtSigaction(sig, nil, &act) != nil || act.handler == sigDfl || act.handler == sigIgn {
+		if rtSigaction(sig, nil, &act) != nil || act.handler == sigDfl {
+			continue
+		}
+		if act.handler == sigIgn {
+			// Ignored when the agent started (inherited from whoever
+			// started the node) and left so by the runtime, which then
+			// never resets it for children: make it default, which for a
+			// pid namespace's init the kernel drops from inside anyway.
+			act.handler = sigDfl
+			rtSigaction(sig, &act, nil)
 			continue
 		}
 		act.handler = sigIgn
