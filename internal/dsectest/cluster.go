@@ -79,7 +79,7 @@ func (e *Etcd) Start() {
 	}
 	cmd.Stdout, cmd.Stderr = e.log, e.log
 	cmd.SysProcAttr = procAttr()
-	if err := cmd.Start(); err != nil {
+	if err := start(cmd); err != nil {
 		t.Fatal(err)
 	}
 	e.cmd, e.done = cmd, make(chan struct{})
@@ -238,7 +238,7 @@ func (p *Proc) Start() {
 	}
 	cmd.Stdout, cmd.Stderr = p.log, p.log
 	cmd.SysProcAttr = procAttr()
-	if err := cmd.Start(); err != nil {
+	if err := start(cmd); err != nil {
 		t.Fatal(err)
 	}
 	p.cmd, p.done = cmd, make(chan struct{})

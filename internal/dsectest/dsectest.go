@@ -202,7 +202,7 @@ func (s *Server) start() {
 	s.log = logf
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = procAttr()
-	if err := cmd.Start(); err != nil {
+	if err := start(cmd); err != nil {
 		t.Fatal(err)
 	}
 	s.cmd = cmd

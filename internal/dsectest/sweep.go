@@ -5,17 +5,44 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 )
 
 // procAttr starts a server, node, replica or etcd of the harness in a
 // process group of its own, and ends it when the test process dies (a test
 // binary killed by its timeout runs no cleanups): it gets SIGTERM and
-// stops as it does on any stop.
+// stops as it does on any stop. Start such a command with start.
 func procAttr() *syscall.SysProcAttr {
 	return &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
+}
+
+var (
+	spawnOnce sync.Once
+	spawns    chan func()
+)
+
+// start starts cmd from one OS thread that lives as long as the process.
+// The kernel sends a child's parent-death signal when the *thread* that
+// forked it exits, and Go ends threads (a goroutine that exits while
+// locked to its thread, as network tests entering namespaces do): a
+// server forked from such a thread was killed mid-test.
+func start(cmd *exec.Cmd) error {
+	spawnOnce.Do(func() {
+		spawns = make(chan func())
+		go func() {
+			runtime.LockOSThread() // never unlocked: this thread stays
+			for f := range spawns {
+				f()
+			}
+		}()
+	})
+	errc := make(chan error, 1)
+	spawns <- func() { errc <- cmd.Start() }
+	return <-errc
 }
 
 func haveBinaries(dir string) bool {
