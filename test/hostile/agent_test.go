@@ -150,7 +150,9 @@ func TestForkBombIsTheTasksFailureNotTheSandboxs(t *testing.T) {
 			var err error
 			go func() {
 				defer close(done)
-				r, err = sb.Exec(ctxFor(t, 2*time.Minute), dsec.ExecOptions{Cmd: "b() { b | b & }; b; sleep 30", Timeout: 15 * time.Second})
+				// Minutes, not seconds: on a host busy with other tests a bomb's
+				// thousands of processes take long to kill.
+				r, err = sb.Exec(ctxFor(t, 5*time.Minute), dsec.ExecOptions{Cmd: "b() { b | b & }; b; sleep 30", Timeout: 15 * time.Second})
 			}()
 			time.Sleep(3 * time.Second)
 			nb.check(t)
