@@ -182,7 +182,7 @@ func TestMemoryBombOfSmallProcessesIsReportedAsOOM(t *testing.T) {
 	var err error
 	go func() {
 		defer close(done)
-		r, err = sb.Exec(ctxFor(t, 2*time.Minute), dsec.ExecOptions{Cmd: bomb, Timeout: 20 * time.Second})
+		r, err = sb.Exec(ctxFor(t, 5*time.Minute), dsec.ExecOptions{Cmd: bomb, Timeout: 20 * time.Second})
 	}()
 	time.Sleep(2 * time.Second)
 	nb.check(t)
