@@ -90,3 +90,32 @@ func TestTheInsideNamesNoHostPath(t *testing.T) {
 		}
 	}
 }
+
+// TestExecAsRootInANobodySandbox: `dsec exec ID -u root` in a sandbox whose
+// user is nobody runs as root, and a command that cannot start says why
+// (it used to exit 127 with no output and no message).
+func TestExecAsRootInANobodySandbox(t *testing.T) {
+	s := srv(t)
+	sb := create(t, client(t), dsec.CreateOptions{User: "nobody"})
+	ctx := ctxFor(t, time.Minute)
+	run := func(args ...string) (string, string, int) {
+		cmd := exec.CommandContext(ctx, s.Bin, args...)
+		cmd.Env = append(cmd.Environ(), "DSEC_URL="+s.URL, "DSEC_API_KEY="+secret(keyA))
+		var out, errOut strings.Builder
+		cmd.Stdout, cmd.Stderr = &out, &errOut
+		err := cmd.Run()
+		code := 0
+		if ee, ok := err.(*exec.ExitError); ok {
+			code = ee.ExitCode()
+		}
+		return out.String(), errOut.String(), code
+	}
+	for _, args := range [][]string{{"exec", sb.ID, "-u", "root", "id", "-u"}, {"exec", sb.ID, "-u", "0", "id", "-u"}} {
+		if out, errOut, code := run(args...); code != 0 || out != "0\n" {
+			t.Errorf("dsec %s: code %d, stdout %q, stderr %q; want uid 0", strings.Join(args, " "), code, out, errOut)
+		}
+	}
+	if _, errOut, code := run("exec", sb.ID, "no-such-command"); code != 127 || !strings.Contains(errOut, "not found") {
+		t.Errorf("a command that cannot start: code %d, stderr %q; want 127 and why", code, errOut)
+	}
+}
