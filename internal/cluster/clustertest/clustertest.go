@@ -201,7 +201,9 @@ func (n *Node) CreateSandboxes(ctx context.Context, req *connect.Request[nodev1.
 }
 
 func (n *Node) GetLoad(ctx context.Context, req *connect.Request[nodev1.GetLoadRequest]) (*connect.Response[nodev1.Load], error) {
-	return connect.NewResponse(n.load()), nil
+	l := n.load()
+	l.Name, l.Address, l.Labels = n.cfg.Name, n.Addr, n.cfg.Labels
+	return connect.NewResponse(l), nil
 }
 
 func contains(list []string, s string) bool {
