@@ -224,18 +224,31 @@ func (c *cluster) createThroughBoth(selector map[string]string) error {
 
 func TestEtcdOutage(t *testing.T) {
 	const outage = 30 * time.Second
-	c := startCluster(t, []nodeSpec{{"n1", false}, {"n2", false}, {"n3", true}})
+	c := startCluster(t, []nodeSpec{{"n1", false}, {"n2", false}, {"n3", true}, {"n4", false}})
 	ids := []string{c.onNode("n1"), c.onNode("n2"), c.onNode("n3")}
+	onN4 := c.onNode("n4")
 	streams := []*echo{c.startEcho(ids[0]), c.startEcho(ids[2])}
 	for _, e := range streams {
 		e.check("before\n")
 	}
 
 	// etcd goes away for everyone; n3, behind its proxy, stays away from it
-	// for longer, so its lease expires after etcd returned.
+	// for longer, so its lease expires after etcd returned; n4 dies during
+	// the outage.
 	c.etcd.Kill()
 	c.cut["n3"].Cut()
 	down := time.Now()
+	n4 := c.nodes[3]
+	n4.Kill()
+	// etcd cannot say n4 went, but n4 does not answer: calls fail at once
+	// with an infra error rather than hang.
+	for i := range c.apis {
+		start := time.Now()
+		_, err := c.api(i).Sandbox(onN4).Exec(context.Background(), dsec.Cmd("true"))
+		if e := errOf(err); !e.Infra || e.Kind != "unavailable" || !strings.Contains(e.Message, "node n4") || time.Since(start) > 5*time.Second {
+			t.Fatalf("exec on killed n4 through replica %d with etcd down: %+v after %s", i, e, time.Since(start))
+		}
+	}
 
 	refused := until(t, "creates refused with a clear infra error", down, 20*time.Second, func() error {
 		for i := range c.apis {
@@ -270,7 +283,7 @@ func TestEtcdOutage(t *testing.T) {
 	accepted := until(t, "creates accepted through both replicas", back, 30*time.Second, func() error {
 		return c.createThroughBoth(map[string]string{"rack": "n1"})
 	})
-	members := until(t, "n1 and n2 members again", back, 30*time.Second, func() error {
+	members := until(t, "n1 and n2 members", back, 30*time.Second, func() error {
 		for i := range c.apis {
 			for _, n := range []string{"n1", "n2"} {
 				if s := c.state(i, n); s != "ready" {
@@ -310,6 +323,23 @@ func TestEtcdOutage(t *testing.T) {
 			t.Fatalf("a create only lapsed n3 fits, through replica %d: %+v", i, e)
 		}
 	}
+
+	// n4's lease expired too, and n4 does not answer: lost.
+	lost := until(t, "n4 lost on both replicas", back, 30*time.Second, func() error {
+		for i := range c.apis {
+			start := time.Now()
+			_, err := c.api(i).Sandbox(onN4).Exec(context.Background(), dsec.Cmd("true"))
+			if e := errOf(err); !e.Infra || !strings.Contains(e.Message, "node n4 lost") || time.Since(start) > time.Second {
+				return fmt.Errorf("replica %d: %+v after %s", i, e, time.Since(start))
+			}
+		}
+		return nil
+	})
+	t.Logf("killed n4 lost %s after etcd returned", lost.Round(time.Millisecond))
+	n4.Start()
+	returned := time.Now()
+	reach := until(t, "n4's sandbox reachable again", returned, 60*time.Second, func() error { return c.execEverywhere([]string{onN4}) })
+	t.Logf("restarted n4's sandbox reachable %s after n4 answered", reach.Round(time.Millisecond))
 
 	c.cut["n3"].Restore()
 	reached := time.Now()
