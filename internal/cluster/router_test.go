@@ -24,13 +24,13 @@ import (
 const token = "router-test-token"
 
 type env struct {
-	t     *testing.T
+	t     testing.TB
 	etcd  *dsectest.Etcd
 	store *cluster.Store
 	nodes map[string]*clustertest.Node
 }
 
-func newEnv(t *testing.T) *env {
+func newEnv(t testing.TB) *env {
 	e := &env{t: t, etcd: dsectest.StartEtcd(t), nodes: map[string]*clustertest.Node{}}
 	s, err := cluster.Open(cluster.Config{Endpoints: []string{e.etcd.URL}, Timeout: 2 * time.Second}, slog.New(slog.DiscardHandler))
 	if err != nil {
@@ -86,7 +86,7 @@ func (e *env) replica(n int) (*cluster.Router, *cluster.State) {
 	return r, st
 }
 
-func waitFor(t *testing.T, what string, f func() error) {
+func waitFor(t testing.TB, what string, f func() error) {
 	t.Helper()
 	deadline := time.Now().Add(15 * time.Second)
 	for {
