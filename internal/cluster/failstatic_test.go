@@ -56,7 +56,8 @@ func TestMembershipFailsStatic(t *testing.T) {
 	e := newEnv(t)
 	e.node(clustertest.Config{Name: "a", Labels: map[string]string{"name": "a"}})
 	c, proxy := e.cutOff(clustertest.Config{Name: "c", Labels: map[string]string{"name": "c"}})
-	r := e.router(2)
+	d, dProxy := e.cutOff(clustertest.Config{Name: "d", Labels: map[string]string{"name": "d"}})
+	r := e.router(3)
 	ctx := context.Background()
 
 	t.Run("a member keeps its lease through an etcd outage longer than its TTL", func(t *testing.T) {
@@ -145,6 +146,30 @@ func TestMembershipFailsStatic(t *testing.T) {
 		start := time.Now()
 		if _, err := r.ForSandbox(ctx, onC); err == nil || time.Since(start) > time.Second {
 			t.Fatalf("a call to lost c: %v after %s", err, time.Since(start))
+		}
+	})
+
+	t.Run("a lapsed node that answers nothing is lost within seconds, and a call waiting on it ends", func(t *testing.T) {
+		sb, err := r.Create(ctx, &dsecv1.CreateSandboxRequest{Spec: onlyOn("d"), Project: "p"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, err := r.ForSandbox(ctx, sb.Id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		dProxy.Cut()
+		d.Hang(true)
+		defer d.Hang(false)
+		start := time.Now()
+		_, err = n.Get(ctx, sb.Id) // waits: d does not answer
+		took := time.Since(start)
+		if err == nil || !strings.Contains(err.Error(), "node d lost") || !errdefs.IsInfra(err) {
+			t.Fatalf("a call waiting on d when it was lost: %v", err)
+		}
+		t.Logf("the call waiting on d ended %s after d stopped answering (lease %s, two probes)", took.Round(time.Millisecond), 2*time.Second)
+		if took > 20*time.Second {
+			t.Fatalf("the call waited %s", took)
 		}
 	})
 }

@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
@@ -150,12 +151,15 @@ func (r *Router) stopWatchdogLocked(name string) {
 }
 
 // Probing a node without a lease: every lapsedProbe while it answers
-// (lapsed), backing off to lostProbeMax while it does not (lost). A probe
-// that gets no answer within probeTimeout makes the node lost.
+// (lapsed), backing off to lostProbeMax while it does not (lost). A node is
+// lost when its address refuses the connection (nothing listens: at once),
+// or after probeMisses probes in a row got no answer within probeTimeout
+// (a host that vanished, or a node too busy to answer for seconds).
 const (
 	lapsedProbe  = time.Second
 	lostProbeMax = 30 * time.Second
 	probeTimeout = 2 * time.Second
+	probeMisses  = 2
 )
 
 // watch probes node name, which has no lease, at its last address until
@@ -165,6 +169,7 @@ const (
 // answers again or registers.
 func (r *Router) watch(ctx context.Context, name string, w *watchdog) {
 	wait := lapsedProbe
+	misses := 0
 	for ctx.Err() == nil {
 		r.mu.Lock()
 		rn := r.remotes[name]
@@ -178,6 +183,11 @@ func (r *Router) watch(ctx context.Context, name string, w *watchdog) {
 		if rn != nil {
 			err = rn.probe(ctx)
 		}
+		if err == nil {
+			misses = 0
+		} else if misses++; !errors.Is(err, syscall.ECONNREFUSED) && misses < probeMisses {
+			err = nil // one probe without an answer: not yet lost
+		}
 		var lost *remote
 		r.mu.Lock()
 		if r.watchdogs[name] != w || ctx.Err() != nil {
@@ -186,6 +196,8 @@ func (r *Router) watch(ctx context.Context, name string, w *watchdog) {
 		}
 		cur := r.remotes[name]
 		switch {
+		case err == nil && misses > 0:
+			wait = lapsedProbe // a miss: probe again before deciding
 		case err == nil:
 			if cur == nil {
 				rn.lapsed.Store(true)
