@@ -374,13 +374,14 @@ func TestReplicaKilledDuringKeyedBurst(t *testing.T) {
 	)
 	// Each create starts on replica i%2; on an infra or retryable error it
 	// is retried, with the same key, on the other replica.
+	clients := []*dsec.Client{c.api(0), c.api(1)}
 	createOne := func(i int) error {
 		r := i % 2
 		var last error
 		timeouts := 0
 		for attempt := 0; attempt < 40; attempt++ {
 			cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-			sb, err := create(cctx, c.api(r), opts(i))
+			sb, err := create(cctx, clients[r], opts(i))
 			timedOut := errors.Is(cctx.Err(), context.DeadlineExceeded)
 			cancel()
 			if err == nil {
