@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"sort"
 	"strconv"
@@ -66,6 +67,24 @@ func (e *UnconfirmedError) Error() string {
 func (s *Store) Sync(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, SyncTimeout)
 	defer cancel()
+	// Watch acknowledgements (and replicas going away) from now on, before
+	// the barrier: a watch etcd registers at its current revision is
+	// served as writes happen, while one that starts in the past waits for
+	// etcd's catch-up pass (every 100 ms).
+	acks := s.cli.Watch(ctx, s.prefix+dirAcks, clientv3.WithPrefix(), clientv3.WithCreatedNotify())
+	gone := s.cli.Watch(ctx, s.prefix+dirReplicas, clientv3.WithPrefix(), clientv3.WithFilterPut(), clientv3.WithCreatedNotify())
+	for _, w := range []clientv3.WatchChan{acks, gone} {
+		if wr, ok := <-w; !ok || wr.Err() != nil || !wr.Created {
+			err := wr.Err()
+			if err == nil {
+				err = context.Cause(ctx)
+			}
+			if err == nil {
+				err = errors.New("watch ended")
+			}
+			return unavailable(err, "watch replicas' acknowledgements")
+		}
+	}
 	var nonce [8]byte
 	rand.Read(nonce[:])
 	resp, err := s.cli.Txn(ctx).Then(
@@ -76,7 +95,7 @@ func (s *Store) Sync(ctx context.Context) error {
 		return unavailable(err, "write sync barrier")
 	}
 	rev := resp.Header.Revision
-	waiting := map[string]string{} // id → address
+	waiting := map[string]string{} // id → how to name it
 	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
 		id := strings.TrimPrefix(string(kv.Key), s.prefix+dirReplicas)
 		waiting[id] = id
@@ -85,14 +104,6 @@ func (s *Store) Sync(ctx context.Context) error {
 			waiting[id] = id + " at " + r.Address
 		}
 	}
-	if len(waiting) == 0 {
-		return nil
-	}
-	// Acknowledgements of this barrier are written after it; replicas that
-	// go away meanwhile are not waited for.
-	from := clientv3.WithRev(rev + 1)
-	acks := s.cli.Watch(ctx, s.prefix+dirAcks, clientv3.WithPrefix(), from)
-	gone := s.cli.Watch(ctx, s.prefix+dirReplicas, clientv3.WithPrefix(), from, clientv3.WithFilterPut())
 	for len(waiting) > 0 {
 		select {
 		case wr, ok := <-acks:
@@ -109,7 +120,9 @@ func (s *Store) Sync(ctx context.Context) error {
 				return s.unconfirmed(ctx, waiting, "")
 			}
 			for _, ev := range wr.Events {
-				delete(waiting, strings.TrimPrefix(string(ev.Kv.Key), s.prefix+dirReplicas))
+				if ev.Kv.ModRevision > rev {
+					delete(waiting, strings.TrimPrefix(string(ev.Kv.Key), s.prefix+dirReplicas))
+				}
 			}
 		}
 	}
@@ -118,7 +131,7 @@ func (s *Store) Sync(ctx context.Context) error {
 
 func (s *Store) unconfirmed(ctx context.Context, waiting map[string]string, node string) error {
 	if ctx.Err() == nil {
-		return unavailable(fmt.Errorf("watch ended"), "wait for replicas")
+		return unavailable(errors.New("watch ended"), "wait for replicas")
 	}
 	e := &UnconfirmedError{Node: node}
 	for _, who := range waiting {
