@@ -148,6 +148,11 @@ func (s *Store) waitNode(ctx context.Context, node string, ok func(*nodev1.Load)
 	ctx, cancel := context.WithTimeout(ctx, SyncTimeout)
 	defer cancel()
 	key := s.key(dirAlive, node)
+	// Watch first (from etcd's current revision, see Sync), then read.
+	w := s.cli.Watch(ctx, key, clientv3.WithCreatedNotify())
+	if wr, ok := <-w; !ok || wr.Err() != nil || !wr.Created {
+		return s.unconfirmed(ctx, nil, node)
+	}
 	resp, err := s.cli.Get(ctx, key)
 	if err != nil {
 		return unavailable(err, "read node "+node)
@@ -159,7 +164,7 @@ func (s *Store) waitNode(ctx context.Context, node string, ok func(*nodev1.Load)
 	if proto.Unmarshal(resp.Kvs[0].Value, l) == nil && ok(l) {
 		return nil
 	}
-	for wr := range s.cli.Watch(ctx, key, clientv3.WithRev(resp.Header.Revision+1)) {
+	for wr := range w {
 		if wr.Err() != nil {
 			break
 		}
