@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/base32"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -116,10 +117,13 @@ func runAPI(ctx context.Context, cfg config.Config) error {
 		return err
 	}
 	id := cluster.NewReplicaID()
-	go store.RunReplica(ctx, id, l.Addr().String(), log)
+	go store.RunReplica(ctx, id, l.Addr().String(), state, log)
 	go store.RunSessionExpiry(ctx, id, sessions, log)
+	// Serve once writers wait for this replica (it is registered) and its
+	// view includes its registration: from then on it reads every write
+	// that returned (cluster.Store.Sync).
 	select {
-	case <-state.Synced():
+	case <-state.Joined():
 	case <-time.After(5 * time.Second):
 		log.Warn("cluster state not read yet (etcd unreachable?); serving anyway")
 	case <-ctx.Done():
@@ -267,7 +271,14 @@ func clusterCmd(g *globals) *cobra.Command {
 			defer s.Close()
 			ctx, cancel := context.WithTimeout(cmd.Context(), 30*time.Second)
 			defer cancel()
-			return f(ctx, s, args)
+			err = f(ctx, s, args)
+			var u *cluster.UnconfirmedError
+			if errors.As(err, &u) {
+				// The write is done; say who has not seen it yet.
+				fmt.Fprintln(os.Stderr, "warning:", err)
+				return nil
+			}
+			return err
 		}
 	}
 	nodes := &cobra.Command{
@@ -391,11 +402,13 @@ func keyCmd(g *globals, with storeFunc) *cobra.Command {
 				rand.Read(b[:])
 				key = "dsec_" + strings.ToLower(base32.StdEncoding.WithPadding(base32.NoPadding).EncodeToString(b[:]))
 			}
-			if err := s.AddKey(ctx, key, args[0], name, admin); err != nil {
+			err := s.AddKey(ctx, key, args[0], name, admin)
+			var u *cluster.UnconfirmedError
+			if err != nil && !errors.As(err, &u) {
 				return err
 			}
 			fmt.Println(key)
-			return nil
+			return err
 		}),
 	}
 	add.Flags().StringVar(&name, "name", "", "a note to recognize the key by")

@@ -3,6 +3,7 @@ package apiserver
 import (
 	"context"
 	"io"
+	"log/slog"
 	"sort"
 
 	"connectrpc.com/connect"
@@ -13,9 +14,33 @@ import (
 )
 
 // imageService translates the ImageService. Images live on nodes; a
-// cluster-wide operation runs on every node.
+// cluster-wide operation runs on every node, and returns once placement
+// everywhere sees its result (settle).
 type imageService struct {
-	r Router
+	r   Router
+	log *slog.Logger
+}
+
+// syncer is a Router whose placement reads nodes' images from a view that
+// lags them (a cluster's replicas): Sync returns once every replica's view
+// includes what the nodes published before the call.
+type syncer interface {
+	Sync(ctx context.Context) error
+}
+
+// settle makes an image operation's result visible to placement through
+// every replica before the operation answers: the nodes published their
+// images before answering, and Sync waits for the replicas' views. A
+// replica that does not confirm is logged (it sees the images when it
+// reaches etcd again); the images are on the nodes either way.
+func (s *imageService) settle(ctx context.Context) {
+	sy, ok := s.r.(syncer)
+	if !ok {
+		return
+	}
+	if err := sy.Sync(ctx); err != nil {
+		s.log.Warn("image change not confirmed by every replica", slog.Any("error", err))
+	}
 }
 
 var _ dsecv1connect.ImageServiceHandler = (*imageService)(nil)
@@ -61,14 +86,15 @@ func (s *imageService) DeleteImage(ctx context.Context, req *connect.Request[dse
 	if !found {
 		return nil, wire(errdefs.NotFound("image %q not found", req.Msg.GetName()))
 	}
+	s.settle(ctx)
 	return connect.NewResponse(&dsecv1.DeleteImageResponse{}), nil
 }
 
 // eachNode runs an image import on every node, streaming progress, and
 // sends the image as the final message.
-func eachNode(ctx context.Context, r Router, stream *connect.ServerStream[dsecv1.ImageProgress], run func(Node, func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)) error {
+func (s *imageService) eachNode(ctx context.Context, stream *connect.ServerStream[dsecv1.ImageProgress], run func(Node, func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)) error {
 	var img *dsecv1.Image
-	for _, n := range r.Nodes(ctx) {
+	for _, n := range s.r.Nodes(ctx) {
 		var sendErr error
 		progress := func(p *dsecv1.ImageProgress) {
 			if sendErr == nil {
@@ -84,17 +110,18 @@ func eachNode(ctx context.Context, r Router, stream *connect.ServerStream[dsecv1
 		}
 		img = got
 	}
+	s.settle(ctx)
 	return stream.Send(&dsecv1.ImageProgress{Phase: "done", Message: img.GetName(), Image: img})
 }
 
 func (s *imageService) PullImage(ctx context.Context, req *connect.Request[dsecv1.PullImageRequest], stream *connect.ServerStream[dsecv1.ImageProgress]) error {
-	return eachNode(ctx, s.r, stream, func(n Node, p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	return s.eachNode(ctx, stream, func(n Node, p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
 		return n.PullImage(ctx, req.Msg, p)
 	})
 }
 
 func (s *imageService) BootstrapImage(ctx context.Context, req *connect.Request[dsecv1.BootstrapImageRequest], stream *connect.ServerStream[dsecv1.ImageProgress]) error {
-	return eachNode(ctx, s.r, stream, func(n Node, p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	return s.eachNode(ctx, stream, func(n Node, p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
 		return n.BootstrapImage(ctx, req.Msg, p)
 	})
 }
@@ -112,6 +139,7 @@ func (s *imageService) UploadImage(ctx context.Context, stream *connect.ClientSt
 	if err != nil {
 		return nil, wire(err)
 	}
+	s.settle(ctx)
 	return connect.NewResponse(img), nil
 }
 

@@ -135,7 +135,7 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 	if sessions != nil {
 		s.HandleConnect(dsecv1connect.NewSessionServiceHandler(&sessionService{m: sessions}, ConnectOptions()...))
 	}
-	s.HandleConnect(dsecv1connect.NewImageServiceHandler(&imageService{r: router}, ConnectOptions()...))
+	s.HandleConnect(dsecv1connect.NewImageServiceHandler(&imageService{r: router, log: log}, ConnectOptions()...))
 	s.HandleConnect(dsecv1connect.NewFunctionServiceHandler(&functionService{r: router}, ConnectOptions()...))
 	s.mux.Handle("/run_code", s.guard(maxRunCodeBody, http.HandlerFunc(s.serveRunCode)))
 	s.HandleConnect(dsecv1connect.NewSystemServiceHandler(&systemService{r: router, version: cfg.Version}, ConnectOptions()...))

@@ -3,10 +3,12 @@ package cluster
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"log/slog"
 	"sync/atomic"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"google.golang.org/protobuf/proto"
 
@@ -33,6 +35,12 @@ type MemberConfig struct {
 
 // Member keeps a node in the cluster: its registration, its load under its
 // lease, and its drain mark. It is safe for concurrent use.
+//
+// The membership fails static: an etcd that does not answer never ends it.
+// The lease is renewed through an outage (etcd extends every lease by its
+// TTL when it regains a leader), and only etcd's answer that the lease is
+// gone — it expired while etcd ran, or was revoked — makes the node
+// register again, at once. The node serves its sandboxes throughout.
 type Member struct {
 	s   *Store
 	cfg MemberConfig
@@ -40,6 +48,8 @@ type Member struct {
 
 	draining atomic.Bool
 	writes   atomic.Int64
+	active   atomic.Bool     // a session holds a lease
+	publish  chan chan error // Publish's requests, served by the session
 }
 
 // NewMember returns a node's membership; Run keeps it.
@@ -50,7 +60,7 @@ func (s *Store) NewMember(cfg MemberConfig, log *slog.Logger) *Member {
 	if cfg.Interval == 0 {
 		cfg.Interval = time.Second
 	}
-	return &Member{s: s, cfg: cfg, log: log.With(slog.String("node", cfg.Name))}
+	return &Member{s: s, cfg: cfg, log: log.With(slog.String("node", cfg.Name)), publish: make(chan chan error)}
 }
 
 // Draining reports whether the node is marked to drain.
@@ -59,28 +69,67 @@ func (m *Member) Draining() bool { return m.draining.Load() }
 // Writes counts the etcd writes the membership made (for benchmarks).
 func (m *Member) Writes() int64 { return m.writes.Load() }
 
+// Publish writes the node's load now, outside the interval, and returns
+// once etcd has it (or ctx ends, or the write fails): what changed before
+// the call (an image imported or removed) is then in the cluster state.
+// It fails at once when the node is not a member at the moment.
+func (m *Member) Publish(ctx context.Context) error {
+	if !m.active.Load() {
+		return errdefs.Unavailable("node %s is not a member of the cluster now (etcd unreachable?)", m.cfg.Name)
+	}
+	reply := make(chan error, 1)
+	select {
+	case m.publish <- reply:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	select {
+	case err := <-reply:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// publishTimeout bounds one load publication, so the membership's loop
+// stays responsive while etcd does not answer (a failed publication is
+// retried the next interval).
+const publishTimeout = 2 * time.Second
+
 // Run registers the node and publishes load() whenever changed fires (at
 // most once per Interval, and only what differs), until ctx ends; then it
-// revokes the lease, so the node leaves at once. It survives etcd outages:
-// when the lease is lost it registers again with a new one.
+// revokes the lease, so the node leaves at once. It survives etcd outages
+// (see Member); when etcd says the lease is gone it registers again at
+// once, with a new one.
 func (m *Member) Run(ctx context.Context, load func() *nodev1.Load, changed <-chan struct{}) {
-	backoff := 200 * time.Millisecond
+	var backoff time.Duration
 	for ctx.Err() == nil {
+		began := time.Now()
 		err := m.session(ctx, load, changed)
 		if ctx.Err() != nil {
 			return
 		}
-		m.log.Warn("cluster membership lost; registering again", slog.Any("error", err))
+		if time.Since(began) >= time.Second {
+			backoff = 0 // a membership that lasted: register again at once
+		} else {
+			backoff = min(max(2*backoff, 100*time.Millisecond), time.Second)
+		}
+		if errors.Is(err, errLeaseGone) {
+			m.log.Warn("cluster membership lapsed; registering again", slog.Any("error", err))
+		} else {
+			m.log.Warn("cluster membership not established; retrying", slog.Any("error", err))
+		}
 		select {
 		case <-ctx.Done():
 			return
 		case <-time.After(backoff):
 		}
-		backoff = min(2*backoff, 5*time.Second)
 	}
 }
 
-// session is one lease's life.
+// session is one lease's life: it returns errLeaseGone when etcd says the
+// lease is gone, another error when the membership could not be set up,
+// and nil when ctx ends (after revoking the lease).
 func (m *Member) session(ctx context.Context, load func() *nodev1.Load, changed <-chan struct{}) error {
 	cli, s := m.s.cli, m.s
 	if err := m.register(ctx); err != nil {
@@ -90,39 +139,20 @@ func (m *Member) session(ctx context.Context, load func() *nodev1.Load, changed 
 	if err != nil {
 		return err
 	}
-	kctx, kcancel := context.WithCancel(ctx)
-	defer kcancel()
-	keep, err := cli.KeepAlive(kctx, lease)
-	if err != nil {
-		return unavailable(err, "keep lease")
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	revoke := func() {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+		cli.Revoke(rctx, lease)
+		cancel()
 	}
-	// The drain mark, read and then watched. The watch outlives etcd
-	// outages (the client resumes it); only a compaction or a closed watch
-	// makes it read again. An outage alone never ends the lease's life:
-	// only a lease that could not be renewed does.
-	drainKey := s.key(dirDrain, m.cfg.Name)
-	watchDrain := func() (clientv3.WatchChan, context.CancelFunc, error) {
-		gctx, gcancel := s.ctx(ctx)
-		resp, err := cli.Get(gctx, drainKey)
-		gcancel()
-		if err != nil {
-			return nil, nil, unavailable(err, "read drain mark")
-		}
-		m.setDrain(len(resp.Kvs) > 0)
-		wctx, wcancel := context.WithCancel(ctx)
-		return cli.Watch(wctx, drainKey, clientv3.WithRev(resp.Header.Revision+1)), wcancel, nil
-	}
-	watch, wcancel, err := watchDrain()
-	if err != nil {
-		return err
-	}
-	defer func() { wcancel() }()
+	leaseGone := make(chan error, 1)
+	go func() { leaseGone <- s.keepLease(sctx, lease) }()
 
 	aliveKey := s.key(dirAlive, m.cfg.Name)
+	drainKey := s.key(dirDrain, m.cfg.Name)
 	var last []byte
 	var lastAt time.Time
-	timer := time.NewTimer(0)
-	defer timer.Stop()
 	publish := func() error {
 		l := load()
 		l.Name, l.Address, l.Labels, l.Draining = m.cfg.Name, m.cfg.Address, m.cfg.Labels, m.Draining()
@@ -133,44 +163,112 @@ func (m *Member) session(ctx context.Context, load func() *nodev1.Load, changed 
 		if string(b) == string(last) {
 			return nil
 		}
-		pctx, cancel := s.ctx(ctx)
+		pctx, cancel := context.WithTimeout(sctx, min(s.timeout, publishTimeout))
 		defer cancel()
 		if _, err := cli.Put(pctx, aliveKey, string(b), clientv3.WithLease(lease)); err != nil {
+			if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+				return errLeaseGone
+			}
 			return unavailable(err, "publish load")
 		}
 		m.writes.Add(1)
 		last, lastAt = b, time.Now()
 		return nil
 	}
-	pendingChange := true
+	if err := publish(); err != nil {
+		revoke()
+		return err
+	}
+	m.active.Store(true)
+	defer m.active.Store(false)
+
+	// The node's own drain mark and alive entry, read and then watched.
+	// The watches outlive etcd outages (the client resumes them); only a
+	// compaction or a closed watch makes them read again. The alive
+	// entry's deletion says at once that the lease is gone.
+	var drainW, aliveW clientv3.WatchChan
+	wcancel := func() {}
+	defer func() { wcancel() }()
+	watchOwn := func() error {
+		wcancel()
+		drainW, aliveW, wcancel = nil, nil, func() {}
+		gctx, gcancel := context.WithTimeout(sctx, min(s.timeout, publishTimeout))
+		resp, err := cli.Txn(gctx).Then(clientv3.OpGet(drainKey), clientv3.OpGet(aliveKey)).Commit()
+		gcancel()
+		if err != nil {
+			return unavailable(err, "read drain mark")
+		}
+		if len(resp.Responses[1].GetResponseRange().Kvs) == 0 {
+			return errLeaseGone
+		}
+		m.setDrain(len(resp.Responses[0].GetResponseRange().Kvs) > 0)
+		wctx, c := context.WithCancel(sctx)
+		rev := clientv3.WithRev(resp.Header.Revision + 1)
+		drainW, aliveW, wcancel = cli.Watch(wctx, drainKey, rev), cli.Watch(wctx, aliveKey, rev, clientv3.WithFilterPut()), c
+		return nil
+	}
+	if err := watchOwn(); err != nil {
+		if errors.Is(err, errLeaseGone) {
+			return err
+		}
+		m.log.Warn("drain mark unreadable; retrying", slog.Any("error", err))
+	}
+	if err := m.tryPublish(publish); errors.Is(err, errLeaseGone) { // the drain mark just read
+		return err
+	}
+	rewatch := func() error {
+		if err := watchOwn(); err != nil {
+			if errors.Is(err, errLeaseGone) {
+				return err
+			}
+			m.log.Warn("drain mark unreadable; retrying", slog.Any("error", err))
+		}
+		return nil
+	}
+
+	timer := time.NewTimer(m.cfg.Interval)
+	defer timer.Stop()
+	pendingChange := false
 	for {
 		select {
 		case <-ctx.Done():
-			// Leave at once rather than after the TTL.
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
-			cli.Revoke(rctx, lease)
-			cancel()
+			revoke() // leave at once rather than after the TTL
 			return nil
-		case _, ok := <-keep:
-			if !ok {
-				return errdefs.Unavailable("membership lease expired or etcd unreachable")
-			}
-		case wr, ok := <-watch:
+		case err := <-leaseGone:
+			return err
+		case wr, ok := <-aliveW:
 			if !ok || wr.Err() != nil {
-				wcancel()
-				if watch, wcancel, err = watchDrain(); err != nil {
-					// Read again on the next tick rather than drop the lease.
-					watch, wcancel = nil, func() {}
-					m.log.Warn("drain mark unreadable; retrying", slog.Any("error", err))
+				if err := rewatch(); err != nil {
+					return err
 				}
+				continue
+			}
+			if len(wr.Events) > 0 {
+				return errLeaseGone // deleted: expired or revoked
+			}
+		case wr, ok := <-drainW:
+			if !ok || wr.Err() != nil {
+				if err := rewatch(); err != nil {
+					return err
+				}
+				pendingChange = true
 				continue
 			}
 			for _, ev := range wr.Events {
 				m.setDrain(ev.Type == clientv3.EventTypePut)
 			}
 			pendingChange = true
-			if m.tryPublish(publish) { // drains take effect at once
+			if m.tryPublish(publish) == nil { // drains take effect at once
 				pendingChange = false
+			}
+		case reply := <-m.publish:
+			err := publish()
+			if err == nil {
+				pendingChange = false
+			}
+			reply <- err
+			if errors.Is(err, errLeaseGone) {
+				return err
 			}
 		case <-changed:
 			pendingChange = true
@@ -179,36 +277,44 @@ func (m *Member) session(ctx context.Context, load func() *nodev1.Load, changed 
 				timer.Reset(wait) // at most one write per interval
 				continue
 			}
-			if watch == nil {
-				if w, c, err := watchDrain(); err == nil {
-					watch, wcancel = w, c
+			if drainW == nil {
+				if err := rewatch(); err != nil {
+					return err
 				}
 			}
 			// Every interval, whether signalled or not: what the node does
-			// not signal (images, kinds) changes rarely, and an unchanged
-			// load is not written.
-			if m.tryPublish(publish) {
+			// not signal (kinds) changes rarely, and an unchanged load is
+			// not written.
+			err := m.tryPublish(publish)
+			if err == nil {
 				pendingChange = false
+			} else if errors.Is(err, errLeaseGone) {
+				return err
 			}
 			timer.Reset(m.cfg.Interval)
 			continue
 		}
 		// Publish a change now if the last publication is old enough; the
 		// timer catches the rest.
-		if pendingChange && time.Since(lastAt) >= m.cfg.Interval && m.tryPublish(publish) {
-			pendingChange = false
+		if pendingChange && time.Since(lastAt) >= m.cfg.Interval {
+			err := m.tryPublish(publish)
+			if err == nil {
+				pendingChange = false
+			} else if errors.Is(err, errLeaseGone) {
+				return err
+			}
 		}
 	}
 }
 
 // tryPublish publishes, and logs a failure (etcd unreachable: the next
 // interval tries again; the lease, renewed apart, keeps the node a member).
-func (m *Member) tryPublish(publish func() error) bool {
-	if err := publish(); err != nil {
+func (m *Member) tryPublish(publish func() error) error {
+	err := publish()
+	if err != nil && !errors.Is(err, errLeaseGone) {
 		m.log.Warn("publish load", slog.Any("error", err))
-		return false
 	}
-	return true
+	return err
 }
 
 func (m *Member) setDrain(v bool) {

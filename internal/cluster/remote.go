@@ -6,7 +6,7 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"sync"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -36,9 +36,9 @@ type remote struct {
 	fn         dsecv1connect.FunctionServiceClient
 	nd         nodev1connect.NodeServiceClient
 
-	mu   sync.Mutex
-	lost context.Context // done once the node is lost
-	lose context.CancelCauseFunc
+	lapsed atomic.Bool     // the node has no lease but answers: routed to, not placed on
+	lost   context.Context // done once the node is lost
+	lose   context.CancelCauseFunc
 }
 
 var _ apiserver.Node = (*remote)(nil)
@@ -98,7 +98,21 @@ func (r *remote) begin(ctx context.Context) (context.Context, func()) {
 
 // lostError is the error of a call to a lost node.
 func lostError(name string) error {
-	return errdefs.Unavailable("node %s lost: it stopped renewing its membership; its sandboxes are unreachable until it returns", name)
+	return errdefs.Unavailable("node %s lost: its membership lease went and it does not answer; its sandboxes are unreachable until it returns", name)
+}
+
+// probe asks the node for its load: nil if it answers as itself.
+func (r *remote) probe(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	l, err := unary(r, ctx, &nodev1.GetLoadRequest{}, r.nd.GetLoad)
+	if err != nil {
+		return err
+	}
+	if l.Name != "" && l.Name != r.name {
+		return errdefs.Unavailable("node %s's address %s answers as node %s", r.name, r.addr, l.Name)
+	}
+	return nil
 }
 
 // fail classifies err from a call made with cctx.
@@ -204,6 +218,9 @@ func (r *remote) Info(ctx context.Context) *dsecv1.NodeInfo {
 	state := "ready"
 	if n := r.router.state.Node(r.name); n != nil {
 		state = n.State()
+	}
+	if r.lapsed.Load() {
+		state = "lapsed"
 	}
 	info, err := unary(r, ctx, &dsecv1.GetInfoRequest{}, r.sys.GetInfo)
 	if err != nil || len(info.Nodes) == 0 {

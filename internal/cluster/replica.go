@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"log/slog"
+	"net"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -22,11 +23,15 @@ func NewReplicaID() string {
 }
 
 // RunReplica keeps this apiserver replica's entry (bound to a lease) until
-// ctx ends; replicas divide projects' create rates by how many there are.
-func (s *Store) RunReplica(ctx context.Context, id, address string, log *slog.Logger) {
+// ctx ends: replicas divide projects' create rates by how many there are,
+// and writers wait for every registered replica to acknowledge a sync
+// barrier (see Store.Sync), which st does. Like a node's membership, the
+// entry outlives etcd outages; it is written again only when etcd says
+// its lease is gone.
+func (s *Store) RunReplica(ctx context.Context, id, address string, st *State, log *slog.Logger) {
 	b, _ := json.Marshal(Replica{ID: id, Address: address, Started: time.Now().UTC()})
 	for ctx.Err() == nil {
-		err := s.replicaSession(ctx, id, string(b))
+		err := s.replicaSession(ctx, id, string(b), st)
 		if ctx.Err() != nil {
 			return
 		}
@@ -34,36 +39,60 @@ func (s *Store) RunReplica(ctx context.Context, id, address string, log *slog.Lo
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(time.Second):
+		case <-time.After(200 * time.Millisecond):
 		}
 	}
 }
 
-func (s *Store) replicaSession(ctx context.Context, id, value string) error {
+func (s *Store) replicaSession(ctx context.Context, id, value string, st *State) error {
 	gctx, cancel := s.ctx(ctx)
+	s.takeOverReplica(gctx, id, value)
 	g, err := s.cli.Grant(gctx, 10)
+	var put *clientv3.PutResponse
 	if err == nil {
-		_, err = s.cli.Put(gctx, s.key(dirReplicas, id), value, clientv3.WithLease(g.ID))
+		put, err = s.cli.Put(gctx, s.key(dirReplicas, id), value, clientv3.WithLease(g.ID))
 	}
 	cancel()
 	if err != nil {
 		return unavailable(err, "register replica")
 	}
-	kctx, kcancel := context.WithCancel(ctx)
-	defer kcancel()
-	keep, err := s.cli.KeepAlive(kctx, g.ID)
-	if err != nil {
-		return unavailable(err, "keep replica lease")
+	if st != nil {
+		st.registered(id, g.ID, put.Header.Revision)
 	}
-	for range keep {
-	}
+	err = s.keepLease(ctx, g.ID)
 	if ctx.Err() != nil {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
 		s.cli.Revoke(rctx, g.ID)
 		cancel()
 		return nil
 	}
-	return unavailable(context.DeadlineExceeded, "replica lease expired")
+	return err
+}
+
+// takeOverReplica revokes the registration of a previous replica process
+// at this replica's address (it died: this process holds the address now),
+// so writers stop waiting for it at once rather than when its lease
+// expires. Replicas listening on a wildcard address share no identity by
+// address and take nothing over.
+func (s *Store) takeOverReplica(ctx context.Context, id, value string) {
+	var me Replica
+	if json.Unmarshal([]byte(value), &me) != nil {
+		return
+	}
+	host, _, err := net.SplitHostPort(me.Address)
+	if ip := net.ParseIP(host); err != nil || host == "" || (ip != nil && ip.IsUnspecified()) {
+		return
+	}
+	resp, err := s.cli.Get(ctx, s.prefix+dirReplicas, clientv3.WithPrefix())
+	if err != nil {
+		return
+	}
+	for _, kv := range resp.Kvs {
+		var r Replica
+		if json.Unmarshal(kv.Value, &r) == nil && r.ID != id && r.Address == me.Address && kv.Lease != 0 {
+			s.cli.Revoke(ctx, clientv3.LeaseID(kv.Lease))
+		}
+	}
 }
 
 // RunSessionExpiry expires sessions on one replica of the cluster at a

@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
@@ -52,8 +53,9 @@ type Router struct {
 	placer *placement.Placer
 	claims *claims
 
-	mu      sync.Mutex
-	remotes map[string]*remote
+	mu        sync.Mutex
+	remotes   map[string]*remote   // the nodes calls are routed to: members, and lapsed nodes that answer
+	watchdogs map[string]*watchdog // nodes without a lease, probed
 
 	qmu       sync.Mutex // serializes quota checks with what they admit
 	buckets   map[string]*bucket
@@ -80,39 +82,151 @@ func NewRouter(cfg RouterConfig, st *State, log *slog.Logger) *Router {
 		http:    &http.Client{Transport: nodeTransport()},
 		placer:  placement.New(placement.Config{Choices: cfg.Choices}),
 		claims:  &claims{s: st.s, ttl: cfg.IdempotencyTTL},
-		remotes: map[string]*remote{}, buckets: map[string]*bucket{}, admitting: map[string]int64{},
+		remotes: map[string]*remote{}, watchdogs: map[string]*watchdog{}, buckets: map[string]*bucket{}, admitting: map[string]int64{},
 	}
 	st.OnNode(r.nodeChanged)
 	return r
 }
 
 // nodeChanged keeps the node clients and the placer in step with the
-// cluster state.
+// cluster state. A node whose lease went is not dropped on the spot: etcd
+// saying the lease went does not say the node is gone (it may have been
+// cut off from etcd, or etcd from everyone). It leaves placement at once,
+// and a watchdog decides whether it is lapsed (it answers: calls still go
+// to its last address) or lost (it does not).
 func (r *Router) nodeChanged(name string, n *NodeStatus) {
 	r.mu.Lock()
 	old := r.remotes[name]
 	switch {
-	case n == nil || n.Load == nil:
+	case n == nil: // forgotten
 		delete(r.remotes, name)
+		r.stopWatchdogLocked(name)
 		r.mu.Unlock()
 		if old != nil {
 			old.markLost()
-			r.log.Warn("node lost", slog.String("node", name))
+			r.log.Warn("node forgotten", slog.String("node", name))
 		}
+		r.placer.Forget(name)
+		return
+	case n.Load == nil:
+		if old != nil && !old.lapsed.Swap(true) {
+			r.log.Warn("node lapsed: its lease went; routing to it while it answers, placing nothing there", slog.String("node", name))
+		}
+		if r.watchdogs[name] == nil {
+			w := &watchdog{}
+			var ctx context.Context
+			ctx, w.cancel = context.WithCancel(r.state.runContext())
+			r.watchdogs[name] = w
+			go r.watch(ctx, name, w)
+		}
+		r.mu.Unlock()
 		r.placer.Forget(name)
 		return
 	case old == nil || old.addr != n.Load.Address:
 		r.remotes[name] = newRemote(r, name, n.Load.Address)
+		r.stopWatchdogLocked(name)
 		r.mu.Unlock()
 		if old != nil {
 			old.markLost()
 		}
 		r.log.Info("node ready", slog.String("node", name), slog.String("address", n.Load.Address))
 	default:
+		r.stopWatchdogLocked(name)
 		r.mu.Unlock()
+		if old.lapsed.Swap(false) {
+			r.log.Info("node is a member again", slog.String("node", name))
+		}
 	}
 	r.placer.Reported(name, n.Load.Incarnation, n.Load.Admitted)
 }
+
+// watchdog is the probing of one node without a lease.
+type watchdog struct{ cancel context.CancelFunc }
+
+func (r *Router) stopWatchdogLocked(name string) {
+	if w := r.watchdogs[name]; w != nil {
+		w.cancel()
+		delete(r.watchdogs, name)
+	}
+}
+
+// Probing a node without a lease: every lapsedProbe while it answers
+// (lapsed), backing off to lostProbeMax while it does not (lost). A node is
+// lost when its address refuses the connection (nothing listens: at once),
+// or after probeMisses probes in a row got no answer within probeTimeout
+// (a host that vanished, or a node too busy to answer for seconds).
+const (
+	lapsedProbe  = time.Second
+	lostProbeMax = 30 * time.Second
+	probeTimeout = 2 * time.Second
+	probeMisses  = 2
+)
+
+// watch probes node name, which has no lease, at its last address until
+// ctx ends (the node has a lease again, or was forgotten). While it
+// answers it stays routable (lapsed); when it does not, it is lost: calls
+// in flight end and calls to it fail at once with an infra error, until it
+// answers again or registers.
+func (r *Router) watch(ctx context.Context, name string, w *watchdog) {
+	wait := lapsedProbe
+	misses := 0
+	for ctx.Err() == nil {
+		r.mu.Lock()
+		rn := r.remotes[name]
+		r.mu.Unlock()
+		if rn == nil {
+			if n := r.state.Node(name); n != nil && n.Address != "" {
+				rn = newRemote(r, name, n.Address)
+			}
+		}
+		var err error = errLost
+		if rn != nil {
+			err = rn.probe(ctx)
+		}
+		if err == nil {
+			misses = 0
+		} else if misses++; !errors.Is(err, syscall.ECONNREFUSED) && misses < probeMisses {
+			err = nil // one probe without an answer: not yet lost
+		}
+		var lost *remote
+		r.mu.Lock()
+		if r.watchdogs[name] != w || ctx.Err() != nil {
+			r.mu.Unlock()
+			return
+		}
+		cur := r.remotes[name]
+		switch {
+		case err == nil && misses > 0:
+			wait = lapsedProbe // a miss: probe again before deciding
+		case err == nil:
+			if cur == nil {
+				rn.lapsed.Store(true)
+				r.remotes[name] = rn
+				r.log.Warn("node answers without a lease: routing to it again, placing nothing there", slog.String("node", name), slog.String("address", rn.addr))
+			}
+			wait = lapsedProbe
+		case cur != nil:
+			delete(r.remotes, name)
+			lost, wait = cur, lapsedProbe
+		default:
+			wait = min(2*wait, lostProbeMax)
+		}
+		r.mu.Unlock()
+		if lost != nil {
+			lost.markLost()
+			r.log.Warn("node lost: no lease and no answer", slog.String("node", name), slog.Any("error", err))
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(wait):
+		}
+	}
+}
+
+// Sync returns once every replica's view includes the cluster state as of
+// the call (Store.Sync): image operations call it after the nodes
+// published their new images, so a create through any replica finds them.
+func (r *Router) Sync(ctx context.Context) error { return r.state.s.Sync(ctx) }
 
 // node returns the client of a live node, or why there is none.
 func (r *Router) node(name, what string) (*remote, error) {
@@ -247,6 +361,12 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 	var cl *claim
 	var rev int64
 	if ck != "" {
+		// The claim is in etcd: without it, fail now rather than after the
+		// read's timeout.
+		if err := r.state.Healthy(); err != nil {
+			failAll(items, err)
+			return out
+		}
 		var err error
 		if cl, rev, err = r.claims.get(ctx, project, ck); err != nil {
 			failAll(items, err)

@@ -24,13 +24,13 @@ import (
 const token = "router-test-token"
 
 type env struct {
-	t     *testing.T
+	t     testing.TB
 	etcd  *dsectest.Etcd
 	store *cluster.Store
 	nodes map[string]*clustertest.Node
 }
 
-func newEnv(t *testing.T) *env {
+func newEnv(t testing.TB) *env {
 	e := &env{t: t, etcd: dsectest.StartEtcd(t), nodes: map[string]*clustertest.Node{}}
 	s, err := cluster.Open(cluster.Config{Endpoints: []string{e.etcd.URL}, Timeout: 2 * time.Second}, slog.New(slog.DiscardHandler))
 	if err != nil {
@@ -55,24 +55,38 @@ func (e *env) node(cfg clustertest.Config) *clustertest.Node {
 // router starts a replica's view and router and waits until it sees n
 // live nodes.
 func (e *env) router(n int) *cluster.Router {
+	r, _ := e.replica(n)
+	return r
+}
+
+// replica starts a replica — its view, router and registration — and
+// waits until it joined and sees n live nodes.
+func (e *env) replica(n int) (*cluster.Router, *cluster.State) {
 	ctx, cancel := context.WithCancel(context.Background())
 	e.t.Cleanup(cancel)
-	st, err := e.store.NewState(nil, nil, true, slog.New(slog.DiscardHandler))
+	quiet := slog.New(slog.DiscardHandler)
+	st, err := e.store.NewState(nil, nil, true, quiet)
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	r := cluster.NewRouter(cluster.RouterConfig{Token: token}, st, slog.New(slog.DiscardHandler))
+	r := cluster.NewRouter(cluster.RouterConfig{Token: token}, st, quiet)
 	go st.Run(ctx)
+	go e.store.RunReplica(ctx, cluster.NewReplicaID(), "", st, quiet)
+	select {
+	case <-st.Joined():
+	case <-time.After(15 * time.Second):
+		e.t.Fatal("the replica did not join")
+	}
 	waitFor(e.t, fmt.Sprintf("%d live nodes", n), func() error {
 		if got := len(r.Nodes(ctx)); got != n {
 			return fmt.Errorf("%d live nodes", got)
 		}
 		return nil
 	})
-	return r
+	return r, st
 }
 
-func waitFor(t *testing.T, what string, f func() error) {
+func waitFor(t testing.TB, what string, f func() error) {
 	t.Helper()
 	deadline := time.Now().Add(15 * time.Second)
 	for {

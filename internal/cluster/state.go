@@ -3,14 +3,17 @@ package cluster
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"log/slog"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"google.golang.org/protobuf/proto"
 
@@ -38,6 +41,7 @@ type State struct {
 	keys     map[string]tenant.Caller // key hash → caller
 	replicas map[string]bool
 	onNode   []func(name string, n *NodeStatus) // called with mu not held, in event order
+	runCtx   context.Context                    // Run's
 
 	pnodes map[string]*placement.Node // each node's placement entry, rebuilt when it changes (under mu)
 	view   atomic.Pointer[view]
@@ -45,6 +49,22 @@ type State struct {
 	start  time.Time
 	synced chan struct{}
 	once   sync.Once
+
+	// The revision the view has applied, and a channel closed (and
+	// replaced) whenever it advances.
+	amu      sync.Mutex
+	applied  int64
+	advanced chan struct{}
+
+	// This replica's acknowledgements of sync barriers (see Store.Sync).
+	ackMu    sync.Mutex
+	ackID    string           // this replica's ID ("" before it registered)
+	ackLease clientv3.LeaseID // its registration's lease
+	barrier  int64            // the newest barrier the view has applied
+	acked    int64            // the newest barrier acknowledged under ackLease
+	ackKick  chan struct{}
+	joined   chan struct{}
+	joinOnce sync.Once
 }
 
 // view is what placement reads, rebuilt after each batch of changes.
@@ -68,6 +88,7 @@ func (s *Store) NewState(static, admin []string, allowOpen bool, log *slog.Logge
 		s: s, log: log, static: keys, allowOpen: allowOpen,
 		nodes: map[string]*NodeStatus{}, projects: map[string]Project{}, keys: map[string]tenant.Caller{}, replicas: map[string]bool{},
 		pnodes: map[string]*placement.Node{}, start: time.Now(), synced: make(chan struct{}),
+		advanced: make(chan struct{}), ackKick: make(chan struct{}, 1), joined: make(chan struct{}),
 	}
 	st.view.Store(&view{totals: map[string]int64{}})
 	return st, nil
@@ -81,12 +102,33 @@ func (st *State) OnNode(f func(name string, n *NodeStatus)) {
 	st.mu.Unlock()
 }
 
+// runContext is Run's context: what the view's followers (the router's
+// probes) live by.
+func (st *State) runContext() context.Context {
+	st.mu.RLock()
+	defer st.mu.RUnlock()
+	if st.runCtx == nil {
+		return context.Background()
+	}
+	return st.runCtx
+}
+
 // Synced is closed once the first full read of the state is done.
 func (st *State) Synced() <-chan struct{} { return st.synced }
 
+// Joined is closed once this replica is registered (RunReplica) and its
+// view includes its own registration: from then on, every write that
+// waits for replicas (Store.Sync) waits for this one, so the replica may
+// serve.
+func (st *State) Joined() <-chan struct{} { return st.joined }
+
 // Run keeps the view until ctx ends.
 func (st *State) Run(ctx context.Context) {
+	st.mu.Lock()
+	st.runCtx = ctx
+	st.mu.Unlock()
 	go st.probe(ctx)
+	go st.ackLoop(ctx)
 	backoff := 100 * time.Millisecond
 	for ctx.Err() == nil {
 		rev, err := st.reload(ctx)
@@ -163,13 +205,18 @@ func (st *State) reload(ctx context.Context) (int64, error) {
 	for name := range old {
 		changed[name] = true
 	}
+	var barrier int64
 	for _, kv := range resp.Kvs {
 		if name := st.applyLocked(mvccpb.PUT, kv); name != "" {
 			changed[name] = true
 		}
+		if string(kv.Key) == st.s.prefix+keySync {
+			barrier = kv.ModRevision
+		}
 	}
 	st.mu.Unlock()
 	st.publish(changed)
+	st.advance(resp.Header.Revision, barrier)
 	return resp.Header.Revision, nil
 }
 
@@ -182,16 +229,122 @@ func (st *State) watch(ctx context.Context, rev int64) error {
 		}
 		st.ok()
 		changed := map[string]bool{}
+		var rev, barrier int64
 		st.mu.Lock()
 		for _, ev := range wr.Events {
 			if name := st.applyLocked(ev.Type, ev.Kv); name != "" {
 				changed[name] = true
 			}
+			rev = max(rev, ev.Kv.ModRevision)
+			if ev.Type == mvccpb.PUT && string(ev.Kv.Key) == st.s.prefix+keySync {
+				barrier = ev.Kv.ModRevision
+			}
 		}
 		st.mu.Unlock()
 		st.publish(changed)
+		st.advance(rev, barrier)
 	}
 	return ctx.Err()
+}
+
+// advance records that the view (placement view, node clients, keys,
+// quotas) includes every change up to revision rev, and barrier, the
+// newest sync barrier among them (0 if none), which it acknowledges.
+func (st *State) advance(rev, barrier int64) {
+	st.amu.Lock()
+	if rev > st.applied {
+		st.applied = rev
+		close(st.advanced)
+		st.advanced = make(chan struct{})
+	}
+	st.amu.Unlock()
+	if barrier == 0 {
+		return
+	}
+	st.ackMu.Lock()
+	st.barrier = max(st.barrier, barrier)
+	st.ackMu.Unlock()
+	st.kickAck()
+}
+
+// WaitApplied returns once the view includes every change up to revision
+// rev, or with ctx's error.
+func (st *State) WaitApplied(ctx context.Context, rev int64) error {
+	for {
+		st.amu.Lock()
+		applied, ch := st.applied, st.advanced
+		st.amu.Unlock()
+		if applied >= rev {
+			return nil
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// registered is told by RunReplica that this replica is registered as id
+// under lease, by the write at revision rev.
+func (st *State) registered(id string, lease clientv3.LeaseID, rev int64) {
+	st.ackMu.Lock()
+	st.ackID, st.ackLease, st.acked = id, lease, 0
+	st.ackMu.Unlock()
+	st.kickAck()
+	go func() {
+		if st.WaitApplied(context.Background(), rev) == nil {
+			st.joinOnce.Do(func() { close(st.joined) })
+		}
+	}()
+}
+
+func (st *State) kickAck() {
+	select {
+	case st.ackKick <- struct{}{}:
+	default:
+	}
+}
+
+// ackLoop acknowledges the newest sync barrier the view has applied, under
+// this replica's lease (acks/<id> = the barrier's revision), until ctx
+// ends. Acknowledgements coalesce: one write covers every barrier up to
+// it.
+func (st *State) ackLoop(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-st.ackKick:
+		}
+		for ctx.Err() == nil {
+			st.ackMu.Lock()
+			id, lease, want, done := st.ackID, st.ackLease, st.barrier, st.acked
+			st.ackMu.Unlock()
+			if id == "" || want <= done {
+				break
+			}
+			pctx, cancel := st.s.ctx(ctx)
+			_, err := st.s.cli.Put(pctx, st.s.key(dirAcks, id), strconv.FormatInt(want, 10), clientv3.WithLease(lease))
+			cancel()
+			if err == nil {
+				st.ackMu.Lock()
+				if st.ackLease == lease {
+					st.acked = max(st.acked, want)
+				}
+				st.ackMu.Unlock()
+				continue
+			}
+			if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+				break // registering again; registered kicks
+			}
+			st.log.Warn("acknowledge sync barrier", slog.Any("error", err))
+			select {
+			case <-ctx.Done():
+			case <-time.After(100 * time.Millisecond):
+			}
+		}
+	}
 }
 
 // applyLocked applies one change and returns the node it concerns ("" if

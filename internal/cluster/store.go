@@ -27,6 +27,8 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/protobuf/proto"
 
 	nodev1 "github.com/opendsec/dsec/api/dsec/node/v1"
@@ -92,6 +94,13 @@ func Open(cfg Config, log *slog.Logger) (*Store, error) {
 		DialKeepAliveTime:    5 * time.Second,
 		DialKeepAliveTimeout: 3 * time.Second,
 		PermitWithoutStream:  true,
+		// gRPC's default reconnect backoff grows to 2 minutes: after an
+		// outage of 30 s a client would find etcd back ~15 s late. Retry
+		// at least every second instead (a refused dial costs nothing).
+		DialOptions: []grpc.DialOption{grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second},
+			MinConnectTimeout: 3 * time.Second,
+		})},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("etcd client: %w", err)
@@ -174,6 +183,10 @@ func validName(what, name string) error {
 	return nil
 }
 
+// Every write to the cluster state below returns once every replica sees
+// it (Sync): the next call through any replica reads it. A write etcd took
+// that some replica did not confirm returns an *UnconfirmedError.
+
 // PutProject creates or replaces a project's quotas.
 func (s *Store) PutProject(ctx context.Context, name string, p Project) error {
 	if err := validName("project", name); err != nil {
@@ -183,18 +196,22 @@ func (s *Store) PutProject(ctx context.Context, name string, p Project) error {
 		return errdefs.Invalid("quotas must not be negative")
 	}
 	b, _ := json.Marshal(p)
-	ctx, cancel := s.ctx(ctx)
+	wctx, cancel := s.ctx(ctx)
 	defer cancel()
-	_, err := s.cli.Put(ctx, s.key(dirProjects, name), string(b))
-	return unavailable(err, "put project")
+	if _, err := s.cli.Put(wctx, s.key(dirProjects, name), string(b)); err != nil {
+		return unavailable(err, "put project")
+	}
+	return s.Sync(ctx)
 }
 
 // DeleteProject removes a project's quotas (its keys stay).
 func (s *Store) DeleteProject(ctx context.Context, name string) error {
-	ctx, cancel := s.ctx(ctx)
+	wctx, cancel := s.ctx(ctx)
 	defer cancel()
-	_, err := s.cli.Delete(ctx, s.key(dirProjects, name))
-	return unavailable(err, "delete project")
+	if _, err := s.cli.Delete(wctx, s.key(dirProjects, name)); err != nil {
+		return unavailable(err, "delete project")
+	}
+	return s.Sync(ctx)
 }
 
 // Projects lists projects with quotas.
@@ -219,10 +236,12 @@ func (s *Store) AddKey(ctx context.Context, key, project, name string, admin boo
 		return err
 	}
 	b, _ := json.Marshal(KeyRecord{Project: project, Admin: admin, Name: name, Created: time.Now().UTC()})
-	ctx, cancel := s.ctx(ctx)
+	wctx, cancel := s.ctx(ctx)
 	defer cancel()
-	_, err := s.cli.Put(ctx, s.key(dirKeys, HashKey(key)), string(b))
-	return unavailable(err, "put key")
+	if _, err := s.cli.Put(wctx, s.key(dirKeys, HashKey(key)), string(b)); err != nil {
+		return unavailable(err, "put key")
+	}
+	return s.Sync(ctx)
 }
 
 // RemoveKey removes an API key, given the key or its hash (or a unique
@@ -245,10 +264,12 @@ func (s *Store) RemoveKey(ctx context.Context, keyOrHash string) error {
 	default:
 		return errdefs.Invalid("%q matches %d keys; give more of the hash", keyOrHash, len(match))
 	}
-	ctx, cancel := s.ctx(ctx)
+	wctx, cancel := s.ctx(ctx)
 	defer cancel()
-	_, err = s.cli.Delete(ctx, s.key(dirKeys, match[0]))
-	return unavailable(err, "delete key")
+	if _, err := s.cli.Delete(wctx, s.key(dirKeys, match[0])); err != nil {
+		return unavailable(err, "delete key")
+	}
+	return s.Sync(ctx)
 }
 
 // Keys lists stored keys by hash.
@@ -264,14 +285,17 @@ func (s *Store) Keys(ctx context.Context) (map[string]KeyRecord, error) {
 }
 
 // SetDrain marks a node as draining (no new sandboxes; its sandboxes run
-// on until they end) or clears the mark.
+// on until they end) or clears the mark. It returns once the node (if it
+// is a member) and every replica have seen the change: a create through
+// any replica then neither lands on a drained node nor is refused by an
+// undrained one.
 func (s *Store) SetDrain(ctx context.Context, node string, drain bool) error {
 	if err := validName("node", node); err != nil {
 		return err
 	}
-	ctx, cancel := s.ctx(ctx)
+	wctx, cancel := s.ctx(ctx)
 	defer cancel()
-	resp, err := s.cli.Get(ctx, s.key(dirNodes, node), clientv3.WithCountOnly())
+	resp, err := s.cli.Get(wctx, s.key(dirNodes, node), clientv3.WithCountOnly())
 	if err != nil {
 		return unavailable(err, "set drain")
 	}
@@ -279,30 +303,50 @@ func (s *Store) SetDrain(ctx context.Context, node string, drain bool) error {
 		return errdefs.NotFound("no node %q in this cluster", node)
 	}
 	if drain {
-		_, err = s.cli.Put(ctx, s.key(dirDrain, node), "")
+		_, err = s.cli.Put(wctx, s.key(dirDrain, node), "")
 	} else {
-		_, err = s.cli.Delete(ctx, s.key(dirDrain, node))
+		_, err = s.cli.Delete(wctx, s.key(dirDrain, node))
 	}
-	return unavailable(err, "set drain")
+	if err != nil {
+		return unavailable(err, "set drain")
+	}
+	// The node publishes its drain state as soon as it sees the mark.
+	nodeErr := s.waitNode(ctx, node, func(l *nodev1.Load) bool { return l.Draining == drain })
+	if _, ok := nodeErr.(*UnconfirmedError); !ok && nodeErr != nil {
+		return nodeErr
+	}
+	err = s.Sync(ctx)
+	if nodeErr != nil {
+		if u, ok := err.(*UnconfirmedError); ok {
+			u.Node = node
+			return u
+		}
+		if err == nil {
+			return nodeErr
+		}
+	}
+	return err
 }
 
 // ForgetNode removes a node that left for good: IDs naming it become
 // unknown (not_found) instead of lost.
 func (s *Store) ForgetNode(ctx context.Context, node string) error {
-	ctx, cancel := s.ctx(ctx)
+	wctx, cancel := s.ctx(ctx)
 	defer cancel()
-	resp, err := s.cli.Get(ctx, s.key(dirAlive, node))
+	resp, err := s.cli.Get(wctx, s.key(dirAlive, node))
 	if err != nil {
 		return unavailable(err, "forget node")
 	}
 	if len(resp.Kvs) > 0 {
 		return errdefs.Conflict("node %s is alive; stop it first", node)
 	}
-	_, err = s.cli.Txn(ctx).Then(
+	if _, err = s.cli.Txn(wctx).Then(
 		clientv3.OpDelete(s.key(dirNodes, node)),
 		clientv3.OpDelete(s.key(dirDrain, node)),
-	).Commit()
-	return unavailable(err, "forget node")
+	).Commit(); err != nil {
+		return unavailable(err, "forget node")
+	}
+	return s.Sync(ctx)
 }
 
 // NodeStatus is a node as the cluster state has it.

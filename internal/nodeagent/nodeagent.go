@@ -9,6 +9,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -149,6 +150,45 @@ func (n agentNode) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.C
 		return nil, err
 	}
 	return n.Node.Fork(ctx, req)
+}
+
+// Image operations answer once the node's load in etcd shows their result
+// (the control plane then makes every replica's view include it before it
+// answers its caller): a create right after an import finds the image.
+
+func (n agentNode) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	img, err := n.Node.PullImage(ctx, req, progress)
+	return img, n.a.published(ctx, err)
+}
+
+func (n agentNode) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	img, err := n.Node.BootstrapImage(ctx, req, progress)
+	return img, n.a.published(ctx, err)
+}
+
+func (n agentNode) UploadImage(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader) (*dsecv1.Image, error) {
+	img, err := n.Node.UploadImage(ctx, hdr, r)
+	return img, n.a.published(ctx, err)
+}
+
+func (n agentNode) DeleteImage(ctx context.Context, name string) error {
+	return n.a.published(ctx, n.Node.DeleteImage(ctx, name))
+}
+
+// published publishes the node's load after an operation that succeeded
+// (err nil) and returns err. A publication that fails (etcd unreachable)
+// is logged, not returned: the operation is done, and the next interval
+// publishes it.
+func (a *Agent) published(ctx context.Context, err error) error {
+	if err != nil {
+		return err
+	}
+	pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if perr := a.member.Publish(pctx); perr != nil {
+		a.log.Warn("publish load after an image change", slog.Any("error", perr))
+	}
+	return nil
 }
 
 func (n agentNode) Info(ctx context.Context) *dsecv1.NodeInfo {

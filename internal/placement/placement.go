@@ -33,7 +33,9 @@ import (
 // not modified once it is in a view.
 type Node struct {
 	Name string
-	// Lost is a registered node that stopped renewing its lease.
+	// Lost is a registered node without a lease (it stopped renewing it,
+	// or etcd expired it while the node was cut off): placement skips it,
+	// whether or not it still answers calls.
 	Lost     bool
 	Draining bool
 	Kinds    map[string]bool
@@ -111,7 +113,7 @@ type Reservation struct {
 
 // Pick chooses a node for req among view and reserves a slot on it. view
 // is not modified. When no node fits, the error is exhausted (capacity:
-// retry later), unavailable (nodes lost or draining, kinds missing) or
+// retry later), unavailable (nodes without a lease or draining, kinds missing) or
 // not_found (no node has the image or labels), with per-node reasons.
 func (p *Placer) Pick(view []*Node, req Request) (*Reservation, error) {
 	res, err := p.PickN(view, req, 1)
@@ -208,7 +210,7 @@ func (p *Placer) reserveLocked(sample []*Node, used []float64, req *Request, n i
 func (p *Placer) unfitLocked(n *Node, req *Request) string {
 	switch {
 	case n.Lost:
-		return "lost"
+		return "no lease"
 	case n.Draining:
 		return "draining"
 	}
@@ -376,7 +378,7 @@ func (r *reasons) err(total int, req *Request) error {
 		switch {
 		case why == "full" || strings.HasPrefix(why, "refused: "):
 			transient, capacity = true, true
-		case why == "lost" || why == "draining":
+		case why == "no lease" || why == "draining":
 			transient = true
 		}
 	}

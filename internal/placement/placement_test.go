@@ -43,7 +43,7 @@ func TestPickRulesNodesOutAndSaysWhy(t *testing.T) {
 		{
 			name: "lost and draining nodes are unavailable, each named",
 			view: []*Node{node("n1", 0, 4, func(n *Node) { n.Lost = true }), node("n2", 0, 4, func(n *Node) { n.Draining = true })},
-			kind: errdefs.KindUnavailable, contains: []string{"n1: lost", "n2: draining"},
+			kind: errdefs.KindUnavailable, contains: []string{"n1: no lease", "n2: draining"},
 		},
 		{
 			name: "an image no node has is not found",
@@ -72,7 +72,7 @@ func TestPickRulesNodesOutAndSaysWhy(t *testing.T) {
 		{
 			name: "mixed reasons list the most common first",
 			view: []*Node{node("n1", 4, 4), node("n2", 4, 4), node("n3", 0, 4, func(n *Node) { n.Lost = true })},
-			kind: errdefs.KindExhausted, contains: []string{"n1, n2: full; n3: lost"},
+			kind: errdefs.KindExhausted, contains: []string{"n1, n2: full; n3: no lease"},
 		},
 		{
 			name: "many nodes with one reason are summarized",

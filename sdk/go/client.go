@@ -16,6 +16,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"syscall"
 	"time"
 
 	"connectrpc.com/connect"
@@ -167,6 +168,11 @@ func asError(err error) error {
 	}
 	if ce.Code() == connect.CodeUnavailable && len(ce.Details()) == 0 {
 		// No detail: the server was not reached at all.
+		e.Kind, e.Infra, e.Retryable = "unavailable", true, true
+	}
+	if ce.Code() == connect.CodeCanceled && len(ce.Details()) == 0 && (errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)) {
+		// connect-go calls a connection the server reset "canceled"; the
+		// caller cancelled nothing: the server went away mid-call.
 		e.Kind, e.Infra, e.Retryable = "unavailable", true, true
 	}
 	return e

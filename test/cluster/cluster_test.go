@@ -5,16 +5,21 @@
 package cluster_test
 
 import (
+	"archive/tar"
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"log"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -22,6 +27,12 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/registry"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/dsectest"
@@ -351,14 +362,14 @@ func TestCluster(t *testing.T) {
 			return strings.TrimSpace(out)
 		}
 		ka, kb, kops := keyOf("tenant-a"), keyOf("tenant-b"), keyOf("ops", "--admin")
+		// Keys work through every replica as soon as `key add` returned.
 		clients := map[string][]*dsec.Client{}
 		for name, k := range map[string]string{"a": ka, "b": kb, "ops": kops} {
 			for i := range c.apis {
 				cl := c.apis[i].Client(k)
-				eventually(t, "replica knows the new key", 10*time.Second, func() error {
-					_, err := cl.List(ctx, "")
-					return err
-				})
+				if _, err := cl.List(ctx, ""); err != nil {
+					t.Fatalf("replica %d right after the key was added: %v", i, err)
+				}
 				clients[name] = append(clients[name], cl)
 			}
 		}
@@ -404,12 +415,6 @@ func TestCluster(t *testing.T) {
 		}
 		qkey := strings.TrimSpace(out)
 		q := []*dsec.Client{c.apis[0].Client(qkey), c.apis[1].Client(qkey)}
-		for i := range q {
-			eventually(t, "replica knows the new key", 10*time.Second, func() error {
-				_, err := q[i].List(ctx, "")
-				return err
-			})
-		}
 		var mine []string
 		for range 2 {
 			sb, err := create(ctx, q[0], dsec.CreateOptions{})
@@ -451,6 +456,8 @@ func TestCluster(t *testing.T) {
 		if err := q[1].Delete(ctx, mine[0]); err != nil {
 			t.Fatal(err)
 		}
+		// The node reports the freed slot with its next load (an
+		// asynchronous event: it is no cluster write).
 		eventually(t, "a freed slot is usable", 10*time.Second, func() error {
 			_, err := create(ctx, q[1], dsec.CreateOptions{})
 			return err
@@ -459,17 +466,77 @@ func TestCluster(t *testing.T) {
 		if out, err := c.cli("cluster", "--etcd", c.etcd.URL, "project", "set", "quota", "--creates-per-s", "0.2", "--burst", "2"); err != nil {
 			t.Fatalf("%v: %s", err, out)
 		}
-		eventually(t, "the create rate quota applies", 10*time.Second, func() error {
-			_, err1 := create(ctx, q[0], dsec.CreateOptions{})
-			_, err2 := create(ctx, q[0], dsec.CreateOptions{})
-			for _, err := range []error{err1, err2} {
-				if e := errOf(err); e.Kind == "exhausted" && strings.Contains(e.Message, "create rate quota") && e.RetryAfter > 0 {
-					return nil
+		// Right away, through any replica.
+		_, err1 := create(ctx, q[0], dsec.CreateOptions{})
+		_, err2 := create(ctx, q[0], dsec.CreateOptions{})
+		if e := errOf(err2); err1 != nil || e.Kind != "exhausted" || !strings.Contains(e.Message, "create rate quota") || e.RetryAfter <= 0 {
+			t.Fatalf("two creates right after the rate quota was set: %v, %+v", err1, e)
+		}
+		if out, err := c.cli("cluster", "--etcd", c.etcd.URL, "project", "rm", "quota"); err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		if _, err := create(ctx, q[1], dsec.CreateOptions{}); err != nil {
+			t.Fatalf("a create right after the quota was removed: %v", err)
+		}
+	})
+
+	t.Run("an image change through one replica is seen by the next create through the other", func(t *testing.T) {
+		registry := startRegistry(t)
+		ref := registry + "/dsec/tools:1"
+		pushImage(t, ref)
+		dsecCLI := func(i int, args ...string) (string, error) {
+			return c.cli(append([]string{"--url", c.apis[i].URL, "--api-key", akey}, args...)...)
+		}
+		for i := range 2 {
+			a, b := i, 1-i
+			for _, imp := range [][]string{
+				{"image", "bootstrap", "busybox", "--name", "fresh"},
+				{"image", "import", ref, "--name", "fresh", "--insecure"},
+			} {
+				if out, err := dsecCLI(a, imp...); err != nil {
+					t.Fatalf("%v through replica %d: %v: %s", imp, a, err, out)
+				}
+				out, err := dsecCLI(b, "create", "--image", "fresh", "--ttl", "10m")
+				if err != nil {
+					t.Fatalf("create --image fresh through replica %d right after %v through replica %d: %v: %s", b, imp[1], a, err, out)
+				}
+				id := strings.TrimSpace(out)
+				if res, err := c.api(a).Sandbox(id).Exec(ctx, dsec.Cmd("echo ok")); err != nil || strings.TrimSpace(string(res.Stdout)) != "ok" {
+					t.Fatalf("exec in the new image's sandbox: %v, %v", res, err)
+				}
+				if err := c.api(a).Delete(ctx, id); err != nil {
+					t.Fatal(err)
+				}
+				if out, err := dsecCLI(a, "image", "rm", "fresh"); err != nil {
+					t.Fatalf("image rm through replica %d: %v: %s", a, err, out)
+				}
+				out, err = dsecCLI(b, "create", "--image", "fresh")
+				if err == nil || !strings.Contains(out, "no image fresh") {
+					t.Fatalf("create --image fresh through replica %d right after image rm through replica %d: %v: %s", b, a, err, out)
 				}
 			}
-			return fmt.Errorf("two creates at once: %v, %v", err1, err2)
-		})
-		c.cli("cluster", "--etcd", c.etcd.URL, "project", "rm", "quota")
+		}
+	})
+
+	t.Run("a removed key is refused through every replica at once", func(t *testing.T) {
+		out, err := c.cli("cluster", "--etcd", c.etcd.URL, "key", "add", "alpha")
+		if err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		k := strings.TrimSpace(out)
+		for i := range c.apis {
+			if _, err := c.apis[i].Client(k).List(ctx, ""); err != nil {
+				t.Fatalf("replica %d right after key add: %v", i, err)
+			}
+		}
+		if out, err := c.cli("cluster", "--etcd", c.etcd.URL, "key", "rm", k); err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		for i := range c.apis {
+			if _, err := c.apis[i].Client(k).List(ctx, ""); errOf(err).Kind != "unauthenticated" {
+				t.Fatalf("replica %d right after key rm: %v", i, err)
+			}
+		}
 	})
 
 	t.Run("a drained node takes no new sandboxes and keeps its own", func(t *testing.T) {
@@ -477,18 +544,15 @@ func TestCluster(t *testing.T) {
 			t.Fatalf("%v: %s", err, out)
 		}
 		for i := range c.apis {
-			eventually(t, "replica sees the drain", 10*time.Second, func() error {
-				info, err := c.api(i).Info(ctx)
-				if err != nil {
-					return err
+			info, err := c.api(i).Info(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, n := range info.Nodes {
+				if n.Name == "n3" && n.State != "draining" {
+					t.Fatalf("replica %d right after the drain: n3 is %s", i, n.State)
 				}
-				for _, n := range info.Nodes {
-					if n.Name == "n3" && n.State != "draining" {
-						return fmt.Errorf("n3 is %s", n.State)
-					}
-				}
-				return nil
-			})
+			}
 		}
 		for i := range 6 {
 			sb, err := create(ctx, c.api(i%2), dsec.CreateOptions{})
@@ -506,8 +570,22 @@ func TestCluster(t *testing.T) {
 				}
 			}
 		}
+		// Only n3 has rack=r3: refused while it drains, taken at once when
+		// undrained, through either replica.
+		for i := range c.apis {
+			out, err := c.cli("--url", c.apis[i].URL, "--api-key", akey, "create", "--image", "busybox", "--node-selector", "rack=r3")
+			if err == nil || !strings.Contains(out, "draining") {
+				t.Fatalf("a create only n3 fits, n3 drained, through replica %d: %v: %s", i, err, out)
+			}
+		}
 		if out, err := c.cli("cluster", "--etcd", c.etcd.URL, "undrain", "n3"); err != nil {
 			t.Fatalf("%v: %s", err, out)
+		}
+		for i := range c.apis {
+			out, err := c.cli("--url", c.apis[i].URL, "--api-key", akey, "create", "--image", "busybox", "--ttl", "10m", "--node-selector", "rack=r3")
+			if err != nil || nodeOf(strings.TrimSpace(out)) != "n3" {
+				t.Fatalf("a create only n3 fits, right after the undrain, through replica %d: %v: %s", i, err, out)
+			}
 		}
 	})
 
@@ -651,6 +729,54 @@ func TestCluster(t *testing.T) {
 		})
 		echo("after\n")
 	})
+}
+
+// startRegistry serves an OCI registry (in memory) on loopback for t and
+// returns its host:port.
+func startRegistry(t *testing.T) string {
+	srv := httptest.NewServer(registry.New(registry.Logger(log.New(io.Discard, "", 0))))
+	t.Cleanup(srv.Close)
+	return strings.TrimPrefix(srv.URL, "http://")
+}
+
+// pushImage pushes an image of one layer, the host's static busybox as
+// /bin/busybox and /bin/sh, to ref.
+func pushImage(t *testing.T, ref string) {
+	bb, err := os.ReadFile("/bin/busybox")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	tw.WriteHeader(&tar.Header{Name: "bin/", Typeflag: tar.TypeDir, Mode: 0o755})
+	tw.WriteHeader(&tar.Header{Name: "bin/busybox", Typeflag: tar.TypeReg, Mode: 0o755, Size: int64(len(bb))})
+	tw.Write(bb)
+	tw.WriteHeader(&tar.Header{Name: "bin/sh", Typeflag: tar.TypeSymlink, Linkname: "busybox"})
+	tw.Close()
+	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(buf.Bytes())), nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := mutate.AppendLayers(empty.Image, layer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cf, err := img.ConfigFile()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cf = cf.DeepCopy()
+	cf.OS, cf.Architecture, cf.Config.Cmd = "linux", runtime.GOARCH, []string{"/bin/sh"}
+	if img, err = mutate.ConfigFile(img, cf); err != nil {
+		t.Fatal(err)
+	}
+	r, err := name.ParseReference(ref, name.Insecure)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := remote.Write(r, img); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // hwm is a process's peak resident memory in bytes.

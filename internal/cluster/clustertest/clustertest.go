@@ -54,6 +54,7 @@ type Node struct {
 	incarnation string
 	admitted    atomic.Uint64
 	refuse      atomic.Pointer[error]
+	hang        atomic.Bool
 	changed     chan struct{}
 
 	mu        sync.Mutex
@@ -88,7 +89,16 @@ func Start(store *cluster.Store, cfg Config, log *slog.Logger) (*Node, error) {
 	mux.Handle(nodev1connect.NewNodeServiceHandler(n, opts))
 	mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxes{n: n}, opts))
 	mux.Handle(dsecv1connect.NewSystemServiceHandler(&system{n: n}, opts))
-	n.srv = &http.Server{Handler: mux}
+	n.srv = &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		for n.hang.Load() { // a host that vanished: no answer at all
+			select {
+			case <-r.Context().Done():
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+		mux.ServeHTTP(w, r)
+	})}
 	n.srv.Protocols = new(http.Protocols)
 	n.srv.Protocols.SetHTTP1(true)
 	n.srv.Protocols.SetUnencryptedHTTP2(true)
@@ -119,6 +129,10 @@ func (n *Node) Refuse(err error) {
 	}
 	n.refuse.Store(&err)
 }
+
+// Hang makes every call to the node wait without an answer (as to a host
+// that vanished) until Hang(false) or the caller gives up.
+func (n *Node) Hang(v bool) { n.hang.Store(v) }
 
 // Writes counts the node's etcd writes.
 func (n *Node) Writes() int64 { return n.member.Writes() }
@@ -201,7 +215,9 @@ func (n *Node) CreateSandboxes(ctx context.Context, req *connect.Request[nodev1.
 }
 
 func (n *Node) GetLoad(ctx context.Context, req *connect.Request[nodev1.GetLoadRequest]) (*connect.Response[nodev1.Load], error) {
-	return connect.NewResponse(n.load()), nil
+	l := n.load()
+	l.Name, l.Address, l.Labels = n.cfg.Name, n.Addr, n.cfg.Labels
+	return connect.NewResponse(l), nil
 }
 
 func contains(list []string, s string) bool {
