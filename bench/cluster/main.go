@@ -115,7 +115,7 @@ func main() {
 
 		w0, e0 = writes(nodes), proposals(etcd.URL)
 		lastCPU = cpuTime(apiPid)
-		raw, _, _ := c.Raw()
+		raw := c.Raw()
 		count, lat = drive(max(1, *concurrency/16), func(ctx context.Context, i int) (int, error) {
 			resp, err := raw.CreateSandboxes(ctx, connect.NewRequest(&dsecv1.CreateSandboxesRequest{Spec: &dsecv1.SandboxSpec{Image: "busybox"}, Count: int32(*batch)}))
 			if err != nil {

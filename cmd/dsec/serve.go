@@ -243,7 +243,7 @@ func serve(ctx context.Context, cfg config.Config) error {
 	defer closeNode()
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	router := apiserver.Single{N: n}
+	router := apiserver.Single{N: n.Service()}
 	sessStore, err := session.OpenBolt(filepath.Join(n.DataDir(), "control.db"))
 	if err != nil {
 		return err

@@ -82,7 +82,7 @@ func (a *auth) check(ctx context.Context, h http.Header) (context.Context, error
 		if c.Project == "" {
 			c.Project = tenant.DefaultProject
 		}
-		return context.WithValue(tenant.With(ctx, c), upstreamKey{}, true), nil
+		return tenant.With(ctx, c), nil
 	}
 	if a.keys.Open() {
 		return tenant.With(ctx, tenant.Caller{Project: tenant.DefaultProject, Admin: true}), nil

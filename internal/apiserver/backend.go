@@ -10,64 +10,91 @@ import (
 	"io"
 	"sync"
 
+	"connectrpc.com/connect"
+
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 )
 
-// Node is one node as the apiserver sees it: in `dsec serve` the node agent
-// itself, in cluster mode a client of a remote node agent.
+// Node is one node as the control plane sees it: in `dsec serve` the node
+// agent's own Service (internal/node), in cluster mode a client of a remote
+// node agent's API. Its sandbox verbs are the generated Connect handler
+// methods of the public services — the proto documents each one — so a
+// unary verb needs no code here or in the cluster's client: the
+// apiserver routes it to the owning node with one line (route.go), and a
+// remote node is its generated client. Streams have a callback form
+// (Connect's stream types cannot be made in process). Every error is a
+// Connect error carrying the node's classification (errwire.FromConnect
+// reads it back).
 type Node interface {
 	Name() string
-	Info(ctx context.Context) *dsecv1.NodeInfo
 
-	Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*dsecv1.Sandbox, error)
-	Get(ctx context.Context, id string) (*dsecv1.Sandbox, error)
-	List(ctx context.Context, req *dsecv1.ListSandboxesRequest) (*dsecv1.ListSandboxesResponse, error)
-	Delete(ctx context.Context, id string) error
-	Keepalive(ctx context.Context, req *dsecv1.KeepaliveRequest) (*dsecv1.Sandbox, error)
+	dsecv1connect.FunctionServiceHandler
+	dsecv1connect.SystemServiceHandler
 
-	Exec(ctx context.Context, req *dsecv1.ExecRequest) (*dsecv1.ExecResult, error)
-	ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send func(*dsecv1.ExecEvent) error) error
-	ConnectProcess(ctx context.Context, req *dsecv1.ConnectProcessRequest, send func(*dsecv1.ExecEvent) error) error
-	WriteStdin(ctx context.Context, req *dsecv1.WriteStdinRequest) error
-	SignalProcess(ctx context.Context, req *dsecv1.SignalProcessRequest) error
-	ResizePTY(ctx context.Context, req *dsecv1.ResizePTYRequest) error
-	ListProcesses(ctx context.Context, req *dsecv1.ListProcessesRequest) (*dsecv1.ListProcessesResponse, error)
-
-	ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send func(*dsecv1.ReadFileResponse) error) error
-	WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.Reader) (*dsecv1.FileInfo, error)
-	Stat(ctx context.Context, req *dsecv1.StatRequest) (*dsecv1.FileInfo, error)
-	ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (*dsecv1.ListDirResponse, error)
-	MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (*dsecv1.FileInfo, error)
-	Remove(ctx context.Context, req *dsecv1.RemoveRequest) error
-	Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.FileInfo, error)
-	WatchDir(ctx context.Context, req *dsecv1.WatchDirRequest, send func(*dsecv1.WatchDirEvent) error) error
-	Stats(ctx context.Context, id string) (*dsecv1.SandboxStats, error)
-	Screenshot(ctx context.Context, req *dsecv1.ScreenshotRequest) (*dsecv1.ScreenshotResponse, error)
-	SendInput(ctx context.Context, req *dsecv1.SendInputRequest) error
-	OpenVNC(ctx context.Context, req *dsecv1.OpenVNCRequest) (*dsecv1.OpenVNCResponse, error)
-
+	// LifecycleService, for this node's sandboxes.
+	CreateSandbox(context.Context, *connect.Request[dsecv1.CreateSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error)
+	// CreateMany creates one sandbox per spec on this node for project,
+	// with each item's idempotency key (or none), as placement decided.
 	CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string) *dsecv1.CreateSandboxesResponse
-	Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error)
-	Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error)
-	Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkResponse, error)
-	Snapshot(ctx context.Context, req *dsecv1.SnapshotRequest) (*dsecv1.SnapshotInfo, error)
-	ListSnapshots(ctx context.Context) []*dsecv1.SnapshotInfo
-	DeleteSnapshot(ctx context.Context, id string) error
-	Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.CreateSandboxesResponse, error)
-	GetLog(ctx context.Context, req *dsecv1.GetLogRequest) (*dsecv1.GetLogResponse, error)
-	Replay(ctx context.Context, req *dsecv1.ReplayRequest) (*dsecv1.ReplayResponse, error)
-	Capacity(ctx context.Context) *dsecv1.Capacity
+	GetSandbox(context.Context, *connect.Request[dsecv1.GetSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error)
+	ListSandboxes(context.Context, *connect.Request[dsecv1.ListSandboxesRequest]) (*connect.Response[dsecv1.ListSandboxesResponse], error)
+	DeleteSandbox(context.Context, *connect.Request[dsecv1.DeleteSandboxRequest]) (*connect.Response[dsecv1.DeleteSandboxResponse], error)
+	Keepalive(context.Context, *connect.Request[dsecv1.KeepaliveRequest]) (*connect.Response[dsecv1.Sandbox], error)
+	PauseSandbox(context.Context, *connect.Request[dsecv1.PauseSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error)
+	ResumeSandbox(context.Context, *connect.Request[dsecv1.ResumeSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error)
+	PauseSandboxes(context.Context, *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error)
+	ResumeSandboxes(context.Context, *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error)
+	DeleteSandboxes(context.Context, *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error)
+	GetSandboxStats(context.Context, *connect.Request[dsecv1.GetSandboxStatsRequest]) (*connect.Response[dsecv1.SandboxStats], error)
 
-	RunCode(ctx context.Context, req *dsecv1.RunCodeRequest) (*dsecv1.RunCodeResult, error)
-	RunCodeBatch(ctx context.Context, reqs []*dsecv1.RunCodeRequest) ([]*dsecv1.RunCodeResult, error)
-	Languages(ctx context.Context, image string) ([]*dsecv1.LanguageInfo, error)
+	// ProcessService.
+	Exec(context.Context, *connect.Request[dsecv1.ExecRequest]) (*connect.Response[dsecv1.ExecResult], error)
+	ExecEvents(ctx context.Context, req *dsecv1.ExecRequest, send func(*dsecv1.ExecEvent) error) error
+	ProcessEvents(ctx context.Context, req *dsecv1.ConnectProcessRequest, send func(*dsecv1.ExecEvent) error) error
+	WriteStdin(context.Context, *connect.Request[dsecv1.WriteStdinRequest]) (*connect.Response[dsecv1.WriteStdinResponse], error)
+	SignalProcess(context.Context, *connect.Request[dsecv1.SignalProcessRequest]) (*connect.Response[dsecv1.SignalProcessResponse], error)
+	ResizePTY(context.Context, *connect.Request[dsecv1.ResizePTYRequest]) (*connect.Response[dsecv1.ResizePTYResponse], error)
+	ListProcesses(context.Context, *connect.Request[dsecv1.ListProcessesRequest]) (*connect.Response[dsecv1.ListProcessesResponse], error)
 
-	ListImages(ctx context.Context) []*dsecv1.Image
-	GetImage(ctx context.Context, name string) (*dsecv1.Image, error)
-	DeleteImage(ctx context.Context, name string) error
-	PullImage(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
-	UploadImage(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader) (*dsecv1.Image, error)
-	BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
+	// FilesystemService.
+	ReadFileChunks(ctx context.Context, req *dsecv1.ReadFileRequest, send func(*dsecv1.ReadFileResponse) error) error
+	WriteFileFrom(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.Reader) (*connect.Response[dsecv1.FileInfo], error)
+	Stat(context.Context, *connect.Request[dsecv1.StatRequest]) (*connect.Response[dsecv1.FileInfo], error)
+	ListDir(context.Context, *connect.Request[dsecv1.ListDirRequest]) (*connect.Response[dsecv1.ListDirResponse], error)
+	MakeDir(context.Context, *connect.Request[dsecv1.MakeDirRequest]) (*connect.Response[dsecv1.FileInfo], error)
+	Remove(context.Context, *connect.Request[dsecv1.RemoveRequest]) (*connect.Response[dsecv1.RemoveResponse], error)
+	Rename(context.Context, *connect.Request[dsecv1.RenameRequest]) (*connect.Response[dsecv1.FileInfo], error)
+	WatchEvents(ctx context.Context, req *dsecv1.WatchDirRequest, send func(*dsecv1.WatchDirEvent) error) error
+
+	// SnapshotService, LogService and ScreenService.
+	dsecv1connect.SnapshotServiceHandler
+	dsecv1connect.LogServiceHandler
+	dsecv1connect.ScreenServiceHandler
+
+	// Images live on each node; the control plane fans image operations
+	// out to every node and their progress in (ImageService's verbs, with
+	// callbacks).
+	Images(ctx context.Context) []*dsecv1.Image
+	Image(ctx context.Context, name string) (*dsecv1.Image, error)
+	RemoveImage(ctx context.Context, name string) error
+	Pull(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
+	Upload(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader) (*dsecv1.Image, error)
+	Bootstrap(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
+}
+
+// NodeHandlers are a node's public services for its own sandboxes, as a
+// node agent serves them to the control plane (NewNodeAPI).
+type NodeHandlers interface {
+	dsecv1connect.LifecycleServiceHandler
+	dsecv1connect.ProcessServiceHandler
+	dsecv1connect.FilesystemServiceHandler
+	dsecv1connect.SnapshotServiceHandler
+	dsecv1connect.LogServiceHandler
+	dsecv1connect.ScreenServiceHandler
+	dsecv1connect.FunctionServiceHandler
+	dsecv1connect.SystemServiceHandler
+	dsecv1connect.ImageServiceHandler
 }
 
 // Router finds nodes (the owner of a sandbox) and places new sandboxes.

@@ -30,7 +30,7 @@ func (s *Server) serveFiles(w http.ResponseWriter, r *http.Request) {
 		offset, _ := strconv.ParseInt(q.Get("offset"), 10, 64)
 		limit, _ := strconv.ParseInt(q.Get("max_bytes"), 10, 64)
 		started := false
-		err := n.ReadFile(r.Context(), &dsecv1.ReadFileRequest{SandboxId: id, Path: q.Get("path"), Offset: offset, MaxBytes: limit, User: q.Get("user")}, func(m *dsecv1.ReadFileResponse) error {
+		err := n.ReadFileChunks(r.Context(), &dsecv1.ReadFileRequest{SandboxId: id, Path: q.Get("path"), Offset: offset, MaxBytes: limit, User: q.Get("user")}, func(m *dsecv1.ReadFileResponse) error {
 			if info := m.GetInfo(); info != nil {
 				w.Header().Set("Content-Type", "application/octet-stream")
 				if limit == 0 && offset == 0 {
@@ -55,7 +55,7 @@ func (s *Server) serveFiles(w http.ResponseWriter, r *http.Request) {
 		}
 	case http.MethodPut, http.MethodPost:
 		mode, _ := strconv.ParseUint(q.Get("mode"), 8, 32)
-		info, err := n.WriteFile(r.Context(), &dsecv1.WriteFileHeader{
+		resp, err := n.WriteFileFrom(r.Context(), &dsecv1.WriteFileHeader{
 			SandboxId: id, Path: q.Get("path"), Mode: uint32(mode), Append: q.Get("append") == "1" || q.Get("append") == "true", User: q.Get("user"),
 			RequestId: q.Get("request_id"),
 		}, r.Body)
@@ -63,6 +63,7 @@ func (s *Server) serveFiles(w http.ResponseWriter, r *http.Request) {
 			writeHTTPError(w, err)
 			return
 		}
+		info := resp.Msg
 		w.Header().Set("Content-Type", "application/json")
 		json.NewEncoder(w).Encode(map[string]any{"path": info.Path, "size": info.Size, "mode": info.Mode, "replayed": info.Replayed})
 	default:
@@ -74,6 +75,7 @@ func (s *Server) serveFiles(w http.ResponseWriter, r *http.Request) {
 // writeHTTPError writes a JSON error with the same classification as the
 // Connect errors.
 func writeHTTPError(w http.ResponseWriter, err error) {
+	err = errwire.FromConnect(err)
 	e := errdefs.Classify(err)
 	w.Header().Set("Content-Type", "application/json")
 	if e.RetryAfter > 0 {

@@ -11,6 +11,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 )
 
 type functionService struct{ r Router }
@@ -22,11 +23,7 @@ func (s *functionService) RunCode(ctx context.Context, req *connect.Request[dsec
 	if err != nil {
 		return nil, wire(err)
 	}
-	res, err := n.RunCode(ctx, req.Msg)
-	if err != nil {
-		return nil, wire(err)
-	}
-	return connect.NewResponse(res), nil
+	return n.RunCode(ctx, connect.NewRequest(req.Msg))
 }
 
 func (s *functionService) RunCodeBatch(ctx context.Context, req *connect.Request[dsecv1.RunCodeBatchRequest]) (*connect.Response[dsecv1.RunCodeBatchResponse], error) {
@@ -34,11 +31,7 @@ func (s *functionService) RunCodeBatch(ctx context.Context, req *connect.Request
 	if err != nil {
 		return nil, wire(err)
 	}
-	res, err := n.RunCodeBatch(ctx, req.Msg.GetCalls())
-	if err != nil {
-		return nil, wire(err)
-	}
-	return connect.NewResponse(&dsecv1.RunCodeBatchResponse{Results: res}), nil
+	return n.RunCodeBatch(ctx, connect.NewRequest(req.Msg))
 }
 
 func (s *functionService) ListLanguages(ctx context.Context, req *connect.Request[dsecv1.ListLanguagesRequest]) (*connect.Response[dsecv1.ListLanguagesResponse], error) {
@@ -46,11 +39,7 @@ func (s *functionService) ListLanguages(ctx context.Context, req *connect.Reques
 	if err != nil {
 		return nil, wire(err)
 	}
-	langs, err := n.Languages(ctx, req.Msg.GetImage())
-	if err != nil {
-		return nil, wire(err)
-	}
-	return connect.NewResponse(&dsecv1.ListLanguagesResponse{Languages: langs}), nil
+	return n.ListLanguages(ctx, connect.NewRequest(req.Msg))
 }
 
 // SandboxFusion's /run_code, so verl's and tinker's existing clients work
@@ -127,9 +116,10 @@ func (s *Server) serveRunCode(w http.ResponseWriter, r *http.Request) {
 		req.Files[name] = b
 	}
 	n, err := s.router.ForFunction(r.Context())
-	var res *dsecv1.RunCodeResult
+	var res *connect.Response[dsecv1.RunCodeResult]
 	if err == nil {
-		res, err = n.RunCode(r.Context(), req)
+		res, err = n.RunCode(r.Context(), connect.NewRequest(req))
+		err = errwire.FromConnect(err)
 	}
 	if err != nil {
 		e := errdefs.Classify(err)
@@ -142,7 +132,7 @@ func (s *Server) serveRunCode(w http.ResponseWriter, r *http.Request) {
 		writeSF(w, &sfResponse{Status: "SandboxError", Message: e.Msg})
 		return
 	}
-	writeSF(w, toSF(res))
+	writeSF(w, toSF(res.Msg))
 }
 
 func toSF(res *dsecv1.RunCodeResult) *sfResponse {

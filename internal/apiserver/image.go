@@ -11,6 +11,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 )
 
 // imageService translates the ImageService. Images live on nodes; a
@@ -47,7 +48,7 @@ var _ dsecv1connect.ImageServiceHandler = (*imageService)(nil)
 
 func (s *imageService) ListImages(ctx context.Context, req *connect.Request[dsecv1.ListImagesRequest]) (*connect.Response[dsecv1.ListImagesResponse], error) {
 	seen := map[string]*dsecv1.Image{}
-	lists, _ := fanOut(s.r.Nodes(ctx), func(n Node) ([]*dsecv1.Image, error) { return n.ListImages(ctx), nil })
+	lists, _ := fanOut(s.r.Nodes(ctx), func(n Node) ([]*dsecv1.Image, error) { return n.Images(ctx), nil })
 	for _, l := range lists {
 		for _, img := range l {
 			seen[img.Name] = img
@@ -64,7 +65,7 @@ func (s *imageService) ListImages(ctx context.Context, req *connect.Request[dsec
 func (s *imageService) GetImage(ctx context.Context, req *connect.Request[dsecv1.GetImageRequest]) (*connect.Response[dsecv1.Image], error) {
 	var lastErr error = errdefs.NotFound("image %q not found", req.Msg.GetName())
 	for _, n := range s.r.Nodes(ctx) {
-		img, err := n.GetImage(ctx, req.Msg.GetName())
+		img, err := n.Image(ctx, req.Msg.GetName())
 		if err == nil {
 			return connect.NewResponse(img), nil
 		}
@@ -76,7 +77,7 @@ func (s *imageService) GetImage(ctx context.Context, req *connect.Request[dsecv1
 func (s *imageService) DeleteImage(ctx context.Context, req *connect.Request[dsecv1.DeleteImageRequest]) (*connect.Response[dsecv1.DeleteImageResponse], error) {
 	found := false
 	for _, n := range s.r.Nodes(ctx) {
-		err := n.DeleteImage(ctx, req.Msg.GetName())
+		err := errwire.FromConnect(n.RemoveImage(ctx, req.Msg.GetName()))
 		if err == nil {
 			found = true
 		} else if !errdefs.Is(err, errdefs.KindNotFound) {
@@ -116,13 +117,13 @@ func (s *imageService) eachNode(ctx context.Context, stream *connect.ServerStrea
 
 func (s *imageService) PullImage(ctx context.Context, req *connect.Request[dsecv1.PullImageRequest], stream *connect.ServerStream[dsecv1.ImageProgress]) error {
 	return s.eachNode(ctx, stream, func(n Node, p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
-		return n.PullImage(ctx, req.Msg, p)
+		return n.Pull(ctx, req.Msg, p)
 	})
 }
 
 func (s *imageService) BootstrapImage(ctx context.Context, req *connect.Request[dsecv1.BootstrapImageRequest], stream *connect.ServerStream[dsecv1.ImageProgress]) error {
 	return s.eachNode(ctx, stream, func(n Node, p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
-		return n.BootstrapImage(ctx, req.Msg, p)
+		return n.Bootstrap(ctx, req.Msg, p)
 	})
 }
 
@@ -135,7 +136,7 @@ func (s *imageService) UploadImage(ctx context.Context, stream *connect.ClientSt
 	if len(nodes) != 1 {
 		return nil, wire(errdefs.Unimplemented("uploading an image to a cluster of %d nodes; pull it from a registry instead", len(nodes)))
 	}
-	img, err := nodes[0].UploadImage(ctx, hdr, &uploadReader{stream: stream})
+	img, err := nodes[0].Upload(ctx, hdr, &uploadReader{stream: stream})
 	if err != nil {
 		return nil, wire(err)
 	}
@@ -173,6 +174,13 @@ var _ dsecv1connect.SystemServiceHandler = (*systemService)(nil)
 
 func (s *systemService) GetInfo(ctx context.Context, req *connect.Request[dsecv1.GetInfoRequest]) (*connect.Response[dsecv1.Info], error) {
 	info := &dsecv1.Info{Version: s.version}
-	info.Nodes, _ = fanOut(s.r.Nodes(ctx), func(n Node) (*dsecv1.NodeInfo, error) { return n.Info(ctx), nil })
+	infos, _ := fanOut(s.r.Nodes(ctx), func(n Node) (*connect.Response[dsecv1.Info], error) {
+		return n.GetInfo(ctx, connect.NewRequest(req.Msg))
+	})
+	for _, i := range infos {
+		if i != nil {
+			info.Nodes = append(info.Nodes, i.Msg.Nodes...)
+		}
+	}
 	return connect.NewResponse(info), nil
 }

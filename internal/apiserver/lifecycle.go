@@ -11,29 +11,42 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 	"github.com/opendsec/dsec/internal/session"
 	"github.com/opendsec/dsec/internal/tenant"
 )
 
+// This file is the work that spans nodes: placing creates (with their
+// trainer sessions), listing, bulk operations by label and snapshot
+// listings. Verbs that name a sandbox are routed in route.go.
+
 // maxBatch bounds one CreateSandboxes request.
 const maxBatch = 4096
 
-func (s *sandboxService) admitSession(ctx context.Context, spec *dsecv1.SandboxSpec) error {
-	if spec.GetSession() == "" || fromUpstream(ctx) {
+func wire(err error) error { return errwire.ToConnect(err) }
+
+// sessionGate admits creates into trainer sessions and settles them.
+type sessionGate struct {
+	sessions *session.Manager
+	log      *slog.Logger
+}
+
+func (g sessionGate) admit(ctx context.Context, spec *dsecv1.SandboxSpec) error {
+	if spec.GetSession() == "" {
 		return nil
 	}
-	if s.sessions == nil {
+	if g.sessions == nil {
 		return errdefs.Unimplemented("sessions are not served here")
 	}
-	return s.sessions.Admit(ctx, spec.GetSession())
+	return g.sessions.Admit(ctx, spec.GetSession())
 }
 
 // settle re-checks the sessions of sandboxes just created (see
 // session.Manager.Settle). A sandbox whose session expired while it
 // started gets the session's action: paused, it is returned paused;
 // deleted, its result becomes a conflict error.
-func (s *sandboxService) settle(ctx context.Context, results []*dsecv1.CreateResult) {
-	if s.sessions == nil || fromUpstream(ctx) {
+func (g sessionGate) settle(ctx context.Context, results []*dsecv1.CreateResult) {
+	if g.sessions == nil {
 		return
 	}
 	done := map[string]string{}
@@ -45,9 +58,9 @@ func (s *sandboxService) settle(ctx context.Context, results []*dsecv1.CreateRes
 		action, seen := done[name]
 		if !seen {
 			var err error
-			action, err = s.sessions.Settle(ctx, name)
+			action, err = g.sessions.Settle(ctx, name)
 			if err != nil {
-				s.log.Warn("apply an expired session's action to a new sandbox", slog.String("session", name), slog.Any("error", err))
+				g.log.Warn("apply an expired session's action to a new sandbox", slog.String("session", name), slog.Any("error", err))
 			}
 			done[name] = action
 		}
@@ -66,7 +79,32 @@ func itemError(err error) *dsecv1.ItemError {
 	return &dsecv1.ItemError{Kind: string(e.Kind), Message: e.Msg, Infra: e.Infra, Retryable: e.Retryable, RetryAfterMs: e.RetryAfter.Milliseconds()}
 }
 
-func (s *sandboxService) CreateSandboxes(ctx context.Context, req *connect.Request[dsecv1.CreateSandboxesRequest]) (*connect.Response[dsecv1.CreateSandboxesResponse], error) {
+// lifecycleService serves the LifecycleService.
+type lifecycleService struct {
+	r Router
+	sessionGate
+}
+
+var _ dsecv1connect.LifecycleServiceHandler = (*lifecycleService)(nil)
+
+func (s *lifecycleService) CreateSandbox(ctx context.Context, req *connect.Request[dsecv1.CreateSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error) {
+	if err := s.admit(ctx, req.Msg.GetSpec()); err != nil {
+		return nil, wire(err)
+	}
+	req.Msg.Project = tenant.Project(ctx)
+	sb, err := s.r.Create(ctx, req.Msg)
+	if err != nil {
+		return nil, wire(err)
+	}
+	res := []*dsecv1.CreateResult{{Sandbox: sb}}
+	s.settle(ctx, res)
+	if e := res[0].GetError(); e != nil {
+		return nil, wire(errdefs.Conflict("%s", e.GetMessage()))
+	}
+	return connect.NewResponse(sb), nil
+}
+
+func (s *lifecycleService) CreateSandboxes(ctx context.Context, req *connect.Request[dsecv1.CreateSandboxesRequest]) (*connect.Response[dsecv1.CreateSandboxesResponse], error) {
 	m := req.Msg
 	specs := m.GetSpecs()
 	switch {
@@ -83,7 +121,7 @@ func (s *sandboxService) CreateSandboxes(ctx context.Context, req *connect.Reque
 		return nil, wire(errdefs.Invalid("at most %d specs", maxBatch))
 	}
 	for _, sp := range specs {
-		if err := s.admitSession(ctx, sp); err != nil {
+		if err := s.admit(ctx, sp); err != nil {
 			return nil, wire(err)
 		}
 	}
@@ -101,31 +139,77 @@ func (s *sandboxService) CreateSandboxes(ctx context.Context, req *connect.Reque
 	return connect.NewResponse(out), nil
 }
 
-func (s *sandboxService) PauseSandbox(ctx context.Context, req *connect.Request[dsecv1.PauseSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error) {
-	return call(ctx, s.r, req.Msg.GetId(), req.Msg, func(n Node, ctx context.Context, m *dsecv1.PauseSandboxRequest) (*dsecv1.Sandbox, error) {
-		return n.Pause(ctx, m.GetId())
+func (s *lifecycleService) ListSandboxes(ctx context.Context, req *connect.Request[dsecv1.ListSandboxesRequest]) (*connect.Response[dsecv1.ListSandboxesResponse], error) {
+	// A request of its own for each node: a request's headers are written
+	// as it is sent.
+	q := &dsecv1.ListSandboxesRequest{LabelSelector: req.Msg.GetLabelSelector(), State: req.Msg.GetState()}
+	lists, err := fanOut(s.r.Nodes(ctx), func(n Node) (*connect.Response[dsecv1.ListSandboxesResponse], error) {
+		return n.ListSandboxes(ctx, connect.NewRequest(q))
 	})
-}
-
-func (s *sandboxService) ResumeSandbox(ctx context.Context, req *connect.Request[dsecv1.ResumeSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error) {
-	return call(ctx, s.r, req.Msg.GetId(), req.Msg, func(n Node, ctx context.Context, m *dsecv1.ResumeSandboxRequest) (*dsecv1.Sandbox, error) {
-		return n.Resume(ctx, m.GetId())
-	})
-}
-
-// bulk runs a label-selected operation on every node.
-func bulk(ctx context.Context, r Router, op, selector string) (*dsecv1.BulkResponse, error) {
-	if selector == "" {
-		return nil, errdefs.Invalid("a label selector is required for a bulk %s", op)
-	}
-	out := &dsecv1.BulkResponse{}
-	resps, err := fanOut(r.Nodes(ctx), func(n Node) (*dsecv1.BulkResponse, error) { return n.Bulk(ctx, op, selector) })
 	if err != nil {
 		return nil, err
 	}
+	all := &dsecv1.ListSandboxesResponse{}
+	for _, resp := range lists {
+		all.Sandboxes = append(all.Sandboxes, resp.Msg.Sandboxes...)
+	}
+	sort.SliceStable(all.Sandboxes, func(i, j int) bool {
+		a, b := all.Sandboxes[i], all.Sandboxes[j]
+		if !a.CreatedAt.AsTime().Equal(b.CreatedAt.AsTime()) {
+			return a.CreatedAt.AsTime().Before(b.CreatedAt.AsTime())
+		}
+		return a.Id < b.Id
+	})
+	return connect.NewResponse(page(all, req.Msg.GetPageSize(), req.Msg.GetPageToken())), nil
+}
+
+// page cuts a listing sorted by creation; the token is the last ID sent.
+func page(all *dsecv1.ListSandboxesResponse, size int32, token string) *dsecv1.ListSandboxesResponse {
+	if size <= 0 || size > 10000 {
+		size = 10000
+	}
+	start := 0
+	if token != "" {
+		start = len(all.Sandboxes)
+		for i, s := range all.Sandboxes {
+			if s.Id == token {
+				start = i + 1
+				break
+			}
+		}
+	}
+	end := min(start+int(size), len(all.Sandboxes))
+	out := &dsecv1.ListSandboxesResponse{Sandboxes: all.Sandboxes[start:end]}
+	if end < len(all.Sandboxes) {
+		out.NextPageToken = all.Sandboxes[end-1].Id
+	}
+	return out
+}
+
+// bulkOps are the label-selected operations, by name, as node verbs.
+var bulkOps = map[string]func(Node, context.Context, *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error){
+	"pause": Node.PauseSandboxes, "resume": Node.ResumeSandboxes, "delete": Node.DeleteSandboxes,
+}
+
+// Bulk runs a label-selected operation ("pause", "resume", "delete") on
+// the caller's sandboxes on every node and gathers the results.
+func Bulk(ctx context.Context, r Router, op, selector string) (*dsecv1.BulkResponse, error) {
+	verb, ok := bulkOps[op]
+	switch {
+	case !ok:
+		return nil, wire(errdefs.Invalid("unknown bulk operation %q", op))
+	case selector == "":
+		return nil, wire(errdefs.Invalid("a label selector is required for a bulk %s", op))
+	}
+	q := &dsecv1.BulkRequest{LabelSelector: selector}
+	resps, err := fanOut(r.Nodes(ctx), func(n Node) (*connect.Response[dsecv1.BulkResponse], error) { return verb(n, ctx, connect.NewRequest(q)) })
+	if err != nil {
+		return nil, err
+	}
+	out := &dsecv1.BulkResponse{}
 	for _, resp := range resps {
-		out.Ids = append(out.Ids, resp.Ids...)
-		out.Failures = append(out.Failures, resp.Failures...)
+		out.Ids = append(out.Ids, resp.Msg.Ids...)
+		out.Failures = append(out.Failures, resp.Msg.Failures...)
 	}
 	sort.Strings(out.Ids)
 	return out, nil
@@ -134,9 +218,9 @@ func bulk(ctx context.Context, r Router, op, selector string) (*dsecv1.BulkRespo
 // Actor adapts bulk operations for the session manager.
 func Actor(r Router) session.Actor {
 	return func(ctx context.Context, op, selector string) (int, error) {
-		resp, err := bulk(ctx, r, op, selector)
+		resp, err := Bulk(ctx, r, op, selector)
 		if err != nil {
-			return 0, err
+			return 0, errwire.FromConnect(err)
 		}
 		if len(resp.Failures) > 0 {
 			f := resp.Failures[0]
@@ -146,35 +230,43 @@ func Actor(r Router) session.Actor {
 	}
 }
 
-func (s *sandboxService) bulkRPC(ctx context.Context, op string, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
-	resp, err := bulk(ctx, s.r, op, req.Msg.GetLabelSelector())
+func (s *lifecycleService) bulk(ctx context.Context, op string, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
+	resp, err := Bulk(ctx, s.r, op, req.Msg.GetLabelSelector())
 	if err != nil {
-		return nil, wire(err)
+		return nil, err
 	}
 	return connect.NewResponse(resp), nil
 }
 
-func (s *sandboxService) PauseSandboxes(ctx context.Context, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
-	return s.bulkRPC(ctx, "pause", req)
+func (s *lifecycleService) PauseSandboxes(ctx context.Context, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
+	return s.bulk(ctx, "pause", req)
 }
 
-func (s *sandboxService) ResumeSandboxes(ctx context.Context, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
-	return s.bulkRPC(ctx, "resume", req)
+func (s *lifecycleService) ResumeSandboxes(ctx context.Context, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
+	return s.bulk(ctx, "resume", req)
 }
 
-func (s *sandboxService) DeleteSandboxes(ctx context.Context, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
-	return s.bulkRPC(ctx, "delete", req)
+func (s *lifecycleService) DeleteSandboxes(ctx context.Context, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
+	return s.bulk(ctx, "delete", req)
 }
 
-func (s *sandboxService) Snapshot(ctx context.Context, req *connect.Request[dsecv1.SnapshotRequest]) (*connect.Response[dsecv1.SnapshotInfo], error) {
-	return call(ctx, s.r, req.Msg.GetSandboxId(), req.Msg, Node.Snapshot)
+// snapshotService serves the SnapshotService.
+type snapshotService struct {
+	r Router
+	sessionGate
 }
 
-func (s *sandboxService) ListSnapshots(ctx context.Context, req *connect.Request[dsecv1.ListSnapshotsRequest]) (*connect.Response[dsecv1.ListSnapshotsResponse], error) {
+var _ dsecv1connect.SnapshotServiceHandler = (*snapshotService)(nil)
+
+func (s *snapshotService) ListSnapshots(ctx context.Context, req *connect.Request[dsecv1.ListSnapshotsRequest]) (*connect.Response[dsecv1.ListSnapshotsResponse], error) {
+	lists, _ := fanOut(s.r.Nodes(ctx), func(n Node) (*connect.Response[dsecv1.ListSnapshotsResponse], error) {
+		return n.ListSnapshots(ctx, connect.NewRequest(req.Msg))
+	})
 	out := &dsecv1.ListSnapshotsResponse{}
-	lists, _ := fanOut(s.r.Nodes(ctx), func(n Node) ([]*dsecv1.SnapshotInfo, error) { return n.ListSnapshots(ctx), nil })
 	for _, l := range lists {
-		out.Snapshots = append(out.Snapshots, l...)
+		if l != nil {
+			out.Snapshots = append(out.Snapshots, l.Msg.Snapshots...)
+		}
 	}
 	sort.Slice(out.Snapshots, func(i, j int) bool {
 		return out.Snapshots[i].CreatedAt.AsTime().Before(out.Snapshots[j].CreatedAt.AsTime())
@@ -182,24 +274,11 @@ func (s *sandboxService) ListSnapshots(ctx context.Context, req *connect.Request
 	return connect.NewResponse(out), nil
 }
 
-func (s *sandboxService) DeleteSnapshot(ctx context.Context, req *connect.Request[dsecv1.DeleteSnapshotRequest]) (*connect.Response[dsecv1.DeleteSnapshotResponse], error) {
-	n, err := s.r.ForSnapshot(ctx, req.Msg.GetId())
-	if err != nil {
+func (s *snapshotService) Fork(ctx context.Context, req *connect.Request[dsecv1.ForkRequest]) (*connect.Response[dsecv1.CreateSandboxesResponse], error) {
+	if err := s.admit(ctx, &dsecv1.SandboxSpec{Session: req.Msg.GetSession()}); err != nil {
 		return nil, wire(err)
 	}
-	if err := n.DeleteSnapshot(ctx, req.Msg.GetId()); err != nil {
-		return nil, wire(err)
-	}
-	return connect.NewResponse(&dsecv1.DeleteSnapshotResponse{}), nil
-}
-
-func (s *sandboxService) Fork(ctx context.Context, req *connect.Request[dsecv1.ForkRequest]) (*connect.Response[dsecv1.CreateSandboxesResponse], error) {
-	if req.Msg.GetSession() != "" {
-		if err := s.admitSession(ctx, &dsecv1.SandboxSpec{Session: req.Msg.GetSession()}); err != nil {
-			return nil, wire(err)
-		}
-	}
-	resp, err := call(ctx, s.r, req.Msg.GetSandboxId(), req.Msg, Node.Fork)
+	resp, err := route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.Fork)
 	if err == nil {
 		s.settle(ctx, resp.Msg.GetResults())
 		recount(resp.Msg)
@@ -219,14 +298,6 @@ func recount(out *dsecv1.CreateSandboxesResponse) {
 	}
 }
 
-func (s *sandboxService) GetLog(ctx context.Context, req *connect.Request[dsecv1.GetLogRequest]) (*connect.Response[dsecv1.GetLogResponse], error) {
-	return call(ctx, s.r, req.Msg.GetSandboxId(), req.Msg, Node.GetLog)
-}
-
-func (s *sandboxService) Replay(ctx context.Context, req *connect.Request[dsecv1.ReplayRequest]) (*connect.Response[dsecv1.ReplayResponse], error) {
-	return call(ctx, s.r, req.Msg.GetSandboxId(), req.Msg, Node.Replay)
-}
-
 // sessionService serves the SessionService.
 type sessionService struct {
 	m *session.Manager
@@ -234,7 +305,7 @@ type sessionService struct {
 
 var _ dsecv1connect.SessionServiceHandler = (*sessionService)(nil)
 
-func unary[Req, Resp any](ctx context.Context, m *Req, f func() (*Resp, error)) (*connect.Response[Resp], error) {
+func unary[Resp any](f func() (*Resp, error)) (*connect.Response[Resp], error) {
 	resp, err := f()
 	if err != nil {
 		return nil, wire(err)
@@ -243,42 +314,47 @@ func unary[Req, Resp any](ctx context.Context, m *Req, f func() (*Resp, error)) 
 }
 
 func (s *sessionService) OpenSession(ctx context.Context, req *connect.Request[dsecv1.OpenSessionRequest]) (*connect.Response[dsecv1.Session], error) {
-	return unary(ctx, req.Msg, func() (*dsecv1.Session, error) { return s.m.Open(ctx, req.Msg) })
+	return unary(func() (*dsecv1.Session, error) { return s.m.Open(ctx, req.Msg) })
 }
 
 func (s *sessionService) Heartbeat(ctx context.Context, req *connect.Request[dsecv1.HeartbeatRequest]) (*connect.Response[dsecv1.Session], error) {
-	return unary(ctx, req.Msg, func() (*dsecv1.Session, error) { return s.m.Heartbeat(ctx, req.Msg.GetName()) })
+	return unary(func() (*dsecv1.Session, error) { return s.m.Heartbeat(ctx, req.Msg.GetName()) })
 }
 
 func (s *sessionService) GetSession(ctx context.Context, req *connect.Request[dsecv1.GetSessionRequest]) (*connect.Response[dsecv1.Session], error) {
-	return unary(ctx, req.Msg, func() (*dsecv1.Session, error) { return s.m.Get(ctx, req.Msg.GetName()) })
+	return unary(func() (*dsecv1.Session, error) { return s.m.Get(ctx, req.Msg.GetName()) })
 }
 
 func (s *sessionService) ListSessions(ctx context.Context, req *connect.Request[dsecv1.ListSessionsRequest]) (*connect.Response[dsecv1.ListSessionsResponse], error) {
-	return unary(ctx, req.Msg, func() (*dsecv1.ListSessionsResponse, error) {
+	return unary(func() (*dsecv1.ListSessionsResponse, error) {
 		list, err := s.m.List(ctx)
 		return &dsecv1.ListSessionsResponse{Sessions: list}, err
 	})
 }
 
 func (s *sessionService) CloseSession(ctx context.Context, req *connect.Request[dsecv1.CloseSessionRequest]) (*connect.Response[dsecv1.Session], error) {
-	return unary(ctx, req.Msg, func() (*dsecv1.Session, error) {
+	return unary(func() (*dsecv1.Session, error) {
 		return s.m.Close(ctx, req.Msg.GetName(), req.Msg.GetDeleteSandboxes())
 	})
 }
 
 func (s *systemService) GetCapacity(ctx context.Context, req *connect.Request[dsecv1.GetCapacityRequest]) (*connect.Response[dsecv1.Capacity], error) {
 	out := &dsecv1.Capacity{}
-	caps, _ := fanOut(s.r.Nodes(ctx), func(n Node) (*dsecv1.Capacity, error) { return n.Capacity(ctx), nil })
+	caps, _ := fanOut(s.r.Nodes(ctx), func(n Node) (*connect.Response[dsecv1.Capacity], error) {
+		return n.GetCapacity(ctx, connect.NewRequest(req.Msg))
+	})
 	for _, c := range caps {
-		out.MaxSandboxes += c.MaxSandboxes
-		out.Running += c.Running
-		out.FreeSlots += c.FreeSlots
-		out.QueueDepth += c.QueueDepth
-		out.QueueLimit += c.QueueLimit
-		out.StartsPerS += c.StartsPerS
-		out.MaxConcurrentStarts += c.MaxConcurrentStarts
-		out.Pools = append(out.Pools, c.Pools...)
+		if c == nil {
+			continue
+		}
+		out.MaxSandboxes += c.Msg.MaxSandboxes
+		out.Running += c.Msg.Running
+		out.FreeSlots += c.Msg.FreeSlots
+		out.QueueDepth += c.Msg.QueueDepth
+		out.QueueLimit += c.Msg.QueueLimit
+		out.StartsPerS += c.Msg.StartsPerS
+		out.MaxConcurrentStarts += c.Msg.MaxConcurrentStarts
+		out.Pools = append(out.Pools, c.Msg.Pools...)
 	}
 	return connect.NewResponse(out), nil
 }

@@ -114,12 +114,6 @@ type Server struct {
 	auth   *auth
 }
 
-type upstreamKey struct{}
-
-// fromUpstream reports whether the call came from a control plane (a node
-// agent's API), which admitted its session already.
-func fromUpstream(ctx context.Context) bool { return ctx.Value(upstreamKey{}) != nil }
-
 // New builds a server over router. sessions may be nil (no
 // SessionService). It fails on malformed keys.
 func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager) (*Server, error) {
@@ -131,7 +125,13 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 		}
 	}
 	s := &Server{cfg: cfg, log: log, router: router, mux: http.NewServeMux(), auth: &auth{keys: keys, token: cfg.ClusterToken}}
-	s.HandleConnect(dsecv1connect.NewSandboxServiceHandler(&sandboxService{r: router, sessions: sessions, log: log}, ConnectOptions()...))
+	gate := sessionGate{sessions: sessions, log: log}
+	s.HandleConnect(dsecv1connect.NewLifecycleServiceHandler(&lifecycleService{r: router, sessionGate: gate}, ConnectOptions()...))
+	s.HandleConnect(dsecv1connect.NewProcessServiceHandler(processService{r: router}, ConnectOptions()...))
+	s.HandleConnect(dsecv1connect.NewFilesystemServiceHandler(filesystemService{r: router}, ConnectOptions()...))
+	s.HandleConnect(dsecv1connect.NewSnapshotServiceHandler(&snapshotService{r: router, sessionGate: gate}, ConnectOptions()...))
+	s.HandleConnect(dsecv1connect.NewLogServiceHandler(logService{r: router}, ConnectOptions()...))
+	s.HandleConnect(dsecv1connect.NewScreenServiceHandler(screenService{r: router}, ConnectOptions()...))
 	if sessions != nil {
 		s.HandleConnect(dsecv1connect.NewSessionServiceHandler(&sessionService{m: sessions}, ConnectOptions()...))
 	}
@@ -142,6 +142,31 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 	s.mux.Handle("/v1/sandboxes/{id}/files", s.guard(streamed, http.HandlerFunc(s.serveFiles)))
 	s.mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })
 	return s, nil
+}
+
+// NewNodeAPI is a node agent's API in a cluster: h, the node's public
+// services for its own sandboxes, mounted as they are behind the cluster
+// token (the caller comes in the Dsec-Project and Dsec-Role headers and
+// the node checks it against every object). Nothing is routed: the
+// control plane routed the call here. Mount NodeService with
+// HandleConnect.
+func NewNodeAPI(token string, log *slog.Logger, h NodeHandlers) *Server {
+	s := &Server{cfg: Config{ClusterToken: token}, log: log, mux: http.NewServeMux(), auth: &auth{token: token}}
+	for _, svc := range []func() (string, http.Handler){
+		func() (string, http.Handler) { return dsecv1connect.NewLifecycleServiceHandler(h, ConnectOptions()...) },
+		func() (string, http.Handler) { return dsecv1connect.NewProcessServiceHandler(h, ConnectOptions()...) },
+		func() (string, http.Handler) { return dsecv1connect.NewFilesystemServiceHandler(h, ConnectOptions()...) },
+		func() (string, http.Handler) { return dsecv1connect.NewSnapshotServiceHandler(h, ConnectOptions()...) },
+		func() (string, http.Handler) { return dsecv1connect.NewLogServiceHandler(h, ConnectOptions()...) },
+		func() (string, http.Handler) { return dsecv1connect.NewScreenServiceHandler(h, ConnectOptions()...) },
+		func() (string, http.Handler) { return dsecv1connect.NewFunctionServiceHandler(h, ConnectOptions()...) },
+		func() (string, http.Handler) { return dsecv1connect.NewSystemServiceHandler(h, ConnectOptions()...) },
+		func() (string, http.Handler) { return dsecv1connect.NewImageServiceHandler(h, ConnectOptions()...) },
+	} {
+		s.HandleConnect(svc())
+	}
+	s.mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })
+	return s
 }
 
 // ConnectOptions are the handler options of the server's Connect services

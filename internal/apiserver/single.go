@@ -4,8 +4,11 @@ import (
 	"context"
 	"strings"
 
+	"connectrpc.com/connect"
+
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 )
 
 // Single routes everything to one node (`dsec serve`).
@@ -35,7 +38,11 @@ func (s Single) ForSnapshot(ctx context.Context, id string) (Node, error) {
 func (s Single) ForFunction(ctx context.Context) (Node, error) { return s.N, nil }
 
 func (s Single) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*dsecv1.Sandbox, error) {
-	return s.N.Create(ctx, req)
+	resp, err := s.N.CreateSandbox(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, errwire.FromConnect(err)
+	}
+	return resp.Msg, nil
 }
 
 func (s Single) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string) *dsecv1.CreateSandboxesResponse {

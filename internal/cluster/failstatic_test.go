@@ -1,6 +1,7 @@
 package cluster_test
 
 import (
+	"connectrpc.com/connect"
 	"context"
 	"errors"
 	"fmt"
@@ -12,6 +13,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/cluster"
 	"github.com/opendsec/dsec/internal/cluster/clustertest"
 	"github.com/opendsec/dsec/internal/dsectest"
@@ -103,10 +105,10 @@ func TestMembershipFailsStatic(t *testing.T) {
 			if err != nil {
 				t.Fatalf("route to lapsed c: %v", err)
 			}
-			if _, err := n.Get(ctx, onC); err != nil {
+			if _, err := apiserver.Do(ctx, n, &dsecv1.GetSandboxRequest{Id: onC}, apiserver.Node.GetSandbox); err != nil {
 				t.Fatalf("get on lapsed c: %v", err)
 			}
-			if info := n.Info(ctx); info.State != "lapsed" {
+			if info := nodeInfo(ctx, n); info.State != "lapsed" {
 				t.Fatalf("c's state %q, want lapsed", info.State)
 			}
 			time.Sleep(500 * time.Millisecond) // across the watchdog's probes
@@ -162,7 +164,7 @@ func TestMembershipFailsStatic(t *testing.T) {
 		d.Hang(true)
 		defer d.Hang(false)
 		start := time.Now()
-		_, err = n.Get(ctx, sb.Id) // waits: d does not answer
+		_, err = apiserver.Do(ctx, n, &dsecv1.GetSandboxRequest{Id: sb.Id}, apiserver.Node.GetSandbox) // waits: d does not answer
 		took := time.Since(start)
 		if err == nil || !strings.Contains(err.Error(), "node d lost") || !errdefs.IsInfra(err) {
 			t.Fatalf("a call waiting on d when it was lost: %v", err)
@@ -290,4 +292,13 @@ func BenchmarkReadYourWrites(b *testing.B) {
 			}
 		}
 	})
+}
+
+// nodeInfo is a node's description as the replica reports it.
+func nodeInfo(ctx context.Context, n apiserver.Node) *dsecv1.NodeInfo {
+	resp, err := n.GetInfo(ctx, connect.NewRequest(&dsecv1.GetInfoRequest{}))
+	if err != nil || len(resp.Msg.Nodes) == 0 {
+		return &dsecv1.NodeInfo{}
+	}
+	return resp.Msg.Nodes[0]
 }

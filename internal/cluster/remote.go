@@ -30,11 +30,21 @@ import (
 type remote struct {
 	name, addr string
 	router     *Router
-	sb         dsecv1connect.SandboxServiceClient
-	img        dsecv1connect.ImageServiceClient
-	sys        dsecv1connect.SystemServiceClient
-	fn         dsecv1connect.FunctionServiceClient
-	nd         nodev1connect.NodeServiceClient
+
+	// The node's sandbox services: a generated client's unary method has
+	// the generated handler's signature, so these are the apiserver.Node
+	// verbs with no code here. Streams and the rest are below.
+	dsecv1connect.LifecycleServiceClient
+	dsecv1connect.ProcessServiceClient
+	dsecv1connect.FilesystemServiceClient
+	dsecv1connect.SnapshotServiceClient
+	dsecv1connect.LogServiceClient
+	dsecv1connect.ScreenServiceClient
+	dsecv1connect.FunctionServiceClient
+
+	sys dsecv1connect.SystemServiceClient
+	img dsecv1connect.ImageServiceClient
+	nd  nodev1connect.NodeServiceClient
 
 	lapsed atomic.Bool     // the node has no lease but answers: routed to, not placed on
 	lost   context.Context // done once the node is lost
@@ -63,8 +73,11 @@ func nodeTransport() *http.Transport {
 
 func newRemote(r *Router, name, addr string) *remote {
 	base := "http://" + addr
+	rn := &remote{name: name, addr: addr, router: r}
+	rn.lost, rn.lose = context.WithCancelCause(context.Background())
 	opts := []connect.ClientOption{
-		connect.WithInterceptors(&nodeAuth{token: r.cfg.Token}),
+		// The node's answer (or why there was none) on every call.
+		connect.WithInterceptors(&nodeAuth{token: r.cfg.Token}, nodeCalls{rn}),
 		// An exec result holds up to two streams at the largest output cap
 		// a node allows (64 MiB each by default): a smaller bound would
 		// fail such a result on every try.
@@ -74,15 +87,16 @@ func newRemote(r *Router, name, addr string) *remote {
 		// both ends for little.
 		connect.WithAcceptCompression("gzip", nil, nil),
 	}
-	rn := &remote{
-		name: name, addr: addr, router: r,
-		sb:  dsecv1connect.NewSandboxServiceClient(r.http, base, opts...),
-		img: dsecv1connect.NewImageServiceClient(r.http, base, opts...),
-		sys: dsecv1connect.NewSystemServiceClient(r.http, base, opts...),
-		fn:  dsecv1connect.NewFunctionServiceClient(r.http, base, opts...),
-		nd:  nodev1connect.NewNodeServiceClient(r.http, base, opts...),
-	}
-	rn.lost, rn.lose = context.WithCancelCause(context.Background())
+	rn.LifecycleServiceClient = dsecv1connect.NewLifecycleServiceClient(r.http, base, opts...)
+	rn.ProcessServiceClient = dsecv1connect.NewProcessServiceClient(r.http, base, opts...)
+	rn.FilesystemServiceClient = dsecv1connect.NewFilesystemServiceClient(r.http, base, opts...)
+	rn.SnapshotServiceClient = dsecv1connect.NewSnapshotServiceClient(r.http, base, opts...)
+	rn.LogServiceClient = dsecv1connect.NewLogServiceClient(r.http, base, opts...)
+	rn.ScreenServiceClient = dsecv1connect.NewScreenServiceClient(r.http, base, opts...)
+	rn.FunctionServiceClient = dsecv1connect.NewFunctionServiceClient(r.http, base, opts...)
+	rn.sys = dsecv1connect.NewSystemServiceClient(r.http, base, opts...)
+	rn.img = dsecv1connect.NewImageServiceClient(r.http, base, opts...)
+	rn.nd = nodev1connect.NewNodeServiceClient(r.http, base, opts...)
 	return rn
 }
 
@@ -151,32 +165,78 @@ func (r *remote) fail(cctx context.Context, err error) error {
 	return errdefs.Unavailable("node %s unreachable: its sandboxes cannot be reached until it answers again", r.name).WithCause(cause)
 }
 
-// unary runs one unary call.
+// unary runs one unary call and returns its classified error (errdefs):
+// for the control plane's own use of a node (creates, probes).
 func unary[Req, Resp any](r *remote, ctx context.Context, req *Req, f func(context.Context, *connect.Request[Req]) (*connect.Response[Resp], error)) (*Resp, error) {
-	cctx, done := r.begin(ctx)
-	defer done()
-	resp, err := f(cctx, connect.NewRequest(req))
+	resp, err := f(ctx, connect.NewRequest(req))
 	if err != nil {
-		return nil, r.fail(cctx, err)
+		return nil, errwire.FromConnect(err)
 	}
 	return resp.Msg, nil
 }
 
-// serverStream relays a server stream message by message.
-func serverStream[Req, Msg any](r *remote, ctx context.Context, req *Req, f func(context.Context, *connect.Request[Req]) (*connect.ServerStreamForClient[Msg], error), send func(*Msg) error) error {
-	cctx, done := r.begin(ctx)
-	defer done()
-	stream, err := f(cctx, connect.NewRequest(req))
-	if err != nil {
-		return r.fail(cctx, err)
+// nodeCalls bounds every call to the node by the caller's context and by
+// the node's membership (a lost node ends its calls at once), and turns a
+// failure to reach the node into an unavailable (infra) error naming it;
+// the node's own answers pass unchanged.
+type nodeCalls struct{ r *remote }
+
+func (c nodeCalls) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		cctx, done := c.r.begin(ctx)
+		defer done()
+		resp, err := next(cctx, req)
+		if err != nil {
+			return nil, errwire.ToConnect(c.r.fail(cctx, err))
+		}
+		return resp, nil
 	}
-	defer stream.Close()
-	for stream.Receive() {
-		if err := send(stream.Msg()); err != nil {
+}
+
+func (c nodeCalls) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
+		cctx, done := c.r.begin(ctx)
+		return &nodeConn{StreamingClientConn: next(cctx, spec), r: c.r, cctx: cctx, done: done}
+	}
+}
+
+func (nodeCalls) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return next
+}
+
+// nodeConn is a stream to a node, classified as nodeCalls classifies.
+type nodeConn struct {
+	connect.StreamingClientConn
+	r    *remote
+	cctx context.Context
+	done func()
+}
+
+func (c *nodeConn) Receive(m any) error {
+	err := c.StreamingClientConn.Receive(m)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return errwire.ToConnect(c.r.fail(c.cctx, err))
+	}
+	return err
+}
+
+func (c *nodeConn) CloseResponse() error {
+	defer c.done()
+	return c.StreamingClientConn.CloseResponse()
+}
+
+// relay passes a server stream's messages to send, one at a time.
+func relay[Msg any](st *connect.ServerStreamForClient[Msg], err error, send func(*Msg) error) error {
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	for st.Receive() {
+		if err := send(st.Msg()); err != nil {
 			return err
 		}
 	}
-	return r.fail(cctx, stream.Err())
+	return st.Err()
 }
 
 // nodeAuth sends the cluster token and the caller (its project and
@@ -211,8 +271,8 @@ func (a *nodeAuth) WrapStreamingHandler(next connect.StreamingHandlerFunc) conne
 
 func (r *remote) Name() string { return r.name }
 
-// Info is the node's own description, with its state in the cluster.
-func (r *remote) Info(ctx context.Context) *dsecv1.NodeInfo {
+// GetInfo is the node's own description, with its state in the cluster.
+func (r *remote) GetInfo(ctx context.Context, req *connect.Request[dsecv1.GetInfoRequest]) (*connect.Response[dsecv1.Info], error) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	state := "ready"
@@ -222,13 +282,22 @@ func (r *remote) Info(ctx context.Context) *dsecv1.NodeInfo {
 	if r.lapsed.Load() {
 		state = "lapsed"
 	}
-	info, err := unary(r, ctx, &dsecv1.GetInfoRequest{}, r.sys.GetInfo)
-	if err != nil || len(info.Nodes) == 0 {
-		return &dsecv1.NodeInfo{Name: r.name, Address: r.addr, State: "unreachable"}
+	ni := &dsecv1.NodeInfo{Name: r.name, Address: r.addr, State: "unreachable"}
+	if info, err := r.sys.GetInfo(ctx, req); err == nil && len(info.Msg.Nodes) > 0 {
+		ni = info.Msg.Nodes[0]
+		ni.Address, ni.State = r.addr, state
 	}
-	ni := info.Nodes[0]
-	ni.Address, ni.State = r.addr, state
-	return ni
+	return connect.NewResponse(&dsecv1.Info{Nodes: []*dsecv1.NodeInfo{ni}}), nil
+}
+
+// GetCapacity is the node's capacity, or none if it does not answer soon.
+func (r *remote) GetCapacity(ctx context.Context, req *connect.Request[dsecv1.GetCapacityRequest]) (*connect.Response[dsecv1.Capacity], error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if c, err := r.sys.GetCapacity(ctx, req); err == nil {
+		return c, nil
+	}
+	return connect.NewResponse(&dsecv1.Capacity{}), nil
 }
 
 // createOn creates sandboxes on this node through NodeService.
@@ -237,12 +306,17 @@ func (r *remote) createOn(ctx context.Context, specs []*dsecv1.SandboxSpec, keys
 	return unary(r, ctx, &nodev1.CreateSandboxesRequest{Specs: specs, IdempotencyKeys: keys, Project: project}, r.nd.CreateSandboxes)
 }
 
-func (r *remote) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*dsecv1.Sandbox, error) {
-	resp, err := r.createOn(ctx, []*dsecv1.SandboxSpec{req.GetSpec()}, []string{req.GetIdempotencyKey()}, req.GetProject())
+// CreateSandbox creates one sandbox on this node (placement chose it).
+func (r *remote) CreateSandbox(ctx context.Context, req *connect.Request[dsecv1.CreateSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error) {
+	resp, err := r.createOn(ctx, []*dsecv1.SandboxSpec{req.Msg.GetSpec()}, []string{req.Msg.GetIdempotencyKey()}, tenant.Project(ctx))
 	if err != nil {
-		return nil, err
+		return nil, errwire.ToConnect(err)
 	}
-	return itemResult(resp.GetResult(), 0)
+	sb, err := itemResult(resp.GetResult(), 0)
+	if err != nil {
+		return nil, errwire.ToConnect(err)
+	}
+	return connect.NewResponse(sb), nil
 }
 
 // itemResult is item i of a batch answer as a single answer.
@@ -262,10 +336,11 @@ func fromItemError(e *dsecv1.ItemError) *errdefs.Error {
 }
 
 func itemError(err error) *dsecv1.ItemError {
-	e := errdefs.Classify(err)
+	e := errdefs.Classify(errwire.FromConnect(err))
 	return &dsecv1.ItemError{Kind: string(e.Kind), Message: e.Msg, Infra: e.Infra, Retryable: e.Retryable, RetryAfterMs: e.RetryAfter.Milliseconds()}
 }
 
+// CreateMany creates sandboxes on this node with their keys, as placed.
 func (r *remote) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string) *dsecv1.CreateSandboxesResponse {
 	resp, err := r.createOn(ctx, specs, keys, project)
 	if err != nil {
@@ -278,250 +353,111 @@ func (r *remote) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 	return resp.GetResult()
 }
 
-func (r *remote) Get(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
-	return unary(r, ctx, &dsecv1.GetSandboxRequest{Id: id}, r.sb.GetSandbox)
+// Fork creates children on the parent's node; they count against the
+// project's quotas like any create.
+func (r *remote) Fork(ctx context.Context, req *connect.Request[dsecv1.ForkRequest]) (*connect.Response[dsecv1.CreateSandboxesResponse], error) {
+	allowed, release, err := r.router.admitQuota(tenant.Project(ctx), int(req.Msg.GetCount()))
+	defer release()
+	if allowed < int(req.Msg.GetCount()) {
+		return nil, errwire.ToConnect(err)
+	}
+	return r.SnapshotServiceClient.Fork(ctx, req)
 }
 
-func (r *remote) List(ctx context.Context, req *dsecv1.ListSandboxesRequest) (*dsecv1.ListSandboxesResponse, error) {
-	return unary(r, ctx, req, r.sb.ListSandboxes)
+func (r *remote) ExecEvents(ctx context.Context, req *dsecv1.ExecRequest, send func(*dsecv1.ExecEvent) error) error {
+	st, err := r.ProcessServiceClient.ExecStream(ctx, connect.NewRequest(req))
+	return relay(st, err, send)
 }
 
-func (r *remote) Delete(ctx context.Context, id string) error {
-	_, err := unary(r, ctx, &dsecv1.DeleteSandboxRequest{Id: id}, r.sb.DeleteSandbox)
-	return err
+func (r *remote) ProcessEvents(ctx context.Context, req *dsecv1.ConnectProcessRequest, send func(*dsecv1.ExecEvent) error) error {
+	st, err := r.ProcessServiceClient.ConnectProcess(ctx, connect.NewRequest(req))
+	return relay(st, err, send)
 }
 
-func (r *remote) Keepalive(ctx context.Context, req *dsecv1.KeepaliveRequest) (*dsecv1.Sandbox, error) {
-	return unary(r, ctx, req, r.sb.Keepalive)
+func (r *remote) ReadFileChunks(ctx context.Context, req *dsecv1.ReadFileRequest, send func(*dsecv1.ReadFileResponse) error) error {
+	st, err := r.FilesystemServiceClient.ReadFile(ctx, connect.NewRequest(req))
+	return relay(st, err, send)
 }
 
-func (r *remote) Exec(ctx context.Context, req *dsecv1.ExecRequest) (*dsecv1.ExecResult, error) {
-	return unary(r, ctx, req, r.sb.Exec)
-}
-
-func (r *remote) ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send func(*dsecv1.ExecEvent) error) error {
-	return serverStream(r, ctx, req, r.sb.ExecStream, send)
-}
-
-func (r *remote) ConnectProcess(ctx context.Context, req *dsecv1.ConnectProcessRequest, send func(*dsecv1.ExecEvent) error) error {
-	return serverStream(r, ctx, req, r.sb.ConnectProcess, send)
-}
-
-func (r *remote) WriteStdin(ctx context.Context, req *dsecv1.WriteStdinRequest) error {
-	_, err := unary(r, ctx, req, r.sb.WriteStdin)
-	return err
-}
-
-func (r *remote) SignalProcess(ctx context.Context, req *dsecv1.SignalProcessRequest) error {
-	_, err := unary(r, ctx, req, r.sb.SignalProcess)
-	return err
-}
-
-func (r *remote) ResizePTY(ctx context.Context, req *dsecv1.ResizePTYRequest) error {
-	_, err := unary(r, ctx, req, r.sb.ResizePTY)
-	return err
-}
-
-func (r *remote) ListProcesses(ctx context.Context, req *dsecv1.ListProcessesRequest) (*dsecv1.ListProcessesResponse, error) {
-	return unary(r, ctx, req, r.sb.ListProcesses)
-}
-
-func (r *remote) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send func(*dsecv1.ReadFileResponse) error) error {
-	return serverStream(r, ctx, req, r.sb.ReadFile, send)
+func (r *remote) WatchEvents(ctx context.Context, req *dsecv1.WatchDirRequest, send func(*dsecv1.WatchDirEvent) error) error {
+	st, err := r.FilesystemServiceClient.WatchDir(ctx, connect.NewRequest(req))
+	return relay(st, err, send)
 }
 
 // chunk is the size of data messages relayed to a node.
 const chunk = 256 << 10
 
-// WriteFile streams r to the node in chunks as it arrives.
-func (r *remote) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, body io.Reader) (*dsecv1.FileInfo, error) {
-	cctx, done := r.begin(ctx)
-	defer done()
-	stream := r.sb.WriteFile(cctx)
-	err := stream.Send(&dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Header{Header: hdr}})
+// upload streams a header and then body to a client stream in chunks as
+// it arrives, and returns the node's answer.
+func upload[Req, Res any](st *connect.ClientStreamForClient[Req, Res], header *Req, body io.Reader, data func([]byte) *Req) (*connect.Response[Res], error) {
+	err := st.Send(header)
 	buf := make([]byte, chunk)
 	for err == nil {
 		n, rerr := body.Read(buf)
 		if n > 0 {
-			err = stream.Send(&dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Data{Data: buf[:n]}})
+			err = st.Send(data(buf[:n]))
 		}
 		if rerr == io.EOF {
 			break
 		}
 		if rerr != nil {
-			// The caller's upload broke: abandon the write on the node.
-			done()
-			stream.CloseAndReceive()
-			return nil, errdefs.Invalid("read upload: %v", rerr)
+			// The caller's upload broke: abandon it on the node.
+			st.CloseAndReceive()
+			return nil, errwire.ToConnect(errdefs.Invalid("read upload: %v", rerr))
 		}
 	}
 	// io.EOF from Send means the node answered early; the answer says why.
-	resp, cerr := stream.CloseAndReceive()
+	resp, cerr := st.CloseAndReceive()
 	if cerr != nil {
-		return nil, r.fail(cctx, cerr)
+		return nil, cerr
 	}
 	if err != nil && !errors.Is(err, io.EOF) {
-		return nil, r.fail(cctx, err)
+		return nil, err
+	}
+	return resp, nil
+}
+
+// WriteFileFrom streams a file to the node as it arrives.
+func (r *remote) WriteFileFrom(ctx context.Context, hdr *dsecv1.WriteFileHeader, body io.Reader) (*connect.Response[dsecv1.FileInfo], error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	return upload(r.FilesystemServiceClient.WriteFile(ctx), &dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Header{Header: hdr}}, body,
+		func(b []byte) *dsecv1.WriteFileRequest {
+			return &dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Data{Data: b}}
+		})
+}
+
+// Images.
+
+func (r *remote) Images(ctx context.Context) []*dsecv1.Image {
+	resp, err := r.img.ListImages(ctx, connect.NewRequest(&dsecv1.ListImagesRequest{}))
+	if err != nil {
+		return nil
+	}
+	return resp.Msg.Images
+}
+
+func (r *remote) Image(ctx context.Context, name string) (*dsecv1.Image, error) {
+	resp, err := r.img.GetImage(ctx, connect.NewRequest(&dsecv1.GetImageRequest{Name: name}))
+	if err != nil {
+		return nil, err
 	}
 	return resp.Msg, nil
 }
 
-func (r *remote) Stat(ctx context.Context, req *dsecv1.StatRequest) (*dsecv1.FileInfo, error) {
-	return unary(r, ctx, req, r.sb.Stat)
-}
-
-func (r *remote) WatchDir(ctx context.Context, req *dsecv1.WatchDirRequest, send func(*dsecv1.WatchDirEvent) error) error {
-	return serverStream(r, ctx, req, r.sb.WatchDir, send)
-}
-
-func (r *remote) Stats(ctx context.Context, id string) (*dsecv1.SandboxStats, error) {
-	return unary(r, ctx, &dsecv1.GetSandboxStatsRequest{Id: id}, r.sb.GetSandboxStats)
-}
-
-func (r *remote) Screenshot(ctx context.Context, req *dsecv1.ScreenshotRequest) (*dsecv1.ScreenshotResponse, error) {
-	return unary(r, ctx, req, r.sb.Screenshot)
-}
-
-func (r *remote) SendInput(ctx context.Context, req *dsecv1.SendInputRequest) error {
-	_, err := unary(r, ctx, req, r.sb.SendInput)
-	return err
-}
-
-func (r *remote) OpenVNC(ctx context.Context, req *dsecv1.OpenVNCRequest) (*dsecv1.OpenVNCResponse, error) {
-	return unary(r, ctx, req, r.sb.OpenVNC)
-}
-
-func (r *remote) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (*dsecv1.ListDirResponse, error) {
-	return unary(r, ctx, req, r.sb.ListDir)
-}
-
-func (r *remote) MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (*dsecv1.FileInfo, error) {
-	return unary(r, ctx, req, r.sb.MakeDir)
-}
-
-func (r *remote) Remove(ctx context.Context, req *dsecv1.RemoveRequest) error {
-	_, err := unary(r, ctx, req, r.sb.Remove)
-	return err
-}
-
-func (r *remote) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.FileInfo, error) {
-	return unary(r, ctx, req, r.sb.Rename)
-}
-
-func (r *remote) Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
-	return unary(r, ctx, &dsecv1.PauseSandboxRequest{Id: id}, r.sb.PauseSandbox)
-}
-
-func (r *remote) Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
-	return unary(r, ctx, &dsecv1.ResumeSandboxRequest{Id: id}, r.sb.ResumeSandbox)
-}
-
-func (r *remote) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkResponse, error) {
-	req := &dsecv1.BulkRequest{LabelSelector: selector}
-	switch op {
-	case "pause":
-		return unary(r, ctx, req, r.sb.PauseSandboxes)
-	case "resume":
-		return unary(r, ctx, req, r.sb.ResumeSandboxes)
-	case "delete":
-		return unary(r, ctx, req, r.sb.DeleteSandboxes)
-	}
-	return nil, errdefs.Invalid("unknown bulk operation %q", op)
-}
-
-func (r *remote) Snapshot(ctx context.Context, req *dsecv1.SnapshotRequest) (*dsecv1.SnapshotInfo, error) {
-	return unary(r, ctx, req, r.sb.Snapshot)
-}
-
-func (r *remote) ListSnapshots(ctx context.Context) []*dsecv1.SnapshotInfo {
-	resp, err := unary(r, ctx, &dsecv1.ListSnapshotsRequest{}, r.sb.ListSnapshots)
-	if err != nil {
-		return nil
-	}
-	return resp.Snapshots
-}
-
-func (r *remote) DeleteSnapshot(ctx context.Context, id string) error {
-	_, err := unary(r, ctx, &dsecv1.DeleteSnapshotRequest{Id: id}, r.sb.DeleteSnapshot)
-	return err
-}
-
-// Fork creates children on the parent's node; they count against the
-// project's quotas like any create.
-func (r *remote) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.CreateSandboxesResponse, error) {
-	allowed, release, err := r.router.admitQuota(tenant.Project(ctx), int(req.GetCount()))
-	defer release()
-	if allowed < int(req.GetCount()) {
-		return nil, err
-	}
-	return unary(r, ctx, req, r.sb.Fork)
-}
-
-func (r *remote) GetLog(ctx context.Context, req *dsecv1.GetLogRequest) (*dsecv1.GetLogResponse, error) {
-	return unary(r, ctx, req, r.sb.GetLog)
-}
-
-func (r *remote) Replay(ctx context.Context, req *dsecv1.ReplayRequest) (*dsecv1.ReplayResponse, error) {
-	return unary(r, ctx, req, r.sb.Replay)
-}
-
-func (r *remote) Capacity(ctx context.Context) *dsecv1.Capacity {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	c, err := unary(r, ctx, &dsecv1.GetCapacityRequest{}, r.sys.GetCapacity)
-	if err != nil {
-		return &dsecv1.Capacity{}
-	}
-	return c
-}
-
-func (r *remote) RunCode(ctx context.Context, req *dsecv1.RunCodeRequest) (*dsecv1.RunCodeResult, error) {
-	return unary(r, ctx, req, r.fn.RunCode)
-}
-
-func (r *remote) RunCodeBatch(ctx context.Context, reqs []*dsecv1.RunCodeRequest) ([]*dsecv1.RunCodeResult, error) {
-	resp, err := unary(r, ctx, &dsecv1.RunCodeBatchRequest{Calls: reqs}, r.fn.RunCodeBatch)
-	if err != nil {
-		return nil, err
-	}
-	return resp.Results, nil
-}
-
-func (r *remote) Languages(ctx context.Context, image string) ([]*dsecv1.LanguageInfo, error) {
-	resp, err := unary(r, ctx, &dsecv1.ListLanguagesRequest{Image: image}, r.fn.ListLanguages)
-	if err != nil {
-		return nil, err
-	}
-	return resp.Languages, nil
-}
-
-func (r *remote) ListImages(ctx context.Context) []*dsecv1.Image {
-	resp, err := unary(r, ctx, &dsecv1.ListImagesRequest{}, r.img.ListImages)
-	if err != nil {
-		return nil
-	}
-	return resp.Images
-}
-
-func (r *remote) GetImage(ctx context.Context, name string) (*dsecv1.Image, error) {
-	return unary(r, ctx, &dsecv1.GetImageRequest{Name: name}, r.img.GetImage)
-}
-
-func (r *remote) DeleteImage(ctx context.Context, name string) error {
-	_, err := unary(r, ctx, &dsecv1.DeleteImageRequest{Name: name}, r.img.DeleteImage)
+func (r *remote) RemoveImage(ctx context.Context, name string) error {
+	_, err := r.img.DeleteImage(ctx, connect.NewRequest(&dsecv1.DeleteImageRequest{Name: name}))
 	return err
 }
 
 // importImage relays an import's progress; its last message carries the
 // image.
-func importImage[Req any](r *remote, ctx context.Context, req *Req, f func(context.Context, *connect.Request[Req]) (*connect.ServerStreamForClient[dsecv1.ImageProgress], error), progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+func importImage(r *remote, st *connect.ServerStreamForClient[dsecv1.ImageProgress], err error, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
 	var img *dsecv1.Image
-	err := serverStream(r, ctx, req, f, func(p *dsecv1.ImageProgress) error {
+	err = relay(st, err, func(p *dsecv1.ImageProgress) error {
 		if p.GetImage() != nil {
 			img = p.GetImage()
-			return nil
-		}
-		if progress != nil {
+		} else if progress != nil {
 			progress(p)
 		}
 		return nil
@@ -530,42 +466,30 @@ func importImage[Req any](r *remote, ctx context.Context, req *Req, f func(conte
 		return nil, err
 	}
 	if img == nil {
-		return nil, errdefs.Unavailable("node %s ended the import without an image", r.name)
+		return nil, errwire.ToConnect(errdefs.Unavailable("node %s ended the import without an image", r.name))
 	}
 	return img, nil
 }
 
-func (r *remote) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
-	return importImage(r, ctx, req, r.img.PullImage, progress)
+func (r *remote) Pull(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	st, err := r.img.PullImage(ctx, connect.NewRequest(req))
+	return importImage(r, st, err, progress)
 }
 
-func (r *remote) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
-	return importImage(r, ctx, req, r.img.BootstrapImage, progress)
+func (r *remote) Bootstrap(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	st, err := r.img.BootstrapImage(ctx, connect.NewRequest(req))
+	return importImage(r, st, err, progress)
 }
 
-func (r *remote) UploadImage(ctx context.Context, hdr *dsecv1.UploadImageHeader, body io.Reader) (*dsecv1.Image, error) {
-	cctx, done := r.begin(ctx)
-	defer done()
-	stream := r.img.UploadImage(cctx)
-	err := stream.Send(&dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Header{Header: hdr}})
-	buf := make([]byte, chunk)
-	for err == nil {
-		n, rerr := body.Read(buf)
-		if n > 0 {
-			err = stream.Send(&dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Data{Data: buf[:n]}})
-		}
-		if rerr == io.EOF {
-			break
-		}
-		if rerr != nil {
-			done()
-			stream.CloseAndReceive()
-			return nil, errdefs.Invalid("read upload: %v", rerr)
-		}
-	}
-	resp, cerr := stream.CloseAndReceive()
-	if cerr != nil {
-		return nil, r.fail(cctx, cerr)
+func (r *remote) Upload(ctx context.Context, hdr *dsecv1.UploadImageHeader, body io.Reader) (*dsecv1.Image, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	resp, err := upload(r.img.UploadImage(ctx), &dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Header{Header: hdr}}, body,
+		func(b []byte) *dsecv1.UploadImageRequest {
+			return &dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Data{Data: b}}
+		})
+	if err != nil {
+		return nil, err
 	}
 	return resp.Msg, nil
 }

@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"connectrpc.com/connect"
 	"context"
 	"errors"
 	"fmt"
@@ -563,7 +564,7 @@ func (r *Router) confirm(ctx context.Context, project, ck string, cl *claim, rev
 		}
 		if want := cur.Nodes[it.i]; want != "" && want != res.Sandbox.Node {
 			if rn, err := r.node(res.Sandbox.Node, "duplicate"); err == nil {
-				if err := rn.Delete(ctx, res.Sandbox.Id); err != nil {
+				if _, err := rn.DeleteSandbox(ctx, connect.NewRequest(&dsecv1.DeleteSandboxRequest{Id: res.Sandbox.Id})); err != nil {
 					r.log.Warn("delete duplicate sandbox", slog.String("sandbox_id", res.Sandbox.Id), slog.Any("error", err))
 				}
 			}

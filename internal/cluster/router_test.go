@@ -12,6 +12,7 @@ import (
 
 	nodev1 "github.com/opendsec/dsec/api/dsec/node/v1"
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/cluster"
 	"github.com/opendsec/dsec/internal/cluster/clustertest"
 	"github.com/opendsec/dsec/internal/dsectest"
@@ -270,7 +271,7 @@ func TestRouterPlacesAroundRefusals(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := n.Get(ctx, sb.Id); err != nil {
+		if _, err := apiserver.Do(ctx, n, &dsecv1.GetSandboxRequest{Id: sb.Id}, apiserver.Node.GetSandbox); err != nil {
 			t.Fatalf("get with etcd down: %v", err)
 		}
 	})

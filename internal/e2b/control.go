@@ -332,7 +332,7 @@ func (f *Facade) live(ctx context.Context, id string) (apiserver.Node, *dsecv1.S
 		}
 		return nil, nil, err
 	}
-	sb, err := n.Get(ctx, id)
+	sb, err := apiserver.Do(ctx, n, &dsecv1.GetSandboxRequest{Id: id}, apiserver.Node.GetSandbox)
 	if err != nil {
 		if errdefs.Is(err, errdefs.KindInvalid) {
 			return nil, nil, errdefs.NotFound("sandbox %s not found", clip(id))
@@ -361,7 +361,7 @@ func (f *Facade) kill(w http.ResponseWriter, r *http.Request, _ string) {
 		apiError(w, err)
 		return
 	}
-	if err := n.Delete(r.Context(), id); err != nil {
+	if _, err := apiserver.Do(r.Context(), n, &dsecv1.DeleteSandboxRequest{Id: id}, apiserver.Node.DeleteSandbox); err != nil {
 		apiError(w, err)
 		return
 	}
@@ -406,7 +406,7 @@ func (f *Facade) extend(w http.ResponseWriter, r *http.Request, timeout int64) {
 		apiError(w, err)
 		return
 	}
-	if _, err := n.Keepalive(r.Context(), &dsecv1.KeepaliveRequest{Id: id, ExtendTtlS: timeout}); err != nil {
+	if _, err := apiserver.Do(r.Context(), n, &dsecv1.KeepaliveRequest{Id: id, ExtendTtlS: timeout}, apiserver.Node.Keepalive); err != nil {
 		apiError(w, err)
 		return
 	}
@@ -424,7 +424,7 @@ func (f *Facade) pause(w http.ResponseWriter, r *http.Request, _ string) {
 		apiError(w, errdefs.Conflict("sandbox %s is already paused", id))
 		return
 	}
-	if _, err := n.Pause(r.Context(), id); err != nil {
+	if _, err := apiserver.Do(r.Context(), n, &dsecv1.PauseSandboxRequest{Id: id}, apiserver.Node.PauseSandbox); err != nil {
 		apiError(w, err)
 		return
 	}
@@ -471,7 +471,7 @@ func (f *Facade) wake(w http.ResponseWriter, r *http.Request, timeout *int64, pa
 	}
 	status := http.StatusOK
 	if sb.State == "paused" {
-		if sb, err = n.Resume(ctx, id); err != nil {
+		if sb, err = apiserver.Do(ctx, n, &dsecv1.ResumeSandboxRequest{Id: id}, apiserver.Node.ResumeSandbox); err != nil {
 			apiError(w, err)
 			return
 		}
@@ -481,7 +481,7 @@ func (f *Facade) wake(w http.ResponseWriter, r *http.Request, timeout *int64, pa
 		return
 	}
 	if timeout != nil && *timeout > 0 && (*timeout > maxTimeoutS || time.Now().Add(time.Duration(*timeout)*time.Second).After(sb.GetExpiresAt().AsTime())) {
-		if sb, err = n.Keepalive(ctx, &dsecv1.KeepaliveRequest{Id: id, ExtendTtlS: *timeout}); err != nil {
+		if sb, err = apiserver.Do(ctx, n, &dsecv1.KeepaliveRequest{Id: id, ExtendTtlS: *timeout}, apiserver.Node.Keepalive); err != nil {
 			apiError(w, err)
 			return
 		}
@@ -523,7 +523,7 @@ func (f *Facade) metrics(w http.ResponseWriter, r *http.Request, _ string) {
 			}
 		}
 	}
-	a, err := n.Stats(ctx, id)
+	a, err := apiserver.Do(ctx, n, &dsecv1.GetSandboxStatsRequest{Id: id}, apiserver.Node.GetSandboxStats)
 	if err != nil {
 		apiError(w, err)
 		return
@@ -533,7 +533,7 @@ func (f *Facade) metrics(w http.ResponseWriter, r *http.Request, _ string) {
 	case <-ctx.Done():
 		return
 	}
-	b, err := n.Stats(ctx, id)
+	b, err := apiserver.Do(ctx, n, &dsecv1.GetSandboxStatsRequest{Id: id}, apiserver.Node.GetSandboxStats)
 	if err != nil {
 		apiError(w, err)
 		return
@@ -577,7 +577,7 @@ func (f *Facade) fork(w http.ResponseWriter, r *http.Request, _ string) {
 		apiError(w, err)
 		return
 	}
-	resp, err := n.Fork(ctx, &dsecv1.ForkRequest{SandboxId: id, Count: in.Count})
+	resp, err := apiserver.Do(ctx, n, &dsecv1.ForkRequest{SandboxId: id, Count: in.Count}, apiserver.Node.Fork)
 	if err != nil {
 		apiError(w, err)
 		return
@@ -595,7 +595,7 @@ func (f *Facade) fork(w http.ResponseWriter, r *http.Request, _ string) {
 		}
 		sb := res.GetSandbox()
 		if in.Timeout != nil && *in.Timeout > 0 {
-			if kept, err := n.Keepalive(ctx, &dsecv1.KeepaliveRequest{Id: sb.Id, ExtendTtlS: *in.Timeout}); err == nil {
+			if kept, err := apiserver.Do(ctx, n, &dsecv1.KeepaliveRequest{Id: sb.Id, ExtendTtlS: *in.Timeout}, apiserver.Node.Keepalive); err == nil {
 				sb = kept
 			} else {
 				out[i].Error = &errorBody{Code: errwire.HTTPStatus(err), Message: errdefs.Classify(err).Msg}
@@ -722,7 +722,7 @@ func (f *Facade) sandboxes(ctx context.Context, lq *listQuery) ([]*dsecv1.Sandbo
 	for _, n := range f.r.Nodes(ctx) {
 		token := ""
 		for {
-			resp, err := n.List(ctx, &dsecv1.ListSandboxesRequest{LabelSelector: strings.Join(sel, ","), PageSize: 10000, PageToken: token})
+			resp, err := apiserver.Do(ctx, n, &dsecv1.ListSandboxesRequest{LabelSelector: strings.Join(sel, ","), PageSize: 10000, PageToken: token}, apiserver.Node.ListSandboxes)
 			if err != nil {
 				return nil, err
 			}

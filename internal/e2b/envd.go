@@ -205,7 +205,7 @@ func (p *processService) Start(ctx context.Context, req *connect.Request[process
 	if d, ok := ctx.Deadline(); ok {
 		xr.TimeoutS = min(max(time.Until(d).Seconds(), 0.001), maxExecTimeoutS)
 	}
-	err = n.ExecStream(ctx, xr, func(ev *dsecv1.ExecEvent) error {
+	err = n.ExecEvents(ctx, xr, func(ev *dsecv1.ExecEvent) error {
 		out, err := processEvent(ev, xr.Pty)
 		if err != nil || out == nil {
 			return err
@@ -277,7 +277,7 @@ func (f *Facade) selected(ctx context.Context, n apiserver.Node, id string, sel 
 	default:
 		return nil, errdefs.Invalid("a process selector (pid or tag) is required")
 	}
-	list, err := n.ListProcesses(ctx, &dsecv1.ListProcessesRequest{SandboxId: id})
+	list, err := apiserver.Do(ctx, n, &dsecv1.ListProcessesRequest{SandboxId: id}, apiserver.Node.ListProcesses)
 	if err != nil {
 		return nil, err
 	}
@@ -315,7 +315,7 @@ func (p *processService) Connect(ctx context.Context, req *connect.Request[proce
 	if err != nil {
 		return p.f.rpcErr(ctx, id, err)
 	}
-	err = n.ConnectProcess(ctx, &dsecv1.ConnectProcessRequest{SandboxId: id, ProcessId: proc.ProcessId, LiveOnly: true}, func(ev *dsecv1.ExecEvent) error {
+	err = n.ProcessEvents(ctx, &dsecv1.ConnectProcessRequest{SandboxId: id, ProcessId: proc.ProcessId, LiveOnly: true}, func(ev *dsecv1.ExecEvent) error {
 		out, err := processEvent(ev, proc.Pty)
 		if err != nil || out == nil {
 			return err
@@ -330,7 +330,7 @@ func (p *processService) List(ctx context.Context, req *connect.Request[process.
 	if err != nil {
 		return nil, err
 	}
-	list, err := n.ListProcesses(ctx, &dsecv1.ListProcessesRequest{SandboxId: id})
+	list, err := apiserver.Do(ctx, n, &dsecv1.ListProcessesRequest{SandboxId: id}, apiserver.Node.ListProcesses)
 	if err != nil {
 		return nil, p.f.rpcErr(ctx, id, err)
 	}
@@ -361,7 +361,8 @@ func (p *processService) input(ctx context.Context, sel *process.ProcessSelector
 		return err
 	}
 	err = p.f.onProcess(ctx, n, id, sel, func(proc *dsecv1.ProcessInfo) error {
-		return n.WriteStdin(ctx, &dsecv1.WriteStdinRequest{SandboxId: id, ProcessId: proc.ProcessId, Data: data, Close: eof})
+		_, err := apiserver.Do(ctx, n, &dsecv1.WriteStdinRequest{SandboxId: id, ProcessId: proc.ProcessId, Data: data, Close: eof}, apiserver.Node.WriteStdin)
+		return err
 	})
 	return p.f.rpcErr(ctx, id, err)
 }
@@ -423,7 +424,8 @@ func (p *processService) SendSignal(ctx context.Context, req *connect.Request[pr
 		return nil, errwire.ToConnect(errdefs.Invalid("signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM"))
 	}
 	err = p.f.onProcess(ctx, n, id, req.Msg.GetProcess(), func(proc *dsecv1.ProcessInfo) error {
-		return n.SignalProcess(ctx, &dsecv1.SignalProcessRequest{SandboxId: id, ProcessId: proc.ProcessId, Signal: sig})
+		_, err := apiserver.Do(ctx, n, &dsecv1.SignalProcessRequest{SandboxId: id, ProcessId: proc.ProcessId, Signal: sig}, apiserver.Node.SignalProcess)
+		return err
 	})
 	if err != nil {
 		return nil, p.f.rpcErr(ctx, id, err)
@@ -441,7 +443,8 @@ func (p *processService) Update(ctx context.Context, req *connect.Request[proces
 		return connect.NewResponse(&process.UpdateResponse{}), nil
 	}
 	err = p.f.onProcess(ctx, n, id, req.Msg.GetProcess(), func(proc *dsecv1.ProcessInfo) error {
-		return n.ResizePTY(ctx, &dsecv1.ResizePTYRequest{SandboxId: id, ProcessId: proc.ProcessId, Rows: size.GetRows(), Cols: size.GetCols()})
+		_, err := apiserver.Do(ctx, n, &dsecv1.ResizePTYRequest{SandboxId: id, ProcessId: proc.ProcessId, Rows: size.GetRows(), Cols: size.GetCols()}, apiserver.Node.ResizePTY)
+		return err
 	})
 	if err != nil {
 		return nil, p.f.rpcErr(ctx, id, err)
@@ -493,7 +496,7 @@ func (s *filesystemService) Stat(ctx context.Context, req *connect.Request[files
 	if err != nil {
 		return nil, err
 	}
-	info, err := n.Stat(ctx, &dsecv1.StatRequest{SandboxId: id, Path: req.Msg.GetPath(), User: userOf(ctx)})
+	info, err := apiserver.Do(ctx, n, &dsecv1.StatRequest{SandboxId: id, Path: req.Msg.GetPath(), User: userOf(ctx)}, apiserver.Node.Stat)
 	if err != nil {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
@@ -507,7 +510,7 @@ func (s *filesystemService) MakeDir(ctx context.Context, req *connect.Request[fi
 	if err != nil {
 		return nil, err
 	}
-	if info, err := n.Stat(ctx, &dsecv1.StatRequest{SandboxId: id, Path: req.Msg.GetPath(), User: userOf(ctx)}); err == nil {
+	if info, err := apiserver.Do(ctx, n, &dsecv1.StatRequest{SandboxId: id, Path: req.Msg.GetPath(), User: userOf(ctx)}, apiserver.Node.Stat); err == nil {
 		if info.Type == "dir" {
 			return nil, errwire.ToConnect(errdefs.Conflict("directory %s already exists", clip(info.Path)))
 		}
@@ -515,7 +518,7 @@ func (s *filesystemService) MakeDir(ctx context.Context, req *connect.Request[fi
 	} else if !errdefs.Is(err, errdefs.KindNotFound) {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
-	info, err := n.MakeDir(ctx, &dsecv1.MakeDirRequest{SandboxId: id, Path: req.Msg.GetPath(), User: userOf(ctx)})
+	info, err := apiserver.Do(ctx, n, &dsecv1.MakeDirRequest{SandboxId: id, Path: req.Msg.GetPath(), User: userOf(ctx)}, apiserver.Node.MakeDir)
 	if err != nil {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
@@ -530,13 +533,13 @@ func (s *filesystemService) Move(ctx context.Context, req *connect.Request[files
 	}
 	dst := req.Msg.GetDestination()
 	if parent := path.Dir(dst); path.IsAbs(dst) && parent != "/" {
-		if _, err := n.Stat(ctx, &dsecv1.StatRequest{SandboxId: id, Path: parent, User: userOf(ctx)}); errdefs.Is(err, errdefs.KindNotFound) {
-			if _, err := n.MakeDir(ctx, &dsecv1.MakeDirRequest{SandboxId: id, Path: parent, User: userOf(ctx)}); err != nil {
+		if _, err := apiserver.Do(ctx, n, &dsecv1.StatRequest{SandboxId: id, Path: parent, User: userOf(ctx)}, apiserver.Node.Stat); errdefs.Is(err, errdefs.KindNotFound) {
+			if _, err := apiserver.Do(ctx, n, &dsecv1.MakeDirRequest{SandboxId: id, Path: parent, User: userOf(ctx)}, apiserver.Node.MakeDir); err != nil {
 				return nil, s.f.rpcErr(ctx, id, err)
 			}
 		}
 	}
-	info, err := n.Rename(ctx, &dsecv1.RenameRequest{SandboxId: id, From: req.Msg.GetSource(), To: dst, User: userOf(ctx)})
+	info, err := apiserver.Do(ctx, n, &dsecv1.RenameRequest{SandboxId: id, From: req.Msg.GetSource(), To: dst, User: userOf(ctx)}, apiserver.Node.Rename)
 	if err != nil {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
@@ -555,7 +558,7 @@ func (s *filesystemService) ListDir(ctx context.Context, req *connect.Request[fi
 	if depth > 64 {
 		return nil, errwire.ToConnect(errdefs.Invalid("depth must be between 1 and 64"))
 	}
-	list, err := n.ListDir(ctx, &dsecv1.ListDirRequest{SandboxId: id, Path: req.Msg.GetPath(), Depth: int32(depth), User: userOf(ctx)})
+	list, err := apiserver.Do(ctx, n, &dsecv1.ListDirRequest{SandboxId: id, Path: req.Msg.GetPath(), Depth: int32(depth), User: userOf(ctx)}, apiserver.Node.ListDir)
 	if err != nil {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
@@ -572,7 +575,7 @@ func (s *filesystemService) Remove(ctx context.Context, req *connect.Request[fil
 	if err != nil {
 		return nil, err
 	}
-	if err := n.Remove(ctx, &dsecv1.RemoveRequest{SandboxId: id, Path: req.Msg.GetPath(), Recursive: true, User: userOf(ctx)}); err != nil {
+	if _, err := apiserver.Do(ctx, n, &dsecv1.RemoveRequest{SandboxId: id, Path: req.Msg.GetPath(), Recursive: true, User: userOf(ctx)}, apiserver.Node.Remove); err != nil {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
 	return connect.NewResponse(&filesystem.RemoveResponse{}), nil
@@ -596,7 +599,7 @@ func (s *filesystemService) WatchDir(ctx context.Context, req *connect.Request[f
 	if req.Msg.GetIncludeEntry() {
 		return errwire.ToConnect(errdefs.Unimplemented("includeEntry needs envd 0.6.3; this server reports %s", EnvdVersion))
 	}
-	err = n.WatchDir(ctx, &dsecv1.WatchDirRequest{SandboxId: id, Path: req.Msg.GetPath(), Recursive: req.Msg.GetRecursive(), User: userOf(ctx)}, func(ev *dsecv1.WatchDirEvent) error {
+	err = n.WatchEvents(ctx, &dsecv1.WatchDirRequest{SandboxId: id, Path: req.Msg.GetPath(), Recursive: req.Msg.GetRecursive(), User: userOf(ctx)}, func(ev *dsecv1.WatchDirEvent) error {
 		var out *filesystem.WatchDirResponse
 		switch e := ev.Event.(type) {
 		case *dsecv1.WatchDirEvent_Started:

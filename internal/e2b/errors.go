@@ -8,6 +8,8 @@ import (
 
 	"connectrpc.com/connect"
 
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/errwire"
 )
@@ -54,6 +56,9 @@ func notRunning(id string) error {
 // longer runs becomes notRunning; anything else is returned as is (a
 // missing file stays not found).
 func (f *Facade) sandboxErr(ctx context.Context, id string, err error) error {
+	if errwire.Classified(err) {
+		err = errwire.FromConnect(err) // a node's answer
+	}
 	switch errdefs.KindOf(err) {
 	case errdefs.KindNotFound, errdefs.KindGone, errdefs.KindUnavailable, errdefs.KindInvalid:
 	default:
@@ -71,7 +76,7 @@ func (f *Facade) running(ctx context.Context, id string) bool {
 	if err != nil {
 		return false
 	}
-	sb, err := n.Get(context.WithoutCancel(ctx), id)
+	sb, err := apiserver.Do(context.WithoutCancel(ctx), n, &dsecv1.GetSandboxRequest{Id: id}, apiserver.Node.GetSandbox)
 	return err == nil && (sb.GetState() == "running" || sb.GetState() == "paused")
 }
 
@@ -80,8 +85,8 @@ func (f *Facade) rpcErr(ctx context.Context, id string, err error) error {
 	if err == nil {
 		return nil
 	}
-	if _, ok := err.(*connect.Error); ok {
-		return err
+	if _, ok := err.(*connect.Error); ok && !errwire.Classified(err) {
+		return err // the facade's own
 	}
 	return errwire.ToConnect(f.sandboxErr(ctx, id, err))
 }

@@ -15,6 +15,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 )
 
 // envd's plain HTTP endpoints: GET /health, GET and POST /files.
@@ -118,7 +119,7 @@ func (f *Facade) download(w http.ResponseWriter, r *http.Request, n apiserver.No
 		return
 	}
 	started := false
-	err := n.ReadFile(r.Context(), &dsecv1.ReadFileRequest{SandboxId: id, Path: p, User: r.URL.Query().Get("username")}, func(m *dsecv1.ReadFileResponse) error {
+	err := n.ReadFileChunks(r.Context(), &dsecv1.ReadFileRequest{SandboxId: id, Path: p, User: r.URL.Query().Get("username")}, func(m *dsecv1.ReadFileResponse) error {
 		if info := m.GetInfo(); info != nil {
 			h := w.Header()
 			h.Set("Content-Type", "application/octet-stream")
@@ -155,10 +156,11 @@ func (f *Facade) upload(w http.ResponseWriter, r *http.Request, n apiserver.Node
 		if p == "" {
 			return nil, errdefs.Invalid("no target path: give ?path= or the part's file name")
 		}
-		info, err := n.WriteFile(ctx, &dsecv1.WriteFileHeader{SandboxId: id, Path: p, User: user}, body)
+		resp, err := n.WriteFileFrom(ctx, &dsecv1.WriteFileHeader{SandboxId: id, Path: p, User: user}, body)
 		if err != nil {
-			return nil, f.sandboxErr(ctx, id, err)
+			return nil, f.sandboxErr(ctx, id, errwire.FromConnect(err))
 		}
+		info := resp.Msg
 		return &writtenJSON{Name: path.Base(info.Path), Type: "file", Path: info.Path}, nil
 	}
 	var out []writtenJSON

@@ -122,7 +122,7 @@ func (f *Facade) kernelExchange(ctx context.Context, n apiserver.Node, id string
 	var stderr bytes.Buffer
 	var procID string
 	headerDone, exited := false, false
-	err := n.ExecStream(ctx, &dsecv1.ExecRequest{
+	err := n.ExecEvents(ctx, &dsecv1.ExecRequest{
 		SandboxId: id, Argv: []string{"/bin/bash", "-c", kernelClient}, Stdin: line, Tag: kernelTag,
 		TimeoutS: maxExecTimeoutS, MaxOutputBytes: maxOutputBytes,
 	}, func(ev *dsecv1.ExecEvent) error {
@@ -170,7 +170,7 @@ func (f *Facade) kernelExchange(ctx context.Context, n apiserver.Node, id string
 		// The caller went away: end the client, which interrupts the
 		// execution it was waiting for.
 		kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-		n.SignalProcess(kctx, &dsecv1.SignalProcessRequest{SandboxId: id, ProcessId: procID, Signal: "KILL"})
+		apiserver.Do(kctx, n, &dsecv1.SignalProcessRequest{SandboxId: id, ProcessId: procID, Signal: "KILL"}, apiserver.Node.SignalProcess)
 		cancel()
 	}
 	return err
@@ -178,10 +178,10 @@ func (f *Facade) kernelExchange(ctx context.Context, n apiserver.Node, id string
 
 // startKernel starts the sandbox's kernel and returns once it listens.
 func (f *Facade) startKernel(ctx context.Context, n apiserver.Node, id string) error {
-	res, err := n.Exec(ctx, &dsecv1.ExecRequest{
+	res, err := apiserver.Do(ctx, n, &dsecv1.ExecRequest{
 		SandboxId: id, Argv: []string{"python3", "-c", kernelBoot, kernelSource, "manager", strconv.Itoa(InterpreterPort)},
 		TimeoutS: 60, Tag: kernelTag,
-	})
+	}, apiserver.Node.Exec)
 	if err != nil {
 		return err
 	}

@@ -88,6 +88,23 @@ func ToConnect(err error) error {
 	return out
 }
 
+// Classified reports whether err is a Connect error that carries dsec's
+// classification (an ErrorInfo detail): a node's or a server's answer.
+func Classified(err error) bool {
+	var ce *connect.Error
+	if !errors.As(err, &ce) {
+		return false
+	}
+	for _, d := range ce.Details() {
+		if v, derr := d.Value(); derr == nil {
+			if _, ok := v.(*dsecv1.ErrorInfo); ok {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // FromConnect converts an error returned by a connect client back into a
 // classified error, so a node's answer keeps its class across the apiserver.
 func FromConnect(err error) error {

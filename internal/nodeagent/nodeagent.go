@@ -9,7 +9,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -23,6 +22,7 @@ import (
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/cluster"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 	"github.com/opendsec/dsec/internal/node"
 )
 
@@ -52,7 +52,8 @@ type Agent struct {
 	log         *slog.Logger
 }
 
-// New returns the agent of n, a member of the cluster in store.
+// New returns the agent of n, a member of the cluster in store. It does
+// not fail; the error is for callers that assemble it with others.
 func New(cfg Config, n *node.Node, store *cluster.Store, log *slog.Logger) (*Agent, error) {
 	var b [8]byte
 	rand.Read(b[:])
@@ -60,11 +61,7 @@ func New(cfg Config, n *node.Node, store *cluster.Store, log *slog.Logger) (*Age
 	a.member = store.NewMember(cluster.MemberConfig{
 		Name: n.Name(), Address: cfg.Address, Labels: cfg.Labels, TTL: cfg.TTL, Interval: cfg.Interval,
 	}, log)
-	api, err := apiserver.New(apiserver.Config{ClusterToken: cfg.Token, Version: cfg.Version}, log, apiserver.Single{N: agentNode{n, a}}, nil)
-	if err != nil {
-		return nil, err
-	}
-	a.api = api
+	a.api = apiserver.NewNodeAPI(cfg.Token, log, agentService{n.Service(), a})
 	a.api.HandleConnect(nodev1connect.NewNodeServiceHandler(a, apiserver.ConnectOptions()...))
 	return a, nil
 }
@@ -120,59 +117,56 @@ func (a *Agent) GetLoad(ctx context.Context, req *connect.Request[nodev1.GetLoad
 	return connect.NewResponse(l), nil
 }
 
-// agentNode is the node as its own API serves it: new sandboxes are
-// refused while it drains.
-type agentNode struct {
-	*node.Node
+// agentService is the node's API as a cluster member serves it: new
+// sandboxes are refused while the node drains, its info says where and in
+// what state it is, and image operations answer once the node's load in
+// etcd shows their result (the control plane then makes every replica's
+// view include it before it answers its caller): a create right after an
+// import finds the image.
+type agentService struct {
+	*node.Service
 	a *Agent
 }
 
-func (n agentNode) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*dsecv1.Sandbox, error) {
-	if err := n.a.draining(); err != nil {
-		return nil, err
+var _ apiserver.NodeHandlers = agentService{}
+
+func (s agentService) CreateSandbox(ctx context.Context, req *connect.Request[dsecv1.CreateSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error) {
+	if err := s.a.draining(); err != nil {
+		return nil, errwire.ToConnect(err)
 	}
-	return n.Node.Create(ctx, req)
+	return s.Service.CreateSandbox(ctx, req)
 }
 
-func (n agentNode) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys []string, project string) *dsecv1.CreateSandboxesResponse {
-	if err := n.a.draining(); err != nil {
-		out := &dsecv1.CreateSandboxesResponse{Failed: int32(len(specs))}
-		for i := range specs {
-			out.Results = append(out.Results, &dsecv1.CreateResult{Index: int32(i), Error: node.ItemError(err)})
-		}
-		return out
+func (s agentService) CreateSandboxes(ctx context.Context, req *connect.Request[dsecv1.CreateSandboxesRequest]) (*connect.Response[dsecv1.CreateSandboxesResponse], error) {
+	if err := s.a.draining(); err != nil {
+		return nil, errwire.ToConnect(err)
 	}
-	return n.Node.CreateMany(ctx, specs, keys, project)
+	return s.Service.CreateSandboxes(ctx, req)
 }
 
-func (n agentNode) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.CreateSandboxesResponse, error) {
-	if err := n.a.draining(); err != nil {
-		return nil, err
+func (s agentService) Fork(ctx context.Context, req *connect.Request[dsecv1.ForkRequest]) (*connect.Response[dsecv1.CreateSandboxesResponse], error) {
+	if err := s.a.draining(); err != nil {
+		return nil, errwire.ToConnect(err)
 	}
-	return n.Node.Fork(ctx, req)
+	return s.Service.Fork(ctx, req)
 }
 
-// Image operations answer once the node's load in etcd shows their result
-// (the control plane then makes every replica's view include it before it
-// answers its caller): a create right after an import finds the image.
-
-func (n agentNode) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
-	img, err := n.Node.PullImage(ctx, req, progress)
-	return img, n.a.published(ctx, err)
+func (s agentService) PullImage(ctx context.Context, req *connect.Request[dsecv1.PullImageRequest], st *connect.ServerStream[dsecv1.ImageProgress]) error {
+	return s.a.published(ctx, s.Service.PullImage(ctx, req, st))
 }
 
-func (n agentNode) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
-	img, err := n.Node.BootstrapImage(ctx, req, progress)
-	return img, n.a.published(ctx, err)
+func (s agentService) BootstrapImage(ctx context.Context, req *connect.Request[dsecv1.BootstrapImageRequest], st *connect.ServerStream[dsecv1.ImageProgress]) error {
+	return s.a.published(ctx, s.Service.BootstrapImage(ctx, req, st))
 }
 
-func (n agentNode) UploadImage(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader) (*dsecv1.Image, error) {
-	img, err := n.Node.UploadImage(ctx, hdr, r)
-	return img, n.a.published(ctx, err)
+func (s agentService) UploadImage(ctx context.Context, st *connect.ClientStream[dsecv1.UploadImageRequest]) (*connect.Response[dsecv1.Image], error) {
+	resp, err := s.Service.UploadImage(ctx, st)
+	return resp, s.a.published(ctx, err)
 }
 
-func (n agentNode) DeleteImage(ctx context.Context, name string) error {
-	return n.a.published(ctx, n.Node.DeleteImage(ctx, name))
+func (s agentService) DeleteImage(ctx context.Context, req *connect.Request[dsecv1.DeleteImageRequest]) (*connect.Response[dsecv1.DeleteImageResponse], error) {
+	resp, err := s.Service.DeleteImage(ctx, req)
+	return resp, s.a.published(ctx, err)
 }
 
 // published publishes the node's load after an operation that succeeded
@@ -191,11 +185,16 @@ func (a *Agent) published(ctx context.Context, err error) error {
 	return nil
 }
 
-func (n agentNode) Info(ctx context.Context) *dsecv1.NodeInfo {
-	info := n.Node.Info(ctx)
-	info.Address = n.a.cfg.Address
-	if n.a.member.Draining() {
-		info.State = "draining"
+func (s agentService) GetInfo(ctx context.Context, req *connect.Request[dsecv1.GetInfoRequest]) (*connect.Response[dsecv1.Info], error) {
+	resp, err := s.Service.GetInfo(ctx, req)
+	if err != nil {
+		return nil, err
 	}
-	return info
+	for _, info := range resp.Msg.Nodes {
+		info.Address = s.a.cfg.Address
+		if s.a.member.Draining() {
+			info.State = "draining"
+		}
+	}
+	return resp, nil
 }

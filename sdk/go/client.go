@@ -30,12 +30,25 @@ const DefaultURL = "http://127.0.0.1:7070"
 
 // Client talks to a dsec server. It is safe for concurrent use.
 type Client struct {
-	url       string
-	key       string
-	http      *http.Client
-	sandboxes dsecv1connect.SandboxServiceClient
-	images    dsecv1connect.ImageServiceClient
-	system    dsecv1connect.SystemServiceClient
+	url  string
+	key  string
+	http *http.Client
+	raw  Raw
+}
+
+// Raw holds the generated Connect clients of every service, for calls the
+// SDK does not wrap; their methods are named as in the proto.
+type Raw struct {
+	dsecv1connect.LifecycleServiceClient
+	dsecv1connect.ProcessServiceClient
+	dsecv1connect.FilesystemServiceClient
+	dsecv1connect.SnapshotServiceClient
+	dsecv1connect.LogServiceClient
+	dsecv1connect.ScreenServiceClient
+	Images   dsecv1connect.ImageServiceClient
+	System   dsecv1connect.SystemServiceClient
+	Sessions dsecv1connect.SessionServiceClient
+	Function dsecv1connect.FunctionServiceClient
 }
 
 // Option configures a Client.
@@ -70,9 +83,19 @@ func New(url string, opts ...Option) *Client {
 	// An exec result holds up to two streams at the largest output cap a
 	// node allows (64 MiB each by default).
 	copts := []connect.ClientOption{connect.WithInterceptors(keyInterceptor(c.key)), connect.WithReadMaxBytes(129 << 20)}
-	c.sandboxes = dsecv1connect.NewSandboxServiceClient(c.http, c.url, copts...)
-	c.images = dsecv1connect.NewImageServiceClient(c.http, c.url, copts...)
-	c.system = dsecv1connect.NewSystemServiceClient(c.http, c.url, copts...)
+	c.raw = Raw{
+		LifecycleServiceClient:  dsecv1connect.NewLifecycleServiceClient(c.http, c.url, copts...),
+		ProcessServiceClient:    dsecv1connect.NewProcessServiceClient(c.http, c.url, copts...),
+		FilesystemServiceClient: dsecv1connect.NewFilesystemServiceClient(c.http, c.url, copts...),
+		SnapshotServiceClient:   dsecv1connect.NewSnapshotServiceClient(c.http, c.url, copts...),
+		LogServiceClient:        dsecv1connect.NewLogServiceClient(c.http, c.url, copts...),
+		ScreenServiceClient:     dsecv1connect.NewScreenServiceClient(c.http, c.url, copts...),
+		Images:                  dsecv1connect.NewImageServiceClient(c.http, c.url, copts...),
+		System:                  dsecv1connect.NewSystemServiceClient(c.http, c.url, copts...),
+		Sessions:                dsecv1connect.NewSessionServiceClient(c.http, c.url, copts...),
+		// A batch of function calls answers up to 256 MiB.
+		Function: dsecv1connect.NewFunctionServiceClient(c.http, c.url, connect.WithInterceptors(keyInterceptor(c.key)), connect.WithReadMaxBytes(256<<20)),
+	}
 	return c
 }
 
@@ -85,9 +108,7 @@ func FromEnv(opts ...Option) *Client {
 func (c *Client) URL() string { return c.url }
 
 // Raw returns the generated Connect clients, for calls the SDK does not wrap.
-func (c *Client) Raw() (dsecv1connect.SandboxServiceClient, dsecv1connect.ImageServiceClient, dsecv1connect.SystemServiceClient) {
-	return c.sandboxes, c.images, c.system
-}
+func (c *Client) Raw() Raw { return c.raw }
 
 func keyInterceptor(key string) connect.Interceptor {
 	return &keyer{key: key}
@@ -200,7 +221,7 @@ func kindOf(err error) string {
 
 // Info describes the deployment.
 func (c *Client) Info(ctx context.Context) (*dsecv1.Info, error) {
-	r, err := c.system.GetInfo(ctx, connect.NewRequest(&dsecv1.GetInfoRequest{}))
+	r, err := c.raw.System.GetInfo(ctx, connect.NewRequest(&dsecv1.GetInfoRequest{}))
 	if err != nil {
 		return nil, err
 	}

@@ -9,9 +9,7 @@ import (
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 )
 
-func (c *Client) functions() dsecv1connect.FunctionServiceClient {
-	return dsecv1connect.NewFunctionServiceClient(c.http, c.url, connect.WithInterceptors(keyInterceptor(c.key)), connect.WithReadMaxBytes(256<<20))
-}
+func (c *Client) functions() dsecv1connect.FunctionServiceClient { return c.raw.Function }
 
 // RunCode runs a program as a function call (see dsecv1.RunCodeRequest).
 func (c *Client) RunCode(ctx context.Context, req *dsecv1.RunCodeRequest) (*dsecv1.RunCodeResult, error) {

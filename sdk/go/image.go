@@ -12,7 +12,7 @@ import (
 
 // ListImages lists the images the deployment can start sandboxes from.
 func (c *Client) ListImages(ctx context.Context) ([]*dsecv1.Image, error) {
-	r, err := c.images.ListImages(ctx, connect.NewRequest(&dsecv1.ListImagesRequest{}))
+	r, err := c.raw.Images.ListImages(ctx, connect.NewRequest(&dsecv1.ListImagesRequest{}))
 	if err != nil {
 		return nil, err
 	}
@@ -21,7 +21,7 @@ func (c *Client) ListImages(ctx context.Context) ([]*dsecv1.Image, error) {
 
 // DeleteImage removes an image.
 func (c *Client) DeleteImage(ctx context.Context, name string) error {
-	_, err := c.images.DeleteImage(ctx, connect.NewRequest(&dsecv1.DeleteImageRequest{Name: name}))
+	_, err := c.raw.Images.DeleteImage(ctx, connect.NewRequest(&dsecv1.DeleteImageRequest{Name: name}))
 	return err
 }
 
@@ -49,7 +49,7 @@ func progressStream(st *connect.ServerStreamForClient[dsecv1.ImageProgress], pro
 
 // PullImage imports an image from a registry on every node.
 func (c *Client) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
-	st, err := c.images.PullImage(ctx, connect.NewRequest(req))
+	st, err := c.raw.Images.PullImage(ctx, connect.NewRequest(req))
 	if err != nil {
 		return nil, err
 	}
@@ -59,7 +59,7 @@ func (c *Client) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, pr
 // BootstrapImage builds a base image offline ("busybox" or "debian"; with
 // req.Vm a bootable VM image for kind vm).
 func (c *Client) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
-	st, err := c.images.BootstrapImage(ctx, connect.NewRequest(req))
+	st, err := c.raw.Images.BootstrapImage(ctx, connect.NewRequest(req))
 	if err != nil {
 		return nil, err
 	}
@@ -79,7 +79,7 @@ func (c *Client) UploadVMImage(ctx context.Context, name string, size int64, r i
 }
 
 func (c *Client) upload(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader, sent func(int64)) (*dsecv1.Image, error) {
-	st := c.images.UploadImage(ctx)
+	st := c.raw.Images.UploadImage(ctx)
 	if err := st.Send(&dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Header{Header: hdr}}); err != nil && !errors.Is(err, io.EOF) {
 		return nil, asError(err)
 	}

@@ -9,13 +9,11 @@ import (
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 )
 
-func (c *Client) sessionsClient() dsecv1connect.SessionServiceClient {
-	return dsecv1connect.NewSessionServiceClient(c.http, c.url, connect.WithInterceptors(keyInterceptor(c.key)))
-}
+func (c *Client) sessionsClient() dsecv1connect.SessionServiceClient { return c.raw.Sessions }
 
 // CreateMany creates count sandboxes of one shape and reports each.
 func (c *Client) CreateMany(ctx context.Context, o CreateOptions, count int) (*dsecv1.CreateSandboxesResponse, error) {
-	r, err := c.sandboxes.CreateSandboxes(ctx, connect.NewRequest(&dsecv1.CreateSandboxesRequest{Spec: o.spec(), Count: int32(count), IdempotencyKey: o.IdempotencyKey}))
+	r, err := c.raw.CreateSandboxes(ctx, connect.NewRequest(&dsecv1.CreateSandboxesRequest{Spec: o.spec(), Count: int32(count), IdempotencyKey: o.IdempotencyKey}))
 	if err != nil {
 		return nil, err
 	}
@@ -24,7 +22,7 @@ func (c *Client) CreateMany(ctx context.Context, o CreateOptions, count int) (*d
 
 // Pause freezes a sandbox; any later call resumes it.
 func (c *Client) Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
-	r, err := c.sandboxes.PauseSandbox(ctx, connect.NewRequest(&dsecv1.PauseSandboxRequest{Id: id}))
+	r, err := c.raw.PauseSandbox(ctx, connect.NewRequest(&dsecv1.PauseSandboxRequest{Id: id}))
 	if err != nil {
 		return nil, err
 	}
@@ -33,7 +31,7 @@ func (c *Client) Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error) 
 
 // Resume thaws a paused sandbox.
 func (c *Client) Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
-	r, err := c.sandboxes.ResumeSandbox(ctx, connect.NewRequest(&dsecv1.ResumeSandboxRequest{Id: id}))
+	r, err := c.raw.ResumeSandbox(ctx, connect.NewRequest(&dsecv1.ResumeSandboxRequest{Id: id}))
 	if err != nil {
 		return nil, err
 	}
@@ -48,11 +46,11 @@ func (c *Client) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkRes
 	var err error
 	switch op {
 	case "pause":
-		r, err = c.sandboxes.PauseSandboxes(ctx, req)
+		r, err = c.raw.PauseSandboxes(ctx, req)
 	case "resume":
-		r, err = c.sandboxes.ResumeSandboxes(ctx, req)
+		r, err = c.raw.ResumeSandboxes(ctx, req)
 	default:
-		r, err = c.sandboxes.DeleteSandboxes(ctx, req)
+		r, err = c.raw.DeleteSandboxes(ctx, req)
 	}
 	if err != nil {
 		return nil, err
@@ -62,7 +60,7 @@ func (c *Client) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkRes
 
 // Snapshot captures a sandbox.
 func (c *Client) Snapshot(ctx context.Context, id, name string) (*dsecv1.SnapshotInfo, error) {
-	r, err := c.sandboxes.Snapshot(ctx, connect.NewRequest(&dsecv1.SnapshotRequest{SandboxId: id, Name: name}))
+	r, err := c.raw.Snapshot(ctx, connect.NewRequest(&dsecv1.SnapshotRequest{SandboxId: id, Name: name}))
 	if err != nil {
 		return nil, err
 	}
@@ -71,7 +69,7 @@ func (c *Client) Snapshot(ctx context.Context, id, name string) (*dsecv1.Snapsho
 
 // ListSnapshots lists snapshots.
 func (c *Client) ListSnapshots(ctx context.Context) ([]*dsecv1.SnapshotInfo, error) {
-	r, err := c.sandboxes.ListSnapshots(ctx, connect.NewRequest(&dsecv1.ListSnapshotsRequest{}))
+	r, err := c.raw.ListSnapshots(ctx, connect.NewRequest(&dsecv1.ListSnapshotsRequest{}))
 	if err != nil {
 		return nil, err
 	}
@@ -80,13 +78,13 @@ func (c *Client) ListSnapshots(ctx context.Context) ([]*dsecv1.SnapshotInfo, err
 
 // DeleteSnapshot deletes a snapshot.
 func (c *Client) DeleteSnapshot(ctx context.Context, id string) error {
-	_, err := c.sandboxes.DeleteSnapshot(ctx, connect.NewRequest(&dsecv1.DeleteSnapshotRequest{Id: id}))
+	_, err := c.raw.DeleteSnapshot(ctx, connect.NewRequest(&dsecv1.DeleteSnapshotRequest{Id: id}))
 	return err
 }
 
 // Fork snapshots a sandbox and creates count children from it.
 func (c *Client) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.CreateSandboxesResponse, error) {
-	r, err := c.sandboxes.Fork(ctx, connect.NewRequest(req))
+	r, err := c.raw.Fork(ctx, connect.NewRequest(req))
 	if err != nil {
 		return nil, err
 	}
@@ -97,7 +95,7 @@ func (c *Client) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.Cre
 func (c *Client) Log(ctx context.Context, id string, from uint64) ([]*dsecv1.LogEntry, error) {
 	var out []*dsecv1.LogEntry
 	for {
-		r, err := c.sandboxes.GetLog(ctx, connect.NewRequest(&dsecv1.GetLogRequest{SandboxId: id, FromSeq: from}))
+		r, err := c.raw.GetLog(ctx, connect.NewRequest(&dsecv1.GetLogRequest{SandboxId: id, FromSeq: from}))
 		if err != nil {
 			return nil, err
 		}
@@ -111,7 +109,7 @@ func (c *Client) Log(ctx context.Context, id string, from uint64) ([]*dsecv1.Log
 
 // Replay re-executes a sandbox's logged calls in a fresh sandbox.
 func (c *Client) Replay(ctx context.Context, req *dsecv1.ReplayRequest) (*dsecv1.ReplayResponse, error) {
-	r, err := c.sandboxes.Replay(ctx, connect.NewRequest(req))
+	r, err := c.raw.Replay(ctx, connect.NewRequest(req))
 	if err != nil {
 		return nil, err
 	}
@@ -120,7 +118,7 @@ func (c *Client) Replay(ctx context.Context, req *dsecv1.ReplayRequest) (*dsecv1
 
 // Capacity says how fast to go.
 func (c *Client) Capacity(ctx context.Context) (*dsecv1.Capacity, error) {
-	r, err := c.system.GetCapacity(ctx, connect.NewRequest(&dsecv1.GetCapacityRequest{}))
+	r, err := c.raw.System.GetCapacity(ctx, connect.NewRequest(&dsecv1.GetCapacityRequest{}))
 	if err != nil {
 		return nil, err
 	}

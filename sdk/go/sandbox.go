@@ -57,7 +57,7 @@ type Sandbox struct {
 
 // Create starts a sandbox.
 func (c *Client) Create(ctx context.Context, o CreateOptions) (*Sandbox, error) {
-	r, err := c.sandboxes.CreateSandbox(ctx, connect.NewRequest(&dsecv1.CreateSandboxRequest{Spec: o.spec(), IdempotencyKey: o.IdempotencyKey}))
+	r, err := c.raw.CreateSandbox(ctx, connect.NewRequest(&dsecv1.CreateSandboxRequest{Spec: o.spec(), IdempotencyKey: o.IdempotencyKey}))
 	if err != nil {
 		return nil, err
 	}
@@ -69,7 +69,7 @@ func (c *Client) Sandbox(id string) *Sandbox { return &Sandbox{ID: id, c: c} }
 
 // Get returns a sandbox's status.
 func (c *Client) Get(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
-	r, err := c.sandboxes.GetSandbox(ctx, connect.NewRequest(&dsecv1.GetSandboxRequest{Id: id}))
+	r, err := c.raw.GetSandbox(ctx, connect.NewRequest(&dsecv1.GetSandboxRequest{Id: id}))
 	if err != nil {
 		return nil, err
 	}
@@ -81,7 +81,7 @@ func (c *Client) List(ctx context.Context, selector string) ([]*dsecv1.Sandbox, 
 	var out []*dsecv1.Sandbox
 	token := ""
 	for {
-		r, err := c.sandboxes.ListSandboxes(ctx, connect.NewRequest(&dsecv1.ListSandboxesRequest{LabelSelector: selector, PageToken: token}))
+		r, err := c.raw.ListSandboxes(ctx, connect.NewRequest(&dsecv1.ListSandboxesRequest{LabelSelector: selector, PageToken: token}))
 		if err != nil {
 			return nil, err
 		}
@@ -94,7 +94,7 @@ func (c *Client) List(ctx context.Context, selector string) ([]*dsecv1.Sandbox, 
 
 // Delete deletes a sandbox. It is idempotent.
 func (c *Client) Delete(ctx context.Context, id string) error {
-	_, err := c.sandboxes.DeleteSandbox(ctx, connect.NewRequest(&dsecv1.DeleteSandboxRequest{Id: id}))
+	_, err := c.raw.DeleteSandbox(ctx, connect.NewRequest(&dsecv1.DeleteSandboxRequest{Id: id}))
 	return err
 }
 
@@ -108,7 +108,7 @@ func (s *Sandbox) Close() error {
 // Keepalive resets the idle timer; extend > 0 also moves the expiry to
 // now + extend.
 func (s *Sandbox) Keepalive(ctx context.Context, extend time.Duration) (*dsecv1.Sandbox, error) {
-	r, err := s.c.sandboxes.Keepalive(ctx, connect.NewRequest(&dsecv1.KeepaliveRequest{Id: s.ID, ExtendTtlS: int64(extend / time.Second)}))
+	r, err := s.c.raw.Keepalive(ctx, connect.NewRequest(&dsecv1.KeepaliveRequest{Id: s.ID, ExtendTtlS: int64(extend / time.Second)}))
 	if err != nil {
 		return nil, err
 	}
@@ -147,7 +147,7 @@ func (o ExecOptions) request(id string) *dsecv1.ExecRequest {
 
 // Exec runs a command to completion.
 func (s *Sandbox) Exec(ctx context.Context, o ExecOptions) (*dsecv1.ExecResult, error) {
-	r, err := s.c.sandboxes.Exec(ctx, connect.NewRequest(o.request(s.ID)))
+	r, err := s.c.raw.Exec(ctx, connect.NewRequest(o.request(s.ID)))
 	if err != nil {
 		return nil, err
 	}
@@ -166,7 +166,7 @@ type Stream struct {
 func (s *Sandbox) Start(ctx context.Context, o ExecOptions, stdinOpen bool) (*Stream, error) {
 	req := o.request(s.ID)
 	req.StdinOpen = stdinOpen
-	st, err := s.c.sandboxes.ExecStream(ctx, connect.NewRequest(req))
+	st, err := s.c.raw.ExecStream(ctx, connect.NewRequest(req))
 	if err != nil {
 		return nil, err
 	}
@@ -203,7 +203,7 @@ func (x *Stream) Next() (*dsecv1.ExecEvent, error) {
 
 // Write sends data to the process's stdin.
 func (x *Stream) Write(p []byte) (int, error) {
-	_, err := x.s.c.sandboxes.WriteStdin(context.Background(), connect.NewRequest(&dsecv1.WriteStdinRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Data: p}))
+	_, err := x.s.c.raw.WriteStdin(context.Background(), connect.NewRequest(&dsecv1.WriteStdinRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Data: p}))
 	if err != nil {
 		return 0, err
 	}
@@ -212,19 +212,19 @@ func (x *Stream) Write(p []byte) (int, error) {
 
 // CloseStdin closes the process's stdin.
 func (x *Stream) CloseStdin() error {
-	_, err := x.s.c.sandboxes.WriteStdin(context.Background(), connect.NewRequest(&dsecv1.WriteStdinRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Close: true}))
+	_, err := x.s.c.raw.WriteStdin(context.Background(), connect.NewRequest(&dsecv1.WriteStdinRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Close: true}))
 	return err
 }
 
 // Signal signals the process group ("INT", "TERM", "KILL", ...).
 func (x *Stream) Signal(ctx context.Context, sig string) error {
-	_, err := x.s.c.sandboxes.SignalProcess(ctx, connect.NewRequest(&dsecv1.SignalProcessRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Signal: sig}))
+	_, err := x.s.c.raw.SignalProcess(ctx, connect.NewRequest(&dsecv1.SignalProcessRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Signal: sig}))
 	return err
 }
 
 // Resize resizes the process's PTY.
 func (x *Stream) Resize(ctx context.Context, rows, cols uint32) error {
-	_, err := x.s.c.sandboxes.ResizePTY(ctx, connect.NewRequest(&dsecv1.ResizePTYRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Rows: rows, Cols: cols}))
+	_, err := x.s.c.raw.ResizePTY(ctx, connect.NewRequest(&dsecv1.ResizePTYRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Rows: rows, Cols: cols}))
 	return err
 }
 
@@ -258,7 +258,7 @@ func (x *Stream) Wait(stdout, stderr io.Writer) (*dsecv1.ExecResult, error) {
 
 // WriteFile streams r into path (mode 0 means 0644).
 func (s *Sandbox) WriteFile(ctx context.Context, path string, r io.Reader, mode uint32) (*dsecv1.FileInfo, error) {
-	st := s.c.sandboxes.WriteFile(ctx)
+	st := s.c.raw.WriteFile(ctx)
 	if err := st.Send(&dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Header{Header: &dsecv1.WriteFileHeader{SandboxId: s.ID, Path: path, Mode: mode}}}); err != nil && !errors.Is(err, io.EOF) {
 		return nil, asError(err)
 	}
@@ -288,7 +288,7 @@ func (s *Sandbox) WriteFile(ctx context.Context, path string, r io.Reader, mode 
 
 // ReadFile streams path into w.
 func (s *Sandbox) ReadFile(ctx context.Context, path string, w io.Writer) (*dsecv1.FileInfo, error) {
-	st, err := s.c.sandboxes.ReadFile(ctx, connect.NewRequest(&dsecv1.ReadFileRequest{SandboxId: s.ID, Path: path}))
+	st, err := s.c.raw.ReadFile(ctx, connect.NewRequest(&dsecv1.ReadFileRequest{SandboxId: s.ID, Path: path}))
 	if err != nil {
 		return nil, err
 	}
@@ -312,7 +312,7 @@ func (s *Sandbox) ReadFile(ctx context.Context, path string, w io.Writer) (*dsec
 
 // Stat returns a file's info.
 func (s *Sandbox) Stat(ctx context.Context, path string) (*dsecv1.FileInfo, error) {
-	r, err := s.c.sandboxes.Stat(ctx, connect.NewRequest(&dsecv1.StatRequest{SandboxId: s.ID, Path: path}))
+	r, err := s.c.raw.Stat(ctx, connect.NewRequest(&dsecv1.StatRequest{SandboxId: s.ID, Path: path}))
 	if err != nil {
 		return nil, asError(err)
 	}
@@ -321,7 +321,7 @@ func (s *Sandbox) Stat(ctx context.Context, path string) (*dsecv1.FileInfo, erro
 
 // ListDir lists a directory.
 func (s *Sandbox) ListDir(ctx context.Context, path string, depth int32) ([]*dsecv1.FileInfo, error) {
-	r, err := s.c.sandboxes.ListDir(ctx, connect.NewRequest(&dsecv1.ListDirRequest{SandboxId: s.ID, Path: path, Depth: depth}))
+	r, err := s.c.raw.ListDir(ctx, connect.NewRequest(&dsecv1.ListDirRequest{SandboxId: s.ID, Path: path, Depth: depth}))
 	if err != nil {
 		return nil, asError(err)
 	}
@@ -330,7 +330,7 @@ func (s *Sandbox) ListDir(ctx context.Context, path string, depth int32) ([]*dse
 
 // Processes lists the sandbox's processes.
 func (s *Sandbox) Processes(ctx context.Context) ([]*dsecv1.ProcessInfo, error) {
-	r, err := s.c.sandboxes.ListProcesses(ctx, connect.NewRequest(&dsecv1.ListProcessesRequest{SandboxId: s.ID}))
+	r, err := s.c.raw.ListProcesses(ctx, connect.NewRequest(&dsecv1.ListProcessesRequest{SandboxId: s.ID}))
 	if err != nil {
 		return nil, err
 	}
@@ -340,7 +340,7 @@ func (s *Sandbox) Processes(ctx context.Context) ([]*dsecv1.ProcessInfo, error) 
 // Stats reports the sandbox's resource use (CPU time, memory, processes,
 // OOM kills). It neither resumes a paused sandbox nor counts as activity.
 func (s *Sandbox) Stats(ctx context.Context) (*dsecv1.SandboxStats, error) {
-	r, err := s.c.sandboxes.GetSandboxStats(ctx, connect.NewRequest(&dsecv1.GetSandboxStatsRequest{Id: s.ID}))
+	r, err := s.c.raw.GetSandboxStats(ctx, connect.NewRequest(&dsecv1.GetSandboxStatsRequest{Id: s.ID}))
 	if err != nil {
 		return nil, err
 	}

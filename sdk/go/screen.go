@@ -11,7 +11,7 @@ import (
 // Screenshot captures the sandbox's screen as PNG (kinds with the
 // "screen" capability: vm), with its size in pixels.
 func (s *Sandbox) Screenshot(ctx context.Context) (*dsecv1.ScreenshotResponse, error) {
-	r, err := s.c.sandboxes.Screenshot(ctx, connect.NewRequest(&dsecv1.ScreenshotRequest{SandboxId: s.ID}))
+	r, err := s.c.raw.Screenshot(ctx, connect.NewRequest(&dsecv1.ScreenshotRequest{SandboxId: s.ID}))
 	if err != nil {
 		return nil, err
 	}
@@ -22,7 +22,7 @@ func (s *Sandbox) Screenshot(ctx context.Context) (*dsecv1.ScreenshotResponse, e
 // order (build them with TypeText, PressKeys, MoveMouse, Click,
 // MouseButton and Scroll).
 func (s *Sandbox) Input(ctx context.Context, actions ...*dsecv1.InputAction) error {
-	_, err := s.c.sandboxes.SendInput(ctx, connect.NewRequest(&dsecv1.SendInputRequest{SandboxId: s.ID, Actions: actions}))
+	_, err := s.c.raw.SendInput(ctx, connect.NewRequest(&dsecv1.SendInputRequest{SandboxId: s.ID, Actions: actions}))
 	return err
 }
 
@@ -30,7 +30,7 @@ func (s *Sandbox) Input(ctx context.Context, actions ...*dsecv1.InputAction) err
 // with the server's address, on the node's loopback interface (a node
 // started with vm.vnc).
 func (s *Sandbox) OpenVNC(ctx context.Context) (*dsecv1.OpenVNCResponse, error) {
-	r, err := s.c.sandboxes.OpenVNC(ctx, connect.NewRequest(&dsecv1.OpenVNCRequest{SandboxId: s.ID}))
+	r, err := s.c.raw.OpenVNC(ctx, connect.NewRequest(&dsecv1.OpenVNCRequest{SandboxId: s.ID}))
 	if err != nil {
 		return nil, err
 	}

@@ -73,7 +73,7 @@ func (c *testCluster) cli(args ...string) (string, error) {
 
 // stdin writes to a process's stdin through c (close: closes it).
 func stdin(ctx context.Context, c *dsec.Client, id, pid string, data []byte, close bool) error {
-	raw, _, _ := c.Raw()
+	raw := c.Raw()
 	_, err := raw.WriteStdin(ctx, connect.NewRequest(&dsecv1.WriteStdinRequest{SandboxId: id, ProcessId: pid, Data: data, Close: close}))
 	return err
 }
@@ -306,7 +306,7 @@ func TestCluster(t *testing.T) {
 			t.Fatalf("retry through the other replica: %v, %v (first %s)", b, err, a.ID)
 		}
 		batch := func(i int) []string {
-			raw, _, _ := c.api(i).Raw()
+			raw := c.api(i).Raw()
 			resp, err := raw.CreateSandboxes(ctx, connect.NewRequest(&dsecv1.CreateSandboxesRequest{Spec: &dsecv1.SandboxSpec{Image: "busybox", TtlS: 600}, Count: 4, IdempotencyKey: "batch-key"}))
 			if err != nil {
 				t.Fatal(err)

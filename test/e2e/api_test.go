@@ -123,7 +123,7 @@ func TestWireProtocols(t *testing.T) {
 
 	t.Run("Connect JSON over plain HTTP/1.1 (curl)", func(t *testing.T) {
 		body := fmt.Sprintf(`{"sandbox_id":%q,"cmd":"echo json"}`, sb.ID)
-		resp, err := http.Post(srv.URL+"/dsec.v1.SandboxService/Exec", "application/json", strings.NewReader(body))
+		resp, err := http.Post(srv.URL+"/dsec.v1.ProcessService/Exec", "application/json", strings.NewReader(body))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -144,7 +144,7 @@ func TestWireProtocols(t *testing.T) {
 	} {
 		t.Run(p.name, func(t *testing.T) {
 			hc := &http.Client{Transport: h2cTransport()}
-			cl := dsecv1connect.NewSandboxServiceClient(hc, srv.URL, p.opt)
+			cl := dsecv1connect.NewProcessServiceClient(hc, srv.URL, p.opt)
 			res, err := cl.Exec(ctx, connect.NewRequest(&dsecv1.ExecRequest{SandboxId: sb.ID, Argv: []string{"echo", p.name}}))
 			if err != nil {
 				t.Fatal(err)
@@ -226,7 +226,7 @@ func TestBadInputGetsClearErrorsAndHurtsNoOne(t *testing.T) {
 			return err
 		}, "invalid"},
 		{"GPUs on a host without any are unavailable", func() error {
-			sbs, _, _ := c.Raw()
+			sbs := c.Raw()
 			_, err := sbs.CreateSandbox(ctx, connect.NewRequest(&dsecv1.CreateSandboxRequest{Spec: &dsecv1.SandboxSpec{Image: "busybox", Resources: &dsecv1.Resources{Gpu: 1}}}))
 			return err
 		}, "unavailable"},

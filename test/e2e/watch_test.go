@@ -17,7 +17,7 @@ import (
 func TestWatchStatsAndLiveAttach(t *testing.T) {
 	srv := dsectest.Start(t, dsectest.Options{})
 	c := srv.Client()
-	api, _, _ := c.Raw()
+	api := c.Raw()
 	ctx := ctxFor(t, 2*time.Minute)
 	sb := create(t, c, dsec.CreateOptions{})
 

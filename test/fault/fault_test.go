@@ -182,7 +182,7 @@ func (c *cluster) startEcho(id string) *echo {
 
 func (e *echo) check(msg string) {
 	e.t.Helper()
-	raw, _, _ := e.c.api(1).Raw()
+	raw := e.c.api(1).Raw()
 	if _, err := raw.WriteStdin(context.Background(), connect.NewRequest(&dsecv1.WriteStdinRequest{SandboxId: e.id, ProcessId: e.st.ProcessID, Data: []byte(msg)})); err != nil {
 		e.t.Fatalf("stdin %q through replica 1: %v", msg, err)
 	}

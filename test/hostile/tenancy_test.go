@@ -59,7 +59,7 @@ func TestAnotherProjectsKeyReachesNothing(t *testing.T) {
 	}
 	nb := newNeighbour(t)
 	id := victim.ID
-	sb, _, _ := b.Raw()
+	sb := b.Raw()
 
 	t.Run("listing shows none of them", func(t *testing.T) {
 		list, err := b.List(ctx, "")
@@ -369,7 +369,7 @@ func TestRequestsAreAuthenticatedBeforeTheirBodiesAreRead(t *testing.T) {
 	statuses := make(chan int, 48)
 	for range 48 {
 		go func() {
-			req, _ := http.NewRequestWithContext(ctx, "POST", s.URL+"/dsec.v1.SandboxService/Exec", io.NopCloser(bytes.NewReader(body)))
+			req, _ := http.NewRequestWithContext(ctx, "POST", s.URL+"/dsec.v1.ProcessService/Exec", io.NopCloser(bytes.NewReader(body)))
 			req.Header.Set("Content-Type", "application/json")
 			req.ContentLength = -1
 			resp, err := http.DefaultClient.Do(req)
@@ -403,7 +403,7 @@ func TestRequestsAreAuthenticatedBeforeTheirBodiesAreRead(t *testing.T) {
 
 	t.Run("an oversized request is refused with 413, not a retryable 429", func(t *testing.T) {
 		big, _ := json.Marshal(map[string]any{"id": strings.Repeat("x", 4<<20)})
-		req, _ := http.NewRequestWithContext(ctx, "POST", s.URL+"/dsec.v1.SandboxService/GetSandbox", bytes.NewReader(big))
+		req, _ := http.NewRequestWithContext(ctx, "POST", s.URL+"/dsec.v1.LifecycleService/GetSandbox", bytes.NewReader(big))
 		req.Header.Set("Content-Type", "application/json")
 		req.Header.Set("Authorization", "Bearer "+secret(keyA))
 		resp, err := http.DefaultClient.Do(req)
@@ -433,7 +433,7 @@ func TestDurationsCannotOverflow(t *testing.T) {
 	c := client(t)
 	ctx := ctxFor(t, 2*time.Minute)
 	sb := create(t, c, dsec.CreateOptions{})
-	raw, _, _ := c.Raw()
+	raw := c.Raw()
 	for _, ext := range []int64{1e18, 1 << 62, -1} {
 		if _, err := raw.Keepalive(ctx, connect.NewRequest(&dsecv1.KeepaliveRequest{Id: sb.ID, ExtendTtlS: ext})); kindOf(fromConnect(err)) != "invalid" {
 			t.Errorf("keepalive extend_ttl_s %d: %v, want invalid", ext, err)

@@ -5720,14 +5720,22 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1a\n" +
 	"\breplayed\x18\x02 \x01(\x05R\breplayed\x12\x1a\n" +
 	"\bdiverged\x18\x03 \x01(\x05R\bdiverged\x12)\n" +
-	"\x05steps\x18\x04 \x03(\v2\x13.dsec.v1.ReplayStepR\x05steps2\xfd\x12\n" +
-	"\x0eSandboxService\x12@\n" +
-	"\rCreateSandbox\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12?\n" +
+	"\x05steps\x18\x04 \x03(\v2\x13.dsec.v1.ReplayStepR\x05steps2\xe0\x06\n" +
+	"\x10LifecycleService\x12@\n" +
+	"\rCreateSandbox\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12T\n" +
+	"\x0fCreateSandboxes\x12\x1f.dsec.v1.CreateSandboxesRequest\x1a .dsec.v1.CreateSandboxesResponse\x12?\n" +
 	"\n" +
 	"GetSandbox\x12\x1a.dsec.v1.GetSandboxRequest\x1a\x10.dsec.v1.Sandbox\"\x03\x90\x02\x01\x12S\n" +
 	"\rListSandboxes\x12\x1d.dsec.v1.ListSandboxesRequest\x1a\x1e.dsec.v1.ListSandboxesResponse\"\x03\x90\x02\x01\x12S\n" +
 	"\rDeleteSandbox\x12\x1d.dsec.v1.DeleteSandboxRequest\x1a\x1e.dsec.v1.DeleteSandboxResponse\"\x03\x90\x02\x02\x128\n" +
-	"\tKeepalive\x12\x19.dsec.v1.KeepaliveRequest\x1a\x10.dsec.v1.Sandbox\x121\n" +
+	"\tKeepalive\x12\x19.dsec.v1.KeepaliveRequest\x1a\x10.dsec.v1.Sandbox\x12>\n" +
+	"\fPauseSandbox\x12\x1c.dsec.v1.PauseSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12@\n" +
+	"\rResumeSandbox\x12\x1d.dsec.v1.ResumeSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12=\n" +
+	"\x0ePauseSandboxes\x12\x14.dsec.v1.BulkRequest\x1a\x15.dsec.v1.BulkResponse\x12>\n" +
+	"\x0fResumeSandboxes\x12\x14.dsec.v1.BulkRequest\x1a\x15.dsec.v1.BulkResponse\x12>\n" +
+	"\x0fDeleteSandboxes\x12\x14.dsec.v1.BulkRequest\x1a\x15.dsec.v1.BulkResponse\x12N\n" +
+	"\x0fGetSandboxStats\x12\x1f.dsec.v1.GetSandboxStatsRequest\x1a\x15.dsec.v1.SandboxStats\"\x03\x90\x02\x012\xf5\x03\n" +
+	"\x0eProcessService\x121\n" +
 	"\x04Exec\x12\x14.dsec.v1.ExecRequest\x1a\x13.dsec.v1.ExecResult\x128\n" +
 	"\n" +
 	"ExecStream\x12\x14.dsec.v1.ExecRequest\x1a\x12.dsec.v1.ExecEvent0\x01\x12F\n" +
@@ -5735,29 +5743,27 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"WriteStdin\x12\x1a.dsec.v1.WriteStdinRequest\x1a\x1b.dsec.v1.WriteStdinResponse\x12N\n" +
 	"\rSignalProcess\x12\x1d.dsec.v1.SignalProcessRequest\x1a\x1e.dsec.v1.SignalProcessResponse\x12B\n" +
-	"\tResizePTY\x12\x19.dsec.v1.ResizePTYRequest\x1a\x1a.dsec.v1.ResizePTYResponse\x12N\n" +
-	"\rListProcesses\x12\x1d.dsec.v1.ListProcessesRequest\x1a\x1e.dsec.v1.ListProcessesResponse\x12A\n" +
+	"\tResizePTY\x12\x19.dsec.v1.ResizePTYRequest\x1a\x1a.dsec.v1.ResizePTYResponse\x12S\n" +
+	"\rListProcesses\x12\x1d.dsec.v1.ListProcessesRequest\x1a\x1e.dsec.v1.ListProcessesResponse\"\x03\x90\x02\x012\xf3\x03\n" +
+	"\x11FilesystemService\x12A\n" +
 	"\bReadFile\x12\x18.dsec.v1.ReadFileRequest\x1a\x19.dsec.v1.ReadFileResponse0\x01\x12;\n" +
-	"\tWriteFile\x12\x19.dsec.v1.WriteFileRequest\x1a\x11.dsec.v1.FileInfo(\x01\x12/\n" +
-	"\x04Stat\x12\x14.dsec.v1.StatRequest\x1a\x11.dsec.v1.FileInfo\x12<\n" +
-	"\aListDir\x12\x17.dsec.v1.ListDirRequest\x1a\x18.dsec.v1.ListDirResponse\x125\n" +
+	"\tWriteFile\x12\x19.dsec.v1.WriteFileRequest\x1a\x11.dsec.v1.FileInfo(\x01\x124\n" +
+	"\x04Stat\x12\x14.dsec.v1.StatRequest\x1a\x11.dsec.v1.FileInfo\"\x03\x90\x02\x01\x12A\n" +
+	"\aListDir\x12\x17.dsec.v1.ListDirRequest\x1a\x18.dsec.v1.ListDirResponse\"\x03\x90\x02\x01\x125\n" +
 	"\aMakeDir\x12\x17.dsec.v1.MakeDirRequest\x1a\x11.dsec.v1.FileInfo\x129\n" +
 	"\x06Remove\x12\x16.dsec.v1.RemoveRequest\x1a\x17.dsec.v1.RemoveResponse\x123\n" +
 	"\x06Rename\x12\x16.dsec.v1.RenameRequest\x1a\x11.dsec.v1.FileInfo\x12>\n" +
-	"\bWatchDir\x12\x18.dsec.v1.WatchDirRequest\x1a\x16.dsec.v1.WatchDirEvent0\x01\x12N\n" +
-	"\x0fGetSandboxStats\x12\x1f.dsec.v1.GetSandboxStatsRequest\x1a\x15.dsec.v1.SandboxStats\"\x03\x90\x02\x01\x12T\n" +
-	"\x0fCreateSandboxes\x12\x1f.dsec.v1.CreateSandboxesRequest\x1a .dsec.v1.CreateSandboxesResponse\x12>\n" +
-	"\fPauseSandbox\x12\x1c.dsec.v1.PauseSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12@\n" +
-	"\rResumeSandbox\x12\x1d.dsec.v1.ResumeSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12=\n" +
-	"\x0ePauseSandboxes\x12\x14.dsec.v1.BulkRequest\x1a\x15.dsec.v1.BulkResponse\x12>\n" +
-	"\x0fResumeSandboxes\x12\x14.dsec.v1.BulkRequest\x1a\x15.dsec.v1.BulkResponse\x12>\n" +
-	"\x0fDeleteSandboxes\x12\x14.dsec.v1.BulkRequest\x1a\x15.dsec.v1.BulkResponse\x12;\n" +
+	"\bWatchDir\x12\x18.dsec.v1.WatchDirRequest\x1a\x16.dsec.v1.WatchDirEvent0\x012\xb6\x02\n" +
+	"\x0fSnapshotService\x12;\n" +
 	"\bSnapshot\x12\x18.dsec.v1.SnapshotRequest\x1a\x15.dsec.v1.SnapshotInfo\x12S\n" +
 	"\rListSnapshots\x12\x1d.dsec.v1.ListSnapshotsRequest\x1a\x1e.dsec.v1.ListSnapshotsResponse\"\x03\x90\x02\x01\x12Q\n" +
 	"\x0eDeleteSnapshot\x12\x1e.dsec.v1.DeleteSnapshotRequest\x1a\x1f.dsec.v1.DeleteSnapshotResponse\x12>\n" +
-	"\x04Fork\x12\x14.dsec.v1.ForkRequest\x1a .dsec.v1.CreateSandboxesResponse\x12>\n" +
+	"\x04Fork\x12\x14.dsec.v1.ForkRequest\x1a .dsec.v1.CreateSandboxesResponse2\x87\x01\n" +
+	"\n" +
+	"LogService\x12>\n" +
 	"\x06GetLog\x12\x16.dsec.v1.GetLogRequest\x1a\x17.dsec.v1.GetLogResponse\"\x03\x90\x02\x01\x129\n" +
-	"\x06Replay\x12\x16.dsec.v1.ReplayRequest\x1a\x17.dsec.v1.ReplayResponse\x12E\n" +
+	"\x06Replay\x12\x16.dsec.v1.ReplayRequest\x1a\x17.dsec.v1.ReplayResponse2\xd8\x01\n" +
+	"\rScreenService\x12E\n" +
 	"\n" +
 	"Screenshot\x12\x1a.dsec.v1.ScreenshotRequest\x1a\x1b.dsec.v1.ScreenshotResponse\x12B\n" +
 	"\tSendInput\x12\x19.dsec.v1.SendInputRequest\x1a\x1a.dsec.v1.SendInputResponse\x12<\n" +
@@ -5907,78 +5913,78 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	54, // 41: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
 	71, // 42: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
 	74, // 43: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	5,  // 44: dsec.v1.SandboxService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	6,  // 45: dsec.v1.SandboxService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	7,  // 46: dsec.v1.SandboxService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	9,  // 47: dsec.v1.SandboxService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	11, // 48: dsec.v1.SandboxService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	12, // 49: dsec.v1.SandboxService.Exec:input_type -> dsec.v1.ExecRequest
-	12, // 50: dsec.v1.SandboxService.ExecStream:input_type -> dsec.v1.ExecRequest
-	16, // 51: dsec.v1.SandboxService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	17, // 52: dsec.v1.SandboxService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	19, // 53: dsec.v1.SandboxService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	21, // 54: dsec.v1.SandboxService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	24, // 55: dsec.v1.SandboxService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	27, // 56: dsec.v1.SandboxService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	30, // 57: dsec.v1.SandboxService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	31, // 58: dsec.v1.SandboxService.Stat:input_type -> dsec.v1.StatRequest
-	32, // 59: dsec.v1.SandboxService.ListDir:input_type -> dsec.v1.ListDirRequest
-	34, // 60: dsec.v1.SandboxService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	35, // 61: dsec.v1.SandboxService.Remove:input_type -> dsec.v1.RemoveRequest
-	37, // 62: dsec.v1.SandboxService.Rename:input_type -> dsec.v1.RenameRequest
-	38, // 63: dsec.v1.SandboxService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	41, // 64: dsec.v1.SandboxService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	55, // 65: dsec.v1.SandboxService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	58, // 66: dsec.v1.SandboxService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	59, // 67: dsec.v1.SandboxService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	60, // 68: dsec.v1.SandboxService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	60, // 69: dsec.v1.SandboxService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	60, // 70: dsec.v1.SandboxService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	63, // 71: dsec.v1.SandboxService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	65, // 72: dsec.v1.SandboxService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	67, // 73: dsec.v1.SandboxService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	69, // 74: dsec.v1.SandboxService.Fork:input_type -> dsec.v1.ForkRequest
-	70, // 75: dsec.v1.SandboxService.GetLog:input_type -> dsec.v1.GetLogRequest
-	73, // 76: dsec.v1.SandboxService.Replay:input_type -> dsec.v1.ReplayRequest
-	43, // 77: dsec.v1.SandboxService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	45, // 78: dsec.v1.SandboxService.SendInput:input_type -> dsec.v1.SendInputRequest
-	47, // 79: dsec.v1.SandboxService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
-	4,  // 80: dsec.v1.SandboxService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	4,  // 81: dsec.v1.SandboxService.GetSandbox:output_type -> dsec.v1.Sandbox
-	8,  // 82: dsec.v1.SandboxService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	10, // 83: dsec.v1.SandboxService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	4,  // 84: dsec.v1.SandboxService.Keepalive:output_type -> dsec.v1.Sandbox
-	13, // 85: dsec.v1.SandboxService.Exec:output_type -> dsec.v1.ExecResult
-	15, // 86: dsec.v1.SandboxService.ExecStream:output_type -> dsec.v1.ExecEvent
-	15, // 87: dsec.v1.SandboxService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	18, // 88: dsec.v1.SandboxService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	20, // 89: dsec.v1.SandboxService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	22, // 90: dsec.v1.SandboxService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	25, // 91: dsec.v1.SandboxService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	28, // 92: dsec.v1.SandboxService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	26, // 93: dsec.v1.SandboxService.WriteFile:output_type -> dsec.v1.FileInfo
-	26, // 94: dsec.v1.SandboxService.Stat:output_type -> dsec.v1.FileInfo
-	33, // 95: dsec.v1.SandboxService.ListDir:output_type -> dsec.v1.ListDirResponse
-	26, // 96: dsec.v1.SandboxService.MakeDir:output_type -> dsec.v1.FileInfo
-	36, // 97: dsec.v1.SandboxService.Remove:output_type -> dsec.v1.RemoveResponse
-	26, // 98: dsec.v1.SandboxService.Rename:output_type -> dsec.v1.FileInfo
-	40, // 99: dsec.v1.SandboxService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	42, // 100: dsec.v1.SandboxService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	57, // 101: dsec.v1.SandboxService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	4,  // 102: dsec.v1.SandboxService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	4,  // 103: dsec.v1.SandboxService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	62, // 104: dsec.v1.SandboxService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	62, // 105: dsec.v1.SandboxService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	62, // 106: dsec.v1.SandboxService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	64, // 107: dsec.v1.SandboxService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	66, // 108: dsec.v1.SandboxService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	68, // 109: dsec.v1.SandboxService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	57, // 110: dsec.v1.SandboxService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	72, // 111: dsec.v1.SandboxService.GetLog:output_type -> dsec.v1.GetLogResponse
-	75, // 112: dsec.v1.SandboxService.Replay:output_type -> dsec.v1.ReplayResponse
-	44, // 113: dsec.v1.SandboxService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	46, // 114: dsec.v1.SandboxService.SendInput:output_type -> dsec.v1.SendInputResponse
-	48, // 115: dsec.v1.SandboxService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	5,  // 44: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	55, // 45: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	6,  // 46: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	7,  // 47: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	9,  // 48: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	11, // 49: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	58, // 50: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	59, // 51: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	60, // 52: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	60, // 53: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	60, // 54: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	41, // 55: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	12, // 56: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
+	12, // 57: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
+	16, // 58: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	17, // 59: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	19, // 60: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	21, // 61: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	24, // 62: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	27, // 63: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	30, // 64: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	31, // 65: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
+	32, // 66: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
+	34, // 67: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	35, // 68: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
+	37, // 69: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
+	38, // 70: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	63, // 71: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	65, // 72: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	67, // 73: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	69, // 74: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
+	70, // 75: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
+	73, // 76: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
+	43, // 77: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	45, // 78: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
+	47, // 79: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	4,  // 80: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	57, // 81: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	4,  // 82: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
+	8,  // 83: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	10, // 84: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	4,  // 85: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
+	4,  // 86: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	4,  // 87: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	62, // 88: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	62, // 89: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	62, // 90: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	42, // 91: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	13, // 92: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
+	15, // 93: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
+	15, // 94: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	18, // 95: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	20, // 96: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	22, // 97: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	25, // 98: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	28, // 99: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	26, // 100: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
+	26, // 101: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
+	33, // 102: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
+	26, // 103: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
+	36, // 104: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
+	26, // 105: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
+	40, // 106: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	64, // 107: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	66, // 108: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	68, // 109: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	57, // 110: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	72, // 111: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
+	75, // 112: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
+	44, // 113: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	46, // 114: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
+	48, // 115: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
 	80, // [80:116] is the sub-list for method output_type
 	44, // [44:80] is the sub-list for method input_type
 	44, // [44:44] is the sub-list for extension type_name
@@ -6028,7 +6034,7 @@ func file_dsec_v1_sandbox_proto_init() {
 			NumEnums:      0,
 			NumMessages:   83,
 			NumExtensions: 0,
-			NumServices:   1,
+			NumServices:   6,
 		},
 		GoTypes:           file_dsec_v1_sandbox_proto_goTypes,
 		DependencyIndexes: file_dsec_v1_sandbox_proto_depIdxs,

@@ -87,7 +87,8 @@ func Start(store *cluster.Store, cfg Config, log *slog.Logger) (*Node, error) {
 	mux := http.NewServeMux()
 	opts := connect.WithInterceptors(tokenCheck(cfg.Token))
 	mux.Handle(nodev1connect.NewNodeServiceHandler(n, opts))
-	mux.Handle(dsecv1connect.NewSandboxServiceHandler(&sandboxes{n: n}, opts))
+	mux.Handle(dsecv1connect.NewLifecycleServiceHandler(&sandboxes{n: n}, opts))
+	mux.Handle(dsecv1connect.NewProcessServiceHandler(&processes{n: n}, opts))
 	mux.Handle(dsecv1connect.NewSystemServiceHandler(&system{n: n}, opts))
 	n.srv = &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		for n.hang.Load() { // a host that vanished: no answer at all
@@ -234,16 +235,22 @@ func itemError(err error) *dsecv1.ItemError {
 	return &dsecv1.ItemError{Kind: string(e.Kind), Message: e.Msg, Infra: e.Infra, Retryable: e.Retryable, RetryAfterMs: e.RetryAfter.Milliseconds()}
 }
 
-// sandboxes serves the calls the control plane forwards to a node.
+// sandboxes serves the lifecycle calls the control plane forwards to a
+// node; processes, the process calls.
 type sandboxes struct {
-	dsecv1connect.UnimplementedSandboxServiceHandler
+	dsecv1connect.UnimplementedLifecycleServiceHandler
 	n *Node
 }
 
-func (s *sandboxes) get(id string) (*dsecv1.Sandbox, error) {
-	s.n.mu.Lock()
-	defer s.n.mu.Unlock()
-	sb := s.n.sandboxes[id]
+type processes struct {
+	dsecv1connect.UnimplementedProcessServiceHandler
+	n *Node
+}
+
+func (n *Node) get(id string) (*dsecv1.Sandbox, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	sb := n.sandboxes[id]
 	if sb == nil {
 		return nil, errwire.ToConnect(errdefs.NotFound("sandbox %s not found", id))
 	}
@@ -251,7 +258,7 @@ func (s *sandboxes) get(id string) (*dsecv1.Sandbox, error) {
 }
 
 func (s *sandboxes) GetSandbox(ctx context.Context, req *connect.Request[dsecv1.GetSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error) {
-	sb, err := s.get(req.Msg.Id)
+	sb, err := s.n.get(req.Msg.Id)
 	if err != nil {
 		return nil, err
 	}
@@ -274,8 +281,8 @@ func (s *sandboxes) DeleteSandbox(ctx context.Context, req *connect.Request[dsec
 }
 
 // Exec answers at once with the node's name.
-func (s *sandboxes) Exec(ctx context.Context, req *connect.Request[dsecv1.ExecRequest]) (*connect.Response[dsecv1.ExecResult], error) {
-	if _, err := s.get(req.Msg.SandboxId); err != nil {
+func (s *processes) Exec(ctx context.Context, req *connect.Request[dsecv1.ExecRequest]) (*connect.Response[dsecv1.ExecResult], error) {
+	if _, err := s.n.get(req.Msg.SandboxId); err != nil {
 		return nil, err
 	}
 	return connect.NewResponse(&dsecv1.ExecResult{Stdout: []byte(s.n.cfg.Name + "\n")}), nil

@@ -13,7 +13,13 @@ from . import _wire
 from .errors import DsecError, NotFound, SandboxGone, make_error
 
 DEFAULT_URL = "http://127.0.0.1:7070"
-_SANDBOX = "dsec.v1.SandboxService"
+# The sandbox API, one service per role (api/dsec/v1/sandbox.proto).
+_LIFECYCLE = "dsec.v1.LifecycleService"
+_PROCESS = "dsec.v1.ProcessService"
+_FILES = "dsec.v1.FilesystemService"
+_SNAPSHOTS = "dsec.v1.SnapshotService"
+_LOGS = "dsec.v1.LogService"
+_SCREEN = "dsec.v1.ScreenService"
 _IMAGE = "dsec.v1.ImageService"
 _SYSTEM = "dsec.v1.SystemService"
 
@@ -282,7 +288,7 @@ class Sandbox:
         req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
                             max_output_bytes=max_output_bytes, request_id=request_id)
         http_timeout = (timeout_s or 600) + 30
-        return ExecResult._from(self._client._t.unary(_SANDBOX, "Exec", req, timeout=http_timeout,
+        return ExecResult._from(self._client._t.unary(_PROCESS, "Exec", req, timeout=http_timeout,
                                                       retry=request_id is not None))
 
     def exec_stream(self, cmd: Command, *, timeout_s: Optional[float] = None, stdin: Union[bytes, str, None] = None,
@@ -293,7 +299,7 @@ class Sandbox:
         req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
                             max_output_bytes=max_output_bytes, pty=pty, tag=tag, request_id=request_id)
         pid = ""
-        for m in self._client._t.stream(_SANDBOX, "ExecStream", req, timeout=(timeout_s or 600) + 60):
+        for m in self._client._t.stream(_PROCESS, "ExecStream", req, timeout=(timeout_s or 600) + 60):
             if "started" in m:
                 pid = m["started"].get("processId", "")
                 yield ExecEvent("started", process_id=pid)
@@ -357,7 +363,7 @@ class Sandbox:
         os.replace(tmp, local_path)
 
     def stat(self, path: str) -> FileInfo:
-        return FileInfo._from(self._client._t.unary(_SANDBOX, "Stat", {"sandboxId": self.id, "path": path}))
+        return FileInfo._from(self._client._t.unary(_FILES, "Stat", {"sandboxId": self.id, "path": path}))
 
     def exists(self, path: str) -> bool:
         try:
@@ -367,17 +373,17 @@ class Sandbox:
             return False
 
     def list_dir(self, path: str, depth: int = 1) -> List[FileInfo]:
-        m = self._client._t.unary(_SANDBOX, "ListDir", {"sandboxId": self.id, "path": path, "depth": depth})
+        m = self._client._t.unary(_FILES, "ListDir", {"sandboxId": self.id, "path": path, "depth": depth})
         return [FileInfo._from(e) for e in m.get("entries", [])]
 
     def make_dir(self, path: str) -> FileInfo:
-        return FileInfo._from(self._client._t.unary(_SANDBOX, "MakeDir", {"sandboxId": self.id, "path": path}))
+        return FileInfo._from(self._client._t.unary(_FILES, "MakeDir", {"sandboxId": self.id, "path": path}))
 
     def remove(self, path: str, recursive: bool = False) -> None:
-        self._client._t.unary(_SANDBOX, "Remove", {"sandboxId": self.id, "path": path, "recursive": recursive})
+        self._client._t.unary(_FILES, "Remove", {"sandboxId": self.id, "path": path, "recursive": recursive})
 
     def rename(self, src: str, dst: str) -> FileInfo:
-        return FileInfo._from(self._client._t.unary(_SANDBOX, "Rename", {"sandboxId": self.id, "from": src, "to": dst}))
+        return FileInfo._from(self._client._t.unary(_FILES, "Rename", {"sandboxId": self.id, "from": src, "to": dst}))
 
     def keepalive(self, extend_ttl_s: Optional[int] = None) -> SandboxInfo:
         """Reset the idle timer (call it while the model generates); with
@@ -385,7 +391,7 @@ class Sandbox:
         req: Dict[str, Any] = {"id": self.id}
         if extend_ttl_s:
             req["extendTtlS"] = str(int(extend_ttl_s))
-        self._info = SandboxInfo._from(self._client._t.unary(_SANDBOX, "Keepalive", req))
+        self._info = SandboxInfo._from(self._client._t.unary(_LIFECYCLE, "Keepalive", req))
         return self._info
 
     def shell(self, name: str = "default", *, startup: Optional[str] = None) -> "ShellSession":
@@ -397,11 +403,11 @@ class Sandbox:
     def pause(self) -> SandboxInfo:
         """Freeze the sandbox and release what memory the host allows. Any
         later call resumes it. Pausing a paused sandbox is not an error."""
-        self._info = SandboxInfo._from(self._client._t.unary(_SANDBOX, "PauseSandbox", {"id": self.id}))
+        self._info = SandboxInfo._from(self._client._t.unary(_LIFECYCLE, "PauseSandbox", {"id": self.id}))
         return self._info
 
     def resume(self) -> SandboxInfo:
-        self._info = SandboxInfo._from(self._client._t.unary(_SANDBOX, "ResumeSandbox", {"id": self.id}))
+        self._info = SandboxInfo._from(self._client._t.unary(_LIFECYCLE, "ResumeSandbox", {"id": self.id}))
         return self._info
 
     def snapshot(self, name: Optional[str] = None) -> "SnapshotInfo":
@@ -410,7 +416,7 @@ class Sandbox:
         req: Dict[str, Any] = {"sandboxId": self.id}
         if name:
             req["name"] = name
-        return SnapshotInfo._from(self._client._t.unary(_SANDBOX, "Snapshot", req))
+        return SnapshotInfo._from(self._client._t.unary(_SNAPSHOTS, "Snapshot", req))
 
     def fork(self, n: int, *, labels: Optional[Mapping[str, str]] = None, idempotency_key: Optional[str] = None) -> List["Sandbox"]:
         """Snapshot this sandbox and start ``n`` children from it."""
@@ -422,7 +428,7 @@ class Sandbox:
         out: List[Dict[str, Any]] = []
         seq = from_seq
         while True:
-            m = self._client._t.unary(_SANDBOX, "GetLog", {"sandboxId": self.id, "fromSeq": str(seq)})
+            m = self._client._t.unary(_LOGS, "GetLog", {"sandboxId": self.id, "fromSeq": str(seq)})
             entries = m.get("entries", [])
             out.extend(entries)
             nxt = _int(m.get("nextSeq"))
@@ -432,7 +438,7 @@ class Sandbox:
 
     def replay(self, keep: bool = False) -> Dict[str, Any]:
         """Re-execute the logged calls in a fresh sandbox; reports divergences."""
-        return self._client._t.unary(_SANDBOX, "Replay", {"sandboxId": self.id, "keep": keep}, timeout=3600)
+        return self._client._t.unary(_LOGS, "Replay", {"sandboxId": self.id, "keep": keep}, timeout=3600)
 
     def screenshot(self) -> bytes:
         """The sandbox's screen as PNG bytes (kinds with the "screen"
@@ -442,7 +448,7 @@ class Sandbox:
     def screenshot_info(self) -> Tuple[bytes, int, int]:
         """The screen as ``(png, width, height)``: the guest's resolution
         (720x400 for an 80x25 text console)."""
-        m = self._client._t.unary(_SANDBOX, "Screenshot", {"sandboxId": self.id})
+        m = self._client._t.unary(_SCREEN, "Screenshot", {"sandboxId": self.id})
         return base64.b64decode(m.get("png", "")), _int(m.get("width")), _int(m.get("height"))
 
     def input(self, *actions: Mapping[str, Any]) -> None:
@@ -452,13 +458,13 @@ class Sandbox:
         "button": "right", "count": 2}}``, ``{"button": {"button": "left",
         "down": True}}``, ``{"scroll": {"dy": 3}}``. The helpers below
         send one action each."""
-        self._client._t.unary(_SANDBOX, "SendInput", {"sandboxId": self.id, "actions": list(actions)})
+        self._client._t.unary(_SCREEN, "SendInput", {"sandboxId": self.id, "actions": list(actions)})
 
     def vnc(self) -> Dict[str, Any]:
         """Give the screen's VNC server a new password: ``{"address":
         "127.0.0.1:5901", "password": ..., "expiresAt": ...}`` (the address is
         on the node's loopback; the node must run with ``vm.vnc``)."""
-        return self._client._t.unary(_SANDBOX, "OpenVNC", {"sandboxId": self.id})
+        return self._client._t.unary(_SCREEN, "OpenVNC", {"sandboxId": self.id})
 
     def type_text(self, text: str) -> None:
         """Type text on a US keyboard layout ("\\n" is Return)."""
@@ -536,7 +542,7 @@ class Client:
         req: Dict[str, Any] = {"spec": body}
         if idempotency_key:
             req["idempotencyKey"] = idempotency_key
-        m = self._t.unary(_SANDBOX, "CreateSandbox", req, timeout=timeout_s, retry=idempotency_key is not None)
+        m = self._t.unary(_LIFECYCLE, "CreateSandbox", req, timeout=timeout_s, retry=idempotency_key is not None)
         return Sandbox(self, SandboxInfo._from(m))
 
     def create_many(self, image: Optional[str], n: int, *, idempotency_key: Optional[str] = None,
@@ -550,7 +556,7 @@ class Client:
         req: Dict[str, Any] = {"spec": spec, "count": n}
         if key:
             req["idempotencyKey"] = key
-        m = self._t.unary(_SANDBOX, "CreateSandboxes", req, timeout=timeout_s, retry=key is not None)
+        m = self._t.unary(_LIFECYCLE, "CreateSandboxes", req, timeout=timeout_s, retry=key is not None)
         return self._results(m)
 
     def _results(self, m: Dict[str, Any]) -> List[Any]:
@@ -575,7 +581,7 @@ class Client:
             req["idempotencyKey"] = idempotency_key
         if session:
             req["session"] = session
-        results = self._results(self._t.unary(_SANDBOX, "Fork", req, timeout=600))
+        results = self._results(self._t.unary(_SNAPSHOTS, "Fork", req, timeout=600))
         ok = [r for r in results if isinstance(r, Sandbox)]
         if not ok and results:
             raise results[0]
@@ -594,7 +600,7 @@ class Client:
             parts.append(selector)
         if not parts:
             raise ValueError("labels or selector is required")
-        m = self._t.unary(_SANDBOX, method, {"labelSelector": ",".join(parts)}, timeout=600)
+        m = self._t.unary(_LIFECYCLE, method, {"labelSelector": ",".join(parts)}, timeout=600)
         fails = m.get("failures") or []
         if fails:
             f = fails[0]
@@ -604,10 +610,10 @@ class Client:
         return list(m.get("ids", []))
 
     def snapshots(self) -> List[SnapshotInfo]:
-        return [SnapshotInfo._from(s) for s in self._t.unary(_SANDBOX, "ListSnapshots", {}).get("snapshots", [])]
+        return [SnapshotInfo._from(s) for s in self._t.unary(_SNAPSHOTS, "ListSnapshots", {}).get("snapshots", [])]
 
     def delete_snapshot(self, snapshot: Union[str, SnapshotInfo]) -> None:
-        self._t.unary(_SANDBOX, "DeleteSnapshot", {"id": snapshot if isinstance(snapshot, str) else snapshot.id})
+        self._t.unary(_SNAPSHOTS, "DeleteSnapshot", {"id": snapshot if isinstance(snapshot, str) else snapshot.id})
 
     def run_code(self, code: str, language: str = "python", **kw: Any) -> "RunCodeResult":
         """Run a program as a function call in a warm worker.
@@ -644,7 +650,7 @@ class Client:
 
     def get(self, sandbox_id: str) -> Sandbox:
         """Fetch a sandbox (live or recently deleted; see ``.info.state``)."""
-        m = self._t.unary(_SANDBOX, "GetSandbox", {"id": sandbox_id}, retry=True)
+        m = self._t.unary(_LIFECYCLE, "GetSandbox", {"id": sandbox_id}, retry=True)
         return Sandbox(self, SandboxInfo._from(m))
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
@@ -666,7 +672,7 @@ class Client:
                 req["state"] = state
             if token:
                 req["pageToken"] = token
-            m = self._t.unary(_SANDBOX, "ListSandboxes", req, retry=True)
+            m = self._t.unary(_LIFECYCLE, "ListSandboxes", req, retry=True)
             out.extend(SandboxInfo._from(s) for s in m.get("sandboxes", []))
             token = m.get("nextPageToken", "")
             if not token:
@@ -678,7 +684,7 @@ class Client:
         Deleting a deleted sandbox succeeds."""
         if sandbox_id is None:
             return self._bulk("DeleteSandboxes", labels, selector)
-        self._t.unary(_SANDBOX, "DeleteSandbox", {"id": sandbox_id}, retry=True)
+        self._t.unary(_LIFECYCLE, "DeleteSandbox", {"id": sandbox_id}, retry=True)
         return [sandbox_id]
 
     def info(self) -> Dict[str, Any]:

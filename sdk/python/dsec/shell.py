@@ -19,7 +19,13 @@ from .errors import DeadlineExceeded, DsecError, SandboxGone
 if TYPE_CHECKING:  # pragma: no cover
     from .client import Sandbox
 
-_SANDBOX = "dsec.v1.SandboxService"
+# The sandbox API, one service per role (api/dsec/v1/sandbox.proto).
+_LIFECYCLE = "dsec.v1.LifecycleService"
+_PROCESS = "dsec.v1.ProcessService"
+_FILES = "dsec.v1.FilesystemService"
+_SNAPSHOTS = "dsec.v1.SnapshotService"
+_LOGS = "dsec.v1.LogService"
+_SCREEN = "dsec.v1.ScreenService"
 
 
 class ShellSession:
@@ -38,7 +44,7 @@ class ShellSession:
         self.process_id = ""
         req = {"sandboxId": sandbox.id, "argv": [shell, "--noprofile", "--norc"], "stdinOpen": True,
                "tag": "shell:" + name, "env": {"PS1": "", "PS2": "", "TERM": "dumb"}, "timeoutS": 86400}
-        self._stream = self._t.stream(_SANDBOX, "ExecStream", req, timeout=None)
+        self._stream = self._t.stream(_PROCESS, "ExecStream", req, timeout=None)
         first = next(self._stream)
         self.process_id = first.get("started", {}).get("processId", "")
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"dsec-shell-{name}")
@@ -63,7 +69,7 @@ class ShellSession:
                 self._cv.notify_all()
 
     def _send(self, text: str) -> None:
-        self.sandbox._client._t.unary(_SANDBOX, "WriteStdin", {"sandboxId": self.sandbox.id, "processId": self.process_id,
+        self.sandbox._client._t.unary(_PROCESS, "WriteStdin", {"sandboxId": self.sandbox.id, "processId": self.process_id,
                                                                 "data": _wire.b64(text.encode())})
 
     def run(self, command: str, *, timeout: Optional[float] = 120) -> Tuple[str, int]:
@@ -98,7 +104,7 @@ class ShellSession:
     def interrupt(self) -> None:
         """Send SIGINT to what the session runs."""
         try:
-            self.sandbox._client._t.unary(_SANDBOX, "SignalProcess", {"sandboxId": self.sandbox.id,
+            self.sandbox._client._t.unary(_PROCESS, "SignalProcess", {"sandboxId": self.sandbox.id,
                                                                       "processId": self.process_id, "signal": "INT"})
         except DsecError:
             pass

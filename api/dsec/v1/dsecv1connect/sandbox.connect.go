@@ -28,8 +28,18 @@ import (
 const _ = connect.IsAtLeastVersion1_13_0
 
 const (
-	// SandboxServiceName is the fully-qualified name of the SandboxService service.
-	SandboxServiceName = "dsec.v1.SandboxService"
+	// LifecycleServiceName is the fully-qualified name of the LifecycleService service.
+	LifecycleServiceName = "dsec.v1.LifecycleService"
+	// ProcessServiceName is the fully-qualified name of the ProcessService service.
+	ProcessServiceName = "dsec.v1.ProcessService"
+	// FilesystemServiceName is the fully-qualified name of the FilesystemService service.
+	FilesystemServiceName = "dsec.v1.FilesystemService"
+	// SnapshotServiceName is the fully-qualified name of the SnapshotService service.
+	SnapshotServiceName = "dsec.v1.SnapshotService"
+	// LogServiceName is the fully-qualified name of the LogService service.
+	LogServiceName = "dsec.v1.LogService"
+	// ScreenServiceName is the fully-qualified name of the ScreenService service.
+	ScreenServiceName = "dsec.v1.ScreenService"
 )
 
 // These constants are the fully-qualified names of the RPCs defined in this package. They're
@@ -40,125 +50,542 @@ const (
 // reflection-formatted method names, remove the leading slash and convert the remaining slash to a
 // period.
 const (
-	// SandboxServiceCreateSandboxProcedure is the fully-qualified name of the SandboxService's
+	// LifecycleServiceCreateSandboxProcedure is the fully-qualified name of the LifecycleService's
 	// CreateSandbox RPC.
-	SandboxServiceCreateSandboxProcedure = "/dsec.v1.SandboxService/CreateSandbox"
-	// SandboxServiceGetSandboxProcedure is the fully-qualified name of the SandboxService's GetSandbox
-	// RPC.
-	SandboxServiceGetSandboxProcedure = "/dsec.v1.SandboxService/GetSandbox"
-	// SandboxServiceListSandboxesProcedure is the fully-qualified name of the SandboxService's
-	// ListSandboxes RPC.
-	SandboxServiceListSandboxesProcedure = "/dsec.v1.SandboxService/ListSandboxes"
-	// SandboxServiceDeleteSandboxProcedure is the fully-qualified name of the SandboxService's
-	// DeleteSandbox RPC.
-	SandboxServiceDeleteSandboxProcedure = "/dsec.v1.SandboxService/DeleteSandbox"
-	// SandboxServiceKeepaliveProcedure is the fully-qualified name of the SandboxService's Keepalive
-	// RPC.
-	SandboxServiceKeepaliveProcedure = "/dsec.v1.SandboxService/Keepalive"
-	// SandboxServiceExecProcedure is the fully-qualified name of the SandboxService's Exec RPC.
-	SandboxServiceExecProcedure = "/dsec.v1.SandboxService/Exec"
-	// SandboxServiceExecStreamProcedure is the fully-qualified name of the SandboxService's ExecStream
-	// RPC.
-	SandboxServiceExecStreamProcedure = "/dsec.v1.SandboxService/ExecStream"
-	// SandboxServiceConnectProcessProcedure is the fully-qualified name of the SandboxService's
-	// ConnectProcess RPC.
-	SandboxServiceConnectProcessProcedure = "/dsec.v1.SandboxService/ConnectProcess"
-	// SandboxServiceWriteStdinProcedure is the fully-qualified name of the SandboxService's WriteStdin
-	// RPC.
-	SandboxServiceWriteStdinProcedure = "/dsec.v1.SandboxService/WriteStdin"
-	// SandboxServiceSignalProcessProcedure is the fully-qualified name of the SandboxService's
-	// SignalProcess RPC.
-	SandboxServiceSignalProcessProcedure = "/dsec.v1.SandboxService/SignalProcess"
-	// SandboxServiceResizePTYProcedure is the fully-qualified name of the SandboxService's ResizePTY
-	// RPC.
-	SandboxServiceResizePTYProcedure = "/dsec.v1.SandboxService/ResizePTY"
-	// SandboxServiceListProcessesProcedure is the fully-qualified name of the SandboxService's
-	// ListProcesses RPC.
-	SandboxServiceListProcessesProcedure = "/dsec.v1.SandboxService/ListProcesses"
-	// SandboxServiceReadFileProcedure is the fully-qualified name of the SandboxService's ReadFile RPC.
-	SandboxServiceReadFileProcedure = "/dsec.v1.SandboxService/ReadFile"
-	// SandboxServiceWriteFileProcedure is the fully-qualified name of the SandboxService's WriteFile
-	// RPC.
-	SandboxServiceWriteFileProcedure = "/dsec.v1.SandboxService/WriteFile"
-	// SandboxServiceStatProcedure is the fully-qualified name of the SandboxService's Stat RPC.
-	SandboxServiceStatProcedure = "/dsec.v1.SandboxService/Stat"
-	// SandboxServiceListDirProcedure is the fully-qualified name of the SandboxService's ListDir RPC.
-	SandboxServiceListDirProcedure = "/dsec.v1.SandboxService/ListDir"
-	// SandboxServiceMakeDirProcedure is the fully-qualified name of the SandboxService's MakeDir RPC.
-	SandboxServiceMakeDirProcedure = "/dsec.v1.SandboxService/MakeDir"
-	// SandboxServiceRemoveProcedure is the fully-qualified name of the SandboxService's Remove RPC.
-	SandboxServiceRemoveProcedure = "/dsec.v1.SandboxService/Remove"
-	// SandboxServiceRenameProcedure is the fully-qualified name of the SandboxService's Rename RPC.
-	SandboxServiceRenameProcedure = "/dsec.v1.SandboxService/Rename"
-	// SandboxServiceWatchDirProcedure is the fully-qualified name of the SandboxService's WatchDir RPC.
-	SandboxServiceWatchDirProcedure = "/dsec.v1.SandboxService/WatchDir"
-	// SandboxServiceGetSandboxStatsProcedure is the fully-qualified name of the SandboxService's
-	// GetSandboxStats RPC.
-	SandboxServiceGetSandboxStatsProcedure = "/dsec.v1.SandboxService/GetSandboxStats"
-	// SandboxServiceCreateSandboxesProcedure is the fully-qualified name of the SandboxService's
+	LifecycleServiceCreateSandboxProcedure = "/dsec.v1.LifecycleService/CreateSandbox"
+	// LifecycleServiceCreateSandboxesProcedure is the fully-qualified name of the LifecycleService's
 	// CreateSandboxes RPC.
-	SandboxServiceCreateSandboxesProcedure = "/dsec.v1.SandboxService/CreateSandboxes"
-	// SandboxServicePauseSandboxProcedure is the fully-qualified name of the SandboxService's
+	LifecycleServiceCreateSandboxesProcedure = "/dsec.v1.LifecycleService/CreateSandboxes"
+	// LifecycleServiceGetSandboxProcedure is the fully-qualified name of the LifecycleService's
+	// GetSandbox RPC.
+	LifecycleServiceGetSandboxProcedure = "/dsec.v1.LifecycleService/GetSandbox"
+	// LifecycleServiceListSandboxesProcedure is the fully-qualified name of the LifecycleService's
+	// ListSandboxes RPC.
+	LifecycleServiceListSandboxesProcedure = "/dsec.v1.LifecycleService/ListSandboxes"
+	// LifecycleServiceDeleteSandboxProcedure is the fully-qualified name of the LifecycleService's
+	// DeleteSandbox RPC.
+	LifecycleServiceDeleteSandboxProcedure = "/dsec.v1.LifecycleService/DeleteSandbox"
+	// LifecycleServiceKeepaliveProcedure is the fully-qualified name of the LifecycleService's
+	// Keepalive RPC.
+	LifecycleServiceKeepaliveProcedure = "/dsec.v1.LifecycleService/Keepalive"
+	// LifecycleServicePauseSandboxProcedure is the fully-qualified name of the LifecycleService's
 	// PauseSandbox RPC.
-	SandboxServicePauseSandboxProcedure = "/dsec.v1.SandboxService/PauseSandbox"
-	// SandboxServiceResumeSandboxProcedure is the fully-qualified name of the SandboxService's
+	LifecycleServicePauseSandboxProcedure = "/dsec.v1.LifecycleService/PauseSandbox"
+	// LifecycleServiceResumeSandboxProcedure is the fully-qualified name of the LifecycleService's
 	// ResumeSandbox RPC.
-	SandboxServiceResumeSandboxProcedure = "/dsec.v1.SandboxService/ResumeSandbox"
-	// SandboxServicePauseSandboxesProcedure is the fully-qualified name of the SandboxService's
+	LifecycleServiceResumeSandboxProcedure = "/dsec.v1.LifecycleService/ResumeSandbox"
+	// LifecycleServicePauseSandboxesProcedure is the fully-qualified name of the LifecycleService's
 	// PauseSandboxes RPC.
-	SandboxServicePauseSandboxesProcedure = "/dsec.v1.SandboxService/PauseSandboxes"
-	// SandboxServiceResumeSandboxesProcedure is the fully-qualified name of the SandboxService's
+	LifecycleServicePauseSandboxesProcedure = "/dsec.v1.LifecycleService/PauseSandboxes"
+	// LifecycleServiceResumeSandboxesProcedure is the fully-qualified name of the LifecycleService's
 	// ResumeSandboxes RPC.
-	SandboxServiceResumeSandboxesProcedure = "/dsec.v1.SandboxService/ResumeSandboxes"
-	// SandboxServiceDeleteSandboxesProcedure is the fully-qualified name of the SandboxService's
+	LifecycleServiceResumeSandboxesProcedure = "/dsec.v1.LifecycleService/ResumeSandboxes"
+	// LifecycleServiceDeleteSandboxesProcedure is the fully-qualified name of the LifecycleService's
 	// DeleteSandboxes RPC.
-	SandboxServiceDeleteSandboxesProcedure = "/dsec.v1.SandboxService/DeleteSandboxes"
-	// SandboxServiceSnapshotProcedure is the fully-qualified name of the SandboxService's Snapshot RPC.
-	SandboxServiceSnapshotProcedure = "/dsec.v1.SandboxService/Snapshot"
-	// SandboxServiceListSnapshotsProcedure is the fully-qualified name of the SandboxService's
+	LifecycleServiceDeleteSandboxesProcedure = "/dsec.v1.LifecycleService/DeleteSandboxes"
+	// LifecycleServiceGetSandboxStatsProcedure is the fully-qualified name of the LifecycleService's
+	// GetSandboxStats RPC.
+	LifecycleServiceGetSandboxStatsProcedure = "/dsec.v1.LifecycleService/GetSandboxStats"
+	// ProcessServiceExecProcedure is the fully-qualified name of the ProcessService's Exec RPC.
+	ProcessServiceExecProcedure = "/dsec.v1.ProcessService/Exec"
+	// ProcessServiceExecStreamProcedure is the fully-qualified name of the ProcessService's ExecStream
+	// RPC.
+	ProcessServiceExecStreamProcedure = "/dsec.v1.ProcessService/ExecStream"
+	// ProcessServiceConnectProcessProcedure is the fully-qualified name of the ProcessService's
+	// ConnectProcess RPC.
+	ProcessServiceConnectProcessProcedure = "/dsec.v1.ProcessService/ConnectProcess"
+	// ProcessServiceWriteStdinProcedure is the fully-qualified name of the ProcessService's WriteStdin
+	// RPC.
+	ProcessServiceWriteStdinProcedure = "/dsec.v1.ProcessService/WriteStdin"
+	// ProcessServiceSignalProcessProcedure is the fully-qualified name of the ProcessService's
+	// SignalProcess RPC.
+	ProcessServiceSignalProcessProcedure = "/dsec.v1.ProcessService/SignalProcess"
+	// ProcessServiceResizePTYProcedure is the fully-qualified name of the ProcessService's ResizePTY
+	// RPC.
+	ProcessServiceResizePTYProcedure = "/dsec.v1.ProcessService/ResizePTY"
+	// ProcessServiceListProcessesProcedure is the fully-qualified name of the ProcessService's
+	// ListProcesses RPC.
+	ProcessServiceListProcessesProcedure = "/dsec.v1.ProcessService/ListProcesses"
+	// FilesystemServiceReadFileProcedure is the fully-qualified name of the FilesystemService's
+	// ReadFile RPC.
+	FilesystemServiceReadFileProcedure = "/dsec.v1.FilesystemService/ReadFile"
+	// FilesystemServiceWriteFileProcedure is the fully-qualified name of the FilesystemService's
+	// WriteFile RPC.
+	FilesystemServiceWriteFileProcedure = "/dsec.v1.FilesystemService/WriteFile"
+	// FilesystemServiceStatProcedure is the fully-qualified name of the FilesystemService's Stat RPC.
+	FilesystemServiceStatProcedure = "/dsec.v1.FilesystemService/Stat"
+	// FilesystemServiceListDirProcedure is the fully-qualified name of the FilesystemService's ListDir
+	// RPC.
+	FilesystemServiceListDirProcedure = "/dsec.v1.FilesystemService/ListDir"
+	// FilesystemServiceMakeDirProcedure is the fully-qualified name of the FilesystemService's MakeDir
+	// RPC.
+	FilesystemServiceMakeDirProcedure = "/dsec.v1.FilesystemService/MakeDir"
+	// FilesystemServiceRemoveProcedure is the fully-qualified name of the FilesystemService's Remove
+	// RPC.
+	FilesystemServiceRemoveProcedure = "/dsec.v1.FilesystemService/Remove"
+	// FilesystemServiceRenameProcedure is the fully-qualified name of the FilesystemService's Rename
+	// RPC.
+	FilesystemServiceRenameProcedure = "/dsec.v1.FilesystemService/Rename"
+	// FilesystemServiceWatchDirProcedure is the fully-qualified name of the FilesystemService's
+	// WatchDir RPC.
+	FilesystemServiceWatchDirProcedure = "/dsec.v1.FilesystemService/WatchDir"
+	// SnapshotServiceSnapshotProcedure is the fully-qualified name of the SnapshotService's Snapshot
+	// RPC.
+	SnapshotServiceSnapshotProcedure = "/dsec.v1.SnapshotService/Snapshot"
+	// SnapshotServiceListSnapshotsProcedure is the fully-qualified name of the SnapshotService's
 	// ListSnapshots RPC.
-	SandboxServiceListSnapshotsProcedure = "/dsec.v1.SandboxService/ListSnapshots"
-	// SandboxServiceDeleteSnapshotProcedure is the fully-qualified name of the SandboxService's
+	SnapshotServiceListSnapshotsProcedure = "/dsec.v1.SnapshotService/ListSnapshots"
+	// SnapshotServiceDeleteSnapshotProcedure is the fully-qualified name of the SnapshotService's
 	// DeleteSnapshot RPC.
-	SandboxServiceDeleteSnapshotProcedure = "/dsec.v1.SandboxService/DeleteSnapshot"
-	// SandboxServiceForkProcedure is the fully-qualified name of the SandboxService's Fork RPC.
-	SandboxServiceForkProcedure = "/dsec.v1.SandboxService/Fork"
-	// SandboxServiceGetLogProcedure is the fully-qualified name of the SandboxService's GetLog RPC.
-	SandboxServiceGetLogProcedure = "/dsec.v1.SandboxService/GetLog"
-	// SandboxServiceReplayProcedure is the fully-qualified name of the SandboxService's Replay RPC.
-	SandboxServiceReplayProcedure = "/dsec.v1.SandboxService/Replay"
-	// SandboxServiceScreenshotProcedure is the fully-qualified name of the SandboxService's Screenshot
+	SnapshotServiceDeleteSnapshotProcedure = "/dsec.v1.SnapshotService/DeleteSnapshot"
+	// SnapshotServiceForkProcedure is the fully-qualified name of the SnapshotService's Fork RPC.
+	SnapshotServiceForkProcedure = "/dsec.v1.SnapshotService/Fork"
+	// LogServiceGetLogProcedure is the fully-qualified name of the LogService's GetLog RPC.
+	LogServiceGetLogProcedure = "/dsec.v1.LogService/GetLog"
+	// LogServiceReplayProcedure is the fully-qualified name of the LogService's Replay RPC.
+	LogServiceReplayProcedure = "/dsec.v1.LogService/Replay"
+	// ScreenServiceScreenshotProcedure is the fully-qualified name of the ScreenService's Screenshot
 	// RPC.
-	SandboxServiceScreenshotProcedure = "/dsec.v1.SandboxService/Screenshot"
-	// SandboxServiceSendInputProcedure is the fully-qualified name of the SandboxService's SendInput
-	// RPC.
-	SandboxServiceSendInputProcedure = "/dsec.v1.SandboxService/SendInput"
-	// SandboxServiceOpenVNCProcedure is the fully-qualified name of the SandboxService's OpenVNC RPC.
-	SandboxServiceOpenVNCProcedure = "/dsec.v1.SandboxService/OpenVNC"
+	ScreenServiceScreenshotProcedure = "/dsec.v1.ScreenService/Screenshot"
+	// ScreenServiceSendInputProcedure is the fully-qualified name of the ScreenService's SendInput RPC.
+	ScreenServiceSendInputProcedure = "/dsec.v1.ScreenService/SendInput"
+	// ScreenServiceOpenVNCProcedure is the fully-qualified name of the ScreenService's OpenVNC RPC.
+	ScreenServiceOpenVNCProcedure = "/dsec.v1.ScreenService/OpenVNC"
 )
 
-// SandboxServiceClient is a client for the dsec.v1.SandboxService service.
-type SandboxServiceClient interface {
+// LifecycleServiceClient is a client for the dsec.v1.LifecycleService service.
+type LifecycleServiceClient interface {
 	// CreateSandbox starts one sandbox and returns once it accepts exec calls.
 	// A request with an idempotency_key returns the sandbox created by an
-	// earlier request with the same key.
+	// earlier request of the same project with the same key (keys of
+	// different projects never meet). Placement refusals are exhausted
+	// (retry after retry_after) or unavailable; a missing image is not_found.
 	CreateSandbox(context.Context, *connect.Request[v1.CreateSandboxRequest]) (*connect.Response[v1.Sandbox], error)
+	// CreateSandboxes creates many sandboxes (count copies of spec, or one per
+	// specs item) and reports each one: partial success is explicit. Item i
+	// of a keyed request keeps the key "<key>/<i>" wherever it is placed.
+	CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
 	// GetSandbox returns a sandbox's status. Deleted sandboxes are remembered
-	// for a while with state "deleted" and the reason.
+	// for a while (24 h) with state "deleted" or "failed" and the reason.
 	GetSandbox(context.Context, *connect.Request[v1.GetSandboxRequest]) (*connect.Response[v1.Sandbox], error)
-	// ListSandboxes lists live sandboxes, filtered by a label selector.
+	// ListSandboxes lists the caller's live sandboxes (an operator's: every
+	// project's) on every node, oldest first, filtered by a label selector
+	// and state, in pages.
 	ListSandboxes(context.Context, *connect.Request[v1.ListSandboxesRequest]) (*connect.Response[v1.ListSandboxesResponse], error)
-	// DeleteSandbox frees every resource of a sandbox. It is idempotent.
+	// DeleteSandbox frees every resource of a sandbox. It is idempotent:
+	// deleting a deleted, unknown or another project's sandbox succeeds and
+	// does nothing.
 	DeleteSandbox(context.Context, *connect.Request[v1.DeleteSandboxRequest]) (*connect.Response[v1.DeleteSandboxResponse], error)
-	// Keepalive resets the idle timer and optionally extends the absolute TTL.
+	// Keepalive resets the idle timer and optionally extends the absolute
+	// TTL (to extend_ttl_s from now, at most the node's maximum TTL).
 	Keepalive(context.Context, *connect.Request[v1.KeepaliveRequest]) (*connect.Response[v1.Sandbox], error)
-	// Exec runs a command to completion and returns its collected output.
+	// PauseSandbox freezes a sandbox and releases what memory it can. Any
+	// later call resumes it. Pausing a paused sandbox succeeds.
+	PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error)
+	// ResumeSandbox thaws a paused sandbox. Resuming a running one succeeds.
+	ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error)
+	// PauseSandboxes, ResumeSandboxes and DeleteSandboxes act on every
+	// sandbox of the caller matching a (non-empty) label selector, on every
+	// node, e.g. a preempted job, and report each failure.
+	PauseSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
+	ResumeSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
+	DeleteSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
+	// GetSandboxStats reports a sandbox's resource use now. It does not count
+	// as activity (the idle timer keeps running) and does not resume a paused
+	// sandbox.
+	GetSandboxStats(context.Context, *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error)
+}
+
+// NewLifecycleServiceClient constructs a client for the dsec.v1.LifecycleService service. By
+// default, it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses,
+// and sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the
+// connect.WithGRPC() or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewLifecycleServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) LifecycleServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	lifecycleServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("LifecycleService").Methods()
+	return &lifecycleServiceClient{
+		createSandbox: connect.NewClient[v1.CreateSandboxRequest, v1.Sandbox](
+			httpClient,
+			baseURL+LifecycleServiceCreateSandboxProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("CreateSandbox")),
+			connect.WithClientOptions(opts...),
+		),
+		createSandboxes: connect.NewClient[v1.CreateSandboxesRequest, v1.CreateSandboxesResponse](
+			httpClient,
+			baseURL+LifecycleServiceCreateSandboxesProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("CreateSandboxes")),
+			connect.WithClientOptions(opts...),
+		),
+		getSandbox: connect.NewClient[v1.GetSandboxRequest, v1.Sandbox](
+			httpClient,
+			baseURL+LifecycleServiceGetSandboxProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("GetSandbox")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
+		listSandboxes: connect.NewClient[v1.ListSandboxesRequest, v1.ListSandboxesResponse](
+			httpClient,
+			baseURL+LifecycleServiceListSandboxesProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("ListSandboxes")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
+		deleteSandbox: connect.NewClient[v1.DeleteSandboxRequest, v1.DeleteSandboxResponse](
+			httpClient,
+			baseURL+LifecycleServiceDeleteSandboxProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("DeleteSandbox")),
+			connect.WithIdempotency(connect.IdempotencyIdempotent),
+			connect.WithClientOptions(opts...),
+		),
+		keepalive: connect.NewClient[v1.KeepaliveRequest, v1.Sandbox](
+			httpClient,
+			baseURL+LifecycleServiceKeepaliveProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("Keepalive")),
+			connect.WithClientOptions(opts...),
+		),
+		pauseSandbox: connect.NewClient[v1.PauseSandboxRequest, v1.Sandbox](
+			httpClient,
+			baseURL+LifecycleServicePauseSandboxProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("PauseSandbox")),
+			connect.WithClientOptions(opts...),
+		),
+		resumeSandbox: connect.NewClient[v1.ResumeSandboxRequest, v1.Sandbox](
+			httpClient,
+			baseURL+LifecycleServiceResumeSandboxProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("ResumeSandbox")),
+			connect.WithClientOptions(opts...),
+		),
+		pauseSandboxes: connect.NewClient[v1.BulkRequest, v1.BulkResponse](
+			httpClient,
+			baseURL+LifecycleServicePauseSandboxesProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("PauseSandboxes")),
+			connect.WithClientOptions(opts...),
+		),
+		resumeSandboxes: connect.NewClient[v1.BulkRequest, v1.BulkResponse](
+			httpClient,
+			baseURL+LifecycleServiceResumeSandboxesProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("ResumeSandboxes")),
+			connect.WithClientOptions(opts...),
+		),
+		deleteSandboxes: connect.NewClient[v1.BulkRequest, v1.BulkResponse](
+			httpClient,
+			baseURL+LifecycleServiceDeleteSandboxesProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("DeleteSandboxes")),
+			connect.WithClientOptions(opts...),
+		),
+		getSandboxStats: connect.NewClient[v1.GetSandboxStatsRequest, v1.SandboxStats](
+			httpClient,
+			baseURL+LifecycleServiceGetSandboxStatsProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("GetSandboxStats")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// lifecycleServiceClient implements LifecycleServiceClient.
+type lifecycleServiceClient struct {
+	createSandbox   *connect.Client[v1.CreateSandboxRequest, v1.Sandbox]
+	createSandboxes *connect.Client[v1.CreateSandboxesRequest, v1.CreateSandboxesResponse]
+	getSandbox      *connect.Client[v1.GetSandboxRequest, v1.Sandbox]
+	listSandboxes   *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
+	deleteSandbox   *connect.Client[v1.DeleteSandboxRequest, v1.DeleteSandboxResponse]
+	keepalive       *connect.Client[v1.KeepaliveRequest, v1.Sandbox]
+	pauseSandbox    *connect.Client[v1.PauseSandboxRequest, v1.Sandbox]
+	resumeSandbox   *connect.Client[v1.ResumeSandboxRequest, v1.Sandbox]
+	pauseSandboxes  *connect.Client[v1.BulkRequest, v1.BulkResponse]
+	resumeSandboxes *connect.Client[v1.BulkRequest, v1.BulkResponse]
+	deleteSandboxes *connect.Client[v1.BulkRequest, v1.BulkResponse]
+	getSandboxStats *connect.Client[v1.GetSandboxStatsRequest, v1.SandboxStats]
+}
+
+// CreateSandbox calls dsec.v1.LifecycleService.CreateSandbox.
+func (c *lifecycleServiceClient) CreateSandbox(ctx context.Context, req *connect.Request[v1.CreateSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
+	return c.createSandbox.CallUnary(ctx, req)
+}
+
+// CreateSandboxes calls dsec.v1.LifecycleService.CreateSandboxes.
+func (c *lifecycleServiceClient) CreateSandboxes(ctx context.Context, req *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
+	return c.createSandboxes.CallUnary(ctx, req)
+}
+
+// GetSandbox calls dsec.v1.LifecycleService.GetSandbox.
+func (c *lifecycleServiceClient) GetSandbox(ctx context.Context, req *connect.Request[v1.GetSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
+	return c.getSandbox.CallUnary(ctx, req)
+}
+
+// ListSandboxes calls dsec.v1.LifecycleService.ListSandboxes.
+func (c *lifecycleServiceClient) ListSandboxes(ctx context.Context, req *connect.Request[v1.ListSandboxesRequest]) (*connect.Response[v1.ListSandboxesResponse], error) {
+	return c.listSandboxes.CallUnary(ctx, req)
+}
+
+// DeleteSandbox calls dsec.v1.LifecycleService.DeleteSandbox.
+func (c *lifecycleServiceClient) DeleteSandbox(ctx context.Context, req *connect.Request[v1.DeleteSandboxRequest]) (*connect.Response[v1.DeleteSandboxResponse], error) {
+	return c.deleteSandbox.CallUnary(ctx, req)
+}
+
+// Keepalive calls dsec.v1.LifecycleService.Keepalive.
+func (c *lifecycleServiceClient) Keepalive(ctx context.Context, req *connect.Request[v1.KeepaliveRequest]) (*connect.Response[v1.Sandbox], error) {
+	return c.keepalive.CallUnary(ctx, req)
+}
+
+// PauseSandbox calls dsec.v1.LifecycleService.PauseSandbox.
+func (c *lifecycleServiceClient) PauseSandbox(ctx context.Context, req *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
+	return c.pauseSandbox.CallUnary(ctx, req)
+}
+
+// ResumeSandbox calls dsec.v1.LifecycleService.ResumeSandbox.
+func (c *lifecycleServiceClient) ResumeSandbox(ctx context.Context, req *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
+	return c.resumeSandbox.CallUnary(ctx, req)
+}
+
+// PauseSandboxes calls dsec.v1.LifecycleService.PauseSandboxes.
+func (c *lifecycleServiceClient) PauseSandboxes(ctx context.Context, req *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
+	return c.pauseSandboxes.CallUnary(ctx, req)
+}
+
+// ResumeSandboxes calls dsec.v1.LifecycleService.ResumeSandboxes.
+func (c *lifecycleServiceClient) ResumeSandboxes(ctx context.Context, req *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
+	return c.resumeSandboxes.CallUnary(ctx, req)
+}
+
+// DeleteSandboxes calls dsec.v1.LifecycleService.DeleteSandboxes.
+func (c *lifecycleServiceClient) DeleteSandboxes(ctx context.Context, req *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
+	return c.deleteSandboxes.CallUnary(ctx, req)
+}
+
+// GetSandboxStats calls dsec.v1.LifecycleService.GetSandboxStats.
+func (c *lifecycleServiceClient) GetSandboxStats(ctx context.Context, req *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error) {
+	return c.getSandboxStats.CallUnary(ctx, req)
+}
+
+// LifecycleServiceHandler is an implementation of the dsec.v1.LifecycleService service.
+type LifecycleServiceHandler interface {
+	// CreateSandbox starts one sandbox and returns once it accepts exec calls.
+	// A request with an idempotency_key returns the sandbox created by an
+	// earlier request of the same project with the same key (keys of
+	// different projects never meet). Placement refusals are exhausted
+	// (retry after retry_after) or unavailable; a missing image is not_found.
+	CreateSandbox(context.Context, *connect.Request[v1.CreateSandboxRequest]) (*connect.Response[v1.Sandbox], error)
+	// CreateSandboxes creates many sandboxes (count copies of spec, or one per
+	// specs item) and reports each one: partial success is explicit. Item i
+	// of a keyed request keeps the key "<key>/<i>" wherever it is placed.
+	CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
+	// GetSandbox returns a sandbox's status. Deleted sandboxes are remembered
+	// for a while (24 h) with state "deleted" or "failed" and the reason.
+	GetSandbox(context.Context, *connect.Request[v1.GetSandboxRequest]) (*connect.Response[v1.Sandbox], error)
+	// ListSandboxes lists the caller's live sandboxes (an operator's: every
+	// project's) on every node, oldest first, filtered by a label selector
+	// and state, in pages.
+	ListSandboxes(context.Context, *connect.Request[v1.ListSandboxesRequest]) (*connect.Response[v1.ListSandboxesResponse], error)
+	// DeleteSandbox frees every resource of a sandbox. It is idempotent:
+	// deleting a deleted, unknown or another project's sandbox succeeds and
+	// does nothing.
+	DeleteSandbox(context.Context, *connect.Request[v1.DeleteSandboxRequest]) (*connect.Response[v1.DeleteSandboxResponse], error)
+	// Keepalive resets the idle timer and optionally extends the absolute
+	// TTL (to extend_ttl_s from now, at most the node's maximum TTL).
+	Keepalive(context.Context, *connect.Request[v1.KeepaliveRequest]) (*connect.Response[v1.Sandbox], error)
+	// PauseSandbox freezes a sandbox and releases what memory it can. Any
+	// later call resumes it. Pausing a paused sandbox succeeds.
+	PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error)
+	// ResumeSandbox thaws a paused sandbox. Resuming a running one succeeds.
+	ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error)
+	// PauseSandboxes, ResumeSandboxes and DeleteSandboxes act on every
+	// sandbox of the caller matching a (non-empty) label selector, on every
+	// node, e.g. a preempted job, and report each failure.
+	PauseSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
+	ResumeSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
+	DeleteSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
+	// GetSandboxStats reports a sandbox's resource use now. It does not count
+	// as activity (the idle timer keeps running) and does not resume a paused
+	// sandbox.
+	GetSandboxStats(context.Context, *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error)
+}
+
+// NewLifecycleServiceHandler builds an HTTP handler from the service implementation. It returns the
+// path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewLifecycleServiceHandler(svc LifecycleServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	lifecycleServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("LifecycleService").Methods()
+	lifecycleServiceCreateSandboxHandler := connect.NewUnaryHandler(
+		LifecycleServiceCreateSandboxProcedure,
+		svc.CreateSandbox,
+		connect.WithSchema(lifecycleServiceMethods.ByName("CreateSandbox")),
+		connect.WithHandlerOptions(opts...),
+	)
+	lifecycleServiceCreateSandboxesHandler := connect.NewUnaryHandler(
+		LifecycleServiceCreateSandboxesProcedure,
+		svc.CreateSandboxes,
+		connect.WithSchema(lifecycleServiceMethods.ByName("CreateSandboxes")),
+		connect.WithHandlerOptions(opts...),
+	)
+	lifecycleServiceGetSandboxHandler := connect.NewUnaryHandler(
+		LifecycleServiceGetSandboxProcedure,
+		svc.GetSandbox,
+		connect.WithSchema(lifecycleServiceMethods.ByName("GetSandbox")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
+	lifecycleServiceListSandboxesHandler := connect.NewUnaryHandler(
+		LifecycleServiceListSandboxesProcedure,
+		svc.ListSandboxes,
+		connect.WithSchema(lifecycleServiceMethods.ByName("ListSandboxes")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
+	lifecycleServiceDeleteSandboxHandler := connect.NewUnaryHandler(
+		LifecycleServiceDeleteSandboxProcedure,
+		svc.DeleteSandbox,
+		connect.WithSchema(lifecycleServiceMethods.ByName("DeleteSandbox")),
+		connect.WithIdempotency(connect.IdempotencyIdempotent),
+		connect.WithHandlerOptions(opts...),
+	)
+	lifecycleServiceKeepaliveHandler := connect.NewUnaryHandler(
+		LifecycleServiceKeepaliveProcedure,
+		svc.Keepalive,
+		connect.WithSchema(lifecycleServiceMethods.ByName("Keepalive")),
+		connect.WithHandlerOptions(opts...),
+	)
+	lifecycleServicePauseSandboxHandler := connect.NewUnaryHandler(
+		LifecycleServicePauseSandboxProcedure,
+		svc.PauseSandbox,
+		connect.WithSchema(lifecycleServiceMethods.ByName("PauseSandbox")),
+		connect.WithHandlerOptions(opts...),
+	)
+	lifecycleServiceResumeSandboxHandler := connect.NewUnaryHandler(
+		LifecycleServiceResumeSandboxProcedure,
+		svc.ResumeSandbox,
+		connect.WithSchema(lifecycleServiceMethods.ByName("ResumeSandbox")),
+		connect.WithHandlerOptions(opts...),
+	)
+	lifecycleServicePauseSandboxesHandler := connect.NewUnaryHandler(
+		LifecycleServicePauseSandboxesProcedure,
+		svc.PauseSandboxes,
+		connect.WithSchema(lifecycleServiceMethods.ByName("PauseSandboxes")),
+		connect.WithHandlerOptions(opts...),
+	)
+	lifecycleServiceResumeSandboxesHandler := connect.NewUnaryHandler(
+		LifecycleServiceResumeSandboxesProcedure,
+		svc.ResumeSandboxes,
+		connect.WithSchema(lifecycleServiceMethods.ByName("ResumeSandboxes")),
+		connect.WithHandlerOptions(opts...),
+	)
+	lifecycleServiceDeleteSandboxesHandler := connect.NewUnaryHandler(
+		LifecycleServiceDeleteSandboxesProcedure,
+		svc.DeleteSandboxes,
+		connect.WithSchema(lifecycleServiceMethods.ByName("DeleteSandboxes")),
+		connect.WithHandlerOptions(opts...),
+	)
+	lifecycleServiceGetSandboxStatsHandler := connect.NewUnaryHandler(
+		LifecycleServiceGetSandboxStatsProcedure,
+		svc.GetSandboxStats,
+		connect.WithSchema(lifecycleServiceMethods.ByName("GetSandboxStats")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/dsec.v1.LifecycleService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case LifecycleServiceCreateSandboxProcedure:
+			lifecycleServiceCreateSandboxHandler.ServeHTTP(w, r)
+		case LifecycleServiceCreateSandboxesProcedure:
+			lifecycleServiceCreateSandboxesHandler.ServeHTTP(w, r)
+		case LifecycleServiceGetSandboxProcedure:
+			lifecycleServiceGetSandboxHandler.ServeHTTP(w, r)
+		case LifecycleServiceListSandboxesProcedure:
+			lifecycleServiceListSandboxesHandler.ServeHTTP(w, r)
+		case LifecycleServiceDeleteSandboxProcedure:
+			lifecycleServiceDeleteSandboxHandler.ServeHTTP(w, r)
+		case LifecycleServiceKeepaliveProcedure:
+			lifecycleServiceKeepaliveHandler.ServeHTTP(w, r)
+		case LifecycleServicePauseSandboxProcedure:
+			lifecycleServicePauseSandboxHandler.ServeHTTP(w, r)
+		case LifecycleServiceResumeSandboxProcedure:
+			lifecycleServiceResumeSandboxHandler.ServeHTTP(w, r)
+		case LifecycleServicePauseSandboxesProcedure:
+			lifecycleServicePauseSandboxesHandler.ServeHTTP(w, r)
+		case LifecycleServiceResumeSandboxesProcedure:
+			lifecycleServiceResumeSandboxesHandler.ServeHTTP(w, r)
+		case LifecycleServiceDeleteSandboxesProcedure:
+			lifecycleServiceDeleteSandboxesHandler.ServeHTTP(w, r)
+		case LifecycleServiceGetSandboxStatsProcedure:
+			lifecycleServiceGetSandboxStatsHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedLifecycleServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedLifecycleServiceHandler struct{}
+
+func (UnimplementedLifecycleServiceHandler) CreateSandbox(context.Context, *connect.Request[v1.CreateSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.CreateSandbox is not implemented"))
+}
+
+func (UnimplementedLifecycleServiceHandler) CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.CreateSandboxes is not implemented"))
+}
+
+func (UnimplementedLifecycleServiceHandler) GetSandbox(context.Context, *connect.Request[v1.GetSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.GetSandbox is not implemented"))
+}
+
+func (UnimplementedLifecycleServiceHandler) ListSandboxes(context.Context, *connect.Request[v1.ListSandboxesRequest]) (*connect.Response[v1.ListSandboxesResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.ListSandboxes is not implemented"))
+}
+
+func (UnimplementedLifecycleServiceHandler) DeleteSandbox(context.Context, *connect.Request[v1.DeleteSandboxRequest]) (*connect.Response[v1.DeleteSandboxResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.DeleteSandbox is not implemented"))
+}
+
+func (UnimplementedLifecycleServiceHandler) Keepalive(context.Context, *connect.Request[v1.KeepaliveRequest]) (*connect.Response[v1.Sandbox], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.Keepalive is not implemented"))
+}
+
+func (UnimplementedLifecycleServiceHandler) PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.PauseSandbox is not implemented"))
+}
+
+func (UnimplementedLifecycleServiceHandler) ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.ResumeSandbox is not implemented"))
+}
+
+func (UnimplementedLifecycleServiceHandler) PauseSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.PauseSandboxes is not implemented"))
+}
+
+func (UnimplementedLifecycleServiceHandler) ResumeSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.ResumeSandboxes is not implemented"))
+}
+
+func (UnimplementedLifecycleServiceHandler) DeleteSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.DeleteSandboxes is not implemented"))
+}
+
+func (UnimplementedLifecycleServiceHandler) GetSandboxStats(context.Context, *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.GetSandboxStats is not implemented"))
+}
+
+// ProcessServiceClient is a client for the dsec.v1.ProcessService service.
+type ProcessServiceClient interface {
+	// Exec runs a command to completion and returns its collected output
+	// (head and tail of each stream, max_output_bytes each). A command that
+	// cannot start is an exit with code 127, not an error; the command's
+	// failure (exit code, signal, timeout, the sandbox's memory or pids
+	// limit) is a result, never an infra error. With a request_id the call
+	// is exactly-once: a repeat returns the logged result (replayed).
 	Exec(context.Context, *connect.Request[v1.ExecRequest]) (*connect.Response[v1.ExecResult], error)
 	// ExecStream runs a command and streams its output as it happens. The
 	// first event is "started" (with the process id), the last is "exit".
 	ExecStream(context.Context, *connect.Request[v1.ExecRequest]) (*connect.ServerStreamForClient[v1.ExecEvent], error)
 	// ConnectProcess attaches to a process started earlier (for example a
-	// detached one): buffered output is replayed, then live output follows.
+	// detached one): buffered output is replayed (unless live_only), then
+	// live output follows.
 	ConnectProcess(context.Context, *connect.Request[v1.ConnectProcessRequest]) (*connect.ServerStreamForClient[v1.ExecEvent], error)
 	// WriteStdin writes to (or closes) the stdin of a running process that was
 	// started with stdin_open.
@@ -170,542 +597,126 @@ type SandboxServiceClient interface {
 	// ListProcesses lists the processes the agent started that are running or
 	// recently finished.
 	ListProcesses(context.Context, *connect.Request[v1.ListProcessesRequest]) (*connect.Response[v1.ListProcessesResponse], error)
-	// ReadFile streams a file: the first message carries its info, the rest
-	// carry data chunks.
-	ReadFile(context.Context, *connect.Request[v1.ReadFileRequest]) (*connect.ServerStreamForClient[v1.ReadFileResponse], error)
-	// WriteFile writes a file from a stream: the first message is the header,
-	// the rest are data chunks.
-	WriteFile(context.Context) *connect.ClientStreamForClient[v1.WriteFileRequest, v1.FileInfo]
-	Stat(context.Context, *connect.Request[v1.StatRequest]) (*connect.Response[v1.FileInfo], error)
-	ListDir(context.Context, *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error)
-	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.FileInfo], error)
-	Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error)
-	Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error)
-	// WatchDir streams changes under a directory until the caller goes away:
-	// a "started" event once the watch is in place, then one event per change
-	// (and keepalives on quiet streams).
-	WatchDir(context.Context, *connect.Request[v1.WatchDirRequest]) (*connect.ServerStreamForClient[v1.WatchDirEvent], error)
-	// GetSandboxStats reports a sandbox's resource use now. It does not count
-	// as activity (the idle timer keeps running) and does not resume a paused
-	// sandbox.
-	GetSandboxStats(context.Context, *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error)
-	// CreateSandboxes creates many sandboxes (count copies of spec, or one per
-	// specs item) and reports each one: partial success is explicit.
-	CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
-	// PauseSandbox freezes a sandbox and releases what memory it can. Any
-	// later call resumes it. Pausing a paused sandbox succeeds.
-	PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error)
-	ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error)
-	// PauseSandboxes, ResumeSandboxes and DeleteSandboxes act on every
-	// sandbox matching a (non-empty) label selector, e.g. a preempted job.
-	PauseSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
-	ResumeSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
-	DeleteSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
-	// Snapshot captures a sandbox (for containers its writable layer, taken
-	// while frozen; for VMs memory and disk) as a snapshot sandboxes can be
-	// created from.
-	Snapshot(context.Context, *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotInfo], error)
-	ListSnapshots(context.Context, *connect.Request[v1.ListSnapshotsRequest]) (*connect.Response[v1.ListSnapshotsResponse], error)
-	DeleteSnapshot(context.Context, *connect.Request[v1.DeleteSnapshotRequest]) (*connect.Response[v1.DeleteSnapshotResponse], error)
-	// Fork snapshots a sandbox and creates count children from it.
-	Fork(context.Context, *connect.Request[v1.ForkRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
-	// GetLog reads a sandbox's trajectory log: every exec and file mutation,
-	// in order, with its result. Logs outlive their sandbox for a while.
-	GetLog(context.Context, *connect.Request[v1.GetLogRequest]) (*connect.Response[v1.GetLogResponse], error)
-	// Replay re-executes a sandbox's logged mutating calls, in order, in a new
-	// sandbox from the same image or snapshot, and reports divergences.
-	Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error)
-	// Screenshot captures the screen of a sandbox whose kind has the "screen"
-	// capability (vm) as a PNG image at the guest's display resolution.
-	Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error)
-	// SendInput types text, presses keys and moves, clicks and scrolls the
-	// mouse on a sandbox's screen, in order.
-	SendInput(context.Context, *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error)
-	// OpenVNC gives a sandbox's screen a new VNC password and returns its VNC
-	// server's address, which is on the node's loopback interface (reach it
-	// from the node or through a tunnel). Needs a node started with VNC
-	// (vm.vnc).
-	OpenVNC(context.Context, *connect.Request[v1.OpenVNCRequest]) (*connect.Response[v1.OpenVNCResponse], error)
 }
 
-// NewSandboxServiceClient constructs a client for the dsec.v1.SandboxService service. By default,
+// NewProcessServiceClient constructs a client for the dsec.v1.ProcessService service. By default,
 // it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses, and
 // sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the connect.WithGRPC()
 // or connect.WithGRPCWeb() options.
 //
 // The URL supplied here should be the base URL for the Connect or gRPC server (for example,
 // http://api.acme.com or https://acme.com/grpc).
-func NewSandboxServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) SandboxServiceClient {
+func NewProcessServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) ProcessServiceClient {
 	baseURL = strings.TrimRight(baseURL, "/")
-	sandboxServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("SandboxService").Methods()
-	return &sandboxServiceClient{
-		createSandbox: connect.NewClient[v1.CreateSandboxRequest, v1.Sandbox](
-			httpClient,
-			baseURL+SandboxServiceCreateSandboxProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("CreateSandbox")),
-			connect.WithClientOptions(opts...),
-		),
-		getSandbox: connect.NewClient[v1.GetSandboxRequest, v1.Sandbox](
-			httpClient,
-			baseURL+SandboxServiceGetSandboxProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("GetSandbox")),
-			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
-			connect.WithClientOptions(opts...),
-		),
-		listSandboxes: connect.NewClient[v1.ListSandboxesRequest, v1.ListSandboxesResponse](
-			httpClient,
-			baseURL+SandboxServiceListSandboxesProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("ListSandboxes")),
-			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
-			connect.WithClientOptions(opts...),
-		),
-		deleteSandbox: connect.NewClient[v1.DeleteSandboxRequest, v1.DeleteSandboxResponse](
-			httpClient,
-			baseURL+SandboxServiceDeleteSandboxProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("DeleteSandbox")),
-			connect.WithIdempotency(connect.IdempotencyIdempotent),
-			connect.WithClientOptions(opts...),
-		),
-		keepalive: connect.NewClient[v1.KeepaliveRequest, v1.Sandbox](
-			httpClient,
-			baseURL+SandboxServiceKeepaliveProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("Keepalive")),
-			connect.WithClientOptions(opts...),
-		),
+	processServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("ProcessService").Methods()
+	return &processServiceClient{
 		exec: connect.NewClient[v1.ExecRequest, v1.ExecResult](
 			httpClient,
-			baseURL+SandboxServiceExecProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("Exec")),
+			baseURL+ProcessServiceExecProcedure,
+			connect.WithSchema(processServiceMethods.ByName("Exec")),
 			connect.WithClientOptions(opts...),
 		),
 		execStream: connect.NewClient[v1.ExecRequest, v1.ExecEvent](
 			httpClient,
-			baseURL+SandboxServiceExecStreamProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("ExecStream")),
+			baseURL+ProcessServiceExecStreamProcedure,
+			connect.WithSchema(processServiceMethods.ByName("ExecStream")),
 			connect.WithClientOptions(opts...),
 		),
 		connectProcess: connect.NewClient[v1.ConnectProcessRequest, v1.ExecEvent](
 			httpClient,
-			baseURL+SandboxServiceConnectProcessProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("ConnectProcess")),
+			baseURL+ProcessServiceConnectProcessProcedure,
+			connect.WithSchema(processServiceMethods.ByName("ConnectProcess")),
 			connect.WithClientOptions(opts...),
 		),
 		writeStdin: connect.NewClient[v1.WriteStdinRequest, v1.WriteStdinResponse](
 			httpClient,
-			baseURL+SandboxServiceWriteStdinProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("WriteStdin")),
+			baseURL+ProcessServiceWriteStdinProcedure,
+			connect.WithSchema(processServiceMethods.ByName("WriteStdin")),
 			connect.WithClientOptions(opts...),
 		),
 		signalProcess: connect.NewClient[v1.SignalProcessRequest, v1.SignalProcessResponse](
 			httpClient,
-			baseURL+SandboxServiceSignalProcessProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("SignalProcess")),
+			baseURL+ProcessServiceSignalProcessProcedure,
+			connect.WithSchema(processServiceMethods.ByName("SignalProcess")),
 			connect.WithClientOptions(opts...),
 		),
 		resizePTY: connect.NewClient[v1.ResizePTYRequest, v1.ResizePTYResponse](
 			httpClient,
-			baseURL+SandboxServiceResizePTYProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("ResizePTY")),
+			baseURL+ProcessServiceResizePTYProcedure,
+			connect.WithSchema(processServiceMethods.ByName("ResizePTY")),
 			connect.WithClientOptions(opts...),
 		),
 		listProcesses: connect.NewClient[v1.ListProcessesRequest, v1.ListProcessesResponse](
 			httpClient,
-			baseURL+SandboxServiceListProcessesProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("ListProcesses")),
-			connect.WithClientOptions(opts...),
-		),
-		readFile: connect.NewClient[v1.ReadFileRequest, v1.ReadFileResponse](
-			httpClient,
-			baseURL+SandboxServiceReadFileProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("ReadFile")),
-			connect.WithClientOptions(opts...),
-		),
-		writeFile: connect.NewClient[v1.WriteFileRequest, v1.FileInfo](
-			httpClient,
-			baseURL+SandboxServiceWriteFileProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("WriteFile")),
-			connect.WithClientOptions(opts...),
-		),
-		stat: connect.NewClient[v1.StatRequest, v1.FileInfo](
-			httpClient,
-			baseURL+SandboxServiceStatProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("Stat")),
-			connect.WithClientOptions(opts...),
-		),
-		listDir: connect.NewClient[v1.ListDirRequest, v1.ListDirResponse](
-			httpClient,
-			baseURL+SandboxServiceListDirProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("ListDir")),
-			connect.WithClientOptions(opts...),
-		),
-		makeDir: connect.NewClient[v1.MakeDirRequest, v1.FileInfo](
-			httpClient,
-			baseURL+SandboxServiceMakeDirProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("MakeDir")),
-			connect.WithClientOptions(opts...),
-		),
-		remove: connect.NewClient[v1.RemoveRequest, v1.RemoveResponse](
-			httpClient,
-			baseURL+SandboxServiceRemoveProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("Remove")),
-			connect.WithClientOptions(opts...),
-		),
-		rename: connect.NewClient[v1.RenameRequest, v1.FileInfo](
-			httpClient,
-			baseURL+SandboxServiceRenameProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("Rename")),
-			connect.WithClientOptions(opts...),
-		),
-		watchDir: connect.NewClient[v1.WatchDirRequest, v1.WatchDirEvent](
-			httpClient,
-			baseURL+SandboxServiceWatchDirProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("WatchDir")),
-			connect.WithClientOptions(opts...),
-		),
-		getSandboxStats: connect.NewClient[v1.GetSandboxStatsRequest, v1.SandboxStats](
-			httpClient,
-			baseURL+SandboxServiceGetSandboxStatsProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("GetSandboxStats")),
+			baseURL+ProcessServiceListProcessesProcedure,
+			connect.WithSchema(processServiceMethods.ByName("ListProcesses")),
 			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
-			connect.WithClientOptions(opts...),
-		),
-		createSandboxes: connect.NewClient[v1.CreateSandboxesRequest, v1.CreateSandboxesResponse](
-			httpClient,
-			baseURL+SandboxServiceCreateSandboxesProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("CreateSandboxes")),
-			connect.WithClientOptions(opts...),
-		),
-		pauseSandbox: connect.NewClient[v1.PauseSandboxRequest, v1.Sandbox](
-			httpClient,
-			baseURL+SandboxServicePauseSandboxProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("PauseSandbox")),
-			connect.WithClientOptions(opts...),
-		),
-		resumeSandbox: connect.NewClient[v1.ResumeSandboxRequest, v1.Sandbox](
-			httpClient,
-			baseURL+SandboxServiceResumeSandboxProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("ResumeSandbox")),
-			connect.WithClientOptions(opts...),
-		),
-		pauseSandboxes: connect.NewClient[v1.BulkRequest, v1.BulkResponse](
-			httpClient,
-			baseURL+SandboxServicePauseSandboxesProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("PauseSandboxes")),
-			connect.WithClientOptions(opts...),
-		),
-		resumeSandboxes: connect.NewClient[v1.BulkRequest, v1.BulkResponse](
-			httpClient,
-			baseURL+SandboxServiceResumeSandboxesProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("ResumeSandboxes")),
-			connect.WithClientOptions(opts...),
-		),
-		deleteSandboxes: connect.NewClient[v1.BulkRequest, v1.BulkResponse](
-			httpClient,
-			baseURL+SandboxServiceDeleteSandboxesProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("DeleteSandboxes")),
-			connect.WithClientOptions(opts...),
-		),
-		snapshot: connect.NewClient[v1.SnapshotRequest, v1.SnapshotInfo](
-			httpClient,
-			baseURL+SandboxServiceSnapshotProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("Snapshot")),
-			connect.WithClientOptions(opts...),
-		),
-		listSnapshots: connect.NewClient[v1.ListSnapshotsRequest, v1.ListSnapshotsResponse](
-			httpClient,
-			baseURL+SandboxServiceListSnapshotsProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("ListSnapshots")),
-			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
-			connect.WithClientOptions(opts...),
-		),
-		deleteSnapshot: connect.NewClient[v1.DeleteSnapshotRequest, v1.DeleteSnapshotResponse](
-			httpClient,
-			baseURL+SandboxServiceDeleteSnapshotProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("DeleteSnapshot")),
-			connect.WithClientOptions(opts...),
-		),
-		fork: connect.NewClient[v1.ForkRequest, v1.CreateSandboxesResponse](
-			httpClient,
-			baseURL+SandboxServiceForkProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("Fork")),
-			connect.WithClientOptions(opts...),
-		),
-		getLog: connect.NewClient[v1.GetLogRequest, v1.GetLogResponse](
-			httpClient,
-			baseURL+SandboxServiceGetLogProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("GetLog")),
-			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
-			connect.WithClientOptions(opts...),
-		),
-		replay: connect.NewClient[v1.ReplayRequest, v1.ReplayResponse](
-			httpClient,
-			baseURL+SandboxServiceReplayProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("Replay")),
-			connect.WithClientOptions(opts...),
-		),
-		screenshot: connect.NewClient[v1.ScreenshotRequest, v1.ScreenshotResponse](
-			httpClient,
-			baseURL+SandboxServiceScreenshotProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("Screenshot")),
-			connect.WithClientOptions(opts...),
-		),
-		sendInput: connect.NewClient[v1.SendInputRequest, v1.SendInputResponse](
-			httpClient,
-			baseURL+SandboxServiceSendInputProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("SendInput")),
-			connect.WithClientOptions(opts...),
-		),
-		openVNC: connect.NewClient[v1.OpenVNCRequest, v1.OpenVNCResponse](
-			httpClient,
-			baseURL+SandboxServiceOpenVNCProcedure,
-			connect.WithSchema(sandboxServiceMethods.ByName("OpenVNC")),
 			connect.WithClientOptions(opts...),
 		),
 	}
 }
 
-// sandboxServiceClient implements SandboxServiceClient.
-type sandboxServiceClient struct {
-	createSandbox   *connect.Client[v1.CreateSandboxRequest, v1.Sandbox]
-	getSandbox      *connect.Client[v1.GetSandboxRequest, v1.Sandbox]
-	listSandboxes   *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
-	deleteSandbox   *connect.Client[v1.DeleteSandboxRequest, v1.DeleteSandboxResponse]
-	keepalive       *connect.Client[v1.KeepaliveRequest, v1.Sandbox]
-	exec            *connect.Client[v1.ExecRequest, v1.ExecResult]
-	execStream      *connect.Client[v1.ExecRequest, v1.ExecEvent]
-	connectProcess  *connect.Client[v1.ConnectProcessRequest, v1.ExecEvent]
-	writeStdin      *connect.Client[v1.WriteStdinRequest, v1.WriteStdinResponse]
-	signalProcess   *connect.Client[v1.SignalProcessRequest, v1.SignalProcessResponse]
-	resizePTY       *connect.Client[v1.ResizePTYRequest, v1.ResizePTYResponse]
-	listProcesses   *connect.Client[v1.ListProcessesRequest, v1.ListProcessesResponse]
-	readFile        *connect.Client[v1.ReadFileRequest, v1.ReadFileResponse]
-	writeFile       *connect.Client[v1.WriteFileRequest, v1.FileInfo]
-	stat            *connect.Client[v1.StatRequest, v1.FileInfo]
-	listDir         *connect.Client[v1.ListDirRequest, v1.ListDirResponse]
-	makeDir         *connect.Client[v1.MakeDirRequest, v1.FileInfo]
-	remove          *connect.Client[v1.RemoveRequest, v1.RemoveResponse]
-	rename          *connect.Client[v1.RenameRequest, v1.FileInfo]
-	watchDir        *connect.Client[v1.WatchDirRequest, v1.WatchDirEvent]
-	getSandboxStats *connect.Client[v1.GetSandboxStatsRequest, v1.SandboxStats]
-	createSandboxes *connect.Client[v1.CreateSandboxesRequest, v1.CreateSandboxesResponse]
-	pauseSandbox    *connect.Client[v1.PauseSandboxRequest, v1.Sandbox]
-	resumeSandbox   *connect.Client[v1.ResumeSandboxRequest, v1.Sandbox]
-	pauseSandboxes  *connect.Client[v1.BulkRequest, v1.BulkResponse]
-	resumeSandboxes *connect.Client[v1.BulkRequest, v1.BulkResponse]
-	deleteSandboxes *connect.Client[v1.BulkRequest, v1.BulkResponse]
-	snapshot        *connect.Client[v1.SnapshotRequest, v1.SnapshotInfo]
-	listSnapshots   *connect.Client[v1.ListSnapshotsRequest, v1.ListSnapshotsResponse]
-	deleteSnapshot  *connect.Client[v1.DeleteSnapshotRequest, v1.DeleteSnapshotResponse]
-	fork            *connect.Client[v1.ForkRequest, v1.CreateSandboxesResponse]
-	getLog          *connect.Client[v1.GetLogRequest, v1.GetLogResponse]
-	replay          *connect.Client[v1.ReplayRequest, v1.ReplayResponse]
-	screenshot      *connect.Client[v1.ScreenshotRequest, v1.ScreenshotResponse]
-	sendInput       *connect.Client[v1.SendInputRequest, v1.SendInputResponse]
-	openVNC         *connect.Client[v1.OpenVNCRequest, v1.OpenVNCResponse]
+// processServiceClient implements ProcessServiceClient.
+type processServiceClient struct {
+	exec           *connect.Client[v1.ExecRequest, v1.ExecResult]
+	execStream     *connect.Client[v1.ExecRequest, v1.ExecEvent]
+	connectProcess *connect.Client[v1.ConnectProcessRequest, v1.ExecEvent]
+	writeStdin     *connect.Client[v1.WriteStdinRequest, v1.WriteStdinResponse]
+	signalProcess  *connect.Client[v1.SignalProcessRequest, v1.SignalProcessResponse]
+	resizePTY      *connect.Client[v1.ResizePTYRequest, v1.ResizePTYResponse]
+	listProcesses  *connect.Client[v1.ListProcessesRequest, v1.ListProcessesResponse]
 }
 
-// CreateSandbox calls dsec.v1.SandboxService.CreateSandbox.
-func (c *sandboxServiceClient) CreateSandbox(ctx context.Context, req *connect.Request[v1.CreateSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
-	return c.createSandbox.CallUnary(ctx, req)
-}
-
-// GetSandbox calls dsec.v1.SandboxService.GetSandbox.
-func (c *sandboxServiceClient) GetSandbox(ctx context.Context, req *connect.Request[v1.GetSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
-	return c.getSandbox.CallUnary(ctx, req)
-}
-
-// ListSandboxes calls dsec.v1.SandboxService.ListSandboxes.
-func (c *sandboxServiceClient) ListSandboxes(ctx context.Context, req *connect.Request[v1.ListSandboxesRequest]) (*connect.Response[v1.ListSandboxesResponse], error) {
-	return c.listSandboxes.CallUnary(ctx, req)
-}
-
-// DeleteSandbox calls dsec.v1.SandboxService.DeleteSandbox.
-func (c *sandboxServiceClient) DeleteSandbox(ctx context.Context, req *connect.Request[v1.DeleteSandboxRequest]) (*connect.Response[v1.DeleteSandboxResponse], error) {
-	return c.deleteSandbox.CallUnary(ctx, req)
-}
-
-// Keepalive calls dsec.v1.SandboxService.Keepalive.
-func (c *sandboxServiceClient) Keepalive(ctx context.Context, req *connect.Request[v1.KeepaliveRequest]) (*connect.Response[v1.Sandbox], error) {
-	return c.keepalive.CallUnary(ctx, req)
-}
-
-// Exec calls dsec.v1.SandboxService.Exec.
-func (c *sandboxServiceClient) Exec(ctx context.Context, req *connect.Request[v1.ExecRequest]) (*connect.Response[v1.ExecResult], error) {
+// Exec calls dsec.v1.ProcessService.Exec.
+func (c *processServiceClient) Exec(ctx context.Context, req *connect.Request[v1.ExecRequest]) (*connect.Response[v1.ExecResult], error) {
 	return c.exec.CallUnary(ctx, req)
 }
 
-// ExecStream calls dsec.v1.SandboxService.ExecStream.
-func (c *sandboxServiceClient) ExecStream(ctx context.Context, req *connect.Request[v1.ExecRequest]) (*connect.ServerStreamForClient[v1.ExecEvent], error) {
+// ExecStream calls dsec.v1.ProcessService.ExecStream.
+func (c *processServiceClient) ExecStream(ctx context.Context, req *connect.Request[v1.ExecRequest]) (*connect.ServerStreamForClient[v1.ExecEvent], error) {
 	return c.execStream.CallServerStream(ctx, req)
 }
 
-// ConnectProcess calls dsec.v1.SandboxService.ConnectProcess.
-func (c *sandboxServiceClient) ConnectProcess(ctx context.Context, req *connect.Request[v1.ConnectProcessRequest]) (*connect.ServerStreamForClient[v1.ExecEvent], error) {
+// ConnectProcess calls dsec.v1.ProcessService.ConnectProcess.
+func (c *processServiceClient) ConnectProcess(ctx context.Context, req *connect.Request[v1.ConnectProcessRequest]) (*connect.ServerStreamForClient[v1.ExecEvent], error) {
 	return c.connectProcess.CallServerStream(ctx, req)
 }
 
-// WriteStdin calls dsec.v1.SandboxService.WriteStdin.
-func (c *sandboxServiceClient) WriteStdin(ctx context.Context, req *connect.Request[v1.WriteStdinRequest]) (*connect.Response[v1.WriteStdinResponse], error) {
+// WriteStdin calls dsec.v1.ProcessService.WriteStdin.
+func (c *processServiceClient) WriteStdin(ctx context.Context, req *connect.Request[v1.WriteStdinRequest]) (*connect.Response[v1.WriteStdinResponse], error) {
 	return c.writeStdin.CallUnary(ctx, req)
 }
 
-// SignalProcess calls dsec.v1.SandboxService.SignalProcess.
-func (c *sandboxServiceClient) SignalProcess(ctx context.Context, req *connect.Request[v1.SignalProcessRequest]) (*connect.Response[v1.SignalProcessResponse], error) {
+// SignalProcess calls dsec.v1.ProcessService.SignalProcess.
+func (c *processServiceClient) SignalProcess(ctx context.Context, req *connect.Request[v1.SignalProcessRequest]) (*connect.Response[v1.SignalProcessResponse], error) {
 	return c.signalProcess.CallUnary(ctx, req)
 }
 
-// ResizePTY calls dsec.v1.SandboxService.ResizePTY.
-func (c *sandboxServiceClient) ResizePTY(ctx context.Context, req *connect.Request[v1.ResizePTYRequest]) (*connect.Response[v1.ResizePTYResponse], error) {
+// ResizePTY calls dsec.v1.ProcessService.ResizePTY.
+func (c *processServiceClient) ResizePTY(ctx context.Context, req *connect.Request[v1.ResizePTYRequest]) (*connect.Response[v1.ResizePTYResponse], error) {
 	return c.resizePTY.CallUnary(ctx, req)
 }
 
-// ListProcesses calls dsec.v1.SandboxService.ListProcesses.
-func (c *sandboxServiceClient) ListProcesses(ctx context.Context, req *connect.Request[v1.ListProcessesRequest]) (*connect.Response[v1.ListProcessesResponse], error) {
+// ListProcesses calls dsec.v1.ProcessService.ListProcesses.
+func (c *processServiceClient) ListProcesses(ctx context.Context, req *connect.Request[v1.ListProcessesRequest]) (*connect.Response[v1.ListProcessesResponse], error) {
 	return c.listProcesses.CallUnary(ctx, req)
 }
 
-// ReadFile calls dsec.v1.SandboxService.ReadFile.
-func (c *sandboxServiceClient) ReadFile(ctx context.Context, req *connect.Request[v1.ReadFileRequest]) (*connect.ServerStreamForClient[v1.ReadFileResponse], error) {
-	return c.readFile.CallServerStream(ctx, req)
-}
-
-// WriteFile calls dsec.v1.SandboxService.WriteFile.
-func (c *sandboxServiceClient) WriteFile(ctx context.Context) *connect.ClientStreamForClient[v1.WriteFileRequest, v1.FileInfo] {
-	return c.writeFile.CallClientStream(ctx)
-}
-
-// Stat calls dsec.v1.SandboxService.Stat.
-func (c *sandboxServiceClient) Stat(ctx context.Context, req *connect.Request[v1.StatRequest]) (*connect.Response[v1.FileInfo], error) {
-	return c.stat.CallUnary(ctx, req)
-}
-
-// ListDir calls dsec.v1.SandboxService.ListDir.
-func (c *sandboxServiceClient) ListDir(ctx context.Context, req *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error) {
-	return c.listDir.CallUnary(ctx, req)
-}
-
-// MakeDir calls dsec.v1.SandboxService.MakeDir.
-func (c *sandboxServiceClient) MakeDir(ctx context.Context, req *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.FileInfo], error) {
-	return c.makeDir.CallUnary(ctx, req)
-}
-
-// Remove calls dsec.v1.SandboxService.Remove.
-func (c *sandboxServiceClient) Remove(ctx context.Context, req *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error) {
-	return c.remove.CallUnary(ctx, req)
-}
-
-// Rename calls dsec.v1.SandboxService.Rename.
-func (c *sandboxServiceClient) Rename(ctx context.Context, req *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error) {
-	return c.rename.CallUnary(ctx, req)
-}
-
-// WatchDir calls dsec.v1.SandboxService.WatchDir.
-func (c *sandboxServiceClient) WatchDir(ctx context.Context, req *connect.Request[v1.WatchDirRequest]) (*connect.ServerStreamForClient[v1.WatchDirEvent], error) {
-	return c.watchDir.CallServerStream(ctx, req)
-}
-
-// GetSandboxStats calls dsec.v1.SandboxService.GetSandboxStats.
-func (c *sandboxServiceClient) GetSandboxStats(ctx context.Context, req *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error) {
-	return c.getSandboxStats.CallUnary(ctx, req)
-}
-
-// CreateSandboxes calls dsec.v1.SandboxService.CreateSandboxes.
-func (c *sandboxServiceClient) CreateSandboxes(ctx context.Context, req *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
-	return c.createSandboxes.CallUnary(ctx, req)
-}
-
-// PauseSandbox calls dsec.v1.SandboxService.PauseSandbox.
-func (c *sandboxServiceClient) PauseSandbox(ctx context.Context, req *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
-	return c.pauseSandbox.CallUnary(ctx, req)
-}
-
-// ResumeSandbox calls dsec.v1.SandboxService.ResumeSandbox.
-func (c *sandboxServiceClient) ResumeSandbox(ctx context.Context, req *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
-	return c.resumeSandbox.CallUnary(ctx, req)
-}
-
-// PauseSandboxes calls dsec.v1.SandboxService.PauseSandboxes.
-func (c *sandboxServiceClient) PauseSandboxes(ctx context.Context, req *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
-	return c.pauseSandboxes.CallUnary(ctx, req)
-}
-
-// ResumeSandboxes calls dsec.v1.SandboxService.ResumeSandboxes.
-func (c *sandboxServiceClient) ResumeSandboxes(ctx context.Context, req *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
-	return c.resumeSandboxes.CallUnary(ctx, req)
-}
-
-// DeleteSandboxes calls dsec.v1.SandboxService.DeleteSandboxes.
-func (c *sandboxServiceClient) DeleteSandboxes(ctx context.Context, req *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
-	return c.deleteSandboxes.CallUnary(ctx, req)
-}
-
-// Snapshot calls dsec.v1.SandboxService.Snapshot.
-func (c *sandboxServiceClient) Snapshot(ctx context.Context, req *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotInfo], error) {
-	return c.snapshot.CallUnary(ctx, req)
-}
-
-// ListSnapshots calls dsec.v1.SandboxService.ListSnapshots.
-func (c *sandboxServiceClient) ListSnapshots(ctx context.Context, req *connect.Request[v1.ListSnapshotsRequest]) (*connect.Response[v1.ListSnapshotsResponse], error) {
-	return c.listSnapshots.CallUnary(ctx, req)
-}
-
-// DeleteSnapshot calls dsec.v1.SandboxService.DeleteSnapshot.
-func (c *sandboxServiceClient) DeleteSnapshot(ctx context.Context, req *connect.Request[v1.DeleteSnapshotRequest]) (*connect.Response[v1.DeleteSnapshotResponse], error) {
-	return c.deleteSnapshot.CallUnary(ctx, req)
-}
-
-// Fork calls dsec.v1.SandboxService.Fork.
-func (c *sandboxServiceClient) Fork(ctx context.Context, req *connect.Request[v1.ForkRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
-	return c.fork.CallUnary(ctx, req)
-}
-
-// GetLog calls dsec.v1.SandboxService.GetLog.
-func (c *sandboxServiceClient) GetLog(ctx context.Context, req *connect.Request[v1.GetLogRequest]) (*connect.Response[v1.GetLogResponse], error) {
-	return c.getLog.CallUnary(ctx, req)
-}
-
-// Replay calls dsec.v1.SandboxService.Replay.
-func (c *sandboxServiceClient) Replay(ctx context.Context, req *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error) {
-	return c.replay.CallUnary(ctx, req)
-}
-
-// Screenshot calls dsec.v1.SandboxService.Screenshot.
-func (c *sandboxServiceClient) Screenshot(ctx context.Context, req *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error) {
-	return c.screenshot.CallUnary(ctx, req)
-}
-
-// SendInput calls dsec.v1.SandboxService.SendInput.
-func (c *sandboxServiceClient) SendInput(ctx context.Context, req *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error) {
-	return c.sendInput.CallUnary(ctx, req)
-}
-
-// OpenVNC calls dsec.v1.SandboxService.OpenVNC.
-func (c *sandboxServiceClient) OpenVNC(ctx context.Context, req *connect.Request[v1.OpenVNCRequest]) (*connect.Response[v1.OpenVNCResponse], error) {
-	return c.openVNC.CallUnary(ctx, req)
-}
-
-// SandboxServiceHandler is an implementation of the dsec.v1.SandboxService service.
-type SandboxServiceHandler interface {
-	// CreateSandbox starts one sandbox and returns once it accepts exec calls.
-	// A request with an idempotency_key returns the sandbox created by an
-	// earlier request with the same key.
-	CreateSandbox(context.Context, *connect.Request[v1.CreateSandboxRequest]) (*connect.Response[v1.Sandbox], error)
-	// GetSandbox returns a sandbox's status. Deleted sandboxes are remembered
-	// for a while with state "deleted" and the reason.
-	GetSandbox(context.Context, *connect.Request[v1.GetSandboxRequest]) (*connect.Response[v1.Sandbox], error)
-	// ListSandboxes lists live sandboxes, filtered by a label selector.
-	ListSandboxes(context.Context, *connect.Request[v1.ListSandboxesRequest]) (*connect.Response[v1.ListSandboxesResponse], error)
-	// DeleteSandbox frees every resource of a sandbox. It is idempotent.
-	DeleteSandbox(context.Context, *connect.Request[v1.DeleteSandboxRequest]) (*connect.Response[v1.DeleteSandboxResponse], error)
-	// Keepalive resets the idle timer and optionally extends the absolute TTL.
-	Keepalive(context.Context, *connect.Request[v1.KeepaliveRequest]) (*connect.Response[v1.Sandbox], error)
-	// Exec runs a command to completion and returns its collected output.
+// ProcessServiceHandler is an implementation of the dsec.v1.ProcessService service.
+type ProcessServiceHandler interface {
+	// Exec runs a command to completion and returns its collected output
+	// (head and tail of each stream, max_output_bytes each). A command that
+	// cannot start is an exit with code 127, not an error; the command's
+	// failure (exit code, signal, timeout, the sandbox's memory or pids
+	// limit) is a result, never an infra error. With a request_id the call
+	// is exactly-once: a repeat returns the logged result (replayed).
 	Exec(context.Context, *connect.Request[v1.ExecRequest]) (*connect.Response[v1.ExecResult], error)
 	// ExecStream runs a command and streams its output as it happens. The
 	// first event is "started" (with the process id), the last is "exit".
 	ExecStream(context.Context, *connect.Request[v1.ExecRequest], *connect.ServerStream[v1.ExecEvent]) error
 	// ConnectProcess attaches to a process started earlier (for example a
-	// detached one): buffered output is replayed, then live output follows.
+	// detached one): buffered output is replayed (unless live_only), then
+	// live output follows.
 	ConnectProcess(context.Context, *connect.Request[v1.ConnectProcessRequest], *connect.ServerStream[v1.ExecEvent]) error
 	// WriteStdin writes to (or closes) the stdin of a running process that was
 	// started with stdin_open.
@@ -717,516 +728,809 @@ type SandboxServiceHandler interface {
 	// ListProcesses lists the processes the agent started that are running or
 	// recently finished.
 	ListProcesses(context.Context, *connect.Request[v1.ListProcessesRequest]) (*connect.Response[v1.ListProcessesResponse], error)
-	// ReadFile streams a file: the first message carries its info, the rest
-	// carry data chunks.
-	ReadFile(context.Context, *connect.Request[v1.ReadFileRequest], *connect.ServerStream[v1.ReadFileResponse]) error
-	// WriteFile writes a file from a stream: the first message is the header,
-	// the rest are data chunks.
-	WriteFile(context.Context, *connect.ClientStream[v1.WriteFileRequest]) (*connect.Response[v1.FileInfo], error)
-	Stat(context.Context, *connect.Request[v1.StatRequest]) (*connect.Response[v1.FileInfo], error)
-	ListDir(context.Context, *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error)
-	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.FileInfo], error)
-	Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error)
-	Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error)
-	// WatchDir streams changes under a directory until the caller goes away:
-	// a "started" event once the watch is in place, then one event per change
-	// (and keepalives on quiet streams).
-	WatchDir(context.Context, *connect.Request[v1.WatchDirRequest], *connect.ServerStream[v1.WatchDirEvent]) error
-	// GetSandboxStats reports a sandbox's resource use now. It does not count
-	// as activity (the idle timer keeps running) and does not resume a paused
-	// sandbox.
-	GetSandboxStats(context.Context, *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error)
-	// CreateSandboxes creates many sandboxes (count copies of spec, or one per
-	// specs item) and reports each one: partial success is explicit.
-	CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
-	// PauseSandbox freezes a sandbox and releases what memory it can. Any
-	// later call resumes it. Pausing a paused sandbox succeeds.
-	PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error)
-	ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error)
-	// PauseSandboxes, ResumeSandboxes and DeleteSandboxes act on every
-	// sandbox matching a (non-empty) label selector, e.g. a preempted job.
-	PauseSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
-	ResumeSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
-	DeleteSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error)
-	// Snapshot captures a sandbox (for containers its writable layer, taken
-	// while frozen; for VMs memory and disk) as a snapshot sandboxes can be
-	// created from.
-	Snapshot(context.Context, *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotInfo], error)
-	ListSnapshots(context.Context, *connect.Request[v1.ListSnapshotsRequest]) (*connect.Response[v1.ListSnapshotsResponse], error)
-	DeleteSnapshot(context.Context, *connect.Request[v1.DeleteSnapshotRequest]) (*connect.Response[v1.DeleteSnapshotResponse], error)
-	// Fork snapshots a sandbox and creates count children from it.
-	Fork(context.Context, *connect.Request[v1.ForkRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
-	// GetLog reads a sandbox's trajectory log: every exec and file mutation,
-	// in order, with its result. Logs outlive their sandbox for a while.
-	GetLog(context.Context, *connect.Request[v1.GetLogRequest]) (*connect.Response[v1.GetLogResponse], error)
-	// Replay re-executes a sandbox's logged mutating calls, in order, in a new
-	// sandbox from the same image or snapshot, and reports divergences.
-	Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error)
-	// Screenshot captures the screen of a sandbox whose kind has the "screen"
-	// capability (vm) as a PNG image at the guest's display resolution.
-	Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error)
-	// SendInput types text, presses keys and moves, clicks and scrolls the
-	// mouse on a sandbox's screen, in order.
-	SendInput(context.Context, *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error)
-	// OpenVNC gives a sandbox's screen a new VNC password and returns its VNC
-	// server's address, which is on the node's loopback interface (reach it
-	// from the node or through a tunnel). Needs a node started with VNC
-	// (vm.vnc).
-	OpenVNC(context.Context, *connect.Request[v1.OpenVNCRequest]) (*connect.Response[v1.OpenVNCResponse], error)
 }
 
-// NewSandboxServiceHandler builds an HTTP handler from the service implementation. It returns the
+// NewProcessServiceHandler builds an HTTP handler from the service implementation. It returns the
 // path on which to mount the handler and the handler itself.
 //
 // By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
 // and JSON codecs. They also support gzip compression.
-func NewSandboxServiceHandler(svc SandboxServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
-	sandboxServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("SandboxService").Methods()
-	sandboxServiceCreateSandboxHandler := connect.NewUnaryHandler(
-		SandboxServiceCreateSandboxProcedure,
-		svc.CreateSandbox,
-		connect.WithSchema(sandboxServiceMethods.ByName("CreateSandbox")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceGetSandboxHandler := connect.NewUnaryHandler(
-		SandboxServiceGetSandboxProcedure,
-		svc.GetSandbox,
-		connect.WithSchema(sandboxServiceMethods.ByName("GetSandbox")),
-		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceListSandboxesHandler := connect.NewUnaryHandler(
-		SandboxServiceListSandboxesProcedure,
-		svc.ListSandboxes,
-		connect.WithSchema(sandboxServiceMethods.ByName("ListSandboxes")),
-		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceDeleteSandboxHandler := connect.NewUnaryHandler(
-		SandboxServiceDeleteSandboxProcedure,
-		svc.DeleteSandbox,
-		connect.WithSchema(sandboxServiceMethods.ByName("DeleteSandbox")),
-		connect.WithIdempotency(connect.IdempotencyIdempotent),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceKeepaliveHandler := connect.NewUnaryHandler(
-		SandboxServiceKeepaliveProcedure,
-		svc.Keepalive,
-		connect.WithSchema(sandboxServiceMethods.ByName("Keepalive")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceExecHandler := connect.NewUnaryHandler(
-		SandboxServiceExecProcedure,
+func NewProcessServiceHandler(svc ProcessServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	processServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("ProcessService").Methods()
+	processServiceExecHandler := connect.NewUnaryHandler(
+		ProcessServiceExecProcedure,
 		svc.Exec,
-		connect.WithSchema(sandboxServiceMethods.ByName("Exec")),
+		connect.WithSchema(processServiceMethods.ByName("Exec")),
 		connect.WithHandlerOptions(opts...),
 	)
-	sandboxServiceExecStreamHandler := connect.NewServerStreamHandler(
-		SandboxServiceExecStreamProcedure,
+	processServiceExecStreamHandler := connect.NewServerStreamHandler(
+		ProcessServiceExecStreamProcedure,
 		svc.ExecStream,
-		connect.WithSchema(sandboxServiceMethods.ByName("ExecStream")),
+		connect.WithSchema(processServiceMethods.ByName("ExecStream")),
 		connect.WithHandlerOptions(opts...),
 	)
-	sandboxServiceConnectProcessHandler := connect.NewServerStreamHandler(
-		SandboxServiceConnectProcessProcedure,
+	processServiceConnectProcessHandler := connect.NewServerStreamHandler(
+		ProcessServiceConnectProcessProcedure,
 		svc.ConnectProcess,
-		connect.WithSchema(sandboxServiceMethods.ByName("ConnectProcess")),
+		connect.WithSchema(processServiceMethods.ByName("ConnectProcess")),
 		connect.WithHandlerOptions(opts...),
 	)
-	sandboxServiceWriteStdinHandler := connect.NewUnaryHandler(
-		SandboxServiceWriteStdinProcedure,
+	processServiceWriteStdinHandler := connect.NewUnaryHandler(
+		ProcessServiceWriteStdinProcedure,
 		svc.WriteStdin,
-		connect.WithSchema(sandboxServiceMethods.ByName("WriteStdin")),
+		connect.WithSchema(processServiceMethods.ByName("WriteStdin")),
 		connect.WithHandlerOptions(opts...),
 	)
-	sandboxServiceSignalProcessHandler := connect.NewUnaryHandler(
-		SandboxServiceSignalProcessProcedure,
+	processServiceSignalProcessHandler := connect.NewUnaryHandler(
+		ProcessServiceSignalProcessProcedure,
 		svc.SignalProcess,
-		connect.WithSchema(sandboxServiceMethods.ByName("SignalProcess")),
+		connect.WithSchema(processServiceMethods.ByName("SignalProcess")),
 		connect.WithHandlerOptions(opts...),
 	)
-	sandboxServiceResizePTYHandler := connect.NewUnaryHandler(
-		SandboxServiceResizePTYProcedure,
+	processServiceResizePTYHandler := connect.NewUnaryHandler(
+		ProcessServiceResizePTYProcedure,
 		svc.ResizePTY,
-		connect.WithSchema(sandboxServiceMethods.ByName("ResizePTY")),
+		connect.WithSchema(processServiceMethods.ByName("ResizePTY")),
 		connect.WithHandlerOptions(opts...),
 	)
-	sandboxServiceListProcessesHandler := connect.NewUnaryHandler(
-		SandboxServiceListProcessesProcedure,
+	processServiceListProcessesHandler := connect.NewUnaryHandler(
+		ProcessServiceListProcessesProcedure,
 		svc.ListProcesses,
-		connect.WithSchema(sandboxServiceMethods.ByName("ListProcesses")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceReadFileHandler := connect.NewServerStreamHandler(
-		SandboxServiceReadFileProcedure,
-		svc.ReadFile,
-		connect.WithSchema(sandboxServiceMethods.ByName("ReadFile")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceWriteFileHandler := connect.NewClientStreamHandler(
-		SandboxServiceWriteFileProcedure,
-		svc.WriteFile,
-		connect.WithSchema(sandboxServiceMethods.ByName("WriteFile")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceStatHandler := connect.NewUnaryHandler(
-		SandboxServiceStatProcedure,
-		svc.Stat,
-		connect.WithSchema(sandboxServiceMethods.ByName("Stat")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceListDirHandler := connect.NewUnaryHandler(
-		SandboxServiceListDirProcedure,
-		svc.ListDir,
-		connect.WithSchema(sandboxServiceMethods.ByName("ListDir")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceMakeDirHandler := connect.NewUnaryHandler(
-		SandboxServiceMakeDirProcedure,
-		svc.MakeDir,
-		connect.WithSchema(sandboxServiceMethods.ByName("MakeDir")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceRemoveHandler := connect.NewUnaryHandler(
-		SandboxServiceRemoveProcedure,
-		svc.Remove,
-		connect.WithSchema(sandboxServiceMethods.ByName("Remove")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceRenameHandler := connect.NewUnaryHandler(
-		SandboxServiceRenameProcedure,
-		svc.Rename,
-		connect.WithSchema(sandboxServiceMethods.ByName("Rename")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceWatchDirHandler := connect.NewServerStreamHandler(
-		SandboxServiceWatchDirProcedure,
-		svc.WatchDir,
-		connect.WithSchema(sandboxServiceMethods.ByName("WatchDir")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceGetSandboxStatsHandler := connect.NewUnaryHandler(
-		SandboxServiceGetSandboxStatsProcedure,
-		svc.GetSandboxStats,
-		connect.WithSchema(sandboxServiceMethods.ByName("GetSandboxStats")),
+		connect.WithSchema(processServiceMethods.ByName("ListProcesses")),
 		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
 		connect.WithHandlerOptions(opts...),
 	)
-	sandboxServiceCreateSandboxesHandler := connect.NewUnaryHandler(
-		SandboxServiceCreateSandboxesProcedure,
-		svc.CreateSandboxes,
-		connect.WithSchema(sandboxServiceMethods.ByName("CreateSandboxes")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServicePauseSandboxHandler := connect.NewUnaryHandler(
-		SandboxServicePauseSandboxProcedure,
-		svc.PauseSandbox,
-		connect.WithSchema(sandboxServiceMethods.ByName("PauseSandbox")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceResumeSandboxHandler := connect.NewUnaryHandler(
-		SandboxServiceResumeSandboxProcedure,
-		svc.ResumeSandbox,
-		connect.WithSchema(sandboxServiceMethods.ByName("ResumeSandbox")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServicePauseSandboxesHandler := connect.NewUnaryHandler(
-		SandboxServicePauseSandboxesProcedure,
-		svc.PauseSandboxes,
-		connect.WithSchema(sandboxServiceMethods.ByName("PauseSandboxes")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceResumeSandboxesHandler := connect.NewUnaryHandler(
-		SandboxServiceResumeSandboxesProcedure,
-		svc.ResumeSandboxes,
-		connect.WithSchema(sandboxServiceMethods.ByName("ResumeSandboxes")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceDeleteSandboxesHandler := connect.NewUnaryHandler(
-		SandboxServiceDeleteSandboxesProcedure,
-		svc.DeleteSandboxes,
-		connect.WithSchema(sandboxServiceMethods.ByName("DeleteSandboxes")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceSnapshotHandler := connect.NewUnaryHandler(
-		SandboxServiceSnapshotProcedure,
-		svc.Snapshot,
-		connect.WithSchema(sandboxServiceMethods.ByName("Snapshot")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceListSnapshotsHandler := connect.NewUnaryHandler(
-		SandboxServiceListSnapshotsProcedure,
-		svc.ListSnapshots,
-		connect.WithSchema(sandboxServiceMethods.ByName("ListSnapshots")),
-		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceDeleteSnapshotHandler := connect.NewUnaryHandler(
-		SandboxServiceDeleteSnapshotProcedure,
-		svc.DeleteSnapshot,
-		connect.WithSchema(sandboxServiceMethods.ByName("DeleteSnapshot")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceForkHandler := connect.NewUnaryHandler(
-		SandboxServiceForkProcedure,
-		svc.Fork,
-		connect.WithSchema(sandboxServiceMethods.ByName("Fork")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceGetLogHandler := connect.NewUnaryHandler(
-		SandboxServiceGetLogProcedure,
-		svc.GetLog,
-		connect.WithSchema(sandboxServiceMethods.ByName("GetLog")),
-		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceReplayHandler := connect.NewUnaryHandler(
-		SandboxServiceReplayProcedure,
-		svc.Replay,
-		connect.WithSchema(sandboxServiceMethods.ByName("Replay")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceScreenshotHandler := connect.NewUnaryHandler(
-		SandboxServiceScreenshotProcedure,
-		svc.Screenshot,
-		connect.WithSchema(sandboxServiceMethods.ByName("Screenshot")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceSendInputHandler := connect.NewUnaryHandler(
-		SandboxServiceSendInputProcedure,
-		svc.SendInput,
-		connect.WithSchema(sandboxServiceMethods.ByName("SendInput")),
-		connect.WithHandlerOptions(opts...),
-	)
-	sandboxServiceOpenVNCHandler := connect.NewUnaryHandler(
-		SandboxServiceOpenVNCProcedure,
-		svc.OpenVNC,
-		connect.WithSchema(sandboxServiceMethods.ByName("OpenVNC")),
-		connect.WithHandlerOptions(opts...),
-	)
-	return "/dsec.v1.SandboxService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	return "/dsec.v1.ProcessService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
-		case SandboxServiceCreateSandboxProcedure:
-			sandboxServiceCreateSandboxHandler.ServeHTTP(w, r)
-		case SandboxServiceGetSandboxProcedure:
-			sandboxServiceGetSandboxHandler.ServeHTTP(w, r)
-		case SandboxServiceListSandboxesProcedure:
-			sandboxServiceListSandboxesHandler.ServeHTTP(w, r)
-		case SandboxServiceDeleteSandboxProcedure:
-			sandboxServiceDeleteSandboxHandler.ServeHTTP(w, r)
-		case SandboxServiceKeepaliveProcedure:
-			sandboxServiceKeepaliveHandler.ServeHTTP(w, r)
-		case SandboxServiceExecProcedure:
-			sandboxServiceExecHandler.ServeHTTP(w, r)
-		case SandboxServiceExecStreamProcedure:
-			sandboxServiceExecStreamHandler.ServeHTTP(w, r)
-		case SandboxServiceConnectProcessProcedure:
-			sandboxServiceConnectProcessHandler.ServeHTTP(w, r)
-		case SandboxServiceWriteStdinProcedure:
-			sandboxServiceWriteStdinHandler.ServeHTTP(w, r)
-		case SandboxServiceSignalProcessProcedure:
-			sandboxServiceSignalProcessHandler.ServeHTTP(w, r)
-		case SandboxServiceResizePTYProcedure:
-			sandboxServiceResizePTYHandler.ServeHTTP(w, r)
-		case SandboxServiceListProcessesProcedure:
-			sandboxServiceListProcessesHandler.ServeHTTP(w, r)
-		case SandboxServiceReadFileProcedure:
-			sandboxServiceReadFileHandler.ServeHTTP(w, r)
-		case SandboxServiceWriteFileProcedure:
-			sandboxServiceWriteFileHandler.ServeHTTP(w, r)
-		case SandboxServiceStatProcedure:
-			sandboxServiceStatHandler.ServeHTTP(w, r)
-		case SandboxServiceListDirProcedure:
-			sandboxServiceListDirHandler.ServeHTTP(w, r)
-		case SandboxServiceMakeDirProcedure:
-			sandboxServiceMakeDirHandler.ServeHTTP(w, r)
-		case SandboxServiceRemoveProcedure:
-			sandboxServiceRemoveHandler.ServeHTTP(w, r)
-		case SandboxServiceRenameProcedure:
-			sandboxServiceRenameHandler.ServeHTTP(w, r)
-		case SandboxServiceWatchDirProcedure:
-			sandboxServiceWatchDirHandler.ServeHTTP(w, r)
-		case SandboxServiceGetSandboxStatsProcedure:
-			sandboxServiceGetSandboxStatsHandler.ServeHTTP(w, r)
-		case SandboxServiceCreateSandboxesProcedure:
-			sandboxServiceCreateSandboxesHandler.ServeHTTP(w, r)
-		case SandboxServicePauseSandboxProcedure:
-			sandboxServicePauseSandboxHandler.ServeHTTP(w, r)
-		case SandboxServiceResumeSandboxProcedure:
-			sandboxServiceResumeSandboxHandler.ServeHTTP(w, r)
-		case SandboxServicePauseSandboxesProcedure:
-			sandboxServicePauseSandboxesHandler.ServeHTTP(w, r)
-		case SandboxServiceResumeSandboxesProcedure:
-			sandboxServiceResumeSandboxesHandler.ServeHTTP(w, r)
-		case SandboxServiceDeleteSandboxesProcedure:
-			sandboxServiceDeleteSandboxesHandler.ServeHTTP(w, r)
-		case SandboxServiceSnapshotProcedure:
-			sandboxServiceSnapshotHandler.ServeHTTP(w, r)
-		case SandboxServiceListSnapshotsProcedure:
-			sandboxServiceListSnapshotsHandler.ServeHTTP(w, r)
-		case SandboxServiceDeleteSnapshotProcedure:
-			sandboxServiceDeleteSnapshotHandler.ServeHTTP(w, r)
-		case SandboxServiceForkProcedure:
-			sandboxServiceForkHandler.ServeHTTP(w, r)
-		case SandboxServiceGetLogProcedure:
-			sandboxServiceGetLogHandler.ServeHTTP(w, r)
-		case SandboxServiceReplayProcedure:
-			sandboxServiceReplayHandler.ServeHTTP(w, r)
-		case SandboxServiceScreenshotProcedure:
-			sandboxServiceScreenshotHandler.ServeHTTP(w, r)
-		case SandboxServiceSendInputProcedure:
-			sandboxServiceSendInputHandler.ServeHTTP(w, r)
-		case SandboxServiceOpenVNCProcedure:
-			sandboxServiceOpenVNCHandler.ServeHTTP(w, r)
+		case ProcessServiceExecProcedure:
+			processServiceExecHandler.ServeHTTP(w, r)
+		case ProcessServiceExecStreamProcedure:
+			processServiceExecStreamHandler.ServeHTTP(w, r)
+		case ProcessServiceConnectProcessProcedure:
+			processServiceConnectProcessHandler.ServeHTTP(w, r)
+		case ProcessServiceWriteStdinProcedure:
+			processServiceWriteStdinHandler.ServeHTTP(w, r)
+		case ProcessServiceSignalProcessProcedure:
+			processServiceSignalProcessHandler.ServeHTTP(w, r)
+		case ProcessServiceResizePTYProcedure:
+			processServiceResizePTYHandler.ServeHTTP(w, r)
+		case ProcessServiceListProcessesProcedure:
+			processServiceListProcessesHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
 	})
 }
 
-// UnimplementedSandboxServiceHandler returns CodeUnimplemented from all methods.
-type UnimplementedSandboxServiceHandler struct{}
+// UnimplementedProcessServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedProcessServiceHandler struct{}
 
-func (UnimplementedSandboxServiceHandler) CreateSandbox(context.Context, *connect.Request[v1.CreateSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.CreateSandbox is not implemented"))
+func (UnimplementedProcessServiceHandler) Exec(context.Context, *connect.Request[v1.ExecRequest]) (*connect.Response[v1.ExecResult], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ProcessService.Exec is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) GetSandbox(context.Context, *connect.Request[v1.GetSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.GetSandbox is not implemented"))
+func (UnimplementedProcessServiceHandler) ExecStream(context.Context, *connect.Request[v1.ExecRequest], *connect.ServerStream[v1.ExecEvent]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ProcessService.ExecStream is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) ListSandboxes(context.Context, *connect.Request[v1.ListSandboxesRequest]) (*connect.Response[v1.ListSandboxesResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ListSandboxes is not implemented"))
+func (UnimplementedProcessServiceHandler) ConnectProcess(context.Context, *connect.Request[v1.ConnectProcessRequest], *connect.ServerStream[v1.ExecEvent]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ProcessService.ConnectProcess is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) DeleteSandbox(context.Context, *connect.Request[v1.DeleteSandboxRequest]) (*connect.Response[v1.DeleteSandboxResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.DeleteSandbox is not implemented"))
+func (UnimplementedProcessServiceHandler) WriteStdin(context.Context, *connect.Request[v1.WriteStdinRequest]) (*connect.Response[v1.WriteStdinResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ProcessService.WriteStdin is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) Keepalive(context.Context, *connect.Request[v1.KeepaliveRequest]) (*connect.Response[v1.Sandbox], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Keepalive is not implemented"))
+func (UnimplementedProcessServiceHandler) SignalProcess(context.Context, *connect.Request[v1.SignalProcessRequest]) (*connect.Response[v1.SignalProcessResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ProcessService.SignalProcess is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) Exec(context.Context, *connect.Request[v1.ExecRequest]) (*connect.Response[v1.ExecResult], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Exec is not implemented"))
+func (UnimplementedProcessServiceHandler) ResizePTY(context.Context, *connect.Request[v1.ResizePTYRequest]) (*connect.Response[v1.ResizePTYResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ProcessService.ResizePTY is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) ExecStream(context.Context, *connect.Request[v1.ExecRequest], *connect.ServerStream[v1.ExecEvent]) error {
-	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ExecStream is not implemented"))
+func (UnimplementedProcessServiceHandler) ListProcesses(context.Context, *connect.Request[v1.ListProcessesRequest]) (*connect.Response[v1.ListProcessesResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ProcessService.ListProcesses is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) ConnectProcess(context.Context, *connect.Request[v1.ConnectProcessRequest], *connect.ServerStream[v1.ExecEvent]) error {
-	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ConnectProcess is not implemented"))
+// FilesystemServiceClient is a client for the dsec.v1.FilesystemService service.
+type FilesystemServiceClient interface {
+	// ReadFile streams a file: the first message carries its info, the rest
+	// carry data chunks. A directory is invalid, refused before any message.
+	ReadFile(context.Context, *connect.Request[v1.ReadFileRequest]) (*connect.ServerStreamForClient[v1.ReadFileResponse], error)
+	// WriteFile writes a file from a stream: the first message is the header,
+	// the rest are data chunks. With a request_id a repeat is answered from
+	// the trajectory log (its data must be the same).
+	WriteFile(context.Context) *connect.ClientStreamForClient[v1.WriteFileRequest, v1.FileInfo]
+	// Stat describes one path (a link's own info, with its target).
+	Stat(context.Context, *connect.Request[v1.StatRequest]) (*connect.Response[v1.FileInfo], error)
+	// ListDir lists a directory, to depth levels.
+	ListDir(context.Context, *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error)
+	// MakeDir makes a directory and its missing parents, owned by the user.
+	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.FileInfo], error)
+	// Remove removes a path (recursive: a directory and its contents).
+	Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error)
+	// Rename moves a path within the sandbox.
+	Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error)
+	// WatchDir streams changes under a directory until the caller goes away:
+	// a "started" event once the watch is in place, then one event per change
+	// (and keepalives on quiet streams, "overflow" when the kernel dropped
+	// events).
+	WatchDir(context.Context, *connect.Request[v1.WatchDirRequest]) (*connect.ServerStreamForClient[v1.WatchDirEvent], error)
 }
 
-func (UnimplementedSandboxServiceHandler) WriteStdin(context.Context, *connect.Request[v1.WriteStdinRequest]) (*connect.Response[v1.WriteStdinResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.WriteStdin is not implemented"))
+// NewFilesystemServiceClient constructs a client for the dsec.v1.FilesystemService service. By
+// default, it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses,
+// and sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the
+// connect.WithGRPC() or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewFilesystemServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) FilesystemServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	filesystemServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("FilesystemService").Methods()
+	return &filesystemServiceClient{
+		readFile: connect.NewClient[v1.ReadFileRequest, v1.ReadFileResponse](
+			httpClient,
+			baseURL+FilesystemServiceReadFileProcedure,
+			connect.WithSchema(filesystemServiceMethods.ByName("ReadFile")),
+			connect.WithClientOptions(opts...),
+		),
+		writeFile: connect.NewClient[v1.WriteFileRequest, v1.FileInfo](
+			httpClient,
+			baseURL+FilesystemServiceWriteFileProcedure,
+			connect.WithSchema(filesystemServiceMethods.ByName("WriteFile")),
+			connect.WithClientOptions(opts...),
+		),
+		stat: connect.NewClient[v1.StatRequest, v1.FileInfo](
+			httpClient,
+			baseURL+FilesystemServiceStatProcedure,
+			connect.WithSchema(filesystemServiceMethods.ByName("Stat")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
+		listDir: connect.NewClient[v1.ListDirRequest, v1.ListDirResponse](
+			httpClient,
+			baseURL+FilesystemServiceListDirProcedure,
+			connect.WithSchema(filesystemServiceMethods.ByName("ListDir")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
+		makeDir: connect.NewClient[v1.MakeDirRequest, v1.FileInfo](
+			httpClient,
+			baseURL+FilesystemServiceMakeDirProcedure,
+			connect.WithSchema(filesystemServiceMethods.ByName("MakeDir")),
+			connect.WithClientOptions(opts...),
+		),
+		remove: connect.NewClient[v1.RemoveRequest, v1.RemoveResponse](
+			httpClient,
+			baseURL+FilesystemServiceRemoveProcedure,
+			connect.WithSchema(filesystemServiceMethods.ByName("Remove")),
+			connect.WithClientOptions(opts...),
+		),
+		rename: connect.NewClient[v1.RenameRequest, v1.FileInfo](
+			httpClient,
+			baseURL+FilesystemServiceRenameProcedure,
+			connect.WithSchema(filesystemServiceMethods.ByName("Rename")),
+			connect.WithClientOptions(opts...),
+		),
+		watchDir: connect.NewClient[v1.WatchDirRequest, v1.WatchDirEvent](
+			httpClient,
+			baseURL+FilesystemServiceWatchDirProcedure,
+			connect.WithSchema(filesystemServiceMethods.ByName("WatchDir")),
+			connect.WithClientOptions(opts...),
+		),
+	}
 }
 
-func (UnimplementedSandboxServiceHandler) SignalProcess(context.Context, *connect.Request[v1.SignalProcessRequest]) (*connect.Response[v1.SignalProcessResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.SignalProcess is not implemented"))
+// filesystemServiceClient implements FilesystemServiceClient.
+type filesystemServiceClient struct {
+	readFile  *connect.Client[v1.ReadFileRequest, v1.ReadFileResponse]
+	writeFile *connect.Client[v1.WriteFileRequest, v1.FileInfo]
+	stat      *connect.Client[v1.StatRequest, v1.FileInfo]
+	listDir   *connect.Client[v1.ListDirRequest, v1.ListDirResponse]
+	makeDir   *connect.Client[v1.MakeDirRequest, v1.FileInfo]
+	remove    *connect.Client[v1.RemoveRequest, v1.RemoveResponse]
+	rename    *connect.Client[v1.RenameRequest, v1.FileInfo]
+	watchDir  *connect.Client[v1.WatchDirRequest, v1.WatchDirEvent]
 }
 
-func (UnimplementedSandboxServiceHandler) ResizePTY(context.Context, *connect.Request[v1.ResizePTYRequest]) (*connect.Response[v1.ResizePTYResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ResizePTY is not implemented"))
+// ReadFile calls dsec.v1.FilesystemService.ReadFile.
+func (c *filesystemServiceClient) ReadFile(ctx context.Context, req *connect.Request[v1.ReadFileRequest]) (*connect.ServerStreamForClient[v1.ReadFileResponse], error) {
+	return c.readFile.CallServerStream(ctx, req)
 }
 
-func (UnimplementedSandboxServiceHandler) ListProcesses(context.Context, *connect.Request[v1.ListProcessesRequest]) (*connect.Response[v1.ListProcessesResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ListProcesses is not implemented"))
+// WriteFile calls dsec.v1.FilesystemService.WriteFile.
+func (c *filesystemServiceClient) WriteFile(ctx context.Context) *connect.ClientStreamForClient[v1.WriteFileRequest, v1.FileInfo] {
+	return c.writeFile.CallClientStream(ctx)
 }
 
-func (UnimplementedSandboxServiceHandler) ReadFile(context.Context, *connect.Request[v1.ReadFileRequest], *connect.ServerStream[v1.ReadFileResponse]) error {
-	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ReadFile is not implemented"))
+// Stat calls dsec.v1.FilesystemService.Stat.
+func (c *filesystemServiceClient) Stat(ctx context.Context, req *connect.Request[v1.StatRequest]) (*connect.Response[v1.FileInfo], error) {
+	return c.stat.CallUnary(ctx, req)
 }
 
-func (UnimplementedSandboxServiceHandler) WriteFile(context.Context, *connect.ClientStream[v1.WriteFileRequest]) (*connect.Response[v1.FileInfo], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.WriteFile is not implemented"))
+// ListDir calls dsec.v1.FilesystemService.ListDir.
+func (c *filesystemServiceClient) ListDir(ctx context.Context, req *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error) {
+	return c.listDir.CallUnary(ctx, req)
 }
 
-func (UnimplementedSandboxServiceHandler) Stat(context.Context, *connect.Request[v1.StatRequest]) (*connect.Response[v1.FileInfo], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Stat is not implemented"))
+// MakeDir calls dsec.v1.FilesystemService.MakeDir.
+func (c *filesystemServiceClient) MakeDir(ctx context.Context, req *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.FileInfo], error) {
+	return c.makeDir.CallUnary(ctx, req)
 }
 
-func (UnimplementedSandboxServiceHandler) ListDir(context.Context, *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ListDir is not implemented"))
+// Remove calls dsec.v1.FilesystemService.Remove.
+func (c *filesystemServiceClient) Remove(ctx context.Context, req *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error) {
+	return c.remove.CallUnary(ctx, req)
 }
 
-func (UnimplementedSandboxServiceHandler) MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.FileInfo], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.MakeDir is not implemented"))
+// Rename calls dsec.v1.FilesystemService.Rename.
+func (c *filesystemServiceClient) Rename(ctx context.Context, req *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error) {
+	return c.rename.CallUnary(ctx, req)
 }
 
-func (UnimplementedSandboxServiceHandler) Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Remove is not implemented"))
+// WatchDir calls dsec.v1.FilesystemService.WatchDir.
+func (c *filesystemServiceClient) WatchDir(ctx context.Context, req *connect.Request[v1.WatchDirRequest]) (*connect.ServerStreamForClient[v1.WatchDirEvent], error) {
+	return c.watchDir.CallServerStream(ctx, req)
 }
 
-func (UnimplementedSandboxServiceHandler) Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Rename is not implemented"))
+// FilesystemServiceHandler is an implementation of the dsec.v1.FilesystemService service.
+type FilesystemServiceHandler interface {
+	// ReadFile streams a file: the first message carries its info, the rest
+	// carry data chunks. A directory is invalid, refused before any message.
+	ReadFile(context.Context, *connect.Request[v1.ReadFileRequest], *connect.ServerStream[v1.ReadFileResponse]) error
+	// WriteFile writes a file from a stream: the first message is the header,
+	// the rest are data chunks. With a request_id a repeat is answered from
+	// the trajectory log (its data must be the same).
+	WriteFile(context.Context, *connect.ClientStream[v1.WriteFileRequest]) (*connect.Response[v1.FileInfo], error)
+	// Stat describes one path (a link's own info, with its target).
+	Stat(context.Context, *connect.Request[v1.StatRequest]) (*connect.Response[v1.FileInfo], error)
+	// ListDir lists a directory, to depth levels.
+	ListDir(context.Context, *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error)
+	// MakeDir makes a directory and its missing parents, owned by the user.
+	MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.FileInfo], error)
+	// Remove removes a path (recursive: a directory and its contents).
+	Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error)
+	// Rename moves a path within the sandbox.
+	Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error)
+	// WatchDir streams changes under a directory until the caller goes away:
+	// a "started" event once the watch is in place, then one event per change
+	// (and keepalives on quiet streams, "overflow" when the kernel dropped
+	// events).
+	WatchDir(context.Context, *connect.Request[v1.WatchDirRequest], *connect.ServerStream[v1.WatchDirEvent]) error
 }
 
-func (UnimplementedSandboxServiceHandler) WatchDir(context.Context, *connect.Request[v1.WatchDirRequest], *connect.ServerStream[v1.WatchDirEvent]) error {
-	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.WatchDir is not implemented"))
+// NewFilesystemServiceHandler builds an HTTP handler from the service implementation. It returns
+// the path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewFilesystemServiceHandler(svc FilesystemServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	filesystemServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("FilesystemService").Methods()
+	filesystemServiceReadFileHandler := connect.NewServerStreamHandler(
+		FilesystemServiceReadFileProcedure,
+		svc.ReadFile,
+		connect.WithSchema(filesystemServiceMethods.ByName("ReadFile")),
+		connect.WithHandlerOptions(opts...),
+	)
+	filesystemServiceWriteFileHandler := connect.NewClientStreamHandler(
+		FilesystemServiceWriteFileProcedure,
+		svc.WriteFile,
+		connect.WithSchema(filesystemServiceMethods.ByName("WriteFile")),
+		connect.WithHandlerOptions(opts...),
+	)
+	filesystemServiceStatHandler := connect.NewUnaryHandler(
+		FilesystemServiceStatProcedure,
+		svc.Stat,
+		connect.WithSchema(filesystemServiceMethods.ByName("Stat")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
+	filesystemServiceListDirHandler := connect.NewUnaryHandler(
+		FilesystemServiceListDirProcedure,
+		svc.ListDir,
+		connect.WithSchema(filesystemServiceMethods.ByName("ListDir")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
+	filesystemServiceMakeDirHandler := connect.NewUnaryHandler(
+		FilesystemServiceMakeDirProcedure,
+		svc.MakeDir,
+		connect.WithSchema(filesystemServiceMethods.ByName("MakeDir")),
+		connect.WithHandlerOptions(opts...),
+	)
+	filesystemServiceRemoveHandler := connect.NewUnaryHandler(
+		FilesystemServiceRemoveProcedure,
+		svc.Remove,
+		connect.WithSchema(filesystemServiceMethods.ByName("Remove")),
+		connect.WithHandlerOptions(opts...),
+	)
+	filesystemServiceRenameHandler := connect.NewUnaryHandler(
+		FilesystemServiceRenameProcedure,
+		svc.Rename,
+		connect.WithSchema(filesystemServiceMethods.ByName("Rename")),
+		connect.WithHandlerOptions(opts...),
+	)
+	filesystemServiceWatchDirHandler := connect.NewServerStreamHandler(
+		FilesystemServiceWatchDirProcedure,
+		svc.WatchDir,
+		connect.WithSchema(filesystemServiceMethods.ByName("WatchDir")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/dsec.v1.FilesystemService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case FilesystemServiceReadFileProcedure:
+			filesystemServiceReadFileHandler.ServeHTTP(w, r)
+		case FilesystemServiceWriteFileProcedure:
+			filesystemServiceWriteFileHandler.ServeHTTP(w, r)
+		case FilesystemServiceStatProcedure:
+			filesystemServiceStatHandler.ServeHTTP(w, r)
+		case FilesystemServiceListDirProcedure:
+			filesystemServiceListDirHandler.ServeHTTP(w, r)
+		case FilesystemServiceMakeDirProcedure:
+			filesystemServiceMakeDirHandler.ServeHTTP(w, r)
+		case FilesystemServiceRemoveProcedure:
+			filesystemServiceRemoveHandler.ServeHTTP(w, r)
+		case FilesystemServiceRenameProcedure:
+			filesystemServiceRenameHandler.ServeHTTP(w, r)
+		case FilesystemServiceWatchDirProcedure:
+			filesystemServiceWatchDirHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
 }
 
-func (UnimplementedSandboxServiceHandler) GetSandboxStats(context.Context, *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.GetSandboxStats is not implemented"))
+// UnimplementedFilesystemServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedFilesystemServiceHandler struct{}
+
+func (UnimplementedFilesystemServiceHandler) ReadFile(context.Context, *connect.Request[v1.ReadFileRequest], *connect.ServerStream[v1.ReadFileResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.FilesystemService.ReadFile is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.CreateSandboxes is not implemented"))
+func (UnimplementedFilesystemServiceHandler) WriteFile(context.Context, *connect.ClientStream[v1.WriteFileRequest]) (*connect.Response[v1.FileInfo], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.FilesystemService.WriteFile is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.PauseSandbox is not implemented"))
+func (UnimplementedFilesystemServiceHandler) Stat(context.Context, *connect.Request[v1.StatRequest]) (*connect.Response[v1.FileInfo], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.FilesystemService.Stat is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ResumeSandbox is not implemented"))
+func (UnimplementedFilesystemServiceHandler) ListDir(context.Context, *connect.Request[v1.ListDirRequest]) (*connect.Response[v1.ListDirResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.FilesystemService.ListDir is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) PauseSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.PauseSandboxes is not implemented"))
+func (UnimplementedFilesystemServiceHandler) MakeDir(context.Context, *connect.Request[v1.MakeDirRequest]) (*connect.Response[v1.FileInfo], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.FilesystemService.MakeDir is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) ResumeSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ResumeSandboxes is not implemented"))
+func (UnimplementedFilesystemServiceHandler) Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.FilesystemService.Remove is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) DeleteSandboxes(context.Context, *connect.Request[v1.BulkRequest]) (*connect.Response[v1.BulkResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.DeleteSandboxes is not implemented"))
+func (UnimplementedFilesystemServiceHandler) Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.FilesystemService.Rename is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) Snapshot(context.Context, *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotInfo], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Snapshot is not implemented"))
+func (UnimplementedFilesystemServiceHandler) WatchDir(context.Context, *connect.Request[v1.WatchDirRequest], *connect.ServerStream[v1.WatchDirEvent]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.FilesystemService.WatchDir is not implemented"))
 }
 
-func (UnimplementedSandboxServiceHandler) ListSnapshots(context.Context, *connect.Request[v1.ListSnapshotsRequest]) (*connect.Response[v1.ListSnapshotsResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.ListSnapshots is not implemented"))
+// SnapshotServiceClient is a client for the dsec.v1.SnapshotService service.
+type SnapshotServiceClient interface {
+	// Snapshot captures a sandbox (for containers its writable layer, taken
+	// while frozen; for VMs memory and disk) as a snapshot of the sandbox's
+	// project that sandboxes can be created from. A kind that cannot is
+	// unimplemented.
+	Snapshot(context.Context, *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotInfo], error)
+	// ListSnapshots lists the caller's snapshots on every node.
+	ListSnapshots(context.Context, *connect.Request[v1.ListSnapshotsRequest]) (*connect.Response[v1.ListSnapshotsResponse], error)
+	// DeleteSnapshot deletes a snapshot; sandboxes started from it keep what
+	// they need.
+	DeleteSnapshot(context.Context, *connect.Request[v1.DeleteSnapshotRequest]) (*connect.Response[v1.DeleteSnapshotResponse], error)
+	// Fork snapshots a sandbox and creates count children from it on its
+	// node, each with the parent's spec; children count as creates of the
+	// parent's project.
+	Fork(context.Context, *connect.Request[v1.ForkRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
 }
 
-func (UnimplementedSandboxServiceHandler) DeleteSnapshot(context.Context, *connect.Request[v1.DeleteSnapshotRequest]) (*connect.Response[v1.DeleteSnapshotResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.DeleteSnapshot is not implemented"))
+// NewSnapshotServiceClient constructs a client for the dsec.v1.SnapshotService service. By default,
+// it uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses, and
+// sends uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the connect.WithGRPC()
+// or connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewSnapshotServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) SnapshotServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	snapshotServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("SnapshotService").Methods()
+	return &snapshotServiceClient{
+		snapshot: connect.NewClient[v1.SnapshotRequest, v1.SnapshotInfo](
+			httpClient,
+			baseURL+SnapshotServiceSnapshotProcedure,
+			connect.WithSchema(snapshotServiceMethods.ByName("Snapshot")),
+			connect.WithClientOptions(opts...),
+		),
+		listSnapshots: connect.NewClient[v1.ListSnapshotsRequest, v1.ListSnapshotsResponse](
+			httpClient,
+			baseURL+SnapshotServiceListSnapshotsProcedure,
+			connect.WithSchema(snapshotServiceMethods.ByName("ListSnapshots")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
+		deleteSnapshot: connect.NewClient[v1.DeleteSnapshotRequest, v1.DeleteSnapshotResponse](
+			httpClient,
+			baseURL+SnapshotServiceDeleteSnapshotProcedure,
+			connect.WithSchema(snapshotServiceMethods.ByName("DeleteSnapshot")),
+			connect.WithClientOptions(opts...),
+		),
+		fork: connect.NewClient[v1.ForkRequest, v1.CreateSandboxesResponse](
+			httpClient,
+			baseURL+SnapshotServiceForkProcedure,
+			connect.WithSchema(snapshotServiceMethods.ByName("Fork")),
+			connect.WithClientOptions(opts...),
+		),
+	}
 }
 
-func (UnimplementedSandboxServiceHandler) Fork(context.Context, *connect.Request[v1.ForkRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Fork is not implemented"))
+// snapshotServiceClient implements SnapshotServiceClient.
+type snapshotServiceClient struct {
+	snapshot       *connect.Client[v1.SnapshotRequest, v1.SnapshotInfo]
+	listSnapshots  *connect.Client[v1.ListSnapshotsRequest, v1.ListSnapshotsResponse]
+	deleteSnapshot *connect.Client[v1.DeleteSnapshotRequest, v1.DeleteSnapshotResponse]
+	fork           *connect.Client[v1.ForkRequest, v1.CreateSandboxesResponse]
 }
 
-func (UnimplementedSandboxServiceHandler) GetLog(context.Context, *connect.Request[v1.GetLogRequest]) (*connect.Response[v1.GetLogResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.GetLog is not implemented"))
+// Snapshot calls dsec.v1.SnapshotService.Snapshot.
+func (c *snapshotServiceClient) Snapshot(ctx context.Context, req *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotInfo], error) {
+	return c.snapshot.CallUnary(ctx, req)
 }
 
-func (UnimplementedSandboxServiceHandler) Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Replay is not implemented"))
+// ListSnapshots calls dsec.v1.SnapshotService.ListSnapshots.
+func (c *snapshotServiceClient) ListSnapshots(ctx context.Context, req *connect.Request[v1.ListSnapshotsRequest]) (*connect.Response[v1.ListSnapshotsResponse], error) {
+	return c.listSnapshots.CallUnary(ctx, req)
 }
 
-func (UnimplementedSandboxServiceHandler) Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.Screenshot is not implemented"))
+// DeleteSnapshot calls dsec.v1.SnapshotService.DeleteSnapshot.
+func (c *snapshotServiceClient) DeleteSnapshot(ctx context.Context, req *connect.Request[v1.DeleteSnapshotRequest]) (*connect.Response[v1.DeleteSnapshotResponse], error) {
+	return c.deleteSnapshot.CallUnary(ctx, req)
 }
 
-func (UnimplementedSandboxServiceHandler) SendInput(context.Context, *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.SendInput is not implemented"))
+// Fork calls dsec.v1.SnapshotService.Fork.
+func (c *snapshotServiceClient) Fork(ctx context.Context, req *connect.Request[v1.ForkRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
+	return c.fork.CallUnary(ctx, req)
 }
 
-func (UnimplementedSandboxServiceHandler) OpenVNC(context.Context, *connect.Request[v1.OpenVNCRequest]) (*connect.Response[v1.OpenVNCResponse], error) {
-	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SandboxService.OpenVNC is not implemented"))
+// SnapshotServiceHandler is an implementation of the dsec.v1.SnapshotService service.
+type SnapshotServiceHandler interface {
+	// Snapshot captures a sandbox (for containers its writable layer, taken
+	// while frozen; for VMs memory and disk) as a snapshot of the sandbox's
+	// project that sandboxes can be created from. A kind that cannot is
+	// unimplemented.
+	Snapshot(context.Context, *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotInfo], error)
+	// ListSnapshots lists the caller's snapshots on every node.
+	ListSnapshots(context.Context, *connect.Request[v1.ListSnapshotsRequest]) (*connect.Response[v1.ListSnapshotsResponse], error)
+	// DeleteSnapshot deletes a snapshot; sandboxes started from it keep what
+	// they need.
+	DeleteSnapshot(context.Context, *connect.Request[v1.DeleteSnapshotRequest]) (*connect.Response[v1.DeleteSnapshotResponse], error)
+	// Fork snapshots a sandbox and creates count children from it on its
+	// node, each with the parent's spec; children count as creates of the
+	// parent's project.
+	Fork(context.Context, *connect.Request[v1.ForkRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
+}
+
+// NewSnapshotServiceHandler builds an HTTP handler from the service implementation. It returns the
+// path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewSnapshotServiceHandler(svc SnapshotServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	snapshotServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("SnapshotService").Methods()
+	snapshotServiceSnapshotHandler := connect.NewUnaryHandler(
+		SnapshotServiceSnapshotProcedure,
+		svc.Snapshot,
+		connect.WithSchema(snapshotServiceMethods.ByName("Snapshot")),
+		connect.WithHandlerOptions(opts...),
+	)
+	snapshotServiceListSnapshotsHandler := connect.NewUnaryHandler(
+		SnapshotServiceListSnapshotsProcedure,
+		svc.ListSnapshots,
+		connect.WithSchema(snapshotServiceMethods.ByName("ListSnapshots")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
+	snapshotServiceDeleteSnapshotHandler := connect.NewUnaryHandler(
+		SnapshotServiceDeleteSnapshotProcedure,
+		svc.DeleteSnapshot,
+		connect.WithSchema(snapshotServiceMethods.ByName("DeleteSnapshot")),
+		connect.WithHandlerOptions(opts...),
+	)
+	snapshotServiceForkHandler := connect.NewUnaryHandler(
+		SnapshotServiceForkProcedure,
+		svc.Fork,
+		connect.WithSchema(snapshotServiceMethods.ByName("Fork")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/dsec.v1.SnapshotService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case SnapshotServiceSnapshotProcedure:
+			snapshotServiceSnapshotHandler.ServeHTTP(w, r)
+		case SnapshotServiceListSnapshotsProcedure:
+			snapshotServiceListSnapshotsHandler.ServeHTTP(w, r)
+		case SnapshotServiceDeleteSnapshotProcedure:
+			snapshotServiceDeleteSnapshotHandler.ServeHTTP(w, r)
+		case SnapshotServiceForkProcedure:
+			snapshotServiceForkHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedSnapshotServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedSnapshotServiceHandler struct{}
+
+func (UnimplementedSnapshotServiceHandler) Snapshot(context.Context, *connect.Request[v1.SnapshotRequest]) (*connect.Response[v1.SnapshotInfo], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SnapshotService.Snapshot is not implemented"))
+}
+
+func (UnimplementedSnapshotServiceHandler) ListSnapshots(context.Context, *connect.Request[v1.ListSnapshotsRequest]) (*connect.Response[v1.ListSnapshotsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SnapshotService.ListSnapshots is not implemented"))
+}
+
+func (UnimplementedSnapshotServiceHandler) DeleteSnapshot(context.Context, *connect.Request[v1.DeleteSnapshotRequest]) (*connect.Response[v1.DeleteSnapshotResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SnapshotService.DeleteSnapshot is not implemented"))
+}
+
+func (UnimplementedSnapshotServiceHandler) Fork(context.Context, *connect.Request[v1.ForkRequest]) (*connect.Response[v1.CreateSandboxesResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SnapshotService.Fork is not implemented"))
+}
+
+// LogServiceClient is a client for the dsec.v1.LogService service.
+type LogServiceClient interface {
+	// GetLog reads a sandbox's trajectory log: every exec and file mutation,
+	// in order, with its result. Logs outlive their sandbox for as long as
+	// its tombstone (24 h).
+	GetLog(context.Context, *connect.Request[v1.GetLogRequest]) (*connect.Response[v1.GetLogResponse], error)
+	// Replay re-executes a sandbox's logged mutating calls, in order, in a new
+	// sandbox of its project from the same image or snapshot, and reports
+	// divergences.
+	Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error)
+}
+
+// NewLogServiceClient constructs a client for the dsec.v1.LogService service. By default, it uses
+// the Connect protocol with the binary Protobuf Codec, asks for gzipped responses, and sends
+// uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the connect.WithGRPC() or
+// connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewLogServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) LogServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	logServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("LogService").Methods()
+	return &logServiceClient{
+		getLog: connect.NewClient[v1.GetLogRequest, v1.GetLogResponse](
+			httpClient,
+			baseURL+LogServiceGetLogProcedure,
+			connect.WithSchema(logServiceMethods.ByName("GetLog")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
+		replay: connect.NewClient[v1.ReplayRequest, v1.ReplayResponse](
+			httpClient,
+			baseURL+LogServiceReplayProcedure,
+			connect.WithSchema(logServiceMethods.ByName("Replay")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// logServiceClient implements LogServiceClient.
+type logServiceClient struct {
+	getLog *connect.Client[v1.GetLogRequest, v1.GetLogResponse]
+	replay *connect.Client[v1.ReplayRequest, v1.ReplayResponse]
+}
+
+// GetLog calls dsec.v1.LogService.GetLog.
+func (c *logServiceClient) GetLog(ctx context.Context, req *connect.Request[v1.GetLogRequest]) (*connect.Response[v1.GetLogResponse], error) {
+	return c.getLog.CallUnary(ctx, req)
+}
+
+// Replay calls dsec.v1.LogService.Replay.
+func (c *logServiceClient) Replay(ctx context.Context, req *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error) {
+	return c.replay.CallUnary(ctx, req)
+}
+
+// LogServiceHandler is an implementation of the dsec.v1.LogService service.
+type LogServiceHandler interface {
+	// GetLog reads a sandbox's trajectory log: every exec and file mutation,
+	// in order, with its result. Logs outlive their sandbox for as long as
+	// its tombstone (24 h).
+	GetLog(context.Context, *connect.Request[v1.GetLogRequest]) (*connect.Response[v1.GetLogResponse], error)
+	// Replay re-executes a sandbox's logged mutating calls, in order, in a new
+	// sandbox of its project from the same image or snapshot, and reports
+	// divergences.
+	Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error)
+}
+
+// NewLogServiceHandler builds an HTTP handler from the service implementation. It returns the path
+// on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewLogServiceHandler(svc LogServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	logServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("LogService").Methods()
+	logServiceGetLogHandler := connect.NewUnaryHandler(
+		LogServiceGetLogProcedure,
+		svc.GetLog,
+		connect.WithSchema(logServiceMethods.ByName("GetLog")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
+	logServiceReplayHandler := connect.NewUnaryHandler(
+		LogServiceReplayProcedure,
+		svc.Replay,
+		connect.WithSchema(logServiceMethods.ByName("Replay")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/dsec.v1.LogService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case LogServiceGetLogProcedure:
+			logServiceGetLogHandler.ServeHTTP(w, r)
+		case LogServiceReplayProcedure:
+			logServiceReplayHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedLogServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedLogServiceHandler struct{}
+
+func (UnimplementedLogServiceHandler) GetLog(context.Context, *connect.Request[v1.GetLogRequest]) (*connect.Response[v1.GetLogResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LogService.GetLog is not implemented"))
+}
+
+func (UnimplementedLogServiceHandler) Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LogService.Replay is not implemented"))
+}
+
+// ScreenServiceClient is a client for the dsec.v1.ScreenService service.
+type ScreenServiceClient interface {
+	// Screenshot captures the screen as a PNG image at the guest's display
+	// resolution.
+	Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error)
+	// SendInput types text, presses keys and moves, clicks and scrolls the
+	// mouse on the screen, in order.
+	SendInput(context.Context, *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error)
+	// OpenVNC gives the screen a new VNC password and returns its VNC
+	// server's address, which is on the node's loopback interface (reach it
+	// from the node or through a tunnel). Needs a node started with VNC
+	// (vm.vnc).
+	OpenVNC(context.Context, *connect.Request[v1.OpenVNCRequest]) (*connect.Response[v1.OpenVNCResponse], error)
+}
+
+// NewScreenServiceClient constructs a client for the dsec.v1.ScreenService service. By default, it
+// uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses, and sends
+// uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the connect.WithGRPC() or
+// connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewScreenServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) ScreenServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	screenServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("ScreenService").Methods()
+	return &screenServiceClient{
+		screenshot: connect.NewClient[v1.ScreenshotRequest, v1.ScreenshotResponse](
+			httpClient,
+			baseURL+ScreenServiceScreenshotProcedure,
+			connect.WithSchema(screenServiceMethods.ByName("Screenshot")),
+			connect.WithClientOptions(opts...),
+		),
+		sendInput: connect.NewClient[v1.SendInputRequest, v1.SendInputResponse](
+			httpClient,
+			baseURL+ScreenServiceSendInputProcedure,
+			connect.WithSchema(screenServiceMethods.ByName("SendInput")),
+			connect.WithClientOptions(opts...),
+		),
+		openVNC: connect.NewClient[v1.OpenVNCRequest, v1.OpenVNCResponse](
+			httpClient,
+			baseURL+ScreenServiceOpenVNCProcedure,
+			connect.WithSchema(screenServiceMethods.ByName("OpenVNC")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// screenServiceClient implements ScreenServiceClient.
+type screenServiceClient struct {
+	screenshot *connect.Client[v1.ScreenshotRequest, v1.ScreenshotResponse]
+	sendInput  *connect.Client[v1.SendInputRequest, v1.SendInputResponse]
+	openVNC    *connect.Client[v1.OpenVNCRequest, v1.OpenVNCResponse]
+}
+
+// Screenshot calls dsec.v1.ScreenService.Screenshot.
+func (c *screenServiceClient) Screenshot(ctx context.Context, req *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error) {
+	return c.screenshot.CallUnary(ctx, req)
+}
+
+// SendInput calls dsec.v1.ScreenService.SendInput.
+func (c *screenServiceClient) SendInput(ctx context.Context, req *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error) {
+	return c.sendInput.CallUnary(ctx, req)
+}
+
+// OpenVNC calls dsec.v1.ScreenService.OpenVNC.
+func (c *screenServiceClient) OpenVNC(ctx context.Context, req *connect.Request[v1.OpenVNCRequest]) (*connect.Response[v1.OpenVNCResponse], error) {
+	return c.openVNC.CallUnary(ctx, req)
+}
+
+// ScreenServiceHandler is an implementation of the dsec.v1.ScreenService service.
+type ScreenServiceHandler interface {
+	// Screenshot captures the screen as a PNG image at the guest's display
+	// resolution.
+	Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error)
+	// SendInput types text, presses keys and moves, clicks and scrolls the
+	// mouse on the screen, in order.
+	SendInput(context.Context, *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error)
+	// OpenVNC gives the screen a new VNC password and returns its VNC
+	// server's address, which is on the node's loopback interface (reach it
+	// from the node or through a tunnel). Needs a node started with VNC
+	// (vm.vnc).
+	OpenVNC(context.Context, *connect.Request[v1.OpenVNCRequest]) (*connect.Response[v1.OpenVNCResponse], error)
+}
+
+// NewScreenServiceHandler builds an HTTP handler from the service implementation. It returns the
+// path on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewScreenServiceHandler(svc ScreenServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	screenServiceMethods := v1.File_dsec_v1_sandbox_proto.Services().ByName("ScreenService").Methods()
+	screenServiceScreenshotHandler := connect.NewUnaryHandler(
+		ScreenServiceScreenshotProcedure,
+		svc.Screenshot,
+		connect.WithSchema(screenServiceMethods.ByName("Screenshot")),
+		connect.WithHandlerOptions(opts...),
+	)
+	screenServiceSendInputHandler := connect.NewUnaryHandler(
+		ScreenServiceSendInputProcedure,
+		svc.SendInput,
+		connect.WithSchema(screenServiceMethods.ByName("SendInput")),
+		connect.WithHandlerOptions(opts...),
+	)
+	screenServiceOpenVNCHandler := connect.NewUnaryHandler(
+		ScreenServiceOpenVNCProcedure,
+		svc.OpenVNC,
+		connect.WithSchema(screenServiceMethods.ByName("OpenVNC")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/dsec.v1.ScreenService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case ScreenServiceScreenshotProcedure:
+			screenServiceScreenshotHandler.ServeHTTP(w, r)
+		case ScreenServiceSendInputProcedure:
+			screenServiceSendInputHandler.ServeHTTP(w, r)
+		case ScreenServiceOpenVNCProcedure:
+			screenServiceOpenVNCHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedScreenServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedScreenServiceHandler struct{}
+
+func (UnimplementedScreenServiceHandler) Screenshot(context.Context, *connect.Request[v1.ScreenshotRequest]) (*connect.Response[v1.ScreenshotResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ScreenService.Screenshot is not implemented"))
+}
+
+func (UnimplementedScreenServiceHandler) SendInput(context.Context, *connect.Request[v1.SendInputRequest]) (*connect.Response[v1.SendInputResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ScreenService.SendInput is not implemented"))
+}
+
+func (UnimplementedScreenServiceHandler) OpenVNC(context.Context, *connect.Request[v1.OpenVNCRequest]) (*connect.Response[v1.OpenVNCResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ScreenService.OpenVNC is not implemented"))
 }
