@@ -386,7 +386,6 @@ func mustVersion(bin string) string {
 	return v
 }
 
-
 func fatal(err error) {
 	fmt.Fprintln(os.Stderr, "bench:", err)
 	dsectest.Exit(1)

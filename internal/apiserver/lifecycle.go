@@ -202,7 +202,9 @@ func Bulk(ctx context.Context, r Router, op, selector string) (*dsecv1.BulkRespo
 		return nil, wire(errdefs.Invalid("a label selector is required for a bulk %s", op))
 	}
 	q := &dsecv1.BulkRequest{LabelSelector: selector}
-	resps, err := fanOut(r.Nodes(ctx), func(n Node) (*connect.Response[dsecv1.BulkResponse], error) { return verb(n, ctx, connect.NewRequest(q)) })
+	resps, err := fanOut(r.Nodes(ctx), func(n Node) (*connect.Response[dsecv1.BulkResponse], error) {
+		return verb(n, ctx, connect.NewRequest(q))
+	})
 	if err != nil {
 		return nil, err
 	}

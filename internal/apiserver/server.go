@@ -155,7 +155,9 @@ func NewNodeAPI(token string, log *slog.Logger, h NodeHandlers) *Server {
 	for _, svc := range []func() (string, http.Handler){
 		func() (string, http.Handler) { return dsecv1connect.NewLifecycleServiceHandler(h, ConnectOptions()...) },
 		func() (string, http.Handler) { return dsecv1connect.NewProcessServiceHandler(h, ConnectOptions()...) },
-		func() (string, http.Handler) { return dsecv1connect.NewFilesystemServiceHandler(h, ConnectOptions()...) },
+		func() (string, http.Handler) {
+			return dsecv1connect.NewFilesystemServiceHandler(h, ConnectOptions()...)
+		},
 		func() (string, http.Handler) { return dsecv1connect.NewSnapshotServiceHandler(h, ConnectOptions()...) },
 		func() (string, http.Handler) { return dsecv1connect.NewLogServiceHandler(h, ConnectOptions()...) },
 		func() (string, http.Handler) { return dsecv1connect.NewScreenServiceHandler(h, ConnectOptions()...) },

@@ -14,8 +14,8 @@ import (
 	"time"
 
 	"github.com/opendsec/dsec/internal/errdefs"
-	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // TestMain runs the package's tests in a private mount namespace when

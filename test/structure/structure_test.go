@@ -8,8 +8,10 @@
 package structure_test
 
 import (
+	"bytes"
 	"flag"
 	"go/ast"
+	"go/format"
 	"go/parser"
 	"go/token"
 	"os"
@@ -139,6 +141,40 @@ func TestTheAgentsDependenciesAreTheCheckedInList(t *testing.T) {
 	for _, d := range want {
 		if !haveSet[d] {
 			t.Errorf("dsec-guest no longer depends on %s: remove it from cmd/dsec-guest/deps.txt (-update)", d)
+		}
+	}
+}
+
+// TestEveryFileIsGofmted: the code reads one way (gofmt), generated code
+// included.
+func TestEveryFileIsGofmted(t *testing.T) {
+	out, err := exec.Command(goCmd(t), "list", "-f", "{{.Dir}}", mod+"/...").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go list: %v\n%s", err, out)
+	}
+	for _, dir := range strings.Fields(string(out)) {
+		ents, err := os.ReadDir(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range ents {
+			if !strings.HasSuffix(e.Name(), ".go") {
+				continue
+			}
+			p := filepath.Join(dir, e.Name())
+			src, err := os.ReadFile(p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := format.Source(src)
+			if err != nil {
+				t.Errorf("%s: %v", p, err)
+				continue
+			}
+			if !bytes.Equal(got, src) {
+				rel, _ := filepath.Rel(root(), p)
+				t.Errorf("%s is not gofmt'd (gofmt -w %s)", rel, rel)
+			}
 		}
 	}
 }

@@ -19,8 +19,8 @@ import (
 	"github.com/opendsec/dsec/internal/qemu"
 	"github.com/opendsec/dsec/internal/qemu/qemutest"
 	"github.com/opendsec/dsec/internal/substrate"
-	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 var (
