@@ -262,11 +262,11 @@ type grant struct {
 }
 
 type worker struct {
-	id        string
-	dir       string
-	inst      substrate.Instance
-	have      map[string]bool // the programs the image has (probeScript)
-	ooms      atomic.Int64 // the worker's OOM kills seen so far
+	id   string
+	dir  string
+	inst substrate.Instance
+	have map[string]bool // the programs the image has (probeScript)
+	ooms atomic.Int64    // the worker's OOM kills seen so far
 
 	// Guarded by the pool's mu.
 	slots    []bool // in use
