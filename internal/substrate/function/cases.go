@@ -19,9 +19,11 @@ import (
 // cases, cannot touch the checker, and cases spread over the node's
 // workers.
 
+// The archive travels in guest-protocol messages, which are at most 8 MiB
+// (internal/guest): a larger one would break the worker's connection.
 const (
-	buildArchive = ".dsec-build.tar"
-	maxArchive   = 64 << 20
+	buildArchive = ".dsec-build.tgz"
+	maxArchive   = 6 << 20
 )
 
 // built is a compiled program: its archived directory, or its files.
@@ -29,6 +31,9 @@ type built struct {
 	files   []*guestv1.CallFile
 	unpack  bool // files is the archive: unpack before running
 	compile *dsecv1.StageResult
+	// recompile: the build was too large to archive, so each case
+	// compiles the program again (slower, the same verdicts).
+	recompile *guestv1.CallStep
 }
 
 // build compiles pr once. A compile failure comes back in compile (status
@@ -40,7 +45,7 @@ func (d *Driver) build(ctx context.Context, p *pool, pr *program) (b *built, inf
 	if pr.compile == nil {
 		return &built{files: pr.files}, ""
 	}
-	tar := &guestv1.CallStep{Argv: []string{"tar", "-cf", buildArchive, "--exclude=./" + buildArchive, "--exclude=./.cache", "."},
+	tar := &guestv1.CallStep{Argv: []string{"tar", "-czf", buildArchive, "--exclude=./" + buildArchive, "--exclude=./.cache", "."},
 		TimeoutMs: 60000, MaxOutput: 64 << 10, RlimitNproc: 64, RlimitNofile: 1024, RlimitFsizeBytes: maxArchive + 1<<20}
 	c := &guestv1.Call{Files: pr.files, Steps: []*guestv1.CallStep{pr.compile, tar}, Fetch: []string{buildArchive}, MaxFetch: maxArchive, Env: pr.env}
 	out, oom, infra := d.exec(ctx, p, []*language{pr.lang}, c)
@@ -55,10 +60,8 @@ func (d *Driver) build(ctx context.Context, p *pool, pr *program) (b *built, inf
 		return b, ""
 	}
 	if len(out.Steps) < 2 || out.Steps[1].ExitCode != 0 || len(out.Fetched) != 1 || out.Fetched[0].Missing || out.Fetched[0].Truncated {
-		// The compiler's output is too large to archive (or the archive
-		// failed): the program's own doing, like a compile error.
-		b.compile.Status = "error"
-		b.compile.Stderr += fmt.Sprintf("\ndsec: the compiled program could not be archived (at most %d bytes)\n", maxArchive)
+		// Too large to archive: every case compiles it again.
+		b.files, b.recompile = pr.files, pr.compile
 		return b, ""
 	}
 	b.files, b.unpack = []*guestv1.CallFile{{Path: buildArchive, Content: out.Fetched[0].Content, Mode: 0o600}}, true
@@ -69,8 +72,11 @@ func (d *Driver) build(ctx context.Context, p *pool, pr *program) (b *built, inf
 // written beside it.
 func (b *built) call(pr *program, stdin []byte, args []string, extra ...*guestv1.CallFile) *guestv1.Call {
 	c := &guestv1.Call{Files: append(append([]*guestv1.CallFile(nil), b.files...), extra...), Env: pr.env}
+	if b.recompile != nil {
+		c.Steps = append(c.Steps, b.recompile)
+	}
 	if b.unpack {
-		c.Steps = append(c.Steps, &guestv1.CallStep{Argv: []string{"tar", "-xf", buildArchive}, TimeoutMs: 60000, MaxOutput: 64 << 10,
+		c.Steps = append(c.Steps, &guestv1.CallStep{Argv: []string{"tar", "-xzf", buildArchive}, TimeoutMs: 60000, MaxOutput: 64 << 10,
 			RlimitNproc: 64, RlimitNofile: 1024, StopOnFailure: true})
 	}
 	return append1(c, pr.run(stdin, args))
@@ -204,6 +210,13 @@ func (d *Driver) runCase(ctx context.Context, p *pool, pl *plan, prog, chk *buil
 		return infra
 	}
 	x := lastStep(c, out)
+	if x == nil && prog.recompile != nil && len(out.Steps) > 0 {
+		// Compiled again for this case, and it failed this time.
+		if st := stage(out.Steps[0], oom); st.Status == StatusTLE {
+			cr.Status = StatusSandbox
+			return "the program compiled once but its recompilation for this case timed out"
+		}
+	}
 	if x == nil {
 		cr.Status = StatusSandbox
 		return "the compiled program did not unpack"

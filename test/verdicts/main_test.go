@@ -1,0 +1,105 @@
+// Package verdicts is the function substrate's verdict honesty suite: a
+// corpus of programs, made by the project, whose verdicts are known — per
+// language a right answer, a wrong one, a crash, a timeout and a program
+// that does not compile — and hostile programs (different but valid
+// outputs judged by checkers, memory overruns, output floods, forks,
+// writes outside the working directory, infinite recursion, attempts to
+// read the tests). Every verdict must match: a wrong verdict is a wrong
+// reward for a code-RL trainer.
+//
+// The programs run on real function workers (containers of the polyglot
+// image, built offline and cached in DSEC_CACHE_DIR) through the function
+// driver. Infra failures injected into workers are tested beside the
+// driver (internal/substrate/function).
+package verdicts
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"testing"
+
+	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/substrate/container"
+	"github.com/opendsec/dsec/internal/substrate/function"
+	"github.com/opendsec/dsec/internal/tenant"
+)
+
+func TestMain(m *testing.M) {
+	if os.Geteuid() == 0 {
+		if err := mountns.Enter(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+	}
+	code := m.Run()
+	if shared != nil {
+		shared.Close()
+	}
+	os.RemoveAll(sharedDir)
+	os.Exit(code)
+}
+
+var (
+	once      sync.Once
+	shared    *function.Driver
+	sharedDir string
+	sharedErr error
+)
+
+// driver is a function driver over real workers of the polyglot image,
+// shared by the package's tests (the image is imported once).
+func driver(t *testing.T) *function.Driver {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("needs the polyglot image")
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (function workers are containers)")
+	}
+	if _, err := exec.LookPath("debootstrap"); err != nil {
+		t.Skip("needs debootstrap for the polyglot worker image")
+	}
+	once.Do(func() { shared, sharedErr = start() })
+	if sharedErr != nil {
+		t.Fatal(sharedErr)
+	}
+	if !shared.Capabilities().Available {
+		t.Skip(shared.Capabilities().Reason)
+	}
+	return shared
+}
+
+func start() (*function.Driver, error) {
+	dir, err := os.MkdirTemp("", "dsec-verdicts-")
+	if err != nil {
+		return nil, err
+	}
+	sharedDir = dir
+	guestBin := filepath.Join(dir, "dsec-guest")
+	build := exec.Command("go", "build", "-o", guestBin, "github.com/opendsec/dsec/cmd/dsec-guest")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("build dsec-guest: %v\n%s", err, out)
+	}
+	store, err := image.Open(filepath.Join(dir, "images"), slog.Default())
+	if err != nil {
+		return nil, err
+	}
+	if _, err := store.Bootstrap(tenant.System(context.Background()), "polyglot", "", image.BootstrapOptions{CacheDir: os.Getenv("DSEC_CACHE_DIR")}, nil); err != nil {
+		return nil, err
+	}
+	ct, err := container.New(container.Config{GuestBinary: guestBin, StateDir: filepath.Join(dir, "container")}, slog.Default())
+	if err != nil {
+		return nil, err
+	}
+	d := function.New(function.Config{Image: "polyglot", StateDir: filepath.Join(dir, "function"), MaxWorkers: 2}, ct, store, slog.Default(), runtime.NumCPU())
+	d.Start()
+	return d, nil
+}
