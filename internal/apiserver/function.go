@@ -164,7 +164,8 @@ func (s *Server) serveRunCode(w http.ResponseWriter, r *http.Request) {
 		}
 		b, err := base64.StdEncoding.DecodeString(*b64)
 		if err != nil {
-			writeSFInvalid(w, "files", fmt.Sprintf("file %q is not valid base64", name))
+			// SandboxFusion fails decoding it while running the call.
+			writeSF(w, &sfResponse{Status: "SandboxError", Message: fmt.Sprintf("file %q is not valid base64: %v", name, err), Files: map[string]string{}})
 			return
 		}
 		req.Files[name] = b
