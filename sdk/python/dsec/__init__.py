@@ -13,7 +13,7 @@ Standard library only. Every error is a :class:`DsecError` with ``.infra``
 from .client import Client, ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, SnapshotInfo, quote, request_id
 from .session import Session
 from .aio import AsyncClient, AsyncSandbox
-from .functions import RunCodeResult
+from .functions import Checker, RunCodeResult
 from .errors import (
     Conflict,
     ConnectionFailed,
@@ -38,6 +38,7 @@ __all__ = [
     "AsyncClient",
     "AsyncSandbox",
     "RunCodeResult",
+    "Checker",
     "Sandbox",
     "SandboxInfo",
     "ExecResult",

@@ -622,8 +622,12 @@ class Client:
         ``tests`` (dicts with ``stdin``/``expected_stdout``, or pairs),
         ``run_timeout``, ``compile_timeout``, ``memory_limit_mb``,
         ``max_output_bytes``, ``case_insensitive``, ``float_tolerance``,
-        ``stop_on_first_failure``, ``image``. Function calls are stateless,
-        so they are retried on transport failures."""
+        ``stop_on_first_failure``, ``image``, ``args`` (the program's
+        arguments), ``checker`` (a special judge for ``tests``: a built-in
+        name such as "float", "tokens" or "unordered_lines", or a
+        ``dsec.functions.Checker`` / dict with ``language`` and ``code`` of
+        a checker program). Function calls are stateless, so they are
+        retried on transport failures."""
         from .functions import run_code
 
         return run_code(self, code, language, **kw)
