@@ -1,16 +1,3 @@
-// Package verdicts is the function substrate's verdict honesty suite: a
-// corpus of programs, made by the project, whose verdicts are known — per
-// language a right answer, a wrong one, a crash, a timeout and a program
-// that does not compile — and hostile programs (different but valid
-// outputs judged by checkers, memory overruns, output floods, forks,
-// writes outside the working directory, infinite recursion, attempts to
-// read the tests). Every verdict must match: a wrong verdict is a wrong
-// reward for a code-RL trainer.
-//
-// The programs run on real function workers (containers of the polyglot
-// image, built offline and cached in DSEC_CACHE_DIR) through the function
-// driver. Infra failures injected into workers are tested beside the
-// driver (internal/substrate/function).
 package verdicts
 
 import (

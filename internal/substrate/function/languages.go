@@ -177,3 +177,30 @@ func probeScript() string {
 	}
 	return s + "; do case $b in /*) test -e $b && echo $b;; *) command -v $b >/dev/null 2>&1 && echo $b;; esac; done; true"
 }
+
+// Recipe says how a call of language name runs code, for benchmarks that
+// run the same commands outside dsec: the source file, the compile and
+// run commands (in the call's directory) and the environment added; ok
+// is false for unknown languages and those no image has.
+func Recipe(name, code string) (source string, compile, run, env []string, ok bool) {
+	l := lookup(name)
+	if l == nil || l.missing != "" {
+		return "", nil, nil, nil, false
+	}
+	source, run = l.source, l.run
+	if l.sourceOf != nil {
+		if s, err := l.sourceOf(code); err == nil {
+			source = s
+		}
+	}
+	if l.runOf != nil {
+		run = l.runOf(code)
+	}
+	if l.python {
+		run = append([]string{"python3"}, run...)
+	}
+	return source, l.compile, run, l.env, true
+}
+
+// Helpers are the files the node installs in every worker, by path.
+func Helpers() map[string][]byte { return map[string][]byte{libDir + "/ts.js": tsScript} }
