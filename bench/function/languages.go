@@ -104,9 +104,9 @@ func baseline(root, tsjs string, p verdicts.Program) (time.Duration, error) {
 		script = shellJoin(compile) + " && "
 	}
 	script += shellJoin(run) + " < stdin"
-	args := []string{"--ro-bind", root, "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--bind", work, "/w",
-		"--ro-bind", tsjs, "/run/dsec-fn/lib/ts.js", "--unshare-all", "--die-with-parent", "--chdir", "/w",
-		"--setenv", "HOME", "/w", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8"}
+	args := []string{"--ro-bind", root, "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--bind", work, "/tmp/w",
+		"--tmpfs", "/run", "--ro-bind", tsjs, "/run/dsec-fn/lib/ts.js", "--unshare-all", "--die-with-parent", "--chdir", "/tmp/w",
+		"--setenv", "HOME", "/tmp/w", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8"}
 	for _, e := range env {
 		k, v, _ := strings.Cut(e, "=")
 		args = append(args, "--setenv", k, v)
