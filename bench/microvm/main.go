@@ -34,8 +34,8 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/dsectest"
 	"github.com/opendsec/dsec/internal/mountns"
-	"github.com/opendsec/dsec/internal/qemu"
 	"github.com/opendsec/dsec/internal/substrate/microvm"
+	"github.com/opendsec/dsec/internal/substrate/qemu"
 	dsec "github.com/opendsec/dsec/sdk/go"
 )
 

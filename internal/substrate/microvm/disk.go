@@ -14,7 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
-	"github.com/opendsec/dsec/internal/qemu"
+	"github.com/opendsec/dsec/internal/substrate/qemu"
 )
 
 // skeletonVersion changes when the skeleton layer does, so image disks are

@@ -14,8 +14,8 @@ import (
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
-	"github.com/opendsec/dsec/internal/qemu"
 	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/substrate/qemu"
 	"github.com/opendsec/dsec/internal/undo"
 )
 

@@ -23,9 +23,9 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
-	"github.com/opendsec/dsec/internal/qemu"
-	"github.com/opendsec/dsec/internal/qemu/qemutest"
 	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/substrate/qemu"
+	"github.com/opendsec/dsec/internal/substrate/qemu/qemutest"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
 	"github.com/opendsec/dsec/internal/tenant"
 )
