@@ -19,8 +19,8 @@ import (
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/substrate"
-	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 var (
@@ -232,8 +232,13 @@ func TestSandboxesHaveNoRawSocketsButPing(t *testing.T) {
 		}
 	})
 	t.Run("ICMP datagram sockets are open to every group", func(t *testing.T) {
-		if _, out := run(t, "cat /proc/sys/net/ipv4/ping_group_range"); strings.Join(strings.Fields(out), " ") != "0 2147483647" {
-			t.Errorf("ping_group_range %q", out)
+		// Every group of the sandbox's user namespace (all of them without).
+		want := "0 65535"
+		if d.cfg.HostRoot {
+			want = "0 2147483647"
+		}
+		if _, out := run(t, "cat /proc/sys/net/ipv4/ping_group_range"); strings.Join(strings.Fields(out), " ") != want {
+			t.Errorf("ping_group_range %q, want %q", out, want)
 		}
 	})
 }
@@ -272,6 +277,15 @@ func TestHundredCreateDeleteCyclesLeaveNothing(t *testing.T) {
 	if after.mounts > before.mounts {
 		t.Fatalf("after 100 cycles: mounts %d→%d", before.mounts, after.mounts)
 	}
+	// The sandboxes' file systems go back to the pool or away.
+	for deadline := time.Now().Add(10 * time.Second); d.disk.held() > diskPoolSize; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("after 100 cycles: %d sandbox file systems, the pool keeps %d", d.disk.held(), diskPoolSize)
+		}
+	}
+	if n := d.ranges.heldCount(); n > usernsPoolSize {
+		t.Errorf("after 100 cycles: %d id ranges held, the pool keeps %d", n, usernsPoolSize)
+	}
 	for name, n := range after.procs {
 		if n > before.procs[name] {
 			out, _ := exec.Command("ps", "-eo", "pid,ppid,stat,etime,comm").Output()
@@ -285,7 +299,8 @@ type hostCounts struct {
 	procs  map[string]int // by command name, for the sandbox side: agents, runtimes, sleeps
 }
 
-// snapshotHost counts this process's mounts and the sandbox-side processes
+// snapshotHost counts this process's mounts (but the sandbox file systems
+// made ahead, which come and go) and the sandbox-side processes
 // (agents, runtimes, sleeps) whose command line or cgroup names tag, the
 // prefix of this test's sandbox IDs.
 func snapshotHost(tag string) hostCounts {
@@ -313,7 +328,13 @@ func snapshotHost(tag string) hostCounts {
 			procs[name]++
 		}
 	}
-	return hostCounts{mounts: strings.Count(string(mi), "\n"), procs: procs}
+	mounts := 0
+	for _, l := range strings.Split(string(mi), "\n") {
+		if l != "" && !strings.Contains(l, "/disks/") {
+			mounts++
+		}
+	}
+	return hostCounts{mounts: mounts, procs: procs}
 }
 
 func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
@@ -424,4 +445,64 @@ func BenchmarkCreateExecDestroy(b *testing.B) {
 	b.ReportMetric(float64(create.Microseconds())/n, "create-µs/op")
 	b.ReportMetric(float64(run.Microseconds())/n, "exec-µs/op")
 	b.ReportMetric(float64(destroy.Microseconds())/n, "destroy-µs/op")
+}
+
+func TestSandboxRootIsAnUnprivilegedHostUserWithItsOwnDisk(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	spec := &substrate.Spec{ID: fmt.Sprintf("uns%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox",
+		MemoryMB: 256, Pids: 256, CPU: 1, DiskMB: 64, Network: substrate.Network{Mode: "none"}}
+	inst, err := d.Create(context.Background(), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(context.Background())
+	st := inst.(*instance).st
+	run := func(script string) *guestv1.Exit {
+		t.Helper()
+		x, err := inst.Guest().Run(context.Background(), &guestv1.Exec{Argv: []string{"/bin/sh", "-c", script}, TimeoutMs: 30000})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return x
+	}
+	t.Run("root inside maps to the sandbox's range", func(t *testing.T) {
+		x := run("cat /proc/self/uid_map; id -u; touch /made-by-root; ls -ln / | grep -c ' 0 *0 '")
+		f := strings.Fields(string(x.Stdout))
+		if len(f) < 5 || f[0] != "0" || f[1] != strconv.Itoa(int(st.HostID)) || f[2] != "65536" || f[3] != "0" {
+			t.Fatalf("uid_map and id: %q %s", x.Stdout, x.Stderr)
+		}
+		if n, _ := strconv.Atoi(f[4]); n < 5 {
+			t.Errorf("the image's root-owned files do not look root-owned inside: %q", x.Stdout)
+		}
+		var fi syscall.Stat_t
+		if err := syscall.Stat(filepath.Join(st.upper(), "made-by-root"), &fi); err != nil {
+			t.Fatal(err)
+		}
+		if fi.Uid != st.HostID || fi.Uid < defaultIDBase {
+			t.Errorf("a file root made inside is owned by host uid %d, want %d", fi.Uid, st.HostID)
+		}
+	})
+	t.Run("the bind-mounted /etc files are root's inside", func(t *testing.T) {
+		if x := run("echo 10.0.0.9 extra >> /etc/hosts && grep -c extra /etc/hosts"); x.ExitCode != 0 {
+			t.Errorf("root cannot write /etc/hosts: %s", x.Stderr)
+		}
+	})
+	t.Run("df shows the sandbox's disk and writes stop at it", func(t *testing.T) {
+		x := run("df -k / | tail -1")
+		f := strings.Fields(string(x.Stdout))
+		if len(f) < 2 {
+			t.Fatalf("df: %q %s", x.Stdout, x.Stderr)
+		}
+		if kb, _ := strconv.Atoi(f[1]); kb > 64<<10 || kb < 32<<10 {
+			t.Errorf("df / says %d KiB, want about 64 MiB", kb)
+		}
+		x = run("dd if=/dev/zero of=/fill bs=1M count=100 2>&1; echo rc=$?")
+		if !strings.Contains(string(x.Stdout), "No space left") {
+			t.Errorf("filling the disk: %q", x.Stdout)
+		}
+		s, _ := inst.Stats(context.Background())
+		if s.DiskLimitBytes != 64<<20 || s.DiskBytes < 32<<20 {
+			t.Errorf("stats: disk %d of %d", s.DiskBytes, s.DiskLimitBytes)
+		}
+	})
 }
