@@ -97,6 +97,7 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, bootstrap *string, pool
 	f.StringVar(&flagCfg.Network.Subnet, "subnet", "", "egress subnet (default 10.88.0.0/16)")
 	f.StringVar(&flagCfg.Network.Table, "nft-table", "", "nftables tables, inet and bridge (default dsec)")
 	f.StringVar(&flagCfg.Container.Runtime, "runtime", "", "OCI runtime: crun or runc (default crun)")
+	f.BoolVar(&flagCfg.Container.HostRoot, "host-root", false, "run container sandboxes without a user namespace: root inside is the host's root")
 	f.StringVar(&flagCfg.MicroVM.Accel, "microvm-accel", "", "microvm acceleration: auto, kvm or tcg (default auto)")
 	f.StringVar(&flagCfg.MicroVM.KernelDir, "guest-kernel", "", "microvm guest kernel directory (default CACHE_DIR/guest-kernel)")
 	f.StringVar(&flagCfg.VM.Accel, "vm-accel", "", "vm acceleration: auto, kvm or tcg (default auto)")
@@ -181,6 +182,9 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("runtime") {
 		cfg.Container.Runtime = fl.Container.Runtime
+	}
+	if set("host-root") {
+		cfg.Container.HostRoot = fl.Container.HostRoot
 	}
 	if set("microvm-accel") {
 		cfg.MicroVM.Accel = fl.MicroVM.Accel
@@ -467,6 +471,8 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 	ct, err := container.New(container.Config{
 		Runtime: cfg.Container.Runtime, CgroupParent: cfg.Container.CgroupParent,
 		GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "container"), RunDir: runDir,
+		HostRoot: cfg.Container.HostRoot, DefaultDiskMB: cfg.Container.DefaultDiskMB, MaxDiskMB: cfg.Container.MaxDiskMB,
+		NoDiskLimits: cfg.Container.NoDiskLimits,
 	}, log)
 	if err != nil {
 		return nil, nil, err
