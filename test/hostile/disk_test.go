@@ -134,7 +134,6 @@ func TestSandboxRunsOutOfItsOwnInodes(t *testing.T) {
 	nb.check(t)
 }
 
-
 func TestDeletedSandboxLeavesNoDiskOrIDs(t *testing.T) {
 	c := client(t)
 	nb := newNeighbour(t)
