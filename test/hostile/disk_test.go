@@ -152,15 +152,22 @@ func TestDeletedSandboxLeavesNoDiskOrIDs(t *testing.T) {
 		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", node))
 		return strings.Count(string(b), "\n")
 	}
-	ranges := func(id string) []string {
-		var out []string
-		m, _ := filepath.Glob("/run/dsec/ids/*")
-		for _, f := range m {
-			if b, _ := os.ReadFile(f); strings.Contains(string(b), "\n"+id+"\n") {
-				out = append(out, f)
-			}
+	// The node records each id range in use on the host as
+	// /run/dsec/ids/<index>; the sandbox's is found from its uid_map.
+	rangeOf := func(sb *dsec.Sandbox) string {
+		r, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("cat /proc/self/uid_map"))
+		if err != nil {
+			t.Fatal(err)
 		}
-		return out
+		f := strings.Fields(string(r.Stdout))
+		host := 0
+		if len(f) == 3 {
+			host, _ = strconv.Atoi(f[1])
+		}
+		if host < 1<<30 || f[2] != "65536" {
+			return ""
+		}
+		return filepath.Join("/run/dsec/ids", strconv.Itoa((host-1<<30)/65536))
 	}
 	// Settled: the pool of file systems and user namespaces made ahead is
 	// full once a create has come and gone.
@@ -175,9 +182,10 @@ func TestDeletedSandboxLeavesNoDiskOrIDs(t *testing.T) {
 	if _, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("dd if=/dev/zero of=/tmp/x bs=1M count=8")); err != nil {
 		t.Fatal(err)
 	}
+	rng := rangeOf(sb)
 	t.Run("while it runs it holds a file system and an id range", func(t *testing.T) {
-		if got := ranges(sb.ID); len(got) != 1 {
-			t.Errorf("id ranges recorded for the sandbox: %v", got)
+		if _, err := os.Lstat(rng); rng == "" || err != nil {
+			t.Errorf("no id range recorded for the sandbox (%q): %v", rng, err)
 		}
 		if loops() == 0 {
 			t.Errorf("no loop device holds a sandbox's disk")
@@ -193,12 +201,13 @@ func TestDeletedSandboxLeavesNoDiskOrIDs(t *testing.T) {
 	t.Run("after delete its range, loop device and mounts are gone", func(t *testing.T) {
 		deadline := time.Now().Add(20 * time.Second)
 		for {
-			l, m, r := loops(), mounts(), ranges(sb.ID)
-			if l <= loopsBefore && m <= mountsBefore && len(r) == 0 {
+			l, m := loops(), mounts()
+			_, err := os.Lstat(rng)
+			if l <= loopsBefore && m <= mountsBefore && err != nil {
 				return
 			}
 			if time.Now().After(deadline) {
-				t.Fatalf("after delete: loop devices %d→%d, node mounts %d→%d, id ranges %v", loopsBefore, l, mountsBefore, m, r)
+				t.Fatalf("after delete: loop devices %d→%d, node mounts %d→%d, id range %s still recorded: %v", loopsBefore, l, mountsBefore, m, rng, err == nil)
 			}
 			time.Sleep(100 * time.Millisecond)
 		}

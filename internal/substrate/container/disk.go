@@ -43,8 +43,11 @@ const (
 	minDiskMB = 16
 	// bytesPerInode sizes a sandbox's inode count from its disk size.
 	bytesPerInode = 16 << 10
-	// diskPoolSize is how many default-size file systems are made ahead.
+	// diskPoolSize is how many default-size file systems are made ahead;
+	// deleted sandboxes' go back to the pool up to diskPoolMax (so a
+	// steady stream of creates and deletes makes none).
 	diskPoolSize = 2
+	diskPoolMax  = 4
 	// recycleInodes: a deleted sandbox's file system holding fewer files
 	// is emptied and reused; one holding more is deleted (emptying it
 	// could take longer than making one).
@@ -102,7 +105,8 @@ func openDiskPool(imgDir, mntDir string, defaultMB int64, log *slog.Logger) (*di
 	return p, nil
 }
 
-// take returns an empty file system of sizeMB, mounted.
+// take returns an empty file system of sizeMB, mounted. Call refill once
+// the create is done.
 func (p *diskPool) take(sizeMB int64) (*sandboxDisk, error) {
 	if sizeMB == p.defaultMB {
 		p.mu.Lock()
@@ -111,7 +115,6 @@ func (p *diskPool) take(sizeMB int64) (*sandboxDisk, error) {
 			sd, p.ready = p.ready[n-1], p.ready[:n-1]
 		}
 		p.mu.Unlock()
-		p.refill()
 		if sd != nil {
 			return sd, nil
 		}
@@ -119,6 +122,7 @@ func (p *diskPool) take(sizeMB int64) (*sandboxDisk, error) {
 	return p.make(sizeMB)
 }
 
+// refill makes the pool full again, in the background.
 func (p *diskPool) refill() {
 	select {
 	case p.kick <- struct{}{}:
@@ -234,11 +238,11 @@ func (p *diskPool) release(sd *sandboxDisk) {
 		var st unix.Statfs_t
 		recycle := sd.SizeMB == p.defaultMB && unix.Statfs(sd.dir, &st) == nil && st.Files-st.Ffree < recycleInodes
 		p.mu.Lock()
-		recycle = recycle && len(p.ready) < diskPoolSize
+		recycle = recycle && len(p.ready) < diskPoolMax
 		p.mu.Unlock()
 		if recycle && p.empty(sd) == nil {
 			p.mu.Lock()
-			if len(p.ready) < diskPoolSize {
+			if len(p.ready) < diskPoolMax {
 				p.ready = append(p.ready, sd)
 				sd = nil
 			}

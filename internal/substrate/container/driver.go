@@ -393,6 +393,16 @@ func (st *state) upper() string {
 	return filepath.Join(filepath.Dir(st.Rootfs), "upper")
 }
 
+// refill has the pools make what creates took, in the background.
+func (d *Driver) refill() {
+	if d.userns != nil {
+		d.userns.refill()
+	}
+	if d.disk != nil {
+		d.disk.refill()
+	}
+}
+
 // diskMB is the disk size of s's sandbox (0: unlimited).
 func (d *Driver) diskMB(s *substrate.Spec) (int64, error) {
 	if d.disk == nil {
@@ -435,6 +445,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	}
 	var undo undo.Stack
 	defer undo.RunUnless(&err)
+	defer d.refill() // after the create: the pools' work would compete with it
 	diskMB, err := d.diskMB(s)
 	if err != nil {
 		return nil, err

@@ -1,18 +1,17 @@
 package container
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"io/fs"
 	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -29,8 +28,8 @@ import (
 // that *created* the namespace. crun would create it as host root, which
 // would charge every sandbox's inotify instances to root again; so the
 // driver creates it itself, as the range's first host id, and crun joins
-// it by path. Creating one costs a fork and an exec (~0.4–1.5 ms here), so
-// a few are made ahead in the background (usernsPool): each is used once.
+// it by path. Creating one costs two execs (~1–2 ms here), so a few are
+// made ahead in the background (usernsPool): each is used once.
 
 const (
 	// idRangeSize is how many ids a sandbox's user namespace maps.
@@ -51,12 +50,16 @@ const (
 )
 
 // idRanges hands out ranges of host ids. Ranges are host-wide (every node
-// on a host shares the ids), so they are recorded as files in a directory
-// of the host's /run (dir/<index>, created exclusively), naming the node
-// (its runtime root) and the sandbox. A node re-adopts its own at start
+// on a host shares the ids), so each range in use is recorded in a
+// directory of the host's /run as a symbolic link (dir/<index>, made
+// exclusively when the range is taken for the pool; a link, not a file, so
+// that recording costs no data write) naming the node (its runtime root
+// and process). Nothing is written when a create takes a pooled range: the
+// sandbox's range is in its state. A node re-adopts its own at start
 // (adopt, then sweep frees the rest); another node's range is taken back
-// only when that node's process and its sandbox's runtime state are both
-// gone. Methods are safe for concurrent use.
+// only when that node's process is gone and no process on the host runs
+// as one of the range's ids (its sandbox may outlive it). Methods are
+// safe for concurrent use.
 type idRanges struct {
 	dir   string
 	base  uint32
@@ -81,10 +84,21 @@ func (r *idRanges) hostID(index int) uint32 { return r.base + uint32(index)*idRa
 
 func (r *idRanges) path(index int) string { return filepath.Join(r.dir, strconv.Itoa(index)) }
 
-// record is what a range's file says: who holds it.
-func (r *idRanges) record(id string) []byte {
+// record is what a range's link says: "<owner> <pid> <start time>".
+func (r *idRanges) record() string {
 	self := os.Getpid()
-	return []byte(fmt.Sprintf("%s\n%s\n%d %d\n", r.owner, id, self, procStartTime(self)))
+	return fmt.Sprintf("%s %d %d", r.owner, self, procStartTime(self))
+}
+
+// parseRecord splits a record; ok is false for a malformed one.
+func parseRecord(rec string) (owner string, pid int, start uint64, ok bool) {
+	f := strings.Fields(rec)
+	if len(f) != 3 {
+		return "", 0, 0, false
+	}
+	pid, _ = strconv.Atoi(f[1])
+	start, _ = strconv.ParseUint(f[2], 10, 64)
+	return f[0], pid, start, true
 }
 
 // alloc takes a free range for sandbox id ("" for the pool).
@@ -96,21 +110,15 @@ func (r *idRanges) alloc(id string) (int, error) {
 		if _, ok := r.held[i]; ok {
 			continue
 		}
-		f, err := os.OpenFile(r.path(i), os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+		err := os.Symlink(r.record(), r.path(i))
 		if errors.Is(err, fs.ErrExist) && r.staleLocked(i) {
 			os.Remove(r.path(i))
-			f, err = os.OpenFile(r.path(i), os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+			err = os.Symlink(r.record(), r.path(i))
 		}
 		if errors.Is(err, fs.ErrExist) {
 			continue
 		}
 		if err != nil {
-			return 0, fmt.Errorf("record id range: %w", err)
-		}
-		_, err = f.Write(r.record(id))
-		f.Close()
-		if err != nil {
-			os.Remove(r.path(i))
 			return 0, fmt.Errorf("record id range: %w", err)
 		}
 		r.held[i] = id
@@ -120,46 +128,68 @@ func (r *idRanges) alloc(id string) (int, error) {
 	return 0, errors.New("every id range is taken")
 }
 
-// assign records that the pooled range index now belongs to sandbox id.
+// setLocked rewrites range index's record as this node process's.
+func (r *idRanges) setLocked(index int) error {
+	tmp := r.path(index) + ".new"
+	os.Remove(tmp)
+	if err := os.Symlink(r.record(), tmp); err != nil {
+		return err
+	}
+	return os.Rename(tmp, r.path(index))
+}
+
+// assign notes that the pooled range index now belongs to sandbox id.
 func (r *idRanges) assign(index int, id string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.held[index] = id
-	os.WriteFile(r.path(index), r.record(id), 0o600)
 }
 
-// staleLocked reports whether range index, held by another node or an
-// earlier process of this one, can be taken back: its node is gone and so
-// is its sandbox's runtime state.
+// staleLocked reports whether range index, held by another node, can be
+// taken back: its node is gone and no process runs as one of its ids.
 func (r *idRanges) staleLocked(index int) bool {
-	b, err := os.ReadFile(r.path(index))
+	rec, err := os.Readlink(r.path(index))
 	if err != nil {
 		return false
 	}
-	st, err := os.Stat(r.path(index))
-	if err != nil || time.Since(st.ModTime()) < staleAfter {
+	var st unix.Stat_t
+	if unix.Lstat(r.path(index), &st) != nil || time.Since(time.Unix(st.Mtim.Unix())) < staleAfter {
 		return false
 	}
-	lines := strings.Split(string(b), "\n")
-	if len(lines) < 3 {
-		return true
-	}
-	owner, id := lines[0], lines[1]
-	if owner == r.owner {
+	owner, pid, start, ok := parseRecord(rec)
+	if ok && owner == r.owner {
 		return false // ours: freed by this node's sweep, never taken here
 	}
-	var pid int
-	var start uint64
-	fmt.Sscanf(lines[2], "%d %d", &pid, &start)
-	if pid > 0 && procStartTime(pid) == start {
+	if ok && pid > 0 && procStartTime(pid) == start {
 		return false
 	}
-	if id != "" {
-		if _, err := os.Stat(filepath.Join(owner, id)); err == nil {
-			return false // the sandbox still runs while its node is down
+	// The sandbox may still run while its node is down.
+	return !runsAs(r.hostID(index), idRangeSize)
+}
+
+// runsAs reports whether a process on the host runs with a real uid in
+// first..first+n-1.
+func runsAs(first uint32, n uint32) bool {
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		if e.Name()[0] < '0' || e.Name()[0] > '9' {
+			continue
+		}
+		var st unix.Stat_t
+		if unix.Stat("/proc/"+e.Name(), &st) != nil {
+			continue
+		}
+		if st.Uid >= first && st.Uid-first < n {
+			return true
 		}
 	}
-	return true
+	return false
+}
+
+// ours reports whether a record names this node.
+func (r *idRanges) ours(rec string) bool {
+	owner, _, _, ok := parseRecord(rec)
+	return ok && owner == r.owner
 }
 
 // adopt marks range index as held by sandbox id after a restart, and
@@ -171,10 +201,10 @@ func (r *idRanges) adopt(index int, id string) bool {
 	if index < 0 || index >= r.count {
 		return false
 	}
-	if b, err := os.ReadFile(r.path(index)); err == nil && !bytes.HasPrefix(b, []byte(r.owner+"\n")) {
+	if rec, err := os.Readlink(r.path(index)); err == nil && !r.ours(rec) {
 		return false
 	}
-	if err := os.WriteFile(r.path(index), r.record(id), 0o600); err != nil {
+	if err := r.setLocked(index); err != nil {
 		return false
 	}
 	r.held[index] = id
@@ -190,8 +220,8 @@ func (r *idRanges) free(index int) {
 }
 
 // sweep frees every range recorded for this node that it does not hold
-// (sandboxes that ended while it was down, its pool's) but those busy
-// says are still in use. It returns how many it freed.
+// (sandboxes that ended while it was down, an earlier pool's) but those
+// busy says are still in use. It returns how many it freed.
 func (r *idRanges) sweep(busy func(index int) bool) int {
 	ents, err := os.ReadDir(r.dir)
 	if err != nil {
@@ -208,8 +238,8 @@ func (r *idRanges) sweep(busy func(index int) bool) int {
 		if _, ok := r.held[i]; ok || busy(i) {
 			continue
 		}
-		b, err := os.ReadFile(r.path(i))
-		if err != nil || !bytes.HasPrefix(b, []byte(r.owner+"\n")) {
+		rec, err := os.Readlink(r.path(i))
+		if err != nil || !r.ours(rec) {
 			continue
 		}
 		if os.Remove(r.path(i)) == nil {
@@ -263,7 +293,8 @@ func newUsernsPool(ranges *idRanges, log *slog.Logger) *usernsPool {
 }
 
 // take returns a fresh user namespace for sandbox id, from the pool or
-// made now.
+// made now. Call refill once the create is done: making the next one
+// meanwhile would compete with it.
 func (p *usernsPool) take(id string) (*userNS, error) {
 	p.mu.Lock()
 	var u *userNS
@@ -271,7 +302,6 @@ func (p *usernsPool) take(id string) (*userNS, error) {
 		u, p.ready = p.ready[0], p.ready[1:]
 	}
 	p.mu.Unlock()
-	p.refill()
 	if u != nil {
 		p.ranges.assign(u.index, id)
 		return u, nil
@@ -279,6 +309,7 @@ func (p *usernsPool) take(id string) (*userNS, error) {
 	return p.make(id)
 }
 
+// refill makes the pool full again, in the background.
 func (p *usernsPool) refill() {
 	select {
 	case p.kick <- struct{}{}:
@@ -338,60 +369,86 @@ func (p *usernsPool) make(id string) (*userNS, error) {
 // ids 0..idRangeSize-1 to host.., and returns it open.
 //
 // The kernel charges a namespace's per-user counts to its creator's
-// effective uid, so the namespace's first process is cloned from a thread
+// effective uid, so the namespace is made by a process whose effective uid
+// is host: util-linux's unshare(1), started (vfork and exec) from a thread
 // whose effective uid is host (a per-thread change, with the capabilities
-// kept: SECBIT_NO_SETUID_FIXUP), then writes the maps as host root. The
-// thread is thrown away afterwards. The process is traced: it stops at its
-// exec (of the node's own binary, through /proc/self/exe, which its
-// credentials reach) before running a single instruction of it, and is
-// killed; the descriptor keeps the namespace.
+// kept: SECBIT_NO_SETUID_FIXUP; the thread is thrown away afterwards).
+// Once it has unshared, the node writes the maps, opens the namespace and
+// kills it. Forking the node itself instead (cloning straight into the
+// namespace) would mark the node's whole memory copy-on-write: measured
+// here, it made the node's next steps of a create several times slower.
 func newUserNamespace(host uint32) (*os.File, error) {
-	type result struct {
-		f   *os.File
+	unshare, err := exec.LookPath("unshare")
+	if err != nil {
+		return nil, errors.New("unshare(1) not found (apt-get install util-linux)")
+	}
+	type started struct {
+		cmd *exec.Cmd
 		err error
 	}
-	ch := make(chan result, 1)
+	ch := make(chan started, 1)
 	go func() {
 		// Never unlocked: the thread's credentials are changed, so it ends
 		// with this goroutine.
 		runtime.LockOSThread()
 		const secbitNoSetuidFixup = 1 << 2
 		if _, _, e := unix.RawSyscall(unix.SYS_PRCTL, unix.PR_SET_SECUREBITS, secbitNoSetuidFixup, 0); e != 0 {
-			ch <- result{err: fmt.Errorf("keep capabilities across the uid change: %w", e)}
+			ch <- started{err: fmt.Errorf("keep capabilities across the uid change: %w", e)}
 			return
 		}
 		if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, ^uintptr(0)>>32, uintptr(host), ^uintptr(0)>>32); e != 0 {
-			ch <- result{err: fmt.Errorf("take the range's uid: %w", e)}
+			ch <- started{err: fmt.Errorf("take the range's uid: %w", e)}
 			return
 		}
-		ids := []syscall.SysProcIDMap{{ContainerID: 0, HostID: int(host), Size: idRangeSize}}
-		devnull, err := os.Open(os.DevNull)
-		if err != nil {
-			ch <- result{err: err}
-			return
-		}
-		defer devnull.Close()
-		const exe = "/proc/self/exe"
-		proc, err := os.StartProcess(exe, []string{"dsec-userns"}, &os.ProcAttr{
-			Files: []*os.File{devnull, devnull, devnull},
-			Sys: &syscall.SysProcAttr{
-				Cloneflags:  unix.CLONE_NEWUSER,
-				UidMappings: ids, GidMappings: ids, GidMappingsEnableSetgroups: true,
-				Ptrace: true, Pdeathsig: syscall.SIGKILL,
-			},
-		})
-		if err != nil {
-			ch <- result{err: fmt.Errorf("start a process in a new user namespace: %w", err)}
-			return
-		}
-		f, err := os.Open(fmt.Sprintf("/proc/%d/ns/user", proc.Pid))
-		proc.Kill()
-		go proc.Wait()
-		ch <- result{f: f, err: err}
+		cmd := exec.Command(unshare, "--user", "sleep", "60")
+		ch <- started{cmd: cmd, err: cmd.Start()}
 	}()
-	r := <-ch
-	return r.f, r.err
+	st := <-ch
+	if st.err != nil {
+		return nil, fmt.Errorf("start unshare: %w", st.err)
+	}
+	defer func() {
+		st.cmd.Process.Kill()
+		go st.cmd.Wait()
+	}()
+	self, err := os.Readlink("/proc/self/ns/user")
+	if err != nil {
+		return nil, err
+	}
+	proc := fmt.Sprintf("/proc/%d/", st.cmd.Process.Pid)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Microsecond) {
+		ns, err := os.Readlink(proc + "ns/user")
+		if err != nil {
+			return nil, fmt.Errorf("unshare ended early: %w", err)
+		}
+		if ns != self {
+			break
+		}
+		if time.Now().After(deadline) {
+			return nil, errors.New("unshare did not make a user namespace within 10s")
+		}
+	}
+	m := []byte(fmt.Sprintf("0 %d %d\n", host, idRangeSize))
+	for _, f := range []string{"uid_map", "gid_map"} {
+		if err := os.WriteFile(proc+f, m, 0); err != nil {
+			return nil, fmt.Errorf("write %s: %w", f, err)
+		}
+	}
+	f, err := os.Open(proc + "ns/user")
+	if err != nil {
+		return nil, err
+	}
+	// The process could have ended and its pid been reused in between:
+	// the namespace must be the one the map was written for.
+	if uid, err := unix.IoctlGetUint32(int(f.Fd()), nsGetOwnerUID); err != nil || uid != host {
+		f.Close()
+		return nil, fmt.Errorf("the new user namespace is not the range's (owner %d): %v", uid, err)
+	}
+	return f, nil
 }
+
+// nsGetOwnerUID is NS_GET_OWNER_UID: the uid that owns a user namespace.
+const nsGetOwnerUID = 0xb704
 
 // attachLayers attaches each of layers (top first) at dir/<i>, id-mapped
 // through userns (nil: as they are), so an overlay can take them as
