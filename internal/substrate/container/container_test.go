@@ -1,6 +1,7 @@
 package container
 
 import (
+	"archive/tar"
 	"bytes"
 	"context"
 	"fmt"
@@ -15,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	"github.com/opendsec/dsec/internal/image"
@@ -534,4 +537,67 @@ func TestSandboxRootIsAnUnprivilegedHostUserWithItsOwnDisk(t *testing.T) {
 			t.Errorf("stats: disk %d of %d", s.DiskBytes, s.DiskLimitBytes)
 		}
 	})
+}
+
+func TestARestartedNodeRemountsTheDiskAndSnapshotsShiftOwners(t *testing.T) {
+	state := t.TempDir()
+	d := newDriver(t, state)
+	if d.disk == nil || d.userns == nil {
+		t.Skip("needs user namespaces and disk limits")
+	}
+	spec := &substrate.Spec{ID: fmt.Sprintf("re%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox",
+		MemoryMB: 256, Pids: 256, CPU: 1, DiskMB: 32, Network: substrate.Network{Mode: "none"}}
+	inst, err := d.Create(context.Background(), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(context.Background())
+	if x, err := inst.Guest().Run(context.Background(), &guestv1.Exec{Argv: []string{"/bin/sh", "-c",
+		"echo root > /by-root && echo user > /by-user && chown 1000:1000 /by-user && setcap cap_net_raw+ep /by-root 2>/dev/null; true"}}); err != nil || x.ExitCode != 0 {
+		t.Fatalf("write files: %v %v", err, x)
+	}
+	// A node restarted in a new mount namespace no longer has the
+	// sandbox's file system mounted.
+	st := inst.(*instance).st
+	if err := unix.Unmount(st.Disk.dir, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	d2 := newDriver(t, state)
+	inst2, err := d2.Attach(context.Background(), spec, inst.State())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	if err := inst2.Snapshot(context.Background(), &buf); err != nil {
+		t.Fatalf("snapshot after the restart: %v", err)
+	}
+	owners := map[string][2]int{}
+	tr := tar.NewReader(&buf)
+	for {
+		h, err := tr.Next()
+		if err != nil {
+			break
+		}
+		owners[h.Name] = [2]int{h.Uid, h.Gid}
+	}
+	for name, want := range map[string][2]int{"by-root": {0, 0}, "by-user": {1000, 1000}} {
+		if got, ok := owners[name]; !ok || got != want {
+			t.Errorf("%s in the snapshot: owner %v (found %v), want %v as the sandbox saw it", name, got, ok, want)
+		}
+	}
+	x, err := inst2.Guest().Run(context.Background(), &guestv1.Exec{Argv: []string{"/bin/sh", "-c", "df -k / | tail -1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f := strings.Fields(string(x.Stdout)); len(f) < 2 {
+		t.Errorf("df / after the restart: %q", x.Stdout)
+	} else if kb, _ := strconv.Atoi(f[1]); kb > 32<<10 || kb < 16<<10 {
+		t.Errorf("df / after the restart says %d KiB, want the sandbox's 32 MiB", kb)
+	}
+	if s, _ := inst2.Stats(context.Background()); s.DiskLimitBytes != 32<<20 {
+		t.Errorf("the adopted sandbox's disk limit: %d", s.DiskLimitBytes)
+	}
+	if err := inst2.Destroy(context.Background()); err != nil {
+		t.Fatal(err)
+	}
 }
