@@ -79,6 +79,7 @@ func newDriver(t *testing.T, state string) *Driver {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(d.Close)
 	return d
 }
 
@@ -441,6 +442,7 @@ func BenchmarkCreateExecDestroy(b *testing.B) {
 			b.Fatal(err)
 		}
 		cases[i].d = d
+		defer d.Close()
 	}
 	ctx := context.Background()
 	for i := 0; b.Loop(); i++ {

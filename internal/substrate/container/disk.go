@@ -74,8 +74,9 @@ type diskPool struct {
 	// at start (for re-adoption).
 	loops map[[2]uint64]string
 
-	mu    sync.Mutex
-	ready []*sandboxDisk
+	mu     sync.Mutex
+	closed bool
+	ready  []*sandboxDisk
 	// busy are the names of disks a sandbox or the pool holds.
 	busy map[string]bool
 }
@@ -135,9 +136,9 @@ func (p *diskPool) fill() {
 	for range p.kick {
 		for {
 			p.mu.Lock()
-			n := len(p.ready)
+			n, closed := len(p.ready), p.closed
 			p.mu.Unlock()
-			if n >= diskPoolSize {
+			if n >= diskPoolSize || closed {
 				break
 			}
 			sd, err := p.make(p.defaultMB)
@@ -146,8 +147,13 @@ func (p *diskPool) fill() {
 				break
 			}
 			p.mu.Lock()
-			p.ready = append(p.ready, sd)
+			if closed = p.closed; !closed {
+				p.ready = append(p.ready, sd)
+			}
 			p.mu.Unlock()
+			if closed {
+				p.delete(sd)
+			}
 		}
 	}
 }
@@ -230,6 +236,17 @@ func (p *diskPool) adopt(sd *sandboxDisk) error {
 	return p.mount(dev, sd.dir)
 }
 
+// close deletes the pool's file systems; a later take makes one.
+func (p *diskPool) close() {
+	p.mu.Lock()
+	ready := p.ready
+	p.ready, p.closed = nil, true
+	p.mu.Unlock()
+	for _, sd := range ready {
+		p.delete(sd)
+	}
+}
+
 // release gives a deleted sandbox's file system back: emptied into the
 // pool if it held little and the pool has room, else unmounted and
 // deleted. It runs in the background; the sandbox's overlay must be gone.
@@ -238,11 +255,11 @@ func (p *diskPool) release(sd *sandboxDisk) {
 		var st unix.Statfs_t
 		recycle := sd.SizeMB == p.defaultMB && unix.Statfs(sd.dir, &st) == nil && st.Files-st.Ffree < recycleInodes
 		p.mu.Lock()
-		recycle = recycle && len(p.ready) < diskPoolMax
+		recycle = recycle && len(p.ready) < diskPoolMax && !p.closed
 		p.mu.Unlock()
 		if recycle && p.empty(sd) == nil {
 			p.mu.Lock()
-			if len(p.ready) < diskPoolMax {
+			if len(p.ready) < diskPoolMax && !p.closed {
 				p.ready = append(p.ready, sd)
 				sd = nil
 			}

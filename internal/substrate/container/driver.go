@@ -339,6 +339,18 @@ func writeSkeleton(dir string) error {
 	return nil
 }
 
+// Close gives back what the driver made ahead for creates (user
+// namespaces and their id ranges, file systems); running sandboxes are
+// left alone. Call it when the node stops.
+func (d *Driver) Close() {
+	if d.userns != nil {
+		d.userns.close()
+	}
+	if d.disk != nil {
+		d.disk.close()
+	}
+}
+
 // Capabilities implements substrate.Driver.
 func (d *Driver) Capabilities() substrate.Capabilities { return d.caps }
 

@@ -148,14 +148,11 @@ func (r *idRanges) assign(index int, id string) {
 // staleLocked reports whether range index, held by another node, can be
 // taken back: its node is gone and no process runs as one of its ids.
 func (r *idRanges) staleLocked(index int) bool {
-	rec, err := os.Readlink(r.path(index))
-	if err != nil {
-		return false
-	}
 	var st unix.Stat_t
 	if unix.Lstat(r.path(index), &st) != nil || time.Since(time.Unix(st.Mtim.Unix())) < staleAfter {
 		return false
 	}
+	rec, _ := os.Readlink(r.path(index)) // "" for a malformed record
 	owner, pid, start, ok := parseRecord(rec)
 	if ok && owner == r.owner {
 		return false // ours: freed by this node's sweep, never taken here
@@ -281,8 +278,9 @@ type usernsPool struct {
 	log    *slog.Logger
 	kick   chan struct{}
 
-	mu    sync.Mutex
-	ready []*userNS
+	mu     sync.Mutex
+	closed bool
+	ready  []*userNS
 }
 
 func newUsernsPool(ranges *idRanges, log *slog.Logger) *usernsPool {
@@ -322,9 +320,9 @@ func (p *usernsPool) fill() {
 	for range p.kick {
 		for {
 			p.mu.Lock()
-			n := len(p.ready)
+			n, closed := len(p.ready), p.closed
 			p.mu.Unlock()
-			if n >= usernsPoolSize {
+			if n >= usernsPoolSize || closed {
 				break
 			}
 			u, err := p.make("")
@@ -333,9 +331,27 @@ func (p *usernsPool) fill() {
 				break
 			}
 			p.mu.Lock()
-			p.ready = append(p.ready, u)
+			if closed = p.closed; !closed {
+				p.ready = append(p.ready, u)
+			}
 			p.mu.Unlock()
+			if closed {
+				u.close()
+				p.ranges.free(u.index)
+			}
 		}
+	}
+}
+
+// close frees the pool's namespaces and ranges; a later take makes one.
+func (p *usernsPool) close() {
+	p.mu.Lock()
+	ready := p.ready
+	p.ready, p.closed = nil, true
+	p.mu.Unlock()
+	for _, u := range ready {
+		u.close()
+		p.ranges.free(u.index)
 	}
 }
 
