@@ -214,13 +214,18 @@ func (p *diskPool) mount(dev, dir string) error {
 	return nil
 }
 
-// adopt mounts a running sandbox's file system again after a restart,
-// through the loop device it is still attached to.
-func (p *diskPool) adopt(sd *sandboxDisk) error {
+// own takes a sandbox's file system, named in its state, back after a
+// restart (so sweep keeps it and release finds it).
+func (p *diskPool) own(sd *sandboxDisk) {
 	sd.img, sd.dir = p.paths(sd.Name)
 	p.mu.Lock()
 	p.busy[sd.Name] = true
 	p.mu.Unlock()
+}
+
+// adopt mounts a running sandbox's file system (owned) again after a
+// restart, through the loop device it is still attached to.
+func (p *diskPool) adopt(sd *sandboxDisk) error {
 	var st unix.Stat_t
 	if err := unix.Stat(sd.img, &st); err != nil {
 		return err

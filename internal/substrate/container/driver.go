@@ -639,12 +639,15 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 		}
 	}
 	if st.Disk != nil && d.disk != nil {
-		if err := d.disk.adopt(st.Disk); err != nil {
-			d.log.Warn("a re-adopted sandbox's file system cannot be mounted again (snapshots of it will fail)", slog.String("sandbox_id", s.ID), slog.Any("error", err))
-		}
+		d.disk.own(st.Disk)
 	}
 	if !inst.alive() {
 		return inst, errdefs.Gone("sandbox %s stopped while the node was down", s.ID)
+	}
+	if st.Disk != nil && d.disk != nil {
+		if err := d.disk.adopt(st.Disk); err != nil {
+			d.log.Warn("a re-adopted sandbox's file system cannot be mounted again (snapshots of it will fail)", slog.String("sandbox_id", s.ID), slog.Any("error", err))
+		}
 	}
 	if d.cgroups.frozen(st.Cgroup) {
 		// Paused before the restart: its agent cannot answer until resumed.
