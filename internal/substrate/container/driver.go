@@ -180,7 +180,9 @@ func (d *Driver) probe() string {
 	d.sysResource = hasCapability(unix.CAP_SYS_RESOURCE)
 	var rl unix.Rlimit
 	d.nofile = 1 << 20
-	if unix.Getrlimit(unix.RLIMIT_NOFILE, &rl) == nil && !d.sysResource && rl.Max < d.nofile {
+	// In a user namespace the runtime sets the limit without
+	// CAP_SYS_RESOURCE over the host: never above the node's own.
+	if unix.Getrlimit(unix.RLIMIT_NOFILE, &rl) == nil && (!d.sysResource || !d.cfg.HostRoot) && rl.Max < d.nofile {
 		d.nofile = rl.Max
 	}
 	switch {
@@ -614,6 +616,12 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		return nil, errdefs.Internal(err, "read container pid")
 	}
 	st.Pid, st.StartTime = pid, procStartTime(pid)
+	if ns != nil && d.sysResource {
+		// Shield the agent (see ociSpec): lowering a score takes
+		// CAP_SYS_RESOURCE over the host, which the runtime in the
+		// sandbox's user namespace lacks; the node has it.
+		os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", []byte("-998"), 0)
+	}
 	st.RuntimePid, st.RuntimeStartTime = cmd.Process.Pid, procStartTime(cmd.Process.Pid)
 	st.Socket = sock
 	if sc := d.seccompFor(s); d.rtName == "crun" && sc.bpf() == "" {

@@ -82,7 +82,7 @@ func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS) (*specs.Spec, 
 		env = append([]string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, env...)
 	}
 	var oomAdj *int
-	if d.sysResource {
+	if d.sysResource && ns == nil { // in a user namespace the node sets it after the start
 		// Shield the agent: a memory bomb kills the bomb, not the sandbox.
 		v := -998
 		oomAdj = &v
