@@ -53,10 +53,10 @@ type Config struct {
 	StartTimeout time.Duration
 	// HostRoot runs sandboxes without a user namespace: root inside is the
 	// host's root (as in Docker without userns-remap), and per-user kernel
-	// limits are shared with the host's root. For workloads that need it
-	// (loading kernel modules is not one: no capability allows it either
-	// way). Default false: every sandbox maps its ids 0..65535 to a range
-	// of unprivileged host ids of its own (see idmap.go).
+	// limits are shared with the host's root. For workloads that need it:
+	// images whose files belong to ids above 65535, files shared with host
+	// users by uid, device nodes. Default false: every sandbox maps its ids
+	// 0..65535 to a range of unprivileged host ids of its own (idmap.go).
 	HostRoot bool
 	// DefaultDiskMB is a sandbox's disk size (its writable layer's file
 	// system) when its spec gives none (default 10240); MaxDiskMB is the
