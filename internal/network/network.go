@@ -924,6 +924,15 @@ func newNamedNetNS(path string) error {
 			errc <- fmt.Errorf("disable IPv6: %w", err)
 			return
 		}
+		// ICMP echo (datagram) sockets for every group: ping without
+		// CAP_NET_RAW. The node writes it: a sandbox in a user namespace
+		// cannot write its network namespace's sysctls (the namespace is
+		// the host's user namespace's), and the range is read in the
+		// writer's user namespace (the host's maps every sandbox's ids).
+		if err := os.WriteFile("/proc/sys/net/ipv4/ping_group_range", []byte("0 2147483647"), 0); err != nil {
+			errc <- fmt.Errorf("open ICMP echo sockets: %w", err)
+			return
+		}
 		src := fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid())
 		errc <- unix.Mount(src, path, "", unix.MS_BIND, "")
 	}()

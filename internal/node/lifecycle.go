@@ -177,5 +177,6 @@ func (n *Node) Stats(ctx context.Context, id string) (*dsecv1.SandboxStats, erro
 		Id: id, At: timestamppb.Now(), CpuTimeMs: st.CPUTime.Milliseconds(), MemoryBytes: st.MemoryBytes,
 		Pids: st.Pids, OomKills: st.OOMKills,
 		CpuLimit: s.spec.Resources.GetCpu(), MemoryLimitMb: s.spec.Resources.GetMemoryMb(),
+		DiskBytes: st.DiskBytes, DiskLimitMb: st.DiskLimitBytes >> 20,
 	}, nil
 }

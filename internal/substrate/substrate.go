@@ -177,6 +177,9 @@ type Stats struct {
 	// PidsLimitHits counts forks the process limit refused since the
 	// start (0 where the substrate cannot tell).
 	PidsLimitHits int64
+	// DiskBytes is what the writable layer holds, and DiskLimitBytes its
+	// limit (0 where the substrate does not limit or measure it).
+	DiskBytes, DiskLimitBytes int64
 }
 
 // Driver runs instances of one kind.

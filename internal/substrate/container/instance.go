@@ -35,6 +35,8 @@ type instance struct {
 	mu        sync.Mutex
 	destroyed bool
 	paused    bool
+	// ownsRange: Destroy gives the id range back (this node holds it).
+	ownsRange bool
 }
 
 var (
@@ -168,13 +170,18 @@ func (i *instance) Check(ctx context.Context) error {
 
 func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
 	c := i.d.cgroups
-	return substrate.Stats{
+	st := substrate.Stats{
 		MemoryBytes:   c.memory(i.st.Cgroup),
 		CPUTime:       c.cpu(i.st.Cgroup),
 		Pids:          c.pids(i.st.Cgroup),
 		OOMKills:      c.oomKills(i.st.Cgroup),
 		PidsLimitHits: c.pidsLimitHits(i.st.Cgroup),
-	}, nil
+	}
+	if i.st.Disk != nil {
+		st.DiskLimitBytes = i.st.Disk.SizeMB << 20
+		st.DiskBytes, _ = i.st.Disk.usage()
+	}
+	return st, nil
 }
 
 func (i *instance) Pause(ctx context.Context) error {
@@ -220,7 +227,11 @@ func (i *instance) Snapshot(ctx context.Context, w io.Writer) error {
 		}
 		defer i.Resume(context.WithoutCancel(ctx))
 	}
-	if err := image.TarOverlayUpper(filepath.Join(filepath.Dir(i.st.Rootfs), "upper"), w); err != nil {
+	var ids image.IDShift
+	if i.st.HostID != 0 {
+		ids = image.IDShift{From: i.st.HostID, Size: idRangeSize}
+	}
+	if err := image.TarOverlayUpper(i.st.upper(), w, ids); err != nil {
 		return errdefs.Internal(err, "capture the writable layer")
 	}
 	return nil
@@ -280,6 +291,20 @@ func (i *instance) Destroy(ctx context.Context) error {
 	}
 	if err := unmount(i.st.Rootfs); err != nil {
 		return errdefs.Internal(err, "unmount sandbox root filesystem")
+	}
+	if i.st.Sys != "" {
+		unmount(i.st.Sys)
+	}
+	if i.st.Disk != nil {
+		if i.d.disk == nil {
+			i.d.log.Warn("the sandbox's file system stays: this node makes none", slog.String("sandbox_id", i.id))
+		} else {
+			i.d.disk.release(i.st.Disk)
+		}
+	}
+	if i.ownsRange {
+		i.d.ranges.free(i.st.IDRange)
+		i.ownsRange = false
 	}
 	os.Remove(i.st.Socket)
 	os.RemoveAll(i.d.filesOf(i.id))

@@ -78,6 +78,7 @@ func newDriver(t *testing.T, cfg Config) (*Driver, *image.Store, *image.Image) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(ct.Close)
 	cfg.StateDir = filepath.Join(dir, "function")
 	d := New(cfg, ct, store, slog.Default(), runtime.NumCPU())
 	t.Cleanup(d.Close)
