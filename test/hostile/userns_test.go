@@ -94,7 +94,7 @@ func TestSandboxCannotTakeTheHostRootsInotifyInstances(t *testing.T) {
 		nb.sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("killall inotifyhog"))
 	})
 	t.Run("a neighbour's watch still works", func(t *testing.T) {
-		api, _, _ := clientFor(t, keyB).Raw()
+		api := clientFor(t, keyB).Raw()
 		st, err := api.WatchDir(ctxFor(t, time.Minute), connect.NewRequest(&dsecv1.WatchDirRequest{SandboxId: nb.sb.ID, Path: "/tmp"}))
 		if err != nil {
 			t.Fatal(err)
