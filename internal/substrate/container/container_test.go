@@ -20,8 +20,10 @@ import (
 	"golang.org/x/sys/unix"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/proc"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
 	"github.com/opendsec/dsec/internal/tenant"
@@ -320,7 +322,7 @@ func snapshotHost(tag string) hostCounts {
 		if err != nil {
 			continue
 		}
-		if pid, _ := strconv.Atoi(e.Name()); isZombie(pid) {
+		if pid, _ := strconv.Atoi(e.Name()); !proc.Of(pid).Alive() {
 			continue // exited; waiting for the host's init to reap it
 		}
 		cmdline, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
@@ -601,5 +603,14 @@ func TestARestartedNodeRemountsTheDiskAndSnapshotsShiftOwners(t *testing.T) {
 	}
 	if err := inst2.Destroy(context.Background()); err != nil {
 		t.Fatal(err)
+	}
+}
+
+func TestAStateOfANewerNodeIsNotAdopted(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	s := &substrate.Spec{ID: "sb-newer", Dir: t.TempDir()}
+	_, err := d.Attach(context.Background(), s, []byte(`{"version": 99, "pid": 1, "start_time": 1}`))
+	if err == nil || errdefs.Is(err, errdefs.KindGone) || !strings.Contains(err.Error(), "version 99") {
+		t.Fatalf("adopting a state of version 99: %v; want a refusal naming the version, not gone (the sandbox may live)", err)
 	}
 }
