@@ -64,8 +64,8 @@ func NewFake(kind substrate.Kind) *Fake { return &Fake{kind: kind} }
 // namespaces (or overlayfs in them) are not allowed.
 func (f *Fake) Capabilities() substrate.Capabilities {
 	c := substrate.Capabilities{
-		Kind: f.kind,
-		Caps: []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapSnapshot, substrate.CapFork},
+		Kind:    f.kind,
+		Caps:    []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapSnapshot, substrate.CapFork},
 		Details: map[string]string{"runtime": "substratetest fake: the agent in unprivileged namespaces"},
 	}
 	if err := fakeProbe(); err != nil {
@@ -168,19 +168,26 @@ func (f *Fake) Create(ctx context.Context, spec *substrate.Spec) (_ substrate.In
 	return inst, nil
 }
 
-// Attach re-adopts an instance a Fake of this test process started.
+// Attach re-adopts an instance a Fake of this test process started (a
+// paused one stays paused).
 func (f *Fake) Attach(ctx context.Context, spec *substrate.Spec, state []byte) (substrate.Instance, error) {
 	var st fakeState
 	if err := json.Unmarshal(state, &st); err != nil {
 		return nil, errdefs.Internal(err, "decode instance state")
 	}
+	// As the real drivers do, a failed attach still returns the instance,
+	// for Destroy to remove what is left of it.
 	inst := newFakeInstance(spec.ID, st)
 	if !inst.alive() {
-		return nil, errdefs.Gone("sandbox %s has stopped", spec.ID)
+		inst.exited()
+		return inst, errdefs.Gone("sandbox %s stopped while the node was down", spec.ID)
 	}
 	inst.watch()
+	if inst.paused() {
+		return inst, nil // its agent cannot answer until resumed
+	}
 	if _, err := inst.client.Hello(ctx); err != nil {
-		return nil, errdefs.Gone("sandbox %s does not answer: %v", spec.ID, err)
+		return inst, errdefs.Gone("sandbox %s agent does not answer after the node restarted", spec.ID).WithCause(err)
 	}
 	return inst, nil
 }

@@ -140,7 +140,14 @@ func fakeRoot(c fakeConfig) error {
 		return fmt.Errorf("make mounts private: %w", err)
 	}
 	root := filepath.Join(c.Dir, "rootfs")
-	opts := "lowerdir=" + strings.Join(c.Layers, ":") + ",upperdir=" + filepath.Join(c.Dir, "upper") + ",workdir=" + filepath.Join(c.Dir, "work")
+	// overlayfs splits its options at commas and lowerdir at colons,
+	// unless escaped.
+	esc := strings.NewReplacer(`\`, `\\`, ",", `\,`, ":", `\:`).Replace
+	lower := make([]string, len(c.Layers))
+	for k, l := range c.Layers {
+		lower[k] = esc(l)
+	}
+	opts := "lowerdir=" + strings.Join(lower, ":") + ",upperdir=" + esc(filepath.Join(c.Dir, "upper")) + ",workdir=" + esc(filepath.Join(c.Dir, "work"))
 	if err := unix.Mount("overlay", root, "overlay", 0, opts); err != nil {
 		if err2 := unix.Mount("overlay", root, "overlay", 0, opts+",userxattr"); err2 != nil {
 			return fmt.Errorf("mount the root overlay: %w", err)
