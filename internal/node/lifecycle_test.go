@@ -563,8 +563,8 @@ func TestCreateFailures(t *testing.T) {
 		if l := tn.Load(); l.Sandboxes != 0 || len(l.Projects) != 0 {
 			t.Fatalf("load %+v", l)
 		}
-		if len(tn.layersInUse()) != 0 {
-			t.Fatalf("layers held: %v", tn.layersInUse())
+		if len(tn.sandboxes.layers()) != 0 {
+			t.Fatalf("layers held: %v", tn.sandboxes.layers())
 		}
 		eventually(t, "the sandbox directory goes", func() bool {
 			ents, _ := osReadDir(tn.cfg.DataDir, "sandboxes")
@@ -573,5 +573,61 @@ func TestCreateFailures(t *testing.T) {
 	})
 	t.Run("the next create succeeds", func(t *testing.T) {
 		tn.create(bg, nil)
+	})
+}
+
+// stubborn is an instance that will not die.
+type stubborn struct{ substrate.Instance }
+
+func (stubborn) Destroy(context.Context) error { return errors.New("the instance will not die") }
+
+func TestRelease(t *testing.T) {
+	t.Parallel()
+	tn := newTestNode(t, nil)
+
+	t.Run("a delete whose instance will not die fails and leaves the sandbox as it was", func(t *testing.T) {
+		sb := tn.create(bg, nil)
+		tn.Pause(bg, sb.Id)
+		s, _ := tn.lookup(bg, sb.Id)
+		real := s.inst
+		s.inst = stubborn{real}
+		if err := tn.Delete(bg, sb.Id); !errdefs.Is(err, errdefs.KindInternal) {
+			t.Fatalf("delete: %v", err)
+		}
+		if st, _ := tn.state(sb.Id); st != "paused" {
+			t.Fatalf("state %s", st)
+		}
+		s.inst = real
+		if err := tn.Delete(bg, sb.Id); err != nil {
+			t.Fatalf("delete again: %v", err)
+		}
+		if st, _ := tn.state(sb.Id); st != "deleted" {
+			t.Fatalf("state %s", st)
+		}
+	})
+
+	t.Run("tombstones, their keys and logs are purged after their time", func(t *testing.T) {
+		req := &dsecv1.CreateSandboxRequest{Spec: &dsecv1.SandboxSpec{Image: "busybox"}, IdempotencyKey: "purged"}
+		sb, err := tn.Create(bg, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tn.sh(bg, sb.Id, "true")
+		tn.Delete(bg, sb.Id)
+		tn.purge(time.Now().Add(-time.Hour))
+		if st, _ := tn.state(sb.Id); st != "deleted" {
+			t.Fatalf("a recent tombstone was purged: %s", st)
+		}
+		tn.purge(time.Now().Add(time.Second))
+		if _, err := tn.Get(bg, sb.Id); !errdefs.Is(err, errdefs.KindNotFound) || err.Error() != notFound(sb.Id).Error() {
+			t.Fatalf("get after the purge: %v", err)
+		}
+		if tn.logs.Exists(sb.Id) {
+			t.Fatal("the log outlived its tombstone")
+		}
+		again, err := tn.Create(bg, req)
+		if err != nil || again.Id == sb.Id {
+			t.Fatalf("the key still answers the purged sandbox: %v %v", again, err)
+		}
 	})
 }

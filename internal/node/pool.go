@@ -180,7 +180,7 @@ func (n *Node) take(spec *dsecv1.SandboxSpec) *sandbox {
 		}
 		if s.inst.Check(context.Background()) != nil {
 			// Died while pooled: discard and try the next one.
-			n.discard(s)
+			n.release(context.Background(), s, nil)
 			continue
 		}
 		if err := n.personalize(s, spec); err != nil {
@@ -209,25 +209,15 @@ func (n *Node) personalize(s *sandbox, spec *dsecv1.SandboxSpec) error {
 		}
 		sort.Strings(env)
 		if err := g.SetEnv(ctx, env); err != nil {
-			n.discard(s)
+			n.release(context.Background(), s, nil)
 			return errdefs.Unavailable("prepare pooled sandbox: %v", err)
 		}
 	}
 	if err := g.SetDeadline(ctx, s.expires.Add(deadlineGrace)); err != nil {
-		n.discard(s)
+		n.release(context.Background(), s, nil)
 		return errdefs.Unavailable("prepare pooled sandbox: %v", err)
 	}
 	return nil
-}
-
-// discard destroys a reserved sandbox that never went live.
-func (n *Node) discard(s *sandbox) {
-	n.unreserve(s)
-	if s.inst != nil {
-		s.inst.Destroy(context.Background())
-	}
-	n.net.Release(s.net)
-	n.discardDir(s.dir)
 }
 
 // close stops refilling and destroys pooled sandboxes.
@@ -243,7 +233,7 @@ func (ps *pools) close() {
 		p.ready = nil
 		p.mu.Unlock()
 		for _, s := range ready {
-			ps.n.discard(s)
+			ps.n.release(context.Background(), s, nil)
 		}
 	}
 }
