@@ -8,13 +8,11 @@ import (
 	"sort"
 	"time"
 
-	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
-	"github.com/opendsec/dsec/internal/network"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/undo"
@@ -71,7 +69,7 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 	var s *sandbox
 	if img.Owner == tenant.Shared {
 		// Pools hold shared images only.
-		s = n.take(spec)
+		s = n.pools.take(spec)
 	}
 	if s == nil {
 		release, err := n.starts.acquire(ctx, project)
@@ -182,7 +180,7 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image
 
 // commit makes a prepared sandbox live: persisted, listed and watched.
 func (n *Node) commit(ctx context.Context, s *sandbox) error {
-	s.rec = n.recordOf(s)
+	s.rec = s.record()
 	if err := n.store.put(s.rec); err != nil {
 		return errdefs.Internal(err, "persist sandbox")
 	}
@@ -224,23 +222,4 @@ func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
 		ds.Restore = n.snapshotDir(img.Name)
 	}
 	return ds
-}
-
-func (n *Node) recordOf(s *sandbox) *record {
-	specJSON, _ := protojson.Marshal(s.spec)
-	var netJSON []byte
-	if s.net != nil && s.net.Mode == network.ModeEgress {
-		netJSON, _ = jsonMarshal(s.net)
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	r := &record{
-		ID: s.id, Kind: s.spec.Kind, Image: s.image, Spec: specJSON, Layers: s.layers,
-		Created: s.created, Expires: s.expires, State: s.state.String(), Network: netJSON, IdemKey: s.idemKey,
-		Project: s.project,
-	}
-	if s.inst != nil {
-		r.Driver = s.inst.State()
-	}
-	return r
 }

@@ -182,7 +182,7 @@ func (n *Node) result(s *sandbox, x *guestv1.Exit, pid string) *dsecv1.ExecResul
 	if x.ExitCode != 0 || x.Signal != 0 || x.TimedOut {
 		// A command that failed may have failed of the sandbox's limits
 		// (a memory bomb, a fork bomb): the task's failure, named.
-		r.OomKilled, r.PidsLimited = n.limitsHitSince(s)
+		r.OomKilled, r.PidsLimited = s.limitsHitSince()
 	}
 	r.PidsLimited = r.PidsLimited || x.PidsLimited
 	return r
@@ -191,7 +191,7 @@ func (n *Node) result(s *sandbox, x *guestv1.Exit, pid string) *dsecv1.ExecResul
 // limitsHitSince reports whether the sandbox's memory limit killed a
 // process, and whether its process limit refused a fork, since the last
 // check.
-func (n *Node) limitsHitSince(s *sandbox) (oom, pids bool) {
+func (s *sandbox) limitsHitSince() (oom, pids bool) {
 	st, err := s.inst.Stats(context.Background())
 	if err != nil {
 		return false, false

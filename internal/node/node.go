@@ -422,7 +422,7 @@ func (n *Node) Keepalive(ctx context.Context, req *dsecv1.KeepaliveRequest) (*ds
 		if err := s.inst.Guest().SetDeadline(ctx, exp.Add(deadlineGrace)); err != nil {
 			return nil, n.callFailed(s, err)
 		}
-		s.rec = n.recordOf(s)
+		s.rec = s.record()
 		if err := n.store.put(s.rec); err != nil {
 			return nil, errdefs.Internal(err, "persist sandbox")
 		}

@@ -155,11 +155,12 @@ func (ps *pools) fill(p *pool) {
 
 // take hands out a pooled sandbox of spec's shape, personalized for spec,
 // or nil if none is ready.
-func (n *Node) take(spec *dsecv1.SandboxSpec) *sandbox {
-	if n.pools == nil {
+func (ps *pools) take(spec *dsecv1.SandboxSpec) *sandbox {
+	if ps == nil {
 		return nil
 	}
-	p := n.pools.byKey[shapeKey(spec)]
+	n := ps.n
+	p := ps.byKey[shapeKey(spec)]
 	if p == nil {
 		return nil
 	}
@@ -183,7 +184,7 @@ func (n *Node) take(spec *dsecv1.SandboxSpec) *sandbox {
 			n.release(context.Background(), s, nil)
 			continue
 		}
-		if err := n.personalize(s, spec); err != nil {
+		if err := ps.personalize(s, spec); err != nil {
 			n.log.Warn("pooled sandbox unusable", slog.String("sandbox_id", s.id), slog.Any("error", err))
 			continue
 		}
@@ -194,7 +195,8 @@ func (n *Node) take(spec *dsecv1.SandboxSpec) *sandbox {
 
 // personalize gives a pooled sandbox the parts of spec that are not its
 // shape.
-func (n *Node) personalize(s *sandbox, spec *dsecv1.SandboxSpec) error {
+func (ps *pools) personalize(s *sandbox, spec *dsecv1.SandboxSpec) error {
+	n := ps.n
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	s.spec = spec

@@ -41,7 +41,7 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 		s.mu.Unlock()
 		return nil // ending already
 	}
-	inst := s.inst
+	inst, rec := s.inst, s.rec
 	s.mu.Unlock()
 	ctx = context.WithoutCancel(ctx)
 	if inst != nil {
@@ -64,7 +64,14 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 		if why.infra {
 			final = stateFailed
 		}
-		n.bury(s, final, why.reason, why.infra)
+		if rec == nil {
+			rec = s.record()
+		}
+		t := *rec
+		t.State, t.Reason, t.Deleted, t.Infra, t.Driver = final.String(), why.reason, time.Now().UTC(), why.infra, nil
+		if err := n.store.bury(&t); err != nil {
+			n.log.Error("persist sandbox deletion", slog.String("sandbox_id", s.id), slog.Any("error", err))
+		}
 	}
 	n.sandboxes.forget(s)
 	s.mu.Lock()
@@ -77,19 +84,6 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 	}
 	n.releaseSnapshot(s.image)
 	return nil
-}
-
-// bury replaces a live sandbox's record with its tombstone.
-func (n *Node) bury(s *sandbox, final state, reason string, infra bool) {
-	rec := s.rec
-	if rec == nil {
-		rec = n.recordOf(s)
-	}
-	t := *rec
-	t.State, t.Reason, t.Deleted, t.Infra, t.Driver = final.String(), reason, time.Now().UTC(), infra, nil
-	if err := n.store.bury(&t); err != nil {
-		n.log.Error("persist sandbox deletion", slog.String("sandbox_id", s.id), slog.Any("error", err))
-	}
 }
 
 // discardDir moves a sandbox directory to the trash, emptied in the

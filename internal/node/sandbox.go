@@ -6,6 +6,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"google.golang.org/protobuf/encoding/protojson"
+
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/network"
@@ -138,4 +140,24 @@ func (s *sandbox) currentState() state {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.state
+}
+
+// record is the sandbox as the store keeps it.
+func (s *sandbox) record() *record {
+	specJSON, _ := protojson.Marshal(s.spec)
+	var netJSON []byte
+	if s.net != nil && s.net.Mode == network.ModeEgress {
+		netJSON, _ = jsonMarshal(s.net)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := &record{
+		ID: s.id, Kind: s.spec.Kind, Image: s.image, Spec: specJSON, Layers: s.layers,
+		Created: s.created, Expires: s.expires, State: s.state.String(), Network: netJSON, IdemKey: s.idemKey,
+		Project: s.project,
+	}
+	if s.inst != nil {
+		r.Driver = s.inst.State()
+	}
+	return r
 }
