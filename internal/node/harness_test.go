@@ -158,10 +158,10 @@ func (tn *testNode) state(id string) (state, reason string) {
 	return sb.State, sb.Reason
 }
 
-// eventually polls cond until it holds or 10 seconds pass.
+// eventually polls cond until it holds or 30 seconds pass.
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); {
+	for deadline := time.Now().Add(30 * time.Second); !cond(); {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out waiting until %s", what)
 		}

@@ -84,32 +84,44 @@ func TestIdempotency(t *testing.T) {
 
 func TestReaper(t *testing.T) {
 	t.Parallel()
-	tn := newTestNode(t, nil)
-	ttl := tn.create(bg, &dsecv1.SandboxSpec{TtlS: 1})
-	idle := tn.create(bg, &dsecv1.SandboxSpec{TtlS: 60, IdleTtlS: 1})
-	paused := tn.create(bg, &dsecv1.SandboxSpec{TtlS: 60, IdleTtlS: 1})
-	busy := tn.create(bg, &dsecv1.SandboxSpec{TtlS: 60, IdleTtlS: 1})
-	if _, err := tn.Pause(bg, paused.Id); err != nil {
-		t.Fatal(err)
-	}
-	start := time.Now()
-	for time.Since(start) < 2500*time.Millisecond {
-		tn.sh(bg, busy.Id, "true") // activity resets the idle timer
-		time.Sleep(200 * time.Millisecond)
-	}
 
-	t.Run("a sandbox past its TTL is deleted as gone", func(t *testing.T) {
-		if st, why := tn.state(ttl.Id); st != "failed" || why != "ttl expired" {
+	t.Run("the reaper deletes a sandbox past its TTL as gone", func(t *testing.T) {
+		tn := newTestNode(t, nil)
+		sb := tn.create(bg, &dsecv1.SandboxSpec{TtlS: 1})
+		eventually(t, "the TTL ends the sandbox", func() bool { st, _ := tn.state(sb.Id); return st == "failed" })
+		if st, why := tn.state(sb.Id); st != "failed" || why != "ttl expired" {
 			t.Fatalf("state %s (%s)", st, why)
 		}
-		_, err := tn.Exec(bg, &dsecv1.ExecRequest{SandboxId: ttl.Id, Cmd: "true"})
+		_, err := tn.Exec(bg, &dsecv1.ExecRequest{SandboxId: sb.Id, Cmd: "true"})
 		if !errdefs.Is(err, errdefs.KindGone) || !errdefs.IsInfra(err) {
 			t.Fatalf("exec after expiry: %v", err)
 		}
 	})
-	t.Run("an idle sandbox past its idle TTL is deleted", func(t *testing.T) {
-		if st, why := tn.state(idle.Id); st != "failed" || why != "idle ttl expired" {
+
+	// The idle cases reap at chosen times; the reaper itself waits an hour.
+	tn := newTestNode(t, func(c *Config, _ *substratetest.Fake) { c.ReapInterval = time.Hour })
+	idle := tn.create(bg, &dsecv1.SandboxSpec{TtlS: 60, IdleTtlS: 1})
+	paused := tn.create(bg, &dsecv1.SandboxSpec{TtlS: 60, IdleTtlS: 1})
+	if _, err := tn.Pause(bg, paused.Id); err != nil {
+		t.Fatal(err)
+	}
+	before := time.Now()
+	busy := tn.create(bg, &dsecv1.SandboxSpec{TtlS: 60, IdleTtlS: 1})
+	time.Sleep(300 * time.Millisecond)
+	tn.sh(bg, busy.Id, "true")
+
+	t.Run("a call resets the idle timer", func(t *testing.T) {
+		tn.reap(before.Add(1200 * time.Millisecond)) // 1.2 s after the create, < 0.9 s after the call
+		if st, why := tn.state(busy.Id); st != "running" {
 			t.Fatalf("state %s (%s)", st, why)
+		}
+	})
+	tn.reap(time.Now().Add(2 * time.Second))
+	t.Run("a sandbox idle past its idle TTL is deleted as gone", func(t *testing.T) {
+		for _, id := range []string{idle.Id, busy.Id} {
+			if st, why := tn.state(id); st != "failed" || why != "idle ttl expired" {
+				t.Fatalf("state %s (%s)", st, why)
+			}
 		}
 	})
 	t.Run("a paused sandbox is not idle", func(t *testing.T) {
@@ -117,8 +129,9 @@ func TestReaper(t *testing.T) {
 			t.Fatalf("state %s (%s)", st, why)
 		}
 	})
-	t.Run("calls keep a sandbox from idling", func(t *testing.T) {
-		if st, why := tn.state(busy.Id); st != "running" {
+	t.Run("a paused sandbox past its TTL is deleted", func(t *testing.T) {
+		tn.reap(time.Now().Add(time.Minute + time.Second))
+		if st, why := tn.state(paused.Id); st != "failed" || why != "ttl expired" {
 			t.Fatalf("state %s (%s)", st, why)
 		}
 	})
