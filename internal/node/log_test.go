@@ -2,6 +2,7 @@ package node
 
 import (
 	"bytes"
+	"context"
 	"strings"
 	"testing"
 
@@ -167,4 +168,52 @@ func TestReplay(t *testing.T) {
 	if st, _ := tn.state(resp.SandboxId); st != "deleted" {
 		t.Fatalf("the replay sandbox is %s, want deleted", st)
 	}
+}
+
+// TestProcesses: streamed execs and attaching to a process that outlived
+// its caller.
+func TestProcesses(t *testing.T) {
+	t.Parallel()
+	tn := newTestNode(t, nil)
+	sb := tn.create(bg, nil)
+
+	t.Run("a PTY exec runs on a terminal", func(t *testing.T) {
+		var out strings.Builder
+		err := tn.ExecStream(bg, &dsecv1.ExecRequest{SandboxId: sb.Id, Cmd: "tty", Pty: true}, func(ev *dsecv1.ExecEvent) error {
+			out.Write(ev.GetStdout())
+			return nil
+		})
+		if err != nil || !strings.HasPrefix(out.String(), "/dev/pts/") {
+			t.Fatalf("tty: %q %v", out.String(), err)
+		}
+	})
+
+	t.Run("a process keeps running when its caller goes away, and a later call attaches to it", func(t *testing.T) {
+		ctx, cancel := context.WithCancel(bg)
+		err := tn.ExecStream(ctx, &dsecv1.ExecRequest{SandboxId: sb.Id, Cmd: "sleep 0.5; echo late", Tag: "bg"}, func(ev *dsecv1.ExecEvent) error {
+			if ev.GetStarted() != nil {
+				cancel()
+			}
+			return nil
+		})
+		if !errdefs.Is(err, errdefs.KindCanceled) {
+			t.Fatalf("the caller went away: %v", err)
+		}
+		var out strings.Builder
+		var exit *dsecv1.ExecResult
+		err = tn.ConnectProcess(bg, &dsecv1.ConnectProcessRequest{SandboxId: sb.Id, Tag: "bg"}, func(ev *dsecv1.ExecEvent) error {
+			out.Write(ev.GetStdout())
+			if x := ev.GetExit(); x != nil {
+				exit = x
+			}
+			return nil
+		})
+		if err != nil || exit == nil || exit.ExitCode != 0 || out.String() != "late\n" {
+			t.Fatalf("attach: %q %v %v", out.String(), exit, err)
+		}
+		log, _ := tn.GetLog(bg, &dsecv1.GetLogRequest{SandboxId: sb.Id})
+		if last := log.Entries[len(log.Entries)-1]; last.Error == nil || last.Error.Kind != string(errdefs.KindCanceled) {
+			t.Fatalf("the abandoned call is logged as %v", last)
+		}
+	})
 }
