@@ -1,7 +1,13 @@
 // Package substratetest is the conformance suite every substrate driver
-// must pass. A driver's test builds a Harness and calls Run; cases that
-// need a capability the driver does not declare are skipped with the
-// capability named.
+// must pass, and Fake, a driver that passes it without root, crun or QEMU
+// for tests of the node above the drivers. A driver's test builds a Harness
+// and calls Run. A case for a capability the driver does not declare
+// checks that the driver refuses it as unimplemented, or does not run;
+// nothing is skipped but for a driver unavailable on the host.
+//
+// The package is for tests only: its init turns a test binary started by
+// the Fake into an instance's init, and no binary links it
+// (test/structure).
 package substratetest
 
 import (
