@@ -8,6 +8,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/tenant"
 )
 
@@ -38,11 +39,23 @@ func (n *Node) Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
 }
 
 func (n *Node) pause(ctx context.Context, s *sandbox) error {
-	return n.transition(ctx, s, statePaused, s.inst.Pause)
+	return n.transition(ctx, s, statePaused, func(ctx context.Context) error {
+		p, err := can[substrate.Pauser](s, "cannot pause")
+		if err != nil {
+			return err
+		}
+		return p.Pause(ctx)
+	})
 }
 
 func (n *Node) resume(ctx context.Context, s *sandbox) error {
-	return n.transition(ctx, s, stateRunning, s.inst.Resume)
+	return n.transition(ctx, s, stateRunning, func(ctx context.Context) error {
+		p, err := can[substrate.Pauser](s, "cannot pause")
+		if err != nil {
+			return err
+		}
+		return p.Resume(ctx)
+	})
 }
 
 // transition moves s to paused or running through the driver (do) and

@@ -43,6 +43,17 @@ type sandbox struct {
 
 func (s *sandbox) touch() { s.lastActive.Store(time.Now().UnixNano()) }
 
+// can returns s's instance as the optional interface T (substrate.Pauser,
+// Snapshotter, MachineSnapshotter, Screen), or an Unimplemented error:
+// "kind <kind> <cannot>".
+func can[T any](s *sandbox, cannot string) (T, error) {
+	v, ok := s.inst.(T)
+	if !ok {
+		return v, errdefs.Unimplemented("kind %q %s", s.spec.Kind, cannot)
+	}
+	return v, nil
+}
+
 // state is where a sandbox is in its life. Every change goes through
 // moveLocked, which allows only the moves below (runc's containerState,
 // in a table):

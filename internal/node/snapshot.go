@@ -54,16 +54,16 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 	if len(req.GetName()) > 128 {
 		return nil, errdefs.Invalid("snapshot name longer than 128 bytes")
 	}
-	caps := n.drivers[substrate.Kind(s.spec.Kind)].Capabilities()
-	if caps.Has(substrate.CapMemorySnapshot) {
-		return n.machineSnapshot(ctx, s, req, ephemeral)
+	if m, ok := s.inst.(substrate.MachineSnapshotter); ok {
+		return n.machineSnapshot(ctx, s, m, req, ephemeral)
 	}
-	if !caps.Has(substrate.CapSnapshot) {
-		return nil, errdefs.Unimplemented("kind %q cannot snapshot", s.spec.Kind)
+	snap, err := can[substrate.Snapshotter](s, "cannot snapshot")
+	if err != nil {
+		return nil, err
 	}
 	s.touch()
 	pr, pw := io.Pipe()
-	go func() { pw.CloseWithError(s.inst.Snapshot(ctx, pw)) }()
+	go func() { pw.CloseWithError(snap.Snapshot(ctx, pw)) }()
 	diff, size, err := n.images.AddLayer(pr)
 	pr.Close()
 	if err != nil {
@@ -104,7 +104,7 @@ func (n *Node) snapshotDir(id string) string {
 }
 
 // machineSnapshot captures a sandbox's whole machine through its driver.
-func (n *Node) machineSnapshot(ctx context.Context, s *sandbox, req *dsecv1.SnapshotRequest, ephemeral bool) (_ *dsecv1.SnapshotInfo, err error) {
+func (n *Node) machineSnapshot(ctx context.Context, s *sandbox, m substrate.MachineSnapshotter, req *dsecv1.SnapshotRequest, ephemeral bool) (_ *dsecv1.SnapshotInfo, err error) {
 	s.touch()
 	id := n.newSnapshotID()
 	dir := n.snapshotDir(id)
@@ -119,7 +119,7 @@ func (n *Node) machineSnapshot(ctx context.Context, s *sandbox, req *dsecv1.Snap
 	if s.currentState().ending() {
 		return nil, errdefs.NotFound("sandbox %s is being deleted", s.id)
 	}
-	if err := s.inst.SnapshotMachine(ctx, dir); err != nil {
+	if err := m.SnapshotMachine(ctx, dir); err != nil {
 		return nil, n.callFailed(s, errdefs.Classify(err))
 	}
 	size := diskUsage(dir)

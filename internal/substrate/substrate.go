@@ -196,7 +196,10 @@ type Driver interface {
 }
 
 // Instance is one running sandbox of a driver. Methods are safe for
-// concurrent use.
+// concurrent use. What only some kinds can do is an optional interface
+// (Pauser, Snapshotter, MachineSnapshotter, Screen), implemented exactly
+// by the instances of drivers that declare its capability (Optional; the
+// conformance suite checks it): the node asks with one type assertion.
 type Instance interface {
 	// Guest is the instance's agent.
 	Guest() Guest
@@ -208,33 +211,58 @@ type Instance interface {
 	Check(ctx context.Context) error
 	// Stats reports resource use.
 	Stats(ctx context.Context) (Stats, error)
-	// Pause freezes every process and releases what memory it can;
-	// Resume thaws. Both are idempotent. Drivers without CapPause return
-	// an Unimplemented error.
-	Pause(ctx context.Context) error
-	Resume(ctx context.Context) error
-	// Snapshot writes the instance's writable filesystem layer, captured
-	// consistently (processes frozen), as an uncompressed OCI layer tar.
-	// Drivers without CapSnapshot return an Unimplemented error.
-	Snapshot(ctx context.Context, w io.Writer) error
-	// SnapshotMachine writes the whole machine (memory, device state and
-	// writable disk), captured consistently, into the empty directory dir,
-	// which the node keeps as long as the snapshot exists. The instance
-	// keeps running (or stays paused). Any number of instances start from
-	// dir through Spec.Restore. Drivers without CapMemorySnapshot return
-	// an Unimplemented error.
-	SnapshotMachine(ctx context.Context, dir string) error
-	// Screenshot captures the instance's screen as PNG. SendInput types,
-	// presses keys and moves, clicks and scrolls the mouse on it, in
-	// order. Drivers without CapScreen return an Unimplemented error.
-	Screenshot(ctx context.Context) (*Screenshot, error)
-	SendInput(ctx context.Context, actions []InputAction) error
-	// OpenVNC gives the screen's VNC server a new password and returns
-	// it with the server's loopback address. Drivers without CapScreen, or
-	// without VNC configured, return an Unimplemented error.
-	OpenVNC(ctx context.Context) (*VNC, error)
 	// Destroy releases every resource of the instance. It is idempotent.
 	Destroy(ctx context.Context) error
+}
+
+// Pauser is an instance that can pause (CapPause): Pause freezes every
+// process and releases what memory it can; Resume thaws. Both are
+// idempotent.
+type Pauser interface {
+	Pause(ctx context.Context) error
+	Resume(ctx context.Context) error
+}
+
+// Snapshotter is an instance whose writable filesystem layer can be
+// captured (CapSnapshot): Snapshot writes it, captured consistently
+// (processes frozen), as an uncompressed OCI layer tar.
+type Snapshotter interface {
+	Snapshot(ctx context.Context, w io.Writer) error
+}
+
+// MachineSnapshotter is an instance whose whole machine can be captured
+// (CapMemorySnapshot): SnapshotMachine writes memory, device state and
+// writable disk, captured consistently, into the empty directory dir,
+// which the node keeps as long as the snapshot exists. The instance keeps
+// running (or stays paused). Any number of instances start from dir
+// through Spec.Restore.
+type MachineSnapshotter interface {
+	SnapshotMachine(ctx context.Context, dir string) error
+}
+
+// Screen is an instance with a screen (CapScreen). Screenshot captures it
+// as PNG. SendInput types, presses keys and moves, clicks and scrolls the
+// mouse on it, in order. OpenVNC gives the screen's VNC server a new
+// password and returns it with the server's loopback address (an
+// Unimplemented error where the node runs its VMs without VNC).
+type Screen interface {
+	Screenshot(ctx context.Context) (*Screenshot, error)
+	SendInput(ctx context.Context, actions []InputAction) error
+	OpenVNC(ctx context.Context) (*VNC, error)
+}
+
+// Optional pairs each capability that promises an optional interface
+// with the check that an instance implements it.
+var Optional = map[Capability]func(Instance) bool{
+	CapPause:          implements[Pauser],
+	CapSnapshot:       implements[Snapshotter],
+	CapMemorySnapshot: implements[MachineSnapshotter],
+	CapScreen:         implements[Screen],
+}
+
+func implements[T any](i Instance) bool {
+	_, ok := i.(T)
+	return ok
 }
 
 // Screenshot is an instance's screen as a PNG image of Width x Height

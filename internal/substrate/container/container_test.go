@@ -572,7 +572,7 @@ func TestARestartedNodeRemountsTheDiskAndSnapshotsShiftOwners(t *testing.T) {
 		t.Fatal(err)
 	}
 	var buf bytes.Buffer
-	if err := inst2.Snapshot(context.Background(), &buf); err != nil {
+	if err := inst2.(*instance).Snapshot(context.Background(), &buf); err != nil {
 		t.Fatalf("snapshot after the restart: %v", err)
 	}
 	owners := map[string][2]int{}

@@ -37,8 +37,10 @@ type instance struct {
 }
 
 var (
-	_ substrate.Instance  = (*instance)(nil)
-	_ substrate.Diagnoser = (*instance)(nil)
+	_ substrate.Instance    = (*instance)(nil)
+	_ substrate.Diagnoser   = (*instance)(nil)
+	_ substrate.Pauser      = (*instance)(nil)
+	_ substrate.Snapshotter = (*instance)(nil)
 )
 
 // LastWords implements substrate.Diagnoser: the last line the agent (or the
@@ -177,21 +179,9 @@ func (i *instance) Snapshot(ctx context.Context, w io.Writer) error {
 	return nil
 }
 
-func (i *instance) SnapshotMachine(context.Context, string) error {
-	return errdefs.Unimplemented("container sandboxes have no memory snapshots (their snapshots are filesystem layers)")
-}
 
-func (i *instance) Screenshot(context.Context) (*substrate.Screenshot, error) {
-	return nil, errdefs.Unimplemented("container sandboxes have no screen (use kind vm)")
-}
 
-func (i *instance) SendInput(context.Context, []substrate.InputAction) error {
-	return errdefs.Unimplemented("container sandboxes have no screen (use kind vm)")
-}
 
-func (i *instance) OpenVNC(context.Context) (*substrate.VNC, error) {
-	return nil, errdefs.Unimplemented("container sandboxes have no screen (use kind vm)")
-}
 
 func (i *instance) Destroy(ctx context.Context) error {
 	i.mu.Lock()

@@ -18,8 +18,8 @@ import (
 // A function sandbox (kind "function" through the generic API) holds no
 // container of its own: each exec is one call in a pooled worker, in a
 // fresh directory, leaving nothing behind. It is stateless by design, so
-// files, PTYs, streaming, pause and snapshots do not apply and answer
-// Unimplemented.
+// files, PTYs and streaming answer Unimplemented, and its instances are
+// neither Pausers nor Snapshotters.
 
 type instance struct {
 	d     *Driver
@@ -86,27 +86,8 @@ func (i *instance) Check(context.Context) error {
 	}
 }
 func (i *instance) Stats(context.Context) (substrate.Stats, error) { return substrate.Stats{}, nil }
-func (i *instance) Pause(context.Context) error {
-	return errdefs.Unimplemented("function sandboxes cannot pause (they hold no state)")
-}
-func (i *instance) Resume(context.Context) error { return nil }
-func (i *instance) SnapshotMachine(context.Context, string) error {
-	return errdefs.Unimplemented("function sandboxes cannot snapshot (they hold no state)")
-}
-func (i *instance) Screenshot(context.Context) (*substrate.Screenshot, error) {
-	return nil, errdefs.Unimplemented("function sandboxes have no screen (use kind vm)")
-}
-func (i *instance) SendInput(context.Context, []substrate.InputAction) error {
-	return errdefs.Unimplemented("function sandboxes have no screen (use kind vm)")
-}
 
-func (i *instance) OpenVNC(context.Context) (*substrate.VNC, error) {
-	return nil, errdefs.Unimplemented("function sandboxes have no screen (use kind vm)")
-}
 
-func (i *instance) Snapshot(context.Context, io.Writer) error {
-	return errdefs.Unimplemented("function sandboxes cannot snapshot (they hold no state)")
-}
 func (i *instance) Destroy(context.Context) error {
 	i.once.Do(func() { close(i.done) })
 	return nil

@@ -221,7 +221,7 @@ func TestMachineSnapshotsRestoreAndFork(t *testing.T) {
 	defer parent.Destroy(context.Background())
 	run(t, parent, "echo on-disk > /state; (while :; do sleep 1; done) & echo $! > /tmp/loop-pid; head -c 16 /dev/urandom | od -An -tx1 > /tmp/seed0")
 	snap := t.TempDir()
-	if err := parent.SnapshotMachine(ctxT(t, 2*time.Minute), snap); err != nil {
+	if err := parent.(*instance).SnapshotMachine(ctxT(t, 2*time.Minute), snap); err != nil {
 		t.Fatal(err)
 	}
 	t.Run("the parent keeps running after the snapshot", func(t *testing.T) {
@@ -312,7 +312,7 @@ func TestPauseFreesMemoryAndResumeRestores(t *testing.T) {
 			time.Sleep(time.Millisecond)
 		}
 	}()
-	err = inst.Pause(ctxT(t, 2*time.Minute))
+	err = inst.(*instance).Pause(ctxT(t, 2*time.Minute))
 	close(stop)
 	if err != nil {
 		t.Fatal(err)
@@ -331,7 +331,7 @@ func TestPauseFreesMemoryAndResumeRestores(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := again.Resume(ctxT(t, 3*time.Minute)); err != nil {
+		if err := again.(*instance).Resume(ctxT(t, 3*time.Minute)); err != nil {
 			t.Fatal(err)
 		}
 		if got := run(t, again, "cat /tmp/mem-only"); got != "kept\n" {

@@ -219,8 +219,10 @@ type fakeInstance struct {
 }
 
 var (
-	_ substrate.Instance  = (*fakeInstance)(nil)
-	_ substrate.Diagnoser = (*fakeInstance)(nil)
+	_ substrate.Instance    = (*fakeInstance)(nil)
+	_ substrate.Diagnoser   = (*fakeInstance)(nil)
+	_ substrate.Pauser      = (*fakeInstance)(nil)
+	_ substrate.Snapshotter = (*fakeInstance)(nil)
 )
 
 func newFakeInstance(id string, st fakeState) *fakeInstance {
@@ -386,21 +388,9 @@ func (i *fakeInstance) Snapshot(ctx context.Context, w io.Writer) error {
 	return nil
 }
 
-func (i *fakeInstance) SnapshotMachine(context.Context, string) error {
-	return errdefs.Unimplemented("the fake has no machine snapshots")
-}
 
-func (i *fakeInstance) Screenshot(context.Context) (*substrate.Screenshot, error) {
-	return nil, errdefs.Unimplemented("the fake has no screen")
-}
 
-func (i *fakeInstance) SendInput(context.Context, []substrate.InputAction) error {
-	return errdefs.Unimplemented("the fake has no screen")
-}
 
-func (i *fakeInstance) OpenVNC(context.Context) (*substrate.VNC, error) {
-	return nil, errdefs.Unimplemented("the fake has no screen")
-}
 
 // Destroy kills the init, which ends every process of its PID namespace
 // (and with the last one its mounts), and removes the instance's files.

@@ -67,6 +67,18 @@ func (h Harness) create(t *testing.T, mut func(*substrate.Spec)) (substrate.Inst
 	return inst, spec
 }
 
+// as is inst as the optional interface T, which its driver's capabilities
+// promise.
+func as[T any](t *testing.T, inst substrate.Instance) T {
+	t.Helper()
+	v, ok := inst.(T)
+	if !ok {
+		var zero T
+		t.Fatalf("%T is not a %T", inst, &zero)
+	}
+	return v
+}
+
 func run(t *testing.T, g substrate.Guest, argv ...string) *guestv1.Exit {
 	t.Helper()
 	x, err := g.Run(ctxT(t, time.Minute), &guestv1.Exec{Argv: argv, TimeoutMs: 60000})
@@ -91,6 +103,15 @@ func Run(t *testing.T, h Harness) {
 		}
 		if err := inst.Check(context.Background()); err != nil {
 			t.Fatalf("check: %v", err)
+		}
+	})
+
+	t.Run("each optional interface is implemented exactly when its capability is declared", func(t *testing.T) {
+		inst, _ := h.create(t, nil)
+		for c, implements := range substrate.Optional {
+			if caps.Has(c) != implements(inst) {
+				t.Errorf("capability %s declared %v, its interface implemented %v", c, caps.Has(c), implements(inst))
+			}
 		}
 	})
 
@@ -255,11 +276,12 @@ func Run(t *testing.T, h Harness) {
 	if caps.Has(substrate.CapPause) {
 		t.Run("pause freezes and resume thaws", func(t *testing.T) {
 			inst, _ := h.create(t, nil)
+			p := as[substrate.Pauser](t, inst)
 			ctx := ctxT(t, time.Minute)
-			if err := inst.Pause(ctx); err != nil {
+			if err := p.Pause(ctx); err != nil {
 				t.Fatal(err)
 			}
-			if err := inst.Pause(ctx); err != nil {
+			if err := p.Pause(ctx); err != nil {
 				t.Fatalf("second pause: %v", err)
 			}
 			short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
@@ -268,7 +290,7 @@ func Run(t *testing.T, h Harness) {
 			if err == nil {
 				t.Fatal("a command ran while paused")
 			}
-			if err := inst.Resume(ctx); err != nil {
+			if err := p.Resume(ctx); err != nil {
 				t.Fatal(err)
 			}
 			if x := run(t, inst.Guest(), "echo", "back"); string(x.Stdout) != "back\n" {
@@ -282,7 +304,7 @@ func Run(t *testing.T, h Harness) {
 			inst, _ := h.create(t, nil)
 			run(t, inst.Guest(), "sh", "-c", "mkdir -p /work && echo new > /work/f && rm /bin/vi")
 			var buf bytes.Buffer
-			if err := inst.Snapshot(ctxT(t, time.Minute), &buf); err != nil {
+			if err := as[substrate.Snapshotter](t, inst).Snapshot(ctxT(t, time.Minute), &buf); err != nil {
 				t.Fatal(err)
 			}
 			names := map[string]bool{}
@@ -310,7 +332,7 @@ func Run(t *testing.T, h Harness) {
 			inst, _ := h.create(t, nil)
 			run(t, inst.Guest(), "sh", "-c", "echo on-disk > /tmp/disk-state; (sleep 1234 &) ; echo started")
 			dir := t.TempDir()
-			if err := inst.SnapshotMachine(ctxT(t, 2*time.Minute), dir); err != nil {
+			if err := as[substrate.MachineSnapshotter](t, inst).SnapshotMachine(ctxT(t, 2*time.Minute), dir); err != nil {
 				t.Fatal(err)
 			}
 			run(t, inst.Guest(), "sh", "-c", "echo changed > /tmp/disk-state")
@@ -338,14 +360,15 @@ func Run(t *testing.T, h Harness) {
 			inst, _ := h.create(t, nil)
 			run(t, inst.Guest(), "sh", "-c", "echo before > /tmp/p")
 			ctx := ctxT(t, 2*time.Minute)
-			if err := inst.Pause(ctx); err != nil {
+			p := as[substrate.Pauser](t, inst)
+			if err := p.Pause(ctx); err != nil {
 				t.Fatal(err)
 			}
 			dir := t.TempDir()
-			if err := inst.SnapshotMachine(ctx, dir); err != nil {
+			if err := as[substrate.MachineSnapshotter](t, inst).SnapshotMachine(ctx, dir); err != nil {
 				t.Fatal(err)
 			}
-			if err := inst.Resume(ctx); err != nil {
+			if err := p.Resume(ctx); err != nil {
 				t.Fatal(err)
 			}
 			if x := run(t, inst.Guest(), "cat", "/tmp/p"); string(x.Stdout) != "before\n" {
@@ -354,13 +377,6 @@ func Run(t *testing.T, h Harness) {
 			c, _ := h.create(t, func(s *substrate.Spec) { s.Restore = dir })
 			if x := run(t, c.Guest(), "cat", "/tmp/p"); string(x.Stdout) != "before\n" {
 				t.Fatalf("child of the paused snapshot: %q", x.Stdout)
-			}
-		})
-	} else {
-		t.Run("machine snapshots are refused as unimplemented", func(t *testing.T) {
-			inst, _ := h.create(t, nil)
-			if err := inst.SnapshotMachine(context.Background(), t.TempDir()); !errdefs.Is(err, errdefs.KindUnimplemented) {
-				t.Fatalf("SnapshotMachine: %v", err)
 			}
 		})
 	}

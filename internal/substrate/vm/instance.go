@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -32,8 +31,11 @@ type instance struct {
 }
 
 var (
-	_ substrate.Instance  = (*instance)(nil)
-	_ substrate.Diagnoser = (*instance)(nil)
+	_ substrate.Instance           = (*instance)(nil)
+	_ substrate.Diagnoser          = (*instance)(nil)
+	_ substrate.Pauser             = (*instance)(nil)
+	_ substrate.MachineSnapshotter = (*instance)(nil)
+	_ substrate.Screen             = (*instance)(nil)
 )
 
 func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instance {
@@ -250,8 +252,3 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 	return i, i.VM.Adopt(ctx)
 }
 
-// Snapshot implements substrate.Instance: VM snapshots are machine
-// snapshots (SnapshotMachine), not filesystem layers.
-func (i *instance) Snapshot(context.Context, io.Writer) error {
-	return errdefs.Unimplemented("vm snapshots hold memory and disk: use a machine snapshot")
-}
