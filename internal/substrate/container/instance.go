@@ -179,10 +179,6 @@ func (i *instance) Snapshot(ctx context.Context, w io.Writer) error {
 	return nil
 }
 
-
-
-
-
 func (i *instance) Destroy(ctx context.Context) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()

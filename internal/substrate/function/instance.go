@@ -87,7 +87,6 @@ func (i *instance) Check(context.Context) error {
 }
 func (i *instance) Stats(context.Context) (substrate.Stats, error) { return substrate.Stats{}, nil }
 
-
 func (i *instance) Destroy(context.Context) error {
 	i.once.Do(func() { close(i.done) })
 	return nil

@@ -195,7 +195,3 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState)
 	return i, i.VM.Adopt(ctx)
 }
-
-
-
-

@@ -388,10 +388,6 @@ func (i *fakeInstance) Snapshot(ctx context.Context, w io.Writer) error {
 	return nil
 }
 
-
-
-
-
 // Destroy kills the init, which ends every process of its PID namespace
 // (and with the last one its mounts), and removes the instance's files.
 func (i *fakeInstance) Destroy(ctx context.Context) error {
