@@ -209,11 +209,11 @@ func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
 		env = append(env, k+"="+s.spec.Env[k])
 	}
 	ds := &substrate.Spec{
-		ID: s.id, Dir: s.dir, Layers: n.images.LowerDirs(img), Env: env,
+		ID: s.id, Dir: s.dir, Image: substrate.ImageOf(n.images, img), Env: env,
 		User: s.spec.User, Workdir: s.spec.Workdir, Hostname: "sandbox",
 		CPU: s.spec.Resources.GetCpu(), MemoryMB: s.spec.Resources.GetMemoryMb(),
 		DiskMB: s.spec.Resources.GetDiskMb(), Pids: s.spec.Resources.GetPids(),
-		Labels: s.spec.Labels, Deadline: s.expires.Add(deadlineGrace),
+		Deadline: s.expires.Add(deadlineGrace),
 	}
 	if s.net != nil {
 		ds.Network = substrate.Network{Mode: s.net.Mode, NetNS: s.net.NetNS, ResolvConf: s.net.ResolvConf}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -12,6 +13,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/sandboxid"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
 	"github.com/opendsec/dsec/internal/tenant"
@@ -245,7 +247,7 @@ func TestFork(t *testing.T) {
 	fail := make(chan bool, 1)
 	tn := newTestNode(t, func(_ *Config, f *substratetest.Fake) {
 		f.BeforeCreate = func(ctx context.Context, spec *substrate.Spec) error {
-			if spec.Labels[ForkOfLabel] != "" && len(fail) > 0 {
+			if _, err := sandboxid.SnapshotNode(spec.Image.Name); err == nil && len(fail) > 0 { // a fork's child
 				return errdefs.Unavailable("refused by the test")
 			}
 			return nil
@@ -386,7 +388,11 @@ func TestAdmission(t *testing.T) {
 			c.MaxConcurrentStarts, c.StartQueue = 1, 3
 			f.BeforeCreate = func(ctx context.Context, spec *substrate.Spec) error {
 				mu.Lock()
-				started = append(started, spec.Labels["who"])
+				for _, e := range spec.Env {
+					if who, ok := strings.CutPrefix(e, "WHO="); ok {
+						started = append(started, who)
+					}
+				}
 				mu.Unlock()
 				<-gate
 				return nil
@@ -397,7 +403,7 @@ func TestAdmission(t *testing.T) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				_, err := tn.Create(as(project), &dsecv1.CreateSandboxRequest{Project: project, Spec: &dsecv1.SandboxSpec{Image: "busybox", Labels: map[string]string{"who": who}}})
+				_, err := tn.Create(as(project), &dsecv1.CreateSandboxRequest{Project: project, Spec: &dsecv1.SandboxSpec{Image: "busybox", Env: map[string]string{"WHO": who}}})
 				if err != nil {
 					t.Error(err)
 				}
@@ -561,13 +567,13 @@ func TestCreateFailures(t *testing.T) {
 	refuse := errors.New("refused by the test")
 	tn := newTestNode(t, func(_ *Config, f *substratetest.Fake) {
 		f.BeforeCreate = func(ctx context.Context, spec *substrate.Spec) error {
-			if spec.Labels["fail"] != "" {
+			if slices.Contains(spec.Env, "FAIL=yes") {
 				return errdefs.Unavailable("%v", refuse)
 			}
 			return nil
 		}
 	})
-	_, err := tn.Create(bg, &dsecv1.CreateSandboxRequest{Spec: &dsecv1.SandboxSpec{Image: "busybox", Labels: map[string]string{"fail": "yes"}}})
+	_, err := tn.Create(bg, &dsecv1.CreateSandboxRequest{Spec: &dsecv1.SandboxSpec{Image: "busybox", Env: map[string]string{"FAIL": "yes"}}})
 	if !errdefs.Is(err, errdefs.KindUnavailable) {
 		t.Fatalf("create: %v", err)
 	}

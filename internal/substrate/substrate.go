@@ -13,6 +13,7 @@ import (
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	"github.com/opendsec/dsec/internal/guest"
+	"github.com/opendsec/dsec/internal/image"
 )
 
 // Kind names a substrate.
@@ -84,8 +85,8 @@ type Spec struct {
 	// Dir is a directory the driver owns for this instance's state; the node
 	// removes it after Destroy.
 	Dir string
-	// Layers are read-only root filesystem layers, top first.
-	Layers []string
+	// Image is what the root filesystem is made of.
+	Image Image
 	// Env is the environment for every process (image env, then spec env).
 	Env      []string
 	User     string
@@ -98,7 +99,6 @@ type Spec struct {
 	Pids     int64
 
 	Network Network
-	Labels  map[string]string
 	// Deadline is when the instance ends itself if the node has not
 	// deleted it: the TTL backstop for times the node is down.
 	Deadline time.Time
@@ -118,8 +118,51 @@ type Spec struct {
 	// Instance.SnapshotMachine of the same kind: the instance starts from
 	// it (memory, devices and disk as they were) instead of booting, with
 	// its own writable disk and a fresh identity (hostname, clock,
-	// randomness). Layers must be the snapshotted instance's.
+	// randomness). Image must be the snapshotted instance's.
 	Restore string
+}
+
+// Image is the image an instance starts from, as the node's image store
+// holds it.
+type Image struct {
+	// Name is the image's name in the store (a snapshot's ID for a
+	// snapshot's children); Digest is its content digest.
+	Name, Digest string
+	// Layers are the read-only root filesystem layers, top first.
+	Layers []Layer
+	// VM is set for a VM image: its one layer holds the disk (and, for
+	// direct boot, the kernel and initrd) that VMImage describes.
+	VM *image.VMImage
+}
+
+// Layer is one unpacked image layer on the host.
+type Layer struct {
+	// DiffID is the digest of the layer's uncompressed tar
+	// ("sha256:<hex>"); layers are stored and cached by it.
+	DiffID string
+	// Dir is the layer's directory. Link is a short path to it, for
+	// overlay mount options (the kernel limits them to one page).
+	Dir, Link string
+}
+
+// ImageOf is img of store as a Spec's Image.
+func ImageOf(store *image.Store, img *image.Image) Image {
+	out := Image{Name: img.Name, Digest: img.Digest, VM: img.VM}
+	for i := len(img.Layers) - 1; i >= 0; i-- {
+		d := img.Layers[i]
+		out.Layers = append(out.Layers, Layer{DiffID: d, Dir: store.LayerDir(d), Link: store.ShortLayerPath(d)})
+	}
+	return out
+}
+
+// Links are the image's layers' short paths, top first: the lower
+// directories of an overlay mount.
+func (im Image) Links() []string {
+	out := make([]string, len(im.Layers))
+	for i, l := range im.Layers {
+		out[i] = l.Link
+	}
+	return out
 }
 
 // Tmpfs is a tmpfs mount: Options as for mount(8), e.g. "mode=1777,size=512m".

@@ -31,7 +31,7 @@ import (
 
 var (
 	guestBin string
-	layers   []string
+	layers   substrate.Image
 	setupErr string
 )
 
@@ -66,7 +66,7 @@ func TestMain(m *testing.M) {
 			setupErr = "needs Debian's busybox-static: " + err.Error()
 			return m.Run()
 		}
-		layers = store.LowerDirs(img)
+		layers = substrate.ImageOf(store, img)
 		return m.Run()
 	}()
 	os.Exit(code)
@@ -96,7 +96,7 @@ func TestConformance(t *testing.T) {
 			return &substrate.Spec{
 				ID:       fmt.Sprintf("ct%d-%d", os.Getpid(), n),
 				Dir:      t.TempDir(),
-				Layers:   layers,
+				Image:    layers,
 				Hostname: "sandbox",
 				CPU:      1, MemoryMB: 256, Pids: 256,
 				Network: substrate.Network{Mode: "none"},
@@ -139,7 +139,7 @@ func leaks(d *Driver, s *substrate.Spec) []string {
 
 func TestGuestChannelIsNotReachableFromInside(t *testing.T) {
 	d := newDriver(t, t.TempDir())
-	spec := &substrate.Spec{ID: fmt.Sprintf("chan%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
+	spec := &substrate.Spec{ID: fmt.Sprintf("chan%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {
 		t.Fatal(err)
@@ -194,7 +194,7 @@ func TestSandboxesHaveNoRawSocketsButPing(t *testing.T) {
 	if err := syscall.Setxattr(capped, "security.capability", xattr, 0); err != nil {
 		t.Skipf("cannot set file capabilities here: %v", err)
 	}
-	spec := &substrate.Spec{ID: fmt.Sprintf("raw%d", os.Getpid()), Dir: t.TempDir(), Layers: append([]string{top}, layers...), Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
+	spec := &substrate.Spec{ID: fmt.Sprintf("raw%d", os.Getpid()), Dir: t.TempDir(), Image: substrate.Image{Layers: append([]substrate.Layer{{Dir: top, Link: top}}, layers.Layers...)}, Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {
 		t.Fatal(err)
@@ -260,7 +260,7 @@ func TestHundredCreateDeleteCyclesLeaveNothing(t *testing.T) {
 	tag := fmt.Sprintf("cyc%d-", os.Getpid())
 	before := snapshotHost(tag)
 	for i := 0; i < 100; i++ {
-		spec := &substrate.Spec{ID: fmt.Sprintf("cyc%d-%d", os.Getpid(), i), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 128, Pids: 64, CPU: 1}
+		spec := &substrate.Spec{ID: fmt.Sprintf("cyc%d-%d", os.Getpid(), i), Dir: t.TempDir(), Image: layers, Hostname: "sandbox", MemoryMB: 128, Pids: 64, CPU: 1}
 		inst, err := d.Create(context.Background(), spec)
 		if err != nil {
 			t.Fatalf("cycle %d: %v", i, err)
@@ -349,7 +349,7 @@ func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 	if !d.shieldable() {
 		t.Skipf("agents are shielded on cgroup v1 controllers only; this host has %s", d.cgroups.mode)
 	}
-	spec := &substrate.Spec{ID: fmt.Sprintf("cg%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 64, Pids: 64, CPU: 1}
+	spec := &substrate.Spec{ID: fmt.Sprintf("cg%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox", MemoryMB: 64, Pids: 64, CPU: 1}
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {
 		t.Fatal(err)
@@ -451,7 +451,7 @@ func BenchmarkCreateExecDestroy(b *testing.B) {
 		for c := range cases {
 			bc := &cases[c]
 			spec := &substrate.Spec{
-				ID: fmt.Sprintf("bench%d-%d-%d", os.Getpid(), c, i), Dir: b.TempDir(), Layers: layers, Hostname: "sandbox",
+				ID: fmt.Sprintf("bench%d-%d-%d", os.Getpid(), c, i), Dir: b.TempDir(), Image: layers, Hostname: "sandbox",
 				CPU: 1, MemoryMB: 256, Pids: 256, Network: substrate.Network{Mode: "none"},
 			}
 			t0 := time.Now()
@@ -485,7 +485,7 @@ func BenchmarkCreateExecDestroy(b *testing.B) {
 
 func TestSandboxRootIsAnUnprivilegedHostUserWithItsOwnDisk(t *testing.T) {
 	d := newDriver(t, t.TempDir())
-	spec := &substrate.Spec{ID: fmt.Sprintf("uns%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox",
+	spec := &substrate.Spec{ID: fmt.Sprintf("uns%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox",
 		MemoryMB: 256, Pids: 256, CPU: 1, DiskMB: 64, Network: substrate.Network{Mode: "none"}}
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {
@@ -549,7 +549,7 @@ func TestARestartedNodeRemountsTheDiskAndSnapshotsShiftOwners(t *testing.T) {
 	if d.disk == nil || d.userns == nil {
 		t.Skip("needs user namespaces and disk limits")
 	}
-	spec := &substrate.Spec{ID: fmt.Sprintf("re%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox",
+	spec := &substrate.Spec{ID: fmt.Sprintf("re%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox",
 		MemoryMB: 256, Pids: 256, CPU: 1, DiskMB: 32, Network: substrate.Network{Mode: "none"}}
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {

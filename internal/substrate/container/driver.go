@@ -517,7 +517,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if ns != nil {
 		nsFile = ns.f
 	}
-	lowers := append([]string{d.skel}, s.Layers...)
+	lowers := append([]string{d.skel}, s.Image.Links()...)
 	detach, err := attachLayers(filepath.Join(diskDir, "l"), lowers, nsFile)
 	if err != nil {
 		return nil, errdefs.Internal(err, "mount the image's layers")

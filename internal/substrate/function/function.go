@@ -497,7 +497,7 @@ func (d *Driver) startWorker(img string) (_ *worker, err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	inst, err := d.ct.Create(ctx, &substrate.Spec{
-		ID: id, Dir: dir, Layers: d.images.LowerDirs(rec), Env: rec.Config.Env, Hostname: "function",
+		ID: id, Dir: dir, Image: substrate.ImageOf(d.images, rec), Env: rec.Config.Env, Hostname: "function",
 		CPU: d.cfg.WorkerCPU, MemoryMB: d.cfg.WorkerMemoryMB, Pids: int64(64*d.cfg.Slots + 256),
 		Network: substrate.Network{Mode: "none"}, ReadOnlyRootfs: true,
 		// Calls see their own storage over /tmp and /var/tmp (and /dev/shm),

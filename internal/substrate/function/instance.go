@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"io"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -42,22 +41,11 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (substrate.Insta
 	if s.Network.Mode != "" && s.Network.Mode != "none" {
 		return nil, errdefs.Unimplemented("function sandboxes have no network")
 	}
-	img := s.Labels["dsec.io/function-image"]
+	img := s.Image.Name
 	if img == "" {
-		img = d.imageOfLayers(s.Layers)
+		img = d.cfg.Image
 	}
 	return &instance{d: d, image: img, env: s.Env, done: make(chan struct{})}, nil
-}
-
-// imageOfLayers finds the image whose layers a spec names.
-func (d *Driver) imageOfLayers(layers []string) string {
-	for _, img := range d.images.List() {
-		ld := d.images.LowerDirs(img)
-		if len(ld) == len(layers) && strings.Join(ld, ":") == strings.Join(layers, ":") {
-			return img.Name
-		}
-	}
-	return d.cfg.Image
 }
 
 // Attach implements substrate.Driver.

@@ -96,7 +96,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		}
 		defer incoming.Close()
 	} else {
-		img, err := d.imageDisk(s.Layers)
+		img, err := d.imageDisk(s.Image.Layers)
 		if err != nil {
 			return nil, err
 		}

@@ -25,7 +25,7 @@ import (
 
 var (
 	guestBin  string
-	layers    []string
+	layers    substrate.Image
 	kernelDir string
 	stateDir  string // shared by the tests: image disks are built once
 	setupErr  string
@@ -78,7 +78,7 @@ func TestMain(m *testing.M) {
 			setupErr = "needs Debian's busybox-static: " + err.Error()
 			return m.Run()
 		}
-		layers = store.LowerDirs(img)
+		layers = substrate.ImageOf(store, img)
 		stateDir = filepath.Join(dir, "state")
 		code := m.Run()
 		for _, d := range runDirs {
@@ -126,7 +126,7 @@ func newSpec(t *testing.T) *substrate.Spec {
 	return &substrate.Spec{
 		ID:       fmt.Sprintf("mvm%d-%d", os.Getpid(), seq),
 		Dir:      t.TempDir(),
-		Layers:   layers,
+		Image:    layers,
 		Hostname: "sandbox",
 		CPU:      1, MemoryMB: 128, DiskMB: 256, Pids: 256,
 		Network: substrate.Network{Mode: "none"},

@@ -97,7 +97,7 @@ type fakeState struct {
 }
 
 // Create starts an instance: the agent as the init of new namespaces, its
-// root an overlay of spec.Layers with an upper directory in spec.Dir.
+// root an overlay of spec.Image's layers with an upper directory in spec.Dir.
 func (f *Fake) Create(ctx context.Context, spec *substrate.Spec) (_ substrate.Instance, err error) {
 	if f.BeforeCreate != nil {
 		if err := f.BeforeCreate(ctx, spec); err != nil {
@@ -105,7 +105,7 @@ func (f *Fake) Create(ctx context.Context, spec *substrate.Spec) (_ substrate.In
 		}
 	}
 	switch {
-	case len(spec.Layers) == 0:
+	case len(spec.Image.Layers) == 0:
 		return nil, errdefs.Invalid("the fake needs at least one layer")
 	case spec.Restore != "":
 		return nil, errdefs.Unimplemented("the fake has no machine snapshots")
@@ -144,7 +144,7 @@ func (f *Fake) Create(ctx context.Context, spec *substrate.Spec) (_ substrate.In
 	}
 	defer logf.Close()
 	cmd, err := fakeCommand(fakeConfig{
-		Dir: dir, Layers: spec.Layers, Env: spec.Env, Workdir: spec.Workdir,
+		Dir: dir, Layers: spec.Image.Links(), Env: spec.Env, Workdir: spec.Workdir,
 		Hostname: spec.Hostname, Deadline: spec.Deadline,
 	})
 	if err != nil {

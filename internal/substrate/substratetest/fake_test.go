@@ -24,14 +24,14 @@ func TestFakeConformance(t *testing.T) {
 	if err != nil {
 		t.Skipf("needs Debian's busybox-static: %v", err)
 	}
-	layers := store.LowerDirs(img)
+	layers := substrate.ImageOf(store, img)
 	n := 0
 	Run(t, Harness{
 		Driver: NewFake(substrate.KindContainer),
 		NewSpec: func(t *testing.T) *substrate.Spec {
 			n++
 			return &substrate.Spec{
-				ID: fmt.Sprintf("fake%d-%d", os.Getpid(), n), Dir: t.TempDir(), Layers: layers,
+				ID: fmt.Sprintf("fake%d-%d", os.Getpid(), n), Dir: t.TempDir(), Image: layers,
 				Hostname: "sandbox", Env: img.Config.Env,
 			}
 		},

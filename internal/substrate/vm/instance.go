@@ -140,17 +140,11 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 
 // newMachine is the machine for a fresh sandbox of spec's image.
 func (d *Driver) newMachine(s *substrate.Spec) (machine, error) {
-	if len(s.Layers) != 1 {
+	img := s.Image.VM
+	if img == nil || len(s.Image.Layers) != 1 {
 		return machine{}, errdefs.Invalid("the image is not a VM image: build one with `dsec image build-vm` or import a disk with `dsec image import-vm`")
 	}
-	dir, err := filepath.EvalSymlinks(s.Layers[0])
-	if err != nil {
-		return machine{}, errdefs.Internal(err, "resolve the VM image's layer")
-	}
-	img, err := image.ReadVMLayer(dir)
-	if err != nil {
-		return machine{}, err
-	}
+	dir := s.Image.Layers[0].Dir
 	m := machine{
 		CPUs: cpusFor(s.CPU), MemoryMB: s.MemoryMB, Base: filepath.Join(dir, image.VMDiskFile), Layer: filepath.Base(dir),
 		DiskBytes: max(img.VirtualSize, s.DiskMB<<20), AgentDisk: d.agentDisk, Accel: d.accel.Arg(d.cfg.TBSizeMiB),

@@ -32,8 +32,8 @@ import (
 
 var (
 	guestBin  string
-	layers    []string // the debian VM image
-	bbLayers  []string // busybox: not a VM image
+	layers    substrate.Image  // the debian VM image
+	bbLayers  *substrate.Image // busybox: not a VM image
 	kernelDir string
 	stateDir  string // shared by the tests: boot snapshots are saved once
 	imgDir    string // the VM image's layer directory
@@ -87,10 +87,11 @@ func TestMain(m *testing.M) {
 			fmt.Fprintln(os.Stderr, "build the debian VM image:", err)
 			return 1
 		}
-		layers = store.LowerDirs(img)
+		layers = substrate.ImageOf(store, img)
 		imgDir = store.LayerDir(img.Layers[0])
 		if bb, err := store.Bootstrap(ctx, "busybox", "", image.BootstrapOptions{CacheDir: cache}, nil); err == nil {
-			bbLayers = store.LowerDirs(bb)
+			im := substrate.ImageOf(store, bb)
+			bbLayers = &im
 		}
 		stateDir = filepath.Join(dir, "state")
 		code := m.Run()
@@ -139,7 +140,7 @@ func newSpec(t *testing.T) *substrate.Spec {
 	return &substrate.Spec{
 		ID:       fmt.Sprintf("vm%d-%d", os.Getpid(), seq),
 		Dir:      t.TempDir(),
-		Layers:   layers,
+		Image:    layers,
 		Hostname: "sandbox",
 		CPU:      1, MemoryMB: 512, Pids: 1024,
 		Network:  substrate.Network{Mode: "none"},
@@ -471,10 +472,12 @@ func TestBadInput(t *testing.T) {
 			if bbLayers == nil {
 				t.Skip("needs busybox-static")
 			}
-			s.Layers = bbLayers
+			s.Image = *bbLayers
 		}, kind: errdefs.KindInvalid, want: "not a VM image"},
 		{name: "a disk that does not boot fails with the firmware's word", cfg: func(c *Config) { c.ColdBoot = true },
-			spec: func(t *testing.T, s *substrate.Spec) { s.Layers = []string{blank} }, kind: errdefs.KindUnavailable, infra: true, want: "No bootable device"},
+			spec: func(t *testing.T, s *substrate.Spec) {
+				s.Image = substrate.Image{Layers: []substrate.Layer{{Dir: blank, Link: blank}}, VM: &image.VMImage{VirtualSize: 64 << 20, Firmware: "bios", Agent: "installed"}}
+			}, kind: errdefs.KindUnavailable, infra: true, want: "No bootable device"},
 		{name: "a guest without the agent hits the boot timeout",
 			cfg: func(c *Config) {
 				c.ColdBoot, c.Boot, c.BootTimeout, c.KernelArgs = true, "direct", 20*time.Second, "systemd.mask=dsec-agent.service"
