@@ -227,7 +227,11 @@ func (n *Node) ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send fun
 	}
 	var res *dsecv1.ExecResult
 	e, replay, err := n.logged(ctx, s, n.execMutation(req, x), func(e *dsecv1.LogEntry) error {
-		p, err := s.inst.Guest().Start(ctx, x)
+		pg, err := s.procs()
+		if err != nil {
+			return err
+		}
+		p, err := pg.Start(ctx, x)
 		if err != nil {
 			return err
 		}
@@ -273,7 +277,11 @@ func (n *Node) ConnectProcess(ctx context.Context, req *dsecv1.ConnectProcessReq
 	if req.GetProcessId() == "" && req.GetTag() == "" {
 		return errdefs.Invalid("process_id or tag is required")
 	}
-	p, err := s.inst.Guest().Attach(ctx, req.GetProcessId(), req.GetTag(), req.GetLiveOnly())
+	pg, err := s.procs()
+	if err != nil {
+		return err
+	}
+	p, err := pg.Attach(ctx, req.GetProcessId(), req.GetTag(), req.GetLiveOnly())
 	if err != nil {
 		return n.callFailed(s, err)
 	}
@@ -388,7 +396,11 @@ func (n *Node) WriteStdin(ctx context.Context, req *dsecv1.WriteStdinRequest) er
 	if len(req.GetData()) > maxStdin {
 		return errdefs.Invalid("stdin chunk larger than %d bytes", maxStdin)
 	}
-	if err := s.inst.Guest().InputProcess(ctx, req.GetProcessId(), req.GetData(), req.GetClose()); err != nil {
+	pg, err := s.procs()
+	if err != nil {
+		return err
+	}
+	if err := pg.InputProcess(ctx, req.GetProcessId(), req.GetData(), req.GetClose()); err != nil {
 		return n.callFailed(s, err)
 	}
 	return nil
@@ -404,7 +416,11 @@ func (n *Node) SignalProcess(ctx context.Context, req *dsecv1.SignalProcessReque
 	if err != nil {
 		return err
 	}
-	if err := s.inst.Guest().SignalProcess(ctx, req.GetProcessId(), sig); err != nil {
+	pg, err := s.procs()
+	if err != nil {
+		return err
+	}
+	if err := pg.SignalProcess(ctx, req.GetProcessId(), sig); err != nil {
 		return n.callFailed(s, err)
 	}
 	return nil
@@ -434,7 +450,11 @@ func (n *Node) ResizePTY(ctx context.Context, req *dsecv1.ResizePTYRequest) erro
 	if req.GetRows() == 0 || req.GetCols() == 0 || req.GetRows() > 1000 || req.GetCols() > 1000 {
 		return errdefs.Invalid("rows and cols must be between 1 and 1000")
 	}
-	if err := s.inst.Guest().ResizeProcess(ctx, req.GetProcessId(), req.GetRows(), req.GetCols()); err != nil {
+	pg, err := s.procs()
+	if err != nil {
+		return err
+	}
+	if err := pg.ResizeProcess(ctx, req.GetProcessId(), req.GetRows(), req.GetCols()); err != nil {
 		return n.callFailed(s, err)
 	}
 	return nil
@@ -446,7 +466,11 @@ func (n *Node) ListProcesses(ctx context.Context, req *dsecv1.ListProcessesReque
 	if err != nil {
 		return nil, err
 	}
-	procs, err := s.inst.Guest().ListProcs(ctx)
+	pg, err := s.procs()
+	if err != nil {
+		return &dsecv1.ListProcessesResponse{}, nil // calls run to completion: none outlives its call
+	}
+	procs, err := pg.ListProcs(ctx)
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}

@@ -71,7 +71,11 @@ func (n *Node) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send f
 	if req.GetOffset() < 0 || req.GetMaxBytes() < 0 {
 		return errdefs.Invalid("offset and max_bytes must not be negative")
 	}
-	f, err := s.inst.Guest().ReadFile(ctx, &guestv1.ReadFile{Path: p, Offset: req.GetOffset(), Limit: req.GetMaxBytes(), User: fileUser(s, req.GetUser())})
+	fg, err := s.files()
+	if err != nil {
+		return err
+	}
+	f, err := fg.ReadFile(ctx, &guestv1.ReadFile{Path: p, Offset: req.GetOffset(), Limit: req.GetMaxBytes(), User: fileUser(s, req.GetUser())})
 	if err != nil {
 		return n.callFailed(s, err)
 	}
@@ -121,9 +125,12 @@ func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.
 	}
 	var info *guestv1.FileInfo
 	_, replay, err := n.logged(ctx, s, m, func(e *dsecv1.LogEntry) error {
+		fg, err := s.files()
+		if err != nil {
+			return err
+		}
 		blob := n.logs.NewBlob()
-		var err error
-		info, err = s.inst.Guest().WriteFile(ctx, &guestv1.WriteFile{Path: p, Mode: hdr.GetMode(), Append: hdr.GetAppend(), User: user, Mkdirs: true}, io.TeeReader(&touchReader{r: r, s: s}, blob))
+		info, err = fg.WriteFile(ctx, &guestv1.WriteFile{Path: p, Mode: hdr.GetMode(), Append: hdr.GetAppend(), User: user, Mkdirs: true}, io.TeeReader(&touchReader{r: r, s: s}, blob))
 		e.ContentDigest, _ = blob.Commit()
 		if err != nil {
 			return err
@@ -167,7 +174,11 @@ func (n *Node) Stat(ctx context.Context, req *dsecv1.StatRequest) (*dsecv1.FileI
 	if err != nil {
 		return nil, err
 	}
-	info, err := s.inst.Guest().Stat(ctx, &guestv1.Path{Path: p, User: fileUser(s, req.GetUser())})
+	fg, err := s.files()
+	if err != nil {
+		return nil, err
+	}
+	info, err := fg.Stat(ctx, &guestv1.Path{Path: p, User: fileUser(s, req.GetUser())})
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}
@@ -183,7 +194,11 @@ func (n *Node) MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (*dsecv1
 	user := fileUser(s, req.GetUser())
 	var info *guestv1.FileInfo
 	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "make_dir", Path: p, User: user}}, func(*dsecv1.LogEntry) (err error) {
-		info, err = s.inst.Guest().MakeDir(ctx, &guestv1.MakeDir{Path: p, User: user})
+		fg, err := s.files()
+		if err != nil {
+			return err
+		}
+		info, err = fg.MakeDir(ctx, &guestv1.MakeDir{Path: p, User: user})
 		return err
 	})
 	if err != nil {
@@ -205,7 +220,11 @@ func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.F
 	user := fileUser(s, req.GetUser())
 	var info *guestv1.FileInfo
 	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "rename", Path: from, To: to, User: user}}, func(*dsecv1.LogEntry) (err error) {
-		info, err = s.inst.Guest().Rename(ctx, &guestv1.Rename{From: from, To: to, User: user})
+		fg, err := s.files()
+		if err != nil {
+			return err
+		}
+		info, err = fg.Rename(ctx, &guestv1.Rename{From: from, To: to, User: user})
 		return err
 	})
 	if err != nil {
@@ -222,7 +241,11 @@ func (n *Node) Remove(ctx context.Context, req *dsecv1.RemoveRequest) error {
 	}
 	user := fileUser(s, req.GetUser())
 	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "remove", Path: p, Recursive: req.GetRecursive(), User: user}}, func(*dsecv1.LogEntry) error {
-		return s.inst.Guest().Remove(ctx, &guestv1.Remove{Path: p, Recursive: req.GetRecursive(), User: user})
+		fg, err := s.files()
+		if err != nil {
+			return err
+		}
+		return fg.Remove(ctx, &guestv1.Remove{Path: p, Recursive: req.GetRecursive(), User: user})
 	})
 	if err != nil {
 		return n.callFailed(s, err)
@@ -243,7 +266,11 @@ func (n *Node) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (*dsecv1
 	if req.GetDepth() < 0 || req.GetDepth() > 64 {
 		return nil, errdefs.Invalid("depth must be between 0 and 64")
 	}
-	ents, err := s.inst.Guest().ListDir(ctx, &guestv1.ListDir{Path: p, Depth: req.GetDepth(), User: fileUser(s, req.GetUser())})
+	fg, err := s.files()
+	if err != nil {
+		return nil, err
+	}
+	ents, err := fg.ListDir(ctx, &guestv1.ListDir{Path: p, Depth: req.GetDepth(), User: fileUser(s, req.GetUser())})
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}
@@ -280,7 +307,11 @@ func (n *Node) WatchDir(ctx context.Context, req *dsecv1.WatchDirRequest, send f
 	if err != nil {
 		return err
 	}
-	w, err := s.inst.Guest().Watch(ctx, &guestv1.Watch{Path: p, Recursive: req.GetRecursive(), User: fileUser(s, req.GetUser())})
+	fg, err := s.files()
+	if err != nil {
+		return err
+	}
+	w, err := fg.Watch(ctx, &guestv1.Watch{Path: p, Recursive: req.GetRecursive(), User: fileUser(s, req.GetUser())})
 	if err != nil {
 		return n.callFailed(s, err)
 	}

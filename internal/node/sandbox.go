@@ -43,6 +43,25 @@ type sandbox struct {
 
 func (s *sandbox) touch() { s.lastActive.Store(time.Now().UnixNano()) }
 
+// procs is s's agent's processes that outlive their call.
+func (s *sandbox) procs() (substrate.ProcessGuest, error) {
+	return guestCan[substrate.ProcessGuest](s, "runs commands to completion only (use exec)")
+}
+
+// files is s's agent's file calls.
+func (s *sandbox) files() (substrate.FileGuest, error) {
+	return guestCan[substrate.FileGuest](s, "has no files (use kind container)")
+}
+
+// guestCan is can for s's agent (substrate.ProcessGuest, FileGuest).
+func guestCan[T any](s *sandbox, cannot string) (T, error) {
+	v, ok := s.inst.Guest().(T)
+	if !ok {
+		return v, errdefs.Unimplemented("kind %q %s", s.spec.Kind, cannot)
+	}
+	return v, nil
+}
+
 // can returns s's instance as the optional interface T (substrate.Pauser,
 // Snapshotter, MachineSnapshotter, Screen), or an Unimplemented error:
 // "kind <kind> <cannot>".

@@ -34,7 +34,7 @@ type Capability string
 
 const (
 	CapExec           Capability = "exec"
-	CapPTY            Capability = "pty"
+	CapPTY            Capability = "pty" // processes that outlive their call, PTYs among them
 	CapFiles          Capability = "files"
 	CapPause          Capability = "pause"
 	CapSnapshot       Capability = "snapshot"        // writable layer (disk) snapshots
@@ -171,19 +171,35 @@ type Tmpfs struct {
 	Options string
 }
 
-// Guest is the in-sandbox API the node drives. *guest.Client implements it;
-// drivers that dispatch calls differently wrap one.
+// Guest is the in-sandbox agent as the node drives it: what the agent of
+// every kind does. *guest.Client implements it and the optional guest
+// interfaces (ProcessGuest, FileGuest); a driver that dispatches calls
+// differently (function) implements what its capabilities declare.
 type Guest interface {
 	Hello(ctx context.Context) (*guestv1.HelloReply, error)
+	// Run runs a command to completion.
 	Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, error)
+	Sync(ctx context.Context) error
+	SetDeadline(ctx context.Context, t time.Time) error
+	SetEnv(ctx context.Context, env []string) error
+}
+
+// ProcessGuest is an agent whose processes outlive their call (CapPTY):
+// started, streamed, attached to again, written to, signalled, resized
+// and listed.
+type ProcessGuest interface {
 	Start(ctx context.Context, x *guestv1.Exec) (*guest.Process, error)
 	Attach(ctx context.Context, id, tag string, liveOnly bool) (*guest.Process, error)
 	InputProcess(ctx context.Context, id string, data []byte, eof bool) error
 	SignalProcess(ctx context.Context, id string, sig syscall.Signal) error
 	ResizeProcess(ctx context.Context, id string, rows, cols uint32) error
 	ListProcs(ctx context.Context) ([]*guestv1.Proc, error)
-	// File calls act as the message's user inside the sandbox (see
-	// guestv1.ReadFile).
+}
+
+// FileGuest is an agent with a file system the caller reaches (CapFiles).
+// File calls act as the message's user inside the sandbox (see
+// guestv1.ReadFile).
+type FileGuest interface {
 	ReadFile(ctx context.Context, r *guestv1.ReadFile) (*guest.FileReader, error)
 	WriteFile(ctx context.Context, w *guestv1.WriteFile, r io.Reader) (*guestv1.FileInfo, error)
 	Stat(ctx context.Context, p *guestv1.Path) (*guestv1.FileInfo, error)
@@ -192,14 +208,13 @@ type Guest interface {
 	Remove(ctx context.Context, r *guestv1.Remove) error
 	Rename(ctx context.Context, r *guestv1.Rename) (*guestv1.FileInfo, error)
 	Watch(ctx context.Context, w *guestv1.Watch) (*guest.Watch, error)
-	Sync(ctx context.Context) error
-	SetDeadline(ctx context.Context, t time.Time) error
-	SetEnv(ctx context.Context, env []string) error
-	StartRunner(ctx context.Context, argv, env []string) error
-	Call(ctx context.Context, call *guestv1.Call) (*guestv1.CallResult, error)
 }
 
-var _ Guest = (*guest.Client)(nil)
+var (
+	_ Guest        = (*guest.Client)(nil)
+	_ ProcessGuest = (*guest.Client)(nil)
+	_ FileGuest    = (*guest.Client)(nil)
+)
 
 // Diagnoser is implemented by instances that keep what their init (or the
 // guest console) printed last. When an instance stops by itself the node
@@ -295,16 +310,23 @@ type Screen interface {
 }
 
 // Optional pairs each capability that promises an optional interface
-// with the check that an instance implements it.
+// with the check that an instance (or its guest) implements it.
 var Optional = map[Capability]func(Instance) bool{
 	CapPause:          implements[Pauser],
 	CapSnapshot:       implements[Snapshotter],
 	CapMemorySnapshot: implements[MachineSnapshotter],
 	CapScreen:         implements[Screen],
+	CapPTY:            guestImplements[ProcessGuest],
+	CapFiles:          guestImplements[FileGuest],
 }
 
 func implements[T any](i Instance) bool {
 	_, ok := i.(T)
+	return ok
+}
+
+func guestImplements[T any](i Instance) bool {
+	_, ok := i.Guest().(T)
 	return ok
 }
 

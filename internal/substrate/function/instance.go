@@ -3,14 +3,11 @@ package function
 import (
 	"context"
 	"encoding/json"
-	"io"
 	"sync"
-	"syscall"
 	"time"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
-	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/substrate"
 )
 
@@ -83,7 +80,7 @@ func (i *instance) Destroy(context.Context) error {
 // callGuest runs each exec as one function call.
 type callGuest struct{ i *instance }
 
-var errStateless = errdefs.Unimplemented("function sandboxes are stateless: only exec applies (use kind container for files and processes)")
+var errStateless = errdefs.Unimplemented("function sandboxes run commands to completion only, without a PTY (use kind container)")
 
 func (g *callGuest) Hello(context.Context) (*guestv1.HelloReply, error) {
 	return &guestv1.HelloReply{Version: "function"}, nil
@@ -103,7 +100,7 @@ func (g *callGuest) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, er
 	call := &guestv1.Call{Dir: slotDir(slot), Uid: uint32(uidBase + slot), DiskBytes: d.cfg.CallDiskMB << 20, Steps: []*guestv1.CallStep{st}, Env: append(append([]string(nil), g.i.env...), x.Env...)}
 	cctx, cancel := context.WithTimeout(ctx, time.Duration(x.TimeoutMs)*time.Millisecond+30*time.Second)
 	defer cancel()
-	out, err := w.inst.Guest().Call(cctx, call)
+	out, err := w.agent.Call(cctx, call)
 	if err != nil {
 		p.release(w, slot, "call failed: "+err.Error())
 		return nil, errdefs.Unavailable("function worker failed").WithCause(err)
@@ -115,42 +112,6 @@ func (g *callGuest) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, er
 	return out.Steps[0], nil
 }
 
-func (g *callGuest) Start(context.Context, *guestv1.Exec) (*guest.Process, error) {
-	return nil, errdefs.Unimplemented("function sandboxes run commands to completion only (use Exec)")
-}
-func (g *callGuest) Attach(context.Context, string, string, bool) (*guest.Process, error) {
-	return nil, errStateless
-}
-func (g *callGuest) InputProcess(context.Context, string, []byte, bool) error    { return errStateless }
-func (g *callGuest) SignalProcess(context.Context, string, syscall.Signal) error { return errStateless }
-func (g *callGuest) ResizeProcess(context.Context, string, uint32, uint32) error { return errStateless }
-func (g *callGuest) ListProcs(context.Context) ([]*guestv1.Proc, error)          { return nil, nil }
-func (g *callGuest) ReadFile(context.Context, *guestv1.ReadFile) (*guest.FileReader, error) {
-	return nil, errStateless
-}
-func (g *callGuest) WriteFile(context.Context, *guestv1.WriteFile, io.Reader) (*guestv1.FileInfo, error) {
-	return nil, errStateless
-}
-func (g *callGuest) Stat(context.Context, *guestv1.Path) (*guestv1.FileInfo, error) {
-	return nil, errStateless
-}
-func (g *callGuest) ListDir(context.Context, *guestv1.ListDir) ([]*guestv1.FileInfo, error) {
-	return nil, errStateless
-}
-func (g *callGuest) MakeDir(context.Context, *guestv1.MakeDir) (*guestv1.FileInfo, error) {
-	return nil, errStateless
-}
-func (g *callGuest) Remove(context.Context, *guestv1.Remove) error { return errStateless }
-func (g *callGuest) Rename(context.Context, *guestv1.Rename) (*guestv1.FileInfo, error) {
-	return nil, errStateless
-}
-func (g *callGuest) Watch(context.Context, *guestv1.Watch) (*guest.Watch, error) {
-	return nil, errStateless
-}
-func (g *callGuest) Sync(context.Context) error                            { return nil }
-func (g *callGuest) SetDeadline(context.Context, time.Time) error          { return nil }
-func (g *callGuest) SetEnv(context.Context, []string) error                { return nil }
-func (g *callGuest) StartRunner(context.Context, []string, []string) error { return errStateless }
-func (g *callGuest) Call(context.Context, *guestv1.Call) (*guestv1.CallResult, error) {
-	return nil, errStateless
-}
+func (g *callGuest) Sync(context.Context) error                   { return nil }
+func (g *callGuest) SetDeadline(context.Context, time.Time) error { return nil }
+func (g *callGuest) SetEnv(context.Context, []string) error       { return nil }

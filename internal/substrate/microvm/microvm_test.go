@@ -290,7 +290,7 @@ func TestPauseFreesMemoryAndResumeRestores(t *testing.T) {
 	run(t, inst, "echo kept > /tmp/mem-only")
 	// A stream open across the pause breaks when QEMU goes; the instance
 	// must still count as alive (paused), never as crashed.
-	proc, err := inst.Guest().Start(ctxT(t, time.Minute), &guestv1.Exec{Argv: []string{"sleep", "1000"}})
+	proc, err := inst.Guest().(substrate.ProcessGuest).Start(ctxT(t, time.Minute), &guestv1.Exec{Argv: []string{"sleep", "1000"}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -79,6 +79,18 @@ func as[T any](t *testing.T, inst substrate.Instance) T {
 	return v
 }
 
+// guestAs is inst's guest as the optional interface T, which its
+// driver's capabilities promise.
+func guestAs[T any](t *testing.T, inst substrate.Instance) T {
+	t.Helper()
+	v, ok := inst.Guest().(T)
+	if !ok {
+		var zero T
+		t.Fatalf("%T is not a %T", inst.Guest(), &zero)
+	}
+	return v
+}
+
 func run(t *testing.T, g substrate.Guest, argv ...string) *guestv1.Exit {
 	t.Helper()
 	x, err := g.Run(ctxT(t, time.Minute), &guestv1.Exec{Argv: argv, TimeoutMs: 60000})
@@ -123,31 +135,19 @@ func Run(t *testing.T, h Harness) {
 		}
 	})
 
-	if !caps.Has(substrate.CapFiles) {
-		t.Run("a driver without files refuses file calls as unimplemented", func(t *testing.T) {
-			inst, _ := h.create(t, nil)
-			ctx := ctxT(t, time.Minute)
-			if _, err := inst.Guest().WriteFile(ctx, &guestv1.WriteFile{Path: "/tmp/x"}, strings.NewReader("x")); !errdefs.Is(err, errdefs.KindUnimplemented) {
-				t.Fatalf("WriteFile: %v, want unimplemented", err)
-			}
-			if _, err := inst.Guest().Stat(ctx, &guestv1.Path{Path: "/tmp"}); !errdefs.Is(err, errdefs.KindUnimplemented) {
-				t.Fatalf("Stat: %v, want unimplemented", err)
-			}
-		})
-	}
-
 	t.Run("files written are read back and listed", func(t *testing.T) {
 		if !caps.Has(substrate.CapFiles) {
-			return // refused instead (above)
+			return // no FileGuest (checked above)
 		}
 		inst, _ := h.create(t, nil)
 		g := inst.Guest()
+		fg := guestAs[substrate.FileGuest](t, inst)
 		ctx := ctxT(t, time.Minute)
 		data := bytes.Repeat([]byte("dsec"), 1<<18) // 1 MiB
-		if _, err := g.WriteFile(ctx, &guestv1.WriteFile{Path: "/work/data.bin", Mkdirs: true}, bytes.NewReader(data)); err != nil {
+		if _, err := fg.WriteFile(ctx, &guestv1.WriteFile{Path: "/work/data.bin", Mkdirs: true}, bytes.NewReader(data)); err != nil {
 			t.Fatal(err)
 		}
-		f, err := g.ReadFile(ctx, &guestv1.ReadFile{Path: "/work/data.bin"})
+		f, err := fg.ReadFile(ctx, &guestv1.ReadFile{Path: "/work/data.bin"})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -156,7 +156,7 @@ func Run(t *testing.T, h Harness) {
 		if !bytes.Equal(got, data) {
 			t.Fatalf("read %d bytes, want %d", len(got), len(data))
 		}
-		ents, err := g.ListDir(ctx, &guestv1.ListDir{Path: "/work", Depth: 1})
+		ents, err := fg.ListDir(ctx, &guestv1.ListDir{Path: "/work", Depth: 1})
 		if err != nil || len(ents) != 1 || ents[0].Name != "data.bin" {
 			t.Fatalf("list: %v %v", ents, err)
 		}
@@ -173,10 +173,10 @@ func Run(t *testing.T, h Harness) {
 		a, _ := h.create(t, nil)
 		b, _ := h.create(t, nil)
 		ctx := ctxT(t, time.Minute)
-		if _, err := a.Guest().WriteFile(ctx, &guestv1.WriteFile{Path: "/tmp/only-in-a"}, strings.NewReader("a")); err != nil {
+		if _, err := guestAs[substrate.FileGuest](t, a).WriteFile(ctx, &guestv1.WriteFile{Path: "/tmp/only-in-a"}, strings.NewReader("a")); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := b.Guest().Stat(ctx, &guestv1.Path{Path: "/tmp/only-in-a"}); !errdefs.Is(err, errdefs.KindNotFound) {
+		if _, err := guestAs[substrate.FileGuest](t, b).Stat(ctx, &guestv1.Path{Path: "/tmp/only-in-a"}); !errdefs.Is(err, errdefs.KindNotFound) {
 			t.Fatalf("b sees a's file: %v", err)
 		}
 		run(t, a.Guest(), "sh", "-c", "sleep 1234 & echo started")

@@ -316,7 +316,7 @@ func TestScreenAndInput(t *testing.T) {
 		waitFor(t, inst, "pgrep -xc sleep || true", "0")
 	})
 	t.Run("the pointer moves to absolute positions and clicks", func(t *testing.T) {
-		if _, err := inst.Guest().WriteFile(ctx, &guestv1.WriteFile{Path: "/tmp/ev.py"}, strings.NewReader(evdevReader)); err != nil {
+		if _, err := inst.Guest().(substrate.FileGuest).WriteFile(ctx, &guestv1.WriteFile{Path: "/tmp/ev.py"}, strings.NewReader(evdevReader)); err != nil {
 			t.Fatal(err)
 		}
 		run(t, inst, "rm -f /tmp/ev; python3 /tmp/ev.py 60 >/tmp/ev.log 2>&1 &")
