@@ -253,6 +253,27 @@ type Driver interface {
 	Attach(ctx context.Context, spec *Spec, state []byte) (Instance, error)
 }
 
+// Starter is a driver with background work of its own (a warm pool of
+// workers, a janitor): its node starts it once assembled, after it has
+// re-adopted its sandboxes.
+type Starter interface {
+	Start()
+}
+
+// Closer is a driver holding host resources (workers, ID allocators,
+// mounts) that its node releases when it closes, after its own pools.
+// Sandboxes keep running across a close.
+type Closer interface {
+	Close()
+}
+
+// BuiltOn is a driver whose instances are another kind's (function
+// workers are containers): its node closes it before the driver it is
+// built on.
+type BuiltOn interface {
+	BuiltOn() Kind
+}
+
 // Instance is one running sandbox of a driver. Methods are safe for
 // concurrent use. What only some kinds can do is an optional interface
 // (Pauser, Snapshotter, MachineSnapshotter, Screen), implemented exactly
