@@ -21,8 +21,8 @@ import (
 
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/cluster"
+	"github.com/opendsec/dsec/internal/clusternode"
 	"github.com/opendsec/dsec/internal/config"
-	"github.com/opendsec/dsec/internal/nodeagent"
 	"github.com/opendsec/dsec/internal/session"
 )
 
@@ -220,7 +220,7 @@ func runNode(ctx context.Context, cfg config.Config) error {
 	if err := bootstrapImages(ctx, n, cfg.Bootstrap, log); err != nil {
 		return err
 	}
-	agent, err := nodeagent.New(nodeagent.Config{
+	agent, err := clusternode.New(clusternode.Config{
 		Address: advertise, Token: cfg.Cluster.Token, Labels: cfg.Cluster.Labels, Version: version,
 		TTL: time.Duration(cfg.Cluster.NodeTTL), Interval: time.Duration(cfg.Cluster.LoadInterval),
 	}, n, store, log)

@@ -140,27 +140,50 @@ func (s *lifecycleService) CreateSandboxes(ctx context.Context, req *connect.Req
 }
 
 func (s *lifecycleService) ListSandboxes(ctx context.Context, req *connect.Request[dsecv1.ListSandboxesRequest]) (*connect.Response[dsecv1.ListSandboxesResponse], error) {
-	// A request of its own for each node: a request's headers are written
-	// as it is sent.
-	q := &dsecv1.ListSandboxesRequest{LabelSelector: req.Msg.GetLabelSelector(), State: req.Msg.GetState()}
-	lists, err := fanOut(s.r.Nodes(ctx), func(n Node) (*connect.Response[dsecv1.ListSandboxesResponse], error) {
-		return n.ListSandboxes(ctx, connect.NewRequest(q))
+	all, err := List(ctx, s.r, req.Msg.GetLabelSelector(), req.Msg.GetState())
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(page(&dsecv1.ListSandboxesResponse{Sandboxes: all}, req.Msg.GetPageSize(), req.Msg.GetPageToken())), nil
+}
+
+// List is every sandbox of the caller's on every node matching the label
+// selector and state ("" for any), oldest first (ties by ID): the nodes
+// are asked concurrently, each paged through to its end. The native
+// listing and the E2B facade's both read it.
+func List(ctx context.Context, r Router, selector, state string) ([]*dsecv1.Sandbox, error) {
+	lists, err := fanOut(r.Nodes(ctx), func(n Node) ([]*dsecv1.Sandbox, error) {
+		var out []*dsecv1.Sandbox
+		token := ""
+		for {
+			// A request of its own for each call: a request's headers
+			// are written as it is sent.
+			q := &dsecv1.ListSandboxesRequest{LabelSelector: selector, State: state, PageSize: 10000, PageToken: token}
+			resp, err := n.ListSandboxes(ctx, connect.NewRequest(q))
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, resp.Msg.Sandboxes...)
+			if token = resp.Msg.NextPageToken; token == "" {
+				return out, nil
+			}
+		}
 	})
 	if err != nil {
 		return nil, err
 	}
-	all := &dsecv1.ListSandboxesResponse{}
-	for _, resp := range lists {
-		all.Sandboxes = append(all.Sandboxes, resp.Msg.Sandboxes...)
+	var all []*dsecv1.Sandbox
+	for _, l := range lists {
+		all = append(all, l...)
 	}
-	sort.SliceStable(all.Sandboxes, func(i, j int) bool {
-		a, b := all.Sandboxes[i], all.Sandboxes[j]
+	sort.SliceStable(all, func(i, j int) bool {
+		a, b := all[i], all[j]
 		if !a.CreatedAt.AsTime().Equal(b.CreatedAt.AsTime()) {
 			return a.CreatedAt.AsTime().Before(b.CreatedAt.AsTime())
 		}
 		return a.Id < b.Id
 	})
-	return connect.NewResponse(page(all, req.Msg.GetPageSize(), req.Msg.GetPageToken())), nil
+	return all, nil
 }
 
 // page cuts a listing sorted by creation; the token is the last ID sent.

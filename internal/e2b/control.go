@@ -709,7 +709,8 @@ func (lq *listQuery) matches(sb *dsecv1.Sandbox) bool {
 	return sb.State == "running" || sb.State == "paused"
 }
 
-// sandboxes lists the sandboxes of every node matching lq, oldest first.
+// sandboxes lists the sandboxes of every node matching lq, oldest first
+// (the control plane's listing, filtered by what E2B asks beyond labels).
 func (f *Facade) sandboxes(ctx context.Context, lq *listQuery) ([]*dsecv1.Sandbox, error) {
 	var sel []string
 	for k, v := range lq.metadata {
@@ -718,31 +719,16 @@ func (f *Facade) sandboxes(ctx context.Context, lq *listQuery) ([]*dsecv1.Sandbo
 		}
 	}
 	sort.Strings(sel)
+	listed, err := apiserver.List(ctx, f.r, strings.Join(sel, ","), "")
+	if err != nil {
+		return nil, err
+	}
 	var all []*dsecv1.Sandbox
-	for _, n := range f.r.Nodes(ctx) {
-		token := ""
-		for {
-			resp, err := apiserver.Do(ctx, n, &dsecv1.ListSandboxesRequest{LabelSelector: strings.Join(sel, ","), PageSize: 10000, PageToken: token}, apiserver.Node.ListSandboxes)
-			if err != nil {
-				return nil, err
-			}
-			for _, sb := range resp.Sandboxes {
-				if lq.matches(sb) {
-					all = append(all, sb)
-				}
-			}
-			if token = resp.NextPageToken; token == "" {
-				break
-			}
+	for _, sb := range listed {
+		if lq.matches(sb) {
+			all = append(all, sb)
 		}
 	}
-	sort.SliceStable(all, func(i, j int) bool {
-		a, b := all[i].GetCreatedAt().AsTime(), all[j].GetCreatedAt().AsTime()
-		if !a.Equal(b) {
-			return a.Before(b)
-		}
-		return all[i].Id < all[j].Id
-	})
 	return all, nil
 }
 

@@ -16,8 +16,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/opendsec/dsec/internal/cpio"
 	"github.com/opendsec/dsec/internal/errdefs"
-	"github.com/opendsec/dsec/internal/qemu"
 	"github.com/opendsec/dsec/internal/tenant"
 )
 
@@ -533,7 +533,7 @@ func writeVMInitramfs(path, rootfs, release string) error {
 		}
 	}
 	var buf bytes.Buffer
-	c := qemu.NewCPIO(&buf)
+	c := cpio.NewWriter(&buf)
 	c.FileFrom("bin/busybox", 0o755, bb)
 	for _, d := range []string{"dev", "proc", "sys", "root", "lib/modules"} {
 		c.Dir(d, 0o755)

@@ -13,7 +13,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/dsectest"
-	"github.com/opendsec/dsec/internal/qemu"
+	"github.com/opendsec/dsec/internal/substrate/qemu"
 	dsec "github.com/opendsec/dsec/sdk/go"
 )
 

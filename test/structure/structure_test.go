@@ -178,3 +178,74 @@ func TestEveryFileIsGofmted(t *testing.T) {
 		}
 	}
 }
+
+// TestImportRules: drivers never import each other (each implements the
+// substrate contract on its own; what two share lives below them, as
+// internal/substrate/qemu does for the VM drivers), and the image store
+// does not reach into drivers. (The control plane's boundary with the
+// node is internal/cluster/boundary_test.go.)
+func TestImportRules(t *testing.T) {
+	drivers := []string{"internal/substrate/container", "internal/substrate/function", "internal/substrate/microvm", "internal/substrate/vm"}
+	rules := []struct {
+		pkg       string
+		forbidden []string
+	}{
+		{"internal/image", []string{"internal/substrate"}},
+		{"internal/cpio", []string{"internal/substrate"}},
+	}
+	for _, d := range drivers {
+		var others []string
+		for _, o := range drivers {
+			if o != d {
+				others = append(others, o)
+			}
+		}
+		rules = append(rules, struct {
+			pkg       string
+			forbidden []string
+		}{d, others})
+	}
+	for _, r := range rules {
+		t.Run(r.pkg+" keeps its boundary", func(t *testing.T) {
+			out, err := exec.Command(goCmd(t), "list", "-deps", mod+"/"+r.pkg).CombinedOutput()
+			if err != nil {
+				t.Fatalf("go list: %v\n%s", err, out)
+			}
+			deps := strings.Fields(string(out))
+			if len(deps) < 2 {
+				t.Fatalf("go list found no dependencies of %s", r.pkg)
+			}
+			for _, d := range deps {
+				for _, f := range r.forbidden {
+					if d == mod+"/"+f || strings.HasPrefix(d, mod+"/"+f+"/") {
+						t.Errorf("%s depends on %s", r.pkg, d)
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestNoBinaryLinksATestSupportPackage: the test-support packages (the
+// substratetest fake driver above all, whose init can turn a binary into
+// a sandbox's init) never ship in a binary.
+func TestNoBinaryLinksATestSupportPackage(t *testing.T) {
+	support := []string{"internal/substrate/substratetest", "internal/dsectest", "internal/cluster/clustertest", "internal/substrate/qemu/qemutest"}
+	out, err := exec.Command(goCmd(t), "list", "-f", "{{.ImportPath}}", mod+"/cmd/...").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go list: %v\n%s", err, out)
+	}
+	for _, cmd := range strings.Fields(string(out)) {
+		deps, err := exec.Command(goCmd(t), "list", "-deps", "-f", "{{.ImportPath}}", cmd).CombinedOutput()
+		if err != nil {
+			t.Fatalf("go list: %v\n%s", err, deps)
+		}
+		for _, d := range strings.Fields(string(deps)) {
+			for _, s := range support {
+				if d == mod+"/"+s {
+					t.Errorf("%s links the test-support package %s", cmd, s)
+				}
+			}
+		}
+	}
+}

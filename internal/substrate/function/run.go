@@ -431,7 +431,7 @@ func (d *Driver) execOnce(ctx context.Context, p *pool, langs []*language, plan 
 		budget += time.Duration(s.TimeoutMs)*time.Millisecond + time.Second
 	}
 	cctx, cancel := context.WithTimeout(ctx, budget+30*time.Second)
-	out, err := w.inst.Guest().Call(cctx, call)
+	out, err := w.agent.Call(cctx, call)
 	cancel()
 	if err != nil {
 		reason := "call failed: " + err.Error()

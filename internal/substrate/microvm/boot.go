@@ -8,7 +8,8 @@ import (
 	"os"
 	"path/filepath"
 
-	"github.com/opendsec/dsec/internal/qemu"
+	"github.com/opendsec/dsec/internal/cpio"
+	"github.com/opendsec/dsec/internal/substrate/qemu"
 )
 
 // initModules are loaded by the initramfs, in order (virtio_ring before
@@ -101,7 +102,7 @@ exec $B env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 // path.
 func buildInitramfs(dir string, k *qemu.Kernel, busybox string, vsock bool) (string, error) {
 	var buf bytes.Buffer
-	c := qemu.NewCPIO(&buf)
+	c := cpio.NewWriter(&buf)
 	c.FileFrom("bin/busybox", 0o755, busybox)
 	for _, d := range []string{"dev", "proc", "sys", "lib/modules"} {
 		c.Dir(d, 0o755)

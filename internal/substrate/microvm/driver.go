@@ -23,8 +23,8 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/opendsec/dsec/internal/qemu"
 	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/substrate/qemu"
 )
 
 // Config configures the driver. The zero value works given GuestBinary,

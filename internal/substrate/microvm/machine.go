@@ -5,7 +5,7 @@ import (
 	"math"
 	"strconv"
 
-	"github.com/opendsec/dsec/internal/qemu"
+	"github.com/opendsec/dsec/internal/substrate/qemu"
 )
 
 // machine is everything that defines a VM's hardware. A snapshot restores

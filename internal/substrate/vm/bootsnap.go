@@ -10,7 +10,7 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/opendsec/dsec/internal/qemu"
+	"github.com/opendsec/dsec/internal/substrate/qemu"
 	"golang.org/x/sys/unix"
 )
 

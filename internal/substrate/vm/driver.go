@@ -8,7 +8,7 @@
 // vsock.
 //
 // The VM lifecycle (start, restore, pause to a file, resume, machine
-// snapshots, re-adoption, the agent channel) is internal/qemu's VM, shared
+// snapshots, re-adoption, the agent channel) is internal/substrate/qemu's VM, shared
 // with the microvm driver. New sandboxes of an image normally start from
 // the image's boot snapshot: the first boot of each image and machine
 // shape is saved right after its agent answers, and later creates restore
@@ -26,8 +26,8 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/opendsec/dsec/internal/qemu"
 	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/substrate/qemu"
 )
 
 // Config configures the driver. The zero value works given GuestBinary

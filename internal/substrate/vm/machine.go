@@ -6,7 +6,7 @@ import (
 	"path/filepath"
 	"strconv"
 
-	"github.com/opendsec/dsec/internal/qemu"
+	"github.com/opendsec/dsec/internal/substrate/qemu"
 )
 
 // firmwareLog is SeaBIOS's debug output, in the sandbox's directory.

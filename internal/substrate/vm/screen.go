@@ -10,8 +10,8 @@ import (
 	"time"
 
 	"github.com/opendsec/dsec/internal/errdefs"
-	"github.com/opendsec/dsec/internal/qemu"
 	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/substrate/qemu"
 )
 
 // Screenshot captures the VM's display (QMP screendump) as PNG, at the

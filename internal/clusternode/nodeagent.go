@@ -1,9 +1,9 @@
-// Package nodeagent runs a node in a cluster (`dsec node`): it serves the
+// Package clusternode runs a node in a cluster (`dsec node`): it serves the
 // node's public API for its own sandboxes and the dsec.node.v1 NodeService,
 // both behind the cluster token, and keeps the node's membership and load
 // in etcd (cluster.Member). A node marked to drain refuses new sandboxes
 // (creates and forks) and keeps serving the ones it has until they end.
-package nodeagent
+package clusternode
 
 import (
 	"context"

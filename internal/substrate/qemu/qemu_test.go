@@ -1,48 +1,15 @@
 package qemu
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 )
-
-func TestCPIOIsReadByBusybox(t *testing.T) {
-	bb, err := exec.LookPath("busybox")
-	if err != nil {
-		t.Skip("needs busybox (apt-get install busybox-static)")
-	}
-	var buf bytes.Buffer
-	c := NewCPIO(&buf)
-	c.File("a/b/file.txt", 0o644, []byte("hello"))
-	c.CharDev("dev/console", 0o600, 5, 1)
-	c.Dir("empty", 0o755)
-	if err := c.Close(); err != nil {
-		t.Fatal(err)
-	}
-	dir := t.TempDir()
-	cmd := exec.Command(bb, "cpio", "-i", "-d")
-	cmd.Dir = dir
-	cmd.Stdin = &buf
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("busybox cpio: %v\n%s", err, out)
-	}
-	if b, err := os.ReadFile(filepath.Join(dir, "a/b/file.txt")); err != nil || string(b) != "hello" {
-		t.Fatalf("file: %q %v", b, err)
-	}
-	if st, err := os.Stat(filepath.Join(dir, "empty")); err != nil || !st.IsDir() {
-		t.Fatalf("dir: %v", err)
-	}
-	if st, err := os.Lstat(filepath.Join(dir, "dev/console")); err != nil || st.Mode()&os.ModeCharDevice == 0 {
-		t.Fatalf("char device: %v %v", st, err)
-	}
-}
 
 func TestQMPAndProcessAgainstQEMU(t *testing.T) {
 	bin, err := FindBinary("")
@@ -123,5 +90,16 @@ func TestControlArgs(t *testing.T) {
 	vsock := strings.Join(ControlArgs("device", true, 7, "/r/a.agent", "/r/a.qmp"), " ")
 	if !strings.Contains(vsock, "-device vhost-vsock-device,guest-cid=7") || strings.Contains(vsock, "virtio-serial") {
 		t.Errorf("vsock channel args %q", vsock)
+	}
+}
+
+func TestAStateOfANewerNodeIsNotLoaded(t *testing.T) {
+	_, err := LoadInstanceState[struct{}](t.TempDir(), []byte(`{"version": 99, "pid": 1}`))
+	if err == nil || !strings.Contains(err.Error(), "version 99") {
+		t.Fatalf("loading a state of version 99: %v; want a refusal naming the version", err)
+	}
+	st, err := LoadInstanceState[struct{}](t.TempDir(), []byte(`{"pid": 7, "start_time": 9}`))
+	if err != nil || st.Pid != 7 {
+		t.Fatalf("a state from before versions: %+v, %v", st, err)
 	}
 }

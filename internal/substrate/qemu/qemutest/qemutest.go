@@ -8,7 +8,7 @@ import (
 	"strings"
 	"syscall"
 
-	"github.com/opendsec/dsec/internal/qemu"
+	"github.com/opendsec/dsec/internal/substrate/qemu"
 )
 
 // Pids lists the live QEMU processes whose VM ID starts with prefix.

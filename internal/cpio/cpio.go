@@ -1,4 +1,7 @@
-package qemu
+// Package cpio writes "newc" cpio archives, the format of a Linux
+// initramfs: the microvm substrate's boot archive and the VM image
+// builder's.
+package cpio
 
 import (
 	"fmt"
@@ -8,20 +11,20 @@ import (
 	"strings"
 )
 
-// CPIO writes a "newc" cpio archive, the format of a Linux initramfs.
-type CPIO struct {
+// Writer writes a "newc" cpio archive.
+type Writer struct {
 	w    io.Writer
 	ino  uint32
 	dirs map[string]bool
 	err  error
 }
 
-// NewCPIO returns a writer over w.
-func NewCPIO(w io.Writer) *CPIO {
-	return &CPIO{w: w, ino: 1, dirs: map[string]bool{".": true, "/": true}}
+// NewWriter returns a writer over w.
+func NewWriter(w io.Writer) *Writer {
+	return &Writer{w: w, ino: 1, dirs: map[string]bool{".": true, "/": true}}
 }
 
-func (c *CPIO) header(name string, mode uint32, size int, nlink uint32, rdevMajor, rdevMinor uint32) {
+func (c *Writer) header(name string, mode uint32, size int, nlink uint32, rdevMajor, rdevMinor uint32) {
 	if c.err != nil {
 		return
 	}
@@ -33,20 +36,20 @@ func (c *CPIO) header(name string, mode uint32, size int, nlink uint32, rdevMajo
 	c.pad(len(hdr) + len(name) + 1)
 }
 
-func (c *CPIO) write(b []byte) {
+func (c *Writer) write(b []byte) {
 	if c.err == nil {
 		_, c.err = c.w.Write(b)
 	}
 }
 
-func (c *CPIO) pad(n int) {
+func (c *Writer) pad(n int) {
 	if r := n % 4; r != 0 {
 		c.write(make([]byte, 4-r))
 	}
 }
 
 // Dir adds a directory and its missing parents.
-func (c *CPIO) Dir(name string, perm uint32) {
+func (c *Writer) Dir(name string, perm uint32) {
 	name = path.Clean("/" + name)
 	if c.dirs[name] {
 		return
@@ -57,7 +60,7 @@ func (c *CPIO) Dir(name string, perm uint32) {
 }
 
 // File adds a regular file with the given content.
-func (c *CPIO) File(name string, perm uint32, data []byte) {
+func (c *Writer) File(name string, perm uint32, data []byte) {
 	c.Dir(path.Dir(path.Clean("/"+name)), 0o755)
 	c.header(name, 0o100000|perm, len(data), 1, 0, 0)
 	c.write(data)
@@ -65,7 +68,7 @@ func (c *CPIO) File(name string, perm uint32, data []byte) {
 }
 
 // FileFrom adds a regular file read from src.
-func (c *CPIO) FileFrom(name string, perm uint32, src string) {
+func (c *Writer) FileFrom(name string, perm uint32, src string) {
 	b, err := os.ReadFile(src)
 	if err != nil {
 		if c.err == nil {
@@ -77,13 +80,13 @@ func (c *CPIO) FileFrom(name string, perm uint32, src string) {
 }
 
 // CharDev adds a character device node.
-func (c *CPIO) CharDev(name string, perm, major, minor uint32) {
+func (c *Writer) CharDev(name string, perm, major, minor uint32) {
 	c.Dir(path.Dir(path.Clean("/"+name)), 0o755)
 	c.header(name, 0o020000|perm, 0, 1, major, minor)
 }
 
 // Close writes the trailer and returns the first error.
-func (c *CPIO) Close() error {
+func (c *Writer) Close() error {
 	c.header("TRAILER!!!", 0, 0, 1, 0, 0)
 	return c.err
 }

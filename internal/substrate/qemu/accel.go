@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/opendsec/dsec/internal/cpio"
 )
 
 // Accel is how guests run: "kvm" (hardware virtualization) or "tcg"
@@ -133,7 +135,7 @@ const ProbeMarker = "DSEC-PROBE-BOOTED"
 // the benchmarks.
 func MarkerInitramfs(busybox, marker string) ([]byte, error) {
 	var buf bytes.Buffer
-	c := NewCPIO(&buf)
+	c := cpio.NewWriter(&buf)
 	c.FileFrom("bin/busybox", 0o755, busybox)
 	c.Dir("dev", 0o755)
 	c.CharDev("dev/console", 0o600, 5, 1)

@@ -1,0 +1,115 @@
+package qemu
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/opendsec/dsec/internal/proc"
+)
+
+// Process is a running QEMU, started by this node process or adopted from
+// an earlier one by pid and start time. QEMU outlives the node: it runs in
+// its own process group and its output goes to a file.
+type Process struct {
+	proc.ID
+
+	done   chan struct{}
+	exited chan struct{} // closed by cmd.Wait when this process started it
+}
+
+// Start starts binary with args, its stdout and stderr appended to
+// logPath, and extra inherited files from fd 3 on.
+func Start(binary string, args []string, logPath string, extra []*os.File) (*Process, error) {
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	defer logf.Close()
+	cmd := exec.Command(binary, args...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.ExtraFiles = extra
+	// Not killed by the node's terminal signals; the node may exit and
+	// QEMU keeps running.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	p := &Process{ID: proc.Of(cmd.Process.Pid), done: make(chan struct{}), exited: make(chan struct{})}
+	go func() { cmd.Wait(); close(p.exited) }()
+	go func() { <-p.exited; close(p.done) }()
+	return p, nil
+}
+
+// Adopt returns the process pid if it still runs and started at
+// startTime, else an error.
+func Adopt(pid int, startTime uint64) (*Process, error) {
+	p := &Process{ID: proc.ID{Pid: pid, StartTime: startTime}, done: make(chan struct{})}
+	if !p.Alive() {
+		return nil, errors.New("the QEMU process is gone")
+	}
+	p.NotifyExit(p.done)
+	return p, nil
+}
+
+// Done is closed when the process has exited.
+func (p *Process) Done() <-chan struct{} { return p.done }
+
+// Alive reports whether the process runs (and is the same process).
+func (p *Process) Alive() bool {
+	select {
+	case <-p.done:
+		return false
+	default:
+	}
+	return p.ID.Alive()
+}
+
+// Kill sends SIGKILL (through a pidfd, so never to a reused pid) and
+// waits up to timeout for the exit.
+func (p *Process) Kill(timeout time.Duration) bool {
+	p.ID.Kill()
+	return p.Wait(timeout)
+}
+
+// Wait waits up to timeout for the process to exit.
+func (p *Process) Wait(timeout time.Duration) bool {
+	select {
+	case <-p.done:
+		return true
+	case <-time.After(timeout):
+		return false
+	}
+}
+
+// RSS is the process's resident memory in bytes (0 if gone).
+func (p *Process) RSS() int64 { return proc.RSS(p.Pid) }
+
+// CPUTime is the process's user plus system CPU time.
+func (p *Process) CPUTime() time.Duration { return proc.CPUTime(p.Pid) }
+
+// ReadLogTail returns the last n bytes of a QEMU log, for error messages.
+func ReadLogTail(path string, n int) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return ""
+	}
+	if len(b) > n {
+		b = b[len(b)-n:]
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// Version returns the QEMU binary's version line.
+func Version(binary string) (string, error) {
+	out, err := exec.Command(binary, "--version").Output()
+	if err != nil {
+		return "", fmt.Errorf("%s --version: %w", binary, err)
+	}
+	line, _, _ := strings.Cut(string(out), "\n")
+	return strings.TrimPrefix(strings.TrimSpace(line), "QEMU emulator version "), nil
+}
