@@ -28,6 +28,7 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	if shared != nil {
 		shared.Close()
+		sharedCt.Close() // the user namespaces and disks it made ahead
 	}
 	os.RemoveAll(sharedDir)
 	os.Exit(code)
@@ -36,6 +37,7 @@ func TestMain(m *testing.M) {
 var (
 	once      sync.Once
 	shared    *function.Driver
+	sharedCt  *container.Driver // shared's workers'
 	sharedDir string
 	sharedErr error
 )
@@ -53,7 +55,7 @@ func driver(t *testing.T) *function.Driver {
 	if _, err := exec.LookPath("debootstrap"); err != nil {
 		t.Skip("needs debootstrap for the polyglot worker image")
 	}
-	once.Do(func() { shared, sharedErr = start() })
+	once.Do(func() { shared, sharedCt, sharedErr = start() })
 	if sharedErr != nil {
 		t.Fatal(sharedErr)
 	}
@@ -63,30 +65,30 @@ func driver(t *testing.T) *function.Driver {
 	return shared
 }
 
-func start() (*function.Driver, error) {
+func start() (*function.Driver, *container.Driver, error) {
 	dir, err := os.MkdirTemp("", "dsec-verdicts-")
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	sharedDir = dir
 	guestBin := filepath.Join(dir, "dsec-guest")
 	build := exec.Command("go", "build", "-o", guestBin, "github.com/opendsec/dsec/cmd/dsec-guest")
 	build.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := build.CombinedOutput(); err != nil {
-		return nil, fmt.Errorf("build dsec-guest: %v\n%s", err, out)
+		return nil, nil, fmt.Errorf("build dsec-guest: %v\n%s", err, out)
 	}
 	store, err := image.Open(filepath.Join(dir, "images"), slog.Default())
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if _, err := store.Bootstrap(tenant.System(context.Background()), "polyglot", "", image.BootstrapOptions{CacheDir: os.Getenv("DSEC_CACHE_DIR")}, nil); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	ct, err := container.New(container.Config{GuestBinary: guestBin, StateDir: filepath.Join(dir, "container")}, slog.Default())
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	d := function.New(function.Config{Image: "polyglot", StateDir: filepath.Join(dir, "function"), MaxWorkers: 2}, ct, store, slog.Default(), runtime.NumCPU())
 	d.Start()
-	return d, nil
+	return d, ct, nil
 }
