@@ -207,6 +207,7 @@ type FileGuest interface {
 	MakeDir(ctx context.Context, m *guestv1.MakeDir) (*guestv1.FileInfo, error)
 	Remove(ctx context.Context, r *guestv1.Remove) error
 	Rename(ctx context.Context, r *guestv1.Rename) (*guestv1.FileInfo, error)
+	ChangeMode(ctx context.Context, m *guestv1.ChangeMode) (*guestv1.FileInfo, error)
 	Watch(ctx context.Context, w *guestv1.Watch) (*guest.Watch, error)
 }
 

@@ -2774,6 +2774,76 @@ func (x *RenameRequest) GetUser() string {
 	return ""
 }
 
+type ChangeModeRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	// mode is the permission bits, at most 07777 (setuid, setgid, sticky
+	// and rwx for owner, group and others).
+	Mode          uint32 `protobuf:"varint,3,opt,name=mode,proto3" json:"mode,omitempty"`
+	User          string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChangeModeRequest) Reset() {
+	*x = ChangeModeRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChangeModeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChangeModeRequest) ProtoMessage() {}
+
+func (x *ChangeModeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChangeModeRequest.ProtoReflect.Descriptor instead.
+func (*ChangeModeRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *ChangeModeRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *ChangeModeRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *ChangeModeRequest) GetMode() uint32 {
+	if x != nil {
+		return x.Mode
+	}
+	return 0
+}
+
+func (x *ChangeModeRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type WatchDirRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
@@ -2788,7 +2858,7 @@ type WatchDirRequest struct {
 
 func (x *WatchDirRequest) Reset() {
 	*x = WatchDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2800,7 +2870,7 @@ func (x *WatchDirRequest) String() string {
 func (*WatchDirRequest) ProtoMessage() {}
 
 func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2813,7 +2883,7 @@ func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirRequest.ProtoReflect.Descriptor instead.
 func (*WatchDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{38}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *WatchDirRequest) GetSandboxId() string {
@@ -2858,7 +2928,7 @@ type FsEvent struct {
 
 func (x *FsEvent) Reset() {
 	*x = FsEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2870,7 +2940,7 @@ func (x *FsEvent) String() string {
 func (*FsEvent) ProtoMessage() {}
 
 func (x *FsEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2883,7 +2953,7 @@ func (x *FsEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FsEvent.ProtoReflect.Descriptor instead.
 func (*FsEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{39}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *FsEvent) GetName() string {
@@ -2915,7 +2985,7 @@ type WatchDirEvent struct {
 
 func (x *WatchDirEvent) Reset() {
 	*x = WatchDirEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2927,7 +2997,7 @@ func (x *WatchDirEvent) String() string {
 func (*WatchDirEvent) ProtoMessage() {}
 
 func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2940,7 +3010,7 @@ func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirEvent.ProtoReflect.Descriptor instead.
 func (*WatchDirEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{40}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *WatchDirEvent) GetEvent() isWatchDirEvent_Event {
@@ -3027,7 +3097,7 @@ type GetSandboxStatsRequest struct {
 
 func (x *GetSandboxStatsRequest) Reset() {
 	*x = GetSandboxStatsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3039,7 +3109,7 @@ func (x *GetSandboxStatsRequest) String() string {
 func (*GetSandboxStatsRequest) ProtoMessage() {}
 
 func (x *GetSandboxStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3052,7 +3122,7 @@ func (x *GetSandboxStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxStatsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{41}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *GetSandboxStatsRequest) GetId() string {
@@ -3088,7 +3158,7 @@ type SandboxStats struct {
 
 func (x *SandboxStats) Reset() {
 	*x = SandboxStats{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3100,7 +3170,7 @@ func (x *SandboxStats) String() string {
 func (*SandboxStats) ProtoMessage() {}
 
 func (x *SandboxStats) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3113,7 +3183,7 @@ func (x *SandboxStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxStats.ProtoReflect.Descriptor instead.
 func (*SandboxStats) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{42}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *SandboxStats) GetId() string {
@@ -3195,7 +3265,7 @@ type ScreenshotRequest struct {
 
 func (x *ScreenshotRequest) Reset() {
 	*x = ScreenshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3207,7 +3277,7 @@ func (x *ScreenshotRequest) String() string {
 func (*ScreenshotRequest) ProtoMessage() {}
 
 func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3220,7 +3290,7 @@ func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotRequest.ProtoReflect.Descriptor instead.
 func (*ScreenshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *ScreenshotRequest) GetSandboxId() string {
@@ -3243,7 +3313,7 @@ type ScreenshotResponse struct {
 
 func (x *ScreenshotResponse) Reset() {
 	*x = ScreenshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3255,7 +3325,7 @@ func (x *ScreenshotResponse) String() string {
 func (*ScreenshotResponse) ProtoMessage() {}
 
 func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3268,7 +3338,7 @@ func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotResponse.ProtoReflect.Descriptor instead.
 func (*ScreenshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *ScreenshotResponse) GetPng() []byte {
@@ -3303,7 +3373,7 @@ type SendInputRequest struct {
 
 func (x *SendInputRequest) Reset() {
 	*x = SendInputRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3315,7 +3385,7 @@ func (x *SendInputRequest) String() string {
 func (*SendInputRequest) ProtoMessage() {}
 
 func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3328,7 +3398,7 @@ func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputRequest.ProtoReflect.Descriptor instead.
 func (*SendInputRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *SendInputRequest) GetSandboxId() string {
@@ -3353,7 +3423,7 @@ type SendInputResponse struct {
 
 func (x *SendInputResponse) Reset() {
 	*x = SendInputResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3365,7 +3435,7 @@ func (x *SendInputResponse) String() string {
 func (*SendInputResponse) ProtoMessage() {}
 
 func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3378,7 +3448,7 @@ func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputResponse.ProtoReflect.Descriptor instead.
 func (*SendInputResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
 }
 
 type OpenVNCRequest struct {
@@ -3390,7 +3460,7 @@ type OpenVNCRequest struct {
 
 func (x *OpenVNCRequest) Reset() {
 	*x = OpenVNCRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3402,7 +3472,7 @@ func (x *OpenVNCRequest) String() string {
 func (*OpenVNCRequest) ProtoMessage() {}
 
 func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3415,7 +3485,7 @@ func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCRequest.ProtoReflect.Descriptor instead.
 func (*OpenVNCRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *OpenVNCRequest) GetSandboxId() string {
@@ -3440,7 +3510,7 @@ type OpenVNCResponse struct {
 
 func (x *OpenVNCResponse) Reset() {
 	*x = OpenVNCResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3452,7 +3522,7 @@ func (x *OpenVNCResponse) String() string {
 func (*OpenVNCResponse) ProtoMessage() {}
 
 func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3465,7 +3535,7 @@ func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCResponse.ProtoReflect.Descriptor instead.
 func (*OpenVNCResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *OpenVNCResponse) GetAddress() string {
@@ -3507,7 +3577,7 @@ type InputAction struct {
 
 func (x *InputAction) Reset() {
 	*x = InputAction{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3519,7 +3589,7 @@ func (x *InputAction) String() string {
 func (*InputAction) ProtoMessage() {}
 
 func (x *InputAction) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3532,7 +3602,7 @@ func (x *InputAction) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InputAction.ProtoReflect.Descriptor instead.
 func (*InputAction) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *InputAction) GetAction() isInputAction_Action {
@@ -3659,7 +3729,7 @@ type Point struct {
 
 func (x *Point) Reset() {
 	*x = Point{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3671,7 +3741,7 @@ func (x *Point) String() string {
 func (*Point) ProtoMessage() {}
 
 func (x *Point) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3684,7 +3754,7 @@ func (x *Point) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Point.ProtoReflect.Descriptor instead.
 func (*Point) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *Point) GetX() int32 {
@@ -3715,7 +3785,7 @@ type MouseClick struct {
 
 func (x *MouseClick) Reset() {
 	*x = MouseClick{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3727,7 +3797,7 @@ func (x *MouseClick) String() string {
 func (*MouseClick) ProtoMessage() {}
 
 func (x *MouseClick) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3740,7 +3810,7 @@ func (x *MouseClick) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseClick.ProtoReflect.Descriptor instead.
 func (*MouseClick) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *MouseClick) GetX() int32 {
@@ -3782,7 +3852,7 @@ type MouseButton struct {
 
 func (x *MouseButton) Reset() {
 	*x = MouseButton{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3794,7 +3864,7 @@ func (x *MouseButton) String() string {
 func (*MouseButton) ProtoMessage() {}
 
 func (x *MouseButton) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3807,7 +3877,7 @@ func (x *MouseButton) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseButton.ProtoReflect.Descriptor instead.
 func (*MouseButton) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *MouseButton) GetButton() string {
@@ -3835,7 +3905,7 @@ type MouseScroll struct {
 
 func (x *MouseScroll) Reset() {
 	*x = MouseScroll{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3847,7 +3917,7 @@ func (x *MouseScroll) String() string {
 func (*MouseScroll) ProtoMessage() {}
 
 func (x *MouseScroll) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3860,7 +3930,7 @@ func (x *MouseScroll) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseScroll.ProtoReflect.Descriptor instead.
 func (*MouseScroll) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *MouseScroll) GetDx() int32 {
@@ -3891,7 +3961,7 @@ type ItemError struct {
 
 func (x *ItemError) Reset() {
 	*x = ItemError{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3903,7 +3973,7 @@ func (x *ItemError) String() string {
 func (*ItemError) ProtoMessage() {}
 
 func (x *ItemError) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3916,7 +3986,7 @@ func (x *ItemError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemError.ProtoReflect.Descriptor instead.
 func (*ItemError) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *ItemError) GetKind() string {
@@ -3968,7 +4038,7 @@ type CreateSandboxesRequest struct {
 
 func (x *CreateSandboxesRequest) Reset() {
 	*x = CreateSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3980,7 +4050,7 @@ func (x *CreateSandboxesRequest) String() string {
 func (*CreateSandboxesRequest) ProtoMessage() {}
 
 func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3993,7 +4063,7 @@ func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *CreateSandboxesRequest) GetSpec() *SandboxSpec {
@@ -4035,7 +4105,7 @@ type CreateResult struct {
 
 func (x *CreateResult) Reset() {
 	*x = CreateResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4047,7 +4117,7 @@ func (x *CreateResult) String() string {
 func (*CreateResult) ProtoMessage() {}
 
 func (x *CreateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4060,7 +4130,7 @@ func (x *CreateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateResult.ProtoReflect.Descriptor instead.
 func (*CreateResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *CreateResult) GetIndex() int32 {
@@ -4097,7 +4167,7 @@ type CreateSandboxesResponse struct {
 
 func (x *CreateSandboxesResponse) Reset() {
 	*x = CreateSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4109,7 +4179,7 @@ func (x *CreateSandboxesResponse) String() string {
 func (*CreateSandboxesResponse) ProtoMessage() {}
 
 func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4122,7 +4192,7 @@ func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *CreateSandboxesResponse) GetResults() []*CreateResult {
@@ -4162,7 +4232,7 @@ type PauseSandboxRequest struct {
 
 func (x *PauseSandboxRequest) Reset() {
 	*x = PauseSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4174,7 +4244,7 @@ func (x *PauseSandboxRequest) String() string {
 func (*PauseSandboxRequest) ProtoMessage() {}
 
 func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4187,7 +4257,7 @@ func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseSandboxRequest.ProtoReflect.Descriptor instead.
 func (*PauseSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *PauseSandboxRequest) GetId() string {
@@ -4206,7 +4276,7 @@ type ResumeSandboxRequest struct {
 
 func (x *ResumeSandboxRequest) Reset() {
 	*x = ResumeSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4218,7 +4288,7 @@ func (x *ResumeSandboxRequest) String() string {
 func (*ResumeSandboxRequest) ProtoMessage() {}
 
 func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4231,7 +4301,7 @@ func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeSandboxRequest.ProtoReflect.Descriptor instead.
 func (*ResumeSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *ResumeSandboxRequest) GetId() string {
@@ -4250,7 +4320,7 @@ type BulkRequest struct {
 
 func (x *BulkRequest) Reset() {
 	*x = BulkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4262,7 +4332,7 @@ func (x *BulkRequest) String() string {
 func (*BulkRequest) ProtoMessage() {}
 
 func (x *BulkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4275,7 +4345,7 @@ func (x *BulkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRequest.ProtoReflect.Descriptor instead.
 func (*BulkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *BulkRequest) GetLabelSelector() string {
@@ -4295,7 +4365,7 @@ type BulkFailure struct {
 
 func (x *BulkFailure) Reset() {
 	*x = BulkFailure{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4307,7 +4377,7 @@ func (x *BulkFailure) String() string {
 func (*BulkFailure) ProtoMessage() {}
 
 func (x *BulkFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4320,7 +4390,7 @@ func (x *BulkFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkFailure.ProtoReflect.Descriptor instead.
 func (*BulkFailure) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *BulkFailure) GetId() string {
@@ -4347,7 +4417,7 @@ type BulkResponse struct {
 
 func (x *BulkResponse) Reset() {
 	*x = BulkResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4359,7 +4429,7 @@ func (x *BulkResponse) String() string {
 func (*BulkResponse) ProtoMessage() {}
 
 func (x *BulkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4372,7 +4442,7 @@ func (x *BulkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkResponse.ProtoReflect.Descriptor instead.
 func (*BulkResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *BulkResponse) GetIds() []string {
@@ -4400,7 +4470,7 @@ type SnapshotRequest struct {
 
 func (x *SnapshotRequest) Reset() {
 	*x = SnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4412,7 +4482,7 @@ func (x *SnapshotRequest) String() string {
 func (*SnapshotRequest) ProtoMessage() {}
 
 func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4425,7 +4495,7 @@ func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *SnapshotRequest) GetSandboxId() string {
@@ -4459,7 +4529,7 @@ type SnapshotInfo struct {
 
 func (x *SnapshotInfo) Reset() {
 	*x = SnapshotInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4471,7 +4541,7 @@ func (x *SnapshotInfo) String() string {
 func (*SnapshotInfo) ProtoMessage() {}
 
 func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4484,7 +4554,7 @@ func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotInfo.ProtoReflect.Descriptor instead.
 func (*SnapshotInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *SnapshotInfo) GetId() string {
@@ -4551,7 +4621,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4563,7 +4633,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4576,7 +4646,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
 }
 
 type ListSnapshotsResponse struct {
@@ -4588,7 +4658,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4600,7 +4670,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4613,7 +4683,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*SnapshotInfo {
@@ -4632,7 +4702,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4644,7 +4714,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4657,7 +4727,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *DeleteSnapshotRequest) GetId() string {
@@ -4675,7 +4745,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4687,7 +4757,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4700,7 +4770,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
 }
 
 type ForkRequest struct {
@@ -4717,7 +4787,7 @@ type ForkRequest struct {
 
 func (x *ForkRequest) Reset() {
 	*x = ForkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4729,7 +4799,7 @@ func (x *ForkRequest) String() string {
 func (*ForkRequest) ProtoMessage() {}
 
 func (x *ForkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4742,7 +4812,7 @@ func (x *ForkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkRequest.ProtoReflect.Descriptor instead.
 func (*ForkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *ForkRequest) GetSandboxId() string {
@@ -4791,7 +4861,7 @@ type GetLogRequest struct {
 
 func (x *GetLogRequest) Reset() {
 	*x = GetLogRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4803,7 +4873,7 @@ func (x *GetLogRequest) String() string {
 func (*GetLogRequest) ProtoMessage() {}
 
 func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4816,7 +4886,7 @@ func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogRequest.ProtoReflect.Descriptor instead.
 func (*GetLogRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *GetLogRequest) GetSandboxId() string {
@@ -4844,7 +4914,8 @@ type LogEntry struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	Seq       uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
 	RequestId string                 `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	// op is "exec", "write_file", "make_dir", "remove" or "rename".
+	// op is "exec", "write_file", "make_dir", "remove", "rename" or
+	// "change_mode".
 	Op         string                 `protobuf:"bytes,3,opt,name=op,proto3" json:"op,omitempty"`
 	At         *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=at,proto3" json:"at,omitempty"`
 	DurationMs int64                  `protobuf:"varint,5,opt,name=duration_ms,json=durationMs,proto3" json:"duration_ms,omitempty"`
@@ -4873,7 +4944,7 @@ type LogEntry struct {
 
 func (x *LogEntry) Reset() {
 	*x = LogEntry{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4885,7 +4956,7 @@ func (x *LogEntry) String() string {
 func (*LogEntry) ProtoMessage() {}
 
 func (x *LogEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4898,7 +4969,7 @@ func (x *LogEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogEntry.ProtoReflect.Descriptor instead.
 func (*LogEntry) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *LogEntry) GetSeq() uint64 {
@@ -5052,7 +5123,7 @@ type GetLogResponse struct {
 
 func (x *GetLogResponse) Reset() {
 	*x = GetLogResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5064,7 +5135,7 @@ func (x *GetLogResponse) String() string {
 func (*GetLogResponse) ProtoMessage() {}
 
 func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5077,7 +5148,7 @@ func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogResponse.ProtoReflect.Descriptor instead.
 func (*GetLogResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *GetLogResponse) GetEntries() []*LogEntry {
@@ -5114,7 +5185,7 @@ type ReplayRequest struct {
 
 func (x *ReplayRequest) Reset() {
 	*x = ReplayRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5126,7 +5197,7 @@ func (x *ReplayRequest) String() string {
 func (*ReplayRequest) ProtoMessage() {}
 
 func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5139,7 +5210,7 @@ func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayRequest.ProtoReflect.Descriptor instead.
 func (*ReplayRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *ReplayRequest) GetSandboxId() string {
@@ -5176,7 +5247,7 @@ type ReplayStep struct {
 
 func (x *ReplayStep) Reset() {
 	*x = ReplayStep{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5188,7 +5259,7 @@ func (x *ReplayStep) String() string {
 func (*ReplayStep) ProtoMessage() {}
 
 func (x *ReplayStep) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5201,7 +5272,7 @@ func (x *ReplayStep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayStep.ProtoReflect.Descriptor instead.
 func (*ReplayStep) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *ReplayStep) GetSeq() uint64 {
@@ -5251,7 +5322,7 @@ type ReplayResponse struct {
 
 func (x *ReplayResponse) Reset() {
 	*x = ReplayResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5263,7 +5334,7 @@ func (x *ReplayResponse) String() string {
 func (*ReplayResponse) ProtoMessage() {}
 
 func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5276,7 +5347,7 @@ func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayResponse.ProtoReflect.Descriptor instead.
 func (*ReplayResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *ReplayResponse) GetSandboxId() string {
@@ -5550,6 +5621,12 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04from\x18\x02 \x01(\tR\x04from\x12\x0e\n" +
 	"\x02to\x18\x03 \x01(\tR\x02to\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\"n\n" +
+	"\x11ChangeModeRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
+	"\x04mode\x18\x03 \x01(\rR\x04mode\x12\x12\n" +
 	"\x04user\x18\x04 \x01(\tR\x04user\"v\n" +
 	"\x0fWatchDirRequest\x12\x1d\n" +
 	"\n" +
@@ -5768,7 +5845,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"WriteStdin\x12\x1a.dsec.v1.WriteStdinRequest\x1a\x1b.dsec.v1.WriteStdinResponse\x12N\n" +
 	"\rSignalProcess\x12\x1d.dsec.v1.SignalProcessRequest\x1a\x1e.dsec.v1.SignalProcessResponse\x12B\n" +
 	"\tResizePTY\x12\x19.dsec.v1.ResizePTYRequest\x1a\x1a.dsec.v1.ResizePTYResponse\x12S\n" +
-	"\rListProcesses\x12\x1d.dsec.v1.ListProcessesRequest\x1a\x1e.dsec.v1.ListProcessesResponse\"\x03\x90\x02\x012\xf3\x03\n" +
+	"\rListProcesses\x12\x1d.dsec.v1.ListProcessesRequest\x1a\x1e.dsec.v1.ListProcessesResponse\"\x03\x90\x02\x012\xb5\x04\n" +
 	"\x11FilesystemService\x12A\n" +
 	"\bReadFile\x12\x18.dsec.v1.ReadFileRequest\x1a\x19.dsec.v1.ReadFileResponse0\x01\x12;\n" +
 	"\tWriteFile\x12\x19.dsec.v1.WriteFileRequest\x1a\x11.dsec.v1.FileInfo(\x01\x124\n" +
@@ -5776,7 +5853,9 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\aListDir\x12\x17.dsec.v1.ListDirRequest\x1a\x18.dsec.v1.ListDirResponse\"\x03\x90\x02\x01\x125\n" +
 	"\aMakeDir\x12\x17.dsec.v1.MakeDirRequest\x1a\x11.dsec.v1.FileInfo\x129\n" +
 	"\x06Remove\x12\x16.dsec.v1.RemoveRequest\x1a\x17.dsec.v1.RemoveResponse\x123\n" +
-	"\x06Rename\x12\x16.dsec.v1.RenameRequest\x1a\x11.dsec.v1.FileInfo\x12>\n" +
+	"\x06Rename\x12\x16.dsec.v1.RenameRequest\x1a\x11.dsec.v1.FileInfo\x12@\n" +
+	"\n" +
+	"ChangeMode\x12\x1a.dsec.v1.ChangeModeRequest\x1a\x11.dsec.v1.FileInfo\"\x03\x90\x02\x02\x12>\n" +
 	"\bWatchDir\x12\x18.dsec.v1.WatchDirRequest\x1a\x16.dsec.v1.WatchDirEvent0\x012\xb6\x02\n" +
 	"\x0fSnapshotService\x12;\n" +
 	"\bSnapshot\x12\x18.dsec.v1.SnapshotRequest\x1a\x15.dsec.v1.SnapshotInfo\x12S\n" +
@@ -5805,7 +5884,7 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 83)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 84)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
 	(*Resources)(nil),               // 1: dsec.v1.Resources
@@ -5845,110 +5924,111 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*RemoveRequest)(nil),           // 35: dsec.v1.RemoveRequest
 	(*RemoveResponse)(nil),          // 36: dsec.v1.RemoveResponse
 	(*RenameRequest)(nil),           // 37: dsec.v1.RenameRequest
-	(*WatchDirRequest)(nil),         // 38: dsec.v1.WatchDirRequest
-	(*FsEvent)(nil),                 // 39: dsec.v1.FsEvent
-	(*WatchDirEvent)(nil),           // 40: dsec.v1.WatchDirEvent
-	(*GetSandboxStatsRequest)(nil),  // 41: dsec.v1.GetSandboxStatsRequest
-	(*SandboxStats)(nil),            // 42: dsec.v1.SandboxStats
-	(*ScreenshotRequest)(nil),       // 43: dsec.v1.ScreenshotRequest
-	(*ScreenshotResponse)(nil),      // 44: dsec.v1.ScreenshotResponse
-	(*SendInputRequest)(nil),        // 45: dsec.v1.SendInputRequest
-	(*SendInputResponse)(nil),       // 46: dsec.v1.SendInputResponse
-	(*OpenVNCRequest)(nil),          // 47: dsec.v1.OpenVNCRequest
-	(*OpenVNCResponse)(nil),         // 48: dsec.v1.OpenVNCResponse
-	(*InputAction)(nil),             // 49: dsec.v1.InputAction
-	(*Point)(nil),                   // 50: dsec.v1.Point
-	(*MouseClick)(nil),              // 51: dsec.v1.MouseClick
-	(*MouseButton)(nil),             // 52: dsec.v1.MouseButton
-	(*MouseScroll)(nil),             // 53: dsec.v1.MouseScroll
-	(*ItemError)(nil),               // 54: dsec.v1.ItemError
-	(*CreateSandboxesRequest)(nil),  // 55: dsec.v1.CreateSandboxesRequest
-	(*CreateResult)(nil),            // 56: dsec.v1.CreateResult
-	(*CreateSandboxesResponse)(nil), // 57: dsec.v1.CreateSandboxesResponse
-	(*PauseSandboxRequest)(nil),     // 58: dsec.v1.PauseSandboxRequest
-	(*ResumeSandboxRequest)(nil),    // 59: dsec.v1.ResumeSandboxRequest
-	(*BulkRequest)(nil),             // 60: dsec.v1.BulkRequest
-	(*BulkFailure)(nil),             // 61: dsec.v1.BulkFailure
-	(*BulkResponse)(nil),            // 62: dsec.v1.BulkResponse
-	(*SnapshotRequest)(nil),         // 63: dsec.v1.SnapshotRequest
-	(*SnapshotInfo)(nil),            // 64: dsec.v1.SnapshotInfo
-	(*ListSnapshotsRequest)(nil),    // 65: dsec.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),   // 66: dsec.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),   // 67: dsec.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),  // 68: dsec.v1.DeleteSnapshotResponse
-	(*ForkRequest)(nil),             // 69: dsec.v1.ForkRequest
-	(*GetLogRequest)(nil),           // 70: dsec.v1.GetLogRequest
-	(*LogEntry)(nil),                // 71: dsec.v1.LogEntry
-	(*GetLogResponse)(nil),          // 72: dsec.v1.GetLogResponse
-	(*ReplayRequest)(nil),           // 73: dsec.v1.ReplayRequest
-	(*ReplayStep)(nil),              // 74: dsec.v1.ReplayStep
-	(*ReplayResponse)(nil),          // 75: dsec.v1.ReplayResponse
-	nil,                             // 76: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                             // 77: dsec.v1.SandboxSpec.EnvEntry
-	nil,                             // 78: dsec.v1.SandboxSpec.NodeSelectorEntry
-	nil,                             // 79: dsec.v1.ExecRequest.EnvEntry
-	nil,                             // 80: dsec.v1.ProcessInfo.EnvEntry
-	nil,                             // 81: dsec.v1.ForkRequest.LabelsEntry
-	nil,                             // 82: dsec.v1.LogEntry.EnvEntry
-	(*timestamppb.Timestamp)(nil),   // 83: google.protobuf.Timestamp
+	(*ChangeModeRequest)(nil),       // 38: dsec.v1.ChangeModeRequest
+	(*WatchDirRequest)(nil),         // 39: dsec.v1.WatchDirRequest
+	(*FsEvent)(nil),                 // 40: dsec.v1.FsEvent
+	(*WatchDirEvent)(nil),           // 41: dsec.v1.WatchDirEvent
+	(*GetSandboxStatsRequest)(nil),  // 42: dsec.v1.GetSandboxStatsRequest
+	(*SandboxStats)(nil),            // 43: dsec.v1.SandboxStats
+	(*ScreenshotRequest)(nil),       // 44: dsec.v1.ScreenshotRequest
+	(*ScreenshotResponse)(nil),      // 45: dsec.v1.ScreenshotResponse
+	(*SendInputRequest)(nil),        // 46: dsec.v1.SendInputRequest
+	(*SendInputResponse)(nil),       // 47: dsec.v1.SendInputResponse
+	(*OpenVNCRequest)(nil),          // 48: dsec.v1.OpenVNCRequest
+	(*OpenVNCResponse)(nil),         // 49: dsec.v1.OpenVNCResponse
+	(*InputAction)(nil),             // 50: dsec.v1.InputAction
+	(*Point)(nil),                   // 51: dsec.v1.Point
+	(*MouseClick)(nil),              // 52: dsec.v1.MouseClick
+	(*MouseButton)(nil),             // 53: dsec.v1.MouseButton
+	(*MouseScroll)(nil),             // 54: dsec.v1.MouseScroll
+	(*ItemError)(nil),               // 55: dsec.v1.ItemError
+	(*CreateSandboxesRequest)(nil),  // 56: dsec.v1.CreateSandboxesRequest
+	(*CreateResult)(nil),            // 57: dsec.v1.CreateResult
+	(*CreateSandboxesResponse)(nil), // 58: dsec.v1.CreateSandboxesResponse
+	(*PauseSandboxRequest)(nil),     // 59: dsec.v1.PauseSandboxRequest
+	(*ResumeSandboxRequest)(nil),    // 60: dsec.v1.ResumeSandboxRequest
+	(*BulkRequest)(nil),             // 61: dsec.v1.BulkRequest
+	(*BulkFailure)(nil),             // 62: dsec.v1.BulkFailure
+	(*BulkResponse)(nil),            // 63: dsec.v1.BulkResponse
+	(*SnapshotRequest)(nil),         // 64: dsec.v1.SnapshotRequest
+	(*SnapshotInfo)(nil),            // 65: dsec.v1.SnapshotInfo
+	(*ListSnapshotsRequest)(nil),    // 66: dsec.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),   // 67: dsec.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),   // 68: dsec.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),  // 69: dsec.v1.DeleteSnapshotResponse
+	(*ForkRequest)(nil),             // 70: dsec.v1.ForkRequest
+	(*GetLogRequest)(nil),           // 71: dsec.v1.GetLogRequest
+	(*LogEntry)(nil),                // 72: dsec.v1.LogEntry
+	(*GetLogResponse)(nil),          // 73: dsec.v1.GetLogResponse
+	(*ReplayRequest)(nil),           // 74: dsec.v1.ReplayRequest
+	(*ReplayStep)(nil),              // 75: dsec.v1.ReplayStep
+	(*ReplayResponse)(nil),          // 76: dsec.v1.ReplayResponse
+	nil,                             // 77: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                             // 78: dsec.v1.SandboxSpec.EnvEntry
+	nil,                             // 79: dsec.v1.SandboxSpec.NodeSelectorEntry
+	nil,                             // 80: dsec.v1.ExecRequest.EnvEntry
+	nil,                             // 81: dsec.v1.ProcessInfo.EnvEntry
+	nil,                             // 82: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 83: dsec.v1.LogEntry.EnvEntry
+	(*timestamppb.Timestamp)(nil),   // 84: google.protobuf.Timestamp
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	1,  // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	76, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	77, // 2: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
+	77, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	78, // 2: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,  // 3: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
-	78, // 4: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
+	79, // 4: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
 	3,  // 5: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	83, // 6: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	83, // 7: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	83, // 8: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	84, // 6: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	84, // 7: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	84, // 8: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	3,  // 9: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	4,  // 10: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	79, // 11: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	80, // 11: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
 	14, // 12: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
 	13, // 13: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	80, // 14: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	81, // 14: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
 	23, // 15: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	83, // 16: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	84, // 16: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
 	26, // 17: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
 	29, // 18: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
 	26, // 19: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
-	39, // 20: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	83, // 21: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	49, // 22: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
-	83, // 23: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
-	50, // 24: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
-	51, // 25: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
-	52, // 26: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
-	53, // 27: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
+	40, // 20: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
+	84, // 21: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	50, // 22: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
+	84, // 23: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
+	51, // 24: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
+	52, // 25: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
+	53, // 26: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
+	54, // 27: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
 	3,  // 28: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
 	3,  // 29: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
 	4,  // 30: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	54, // 31: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	56, // 32: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	54, // 33: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	61, // 34: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	83, // 35: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	64, // 36: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	81, // 37: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	83, // 38: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	82, // 39: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	55, // 31: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	57, // 32: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	55, // 33: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	62, // 34: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	84, // 35: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	65, // 36: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	82, // 37: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	84, // 38: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	83, // 39: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
 	13, // 40: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	54, // 41: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	71, // 42: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	74, // 43: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	55, // 41: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	72, // 42: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	75, // 43: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
 	5,  // 44: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	55, // 45: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	56, // 45: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
 	6,  // 46: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
 	7,  // 47: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
 	9,  // 48: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
 	11, // 49: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	58, // 50: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	59, // 51: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	60, // 52: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	60, // 53: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	60, // 54: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	41, // 55: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	59, // 50: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	60, // 51: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	61, // 52: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	61, // 53: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	61, // 54: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	42, // 55: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
 	12, // 56: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
 	12, // 57: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
 	16, // 58: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
@@ -5963,54 +6043,56 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	34, // 67: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
 	35, // 68: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
 	37, // 69: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
-	38, // 70: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	63, // 71: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	65, // 72: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	67, // 73: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	69, // 74: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
-	70, // 75: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
-	73, // 76: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
-	43, // 77: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	45, // 78: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
-	47, // 79: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
-	4,  // 80: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	57, // 81: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	4,  // 82: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
-	8,  // 83: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	10, // 84: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	4,  // 85: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
-	4,  // 86: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	4,  // 87: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	62, // 88: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	62, // 89: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	62, // 90: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	42, // 91: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	13, // 92: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
-	15, // 93: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
-	15, // 94: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	18, // 95: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	20, // 96: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	22, // 97: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	25, // 98: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	28, // 99: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	26, // 100: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
-	26, // 101: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
-	33, // 102: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
-	26, // 103: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
-	36, // 104: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
-	26, // 105: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
-	40, // 106: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	64, // 107: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	66, // 108: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	68, // 109: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	57, // 110: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	72, // 111: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
-	75, // 112: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
-	44, // 113: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	46, // 114: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
-	48, // 115: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
-	80, // [80:116] is the sub-list for method output_type
-	44, // [44:80] is the sub-list for method input_type
+	38, // 70: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
+	39, // 71: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	64, // 72: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	66, // 73: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	68, // 74: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	70, // 75: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
+	71, // 76: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
+	74, // 77: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
+	44, // 78: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	46, // 79: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
+	48, // 80: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	4,  // 81: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	58, // 82: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	4,  // 83: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
+	8,  // 84: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	10, // 85: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	4,  // 86: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
+	4,  // 87: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	4,  // 88: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	63, // 89: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	63, // 90: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	63, // 91: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	43, // 92: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	13, // 93: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
+	15, // 94: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
+	15, // 95: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	18, // 96: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	20, // 97: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	22, // 98: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	25, // 99: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	28, // 100: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	26, // 101: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
+	26, // 102: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
+	33, // 103: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
+	26, // 104: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
+	36, // 105: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
+	26, // 106: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
+	26, // 107: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
+	41, // 108: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	65, // 109: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	67, // 110: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	69, // 111: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	58, // 112: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	73, // 113: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
+	76, // 114: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
+	45, // 115: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	47, // 116: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
+	49, // 117: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	81, // [81:118] is the sub-list for method output_type
+	44, // [44:81] is the sub-list for method input_type
 	44, // [44:44] is the sub-list for extension type_name
 	44, // [44:44] is the sub-list for extension extendee
 	0,  // [0:44] is the sub-list for field type_name
@@ -6036,13 +6118,13 @@ func file_dsec_v1_sandbox_proto_init() {
 		(*WriteFileRequest_Header)(nil),
 		(*WriteFileRequest_Data)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[40].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[41].OneofWrappers = []any{
 		(*WatchDirEvent_Started)(nil),
 		(*WatchDirEvent_Change)(nil),
 		(*WatchDirEvent_Keepalive)(nil),
 		(*WatchDirEvent_Overflow)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[49].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[50].OneofWrappers = []any{
 		(*InputAction_Text)(nil),
 		(*InputAction_Keys)(nil),
 		(*InputAction_Move)(nil),
@@ -6056,7 +6138,7 @@ func file_dsec_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   83,
+			NumMessages:   84,
 			NumExtensions: 0,
 			NumServices:   6,
 		},
