@@ -394,11 +394,14 @@ class Sandbox:
         self._info = SandboxInfo._from(self._client._t.unary(_LIFECYCLE, "Keepalive", req))
         return self._info
 
-    def shell(self, name: str = "default", *, startup: Optional[str] = None) -> "ShellSession":
-        """A persistent bash session: cwd and environment carry over."""
+    def shell(self, name: str = "default", *, startup: Optional[str] = None,
+              split_stderr: bool = False) -> "ShellSession":
+        """A persistent bash session: cwd and environment carry over. With
+        ``split_stderr`` each command's stderr comes back on its own
+        (``run_split``) instead of merged into its output."""
         from .shell import ShellSession
 
-        return ShellSession(self, name, startup=startup)
+        return ShellSession(self, name, startup=startup, split_stderr=split_stderr)
 
     def pause(self) -> SandboxInfo:
         """Freeze the sandbox and release what memory the host allows. Any
