@@ -294,8 +294,13 @@ class AsyncSandbox:
                 pass
             raise
 
-    async def stat(self, path: str) -> FileInfo:
-        return FileInfo._from(await self._t.unary(_FILES, "Stat", {"sandboxId": self.id, "path": path}, retry=True))
+    async def stat(self, path: str, *, user: Optional[str] = None) -> FileInfo:
+        """A path's info (as ``user``, when given: a path that user cannot
+        reach is PermissionDenied)."""
+        req = {"sandboxId": self.id, "path": path}
+        if user:
+            req["user"] = user
+        return FileInfo._from(await self._t.unary(_FILES, "Stat", req, retry=True))
 
     async def exists(self, path: str) -> bool:
         try:

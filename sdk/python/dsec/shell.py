@@ -36,6 +36,9 @@ if TYPE_CHECKING:  # pragma: no cover
 _PROCESS = "dsec.v1.ProcessService"
 #: how long a timed-out command gets to end after the interrupt
 _DRAIN_S = 5.0
+#: kills every process whose parent is $1 (the field after the command name in /proc/PID/stat)
+_KILL_CHILDREN = ('for s in /proc/[0-9]*/stat; do pp=$(sed "s/.*) //" "$s" 2>/dev/null | cut -d" " -f2); '
+                  '[ "$pp" = "$1" ] && p=${s#/proc/} && kill -9 "${p%/stat}" 2>/dev/null; done; true')
 
 
 def _shell_request(sandbox_id: str, name: str, shell: str) -> Dict[str, Any]:
@@ -206,10 +209,12 @@ class AsyncShellSession:
         self.name = name
         self.split_stderr = split_stderr
         self.process_id = ""
+        self.pid = 0  # the shell's pid in the sandbox
         self._st: Any = None
         self._buf = _Output(split_stderr)
         self._closed: Optional[BaseException] = None
         self._stuck = ""
+        self._stuck_marker = ""
         self._busy = False
 
     @classmethod
@@ -219,6 +224,7 @@ class AsyncShellSession:
         s._st = await sandbox._t.stream(_PROCESS, "ExecStream", _shell_request(sandbox.id, name, shell), timeout=60)
         first = await asyncio.wait_for(s._st.next(), 60)
         s.process_id = (first or {}).get("started", {}).get("processId", "")
+        s.pid = int((first or {}).get("started", {}).get("pid") or 0)
         if not s.process_id:
             s._st.close()
             raise SandboxGone("the shell session did not start")
@@ -250,10 +256,29 @@ class AsyncShellSession:
                 return got
             await self.interrupt()
             if await self._wait(marker, loop.time() + _DRAIN_S) is None:
-                self._stuck = command
+                self._stuck, self._stuck_marker = command, marker
             raise DeadlineExceeded(f"command did not finish within {timeout}s: {command[:80]}")
         finally:
             self._busy = False
+
+    async def recover(self, timeout: float = _DRAIN_S) -> str:
+        """Make a session whose command ignored the interrupt usable again:
+        interrupt it once more, then kill the shell's children, and return
+        what the command printed meanwhile. Raises DeadlineExceeded if the
+        shell still does not come back."""
+        if not self._stuck:
+            return ""
+        loop = asyncio.get_running_loop()
+        await self.interrupt()
+        got = await self._wait(self._stuck_marker, loop.time() + timeout)
+        if got is None and self.pid:
+            # The shell traps SIGINT; its children are killed outright.
+            await self.sandbox.exec(["sh", "-c", _KILL_CHILDREN, "sh", str(self.pid)], user="root", timeout_s=30)
+            got = await self._wait(self._stuck_marker, loop.time() + timeout)
+        if got is None:
+            raise DeadlineExceeded(f"the shell session did not come back from {self._stuck[:80]!r}")
+        self._stuck = self._stuck_marker = ""
+        return got[0] + got[1]
 
     async def _wait(self, marker: str, deadline: Optional[float]) -> Optional[Tuple[str, str, int]]:
         loop = asyncio.get_running_loop()
