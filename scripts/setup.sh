@@ -24,7 +24,8 @@ want busybox-static /bin/busybox
 want debootstrap
 want nftables nft
 want iproute2 ip
-want e2fsprogs mkfs.ext4
+want e2fsprogs mkfs.ext4 # also each container sandbox's disk
+want util-linux unshare # container sandboxes' user namespaces
 want erofs-utils mkfs.erofs
 want python3 /usr/bin/python3
 want python3-pytest /usr/lib/python3/dist-packages/pytest

@@ -97,6 +97,7 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, bootstrap *string, pool
 	f.StringVar(&flagCfg.Network.Subnet, "subnet", "", "egress subnet (default 10.88.0.0/16)")
 	f.StringVar(&flagCfg.Network.Table, "nft-table", "", "nftables tables, inet and bridge (default dsec)")
 	f.StringVar(&flagCfg.Container.Runtime, "runtime", "", "OCI runtime: crun or runc (default crun)")
+	f.BoolVar(&flagCfg.Container.HostRoot, "host-root", false, "run container sandboxes without a user namespace: root inside is the host's root")
 	f.StringVar(&flagCfg.MicroVM.Accel, "microvm-accel", "", "microvm acceleration: auto, kvm or tcg (default auto)")
 	f.StringVar(&flagCfg.MicroVM.KernelDir, "guest-kernel", "", "microvm guest kernel directory (default CACHE_DIR/guest-kernel)")
 	f.StringVar(&flagCfg.VM.Accel, "vm-accel", "", "vm acceleration: auto, kvm or tcg (default auto)")
@@ -181,6 +182,9 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("runtime") {
 		cfg.Container.Runtime = fl.Container.Runtime
+	}
+	if set("host-root") {
+		cfg.Container.HostRoot = fl.Container.HostRoot
 	}
 	if set("microvm-accel") {
 		cfg.MicroVM.Accel = fl.MicroVM.Accel
@@ -300,7 +304,7 @@ func openNode(cfg config.Config, log *slog.Logger) (_ *node.Node, close func(), 
 	if err := os.MkdirAll(dataDir, 0o700); err != nil {
 		return nil, nil, err
 	}
-	n, fn, err := buildNode(cfg, dataDir, log)
+	n, fn, ct, err := buildNode(cfg, dataDir, log)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -308,6 +312,7 @@ func openNode(cfg config.Config, log *slog.Logger) (_ *node.Node, close func(), 
 	return n, func() {
 		fn.Close()
 		n.Close()
+		ct.Close()
 		removeEmptyRunDir(runDirOf(dataDir))
 	}, nil
 }
@@ -450,26 +455,28 @@ func debugMux() *http.ServeMux {
 }
 
 // buildNode assembles a node agent with every substrate this host runs.
-func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node, *function.Driver, error) {
+func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node, *function.Driver, *container.Driver, error) {
 	guestBin, err := findGuest(cfg.GuestBinary)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	images, err := image.Open(filepath.Join(dataDir, "images"), log)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	runDir := runDirOf(dataDir)
 	nm, err := network.New(network.Config{Bridge: cfg.Network.Bridge, Subnet: cfg.Network.Subnet, DNS: cfg.Network.DNS, Table: cfg.Network.Table, RunDir: filepath.Join(runDir, "netns")}, log)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	ct, err := container.New(container.Config{
 		Runtime: cfg.Container.Runtime, CgroupParent: cfg.Container.CgroupParent,
 		GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "container"), RunDir: runDir,
+		HostRoot: cfg.Container.HostRoot, DefaultDiskMB: cfg.Container.DefaultDiskMB, MaxDiskMB: cfg.Container.MaxDiskMB,
+		NoDiskLimits: cfg.Container.NoDiskLimits,
 	}, log)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	fn := function.New(function.Config{Image: cfg.Function.Image, StateDir: filepath.Join(dataDir, "function"),
 		Slots: cfg.Function.Slots, MaxWorkers: cfg.Function.MaxWorkers, WorkerMemoryMB: cfg.Function.WorkerMemoryMB,
@@ -488,7 +495,7 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 		TBSizeMiB: cfg.MicroVM.TBSizeMiB, DefaultDiskMB: cfg.MicroVM.DefaultDiskMB,
 	}, log)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	fvm, err := vm.New(vm.Config{
 		GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "vm"), RunDir: filepath.Join(runDir, "fvm"),
@@ -496,7 +503,7 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 		BootTimeout: time.Duration(cfg.VM.BootTimeout), TBSizeMiB: cfg.VM.TBSizeMiB, VNC: cfg.VM.VNC,
 	}, log)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	drivers := map[substrate.Kind]substrate.Driver{substrate.KindContainer: ct, substrate.KindFunction: fn, substrate.KindMicroVM: mvm, substrate.KindVM: fvm}
 	var pools []node.PoolConfig
@@ -510,7 +517,7 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 		DefaultCPU: cfg.Node.DefaultCPU, DefaultMemoryMB: cfg.Node.DefaultMemoryMB,
 		DefaultExecTimeout: time.Duration(cfg.Node.DefaultExecTimeout),
 	}, log, images, nm, drivers)
-	return n, fn, err
+	return n, fn, ct, err
 }
 
 // runDirOf is the data directory's directory under /run: runtime state,

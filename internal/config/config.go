@@ -156,6 +156,18 @@ type Container struct {
 	Runtime string `json:"runtime,omitempty"`
 	// CgroupParent is the cgroup for sandboxes (default /dsec).
 	CgroupParent string `json:"cgroup_parent,omitempty"`
+	// HostRoot runs container and function sandboxes without a user
+	// namespace, root inside being the host's root (flag --host-root;
+	// default false: each sandbox maps its ids to an unprivileged host id
+	// range of its own). Only for workloads that cannot run otherwise.
+	HostRoot bool `json:"host_root,omitempty"`
+	// DefaultDiskMB is a sandbox's disk when its spec sets no disk_mb
+	// (default 10240); MaxDiskMB the most a spec may ask (default 102400).
+	DefaultDiskMB int64 `json:"default_disk_mb,omitempty"`
+	MaxDiskMB     int64 `json:"max_disk_mb,omitempty"`
+	// NoDiskLimits keeps sandboxes' writable layers in the data directory
+	// without limits (default false).
+	NoDiskLimits bool `json:"no_disk_limits,omitempty"`
 }
 
 // MicroVM configures the microvm substrate.

@@ -366,15 +366,58 @@ func osRelease(key string) string {
 
 // tarDir writes dir as an uncompressed tar stream with owners, modes,
 // hard links, devices and file capabilities, in a stable order.
-func tarDir(dir string, w io.Writer) error { return writeTar(dir, w, false) }
+func tarDir(dir string, w io.Writer) error { return writeTar(dir, w, false, IDShift{}) }
 
 // TarOverlayUpper writes an overlayfs upper directory as an OCI layer: a
 // whiteout device becomes a ".wh.<name>" entry and an opaque directory gets
 // a ".wh..wh..opq" entry. The directory must not change meanwhile (the
 // sandbox is frozen).
-func TarOverlayUpper(dir string, w io.Writer) error { return writeTar(dir, w, true) }
+//
+// ids says which host ids the directory's files are owned by: a sandbox
+// in a user namespace writes files owned by its range of host ids, and a
+// layer keeps them as the sandbox saw them (its root is 0), so any other
+// sandbox, whatever its range, can start from it.
+func TarOverlayUpper(dir string, w io.Writer, ids IDShift) error { return writeTar(dir, w, true, ids) }
 
-func writeTar(dir string, w io.Writer, overlay bool) error {
+// IDShift maps the host ids From..From+Size-1 to 0..Size-1; other ids
+// become 65534 (nobody). The zero value maps every id to itself.
+type IDShift struct {
+	From, Size uint32
+}
+
+func (s IDShift) id(host int) int {
+	if s.Size == 0 {
+		return host
+	}
+	if h := uint32(host); h >= s.From && h-s.From < s.Size {
+		return int(h - s.From)
+	}
+	return 65534
+}
+
+// capability rewrites a file capability xattr for a shifted layer: a
+// version 3 capability names the host id of the root it applies to
+// (written from a user namespace), which the layer stores as version 2
+// (any root) when it is the range's.
+func (s IDShift) capability(v []byte) []byte {
+	const v3, v2, v3Size, v2Size = 0x03000000, 0x02000000, 24, 20
+	if s.Size == 0 || len(v) != v3Size {
+		return v
+	}
+	le := func(b []byte) uint32 { return uint32(b[0]) | uint32(b[1])<<8 | uint32(b[2])<<16 | uint32(b[3])<<24 }
+	if le(v)&0xff000000 != v3 {
+		return v
+	}
+	if root := le(v[20:]); root != s.From {
+		return v
+	}
+	out := append([]byte(nil), v[:v2Size]...)
+	magic := le(out)&^0xff000000 | v2
+	out[0], out[1], out[2], out[3] = byte(magic), byte(magic>>8), byte(magic>>16), byte(magic>>24)
+	return out
+}
+
+func writeTar(dir string, w io.Writer, overlay bool, ids IDShift) error {
 	tw := tar.NewWriter(w)
 	links := map[[2]uint64]string{}
 	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
@@ -414,6 +457,7 @@ func writeTar(dir string, w io.Writer, overlay bool) error {
 			hdr.Name += "/"
 		}
 		hdr.Uname, hdr.Gname = "", ""
+		hdr.Uid, hdr.Gid = ids.id(hdr.Uid), ids.id(hdr.Gid)
 		hdr.AccessTime, hdr.ChangeTime = time.Time{}, time.Time{}
 		hdr.Format = tar.FormatPAX
 		st := info.Sys().(*syscall.Stat_t)
@@ -429,7 +473,7 @@ func writeTar(dir string, w io.Writer, overlay bool) error {
 		}
 		if info.Mode().IsRegular() {
 			if capab, err := getXattr(p, "security.capability"); err == nil && len(capab) > 0 {
-				hdr.PAXRecords = map[string]string{"SCHILY.xattr.security.capability": string(capab)}
+				hdr.PAXRecords = map[string]string{"SCHILY.xattr.security.capability": string(ids.capability(capab))}
 			}
 		}
 		if err := tw.WriteHeader(hdr); err != nil {

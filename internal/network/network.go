@@ -69,6 +69,10 @@ type Config struct {
 	// Table names the nftables tables, one "inet" and one "bridge"
 	// (default "dsec").
 	Table string
+	// NoEgress serves mode "none" only and touches nothing of the host (no
+	// bridge, rules or sysctls): egress is reported unavailable. For tests
+	// of the components above the network (default false).
+	NoEgress bool
 }
 
 // Manager sets up sandbox networks. It is safe for concurrent use.
@@ -144,7 +148,9 @@ func New(cfg Config, log *slog.Logger) (*Manager, error) {
 	m.next = m.gateway.Next()
 	m.dns = parseDNS(cfg.DNS)
 	m.group = portGroup(cfg.Table)
-	if reason := m.setup(); reason != "" {
+	if cfg.NoEgress {
+		m.egress = "egress is disabled on this node"
+	} else if reason := m.setup(); reason != "" {
 		m.egress = reason
 		log.Warn("egress networking unavailable", slog.String("reason", reason))
 	} else {
@@ -922,6 +928,15 @@ func newNamedNetNS(path string) error {
 		// Without IPv6 in the kernel there is nothing to turn off.
 		if err := os.WriteFile("/proc/sys/net/ipv6/conf/default/disable_ipv6", []byte("1"), 0); err != nil && !os.IsNotExist(err) {
 			errc <- fmt.Errorf("disable IPv6: %w", err)
+			return
+		}
+		// ICMP echo (datagram) sockets for every group: ping without
+		// CAP_NET_RAW. The node writes it: a sandbox in a user namespace
+		// cannot write its network namespace's sysctls (the namespace is
+		// the host's user namespace's), and the range is read in the
+		// writer's user namespace (the host's maps every sandbox's ids).
+		if err := os.WriteFile("/proc/sys/net/ipv4/ping_group_range", []byte("0 2147483647"), 0); err != nil {
+			errc <- fmt.Errorf("open ICMP echo sockets: %w", err)
 			return
 		}
 		src := fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid())

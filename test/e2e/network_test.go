@@ -135,6 +135,17 @@ func TestEgressNetwork(t *testing.T) {
 			}
 		})
 	}
+	t.Run("an egress sandbox's /sys shows its own network devices, not the host's", func(t *testing.T) {
+		// In a user namespace the runtime cannot mount a sysfs for a
+		// namespace the node made; it would bind the host's /sys instead.
+		r, err := a.Exec(ctx, dsec.Cmd("ls /sys/class/net"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := strings.Join(strings.Fields(string(r.Stdout)), " "); got != "eth0 lo" {
+			t.Errorf("/sys/class/net in an egress sandbox: %q, want eth0 and lo", got)
+		}
+	})
 	t.Run("a sandbox without network reaches nothing", func(t *testing.T) {
 		if out, ok := fetch(none, "http://"+ext+":8080/"); ok {
 			t.Fatalf("reached the outside: %q", out)

@@ -3076,6 +3076,12 @@ type SandboxStats struct {
 	// cpu_limit (cores) and memory_limit_mb are the sandbox's limits.
 	CpuLimit      float64 `protobuf:"fixed64,7,opt,name=cpu_limit,json=cpuLimit,proto3" json:"cpu_limit,omitempty"`
 	MemoryLimitMb int64   `protobuf:"varint,8,opt,name=memory_limit_mb,json=memoryLimitMb,proto3" json:"memory_limit_mb,omitempty"`
+	// disk_bytes is what the sandbox's writable layer holds, and
+	// disk_limit_mb its size (the sandbox's resources.disk_mb, or the node's
+	// default); both 0 where the node does not limit disks (kinds other than
+	// container and function, or a node without per-sandbox file systems).
+	DiskBytes     int64 `protobuf:"varint,9,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	DiskLimitMb   int64 `protobuf:"varint,10,opt,name=disk_limit_mb,json=diskLimitMb,proto3" json:"disk_limit_mb,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3162,6 +3168,20 @@ func (x *SandboxStats) GetCpuLimit() float64 {
 func (x *SandboxStats) GetMemoryLimitMb() int64 {
 	if x != nil {
 		return x.MemoryLimitMb
+	}
+	return 0
+}
+
+func (x *SandboxStats) GetDiskBytes() int64 {
+	if x != nil {
+		return x.DiskBytes
+	}
+	return 0
+}
+
+func (x *SandboxStats) GetDiskLimitMb() int64 {
+	if x != nil {
+		return x.DiskLimitMb
 	}
 	return 0
 }
@@ -5547,7 +5567,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\boverflow\x18\x04 \x01(\bH\x00R\boverflowB\a\n" +
 	"\x05event\"(\n" +
 	"\x16GetSandboxStatsRequest\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\tR\x02id\"\x83\x02\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"\xc6\x02\n" +
 	"\fSandboxStats\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12*\n" +
 	"\x02at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x12\x1e\n" +
@@ -5556,7 +5576,11 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04pids\x18\x05 \x01(\x03R\x04pids\x12\x1b\n" +
 	"\toom_kills\x18\x06 \x01(\x03R\boomKills\x12\x1b\n" +
 	"\tcpu_limit\x18\a \x01(\x01R\bcpuLimit\x12&\n" +
-	"\x0fmemory_limit_mb\x18\b \x01(\x03R\rmemoryLimitMb\"2\n" +
+	"\x0fmemory_limit_mb\x18\b \x01(\x03R\rmemoryLimitMb\x12\x1d\n" +
+	"\n" +
+	"disk_bytes\x18\t \x01(\x03R\tdiskBytes\x12\"\n" +
+	"\rdisk_limit_mb\x18\n" +
+	" \x01(\x03R\vdiskLimitMb\"2\n" +
 	"\x11ScreenshotRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\"T\n" +

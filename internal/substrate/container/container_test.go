@@ -1,6 +1,7 @@
 package container
 
 import (
+	"archive/tar"
 	"bytes"
 	"context"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -15,9 +17,13 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/proc"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
 	"github.com/opendsec/dsec/internal/tenant"
@@ -25,7 +31,7 @@ import (
 
 var (
 	guestBin string
-	layers   []string
+	layers   substrate.Image
 	setupErr string
 )
 
@@ -60,7 +66,7 @@ func TestMain(m *testing.M) {
 			setupErr = "needs Debian's busybox-static: " + err.Error()
 			return m.Run()
 		}
-		layers = store.LowerDirs(img)
+		layers = substrate.ImageOf(store, img)
 		return m.Run()
 	}()
 	os.Exit(code)
@@ -75,6 +81,7 @@ func newDriver(t *testing.T, state string) *Driver {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(d.Close)
 	return d
 }
 
@@ -89,7 +96,7 @@ func TestConformance(t *testing.T) {
 			return &substrate.Spec{
 				ID:       fmt.Sprintf("ct%d-%d", os.Getpid(), n),
 				Dir:      t.TempDir(),
-				Layers:   layers,
+				Image:    layers,
 				Hostname: "sandbox",
 				CPU:      1, MemoryMB: 256, Pids: 256,
 				Network: substrate.Network{Mode: "none"},
@@ -132,7 +139,7 @@ func leaks(d *Driver, s *substrate.Spec) []string {
 
 func TestGuestChannelIsNotReachableFromInside(t *testing.T) {
 	d := newDriver(t, t.TempDir())
-	spec := &substrate.Spec{ID: fmt.Sprintf("chan%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
+	spec := &substrate.Spec{ID: fmt.Sprintf("chan%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {
 		t.Fatal(err)
@@ -187,7 +194,7 @@ func TestSandboxesHaveNoRawSocketsButPing(t *testing.T) {
 	if err := syscall.Setxattr(capped, "security.capability", xattr, 0); err != nil {
 		t.Skipf("cannot set file capabilities here: %v", err)
 	}
-	spec := &substrate.Spec{ID: fmt.Sprintf("raw%d", os.Getpid()), Dir: t.TempDir(), Layers: append([]string{top}, layers...), Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
+	spec := &substrate.Spec{ID: fmt.Sprintf("raw%d", os.Getpid()), Dir: t.TempDir(), Image: substrate.Image{Layers: append([]substrate.Layer{{Dir: top, Link: top}}, layers.Layers...)}, Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {
 		t.Fatal(err)
@@ -232,8 +239,13 @@ func TestSandboxesHaveNoRawSocketsButPing(t *testing.T) {
 		}
 	})
 	t.Run("ICMP datagram sockets are open to every group", func(t *testing.T) {
-		if _, out := run(t, "cat /proc/sys/net/ipv4/ping_group_range"); strings.Join(strings.Fields(out), " ") != "0 2147483647" {
-			t.Errorf("ping_group_range %q", out)
+		// Every group of the sandbox's user namespace (all of them without).
+		want := "0 65535"
+		if d.cfg.HostRoot {
+			want = "0 2147483647"
+		}
+		if _, out := run(t, "cat /proc/sys/net/ipv4/ping_group_range"); strings.Join(strings.Fields(out), " ") != want {
+			t.Errorf("ping_group_range %q, want %q", out, want)
 		}
 	})
 }
@@ -248,7 +260,7 @@ func TestHundredCreateDeleteCyclesLeaveNothing(t *testing.T) {
 	tag := fmt.Sprintf("cyc%d-", os.Getpid())
 	before := snapshotHost(tag)
 	for i := 0; i < 100; i++ {
-		spec := &substrate.Spec{ID: fmt.Sprintf("cyc%d-%d", os.Getpid(), i), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 128, Pids: 64, CPU: 1}
+		spec := &substrate.Spec{ID: fmt.Sprintf("cyc%d-%d", os.Getpid(), i), Dir: t.TempDir(), Image: layers, Hostname: "sandbox", MemoryMB: 128, Pids: 64, CPU: 1}
 		inst, err := d.Create(context.Background(), spec)
 		if err != nil {
 			t.Fatalf("cycle %d: %v", i, err)
@@ -272,6 +284,15 @@ func TestHundredCreateDeleteCyclesLeaveNothing(t *testing.T) {
 	if after.mounts > before.mounts {
 		t.Fatalf("after 100 cycles: mounts %d→%d", before.mounts, after.mounts)
 	}
+	// The sandboxes' file systems go back to the pool or away.
+	for deadline := time.Now().Add(10 * time.Second); d.disk.held() > diskPoolMax; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("after 100 cycles: %d sandbox file systems, the pool keeps at most %d", d.disk.held(), diskPoolMax)
+		}
+	}
+	if n := d.ranges.heldCount(); n > usernsPoolSize {
+		t.Errorf("after 100 cycles: %d id ranges held, the pool keeps %d", n, usernsPoolSize)
+	}
 	for name, n := range after.procs {
 		if n > before.procs[name] {
 			out, _ := exec.Command("ps", "-eo", "pid,ppid,stat,etime,comm").Output()
@@ -285,7 +306,8 @@ type hostCounts struct {
 	procs  map[string]int // by command name, for the sandbox side: agents, runtimes, sleeps
 }
 
-// snapshotHost counts this process's mounts and the sandbox-side processes
+// snapshotHost counts this process's mounts (but the sandbox file systems
+// made ahead, which come and go) and the sandbox-side processes
 // (agents, runtimes, sleeps) whose command line or cgroup names tag, the
 // prefix of this test's sandbox IDs.
 func snapshotHost(tag string) hostCounts {
@@ -300,7 +322,7 @@ func snapshotHost(tag string) hostCounts {
 		if err != nil {
 			continue
 		}
-		if pid, _ := strconv.Atoi(e.Name()); isZombie(pid) {
+		if pid, _ := strconv.Atoi(e.Name()); !proc.Of(pid).Alive() {
 			continue // exited; waiting for the host's init to reap it
 		}
 		cmdline, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
@@ -313,7 +335,13 @@ func snapshotHost(tag string) hostCounts {
 			procs[name]++
 		}
 	}
-	return hostCounts{mounts: strings.Count(string(mi), "\n"), procs: procs}
+	mounts := 0
+	for _, l := range strings.Split(string(mi), "\n") {
+		if l != "" && !strings.Contains(l, "/disks/") {
+			mounts++
+		}
+	}
+	return hostCounts{mounts: mounts, procs: procs}
 }
 
 func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
@@ -321,7 +349,7 @@ func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 	if !d.shieldable() {
 		t.Skipf("agents are shielded on cgroup v1 controllers only; this host has %s", d.cgroups.mode)
 	}
-	spec := &substrate.Spec{ID: fmt.Sprintf("cg%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 64, Pids: 64, CPU: 1}
+	spec := &substrate.Spec{ID: fmt.Sprintf("cg%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox", MemoryMB: 64, Pids: 64, CPU: 1}
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {
 		t.Fatal(err)
@@ -387,41 +415,202 @@ func (r *runExec) exec() *guestv1.Exec {
 	return &guestv1.Exec{Argv: []string{"sh", "-c", r.cmd}, TimeoutMs: 10000}
 }
 
-// BenchmarkCreateExecDestroy times the driver's share of a sandbox cycle,
-// without the API, store or network: create (overlay + runtime + agent
-// hello), one exec of `true`, destroy. Each phase is reported as a metric.
+// BenchmarkCreateExecDestroy times a sandbox's life with and without a
+// user namespace and a disk of its own, side by side: each iteration runs
+// one life under each configuration in turn, so the host's load weighs on
+// all alike, and the p50 of each step is reported per configuration:
+//
+//	go test -run '^$' -bench CreateExecDestroy -benchtime 200x ./internal/substrate/container/
 func BenchmarkCreateExecDestroy(b *testing.B) {
 	if setupErr != "" {
 		b.Skip(setupErr)
 	}
-	d, err := New(Config{GuestBinary: guestBin, StateDir: b.TempDir()}, slog.Default())
-	if err != nil {
-		b.Fatal(err)
+	cases := []struct {
+		name  string
+		cfg   Config
+		d     *Driver
+		steps [3][]time.Duration // create, exec, destroy
+	}{
+		{name: "hostroot", cfg: Config{HostRoot: true, NoDiskLimits: true}},
+		{name: "userns", cfg: Config{NoDiskLimits: true}},
+		{name: "disk", cfg: Config{HostRoot: true}},
+		{name: "userns+disk", cfg: Config{}},
 	}
-	ctx := context.Background()
-	var create, run, destroy time.Duration
-	for i := 0; b.Loop(); i++ {
-		spec := &substrate.Spec{
-			ID: fmt.Sprintf("bench%d-%d", os.Getpid(), i), Dir: b.TempDir(), Layers: layers, Hostname: "sandbox",
-			CPU: 1, MemoryMB: 256, Pids: 256, Network: substrate.Network{Mode: "none"},
-		}
-		t0 := time.Now()
-		inst, err := d.Create(ctx, spec)
+	for i := range cases {
+		cfg := cases[i].cfg
+		cfg.GuestBinary, cfg.StateDir = guestBin, b.TempDir()
+		d, err := New(cfg, slog.New(slog.DiscardHandler))
 		if err != nil {
 			b.Fatal(err)
 		}
-		t1 := time.Now()
-		if _, err := inst.Guest().Run(ctx, &guestv1.Exec{Argv: []string{"true"}}); err != nil {
-			b.Fatal(err)
-		}
-		t2 := time.Now()
-		if err := inst.Destroy(ctx); err != nil {
-			b.Fatal(err)
-		}
-		create, run, destroy = create+t1.Sub(t0), run+t2.Sub(t1), destroy+time.Since(t2)
+		cases[i].d = d
+		defer d.Close()
 	}
-	n := float64(b.N)
-	b.ReportMetric(float64(create.Microseconds())/n, "create-µs/op")
-	b.ReportMetric(float64(run.Microseconds())/n, "exec-µs/op")
-	b.ReportMetric(float64(destroy.Microseconds())/n, "destroy-µs/op")
+	ctx := context.Background()
+	for i := 0; b.Loop(); i++ {
+		for c := range cases {
+			bc := &cases[c]
+			spec := &substrate.Spec{
+				ID: fmt.Sprintf("bench%d-%d-%d", os.Getpid(), c, i), Dir: b.TempDir(), Image: layers, Hostname: "sandbox",
+				CPU: 1, MemoryMB: 256, Pids: 256, Network: substrate.Network{Mode: "none"},
+			}
+			t0 := time.Now()
+			inst, err := bc.d.Create(ctx, spec)
+			if err != nil {
+				b.Fatal(err)
+			}
+			t1 := time.Now()
+			if _, err := inst.Guest().Run(ctx, &guestv1.Exec{Argv: []string{"true"}}); err != nil {
+				b.Fatal(err)
+			}
+			t2 := time.Now()
+			if err := inst.Destroy(ctx); err != nil {
+				b.Fatal(err)
+			}
+			bc.steps[0] = append(bc.steps[0], t1.Sub(t0))
+			bc.steps[1] = append(bc.steps[1], t2.Sub(t1))
+			bc.steps[2] = append(bc.steps[2], time.Since(t2))
+		}
+	}
+	p50 := func(d []time.Duration) float64 {
+		d = append([]time.Duration(nil), d...)
+		sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
+		return float64(d[len(d)/2].Microseconds())
+	}
+	for _, bc := range cases {
+		b.ReportMetric(p50(bc.steps[0]), bc.name+"-create-p50-µs")
+		b.ReportMetric(p50(bc.steps[2]), bc.name+"-destroy-p50-µs")
+	}
+}
+
+func TestSandboxRootIsAnUnprivilegedHostUserWithItsOwnDisk(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	spec := &substrate.Spec{ID: fmt.Sprintf("uns%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox",
+		MemoryMB: 256, Pids: 256, CPU: 1, DiskMB: 64, Network: substrate.Network{Mode: "none"}}
+	inst, err := d.Create(context.Background(), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(context.Background())
+	st := inst.(*instance).st
+	run := func(script string) *guestv1.Exit {
+		t.Helper()
+		x, err := inst.Guest().Run(context.Background(), &guestv1.Exec{Argv: []string{"/bin/sh", "-c", script}, TimeoutMs: 30000})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return x
+	}
+	t.Run("root inside maps to the sandbox's range", func(t *testing.T) {
+		x := run("cat /proc/self/uid_map; id -u; touch /made-by-root; ls -ln / | grep -c ' 0 *0 '")
+		f := strings.Fields(string(x.Stdout))
+		if len(f) < 5 || f[0] != "0" || f[1] != strconv.Itoa(int(st.HostID)) || f[2] != "65536" || f[3] != "0" {
+			t.Fatalf("uid_map and id: %q %s", x.Stdout, x.Stderr)
+		}
+		if n, _ := strconv.Atoi(f[4]); n < 5 {
+			t.Errorf("the image's root-owned files do not look root-owned inside: %q", x.Stdout)
+		}
+		var fi syscall.Stat_t
+		if err := syscall.Stat(filepath.Join(st.upper(), "made-by-root"), &fi); err != nil {
+			t.Fatal(err)
+		}
+		if fi.Uid != st.HostID || fi.Uid < defaultIDBase {
+			t.Errorf("a file root made inside is owned by host uid %d, want %d", fi.Uid, st.HostID)
+		}
+	})
+	t.Run("the bind-mounted /etc files are root's inside", func(t *testing.T) {
+		if x := run("echo 10.0.0.9 extra >> /etc/hosts && grep -c extra /etc/hosts"); x.ExitCode != 0 {
+			t.Errorf("root cannot write /etc/hosts: %s", x.Stderr)
+		}
+	})
+	t.Run("df shows the sandbox's disk and writes stop at it", func(t *testing.T) {
+		x := run("df -k / | tail -1")
+		f := strings.Fields(string(x.Stdout))
+		if len(f) < 2 {
+			t.Fatalf("df: %q %s", x.Stdout, x.Stderr)
+		}
+		if kb, _ := strconv.Atoi(f[1]); kb > 64<<10 || kb < 32<<10 {
+			t.Errorf("df / says %d KiB, want about 64 MiB", kb)
+		}
+		x = run("dd if=/dev/zero of=/fill bs=1M count=100 2>&1; echo rc=$?")
+		if !strings.Contains(string(x.Stdout), "No space left") {
+			t.Errorf("filling the disk: %q", x.Stdout)
+		}
+		s, _ := inst.Stats(context.Background())
+		if s.DiskLimitBytes != 64<<20 || s.DiskBytes < 32<<20 {
+			t.Errorf("stats: disk %d of %d", s.DiskBytes, s.DiskLimitBytes)
+		}
+	})
+}
+
+func TestARestartedNodeRemountsTheDiskAndSnapshotsShiftOwners(t *testing.T) {
+	state := t.TempDir()
+	d := newDriver(t, state)
+	if d.disk == nil || d.userns == nil {
+		t.Skip("needs user namespaces and disk limits")
+	}
+	spec := &substrate.Spec{ID: fmt.Sprintf("re%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox",
+		MemoryMB: 256, Pids: 256, CPU: 1, DiskMB: 32, Network: substrate.Network{Mode: "none"}}
+	inst, err := d.Create(context.Background(), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(context.Background())
+	if x, err := inst.Guest().Run(context.Background(), &guestv1.Exec{Argv: []string{"/bin/sh", "-c",
+		"echo root > /by-root && echo user > /by-user && chown 1000:1000 /by-user && setcap cap_net_raw+ep /by-root 2>/dev/null; true"}}); err != nil || x.ExitCode != 0 {
+		t.Fatalf("write files: %v %v", err, x)
+	}
+	// A node restarted in a new mount namespace no longer has the
+	// sandbox's file system mounted.
+	st := inst.(*instance).st
+	if err := unix.Unmount(st.Disk.dir, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	d2 := newDriver(t, state)
+	inst2, err := d2.Attach(context.Background(), spec, inst.State())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	if err := inst2.(*instance).Snapshot(context.Background(), &buf); err != nil {
+		t.Fatalf("snapshot after the restart: %v", err)
+	}
+	owners := map[string][2]int{}
+	tr := tar.NewReader(&buf)
+	for {
+		h, err := tr.Next()
+		if err != nil {
+			break
+		}
+		owners[h.Name] = [2]int{h.Uid, h.Gid}
+	}
+	for name, want := range map[string][2]int{"by-root": {0, 0}, "by-user": {1000, 1000}} {
+		if got, ok := owners[name]; !ok || got != want {
+			t.Errorf("%s in the snapshot: owner %v (found %v), want %v as the sandbox saw it", name, got, ok, want)
+		}
+	}
+	x, err := inst2.Guest().Run(context.Background(), &guestv1.Exec{Argv: []string{"/bin/sh", "-c", "df -k / | tail -1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f := strings.Fields(string(x.Stdout)); len(f) < 2 {
+		t.Errorf("df / after the restart: %q", x.Stdout)
+	} else if kb, _ := strconv.Atoi(f[1]); kb > 32<<10 || kb < 16<<10 {
+		t.Errorf("df / after the restart says %d KiB, want the sandbox's 32 MiB", kb)
+	}
+	if s, _ := inst2.Stats(context.Background()); s.DiskLimitBytes != 32<<20 {
+		t.Errorf("the adopted sandbox's disk limit: %d", s.DiskLimitBytes)
+	}
+	if err := inst2.Destroy(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestAStateOfANewerNodeIsNotAdopted(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	s := &substrate.Spec{ID: "sb-newer", Dir: t.TempDir()}
+	_, err := d.Attach(context.Background(), s, []byte(`{"version": 99, "pid": 1, "start_time": 1}`))
+	if err == nil || errdefs.Is(err, errdefs.KindGone) || !strings.Contains(err.Error(), "version 99") {
+		t.Fatalf("adopting a state of version 99: %v; want a refusal naming the version, not gone (the sandbox may live)", err)
+	}
 }

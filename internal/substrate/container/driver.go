@@ -26,6 +26,7 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/proc"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/undo"
 )
@@ -51,6 +52,24 @@ type Config struct {
 	StateDir string
 	// StartTimeout bounds how long Create waits for the agent (default 30s).
 	StartTimeout time.Duration
+	// HostRoot runs sandboxes without a user namespace: root inside is the
+	// host's root (as in Docker without userns-remap), and per-user kernel
+	// limits are shared with the host's root. For workloads that need it:
+	// images whose files belong to ids above 65535, files shared with host
+	// users by uid, device nodes. Default false: every sandbox maps its ids
+	// 0..65535 to a range of unprivileged host ids of its own (idmap.go).
+	HostRoot bool
+	// DefaultDiskMB is a sandbox's disk size (its writable layer's file
+	// system) when its spec gives none (default 10240); MaxDiskMB is the
+	// largest a spec may ask for (default 102400). The images are sparse:
+	// a sandbox takes from the host's disk what it writes, and sandboxes'
+	// sizes may add up to more than the host has.
+	DefaultDiskMB, MaxDiskMB int64
+	// NoDiskLimits keeps writable layers on StateDir's own file system
+	// without limits (default false; the node falls back to it by itself,
+	// with a warning, where it cannot make file systems: no loop devices
+	// or no mkfs.ext4).
+	NoDiskLimits bool
 }
 
 // Driver is the container driver.
@@ -79,6 +98,12 @@ type Driver struct {
 	// sysResource is whether the node holds CAP_SYS_RESOURCE (needed to
 	// lower the agent's OOM score).
 	sysResource bool
+	// ranges and userns give sandboxes their user namespaces (nil with
+	// HostRoot).
+	ranges *idRanges
+	userns *usernsPool
+	// disk holds the sandboxes' writable layers (nil without limits).
+	disk *diskPool
 }
 
 var _ substrate.Driver = (*Driver)(nil)
@@ -95,6 +120,12 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 	}
 	if cfg.StartTimeout == 0 {
 		cfg.StartTimeout = 30 * time.Second
+	}
+	if cfg.DefaultDiskMB == 0 {
+		cfg.DefaultDiskMB = 10240
+	}
+	if cfg.MaxDiskMB == 0 {
+		cfg.MaxDiskMB = 100 << 10
 	}
 	if cfg.RunDir == "" {
 		abs, _ := filepath.Abs(cfg.StateDir)
@@ -127,6 +158,16 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 	}
 	d.caps.Available = true
 	d.caps.Details["runtime"] = d.rtName + " " + d.rtVer
+	if d.cfg.HostRoot {
+		d.caps.Details["user_namespace"] = "off (host_root: root inside is the host's root)"
+	} else {
+		d.caps.Details["user_namespace"] = fmt.Sprintf("per sandbox, %d ids each from host id %d", idRangeSize, d.ranges.base)
+	}
+	if d.disk != nil {
+		d.caps.Details["disk_limit"] = fmt.Sprintf("a file system per sandbox (ext4 on a loop device), default %d MiB, max %d MiB", d.cfg.DefaultDiskMB, d.cfg.MaxDiskMB)
+	} else if d.caps.Details["disk_limit"] == "" {
+		d.caps.Details["disk_limit"] = "off"
+	}
 	log.Info("container substrate ready", slog.String("runtime", d.rtName+" "+d.rtVer), slog.String("cgroup", d.cgroups.mode.String()))
 	return d, nil
 }
@@ -140,7 +181,9 @@ func (d *Driver) probe() string {
 	d.sysResource = hasCapability(unix.CAP_SYS_RESOURCE)
 	var rl unix.Rlimit
 	d.nofile = 1 << 20
-	if unix.Getrlimit(unix.RLIMIT_NOFILE, &rl) == nil && !d.sysResource && rl.Max < d.nofile {
+	// In a user namespace the runtime sets the limit without
+	// CAP_SYS_RESOURCE over the host: never above the node's own.
+	if unix.Getrlimit(unix.RLIMIT_NOFILE, &rl) == nil && (!d.sysResource || !d.cfg.HostRoot) && rl.Max < d.nofile {
 		d.nofile = rl.Max
 	}
 	switch {
@@ -203,6 +246,47 @@ func (d *Driver) probe() string {
 	if err := writeSkeleton(d.skel); err != nil {
 		return fmt.Sprintf("create skeleton layer: %v", err)
 	}
+	if !d.cfg.HostRoot {
+		r, err := newIDRanges(idRangesDir, d.runRoot, d.log)
+		if err != nil {
+			return fmt.Sprintf("id ranges: %v", err)
+		}
+		d.ranges = r
+		if reason := d.probeUserns(); reason != "" {
+			return reason + " (set container.host_root to run sandboxes as the host's root)"
+		}
+		d.userns = newUsernsPool(r, d.log)
+	}
+	if !d.cfg.NoDiskLimits {
+		p, err := openDiskPool(filepath.Join(d.cfg.StateDir, "disks"), filepath.Join(d.cfg.RunDir, "disks"), d.cfg.DefaultDiskMB, d.log)
+		if err != nil {
+			d.log.Warn("sandbox disks are not limited", slog.Any("error", err))
+			d.caps.Details["disk_limit"] = "off: " + err.Error()
+		} else {
+			d.disk = p
+		}
+	}
+	return ""
+}
+
+// probeUserns checks that this kernel gives a user namespace made for a
+// range and id-mapped mounts of the layers' file system.
+func (d *Driver) probeUserns() string {
+	f, err := newUserNamespace(d.ranges.hostID(d.ranges.count - 1))
+	if err != nil {
+		return fmt.Sprintf("user namespaces: %v", err)
+	}
+	defer f.Close()
+	dir, err := os.MkdirTemp(d.cfg.StateDir, "probe-")
+	if err != nil {
+		return fmt.Sprintf("user namespaces: %v", err)
+	}
+	defer os.RemoveAll(dir)
+	detach, err := attachLayers(dir, []string{d.skel}, f)
+	if err != nil {
+		return fmt.Sprintf("id-mapped mounts of the image layers: %v", err)
+	}
+	detach()
 	return ""
 }
 
@@ -258,6 +342,18 @@ func writeSkeleton(dir string) error {
 	return nil
 }
 
+// Close gives back what the driver made ahead for creates (user
+// namespaces and their id ranges, file systems); running sandboxes are
+// left alone. Call it when the node stops.
+func (d *Driver) Close() {
+	if d.userns != nil {
+		d.userns.close()
+	}
+	if d.disk != nil {
+		d.disk.close()
+	}
+}
+
 // Capabilities implements substrate.Driver.
 func (d *Driver) Capabilities() substrate.Capabilities { return d.caps }
 
@@ -284,6 +380,9 @@ func (d *Driver) runRuntime(ctx context.Context, args ...string) error {
 
 // state is what an instance persists.
 type state struct {
+	// Version is the format's version (stateVersion when written; 0 for
+	// states written before versions).
+	Version   int    `json:"version,omitempty"`
 	Pid       int    `json:"pid"`        // the agent (the container's init)
 	StartTime uint64 `json:"start_time"` // of Pid, against pid reuse
 	// RuntimePid is the `crun run` process that waits for the container
@@ -293,6 +392,75 @@ type state struct {
 	Cgroup           string `json:"cgroup"`
 	Socket           string `json:"socket"`
 	Rootfs           string `json:"rootfs"`
+	// IDRange is the sandbox's range of host ids, and HostID its first
+	// id (root inside); HostID 0: no user namespace (host root).
+	IDRange int    `json:"id_range,omitempty"`
+	HostID  uint32 `json:"host_id,omitempty"`
+	// Disk is the sandbox's file system (its upper and work
+	// directories); nil: they are in the sandbox's directory, unlimited.
+	Disk *sandboxDisk `json:"disk,omitempty"`
+	// Sys is the node's mount of the sandbox's /sys ("": the runtime's).
+	Sys string `json:"sys,omitempty"`
+}
+
+// stateVersion is the version of state this driver writes. A node
+// refuses to adopt a sandbox whose state is of a later version than it
+// knows (written by a newer node) rather than misread it.
+const stateVersion = 1
+
+// init is the container's init (the agent); runtime is the runtime
+// process that waits for it.
+func (st *state) init() proc.ID { return proc.ID{Pid: st.Pid, StartTime: st.StartTime} }
+func (st *state) runtime() proc.ID {
+	return proc.ID{Pid: st.RuntimePid, StartTime: st.RuntimeStartTime}
+}
+
+// upper is the sandbox's upper directory.
+func (st *state) upper() string {
+	if st.Disk != nil {
+		return filepath.Join(st.Disk.dir, "upper")
+	}
+	return filepath.Join(filepath.Dir(st.Rootfs), "upper")
+}
+
+// refill has the pools make what creates took, in the background.
+func (d *Driver) refill() {
+	if d.userns != nil {
+		d.userns.refill()
+	}
+	if d.disk != nil {
+		d.disk.refill()
+	}
+}
+
+// diskMB is the disk size of s's sandbox (0: unlimited).
+func (d *Driver) diskMB(s *substrate.Spec) (int64, error) {
+	if d.disk == nil {
+		return 0, nil
+	}
+	mb := s.DiskMB
+	if mb == 0 {
+		mb = d.cfg.DefaultDiskMB
+	}
+	if mb < minDiskMB || mb > d.cfg.MaxDiskMB {
+		return 0, errdefs.Invalid("resources.disk_mb %d out of range [%d, %d]", mb, minDiskMB, d.cfg.MaxDiskMB)
+	}
+	return mb, nil
+}
+
+// prepareLayers makes a sandbox's upper, work and lower mountpoint
+// directories in dir. The upper directory is the root directory the
+// sandbox sees: its root's (host, the user namespace's root).
+func (d *Driver) prepareLayers(dir string, host uint32) error {
+	for _, sub := range []string{"upper", "work", "l"} {
+		if err := os.MkdirAll(filepath.Join(dir, sub), 0o755); err != nil {
+			return err
+		}
+	}
+	if host != 0 {
+		return os.Chown(filepath.Join(dir, "upper"), int(host), int(host))
+	}
+	return nil
 }
 
 // Create implements substrate.Driver.
@@ -307,26 +475,85 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	}
 	var undo undo.Stack
 	defer undo.RunUnless(&err)
-	rootfs := filepath.Join(s.Dir, "rootfs")
-	for _, sub := range []string{"upper", "work", "rootfs"} {
-		if err := os.MkdirAll(filepath.Join(s.Dir, sub), 0o755); err != nil {
+	defer d.refill() // after the create: the pools' work would compete with it
+	diskMB, err := d.diskMB(s)
+	if err != nil {
+		return nil, err
+	}
+	st := state{Version: stateVersion, Cgroup: d.cgroupPath(s.ID), Rootfs: filepath.Join(s.Dir, "rootfs")}
+	if err := os.MkdirAll(st.Rootfs, 0o755); err != nil {
+		return nil, errdefs.Internal(err, "prepare sandbox directory")
+	}
+	var ns *userNS
+	if d.userns != nil {
+		if ns, err = d.userns.take(s.ID); err != nil {
+			return nil, errdefs.Unavailable("no user namespace for the sandbox: %v", err).WithCause(err)
+		}
+		undo.Push(func() { d.ranges.free(ns.index) })
+		defer ns.close() // crun has joined it once Create returns
+		st.IDRange, st.HostID = ns.index, ns.host
+		// The runtime finds the root file system from the bundle (the
+		// sandbox's directory) in the sandbox's user namespace.
+		if err := os.Chmod(s.Dir, 0o711); err != nil {
 			return nil, errdefs.Internal(err, "prepare sandbox directory")
 		}
 	}
-	if err := mountOverlay(s.Dir, append([]string{d.skel}, s.Layers...), filepath.Join(s.Dir, "upper"), filepath.Join(s.Dir, "work"), rootfs); err != nil {
+	// The writable layer: upper and work on the sandbox's own file
+	// system, beside the mountpoints of the lower layers.
+	diskDir := s.Dir
+	if d.disk != nil {
+		sd, err := d.disk.take(diskMB)
+		if err != nil {
+			return nil, errdefs.Internal(err, "prepare the sandbox's disk")
+		}
+		// Released once the overlay is gone (pushed before its unmount).
+		undo.Push(func() { d.disk.release(sd) })
+		diskDir, st.Disk = sd.dir, sd
+	}
+	if err := d.prepareLayers(diskDir, st.HostID); err != nil {
+		return nil, errdefs.Internal(err, "prepare sandbox directory")
+	}
+	var nsFile *os.File
+	if ns != nil {
+		nsFile = ns.f
+	}
+	lowers := append([]string{d.skel}, s.Image.Links()...)
+	detach, err := attachLayers(filepath.Join(diskDir, "l"), lowers, nsFile)
+	if err != nil {
+		return nil, errdefs.Internal(err, "mount the image's layers")
+	}
+	names := make([]string, len(lowers))
+	for i := range lowers {
+		names[i] = "l/" + strconv.Itoa(i)
+	}
+	err = mountOverlay(diskDir, names, "upper", "work", st.Rootfs)
+	detach() // the overlay holds its own clones
+	if err != nil {
 		return nil, err
 	}
+	rootfs := st.Rootfs
 	undo.Push(func() { unmount(rootfs) })
-	if err := writeEtc(d.filesOf(s.ID), s); err != nil {
+	if err := writeEtc(d.filesOf(s.ID), s, st.HostID); err != nil {
 		return nil, errdefs.Internal(err, "write sandbox /etc files")
 	}
 	undo.Push(func() { os.RemoveAll(d.filesOf(s.ID)) })
-	agentFiles, undoAgent, err := d.prepareAgent(s.ID, s.Dir)
+	if ns != nil && s.Network.NetNS != "" {
+		// The runtime cannot mount a sysfs for a network namespace its
+		// user namespace does not own (it would bind the host's /sys):
+		// the node mounts the namespace's own for it.
+		st.Sys = filepath.Join(s.Dir, "sys")
+		if err := mountSysfs(s.Network.NetNS, st.Sys); err != nil {
+			return nil, errdefs.Internal(err, "mount the sandbox's /sys")
+		}
+		sys := st.Sys
+		undo.Push(func() { unmount(sys) })
+	}
+	agentFiles, undoAgent, err := d.prepareAgent(s.ID, s.Dir, st.HostID)
 	if err != nil {
 		return nil, errdefs.Internal(err, "prepare the agent's cgroups")
 	}
 	undo.Push(undoAgent)
-	spec, err := d.ociSpec(s, rootfs, s.Dir)
+	spec, err := d.ociSpec(s, st, ns)
 	if err != nil {
 		return nil, errdefs.Internal(err, "build runtime spec")
 	}
@@ -404,16 +631,21 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if err != nil {
 		return nil, errdefs.Internal(err, "read container pid")
 	}
-	st := state{
-		Pid: pid, StartTime: procStartTime(pid),
-		RuntimePid: cmd.Process.Pid, RuntimeStartTime: procStartTime(cmd.Process.Pid),
-		Cgroup: d.cgroupPath(s.ID), Socket: sock, Rootfs: rootfs,
+	st.Pid, st.StartTime = pid, proc.StartTime(pid)
+	if ns != nil && d.sysResource {
+		// Shield the agent (see ociSpec): lowering a score takes
+		// CAP_SYS_RESOURCE over the host, which the runtime in the
+		// sandbox's user namespace lacks; the node has it.
+		os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", []byte("-998"), 0)
 	}
+	st.RuntimePid, st.RuntimeStartTime = cmd.Process.Pid, proc.StartTime(cmd.Process.Pid)
+	st.Socket = sock
 	if sc := d.seccompFor(s); d.rtName == "crun" && sc.bpf() == "" {
 		sc.learn(filepath.Join(d.runRoot, s.ID))
 	}
 	inst := d.newInstance(s.ID, st)
 	inst.runtimeDone = runtimeDone
+	inst.ownsRange = ns != nil
 	inst.watch()
 	return inst, nil
 }
@@ -424,9 +656,25 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 	if err := json.Unmarshal(raw, &st); err != nil {
 		return nil, errdefs.Internal(err, "decode container state")
 	}
+	if st.Version > stateVersion {
+		return nil, errdefs.Internal(nil, "the sandbox's state is of version %d, written by a newer node; this node knows up to %d", st.Version, stateVersion)
+	}
 	inst := d.newInstance(s.ID, st)
+	if st.HostID != 0 && d.ranges != nil {
+		if inst.ownsRange = d.ranges.adopt(st.IDRange, s.ID); !inst.ownsRange {
+			d.log.Error("a re-adopted sandbox's id range is another's", slog.String("sandbox_id", s.ID), slog.Int("range", st.IDRange))
+		}
+	}
+	if st.Disk != nil && d.disk != nil {
+		d.disk.own(st.Disk)
+	}
 	if !inst.alive() {
 		return inst, errdefs.Gone("sandbox %s stopped while the node was down", s.ID)
+	}
+	if st.Disk != nil && d.disk != nil {
+		if err := d.disk.adopt(st.Disk); err != nil {
+			d.log.Warn("a re-adopted sandbox's file system cannot be mounted again (snapshots of it will fail)", slog.String("sandbox_id", s.ID), slog.Any("error", err))
+		}
 	}
 	if d.cgroups.frozen(st.Cgroup) {
 		// Paused before the restart: its agent cannot answer until resumed.
@@ -475,6 +723,12 @@ func (d *Driver) Sweep(keep func(id string) bool) int {
 		n++
 	}
 	d.sweepAgentCgroups(keep)
+	if d.disk != nil {
+		d.disk.sweep()
+	}
+	if d.ranges != nil {
+		d.ranges.sweep(d.userns.pooled)
+	}
 	return n
 }
 
@@ -507,24 +761,4 @@ func readPidFile(p string) (int, error) {
 		return 0, err
 	}
 	return strconv.Atoi(strings.TrimSpace(string(b)))
-}
-
-// procStartTime is a process's start time in clock ticks since boot (field
-// 22 of /proc/<pid>/stat); with the pid it identifies a process across pid
-// reuse.
-func procStartTime(pid int) uint64 {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0
-	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return 0
-	}
-	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 20 {
-		return 0
-	}
-	n, _ := strconv.ParseUint(f[19], 10, 64)
-	return n
 }

@@ -9,10 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
@@ -35,11 +32,15 @@ type instance struct {
 	mu        sync.Mutex
 	destroyed bool
 	paused    bool
+	// ownsRange: Destroy gives the id range back (this node holds it).
+	ownsRange bool
 }
 
 var (
-	_ substrate.Instance  = (*instance)(nil)
-	_ substrate.Diagnoser = (*instance)(nil)
+	_ substrate.Instance    = (*instance)(nil)
+	_ substrate.Diagnoser   = (*instance)(nil)
+	_ substrate.Pauser      = (*instance)(nil)
+	_ substrate.Snapshotter = (*instance)(nil)
 )
 
 // LastWords implements substrate.Diagnoser: the last line the agent (or the
@@ -90,68 +91,11 @@ func (i *instance) Done() <-chan struct{} { return i.done }
 
 // alive reports whether the container's init still runs (and is the same
 // process, not a reused pid).
-func (i *instance) alive() bool {
-	if i.st.Pid <= 0 {
-		return false
-	}
-	if err := syscall.Kill(i.st.Pid, 0); err != nil {
-		return false
-	}
-	st := procStartTime(i.st.Pid)
-	return st != 0 && st == i.st.StartTime && !isZombie(i.st.Pid)
-}
+func (i *instance) alive() bool { return i.st.init().Alive() }
 
-func isZombie(pid int) bool {
-	b, err := os.ReadFile("/proc/" + itoa(pid) + "/stat")
-	if err != nil {
-		return true
-	}
-	for j := len(b) - 1; j >= 0; j-- {
-		if b[j] == ')' {
-			return j+2 < len(b) && b[j+2] == 'Z'
-		}
-	}
-	return false
-}
-
-// watch closes done when the init exits, using a pidfd in the Go poller
-// (no thread per sandbox), or polling where pidfds are missing.
+// watch closes done when the init exits.
 func (i *instance) watch() {
-	i.watchOnce.Do(func() {
-		fd, err := unix.PidfdOpen(i.st.Pid, unix.PIDFD_NONBLOCK)
-		if err != nil || !i.alive() {
-			if err == nil {
-				unix.Close(fd)
-			}
-			go i.poll()
-			return
-		}
-		f := os.NewFile(uintptr(fd), "pidfd")
-		go func() {
-			defer f.Close()
-			rc, err := f.SyscallConn()
-			if err != nil {
-				i.poll()
-				return
-			}
-			first := true
-			rc.Read(func(uintptr) bool {
-				if first {
-					first = false
-					return false // wait for readability: the process exited
-				}
-				return true
-			})
-			close(i.done)
-		}()
-	})
-}
-
-func (i *instance) poll() {
-	for i.alive() {
-		time.Sleep(2 * time.Second)
-	}
-	close(i.done)
+	i.watchOnce.Do(func() { i.st.init().NotifyExit(i.done) })
 }
 
 func (i *instance) Check(ctx context.Context) error {
@@ -168,13 +112,18 @@ func (i *instance) Check(ctx context.Context) error {
 
 func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
 	c := i.d.cgroups
-	return substrate.Stats{
+	st := substrate.Stats{
 		MemoryBytes:   c.memory(i.st.Cgroup),
 		CPUTime:       c.cpu(i.st.Cgroup),
 		Pids:          c.pids(i.st.Cgroup),
 		OOMKills:      c.oomKills(i.st.Cgroup),
 		PidsLimitHits: c.pidsLimitHits(i.st.Cgroup),
-	}, nil
+	}
+	if i.st.Disk != nil {
+		st.DiskLimitBytes = i.st.Disk.SizeMB << 20
+		st.DiskBytes, _ = i.st.Disk.usage()
+	}
+	return st, nil
 }
 
 func (i *instance) Pause(ctx context.Context) error {
@@ -220,26 +169,14 @@ func (i *instance) Snapshot(ctx context.Context, w io.Writer) error {
 		}
 		defer i.Resume(context.WithoutCancel(ctx))
 	}
-	if err := image.TarOverlayUpper(filepath.Join(filepath.Dir(i.st.Rootfs), "upper"), w); err != nil {
+	var ids image.IDShift
+	if i.st.HostID != 0 {
+		ids = image.IDShift{From: i.st.HostID, Size: idRangeSize}
+	}
+	if err := image.TarOverlayUpper(i.st.upper(), w, ids); err != nil {
 		return errdefs.Internal(err, "capture the writable layer")
 	}
 	return nil
-}
-
-func (i *instance) SnapshotMachine(context.Context, string) error {
-	return errdefs.Unimplemented("container sandboxes have no memory snapshots (their snapshots are filesystem layers)")
-}
-
-func (i *instance) Screenshot(context.Context) (*substrate.Screenshot, error) {
-	return nil, errdefs.Unimplemented("container sandboxes have no screen (use kind vm)")
-}
-
-func (i *instance) SendInput(context.Context, []substrate.InputAction) error {
-	return errdefs.Unimplemented("container sandboxes have no screen (use kind vm)")
-}
-
-func (i *instance) OpenVNC(context.Context) (*substrate.VNC, error) {
-	return nil, errdefs.Unimplemented("container sandboxes have no screen (use kind vm)")
 }
 
 func (i *instance) Destroy(ctx context.Context) error {
@@ -255,16 +192,7 @@ func (i *instance) Destroy(ctx context.Context) error {
 	}
 	// Killing the init ends the container's pid namespace, so every
 	// process in it; the runtime then removes the cgroup and its state.
-	if i.alive() {
-		if fd, err := unix.PidfdOpen(i.st.Pid, 0); err == nil {
-			if i.alive() { // the pidfd refers to the verified process
-				unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
-			}
-			unix.Close(fd)
-		} else {
-			syscall.Kill(i.st.Pid, syscall.SIGKILL)
-		}
-	}
+	i.st.init().Kill()
 	if !i.waitRuntime(15 * time.Second) {
 		i.d.log.Warn("runtime did not finish after the sandbox's init died", slog.String("sandbox_id", i.id))
 	}
@@ -280,6 +208,20 @@ func (i *instance) Destroy(ctx context.Context) error {
 	}
 	if err := unmount(i.st.Rootfs); err != nil {
 		return errdefs.Internal(err, "unmount sandbox root filesystem")
+	}
+	if i.st.Sys != "" {
+		unmount(i.st.Sys)
+	}
+	if i.st.Disk != nil {
+		if i.d.disk == nil {
+			i.d.log.Warn("the sandbox's file system stays: this node makes none", slog.String("sandbox_id", i.id))
+		} else {
+			i.d.disk.release(i.st.Disk)
+		}
+	}
+	if i.ownsRange {
+		i.d.ranges.free(i.st.IDRange)
+		i.ownsRange = false
 	}
 	os.Remove(i.st.Socket)
 	os.RemoveAll(i.d.filesOf(i.id))
@@ -297,15 +239,5 @@ func (i *instance) waitRuntime(timeout time.Duration) bool {
 			return false
 		}
 	}
-	if i.st.RuntimePid <= 0 || procStartTime(i.st.RuntimePid) != i.st.RuntimeStartTime {
-		return true
-	}
-	deadline := time.Now().Add(timeout)
-	for time.Now().Before(deadline) {
-		if procStartTime(i.st.RuntimePid) != i.st.RuntimeStartTime || isZombie(i.st.RuntimePid) {
-			return true
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-	return false
+	return i.st.runtime().Wait(timeout)
 }

@@ -18,47 +18,21 @@ import (
 // maxMountData is the kernel's limit on mount options (one page).
 const maxMountData = 4095
 
-// mountOverlay mounts lowers (top first) under upper at target. The
-// directories are given to the kernel relative to base, so the mount's
-// options — which a sandbox reads in its own /proc/self/mountinfo — hold
-// no host path.
+// mountOverlay mounts an overlay at target whose layers are named
+// relative to base: lowers (top first), upper and work. Relative names
+// keep host paths out of the mount's options, which a sandbox reads in its
+// own /proc/self/mountinfo.
 func mountOverlay(base string, lowers []string, upper, work, target string) error {
-	base, err := filepath.Abs(base)
+	target, err := filepath.Abs(target)
 	if err != nil {
 		return errdefs.Internal(err, "mount sandbox root filesystem")
 	}
-	rel := func(p string) (string, error) {
-		abs, err := filepath.Abs(p)
-		if err != nil {
-			return "", errdefs.Internal(err, "mount sandbox root filesystem")
-		}
-		r, err := filepath.Rel(base, abs)
-		if err != nil {
-			return "", errdefs.Internal(err, "mount sandbox root filesystem")
-		}
-		return r, nil
-	}
-	parts := make([]string, 0, len(lowers))
-	for _, l := range lowers {
-		r, err := rel(l)
-		if err != nil {
-			return err
-		}
-		parts = append(parts, r)
-	}
-	up, err := rel(upper)
-	if err != nil {
-		return err
-	}
-	wk, err := rel(work)
-	if err != nil {
-		return err
-	}
-	data := "lowerdir=" + strings.Join(parts, ":") + ",upperdir=" + up + ",workdir=" + wk
+	data := "lowerdir=" + strings.Join(lowers, ":") + ",upperdir=" + upper + ",workdir=" + work
 	if len(data) > maxMountData {
 		return errdefs.Invalid("image has too many layers for one overlay mount (%d)", len(lowers)-1)
 	}
-	if err := inDir(base, func() error { return unix.Mount("overlay", target, "overlay", unix.MS_NODEV, data) }); err != nil {
+	err = inDir(base, func() error { return unix.Mount("overlay", target, "overlay", unix.MS_NODEV, data) })
+	if err != nil {
 		return errdefs.Internal(err, "mount sandbox root filesystem")
 	}
 	return nil

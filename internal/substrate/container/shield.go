@@ -60,8 +60,11 @@ func (d *Driver) shieldable() bool {
 // for collected output (dir/spool), and, where shieldable, the agent's own
 // cgroups and the sandbox's (which the runtime then joins), opened here
 // because cgroup v1 checks the opener's credentials (see agent.Shield).
-// On error nothing is left behind; undo removes what it made.
-func (d *Driver) prepareAgent(id, dir string) (_ *agentFiles, undo func(), err error) {
+// With a user namespace (host, the host id of root inside, not 0) the
+// agent is an unprivileged user on the host: the spool directory and the
+// sandbox's pids cgroup directory (where it makes per-exec cgroups) are
+// that user's. On error nothing is left behind; undo removes what it made.
+func (d *Driver) prepareAgent(id, dir string, host uint32) (_ *agentFiles, undo func(), err error) {
 	a := &agentFiles{}
 	var made []string // cgroup directories, in creation order
 	undo = func() {
@@ -78,6 +81,11 @@ func (d *Driver) prepareAgent(id, dir string) (_ *agentFiles, undo func(), err e
 	spool := filepath.Join(dir, "spool")
 	if err := os.MkdirAll(spool, 0o700); err != nil {
 		return nil, nil, err
+	}
+	if host != 0 {
+		if err := os.Chown(spool, int(host), int(host)); err != nil {
+			return nil, nil, err
+		}
 	}
 	sf, err := os.Open(spool)
 	if err != nil {
@@ -117,6 +125,11 @@ func (d *Driver) prepareAgent(id, dir string) (_ *agentFiles, undo func(), err e
 		}
 		home = append(home, strconv.Itoa(a.add(tasks)))
 		if c == "pids" {
+			if host != 0 {
+				if err := os.Chown(sandbox, int(host), int(host)); err != nil {
+					return nil, nil, err
+				}
+			}
 			df, err := os.Open(sandbox)
 			if err != nil {
 				return nil, nil, err

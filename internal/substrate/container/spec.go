@@ -1,6 +1,7 @@
 package container
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -38,12 +39,18 @@ var sandboxCaps = []string{
 // ever dropped, CAP_NET_RAW must leave this set too.
 var boundingCaps = append(append([]string(nil), sandboxCaps...), "CAP_NET_RAW")
 
-// sandboxSysctls are set in every sandbox's network namespace.
-var sandboxSysctls = map[string]string{
+// sandboxSysctls are set in the network namespace the runtime makes for
+// a sandbox (network none; the node sets the same in egress namespaces).
+func sandboxSysctls(userns bool) map[string]string {
 	// ICMP echo sockets (SOCK_DGRAM, IPPROTO_ICMP) for every group: ping
 	// without CAP_NET_RAW. They send echo requests only; the kernel sets
-	// the headers.
-	"net.ipv4.ping_group_range": "0 2147483647",
+	// the headers. The range is read in the writer's user namespace, which
+	// maps only its range's ids.
+	groups := "0 2147483647"
+	if userns {
+		groups = fmt.Sprintf("0 %d", idRangeSize-1)
+	}
+	return map[string]string{"net.ipv4.ping_group_range": groups}
 }
 
 // maskedPaths hide host information; kpage* are there because reading them
@@ -59,8 +66,10 @@ var readonlyPaths = []string{
 	"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys",
 }
 
-// ociSpec builds the runtime spec for a sandbox whose init is the agent.
-func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, error) {
+// ociSpec builds the runtime spec for a sandbox whose init is the agent,
+// in user namespace ns (nil: none).
+func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS) (*specs.Spec, error) {
+	rootfs := st.Rootfs
 	caps := append([]string(nil), sandboxCaps...)
 	bounding := append([]string(nil), boundingCaps...)
 	if s.MountNamespaces {
@@ -73,7 +82,7 @@ func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, er
 		env = append([]string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, env...)
 	}
 	var oomAdj *int
-	if d.sysResource {
+	if d.sysResource && ns == nil { // in a user namespace the node sets it after the start
 		// Shield the agent: a memory bomb kills the bomb, not the sandbox.
 		v := -998
 		oomAdj = &v
@@ -81,7 +90,10 @@ func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, er
 	spec := &specs.Spec{
 		Version:  "1.0.2", // the newest version crun 1.8 and runc 1.1 accept
 		Hostname: s.Hostname,
-		Root:     &specs.Root{Path: rootfs, Readonly: s.ReadOnlyRootfs},
+		// Relative to the bundle (the sandbox's directory): the runtime
+		// resolves it in the sandbox's user namespace, whose root may not
+		// search the node's directories.
+		Root: &specs.Root{Path: filepath.Base(rootfs), Readonly: s.ReadOnlyRootfs},
 		Process: &specs.Process{
 			Args: guestArgs(s),
 			Env:  env,
@@ -115,8 +127,20 @@ func (d *Driver) ociSpec(s *substrate.Spec, rootfs, dir string) (*specs.Spec, er
 				{Type: specs.MountNamespace}, {Type: specs.NetworkNamespace, Path: s.Network.NetNS},
 			},
 			Resources: d.resources(s),
-			Sysctl:    sandboxSysctls,
 		},
+	}
+	if s.Network.NetNS == "" {
+		spec.Linux.Sysctl = sandboxSysctls(ns != nil)
+	}
+	if ns != nil {
+		spec.Linux.Namespaces = append(spec.Linux.Namespaces, specs.LinuxNamespace{Type: specs.UserNamespace, Path: ns.path()})
+	}
+	if st.Sys != "" {
+		for j, m := range spec.Mounts {
+			if m.Destination == "/sys" {
+				spec.Mounts[j] = specs.Mount{Destination: "/sys", Type: "bind", Source: st.Sys, Options: []string{"bind", "ro", "nosuid", "noexec", "nodev"}}
+			}
+		}
 	}
 	for _, t := range s.Tmpfs {
 		opts := []string{"nosuid", "nodev"}
@@ -210,8 +234,8 @@ func (d *Driver) resources(s *substrate.Spec) *specs.LinuxResources {
 }
 
 // writeEtc writes the files bind-mounted over /etc/hosts, /etc/hostname and
-// /etc/resolv.conf into dir.
-func writeEtc(dir string, s *substrate.Spec) error {
+// /etc/resolv.conf into dir, owned by host id host (root inside).
+func writeEtc(dir string, s *substrate.Spec, owner uint32) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
@@ -222,8 +246,14 @@ func writeEtc(dir string, s *substrate.Spec) error {
 		"resolv.conf": s.Network.ResolvConf,
 	}
 	for name, content := range files {
-		if err := os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644); err != nil {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
 			return err
+		}
+		if owner != 0 {
+			if err := os.Chown(p, int(owner), int(owner)); err != nil {
+				return err
+			}
 		}
 	}
 	return nil

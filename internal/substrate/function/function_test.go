@@ -40,7 +40,7 @@ func TestConformance(t *testing.T) {
 		Driver: d,
 		NewSpec: func(t *testing.T) *substrate.Spec {
 			n++
-			return &substrate.Spec{ID: fmt.Sprintf("f%d", n), Dir: t.TempDir(), Layers: store.LowerDirs(img), Env: []string{"DSEC_TEST=42"}}
+			return &substrate.Spec{ID: fmt.Sprintf("f%d", n), Dir: t.TempDir(), Image: substrate.ImageOf(store, img), Env: []string{"DSEC_TEST=42"}}
 		},
 		SkipLimits: true, // per-call limits are tested through RunCode
 	})
@@ -78,6 +78,7 @@ func newDriver(t *testing.T, cfg Config) (*Driver, *image.Store, *image.Image) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(ct.Close)
 	cfg.StateDir = filepath.Join(dir, "function")
 	d := New(cfg, ct, store, slog.Default(), runtime.NumCPU())
 	t.Cleanup(d.Close)
