@@ -7,7 +7,7 @@ import asyncio
 import os
 import stat
 import threading
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from ..aio import AsyncClient, AsyncSandbox
 from ..client import Client
@@ -86,10 +86,12 @@ async def upload_dir(sb: AsyncSandbox, local_dir: str, remote_dir: str, concurre
     await asyncio.gather(*(one(s, d) for s, d in files))
 
 
-async def download_dir(sb: AsyncSandbox, remote_dir: str, local_dir: str, concurrency: int = 16) -> None:
+async def download_dir(sb: AsyncSandbox, remote_dir: str, local_dir: str, concurrency: int = 16,
+                       skip: Optional[Callable[[str], bool]] = None) -> None:
     """Copy a sandbox directory tree to a local directory (regular files
     and directories, modes kept; existing files are overwritten; symbolic
-    links are not followed out of the tree and are skipped)."""
+    links are not followed out of the tree and are skipped; so are the
+    paths, relative to remote_dir, for which ``skip`` is true)."""
     local_dir = os.fspath(local_dir)
     root = os.path.realpath(local_dir)
     os.makedirs(root, exist_ok=True)
@@ -99,6 +101,8 @@ async def download_dir(sb: AsyncSandbox, remote_dir: str, local_dir: str, concur
     todo = []
     for e in entries:
         rel = e.path[len(base):] if e.path.startswith(base) else e.name
+        if skip is not None and (skip(rel) or any(skip(p) for p in _parents(rel))):
+            continue
         dest = os.path.realpath(os.path.join(root, rel))
         if not (dest == root or dest.startswith(root + os.sep)):
             continue
@@ -115,3 +119,8 @@ async def download_dir(sb: AsyncSandbox, remote_dir: str, local_dir: str, concur
                 os.chmod(dst, stat.S_IMODE(mode))
 
     await asyncio.gather(*(one(*t) for t in todo))
+
+
+def _parents(rel: str) -> List[str]:
+    parts = rel.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]

@@ -32,12 +32,14 @@ import re
 import shlex
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..aio import AsyncClient, AsyncSandbox
 from ..errors import DsecError
 from ._common import UnsupportedOption
 
+#: the PATH a container sandbox has when its image sets none
+_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _IGNORED = {"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER", "STOPSIGNAL"}
 _ARCHIVE = re.compile(r"\.(tar|tar\.gz|tgz|tar\.bz2|tbz2|tar\.xz|txz)$")
 
@@ -126,10 +128,14 @@ def _json_or_words(rest: str) -> List[str]:
     return shlex.split(rest)
 
 
-def parse(text: str, context: str, where: str = "Dockerfile") -> Plan:
-    """Parse a Dockerfile; raise UnsupportedOption for what cannot be built."""
+def parse(text: str, context: str, where: str = "Dockerfile",
+          base_env: Optional[Callable[[str], Mapping[str, str]]] = None) -> Plan:
+    """Parse a Dockerfile; raise UnsupportedOption for what cannot be built.
+    ``base_env(image)`` is the FROM image's environment, which ENV, WORKDIR
+    and COPY expand variables from (``ENV PATH=/opt/bin:$PATH``)."""
     vars: Dict[str, str] = {}
     env: Dict[str, str] = {}
+    inherited: Dict[str, str] = {}
     workdir, user = "", ""
     base = ""
     steps: List[Step] = []
@@ -146,6 +152,7 @@ def parse(text: str, context: str, where: str = "Dockerfile") -> Plan:
             if len(words) > 1:
                 raise UnsupportedOption(where, f"FROM ... {' '.join(words[1:])}", "named stages need a multi-stage build")
             base = _expand(words[0], vars)
+            inherited = dict(base_env(base)) if base_env else {}
         elif op == "ARG":
             for item in shlex.split(rest):
                 k, eq, v = item.partition("=")
@@ -157,26 +164,26 @@ def parse(text: str, context: str, where: str = "Dockerfile") -> Plan:
                 items = [items[0] + "=" + " ".join(items[1:])]
             for item in items:
                 k, _, v = item.partition("=")
-                v = _expand(v, {**vars, **env})
+                v = _expand(v, {**inherited, **vars, **env})
                 env[k] = vars[k] = v
         elif op == "WORKDIR":
-            w = _expand(rest.strip(), {**vars, **env})
+            w = _expand(rest.strip(), {**inherited, **vars, **env})
             workdir = w if w.startswith("/") else os.path.join(workdir or "/", w)
             steps.append(Step("WORKDIR", workdir, dict(env), workdir, user))
         elif op == "USER":
-            user = _expand(rest.strip(), {**vars, **env})
+            user = _expand(rest.strip(), {**inherited, **vars, **env})
         elif op == "RUN":
             flags, rest = _flags(rest)
             if flags:
                 raise UnsupportedOption(where, "RUN --" + next(iter(flags)), "RUN takes no flags here")
             argv = json.loads(rest) if rest.startswith("[") else ["/bin/sh", "-c", rest]
-            steps.append(Step("RUN", argv, {**vars, **env}, workdir, user))
+            steps.append(Step("RUN", argv, {**inherited, **vars, **env}, workdir, user))
         elif op in ("COPY", "ADD"):
             flags, rest = _flags(rest)
             for k in flags:
                 if k not in ("chown", "chmod"):
                     raise UnsupportedOption(where, f"{op} --{k}", "COPY/ADD take --chown and --chmod only")
-            words = [_expand(w, {**vars, **env}) for w in _json_or_words(rest)]
+            words = [_expand(w, {**inherited, **vars, **env}) for w in _json_or_words(rest)]
             if len(words) < 2:
                 raise BuildFailed(f"{where}: {op} needs a source and a destination")
             srcs, dest = words[:-1], words[-1]
@@ -191,7 +198,7 @@ def parse(text: str, context: str, where: str = "Dockerfile") -> Plan:
             steps.append(Step("COPY", files, dict(env), workdir, user, flags))
         elif op == "VOLUME":
             for d in _json_or_words(rest):
-                steps.append(Step("WORKDIR", _expand(d, {**vars, **env}), dict(env), workdir, user))
+                steps.append(Step("WORKDIR", _expand(d, {**inherited, **vars, **env}), dict(env), workdir, user))
         elif op in _IGNORED:
             continue
         else:
@@ -292,10 +299,18 @@ class Builder:
         """The image or snapshot the environment in ``context`` runs on,
         built if no build of the same content exists (or ``force``)."""
         path = os.path.join(context, dockerfile)
-        text = open(path).read()
-        plan = parse(text, context, where=path)
-        base = self.image_map.get(plan.base, plan.base)
+        with open(path) as f:
+            text = f.read()
         images = {i.get("name"): i for i in await self.client.images()}
+
+        def base_env(name: str) -> Dict[str, str]:
+            cfg = images.get(self.image_map.get(name, name), {}).get("config") or {}
+            env = dict(e.split("=", 1) for e in cfg.get("env") or [] if "=" in e)
+            env.setdefault("PATH", _DEFAULT_PATH)
+            return env
+
+        plan = parse(text, context, where=path, base_env=base_env)
+        base = self.image_map.get(plan.base, plan.base)
         if base not in images:
             raise UnsupportedOption(path, f"FROM {plan.base}",
                                     f"the dsec server has no image {base!r}; import it under that name "
@@ -349,7 +364,7 @@ class Builder:
 
     async def _step(self, sb: AsyncSandbox, context: str, st: Step) -> None:
         if st.op == "WORKDIR":
-            await self._run(sb, ["mkdir", "-p", st.args], st, user="root")
+            await self._run(sb, ["mkdir", "-p", st.args], st, user="root", cwd="/")
         elif st.op == "RUN":
             await self._run(sb, st.args, st)
         elif st.op == "COPY":
@@ -361,8 +376,9 @@ class Builder:
             if st.flags.get("chmod") and dests:
                 await self._run(sb, ["chmod", st.flags["chmod"], *dests], st, user="root")
 
-    async def _run(self, sb: AsyncSandbox, argv: List[str], st: Step, user: Optional[str] = None) -> None:
-        r = await sb.exec(argv, env=st.env or None, cwd=st.workdir or None, user=user or st.user or None,
+    async def _run(self, sb: AsyncSandbox, argv: List[str], st: Step, user: Optional[str] = None,
+                   cwd: Optional[str] = None) -> None:
+        r = await sb.exec(argv, env=st.env or None, cwd=cwd or st.workdir or None, user=user or st.user or None,
                           timeout_s=self.timeout_s)
         if r.exit_code != 0 or r.timed_out:
             tail = (r.stderr or r.stdout)[-2000:]
