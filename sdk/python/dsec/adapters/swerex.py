@@ -248,7 +248,10 @@ class DsecRuntime(AbstractRuntime):
         self.sessions: Dict[str, AsyncShellSession] = {}
 
     async def is_alive(self, *, timeout: Optional[float] = None) -> IsAliveResponse:
-        ok = await self.sandbox.alive()
+        try:
+            ok = await asyncio.wait_for(self.sandbox.alive(), timeout)
+        except asyncio.TimeoutError:
+            return IsAliveResponse(is_alive=False, message=f"sandbox {self.sandbox.id} did not answer in {timeout}s")
         return IsAliveResponse(is_alive=ok, message="" if ok else f"sandbox {self.sandbox.id} is not running")
 
     async def create_session(self, request: CreateBashSessionRequest) -> CreateBashSessionResponse:
