@@ -13,13 +13,14 @@ The switch is the factory harbor_rl takes (``SandboxFactory = Callable[[Path,
 int], Awaitable[SandboxInterface]]``)::
 
     from dsec.adapters.tinker import sandbox_factory
-    builder = HarborDatasetBuilder(..., sandbox_factory=sandbox_factory())
+    asyncio.run(cli_main(cli_config, tasks, sandbox_factory=sandbox_factory()))
 
 It builds the task's ``environment/Dockerfile`` through dsec (cached by
 content: a group shares one build) and starts a sandbox with the given
-lifetime. Refused, naming it: an environment directory without a Dockerfile
-when no ``image`` is given (see ``_dockerfile`` for the Dockerfile
-instructions the builder refuses).
+lifetime. The factory pickles, as tinker's EnvGroupBuilders must. Refused,
+naming it: an environment directory without a Dockerfile when no ``image``
+is given (see ``_dockerfile`` for the Dockerfile instructions the builder
+refuses).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import asyncio
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
 from ..aio import AsyncClient, AsyncSandbox
 from ..errors import DsecError, NotFound, PermissionDenied, SandboxGone
@@ -65,16 +66,24 @@ def _gone(e: DsecError) -> bool:
 class DsecSandbox:
     """tinker's SandboxInterface over one dsec sandbox."""
 
-    def __init__(self, sandbox: AsyncSandbox, shell: str = "bash") -> None:
+    def __init__(self, sandbox: AsyncSandbox, shell: str = "bash", max_output_bytes: int = 128 * 1024) -> None:
         self._sb = sandbox
         self._shell = shell
+        self._max_output_bytes = max_output_bytes
 
     @classmethod
-    async def create(cls, client: Optional[AsyncClient] = None, **create_kwargs: Any) -> "DsecSandbox":
-        """Create a sandbox (AsyncClient.create's keywords)."""
+    async def create(cls, client: Optional[AsyncClient] = None, *, max_output_bytes: int = 128 * 1024,
+                     **create_kwargs: Any) -> "DsecSandbox":
+        """Create a sandbox (AsyncClient.create's keywords). Commands' output
+        is capped at ``max_output_bytes`` per stream unless a call says
+        otherwise (Modal's default, 128 KiB)."""
         sb = await (client or async_client()).create(**create_kwargs)
-        shell = "bash" if (await sb.exec(["sh", "-c", "command -v bash"])).exit_code == 0 else "sh"
-        return cls(sb, shell)
+        try:
+            shell = "bash" if (await sb.exec(["sh", "-c", "command -v bash"])).exit_code == 0 else "sh"
+        except BaseException:
+            await sb.close()
+            raise
+        return cls(sb, shell, max_output_bytes)
 
     @property
     def sandbox_id(self) -> str:
@@ -98,7 +107,7 @@ class DsecSandbox:
         """Run a command with a login shell (as Modal's ``bash -lc``)."""
         try:
             r = await self._sb.exec([self._shell, "-lc", command], cwd=workdir, timeout_s=timeout,
-                                    max_output_bytes=max_output_bytes)
+                                    max_output_bytes=max_output_bytes or self._max_output_bytes)
         except DsecError as e:
             if _gone(e):
                 raise SandboxTerminatedError(str(e)) from e
@@ -142,33 +151,62 @@ class DsecSandbox:
                 raise
 
 
-def sandbox_factory(client: Optional[AsyncClient] = None, *, image: Optional[str] = None, kind: str = "container",
-                    image_map: Optional[Mapping[str, str]] = None, build_network: str = "egress",
-                    **create_kwargs: Any) -> Callable[[Path, int], Awaitable[DsecSandbox]]:
-    """A tinker ``SandboxFactory``: ``(env_dir, timeout) -> SandboxInterface``.
+class DsecSandboxFactory:
+    """A tinker ``SandboxFactory``: ``await factory(env_dir, timeout)``
+    returns a DsecSandbox. Picklable (tinker pickles its EnvGroupBuilders,
+    which hold the factory): it keeps the server's URL and key, not a
+    connection.
 
     ``env_dir`` is the task's environment directory: its Dockerfile is built
-    through dsec (once per content) and the sandbox starts from the result,
-    living ``timeout`` seconds. ``image`` is used for an environment
-    directory without a Dockerfile. ``create_kwargs`` are AsyncClient.create's
-    (cpu, memory_mb, network, labels...)."""
-    c = client or async_client()
-    builder = Builder(c, kind=kind, image_map=image_map, network=build_network, prefix="tinker-build-")
+    through dsec (once per content, see ``_dockerfile``) and the sandbox
+    starts from the result, living ``timeout`` seconds. ``image`` is used
+    for an environment directory without a Dockerfile; without one, that is
+    refused. ``create_kwargs`` are AsyncClient.create's (cpu, memory_mb,
+    network, labels...); ``network`` defaults to ``egress``, as a Modal
+    sandbox has the internet."""
 
-    async def factory(env_dir: Union[Path, str], timeout: int) -> DsecSandbox:
-        kw: Dict[str, Any] = dict(create_kwargs, kind=kind)
+    def __init__(self, url: Optional[str] = None, api_key: Optional[str] = None, *, image: Optional[str] = None,
+                 kind: str = "container", image_map: Optional[Mapping[str, str]] = None,
+                 build_network: str = "egress", max_output_bytes: int = 128 * 1024,
+                 client: Optional[AsyncClient] = None, **create_kwargs: Any) -> None:
+        self.url, self.api_key = url, api_key
+        self.image, self.kind, self.image_map = image, kind, dict(image_map or {})
+        self.build_network, self.max_output_bytes = build_network, max_output_bytes
+        self.create_kwargs = {"network": "egress", **create_kwargs}
+        self._client = client
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_client"}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._client = None
+
+    def client(self) -> AsyncClient:
+        return self._client or async_client(self.url, self.api_key)
+
+    async def __call__(self, env_dir: Union[Path, str], timeout: int) -> DsecSandbox:
+        c = self.client()
+        kw: Dict[str, Any] = dict(self.create_kwargs, kind=self.kind)
         if timeout:
             kw["ttl_s"] = int(timeout)
         if os.path.exists(os.path.join(str(env_dir), "Dockerfile")):
+            builder = Builder(c, kind=self.kind, image_map=self.image_map, network=self.build_network,
+                              prefix="tinker-build-")
             kw.update((await builder.image_for(str(env_dir))).spec())
-        elif image:
-            kw["image"] = image
+        elif self.image:
+            kw["image"] = self.image_map.get(self.image, self.image)
         else:
-            raise UnsupportedOption("dsec tinker sandbox_factory", f"environment {env_dir} without a Dockerfile",
-                                    "give sandbox_factory(image=...) for environments that bring none")
-        return await DsecSandbox.create(c, **kw)
-
-    return factory
+            raise UnsupportedOption("dsec tinker sandbox factory", f"environment {env_dir} without a Dockerfile",
+                                    "give DsecSandboxFactory(image=...) for environments that bring none")
+        return await DsecSandbox.create(c, max_output_bytes=self.max_output_bytes, **kw)
 
 
-__all__ = ["DsecSandbox", "SandboxResult", "SandboxTerminatedError", "sandbox_factory", "TINKER"]
+def sandbox_factory(url: Optional[str] = None, api_key: Optional[str] = None, **kwargs: Any) -> DsecSandboxFactory:
+    """The factory for harbor_rl's ``sandbox_factory`` (see DsecSandboxFactory)."""
+    if isinstance(url, AsyncClient):  # sandbox_factory(client, ...)
+        return DsecSandboxFactory(client=url, api_key=api_key, **kwargs)
+    return DsecSandboxFactory(url, api_key, **kwargs)
+
+
+__all__ = ["DsecSandbox", "DsecSandboxFactory", "SandboxResult", "SandboxTerminatedError", "sandbox_factory", "TINKER"]
