@@ -11,6 +11,7 @@ wraps it where open-instruct's modules hold it::
     import dsec.adapters.open_instruct
     dsec.adapters.open_instruct.register()   # backend "dsec"
     # then the environment config: backend: dsec, image: debian
+    # (or keep open-instruct's image and register(image_map={"python:3.12-slim": "debian"}))
 
 ``run_command`` behaves as DockerBackend's: each command a fresh ``bash -c``
 with stdout and stderr apart, at most 1 MB each, a timeout is exit code 124
@@ -72,10 +73,11 @@ class DsecBackend(SandboxBackend):  # type: ignore[misc,valid-type]
     def __init__(self, image: str = "debian", timeout: int = 1800, mem_limit: Optional[str] = "4g", *,
                  url: Optional[str] = None, api_key: Optional[str] = None, kind: str = "container",
                  cpu: Optional[float] = None, network: str = "none", ttl_s: Optional[int] = None,
-                 persistent_shell: bool = False, client: Optional[Client] = None) -> None:
+                 image_map: Optional[Dict[str, str]] = None, persistent_shell: bool = False,
+                 client: Optional[Client] = None) -> None:
         self.client = client or sync_client(url, api_key)
         self.image, self.timeout = image, timeout
-        self._spec: Dict[str, Any] = {"image": image, "kind": kind, "network": network}
+        self._spec: Dict[str, Any] = {"image": dict(image_map or {}).get(image, image), "kind": kind, "network": network}
         mem = _mem_mb(mem_limit)
         for k, v in (("memory_mb", mem), ("cpu", cpu), ("ttl_s", ttl_s)):
             if v:
