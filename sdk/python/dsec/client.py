@@ -737,7 +737,12 @@ def quote(argv: Sequence[str]) -> str:
 def request_id(trajectory: Any, step: Any, *parts: Any) -> str:
     """A request ID derived from (trajectory, step, ...): a trainer that
     re-runs the same rollout after a restart issues the same IDs, so its
-    completed calls are fast-forwarded from the trajectory log."""
+    completed calls are fast-forwarded from the trajectory log.
+
+    ``trajectory`` must name the run instance, not only the run: a fresh run
+    that derived the same IDs as an earlier one would be answered from the
+    earlier run's log. :class:`dsec.RunKeys` keeps a per-run nonce in the
+    run's journal and derives IDs and idempotency keys from it."""
     return "/".join(str(p) for p in (trajectory, step) + parts)
 
 
