@@ -85,6 +85,12 @@ def test_swe_agent_starts_copies_the_repo_runs_commands_and_stops(deployment, cl
         run(deployment.runtime.run_in_session(rex.BashAction(command="sleep 60", timeout=1, check="silent")))
     run(deployment.runtime.run_in_session(rex.BashInterruptAction()))
     assert communicate(deployment, "echo $STEP", check="raise") == "1\n"
+    # A command that ignores the interrupt: BashInterruptAction ends it, and the session lives on.
+    with pytest.raises(rex.CommandTimeoutError):
+        run(deployment.runtime.run_in_session(rex.BashAction(command="bash -c \"trap '' INT; sleep 60\"",
+                                                              timeout=1, check="silent")))
+    run(deployment.runtime.run_in_session(rex.BashInterruptAction()))
+    assert communicate(deployment, "echo $STEP", check="raise") == "1\n"
 
     # Subprocess commands: stderr apart, or merged on request; env replaces the environment.
     r = run(deployment.runtime.execute(rex.Command(command="echo out; echo err >&2", shell=True)))
