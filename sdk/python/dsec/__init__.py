@@ -12,6 +12,7 @@ Standard library only. Every error is a :class:`DsecError` with ``.infra``
 
 from .client import Client, ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, SnapshotInfo, quote, request_id
 from .session import Session
+from .runkeys import RunKeys
 from .aio import AsyncClient, AsyncSandbox
 from .functions import Checker, RunCodeResult
 from .errors import (
@@ -46,6 +47,7 @@ __all__ = [
     "FileInfo",
     "quote",
     "request_id",
+    "RunKeys",
     "Session",
     "SnapshotInfo",
     "DsecError",

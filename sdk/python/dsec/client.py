@@ -196,7 +196,8 @@ def _exec_request(sandbox_id: str, cmd: Command, *, timeout_s: Optional[float], 
 
 
 def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Optional[float] = None,
-                memory_mb: Optional[int] = None, pids: Optional[int] = None, ttl_s: Optional[int] = None,
+                memory_mb: Optional[int] = None, pids: Optional[int] = None, disk_mb: Optional[int] = None,
+                gpu: Optional[int] = None, ttl_s: Optional[int] = None,
                 idle_ttl_s: Optional[int] = None, labels: Optional[Mapping[str, str]] = None,
                 env: Optional[Mapping[str, str]] = None, network: Optional[str] = None, user: Optional[str] = None,
                 workdir: Optional[str] = None, from_snapshot: Any = None, session: Any = None,
@@ -215,6 +216,10 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
         spec["resources"]["memoryMb"] = str(int(memory_mb))
     if pids:
         spec["resources"]["pids"] = str(int(pids))
+    if disk_mb:
+        spec["resources"]["diskMb"] = str(int(disk_mb))
+    if gpu:
+        spec["resources"]["gpu"] = int(gpu)
     if ttl_s:
         spec["ttlS"] = str(int(ttl_s))
     if idle_ttl_s:
@@ -362,8 +367,13 @@ class Sandbox:
                 f.write(chunk)
         os.replace(tmp, local_path)
 
-    def stat(self, path: str) -> FileInfo:
-        return FileInfo._from(self._client._t.unary(_FILES, "Stat", {"sandboxId": self.id, "path": path}))
+    def stat(self, path: str, *, user: Optional[str] = None) -> FileInfo:
+        """A path's info (as ``user``, when given: a path that user cannot
+        reach is PermissionDenied)."""
+        req = {"sandboxId": self.id, "path": path}
+        if user:
+            req["user"] = user
+        return FileInfo._from(self._client._t.unary(_FILES, "Stat", req))
 
     def exists(self, path: str) -> bool:
         try:
@@ -401,11 +411,14 @@ class Sandbox:
         self._info = SandboxInfo._from(self._client._t.unary(_LIFECYCLE, "Keepalive", req))
         return self._info
 
-    def shell(self, name: str = "default", *, startup: Optional[str] = None) -> "ShellSession":
-        """A persistent bash session: cwd and environment carry over."""
+    def shell(self, name: str = "default", *, startup: Optional[str] = None,
+              split_stderr: bool = False) -> "ShellSession":
+        """A persistent bash session: cwd and environment carry over. With
+        ``split_stderr`` each command's stderr comes back on its own
+        (``run_split``) instead of merged into its output."""
         from .shell import ShellSession
 
-        return ShellSession(self, name, startup=startup)
+        return ShellSession(self, name, startup=startup, split_stderr=split_stderr)
 
     def pause(self) -> SandboxInfo:
         """Freeze the sandbox and release what memory the host allows. Any
@@ -534,7 +547,8 @@ class Client:
         """Create a sandbox and return once it accepts commands.
 
         Spec keywords: ``kind`` ("container"), ``cpu``, ``memory_mb``,
-        ``pids``, ``ttl_s``, ``idle_ttl_s``, ``labels``, ``env``, ``network``
+        ``pids``, ``disk_mb`` (enforced by kinds microvm and vm; a
+        container's writable layer is not limited), ``gpu``, ``ttl_s``, ``idle_ttl_s``, ``labels``, ``env``, ``network``
         ("none" or "egress"), ``user``, ``workdir``, ``from_snapshot``,
         ``session``, ``node_selector`` (cluster mode: node labels). With ``count``, create that many in one request and
         return the list of those that started (raising if none did; see
@@ -734,7 +748,12 @@ def quote(argv: Sequence[str]) -> str:
 def request_id(trajectory: Any, step: Any, *parts: Any) -> str:
     """A request ID derived from (trajectory, step, ...): a trainer that
     re-runs the same rollout after a restart issues the same IDs, so its
-    completed calls are fast-forwarded from the trajectory log."""
+    completed calls are fast-forwarded from the trajectory log.
+
+    ``trajectory`` must name the run instance, not only the run: a fresh run
+    that derived the same IDs as an earlier one would be answered from the
+    earlier run's log. :class:`dsec.RunKeys` keeps a per-run nonce in the
+    run's journal and derives IDs and idempotency keys from it."""
     return "/".join(str(p) for p in (trajectory, step) + parts)
 
 
