@@ -155,7 +155,7 @@ func (n *Node) specOf(ctx context.Context, id string) (*dsecv1.SandboxSpec, stri
 		return nil, "", err
 	}
 	if s != nil {
-		return proto.Clone(s.spec).(*dsecv1.SandboxSpec), s.project, nil
+		return s.currentSpec(), s.project, nil
 	}
 	spec := &dsecv1.SandboxSpec{}
 	if err := protojson.Unmarshal(t.Spec, spec); err != nil {

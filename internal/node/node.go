@@ -73,6 +73,9 @@ type Config struct {
 	MaxConcurrentStarts, StartQueue int
 	// Pools are warm pools of started sandboxes (default none).
 	Pools []PoolConfig
+	// Credentials are the brokered credentials policies may name, by
+	// name (default none).
+	Credentials map[string]NamedCredential
 }
 
 func (c *Config) defaults() {
@@ -192,6 +195,9 @@ type sandbox struct {
 	expires time.Time
 	inst    substrate.Instance
 	rec     *record
+	// network is the sandbox's network since a SetNetworkPolicy (nil:
+	// spec.network), credentials' values included.
+	network *dsecv1.Network
 }
 
 func (s *sandbox) touch() { s.lastActive.Store(time.Now().UnixNano()) }
@@ -413,14 +419,14 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 	var s *sandbox
 	if img.Owner == tenant.Shared {
 		// Pools hold shared images only.
-		s = n.take(spec)
+		s = n.take(spec, project)
 	}
 	if s == nil {
 		release, err := n.starts.acquire(ctx, project)
 		if err != nil {
 			return nil, err
 		}
-		s, err = n.prepare(ctx, spec, img)
+		s, err = n.prepare(ctx, spec, img, project)
 		release()
 		if err != nil {
 			return nil, err
@@ -515,7 +521,7 @@ func (n *Node) admitDone(project string) {
 // prepare starts a sandbox's resources (directory, network, instance) for
 // spec, from img (what normalize resolved), and reserves it, without
 // registering it as live. On error nothing is left.
-func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image.Image) (_ *sandbox, err error) {
+func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image.Image, project string) (_ *sandbox, err error) {
 	kind := substrate.Kind(spec.Kind)
 	drv := n.drivers[kind]
 	var u undo.Stack
@@ -526,7 +532,11 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image
 		return nil, errdefs.Internal(err, "create sandbox directory")
 	}
 	u.Push(func() { n.discardDir(dir) })
-	att, err := n.net.Setup(ctx, id, spec.Network.GetMode())
+	opts, err := n.netOptions(project, spec)
+	if err != nil {
+		return nil, err
+	}
+	att, err := n.net.Setup(ctx, id, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -612,16 +622,12 @@ func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
 
 func (n *Node) recordOf(s *sandbox) *record {
 	specJSON, _ := protojson.Marshal(s.spec)
-	var netJSON []byte
-	if s.net != nil && s.net.Mode == network.ModeEgress {
-		netJSON, _ = jsonMarshal(s.net)
-	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	r := &record{
 		ID: s.id, Kind: s.spec.Kind, Image: s.image, Spec: specJSON, Layers: s.layers,
-		Created: s.created, Expires: s.expires, State: s.state, Network: netJSON, IdemKey: s.idemKey,
-		Project: s.project,
+		Created: s.created, Expires: s.expires, State: s.state, Network: attachmentJSON(s.net), IdemKey: s.idemKey,
+		Project: s.project, NetPolicy: networkRecord(s.network),
 	}
 	if s.inst != nil {
 		r.Driver = s.inst.State()
@@ -677,7 +683,7 @@ func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
 		state = stateDeleted
 	}
 	return &dsecv1.Sandbox{
-		Id: s.id, Node: n.cfg.Name, State: state, Spec: s.spec,
+		Id: s.id, Node: n.cfg.Name, State: state, Spec: s.shownSpecLocked(),
 		CreatedAt:    timestamppb.New(s.created),
 		ExpiresAt:    timestamppb.New(s.expires),
 		LastActiveAt: timestamppb.New(time.Unix(0, s.lastActive.Load())),
@@ -687,6 +693,10 @@ func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
 func (n *Node) tombstoneView(t *record) *dsecv1.Sandbox {
 	spec := &dsecv1.SandboxSpec{}
 	protojson.Unmarshal(t.Spec, spec)
+	if nw := networkFromRecord(t.NetPolicy); nw != nil {
+		spec.Network = nw
+	}
+	spec.Network = redacted(spec.Network)
 	return &dsecv1.Sandbox{
 		Id: t.ID, Node: n.cfg.Name, State: t.State, Reason: t.Reason, Spec: spec,
 		CreatedAt: timestamppb.New(t.Created), ExpiresAt: timestamppb.New(t.Deleted),
@@ -929,7 +939,7 @@ func (n *Node) adopt() {
 		s := &sandbox{
 			id: r.ID, spec: spec, created: r.Created, image: r.Image, layers: r.Layers, net: att,
 			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey, project: projectOr(r.Project),
-			state: r.State, expires: r.Expires, rec: r,
+			state: r.State, expires: r.Expires, rec: r, network: networkFromRecord(r.NetPolicy),
 		}
 		if s.state == stateDeleting || s.state == "" {
 			s.state = stateRunning
