@@ -35,9 +35,10 @@ import (
 // reach). It runs an authoritative DNS server for a zone the test sets
 // (every name it is asked is recorded), and on each web address HTTP (80,
 // 8080) and HTTPS (443, with a certificate for any name, signed by a CA
-// whose PEM is in CAFile). Every web server answers "<address> <host>
-// <path>" and, for /headers, the request's headers as "Name: value"
-// lines.
+// whose PEM is in CAFile), and a UDP echo on 9999 that records what it
+// gets. Every web server answers "<address> <host> <path>"; /headers
+// answers the request's headers as "Name: value" lines, /bytes?n=N N
+// bytes.
 type Internet struct {
 	// NS is the namespace's path.
 	NS string
@@ -55,6 +56,7 @@ type Internet struct {
 	zone    map[string][]netip.Addr
 	queries []string
 	headers []http.Header
+	udp     []string
 	certs   map[string]*tls.Certificate
 }
 
@@ -104,6 +106,7 @@ func StartInternet(t TB, web int) *Internet {
 	in.makeCA(t)
 
 	var udp *net.UDPConn
+	var echoes []*net.UDPConn
 	var listeners []net.Listener
 	err := inNamespace(in.NS, func() error {
 		var err error
@@ -116,6 +119,11 @@ func StartInternet(t TB, web int) *Internet {
 		}
 		listeners = append(listeners, l)
 		for _, a := range in.Web {
+			e, err := net.ListenUDP("udp4", &net.UDPAddr{IP: a.AsSlice(), Port: 9999})
+			if err != nil {
+				return err
+			}
+			echoes = append(echoes, e)
 			for _, port := range []uint16{80, 8080, 443} {
 				l, err := net.Listen("tcp4", netip.AddrPortFrom(a, port).String())
 				if err != nil {
@@ -131,11 +139,17 @@ func StartInternet(t TB, web int) *Internet {
 	}
 	t.Cleanup(func() {
 		udp.Close()
+		for _, e := range echoes {
+			e.Close()
+		}
 		for _, l := range listeners {
 			l.Close()
 		}
 	})
 	go in.serveDNSUDP(udp)
+	for _, e := range echoes {
+		go in.echo(e)
+	}
 	go in.serveDNSTCP(listeners[0])
 	handler := http.HandlerFunc(in.serveWeb)
 	for _, l := range listeners[1:] {
@@ -189,6 +203,28 @@ func (in *Internet) Queries() []string {
 	in.mu.Lock()
 	defer in.mu.Unlock()
 	return append([]string(nil), in.queries...)
+}
+
+// UDP are the datagrams the echo servers got, as "<address> <payload>".
+func (in *Internet) UDP() []string {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return append([]string(nil), in.udp...)
+}
+
+func (in *Internet) echo(c *net.UDPConn) {
+	buf := make([]byte, 65535)
+	local := c.LocalAddr().(*net.UDPAddr).IP.String()
+	for {
+		n, from, err := c.ReadFromUDPAddrPort(buf)
+		if err != nil {
+			return
+		}
+		in.mu.Lock()
+		in.udp = append(in.udp, local+" "+string(buf[:n]))
+		in.mu.Unlock()
+		c.WriteToUDPAddrPort(buf[:n], from)
+	}
 }
 
 // Headers are the headers of every request to /headers, in order.
@@ -298,6 +334,20 @@ func (in *Internet) serveWeb(w http.ResponseWriter, r *http.Request) {
 		sort.Strings(keys)
 		for _, k := range keys {
 			fmt.Fprintf(w, "%s: %s\n", k, strings.Join(r.Header[k], ", "))
+		}
+		return
+	}
+	if r.URL.Path == "/bytes" {
+		var n int64
+		fmt.Sscan(r.URL.Query().Get("n"), &n)
+		w.Header().Set("Content-Length", fmt.Sprint(n))
+		chunk := make([]byte, 32<<10)
+		for n > 0 {
+			k := min(n, int64(len(chunk)))
+			if _, err := w.Write(chunk[:k]); err != nil {
+				return
+			}
+			n -= k
 		}
 		return
 	}

@@ -294,10 +294,15 @@ func httpHost(head []byte) (string, bool) {
 	return "", true
 }
 
-// hostOnly drops a port and a trailing dot, and lowers case.
+// hostOnly drops a port and a trailing dot, and lowers case. An address
+// is no name: "".
 func hostOnly(h string) string {
 	if host, _, err := net.SplitHostPort(h); err == nil {
 		h = host
+	}
+	h = strings.TrimSuffix(strings.TrimPrefix(h, "["), "]")
+	if _, err := netip.ParseAddr(h); err == nil {
+		return ""
 	}
 	return normalName(h)
 }

