@@ -80,6 +80,10 @@ type Config struct {
 	// TrustedCAs is a PEM file of the CAs the egress proxy trusts when it
 	// sends brokered requests on over TLS (default: the host's).
 	TrustedCAs string
+	// NoEgress serves mode "none" only and touches nothing of the host (no
+	// bridge, rules or sysctls): egress is reported unavailable. For tests
+	// of the components above the network (default false).
+	NoEgress bool
 }
 
 // Manager sets up sandbox networks. It is safe for concurrent use.
@@ -197,7 +201,9 @@ func New(cfg Config, log *slog.Logger) (*Manager, error) {
 		}
 	}
 	m.brokerTransport = m.newBrokerTransport(roots)
-	if reason := m.setup(); reason != "" {
+	if cfg.NoEgress {
+		m.egress = "egress is disabled on this node"
+	} else if reason := m.setup(); reason != "" {
 		m.egress = reason
 		log.Warn("egress networking unavailable", slog.String("reason", reason))
 	} else {
