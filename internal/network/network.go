@@ -1146,6 +1146,15 @@ func newNamedNetNS(path string) error {
 			errc <- fmt.Errorf("open ICMP echo sockets: %w", err)
 			return
 		}
+		// Every port for every user, as Docker does: the root of a
+		// sandbox in a user namespace has no CAP_NET_BIND_SERVICE over
+		// this namespace (its user namespace does not own it), so a web
+		// server on port 80 inside would fail otherwise. The namespace
+		// is the sandbox's alone.
+		if err := os.WriteFile("/proc/sys/net/ipv4/ip_unprivileged_port_start", []byte("0"), 0); err != nil {
+			errc <- fmt.Errorf("open low ports: %w", err)
+			return
+		}
 		src := fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid())
 		errc <- unix.Mount(src, path, "", unix.MS_BIND, "")
 	}()

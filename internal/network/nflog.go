@@ -25,6 +25,7 @@ const (
 	nfulnlMsgConfig    = 1
 	nfulaCfgCmd        = 1
 	nfulaCfgMode       = 2
+	nfulaCfgQthresh    = 5
 	nfulnlCfgCmdBind   = 1
 	nfulnlCopyPacket   = 2
 	nfulaPayload       = 9
@@ -55,9 +56,13 @@ func openNFLOG(group uint16) (int, error) {
 	mode := make([]byte, 6)
 	binary.BigEndian.PutUint32(mode, nflogCopyRange)
 	mode[4] = nfulnlCopyPacket
+	// Each record is sent at once: the kernel's default batches up to 100
+	// of them for up to a second, so a connection would show in the log
+	// only a second after it was refused.
+	qthresh := binary.BigEndian.AppendUint32(nil, 1)
 	var b []byte
 	b = nfMessage(b, unix.NFNL_SUBSYS_ULOG<<8|nfulnlMsgConfig, unix.NLM_F_REQUEST|unix.NLM_F_ACK, 1, unix.AF_UNSPEC, group, cmd)
-	b = nfMessage(b, unix.NFNL_SUBSYS_ULOG<<8|nfulnlMsgConfig, unix.NLM_F_REQUEST|unix.NLM_F_ACK, 2, unix.AF_UNSPEC, group, attr(nfulaCfgMode, mode))
+	b = nfMessage(b, unix.NFNL_SUBSYS_ULOG<<8|nfulnlMsgConfig, unix.NLM_F_REQUEST|unix.NLM_F_ACK, 2, unix.AF_UNSPEC, group, append(attr(nfulaCfgMode, mode), attr(nfulaCfgQthresh, qthresh)...))
 	if err := unix.Sendto(fd, b, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
 		unix.Close(fd)
 		return -1, err

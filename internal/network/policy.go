@@ -202,8 +202,8 @@ func joinPrefixes(nps []namedPrefix) string {
 // the ranges they allow, its name rules by kind.
 type compiled struct {
 	Policy
-	allow  []addrRange   // what the address rules allow, sorted, merged
-	deny32 []netip.Addr  // /32 deny rules: the only ones that beat a pin
+	allow  []addrRange  // what the address rules allow, sorted, merged
+	deny32 []netip.Addr // /32 deny rules: the only ones that beat a pin
 	exact  map[string]Rule
 	wild   map[string]Rule // by suffix: "*.pypi.org" → "pypi.org"
 	star   *Rule
