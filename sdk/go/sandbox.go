@@ -30,7 +30,7 @@ type CreateOptions struct {
 	// BandwidthMbps limits egress throughput each way (0: none).
 	BandwidthMbps int64
 	User          string
-	Workdir  string
+	Workdir       string
 	// IdempotencyKey makes the create safe to retry.
 	IdempotencyKey string
 	// Snapshot starts the sandbox from a snapshot instead of Image.
@@ -43,6 +43,9 @@ type CreateOptions struct {
 }
 
 func (o CreateOptions) spec() *dsecv1.SandboxSpec {
+	if o.Policy != nil && o.Network == "" {
+		o.Network = "egress"
+	}
 	return &dsecv1.SandboxSpec{
 		Kind: o.Kind, Image: o.Image,
 		Resources: &dsecv1.Resources{Cpu: o.CPU, MemoryMb: o.MemoryMB, DiskMb: o.DiskMB, Pids: o.Pids, BandwidthMbps: o.BandwidthMbps},
