@@ -48,6 +48,9 @@ type Internet struct {
 	Web []netip.Addr
 	// CAFile holds the PEM of the CA of the HTTPS servers.
 	CAFile string
+	// HostAddr is the host's own address on the veth to the namespace (a
+	// /32: one of the host's addresses, not one of its networks' peers).
+	HostAddr netip.Addr
 
 	ca    *x509.Certificate
 	caKey *ecdsa.PrivateKey
@@ -74,6 +77,7 @@ func StartInternet(t TB, web int) *Internet {
 	hostIf := fmt.Sprintf("dhi%d", os.Getpid()%100000)
 	hostAddr := fmt.Sprintf("198.19.%d.64", octet)
 	in := &Internet{NS: "/run/netns/" + name, zone: map[string][]netip.Addr{}, certs: map[string]*tls.Certificate{}}
+	in.HostAddr = netip.MustParseAddr(hostAddr)
 	in.DNS = netip.MustParseAddr(fmt.Sprintf("198.19.%d.65", octet))
 	for i := 0; i < max(web, 1); i++ {
 		in.Web = append(in.Web, netip.MustParseAddr(fmt.Sprintf("198.19.%d.%d", octet, 66+i)))
