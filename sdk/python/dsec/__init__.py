@@ -14,6 +14,7 @@ from .client import Client, ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInf
 from .session import Session
 from .aio import AsyncClient, AsyncSandbox
 from .functions import RunCodeResult
+from .network import ConnectionRecord, Credential, Network, NetworkLog, NetworkPolicy
 from .errors import (
     Conflict,
     ConnectionFailed,
@@ -38,6 +39,11 @@ __all__ = [
     "AsyncClient",
     "AsyncSandbox",
     "RunCodeResult",
+    "NetworkPolicy",
+    "Credential",
+    "Network",
+    "NetworkLog",
+    "ConnectionRecord",
     "Sandbox",
     "SandboxInfo",
     "ExecResult",

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from ..client import Client, Sandbox
 from ..errors import DsecError, NotFound
+from ..network import NetworkPolicy as DsecPolicy
 
 
 @dataclass
@@ -28,10 +29,28 @@ class ExecResult:
 
 @dataclass
 class NetworkPolicy:
-    """Harbor's network policy: ``allow_internet`` False means no network."""
+    """Harbor's network policy. ``allowed_hosts`` (names, "*.name",
+    addresses or CIDRs) make an allow-list: egress to those and nothing
+    else, enforced by the node (DNS, HTTP Host, TLS SNI, addresses);
+    otherwise ``allow_internet`` True is the whole internet and False no
+    network."""
 
     allow_internet: bool = True
     allowed_hosts: List[str] = field(default_factory=list)
+
+
+def _dsec_network(p: NetworkPolicy) -> Dict[str, Any]:
+    """The create keywords for Harbor's policy."""
+    if p.allowed_hosts:
+        return {"network": "egress", "network_policy": DsecPolicy(allow=list(p.allowed_hosts))}
+    return {"network": "egress" if p.allow_internet else "none"}
+
+
+def _dsec_policy(p: NetworkPolicy) -> Optional[DsecPolicy]:
+    """Harbor's policy for an egress sandbox at runtime (None: unrestricted)."""
+    if p.allowed_hosts:
+        return DsecPolicy(allow=list(p.allowed_hosts))
+    return None if p.allow_internet else DsecPolicy()
 
 
 def _upload_dir(sb: Sandbox, local_dir: str, remote_dir: str) -> None:
@@ -74,12 +93,15 @@ class DsecEnvironment:
         self.network = network or NetworkPolicy(allow_internet=False)
         self.create_kwargs = create_kwargs
         self.sandbox: Optional[Sandbox] = None
+        self._egress = False  # whether the sandbox started with network
 
     # capability properties Harbor reads
     is_mounted = False
     supports_gpus = False
     can_disable_internet = True
-    supports_dynamic_network_policy = False
+    # A sandbox started with network (allow_internet or allowed_hosts) takes
+    # any policy at runtime; one started without network stays without.
+    supports_dynamic_network_policy = True
 
     async def preflight(self) -> None:
         info = await asyncio.to_thread(self.client.info)
@@ -92,9 +114,11 @@ class DsecEnvironment:
     async def start(self, force_build: bool = False) -> None:
         if self.sandbox is not None:
             return
+        net = _dsec_network(self.network)
         self.sandbox = await asyncio.to_thread(
             self.client.create, image=self.image, kind=self.kind, cpu=self.cpus, memory_mb=self.memory_mb,
-            network="egress" if self.network.allow_internet else "none", **self.create_kwargs)
+            **net, **self.create_kwargs)
+        self._egress = net["network"] == "egress"
 
     async def stop(self, delete: bool = True) -> None:
         if self.sandbox is None:
@@ -147,10 +171,17 @@ class DsecEnvironment:
         return await asyncio.to_thread(self._sb().alive)
 
     async def apply_network_policy(self, policy: NetworkPolicy) -> None:
-        # The network mode is fixed at creation; dynamic policies are a
-        # later dsec feature (supports_dynamic_network_policy is False).
+        """Before start(): the policy to start with. After: the policy of
+        the sandbox's new connections (open ones it denies are cut). A
+        sandbox started without network cannot get one."""
         if self.sandbox is None:
             self.network = policy
             return
-        if policy.allow_internet != self.network.allow_internet:
-            raise NotImplementedError("dsec sets a sandbox's network at creation; set it before start()")
+        if not self._egress:
+            if _dsec_network(policy)["network"] == "none":
+                self.network = policy
+                return
+            raise NotImplementedError("this sandbox started without network; dsec cannot add one at runtime "
+                                      "(start with allow_internet=True and narrow it instead)")
+        await asyncio.to_thread(self.sandbox.set_network_policy, _dsec_policy(policy))
+        self.network = policy
