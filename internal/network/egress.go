@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"slices"
 	"sync"
 	"time"
 
@@ -217,8 +218,12 @@ func (m *Manager) unpinAllLocked(sb *sandboxNet) {
 
 // pin makes addrs reachable for sb as answers for name, for ttl (within
 // minPin and maxPin). Pins made under an older policy than gen's are
-// not made.
+// not made, nor those of pol.weakPin.
 func (m *Manager) pin(sb *sandboxNet, pol *compiled, name string, addrs []netip.Addr, ttl time.Duration) {
+	addrs = slices.DeleteFunc(slices.Clone(addrs), func(a netip.Addr) bool { return pol.weakPin(name, a) })
+	if len(addrs) == 0 {
+		return
+	}
 	ttl = min(max(ttl, minPin), maxPin)
 	now := time.Now()
 	until := now.Add(ttl)

@@ -268,6 +268,20 @@ func (c *compiled) nameRule(name string) (Rule, bool) {
 	return Rule{}, false
 }
 
+// weakPin says whether an answer for name, address a, stays unpinned: a
+// name that only "*" allows is the least specific rule of all, so an
+// address rule that denies a (of any size) beats it. A name rule of its
+// own ("pypi.org", "*.pypi.org") is more specific than any address rule
+// but a /32 deny.
+func (c *compiled) weakPin(name string, a netip.Addr) bool {
+	r, ok := c.nameRule(name)
+	if !ok || r.Name != "*" {
+		return false
+	}
+	ar, ok := addrRule(c.Rules, a)
+	return ok && !ar.Allow
+}
+
 // addrRule is the address rule that decides a, most specific first (deny
 // wins a tie), and whether one matches at all.
 func addrRule(rules []Rule, a netip.Addr) (Rule, bool) {

@@ -86,6 +86,25 @@ func TestTheMostSpecificNameRuleDecides(t *testing.T) {
 	}
 }
 
+func TestAStarPinNeverBeatsAnAddressDenyRule(t *testing.T) {
+	p := mustPolicy(t, "allow *", "allow 0.0.0.0/0", "deny 203.0.113.0/24", "allow pypi.org", "allow *.files.test")
+	in, out := netip.MustParseAddr("203.0.113.9"), netip.MustParseAddr("198.51.100.1")
+	for _, c := range []struct {
+		name string
+		addr netip.Addr
+		weak bool
+	}{
+		{"anything.test", in, true},   // only "*" allows it, a deny rule covers the address
+		{"anything.test", out, false}, // no deny rule covers it
+		{"pypi.org", in, false},       // a name rule of its own beats the /24
+		{"a.files.test", in, false},
+	} {
+		if got := p.weakPin(c.name, c.addr); got != c.weak {
+			t.Errorf("%s at %s: weak %v, want %v", c.name, c.addr, got, c.weak)
+		}
+	}
+}
+
 func TestTheMostSpecificAddressRuleDecides(t *testing.T) {
 	p := mustPolicy(t, "allow 0.0.0.0/0", "deny 203.0.113.0/24", "allow 203.0.113.128/25", "deny 203.0.113.200",
 		"allow 198.51.100.7", "deny 198.51.100.7", "allow 10.20.0.0/16", "deny 10.20.30.0/24", "allow 172.16.0.0/12")

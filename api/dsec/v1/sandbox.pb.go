@@ -269,7 +269,9 @@ func (x *Network) GetPolicy() *NetworkPolicy {
 //     and answers every other name NXDOMAIN, so it never leaves the node.
 //     The addresses an allowed name resolves to are pinned: each is
 //     reachable, like a /32 allow rule, for the answer's TTL (at least a
-//     minute) — only a /32 deny rule beats a pin.
+//     minute) — only a /32 deny rule beats a pin. "*" is the least specific
+//     rule of all: the addresses of a name only "*" allows are not pinned
+//     where an address rule denies them.
 //   - HTTP (port 80) and TLS (port 443) go through the node's egress proxy,
 //     which reads the host name (the Host header, the TLS SNI): a name a
 //     rule denies is refused wherever it goes; a name a rule allows goes
