@@ -3,6 +3,7 @@ package network
 import (
 	"bufio"
 	"crypto/tls"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -273,5 +274,26 @@ func TestTheProxyReadsTheHostName(t *testing.T) {
 	go func() { a.Write(split); a.Close() }()
 	if _, host, _ := sniff(bufio.NewReaderSize(b, maxSniff)); host != "split.example.com" {
 		t.Errorf("a ClientHello in records of 50 bytes: %q", host)
+	}
+}
+
+// BenchmarkPolicyCheck times what the egress proxy decides per connection
+// by name and address, under a policy of MaxRules rules.
+func BenchmarkPolicyCheck(b *testing.B) {
+	var rules []string
+	for i := 0; len(rules) < MaxRules-2; i++ {
+		rules = append(rules, fmt.Sprintf("allow 203.%d.%d.0/24", i/256, i%256), fmt.Sprintf("deny *.blocked%d.test", i))
+	}
+	rules = append(rules, "allow *.pypi.org", "deny 198.51.100.7")
+	p := mustPolicy(&testing.T{}, rules...)
+	addr := netip.MustParseAddr("203.0.77.9")
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if r, ok := p.nameRule("files.a.b.pypi.org"); !ok || !r.Allow {
+			b.Fatal("name denied")
+		}
+		if ok, _ := p.addrAllowed(addr); !ok {
+			b.Fatal("address denied")
+		}
 	}
 }
