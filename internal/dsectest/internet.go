@@ -38,7 +38,7 @@ import (
 // whose PEM is in CAFile), and a UDP echo on 9999 that records what it
 // gets. Every web server answers "<address> <host> <path>"; /headers
 // answers the request's headers as "Name: value" lines, /bytes?n=N N
-// bytes.
+// bytes, /sink the number of bytes of the request's body.
 type Internet struct {
 	// NS is the namespace's path.
 	NS string
@@ -339,6 +339,11 @@ func (in *Internet) serveWeb(w http.ResponseWriter, r *http.Request) {
 		for _, k := range keys {
 			fmt.Fprintf(w, "%s: %s\n", k, strings.Join(r.Header[k], ", "))
 		}
+		return
+	}
+	if r.URL.Path == "/sink" {
+		n, _ := io.Copy(io.Discard, r.Body)
+		fmt.Fprintf(w, "%d\n", n)
 		return
 	}
 	if r.URL.Path == "/bytes" {

@@ -324,3 +324,85 @@ func TestAnEgressPolicyIsEnforced(t *testing.T) {
 		}
 	})
 }
+
+func TestABandwidthLimitHoldsEachWay(t *testing.T) {
+	m, in := egressSetup(t)
+	const mbps = 40
+	a, err := m.Setup(context.Background(), fmt.Sprintf("sb%d-bw", os.Getpid()), Options{Mode: ModeEgress, BandwidthMbps: mbps})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Release(a)
+	const size = 8 << 20 // 1.6 s at the limit
+	web := netip.AddrPortFrom(in.Web[0], 8080).String()
+	rate := func(t *testing.T, what string, fn func(c net.Conn) (int64, error)) float64 {
+		t.Helper()
+		var mbit float64
+		err := inside(t, a, func() error {
+			c, err := net.DialTimeout("tcp4", web, 3*time.Second)
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(30 * time.Second))
+			t0 := time.Now()
+			n, err := fn(c)
+			if err != nil {
+				return err
+			}
+			if n < size {
+				return fmt.Errorf("%d bytes", n)
+			}
+			mbit = float64(n) * 8 / 1e6 / time.Since(t0).Seconds()
+			return nil
+		})
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		t.Logf("%s: %.1f Mbit/s (limit %d)", what, mbit, mbps)
+		return mbit
+	}
+	t.Run("a download is held to the limit", func(t *testing.T) {
+		got := rate(t, "download", func(c net.Conn) (int64, error) {
+			fmt.Fprintf(c, "GET /bytes?n=%d HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", size)
+			return io.Copy(io.Discard, c)
+		})
+		if got > mbps*1.25 || got < mbps*0.5 {
+			t.Errorf("%.1f Mbit/s, limit %d", got, mbps)
+		}
+	})
+	t.Run("an upload is held to the limit", func(t *testing.T) {
+		got := rate(t, "upload", func(c net.Conn) (int64, error) {
+			fmt.Fprintf(c, "POST /sink HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n", size)
+			if _, err := io.CopyN(c, zeros{}, size); err != nil {
+				return 0, err
+			}
+			b, err := io.ReadAll(c) // the answer: after the whole body arrived
+			if !strings.Contains(string(b), fmt.Sprint(size)) {
+				return 0, fmt.Errorf("answer %q: %v", b, err)
+			}
+			return size, nil
+		})
+		if got > mbps*1.25 || got < mbps*0.5 {
+			t.Errorf("%.1f Mbit/s, limit %d", got, mbps)
+		}
+	})
+	t.Run("no limit is the default qdisc again", func(t *testing.T) {
+		if err := m.SetBandwidth(a, 0); err != nil {
+			t.Fatal(err)
+		}
+		if got := rate(t, "unlimited download", func(c net.Conn) (int64, error) {
+			fmt.Fprintf(c, "GET /bytes?n=%d HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", size)
+			return io.Copy(io.Discard, c)
+		}); got < mbps*2 {
+			t.Errorf("%.1f Mbit/s without a limit", got)
+		}
+	})
+}
+
+type zeros struct{}
+
+func (zeros) Read(p []byte) (int, error) {
+	clear(p)
+	return len(p), nil
+}
