@@ -220,17 +220,11 @@ func (n *Node) replayOne(ctx context.Context, id string, e *dsecv1.LogEntry) (bo
 		if info.Size != e.Size {
 			return true, fmt.Sprintf("size %d, was %d", info.Size, e.Size)
 		}
-	case "make_dir":
-		if _, err := n.MakeDir(ctx, &dsecv1.MakeDirRequest{SandboxId: id, Path: e.Path, User: e.User}); err != nil {
-			return true, err.Error()
-		}
-	case "remove":
-		if err := n.Remove(ctx, &dsecv1.RemoveRequest{SandboxId: id, Path: e.Path, Recursive: e.Recursive, User: e.User}); err != nil {
-			return true, err.Error()
-		}
-	case "rename":
-		if _, err := n.Rename(ctx, &dsecv1.RenameRequest{SandboxId: id, From: e.Path, To: e.To, User: e.User}); err != nil {
-			return true, err.Error()
+	default:
+		if replay := fileReplays[e.Op]; replay != nil {
+			if err := replay(ctx, n, id, e); err != nil {
+				return true, err.Error()
+			}
 		}
 	}
 	return false, ""

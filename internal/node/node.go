@@ -208,6 +208,11 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 	n.wg.Add(1)
 	go n.reaper()
 	go n.emptyTrash()
+	for _, d := range drivers {
+		if d, ok := d.(substrate.Starter); ok {
+			d.Start()
+		}
+	}
 	return n, nil
 }
 
@@ -220,12 +225,22 @@ func (n *Node) DataDir() string { return n.cfg.DataDir }
 // Images is the node's image store.
 func (n *Node) Images() *image.Store { return n.images }
 
-// Close stops the node's background work and closes its store. Sandboxes
-// keep running; a new node over the same data directory re-adopts them.
+// Close stops the node's background work, closes its drivers (those
+// built on another kind's first: substrate.BuiltOn) and its store.
+// Sandboxes keep running; a new node over the same data directory
+// re-adopts them.
 func (n *Node) Close() error {
 	close(n.stop)
 	n.pools.close()
 	n.wg.Wait()
+	for _, layered := range []bool{true, false} {
+		for _, d := range n.drivers {
+			_, on := d.(substrate.BuiltOn)
+			if c, ok := d.(substrate.Closer); ok && on == layered {
+				c.Close()
+			}
+		}
+	}
 	n.logs.Close()
 	return n.store.close()
 }

@@ -228,26 +228,6 @@ func (s *Service) WriteFileFrom(ctx context.Context, hdr *dsecv1.WriteFileHeader
 	return answer(s.n.WriteFile(ctx, hdr, r))
 }
 
-func (s *Service) Stat(ctx context.Context, req *connect.Request[dsecv1.StatRequest]) (*connect.Response[dsecv1.FileInfo], error) {
-	return answer(s.n.Stat(ctx, req.Msg))
-}
-
-func (s *Service) ListDir(ctx context.Context, req *connect.Request[dsecv1.ListDirRequest]) (*connect.Response[dsecv1.ListDirResponse], error) {
-	return answer(s.n.ListDir(ctx, req.Msg))
-}
-
-func (s *Service) MakeDir(ctx context.Context, req *connect.Request[dsecv1.MakeDirRequest]) (*connect.Response[dsecv1.FileInfo], error) {
-	return answer(s.n.MakeDir(ctx, req.Msg))
-}
-
-func (s *Service) Remove(ctx context.Context, req *connect.Request[dsecv1.RemoveRequest]) (*connect.Response[dsecv1.RemoveResponse], error) {
-	return done[dsecv1.RemoveResponse](s.n.Remove(ctx, req.Msg))
-}
-
-func (s *Service) Rename(ctx context.Context, req *connect.Request[dsecv1.RenameRequest]) (*connect.Response[dsecv1.FileInfo], error) {
-	return answer(s.n.Rename(ctx, req.Msg))
-}
-
 func (s *Service) WatchDir(ctx context.Context, req *connect.Request[dsecv1.WatchDirRequest], st *connect.ServerStream[dsecv1.WatchDirEvent]) error {
 	return s.WatchEvents(ctx, req.Msg, st.Send)
 }

@@ -327,6 +327,15 @@ func (s *Sandbox) Stat(ctx context.Context, path string) (*dsecv1.FileInfo, erro
 	return r.Msg, nil
 }
 
+// ChangeMode sets a path's permission bits (chmod), as the sandbox's user.
+func (s *Sandbox) ChangeMode(ctx context.Context, path string, mode uint32) (*dsecv1.FileInfo, error) {
+	r, err := s.c.raw.ChangeMode(ctx, connect.NewRequest(&dsecv1.ChangeModeRequest{SandboxId: s.ID, Path: path, Mode: mode}))
+	if err != nil {
+		return nil, asError(err)
+	}
+	return r.Msg, nil
+}
+
 // ListDir lists a directory.
 func (s *Sandbox) ListDir(ctx context.Context, path string, depth int32) ([]*dsecv1.FileInfo, error) {
 	r, err := s.c.raw.ListDir(ctx, connect.NewRequest(&dsecv1.ListDirRequest{SandboxId: s.ID, Path: path, Depth: depth}))

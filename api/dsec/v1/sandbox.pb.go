@@ -3343,6 +3343,76 @@ func (x *RenameRequest) GetUser() string {
 	return ""
 }
 
+type ChangeModeRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	// mode is the permission bits, at most 07777 (setuid, setgid, sticky
+	// and rwx for owner, group and others).
+	Mode          uint32 `protobuf:"varint,3,opt,name=mode,proto3" json:"mode,omitempty"`
+	User          string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChangeModeRequest) Reset() {
+	*x = ChangeModeRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChangeModeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChangeModeRequest) ProtoMessage() {}
+
+func (x *ChangeModeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChangeModeRequest.ProtoReflect.Descriptor instead.
+func (*ChangeModeRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
+}
+
+func (x *ChangeModeRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *ChangeModeRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *ChangeModeRequest) GetMode() uint32 {
+	if x != nil {
+		return x.Mode
+	}
+	return 0
+}
+
+func (x *ChangeModeRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type WatchDirRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
@@ -3357,7 +3427,7 @@ type WatchDirRequest struct {
 
 func (x *WatchDirRequest) Reset() {
 	*x = WatchDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3369,7 +3439,7 @@ func (x *WatchDirRequest) String() string {
 func (*WatchDirRequest) ProtoMessage() {}
 
 func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3382,7 +3452,7 @@ func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirRequest.ProtoReflect.Descriptor instead.
 func (*WatchDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *WatchDirRequest) GetSandboxId() string {
@@ -3427,7 +3497,7 @@ type FsEvent struct {
 
 func (x *FsEvent) Reset() {
 	*x = FsEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3439,7 +3509,7 @@ func (x *FsEvent) String() string {
 func (*FsEvent) ProtoMessage() {}
 
 func (x *FsEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3452,7 +3522,7 @@ func (x *FsEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FsEvent.ProtoReflect.Descriptor instead.
 func (*FsEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *FsEvent) GetName() string {
@@ -3484,7 +3554,7 @@ type WatchDirEvent struct {
 
 func (x *WatchDirEvent) Reset() {
 	*x = WatchDirEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3496,7 +3566,7 @@ func (x *WatchDirEvent) String() string {
 func (*WatchDirEvent) ProtoMessage() {}
 
 func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3509,7 +3579,7 @@ func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirEvent.ProtoReflect.Descriptor instead.
 func (*WatchDirEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *WatchDirEvent) GetEvent() isWatchDirEvent_Event {
@@ -3596,7 +3666,7 @@ type GetSandboxStatsRequest struct {
 
 func (x *GetSandboxStatsRequest) Reset() {
 	*x = GetSandboxStatsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3608,7 +3678,7 @@ func (x *GetSandboxStatsRequest) String() string {
 func (*GetSandboxStatsRequest) ProtoMessage() {}
 
 func (x *GetSandboxStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3621,7 +3691,7 @@ func (x *GetSandboxStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxStatsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *GetSandboxStatsRequest) GetId() string {
@@ -3657,7 +3727,7 @@ type SandboxStats struct {
 
 func (x *SandboxStats) Reset() {
 	*x = SandboxStats{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3669,7 +3739,7 @@ func (x *SandboxStats) String() string {
 func (*SandboxStats) ProtoMessage() {}
 
 func (x *SandboxStats) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3682,7 +3752,7 @@ func (x *SandboxStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxStats.ProtoReflect.Descriptor instead.
 func (*SandboxStats) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *SandboxStats) GetId() string {
@@ -3764,7 +3834,7 @@ type ScreenshotRequest struct {
 
 func (x *ScreenshotRequest) Reset() {
 	*x = ScreenshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3776,7 +3846,7 @@ func (x *ScreenshotRequest) String() string {
 func (*ScreenshotRequest) ProtoMessage() {}
 
 func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3789,7 +3859,7 @@ func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotRequest.ProtoReflect.Descriptor instead.
 func (*ScreenshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *ScreenshotRequest) GetSandboxId() string {
@@ -3812,7 +3882,7 @@ type ScreenshotResponse struct {
 
 func (x *ScreenshotResponse) Reset() {
 	*x = ScreenshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3824,7 +3894,7 @@ func (x *ScreenshotResponse) String() string {
 func (*ScreenshotResponse) ProtoMessage() {}
 
 func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3837,7 +3907,7 @@ func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotResponse.ProtoReflect.Descriptor instead.
 func (*ScreenshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *ScreenshotResponse) GetPng() []byte {
@@ -3872,7 +3942,7 @@ type SendInputRequest struct {
 
 func (x *SendInputRequest) Reset() {
 	*x = SendInputRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3884,7 +3954,7 @@ func (x *SendInputRequest) String() string {
 func (*SendInputRequest) ProtoMessage() {}
 
 func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3897,7 +3967,7 @@ func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputRequest.ProtoReflect.Descriptor instead.
 func (*SendInputRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *SendInputRequest) GetSandboxId() string {
@@ -3922,7 +3992,7 @@ type SendInputResponse struct {
 
 func (x *SendInputResponse) Reset() {
 	*x = SendInputResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3934,7 +4004,7 @@ func (x *SendInputResponse) String() string {
 func (*SendInputResponse) ProtoMessage() {}
 
 func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3947,7 +4017,7 @@ func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputResponse.ProtoReflect.Descriptor instead.
 func (*SendInputResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
 }
 
 type OpenVNCRequest struct {
@@ -3959,7 +4029,7 @@ type OpenVNCRequest struct {
 
 func (x *OpenVNCRequest) Reset() {
 	*x = OpenVNCRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3971,7 +4041,7 @@ func (x *OpenVNCRequest) String() string {
 func (*OpenVNCRequest) ProtoMessage() {}
 
 func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3984,7 +4054,7 @@ func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCRequest.ProtoReflect.Descriptor instead.
 func (*OpenVNCRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *OpenVNCRequest) GetSandboxId() string {
@@ -4009,7 +4079,7 @@ type OpenVNCResponse struct {
 
 func (x *OpenVNCResponse) Reset() {
 	*x = OpenVNCResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4021,7 +4091,7 @@ func (x *OpenVNCResponse) String() string {
 func (*OpenVNCResponse) ProtoMessage() {}
 
 func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4034,7 +4104,7 @@ func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCResponse.ProtoReflect.Descriptor instead.
 func (*OpenVNCResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *OpenVNCResponse) GetAddress() string {
@@ -4076,7 +4146,7 @@ type InputAction struct {
 
 func (x *InputAction) Reset() {
 	*x = InputAction{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4088,7 +4158,7 @@ func (x *InputAction) String() string {
 func (*InputAction) ProtoMessage() {}
 
 func (x *InputAction) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4101,7 +4171,7 @@ func (x *InputAction) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InputAction.ProtoReflect.Descriptor instead.
 func (*InputAction) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *InputAction) GetAction() isInputAction_Action {
@@ -4228,7 +4298,7 @@ type Point struct {
 
 func (x *Point) Reset() {
 	*x = Point{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4240,7 +4310,7 @@ func (x *Point) String() string {
 func (*Point) ProtoMessage() {}
 
 func (x *Point) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4253,7 +4323,7 @@ func (x *Point) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Point.ProtoReflect.Descriptor instead.
 func (*Point) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *Point) GetX() int32 {
@@ -4284,7 +4354,7 @@ type MouseClick struct {
 
 func (x *MouseClick) Reset() {
 	*x = MouseClick{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4296,7 +4366,7 @@ func (x *MouseClick) String() string {
 func (*MouseClick) ProtoMessage() {}
 
 func (x *MouseClick) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4309,7 +4379,7 @@ func (x *MouseClick) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseClick.ProtoReflect.Descriptor instead.
 func (*MouseClick) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *MouseClick) GetX() int32 {
@@ -4351,7 +4421,7 @@ type MouseButton struct {
 
 func (x *MouseButton) Reset() {
 	*x = MouseButton{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4363,7 +4433,7 @@ func (x *MouseButton) String() string {
 func (*MouseButton) ProtoMessage() {}
 
 func (x *MouseButton) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4376,7 +4446,7 @@ func (x *MouseButton) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseButton.ProtoReflect.Descriptor instead.
 func (*MouseButton) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *MouseButton) GetButton() string {
@@ -4404,7 +4474,7 @@ type MouseScroll struct {
 
 func (x *MouseScroll) Reset() {
 	*x = MouseScroll{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4416,7 +4486,7 @@ func (x *MouseScroll) String() string {
 func (*MouseScroll) ProtoMessage() {}
 
 func (x *MouseScroll) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4429,7 +4499,7 @@ func (x *MouseScroll) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseScroll.ProtoReflect.Descriptor instead.
 func (*MouseScroll) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *MouseScroll) GetDx() int32 {
@@ -4460,7 +4530,7 @@ type ItemError struct {
 
 func (x *ItemError) Reset() {
 	*x = ItemError{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4472,7 +4542,7 @@ func (x *ItemError) String() string {
 func (*ItemError) ProtoMessage() {}
 
 func (x *ItemError) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4485,7 +4555,7 @@ func (x *ItemError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemError.ProtoReflect.Descriptor instead.
 func (*ItemError) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *ItemError) GetKind() string {
@@ -4537,7 +4607,7 @@ type CreateSandboxesRequest struct {
 
 func (x *CreateSandboxesRequest) Reset() {
 	*x = CreateSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4549,7 +4619,7 @@ func (x *CreateSandboxesRequest) String() string {
 func (*CreateSandboxesRequest) ProtoMessage() {}
 
 func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4562,7 +4632,7 @@ func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *CreateSandboxesRequest) GetSpec() *SandboxSpec {
@@ -4604,7 +4674,7 @@ type CreateResult struct {
 
 func (x *CreateResult) Reset() {
 	*x = CreateResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4616,7 +4686,7 @@ func (x *CreateResult) String() string {
 func (*CreateResult) ProtoMessage() {}
 
 func (x *CreateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4629,7 +4699,7 @@ func (x *CreateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateResult.ProtoReflect.Descriptor instead.
 func (*CreateResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *CreateResult) GetIndex() int32 {
@@ -4666,7 +4736,7 @@ type CreateSandboxesResponse struct {
 
 func (x *CreateSandboxesResponse) Reset() {
 	*x = CreateSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4678,7 +4748,7 @@ func (x *CreateSandboxesResponse) String() string {
 func (*CreateSandboxesResponse) ProtoMessage() {}
 
 func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4691,7 +4761,7 @@ func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *CreateSandboxesResponse) GetResults() []*CreateResult {
@@ -4731,7 +4801,7 @@ type PauseSandboxRequest struct {
 
 func (x *PauseSandboxRequest) Reset() {
 	*x = PauseSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4743,7 +4813,7 @@ func (x *PauseSandboxRequest) String() string {
 func (*PauseSandboxRequest) ProtoMessage() {}
 
 func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4756,7 +4826,7 @@ func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseSandboxRequest.ProtoReflect.Descriptor instead.
 func (*PauseSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *PauseSandboxRequest) GetId() string {
@@ -4775,7 +4845,7 @@ type ResumeSandboxRequest struct {
 
 func (x *ResumeSandboxRequest) Reset() {
 	*x = ResumeSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4787,7 +4857,7 @@ func (x *ResumeSandboxRequest) String() string {
 func (*ResumeSandboxRequest) ProtoMessage() {}
 
 func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4800,7 +4870,7 @@ func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeSandboxRequest.ProtoReflect.Descriptor instead.
 func (*ResumeSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *ResumeSandboxRequest) GetId() string {
@@ -4819,7 +4889,7 @@ type BulkRequest struct {
 
 func (x *BulkRequest) Reset() {
 	*x = BulkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4831,7 +4901,7 @@ func (x *BulkRequest) String() string {
 func (*BulkRequest) ProtoMessage() {}
 
 func (x *BulkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4844,7 +4914,7 @@ func (x *BulkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRequest.ProtoReflect.Descriptor instead.
 func (*BulkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *BulkRequest) GetLabelSelector() string {
@@ -4864,7 +4934,7 @@ type BulkFailure struct {
 
 func (x *BulkFailure) Reset() {
 	*x = BulkFailure{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4876,7 +4946,7 @@ func (x *BulkFailure) String() string {
 func (*BulkFailure) ProtoMessage() {}
 
 func (x *BulkFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4889,7 +4959,7 @@ func (x *BulkFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkFailure.ProtoReflect.Descriptor instead.
 func (*BulkFailure) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *BulkFailure) GetId() string {
@@ -4916,7 +4986,7 @@ type BulkResponse struct {
 
 func (x *BulkResponse) Reset() {
 	*x = BulkResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4928,7 +4998,7 @@ func (x *BulkResponse) String() string {
 func (*BulkResponse) ProtoMessage() {}
 
 func (x *BulkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4941,7 +5011,7 @@ func (x *BulkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkResponse.ProtoReflect.Descriptor instead.
 func (*BulkResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *BulkResponse) GetIds() []string {
@@ -4969,7 +5039,7 @@ type SnapshotRequest struct {
 
 func (x *SnapshotRequest) Reset() {
 	*x = SnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4981,7 +5051,7 @@ func (x *SnapshotRequest) String() string {
 func (*SnapshotRequest) ProtoMessage() {}
 
 func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4994,7 +5064,7 @@ func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *SnapshotRequest) GetSandboxId() string {
@@ -5028,7 +5098,7 @@ type SnapshotInfo struct {
 
 func (x *SnapshotInfo) Reset() {
 	*x = SnapshotInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5040,7 +5110,7 @@ func (x *SnapshotInfo) String() string {
 func (*SnapshotInfo) ProtoMessage() {}
 
 func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5053,7 +5123,7 @@ func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotInfo.ProtoReflect.Descriptor instead.
 func (*SnapshotInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *SnapshotInfo) GetId() string {
@@ -5120,7 +5190,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5132,7 +5202,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5145,7 +5215,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
 }
 
 type ListSnapshotsResponse struct {
@@ -5157,7 +5227,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5169,7 +5239,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5182,7 +5252,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*SnapshotInfo {
@@ -5201,7 +5271,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5213,7 +5283,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5226,7 +5296,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *DeleteSnapshotRequest) GetId() string {
@@ -5244,7 +5314,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5256,7 +5326,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5269,7 +5339,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{76}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{77}
 }
 
 type ForkRequest struct {
@@ -5286,7 +5356,7 @@ type ForkRequest struct {
 
 func (x *ForkRequest) Reset() {
 	*x = ForkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5298,7 +5368,7 @@ func (x *ForkRequest) String() string {
 func (*ForkRequest) ProtoMessage() {}
 
 func (x *ForkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5311,7 +5381,7 @@ func (x *ForkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkRequest.ProtoReflect.Descriptor instead.
 func (*ForkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{77}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *ForkRequest) GetSandboxId() string {
@@ -5360,7 +5430,7 @@ type GetLogRequest struct {
 
 func (x *GetLogRequest) Reset() {
 	*x = GetLogRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5372,7 +5442,7 @@ func (x *GetLogRequest) String() string {
 func (*GetLogRequest) ProtoMessage() {}
 
 func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5385,7 +5455,7 @@ func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogRequest.ProtoReflect.Descriptor instead.
 func (*GetLogRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{78}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *GetLogRequest) GetSandboxId() string {
@@ -5413,7 +5483,8 @@ type LogEntry struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	Seq       uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
 	RequestId string                 `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	// op is "exec", "write_file", "make_dir", "remove" or "rename".
+	// op is "exec", "write_file", "make_dir", "remove", "rename" or
+	// "change_mode".
 	Op         string                 `protobuf:"bytes,3,opt,name=op,proto3" json:"op,omitempty"`
 	At         *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=at,proto3" json:"at,omitempty"`
 	DurationMs int64                  `protobuf:"varint,5,opt,name=duration_ms,json=durationMs,proto3" json:"duration_ms,omitempty"`
@@ -5442,7 +5513,7 @@ type LogEntry struct {
 
 func (x *LogEntry) Reset() {
 	*x = LogEntry{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5454,7 +5525,7 @@ func (x *LogEntry) String() string {
 func (*LogEntry) ProtoMessage() {}
 
 func (x *LogEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5467,7 +5538,7 @@ func (x *LogEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogEntry.ProtoReflect.Descriptor instead.
 func (*LogEntry) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{79}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *LogEntry) GetSeq() uint64 {
@@ -5621,7 +5692,7 @@ type GetLogResponse struct {
 
 func (x *GetLogResponse) Reset() {
 	*x = GetLogResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5633,7 +5704,7 @@ func (x *GetLogResponse) String() string {
 func (*GetLogResponse) ProtoMessage() {}
 
 func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5646,7 +5717,7 @@ func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogResponse.ProtoReflect.Descriptor instead.
 func (*GetLogResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{80}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *GetLogResponse) GetEntries() []*LogEntry {
@@ -5683,7 +5754,7 @@ type ReplayRequest struct {
 
 func (x *ReplayRequest) Reset() {
 	*x = ReplayRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5695,7 +5766,7 @@ func (x *ReplayRequest) String() string {
 func (*ReplayRequest) ProtoMessage() {}
 
 func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5708,7 +5779,7 @@ func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayRequest.ProtoReflect.Descriptor instead.
 func (*ReplayRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{81}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{82}
 }
 
 func (x *ReplayRequest) GetSandboxId() string {
@@ -5745,7 +5816,7 @@ type ReplayStep struct {
 
 func (x *ReplayStep) Reset() {
 	*x = ReplayStep{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5757,7 +5828,7 @@ func (x *ReplayStep) String() string {
 func (*ReplayStep) ProtoMessage() {}
 
 func (x *ReplayStep) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5770,7 +5841,7 @@ func (x *ReplayStep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayStep.ProtoReflect.Descriptor instead.
 func (*ReplayStep) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{82}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{83}
 }
 
 func (x *ReplayStep) GetSeq() uint64 {
@@ -5820,7 +5891,7 @@ type ReplayResponse struct {
 
 func (x *ReplayResponse) Reset() {
 	*x = ReplayResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5832,7 +5903,7 @@ func (x *ReplayResponse) String() string {
 func (*ReplayResponse) ProtoMessage() {}
 
 func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5845,7 +5916,7 @@ func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayResponse.ProtoReflect.Descriptor instead.
 func (*ReplayResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{83}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *ReplayResponse) GetSandboxId() string {
@@ -6155,6 +6226,12 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04from\x18\x02 \x01(\tR\x04from\x12\x0e\n" +
 	"\x02to\x18\x03 \x01(\tR\x02to\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\"n\n" +
+	"\x11ChangeModeRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
+	"\x04mode\x18\x03 \x01(\rR\x04mode\x12\x12\n" +
 	"\x04user\x18\x04 \x01(\tR\x04user\"v\n" +
 	"\x0fWatchDirRequest\x12\x1d\n" +
 	"\n" +
@@ -6375,7 +6452,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"WriteStdin\x12\x1a.dsec.v1.WriteStdinRequest\x1a\x1b.dsec.v1.WriteStdinResponse\x12N\n" +
 	"\rSignalProcess\x12\x1d.dsec.v1.SignalProcessRequest\x1a\x1e.dsec.v1.SignalProcessResponse\x12B\n" +
 	"\tResizePTY\x12\x19.dsec.v1.ResizePTYRequest\x1a\x1a.dsec.v1.ResizePTYResponse\x12S\n" +
-	"\rListProcesses\x12\x1d.dsec.v1.ListProcessesRequest\x1a\x1e.dsec.v1.ListProcessesResponse\"\x03\x90\x02\x012\xf3\x03\n" +
+	"\rListProcesses\x12\x1d.dsec.v1.ListProcessesRequest\x1a\x1e.dsec.v1.ListProcessesResponse\"\x03\x90\x02\x012\xb5\x04\n" +
 	"\x11FilesystemService\x12A\n" +
 	"\bReadFile\x12\x18.dsec.v1.ReadFileRequest\x1a\x19.dsec.v1.ReadFileResponse0\x01\x12;\n" +
 	"\tWriteFile\x12\x19.dsec.v1.WriteFileRequest\x1a\x11.dsec.v1.FileInfo(\x01\x124\n" +
@@ -6383,7 +6460,9 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\aListDir\x12\x17.dsec.v1.ListDirRequest\x1a\x18.dsec.v1.ListDirResponse\"\x03\x90\x02\x01\x125\n" +
 	"\aMakeDir\x12\x17.dsec.v1.MakeDirRequest\x1a\x11.dsec.v1.FileInfo\x129\n" +
 	"\x06Remove\x12\x16.dsec.v1.RemoveRequest\x1a\x17.dsec.v1.RemoveResponse\x123\n" +
-	"\x06Rename\x12\x16.dsec.v1.RenameRequest\x1a\x11.dsec.v1.FileInfo\x12>\n" +
+	"\x06Rename\x12\x16.dsec.v1.RenameRequest\x1a\x11.dsec.v1.FileInfo\x12@\n" +
+	"\n" +
+	"ChangeMode\x12\x1a.dsec.v1.ChangeModeRequest\x1a\x11.dsec.v1.FileInfo\"\x03\x90\x02\x02\x12>\n" +
 	"\bWatchDir\x12\x18.dsec.v1.WatchDirRequest\x1a\x16.dsec.v1.WatchDirEvent0\x012\xb6\x02\n" +
 	"\x0fSnapshotService\x12;\n" +
 	"\bSnapshot\x12\x18.dsec.v1.SnapshotRequest\x1a\x15.dsec.v1.SnapshotInfo\x12S\n" +
@@ -6413,7 +6492,7 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 91)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 92)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
 	(*Resources)(nil),               // 1: dsec.v1.Resources
@@ -6461,52 +6540,53 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*RemoveRequest)(nil),           // 43: dsec.v1.RemoveRequest
 	(*RemoveResponse)(nil),          // 44: dsec.v1.RemoveResponse
 	(*RenameRequest)(nil),           // 45: dsec.v1.RenameRequest
-	(*WatchDirRequest)(nil),         // 46: dsec.v1.WatchDirRequest
-	(*FsEvent)(nil),                 // 47: dsec.v1.FsEvent
-	(*WatchDirEvent)(nil),           // 48: dsec.v1.WatchDirEvent
-	(*GetSandboxStatsRequest)(nil),  // 49: dsec.v1.GetSandboxStatsRequest
-	(*SandboxStats)(nil),            // 50: dsec.v1.SandboxStats
-	(*ScreenshotRequest)(nil),       // 51: dsec.v1.ScreenshotRequest
-	(*ScreenshotResponse)(nil),      // 52: dsec.v1.ScreenshotResponse
-	(*SendInputRequest)(nil),        // 53: dsec.v1.SendInputRequest
-	(*SendInputResponse)(nil),       // 54: dsec.v1.SendInputResponse
-	(*OpenVNCRequest)(nil),          // 55: dsec.v1.OpenVNCRequest
-	(*OpenVNCResponse)(nil),         // 56: dsec.v1.OpenVNCResponse
-	(*InputAction)(nil),             // 57: dsec.v1.InputAction
-	(*Point)(nil),                   // 58: dsec.v1.Point
-	(*MouseClick)(nil),              // 59: dsec.v1.MouseClick
-	(*MouseButton)(nil),             // 60: dsec.v1.MouseButton
-	(*MouseScroll)(nil),             // 61: dsec.v1.MouseScroll
-	(*ItemError)(nil),               // 62: dsec.v1.ItemError
-	(*CreateSandboxesRequest)(nil),  // 63: dsec.v1.CreateSandboxesRequest
-	(*CreateResult)(nil),            // 64: dsec.v1.CreateResult
-	(*CreateSandboxesResponse)(nil), // 65: dsec.v1.CreateSandboxesResponse
-	(*PauseSandboxRequest)(nil),     // 66: dsec.v1.PauseSandboxRequest
-	(*ResumeSandboxRequest)(nil),    // 67: dsec.v1.ResumeSandboxRequest
-	(*BulkRequest)(nil),             // 68: dsec.v1.BulkRequest
-	(*BulkFailure)(nil),             // 69: dsec.v1.BulkFailure
-	(*BulkResponse)(nil),            // 70: dsec.v1.BulkResponse
-	(*SnapshotRequest)(nil),         // 71: dsec.v1.SnapshotRequest
-	(*SnapshotInfo)(nil),            // 72: dsec.v1.SnapshotInfo
-	(*ListSnapshotsRequest)(nil),    // 73: dsec.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),   // 74: dsec.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),   // 75: dsec.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),  // 76: dsec.v1.DeleteSnapshotResponse
-	(*ForkRequest)(nil),             // 77: dsec.v1.ForkRequest
-	(*GetLogRequest)(nil),           // 78: dsec.v1.GetLogRequest
-	(*LogEntry)(nil),                // 79: dsec.v1.LogEntry
-	(*GetLogResponse)(nil),          // 80: dsec.v1.GetLogResponse
-	(*ReplayRequest)(nil),           // 81: dsec.v1.ReplayRequest
-	(*ReplayStep)(nil),              // 82: dsec.v1.ReplayStep
-	(*ReplayResponse)(nil),          // 83: dsec.v1.ReplayResponse
-	nil,                             // 84: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                             // 85: dsec.v1.SandboxSpec.EnvEntry
-	nil,                             // 86: dsec.v1.SandboxSpec.NodeSelectorEntry
-	nil,                             // 87: dsec.v1.ExecRequest.EnvEntry
-	nil,                             // 88: dsec.v1.ProcessInfo.EnvEntry
-	nil,                             // 89: dsec.v1.ForkRequest.LabelsEntry
-	nil,                             // 90: dsec.v1.LogEntry.EnvEntry
-	(*timestamppb.Timestamp)(nil),   // 91: google.protobuf.Timestamp
+	(*ChangeModeRequest)(nil),       // 46: dsec.v1.ChangeModeRequest
+	(*WatchDirRequest)(nil),         // 47: dsec.v1.WatchDirRequest
+	(*FsEvent)(nil),                 // 48: dsec.v1.FsEvent
+	(*WatchDirEvent)(nil),           // 49: dsec.v1.WatchDirEvent
+	(*GetSandboxStatsRequest)(nil),  // 50: dsec.v1.GetSandboxStatsRequest
+	(*SandboxStats)(nil),            // 51: dsec.v1.SandboxStats
+	(*ScreenshotRequest)(nil),       // 52: dsec.v1.ScreenshotRequest
+	(*ScreenshotResponse)(nil),      // 53: dsec.v1.ScreenshotResponse
+	(*SendInputRequest)(nil),        // 54: dsec.v1.SendInputRequest
+	(*SendInputResponse)(nil),       // 55: dsec.v1.SendInputResponse
+	(*OpenVNCRequest)(nil),          // 56: dsec.v1.OpenVNCRequest
+	(*OpenVNCResponse)(nil),         // 57: dsec.v1.OpenVNCResponse
+	(*InputAction)(nil),             // 58: dsec.v1.InputAction
+	(*Point)(nil),                   // 59: dsec.v1.Point
+	(*MouseClick)(nil),              // 60: dsec.v1.MouseClick
+	(*MouseButton)(nil),             // 61: dsec.v1.MouseButton
+	(*MouseScroll)(nil),             // 62: dsec.v1.MouseScroll
+	(*ItemError)(nil),               // 63: dsec.v1.ItemError
+	(*CreateSandboxesRequest)(nil),  // 64: dsec.v1.CreateSandboxesRequest
+	(*CreateResult)(nil),            // 65: dsec.v1.CreateResult
+	(*CreateSandboxesResponse)(nil), // 66: dsec.v1.CreateSandboxesResponse
+	(*PauseSandboxRequest)(nil),     // 67: dsec.v1.PauseSandboxRequest
+	(*ResumeSandboxRequest)(nil),    // 68: dsec.v1.ResumeSandboxRequest
+	(*BulkRequest)(nil),             // 69: dsec.v1.BulkRequest
+	(*BulkFailure)(nil),             // 70: dsec.v1.BulkFailure
+	(*BulkResponse)(nil),            // 71: dsec.v1.BulkResponse
+	(*SnapshotRequest)(nil),         // 72: dsec.v1.SnapshotRequest
+	(*SnapshotInfo)(nil),            // 73: dsec.v1.SnapshotInfo
+	(*ListSnapshotsRequest)(nil),    // 74: dsec.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),   // 75: dsec.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),   // 76: dsec.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),  // 77: dsec.v1.DeleteSnapshotResponse
+	(*ForkRequest)(nil),             // 78: dsec.v1.ForkRequest
+	(*GetLogRequest)(nil),           // 79: dsec.v1.GetLogRequest
+	(*LogEntry)(nil),                // 80: dsec.v1.LogEntry
+	(*GetLogResponse)(nil),          // 81: dsec.v1.GetLogResponse
+	(*ReplayRequest)(nil),           // 82: dsec.v1.ReplayRequest
+	(*ReplayStep)(nil),              // 83: dsec.v1.ReplayStep
+	(*ReplayResponse)(nil),          // 84: dsec.v1.ReplayResponse
+	nil,                             // 85: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                             // 86: dsec.v1.SandboxSpec.EnvEntry
+	nil,                             // 87: dsec.v1.SandboxSpec.NodeSelectorEntry
+	nil,                             // 88: dsec.v1.ExecRequest.EnvEntry
+	nil,                             // 89: dsec.v1.ProcessInfo.EnvEntry
+	nil,                             // 90: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 91: dsec.v1.LogEntry.EnvEntry
+	(*timestamppb.Timestamp)(nil),   // 92: google.protobuf.Timestamp
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	3,  // 0: dsec.v1.Network.policy:type_name -> dsec.v1.NetworkPolicy
@@ -6514,63 +6594,63 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	5,  // 2: dsec.v1.NetworkPolicy.credentials:type_name -> dsec.v1.BrokeredCredential
 	3,  // 3: dsec.v1.SetNetworkPolicyRequest.policy:type_name -> dsec.v1.NetworkPolicy
 	10, // 4: dsec.v1.GetNetworkLogResponse.records:type_name -> dsec.v1.ConnectionRecord
-	91, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
+	92, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
 	1,  // 6: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	84, // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	85, // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
+	85, // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	86, // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,  // 9: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
-	86, // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
+	87, // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
 	11, // 11: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	91, // 12: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	91, // 13: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	91, // 14: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	92, // 12: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	92, // 13: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	92, // 14: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	11, // 15: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	12, // 16: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	87, // 17: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	88, // 17: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
 	22, // 18: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
 	21, // 19: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	88, // 20: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	89, // 20: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
 	31, // 21: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	91, // 22: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	92, // 22: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
 	34, // 23: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
 	37, // 24: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
 	34, // 25: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
-	47, // 26: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	91, // 27: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	57, // 28: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
-	91, // 29: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
-	58, // 30: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
-	59, // 31: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
-	60, // 32: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
-	61, // 33: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
+	48, // 26: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
+	92, // 27: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	58, // 28: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
+	92, // 29: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
+	59, // 30: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
+	60, // 31: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
+	61, // 32: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
+	62, // 33: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
 	11, // 34: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
 	11, // 35: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
 	12, // 36: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	62, // 37: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	64, // 38: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	62, // 39: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	69, // 40: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	91, // 41: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	72, // 42: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	89, // 43: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	91, // 44: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	90, // 45: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	63, // 37: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	65, // 38: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	63, // 39: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	70, // 40: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	92, // 41: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	73, // 42: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	90, // 43: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	92, // 44: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	91, // 45: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
 	21, // 46: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	62, // 47: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	79, // 48: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	82, // 49: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	63, // 47: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	80, // 48: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	83, // 49: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
 	13, // 50: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	63, // 51: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	64, // 51: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
 	14, // 52: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
 	15, // 53: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
 	17, // 54: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
 	19, // 55: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	66, // 56: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	67, // 57: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	68, // 58: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	68, // 59: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	68, // 60: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	49, // 61: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	67, // 56: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	68, // 57: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	69, // 58: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	69, // 59: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	69, // 60: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	50, // 61: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
 	6,  // 62: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
 	7,  // 63: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
 	20, // 64: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
@@ -6587,58 +6667,60 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	42, // 75: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
 	43, // 76: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
 	45, // 77: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
-	46, // 78: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	71, // 79: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	73, // 80: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	75, // 81: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	77, // 82: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
-	78, // 83: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
-	81, // 84: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
-	8,  // 85: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
-	51, // 86: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	53, // 87: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
-	55, // 88: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
-	12, // 89: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	65, // 90: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	12, // 91: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
-	16, // 92: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	18, // 93: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	12, // 94: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
-	12, // 95: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	12, // 96: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	70, // 97: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	70, // 98: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	70, // 99: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	50, // 100: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	2,  // 101: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
-	2,  // 102: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
-	21, // 103: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
-	23, // 104: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
-	23, // 105: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	26, // 106: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	28, // 107: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	30, // 108: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	33, // 109: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	36, // 110: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	34, // 111: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
-	34, // 112: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
-	41, // 113: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
-	34, // 114: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
-	44, // 115: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
-	34, // 116: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
-	48, // 117: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	72, // 118: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	74, // 119: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	76, // 120: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	65, // 121: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	80, // 122: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
-	83, // 123: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
-	9,  // 124: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
-	52, // 125: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	54, // 126: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
-	56, // 127: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
-	89, // [89:128] is the sub-list for method output_type
-	50, // [50:89] is the sub-list for method input_type
+	46, // 78: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
+	47, // 79: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	72, // 80: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	74, // 81: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	76, // 82: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	78, // 83: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
+	79, // 84: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
+	82, // 85: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
+	8,  // 86: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
+	52, // 87: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	54, // 88: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
+	56, // 89: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	12, // 90: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	66, // 91: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	12, // 92: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
+	16, // 93: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	18, // 94: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	12, // 95: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
+	12, // 96: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	12, // 97: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	71, // 98: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	71, // 99: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	71, // 100: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	51, // 101: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	2,  // 102: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
+	2,  // 103: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
+	21, // 104: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
+	23, // 105: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
+	23, // 106: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	26, // 107: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	28, // 108: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	30, // 109: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	33, // 110: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	36, // 111: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	34, // 112: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
+	34, // 113: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
+	41, // 114: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
+	34, // 115: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
+	44, // 116: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
+	34, // 117: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
+	34, // 118: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
+	49, // 119: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	73, // 120: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	75, // 121: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	77, // 122: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	66, // 123: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	81, // 124: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
+	84, // 125: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
+	9,  // 126: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
+	53, // 127: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	55, // 128: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
+	57, // 129: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	90, // [90:130] is the sub-list for method output_type
+	50, // [50:90] is the sub-list for method input_type
 	50, // [50:50] is the sub-list for extension type_name
 	50, // [50:50] is the sub-list for extension extendee
 	0,  // [0:50] is the sub-list for field type_name
@@ -6664,13 +6746,13 @@ func file_dsec_v1_sandbox_proto_init() {
 		(*WriteFileRequest_Header)(nil),
 		(*WriteFileRequest_Data)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[48].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[49].OneofWrappers = []any{
 		(*WatchDirEvent_Started)(nil),
 		(*WatchDirEvent_Change)(nil),
 		(*WatchDirEvent_Keepalive)(nil),
 		(*WatchDirEvent_Overflow)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[57].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[58].OneofWrappers = []any{
 		(*InputAction_Text)(nil),
 		(*InputAction_Keys)(nil),
 		(*InputAction_Move)(nil),
@@ -6684,7 +6766,7 @@ func file_dsec_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   91,
+			NumMessages:   92,
 			NumExtensions: 0,
 			NumServices:   6,
 		},

@@ -164,6 +164,9 @@ func (d *Driver) Start() {
 	go d.janitor()
 }
 
+// BuiltOn implements substrate.BuiltOn: workers are containers.
+func (d *Driver) BuiltOn() substrate.Kind { return substrate.KindContainer }
+
 // Close destroys every worker, those still starting too. It is
 // idempotent.
 func (d *Driver) Close() {

@@ -395,6 +395,13 @@ class Sandbox:
     def rename(self, src: str, dst: str) -> FileInfo:
         return FileInfo._from(self._client._t.unary(_FILES, "Rename", {"sandboxId": self.id, "from": src, "to": dst}))
 
+    def chmod(self, path: str, mode: int, *, user: Optional[str] = None) -> FileInfo:
+        """Set ``path``'s permission bits (``0o755``); only its owner or root may."""
+        req: Dict[str, Any] = {"sandboxId": self.id, "path": path, "mode": mode}
+        if user:
+            req["user"] = user
+        return FileInfo._from(self._client._t.unary(_FILES, "ChangeMode", req))
+
     def keepalive(self, extend_ttl_s: Optional[int] = None) -> SandboxInfo:
         """Reset the idle timer (call it while the model generates); with
         ``extend_ttl_s`` also move the expiry to now + that."""

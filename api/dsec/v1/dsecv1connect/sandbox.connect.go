@@ -132,6 +132,9 @@ const (
 	// FilesystemServiceRenameProcedure is the fully-qualified name of the FilesystemService's Rename
 	// RPC.
 	FilesystemServiceRenameProcedure = "/dsec.v1.FilesystemService/Rename"
+	// FilesystemServiceChangeModeProcedure is the fully-qualified name of the FilesystemService's
+	// ChangeMode RPC.
+	FilesystemServiceChangeModeProcedure = "/dsec.v1.FilesystemService/ChangeMode"
 	// FilesystemServiceWatchDirProcedure is the fully-qualified name of the FilesystemService's
 	// WatchDir RPC.
 	FilesystemServiceWatchDirProcedure = "/dsec.v1.FilesystemService/WatchDir"
@@ -933,6 +936,11 @@ type FilesystemServiceClient interface {
 	Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error)
 	// Rename moves a path within the sandbox.
 	Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error)
+	// ChangeMode sets a path's permission bits (of a link's target: links
+	// have none), as chmod(1) does and as only the owner (or root) may;
+	// logged like every change. Setting the same mode again changes
+	// nothing.
+	ChangeMode(context.Context, *connect.Request[v1.ChangeModeRequest]) (*connect.Response[v1.FileInfo], error)
 	// WatchDir streams changes under a directory until the caller goes away:
 	// a "started" event once the watch is in place, then one event per change
 	// (and keepalives on quiet streams, "overflow" when the kernel dropped
@@ -995,6 +1003,13 @@ func NewFilesystemServiceClient(httpClient connect.HTTPClient, baseURL string, o
 			connect.WithSchema(filesystemServiceMethods.ByName("Rename")),
 			connect.WithClientOptions(opts...),
 		),
+		changeMode: connect.NewClient[v1.ChangeModeRequest, v1.FileInfo](
+			httpClient,
+			baseURL+FilesystemServiceChangeModeProcedure,
+			connect.WithSchema(filesystemServiceMethods.ByName("ChangeMode")),
+			connect.WithIdempotency(connect.IdempotencyIdempotent),
+			connect.WithClientOptions(opts...),
+		),
 		watchDir: connect.NewClient[v1.WatchDirRequest, v1.WatchDirEvent](
 			httpClient,
 			baseURL+FilesystemServiceWatchDirProcedure,
@@ -1006,14 +1021,15 @@ func NewFilesystemServiceClient(httpClient connect.HTTPClient, baseURL string, o
 
 // filesystemServiceClient implements FilesystemServiceClient.
 type filesystemServiceClient struct {
-	readFile  *connect.Client[v1.ReadFileRequest, v1.ReadFileResponse]
-	writeFile *connect.Client[v1.WriteFileRequest, v1.FileInfo]
-	stat      *connect.Client[v1.StatRequest, v1.FileInfo]
-	listDir   *connect.Client[v1.ListDirRequest, v1.ListDirResponse]
-	makeDir   *connect.Client[v1.MakeDirRequest, v1.FileInfo]
-	remove    *connect.Client[v1.RemoveRequest, v1.RemoveResponse]
-	rename    *connect.Client[v1.RenameRequest, v1.FileInfo]
-	watchDir  *connect.Client[v1.WatchDirRequest, v1.WatchDirEvent]
+	readFile   *connect.Client[v1.ReadFileRequest, v1.ReadFileResponse]
+	writeFile  *connect.Client[v1.WriteFileRequest, v1.FileInfo]
+	stat       *connect.Client[v1.StatRequest, v1.FileInfo]
+	listDir    *connect.Client[v1.ListDirRequest, v1.ListDirResponse]
+	makeDir    *connect.Client[v1.MakeDirRequest, v1.FileInfo]
+	remove     *connect.Client[v1.RemoveRequest, v1.RemoveResponse]
+	rename     *connect.Client[v1.RenameRequest, v1.FileInfo]
+	changeMode *connect.Client[v1.ChangeModeRequest, v1.FileInfo]
+	watchDir   *connect.Client[v1.WatchDirRequest, v1.WatchDirEvent]
 }
 
 // ReadFile calls dsec.v1.FilesystemService.ReadFile.
@@ -1051,6 +1067,11 @@ func (c *filesystemServiceClient) Rename(ctx context.Context, req *connect.Reque
 	return c.rename.CallUnary(ctx, req)
 }
 
+// ChangeMode calls dsec.v1.FilesystemService.ChangeMode.
+func (c *filesystemServiceClient) ChangeMode(ctx context.Context, req *connect.Request[v1.ChangeModeRequest]) (*connect.Response[v1.FileInfo], error) {
+	return c.changeMode.CallUnary(ctx, req)
+}
+
 // WatchDir calls dsec.v1.FilesystemService.WatchDir.
 func (c *filesystemServiceClient) WatchDir(ctx context.Context, req *connect.Request[v1.WatchDirRequest]) (*connect.ServerStreamForClient[v1.WatchDirEvent], error) {
 	return c.watchDir.CallServerStream(ctx, req)
@@ -1075,6 +1096,11 @@ type FilesystemServiceHandler interface {
 	Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error)
 	// Rename moves a path within the sandbox.
 	Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error)
+	// ChangeMode sets a path's permission bits (of a link's target: links
+	// have none), as chmod(1) does and as only the owner (or root) may;
+	// logged like every change. Setting the same mode again changes
+	// nothing.
+	ChangeMode(context.Context, *connect.Request[v1.ChangeModeRequest]) (*connect.Response[v1.FileInfo], error)
 	// WatchDir streams changes under a directory until the caller goes away:
 	// a "started" event once the watch is in place, then one event per change
 	// (and keepalives on quiet streams, "overflow" when the kernel dropped
@@ -1133,6 +1159,13 @@ func NewFilesystemServiceHandler(svc FilesystemServiceHandler, opts ...connect.H
 		connect.WithSchema(filesystemServiceMethods.ByName("Rename")),
 		connect.WithHandlerOptions(opts...),
 	)
+	filesystemServiceChangeModeHandler := connect.NewUnaryHandler(
+		FilesystemServiceChangeModeProcedure,
+		svc.ChangeMode,
+		connect.WithSchema(filesystemServiceMethods.ByName("ChangeMode")),
+		connect.WithIdempotency(connect.IdempotencyIdempotent),
+		connect.WithHandlerOptions(opts...),
+	)
 	filesystemServiceWatchDirHandler := connect.NewServerStreamHandler(
 		FilesystemServiceWatchDirProcedure,
 		svc.WatchDir,
@@ -1155,6 +1188,8 @@ func NewFilesystemServiceHandler(svc FilesystemServiceHandler, opts ...connect.H
 			filesystemServiceRemoveHandler.ServeHTTP(w, r)
 		case FilesystemServiceRenameProcedure:
 			filesystemServiceRenameHandler.ServeHTTP(w, r)
+		case FilesystemServiceChangeModeProcedure:
+			filesystemServiceChangeModeHandler.ServeHTTP(w, r)
 		case FilesystemServiceWatchDirProcedure:
 			filesystemServiceWatchDirHandler.ServeHTTP(w, r)
 		default:
@@ -1192,6 +1227,10 @@ func (UnimplementedFilesystemServiceHandler) Remove(context.Context, *connect.Re
 
 func (UnimplementedFilesystemServiceHandler) Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.FilesystemService.Rename is not implemented"))
+}
+
+func (UnimplementedFilesystemServiceHandler) ChangeMode(context.Context, *connect.Request[v1.ChangeModeRequest]) (*connect.Response[v1.FileInfo], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.FilesystemService.ChangeMode is not implemented"))
 }
 
 func (UnimplementedFilesystemServiceHandler) WatchDir(context.Context, *connect.Request[v1.WatchDirRequest], *connect.ServerStream[v1.WatchDirEvent]) error {
