@@ -192,6 +192,40 @@ func probing(t *testing.T, sb *dsec.Sandbox, cmds ...string) {
 	}
 }
 
+// deleteLeavesNoRule deletes sb and fails t if the node's nftables sets
+// still hold an element of its address, or its connection log answers.
+func deleteLeavesNoRule(t *testing.T, sb *dsec.Sandbox) {
+	t.Helper()
+	addr := strings.Fields(sh(t, sb, "ip -4 -o addr show eth0"))[3]
+	addr = addr[:strings.IndexByte(addr, '/')]
+	if err := sb.Close(); err != nil {
+		t.Fatalf("delete: %v", err)
+	}
+	cmdline, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", egressServer.Pid()))
+	args := strings.Split(string(cmdline), "\x00")
+	table := ""
+	for i := 0; i+1 < len(args); i++ {
+		if args[i] == "--nft-table" {
+			table = args[i+1]
+		}
+	}
+	if table == "" {
+		t.Fatalf("no --nft-table in %q", args)
+	}
+	for _, set := range []string{"policed", "allow", "deny", "pins"} {
+		out, err := exec.Command("nft", "list", "set", "inet", table, set).CombinedOutput()
+		if err != nil {
+			t.Fatalf("nft list set %s: %v\n%s", set, err, out)
+		}
+		if regexp.MustCompile(`\b` + regexp.QuoteMeta(addr) + `\b`).Match(out) {
+			t.Errorf("the %s set still holds %s after the delete:\n%s", set, addr, out)
+		}
+	}
+	if _, err := sb.NetworkLog(ctxFor(t, time.Minute), 0); kindOf(err) != "not_found" {
+		t.Errorf("the log of a deleted sandbox: %v", err)
+	}
+}
+
 // egressMark is a random label.
 func egressMark(what string) string {
 	b := make([]byte, 6)
@@ -293,6 +327,7 @@ func TestEgressToADeniedDomainIsRefused(t *testing.T) {
 	})
 	probing(t, sb, "get http://"+evilHost+"/", "get -connect "+mirror+":443 https://"+evilHost+"/", "get -connect "+evil+":8080 http://"+mirrorHost+"/", "dns "+egressMark("x")+"."+evilHost)
 	nb.check(t)
+	deleteLeavesNoRule(t, sb)
 }
 
 func TestEgressToADeniedAddressIsRefused(t *testing.T) {
@@ -356,6 +391,7 @@ func TestEgressToADeniedAddressIsRefused(t *testing.T) {
 	})
 	probing(t, sb, fmt.Sprintf("udp %s:9999 %s", evil, m), fmt.Sprintf("get -connect %s:8080 http://x/", evil), "get http://sneaky."+mirrorHost+"/")
 	nb.check(t)
+	deleteLeavesNoRule(t, sb)
 	if strings.Contains(strings.Join(in.UDP(), "\n"), m) {
 		t.Fatalf("the denied address got a datagram during the attack")
 	}
@@ -445,6 +481,7 @@ func TestEgressNeverReachesTheHostsLoopbackOrMetadata(t *testing.T) {
 	})
 	probing(t, sb, "get http://"+host+"/", fmt.Sprintf("get http://%s:%d/", gw, anyPort), "get http://169.254.169.254/", "get http://gateway."+mirrorHost+"/")
 	nb.check(t)
+	deleteLeavesNoRule(t, sb)
 }
 
 func TestEgressNeverReachesAnotherSandbox(t *testing.T) {
@@ -486,6 +523,7 @@ func TestEgressNeverReachesAnotherSandbox(t *testing.T) {
 			}
 			probing(t, sb, "get http://"+victimIP+"/", "get http://"+victimIP+":8080/")
 			nb.check(t)
+			deleteLeavesNoRule(t, sb)
 		})
 	}
 }
@@ -544,6 +582,7 @@ func TestDNSTunnellingPastADenyRuleNeverLeavesTheNode(t *testing.T) {
 	bg := label()
 	probing(t, sb, "dns "+bg+"."+evilHost, "dns -tcp -server "+dns+" "+bg+"."+evilHost)
 	nb.check(t)
+	deleteLeavesNoRule(t, sb)
 	if asked := strings.ToLower(strings.Join(in.Queries(), "\n")); strings.Contains(asked, strings.ToLower(bg)) {
 		t.Errorf("a query of the background attack reached the internet")
 	}
@@ -626,6 +665,7 @@ func TestAPolicyChangeAtRuntimeTakesEffectForNewConnections(t *testing.T) {
 	})
 	probing(t, sb, "get http://"+mirror+":8080/", "get http://"+mirrorHost+"/")
 	nb.check(t)
+	deleteLeavesNoRule(t, sb)
 }
 
 // sandboxPids are the host pids of every process in sb (those in its
@@ -830,4 +870,5 @@ func TestABrokeredSecretNeverEntersTheSandbox(t *testing.T) {
 	})
 	probing(t, sb, "get http://"+apiHost+"/headers", "get http://"+inlineHost+"/headers")
 	nb.check(t)
+	deleteLeavesNoRule(t, sb)
 }
