@@ -96,6 +96,8 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, bootstrap *string, pool
 	f.StringVar(&flagCfg.Network.Bridge, "bridge", "", "egress bridge name (default dsec0)")
 	f.StringVar(&flagCfg.Network.Subnet, "subnet", "", "egress subnet (default 10.88.0.0/16)")
 	f.StringVar(&flagCfg.Network.Table, "nft-table", "", "nftables tables, inet and bridge (default dsec)")
+	f.StringArrayVar(&flagCfg.Network.DNS, "dns", nil, "resolver of egress sandboxes and upstream of the node's resolver for sandboxes under a policy (repeatable; default: the host's)")
+	f.StringVar(&flagCfg.Network.TrustedCAs, "egress-ca", "", "PEM file of the CAs the egress proxy trusts for brokered requests (default: the host's)")
 	f.StringVar(&flagCfg.Container.Runtime, "runtime", "", "OCI runtime: crun or runc (default crun)")
 	f.BoolVar(&flagCfg.Container.HostRoot, "host-root", false, "run container sandboxes without a user namespace: root inside is the host's root")
 	f.StringVar(&flagCfg.MicroVM.Accel, "microvm-accel", "", "microvm acceleration: auto, kvm or tcg (default auto)")
@@ -176,6 +178,12 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("nft-table") {
 		cfg.Network.Table = fl.Network.Table
+	}
+	if set("dns") {
+		cfg.Network.DNS = fl.Network.DNS
+	}
+	if set("egress-ca") {
+		cfg.Network.TrustedCAs = fl.Network.TrustedCAs
 	}
 	if set("debug-listen") {
 		cfg.DebugListen = fl.DebugListen
@@ -462,7 +470,23 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 		return nil, err
 	}
 	runDir := runDirOf(dataDir)
-	nm, err := network.New(network.Config{Bridge: cfg.Network.Bridge, Subnet: cfg.Network.Subnet, DNS: cfg.Network.DNS, Table: cfg.Network.Table, RunDir: filepath.Join(runDir, "netns")}, log)
+	creds := map[string]node.NamedCredential{}
+	for _, c := range cfg.Network.Credentials {
+		if c.Name == "" || c.Host == "" || c.Value == "" {
+			return nil, fmt.Errorf("network.credentials: each needs a name, a host and a value")
+		}
+		if _, dup := creds[c.Name]; dup {
+			return nil, fmt.Errorf("network.credentials: two named %q", c.Name)
+		}
+		nc := node.NamedCredential{Credential: network.Credential{Host: c.Host, Header: c.Header, Value: c.Value}, Projects: c.Projects}
+		p := &network.Policy{Credentials: []network.Credential{nc.Credential}}
+		if err := p.Validate(); err != nil {
+			return nil, fmt.Errorf("network.credentials %s: %w", c.Name, err)
+		}
+		nc.Credential = p.Credentials[0] // normalized
+		creds[c.Name] = nc
+	}
+	nm, err := network.New(network.Config{Bridge: cfg.Network.Bridge, Subnet: cfg.Network.Subnet, DNS: cfg.Network.DNS, Table: cfg.Network.Table, TrustedCAs: cfg.Network.TrustedCAs, RunDir: filepath.Join(runDir, "netns")}, log)
 	if err != nil {
 		return nil, err
 	}
@@ -513,6 +537,7 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 		DefaultTTL: time.Duration(cfg.Node.DefaultTTL), MaxTTL: time.Duration(cfg.Node.MaxTTL),
 		DefaultCPU: cfg.Node.DefaultCPU, DefaultMemoryMB: cfg.Node.DefaultMemoryMB,
 		DefaultExecTimeout: time.Duration(cfg.Node.DefaultExecTimeout),
+		Credentials:        creds,
 	}, log, images, nm, drivers)
 }
 

@@ -47,6 +47,8 @@ type Node interface {
 	ResumeSandboxes(context.Context, *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error)
 	DeleteSandboxes(context.Context, *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error)
 	GetSandboxStats(context.Context, *connect.Request[dsecv1.GetSandboxStatsRequest]) (*connect.Response[dsecv1.SandboxStats], error)
+	SetNetworkPolicy(context.Context, *connect.Request[dsecv1.SetNetworkPolicyRequest]) (*connect.Response[dsecv1.Network], error)
+	GetNetworkPolicy(context.Context, *connect.Request[dsecv1.GetNetworkPolicyRequest]) (*connect.Response[dsecv1.Network], error)
 
 	// ProcessService: its streams, with callbacks, and its unary verbs
 	// (route.go).

@@ -60,6 +60,14 @@ func (s *lifecycleService) GetSandboxStats(ctx context.Context, req *connect.Req
 	return route(ctx, s.r, req.Msg.GetId(), req, Node.GetSandboxStats)
 }
 
+func (s *lifecycleService) SetNetworkPolicy(ctx context.Context, req *connect.Request[dsecv1.SetNetworkPolicyRequest]) (*connect.Response[dsecv1.Network], error) {
+	return route(ctx, s.r, req.Msg.GetId(), req, Node.SetNetworkPolicy)
+}
+
+func (s *lifecycleService) GetNetworkPolicy(ctx context.Context, req *connect.Request[dsecv1.GetNetworkPolicyRequest]) (*connect.Response[dsecv1.Network], error) {
+	return route(ctx, s.r, req.Msg.GetId(), req, Node.GetNetworkPolicy)
+}
+
 // processVerbs are ProcessService's unary verbs as a node serves them
 // (Node).
 type processVerbs interface {
@@ -190,6 +198,10 @@ func (s logService) GetLog(ctx context.Context, req *connect.Request[dsecv1.GetL
 
 func (s logService) Replay(ctx context.Context, req *connect.Request[dsecv1.ReplayRequest]) (*connect.Response[dsecv1.ReplayResponse], error) {
 	return route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.Replay)
+}
+
+func (s logService) GetNetworkLog(ctx context.Context, req *connect.Request[dsecv1.GetNetworkLogRequest]) (*connect.Response[dsecv1.GetNetworkLogResponse], error) {
+	return route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.GetNetworkLog)
 }
 
 // screenService routes the ScreenService.

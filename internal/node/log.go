@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"google.golang.org/protobuf/encoding/protojson"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
@@ -112,7 +111,7 @@ func (n *Node) specOf(ctx context.Context, id string) (*dsecv1.SandboxSpec, stri
 		return nil, "", err
 	}
 	if s != nil {
-		return proto.Clone(s.spec).(*dsecv1.SandboxSpec), s.project, nil
+		return s.currentSpec(), s.project, nil
 	}
 	spec := &dsecv1.SandboxSpec{}
 	if err := protojson.Unmarshal(t.Spec, spec); err != nil {

@@ -71,6 +71,9 @@ type Config struct {
 	MaxConcurrentStarts, StartQueue int
 	// Pools are warm pools of started sandboxes (default none).
 	Pools []PoolConfig
+	// Credentials are the brokered credentials policies may name, by
+	// name (default none).
+	Credentials map[string]NamedCredential
 }
 
 func (c *Config) defaults() {
@@ -363,7 +366,7 @@ func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return &dsecv1.Sandbox{
-		Id: s.id, Node: n.cfg.Name, State: s.state.public(), Spec: s.spec,
+		Id: s.id, Node: n.cfg.Name, State: s.state.public(), Spec: s.shownSpecLocked(),
 		CreatedAt:    timestamppb.New(s.created),
 		ExpiresAt:    timestamppb.New(s.expires),
 		LastActiveAt: timestamppb.New(time.Unix(0, s.lastActive.Load())),
@@ -373,6 +376,10 @@ func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
 func (n *Node) tombstoneView(t *record) *dsecv1.Sandbox {
 	spec := &dsecv1.SandboxSpec{}
 	protojson.Unmarshal(t.Spec, spec)
+	if nw := networkFromRecord(t.NetPolicy); nw != nil {
+		spec.Network = nw
+	}
+	spec.Network = redacted(spec.Network)
 	return &dsecv1.Sandbox{
 		Id: t.ID, Node: n.cfg.Name, State: t.State, Reason: t.Reason, Spec: spec,
 		CreatedAt: timestamppb.New(t.Created), ExpiresAt: timestamppb.New(t.Deleted),
@@ -523,7 +530,7 @@ func (n *Node) adopt() {
 		s := &sandbox{
 			id: r.ID, spec: spec, created: r.Created, image: r.Image, layers: r.Layers, net: att,
 			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey, project: projectOr(r.Project),
-			state: parseState(r.State), expires: r.Expires, rec: r,
+			state: parseState(r.State), expires: r.Expires, rec: r, network: networkFromRecord(r.NetPolicy),
 		}
 		if s.state != statePaused {
 			s.state = stateRunning // as were records written mid-delete, and those of old stores

@@ -128,6 +128,14 @@ func (s *Service) GetSandboxStats(ctx context.Context, req *connect.Request[dsec
 	return answer(s.n.Stats(ctx, req.Msg.GetId()))
 }
 
+func (s *Service) SetNetworkPolicy(ctx context.Context, req *connect.Request[dsecv1.SetNetworkPolicyRequest]) (*connect.Response[dsecv1.Network], error) {
+	return answer(s.n.SetNetworkPolicy(ctx, req.Msg))
+}
+
+func (s *Service) GetNetworkPolicy(ctx context.Context, req *connect.Request[dsecv1.GetNetworkPolicyRequest]) (*connect.Response[dsecv1.Network], error) {
+	return answer(s.n.GetNetworkPolicy(ctx, req.Msg.GetId()))
+}
+
 // Processes.
 
 func (s *Service) Exec(ctx context.Context, req *connect.Request[dsecv1.ExecRequest]) (*connect.Response[dsecv1.ExecResult], error) {
@@ -251,6 +259,10 @@ func (s *Service) Fork(ctx context.Context, req *connect.Request[dsecv1.ForkRequ
 
 func (s *Service) GetLog(ctx context.Context, req *connect.Request[dsecv1.GetLogRequest]) (*connect.Response[dsecv1.GetLogResponse], error) {
 	return answer(s.n.GetLog(ctx, req.Msg))
+}
+
+func (s *Service) GetNetworkLog(ctx context.Context, req *connect.Request[dsecv1.GetNetworkLogRequest]) (*connect.Response[dsecv1.GetNetworkLogResponse], error) {
+	return answer(s.n.GetNetworkLog(ctx, req.Msg))
 }
 
 func (s *Service) Replay(ctx context.Context, req *connect.Request[dsecv1.ReplayRequest]) (*connect.Response[dsecv1.ReplayResponse], error) {

@@ -24,8 +24,13 @@ type CreateOptions struct {
 	Labels   map[string]string
 	Env      map[string]string
 	Network  string // "none" (default) or "egress"
-	User     string
-	Workdir  string
+	// Policy restricts egress (implies Network "egress"): what no rule
+	// allows is denied. nil: unrestricted egress.
+	Policy *Policy
+	// BandwidthMbps limits egress throughput each way (0: none).
+	BandwidthMbps int64
+	User          string
+	Workdir       string
 	// IdempotencyKey makes the create safe to retry.
 	IdempotencyKey string
 	// Snapshot starts the sandbox from a snapshot instead of Image.
@@ -38,11 +43,14 @@ type CreateOptions struct {
 }
 
 func (o CreateOptions) spec() *dsecv1.SandboxSpec {
+	if o.Policy != nil && o.Network == "" {
+		o.Network = "egress"
+	}
 	return &dsecv1.SandboxSpec{
 		Kind: o.Kind, Image: o.Image,
-		Resources: &dsecv1.Resources{Cpu: o.CPU, MemoryMb: o.MemoryMB, DiskMb: o.DiskMB, Pids: o.Pids},
+		Resources: &dsecv1.Resources{Cpu: o.CPU, MemoryMb: o.MemoryMB, DiskMb: o.DiskMB, Pids: o.Pids, BandwidthMbps: o.BandwidthMbps},
 		TtlS:      int64(o.TTL / time.Second), IdleTtlS: int64(o.IdleTTL / time.Second),
-		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network},
+		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network, Policy: o.Policy.proto()},
 		User: o.User, Workdir: o.Workdir, Snapshot: o.Snapshot, Session: o.Session,
 		NodeSelector: o.NodeSelector,
 	}

@@ -15,6 +15,7 @@ from .session import Session
 from .runkeys import RunKeys
 from .aio import AsyncClient, AsyncSandbox
 from .functions import Checker, RunCodeResult
+from .network import ConnectionRecord, Credential, Network, NetworkLog, NetworkPolicy
 from .errors import (
     Conflict,
     ConnectionFailed,
@@ -40,6 +41,11 @@ __all__ = [
     "AsyncSandbox",
     "RunCodeResult",
     "Checker",
+    "NetworkPolicy",
+    "Credential",
+    "Network",
+    "NetworkLog",
+    "ConnectionRecord",
     "Sandbox",
     "SandboxInfo",
     "ExecResult",

@@ -11,6 +11,7 @@ from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, T
 
 from . import _wire
 from .errors import DsecError, NotFound, SandboxGone, make_error
+from .network import Network, NetworkLog, NetworkPolicy, PolicyLike, policy_wire
 
 DEFAULT_URL = "http://127.0.0.1:7070"
 # The sandbox API, one service per role (api/dsec/v1/sandbox.proto).
@@ -201,7 +202,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
                 idle_ttl_s: Optional[int] = None, labels: Optional[Mapping[str, str]] = None,
                 env: Optional[Mapping[str, str]] = None, network: Optional[str] = None, user: Optional[str] = None,
                 workdir: Optional[str] = None, from_snapshot: Any = None, session: Any = None,
-                node_selector: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+                node_selector: Optional[Mapping[str, str]] = None, network_policy: Optional[PolicyLike] = None,
+                bandwidth_mbps: Optional[int] = None) -> Dict[str, Any]:
     # No kind: the server's default (container), or a machine snapshot's own kind.
     spec: Dict[str, Any] = {"resources": {}}
     if kind:
@@ -228,8 +230,16 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
         spec["labels"] = {str(k): str(v) for k, v in labels.items()}
     if env:
         spec["env"] = {str(k): str(v) for k, v in env.items()}
+    if network_policy is not None:
+        if network not in (None, "", "egress"):
+            raise ValueError(f"network_policy needs network='egress', not {network!r}")
+        network = "egress"
     if network:
         spec["network"] = {"mode": network}
+    if network_policy is not None:
+        spec["network"]["policy"] = policy_wire(network_policy)
+    if bandwidth_mbps:
+        spec["resources"]["bandwidthMbps"] = str(int(bandwidth_mbps))
     if user:
         spec["user"] = user
     if workdir:
@@ -506,6 +516,34 @@ class Sandbox:
         """Turn the mouse wheel: dy clicks down (negative: up)."""
         self.input({"scroll": {"dx": dx, "dy": dy}})
 
+    def network(self) -> Network:
+        """The sandbox's network now: its mode and the egress policy in
+        force (credentials without their values)."""
+        return Network._from(self._client._t.unary(_LIFECYCLE, "GetNetworkPolicy", {"id": self.id}, retry=True))
+
+    def set_network_policy(self, policy: Optional[PolicyLike]) -> Network:
+        """Put an egress policy in force for the sandbox's new connections
+        (open ones it denies are cut); ``None`` lifts every restriction,
+        ``NetworkPolicy()`` denies everything. The sandbox needs
+        ``network="egress"``. The phase pattern::
+
+            sb = client.create("debian", network_policy=NetworkPolicy(allow=["deb.debian.org"]))
+            sb.exec("apt-get install -y ...")      # setup: the package mirror
+            sb.set_network_policy(NetworkPolicy())  # rollout: nothing
+        """
+        req: Dict[str, Any] = {"id": self.id}
+        if policy is not None:
+            req["policy"] = policy_wire(policy)
+        return Network._from(self._client._t.unary(_LIFECYCLE, "SetNetworkPolicy", req, retry=True))
+
+    def network_log(self, after_seq: int = 0, limit: Optional[int] = None) -> NetworkLog:
+        """The connections the sandbox opened, allowed and denied, after
+        record ``after_seq`` (``log.next_seq`` reads on)."""
+        req: Dict[str, Any] = {"sandboxId": self.id, "afterSeq": str(int(after_seq))}
+        if limit:
+            req["limit"] = int(limit)
+        return NetworkLog._from(self._client._t.unary(_LOGS, "GetNetworkLog", req, retry=True))
+
     def alive(self) -> bool:
         """Whether the sandbox is running. Never raises."""
         try:
@@ -547,10 +585,14 @@ class Client:
         """Create a sandbox and return once it accepts commands.
 
         Spec keywords: ``kind`` ("container"), ``cpu``, ``memory_mb``,
-        ``pids``, ``disk_mb`` (enforced by kinds microvm and vm; a
-        container's writable layer is not limited), ``gpu``, ``ttl_s``, ``idle_ttl_s``, ``labels``, ``env``, ``network``
-        ("none" or "egress"), ``user``, ``workdir``, ``from_snapshot``,
-        ``session``, ``node_selector`` (cluster mode: node labels). With ``count``, create that many in one request and
+        ``pids``, ``disk_mb`` (the sandbox's disk: its writable layer for
+        containers, its disk for microvm and vm), ``gpu``, ``ttl_s``,
+        ``idle_ttl_s``, ``labels``, ``env``, ``network`` ("none" or
+        "egress"), ``network_policy`` (a :class:`NetworkPolicy` or a dict
+        with its keys; implies egress), ``bandwidth_mbps`` (egress
+        throughput each way), ``user``, ``workdir``, ``from_snapshot``,
+        ``session``, ``node_selector`` (cluster mode: node labels). With
+        ``count``, create that many in one request and
         return the list of those that started (raising if none did; see
         :meth:`create_many` for per-item results)."""
         body = _build_spec(image, **spec)
@@ -758,4 +800,4 @@ def request_id(trajectory: Any, step: Any, *parts: Any) -> str:
 
 
 __all__ = ["Client", "Sandbox", "ExecResult", "ExecEvent", "FileInfo", "SandboxInfo", "SnapshotInfo", "DsecError",
-           "SandboxGone", "quote", "request_id"]
+           "SandboxGone", "NetworkPolicy", "quote", "request_id"]
