@@ -11,11 +11,13 @@ Harbor's trial.py and verifier.py make (see docs/rl.md)."""
 import asyncio
 import importlib
 import os
+import time
 import tomllib
 from pathlib import Path
 
 import pytest
 
+import dsec
 from dsec.adapters import harbor
 from dsec.adapters._common import UnsupportedOption
 
@@ -148,7 +150,8 @@ def test_a_harbor_trial_builds_the_task_environment_and_scores_it(server, client
     env = build_environment(task, trial, session="fix-add__1")
     assert env.type() == "dsec" and env.type().value == "dsec"
     assert not env.capabilities.mounted and env.capabilities.disable_internet
-    assert not env.capabilities.network_allowlist and not env.capabilities.docker_compose
+    assert env.capabilities.network_allowlist and env.capabilities.dynamic_network_policy
+    assert not env.capabilities.docker_compose
 
     reward = asyncio.run(run_trial(env, task, trial))
     assert reward == 1.0
@@ -259,36 +262,130 @@ def test_a_healthcheck_that_never_passes_raises_harbors_error(server, tmp_path):
         asyncio.run(go())
 
 
-def test_the_network_policy_is_enforced_and_never_widened(server, tmp_path):
-    task = make_task(tmp_path / "tasks", name="net")
-    trial = TrialPaths(tmp_path / "trial")
-    # The task asks for no network: the sandbox has none.
-    env = build_environment(task, trial, session="net__1")
+NET_TOML = """
+version = "1.0"
+
+[environment]
+docker_image = "busybox"
+network_mode = "allowlist"
+allowed_hosts = ["mirror.pkgs.example", "*.cdn.example"]
+
+[verifier]
+network_mode = "allowlist"
+allowed_hosts = ["grader.example"]
+"""
+
+
+def _dns_verdicts(sb, names, after_seq):
+    """The node's verdict on each name's DNS query since after_seq (it
+    answers every query of a policed sandbox and logs it)."""
+    deadline = time.time() + 10
+    while True:
+        got = {r.host: r for r in sb.network_log(after_seq=after_seq).records if r.protocol == "dns"}
+        if all(n in got for n in names) or time.time() > deadline:
+            return {n: (got[n].verdict, got[n].reason) if n in got else None for n in names}
+        time.sleep(0.1)
+
+
+async def _lookups(env, names):
+    """Each name looked up from inside the sandbox; the verdicts the node
+    logged for them."""
+    sb = env.sandbox
+    seq = (await sb.network_log()).next_seq
+    for n in names:
+        await env.exec(f"timeout 5 nslookup {n} >/dev/null 2>&1; true", timeout_sec=30)
+    return await asyncio.to_thread(_dns_verdicts, sb.sync, names, seq)
+
+
+def test_an_allowlist_task_reaches_its_hosts_only_and_the_verifier_phase_changes_it(server, tmp_path):
+    """Harbor's allowlist is a dsec policy allowing exactly allowed_hosts;
+    the trial's phase change (Trial._phase_network_policy: the verifier's
+    policy, then the baseline back) is dsec's set_network_policy while the
+    sandbox runs. No internet here: an allowed name is passed on to the
+    node's resolvers, a name off the list is answered NXDOMAIN by the node
+    and its connections refused."""
+    task = make_task(tmp_path / "tasks", name="allow", toml=NET_TOML)
+    (task / "environment" / "Dockerfile").unlink()
+    env_cfg = load_env_config(task)
+    baseline = env_cfg.resolve_baseline()
+    verifier_phase = harbor.NetworkPolicy(network_mode=harbor.NetworkMode.ALLOWLIST, allowed_hosts=["grader.example"])
+    env = build_environment(task, TrialPaths(tmp_path / "trial"), session="allow__1")
+    names = ["mirror.pkgs.example", "a.cdn.example", "cdn.example", "grader.example", "evil.example"]
 
     async def go():
         await env.start(force_build=False)
         try:
-            r = await env.exec("cat /sys/class/net/*/operstate 2>/dev/null | sort | tr '\\n' ' '; ls /sys/class/net")
-            same = harbor.NetworkPolicy(network_mode=harbor.NetworkMode.NO_NETWORK)
-            await env.set_network_policy(same)  # unchanged: accepted
-            with pytest.raises(ValueError, match="cannot change network policy"):
-                await env.set_network_policy(harbor.NetworkPolicy(network_mode=harbor.NetworkMode.PUBLIC))
-            return r.stdout
+            out = {"agent": (await env.sandbox.network(), await _lookups(env, names))}
+            r = await env.exec("wget -q -T 5 -O- http://evil.example/ 2>&1; echo rc=$?; "
+                               "wget -q -T 5 -O- http://203.0.113.9/ 2>&1; echo rc=$?", timeout_sec=60)
+            out["wget"] = r.stdout
+            await env.set_network_policy(verifier_phase)  # the verifier's phase
+            out["verifier"] = (await env.sandbox.network(), await _lookups(env, names))
+            await env.set_network_policy(baseline)  # and back
+            out["after"] = (await env.sandbox.network(), await _lookups(env, names[:1] + names[3:4]))
+            await env.set_network_policy(harbor.NetworkPolicy(network_mode=harbor.NetworkMode.PUBLIC))
+            out["public"] = (await env.sandbox.network()).policy
+            await env.set_network_policy(harbor.NetworkPolicy(network_mode=harbor.NetworkMode.NO_NETWORK))
+            out["none"] = (await env.sandbox.network()).policy
+            return out
         finally:
             await env.stop(delete=True)
 
-    ifaces = asyncio.run(go()).split()
-    assert ifaces[-1] == "lo" and "eth0" not in ifaces
+    out = asyncio.run(go())
+    nw, dns = out["agent"]
+    assert nw.mode == "egress" and nw.policy == dsec.NetworkPolicy(allow=["mirror.pkgs.example", "*.cdn.example"])
+    assert dns == {"mirror.pkgs.example": ("allow", "allow mirror.pkgs.example"),
+                   "a.cdn.example": ("allow", "allow *.cdn.example"),
+                   "cdn.example": ("deny", "no rule"),  # dsec's *.name is the names below it only
+                   "grader.example": ("deny", "no rule"), "evil.example": ("deny", "no rule")}
+    assert out["wget"].count("rc=0") == 0 and out["wget"].count("rc=") == 2, out["wget"]
+    nw, dns = out["verifier"]
+    assert nw.policy == dsec.NetworkPolicy(allow=["grader.example"])
+    assert dns["grader.example"] == ("allow", "allow grader.example")
+    assert dns["mirror.pkgs.example"] == ("deny", "no rule") and dns["evil.example"] == ("deny", "no rule")
+    nw, dns = out["after"]
+    assert nw.policy == dsec.NetworkPolicy(allow=["mirror.pkgs.example", "*.cdn.example"])
+    assert dns == {"mirror.pkgs.example": ("allow", "allow mirror.pkgs.example"), "grader.example": ("deny", "no rule")}
+    assert out["public"] is None and out["none"] == dsec.NetworkPolicy()
 
-    # An allowlist cannot be enforced: refused, naming the hosts, never "public".
+
+def test_a_no_network_task_is_denied_everything_and_never_widened(server, tmp_path):
+    task = make_task(tmp_path / "tasks", name="net")
+    trial = TrialPaths(tmp_path / "trial")
+    env = build_environment(task, trial, session="net__1")  # the task asks for no network
+
+    async def go():
+        await env.start(force_build=False)
+        try:
+            nw = await env.sandbox.network()
+            same = harbor.NetworkPolicy(network_mode=harbor.NetworkMode.NO_NETWORK)
+            await env.set_network_policy(same)  # unchanged: accepted
+            r = await env.exec("exec 3<>/dev/tcp/203.0.113.9/8080 && echo connected; "
+                               "getent hosts example.com || echo unresolved", timeout_sec=60)
+            return nw, r.stdout
+        finally:
+            await env.stop(delete=True)
+
+    nw, out = asyncio.run(go())
+    assert nw.mode == "egress" and nw.policy == dsec.NetworkPolicy()  # deny everything
+    assert "connected" not in out and "unresolved" in out, out
+
+    # Where dsec has no egress policy (microVMs, VMs), an allowlist is
+    # refused naming the hosts, never "public"; so is a phase change.
     allow = harbor.NetworkPolicy(network_mode=harbor.NetworkMode.ALLOWLIST, allowed_hosts=["pypi.org"])
-    with pytest.raises(UnsupportedOption, match="allowlist.*pypi.org"):
-        build_environment(task, trial, session="net__2", network_policy=allow)
+    with pytest.raises(UnsupportedOption, match="allowlist.*pypi.org.*kind microvm"):
+        build_environment(task, trial, session="net__2", network_policy=allow,
+                          config_kwargs={"kind": "microvm", "build_network": "none"})
+    vm = build_environment(task, trial, session="net__3", config_kwargs={"kind": "microvm", "build_network": "none"})
+    assert not vm.capabilities.network_allowlist and not vm.capabilities.dynamic_network_policy
+    with pytest.raises(ValueError, match="cannot change network policy"):
+        asyncio.run(vm.set_network_policy(harbor.NetworkPolicy(network_mode=harbor.NetworkMode.PUBLIC)))
 
 
 @pytest.mark.parametrize("change,named", [
     (dict(config_kwargs={"build_network": "none", "gpu_type": "h100"}), "gpu_type"),
-    (dict(override_storage_mb=20480), "storage_mb=20480 on kind container"),
+    (dict(override_storage_mb=20480, config_kwargs={"kind": "function", "build_network": "none"}),
+     "storage_mb=20480 on kind function"),
     (dict(cpu_enforcement_policy="request"), "cpu_enforcement_policy=request"),
     (dict(memory_enforcement_policy="guarantee"), "memory_enforcement_policy=guarantee"),
     (dict(override_tpu={"type": "v6e", "topology": "2x4"}), "override_tpu"),
@@ -302,14 +399,27 @@ def test_an_option_dsec_cannot_honour_is_an_error_naming_it(server, tmp_path, ch
     assert named in str(e.value)
 
 
-def test_a_storage_size_is_honoured_where_dsec_enforces_it_and_refused_where_it_does_not(server, tmp_path):
-    toml = TASK_TOML.replace("memory_mb = 1024\n", "memory_mb = 1024\nstorage_mb = 4096\n")
+def test_a_storage_size_is_the_sandboxs_disk(server, tmp_path):
+    toml = TASK_TOML.replace("memory_mb = 1024\n", "memory_mb = 1024\nstorage_mb = 512\n")
     task = make_task(tmp_path / "tasks", name="storage", toml=toml)
-    with pytest.raises(UnsupportedOption, match="storage_mb=4096 on kind container"):
-        build_environment(task, TrialPaths(tmp_path / "trial"), session="storage__1")
+    env = build_environment(task, TrialPaths(tmp_path / "trial"), session="storage__1")
+    assert env._resources == {"cpu": 1.0, "memory_mb": 1024, "disk_mb": 512}
+
+    async def go():
+        await env.start(force_build=False)
+        try:
+            size = (await env.exec("df -k / | tail -1")).stdout.split()
+            fill = await env.exec("dd if=/dev/zero of=/fill bs=1M count=1024 2>&1; echo rc=$?", timeout_sec=120)
+            return int(size[1]), fill.stdout
+        finally:
+            await env.stop(delete=True)
+
+    size_kb, fill = asyncio.run(go())
+    assert 400 * 1024 <= size_kb <= 512 * 1024, size_kb
+    assert "No space left on device" in fill and "rc=0" not in fill, fill
     env = build_environment(task, TrialPaths(tmp_path / "trial"), session="storage__2",
                             config_kwargs={"kind": "microvm", "build_network": "none"})
-    assert env._resources == {"cpu": 1.0, "memory_mb": 1024, "disk_mb": 4096}
+    assert env._resources == {"cpu": 1.0, "memory_mb": 1024, "disk_mb": 512}
 
 
 def test_a_compose_task_is_refused_until_multi_container_sandboxes_exist(server, tmp_path):

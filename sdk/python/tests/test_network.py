@@ -2,13 +2,11 @@
 Python SDK, against a real server (no internet needed: denied names never
 leave the node)."""
 
-import asyncio
 import time
 
 import pytest
 
 import dsec
-from dsec.adapters import harbor
 
 
 def _log_has(sb, pred, timeout_s=5.0):
@@ -71,23 +69,3 @@ def test_a_brokered_credentials_value_never_comes_back(client):
     with pytest.raises(dsec.InvalidRequest):
         client.create("busybox", ttl_s=60, network_policy={"credentials": [{"name": "no-such-credential"}]})
 
-
-def test_harbors_allowed_hosts_become_a_policy(client):
-    async def trial():
-        env = harbor.DsecEnvironment(image="busybox", client=client,
-                                     network=harbor.NetworkPolicy(allow_internet=False, allowed_hosts=["pypi.org", "*.pythonhosted.org"]))
-        await env.start(force_build=False)
-        try:
-            first = env.sandbox.network()
-            await env.apply_network_policy(harbor.NetworkPolicy(allow_internet=False))
-            second = env.sandbox.network()
-            await env.apply_network_policy(harbor.NetworkPolicy(allow_internet=True))
-            third = env.sandbox.network()
-        finally:
-            await env.stop(delete=True)
-        return first, second, third
-
-    first, second, third = asyncio.run(trial())
-    assert first.mode == "egress" and first.policy.allow == ["pypi.org", "*.pythonhosted.org"]
-    assert second.policy == dsec.NetworkPolicy()
-    assert third.policy is None

@@ -13,8 +13,12 @@ from ..aio import AsyncClient, AsyncSandbox
 from ..client import Client
 
 #: kinds whose sandboxes enforce resources.disk_mb (a container's writable
-#: layer is not limited by the server: a storage request there is refused)
-DISK_KINDS = ("microvm", "vm")
+#: layer is a file system of that size, a machine's disk has it; a function
+#: sandbox has no disk of its own: a storage request there is refused)
+DISK_KINDS = ("container", "microvm", "vm")
+#: kinds whose sandboxes take an egress policy and may change it while they
+#: run (microVMs and VMs have no network yet: docs/egress.md)
+POLICY_KINDS = ("container",)
 
 
 class UnsupportedOption(ValueError):

@@ -25,12 +25,20 @@ module imports and works on its own.
 The task's own environment is used: ``docker_image`` names an image the dsec
 server has (or ``image_map`` maps it); otherwise ``environment/Dockerfile`` is
 built through dsec and cached by content (see ``_dockerfile``), so a GRPO
-group of trials shares one build. What dsec cannot honour is refused at
-construction, naming it, never widened: ``environment/docker-compose.yaml``
-(multi-container environments are not supported yet),
-``extra_docker_compose``, network_mode ``allowlist`` (allowed_hosts) and
-any change of network policy after start, a storage size on kind container
-(its writable layer is not limited), GPUs, TPUs, Windows, resource
+group of trials shares one build.
+
+Harbor's network policies become dsec egress policies on kind container:
+``public`` is unrestricted egress, ``allowlist`` a policy allowing exactly
+``allowed_hosts`` (names, ``*.name`` wildcards, addresses) and denying the
+rest, ``no-network`` a policy denying everything; the trial's phase changes
+(agent, verifier) go through ``set_network_policy`` while the sandbox runs.
+``storage_mb`` is the sandbox's disk size (``disk_mb``).
+
+What dsec cannot honour is refused at construction, naming it, never
+widened: ``environment/docker-compose.yaml`` (multi-container environments
+are not supported yet), ``extra_docker_compose``, an allowlist or a change
+of network policy on kinds microvm and vm (no network there yet), a storage
+size on a kind without a disk of its own, GPUs, TPUs, Windows, resource
 enforcement ``request``/``guarantee``, mounts other than Harbor's own log
 directories (a host directory cannot be bind-mounted into a remote
 sandbox), and any keyword Harbor's constructor does not define.
@@ -54,7 +62,9 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from ..aio import AsyncSandbox
 from ..errors import DsecError, NotFound, PermissionDenied, SandboxGone
-from ._common import DISK_KINDS, UnsupportedOption, async_client, download_dir, reject_unknown, sync_client, upload_dir
+from ..network import NetworkPolicy as DsecPolicy
+from ._common import (DISK_KINDS, POLICY_KINDS, UnsupportedOption, async_client, download_dir, reject_unknown,
+                      sync_client, upload_dir)
 from ._dockerfile import Builder, BuildFailed, Image
 
 _NAME = "dsec Harbor environment"
@@ -431,11 +441,11 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
             policy = task_env_config.resolve_baseline()
         if policy is not None:
             harbor_kwargs["network_policy"] = policy
-        self._requested_policy = policy
         self._modes = _ResourceModes(_mode_value(harbor_kwargs.get("cpu_enforcement_policy")) or "auto",
                                      _mode_value(harbor_kwargs.get("memory_enforcement_policy")) or "auto")
         self.task_env_config = task_env_config
-        self._mode = self._network_mode()
+        self._policy = self._harbor_policy(policy)  # in force (or to start with)
+        self._dsec_network(self._policy)  # refused here, before anything starts
         super().__init__(environment_dir=Path(environment_dir), environment_name=environment_name,
                          session_id=session_id, trial_paths=trial_paths, task_env_config=task_env_config,
                          logger=logger, **harbor_kwargs)
@@ -467,20 +477,46 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
                                         "multi-container sandboxes are not implemented yet; "
                                         "a task with a single Dockerfile or docker_image runs")
 
-    def _network_mode(self) -> str:
-        policy = self._requested_policy
-        cfg = self.task_env_config
-        if policy is None:  # Harbor 0.1's task config: allow_internet alone
-            mode = "public" if getattr(cfg, "allow_internet", True) is not False else "no-network"
-        else:
-            mode = _mode_value(getattr(policy, "network_mode", None)) or "public"
-        if mode == "allowlist":
-            hosts = ", ".join(getattr(policy, "allowed_hosts", []) or []) or "none"
-            raise UnsupportedOption(_NAME, f"network_mode='allowlist' (allowed_hosts: {hosts})",
-                                    "dsec's network is none or egress, and allowing the internet would allow all of it")
-        if mode not in ("public", "no-network"):
-            raise UnsupportedOption(_NAME, f"network_mode={mode!r}", "dsec's network is none or egress")
-        return "egress" if mode == "public" else "none"
+    def _harbor_policy(self, policy: Any) -> Any:
+        """Harbor's policy as a NetworkPolicy: a policy as it is, a mode
+        alone as that mode, none (Harbor 0.1) from the task config's
+        ``allow_internet``."""
+        if policy is None:
+            cfg = self.task_env_config
+            public = getattr(cfg, "allow_internet", True) is not False
+            return NetworkPolicy(network_mode=NetworkMode.PUBLIC if public else NetworkMode.NO_NETWORK)
+        if not hasattr(policy, "network_mode"):
+            return NetworkPolicy(network_mode=NetworkMode(_mode_value(policy)))
+        return policy
+
+    def _dsec_network(self, policy: Any) -> Dict[str, Any]:
+        """The create keywords (``network``, ``network_policy``) that enforce
+        Harbor's policy, or UnsupportedOption: never a wider network.
+
+        On a kind with egress policies every mode is an egress sandbox under
+        a policy or none, so the trial can change it while it runs:
+        ``public`` has no policy, ``allowlist`` allows exactly its hosts,
+        ``no-network`` denies everything (the node answers its DNS queries
+        with NXDOMAIN and drops its packets). Elsewhere only ``public`` and
+        ``no-network`` exist, fixed at create."""
+        policy = self._harbor_policy(policy)
+        mode = _mode_value(getattr(policy, "network_mode", None)) or "public"
+        hosts = list(getattr(policy, "allowed_hosts", None) or [])
+        if mode not in ("public", "no-network", "allowlist"):
+            raise UnsupportedOption(_NAME, f"network_mode={mode!r}", "dsec knows public, no-network and allowlist")
+        if mode == "allowlist" and not hosts:
+            raise UnsupportedOption(_NAME, "network_mode='allowlist' without allowed_hosts",
+                                    "an allowlist names the hosts it allows")
+        if self._kind not in POLICY_KINDS:
+            if mode == "allowlist":
+                raise UnsupportedOption(_NAME, f"network_mode='allowlist' (allowed_hosts: {', '.join(hosts)}) "
+                                        f"on kind {self._kind}",
+                                        f"a {self._kind} has no egress policy yet; use kind "
+                                        f"{' or '.join(POLICY_KINDS)}")
+            return {"network": "egress" if mode == "public" else "none"}
+        if mode == "public":
+            return {"network": "egress"}
+        return {"network": "egress", "network_policy": DsecPolicy(allow=hosts if mode == "allowlist" else [])}
 
     def _resource_spec(self, kw: Mapping[str, Any]) -> Dict[str, Any]:
         cfg = self.task_env_config
@@ -507,8 +543,8 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
                          or "storage_mb" in fields_set or "storage" in fields_set)
                 if asked:
                     raise UnsupportedOption(_NAME, f"storage_mb={storage} on kind {self._kind}",
-                                            f"a {self._kind}'s writable layer is not limited; "
-                                            f"use kind microvm or vm for a storage size")
+                                            f"a {self._kind} sandbox has no disk of its own; "
+                                            f"use kind {', '.join(DISK_KINDS)} for a storage size")
         return spec
 
     # -- what Harbor reads -----------------------------------------------
@@ -519,7 +555,12 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
 
     @property
     def capabilities(self) -> Any:
-        return EnvironmentCapabilities(disable_internet=True)
+        """What Harbor's base and trial check before they ask: internet can
+        be disabled; on kind container an allowlist is enforced and the
+        policy can change while the sandbox runs (the trial's phases)."""
+        policies = self._kind in POLICY_KINDS
+        return EnvironmentCapabilities(disable_internet=True, network_allowlist=policies,
+                                       dynamic_network_policy=policies)
 
     @classmethod
     def resource_capabilities(cls) -> Any:
@@ -528,7 +569,7 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
 
     @property
     def supports_dynamic_network_policy(self) -> bool:  # Harbor 0.1
-        return False
+        return self._kind in POLICY_KINDS
 
     @classmethod
     def preflight(cls) -> None:
@@ -576,7 +617,7 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
         if self._sb is not None:
             return
         img = await self._image(force_build)
-        kw = {**img.spec(), **self._resources, "kind": self._kind, "network": self._mode}
+        kw = {**img.spec(), **self._resources, "kind": self._kind, **self._dsec_network(self._policy)}
         workdir = getattr(self.task_env_config, "workdir", None)
         if workdir:
             kw["workdir"] = workdir
@@ -675,20 +716,35 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
     # -- network ---------------------------------------------------------
 
     async def _apply_network_policy(self, network_policy: Any) -> None:
-        raise UnsupportedOption(_NAME, f"network_mode={_mode_value(network_policy.network_mode)!r} after start",
-                                f"the sandbox was created with network {self._mode!r}, which is fixed")
+        """Put Harbor's policy in force (Harbor's ``set_network_policy``
+        calls this for a policy other than the current one): before start it
+        is the one the sandbox starts with; after, dsec's egress policy
+        changes for the sandbox's new connections and cuts open ones it
+        denies. On a kind without egress policies, refused."""
+        net = self._dsec_network(network_policy)
+        if self._kind not in POLICY_KINDS:
+            raise UnsupportedOption(_NAME, f"network_mode={_mode_value(network_policy.network_mode)!r} after start",
+                                    f"a {self._kind}'s network is fixed when it is created")
+        if self._sb is not None:
+            await self._sb.set_network_policy(net.get("network_policy"))
+        self._policy = network_policy
 
     async def apply_network_policy(self, policy: Any) -> None:  # Harbor 0.1
-        """The network is fixed when the sandbox is created: a policy equal to
-        it is accepted, any other refused."""
-        mode = _mode_value(getattr(policy, "network_mode", policy))
-        if {"public": "egress", "no-network": "none"}.get(mode) != self._mode:
+        """Harbor 0.1's name for a phase change: a policy equal to the one in
+        force is accepted as it is."""
+        policy = self._harbor_policy(policy)
+        if not _same_policy(policy, self._policy):
             await self._apply_network_policy(policy)
 
     @property
     def sandbox(self) -> Optional[AsyncSandbox]:
         """The dsec sandbox, once started."""
         return self._sb
+
+
+def _same_policy(a: Any, b: Any) -> bool:
+    return (_mode_value(a.network_mode), list(getattr(a, "allowed_hosts", None) or [])) == \
+        (_mode_value(b.network_mode), list(getattr(b, "allowed_hosts", None) or []))
 
 
 def _label(s: str) -> str:
