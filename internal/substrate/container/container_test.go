@@ -616,7 +616,6 @@ func TestAStateOfANewerNodeIsNotAdopted(t *testing.T) {
 	}
 }
 
-
 // threadsAreRoot fails unless every thread of the test process (the node,
 // here) has root's user IDs: making a user namespace as a sandbox's host
 // user must leave no thread with that user's IDs (a thread Go cannot end,
