@@ -108,6 +108,45 @@ func TestConformance(t *testing.T) {
 	})
 }
 
+// TestConformanceUnderGVisor runs the suite on sandboxes with runtime
+// gvisor (runsc).
+func TestConformanceUnderGVisor(t *testing.T) {
+	state := t.TempDir()
+	d := newDriver(t, state)
+	needGVisor(t, d)
+	n := 0
+	substratetest.Run(t, substratetest.Harness{
+		Driver:  d,
+		Runtime: substrate.RuntimeGVisor,
+		NewSpec: func(t *testing.T) *substrate.Spec {
+			n++
+			return &substrate.Spec{
+				ID:       fmt.Sprintf("gv%d-%d", os.Getpid(), n),
+				Dir:      t.TempDir(),
+				Layers:   layers,
+				Hostname: "sandbox",
+				CPU:      1, MemoryMB: 256, Pids: 256,
+				Network: substrate.Network{Mode: "none"},
+				Runtime: substrate.RuntimeGVisor,
+			}
+		},
+		Restart: func(t *testing.T) substrate.Driver { return newDriver(t, state) },
+		Leaks:   func(t *testing.T, s *substrate.Spec) []string { return leaks(d, s) },
+		Kill: func(t *testing.T, inst substrate.Instance) {
+			syscall.Kill(inst.(*instance).st.Pid, syscall.SIGKILL)
+		},
+		LimitsEndInstance: true,
+	})
+}
+
+// needGVisor skips t where runsc cannot run sandboxes.
+func needGVisor(t *testing.T, d *Driver) {
+	t.Helper()
+	if d.gvisor == nil {
+		t.Skipf("no gvisor runtime: %s", d.gvisorReason)
+	}
+}
+
 // leaks lists what a destroyed sandbox left: mounts, cgroups, runtime state,
 // its agent socket.
 func leaks(d *Driver, s *substrate.Spec) []string {
@@ -128,6 +167,9 @@ func leaks(d *Driver, s *substrate.Spec) []string {
 	}
 	if _, err := os.Stat(filepath.Join(d.runRoot, s.ID)); err == nil {
 		out = append(out, "runtime state")
+	}
+	if d.gvisor != nil && d.gvisor.exists(s.ID) {
+		out = append(out, "runsc state")
 	}
 	if _, err := os.Stat(d.sockPath(s.ID)); err == nil {
 		out = append(out, "agent socket")

@@ -24,8 +24,12 @@ type instance struct {
 	d      *Driver
 	id     string
 	st     state
+	rt     *ociRuntime // nil: its runtime is no longer on this node
 	client *guest.Client
 	done   chan struct{}
+	// endedBy is the limit that ended a gVisor sandbox ("memory", "pids"
+	// or ""), read from its cgroups before done is closed.
+	endedBy string
 
 	// runtimeDone is closed when the runtime process exits, if this node
 	// started it; adopted instances wait for it with a pidfd.
@@ -40,9 +44,38 @@ type instance struct {
 }
 
 var (
-	_ substrate.Instance  = (*instance)(nil)
-	_ substrate.Diagnoser = (*instance)(nil)
+	_ substrate.Instance   = (*instance)(nil)
+	_ substrate.Diagnoser  = (*instance)(nil)
+	_ substrate.LimitEnder = (*instance)(nil)
 )
+
+// EndedByLimit implements substrate.LimitEnder: under gVisor, the host
+// cgroup limit the sandbox's workload reached, which ended it. Under crun
+// a limit never ends the sandbox ("").
+func (i *instance) EndedByLimit() string {
+	select {
+	case <-i.done:
+		return i.endedBy
+	default:
+		return ""
+	}
+}
+
+// readEndedBy reads which limit ended a gVisor sandbox from its cgroups
+// (which the node made, so runsc leaves them): an OOM kill in it, or a
+// fork the pids limit refused.
+func (i *instance) readEndedBy() {
+	if i.rt == nil || !i.rt.gvisor() {
+		return
+	}
+	c := i.d.cgroups
+	switch {
+	case c.oomKills(i.st.Cgroup) > 0:
+		i.endedBy = "memory"
+	case c.pidsLimitHits(i.st.Cgroup) > 0:
+		i.endedBy = "pids"
+	}
+}
 
 // LastWords implements substrate.Diagnoser: the last line the agent (or the
 // runtime, for a container that never started) wrote to the init log.
@@ -78,7 +111,17 @@ func readTail(path string, n int64) ([]byte, error) {
 }
 
 func (d *Driver) newInstance(id string, st state) *instance {
-	return &instance{d: d, id: id, st: st, client: guest.NewClient(guest.UnixDialer(st.Socket)), done: make(chan struct{})}
+	rt, _ := d.runtimeOf(st.Runtime)
+	return &instance{d: d, id: id, st: st, rt: rt, client: guest.NewClient(guest.UnixDialer(st.Socket)), done: make(chan struct{})}
+}
+
+// runtime is the instance's runtime, or an error if this node has none
+// of its kind now (runsc removed while the sandbox ran).
+func (i *instance) runtime() (*ociRuntime, error) {
+	if i.rt == nil {
+		return nil, errdefs.Unavailable("sandbox %s runs under runtime %q, which this node no longer has", i.id, i.st.Runtime)
+	}
+	return i.rt, nil
 }
 
 func (i *instance) Guest() substrate.Guest { return i.client }
@@ -144,6 +187,7 @@ func (i *instance) watch() {
 				}
 				return true
 			})
+			i.readEndedBy()
 			close(i.done)
 		}()
 	})
@@ -153,6 +197,7 @@ func (i *instance) poll() {
 	for i.alive() {
 		time.Sleep(2 * time.Second)
 	}
+	i.readEndedBy()
 	close(i.done)
 }
 
@@ -168,6 +213,10 @@ func (i *instance) Check(ctx context.Context) error {
 	return nil
 }
 
+// Stats implements substrate.Instance. Under gVisor, Pids counts the
+// sandbox's tasks on the host (its kernel's, gvisorTasksPerProcess or so
+// per process inside), and no limit hit is counted: reaching one ends the
+// sandbox (EndedByLimit).
 func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
 	c := i.d.cgroups
 	st := substrate.Stats{
@@ -176,6 +225,9 @@ func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
 		Pids:          c.pids(i.st.Cgroup),
 		OOMKills:      c.oomKills(i.st.Cgroup),
 		PidsLimitHits: c.pidsLimitHits(i.st.Cgroup),
+	}
+	if i.rt != nil && i.rt.gvisor() {
+		st.OOMKills, st.PidsLimitHits = 0, 0
 	}
 	if i.st.Disk != nil {
 		st.DiskLimitBytes = i.st.Disk.SizeMB << 20
@@ -190,7 +242,11 @@ func (i *instance) Pause(ctx context.Context) error {
 	if i.paused {
 		return nil
 	}
-	if err := i.d.runRuntime(ctx, "pause", i.id); err != nil {
+	rt, err := i.runtime()
+	if err != nil {
+		return err
+	}
+	if err := rt.run(ctx, "pause", i.id); err != nil {
 		if i.Check(ctx) != nil {
 			return errdefs.Gone("sandbox %s has stopped", i.id)
 		}
@@ -207,7 +263,11 @@ func (i *instance) Resume(ctx context.Context) error {
 	if !i.paused {
 		return nil
 	}
-	if err := i.d.runRuntime(ctx, "resume", i.id); err != nil {
+	rt, err := i.runtime()
+	if err != nil {
+		return err
+	}
+	if err := rt.run(ctx, "resume", i.id); err != nil {
 		if i.Check(ctx) != nil {
 			return errdefs.Gone("sandbox %s has stopped", i.id)
 		}
@@ -221,6 +281,16 @@ func (i *instance) Snapshot(ctx context.Context, w io.Writer) error {
 	i.mu.Lock()
 	wasPaused := i.paused
 	i.mu.Unlock()
+	if !wasPaused && i.rt != nil && i.rt.gvisor() {
+		// gVisor's kernel keeps written file data in its own page cache
+		// (its root file system is exclusive to it): write it back first.
+		if err := i.client.Sync(ctx); err != nil {
+			if i.Check(ctx) != nil {
+				return errdefs.Gone("sandbox %s has stopped", i.id)
+			}
+			return errdefs.Internal(err, "sync the sandbox's files")
+		}
+	}
 	if !wasPaused {
 		if err := i.Pause(ctx); err != nil {
 			return err
@@ -259,9 +329,9 @@ func (i *instance) Destroy(ctx context.Context) error {
 	if i.destroyed {
 		return nil
 	}
-	if i.paused {
+	if i.paused && i.rt != nil {
 		// Frozen processes cannot receive the kill.
-		i.d.runRuntime(ctx, "resume", i.id)
+		i.rt.run(ctx, "resume", i.id)
 		i.paused = false
 	}
 	// Killing the init ends the container's pid namespace, so every
@@ -280,14 +350,18 @@ func (i *instance) Destroy(ctx context.Context) error {
 		i.d.log.Warn("runtime did not finish after the sandbox's init died", slog.String("sandbox_id", i.id))
 	}
 	// Whatever the runtime could not clean (it was killed, or never ran).
-	if _, err := os.Stat(i.d.runRoot + "/" + i.id); err == nil {
-		if err := i.d.forceDelete(i.id); err != nil {
+	if i.rt != nil && i.rt.exists(i.id) {
+		if err := i.rt.forceDelete(i.id); err != nil {
 			return errdefs.Internal(err, "delete container")
 		}
 	}
 	i.d.removeSandboxCgroups(i.id)
 	if err := i.d.removeAgentCgroups(i.id); err != nil {
 		i.d.log.Warn("remove the agent's cgroups", slog.String("sandbox_id", i.id), slog.Any("error", err))
+	}
+	if i.st.Jail != "" {
+		unmount(filepath.Join(i.st.Jail, "rootfs"))
+		os.RemoveAll(i.st.Jail)
 	}
 	if err := unmount(i.st.Rootfs); err != nil {
 		return errdefs.Internal(err, "unmount sandbox root filesystem")

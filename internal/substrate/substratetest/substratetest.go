@@ -39,6 +39,13 @@ type Harness struct {
 	// SkipLimits skips the resource limit cases (for kinds whose limits are
 	// a VM's size rather than a cgroup).
 	SkipLimits bool
+	// Runtime is the runtime NewSpec's specs ask for ("" for the kind's
+	// default): the suite reads that runtime's capabilities.
+	Runtime string
+	// LimitsEndInstance: a workload reaching the memory or pids limit
+	// ends the whole instance, which says which (substrate.LimitEnder),
+	// instead of losing a process or a fork (gVisor).
+	LimitsEndInstance bool
 }
 
 func ctxT(t *testing.T, d time.Duration) context.Context {
@@ -72,9 +79,12 @@ func run(t *testing.T, g substrate.Guest, argv ...string) *guestv1.Exit {
 
 // Run runs the suite.
 func Run(t *testing.T, h Harness) {
-	caps := h.Driver.Capabilities()
+	caps, ok := h.Driver.Capabilities().For(h.Runtime)
+	if !ok {
+		t.Fatalf("the driver has no runtime %q", h.Runtime)
+	}
 	if !caps.Available {
-		t.Skipf("%s substrate unavailable on this host: %s", caps.Kind, caps.Reason)
+		t.Skipf("%s substrate (runtime %q) unavailable on this host: %s", caps.Kind, h.Runtime, caps.Reason)
 	}
 
 	t.Run("a created instance runs commands", func(t *testing.T) {
@@ -224,6 +234,9 @@ func Run(t *testing.T, h Harness) {
 			if err := inst.Check(context.Background()); !errdefs.Is(err, errdefs.KindGone) || !errdefs.IsInfra(err) {
 				t.Fatalf("check: %v", err)
 			}
+			if le, ok := inst.(substrate.LimitEnder); ok && le.EndedByLimit() != "" {
+				t.Fatalf("a killed instance says its %s limit ended it", le.EndedByLimit())
+			}
 		})
 	}
 
@@ -359,7 +372,37 @@ func Run(t *testing.T, h Harness) {
 		})
 	}
 
-	if !h.SkipLimits {
+	if !h.SkipLimits && h.LimitsEndInstance {
+		endedBy := func(t *testing.T, inst substrate.Instance, want string) {
+			t.Helper()
+			select {
+			case <-inst.Done():
+			case <-time.After(time.Minute):
+				t.Fatalf("the instance still runs after its workload went past its %s limit", want)
+			}
+			le, ok := inst.(substrate.LimitEnder)
+			if !ok {
+				t.Fatal("the instance does not say which limit ended it (substrate.LimitEnder)")
+			}
+			if got := le.EndedByLimit(); got != want {
+				t.Fatalf("ended by limit %q, want %q", got, want)
+			}
+		}
+		t.Run("reaching the memory limit ends the instance, which says so", func(t *testing.T) {
+			inst, _ := h.create(t, func(s *substrate.Spec) { s.MemoryMB = 64 })
+			run(t, inst.Guest(), "echo", "started")
+			inst.Guest().Run(ctxT(t, 2*time.Minute), &guestv1.Exec{Argv: []string{"awk", "BEGIN{s=\"xxxxxxxxxxxxxxxx\"; while (1) s = s s}"}, TimeoutMs: 60000})
+			endedBy(t, inst, "memory")
+		})
+		t.Run("reaching the pids limit ends the instance, which says so", func(t *testing.T) {
+			inst, _ := h.create(t, func(s *substrate.Spec) { s.Pids = 16 })
+			run(t, inst.Guest(), "echo", "started")
+			inst.Guest().Run(ctxT(t, 2*time.Minute), &guestv1.Exec{Argv: []string{"sh", "-c", "b() { b | b & }; b; sleep 30"}, TimeoutMs: 60000})
+			endedBy(t, inst, "pids")
+		})
+	}
+
+	if !h.SkipLimits && !h.LimitsEndInstance {
 		t.Run("the memory limit kills the allocating process and the instance survives", func(t *testing.T) {
 			inst, _ := h.create(t, func(s *substrate.Spec) { s.MemoryMB = 64 })
 			x, err := inst.Guest().Run(ctxT(t, 2*time.Minute), &guestv1.Exec{Argv: []string{"awk", "BEGIN{s=\"xxxxxxxxxxxxxxxx\"; while (1) s = s s}"}, TimeoutMs: 60000})
@@ -406,6 +449,9 @@ func Run(t *testing.T, h Harness) {
 			}
 		})
 
+	}
+
+	if !h.SkipLimits {
 		t.Run("the CPU limit caps CPU time", func(t *testing.T) {
 			inst, _ := h.create(t, func(s *substrate.Spec) { s.CPU = 0.25 })
 			before, _ := inst.Stats(context.Background())
