@@ -34,6 +34,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/dsectest"
 	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/proc"
 	"github.com/opendsec/dsec/internal/substrate/microvm"
 	"github.com/opendsec/dsec/internal/substrate/qemu"
 	dsec "github.com/opendsec/dsec/sdk/go"
@@ -311,7 +312,7 @@ func vmStats(ids []string) (pss int64, cpu time.Duration) {
 		if !want[vm.ID] {
 			continue
 		}
-		if p, err := qemu.Adopt(vm.Pid, qemu.ProcStartTime(vm.Pid)); err == nil {
+		if p, err := qemu.Adopt(vm.Pid, proc.StartTime(vm.Pid)); err == nil {
 			pss += procPSS(vm.Pid)
 			cpu += p.CPUTime()
 		}

@@ -233,15 +233,6 @@ func shortID(diffID string) string {
 	return h
 }
 
-// LowerDirs returns an image's layer paths for overlayfs, top layer first.
-func (s *Store) LowerDirs(img *Image) []string {
-	out := make([]string, 0, len(img.Layers))
-	for i := len(img.Layers) - 1; i >= 0; i-- {
-		out = append(out, s.ShortLayerPath(img.Layers[i]))
-	}
-	return out
-}
-
 // Import stores img under name, unpacking the layers the store lacks.
 func (s *Store) Import(ctx context.Context, name, source string, img v1.Image, progress Progress) (*Image, error) {
 	if err := ValidName(name); err != nil {

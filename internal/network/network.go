@@ -69,6 +69,10 @@ type Config struct {
 	// Table names the nftables tables, one "inet" and one "bridge"
 	// (default "dsec").
 	Table string
+	// NoEgress serves mode "none" only and touches nothing of the host (no
+	// bridge, rules or sysctls): egress is reported unavailable. For tests
+	// of the components above the network (default false).
+	NoEgress bool
 }
 
 // Manager sets up sandbox networks. It is safe for concurrent use.
@@ -144,7 +148,9 @@ func New(cfg Config, log *slog.Logger) (*Manager, error) {
 	m.next = m.gateway.Next()
 	m.dns = parseDNS(cfg.DNS)
 	m.group = portGroup(cfg.Table)
-	if reason := m.setup(); reason != "" {
+	if cfg.NoEgress {
+		m.egress = "egress is disabled on this node"
+	} else if reason := m.setup(); reason != "" {
 		m.egress = reason
 		log.Warn("egress networking unavailable", slog.String("reason", reason))
 	} else {

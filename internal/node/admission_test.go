@@ -21,7 +21,7 @@ func TestAdmissionQueuesThenRefuses(t *testing.T) {
 	}
 	got := make(chan string, 8)
 	var wg sync.WaitGroup
-	for _, p := range []string{"a", "a", "b"} {
+	for i, p := range []string{"a", "a", "b"} {
 		wg.Add(1)
 		go func(p string) {
 			defer wg.Done()
@@ -33,7 +33,9 @@ func TestAdmissionQueuesThenRefuses(t *testing.T) {
 			got <- p
 			r()
 		}(p)
-		time.Sleep(10 * time.Millisecond) // queue in this order
+		for _, queued, _ := a.stats(); queued <= i; _, queued, _ = a.stats() {
+			time.Sleep(time.Millisecond) // queue in this order
+		}
 	}
 	if _, err := a.acquire(context.Background(), "c"); !errdefs.Is(err, errdefs.KindExhausted) {
 		t.Fatalf("beyond the queue: %v", err)
@@ -41,11 +43,13 @@ func TestAdmissionQueuesThenRefuses(t *testing.T) {
 	if e := errdefs.Classify(func() error { _, err := a.acquire(context.Background(), "c"); return err }()); e.RetryAfter <= 0 {
 		t.Fatal("no retry-after")
 	}
+	// One slot serves the queue, each waiter handing it on as it ends:
+	// releasing the second slot meanwhile would serve two waiters at once,
+	// which then report in either order.
 	held[0]()
-	first := <-got
-	held[1]()
 	wg.Wait()
-	second := <-got
+	held[1]()
+	first, second := <-got, <-got
 	if first != "a" || second != "b" {
 		t.Fatalf("served %s then %s; want a then b (round-robin between projects)", first, second)
 	}

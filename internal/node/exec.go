@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"path"
 	"sort"
@@ -119,17 +120,55 @@ func (n *Node) Exec(ctx context.Context, req *dsecv1.ExecRequest) (*dsecv1.ExecR
 	if err != nil {
 		return nil, err
 	}
-	call, replay, err := n.beginExec(ctx, s, req, x)
-	if err != nil || replay != nil {
-		return replay, err
-	}
-	exit, err := s.inst.Guest().Run(ctx, x)
-	if err != nil {
-		call.abandon(err)
+	e, replay, err := n.logged(ctx, s, n.execMutation(req, x), func(e *dsecv1.LogEntry) error {
+		exit, err := s.inst.Guest().Run(ctx, x)
+		if err != nil {
+			return err
+		}
+		e.Result = n.result(s, exit, "")
+		return nil
+	})
+	switch {
+	case err != nil:
 		return nil, n.callFailed(s, err)
+	case replay != nil:
+		return replayed(replay), nil
 	}
-	r := n.result(s, exit, "")
-	return call.finish(r)
+	e.Result.Seq = e.Seq
+	return e.Result, nil
+}
+
+// execMutation is an exec as the trajectory log records it (its stdin
+// kept as a blob, for replay).
+func (n *Node) execMutation(req *dsecv1.ExecRequest, x *guestv1.Exec) mutation {
+	env := map[string]string{}
+	for k, v := range req.GetEnv() {
+		env[k] = v
+	}
+	e := &dsecv1.LogEntry{Op: "exec", Argv: x.Argv, Cwd: x.Cwd, Env: env, User: x.User, TimeoutS: float64(x.TimeoutMs) / 1000}
+	if len(x.StdinData) > 0 {
+		e.StdinDigest = n.logs.PutBlob(x.StdinData)
+	}
+	m := mutation{entry: e, requestID: req.GetRequestId()}
+	if m.requestID != "" {
+		keys := make([]string, 0, len(env))
+		for k, v := range env {
+			keys = append(keys, k+"="+v)
+		}
+		sort.Strings(keys)
+		m.fingerprint = append(append([]string{"exec", x.Cwd, x.User, e.StdinDigest, fmt.Sprint(x.Pty)}, x.Argv...), keys...)
+	}
+	return m
+}
+
+// replayed is a logged exec's result, answered again.
+func replayed(e *dsecv1.LogEntry) *dsecv1.ExecResult {
+	r := proto.Clone(e.GetResult()).(*dsecv1.ExecResult)
+	if r == nil {
+		r = &dsecv1.ExecResult{}
+	}
+	r.Seq, r.Replayed = e.Seq, true
+	return r
 }
 
 func (n *Node) result(s *sandbox, x *guestv1.Exit, pid string) *dsecv1.ExecResult {
@@ -143,7 +182,7 @@ func (n *Node) result(s *sandbox, x *guestv1.Exit, pid string) *dsecv1.ExecResul
 	if x.ExitCode != 0 || x.Signal != 0 || x.TimedOut {
 		// A command that failed may have failed of the sandbox's limits
 		// (a memory bomb, a fork bomb): the task's failure, named.
-		r.OomKilled, r.PidsLimited = n.limitsHitSince(s)
+		r.OomKilled, r.PidsLimited = s.limitsHitSince()
 	}
 	r.PidsLimited = r.PidsLimited || x.PidsLimited
 	return r
@@ -152,7 +191,7 @@ func (n *Node) result(s *sandbox, x *guestv1.Exit, pid string) *dsecv1.ExecResul
 // limitsHitSince reports whether the sandbox's memory limit killed a
 // process, and whether its process limit refused a fork, since the last
 // check.
-func (n *Node) limitsHitSince(s *sandbox) (oom, pids bool) {
+func (s *sandbox) limitsHitSince() (oom, pids bool) {
 	st, err := s.inst.Stats(context.Background())
 	if err != nil {
 		return false, false
@@ -169,7 +208,7 @@ func (n *Node) callFailed(s *sandbox, err error) error {
 		return err
 	}
 	if cerr := s.inst.Check(context.Background()); cerr != nil {
-		go n.remove(context.Background(), s, "the sandbox died during a call", true)
+		go n.release(context.Background(), s, &end{reason: "the sandbox died during a call", infra: true})
 		return errdefs.Gone("sandbox %s died during the call", s.id).WithCause(err)
 	}
 	return err
@@ -186,23 +225,27 @@ func (n *Node) ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send fun
 	if err != nil {
 		return err
 	}
-	call, replay, err := n.beginExec(ctx, s, req, x)
-	if err != nil {
+	var res *dsecv1.ExecResult
+	e, replay, err := n.logged(ctx, s, n.execMutation(req, x), func(e *dsecv1.LogEntry) error {
+		pg, err := s.procs()
+		if err != nil {
+			return err
+		}
+		p, err := pg.Start(ctx, x)
+		if err != nil {
+			return err
+		}
+		res, e.Result, err = n.pump(ctx, s, p, send, x.MaxOutput)
 		return err
-	}
-	if replay != nil {
-		return sendReplay(replay, send)
-	}
-	p, err := s.inst.Guest().Start(ctx, x)
-	if err != nil {
-		call.abandon(err)
+	})
+	switch {
+	case err != nil:
 		return n.callFailed(s, err)
+	case replay != nil:
+		return sendReplay(replayed(replay), send)
 	}
-	res, err := n.pump(ctx, s, p, send, x.MaxOutput, call)
-	if res == nil {
-		call.abandon(err)
-	}
-	return err
+	res.Seq = e.Seq
+	return send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Exit{Exit: res}})
 }
 
 // sendReplay streams a logged result as events.
@@ -234,21 +277,28 @@ func (n *Node) ConnectProcess(ctx context.Context, req *dsecv1.ConnectProcessReq
 	if req.GetProcessId() == "" && req.GetTag() == "" {
 		return errdefs.Invalid("process_id or tag is required")
 	}
-	p, err := s.inst.Guest().Attach(ctx, req.GetProcessId(), req.GetTag(), req.GetLiveOnly())
+	pg, err := s.procs()
+	if err != nil {
+		return err
+	}
+	p, err := pg.Attach(ctx, req.GetProcessId(), req.GetTag(), req.GetLiveOnly())
 	if err != nil {
 		return n.callFailed(s, err)
 	}
-	_, err = n.pump(ctx, s, p, send, n.cfg.DefaultOutputBytes, nil)
-	return err
+	res, _, err := n.pump(ctx, s, p, send, n.cfg.DefaultOutputBytes)
+	if err != nil {
+		return err
+	}
+	return send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Exit{Exit: res}})
 }
 
-// pump forwards a process's events, with keepalives on quiet streams, and
-// returns the exit (with head and tail of the output, for the log). The
-// process keeps running if the caller goes away.
-func (n *Node) pump(ctx context.Context, s *sandbox, p *guest.Process, send func(*dsecv1.ExecEvent) error, maxOut int64, call *execCall) (*dsecv1.ExecResult, error) {
+// pump forwards a process's events but its exit, with keepalives on quiet
+// streams, and returns the exit, as sent and as logged (with head and tail
+// of the output). The process keeps running if the caller goes away.
+func (n *Node) pump(ctx context.Context, s *sandbox, p *guest.Process, send func(*dsecv1.ExecEvent) error, maxOut int64) (res, logged *dsecv1.ExecResult, err error) {
 	defer p.Close()
 	if err := send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Started{Started: &dsecv1.ExecStarted{ProcessId: p.ID, Pid: p.Pid}}}); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	type msg struct {
 		m   *guestv1.ServerMsg
@@ -271,15 +321,15 @@ func (n *Node) pump(ctx context.Context, s *sandbox, p *guest.Process, send func
 	for {
 		select {
 		case <-ctx.Done():
-			return nil, errdefs.Classify(ctx.Err())
+			return nil, nil, errdefs.Classify(ctx.Err())
 		case <-tick.C:
 			if err := send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Keepalive{Keepalive: true}}); err != nil {
-				return nil, err
+				return nil, nil, err
 			}
 			s.touch()
 		case r := <-ch:
 			if r.err != nil {
-				return nil, n.callFailed(s, r.err)
+				return nil, nil, n.callFailed(s, r.err)
 			}
 			var ev *dsecv1.ExecEvent
 			switch v := r.m.Msg.(type) {
@@ -294,22 +344,15 @@ func (n *Node) pump(ctx context.Context, s *sandbox, p *guest.Process, send func
 			case *guestv1.ServerMsg_Exit:
 				s.touch()
 				res := n.result(s, v.Exit, p.ID)
-				if call != nil {
-					logged := proto.Clone(res).(*dsecv1.ExecResult)
-					logged.Stdout, logged.Stderr = out.bytes(), errOut.bytes()
-					logged.Truncated = logged.Truncated || out.cut || errOut.cut
-					l, err := call.finish(logged)
-					if err != nil {
-						return res, err
-					}
-					res.Seq = l.Seq
-				}
-				return res, send(&dsecv1.ExecEvent{Event: &dsecv1.ExecEvent_Exit{Exit: res}})
+				logged := proto.Clone(res).(*dsecv1.ExecResult)
+				logged.Stdout, logged.Stderr = out.bytes(), errOut.bytes()
+				logged.Truncated = logged.Truncated || out.cut || errOut.cut
+				return res, logged, nil
 			default:
 				continue
 			}
 			if err := send(ev); err != nil {
-				return nil, err
+				return nil, nil, err
 			}
 		}
 	}
@@ -353,7 +396,11 @@ func (n *Node) WriteStdin(ctx context.Context, req *dsecv1.WriteStdinRequest) er
 	if len(req.GetData()) > maxStdin {
 		return errdefs.Invalid("stdin chunk larger than %d bytes", maxStdin)
 	}
-	if err := s.inst.Guest().InputProcess(ctx, req.GetProcessId(), req.GetData(), req.GetClose()); err != nil {
+	pg, err := s.procs()
+	if err != nil {
+		return err
+	}
+	if err := pg.InputProcess(ctx, req.GetProcessId(), req.GetData(), req.GetClose()); err != nil {
 		return n.callFailed(s, err)
 	}
 	return nil
@@ -369,7 +416,11 @@ func (n *Node) SignalProcess(ctx context.Context, req *dsecv1.SignalProcessReque
 	if err != nil {
 		return err
 	}
-	if err := s.inst.Guest().SignalProcess(ctx, req.GetProcessId(), sig); err != nil {
+	pg, err := s.procs()
+	if err != nil {
+		return err
+	}
+	if err := pg.SignalProcess(ctx, req.GetProcessId(), sig); err != nil {
 		return n.callFailed(s, err)
 	}
 	return nil
@@ -399,7 +450,11 @@ func (n *Node) ResizePTY(ctx context.Context, req *dsecv1.ResizePTYRequest) erro
 	if req.GetRows() == 0 || req.GetCols() == 0 || req.GetRows() > 1000 || req.GetCols() > 1000 {
 		return errdefs.Invalid("rows and cols must be between 1 and 1000")
 	}
-	if err := s.inst.Guest().ResizeProcess(ctx, req.GetProcessId(), req.GetRows(), req.GetCols()); err != nil {
+	pg, err := s.procs()
+	if err != nil {
+		return err
+	}
+	if err := pg.ResizeProcess(ctx, req.GetProcessId(), req.GetRows(), req.GetCols()); err != nil {
 		return n.callFailed(s, err)
 	}
 	return nil
@@ -411,7 +466,11 @@ func (n *Node) ListProcesses(ctx context.Context, req *dsecv1.ListProcessesReque
 	if err != nil {
 		return nil, err
 	}
-	procs, err := s.inst.Guest().ListProcs(ctx)
+	pg, err := s.procs()
+	if err != nil {
+		return &dsecv1.ListProcessesResponse{}, nil // calls run to completion: none outlives its call
+	}
+	procs, err := pg.ListProcs(ctx)
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}

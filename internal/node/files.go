@@ -10,7 +10,6 @@ import (
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
-	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/trajectory"
 	"google.golang.org/protobuf/types/known/timestamppb"
 )
@@ -72,7 +71,11 @@ func (n *Node) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send f
 	if req.GetOffset() < 0 || req.GetMaxBytes() < 0 {
 		return errdefs.Invalid("offset and max_bytes must not be negative")
 	}
-	f, err := s.inst.Guest().ReadFile(ctx, &guestv1.ReadFile{Path: p, Offset: req.GetOffset(), Limit: req.GetMaxBytes(), User: fileUser(s, req.GetUser())})
+	fg, err := s.files()
+	if err != nil {
+		return err
+	}
+	f, err := fg.ReadFile(ctx, &guestv1.ReadFile{Path: p, Offset: req.GetOffset(), Limit: req.GetMaxBytes(), User: fileUser(s, req.GetUser())})
 	if err != nil {
 		return n.callFailed(s, err)
 	}
@@ -114,54 +117,38 @@ func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.
 	if hdr.GetMode() > 0o7777 {
 		return nil, errdefs.Invalid("mode %o is not a permission mode", hdr.GetMode())
 	}
-	if len(hdr.GetRequestId()) > maxRequestID {
-		return nil, errdefs.Invalid("request_id longer than %d bytes", maxRequestID)
-	}
 	user := fileUser(s, hdr.GetUser())
-	start := time.Now()
-	var done func(*dsecv1.LogEntry) (*dsecv1.LogEntry, error)
-	if rid := hdr.GetRequestId(); rid != "" {
-		log, err := n.logs.Log(s.id)
-		if err != nil {
-			return nil, errdefs.Internal(err, "open trajectory log")
-		}
-		fp := trajectory.Fingerprint("write_file", p, fmt.Sprint(hdr.GetMode()), fmt.Sprint(hdr.GetAppend()), user)
-		replay, d, err := log.Claim(rid, fp, ctx.Done())
-		if err != nil {
-			return nil, err
-		}
-		if replay != nil {
-			// Drain the upload: the same content must come again.
-			blob := n.logs.NewBlob()
-			io.Copy(blob, r)
-			digest, _ := blob.Commit()
-			if digest != replay.ContentDigest {
-				return nil, errdefs.Conflict("%v: %s (different content)", trajectory.ErrReused, rid)
-			}
-			return &dsecv1.FileInfo{Path: replay.Path, Name: path.Base(replay.Path), Type: "file", Size: replay.Size, Mode: replay.Mode, Replayed: true}, nil
-		}
-		done = d
+	m := mutation{
+		entry:       &dsecv1.LogEntry{Op: "write_file", Path: p, Mode: hdr.GetMode(), User: user},
+		requestID:   hdr.GetRequestId(),
+		fingerprint: []string{"write_file", p, fmt.Sprint(hdr.GetMode()), fmt.Sprint(hdr.GetAppend()), user},
 	}
-	blob := n.logs.NewBlob()
-	info, err := s.inst.Guest().WriteFile(ctx, &guestv1.WriteFile{Path: p, Mode: hdr.GetMode(), Append: hdr.GetAppend(), User: user, Mkdirs: true}, io.TeeReader(&touchReader{r: r, s: s}, blob))
-	digest, _ := blob.Commit()
-	e := &dsecv1.LogEntry{Op: "write_file", Path: p, Mode: hdr.GetMode(), User: user, ContentDigest: digest}
-	if err != nil {
-		if done != nil {
-			done(nil)
+	var info *guestv1.FileInfo
+	_, replay, err := n.logged(ctx, s, m, func(e *dsecv1.LogEntry) error {
+		fg, err := s.files()
+		if err != nil {
+			return err
 		}
-		n.logMutation(s, e, start, err)
+		blob := n.logs.NewBlob()
+		info, err = fg.WriteFile(ctx, &guestv1.WriteFile{Path: p, Mode: hdr.GetMode(), Append: hdr.GetAppend(), User: user, Mkdirs: true}, io.TeeReader(&touchReader{r: r, s: s}, blob))
+		e.ContentDigest, _ = blob.Commit()
+		if err != nil {
+			return err
+		}
+		e.Size = info.Size
+		return nil
+	})
+	switch {
+	case err != nil:
 		return nil, n.callFailed(s, err)
-	}
-	e.Size = info.Size
-	if done != nil {
-		e.At = timestamppb.New(start.UTC())
-		e.DurationMs = time.Since(start).Milliseconds()
-		if _, err := done(e); err != nil {
-			return nil, errdefs.Internal(err, "record the call in the trajectory log")
+	case replay != nil:
+		// Drain the upload: the same content must come again.
+		blob := n.logs.NewBlob()
+		io.Copy(blob, r)
+		if digest, _ := blob.Commit(); digest != replay.ContentDigest {
+			return nil, errdefs.Conflict("%v: %s (different content)", trajectory.ErrReused, hdr.GetRequestId())
 		}
-	} else {
-		n.logMutation(s, e, start, nil)
+		return &dsecv1.FileInfo{Path: replay.Path, Name: path.Base(replay.Path), Type: "file", Size: replay.Size, Mode: replay.Mode, Replayed: true}, nil
 	}
 	return fileInfo(info), nil
 }
@@ -183,29 +170,46 @@ func (t *touchReader) Read(p []byte) (int, error) {
 
 // Stat returns a file's info.
 func (n *Node) Stat(ctx context.Context, req *dsecv1.StatRequest) (*dsecv1.FileInfo, error) {
-	return n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(s *sandbox, g guestCall, p string) (*guestv1.FileInfo, error) {
-		return g.Stat(ctx, &guestv1.Path{Path: p, User: fileUser(s, req.GetUser())})
-	})
-}
-
-// MakeDir creates a directory and its parents.
-func (n *Node) MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (*dsecv1.FileInfo, error) {
-	return n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(s *sandbox, g guestCall, p string) (*guestv1.FileInfo, error) {
-		start := time.Now()
-		user := fileUser(s, req.GetUser())
-		info, err := g.MakeDir(ctx, &guestv1.MakeDir{Path: p, User: user})
-		n.logMutation(s, &dsecv1.LogEntry{Op: "make_dir", Path: p, User: user}, start, err)
-		return info, err
-	})
-}
-
-// Rename moves a file or directory.
-func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.FileInfo, error) {
-	s, err := n.live(ctx, req.GetSandboxId())
+	s, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetPath())
 	if err != nil {
 		return nil, err
 	}
-	from, err := sandboxPath(s, req.GetFrom())
+	fg, err := s.files()
+	if err != nil {
+		return nil, err
+	}
+	info, err := fg.Stat(ctx, &guestv1.Path{Path: p, User: fileUser(s, req.GetUser())})
+	if err != nil {
+		return nil, n.callFailed(s, err)
+	}
+	return fileInfo(info), nil
+}
+
+// MakeDir creates a directory and its parents, and logs it.
+func (n *Node) MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (*dsecv1.FileInfo, error) {
+	s, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetPath())
+	if err != nil {
+		return nil, err
+	}
+	user := fileUser(s, req.GetUser())
+	var info *guestv1.FileInfo
+	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "make_dir", Path: p, User: user}}, func(*dsecv1.LogEntry) (err error) {
+		fg, err := s.files()
+		if err != nil {
+			return err
+		}
+		info, err = fg.MakeDir(ctx, &guestv1.MakeDir{Path: p, User: user})
+		return err
+	})
+	if err != nil {
+		return nil, n.callFailed(s, err)
+	}
+	return fileInfo(info), nil
+}
+
+// Rename moves a file or directory, and logs it.
+func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.FileInfo, error) {
+	s, from, err := n.pathIn(ctx, req.GetSandboxId(), req.GetFrom())
 	if err != nil {
 		return nil, err
 	}
@@ -213,26 +217,40 @@ func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.F
 	if err != nil {
 		return nil, err
 	}
-	start := time.Now()
 	user := fileUser(s, req.GetUser())
-	info, err := s.inst.Guest().Rename(ctx, &guestv1.Rename{From: from, To: to, User: user})
-	n.logMutation(s, &dsecv1.LogEntry{Op: "rename", Path: from, To: to, User: user}, start, err)
+	var info *guestv1.FileInfo
+	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "rename", Path: from, To: to, User: user}}, func(*dsecv1.LogEntry) (err error) {
+		fg, err := s.files()
+		if err != nil {
+			return err
+		}
+		info, err = fg.Rename(ctx, &guestv1.Rename{From: from, To: to, User: user})
+		return err
+	})
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}
 	return fileInfo(info), nil
 }
 
-// Remove removes a file or a tree.
+// Remove removes a file or a tree, and logs it.
 func (n *Node) Remove(ctx context.Context, req *dsecv1.RemoveRequest) error {
-	_, err := n.fileCall(ctx, req.GetSandboxId(), req.GetPath(), func(s *sandbox, g guestCall, p string) (*guestv1.FileInfo, error) {
-		start := time.Now()
-		user := fileUser(s, req.GetUser())
-		err := g.Remove(ctx, &guestv1.Remove{Path: p, Recursive: req.GetRecursive(), User: user})
-		n.logMutation(s, &dsecv1.LogEntry{Op: "remove", Path: p, Recursive: req.GetRecursive(), User: user}, start, err)
-		return nil, err
+	s, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetPath())
+	if err != nil {
+		return err
+	}
+	user := fileUser(s, req.GetUser())
+	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "remove", Path: p, Recursive: req.GetRecursive(), User: user}}, func(*dsecv1.LogEntry) error {
+		fg, err := s.files()
+		if err != nil {
+			return err
+		}
+		return fg.Remove(ctx, &guestv1.Remove{Path: p, Recursive: req.GetRecursive(), User: user})
 	})
-	return err
+	if err != nil {
+		return n.callFailed(s, err)
+	}
+	return nil
 }
 
 // ListDir lists a directory.
@@ -248,7 +266,11 @@ func (n *Node) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (*dsecv1
 	if req.GetDepth() < 0 || req.GetDepth() > 64 {
 		return nil, errdefs.Invalid("depth must be between 0 and 64")
 	}
-	ents, err := s.inst.Guest().ListDir(ctx, &guestv1.ListDir{Path: p, Depth: req.GetDepth(), User: fileUser(s, req.GetUser())})
+	fg, err := s.files()
+	if err != nil {
+		return nil, err
+	}
+	ents, err := fg.ListDir(ctx, &guestv1.ListDir{Path: p, Depth: req.GetDepth(), User: fileUser(s, req.GetUser())})
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}
@@ -259,28 +281,18 @@ func (n *Node) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (*dsecv1
 	return out, nil
 }
 
-type guestCall interface {
-	Stat(ctx context.Context, p *guestv1.Path) (*guestv1.FileInfo, error)
-	MakeDir(ctx context.Context, m *guestv1.MakeDir) (*guestv1.FileInfo, error)
-	Remove(ctx context.Context, r *guestv1.Remove) error
-}
-
-var _ guestCall = (*guest.Client)(nil)
-
-func (n *Node) fileCall(ctx context.Context, id, p string, f func(*sandbox, guestCall, string) (*guestv1.FileInfo, error)) (*dsecv1.FileInfo, error) {
+// pathIn returns a live sandbox and a path of the caller's made absolute
+// in it (see sandboxPath).
+func (n *Node) pathIn(ctx context.Context, id, p string) (*sandbox, string, error) {
 	s, err := n.live(ctx, id)
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
 	p, err = sandboxPath(s, p)
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
-	info, err := f(s, s.inst.Guest(), p)
-	if err != nil {
-		return nil, n.callFailed(s, err)
-	}
-	return fileInfo(info), nil
+	return s, p, nil
 }
 
 // WatchDir streams changes under a directory until ctx ends: "started" once
@@ -295,7 +307,11 @@ func (n *Node) WatchDir(ctx context.Context, req *dsecv1.WatchDirRequest, send f
 	if err != nil {
 		return err
 	}
-	w, err := s.inst.Guest().Watch(ctx, &guestv1.Watch{Path: p, Recursive: req.GetRecursive(), User: fileUser(s, req.GetUser())})
+	fg, err := s.files()
+	if err != nil {
+		return err
+	}
+	w, err := fg.Watch(ctx, &guestv1.Watch{Path: p, Recursive: req.GetRecursive(), User: fileUser(s, req.GetUser())})
 	if err != nil {
 		return n.callFailed(s, err)
 	}

@@ -146,9 +146,7 @@ func (n *Node) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageReq
 
 // Info describes the node: its kinds, their capabilities and its load.
 func (n *Node) Info(ctx context.Context) *dsecv1.NodeInfo {
-	n.mu.Lock()
-	count := len(n.sandboxes)
-	n.mu.Unlock()
+	count := n.sandboxes.count()
 	info := &dsecv1.NodeInfo{
 		Name: n.cfg.Name, State: "ready", Sandboxes: int64(count), MaxSandboxes: int64(n.cfg.MaxSandboxes),
 		CpuCores: float64(hostCPUs()), MemoryMb: hostMemoryMB(), Host: map[string]string{},
@@ -177,9 +175,7 @@ func (n *Node) Info(ctx context.Context) *dsecv1.NodeInfo {
 // Capacity reports the node's room: slots, the start queue, the recent
 // start rate and its warm pools.
 func (n *Node) Capacity(ctx context.Context) *dsecv1.Capacity {
-	n.mu.Lock()
-	running := int64(len(n.sandboxes))
-	n.mu.Unlock()
+	running := int64(n.sandboxes.count())
 	_, queued, rate := n.starts.stats()
 	free := int64(n.cfg.MaxSandboxes) - running - n.creating.Load()
 	return &dsecv1.Capacity{

@@ -8,6 +8,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/tenant"
 )
 
@@ -38,41 +39,47 @@ func (n *Node) Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
 }
 
 func (n *Node) pause(ctx context.Context, s *sandbox) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	switch s.state {
-	case statePaused:
-		return nil
-	case stateDeleting:
-		return errdefs.NotFound("sandbox %s is being deleted", s.id)
-	}
-	if err := s.inst.Pause(ctx); err != nil {
-		return n.failedLocked(s, err)
-	}
-	s.state = statePaused
-	return n.persistLocked(s)
+	return n.transition(ctx, s, statePaused, func(ctx context.Context) error {
+		p, err := can[substrate.Pauser](s, "cannot pause")
+		if err != nil {
+			return err
+		}
+		return p.Pause(ctx)
+	})
 }
 
 func (n *Node) resume(ctx context.Context, s *sandbox) error {
+	return n.transition(ctx, s, stateRunning, func(ctx context.Context) error {
+		p, err := can[substrate.Pauser](s, "cannot pause")
+		if err != nil {
+			return err
+		}
+		return p.Resume(ctx)
+	})
+}
+
+// transition moves s to paused or running through the driver (do) and
+// persists the move. A sandbox in that state already is left alone.
+func (n *Node) transition(ctx context.Context, s *sandbox, to state, do func(context.Context) error) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	switch s.state {
-	case stateRunning:
+	if s.state == to {
 		return nil
-	case stateDeleting:
-		return errdefs.NotFound("sandbox %s is being deleted", s.id)
 	}
-	if err := s.inst.Resume(ctx); err != nil {
+	if err := s.mayLocked(to); err != nil {
+		return err
+	}
+	if err := do(ctx); err != nil {
 		return n.failedLocked(s, err)
 	}
-	s.state = stateRunning
+	s.moveLocked(to)
 	return n.persistLocked(s)
 }
 
 // failedLocked turns a driver failure on a dead sandbox into gone.
 func (n *Node) failedLocked(s *sandbox, err error) error {
 	if s.inst.Check(context.Background()) != nil {
-		go n.remove(context.Background(), s, "the sandbox died", true)
+		go n.release(context.Background(), s, &end{reason: "the sandbox died", infra: true})
 		return errdefs.Gone("sandbox %s died", s.id)
 	}
 	return err
@@ -81,7 +88,7 @@ func (n *Node) failedLocked(s *sandbox, err error) error {
 // persistLocked writes the sandbox's record with its current state.
 func (n *Node) persistLocked(s *sandbox) error {
 	r := *s.rec
-	r.State, r.Expires = s.state, s.expires
+	r.State, r.Expires = s.state.String(), s.expires
 	if s.inst != nil {
 		// A pause or resume may change what the driver re-adopts from
 		// (a microVM's QEMU process).
@@ -113,19 +120,12 @@ func (n *Node) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkRespo
 		act = n.resume
 	case "delete":
 		act = func(ctx context.Context, s *sandbox) error {
-			return n.remove(ctx, s, "deleted by the user (by label)", false)
+			return n.release(ctx, s, &end{reason: "deleted by the user (by label)"})
 		}
 	default:
 		return nil, errdefs.Invalid("unknown bulk operation %q", op)
 	}
-	n.mu.Lock()
-	var targets []*sandbox
-	for _, s := range n.sandboxes {
-		if s.inst != nil && tenant.Reaches(ctx, s.project) && sel.Matches(s.spec.Labels) {
-			targets = append(targets, s)
-		}
-	}
-	n.mu.Unlock()
+	targets := n.sandboxes.all(func(s *sandbox) bool { return tenant.Reaches(ctx, s.project) && sel.Matches(s.spec.Labels) })
 	out := &dsecv1.BulkResponse{}
 	var mu sync.Mutex
 	var wg sync.WaitGroup
@@ -163,13 +163,10 @@ func (n *Node) Stats(ctx context.Context, id string) (*dsecv1.SandboxStats, erro
 	if err != nil {
 		return nil, err
 	}
-	s.mu.Lock()
-	inst, state := s.inst, s.state
-	s.mu.Unlock()
-	if inst == nil || state == stateDeleting {
+	if s.currentState().ending() {
 		return nil, errdefs.NotFound("sandbox %s is being deleted", id)
 	}
-	st, err := inst.Stats(ctx)
+	st, err := s.inst.Stats(ctx)
 	if err != nil {
 		return nil, err
 	}

@@ -30,17 +30,9 @@ type Load struct {
 func (n *Node) Load() Load {
 	// Read Admitted first: counts taken after it include every create it
 	// counts.
-	l := Load{Admitted: n.admitted.Load(), MaxSandboxes: int64(n.cfg.MaxSandboxes), Projects: map[string]int64{}}
-	n.mu.Lock()
-	for _, s := range n.sandboxes {
-		l.Projects[s.project]++
-	}
-	for p, c := range n.starting {
-		l.Projects[p] += int64(c)
-	}
-	l.Sandboxes = int64(len(n.sandboxes))
-	n.mu.Unlock()
-	l.Sandboxes += n.creating.Load()
+	l := Load{Admitted: n.admitted.Load(), MaxSandboxes: int64(n.cfg.MaxSandboxes)}
+	live, projects := n.sandboxes.projects()
+	l.Sandboxes, l.Projects = int64(live)+n.creating.Load(), projects
 	for _, k := range substrate.Kinds {
 		if d := n.drivers[k]; d != nil && d.Capabilities().Available {
 			l.Kinds = append(l.Kinds, string(k))

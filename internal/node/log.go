@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"sort"
 	"strings"
 	"time"
 
@@ -12,7 +11,6 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
-	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/trajectory"
@@ -20,107 +18,66 @@ import (
 
 const maxRequestID = 256
 
-// execCall is an exec on its way into the trajectory log.
-type execCall struct {
-	n     *Node
-	log   *trajectory.Log
-	entry *dsecv1.LogEntry
-	start time.Time
-	done  func(*dsecv1.LogEntry) (*dsecv1.LogEntry, error) // set for a request ID
+// mutation is a call that changes a sandbox, as the trajectory log
+// records it: its entry (operation and arguments), and for a request ID
+// the parts of the request that must match for a repeat to be replayed.
+type mutation struct {
+	entry       *dsecv1.LogEntry
+	requestID   string
+	fingerprint []string
 }
 
-// beginExec logs the start of an exec. For a request ID already in the log
-// it returns the logged result (replayed) instead.
-func (n *Node) beginExec(ctx context.Context, s *sandbox, req *dsecv1.ExecRequest, x *guestv1.Exec) (*execCall, *dsecv1.ExecResult, error) {
-	rid := req.GetRequestId()
-	if len(rid) > maxRequestID {
+// logged runs a mutating call (an exec or a file change) under its
+// sandbox's trajectory log. It is the decorator every such verb goes
+// through, the one place the log's rules live:
+//
+//   - With a request ID the call is exactly-once: the ID is claimed
+//     before anything runs. A repeat gets the logged entry as replay and
+//     nothing runs (the verb answers from it, marked replayed); a repeat
+//     with a different fingerprint is a conflict; a concurrent one waits.
+//   - run performs the call and completes the entry with what it did
+//     (result, size, content digest). The entry is appended durably before
+//     logged returns it, with its sequence number; a log that cannot
+//     record it fails the call (internal).
+//   - A call that fails is logged with its error, not under its request
+//     ID, which stays free so a retry runs; run's error is returned as is.
+func (n *Node) logged(ctx context.Context, s *sandbox, m mutation, run func(*dsecv1.LogEntry) error) (done, replay *dsecv1.LogEntry, err error) {
+	if len(m.requestID) > maxRequestID {
 		return nil, nil, errdefs.Invalid("request_id longer than %d bytes", maxRequestID)
 	}
 	log, err := n.logs.Log(s.id)
 	if err != nil {
 		return nil, nil, errdefs.Internal(err, "open trajectory log")
 	}
-	env := map[string]string{}
-	for k, v := range req.GetEnv() {
-		env[k] = v
-	}
-	e := &dsecv1.LogEntry{Op: "exec", Argv: x.Argv, Cwd: x.Cwd, Env: env, User: x.User, TimeoutS: float64(x.TimeoutMs) / 1000}
-	if len(x.StdinData) > 0 {
-		e.StdinDigest = n.logs.PutBlob(x.StdinData)
-	}
-	c := &execCall{n: n, log: log, entry: e, start: time.Now()}
-	if rid != "" {
-		keys := make([]string, 0, len(env))
-		for k, v := range env {
-			keys = append(keys, k+"="+v)
+	var claim func(*dsecv1.LogEntry) (*dsecv1.LogEntry, error)
+	if m.requestID != "" {
+		replay, claim, err = log.Claim(m.requestID, trajectory.Fingerprint(m.fingerprint...), ctx.Done())
+		if err != nil || replay != nil {
+			return nil, replay, err
 		}
-		sort.Strings(keys)
-		fp := trajectory.Fingerprint(append(append([]string{"exec", x.Cwd, x.User, e.StdinDigest, fmt.Sprint(x.Pty)}, x.Argv...), keys...)...)
-		replay, done, err := log.Claim(rid, fp, ctx.Done())
-		if err != nil {
-			return nil, nil, err
-		}
-		if replay != nil {
-			r := proto.Clone(replay.GetResult()).(*dsecv1.ExecResult)
-			if r == nil {
-				r = &dsecv1.ExecResult{}
-			}
-			r.Seq, r.Replayed = replay.Seq, true
-			return nil, r, nil
-		}
-		c.done = done
 	}
-	return c, nil, nil
-}
-
-// finish logs the result durably and returns it with its sequence number.
-func (c *execCall) finish(r *dsecv1.ExecResult) (*dsecv1.ExecResult, error) {
-	c.entry.At = timestamppb.New(c.start.UTC())
-	c.entry.DurationMs = time.Since(c.start).Milliseconds()
-	c.entry.Result = r
-	var e *dsecv1.LogEntry
-	var err error
-	if c.done != nil {
-		e, err = c.done(c.entry)
-		c.done = nil
-	} else {
-		e, err = c.log.Append(c.entry)
-	}
-	if err != nil {
-		return nil, errdefs.Internal(err, "record the call in the trajectory log")
-	}
-	r.Seq = e.Seq
-	return r, nil
-}
-
-// abandon records a call that did not complete; a request ID stays free,
-// so a retry runs it.
-func (c *execCall) abandon(cause error) {
-	if c == nil {
-		return
-	}
-	if c.done != nil {
-		c.done(nil)
-		c.done = nil
-	}
-	c.entry.At = timestamppb.New(c.start.UTC())
-	c.entry.DurationMs = time.Since(c.start).Milliseconds()
-	c.entry.Error = ItemError(cause)
-	c.log.Append(c.entry)
-}
-
-// logMutation appends a file mutation to the log.
-func (n *Node) logMutation(s *sandbox, e *dsecv1.LogEntry, start time.Time, err error) {
-	log, lerr := n.logs.Log(s.id)
-	if lerr != nil {
-		return
-	}
+	start := time.Now()
+	err = run(m.entry)
+	e := m.entry
 	e.At = timestamppb.New(start.UTC())
 	e.DurationMs = time.Since(start).Milliseconds()
 	if err != nil {
+		if claim != nil {
+			claim(nil)
+		}
 		e.Error = ItemError(err)
+		log.Append(e)
+		return nil, nil, err
 	}
-	log.Append(e)
+	if claim != nil {
+		e, err = claim(e)
+	} else {
+		e, err = log.Append(e)
+	}
+	if err != nil {
+		return nil, nil, errdefs.Internal(err, "record the call in the trajectory log")
+	}
+	return e, nil, nil
 }
 
 // GetLog reads a sandbox's trajectory log, live or recently deleted.

@@ -20,7 +20,6 @@ import (
 	"time"
 
 	"google.golang.org/protobuf/encoding/protojson"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
@@ -31,7 +30,6 @@ import (
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/trajectory"
-	"github.com/opendsec/dsec/internal/undo"
 )
 
 // Config configures a node. The zero value works once DataDir is set and a
@@ -138,7 +136,11 @@ func (c *Config) defaults() {
 // ValidName reports whether name can name a node.
 func ValidName(name string) error { return sandboxid.ValidNode(name) }
 
-// Node owns the sandboxes of one host.
+// Node owns the sandboxes of one host. It is built of parts: a table of
+// its sandboxes (table.go) whose states move only as sandbox.go allows,
+// the create pipeline (create.go), one teardown every end goes through
+// (release.go), and the trajectory log as one decorator over the calls
+// that change a sandbox (log.go).
 type Node struct {
 	cfg     Config
 	log     *slog.Logger
@@ -152,49 +154,17 @@ type Node struct {
 	// admitted counts every create admitted since start (see Load).
 	creating atomic.Int64
 	admitted atomic.Uint64
-	changed  chan struct{}  // signalled when the load changes (see LoadChanged)
-	pinned   map[string]int // ephemeral snapshots held by forks in flight
+	changed  chan struct{} // signalled when the load changes (see LoadChanged)
 
-	starts *admission // start slots and the fair-share queue
-	pools  *pools
-	logs   *trajectory.Store
-
-	mu        sync.Mutex
-	sandboxes map[string]*sandbox
-	reserved  map[string]*sandbox      // starting or pooled: not live yet, layers in use
-	idemWait  map[string]chan struct{} // creates in flight by idempotency key
-	starting  map[string]int           // admitted creates still starting, by project
+	sandboxes *table
+	starts    *admission // start slots and the fair-share queue
+	pools     *pools
+	logs      *trajectory.Store
 
 	trash chan string // sandbox directories to remove
 	stop  chan struct{}
 	wg    sync.WaitGroup
 }
-
-// sandbox is a live sandbox.
-type sandbox struct {
-	id      string
-	spec    *dsecv1.SandboxSpec
-	created time.Time
-	image   string
-	layers  []string
-	net     *network.Attachment
-	dir     string
-	idemKey string
-	project string // the project that created it (quotas count by it)
-
-	// lastActive is the unix nano time of the last API call.
-	lastActive atomic.Int64
-	oomKills   atomic.Int64
-	pidsHits   atomic.Int64
-
-	mu      sync.Mutex
-	state   string // running, paused, deleting
-	expires time.Time
-	inst    substrate.Instance
-	rec     *record
-}
-
-func (s *sandbox) touch() { s.lastActive.Store(time.Now().UnixNano()) }
 
 // New opens a node over its data directory. Drivers are registered by kind;
 // a kind without a driver is reported unavailable.
@@ -217,8 +187,7 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 	}
 	n := &Node{
 		cfg: cfg, log: log.With(slog.String("node", cfg.Name)), store: st, images: images, net: net,
-		drivers: drivers, started: time.Now(), sandboxes: map[string]*sandbox{}, reserved: map[string]*sandbox{}, idemWait: map[string]chan struct{}{}, pinned: map[string]int{},
-		starting: map[string]int{}, changed: make(chan struct{}, 1),
+		drivers: drivers, started: time.Now(), sandboxes: newTable(), changed: make(chan struct{}, 1),
 		starts: newAdmission(cfg.MaxConcurrentStarts, cfg.StartQueue),
 		trash:  make(chan string, 1024), stop: make(chan struct{}),
 	}
@@ -228,7 +197,7 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 		return nil, err
 	}
 	n.logs = logs
-	images.SetInUse(n.layersInUse)
+	images.SetInUse(n.sandboxes.layers)
 	n.adopt()
 	n.releaseUnusedSnapshots()
 	n.removeOrphanSnapshotDirs()
@@ -271,30 +240,13 @@ func truncate(s string, n int) string {
 	return s
 }
 
-func (n *Node) layersInUse() map[string]bool {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	out := map[string]bool{}
-	for _, m := range []map[string]*sandbox{n.sandboxes, n.reserved} {
-		for _, s := range m {
-			for _, l := range s.layers {
-				out[l] = true
-			}
-		}
-	}
-	return out
-}
-
 // find returns the live sandbox id names, or else its tombstone, as ctx's
 // caller sees them: a sandbox of another project is not found, live or
 // deleted, with the very error an unknown ID gets. Every call that takes a
 // sandbox ID from a caller goes through find (lookup, live, Get, Delete,
 // the log): it is the node's one ownership check.
 func (n *Node) find(ctx context.Context, id string) (*sandbox, *record, error) {
-	n.mu.Lock()
-	s := n.sandboxes[id]
-	n.mu.Unlock()
-	if s != nil {
+	if s := n.sandboxes.get(id); s != nil {
 		if !tenant.Reaches(ctx, s.project) {
 			return nil, nil, notFound(id)
 		}
@@ -335,13 +287,10 @@ func (n *Node) live(ctx context.Context, id string) (*sandbox, error) {
 	if err != nil {
 		return nil, err
 	}
-	s.mu.Lock()
-	state, inst := s.state, s.inst
-	s.mu.Unlock()
-	if state == stateDeleting || inst == nil {
+	switch st := s.currentState(); {
+	case st.ending():
 		return nil, errdefs.NotFound("sandbox %s is being deleted", id)
-	}
-	if state == statePaused {
+	case st == statePaused:
 		// Any call on a paused sandbox resumes it first.
 		if err := n.resume(context.Background(), s); err != nil {
 			return nil, err
@@ -355,279 +304,8 @@ func (n *Node) live(ctx context.Context, id string) (*sandbox, error) {
 // has not deleted it (the node normally does, on time).
 const deadlineGrace = time.Minute
 
-const (
-	stateRunning  = "running"
-	statePaused   = "paused"
-	stateDeleting = "deleting"
-	stateDeleted  = "deleted"
-	stateFailed   = "failed"
-)
-
 // SessionLabel is the label binding a sandbox to a trainer session.
 const SessionLabel = "dsec.io/session"
-
-// Create validates, admits and starts a sandbox.
-func (n *Node) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*dsecv1.Sandbox, error) {
-	return n.create(ctx, req.GetSpec(), req.GetIdempotencyKey(), req.GetProject(), nil)
-}
-
-// create is Create with labels the node itself adds (reserved ones). The
-// sandbox belongs to project, whose images (and the shared ones) it may
-// start from.
-func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project string, extra map[string]string) (*dsecv1.Sandbox, error) {
-	project = projectOr(project)
-	spec := proto.Clone(in).(*dsecv1.SandboxSpec)
-	if in == nil {
-		spec = &dsecv1.SandboxSpec{}
-	}
-	img, err := n.normalize(project, spec)
-	if err != nil {
-		return nil, err
-	}
-	if len(extra) > 0 {
-		if spec.Labels == nil {
-			spec.Labels = map[string]string{}
-		}
-		for k, v := range extra {
-			spec.Labels[k] = v
-		}
-	}
-	if len(key) > 256 {
-		return nil, errdefs.Invalid("idempotency key longer than 256 bytes")
-	}
-	if key != "" {
-		key = idemKey(project, key)
-		release, existing, err := n.claimKey(ctx, key)
-		if err != nil {
-			return nil, err
-		}
-		if existing != "" {
-			return n.Get(tenant.With(ctx, tenant.Caller{Project: project}), existing)
-		}
-		defer release()
-	}
-	if err := n.admit(project); err != nil {
-		return nil, err
-	}
-	defer n.admitDone(project)
-	var s *sandbox
-	if img.Owner == tenant.Shared {
-		// Pools hold shared images only.
-		s = n.take(spec)
-	}
-	if s == nil {
-		release, err := n.starts.acquire(ctx, project)
-		if err != nil {
-			return nil, err
-		}
-		s, err = n.prepare(ctx, spec, img)
-		release()
-		if err != nil {
-			return nil, err
-		}
-	}
-	s.idemKey, s.project = key, project
-	if err := n.commit(ctx, s); err != nil {
-		n.unreserve(s)
-		s.inst.Destroy(context.WithoutCancel(ctx))
-		n.net.Release(s.net)
-		n.discardDir(s.dir)
-		return nil, err
-	}
-	return n.view(s), nil
-}
-
-// idemKey is a project's idempotency key in the node's store: keys of
-// different projects never meet.
-func idemKey(project, key string) string {
-	if project == tenant.DefaultProject {
-		return key // as stores before projects had their own keys
-	}
-	return project + "\x00" + key
-}
-
-func projectOr(p string) string {
-	if p == "" {
-		return "default"
-	}
-	return p
-}
-
-// claimKey makes one create per idempotency key proceed; a concurrent or
-// later create with the key gets the first one's sandbox.
-func (n *Node) claimKey(ctx context.Context, key string) (release func(), existing string, err error) {
-	for {
-		if id, ok := n.store.idem(key); ok {
-			return nil, id, nil
-		}
-		n.mu.Lock()
-		wait, busy := n.idemWait[key]
-		if !busy {
-			done := make(chan struct{})
-			n.idemWait[key] = done
-			n.mu.Unlock()
-			return func() {
-				n.mu.Lock()
-				delete(n.idemWait, key)
-				n.mu.Unlock()
-				close(done)
-			}, "", nil
-		}
-		n.mu.Unlock()
-		select {
-		case <-wait:
-		case <-ctx.Done():
-			return nil, "", errdefs.Classify(ctx.Err())
-		}
-	}
-}
-
-// admit is the node's final admission: it refuses creates beyond its
-// sandbox limit with a retryable exhausted error. An admitted create ends
-// with admitDone.
-func (n *Node) admit(project string) error {
-	n.mu.Lock()
-	live := len(n.sandboxes)
-	n.mu.Unlock()
-	if int(n.creating.Add(1))+live > n.cfg.MaxSandboxes {
-		n.creating.Add(-1)
-		return errdefs.Exhausted(5*time.Second, "node %s is full (%d sandboxes)", n.cfg.Name, n.cfg.MaxSandboxes)
-	}
-	n.admitted.Add(1)
-	n.mu.Lock()
-	n.starting[project]++
-	n.mu.Unlock()
-	n.loadChanged()
-	return nil
-}
-
-// admitDone ends an admitted create, started or not.
-func (n *Node) admitDone(project string) {
-	n.mu.Lock()
-	if n.starting[project]--; n.starting[project] <= 0 {
-		delete(n.starting, project)
-	}
-	n.mu.Unlock()
-	n.creating.Add(-1)
-	n.loadChanged()
-}
-
-// prepare starts a sandbox's resources (directory, network, instance) for
-// spec, from img (what normalize resolved), and reserves it, without
-// registering it as live. On error nothing is left.
-func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image.Image) (_ *sandbox, err error) {
-	kind := substrate.Kind(spec.Kind)
-	drv := n.drivers[kind]
-	var u undo.Stack
-	defer u.RunUnless(&err)
-	id := n.newID()
-	dir := filepath.Join(n.cfg.DataDir, "sandboxes", id)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, errdefs.Internal(err, "create sandbox directory")
-	}
-	u.Push(func() { n.discardDir(dir) })
-	att, err := n.net.Setup(ctx, id, spec.Network.GetMode())
-	if err != nil {
-		return nil, err
-	}
-	u.Push(func() { n.net.Release(att) })
-	s := &sandbox{
-		id: id, spec: spec, created: time.Now().UTC(), image: img.Key(), layers: img.Layers,
-		net: att, dir: dir, state: stateRunning,
-		expires: time.Now().Add(time.Duration(spec.TtlS) * time.Second),
-	}
-	s.touch()
-	// Reserved first so image GC keeps the layers while the sandbox starts.
-	n.reserve(s)
-	u.Push(func() { n.unreserve(s) })
-	inst, err := drv.Create(ctx, n.driverSpec(s, img))
-	if err != nil {
-		n.log.Warn("sandbox start failed", slog.String("sandbox_id", id), slog.Any("error", err))
-		return nil, err
-	}
-	s.inst = inst
-	return s, nil
-}
-
-// commit makes a prepared sandbox live: persisted, listed and watched.
-func (n *Node) commit(ctx context.Context, s *sandbox) error {
-	s.rec = n.recordOf(s)
-	if err := n.store.put(s.rec); err != nil {
-		return errdefs.Internal(err, "persist sandbox")
-	}
-	n.mu.Lock()
-	delete(n.reserved, s.id)
-	n.sandboxes[s.id] = s
-	n.mu.Unlock()
-	n.watch(s)
-	n.log.Debug("sandbox created", slog.String("sandbox_id", s.id), slog.String("image", s.image))
-	return nil
-}
-
-func (n *Node) reserve(s *sandbox) {
-	n.mu.Lock()
-	n.reserved[s.id] = s
-	n.mu.Unlock()
-}
-
-func (n *Node) unreserve(s *sandbox) {
-	n.mu.Lock()
-	delete(n.reserved, s.id)
-	n.mu.Unlock()
-}
-
-// imageOf is the image a spec starts from: its snapshot, else its image.
-func imageOf(spec *dsecv1.SandboxSpec) string {
-	if spec.Snapshot != "" {
-		return spec.Snapshot
-	}
-	return spec.Image
-}
-
-func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
-	env := append([]string(nil), img.Config.Env...)
-	keys := make([]string, 0, len(s.spec.Env))
-	for k := range s.spec.Env {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	for _, k := range keys {
-		env = append(env, k+"="+s.spec.Env[k])
-	}
-	ds := &substrate.Spec{
-		ID: s.id, Dir: s.dir, Layers: n.images.LowerDirs(img), Env: env,
-		User: s.spec.User, Workdir: s.spec.Workdir, Hostname: "sandbox",
-		CPU: s.spec.Resources.GetCpu(), MemoryMB: s.spec.Resources.GetMemoryMb(),
-		DiskMB: s.spec.Resources.GetDiskMb(), Pids: s.spec.Resources.GetPids(),
-		Labels: s.spec.Labels, Deadline: s.expires.Add(deadlineGrace),
-	}
-	if s.net != nil {
-		ds.Network = substrate.Network{Mode: s.net.Mode, NetNS: s.net.NetNS, ResolvConf: s.net.ResolvConf}
-	}
-	if img.Snapshot != nil && img.Snapshot.Machine {
-		ds.Restore = n.snapshotDir(img.Name)
-	}
-	return ds
-}
-
-func (n *Node) recordOf(s *sandbox) *record {
-	specJSON, _ := protojson.Marshal(s.spec)
-	var netJSON []byte
-	if s.net != nil && s.net.Mode == network.ModeEgress {
-		netJSON, _ = jsonMarshal(s.net)
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	r := &record{
-		ID: s.id, Kind: s.spec.Kind, Image: s.image, Spec: specJSON, Layers: s.layers,
-		Created: s.created, Expires: s.expires, State: s.state, Network: netJSON, IdemKey: s.idemKey,
-		Project: s.project,
-	}
-	if s.inst != nil {
-		r.Driver = s.inst.State()
-	}
-	return r
-}
 
 // watch reacts to a sandbox's instance stopping by itself.
 func (n *Node) watch(s *sandbox) {
@@ -638,10 +316,7 @@ func (n *Node) watch(s *sandbox) {
 		case <-n.stop:
 			return
 		}
-		s.mu.Lock()
-		deleting := s.state == stateDeleting
-		s.mu.Unlock()
-		if !deleting {
+		if !s.currentState().ending() {
 			reason := "the sandbox's init exited (crashed or killed)"
 			attrs := []any{slog.String("sandbox_id", s.id)}
 			if d, ok := inst.(substrate.Diagnoser); ok {
@@ -651,7 +326,7 @@ func (n *Node) watch(s *sandbox) {
 				}
 			}
 			n.log.Warn("sandbox stopped by itself", attrs...)
-			n.remove(context.Background(), s, reason, true)
+			n.release(context.Background(), s, &end{reason: reason, infra: true})
 		}
 	}()
 }
@@ -672,12 +347,8 @@ func (n *Node) Get(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
 func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	state := s.state
-	if state == stateDeleting {
-		state = stateDeleted
-	}
 	return &dsecv1.Sandbox{
-		Id: s.id, Node: n.cfg.Name, State: state, Spec: s.spec,
+		Id: s.id, Node: n.cfg.Name, State: s.state.public(), Spec: s.spec,
 		CreatedAt:    timestamppb.New(s.created),
 		ExpiresAt:    timestamppb.New(s.expires),
 		LastActiveAt: timestamppb.New(time.Unix(0, s.lastActive.Load())),
@@ -700,14 +371,7 @@ func (n *Node) List(ctx context.Context, req *dsecv1.ListSandboxesRequest) (*dse
 	if err != nil {
 		return nil, err
 	}
-	n.mu.Lock()
-	all := make([]*sandbox, 0, len(n.sandboxes))
-	for _, s := range n.sandboxes {
-		if s.inst != nil && tenant.Reaches(ctx, s.project) && sel.Matches(s.spec.Labels) {
-			all = append(all, s)
-		}
-	}
-	n.mu.Unlock()
+	all := n.sandboxes.all(func(s *sandbox) bool { return tenant.Reaches(ctx, s.project) && sel.Matches(s.spec.Labels) })
 	sort.Slice(all, func(i, j int) bool {
 		if !all[i].created.Equal(all[j].created) {
 			return all[i].created.Before(all[j].created)
@@ -738,92 +402,7 @@ func (n *Node) Delete(ctx context.Context, id string) error {
 	if s == nil {
 		return nil
 	}
-	return n.remove(ctx, s, "deleted by the user", false)
-}
-
-// remove destroys a sandbox and leaves a tombstone. infra marks ends that
-// were the platform's doing (crash, eviction), which later calls report as
-// a gone (infra) error rather than not found.
-func (n *Node) remove(ctx context.Context, s *sandbox, reason string, infra bool) error {
-	s.mu.Lock()
-	if s.state == stateDeleting {
-		s.mu.Unlock()
-		return nil
-	}
-	prev := s.state
-	s.state = stateDeleting
-	inst := s.inst
-	s.mu.Unlock()
-	ctx = context.WithoutCancel(ctx)
-	if inst != nil {
-		if err := inst.Destroy(ctx); err != nil {
-			n.log.Error("destroy sandbox", slog.String("sandbox_id", s.id), slog.Any("error", err))
-			s.mu.Lock()
-			s.state = prev
-			s.mu.Unlock()
-			return errdefs.Internal(err, "delete sandbox %s", s.id)
-		}
-	}
-	n.net.Release(s.net)
-	n.discardDir(s.dir)
-	rec := s.rec
-	if rec == nil {
-		rec = n.recordOf(s)
-	}
-	t := *rec
-	t.State, t.Reason, t.Deleted, t.Infra, t.Driver = stateDeleted, reason, time.Now().UTC(), infra, nil
-	if infra {
-		t.State = stateFailed
-	}
-	if err := n.store.bury(&t); err != nil {
-		n.log.Error("persist sandbox deletion", slog.String("sandbox_id", s.id), slog.Any("error", err))
-	}
-	n.mu.Lock()
-	delete(n.sandboxes, s.id)
-	n.mu.Unlock()
-	n.loadChanged()
-	n.logs.Forget(s.id)
-	n.releaseSnapshot(s.image)
-	n.log.Debug("sandbox deleted", slog.String("sandbox_id", s.id), slog.String("reason", reason))
-	return nil
-}
-
-// discardDir moves a sandbox directory to the trash, emptied in the
-// background so a large writable layer does not delay the caller.
-func (n *Node) discardDir(dir string) {
-	dst := filepath.Join(n.cfg.DataDir, "trash", filepath.Base(dir)+"-"+fmt.Sprint(time.Now().UnixNano()))
-	if err := os.Rename(dir, dst); err != nil {
-		os.RemoveAll(dir)
-		return
-	}
-	select {
-	case n.trash <- dst:
-	default:
-		// The emptier is busy; it will find this one on its next pass.
-	}
-}
-
-func (n *Node) emptyTrash() {
-	dir := filepath.Join(n.cfg.DataDir, "trash")
-	sweep := func() {
-		ents, _ := os.ReadDir(dir)
-		for _, e := range ents {
-			os.RemoveAll(filepath.Join(dir, e.Name()))
-		}
-	}
-	sweep()
-	tick := time.NewTicker(30 * time.Second)
-	defer tick.Stop()
-	for {
-		select {
-		case p := <-n.trash:
-			os.RemoveAll(p)
-		case <-tick.C:
-			sweep()
-		case <-n.stop:
-			return
-		}
-	}
+	return n.release(ctx, s, &end{reason: "deleted by the user"})
 }
 
 // Keepalive resets the idle timer and optionally extends the TTL.
@@ -843,7 +422,7 @@ func (n *Node) Keepalive(ctx context.Context, req *dsecv1.KeepaliveRequest) (*ds
 		if err := s.inst.Guest().SetDeadline(ctx, exp.Add(deadlineGrace)); err != nil {
 			return nil, n.callFailed(s, err)
 		}
-		s.rec = n.recordOf(s)
+		s.rec = s.record()
 		if err := n.store.put(s.rec); err != nil {
 			return nil, errdefs.Internal(err, "persist sandbox")
 		}
@@ -851,8 +430,8 @@ func (n *Node) Keepalive(ctx context.Context, req *dsecv1.KeepaliveRequest) (*ds
 	return n.view(s), nil
 }
 
-// reaper deletes sandboxes whose TTL or idle TTL passed, and forgets old
-// tombstones.
+// reaper deletes sandboxes whose TTL or idle TTL passed, each interval,
+// and forgets tombstones past their time, each minute.
 func (n *Node) reaper() {
 	defer n.wg.Done()
 	tick := time.NewTicker(n.cfg.ReapInterval)
@@ -863,44 +442,44 @@ func (n *Node) reaper() {
 		case <-n.stop:
 			return
 		case now := <-tick.C:
-			n.mu.Lock()
-			var expired []*sandbox
-			var reasons []string
-			for _, s := range n.sandboxes {
-				s.mu.Lock()
-				exp, state, inst := s.expires, s.state, s.inst
-				s.mu.Unlock()
-				if inst == nil || state == stateDeleting {
-					continue
-				}
-				idle := time.Duration(s.spec.IdleTtlS) * time.Second
-				if state == statePaused {
-					idle = 0 // a paused sandbox waits for its trainer, not for calls
-				}
-				switch {
-				case now.After(exp):
-					expired, reasons = append(expired, s), append(reasons, "ttl expired")
-				case idle > 0 && now.Sub(time.Unix(0, s.lastActive.Load())) > idle:
-					expired, reasons = append(expired, s), append(reasons, "idle ttl expired")
-				}
-			}
-			n.mu.Unlock()
-			for i, s := range expired {
-				// TTL ends are the configured lifetime, reported as gone:
-				// the sandbox vanished from under whoever was using it.
-				n.remove(context.Background(), s, reasons[i], true)
-			}
+			n.reap(now)
 			if now.Sub(lastPurge) > time.Minute {
 				lastPurge = now
-				ids, _ := n.store.purge(now.Add(-n.cfg.Tombstones))
-				for _, id := range ids {
-					n.logs.Remove(id)
-				}
-				if len(ids) > 0 {
-					n.logs.GCBlobs()
-				}
+				n.purge(now.Add(-n.cfg.Tombstones))
 			}
 		}
+	}
+}
+
+// reap deletes the sandboxes whose TTL or idle TTL passed at now. A
+// paused sandbox waits for its trainer, not for calls: it does not idle.
+// Both ends are the configured lifetime, reported as gone (infra): the
+// sandbox vanished from under whoever was using it.
+func (n *Node) reap(now time.Time) {
+	for _, s := range n.sandboxes.all(nil) {
+		s.mu.Lock()
+		exp, st := s.expires, s.state
+		s.mu.Unlock()
+		idle := time.Duration(s.spec.IdleTtlS) * time.Second
+		switch {
+		case st != stateRunning && st != statePaused:
+		case now.After(exp):
+			n.release(context.Background(), s, &end{reason: "ttl expired", infra: true})
+		case st == stateRunning && idle > 0 && now.Sub(time.Unix(0, s.lastActive.Load())) > idle:
+			n.release(context.Background(), s, &end{reason: "idle ttl expired", infra: true})
+		}
+	}
+}
+
+// purge forgets the tombstones, idempotency keys and trajectory logs of
+// sandboxes that ended before cutoff.
+func (n *Node) purge(cutoff time.Time) {
+	ids, _ := n.store.purge(cutoff)
+	for _, id := range ids {
+		n.logs.Remove(id)
+	}
+	if len(ids) > 0 {
+		n.logs.GCBlobs()
 	}
 }
 
@@ -929,10 +508,10 @@ func (n *Node) adopt() {
 		s := &sandbox{
 			id: r.ID, spec: spec, created: r.Created, image: r.Image, layers: r.Layers, net: att,
 			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey, project: projectOr(r.Project),
-			state: r.State, expires: r.Expires, rec: r,
+			state: parseState(r.State), expires: r.Expires, rec: r,
 		}
-		if s.state == stateDeleting || s.state == "" {
-			s.state = stateRunning
+		if s.state != statePaused {
+			s.state = stateRunning // as were records written mid-delete, and those of old stores
 		}
 		s.touch()
 		drv := n.drivers[substrate.Kind(r.Kind)]
@@ -945,15 +524,13 @@ func (n *Node) adopt() {
 			inst, aerr = drv.Attach(ctx, &substrate.Spec{ID: r.ID, Dir: s.dir}, r.Driver)
 			cancel()
 		}
-		n.mu.Lock()
-		n.sandboxes[r.ID] = s
-		n.mu.Unlock()
 		s.inst = inst
 		if aerr != nil {
 			n.log.Warn("sandbox not re-adopted", slog.String("sandbox_id", r.ID), slog.Any("error", aerr))
-			n.remove(context.Background(), s, "stopped while the node was down", true)
+			n.release(context.Background(), s, &end{reason: "stopped while the node was down", infra: true})
 			continue
 		}
+		n.sandboxes.commit(s)
 		n.watch(s)
 		n.log.Info("sandbox re-adopted", slog.String("sandbox_id", r.ID))
 	}

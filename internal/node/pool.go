@@ -155,11 +155,12 @@ func (ps *pools) fill(p *pool) {
 
 // take hands out a pooled sandbox of spec's shape, personalized for spec,
 // or nil if none is ready.
-func (n *Node) take(spec *dsecv1.SandboxSpec) *sandbox {
-	if n.pools == nil {
+func (ps *pools) take(spec *dsecv1.SandboxSpec) *sandbox {
+	if ps == nil {
 		return nil
 	}
-	p := n.pools.byKey[shapeKey(spec)]
+	n := ps.n
+	p := ps.byKey[shapeKey(spec)]
 	if p == nil {
 		return nil
 	}
@@ -180,10 +181,10 @@ func (n *Node) take(spec *dsecv1.SandboxSpec) *sandbox {
 		}
 		if s.inst.Check(context.Background()) != nil {
 			// Died while pooled: discard and try the next one.
-			n.discard(s)
+			n.release(context.Background(), s, nil)
 			continue
 		}
-		if err := n.personalize(s, spec); err != nil {
+		if err := ps.personalize(s, spec); err != nil {
 			n.log.Warn("pooled sandbox unusable", slog.String("sandbox_id", s.id), slog.Any("error", err))
 			continue
 		}
@@ -194,7 +195,8 @@ func (n *Node) take(spec *dsecv1.SandboxSpec) *sandbox {
 
 // personalize gives a pooled sandbox the parts of spec that are not its
 // shape.
-func (n *Node) personalize(s *sandbox, spec *dsecv1.SandboxSpec) error {
+func (ps *pools) personalize(s *sandbox, spec *dsecv1.SandboxSpec) error {
+	n := ps.n
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	s.spec = spec
@@ -209,25 +211,15 @@ func (n *Node) personalize(s *sandbox, spec *dsecv1.SandboxSpec) error {
 		}
 		sort.Strings(env)
 		if err := g.SetEnv(ctx, env); err != nil {
-			n.discard(s)
+			n.release(context.Background(), s, nil)
 			return errdefs.Unavailable("prepare pooled sandbox: %v", err)
 		}
 	}
 	if err := g.SetDeadline(ctx, s.expires.Add(deadlineGrace)); err != nil {
-		n.discard(s)
+		n.release(context.Background(), s, nil)
 		return errdefs.Unavailable("prepare pooled sandbox: %v", err)
 	}
 	return nil
-}
-
-// discard destroys a reserved sandbox that never went live.
-func (n *Node) discard(s *sandbox) {
-	n.unreserve(s)
-	if s.inst != nil {
-		s.inst.Destroy(context.Background())
-	}
-	n.net.Release(s.net)
-	n.discardDir(s.dir)
 }
 
 // close stops refilling and destroys pooled sandboxes.
@@ -243,7 +235,7 @@ func (ps *pools) close() {
 		p.ready = nil
 		p.mu.Unlock()
 		for _, s := range ready {
-			ps.n.discard(s)
+			ps.n.release(context.Background(), s, nil)
 		}
 	}
 }

@@ -16,26 +16,24 @@ const (
 	maxInputText    = 16384
 )
 
-// screen returns a live sandbox whose kind has a screen.
-func (n *Node) screen(ctx context.Context, id string) (*sandbox, error) {
+// screen returns a live sandbox whose kind has a screen, and the screen.
+func (n *Node) screen(ctx context.Context, id string) (*sandbox, substrate.Screen, error) {
 	s, err := n.live(ctx, id)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	if !n.drivers[substrate.Kind(s.spec.Kind)].Capabilities().Has(substrate.CapScreen) {
-		return nil, errdefs.Unimplemented("kind %q has no screen (use kind vm)", s.spec.Kind)
-	}
-	return s, nil
+	scr, err := can[substrate.Screen](s, "has no screen (use kind vm)")
+	return s, scr, err
 }
 
 // Screenshot captures a sandbox's screen as PNG. A paused sandbox is
 // resumed first, as for any call.
 func (n *Node) Screenshot(ctx context.Context, req *dsecv1.ScreenshotRequest) (*dsecv1.ScreenshotResponse, error) {
-	s, err := n.screen(ctx, req.GetSandboxId())
+	s, scr, err := n.screen(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err
 	}
-	shot, err := s.inst.Screenshot(ctx)
+	shot, err := scr.Screenshot(ctx)
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}
@@ -49,11 +47,11 @@ func (n *Node) SendInput(ctx context.Context, req *dsecv1.SendInputRequest) erro
 	if err != nil {
 		return err
 	}
-	s, err := n.screen(ctx, req.GetSandboxId())
+	s, scr, err := n.screen(ctx, req.GetSandboxId())
 	if err != nil {
 		return err
 	}
-	if err := s.inst.SendInput(ctx, actions); err != nil {
+	if err := scr.SendInput(ctx, actions); err != nil {
 		return n.callFailed(s, err)
 	}
 	return nil
@@ -62,11 +60,11 @@ func (n *Node) SendInput(ctx context.Context, req *dsecv1.SendInputRequest) erro
 // OpenVNC gives a sandbox's VNC server a new password and returns it
 // with the server's loopback address.
 func (n *Node) OpenVNC(ctx context.Context, req *dsecv1.OpenVNCRequest) (*dsecv1.OpenVNCResponse, error) {
-	s, err := n.screen(ctx, req.GetSandboxId())
+	s, scr, err := n.screen(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err
 	}
-	v, err := s.inst.OpenVNC(ctx)
+	v, err := scr.OpenVNC(ctx)
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}

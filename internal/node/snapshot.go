@@ -54,16 +54,16 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 	if len(req.GetName()) > 128 {
 		return nil, errdefs.Invalid("snapshot name longer than 128 bytes")
 	}
-	caps := n.drivers[substrate.Kind(s.spec.Kind)].Capabilities()
-	if caps.Has(substrate.CapMemorySnapshot) {
-		return n.machineSnapshot(ctx, s, req, ephemeral)
+	if m, ok := s.inst.(substrate.MachineSnapshotter); ok {
+		return n.machineSnapshot(ctx, s, m, req, ephemeral)
 	}
-	if !caps.Has(substrate.CapSnapshot) {
-		return nil, errdefs.Unimplemented("kind %q cannot snapshot", s.spec.Kind)
+	snap, err := can[substrate.Snapshotter](s, "cannot snapshot")
+	if err != nil {
+		return nil, err
 	}
 	s.touch()
 	pr, pw := io.Pipe()
-	go func() { pw.CloseWithError(s.inst.Snapshot(ctx, pw)) }()
+	go func() { pw.CloseWithError(snap.Snapshot(ctx, pw)) }()
 	diff, size, err := n.images.AddLayer(pr)
 	pr.Close()
 	if err != nil {
@@ -104,7 +104,7 @@ func (n *Node) snapshotDir(id string) string {
 }
 
 // machineSnapshot captures a sandbox's whole machine through its driver.
-func (n *Node) machineSnapshot(ctx context.Context, s *sandbox, req *dsecv1.SnapshotRequest, ephemeral bool) (_ *dsecv1.SnapshotInfo, err error) {
+func (n *Node) machineSnapshot(ctx context.Context, s *sandbox, m substrate.MachineSnapshotter, req *dsecv1.SnapshotRequest, ephemeral bool) (_ *dsecv1.SnapshotInfo, err error) {
 	s.touch()
 	id := n.newSnapshotID()
 	dir := n.snapshotDir(id)
@@ -116,13 +116,10 @@ func (n *Node) machineSnapshot(ctx context.Context, s *sandbox, req *dsecv1.Snap
 			os.RemoveAll(dir)
 		}
 	}()
-	s.mu.Lock()
-	inst, state := s.inst, s.state
-	s.mu.Unlock()
-	if state == stateDeleting || inst == nil {
+	if s.currentState().ending() {
 		return nil, errdefs.NotFound("sandbox %s is being deleted", s.id)
 	}
-	if err := inst.SnapshotMachine(ctx, dir); err != nil {
+	if err := m.SnapshotMachine(ctx, dir); err != nil {
 		return nil, n.callFailed(s, errdefs.Classify(err))
 	}
 	size := diskUsage(dir)
@@ -230,29 +227,10 @@ func (n *Node) releaseSnapshot(key string) {
 	if err != nil || img.Snapshot == nil || !img.Snapshot.Ephemeral {
 		return
 	}
-	n.mu.Lock()
-	used := n.pinned[key] > 0
-	for _, s := range n.sandboxes {
-		if s.image == key && !img.Snapshot.Machine {
-			used = true
-			break
-		}
-	}
-	n.mu.Unlock()
-	if !used {
+	if !n.sandboxes.holds(key, !img.Snapshot.Machine) {
 		if err := n.deleteSnapshot(img); err != nil {
 			n.log.Warn("delete fork snapshot", slog.String("snapshot_id", img.Name), slog.Any("error", err))
 		}
-	}
-}
-
-// pin holds an ephemeral snapshot (by image key) while a fork creates its
-// children.
-func (n *Node) pin(key string, d int) {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	if n.pinned[key] += d; n.pinned[key] <= 0 {
-		delete(n.pinned, key)
 	}
 }
 
@@ -338,9 +316,9 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.Creat
 	// Children adopted by idempotency key (a resumed trainer's repeat)
 	// start from an earlier snapshot, which leaves this one unused.
 	snapKey := tenant.ImageKey(parent.project, snap.Id)
-	n.pin(snapKey, 1)
+	n.sandboxes.pin(snapKey, 1)
 	defer func() {
-		n.pin(snapKey, -1)
+		n.sandboxes.pin(snapKey, -1)
 		n.releaseSnapshot(snapKey)
 	}()
 	base := proto.Clone(parent.spec).(*dsecv1.SandboxSpec)

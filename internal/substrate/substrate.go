@@ -13,6 +13,7 @@ import (
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	"github.com/opendsec/dsec/internal/guest"
+	"github.com/opendsec/dsec/internal/image"
 )
 
 // Kind names a substrate.
@@ -33,7 +34,7 @@ type Capability string
 
 const (
 	CapExec           Capability = "exec"
-	CapPTY            Capability = "pty"
+	CapPTY            Capability = "pty" // processes that outlive their call, PTYs among them
 	CapFiles          Capability = "files"
 	CapPause          Capability = "pause"
 	CapSnapshot       Capability = "snapshot"        // writable layer (disk) snapshots
@@ -123,8 +124,8 @@ type Spec struct {
 	// Dir is a directory the driver owns for this instance's state; the node
 	// removes it after Destroy.
 	Dir string
-	// Layers are read-only root filesystem layers, top first.
-	Layers []string
+	// Image is what the root filesystem is made of.
+	Image Image
 	// Env is the environment for every process (image env, then spec env).
 	Env      []string
 	User     string
@@ -137,7 +138,6 @@ type Spec struct {
 	Pids     int64
 
 	Network Network
-	Labels  map[string]string
 	// Deadline is when the instance ends itself if the node has not
 	// deleted it: the TTL backstop for times the node is down.
 	Deadline time.Time
@@ -160,8 +160,51 @@ type Spec struct {
 	// Instance.SnapshotMachine of the same kind: the instance starts from
 	// it (memory, devices and disk as they were) instead of booting, with
 	// its own writable disk and a fresh identity (hostname, clock,
-	// randomness). Layers must be the snapshotted instance's.
+	// randomness). Image must be the snapshotted instance's.
 	Restore string
+}
+
+// Image is the image an instance starts from, as the node's image store
+// holds it.
+type Image struct {
+	// Name is the image's name in the store (a snapshot's ID for a
+	// snapshot's children); Digest is its content digest.
+	Name, Digest string
+	// Layers are the read-only root filesystem layers, top first.
+	Layers []Layer
+	// VM is set for a VM image: its one layer holds the disk (and, for
+	// direct boot, the kernel and initrd) that VMImage describes.
+	VM *image.VMImage
+}
+
+// Layer is one unpacked image layer on the host.
+type Layer struct {
+	// DiffID is the digest of the layer's uncompressed tar
+	// ("sha256:<hex>"); layers are stored and cached by it.
+	DiffID string
+	// Dir is the layer's directory. Link is a short path to it, for
+	// overlay mount options (the kernel limits them to one page).
+	Dir, Link string
+}
+
+// ImageOf is img of store as a Spec's Image.
+func ImageOf(store *image.Store, img *image.Image) Image {
+	out := Image{Name: img.Name, Digest: img.Digest, VM: img.VM}
+	for i := len(img.Layers) - 1; i >= 0; i-- {
+		d := img.Layers[i]
+		out.Layers = append(out.Layers, Layer{DiffID: d, Dir: store.LayerDir(d), Link: store.ShortLayerPath(d)})
+	}
+	return out
+}
+
+// Links are the image's layers' short paths, top first: the lower
+// directories of an overlay mount.
+func (im Image) Links() []string {
+	out := make([]string, len(im.Layers))
+	for i, l := range im.Layers {
+		out[i] = l.Link
+	}
+	return out
 }
 
 // Tmpfs is a tmpfs mount: Options as for mount(8), e.g. "mode=1777,size=512m".
@@ -170,19 +213,35 @@ type Tmpfs struct {
 	Options string
 }
 
-// Guest is the in-sandbox API the node drives. *guest.Client implements it;
-// drivers that dispatch calls differently wrap one.
+// Guest is the in-sandbox agent as the node drives it: what the agent of
+// every kind does. *guest.Client implements it and the optional guest
+// interfaces (ProcessGuest, FileGuest); a driver that dispatches calls
+// differently (function) implements what its capabilities declare.
 type Guest interface {
 	Hello(ctx context.Context) (*guestv1.HelloReply, error)
+	// Run runs a command to completion.
 	Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, error)
+	Sync(ctx context.Context) error
+	SetDeadline(ctx context.Context, t time.Time) error
+	SetEnv(ctx context.Context, env []string) error
+}
+
+// ProcessGuest is an agent whose processes outlive their call (CapPTY):
+// started, streamed, attached to again, written to, signalled, resized
+// and listed.
+type ProcessGuest interface {
 	Start(ctx context.Context, x *guestv1.Exec) (*guest.Process, error)
 	Attach(ctx context.Context, id, tag string, liveOnly bool) (*guest.Process, error)
 	InputProcess(ctx context.Context, id string, data []byte, eof bool) error
 	SignalProcess(ctx context.Context, id string, sig syscall.Signal) error
 	ResizeProcess(ctx context.Context, id string, rows, cols uint32) error
 	ListProcs(ctx context.Context) ([]*guestv1.Proc, error)
-	// File calls act as the message's user inside the sandbox (see
-	// guestv1.ReadFile).
+}
+
+// FileGuest is an agent with a file system the caller reaches (CapFiles).
+// File calls act as the message's user inside the sandbox (see
+// guestv1.ReadFile).
+type FileGuest interface {
 	ReadFile(ctx context.Context, r *guestv1.ReadFile) (*guest.FileReader, error)
 	WriteFile(ctx context.Context, w *guestv1.WriteFile, r io.Reader) (*guestv1.FileInfo, error)
 	Stat(ctx context.Context, p *guestv1.Path) (*guestv1.FileInfo, error)
@@ -191,14 +250,13 @@ type Guest interface {
 	Remove(ctx context.Context, r *guestv1.Remove) error
 	Rename(ctx context.Context, r *guestv1.Rename) (*guestv1.FileInfo, error)
 	Watch(ctx context.Context, w *guestv1.Watch) (*guest.Watch, error)
-	Sync(ctx context.Context) error
-	SetDeadline(ctx context.Context, t time.Time) error
-	SetEnv(ctx context.Context, env []string) error
-	StartRunner(ctx context.Context, argv, env []string) error
-	Call(ctx context.Context, call *guestv1.Call) (*guestv1.CallResult, error)
 }
 
-var _ Guest = (*guest.Client)(nil)
+var (
+	_ Guest        = (*guest.Client)(nil)
+	_ ProcessGuest = (*guest.Client)(nil)
+	_ FileGuest    = (*guest.Client)(nil)
+)
 
 // Diagnoser is implemented by instances that keep what their init (or the
 // guest console) printed last. When an instance stops by itself the node
@@ -250,7 +308,10 @@ type Driver interface {
 }
 
 // Instance is one running sandbox of a driver. Methods are safe for
-// concurrent use.
+// concurrent use. What only some kinds can do is an optional interface
+// (Pauser, Snapshotter, MachineSnapshotter, Screen), implemented exactly
+// by the instances of drivers that declare its capability (Optional; the
+// conformance suite checks it): the node asks with one type assertion.
 type Instance interface {
 	// Guest is the instance's agent.
 	Guest() Guest
@@ -262,33 +323,65 @@ type Instance interface {
 	Check(ctx context.Context) error
 	// Stats reports resource use.
 	Stats(ctx context.Context) (Stats, error)
-	// Pause freezes every process and releases what memory it can;
-	// Resume thaws. Both are idempotent. Drivers without CapPause return
-	// an Unimplemented error.
-	Pause(ctx context.Context) error
-	Resume(ctx context.Context) error
-	// Snapshot writes the instance's writable filesystem layer, captured
-	// consistently (processes frozen), as an uncompressed OCI layer tar.
-	// Drivers without CapSnapshot return an Unimplemented error.
-	Snapshot(ctx context.Context, w io.Writer) error
-	// SnapshotMachine writes the whole machine (memory, device state and
-	// writable disk), captured consistently, into the empty directory dir,
-	// which the node keeps as long as the snapshot exists. The instance
-	// keeps running (or stays paused). Any number of instances start from
-	// dir through Spec.Restore. Drivers without CapMemorySnapshot return
-	// an Unimplemented error.
-	SnapshotMachine(ctx context.Context, dir string) error
-	// Screenshot captures the instance's screen as PNG. SendInput types,
-	// presses keys and moves, clicks and scrolls the mouse on it, in
-	// order. Drivers without CapScreen return an Unimplemented error.
-	Screenshot(ctx context.Context) (*Screenshot, error)
-	SendInput(ctx context.Context, actions []InputAction) error
-	// OpenVNC gives the screen's VNC server a new password and returns
-	// it with the server's loopback address. Drivers without CapScreen, or
-	// without VNC configured, return an Unimplemented error.
-	OpenVNC(ctx context.Context) (*VNC, error)
 	// Destroy releases every resource of the instance. It is idempotent.
 	Destroy(ctx context.Context) error
+}
+
+// Pauser is an instance that can pause (CapPause): Pause freezes every
+// process and releases what memory it can; Resume thaws. Both are
+// idempotent.
+type Pauser interface {
+	Pause(ctx context.Context) error
+	Resume(ctx context.Context) error
+}
+
+// Snapshotter is an instance whose writable filesystem layer can be
+// captured (CapSnapshot): Snapshot writes it, captured consistently
+// (processes frozen), as an uncompressed OCI layer tar.
+type Snapshotter interface {
+	Snapshot(ctx context.Context, w io.Writer) error
+}
+
+// MachineSnapshotter is an instance whose whole machine can be captured
+// (CapMemorySnapshot): SnapshotMachine writes memory, device state and
+// writable disk, captured consistently, into the empty directory dir,
+// which the node keeps as long as the snapshot exists. The instance keeps
+// running (or stays paused). Any number of instances start from dir
+// through Spec.Restore.
+type MachineSnapshotter interface {
+	SnapshotMachine(ctx context.Context, dir string) error
+}
+
+// Screen is an instance with a screen (CapScreen). Screenshot captures it
+// as PNG. SendInput types, presses keys and moves, clicks and scrolls the
+// mouse on it, in order. OpenVNC gives the screen's VNC server a new
+// password and returns it with the server's loopback address (an
+// Unimplemented error where the node runs its VMs without VNC).
+type Screen interface {
+	Screenshot(ctx context.Context) (*Screenshot, error)
+	SendInput(ctx context.Context, actions []InputAction) error
+	OpenVNC(ctx context.Context) (*VNC, error)
+}
+
+// Optional pairs each capability that promises an optional interface
+// with the check that an instance (or its guest) implements it.
+var Optional = map[Capability]func(Instance) bool{
+	CapPause:          implements[Pauser],
+	CapSnapshot:       implements[Snapshotter],
+	CapMemorySnapshot: implements[MachineSnapshotter],
+	CapScreen:         implements[Screen],
+	CapPTY:            guestImplements[ProcessGuest],
+	CapFiles:          guestImplements[FileGuest],
+}
+
+func implements[T any](i Instance) bool {
+	_, ok := i.(T)
+	return ok
+}
+
+func guestImplements[T any](i Instance) bool {
+	_, ok := i.Guest().(T)
+	return ok
 }
 
 // Screenshot is an instance's screen as a PNG image of Width x Height

@@ -225,3 +225,27 @@ func TestImportRules(t *testing.T) {
 		})
 	}
 }
+
+// TestNoBinaryLinksATestSupportPackage: the test-support packages (the
+// substratetest fake driver above all, whose init can turn a binary into
+// a sandbox's init) never ship in a binary.
+func TestNoBinaryLinksATestSupportPackage(t *testing.T) {
+	support := []string{"internal/substrate/substratetest", "internal/dsectest", "internal/cluster/clustertest", "internal/substrate/qemu/qemutest"}
+	out, err := exec.Command(goCmd(t), "list", "-f", "{{.ImportPath}}", mod+"/cmd/...").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go list: %v\n%s", err, out)
+	}
+	for _, cmd := range strings.Fields(string(out)) {
+		deps, err := exec.Command(goCmd(t), "list", "-deps", "-f", "{{.ImportPath}}", cmd).CombinedOutput()
+		if err != nil {
+			t.Fatalf("go list: %v\n%s", err, deps)
+		}
+		for _, d := range strings.Fields(string(deps)) {
+			for _, s := range support {
+				if d == mod+"/"+s {
+					t.Errorf("%s links the test-support package %s", cmd, s)
+				}
+			}
+		}
+	}
+}

@@ -20,8 +20,10 @@ import (
 	"golang.org/x/sys/unix"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/proc"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
 	"github.com/opendsec/dsec/internal/tenant"
@@ -29,7 +31,7 @@ import (
 
 var (
 	guestBin string
-	layers   []string
+	layers   substrate.Image
 	setupErr string
 )
 
@@ -64,7 +66,7 @@ func TestMain(m *testing.M) {
 			setupErr = "needs Debian's busybox-static: " + err.Error()
 			return m.Run()
 		}
-		layers = store.LowerDirs(img)
+		layers = substrate.ImageOf(store, img)
 		return m.Run()
 	}()
 	os.Exit(code)
@@ -94,7 +96,7 @@ func TestConformance(t *testing.T) {
 			return &substrate.Spec{
 				ID:       fmt.Sprintf("ct%d-%d", os.Getpid(), n),
 				Dir:      t.TempDir(),
-				Layers:   layers,
+				Image:    layers,
 				Hostname: "sandbox",
 				CPU:      1, MemoryMB: 256, Pids: 256,
 				Network: substrate.Network{Mode: "none"},
@@ -123,7 +125,7 @@ func TestConformanceUnderGVisor(t *testing.T) {
 			return &substrate.Spec{
 				ID:       fmt.Sprintf("gv%d-%d", os.Getpid(), n),
 				Dir:      t.TempDir(),
-				Layers:   layers,
+				Image:    layers,
 				Hostname: "sandbox",
 				CPU:      1, MemoryMB: 256, Pids: 256,
 				Network: substrate.Network{Mode: "none"},
@@ -179,7 +181,7 @@ func leaks(d *Driver, s *substrate.Spec) []string {
 
 func TestGuestChannelIsNotReachableFromInside(t *testing.T) {
 	d := newDriver(t, t.TempDir())
-	spec := &substrate.Spec{ID: fmt.Sprintf("chan%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
+	spec := &substrate.Spec{ID: fmt.Sprintf("chan%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {
 		t.Fatal(err)
@@ -234,7 +236,7 @@ func TestSandboxesHaveNoRawSocketsButPing(t *testing.T) {
 	if err := syscall.Setxattr(capped, "security.capability", xattr, 0); err != nil {
 		t.Skipf("cannot set file capabilities here: %v", err)
 	}
-	spec := &substrate.Spec{ID: fmt.Sprintf("raw%d", os.Getpid()), Dir: t.TempDir(), Layers: append([]string{top}, layers...), Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
+	spec := &substrate.Spec{ID: fmt.Sprintf("raw%d", os.Getpid()), Dir: t.TempDir(), Image: substrate.Image{Layers: append([]substrate.Layer{{Dir: top, Link: top}}, layers.Layers...)}, Hostname: "sandbox", MemoryMB: 256, Pids: 256, CPU: 1}
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {
 		t.Fatal(err)
@@ -300,7 +302,7 @@ func TestHundredCreateDeleteCyclesLeaveNothing(t *testing.T) {
 	tag := fmt.Sprintf("cyc%d-", os.Getpid())
 	before := snapshotHost(tag)
 	for i := 0; i < 100; i++ {
-		spec := &substrate.Spec{ID: fmt.Sprintf("cyc%d-%d", os.Getpid(), i), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 128, Pids: 64, CPU: 1}
+		spec := &substrate.Spec{ID: fmt.Sprintf("cyc%d-%d", os.Getpid(), i), Dir: t.TempDir(), Image: layers, Hostname: "sandbox", MemoryMB: 128, Pids: 64, CPU: 1}
 		inst, err := d.Create(context.Background(), spec)
 		if err != nil {
 			t.Fatalf("cycle %d: %v", i, err)
@@ -362,7 +364,7 @@ func snapshotHost(tag string) hostCounts {
 		if err != nil {
 			continue
 		}
-		if pid, _ := strconv.Atoi(e.Name()); isZombie(pid) {
+		if pid, _ := strconv.Atoi(e.Name()); !proc.Of(pid).Alive() {
 			continue // exited; waiting for the host's init to reap it
 		}
 		cmdline, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
@@ -389,7 +391,7 @@ func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 	if !d.shieldable() {
 		t.Skipf("agents are shielded on cgroup v1 controllers only; this host has %s", d.cgroups.mode)
 	}
-	spec := &substrate.Spec{ID: fmt.Sprintf("cg%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox", MemoryMB: 64, Pids: 64, CPU: 1}
+	spec := &substrate.Spec{ID: fmt.Sprintf("cg%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox", MemoryMB: 64, Pids: 64, CPU: 1}
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {
 		t.Fatal(err)
@@ -491,7 +493,7 @@ func BenchmarkCreateExecDestroy(b *testing.B) {
 		for c := range cases {
 			bc := &cases[c]
 			spec := &substrate.Spec{
-				ID: fmt.Sprintf("bench%d-%d-%d", os.Getpid(), c, i), Dir: b.TempDir(), Layers: layers, Hostname: "sandbox",
+				ID: fmt.Sprintf("bench%d-%d-%d", os.Getpid(), c, i), Dir: b.TempDir(), Image: layers, Hostname: "sandbox",
 				CPU: 1, MemoryMB: 256, Pids: 256, Network: substrate.Network{Mode: "none"},
 			}
 			t0 := time.Now()
@@ -525,7 +527,7 @@ func BenchmarkCreateExecDestroy(b *testing.B) {
 
 func TestSandboxRootIsAnUnprivilegedHostUserWithItsOwnDisk(t *testing.T) {
 	d := newDriver(t, t.TempDir())
-	spec := &substrate.Spec{ID: fmt.Sprintf("uns%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox",
+	spec := &substrate.Spec{ID: fmt.Sprintf("uns%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox",
 		MemoryMB: 256, Pids: 256, CPU: 1, DiskMB: 64, Network: substrate.Network{Mode: "none"}}
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {
@@ -589,7 +591,7 @@ func TestARestartedNodeRemountsTheDiskAndSnapshotsShiftOwners(t *testing.T) {
 	if d.disk == nil || d.userns == nil {
 		t.Skip("needs user namespaces and disk limits")
 	}
-	spec := &substrate.Spec{ID: fmt.Sprintf("re%d", os.Getpid()), Dir: t.TempDir(), Layers: layers, Hostname: "sandbox",
+	spec := &substrate.Spec{ID: fmt.Sprintf("re%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox",
 		MemoryMB: 256, Pids: 256, CPU: 1, DiskMB: 32, Network: substrate.Network{Mode: "none"}}
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {
@@ -612,7 +614,7 @@ func TestARestartedNodeRemountsTheDiskAndSnapshotsShiftOwners(t *testing.T) {
 		t.Fatal(err)
 	}
 	var buf bytes.Buffer
-	if err := inst2.Snapshot(context.Background(), &buf); err != nil {
+	if err := inst2.(*instance).Snapshot(context.Background(), &buf); err != nil {
 		t.Fatalf("snapshot after the restart: %v", err)
 	}
 	owners := map[string][2]int{}
@@ -643,5 +645,14 @@ func TestARestartedNodeRemountsTheDiskAndSnapshotsShiftOwners(t *testing.T) {
 	}
 	if err := inst2.Destroy(context.Background()); err != nil {
 		t.Fatal(err)
+	}
+}
+
+func TestAStateOfANewerNodeIsNotAdopted(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	s := &substrate.Spec{ID: "sb-newer", Dir: t.TempDir()}
+	_, err := d.Attach(context.Background(), s, []byte(`{"version": 99, "pid": 1, "start_time": 1}`))
+	if err == nil || errdefs.Is(err, errdefs.KindGone) || !strings.Contains(err.Error(), "version 99") {
+		t.Fatalf("adopting a state of version 99: %v; want a refusal naming the version, not gone (the sandbox may live)", err)
 	}
 }

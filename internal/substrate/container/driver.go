@@ -26,6 +26,7 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/proc"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/undo"
 )
@@ -390,6 +391,9 @@ func (d *Driver) runtimeOf(name string) (*ociRuntime, error) {
 
 // state is what an instance persists.
 type state struct {
+	// Version is the format's version (stateVersion when written; 0 for
+	// states written before versions).
+	Version   int    `json:"version,omitempty"`
 	Pid       int    `json:"pid"`        // the agent (the container's init)
 	StartTime uint64 `json:"start_time"` // of Pid, against pid reuse
 	// RuntimePid is the `crun run` process that waits for the container
@@ -412,6 +416,18 @@ type state struct {
 	// a gVisor sandbox's jail (jailOf).
 	Runtime string `json:"runtime,omitempty"`
 	Jail    string `json:"jail,omitempty"`
+}
+
+// stateVersion is the version of state this driver writes. A node
+// refuses to adopt a sandbox whose state is of a later version than it
+// knows (written by a newer node) rather than misread it.
+const stateVersion = 1
+
+// init is the container's init (the agent); runtime is the runtime
+// process that waits for it.
+func (st *state) init() proc.ID { return proc.ID{Pid: st.Pid, StartTime: st.StartTime} }
+func (st *state) runtime() proc.ID {
+	return proc.ID{Pid: st.RuntimePid, StartTime: st.RuntimeStartTime}
 }
 
 // upper is the sandbox's upper directory.
@@ -484,7 +500,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if err != nil {
 		return nil, err
 	}
-	st := state{Cgroup: d.cgroupPath(s.ID), Rootfs: filepath.Join(s.Dir, "rootfs"), Runtime: s.Runtime}
+	st := state{Version: stateVersion, Cgroup: d.cgroupPath(s.ID), Rootfs: filepath.Join(s.Dir, "rootfs"), Runtime: s.Runtime}
 	if err := os.MkdirAll(st.Rootfs, 0o755); err != nil {
 		return nil, errdefs.Internal(err, "prepare sandbox directory")
 	}
@@ -521,7 +537,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if ns != nil {
 		nsFile = ns.f
 	}
-	lowers := append([]string{d.skel}, s.Layers...)
+	lowers := append([]string{d.skel}, s.Image.Links()...)
 	detach, err := attachLayers(filepath.Join(diskDir, "l"), lowers, nsFile)
 	if err != nil {
 		return nil, errdefs.Internal(err, "mount the image's layers")
@@ -673,7 +689,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if err != nil {
 		return nil, errdefs.Internal(err, "read container pid")
 	}
-	st.Pid, st.StartTime = pid, procStartTime(pid)
+	st.Pid, st.StartTime = pid, proc.StartTime(pid)
 	if ns != nil && d.sysResource && !gvisor {
 		// Shield the agent (see ociSpec): lowering a score takes
 		// CAP_SYS_RESOURCE over the host, which the runtime in the
@@ -681,7 +697,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		// the pid is the sandbox's kernel, agent and workload at once.)
 		os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", []byte("-998"), 0)
 	}
-	st.RuntimePid, st.RuntimeStartTime = cmd.Process.Pid, procStartTime(cmd.Process.Pid)
+	st.RuntimePid, st.RuntimeStartTime = cmd.Process.Pid, proc.StartTime(cmd.Process.Pid)
 	st.Socket = sock
 	if sc := d.seccompFor(s); rt.name == "crun" && sc.bpf() == "" {
 		sc.learn(filepath.Join(d.runRoot, s.ID))
@@ -698,6 +714,9 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 	var st state
 	if err := json.Unmarshal(raw, &st); err != nil {
 		return nil, errdefs.Internal(err, "decode container state")
+	}
+	if st.Version > stateVersion {
+		return nil, errdefs.Internal(nil, "the sandbox's state is of version %d, written by a newer node; this node knows up to %d", st.Version, stateVersion)
 	}
 	inst := d.newInstance(s.ID, st)
 	if st.HostID != 0 && d.ranges != nil {
@@ -795,24 +814,4 @@ func readPidFile(p string) (int, error) {
 		return 0, err
 	}
 	return strconv.Atoi(strings.TrimSpace(string(b)))
-}
-
-// procStartTime is a process's start time in clock ticks since boot (field
-// 22 of /proc/<pid>/stat); with the pid it identifies a process across pid
-// reuse.
-func procStartTime(pid int) uint64 {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0
-	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return 0
-	}
-	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 20 {
-		return 0
-	}
-	n, _ := strconv.ParseUint(f[19], 10, 64)
-	return n
 }

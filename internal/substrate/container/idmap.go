@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/opendsec/dsec/internal/proc"
 	"golang.org/x/sys/unix"
 )
 
@@ -87,7 +88,7 @@ func (r *idRanges) path(index int) string { return filepath.Join(r.dir, strconv.
 // record is what a range's link says: "<owner> <pid> <start time>".
 func (r *idRanges) record() string {
 	self := os.Getpid()
-	return fmt.Sprintf("%s %d %d", r.owner, self, procStartTime(self))
+	return fmt.Sprintf("%s %d %d", r.owner, self, proc.StartTime(self))
 }
 
 // parseRecord splits a record; ok is false for a malformed one.
@@ -157,7 +158,7 @@ func (r *idRanges) staleLocked(index int) bool {
 	if ok && owner == r.owner {
 		return false // ours: freed by this node's sweep, never taken here
 	}
-	if ok && pid > 0 && procStartTime(pid) == start {
+	if ok && pid > 0 && proc.StartTime(pid) == start {
 		return false
 	}
 	// The sandbox may still run while its node is down.

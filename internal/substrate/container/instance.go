@@ -9,10 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
@@ -44,9 +41,11 @@ type instance struct {
 }
 
 var (
-	_ substrate.Instance   = (*instance)(nil)
-	_ substrate.Diagnoser  = (*instance)(nil)
-	_ substrate.LimitEnder = (*instance)(nil)
+	_ substrate.Instance    = (*instance)(nil)
+	_ substrate.Diagnoser   = (*instance)(nil)
+	_ substrate.LimitEnder  = (*instance)(nil)
+	_ substrate.Pauser      = (*instance)(nil)
+	_ substrate.Snapshotter = (*instance)(nil)
 )
 
 // EndedByLimit implements substrate.LimitEnder: under gVisor, the host
@@ -135,70 +134,25 @@ func (i *instance) Done() <-chan struct{} { return i.done }
 
 // alive reports whether the container's init still runs (and is the same
 // process, not a reused pid).
-func (i *instance) alive() bool {
-	if i.st.Pid <= 0 {
-		return false
-	}
-	if err := syscall.Kill(i.st.Pid, 0); err != nil {
-		return false
-	}
-	st := procStartTime(i.st.Pid)
-	return st != 0 && st == i.st.StartTime && !isZombie(i.st.Pid)
-}
+func (i *instance) alive() bool { return i.st.init().Alive() }
 
-func isZombie(pid int) bool {
-	b, err := os.ReadFile("/proc/" + itoa(pid) + "/stat")
-	if err != nil {
-		return true
-	}
-	for j := len(b) - 1; j >= 0; j-- {
-		if b[j] == ')' {
-			return j+2 < len(b) && b[j+2] == 'Z'
-		}
-	}
-	return false
-}
-
-// watch closes done when the init exits, using a pidfd in the Go poller
-// (no thread per sandbox), or polling where pidfds are missing.
+// watch closes done when the init exits.
 func (i *instance) watch() {
 	i.watchOnce.Do(func() {
-		fd, err := unix.PidfdOpen(i.st.Pid, unix.PIDFD_NONBLOCK)
-		if err != nil || !i.alive() {
-			if err == nil {
-				unix.Close(fd)
-			}
-			go i.poll()
+		if i.rt == nil || !i.rt.gvisor() {
+			i.st.init().NotifyExit(i.done)
 			return
 		}
-		f := os.NewFile(uintptr(fd), "pidfd")
+		// Under gVisor, which limit ended the sandbox is read from its
+		// cgroups before done says it ended.
+		exited := make(chan struct{})
+		i.st.init().NotifyExit(exited)
 		go func() {
-			defer f.Close()
-			rc, err := f.SyscallConn()
-			if err != nil {
-				i.poll()
-				return
-			}
-			first := true
-			rc.Read(func(uintptr) bool {
-				if first {
-					first = false
-					return false // wait for readability: the process exited
-				}
-				return true
-			})
+			<-exited
 			i.readEndedBy()
 			close(i.done)
 		}()
 	})
-}
-
-func (i *instance) poll() {
-	for i.alive() {
-		time.Sleep(2 * time.Second)
-	}
-	i.readEndedBy()
-	close(i.done)
 }
 
 func (i *instance) Check(ctx context.Context) error {
@@ -307,22 +261,6 @@ func (i *instance) Snapshot(ctx context.Context, w io.Writer) error {
 	return nil
 }
 
-func (i *instance) SnapshotMachine(context.Context, string) error {
-	return errdefs.Unimplemented("container sandboxes have no memory snapshots (their snapshots are filesystem layers)")
-}
-
-func (i *instance) Screenshot(context.Context) (*substrate.Screenshot, error) {
-	return nil, errdefs.Unimplemented("container sandboxes have no screen (use kind vm)")
-}
-
-func (i *instance) SendInput(context.Context, []substrate.InputAction) error {
-	return errdefs.Unimplemented("container sandboxes have no screen (use kind vm)")
-}
-
-func (i *instance) OpenVNC(context.Context) (*substrate.VNC, error) {
-	return nil, errdefs.Unimplemented("container sandboxes have no screen (use kind vm)")
-}
-
 func (i *instance) Destroy(ctx context.Context) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()
@@ -336,16 +274,7 @@ func (i *instance) Destroy(ctx context.Context) error {
 	}
 	// Killing the init ends the container's pid namespace, so every
 	// process in it; the runtime then removes the cgroup and its state.
-	if i.alive() {
-		if fd, err := unix.PidfdOpen(i.st.Pid, 0); err == nil {
-			if i.alive() { // the pidfd refers to the verified process
-				unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
-			}
-			unix.Close(fd)
-		} else {
-			syscall.Kill(i.st.Pid, syscall.SIGKILL)
-		}
-	}
+	i.st.init().Kill()
 	if !i.waitRuntime(15 * time.Second) {
 		i.d.log.Warn("runtime did not finish after the sandbox's init died", slog.String("sandbox_id", i.id))
 	}
@@ -396,15 +325,5 @@ func (i *instance) waitRuntime(timeout time.Duration) bool {
 			return false
 		}
 	}
-	if i.st.RuntimePid <= 0 || procStartTime(i.st.RuntimePid) != i.st.RuntimeStartTime {
-		return true
-	}
-	deadline := time.Now().Add(timeout)
-	for time.Now().Before(deadline) {
-		if procStartTime(i.st.RuntimePid) != i.st.RuntimeStartTime || isZombie(i.st.RuntimePid) {
-			return true
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-	return false
+	return i.st.runtime().Wait(timeout)
 }

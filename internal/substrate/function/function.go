@@ -242,6 +242,7 @@ type worker struct {
 	id        string
 	dir       string
 	inst      substrate.Instance
+	agent     workerAgent // inst's
 	have      map[string]bool
 	languages map[string]bool
 	ooms      atomic.Int64 // the worker's OOM kills seen so far
@@ -497,7 +498,7 @@ func (d *Driver) startWorker(img string) (_ *worker, err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	inst, err := d.ct.Create(ctx, &substrate.Spec{
-		ID: id, Dir: dir, Layers: d.images.LowerDirs(rec), Env: rec.Config.Env, Hostname: "function",
+		ID: id, Dir: dir, Image: substrate.ImageOf(d.images, rec), Env: rec.Config.Env, Hostname: "function",
 		CPU: d.cfg.WorkerCPU, MemoryMB: d.cfg.WorkerMemoryMB, Pids: int64(64*d.cfg.Slots + 256),
 		Network: substrate.Network{Mode: "none"}, ReadOnlyRootfs: true,
 		// Calls see their own storage over /tmp and /var/tmp (and /dev/shm),
@@ -514,7 +515,13 @@ func (d *Driver) startWorker(img string) (_ *worker, err error) {
 		os.RemoveAll(dir)
 		return nil, err
 	}
-	w := &worker{id: id, dir: dir, inst: inst, slots: make([]bool, d.cfg.Slots), lastUsed: time.Now()}
+	agent, ok := inst.Guest().(workerAgent)
+	if !ok {
+		inst.Destroy(context.Background())
+		os.RemoveAll(dir)
+		return nil, errdefs.Internal(nil, "a function worker's agent (%T) runs no calls", inst.Guest())
+	}
+	w := &worker{id: id, dir: dir, inst: inst, agent: agent, slots: make([]bool, d.cfg.Slots), lastUsed: time.Now()}
 	if err := d.prepareWorker(ctx, w); err != nil {
 		inst.Destroy(context.Background())
 		os.RemoveAll(dir)
@@ -524,8 +531,19 @@ func (d *Driver) startWorker(img string) (_ *worker, err error) {
 	return w, nil
 }
 
+// workerAgent is a worker container's agent as this driver drives it: its
+// files (the runner script) and the call runner it starts and hands calls
+// to, which only function workers use (the container driver's agent,
+// *guest.Client, has them).
+type workerAgent interface {
+	substrate.Guest
+	substrate.FileGuest
+	StartRunner(ctx context.Context, argv, env []string) error
+	Call(ctx context.Context, call *guestv1.Call) (*guestv1.CallResult, error)
+}
+
 func (d *Driver) prepareWorker(ctx context.Context, w *worker) error {
-	g := w.inst.Guest()
+	g := w.agent
 	x, err := g.Run(ctx, &guestv1.Exec{Argv: []string{"/bin/sh", "-c", "mkdir -p " + runnerDir + " " + callsDir + " && chmod 700 " + runnerDir + " && chmod 711 " + callsDir + "; " + probeScript()}, TimeoutMs: 30000})
 	if err != nil {
 		return err

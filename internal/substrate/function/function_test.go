@@ -40,7 +40,7 @@ func TestConformance(t *testing.T) {
 		Driver: d,
 		NewSpec: func(t *testing.T) *substrate.Spec {
 			n++
-			return &substrate.Spec{ID: fmt.Sprintf("f%d", n), Dir: t.TempDir(), Layers: store.LowerDirs(img), Env: []string{"DSEC_TEST=42"}}
+			return &substrate.Spec{ID: fmt.Sprintf("f%d", n), Dir: t.TempDir(), Image: substrate.ImageOf(store, img), Env: []string{"DSEC_TEST=42"}}
 		},
 		SkipLimits: true, // per-call limits are tested through RunCode
 	})

@@ -3,23 +3,19 @@ package function
 import (
 	"context"
 	"encoding/json"
-	"io"
-	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
-	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/substrate"
 )
 
 // A function sandbox (kind "function" through the generic API) holds no
 // container of its own: each exec is one call in a pooled worker, in a
 // fresh directory, leaving nothing behind. It is stateless by design, so
-// files, PTYs, streaming, pause and snapshots do not apply and answer
-// Unimplemented.
+// files, PTYs and streaming answer Unimplemented, and its instances are
+// neither Pausers nor Snapshotters.
 
 type instance struct {
 	d     *Driver
@@ -42,22 +38,11 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (substrate.Insta
 	if s.Network.Mode != "" && s.Network.Mode != "none" {
 		return nil, errdefs.Unimplemented("function sandboxes have no network")
 	}
-	img := s.Labels["dsec.io/function-image"]
+	img := s.Image.Name
 	if img == "" {
-		img = d.imageOfLayers(s.Layers)
+		img = d.cfg.Image
 	}
 	return &instance{d: d, image: img, env: s.Env, done: make(chan struct{})}, nil
-}
-
-// imageOfLayers finds the image whose layers a spec names.
-func (d *Driver) imageOfLayers(layers []string) string {
-	for _, img := range d.images.List() {
-		ld := d.images.LowerDirs(img)
-		if len(ld) == len(layers) && strings.Join(ld, ":") == strings.Join(layers, ":") {
-			return img.Name
-		}
-	}
-	return d.cfg.Image
 }
 
 // Attach implements substrate.Driver.
@@ -86,27 +71,7 @@ func (i *instance) Check(context.Context) error {
 	}
 }
 func (i *instance) Stats(context.Context) (substrate.Stats, error) { return substrate.Stats{}, nil }
-func (i *instance) Pause(context.Context) error {
-	return errdefs.Unimplemented("function sandboxes cannot pause (they hold no state)")
-}
-func (i *instance) Resume(context.Context) error { return nil }
-func (i *instance) SnapshotMachine(context.Context, string) error {
-	return errdefs.Unimplemented("function sandboxes cannot snapshot (they hold no state)")
-}
-func (i *instance) Screenshot(context.Context) (*substrate.Screenshot, error) {
-	return nil, errdefs.Unimplemented("function sandboxes have no screen (use kind vm)")
-}
-func (i *instance) SendInput(context.Context, []substrate.InputAction) error {
-	return errdefs.Unimplemented("function sandboxes have no screen (use kind vm)")
-}
 
-func (i *instance) OpenVNC(context.Context) (*substrate.VNC, error) {
-	return nil, errdefs.Unimplemented("function sandboxes have no screen (use kind vm)")
-}
-
-func (i *instance) Snapshot(context.Context, io.Writer) error {
-	return errdefs.Unimplemented("function sandboxes cannot snapshot (they hold no state)")
-}
 func (i *instance) Destroy(context.Context) error {
 	i.once.Do(func() { close(i.done) })
 	return nil
@@ -115,7 +80,7 @@ func (i *instance) Destroy(context.Context) error {
 // callGuest runs each exec as one function call.
 type callGuest struct{ i *instance }
 
-var errStateless = errdefs.Unimplemented("function sandboxes are stateless: only exec applies (use kind container for files and processes)")
+var errStateless = errdefs.Unimplemented("function sandboxes run commands to completion only, without a PTY (use kind container)")
 
 func (g *callGuest) Hello(context.Context) (*guestv1.HelloReply, error) {
 	return &guestv1.HelloReply{Version: "function"}, nil
@@ -135,7 +100,7 @@ func (g *callGuest) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, er
 	call := &guestv1.Call{Dir: slotDir(slot), Uid: uint32(uidBase + slot), DiskBytes: d.cfg.CallDiskMB << 20, Steps: []*guestv1.CallStep{st}, Env: append(append([]string(nil), g.i.env...), x.Env...)}
 	cctx, cancel := context.WithTimeout(ctx, time.Duration(x.TimeoutMs)*time.Millisecond+30*time.Second)
 	defer cancel()
-	out, err := w.inst.Guest().Call(cctx, call)
+	out, err := w.agent.Call(cctx, call)
 	if err != nil {
 		p.release(w, slot, "call failed: "+err.Error())
 		return nil, errdefs.Unavailable("function worker failed").WithCause(err)
@@ -147,42 +112,6 @@ func (g *callGuest) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, er
 	return out.Steps[0], nil
 }
 
-func (g *callGuest) Start(context.Context, *guestv1.Exec) (*guest.Process, error) {
-	return nil, errdefs.Unimplemented("function sandboxes run commands to completion only (use Exec)")
-}
-func (g *callGuest) Attach(context.Context, string, string, bool) (*guest.Process, error) {
-	return nil, errStateless
-}
-func (g *callGuest) InputProcess(context.Context, string, []byte, bool) error    { return errStateless }
-func (g *callGuest) SignalProcess(context.Context, string, syscall.Signal) error { return errStateless }
-func (g *callGuest) ResizeProcess(context.Context, string, uint32, uint32) error { return errStateless }
-func (g *callGuest) ListProcs(context.Context) ([]*guestv1.Proc, error)          { return nil, nil }
-func (g *callGuest) ReadFile(context.Context, *guestv1.ReadFile) (*guest.FileReader, error) {
-	return nil, errStateless
-}
-func (g *callGuest) WriteFile(context.Context, *guestv1.WriteFile, io.Reader) (*guestv1.FileInfo, error) {
-	return nil, errStateless
-}
-func (g *callGuest) Stat(context.Context, *guestv1.Path) (*guestv1.FileInfo, error) {
-	return nil, errStateless
-}
-func (g *callGuest) ListDir(context.Context, *guestv1.ListDir) ([]*guestv1.FileInfo, error) {
-	return nil, errStateless
-}
-func (g *callGuest) MakeDir(context.Context, *guestv1.MakeDir) (*guestv1.FileInfo, error) {
-	return nil, errStateless
-}
-func (g *callGuest) Remove(context.Context, *guestv1.Remove) error { return errStateless }
-func (g *callGuest) Rename(context.Context, *guestv1.Rename) (*guestv1.FileInfo, error) {
-	return nil, errStateless
-}
-func (g *callGuest) Watch(context.Context, *guestv1.Watch) (*guest.Watch, error) {
-	return nil, errStateless
-}
-func (g *callGuest) Sync(context.Context) error                            { return nil }
-func (g *callGuest) SetDeadline(context.Context, time.Time) error          { return nil }
-func (g *callGuest) SetEnv(context.Context, []string) error                { return nil }
-func (g *callGuest) StartRunner(context.Context, []string, []string) error { return errStateless }
-func (g *callGuest) Call(context.Context, *guestv1.Call) (*guestv1.CallResult, error) {
-	return nil, errStateless
-}
+func (g *callGuest) Sync(context.Context) error                   { return nil }
+func (g *callGuest) SetDeadline(context.Context, time.Time) error { return nil }
+func (g *callGuest) SetEnv(context.Context, []string) error       { return nil }

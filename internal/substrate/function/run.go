@@ -279,7 +279,7 @@ func (d *Driver) runOn(ctx context.Context, p *pool, lang *language, req *dsecv1
 		budget += time.Duration(s.TimeoutMs)*time.Millisecond + time.Second
 	}
 	cctx, cancel := context.WithTimeout(ctx, budget+30*time.Second)
-	out, err := w.inst.Guest().Call(cctx, call)
+	out, err := w.agent.Call(cctx, call)
 	cancel()
 	if err != nil {
 		reason := "call failed: " + err.Error()

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/qemu"
 )
 
@@ -26,16 +27,11 @@ const skeletonVersion = "1"
 // layer holding the agent binary and the mountpoints the init needs. It is
 // built once per (layers, agent) and shared by every VM of the image;
 // concurrent callers wait for one build.
-func (d *Driver) imageDisk(layers []string) (string, error) {
+func (d *Driver) imageDisk(layers []substrate.Layer) (string, error) {
 	h := sha256.New()
 	fmt.Fprintf(h, "skeleton %s\nguest %s\n", skeletonVersion, d.guestDigest)
 	for _, l := range layers {
-		// Layer paths are content-addressed (short links named by diff ID).
-		target, err := filepath.EvalSymlinks(l)
-		if err != nil {
-			return "", errdefs.Internal(err, "resolve image layer")
-		}
-		fmt.Fprintln(h, filepath.Base(target))
+		fmt.Fprintln(h, strings.TrimPrefix(l.DiffID, "sha256:"))
 	}
 	key := hex.EncodeToString(h.Sum(nil)[:12])
 	dir := filepath.Join(d.cfg.StateDir, "disks")
@@ -67,7 +63,10 @@ func (d *Driver) imageDisk(layers []string) (string, error) {
 	if err := os.Mkdir(merged, 0o755); err != nil {
 		return "", errdefs.Internal(err, "create merge mountpoint")
 	}
-	lowers := append([]string{skel}, layers...)
+	lowers := []string{skel}
+	for _, l := range layers {
+		lowers = append(lowers, l.Link)
+	}
 	opts := "lowerdir=" + strings.Join(lowers, ":")
 	if len(opts) > 4095 {
 		return "", errdefs.Invalid("image has too many layers (%d)", len(layers))

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -32,8 +31,10 @@ type instance struct {
 }
 
 var (
-	_ substrate.Instance  = (*instance)(nil)
-	_ substrate.Diagnoser = (*instance)(nil)
+	_ substrate.Instance           = (*instance)(nil)
+	_ substrate.Diagnoser          = (*instance)(nil)
+	_ substrate.Pauser             = (*instance)(nil)
+	_ substrate.MachineSnapshotter = (*instance)(nil)
 )
 
 func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instance {
@@ -95,7 +96,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		}
 		defer incoming.Close()
 	} else {
-		img, err := d.imageDisk(s.Layers)
+		img, err := d.imageDisk(s.Image.Layers)
 		if err != nil {
 			return nil, err
 		}
@@ -193,24 +194,4 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 	}
 	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState)
 	return i, i.VM.Adopt(ctx)
-}
-
-// Snapshot implements substrate.Instance: microVM snapshots are machine
-// snapshots (SnapshotMachine), not filesystem layers.
-func (i *instance) Snapshot(context.Context, io.Writer) error {
-	return errdefs.Unimplemented("microvm snapshots hold memory and disk: use a machine snapshot")
-}
-
-// Screenshot implements substrate.Instance: microVMs have no screen.
-func (i *instance) Screenshot(context.Context) (*substrate.Screenshot, error) {
-	return nil, errdefs.Unimplemented("microVMs have no screen (use kind vm)")
-}
-
-// SendInput implements substrate.Instance: microVMs have no screen.
-func (i *instance) SendInput(context.Context, []substrate.InputAction) error {
-	return errdefs.Unimplemented("microVMs have no screen (use kind vm)")
-}
-
-func (i *instance) OpenVNC(context.Context) (*substrate.VNC, error) {
-	return nil, errdefs.Unimplemented("microVMs have no screen (use kind vm)")
 }

@@ -25,7 +25,7 @@ import (
 
 var (
 	guestBin  string
-	layers    []string
+	layers    substrate.Image
 	kernelDir string
 	stateDir  string // shared by the tests: image disks are built once
 	setupErr  string
@@ -78,7 +78,7 @@ func TestMain(m *testing.M) {
 			setupErr = "needs Debian's busybox-static: " + err.Error()
 			return m.Run()
 		}
-		layers = store.LowerDirs(img)
+		layers = substrate.ImageOf(store, img)
 		stateDir = filepath.Join(dir, "state")
 		code := m.Run()
 		for _, d := range runDirs {
@@ -126,7 +126,7 @@ func newSpec(t *testing.T) *substrate.Spec {
 	return &substrate.Spec{
 		ID:       fmt.Sprintf("mvm%d-%d", os.Getpid(), seq),
 		Dir:      t.TempDir(),
-		Layers:   layers,
+		Image:    layers,
 		Hostname: "sandbox",
 		CPU:      1, MemoryMB: 128, DiskMB: 256, Pids: 256,
 		Network: substrate.Network{Mode: "none"},
@@ -221,7 +221,7 @@ func TestMachineSnapshotsRestoreAndFork(t *testing.T) {
 	defer parent.Destroy(context.Background())
 	run(t, parent, "echo on-disk > /state; (while :; do sleep 1; done) & echo $! > /tmp/loop-pid; head -c 16 /dev/urandom | od -An -tx1 > /tmp/seed0")
 	snap := t.TempDir()
-	if err := parent.SnapshotMachine(ctxT(t, 2*time.Minute), snap); err != nil {
+	if err := parent.(*instance).SnapshotMachine(ctxT(t, 2*time.Minute), snap); err != nil {
 		t.Fatal(err)
 	}
 	t.Run("the parent keeps running after the snapshot", func(t *testing.T) {
@@ -290,7 +290,7 @@ func TestPauseFreesMemoryAndResumeRestores(t *testing.T) {
 	run(t, inst, "echo kept > /tmp/mem-only")
 	// A stream open across the pause breaks when QEMU goes; the instance
 	// must still count as alive (paused), never as crashed.
-	proc, err := inst.Guest().Start(ctxT(t, time.Minute), &guestv1.Exec{Argv: []string{"sleep", "1000"}})
+	proc, err := inst.Guest().(substrate.ProcessGuest).Start(ctxT(t, time.Minute), &guestv1.Exec{Argv: []string{"sleep", "1000"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -312,7 +312,7 @@ func TestPauseFreesMemoryAndResumeRestores(t *testing.T) {
 			time.Sleep(time.Millisecond)
 		}
 	}()
-	err = inst.Pause(ctxT(t, 2*time.Minute))
+	err = inst.(*instance).Pause(ctxT(t, 2*time.Minute))
 	close(stop)
 	if err != nil {
 		t.Fatal(err)
@@ -331,7 +331,7 @@ func TestPauseFreesMemoryAndResumeRestores(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := again.Resume(ctxT(t, 3*time.Minute)); err != nil {
+		if err := again.(*instance).Resume(ctxT(t, 3*time.Minute)); err != nil {
 			t.Fatal(err)
 		}
 		if got := run(t, again, "cat /tmp/mem-only"); got != "kept\n" {

@@ -35,10 +35,18 @@ type Instance[M any] struct {
 // InstanceState is what an Instance persists (in its directory and
 // through the node) to be re-adopted.
 type InstanceState[M any] struct {
+	// Version is the format's version (StateVersion when written; 0 for
+	// states written before versions).
+	Version int `json:"version,omitempty"`
 	VMState
 	Machine M      `json:"machine"`
 	Dir     string `json:"dir"`
 }
+
+// StateVersion is the version of InstanceState this node writes. A node
+// refuses to adopt an instance whose state is of a later version (written
+// by a newer node) rather than misread it.
+const StateVersion = 1
 
 // LoadInstanceState decodes the state Attach gets: the instance's own
 // state file when there is one (it is newer than the node's record after
@@ -50,6 +58,9 @@ func LoadInstanceState[M any](dir string, raw []byte) (InstanceState[M], error) 
 	}
 	if err := json.Unmarshal(raw, &st); err != nil {
 		return st, errdefs.Internal(err, "decode the instance's state")
+	}
+	if st.Version > StateVersion {
+		return st, errdefs.Internal(nil, "the instance's state is of version %d, written by a newer node; this node knows up to %d", st.Version, StateVersion)
 	}
 	return st, nil
 }
@@ -73,7 +84,7 @@ func (i *Instance[M]) Path(name string) string { return filepath.Join(i.Dir, nam
 // Persist writes the instance's state for Attach (StateFile; the node
 // keeps a copy in its record). It is the VM's VMConfig.Persist.
 func (i *Instance[M]) Persist(st VMState) error {
-	b, err := json.Marshal(InstanceState[M]{VMState: st, Machine: i.Machine, Dir: i.Dir})
+	b, err := json.Marshal(InstanceState[M]{Version: StateVersion, VMState: st, Machine: i.Machine, Dir: i.Dir})
 	if err != nil {
 		return err
 	}
@@ -91,7 +102,7 @@ func (i *Instance[M]) Guest() substrate.Guest { return i.VM.Client() }
 func (i *Instance[M]) LastWords() string { return strings.TrimPrefix(i.VM.Hint(), ": ") }
 
 func (i *Instance[M]) State() []byte {
-	b, _ := json.Marshal(InstanceState[M]{VMState: i.VM.State(), Machine: i.Machine, Dir: i.Dir})
+	b, _ := json.Marshal(InstanceState[M]{Version: StateVersion, VMState: i.VM.State(), Machine: i.Machine, Dir: i.Dir})
 	return b
 }
 

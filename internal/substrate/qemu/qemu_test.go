@@ -92,3 +92,14 @@ func TestControlArgs(t *testing.T) {
 		t.Errorf("vsock channel args %q", vsock)
 	}
 }
+
+func TestAStateOfANewerNodeIsNotLoaded(t *testing.T) {
+	_, err := LoadInstanceState[struct{}](t.TempDir(), []byte(`{"version": 99, "pid": 1}`))
+	if err == nil || !strings.Contains(err.Error(), "version 99") {
+		t.Fatalf("loading a state of version 99: %v; want a refusal naming the version", err)
+	}
+	st, err := LoadInstanceState[struct{}](t.TempDir(), []byte(`{"pid": 7, "start_time": 9}`))
+	if err != nil || st.Pid != 7 {
+		t.Fatalf("a state from before versions: %+v, %v", st, err)
+	}
+}

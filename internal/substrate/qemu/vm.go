@@ -20,6 +20,7 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/guest/portmux"
+	"github.com/opendsec/dsec/internal/proc"
 )
 
 // Files a VM keeps in its directory.
@@ -670,7 +671,7 @@ func SweepVMs(runDir string, keep func(id string) bool) int {
 		if !strings.Contains(vm.Cmdline, "unix:"+runDir+"/") || keep(vm.ID) {
 			continue
 		}
-		if p, err := Adopt(vm.Pid, ProcStartTime(vm.Pid)); err == nil {
+		if p, err := Adopt(vm.Pid, proc.StartTime(vm.Pid)); err == nil {
 			p.Kill(10 * time.Second)
 		}
 		os.Remove(AgentSock(runDir, vm.ID))

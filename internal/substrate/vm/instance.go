@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -32,8 +31,11 @@ type instance struct {
 }
 
 var (
-	_ substrate.Instance  = (*instance)(nil)
-	_ substrate.Diagnoser = (*instance)(nil)
+	_ substrate.Instance           = (*instance)(nil)
+	_ substrate.Diagnoser          = (*instance)(nil)
+	_ substrate.Pauser             = (*instance)(nil)
+	_ substrate.MachineSnapshotter = (*instance)(nil)
+	_ substrate.Screen             = (*instance)(nil)
 )
 
 func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instance {
@@ -138,17 +140,11 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 
 // newMachine is the machine for a fresh sandbox of spec's image.
 func (d *Driver) newMachine(s *substrate.Spec) (machine, error) {
-	if len(s.Layers) != 1 {
+	img := s.Image.VM
+	if img == nil || len(s.Image.Layers) != 1 {
 		return machine{}, errdefs.Invalid("the image is not a VM image: build one with `dsec image build-vm` or import a disk with `dsec image import-vm`")
 	}
-	dir, err := filepath.EvalSymlinks(s.Layers[0])
-	if err != nil {
-		return machine{}, errdefs.Internal(err, "resolve the VM image's layer")
-	}
-	img, err := image.ReadVMLayer(dir)
-	if err != nil {
-		return machine{}, err
-	}
+	dir := s.Image.Layers[0].Dir
 	m := machine{
 		CPUs: cpusFor(s.CPU), MemoryMB: s.MemoryMB, Base: filepath.Join(dir, image.VMDiskFile), Layer: filepath.Base(dir),
 		DiskBytes: max(img.VirtualSize, s.DiskMB<<20), AgentDisk: d.agentDisk, Accel: d.accel.Arg(d.cfg.TBSizeMiB),
@@ -248,10 +244,4 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 	}
 	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState)
 	return i, i.VM.Adopt(ctx)
-}
-
-// Snapshot implements substrate.Instance: VM snapshots are machine
-// snapshots (SnapshotMachine), not filesystem layers.
-func (i *instance) Snapshot(context.Context, io.Writer) error {
-	return errdefs.Unimplemented("vm snapshots hold memory and disk: use a machine snapshot")
 }

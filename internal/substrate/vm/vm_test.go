@@ -32,8 +32,8 @@ import (
 
 var (
 	guestBin  string
-	layers    []string // the debian VM image
-	bbLayers  []string // busybox: not a VM image
+	layers    substrate.Image  // the debian VM image
+	bbLayers  *substrate.Image // busybox: not a VM image
 	kernelDir string
 	stateDir  string // shared by the tests: boot snapshots are saved once
 	imgDir    string // the VM image's layer directory
@@ -87,10 +87,11 @@ func TestMain(m *testing.M) {
 			fmt.Fprintln(os.Stderr, "build the debian VM image:", err)
 			return 1
 		}
-		layers = store.LowerDirs(img)
+		layers = substrate.ImageOf(store, img)
 		imgDir = store.LayerDir(img.Layers[0])
 		if bb, err := store.Bootstrap(ctx, "busybox", "", image.BootstrapOptions{CacheDir: cache}, nil); err == nil {
-			bbLayers = store.LowerDirs(bb)
+			im := substrate.ImageOf(store, bb)
+			bbLayers = &im
 		}
 		stateDir = filepath.Join(dir, "state")
 		code := m.Run()
@@ -139,7 +140,7 @@ func newSpec(t *testing.T) *substrate.Spec {
 	return &substrate.Spec{
 		ID:       fmt.Sprintf("vm%d-%d", os.Getpid(), seq),
 		Dir:      t.TempDir(),
-		Layers:   layers,
+		Image:    layers,
 		Hostname: "sandbox",
 		CPU:      1, MemoryMB: 512, Pids: 1024,
 		Network:  substrate.Network{Mode: "none"},
@@ -271,7 +272,7 @@ func TestScreenAndInput(t *testing.T) {
 	d := newDriver(t, nil)
 	inst := create(t, d, newSpec(t))
 	ctx := ctxT(t, 5*time.Minute)
-	before, err := inst.Screenshot(ctx)
+	before, err := inst.(*instance).Screenshot(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -292,11 +293,11 @@ func TestScreenAndInput(t *testing.T) {
 		}
 	})
 	t.Run("typed text reaches the shell on the screen", func(t *testing.T) {
-		if err := inst.SendInput(ctx, []substrate.InputAction{{Text: "echo \"typed-$((6*7))\" > /tmp/typed; echo 'ok:{}|~'\n"}}); err != nil {
+		if err := inst.(*instance).SendInput(ctx, []substrate.InputAction{{Text: "echo \"typed-$((6*7))\" > /tmp/typed; echo 'ok:{}|~'\n"}}); err != nil {
 			t.Fatal(err)
 		}
 		waitFor(t, inst, "cat /tmp/typed 2>/dev/null", "typed-42")
-		after, err := inst.Screenshot(ctx)
+		after, err := inst.(*instance).Screenshot(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -305,23 +306,23 @@ func TestScreenAndInput(t *testing.T) {
 		}
 	})
 	t.Run("a key combination interrupts a command", func(t *testing.T) {
-		if err := inst.SendInput(ctx, []substrate.InputAction{{Text: "sleep 1234\n"}}); err != nil {
+		if err := inst.(*instance).SendInput(ctx, []substrate.InputAction{{Text: "sleep 1234\n"}}); err != nil {
 			t.Fatal(err)
 		}
 		waitFor(t, inst, "pgrep -xc sleep || true", "1")
-		if err := inst.SendInput(ctx, []substrate.InputAction{{Keys: "ctrl+c"}}); err != nil {
+		if err := inst.(*instance).SendInput(ctx, []substrate.InputAction{{Keys: "ctrl+c"}}); err != nil {
 			t.Fatal(err)
 		}
 		waitFor(t, inst, "pgrep -xc sleep || true", "0")
 	})
 	t.Run("the pointer moves to absolute positions and clicks", func(t *testing.T) {
-		if _, err := inst.Guest().WriteFile(ctx, &guestv1.WriteFile{Path: "/tmp/ev.py"}, strings.NewReader(evdevReader)); err != nil {
+		if _, err := inst.Guest().(substrate.FileGuest).WriteFile(ctx, &guestv1.WriteFile{Path: "/tmp/ev.py"}, strings.NewReader(evdevReader)); err != nil {
 			t.Fatal(err)
 		}
 		run(t, inst, "rm -f /tmp/ev; python3 /tmp/ev.py 60 >/tmp/ev.log 2>&1 &")
 		waitFor(t, inst, "test -e /tmp/ev && echo ready", "ready")
 		w, h := before.Width, before.Height
-		err := inst.SendInput(ctx, []substrate.InputAction{
+		err := inst.(*instance).SendInput(ctx, []substrate.InputAction{
 			{Move: &substrate.Point{X: w / 2, Y: h / 4}},
 			{Click: &substrate.Click{Point: substrate.Point{X: w - 1, Y: h - 1}, Button: "right"}},
 		})
@@ -348,7 +349,7 @@ func TestScreenAndInput(t *testing.T) {
 			{Text: "naïve"},
 			{Click: &substrate.Click{Button: "fourth"}},
 		} {
-			if err := inst.SendInput(ctx, []substrate.InputAction{a}); !errdefs.Is(err, errdefs.KindInvalid) {
+			if err := inst.(*instance).SendInput(ctx, []substrate.InputAction{a}); !errdefs.Is(err, errdefs.KindInvalid) {
 				t.Errorf("%+v: %v", a, err)
 			}
 		}
@@ -410,7 +411,7 @@ func TestPauseFreesMemoryAndSurvivesARestart(t *testing.T) {
 	}
 	defer func() { inst.Destroy(context.Background()) }()
 	run(t, inst, "echo kept > /dev/shm/mem-only")
-	if err := inst.Pause(ctxT(t, 2*time.Minute)); err != nil {
+	if err := inst.(*instance).Pause(ctxT(t, 2*time.Minute)); err != nil {
 		t.Fatal(err)
 	}
 	if qemutest.Running(spec.ID) {
@@ -424,13 +425,13 @@ func TestPauseFreesMemoryAndSurvivesARestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	inst = again
-	if err := again.Resume(ctxT(t, 3*time.Minute)); err != nil {
+	if err := again.(*instance).Resume(ctxT(t, 3*time.Minute)); err != nil {
 		t.Fatal(err)
 	}
 	if got := run(t, again, "cat /dev/shm/mem-only"); got != "kept\n" {
 		t.Fatalf("after resume: %q", got)
 	}
-	if _, err := again.Screenshot(ctxT(t, time.Minute)); err != nil {
+	if _, err := again.(*instance).Screenshot(ctxT(t, time.Minute)); err != nil {
 		t.Fatalf("screenshot after resume: %v", err)
 	}
 }
@@ -452,7 +453,7 @@ func TestBadInput(t *testing.T) {
 		d := newDriver(t, nil)
 		inst := create(t, d, newSpec(t))
 		snap := t.TempDir()
-		if err := inst.SnapshotMachine(ctxT(t, 2*time.Minute), snap); err != nil {
+		if err := inst.(*instance).SnapshotMachine(ctxT(t, 2*time.Minute), snap); err != nil {
 			t.Fatal(err)
 		}
 		mangle(snap)
@@ -471,10 +472,12 @@ func TestBadInput(t *testing.T) {
 			if bbLayers == nil {
 				t.Skip("needs busybox-static")
 			}
-			s.Layers = bbLayers
+			s.Image = *bbLayers
 		}, kind: errdefs.KindInvalid, want: "not a VM image"},
 		{name: "a disk that does not boot fails with the firmware's word", cfg: func(c *Config) { c.ColdBoot = true },
-			spec: func(t *testing.T, s *substrate.Spec) { s.Layers = []string{blank} }, kind: errdefs.KindUnavailable, infra: true, want: "No bootable device"},
+			spec: func(t *testing.T, s *substrate.Spec) {
+				s.Image = substrate.Image{Layers: []substrate.Layer{{Dir: blank, Link: blank}}, VM: &image.VMImage{VirtualSize: 64 << 20, Firmware: "bios", Agent: "installed"}}
+			}, kind: errdefs.KindUnavailable, infra: true, want: "No bootable device"},
 		{name: "a guest without the agent hits the boot timeout",
 			cfg: func(c *Config) {
 				c.ColdBoot, c.Boot, c.BootTimeout, c.KernelArgs = true, "direct", 20*time.Second, "systemd.mask=dsec-agent.service"
@@ -561,7 +564,7 @@ func vncAuth(t *testing.T, addr, password string) bool {
 func TestVNC(t *testing.T) {
 	d := newDriver(t, func(c *Config) { c.VNC = true })
 	inst := create(t, d, newSpec(t))
-	v, err := inst.OpenVNC(ctxT(t, time.Minute))
+	v, err := inst.(*instance).OpenVNC(ctxT(t, time.Minute))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -580,7 +583,7 @@ func TestVNC(t *testing.T) {
 		}
 	})
 	t.Run("a new OpenVNC retires the old password", func(t *testing.T) {
-		again, err := inst.OpenVNC(ctxT(t, time.Minute))
+		again, err := inst.(*instance).OpenVNC(ctxT(t, time.Minute))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -590,7 +593,7 @@ func TestVNC(t *testing.T) {
 	})
 	t.Run("without vm.vnc it is unimplemented", func(t *testing.T) {
 		plain := create(t, newDriver(t, nil), newSpec(t))
-		if _, err := plain.OpenVNC(ctxT(t, time.Minute)); !errdefs.Is(err, errdefs.KindUnimplemented) {
+		if _, err := plain.(*instance).OpenVNC(ctxT(t, time.Minute)); !errdefs.Is(err, errdefs.KindUnimplemented) {
 			t.Fatalf("OpenVNC: %v", err)
 		}
 	})

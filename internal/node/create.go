@@ -1,0 +1,225 @@
+package node
+
+import (
+	"context"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sort"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/substrate"
+	"github.com/opendsec/dsec/internal/tenant"
+	"github.com/opendsec/dsec/internal/undo"
+)
+
+// The create pipeline: validate and default the spec (normalize), claim
+// the idempotency key, admit, take a pooled sandbox or start one (prepare,
+// in a start slot), then make it live (commit).
+
+// Create validates, admits and starts a sandbox.
+func (n *Node) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*dsecv1.Sandbox, error) {
+	return n.create(ctx, req.GetSpec(), req.GetIdempotencyKey(), req.GetProject(), nil)
+}
+
+// create is Create with labels the node itself adds (reserved ones). The
+// sandbox belongs to project, whose images (and the shared ones) it may
+// start from.
+func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project string, extra map[string]string) (*dsecv1.Sandbox, error) {
+	project = projectOr(project)
+	spec := proto.Clone(in).(*dsecv1.SandboxSpec)
+	if in == nil {
+		spec = &dsecv1.SandboxSpec{}
+	}
+	img, err := n.normalize(project, spec)
+	if err != nil {
+		return nil, err
+	}
+	if len(extra) > 0 {
+		if spec.Labels == nil {
+			spec.Labels = map[string]string{}
+		}
+		for k, v := range extra {
+			spec.Labels[k] = v
+		}
+	}
+	if len(key) > 256 {
+		return nil, errdefs.Invalid("idempotency key longer than 256 bytes")
+	}
+	if key != "" {
+		key = idemKey(project, key)
+		release, existing, err := n.claimKey(ctx, key)
+		if err != nil {
+			return nil, err
+		}
+		if existing != "" {
+			return n.Get(tenant.With(ctx, tenant.Caller{Project: project}), existing)
+		}
+		defer release()
+	}
+	if err := n.admit(project); err != nil {
+		return nil, err
+	}
+	defer n.admitDone(project)
+	var s *sandbox
+	if img.Owner == tenant.Shared {
+		// Pools hold shared images only.
+		s = n.pools.take(spec)
+	}
+	if s == nil {
+		release, err := n.starts.acquire(ctx, project)
+		if err != nil {
+			return nil, err
+		}
+		s, err = n.prepare(ctx, spec, img)
+		release()
+		if err != nil {
+			return nil, err
+		}
+	}
+	s.idemKey, s.project = key, project
+	if err := n.commit(ctx, s); err != nil {
+		n.release(ctx, s, nil)
+		return nil, err
+	}
+	return n.view(s), nil
+}
+
+// idemKey is a project's idempotency key in the node's store: keys of
+// different projects never meet.
+func idemKey(project, key string) string {
+	if project == tenant.DefaultProject {
+		return key // as stores before projects had their own keys
+	}
+	return project + "\x00" + key
+}
+
+func projectOr(p string) string {
+	if p == "" {
+		return "default"
+	}
+	return p
+}
+
+// claimKey makes one create per idempotency key proceed; a concurrent or
+// later create with the key gets the first one's sandbox.
+func (n *Node) claimKey(ctx context.Context, key string) (release func(), existing string, err error) {
+	for {
+		if id, ok := n.store.idem(key); ok {
+			return nil, id, nil
+		}
+		release, busy := n.sandboxes.claim(key)
+		if release != nil {
+			return release, "", nil
+		}
+		select {
+		case <-busy:
+		case <-ctx.Done():
+			return nil, "", errdefs.Classify(ctx.Err())
+		}
+	}
+}
+
+// admit is the node's final admission: it refuses creates beyond its
+// sandbox limit with a retryable exhausted error. An admitted create ends
+// with admitDone.
+func (n *Node) admit(project string) error {
+	if int(n.creating.Add(1))+n.sandboxes.count() > n.cfg.MaxSandboxes {
+		n.creating.Add(-1)
+		return errdefs.Exhausted(5*time.Second, "node %s is full (%d sandboxes)", n.cfg.Name, n.cfg.MaxSandboxes)
+	}
+	n.admitted.Add(1)
+	n.sandboxes.starts(project, 1)
+	n.loadChanged()
+	return nil
+}
+
+// admitDone ends an admitted create, started or not.
+func (n *Node) admitDone(project string) {
+	n.sandboxes.starts(project, -1)
+	n.creating.Add(-1)
+	n.loadChanged()
+}
+
+// prepare starts a sandbox's resources (directory, network, instance) for
+// spec, from img (what normalize resolved), and reserves it, without
+// registering it as live. On error nothing is left: the undo stack holds
+// one entry, the sandbox's release, which frees whatever it holds so far.
+func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image.Image) (_ *sandbox, err error) {
+	var u undo.Stack
+	defer u.RunUnless(&err)
+	s := &sandbox{
+		id: n.newID(), spec: spec, created: time.Now().UTC(), image: img.Key(), layers: img.Layers,
+		state: stateRunning, expires: time.Now().Add(time.Duration(spec.TtlS) * time.Second),
+	}
+	s.touch()
+	dir := filepath.Join(n.cfg.DataDir, "sandboxes", s.id)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, errdefs.Internal(err, "create sandbox directory")
+	}
+	s.dir = dir
+	u.Push(func() { n.release(ctx, s, nil) })
+	if s.net, err = n.net.Setup(ctx, s.id, spec.Network.GetMode()); err != nil {
+		return nil, err
+	}
+	// Reserved first so image GC keeps the layers while the sandbox starts.
+	n.sandboxes.reserve(s)
+	inst, err := n.drivers[substrate.Kind(spec.Kind)].Create(ctx, n.driverSpec(s, img))
+	if err != nil {
+		n.log.Warn("sandbox start failed", slog.String("sandbox_id", s.id), slog.Any("error", err))
+		return nil, err
+	}
+	s.inst = inst
+	return s, nil
+}
+
+// commit makes a prepared sandbox live: persisted, listed and watched.
+func (n *Node) commit(ctx context.Context, s *sandbox) error {
+	s.rec = s.record()
+	if err := n.store.put(s.rec); err != nil {
+		return errdefs.Internal(err, "persist sandbox")
+	}
+	n.sandboxes.commit(s)
+	n.watch(s)
+	n.log.Debug("sandbox created", slog.String("sandbox_id", s.id), slog.String("image", s.image))
+	return nil
+}
+
+// imageOf is the image a spec starts from: its snapshot, else its image.
+func imageOf(spec *dsecv1.SandboxSpec) string {
+	if spec.Snapshot != "" {
+		return spec.Snapshot
+	}
+	return spec.Image
+}
+
+func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
+	env := append([]string(nil), img.Config.Env...)
+	keys := make([]string, 0, len(s.spec.Env))
+	for k := range s.spec.Env {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		env = append(env, k+"="+s.spec.Env[k])
+	}
+	ds := &substrate.Spec{
+		ID: s.id, Dir: s.dir, Image: substrate.ImageOf(n.images, img), Env: env,
+		User: s.spec.User, Workdir: s.spec.Workdir, Hostname: "sandbox",
+		CPU: s.spec.Resources.GetCpu(), MemoryMB: s.spec.Resources.GetMemoryMb(),
+		DiskMB: s.spec.Resources.GetDiskMb(), Pids: s.spec.Resources.GetPids(),
+		Deadline: s.expires.Add(deadlineGrace),
+	}
+	if s.net != nil {
+		ds.Network = substrate.Network{Mode: s.net.Mode, NetNS: s.net.NetNS, ResolvConf: s.net.ResolvConf}
+	}
+	if img.Snapshot != nil && img.Snapshot.Machine {
+		ds.Restore = n.snapshotDir(img.Name)
+	}
+	return ds
+}

@@ -1,0 +1,193 @@
+package node
+
+import (
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/protobuf/encoding/protojson"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/network"
+	"github.com/opendsec/dsec/internal/substrate"
+)
+
+// sandbox is one sandbox of the node, from its start until its end.
+type sandbox struct {
+	id      string
+	spec    *dsecv1.SandboxSpec
+	created time.Time
+	image   string
+	layers  []string
+	net     *network.Attachment
+	dir     string
+	idemKey string
+	project string // the project that created it (quotas count by it)
+
+	// inst is set once, before the sandbox goes live: every sandbox in the
+	// table's live set has one.
+	inst substrate.Instance
+
+	// lastActive is the unix nano time of the last API call.
+	lastActive atomic.Int64
+	oomKills   atomic.Int64
+	pidsHits   atomic.Int64
+
+	mu      sync.Mutex
+	state   state
+	expires time.Time
+	rec     *record
+}
+
+func (s *sandbox) touch() { s.lastActive.Store(time.Now().UnixNano()) }
+
+// procs is s's agent's processes that outlive their call.
+func (s *sandbox) procs() (substrate.ProcessGuest, error) {
+	return guestCan[substrate.ProcessGuest](s, "runs commands to completion only (use exec)")
+}
+
+// files is s's agent's file calls.
+func (s *sandbox) files() (substrate.FileGuest, error) {
+	return guestCan[substrate.FileGuest](s, "has no files (use kind container)")
+}
+
+// guestCan is can for s's agent (substrate.ProcessGuest, FileGuest).
+func guestCan[T any](s *sandbox, cannot string) (T, error) {
+	v, ok := s.inst.Guest().(T)
+	if !ok {
+		return v, errdefs.Unimplemented("kind %q %s", s.spec.Kind, cannot)
+	}
+	return v, nil
+}
+
+// can returns s's instance as the optional interface T (substrate.Pauser,
+// Snapshotter, MachineSnapshotter, Screen), or an Unimplemented error:
+// "kind <kind> <cannot>".
+func can[T any](s *sandbox, cannot string) (T, error) {
+	v, ok := s.inst.(T)
+	if !ok {
+		return v, errdefs.Unimplemented("kind %q %s", s.spec.Kind, cannot)
+	}
+	return v, nil
+}
+
+// state is where a sandbox is in its life. Every change goes through
+// moveLocked, which allows only the moves below (runc's containerState,
+// in a table):
+//
+//	running  → paused, deleting
+//	paused   → running, deleting
+//	deleting → deleted, failed    the end, kept in a tombstone
+//
+// and, only when its instance would not die, a deleting sandbox back to
+// where it was (undeleteLocked). A sandbox starts running (a pooled one
+// too); deleted and failed are final. Deleted is an end the user asked
+// for, failed one the platform caused (crash, TTL, eviction, a failed
+// re-adoption).
+type state uint8
+
+const (
+	stateRunning state = iota + 1
+	statePaused
+	stateDeleting
+	stateDeleted
+	stateFailed
+)
+
+var stateNames = [...]string{stateRunning: "running", statePaused: "paused", stateDeleting: "deleting", stateDeleted: "deleted", stateFailed: "failed"}
+
+// String is the state's name as the store keeps it.
+func (st state) String() string {
+	if int(st) < len(stateNames) && stateNames[st] != "" {
+		return stateNames[st]
+	}
+	return fmt.Sprintf("state(%d)", uint8(st))
+}
+
+// public is the state as the API shows it: a sandbox being deleted is
+// deleted already.
+func (st state) public() string {
+	if st == stateDeleting {
+		return stateDeleted.String()
+	}
+	return st.String()
+}
+
+// parseState reads a state the store kept; unknown names read as 0.
+func parseState(name string) state {
+	for st, n := range stateNames {
+		if n == name && n != "" {
+			return state(st)
+		}
+	}
+	return 0
+}
+
+var moves = map[state][]state{
+	stateRunning:  {statePaused, stateDeleting},
+	statePaused:   {stateRunning, stateDeleting},
+	stateDeleting: {stateDeleted, stateFailed},
+}
+
+// ending reports whether a sandbox in st is being or has been deleted.
+func (st state) ending() bool { return st >= stateDeleting }
+
+// mayLocked returns nil if s may move to `to`: not found if s is ending
+// (what a call on a sandbox being deleted answers), internal otherwise.
+func (s *sandbox) mayLocked(to state) error {
+	for _, ok := range moves[s.state] {
+		if ok == to {
+			return nil
+		}
+	}
+	if s.state.ending() && !to.ending() {
+		return errdefs.NotFound("sandbox %s is being deleted", s.id)
+	}
+	return errdefs.Internal(fmt.Errorf("%s to %s", s.state, to), "sandbox %s cannot change state", s.id)
+}
+
+// moveLocked moves s to `to` if the table allows it.
+func (s *sandbox) moveLocked(to state) error {
+	if err := s.mayLocked(to); err != nil {
+		return err
+	}
+	s.state = to
+	return nil
+}
+
+// undeleteLocked moves a deleting sandbox back to prev, where it was
+// before: its release could not destroy its instance, which runs on.
+func (s *sandbox) undeleteLocked(prev state) {
+	if s.state == stateDeleting && (prev == stateRunning || prev == statePaused) {
+		s.state = prev
+	}
+}
+
+// currentState is s's state now.
+func (s *sandbox) currentState() state {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.state
+}
+
+// record is the sandbox as the store keeps it.
+func (s *sandbox) record() *record {
+	specJSON, _ := protojson.Marshal(s.spec)
+	var netJSON []byte
+	if s.net != nil && s.net.Mode == network.ModeEgress {
+		netJSON, _ = jsonMarshal(s.net)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := &record{
+		ID: s.id, Kind: s.spec.Kind, Image: s.image, Spec: specJSON, Layers: s.layers,
+		Created: s.created, Expires: s.expires, State: s.state.String(), Network: netJSON, IdemKey: s.idemKey,
+		Project: s.project,
+	}
+	if s.inst != nil {
+		r.Driver = s.inst.State()
+	}
+	return r
+}
