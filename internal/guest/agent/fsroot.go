@@ -202,10 +202,13 @@ func openParent(p string) (int, string, error) {
 
 // ownProc reports whether fd, an open file, is one of the agent's own
 // /proc entries (/proc/<agent pid or one of its threads>/...). The check
-// costs one fstatfs for files outside procfs.
+// costs one fstatfs for files outside procfs. A file whose file system
+// does not answer fstatfs (gVisor's procfs files do not) is judged by its
+// path alone.
 func ownProc(fd int) bool {
 	var fs unix.Statfs_t
-	if unix.Fstatfs(fd, &fs) != nil || fs.Type != unix.PROC_SUPER_MAGIC {
+	statfsErr := unix.Fstatfs(fd, &fs)
+	if statfsErr == nil && fs.Type != unix.PROC_SUPER_MAGIC {
 		return false
 	}
 	target, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd))
@@ -229,7 +232,9 @@ func ownProc(fd int) bool {
 		// One of the agent's threads (each has a /proc/<tid> too).
 		return unix.Access("/proc/self/task/"+task, unix.F_OK) == nil
 	}
-	return true
+	// No procfs on the way: a procfs file (by fstatfs) is refused, a file
+	// whose file system did not say is not one.
+	return statfsErr == nil
 }
 
 // pathErr is the error of op on the sandbox path p. It names p only, never
