@@ -267,16 +267,18 @@ type Diagnoser interface {
 	LastWords() string
 }
 
-// LimitEnder is implemented by instances that end as a whole when their
-// workload reaches a resource limit: containers under gVisor, whose
-// application kernel has no OOM killer and no process limit of its own,
-// so the host's cgroup limits stop the whole sandbox. The node reports such
-// an end as the task's, not the platform's.
-type LimitEnder interface {
-	// EndedByLimit says, once the instance has stopped by itself, which of
-	// its limits ended it: "memory" or "pids", or "" (none did: it crashed
-	// or was killed).
-	EndedByLimit() string
+// TaskEnder is implemented by instances that their own workload can end
+// as a whole: containers under gVisor, whose application kernel has no OOM
+// killer and no process limit of its own (the host's cgroup limits stop
+// the whole sandbox, kernel and all) and lets a process of the sandbox
+// kill its init, the agent. The node reports such an end as the task's,
+// not the platform's.
+type TaskEnder interface {
+	// EndedByTask says, once the instance has stopped by itself, how its
+	// workload ended it, as a clause: "reached its memory limit", "reached
+	// its pids limit" or "killed the sandbox's agent (signal KILL)"; ""
+	// if it did not (it crashed, or was killed from outside).
+	EndedByTask() string
 }
 
 // Stats is an instance's resource use.

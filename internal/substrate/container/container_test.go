@@ -105,7 +105,7 @@ func TestConformance(t *testing.T) {
 		Restart: func(t *testing.T) substrate.Driver { return newDriver(t, state) },
 		Leaks:   func(t *testing.T, s *substrate.Spec) []string { return leaks(d, s) },
 		Kill: func(t *testing.T, inst substrate.Instance) {
-			syscall.Kill(inst.(*instance).st.Pid, syscall.SIGKILL)
+			syscall.Kill(inner(inst).st.Pid, syscall.SIGKILL)
 		},
 	})
 }
@@ -134,10 +134,15 @@ func TestConformanceUnderGVisor(t *testing.T) {
 		},
 		Restart: func(t *testing.T) substrate.Driver { return newDriver(t, state) },
 		Leaks:   func(t *testing.T, s *substrate.Spec) []string { return leaks(d, s) },
+		// A platform failure: runsc dies, and the sandbox with it. (A
+		// SIGKILL of the sandbox's kernel process, runsc's exit code 137,
+		// reads from the host like its workload killing the agent: see
+		// instance.readEndedBy.)
 		Kill: func(t *testing.T, inst substrate.Instance) {
-			syscall.Kill(inst.(*instance).st.Pid, syscall.SIGKILL)
+			syscall.Kill(inner(inst).st.RuntimePid, syscall.SIGKILL)
 		},
 		LimitsEndInstance: true,
+		InitKillable:      true,
 	})
 }
 
@@ -406,7 +411,7 @@ func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 		}
 		return ""
 	}
-	pid := inst.(*instance).st.Pid
+	pid := inner(inst).st.Pid
 	for _, c := range []string{"memory", "pids"} {
 		if got, want := member(fmt.Sprintf("/proc/%d/cgroup", pid), c), d.agentCgroup(spec.ID); got != want {
 			t.Errorf("the agent is in %s cgroup %q, want %q", c, got, want)
@@ -534,7 +539,7 @@ func TestSandboxRootIsAnUnprivilegedHostUserWithItsOwnDisk(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer inst.Destroy(context.Background())
-	st := inst.(*instance).st
+	st := inner(inst).st
 	run := func(script string) *guestv1.Exit {
 		t.Helper()
 		x, err := inst.Guest().Run(context.Background(), &guestv1.Exec{Argv: []string{"/bin/sh", "-c", script}, TimeoutMs: 30000})
@@ -604,7 +609,7 @@ func TestARestartedNodeRemountsTheDiskAndSnapshotsShiftOwners(t *testing.T) {
 	}
 	// A node restarted in a new mount namespace no longer has the
 	// sandbox's file system mounted.
-	st := inst.(*instance).st
+	st := inner(inst).st
 	if err := unix.Unmount(st.Disk.dir, unix.MNT_DETACH); err != nil {
 		t.Fatal(err)
 	}
@@ -614,7 +619,7 @@ func TestARestartedNodeRemountsTheDiskAndSnapshotsShiftOwners(t *testing.T) {
 		t.Fatal(err)
 	}
 	var buf bytes.Buffer
-	if err := inst2.(*instance).Snapshot(context.Background(), &buf); err != nil {
+	if err := inner(inst2).Snapshot(context.Background(), &buf); err != nil {
 		t.Fatalf("snapshot after the restart: %v", err)
 	}
 	owners := map[string][2]int{}

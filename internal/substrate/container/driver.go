@@ -71,9 +71,9 @@ type Config struct {
 	// or no mkfs.ext4).
 	NoDiskLimits bool
 	// GVisor is the runsc binary sandboxes with runtime "gvisor" run
-	// under (default: runsc on PATH, if it starts a sandbox here); "off"
-	// offers no gVisor. GVisorPlatform is its platform (default ptrace;
-	// kvm where the host has /dev/kvm).
+	// under (default: runsc on PATH, offered if it starts a sandbox here);
+	// "off" offers no gVisor. GVisorPlatform is its platform: ptrace
+	// (default: runs anywhere) or kvm (needs a usable /dev/kvm).
 	GVisor, GVisorPlatform string
 }
 
@@ -493,6 +493,9 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		return nil, err
 	}
 	gvisor := rt.gvisor()
+	if gvisor && s.Network.NetNS != "" {
+		return nil, errdefs.Unimplemented("sandboxes of runtime gvisor have no egress networking on this node (see its capabilities)")
+	}
 	var undo undo.Stack
 	defer undo.RunUnless(&err)
 	defer d.refill() // after the create: the pools' work would compete with it
@@ -557,11 +560,10 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		return nil, errdefs.Internal(err, "write sandbox /etc files")
 	}
 	undo.Push(func() { os.RemoveAll(d.filesOf(s.ID)) })
-	if ns != nil && s.Network.NetNS != "" && !gvisor {
+	if ns != nil && s.Network.NetNS != "" {
 		// The runtime cannot mount a sysfs for a network namespace its
 		// user namespace does not own (it would bind the host's /sys):
-		// the node mounts the namespace's own for it. (gVisor's /sys is
-		// its kernel's.)
+		// the node mounts the namespace's own for it.
 		st.Sys = filepath.Join(s.Dir, "sys")
 		if err := mountSysfs(s.Network.NetNS, st.Sys); err != nil {
 			return nil, errdefs.Internal(err, "mount the sandbox's /sys")
@@ -604,11 +606,8 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	var cmd *exec.Cmd
 	var lf *os.File
 	if gvisor {
-		network := "--network=none"
-		if s.Network.NetNS != "" {
-			network = "--network=host" // in the sandbox's namespace (the spec's)
-		}
-		cmd = rt.command(nil, network, "run", "--pid-file", pidFile, "--bundle", s.Dir, s.ID)
+		// gVisor's own network stack, loopback only (see gvisorCaps).
+		cmd = rt.command(nil, "--network=none", "run", "--pid-file", pidFile, "--bundle", s.Dir, s.ID)
 		undo.Push(func() { os.Remove(sock) })
 	} else {
 		if lf, err = listenSocket(sock); err != nil {
@@ -641,7 +640,12 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		return nil, errdefs.Internal(startErr, "start the OCI runtime")
 	}
 	runtimeDone := make(chan struct{})
-	go func() { cmd.Wait(); close(runtimeDone) }()
+	var runtimeExit int
+	go func() {
+		cmd.Wait()
+		runtimeExit = cmd.ProcessState.ExitCode()
+		close(runtimeDone)
+	}()
 	undo.Push(func() {
 		rt.forceDelete(s.ID)
 		<-runtimeDone
@@ -658,6 +662,9 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 			case <-runtimeDone:
 				return nil, failed("start container", err)
 			default:
+			}
+			if hctx.Err() == nil {
+				return nil, errdefs.Internal(err, "open the sandbox's agent channel")
 			}
 			return nil, errdefs.Unavailable("sandbox agent did not answer within %s", d.cfg.StartTimeout).WithCause(err)
 		}
@@ -703,14 +710,22 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		sc.learn(filepath.Join(d.runRoot, s.ID))
 	}
 	inst := d.newInstance(s.ID, st)
-	inst.runtimeDone = runtimeDone
+	inst.runtimeDone, inst.runtimeExit = runtimeDone, &runtimeExit
 	inst.ownsRange = ns != nil
 	inst.watch()
-	return inst, nil
+	return inst.outer(), nil
 }
 
 // Attach implements substrate.Driver.
 func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (substrate.Instance, error) {
+	inst, err := d.attach(ctx, s, raw)
+	if inst == nil {
+		return nil, err
+	}
+	return inst.outer(), err
+}
+
+func (d *Driver) attach(ctx context.Context, s *substrate.Spec, raw []byte) (*instance, error) {
 	var st state
 	if err := json.Unmarshal(raw, &st); err != nil {
 		return nil, errdefs.Internal(err, "decode container state")

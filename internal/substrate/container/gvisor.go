@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -34,7 +35,7 @@ import (
 //     the agent cannot inherit its listening socket. It binds one instead
 //     at /.dsec/chan/sock, a directory bind-mounted from the sandbox's jail
 //     on the host (jailOf; runsc --host-uds=create lets the gofer make the
-//     host socket). As soon as it appears the node links it under another
+//     host socket). As soon as the agent listens the node links it under another
 //     name outside the sandbox (agent.sock, which the node dials through a
 //     symbolic link in its socket directory, as for crun), removes the name
 //     inside and the directory itself: nothing in the sandbox can reach the
@@ -54,13 +55,12 @@ import (
 //     kernel included, and a workload that reaches either ends the sandbox
 //     (the node reports it as the task's end, not the platform's). The pids
 //     limit counts host tasks: gvisorTasksPerProcess per process inside.
-//   - Network: none is gVisor's own network stack with loopback only
-//     (runsc --network=none). For egress, runsc runs in the sandbox's
-//     network namespace with --network=host: its kernel uses the host's
-//     stack in that namespace, so the node's bridge, nftables rules and
-//     addresses apply unchanged. (runsc's own stack in a prepared namespace
-//     is refused by this release on kernels whose every network namespace
-//     has /proc/sys/net/core/rmem_default: it takes them for the host's.)
+//   - Network: none only, gVisor's own network stack with loopback
+//     (runsc --network=none). This release cannot join the node's network
+//     namespace: its own stack refuses every namespace on kernels where
+//     each has /proc/sys/net/core/rmem_default (it takes them for the
+//     host's), and the host's stack (--network=host) in a namespace with
+//     a user namespace fails to set up its chroot. Egress is not declared.
 //   - User namespace: runsc cannot join one by path, so the spec asks for
 //     a new one with the sandbox's range mapping; the node's namespace
 //     (from its pool) still id-maps the image's layers. The gofer runs in
@@ -71,6 +71,18 @@ import (
 //     exist in gVisor's /proc.
 //   - Pause is `runsc pause` (the Sentry stops its tasks), not the cgroup
 //     freezer. Memory snapshots (runsc checkpoint) are not offered.
+//   - The agent's reach. gVisor's kernel does not shield a pid namespace's
+//     init from its namespace (a TODO in its signal code) and checks no
+//     ptrace access on /proc/<pid>/fd, environ or maps. So: the agent gives
+//     up its stdio once listening (-null-stdio: else /proc/1/fd/1 is the
+//     node's log file, writable from inside), catches every signal Linux
+//     would drop for an init (no-op handlers), and when a process kills it
+//     the sandbox ends, reported as the task's end (EndedByTask, from
+//     runsc's exit code). What is not contained: a process can stop the
+//     agent (the sandbox's calls then wait out their deadlines) and can
+//     open the agent's descriptors, so it can write into the pipe that
+//     carries another command's output. A timed-out command's processes
+//     are killed by walking its tree (no exec cgroups to kill instead).
 
 const (
 	// gvisorTasksPerProcess is what one process inside a gVisor sandbox
@@ -197,9 +209,6 @@ func (d *Driver) probeGVisor() (*ociRuntime, string) {
 		platform = "ptrace"
 	}
 	r.flags = []string{"--platform=" + platform, "--host-uds=create", "--oci-seccomp", "--overlay2=none"}
-	if dbg := os.Getenv("DSEC_RUNSC_DEBUG_LOG"); dbg != "" { // XXX
-		r.flags = append(r.flags, "--debug", "--debug-log="+dbg)
-	}
 	if err := os.MkdirAll(r.root, 0o700); err != nil {
 		return nil, err.Error()
 	}
@@ -248,18 +257,24 @@ func (d *Driver) tryGVisor(r *ociRuntime) string {
 	if err := os.WriteFile(filepath.Join(dir, "config.json"), []byte(spec), 0o600); err != nil {
 		return err.Error()
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	// A sandbox starts in about a second here; a platform that cannot run
+	// (kvm without nested virtualisation) hangs instead of failing.
+	const limit = 30 * time.Second
+	ctx, cancel := context.WithTimeout(context.Background(), limit)
 	defer cancel()
 	id := "probe-gvisor-" + strconv.Itoa(os.Getpid())
 	cmd := r.command(ctx, "--network=none", "run", "--bundle", dir, id)
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		r.forceDelete(id)
+		if ctx.Err() != nil {
+			return fmt.Sprintf("runsc %s (%s) did not start a sandbox within %s here", r.version, r.flags[0], limit)
+		}
 		msg := strings.TrimSpace(string(out))
 		if len(msg) > 300 {
 			msg = msg[len(msg)-300:]
 		}
-		return fmt.Sprintf("runsc %s cannot start a sandbox here: %v: %s", r.version, err, msg)
+		return fmt.Sprintf("runsc %s (%s) cannot start a sandbox here: %v: %s", r.version, r.flags[0], err, msg)
 	}
 	return ""
 }
@@ -278,13 +293,15 @@ func (d *Driver) gvisorCaps(r *ociRuntime, reason string) substrate.Runtime {
 	if r == nil {
 		return rt
 	}
-	rt.Caps = []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapSnapshot, substrate.CapFork, substrate.CapNetworkEgress}
+	// No egress (see the package comment on network), no memory snapshots.
+	rt.Caps = []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapSnapshot, substrate.CapFork}
 	rt.Details = map[string]string{
 		"runtime":  "runsc " + r.version + " (" + strings.TrimPrefix(r.flags[0], "--") + ")",
 		"kernel":   "gVisor's application kernel: system calls never reach the host's",
-		"limits":   "memory and pids bound the whole sandbox, its kernel included: a workload that reaches either ends the sandbox (reported as the task's end)",
-		"network":  "none: gVisor's own stack, loopback only; egress: the host's stack in the sandbox's network namespace",
+		"limits":   "memory and pids bound the whole sandbox, its kernel and agent included: a workload that reaches either ends the sandbox (reported as the task's end)",
+		"network":  "none only: gVisor's own stack, loopback only",
 		"snapshot": "layer snapshots; no memory snapshots",
+		"agent":    "weaker than under crun: gVisor's kernel does not shield the sandbox's init (a process can kill or stop the agent: a kill ends the sandbox, reported as the task's end) nor check ptrace access on /proc/1/fd (a process can write into another command's output); see docs/substrates/container.md",
 	}
 	return rt
 }
@@ -310,17 +327,22 @@ func (d *Driver) searchable(dir string) error {
 	}
 }
 
-// gvisorChannel waits for the agent of a gVisor sandbox to bind its socket
-// in the sandbox's channel directory (jail/chan), then takes it out of the
-// sandbox's reach: it links the socket as jail/agent.sock, removes its
-// name inside and the directory, and points link (the node's socket path)
-// at it. It gives up when done is closed (the runtime exited) or ctx ends.
+// gvisorChannel waits for the agent of a gVisor sandbox to listen on its
+// socket in the sandbox's channel directory (jail/chan), then takes it out
+// of the sandbox's reach: it links the socket as jail/agent.sock, removes
+// its name inside and the directory, and points link (the node's socket
+// path) at it. It gives up when done is closed (the runtime exited) or ctx
+// ends.
+//
+// It waits for the listen, not for the socket's file: the gofer makes the
+// file during the agent's bind, and gVisor looks the name up again before
+// the bind returns, which fails if the name is gone by then.
 func gvisorChannel(ctx context.Context, dir, link string, done <-chan struct{}) error {
 	chan_ := filepath.Join(dir, "chan")
 	inside := filepath.Join(chan_, "sock")
 	for {
-		var st unix.Stat_t
-		if err := unix.Lstat(inside, &st); err == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK {
+		if c, err := net.Dial("unix", inside); err == nil {
+			c.Close() // the agent reads an end of file and goes on
 			break
 		}
 		select {

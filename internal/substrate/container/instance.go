@@ -3,13 +3,18 @@ package container
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
@@ -24,13 +29,15 @@ type instance struct {
 	rt     *ociRuntime // nil: its runtime is no longer on this node
 	client *guest.Client
 	done   chan struct{}
-	// endedBy is the limit that ended a gVisor sandbox ("memory", "pids"
-	// or ""), read from its cgroups before done is closed.
+	// endedBy is how its workload ended a gVisor sandbox (EndedByTask),
+	// found before done is closed.
 	endedBy string
 
 	// runtimeDone is closed when the runtime process exits, if this node
-	// started it; adopted instances wait for it with a pidfd.
+	// started it; adopted instances wait for it with a pidfd. runtimeExit
+	// is then its exit code.
 	runtimeDone chan struct{}
+	runtimeExit *int
 
 	watchOnce sync.Once
 	mu        sync.Mutex
@@ -43,15 +50,34 @@ type instance struct {
 var (
 	_ substrate.Instance    = (*instance)(nil)
 	_ substrate.Diagnoser   = (*instance)(nil)
-	_ substrate.LimitEnder  = (*instance)(nil)
+	_ substrate.TaskEnder   = gvisorInstance{}
 	_ substrate.Pauser      = (*instance)(nil)
 	_ substrate.Snapshotter = (*instance)(nil)
 )
 
-// EndedByLimit implements substrate.LimitEnder: under gVisor, the host
-// cgroup limit the sandbox's workload reached, which ended it. Under crun
-// a limit never ends the sandbox ("").
-func (i *instance) EndedByLimit() string {
+// gvisorInstance is a sandbox under gVisor: an instance its workload can
+// end (substrate.TaskEnder), which one under crun is not.
+type gvisorInstance struct{ *instance }
+
+// outer is i as the driver hands it out.
+func (i *instance) outer() substrate.Instance {
+	if i.st.Runtime == substrate.RuntimeGVisor {
+		return gvisorInstance{i}
+	}
+	return i
+}
+
+// inner is the instance behind inst, as the driver handed it out.
+func inner(inst substrate.Instance) *instance {
+	if g, ok := inst.(gvisorInstance); ok {
+		return g.instance
+	}
+	return inst.(*instance)
+}
+
+// EndedByTask implements substrate.TaskEnder: how its workload ended the
+// sandbox.
+func (i gvisorInstance) EndedByTask() string {
 	select {
 	case <-i.done:
 		return i.endedBy
@@ -60,9 +86,14 @@ func (i *instance) EndedByLimit() string {
 	}
 }
 
-// readEndedBy reads which limit ended a gVisor sandbox from its cgroups
-// (which the node made, so runsc leaves them): an OOM kill in it, or a
-// fork the pids limit refused.
+// readEndedBy finds how its workload ended a gVisor sandbox, once its
+// init is gone: by a limit, from the sandbox's cgroups (which the node
+// made, so runsc leaves them), an OOM kill in them or a fork the pids limit
+// refused; else by killing the agent, from runsc's exit code (128 plus the
+// signal that ended the container's init), which only a process inside
+// the sandbox can send it (the node stops a sandbox by killing runsc's
+// sandbox process, and destroys it before that). Known only to the node
+// that started runsc (runtimeExit).
 func (i *instance) readEndedBy() {
 	if i.rt == nil || !i.rt.gvisor() {
 		return
@@ -70,9 +101,30 @@ func (i *instance) readEndedBy() {
 	c := i.d.cgroups
 	switch {
 	case c.oomKills(i.st.Cgroup) > 0:
-		i.endedBy = "memory"
+		i.endedBy = "reached its memory limit"
+		return
 	case c.pidsLimitHits(i.st.Cgroup) > 0:
-		i.endedBy = "pids"
+		i.endedBy = "reached its pids limit"
+		return
+	}
+	if i.runtimeDone == nil {
+		return
+	}
+	select {
+	case <-i.runtimeDone:
+	case <-time.After(5 * time.Second):
+		return
+	}
+	i.mu.Lock()
+	destroyed := i.destroyed
+	i.mu.Unlock()
+	if code := i.runtimeExit; code != nil && *code > 128 && *code <= 128+64 && !destroyed {
+		sig := syscall.Signal(*code - 128)
+		name := strings.TrimPrefix(unix.SignalName(sig), "SIG")
+		if name == "" {
+			name = strconv.Itoa(int(sig)) // a real-time signal
+		}
+		i.endedBy = fmt.Sprintf("killed the sandbox's agent (signal %s)", name)
 	}
 }
 

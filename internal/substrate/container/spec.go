@@ -301,11 +301,13 @@ func hasVar(env []string, name string) bool {
 }
 
 // guestArgs is the agent's command line: it serves on its inherited
-// socket, or under gVisor on one it binds in the channel directory.
+// socket, or under gVisor on one it binds in the channel directory, and
+// there gives up its stdio once listening (gVisor's /proc lets any process
+// of the sandbox open /proc/1/fd/1, which would be the node's log file).
 func guestArgs(s *substrate.Spec, gvisor bool) []string {
 	args := []string{guestPath, "-listen-fd", "3"}
 	if gvisor {
-		args = []string{guestPath, "-listen", chanDir + "/sock"}
+		args = []string{guestPath, "-listen", chanDir + "/sock", "-null-stdio"}
 	}
 	if !s.Deadline.IsZero() {
 		args = append(args, "-deadline", strconv.FormatInt(s.Deadline.Unix(), 10))
