@@ -154,6 +154,7 @@ class SandboxInfo:
     created_at: str = ""
     expires_at: str = ""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    runtime: str = ""  # "" is the kind's default runtime
 
     @classmethod
     def _from(cls, m: Dict[str, Any]) -> "SandboxInfo":
@@ -162,6 +163,7 @@ class SandboxInfo:
             id=m.get("id", ""), node=m.get("node", ""), state=m.get("state", ""), reason=m.get("reason", ""),
             kind=spec.get("kind", ""), image=spec.get("image", ""), labels=dict(spec.get("labels") or {}),
             created_at=m.get("createdAt", ""), expires_at=m.get("expiresAt", ""), raw=m,
+            runtime=spec.get("runtime", ""),
         )
 
 
@@ -200,7 +202,7 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
                 idle_ttl_s: Optional[int] = None, labels: Optional[Mapping[str, str]] = None,
                 env: Optional[Mapping[str, str]] = None, network: Optional[str] = None, user: Optional[str] = None,
                 workdir: Optional[str] = None, from_snapshot: Any = None, session: Any = None,
-                node_selector: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+                node_selector: Optional[Mapping[str, str]] = None, runtime: Optional[str] = None) -> Dict[str, Any]:
     # No kind: the server's default (container), or a machine snapshot's own kind.
     spec: Dict[str, Any] = {"resources": {}}
     if kind:
@@ -233,6 +235,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
         spec["session"] = session if isinstance(session, str) else session.name
     if node_selector:
         spec["nodeSelector"] = dict(node_selector)
+    if runtime:
+        spec["runtime"] = runtime
     return spec
 
 
@@ -529,7 +533,9 @@ class Client:
         Spec keywords: ``kind`` ("container"), ``cpu``, ``memory_mb``,
         ``pids``, ``ttl_s``, ``idle_ttl_s``, ``labels``, ``env``, ``network``
         ("none" or "egress"), ``user``, ``workdir``, ``from_snapshot``,
-        ``session``, ``node_selector`` (cluster mode: node labels). With ``count``, create that many in one request and
+        ``session``, ``node_selector`` (cluster mode: node labels), ``runtime``
+        ("gvisor": another runtime of the kind; ``info()`` lists each node's).
+        With ``count``, create that many in one request and
         return the list of those that started (raising if none did; see
         :meth:`create_many` for per-item results)."""
         body = _build_spec(image, **spec)
