@@ -661,3 +661,67 @@ func TestAStateOfANewerNodeIsNotAdopted(t *testing.T) {
 		t.Fatalf("adopting a state of version 99: %v; want a refusal naming the version, not gone (the sandbox may live)", err)
 	}
 }
+
+// BenchmarkRuntimes times a sandbox's life under crun and under gVisor
+// side by side, from one driver (user namespace and disk on, the
+// defaults): each iteration runs one life per runtime in turn, so the
+// host's load weighs on both alike. A life is a create, execExecs
+// exec(true) round trips and a destroy; p50s are reported per runtime:
+//
+//	go test -run '^$' -bench Runtimes -benchtime 40x ./internal/substrate/container/
+func BenchmarkRuntimes(b *testing.B) {
+	if setupErr != "" {
+		b.Skip(setupErr)
+	}
+	const execExecs = 20
+	d, err := New(Config{GuestBinary: guestBin, StateDir: b.TempDir()}, slog.New(slog.DiscardHandler))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer d.Close()
+	if d.gvisor == nil {
+		b.Skipf("no gvisor runtime: %s", d.gvisorReason)
+	}
+	runtimes := []struct {
+		name, runtime string
+		steps         [3][]time.Duration // create, exec, destroy
+	}{{name: "crun"}, {name: "gvisor", runtime: substrate.RuntimeGVisor}}
+	ctx := context.Background()
+	for i := 0; b.Loop(); i++ {
+		for r := range runtimes {
+			rt := &runtimes[r]
+			spec := &substrate.Spec{
+				ID: fmt.Sprintf("rt%d-%d-%d", os.Getpid(), r, i), Dir: b.TempDir(), Image: layers, Hostname: "sandbox",
+				CPU: 1, MemoryMB: 256, Pids: 256, Network: substrate.Network{Mode: "none"}, Runtime: rt.runtime,
+			}
+			t0 := time.Now()
+			inst, err := d.Create(ctx, spec)
+			if err != nil {
+				b.Fatal(err)
+			}
+			rt.steps[0] = append(rt.steps[0], time.Since(t0))
+			for range execExecs {
+				t1 := time.Now()
+				if _, err := inst.Guest().Run(ctx, &guestv1.Exec{Argv: []string{"true"}}); err != nil {
+					b.Fatal(err)
+				}
+				rt.steps[1] = append(rt.steps[1], time.Since(t1))
+			}
+			t2 := time.Now()
+			if err := inst.Destroy(ctx); err != nil {
+				b.Fatal(err)
+			}
+			rt.steps[2] = append(rt.steps[2], time.Since(t2))
+		}
+	}
+	p50 := func(d []time.Duration) float64 {
+		d = append([]time.Duration(nil), d...)
+		sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
+		return float64(d[len(d)/2].Microseconds())
+	}
+	for _, rt := range runtimes {
+		b.ReportMetric(p50(rt.steps[0]), rt.name+"-create-p50-µs")
+		b.ReportMetric(p50(rt.steps[1]), rt.name+"-exec-p50-µs")
+		b.ReportMetric(p50(rt.steps[2]), rt.name+"-destroy-p50-µs")
+	}
+}
