@@ -6,9 +6,13 @@
 // languages with 10% broken programs (every result's classification, and
 // infra errors).
 //
+// With -languages (the default) it also measures every other language's
+// calls/s on the polyglot image beside a fresh-process baseline, and a
+// special-judge call's fan-out over its test cases.
+//
 // Usage:
 //
-//	go run ./bench/function [-n 2000] [-c 64]
+//	go run ./bench/function [-n 2000] [-c 64] [-languages=false] [-only python|languages|judge]
 package main
 
 import (
@@ -26,6 +30,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"google.golang.org/protobuf/encoding/protojson"
+
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/dsectest"
 	"github.com/opendsec/dsec/internal/mountns"
@@ -37,6 +43,9 @@ func main() {
 	n := flag.Int("n", 2000, "calls per measurement")
 	conc := flag.Int("c", 64, "concurrent callers")
 	config := flag.String("config", "", "a `dsec serve` config file (e.g. function slots and workers)")
+	langs := flag.Bool("languages", true, "measure every language on the polyglot image (bootstraps it)")
+	ln := flag.Int("ln", 24, "calls per language")
+	only := flag.String("only", "", "run only this part: python, languages or judge")
 	flag.Parse()
 	if err := mountns.Enter(); err != nil {
 		fatal(err)
@@ -47,7 +56,20 @@ func main() {
 	if *config != "" {
 		args = []string{"--config", *config}
 	}
-	srv := dsectest.Start(b, dsectest.Options{Images: []string{"debian"}, Args: args})
+	images := []string{"debian"}
+	if *langs {
+		images = append(images, "polyglot")
+	}
+	srv := dsectest.Start(b, dsectest.Options{Images: images, Args: args})
+	if *langs && (*only == "" || *only == "languages") {
+		languages(srv.URL, *ln, 4)
+	}
+	if *langs && (*only == "" || *only == "judge") {
+		judge(srv.URL)
+	}
+	if *only != "" && *only != "python" {
+		return
+	}
 	hc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256, MaxConnsPerHost: 256}}
 	call := func() (time.Duration, error) {
 		t := time.Now()
@@ -198,4 +220,8 @@ func pct(d []time.Duration, p int) time.Duration {
 func fatal(err error) {
 	fmt.Fprintln(os.Stderr, "bench:", err)
 	dsectest.Exit(1)
+}
+
+func protojsonUnmarshal(b []byte, m *dsecv1.RunCodeResult) error {
+	return protojson.UnmarshalOptions{DiscardUnknown: true}.Unmarshal(b, m)
 }

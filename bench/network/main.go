@@ -93,7 +93,7 @@ func main() {
 		{"bridge + source checks (now)", func(i int) (time.Duration, time.Duration) {
 			id := fmt.Sprintf("bm%d-%d", pid, i)
 			t0 := time.Now()
-			a, err := m.Setup(context.Background(), id, network.ModeEgress)
+			a, err := m.Setup(context.Background(), id, network.Options{Mode: network.ModeEgress})
 			if err != nil {
 				fatal(err)
 			}

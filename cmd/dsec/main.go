@@ -56,6 +56,7 @@ func main() {
 	root.AddCommand(imageCmd(g), infoCmd(g), screenshotCmd(g), inputCmd(g), vncCmd(g))
 	root.AddCommand(lifecycleCmds(g)...)
 	root.AddCommand(runCodeCmd(g))
+	root.AddCommand(networkCmd(g))
 	root.AddCommand(&cobra.Command{
 		Use:   "version",
 		Short: "Print the version",

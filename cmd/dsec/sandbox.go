@@ -27,6 +27,7 @@ func createCmd(g *globals) *cobra.Command {
 		ttl, idleTTL time.Duration
 		quiet        bool
 		count        int
+		policy       policyFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "create --image IMAGE [flags]",
@@ -47,6 +48,9 @@ func createCmd(g *globals) *cobra.Command {
 				return err
 			}
 			o.TTL, o.IdleTTL = ttl, idleTTL
+			if policy.set(cmd) {
+				o.Policy = policy.policy()
+			}
 			if count > 1 {
 				resp, err := g.client().CreateMany(cmd.Context(), o, count)
 				if err != nil {
@@ -79,6 +83,8 @@ func createCmd(g *globals) *cobra.Command {
 	f.StringArrayVar(&labels, "label", nil, "label key=value (repeatable)")
 	f.StringArrayVar(&env, "env", nil, "environment variable KEY=VALUE (repeatable)")
 	f.StringVar(&o.Network, "network", "", "network mode: none (default) or egress")
+	policy.flags(f)
+	f.Int64Var(&o.BandwidthMbps, "bandwidth", 0, "limit egress throughput each way, in Mbit/s (default: none)")
 	f.StringVar(&o.User, "user", "", "default user for commands")
 	f.StringVar(&o.Workdir, "workdir", "", "default working directory")
 	f.StringVar(&o.IdempotencyKey, "idempotency-key", "", "return the same sandbox when retried with this key")

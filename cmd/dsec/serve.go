@@ -96,6 +96,8 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, bootstrap *string, pool
 	f.StringVar(&flagCfg.Network.Bridge, "bridge", "", "egress bridge name (default dsec0)")
 	f.StringVar(&flagCfg.Network.Subnet, "subnet", "", "egress subnet (default 10.88.0.0/16)")
 	f.StringVar(&flagCfg.Network.Table, "nft-table", "", "nftables tables, inet and bridge (default dsec)")
+	f.StringArrayVar(&flagCfg.Network.DNS, "dns", nil, "resolver of egress sandboxes and upstream of the node's resolver for sandboxes under a policy (repeatable; default: the host's)")
+	f.StringVar(&flagCfg.Network.TrustedCAs, "egress-ca", "", "PEM file of the CAs the egress proxy trusts for brokered requests (default: the host's)")
 	f.StringVar(&flagCfg.Container.Runtime, "runtime", "", "OCI runtime: crun or runc (default crun)")
 	f.BoolVar(&flagCfg.Container.HostRoot, "host-root", false, "run container sandboxes without a user namespace: root inside is the host's root")
 	f.StringVar(&flagCfg.MicroVM.Accel, "microvm-accel", "", "microvm acceleration: auto, kvm or tcg (default auto)")
@@ -176,6 +178,12 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("nft-table") {
 		cfg.Network.Table = fl.Network.Table
+	}
+	if set("dns") {
+		cfg.Network.DNS = fl.Network.DNS
+	}
+	if set("egress-ca") {
+		cfg.Network.TrustedCAs = fl.Network.TrustedCAs
 	}
 	if set("debug-listen") {
 		cfg.DebugListen = fl.DebugListen
@@ -304,15 +312,12 @@ func openNode(cfg config.Config, log *slog.Logger) (_ *node.Node, close func(), 
 	if err := os.MkdirAll(dataDir, 0o700); err != nil {
 		return nil, nil, err
 	}
-	n, fn, ct, err := buildNode(cfg, dataDir, log)
+	n, err := buildNode(cfg, dataDir, log)
 	if err != nil {
 		return nil, nil, err
 	}
-	fn.Start()
 	return n, func() {
-		fn.Close()
 		n.Close()
-		ct.Close()
 		removeEmptyRunDir(runDirOf(dataDir))
 	}, nil
 }
@@ -455,19 +460,35 @@ func debugMux() *http.ServeMux {
 }
 
 // buildNode assembles a node agent with every substrate this host runs.
-func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node, *function.Driver, *container.Driver, error) {
+func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node, error) {
 	guestBin, err := findGuest(cfg.GuestBinary)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, err
 	}
 	images, err := image.Open(filepath.Join(dataDir, "images"), log)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, err
 	}
 	runDir := runDirOf(dataDir)
-	nm, err := network.New(network.Config{Bridge: cfg.Network.Bridge, Subnet: cfg.Network.Subnet, DNS: cfg.Network.DNS, Table: cfg.Network.Table, RunDir: filepath.Join(runDir, "netns")}, log)
+	creds := map[string]node.NamedCredential{}
+	for _, c := range cfg.Network.Credentials {
+		if c.Name == "" || c.Host == "" || c.Value == "" {
+			return nil, fmt.Errorf("network.credentials: each needs a name, a host and a value")
+		}
+		if _, dup := creds[c.Name]; dup {
+			return nil, fmt.Errorf("network.credentials: two named %q", c.Name)
+		}
+		nc := node.NamedCredential{Credential: network.Credential{Host: c.Host, Header: c.Header, Value: c.Value}, Projects: c.Projects}
+		p := &network.Policy{Credentials: []network.Credential{nc.Credential}}
+		if err := p.Validate(); err != nil {
+			return nil, fmt.Errorf("network.credentials %s: %w", c.Name, err)
+		}
+		nc.Credential = p.Credentials[0] // normalized
+		creds[c.Name] = nc
+	}
+	nm, err := network.New(network.Config{Bridge: cfg.Network.Bridge, Subnet: cfg.Network.Subnet, DNS: cfg.Network.DNS, Table: cfg.Network.Table, TrustedCAs: cfg.Network.TrustedCAs, RunDir: filepath.Join(runDir, "netns")}, log)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, err
 	}
 	ct, err := container.New(container.Config{
 		Runtime: cfg.Container.Runtime, CgroupParent: cfg.Container.CgroupParent,
@@ -477,7 +498,7 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 		GVisor:       cfg.Container.GVisor, GVisorPlatform: cfg.Container.GVisorPlatform,
 	}, log)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, err
 	}
 	fn := function.New(function.Config{Image: cfg.Function.Image, StateDir: filepath.Join(dataDir, "function"),
 		Slots: cfg.Function.Slots, MaxWorkers: cfg.Function.MaxWorkers, WorkerMemoryMB: cfg.Function.WorkerMemoryMB,
@@ -496,7 +517,7 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 		TBSizeMiB: cfg.MicroVM.TBSizeMiB, DefaultDiskMB: cfg.MicroVM.DefaultDiskMB,
 	}, log)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, err
 	}
 	fvm, err := vm.New(vm.Config{
 		GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "vm"), RunDir: filepath.Join(runDir, "fvm"),
@@ -504,21 +525,21 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 		BootTimeout: time.Duration(cfg.VM.BootTimeout), TBSizeMiB: cfg.VM.TBSizeMiB, VNC: cfg.VM.VNC,
 	}, log)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, err
 	}
 	drivers := map[substrate.Kind]substrate.Driver{substrate.KindContainer: ct, substrate.KindFunction: fn, substrate.KindMicroVM: mvm, substrate.KindVM: fvm}
 	var pools []node.PoolConfig
 	for _, p := range cfg.Node.Pools {
 		pools = append(pools, node.PoolConfig{Kind: p.Kind, Image: p.Image, CPU: p.CPU, MemoryMB: p.MemoryMB, Pids: p.Pids, Network: p.Network, Runtime: p.Runtime, Size: p.Size})
 	}
-	n, err := node.New(node.Config{
+	return node.New(node.Config{
 		MaxConcurrentStarts: cfg.Node.MaxConcurrentStarts, StartQueue: cfg.Node.StartQueue, Pools: pools,
 		Name: cfg.Node.Name, DataDir: dataDir, CacheDir: cfg.CacheDir, MaxSandboxes: cfg.Node.MaxSandboxes,
 		DefaultTTL: time.Duration(cfg.Node.DefaultTTL), MaxTTL: time.Duration(cfg.Node.MaxTTL),
 		DefaultCPU: cfg.Node.DefaultCPU, DefaultMemoryMB: cfg.Node.DefaultMemoryMB,
 		DefaultExecTimeout: time.Duration(cfg.Node.DefaultExecTimeout),
+		Credentials:        creds,
 	}, log, images, nm, drivers)
-	return n, fn, ct, err
 }
 
 // runDirOf is the data directory's directory under /run: runtime state,

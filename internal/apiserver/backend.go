@@ -20,9 +20,9 @@ import (
 // agent's own Service (internal/node), in cluster mode a client of a remote
 // node agent's API. Its sandbox verbs are the generated Connect handler
 // methods of the public services — the proto documents each one — so a
-// unary verb needs no code here or in the cluster's client: the
-// apiserver routes it to the owning node with one line (route.go), and a
-// remote node is its generated client. Streams have a callback form
+// unary verb needs no code here or in the cluster's client: route.go
+// names it (a line in its service's verbs) and routes it to the owning
+// node (one line), and a remote node is its generated client. Streams have a callback form
 // (Connect's stream types cannot be made in process). Every error is a
 // Connect error carrying the node's classification (errwire.FromConnect
 // reads it back).
@@ -47,25 +47,21 @@ type Node interface {
 	ResumeSandboxes(context.Context, *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error)
 	DeleteSandboxes(context.Context, *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error)
 	GetSandboxStats(context.Context, *connect.Request[dsecv1.GetSandboxStatsRequest]) (*connect.Response[dsecv1.SandboxStats], error)
+	SetNetworkPolicy(context.Context, *connect.Request[dsecv1.SetNetworkPolicyRequest]) (*connect.Response[dsecv1.Network], error)
+	GetNetworkPolicy(context.Context, *connect.Request[dsecv1.GetNetworkPolicyRequest]) (*connect.Response[dsecv1.Network], error)
 
-	// ProcessService.
-	Exec(context.Context, *connect.Request[dsecv1.ExecRequest]) (*connect.Response[dsecv1.ExecResult], error)
+	// ProcessService: its streams, with callbacks, and its unary verbs
+	// (route.go).
 	ExecEvents(ctx context.Context, req *dsecv1.ExecRequest, send func(*dsecv1.ExecEvent) error) error
 	ProcessEvents(ctx context.Context, req *dsecv1.ConnectProcessRequest, send func(*dsecv1.ExecEvent) error) error
-	WriteStdin(context.Context, *connect.Request[dsecv1.WriteStdinRequest]) (*connect.Response[dsecv1.WriteStdinResponse], error)
-	SignalProcess(context.Context, *connect.Request[dsecv1.SignalProcessRequest]) (*connect.Response[dsecv1.SignalProcessResponse], error)
-	ResizePTY(context.Context, *connect.Request[dsecv1.ResizePTYRequest]) (*connect.Response[dsecv1.ResizePTYResponse], error)
-	ListProcesses(context.Context, *connect.Request[dsecv1.ListProcessesRequest]) (*connect.Response[dsecv1.ListProcessesResponse], error)
+	processVerbs
 
-	// FilesystemService.
+	// FilesystemService: its streams, with callbacks, and its unary verbs
+	// (route.go).
 	ReadFileChunks(ctx context.Context, req *dsecv1.ReadFileRequest, send func(*dsecv1.ReadFileResponse) error) error
 	WriteFileFrom(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.Reader) (*connect.Response[dsecv1.FileInfo], error)
-	Stat(context.Context, *connect.Request[dsecv1.StatRequest]) (*connect.Response[dsecv1.FileInfo], error)
-	ListDir(context.Context, *connect.Request[dsecv1.ListDirRequest]) (*connect.Response[dsecv1.ListDirResponse], error)
-	MakeDir(context.Context, *connect.Request[dsecv1.MakeDirRequest]) (*connect.Response[dsecv1.FileInfo], error)
-	Remove(context.Context, *connect.Request[dsecv1.RemoveRequest]) (*connect.Response[dsecv1.RemoveResponse], error)
-	Rename(context.Context, *connect.Request[dsecv1.RenameRequest]) (*connect.Response[dsecv1.FileInfo], error)
 	WatchEvents(ctx context.Context, req *dsecv1.WatchDirRequest, send func(*dsecv1.WatchDirEvent) error) error
+	filesystemVerbs
 
 	// SnapshotService, LogService and ScreenService.
 	dsecv1connect.SnapshotServiceHandler

@@ -60,6 +60,24 @@ func (s *lifecycleService) GetSandboxStats(ctx context.Context, req *connect.Req
 	return route(ctx, s.r, req.Msg.GetId(), req, Node.GetSandboxStats)
 }
 
+func (s *lifecycleService) SetNetworkPolicy(ctx context.Context, req *connect.Request[dsecv1.SetNetworkPolicyRequest]) (*connect.Response[dsecv1.Network], error) {
+	return route(ctx, s.r, req.Msg.GetId(), req, Node.SetNetworkPolicy)
+}
+
+func (s *lifecycleService) GetNetworkPolicy(ctx context.Context, req *connect.Request[dsecv1.GetNetworkPolicyRequest]) (*connect.Response[dsecv1.Network], error) {
+	return route(ctx, s.r, req.Msg.GetId(), req, Node.GetNetworkPolicy)
+}
+
+// processVerbs are ProcessService's unary verbs as a node serves them
+// (Node).
+type processVerbs interface {
+	Exec(context.Context, *connect.Request[dsecv1.ExecRequest]) (*connect.Response[dsecv1.ExecResult], error)
+	WriteStdin(context.Context, *connect.Request[dsecv1.WriteStdinRequest]) (*connect.Response[dsecv1.WriteStdinResponse], error)
+	SignalProcess(context.Context, *connect.Request[dsecv1.SignalProcessRequest]) (*connect.Response[dsecv1.SignalProcessResponse], error)
+	ResizePTY(context.Context, *connect.Request[dsecv1.ResizePTYRequest]) (*connect.Response[dsecv1.ResizePTYResponse], error)
+	ListProcesses(context.Context, *connect.Request[dsecv1.ListProcessesRequest]) (*connect.Response[dsecv1.ListProcessesResponse], error)
+}
+
 // processService routes the ProcessService.
 type processService struct{ r Router }
 
@@ -99,6 +117,17 @@ func (s processService) ResizePTY(ctx context.Context, req *connect.Request[dsec
 
 func (s processService) ListProcesses(ctx context.Context, req *connect.Request[dsecv1.ListProcessesRequest]) (*connect.Response[dsecv1.ListProcessesResponse], error) {
 	return route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.ListProcesses)
+}
+
+// filesystemVerbs are FilesystemService's unary verbs as a node serves
+// them (Node).
+type filesystemVerbs interface {
+	Stat(context.Context, *connect.Request[dsecv1.StatRequest]) (*connect.Response[dsecv1.FileInfo], error)
+	ListDir(context.Context, *connect.Request[dsecv1.ListDirRequest]) (*connect.Response[dsecv1.ListDirResponse], error)
+	MakeDir(context.Context, *connect.Request[dsecv1.MakeDirRequest]) (*connect.Response[dsecv1.FileInfo], error)
+	Remove(context.Context, *connect.Request[dsecv1.RemoveRequest]) (*connect.Response[dsecv1.RemoveResponse], error)
+	Rename(context.Context, *connect.Request[dsecv1.RenameRequest]) (*connect.Response[dsecv1.FileInfo], error)
+	ChangeMode(context.Context, *connect.Request[dsecv1.ChangeModeRequest]) (*connect.Response[dsecv1.FileInfo], error)
 }
 
 // filesystemService routes the FilesystemService.
@@ -146,6 +175,10 @@ func (s filesystemService) Rename(ctx context.Context, req *connect.Request[dsec
 	return route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.Rename)
 }
 
+func (s filesystemService) ChangeMode(ctx context.Context, req *connect.Request[dsecv1.ChangeModeRequest]) (*connect.Response[dsecv1.FileInfo], error) {
+	return route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.ChangeMode)
+}
+
 func (s filesystemService) WatchDir(ctx context.Context, req *connect.Request[dsecv1.WatchDirRequest], st *connect.ServerStream[dsecv1.WatchDirEvent]) error {
 	n, err := node(ctx, s.r, req.Msg.GetSandboxId())
 	if err != nil {
@@ -165,6 +198,10 @@ func (s logService) GetLog(ctx context.Context, req *connect.Request[dsecv1.GetL
 
 func (s logService) Replay(ctx context.Context, req *connect.Request[dsecv1.ReplayRequest]) (*connect.Response[dsecv1.ReplayResponse], error) {
 	return route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.Replay)
+}
+
+func (s logService) GetNetworkLog(ctx context.Context, req *connect.Request[dsecv1.GetNetworkLogRequest]) (*connect.Response[dsecv1.GetNetworkLogResponse], error) {
+	return route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.GetNetworkLog)
 }
 
 // screenService routes the ScreenService.

@@ -146,11 +146,36 @@ type Network struct {
 	Bridge string `json:"bridge,omitempty"`
 	// Subnet holds egress sandbox addresses (default 10.88.0.0/16).
 	Subnet string `json:"subnet,omitempty"`
-	// DNS are the resolvers egress sandboxes use (default: the host's).
+	// DNS are the resolvers egress sandboxes use, and the upstream of the
+	// node's resolver for sandboxes under a policy (flag --dns; default:
+	// the host's).
 	DNS []string `json:"dns,omitempty"`
 	// Table names the nftables tables, one inet and one bridge (default
 	// "dsec").
 	Table string `json:"table,omitempty"`
+	// TrustedCAs is a PEM file of the CAs the egress proxy trusts when it
+	// sends brokered requests on over TLS (flag --egress-ca; default: the
+	// host's).
+	TrustedCAs string `json:"trusted_cas,omitempty"`
+	// Credentials are brokered credentials that a sandbox's network
+	// policy names (BrokeredCredential.name): the egress proxy injects the
+	// header into the sandbox's requests to the host, and the secret
+	// never enters a sandbox (default none).
+	Credentials []Credential `json:"credentials,omitempty"`
+}
+
+// Credential is a brokered credential held by the server.
+type Credential struct {
+	// Name is what a policy calls it (required, unique).
+	Name string `json:"name"`
+	// Host is the host name whose requests carry it (required).
+	Host string `json:"host"`
+	// Header is the request header set (default Authorization).
+	Header string `json:"header,omitempty"`
+	// Value is the header's value, the secret (required).
+	Value string `json:"value"`
+	// Projects may use it (default: every project).
+	Projects []string `json:"projects,omitempty"`
 }
 
 // Container configures the container substrate.

@@ -84,6 +84,7 @@ func (f *Facade) mountControl(handle func(string, http.Handler)) {
 	h("POST /v2/sandboxes/{id}/connect", f.connect)
 	h("GET /sandboxes/{id}/metrics", f.metrics)
 	h("POST /sandboxes/{id}/fork", f.fork)
+	h("PUT /sandboxes/{id}/network", f.updateNetwork)
 	unsupported := func(w http.ResponseWriter, r *http.Request, _ string) {
 		apiError(w, errdefs.Unimplemented("%s %s is not supported by dsec's E2B facade (see docs/e2b.md)", r.Method, r.URL.Path))
 	}
@@ -105,7 +106,7 @@ type newSandbox struct {
 		Enabled bool `json:"enabled"`
 	} `json:"autoResume"`
 	AllowInternetAccess *bool           `json:"allow_internet_access"`
-	Network             json.RawMessage `json:"network"`
+	Network             *networkJSON    `json:"network"`
 	MCP                 json.RawMessage `json:"mcp"`
 	IAM                 json.RawMessage `json:"iam"`
 	VolumeMounts        json.RawMessage `json:"volumeMounts"`
@@ -169,8 +170,6 @@ func (f *Facade) spec(in *newSandbox, defaultTimeout int64) (*dsecv1.SandboxSpec
 		return nil, errdefs.Invalid("lifecycle onTimeout \"pause\" (autoPause) is not supported: dsec deletes a sandbox when its timeout passes")
 	case in.AutoResume != nil && in.AutoResume.Enabled:
 		return nil, errdefs.Invalid("autoResume is not supported")
-	case present(in.Network):
-		return nil, errdefs.Invalid("network rules are not supported; use allowInternetAccess")
 	case present(in.MCP):
 		return nil, errdefs.Invalid("MCP gateways are not supported")
 	case present(in.IAM):
@@ -234,13 +233,11 @@ func (f *Facade) spec(in *newSandbox, defaultTimeout int64) (*dsecv1.SandboxSpec
 		}
 		spec.Labels[metadataLabel] = string(b)
 	}
-	spec.Network = &dsecv1.Network{Mode: f.cfg.DefaultNetwork}
-	if in.AllowInternetAccess != nil {
-		spec.Network.Mode = "none"
-		if *in.AllowInternetAccess {
-			spec.Network.Mode = "egress"
-		}
+	nw, err := f.createNetwork(in.AllowInternetAccess, in.Network)
+	if err != nil {
+		return nil, err
 	}
+	spec.Network = nw
 	return spec, nil
 }
 

@@ -352,6 +352,11 @@ func (c *Client) Rename(ctx context.Context, m *guestv1.Rename) (*guestv1.FileIn
 	return c.infoCall(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Rename{Rename: m}})
 }
 
+// ChangeMode sets a path's permission bits.
+func (c *Client) ChangeMode(ctx context.Context, m *guestv1.ChangeMode) (*guestv1.FileInfo, error) {
+	return c.infoCall(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_ChangeMode{ChangeMode: m}})
+}
+
 func (c *Client) infoCall(ctx context.Context, call *guestv1.ClientMsg) (*guestv1.FileInfo, error) {
 	m, err := c.call(ctx, call)
 	if err != nil {

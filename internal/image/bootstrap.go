@@ -26,10 +26,22 @@ import (
 )
 
 // Recipes are the base images Bootstrap can build offline.
-var Recipes = []string{"busybox", "debian"}
+var Recipes = []string{"busybox", "debian", "polyglot"}
 
 // DebianPackages are installed in the "debian" recipe on top of minbase.
 var DebianPackages = []string{"bash", "coreutils", "python3", "gcc", "g++", "libc6-dev", "make", "ca-certificates", "procps"}
+
+// PolyglotPackages are installed in the "polyglot" recipe on top of the
+// "debian" recipe's: the toolchain of every SandboxFusion language that
+// Debian packages (the function substrate's languages.go), and the test
+// runners of its test modes (pytest, go test, JUnit 5, Jest). Julia, Lean
+// and Swift are not packaged by Debian 12; SandboxFusion's C# runs on
+// .NET, which Debian does not package either, so C# runs on Mono here.
+var PolyglotPackages = []string{
+	"golang-go", "nodejs", "node-typescript", "jest", "openjdk-17-jdk-headless", "junit5",
+	"rustc", "php-cli", "ruby", "lua5.4", "r-base-core", "perl", "scala", "kotlin", "mono-mcs",
+	"gdc", "racket", "iverilog", "sqlite3", "python3-pytest",
+}
 
 // BootstrapOptions configure Bootstrap.
 type BootstrapOptions struct {
@@ -75,7 +87,7 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 		key = "busybox-" + fileDigest(bb)
 		build = func(ctx context.Context, dir string, _ Progress) error { return buildBusybox(bb, dir) }
 		cfg = Config{Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, Cmd: []string{"sh"}}
-	case "debian":
+	case "debian", "polyglot":
 		mirror, suite := opts.Mirror, opts.Suite
 		if mirror == "" || suite == "" {
 			m, su, err := hostAptSource()
@@ -91,10 +103,18 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 		}
 		pkgs := append(append([]string(nil), DebianPackages...), opts.Packages...)
 		sort.Strings(pkgs)
-		h := sha256.Sum256([]byte(mirror + "|" + suite + "|" + strings.Join(pkgs, ",")))
-		key = "debian-" + suite + "-" + hex.EncodeToString(h[:6])
+		var extra []string
+		if recipe == "polyglot" {
+			extra = PolyglotPackages
+		}
+		h := sha256.Sum256([]byte(mirror + "|" + suite + "|" + strings.Join(pkgs, ",") + "|" + strings.Join(extra, ",")))
+		if len(extra) == 0 {
+			// The key "debian" images had before polyglot.
+			h = sha256.Sum256([]byte(mirror + "|" + suite + "|" + strings.Join(pkgs, ",")))
+		}
+		key = recipe + "-" + suite + "-" + hex.EncodeToString(h[:6])
 		build = func(ctx context.Context, dir string, progress Progress) error {
-			return buildDebian(ctx, dir, mirror, suite, pkgs, progress)
+			return buildDebian(ctx, dir, mirror, suite, pkgs, extra, progress)
 		}
 		cfg = Config{Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"}, Cmd: []string{"bash"}}
 	default:
@@ -254,11 +274,41 @@ func buildBusybox(bb, dir string) error {
 	return nil
 }
 
-func buildDebian(ctx context.Context, dir, mirror, suite string, pkgs []string, progress Progress) error {
+// buildDebian debootstraps suite from mirror into dir with pkgs, then
+// installs extra with apt-get inside it (debootstrap's own resolver does
+// not handle every dependency of large package sets: virtual packages,
+// alternatives).
+func buildDebian(ctx context.Context, dir, mirror, suite string, pkgs, extra []string, progress Progress) error {
 	if _, err := exec.LookPath("debootstrap"); err != nil {
 		return errdefs.Unavailable("debootstrap is not installed (apt-get install debootstrap)")
 	}
 	cmd := exec.CommandContext(ctx, "debootstrap", "--variant=minbase", "--include="+strings.Join(pkgs, ","), suite, dir, mirror)
+	if err := runLogged(cmd, progress); err != nil {
+		return errdefs.Unavailable("debootstrap %s from %s: %v", suite, mirror, err)
+	}
+	if len(extra) > 0 {
+		if err := aptInstall(ctx, dir, mirror, suite, extra, progress); err != nil {
+			return err
+		}
+	}
+	// Leave a clean image: no package caches, no host identity.
+	for _, p := range []string{"var/cache/apt/archives", "var/lib/apt/lists", "var/log"} {
+		ents, _ := os.ReadDir(filepath.Join(dir, p))
+		for _, e := range ents {
+			if e.Name() != "partial" && e.Name() != "lock" {
+				os.RemoveAll(filepath.Join(dir, p, e.Name()))
+			}
+		}
+	}
+	os.WriteFile(filepath.Join(dir, "etc/resolv.conf"), nil, 0o644)
+	os.WriteFile(filepath.Join(dir, "etc/hostname"), []byte("sandbox\n"), 0o644)
+	os.WriteFile(filepath.Join(dir, "etc/apt/sources.list"), []byte(fmt.Sprintf("deb %s %s main\n", mirror, suite)), 0o644)
+	return nil
+}
+
+// runLogged runs cmd, reporting its output lines as progress; an error
+// carries the last 20 lines.
+func runLogged(cmd *exec.Cmd, progress Progress) error {
 	cmd.Env = append(os.Environ(), "DEBIAN_FRONTEND=noninteractive")
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -279,20 +329,42 @@ func buildDebian(ctx context.Context, dir, mirror, suite string, pkgs []string, 
 		progress.report("build", line, 0, 0)
 	}
 	if err := cmd.Wait(); err != nil {
-		return errdefs.Unavailable("debootstrap %s from %s: %v\n%s", suite, mirror, err, strings.Join(tail, "\n"))
+		return fmt.Errorf("%v\n%s", err, strings.Join(tail, "\n"))
 	}
-	// Leave a clean image: no package caches, no host identity.
-	for _, p := range []string{"var/cache/apt/archives", "var/lib/apt/lists", "var/log"} {
-		ents, _ := os.ReadDir(filepath.Join(dir, p))
-		for _, e := range ents {
-			if e.Name() != "partial" && e.Name() != "lock" {
-				os.RemoveAll(filepath.Join(dir, p, e.Name()))
-			}
+	return nil
+}
+
+// aptInstall installs pkgs (without recommends) in the root filesystem dir
+// from mirror, with apt-get in a chroot: /proc is mounted there and the
+// host's resolver configuration copied in for the time of the install
+// (the caller runs in a private mount namespace, like every dsec process
+// that builds images).
+func aptInstall(ctx context.Context, dir, mirror, suite string, pkgs []string, progress Progress) error {
+	if err := os.WriteFile(filepath.Join(dir, "etc/apt/sources.list"), []byte(fmt.Sprintf("deb %s %s main\n", mirror, suite)), 0o644); err != nil {
+		return err
+	}
+	if b, err := os.ReadFile("/etc/resolv.conf"); err == nil {
+		os.WriteFile(filepath.Join(dir, "etc/resolv.conf"), b, 0o644)
+	}
+	proc := filepath.Join(dir, "proc")
+	if err := unix.Mount("proc", proc, "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return fmt.Errorf("mount /proc for apt-get: %w", err)
+	}
+	defer unix.Unmount(proc, unix.MNT_DETACH)
+	// Services must not start in the chroot.
+	policy := filepath.Join(dir, "usr/sbin/policy-rc.d")
+	os.WriteFile(policy, []byte("#!/bin/sh\nexit 101\n"), 0o755)
+	defer os.Remove(policy)
+	for _, args := range [][]string{
+		{"apt-get", "update", "-q"},
+		append([]string{"apt-get", "install", "-y", "-q", "--no-install-recommends"}, pkgs...),
+		{"apt-get", "clean"},
+	} {
+		cmd := exec.CommandContext(ctx, "chroot", append([]string{dir}, args...)...)
+		if err := runLogged(cmd, progress); err != nil {
+			return errdefs.Unavailable("%s in the image: %v", strings.Join(args[:2], " "), err)
 		}
 	}
-	os.WriteFile(filepath.Join(dir, "etc/resolv.conf"), nil, 0o644)
-	os.WriteFile(filepath.Join(dir, "etc/hostname"), []byte("sandbox\n"), 0o644)
-	os.WriteFile(filepath.Join(dir, "etc/apt/sources.list"), []byte(fmt.Sprintf("deb %s %s main\n", mirror, suite)), 0o644)
 	return nil
 }
 

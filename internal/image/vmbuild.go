@@ -172,7 +172,7 @@ func buildDebianVM(ctx context.Context, dir, mirror, suite string, pkgs []string
 	if err := os.MkdirAll(rootfs, 0o755); err != nil {
 		return err
 	}
-	if err := buildDebian(ctx, rootfs, mirror, suite, pkgs, progress); err != nil {
+	if err := buildDebian(ctx, rootfs, mirror, suite, pkgs, nil, progress); err != nil {
 		return err
 	}
 	progress.report("build", "configuring the guest", 0, 0)

@@ -16,19 +16,27 @@
 //
 // The rules live in two nftables tables named Config.Table: "inet" (the
 // host's side: input, forwarding, NAT, reverse path, the host's networks)
-// and "bridge" (the per-port source checks). Per-sandbox policies
-// (allowlists by destination) will attach to the per-sandbox address this
-// package already assigns.
+// and "bridge" (the per-port source checks).
+//
+// A sandbox under a policy (egress.go) is checked by address in the
+// kernel, on every new connection, and by name in user space: the node
+// runs a resolver (dns.go) and an egress proxy (proxy.go) on the bridge's
+// address, to which the inet table redirects the sandbox's DNS and its
+// TCP to ports 80 and 443. Every connection an egress sandbox opens is
+// logged (nflog.go, connlog.go). Bandwidth limits are token buckets on
+// both ends of its veth (bandwidth.go).
 package network
 
 import (
 	"bytes"
 	"context"
+	"crypto/x509"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -69,6 +77,9 @@ type Config struct {
 	// Table names the nftables tables, one "inet" and one "bridge"
 	// (default "dsec").
 	Table string
+	// TrustedCAs is a PEM file of the CAs the egress proxy trusts when it
+	// sends brokered requests on over TLS (default: the host's).
+	TrustedCAs string
 	// NoEgress serves mode "none" only and touches nothing of the host (no
 	// bridge, rules or sysctls): egress is reported unavailable. For tests
 	// of the components above the network (default false).
@@ -101,6 +112,17 @@ type Manager struct {
 	forgetMu  sync.Mutex
 	forgotten [][]byte // bridge table elements to remove, batched
 	flushing  *time.Timer
+
+	// The node's resolver and egress proxy for sandboxes under a policy,
+	// on the gateway's address, and the NFLOG group of the connection
+	// log (egress.go, dns.go, proxy.go, nflog.go).
+	dnsPort, proxyPort int
+	logGroup           uint16
+	closers            []func()
+	brokerTransport    *http.Transport
+
+	sbMu   sync.RWMutex
+	byAddr map[netip.Addr]*sandboxNet
 }
 
 // forgetBatch is how long removals of bridge table elements gather before
@@ -111,14 +133,30 @@ const forgetBatch = 250 * time.Millisecond
 
 // Attachment is one sandbox's network, as persisted by the node.
 type Attachment struct {
+	ID       string `json:"id,omitempty"`
 	Mode     string `json:"mode"`
 	NetNS    string `json:"netns,omitempty"`
 	Addr     string `json:"addr,omitempty"`
 	HostVeth string `json:"host_veth,omitempty"`
 	// MAC is the sandbox's interface address (empty in attachments made
 	// before it was kept: Restore reads it from the namespace).
-	MAC        string `json:"mac,omitempty"`
-	ResolvConf string `json:"-"`
+	MAC string `json:"mac,omitempty"`
+	// Policy is the policy in force (nil: unrestricted), credentials'
+	// values included.
+	Policy *Policy `json:"policy,omitempty"`
+	// BandwidthMbps limits the sandbox's throughput each way (0: none).
+	BandwidthMbps int64  `json:"bandwidth_mbps,omitempty"`
+	ResolvConf    string `json:"-"`
+}
+
+// Options are what a sandbox's network is made of.
+type Options struct {
+	// Mode is ModeNone (or "") or ModeEgress.
+	Mode string
+	// Policy restricts egress (nil: unrestricted).
+	Policy *Policy
+	// BandwidthMbps limits throughput each way (0: none).
+	BandwidthMbps int64
 }
 
 // New prepares the manager. Egress needs root, nftables and bridges; when
@@ -143,11 +181,26 @@ func New(cfg Config, log *slog.Logger) (*Manager, error) {
 		return nil, fmt.Errorf("network subnet %q: need an IPv4 prefix of /24 or larger", cfg.Subnet)
 	}
 	prefix = prefix.Masked()
-	m := &Manager{log: log, cfg: cfg, prefix: prefix, used: map[netip.Addr]string{}, stop: make(chan struct{})}
+	m := &Manager{log: log, cfg: cfg, prefix: prefix, used: map[netip.Addr]string{}, stop: make(chan struct{}), byAddr: map[netip.Addr]*sandboxNet{}}
 	m.gateway = prefix.Addr().Next()
 	m.next = m.gateway.Next()
 	m.dns = parseDNS(cfg.DNS)
 	m.group = portGroup(cfg.Table)
+	m.logGroup = logGroup(cfg.Table)
+	var roots *x509.CertPool
+	if cfg.TrustedCAs != "" {
+		pem, err := os.ReadFile(cfg.TrustedCAs)
+		if err != nil {
+			return nil, fmt.Errorf("network trusted CAs: %w", err)
+		}
+		if roots, err = x509.SystemCertPool(); err != nil {
+			roots = x509.NewCertPool()
+		}
+		if !roots.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("network trusted CAs %s: no certificate", cfg.TrustedCAs)
+		}
+	}
+	m.brokerTransport = m.newBrokerTransport(roots)
 	if cfg.NoEgress {
 		m.egress = "egress is disabled on this node"
 	} else if reason := m.setup(); reason != "" {
@@ -163,7 +216,12 @@ func New(cfg Config, log *slog.Logger) (*Manager, error) {
 // elements of released sandboxes still waiting for their batch. Sandbox
 // networks, rules and the bridge stay. It is idempotent.
 func (m *Manager) Close() {
-	m.stopOnce.Do(func() { close(m.stop) })
+	m.stopOnce.Do(func() {
+		close(m.stop)
+		for _, c := range m.closers {
+			c()
+		}
+	})
 	m.flushForgotten()
 }
 
@@ -277,20 +335,70 @@ func (m *Manager) setup() string {
 	if err != nil {
 		return fmt.Sprintf("read the host's addresses: %v", err)
 	}
+	if err := m.startServices(); err != nil {
+		m.log.Warn("egress policies unavailable", slog.Any("error", err))
+	}
 	if err := m.applyRules(nets); err != nil {
 		return err.Error()
 	}
 	return ""
 }
 
-// privateNets are dropped destinations besides the host's own networks:
-// "this" network, RFC 1918, shared (CGN) space, loopback, link-local (cloud
-// metadata), multicast and reserved.
-const privateNets = "0.0.0.0/8, 10.0.0.0/8, 100.64.0.0/10, 127.0.0.0/8, 169.254.0.0/16, 172.16.0.0/12, 192.168.0.0/16, 224.0.0.0/3"
+// startServices starts the resolver and the egress proxy for sandboxes
+// under a policy, on the gateway's address, and the reader of the
+// connection log, until Close. Without them policies are refused
+// (SetPolicy) and the rest works.
+func (m *Manager) startServices() error {
+	gw := m.gateway.String()
+	udp, err := net.ListenUDP("udp4", &net.UDPAddr{IP: m.gateway.AsSlice()})
+	if err != nil {
+		return fmt.Errorf("resolver: %w", err)
+	}
+	port := udp.LocalAddr().(*net.UDPAddr).Port
+	tcp, err := net.ListenTCP("tcp4", &net.TCPAddr{IP: m.gateway.AsSlice(), Port: port})
+	if err != nil {
+		udp.Close()
+		return fmt.Errorf("resolver on %s:%d/tcp: %w", gw, port, err)
+	}
+	proxy, err := net.ListenTCP("tcp4", &net.TCPAddr{IP: m.gateway.AsSlice()})
+	if err != nil {
+		udp.Close()
+		tcp.Close()
+		return fmt.Errorf("egress proxy: %w", err)
+	}
+	fd, err := openNFLOG(m.logGroup)
+	if err != nil {
+		udp.Close()
+		tcp.Close()
+		proxy.Close()
+		return fmt.Errorf("connection log: %w", err)
+	}
+	m.dnsPort, m.proxyPort = port, proxy.Addr().(*net.TCPAddr).Port
+	m.closers = append(m.closers, func() { udp.Close() }, func() { tcp.Close() }, func() { proxy.Close() }, func() { unix.Close(fd) })
+	go m.serveDNSUDP(udp)
+	go m.serveDNSTCP(tcp)
+	go m.serveProxy(proxy)
+	go m.readNFLOG(fd)
+	return nil
+}
 
 // applyRules (re)installs both nftables tables atomically, with nets as
 // the host's networks. The bridge table's sources start empty: until Setup
-// or Restore adds a sandbox's element, its port drops everything.
+// or Restore adds a sandbox's element, its port drops everything; the
+// inet table's policy sets start empty too, so Restore puts each
+// sandbox's policy back before its port opens.
+//
+// The inet table's forward chain decides each new connection of a
+// sandbox: never other sandboxes, the host's networks, loopback,
+// link-local, multicast (deny_never, deny_hostnet); for a sandbox under a
+// policy (the policed set) the sandbox_policy chain (private ranges only
+// through an allow rule, /32 deny rules, pins, the allow rules, else
+// deny); for the others the host's resolvers, then anything but private
+// ranges. The allow_* and deny_* chains log each decision to the
+// manager's NFLOG group (at most connLogRate a second per sandbox and
+// verdict), then accept, or reject at once. DNS queries and TCP to ports
+// 80 and 443 of policed sandboxes are redirected to the node's resolver
+// and egress proxy before any of it (prerouting_nat).
 func (m *Manager) applyRules(nets []netip.Prefix) error {
 	m.hostMu.Lock()
 	defer m.hostMu.Unlock()
@@ -300,7 +408,35 @@ func (m *Manager) applyRules(nets []netip.Prefix) error {
 	}
 	dnsRule := ""
 	if len(dns) > 0 {
-		dnsRule = fmt.Sprintf("\t\tiifname %q ip daddr { %s } meta l4proto { tcp, udp } th dport 53 accept\n", m.cfg.Bridge, strings.Join(dns, ", "))
+		dnsRule = fmt.Sprintf("\t\tiifname %q ip daddr { %s } meta l4proto { tcp, udp } th dport 53 goto allow_dns\n", m.cfg.Bridge, strings.Join(dns, ", "))
+	}
+	redirect := ""
+	if m.dnsPort != 0 {
+		redirect = fmt.Sprintf(`	chain prerouting_nat {
+		type nat hook prerouting priority dstnat; policy accept;
+		iifname %[1]q ip saddr @policed meta l4proto { tcp, udp } th dport 53 redirect to :%[2]d
+		iifname %[1]q ip saddr @policed tcp dport { 80, 443 } redirect to :%[3]d
+	}
+`, m.cfg.Bridge, m.dnsPort, m.proxyPort)
+		redirect += fmt.Sprintf("\tchain input_redirected {\n\t\tip saddr @policed meta l4proto . th dport { udp . %[1]d, tcp . %[1]d, tcp . %[2]d } accept\n\t}\n", m.dnsPort, m.proxyPort)
+	}
+	inputRedirected := ""
+	if m.dnsPort != 0 {
+		inputRedirected = fmt.Sprintf("\t\tiifname %q ct status dnat jump input_redirected\n", m.cfg.Bridge)
+	}
+	var verdicts strings.Builder
+	for _, v := range []struct{ chain, prefix, act string }{
+		{"allow_open", "a open", "accept"}, {"allow_dns", "a dns", "accept"}, {"allow_pin", "a pin", "accept"}, {"allow_rule", "a rule", "accept"},
+		{"deny_never", "d never", "reject with icmpx admin-prohibited"}, {"deny_hostnet", "d hostnet", "reject with icmpx admin-prohibited"},
+		{"deny_private", "d private", "reject with icmpx admin-prohibited"}, {"deny_rule", "d rule", "reject with icmpx admin-prohibited"},
+		{"deny_host", "d host", "drop"},
+	} {
+		rate := "lograte_allow"
+		if v.prefix[0] == 'd' {
+			rate = "lograte_deny"
+		}
+		fmt.Fprintf(&verdicts, "\tchain %s {\n\t\tct state new add @%s { ip saddr limit rate %d/second burst %d packets } log prefix %q group %d\n\t\t%s\n\t}\n",
+			v.chain, rate, connLogRate, connLogRate, v.prefix, m.logGroup, v.act)
 	}
 	rules := fmt.Sprintf(`table inet %[1]s
 delete table inet %[1]s
@@ -309,25 +445,61 @@ table inet %[1]s {
 		type ipv4_addr
 		flags interval
 %[5]s	}
+	set policed {
+		type ipv4_addr
+	}
+	set allow {
+		type ipv4_addr . ipv4_addr
+		flags interval
+	}
+	set deny {
+		type ipv4_addr . ipv4_addr
+	}
+	set pins {
+		type ipv4_addr . ipv4_addr
+		flags timeout
+	}
+	set lograte_allow {
+		type ipv4_addr
+		size 65535
+		flags dynamic,timeout
+		timeout 1m
+	}
+	set lograte_deny {
+		type ipv4_addr
+		size 65535
+		flags dynamic,timeout
+		timeout 1m
+	}
 	chain prerouting {
 		type filter hook prerouting priority raw; policy accept;
 		iifname %[2]q fib saddr . iif oif missing drop
 	}
-	chain input {
+%[9]s	chain input {
 		type filter hook input priority -10; policy accept;
 		iifname %[2]q ct state established,related accept
-		iifname %[2]q drop
+%[10]s		iifname %[2]q goto deny_host
 	}
 	chain forward {
 		type filter hook forward priority -10; policy accept;
 		oifname %[2]q ct state established,related accept
 		oifname %[2]q drop
-%[4]s		iifname %[2]q ip daddr { %[6]s } drop
-		iifname %[2]q ip daddr @hostnets drop
 		iifname %[2]q meta nfproto ipv6 drop
-		iifname %[2]q accept
+%[4]s		iifname %[2]q ip daddr { %[6]s } goto deny_never
+		iifname %[2]q ip daddr @hostnets goto deny_hostnet
+		iifname %[2]q ip saddr @policed goto sandbox_policy
+		iifname %[2]q ip daddr { %[7]s } goto deny_private
+		iifname %[2]q goto allow_open
 	}
-	chain postrouting {
+	chain sandbox_policy {
+		ct state established,related accept
+		ip daddr { %[7]s } ip saddr . ip daddr != @allow goto deny_private
+		ip saddr . ip daddr @deny goto deny_rule
+		ip saddr . ip daddr @pins goto allow_pin
+		ip saddr . ip daddr @allow goto allow_rule
+		goto deny_rule
+	}
+%[11]s	chain postrouting {
 		type nat hook postrouting priority 100; policy accept;
 		ip saddr %[3]s oifname != %[2]q masquerade
 	}
@@ -340,13 +512,14 @@ table bridge %[1]s {
 	}
 	chain prerouting {
 		type filter hook prerouting priority -300; policy accept;
-		meta iifgroup != %[7]d accept
+		meta iifgroup != %[8]d accept
 		arp htype 1 arp ptype ip arp hlen 6 arp plen 4 iifname . ether saddr . arp saddr ip @sources iifname . arp saddr ether . arp saddr ip @sources accept
 		iifname . ether saddr . ip saddr @sources accept
 		counter drop
 	}
 }
-`, m.cfg.Table, m.cfg.Bridge, m.prefix, dnsRule, hostNetsElements(nets), privateNets, m.group)
+`, m.cfg.Table, m.cfg.Bridge, m.prefix, dnsRule, hostNetsElements(nets), joinPrefixes(neverRanges), joinPrefixes(privateRanges), m.group,
+		redirect, inputRedirected, verdicts.String())
 	if err := nft(rules); err != nil {
 		return fmt.Errorf("install nftables rules: %w", err)
 	}
@@ -510,14 +683,19 @@ func (m *Manager) refreshHostNetworks() {
 }
 
 // Setup prepares a sandbox's network. For "none" it returns an empty
-// namespace path (the substrate makes a loopback-only namespace).
-func (m *Manager) Setup(ctx context.Context, id, mode string) (_ *Attachment, err error) {
-	switch mode {
+// namespace path (the substrate makes a loopback-only namespace). An
+// egress sandbox's policy and bandwidth limit are in force before it can
+// send anything.
+func (m *Manager) Setup(ctx context.Context, id string, o Options) (_ *Attachment, err error) {
+	switch o.Mode {
 	case "", ModeNone:
+		if o.Policy != nil || o.BandwidthMbps != 0 {
+			return nil, errdefs.Invalid("a network policy or bandwidth limit needs network mode egress")
+		}
 		return &Attachment{Mode: ModeNone}, nil
 	case ModeEgress:
 	default:
-		return nil, errdefs.Invalid("unknown network mode %q (use none or egress)", mode)
+		return nil, errdefs.Invalid("unknown network mode %q (use none or egress)", o.Mode)
 	}
 	if m.egress != "" {
 		return nil, errdefs.Unavailable("egress networking is unavailable on this node: %s", m.egress)
@@ -552,7 +730,14 @@ func (m *Manager) Setup(ctx context.Context, id, mode string) (_ *Attachment, er
 		return nil, errdefs.Internal(err, "create veth")
 	}
 	u.Push(func() { netlink.LinkDel(veth) })
-	a := &Attachment{Mode: ModeEgress, NetNS: nsPath, Addr: addr.String(), HostVeth: hostName, MAC: mac.String(), ResolvConf: m.resolvConf()}
+	a := &Attachment{ID: id, Mode: ModeEgress, NetNS: nsPath, Addr: addr.String(), HostVeth: hostName, MAC: mac.String(), ResolvConf: m.resolvConf()}
+	m.track(id, addr)
+	u.Push(func() { m.untrack(addr) })
+	if o.Policy != nil {
+		if err := m.SetPolicy(a, o.Policy); err != nil {
+			return nil, err
+		}
+	}
 	if err := m.allowSource(a); err != nil {
 		return nil, errdefs.Internal(err, "allow the sandbox's addresses on the bridge")
 	}
@@ -577,6 +762,11 @@ func (m *Manager) Setup(ctx context.Context, id, mode string) (_ *Attachment, er
 	}
 	if err := m.configureInside(ns, "eth0", addr); err != nil {
 		return nil, errdefs.Internal(err, "configure sandbox interface")
+	}
+	if o.BandwidthMbps != 0 {
+		if err := m.SetBandwidth(a, o.BandwidthMbps); err != nil {
+			return nil, err
+		}
 	}
 	return a, nil
 }
@@ -778,6 +968,7 @@ func (m *Manager) Release(a *Attachment) {
 		os.Remove(a.NetNS)
 	}
 	if addr, err := netip.ParseAddr(a.Addr); err == nil {
+		m.untrack(addr)
 		m.free(addr)
 	}
 }
@@ -801,8 +992,24 @@ func (m *Manager) Restore(id string, raw []byte) (*Attachment, error) {
 		m.mu.Unlock()
 	}
 	a.ResolvConf = m.resolvConf()
+	a.ID = id
 	if a.Mode != ModeEgress || m.egress != "" {
 		return &a, nil
+	}
+	if addr, err := netip.ParseAddr(a.Addr); err == nil {
+		m.track(id, addr)
+	}
+	// The policy first: the port opens in readopt.
+	if a.Policy != nil {
+		if err := m.SetPolicy(&a, a.Policy); err != nil {
+			m.log.Warn("re-adopt a sandbox's network policy: its port stays closed", slog.String("sandbox_id", id), slog.Any("error", err))
+			return &a, err
+		}
+	}
+	if a.BandwidthMbps != 0 {
+		if err := m.SetBandwidth(&a, a.BandwidthMbps); err != nil {
+			m.log.Warn("re-adopt a sandbox's bandwidth limit", slog.String("sandbox_id", id), slog.Any("error", err))
+		}
 	}
 	if err := m.readopt(&a); err != nil {
 		m.log.Warn("re-adopt a sandbox's network: its port stays closed", slog.String("sandbox_id", id), slog.Any("error", err))
@@ -937,6 +1144,15 @@ func newNamedNetNS(path string) error {
 		// writer's user namespace (the host's maps every sandbox's ids).
 		if err := os.WriteFile("/proc/sys/net/ipv4/ping_group_range", []byte("0 2147483647"), 0); err != nil {
 			errc <- fmt.Errorf("open ICMP echo sockets: %w", err)
+			return
+		}
+		// Every port for every user, as Docker does: the root of a
+		// sandbox in a user namespace has no CAP_NET_BIND_SERVICE over
+		// this namespace (its user namespace does not own it), so a web
+		// server on port 80 inside would fail otherwise. The namespace
+		// is the sandbox's alone.
+		if err := os.WriteFile("/proc/sys/net/ipv4/ip_unprivileged_port_start", []byte("0"), 0); err != nil {
+			errc <- fmt.Errorf("open low ports: %w", err)
 			return
 		}
 		src := fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid())

@@ -24,6 +24,12 @@ var seq atomic.Int32
 // removes them after the test; or skips.
 func newManager(t *testing.T) *Manager {
 	t.Helper()
+	return newManagerWith(t, func(*Config) {})
+}
+
+// newManagerWith is newManager with changes to its configuration.
+func newManagerWith(t *testing.T, change func(*Config)) *Manager {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root")
 	}
@@ -38,6 +44,7 @@ func newManager(t *testing.T) *Manager {
 		RunDir: t.TempDir(),
 		DNS:    []string{"192.0.2.53"},
 	}
+	change(&cfg)
 	m := start(t, cfg)
 	t.Cleanup(func() {
 		exec.Command("ip", "link", "del", cfg.Bridge).Run()
@@ -124,7 +131,7 @@ func left(t *testing.T, m *Manager, a *Attachment) []string {
 
 func TestEgressSetup(t *testing.T) {
 	m := newManager(t)
-	a, err := m.Setup(context.Background(), fmt.Sprintf("sb%d-a", os.Getpid()), ModeEgress)
+	a, err := m.Setup(context.Background(), fmt.Sprintf("sb%d-a", os.Getpid()), Options{Mode: ModeEgress})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -219,7 +226,7 @@ func TestEgressSetup(t *testing.T) {
 func TestRestoreAfterARestart(t *testing.T) {
 	m := newManager(t)
 	id := fmt.Sprintf("sb%d-r", os.Getpid())
-	a, err := m.Setup(context.Background(), id, ModeEgress)
+	a, err := m.Setup(context.Background(), id, Options{Mode: ModeEgress})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -16,6 +17,31 @@ import (
 // keys are the elements' data as the kernel stores them: each field of a
 // concatenation padded to a multiple of 4 bytes.
 func setElements(del bool, family uint8, table, set string, keys ...[]byte) error {
+	elems := make([]setElem, len(keys))
+	for i, k := range keys {
+		elems[i] = setElem{key: k}
+	}
+	return nftBatch(family, table, setOp{del: del, set: set, elems: elems})
+}
+
+// setOp adds (or, with del, deletes) elements of one set.
+type setOp struct {
+	del   bool
+	set   string
+	elems []setElem
+}
+
+// setElem is one element: its key, the inclusive end of its range in an
+// interval set of concatenations (or nil), and its timeout in a set with
+// timeouts (or 0: the set's default).
+type setElem struct {
+	key, keyEnd []byte
+	timeout     time.Duration
+}
+
+// nftBatch applies ops to table's sets in one nfnetlink transaction: all
+// of them take effect together, or (on any error) none does.
+func nftBatch(family uint8, table string, ops ...setOp) error {
 	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
 	if err != nil {
 		return fmt.Errorf("nfnetlink socket: %w", err)
@@ -28,26 +54,42 @@ func setElements(del bool, family uint8, table, set string, keys ...[]byte) erro
 	if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
 		return err
 	}
-
-	var elems []byte
-	for _, k := range keys {
-		key := attr(unix.NFTA_SET_ELEM_KEY|unix.NLA_F_NESTED, attr(unix.NFTA_DATA_VALUE, k))
-		elems = append(elems, attr(unix.NFTA_LIST_ELEM|unix.NLA_F_NESTED, key)...)
-	}
-	var body []byte
-	body = append(body, attr(unix.NFTA_SET_ELEM_LIST_TABLE, cstring(table))...)
-	body = append(body, attr(unix.NFTA_SET_ELEM_LIST_SET, cstring(set))...)
-	body = append(body, attr(unix.NFTA_SET_ELEM_LIST_ELEMENTS|unix.NLA_F_NESTED, elems)...)
-
-	typ, flags := uint16(unix.NFT_MSG_NEWSETELEM), uint16(unix.NLM_F_REQUEST|unix.NLM_F_ACK|unix.NLM_F_CREATE)
-	if del {
-		typ, flags = unix.NFT_MSG_DELSETELEM, unix.NLM_F_REQUEST|unix.NLM_F_ACK
-	}
-	const seq = 2 // of the message whose answer counts; the batch is 1..3
 	var b []byte
-	b = nfMessage(b, unix.NFNL_MSG_BATCH_BEGIN, unix.NLM_F_REQUEST, 1, unix.AF_UNSPEC, unix.NFNL_SUBSYS_NFTABLES, nil)
-	b = nfMessage(b, unix.NFNL_SUBSYS_NFTABLES<<8|typ, flags, seq, family, 0, body)
-	b = nfMessage(b, unix.NFNL_MSG_BATCH_END, unix.NLM_F_REQUEST, 3, unix.AF_UNSPEC, unix.NFNL_SUBSYS_NFTABLES, nil)
+	seq := uint32(1)
+	b = nfMessage(b, unix.NFNL_MSG_BATCH_BEGIN, unix.NLM_F_REQUEST, seq, unix.AF_UNSPEC, unix.NFNL_SUBSYS_NFTABLES, nil)
+	pending := map[uint32]bool{}
+	for _, op := range ops {
+		if len(op.elems) == 0 {
+			continue
+		}
+		var elems []byte
+		for _, e := range op.elems {
+			el := attr(unix.NFTA_SET_ELEM_KEY|unix.NLA_F_NESTED, attr(unix.NFTA_DATA_VALUE, e.key))
+			if e.keyEnd != nil {
+				el = append(el, attr(nftaSetElemKeyEnd|unix.NLA_F_NESTED, attr(unix.NFTA_DATA_VALUE, e.keyEnd))...)
+			}
+			if e.timeout > 0 && !op.del {
+				el = append(el, attr(unix.NFTA_SET_ELEM_TIMEOUT, binary.BigEndian.AppendUint64(nil, uint64(e.timeout.Milliseconds())))...)
+			}
+			elems = append(elems, attr(unix.NFTA_LIST_ELEM|unix.NLA_F_NESTED, el)...)
+		}
+		var body []byte
+		body = append(body, attr(unix.NFTA_SET_ELEM_LIST_TABLE, cstring(table))...)
+		body = append(body, attr(unix.NFTA_SET_ELEM_LIST_SET, cstring(op.set))...)
+		body = append(body, attr(unix.NFTA_SET_ELEM_LIST_ELEMENTS|unix.NLA_F_NESTED, elems)...)
+		typ, flags := uint16(unix.NFT_MSG_NEWSETELEM), uint16(unix.NLM_F_REQUEST|unix.NLM_F_ACK|unix.NLM_F_CREATE)
+		if op.del {
+			typ, flags = unix.NFT_MSG_DELSETELEM, unix.NLM_F_REQUEST|unix.NLM_F_ACK
+		}
+		seq++
+		pending[seq] = true
+		b = nfMessage(b, unix.NFNL_SUBSYS_NFTABLES<<8|typ, flags, seq, family, 0, body)
+	}
+	if len(pending) == 0 {
+		return nil
+	}
+	seq++
+	b = nfMessage(b, unix.NFNL_MSG_BATCH_END, unix.NLM_F_REQUEST, seq, unix.AF_UNSPEC, unix.NFNL_SUBSYS_NFTABLES, nil)
 	if err := unix.Sendto(fd, b, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
 		return fmt.Errorf("nfnetlink send: %w", err)
 	}
@@ -67,14 +109,20 @@ func setElements(del bool, family uint8, table, set string, keys ...[]byte) erro
 			}
 			errno := -int32(binary.NativeEndian.Uint32(m.Data[:4]))
 			if errno != 0 {
+				// The transaction is aborted as a whole.
 				return syscall.Errno(errno)
 			}
-			if m.Header.Seq == seq {
+			delete(pending, m.Header.Seq)
+			if len(pending) == 0 {
 				return nil
 			}
 		}
 	}
 }
+
+// nftaSetElemKeyEnd is NFTA_SET_ELEM_KEY_END (linux/netfilter/nf_tables.h),
+// which x/sys/unix lacks: the end of a range in a set of concatenations.
+const nftaSetElemKeyEnd = 10
 
 // isNotExist reports whether err says the element (or its set) is gone.
 func isNotExist(err error) bool { return errors.Is(err, unix.ENOENT) }

@@ -69,14 +69,14 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 	var s *sandbox
 	if img.Owner == tenant.Shared {
 		// Pools hold shared images only.
-		s = n.pools.take(spec)
+		s = n.pools.take(spec, project)
 	}
 	if s == nil {
 		release, err := n.starts.acquire(ctx, project)
 		if err != nil {
 			return nil, err
 		}
-		s, err = n.prepare(ctx, spec, img)
+		s, err = n.prepare(ctx, spec, img, project)
 		release()
 		if err != nil {
 			return nil, err
@@ -150,7 +150,7 @@ func (n *Node) admitDone(project string) {
 // spec, from img (what normalize resolved), and reserves it, without
 // registering it as live. On error nothing is left: the undo stack holds
 // one entry, the sandbox's release, which frees whatever it holds so far.
-func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image.Image) (_ *sandbox, err error) {
+func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image.Image, project string) (_ *sandbox, err error) {
 	var u undo.Stack
 	defer u.RunUnless(&err)
 	s := &sandbox{
@@ -164,7 +164,11 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image
 	}
 	s.dir = dir
 	u.Push(func() { n.release(ctx, s, nil) })
-	if s.net, err = n.net.Setup(ctx, s.id, spec.Network.GetMode()); err != nil {
+	opts, err := n.netOptions(project, spec)
+	if err != nil {
+		return nil, err
+	}
+	if s.net, err = n.net.Setup(ctx, s.id, opts); err != nil {
 		return nil, err
 	}
 	// Reserved first so image GC keeps the layers while the sandbox starts.

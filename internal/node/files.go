@@ -7,6 +7,7 @@ import (
 	"path"
 	"time"
 
+	"connectrpc.com/connect"
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
@@ -233,6 +234,31 @@ func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.F
 	return fileInfo(info), nil
 }
 
+// ChangeMode sets a path's permission bits, and logs it.
+func (n *Node) ChangeMode(ctx context.Context, req *dsecv1.ChangeModeRequest) (*dsecv1.FileInfo, error) {
+	s, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetPath())
+	if err != nil {
+		return nil, err
+	}
+	if req.GetMode()&^0o7777 != 0 {
+		return nil, errdefs.Invalid("mode %#o has bits beyond 07777", req.GetMode())
+	}
+	user := fileUser(s, req.GetUser())
+	var info *guestv1.FileInfo
+	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "change_mode", Path: p, Mode: req.GetMode(), User: user}}, func(*dsecv1.LogEntry) (err error) {
+		fg, err := s.files()
+		if err != nil {
+			return err
+		}
+		info, err = fg.ChangeMode(ctx, &guestv1.ChangeMode{Path: p, Mode: req.GetMode(), User: user})
+		return err
+	})
+	if err != nil {
+		return nil, n.callFailed(s, err)
+	}
+	return fileInfo(info), nil
+}
+
 // Remove removes a file or a tree, and logs it.
 func (n *Node) Remove(ctx context.Context, req *dsecv1.RemoveRequest) error {
 	s, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetPath())
@@ -361,4 +387,51 @@ func (n *Node) WatchDir(ctx context.Context, req *dsecv1.WatchDirRequest, send f
 			return err
 		}
 	}
+}
+
+// fileReplays replays the file verbs' log entries (Replay): each is
+// the verb again, with the recorded arguments, on the replay sandbox.
+var fileReplays = map[string]func(ctx context.Context, n *Node, id string, e *dsecv1.LogEntry) error{
+	"make_dir": func(ctx context.Context, n *Node, id string, e *dsecv1.LogEntry) error {
+		_, err := n.MakeDir(ctx, &dsecv1.MakeDirRequest{SandboxId: id, Path: e.Path, User: e.User})
+		return err
+	},
+	"remove": func(ctx context.Context, n *Node, id string, e *dsecv1.LogEntry) error {
+		return n.Remove(ctx, &dsecv1.RemoveRequest{SandboxId: id, Path: e.Path, Recursive: e.Recursive, User: e.User})
+	},
+	"rename": func(ctx context.Context, n *Node, id string, e *dsecv1.LogEntry) error {
+		_, err := n.Rename(ctx, &dsecv1.RenameRequest{SandboxId: id, From: e.Path, To: e.To, User: e.User})
+		return err
+	},
+	"change_mode": func(ctx context.Context, n *Node, id string, e *dsecv1.LogEntry) error {
+		_, err := n.ChangeMode(ctx, &dsecv1.ChangeModeRequest{SandboxId: id, Path: e.Path, Mode: e.Mode, User: e.User})
+		return err
+	},
+}
+
+// FilesystemService's unary verbs, as the node's Connect handler (its
+// streams are in service.go).
+
+func (s *Service) Stat(ctx context.Context, req *connect.Request[dsecv1.StatRequest]) (*connect.Response[dsecv1.FileInfo], error) {
+	return answer(s.n.Stat(ctx, req.Msg))
+}
+
+func (s *Service) ListDir(ctx context.Context, req *connect.Request[dsecv1.ListDirRequest]) (*connect.Response[dsecv1.ListDirResponse], error) {
+	return answer(s.n.ListDir(ctx, req.Msg))
+}
+
+func (s *Service) MakeDir(ctx context.Context, req *connect.Request[dsecv1.MakeDirRequest]) (*connect.Response[dsecv1.FileInfo], error) {
+	return answer(s.n.MakeDir(ctx, req.Msg))
+}
+
+func (s *Service) Remove(ctx context.Context, req *connect.Request[dsecv1.RemoveRequest]) (*connect.Response[dsecv1.RemoveResponse], error) {
+	return done[dsecv1.RemoveResponse](s.n.Remove(ctx, req.Msg))
+}
+
+func (s *Service) Rename(ctx context.Context, req *connect.Request[dsecv1.RenameRequest]) (*connect.Response[dsecv1.FileInfo], error) {
+	return answer(s.n.Rename(ctx, req.Msg))
+}
+
+func (s *Service) ChangeMode(ctx context.Context, req *connect.Request[dsecv1.ChangeModeRequest]) (*connect.Response[dsecv1.FileInfo], error) {
+	return answer(s.n.ChangeMode(ctx, req.Msg))
 }

@@ -89,6 +89,7 @@ func (n *Node) failedLocked(s *sandbox, err error) error {
 func (n *Node) persistLocked(s *sandbox) error {
 	r := *s.rec
 	r.State, r.Expires = s.state.String(), s.expires
+	r.Network, r.NetPolicy = attachmentJSON(s.net), networkRecord(s.network)
 	if s.inst != nil {
 		// A pause or resume may change what the driver re-adopts from
 		// (a microVM's QEMU process).

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"google.golang.org/protobuf/encoding/protojson"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
@@ -112,7 +111,7 @@ func (n *Node) specOf(ctx context.Context, id string) (*dsecv1.SandboxSpec, stri
 		return nil, "", err
 	}
 	if s != nil {
-		return proto.Clone(s.spec).(*dsecv1.SandboxSpec), s.project, nil
+		return s.currentSpec(), s.project, nil
 	}
 	spec := &dsecv1.SandboxSpec{}
 	if err := protojson.Unmarshal(t.Spec, spec); err != nil {
@@ -221,17 +220,11 @@ func (n *Node) replayOne(ctx context.Context, id string, e *dsecv1.LogEntry) (bo
 		if info.Size != e.Size {
 			return true, fmt.Sprintf("size %d, was %d", info.Size, e.Size)
 		}
-	case "make_dir":
-		if _, err := n.MakeDir(ctx, &dsecv1.MakeDirRequest{SandboxId: id, Path: e.Path, User: e.User}); err != nil {
-			return true, err.Error()
-		}
-	case "remove":
-		if err := n.Remove(ctx, &dsecv1.RemoveRequest{SandboxId: id, Path: e.Path, Recursive: e.Recursive, User: e.User}); err != nil {
-			return true, err.Error()
-		}
-	case "rename":
-		if _, err := n.Rename(ctx, &dsecv1.RenameRequest{SandboxId: id, From: e.Path, To: e.To, User: e.User}); err != nil {
-			return true, err.Error()
+	default:
+		if replay := fileReplays[e.Op]; replay != nil {
+			if err := replay(ctx, n, id, e); err != nil {
+				return true, err.Error()
+			}
 		}
 	}
 	return false, ""

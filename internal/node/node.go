@@ -71,6 +71,9 @@ type Config struct {
 	MaxConcurrentStarts, StartQueue int
 	// Pools are warm pools of started sandboxes (default none).
 	Pools []PoolConfig
+	// Credentials are the brokered credentials policies may name, by
+	// name (default none).
+	Credentials map[string]NamedCredential
 }
 
 func (c *Config) defaults() {
@@ -205,6 +208,11 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 	n.wg.Add(1)
 	go n.reaper()
 	go n.emptyTrash()
+	for _, d := range drivers {
+		if d, ok := d.(substrate.Starter); ok {
+			d.Start()
+		}
+	}
 	return n, nil
 }
 
@@ -217,12 +225,22 @@ func (n *Node) DataDir() string { return n.cfg.DataDir }
 // Images is the node's image store.
 func (n *Node) Images() *image.Store { return n.images }
 
-// Close stops the node's background work and closes its store. Sandboxes
-// keep running; a new node over the same data directory re-adopts them.
+// Close stops the node's background work, closes its drivers (those
+// built on another kind's first: substrate.BuiltOn) and its store.
+// Sandboxes keep running; a new node over the same data directory
+// re-adopts them.
 func (n *Node) Close() error {
 	close(n.stop)
 	n.pools.close()
 	n.wg.Wait()
+	for _, layered := range []bool{true, false} {
+		for _, d := range n.drivers {
+			_, on := d.(substrate.BuiltOn)
+			if c, ok := d.(substrate.Closer); ok && on == layered {
+				c.Close()
+			}
+		}
+	}
 	n.logs.Close()
 	return n.store.close()
 }
@@ -353,7 +371,7 @@ func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return &dsecv1.Sandbox{
-		Id: s.id, Node: n.cfg.Name, State: s.state.public(), Spec: s.spec,
+		Id: s.id, Node: n.cfg.Name, State: s.state.public(), Spec: s.shownSpecLocked(),
 		CreatedAt:    timestamppb.New(s.created),
 		ExpiresAt:    timestamppb.New(s.expires),
 		LastActiveAt: timestamppb.New(time.Unix(0, s.lastActive.Load())),
@@ -363,6 +381,10 @@ func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
 func (n *Node) tombstoneView(t *record) *dsecv1.Sandbox {
 	spec := &dsecv1.SandboxSpec{}
 	protojson.Unmarshal(t.Spec, spec)
+	if nw := networkFromRecord(t.NetPolicy); nw != nil {
+		spec.Network = nw
+	}
+	spec.Network = redacted(spec.Network)
 	return &dsecv1.Sandbox{
 		Id: t.ID, Node: n.cfg.Name, State: t.State, Reason: t.Reason, Spec: spec,
 		CreatedAt: timestamppb.New(t.Created), ExpiresAt: timestamppb.New(t.Deleted),
@@ -513,7 +535,7 @@ func (n *Node) adopt() {
 		s := &sandbox{
 			id: r.ID, spec: spec, created: r.Created, image: r.Image, layers: r.Layers, net: att,
 			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey, project: projectOr(r.Project),
-			state: parseState(r.State), expires: r.Expires, rec: r,
+			state: parseState(r.State), expires: r.Expires, rec: r, network: networkFromRecord(r.NetPolicy),
 		}
 		if s.state != statePaused {
 			s.state = stateRunning // as were records written mid-delete, and those of old stores

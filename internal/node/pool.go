@@ -19,7 +19,8 @@ import (
 // PoolConfig is a warm pool: Size sandboxes of one shape kept started, so
 // a create of that shape returns at once. The environment, labels, user,
 // working directory and TTL of a create apply to a pooled sandbox when it
-// is handed out; the shape (kind, image, resources, network) must match.
+// is handed out; the shape (kind, image, resources, network mode) must
+// match. A create's network policy is put in force at hand-out.
 type PoolConfig struct {
 	Kind     string  `json:"kind,omitempty"` // default container
 	Image    string  `json:"image"`
@@ -60,7 +61,7 @@ type pool struct {
 // shapeKey identifies the shape of a normalized spec.
 func shapeKey(spec *dsecv1.SandboxSpec) string {
 	r := spec.Resources
-	return fmt.Sprintf("%s|%s|cpu=%g|mem=%d|pids=%d|disk=%d|net=%s|rt=%s", spec.Kind, imageOf(spec), r.GetCpu(), r.GetMemoryMb(), r.GetPids(), r.GetDiskMb(), spec.Network.GetMode(), spec.Runtime)
+	return fmt.Sprintf("%s|%s|cpu=%g|mem=%d|pids=%d|disk=%d|net=%s|bw=%d|rt=%s", spec.Kind, imageOf(spec), r.GetCpu(), r.GetMemoryMb(), r.GetPids(), r.GetDiskMb(), spec.Network.GetMode(), r.GetBandwidthMbps(), spec.Runtime)
 }
 
 func newPools(n *Node, cfgs []PoolConfig) *pools {
@@ -124,7 +125,7 @@ func (ps *pools) fill(p *pool) {
 		img, err := n.normalize(tenant.Shared, spec)
 		var s *sandbox
 		if err == nil {
-			s, err = n.prepare(ctx, spec, img)
+			s, err = n.prepare(ctx, spec, img, tenant.Shared)
 		}
 		cancel()
 		release()
@@ -156,7 +157,7 @@ func (ps *pools) fill(p *pool) {
 
 // take hands out a pooled sandbox of spec's shape, personalized for spec,
 // or nil if none is ready.
-func (ps *pools) take(spec *dsecv1.SandboxSpec) *sandbox {
+func (ps *pools) take(spec *dsecv1.SandboxSpec, project string) *sandbox {
 	if ps == nil {
 		return nil
 	}
@@ -185,7 +186,7 @@ func (ps *pools) take(spec *dsecv1.SandboxSpec) *sandbox {
 			n.release(context.Background(), s, nil)
 			continue
 		}
-		if err := ps.personalize(s, spec); err != nil {
+		if err := ps.personalize(s, spec, project); err != nil {
 			n.log.Warn("pooled sandbox unusable", slog.String("sandbox_id", s.id), slog.Any("error", err))
 			continue
 		}
@@ -196,10 +197,20 @@ func (ps *pools) take(spec *dsecv1.SandboxSpec) *sandbox {
 
 // personalize gives a pooled sandbox the parts of spec that are not its
 // shape.
-func (ps *pools) personalize(s *sandbox, spec *dsecv1.SandboxSpec) error {
+func (ps *pools) personalize(s *sandbox, spec *dsecv1.SandboxSpec, project string) error {
 	n := ps.n
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	if p := spec.Network.GetPolicy(); p != nil {
+		pol, err := n.policyOf(project, p)
+		if err == nil {
+			err = n.net.SetPolicy(s.net, pol)
+		}
+		if err != nil {
+			n.release(context.Background(), s, nil)
+			return err
+		}
+	}
 	s.spec = spec
 	s.created = time.Now().UTC()
 	s.expires = s.created.Add(time.Duration(spec.TtlS) * time.Second)

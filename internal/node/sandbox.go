@@ -39,6 +39,9 @@ type sandbox struct {
 	state   state
 	expires time.Time
 	rec     *record
+	// network is the sandbox's network since a SetNetworkPolicy (nil:
+	// spec.network), credentials' values included.
+	network *dsecv1.Network
 }
 
 func (s *sandbox) touch() { s.lastActive.Store(time.Now().UnixNano()) }
@@ -175,16 +178,12 @@ func (s *sandbox) currentState() state {
 // record is the sandbox as the store keeps it.
 func (s *sandbox) record() *record {
 	specJSON, _ := protojson.Marshal(s.spec)
-	var netJSON []byte
-	if s.net != nil && s.net.Mode == network.ModeEgress {
-		netJSON, _ = jsonMarshal(s.net)
-	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	r := &record{
 		ID: s.id, Kind: s.spec.Kind, Image: s.image, Spec: specJSON, Layers: s.layers,
-		Created: s.created, Expires: s.expires, State: s.state.String(), Network: netJSON, IdemKey: s.idemKey,
-		Project: s.project,
+		Created: s.created, Expires: s.expires, State: s.state.String(), Network: attachmentJSON(s.net), IdemKey: s.idemKey,
+		Project: s.project, NetPolicy: networkRecord(s.network),
 	}
 	if s.inst != nil {
 		r.Driver = s.inst.State()

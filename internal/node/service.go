@@ -128,6 +128,14 @@ func (s *Service) GetSandboxStats(ctx context.Context, req *connect.Request[dsec
 	return answer(s.n.Stats(ctx, req.Msg.GetId()))
 }
 
+func (s *Service) SetNetworkPolicy(ctx context.Context, req *connect.Request[dsecv1.SetNetworkPolicyRequest]) (*connect.Response[dsecv1.Network], error) {
+	return answer(s.n.SetNetworkPolicy(ctx, req.Msg))
+}
+
+func (s *Service) GetNetworkPolicy(ctx context.Context, req *connect.Request[dsecv1.GetNetworkPolicyRequest]) (*connect.Response[dsecv1.Network], error) {
+	return answer(s.n.GetNetworkPolicy(ctx, req.Msg.GetId()))
+}
+
 // Processes.
 
 func (s *Service) Exec(ctx context.Context, req *connect.Request[dsecv1.ExecRequest]) (*connect.Response[dsecv1.ExecResult], error) {
@@ -220,26 +228,6 @@ func (s *Service) WriteFileFrom(ctx context.Context, hdr *dsecv1.WriteFileHeader
 	return answer(s.n.WriteFile(ctx, hdr, r))
 }
 
-func (s *Service) Stat(ctx context.Context, req *connect.Request[dsecv1.StatRequest]) (*connect.Response[dsecv1.FileInfo], error) {
-	return answer(s.n.Stat(ctx, req.Msg))
-}
-
-func (s *Service) ListDir(ctx context.Context, req *connect.Request[dsecv1.ListDirRequest]) (*connect.Response[dsecv1.ListDirResponse], error) {
-	return answer(s.n.ListDir(ctx, req.Msg))
-}
-
-func (s *Service) MakeDir(ctx context.Context, req *connect.Request[dsecv1.MakeDirRequest]) (*connect.Response[dsecv1.FileInfo], error) {
-	return answer(s.n.MakeDir(ctx, req.Msg))
-}
-
-func (s *Service) Remove(ctx context.Context, req *connect.Request[dsecv1.RemoveRequest]) (*connect.Response[dsecv1.RemoveResponse], error) {
-	return done[dsecv1.RemoveResponse](s.n.Remove(ctx, req.Msg))
-}
-
-func (s *Service) Rename(ctx context.Context, req *connect.Request[dsecv1.RenameRequest]) (*connect.Response[dsecv1.FileInfo], error) {
-	return answer(s.n.Rename(ctx, req.Msg))
-}
-
 func (s *Service) WatchDir(ctx context.Context, req *connect.Request[dsecv1.WatchDirRequest], st *connect.ServerStream[dsecv1.WatchDirEvent]) error {
 	return s.WatchEvents(ctx, req.Msg, st.Send)
 }
@@ -271,6 +259,10 @@ func (s *Service) Fork(ctx context.Context, req *connect.Request[dsecv1.ForkRequ
 
 func (s *Service) GetLog(ctx context.Context, req *connect.Request[dsecv1.GetLogRequest]) (*connect.Response[dsecv1.GetLogResponse], error) {
 	return answer(s.n.GetLog(ctx, req.Msg))
+}
+
+func (s *Service) GetNetworkLog(ctx context.Context, req *connect.Request[dsecv1.GetNetworkLogRequest]) (*connect.Response[dsecv1.GetNetworkLogResponse], error) {
+	return answer(s.n.GetNetworkLog(ctx, req.Msg))
 }
 
 func (s *Service) Replay(ctx context.Context, req *connect.Request[dsecv1.ReplayRequest]) (*connect.Response[dsecv1.ReplayResponse], error) {

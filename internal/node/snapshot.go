@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
@@ -321,7 +320,7 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.Creat
 		n.sandboxes.pin(snapKey, -1)
 		n.releaseSnapshot(snapKey)
 	}()
-	base := proto.Clone(parent.spec).(*dsecv1.SandboxSpec)
+	base := parent.currentSpec()
 	base.Snapshot, base.Image = snap.Id, ""
 	labels := map[string]string{}
 	for k, v := range base.Labels {

@@ -133,6 +133,16 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 	switch spec.Network.Mode {
 	case "":
 		spec.Network.Mode = network.ModeNone
+		if spec.Network.Policy != nil {
+			// A policy is for egress.
+			spec.Network.Mode = network.ModeEgress
+			if why := n.net.EgressUnavailable(); why != "" {
+				return nil, errdefs.Unavailable("egress networking is unavailable on node %s: %s", n.cfg.Name, why)
+			}
+			if !caps.Has(substrate.CapNetworkEgress) {
+				return nil, errdefs.Unimplemented("kind %q%s has no egress networking", spec.Kind, runtimeSuffix(spec.Runtime))
+			}
+		}
 	case network.ModeNone:
 	case network.ModeEgress:
 		if why := n.net.EgressUnavailable(); why != "" {
@@ -143,6 +153,9 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 		}
 	default:
 		return nil, errdefs.Invalid("network.mode %q (use none or egress)", spec.Network.Mode)
+	}
+	if err := n.normalizeNetwork(project, spec); err != nil {
+		return nil, err
 	}
 	if len(spec.User) > 256 || strings.ContainsAny(spec.User, "\x00\n") {
 		return nil, errdefs.Invalid("spec.user is malformed")

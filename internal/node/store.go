@@ -35,6 +35,9 @@ type record struct {
 	Infra    bool      `json:"infra,omitempty"` // the end was the platform's doing
 	Hostname string    `json:"hostname,omitempty"`
 	Project  string    `json:"project,omitempty"`
+	// NetPolicy is the sandbox's network (protojson of dsecv1.Network)
+	// since a SetNetworkPolicy; without one, the spec's.
+	NetPolicy []byte `json:"net_policy,omitempty"`
 }
 
 type store struct {

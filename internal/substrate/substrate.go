@@ -249,6 +249,7 @@ type FileGuest interface {
 	MakeDir(ctx context.Context, m *guestv1.MakeDir) (*guestv1.FileInfo, error)
 	Remove(ctx context.Context, r *guestv1.Remove) error
 	Rename(ctx context.Context, r *guestv1.Rename) (*guestv1.FileInfo, error)
+	ChangeMode(ctx context.Context, m *guestv1.ChangeMode) (*guestv1.FileInfo, error)
 	Watch(ctx context.Context, w *guestv1.Watch) (*guest.Watch, error)
 }
 
@@ -307,6 +308,27 @@ type Driver interface {
 	// node, from the state it persisted. It returns a Gone error if the
 	// instance no longer runs.
 	Attach(ctx context.Context, spec *Spec, state []byte) (Instance, error)
+}
+
+// Starter is a driver with background work of its own (a warm pool of
+// workers, a janitor): its node starts it once assembled, after it has
+// re-adopted its sandboxes.
+type Starter interface {
+	Start()
+}
+
+// Closer is a driver holding host resources (workers, ID allocators,
+// mounts) that its node releases when it closes, after its own pools.
+// Sandboxes keep running across a close.
+type Closer interface {
+	Close()
+}
+
+// BuiltOn is a driver whose instances are another kind's (function
+// workers are containers): its node closes it before the driver it is
+// built on.
+type BuiltOn interface {
+	BuiltOn() Kind
 }
 
 // Instance is one running sandbox of a driver. Methods are safe for

@@ -37,3 +37,18 @@ func (c *Client) Languages(ctx context.Context, image string) ([]*dsecv1.Languag
 	}
 	return r.Msg.Languages, nil
 }
+
+// Checker returns a built-in special judge for RunCodeRequest.Checker:
+// "lines", "exact", "tokens", "float" (numbers within tolerance, relative
+// or absolute), "unordered_lines" or "case_insensitive".
+func Checker(builtin string, tolerance float64) *dsecv1.Checker {
+	return &dsecv1.Checker{Builtin: builtin, FloatTolerance: tolerance}
+}
+
+// CheckerProgram returns a special judge that is a program in language:
+// it runs per test case as `checker input expected actual` (three files in
+// its directory) and accepts with exit 0; 1 or 2 is a wrong answer and
+// anything else a judge_error (mask it, as a sandbox_error).
+func CheckerProgram(language, code string) *dsecv1.Checker {
+	return &dsecv1.Checker{Language: language, Code: code}
+}

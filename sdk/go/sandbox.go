@@ -24,8 +24,13 @@ type CreateOptions struct {
 	Labels   map[string]string
 	Env      map[string]string
 	Network  string // "none" (default) or "egress"
-	User     string
-	Workdir  string
+	// Policy restricts egress (implies Network "egress"): what no rule
+	// allows is denied. nil: unrestricted egress.
+	Policy *Policy
+	// BandwidthMbps limits egress throughput each way (0: none).
+	BandwidthMbps int64
+	User          string
+	Workdir       string
 	// IdempotencyKey makes the create safe to retry.
 	IdempotencyKey string
 	// Snapshot starts the sandbox from a snapshot instead of Image.
@@ -41,11 +46,14 @@ type CreateOptions struct {
 }
 
 func (o CreateOptions) spec() *dsecv1.SandboxSpec {
+	if o.Policy != nil && o.Network == "" {
+		o.Network = "egress"
+	}
 	return &dsecv1.SandboxSpec{
 		Kind: o.Kind, Image: o.Image,
-		Resources: &dsecv1.Resources{Cpu: o.CPU, MemoryMb: o.MemoryMB, DiskMb: o.DiskMB, Pids: o.Pids},
+		Resources: &dsecv1.Resources{Cpu: o.CPU, MemoryMb: o.MemoryMB, DiskMb: o.DiskMB, Pids: o.Pids, BandwidthMbps: o.BandwidthMbps},
 		TtlS:      int64(o.TTL / time.Second), IdleTtlS: int64(o.IdleTTL / time.Second),
-		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network},
+		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network, Policy: o.Policy.proto()},
 		User: o.User, Workdir: o.Workdir, Snapshot: o.Snapshot, Session: o.Session,
 		NodeSelector: o.NodeSelector, Runtime: o.Runtime,
 	}
@@ -316,6 +324,15 @@ func (s *Sandbox) ReadFile(ctx context.Context, path string, w io.Writer) (*dsec
 // Stat returns a file's info.
 func (s *Sandbox) Stat(ctx context.Context, path string) (*dsecv1.FileInfo, error) {
 	r, err := s.c.raw.Stat(ctx, connect.NewRequest(&dsecv1.StatRequest{SandboxId: s.ID, Path: path}))
+	if err != nil {
+		return nil, asError(err)
+	}
+	return r.Msg, nil
+}
+
+// ChangeMode sets a path's permission bits (chmod), as the sandbox's user.
+func (s *Sandbox) ChangeMode(ctx context.Context, path string, mode uint32) (*dsecv1.FileInfo, error) {
+	r, err := s.c.raw.ChangeMode(ctx, connect.NewRequest(&dsecv1.ChangeModeRequest{SandboxId: s.ID, Path: path, Mode: mode}))
 	if err != nil {
 		return nil, asError(err)
 	}

@@ -177,7 +177,10 @@ func TestControlPlaneErrors(t *testing.T) {
 		{"a reserved metadata key is 400", "POST", "/v2/sandboxes", key, `{"templateID":"base","metadata":{"e2b.dev/template":"x"}}`, 400},
 		{"an unknown list state is 400", "GET", "/v2/sandboxes?state=sleeping", key, "", 400},
 		{"a forged next token is 400", "GET", "/v2/sandboxes?nextToken=***", key, "", 400},
-		{"an unsupported call is 501", "PUT", "/sandboxes/" + c.SandboxID + "/network", key, `{}`, 501},
+		{"an unsupported call is 501", "POST", "/sandboxes/" + c.SandboxID + "/snapshots", key, `{}`, 501},
+		{"network rules for a sandbox without internet access are 400", "PUT", "/sandboxes/" + c.SandboxID + "/network", key, `{"allowOut":["pypi.org"]}`, 400},
+		{"a domain name in denyOut is 400", "POST", "/v2/sandboxes", key, `{"templateID":"base","network":{"denyOut":["evil.test"]}}`, 400},
+		{"a bad allowOut entry is 400", "POST", "/v2/sandboxes", key, `{"templateID":"base","network":{"allowOut":["not a host!"]}}`, 400},
 		{"snapshots are 501", "GET", "/snapshots", key, "", 501},
 	}
 	for _, tt := range tests {
@@ -188,6 +191,20 @@ func TestControlPlaneErrors(t *testing.T) {
 	t.Run("create answers 201 with what the SDKs read", func(t *testing.T) {
 		if c.EnvdVersion != "0.5.7" || c.ClientID == "" || c.TemplateID != "base" || len(c.EnvdAccessToken) < 32 || c.Domain != nil {
 			t.Fatalf("create answered %+v", c)
+		}
+	})
+	t.Run("network rules apply at create and change at runtime", func(t *testing.T) {
+		r := do(t, "POST", s.URL+"/v2/sandboxes", key, []byte(`{"templateID":"base","network":{"denyOut":["0.0.0.0/0"],"allowOut":["pypi.org","1.1.1.1"]}}`))
+		if r.status != http.StatusCreated {
+			t.Fatalf("create: %d %s", r.status, r.body)
+		}
+		var n created
+		json.Unmarshal(r.body, &n)
+		defer do(t, "DELETE", s.URL+"/sandboxes/"+n.SandboxID, key, nil)
+		for _, body := range []string{`{"allowOut":["*.pypi.org"],"denyOut":["0.0.0.0/0"]}`, `{"allowInternetAccess":false}`, `{}`} {
+			if r := do(t, "PUT", s.URL+"/sandboxes/"+n.SandboxID+"/network", key, []byte(body)); r.status != http.StatusNoContent {
+				t.Fatalf("update %s: %d %s", body, r.status, r.body)
+			}
 		}
 	})
 	t.Run("pausing twice is 409 the second time", func(t *testing.T) {

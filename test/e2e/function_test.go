@@ -190,12 +190,32 @@ func TestFunctionBadRequests(t *testing.T) {
 			}
 		})
 	}
-	t.Run("invalid base64 in a SandboxFusion request is a 400", func(t *testing.T) {
-		resp, err := http.Post(srv.URL+"/run_code", "application/json", strings.NewReader(`{"code":"x","language":"python","files":{"a":"!!!"}}`))
-		if err != nil || resp.StatusCode != 400 {
-			t.Fatalf("%v %v", resp.StatusCode, err)
-		}
-	})
+	// SandboxFusion's answers: a request its validation refuses is a 422
+	// with FastAPI's detail; a file it cannot decode fails the call as a
+	// SandboxError.
+	for _, tc := range []struct{ name, body, want string }{
+		{"invalid base64 in a SandboxFusion request is a SandboxError", `{"code":"x","language":"python","files":{"a":"!!!"}}`, "200 SandboxError"},
+		{"an unknown SandboxFusion language is a 422", `{"code":"x","language":"cobol"}`, "422 "},
+		{"a SandboxFusion request without code is a 422", `{"language":"python"}`, "422 "},
+		{"a SandboxFusion request with a wrong type is a 422", `{"code":1,"language":"python"}`, "422 "},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			resp, err := http.Post(srv.URL+"/run_code", "application/json", strings.NewReader(tc.body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out map[string]any
+			json.NewDecoder(resp.Body).Decode(&out)
+			resp.Body.Close()
+			status, _ := out["status"].(string)
+			if got := fmt.Sprint(resp.StatusCode, " ", status); got != tc.want {
+				t.Fatalf("got %q, want %q: %v", got, tc.want, out)
+			}
+			if resp.StatusCode == 422 && out["detail"] == nil {
+				t.Fatalf("no detail: %v", out)
+			}
+		})
+	}
 }
 
 // dsecErr converts a raw connect error like the SDK does.

@@ -160,6 +160,13 @@ func testReadsOfRootOnlyFilesAreRefusedInANobodySandbox(t *testing.T, rt string)
 	mustBeDenied(t, "list /root (mode 700)", err, srv(t).DataDir)
 	_, err = sb.Stat(ctxFor(t, time.Minute), "/root/secret")
 	mustBeDenied(t, "stat /root/secret", err, srv(t).DataDir)
+	for _, p := range []string{"/etc/shadow", "/tmp/shadow-link"} {
+		_, err = sb.ChangeMode(ctxFor(t, time.Minute), p, 0o644)
+		mustBeDenied(t, "chmod "+p, err, srv(t).DataDir)
+	}
+	if got := runAs(t, sb, "root", "stat -c %a /etc/shadow"); strings.TrimSpace(got) == "644" {
+		t.Errorf("/etc/shadow became readable")
+	}
 
 	// The plain HTTP file endpoint reaches the same node call.
 	req, _ := http.NewRequest("GET", srv(t).URL+"/v1/sandboxes/"+sb.ID+"/files?path=/etc/shadow", nil)

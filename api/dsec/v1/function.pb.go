@@ -23,7 +23,13 @@ const (
 
 type RunCodeRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// language is python, bash, c, cpp, go, nodejs (javascript), java or rust.
+	// language is one of SandboxFusion's names (python, pytest, cpp, nodejs,
+	// typescript, go, go_test, java, junit, php, csharp, bash, sql, rust,
+	// lua, R, perl, D_ut, ruby, scala, julia, kotlin_script, jest, verilog,
+	// lean, swift, racket, cuda, python_gpu), c, or an alias (ListLanguages
+	// lists them; case is ignored). An unknown name is invalid; a language
+	// the node's worker image lacks the toolchain of answers sandbox_error
+	// with infra set, naming what is missing: never a task failure.
 	Language string `protobuf:"bytes,1,opt,name=language,proto3" json:"language,omitempty"`
 	Code     string `protobuf:"bytes,2,opt,name=code,proto3" json:"code,omitempty"`
 	Stdin    string `protobuf:"bytes,3,opt,name=stdin,proto3" json:"stdin,omitempty"`
@@ -37,11 +43,17 @@ type RunCodeRequest struct {
 	CompileTimeoutS float64 `protobuf:"fixed64,6,opt,name=compile_timeout_s,json=compileTimeoutS,proto3" json:"compile_timeout_s,omitempty"`
 	RunTimeoutS     float64 `protobuf:"fixed64,7,opt,name=run_timeout_s,json=runTimeoutS,proto3" json:"run_timeout_s,omitempty"`
 	// memory_limit_mb limits the program's address space (default 1024;
-	// -1 or 0: the worker's limit only).
+	// -1: the worker's limit only). A limit above the worker's memory is
+	// the worker's. Runtimes that reserve large virtual memory (JVM, Go,
+	// Node.js, Mono, Racket, R, D) are bounded by the worker's memory cgroup
+	// instead; the JVM and Node.js get the limit as their heap limit.
 	MemoryLimitMb int64 `protobuf:"varint,8,opt,name=memory_limit_mb,json=memoryLimitMb,proto3" json:"memory_limit_mb,omitempty"`
 	// max_output_bytes caps stdout and stderr each (default 1 MiB).
 	MaxOutputBytes int64 `protobuf:"varint,9,opt,name=max_output_bytes,json=maxOutputBytes,proto3" json:"max_output_bytes,omitempty"`
-	// tests judges the program: it runs once per case with the case's stdin.
+	// tests judges the program: it runs once per case with the case's stdin,
+	// after one compile. The cases run in parallel on the node's workers,
+	// each in a call of its own (a case never sees another's input or any
+	// expected output); fetch_files does not apply.
 	Tests []*TestCase   `protobuf:"bytes,10,rep,name=tests,proto3" json:"tests,omitempty"`
 	Judge *JudgeOptions `protobuf:"bytes,11,opt,name=judge,proto3" json:"judge,omitempty"`
 	// image is the worker image (default: the node's function image).
@@ -50,7 +62,12 @@ type RunCodeRequest struct {
 	Gpus    int32  `protobuf:"varint,13,opt,name=gpus,proto3" json:"gpus,omitempty"`
 	GpuMode string `protobuf:"bytes,14,opt,name=gpu_mode,json=gpuMode,proto3" json:"gpu_mode,omitempty"`
 	// cpu_limit_s limits CPU time (default: run_timeout_s).
-	CpuLimitS     float64 `protobuf:"fixed64,15,opt,name=cpu_limit_s,json=cpuLimitS,proto3" json:"cpu_limit_s,omitempty"`
+	CpuLimitS float64 `protobuf:"fixed64,15,opt,name=cpu_limit_s,json=cpuLimitS,proto3" json:"cpu_limit_s,omitempty"`
+	// checker judges each test case's output instead of judge (a special
+	// judge): a built-in comparison or a program.
+	Checker *Checker `protobuf:"bytes,16,opt,name=checker,proto3" json:"checker,omitempty"`
+	// args are passed to the program after its command (argv[1:]).
+	Args          []string `protobuf:"bytes,17,rep,name=args,proto3" json:"args,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -190,6 +207,116 @@ func (x *RunCodeRequest) GetCpuLimitS() float64 {
 	return 0
 }
 
+func (x *RunCodeRequest) GetChecker() *Checker {
+	if x != nil {
+		return x.Checker
+	}
+	return nil
+}
+
+func (x *RunCodeRequest) GetArgs() []string {
+	if x != nil {
+		return x.Args
+	}
+	return nil
+}
+
+// Checker is a special judge: it decides whether a test case's output is
+// right when more than one output is (floating point answers, any valid
+// order, any valid construction).
+type Checker struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// builtin is "lines" (the default judge: lines compared with surrounding
+	// whitespace trimmed), "exact" (bytes), "tokens" (whitespace-separated
+	// tokens, line breaks ignored), "float" (tokens; numbers within
+	// float_tolerance, relative or absolute), "unordered_lines" (the same
+	// lines in any order) or "case_insensitive" (tokens, ignoring case).
+	// Ignored when code is set.
+	Builtin string `protobuf:"bytes,1,opt,name=builtin,proto3" json:"builtin,omitempty"`
+	// float_tolerance for "float" (default 1e-6).
+	FloatTolerance float64 `protobuf:"fixed64,2,opt,name=float_tolerance,json=floatTolerance,proto3" json:"float_tolerance,omitempty"`
+	// language and code are a checker program, in any language the node
+	// runs. It runs once per test case, after the program, in a call of its
+	// own, as `<checker> input expected actual`: three files in its working
+	// directory holding the case's stdin, expected_stdout and the program's
+	// stdout. Exit 0 accepts; 1 or 2 is a wrong answer (testlib's WA and
+	// PE); anything else (3 is testlib's FAIL), a signal or a timeout is a
+	// judge_error. What it prints (up to 4 KiB) is the case's
+	// checker_message.
+	Language string `protobuf:"bytes,3,opt,name=language,proto3" json:"language,omitempty"`
+	Code     string `protobuf:"bytes,4,opt,name=code,proto3" json:"code,omitempty"`
+	// timeout_s bounds each checker run (default 10, at most 300); its
+	// compile has the call's compile_timeout_s.
+	TimeoutS      float64 `protobuf:"fixed64,5,opt,name=timeout_s,json=timeoutS,proto3" json:"timeout_s,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Checker) Reset() {
+	*x = Checker{}
+	mi := &file_dsec_v1_function_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Checker) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Checker) ProtoMessage() {}
+
+func (x *Checker) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_function_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Checker.ProtoReflect.Descriptor instead.
+func (*Checker) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_function_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *Checker) GetBuiltin() string {
+	if x != nil {
+		return x.Builtin
+	}
+	return ""
+}
+
+func (x *Checker) GetFloatTolerance() float64 {
+	if x != nil {
+		return x.FloatTolerance
+	}
+	return 0
+}
+
+func (x *Checker) GetLanguage() string {
+	if x != nil {
+		return x.Language
+	}
+	return ""
+}
+
+func (x *Checker) GetCode() string {
+	if x != nil {
+		return x.Code
+	}
+	return ""
+}
+
+func (x *Checker) GetTimeoutS() float64 {
+	if x != nil {
+		return x.TimeoutS
+	}
+	return 0
+}
+
 type TestCase struct {
 	state          protoimpl.MessageState `protogen:"open.v1"`
 	Stdin          string                 `protobuf:"bytes,1,opt,name=stdin,proto3" json:"stdin,omitempty"`
@@ -201,7 +328,7 @@ type TestCase struct {
 
 func (x *TestCase) Reset() {
 	*x = TestCase{}
-	mi := &file_dsec_v1_function_proto_msgTypes[1]
+	mi := &file_dsec_v1_function_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -213,7 +340,7 @@ func (x *TestCase) String() string {
 func (*TestCase) ProtoMessage() {}
 
 func (x *TestCase) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_function_proto_msgTypes[1]
+	mi := &file_dsec_v1_function_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -226,7 +353,7 @@ func (x *TestCase) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TestCase.ProtoReflect.Descriptor instead.
 func (*TestCase) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_function_proto_rawDescGZIP(), []int{1}
+	return file_dsec_v1_function_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *TestCase) GetStdin() string {
@@ -268,7 +395,7 @@ type JudgeOptions struct {
 
 func (x *JudgeOptions) Reset() {
 	*x = JudgeOptions{}
-	mi := &file_dsec_v1_function_proto_msgTypes[2]
+	mi := &file_dsec_v1_function_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -280,7 +407,7 @@ func (x *JudgeOptions) String() string {
 func (*JudgeOptions) ProtoMessage() {}
 
 func (x *JudgeOptions) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_function_proto_msgTypes[2]
+	mi := &file_dsec_v1_function_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -293,7 +420,7 @@ func (x *JudgeOptions) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use JudgeOptions.ProtoReflect.Descriptor instead.
 func (*JudgeOptions) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_function_proto_rawDescGZIP(), []int{2}
+	return file_dsec_v1_function_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *JudgeOptions) GetCaseInsensitive() bool {
@@ -344,7 +471,7 @@ type StageResult struct {
 
 func (x *StageResult) Reset() {
 	*x = StageResult{}
-	mi := &file_dsec_v1_function_proto_msgTypes[3]
+	mi := &file_dsec_v1_function_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -356,7 +483,7 @@ func (x *StageResult) String() string {
 func (*StageResult) ProtoMessage() {}
 
 func (x *StageResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_function_proto_msgTypes[3]
+	mi := &file_dsec_v1_function_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -369,7 +496,7 @@ func (x *StageResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageResult.ProtoReflect.Descriptor instead.
 func (*StageResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_function_proto_rawDescGZIP(), []int{3}
+	return file_dsec_v1_function_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *StageResult) GetStatus() string {
@@ -441,16 +568,22 @@ type CaseResult struct {
 	Name   string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
 	Passed bool                   `protobuf:"varint,3,opt,name=passed,proto3" json:"passed,omitempty"`
 	// status is "passed", "wrong_answer", "runtime_error",
-	// "time_limit_exceeded", "memory_limit_exceeded" or "not_run".
-	Status        string       `protobuf:"bytes,4,opt,name=status,proto3" json:"status,omitempty"`
-	Run           *StageResult `protobuf:"bytes,5,opt,name=run,proto3" json:"run,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// "time_limit_exceeded", "memory_limit_exceeded", "judge_error" (the
+	// checker program failed), "sandbox_error" (the platform failed) or
+	// "not_run".
+	Status string       `protobuf:"bytes,4,opt,name=status,proto3" json:"status,omitempty"`
+	Run    *StageResult `protobuf:"bytes,5,opt,name=run,proto3" json:"run,omitempty"`
+	// checker is the checker program's run, and checker_message what it
+	// printed (or why a built-in checker refused the output).
+	Checker        *StageResult `protobuf:"bytes,6,opt,name=checker,proto3" json:"checker,omitempty"`
+	CheckerMessage string       `protobuf:"bytes,7,opt,name=checker_message,json=checkerMessage,proto3" json:"checker_message,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *CaseResult) Reset() {
 	*x = CaseResult{}
-	mi := &file_dsec_v1_function_proto_msgTypes[4]
+	mi := &file_dsec_v1_function_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -462,7 +595,7 @@ func (x *CaseResult) String() string {
 func (*CaseResult) ProtoMessage() {}
 
 func (x *CaseResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_function_proto_msgTypes[4]
+	mi := &file_dsec_v1_function_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -475,7 +608,7 @@ func (x *CaseResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CaseResult.ProtoReflect.Descriptor instead.
 func (*CaseResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_function_proto_rawDescGZIP(), []int{4}
+	return file_dsec_v1_function_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *CaseResult) GetIndex() int32 {
@@ -513,29 +646,50 @@ func (x *CaseResult) GetRun() *StageResult {
 	return nil
 }
 
+func (x *CaseResult) GetChecker() *StageResult {
+	if x != nil {
+		return x.Checker
+	}
+	return nil
+}
+
+func (x *CaseResult) GetCheckerMessage() string {
+	if x != nil {
+		return x.CheckerMessage
+	}
+	return ""
+}
+
 type RunCodeResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// status is "success", "wrong_answer", "compile_error", "runtime_error",
 	// "time_limit_exceeded", "memory_limit_exceeded" (the program's own
-	// outcomes) or "sandbox_error" (the platform failed: infra is set).
-	Status        string            `protobuf:"bytes,1,opt,name=status,proto3" json:"status,omitempty"`
-	Infra         bool              `protobuf:"varint,2,opt,name=infra,proto3" json:"infra,omitempty"`
-	Message       string            `protobuf:"bytes,3,opt,name=message,proto3" json:"message,omitempty"`
-	Compile       *StageResult      `protobuf:"bytes,4,opt,name=compile,proto3" json:"compile,omitempty"`
-	Run           *StageResult      `protobuf:"bytes,5,opt,name=run,proto3" json:"run,omitempty"`
-	Files         map[string][]byte `protobuf:"bytes,6,rep,name=files,proto3" json:"files,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
-	Cases         []*CaseResult     `protobuf:"bytes,7,rep,name=cases,proto3" json:"cases,omitempty"`
-	Passed        int32             `protobuf:"varint,8,opt,name=passed,proto3" json:"passed,omitempty"`
-	Total         int32             `protobuf:"varint,9,opt,name=total,proto3" json:"total,omitempty"`
-	DurationS     float64           `protobuf:"fixed64,10,opt,name=duration_s,json=durationS,proto3" json:"duration_s,omitempty"`
-	Language      string            `protobuf:"bytes,11,opt,name=language,proto3" json:"language,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// outcomes), "judge_error" (the checker program failed or did not
+	// compile: neither the program's fault nor the platform's; mask it) or
+	// "sandbox_error" (the platform failed: infra is set). With tests, the
+	// status is the first failing case's (by index).
+	Status    string            `protobuf:"bytes,1,opt,name=status,proto3" json:"status,omitempty"`
+	Infra     bool              `protobuf:"varint,2,opt,name=infra,proto3" json:"infra,omitempty"`
+	Message   string            `protobuf:"bytes,3,opt,name=message,proto3" json:"message,omitempty"`
+	Compile   *StageResult      `protobuf:"bytes,4,opt,name=compile,proto3" json:"compile,omitempty"`
+	Run       *StageResult      `protobuf:"bytes,5,opt,name=run,proto3" json:"run,omitempty"`
+	Files     map[string][]byte `protobuf:"bytes,6,rep,name=files,proto3" json:"files,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	Cases     []*CaseResult     `protobuf:"bytes,7,rep,name=cases,proto3" json:"cases,omitempty"`
+	Passed    int32             `protobuf:"varint,8,opt,name=passed,proto3" json:"passed,omitempty"`
+	Total     int32             `protobuf:"varint,9,opt,name=total,proto3" json:"total,omitempty"`
+	DurationS float64           `protobuf:"fixed64,10,opt,name=duration_s,json=durationS,proto3" json:"duration_s,omitempty"`
+	Language  string            `protobuf:"bytes,11,opt,name=language,proto3" json:"language,omitempty"`
+	// first_failure is the first failing case (by index), if any.
+	FirstFailure *CaseResult `protobuf:"bytes,12,opt,name=first_failure,json=firstFailure,proto3" json:"first_failure,omitempty"`
+	// checker_compile is the checker program's compile, if it has one.
+	CheckerCompile *StageResult `protobuf:"bytes,13,opt,name=checker_compile,json=checkerCompile,proto3" json:"checker_compile,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *RunCodeResult) Reset() {
 	*x = RunCodeResult{}
-	mi := &file_dsec_v1_function_proto_msgTypes[5]
+	mi := &file_dsec_v1_function_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -547,7 +701,7 @@ func (x *RunCodeResult) String() string {
 func (*RunCodeResult) ProtoMessage() {}
 
 func (x *RunCodeResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_function_proto_msgTypes[5]
+	mi := &file_dsec_v1_function_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -560,7 +714,7 @@ func (x *RunCodeResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeResult.ProtoReflect.Descriptor instead.
 func (*RunCodeResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_function_proto_rawDescGZIP(), []int{5}
+	return file_dsec_v1_function_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *RunCodeResult) GetStatus() string {
@@ -640,6 +794,20 @@ func (x *RunCodeResult) GetLanguage() string {
 	return ""
 }
 
+func (x *RunCodeResult) GetFirstFailure() *CaseResult {
+	if x != nil {
+		return x.FirstFailure
+	}
+	return nil
+}
+
+func (x *RunCodeResult) GetCheckerCompile() *StageResult {
+	if x != nil {
+		return x.CheckerCompile
+	}
+	return nil
+}
+
 type RunCodeBatchRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Calls         []*RunCodeRequest      `protobuf:"bytes,1,rep,name=calls,proto3" json:"calls,omitempty"`
@@ -649,7 +817,7 @@ type RunCodeBatchRequest struct {
 
 func (x *RunCodeBatchRequest) Reset() {
 	*x = RunCodeBatchRequest{}
-	mi := &file_dsec_v1_function_proto_msgTypes[6]
+	mi := &file_dsec_v1_function_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -661,7 +829,7 @@ func (x *RunCodeBatchRequest) String() string {
 func (*RunCodeBatchRequest) ProtoMessage() {}
 
 func (x *RunCodeBatchRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_function_proto_msgTypes[6]
+	mi := &file_dsec_v1_function_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -674,7 +842,7 @@ func (x *RunCodeBatchRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeBatchRequest.ProtoReflect.Descriptor instead.
 func (*RunCodeBatchRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_function_proto_rawDescGZIP(), []int{6}
+	return file_dsec_v1_function_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *RunCodeBatchRequest) GetCalls() []*RunCodeRequest {
@@ -693,7 +861,7 @@ type RunCodeBatchResponse struct {
 
 func (x *RunCodeBatchResponse) Reset() {
 	*x = RunCodeBatchResponse{}
-	mi := &file_dsec_v1_function_proto_msgTypes[7]
+	mi := &file_dsec_v1_function_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -705,7 +873,7 @@ func (x *RunCodeBatchResponse) String() string {
 func (*RunCodeBatchResponse) ProtoMessage() {}
 
 func (x *RunCodeBatchResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_function_proto_msgTypes[7]
+	mi := &file_dsec_v1_function_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -718,7 +886,7 @@ func (x *RunCodeBatchResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunCodeBatchResponse.ProtoReflect.Descriptor instead.
 func (*RunCodeBatchResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_function_proto_rawDescGZIP(), []int{7}
+	return file_dsec_v1_function_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *RunCodeBatchResponse) GetResults() []*RunCodeResult {
@@ -737,7 +905,7 @@ type ListLanguagesRequest struct {
 
 func (x *ListLanguagesRequest) Reset() {
 	*x = ListLanguagesRequest{}
-	mi := &file_dsec_v1_function_proto_msgTypes[8]
+	mi := &file_dsec_v1_function_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -749,7 +917,7 @@ func (x *ListLanguagesRequest) String() string {
 func (*ListLanguagesRequest) ProtoMessage() {}
 
 func (x *ListLanguagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_function_proto_msgTypes[8]
+	mi := &file_dsec_v1_function_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -762,7 +930,7 @@ func (x *ListLanguagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListLanguagesRequest.ProtoReflect.Descriptor instead.
 func (*ListLanguagesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_function_proto_rawDescGZIP(), []int{8}
+	return file_dsec_v1_function_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ListLanguagesRequest) GetImage() string {
@@ -773,18 +941,21 @@ func (x *ListLanguagesRequest) GetImage() string {
 }
 
 type LanguageInfo struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
-	Available     bool                   `protobuf:"varint,2,opt,name=available,proto3" json:"available,omitempty"`
-	Aliases       []string               `protobuf:"bytes,3,rep,name=aliases,proto3" json:"aliases,omitempty"`
-	Image         string                 `protobuf:"bytes,4,opt,name=image,proto3" json:"image,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Name      string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Available bool                   `protobuf:"varint,2,opt,name=available,proto3" json:"available,omitempty"`
+	Aliases   []string               `protobuf:"bytes,3,rep,name=aliases,proto3" json:"aliases,omitempty"`
+	Image     string                 `protobuf:"bytes,4,opt,name=image,proto3" json:"image,omitempty"`
+	// missing says why the language is not available: the toolchain the
+	// image lacks, or why no image of this build can have it.
+	Missing       string `protobuf:"bytes,5,opt,name=missing,proto3" json:"missing,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *LanguageInfo) Reset() {
 	*x = LanguageInfo{}
-	mi := &file_dsec_v1_function_proto_msgTypes[9]
+	mi := &file_dsec_v1_function_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -796,7 +967,7 @@ func (x *LanguageInfo) String() string {
 func (*LanguageInfo) ProtoMessage() {}
 
 func (x *LanguageInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_function_proto_msgTypes[9]
+	mi := &file_dsec_v1_function_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -809,7 +980,7 @@ func (x *LanguageInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LanguageInfo.ProtoReflect.Descriptor instead.
 func (*LanguageInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_function_proto_rawDescGZIP(), []int{9}
+	return file_dsec_v1_function_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *LanguageInfo) GetName() string {
@@ -840,6 +1011,13 @@ func (x *LanguageInfo) GetImage() string {
 	return ""
 }
 
+func (x *LanguageInfo) GetMissing() string {
+	if x != nil {
+		return x.Missing
+	}
+	return ""
+}
+
 type ListLanguagesResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Languages     []*LanguageInfo        `protobuf:"bytes,1,rep,name=languages,proto3" json:"languages,omitempty"`
@@ -849,7 +1027,7 @@ type ListLanguagesResponse struct {
 
 func (x *ListLanguagesResponse) Reset() {
 	*x = ListLanguagesResponse{}
-	mi := &file_dsec_v1_function_proto_msgTypes[10]
+	mi := &file_dsec_v1_function_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -861,7 +1039,7 @@ func (x *ListLanguagesResponse) String() string {
 func (*ListLanguagesResponse) ProtoMessage() {}
 
 func (x *ListLanguagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_function_proto_msgTypes[10]
+	mi := &file_dsec_v1_function_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -874,7 +1052,7 @@ func (x *ListLanguagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListLanguagesResponse.ProtoReflect.Descriptor instead.
 func (*ListLanguagesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_function_proto_rawDescGZIP(), []int{10}
+	return file_dsec_v1_function_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ListLanguagesResponse) GetLanguages() []*LanguageInfo {
@@ -888,7 +1066,7 @@ var File_dsec_v1_function_proto protoreflect.FileDescriptor
 
 const file_dsec_v1_function_proto_rawDesc = "" +
 	"\n" +
-	"\x16dsec/v1/function.proto\x12\adsec.v1\"\xc8\x04\n" +
+	"\x16dsec/v1/function.proto\x12\adsec.v1\"\x88\x05\n" +
 	"\x0eRunCodeRequest\x12\x1a\n" +
 	"\blanguage\x18\x01 \x01(\tR\blanguage\x12\x12\n" +
 	"\x04code\x18\x02 \x01(\tR\x04code\x12\x14\n" +
@@ -906,11 +1084,19 @@ const file_dsec_v1_function_proto_rawDesc = "" +
 	"\x05image\x18\f \x01(\tR\x05image\x12\x12\n" +
 	"\x04gpus\x18\r \x01(\x05R\x04gpus\x12\x19\n" +
 	"\bgpu_mode\x18\x0e \x01(\tR\agpuMode\x12\x1e\n" +
-	"\vcpu_limit_s\x18\x0f \x01(\x01R\tcpuLimitS\x1a8\n" +
+	"\vcpu_limit_s\x18\x0f \x01(\x01R\tcpuLimitS\x12*\n" +
+	"\achecker\x18\x10 \x01(\v2\x10.dsec.v1.CheckerR\achecker\x12\x12\n" +
+	"\x04args\x18\x11 \x03(\tR\x04args\x1a8\n" +
 	"\n" +
 	"FilesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\fR\x05value:\x028\x01\"]\n" +
+	"\x05value\x18\x02 \x01(\fR\x05value:\x028\x01\"\x99\x01\n" +
+	"\aChecker\x12\x18\n" +
+	"\abuiltin\x18\x01 \x01(\tR\abuiltin\x12'\n" +
+	"\x0ffloat_tolerance\x18\x02 \x01(\x01R\x0efloatTolerance\x12\x1a\n" +
+	"\blanguage\x18\x03 \x01(\tR\blanguage\x12\x12\n" +
+	"\x04code\x18\x04 \x01(\tR\x04code\x12\x1b\n" +
+	"\ttimeout_s\x18\x05 \x01(\x01R\btimeoutS\"]\n" +
 	"\bTestCase\x12\x14\n" +
 	"\x05stdin\x18\x01 \x01(\tR\x05stdin\x12'\n" +
 	"\x0fexpected_stdout\x18\x02 \x01(\tR\x0eexpectedStdout\x12\x12\n" +
@@ -931,14 +1117,16 @@ const file_dsec_v1_function_proto_rawDesc = "" +
 	"\ttruncated\x18\a \x01(\bR\ttruncated\x12\x16\n" +
 	"\x06signal\x18\b \x01(\tR\x06signal\x12\x1c\n" +
 	"\n" +
-	"max_rss_kb\x18\t \x01(\x03R\bmaxRssKb\"\x8e\x01\n" +
+	"max_rss_kb\x18\t \x01(\x03R\bmaxRssKb\"\xe7\x01\n" +
 	"\n" +
 	"CaseResult\x12\x14\n" +
 	"\x05index\x18\x01 \x01(\x05R\x05index\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x16\n" +
 	"\x06passed\x18\x03 \x01(\bR\x06passed\x12\x16\n" +
 	"\x06status\x18\x04 \x01(\tR\x06status\x12&\n" +
-	"\x03run\x18\x05 \x01(\v2\x14.dsec.v1.StageResultR\x03run\"\xb6\x03\n" +
+	"\x03run\x18\x05 \x01(\v2\x14.dsec.v1.StageResultR\x03run\x12.\n" +
+	"\achecker\x18\x06 \x01(\v2\x14.dsec.v1.StageResultR\achecker\x12'\n" +
+	"\x0fchecker_message\x18\a \x01(\tR\x0echeckerMessage\"\xaf\x04\n" +
 	"\rRunCodeResult\x12\x16\n" +
 	"\x06status\x18\x01 \x01(\tR\x06status\x12\x14\n" +
 	"\x05infra\x18\x02 \x01(\bR\x05infra\x12\x18\n" +
@@ -952,7 +1140,9 @@ const file_dsec_v1_function_proto_rawDesc = "" +
 	"\n" +
 	"duration_s\x18\n" +
 	" \x01(\x01R\tdurationS\x12\x1a\n" +
-	"\blanguage\x18\v \x01(\tR\blanguage\x1a8\n" +
+	"\blanguage\x18\v \x01(\tR\blanguage\x128\n" +
+	"\rfirst_failure\x18\f \x01(\v2\x13.dsec.v1.CaseResultR\ffirstFailure\x12=\n" +
+	"\x0fchecker_compile\x18\r \x01(\v2\x14.dsec.v1.StageResultR\x0echeckerCompile\x1a8\n" +
 	"\n" +
 	"FilesEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
@@ -962,12 +1152,13 @@ const file_dsec_v1_function_proto_rawDesc = "" +
 	"\x14RunCodeBatchResponse\x120\n" +
 	"\aresults\x18\x01 \x03(\v2\x16.dsec.v1.RunCodeResultR\aresults\",\n" +
 	"\x14ListLanguagesRequest\x12\x14\n" +
-	"\x05image\x18\x01 \x01(\tR\x05image\"p\n" +
+	"\x05image\x18\x01 \x01(\tR\x05image\"\x8a\x01\n" +
 	"\fLanguageInfo\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1c\n" +
 	"\tavailable\x18\x02 \x01(\bR\tavailable\x12\x18\n" +
 	"\aaliases\x18\x03 \x03(\tR\aaliases\x12\x14\n" +
-	"\x05image\x18\x04 \x01(\tR\x05image\"L\n" +
+	"\x05image\x18\x04 \x01(\tR\x05image\x12\x18\n" +
+	"\amissing\x18\x05 \x01(\tR\amissing\"L\n" +
 	"\x15ListLanguagesResponse\x123\n" +
 	"\tlanguages\x18\x01 \x03(\v2\x15.dsec.v1.LanguageInfoR\tlanguages2\xef\x01\n" +
 	"\x0fFunctionService\x12:\n" +
@@ -987,45 +1178,50 @@ func file_dsec_v1_function_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_function_proto_rawDescData
 }
 
-var file_dsec_v1_function_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_dsec_v1_function_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_dsec_v1_function_proto_goTypes = []any{
 	(*RunCodeRequest)(nil),        // 0: dsec.v1.RunCodeRequest
-	(*TestCase)(nil),              // 1: dsec.v1.TestCase
-	(*JudgeOptions)(nil),          // 2: dsec.v1.JudgeOptions
-	(*StageResult)(nil),           // 3: dsec.v1.StageResult
-	(*CaseResult)(nil),            // 4: dsec.v1.CaseResult
-	(*RunCodeResult)(nil),         // 5: dsec.v1.RunCodeResult
-	(*RunCodeBatchRequest)(nil),   // 6: dsec.v1.RunCodeBatchRequest
-	(*RunCodeBatchResponse)(nil),  // 7: dsec.v1.RunCodeBatchResponse
-	(*ListLanguagesRequest)(nil),  // 8: dsec.v1.ListLanguagesRequest
-	(*LanguageInfo)(nil),          // 9: dsec.v1.LanguageInfo
-	(*ListLanguagesResponse)(nil), // 10: dsec.v1.ListLanguagesResponse
-	nil,                           // 11: dsec.v1.RunCodeRequest.FilesEntry
-	nil,                           // 12: dsec.v1.RunCodeResult.FilesEntry
+	(*Checker)(nil),               // 1: dsec.v1.Checker
+	(*TestCase)(nil),              // 2: dsec.v1.TestCase
+	(*JudgeOptions)(nil),          // 3: dsec.v1.JudgeOptions
+	(*StageResult)(nil),           // 4: dsec.v1.StageResult
+	(*CaseResult)(nil),            // 5: dsec.v1.CaseResult
+	(*RunCodeResult)(nil),         // 6: dsec.v1.RunCodeResult
+	(*RunCodeBatchRequest)(nil),   // 7: dsec.v1.RunCodeBatchRequest
+	(*RunCodeBatchResponse)(nil),  // 8: dsec.v1.RunCodeBatchResponse
+	(*ListLanguagesRequest)(nil),  // 9: dsec.v1.ListLanguagesRequest
+	(*LanguageInfo)(nil),          // 10: dsec.v1.LanguageInfo
+	(*ListLanguagesResponse)(nil), // 11: dsec.v1.ListLanguagesResponse
+	nil,                           // 12: dsec.v1.RunCodeRequest.FilesEntry
+	nil,                           // 13: dsec.v1.RunCodeResult.FilesEntry
 }
 var file_dsec_v1_function_proto_depIdxs = []int32{
-	11, // 0: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
-	1,  // 1: dsec.v1.RunCodeRequest.tests:type_name -> dsec.v1.TestCase
-	2,  // 2: dsec.v1.RunCodeRequest.judge:type_name -> dsec.v1.JudgeOptions
-	3,  // 3: dsec.v1.CaseResult.run:type_name -> dsec.v1.StageResult
-	3,  // 4: dsec.v1.RunCodeResult.compile:type_name -> dsec.v1.StageResult
-	3,  // 5: dsec.v1.RunCodeResult.run:type_name -> dsec.v1.StageResult
-	12, // 6: dsec.v1.RunCodeResult.files:type_name -> dsec.v1.RunCodeResult.FilesEntry
-	4,  // 7: dsec.v1.RunCodeResult.cases:type_name -> dsec.v1.CaseResult
-	0,  // 8: dsec.v1.RunCodeBatchRequest.calls:type_name -> dsec.v1.RunCodeRequest
-	5,  // 9: dsec.v1.RunCodeBatchResponse.results:type_name -> dsec.v1.RunCodeResult
-	9,  // 10: dsec.v1.ListLanguagesResponse.languages:type_name -> dsec.v1.LanguageInfo
-	0,  // 11: dsec.v1.FunctionService.RunCode:input_type -> dsec.v1.RunCodeRequest
-	6,  // 12: dsec.v1.FunctionService.RunCodeBatch:input_type -> dsec.v1.RunCodeBatchRequest
-	8,  // 13: dsec.v1.FunctionService.ListLanguages:input_type -> dsec.v1.ListLanguagesRequest
-	5,  // 14: dsec.v1.FunctionService.RunCode:output_type -> dsec.v1.RunCodeResult
-	7,  // 15: dsec.v1.FunctionService.RunCodeBatch:output_type -> dsec.v1.RunCodeBatchResponse
-	10, // 16: dsec.v1.FunctionService.ListLanguages:output_type -> dsec.v1.ListLanguagesResponse
-	14, // [14:17] is the sub-list for method output_type
-	11, // [11:14] is the sub-list for method input_type
-	11, // [11:11] is the sub-list for extension type_name
-	11, // [11:11] is the sub-list for extension extendee
-	0,  // [0:11] is the sub-list for field type_name
+	12, // 0: dsec.v1.RunCodeRequest.files:type_name -> dsec.v1.RunCodeRequest.FilesEntry
+	2,  // 1: dsec.v1.RunCodeRequest.tests:type_name -> dsec.v1.TestCase
+	3,  // 2: dsec.v1.RunCodeRequest.judge:type_name -> dsec.v1.JudgeOptions
+	1,  // 3: dsec.v1.RunCodeRequest.checker:type_name -> dsec.v1.Checker
+	4,  // 4: dsec.v1.CaseResult.run:type_name -> dsec.v1.StageResult
+	4,  // 5: dsec.v1.CaseResult.checker:type_name -> dsec.v1.StageResult
+	4,  // 6: dsec.v1.RunCodeResult.compile:type_name -> dsec.v1.StageResult
+	4,  // 7: dsec.v1.RunCodeResult.run:type_name -> dsec.v1.StageResult
+	13, // 8: dsec.v1.RunCodeResult.files:type_name -> dsec.v1.RunCodeResult.FilesEntry
+	5,  // 9: dsec.v1.RunCodeResult.cases:type_name -> dsec.v1.CaseResult
+	5,  // 10: dsec.v1.RunCodeResult.first_failure:type_name -> dsec.v1.CaseResult
+	4,  // 11: dsec.v1.RunCodeResult.checker_compile:type_name -> dsec.v1.StageResult
+	0,  // 12: dsec.v1.RunCodeBatchRequest.calls:type_name -> dsec.v1.RunCodeRequest
+	6,  // 13: dsec.v1.RunCodeBatchResponse.results:type_name -> dsec.v1.RunCodeResult
+	10, // 14: dsec.v1.ListLanguagesResponse.languages:type_name -> dsec.v1.LanguageInfo
+	0,  // 15: dsec.v1.FunctionService.RunCode:input_type -> dsec.v1.RunCodeRequest
+	7,  // 16: dsec.v1.FunctionService.RunCodeBatch:input_type -> dsec.v1.RunCodeBatchRequest
+	9,  // 17: dsec.v1.FunctionService.ListLanguages:input_type -> dsec.v1.ListLanguagesRequest
+	6,  // 18: dsec.v1.FunctionService.RunCode:output_type -> dsec.v1.RunCodeResult
+	8,  // 19: dsec.v1.FunctionService.RunCodeBatch:output_type -> dsec.v1.RunCodeBatchResponse
+	11, // 20: dsec.v1.FunctionService.ListLanguages:output_type -> dsec.v1.ListLanguagesResponse
+	18, // [18:21] is the sub-list for method output_type
+	15, // [15:18] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_function_proto_init() }
@@ -1039,7 +1235,7 @@ func file_dsec_v1_function_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_function_proto_rawDesc), len(file_dsec_v1_function_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   13,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -116,7 +116,10 @@ type Resources struct {
 	// pids limits the number of processes (default 1024).
 	Pids int64 `protobuf:"varint,4,opt,name=pids,proto3" json:"pids,omitempty"`
 	// gpu is the number of GPUs (0: none).
-	Gpu           int32 `protobuf:"varint,5,opt,name=gpu,proto3" json:"gpu,omitempty"`
+	Gpu int32 `protobuf:"varint,5,opt,name=gpu,proto3" json:"gpu,omitempty"`
+	// bandwidth_mbps limits an egress sandbox's network throughput, each way
+	// on its own, in megabits per second (0: no limit; at most 100000).
+	BandwidthMbps int64 `protobuf:"varint,6,opt,name=bandwidth_mbps,json=bandwidthMbps,proto3" json:"bandwidth_mbps,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -186,11 +189,25 @@ func (x *Resources) GetGpu() int32 {
 	return 0
 }
 
+func (x *Resources) GetBandwidthMbps() int64 {
+	if x != nil {
+		return x.BandwidthMbps
+	}
+	return 0
+}
+
 type Network struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// mode is "none" (default: loopback only) or "egress" (outbound internet
-	// through NAT; no inbound; no other sandboxes, host services or node API).
-	Mode          string `protobuf:"bytes,1,opt,name=mode,proto3" json:"mode,omitempty"`
+	// through NAT; no inbound). Whatever the policy, an egress sandbox never
+	// reaches other sandboxes, the host's own addresses and networks (its
+	// services, the node API), loopback or link-local addresses (cloud
+	// metadata). A create with a policy and no mode is egress.
+	Mode string `protobuf:"bytes,1,opt,name=mode,proto3" json:"mode,omitempty"`
+	// policy restricts egress. Without one, egress reaches the whole
+	// internet. With one, what no rule allows is denied: an empty policy
+	// denies everything. SetNetworkPolicy changes it at runtime.
+	Policy        *NetworkPolicy `protobuf:"bytes,2,opt,name=policy,proto3" json:"policy,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -230,6 +247,558 @@ func (x *Network) GetMode() string {
 		return x.Mode
 	}
 	return ""
+}
+
+func (x *Network) GetPolicy() *NetworkPolicy {
+	if x != nil {
+		return x.Policy
+	}
+	return nil
+}
+
+// NetworkPolicy is an egress sandbox's policy, enforced by the node:
+//   - Connections by address (TCP, UDP, ICMP, any port): the most specific
+//     CIDR rule containing the destination decides (a longer prefix wins;
+//     of two rules with the same prefix, deny wins). Private ranges (RFC
+//     1918, 100.64.0.0/10) are reachable only through an allow rule inside
+//     them: "allow 0.0.0.0/0" does not open them.
+//   - DNS: every query the sandbox sends, to any resolver, is answered by
+//     the node's resolver, which forwards only names that a name rule
+//     allows (the most specific matching rule decides: an exact name beats
+//     a wildcard, a longer wildcard beats a shorter one, deny wins a tie)
+//     and answers every other name NXDOMAIN, so it never leaves the node.
+//     The addresses an allowed name resolves to are pinned: each is
+//     reachable, like a /32 allow rule, for the answer's TTL (at least a
+//     minute) — only a /32 deny rule beats a pin. "*" is the least specific
+//     rule of all: the addresses of a name only "*" allows are not pinned
+//     where an address rule denies them.
+//   - HTTP (port 80) and TLS (port 443) go through the node's egress proxy,
+//     which reads the host name (the Host header, the TLS SNI): a name a
+//     rule denies is refused wherever it goes; a name a rule allows goes
+//     only to an address it resolves to (or one an address rule allows); a
+//     name no rule matches goes only to an address an address rule allows.
+type NetworkPolicy struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Rules []*NetworkRule         `protobuf:"bytes,1,rep,name=rules,proto3" json:"rules,omitempty"`
+	// credentials are injected by the egress proxy into the sandbox's
+	// requests to their hosts (see BrokeredCredential).
+	Credentials   []*BrokeredCredential `protobuf:"bytes,2,rep,name=credentials,proto3" json:"credentials,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NetworkPolicy) Reset() {
+	*x = NetworkPolicy{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NetworkPolicy) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NetworkPolicy) ProtoMessage() {}
+
+func (x *NetworkPolicy) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NetworkPolicy.ProtoReflect.Descriptor instead.
+func (*NetworkPolicy) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *NetworkPolicy) GetRules() []*NetworkRule {
+	if x != nil {
+		return x.Rules
+	}
+	return nil
+}
+
+func (x *NetworkPolicy) GetCredentials() []*BrokeredCredential {
+	if x != nil {
+		return x.Credentials
+	}
+	return nil
+}
+
+type NetworkRule struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// action is "allow" or "deny".
+	Action string `protobuf:"bytes,1,opt,name=action,proto3" json:"action,omitempty"`
+	// destination is an IPv4 address or CIDR ("203.0.113.7",
+	// "151.101.0.0/16"), a host name ("pypi.org"), or a wildcard
+	// ("*.pypi.org": every name below pypi.org, not pypi.org itself; "*":
+	// every name).
+	Destination   string `protobuf:"bytes,2,opt,name=destination,proto3" json:"destination,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NetworkRule) Reset() {
+	*x = NetworkRule{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NetworkRule) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NetworkRule) ProtoMessage() {}
+
+func (x *NetworkRule) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NetworkRule.ProtoReflect.Descriptor instead.
+func (*NetworkRule) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *NetworkRule) GetAction() string {
+	if x != nil {
+		return x.Action
+	}
+	return ""
+}
+
+func (x *NetworkRule) GetDestination() string {
+	if x != nil {
+		return x.Destination
+	}
+	return ""
+}
+
+// BrokeredCredential is a secret the server holds and the sandbox never
+// sees: the sandbox sends plain HTTP to http://<host>/... (port 80), and the
+// node's egress proxy sets the header on each request and sends it on over
+// TLS (https://<host>, verified against the node's trusted CAs). The value
+// never enters the sandbox: not its environment, files or memory; where the
+// upstream echoes it back, the proxy masks it in the response's headers and
+// body. The host is reachable this way whatever the rules say.
+type BrokeredCredential struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// host is the host name whose requests carry the credential (exact).
+	Host string `protobuf:"bytes,1,opt,name=host,proto3" json:"host,omitempty"`
+	// header is the request header the proxy sets, replacing any the
+	// sandbox sent (default "Authorization").
+	Header string `protobuf:"bytes,2,opt,name=header,proto3" json:"header,omitempty"`
+	// value is the header's value. It is write-only: no answer carries it.
+	Value string `protobuf:"bytes,3,opt,name=value,proto3" json:"value,omitempty"`
+	// name selects a credential of the server's configuration
+	// (network.credentials) instead of host, header and value.
+	Name          string `protobuf:"bytes,4,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BrokeredCredential) Reset() {
+	*x = BrokeredCredential{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BrokeredCredential) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BrokeredCredential) ProtoMessage() {}
+
+func (x *BrokeredCredential) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BrokeredCredential.ProtoReflect.Descriptor instead.
+func (*BrokeredCredential) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *BrokeredCredential) GetHost() string {
+	if x != nil {
+		return x.Host
+	}
+	return ""
+}
+
+func (x *BrokeredCredential) GetHeader() string {
+	if x != nil {
+		return x.Header
+	}
+	return ""
+}
+
+func (x *BrokeredCredential) GetValue() string {
+	if x != nil {
+		return x.Value
+	}
+	return ""
+}
+
+func (x *BrokeredCredential) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type SetNetworkPolicyRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// policy is the new policy; unset lifts every restriction.
+	Policy        *NetworkPolicy `protobuf:"bytes,2,opt,name=policy,proto3" json:"policy,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetNetworkPolicyRequest) Reset() {
+	*x = SetNetworkPolicyRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetNetworkPolicyRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetNetworkPolicyRequest) ProtoMessage() {}
+
+func (x *SetNetworkPolicyRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetNetworkPolicyRequest.ProtoReflect.Descriptor instead.
+func (*SetNetworkPolicyRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *SetNetworkPolicyRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *SetNetworkPolicyRequest) GetPolicy() *NetworkPolicy {
+	if x != nil {
+		return x.Policy
+	}
+	return nil
+}
+
+type GetNetworkPolicyRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetNetworkPolicyRequest) Reset() {
+	*x = GetNetworkPolicyRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetNetworkPolicyRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetNetworkPolicyRequest) ProtoMessage() {}
+
+func (x *GetNetworkPolicyRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetNetworkPolicyRequest.ProtoReflect.Descriptor instead.
+func (*GetNetworkPolicyRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *GetNetworkPolicyRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type GetNetworkLogRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	// after_seq skips the records up to and including this one.
+	AfterSeq uint64 `protobuf:"varint,2,opt,name=after_seq,json=afterSeq,proto3" json:"after_seq,omitempty"`
+	// limit bounds the records returned (default and at most 4096).
+	Limit         int32 `protobuf:"varint,3,opt,name=limit,proto3" json:"limit,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetNetworkLogRequest) Reset() {
+	*x = GetNetworkLogRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetNetworkLogRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetNetworkLogRequest) ProtoMessage() {}
+
+func (x *GetNetworkLogRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetNetworkLogRequest.ProtoReflect.Descriptor instead.
+func (*GetNetworkLogRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *GetNetworkLogRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *GetNetworkLogRequest) GetAfterSeq() uint64 {
+	if x != nil {
+		return x.AfterSeq
+	}
+	return 0
+}
+
+func (x *GetNetworkLogRequest) GetLimit() int32 {
+	if x != nil {
+		return x.Limit
+	}
+	return 0
+}
+
+type GetNetworkLogResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Records []*ConnectionRecord    `protobuf:"bytes,1,rep,name=records,proto3" json:"records,omitempty"`
+	// dropped counts the records the node did not keep: older than the last
+	// 4096, or beyond the rate of 200 a second per verdict.
+	Dropped       uint64 `protobuf:"varint,2,opt,name=dropped,proto3" json:"dropped,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetNetworkLogResponse) Reset() {
+	*x = GetNetworkLogResponse{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetNetworkLogResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetNetworkLogResponse) ProtoMessage() {}
+
+func (x *GetNetworkLogResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetNetworkLogResponse.ProtoReflect.Descriptor instead.
+func (*GetNetworkLogResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *GetNetworkLogResponse) GetRecords() []*ConnectionRecord {
+	if x != nil {
+		return x.Records
+	}
+	return nil
+}
+
+func (x *GetNetworkLogResponse) GetDropped() uint64 {
+	if x != nil {
+		return x.Dropped
+	}
+	return 0
+}
+
+// ConnectionRecord is one connection an egress sandbox opened.
+type ConnectionRecord struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Seq   uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	At    *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=at,proto3" json:"at,omitempty"`
+	// protocol is "tcp", "udp", "icmp", "dns" (a query), "http" or "tls"
+	// (through the egress proxy).
+	Protocol string `protobuf:"bytes,3,opt,name=protocol,proto3" json:"protocol,omitempty"`
+	// address and port are the destination (for dns, the resolver the
+	// sandbox asked).
+	Address string `protobuf:"bytes,4,opt,name=address,proto3" json:"address,omitempty"`
+	Port    uint32 `protobuf:"varint,5,opt,name=port,proto3" json:"port,omitempty"`
+	// host is the name: the DNS query's, the TLS SNI or the HTTP Host.
+	Host string `protobuf:"bytes,6,opt,name=host,proto3" json:"host,omitempty"`
+	// verdict is "allow" or "deny".
+	Verdict string `protobuf:"bytes,7,opt,name=verdict,proto3" json:"verdict,omitempty"`
+	// reason says what decided: a rule ("allow *.pypi.org"), a pin ("pinned:
+	// files.pythonhosted.org"), "no rule", "unrestricted", or what is never
+	// reachable ("the host's networks", "link-local", ...).
+	Reason string `protobuf:"bytes,8,opt,name=reason,proto3" json:"reason,omitempty"`
+	// brokered is set when the proxy injected a credential.
+	Brokered      bool `protobuf:"varint,9,opt,name=brokered,proto3" json:"brokered,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ConnectionRecord) Reset() {
+	*x = ConnectionRecord{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ConnectionRecord) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ConnectionRecord) ProtoMessage() {}
+
+func (x *ConnectionRecord) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ConnectionRecord.ProtoReflect.Descriptor instead.
+func (*ConnectionRecord) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *ConnectionRecord) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *ConnectionRecord) GetAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.At
+	}
+	return nil
+}
+
+func (x *ConnectionRecord) GetProtocol() string {
+	if x != nil {
+		return x.Protocol
+	}
+	return ""
+}
+
+func (x *ConnectionRecord) GetAddress() string {
+	if x != nil {
+		return x.Address
+	}
+	return ""
+}
+
+func (x *ConnectionRecord) GetPort() uint32 {
+	if x != nil {
+		return x.Port
+	}
+	return 0
+}
+
+func (x *ConnectionRecord) GetHost() string {
+	if x != nil {
+		return x.Host
+	}
+	return ""
+}
+
+func (x *ConnectionRecord) GetVerdict() string {
+	if x != nil {
+		return x.Verdict
+	}
+	return ""
+}
+
+func (x *ConnectionRecord) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *ConnectionRecord) GetBrokered() bool {
+	if x != nil {
+		return x.Brokered
+	}
+	return false
 }
 
 type SandboxSpec struct {
@@ -272,7 +841,7 @@ type SandboxSpec struct {
 
 func (x *SandboxSpec) Reset() {
 	*x = SandboxSpec{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[3]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -284,7 +853,7 @@ func (x *SandboxSpec) String() string {
 func (*SandboxSpec) ProtoMessage() {}
 
 func (x *SandboxSpec) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[3]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -297,7 +866,7 @@ func (x *SandboxSpec) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxSpec.ProtoReflect.Descriptor instead.
 func (*SandboxSpec) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{3}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *SandboxSpec) GetKind() string {
@@ -416,7 +985,7 @@ type Sandbox struct {
 
 func (x *Sandbox) Reset() {
 	*x = Sandbox{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[4]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -428,7 +997,7 @@ func (x *Sandbox) String() string {
 func (*Sandbox) ProtoMessage() {}
 
 func (x *Sandbox) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[4]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -441,7 +1010,7 @@ func (x *Sandbox) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sandbox.ProtoReflect.Descriptor instead.
 func (*Sandbox) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{4}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Sandbox) GetId() string {
@@ -514,7 +1083,7 @@ type CreateSandboxRequest struct {
 
 func (x *CreateSandboxRequest) Reset() {
 	*x = CreateSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[5]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -526,7 +1095,7 @@ func (x *CreateSandboxRequest) String() string {
 func (*CreateSandboxRequest) ProtoMessage() {}
 
 func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[5]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -539,7 +1108,7 @@ func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{5}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *CreateSandboxRequest) GetSpec() *SandboxSpec {
@@ -572,7 +1141,7 @@ type GetSandboxRequest struct {
 
 func (x *GetSandboxRequest) Reset() {
 	*x = GetSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[6]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -584,7 +1153,7 @@ func (x *GetSandboxRequest) String() string {
 func (*GetSandboxRequest) ProtoMessage() {}
 
 func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[6]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -597,7 +1166,7 @@ func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{6}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *GetSandboxRequest) GetId() string {
@@ -622,7 +1191,7 @@ type ListSandboxesRequest struct {
 
 func (x *ListSandboxesRequest) Reset() {
 	*x = ListSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[7]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -634,7 +1203,7 @@ func (x *ListSandboxesRequest) String() string {
 func (*ListSandboxesRequest) ProtoMessage() {}
 
 func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[7]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -647,7 +1216,7 @@ func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*ListSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{7}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ListSandboxesRequest) GetLabelSelector() string {
@@ -688,7 +1257,7 @@ type ListSandboxesResponse struct {
 
 func (x *ListSandboxesResponse) Reset() {
 	*x = ListSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[8]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -700,7 +1269,7 @@ func (x *ListSandboxesResponse) String() string {
 func (*ListSandboxesResponse) ProtoMessage() {}
 
 func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[8]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -713,7 +1282,7 @@ func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*ListSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{8}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ListSandboxesResponse) GetSandboxes() []*Sandbox {
@@ -739,7 +1308,7 @@ type DeleteSandboxRequest struct {
 
 func (x *DeleteSandboxRequest) Reset() {
 	*x = DeleteSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[9]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -751,7 +1320,7 @@ func (x *DeleteSandboxRequest) String() string {
 func (*DeleteSandboxRequest) ProtoMessage() {}
 
 func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[9]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -764,7 +1333,7 @@ func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{9}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *DeleteSandboxRequest) GetId() string {
@@ -782,7 +1351,7 @@ type DeleteSandboxResponse struct {
 
 func (x *DeleteSandboxResponse) Reset() {
 	*x = DeleteSandboxResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[10]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -794,7 +1363,7 @@ func (x *DeleteSandboxResponse) String() string {
 func (*DeleteSandboxResponse) ProtoMessage() {}
 
 func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[10]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -807,7 +1376,7 @@ func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{10}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{18}
 }
 
 type KeepaliveRequest struct {
@@ -821,7 +1390,7 @@ type KeepaliveRequest struct {
 
 func (x *KeepaliveRequest) Reset() {
 	*x = KeepaliveRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[11]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -833,7 +1402,7 @@ func (x *KeepaliveRequest) String() string {
 func (*KeepaliveRequest) ProtoMessage() {}
 
 func (x *KeepaliveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[11]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -846,7 +1415,7 @@ func (x *KeepaliveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeepaliveRequest.ProtoReflect.Descriptor instead.
 func (*KeepaliveRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{11}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *KeepaliveRequest) GetId() string {
@@ -898,7 +1467,7 @@ type ExecRequest struct {
 
 func (x *ExecRequest) Reset() {
 	*x = ExecRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -910,7 +1479,7 @@ func (x *ExecRequest) String() string {
 func (*ExecRequest) ProtoMessage() {}
 
 func (x *ExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -923,7 +1492,7 @@ func (x *ExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecRequest.ProtoReflect.Descriptor instead.
 func (*ExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ExecRequest) GetSandboxId() string {
@@ -1058,7 +1627,7 @@ type ExecResult struct {
 
 func (x *ExecResult) Reset() {
 	*x = ExecResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1070,7 +1639,7 @@ func (x *ExecResult) String() string {
 func (*ExecResult) ProtoMessage() {}
 
 func (x *ExecResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1083,7 +1652,7 @@ func (x *ExecResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResult.ProtoReflect.Descriptor instead.
 func (*ExecResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ExecResult) GetExitCode() int32 {
@@ -1180,7 +1749,7 @@ type ExecStarted struct {
 
 func (x *ExecStarted) Reset() {
 	*x = ExecStarted{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1192,7 +1761,7 @@ func (x *ExecStarted) String() string {
 func (*ExecStarted) ProtoMessage() {}
 
 func (x *ExecStarted) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1205,7 +1774,7 @@ func (x *ExecStarted) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecStarted.ProtoReflect.Descriptor instead.
 func (*ExecStarted) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ExecStarted) GetProcessId() string {
@@ -1238,7 +1807,7 @@ type ExecEvent struct {
 
 func (x *ExecEvent) Reset() {
 	*x = ExecEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1250,7 +1819,7 @@ func (x *ExecEvent) String() string {
 func (*ExecEvent) ProtoMessage() {}
 
 func (x *ExecEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1263,7 +1832,7 @@ func (x *ExecEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecEvent.ProtoReflect.Descriptor instead.
 func (*ExecEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{15}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ExecEvent) GetEvent() isExecEvent_Event {
@@ -1368,7 +1937,7 @@ type ConnectProcessRequest struct {
 
 func (x *ConnectProcessRequest) Reset() {
 	*x = ConnectProcessRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1380,7 +1949,7 @@ func (x *ConnectProcessRequest) String() string {
 func (*ConnectProcessRequest) ProtoMessage() {}
 
 func (x *ConnectProcessRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1393,7 +1962,7 @@ func (x *ConnectProcessRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConnectProcessRequest.ProtoReflect.Descriptor instead.
 func (*ConnectProcessRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{16}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ConnectProcessRequest) GetSandboxId() string {
@@ -1437,7 +2006,7 @@ type WriteStdinRequest struct {
 
 func (x *WriteStdinRequest) Reset() {
 	*x = WriteStdinRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1449,7 +2018,7 @@ func (x *WriteStdinRequest) String() string {
 func (*WriteStdinRequest) ProtoMessage() {}
 
 func (x *WriteStdinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1462,7 +2031,7 @@ func (x *WriteStdinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteStdinRequest.ProtoReflect.Descriptor instead.
 func (*WriteStdinRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{17}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *WriteStdinRequest) GetSandboxId() string {
@@ -1501,7 +2070,7 @@ type WriteStdinResponse struct {
 
 func (x *WriteStdinResponse) Reset() {
 	*x = WriteStdinResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1513,7 +2082,7 @@ func (x *WriteStdinResponse) String() string {
 func (*WriteStdinResponse) ProtoMessage() {}
 
 func (x *WriteStdinResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1526,7 +2095,7 @@ func (x *WriteStdinResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteStdinResponse.ProtoReflect.Descriptor instead.
 func (*WriteStdinResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{18}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{26}
 }
 
 type SignalProcessRequest struct {
@@ -1541,7 +2110,7 @@ type SignalProcessRequest struct {
 
 func (x *SignalProcessRequest) Reset() {
 	*x = SignalProcessRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1553,7 +2122,7 @@ func (x *SignalProcessRequest) String() string {
 func (*SignalProcessRequest) ProtoMessage() {}
 
 func (x *SignalProcessRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1566,7 +2135,7 @@ func (x *SignalProcessRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalProcessRequest.ProtoReflect.Descriptor instead.
 func (*SignalProcessRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{19}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *SignalProcessRequest) GetSandboxId() string {
@@ -1598,7 +2167,7 @@ type SignalProcessResponse struct {
 
 func (x *SignalProcessResponse) Reset() {
 	*x = SignalProcessResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1610,7 +2179,7 @@ func (x *SignalProcessResponse) String() string {
 func (*SignalProcessResponse) ProtoMessage() {}
 
 func (x *SignalProcessResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1623,7 +2192,7 @@ func (x *SignalProcessResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalProcessResponse.ProtoReflect.Descriptor instead.
 func (*SignalProcessResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{28}
 }
 
 type ResizePTYRequest struct {
@@ -1638,7 +2207,7 @@ type ResizePTYRequest struct {
 
 func (x *ResizePTYRequest) Reset() {
 	*x = ResizePTYRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1650,7 +2219,7 @@ func (x *ResizePTYRequest) String() string {
 func (*ResizePTYRequest) ProtoMessage() {}
 
 func (x *ResizePTYRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1663,7 +2232,7 @@ func (x *ResizePTYRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResizePTYRequest.ProtoReflect.Descriptor instead.
 func (*ResizePTYRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *ResizePTYRequest) GetSandboxId() string {
@@ -1702,7 +2271,7 @@ type ResizePTYResponse struct {
 
 func (x *ResizePTYResponse) Reset() {
 	*x = ResizePTYResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1714,7 +2283,7 @@ func (x *ResizePTYResponse) String() string {
 func (*ResizePTYResponse) ProtoMessage() {}
 
 func (x *ResizePTYResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1727,7 +2296,7 @@ func (x *ResizePTYResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResizePTYResponse.ProtoReflect.Descriptor instead.
 func (*ResizePTYResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{22}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{30}
 }
 
 type ProcessInfo struct {
@@ -1747,7 +2316,7 @@ type ProcessInfo struct {
 
 func (x *ProcessInfo) Reset() {
 	*x = ProcessInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1759,7 +2328,7 @@ func (x *ProcessInfo) String() string {
 func (*ProcessInfo) ProtoMessage() {}
 
 func (x *ProcessInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1772,7 +2341,7 @@ func (x *ProcessInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProcessInfo.ProtoReflect.Descriptor instead.
 func (*ProcessInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{23}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *ProcessInfo) GetProcessId() string {
@@ -1847,7 +2416,7 @@ type ListProcessesRequest struct {
 
 func (x *ListProcessesRequest) Reset() {
 	*x = ListProcessesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1859,7 +2428,7 @@ func (x *ListProcessesRequest) String() string {
 func (*ListProcessesRequest) ProtoMessage() {}
 
 func (x *ListProcessesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1872,7 +2441,7 @@ func (x *ListProcessesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListProcessesRequest.ProtoReflect.Descriptor instead.
 func (*ListProcessesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{24}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *ListProcessesRequest) GetSandboxId() string {
@@ -1891,7 +2460,7 @@ type ListProcessesResponse struct {
 
 func (x *ListProcessesResponse) Reset() {
 	*x = ListProcessesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1903,7 +2472,7 @@ func (x *ListProcessesResponse) String() string {
 func (*ListProcessesResponse) ProtoMessage() {}
 
 func (x *ListProcessesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1916,7 +2485,7 @@ func (x *ListProcessesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListProcessesResponse.ProtoReflect.Descriptor instead.
 func (*ListProcessesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{25}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ListProcessesResponse) GetProcesses() []*ProcessInfo {
@@ -1947,7 +2516,7 @@ type FileInfo struct {
 
 func (x *FileInfo) Reset() {
 	*x = FileInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1959,7 +2528,7 @@ func (x *FileInfo) String() string {
 func (*FileInfo) ProtoMessage() {}
 
 func (x *FileInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1972,7 +2541,7 @@ func (x *FileInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
 func (*FileInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{26}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *FileInfo) GetPath() string {
@@ -2064,7 +2633,7 @@ type ReadFileRequest struct {
 
 func (x *ReadFileRequest) Reset() {
 	*x = ReadFileRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2076,7 +2645,7 @@ func (x *ReadFileRequest) String() string {
 func (*ReadFileRequest) ProtoMessage() {}
 
 func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2089,7 +2658,7 @@ func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileRequest.ProtoReflect.Descriptor instead.
 func (*ReadFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{27}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *ReadFileRequest) GetSandboxId() string {
@@ -2140,7 +2709,7 @@ type ReadFileResponse struct {
 
 func (x *ReadFileResponse) Reset() {
 	*x = ReadFileResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2152,7 +2721,7 @@ func (x *ReadFileResponse) String() string {
 func (*ReadFileResponse) ProtoMessage() {}
 
 func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2165,7 +2734,7 @@ func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileResponse.ProtoReflect.Descriptor instead.
 func (*ReadFileResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{28}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *ReadFileResponse) GetMsg() isReadFileResponse_Msg {
@@ -2227,7 +2796,7 @@ type WriteFileHeader struct {
 
 func (x *WriteFileHeader) Reset() {
 	*x = WriteFileHeader{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2239,7 +2808,7 @@ func (x *WriteFileHeader) String() string {
 func (*WriteFileHeader) ProtoMessage() {}
 
 func (x *WriteFileHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2252,7 +2821,7 @@ func (x *WriteFileHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileHeader.ProtoReflect.Descriptor instead.
 func (*WriteFileHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{29}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *WriteFileHeader) GetSandboxId() string {
@@ -2310,7 +2879,7 @@ type WriteFileRequest struct {
 
 func (x *WriteFileRequest) Reset() {
 	*x = WriteFileRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2322,7 +2891,7 @@ func (x *WriteFileRequest) String() string {
 func (*WriteFileRequest) ProtoMessage() {}
 
 func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2335,7 +2904,7 @@ func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileRequest.ProtoReflect.Descriptor instead.
 func (*WriteFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{30}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *WriteFileRequest) GetMsg() isWriteFileRequest_Msg {
@@ -2390,7 +2959,7 @@ type StatRequest struct {
 
 func (x *StatRequest) Reset() {
 	*x = StatRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2402,7 +2971,7 @@ func (x *StatRequest) String() string {
 func (*StatRequest) ProtoMessage() {}
 
 func (x *StatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2415,7 +2984,7 @@ func (x *StatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatRequest.ProtoReflect.Descriptor instead.
 func (*StatRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{31}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *StatRequest) GetSandboxId() string {
@@ -2452,7 +3021,7 @@ type ListDirRequest struct {
 
 func (x *ListDirRequest) Reset() {
 	*x = ListDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2464,7 +3033,7 @@ func (x *ListDirRequest) String() string {
 func (*ListDirRequest) ProtoMessage() {}
 
 func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2477,7 +3046,7 @@ func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirRequest.ProtoReflect.Descriptor instead.
 func (*ListDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{32}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *ListDirRequest) GetSandboxId() string {
@@ -2517,7 +3086,7 @@ type ListDirResponse struct {
 
 func (x *ListDirResponse) Reset() {
 	*x = ListDirResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2529,7 +3098,7 @@ func (x *ListDirResponse) String() string {
 func (*ListDirResponse) ProtoMessage() {}
 
 func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2542,7 +3111,7 @@ func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirResponse.ProtoReflect.Descriptor instead.
 func (*ListDirResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{33}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *ListDirResponse) GetEntries() []*FileInfo {
@@ -2564,7 +3133,7 @@ type MakeDirRequest struct {
 
 func (x *MakeDirRequest) Reset() {
 	*x = MakeDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2576,7 +3145,7 @@ func (x *MakeDirRequest) String() string {
 func (*MakeDirRequest) ProtoMessage() {}
 
 func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2589,7 +3158,7 @@ func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirRequest.ProtoReflect.Descriptor instead.
 func (*MakeDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{34}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *MakeDirRequest) GetSandboxId() string {
@@ -2626,7 +3195,7 @@ type RemoveRequest struct {
 
 func (x *RemoveRequest) Reset() {
 	*x = RemoveRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2638,7 +3207,7 @@ func (x *RemoveRequest) String() string {
 func (*RemoveRequest) ProtoMessage() {}
 
 func (x *RemoveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2651,7 +3220,7 @@ func (x *RemoveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveRequest.ProtoReflect.Descriptor instead.
 func (*RemoveRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{35}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *RemoveRequest) GetSandboxId() string {
@@ -2690,7 +3259,7 @@ type RemoveResponse struct {
 
 func (x *RemoveResponse) Reset() {
 	*x = RemoveResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2702,7 +3271,7 @@ func (x *RemoveResponse) String() string {
 func (*RemoveResponse) ProtoMessage() {}
 
 func (x *RemoveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2715,7 +3284,7 @@ func (x *RemoveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveResponse.ProtoReflect.Descriptor instead.
 func (*RemoveResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{36}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
 }
 
 type RenameRequest struct {
@@ -2730,7 +3299,7 @@ type RenameRequest struct {
 
 func (x *RenameRequest) Reset() {
 	*x = RenameRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2742,7 +3311,7 @@ func (x *RenameRequest) String() string {
 func (*RenameRequest) ProtoMessage() {}
 
 func (x *RenameRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2755,7 +3324,7 @@ func (x *RenameRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RenameRequest.ProtoReflect.Descriptor instead.
 func (*RenameRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{37}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *RenameRequest) GetSandboxId() string {
@@ -2786,6 +3355,76 @@ func (x *RenameRequest) GetUser() string {
 	return ""
 }
 
+type ChangeModeRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	// mode is the permission bits, at most 07777 (setuid, setgid, sticky
+	// and rwx for owner, group and others).
+	Mode          uint32 `protobuf:"varint,3,opt,name=mode,proto3" json:"mode,omitempty"`
+	User          string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChangeModeRequest) Reset() {
+	*x = ChangeModeRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChangeModeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChangeModeRequest) ProtoMessage() {}
+
+func (x *ChangeModeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChangeModeRequest.ProtoReflect.Descriptor instead.
+func (*ChangeModeRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
+}
+
+func (x *ChangeModeRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *ChangeModeRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *ChangeModeRequest) GetMode() uint32 {
+	if x != nil {
+		return x.Mode
+	}
+	return 0
+}
+
+func (x *ChangeModeRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type WatchDirRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
@@ -2800,7 +3439,7 @@ type WatchDirRequest struct {
 
 func (x *WatchDirRequest) Reset() {
 	*x = WatchDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2812,7 +3451,7 @@ func (x *WatchDirRequest) String() string {
 func (*WatchDirRequest) ProtoMessage() {}
 
 func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2825,7 +3464,7 @@ func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirRequest.ProtoReflect.Descriptor instead.
 func (*WatchDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{38}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *WatchDirRequest) GetSandboxId() string {
@@ -2870,7 +3509,7 @@ type FsEvent struct {
 
 func (x *FsEvent) Reset() {
 	*x = FsEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2882,7 +3521,7 @@ func (x *FsEvent) String() string {
 func (*FsEvent) ProtoMessage() {}
 
 func (x *FsEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2895,7 +3534,7 @@ func (x *FsEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FsEvent.ProtoReflect.Descriptor instead.
 func (*FsEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{39}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *FsEvent) GetName() string {
@@ -2927,7 +3566,7 @@ type WatchDirEvent struct {
 
 func (x *WatchDirEvent) Reset() {
 	*x = WatchDirEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2939,7 +3578,7 @@ func (x *WatchDirEvent) String() string {
 func (*WatchDirEvent) ProtoMessage() {}
 
 func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2952,7 +3591,7 @@ func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirEvent.ProtoReflect.Descriptor instead.
 func (*WatchDirEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{40}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *WatchDirEvent) GetEvent() isWatchDirEvent_Event {
@@ -3039,7 +3678,7 @@ type GetSandboxStatsRequest struct {
 
 func (x *GetSandboxStatsRequest) Reset() {
 	*x = GetSandboxStatsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3051,7 +3690,7 @@ func (x *GetSandboxStatsRequest) String() string {
 func (*GetSandboxStatsRequest) ProtoMessage() {}
 
 func (x *GetSandboxStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3064,7 +3703,7 @@ func (x *GetSandboxStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxStatsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{41}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *GetSandboxStatsRequest) GetId() string {
@@ -3100,7 +3739,7 @@ type SandboxStats struct {
 
 func (x *SandboxStats) Reset() {
 	*x = SandboxStats{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3112,7 +3751,7 @@ func (x *SandboxStats) String() string {
 func (*SandboxStats) ProtoMessage() {}
 
 func (x *SandboxStats) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3125,7 +3764,7 @@ func (x *SandboxStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxStats.ProtoReflect.Descriptor instead.
 func (*SandboxStats) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{42}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *SandboxStats) GetId() string {
@@ -3207,7 +3846,7 @@ type ScreenshotRequest struct {
 
 func (x *ScreenshotRequest) Reset() {
 	*x = ScreenshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3219,7 +3858,7 @@ func (x *ScreenshotRequest) String() string {
 func (*ScreenshotRequest) ProtoMessage() {}
 
 func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3232,7 +3871,7 @@ func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotRequest.ProtoReflect.Descriptor instead.
 func (*ScreenshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *ScreenshotRequest) GetSandboxId() string {
@@ -3255,7 +3894,7 @@ type ScreenshotResponse struct {
 
 func (x *ScreenshotResponse) Reset() {
 	*x = ScreenshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3267,7 +3906,7 @@ func (x *ScreenshotResponse) String() string {
 func (*ScreenshotResponse) ProtoMessage() {}
 
 func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3280,7 +3919,7 @@ func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotResponse.ProtoReflect.Descriptor instead.
 func (*ScreenshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *ScreenshotResponse) GetPng() []byte {
@@ -3315,7 +3954,7 @@ type SendInputRequest struct {
 
 func (x *SendInputRequest) Reset() {
 	*x = SendInputRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3327,7 +3966,7 @@ func (x *SendInputRequest) String() string {
 func (*SendInputRequest) ProtoMessage() {}
 
 func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3340,7 +3979,7 @@ func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputRequest.ProtoReflect.Descriptor instead.
 func (*SendInputRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *SendInputRequest) GetSandboxId() string {
@@ -3365,7 +4004,7 @@ type SendInputResponse struct {
 
 func (x *SendInputResponse) Reset() {
 	*x = SendInputResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3377,7 +4016,7 @@ func (x *SendInputResponse) String() string {
 func (*SendInputResponse) ProtoMessage() {}
 
 func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3390,7 +4029,7 @@ func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputResponse.ProtoReflect.Descriptor instead.
 func (*SendInputResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
 }
 
 type OpenVNCRequest struct {
@@ -3402,7 +4041,7 @@ type OpenVNCRequest struct {
 
 func (x *OpenVNCRequest) Reset() {
 	*x = OpenVNCRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3414,7 +4053,7 @@ func (x *OpenVNCRequest) String() string {
 func (*OpenVNCRequest) ProtoMessage() {}
 
 func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3427,7 +4066,7 @@ func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCRequest.ProtoReflect.Descriptor instead.
 func (*OpenVNCRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *OpenVNCRequest) GetSandboxId() string {
@@ -3452,7 +4091,7 @@ type OpenVNCResponse struct {
 
 func (x *OpenVNCResponse) Reset() {
 	*x = OpenVNCResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3464,7 +4103,7 @@ func (x *OpenVNCResponse) String() string {
 func (*OpenVNCResponse) ProtoMessage() {}
 
 func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3477,7 +4116,7 @@ func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCResponse.ProtoReflect.Descriptor instead.
 func (*OpenVNCResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *OpenVNCResponse) GetAddress() string {
@@ -3519,7 +4158,7 @@ type InputAction struct {
 
 func (x *InputAction) Reset() {
 	*x = InputAction{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3531,7 +4170,7 @@ func (x *InputAction) String() string {
 func (*InputAction) ProtoMessage() {}
 
 func (x *InputAction) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3544,7 +4183,7 @@ func (x *InputAction) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InputAction.ProtoReflect.Descriptor instead.
 func (*InputAction) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *InputAction) GetAction() isInputAction_Action {
@@ -3671,7 +4310,7 @@ type Point struct {
 
 func (x *Point) Reset() {
 	*x = Point{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3683,7 +4322,7 @@ func (x *Point) String() string {
 func (*Point) ProtoMessage() {}
 
 func (x *Point) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3696,7 +4335,7 @@ func (x *Point) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Point.ProtoReflect.Descriptor instead.
 func (*Point) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *Point) GetX() int32 {
@@ -3727,7 +4366,7 @@ type MouseClick struct {
 
 func (x *MouseClick) Reset() {
 	*x = MouseClick{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3739,7 +4378,7 @@ func (x *MouseClick) String() string {
 func (*MouseClick) ProtoMessage() {}
 
 func (x *MouseClick) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3752,7 +4391,7 @@ func (x *MouseClick) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseClick.ProtoReflect.Descriptor instead.
 func (*MouseClick) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *MouseClick) GetX() int32 {
@@ -3794,7 +4433,7 @@ type MouseButton struct {
 
 func (x *MouseButton) Reset() {
 	*x = MouseButton{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3806,7 +4445,7 @@ func (x *MouseButton) String() string {
 func (*MouseButton) ProtoMessage() {}
 
 func (x *MouseButton) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3819,7 +4458,7 @@ func (x *MouseButton) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseButton.ProtoReflect.Descriptor instead.
 func (*MouseButton) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *MouseButton) GetButton() string {
@@ -3847,7 +4486,7 @@ type MouseScroll struct {
 
 func (x *MouseScroll) Reset() {
 	*x = MouseScroll{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3859,7 +4498,7 @@ func (x *MouseScroll) String() string {
 func (*MouseScroll) ProtoMessage() {}
 
 func (x *MouseScroll) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3872,7 +4511,7 @@ func (x *MouseScroll) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseScroll.ProtoReflect.Descriptor instead.
 func (*MouseScroll) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *MouseScroll) GetDx() int32 {
@@ -3903,7 +4542,7 @@ type ItemError struct {
 
 func (x *ItemError) Reset() {
 	*x = ItemError{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3915,7 +4554,7 @@ func (x *ItemError) String() string {
 func (*ItemError) ProtoMessage() {}
 
 func (x *ItemError) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3928,7 +4567,7 @@ func (x *ItemError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemError.ProtoReflect.Descriptor instead.
 func (*ItemError) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *ItemError) GetKind() string {
@@ -3980,7 +4619,7 @@ type CreateSandboxesRequest struct {
 
 func (x *CreateSandboxesRequest) Reset() {
 	*x = CreateSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3992,7 +4631,7 @@ func (x *CreateSandboxesRequest) String() string {
 func (*CreateSandboxesRequest) ProtoMessage() {}
 
 func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4005,7 +4644,7 @@ func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *CreateSandboxesRequest) GetSpec() *SandboxSpec {
@@ -4047,7 +4686,7 @@ type CreateResult struct {
 
 func (x *CreateResult) Reset() {
 	*x = CreateResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4059,7 +4698,7 @@ func (x *CreateResult) String() string {
 func (*CreateResult) ProtoMessage() {}
 
 func (x *CreateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4072,7 +4711,7 @@ func (x *CreateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateResult.ProtoReflect.Descriptor instead.
 func (*CreateResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *CreateResult) GetIndex() int32 {
@@ -4109,7 +4748,7 @@ type CreateSandboxesResponse struct {
 
 func (x *CreateSandboxesResponse) Reset() {
 	*x = CreateSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4121,7 +4760,7 @@ func (x *CreateSandboxesResponse) String() string {
 func (*CreateSandboxesResponse) ProtoMessage() {}
 
 func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4134,7 +4773,7 @@ func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *CreateSandboxesResponse) GetResults() []*CreateResult {
@@ -4174,7 +4813,7 @@ type PauseSandboxRequest struct {
 
 func (x *PauseSandboxRequest) Reset() {
 	*x = PauseSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4186,7 +4825,7 @@ func (x *PauseSandboxRequest) String() string {
 func (*PauseSandboxRequest) ProtoMessage() {}
 
 func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4199,7 +4838,7 @@ func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseSandboxRequest.ProtoReflect.Descriptor instead.
 func (*PauseSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *PauseSandboxRequest) GetId() string {
@@ -4218,7 +4857,7 @@ type ResumeSandboxRequest struct {
 
 func (x *ResumeSandboxRequest) Reset() {
 	*x = ResumeSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4230,7 +4869,7 @@ func (x *ResumeSandboxRequest) String() string {
 func (*ResumeSandboxRequest) ProtoMessage() {}
 
 func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4243,7 +4882,7 @@ func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeSandboxRequest.ProtoReflect.Descriptor instead.
 func (*ResumeSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *ResumeSandboxRequest) GetId() string {
@@ -4262,7 +4901,7 @@ type BulkRequest struct {
 
 func (x *BulkRequest) Reset() {
 	*x = BulkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4274,7 +4913,7 @@ func (x *BulkRequest) String() string {
 func (*BulkRequest) ProtoMessage() {}
 
 func (x *BulkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4287,7 +4926,7 @@ func (x *BulkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRequest.ProtoReflect.Descriptor instead.
 func (*BulkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *BulkRequest) GetLabelSelector() string {
@@ -4307,7 +4946,7 @@ type BulkFailure struct {
 
 func (x *BulkFailure) Reset() {
 	*x = BulkFailure{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4319,7 +4958,7 @@ func (x *BulkFailure) String() string {
 func (*BulkFailure) ProtoMessage() {}
 
 func (x *BulkFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4332,7 +4971,7 @@ func (x *BulkFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkFailure.ProtoReflect.Descriptor instead.
 func (*BulkFailure) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *BulkFailure) GetId() string {
@@ -4359,7 +4998,7 @@ type BulkResponse struct {
 
 func (x *BulkResponse) Reset() {
 	*x = BulkResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4371,7 +5010,7 @@ func (x *BulkResponse) String() string {
 func (*BulkResponse) ProtoMessage() {}
 
 func (x *BulkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4384,7 +5023,7 @@ func (x *BulkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkResponse.ProtoReflect.Descriptor instead.
 func (*BulkResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *BulkResponse) GetIds() []string {
@@ -4412,7 +5051,7 @@ type SnapshotRequest struct {
 
 func (x *SnapshotRequest) Reset() {
 	*x = SnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4424,7 +5063,7 @@ func (x *SnapshotRequest) String() string {
 func (*SnapshotRequest) ProtoMessage() {}
 
 func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4437,7 +5076,7 @@ func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *SnapshotRequest) GetSandboxId() string {
@@ -4471,7 +5110,7 @@ type SnapshotInfo struct {
 
 func (x *SnapshotInfo) Reset() {
 	*x = SnapshotInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4483,7 +5122,7 @@ func (x *SnapshotInfo) String() string {
 func (*SnapshotInfo) ProtoMessage() {}
 
 func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4496,7 +5135,7 @@ func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotInfo.ProtoReflect.Descriptor instead.
 func (*SnapshotInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *SnapshotInfo) GetId() string {
@@ -4563,7 +5202,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4575,7 +5214,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4588,7 +5227,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
 }
 
 type ListSnapshotsResponse struct {
@@ -4600,7 +5239,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4612,7 +5251,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4625,7 +5264,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*SnapshotInfo {
@@ -4644,7 +5283,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4656,7 +5295,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4669,7 +5308,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *DeleteSnapshotRequest) GetId() string {
@@ -4687,7 +5326,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4699,7 +5338,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4712,7 +5351,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{77}
 }
 
 type ForkRequest struct {
@@ -4729,7 +5368,7 @@ type ForkRequest struct {
 
 func (x *ForkRequest) Reset() {
 	*x = ForkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4741,7 +5380,7 @@ func (x *ForkRequest) String() string {
 func (*ForkRequest) ProtoMessage() {}
 
 func (x *ForkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4754,7 +5393,7 @@ func (x *ForkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkRequest.ProtoReflect.Descriptor instead.
 func (*ForkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *ForkRequest) GetSandboxId() string {
@@ -4803,7 +5442,7 @@ type GetLogRequest struct {
 
 func (x *GetLogRequest) Reset() {
 	*x = GetLogRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4815,7 +5454,7 @@ func (x *GetLogRequest) String() string {
 func (*GetLogRequest) ProtoMessage() {}
 
 func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4828,7 +5467,7 @@ func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogRequest.ProtoReflect.Descriptor instead.
 func (*GetLogRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *GetLogRequest) GetSandboxId() string {
@@ -4856,7 +5495,8 @@ type LogEntry struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	Seq       uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
 	RequestId string                 `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	// op is "exec", "write_file", "make_dir", "remove" or "rename".
+	// op is "exec", "write_file", "make_dir", "remove", "rename" or
+	// "change_mode".
 	Op         string                 `protobuf:"bytes,3,opt,name=op,proto3" json:"op,omitempty"`
 	At         *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=at,proto3" json:"at,omitempty"`
 	DurationMs int64                  `protobuf:"varint,5,opt,name=duration_ms,json=durationMs,proto3" json:"duration_ms,omitempty"`
@@ -4885,7 +5525,7 @@ type LogEntry struct {
 
 func (x *LogEntry) Reset() {
 	*x = LogEntry{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4897,7 +5537,7 @@ func (x *LogEntry) String() string {
 func (*LogEntry) ProtoMessage() {}
 
 func (x *LogEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4910,7 +5550,7 @@ func (x *LogEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogEntry.ProtoReflect.Descriptor instead.
 func (*LogEntry) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *LogEntry) GetSeq() uint64 {
@@ -5064,7 +5704,7 @@ type GetLogResponse struct {
 
 func (x *GetLogResponse) Reset() {
 	*x = GetLogResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5076,7 +5716,7 @@ func (x *GetLogResponse) String() string {
 func (*GetLogResponse) ProtoMessage() {}
 
 func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5089,7 +5729,7 @@ func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogResponse.ProtoReflect.Descriptor instead.
 func (*GetLogResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *GetLogResponse) GetEntries() []*LogEntry {
@@ -5126,7 +5766,7 @@ type ReplayRequest struct {
 
 func (x *ReplayRequest) Reset() {
 	*x = ReplayRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5138,7 +5778,7 @@ func (x *ReplayRequest) String() string {
 func (*ReplayRequest) ProtoMessage() {}
 
 func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5151,7 +5791,7 @@ func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayRequest.ProtoReflect.Descriptor instead.
 func (*ReplayRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{82}
 }
 
 func (x *ReplayRequest) GetSandboxId() string {
@@ -5188,7 +5828,7 @@ type ReplayStep struct {
 
 func (x *ReplayStep) Reset() {
 	*x = ReplayStep{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5200,7 +5840,7 @@ func (x *ReplayStep) String() string {
 func (*ReplayStep) ProtoMessage() {}
 
 func (x *ReplayStep) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5213,7 +5853,7 @@ func (x *ReplayStep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayStep.ProtoReflect.Descriptor instead.
 func (*ReplayStep) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{83}
 }
 
 func (x *ReplayStep) GetSeq() uint64 {
@@ -5263,7 +5903,7 @@ type ReplayResponse struct {
 
 func (x *ReplayResponse) Reset() {
 	*x = ReplayResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5275,7 +5915,7 @@ func (x *ReplayResponse) String() string {
 func (*ReplayResponse) ProtoMessage() {}
 
 func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5288,7 +5928,7 @@ func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayResponse.ProtoReflect.Descriptor instead.
 func (*ReplayResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *ReplayResponse) GetSandboxId() string {
@@ -5328,15 +5968,51 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05infra\x18\x02 \x01(\bR\x05infra\x12\x1c\n" +
 	"\tretryable\x18\x03 \x01(\bR\tretryable\x12$\n" +
-	"\x0eretry_after_ms\x18\x04 \x01(\x03R\fretryAfterMs\"y\n" +
+	"\x0eretry_after_ms\x18\x04 \x01(\x03R\fretryAfterMs\"\xa0\x01\n" +
 	"\tResources\x12\x10\n" +
 	"\x03cpu\x18\x01 \x01(\x01R\x03cpu\x12\x1b\n" +
 	"\tmemory_mb\x18\x02 \x01(\x03R\bmemoryMb\x12\x17\n" +
 	"\adisk_mb\x18\x03 \x01(\x03R\x06diskMb\x12\x12\n" +
 	"\x04pids\x18\x04 \x01(\x03R\x04pids\x12\x10\n" +
-	"\x03gpu\x18\x05 \x01(\x05R\x03gpu\"\x1d\n" +
+	"\x03gpu\x18\x05 \x01(\x05R\x03gpu\x12%\n" +
+	"\x0ebandwidth_mbps\x18\x06 \x01(\x03R\rbandwidthMbps\"M\n" +
 	"\aNetwork\x12\x12\n" +
-	"\x04mode\x18\x01 \x01(\tR\x04mode\"\xb2\x05\n" +
+	"\x04mode\x18\x01 \x01(\tR\x04mode\x12.\n" +
+	"\x06policy\x18\x02 \x01(\v2\x16.dsec.v1.NetworkPolicyR\x06policy\"z\n" +
+	"\rNetworkPolicy\x12*\n" +
+	"\x05rules\x18\x01 \x03(\v2\x14.dsec.v1.NetworkRuleR\x05rules\x12=\n" +
+	"\vcredentials\x18\x02 \x03(\v2\x1b.dsec.v1.BrokeredCredentialR\vcredentials\"G\n" +
+	"\vNetworkRule\x12\x16\n" +
+	"\x06action\x18\x01 \x01(\tR\x06action\x12 \n" +
+	"\vdestination\x18\x02 \x01(\tR\vdestination\"j\n" +
+	"\x12BrokeredCredential\x12\x12\n" +
+	"\x04host\x18\x01 \x01(\tR\x04host\x12\x16\n" +
+	"\x06header\x18\x02 \x01(\tR\x06header\x12\x14\n" +
+	"\x05value\x18\x03 \x01(\tR\x05value\x12\x12\n" +
+	"\x04name\x18\x04 \x01(\tR\x04name\"Y\n" +
+	"\x17SetNetworkPolicyRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12.\n" +
+	"\x06policy\x18\x02 \x01(\v2\x16.dsec.v1.NetworkPolicyR\x06policy\")\n" +
+	"\x17GetNetworkPolicyRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"h\n" +
+	"\x14GetNetworkLogRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1b\n" +
+	"\tafter_seq\x18\x02 \x01(\x04R\bafterSeq\x12\x14\n" +
+	"\x05limit\x18\x03 \x01(\x05R\x05limit\"f\n" +
+	"\x15GetNetworkLogResponse\x123\n" +
+	"\arecords\x18\x01 \x03(\v2\x19.dsec.v1.ConnectionRecordR\arecords\x12\x18\n" +
+	"\adropped\x18\x02 \x01(\x04R\adropped\"\xfc\x01\n" +
+	"\x10ConnectionRecord\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12*\n" +
+	"\x02at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x12\x1a\n" +
+	"\bprotocol\x18\x03 \x01(\tR\bprotocol\x12\x18\n" +
+	"\aaddress\x18\x04 \x01(\tR\aaddress\x12\x12\n" +
+	"\x04port\x18\x05 \x01(\rR\x04port\x12\x12\n" +
+	"\x04host\x18\x06 \x01(\tR\x04host\x12\x18\n" +
+	"\averdict\x18\a \x01(\tR\averdict\x12\x16\n" +
+	"\x06reason\x18\b \x01(\tR\x06reason\x12\x1a\n" +
+	"\bbrokered\x18\t \x01(\bR\bbrokered\"\xb2\x05\n" +
 	"\vSandboxSpec\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x120\n" +
@@ -5563,6 +6239,12 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04from\x18\x02 \x01(\tR\x04from\x12\x0e\n" +
 	"\x02to\x18\x03 \x01(\tR\x02to\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\"n\n" +
+	"\x11ChangeModeRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
+	"\x04mode\x18\x03 \x01(\rR\x04mode\x12\x12\n" +
 	"\x04user\x18\x04 \x01(\tR\x04user\"v\n" +
 	"\x0fWatchDirRequest\x12\x1d\n" +
 	"\n" +
@@ -5757,7 +6439,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1a\n" +
 	"\breplayed\x18\x02 \x01(\x05R\breplayed\x12\x1a\n" +
 	"\bdiverged\x18\x03 \x01(\x05R\bdiverged\x12)\n" +
-	"\x05steps\x18\x04 \x03(\v2\x13.dsec.v1.ReplayStepR\x05steps2\xe0\x06\n" +
+	"\x05steps\x18\x04 \x03(\v2\x13.dsec.v1.ReplayStepR\x05steps2\xfa\a\n" +
 	"\x10LifecycleService\x12@\n" +
 	"\rCreateSandbox\x12\x1d.dsec.v1.CreateSandboxRequest\x1a\x10.dsec.v1.Sandbox\x12T\n" +
 	"\x0fCreateSandboxes\x12\x1f.dsec.v1.CreateSandboxesRequest\x1a .dsec.v1.CreateSandboxesResponse\x12?\n" +
@@ -5771,7 +6453,9 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x0ePauseSandboxes\x12\x14.dsec.v1.BulkRequest\x1a\x15.dsec.v1.BulkResponse\x12>\n" +
 	"\x0fResumeSandboxes\x12\x14.dsec.v1.BulkRequest\x1a\x15.dsec.v1.BulkResponse\x12>\n" +
 	"\x0fDeleteSandboxes\x12\x14.dsec.v1.BulkRequest\x1a\x15.dsec.v1.BulkResponse\x12N\n" +
-	"\x0fGetSandboxStats\x12\x1f.dsec.v1.GetSandboxStatsRequest\x1a\x15.dsec.v1.SandboxStats\"\x03\x90\x02\x012\xf5\x03\n" +
+	"\x0fGetSandboxStats\x12\x1f.dsec.v1.GetSandboxStatsRequest\x1a\x15.dsec.v1.SandboxStats\"\x03\x90\x02\x01\x12K\n" +
+	"\x10SetNetworkPolicy\x12 .dsec.v1.SetNetworkPolicyRequest\x1a\x10.dsec.v1.Network\"\x03\x90\x02\x02\x12K\n" +
+	"\x10GetNetworkPolicy\x12 .dsec.v1.GetNetworkPolicyRequest\x1a\x10.dsec.v1.Network\"\x03\x90\x02\x012\xf5\x03\n" +
 	"\x0eProcessService\x121\n" +
 	"\x04Exec\x12\x14.dsec.v1.ExecRequest\x1a\x13.dsec.v1.ExecResult\x128\n" +
 	"\n" +
@@ -5781,7 +6465,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"WriteStdin\x12\x1a.dsec.v1.WriteStdinRequest\x1a\x1b.dsec.v1.WriteStdinResponse\x12N\n" +
 	"\rSignalProcess\x12\x1d.dsec.v1.SignalProcessRequest\x1a\x1e.dsec.v1.SignalProcessResponse\x12B\n" +
 	"\tResizePTY\x12\x19.dsec.v1.ResizePTYRequest\x1a\x1a.dsec.v1.ResizePTYResponse\x12S\n" +
-	"\rListProcesses\x12\x1d.dsec.v1.ListProcessesRequest\x1a\x1e.dsec.v1.ListProcessesResponse\"\x03\x90\x02\x012\xf3\x03\n" +
+	"\rListProcesses\x12\x1d.dsec.v1.ListProcessesRequest\x1a\x1e.dsec.v1.ListProcessesResponse\"\x03\x90\x02\x012\xb5\x04\n" +
 	"\x11FilesystemService\x12A\n" +
 	"\bReadFile\x12\x18.dsec.v1.ReadFileRequest\x1a\x19.dsec.v1.ReadFileResponse0\x01\x12;\n" +
 	"\tWriteFile\x12\x19.dsec.v1.WriteFileRequest\x1a\x11.dsec.v1.FileInfo(\x01\x124\n" +
@@ -5789,17 +6473,20 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\aListDir\x12\x17.dsec.v1.ListDirRequest\x1a\x18.dsec.v1.ListDirResponse\"\x03\x90\x02\x01\x125\n" +
 	"\aMakeDir\x12\x17.dsec.v1.MakeDirRequest\x1a\x11.dsec.v1.FileInfo\x129\n" +
 	"\x06Remove\x12\x16.dsec.v1.RemoveRequest\x1a\x17.dsec.v1.RemoveResponse\x123\n" +
-	"\x06Rename\x12\x16.dsec.v1.RenameRequest\x1a\x11.dsec.v1.FileInfo\x12>\n" +
+	"\x06Rename\x12\x16.dsec.v1.RenameRequest\x1a\x11.dsec.v1.FileInfo\x12@\n" +
+	"\n" +
+	"ChangeMode\x12\x1a.dsec.v1.ChangeModeRequest\x1a\x11.dsec.v1.FileInfo\"\x03\x90\x02\x02\x12>\n" +
 	"\bWatchDir\x12\x18.dsec.v1.WatchDirRequest\x1a\x16.dsec.v1.WatchDirEvent0\x012\xb6\x02\n" +
 	"\x0fSnapshotService\x12;\n" +
 	"\bSnapshot\x12\x18.dsec.v1.SnapshotRequest\x1a\x15.dsec.v1.SnapshotInfo\x12S\n" +
 	"\rListSnapshots\x12\x1d.dsec.v1.ListSnapshotsRequest\x1a\x1e.dsec.v1.ListSnapshotsResponse\"\x03\x90\x02\x01\x12Q\n" +
 	"\x0eDeleteSnapshot\x12\x1e.dsec.v1.DeleteSnapshotRequest\x1a\x1f.dsec.v1.DeleteSnapshotResponse\x12>\n" +
-	"\x04Fork\x12\x14.dsec.v1.ForkRequest\x1a .dsec.v1.CreateSandboxesResponse2\x87\x01\n" +
+	"\x04Fork\x12\x14.dsec.v1.ForkRequest\x1a .dsec.v1.CreateSandboxesResponse2\xdc\x01\n" +
 	"\n" +
 	"LogService\x12>\n" +
 	"\x06GetLog\x12\x16.dsec.v1.GetLogRequest\x1a\x17.dsec.v1.GetLogResponse\"\x03\x90\x02\x01\x129\n" +
-	"\x06Replay\x12\x16.dsec.v1.ReplayRequest\x1a\x17.dsec.v1.ReplayResponse2\xd8\x01\n" +
+	"\x06Replay\x12\x16.dsec.v1.ReplayRequest\x1a\x17.dsec.v1.ReplayResponse\x12S\n" +
+	"\rGetNetworkLog\x12\x1d.dsec.v1.GetNetworkLogRequest\x1a\x1e.dsec.v1.GetNetworkLogResponse\"\x03\x90\x02\x012\xd8\x01\n" +
 	"\rScreenService\x12E\n" +
 	"\n" +
 	"Screenshot\x12\x1a.dsec.v1.ScreenshotRequest\x1a\x1b.dsec.v1.ScreenshotResponse\x12B\n" +
@@ -5818,215 +6505,238 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 83)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 92)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
 	(*Resources)(nil),               // 1: dsec.v1.Resources
 	(*Network)(nil),                 // 2: dsec.v1.Network
-	(*SandboxSpec)(nil),             // 3: dsec.v1.SandboxSpec
-	(*Sandbox)(nil),                 // 4: dsec.v1.Sandbox
-	(*CreateSandboxRequest)(nil),    // 5: dsec.v1.CreateSandboxRequest
-	(*GetSandboxRequest)(nil),       // 6: dsec.v1.GetSandboxRequest
-	(*ListSandboxesRequest)(nil),    // 7: dsec.v1.ListSandboxesRequest
-	(*ListSandboxesResponse)(nil),   // 8: dsec.v1.ListSandboxesResponse
-	(*DeleteSandboxRequest)(nil),    // 9: dsec.v1.DeleteSandboxRequest
-	(*DeleteSandboxResponse)(nil),   // 10: dsec.v1.DeleteSandboxResponse
-	(*KeepaliveRequest)(nil),        // 11: dsec.v1.KeepaliveRequest
-	(*ExecRequest)(nil),             // 12: dsec.v1.ExecRequest
-	(*ExecResult)(nil),              // 13: dsec.v1.ExecResult
-	(*ExecStarted)(nil),             // 14: dsec.v1.ExecStarted
-	(*ExecEvent)(nil),               // 15: dsec.v1.ExecEvent
-	(*ConnectProcessRequest)(nil),   // 16: dsec.v1.ConnectProcessRequest
-	(*WriteStdinRequest)(nil),       // 17: dsec.v1.WriteStdinRequest
-	(*WriteStdinResponse)(nil),      // 18: dsec.v1.WriteStdinResponse
-	(*SignalProcessRequest)(nil),    // 19: dsec.v1.SignalProcessRequest
-	(*SignalProcessResponse)(nil),   // 20: dsec.v1.SignalProcessResponse
-	(*ResizePTYRequest)(nil),        // 21: dsec.v1.ResizePTYRequest
-	(*ResizePTYResponse)(nil),       // 22: dsec.v1.ResizePTYResponse
-	(*ProcessInfo)(nil),             // 23: dsec.v1.ProcessInfo
-	(*ListProcessesRequest)(nil),    // 24: dsec.v1.ListProcessesRequest
-	(*ListProcessesResponse)(nil),   // 25: dsec.v1.ListProcessesResponse
-	(*FileInfo)(nil),                // 26: dsec.v1.FileInfo
-	(*ReadFileRequest)(nil),         // 27: dsec.v1.ReadFileRequest
-	(*ReadFileResponse)(nil),        // 28: dsec.v1.ReadFileResponse
-	(*WriteFileHeader)(nil),         // 29: dsec.v1.WriteFileHeader
-	(*WriteFileRequest)(nil),        // 30: dsec.v1.WriteFileRequest
-	(*StatRequest)(nil),             // 31: dsec.v1.StatRequest
-	(*ListDirRequest)(nil),          // 32: dsec.v1.ListDirRequest
-	(*ListDirResponse)(nil),         // 33: dsec.v1.ListDirResponse
-	(*MakeDirRequest)(nil),          // 34: dsec.v1.MakeDirRequest
-	(*RemoveRequest)(nil),           // 35: dsec.v1.RemoveRequest
-	(*RemoveResponse)(nil),          // 36: dsec.v1.RemoveResponse
-	(*RenameRequest)(nil),           // 37: dsec.v1.RenameRequest
-	(*WatchDirRequest)(nil),         // 38: dsec.v1.WatchDirRequest
-	(*FsEvent)(nil),                 // 39: dsec.v1.FsEvent
-	(*WatchDirEvent)(nil),           // 40: dsec.v1.WatchDirEvent
-	(*GetSandboxStatsRequest)(nil),  // 41: dsec.v1.GetSandboxStatsRequest
-	(*SandboxStats)(nil),            // 42: dsec.v1.SandboxStats
-	(*ScreenshotRequest)(nil),       // 43: dsec.v1.ScreenshotRequest
-	(*ScreenshotResponse)(nil),      // 44: dsec.v1.ScreenshotResponse
-	(*SendInputRequest)(nil),        // 45: dsec.v1.SendInputRequest
-	(*SendInputResponse)(nil),       // 46: dsec.v1.SendInputResponse
-	(*OpenVNCRequest)(nil),          // 47: dsec.v1.OpenVNCRequest
-	(*OpenVNCResponse)(nil),         // 48: dsec.v1.OpenVNCResponse
-	(*InputAction)(nil),             // 49: dsec.v1.InputAction
-	(*Point)(nil),                   // 50: dsec.v1.Point
-	(*MouseClick)(nil),              // 51: dsec.v1.MouseClick
-	(*MouseButton)(nil),             // 52: dsec.v1.MouseButton
-	(*MouseScroll)(nil),             // 53: dsec.v1.MouseScroll
-	(*ItemError)(nil),               // 54: dsec.v1.ItemError
-	(*CreateSandboxesRequest)(nil),  // 55: dsec.v1.CreateSandboxesRequest
-	(*CreateResult)(nil),            // 56: dsec.v1.CreateResult
-	(*CreateSandboxesResponse)(nil), // 57: dsec.v1.CreateSandboxesResponse
-	(*PauseSandboxRequest)(nil),     // 58: dsec.v1.PauseSandboxRequest
-	(*ResumeSandboxRequest)(nil),    // 59: dsec.v1.ResumeSandboxRequest
-	(*BulkRequest)(nil),             // 60: dsec.v1.BulkRequest
-	(*BulkFailure)(nil),             // 61: dsec.v1.BulkFailure
-	(*BulkResponse)(nil),            // 62: dsec.v1.BulkResponse
-	(*SnapshotRequest)(nil),         // 63: dsec.v1.SnapshotRequest
-	(*SnapshotInfo)(nil),            // 64: dsec.v1.SnapshotInfo
-	(*ListSnapshotsRequest)(nil),    // 65: dsec.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),   // 66: dsec.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),   // 67: dsec.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),  // 68: dsec.v1.DeleteSnapshotResponse
-	(*ForkRequest)(nil),             // 69: dsec.v1.ForkRequest
-	(*GetLogRequest)(nil),           // 70: dsec.v1.GetLogRequest
-	(*LogEntry)(nil),                // 71: dsec.v1.LogEntry
-	(*GetLogResponse)(nil),          // 72: dsec.v1.GetLogResponse
-	(*ReplayRequest)(nil),           // 73: dsec.v1.ReplayRequest
-	(*ReplayStep)(nil),              // 74: dsec.v1.ReplayStep
-	(*ReplayResponse)(nil),          // 75: dsec.v1.ReplayResponse
-	nil,                             // 76: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                             // 77: dsec.v1.SandboxSpec.EnvEntry
-	nil,                             // 78: dsec.v1.SandboxSpec.NodeSelectorEntry
-	nil,                             // 79: dsec.v1.ExecRequest.EnvEntry
-	nil,                             // 80: dsec.v1.ProcessInfo.EnvEntry
-	nil,                             // 81: dsec.v1.ForkRequest.LabelsEntry
-	nil,                             // 82: dsec.v1.LogEntry.EnvEntry
-	(*timestamppb.Timestamp)(nil),   // 83: google.protobuf.Timestamp
+	(*NetworkPolicy)(nil),           // 3: dsec.v1.NetworkPolicy
+	(*NetworkRule)(nil),             // 4: dsec.v1.NetworkRule
+	(*BrokeredCredential)(nil),      // 5: dsec.v1.BrokeredCredential
+	(*SetNetworkPolicyRequest)(nil), // 6: dsec.v1.SetNetworkPolicyRequest
+	(*GetNetworkPolicyRequest)(nil), // 7: dsec.v1.GetNetworkPolicyRequest
+	(*GetNetworkLogRequest)(nil),    // 8: dsec.v1.GetNetworkLogRequest
+	(*GetNetworkLogResponse)(nil),   // 9: dsec.v1.GetNetworkLogResponse
+	(*ConnectionRecord)(nil),        // 10: dsec.v1.ConnectionRecord
+	(*SandboxSpec)(nil),             // 11: dsec.v1.SandboxSpec
+	(*Sandbox)(nil),                 // 12: dsec.v1.Sandbox
+	(*CreateSandboxRequest)(nil),    // 13: dsec.v1.CreateSandboxRequest
+	(*GetSandboxRequest)(nil),       // 14: dsec.v1.GetSandboxRequest
+	(*ListSandboxesRequest)(nil),    // 15: dsec.v1.ListSandboxesRequest
+	(*ListSandboxesResponse)(nil),   // 16: dsec.v1.ListSandboxesResponse
+	(*DeleteSandboxRequest)(nil),    // 17: dsec.v1.DeleteSandboxRequest
+	(*DeleteSandboxResponse)(nil),   // 18: dsec.v1.DeleteSandboxResponse
+	(*KeepaliveRequest)(nil),        // 19: dsec.v1.KeepaliveRequest
+	(*ExecRequest)(nil),             // 20: dsec.v1.ExecRequest
+	(*ExecResult)(nil),              // 21: dsec.v1.ExecResult
+	(*ExecStarted)(nil),             // 22: dsec.v1.ExecStarted
+	(*ExecEvent)(nil),               // 23: dsec.v1.ExecEvent
+	(*ConnectProcessRequest)(nil),   // 24: dsec.v1.ConnectProcessRequest
+	(*WriteStdinRequest)(nil),       // 25: dsec.v1.WriteStdinRequest
+	(*WriteStdinResponse)(nil),      // 26: dsec.v1.WriteStdinResponse
+	(*SignalProcessRequest)(nil),    // 27: dsec.v1.SignalProcessRequest
+	(*SignalProcessResponse)(nil),   // 28: dsec.v1.SignalProcessResponse
+	(*ResizePTYRequest)(nil),        // 29: dsec.v1.ResizePTYRequest
+	(*ResizePTYResponse)(nil),       // 30: dsec.v1.ResizePTYResponse
+	(*ProcessInfo)(nil),             // 31: dsec.v1.ProcessInfo
+	(*ListProcessesRequest)(nil),    // 32: dsec.v1.ListProcessesRequest
+	(*ListProcessesResponse)(nil),   // 33: dsec.v1.ListProcessesResponse
+	(*FileInfo)(nil),                // 34: dsec.v1.FileInfo
+	(*ReadFileRequest)(nil),         // 35: dsec.v1.ReadFileRequest
+	(*ReadFileResponse)(nil),        // 36: dsec.v1.ReadFileResponse
+	(*WriteFileHeader)(nil),         // 37: dsec.v1.WriteFileHeader
+	(*WriteFileRequest)(nil),        // 38: dsec.v1.WriteFileRequest
+	(*StatRequest)(nil),             // 39: dsec.v1.StatRequest
+	(*ListDirRequest)(nil),          // 40: dsec.v1.ListDirRequest
+	(*ListDirResponse)(nil),         // 41: dsec.v1.ListDirResponse
+	(*MakeDirRequest)(nil),          // 42: dsec.v1.MakeDirRequest
+	(*RemoveRequest)(nil),           // 43: dsec.v1.RemoveRequest
+	(*RemoveResponse)(nil),          // 44: dsec.v1.RemoveResponse
+	(*RenameRequest)(nil),           // 45: dsec.v1.RenameRequest
+	(*ChangeModeRequest)(nil),       // 46: dsec.v1.ChangeModeRequest
+	(*WatchDirRequest)(nil),         // 47: dsec.v1.WatchDirRequest
+	(*FsEvent)(nil),                 // 48: dsec.v1.FsEvent
+	(*WatchDirEvent)(nil),           // 49: dsec.v1.WatchDirEvent
+	(*GetSandboxStatsRequest)(nil),  // 50: dsec.v1.GetSandboxStatsRequest
+	(*SandboxStats)(nil),            // 51: dsec.v1.SandboxStats
+	(*ScreenshotRequest)(nil),       // 52: dsec.v1.ScreenshotRequest
+	(*ScreenshotResponse)(nil),      // 53: dsec.v1.ScreenshotResponse
+	(*SendInputRequest)(nil),        // 54: dsec.v1.SendInputRequest
+	(*SendInputResponse)(nil),       // 55: dsec.v1.SendInputResponse
+	(*OpenVNCRequest)(nil),          // 56: dsec.v1.OpenVNCRequest
+	(*OpenVNCResponse)(nil),         // 57: dsec.v1.OpenVNCResponse
+	(*InputAction)(nil),             // 58: dsec.v1.InputAction
+	(*Point)(nil),                   // 59: dsec.v1.Point
+	(*MouseClick)(nil),              // 60: dsec.v1.MouseClick
+	(*MouseButton)(nil),             // 61: dsec.v1.MouseButton
+	(*MouseScroll)(nil),             // 62: dsec.v1.MouseScroll
+	(*ItemError)(nil),               // 63: dsec.v1.ItemError
+	(*CreateSandboxesRequest)(nil),  // 64: dsec.v1.CreateSandboxesRequest
+	(*CreateResult)(nil),            // 65: dsec.v1.CreateResult
+	(*CreateSandboxesResponse)(nil), // 66: dsec.v1.CreateSandboxesResponse
+	(*PauseSandboxRequest)(nil),     // 67: dsec.v1.PauseSandboxRequest
+	(*ResumeSandboxRequest)(nil),    // 68: dsec.v1.ResumeSandboxRequest
+	(*BulkRequest)(nil),             // 69: dsec.v1.BulkRequest
+	(*BulkFailure)(nil),             // 70: dsec.v1.BulkFailure
+	(*BulkResponse)(nil),            // 71: dsec.v1.BulkResponse
+	(*SnapshotRequest)(nil),         // 72: dsec.v1.SnapshotRequest
+	(*SnapshotInfo)(nil),            // 73: dsec.v1.SnapshotInfo
+	(*ListSnapshotsRequest)(nil),    // 74: dsec.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),   // 75: dsec.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),   // 76: dsec.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),  // 77: dsec.v1.DeleteSnapshotResponse
+	(*ForkRequest)(nil),             // 78: dsec.v1.ForkRequest
+	(*GetLogRequest)(nil),           // 79: dsec.v1.GetLogRequest
+	(*LogEntry)(nil),                // 80: dsec.v1.LogEntry
+	(*GetLogResponse)(nil),          // 81: dsec.v1.GetLogResponse
+	(*ReplayRequest)(nil),           // 82: dsec.v1.ReplayRequest
+	(*ReplayStep)(nil),              // 83: dsec.v1.ReplayStep
+	(*ReplayResponse)(nil),          // 84: dsec.v1.ReplayResponse
+	nil,                             // 85: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                             // 86: dsec.v1.SandboxSpec.EnvEntry
+	nil,                             // 87: dsec.v1.SandboxSpec.NodeSelectorEntry
+	nil,                             // 88: dsec.v1.ExecRequest.EnvEntry
+	nil,                             // 89: dsec.v1.ProcessInfo.EnvEntry
+	nil,                             // 90: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 91: dsec.v1.LogEntry.EnvEntry
+	(*timestamppb.Timestamp)(nil),   // 92: google.protobuf.Timestamp
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
-	1,  // 0: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	76, // 1: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	77, // 2: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
-	2,  // 3: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
-	78, // 4: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
-	3,  // 5: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	83, // 6: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	83, // 7: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	83, // 8: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
-	3,  // 9: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
-	4,  // 10: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	79, // 11: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
-	14, // 12: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
-	13, // 13: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	80, // 14: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
-	23, // 15: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	83, // 16: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
-	26, // 17: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
-	29, // 18: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
-	26, // 19: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
-	39, // 20: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	83, // 21: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	49, // 22: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
-	83, // 23: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
-	50, // 24: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
-	51, // 25: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
-	52, // 26: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
-	53, // 27: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
-	3,  // 28: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	3,  // 29: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	4,  // 30: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	54, // 31: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	56, // 32: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	54, // 33: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	61, // 34: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	83, // 35: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	64, // 36: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	81, // 37: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	83, // 38: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	82, // 39: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
-	13, // 40: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	54, // 41: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	71, // 42: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	74, // 43: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	5,  // 44: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	55, // 45: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	6,  // 46: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	7,  // 47: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	9,  // 48: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	11, // 49: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	58, // 50: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	59, // 51: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	60, // 52: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	60, // 53: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	60, // 54: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	41, // 55: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	12, // 56: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
-	12, // 57: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
-	16, // 58: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	17, // 59: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	19, // 60: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	21, // 61: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	24, // 62: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	27, // 63: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	30, // 64: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	31, // 65: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
-	32, // 66: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
-	34, // 67: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	35, // 68: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
-	37, // 69: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
-	38, // 70: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	63, // 71: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	65, // 72: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	67, // 73: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	69, // 74: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
-	70, // 75: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
-	73, // 76: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
-	43, // 77: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	45, // 78: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
-	47, // 79: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
-	4,  // 80: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	57, // 81: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	4,  // 82: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
-	8,  // 83: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	10, // 84: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	4,  // 85: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
-	4,  // 86: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	4,  // 87: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	62, // 88: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	62, // 89: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	62, // 90: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	42, // 91: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	13, // 92: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
-	15, // 93: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
-	15, // 94: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	18, // 95: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	20, // 96: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	22, // 97: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	25, // 98: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	28, // 99: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	26, // 100: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
-	26, // 101: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
-	33, // 102: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
-	26, // 103: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
-	36, // 104: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
-	26, // 105: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
-	40, // 106: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	64, // 107: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	66, // 108: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	68, // 109: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	57, // 110: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	72, // 111: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
-	75, // 112: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
-	44, // 113: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	46, // 114: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
-	48, // 115: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
-	80, // [80:116] is the sub-list for method output_type
-	44, // [44:80] is the sub-list for method input_type
-	44, // [44:44] is the sub-list for extension type_name
-	44, // [44:44] is the sub-list for extension extendee
-	0,  // [0:44] is the sub-list for field type_name
+	3,  // 0: dsec.v1.Network.policy:type_name -> dsec.v1.NetworkPolicy
+	4,  // 1: dsec.v1.NetworkPolicy.rules:type_name -> dsec.v1.NetworkRule
+	5,  // 2: dsec.v1.NetworkPolicy.credentials:type_name -> dsec.v1.BrokeredCredential
+	3,  // 3: dsec.v1.SetNetworkPolicyRequest.policy:type_name -> dsec.v1.NetworkPolicy
+	10, // 4: dsec.v1.GetNetworkLogResponse.records:type_name -> dsec.v1.ConnectionRecord
+	92, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
+	1,  // 6: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
+	85, // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	86, // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
+	2,  // 9: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
+	87, // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
+	11, // 11: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
+	92, // 12: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	92, // 13: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	92, // 14: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	11, // 15: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
+	12, // 16: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
+	88, // 17: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	22, // 18: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
+	21, // 19: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
+	89, // 20: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	31, // 21: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
+	92, // 22: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	34, // 23: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
+	37, // 24: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
+	34, // 25: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
+	48, // 26: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
+	92, // 27: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	58, // 28: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
+	92, // 29: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
+	59, // 30: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
+	60, // 31: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
+	61, // 32: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
+	62, // 33: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
+	11, // 34: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	11, // 35: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	12, // 36: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	63, // 37: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	65, // 38: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	63, // 39: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	70, // 40: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	92, // 41: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	73, // 42: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	90, // 43: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	92, // 44: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	91, // 45: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	21, // 46: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	63, // 47: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	80, // 48: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	83, // 49: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	13, // 50: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	64, // 51: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	14, // 52: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	15, // 53: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	17, // 54: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	19, // 55: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	67, // 56: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	68, // 57: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	69, // 58: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	69, // 59: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	69, // 60: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	50, // 61: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	6,  // 62: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
+	7,  // 63: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
+	20, // 64: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
+	20, // 65: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
+	24, // 66: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	25, // 67: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	27, // 68: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	29, // 69: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	32, // 70: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	35, // 71: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	38, // 72: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	39, // 73: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
+	40, // 74: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
+	42, // 75: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	43, // 76: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
+	45, // 77: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
+	46, // 78: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
+	47, // 79: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	72, // 80: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	74, // 81: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	76, // 82: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	78, // 83: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
+	79, // 84: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
+	82, // 85: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
+	8,  // 86: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
+	52, // 87: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	54, // 88: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
+	56, // 89: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	12, // 90: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	66, // 91: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	12, // 92: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
+	16, // 93: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	18, // 94: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	12, // 95: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
+	12, // 96: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	12, // 97: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	71, // 98: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	71, // 99: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	71, // 100: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	51, // 101: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	2,  // 102: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
+	2,  // 103: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
+	21, // 104: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
+	23, // 105: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
+	23, // 106: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	26, // 107: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	28, // 108: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	30, // 109: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	33, // 110: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	36, // 111: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	34, // 112: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
+	34, // 113: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
+	41, // 114: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
+	34, // 115: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
+	44, // 116: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
+	34, // 117: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
+	34, // 118: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
+	49, // 119: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	73, // 120: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	75, // 121: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	77, // 122: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	66, // 123: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	81, // 124: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
+	84, // 125: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
+	9,  // 126: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
+	53, // 127: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	55, // 128: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
+	57, // 129: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	90, // [90:130] is the sub-list for method output_type
+	50, // [50:90] is the sub-list for method input_type
+	50, // [50:50] is the sub-list for extension type_name
+	50, // [50:50] is the sub-list for extension extendee
+	0,  // [0:50] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -6034,28 +6744,28 @@ func file_dsec_v1_sandbox_proto_init() {
 	if File_dsec_v1_sandbox_proto != nil {
 		return
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[15].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[23].OneofWrappers = []any{
 		(*ExecEvent_Started)(nil),
 		(*ExecEvent_Stdout)(nil),
 		(*ExecEvent_Stderr)(nil),
 		(*ExecEvent_Exit)(nil),
 		(*ExecEvent_Keepalive)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[28].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[36].OneofWrappers = []any{
 		(*ReadFileResponse_Info)(nil),
 		(*ReadFileResponse_Data)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[30].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[38].OneofWrappers = []any{
 		(*WriteFileRequest_Header)(nil),
 		(*WriteFileRequest_Data)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[40].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[49].OneofWrappers = []any{
 		(*WatchDirEvent_Started)(nil),
 		(*WatchDirEvent_Change)(nil),
 		(*WatchDirEvent_Keepalive)(nil),
 		(*WatchDirEvent_Overflow)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[49].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[58].OneofWrappers = []any{
 		(*InputAction_Text)(nil),
 		(*InputAction_Keys)(nil),
 		(*InputAction_Move)(nil),
@@ -6069,7 +6779,7 @@ func file_dsec_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   83,
+			NumMessages:   92,
 			NumExtensions: 0,
 			NumServices:   6,
 		},

@@ -168,40 +168,6 @@ func (a *Agent) serveConn(c net.Conn) {
 		serveWrite(m.WriteFile, r, w)
 	case *guestv1.ClientMsg_Watch:
 		serveWatch(m.Watch, r, w)
-	case *guestv1.ClientMsg_Stat:
-		info, err := statPath(m.Stat)
-		if err != nil {
-			fail(err)
-			return
-		}
-		w.Write(infoMsg(info))
-	case *guestv1.ClientMsg_ListDir:
-		entries, err := listDir(m.ListDir)
-		if err != nil {
-			fail(err)
-			return
-		}
-		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Entries{Entries: &guestv1.Entries{Entries: entries}}})
-	case *guestv1.ClientMsg_MakeDir:
-		info, err := makeDir(m.MakeDir)
-		if err != nil {
-			fail(err)
-			return
-		}
-		w.Write(infoMsg(info))
-	case *guestv1.ClientMsg_Remove:
-		if err := remove(m.Remove); err != nil {
-			fail(err)
-			return
-		}
-		done()
-	case *guestv1.ClientMsg_Rename:
-		info, err := rename(m.Rename)
-		if err != nil {
-			fail(err)
-			return
-		}
-		w.Write(infoMsg(info))
 	case *guestv1.ClientMsg_Sync:
 		unix.Sync()
 		done()
@@ -222,7 +188,12 @@ func (a *Agent) serveConn(c net.Conn) {
 		a.SetDeadline(time.UnixMilli(m.SetDeadline.UnixMs))
 		done()
 	default:
-		fail(invalid("unsupported call %T", call.Msg))
+		reply, err := fileCall(call)
+		if err != nil {
+			fail(err)
+			return
+		}
+		w.Write(reply)
 	}
 }
 

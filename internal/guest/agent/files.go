@@ -47,6 +47,31 @@ func fileUser(spec string) (identity, error) {
 	return id, nil
 }
 
+// fileCall answers the file calls of one message and one reply, each
+// acting as its message's user; any other call is invalid.
+func fileCall(call *guestv1.ClientMsg) (*guestv1.ServerMsg, error) {
+	var info *guestv1.FileInfo
+	var err error
+	switch m := call.Msg.(type) {
+	case *guestv1.ClientMsg_Stat:
+		info, err = statPath(m.Stat)
+	case *guestv1.ClientMsg_ListDir:
+		entries, err := listDir(m.ListDir)
+		return &guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Entries{Entries: &guestv1.Entries{Entries: entries}}}, err
+	case *guestv1.ClientMsg_MakeDir:
+		info, err = makeDir(m.MakeDir)
+	case *guestv1.ClientMsg_Remove:
+		return &guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Done{Done: &guestv1.Done{}}}, remove(m.Remove)
+	case *guestv1.ClientMsg_Rename:
+		info, err = rename(m.Rename)
+	case *guestv1.ClientMsg_ChangeMode:
+		info, err = changeMode(m.ChangeMode)
+	default:
+		return nil, invalid("unsupported call %T", call.Msg)
+	}
+	return infoMsg(info), err
+}
+
 func infoMsg(i *guestv1.FileInfo) *guestv1.ServerMsg {
 	return &guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Info{Info: i}}
 }
@@ -383,6 +408,43 @@ func rename(m *guestv1.Rename) (*guestv1.FileInfo, error) {
 		}
 		info, err = statIn(to, nil)
 		return err
+	})
+	return info, err
+}
+
+// changeMode sets a path's permission bits as the user: the kernel lets
+// only its owner (or root) do it. A symlink is followed inside the root
+// (links have no mode of their own).
+func changeMode(m *guestv1.ChangeMode) (*guestv1.FileInfo, error) {
+	p, err := cleanPath(m.Path)
+	if err != nil {
+		return nil, err
+	}
+	if m.Mode&^0o7777 != 0 {
+		return nil, invalid("mode %#o has bits beyond 07777", m.Mode)
+	}
+	id, err := fileUser(m.User)
+	if err != nil {
+		return nil, err
+	}
+	var info *guestv1.FileInfo
+	err = asUser(id, func() error {
+		fd, err := openIn(p, unix.O_PATH, 0)
+		if err != nil {
+			return pathErr("chmod", p, err)
+		}
+		defer unix.Close(fd)
+		// fchmod(2) refuses an O_PATH descriptor; its /proc/self/fd entry
+		// names the very file resolved inside the root.
+		if err := unix.Fchmodat(unix.AT_FDCWD, "/proc/self/fd/"+strconv.Itoa(fd), m.Mode, 0); err != nil {
+			return pathErr("chmod", p, err)
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			return pathErr("stat", p, err)
+		}
+		info = fileInfo(p, fd, "", &st, nil)
+		return nil
 	})
 	return info, err
 }

@@ -406,19 +406,25 @@ func newUserNamespace(host uint32) (*os.File, error) {
 	ch := make(chan started, 1)
 	go func() {
 		// Never unlocked: the thread's credentials are changed, so it ends
-		// with this goroutine.
+		// with this goroutine. They are given back first all the same: a
+		// thread Go cannot end (the process's main thread, whose
+		// credentials ps and /proc/<pid>/status show) is kept parked as
+		// it is.
 		runtime.LockOSThread()
 		const secbitNoSetuidFixup = 1 << 2
 		if _, _, e := unix.RawSyscall(unix.SYS_PRCTL, unix.PR_SET_SECUREBITS, secbitNoSetuidFixup, 0); e != 0 {
 			ch <- started{err: fmt.Errorf("keep capabilities across the uid change: %w", e)}
 			return
 		}
+		defer unix.RawSyscall(unix.SYS_PRCTL, unix.PR_SET_SECUREBITS, 0, 0)
 		if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, ^uintptr(0)>>32, uintptr(host), ^uintptr(0)>>32); e != 0 {
 			ch <- started{err: fmt.Errorf("take the range's uid: %w", e)}
 			return
 		}
 		cmd := exec.Command(unshare, "--user", "sleep", "60")
-		ch <- started{cmd: cmd, err: cmd.Start()}
+		err := cmd.Start()
+		unix.RawSyscall(unix.SYS_SETRESUID, ^uintptr(0)>>32, 0, ^uintptr(0)>>32)
+		ch <- started{cmd: cmd, err: err}
 	}()
 	st := <-ch
 	if st.err != nil {

@@ -20,6 +20,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"strings"
@@ -35,6 +36,9 @@ import (
 
 //go:embed runner.py
 var runnerScript []byte
+
+//go:embed ts.js
+var tsScript []byte
 
 const (
 	runnerDir = "/run/dsec-fn/runner"
@@ -139,8 +143,27 @@ func New(cfg Config, ct substrate.Driver, images *image.Store, log *slog.Logger,
 	return d
 }
 
-// Capabilities implements substrate.Driver.
-func (d *Driver) Capabilities() substrate.Capabilities { return d.caps }
+// Capabilities implements substrate.Driver. Its details list the
+// languages the default image's workers run ("languages"), once one of
+// them has started, and those no image of this build can run
+// ("languages_unavailable").
+func (d *Driver) Capabilities() substrate.Capabilities {
+	c := d.caps
+	c.Details = maps.Clone(c.Details)
+	if ls := d.KnownLanguages(); ls != nil {
+		c.Details["languages"] = strings.Join(ls, " ")
+	} else {
+		c.Details["languages"] = "(known once a worker of " + d.cfg.Image + " has started)"
+	}
+	var none []string
+	for _, l := range languages {
+		if l.missing != "" {
+			none = append(none, l.name)
+		}
+	}
+	c.Details["languages_unavailable"] = strings.Join(none, " ")
+	return c
+}
 
 // Start prewarms the default image's pool in the background.
 func (d *Driver) Start() {
@@ -163,6 +186,9 @@ func (d *Driver) Start() {
 	}()
 	go d.janitor()
 }
+
+// BuiltOn implements substrate.BuiltOn: workers are containers.
+func (d *Driver) BuiltOn() substrate.Kind { return substrate.KindContainer }
 
 // Close destroys every worker, those still starting too. It is
 // idempotent.
@@ -239,13 +265,12 @@ type grant struct {
 }
 
 type worker struct {
-	id        string
-	dir       string
-	inst      substrate.Instance
-	agent     workerAgent // inst's
-	have      map[string]bool
-	languages map[string]bool
-	ooms      atomic.Int64 // the worker's OOM kills seen so far
+	id    string
+	dir   string
+	inst  substrate.Instance
+	agent workerAgent     // inst's
+	have  map[string]bool // the programs the image has (probeScript)
+	ooms  atomic.Int64    // the worker's OOM kills seen so far
 
 	// Guarded by the pool's mu.
 	slots    []bool // in use
@@ -527,7 +552,7 @@ func (d *Driver) startWorker(img string) (_ *worker, err error) {
 		os.RemoveAll(dir)
 		return nil, err
 	}
-	d.log.Info("function worker ready", slog.String("worker", id), slog.String("image", img), slog.Any("languages", keys(w.languages)))
+	d.log.Info("function worker ready", slog.String("worker", id), slog.String("image", img), slog.Any("languages", w.languageNames()))
 	return w, nil
 }
 
@@ -544,7 +569,7 @@ type workerAgent interface {
 
 func (d *Driver) prepareWorker(ctx context.Context, w *worker) error {
 	g := w.agent
-	x, err := g.Run(ctx, &guestv1.Exec{Argv: []string{"/bin/sh", "-c", "mkdir -p " + runnerDir + " " + callsDir + " && chmod 700 " + runnerDir + " && chmod 711 " + callsDir + "; " + probeScript()}, TimeoutMs: 30000})
+	x, err := g.Run(ctx, &guestv1.Exec{Argv: []string{"/bin/sh", "-c", "mkdir -p " + runnerDir + " " + callsDir + " " + libDir + " && chmod 700 " + runnerDir + " && chmod 711 " + callsDir + " && chmod 755 " + libDir + "; " + probeScript()}, TimeoutMs: 30000})
 	if err != nil {
 		return err
 	}
@@ -555,18 +580,15 @@ func (d *Driver) prepareWorker(ctx context.Context, w *worker) error {
 	for _, b := range strings.Fields(string(x.Stdout)) {
 		have[b] = true
 	}
-	w.languages = map[string]bool{}
-	for _, l := range languages {
-		ok := true
-		for _, n := range l.needs {
-			ok = ok && have[n]
-		}
-		w.languages[l.name] = ok
-	}
+	w.have = have
 	if !have["python3"] {
 		return errdefs.Unavailable("function workers need python3 in their image (for the runner)")
 	}
 	if _, err := g.WriteFile(ctx, &guestv1.WriteFile{Path: runnerDir + "/runner.py", Mode: 0o600}, strings.NewReader(string(runnerScript))); err != nil {
+		return err
+	}
+	// Helpers the calls run (readable by their uids).
+	if _, err := g.WriteFile(ctx, &guestv1.WriteFile{Path: libDir + "/ts.js", Mode: 0o644}, strings.NewReader(string(tsScript))); err != nil {
 		return err
 	}
 	if err := g.StartRunner(ctx, []string{"python3", "-I", runnerDir + "/runner.py"}, []string{"PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"}); err != nil {
@@ -598,11 +620,11 @@ func (d *Driver) destroyWorker(w *worker) {
 	os.RemoveAll(w.dir)
 }
 
-func keys(m map[string]bool) []string {
+func (w *worker) languageNames() []string {
 	var out []string
-	for k, v := range m {
-		if v {
-			out = append(out, k)
+	for _, l := range languages {
+		if l.lacking(w.have) == "" {
+			out = append(out, l.name)
 		}
 	}
 	return out

@@ -8,11 +8,14 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/substrate"
@@ -160,4 +163,117 @@ func poolSize(p *pool) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return len(p.workers) + p.starting
+}
+
+// TestInfraFailuresAreNeverVerdicts: what the platform lacks or breaks
+// comes back as sandbox_error with infra set, never as a verdict on the
+// program (a wrong reward).
+func TestInfraFailuresAreNeverVerdicts(t *testing.T) {
+	d, _, _ := newDriver(t, Config{Slots: 2, MaxWorkers: 2})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	infra := func(t *testing.T, res *dsecv1.RunCodeResult, err error, mention string) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Status != StatusSandbox || !res.Infra || !strings.Contains(res.Message, mention) {
+			t.Fatalf("status %s infra %v message %q, want sandbox_error, infra, mentioning %q", res.Status, res.Infra, res.Message, mention)
+		}
+	}
+	t.Run("a language whose toolchain the image lacks names it", func(t *testing.T) {
+		res, err := d.RunCode(ctx, &dsecv1.RunCodeRequest{Language: "java", Code: "public class Main { public static void main(String[] a) {} }"})
+		infra(t, res, err, "javac")
+	})
+	t.Run("a judged call in a language the image lacks", func(t *testing.T) {
+		res, err := d.RunCode(ctx, &dsecv1.RunCodeRequest{Language: "rust", Code: "fn main(){}", Tests: []*dsecv1.TestCase{{ExpectedStdout: ""}}})
+		infra(t, res, err, "rustc")
+	})
+	t.Run("a checker in a language the image lacks", func(t *testing.T) {
+		res, err := d.RunCode(ctx, &dsecv1.RunCodeRequest{Language: "python", Code: "print(1)", Tests: []*dsecv1.TestCase{{ExpectedStdout: "1"}},
+			Checker: &dsecv1.Checker{Language: "ruby", Code: "exit 0"}})
+		infra(t, res, err, "ruby")
+	})
+	t.Run("a language no image of this build has", func(t *testing.T) {
+		res, err := d.RunCode(ctx, &dsecv1.RunCodeRequest{Language: "julia", Code: "println(1)"})
+		infra(t, res, err, "not packaged")
+	})
+	t.Run("an unknown language is the caller's error", func(t *testing.T) {
+		_, err := d.RunCode(ctx, &dsecv1.RunCodeRequest{Language: "cobol", Code: "x"})
+		if !errdefs.Is(err, errdefs.KindInvalid) {
+			t.Fatalf("err %v, want invalid", err)
+		}
+	})
+	t.Run("an image the caller names that is not here is the caller's error", func(t *testing.T) {
+		_, err := d.RunCode(ctx, &dsecv1.RunCodeRequest{Language: "python", Code: "print(1)", Image: "no-such-image"})
+		if !errdefs.Is(err, errdefs.KindNotFound) {
+			t.Fatalf("err %v, want not_found", err)
+		}
+	})
+	t.Run("the node's own image missing is infra", func(t *testing.T) {
+		nd := New(Config{Image: "no-such-image", StateDir: t.TempDir()}, d.ct, d.images, slog.Default(), 1)
+		defer nd.Close()
+		res, err := nd.RunCode(ctx, &dsecv1.RunCodeRequest{Language: "python", Code: "print(1)"})
+		infra(t, res, err, "no-such-image")
+	})
+	// Workers killed under calls: every attempt's worker dies, so the call
+	// must come back as infra after its retry.
+	kill := func(t *testing.T, how func(w *worker)) {
+		t.Helper()
+		p := d.poolFor(d.cfg.Image)
+		stop := make(chan struct{})
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			seen := map[*worker]bool{}
+			for {
+				select {
+				case <-stop:
+					return
+				case <-time.After(20 * time.Millisecond):
+				}
+				p.mu.Lock()
+				var busy []*worker
+				for _, w := range p.workers {
+					for _, used := range w.slots {
+						if used && !seen[w] {
+							seen[w] = true
+							busy = append(busy, w)
+							break
+						}
+					}
+				}
+				p.mu.Unlock()
+				for _, w := range busy {
+					time.Sleep(300 * time.Millisecond) // the call is under way
+					how(w)
+				}
+			}
+		}()
+		for _, tests := range [][]*dsecv1.TestCase{nil, {{ExpectedStdout: "5\n"}}} {
+			res, err := d.RunCode(ctx, &dsecv1.RunCodeRequest{Language: "python", Code: "import time\ntime.sleep(3)\nprint(5)", Tests: tests})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Status != StatusSandbox || !res.Infra {
+				t.Errorf("tests %d: status %s infra %v (%s), want sandbox_error with infra", len(tests), res.Status, res.Infra, res.Message)
+			}
+		}
+		close(stop)
+		<-done
+	}
+	t.Run("a worker killed mid-call is infra", func(t *testing.T) {
+		kill(t, func(w *worker) { w.inst.Destroy(context.Background()) })
+	})
+	t.Run("a runner killed mid-call is infra", func(t *testing.T) {
+		kill(t, func(w *worker) {
+			w.inst.Guest().Run(context.Background(), &guestv1.Exec{Argv: []string{"pkill", "-KILL", "-f", "runner.py"}, TimeoutMs: 5000})
+		})
+	})
+	t.Run("the pool recovers", func(t *testing.T) {
+		res, err := d.RunCode(ctx, &dsecv1.RunCodeRequest{Language: "python", Code: "print(5)"})
+		if err != nil || res.Status != StatusSuccess {
+			t.Fatalf("after the kills: %v %v", res, err)
+		}
+	})
 }

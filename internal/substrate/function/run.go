@@ -43,6 +43,13 @@ const (
 	StatusSandbox     = "sandbox_error"
 )
 
+// Statuses of a RunCodeResult and a CaseResult besides the above.
+const (
+	StatusJudge  = "judge_error"
+	statusPassed = "passed"
+	statusNotRun = "not_run"
+)
+
 // Languages reports the languages of an image's workers (starting one if
 // needed).
 func (d *Driver) Languages(ctx context.Context, img string) ([]*dsecv1.LanguageInfo, error) {
@@ -57,49 +64,91 @@ func (d *Driver) Languages(ctx context.Context, img string) ([]*dsecv1.LanguageI
 	if err != nil {
 		return nil, err
 	}
-	have := w.languages
+	have := w.have
 	p.release(w, slot, "")
 	var out []*dsecv1.LanguageInfo
 	for _, l := range languages {
-		out = append(out, &dsecv1.LanguageInfo{Name: l.name, Aliases: l.aliases, Available: have[l.name], Image: img})
+		why := l.lacking(have)
+		out = append(out, &dsecv1.LanguageInfo{Name: l.name, Aliases: l.aliases, Available: why == "", Missing: why, Image: img})
 	}
 	return out, nil
 }
 
+// KnownLanguages reports the languages the default image's workers run,
+// once a worker of it has started (nil before).
+func (d *Driver) KnownLanguages() []string {
+	d.mu.Lock()
+	p := d.pools[d.cfg.Image]
+	d.mu.Unlock()
+	if p == nil {
+		return nil
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, w := range p.workers {
+		var out []string
+		for _, l := range languages {
+			if l.lacking(w.have) == "" {
+				out = append(out, l.name)
+			}
+		}
+		sort.Strings(out)
+		return out
+	}
+	return nil
+}
+
 // RunCode runs one call. Program failures are results; the error is for
 // requests that are invalid. Platform failures are results with status
-// sandbox_error and infra set, so a batch reports them per item.
+// sandbox_error and infra set, so a batch reports them per item: a worker
+// that died, the node's function image missing, a language whose
+// toolchain the image lacks.
 func (d *Driver) RunCode(ctx context.Context, req *dsecv1.RunCodeRequest) (*dsecv1.RunCodeResult, error) {
 	if !d.caps.Available {
 		return nil, errdefs.Unavailable("function calls cannot run on this node: %s", d.caps.Reason)
 	}
-	lang, call, err := d.plan(req)
+	start := time.Now()
+	pl, err := d.plan(req)
 	if err != nil {
 		return nil, err
 	}
-	img := req.GetImage()
-	if img == "" {
-		img = d.cfg.Image
-	}
-	if _, err := d.images.Get(img); err != nil {
-		return nil, err
-	}
-	start := time.Now()
-	// A worker that dies under a call is the platform's failure: retry once
-	// on another worker before reporting it.
 	var res *dsecv1.RunCodeResult
-	for attempt := 0; attempt < 2; attempt++ {
-		res, err = d.runOn(ctx, d.poolFor(img), lang, req, call)
-		if err != nil {
-			return nil, err
+	switch {
+	case pl.lang.missing != "":
+		res = infraResult("language %s cannot run on this node: %s", pl.lang.name, pl.lang.missing)
+	case pl.checker != nil && pl.checker.lang.missing != "":
+		res = infraResult("checker language %s cannot run on this node: %s", pl.checker.lang.name, pl.checker.lang.missing)
+	default:
+		img := req.GetImage()
+		if img == "" {
+			img = d.cfg.Image
 		}
-		if !res.Infra {
+		if _, err := d.images.Get(img); err != nil {
+			if req.GetImage() != "" {
+				return nil, err // the caller named an image that is not here
+			}
+			res = infraResult("the node's function image %q is not on this node", img)
 			break
 		}
+		p := d.poolFor(img)
+		if len(req.GetTests()) == 0 {
+			res = d.single(ctx, p, pl)
+		} else {
+			res = d.cases(ctx, p, pl, req)
+		}
+	}
+	if ctx.Err() != nil && res.Infra {
+		// The caller went away (or its deadline passed): that is its
+		// error, not a platform failure.
+		return nil, errdefs.Classify(ctx.Err())
 	}
 	res.DurationS = time.Since(start).Seconds()
-	res.Language = lang.name
+	res.Language = pl.lang.name
 	return res, nil
+}
+
+func infraResult(format string, args ...any) *dsecv1.RunCodeResult {
+	return &dsecv1.RunCodeResult{Status: StatusSandbox, Infra: true, Message: fmt.Sprintf(format, args...)}
 }
 
 // RunCodeBatch runs calls concurrently and returns their results in order.
@@ -132,64 +181,93 @@ func (d *Driver) RunCodeBatch(ctx context.Context, reqs []*dsecv1.RunCodeRequest
 	return out, nil
 }
 
-// plan validates a request and builds the worker call (without its
-// directory and uid).
-func (d *Driver) plan(req *dsecv1.RunCodeRequest) (*language, *guestv1.Call, error) {
-	lang := byName[strings.ToLower(strings.TrimSpace(req.GetLanguage()))]
+// program is a planned program: the program of a call, or its checker.
+type program struct {
+	lang    *language
+	files   []*guestv1.CallFile // the user's files and the source
+	compile *guestv1.CallStep   // nil for interpreted languages
+	// compileErr is a compile error found before compiling (a Scala
+	// program without an object to run).
+	compileErr string
+	run        func(stdin []byte, args []string) *guestv1.CallStep
+	env        []string
+}
+
+// plan is a validated request.
+type plan struct {
+	*program
+	fetch   []string
+	args    []string
+	stdin   string
+	checker *program
+	judge   func(got, want string) (bool, string) // a built-in checker
+	checkT  float64
+}
+
+// limits of one call's steps.
+type stepLimits struct {
+	compileT, runT, cpuT float64
+	mem, maxOut          int64
+}
+
+// plan validates a request and builds the calls' steps (without their
+// directories and uids).
+func (d *Driver) plan(req *dsecv1.RunCodeRequest) (*plan, error) {
+	lang := lookup(req.GetLanguage())
 	if lang == nil {
-		names := make([]string, 0, len(languages))
-		for _, l := range languages {
-			names = append(names, l.name)
-		}
-		return nil, nil, errdefs.Invalid("unknown language %q (have %s)", req.GetLanguage(), strings.Join(names, ", "))
+		return nil, errdefs.Invalid("unknown language %q (have %s)", req.GetLanguage(), strings.Join(LanguageNames(), ", "))
 	}
 	if req.GetGpus() > 0 {
 		if d.cfg.GPUs == 0 {
-			return nil, nil, errdefs.Unimplemented("GPU function calls need a node with GPUs; this node has none")
+			return nil, errdefs.Unimplemented("GPU function calls need a node with GPUs; this node has none")
 		}
 		if m := req.GetGpuMode(); m != "" && m != "shared" && m != "exclusive" {
-			return nil, nil, errdefs.Invalid("gpu_mode must be shared or exclusive")
+			return nil, errdefs.Invalid("gpu_mode must be shared or exclusive")
 		}
-		return nil, nil, errdefs.Unimplemented("GPU function calls are not implemented on this node yet")
+		return nil, errdefs.Unimplemented("GPU function calls are not implemented on this node yet")
 	}
 	if len(req.GetCode()) > maxCode {
-		return nil, nil, errdefs.Invalid("code larger than %d bytes", maxCode)
+		return nil, errdefs.Invalid("code larger than %d bytes", maxCode)
 	}
-	compileT, err := timeout(req.GetCompileTimeoutS(), "compile_timeout_s")
-	if err != nil {
-		return nil, nil, err
+	var lim stepLimits
+	var err error
+	if lim.compileT, err = timeout(req.GetCompileTimeoutS(), "compile_timeout_s"); err != nil {
+		return nil, err
 	}
-	runT, err := timeout(req.GetRunTimeoutS(), "run_timeout_s")
-	if err != nil {
-		return nil, nil, err
+	if lim.runT, err = timeout(req.GetRunTimeoutS(), "run_timeout_s"); err != nil {
+		return nil, err
 	}
-	cpuT := req.GetCpuLimitS()
-	if cpuT <= 0 || cpuT > runT {
-		cpuT = runT
+	lim.cpuT = req.GetCpuLimitS()
+	if lim.cpuT <= 0 || lim.cpuT > lim.runT {
+		lim.cpuT = lim.runT
 	}
-	mem := req.GetMemoryLimitMb()
+	lim.mem = req.GetMemoryLimitMb()
 	switch {
-	case mem == 0:
-		mem = defaultMemMB
-	case mem < 0:
-		mem = 0 // the worker's limit only
-	case mem < 16 || mem > d.cfg.WorkerMemoryMB:
-		return nil, nil, errdefs.Invalid("memory_limit_mb must be between 16 and %d", d.cfg.WorkerMemoryMB)
+	case lim.mem == 0:
+		lim.mem = defaultMemMB
+	case lim.mem < 0:
+		lim.mem = 0 // the worker's limit only
+	case lim.mem > d.cfg.WorkerMemoryMB:
+		lim.mem = d.cfg.WorkerMemoryMB
 	}
-	maxOut := req.GetMaxOutputBytes()
-	if maxOut <= 0 {
-		maxOut = 1 << 20
+	lim.maxOut = req.GetMaxOutputBytes()
+	if lim.maxOut <= 0 {
+		lim.maxOut = 1 << 20
 	}
-	if maxOut > 16<<20 {
-		return nil, nil, errdefs.Invalid("max_output_bytes at most %d", 16<<20)
+	if lim.maxOut > 16<<20 {
+		return nil, errdefs.Invalid("max_output_bytes at most %d", 16<<20)
 	}
 	if len(req.GetFiles()) > maxFiles {
-		return nil, nil, errdefs.Invalid("at most %d files", maxFiles)
+		return nil, errdefs.Invalid("at most %d files", maxFiles)
 	}
 	if len(req.GetTests()) > maxCases {
-		return nil, nil, errdefs.Invalid("at most %d test cases", maxCases)
+		return nil, errdefs.Invalid("at most %d test cases", maxCases)
 	}
-	call := &guestv1.Call{MaxFetch: 16 << 20}
+	if len(req.GetArgs()) > 256 {
+		return nil, errdefs.Invalid("at most 256 args")
+	}
+	pl := &plan{args: req.GetArgs(), stdin: req.GetStdin()}
+	var files []*guestv1.CallFile
 	total := 0
 	names := make([]string, 0, len(req.GetFiles()))
 	for n := range req.GetFiles() {
@@ -200,55 +278,109 @@ func (d *Driver) plan(req *dsecv1.RunCodeRequest) (*language, *guestv1.Call, err
 		c := req.GetFiles()[n]
 		clean := path.Clean("/" + n)[1:]
 		if clean == "" || clean != strings.TrimPrefix(n, "./") || strings.HasPrefix(n, "/") {
-			return nil, nil, errdefs.Invalid("file name %q must be a relative path inside the call directory", n)
+			return nil, errdefs.Invalid("file name %q must be a relative path inside the call directory", n)
 		}
 		total += len(c)
-		call.Files = append(call.Files, &guestv1.CallFile{Path: clean, Content: c, Mode: 0o600})
+		files = append(files, &guestv1.CallFile{Path: clean, Content: c, Mode: 0o600})
 	}
 	if total > maxFilesBytes {
-		return nil, nil, errdefs.Invalid("files larger than %d bytes in all", maxFilesBytes)
+		return nil, errdefs.Invalid("files larger than %d bytes in all", maxFilesBytes)
 	}
 	for _, f := range req.GetFetchFiles() {
 		clean := path.Clean("/" + f)[1:]
 		if clean == "" || strings.HasPrefix(f, "/") || strings.Contains(f, "..") {
-			return nil, nil, errdefs.Invalid("fetch file %q must be a relative path inside the call directory", f)
+			return nil, errdefs.Invalid("fetch file %q must be a relative path inside the call directory", f)
 		}
-		call.Fetch = append(call.Fetch, clean)
+		pl.fetch = append(pl.fetch, clean)
 	}
-	call.Files = append(call.Files, &guestv1.CallFile{Path: lang.source, Content: []byte(req.GetCode()), Mode: 0o600})
-	limits := func(t float64, cpu float64) *guestv1.CallStep {
+	pl.program = planProgram(lang, req.GetCode(), files, lim)
+	size := 0
+	for _, tc := range req.GetTests() {
+		size += len(tc.Stdin) + len(tc.ExpectedStdout)
+	}
+	if size > maxCaseBytes {
+		return nil, errdefs.Invalid("test cases larger than %d bytes in all", maxCaseBytes)
+	}
+	ck := req.GetChecker()
+	switch {
+	case ck.GetCode() != "":
+		cl := lookup(ck.GetLanguage())
+		if cl == nil {
+			return nil, errdefs.Invalid("unknown checker language %q (have %s)", ck.GetLanguage(), strings.Join(LanguageNames(), ", "))
+		}
+		if len(ck.GetCode()) > maxCode {
+			return nil, errdefs.Invalid("checker code larger than %d bytes", maxCode)
+		}
+		if pl.checkT, err = timeout(ck.GetTimeoutS(), "checker.timeout_s"); err != nil {
+			return nil, err
+		}
+		pl.checker = planProgram(cl, ck.GetCode(), nil, stepLimits{compileT: lim.compileT, runT: pl.checkT, cpuT: pl.checkT, mem: defaultMemMB, maxOut: 64 << 10})
+	case ck != nil:
+		j, err := builtinChecker(ck.GetBuiltin(), ck.GetFloatTolerance())
+		if err != nil {
+			return nil, err
+		}
+		pl.judge = j
+	default:
+		o := req.GetJudge()
+		pl.judge = func(got, want string) (bool, string) { return matches(got, want, o), "" }
+	}
+	return pl, nil
+}
+
+// planProgram builds the steps of code in lang.
+func planProgram(lang *language, code string, files []*guestv1.CallFile, lim stepLimits) *program {
+	pr := &program{lang: lang, env: lang.env}
+	if lang.missing != "" {
+		return pr
+	}
+	src := lang.source
+	if lang.sourceOf != nil {
+		if s, err := lang.sourceOf(code); err == nil {
+			src = s
+		}
+	}
+	if lang.transform != nil {
+		code = lang.transform(code)
+	}
+	pr.files = append(append([]*guestv1.CallFile(nil), files...), &guestv1.CallFile{Path: src, Content: []byte(code), Mode: 0o600})
+	limits := func(t, cpu float64) *guestv1.CallStep {
 		st := &guestv1.CallStep{
-			TimeoutMs: int64(t * 1000), MaxOutput: maxOut,
+			TimeoutMs: int64(t * 1000), MaxOutput: lim.maxOut,
 			RlimitCpuS: int64(math.Ceil(cpu)), RlimitFsizeBytes: 256 << 20, RlimitNproc: 64, RlimitNofile: 1024,
 		}
-		if mem > 0 && !lang.noAS {
-			st.RlimitAsBytes = mem << 20
+		if lim.mem > 0 && !lang.noAS {
+			st.RlimitAsBytes = lim.mem << 20
 		}
 		return st
 	}
 	if lang.compile != nil {
-		st := limits(compileT, compileT)
+		st := limits(lim.compileT, lim.compileT)
 		st.Argv, st.StopOnFailure, st.RlimitNproc, st.RlimitAsBytes = lang.compile, true, 256, 0
-		call.Steps = append(call.Steps, st)
+		pr.compile = st
 	}
-	run := func(stdin string) *guestv1.CallStep {
-		st := limits(runT, cpuT)
-		st.Argv, st.Python, st.Stdin = lang.run, lang.python, []byte(stdin)
+	argv := lang.run
+	if lang.runOf != nil {
+		if argv = lang.runOf(code); argv == nil {
+			pr.compileErr = "no object to run: a Scala program declares an object with a main method"
+			argv = []string{"false"}
+		}
+	}
+	if lang.heap != "" && lim.mem > 0 {
+		argv = append([]string{argv[0], fmt.Sprintf(lang.heap, lim.mem)}, argv[1:]...)
+	}
+	pr.run = func(stdin []byte, args []string) *guestv1.CallStep {
+		st := limits(lim.runT, lim.cpuT)
+		st.Argv = append(append([]string(nil), argv...), args...)
+		st.Python, st.Stdin = lang.python, stdin
+		if lang.noAS {
+			// Runtimes of many threads (the JVM's compilers and
+			// collectors) count them against the process limit.
+			st.RlimitNproc = 256
+		}
 		return st
 	}
-	if len(req.GetTests()) == 0 {
-		call.Steps = append(call.Steps, run(req.GetStdin()))
-	} else {
-		size := 0
-		for _, tc := range req.GetTests() {
-			size += len(tc.Stdin) + len(tc.ExpectedStdout)
-			call.Steps = append(call.Steps, run(tc.Stdin))
-		}
-		if size > maxCaseBytes {
-			return nil, nil, errdefs.Invalid("test cases larger than %d bytes in all", maxCaseBytes)
-		}
-	}
-	return lang, call, nil
+	return pr
 }
 
 func timeout(v float64, name string) (float64, error) {
@@ -261,18 +393,38 @@ func timeout(v float64, name string) (float64, error) {
 	return v, nil
 }
 
-func (d *Driver) runOn(ctx context.Context, p *pool, lang *language, req *dsecv1.RunCodeRequest, plan *guestv1.Call) (*dsecv1.RunCodeResult, error) {
+// exec runs call on a slot of p, after checking that the worker runs
+// every language in langs. A worker that fails under the call (dies, its
+// runner dies, it cannot be cleaned mid-call) is the platform's failure:
+// the call is retried once on another worker before it is reported. infra
+// is then why the platform failed, and out is nil.
+func (d *Driver) exec(ctx context.Context, p *pool, langs []*language, plan *guestv1.Call) (out *guestv1.CallResult, oom bool, infra string) {
+	for attempt := 0; attempt < 2; attempt++ {
+		if ctx.Err() != nil {
+			return nil, false, "the call was cancelled: " + ctx.Err().Error()
+		}
+		out, oom, infra = d.execOnce(ctx, p, langs, plan)
+		if infra == "" || strings.HasPrefix(infra, "language ") {
+			return out, oom, infra
+		}
+	}
+	return nil, false, infra
+}
+
+func (d *Driver) execOnce(ctx context.Context, p *pool, langs []*language, plan *guestv1.Call) (*guestv1.CallResult, bool, string) {
 	w, slot, err := p.acquire(ctx)
 	if err != nil {
-		if errdefs.IsInfra(err) {
-			e := errdefs.Classify(err)
-			return &dsecv1.RunCodeResult{Status: StatusSandbox, Infra: true, Message: e.Msg}, nil
+		return nil, false, errdefs.Classify(err).Msg
+	}
+	for _, l := range langs {
+		if why := l.lacking(w.have); why != "" {
+			p.release(w, slot, "")
+			return nil, false, fmt.Sprintf("language %s cannot run on image %s: %s", l.name, p.image, why)
 		}
-		return nil, err
 	}
 	call := &guestv1.Call{
 		Dir: slotDir(slot), Uid: uint32(uidBase + slot), DiskBytes: d.cfg.CallDiskMB << 20,
-		Files: plan.Files, Steps: plan.Steps, Fetch: plan.Fetch, MaxFetch: plan.MaxFetch,
+		Files: plan.Files, Steps: plan.Steps, Fetch: plan.Fetch, MaxFetch: plan.MaxFetch, Env: plan.Env,
 	}
 	var budget time.Duration
 	for _, s := range call.Steps {
@@ -287,19 +439,44 @@ func (d *Driver) runOn(ctx context.Context, p *pool, lang *language, req *dsecv1
 			reason = "the worker died"
 		}
 		p.release(w, slot, reason)
-		return &dsecv1.RunCodeResult{Status: StatusSandbox, Infra: true, Message: "function worker failed: " + errdefs.Classify(err).Msg}, nil
+		return nil, false, "function worker failed: " + errdefs.Classify(err).Msg
 	}
 	oom := w.oomSince(out)
 	p.release(w, slot, out.DirtyReason)
-	res := classify(lang, req, out, oom)
-	if out.Dirty && len(out.Steps) < len(call.Steps) && res.Status == StatusSuccess {
-		res.Status, res.Infra, res.Message = StatusSandbox, true, "the worker broke during the call: "+out.DirtyReason
+	for _, s := range out.Steps {
+		if strings.HasPrefix(s.Error, "runner:") {
+			return nil, false, "function worker failed: " + s.Error
+		}
 	}
-	return res, nil
+	if out.Dirty && len(out.Steps) < len(call.Steps) {
+		// A step did not run and the worker broke: whatever stopped it
+		// was the platform (a failed step that stops the rest leaves a
+		// clean worker).
+		stopped := false
+		for i, s := range out.Steps {
+			stopped = stopped || (call.Steps[i].StopOnFailure && (s.ExitCode != 0 || s.TimedOut || s.Error != ""))
+		}
+		if !stopped {
+			return nil, false, "the worker broke during the call: " + out.DirtyReason
+		}
+	}
+	return out, oom, ""
 }
 
-// classify turns step exits into a result.
-func classify(lang *language, req *dsecv1.RunCodeRequest, out *guestv1.CallResult, oom bool) *dsecv1.RunCodeResult {
+// single runs a call without tests: compile and run in one worker call.
+func (d *Driver) single(ctx context.Context, p *pool, pl *plan) *dsecv1.RunCodeResult {
+	if pl.compileErr != "" {
+		return compileError(pl.compileErr)
+	}
+	c := &guestv1.Call{Files: pl.files, Fetch: pl.fetch, MaxFetch: 16 << 20, Env: pl.env}
+	if pl.compile != nil {
+		c.Steps = append(c.Steps, pl.compile)
+	}
+	c.Steps = append(c.Steps, pl.run([]byte(pl.stdin), pl.args))
+	out, oom, infra := d.exec(ctx, p, []*language{pl.lang}, c)
+	if infra != "" {
+		return infraResult("%s", infra)
+	}
 	res := &dsecv1.RunCodeResult{Files: map[string][]byte{}}
 	for _, f := range out.Fetched {
 		if !f.Missing {
@@ -307,71 +484,31 @@ func classify(lang *language, req *dsecv1.RunCodeRequest, out *guestv1.CallResul
 		}
 	}
 	steps := out.Steps
-	for _, s := range steps {
-		if strings.HasPrefix(s.Error, "runner:") {
-			return &dsecv1.RunCodeResult{Status: StatusSandbox, Infra: true, Message: s.Error}
-		}
-	}
-	if lang.compile != nil {
+	if pl.compile != nil {
 		if len(steps) == 0 {
-			return &dsecv1.RunCodeResult{Status: StatusSandbox, Infra: true, Message: "the compile step did not run"}
+			return infraResult("the compile step did not run")
 		}
 		res.Compile = stage(steps[0], oom)
 		steps = steps[1:]
 		if res.Compile.Status != "finished" {
-			res.Status = StatusCompile
-			res.Message = "compilation failed"
+			res.Status, res.Message = StatusCompile, "compilation failed"
 			if res.Compile.Status == StatusTLE {
 				res.Message = "compilation timed out"
 			}
 			return res
 		}
 	}
-	if len(req.GetTests()) == 0 {
-		if len(steps) == 0 {
-			return &dsecv1.RunCodeResult{Status: StatusSandbox, Infra: true, Message: "the program did not run"}
-		}
-		res.Run = stage(steps[0], oom)
-		res.Status = statusOf(res.Run)
-		return res
+	if len(steps) == 0 {
+		return infraResult("the program did not run")
 	}
-	res.Total = int32(len(req.GetTests()))
-	res.Status = StatusSuccess
-	stop := false
-	for i, tc := range req.GetTests() {
-		cr := &dsecv1.CaseResult{Index: int32(i), Name: tc.Name}
-		switch {
-		case stop || i >= len(steps):
-			cr.Status = "not_run"
-		default:
-			cr.Run = stage(steps[i], oom)
-			st := statusOf(cr.Run)
-			switch {
-			case st != StatusSuccess:
-				cr.Status = st
-			case matches(cr.Run.Stdout, tc.ExpectedStdout, req.GetJudge()):
-				cr.Status, cr.Passed = "passed", true
-			default:
-				cr.Status = StatusWrongAnswer
-			}
-		}
-		if cr.Passed {
-			res.Passed++
-		} else {
-			if res.Status == StatusSuccess {
-				res.Status = cr.Status
-				if cr.Status == "not_run" {
-					res.Status = StatusWrongAnswer
-				}
-			}
-			if req.GetJudge().GetStopOnFirstFailure() {
-				stop = true
-			}
-		}
-		res.Cases = append(res.Cases, cr)
-	}
-	res.Message = fmt.Sprintf("%d of %d cases passed", res.Passed, res.Total)
+	res.Run = stage(steps[0], oom)
+	res.Status = statusOf(res.Run)
 	return res
+}
+
+func compileError(msg string) *dsecv1.RunCodeResult {
+	return &dsecv1.RunCodeResult{Status: StatusCompile, Message: msg,
+		Compile: &dsecv1.StageResult{Status: "error", ExitCode: 1, Stderr: msg + "\n"}}
 }
 
 func statusOf(s *dsecv1.StageResult) string {
@@ -401,8 +538,7 @@ func stage(x *guestv1.Exit, oom bool) *dsecv1.StageResult {
 		s.Status = StatusTLE
 	case x.Signal == int32(syscall.SIGKILL) && oom:
 		s.Status = StatusMLE
-	case x.ExitCode != 0 && (strings.Contains(stderr, "MemoryError") || strings.Contains(stderr, "std::bad_alloc") ||
-		strings.Contains(stderr, "Cannot allocate memory") || strings.Contains(stderr, "out of memory")):
+	case x.ExitCode != 0 && outOfMemory(stderr):
 		s.Status = StatusMLE
 	case x.Error != "" || x.ExitCode != 0:
 		s.Status = "error"
@@ -421,4 +557,22 @@ func text(b []byte) string {
 		return string(b)
 	}
 	return strings.ToValidUTF8(string(b), "\uFFFD")
+}
+
+// oomMarks are what runtimes print when an allocation fails: the
+// program's memory limit, not a crash.
+var oomMarks = []string{
+	"MemoryError", "std::bad_alloc", "Cannot allocate memory", "out of memory",
+	"java.lang.OutOfMemoryError", "JavaScript heap out of memory", "memory allocation of ",
+	"System.OutOfMemoryException", "cannot allocate vector of size", "core.exception.OutOfMemoryError",
+	"failed to allocate memory", "[FATAL] tried to allocate", "NoMemoryError",
+}
+
+func outOfMemory(stderr string) bool {
+	for _, m := range oomMarks {
+		if strings.Contains(stderr, m) {
+			return true
+		}
+	}
+	return false
 }

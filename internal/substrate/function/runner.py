@@ -92,10 +92,18 @@ def run_python(argv):
             status = 1
     except BaseException as e:
         # Show the program's frames only, as a fresh interpreter would.
-        tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != argv[0]:
-            tb = tb.tb_next
-        traceback.print_exception(type(e), e, tb)
+        try:
+            tb = e.__traceback__
+            while tb is not None and tb.tb_frame.f_code.co_filename != argv[0]:
+                tb = tb.tb_next
+            traceback.print_exception(type(e), e, tb)
+        except BaseException:
+            # No memory left for the traceback (a program that exhausted
+            # it): its type at least, so the verdict can name it.
+            try:
+                os.write(2, (type(e).__name__ + "\n").encode())
+            except BaseException:
+                pass
         status = 1
     try:
         sys.stdout.flush()

@@ -12,8 +12,10 @@ Standard library only. Every error is a :class:`DsecError` with ``.infra``
 
 from .client import Client, ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, SnapshotInfo, quote, request_id
 from .session import Session
+from .runkeys import RunKeys
 from .aio import AsyncClient, AsyncSandbox
-from .functions import RunCodeResult
+from .functions import Checker, RunCodeResult
+from .network import ConnectionRecord, Credential, Network, NetworkLog, NetworkPolicy
 from .errors import (
     Conflict,
     ConnectionFailed,
@@ -38,6 +40,12 @@ __all__ = [
     "AsyncClient",
     "AsyncSandbox",
     "RunCodeResult",
+    "Checker",
+    "NetworkPolicy",
+    "Credential",
+    "Network",
+    "NetworkLog",
+    "ConnectionRecord",
     "Sandbox",
     "SandboxInfo",
     "ExecResult",
@@ -45,6 +53,7 @@ __all__ = [
     "FileInfo",
     "quote",
     "request_id",
+    "RunKeys",
     "Session",
     "SnapshotInfo",
     "DsecError",

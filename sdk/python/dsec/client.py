@@ -11,6 +11,7 @@ from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, T
 
 from . import _wire
 from .errors import DsecError, NotFound, SandboxGone, make_error
+from .network import Network, NetworkLog, NetworkPolicy, PolicyLike, policy_wire
 
 DEFAULT_URL = "http://127.0.0.1:7070"
 # The sandbox API, one service per role (api/dsec/v1/sandbox.proto).
@@ -198,11 +199,13 @@ def _exec_request(sandbox_id: str, cmd: Command, *, timeout_s: Optional[float], 
 
 
 def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Optional[float] = None,
-                memory_mb: Optional[int] = None, pids: Optional[int] = None, ttl_s: Optional[int] = None,
+                memory_mb: Optional[int] = None, pids: Optional[int] = None, disk_mb: Optional[int] = None,
+                gpu: Optional[int] = None, ttl_s: Optional[int] = None,
                 idle_ttl_s: Optional[int] = None, labels: Optional[Mapping[str, str]] = None,
                 env: Optional[Mapping[str, str]] = None, network: Optional[str] = None, user: Optional[str] = None,
                 workdir: Optional[str] = None, from_snapshot: Any = None, session: Any = None,
-                node_selector: Optional[Mapping[str, str]] = None, runtime: Optional[str] = None) -> Dict[str, Any]:
+                node_selector: Optional[Mapping[str, str]] = None, network_policy: Optional[PolicyLike] = None,
+                bandwidth_mbps: Optional[int] = None, runtime: Optional[str] = None) -> Dict[str, Any]:
     # No kind: the server's default (container), or a machine snapshot's own kind.
     spec: Dict[str, Any] = {"resources": {}}
     if kind:
@@ -217,6 +220,10 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
         spec["resources"]["memoryMb"] = str(int(memory_mb))
     if pids:
         spec["resources"]["pids"] = str(int(pids))
+    if disk_mb:
+        spec["resources"]["diskMb"] = str(int(disk_mb))
+    if gpu:
+        spec["resources"]["gpu"] = int(gpu)
     if ttl_s:
         spec["ttlS"] = str(int(ttl_s))
     if idle_ttl_s:
@@ -225,8 +232,16 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
         spec["labels"] = {str(k): str(v) for k, v in labels.items()}
     if env:
         spec["env"] = {str(k): str(v) for k, v in env.items()}
+    if network_policy is not None:
+        if network not in (None, "", "egress"):
+            raise ValueError(f"network_policy needs network='egress', not {network!r}")
+        network = "egress"
     if network:
         spec["network"] = {"mode": network}
+    if network_policy is not None:
+        spec["network"]["policy"] = policy_wire(network_policy)
+    if bandwidth_mbps:
+        spec["resources"]["bandwidthMbps"] = str(int(bandwidth_mbps))
     if user:
         spec["user"] = user
     if workdir:
@@ -366,8 +381,13 @@ class Sandbox:
                 f.write(chunk)
         os.replace(tmp, local_path)
 
-    def stat(self, path: str) -> FileInfo:
-        return FileInfo._from(self._client._t.unary(_FILES, "Stat", {"sandboxId": self.id, "path": path}))
+    def stat(self, path: str, *, user: Optional[str] = None) -> FileInfo:
+        """A path's info (as ``user``, when given: a path that user cannot
+        reach is PermissionDenied)."""
+        req = {"sandboxId": self.id, "path": path}
+        if user:
+            req["user"] = user
+        return FileInfo._from(self._client._t.unary(_FILES, "Stat", req))
 
     def exists(self, path: str) -> bool:
         try:
@@ -389,6 +409,13 @@ class Sandbox:
     def rename(self, src: str, dst: str) -> FileInfo:
         return FileInfo._from(self._client._t.unary(_FILES, "Rename", {"sandboxId": self.id, "from": src, "to": dst}))
 
+    def chmod(self, path: str, mode: int, *, user: Optional[str] = None) -> FileInfo:
+        """Set ``path``'s permission bits (``0o755``); only its owner or root may."""
+        req: Dict[str, Any] = {"sandboxId": self.id, "path": path, "mode": mode}
+        if user:
+            req["user"] = user
+        return FileInfo._from(self._client._t.unary(_FILES, "ChangeMode", req))
+
     def keepalive(self, extend_ttl_s: Optional[int] = None) -> SandboxInfo:
         """Reset the idle timer (call it while the model generates); with
         ``extend_ttl_s`` also move the expiry to now + that."""
@@ -398,11 +425,14 @@ class Sandbox:
         self._info = SandboxInfo._from(self._client._t.unary(_LIFECYCLE, "Keepalive", req))
         return self._info
 
-    def shell(self, name: str = "default", *, startup: Optional[str] = None) -> "ShellSession":
-        """A persistent bash session: cwd and environment carry over."""
+    def shell(self, name: str = "default", *, startup: Optional[str] = None,
+              split_stderr: bool = False) -> "ShellSession":
+        """A persistent bash session: cwd and environment carry over. With
+        ``split_stderr`` each command's stderr comes back on its own
+        (``run_split``) instead of merged into its output."""
         from .shell import ShellSession
 
-        return ShellSession(self, name, startup=startup)
+        return ShellSession(self, name, startup=startup, split_stderr=split_stderr)
 
     def pause(self) -> SandboxInfo:
         """Freeze the sandbox and release what memory the host allows. Any
@@ -490,6 +520,34 @@ class Sandbox:
         """Turn the mouse wheel: dy clicks down (negative: up)."""
         self.input({"scroll": {"dx": dx, "dy": dy}})
 
+    def network(self) -> Network:
+        """The sandbox's network now: its mode and the egress policy in
+        force (credentials without their values)."""
+        return Network._from(self._client._t.unary(_LIFECYCLE, "GetNetworkPolicy", {"id": self.id}, retry=True))
+
+    def set_network_policy(self, policy: Optional[PolicyLike]) -> Network:
+        """Put an egress policy in force for the sandbox's new connections
+        (open ones it denies are cut); ``None`` lifts every restriction,
+        ``NetworkPolicy()`` denies everything. The sandbox needs
+        ``network="egress"``. The phase pattern::
+
+            sb = client.create("debian", network_policy=NetworkPolicy(allow=["deb.debian.org"]))
+            sb.exec("apt-get install -y ...")      # setup: the package mirror
+            sb.set_network_policy(NetworkPolicy())  # rollout: nothing
+        """
+        req: Dict[str, Any] = {"id": self.id}
+        if policy is not None:
+            req["policy"] = policy_wire(policy)
+        return Network._from(self._client._t.unary(_LIFECYCLE, "SetNetworkPolicy", req, retry=True))
+
+    def network_log(self, after_seq: int = 0, limit: Optional[int] = None) -> NetworkLog:
+        """The connections the sandbox opened, allowed and denied, after
+        record ``after_seq`` (``log.next_seq`` reads on)."""
+        req: Dict[str, Any] = {"sandboxId": self.id, "afterSeq": str(int(after_seq))}
+        if limit:
+            req["limit"] = int(limit)
+        return NetworkLog._from(self._client._t.unary(_LOGS, "GetNetworkLog", req, retry=True))
+
     def alive(self) -> bool:
         """Whether the sandbox is running. Never raises."""
         try:
@@ -531,11 +589,15 @@ class Client:
         """Create a sandbox and return once it accepts commands.
 
         Spec keywords: ``kind`` ("container"), ``cpu``, ``memory_mb``,
-        ``pids``, ``ttl_s``, ``idle_ttl_s``, ``labels``, ``env``, ``network``
-        ("none" or "egress"), ``user``, ``workdir``, ``from_snapshot``,
-        ``session``, ``node_selector`` (cluster mode: node labels), ``runtime``
-        ("gvisor": another runtime of the kind; ``info()`` lists each node's).
-        With ``count``, create that many in one request and
+        ``pids``, ``disk_mb`` (the sandbox's disk: its writable layer for
+        containers, its disk for microvm and vm), ``gpu``, ``ttl_s``,
+        ``idle_ttl_s``, ``labels``, ``env``, ``network`` ("none" or
+        "egress"), ``network_policy`` (a :class:`NetworkPolicy` or a dict
+        with its keys; implies egress), ``bandwidth_mbps`` (egress
+        throughput each way), ``user``, ``workdir``, ``from_snapshot``,
+        ``session``, ``node_selector`` (cluster mode: node labels),
+        ``runtime`` ("gvisor": another runtime of the kind; ``info()``
+        lists each node's). With ``count``, create that many in one request and
         return the list of those that started (raising if none did; see
         :meth:`create_many` for per-item results)."""
         body = _build_spec(image, **spec)
@@ -628,8 +690,12 @@ class Client:
         ``tests`` (dicts with ``stdin``/``expected_stdout``, or pairs),
         ``run_timeout``, ``compile_timeout``, ``memory_limit_mb``,
         ``max_output_bytes``, ``case_insensitive``, ``float_tolerance``,
-        ``stop_on_first_failure``, ``image``. Function calls are stateless,
-        so they are retried on transport failures."""
+        ``stop_on_first_failure``, ``image``, ``args`` (the program's
+        arguments), ``checker`` (a special judge for ``tests``: a built-in
+        name such as "float", "tokens" or "unordered_lines", or a
+        ``dsec.functions.Checker`` / dict with ``language`` and ``code`` of
+        a checker program). Function calls are stateless, so they are
+        retried on transport failures."""
         from .functions import run_code
 
         return run_code(self, code, language, **kw)
@@ -729,9 +795,14 @@ def quote(argv: Sequence[str]) -> str:
 def request_id(trajectory: Any, step: Any, *parts: Any) -> str:
     """A request ID derived from (trajectory, step, ...): a trainer that
     re-runs the same rollout after a restart issues the same IDs, so its
-    completed calls are fast-forwarded from the trajectory log."""
+    completed calls are fast-forwarded from the trajectory log.
+
+    ``trajectory`` must name the run instance, not only the run: a fresh run
+    that derived the same IDs as an earlier one would be answered from the
+    earlier run's log. :class:`dsec.RunKeys` keeps a per-run nonce in the
+    run's journal and derives IDs and idempotency keys from it."""
     return "/".join(str(p) for p in (trajectory, step) + parts)
 
 
 __all__ = ["Client", "Sandbox", "ExecResult", "ExecEvent", "FileInfo", "SandboxInfo", "SnapshotInfo", "DsecError",
-           "SandboxGone", "quote", "request_id"]
+           "SandboxGone", "NetworkPolicy", "quote", "request_id"]

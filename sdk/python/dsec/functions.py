@@ -14,6 +14,40 @@ _FUNCTION = "dsec.v1.FunctionService"
 #: statuses that are the program's own outcome (score them)
 PROGRAM_STATUSES = ("success", "wrong_answer", "compile_error", "runtime_error", "time_limit_exceeded", "memory_limit_exceeded")
 
+#: statuses that say nothing about the program (mask them): the platform
+#: failed (``infra`` is set), or the checker program did
+MASKED_STATUSES = ("sandbox_error", "judge_error")
+
+#: built-in checkers (``checker="float"`` etc.)
+BUILTIN_CHECKERS = ("lines", "exact", "tokens", "float", "unordered_lines", "case_insensitive")
+
+
+@dataclass
+class Checker:
+    """A special judge: a built-in comparison (``builtin``, one of
+    BUILTIN_CHECKERS, with ``float_tolerance`` for "float") or a program
+    (``language`` and ``code``) run per test case as ``checker input
+    expected actual`` (three files): exit 0 accepts, 1 or 2 is a wrong
+    answer, anything else a judge_error."""
+
+    builtin: str = ""
+    float_tolerance: float = 0.0
+    language: str = ""
+    code: str = ""
+    timeout: Optional[float] = None
+
+    def _wire(self) -> Dict[str, Any]:
+        m: Dict[str, Any] = {}
+        if self.code:
+            m["language"], m["code"] = self.language or "python", self.code
+            if self.timeout:
+                m["timeoutS"] = float(self.timeout)
+        else:
+            m["builtin"] = self.builtin or "lines"
+            if self.float_tolerance:
+                m["floatTolerance"] = float(self.float_tolerance)
+        return m
+
 
 @dataclass
 class Stage:
@@ -41,13 +75,23 @@ class CaseResult:
     status: str
     run: Optional[Stage] = None
     name: str = ""
+    checker: Optional[Stage] = None
+    checker_message: str = ""
+
+    @classmethod
+    def _from(cls, c: Dict[str, Any]) -> "CaseResult":
+        return cls(index=int(c.get("index") or 0), passed=bool(c.get("passed")), status=c.get("status", ""),
+                   run=Stage._from(c.get("run")), name=c.get("name", ""), checker=Stage._from(c.get("checker")),
+                   checker_message=c.get("checkerMessage", ""))
 
 
 @dataclass
 class RunCodeResult:
     """``status`` is success, wrong_answer, compile_error, runtime_error,
     time_limit_exceeded, memory_limit_exceeded — or sandbox_error with
-    ``infra`` set (mask, don't score)."""
+    ``infra`` set, or judge_error (the checker program failed): mask those,
+    don't score them (``masked``). With tests, the status is the first
+    failing case's (``first_failure``)."""
 
     status: str
     infra: bool = False
@@ -59,10 +103,18 @@ class RunCodeResult:
     total: int = 0
     files: Dict[str, bytes] = field(default_factory=dict)
     duration_s: float = 0.0
+    first_failure: Optional[CaseResult] = None
+    checker_compile: Optional[Stage] = None
+    language: str = ""
 
     @property
     def ok(self) -> bool:
         return self.status == "success"
+
+    @property
+    def masked(self) -> bool:
+        """True when the result says nothing about the program."""
+        return self.infra or self.status in MASKED_STATUSES
 
     @property
     def stdout(self) -> str:
@@ -84,15 +136,14 @@ class RunCodeResult:
 
     @classmethod
     def _from(cls, m: Dict[str, Any]) -> "RunCodeResult":
-        cases = []
-        for c in m.get("cases", []):
-            cases.append(CaseResult(index=int(c.get("index") or 0), passed=bool(c.get("passed")), status=c.get("status", ""),
-                                    run=Stage._from(c.get("run")), name=c.get("name", "")))
+        cases = [CaseResult._from(c) for c in m.get("cases", [])]
         files = {k: base64.b64decode(v) for k, v in (m.get("files") or {}).items()}
+        ff = m.get("firstFailure")
         return cls(status=m.get("status", ""), infra=bool(m.get("infra")), message=m.get("message", ""),
                    compile=Stage._from(m.get("compile")), run=Stage._from(m.get("run")), cases=cases,
                    passed=int(m.get("passed") or 0), total=int(m.get("total") or 0), files=files,
-                   duration_s=float(m.get("durationS") or 0))
+                   duration_s=float(m.get("durationS") or 0), first_failure=CaseResult._from(ff) if ff else None,
+                   checker_compile=Stage._from(m.get("checkerCompile")), language=m.get("language", ""))
 
 
 def _request(code: str, language: str = "python", *, stdin: Optional[str] = None,
@@ -100,8 +151,18 @@ def _request(code: str, language: str = "python", *, stdin: Optional[str] = None
              tests: Optional[Sequence[Any]] = None, run_timeout: Optional[float] = None,
              compile_timeout: Optional[float] = None, memory_limit_mb: Optional[int] = None,
              max_output_bytes: Optional[int] = None, case_insensitive: bool = False, float_tolerance: float = 0.0,
-             stop_on_first_failure: bool = False, image: Optional[str] = None) -> Dict[str, Any]:
+             stop_on_first_failure: bool = False, image: Optional[str] = None,
+             checker: Union[None, str, Checker, Mapping[str, Any]] = None,
+             args: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     req: Dict[str, Any] = {"language": language, "code": code}
+    if args:
+        req["args"] = [str(a) for a in args]
+    if checker is not None:
+        if isinstance(checker, str):
+            checker = Checker(builtin=checker, float_tolerance=float_tolerance)
+        elif isinstance(checker, Mapping):
+            checker = Checker(**checker)
+        req["checker"] = checker._wire()
     if stdin is not None:
         req["stdin"] = stdin
     if files:

@@ -21,7 +21,10 @@ def _free_port() -> int:
 
 
 def _binary() -> str:
-    path = os.environ.get("DSEC_BIN") or os.path.join(ROOT, "bin", "dsec")
+    path = os.environ.get("DSEC_BIN")
+    if not path and os.environ.get("DSEC_TEST_BIN"):  # make test-python: the binaries just built
+        path = os.path.join(os.environ["DSEC_TEST_BIN"], "dsec")
+    path = path or os.path.join(ROOT, "bin", "dsec")
     if not os.path.exists(path):
         pytest.skip(f"{path} is missing: run `make build`")
     return path

@@ -55,6 +55,8 @@ def test_files_round_trip(sandbox, tmp_path):
     assert sandbox.read_file("/work/blob") == data
     assert sandbox.stat("/work/blob").size == len(data)
     assert sandbox.stat("/work/blob").mode == 0o600
+    assert sandbox.chmod("/work/blob", 0o640).mode == 0o640
+    assert sandbox.exec("stat -c %a /work/blob").stdout.strip() == "640"
     local = tmp_path / "up.bin"
     local.write_bytes(b"upload")
     sandbox.upload(str(local), "/work/up.bin")

@@ -44,3 +44,24 @@ def test_async_client_is_not_bound_to_a_loop(server):
     for _ in range(2):  # a fresh loop each time
         a, b, c = asyncio.run(once())
         assert (a, b) == ("x\n", "y\n") and c == [f"{i}\n" for i in range(8)]
+
+
+def test_run_code_checkers_and_args(client):
+    cases = [{"stdin": f"{n}\n", "expected_stdout": f"1 {n - 1}\n"} for n in range(2, 8)]
+    split = "n = int(input()); print(n - 1, 1)"
+    # The expected split is one of many: exact judging refuses another.
+    assert client.run_code(split, tests=cases).status == "wrong_answer"
+    checker = dsec.Checker(language="python", code=(
+        "import sys\n"
+        "n = int(open(sys.argv[1]).read()); a, b = map(int, open(sys.argv[3]).read().split())\n"
+        "sys.exit(0 if a > 0 and b > 0 and a + b == n else 1)\n"))
+    r = client.run_code(split, tests=cases, checker=checker)
+    assert r.status == "success" and r.passed == 6, r
+    r = client.run_code("n = int(input()); print(n, 0)", tests=cases, checker=checker)
+    assert r.status == "wrong_answer" and r.first_failure is not None and r.first_failure.index == 0
+    r = client.run_code("print(1/3)", tests=[("", "0.3333333")], checker="float", float_tolerance=1e-6)
+    assert r.ok
+    r = client.run_code("print(1)", tests=[("", "1")], checker={"language": "python", "code": "raise SystemExit(3)"})
+    assert r.status == "judge_error" and r.masked and not r.infra
+    r = client.run_code("import sys; print(' '.join(sys.argv[1:]))", args=["a", "b"])
+    assert r.stdout == "a b\n"

@@ -64,6 +64,7 @@ type ClientMsg struct {
 	//	*ClientMsg_StartRunner
 	//	*ClientMsg_Call
 	//	*ClientMsg_Watch
+	//	*ClientMsg_ChangeMode
 	Msg           isClientMsg_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -313,6 +314,15 @@ func (x *ClientMsg) GetWatch() *Watch {
 	return nil
 }
 
+func (x *ClientMsg) GetChangeMode() *ChangeMode {
+	if x != nil {
+		if x, ok := x.Msg.(*ClientMsg_ChangeMode); ok {
+			return x.ChangeMode
+		}
+	}
+	return nil
+}
+
 type isClientMsg_Msg interface {
 	isClientMsg_Msg()
 }
@@ -409,6 +419,10 @@ type ClientMsg_Watch struct {
 	Watch *Watch `protobuf:"bytes,23,opt,name=watch,proto3,oneof"`
 }
 
+type ClientMsg_ChangeMode struct {
+	ChangeMode *ChangeMode `protobuf:"bytes,24,opt,name=change_mode,json=changeMode,proto3,oneof"`
+}
+
 func (*ClientMsg_Hello) isClientMsg_Msg() {}
 
 func (*ClientMsg_Exec) isClientMsg_Msg() {}
@@ -454,6 +468,8 @@ func (*ClientMsg_StartRunner) isClientMsg_Msg() {}
 func (*ClientMsg_Call) isClientMsg_Msg() {}
 
 func (*ClientMsg_Watch) isClientMsg_Msg() {}
+
+func (*ClientMsg_ChangeMode) isClientMsg_Msg() {}
 
 type ServerMsg struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1949,6 +1965,67 @@ func (x *Rename) GetUser() string {
 	return ""
 }
 
+// ChangeMode sets path's permission bits (at most 07777), as user.
+type ChangeMode struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	Mode          uint32                 `protobuf:"varint,2,opt,name=mode,proto3" json:"mode,omitempty"`
+	User          string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ChangeMode) Reset() {
+	*x = ChangeMode{}
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ChangeMode) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ChangeMode) ProtoMessage() {}
+
+func (x *ChangeMode) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ChangeMode.ProtoReflect.Descriptor instead.
+func (*ChangeMode) Descriptor() ([]byte, []int) {
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *ChangeMode) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *ChangeMode) GetMode() uint32 {
+	if x != nil {
+		return x.Mode
+	}
+	return 0
+}
+
+func (x *ChangeMode) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
 type ListProcs struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1957,7 +2034,7 @@ type ListProcs struct {
 
 func (x *ListProcs) Reset() {
 	*x = ListProcs{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[20]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1969,7 +2046,7 @@ func (x *ListProcs) String() string {
 func (*ListProcs) ProtoMessage() {}
 
 func (x *ListProcs) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[20]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1982,7 +2059,7 @@ func (x *ListProcs) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListProcs.ProtoReflect.Descriptor instead.
 func (*ListProcs) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{20}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{21}
 }
 
 type Sync struct {
@@ -1993,7 +2070,7 @@ type Sync struct {
 
 func (x *Sync) Reset() {
 	*x = Sync{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[21]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2005,7 +2082,7 @@ func (x *Sync) String() string {
 func (*Sync) ProtoMessage() {}
 
 func (x *Sync) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[21]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2018,7 +2095,7 @@ func (x *Sync) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sync.ProtoReflect.Descriptor instead.
 func (*Sync) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{21}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{22}
 }
 
 type Shutdown struct {
@@ -2029,7 +2106,7 @@ type Shutdown struct {
 
 func (x *Shutdown) Reset() {
 	*x = Shutdown{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[22]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2041,7 +2118,7 @@ func (x *Shutdown) String() string {
 func (*Shutdown) ProtoMessage() {}
 
 func (x *Shutdown) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[22]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2054,7 +2131,7 @@ func (x *Shutdown) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Shutdown.ProtoReflect.Descriptor instead.
 func (*Shutdown) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{22}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{23}
 }
 
 // SetDeadline sets when the agent ends the sandbox by itself (kills every
@@ -2071,7 +2148,7 @@ type SetEnv struct {
 
 func (x *SetEnv) Reset() {
 	*x = SetEnv{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[23]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2083,7 +2160,7 @@ func (x *SetEnv) String() string {
 func (*SetEnv) ProtoMessage() {}
 
 func (x *SetEnv) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[23]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2096,7 +2173,7 @@ func (x *SetEnv) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetEnv.ProtoReflect.Descriptor instead.
 func (*SetEnv) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{23}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *SetEnv) GetEnv() []string {
@@ -2115,7 +2192,7 @@ type SetDeadline struct {
 
 func (x *SetDeadline) Reset() {
 	*x = SetDeadline{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[24]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2127,7 +2204,7 @@ func (x *SetDeadline) String() string {
 func (*SetDeadline) ProtoMessage() {}
 
 func (x *SetDeadline) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[24]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2140,7 +2217,7 @@ func (x *SetDeadline) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetDeadline.ProtoReflect.Descriptor instead.
 func (*SetDeadline) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{24}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *SetDeadline) GetUnixMs() int64 {
@@ -2158,7 +2235,7 @@ type Done struct {
 
 func (x *Done) Reset() {
 	*x = Done{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[25]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2170,7 +2247,7 @@ func (x *Done) String() string {
 func (*Done) ProtoMessage() {}
 
 func (x *Done) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[25]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2183,7 +2260,7 @@ func (x *Done) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Done.ProtoReflect.Descriptor instead.
 func (*Done) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{25}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{26}
 }
 
 type FileInfo struct {
@@ -2203,7 +2280,7 @@ type FileInfo struct {
 
 func (x *FileInfo) Reset() {
 	*x = FileInfo{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[26]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2215,7 +2292,7 @@ func (x *FileInfo) String() string {
 func (*FileInfo) ProtoMessage() {}
 
 func (x *FileInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[26]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2228,7 +2305,7 @@ func (x *FileInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
 func (*FileInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{26}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *FileInfo) GetPath() string {
@@ -2303,7 +2380,7 @@ type Entries struct {
 
 func (x *Entries) Reset() {
 	*x = Entries{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[27]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2315,7 +2392,7 @@ func (x *Entries) String() string {
 func (*Entries) ProtoMessage() {}
 
 func (x *Entries) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[27]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2328,7 +2405,7 @@ func (x *Entries) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Entries.ProtoReflect.Descriptor instead.
 func (*Entries) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{27}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *Entries) GetEntries() []*FileInfo {
@@ -2355,7 +2432,7 @@ type Proc struct {
 
 func (x *Proc) Reset() {
 	*x = Proc{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[28]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2367,7 +2444,7 @@ func (x *Proc) String() string {
 func (*Proc) ProtoMessage() {}
 
 func (x *Proc) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[28]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2380,7 +2457,7 @@ func (x *Proc) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Proc.ProtoReflect.Descriptor instead.
 func (*Proc) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{28}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *Proc) GetId() string {
@@ -2455,7 +2532,7 @@ type Procs struct {
 
 func (x *Procs) Reset() {
 	*x = Procs{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[29]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2467,7 +2544,7 @@ func (x *Procs) String() string {
 func (*Procs) ProtoMessage() {}
 
 func (x *Procs) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[29]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2480,7 +2557,7 @@ func (x *Procs) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Procs.ProtoReflect.Descriptor instead.
 func (*Procs) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{29}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *Procs) GetProcs() []*Proc {
@@ -2502,7 +2579,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[30]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2514,7 +2591,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[30]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2527,7 +2604,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{30}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *Error) GetCode() string {
@@ -2557,7 +2634,7 @@ type StartRunner struct {
 
 func (x *StartRunner) Reset() {
 	*x = StartRunner{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[31]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2569,7 +2646,7 @@ func (x *StartRunner) String() string {
 func (*StartRunner) ProtoMessage() {}
 
 func (x *StartRunner) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[31]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2582,7 +2659,7 @@ func (x *StartRunner) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StartRunner.ProtoReflect.Descriptor instead.
 func (*StartRunner) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{31}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *StartRunner) GetArgv() []string {
@@ -2627,7 +2704,7 @@ type Call struct {
 
 func (x *Call) Reset() {
 	*x = Call{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[32]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2639,7 +2716,7 @@ func (x *Call) String() string {
 func (*Call) ProtoMessage() {}
 
 func (x *Call) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[32]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2652,7 +2729,7 @@ func (x *Call) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Call.ProtoReflect.Descriptor instead.
 func (*Call) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{32}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *Call) GetDir() string {
@@ -2725,7 +2802,7 @@ type CallFile struct {
 
 func (x *CallFile) Reset() {
 	*x = CallFile{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[33]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2737,7 +2814,7 @@ func (x *CallFile) String() string {
 func (*CallFile) ProtoMessage() {}
 
 func (x *CallFile) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[33]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2750,7 +2827,7 @@ func (x *CallFile) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CallFile.ProtoReflect.Descriptor instead.
 func (*CallFile) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{33}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *CallFile) GetPath() string {
@@ -2810,7 +2887,7 @@ type CallStep struct {
 
 func (x *CallStep) Reset() {
 	*x = CallStep{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[34]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2822,7 +2899,7 @@ func (x *CallStep) String() string {
 func (*CallStep) ProtoMessage() {}
 
 func (x *CallStep) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[34]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2835,7 +2912,7 @@ func (x *CallStep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CallStep.ProtoReflect.Descriptor instead.
 func (*CallStep) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{34}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *CallStep) GetArgv() []string {
@@ -2928,7 +3005,7 @@ type CallResult struct {
 
 func (x *CallResult) Reset() {
 	*x = CallResult{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[35]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2940,7 +3017,7 @@ func (x *CallResult) String() string {
 func (*CallResult) ProtoMessage() {}
 
 func (x *CallResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[35]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2953,7 +3030,7 @@ func (x *CallResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CallResult.ProtoReflect.Descriptor instead.
 func (*CallResult) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{35}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *CallResult) GetSteps() []*Exit {
@@ -2997,7 +3074,7 @@ type Watch struct {
 
 func (x *Watch) Reset() {
 	*x = Watch{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[36]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3009,7 +3086,7 @@ func (x *Watch) String() string {
 func (*Watch) ProtoMessage() {}
 
 func (x *Watch) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[36]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3022,7 +3099,7 @@ func (x *Watch) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Watch.ProtoReflect.Descriptor instead.
 func (*Watch) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{36}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *Watch) GetPath() string {
@@ -3062,7 +3139,7 @@ type FsEvent struct {
 
 func (x *FsEvent) Reset() {
 	*x = FsEvent{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[37]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3074,7 +3151,7 @@ func (x *FsEvent) String() string {
 func (*FsEvent) ProtoMessage() {}
 
 func (x *FsEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[37]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3087,7 +3164,7 @@ func (x *FsEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FsEvent.ProtoReflect.Descriptor instead.
 func (*FsEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{37}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *FsEvent) GetName() string {
@@ -3115,7 +3192,7 @@ var File_dsec_guest_v1_guest_proto protoreflect.FileDescriptor
 
 const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\n" +
-	"\x19dsec/guest/v1/guest.proto\x12\rdsec.guest.v1\"\xfe\b\n" +
+	"\x19dsec/guest/v1/guest.proto\x12\rdsec.guest.v1\"\xbc\t\n" +
 	"\tClientMsg\x12,\n" +
 	"\x05hello\x18\x01 \x01(\v2\x14.dsec.guest.v1.HelloH\x00R\x05hello\x12)\n" +
 	"\x04exec\x18\x02 \x01(\v2\x13.dsec.guest.v1.ExecH\x00R\x04exec\x12/\n" +
@@ -3142,7 +3219,9 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\aset_env\x18\x14 \x01(\v2\x15.dsec.guest.v1.SetEnvH\x00R\x06setEnv\x12?\n" +
 	"\fstart_runner\x18\x15 \x01(\v2\x1a.dsec.guest.v1.StartRunnerH\x00R\vstartRunner\x12)\n" +
 	"\x04call\x18\x16 \x01(\v2\x13.dsec.guest.v1.CallH\x00R\x04call\x12,\n" +
-	"\x05watch\x18\x17 \x01(\v2\x14.dsec.guest.v1.WatchH\x00R\x05watchB\x05\n" +
+	"\x05watch\x18\x17 \x01(\v2\x14.dsec.guest.v1.WatchH\x00R\x05watch\x12<\n" +
+	"\vchange_mode\x18\x18 \x01(\v2\x19.dsec.guest.v1.ChangeModeH\x00R\n" +
+	"changeModeB\x05\n" +
 	"\x03msg\"\xf0\x04\n" +
 	"\tServerMsg\x121\n" +
 	"\x05hello\x18\x01 \x01(\v2\x19.dsec.guest.v1.HelloReplyH\x00R\x05hello\x122\n" +
@@ -3259,6 +3338,11 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\x06Rename\x12\x12\n" +
 	"\x04from\x18\x01 \x01(\tR\x04from\x12\x0e\n" +
 	"\x02to\x18\x02 \x01(\tR\x02to\x12\x12\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\"H\n" +
+	"\n" +
+	"ChangeMode\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
+	"\x04mode\x18\x02 \x01(\rR\x04mode\x12\x12\n" +
 	"\x04user\x18\x03 \x01(\tR\x04user\"\v\n" +
 	"\tListProcs\"\x06\n" +
 	"\x04Sync\"\n" +
@@ -3358,7 +3442,7 @@ func file_dsec_guest_v1_guest_proto_rawDescGZIP() []byte {
 	return file_dsec_guest_v1_guest_proto_rawDescData
 }
 
-var file_dsec_guest_v1_guest_proto_msgTypes = make([]protoimpl.MessageInfo, 38)
+var file_dsec_guest_v1_guest_proto_msgTypes = make([]protoimpl.MessageInfo, 39)
 var file_dsec_guest_v1_guest_proto_goTypes = []any{
 	(*ClientMsg)(nil),   // 0: dsec.guest.v1.ClientMsg
 	(*ServerMsg)(nil),   // 1: dsec.guest.v1.ServerMsg
@@ -3380,24 +3464,25 @@ var file_dsec_guest_v1_guest_proto_goTypes = []any{
 	(*MakeDir)(nil),     // 17: dsec.guest.v1.MakeDir
 	(*Remove)(nil),      // 18: dsec.guest.v1.Remove
 	(*Rename)(nil),      // 19: dsec.guest.v1.Rename
-	(*ListProcs)(nil),   // 20: dsec.guest.v1.ListProcs
-	(*Sync)(nil),        // 21: dsec.guest.v1.Sync
-	(*Shutdown)(nil),    // 22: dsec.guest.v1.Shutdown
-	(*SetEnv)(nil),      // 23: dsec.guest.v1.SetEnv
-	(*SetDeadline)(nil), // 24: dsec.guest.v1.SetDeadline
-	(*Done)(nil),        // 25: dsec.guest.v1.Done
-	(*FileInfo)(nil),    // 26: dsec.guest.v1.FileInfo
-	(*Entries)(nil),     // 27: dsec.guest.v1.Entries
-	(*Proc)(nil),        // 28: dsec.guest.v1.Proc
-	(*Procs)(nil),       // 29: dsec.guest.v1.Procs
-	(*Error)(nil),       // 30: dsec.guest.v1.Error
-	(*StartRunner)(nil), // 31: dsec.guest.v1.StartRunner
-	(*Call)(nil),        // 32: dsec.guest.v1.Call
-	(*CallFile)(nil),    // 33: dsec.guest.v1.CallFile
-	(*CallStep)(nil),    // 34: dsec.guest.v1.CallStep
-	(*CallResult)(nil),  // 35: dsec.guest.v1.CallResult
-	(*Watch)(nil),       // 36: dsec.guest.v1.Watch
-	(*FsEvent)(nil),     // 37: dsec.guest.v1.FsEvent
+	(*ChangeMode)(nil),  // 20: dsec.guest.v1.ChangeMode
+	(*ListProcs)(nil),   // 21: dsec.guest.v1.ListProcs
+	(*Sync)(nil),        // 22: dsec.guest.v1.Sync
+	(*Shutdown)(nil),    // 23: dsec.guest.v1.Shutdown
+	(*SetEnv)(nil),      // 24: dsec.guest.v1.SetEnv
+	(*SetDeadline)(nil), // 25: dsec.guest.v1.SetDeadline
+	(*Done)(nil),        // 26: dsec.guest.v1.Done
+	(*FileInfo)(nil),    // 27: dsec.guest.v1.FileInfo
+	(*Entries)(nil),     // 28: dsec.guest.v1.Entries
+	(*Proc)(nil),        // 29: dsec.guest.v1.Proc
+	(*Procs)(nil),       // 30: dsec.guest.v1.Procs
+	(*Error)(nil),       // 31: dsec.guest.v1.Error
+	(*StartRunner)(nil), // 32: dsec.guest.v1.StartRunner
+	(*Call)(nil),        // 33: dsec.guest.v1.Call
+	(*CallFile)(nil),    // 34: dsec.guest.v1.CallFile
+	(*CallStep)(nil),    // 35: dsec.guest.v1.CallStep
+	(*CallResult)(nil),  // 36: dsec.guest.v1.CallResult
+	(*Watch)(nil),       // 37: dsec.guest.v1.Watch
+	(*FsEvent)(nil),     // 38: dsec.guest.v1.FsEvent
 }
 var file_dsec_guest_v1_guest_proto_depIdxs = []int32{
 	2,  // 0: dsec.guest.v1.ClientMsg.hello:type_name -> dsec.guest.v1.Hello
@@ -3414,37 +3499,38 @@ var file_dsec_guest_v1_guest_proto_depIdxs = []int32{
 	17, // 11: dsec.guest.v1.ClientMsg.make_dir:type_name -> dsec.guest.v1.MakeDir
 	18, // 12: dsec.guest.v1.ClientMsg.remove:type_name -> dsec.guest.v1.Remove
 	19, // 13: dsec.guest.v1.ClientMsg.rename:type_name -> dsec.guest.v1.Rename
-	20, // 14: dsec.guest.v1.ClientMsg.list_procs:type_name -> dsec.guest.v1.ListProcs
-	21, // 15: dsec.guest.v1.ClientMsg.sync:type_name -> dsec.guest.v1.Sync
-	22, // 16: dsec.guest.v1.ClientMsg.shutdown:type_name -> dsec.guest.v1.Shutdown
-	24, // 17: dsec.guest.v1.ClientMsg.set_deadline:type_name -> dsec.guest.v1.SetDeadline
-	23, // 18: dsec.guest.v1.ClientMsg.set_env:type_name -> dsec.guest.v1.SetEnv
-	31, // 19: dsec.guest.v1.ClientMsg.start_runner:type_name -> dsec.guest.v1.StartRunner
-	32, // 20: dsec.guest.v1.ClientMsg.call:type_name -> dsec.guest.v1.Call
-	36, // 21: dsec.guest.v1.ClientMsg.watch:type_name -> dsec.guest.v1.Watch
-	3,  // 22: dsec.guest.v1.ServerMsg.hello:type_name -> dsec.guest.v1.HelloReply
-	9,  // 23: dsec.guest.v1.ServerMsg.started:type_name -> dsec.guest.v1.Started
-	10, // 24: dsec.guest.v1.ServerMsg.output:type_name -> dsec.guest.v1.Output
-	11, // 25: dsec.guest.v1.ServerMsg.exit:type_name -> dsec.guest.v1.Exit
-	26, // 26: dsec.guest.v1.ServerMsg.info:type_name -> dsec.guest.v1.FileInfo
-	14, // 27: dsec.guest.v1.ServerMsg.end:type_name -> dsec.guest.v1.End
-	30, // 28: dsec.guest.v1.ServerMsg.error:type_name -> dsec.guest.v1.Error
-	27, // 29: dsec.guest.v1.ServerMsg.entries:type_name -> dsec.guest.v1.Entries
-	29, // 30: dsec.guest.v1.ServerMsg.procs:type_name -> dsec.guest.v1.Procs
-	25, // 31: dsec.guest.v1.ServerMsg.done:type_name -> dsec.guest.v1.Done
-	35, // 32: dsec.guest.v1.ServerMsg.call_result:type_name -> dsec.guest.v1.CallResult
-	37, // 33: dsec.guest.v1.ServerMsg.fs_event:type_name -> dsec.guest.v1.FsEvent
-	26, // 34: dsec.guest.v1.Entries.entries:type_name -> dsec.guest.v1.FileInfo
-	28, // 35: dsec.guest.v1.Procs.procs:type_name -> dsec.guest.v1.Proc
-	33, // 36: dsec.guest.v1.Call.files:type_name -> dsec.guest.v1.CallFile
-	34, // 37: dsec.guest.v1.Call.steps:type_name -> dsec.guest.v1.CallStep
-	11, // 38: dsec.guest.v1.CallResult.steps:type_name -> dsec.guest.v1.Exit
-	33, // 39: dsec.guest.v1.CallResult.fetched:type_name -> dsec.guest.v1.CallFile
-	40, // [40:40] is the sub-list for method output_type
-	40, // [40:40] is the sub-list for method input_type
-	40, // [40:40] is the sub-list for extension type_name
-	40, // [40:40] is the sub-list for extension extendee
-	0,  // [0:40] is the sub-list for field type_name
+	21, // 14: dsec.guest.v1.ClientMsg.list_procs:type_name -> dsec.guest.v1.ListProcs
+	22, // 15: dsec.guest.v1.ClientMsg.sync:type_name -> dsec.guest.v1.Sync
+	23, // 16: dsec.guest.v1.ClientMsg.shutdown:type_name -> dsec.guest.v1.Shutdown
+	25, // 17: dsec.guest.v1.ClientMsg.set_deadline:type_name -> dsec.guest.v1.SetDeadline
+	24, // 18: dsec.guest.v1.ClientMsg.set_env:type_name -> dsec.guest.v1.SetEnv
+	32, // 19: dsec.guest.v1.ClientMsg.start_runner:type_name -> dsec.guest.v1.StartRunner
+	33, // 20: dsec.guest.v1.ClientMsg.call:type_name -> dsec.guest.v1.Call
+	37, // 21: dsec.guest.v1.ClientMsg.watch:type_name -> dsec.guest.v1.Watch
+	20, // 22: dsec.guest.v1.ClientMsg.change_mode:type_name -> dsec.guest.v1.ChangeMode
+	3,  // 23: dsec.guest.v1.ServerMsg.hello:type_name -> dsec.guest.v1.HelloReply
+	9,  // 24: dsec.guest.v1.ServerMsg.started:type_name -> dsec.guest.v1.Started
+	10, // 25: dsec.guest.v1.ServerMsg.output:type_name -> dsec.guest.v1.Output
+	11, // 26: dsec.guest.v1.ServerMsg.exit:type_name -> dsec.guest.v1.Exit
+	27, // 27: dsec.guest.v1.ServerMsg.info:type_name -> dsec.guest.v1.FileInfo
+	14, // 28: dsec.guest.v1.ServerMsg.end:type_name -> dsec.guest.v1.End
+	31, // 29: dsec.guest.v1.ServerMsg.error:type_name -> dsec.guest.v1.Error
+	28, // 30: dsec.guest.v1.ServerMsg.entries:type_name -> dsec.guest.v1.Entries
+	30, // 31: dsec.guest.v1.ServerMsg.procs:type_name -> dsec.guest.v1.Procs
+	26, // 32: dsec.guest.v1.ServerMsg.done:type_name -> dsec.guest.v1.Done
+	36, // 33: dsec.guest.v1.ServerMsg.call_result:type_name -> dsec.guest.v1.CallResult
+	38, // 34: dsec.guest.v1.ServerMsg.fs_event:type_name -> dsec.guest.v1.FsEvent
+	27, // 35: dsec.guest.v1.Entries.entries:type_name -> dsec.guest.v1.FileInfo
+	29, // 36: dsec.guest.v1.Procs.procs:type_name -> dsec.guest.v1.Proc
+	34, // 37: dsec.guest.v1.Call.files:type_name -> dsec.guest.v1.CallFile
+	35, // 38: dsec.guest.v1.Call.steps:type_name -> dsec.guest.v1.CallStep
+	11, // 39: dsec.guest.v1.CallResult.steps:type_name -> dsec.guest.v1.Exit
+	34, // 40: dsec.guest.v1.CallResult.fetched:type_name -> dsec.guest.v1.CallFile
+	41, // [41:41] is the sub-list for method output_type
+	41, // [41:41] is the sub-list for method input_type
+	41, // [41:41] is the sub-list for extension type_name
+	41, // [41:41] is the sub-list for extension extendee
+	0,  // [0:41] is the sub-list for field type_name
 }
 
 func init() { file_dsec_guest_v1_guest_proto_init() }
@@ -3476,6 +3562,7 @@ func file_dsec_guest_v1_guest_proto_init() {
 		(*ClientMsg_StartRunner)(nil),
 		(*ClientMsg_Call)(nil),
 		(*ClientMsg_Watch)(nil),
+		(*ClientMsg_ChangeMode)(nil),
 	}
 	file_dsec_guest_v1_guest_proto_msgTypes[1].OneofWrappers = []any{
 		(*ServerMsg_Hello)(nil),
@@ -3498,7 +3585,7 @@ func file_dsec_guest_v1_guest_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_guest_v1_guest_proto_rawDesc), len(file_dsec_guest_v1_guest_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   38,
+			NumMessages:   39,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -86,6 +86,12 @@ const (
 	// LifecycleServiceGetSandboxStatsProcedure is the fully-qualified name of the LifecycleService's
 	// GetSandboxStats RPC.
 	LifecycleServiceGetSandboxStatsProcedure = "/dsec.v1.LifecycleService/GetSandboxStats"
+	// LifecycleServiceSetNetworkPolicyProcedure is the fully-qualified name of the LifecycleService's
+	// SetNetworkPolicy RPC.
+	LifecycleServiceSetNetworkPolicyProcedure = "/dsec.v1.LifecycleService/SetNetworkPolicy"
+	// LifecycleServiceGetNetworkPolicyProcedure is the fully-qualified name of the LifecycleService's
+	// GetNetworkPolicy RPC.
+	LifecycleServiceGetNetworkPolicyProcedure = "/dsec.v1.LifecycleService/GetNetworkPolicy"
 	// ProcessServiceExecProcedure is the fully-qualified name of the ProcessService's Exec RPC.
 	ProcessServiceExecProcedure = "/dsec.v1.ProcessService/Exec"
 	// ProcessServiceExecStreamProcedure is the fully-qualified name of the ProcessService's ExecStream
@@ -126,6 +132,9 @@ const (
 	// FilesystemServiceRenameProcedure is the fully-qualified name of the FilesystemService's Rename
 	// RPC.
 	FilesystemServiceRenameProcedure = "/dsec.v1.FilesystemService/Rename"
+	// FilesystemServiceChangeModeProcedure is the fully-qualified name of the FilesystemService's
+	// ChangeMode RPC.
+	FilesystemServiceChangeModeProcedure = "/dsec.v1.FilesystemService/ChangeMode"
 	// FilesystemServiceWatchDirProcedure is the fully-qualified name of the FilesystemService's
 	// WatchDir RPC.
 	FilesystemServiceWatchDirProcedure = "/dsec.v1.FilesystemService/WatchDir"
@@ -144,6 +153,9 @@ const (
 	LogServiceGetLogProcedure = "/dsec.v1.LogService/GetLog"
 	// LogServiceReplayProcedure is the fully-qualified name of the LogService's Replay RPC.
 	LogServiceReplayProcedure = "/dsec.v1.LogService/Replay"
+	// LogServiceGetNetworkLogProcedure is the fully-qualified name of the LogService's GetNetworkLog
+	// RPC.
+	LogServiceGetNetworkLogProcedure = "/dsec.v1.LogService/GetNetworkLog"
 	// ScreenServiceScreenshotProcedure is the fully-qualified name of the ScreenService's Screenshot
 	// RPC.
 	ScreenServiceScreenshotProcedure = "/dsec.v1.ScreenService/Screenshot"
@@ -194,6 +206,16 @@ type LifecycleServiceClient interface {
 	// as activity (the idle timer keeps running) and does not resume a paused
 	// sandbox.
 	GetSandboxStats(context.Context, *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error)
+	// SetNetworkPolicy replaces an egress sandbox's network policy (unset:
+	// unrestricted egress again) and returns its network as it now is. The
+	// policy applies to every connection the sandbox opens after the call;
+	// connections open before it that the new policy denies are cut. A
+	// sandbox without egress (mode "none") is invalid. The sandbox's spec,
+	// as GetSandbox shows it, carries the policy in force.
+	SetNetworkPolicy(context.Context, *connect.Request[v1.SetNetworkPolicyRequest]) (*connect.Response[v1.Network], error)
+	// GetNetworkPolicy returns a sandbox's network as it now is: its mode and
+	// the policy in force (credentials without their values).
+	GetNetworkPolicy(context.Context, *connect.Request[v1.GetNetworkPolicyRequest]) (*connect.Response[v1.Network], error)
 }
 
 // NewLifecycleServiceClient constructs a client for the dsec.v1.LifecycleService service. By
@@ -283,23 +305,39 @@ func NewLifecycleServiceClient(httpClient connect.HTTPClient, baseURL string, op
 			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
 			connect.WithClientOptions(opts...),
 		),
+		setNetworkPolicy: connect.NewClient[v1.SetNetworkPolicyRequest, v1.Network](
+			httpClient,
+			baseURL+LifecycleServiceSetNetworkPolicyProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("SetNetworkPolicy")),
+			connect.WithIdempotency(connect.IdempotencyIdempotent),
+			connect.WithClientOptions(opts...),
+		),
+		getNetworkPolicy: connect.NewClient[v1.GetNetworkPolicyRequest, v1.Network](
+			httpClient,
+			baseURL+LifecycleServiceGetNetworkPolicyProcedure,
+			connect.WithSchema(lifecycleServiceMethods.ByName("GetNetworkPolicy")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // lifecycleServiceClient implements LifecycleServiceClient.
 type lifecycleServiceClient struct {
-	createSandbox   *connect.Client[v1.CreateSandboxRequest, v1.Sandbox]
-	createSandboxes *connect.Client[v1.CreateSandboxesRequest, v1.CreateSandboxesResponse]
-	getSandbox      *connect.Client[v1.GetSandboxRequest, v1.Sandbox]
-	listSandboxes   *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
-	deleteSandbox   *connect.Client[v1.DeleteSandboxRequest, v1.DeleteSandboxResponse]
-	keepalive       *connect.Client[v1.KeepaliveRequest, v1.Sandbox]
-	pauseSandbox    *connect.Client[v1.PauseSandboxRequest, v1.Sandbox]
-	resumeSandbox   *connect.Client[v1.ResumeSandboxRequest, v1.Sandbox]
-	pauseSandboxes  *connect.Client[v1.BulkRequest, v1.BulkResponse]
-	resumeSandboxes *connect.Client[v1.BulkRequest, v1.BulkResponse]
-	deleteSandboxes *connect.Client[v1.BulkRequest, v1.BulkResponse]
-	getSandboxStats *connect.Client[v1.GetSandboxStatsRequest, v1.SandboxStats]
+	createSandbox    *connect.Client[v1.CreateSandboxRequest, v1.Sandbox]
+	createSandboxes  *connect.Client[v1.CreateSandboxesRequest, v1.CreateSandboxesResponse]
+	getSandbox       *connect.Client[v1.GetSandboxRequest, v1.Sandbox]
+	listSandboxes    *connect.Client[v1.ListSandboxesRequest, v1.ListSandboxesResponse]
+	deleteSandbox    *connect.Client[v1.DeleteSandboxRequest, v1.DeleteSandboxResponse]
+	keepalive        *connect.Client[v1.KeepaliveRequest, v1.Sandbox]
+	pauseSandbox     *connect.Client[v1.PauseSandboxRequest, v1.Sandbox]
+	resumeSandbox    *connect.Client[v1.ResumeSandboxRequest, v1.Sandbox]
+	pauseSandboxes   *connect.Client[v1.BulkRequest, v1.BulkResponse]
+	resumeSandboxes  *connect.Client[v1.BulkRequest, v1.BulkResponse]
+	deleteSandboxes  *connect.Client[v1.BulkRequest, v1.BulkResponse]
+	getSandboxStats  *connect.Client[v1.GetSandboxStatsRequest, v1.SandboxStats]
+	setNetworkPolicy *connect.Client[v1.SetNetworkPolicyRequest, v1.Network]
+	getNetworkPolicy *connect.Client[v1.GetNetworkPolicyRequest, v1.Network]
 }
 
 // CreateSandbox calls dsec.v1.LifecycleService.CreateSandbox.
@@ -362,6 +400,16 @@ func (c *lifecycleServiceClient) GetSandboxStats(ctx context.Context, req *conne
 	return c.getSandboxStats.CallUnary(ctx, req)
 }
 
+// SetNetworkPolicy calls dsec.v1.LifecycleService.SetNetworkPolicy.
+func (c *lifecycleServiceClient) SetNetworkPolicy(ctx context.Context, req *connect.Request[v1.SetNetworkPolicyRequest]) (*connect.Response[v1.Network], error) {
+	return c.setNetworkPolicy.CallUnary(ctx, req)
+}
+
+// GetNetworkPolicy calls dsec.v1.LifecycleService.GetNetworkPolicy.
+func (c *lifecycleServiceClient) GetNetworkPolicy(ctx context.Context, req *connect.Request[v1.GetNetworkPolicyRequest]) (*connect.Response[v1.Network], error) {
+	return c.getNetworkPolicy.CallUnary(ctx, req)
+}
+
 // LifecycleServiceHandler is an implementation of the dsec.v1.LifecycleService service.
 type LifecycleServiceHandler interface {
 	// CreateSandbox starts one sandbox and returns once it accepts exec calls.
@@ -403,6 +451,16 @@ type LifecycleServiceHandler interface {
 	// as activity (the idle timer keeps running) and does not resume a paused
 	// sandbox.
 	GetSandboxStats(context.Context, *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error)
+	// SetNetworkPolicy replaces an egress sandbox's network policy (unset:
+	// unrestricted egress again) and returns its network as it now is. The
+	// policy applies to every connection the sandbox opens after the call;
+	// connections open before it that the new policy denies are cut. A
+	// sandbox without egress (mode "none") is invalid. The sandbox's spec,
+	// as GetSandbox shows it, carries the policy in force.
+	SetNetworkPolicy(context.Context, *connect.Request[v1.SetNetworkPolicyRequest]) (*connect.Response[v1.Network], error)
+	// GetNetworkPolicy returns a sandbox's network as it now is: its mode and
+	// the policy in force (credentials without their values).
+	GetNetworkPolicy(context.Context, *connect.Request[v1.GetNetworkPolicyRequest]) (*connect.Response[v1.Network], error)
 }
 
 // NewLifecycleServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -488,6 +546,20 @@ func NewLifecycleServiceHandler(svc LifecycleServiceHandler, opts ...connect.Han
 		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
 		connect.WithHandlerOptions(opts...),
 	)
+	lifecycleServiceSetNetworkPolicyHandler := connect.NewUnaryHandler(
+		LifecycleServiceSetNetworkPolicyProcedure,
+		svc.SetNetworkPolicy,
+		connect.WithSchema(lifecycleServiceMethods.ByName("SetNetworkPolicy")),
+		connect.WithIdempotency(connect.IdempotencyIdempotent),
+		connect.WithHandlerOptions(opts...),
+	)
+	lifecycleServiceGetNetworkPolicyHandler := connect.NewUnaryHandler(
+		LifecycleServiceGetNetworkPolicyProcedure,
+		svc.GetNetworkPolicy,
+		connect.WithSchema(lifecycleServiceMethods.ByName("GetNetworkPolicy")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.LifecycleService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case LifecycleServiceCreateSandboxProcedure:
@@ -514,6 +586,10 @@ func NewLifecycleServiceHandler(svc LifecycleServiceHandler, opts ...connect.Han
 			lifecycleServiceDeleteSandboxesHandler.ServeHTTP(w, r)
 		case LifecycleServiceGetSandboxStatsProcedure:
 			lifecycleServiceGetSandboxStatsHandler.ServeHTTP(w, r)
+		case LifecycleServiceSetNetworkPolicyProcedure:
+			lifecycleServiceSetNetworkPolicyHandler.ServeHTTP(w, r)
+		case LifecycleServiceGetNetworkPolicyProcedure:
+			lifecycleServiceGetNetworkPolicyHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -569,6 +645,14 @@ func (UnimplementedLifecycleServiceHandler) DeleteSandboxes(context.Context, *co
 
 func (UnimplementedLifecycleServiceHandler) GetSandboxStats(context.Context, *connect.Request[v1.GetSandboxStatsRequest]) (*connect.Response[v1.SandboxStats], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.GetSandboxStats is not implemented"))
+}
+
+func (UnimplementedLifecycleServiceHandler) SetNetworkPolicy(context.Context, *connect.Request[v1.SetNetworkPolicyRequest]) (*connect.Response[v1.Network], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.SetNetworkPolicy is not implemented"))
+}
+
+func (UnimplementedLifecycleServiceHandler) GetNetworkPolicy(context.Context, *connect.Request[v1.GetNetworkPolicyRequest]) (*connect.Response[v1.Network], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LifecycleService.GetNetworkPolicy is not implemented"))
 }
 
 // ProcessServiceClient is a client for the dsec.v1.ProcessService service.
@@ -852,6 +936,11 @@ type FilesystemServiceClient interface {
 	Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error)
 	// Rename moves a path within the sandbox.
 	Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error)
+	// ChangeMode sets a path's permission bits (of a link's target: links
+	// have none), as chmod(1) does and as only the owner (or root) may;
+	// logged like every change. Setting the same mode again changes
+	// nothing.
+	ChangeMode(context.Context, *connect.Request[v1.ChangeModeRequest]) (*connect.Response[v1.FileInfo], error)
 	// WatchDir streams changes under a directory until the caller goes away:
 	// a "started" event once the watch is in place, then one event per change
 	// (and keepalives on quiet streams, "overflow" when the kernel dropped
@@ -914,6 +1003,13 @@ func NewFilesystemServiceClient(httpClient connect.HTTPClient, baseURL string, o
 			connect.WithSchema(filesystemServiceMethods.ByName("Rename")),
 			connect.WithClientOptions(opts...),
 		),
+		changeMode: connect.NewClient[v1.ChangeModeRequest, v1.FileInfo](
+			httpClient,
+			baseURL+FilesystemServiceChangeModeProcedure,
+			connect.WithSchema(filesystemServiceMethods.ByName("ChangeMode")),
+			connect.WithIdempotency(connect.IdempotencyIdempotent),
+			connect.WithClientOptions(opts...),
+		),
 		watchDir: connect.NewClient[v1.WatchDirRequest, v1.WatchDirEvent](
 			httpClient,
 			baseURL+FilesystemServiceWatchDirProcedure,
@@ -925,14 +1021,15 @@ func NewFilesystemServiceClient(httpClient connect.HTTPClient, baseURL string, o
 
 // filesystemServiceClient implements FilesystemServiceClient.
 type filesystemServiceClient struct {
-	readFile  *connect.Client[v1.ReadFileRequest, v1.ReadFileResponse]
-	writeFile *connect.Client[v1.WriteFileRequest, v1.FileInfo]
-	stat      *connect.Client[v1.StatRequest, v1.FileInfo]
-	listDir   *connect.Client[v1.ListDirRequest, v1.ListDirResponse]
-	makeDir   *connect.Client[v1.MakeDirRequest, v1.FileInfo]
-	remove    *connect.Client[v1.RemoveRequest, v1.RemoveResponse]
-	rename    *connect.Client[v1.RenameRequest, v1.FileInfo]
-	watchDir  *connect.Client[v1.WatchDirRequest, v1.WatchDirEvent]
+	readFile   *connect.Client[v1.ReadFileRequest, v1.ReadFileResponse]
+	writeFile  *connect.Client[v1.WriteFileRequest, v1.FileInfo]
+	stat       *connect.Client[v1.StatRequest, v1.FileInfo]
+	listDir    *connect.Client[v1.ListDirRequest, v1.ListDirResponse]
+	makeDir    *connect.Client[v1.MakeDirRequest, v1.FileInfo]
+	remove     *connect.Client[v1.RemoveRequest, v1.RemoveResponse]
+	rename     *connect.Client[v1.RenameRequest, v1.FileInfo]
+	changeMode *connect.Client[v1.ChangeModeRequest, v1.FileInfo]
+	watchDir   *connect.Client[v1.WatchDirRequest, v1.WatchDirEvent]
 }
 
 // ReadFile calls dsec.v1.FilesystemService.ReadFile.
@@ -970,6 +1067,11 @@ func (c *filesystemServiceClient) Rename(ctx context.Context, req *connect.Reque
 	return c.rename.CallUnary(ctx, req)
 }
 
+// ChangeMode calls dsec.v1.FilesystemService.ChangeMode.
+func (c *filesystemServiceClient) ChangeMode(ctx context.Context, req *connect.Request[v1.ChangeModeRequest]) (*connect.Response[v1.FileInfo], error) {
+	return c.changeMode.CallUnary(ctx, req)
+}
+
 // WatchDir calls dsec.v1.FilesystemService.WatchDir.
 func (c *filesystemServiceClient) WatchDir(ctx context.Context, req *connect.Request[v1.WatchDirRequest]) (*connect.ServerStreamForClient[v1.WatchDirEvent], error) {
 	return c.watchDir.CallServerStream(ctx, req)
@@ -994,6 +1096,11 @@ type FilesystemServiceHandler interface {
 	Remove(context.Context, *connect.Request[v1.RemoveRequest]) (*connect.Response[v1.RemoveResponse], error)
 	// Rename moves a path within the sandbox.
 	Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error)
+	// ChangeMode sets a path's permission bits (of a link's target: links
+	// have none), as chmod(1) does and as only the owner (or root) may;
+	// logged like every change. Setting the same mode again changes
+	// nothing.
+	ChangeMode(context.Context, *connect.Request[v1.ChangeModeRequest]) (*connect.Response[v1.FileInfo], error)
 	// WatchDir streams changes under a directory until the caller goes away:
 	// a "started" event once the watch is in place, then one event per change
 	// (and keepalives on quiet streams, "overflow" when the kernel dropped
@@ -1052,6 +1159,13 @@ func NewFilesystemServiceHandler(svc FilesystemServiceHandler, opts ...connect.H
 		connect.WithSchema(filesystemServiceMethods.ByName("Rename")),
 		connect.WithHandlerOptions(opts...),
 	)
+	filesystemServiceChangeModeHandler := connect.NewUnaryHandler(
+		FilesystemServiceChangeModeProcedure,
+		svc.ChangeMode,
+		connect.WithSchema(filesystemServiceMethods.ByName("ChangeMode")),
+		connect.WithIdempotency(connect.IdempotencyIdempotent),
+		connect.WithHandlerOptions(opts...),
+	)
 	filesystemServiceWatchDirHandler := connect.NewServerStreamHandler(
 		FilesystemServiceWatchDirProcedure,
 		svc.WatchDir,
@@ -1074,6 +1188,8 @@ func NewFilesystemServiceHandler(svc FilesystemServiceHandler, opts ...connect.H
 			filesystemServiceRemoveHandler.ServeHTTP(w, r)
 		case FilesystemServiceRenameProcedure:
 			filesystemServiceRenameHandler.ServeHTTP(w, r)
+		case FilesystemServiceChangeModeProcedure:
+			filesystemServiceChangeModeHandler.ServeHTTP(w, r)
 		case FilesystemServiceWatchDirProcedure:
 			filesystemServiceWatchDirHandler.ServeHTTP(w, r)
 		default:
@@ -1111,6 +1227,10 @@ func (UnimplementedFilesystemServiceHandler) Remove(context.Context, *connect.Re
 
 func (UnimplementedFilesystemServiceHandler) Rename(context.Context, *connect.Request[v1.RenameRequest]) (*connect.Response[v1.FileInfo], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.FilesystemService.Rename is not implemented"))
+}
+
+func (UnimplementedFilesystemServiceHandler) ChangeMode(context.Context, *connect.Request[v1.ChangeModeRequest]) (*connect.Response[v1.FileInfo], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.FilesystemService.ChangeMode is not implemented"))
 }
 
 func (UnimplementedFilesystemServiceHandler) WatchDir(context.Context, *connect.Request[v1.WatchDirRequest], *connect.ServerStream[v1.WatchDirEvent]) error {
@@ -1297,6 +1417,14 @@ type LogServiceClient interface {
 	// sandbox of its project from the same image or snapshot, and reports
 	// divergences.
 	Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error)
+	// GetNetworkLog reads a sandbox's connection log: every connection an
+	// egress sandbox opened (TCP, UDP, ICMP, DNS queries, HTTP and TLS through
+	// the node's egress proxy), allowed or denied, oldest first, after
+	// after_seq. The node keeps the last 4096 records of each sandbox in
+	// memory (a restart of the node or the sandbox's deletion drops them) and
+	// logs at most 200 connections a second of each verdict per sandbox;
+	// dropped counts the records lost to either bound.
+	GetNetworkLog(context.Context, *connect.Request[v1.GetNetworkLogRequest]) (*connect.Response[v1.GetNetworkLogResponse], error)
 }
 
 // NewLogServiceClient constructs a client for the dsec.v1.LogService service. By default, it uses
@@ -1323,13 +1451,21 @@ func NewLogServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...
 			connect.WithSchema(logServiceMethods.ByName("Replay")),
 			connect.WithClientOptions(opts...),
 		),
+		getNetworkLog: connect.NewClient[v1.GetNetworkLogRequest, v1.GetNetworkLogResponse](
+			httpClient,
+			baseURL+LogServiceGetNetworkLogProcedure,
+			connect.WithSchema(logServiceMethods.ByName("GetNetworkLog")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // logServiceClient implements LogServiceClient.
 type logServiceClient struct {
-	getLog *connect.Client[v1.GetLogRequest, v1.GetLogResponse]
-	replay *connect.Client[v1.ReplayRequest, v1.ReplayResponse]
+	getLog        *connect.Client[v1.GetLogRequest, v1.GetLogResponse]
+	replay        *connect.Client[v1.ReplayRequest, v1.ReplayResponse]
+	getNetworkLog *connect.Client[v1.GetNetworkLogRequest, v1.GetNetworkLogResponse]
 }
 
 // GetLog calls dsec.v1.LogService.GetLog.
@@ -1342,6 +1478,11 @@ func (c *logServiceClient) Replay(ctx context.Context, req *connect.Request[v1.R
 	return c.replay.CallUnary(ctx, req)
 }
 
+// GetNetworkLog calls dsec.v1.LogService.GetNetworkLog.
+func (c *logServiceClient) GetNetworkLog(ctx context.Context, req *connect.Request[v1.GetNetworkLogRequest]) (*connect.Response[v1.GetNetworkLogResponse], error) {
+	return c.getNetworkLog.CallUnary(ctx, req)
+}
+
 // LogServiceHandler is an implementation of the dsec.v1.LogService service.
 type LogServiceHandler interface {
 	// GetLog reads a sandbox's trajectory log: every exec and file mutation,
@@ -1352,6 +1493,14 @@ type LogServiceHandler interface {
 	// sandbox of its project from the same image or snapshot, and reports
 	// divergences.
 	Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error)
+	// GetNetworkLog reads a sandbox's connection log: every connection an
+	// egress sandbox opened (TCP, UDP, ICMP, DNS queries, HTTP and TLS through
+	// the node's egress proxy), allowed or denied, oldest first, after
+	// after_seq. The node keeps the last 4096 records of each sandbox in
+	// memory (a restart of the node or the sandbox's deletion drops them) and
+	// logs at most 200 connections a second of each verdict per sandbox;
+	// dropped counts the records lost to either bound.
+	GetNetworkLog(context.Context, *connect.Request[v1.GetNetworkLogRequest]) (*connect.Response[v1.GetNetworkLogResponse], error)
 }
 
 // NewLogServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -1374,12 +1523,21 @@ func NewLogServiceHandler(svc LogServiceHandler, opts ...connect.HandlerOption) 
 		connect.WithSchema(logServiceMethods.ByName("Replay")),
 		connect.WithHandlerOptions(opts...),
 	)
+	logServiceGetNetworkLogHandler := connect.NewUnaryHandler(
+		LogServiceGetNetworkLogProcedure,
+		svc.GetNetworkLog,
+		connect.WithSchema(logServiceMethods.ByName("GetNetworkLog")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.LogService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case LogServiceGetLogProcedure:
 			logServiceGetLogHandler.ServeHTTP(w, r)
 		case LogServiceReplayProcedure:
 			logServiceReplayHandler.ServeHTTP(w, r)
+		case LogServiceGetNetworkLogProcedure:
+			logServiceGetNetworkLogHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -1395,6 +1553,10 @@ func (UnimplementedLogServiceHandler) GetLog(context.Context, *connect.Request[v
 
 func (UnimplementedLogServiceHandler) Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LogService.Replay is not implemented"))
+}
+
+func (UnimplementedLogServiceHandler) GetNetworkLog(context.Context, *connect.Request[v1.GetNetworkLogRequest]) (*connect.Response[v1.GetNetworkLogResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LogService.GetNetworkLog is not implemented"))
 }
 
 // ScreenServiceClient is a client for the dsec.v1.ScreenService service.

@@ -1,14 +1,16 @@
-"""Thin adapters that satisfy RL frameworks' sandbox contracts by duck
-typing, without importing the frameworks:
+"""Adapters that implement RL frameworks' own sandbox interfaces on dsec:
 
-- :mod:`dsec.adapters.tinker` — tinker-cookbook ``SandboxInterface``
-- :mod:`dsec.adapters.open_instruct` — open-instruct ``SandboxBackend``
-- :mod:`dsec.adapters.rllm` — rLLM ``Sandbox``
+- :mod:`dsec.adapters.verl` — verl ``BaseTool`` (and the SandboxFusion URL for verl's reward)
 - :mod:`dsec.adapters.harbor` — Harbor ``BaseEnvironment``
-- :mod:`dsec.adapters.swerex` — SWE-ReX-style runtime with bash sessions
-- :mod:`dsec.adapters.verl` — a verl ``BaseTool`` and the SandboxFusion URL for verl's reward
+- :mod:`dsec.adapters.swerex` — SWE-ReX ``AbstractDeployment`` and ``AbstractRuntime``
+- :mod:`dsec.adapters.tinker` — tinker-cookbook ``SandboxInterface`` and harbor_rl's ``SandboxFactory``
+- :mod:`dsec.adapters.rllm` — rLLM ``Sandbox``, registered by name
+- :mod:`dsec.adapters.open_instruct` — open-instruct ``SandboxBackend``, registered by name
 
-Each maps the framework's verbs onto one dsec sandbox and maps dsec's
-"sandbox gone" (infra) errors to the framework's own terminal error, so
-trainers mask infrastructure failures instead of scoring them.
+Each imports the framework's own base classes, result types and exceptions
+when the framework is installed, and defines stand-ins with the same names
+and fields when it is not (no framework is a dependency). Each maps dsec's
+"sandbox gone" (infra) errors to the framework's own terminal error, refuses
+options it cannot honour (``UnsupportedOption``, naming them) and keywords it
+does not understand (``TypeError``). See docs/rl.md.
 """
