@@ -20,6 +20,7 @@ want() { # want PACKAGE [COMMAND-OR-PATH]
 
 want crun
 want runc
+want runsc # gVisor: the container runtime `runtime: gvisor` selects
 want busybox-static /bin/busybox
 want debootstrap
 want nftables nft

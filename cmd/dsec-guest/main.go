@@ -22,6 +22,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/opendsec/dsec/internal/guest/agent"
 )
 
@@ -31,7 +33,7 @@ func main() {
 		return
 	}
 	listenFD := flag.Int("listen-fd", -1, "serve on this inherited listening socket")
-	listen := flag.String("listen", "", "serve on this unix socket path (for tests and debugging)")
+	listen := flag.String("listen", "", "serve on this unix socket path (gVisor sandboxes, tests and debugging)")
 	port := flag.String("listen-port", "", "serve on the virtio-serial port with this name (VMs)")
 	vsock := flag.Uint("listen-vsock", 0, "serve on this AF_VSOCK port (VMs on hosts with vhost-vsock)")
 	version := flag.Bool("version", false, "print the protocol version and exit")
@@ -41,6 +43,7 @@ func main() {
 	homeFDs := flag.String("home-fds", "", "inherited tasks files of the sandbox's cgroups: the thread that starts processes moves back into them")
 	pidsDirFD := flag.Int("pids-dir-fd", -1, "inherited directory of the sandbox's pids cgroup, for per-exec cgroups; its tasks file is the last of -home-fds")
 	spoolFD := flag.Int("spool-fd", -1, "inherited directory to spool collected output in, outside the sandbox")
+	nullStdioFlag := flag.Bool("null-stdio", false, "once listening, replace stdin, stdout and stderr with /dev/null (under gVisor, whose /proc/1/fd lets any process of the sandbox open them, they are the node's files)")
 	flag.Parse()
 	if *version {
 		fmt.Println(agent.Version)
@@ -73,6 +76,13 @@ func main() {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "dsec-guest:", err)
 		os.Exit(2)
+	}
+	if *nullStdioFlag {
+		// What could fail has been said; later warnings are lost.
+		if err := nullStdio(); err != nil {
+			fmt.Fprintln(os.Stderr, "dsec-guest:", err)
+			os.Exit(2)
+		}
 	}
 	agent.Harden()
 	// Before anything locks a thread (ReserveThreads): see agent.Shield.
@@ -167,4 +177,19 @@ func identity(args []string) {
 			os.Exit(1)
 		}
 	}
+}
+
+// nullStdio makes descriptors 0, 1 and 2 /dev/null.
+func nullStdio() error {
+	fd, err := unix.Open("/dev/null", unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open /dev/null: %w", err)
+	}
+	defer unix.Close(fd)
+	for target := 0; target <= 2; target++ {
+		if err := unix.Dup3(fd, target, 0); err != nil {
+			return fmt.Errorf("replace descriptor %d with /dev/null: %w", target, err)
+		}
+	}
+	return nil
 }

@@ -73,6 +73,7 @@ func createCmd(g *globals) *cobra.Command {
 	}
 	f := cmd.Flags()
 	f.StringVar(&o.Kind, "kind", "", "substrate: function, container (default), microvm or vm; with --from, the snapshot's kind")
+	f.StringVar(&o.Runtime, "runtime", "", "another runtime of the kind: gvisor (kind container; `dsec info` lists where it is available)")
 	f.StringVar(&o.Image, "image", "", "image name (see `dsec image ls`)")
 	f.Float64Var(&o.CPU, "cpu", 0, "CPU limit in cores (default 1)")
 	f.StringVar(&memory, "memory", "", "memory limit, e.g. 512M or 2G (default 512M)")
@@ -507,26 +508,38 @@ func infoCmd(g *globals) *cobra.Command {
 			fmt.Printf("dsec %s\n", info.Version)
 			for _, n := range info.Nodes {
 				fmt.Printf("\nnode %s (%s): %d/%d sandboxes, %g cores, %d MiB\n", n.Name, n.State, n.Sandboxes, n.MaxSandboxes, n.CpuCores, n.MemoryMb)
-				tw := table("  KIND", "AVAILABLE", "CAPABILITIES / REASON")
+				// Each kind, then each of its other runtimes as kind/runtime
+				// (what spec.runtime selects).
+				type row struct {
+					name, reason string
+					available    bool
+					caps         []string
+					details      map[string]string
+				}
+				var rows []row
 				for _, k := range n.Kinds {
-					what := strings.Join(k.Capabilities, ",")
-					if !k.Available {
-						what = k.Reason
+					rows = append(rows, row{k.Kind, k.Reason, k.Available, k.Capabilities, k.Details})
+					for _, r := range k.Runtimes {
+						rows = append(rows, row{k.Kind + "/" + r.Name, r.Reason, r.Available, r.Capabilities, r.Details})
 					}
-					fmt.Fprintf(tw, "  %s\t%v\t%s\n", k.Kind, k.Available, what)
+				}
+				tw := table("  KIND[/RUNTIME]", "AVAILABLE", "CAPABILITIES / REASON")
+				for _, r := range rows {
+					what := strings.Join(r.caps, ",")
+					if !r.available {
+						what = r.reason
+					}
+					fmt.Fprintf(tw, "  %s\t%v\t%s\n", r.name, r.available, what)
 				}
 				tw.Flush()
-				for _, k := range n.Kinds {
-					if len(k.Details) == 0 {
-						continue
-					}
-					keys := make([]string, 0, len(k.Details))
-					for d := range k.Details {
+				for _, r := range rows {
+					keys := make([]string, 0, len(r.details))
+					for d := range r.details {
 						keys = append(keys, d)
 					}
 					sort.Strings(keys)
 					for _, d := range keys {
-						fmt.Printf("  %s %s: %s\n", k.Kind, d, k.Details[d])
+						fmt.Printf("  %s %s: %s\n", r.name, d, r.details[d])
 					}
 				}
 				for k, v := range n.Host {

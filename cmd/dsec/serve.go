@@ -495,6 +495,7 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 		GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "container"), RunDir: runDir,
 		HostRoot: cfg.Container.HostRoot, DefaultDiskMB: cfg.Container.DefaultDiskMB, MaxDiskMB: cfg.Container.MaxDiskMB,
 		NoDiskLimits: cfg.Container.NoDiskLimits,
+		GVisor:       cfg.Container.GVisor, GVisorPlatform: cfg.Container.GVisorPlatform,
 	}, log)
 	if err != nil {
 		return nil, err
@@ -529,7 +530,7 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 	drivers := map[substrate.Kind]substrate.Driver{substrate.KindContainer: ct, substrate.KindFunction: fn, substrate.KindMicroVM: mvm, substrate.KindVM: fvm}
 	var pools []node.PoolConfig
 	for _, p := range cfg.Node.Pools {
-		pools = append(pools, node.PoolConfig{Kind: p.Kind, Image: p.Image, CPU: p.CPU, MemoryMB: p.MemoryMB, Pids: p.Pids, Network: p.Network, Size: p.Size})
+		pools = append(pools, node.PoolConfig{Kind: p.Kind, Image: p.Image, CPU: p.CPU, MemoryMB: p.MemoryMB, Pids: p.Pids, Network: p.Network, Runtime: p.Runtime, Size: p.Size})
 	}
 	return node.New(node.Config{
 		MaxConcurrentStarts: cfg.Node.MaxConcurrentStarts, StartQueue: cfg.Node.StartQueue, Pools: pools,

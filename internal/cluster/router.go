@@ -589,11 +589,17 @@ func claimed(items []*item) []*item {
 	return out
 }
 
+// kindOf is what a spec asks of a node's Kinds: its kind, or kind/runtime
+// for another of the kind's runtimes.
 func kindOf(spec *dsecv1.SandboxSpec) string {
-	if spec.GetKind() == "" {
-		return "container"
+	kind := spec.GetKind()
+	if kind == "" {
+		kind = "container"
 	}
-	return spec.GetKind()
+	if spec.GetRuntime() != "" {
+		return kind + "/" + spec.GetRuntime()
+	}
+	return kind
 }
 
 // refused is the error of an item every node it was tried on refused: the

@@ -119,7 +119,10 @@ type Pool struct {
 	MemoryMB int64   `json:"memory_mb,omitempty"`
 	Pids     int64   `json:"pids,omitempty"`
 	Network  string  `json:"network,omitempty"`
-	Size     int     `json:"size"`
+	// Runtime is another runtime of the kind ("gvisor"; default: the
+	// kind's own).
+	Runtime string `json:"runtime,omitempty"`
+	Size    int    `json:"size"`
 }
 
 // Function configures function calls (kind "function", RunCode, /run_code).
@@ -193,6 +196,11 @@ type Container struct {
 	// NoDiskLimits keeps sandboxes' writable layers in the data directory
 	// without limits (default false).
 	NoDiskLimits bool `json:"no_disk_limits,omitempty"`
+	// GVisor is the runsc binary of runtime gvisor (default: runsc on
+	// PATH, offered if it starts a sandbox here); "off" offers no gVisor.
+	GVisor string `json:"gvisor,omitempty"`
+	// GVisorPlatform is runsc's platform: ptrace (default) or kvm.
+	GVisorPlatform string `json:"gvisor_platform,omitempty"`
 }
 
 // MicroVM configures the microvm substrate.

@@ -18,6 +18,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
+	"github.com/opendsec/dsec/internal/substrate"
 )
 
 const (
@@ -202,16 +203,49 @@ func (s *sandbox) limitsHitSince() (oom, pids bool) {
 }
 
 // callFailed classifies an agent call failure: a broken channel to a dead
-// sandbox is "gone" (infra), and the sandbox is cleaned up.
+// sandbox is "gone" (infra), and the sandbox is cleaned up; to one its
+// workload ended (substrate.TaskEnder), "gone", the task's doing.
 func (n *Node) callFailed(s *sandbox, err error) error {
 	if !errdefs.Is(err, errdefs.KindUnavailable) {
 		return err
+	}
+	// Such a sandbox stops a moment after its channel breaks.
+	if e := taskEnd(s, 5*time.Second); e != nil {
+		go n.release(context.Background(), s, e)
+		g := errdefs.Gone("sandbox %s ended: %s", s.id, e.reason).WithCause(err)
+		g.Infra = false // the task's doing
+		return g
 	}
 	if cerr := s.inst.Check(context.Background()); cerr != nil {
 		go n.release(context.Background(), s, &end{reason: "the sandbox died during a call", infra: true})
 		return errdefs.Gone("sandbox %s died during the call", s.id).WithCause(err)
 	}
 	return err
+}
+
+// taskEnd is the end of a sandbox whose instance its own workload ended
+// (substrate.TaskEnder: runtime gvisor, by reaching a limit or killing the
+// agent), or nil if it did not (or has not stopped within wait). Such an
+// end is the task's, not the platform's.
+func taskEnd(s *sandbox, wait time.Duration) *end {
+	te, ok := s.inst.(substrate.TaskEnder)
+	if !ok {
+		return nil
+	}
+	select {
+	case <-s.inst.Done():
+	default:
+		select {
+		case <-s.inst.Done():
+		case <-time.After(wait):
+			return nil
+		}
+	}
+	how := te.EndedByTask()
+	if how == "" {
+		return nil
+	}
+	return &end{reason: fmt.Sprintf("its workload %s, which ends a sandbox of runtime %s", how, s.spec.Runtime)}
 }
 
 // ExecStream runs a command and streams its events to send. With a

@@ -167,6 +167,13 @@ func (n *Node) Info(ctx context.Context) *dsecv1.NodeInfo {
 		for _, x := range c.Caps {
 			ki.Capabilities = append(ki.Capabilities, string(x))
 		}
+		for _, r := range c.Runtimes {
+			ri := &dsecv1.RuntimeInfo{Name: r.Name, Available: r.Available, Reason: r.Reason, Details: r.Details}
+			for _, x := range r.Caps {
+				ri.Capabilities = append(ri.Capabilities, string(x))
+			}
+			ki.Runtimes = append(ki.Runtimes, ri)
+		}
 		info.Kinds = append(info.Kinds, ki)
 	}
 	return info

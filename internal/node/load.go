@@ -19,7 +19,8 @@ type Load struct {
 	Admitted uint64
 	// Projects counts Sandboxes by project.
 	Projects map[string]int64
-	// Kinds lists the kinds this node can run now.
+	// Kinds lists the kinds this node can run now, and each kind's other
+	// runtimes it can run as "kind/runtime" ("container/gvisor").
 	Kinds []string
 	// Images lists the names of the node's images and snapshots.
 	Images []string
@@ -36,6 +37,12 @@ func (n *Node) Load() Load {
 	for _, k := range substrate.Kinds {
 		if d := n.drivers[k]; d != nil && d.Capabilities().Available {
 			l.Kinds = append(l.Kinds, string(k))
+			// A kind's other runtimes as kind/runtime (placement.KindOf).
+			for _, r := range d.Capabilities().Runtimes {
+				if r.Available {
+					l.Kinds = append(l.Kinds, string(k)+"/"+r.Name)
+				}
+			}
 		}
 	}
 	for _, img := range n.images.List() {

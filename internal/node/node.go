@@ -335,6 +335,11 @@ func (n *Node) watch(s *sandbox) {
 			return
 		}
 		if !s.currentState().ending() {
+			if e := taskEnd(s, 0); e != nil {
+				n.log.Info("sandbox ended by its workload", slog.String("sandbox_id", s.id), slog.String("reason", e.reason))
+				n.release(context.Background(), s, e)
+				return
+			}
 			reason := "the sandbox's init exited (crashed or killed)"
 			attrs := []any{slog.String("sandbox_id", s.id)}
 			if d, ok := inst.(substrate.Diagnoser); ok {

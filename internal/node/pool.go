@@ -29,6 +29,7 @@ type PoolConfig struct {
 	Pids     int64   `json:"pids,omitempty"`
 	DiskMB   int64   `json:"disk_mb,omitempty"`
 	Network  string  `json:"network,omitempty"`
+	Runtime  string  `json:"runtime,omitempty"` // default: the kind's
 	Size     int     `json:"size"`
 }
 
@@ -60,7 +61,7 @@ type pool struct {
 // shapeKey identifies the shape of a normalized spec.
 func shapeKey(spec *dsecv1.SandboxSpec) string {
 	r := spec.Resources
-	return fmt.Sprintf("%s|%s|cpu=%g|mem=%d|pids=%d|disk=%d|net=%s|bw=%d", spec.Kind, imageOf(spec), r.GetCpu(), r.GetMemoryMb(), r.GetPids(), r.GetDiskMb(), spec.Network.GetMode(), r.GetBandwidthMbps())
+	return fmt.Sprintf("%s|%s|cpu=%g|mem=%d|pids=%d|disk=%d|net=%s|bw=%d|rt=%s", spec.Kind, imageOf(spec), r.GetCpu(), r.GetMemoryMb(), r.GetPids(), r.GetDiskMb(), spec.Network.GetMode(), r.GetBandwidthMbps(), spec.Runtime)
 }
 
 func newPools(n *Node, cfgs []PoolConfig) *pools {
@@ -69,7 +70,7 @@ func newPools(n *Node, cfgs []PoolConfig) *pools {
 		spec := &dsecv1.SandboxSpec{
 			Kind: c.Kind, Image: c.Image, TtlS: int64(n.cfg.MaxTTL / time.Second),
 			Resources: &dsecv1.Resources{Cpu: c.CPU, MemoryMb: c.MemoryMB, Pids: c.Pids, DiskMb: c.DiskMB},
-			Network:   &dsecv1.Network{Mode: c.Network},
+			Network:   &dsecv1.Network{Mode: c.Network}, Runtime: c.Runtime,
 		}
 		if _, err := n.normalize(tenant.Shared, spec); err != nil && !errdefs.Is(err, errdefs.KindNotFound) {
 			n.log.Error("warm pool not started", slog.String("image", c.Image), slog.Any("error", err))

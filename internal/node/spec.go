@@ -62,6 +62,14 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 	if caps := drv.Capabilities(); !caps.Available {
 		return nil, errdefs.Unavailable("kind %q is unavailable on node %s: %s", spec.Kind, n.cfg.Name, caps.Reason)
 	}
+	// The sandbox's runtime: its capabilities are the sandbox's.
+	caps, ok := drv.Capabilities().For(spec.Runtime)
+	if !ok {
+		return nil, errdefs.Invalid("kind %q has no runtime %q%s", spec.Kind, spec.Runtime, runtimeNames(drv.Capabilities()))
+	}
+	if !caps.Available {
+		return nil, errdefs.Unavailable("runtime %q of kind %q is unavailable on node %s: %s", spec.Runtime, spec.Kind, n.cfg.Name, caps.Reason)
+	}
 	if spec.Image == "" && spec.Snapshot == "" {
 		return nil, errdefs.Invalid("spec.image (or spec.snapshot) is required")
 	}
@@ -131,8 +139,8 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 			if why := n.net.EgressUnavailable(); why != "" {
 				return nil, errdefs.Unavailable("egress networking is unavailable on node %s: %s", n.cfg.Name, why)
 			}
-			if !drv.Capabilities().Has(substrate.CapNetworkEgress) {
-				return nil, errdefs.Unimplemented("kind %q has no egress networking", spec.Kind)
+			if !caps.Has(substrate.CapNetworkEgress) {
+				return nil, errdefs.Unimplemented("kind %q%s has no egress networking", spec.Kind, runtimeSuffix(spec.Runtime))
 			}
 		}
 	case network.ModeNone:
@@ -140,8 +148,8 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 		if why := n.net.EgressUnavailable(); why != "" {
 			return nil, errdefs.Unavailable("egress networking is unavailable on node %s: %s", n.cfg.Name, why)
 		}
-		if !drv.Capabilities().Has(substrate.CapNetworkEgress) {
-			return nil, errdefs.Unimplemented("kind %q has no egress networking", spec.Kind)
+		if !caps.Has(substrate.CapNetworkEgress) {
+			return nil, errdefs.Unimplemented("kind %q%s has no egress networking", spec.Kind, runtimeSuffix(spec.Runtime))
 		}
 	default:
 		return nil, errdefs.Invalid("network.mode %q (use none or egress)", spec.Network.Mode)
@@ -190,6 +198,26 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 		spec.Labels[SessionLabel] = spec.Session
 	}
 	return img, nil
+}
+
+// runtimeNames lists c's runtimes for an error message ("" if none).
+func runtimeNames(c substrate.Capabilities) string {
+	if len(c.Runtimes) == 0 {
+		return " (it has only its default: leave runtime empty)"
+	}
+	names := make([]string, len(c.Runtimes))
+	for i, r := range c.Runtimes {
+		names[i] = r.Name
+	}
+	return " (use " + strings.Join(names, ", ") + ", or leave it empty for the default)"
+}
+
+// runtimeSuffix names a non-default runtime in a message about its kind.
+func runtimeSuffix(runtime string) string {
+	if runtime == "" {
+		return ""
+	}
+	return " (runtime " + runtime + ")"
 }
 
 func validEnv(env map[string]string) error {

@@ -51,6 +51,8 @@ type Node struct {
 
 // Request is what a new sandbox needs.
 type Request struct {
+	// Kind is the sandbox's kind, or "kind/runtime" for another of its
+	// runtimes ("container/gvisor"), as nodes list them in Kinds.
 	Kind string
 	// Image must be present on the node ("" for none): shared, or Project's
 	// own (its load report lists tenant.ImageKey(Project, Image)).

@@ -55,6 +55,45 @@ type Capabilities struct {
 	// Details are facts for operators: runtime and version, cgroup mode,
 	// acceleration.
 	Details map[string]string
+	// Runtimes are the runtimes a sandbox of this kind may ask for besides
+	// its default (Spec.Runtime), each probed on this host: available or
+	// not and why, and what it can do (Available, Reason, Caps and Details
+	// above describe the default).
+	Runtimes []Runtime
+}
+
+// Runtime is one of a kind's runtimes: another way to run its instances,
+// with capabilities of its own.
+type Runtime struct {
+	Name      string
+	Available bool
+	Reason    string
+	Caps      []Capability
+	Details   map[string]string
+}
+
+// RuntimeGVisor runs a container sandbox under gVisor (runsc): its
+// processes talk to an application kernel of gVisor's, not to the host's
+// (see docs/substrates/container.md).
+const RuntimeGVisor = "gvisor"
+
+// For returns the capabilities of the kind's runtime name ("" is the
+// default): the kind's own, or the runtime's in their place. ok is false
+// when the kind has no such runtime (available or not).
+func (c Capabilities) For(name string) (_ Capabilities, ok bool) {
+	if name == "" {
+		return c, true
+	}
+	for _, r := range c.Runtimes {
+		if r.Name == name {
+			reason := r.Reason
+			if !c.Available {
+				reason = c.Reason
+			}
+			return Capabilities{Kind: c.Kind, Available: c.Available && r.Available, Reason: reason, Caps: r.Caps, Details: r.Details}, true
+		}
+	}
+	return Capabilities{}, false
 }
 
 // Has reports whether c includes capability x.
@@ -114,6 +153,9 @@ type Spec struct {
 	// namespaces). Processes of other users gain nothing: they hold no
 	// capabilities. Drivers without it ignore it.
 	MountNamespaces bool
+	// Runtime selects one of the driver's runtimes (Capabilities.Runtimes;
+	// "" is its default), fixed for the instance's life.
+	Runtime string
 	// Restore, if set, is a machine snapshot directory written by
 	// Instance.SnapshotMachine of the same kind: the instance starts from
 	// it (memory, devices and disk as they were) instead of booting, with
@@ -224,6 +266,20 @@ type Diagnoser interface {
 	// LastWords returns the end of that output, short and free of host
 	// paths, or "".
 	LastWords() string
+}
+
+// TaskEnder is implemented by instances that their own workload can end
+// as a whole: containers under gVisor, whose application kernel has no OOM
+// killer and no process limit of its own (the host's cgroup limits stop
+// the whole sandbox, kernel and all) and lets a process of the sandbox
+// kill its init, the agent. The node reports such an end as the task's,
+// not the platform's.
+type TaskEnder interface {
+	// EndedByTask says, once the instance has stopped by itself, how its
+	// workload ended it, as a clause: "reached its memory limit", "reached
+	// its pids limit" or "killed the sandbox's agent (signal KILL)"; ""
+	// if it did not (it crashed, or was killed from outside).
+	EndedByTask() string
 }
 
 // Stats is an instance's resource use.

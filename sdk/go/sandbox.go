@@ -40,6 +40,9 @@ type CreateOptions struct {
 	// NodeSelector places the sandbox on a node with all these labels
 	// (cluster mode).
 	NodeSelector map[string]string
+	// Runtime is another of the kind's runtimes: "gvisor" for kind
+	// container ("" is the kind's default; Info lists each node's).
+	Runtime string
 }
 
 func (o CreateOptions) spec() *dsecv1.SandboxSpec {
@@ -52,7 +55,7 @@ func (o CreateOptions) spec() *dsecv1.SandboxSpec {
 		TtlS:      int64(o.TTL / time.Second), IdleTtlS: int64(o.IdleTTL / time.Second),
 		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network, Policy: o.Policy.proto()},
 		User: o.User, Workdir: o.Workdir, Snapshot: o.Snapshot, Session: o.Session,
-		NodeSelector: o.NodeSelector,
+		NodeSelector: o.NodeSelector, Runtime: o.Runtime,
 	}
 }
 

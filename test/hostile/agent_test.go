@@ -84,7 +84,33 @@ func taskFailure(t *testing.T, what string, err error) {
 	}
 }
 
+// endedByTask checks the end of a gVisor sandbox that its workload ended,
+// as it can there: by reaching its memory or pids limit (gVisor's kernel
+// has no OOM killer or process limit of its own; the host's cgroup stops
+// it whole) or by killing the agent (its kernel does not shield a pid
+// namespace's init). The call that was running answers gone, the task's
+// doing (not infra), saying how (how), and the sandbox is deleted with
+// that reason.
+func endedByTask(t *testing.T, sb *dsec.Sandbox, what string, err error, how string) {
+	t.Helper()
+	if err == nil {
+		t.Fatalf("%s: the call returned a result; want the sandbox ended: its workload %s", what, how)
+	}
+	if kindOf(err) != "gone" || infraOf(err) || !strings.Contains(err.Error(), how) {
+		t.Fatalf("%s: %v (kind %q, infra %v); want gone, not infra, saying its workload %s", what, err, kindOf(err), infraOf(err), how)
+	}
+	t.Logf("%s: %v", what, err)
+	_, err = sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("true"))
+	if kindOf(err) != "not_found" || !strings.Contains(err.Error(), how) {
+		t.Fatalf("a call after the end: %v (kind %q); want not found, saying its workload %s", err, kindOf(err), how)
+	}
+}
+
 func TestAgentSurvivesEverySignalSentToPID1(t *testing.T) {
+	eachRuntime(t, testAgentSurvivesEverySignalSentToPID1)
+}
+
+func testAgentSurvivesEverySignalSentToPID1(t *testing.T, rt string) {
 	c := client(t)
 	nb := newNeighbour(t)
 	// Every signal a process can send (KILL and STOP are refused by the
@@ -97,7 +123,7 @@ func TestAgentSurvivesEverySignalSentToPID1(t *testing.T) {
 	}
 	for _, w := range ways {
 		t.Run("sent by "+w.name, func(t *testing.T) {
-			sb := create(t, c, dsec.CreateOptions{})
+			sb := create(t, c, dsec.CreateOptions{Runtime: rt})
 			uploadFile(t, sb, sigsend(t), "/tmp/sigsend")
 			for sig := 1; sig <= 64; sig++ {
 				if sig == int(unix.SIGKILL) || sig == int(unix.SIGSTOP) {
@@ -119,7 +145,22 @@ func TestAgentSurvivesEverySignalSentToPID1(t *testing.T) {
 		})
 	}
 	t.Run("children still get default dispositions", func(t *testing.T) {
-		sb := create(t, c, dsec.CreateOptions{})
+		sb := create(t, c, dsec.CreateOptions{Runtime: rt})
+		if rt == "gvisor" {
+			// gVisor's /proc/self/status has no signal masks: each signal
+			// whose default ends a process must end a shell that sends it
+			// to itself, 32 (which the agent handles) among them.
+			for _, sig := range []int{1, 2, 10, 12, 13, 14, 15, 32, 34, 64} {
+				r, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd(fmt.Sprintf("kill -%d $$; echo survived", sig)))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(r.Stdout) > 0 {
+					t.Errorf("signal %d: a child survived it (exit %d, %q): it is not at its default", sig, r.ExitCode, r.Stdout)
+				}
+			}
+			return
+		}
 		r, err := sb.Exec(ctxFor(t, time.Minute), dsec.Argv("grep", "-E", "^Sig(Ign|Blk)", "/proc/self/status"))
 		if err != nil {
 			t.Fatal(err)
@@ -131,6 +172,10 @@ func TestAgentSurvivesEverySignalSentToPID1(t *testing.T) {
 }
 
 func TestForkBombIsTheTasksFailureNotTheSandboxs(t *testing.T) {
+	eachRuntime(t, testForkBombIsTheTasksFailureNotTheSandboxs)
+}
+
+func testForkBombIsTheTasksFailureNotTheSandboxs(t *testing.T, rt string) {
 	c := client(t)
 	nb := newNeighbour(t)
 	for _, tc := range []struct {
@@ -144,6 +189,7 @@ func TestForkBombIsTheTasksFailureNotTheSandboxs(t *testing.T) {
 		{"filling the pids limit", dsec.CreateOptions{MemoryMB: 512, Pids: 64}, false, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			tc.opts.Runtime = rt
 			sb := create(t, c, tc.opts)
 			done := make(chan struct{})
 			var r *dsecv1.ExecResult
@@ -157,6 +203,14 @@ func TestForkBombIsTheTasksFailureNotTheSandboxs(t *testing.T) {
 			time.Sleep(3 * time.Second)
 			nb.check(t)
 			<-done
+			if rt == "gvisor" {
+				limit := "pids"
+				if tc.wantOOM {
+					limit = "memory"
+				}
+				endedByTask(t, sb, "fork bomb", err, "reached its "+limit+" limit")
+				return
+			}
 			taskFailure(t, "fork bomb", err)
 			t.Logf("fork bomb: exit %d, signal %q, timed out %v, oom %v, pids limited %v", r.ExitCode, r.Signal, r.TimedOut, r.OomKilled, r.PidsLimited)
 			if tc.wantOOM && !r.OomKilled {
@@ -171,9 +225,13 @@ func TestForkBombIsTheTasksFailureNotTheSandboxs(t *testing.T) {
 }
 
 func TestMemoryBombOfSmallProcessesIsReportedAsOOM(t *testing.T) {
+	eachRuntime(t, testMemoryBombOfSmallProcessesIsReportedAsOOM)
+}
+
+func testMemoryBombOfSmallProcessesIsReportedAsOOM(t *testing.T, rt string) {
 	c := client(t)
 	nb := newNeighbour(t)
-	sb := create(t, c, dsec.CreateOptions{MemoryMB: 64})
+	sb := create(t, c, dsec.CreateOptions{MemoryMB: 64, Runtime: rt})
 	// Many processes, each smaller than the agent: the OOM killer's
 	// biggest candidate would be the agent if it were one.
 	bomb := `for i in $(seq 40); do (x=$(head -c 3000000 /dev/zero | tr '\0' a); sleep 60) & done; wait`
@@ -187,6 +245,10 @@ func TestMemoryBombOfSmallProcessesIsReportedAsOOM(t *testing.T) {
 	time.Sleep(2 * time.Second)
 	nb.check(t)
 	<-done
+	if rt == "gvisor" {
+		endedByTask(t, sb, "memory bomb", err, "reached its memory limit")
+		return
+	}
 	taskFailure(t, "memory bomb", err)
 	t.Logf("memory bomb: exit %d, signal %q, timed out %v, oom %v", r.ExitCode, r.Signal, r.TimedOut, r.OomKilled)
 	if !r.OomKilled {
@@ -196,11 +258,20 @@ func TestMemoryBombOfSmallProcessesIsReportedAsOOM(t *testing.T) {
 }
 
 func TestEndlessOutputAtTheLargestCapIsCappedNotBuffered(t *testing.T) {
+	eachRuntime(t, testEndlessOutputAtTheLargestCapIsCappedNotBuffered)
+}
+
+func testEndlessOutputAtTheLargestCapIsCappedNotBuffered(t *testing.T, rt string) {
 	c := client(t)
 	nb := newNeighbour(t)
 	// The cap is larger than the sandbox's memory: buffering it in the
-	// sandbox would OOM.
-	sb := create(t, c, dsec.CreateOptions{MemoryMB: 64})
+	// sandbox would OOM. (Under gVisor the agent keeps the tail in its
+	// memory, which is the sandbox's: there the sandbox has room for it.)
+	memory := int64(64)
+	if rt == "gvisor" {
+		memory = 512
+	}
+	sb := create(t, c, dsec.CreateOptions{MemoryMB: memory, Runtime: rt})
 	const capBytes = 64 << 20
 	done := make(chan struct{})
 	var r *dsecv1.ExecResult
@@ -226,9 +297,13 @@ func TestEndlessOutputAtTheLargestCapIsCappedNotBuffered(t *testing.T) {
 }
 
 func TestStdinAndResultLargerThanAGuestFrameWork(t *testing.T) {
+	eachRuntime(t, testStdinAndResultLargerThanAGuestFrameWork)
+}
+
+func testStdinAndResultLargerThanAGuestFrameWork(t *testing.T, rt string) {
 	c := client(t)
 	nb := newNeighbour(t)
-	sb := create(t, c, dsec.CreateOptions{})
+	sb := create(t, c, dsec.CreateOptions{Runtime: rt})
 	in := bytes.Repeat([]byte("0123456789abcdef"), 12<<20/16) // 12 MiB
 	// The neighbour is measured while large execs run back to back.
 	stop := make(chan struct{})
@@ -280,9 +355,13 @@ func TestStdinAndResultLargerThanAGuestFrameWork(t *testing.T) {
 }
 
 func TestTimedOutExecLeavesNoProcessBehind(t *testing.T) {
+	eachRuntime(t, testTimedOutExecLeavesNoProcessBehind)
+}
+
+func testTimedOutExecLeavesNoProcessBehind(t *testing.T, rt string) {
 	c := client(t)
 	nb := newNeighbour(t)
-	sb := create(t, c, dsec.CreateOptions{})
+	sb := create(t, c, dsec.CreateOptions{Runtime: rt})
 	// A child in its own session (out of the exec's process group) and a
 	// grandchild re-parented to PID 1 by a double fork.
 	cmd := `setsid sleep 4242 >/dev/null 2>&1 & (sh -c 'sleep 4343 >/dev/null 2>&1 &') ; sleep 600`

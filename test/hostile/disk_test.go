@@ -53,10 +53,12 @@ func dataDirUse(t *testing.T) int64 {
 	return n
 }
 
-func TestSandboxFillsOnlyItsOwnDisk(t *testing.T) {
+func TestSandboxFillsOnlyItsOwnDisk(t *testing.T) { eachRuntime(t, testSandboxFillsOnlyItsOwnDisk) }
+
+func testSandboxFillsOnlyItsOwnDisk(t *testing.T, rt string) {
 	c := client(t)
 	nb := newNeighbour(t)
-	sb := create(t, c, dsec.CreateOptions{DiskMB: fillDiskMB})
+	sb := create(t, c, dsec.CreateOptions{Runtime: rt, DiskMB: fillDiskMB})
 	t.Run("df inside shows the sandbox's disk", func(t *testing.T) {
 		size, _ := dfRoot(t, sb)
 		if size > fillDiskMB<<10 || size < fillDiskMB<<9 {
@@ -116,10 +118,12 @@ func TestSandboxFillsOnlyItsOwnDisk(t *testing.T) {
 	})
 }
 
-func TestSandboxRunsOutOfItsOwnInodes(t *testing.T) {
+func TestSandboxRunsOutOfItsOwnInodes(t *testing.T) { eachRuntime(t, testSandboxRunsOutOfItsOwnInodes) }
+
+func testSandboxRunsOutOfItsOwnInodes(t *testing.T, rt string) {
 	c := client(t)
 	nb := newNeighbour(t)
-	sb := create(t, c, dsec.CreateOptions{DiskMB: fillDiskMB})
+	sb := create(t, c, dsec.CreateOptions{Runtime: rt, DiskMB: fillDiskMB})
 	if size, _ := dfRoot(t, sb); size > fillDiskMB<<10 {
 		t.Fatalf("df / inside says %d KiB, want the sandbox's %d MiB (a touch loop would fill the host's inodes)", size, fillDiskMB)
 	}
@@ -142,6 +146,10 @@ func TestSandboxRunsOutOfItsOwnInodes(t *testing.T) {
 }
 
 func TestDeletedSandboxLeavesNoDiskOrIDs(t *testing.T) {
+	eachRuntime(t, testDeletedSandboxLeavesNoDiskOrIDs)
+}
+
+func testDeletedSandboxLeavesNoDiskOrIDs(t *testing.T, rt string) {
 	c := client(t)
 	nb := newNeighbour(t)
 	node := nodePid(t)
@@ -160,7 +168,9 @@ func TestDeletedSandboxLeavesNoDiskOrIDs(t *testing.T) {
 		return strings.Count(string(b), "\n")
 	}
 	// The node records each id range in use on the host as
-	// /run/dsec/ids/<index>; the sandbox's is found from its uid_map.
+	// /run/dsec/ids/<index>; the sandbox's is found from its uid_map (or,
+	// under gVisor, whose kernel has user namespaces of its own, from the
+	// host owner of a file its root makes).
 	rangeOf := func(sb *dsec.Sandbox) string {
 		r, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("cat /proc/self/uid_map"))
 		if err != nil {
@@ -168,21 +178,32 @@ func TestDeletedSandboxLeavesNoDiskOrIDs(t *testing.T) {
 		}
 		f := strings.Fields(string(r.Stdout))
 		host := 0
-		if len(f) == 3 {
+		if len(f) == 3 && f[2] == "65536" {
 			host, _ = strconv.Atoi(f[1])
 		}
-		if host < 1<<30 || f[2] != "65536" {
+		if rt == "gvisor" {
+			name := fmt.Sprintf("range-%d", time.Now().UnixNano())
+			if _, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("touch /tmp/"+name+"; sync")); err != nil {
+				t.Fatal(err)
+			}
+			var st unix.Stat_t
+			if err := unix.Stat(findUpperFile(t, filepath.Join("tmp", name)), &st); err != nil {
+				t.Fatal(err)
+			}
+			host = int(st.Uid)
+		}
+		if host < 1<<30 {
 			return ""
 		}
 		return filepath.Join("/run/dsec/ids", strconv.Itoa((host-1<<30)/65536))
 	}
 	// Settled: the pool of file systems and user namespaces made ahead is
 	// full once a create has come and gone.
-	warm := create(t, c, dsec.CreateOptions{})
+	warm := create(t, c, dsec.CreateOptions{Runtime: rt})
 	warm.Close()
 	time.Sleep(2 * time.Second)
 	loopsBefore, mountsBefore := loops(), mounts()
-	sb, err := c.Create(ctxFor(t, 2*time.Minute), dsec.CreateOptions{Image: "busybox", DiskMB: fillDiskMB, TTL: 10 * time.Minute})
+	sb, err := c.Create(ctxFor(t, 2*time.Minute), dsec.CreateOptions{Runtime: rt, Image: "busybox", DiskMB: fillDiskMB, TTL: 10 * time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}

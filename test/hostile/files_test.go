@@ -22,9 +22,9 @@ import (
 
 // nobodySandbox is a busybox sandbox whose default user is nobody, with a
 // root-only /etc/shadow (busybox has none) and a root-only /root/secret.
-func nobodySandbox(t *testing.T) *dsec.Sandbox {
+func nobodySandbox(t *testing.T, rt string) *dsec.Sandbox {
 	t.Helper()
-	sb := create(t, client(t), dsec.CreateOptions{User: "nobody"})
+	sb := create(t, client(t), dsec.CreateOptions{User: "nobody", Runtime: rt})
 	asRoot(t, sb, `printf 'root:SECRET-HASH:19000:0:99999:7:::\n' > /etc/shadow && chmod 600 /etc/shadow &&
 		mkdir -p /root && chmod 700 /root && echo root-only > /root/secret && chmod 600 /root/secret`)
 	return sb
@@ -109,7 +109,11 @@ func download(t *testing.T, sb *dsec.Sandbox, path string) (string, error) {
 const shadowLine = "root:SECRET-HASH:19000:0:99999:7:::\n"
 
 func TestAnUploadThroughTheUsersSymlinkToShadowLeavesShadowAlone(t *testing.T) {
-	sb := nobodySandbox(t)
+	eachRuntime(t, testAnUploadThroughTheUsersSymlinkToShadowLeavesShadowAlone)
+}
+
+func testAnUploadThroughTheUsersSymlinkToShadowLeavesShadowAlone(t *testing.T, rt string) {
+	sb := nobodySandbox(t, rt)
 	nb := newNeighbour(t)
 	hostShadow := digest(t, "/etc/shadow")
 	// The sandbox's user points the file the trainer will upload at
@@ -138,7 +142,11 @@ func TestAnUploadThroughTheUsersSymlinkToShadowLeavesShadowAlone(t *testing.T) {
 }
 
 func TestReadsOfRootOnlyFilesAreRefusedInANobodySandbox(t *testing.T) {
-	sb := nobodySandbox(t)
+	eachRuntime(t, testReadsOfRootOnlyFilesAreRefusedInANobodySandbox)
+}
+
+func testReadsOfRootOnlyFilesAreRefusedInANobodySandbox(t *testing.T, rt string) {
+	sb := nobodySandbox(t, rt)
 	nb := newNeighbour(t)
 	asUser(t, sb, "ln -s /etc/shadow /tmp/shadow-link")
 	for _, p := range []string{"/etc/shadow", "/tmp/shadow-link", "/root/secret"} {
@@ -178,7 +186,11 @@ func TestReadsOfRootOnlyFilesAreRefusedInANobodySandbox(t *testing.T) {
 }
 
 func TestUploadsThroughProcLinksChangeNothingOutsideTheSandbox(t *testing.T) {
-	sb := nobodySandbox(t)
+	eachRuntime(t, testUploadsThroughProcLinksChangeNothingOutsideTheSandbox)
+}
+
+func testUploadsThroughProcLinksChangeNothingOutsideTheSandbox(t *testing.T, rt string) {
+	sb := nobodySandbox(t, rt)
 	nb := newNeighbour(t)
 	// The agent's stdio is a file on the host.
 	initLog := filepath.Join(srv(t).DataDir, "sandboxes", sb.ID, "init.log")
@@ -219,7 +231,11 @@ func TestUploadsThroughProcLinksChangeNothingOutsideTheSandbox(t *testing.T) {
 }
 
 func TestDotDotAndAbsoluteSymlinksStayInsideTheSandbox(t *testing.T) {
-	sb := nobodySandbox(t)
+	eachRuntime(t, testDotDotAndAbsoluteSymlinksStayInsideTheSandbox)
+}
+
+func testDotDotAndAbsoluteSymlinksStayInsideTheSandbox(t *testing.T, rt string) {
+	sb := nobodySandbox(t, rt)
 	nb := newNeighbour(t)
 	m := marker(t)
 	hostShadow := digest(t, "/etc/shadow")

@@ -29,9 +29,11 @@ func TestHelpPrintsNoAPIKey(t *testing.T) {
 	}
 }
 
-func TestExecSaysWhenItsOutputWasCut(t *testing.T) {
+func TestExecSaysWhenItsOutputWasCut(t *testing.T) { eachRuntime(t, testExecSaysWhenItsOutputWasCut) }
+
+func testExecSaysWhenItsOutputWasCut(t *testing.T, rt string) {
 	s := srv(t)
-	sb := create(t, client(t), dsec.CreateOptions{})
+	sb := create(t, client(t), dsec.CreateOptions{Runtime: rt})
 	ctx := ctxFor(t, time.Minute)
 	cmd := exec.CommandContext(ctx, s.Bin, "exec", sb.ID, "--", "sh", "-c", "head -c 3000000 /dev/zero")
 	cmd.Env = append(cmd.Environ(), "DSEC_URL="+s.URL, "DSEC_API_KEY="+secret(keyA))
@@ -50,8 +52,12 @@ func TestExecSaysWhenItsOutputWasCut(t *testing.T) {
 }
 
 func TestAFileReadThatFailsIsNeverAShortSuccess(t *testing.T) {
+	eachRuntime(t, testAFileReadThatFailsIsNeverAShortSuccess)
+}
+
+func testAFileReadThatFailsIsNeverAShortSuccess(t *testing.T, rt string) {
 	s := srv(t)
-	sb := create(t, client(t), dsec.CreateOptions{})
+	sb := create(t, client(t), dsec.CreateOptions{Runtime: rt})
 	ctx := ctxFor(t, time.Minute)
 	// Each opens, then fails to read: a directory, and memory at address
 	// 0 (a range read, so no length is declared up front).
@@ -70,9 +76,11 @@ func TestAFileReadThatFailsIsNeverAShortSuccess(t *testing.T) {
 	}
 }
 
-func TestTheInsideNamesNoHostPath(t *testing.T) {
+func TestTheInsideNamesNoHostPath(t *testing.T) { eachRuntime(t, testTheInsideNamesNoHostPath) }
+
+func testTheInsideNamesNoHostPath(t *testing.T, rt string) {
 	s := srv(t)
-	sb := create(t, client(t), dsec.CreateOptions{})
+	sb := create(t, client(t), dsec.CreateOptions{Runtime: rt})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	r, err := sb.Exec(ctx, dsec.Cmd("cat /proc/self/mountinfo /proc/1/mountinfo"))
@@ -94,9 +102,11 @@ func TestTheInsideNamesNoHostPath(t *testing.T) {
 // TestExecAsRootInANobodySandbox: `dsec exec ID -u root` in a sandbox whose
 // user is nobody runs as root, and a command that cannot start says why
 // (it used to exit 127 with no output and no message).
-func TestExecAsRootInANobodySandbox(t *testing.T) {
+func TestExecAsRootInANobodySandbox(t *testing.T) { eachRuntime(t, testExecAsRootInANobodySandbox) }
+
+func testExecAsRootInANobodySandbox(t *testing.T, rt string) {
 	s := srv(t)
-	sb := create(t, client(t), dsec.CreateOptions{User: "nobody"})
+	sb := create(t, client(t), dsec.CreateOptions{Runtime: rt, User: "nobody"})
 	ctx := ctxFor(t, time.Minute)
 	run := func(args ...string) (string, string, int) {
 		cmd := exec.CommandContext(ctx, s.Bin, args...)

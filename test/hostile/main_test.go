@@ -91,6 +91,39 @@ func create(t *testing.T, c *dsec.Client, o dsec.CreateOptions) *dsec.Sandbox {
 	return sb
 }
 
+// eachRuntime runs body once per runtime of kind container, as subtests:
+// "crun" (the default: rt "") and "gvisor" (skipped, with the node's
+// reason, where runsc cannot run).
+func eachRuntime(t *testing.T, body func(t *testing.T, rt string)) {
+	t.Run("crun", func(t *testing.T) { body(t, "") })
+	t.Run("gvisor", func(t *testing.T) {
+		if why := gvisorMissing(t); why != "" {
+			t.Skip("no gvisor runtime: " + why)
+		}
+		body(t, "gvisor")
+	})
+}
+
+// gvisorMissing says why the shared server has no gvisor runtime ("" if
+// it has).
+func gvisorMissing(t *testing.T) string {
+	info, err := client(t).Info(ctxFor(t, time.Minute))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range info.Nodes[0].Kinds {
+		for _, r := range k.Runtimes {
+			if k.Kind == "container" && r.Name == "gvisor" {
+				if !r.Available {
+					return r.Reason
+				}
+				return ""
+			}
+		}
+	}
+	return "the node does not know it"
+}
+
 func kindOf(err error) string {
 	var e *dsec.Error
 	if errors.As(err, &e) {

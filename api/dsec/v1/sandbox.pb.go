@@ -829,7 +829,12 @@ type SandboxSpec struct {
 	Session string `protobuf:"bytes,12,opt,name=session,proto3" json:"session,omitempty"`
 	// node_selector places the sandbox on a node whose labels include every
 	// one of these (cluster mode; a single-node server ignores it).
-	NodeSelector  map[string]string `protobuf:"bytes,20,rep,name=node_selector,json=nodeSelector,proto3" json:"node_selector,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	NodeSelector map[string]string `protobuf:"bytes,20,rep,name=node_selector,json=nodeSelector,proto3" json:"node_selector,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// runtime runs the sandbox under another of its kind's runtimes (empty:
+	// the kind's default). Kind container offers "gvisor" (gVisor's runsc:
+	// the workload's system calls go to gVisor's application kernel, not the
+	// host's), where the node's info lists it as available.
+	Runtime       string `protobuf:"bytes,13,opt,name=runtime,proto3" json:"runtime,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -953,6 +958,13 @@ func (x *SandboxSpec) GetNodeSelector() map[string]string {
 		return x.NodeSelector
 	}
 	return nil
+}
+
+func (x *SandboxSpec) GetRuntime() string {
+	if x != nil {
+		return x.Runtime
+	}
+	return ""
 }
 
 type Sandbox struct {
@@ -6000,7 +6012,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04host\x18\x06 \x01(\tR\x04host\x12\x18\n" +
 	"\averdict\x18\a \x01(\tR\averdict\x12\x16\n" +
 	"\x06reason\x18\b \x01(\tR\x06reason\x12\x1a\n" +
-	"\bbrokered\x18\t \x01(\bR\bbrokered\"\x98\x05\n" +
+	"\bbrokered\x18\t \x01(\bR\bbrokered\"\xb2\x05\n" +
 	"\vSandboxSpec\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x120\n" +
@@ -6016,7 +6028,8 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	" \x01(\tR\aworkdir\x12\x1a\n" +
 	"\bsnapshot\x18\v \x01(\tR\bsnapshot\x12\x18\n" +
 	"\asession\x18\f \x01(\tR\asession\x12K\n" +
-	"\rnode_selector\x18\x14 \x03(\v2&.dsec.v1.SandboxSpec.NodeSelectorEntryR\fnodeSelector\x1a9\n" +
+	"\rnode_selector\x18\x14 \x03(\v2&.dsec.v1.SandboxSpec.NodeSelectorEntryR\fnodeSelector\x12\x18\n" +
+	"\aruntime\x18\r \x01(\tR\aruntime\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +

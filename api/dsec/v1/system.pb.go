@@ -845,8 +845,11 @@ type KindInfo struct {
 	Reason string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
 	// capabilities lists verbs and features: "exec", "pty", "files",
 	// "snapshot", "memory_snapshot", "pause", "fork", "network_egress", ...
-	Capabilities  []string          `protobuf:"bytes,4,rep,name=capabilities,proto3" json:"capabilities,omitempty"`
-	Details       map[string]string `protobuf:"bytes,5,rep,name=details,proto3" json:"details,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	Capabilities []string          `protobuf:"bytes,4,rep,name=capabilities,proto3" json:"capabilities,omitempty"`
+	Details      map[string]string `protobuf:"bytes,5,rep,name=details,proto3" json:"details,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// runtimes are the kind's other runtimes (spec.runtime), each probed on
+	// the node at start; the fields above describe its default runtime.
+	Runtimes      []*RuntimeInfo `protobuf:"bytes,6,rep,name=runtimes,proto3" json:"runtimes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -910,6 +913,91 @@ func (x *KindInfo) GetCapabilities() []string {
 }
 
 func (x *KindInfo) GetDetails() map[string]string {
+	if x != nil {
+		return x.Details
+	}
+	return nil
+}
+
+func (x *KindInfo) GetRuntimes() []*RuntimeInfo {
+	if x != nil {
+		return x.Runtimes
+	}
+	return nil
+}
+
+// RuntimeInfo is what one of a kind's runtimes can do on one node.
+type RuntimeInfo struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Name      string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Available bool                   `protobuf:"varint,2,opt,name=available,proto3" json:"available,omitempty"`
+	// reason explains why a runtime is unavailable.
+	Reason        string            `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	Capabilities  []string          `protobuf:"bytes,4,rep,name=capabilities,proto3" json:"capabilities,omitempty"`
+	Details       map[string]string `protobuf:"bytes,5,rep,name=details,proto3" json:"details,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RuntimeInfo) Reset() {
+	*x = RuntimeInfo{}
+	mi := &file_dsec_v1_system_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RuntimeInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RuntimeInfo) ProtoMessage() {}
+
+func (x *RuntimeInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RuntimeInfo.ProtoReflect.Descriptor instead.
+func (*RuntimeInfo) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *RuntimeInfo) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *RuntimeInfo) GetAvailable() bool {
+	if x != nil {
+		return x.Available
+	}
+	return false
+}
+
+func (x *RuntimeInfo) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *RuntimeInfo) GetCapabilities() []string {
+	if x != nil {
+		return x.Capabilities
+	}
+	return nil
+}
+
+func (x *RuntimeInfo) GetDetails() map[string]string {
 	if x != nil {
 		return x.Details
 	}
@@ -986,13 +1074,23 @@ const file_dsec_v1_system_proto_rawDesc = "" +
 	"\tmemory_mb\x18\t \x01(\x03R\bmemoryMb\x1a7\n" +
 	"\tHostEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xee\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xa0\x02\n" +
 	"\bKindInfo\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x1c\n" +
 	"\tavailable\x18\x02 \x01(\bR\tavailable\x12\x16\n" +
 	"\x06reason\x18\x03 \x01(\tR\x06reason\x12\"\n" +
 	"\fcapabilities\x18\x04 \x03(\tR\fcapabilities\x128\n" +
-	"\adetails\x18\x05 \x03(\v2\x1e.dsec.v1.KindInfo.DetailsEntryR\adetails\x1a:\n" +
+	"\adetails\x18\x05 \x03(\v2\x1e.dsec.v1.KindInfo.DetailsEntryR\adetails\x120\n" +
+	"\bruntimes\x18\x06 \x03(\v2\x14.dsec.v1.RuntimeInfoR\bruntimes\x1a:\n" +
+	"\fDetailsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xf4\x01\n" +
+	"\vRuntimeInfo\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1c\n" +
+	"\tavailable\x18\x02 \x01(\bR\tavailable\x12\x16\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\x12\"\n" +
+	"\fcapabilities\x18\x04 \x03(\tR\fcapabilities\x12;\n" +
+	"\adetails\x18\x05 \x03(\v2!.dsec.v1.RuntimeInfo.DetailsEntryR\adetails\x1a:\n" +
 	"\fDetailsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012\x8b\x01\n" +
@@ -1019,7 +1117,7 @@ func file_dsec_v1_system_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_system_proto_rawDescData
 }
 
-var file_dsec_v1_system_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_dsec_v1_system_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
 var file_dsec_v1_system_proto_goTypes = []any{
 	(*GetCapacityRequest)(nil),    // 0: dsec.v1.GetCapacityRequest
 	(*PoolStats)(nil),             // 1: dsec.v1.PoolStats
@@ -1035,39 +1133,43 @@ var file_dsec_v1_system_proto_goTypes = []any{
 	(*Info)(nil),                  // 11: dsec.v1.Info
 	(*NodeInfo)(nil),              // 12: dsec.v1.NodeInfo
 	(*KindInfo)(nil),              // 13: dsec.v1.KindInfo
-	nil,                           // 14: dsec.v1.NodeInfo.HostEntry
-	nil,                           // 15: dsec.v1.KindInfo.DetailsEntry
-	(*timestamppb.Timestamp)(nil), // 16: google.protobuf.Timestamp
+	(*RuntimeInfo)(nil),           // 14: dsec.v1.RuntimeInfo
+	nil,                           // 15: dsec.v1.NodeInfo.HostEntry
+	nil,                           // 16: dsec.v1.KindInfo.DetailsEntry
+	nil,                           // 17: dsec.v1.RuntimeInfo.DetailsEntry
+	(*timestamppb.Timestamp)(nil), // 18: google.protobuf.Timestamp
 }
 var file_dsec_v1_system_proto_depIdxs = []int32{
 	1,  // 0: dsec.v1.Capacity.pools:type_name -> dsec.v1.PoolStats
-	16, // 1: dsec.v1.Session.created_at:type_name -> google.protobuf.Timestamp
-	16, // 2: dsec.v1.Session.last_heartbeat:type_name -> google.protobuf.Timestamp
-	16, // 3: dsec.v1.Session.expired_at:type_name -> google.protobuf.Timestamp
+	18, // 1: dsec.v1.Session.created_at:type_name -> google.protobuf.Timestamp
+	18, // 2: dsec.v1.Session.last_heartbeat:type_name -> google.protobuf.Timestamp
+	18, // 3: dsec.v1.Session.expired_at:type_name -> google.protobuf.Timestamp
 	3,  // 4: dsec.v1.ListSessionsResponse.sessions:type_name -> dsec.v1.Session
 	12, // 5: dsec.v1.Info.nodes:type_name -> dsec.v1.NodeInfo
 	13, // 6: dsec.v1.NodeInfo.kinds:type_name -> dsec.v1.KindInfo
-	14, // 7: dsec.v1.NodeInfo.host:type_name -> dsec.v1.NodeInfo.HostEntry
-	15, // 8: dsec.v1.KindInfo.details:type_name -> dsec.v1.KindInfo.DetailsEntry
-	10, // 9: dsec.v1.SystemService.GetInfo:input_type -> dsec.v1.GetInfoRequest
-	0,  // 10: dsec.v1.SystemService.GetCapacity:input_type -> dsec.v1.GetCapacityRequest
-	4,  // 11: dsec.v1.SessionService.OpenSession:input_type -> dsec.v1.OpenSessionRequest
-	5,  // 12: dsec.v1.SessionService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
-	6,  // 13: dsec.v1.SessionService.GetSession:input_type -> dsec.v1.GetSessionRequest
-	7,  // 14: dsec.v1.SessionService.ListSessions:input_type -> dsec.v1.ListSessionsRequest
-	9,  // 15: dsec.v1.SessionService.CloseSession:input_type -> dsec.v1.CloseSessionRequest
-	11, // 16: dsec.v1.SystemService.GetInfo:output_type -> dsec.v1.Info
-	2,  // 17: dsec.v1.SystemService.GetCapacity:output_type -> dsec.v1.Capacity
-	3,  // 18: dsec.v1.SessionService.OpenSession:output_type -> dsec.v1.Session
-	3,  // 19: dsec.v1.SessionService.Heartbeat:output_type -> dsec.v1.Session
-	3,  // 20: dsec.v1.SessionService.GetSession:output_type -> dsec.v1.Session
-	8,  // 21: dsec.v1.SessionService.ListSessions:output_type -> dsec.v1.ListSessionsResponse
-	3,  // 22: dsec.v1.SessionService.CloseSession:output_type -> dsec.v1.Session
-	16, // [16:23] is the sub-list for method output_type
-	9,  // [9:16] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	15, // 7: dsec.v1.NodeInfo.host:type_name -> dsec.v1.NodeInfo.HostEntry
+	16, // 8: dsec.v1.KindInfo.details:type_name -> dsec.v1.KindInfo.DetailsEntry
+	14, // 9: dsec.v1.KindInfo.runtimes:type_name -> dsec.v1.RuntimeInfo
+	17, // 10: dsec.v1.RuntimeInfo.details:type_name -> dsec.v1.RuntimeInfo.DetailsEntry
+	10, // 11: dsec.v1.SystemService.GetInfo:input_type -> dsec.v1.GetInfoRequest
+	0,  // 12: dsec.v1.SystemService.GetCapacity:input_type -> dsec.v1.GetCapacityRequest
+	4,  // 13: dsec.v1.SessionService.OpenSession:input_type -> dsec.v1.OpenSessionRequest
+	5,  // 14: dsec.v1.SessionService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	6,  // 15: dsec.v1.SessionService.GetSession:input_type -> dsec.v1.GetSessionRequest
+	7,  // 16: dsec.v1.SessionService.ListSessions:input_type -> dsec.v1.ListSessionsRequest
+	9,  // 17: dsec.v1.SessionService.CloseSession:input_type -> dsec.v1.CloseSessionRequest
+	11, // 18: dsec.v1.SystemService.GetInfo:output_type -> dsec.v1.Info
+	2,  // 19: dsec.v1.SystemService.GetCapacity:output_type -> dsec.v1.Capacity
+	3,  // 20: dsec.v1.SessionService.OpenSession:output_type -> dsec.v1.Session
+	3,  // 21: dsec.v1.SessionService.Heartbeat:output_type -> dsec.v1.Session
+	3,  // 22: dsec.v1.SessionService.GetSession:output_type -> dsec.v1.Session
+	8,  // 23: dsec.v1.SessionService.ListSessions:output_type -> dsec.v1.ListSessionsResponse
+	3,  // 24: dsec.v1.SessionService.CloseSession:output_type -> dsec.v1.Session
+	18, // [18:25] is the sub-list for method output_type
+	11, // [11:18] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_system_proto_init() }
@@ -1081,7 +1183,7 @@ func file_dsec_v1_system_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_system_proto_rawDesc), len(file_dsec_v1_system_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   16,
+			NumMessages:   18,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

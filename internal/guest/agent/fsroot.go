@@ -202,10 +202,13 @@ func openParent(p string) (int, string, error) {
 
 // ownProc reports whether fd, an open file, is one of the agent's own
 // /proc entries (/proc/<agent pid or one of its threads>/...). The check
-// costs one fstatfs for files outside procfs.
+// costs one fstatfs for files outside procfs. A file whose file system
+// does not answer fstatfs (gVisor's procfs files do not) is judged by its
+// path alone.
 func ownProc(fd int) bool {
 	var fs unix.Statfs_t
-	if unix.Fstatfs(fd, &fs) != nil || fs.Type != unix.PROC_SUPER_MAGIC {
+	statfsErr := unix.Fstatfs(fd, &fs)
+	if statfsErr == nil && fs.Type != unix.PROC_SUPER_MAGIC {
 		return false
 	}
 	target, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd))
@@ -229,7 +232,9 @@ func ownProc(fd int) bool {
 		// One of the agent's threads (each has a /proc/<tid> too).
 		return unix.Access("/proc/self/task/"+task, unix.F_OK) == nil
 	}
-	return true
+	// No procfs on the way: a procfs file (by fstatfs) is refused, a file
+	// whose file system did not say is not one.
+	return statfsErr == nil
 }
 
 // pathErr is the error of op on the sandbox path p. It names p only, never
@@ -246,13 +251,26 @@ func errOwnProc(op, p string) error {
 	return &codedError{guest.CodePermission, fmt.Sprintf("%s %s: permission denied: the file belongs to the sandbox's agent", op, p)}
 }
 
+// fsIDs reports whether this kernel has setfsuid and setfsgid. gVisor's
+// has neither: there a call switches its thread's effective ids instead,
+// which file checks follow as well (and which the thread's saved id, root,
+// lets it switch back from).
+var fsIDs = sync.OnceValue(func() bool {
+	_, err := unix.SetfsuidRetUid(-1) // -1 changes nothing and returns the current
+	return err == nil
+})
+
 // The agent's own file-system credentials, to return to after a call.
 var agentCreds = sync.OnceValue(func() (c struct {
 	fsuid, fsgid int
 	groups       []int
 }) {
-	c.fsuid, _ = unix.SetfsuidRetUid(-1) // -1 changes nothing and returns the current
-	c.fsgid, _ = unix.SetfsgidRetGid(-1)
+	if fsIDs() {
+		c.fsuid, _ = unix.SetfsuidRetUid(-1)
+		c.fsgid, _ = unix.SetfsgidRetGid(-1)
+	} else {
+		c.fsuid, c.fsgid = unix.Geteuid(), unix.Getegid()
+	}
 	c.groups, _ = unix.Getgroups()
 	return c
 })
@@ -325,8 +343,12 @@ func groupsOf(id identity) []int {
 }
 
 // setFSCreds sets the calling thread's supplementary groups, fsgid and
-// fsuid, and checks that they took.
+// fsuid (or, without those, its effective ids: see fsIDs), and checks that
+// they took.
 func setFSCreds(uid, gid int, groups []int) error {
+	if !fsIDs() {
+		return setEffectiveIDs(uid, gid, groups)
+	}
 	// unix.Setgroups is the raw system call: this thread only.
 	if err := unix.Setgroups(groups); err != nil {
 		return fmt.Errorf("setgroups: %w", err)
@@ -338,6 +360,35 @@ func setFSCreds(uid, gid int, groups []int) error {
 	unix.SetfsuidRetUid(uid)
 	if cur, _ := unix.SetfsuidRetUid(-1); cur != uid {
 		return fmt.Errorf("setfsuid %d: still %d", uid, cur)
+	}
+	return nil
+}
+
+// setEffectiveIDs sets the calling thread's supplementary groups and
+// effective gid and uid, through the raw system calls (this thread only;
+// Go's syscall.Setresuid would change every thread). It becomes root
+// again first: only root may change its groups and gid. Leaving root for
+// another uid clears the thread's effective capabilities; coming back
+// restores them from its permitted set, which a saved uid of root keeps.
+func setEffectiveIDs(uid, gid int, groups []int) error {
+	const keep = ^uintptr(0) >> 32 // (uid_t)-1: leave unchanged
+	if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, keep, 0, keep); e != 0 {
+		return fmt.Errorf("setresuid to root: %w", e)
+	}
+	if err := unix.Setgroups(groups); err != nil {
+		return fmt.Errorf("setgroups: %w", err)
+	}
+	if _, _, e := unix.RawSyscall(unix.SYS_SETRESGID, keep, uintptr(gid), keep); e != 0 {
+		return fmt.Errorf("setresgid %d: %w", gid, e)
+	}
+	if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, keep, uintptr(uid), keep); e != 0 {
+		return fmt.Errorf("setresuid %d: %w", uid, e)
+	}
+	if cur := unix.Getegid(); cur != gid {
+		return fmt.Errorf("setresgid %d: still %d", gid, cur)
+	}
+	if cur := unix.Geteuid(); cur != uid {
+		return fmt.Errorf("setresuid %d: still %d", uid, cur)
 	}
 	return nil
 }

@@ -520,11 +520,15 @@ func (p *proc) onTimeout() {
 	}
 	p.timedOut = true
 	p.mu.Unlock()
-	p.signal(syscall.SIGKILL)
-	if p.cg != nil {
-		// Every process the exec started, in its process group or not.
-		p.cg.kill()
+	if p.cg == nil {
+		// No exec cgroup (gVisor has none to make): every process below
+		// the exec's, and its group.
+		killTree(p.pid)
+		return
 	}
+	p.signal(syscall.SIGKILL)
+	// Every process the exec started, in its process group or not.
+	p.cg.kill()
 }
 
 // read forwards one output stream until EOF.

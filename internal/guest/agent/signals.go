@@ -40,12 +40,17 @@ const (
 // Kept: SIGCHLD (the reaper's; ignoring it would make the kernel reap
 // children itself), SIGURG (the runtime's preemption), the runtime's
 // per-thread syscall signal, and SIGKILL and SIGSTOP, which cannot be
-// caught and which the kernel never delivers to a pid namespace's init
-// from inside it. Signals the runtime left at their default (it installs
-// no handler for 32, for example) are dropped by the kernel for an init
-// already, and stay default for children; one the agent inherited ignored
-// and the runtime left so is made default (else children would inherit it
-// ignored: seen with signal 32 under make).
+// caught and which Linux never delivers to a pid namespace's init from
+// inside it (gVisor does: see docs/substrates/container.md).
+//
+// Signals the runtime left at their default (32 and 34, whose default
+// ends a process), or inherited ignored (seen with signal 32 under make)
+// and left so, get a handler that returns at once (noopSignalHandler, in
+// assembly: the runtime's own would pass a signal it does not handle on to
+// its default, and die of it). Linux drops such a signal for an init
+// anyway; gVisor does not. A handler, unlike an ignored disposition, is
+// reset to the default by execve, so children start with these default
+// too.
 //
 // It returns the signals it ignored. Real faults in the agent (a nil
 // dereference) are forced by the kernel and still end it.
@@ -54,6 +59,15 @@ func ignoreSignals() []syscall.Signal {
 	// stops) until asked for them: have it install its handler, so that
 	// children reset them, then ignore them like the rest.
 	signal.Notify(make(chan os.Signal, 1), syscall.SIGTSTP, syscall.SIGTTIN, syscall.SIGTTOU)
+	// The no-op handler, with the flags and restorer the runtime installed
+	// for SIGUSR1 (before that is ignored below).
+	var noop kernelSigaction
+	if rtSigaction(int(syscall.SIGUSR1), nil, &noop) != nil || noop.handler <= sigIgn {
+		noop = kernelSigaction{}
+	} else {
+		noop.handler = noopSignalHandlerAddr()
+		noop.mask = ^uint64(0)
+	}
 	var ignored []syscall.Signal
 	for sig := 1; sig <= 64; sig++ {
 		switch syscall.Signal(sig) {
@@ -61,16 +75,18 @@ func ignoreSignals() []syscall.Signal {
 			continue
 		}
 		var act kernelSigaction
-		if rtSigaction(sig, nil, &act) != nil || act.handler == sigDfl {
+		if rtSigaction(sig, nil, &act) != nil {
 			continue
 		}
-		if act.handler == sigIgn {
-			// Ignored when the agent started (inherited from whoever
-			// started the node) and left so by the runtime, which then
-			// never resets it for children: make it default, which for a
-			// pid namespace's init the kernel drops from inside anyway.
-			act.handler = sigDfl
-			rtSigaction(sig, &act, nil)
+		if act.handler == sigDfl || act.handler == sigIgn {
+			// Not the runtime's: the no-op handler (or, without one, the
+			// default, which Linux drops for an init).
+			if noop.handler != 0 {
+				rtSigaction(sig, &noop, nil)
+			} else if act.handler == sigIgn {
+				act.handler = sigDfl
+				rtSigaction(sig, &act, nil)
+			}
 			continue
 		}
 		act.handler = sigIgn
@@ -80,6 +96,10 @@ func ignoreSignals() []syscall.Signal {
 	}
 	return ignored
 }
+
+// noopSignalHandlerAddr is the address of a signal handler that returns
+// at once (noop_*.s).
+func noopSignalHandlerAddr() uintptr
 
 func rtSigaction(sig int, act, old *kernelSigaction) error {
 	_, _, e := unix.RawSyscall6(unix.SYS_RT_SIGACTION, uintptr(sig), uintptr(unsafe.Pointer(act)), uintptr(unsafe.Pointer(old)), 8, 0, 0)

@@ -105,9 +105,53 @@ func TestConformance(t *testing.T) {
 		Restart: func(t *testing.T) substrate.Driver { return newDriver(t, state) },
 		Leaks:   func(t *testing.T, s *substrate.Spec) []string { return leaks(d, s) },
 		Kill: func(t *testing.T, inst substrate.Instance) {
-			syscall.Kill(inst.(*instance).st.Pid, syscall.SIGKILL)
+			syscall.Kill(inner(inst).st.Pid, syscall.SIGKILL)
 		},
 	})
+}
+
+// TestConformanceUnderGVisor runs the suite on sandboxes with runtime
+// gvisor (runsc).
+func TestConformanceUnderGVisor(t *testing.T) {
+	state := t.TempDir()
+	d := newDriver(t, state)
+	needGVisor(t, d)
+	n := 0
+	substratetest.Run(t, substratetest.Harness{
+		Driver:  d,
+		Runtime: substrate.RuntimeGVisor,
+		NewSpec: func(t *testing.T) *substrate.Spec {
+			n++
+			return &substrate.Spec{
+				ID:       fmt.Sprintf("gv%d-%d", os.Getpid(), n),
+				Dir:      t.TempDir(),
+				Image:    layers,
+				Hostname: "sandbox",
+				CPU:      1, MemoryMB: 256, Pids: 256,
+				Network: substrate.Network{Mode: "none"},
+				Runtime: substrate.RuntimeGVisor,
+			}
+		},
+		Restart: func(t *testing.T) substrate.Driver { return newDriver(t, state) },
+		Leaks:   func(t *testing.T, s *substrate.Spec) []string { return leaks(d, s) },
+		// A platform failure: runsc dies, and the sandbox with it. (A
+		// SIGKILL of the sandbox's kernel process, runsc's exit code 137,
+		// reads from the host like its workload killing the agent: see
+		// instance.readEndedBy.)
+		Kill: func(t *testing.T, inst substrate.Instance) {
+			syscall.Kill(inner(inst).st.RuntimePid, syscall.SIGKILL)
+		},
+		LimitsEndInstance: true,
+		InitKillable:      true,
+	})
+}
+
+// needGVisor skips t where runsc cannot run sandboxes.
+func needGVisor(t *testing.T, d *Driver) {
+	t.Helper()
+	if d.gvisor == nil {
+		t.Skipf("no gvisor runtime: %s", d.gvisorReason)
+	}
 }
 
 // leaks lists what a destroyed sandbox left: mounts, cgroups, runtime state,
@@ -130,6 +174,9 @@ func leaks(d *Driver, s *substrate.Spec) []string {
 	}
 	if _, err := os.Stat(filepath.Join(d.runRoot, s.ID)); err == nil {
 		out = append(out, "runtime state")
+	}
+	if d.gvisor != nil && d.gvisor.exists(s.ID) {
+		out = append(out, "runsc state")
 	}
 	if _, err := os.Stat(d.sockPath(s.ID)); err == nil {
 		out = append(out, "agent socket")
@@ -365,7 +412,7 @@ func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 		}
 		return ""
 	}
-	pid := inst.(*instance).st.Pid
+	pid := inner(inst).st.Pid
 	for _, c := range []string{"memory", "pids"} {
 		if got, want := member(fmt.Sprintf("/proc/%d/cgroup", pid), c), d.agentCgroup(spec.ID); got != want {
 			t.Errorf("the agent is in %s cgroup %q, want %q", c, got, want)
@@ -493,7 +540,7 @@ func TestSandboxRootIsAnUnprivilegedHostUserWithItsOwnDisk(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer inst.Destroy(context.Background())
-	st := inst.(*instance).st
+	st := inner(inst).st
 	run := func(script string) *guestv1.Exit {
 		t.Helper()
 		x, err := inst.Guest().Run(context.Background(), &guestv1.Exec{Argv: []string{"/bin/sh", "-c", script}, TimeoutMs: 30000})
@@ -563,7 +610,7 @@ func TestARestartedNodeRemountsTheDiskAndSnapshotsShiftOwners(t *testing.T) {
 	}
 	// A node restarted in a new mount namespace no longer has the
 	// sandbox's file system mounted.
-	st := inst.(*instance).st
+	st := inner(inst).st
 	if err := unix.Unmount(st.Disk.dir, unix.MNT_DETACH); err != nil {
 		t.Fatal(err)
 	}
@@ -573,7 +620,7 @@ func TestARestartedNodeRemountsTheDiskAndSnapshotsShiftOwners(t *testing.T) {
 		t.Fatal(err)
 	}
 	var buf bytes.Buffer
-	if err := inst2.(*instance).Snapshot(context.Background(), &buf); err != nil {
+	if err := inner(inst2).Snapshot(context.Background(), &buf); err != nil {
 		t.Fatalf("snapshot after the restart: %v", err)
 	}
 	owners := map[string][2]int{}
@@ -613,6 +660,70 @@ func TestAStateOfANewerNodeIsNotAdopted(t *testing.T) {
 	_, err := d.Attach(context.Background(), s, []byte(`{"version": 99, "pid": 1, "start_time": 1}`))
 	if err == nil || errdefs.Is(err, errdefs.KindGone) || !strings.Contains(err.Error(), "version 99") {
 		t.Fatalf("adopting a state of version 99: %v; want a refusal naming the version, not gone (the sandbox may live)", err)
+	}
+}
+
+// BenchmarkRuntimes times a sandbox's life under crun and under gVisor
+// side by side, from one driver (user namespace and disk on, the
+// defaults): each iteration runs one life per runtime in turn, so the
+// host's load weighs on both alike. A life is a create, execExecs
+// exec(true) round trips and a destroy; p50s are reported per runtime:
+//
+//	go test -run '^$' -bench Runtimes -benchtime 40x ./internal/substrate/container/
+func BenchmarkRuntimes(b *testing.B) {
+	if setupErr != "" {
+		b.Skip(setupErr)
+	}
+	const execExecs = 20
+	d, err := New(Config{GuestBinary: guestBin, StateDir: b.TempDir()}, slog.New(slog.DiscardHandler))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer d.Close()
+	if d.gvisor == nil {
+		b.Skipf("no gvisor runtime: %s", d.gvisorReason)
+	}
+	runtimes := []struct {
+		name, runtime string
+		steps         [3][]time.Duration // create, exec, destroy
+	}{{name: "crun"}, {name: "gvisor", runtime: substrate.RuntimeGVisor}}
+	ctx := context.Background()
+	for i := 0; b.Loop(); i++ {
+		for r := range runtimes {
+			rt := &runtimes[r]
+			spec := &substrate.Spec{
+				ID: fmt.Sprintf("rt%d-%d-%d", os.Getpid(), r, i), Dir: b.TempDir(), Image: layers, Hostname: "sandbox",
+				CPU: 1, MemoryMB: 256, Pids: 256, Network: substrate.Network{Mode: "none"}, Runtime: rt.runtime,
+			}
+			t0 := time.Now()
+			inst, err := d.Create(ctx, spec)
+			if err != nil {
+				b.Fatal(err)
+			}
+			rt.steps[0] = append(rt.steps[0], time.Since(t0))
+			for range execExecs {
+				t1 := time.Now()
+				if _, err := inst.Guest().Run(ctx, &guestv1.Exec{Argv: []string{"true"}}); err != nil {
+					b.Fatal(err)
+				}
+				rt.steps[1] = append(rt.steps[1], time.Since(t1))
+			}
+			t2 := time.Now()
+			if err := inst.Destroy(ctx); err != nil {
+				b.Fatal(err)
+			}
+			rt.steps[2] = append(rt.steps[2], time.Since(t2))
+		}
+	}
+	p50 := func(d []time.Duration) float64 {
+		d = append([]time.Duration(nil), d...)
+		sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
+		return float64(d[len(d)/2].Microseconds())
+	}
+	for _, rt := range runtimes {
+		b.ReportMetric(p50(rt.steps[0]), rt.name+"-create-p50-µs")
+		b.ReportMetric(p50(rt.steps[1]), rt.name+"-exec-p50-µs")
+		b.ReportMetric(p50(rt.steps[2]), rt.name+"-destroy-p50-µs")
 	}
 }
 

@@ -70,17 +70,24 @@ type Config struct {
 	// with a warning, where it cannot make file systems: no loop devices
 	// or no mkfs.ext4).
 	NoDiskLimits bool
+	// GVisor is the runsc binary sandboxes with runtime "gvisor" run
+	// under (default: runsc on PATH, offered if it starts a sandbox here);
+	// "off" offers no gVisor. GVisorPlatform is its platform: ptrace
+	// (default: runs anywhere) or kvm (needs a usable /dev/kvm).
+	GVisor, GVisorPlatform string
 }
 
 // Driver is the container driver.
 type Driver struct {
-	log     *slog.Logger
-	cfg     Config
-	runtime string // absolute path
-	rtName  string // "crun" or "runc"
-	rtVer   string
-	runRoot string // --root for the runtime
-	sockDir string
+	log *slog.Logger
+	cfg Config
+	// oci is the default runtime (crun or runc); gvisor is runsc, nil where
+	// it cannot run (gvisorReason says why).
+	oci          *ociRuntime
+	gvisor       *ociRuntime
+	gvisorReason string
+	runRoot      string // the default runtime's state directory
+	sockDir      string
 	// files holds what is bind-mounted into sandboxes (the agent binary,
 	// each sandbox's /etc files): a tmpfs of its own, so a sandbox's
 	// /proc/self/mountinfo names no host path.
@@ -133,6 +140,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 	}
 	d := &Driver{log: log, cfg: cfg, guestBin: cfg.GuestBinary, cgroups: probeCgroups()}
 	d.runRoot = filepath.Join(cfg.RunDir, "runtime")
+	d.oci = &ociRuntime{root: d.runRoot}
 	d.sockDir = filepath.Join(cfg.RunDir, "sock")
 	d.files = filepath.Join(cfg.RunDir, "files")
 	d.skel = filepath.Join(cfg.StateDir, "skel")
@@ -148,16 +156,21 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 		log.Warn("container substrate unavailable", slog.String("reason", reason))
 		return d, nil
 	}
-	sc, err := newSeccompCache(cfg.StateDir, d.rtName+" "+d.rtVer, defaultSeccomp)
+	sc, err := newSeccompCache(cfg.StateDir, d.oci.name+" "+d.oci.version, defaultSeccomp)
 	if err != nil {
 		return nil, fmt.Errorf("seccomp profile: %w", err)
 	}
 	d.seccomp = sc
-	if d.seccompMounts, err = newSeccompCache(cfg.StateDir, d.rtName+" "+d.rtVer, mountsSeccomp); err != nil {
+	if d.seccompMounts, err = newSeccompCache(cfg.StateDir, d.oci.name+" "+d.oci.version, mountsSeccomp); err != nil {
 		return nil, fmt.Errorf("seccomp profile: %w", err)
 	}
 	d.caps.Available = true
-	d.caps.Details["runtime"] = d.rtName + " " + d.rtVer
+	d.caps.Details["runtime"] = d.oci.name + " " + d.oci.version
+	d.gvisor, d.gvisorReason = d.probeGVisor()
+	if d.gvisor == nil {
+		log.Info("no gvisor runtime", slog.String("reason", d.gvisorReason))
+	}
+	d.caps.Runtimes = []substrate.Runtime{d.gvisorCaps(d.gvisor, d.gvisorReason)}
 	if d.cfg.HostRoot {
 		d.caps.Details["user_namespace"] = "off (host_root: root inside is the host's root)"
 	} else {
@@ -168,7 +181,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 	} else if d.caps.Details["disk_limit"] == "" {
 		d.caps.Details["disk_limit"] = "off"
 	}
-	log.Info("container substrate ready", slog.String("runtime", d.rtName+" "+d.rtVer), slog.String("cgroup", d.cgroups.mode.String()))
+	log.Info("container substrate ready", slog.String("runtime", d.oci.name+" "+d.oci.version), slog.String("cgroup", d.cgroups.mode.String()))
 	return d, nil
 }
 
@@ -223,16 +236,16 @@ func (d *Driver) probe() string {
 			skipped = append(skipped, c+" does not run")
 			continue
 		}
-		d.runtime, d.rtName = p, "runc"
+		d.oci.path, d.oci.name = p, "runc"
 		if strings.Contains(name, "crun") {
-			d.rtName = "crun"
+			d.oci.name = "crun"
 		}
 		if f := strings.Fields(string(out)); len(f) >= 3 {
-			d.rtVer = f[2]
+			d.oci.version = f[2]
 		}
 		break
 	}
-	if d.runtime == "" {
+	if d.oci.path == "" {
 		return "no usable OCI runtime: " + strings.Join(skipped, "; ") + " (apt-get install crun)"
 	}
 	for _, dir := range []string{d.runRoot, d.sockDir} {
@@ -361,21 +374,19 @@ func (d *Driver) cgroupPath(id string) string { return filepath.Join(d.cfg.Cgrou
 
 func (d *Driver) sockPath(id string) string { return filepath.Join(d.sockDir, id) }
 
-// runtimeCmd runs the OCI runtime with its state root.
-func (d *Driver) runtimeCmd(ctx context.Context, args ...string) *exec.Cmd {
-	return exec.CommandContext(ctx, d.runtime, append([]string{"--root", d.runRoot}, args...)...)
-}
-
-// runRuntime runs the runtime and turns a failure into an error carrying
-// its stderr.
-func (d *Driver) runRuntime(ctx context.Context, args ...string) error {
-	cmd := d.runtimeCmd(ctx, args...)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	if err := cmd.Run(); err != nil {
-		return fmt.Errorf("%s %s: %w: %s", d.rtName, args[0], err, strings.TrimSpace(stderr.String()))
+// runtimeOf returns the runtime a sandbox runs under (name: its
+// Spec.Runtime), or an error for one this node cannot run.
+func (d *Driver) runtimeOf(name string) (*ociRuntime, error) {
+	switch name {
+	case "":
+		return d.oci, nil
+	case substrate.RuntimeGVisor:
+		if d.gvisor == nil {
+			return nil, errdefs.Unavailable("the gvisor runtime is unavailable on this node: %s", d.gvisorReason)
+		}
+		return d.gvisor, nil
 	}
-	return nil
+	return nil, errdefs.Invalid("unknown runtime %q (use gvisor, or none for the default)", name)
 }
 
 // state is what an instance persists.
@@ -401,6 +412,10 @@ type state struct {
 	Disk *sandboxDisk `json:"disk,omitempty"`
 	// Sys is the node's mount of the sandbox's /sys ("": the runtime's).
 	Sys string `json:"sys,omitempty"`
+	// Runtime is the sandbox's Spec.Runtime ("": the default), and Jail
+	// a gVisor sandbox's jail (jailOf).
+	Runtime string `json:"runtime,omitempty"`
+	Jail    string `json:"jail,omitempty"`
 }
 
 // stateVersion is the version of state this driver writes. A node
@@ -473,6 +488,14 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if !d.caps.Available {
 		return nil, errdefs.Unavailable("containers cannot run on this node: %s", d.caps.Reason)
 	}
+	rt, err := d.runtimeOf(s.Runtime)
+	if err != nil {
+		return nil, err
+	}
+	gvisor := rt.gvisor()
+	if gvisor && s.Network.NetNS != "" {
+		return nil, errdefs.Unimplemented("sandboxes of runtime gvisor have no egress networking on this node (see its capabilities)")
+	}
 	var undo undo.Stack
 	defer undo.RunUnless(&err)
 	defer d.refill() // after the create: the pools' work would compete with it
@@ -480,7 +503,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if err != nil {
 		return nil, err
 	}
-	st := state{Version: stateVersion, Cgroup: d.cgroupPath(s.ID), Rootfs: filepath.Join(s.Dir, "rootfs")}
+	st := state{Version: stateVersion, Cgroup: d.cgroupPath(s.ID), Rootfs: filepath.Join(s.Dir, "rootfs"), Runtime: s.Runtime}
 	if err := os.MkdirAll(st.Rootfs, 0o755); err != nil {
 		return nil, errdefs.Internal(err, "prepare sandbox directory")
 	}
@@ -548,12 +571,25 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		sys := st.Sys
 		undo.Push(func() { unmount(sys) })
 	}
-	agentFiles, undoAgent, err := d.prepareAgent(s.ID, s.Dir, st.HostID)
-	if err != nil {
-		return nil, errdefs.Internal(err, "prepare the agent's cgroups")
+	agentFiles := &agentFiles{}
+	if gvisor {
+		// No descriptors pass into gVisor: the agent binds its socket in
+		// a directory of the sandbox's jail (see gvisor.go).
+		jail, undoJail, err := d.prepareGVisor(s, st.Rootfs, st.HostID)
+		if err != nil {
+			return nil, errdefs.Internal(err, "prepare the sandbox's jail")
+		}
+		undo.Push(undoJail)
+		st.Jail = jail
+	} else {
+		files, undoAgent, err := d.prepareAgent(s.ID, s.Dir, st.HostID)
+		if err != nil {
+			return nil, errdefs.Internal(err, "prepare the agent's cgroups")
+		}
+		undo.Push(undoAgent)
+		agentFiles = files
 	}
-	undo.Push(undoAgent)
-	spec, err := d.ociSpec(s, st, ns)
+	spec, err := d.ociSpec(s, st, ns, gvisor)
 	if err != nil {
 		return nil, errdefs.Internal(err, "build runtime spec")
 	}
@@ -566,36 +602,52 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		return nil, errdefs.Internal(err, "write runtime spec")
 	}
 	sock := d.sockPath(s.ID)
-	lf, err := listenSocket(sock)
-	if err != nil {
-		return nil, errdefs.Internal(err, "create agent socket")
-	}
-	undo.Push(func() { os.Remove(sock) })
 	pidFile := filepath.Join(s.Dir, "pid")
-	// The runtime outlives this call (and the node): no ctx on the command.
-	cmd := exec.Command(d.runtime, "--root", d.runRoot, "run", "--pid-file", pidFile, "--bundle", s.Dir, "--preserve-fds", strconv.Itoa(1+len(agentFiles.files)), s.ID)
-	cmd.ExtraFiles = append([]*os.File{lf}, agentFiles.files...)
+	var cmd *exec.Cmd
+	var lf *os.File
+	if gvisor {
+		// gVisor's own network stack, loopback only (see gvisorCaps).
+		cmd = rt.command(nil, "--network=none", "run", "--pid-file", pidFile, "--bundle", s.Dir, s.ID)
+		undo.Push(func() { os.Remove(sock) })
+	} else {
+		if lf, err = listenSocket(sock); err != nil {
+			return nil, errdefs.Internal(err, "create agent socket")
+		}
+		undo.Push(func() { os.Remove(sock) })
+		// The runtime outlives this call (and the node): no ctx on the command.
+		cmd = rt.command(nil, "run", "--pid-file", pidFile, "--bundle", s.Dir, "--preserve-fds", strconv.Itoa(1+len(agentFiles.files)), s.ID)
+		cmd.ExtraFiles = append([]*os.File{lf}, agentFiles.files...)
+	}
 	// The container inherits the runtime's stdio: a file on the host,
 	// outside the sandbox's view.
 	logPath := filepath.Join(s.Dir, "init.log")
 	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
-		lf.Close()
+		if lf != nil {
+			lf.Close()
+		}
 		return nil, errdefs.Internal(err, "create sandbox log")
 	}
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // not killed by the node's terminal signals
 	startErr := cmd.Start()
 	logFile.Close()
-	lf.Close() // the agent holds the only copy now
+	if lf != nil {
+		lf.Close() // the agent holds the only copy now
+	}
 	agentFiles.close()
 	if startErr != nil {
 		return nil, errdefs.Internal(startErr, "start the OCI runtime")
 	}
 	runtimeDone := make(chan struct{})
-	go func() { cmd.Wait(); close(runtimeDone) }()
+	var runtimeExit int
+	go func() {
+		cmd.Wait()
+		runtimeExit = cmd.ProcessState.ExitCode()
+		close(runtimeDone)
+	}()
 	undo.Push(func() {
-		d.forceDelete(s.ID)
+		rt.forceDelete(s.ID)
 		<-runtimeDone
 	})
 	failed := func(what string, cause error) error {
@@ -604,6 +656,19 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	}
 	hctx, cancel := context.WithTimeout(ctx, d.cfg.StartTimeout)
 	defer cancel()
+	if gvisor {
+		if err := gvisorChannel(hctx, st.Jail, sock, runtimeDone); err != nil {
+			select {
+			case <-runtimeDone:
+				return nil, failed("start container", err)
+			default:
+			}
+			if hctx.Err() == nil {
+				return nil, errdefs.Internal(err, "open the sandbox's agent channel")
+			}
+			return nil, errdefs.Unavailable("sandbox agent did not answer within %s", d.cfg.StartTimeout).WithCause(err)
+		}
+	}
 	helloErr := make(chan error, 1)
 	client := guest.NewClient(guest.UnixDialer(sock))
 	go func() { _, err := client.Hello(hctx); helloErr <- err }()
@@ -632,26 +697,35 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		return nil, errdefs.Internal(err, "read container pid")
 	}
 	st.Pid, st.StartTime = pid, proc.StartTime(pid)
-	if ns != nil && d.sysResource {
+	if ns != nil && d.sysResource && !gvisor {
 		// Shield the agent (see ociSpec): lowering a score takes
 		// CAP_SYS_RESOURCE over the host, which the runtime in the
-		// sandbox's user namespace lacks; the node has it.
+		// sandbox's user namespace lacks; the node has it. (Under gVisor
+		// the pid is the sandbox's kernel, agent and workload at once.)
 		os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", []byte("-998"), 0)
 	}
 	st.RuntimePid, st.RuntimeStartTime = cmd.Process.Pid, proc.StartTime(cmd.Process.Pid)
 	st.Socket = sock
-	if sc := d.seccompFor(s); d.rtName == "crun" && sc.bpf() == "" {
+	if sc := d.seccompFor(s); rt.name == "crun" && sc.bpf() == "" {
 		sc.learn(filepath.Join(d.runRoot, s.ID))
 	}
 	inst := d.newInstance(s.ID, st)
-	inst.runtimeDone = runtimeDone
+	inst.runtimeDone, inst.runtimeExit = runtimeDone, &runtimeExit
 	inst.ownsRange = ns != nil
 	inst.watch()
-	return inst, nil
+	return inst.outer(), nil
 }
 
 // Attach implements substrate.Driver.
 func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (substrate.Instance, error) {
+	inst, err := d.attach(ctx, s, raw)
+	if inst == nil {
+		return nil, err
+	}
+	return inst.outer(), err
+}
+
+func (d *Driver) attach(ctx context.Context, s *substrate.Spec, raw []byte) (*instance, error) {
 	var st state
 	if err := json.Unmarshal(raw, &st); err != nil {
 		return nil, errdefs.Internal(err, "decode container state")
@@ -676,7 +750,10 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 			d.log.Warn("a re-adopted sandbox's file system cannot be mounted again (snapshots of it will fail)", slog.String("sandbox_id", s.ID), slog.Any("error", err))
 		}
 	}
-	if d.cgroups.frozen(st.Cgroup) {
+	if inst.rt == nil {
+		return inst, errdefs.Gone("sandbox %s runs under runtime %q, which this node no longer has", s.ID, st.Runtime)
+	}
+	if inst.rt.gvisor() && inst.rt.paused(s.ID) || !inst.rt.gvisor() && d.cgroups.frozen(st.Cgroup) {
 		// Paused before the restart: its agent cannot answer until resumed.
 		inst.paused = true
 		inst.watch()
@@ -689,39 +766,30 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 	return inst, nil
 }
 
-// forceDelete kills and deletes a container; missing containers are fine.
-func (d *Driver) forceDelete(id string) error {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	err := d.runRuntime(ctx, "delete", "--force", id)
-	if err != nil && (strings.Contains(err.Error(), "does not exist") || strings.Contains(err.Error(), "not found") || strings.Contains(err.Error(), "No such file")) {
-		return nil
-	}
-	return err
-}
-
 // Sweep deletes runtime containers in this driver's state root that keep
 // is false for: leftovers of sandboxes the node no longer knows.
 func (d *Driver) Sweep(keep func(id string) bool) int {
 	if !d.caps.Available {
 		return 0
 	}
-	ents, err := os.ReadDir(d.runRoot)
-	if err != nil {
-		return 0
-	}
 	n := 0
-	for _, e := range ents {
-		if !e.IsDir() || keep(e.Name()) {
+	for _, r := range []*ociRuntime{d.oci, d.gvisor} {
+		if r == nil {
 			continue
 		}
-		if err := d.forceDelete(e.Name()); err != nil {
-			d.log.Warn("sweep leftover container", slog.String("sandbox_id", e.Name()), slog.Any("error", err))
-			continue
+		for _, id := range r.containers() {
+			if keep(id) {
+				continue
+			}
+			if err := r.forceDelete(id); err != nil {
+				d.log.Warn("sweep leftover container", slog.String("sandbox_id", id), slog.Any("error", err))
+				continue
+			}
+			os.Remove(d.sockPath(id))
+			n++
 		}
-		os.Remove(d.sockPath(e.Name()))
-		n++
 	}
+	d.sweepJails(keep)
 	d.sweepAgentCgroups(keep)
 	if d.disk != nil {
 		d.disk.sweep()

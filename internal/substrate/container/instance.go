@@ -3,13 +3,18 @@ package container
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
@@ -21,12 +26,18 @@ type instance struct {
 	d      *Driver
 	id     string
 	st     state
+	rt     *ociRuntime // nil: its runtime is no longer on this node
 	client *guest.Client
 	done   chan struct{}
+	// endedBy is how its workload ended a gVisor sandbox (EndedByTask),
+	// found before done is closed.
+	endedBy string
 
 	// runtimeDone is closed when the runtime process exits, if this node
-	// started it; adopted instances wait for it with a pidfd.
+	// started it; adopted instances wait for it with a pidfd. runtimeExit
+	// is then its exit code.
 	runtimeDone chan struct{}
+	runtimeExit *int
 
 	watchOnce sync.Once
 	mu        sync.Mutex
@@ -39,9 +50,83 @@ type instance struct {
 var (
 	_ substrate.Instance    = (*instance)(nil)
 	_ substrate.Diagnoser   = (*instance)(nil)
+	_ substrate.TaskEnder   = gvisorInstance{}
 	_ substrate.Pauser      = (*instance)(nil)
 	_ substrate.Snapshotter = (*instance)(nil)
 )
+
+// gvisorInstance is a sandbox under gVisor: an instance its workload can
+// end (substrate.TaskEnder), which one under crun is not.
+type gvisorInstance struct{ *instance }
+
+// outer is i as the driver hands it out.
+func (i *instance) outer() substrate.Instance {
+	if i.st.Runtime == substrate.RuntimeGVisor {
+		return gvisorInstance{i}
+	}
+	return i
+}
+
+// inner is the instance behind inst, as the driver handed it out.
+func inner(inst substrate.Instance) *instance {
+	if g, ok := inst.(gvisorInstance); ok {
+		return g.instance
+	}
+	return inst.(*instance)
+}
+
+// EndedByTask implements substrate.TaskEnder: how its workload ended the
+// sandbox.
+func (i gvisorInstance) EndedByTask() string {
+	select {
+	case <-i.done:
+		return i.endedBy
+	default:
+		return ""
+	}
+}
+
+// readEndedBy finds how its workload ended a gVisor sandbox, once its
+// init is gone: by a limit, from the sandbox's cgroups (which the node
+// made, so runsc leaves them), an OOM kill in them or a fork the pids limit
+// refused; else by killing the agent, from runsc's exit code (128 plus the
+// signal that ended the container's init), which only a process inside
+// the sandbox can send it (the node stops a sandbox by killing runsc's
+// sandbox process, and destroys it before that). Known only to the node
+// that started runsc (runtimeExit).
+func (i *instance) readEndedBy() {
+	if i.rt == nil || !i.rt.gvisor() {
+		return
+	}
+	c := i.d.cgroups
+	switch {
+	case c.oomKills(i.st.Cgroup) > 0:
+		i.endedBy = "reached its memory limit"
+		return
+	case c.pidsLimitHits(i.st.Cgroup) > 0:
+		i.endedBy = "reached its pids limit"
+		return
+	}
+	if i.runtimeDone == nil {
+		return
+	}
+	select {
+	case <-i.runtimeDone:
+	case <-time.After(5 * time.Second):
+		return
+	}
+	i.mu.Lock()
+	destroyed := i.destroyed
+	i.mu.Unlock()
+	if code := i.runtimeExit; code != nil && *code > 128 && *code <= 128+64 && !destroyed {
+		sig := syscall.Signal(*code - 128)
+		name := strings.TrimPrefix(unix.SignalName(sig), "SIG")
+		if name == "" {
+			name = strconv.Itoa(int(sig)) // a real-time signal
+		}
+		i.endedBy = fmt.Sprintf("killed the sandbox's agent (signal %s)", name)
+	}
+}
 
 // LastWords implements substrate.Diagnoser: the last line the agent (or the
 // runtime, for a container that never started) wrote to the init log.
@@ -77,7 +162,17 @@ func readTail(path string, n int64) ([]byte, error) {
 }
 
 func (d *Driver) newInstance(id string, st state) *instance {
-	return &instance{d: d, id: id, st: st, client: guest.NewClient(guest.UnixDialer(st.Socket)), done: make(chan struct{})}
+	rt, _ := d.runtimeOf(st.Runtime)
+	return &instance{d: d, id: id, st: st, rt: rt, client: guest.NewClient(guest.UnixDialer(st.Socket)), done: make(chan struct{})}
+}
+
+// runtime is the instance's runtime, or an error if this node has none
+// of its kind now (runsc removed while the sandbox ran).
+func (i *instance) runtime() (*ociRuntime, error) {
+	if i.rt == nil {
+		return nil, errdefs.Unavailable("sandbox %s runs under runtime %q, which this node no longer has", i.id, i.st.Runtime)
+	}
+	return i.rt, nil
 }
 
 func (i *instance) Guest() substrate.Guest { return i.client }
@@ -95,7 +190,21 @@ func (i *instance) alive() bool { return i.st.init().Alive() }
 
 // watch closes done when the init exits.
 func (i *instance) watch() {
-	i.watchOnce.Do(func() { i.st.init().NotifyExit(i.done) })
+	i.watchOnce.Do(func() {
+		if i.rt == nil || !i.rt.gvisor() {
+			i.st.init().NotifyExit(i.done)
+			return
+		}
+		// Under gVisor, which limit ended the sandbox is read from its
+		// cgroups before done says it ended.
+		exited := make(chan struct{})
+		i.st.init().NotifyExit(exited)
+		go func() {
+			<-exited
+			i.readEndedBy()
+			close(i.done)
+		}()
+	})
 }
 
 func (i *instance) Check(ctx context.Context) error {
@@ -110,6 +219,10 @@ func (i *instance) Check(ctx context.Context) error {
 	return nil
 }
 
+// Stats implements substrate.Instance. Under gVisor, Pids counts the
+// sandbox's tasks on the host (its kernel's, gvisorTasksPerProcess or so
+// per process inside), and no limit hit is counted: reaching one ends the
+// sandbox (EndedByLimit).
 func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
 	c := i.d.cgroups
 	st := substrate.Stats{
@@ -118,6 +231,9 @@ func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
 		Pids:          c.pids(i.st.Cgroup),
 		OOMKills:      c.oomKills(i.st.Cgroup),
 		PidsLimitHits: c.pidsLimitHits(i.st.Cgroup),
+	}
+	if i.rt != nil && i.rt.gvisor() {
+		st.OOMKills, st.PidsLimitHits = 0, 0
 	}
 	if i.st.Disk != nil {
 		st.DiskLimitBytes = i.st.Disk.SizeMB << 20
@@ -132,7 +248,11 @@ func (i *instance) Pause(ctx context.Context) error {
 	if i.paused {
 		return nil
 	}
-	if err := i.d.runRuntime(ctx, "pause", i.id); err != nil {
+	rt, err := i.runtime()
+	if err != nil {
+		return err
+	}
+	if err := rt.run(ctx, "pause", i.id); err != nil {
 		if i.Check(ctx) != nil {
 			return errdefs.Gone("sandbox %s has stopped", i.id)
 		}
@@ -149,7 +269,11 @@ func (i *instance) Resume(ctx context.Context) error {
 	if !i.paused {
 		return nil
 	}
-	if err := i.d.runRuntime(ctx, "resume", i.id); err != nil {
+	rt, err := i.runtime()
+	if err != nil {
+		return err
+	}
+	if err := rt.run(ctx, "resume", i.id); err != nil {
 		if i.Check(ctx) != nil {
 			return errdefs.Gone("sandbox %s has stopped", i.id)
 		}
@@ -163,6 +287,16 @@ func (i *instance) Snapshot(ctx context.Context, w io.Writer) error {
 	i.mu.Lock()
 	wasPaused := i.paused
 	i.mu.Unlock()
+	if !wasPaused && i.rt != nil && i.rt.gvisor() {
+		// gVisor's kernel keeps written file data in its own page cache
+		// (its root file system is exclusive to it): write it back first.
+		if err := i.client.Sync(ctx); err != nil {
+			if i.Check(ctx) != nil {
+				return errdefs.Gone("sandbox %s has stopped", i.id)
+			}
+			return errdefs.Internal(err, "sync the sandbox's files")
+		}
+	}
 	if !wasPaused {
 		if err := i.Pause(ctx); err != nil {
 			return err
@@ -185,9 +319,9 @@ func (i *instance) Destroy(ctx context.Context) error {
 	if i.destroyed {
 		return nil
 	}
-	if i.paused {
+	if i.paused && i.rt != nil {
 		// Frozen processes cannot receive the kill.
-		i.d.runRuntime(ctx, "resume", i.id)
+		i.rt.run(ctx, "resume", i.id)
 		i.paused = false
 	}
 	// Killing the init ends the container's pid namespace, so every
@@ -197,14 +331,18 @@ func (i *instance) Destroy(ctx context.Context) error {
 		i.d.log.Warn("runtime did not finish after the sandbox's init died", slog.String("sandbox_id", i.id))
 	}
 	// Whatever the runtime could not clean (it was killed, or never ran).
-	if _, err := os.Stat(i.d.runRoot + "/" + i.id); err == nil {
-		if err := i.d.forceDelete(i.id); err != nil {
+	if i.rt != nil && i.rt.exists(i.id) {
+		if err := i.rt.forceDelete(i.id); err != nil {
 			return errdefs.Internal(err, "delete container")
 		}
 	}
 	i.d.removeSandboxCgroups(i.id)
 	if err := i.d.removeAgentCgroups(i.id); err != nil {
 		i.d.log.Warn("remove the agent's cgroups", slog.String("sandbox_id", i.id), slog.Any("error", err))
+	}
+	if i.st.Jail != "" {
+		unmount(filepath.Join(i.st.Jail, "rootfs"))
+		os.RemoveAll(i.st.Jail)
 	}
 	if err := unmount(i.st.Rootfs); err != nil {
 		return errdefs.Internal(err, "unmount sandbox root filesystem")

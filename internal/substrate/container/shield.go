@@ -161,9 +161,14 @@ func (d *Driver) removeAgentCgroups(id string) error {
 // removeSandboxCgroups removes what is left of a sandbox's own cgroups
 // once its runtime is done: the runtime removes them, but gives up when an
 // exec's cgroup below is still emptying (a fork bomb's thousands of
-// processes take a moment to die). It retries for a few seconds.
+// processes take a moment to die), and leaves those the node made (the
+// memory and pids cgroups, for shielded agents and for gVisor). It retries
+// for a few seconds.
 func (d *Driver) removeSandboxCgroups(id string) {
-	if !d.shieldable() {
+	if d.cgroups.mode == cgroupV2 {
+		// Left by runsc (made by the node for gVisor sandboxes); crun
+		// removes its own.
+		removeTree(d.cgroups.dir(d.cgroupPath(id), ""))
 		return
 	}
 	ents, err := os.ReadDir(d.cgroups.root)

@@ -67,8 +67,8 @@ var readonlyPaths = []string{
 }
 
 // ociSpec builds the runtime spec for a sandbox whose init is the agent,
-// in user namespace ns (nil: none).
-func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS) (*specs.Spec, error) {
+// in user namespace ns (nil: none), for crun or runc, or runsc (gvisor).
+func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS, gvisor bool) (*specs.Spec, error) {
 	rootfs := st.Rootfs
 	caps := append([]string(nil), sandboxCaps...)
 	bounding := append([]string(nil), boundingCaps...)
@@ -82,7 +82,7 @@ func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS) (*specs.Spec, 
 		env = append([]string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, env...)
 	}
 	var oomAdj *int
-	if d.sysResource && ns == nil { // in a user namespace the node sets it after the start
+	if d.sysResource && ns == nil && !gvisor { // in a user namespace the node sets it after the start
 		// Shield the agent: a memory bomb kills the bomb, not the sandbox.
 		v := -998
 		oomAdj = &v
@@ -95,7 +95,7 @@ func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS) (*specs.Spec, 
 		// search the node's directories.
 		Root: &specs.Root{Path: filepath.Base(rootfs), Readonly: s.ReadOnlyRootfs},
 		Process: &specs.Process{
-			Args: guestArgs(s),
+			Args: guestArgs(s, gvisor),
 			Env:  env,
 			Cwd:  "/",
 			User: specs.User{UID: 0, GID: 0},
@@ -126,14 +126,37 @@ func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS) (*specs.Spec, 
 				{Type: specs.PIDNamespace}, {Type: specs.IPCNamespace}, {Type: specs.UTSNamespace},
 				{Type: specs.MountNamespace}, {Type: specs.NetworkNamespace, Path: s.Network.NetNS},
 			},
-			Resources: d.resources(s),
+			Resources: d.resources(s, gvisor),
 		},
 	}
-	if s.Network.NetNS == "" {
+	if s.Network.NetNS == "" && !gvisor {
+		// (gVisor's own stack opens ICMP datagram sockets to every group.)
 		spec.Linux.Sysctl = sandboxSysctls(ns != nil)
 	}
-	if ns != nil {
+	switch {
+	case ns != nil && gvisor:
+		// runsc cannot join a namespace by path: it makes one with the
+		// sandbox's range, the same mapping as the node's (which id-maps
+		// the layers).
+		spec.Linux.Namespaces = append(spec.Linux.Namespaces, specs.LinuxNamespace{Type: specs.UserNamespace})
+		m := []specs.LinuxIDMapping{{ContainerID: 0, HostID: ns.host, Size: idRangeSize}}
+		spec.Linux.UIDMappings, spec.Linux.GIDMappings = m, m
+	case ns != nil:
 		spec.Linux.Namespaces = append(spec.Linux.Namespaces, specs.LinuxNamespace{Type: specs.UserNamespace, Path: ns.path()})
+	}
+	if gvisor {
+		// The gofer opens the root file system in the jail, where it may.
+		spec.Root.Path = filepath.Join(st.Jail, "rootfs")
+		// The agent binds its socket here; the node takes it out (gvisor.go).
+		spec.Mounts = append(spec.Mounts, specs.Mount{Destination: chanDir, Type: "bind", Source: filepath.Join(st.Jail, "chan"), Options: []string{"bind", "rw", "nosuid", "nodev", "noexec"}})
+		// runsc mounts a tmpfs of its kernel's memory over an empty /tmp
+		// unless the spec mounts one: /tmp stays on the sandbox's disk,
+		// as under crun (counted against disk_mb, in snapshots). Only a
+		// directory is bound: a symbolic link there (an image's, or a
+		// snapshot's) would be followed on the host.
+		if tmp := filepath.Join(st.Jail, "rootfs", "tmp"); isDir(tmp) && !hasMount(s.Tmpfs, "/tmp") {
+			spec.Mounts = append(spec.Mounts, specs.Mount{Destination: "/tmp", Type: "bind", Source: tmp, Options: []string{"bind", "rw", "nosuid", "nodev"}})
+		}
 	}
 	if st.Sys != "" {
 		for j, m := range spec.Mounts {
@@ -149,11 +172,11 @@ func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS) (*specs.Spec, 
 		}
 		spec.Mounts = append(spec.Mounts, specs.Mount{Destination: t.Path, Type: "tmpfs", Source: "tmpfs", Options: opts})
 	}
-	if d.cgroups.mode == cgroupV2 {
+	if d.cgroups.mode == cgroupV2 && !gvisor {
 		spec.Linux.Namespaces = append(spec.Linux.Namespaces, specs.LinuxNamespace{Type: specs.CgroupNamespace})
 	}
 	sc := d.seccompFor(s)
-	if bpf := sc.bpf(); bpf != "" {
+	if bpf := sc.bpf(); bpf != "" && !gvisor {
 		// crun loads this precompiled filter instead of compiling the
 		// profile, which costs ~25 ms of CPU per sandbox.
 		spec.Annotations = map[string]string{"run.oci.seccomp_bpf_data": bpf}
@@ -199,7 +222,10 @@ func mountsSeccomp() (*specs.LinuxSeccomp, error) {
 	return p, nil
 }
 
-func (d *Driver) resources(s *substrate.Spec) *specs.LinuxResources {
+// resources are a sandbox's cgroup limits. Under gVisor the pids limit
+// counts the host tasks of the sandbox's kernel: gvisorTasksPerProcess per
+// process inside.
+func (d *Driver) resources(s *substrate.Spec, gvisor bool) *specs.LinuxResources {
 	r := &specs.LinuxResources{
 		Devices: []specs.LinuxDeviceCgroup{{Allow: false, Access: "rwm"}},
 	}
@@ -229,6 +255,9 @@ func (d *Driver) resources(s *substrate.Spec) *specs.LinuxResources {
 	}
 	if s.Pids > 0 {
 		r.Pids = &specs.LinuxPids{Limit: s.Pids}
+		if gvisor {
+			r.Pids.Limit = s.Pids*gvisorTasksPerProcess + gvisorBaseTasks
+		}
 	}
 	return r
 }
@@ -271,10 +300,33 @@ func hasVar(env []string, name string) bool {
 	return false
 }
 
-func guestArgs(s *substrate.Spec) []string {
+// guestArgs is the agent's command line: it serves on its inherited
+// socket, or under gVisor on one it binds in the channel directory, and
+// there gives up its stdio once listening (gVisor's /proc lets any process
+// of the sandbox open /proc/1/fd/1, which would be the node's log file).
+func guestArgs(s *substrate.Spec, gvisor bool) []string {
 	args := []string{guestPath, "-listen-fd", "3"}
+	if gvisor {
+		args = []string{guestPath, "-listen", chanDir + "/sock", "-null-stdio"}
+	}
 	if !s.Deadline.IsZero() {
 		args = append(args, "-deadline", strconv.FormatInt(s.Deadline.Unix(), 10))
 	}
 	return args
+}
+
+// isDir reports whether p is a directory, not following a final symbolic
+// link.
+func isDir(p string) bool {
+	st, err := os.Lstat(p)
+	return err == nil && st.IsDir()
+}
+
+func hasMount(t []substrate.Tmpfs, path string) bool {
+	for _, m := range t {
+		if filepath.Clean(m.Path) == path {
+			return true
+		}
+	}
+	return false
 }

@@ -53,6 +53,10 @@ type Fake struct {
 	// create (for tests of a caller's cleanup), and blocking holds it (for
 	// tests of admission). Set it before the first Create.
 	BeforeCreate func(ctx context.Context, spec *substrate.Spec) error
+	// Runtimes are other runtimes the fake reports in its capabilities,
+	// for tests of their selection (Spec.Runtime): an instance of an
+	// available one runs as the default does. Set them before use.
+	Runtimes []substrate.Runtime
 }
 
 var _ substrate.Driver = (*Fake)(nil)
@@ -68,6 +72,7 @@ func (f *Fake) Capabilities() substrate.Capabilities {
 		Caps:    []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapSnapshot, substrate.CapFork},
 		Details: map[string]string{"runtime": "substratetest fake: the agent in unprivileged namespaces"},
 	}
+	c.Runtimes = f.Runtimes
 	if err := fakeProbe(); err != nil {
 		c.Reason = "unprivileged user namespaces do not work here: " + err.Error()
 		return c
@@ -103,6 +108,9 @@ func (f *Fake) Create(ctx context.Context, spec *substrate.Spec) (_ substrate.In
 		if err := f.BeforeCreate(ctx, spec); err != nil {
 			return nil, err
 		}
+	}
+	if c, ok := f.Capabilities().For(spec.Runtime); !ok || !c.Available {
+		return nil, errdefs.Invalid("the fake has no runtime %q", spec.Runtime)
 	}
 	switch {
 	case len(spec.Image.Layers) == 0:

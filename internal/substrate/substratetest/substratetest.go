@@ -45,6 +45,18 @@ type Harness struct {
 	// SkipLimits skips the resource limit cases (for kinds whose limits are
 	// a VM's size rather than a cgroup).
 	SkipLimits bool
+	// Runtime is the runtime NewSpec's specs ask for ("" for the kind's
+	// default): the suite reads that runtime's capabilities.
+	Runtime string
+	// LimitsEndInstance: a workload reaching the memory or pids limit
+	// ends the whole instance, which says so (substrate.TaskEnder),
+	// instead of losing a process or a fork (gVisor).
+	LimitsEndInstance bool
+	// InitKillable: a process of the instance can kill its init, the
+	// agent, which ends the instance, and the instance says its workload
+	// did (substrate.TaskEnder; gVisor, whose kernel does not shield a pid
+	// namespace's init).
+	InitKillable bool
 }
 
 func ctxT(t *testing.T, d time.Duration) context.Context {
@@ -102,9 +114,12 @@ func run(t *testing.T, g substrate.Guest, argv ...string) *guestv1.Exit {
 
 // Run runs the suite.
 func Run(t *testing.T, h Harness) {
-	caps := h.Driver.Capabilities()
+	caps, ok := h.Driver.Capabilities().For(h.Runtime)
+	if !ok {
+		t.Fatalf("the driver has no runtime %q", h.Runtime)
+	}
 	if !caps.Available {
-		t.Skipf("%s substrate unavailable on this host: %s", caps.Kind, caps.Reason)
+		t.Skipf("%s substrate (runtime %q) unavailable on this host: %s", caps.Kind, h.Runtime, caps.Reason)
 	}
 
 	t.Run("a created instance runs commands", func(t *testing.T) {
@@ -251,6 +266,9 @@ func Run(t *testing.T, h Harness) {
 			if err := inst.Check(context.Background()); !errdefs.Is(err, errdefs.KindGone) || !errdefs.IsInfra(err) {
 				t.Fatalf("check: %v", err)
 			}
+			if te, ok := inst.(substrate.TaskEnder); ok && te.EndedByTask() != "" {
+				t.Fatalf("an instance killed from outside says its workload %s", te.EndedByTask())
+			}
 		})
 	}
 
@@ -381,7 +399,48 @@ func Run(t *testing.T, h Harness) {
 		})
 	}
 
-	if !h.SkipLimits {
+	// endedBy waits for inst to end and checks that it says its
+	// workload ended it, as want says.
+	endedBy := func(t *testing.T, inst substrate.Instance, want string) {
+		t.Helper()
+		select {
+		case <-inst.Done():
+		case <-time.After(time.Minute):
+			t.Fatalf("the instance still runs after its workload %s", want)
+		}
+		te, ok := inst.(substrate.TaskEnder)
+		if !ok {
+			t.Fatal("the instance does not say how its workload ended it (substrate.TaskEnder)")
+		}
+		if got := te.EndedByTask(); !strings.Contains(got, want) {
+			t.Fatalf("ended: its workload %q, want %q", got, want)
+		}
+	}
+	if h.InitKillable {
+		t.Run("a process that kills the init ends the instance, which says its workload did", func(t *testing.T) {
+			inst, _ := h.create(t, nil)
+			run(t, inst.Guest(), "echo", "started")
+			inst.Guest().Run(ctxT(t, time.Minute), &guestv1.Exec{Argv: []string{"sh", "-c", "kill -9 1; sleep 10"}, TimeoutMs: 30000})
+			endedBy(t, inst, "killed the sandbox's agent (signal KILL)")
+		})
+	}
+
+	if !h.SkipLimits && h.LimitsEndInstance {
+		t.Run("reaching the memory limit ends the instance, which says so", func(t *testing.T) {
+			inst, _ := h.create(t, func(s *substrate.Spec) { s.MemoryMB = 64 })
+			run(t, inst.Guest(), "echo", "started")
+			inst.Guest().Run(ctxT(t, 2*time.Minute), &guestv1.Exec{Argv: []string{"awk", "BEGIN{s=\"xxxxxxxxxxxxxxxx\"; while (1) s = s s}"}, TimeoutMs: 60000})
+			endedBy(t, inst, "reached its memory limit")
+		})
+		t.Run("reaching the pids limit ends the instance, which says so", func(t *testing.T) {
+			inst, _ := h.create(t, func(s *substrate.Spec) { s.Pids = 16 })
+			run(t, inst.Guest(), "echo", "started")
+			inst.Guest().Run(ctxT(t, 2*time.Minute), &guestv1.Exec{Argv: []string{"sh", "-c", "b() { b | b & }; b; sleep 30"}, TimeoutMs: 60000})
+			endedBy(t, inst, "reached its pids limit")
+		})
+	}
+
+	if !h.SkipLimits && !h.LimitsEndInstance {
 		t.Run("the memory limit kills the allocating process and the instance survives", func(t *testing.T) {
 			inst, _ := h.create(t, func(s *substrate.Spec) { s.MemoryMB = 64 })
 			x, err := inst.Guest().Run(ctxT(t, 2*time.Minute), &guestv1.Exec{Argv: []string{"awk", "BEGIN{s=\"xxxxxxxxxxxxxxxx\"; while (1) s = s s}"}, TimeoutMs: 60000})
@@ -428,6 +487,9 @@ func Run(t *testing.T, h Harness) {
 			}
 		})
 
+	}
+
+	if !h.SkipLimits {
 		t.Run("the CPU limit caps CPU time", func(t *testing.T) {
 			inst, _ := h.create(t, func(s *substrate.Spec) { s.CPU = 0.25 })
 			before, _ := inst.Stats(context.Background())

@@ -155,6 +155,7 @@ class SandboxInfo:
     created_at: str = ""
     expires_at: str = ""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
+    runtime: str = ""  # "" is the kind's default runtime
 
     @classmethod
     def _from(cls, m: Dict[str, Any]) -> "SandboxInfo":
@@ -163,6 +164,7 @@ class SandboxInfo:
             id=m.get("id", ""), node=m.get("node", ""), state=m.get("state", ""), reason=m.get("reason", ""),
             kind=spec.get("kind", ""), image=spec.get("image", ""), labels=dict(spec.get("labels") or {}),
             created_at=m.get("createdAt", ""), expires_at=m.get("expiresAt", ""), raw=m,
+            runtime=spec.get("runtime", ""),
         )
 
 
@@ -203,7 +205,7 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
                 env: Optional[Mapping[str, str]] = None, network: Optional[str] = None, user: Optional[str] = None,
                 workdir: Optional[str] = None, from_snapshot: Any = None, session: Any = None,
                 node_selector: Optional[Mapping[str, str]] = None, network_policy: Optional[PolicyLike] = None,
-                bandwidth_mbps: Optional[int] = None) -> Dict[str, Any]:
+                bandwidth_mbps: Optional[int] = None, runtime: Optional[str] = None) -> Dict[str, Any]:
     # No kind: the server's default (container), or a machine snapshot's own kind.
     spec: Dict[str, Any] = {"resources": {}}
     if kind:
@@ -248,6 +250,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
         spec["session"] = session if isinstance(session, str) else session.name
     if node_selector:
         spec["nodeSelector"] = dict(node_selector)
+    if runtime:
+        spec["runtime"] = runtime
     return spec
 
 
@@ -591,8 +595,9 @@ class Client:
         "egress"), ``network_policy`` (a :class:`NetworkPolicy` or a dict
         with its keys; implies egress), ``bandwidth_mbps`` (egress
         throughput each way), ``user``, ``workdir``, ``from_snapshot``,
-        ``session``, ``node_selector`` (cluster mode: node labels). With
-        ``count``, create that many in one request and
+        ``session``, ``node_selector`` (cluster mode: node labels),
+        ``runtime`` ("gvisor": another runtime of the kind; ``info()``
+        lists each node's). With ``count``, create that many in one request and
         return the list of those that started (raising if none did; see
         :meth:`create_many` for per-item results)."""
         body = _build_spec(image, **spec)
