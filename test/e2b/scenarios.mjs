@@ -315,16 +315,22 @@ const scenarios = {
     await withSandbox(async (sbx) => {
       await sbx.files.write('/tmp/state.txt', 'kept')
       await sbx.commands.run('sleep 1000', { background: true, timeoutMs: 0 })
+      // Its shell runs the login profile first (forks that show the same
+      // command line): wait for the sleep itself, then pause.
+      let pid = ''
+      for (let i = 0; i < 200 && !pid; i++) {
+        pid = (await sbx.commands.run('pgrep -x sleep || true')).stdout.trim()
+        if (!pid) await sleep(50)
+      }
+      assert.ok(/^\d+$/.test(pid), `the background sleep never started (${pid})`)
       assert.equal(await sbx.pause(), true)
       assert.equal(await sbx.pause(), false, 'pausing a paused sandbox must answer false (409)')
       assert.equal((await sbx.getInfo()).state, 'paused')
       const resumed = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 300_000 })
       assert.equal((await resumed.getInfo()).state, 'running')
       assert.equal(await resumed.files.read('/tmp/state.txt'), 'kept')
-      // "[s]leep" matches the sleeping process, whether bash has exec'd it
-      // yet or not, but not this command's own shell.
-      const ps = await resumed.commands.run('pgrep -f "[s]leep 1000" | wc -l')
-      assert.equal(ps.stdout.trim(), '1', 'the background process did not survive pause and resume')
+      const ps = await resumed.commands.run(`cat /proc/${pid}/comm`)
+      assert.equal(ps.stdout.trim(), 'sleep', 'the background process did not survive pause and resume')
       const connected = await resumed.connect()
       assert.equal(connected.sandboxId, sbx.sandboxId)
     })
