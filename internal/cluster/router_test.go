@@ -43,7 +43,10 @@ func newEnv(t testing.TB) *env {
 }
 
 func (e *env) node(cfg clustertest.Config) *clustertest.Node {
-	cfg.Token, cfg.TTL, cfg.Interval = token, 2*time.Second, 50*time.Millisecond
+	// A lease long enough to outlive etcd's stalls on a loaded host (a 2 s
+	// lease lapsed under CI's load and every placement said "no lease"):
+	// these tests end nodes by closing them, which revokes the lease.
+	cfg.Token, cfg.TTL, cfg.Interval = token, 15*time.Second, 50*time.Millisecond
 	n, err := clustertest.Start(e.store, cfg, slog.New(slog.DiscardHandler))
 	if err != nil {
 		e.t.Fatal(err)
@@ -79,8 +82,16 @@ func (e *env) replica(n int) (*cluster.Router, *cluster.State) {
 		e.t.Fatal("the replica did not join")
 	}
 	waitFor(e.t, fmt.Sprintf("%d live nodes", n), func() error {
-		if got := len(r.Nodes(ctx)); got != n {
+		nodes := r.Nodes(ctx)
+		if got := len(nodes); got != n {
 			return fmt.Errorf("%d live nodes", got)
+		}
+		// Known is not placeable: a node's lease is its own key, which can
+		// reach the view after its registration (placement says "no lease").
+		for _, rn := range nodes {
+			if ns := st.Node(rn.Name()); ns == nil || ns.Load == nil {
+				return fmt.Errorf("node %s has no lease yet", rn.Name())
+			}
 		}
 		return nil
 	})
