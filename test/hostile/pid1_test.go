@@ -71,14 +71,18 @@ func testWritesToPID1sOutputDoNotReachTheNode(t *testing.T, rt string) {
 	answers(t, sb, "writes to PID 1's stdout and stderr")
 }
 
+// TestAnotherCommandsOutputCannotBeForgedThroughPID1 runs under crun
+// only. Under gVisor this row is NOT contained, a known gap documented in
+// docs/substrates/container.md: gVisor's /proc lets any process open
+// /proc/1/fd/N without the ptrace access check Linux makes, so a process
+// can write into the pipe that carries another command's output. Until
+// workloads run in a PID namespace of their own, gVisor must not host a
+// grader beside a hostile workload.
 func TestAnotherCommandsOutputCannotBeForgedThroughPID1(t *testing.T) {
-	eachRuntime(t, testAnotherCommandsOutputCannotBeForgedThroughPID1)
+	testAnotherCommandsOutputCannotBeForgedThroughPID1(t, "")
 }
 
 func testAnotherCommandsOutputCannotBeForgedThroughPID1(t *testing.T, rt string) {
-	if rt == "gvisor" {
-		t.Skip("not contained under gVisor: its /proc lets any process open /proc/1/fd/N without the ptrace access check Linux makes, so a process can write into the pipe that carries another command's output (docs/substrates/container.md)")
-	}
 	c := client(t)
 	nb := newNeighbour(t)
 	sb := create(t, c, dsec.CreateOptions{Runtime: rt})
