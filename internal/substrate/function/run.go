@@ -536,6 +536,10 @@ func stage(x *guestv1.Exit, oom bool) *dsecv1.StageResult {
 	switch {
 	case x.TimedOut || x.Signal == int32(syscall.SIGXCPU):
 		s.Status = StatusTLE
+	case x.ExitCode == 128+int32(syscall.SIGXCPU) && strings.Contains(stderr, "CPU time limit exceeded"):
+		// A launcher script (kotlinc, scala) whose program the CPU limit
+		// ended: its shell says so and exits 128+SIGXCPU.
+		s.Status = StatusTLE
 	case x.Signal == int32(syscall.SIGKILL) && oom:
 		s.Status = StatusMLE
 	case x.ExitCode != 0 && outOfMemory(stderr):
