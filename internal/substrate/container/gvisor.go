@@ -460,6 +460,10 @@ func v1Limits(res *specs.LinuxResources, swap bool) []cgroupLimit {
 	} else {
 		l = append(l, cgroupLimit{"memory", "memory.limit_in_bytes", "-1"})
 	}
+	if c := res.CPU; c != nil && c.Quota != nil && c.Period != nil {
+		l = append(l, cgroupLimit{"cpu", "cpu.cfs_period_us", strconv.FormatUint(*c.Period, 10)},
+			cgroupLimit{"cpu", "cpu.cfs_quota_us", strconv.FormatInt(*c.Quota, 10)})
+	}
 	pids := "max"
 	if res.Pids != nil && res.Pids.Limit > 0 {
 		pids = strconv.FormatInt(res.Pids.Limit, 10)
