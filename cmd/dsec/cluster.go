@@ -129,6 +129,9 @@ func runAPI(ctx context.Context, cfg config.Config) error {
 	case <-ctx.Done():
 		return nil
 	}
+	if err := serveE2BTLS(ctx, cfg, "", api, log); err != nil {
+		return err
+	}
 	log.Info("dsec api serving", slog.String("listen", l.Addr().String()), slog.String("replica", id))
 	return api.Serve(ctx, l)
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
+	"crypto/tls"
 	"debug/elf"
 	"errors"
 	"fmt"
@@ -79,7 +80,10 @@ func serveCmd() *cobra.Command {
 
 // e2bFlags are the flags of the E2B facade, shared by serve and api.
 func e2bFlags(f *pflag.FlagSet, flagCfg *config.Config) {
-	f.StringVar(&flagCfg.E2B.Domain, "e2b-domain", "", "sandbox domain E2B SDKs are told to use (default none: clients set E2B_SANDBOX_URL)")
+	f.StringVar(&flagCfg.E2B.Domain, "e2b-domain", "", "sandbox domain E2B SDKs are told to use, host[:port] (default none: clients set E2B_SANDBOX_URL)")
+	f.StringVar(&flagCfg.E2B.TLSListen, "e2b-tls-listen", "", "also serve the API, the E2B facade and sandbox ports over TLS here, for the sandbox domain")
+	f.StringVar(&flagCfg.E2B.TLSCertFile, "e2b-tls-cert", "", "certificate of --e2b-tls-listen for <domain> and *.<domain> (default: issued by a CA kept in DATA_DIR/e2b-ca.pem)")
+	f.StringVar(&flagCfg.E2B.TLSKeyFile, "e2b-tls-key", "", "key of --e2b-tls-cert")
 }
 
 // nodeFlags are the flags of a node agent, shared by serve and node.
@@ -215,6 +219,15 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	if set("e2b-domain") {
 		cfg.E2B.Domain = fl.E2B.Domain
 	}
+	if set("e2b-tls-listen") {
+		cfg.E2B.TLSListen = fl.E2B.TLSListen
+	}
+	if set("e2b-tls-cert") {
+		cfg.E2B.TLSCertFile = fl.E2B.TLSCertFile
+	}
+	if set("e2b-tls-key") {
+		cfg.E2B.TLSKeyFile = fl.E2B.TLSKeyFile
+	}
 	if set("etcd") {
 		cfg.Cluster.Etcd = fl.Cluster.Etcd
 	}
@@ -282,6 +295,14 @@ func serve(ctx context.Context, cfg config.Config) error {
 	}
 	l, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
+		return err
+	}
+	if cfg.E2B.TLSListen != "" {
+		if err := apiserver.CheckListen(cfg.E2B.TLSListen, append(cfg.APIKeys, cfg.AdminKeys...)); err != nil {
+			return fmt.Errorf("e2b TLS listener: %w", err)
+		}
+	}
+	if err := serveE2BTLS(ctx, cfg, n.DataDir(), api, log); err != nil {
 		return err
 	}
 	log.Info("dsec serving", slog.String("listen", l.Addr().String()), slog.String("data_dir", n.DataDir()), slog.Bool("auth", len(cfg.APIKeys)+len(cfg.AdminKeys) > 0))
@@ -404,6 +425,36 @@ func mountE2B(c config.E2B, secret []byte, log *slog.Logger, router apiserver.Ro
 		return err
 	}
 	fac.Mount(api.Handle)
+	api.Intercept(fac.Route)
+	return nil
+}
+
+// serveE2BTLS serves api over TLS on e2b.tls_listen, if set, until ctx
+// ends (see e2b.TLSConfig for the certificate; without a certificate file
+// the CA is kept in dataDir, which an API replica of a cluster has not:
+// every replica would issue its own).
+func serveE2BTLS(ctx context.Context, cfg config.Config, dataDir string, api *apiserver.Server, log *slog.Logger) error {
+	c := cfg.E2B
+	if c.TLSListen == "" {
+		return nil
+	}
+	if dataDir == "" && c.TLSCertFile == "" {
+		return fmt.Errorf("e2b TLS listener: an API replica needs e2b.tls_cert_file and e2b.tls_key_file")
+	}
+	tc, err := e2b.TLSConfig(c.Domain, c.TLSCertFile, c.TLSKeyFile, dataDir)
+	if err != nil {
+		return err
+	}
+	l, err := net.Listen("tcp", c.TLSListen)
+	if err != nil {
+		return err
+	}
+	log.Info("dsec serving TLS for the E2B domain", slog.String("listen", l.Addr().String()), slog.String("domain", c.Domain))
+	go func() {
+		if err := api.Serve(ctx, tls.NewListener(l, tc)); err != nil {
+			log.Error("e2b TLS listener stopped", slog.Any("error", err))
+		}
+	}()
 	return nil
 }
 

@@ -47,6 +47,7 @@ var procedureLimits = map[string]int64{
 	"RunCodeBatch":    maxMessage,
 	"CreateSandboxes": 64 << 20, // up to 4096 specs
 	"SendInput":       4 << 20,
+	"ConnectPort":     streamed, // a TCP stream (node API)
 }
 
 // procedureLimit is the body limit of a Connect route.

@@ -8,6 +8,7 @@ package apiserver
 import (
 	"context"
 	"io"
+	"net"
 	"sync"
 
 	"connectrpc.com/connect"
@@ -62,6 +63,12 @@ type Node interface {
 	WriteFileFrom(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.Reader) (*connect.Response[dsecv1.FileInfo], error)
 	WatchEvents(ctx context.Context, req *dsecv1.WatchDirRequest, send func(*dsecv1.WatchDirEvent) error) error
 	filesystemVerbs
+
+	// DialPort connects to a TCP port of a sandbox (its loopback
+	// interface, through its agent) and returns the connection; ctx bounds
+	// the connect only. Nothing listening there is a not_found error, as
+	// is a sandbox of a project ctx does not reach.
+	DialPort(ctx context.Context, sandboxID string, port uint32) (net.Conn, error)
 
 	// SnapshotService, LogService and ScreenService.
 	dsecv1connect.SnapshotServiceHandler

@@ -112,6 +112,8 @@ type Server struct {
 	router Router
 	mux    *http.ServeMux
 	auth   *auth
+	// front routes requests before mux (Intercept); set before serving.
+	front []func(*http.Request) http.Handler
 }
 
 // New builds a server over router. sessions may be nil (no
@@ -194,8 +196,30 @@ func (s *Server) HandleConnect(pattern string, h http.Handler) {
 // Handle mounts another handler (a compatibility facade) on the server.
 func (s *Server) Handle(pattern string, h http.Handler) { s.mux.Handle(pattern, h) }
 
+// Intercept makes route see every request before the server's own routes:
+// a request it returns a handler for goes there, the rest go on. (The E2B
+// facade routes requests for sandbox ports by host name, whatever their
+// path.) Call it before serving.
+func (s *Server) Intercept(route func(*http.Request) http.Handler) {
+	s.front = append(s.front, route)
+}
+
 // Handler is the server's root handler.
-func (s *Server) Handler() http.Handler { return s.mux }
+func (s *Server) Handler() http.Handler {
+	if len(s.front) == 0 {
+		return s.mux
+	}
+	front := s.front
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		for _, route := range front {
+			if h := route(r); h != nil {
+				h.ServeHTTP(w, r)
+				return
+			}
+		}
+		s.mux.ServeHTTP(w, r)
+	})
+}
 
 // ErrInsecure is returned when asked to listen beyond loopback without keys.
 var ErrInsecure = errors.New("refusing to listen on a non-loopback address without API keys (set DSEC_API_KEYS or --api-key)")
@@ -222,7 +246,7 @@ func CheckListen(addr string, keys []string) error {
 // Serve serves on l until ctx ends, then shuts down gracefully.
 func (s *Server) Serve(ctx context.Context, l net.Listener) error {
 	srv := &http.Server{
-		Handler:           s.mux,
+		Handler:           s.Handler(),
 		ReadHeaderTimeout: 30 * time.Second,
 		IdleTimeout:       5 * time.Minute,
 	}

@@ -244,11 +244,23 @@ type VM struct {
 
 // E2B configures the E2B-compatible facade (docs/e2b.md).
 type E2B struct {
-	// Domain is the sandbox domain returned to E2B SDKs; with it, SDKs that
-	// do not set E2B_SANDBOX_URL reach sandboxes at
-	// https://<port>-<sandbox id>.<domain> through a TLS proxy in front of
-	// dsec (default "": clients set E2B_SANDBOX_URL).
+	// Domain is the sandbox domain returned to E2B SDKs; with it, SDKs reach
+	// sandboxes (envd, unless they set E2B_SANDBOX_URL, and the servers
+	// users start in them) at https://<port>-<sandbox id>.<domain>, through
+	// TLSListen or a TLS proxy in front of dsec. It may end in :<port>
+	// (default "": clients set E2B_SANDBOX_URL; user ports by header or
+	// path only).
 	Domain string `json:"domain,omitempty"`
+	// TLSListen is an address where dsec also serves its API, the E2B
+	// facade and sandbox ports over TLS, for the sandbox domain (default
+	// "": none).
+	TLSListen string `json:"tls_listen,omitempty"`
+	// TLSCertFile and TLSKeyFile are TLSListen's certificate, which should
+	// cover <domain> and *.<domain> (default: one issued at start by a CA
+	// dsec keeps in DataDir/e2b-ca.pem, created on first use: clients that
+	// are to trust it add that file to their roots).
+	TLSCertFile string `json:"tls_cert_file,omitempty"`
+	TLSKeyFile  string `json:"tls_key_file,omitempty"`
 	// Templates maps E2B template IDs to dsec images and kinds (default:
 	// "base" and "code-interpreter-v1" start the debian image as
 	// containers, and the debian-vm image as kind vm). An unlisted template

@@ -170,8 +170,6 @@ func (f *Facade) spec(in *newSandbox, defaultTimeout int64) (*dsecv1.SandboxSpec
 		return nil, errdefs.Invalid("lifecycle onTimeout \"pause\" (autoPause) is not supported: dsec deletes a sandbox when its timeout passes")
 	case in.AutoResume != nil && in.AutoResume.Enabled:
 		return nil, errdefs.Invalid("autoResume is not supported")
-	case present(in.MCP):
-		return nil, errdefs.Invalid("MCP gateways are not supported")
 	case present(in.IAM):
 		return nil, errdefs.Invalid("IAM tokens are not supported")
 	case present(in.VolumeMounts):
@@ -238,6 +236,9 @@ func (f *Facade) spec(in *newSandbox, defaultTimeout int64) (*dsecv1.SandboxSpec
 		return nil, err
 	}
 	spec.Network = nw
+	if err := portLabels(in.Network, spec.Labels); err != nil {
+		return nil, err
+	}
 	return spec, nil
 }
 

@@ -52,9 +52,13 @@ const (
 type Config struct {
 	// Domain is the sandbox domain returned to the SDKs. With one, SDKs that
 	// do not set E2B_SANDBOX_URL reach envd at https://49983-<id>.<Domain>,
-	// which a TLS proxy forwards to this server (the facade routes on the
-	// Host name as well as on the E2b-Sandbox-Id header). Default "": SDKs
-	// must set E2B_SANDBOX_URL to this server.
+	// and every SDK reaches user ports at https://<port>-<id>.<Domain>,
+	// served by a TLS listener of dsec's (TLSConfig) or a TLS proxy in
+	// front of it (the facade routes on the Host name as well as on the
+	// E2b-Sandbox-Id header). It may carry a port ("sbx.example.com:8443"),
+	// which the SDKs then connect to; it must not be an IP address.
+	// Default "": SDKs must set E2B_SANDBOX_URL to this server, and user
+	// ports are reached by header or path only.
 	Domain string
 	// Templates maps E2B template IDs to dsec images and kinds (default:
 	// DefaultTemplates). A template ID that is not listed names an image.
@@ -104,6 +108,10 @@ type Facade struct {
 	log  *slog.Logger
 	r    apiserver.Router
 	auth Authenticator
+	// ports reaches sandbox ports (ports.go).
+	ports *http.Transport
+	// host is cfg.Domain without its port: what Host names end with.
+	host string
 }
 
 // New returns a facade over r. auth checks API keys (apiserver's
@@ -122,15 +130,19 @@ func New(cfg Config, log *slog.Logger, r apiserver.Router, auth Authenticator) (
 		cfg.DefaultNetwork = "none"
 	}
 	cfg.Domain = strings.TrimSuffix(strings.ToLower(cfg.Domain), ".")
-	return &Facade{cfg: cfg, log: log.With(slog.String("facade", "e2b")), r: r, auth: auth}, nil
+	f := &Facade{cfg: cfg, log: log.With(slog.String("facade", "e2b")), r: r, auth: auth, host: domainHost(cfg.Domain)}
+	f.ports = f.portTransport()
+	return f, nil
 }
 
 // Mount registers the facade's routes with handle (apiserver's
-// Server.Handle), on the native API's listener.
+// Server.Handle), on the native API's listener. Requests for user ports
+// by host name or header need Route too (apiserver's Server.Intercept).
 func (f *Facade) Mount(handle func(pattern string, h http.Handler)) {
 	f.mountControl(handle)
 	f.mountEnvd(handle)
 	f.mountInterpreter(handle)
+	f.mountPorts(handle)
 }
 
 // token derives a sandbox's token of one purpose.
@@ -189,14 +201,14 @@ func (f *Facade) resolve(r *http.Request, defaultPort int) (target, error) {
 }
 
 // parseHost splits "<port>-<id>.<domain>[:p]". With a configured domain the
-// rest of the host must be that domain.
+// rest of the host must be that domain (its port aside).
 func (f *Facade) parseHost(host string) (port int, id string, ok bool) {
 	if h, _, err := net.SplitHostPort(host); err == nil {
 		host = h
 	}
 	host = strings.ToLower(strings.TrimSuffix(host, "."))
 	label, rest, found := strings.Cut(host, ".")
-	if !found || (f.cfg.Domain != "" && rest != f.cfg.Domain) {
+	if !found || (f.host != "" && rest != f.host) {
 		return 0, "", false
 	}
 	p, id, found := strings.Cut(label, "-")

@@ -2,11 +2,13 @@ package e2b
 
 import (
 	"compress/gzip"
+	"context"
 	"crypto/sha256"
 	"encoding/base64"
 	"io"
 	"mime"
 	"net/http"
+	"net/url"
 	"path"
 	"strconv"
 	"strings"
@@ -16,6 +18,7 @@ import (
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/errwire"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // envd's plain HTTP endpoints: GET /health, GET and POST /files.
@@ -47,44 +50,73 @@ func signature(p, op, user, token, exp string) string {
 }
 
 // authorizeFiles checks X-Access-Token, or a signed URL's signature for op
-// ("read" or "write").
+// ("read" or "write"), as envd does: the signature first, then its expiry,
+// so a forger never learns whether the expiry was the problem.
 func (f *Facade) authorizeFiles(r *http.Request, id, op string) error {
 	token := f.AccessToken(id)
 	if h := r.Header.Get("X-Access-Token"); h != "" {
 		if equal(h, token) {
 			return nil
 		}
-		return errdefs.Unauthenticated("wrong X-Access-Token for sandbox %s", clip(id))
+		return errdefs.Unauthenticated("access token present in header but does not match")
 	}
 	q := r.URL.Query()
-	sig := q.Get("signature")
-	if sig == "" {
-		return errdefs.Unauthenticated("missing X-Access-Token (or a signed URL) for sandbox %s", clip(id))
+	if q.Get("signature") == "" {
+		return errdefs.Unauthenticated("missing signature query parameter")
 	}
+	if !signedBy(q, op, token) {
+		return errdefs.Unauthenticated("invalid signature")
+	}
+	return unexpired(q)
+}
+
+// signedBy reports whether the query's signature is the one token signs
+// for op.
+func signedBy(q url.Values, op, token string) bool {
+	return equal(q.Get("signature"), signature(q.Get("path"), op, q.Get("username"), token, q.Get("signature_expiration")))
+}
+
+// unexpired checks a signed URL's expiry, if it has one.
+func unexpired(q url.Values) error {
 	exp := q.Get("signature_expiration")
-	if exp != "" {
-		t, err := strconv.ParseInt(exp, 10, 64)
-		if err != nil || time.Now().Unix() > t {
-			return errdefs.Unauthenticated("the signed URL has expired")
-		}
+	if exp == "" {
+		return nil
 	}
-	if !equal(sig, signature(q.Get("path"), op, q.Get("username"), token, exp)) {
-		return errdefs.Unauthenticated("the URL's signature does not match")
+	t, err := strconv.ParseInt(exp, 10, 64)
+	if err != nil {
+		return errdefs.Unauthenticated("invalid signature expiration")
+	}
+	if time.Now().Unix() > t {
+		return errdefs.Unauthenticated("signature is already expired")
 	}
 	return nil
 }
 
+// signedSandbox finds the sandbox whose access token signed a /files URL
+// that names no sandbox (E2B_SANDBOX_URL: the SDK builds signed URLs on
+// the bare sandbox URL). The signature is a hash of the token, which only
+// that sandbox's holders know, so it identifies the sandbox unforgeably:
+// the facade tries the token of every running sandbox (of every project,
+// as the signature, not an API key, is the credential). That costs two
+// hashes per sandbox of the deployment.
+func (f *Facade) signedSandbox(ctx context.Context, q url.Values, op string) (string, error) {
+	if q.Get("signature") == "" {
+		return "", errdefs.Unauthenticated("no sandbox named and no signature: send the E2b-Sandbox-Id header, use a <port>-<sandbox id>.<domain> host or a signed URL")
+	}
+	all, err := apiserver.List(tenant.System(ctx), f.r, "", "")
+	if err != nil {
+		return "", err
+	}
+	for _, sb := range all {
+		if (sb.State == "running" || sb.State == "paused") && signedBy(q, op, f.AccessToken(sb.Id)) {
+			return sb.Id, unexpired(q)
+		}
+	}
+	return "", errdefs.Unauthenticated("invalid signature")
+}
+
 // files serves GET /files (download) and POST /files (upload).
 func (f *Facade) files(w http.ResponseWriter, r *http.Request) {
-	t, err := f.resolve(r, EnvdPort)
-	if err != nil {
-		envdError(w, err)
-		return
-	}
-	if t.port != EnvdPort {
-		envdError(w, errdefs.Invalid("/files is served on port %d, not %d", EnvdPort, t.port))
-		return
-	}
 	op := "read"
 	switch r.Method {
 	case http.MethodGet:
@@ -95,9 +127,24 @@ func (f *Facade) files(w http.ResponseWriter, r *http.Request) {
 		envdError(w, errdefs.Invalid("method %s not allowed on /files", r.Method))
 		return
 	}
-	if err := f.authorizeFiles(r, t.id, op); err != nil {
-		envdError(w, err)
-		return
+	t, err := f.resolve(r, EnvdPort)
+	if err != nil {
+		// A signed URL names its sandbox by its signature.
+		id, serr := f.signedSandbox(r.Context(), r.URL.Query(), op)
+		if serr != nil {
+			envdError(w, serr)
+			return
+		}
+		t = target{id: id, port: EnvdPort}
+	} else {
+		if t.port != EnvdPort {
+			envdError(w, errdefs.Invalid("/files is served on port %d, not %d", EnvdPort, t.port))
+			return
+		}
+		if err := f.authorizeFiles(r, t.id, op); err != nil {
+			envdError(w, err)
+			return
+		}
 	}
 	r = r.WithContext(tokenHolder(r.Context()))
 	n, err := f.r.ForSandbox(r.Context(), t.id)

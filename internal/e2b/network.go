@@ -17,8 +17,9 @@ type networkJSON struct {
 	AllowOut []string `json:"allowOut"`
 	// DenyOut are IP addresses and CIDR blocks denied.
 	DenyOut []string `json:"denyOut"`
-	// AllowPublicTraffic and MaskRequestHost are about the sandbox's
-	// public URLs, which dsec does not have.
+	// AllowPublicTraffic false makes the sandbox's ports need its traffic
+	// access token; MaskRequestHost is the Host header requests to them
+	// carry (ports.go).
 	AllowPublicTraffic *bool   `json:"allowPublicTraffic"`
 	MaskRequestHost    *string `json:"maskRequestHost"`
 	// AllowInternetAccess is the PUT body's switch (a create has it at
@@ -99,9 +100,6 @@ func prefixOf(s string) (netip.Prefix, bool) {
 // createNetwork is the network of a create: allowInternetAccess (nil:
 // absent) and E2B's network config.
 func (f *Facade) createNetwork(internet *bool, nw *networkJSON) (*dsecv1.Network, error) {
-	if nw != nil && nw.MaskRequestHost != nil && *nw.MaskRequestHost != "" {
-		return nil, errdefs.Invalid("network.maskRequestHost is not supported: dsec sandboxes have no public URLs")
-	}
 	if !nw.hasRules() {
 		out := &dsecv1.Network{Mode: f.cfg.DefaultNetwork}
 		if internet != nil {

@@ -46,7 +46,7 @@ func TestE2BNetworkRulesBecomeAPolicy(t *testing.T) {
 			nw:   &networkJSON{AllowOut: []string{"0.0.0.0/0"}, DenyOut: []string{"0.0.0.0/0"}},
 			mode: "egress", rules: "allow *, allow 0.0.0.0/0, allow 0.0.0.0/0"},
 		{name: "a domain name is not a deny rule", nw: &networkJSON{DenyOut: []string{"evil.test"}}, wantErr: "denyOut"},
-		{name: "public URLs are not supported", nw: &networkJSON{MaskRequestHost: ptr("${PORT}-x")}, wantErr: "maskRequestHost"},
+		{name: "a masked request host must be a host", nw: &networkJSON{MaskRequestHost: ptr("evil.test/${PORT}")}, wantErr: "maskRequestHost"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			spec, err := f.spec(&newSandbox{AllowInternetAccess: c.internet, Network: c.nw}, defaultTimeoutV2)

@@ -669,3 +669,46 @@ func errnoCode(e syscall.Errno) string {
 	}
 	return CodeInternal
 }
+
+// DialPort connects to a TCP port on the sandbox's own loopback interface
+// (see guestv1.DialPort) and returns the connection, whose bytes are the
+// port's. ctx bounds the connect only; the connection lives until closed.
+// Nothing listening on the port is a not_found error.
+func (c *Client) DialPort(ctx context.Context, port uint32) (net.Conn, error) {
+	cn, err := c.open(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_DialPort{DialPort: &guestv1.DialPort{Port: port}}})
+	if err != nil {
+		return nil, err
+	}
+	m, err := cn.recv(ctx)
+	if err == nil && m.GetDone() == nil {
+		err = errdefs.Internal(nil, "agent answered dial_port with %T", m.Msg)
+	}
+	if err != nil {
+		cn.close()
+		return nil, err
+	}
+	if !cn.stop() {
+		// ctx ended as the answer came: the deadline is set already.
+		cn.c.Close()
+		return nil, errdefs.Classify(ctx.Err())
+	}
+	return &portConn{Conn: cn.c, r: cn.r.Raw()}, nil
+}
+
+// portConn is a dial_port connection after the agent's answer: its first
+// bytes may sit in the message reader's buffer.
+type portConn struct {
+	net.Conn
+	r io.Reader
+}
+
+func (p *portConn) Read(b []byte) (int, error) { return p.r.Read(b) }
+
+// CloseWrite ends the sending direction where the transport can (a unix
+// socket), else the whole connection.
+func (p *portConn) CloseWrite() error {
+	if cw, ok := p.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return p.Conn.Close()
+}

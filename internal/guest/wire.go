@@ -36,6 +36,11 @@ type Reader struct {
 // NewReader returns a Reader over r.
 func NewReader(r io.Reader) *Reader { return &Reader{br: bufio.NewReaderSize(r, 64<<10)} }
 
+// Raw returns the bytes after the messages read so far: what the reader
+// buffered first, then the rest of the stream. A call whose connection
+// carries a raw stream after its messages (dial_port) reads it here.
+func (r *Reader) Raw() io.Reader { return r.br }
+
 // Read reads one message into m.
 func (r *Reader) Read(m proto.Message) error {
 	n, err := binary.ReadUvarint(r.br)

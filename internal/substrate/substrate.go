@@ -8,6 +8,7 @@ package substrate
 import (
 	"context"
 	"io"
+	"net"
 	"syscall"
 	"time"
 
@@ -253,10 +254,20 @@ type FileGuest interface {
 	Watch(ctx context.Context, w *guestv1.Watch) (*guest.Watch, error)
 }
 
+// PortGuest is an agent that connects to TCP ports of its own sandbox:
+// DialPort returns a connection to a port on the sandbox's loopback
+// interface (from inside the sandbox's network namespace, so a sandbox
+// without network is reached too). ctx bounds the connect only. Nothing
+// listening is a not_found error. Every kind with dsec-guest has it.
+type PortGuest interface {
+	DialPort(ctx context.Context, port uint32) (net.Conn, error)
+}
+
 var (
 	_ Guest        = (*guest.Client)(nil)
 	_ ProcessGuest = (*guest.Client)(nil)
 	_ FileGuest    = (*guest.Client)(nil)
+	_ PortGuest    = (*guest.Client)(nil)
 )
 
 // Diagnoser is implemented by instances that keep what their init (or the

@@ -9,6 +9,7 @@ package clustertest
 import (
 	"context"
 	"crypto/subtle"
+	"errors"
 	"log/slog"
 	"net"
 	"net/http"
@@ -219,6 +220,11 @@ func (n *Node) GetLoad(ctx context.Context, req *connect.Request[nodev1.GetLoadR
 	l := n.load()
 	l.Name, l.Address, l.Labels = n.cfg.Name, n.Addr, n.cfg.Labels
 	return connect.NewResponse(l), nil
+}
+
+// ConnectPort is not faked: the fake node's sandboxes have no ports.
+func (n *Node) ConnectPort(ctx context.Context, st *connect.BidiStream[nodev1.PortData, nodev1.PortData]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("the fake node's sandboxes have no ports"))
 }
 
 func contains(list []string, s string) bool {

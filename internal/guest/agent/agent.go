@@ -168,6 +168,8 @@ func (a *Agent) serveConn(c net.Conn) {
 		serveWrite(m.WriteFile, r, w)
 	case *guestv1.ClientMsg_Watch:
 		serveWatch(m.Watch, r, w)
+	case *guestv1.ClientMsg_DialPort:
+		serveDialPort(m.DialPort, c, r, w)
 	case *guestv1.ClientMsg_Sync:
 		unix.Sync()
 		done()

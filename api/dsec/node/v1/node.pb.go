@@ -26,6 +26,68 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// PortData is one message of ConnectPort.
+type PortData struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// sandbox_id and port are set in the first request only.
+	SandboxId     string `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Port          uint32 `protobuf:"varint,2,opt,name=port,proto3" json:"port,omitempty"`
+	Data          []byte `protobuf:"bytes,3,opt,name=data,proto3" json:"data,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PortData) Reset() {
+	*x = PortData{}
+	mi := &file_dsec_node_v1_node_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PortData) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PortData) ProtoMessage() {}
+
+func (x *PortData) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_node_v1_node_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PortData.ProtoReflect.Descriptor instead.
+func (*PortData) Descriptor() ([]byte, []int) {
+	return file_dsec_node_v1_node_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *PortData) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *PortData) GetPort() uint32 {
+	if x != nil {
+		return x.Port
+	}
+	return 0
+}
+
+func (x *PortData) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
 type CreateSandboxesRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Specs []*v1.SandboxSpec      `protobuf:"bytes,1,rep,name=specs,proto3" json:"specs,omitempty"`
@@ -38,7 +100,7 @@ type CreateSandboxesRequest struct {
 
 func (x *CreateSandboxesRequest) Reset() {
 	*x = CreateSandboxesRequest{}
-	mi := &file_dsec_node_v1_node_proto_msgTypes[0]
+	mi := &file_dsec_node_v1_node_proto_msgTypes[1]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -50,7 +112,7 @@ func (x *CreateSandboxesRequest) String() string {
 func (*CreateSandboxesRequest) ProtoMessage() {}
 
 func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_node_v1_node_proto_msgTypes[0]
+	mi := &file_dsec_node_v1_node_proto_msgTypes[1]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -63,7 +125,7 @@ func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_node_v1_node_proto_rawDescGZIP(), []int{0}
+	return file_dsec_node_v1_node_proto_rawDescGZIP(), []int{1}
 }
 
 func (x *CreateSandboxesRequest) GetSpecs() []*v1.SandboxSpec {
@@ -100,7 +162,7 @@ type CreateSandboxesResponse struct {
 
 func (x *CreateSandboxesResponse) Reset() {
 	*x = CreateSandboxesResponse{}
-	mi := &file_dsec_node_v1_node_proto_msgTypes[1]
+	mi := &file_dsec_node_v1_node_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -112,7 +174,7 @@ func (x *CreateSandboxesResponse) String() string {
 func (*CreateSandboxesResponse) ProtoMessage() {}
 
 func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_node_v1_node_proto_msgTypes[1]
+	mi := &file_dsec_node_v1_node_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -125,7 +187,7 @@ func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_node_v1_node_proto_rawDescGZIP(), []int{1}
+	return file_dsec_node_v1_node_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *CreateSandboxesResponse) GetResult() *v1.CreateSandboxesResponse {
@@ -157,7 +219,7 @@ type GetLoadRequest struct {
 
 func (x *GetLoadRequest) Reset() {
 	*x = GetLoadRequest{}
-	mi := &file_dsec_node_v1_node_proto_msgTypes[2]
+	mi := &file_dsec_node_v1_node_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -169,7 +231,7 @@ func (x *GetLoadRequest) String() string {
 func (*GetLoadRequest) ProtoMessage() {}
 
 func (x *GetLoadRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_node_v1_node_proto_msgTypes[2]
+	mi := &file_dsec_node_v1_node_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -182,7 +244,7 @@ func (x *GetLoadRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLoadRequest.ProtoReflect.Descriptor instead.
 func (*GetLoadRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_node_v1_node_proto_rawDescGZIP(), []int{2}
+	return file_dsec_node_v1_node_proto_rawDescGZIP(), []int{3}
 }
 
 // Load is a node's entry in the cluster store, bound to its lease: it
@@ -215,7 +277,7 @@ type Load struct {
 
 func (x *Load) Reset() {
 	*x = Load{}
-	mi := &file_dsec_node_v1_node_proto_msgTypes[3]
+	mi := &file_dsec_node_v1_node_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -227,7 +289,7 @@ func (x *Load) String() string {
 func (*Load) ProtoMessage() {}
 
 func (x *Load) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_node_v1_node_proto_msgTypes[3]
+	mi := &file_dsec_node_v1_node_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -240,7 +302,7 @@ func (x *Load) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Load.ProtoReflect.Descriptor instead.
 func (*Load) Descriptor() ([]byte, []int) {
-	return file_dsec_node_v1_node_proto_rawDescGZIP(), []int{3}
+	return file_dsec_node_v1_node_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Load) GetName() string {
@@ -331,7 +393,12 @@ var File_dsec_node_v1_node_proto protoreflect.FileDescriptor
 
 const file_dsec_node_v1_node_proto_rawDesc = "" +
 	"\n" +
-	"\x17dsec/node/v1/node.proto\x12\fdsec.node.v1\x1a\x15dsec/v1/sandbox.proto\"\x89\x01\n" +
+	"\x17dsec/node/v1/node.proto\x12\fdsec.node.v1\x1a\x15dsec/v1/sandbox.proto\"Q\n" +
+	"\bPortData\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
+	"\x04port\x18\x02 \x01(\rR\x04port\x12\x12\n" +
+	"\x04data\x18\x03 \x01(\fR\x04data\"\x89\x01\n" +
 	"\x16CreateSandboxesRequest\x12*\n" +
 	"\x05specs\x18\x01 \x03(\v2\x14.dsec.v1.SandboxSpecR\x05specs\x12)\n" +
 	"\x10idempotency_keys\x18\x02 \x03(\tR\x0fidempotencyKeys\x12\x18\n" +
@@ -360,10 +427,11 @@ const file_dsec_node_v1_node_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a;\n" +
 	"\rProjectsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x012\xaf\x01\n" +
+	"\x05value\x18\x02 \x01(\x03R\x05value:\x028\x012\xf2\x01\n" +
 	"\vNodeService\x12^\n" +
 	"\x0fCreateSandboxes\x12$.dsec.node.v1.CreateSandboxesRequest\x1a%.dsec.node.v1.CreateSandboxesResponse\x12@\n" +
-	"\aGetLoad\x12\x1c.dsec.node.v1.GetLoadRequest\x1a\x12.dsec.node.v1.Load\"\x03\x90\x02\x01B2Z0github.com/opendsec/dsec/api/dsec/node/v1;nodev1b\x06proto3"
+	"\aGetLoad\x12\x1c.dsec.node.v1.GetLoadRequest\x1a\x12.dsec.node.v1.Load\"\x03\x90\x02\x01\x12A\n" +
+	"\vConnectPort\x12\x16.dsec.node.v1.PortData\x1a\x16.dsec.node.v1.PortData(\x010\x01B2Z0github.com/opendsec/dsec/api/dsec/node/v1;nodev1b\x06proto3"
 
 var (
 	file_dsec_node_v1_node_proto_rawDescOnce sync.Once
@@ -377,28 +445,31 @@ func file_dsec_node_v1_node_proto_rawDescGZIP() []byte {
 	return file_dsec_node_v1_node_proto_rawDescData
 }
 
-var file_dsec_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
+var file_dsec_node_v1_node_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
 var file_dsec_node_v1_node_proto_goTypes = []any{
-	(*CreateSandboxesRequest)(nil),     // 0: dsec.node.v1.CreateSandboxesRequest
-	(*CreateSandboxesResponse)(nil),    // 1: dsec.node.v1.CreateSandboxesResponse
-	(*GetLoadRequest)(nil),             // 2: dsec.node.v1.GetLoadRequest
-	(*Load)(nil),                       // 3: dsec.node.v1.Load
-	nil,                                // 4: dsec.node.v1.Load.LabelsEntry
-	nil,                                // 5: dsec.node.v1.Load.ProjectsEntry
-	(*v1.SandboxSpec)(nil),             // 6: dsec.v1.SandboxSpec
-	(*v1.CreateSandboxesResponse)(nil), // 7: dsec.v1.CreateSandboxesResponse
+	(*PortData)(nil),                   // 0: dsec.node.v1.PortData
+	(*CreateSandboxesRequest)(nil),     // 1: dsec.node.v1.CreateSandboxesRequest
+	(*CreateSandboxesResponse)(nil),    // 2: dsec.node.v1.CreateSandboxesResponse
+	(*GetLoadRequest)(nil),             // 3: dsec.node.v1.GetLoadRequest
+	(*Load)(nil),                       // 4: dsec.node.v1.Load
+	nil,                                // 5: dsec.node.v1.Load.LabelsEntry
+	nil,                                // 6: dsec.node.v1.Load.ProjectsEntry
+	(*v1.SandboxSpec)(nil),             // 7: dsec.v1.SandboxSpec
+	(*v1.CreateSandboxesResponse)(nil), // 8: dsec.v1.CreateSandboxesResponse
 }
 var file_dsec_node_v1_node_proto_depIdxs = []int32{
-	6, // 0: dsec.node.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	7, // 1: dsec.node.v1.CreateSandboxesResponse.result:type_name -> dsec.v1.CreateSandboxesResponse
-	4, // 2: dsec.node.v1.Load.labels:type_name -> dsec.node.v1.Load.LabelsEntry
-	5, // 3: dsec.node.v1.Load.projects:type_name -> dsec.node.v1.Load.ProjectsEntry
-	0, // 4: dsec.node.v1.NodeService.CreateSandboxes:input_type -> dsec.node.v1.CreateSandboxesRequest
-	2, // 5: dsec.node.v1.NodeService.GetLoad:input_type -> dsec.node.v1.GetLoadRequest
-	1, // 6: dsec.node.v1.NodeService.CreateSandboxes:output_type -> dsec.node.v1.CreateSandboxesResponse
-	3, // 7: dsec.node.v1.NodeService.GetLoad:output_type -> dsec.node.v1.Load
-	6, // [6:8] is the sub-list for method output_type
-	4, // [4:6] is the sub-list for method input_type
+	7, // 0: dsec.node.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	8, // 1: dsec.node.v1.CreateSandboxesResponse.result:type_name -> dsec.v1.CreateSandboxesResponse
+	5, // 2: dsec.node.v1.Load.labels:type_name -> dsec.node.v1.Load.LabelsEntry
+	6, // 3: dsec.node.v1.Load.projects:type_name -> dsec.node.v1.Load.ProjectsEntry
+	1, // 4: dsec.node.v1.NodeService.CreateSandboxes:input_type -> dsec.node.v1.CreateSandboxesRequest
+	3, // 5: dsec.node.v1.NodeService.GetLoad:input_type -> dsec.node.v1.GetLoadRequest
+	0, // 6: dsec.node.v1.NodeService.ConnectPort:input_type -> dsec.node.v1.PortData
+	2, // 7: dsec.node.v1.NodeService.CreateSandboxes:output_type -> dsec.node.v1.CreateSandboxesResponse
+	4, // 8: dsec.node.v1.NodeService.GetLoad:output_type -> dsec.node.v1.Load
+	0, // 9: dsec.node.v1.NodeService.ConnectPort:output_type -> dsec.node.v1.PortData
+	7, // [7:10] is the sub-list for method output_type
+	4, // [4:7] is the sub-list for method input_type
 	4, // [4:4] is the sub-list for extension type_name
 	4, // [4:4] is the sub-list for extension extendee
 	0, // [0:4] is the sub-list for field type_name
@@ -415,7 +486,7 @@ func file_dsec_node_v1_node_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_node_v1_node_proto_rawDesc), len(file_dsec_node_v1_node_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   6,
+			NumMessages:   7,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -41,6 +41,8 @@ const (
 	NodeServiceCreateSandboxesProcedure = "/dsec.node.v1.NodeService/CreateSandboxes"
 	// NodeServiceGetLoadProcedure is the fully-qualified name of the NodeService's GetLoad RPC.
 	NodeServiceGetLoadProcedure = "/dsec.node.v1.NodeService/GetLoad"
+	// NodeServiceConnectPortProcedure is the fully-qualified name of the NodeService's ConnectPort RPC.
+	NodeServiceConnectPortProcedure = "/dsec.node.v1.NodeService/ConnectPort"
 )
 
 // NodeServiceClient is a client for the dsec.node.v1.NodeService service.
@@ -52,6 +54,15 @@ type NodeServiceClient interface {
 	CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
 	// GetLoad returns the load the node publishes to the cluster store.
 	GetLoad(context.Context, *connect.Request[v1.GetLoadRequest]) (*connect.Response[v1.Load], error)
+	// ConnectPort relays a TCP connection to a port of one of the node's
+	// sandboxes (its loopback interface, reached through the sandbox's agent,
+	// so sandboxes without network too). The first request names the sandbox
+	// and the port; the node answers one empty message once connected, or ends
+	// the stream with the error (not_found: nothing listens there). Then each
+	// side's data flows as PortData.data; the end of the request stream
+	// half-closes the connection, the end of the response stream is the
+	// sandbox side's end.
+	ConnectPort(context.Context) *connect.BidiStreamForClient[v1.PortData, v1.PortData]
 }
 
 // NewNodeServiceClient constructs a client for the dsec.node.v1.NodeService service. By default, it
@@ -78,6 +89,12 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
 			connect.WithClientOptions(opts...),
 		),
+		connectPort: connect.NewClient[v1.PortData, v1.PortData](
+			httpClient,
+			baseURL+NodeServiceConnectPortProcedure,
+			connect.WithSchema(nodeServiceMethods.ByName("ConnectPort")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -85,6 +102,7 @@ func NewNodeServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 type nodeServiceClient struct {
 	createSandboxes *connect.Client[v1.CreateSandboxesRequest, v1.CreateSandboxesResponse]
 	getLoad         *connect.Client[v1.GetLoadRequest, v1.Load]
+	connectPort     *connect.Client[v1.PortData, v1.PortData]
 }
 
 // CreateSandboxes calls dsec.node.v1.NodeService.CreateSandboxes.
@@ -97,6 +115,11 @@ func (c *nodeServiceClient) GetLoad(ctx context.Context, req *connect.Request[v1
 	return c.getLoad.CallUnary(ctx, req)
 }
 
+// ConnectPort calls dsec.node.v1.NodeService.ConnectPort.
+func (c *nodeServiceClient) ConnectPort(ctx context.Context) *connect.BidiStreamForClient[v1.PortData, v1.PortData] {
+	return c.connectPort.CallBidiStream(ctx)
+}
+
 // NodeServiceHandler is an implementation of the dsec.node.v1.NodeService service.
 type NodeServiceHandler interface {
 	// CreateSandboxes creates one sandbox per spec, each with its own
@@ -106,6 +129,15 @@ type NodeServiceHandler interface {
 	CreateSandboxes(context.Context, *connect.Request[v1.CreateSandboxesRequest]) (*connect.Response[v1.CreateSandboxesResponse], error)
 	// GetLoad returns the load the node publishes to the cluster store.
 	GetLoad(context.Context, *connect.Request[v1.GetLoadRequest]) (*connect.Response[v1.Load], error)
+	// ConnectPort relays a TCP connection to a port of one of the node's
+	// sandboxes (its loopback interface, reached through the sandbox's agent,
+	// so sandboxes without network too). The first request names the sandbox
+	// and the port; the node answers one empty message once connected, or ends
+	// the stream with the error (not_found: nothing listens there). Then each
+	// side's data flows as PortData.data; the end of the request stream
+	// half-closes the connection, the end of the response stream is the
+	// sandbox side's end.
+	ConnectPort(context.Context, *connect.BidiStream[v1.PortData, v1.PortData]) error
 }
 
 // NewNodeServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -128,12 +160,20 @@ func NewNodeServiceHandler(svc NodeServiceHandler, opts ...connect.HandlerOption
 		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
 		connect.WithHandlerOptions(opts...),
 	)
+	nodeServiceConnectPortHandler := connect.NewBidiStreamHandler(
+		NodeServiceConnectPortProcedure,
+		svc.ConnectPort,
+		connect.WithSchema(nodeServiceMethods.ByName("ConnectPort")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.node.v1.NodeService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case NodeServiceCreateSandboxesProcedure:
 			nodeServiceCreateSandboxesHandler.ServeHTTP(w, r)
 		case NodeServiceGetLoadProcedure:
 			nodeServiceGetLoadHandler.ServeHTTP(w, r)
+		case NodeServiceConnectPortProcedure:
+			nodeServiceConnectPortHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -149,4 +189,8 @@ func (UnimplementedNodeServiceHandler) CreateSandboxes(context.Context, *connect
 
 func (UnimplementedNodeServiceHandler) GetLoad(context.Context, *connect.Request[v1.GetLoadRequest]) (*connect.Response[v1.Load], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.node.v1.NodeService.GetLoad is not implemented"))
+}
+
+func (UnimplementedNodeServiceHandler) ConnectPort(context.Context, *connect.BidiStream[v1.PortData, v1.PortData]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.node.v1.NodeService.ConnectPort is not implemented"))
 }
