@@ -52,7 +52,7 @@ func server(t *testing.T) *dsectest.Server {
 		if ok, _ := dsectest.VMReady(); ok {
 			images = append(images, "debian-vm")
 		}
-		srv = dsectest.Start(shared, dsectest.Options{Images: images, APIKeys: []string{apiKey}})
+		srv = dsectest.Start(shared, dsectest.Options{Images: images, APIKeys: []string{apiKey}, Args: domainArgs()})
 	})
 	if srv == nil {
 		t.Fatal("the shared server did not start")

@@ -5,13 +5,20 @@
 //
 // Environment: E2B_API_KEY, E2B_API_URL, E2B_SANDBOX_URL (the dsec server),
 // TEMPLATE and CI_TEMPLATE (the templates to create, which select the kind),
-// COUNT (concurrent-creates).
+// COUNT (concurrent-creates); for the host names of sandbox ports (the
+// server's E2B domain, served over TLS): DSEC_TEST_RESOLVE (resolve.mjs)
+// and NODE_EXTRA_CA_CERTS (the server's e2b-ca.pem).
 import assert from 'node:assert/strict'
 import {
   Sandbox, AuthenticationError, CommandExitError, FileNotFoundError, NotFoundError,
   SandboxError, SandboxNotFoundError, TimeoutError,
 } from 'e2b'
 import { Sandbox as CodeSandbox } from '@e2b/code-interpreter'
+import http from 'node:http'
+import { createHash, randomBytes } from 'node:crypto'
+// Resolves *.<E2B domain> to the server (DSEC_TEST_RESOLVE): the host
+// names getHost returns, without wildcard DNS.
+import './resolve.mjs'
 
 const TEMPLATE = process.env.TEMPLATE || 'base'
 const CI_TEMPLATE = process.env.CI_TEMPLATE || 'code-interpreter-v1'
@@ -476,6 +483,230 @@ const scenarios = {
       assert.equal(e.statusCode, 400)
     })
   },
+  // A server started in the sandbox answers at getHost(port) (the host
+  // name, over the server's TLS listener), and by the E2b-Sandbox-Id /
+  // E2b-Sandbox-Port headers and the /sandboxes/<id>/ports/<port>/ path on
+  // the plain URL; a streamed answer arrives as it is written, a WebSocket
+  // upgrade goes through, and a closed port or a killed sandbox get E2B's
+  // 502 bodies.
+  async 'user-ports'() {
+    await withSandbox(async (sbx) => {
+      await sbx.files.write('/tmp/srv/hello.txt', 'hello from the sandbox')
+      await sbx.files.write('/tmp/ws.py', WS_SERVER)
+      await sbx.commands.run('cd /tmp/srv && exec python3 -m http.server 8000', { background: true })
+      await sbx.commands.run('exec python3 /tmp/ws.py 8001', { background: true })
+      const host = sbx.getHost(8000)
+      assert.equal(host, `8000-${sbx.sandboxId}.${sbx.sandboxDomain}`)
+      const base = process.env.E2B_SANDBOX_URL
+      const forms = {
+        'host name': () => fetch(`https://${host}/hello.txt`),
+        headers: () => fetch(`${base}/hello.txt`, { headers: { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '8000' } }),
+        path: () => fetch(`${base}/sandboxes/${sbx.sandboxId}/ports/8000/hello.txt`),
+      }
+      for (const [form, get] of Object.entries(forms)) {
+        let res
+        for (let i = 0; i < 50; i++) {
+          res = await get()
+          if (res.status === 200) break
+          await sleep(200)
+        }
+        const text = await res.text()
+        assert.equal(res.status, 200, `${form}: ${res.status} ${text}`)
+        assert.equal(text, 'hello from the sandbox', form)
+      }
+      // Streamed: the first line arrives before the server writes the last.
+      const stream = await fetch(`https://${sbx.getHost(8001)}/stream`)
+      assert.equal(stream.status, 200)
+      const reader = stream.body.getReader()
+      const t0 = Date.now()
+      const first = dec.decode((await reader.read()).value)
+      assert.match(first, /^tick 0/)
+      let rest = ''
+      for (let r = await reader.read(); !r.done; r = await reader.read()) rest += dec.decode(r.value)
+      assert.match(rest, /tick 2/)
+      assert.ok(Date.now() - t0 >= 500, 'the stream was not streamed')
+      for (const via of ['host', 'path']) {
+        assert.equal(await wsEcho(sbx, 8001, via, 'ping through the proxy'), 'echo: ping through the proxy')
+      }
+      const closed = await fetch(`https://${sbx.getHost(8999)}/`)
+      assert.equal(closed.status, 502)
+      assert.deepEqual(await closed.json(), {
+        sandboxId: sbx.sandboxId, message: 'The sandbox is running but port is not open', port: '8999', code: 502,
+      })
+      const url = `https://${host}/hello.txt`
+      await sbx.kill()
+      for (const gone of [await fetch(url), await fetch(`${base}/sandboxes/${sbx.sandboxId}/ports/8000/`)]) {
+        assert.equal(gone.status, 502)
+        assert.deepEqual(await gone.json(), { sandboxId: sbx.sandboxId, message: 'The sandbox was not found', code: 502 })
+      }
+    })
+  },
+
+  // allowPublicTraffic: false: the sandbox's ports need its traffic access
+  // token; maskRequestHost sets the Host header the sandbox's server sees.
+  async 'traffic-token'() {
+    await withSandbox(async (sbx) => {
+      assert.ok(sbx.trafficAccessToken)
+      await sbx.files.write('/tmp/srv/index.html', 'private')
+      await sbx.files.write('/tmp/ws.py', WS_SERVER)
+      await sbx.commands.run('cd /tmp/srv && exec python3 -m http.server 8000', { background: true })
+      await sbx.commands.run('exec python3 /tmp/ws.py 8001', { background: true })
+      const url = `https://${sbx.getHost(8000)}/index.html`
+      const withToken = { headers: { 'e2b-traffic-access-token': sbx.trafficAccessToken } }
+      let res
+      for (let i = 0; i < 50; i++) {
+        res = await fetch(url, withToken)
+        if (res.status === 200) break
+        await sleep(200)
+      }
+      assert.equal(res.status, 200)
+      assert.equal(await res.text(), 'private')
+      const none = await fetch(url)
+      assert.equal(none.status, 403)
+      assert.match((await none.json()).message, /is missing/)
+      const wrong = await fetch(url, { headers: { 'e2b-traffic-access-token': sbx.trafficAccessToken + 'x' } })
+      assert.equal(wrong.status, 403)
+      assert.match((await wrong.json()).message, /is invalid/)
+      const access = await fetch(url, { headers: { 'x-access-token': sbx.envdAccessToken } })
+      assert.equal(access.status, 403, 'the envd access token is not the traffic token')
+      const seen = await (await fetch(`https://${sbx.getHost(8001)}/host`, withToken)).text()
+      assert.equal(seen, 'masked.example:8001')
+    }, { network: { allowPublicTraffic: false, maskRequestHost: 'masked.example:${PORT}' } })
+    await withSandbox(async (sbx) => {
+      await sbx.files.write('/tmp/srv/index.html', 'public')
+      await sbx.commands.run('cd /tmp/srv && exec python3 -m http.server 8000', { background: true })
+      let res
+      for (let i = 0; i < 50; i++) {
+        res = await fetch(`https://${sbx.getHost(8000)}/`)
+        if (res.status === 200) break
+        await sleep(200)
+      }
+      assert.equal(res.status, 200, 'a public sandbox needs no token')
+    }, { network: { allowPublicTraffic: true } })
+  },
+
+  // Signed URLs on E2B_SANDBOX_URL name no sandbox: the signature does.
+  // Expiry is enforced, a tampered URL is refused, and a URL signed for
+  // one sandbox opens no other.
+  async 'signed-urls-by-signature'() {
+    await withSandbox(async (sbx) => {
+      await withSandbox(async (other) => {
+        await sbx.files.write('/tmp/mine.txt', 'mine')
+        await other.files.write('/tmp/mine.txt', 'other')
+        const url = await sbx.downloadUrl('/tmp/mine.txt', { useSignatureExpiration: 60 })
+        assert.ok(!url.includes(sbx.sandboxId), 'the URL itself names no sandbox')
+        const ok = await fetch(url)
+        assert.equal(ok.status, 200)
+        assert.equal(await ok.text(), 'mine')
+        const expired = await fetch(await sbx.downloadUrl('/tmp/mine.txt', { useSignatureExpiration: -10 }))
+        assert.equal(expired.status, 401)
+        assert.deepEqual(await expired.json(), { code: 401, message: 'signature is already expired' })
+        const tampered = new URL(url)
+        tampered.searchParams.set('path', '/etc/passwd')
+        const bad = await fetch(tampered)
+        assert.equal(bad.status, 401)
+        assert.deepEqual(await bad.json(), { code: 401, message: 'invalid signature' })
+        const aimed = await fetch(url, { headers: { 'E2b-Sandbox-Id': other.sandboxId } })
+        assert.equal(aimed.status, 401, 'a URL signed for one sandbox opens no other')
+        const up = await sbx.uploadUrl('/tmp/up.txt', { useSignatureExpiration: 60 })
+        const form = new FormData()
+        form.append('file', new Blob(['uploaded']), 'up.txt')
+        const put = await fetch(up, { method: 'POST', body: form })
+        assert.equal(put.status, 200, await put.text())
+        assert.equal(await sbx.files.read('/tmp/up.txt'), 'uploaded')
+        assert.equal(await other.files.exists('/tmp/up.txt'), false)
+      })
+    })
+  },
+
+  // An MCP config makes the SDK start mcp-gateway in the sandbox; where the
+  // template has none, create fails as on E2B and the sandbox is killed.
+  async 'mcp-failure'() {
+    const tag = `mcp-${process.pid}-${Date.now()}`
+    await assert.rejects(
+      Sandbox.create(TEMPLATE, { timeoutMs: 60_000, metadata: { tag }, mcp: { invalid_server: {} } }),
+      (e) => e instanceof SandboxError && /Failed to start MCP gateway/.test(e.message),
+    )
+    assert.deepEqual(await Sandbox.list({ query: { metadata: { tag }, state: ['running'] } }).nextItems(), [])
+  },
+}
+
+// WS_SERVER is a small server for the port scenarios: GET /stream writes
+// three lines 300 ms apart (chunked), GET /host answers the Host header it
+// got, and a WebSocket upgrade answers each text frame with "echo: " and
+// the text.
+const WS_SERVER = `
+import base64, hashlib, http.server, struct, sys, time
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = 'HTTP/1.1'
+    def log_message(self, *a): pass
+    def do_GET(self):
+        if self.headers.get('Upgrade', '').lower() == 'websocket':
+            key = self.headers['Sec-WebSocket-Key'] + '258EAFA5-E914-47DA-95CA-C5AB0DC85B11'
+            self.send_response(101)
+            self.send_header('Upgrade', 'websocket')
+            self.send_header('Connection', 'Upgrade')
+            self.send_header('Sec-WebSocket-Accept', base64.b64encode(hashlib.sha1(key.encode()).digest()).decode())
+            self.end_headers()
+            self.wfile.flush()
+            while True:
+                h = self.rfile.read(2)
+                if len(h) < 2 or h[0] & 15 == 8: return
+                n = h[1] & 127
+                if n == 126: n = struct.unpack('>H', self.rfile.read(2))[0]
+                mask = self.rfile.read(4)
+                data = bytes(b ^ mask[i % 4] for i, b in enumerate(self.rfile.read(n)))
+                out = b'echo: ' + data
+                self.wfile.write(bytes([0x81, len(out)]) + out)
+                self.wfile.flush()
+        body = self.headers.get('Host', '').encode()
+        if self.path == '/stream':
+            self.send_response(200)
+            self.send_header('Transfer-Encoding', 'chunked')
+            self.end_headers()
+            for i in range(3):
+                line = ('tick %d\\n' % i).encode()
+                self.wfile.write(b'%x\\r\\n%s\\r\\n' % (len(line), line))
+                self.wfile.flush()
+                time.sleep(0.3)
+            self.wfile.write(b'0\\r\\n\\r\\n')
+            return
+        self.send_response(200)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.ThreadingHTTPServer(('', int(sys.argv[1])), H).serve_forever()
+`
+
+// wsEcho sends one WebSocket text frame to port of sbx (by host name over
+// TLS, or by path on E2B_SANDBOX_URL) and returns the text of the answer.
+async function wsEcho(sbx, port, via, text) {
+  const { request } = await import(via === 'host' ? 'node:https' : 'node:http')
+  const base = via === 'host' ? `https://${sbx.getHost(port)}/` : `${process.env.E2B_SANDBOX_URL}/sandboxes/${sbx.sandboxId}/ports/${port}/`
+  const key = randomBytes(16).toString('base64')
+  return await new Promise((resolve, reject) => {
+    const req = request(base, { headers: { Connection: 'Upgrade', Upgrade: 'websocket', 'Sec-WebSocket-Key': key, 'Sec-WebSocket-Version': '13' } })
+    req.on('response', (res) => reject(new Error(`no upgrade: ${res.statusCode}`)))
+    req.on('error', reject)
+    req.on('upgrade', (res, socket) => {
+      const accept = createHash('sha1').update(key + '258EAFA5-E914-47DA-95CA-C5AB0DC85B11').digest('base64')
+      if (res.headers['sec-websocket-accept'] !== accept) return reject(new Error('bad Sec-WebSocket-Accept'))
+      const payload = Buffer.from(text)
+      const mask = randomBytes(4)
+      const frame = Buffer.concat([Buffer.from([0x81, 0x80 | payload.length]), mask, payload.map((b, i) => b ^ mask[i % 4])])
+      let got = Buffer.alloc(0)
+      socket.on('data', (d) => {
+        got = Buffer.concat([got, d])
+        if (got.length >= 2 && got.length >= 2 + got[1]) {
+          socket.end(Buffer.from([0x88, 0x80, 0, 0, 0, 0]))
+          resolve(got.subarray(2, 2 + got[1]).toString())
+        }
+      })
+      socket.on('error', reject)
+      socket.write(frame)
+    })
+    req.end()
+  })
 }
 
 const name = process.argv[2]
