@@ -10,7 +10,10 @@
 # (WORK, default /tmp/dsec-e2b-upstream) receives the exported SDK, its npm dependencies, the
 # server's data and log, and the vitest JSON reports. The server is `bin/dsec serve` of this
 # repository (run `make build` first) with an API key in E2B's form; extra serve flags come
-# from DSEC_SERVE_ARGS, extra images from DSEC_EXTRA_IMAGES.
+# from DSEC_SERVE_ARGS, extra images from DSEC_EXTRA_IMAGES. E2B_PORTS_DOMAIN=1 also serves the
+# E2B domain e2b.localhost:PORT over TLS on 127.0.0.2:PORT, so the tests that fetch
+# sandbox.getHost(port) reach it: the SDK trusts the server's CA (NODE_EXTRA_CA_CERTS) and
+# resolves *.e2b.localhost with test/e2b/resolve.mjs (docs/e2b.md, "TLS and host names").
 #
 # A test counts as client-only when its file mocks the network (msw) or when it passes against
 # an address where nothing listens; every other test is a server test.
@@ -23,6 +26,7 @@ shift $(( $# >= 2 ? 2 : 1 ))
 paths=${*:-tests/sandbox tests/api}
 work=${WORK:-/tmp/dsec-e2b-upstream}
 port=${PORT:-7799}
+domain_args= domain_env=
 key=e2b_$(head -c 20 /dev/urandom | od -An -tx1 | tr -d ' \n')
 
 sdk=$work/${tag//[@\/]/-}
@@ -37,7 +41,7 @@ if [ ! -d "$sdk/node_modules" ]; then
 fi
 
 vitest() { # out.json api-url
-	(cd "$sdk" && E2B_API_KEY=$key E2B_API_URL=$2 E2B_SANDBOX_URL=$2 \
+	(cd "$sdk" && E2B_API_KEY=$key E2B_API_URL=$2 E2B_SANDBOX_URL=$2 env $domain_env \
 		npx vitest run --project unit --maxWorkers 2 --reporter=json --outputFile="$1" $paths \
 		>"${1%.json}.log" 2>&1) || true
 }
@@ -47,9 +51,13 @@ vitest() { # out.json api-url
 
 data=$work/data
 rm -rf "$data" && mkdir -p "$data"
+if [ -n "${E2B_PORTS_DOMAIN:-}" ]; then
+	domain_args="--e2b-domain e2b.localhost:$port --e2b-tls-listen 127.0.0.2:$port"
+	domain_env="NODE_EXTRA_CA_CERTS=$data/e2b-ca.pem DSEC_TEST_RESOLVE=e2b.localhost=127.0.0.2 NODE_OPTIONS=--import=$here/../resolve.mjs"
+fi
 "$repo/bin/dsec" serve --listen 127.0.0.1:$port --data-dir "$data" --log-level warn \
 	--bootstrap busybox,debian${DSEC_EXTRA_IMAGES:+,$DSEC_EXTRA_IMAGES} --api-key "$key" \
-	${DSEC_SERVE_ARGS:-} >"$work/serve.log" 2>&1 &
+	$domain_args ${DSEC_SERVE_ARGS:-} >"$work/serve.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
 for _ in $(seq 1200); do
