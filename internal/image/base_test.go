@@ -47,9 +47,9 @@ func TestBootstrapBase(t *testing.T) {
 			t.Fatalf("layers %v, debian's %v", img.Layers, debian.Layers)
 		}
 	})
-	t.Run("its config makes user the default user and allows privilege escalation", func(t *testing.T) {
+	t.Run("its config makes user the default user, its home the working directory, and allows privilege escalation", func(t *testing.T) {
 		c := img.Config
-		if c.User != BaseUser || !c.PrivilegeEscalation || c.Workdir != "" || !strings.Contains(strings.Join(c.Env, " "), "PATH=") {
+		if c.User != BaseUser || !c.PrivilegeEscalation || c.Workdir != "/home/user" || !strings.Contains(strings.Join(c.Env, " "), "PATH=") {
 			t.Fatalf("config %+v", c)
 		}
 		if d := debian.Config; d.User != "" || d.PrivilegeEscalation {

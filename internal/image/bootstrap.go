@@ -137,9 +137,9 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 		build = func(ctx context.Context, dir string, progress Progress) error {
 			return buildBase(ctx, lower.dir, dir, mirror, suite, pkgs, progress)
 		}
-		// No working directory: as under envd, a process starts in its
-		// user's home (/home/user, or /root for root).
-		cfg = Config{Env: debianEnv, User: BaseUser, Cmd: []string{"bash"}, PrivilegeEscalation: true}
+		// E2B's template defaults: user "user", working directory its
+		// home (where envd starts a process without a cwd, as any user).
+		cfg = Config{Env: debianEnv, User: BaseUser, Workdir: "/home/" + BaseUser, Cmd: []string{"bash"}, PrivilegeEscalation: true}
 	default:
 		return nil, errdefs.Invalid("unknown bootstrap recipe %q (have %s)", recipe, strings.Join(Recipes, ", "))
 	}
