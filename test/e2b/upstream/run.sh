@@ -9,8 +9,9 @@
 # (relative to packages/js-sdk) default to `tests/sandbox tests/api`. The work directory
 # (WORK, default /tmp/dsec-e2b-upstream) receives the exported SDK, its npm dependencies, the
 # server's data and log, and the vitest JSON reports. The server is `bin/dsec serve` of this
-# repository (run `make build` first) with an API key in E2B's form; extra serve flags come
-# from DSEC_SERVE_ARGS, extra images from DSEC_EXTRA_IMAGES.
+# repository (run `make build` first) with an API key in E2B's form and the base image (the
+# tests' template); extra serve flags come from DSEC_SERVE_ARGS, extra images from
+# DSEC_EXTRA_IMAGES.
 #
 # A test counts as client-only when its file mocks the network (msw) or when it passes against
 # an address where nothing listens; every other test is a server test.
@@ -48,7 +49,7 @@ vitest() { # out.json api-url
 data=$work/data
 rm -rf "$data" && mkdir -p "$data"
 "$repo/bin/dsec" serve --listen 127.0.0.1:$port --data-dir "$data" --log-level warn \
-	--bootstrap busybox,debian${DSEC_EXTRA_IMAGES:+,$DSEC_EXTRA_IMAGES} --api-key "$key" \
+	--bootstrap busybox,debian,base${DSEC_EXTRA_IMAGES:+,$DSEC_EXTRA_IMAGES} --api-key "$key" \
 	${DSEC_SERVE_ARGS:-} >"$work/serve.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
