@@ -25,7 +25,7 @@ build:
 	CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o bin/dsec-guest ./cmd/dsec-guest
 
 run: setup build
-	bin/dsec serve --listen $(LISTEN) --data-dir $(DATA_DIR) --cache-dir $(CACHE_DIR) --bootstrap busybox,debian
+	bin/dsec serve --listen $(LISTEN) --data-dir $(DATA_DIR) --cache-dir $(CACHE_DIR) --bootstrap busybox,debian,base
 
 test: setup build test-go test-rootless test-python
 

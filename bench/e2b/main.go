@@ -4,8 +4,8 @@
 //
 //	go run ./bench/e2b [-n 300] [-runs 3]
 //
-// Measured, in one running debian sandbox per side, N sequential round
-// trips of:
+// Measured, in one running sandbox of the base image (the SDK's default
+// template) per side, N sequential round trips of:
 //   - commands.run('true') through the unmodified e2b JS SDK (Connect
 //     server stream, JSON codec, HTTP/1.1): what E2B users get;
 //   - the same call from a Go Connect client (JSON codec, HTTP/1.1), which
@@ -52,7 +52,7 @@ func main() {
 	}
 	b := dsectest.Program()
 	defer b.Close()
-	srv := dsectest.Start(b, dsectest.Options{Images: []string{"debian"}, APIKeys: []string{key}})
+	srv := dsectest.Start(b, dsectest.Options{Images: []string{"debian", "base"}, APIKeys: []string{key}})
 	ctx := context.Background()
 	c := srv.Client()
 	testDir := filepath.Join(repoRoot(), "test", "e2b")
@@ -165,7 +165,7 @@ func e2bGo(ctx context.Context, srv *dsectest.Server, n int) []time.Duration {
 
 // nativeExec times Exec of argv through the native API.
 func nativeExec(ctx context.Context, c *dsec.Client, n int, argv ...string) []time.Duration {
-	sb, err := c.Create(ctx, dsec.CreateOptions{Image: "debian"})
+	sb, err := c.Create(ctx, dsec.CreateOptions{Image: "base"})
 	if err != nil {
 		fatal(err)
 	}

@@ -189,8 +189,8 @@ func imageBootstrapCmd(g *globals) *cobra.Command {
 	var force bool
 	var pkgs []string
 	cmd := &cobra.Command{
-		Use:   "bootstrap busybox|debian [--name NAME]",
-		Short: "Build a base image offline: busybox from busybox-static, debian with debootstrap from the host's apt mirror",
+		Use:   "bootstrap busybox|debian|polyglot|base [--name NAME]",
+		Short: "Build a base image offline: busybox from busybox-static, debian (and polyglot) with debootstrap from the host's apt mirror, base (E2B's base template) on top of debian",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			bar := newProgress("bootstrap " + args[0])
@@ -210,7 +210,7 @@ func imageBootstrapCmd(g *globals) *cobra.Command {
 	}
 	cmd.Flags().StringVar(&as, "name", "", "image name (default: the recipe)")
 	cmd.Flags().BoolVar(&force, "force", false, "rebuild even if the image or its cached root filesystem exists")
-	cmd.Flags().StringArrayVar(&pkgs, "package", nil, "extra Debian package for the debian recipe (repeatable)")
+	cmd.Flags().StringArrayVar(&pkgs, "package", nil, "extra Debian package for the debian and polyglot recipes, or base's own layer (repeatable)")
 	return cmd
 }
 

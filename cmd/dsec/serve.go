@@ -91,7 +91,7 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, bootstrap *string, pool
 	f.StringVar(&flagCfg.DataDir, "data-dir", "", "state directory (default ./.dsec)")
 	f.StringVar(&flagCfg.CacheDir, "cache-dir", "", "cache for bootstrapped images (default DATA_DIR/cache)")
 	f.StringVar(&flagCfg.GuestBinary, "guest-binary", "", "dsec-guest binary (default: next to dsec)")
-	f.StringVar(bootstrap, "bootstrap", "", "base images to build at start if missing, e.g. busybox,debian,debian-vm (a VM image)")
+	f.StringVar(bootstrap, "bootstrap", "", "base images to build at start if missing, e.g. busybox,debian,base,debian-vm (a VM image); the E2B facade's default templates start base")
 	f.StringVar(&flagCfg.LogLevel, "log-level", "", "debug, info, warn or error")
 	f.IntVar(&flagCfg.Node.MaxSandboxes, "max-sandboxes", 0, "admission limit (default 4096)")
 	f.IntVar(&flagCfg.Node.MaxConcurrentStarts, "max-starts", 0, "sandbox starts in flight (default 2 per core)")

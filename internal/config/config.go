@@ -262,7 +262,7 @@ type E2B struct {
 	TLSCertFile string `json:"tls_cert_file,omitempty"`
 	TLSKeyFile  string `json:"tls_key_file,omitempty"`
 	// Templates maps E2B template IDs to dsec images and kinds (default:
-	// "base" and "code-interpreter-v1" start the debian image as
+	// "base" and "code-interpreter-v1" start the base image as
 	// containers, and the debian-vm image as kind vm). An unlisted template
 	// ID names an image; "<kind>/<id>" selects the kind (e.g.
 	// "microvm/base").

@@ -255,7 +255,7 @@ func (f *Facade) create(w http.ResponseWriter, r *http.Request, project string, 
 	}
 	sb, err := f.r.Create(r.Context(), &dsecv1.CreateSandboxRequest{Spec: spec, Project: project})
 	if err != nil {
-		apiError(w, err)
+		apiError(w, withBootstrapHint(err, spec.Image))
 		return
 	}
 	writeJSON(w, http.StatusCreated, f.sandboxJSON(sb))
@@ -791,4 +791,13 @@ func (f *Facade) listV1(w http.ResponseWriter, r *http.Request, _ string) {
 		out = append(out, f.detailJSON(sb, false))
 	}
 	writeJSON(w, http.StatusOK, out)
+}
+
+// withBootstrapHint says how to build the base image, which the SDKs'
+// default templates start, when a create failed for want of it.
+func withBootstrapHint(err error, image string) error {
+	if image == "base" && errdefs.Is(err, errdefs.KindNotFound) {
+		return errdefs.NotFound("%v: the E2B SDKs' default templates start the base image; build it with `dsec image bootstrap base` (or serve with --bootstrap busybox,debian,base)", err)
+	}
+	return err
 }

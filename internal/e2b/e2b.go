@@ -91,11 +91,13 @@ type Template struct {
 
 // DefaultTemplates are the templates the SDKs ask for by default: "base"
 // (e2b) and "code-interpreter-v1" (@e2b/code-interpreter), both on the
-// bootstrapped debian image (bash, python3, coreutils), or as full VMs on
-// the debian-vm image (`dsec image build-vm debian`).
+// bootstrapped "base" image (`dsec image bootstrap base`: debian with
+// E2B's user "user", its passwordless sudo, curl, git and python, whose
+// config makes "user" the default user), or as full VMs on the debian-vm
+// image (`dsec image build-vm debian`, whose user is root).
 var DefaultTemplates = map[string]Template{
-	"base":                {Image: "debian", KindImages: map[string]string{"vm": "debian-vm"}},
-	"code-interpreter-v1": {Image: "debian", KindImages: map[string]string{"vm": "debian-vm"}},
+	"base":                {Image: "base", KindImages: map[string]string{"vm": "debian-vm"}},
+	"code-interpreter-v1": {Image: "base", KindImages: map[string]string{"vm": "debian-vm"}},
 }
 
 // Authenticator checks a control-plane request's API key and returns the

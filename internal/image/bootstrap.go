@@ -26,7 +26,7 @@ import (
 )
 
 // Recipes are the base images Bootstrap can build offline.
-var Recipes = []string{"busybox", "debian", "polyglot"}
+var Recipes = []string{"busybox", "debian", "polyglot", "base"}
 
 // DebianPackages are installed in the "debian" recipe on top of minbase.
 var DebianPackages = []string{"bash", "coreutils", "python3", "gcc", "g++", "libc6-dev", "make", "ca-certificates", "procps"}
@@ -43,6 +43,22 @@ var PolyglotPackages = []string{
 	"gdc", "racket", "iverilog", "sqlite3", "python3-pytest",
 }
 
+// BasePackages are installed in the "base" recipe, a layer on top of the
+// "debian" recipe's: what E2B's base template offers the code that runs in
+// it (curl, git, the `python` name) and sudo for its user.
+var BasePackages = []string{"sudo", "curl", "git", "python-is-python3"}
+
+// The "base" recipe's user: E2B's base template runs everything as "user"
+// (uid and gid 1000, home /home/user) with passwordless sudo.
+const (
+	BaseUser = "user"
+	BaseUID  = 1000
+)
+
+// baseVersion changes whenever the "base" recipe below does, so cached
+// layers are rebuilt.
+const baseVersion = "1"
+
 // BootstrapOptions configure Bootstrap.
 type BootstrapOptions struct {
 	// CacheDir keeps built root filesystems across stores (default: the
@@ -51,18 +67,21 @@ type BootstrapOptions struct {
 	// Mirror and Suite select the apt repository for "debian" (default: the
 	// host's own apt sources and release).
 	Mirror, Suite string
-	// Packages are extra packages for "debian".
+	// Packages are extra packages for "debian" and "polyglot", or for
+	// "base"'s own layer.
 	Packages []string
-	// Force rebuilds the root filesystem even if cached.
+	// Force rebuilds the recipe's root filesystem even if cached (for
+	// "base", its own layer, not the "debian" one under it).
 	Force bool
 	// DiskMB is the disk size of a VM image (BuildVM; default 4096).
 	DiskMB int64
 }
 
 // Bootstrap builds a base image from the host's packages without any
-// registry: "busybox" from the static busybox binary, "debian" with
-// debootstrap from the host's apt mirror. The root filesystem is cached in
-// opts.CacheDir, so a second store imports it in seconds.
+// registry: "busybox" from the static busybox binary, "debian" (and
+// "polyglot") with debootstrap from the host's apt mirror, and "base" as a
+// layer on top of "debian"'s (see buildBase). Root filesystems and layers
+// are cached in opts.CacheDir, so a second store imports them in seconds.
 func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts BootstrapOptions, progress Progress) (*Image, error) {
 	if as == "" {
 		as = recipe
@@ -73,10 +92,15 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 	if opts.CacheDir == "" {
 		opts.CacheDir = filepath.Join(s.dir, "cache")
 	}
+	debianEnv := []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"}
 	var (
 		key   string
 		build func(ctx context.Context, dir string, progress Progress) error
 		cfg   Config
+		// lower, when set, is the cached root filesystem the recipe's
+		// own directory is an overlayfs upper directory of: the image's
+		// first layer, under the recipe's own.
+		lower *cachedBuild
 	)
 	switch recipe {
 	case "busybox":
@@ -88,83 +112,67 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 		build = func(ctx context.Context, dir string, _ Progress) error { return buildBusybox(bb, dir) }
 		cfg = Config{Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, Cmd: []string{"sh"}}
 	case "debian", "polyglot":
-		mirror, suite := opts.Mirror, opts.Suite
-		if mirror == "" || suite == "" {
-			m, su, err := hostAptSource()
-			if err != nil {
-				return nil, err
-			}
-			if mirror == "" {
-				mirror = m
-			}
-			if suite == "" {
-				suite = su
-			}
+		mirror, suite, err := aptSource(opts)
+		if err != nil {
+			return nil, err
 		}
 		pkgs := append(append([]string(nil), DebianPackages...), opts.Packages...)
-		sort.Strings(pkgs)
 		var extra []string
 		if recipe == "polyglot" {
 			extra = PolyglotPackages
 		}
-		h := sha256.Sum256([]byte(mirror + "|" + suite + "|" + strings.Join(pkgs, ",") + "|" + strings.Join(extra, ",")))
-		if len(extra) == 0 {
-			// The key "debian" images had before polyglot.
-			h = sha256.Sum256([]byte(mirror + "|" + suite + "|" + strings.Join(pkgs, ",")))
+		key, build = debianBuild(recipe, mirror, suite, pkgs, extra)
+		cfg = Config{Env: debianEnv, Cmd: []string{"bash"}}
+	case "base":
+		mirror, suite, err := aptSource(opts)
+		if err != nil {
+			return nil, err
 		}
-		key = recipe + "-" + suite + "-" + hex.EncodeToString(h[:6])
+		dkey, dbuild := debianBuild("debian", mirror, suite, DebianPackages, nil)
+		lower = &cachedBuild{key: dkey, recipe: "debian", build: dbuild}
+		pkgs := append(append([]string(nil), BasePackages...), opts.Packages...)
+		sort.Strings(pkgs)
+		h := sha256.Sum256([]byte(dkey + "|" + strings.Join(pkgs, ",") + "|" + baseVersion))
+		key = "base-" + suite + "-" + hex.EncodeToString(h[:6])
 		build = func(ctx context.Context, dir string, progress Progress) error {
-			return buildDebian(ctx, dir, mirror, suite, pkgs, extra, progress)
+			return buildBase(ctx, lower.dir, dir, mirror, suite, pkgs, progress)
 		}
-		cfg = Config{Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"}, Cmd: []string{"bash"}}
+		// E2B's template defaults: user "user", working directory its
+		// home (where envd starts a process without a cwd, as any user).
+		cfg = Config{Env: debianEnv, User: BaseUser, Workdir: "/home/" + BaseUser, Cmd: []string{"bash"}, PrivilegeEscalation: true}
 	default:
 		return nil, errdefs.Invalid("unknown bootstrap recipe %q (have %s)", recipe, strings.Join(Recipes, ", "))
 	}
-	rootfs := filepath.Join(opts.CacheDir, "rootfs", key)
-	if err := os.MkdirAll(filepath.Dir(rootfs), 0o700); err != nil {
+	if lower != nil {
+		// The lower root filesystem is built (or found) first, and not
+		// rebuilt by Force, which rebuilds only the recipe's own part.
+		if err := lower.ensure(ctx, opts.CacheDir, false, progress); err != nil {
+			return nil, err
+		}
+	}
+	top := &cachedBuild{key: key, recipe: recipe, build: build}
+	if err := top.ensure(ctx, opts.CacheDir, opts.Force, progress); err != nil {
 		return nil, err
-	}
-	// Stores on one host share the cache: one builds, the others wait.
-	unlock, err := lockFile(rootfs + ".lock")
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
-	if opts.Force {
-		os.RemoveAll(rootfs)
-		os.Remove(rootfs + ".complete")
-	}
-	if _, err := os.Stat(rootfs + ".complete"); err != nil {
-		progress.report("build", "building "+recipe+" root filesystem", 0, 0)
-		if err := os.MkdirAll(filepath.Dir(rootfs), 0o700); err != nil {
-			return nil, err
-		}
-		tmp := rootfs + ".building"
-		os.RemoveAll(tmp)
-		if err := os.MkdirAll(tmp, 0o755); err != nil {
-			return nil, err
-		}
-		if err := build(ctx, tmp, progress); err != nil {
-			os.RemoveAll(tmp)
-			return nil, err
-		}
-		os.RemoveAll(rootfs)
-		if err := os.Rename(tmp, rootfs); err != nil {
-			return nil, err
-		}
-		if err := os.WriteFile(rootfs+".complete", []byte(time.Now().UTC().Format(time.RFC3339)), 0o600); err != nil {
-			return nil, err
-		}
 	}
 	progress.report("unpack", "importing "+recipe+" root filesystem", 0, 0)
-	pr, pw := io.Pipe()
-	go func() { pw.CloseWithError(tarDir(rootfs, pw)) }()
-	diff, size, err := s.AddLayer(pr)
-	pr.Close()
-	if err != nil {
-		return nil, fmt.Errorf("import %s root filesystem: %w", recipe, err)
+	img := &Image{Name: as, Owner: tenant.ImageOwner(ctx), Created: time.Now().UTC(), Source: "bootstrap:" + key, Config: cfg}
+	if lower != nil {
+		diff, size, err := s.bootstrapLayer(lower, true, func(w io.Writer) error { return tarDir(lower.dir, w) })
+		if err != nil {
+			return nil, err
+		}
+		img.Layers, img.Size = append(img.Layers, diff), img.Size+size
 	}
-	img := &Image{Name: as, Owner: tenant.ImageOwner(ctx), Layers: []string{diff}, Size: size, Created: time.Now().UTC(), Source: "bootstrap:" + key, Config: cfg}
+	diff, size, err := s.bootstrapLayer(top, !opts.Force, func(w io.Writer) error {
+		if lower != nil {
+			return TarOverlayUpper(top.dir, w, IDShift{})
+		}
+		return tarDir(top.dir, w)
+	})
+	if err != nil {
+		return nil, err
+	}
+	img.Layers, img.Size = append(img.Layers, diff), img.Size+size
 	d := sha256.New()
 	json.NewEncoder(d).Encode(struct {
 		L []string
@@ -174,8 +182,128 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 	if err := s.Put(img); err != nil {
 		return nil, err
 	}
-	progress.report("done", as, size, size)
+	progress.report("done", as, img.Size, img.Size)
 	return img, nil
+}
+
+// aptSource is the apt repository of a Debian recipe: the options', else
+// the host's.
+func aptSource(opts BootstrapOptions) (mirror, suite string, err error) {
+	mirror, suite = opts.Mirror, opts.Suite
+	if mirror == "" || suite == "" {
+		m, su, err := hostAptSource()
+		if err != nil {
+			return "", "", err
+		}
+		if mirror == "" {
+			mirror = m
+		}
+		if suite == "" {
+			suite = su
+		}
+	}
+	return mirror, suite, nil
+}
+
+// debianBuild is the cache key and build of a debootstrapped root
+// filesystem with pkgs, then extra installed with apt-get.
+func debianBuild(recipe, mirror, suite string, pkgs, extra []string) (string, func(context.Context, string, Progress) error) {
+	pkgs = append([]string(nil), pkgs...)
+	sort.Strings(pkgs)
+	h := sha256.Sum256([]byte(mirror + "|" + suite + "|" + strings.Join(pkgs, ",") + "|" + strings.Join(extra, ",")))
+	if len(extra) == 0 {
+		// The key "debian" images had before polyglot.
+		h = sha256.Sum256([]byte(mirror + "|" + suite + "|" + strings.Join(pkgs, ",")))
+	}
+	key := recipe + "-" + suite + "-" + hex.EncodeToString(h[:6])
+	return key, func(ctx context.Context, dir string, progress Progress) error {
+		return buildDebian(ctx, dir, mirror, suite, pkgs, extra, progress)
+	}
+}
+
+// cachedBuild is a directory a recipe builds once in the cache directory
+// (cache/rootfs/<key>) and every store then imports.
+type cachedBuild struct {
+	key, recipe string
+	build       func(ctx context.Context, dir string, progress Progress) error
+	// dir is the built directory, once ensure returned.
+	dir string
+}
+
+// ensure builds b unless the cache has it (or force), and sets b.dir.
+// Stores on one host share the cache: one builds, the others wait.
+func (b *cachedBuild) ensure(ctx context.Context, cacheDir string, force bool, progress Progress) error {
+	rootfs := filepath.Join(cacheDir, "rootfs", b.key)
+	if err := os.MkdirAll(filepath.Dir(rootfs), 0o700); err != nil {
+		return err
+	}
+	unlock, err := lockFile(rootfs + ".lock")
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if force {
+		os.RemoveAll(rootfs)
+		os.Remove(rootfs + ".complete")
+	}
+	if _, err := os.Stat(rootfs + ".complete"); err != nil {
+		progress.report("build", "building "+b.recipe+" root filesystem", 0, 0)
+		tmp := rootfs + ".building"
+		os.RemoveAll(tmp)
+		if err := os.MkdirAll(tmp, 0o755); err != nil {
+			return err
+		}
+		if err := b.build(ctx, tmp, progress); err != nil {
+			os.RemoveAll(tmp)
+			return err
+		}
+		os.RemoveAll(rootfs)
+		if err := os.Rename(tmp, rootfs); err != nil {
+			return err
+		}
+		if err := os.WriteFile(rootfs+".complete", []byte(time.Now().UTC().Format(time.RFC3339)), 0o600); err != nil {
+			return err
+		}
+	}
+	b.dir = rootfs
+	return nil
+}
+
+// bootstrapLayer stores the layer of a cached build, written by write.
+// With reuse, a layer this store already imported from the same build
+// (another bootstrapped image's, e.g. "debian" under "base") is not read
+// again.
+func (s *Store) bootstrapLayer(b *cachedBuild, reuse bool, write func(io.Writer) error) (string, int64, error) {
+	if diff, size, ok := s.bootstrapped(b.key); ok && reuse {
+		return diff, size, nil
+	}
+	pr, pw := io.Pipe()
+	go func() { pw.CloseWithError(write(pw)) }()
+	diff, size, err := s.AddLayer(pr)
+	pr.Close()
+	if err != nil {
+		return "", 0, fmt.Errorf("import %s root filesystem: %w", b.recipe, err)
+	}
+	return diff, size, nil
+}
+
+// bootstrapped finds the layer an image bootstrapped from the cached build
+// key has as its own (its last), if the store still holds it.
+func (s *Store) bootstrapped(key string) (string, int64, bool) {
+	s.mu.Lock()
+	var diff string
+	for _, img := range s.images {
+		if img.Source == "bootstrap:"+key && len(img.Layers) > 0 {
+			diff = img.Layers[len(img.Layers)-1]
+			break
+		}
+	}
+	s.mu.Unlock()
+	if diff == "" {
+		return "", 0, false
+	}
+	size, ok := s.haveLayer(diff)
+	return diff, size, ok
 }
 
 // lockFile takes an exclusive flock on path, waiting for it.
@@ -303,6 +431,71 @@ func buildDebian(ctx context.Context, dir, mirror, suite string, pkgs, extra []s
 	os.WriteFile(filepath.Join(dir, "etc/resolv.conf"), nil, 0o644)
 	os.WriteFile(filepath.Join(dir, "etc/hostname"), []byte("sandbox\n"), 0o644)
 	os.WriteFile(filepath.Join(dir, "etc/apt/sources.list"), []byte(fmt.Sprintf("deb %s %s main\n", mirror, suite)), 0o644)
+	return nil
+}
+
+// buildBase builds the "base" recipe's own layer into upper, an overlayfs
+// upper directory over lower, the "debian" recipe's root filesystem (the
+// image's first layer): pkgs installed with apt-get, the user BaseUser
+// (uid and gid BaseUID, home /home/user, bash, in the sudo group) and a
+// sudoers entry that lets it run anything as anyone without a password.
+// sudo is setuid root: it elevates only in sandboxes of images with
+// Config.PrivilegeEscalation, which this recipe's has.
+func buildBase(ctx context.Context, lower, upper, mirror, suite string, pkgs []string, progress Progress) (err error) {
+	work, merged := upper+".work", upper+".merged"
+	for _, d := range []string{work, merged} {
+		os.RemoveAll(d)
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+		defer os.RemoveAll(d)
+	}
+	if err := unix.Mount("overlay", merged, "overlay", 0, "lowerdir="+lower+",upperdir="+upper+",workdir="+work); err != nil {
+		return fmt.Errorf("mount the debian root filesystem under the base layer: %w", err)
+	}
+	mounted := true
+	defer func() {
+		if mounted {
+			unix.Unmount(merged, unix.MNT_DETACH)
+		}
+	}()
+	if err := aptInstall(ctx, merged, mirror, suite, pkgs, progress); err != nil {
+		return err
+	}
+	uid := fmt.Sprint(BaseUID)
+	useradd := exec.CommandContext(ctx, "chroot", merged, "useradd", "--create-home", "--uid", uid, "--user-group",
+		"--groups", "sudo", "--shell", "/bin/bash", BaseUser)
+	if err := runLogged(useradd, progress); err != nil {
+		return fmt.Errorf("add the user %s: %w", BaseUser, err)
+	}
+	sudoers := filepath.Join(merged, "etc/sudoers.d", BaseUser)
+	if err := os.WriteFile(sudoers, []byte(BaseUser+" ALL=(ALL:ALL) NOPASSWD: ALL\n"), 0o440); err != nil {
+		return err
+	}
+	if err := os.Chmod(sudoers, 0o440); err != nil { // whatever the umask
+		return err
+	}
+	if err := runLogged(exec.CommandContext(ctx, "chroot", merged, "visudo", "--check", "--strict"), progress); err != nil {
+		return fmt.Errorf("check the sudoers entry: %w", err)
+	}
+	// What the install leaves behind that the image does not need (the
+	// lower layer has none of it: nothing becomes a whiteout).
+	for _, p := range []string{"var/lib/apt/lists", "var/log"} {
+		ents, _ := os.ReadDir(filepath.Join(merged, p))
+		for _, e := range ents {
+			if name := e.Name(); name != "partial" && name != "lock" {
+				os.RemoveAll(filepath.Join(merged, p, name))
+			}
+		}
+	}
+	if err := unix.Unmount(merged, 0); err != nil {
+		return fmt.Errorf("unmount the base layer: %w", err)
+	}
+	mounted = false
+	// aptInstall copied the host's resolver configuration in, and wrote
+	// the sources.list the lower layer already has.
+	os.Remove(filepath.Join(upper, "etc/resolv.conf"))
+	os.Remove(filepath.Join(upper, "etc/apt/sources.list"))
 	return nil
 }
 

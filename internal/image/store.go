@@ -79,6 +79,15 @@ type Config struct {
 	User       string   `json:"user,omitempty"`
 	Entrypoint []string `json:"entrypoint,omitempty"`
 	Cmd        []string `json:"cmd,omitempty"`
+	// PrivilegeEscalation lets a sandbox's processes gain privileges when
+	// they execute a file (setuid and setgid binaries such as sudo, file
+	// capabilities), up to what the sandbox's root holds: container
+	// sandboxes of the image run without no_new_privs, but only where
+	// they have a user namespace, whose root is no host root (see
+	// substrate.Spec.PrivilegeEscalation). Only recipes set it (the "base"
+	// recipe, for its user's sudo); imported images never have it, and a
+	// snapshot keeps its image's.
+	PrivilegeEscalation bool `json:"privilege_escalation,omitempty"`
 }
 
 // Progress receives import progress. It may be nil.

@@ -218,6 +218,7 @@ func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
 		CPU: s.spec.Resources.GetCpu(), MemoryMB: s.spec.Resources.GetMemoryMb(),
 		DiskMB: s.spec.Resources.GetDiskMb(), Pids: s.spec.Resources.GetPids(),
 		Deadline: s.expires.Add(deadlineGrace), Runtime: s.spec.Runtime,
+		PrivilegeEscalation: img.Config.PrivilegeEscalation,
 	}
 	if s.net != nil {
 		ds.Network = substrate.Network{Mode: s.net.Mode, NetNS: s.net.NetNS, ResolvConf: s.net.ResolvConf}

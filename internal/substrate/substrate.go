@@ -154,6 +154,15 @@ type Spec struct {
 	// namespaces). Processes of other users gain nothing: they hold no
 	// capabilities. Drivers without it ignore it.
 	MountNamespaces bool
+	// PrivilegeEscalation lets the instance's processes gain privileges
+	// when they execute a file (setuid binaries such as sudo, file
+	// capabilities), up to what the instance's root holds and no further
+	// (the image's Config.PrivilegeEscalation). The container driver then
+	// runs the sandbox without no_new_privs, and only where it has a user
+	// namespace (not with HostRoot, and not with MountNamespaces): its
+	// root is an unprivileged host user. Kinds whose boundary is a
+	// virtual machine never set no_new_privs and ignore it.
+	PrivilegeEscalation bool
 	// Runtime selects one of the driver's runtimes (Capabilities.Runtimes;
 	// "" is its default), fixed for the instance's life.
 	Runtime string

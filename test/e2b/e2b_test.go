@@ -40,7 +40,8 @@ var (
 )
 
 // server starts (once) a dsec with the debian images (as layers, and as a
-// VM image where the host can build one) and an API key in E2B's form.
+// VM image where the host can build one), the base image (the SDKs'
+// default templates) and an API key in E2B's form.
 func server(t *testing.T) *dsectest.Server {
 	t.Helper()
 	dsectest.Need(t)
@@ -48,7 +49,7 @@ func server(t *testing.T) *dsectest.Server {
 		b := make([]byte, 20)
 		rand.Read(b)
 		apiKey = "e2b_" + hex.EncodeToString(b)
-		images := []string{"busybox", "debian"}
+		images := []string{"busybox", "debian", "base"}
 		if ok, _ := dsectest.VMReady(); ok {
 			images = append(images, "debian-vm")
 		}
@@ -206,4 +207,20 @@ func TestHundredConcurrentCreates(t *testing.T) {
 	needNode(t)
 	s := server(t)
 	scenario(t, s, "concurrent-creates", "COUNT=100", "TEMPLATE=base")
+}
+
+// TestBaseTemplate checks E2B's base template (its user, home, HOME, sudo
+// and tools) on every kind whose "base" is the base image: kind vm boots
+// the debian-vm image, whose user is root.
+func TestBaseTemplate(t *testing.T) {
+	needNode(t)
+	s := server(t)
+	for kind := range kinds(t, s) {
+		if kind == "vm" {
+			continue
+		}
+		t.Run(kind, func(t *testing.T) {
+			scenario(t, s, "base-template", templates(kind)...)
+		})
+	}
 }

@@ -629,6 +629,48 @@ const scenarios = {
     )
     assert.deepEqual(await Sandbox.list({ query: { metadata: { tag }, state: ['running'] } }).nextItems(), [])
   },
+
+  // The base template is E2B's: commands, file calls and the code
+  // interpreter run as "user" (uid 1000, home /home/user, HOME set) in
+  // /home/user unless a call names another user or directory; "user" has
+  // passwordless sudo; curl, git and python (by that name too) are there.
+  async 'base-template'() {
+    await withSandbox(async (sbx) => {
+      const who = await sbx.commands.run('id -un; id -u; id -Gn; echo "$HOME"; pwd; echo ~')
+      assert.equal(who.stdout, 'user\n1000\nuser sudo\n/home/user\n/home/user\n/home/user\n')
+      // (Root's commands start in the template's working directory too,
+      // as under envd.)
+      const root = await sbx.commands.run('id -un; echo "$HOME"; pwd', { user: 'root' })
+      assert.equal(root.stdout, 'root\n/root\n/home/user\n')
+      const sudo = await sbx.commands.run('sudo -n true && sudo -n id -u && sudo echo "[$FOO]"', { envs: { FOO: 'scoped' } })
+      assert.equal(sudo.stdout, '0\n[scoped]\n')
+      for (const tool of ['curl --version', 'git --version', 'python --version', 'python3 --version']) {
+        const r = await sbx.commands.run(tool)
+        assert.equal(r.exitCode, 0, `${tool}: ${r.stderr}`)
+      }
+      assert.equal((await sbx.commands.run('python -c "import sys; print(sys.version_info[0])"')).stdout, '3\n')
+      const git = await sbx.commands.run('git init -q repo && cd repo && git -c user.name=a -c user.email=a@b.c commit -q --allow-empty -m first && git log --format=%s && pwd')
+      assert.equal(git.stdout, 'first\n/home/user/repo\n')
+
+      await sbx.files.write('/home/user/mine.txt', 'x')
+      const mine = await sbx.files.getInfo('/home/user/mine.txt')
+      assert.equal(mine.owner, 'user')
+      assert.equal(mine.group, 'user')
+      assert.equal((await sbx.files.getInfo('/home/user')).owner, 'user')
+      await sbx.files.write('/root/root.txt', 'y', { user: 'root' })
+      assert.equal((await sbx.files.getInfo('/root/root.txt', { user: 'root' })).owner, 'root')
+      assert.equal(await sbx.files.read('/root/root.txt', { user: 'root' }), 'y')
+      await rejects(sbx.files.read('/root/root.txt'), SandboxError, "the default user reads root's home")
+      assert.equal((await sbx.commands.run('stat -c %U /home/user/mine.txt /root/root.txt', { user: 'root' })).stdout, 'user\nroot\n')
+    })
+    const ci = await CodeSandbox.create(CI_TEMPLATE, { timeoutMs: 300_000 })
+    try {
+      const r = await ci.runCode('import getpass, os\n(getpass.getuser(), os.getcwd(), os.environ["HOME"])')
+      assert.equal(r.text, "('user', '/home/user', '/home/user')")
+    } finally {
+      await ci.kill()
+    }
+  },
 }
 
 // WS_SERVER is a small server for the port scenarios: GET /stream writes

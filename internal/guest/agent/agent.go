@@ -232,11 +232,23 @@ func (a *Agent) SetDeadline(t time.Time) {
 	})
 }
 
-// baseEnv is the environment processes start from.
+// baseEnv is the environment processes start from: the agent's own (the
+// image's and the spec's, under a container runtime) and SetEnv's. The
+// HOME=/root the runtimes give the agent, root's home, is left out:
+// withLoginEnv sets each process's HOME to its user's home. (A HOME=/root
+// that an image or spec sets under a container runtime is left out with
+// it; any other HOME they set holds for every user.)
 func (a *Agent) baseEnv() []string {
+	own := os.Environ()
+	for i, e := range own {
+		if e == "HOME="+rootIdentity.home {
+			own = append(own[:i:i], own[i+1:]...)
+			break
+		}
+	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return mergeEnv(os.Environ(), a.env)
+	return mergeEnv(own, a.env)
 }
 
 func (a *Agent) hello() *guestv1.HelloReply {

@@ -593,6 +593,9 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if err != nil {
 		return nil, errdefs.Internal(err, "build runtime spec")
 	}
+	if s.PrivilegeEscalation && spec.Process.NoNewPrivileges {
+		d.log.Debug("the image allows privilege escalation, but not without a user namespace: the sandbox keeps no_new_privs", slog.String("sandbox_id", s.ID))
+	}
 	spec.Process.Args = append(spec.Process.Args, agentFiles.args...)
 	b, err := json.Marshal(spec)
 	if err != nil {

@@ -33,10 +33,11 @@ var sandboxCaps = []string{
 // The kernel refuses to execute a file whose capabilities (xattr) are not
 // all in the bounding set, and Debian's iputils-ping is installed with
 // cap_net_raw+ep: without it there, `ping` would not even start (EPERM).
-// It grants nothing: with no_new_privs, which every sandbox has, an execve
-// never raises the permitted set above the caller's, so ping runs without
-// the capability and falls back to a datagram socket. Were no_new_privs
-// ever dropped, CAP_NET_RAW must leave this set too.
+// It grants nothing: with no_new_privs, which every sandbox but those that
+// allow privilege escalation has, an execve never raises the permitted set
+// above the caller's, so ping runs without the capability and falls back
+// to a datagram socket. Sandboxes without no_new_privs have sandboxCaps
+// as their bounding set (see ociSpec).
 var boundingCaps = append(append([]string(nil), sandboxCaps...), "CAP_NET_RAW")
 
 // sandboxSysctls are set in the network namespace the runtime makes for
@@ -70,13 +71,7 @@ var readonlyPaths = []string{
 // in user namespace ns (nil: none), for crun or runc, or runsc (gvisor).
 func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS, gvisor bool) (*specs.Spec, error) {
 	rootfs := st.Rootfs
-	caps := append([]string(nil), sandboxCaps...)
-	bounding := append([]string(nil), boundingCaps...)
-	if s.MountNamespaces {
-		// Function workers' root processes make calls' private mounts.
-		caps = append(caps, "CAP_SYS_ADMIN")
-		bounding = append(bounding, "CAP_SYS_ADMIN")
-	}
+	caps, bounding, noNewPrivs := privileges(s, ns)
 	env := s.Env
 	if !hasVar(env, "PATH") {
 		env = append([]string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, env...)
@@ -103,7 +98,7 @@ func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS, gvisor bool) (
 				Bounding: bounding, Effective: caps, Permitted: caps,
 			},
 			Rlimits:         []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Hard: d.nofile, Soft: d.nofile}},
-			NoNewPrivileges: true, // boundingCaps rely on it
+			NoNewPrivileges: noNewPrivs,
 			OOMScoreAdj:     oomAdj,
 		},
 		Mounts: []specs.Mount{
@@ -184,6 +179,36 @@ func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS, gvisor bool) (
 		spec.Linux.Seccomp = sc.profile
 	}
 	return spec, nil
+}
+
+// privileges are the capabilities of the sandbox's root (caps: effective
+// and permitted), its bounding set, and whether no_new_privs is set, for
+// s's sandbox in user namespace ns (nil: none).
+//
+// A sandbox runs without no_new_privs, so that its processes may gain
+// privileges at exec (sudo, setuid binaries, file capabilities), only when
+// its spec allows privilege escalation and it has a user namespace (none
+// with HostRoot), whose root holds capabilities over the sandbox's own
+// namespaces only: a process that gains root gains that and nothing more.
+// Its bounding set is then root's capabilities exactly, since an exec as
+// root (a setuid binary's too) gets the whole bounding set: CAP_NET_RAW
+// leaves it (a file that needs it, such as a ping installed with
+// cap_net_raw+ep, then does not execute). Function workers
+// (MountNamespaces), whose root holds CAP_SYS_ADMIN, always keep
+// no_new_privs.
+func privileges(s *substrate.Spec, ns *userNS) (caps, bounding []string, noNewPrivs bool) {
+	caps = append([]string(nil), sandboxCaps...)
+	bounding = append([]string(nil), boundingCaps...)
+	if s.MountNamespaces {
+		// Function workers' root processes make calls' private mounts.
+		caps = append(caps, "CAP_SYS_ADMIN")
+		bounding = append(bounding, "CAP_SYS_ADMIN")
+		return caps, bounding, true
+	}
+	if s.PrivilegeEscalation && ns != nil {
+		return caps, append([]string(nil), caps...), false
+	}
+	return caps, bounding, true
 }
 
 // seccompFor is the profile of s's sandbox.

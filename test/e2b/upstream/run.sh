@@ -9,8 +9,9 @@
 # (relative to packages/js-sdk) default to `tests/sandbox tests/api`. The work directory
 # (WORK, default /tmp/dsec-e2b-upstream) receives the exported SDK, its npm dependencies, the
 # server's data and log, and the vitest JSON reports. The server is `bin/dsec serve` of this
-# repository (run `make build` first) with an API key in E2B's form; extra serve flags come
-# from DSEC_SERVE_ARGS, extra images from DSEC_EXTRA_IMAGES. E2B_PORTS_DOMAIN=1 also serves the
+# repository (run `make build` first) with an API key in E2B's form and the base image (the
+# tests' template); extra serve flags come from DSEC_SERVE_ARGS, extra images from
+# DSEC_EXTRA_IMAGES. E2B_PORTS_DOMAIN=1 also serves the
 # E2B domain e2b.localhost:PORT over TLS on 127.0.0.2:PORT, so the tests that fetch
 # sandbox.getHost(port) reach it: the SDK trusts the server's CA (NODE_EXTRA_CA_CERTS) and
 # resolves *.e2b.localhost with test/e2b/resolve.mjs (docs/e2b.md, "TLS and host names").
@@ -56,7 +57,7 @@ if [ -n "${E2B_PORTS_DOMAIN:-}" ]; then
 	domain_env="NODE_EXTRA_CA_CERTS=$data/e2b-ca.pem DSEC_TEST_RESOLVE=e2b.localhost=127.0.0.2 NODE_OPTIONS=--import=$here/../resolve.mjs"
 fi
 "$repo/bin/dsec" serve --listen 127.0.0.1:$port --data-dir "$data" --log-level warn \
-	--bootstrap busybox,debian${DSEC_EXTRA_IMAGES:+,$DSEC_EXTRA_IMAGES} --api-key "$key" \
+	--bootstrap busybox,debian,base${DSEC_EXTRA_IMAGES:+,$DSEC_EXTRA_IMAGES} --api-key "$key" \
 	$domain_args ${DSEC_SERVE_ARGS:-} >"$work/serve.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
