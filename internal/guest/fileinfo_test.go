@@ -94,6 +94,7 @@ func TestSymlinkInfo(t *testing.T) {
 	os.Symlink(filepath.Join(dir, "hop"), filepath.Join(dir, "to-dir"))
 	os.Symlink("nowhere", filepath.Join(dir, "dangling"))
 	os.Symlink("loop", filepath.Join(dir, "loop"))
+	os.Symlink("/proc/self/cwd", filepath.Join(dir, "magic"))
 	tests := []struct {
 		name, link, raw string
 		target          *guestv1.FileInfo // Path, Type, Mode, Size (files)
@@ -104,6 +105,7 @@ func TestSymlinkInfo(t *testing.T) {
 			&guestv1.FileInfo{Path: filepath.Join(dir, "sub"), Type: "dir", Mode: 0o750}},
 		{"a dangling link resolves to nothing", "dangling", "nowhere", nil},
 		{"a loop resolves to nothing", "loop", "loop", nil},
+		{"a link through /proc's magic links (the agent's own files) resolves to nothing", "magic", "/proc/self/cwd", nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
