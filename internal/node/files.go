@@ -48,7 +48,7 @@ func relPath(s *sandbox, p string) string {
 	switch {
 	case path.IsAbs(p):
 		return path.Clean(p)
-	case p == "~" || strings.HasPrefix(p, "~"):
+	case strings.HasPrefix(p, "~"):
 		return p // the agent expands "~" and "~/", and refuses "~name"
 	case s.spec.Workdir != "":
 		return path.Join(s.spec.Workdir, p)
