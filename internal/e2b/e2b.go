@@ -33,13 +33,13 @@ import (
 	"github.com/opendsec/dsec/internal/tenant"
 )
 
-// EnvdVersion is the envd version the facade reports. It is the lowest
-// version whose SDK feature gates the facade fully implements: stdin
-// control on Start (0.3.0), the server-side default user (0.4.0),
-// CloseStdin (0.5.2), octet-stream and gzip uploads (0.5.7). File metadata
-// (0.6.2) and entries in watch events (0.6.3) are not implemented, so the
-// SDKs refuse those calls on the client side.
-const EnvdVersion = "0.5.7"
+// EnvdVersion is the envd version the facade reports: the highest whose
+// SDK feature gates the facade implements, stdin control on Start (0.3.0),
+// the server-side default user (0.4.0), CloseStdin (0.5.2), octet-stream
+// and gzip uploads (0.5.7), file metadata (0.6.2), entries in watch events
+// (0.6.3) and watches with allowNetworkMounts (0.6.4: dsec watches any
+// directory, so the flag changes nothing).
+const EnvdVersion = "0.6.4"
 
 // Ports the SDKs address inside a sandbox.
 const (

@@ -192,8 +192,12 @@ func (p *processService) Start(ctx context.Context, req *connect.Request[process
 	if strings.HasPrefix(req.Msg.GetTag(), internalTag) {
 		return errwire.ToConnect(errdefs.Invalid("tags starting with %s are reserved", internalTag))
 	}
+	cwd := cfg.GetCwd()
+	if cwd != "" {
+		cwd = envdPath(cwd)
+	}
 	xr := &dsecv1.ExecRequest{
-		SandboxId: id, Argv: append([]string{cfg.GetCmd()}, cfg.GetArgs()...), Env: cfg.GetEnvs(), Cwd: cfg.GetCwd(),
+		SandboxId: id, Argv: append([]string{cfg.GetCmd()}, cfg.GetArgs()...), Env: cfg.GetEnvs(), Cwd: cwd,
 		User: userOf(ctx), StdinOpen: req.Msg.Stdin == nil || req.Msg.GetStdin(), Tag: req.Msg.GetTag(),
 		TimeoutS: maxExecTimeoutS, MaxOutputBytes: maxOutputBytes,
 	}
@@ -205,14 +209,32 @@ func (p *processService) Start(ctx context.Context, req *connect.Request[process
 	if d, ok := ctx.Deadline(); ok {
 		xr.TimeoutS = min(max(time.Until(d).Seconds(), 0.001), maxExecTimeoutS)
 	}
+	sent := false
 	err = n.ExecEvents(ctx, xr, func(ev *dsecv1.ExecEvent) error {
 		out, err := processEvent(ev, xr.Pty)
 		if err != nil || out == nil {
 			return err
 		}
+		sent = true
 		return stream.Send(&process.StartResponse{Event: out})
 	})
-	return p.f.rpcErr(ctx, id, err)
+	return p.f.streamErr(ctx, id, sent, err)
+}
+
+// streamErr converts the error that ended a server stream, like rpcErr,
+// except that a stream which has sent events and ended because its
+// sandbox is gone (killed, or at its end of life) is cut off, as envd's
+// streams are when it dies with its sandbox: the SDKs then ask GET /health
+// and report that the sandbox was killed or reached its end of life,
+// rather than a timeout.
+func (f *Facade) streamErr(ctx context.Context, id string, sent bool, err error) error {
+	if err == nil {
+		return nil
+	}
+	if sent && ctx.Err() == nil && !f.running(ctx, id) {
+		panic(http.ErrAbortHandler)
+	}
+	return f.rpcErr(ctx, id, err)
 }
 
 // errTimedOut ends a stream whose process the deadline killed.
@@ -315,14 +337,16 @@ func (p *processService) Connect(ctx context.Context, req *connect.Request[proce
 	if err != nil {
 		return p.f.rpcErr(ctx, id, err)
 	}
+	sent := false
 	err = n.ProcessEvents(ctx, &dsecv1.ConnectProcessRequest{SandboxId: id, ProcessId: proc.ProcessId, LiveOnly: true}, func(ev *dsecv1.ExecEvent) error {
 		out, err := processEvent(ev, proc.Pty)
 		if err != nil || out == nil {
 			return err
 		}
+		sent = true
 		return stream.Send(&process.ConnectResponse{Event: out})
 	})
-	return p.f.rpcErr(ctx, id, err)
+	return p.f.streamErr(ctx, id, sent, err)
 }
 
 func (p *processService) List(ctx context.Context, req *connect.Request[process.ListRequest]) (*connect.Response[process.ListResponse], error) {
@@ -460,11 +484,29 @@ type filesystemService struct {
 
 var _ filesystemconnect.FilesystemHandler = (*filesystemService)(nil)
 
-// entry translates a node's file info.
+// envdPath maps a path of an envd call to the native API's. envd
+// resolves a relative path against the user's home directory, whatever the
+// sandbox's working directory; the native API resolves "~/..." so (and
+// other relative paths against the working directory). An empty path is
+// the working directory, else the home, in both.
+func envdPath(p string) string {
+	switch {
+	case p == "":
+		return "."
+	case strings.HasPrefix(p, "/"), strings.HasPrefix(p, "~"):
+		return p
+	}
+	return "~/" + p
+}
+
+// entry translates a node's file info as envd reports it: a symlink has
+// the permission string of the link ("Lrwxrwxrwx") but the type, mode and
+// metadata of what it resolves to, and that entry's absolute path as its
+// target (itself, with no type, when it dangles).
 func entry(i *dsecv1.FileInfo) *filesystem.EntryInfo {
 	e := &filesystem.EntryInfo{
 		Name: i.Name, Path: i.Path, Size: i.Size, Mode: i.Mode, Owner: i.Owner, Group: i.Group,
-		ModifiedTime: i.Mtime,
+		ModifiedTime: i.Mtime, Metadata: i.Metadata,
 	}
 	mode := fs.FileMode(i.Mode) & fs.ModePerm
 	switch i.Type {
@@ -474,10 +516,14 @@ func entry(i *dsecv1.FileInfo) *filesystem.EntryInfo {
 		e.Type = filesystem.FileType_FILE_TYPE_DIRECTORY
 		mode |= fs.ModeDir
 	case "symlink":
-		e.Type = filesystem.FileType_FILE_TYPE_SYMLINK
 		mode |= fs.ModeSymlink
-		t := i.SymlinkTarget
-		e.SymlinkTarget = &t
+		target, t := i.Path, i.Target
+		e.Mode, e.Metadata = 0, nil
+		if t != nil {
+			target, e.Mode, e.Metadata = t.Path, t.Mode, t.Metadata
+			e.Type = entryType(t.Type)
+		}
+		e.SymlinkTarget = &target
 	default:
 		mode |= fs.ModeIrregular
 	}
@@ -491,34 +537,48 @@ func entry(i *dsecv1.FileInfo) *filesystem.EntryInfo {
 	return e
 }
 
+// entryType is envd's type of an entry that is not a symlink.
+func entryType(t string) filesystem.FileType {
+	switch t {
+	case "file":
+		return filesystem.FileType_FILE_TYPE_FILE
+	case "dir":
+		return filesystem.FileType_FILE_TYPE_DIRECTORY
+	}
+	return filesystem.FileType_FILE_TYPE_UNSPECIFIED
+}
+
 func (s *filesystemService) Stat(ctx context.Context, req *connect.Request[filesystem.StatRequest]) (*connect.Response[filesystem.StatResponse], error) {
 	n, id, err := s.f.node(ctx)
 	if err != nil {
 		return nil, err
 	}
-	info, err := apiserver.Do(ctx, n, &dsecv1.StatRequest{SandboxId: id, Path: req.Msg.GetPath(), User: userOf(ctx)}, apiserver.Node.Stat)
+	info, err := apiserver.Do(ctx, n, &dsecv1.StatRequest{SandboxId: id, Path: envdPath(req.Msg.GetPath()), User: userOf(ctx)}, apiserver.Node.Stat)
 	if err != nil {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
 	return connect.NewResponse(&filesystem.StatResponse{Entry: entry(info)}), nil
 }
 
-// MakeDir creates a directory and its parents; an existing one is
-// already_exists (the SDK's makeDir returns false).
+// MakeDir creates a directory and its parents, owned by the request's
+// user; an existing one (or a symlink to one) is already_exists (the SDK's
+// makeDir returns false), anything else there invalid_argument, as in
+// envd.
 func (s *filesystemService) MakeDir(ctx context.Context, req *connect.Request[filesystem.MakeDirRequest]) (*connect.Response[filesystem.MakeDirResponse], error) {
 	n, id, err := s.f.node(ctx)
 	if err != nil {
 		return nil, err
 	}
-	if info, err := apiserver.Do(ctx, n, &dsecv1.StatRequest{SandboxId: id, Path: req.Msg.GetPath(), User: userOf(ctx)}, apiserver.Node.Stat); err == nil {
-		if info.Type == "dir" {
+	p := envdPath(req.Msg.GetPath())
+	if info, err := apiserver.Do(ctx, n, &dsecv1.StatRequest{SandboxId: id, Path: p, User: userOf(ctx)}, apiserver.Node.Stat); err == nil {
+		if info.Type == "dir" || info.GetTarget().GetType() == "dir" {
 			return nil, errwire.ToConnect(errdefs.Conflict("directory %s already exists", clip(info.Path)))
 		}
-		return nil, errwire.ToConnect(errdefs.Conflict("%s exists and is not a directory", clip(info.Path)))
+		return nil, errwire.ToConnect(errdefs.Invalid("%s already exists and is not a directory", clip(info.Path)))
 	} else if !errdefs.Is(err, errdefs.KindNotFound) {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
-	info, err := apiserver.Do(ctx, n, &dsecv1.MakeDirRequest{SandboxId: id, Path: req.Msg.GetPath(), User: userOf(ctx)}, apiserver.Node.MakeDir)
+	info, err := apiserver.Do(ctx, n, &dsecv1.MakeDirRequest{SandboxId: id, Path: p, User: userOf(ctx)}, apiserver.Node.MakeDir)
 	if err != nil {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
@@ -531,15 +591,15 @@ func (s *filesystemService) Move(ctx context.Context, req *connect.Request[files
 	if err != nil {
 		return nil, err
 	}
-	dst := req.Msg.GetDestination()
-	if parent := path.Dir(dst); path.IsAbs(dst) && parent != "/" {
+	src, dst := envdPath(req.Msg.GetSource()), envdPath(req.Msg.GetDestination())
+	if parent := path.Dir(dst); parent != "/" && parent != "~" {
 		if _, err := apiserver.Do(ctx, n, &dsecv1.StatRequest{SandboxId: id, Path: parent, User: userOf(ctx)}, apiserver.Node.Stat); errdefs.Is(err, errdefs.KindNotFound) {
 			if _, err := apiserver.Do(ctx, n, &dsecv1.MakeDirRequest{SandboxId: id, Path: parent, User: userOf(ctx)}, apiserver.Node.MakeDir); err != nil {
 				return nil, s.f.rpcErr(ctx, id, err)
 			}
 		}
 	}
-	info, err := apiserver.Do(ctx, n, &dsecv1.RenameRequest{SandboxId: id, From: req.Msg.GetSource(), To: dst, User: userOf(ctx)}, apiserver.Node.Rename)
+	info, err := apiserver.Do(ctx, n, &dsecv1.RenameRequest{SandboxId: id, From: src, To: dst, User: userOf(ctx)}, apiserver.Node.Rename)
 	if err != nil {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
@@ -558,7 +618,7 @@ func (s *filesystemService) ListDir(ctx context.Context, req *connect.Request[fi
 	if depth > 64 {
 		return nil, errwire.ToConnect(errdefs.Invalid("depth must be between 1 and 64"))
 	}
-	list, err := apiserver.Do(ctx, n, &dsecv1.ListDirRequest{SandboxId: id, Path: req.Msg.GetPath(), Depth: int32(depth), User: userOf(ctx)}, apiserver.Node.ListDir)
+	list, err := apiserver.Do(ctx, n, &dsecv1.ListDirRequest{SandboxId: id, Path: envdPath(req.Msg.GetPath()), Depth: int32(depth), User: userOf(ctx)}, apiserver.Node.ListDir)
 	if err != nil {
 		return nil, s.f.rpcErr(ctx, id, err)
 	}
@@ -569,14 +629,19 @@ func (s *filesystemService) ListDir(ctx context.Context, req *connect.Request[fi
 	return connect.NewResponse(out), nil
 }
 
-// Remove removes a file or a whole tree.
+// Remove removes a file or a whole tree; a path that is not there is
+// removed already (envd's os.RemoveAll).
 func (s *filesystemService) Remove(ctx context.Context, req *connect.Request[filesystem.RemoveRequest]) (*connect.Response[filesystem.RemoveResponse], error) {
 	n, id, err := s.f.node(ctx)
 	if err != nil {
 		return nil, err
 	}
-	if _, err := apiserver.Do(ctx, n, &dsecv1.RemoveRequest{SandboxId: id, Path: req.Msg.GetPath(), Recursive: true, User: userOf(ctx)}, apiserver.Node.Remove); err != nil {
-		return nil, s.f.rpcErr(ctx, id, err)
+	if _, err := apiserver.Do(ctx, n, &dsecv1.RemoveRequest{SandboxId: id, Path: envdPath(req.Msg.GetPath()), Recursive: true, User: userOf(ctx)}, apiserver.Node.Remove); err != nil {
+		// A missing file, not a missing sandbox (sandboxErr tells them
+		// apart).
+		if err = s.f.sandboxErr(ctx, id, err); !errdefs.Is(err, errdefs.KindNotFound) {
+			return nil, errwire.ToConnect(err)
+		}
 	}
 	return connect.NewResponse(&filesystem.RemoveResponse{}), nil
 }
@@ -590,16 +655,18 @@ var eventTypes = map[string]filesystem.EventType{
 }
 
 // WatchDir streams changes under a directory until the client goes away or
-// the request's deadline (timeoutMs) passes.
+// the request's deadline (timeoutMs) passes. includeEntry attaches the
+// entry to create, write and chmod events (not to remove and rename
+// events, whose entry is gone), as envd does. allowNetworkMounts changes
+// nothing: envd refuses to watch NFS, SMB and FUSE mounts without it,
+// dsec watches any directory.
 func (s *filesystemService) WatchDir(ctx context.Context, req *connect.Request[filesystem.WatchDirRequest], stream *connect.ServerStream[filesystem.WatchDirResponse]) error {
 	n, id, err := s.f.node(ctx)
 	if err != nil {
 		return err
 	}
-	if req.Msg.GetIncludeEntry() {
-		return errwire.ToConnect(errdefs.Unimplemented("includeEntry needs envd 0.6.3; this server reports %s", EnvdVersion))
-	}
-	err = n.WatchEvents(ctx, &dsecv1.WatchDirRequest{SandboxId: id, Path: req.Msg.GetPath(), Recursive: req.Msg.GetRecursive(), User: userOf(ctx)}, func(ev *dsecv1.WatchDirEvent) error {
+	sent := false
+	err = n.WatchEvents(ctx, &dsecv1.WatchDirRequest{SandboxId: id, Path: envdPath(req.Msg.GetPath()), Recursive: req.Msg.GetRecursive(), User: userOf(ctx), IncludeInfo: req.Msg.GetIncludeEntry()}, func(ev *dsecv1.WatchDirEvent) error {
 		var out *filesystem.WatchDirResponse
 		switch e := ev.Event.(type) {
 		case *dsecv1.WatchDirEvent_Started:
@@ -615,12 +682,17 @@ func (s *filesystemService) WatchDir(ctx context.Context, req *connect.Request[f
 			if !ok {
 				return nil
 			}
-			out = &filesystem.WatchDirResponse{Event: &filesystem.WatchDirResponse_Filesystem{Filesystem: &filesystem.FilesystemEvent{Name: e.Change.Name, Type: t}}}
+			fe := &filesystem.FilesystemEvent{Name: e.Change.Name, Type: t}
+			if e.Change.Info != nil {
+				fe.Entry = entry(e.Change.Info)
+			}
+			out = &filesystem.WatchDirResponse{Event: &filesystem.WatchDirResponse_Filesystem{Filesystem: fe}}
 		}
 		if out == nil {
 			return nil
 		}
+		sent = true
 		return stream.Send(out)
 	})
-	return s.f.rpcErr(ctx, id, err)
+	return s.f.streamErr(ctx, id, sent, err)
 }

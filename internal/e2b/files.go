@@ -166,7 +166,7 @@ func (f *Facade) download(w http.ResponseWriter, r *http.Request, n apiserver.No
 		return
 	}
 	started := false
-	err := n.ReadFileChunks(r.Context(), &dsecv1.ReadFileRequest{SandboxId: id, Path: p, User: r.URL.Query().Get("username")}, func(m *dsecv1.ReadFileResponse) error {
+	err := n.ReadFileChunks(r.Context(), &dsecv1.ReadFileRequest{SandboxId: id, Path: envdPath(p), User: r.URL.Query().Get("username")}, func(m *dsecv1.ReadFileResponse) error {
 		if info := m.GetInfo(); info != nil {
 			h := w.Header()
 			h.Set("Content-Type", "application/octet-stream")
@@ -179,36 +179,67 @@ func (f *Facade) download(w http.ResponseWriter, r *http.Request, n apiserver.No
 		_, err := w.Write(m.GetData())
 		return err
 	})
-	if err != nil && !started {
+	switch {
+	case err != nil && !started:
 		envdError(w, f.sandboxErr(r.Context(), id, err))
+	case err != nil:
+		// The status is sent: break the response off, so no client takes
+		// a short body for the file (and the SDKs, seeing the connection
+		// drop, ask whether the sandbox still runs).
+		panic(http.ErrAbortHandler)
 	}
 }
 
 // writtenJSON is envd's EntryInfo of an upload.
 type writtenJSON struct {
-	Name string `json:"name"`
-	Type string `json:"type"`
-	Path string `json:"path"`
+	Name     string            `json:"name"`
+	Type     string            `json:"type"`
+	Path     string            `json:"path"`
+	Metadata map[string]string `json:"metadata,omitempty"`
+}
+
+// metadataHeader prefixes the request headers that carry an upload's
+// metadata, one per key: X-Metadata-<key>: <value>.
+const metadataHeader = "X-Metadata-"
+
+// uploadMetadata collects an upload's metadata from its headers, keys
+// lowercased (as envd does: header names are case-insensitive).
+func uploadMetadata(h http.Header) map[string]string {
+	var md map[string]string
+	for name, values := range h {
+		key, ok := strings.CutPrefix(http.CanonicalHeaderKey(name), metadataHeader)
+		if !ok || key == "" || len(values) == 0 {
+			continue
+		}
+		if md == nil {
+			md = map[string]string{}
+		}
+		md[strings.ToLower(key)] = values[0]
+	}
+	return md
 }
 
 // upload writes multipart parts named "file" (each to the query's path, or
 // to its file name, which the SDKs set to the target path) or, for
 // application/octet-stream, the body (gunzipped with Content-Encoding:
-// gzip) to the query's path.
+// gzip) to the query's path. X-Metadata-* headers become every file's
+// metadata, replacing what it had (none: cleared), as in envd.
 func (f *Facade) upload(w http.ResponseWriter, r *http.Request, n apiserver.Node, id string) {
 	ctx := r.Context()
 	q := r.URL.Query()
 	user := q.Get("username")
+	md := uploadMetadata(r.Header) // checked by the node, before it writes
 	write := func(p string, body io.Reader) (*writtenJSON, error) {
 		if p == "" {
 			return nil, errdefs.Invalid("no target path: give ?path= or the part's file name")
 		}
-		resp, err := n.WriteFileFrom(ctx, &dsecv1.WriteFileHeader{SandboxId: id, Path: p, User: user}, body)
+		resp, err := n.WriteFileFrom(ctx, &dsecv1.WriteFileHeader{SandboxId: id, Path: envdPath(p), User: user, Metadata: md}, body)
 		if err != nil {
 			return nil, f.sandboxErr(ctx, id, errwire.FromConnect(err))
 		}
 		info := resp.Msg
-		return &writtenJSON{Name: path.Base(info.Path), Type: "file", Path: info.Path}, nil
+		// What the file holds now (read back), not what was asked for.
+		return &writtenJSON{Name: path.Base(info.Path), Type: "file", Path: info.Path, Metadata: info.Metadata}, nil
 	}
 	var out []writtenJSON
 	mt, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"path"
 	"sort"
 	"strconv"
 	"strings"
@@ -84,11 +83,13 @@ func (n *Node) guestExec(s *sandbox, req *dsecv1.ExecRequest, collect bool) (*gu
 		env = append(env, k+"="+v)
 	}
 	sort.Strings(env)
+	// No cwd: the working directory, else (the agent's default) the
+	// user's home; a relative one is relative to that (relPath).
 	cwd := req.GetCwd()
 	if cwd == "" {
 		cwd = s.spec.Workdir
-	} else if !path.IsAbs(cwd) {
-		cwd = path.Join(orRoot(s.spec.Workdir), cwd)
+	} else {
+		cwd = relPath(s, cwd)
 	}
 	user := req.GetUser()
 	if user == "" {
@@ -101,13 +102,6 @@ func (n *Node) guestExec(s *sandbox, req *dsecv1.ExecRequest, collect bool) (*gu
 		Pty: req.GetPty(), Rows: req.GetPtyRows(), Cols: req.GetPtyCols(),
 		Collect: collect, Tag: req.GetTag(),
 	}, nil
-}
-
-func orRoot(p string) string {
-	if p == "" {
-		return "/"
-	}
-	return p
 }
 
 // Exec runs a command to completion and logs it. With a request ID it is

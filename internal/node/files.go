@@ -5,21 +5,27 @@ import (
 	"fmt"
 	"io"
 	"path"
+	"sort"
+	"strings"
 	"time"
 
 	"connectrpc.com/connect"
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/trajectory"
 	"google.golang.org/protobuf/types/known/timestamppb"
 )
 
-// sandboxPath makes a path from a caller absolute: relative paths are
-// relative to the sandbox's working directory. Resolving it is the agent's
-// work: inside the sandbox's root, as the call's user (fileUser), so ".."
-// and symlinks cannot lead outside the sandbox or to files that user may
-// not touch.
+// sandboxPath checks a path from a caller and makes it one the agent
+// takes: absolute, or starting with "~" (the call user's home, which only
+// the agent knows, from the sandbox's /etc/passwd). Other relative paths
+// are relative to the sandbox's working directory, else to the user's
+// home: where a command without cwd starts (relPath). Resolving the path
+// is the agent's work: inside the sandbox's root, as the call's user
+// (fileUser), so ".." and symlinks cannot lead outside the sandbox or to
+// files that user may not touch.
 func sandboxPath(s *sandbox, p string) (string, error) {
 	if p == "" {
 		return "", errdefs.Invalid("path is required")
@@ -32,10 +38,23 @@ func sandboxPath(s *sandbox, p string) (string, error) {
 			return "", errdefs.Invalid("path contains a NUL byte")
 		}
 	}
-	if !path.IsAbs(p) {
-		p = path.Join(orRoot(s.spec.Workdir), p)
+	return relPath(s, p), nil
+}
+
+// relPath makes a non-empty path of a file call or a cwd absolute, except
+// that "~" paths are left for the agent, and paths relative to the home
+// become "~/..." (the sandbox has no working directory of its own).
+func relPath(s *sandbox, p string) string {
+	switch {
+	case path.IsAbs(p):
+		return path.Clean(p)
+	case strings.HasPrefix(p, "~"):
+		return p // the agent expands "~" and "~/", and refuses "~name"
+	case s.spec.Workdir != "":
+		return path.Join(s.spec.Workdir, p)
+	default:
+		return "~/" + path.Clean(p)
 	}
-	return path.Clean(p), nil
 }
 
 // fileUser is the user a file call acts as inside the sandbox: the
@@ -55,7 +74,7 @@ func fileInfo(i *guestv1.FileInfo) *dsecv1.FileInfo {
 	return &dsecv1.FileInfo{
 		Path: i.Path, Name: i.Name, Type: i.Type, Size: i.Size, Mode: i.Mode,
 		Mtime: timestamppb.New(time.UnixMilli(i.MtimeUnixMs)), SymlinkTarget: i.SymlinkTarget,
-		Owner: i.Owner, Group: i.Group,
+		Owner: i.Owner, Group: i.Group, Metadata: i.Metadata, Target: fileInfo(i.Target),
 	}
 }
 
@@ -118,11 +137,15 @@ func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.
 	if hdr.GetMode() > 0o7777 {
 		return nil, errdefs.Invalid("mode %o is not a permission mode", hdr.GetMode())
 	}
+	md := hdr.GetMetadata()
+	if err := guest.ValidateMetadata(md); err != nil {
+		return nil, errdefs.Invalid("%v", err)
+	}
 	user := fileUser(s, hdr.GetUser())
 	m := mutation{
-		entry:       &dsecv1.LogEntry{Op: "write_file", Path: p, Mode: hdr.GetMode(), User: user},
+		entry:       &dsecv1.LogEntry{Op: "write_file", Path: p, Mode: hdr.GetMode(), User: user, Metadata: md},
 		requestID:   hdr.GetRequestId(),
-		fingerprint: []string{"write_file", p, fmt.Sprint(hdr.GetMode()), fmt.Sprint(hdr.GetAppend()), user},
+		fingerprint: append([]string{"write_file", p, fmt.Sprint(hdr.GetMode()), fmt.Sprint(hdr.GetAppend()), user}, metadataPairs(md)...),
 	}
 	var info *guestv1.FileInfo
 	_, replay, err := n.logged(ctx, s, m, func(e *dsecv1.LogEntry) error {
@@ -131,7 +154,7 @@ func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.
 			return err
 		}
 		blob := n.logs.NewBlob()
-		info, err = fg.WriteFile(ctx, &guestv1.WriteFile{Path: p, Mode: hdr.GetMode(), Append: hdr.GetAppend(), User: user, Mkdirs: true}, io.TeeReader(&touchReader{r: r, s: s}, blob))
+		info, err = fg.WriteFile(ctx, &guestv1.WriteFile{Path: p, Mode: hdr.GetMode(), Append: hdr.GetAppend(), User: user, Mkdirs: true, Metadata: md}, io.TeeReader(&touchReader{r: r, s: s}, blob))
 		e.ContentDigest, _ = blob.Commit()
 		if err != nil {
 			return err
@@ -152,6 +175,16 @@ func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.
 		return &dsecv1.FileInfo{Path: replay.Path, Name: path.Base(replay.Path), Type: "file", Size: replay.Size, Mode: replay.Mode, Replayed: true}, nil
 	}
 	return fileInfo(info), nil
+}
+
+// metadataPairs lists metadata as sorted "key=value" strings.
+func metadataPairs(md map[string]string) []string {
+	out := make([]string, 0, len(md))
+	for k, v := range md {
+		out = append(out, k+"="+v)
+	}
+	sort.Strings(out)
+	return out
 }
 
 // touchReader keeps a long upload from counting as idle.
@@ -337,7 +370,7 @@ func (n *Node) WatchDir(ctx context.Context, req *dsecv1.WatchDirRequest, send f
 	if err != nil {
 		return err
 	}
-	w, err := fg.Watch(ctx, &guestv1.Watch{Path: p, Recursive: req.GetRecursive(), User: fileUser(s, req.GetUser())})
+	w, err := fg.Watch(ctx, &guestv1.Watch{Path: p, Recursive: req.GetRecursive(), User: fileUser(s, req.GetUser()), IncludeInfo: req.GetIncludeInfo()})
 	if err != nil {
 		return n.callFailed(s, err)
 	}
@@ -380,7 +413,7 @@ func (n *Node) WatchDir(ctx context.Context, req *dsecv1.WatchDirRequest, send f
 			if m.e.Overflow {
 				ev = &dsecv1.WatchDirEvent{Event: &dsecv1.WatchDirEvent_Overflow{Overflow: true}}
 			} else {
-				ev = &dsecv1.WatchDirEvent{Event: &dsecv1.WatchDirEvent_Change{Change: &dsecv1.FsEvent{Name: m.e.Name, Op: m.e.Op}}}
+				ev = &dsecv1.WatchDirEvent{Event: &dsecv1.WatchDirEvent_Change{Change: &dsecv1.FsEvent{Name: m.e.Name, Op: m.e.Op, Info: fileInfo(m.e.Info)}}}
 			}
 		}
 		if err := send(ev); err != nil {

@@ -213,7 +213,7 @@ func (n *Node) replayOne(ctx context.Context, id string, e *dsecv1.LogEntry) (bo
 			return true, "content was not recorded"
 		}
 		defer f.Close()
-		info, err := n.WriteFile(ctx, &dsecv1.WriteFileHeader{SandboxId: id, Path: e.Path, Mode: e.Mode, User: e.User}, f)
+		info, err := n.WriteFile(ctx, &dsecv1.WriteFileHeader{SandboxId: id, Path: e.Path, Mode: e.Mode, User: e.User, Metadata: e.Metadata}, f)
 		if err != nil {
 			return true, "write failed: " + err.Error()
 		}

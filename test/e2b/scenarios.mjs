@@ -56,7 +56,7 @@ const scenarios = {
       assert.equal(info.sandboxId, sbx.sandboxId)
       assert.equal(info.templateId, TEMPLATE)
       assert.equal(info.state, 'running')
-      assert.equal(info.envdVersion, '0.5.7')
+      assert.equal(info.envdVersion, '0.6.4')
       assert.deepEqual(info.metadata, { job: 'create-test', 'free form key': 'v=1, w' })
       assert.ok(info.endAt > info.startedAt)
       assert.ok(await sbx.isRunning())
@@ -219,7 +219,7 @@ const scenarios = {
 
       await rejects(sbx.files.read('/tmp/dir/a.txt'), FileNotFoundError, 'read of a missing file')
       await rejects(sbx.files.list('/tmp/missing'), FileNotFoundError, 'list of a missing directory')
-      await rejects(sbx.files.remove('/tmp/missing'), FileNotFoundError, 'remove of a missing file')
+      await sbx.files.remove('/tmp/missing') // succeeds, as envd's (remove-missing)
       await rejects(sbx.files.read('/tmp/other'), SandboxError, 'read of a directory')
       // The command side sees the same files.
       assert.equal((await sbx.commands.run('cat /tmp/other/b.txt')).stdout, 'alpha\n')
@@ -476,7 +476,6 @@ const scenarios = {
       await rejects(sbx.files.exists('/tmp'), AuthenticationError, 'files.exists with a wrong access token')
       sbx.envdAccessToken = real
       assert.equal((await sbx.commands.run('echo ok')).stdout, 'ok\n')
-      await rejects(sbx.files.watchDir('/tmp', () => {}, { includeEntry: true }), Error, 'includeEntry needs envd 0.6.3')
       // A sandbox created without internet access has no network whose
       // rules could change (rules at create and at runtime: wire_test.go).
       const e = await rejects(sbx.updateNetwork({ allowOut: ['example.com'] }), SandboxError, 'updateNetwork without internet access')
@@ -670,6 +669,166 @@ const scenarios = {
     } finally {
       await ci.kill()
     }
+  },
+
+  // Relative paths resolve against the request's user's home directory
+  // (from the sandbox's /etc/passwd), as envd resolves them; what a user
+  // makes, parents included, is that user's.
+  async 'relative-paths'() {
+    await withSandbox(async (sbx) => {
+      // A user of our own, whatever the image's users are.
+      await sbx.commands.run("echo 'tester:x:4321:4321::/home/tester:/bin/sh' >> /etc/passwd && " +
+        "echo 'tester:x:4321:' >> /etc/group && mkdir -p /home/tester && chown 4321:4321 /home/tester", { user: 'root' })
+      // The default user: commands start in its home, files resolve there.
+      const home = (await sbx.commands.run('pwd')).stdout.trim()
+      assert.equal(home, (await sbx.commands.run('echo ~')).stdout.trim(), 'a command without cwd starts in the home')
+      const w = await sbx.files.write('rel/a.txt', 'alpha')
+      assert.equal(w.path, `${home}/rel/a.txt`)
+      assert.equal((await sbx.commands.run('cat rel/a.txt')).stdout, 'alpha')
+      assert.equal((await sbx.files.getInfo('rel')).path, `${home}/rel`)
+      assert.deepEqual((await sbx.files.list('rel')).map((e) => e.path), [`${home}/rel/a.txt`])
+      assert.equal((await sbx.files.rename('rel/a.txt', 'rel/b.txt')).path, `${home}/rel/b.txt`)
+      assert.equal(await sbx.files.read('rel/b.txt'), 'alpha')
+      assert.equal(await sbx.files.exists('rel/a.txt'), false)
+      assert.equal((await sbx.commands.run('pwd', { cwd: 'rel' })).stdout, `${home}/rel\n`)
+      assert.equal(await sbx.files.makeDir('rel/made'), true)
+      assert.equal((await sbx.files.getInfo(`${home}/rel/made`)).type, 'dir')
+      await sbx.files.remove('rel')
+      assert.equal(await sbx.files.exists(`${home}/rel`), false)
+
+      // Another user: its own home, and what it makes is its own.
+      const t = await sbx.files.write('mine.txt', 'x', { user: 'tester' })
+      assert.equal(t.path, '/home/tester/mine.txt')
+      const info = await sbx.files.getInfo('mine.txt', { user: 'tester' })
+      assert.deepEqual([info.path, info.owner, info.group], ['/home/tester/mine.txt', 'tester', 'tester'])
+      assert.equal((await sbx.commands.run('pwd', { user: 'tester' })).stdout, '/home/tester\n')
+      assert.equal(await sbx.files.makeDir('made/deeper', { user: 'tester' }), true)
+      assert.equal((await sbx.commands.run('pwd', { user: 'tester', cwd: 'made' })).stdout, '/home/tester/made\n')
+      await sbx.files.makeDir('/tmp/by-tester/a/b', { user: 'tester' })
+      await sbx.files.write('/tmp/tester-writes/x/f.txt', 'f', { user: 'tester' })
+      for (const p of ['/home/tester/made', '/home/tester/made/deeper', '/tmp/by-tester', '/tmp/by-tester/a', '/tmp/by-tester/a/b',
+        '/tmp/tester-writes', '/tmp/tester-writes/x', '/tmp/tester-writes/x/f.txt']) {
+        const i = await sbx.files.getInfo(p)
+        assert.equal(i.owner, 'tester', `${p} is ${i.owner}'s, want tester's`)
+      }
+    })
+  },
+
+  // remove of a path that is not there succeeds, as envd's (os.RemoveAll).
+  async 'remove-missing'() {
+    await withSandbox(async (sbx) => {
+      await sbx.files.remove('/tmp/never-there')
+      await sbx.files.remove('never-there/either')
+      await sbx.files.write('/tmp/once.txt', 'x')
+      await sbx.files.remove('/tmp/once.txt')
+      await sbx.files.remove('/tmp/once.txt')
+      assert.equal(await sbx.files.exists('/tmp/once.txt'), false)
+    })
+  },
+
+  // A symlink is described by what it resolves to: its type and mode, and
+  // its absolute path as symlinkTarget; the permissions are the link's own.
+  async 'symlink-info'() {
+    await withSandbox(async (sbx) => {
+      await sbx.files.write('/tmp/ln/target.txt', 'data')
+      await sbx.files.makeDir('/tmp/ln/dir')
+      await sbx.commands.run('cd /tmp/ln && ln -s target.txt file-link && ln -s /tmp/ln/dir dir-link && ln -s missing dangling && ln -s file-link chain')
+      const file = await sbx.files.getInfo('/tmp/ln/file-link')
+      assert.deepEqual([file.name, file.path, file.type, file.symlinkTarget, file.permissions, file.mode],
+        ['file-link', '/tmp/ln/file-link', 'file', '/tmp/ln/target.txt', 'Lrwxrwxrwx', 0o644])
+      assert.equal((await sbx.files.getInfo('/tmp/ln/chain')).symlinkTarget, '/tmp/ln/target.txt', 'a chain resolves to its end')
+      const dir = await sbx.files.getInfo('/tmp/ln/dir-link')
+      assert.deepEqual([dir.type, dir.symlinkTarget], ['dir', '/tmp/ln/dir'])
+      const dangling = await sbx.files.getInfo('/tmp/ln/dangling')
+      assert.deepEqual([dangling.type, dangling.symlinkTarget], [undefined, '/tmp/ln/dangling'])
+      // A listing: sorted by name, links typed by their targets, the
+      // dangling one left out (it has no type the SDK knows).
+      const list = await sbx.files.list('/tmp/ln')
+      assert.deepEqual(list.map((e) => [e.name, e.type]),
+        [['chain', 'file'], ['dir', 'dir'], ['dir-link', 'dir'], ['file-link', 'file'], ['target.txt', 'file']])
+      assert.equal(list.find((e) => e.name === 'file-link').symlinkTarget, '/tmp/ln/target.txt')
+      assert.equal(list.find((e) => e.name === 'target.txt').symlinkTarget, undefined)
+      // Relative, as E2B's own test: the target in the user's home.
+      await sbx.files.write('sym-target.txt', 'x')
+      await sbx.commands.run('ln -sf sym-target.txt sym-link.txt')
+      const home = (await sbx.commands.run('pwd')).stdout.trim()
+      assert.equal((await sbx.files.getInfo('sym-link.txt')).symlinkTarget, `${home}/sym-target.txt`)
+    })
+  },
+
+  // File metadata (envd 0.6.2): user.e2b.* extended attributes, set by an
+  // upload (multipart or octet-stream), reported by getInfo, list and
+  // rename, replaced by the next upload, and read when set inside.
+  async 'file-metadata'() {
+    await withSandbox(async (sbx) => {
+      const md = { author: 'ada', purpose: 'upload' }
+      const w = await sbx.files.write('/tmp/md/a.txt', 'x', { metadata: md })
+      assert.deepEqual(w.metadata, md)
+      assert.deepEqual((await sbx.files.getInfo('/tmp/md/a.txt')).metadata, md)
+      const octet = await sbx.files.write('/tmp/md/b.txt', 'y', { metadata: md, useOctetStream: true })
+      assert.deepEqual(octet.metadata, md)
+      assert.deepEqual((await sbx.files.getInfo('/tmp/md/b.txt')).metadata, md)
+      const many = await sbx.files.writeFiles([{ path: '/tmp/md/m1', data: '1' }, { path: 'md-relative', data: '2' }], { metadata: { source: 'suite' } })
+      for (const i of many) {
+        assert.deepEqual(i.metadata, { source: 'suite' })
+        assert.deepEqual((await sbx.files.getInfo(i.path)).metadata, { source: 'suite' })
+      }
+      const listed = await sbx.files.list('/tmp/md')
+      assert.deepEqual(listed.find((e) => e.name === 'a.txt').metadata, md)
+      assert.deepEqual((await sbx.files.rename('/tmp/md/a.txt', '/tmp/md/c.txt')).metadata, md)
+      const over = await sbx.files.write('/tmp/md/c.txt', 'overwritten')
+      assert.equal(over.metadata, undefined, 'an overwrite without metadata clears it')
+      assert.equal((await sbx.files.getInfo('/tmp/md/c.txt')).metadata, undefined)
+      const mixed = await sbx.files.write('/tmp/md/d.txt', 'z', { metadata: { Author: 'Ada' } })
+      assert.deepEqual(mixed.metadata, { author: 'Ada' }, 'keys are lowercased, as envd does')
+      await sbx.commands.run(`python3 -c "import os; os.setxattr('/tmp/md/b.txt', 'user.e2b.stage', b'inside')"`)
+      assert.deepEqual((await sbx.files.getInfo('/tmp/md/b.txt')).metadata, { ...md, stage: 'inside' })
+      assert.equal((await sbx.files.getInfo('/tmp/md/m1')).metadata.source, 'suite')
+    })
+  },
+
+  // Watch events carry the entry (envd 0.6.3) when asked; allowNetworkMounts
+  // (0.6.4) is accepted and changes nothing for a local directory.
+  async 'watch-entry'() {
+    await withSandbox(async (sbx) => {
+      await sbx.files.makeDir('/tmp/we')
+      const events = []
+      const w = await sbx.files.watchDir('/tmp/we', (e) => events.push(e), { includeEntry: true })
+      await sbx.files.write('/tmp/we/f.txt', 'hello', { metadata: { k: 'v' } })
+      await sbx.files.remove('/tmp/we/f.txt')
+      for (let i = 0; i < 50 && !events.some((e) => e.type === 'remove'); i++) await sleep(100)
+      await w.stop()
+      const write = events.find((e) => e.type === 'write' && e.name === 'f.txt' && e.entry)
+      assert.ok(write, `no write event with an entry: ${JSON.stringify(events)}`)
+      assert.deepEqual([write.entry.name, write.entry.path, write.entry.type], ['f.txt', '/tmp/we/f.txt', 'file'])
+      const removed = events.find((e) => e.type === 'remove')
+      assert.ok(removed && removed.entry === undefined, `a removal carries no entry: ${JSON.stringify(removed)}`)
+
+      await sbx.files.makeDir('we-rel')
+      let seen
+      const got = new Promise((resolve) => { seen = resolve })
+      const w2 = await sbx.files.watchDir('we-rel', (e) => { if (e.name === 'g.txt') seen(e) }, { allowNetworkMounts: true, includeEntry: true })
+      await sbx.files.write('we-rel/g.txt', 'x')
+      const e = await Promise.race([got, sleep(10_000)])
+      await w2.stop()
+      const home = (await sbx.commands.run('pwd')).stdout.trim()
+      assert.ok(e && e.entry && e.entry.path === `${home}/we-rel/g.txt`, `event ${JSON.stringify(e)}`)
+    })
+  },
+
+  // A sandbox killed while a command runs (or a watch is open): the SDK
+  // reports that the sandbox was killed or reached its end of life.
+  async 'killed-during-run'() {
+    const sbx = await Sandbox.create(TEMPLATE, { timeoutMs: 300_000 })
+    const cmd = await sbx.commands.run('sleep 60', { background: true })
+    let exited
+    const watchEnd = new Promise((resolve) => { exited = resolve })
+    await sbx.files.watchDir('/tmp', () => {}, { onExit: (err) => exited(err), timeoutMs: 0 })
+    await sbx.kill()
+    const e = await rejects(cmd.wait(), TimeoutError, 'wait for a command of a killed sandbox')
+    assert.ok(e.message.includes('sandbox was killed or reached its end of life'), e.message)
+    const we = await Promise.race([watchEnd, sleep(10_000).then(() => 'no end')])
+    assert.ok(we instanceof TimeoutError && we.message.includes('sandbox was killed or reached its end of life'), `the watch ended with ${we}`)
   },
 }
 

@@ -189,7 +189,7 @@ func TestControlPlaneErrors(t *testing.T) {
 		})
 	}
 	t.Run("create answers 201 with what the SDKs read", func(t *testing.T) {
-		if c.EnvdVersion != "0.5.7" || c.ClientID == "" || c.TemplateID != "base" || len(c.EnvdAccessToken) < 32 || c.Domain != nil {
+		if c.EnvdVersion != "0.6.4" || c.ClientID == "" || c.TemplateID != "base" || len(c.EnvdAccessToken) < 32 || c.Domain != nil {
 			t.Fatalf("create answered %+v", c)
 		}
 	})

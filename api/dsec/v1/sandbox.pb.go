@@ -2509,7 +2509,17 @@ type FileInfo struct {
 	Group         string                 `protobuf:"bytes,9,opt,name=group,proto3" json:"group,omitempty"`
 	// replayed is set on a write with a request_id that was answered from the
 	// trajectory log (the file was written by the first call).
-	Replayed      bool `protobuf:"varint,10,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	Replayed bool `protobuf:"varint,10,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	// metadata is the file's user metadata: key/value pairs kept with a file
+	// or directory as extended attributes named user.e2b.<key> (E2B's
+	// namespace, so metadata set through the E2B API, this one or setfattr
+	// inside the sandbox is the same). Best effort: empty where the file
+	// system has no user xattrs or the user may not read the file.
+	Metadata map[string]string `protobuf:"bytes,11,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// target is what a symlink resolves to inside the sandbox (its path
+	// absolute, every link followed), with that entry's type and mode;
+	// absent when the link dangles or loops.
+	Target        *FileInfo `protobuf:"bytes,12,opt,name=target,proto3" json:"target,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2614,11 +2624,29 @@ func (x *FileInfo) GetReplayed() bool {
 	return false
 }
 
+func (x *FileInfo) GetMetadata() map[string]string {
+	if x != nil {
+		return x.Metadata
+	}
+	return nil
+}
+
+func (x *FileInfo) GetTarget() *FileInfo {
+	if x != nil {
+		return x.Target
+	}
+	return nil
+}
+
 // File calls act as a user inside the sandbox: the request's user, else
 // the sandbox's (spec.user, else the image's, else root). That user's
-// permissions apply and what the call creates is that user's. Paths stay
-// inside the sandbox: ".." and absolute symlinks resolve within its root,
-// and links through /proc to other files are refused (permission_denied).
+// permissions apply and what the call creates is that user's. "~" and
+// "~/..." name that user's home directory (from the sandbox's
+// /etc/passwd); other relative paths resolve against the sandbox's working
+// directory (spec.workdir, else the image's), else that user's home: where
+// a command without cwd starts. Paths stay inside the sandbox: ".." and
+// absolute symlinks resolve within its root, and links through /proc to
+// other files are refused (permission_denied).
 type ReadFileRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
@@ -2789,7 +2817,13 @@ type WriteFileHeader struct {
 	// sandbox's user).
 	User string `protobuf:"bytes,5,opt,name=user,proto3" json:"user,omitempty"`
 	// request_id makes the write exactly-once.
-	RequestId     string `protobuf:"bytes,6,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	RequestId string `protobuf:"bytes,6,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	// metadata replaces the file's metadata (FileInfo.metadata) once the
+	// data is written: keys not listed are removed, so an overwrite without
+	// metadata clears the old; an append without metadata keeps it. Keys
+	// and values are printable ASCII, keys not empty, at most 4096 bytes in
+	// all.
+	Metadata      map[string]string `protobuf:"bytes,7,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2864,6 +2898,13 @@ func (x *WriteFileHeader) GetRequestId() string {
 		return x.RequestId
 	}
 	return ""
+}
+
+func (x *WriteFileHeader) GetMetadata() map[string]string {
+	if x != nil {
+		return x.Metadata
+	}
+	return nil
 }
 
 type WriteFileRequest struct {
@@ -3431,8 +3472,11 @@ type WatchDirRequest struct {
 	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	// recursive also watches every directory below path, including ones
 	// created later.
-	Recursive     bool   `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
-	User          string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	Recursive bool   `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	User      string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	// include_info attaches the entry's FileInfo to "create", "write" and
+	// "chmod" events (best effort: absent when the entry is gone again).
+	IncludeInfo   bool `protobuf:"varint,5,opt,name=include_info,json=includeInfo,proto3" json:"include_info,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3495,6 +3539,13 @@ func (x *WatchDirRequest) GetUser() string {
 	return ""
 }
 
+func (x *WatchDirRequest) GetIncludeInfo() bool {
+	if x != nil {
+		return x.IncludeInfo
+	}
+	return false
+}
+
 // FsEvent is one change under a watched directory.
 type FsEvent struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -3502,7 +3553,9 @@ type FsEvent struct {
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// op is "create" (also a move into the tree), "write", "remove",
 	// "rename" (a move out of its place) or "chmod".
-	Op            string `protobuf:"bytes,2,opt,name=op,proto3" json:"op,omitempty"`
+	Op string `protobuf:"bytes,2,opt,name=op,proto3" json:"op,omitempty"`
+	// info is the entry's info (WatchDirRequest.include_info).
+	Info          *FileInfo `protobuf:"bytes,3,opt,name=info,proto3" json:"info,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3549,6 +3602,13 @@ func (x *FsEvent) GetOp() string {
 		return x.Op
 	}
 	return ""
+}
+
+func (x *FsEvent) GetInfo() *FileInfo {
+	if x != nil {
+		return x.Info
+	}
+	return nil
 }
 
 type WatchDirEvent struct {
@@ -5518,7 +5578,9 @@ type LogEntry struct {
 	TimeoutS  float64    `protobuf:"fixed64,19,opt,name=timeout_s,json=timeoutS,proto3" json:"timeout_s,omitempty"`
 	// fingerprint identifies the request's content, so a request ID reused
 	// for a different call is refused rather than answered wrongly.
-	Fingerprint   string `protobuf:"bytes,20,opt,name=fingerprint,proto3" json:"fingerprint,omitempty"`
+	Fingerprint string `protobuf:"bytes,20,opt,name=fingerprint,proto3" json:"fingerprint,omitempty"`
+	// metadata is a write_file's metadata (WriteFileHeader.metadata).
+	Metadata      map[string]string `protobuf:"bytes,21,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -5691,6 +5753,13 @@ func (x *LogEntry) GetFingerprint() string {
 		return x.Fingerprint
 	}
 	return ""
+}
+
+func (x *LogEntry) GetMetadata() map[string]string {
+	if x != nil {
+		return x.Metadata
+	}
+	return nil
 }
 
 type GetLogResponse struct {
@@ -6172,7 +6241,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\"K\n" +
 	"\x15ListProcessesResponse\x122\n" +
-	"\tprocesses\x18\x01 \x03(\v2\x14.dsec.v1.ProcessInfoR\tprocesses\"\x8f\x02\n" +
+	"\tprocesses\x18\x01 \x03(\v2\x14.dsec.v1.ProcessInfoR\tprocesses\"\xb4\x03\n" +
 	"\bFileInfo\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x12\n" +
@@ -6184,7 +6253,12 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x05owner\x18\b \x01(\tR\x05owner\x12\x14\n" +
 	"\x05group\x18\t \x01(\tR\x05group\x12\x1a\n" +
 	"\breplayed\x18\n" +
-	" \x01(\bR\breplayed\"\x8d\x01\n" +
+	" \x01(\bR\breplayed\x12;\n" +
+	"\bmetadata\x18\v \x03(\v2\x1f.dsec.v1.FileInfo.MetadataEntryR\bmetadata\x12)\n" +
+	"\x06target\x18\f \x01(\v2\x11.dsec.v1.FileInfoR\x06target\x1a;\n" +
+	"\rMetadataEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x8d\x01\n" +
 	"\x0fReadFileRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
@@ -6195,7 +6269,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x10ReadFileResponse\x12'\n" +
 	"\x04info\x18\x01 \x01(\v2\x11.dsec.v1.FileInfoH\x00R\x04info\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\x05\n" +
-	"\x03msg\"\xa3\x01\n" +
+	"\x03msg\"\xa4\x02\n" +
 	"\x0fWriteFileHeader\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
@@ -6204,7 +6278,11 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x06append\x18\x04 \x01(\bR\x06append\x12\x12\n" +
 	"\x04user\x18\x05 \x01(\tR\x04user\x12\x1d\n" +
 	"\n" +
-	"request_id\x18\x06 \x01(\tR\trequestId\"c\n" +
+	"request_id\x18\x06 \x01(\tR\trequestId\x12B\n" +
+	"\bmetadata\x18\a \x03(\v2&.dsec.v1.WriteFileHeader.MetadataEntryR\bmetadata\x1a;\n" +
+	"\rMetadataEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"c\n" +
 	"\x10WriteFileRequest\x122\n" +
 	"\x06header\x18\x01 \x01(\v2\x18.dsec.v1.WriteFileHeaderH\x00R\x06header\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\x05\n" +
@@ -6245,16 +6323,18 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
 	"\x04mode\x18\x03 \x01(\rR\x04mode\x12\x12\n" +
-	"\x04user\x18\x04 \x01(\tR\x04user\"v\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\"\x99\x01\n" +
 	"\x0fWatchDirRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1c\n" +
 	"\trecursive\x18\x03 \x01(\bR\trecursive\x12\x12\n" +
-	"\x04user\x18\x04 \x01(\tR\x04user\"-\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\x12!\n" +
+	"\finclude_info\x18\x05 \x01(\bR\vincludeInfo\"T\n" +
 	"\aFsEvent\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
-	"\x02op\x18\x02 \x01(\tR\x02op\"\x9e\x01\n" +
+	"\x02op\x18\x02 \x01(\tR\x02op\x12%\n" +
+	"\x04info\x18\x03 \x01(\v2\x11.dsec.v1.FileInfoR\x04info\"\x9e\x01\n" +
 	"\rWatchDirEvent\x12\x1a\n" +
 	"\astarted\x18\x01 \x01(\bH\x00R\astarted\x12*\n" +
 	"\x06change\x18\x02 \x01(\v2\x10.dsec.v1.FsEventH\x00R\x06change\x12\x1e\n" +
@@ -6388,7 +6468,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x19\n" +
 	"\bfrom_seq\x18\x02 \x01(\x04R\afromSeq\x12\x14\n" +
-	"\x05limit\x18\x03 \x01(\x05R\x05limit\"\x82\x05\n" +
+	"\x05limit\x18\x03 \x01(\x05R\x05limit\"\xfc\x05\n" +
 	"\bLogEntry\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x1d\n" +
 	"\n" +
@@ -6412,8 +6492,12 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04mode\x18\x11 \x01(\rR\x04mode\x12\x1c\n" +
 	"\trecursive\x18\x12 \x01(\bR\trecursive\x12\x1b\n" +
 	"\ttimeout_s\x18\x13 \x01(\x01R\btimeoutS\x12 \n" +
-	"\vfingerprint\x18\x14 \x01(\tR\vfingerprint\x1a6\n" +
+	"\vfingerprint\x18\x14 \x01(\tR\vfingerprint\x12;\n" +
+	"\bmetadata\x18\x15 \x03(\v2\x1f.dsec.v1.LogEntry.MetadataEntryR\bmetadata\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a;\n" +
+	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"w\n" +
 	"\x0eGetLogResponse\x12+\n" +
@@ -6505,7 +6589,7 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 92)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 95)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
 	(*Resources)(nil),               // 1: dsec.v1.Resources
@@ -6597,9 +6681,12 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	nil,                             // 87: dsec.v1.SandboxSpec.NodeSelectorEntry
 	nil,                             // 88: dsec.v1.ExecRequest.EnvEntry
 	nil,                             // 89: dsec.v1.ProcessInfo.EnvEntry
-	nil,                             // 90: dsec.v1.ForkRequest.LabelsEntry
-	nil,                             // 91: dsec.v1.LogEntry.EnvEntry
-	(*timestamppb.Timestamp)(nil),   // 92: google.protobuf.Timestamp
+	nil,                             // 90: dsec.v1.FileInfo.MetadataEntry
+	nil,                             // 91: dsec.v1.WriteFileHeader.MetadataEntry
+	nil,                             // 92: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 93: dsec.v1.LogEntry.EnvEntry
+	nil,                             // 94: dsec.v1.LogEntry.MetadataEntry
+	(*timestamppb.Timestamp)(nil),   // 95: google.protobuf.Timestamp
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	3,  // 0: dsec.v1.Network.policy:type_name -> dsec.v1.NetworkPolicy
@@ -6607,16 +6694,16 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	5,  // 2: dsec.v1.NetworkPolicy.credentials:type_name -> dsec.v1.BrokeredCredential
 	3,  // 3: dsec.v1.SetNetworkPolicyRequest.policy:type_name -> dsec.v1.NetworkPolicy
 	10, // 4: dsec.v1.GetNetworkLogResponse.records:type_name -> dsec.v1.ConnectionRecord
-	92, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
+	95, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
 	1,  // 6: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
 	85, // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
 	86, // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,  // 9: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
 	87, // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
 	11, // 11: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	92, // 12: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	92, // 13: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	92, // 14: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	95, // 12: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	95, // 13: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	95, // 14: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
 	11, // 15: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	12, // 16: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
 	88, // 17: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
@@ -6624,119 +6711,124 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	21, // 19: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
 	89, // 20: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
 	31, // 21: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	92, // 22: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
-	34, // 23: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
-	37, // 24: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
-	34, // 25: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
-	48, // 26: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	92, // 27: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	58, // 28: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
-	92, // 29: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
-	59, // 30: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
-	60, // 31: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
-	61, // 32: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
-	62, // 33: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
-	11, // 34: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	11, // 35: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	12, // 36: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	63, // 37: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	65, // 38: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	63, // 39: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	70, // 40: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	92, // 41: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	73, // 42: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	90, // 43: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	92, // 44: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	91, // 45: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
-	21, // 46: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	63, // 47: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	80, // 48: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	83, // 49: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	13, // 50: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	64, // 51: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	14, // 52: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	15, // 53: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	17, // 54: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	19, // 55: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	67, // 56: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	68, // 57: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	69, // 58: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	69, // 59: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	69, // 60: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	50, // 61: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	6,  // 62: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
-	7,  // 63: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
-	20, // 64: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
-	20, // 65: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
-	24, // 66: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	25, // 67: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	27, // 68: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	29, // 69: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	32, // 70: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	35, // 71: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	38, // 72: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	39, // 73: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
-	40, // 74: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
-	42, // 75: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	43, // 76: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
-	45, // 77: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
-	46, // 78: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
-	47, // 79: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	72, // 80: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	74, // 81: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	76, // 82: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	78, // 83: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
-	79, // 84: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
-	82, // 85: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
-	8,  // 86: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
-	52, // 87: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	54, // 88: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
-	56, // 89: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
-	12, // 90: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	66, // 91: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	12, // 92: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
-	16, // 93: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	18, // 94: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	12, // 95: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
-	12, // 96: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	12, // 97: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	71, // 98: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	71, // 99: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	71, // 100: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	51, // 101: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	2,  // 102: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
-	2,  // 103: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
-	21, // 104: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
-	23, // 105: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
-	23, // 106: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	26, // 107: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	28, // 108: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	30, // 109: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	33, // 110: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	36, // 111: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	34, // 112: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
-	34, // 113: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
-	41, // 114: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
-	34, // 115: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
-	44, // 116: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
-	34, // 117: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
-	34, // 118: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
-	49, // 119: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	73, // 120: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	75, // 121: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	77, // 122: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	66, // 123: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	81, // 124: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
-	84, // 125: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
-	9,  // 126: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
-	53, // 127: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	55, // 128: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
-	57, // 129: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
-	90, // [90:130] is the sub-list for method output_type
-	50, // [50:90] is the sub-list for method input_type
-	50, // [50:50] is the sub-list for extension type_name
-	50, // [50:50] is the sub-list for extension extendee
-	0,  // [0:50] is the sub-list for field type_name
+	95, // 22: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	90, // 23: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
+	34, // 24: dsec.v1.FileInfo.target:type_name -> dsec.v1.FileInfo
+	34, // 25: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
+	91, // 26: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
+	37, // 27: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
+	34, // 28: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
+	34, // 29: dsec.v1.FsEvent.info:type_name -> dsec.v1.FileInfo
+	48, // 30: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
+	95, // 31: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	58, // 32: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
+	95, // 33: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
+	59, // 34: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
+	60, // 35: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
+	61, // 36: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
+	62, // 37: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
+	11, // 38: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	11, // 39: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	12, // 40: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	63, // 41: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	65, // 42: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	63, // 43: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	70, // 44: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	95, // 45: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	73, // 46: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	92, // 47: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	95, // 48: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	93, // 49: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	21, // 50: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	63, // 51: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	94, // 52: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
+	80, // 53: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	83, // 54: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	13, // 55: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	64, // 56: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	14, // 57: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	15, // 58: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	17, // 59: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	19, // 60: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	67, // 61: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	68, // 62: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	69, // 63: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	69, // 64: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	69, // 65: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	50, // 66: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	6,  // 67: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
+	7,  // 68: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
+	20, // 69: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
+	20, // 70: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
+	24, // 71: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	25, // 72: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	27, // 73: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	29, // 74: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	32, // 75: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	35, // 76: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	38, // 77: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	39, // 78: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
+	40, // 79: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
+	42, // 80: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	43, // 81: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
+	45, // 82: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
+	46, // 83: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
+	47, // 84: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	72, // 85: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	74, // 86: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	76, // 87: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	78, // 88: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
+	79, // 89: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
+	82, // 90: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
+	8,  // 91: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
+	52, // 92: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	54, // 93: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
+	56, // 94: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	12, // 95: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	66, // 96: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	12, // 97: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
+	16, // 98: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	18, // 99: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	12, // 100: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
+	12, // 101: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	12, // 102: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	71, // 103: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	71, // 104: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	71, // 105: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	51, // 106: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	2,  // 107: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
+	2,  // 108: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
+	21, // 109: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
+	23, // 110: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
+	23, // 111: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	26, // 112: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	28, // 113: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	30, // 114: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	33, // 115: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	36, // 116: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	34, // 117: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
+	34, // 118: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
+	41, // 119: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
+	34, // 120: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
+	44, // 121: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
+	34, // 122: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
+	34, // 123: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
+	49, // 124: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	73, // 125: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	75, // 126: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	77, // 127: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	66, // 128: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	81, // 129: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
+	84, // 130: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
+	9,  // 131: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
+	53, // 132: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	55, // 133: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
+	57, // 134: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	95, // [95:135] is the sub-list for method output_type
+	55, // [55:95] is the sub-list for method input_type
+	55, // [55:55] is the sub-list for extension type_name
+	55, // [55:55] is the sub-list for extension extendee
+	0,  // [0:55] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -6779,7 +6871,7 @@ func file_dsec_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   92,
+			NumMessages:   95,
 			NumExtensions: 0,
 			NumServices:   6,
 		},

@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -18,6 +19,29 @@ import (
 
 // maxPath bounds paths from callers.
 const maxPath = 4096
+
+// userPath expands a path of a call acting as id: "~" and "~/..." name
+// its home directory (from the sandbox's /etc/passwd); other paths must be
+// absolute. It returns the path cleaned (cleanPath).
+func userPath(p string, id identity) (string, error) {
+	if p == "~" || strings.HasPrefix(p, "~/") {
+		p = id.home + p[1:]
+	} else if strings.HasPrefix(p, "~") {
+		return "", invalid("path %.80q: only ~ and ~/ expand (to the user's home directory), not ~name", p)
+	}
+	return cleanPath(p)
+}
+
+// callPath resolves the user of a file call (fileUser) and its path
+// (userPath).
+func callPath(p, user string) (string, identity, error) {
+	id, err := fileUser(user)
+	if err != nil {
+		return "", identity{}, err
+	}
+	p, err = userPath(p, id)
+	return p, id, err
+}
 
 // cleanPath validates a path from the node and cleans it. Resolving it is
 // openIn's work (inside the sandbox's root); the checks here only reject
@@ -90,8 +114,10 @@ func (n names) lookup(file string, id uint32) string {
 }
 
 // fileInfo describes the entry name of directory dir, whose status is st,
-// as path. The target of a symlink is read, except for /proc's magic links
-// (whose targets are the agent's or another process's files).
+// as path (name "": dir is the entry itself, -1: not open). The target of a
+// symlink is read and resolved, except for /proc's magic links (whose
+// targets are the agent's or another process's files); files and
+// directories report their metadata.
 func fileInfo(path string, dir int, name string, st *unix.Stat_t, n names) *guestv1.FileInfo {
 	i := &guestv1.FileInfo{
 		Path:        path,
@@ -107,11 +133,24 @@ func fileInfo(path string, dir int, name string, st *unix.Stat_t, n names) *gues
 		i.Type = "dir"
 	case unix.S_IFLNK:
 		i.Type = "symlink"
-		if !inProcBelowRoot(dir) {
+		if n == nil {
+			n = names{}
+		}
+		if dir >= 0 && name != "" && !inProcBelowRoot(dir) {
 			i.SymlinkTarget, _ = readlinkAt(dir, name)
+			i.Target = linkTarget(path, n)
 		}
 	default:
 		i.Type = "other"
+	}
+	if (i.Type == "file" || i.Type == "dir") && dir >= 0 {
+		// The entry through the descriptor of its directory (or its own):
+		// no path is resolved again.
+		if name == "" {
+			i.Metadata = readMetadata("/proc/self/fd/"+strconv.Itoa(dir), true)
+		} else {
+			i.Metadata = readMetadata("/proc/self/fd/"+strconv.Itoa(dir)+"/"+name, false)
+		}
 	}
 	if n == nil {
 		n = names{}
@@ -119,6 +158,28 @@ func fileInfo(path string, dir int, name string, st *unix.Stat_t, n names) *gues
 	i.Owner = n.lookup("/etc/passwd", st.Uid)
 	i.Group = n.lookup("/etc/group", st.Gid)
 	return i
+}
+
+// linkTarget describes what the symlink at path resolves to inside the
+// root (every link followed, by the rules of openIn), named by its
+// absolute path; nil when it dangles, loops or is refused.
+func linkTarget(path string, n names) *guestv1.FileInfo {
+	fd, err := openIn(path, unix.O_PATH, 0)
+	if err != nil {
+		return nil
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if unix.Fstat(fd, &st) != nil || st.Mode&unix.S_IFMT == unix.S_IFLNK {
+		return nil
+	}
+	// The descriptor's /proc link names the file as the agent's root
+	// sees it: the sandbox's.
+	real, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd))
+	if err != nil || !filepath.IsAbs(real) {
+		return nil
+	}
+	return fileInfo(real, fd, "", &st, n)
 }
 
 // statIn returns the info of p itself (a symlink is not followed). It runs
@@ -148,11 +209,7 @@ func statIn(p string, n names) (*guestv1.FileInfo, error) {
 }
 
 func statPath(m *guestv1.Path) (*guestv1.FileInfo, error) {
-	p, err := cleanPath(m.Path)
-	if err != nil {
-		return nil, err
-	}
-	id, err := fileUser(m.User)
+	p, id, err := callPath(m.Path, m.User)
 	if err != nil {
 		return nil, err
 	}
@@ -167,12 +224,10 @@ func statPath(m *guestv1.Path) (*guestv1.FileInfo, error) {
 // maxEntries bounds a listing.
 const maxEntries = 100000
 
+// listDir lists a directory to m.Depth levels, each directory's entries
+// sorted by name and followed by what they hold (as E2B's envd walks).
 func listDir(m *guestv1.ListDir) ([]*guestv1.FileInfo, error) {
-	p, err := cleanPath(m.Path)
-	if err != nil {
-		return nil, err
-	}
-	id, err := fileUser(m.User)
+	p, id, err := callPath(m.Path, m.User)
 	if err != nil {
 		return nil, err
 	}
@@ -198,6 +253,7 @@ func listDir(m *guestv1.ListDir) ([]*guestv1.FileInfo, error) {
 			if err != nil {
 				return pathErr("list", path, underlying(err))
 			}
+			sort.Strings(ents)
 			for _, name := range ents {
 				if len(out) >= maxEntries {
 					return invalid("directory listing exceeds %d entries; list a narrower path", maxEntries)
@@ -238,11 +294,7 @@ func underlying(err error) error {
 }
 
 func makeDir(m *guestv1.MakeDir) (*guestv1.FileInfo, error) {
-	p, err := cleanPath(m.Path)
-	if err != nil {
-		return nil, err
-	}
-	id, err := fileUser(m.User)
+	p, id, err := callPath(m.Path, m.User)
 	if err != nil {
 		return nil, err
 	}
@@ -296,16 +348,12 @@ func mkdirAll(p string) (int, error) {
 }
 
 func remove(m *guestv1.Remove) error {
-	p, err := cleanPath(m.Path)
+	p, id, err := callPath(m.Path, m.User)
 	if err != nil {
 		return err
 	}
 	if p == "/" {
 		return invalid("refusing to remove /")
-	}
-	id, err := fileUser(m.User)
-	if err != nil {
-		return err
 	}
 	return asUser(id, func() error {
 		dir, name, err := openParent(p)
@@ -376,20 +424,16 @@ func removeAll(dir int, name, path string) error {
 }
 
 func rename(m *guestv1.Rename) (*guestv1.FileInfo, error) {
-	from, err := cleanPath(m.From)
+	from, id, err := callPath(m.From, m.User)
 	if err != nil {
 		return nil, err
 	}
-	to, err := cleanPath(m.To)
+	to, err := userPath(m.To, id)
 	if err != nil {
 		return nil, err
 	}
 	if from == "/" || to == "/" {
 		return nil, invalid("refusing to rename /")
-	}
-	id, err := fileUser(m.User)
-	if err != nil {
-		return nil, err
 	}
 	var info *guestv1.FileInfo
 	err = asUser(id, func() error {
@@ -416,16 +460,12 @@ func rename(m *guestv1.Rename) (*guestv1.FileInfo, error) {
 // only its owner (or root) do it. A symlink is followed inside the root
 // (links have no mode of their own).
 func changeMode(m *guestv1.ChangeMode) (*guestv1.FileInfo, error) {
-	p, err := cleanPath(m.Path)
+	p, id, err := callPath(m.Path, m.User)
 	if err != nil {
 		return nil, err
 	}
 	if m.Mode&^0o7777 != 0 {
 		return nil, invalid("mode %#o has bits beyond 07777", m.Mode)
-	}
-	id, err := fileUser(m.User)
-	if err != nil {
-		return nil, err
 	}
 	var info *guestv1.FileInfo
 	err = asUser(id, func() error {
@@ -451,12 +491,7 @@ func changeMode(m *guestv1.ChangeMode) (*guestv1.FileInfo, error) {
 
 func serveRead(rf *guestv1.ReadFile, w *guest.Writer) {
 	fail := func(err error) { w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Error{Error: guest.ToWire(err)}}) }
-	p, err := cleanPath(rf.Path)
-	if err != nil {
-		fail(err)
-		return
-	}
-	id, err := fileUser(rf.User)
+	p, id, err := callPath(rf.Path, rf.User)
 	if err != nil {
 		fail(err)
 		return
@@ -531,7 +566,7 @@ func serveRead(rf *guestv1.ReadFile, w *guest.Writer) {
 
 func serveWrite(wf *guestv1.WriteFile, r *guest.Reader, w *guest.Writer) {
 	fail := func(err error) { w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Error{Error: guest.ToWire(err)}}) }
-	p, err := cleanPath(wf.Path)
+	p, id, err := callPath(wf.Path, wf.User)
 	if err != nil {
 		fail(err)
 		return
@@ -540,9 +575,8 @@ func serveWrite(wf *guestv1.WriteFile, r *guest.Reader, w *guest.Writer) {
 		fail(&codedError{guest.CodeIsDir, "/ is a directory"})
 		return
 	}
-	id, err := fileUser(wf.User)
-	if err != nil {
-		fail(err)
+	if err := guest.ValidateMetadata(wf.Metadata); err != nil {
+		fail(invalid("%v", err))
 		return
 	}
 	mode := uint32(wf.Mode & 0o7777)
@@ -618,6 +652,11 @@ func serveWrite(wf *guestv1.WriteFile, r *guest.Reader, w *guest.Writer) {
 			return
 		}
 		break
+	}
+	if werr == nil && (!wf.Append || len(wf.Metadata) > 0) {
+		// Once the data is in: an interrupted upload keeps the old
+		// metadata. As the user, who may write the file.
+		werr = asUser(id, func() error { return writeMetadata(int(f.Fd()), wf.Metadata) })
 	}
 	if cerr := f.Close(); werr == nil {
 		werr = cerr

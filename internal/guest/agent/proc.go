@@ -238,11 +238,16 @@ func (a *Agent) start(x *guestv1.Exec, s sink, started func(*proc)) (*proc, erro
 	}
 	env := withLoginEnv(a.baseEnv(), x.Env, id)
 	cwd := x.Cwd
-	if cwd == "" {
+	switch {
+	case cwd == "":
 		cwd = id.home
 		if st, err := os.Stat(cwd); err != nil || !st.IsDir() {
 			cwd = "/"
 		}
+	case cwd == "~" || strings.HasPrefix(cwd, "~/"):
+		cwd = filepath.Clean(id.home + cwd[1:])
+	case strings.HasPrefix(cwd, "~"):
+		return nil, fmt.Errorf("cwd %.80q: only ~ and ~/ expand (to the user's home directory), not ~name", cwd)
 	}
 	path, err := lookPath(x.Argv[0], env, cwd)
 	if err != nil {

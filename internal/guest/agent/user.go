@@ -25,7 +25,11 @@ var rootIdentity = identity{name: "root", home: "/root"}
 // sandbox's /etc/passwd and /etc/group. An empty spec is root.
 func resolveUser(spec string) (identity, error) {
 	if spec == "" || spec == "root" || spec == "0" {
-		return rootIdentity, nil
+		id := rootIdentity
+		if e, ok := lookupPasswd(func(f []string) bool { return f[2] == "0" }); ok && strings.HasPrefix(e.home, "/") {
+			id.home = e.home
+		}
+		return id, nil
 	}
 	userPart, groupPart, hasGroup := strings.Cut(spec, ":")
 	id := identity{home: "/"}

@@ -41,12 +41,7 @@ type watcher struct {
 // one FsEvent per change until the client closes the connection.
 func serveWatch(m *guestv1.Watch, r *guest.Reader, w *guest.Writer) {
 	fail := func(err error) { w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Error{Error: guest.ToWire(err)}}) }
-	root, err := cleanPath(m.Path)
-	if err != nil {
-		fail(err)
-		return
-	}
-	id, err := fileUser(m.User)
+	root, id, err := callPath(m.Path, m.User)
 	if err != nil {
 		fail(err)
 		return
@@ -121,6 +116,13 @@ func serveWatch(m *guestv1.Watch, r *guest.Reader, w *guest.Writer) {
 				return
 			}
 			for _, e := range out {
+				if m.IncludeInfo && (e.Op == "create" || e.Op == "write" || e.Op == "chmod") {
+					// Best effort: the entry may be gone again.
+					asUser(id, func() error {
+						e.Info, _ = statIn(filepath.Join(root, e.Name), nil)
+						return nil
+					})
+				}
 				if err := w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_FsEvent{FsEvent: e}}); err != nil {
 					return
 				}

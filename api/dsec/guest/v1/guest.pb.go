@@ -865,9 +865,11 @@ type Exec struct {
 	Argv  []string               `protobuf:"bytes,1,rep,name=argv,proto3" json:"argv,omitempty"`
 	// env is added to the sandbox's environment (the agent's own), replacing
 	// entries with the same name.
-	Env  []string `protobuf:"bytes,2,rep,name=env,proto3" json:"env,omitempty"`
-	Cwd  string   `protobuf:"bytes,3,opt,name=cwd,proto3" json:"cwd,omitempty"`
-	User string   `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	Env []string `protobuf:"bytes,2,rep,name=env,proto3" json:"env,omitempty"`
+	// cwd is absolute or starts with "~" (the user's home); empty: the
+	// user's home, else /.
+	Cwd  string `protobuf:"bytes,3,opt,name=cwd,proto3" json:"cwd,omitempty"`
+	User string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
 	// stdin_open keeps stdin open for Input messages; otherwise stdin reads
 	// stdin_data then EOF.
 	StdinOpen bool   `protobuf:"varint,5,opt,name=stdin_open,json=stdinOpen,proto3" json:"stdin_open,omitempty"`
@@ -1516,9 +1518,11 @@ func (x *Exit) GetPidsLimited() bool {
 // rename, watch) act as user ("name", "uid", "name:group" or "uid:gid",
 // resolved in the sandbox's /etc/passwd and /etc/group; empty is root):
 // that user's permissions apply and what the call creates is that user's.
-// Paths resolve inside the sandbox's root: ".." and absolute symlinks stay
-// in it, and /proc links to other files (/proc/PID/fd/N, /root, /cwd,
-// /exe) and the agent's own /proc entries are refused.
+// Paths are absolute or start with "~" ("~" and "~/..." name the call
+// user's home directory, from the sandbox's /etc/passwd). They resolve
+// inside the sandbox's root: ".." and absolute symlinks stay in it, and
+// /proc links to other files (/proc/PID/fd/N, /root, /cwd, /exe) and the
+// agent's own /proc entries are refused.
 type ReadFile struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
@@ -1594,7 +1598,12 @@ type WriteFile struct {
 	Append bool                   `protobuf:"varint,3,opt,name=append,proto3" json:"append,omitempty"`
 	User   string                 `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
 	// mkdirs creates missing parent directories (the user's).
-	Mkdirs        bool `protobuf:"varint,5,opt,name=mkdirs,proto3" json:"mkdirs,omitempty"`
+	Mkdirs bool `protobuf:"varint,5,opt,name=mkdirs,proto3" json:"mkdirs,omitempty"`
+	// metadata replaces the file's user metadata (user.e2b.<key> extended
+	// attributes) once the data is written: keys not listed are removed, so
+	// an overwrite without metadata clears the old. An append without
+	// metadata leaves it as it is.
+	Metadata      map[string]string `protobuf:"bytes,6,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1662,6 +1671,13 @@ func (x *WriteFile) GetMkdirs() bool {
 		return x.Mkdirs
 	}
 	return false
+}
+
+func (x *WriteFile) GetMetadata() map[string]string {
+	if x != nil {
+		return x.Metadata
+	}
+	return nil
 }
 
 type End struct {
@@ -2342,6 +2358,14 @@ type FileInfo struct {
 	SymlinkTarget string                 `protobuf:"bytes,7,opt,name=symlink_target,json=symlinkTarget,proto3" json:"symlink_target,omitempty"`
 	Owner         string                 `protobuf:"bytes,8,opt,name=owner,proto3" json:"owner,omitempty"`
 	Group         string                 `protobuf:"bytes,9,opt,name=group,proto3" json:"group,omitempty"`
+	// metadata is the file's user metadata: its extended attributes named
+	// user.e2b.<key> (files and directories; best effort: none where the
+	// file system has no user xattrs or the user may not read them).
+	Metadata map[string]string `protobuf:"bytes,10,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// target is what a symlink resolves to inside the sandbox's root (path
+	// absolute, every link followed); absent when it dangles, loops or is
+	// refused.
+	Target        *FileInfo `protobuf:"bytes,11,opt,name=target,proto3" json:"target,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2437,6 +2461,20 @@ func (x *FileInfo) GetGroup() string {
 		return x.Group
 	}
 	return ""
+}
+
+func (x *FileInfo) GetMetadata() map[string]string {
+	if x != nil {
+		return x.Metadata
+	}
+	return nil
+}
+
+func (x *FileInfo) GetTarget() *FileInfo {
+	if x != nil {
+		return x.Target
+	}
+	return nil
 }
 
 type Entries struct {
@@ -3132,10 +3170,13 @@ func (x *CallResult) GetDirtyReason() string {
 // Watch watches a directory (and, when recursive, every directory below it,
 // including ones created later) with inotify.
 type Watch struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
-	Recursive     bool                   `protobuf:"varint,2,opt,name=recursive,proto3" json:"recursive,omitempty"`
-	User          string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Path      string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	Recursive bool                   `protobuf:"varint,2,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	User      string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
+	// include_info attaches the entry's FileInfo to create, write and chmod
+	// events (best effort: absent when the entry is gone again).
+	IncludeInfo   bool `protobuf:"varint,4,opt,name=include_info,json=includeInfo,proto3" json:"include_info,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3191,6 +3232,13 @@ func (x *Watch) GetUser() string {
 	return ""
 }
 
+func (x *Watch) GetIncludeInfo() bool {
+	if x != nil {
+		return x.IncludeInfo
+	}
+	return false
+}
+
 // FsEvent is one change under a watched directory.
 type FsEvent struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -3200,7 +3248,9 @@ type FsEvent struct {
 	// "rename" (a move out of its place) or "chmod".
 	Op string `protobuf:"bytes,2,opt,name=op,proto3" json:"op,omitempty"`
 	// overflow reports that events were lost: the kernel's queue overflowed.
-	Overflow      bool `protobuf:"varint,3,opt,name=overflow,proto3" json:"overflow,omitempty"`
+	Overflow bool `protobuf:"varint,3,opt,name=overflow,proto3" json:"overflow,omitempty"`
+	// info is the entry's info (Watch.include_info).
+	Info          *FileInfo `protobuf:"bytes,4,opt,name=info,proto3" json:"info,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3254,6 +3304,13 @@ func (x *FsEvent) GetOverflow() bool {
 		return x.Overflow
 	}
 	return false
+}
+
+func (x *FsEvent) GetInfo() *FileInfo {
+	if x != nil {
+		return x.Info
+	}
+	return nil
 }
 
 var File_dsec_guest_v1_guest_proto protoreflect.FileDescriptor
@@ -3382,13 +3439,17 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x03R\x06offset\x12\x14\n" +
 	"\x05limit\x18\x03 \x01(\x03R\x05limit\x12\x12\n" +
-	"\x04user\x18\x04 \x01(\tR\x04user\"w\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\"\xf8\x01\n" +
 	"\tWriteFile\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04mode\x18\x02 \x01(\rR\x04mode\x12\x16\n" +
 	"\x06append\x18\x03 \x01(\bR\x06append\x12\x12\n" +
 	"\x04user\x18\x04 \x01(\tR\x04user\x12\x16\n" +
-	"\x06mkdirs\x18\x05 \x01(\bR\x06mkdirs\"\x05\n" +
+	"\x06mkdirs\x18\x05 \x01(\bR\x06mkdirs\x12B\n" +
+	"\bmetadata\x18\x06 \x03(\v2&.dsec.guest.v1.WriteFile.MetadataEntryR\bmetadata\x1a;\n" +
+	"\rMetadataEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x05\n" +
 	"\x03End\".\n" +
 	"\x04Path\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
@@ -3423,7 +3484,7 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\x03env\x18\x01 \x03(\tR\x03env\"&\n" +
 	"\vSetDeadline\x12\x17\n" +
 	"\aunix_ms\x18\x01 \x01(\x03R\x06unixMs\"\x06\n" +
-	"\x04Done\"\xe5\x01\n" +
+	"\x04Done\"\x96\x03\n" +
 	"\bFileInfo\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x12\n" +
@@ -3433,7 +3494,13 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\rmtime_unix_ms\x18\x06 \x01(\x03R\vmtimeUnixMs\x12%\n" +
 	"\x0esymlink_target\x18\a \x01(\tR\rsymlinkTarget\x12\x14\n" +
 	"\x05owner\x18\b \x01(\tR\x05owner\x12\x14\n" +
-	"\x05group\x18\t \x01(\tR\x05group\"<\n" +
+	"\x05group\x18\t \x01(\tR\x05group\x12A\n" +
+	"\bmetadata\x18\n" +
+	" \x03(\v2%.dsec.guest.v1.FileInfo.MetadataEntryR\bmetadata\x12/\n" +
+	"\x06target\x18\v \x01(\v2\x17.dsec.guest.v1.FileInfoR\x06target\x1a;\n" +
+	"\rMetadataEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"<\n" +
 	"\aEntries\x121\n" +
 	"\aentries\x18\x01 \x03(\v2\x17.dsec.guest.v1.FileInfoR\aentries\"\xbb\x01\n" +
 	"\x04Proc\x12\x0e\n" +
@@ -3491,15 +3558,17 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\x05steps\x18\x01 \x03(\v2\x13.dsec.guest.v1.ExitR\x05steps\x121\n" +
 	"\afetched\x18\x02 \x03(\v2\x17.dsec.guest.v1.CallFileR\afetched\x12\x14\n" +
 	"\x05dirty\x18\x03 \x01(\bR\x05dirty\x12!\n" +
-	"\fdirty_reason\x18\x04 \x01(\tR\vdirtyReason\"M\n" +
+	"\fdirty_reason\x18\x04 \x01(\tR\vdirtyReason\"p\n" +
 	"\x05Watch\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x1c\n" +
 	"\trecursive\x18\x02 \x01(\bR\trecursive\x12\x12\n" +
-	"\x04user\x18\x03 \x01(\tR\x04user\"I\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\x12!\n" +
+	"\finclude_info\x18\x04 \x01(\bR\vincludeInfo\"v\n" +
 	"\aFsEvent\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
 	"\x02op\x18\x02 \x01(\tR\x02op\x12\x1a\n" +
-	"\boverflow\x18\x03 \x01(\bR\boverflowB4Z2github.com/opendsec/dsec/api/dsec/guest/v1;guestv1b\x06proto3"
+	"\boverflow\x18\x03 \x01(\bR\boverflow\x12+\n" +
+	"\x04info\x18\x04 \x01(\v2\x17.dsec.guest.v1.FileInfoR\x04infoB4Z2github.com/opendsec/dsec/api/dsec/guest/v1;guestv1b\x06proto3"
 
 var (
 	file_dsec_guest_v1_guest_proto_rawDescOnce sync.Once
@@ -3513,7 +3582,7 @@ func file_dsec_guest_v1_guest_proto_rawDescGZIP() []byte {
 	return file_dsec_guest_v1_guest_proto_rawDescData
 }
 
-var file_dsec_guest_v1_guest_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
+var file_dsec_guest_v1_guest_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
 var file_dsec_guest_v1_guest_proto_goTypes = []any{
 	(*ClientMsg)(nil),   // 0: dsec.guest.v1.ClientMsg
 	(*ServerMsg)(nil),   // 1: dsec.guest.v1.ServerMsg
@@ -3555,6 +3624,8 @@ var file_dsec_guest_v1_guest_proto_goTypes = []any{
 	(*CallResult)(nil),  // 37: dsec.guest.v1.CallResult
 	(*Watch)(nil),       // 38: dsec.guest.v1.Watch
 	(*FsEvent)(nil),     // 39: dsec.guest.v1.FsEvent
+	nil,                 // 40: dsec.guest.v1.WriteFile.MetadataEntry
+	nil,                 // 41: dsec.guest.v1.FileInfo.MetadataEntry
 }
 var file_dsec_guest_v1_guest_proto_depIdxs = []int32{
 	2,  // 0: dsec.guest.v1.ClientMsg.hello:type_name -> dsec.guest.v1.Hello
@@ -3593,17 +3664,21 @@ var file_dsec_guest_v1_guest_proto_depIdxs = []int32{
 	27, // 33: dsec.guest.v1.ServerMsg.done:type_name -> dsec.guest.v1.Done
 	37, // 34: dsec.guest.v1.ServerMsg.call_result:type_name -> dsec.guest.v1.CallResult
 	39, // 35: dsec.guest.v1.ServerMsg.fs_event:type_name -> dsec.guest.v1.FsEvent
-	28, // 36: dsec.guest.v1.Entries.entries:type_name -> dsec.guest.v1.FileInfo
-	30, // 37: dsec.guest.v1.Procs.procs:type_name -> dsec.guest.v1.Proc
-	35, // 38: dsec.guest.v1.Call.files:type_name -> dsec.guest.v1.CallFile
-	36, // 39: dsec.guest.v1.Call.steps:type_name -> dsec.guest.v1.CallStep
-	11, // 40: dsec.guest.v1.CallResult.steps:type_name -> dsec.guest.v1.Exit
-	35, // 41: dsec.guest.v1.CallResult.fetched:type_name -> dsec.guest.v1.CallFile
-	42, // [42:42] is the sub-list for method output_type
-	42, // [42:42] is the sub-list for method input_type
-	42, // [42:42] is the sub-list for extension type_name
-	42, // [42:42] is the sub-list for extension extendee
-	0,  // [0:42] is the sub-list for field type_name
+	40, // 36: dsec.guest.v1.WriteFile.metadata:type_name -> dsec.guest.v1.WriteFile.MetadataEntry
+	41, // 37: dsec.guest.v1.FileInfo.metadata:type_name -> dsec.guest.v1.FileInfo.MetadataEntry
+	28, // 38: dsec.guest.v1.FileInfo.target:type_name -> dsec.guest.v1.FileInfo
+	28, // 39: dsec.guest.v1.Entries.entries:type_name -> dsec.guest.v1.FileInfo
+	30, // 40: dsec.guest.v1.Procs.procs:type_name -> dsec.guest.v1.Proc
+	35, // 41: dsec.guest.v1.Call.files:type_name -> dsec.guest.v1.CallFile
+	36, // 42: dsec.guest.v1.Call.steps:type_name -> dsec.guest.v1.CallStep
+	11, // 43: dsec.guest.v1.CallResult.steps:type_name -> dsec.guest.v1.Exit
+	35, // 44: dsec.guest.v1.CallResult.fetched:type_name -> dsec.guest.v1.CallFile
+	28, // 45: dsec.guest.v1.FsEvent.info:type_name -> dsec.guest.v1.FileInfo
+	46, // [46:46] is the sub-list for method output_type
+	46, // [46:46] is the sub-list for method input_type
+	46, // [46:46] is the sub-list for extension type_name
+	46, // [46:46] is the sub-list for extension extendee
+	0,  // [0:46] is the sub-list for field type_name
 }
 
 func init() { file_dsec_guest_v1_guest_proto_init() }
@@ -3659,7 +3734,7 @@ func file_dsec_guest_v1_guest_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_guest_v1_guest_proto_rawDesc), len(file_dsec_guest_v1_guest_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   40,
+			NumMessages:   42,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
