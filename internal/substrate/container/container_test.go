@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -17,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
@@ -743,6 +745,104 @@ func threadsAreRoot(t *testing.T) {
 			if strings.HasPrefix(line, "Uid:") && strings.Join(strings.Fields(line)[1:], " ") != "0 0 0 0" {
 				t.Errorf("%s: %s", f, line)
 			}
+		}
+	}
+}
+
+func TestGVisorLimitFiles(t *testing.T) {
+	period, quota, shares, mem, swap := uint64(100000), int64(50000), uint64(512), int64(64<<20), int64(128<<20)
+	res := &specs.LinuxResources{
+		Memory: &specs.LinuxMemory{Limit: &mem, Swap: &swap},
+		CPU:    &specs.LinuxCPU{Period: &period, Quota: &quota, Shares: &shares},
+		Pids:   &specs.LinuxPids{Limit: 64},
+	}
+	for _, tc := range []struct {
+		name string
+		got  []cgroupLimit
+		want []cgroupLimit
+	}{
+		{"cgroup v1 with swap accounting", v1Limits(res, true), []cgroupLimit{
+			{"memory", "memory.limit_in_bytes", "67108864"}, {"memory", "memory.memsw.limit_in_bytes", "134217728"},
+			{"cpu", "cpu.cfs_period_us", "100000"}, {"cpu", "cpu.cfs_quota_us", "50000"}, {"cpu", "cpu.shares", "512"},
+			{"pids", "pids.max", "64"}}},
+		{"cgroup v1 without swap accounting", v1Limits(res, false), []cgroupLimit{
+			{"memory", "memory.limit_in_bytes", "67108864"},
+			{"cpu", "cpu.cfs_period_us", "100000"}, {"cpu", "cpu.cfs_quota_us", "50000"}, {"cpu", "cpu.shares", "512"},
+			{"pids", "pids.max", "64"}}},
+		{"cgroup v2", v2Limits(res), []cgroupLimit{
+			{"", "memory.max", "67108864"}, {"", "memory.swap.max", "67108864"}, {"", "cpu.max", "50000 100000"},
+			{"", "cpu.weight", "20"}, {"", "pids.max", "64"}}},
+		{"cgroup v2 without limits", v2Limits(&specs.LinuxResources{}), []cgroupLimit{
+			{"", "memory.max", "max"}, {"", "memory.swap.max", "max"}, {"", "cpu.max", "max 100000"}, {"", "pids.max", "max"}}},
+	} {
+		if !slices.Equal(tc.got, tc.want) {
+			t.Errorf("%s: %v, want %v", tc.name, tc.got, tc.want)
+		}
+	}
+}
+
+// TestAGVisorSandboxIsHeldToItsLimits reads back, from the host, the cgroup
+// files of a gVisor sandbox (runsc does not write them: the node does) and
+// checks that runsc's sandbox process is in those cgroups.
+func TestAGVisorSandboxIsHeldToItsLimits(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	needGVisor(t, d)
+	spec := &substrate.Spec{ID: fmt.Sprintf("gvl%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox",
+		CPU: 0.5, MemoryMB: 64, Pids: 64, Network: substrate.Network{Mode: "none"}, Runtime: substrate.RuntimeGVisor}
+	inst, err := d.Create(context.Background(), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(context.Background())
+	files := map[string]map[string]string{ // controller -> file -> value
+		"memory": {"memory.limit_in_bytes": strconv.Itoa(64 << 20)},
+		"cpu":    {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "50000", "cpu.shares": "512"},
+		"pids":   {"pids.max": strconv.Itoa(64*gvisorTasksPerProcess + gvisorBaseTasks)},
+	}
+	if d.cgroups.mode == cgroupV2 {
+		files = map[string]map[string]string{"": {"memory.max": strconv.Itoa(64 << 20), "cpu.max": "50000 100000",
+			"cpu.weight": "20", "pids.max": strconv.Itoa(64*gvisorTasksPerProcess + gvisorBaseTasks)}}
+	}
+	// runsc's sandbox process (its Sentry, argv[0] "runsc-sandbox"), a
+	// child of the `runsc run` the node started.
+	sentry := 0
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		cmdline, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+		if strings.HasPrefix(string(cmdline), "runsc-sandbox\x00") && strings.Contains(string(cmdline), spec.ID) {
+			sentry = pid
+		}
+	}
+	if sentry == 0 {
+		t.Fatal("no runsc-sandbox process for the sandbox")
+	}
+	cg, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", sentry))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for ctrl, want := range files {
+		dir := d.cgroups.dir(d.cgroupPath(spec.ID), ctrl)
+		for file, value := range want {
+			b, err := os.ReadFile(filepath.Join(dir, file))
+			if err != nil {
+				t.Errorf("%s: %v", file, err)
+			} else if got := strings.TrimSpace(string(b)); got != value {
+				t.Errorf("%s holds %q, want %q", file, got, value)
+			}
+		}
+		member := false
+		for _, l := range strings.Split(string(cg), "\n") {
+			f := strings.SplitN(l, ":", 3)
+			if len(f) == 3 && slices.Contains(strings.Split(f[1], ","), ctrl) && f[2] == d.cgroupPath(spec.ID) {
+				member = true
+			}
+		}
+		if !member {
+			t.Errorf("runsc's sandbox process %d is not in the sandbox's %q cgroup %s:\n%s", sentry, ctrl, d.cgroupPath(spec.ID), cg)
 		}
 	}
 }

@@ -431,7 +431,7 @@ func (d *Driver) prepareGVisor(s *substrate.Spec, rootfs string, host uint32) (j
 				if err := os.MkdirAll(parent, 0o755); err != nil {
 					return "", nil, err
 				}
-				os.WriteFile(filepath.Join(parent, "cgroup.subtree_control"), []byte("+memory +pids"), 0)
+				os.WriteFile(filepath.Join(parent, "cgroup.subtree_control"), []byte("+memory +pids +cpu"), 0)
 			}
 			if err := os.MkdirAll(p, 0o755); err != nil {
 				return "", nil, fmt.Errorf("create cgroup %s: %w", p, err)
@@ -448,8 +448,9 @@ func (d *Driver) prepareGVisor(s *substrate.Spec, rootfs string, host uint32) (j
 // cgroupLimit is a value to write into a cgroup file.
 type cgroupLimit struct{ controller, file, value string }
 
-// v1Limits are the memory and pids limits of res in cgroup v1 files, in
-// the order they may be written (memsw after the memory limit).
+// v1Limits are the memory, CPU and pids limits of res in cgroup v1 files,
+// in the order they may be written (memsw after the memory limit, the
+// period before the quota).
 func v1Limits(res *specs.LinuxResources, swap bool) []cgroupLimit {
 	var l []cgroupLimit
 	if m := res.Memory; m != nil && m.Limit != nil {
@@ -463,6 +464,9 @@ func v1Limits(res *specs.LinuxResources, swap bool) []cgroupLimit {
 	if c := res.CPU; c != nil && c.Quota != nil && c.Period != nil {
 		l = append(l, cgroupLimit{"cpu", "cpu.cfs_period_us", strconv.FormatUint(*c.Period, 10)},
 			cgroupLimit{"cpu", "cpu.cfs_quota_us", strconv.FormatInt(*c.Quota, 10)})
+		if c.Shares != nil {
+			l = append(l, cgroupLimit{"cpu", "cpu.shares", strconv.FormatUint(*c.Shares, 10)})
+		}
 	}
 	pids := "max"
 	if res.Pids != nil && res.Pids.Limit > 0 {
@@ -471,8 +475,9 @@ func v1Limits(res *specs.LinuxResources, swap bool) []cgroupLimit {
 	return append(l, cgroupLimit{"pids", "pids.max", pids})
 }
 
-// v2Limits are the same in cgroup v2 files (untested here: this host's
-// cgroups are hybrid).
+// v2Limits are the same in cgroup v2 files (TestGVisorLimitFiles checks
+// the values; on a hybrid host like the development machines no sandbox
+// runs under them).
 func v2Limits(res *specs.LinuxResources) []cgroupLimit {
 	mem, swap := "max", "max"
 	if m := res.Memory; m != nil && m.Limit != nil {
@@ -481,12 +486,32 @@ func v2Limits(res *specs.LinuxResources) []cgroupLimit {
 			swap = strconv.FormatInt(max(*m.Swap-*m.Limit, 0), 10)
 		}
 	}
+	cpu := "max 100000"
+	var weight []cgroupLimit
+	if c := res.CPU; c != nil && c.Quota != nil && c.Period != nil {
+		cpu = strconv.FormatInt(*c.Quota, 10) + " " + strconv.FormatUint(*c.Period, 10)
+		if c.Shares != nil {
+			weight = []cgroupLimit{{"", "cpu.weight", strconv.FormatUint(sharesToWeight(*c.Shares), 10)}}
+		}
+	}
 	pids := "max"
 	if res.Pids != nil && res.Pids.Limit > 0 {
 		pids = strconv.FormatInt(res.Pids.Limit, 10)
 	}
-	return []cgroupLimit{{"", "memory.max", mem}, {"", "memory.swap.max", swap}, {"", "pids.max", pids}}
+	l := append([]cgroupLimit{{"", "memory.max", mem}, {"", "memory.swap.max", swap}, {"", "cpu.max", cpu}}, weight...)
+	return append(l, cgroupLimit{"", "pids.max", pids})
 }
+
+// sharesToWeight converts cgroup v1 CPU shares (2–262144) to a cgroup v2
+// weight (1–10000) as crun and runc do.
+func sharesToWeight(shares uint64) uint64 {
+	if shares == 0 {
+		return 100
+	}
+	return 1 + ((clamp(shares, 2, 262144)-2)*9999)/262142
+}
+
+func clamp(v, lo, hi uint64) uint64 { return min(max(v, lo), hi) }
 
 // jailOf is a gVisor sandbox's jail: a directory of the node's run
 // directory holding what runsc's gofer opens in the sandbox's user

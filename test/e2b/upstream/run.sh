@@ -1,0 +1,61 @@
+#!/bin/bash
+# Runs E2B's own JavaScript SDK tests, unmodified, against a dsec on loopback and reports how
+# many of the tests that reach a server pass. CI cannot reach E2B's repository, so this is a
+# developer's measurement, not part of `make test`; our own tests (test/e2b) port the behaviours.
+#
+#   test/e2b/upstream/run.sh E2B_CHECKOUT [TAG] [TEST PATHS...]
+#
+# E2B_CHECKOUT is a git clone of github.com/e2b-dev/E2B; TAG defaults to e2b@2.45.0; TEST PATHS
+# (relative to packages/js-sdk) default to `tests/sandbox tests/api`. The work directory
+# (WORK, default /tmp/dsec-e2b-upstream) receives the exported SDK, its npm dependencies, the
+# server's data and log, and the vitest JSON reports. The server is `bin/dsec serve` of this
+# repository (run `make build` first) with an API key in E2B's form; extra serve flags come
+# from DSEC_SERVE_ARGS, extra images from DSEC_EXTRA_IMAGES.
+#
+# A test counts as client-only when its file mocks the network (msw) or when it passes against
+# an address where nothing listens; every other test is a server test.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../../.." && pwd)
+src=${1:?usage: run.sh E2B_CHECKOUT [TAG] [TEST PATHS...]}
+tag=${2:-e2b@2.45.0}
+shift $(( $# >= 2 ? 2 : 1 ))
+paths=${*:-tests/sandbox tests/api}
+work=${WORK:-/tmp/dsec-e2b-upstream}
+port=${PORT:-7799}
+key=e2b_$(head -c 20 /dev/urandom | od -An -tx1 | tr -d ' \n')
+
+sdk=$work/${tag//[@\/]/-}
+if [ ! -d "$sdk/node_modules" ]; then
+	rm -rf "$sdk" && mkdir -p "$sdk"
+	git -C "$src" archive "$tag" packages/js-sdk | tar -x -C "$sdk" --strip-components=2
+	# Keep the SDK's own dependencies and what its Node tests import; drop the browser,
+	# Cloudflare and build tooling the Node tests do not use.
+	python3 "$here/trim.py" "$sdk/package.json"
+	cp "$here/vitest.config.mts" "$sdk/vitest.config.mts"
+	(cd "$sdk" && npm install --no-audit --no-fund --loglevel=error)
+fi
+
+vitest() { # out.json api-url
+	(cd "$sdk" && E2B_API_KEY=$key E2B_API_URL=$2 E2B_SANDBOX_URL=$2 \
+		npx vitest run --project unit --maxWorkers 2 --reporter=json --outputFile="$1" $paths \
+		>"${1%.json}.log" 2>&1) || true
+}
+
+# Which tests pass with no server at all.
+[ -f "$sdk/noserver.json" ] || vitest "$sdk/noserver.json" http://127.0.0.1:1
+
+data=$work/data
+rm -rf "$data" && mkdir -p "$data"
+"$repo/bin/dsec" serve --listen 127.0.0.1:$port --data-dir "$data" --log-level warn \
+	--bootstrap busybox,debian${DSEC_EXTRA_IMAGES:+,$DSEC_EXTRA_IMAGES} --api-key "$key" \
+	${DSEC_SERVE_ARGS:-} >"$work/serve.log" 2>&1 &
+pid=$!
+trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
+for _ in $(seq 1200); do
+	curl -sf 127.0.0.1:$port/healthz >/dev/null && break
+	kill -0 $pid 2>/dev/null || { cat "$work/serve.log"; exit 1; }
+	sleep 0.5
+done
+vitest "$sdk/dsec.json" http://127.0.0.1:$port
+python3 "$here/report.py" "$sdk" "$sdk/noserver.json" "$sdk/dsec.json"
