@@ -80,6 +80,7 @@ func createCmd(g *globals) *cobra.Command {
 	f.Int64Var(&o.Pids, "pids", 0, "process limit (default 1024)")
 	f.DurationVar(&ttl, "ttl", 0, "absolute lifetime (default 1h)")
 	f.DurationVar(&idleTTL, "idle-ttl", 0, "delete after this long without API calls (default: no idle limit)")
+	f.StringVar(&o.OnTimeout, "on-timeout", "", "what reaching --ttl or --idle-ttl does: delete (default) or pause (any call resumes it; paused at its TTL, it is kept for the node's paused_ttl, 24h by default)")
 	f.StringArrayVar(&labels, "label", nil, "label key=value (repeatable)")
 	f.StringArrayVar(&env, "env", nil, "environment variable KEY=VALUE (repeatable)")
 	f.StringVar(&o.Network, "network", "", "network mode: none (default) or egress")

@@ -63,6 +63,10 @@ type Node struct {
 	// DefaultTTL and MaxTTL bound sandbox lifetimes (default 1h and 168h).
 	DefaultTTL Duration `json:"default_ttl,omitempty"`
 	MaxTTL     Duration `json:"max_ttl,omitempty"`
+	// PausedTTL is how long a sandbox that paused at its TTL (on_timeout
+	// "pause") stays paused before it is deleted (default 24h, at most
+	// MaxTTL).
+	PausedTTL Duration `json:"paused_ttl,omitempty"`
 	// DefaultCPU (1) and DefaultMemoryMB (512) apply when a create omits them.
 	DefaultCPU      float64 `json:"default_cpu,omitempty"`
 	DefaultMemoryMB int64   `json:"default_memory_mb,omitempty"`

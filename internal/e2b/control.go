@@ -2,7 +2,6 @@ package e2b
 
 import (
 	"context"
-	"encoding/base64"
 	"encoding/json"
 	"io"
 	"math"
@@ -85,6 +84,7 @@ func (f *Facade) mountControl(handle func(string, http.Handler)) {
 	h("GET /sandboxes/{id}/metrics", f.metrics)
 	h("POST /sandboxes/{id}/fork", f.fork)
 	h("PUT /sandboxes/{id}/network", f.updateNetwork)
+	f.mountSnapshots(h)
 	unsupported := func(w http.ResponseWriter, r *http.Request, _ string) {
 		apiError(w, errdefs.Unimplemented("%s %s is not supported by dsec's E2B facade (see docs/e2b.md)", r.Method, r.URL.Path))
 	}
@@ -105,6 +105,7 @@ type newSandbox struct {
 	AutoResume *struct {
 		Enabled bool `json:"enabled"`
 	} `json:"autoResume"`
+	AutoPauseMemory     *bool           `json:"autoPauseMemory"`
 	AllowInternetAccess *bool           `json:"allow_internet_access"`
 	Network             *networkJSON    `json:"network"`
 	MCP                 json.RawMessage `json:"mcp"`
@@ -138,6 +139,7 @@ type detailJSON struct {
 	Metadata        map[string]string `json:"metadata"`
 	EnvdAccessToken string            `json:"envdAccessToken,omitempty"`
 	Domain          *string           `json:"domain,omitempty"`
+	Lifecycle       *lifecycleJSON    `json:"lifecycle,omitempty"`
 }
 
 func decode(r *http.Request, v any) error {
@@ -166,10 +168,6 @@ func present(m json.RawMessage) bool {
 // spec turns a create body into a sandbox spec.
 func (f *Facade) spec(in *newSandbox, defaultTimeout int64) (*dsecv1.SandboxSpec, error) {
 	switch {
-	case in.AutoPause != nil && *in.AutoPause:
-		return nil, errdefs.Invalid("lifecycle onTimeout \"pause\" (autoPause) is not supported: dsec deletes a sandbox when its timeout passes")
-	case in.AutoResume != nil && in.AutoResume.Enabled:
-		return nil, errdefs.Invalid("autoResume is not supported")
 	case present(in.IAM):
 		return nil, errdefs.Invalid("IAM tokens are not supported")
 	case present(in.VolumeMounts):
@@ -199,10 +197,14 @@ func (f *Facade) spec(in *newSandbox, defaultTimeout int64) (*dsecv1.SandboxSpec
 			spec.Image = img
 		}
 		spec.Resources.Cpu, spec.Resources.MemoryMb = t.CPU, t.MemoryMB
+	} else if isSnapshotID(name) {
+		// A snapshot starts sandboxes of the kind it was taken from
+		// (the node's default for file system snapshots: container).
+		spec.Snapshot = name
 	} else {
 		spec.Image = name
 	}
-	if spec.Kind == "" {
+	if spec.Kind == "" && spec.Snapshot == "" {
 		spec.Kind = f.cfg.DefaultKind
 	}
 	timeout := defaultTimeout
@@ -230,6 +232,9 @@ func (f *Facade) spec(in *newSandbox, defaultTimeout int64) (*dsecv1.SandboxSpec
 			return nil, errdefs.Invalid("metadata with keys that are not label keys ([prefix/]name of letters, digits, '-', '_', '.') must fit in %d bytes of JSON", maxLabelValue)
 		}
 		spec.Labels[metadataLabel] = string(b)
+	}
+	if err := lifecycleSpec(in, spec); err != nil {
+		return nil, err
 	}
 	nw, err := f.createNetwork(in.AllowInternetAccess, in.Network)
 	if err != nil {
@@ -314,6 +319,7 @@ func (f *Facade) detailJSON(sb *dsecv1.Sandbox, withToken bool) detailJSON {
 		State:       sb.GetState(), Metadata: metadata(sb.GetSpec().GetLabels()),
 	}
 	if withToken {
+		d.Lifecycle = lifecycleOf(sb)
 		d.EnvdAccessToken = f.AccessToken(sb.Id)
 		d.Domain = f.domain()
 	}
@@ -399,9 +405,15 @@ func (f *Facade) extend(w http.ResponseWriter, r *http.Request, timeout int64) {
 		apiError(w, errdefs.Invalid("timeout must be at least 1 second"))
 		return
 	}
-	n, _, err := f.live(r.Context(), id)
+	n, sb, err := f.live(r.Context(), id)
 	if err != nil {
 		apiError(w, err)
+		return
+	}
+	if sb.State == "paused" {
+		// E2B sets the timeout of running sandboxes only; a native
+		// keepalive would resume this one.
+		apiError(w, errdefs.NotFound("sandbox %s is paused: connect() resumes it", id))
 		return
 	}
 	if _, err := apiserver.Do(r.Context(), n, &dsecv1.KeepaliveRequest{Id: id, ExtendTtlS: timeout}, apiserver.Node.Keepalive); err != nil {
@@ -413,6 +425,17 @@ func (f *Facade) extend(w http.ResponseWriter, r *http.Request, timeout int64) {
 
 func (f *Facade) pause(w http.ResponseWriter, r *http.Request, _ string) {
 	id := r.PathValue("id")
+	var in struct {
+		Memory *bool `json:"memory"`
+	}
+	if err := decode(r, &in); err != nil {
+		apiError(w, err)
+		return
+	}
+	if in.Memory != nil && !*in.Memory {
+		apiError(w, errdefs.Invalid("a filesystem-only pause (keepMemory: false) is not supported: dsec's pause keeps the sandbox's memory"))
+		return
+	}
 	n, sb, err := f.live(r.Context(), id)
 	if err != nil {
 		apiError(w, err)
@@ -439,7 +462,7 @@ func (f *Facade) connect(w http.ResponseWriter, r *http.Request, _ string) {
 		apiError(w, err)
 		return
 	}
-	f.wake(w, r, in.Timeout, false)
+	f.wake(w, r, in.Timeout, false, false)
 }
 
 // resume is the deprecated resume call: a running sandbox is a conflict.
@@ -452,19 +475,22 @@ func (f *Facade) resume(w http.ResponseWriter, r *http.Request, _ string) {
 		apiError(w, err)
 		return
 	}
-	if in.AutoPause {
-		apiError(w, errdefs.Invalid("autoPause is not supported"))
-		return
-	}
-	f.wake(w, r, in.Timeout, true)
+	f.wake(w, r, in.Timeout, in.AutoPause, true)
 }
 
-func (f *Facade) wake(w http.ResponseWriter, r *http.Request, timeout *int64, pausedOnly bool) {
+// wake resumes a paused sandbox, or with pausedOnly refuses a running
+// one. autoPause (the deprecated resume's) asks for the timeout policy the
+// sandbox must have been created with: dsec cannot change it afterwards.
+func (f *Facade) wake(w http.ResponseWriter, r *http.Request, timeout *int64, autoPause, pausedOnly bool) {
 	ctx := r.Context()
 	id := r.PathValue("id")
 	n, sb, err := f.live(ctx, id)
 	if err != nil {
 		apiError(w, err)
+		return
+	}
+	if autoPause && sb.GetSpec().GetOnTimeout() != onTimeoutPause {
+		apiError(w, errdefs.Invalid("autoPause on resume: dsec sets a sandbox's timeout policy at create only (lifecycle onTimeout \"pause\")"))
 		return
 	}
 	status := http.StatusOK
@@ -612,9 +638,9 @@ type listQuery struct {
 	states       map[string]bool
 	template     string
 	startedAfter time.Time
-	desc         bool
+	desc         bool // newest first (E2B's default)
 	limit        int
-	after        string // the last ID of the previous page
+	after        *cursor // the last item of the previous page
 }
 
 const (
@@ -623,7 +649,7 @@ const (
 )
 
 func parseListQuery(q url.Values) (*listQuery, error) {
-	lq := &listQuery{metadata: map[string]string{}, limit: defaultListLimit, template: q.Get("template")}
+	lq := &listQuery{metadata: map[string]string{}, desc: true, template: q.Get("template")}
 	if m := q.Get("metadata"); m != "" {
 		pairs, err := url.ParseQuery(m)
 		if err != nil {
@@ -654,25 +680,15 @@ func parseListQuery(q url.Values) (*listQuery, error) {
 		lq.startedAfter = t
 	}
 	switch q.Get("order") {
-	case "", "asc":
-	case "desc":
-		lq.desc = true
+	case "", "desc":
+	case "asc":
+		lq.desc = false
 	default:
 		return nil, errdefs.Invalid("order must be asc or desc")
 	}
-	if s := q.Get("limit"); s != "" {
-		n, err := strconv.Atoi(s)
-		if err != nil || n < 1 || n > maxListLimit {
-			return nil, errdefs.Invalid("limit must be between 1 and %d", maxListLimit)
-		}
-		lq.limit = n
-	}
-	if t := q.Get("nextToken"); t != "" {
-		b, err := base64.RawURLEncoding.DecodeString(t)
-		if err != nil || len(b) == 0 {
-			return nil, errdefs.Invalid("nextToken is not a token this server issued")
-		}
-		lq.after = string(b)
+	var err error
+	if lq.limit, lq.after, err = parsePage(q.Get("limit"), q.Get("nextToken")); err != nil {
+		return nil, err
 	}
 	return lq, nil
 }
@@ -730,7 +746,8 @@ func (f *Facade) sandboxes(ctx context.Context, lq *listQuery) ([]*dsecv1.Sandbo
 	return all, nil
 }
 
-// list is GET /v2/sandboxes: filters, order and X-Next-Token paging.
+// list is GET /v2/sandboxes: filters, order (newest first unless asc) and
+// X-Next-Token paging.
 func (f *Facade) list(w http.ResponseWriter, r *http.Request, _ string) {
 	lq, err := parseListQuery(r.URL.Query())
 	if err != nil {
@@ -742,28 +759,17 @@ func (f *Facade) list(w http.ResponseWriter, r *http.Request, _ string) {
 		apiError(w, err)
 		return
 	}
-	if lq.desc {
-		for i, j := 0, len(all)-1; i < j; i, j = i+1, j-1 {
-			all[i], all[j] = all[j], all[i]
-		}
+	keys := make([]cursor, len(all))
+	for i, sb := range all {
+		keys[i] = cursor{sb.GetCreatedAt().AsTime(), sb.Id}
 	}
-	start := 0
-	if lq.after != "" {
-		start = len(all)
-		for i, sb := range all {
-			if sb.Id == lq.after {
-				start = i + 1
-				break
-			}
-		}
+	page, next := pageOf(keys, lq.desc, lq.after, lq.limit)
+	out := make([]detailJSON, 0, len(page))
+	for _, i := range page {
+		out = append(out, f.detailJSON(all[i], false))
 	}
-	end := min(start+lq.limit, len(all))
-	out := make([]detailJSON, 0, end-start)
-	for _, sb := range all[start:end] {
-		out = append(out, f.detailJSON(sb, false))
-	}
-	if end < len(all) {
-		w.Header().Set("X-Next-Token", base64.RawURLEncoding.EncodeToString([]byte(all[end-1].Id)))
+	if next != "" {
+		w.Header().Set("X-Next-Token", next)
 	}
 	writeJSON(w, http.StatusOK, out)
 }

@@ -165,12 +165,12 @@ func (c requestConn) Receive(m any) error {
 	return err
 }
 
-// node is the node owning the request's sandbox.
+// node is the node owning the request's sandbox, which runs (awake).
 func (f *Facade) node(ctx context.Context) (apiserver.Node, string, error) {
 	id := targetOf(ctx).id
-	n, err := f.r.ForSandbox(ctx, id)
+	n, err := f.awake(ctx, id)
 	if err != nil {
-		return nil, id, errwire.ToConnect(notRunning(id))
+		return nil, id, errwire.ToConnect(err)
 	}
 	return n, id, nil
 }

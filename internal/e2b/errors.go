@@ -42,7 +42,11 @@ func writeError(w http.ResponseWriter, status int, err error) {
 func apiError(w http.ResponseWriter, err error) { writeError(w, errwire.HTTPStatus(err), err) }
 
 // envdError writes an error of the sandbox side's plain HTTP endpoints.
-func envdError(w http.ResponseWriter, err error) { writeError(w, errwire.EnvdHTTPStatus(err), err) }
+func envdError(w http.ResponseWriter, err error) {
+	if !writePaused(w, err) {
+		writeError(w, errwire.EnvdHTTPStatus(err), err)
+	}
+}
 
 // notRunning is how the data plane reports a sandbox that does not run
 // (unknown, deleted, expired or dead): E2B's proxy answers 502, which the

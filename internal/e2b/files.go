@@ -23,16 +23,17 @@ import (
 
 // envd's plain HTTP endpoints: GET /health, GET and POST /files.
 
-// health answers 204 while the sandbox runs and 502 otherwise, which is how
-// the SDKs tell a dead sandbox from a network failure.
+// health answers 204 while the sandbox runs and 502 otherwise (paused
+// too, unless it resumes on traffic), which is how the SDKs tell a dead or
+// paused sandbox from a network failure.
 func (f *Facade) health(w http.ResponseWriter, r *http.Request) {
 	t, err := f.resolve(r, EnvdPort)
 	if err != nil {
 		envdError(w, err)
 		return
 	}
-	if !f.running(r.Context(), t.id) {
-		envdError(w, notRunning(t.id))
+	if _, err := f.awake(r.Context(), t.id); err != nil {
+		envdError(w, err)
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
@@ -147,9 +148,9 @@ func (f *Facade) files(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	r = r.WithContext(tokenHolder(r.Context()))
-	n, err := f.r.ForSandbox(r.Context(), t.id)
+	n, err := f.awake(r.Context(), t.id)
 	if err != nil {
-		envdError(w, notRunning(t.id))
+		envdError(w, err)
 		return
 	}
 	if op == "read" {

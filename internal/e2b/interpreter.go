@@ -67,9 +67,9 @@ func (f *Facade) interpreterNode(r *http.Request) (apiserver.Node, string, error
 	if !(access != "" && equal(access, f.AccessToken(t.id))) && !(traffic != "" && equal(traffic, f.TrafficToken(t.id))) {
 		return nil, "", errdefs.Unauthenticated("missing or wrong X-Access-Token / E2B-Traffic-Access-Token for sandbox %s", clip(t.id))
 	}
-	n, err := f.r.ForSandbox(r.Context(), t.id)
+	n, err := f.awake(tokenHolder(r.Context()), t.id)
 	if err != nil {
-		return nil, "", notRunning(t.id)
+		return nil, "", err
 	}
 	return n, t.id, nil
 }

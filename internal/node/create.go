@@ -217,7 +217,7 @@ func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
 		User: s.spec.User, Workdir: s.spec.Workdir, Hostname: "sandbox",
 		CPU: s.spec.Resources.GetCpu(), MemoryMB: s.spec.Resources.GetMemoryMb(),
 		DiskMB: s.spec.Resources.GetDiskMb(), Pids: s.spec.Resources.GetPids(),
-		Deadline: s.expires.Add(deadlineGrace), Runtime: s.spec.Runtime,
+		Deadline: n.deadline(s), Runtime: s.spec.Runtime,
 		PrivilegeEscalation: img.Config.PrivilegeEscalation,
 	}
 	if s.net != nil {

@@ -2,7 +2,9 @@ package node
 
 import (
 	"context"
+	"log/slog"
 	"sync"
+	"time"
 
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -39,22 +41,81 @@ func (n *Node) Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
 }
 
 func (n *Node) pause(ctx context.Context, s *sandbox) error {
-	return n.transition(ctx, s, statePaused, func(ctx context.Context) error {
-		p, err := can[substrate.Pauser](s, "cannot pause")
-		if err != nil {
-			return err
-		}
+	return n.transition(ctx, s, statePaused, func(ctx context.Context) error { return n.freezeLocked(ctx, s) })
+}
+
+// freezeLocked pauses s's instance. A sandbox that pauses at its timeout
+// (on_timeout "pause") may stay paused past its TTL, so its agent's own
+// deadline, which would end it the moment it resumed, is cleared first
+// (resumeLocked sets it again).
+func (n *Node) freezeLocked(ctx context.Context, s *sandbox) error {
+	p, err := can[substrate.Pauser](s, "cannot pause")
+	if err != nil {
+		return err
+	}
+	if !s.pausesAtTimeout() {
 		return p.Pause(ctx)
-	})
+	}
+	if err := s.inst.Guest().SetDeadline(ctx, time.Time{}); err != nil {
+		return err
+	}
+	if err := p.Pause(ctx); err != nil {
+		s.inst.Guest().SetDeadline(context.WithoutCancel(ctx), n.deadline(s))
+		return err
+	}
+	return nil
 }
 
 func (n *Node) resume(ctx context.Context, s *sandbox) error {
-	return n.transition(ctx, s, stateRunning, func(ctx context.Context) error {
-		p, err := can[substrate.Pauser](s, "cannot pause")
-		if err != nil {
+	return n.transition(ctx, s, stateRunning, func(ctx context.Context) error { return n.resumeLocked(ctx, s) })
+}
+
+// resumeLocked resumes s's instance. A sandbox paused at its TTL starts a
+// fresh TTL; one that pauses at its timeout gets its agent's deadline back.
+func (n *Node) resumeLocked(ctx context.Context, s *sandbox) error {
+	p, err := can[substrate.Pauser](s, "cannot pause")
+	if err != nil {
+		return err
+	}
+	if err := p.Resume(ctx); err != nil {
+		return err
+	}
+	// A resume is activity: the idle TTL counts from it (a session's
+	// revival must not meet an idle TTL that ran out before the pause).
+	s.touch()
+	if s.timedOut {
+		s.expires, s.timedOut = time.Now().Add(time.Duration(s.spec.TtlS)*time.Second), false
+	}
+	if s.pausesAtTimeout() {
+		// The node enforces the TTL on its own; the agent's deadline is
+		// the fallback for a node that is gone.
+		if err := s.inst.Guest().SetDeadline(context.WithoutCancel(ctx), n.deadline(s)); err != nil {
+			n.log.Warn("set the agent's deadline after a resume", slog.String("sandbox_id", s.id), slog.Any("error", err))
+		}
+	}
+	return nil
+}
+
+// pauseAtTTL pauses s, whose TTL passed at now and whose policy is to
+// pause: it is kept paused until now + paused_ttl, and resuming it starts
+// a fresh TTL. A sandbox paused already (by its user or its session)
+// just gets that mark.
+func (n *Node) pauseAtTTL(ctx context.Context, s *sandbox, now time.Time) error {
+	mark := func() { s.expires, s.timedOut = now.Add(n.cfg.PausedTTL), true }
+	s.mu.Lock()
+	if s.state == statePaused {
+		mark()
+		err := n.persistLocked(s)
+		s.mu.Unlock()
+		return err
+	}
+	s.mu.Unlock()
+	return n.transition(ctx, s, statePaused, func(ctx context.Context) error {
+		if err := n.freezeLocked(ctx, s); err != nil {
 			return err
 		}
-		return p.Resume(ctx)
+		mark()
+		return nil
 	})
 }
 
@@ -88,7 +149,7 @@ func (n *Node) failedLocked(s *sandbox, err error) error {
 // persistLocked writes the sandbox's record with its current state.
 func (n *Node) persistLocked(s *sandbox) error {
 	r := *s.rec
-	r.State, r.Expires = s.state.String(), s.expires
+	r.State, r.Expires, r.TimedOut = s.state.String(), s.expires, s.timedOut
 	r.Network, r.NetPolicy = attachmentJSON(s.net), networkRecord(s.network)
 	if s.inst != nil {
 		// A pause or resume may change what the driver re-adopts from

@@ -48,6 +48,10 @@ type Config struct {
 	// DefaultTTL applies when a create gives none (default 1h); MaxTTL
 	// caps every TTL (default 7 days).
 	DefaultTTL, MaxTTL time.Duration
+	// PausedTTL is how long a sandbox that paused at its TTL (on_timeout
+	// "pause") is kept paused before it is deleted (default 24h, at most
+	// MaxTTL).
+	PausedTTL time.Duration
 	// Defaults and limits for resources.
 	DefaultCPU      float64 // default 1
 	MaxCPU          float64 // default: the host's cores
@@ -74,6 +78,9 @@ type Config struct {
 	// Credentials are the brokered credentials policies may name, by
 	// name (default none).
 	Credentials map[string]NamedCredential
+
+	// deadlineGrace replaces deadlineGrace in tests (0: deadlineGrace).
+	deadlineGrace time.Duration
 }
 
 func (c *Config) defaults() {
@@ -92,6 +99,10 @@ func (c *Config) defaults() {
 	if c.MaxTTL == 0 {
 		c.MaxTTL = 7 * 24 * time.Hour
 	}
+	if c.PausedTTL == 0 {
+		c.PausedTTL = 24 * time.Hour
+	}
+	c.PausedTTL = min(c.PausedTTL, c.MaxTTL)
 	if c.DefaultCPU == 0 {
 		c.DefaultCPU = 1
 	}
@@ -133,6 +144,9 @@ func (c *Config) defaults() {
 	}
 	if c.ReapInterval == 0 {
 		c.ReapInterval = time.Second
+	}
+	if c.deadlineGrace == 0 {
+		c.deadlineGrace = deadlineGrace
 	}
 }
 
@@ -318,9 +332,23 @@ func (n *Node) live(ctx context.Context, id string) (*sandbox, error) {
 	return s, nil
 }
 
+// On-timeout policies (SandboxSpec.on_timeout).
+const (
+	OnTimeoutDelete = "delete"
+	OnTimeoutPause  = "pause"
+)
+
+// pausesAtTimeout reports whether s pauses, rather than ends, when its TTL
+// or idle TTL passes.
+func (s *sandbox) pausesAtTimeout() bool { return s.spec.OnTimeout == OnTimeoutPause }
+
 // deadlineGrace is how long after its TTL a sandbox ends itself if the node
 // has not deleted it (the node normally does, on time).
 const deadlineGrace = time.Minute
+
+// deadline is when s's agent ends s by itself: deadlineGrace (tests: the
+// node's Config.deadlineGrace) after its expiry.
+func (n *Node) deadline(s *sandbox) time.Time { return s.expires.Add(n.cfg.deadlineGrace) }
 
 // SessionLabel is the label binding a sandbox to a trainer session.
 const SessionLabel = "dsec.io/session"
@@ -370,12 +398,16 @@ func (n *Node) Get(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
 func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return &dsecv1.Sandbox{
+	sb := &dsecv1.Sandbox{
 		Id: s.id, Node: n.cfg.Name, State: s.state.public(), Spec: s.shownSpecLocked(),
 		CreatedAt:    timestamppb.New(s.created),
 		ExpiresAt:    timestamppb.New(s.expires),
 		LastActiveAt: timestamppb.New(time.Unix(0, s.lastActive.Load())),
 	}
+	if s.timedOut {
+		sb.Reason = "ttl expired: paused (on_timeout pause) until expires_at"
+	}
+	return sb
 }
 
 func (n *Node) tombstoneView(t *record) *dsecv1.Sandbox {
@@ -446,7 +478,7 @@ func (n *Node) Keepalive(ctx context.Context, req *dsecv1.KeepaliveRequest) (*ds
 		s.expires = time.Now().Add(time.Duration(ext) * time.Second)
 		exp := s.expires
 		s.mu.Unlock()
-		if err := s.inst.Guest().SetDeadline(ctx, exp.Add(deadlineGrace)); err != nil {
+		if err := s.inst.Guest().SetDeadline(ctx, exp.Add(n.cfg.deadlineGrace)); err != nil {
 			return nil, n.callFailed(s, err)
 		}
 		s.rec = s.record()
@@ -478,24 +510,47 @@ func (n *Node) reaper() {
 	}
 }
 
-// reap deletes the sandboxes whose TTL or idle TTL passed at now. A
-// paused sandbox waits for its trainer, not for calls: it does not idle.
-// Both ends are the configured lifetime, reported as gone (infra): the
-// sandbox vanished from under whoever was using it.
+// reap ends the sandboxes whose TTL or idle TTL passed at now, or pauses
+// those whose policy is to pause (on_timeout "pause"), and ends those kept
+// paused past their paused_ttl. A paused sandbox waits for its trainer,
+// not for calls: it does not idle. Every end here is the configured
+// lifetime, reported as gone (infra): the sandbox vanished from under
+// whoever was using it.
 func (n *Node) reap(now time.Time) {
+	ctx := context.Background()
 	for _, s := range n.sandboxes.all(nil) {
 		s.mu.Lock()
-		exp, st := s.expires, s.state
+		exp, st, timedOut := s.expires, s.state, s.timedOut
 		s.mu.Unlock()
 		idle := time.Duration(s.spec.IdleTtlS) * time.Second
 		switch {
 		case st != stateRunning && st != statePaused:
+		case now.After(exp) && timedOut:
+			n.release(ctx, s, &end{reason: "paused ttl expired", infra: true})
+		case now.After(exp) && s.pausesAtTimeout():
+			if err := n.pauseAtTTL(ctx, s, now); err != nil {
+				n.cannotPause(s, "ttl expired", err)
+			}
 		case now.After(exp):
-			n.release(context.Background(), s, &end{reason: "ttl expired", infra: true})
+			n.release(ctx, s, &end{reason: "ttl expired", infra: true})
 		case st == stateRunning && idle > 0 && now.Sub(time.Unix(0, s.lastActive.Load())) > idle:
-			n.release(context.Background(), s, &end{reason: "idle ttl expired", infra: true})
+			if !s.pausesAtTimeout() {
+				n.release(ctx, s, &end{reason: "idle ttl expired", infra: true})
+			} else if err := n.pause(ctx, s); err != nil {
+				n.cannotPause(s, "idle ttl expired", err)
+			}
 		}
 	}
+}
+
+// cannotPause ends a sandbox that reached its timeout and could not pause,
+// as it would have ended without the policy.
+func (n *Node) cannotPause(s *sandbox, reason string, err error) {
+	if s.currentState().ending() {
+		return // it died (failedLocked releases it) or was deleted meanwhile
+	}
+	n.log.Warn("pause at timeout", slog.String("sandbox_id", s.id), slog.Any("error", err))
+	n.release(context.Background(), s, &end{reason: reason + "; the sandbox could not pause: " + errdefs.Classify(err).Msg, infra: true})
 }
 
 // purge forgets the tombstones, idempotency keys and trajectory logs of
@@ -536,9 +591,11 @@ func (n *Node) adopt() {
 			id: r.ID, spec: spec, created: r.Created, image: r.Image, layers: r.Layers, net: att,
 			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey, project: projectOr(r.Project),
 			state: parseState(r.State), expires: r.Expires, rec: r, network: networkFromRecord(r.NetPolicy),
+			timedOut: r.TimedOut,
 		}
 		if s.state != statePaused {
 			s.state = stateRunning // as were records written mid-delete, and those of old stores
+			s.timedOut = false
 		}
 		s.touch()
 		drv := n.drivers[substrate.Kind(r.Kind)]

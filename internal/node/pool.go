@@ -227,7 +227,7 @@ func (ps *pools) personalize(s *sandbox, spec *dsecv1.SandboxSpec, project strin
 			return errdefs.Unavailable("prepare pooled sandbox: %v", err)
 		}
 	}
-	if err := g.SetDeadline(ctx, s.expires.Add(deadlineGrace)); err != nil {
+	if err := g.SetDeadline(ctx, n.deadline(s)); err != nil {
 		n.release(context.Background(), s, nil)
 		return errdefs.Unavailable("prepare pooled sandbox: %v", err)
 	}

@@ -38,7 +38,11 @@ type sandbox struct {
 	mu      sync.Mutex
 	state   state
 	expires time.Time
-	rec     *record
+	// timedOut marks a sandbox paused at its TTL (on_timeout "pause"):
+	// expires is then the end of its paused_ttl, and a resume gives it a
+	// fresh TTL.
+	timedOut bool
+	rec      *record
 	// network is the sandbox's network since a SetNetworkPolicy (nil:
 	// spec.network), credentials' values included.
 	network *dsecv1.Network
@@ -183,7 +187,7 @@ func (s *sandbox) record() *record {
 	r := &record{
 		ID: s.id, Kind: s.spec.Kind, Image: s.image, Spec: specJSON, Layers: s.layers,
 		Created: s.created, Expires: s.expires, State: s.state.String(), Network: attachmentJSON(s.net), IdemKey: s.idemKey,
-		Project: s.project, NetPolicy: networkRecord(s.network),
+		Project: s.project, NetPolicy: networkRecord(s.network), TimedOut: s.timedOut,
 	}
 	if s.inst != nil {
 		r.Driver = s.inst.State()

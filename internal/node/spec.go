@@ -73,6 +73,15 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 	if spec.Image == "" && spec.Snapshot == "" {
 		return nil, errdefs.Invalid("spec.image (or spec.snapshot) is required")
 	}
+	switch spec.OnTimeout {
+	case "", OnTimeoutDelete:
+	case OnTimeoutPause:
+		if !caps.Has(substrate.CapPause) {
+			return nil, errdefs.Invalid("on_timeout %q: kind %q%s cannot pause", spec.OnTimeout, spec.Kind, runtimeSuffix(spec.Runtime))
+		}
+	default:
+		return nil, errdefs.Invalid("on_timeout %q (use delete or pause)", truncate(spec.OnTimeout, 64))
+	}
 	if spec.Resources == nil {
 		spec.Resources = &dsecv1.Resources{}
 	}

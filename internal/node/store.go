@@ -38,6 +38,8 @@ type record struct {
 	// NetPolicy is the sandbox's network (protojson of dsecv1.Network)
 	// since a SetNetworkPolicy; without one, the spec's.
 	NetPolicy []byte `json:"net_policy,omitempty"`
+	// TimedOut marks a sandbox paused at its TTL (see sandbox.timedOut).
+	TimedOut bool `json:"timed_out,omitempty"`
 }
 
 type store struct {

@@ -43,6 +43,10 @@ type CreateOptions struct {
 	// Runtime is another of the kind's runtimes: "gvisor" for kind
 	// container ("" is the kind's default; Info lists each node's).
 	Runtime string
+	// OnTimeout is what reaching TTL or IdleTTL does: "delete" (default)
+	// or "pause" (a call resumes the sandbox; one paused at its TTL is
+	// kept for the node's paused_ttl and resumes with a fresh TTL).
+	OnTimeout string
 }
 
 func (o CreateOptions) spec() *dsecv1.SandboxSpec {
@@ -55,7 +59,7 @@ func (o CreateOptions) spec() *dsecv1.SandboxSpec {
 		TtlS:      int64(o.TTL / time.Second), IdleTtlS: int64(o.IdleTTL / time.Second),
 		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network, Policy: o.Policy.proto()},
 		User: o.User, Workdir: o.Workdir, Snapshot: o.Snapshot, Session: o.Session,
-		NodeSelector: o.NodeSelector, Runtime: o.Runtime,
+		NodeSelector: o.NodeSelector, Runtime: o.Runtime, OnTimeout: o.OnTimeout,
 	}
 }
 

@@ -468,7 +468,7 @@ const scenarios = {
     await rejects(Sandbox.getInfo('not-a-sandbox-id'), SandboxNotFoundError, 'getInfo of a malformed ID')
     assert.equal(await Sandbox.kill('aaaaaaaaaaaaaaaa-local'), false)
     await rejects(Sandbox.create('no-such-image-anywhere'), SandboxError, 'create from an unknown template')
-    await rejects(Sandbox.create(TEMPLATE, { lifecycle: { onTimeout: 'pause' } }), SandboxError, 'an unsupported lifecycle')
+    await rejects(Sandbox.create(TEMPLATE, { lifecycle: { onTimeout: { action: 'pause', keepMemory: false } } }), SandboxError, 'a filesystem-only auto-pause')
     await withSandbox(async (sbx) => {
       const real = sbx.envdAccessToken
       sbx.envdAccessToken = 'wrong-token'
@@ -830,6 +830,139 @@ const scenarios = {
     const we = await Promise.race([watchEnd, sleep(10_000).then(() => 'no end')])
     assert.ok(we instanceof TimeoutError && we.message.includes('sandbox was killed or reached its end of life'), `the watch ended with ${we}`)
   },
+
+  // A paused sandbox stays paused: its envd answers 502 with E2B's body
+  // (isRunning is false) and calls fail, until connect resumes it with
+  // its files and processes.
+  async 'pause-stays-paused'() {
+    await withSandbox(async (sbx) => {
+      await sbx.files.write('/tmp/kept.txt', 'kept')
+      const pid = await backgroundSleep(sbx)
+      assert.equal(await sbx.pause(), true)
+      for (let i = 0; i < 3; i++) assert.equal(await sbx.isRunning(), false, 'a request resumed the paused sandbox')
+      const res = await fetch(`${process.env.E2B_SANDBOX_URL}/health`, { headers: { 'E2b-Sandbox-Id': sbx.sandboxId } })
+      assert.equal(res.status, 502)
+      assert.deepEqual(await res.json(), { sandboxId: sbx.sandboxId, message: 'The sandbox is paused', code: 502, canAutoResume: false })
+      await rejects(sbx.commands.run('true'), SandboxError, 'commands.run in a paused sandbox')
+      await rejects(sbx.files.read('/tmp/kept.txt'), SandboxError, 'files.read in a paused sandbox')
+      await rejects(sbx.setTimeout(60_000), SandboxNotFoundError, 'setTimeout of a paused sandbox')
+      const info = await sbx.getInfo()
+      assert.equal(info.state, 'paused')
+      assert.deepEqual(info.lifecycle, { onTimeout: 'kill', autoResume: false })
+      const listed = await Sandbox.list({ query: { state: ['paused'] } }).nextItems()
+      assert.ok(listed.some((s) => s.sandboxId === sbx.sandboxId))
+      await Sandbox.connect(sbx.sandboxId)
+      assert.equal(await sbx.isRunning(), true)
+      assert.equal((await sbx.getInfo()).state, 'running')
+      assert.equal(await sbx.files.read('/tmp/kept.txt'), 'kept')
+      assert.equal((await sbx.commands.run(`cat /proc/${pid}/comm`)).stdout.trim(), 'sleep')
+    })
+  },
+
+  // lifecycle onTimeout 'pause': the timeout pauses the sandbox, which
+  // only connect resumes, with its state and the timeout connect gives.
+  async 'auto-pause'() {
+    const sbx = await Sandbox.create(TEMPLATE, { timeoutMs: PAUSE_TIMEOUT_MS, lifecycle: { onTimeout: 'pause' } })
+    try {
+      await sbx.files.write('/tmp/kept.txt', 'kept')
+      assert.deepEqual((await sbx.getInfo()).lifecycle, { onTimeout: 'pause', autoResume: false })
+      await untilState(sbx, 'paused')
+      assert.equal(await sbx.isRunning(), false)
+      await rejects(sbx.commands.run('true'), SandboxError, 'commands.run after the auto-pause')
+      const paused = await sbx.getInfo()
+      assert.equal(paused.state, 'paused')
+      assert.ok(paused.endAt.getTime() - Date.now() > 3600_000, `a sandbox paused at its timeout ends at ${paused.endAt}`)
+      await sbx.connect({ timeoutMs: 300_000 })
+      const info = await sbx.getInfo()
+      assert.equal(info.state, 'running')
+      const left = info.endAt.getTime() - Date.now()
+      assert.ok(left > 240_000 && left <= 301_000, `endAt is ${left} ms away after connect, want ~300 s`)
+      assert.equal(await sbx.files.read('/tmp/kept.txt'), 'kept')
+    } finally {
+      await sbx.kill().catch(() => {})
+    }
+  },
+
+  // lifecycle autoResume: the next request to the paused sandbox (an envd
+  // call, /health) resumes it.
+  async 'auto-resume'() {
+    const sbx = await Sandbox.create(TEMPLATE, { timeoutMs: PAUSE_TIMEOUT_MS, lifecycle: { onTimeout: 'pause', autoResume: true } })
+    try {
+      await sbx.files.write('/tmp/kept.txt', 'kept')
+      assert.deepEqual((await sbx.getInfo()).lifecycle, { onTimeout: 'pause', autoResume: true })
+      await untilState(sbx, 'paused')
+      assert.equal((await sbx.commands.run('cat /tmp/kept.txt')).stdout, 'kept')
+      await untilState(sbx, 'paused') // its timeout again, from the resume
+      assert.equal(await sbx.isRunning(), true, 'a request did not resume the sandbox')
+      assert.equal(await sbx.files.read('/tmp/kept.txt'), 'kept')
+    } finally {
+      await sbx.kill().catch(() => {})
+    }
+  },
+
+  // Snapshots as templates: createSnapshot, listSnapshots (all, by
+  // sandbox, by name), sandboxes created from the snapshot's ID, and
+  // deleteSnapshot (false for an unknown ID).
+  async snapshots() {
+    await withSandbox(async (sbx) => {
+      await sbx.files.write('/tmp/snap/state.txt', 'at the snapshot')
+      const name = `snap-test-${process.pid}-${Date.now()}`
+      const snap = await sbx.createSnapshot({ name })
+      assert.match(snap.snapshotId, /^snap-/)
+      assert.deepEqual(snap.names, [name])
+      await sbx.files.write('/tmp/snap/state.txt', 'after the snapshot')
+      const ids = async (p) => (await p.nextItems()).map((s) => s.snapshotId)
+      try {
+        assert.ok((await ids(Sandbox.listSnapshots())).includes(snap.snapshotId))
+        assert.deepEqual(await ids(sbx.listSnapshots()), [snap.snapshotId])
+        assert.deepEqual(await ids(Sandbox.listSnapshots({ name })), [snap.snapshotId])
+        assert.deepEqual(await ids(Sandbox.listSnapshots({ name: `${name}-nope` })), [])
+        const children = await Promise.all([0, 1].map(() => Sandbox.create(snap.snapshotId, { timeoutMs: 120_000 })))
+        try {
+          for (const c of children) {
+            assert.equal(await c.files.read('/tmp/snap/state.txt'), 'at the snapshot')
+            assert.equal((await c.getInfo()).templateId, snap.snapshotId)
+          }
+          await children[0].files.write('/tmp/snap/state.txt', 'child 0')
+          assert.equal(await children[1].files.read('/tmp/snap/state.txt'), 'at the snapshot')
+          assert.equal(await sbx.files.read('/tmp/snap/state.txt'), 'after the snapshot')
+        } finally {
+          await Promise.all(children.map((c) => c.kill()))
+        }
+      } finally {
+        assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), true)
+      }
+      assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), false)
+      assert.deepEqual(await ids(Sandbox.listSnapshots({ name })), [])
+      assert.equal(await Sandbox.deleteSnapshot('snap-aaaaaaaaaaaaaaaa-local'), false)
+      assert.equal(await Sandbox.deleteSnapshot('no-such-template-anywhere'), false)
+      await rejects(Sandbox.create(snap.snapshotId), SandboxError, 'create from a deleted snapshot')
+    })
+  },
+
+  // Sandbox.list is newest first unless asked otherwise, and its pages
+  // stay in order when a sandbox goes between them.
+  async 'list-order'() {
+    const tag = `order-${process.pid}-${Date.now()}`
+    const made = []
+    for (let i = 0; i < 3; i++) made.push(await Sandbox.create(TEMPLATE, { timeoutMs: 300_000, metadata: { order: tag } }))
+    try {
+      const query = { metadata: { order: tag } }
+      const created = made.map((s) => s.sandboxId)
+      const ids = (l) => l.map((s) => s.sandboxId)
+      assert.deepEqual(ids(await Sandbox.list({ query }).nextItems()), [...created].reverse())
+      assert.deepEqual(ids(await Sandbox.list({ query, order: 'desc' }).nextItems()), [...created].reverse())
+      assert.deepEqual(ids(await Sandbox.list({ query, order: 'asc' }).nextItems()), created)
+      const pager = Sandbox.list({ query, limit: 1 })
+      assert.deepEqual(ids(await pager.nextItems()), [created[2]])
+      assert.ok(pager.hasNext)
+      await made[1].kill() // the next one in line
+      assert.deepEqual(ids(await pager.nextItems()), [created[0]])
+      assert.ok(!pager.hasNext)
+    } finally {
+      await Promise.all(made.map((s) => s.kill()))
+    }
+  },
 }
 
 // WS_SERVER is a small server for the port scenarios: GET /stream writes
@@ -908,6 +1041,35 @@ async function wsEcho(sbx, port, via, text) {
     })
     req.end()
   })
+}
+
+
+// How long the lifecycle scenarios' sandboxes live before their timeout
+// pauses them (longer for kinds that start slowly).
+const PAUSE_TIMEOUT_MS = Number(process.env.PAUSE_TIMEOUT_MS || 3000)
+
+// untilState waits until getInfo reports state.
+async function untilState(sbx, state) {
+  const deadline = Date.now() + PAUSE_TIMEOUT_MS + 60_000
+  for (;;) {
+    const got = (await sbx.getInfo()).state
+    if (got === state) return
+    assert.ok(Date.now() < deadline, `the sandbox is still ${got}, want ${state}`)
+    await sleep(250)
+  }
+}
+
+// backgroundSleep starts `sleep 1000` in the background and returns its
+// pid once the sleep itself runs (its login shell forks first).
+async function backgroundSleep(sbx) {
+  await sbx.commands.run('sleep 1000', { background: true, timeoutMs: 0 })
+  let pid = ''
+  for (let i = 0; i < 200 && !pid; i++) {
+    pid = (await sbx.commands.run('pgrep -x sleep || true')).stdout.trim()
+    if (!pid) await sleep(50)
+  }
+  assert.ok(/^\d+$/.test(pid), `the background sleep never started (${pid})`)
+  return pid
 }
 
 const name = process.argv[2]

@@ -177,11 +177,14 @@ func TestControlPlaneErrors(t *testing.T) {
 		{"a reserved metadata key is 400", "POST", "/v2/sandboxes", key, `{"templateID":"base","metadata":{"e2b.dev/template":"x"}}`, 400},
 		{"an unknown list state is 400", "GET", "/v2/sandboxes?state=sleeping", key, "", 400},
 		{"a forged next token is 400", "GET", "/v2/sandboxes?nextToken=***", key, "", 400},
-		{"an unsupported call is 501", "POST", "/sandboxes/" + c.SandboxID + "/snapshots", key, `{}`, 501},
+		{"an unsupported call is 501", "GET", "/templates/base", key, "", 501},
+		{"a snapshot of an unknown sandbox is 404", "POST", "/sandboxes/aaaaaaaaaaaaaaaa-local/snapshots", key, `{}`, 404},
+		{"deleting an unknown snapshot is 404", "DELETE", "/templates/snap-aaaaaaaaaaaaaaaa-local", key, "", 404},
+		{"a filesystem-only pause is 400", "POST", "/sandboxes/" + c.SandboxID + "/pause", key, `{"memory":false}`, 400},
+		{"autoResume without autoPause is 400", "POST", "/v2/sandboxes", key, `{"templateID":"base","autoResume":{"enabled":true}}`, 400},
 		{"network rules for a sandbox without internet access are 400", "PUT", "/sandboxes/" + c.SandboxID + "/network", key, `{"allowOut":["pypi.org"]}`, 400},
 		{"a domain name in denyOut is 400", "POST", "/v2/sandboxes", key, `{"templateID":"base","network":{"denyOut":["evil.test"]}}`, 400},
 		{"a bad allowOut entry is 400", "POST", "/v2/sandboxes", key, `{"templateID":"base","network":{"allowOut":["not a host!"]}}`, 400},
-		{"snapshots are 501", "GET", "/snapshots", key, "", 501},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

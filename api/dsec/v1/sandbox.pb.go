@@ -834,7 +834,16 @@ type SandboxSpec struct {
 	// the kind's default). Kind container offers "gvisor" (gVisor's runsc:
 	// the workload's system calls go to gVisor's application kernel, not the
 	// host's), where the node's info lists it as available.
-	Runtime       string `protobuf:"bytes,13,opt,name=runtime,proto3" json:"runtime,omitempty"`
+	Runtime string `protobuf:"bytes,13,opt,name=runtime,proto3" json:"runtime,omitempty"`
+	// on_timeout is what reaching ttl_s or idle_ttl_s does: "delete" (the
+	// default) ends the sandbox; "pause" pauses it instead, for kinds that
+	// can pause. A call (or ResumeSandbox) resumes it. A sandbox paused at
+	// its ttl_s is kept paused for the node's paused_ttl (default 24h; its
+	// expires_at says until when), then deleted; resuming it gives it a
+	// fresh ttl_s from the resume. A sandbox paused at its idle_ttl_s keeps
+	// its absolute expiry. Sessions act as they do on any sandbox: a
+	// session's expiry pauses or deletes it, closing the session deletes it.
+	OnTimeout     string `protobuf:"bytes,14,opt,name=on_timeout,json=onTimeout,proto3" json:"on_timeout,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -963,6 +972,13 @@ func (x *SandboxSpec) GetNodeSelector() map[string]string {
 func (x *SandboxSpec) GetRuntime() string {
 	if x != nil {
 		return x.Runtime
+	}
+	return ""
+}
+
+func (x *SandboxSpec) GetOnTimeout() string {
+	if x != nil {
+		return x.OnTimeout
 	}
 	return ""
 }
@@ -6081,7 +6097,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04host\x18\x06 \x01(\tR\x04host\x12\x18\n" +
 	"\averdict\x18\a \x01(\tR\averdict\x12\x16\n" +
 	"\x06reason\x18\b \x01(\tR\x06reason\x12\x1a\n" +
-	"\bbrokered\x18\t \x01(\bR\bbrokered\"\xb2\x05\n" +
+	"\bbrokered\x18\t \x01(\bR\bbrokered\"\xd1\x05\n" +
 	"\vSandboxSpec\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x120\n" +
@@ -6098,7 +6114,9 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\bsnapshot\x18\v \x01(\tR\bsnapshot\x12\x18\n" +
 	"\asession\x18\f \x01(\tR\asession\x12K\n" +
 	"\rnode_selector\x18\x14 \x03(\v2&.dsec.v1.SandboxSpec.NodeSelectorEntryR\fnodeSelector\x12\x18\n" +
-	"\aruntime\x18\r \x01(\tR\aruntime\x1a9\n" +
+	"\aruntime\x18\r \x01(\tR\aruntime\x12\x1d\n" +
+	"\n" +
+	"on_timeout\x18\x0e \x01(\tR\tonTimeout\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +

@@ -156,6 +156,7 @@ class SandboxInfo:
     expires_at: str = ""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
     runtime: str = ""  # "" is the kind's default runtime
+    on_timeout: str = ""  # "" or "delete": the TTL ends the sandbox; "pause": it pauses
 
     @classmethod
     def _from(cls, m: Dict[str, Any]) -> "SandboxInfo":
@@ -164,7 +165,7 @@ class SandboxInfo:
             id=m.get("id", ""), node=m.get("node", ""), state=m.get("state", ""), reason=m.get("reason", ""),
             kind=spec.get("kind", ""), image=spec.get("image", ""), labels=dict(spec.get("labels") or {}),
             created_at=m.get("createdAt", ""), expires_at=m.get("expiresAt", ""), raw=m,
-            runtime=spec.get("runtime", ""),
+            runtime=spec.get("runtime", ""), on_timeout=spec.get("onTimeout", ""),
         )
 
 
@@ -205,7 +206,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
                 env: Optional[Mapping[str, str]] = None, network: Optional[str] = None, user: Optional[str] = None,
                 workdir: Optional[str] = None, from_snapshot: Any = None, session: Any = None,
                 node_selector: Optional[Mapping[str, str]] = None, network_policy: Optional[PolicyLike] = None,
-                bandwidth_mbps: Optional[int] = None, runtime: Optional[str] = None) -> Dict[str, Any]:
+                bandwidth_mbps: Optional[int] = None, runtime: Optional[str] = None,
+                on_timeout: Optional[str] = None) -> Dict[str, Any]:
     # No kind: the server's default (container), or a machine snapshot's own kind.
     spec: Dict[str, Any] = {"resources": {}}
     if kind:
@@ -252,6 +254,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
         spec["nodeSelector"] = dict(node_selector)
     if runtime:
         spec["runtime"] = runtime
+    if on_timeout:
+        spec["onTimeout"] = on_timeout
     return spec
 
 
@@ -597,7 +601,11 @@ class Client:
         throughput each way), ``user``, ``workdir``, ``from_snapshot``,
         ``session``, ``node_selector`` (cluster mode: node labels),
         ``runtime`` ("gvisor": another runtime of the kind; ``info()``
-        lists each node's). With ``count``, create that many in one request and
+        lists each node's), ``on_timeout`` ("delete", the default, or
+        "pause": reaching ``ttl_s`` or ``idle_ttl_s`` pauses the sandbox
+        and any call resumes it; paused at its TTL it is kept for the
+        node's ``paused_ttl``, 24 h by default, and resumes with a fresh
+        TTL). With ``count``, create that many in one request and
         return the list of those that started (raising if none did; see
         :meth:`create_many` for per-item results)."""
         body = _build_spec(image, **spec)

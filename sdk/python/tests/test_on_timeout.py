@@ -1,0 +1,55 @@
+"""on_timeout="pause": reaching the TTL pauses a sandbox instead of ending it."""
+
+import datetime
+import time
+
+import pytest
+
+import dsec
+
+
+def _until(what, cond, timeout_s=30.0):
+    deadline = time.time() + timeout_s
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.2)
+
+
+def _seconds_left(info):
+    end = datetime.datetime.fromisoformat(info.expires_at.replace("Z", "+00:00"))
+    return (end - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+
+
+def test_the_ttl_pauses_and_a_call_resumes_with_its_state_and_a_fresh_ttl(client):
+    sb = client.create(image="busybox", ttl_s=3, on_timeout="pause", labels={"test": "on-timeout"})
+    try:
+        assert sb.info.on_timeout == "pause"
+        sb.exec("echo kept > /tmp/k")
+        _until("the TTL pauses the sandbox", lambda: client.get(sb.id).info.state == "paused")
+        info = client.get(sb.id).info
+        assert "on_timeout pause" in info.reason
+        assert _seconds_left(info) > 3600  # kept for the node's paused_ttl (24 h), not ended
+        assert sb.exec("cat /tmp/k").stdout == "kept\n"  # a call resumes it
+        info = client.get(sb.id).info
+        assert info.state == "running" and info.reason == ""
+        assert 0 < _seconds_left(info) <= 3  # its TTL again, from the resume
+    finally:
+        sb.close()
+
+
+def test_a_session_expiry_still_deletes_a_sandbox_paused_at_its_ttl(client):
+    s = client.session("py-on-timeout", heartbeat_s=1, grace_s=1, on_expire="delete")
+    try:
+        sb = client.create(image="busybox", ttl_s=1, on_timeout="pause", session=s)
+        _until("the TTL pauses the sandbox", lambda: client.get(sb.id).info.state == "paused")
+        s.stop_heartbeats()
+        _until("the session's expiry deletes it", lambda: client.get(sb.id).info.state == "deleted")
+        _until("it is no longer listed", lambda: client.list(selector="dsec.io/session=py-on-timeout") == [])
+        assert client.get(sb.id).info.reason == "deleted by the user (by label)"
+    finally:
+        s.close(delete_sandboxes=True)
+
+
+def test_a_policy_the_server_does_not_know_is_refused(client):
+    with pytest.raises(dsec.InvalidRequest):
+        client.create(image="busybox", on_timeout="hibernate")
