@@ -39,9 +39,6 @@ import (
 	"github.com/opendsec/dsec/internal/sandboxid"
 )
 
-// IDPrefix starts every volume ID: "vol-<16 base32 chars>-<node>".
-const IDPrefix = "vol-"
-
 // Limits.
 const (
 	// MinMB is the smallest volume.
@@ -131,21 +128,8 @@ func ValidName(name string) error {
 
 // IsID reports whether s has a volume ID's form.
 func IsID(s string) bool {
-	_, err := NodeOf(s)
+	_, err := sandboxid.VolumeNode(s)
 	return err == nil
-}
-
-// NodeOf returns the node a volume ID names; a malformed ID is invalid.
-func NodeOf(id string) (string, error) {
-	rest, ok := strings.CutPrefix(id, IDPrefix)
-	if !ok {
-		return "", errdefs.Invalid("malformed volume id %q", clip(id))
-	}
-	node, err := sandboxid.Node(rest)
-	if err != nil {
-		return "", errdefs.Invalid("malformed volume id %q", clip(id))
-	}
-	return node, nil
 }
 
 // Open opens the volumes kept in dir and mounts each (through the loop
@@ -341,7 +325,7 @@ func (m *Manager) Create(project, name string, sizeMB int64, labels map[string]s
 	m.names[key] = "" // reserved while it is made
 	m.mu.Unlock()
 	v := &Volume{
-		ID: IDPrefix + sandboxid.New(m.cfg.Node), Name: name, Project: project, SizeMB: sizeMB,
+		ID: sandboxid.NewVolume(m.cfg.Node), Name: name, Project: project, SizeMB: sizeMB,
 		Labels: labels, Created: time.Now().UTC(),
 	}
 	defer func() {

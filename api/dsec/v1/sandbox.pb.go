@@ -834,7 +834,11 @@ type SandboxSpec struct {
 	// the kind's default). Kind container offers "gvisor" (gVisor's runsc:
 	// the workload's system calls go to gVisor's application kernel, not the
 	// host's), where the node's info lists it as available.
-	Runtime       string `protobuf:"bytes,13,opt,name=runtime,proto3" json:"runtime,omitempty"`
+	Runtime string `protobuf:"bytes,13,opt,name=runtime,proto3" json:"runtime,omitempty"`
+	// volumes mounts volumes of the sandbox's project (VolumeService) into
+	// it, at most 16. Kind container only; in a cluster the sandbox runs on
+	// the node its volumes live on (all of them on one node).
+	Volumes       []*VolumeMount `protobuf:"bytes,21,rep,name=volumes,proto3" json:"volumes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -965,6 +969,13 @@ func (x *SandboxSpec) GetRuntime() string {
 		return x.Runtime
 	}
 	return ""
+}
+
+func (x *SandboxSpec) GetVolumes() []*VolumeMount {
+	if x != nil {
+		return x.Volumes
+	}
+	return nil
 }
 
 type Sandbox struct {
@@ -5963,7 +5974,7 @@ var File_dsec_v1_sandbox_proto protoreflect.FileDescriptor
 
 const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
-	"\x15dsec/v1/sandbox.proto\x12\adsec.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"y\n" +
+	"\x15dsec/v1/sandbox.proto\x12\adsec.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14dsec/v1/volume.proto\"y\n" +
 	"\tErrorInfo\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05infra\x18\x02 \x01(\bR\x05infra\x12\x1c\n" +
@@ -6012,7 +6023,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04host\x18\x06 \x01(\tR\x04host\x12\x18\n" +
 	"\averdict\x18\a \x01(\tR\averdict\x12\x16\n" +
 	"\x06reason\x18\b \x01(\tR\x06reason\x12\x1a\n" +
-	"\bbrokered\x18\t \x01(\bR\bbrokered\"\xb2\x05\n" +
+	"\bbrokered\x18\t \x01(\bR\bbrokered\"\xe2\x05\n" +
 	"\vSandboxSpec\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x120\n" +
@@ -6029,7 +6040,8 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\bsnapshot\x18\v \x01(\tR\bsnapshot\x12\x18\n" +
 	"\asession\x18\f \x01(\tR\asession\x12K\n" +
 	"\rnode_selector\x18\x14 \x03(\v2&.dsec.v1.SandboxSpec.NodeSelectorEntryR\fnodeSelector\x12\x18\n" +
-	"\aruntime\x18\r \x01(\tR\aruntime\x1a9\n" +
+	"\aruntime\x18\r \x01(\tR\aruntime\x12.\n" +
+	"\avolumes\x18\x15 \x03(\v2\x14.dsec.v1.VolumeMountR\avolumes\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +
@@ -6600,6 +6612,7 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	nil,                             // 90: dsec.v1.ForkRequest.LabelsEntry
 	nil,                             // 91: dsec.v1.LogEntry.EnvEntry
 	(*timestamppb.Timestamp)(nil),   // 92: google.protobuf.Timestamp
+	(*VolumeMount)(nil),             // 93: dsec.v1.VolumeMount
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	3,  // 0: dsec.v1.Network.policy:type_name -> dsec.v1.NetworkPolicy
@@ -6613,130 +6626,131 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	86, // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,  // 9: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
 	87, // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
-	11, // 11: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	92, // 12: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	92, // 13: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	92, // 14: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
-	11, // 15: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
-	12, // 16: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	88, // 17: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
-	22, // 18: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
-	21, // 19: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	89, // 20: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
-	31, // 21: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	92, // 22: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
-	34, // 23: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
-	37, // 24: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
-	34, // 25: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
-	48, // 26: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	92, // 27: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	58, // 28: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
-	92, // 29: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
-	59, // 30: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
-	60, // 31: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
-	61, // 32: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
-	62, // 33: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
-	11, // 34: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	11, // 35: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	12, // 36: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	63, // 37: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	65, // 38: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	63, // 39: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	70, // 40: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	92, // 41: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	73, // 42: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	90, // 43: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	92, // 44: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	91, // 45: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
-	21, // 46: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	63, // 47: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	80, // 48: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	83, // 49: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	13, // 50: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	64, // 51: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	14, // 52: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	15, // 53: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	17, // 54: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	19, // 55: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	67, // 56: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	68, // 57: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	69, // 58: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	69, // 59: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	69, // 60: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	50, // 61: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	6,  // 62: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
-	7,  // 63: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
-	20, // 64: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
-	20, // 65: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
-	24, // 66: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	25, // 67: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	27, // 68: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	29, // 69: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	32, // 70: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	35, // 71: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	38, // 72: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	39, // 73: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
-	40, // 74: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
-	42, // 75: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	43, // 76: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
-	45, // 77: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
-	46, // 78: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
-	47, // 79: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	72, // 80: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	74, // 81: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	76, // 82: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	78, // 83: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
-	79, // 84: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
-	82, // 85: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
-	8,  // 86: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
-	52, // 87: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	54, // 88: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
-	56, // 89: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
-	12, // 90: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	66, // 91: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	12, // 92: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
-	16, // 93: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	18, // 94: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	12, // 95: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
-	12, // 96: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	12, // 97: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	71, // 98: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	71, // 99: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	71, // 100: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	51, // 101: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	2,  // 102: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
-	2,  // 103: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
-	21, // 104: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
-	23, // 105: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
-	23, // 106: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	26, // 107: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	28, // 108: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	30, // 109: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	33, // 110: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	36, // 111: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	34, // 112: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
-	34, // 113: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
-	41, // 114: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
-	34, // 115: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
-	44, // 116: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
-	34, // 117: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
-	34, // 118: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
-	49, // 119: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	73, // 120: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	75, // 121: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	77, // 122: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	66, // 123: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	81, // 124: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
-	84, // 125: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
-	9,  // 126: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
-	53, // 127: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	55, // 128: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
-	57, // 129: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
-	90, // [90:130] is the sub-list for method output_type
-	50, // [50:90] is the sub-list for method input_type
-	50, // [50:50] is the sub-list for extension type_name
-	50, // [50:50] is the sub-list for extension extendee
-	0,  // [0:50] is the sub-list for field type_name
+	93, // 11: dsec.v1.SandboxSpec.volumes:type_name -> dsec.v1.VolumeMount
+	11, // 12: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
+	92, // 13: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	92, // 14: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	92, // 15: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	11, // 16: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
+	12, // 17: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
+	88, // 18: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	22, // 19: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
+	21, // 20: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
+	89, // 21: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	31, // 22: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
+	92, // 23: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	34, // 24: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
+	37, // 25: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
+	34, // 26: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
+	48, // 27: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
+	92, // 28: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	58, // 29: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
+	92, // 30: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
+	59, // 31: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
+	60, // 32: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
+	61, // 33: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
+	62, // 34: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
+	11, // 35: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	11, // 36: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	12, // 37: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	63, // 38: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	65, // 39: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	63, // 40: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	70, // 41: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	92, // 42: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	73, // 43: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	90, // 44: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	92, // 45: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	91, // 46: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	21, // 47: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	63, // 48: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	80, // 49: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	83, // 50: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	13, // 51: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	64, // 52: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	14, // 53: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	15, // 54: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	17, // 55: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	19, // 56: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	67, // 57: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	68, // 58: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	69, // 59: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	69, // 60: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	69, // 61: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	50, // 62: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	6,  // 63: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
+	7,  // 64: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
+	20, // 65: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
+	20, // 66: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
+	24, // 67: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	25, // 68: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	27, // 69: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	29, // 70: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	32, // 71: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	35, // 72: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	38, // 73: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	39, // 74: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
+	40, // 75: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
+	42, // 76: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	43, // 77: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
+	45, // 78: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
+	46, // 79: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
+	47, // 80: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	72, // 81: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	74, // 82: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	76, // 83: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	78, // 84: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
+	79, // 85: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
+	82, // 86: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
+	8,  // 87: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
+	52, // 88: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	54, // 89: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
+	56, // 90: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	12, // 91: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	66, // 92: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	12, // 93: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
+	16, // 94: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	18, // 95: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	12, // 96: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
+	12, // 97: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	12, // 98: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	71, // 99: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	71, // 100: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	71, // 101: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	51, // 102: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	2,  // 103: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
+	2,  // 104: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
+	21, // 105: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
+	23, // 106: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
+	23, // 107: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	26, // 108: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	28, // 109: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	30, // 110: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	33, // 111: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	36, // 112: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	34, // 113: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
+	34, // 114: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
+	41, // 115: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
+	34, // 116: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
+	44, // 117: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
+	34, // 118: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
+	34, // 119: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
+	49, // 120: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	73, // 121: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	75, // 122: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	77, // 123: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	66, // 124: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	81, // 125: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
+	84, // 126: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
+	9,  // 127: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
+	53, // 128: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	55, // 129: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
+	57, // 130: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	91, // [91:131] is the sub-list for method output_type
+	51, // [51:91] is the sub-list for method input_type
+	51, // [51:51] is the sub-list for extension type_name
+	51, // [51:51] is the sub-list for extension extendee
+	0,  // [0:51] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -6744,6 +6758,7 @@ func file_dsec_v1_sandbox_proto_init() {
 	if File_dsec_v1_sandbox_proto != nil {
 		return
 	}
+	file_dsec_v1_volume_proto_init()
 	file_dsec_v1_sandbox_proto_msgTypes[23].OneofWrappers = []any{
 		(*ExecEvent_Started)(nil),
 		(*ExecEvent_Stdout)(nil),
