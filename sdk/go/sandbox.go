@@ -43,6 +43,9 @@ type CreateOptions struct {
 	// Runtime is another of the kind's runtimes: "gvisor" for kind
 	// container ("" is the kind's default; Info lists each node's).
 	Runtime string
+	// Volumes mounts volumes of the caller's project (CreateVolume); kind
+	// container only.
+	Volumes []VolumeMount
 }
 
 func (o CreateOptions) spec() *dsecv1.SandboxSpec {
@@ -55,7 +58,7 @@ func (o CreateOptions) spec() *dsecv1.SandboxSpec {
 		TtlS:      int64(o.TTL / time.Second), IdleTtlS: int64(o.IdleTTL / time.Second),
 		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network, Policy: o.Policy.proto()},
 		User: o.User, Workdir: o.Workdir, Snapshot: o.Snapshot, Session: o.Session,
-		NodeSelector: o.NodeSelector, Runtime: o.Runtime,
+		NodeSelector: o.NodeSelector, Runtime: o.Runtime, Volumes: volumeMounts(o.Volumes),
 	}
 }
 
