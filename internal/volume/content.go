@@ -366,7 +366,7 @@ func (m *Manager) WriteFile(id, p string, overwrite bool, a Attrs, r io.Reader) 
 		case in.Type == "dir":
 			return nil, errdefs.Conflict("path %s is a directory", p)
 		case !overwrite:
-			return nil, errdefs.Conflict("path %s exists (overwrite it with force)", p)
+			return nil, errdefs.Conflict("path %s exists (ask to overwrite it)", p)
 		}
 	}
 	tmp := ".dsec-write-" + randomName()
