@@ -138,6 +138,7 @@ type detailJSON struct {
 	Metadata        map[string]string `json:"metadata"`
 	EnvdAccessToken string            `json:"envdAccessToken,omitempty"`
 	Domain          *string           `json:"domain,omitempty"`
+	VolumeMounts    []volumeMountJSON `json:"volumeMounts,omitempty"`
 }
 
 func decode(r *http.Request, v any) error {
@@ -174,8 +175,10 @@ func (f *Facade) spec(in *newSandbox, defaultTimeout int64) (*dsecv1.SandboxSpec
 		return nil, errdefs.Invalid("MCP gateways are not supported")
 	case present(in.IAM):
 		return nil, errdefs.Invalid("IAM tokens are not supported")
-	case present(in.VolumeMounts):
-		return nil, errdefs.Invalid("volume mounts are not supported")
+	}
+	mounts, err := parseVolumeMounts(in.VolumeMounts)
+	if err != nil {
+		return nil, err
 	}
 	tpl := in.TemplateID
 	if tpl == "" {
@@ -184,7 +187,7 @@ func (f *Facade) spec(in *newSandbox, defaultTimeout int64) (*dsecv1.SandboxSpec
 	if len(tpl) > 256 {
 		return nil, errdefs.Invalid("templateID longer than 256 bytes")
 	}
-	spec := &dsecv1.SandboxSpec{Env: in.EnvVars, Labels: map[string]string{templateLabel: tpl}, Resources: &dsecv1.Resources{}}
+	spec := &dsecv1.SandboxSpec{Env: in.EnvVars, Labels: map[string]string{templateLabel: tpl}, Resources: &dsecv1.Resources{}, Volumes: mounts}
 	name := tpl
 	if k, rest, ok := strings.Cut(tpl, "/"); ok && kinds[k] {
 		spec.Kind, name = k, rest
@@ -311,6 +314,7 @@ func (f *Facade) detailJSON(sb *dsecv1.Sandbox, withToken bool) detailJSON {
 		StartedAt:   sb.GetCreatedAt().AsTime().UTC().Format(time.RFC3339Nano),
 		EndAt:       sb.GetExpiresAt().AsTime().UTC().Format(time.RFC3339Nano),
 		State:       sb.GetState(), Metadata: metadata(sb.GetSpec().GetLabels()),
+		VolumeMounts: volumeMountsJSON(sb.GetSpec()),
 	}
 	if withToken {
 		d.EnvdAccessToken = f.AccessToken(sb.Id)

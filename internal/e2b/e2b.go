@@ -131,6 +131,7 @@ func (f *Facade) Mount(handle func(pattern string, h http.Handler)) {
 	f.mountControl(handle)
 	f.mountEnvd(handle)
 	f.mountInterpreter(handle)
+	f.mountVolumes(handle)
 }
 
 // token derives a sandbox's token of one purpose.
