@@ -107,9 +107,6 @@ func (n *Node) normalizeVolumes(project string, spec *dsecv1.SandboxSpec, caps s
 	if len(vols) == 0 {
 		return nil
 	}
-	if !caps.Has(substrate.CapVolumes) {
-		return errdefs.Invalid("kind %q%s cannot mount volumes (kind container can); see docs/volumes.md", spec.Kind, runtimeSuffix(spec.Runtime))
-	}
 	if len(vols) > maxVolumeMounts {
 		return errdefs.Invalid("at most %d volumes", maxVolumeMounts)
 	}
@@ -127,7 +124,13 @@ func (n *Node) normalizeVolumes(project string, spec *dsecv1.SandboxSpec, caps s
 			}
 		}
 		seen[m.Path] = true
-		if _, err := n.volumeOf(tenant.With(context.Background(), tenant.Caller{Project: project}), project, m.GetName()); err != nil {
+	}
+	if !caps.Has(substrate.CapVolumes) {
+		return errdefs.Invalid("kind %q%s cannot mount volumes (kind container can); see docs/volumes.md", spec.Kind, runtimeSuffix(spec.Runtime))
+	}
+	ctx := tenant.With(context.Background(), tenant.Caller{Project: project})
+	for _, m := range vols {
+		if _, err := n.volumeOf(ctx, project, m.GetName()); err != nil {
 			return err
 		}
 	}
