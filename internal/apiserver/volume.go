@@ -96,9 +96,20 @@ type volumeService struct{ r Router }
 var _ dsecv1connect.VolumeServiceHandler = volumeService{}
 
 func (s volumeService) CreateVolume(ctx context.Context, req *connect.Request[dsecv1.CreateVolumeRequest]) (*connect.Response[dsecv1.Volume], error) {
-	nodes := s.r.Nodes(ctx)
+	v, err := CreateVolume(ctx, s.r, req.Msg)
+	if err != nil {
+		return nil, wire(err)
+	}
+	return connect.NewResponse(v), nil
+}
+
+// CreateVolume creates a volume of the caller's project on the node req
+// names, else on the one with the most free sandbox slots. A name the
+// project has on any node is a conflict.
+func CreateVolume(ctx context.Context, r Router, req *dsecv1.CreateVolumeRequest) (*dsecv1.Volume, error) {
+	nodes := r.Nodes(ctx)
 	var target Node
-	switch want := req.Msg.GetNode(); {
+	switch want := req.GetNode(); {
 	case want != "":
 		for _, n := range nodes {
 			if n.Name() == want {
@@ -106,10 +117,10 @@ func (s volumeService) CreateVolume(ctx context.Context, req *connect.Request[ds
 			}
 		}
 		if target == nil {
-			return nil, wire(errdefs.NotFound("no reachable node %q", clip(want)))
+			return nil, errdefs.NotFound("no reachable node %q", clip(want))
 		}
 	case len(nodes) == 0:
-		return nil, wire(errdefs.Unavailable("no node is reachable"))
+		return nil, errdefs.Unavailable("no node is reachable")
 	case len(nodes) == 1:
 		target = nodes[0]
 	default:
@@ -130,11 +141,11 @@ func (s volumeService) CreateVolume(ctx context.Context, req *connect.Request[ds
 		// A name is the project's across nodes. (Two creates of one name
 		// racing through two replicas may both pass: names are checked on
 		// each node, and the second is then reachable by its ID only.)
-		if _, _, err := FindVolume(ctx, s.r, req.Msg.GetName()); err == nil {
-			return nil, wire(errdefs.Conflict("volume %q exists", clip(req.Msg.GetName())))
+		if _, _, err := FindVolume(ctx, r, req.GetName()); err == nil {
+			return nil, errdefs.Conflict("volume %q exists", clip(req.GetName()))
 		}
 	}
-	return target.CreateVolume(ctx, connect.NewRequest(req.Msg))
+	return Do(ctx, target, req, Node.CreateVolume)
 }
 
 func (s volumeService) GetVolume(ctx context.Context, req *connect.Request[dsecv1.GetVolumeRequest]) (*connect.Response[dsecv1.Volume], error) {
@@ -145,26 +156,34 @@ func (s volumeService) GetVolume(ctx context.Context, req *connect.Request[dsecv
 	return connect.NewResponse(v), nil
 }
 
-// ListVolumes lists the caller's volumes on every node, oldest first.
 func (s volumeService) ListVolumes(ctx context.Context, req *connect.Request[dsecv1.ListVolumesRequest]) (*connect.Response[dsecv1.ListVolumesResponse], error) {
-	lists, err := fanOut(s.r.Nodes(ctx), func(n Node) (*dsecv1.ListVolumesResponse, error) {
-		return Do(ctx, n, req.Msg, Node.ListVolumes)
-	})
+	vols, err := ListVolumes(ctx, s.r)
 	if err != nil {
 		return nil, wire(err)
 	}
-	out := &dsecv1.ListVolumesResponse{}
-	for _, l := range lists {
-		out.Volumes = append(out.Volumes, l.GetVolumes()...)
+	return connect.NewResponse(&dsecv1.ListVolumesResponse{Volumes: vols}), nil
+}
+
+// ListVolumes lists the caller's volumes on every node, oldest first.
+func ListVolumes(ctx context.Context, r Router) ([]*dsecv1.Volume, error) {
+	lists, err := fanOut(r.Nodes(ctx), func(n Node) (*dsecv1.ListVolumesResponse, error) {
+		return Do(ctx, n, &dsecv1.ListVolumesRequest{}, Node.ListVolumes)
+	})
+	if err != nil {
+		return nil, err
 	}
-	sort.SliceStable(out.Volumes, func(i, j int) bool {
-		a, b := out.Volumes[i], out.Volumes[j]
+	var out []*dsecv1.Volume
+	for _, l := range lists {
+		out = append(out, l.GetVolumes()...)
+	}
+	sort.SliceStable(out, func(i, j int) bool {
+		a, b := out[i], out[j]
 		if !a.CreatedAt.AsTime().Equal(b.CreatedAt.AsTime()) {
 			return a.CreatedAt.AsTime().Before(b.CreatedAt.AsTime())
 		}
 		return a.Id < b.Id
 	})
-	return connect.NewResponse(out), nil
+	return out, nil
 }
 
 // onVolume calls a unary verb on the node that holds the volume ref.
