@@ -7,8 +7,10 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -351,4 +353,38 @@ func TestContentCallsStayInsideTheVolume(t *testing.T) {
 	if _, _, err := m.ReadFile(v.ID, "/fifo"); !errdefs.Is(err, errdefs.KindInvalid) {
 		t.Errorf("reading a FIFO: %v, want invalid at once", err)
 	}
+}
+
+// BenchmarkCreateDelete times making and deleting a volume of the default
+// size (1 GiB, sparse) and reports each step's p50:
+//
+//	go test -run '^$' -bench CreateDelete -benchtime 50x ./internal/volume/
+func BenchmarkCreateDelete(b *testing.B) {
+	m, err := Open(b.TempDir(), Config{Node: "bench"}, slog.New(slog.DiscardHandler))
+	if err != nil {
+		b.Fatal(err)
+	}
+	if why := m.Unavailable(); why != "" {
+		b.Skip(why)
+	}
+	defer m.Close()
+	var made, gone []time.Duration
+	for i := 0; b.Loop(); i++ {
+		t0 := time.Now()
+		v, err := m.Create("p", fmt.Sprintf("v%d", i), 0, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		t1 := time.Now()
+		if err := m.Delete(v.ID); err != nil {
+			b.Fatal(err)
+		}
+		made, gone = append(made, t1.Sub(t0)), append(gone, time.Since(t1))
+	}
+	p50 := func(d []time.Duration) float64 {
+		sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
+		return float64(d[len(d)/2].Microseconds())
+	}
+	b.ReportMetric(p50(made), "create-p50-µs")
+	b.ReportMetric(p50(gone), "delete-p50-µs")
 }
