@@ -71,47 +71,54 @@ func TestHundredCreateDeleteCyclesLeaveNothingBehind(t *testing.T) {
 		}
 		ids = append(ids, sb.ID)
 	}
-	time.Sleep(time.Second) // the trash is emptied in the background
-	var left []string
-	if n := countLines(fmt.Sprintf("/proc/%d/mountinfo", nodePid(srv))); n > mountsBefore {
-		left = append(left, fmt.Sprintf("%d mounts", n-mountsBefore))
-	}
-	for _, id := range ids {
-		for _, p := range []string{
-			"/sys/fs/cgroup/pids/dsec/" + id, "/sys/fs/cgroup/memory/dsec/" + id, "/sys/fs/cgroup/dsec/" + id,
-			filepath.Join(runtimeDir, id), filepath.Join(srv.DataDir, "sandboxes", id),
-		} {
-			if _, err := os.Stat(p); err == nil {
-				left = append(left, p)
+	// The trash is emptied in the background: what is left is looked for
+	// until nothing is or a minute has passed.
+	leftovers := func() (left []string) {
+		if n := countLines(fmt.Sprintf("/proc/%d/mountinfo", nodePid(srv))); n > mountsBefore {
+			left = append(left, fmt.Sprintf("%d mounts", n-mountsBefore))
+		}
+		for _, id := range ids {
+			for _, p := range []string{
+				"/sys/fs/cgroup/pids/dsec/" + id, "/sys/fs/cgroup/memory/dsec/" + id, "/sys/fs/cgroup/dsec/" + id,
+				filepath.Join(runtimeDir, id), filepath.Join(srv.DataDir, "sandboxes", id),
+			} {
+				if _, err := os.Stat(p); err == nil {
+					left = append(left, p)
+				}
 			}
 		}
-	}
-	if ents, _ := os.ReadDir(filepath.Join(srv.DataDir, "trash")); len(ents) > 0 {
-		left = append(left, fmt.Sprintf("%d trash entries", len(ents)))
-	}
-	// The host-side veth of each sandbox (network.vethName): other tests on
-	// this host add and remove interfaces of their own meanwhile.
-	for _, id := range ids {
-		name := vethOf(id)
-		for _, n := range []string{name, name + "p"} {
-			if _, err := net.InterfaceByName(n); err == nil {
-				left = append(left, "network interface "+n)
+		if ents, _ := os.ReadDir(filepath.Join(srv.DataDir, "trash")); len(ents) > 0 {
+			left = append(left, fmt.Sprintf("%d trash entries", len(ents)))
+		}
+		// The host-side veth of each sandbox (network.vethName): other tests on
+		// this host add and remove interfaces of their own meanwhile.
+		for _, id := range ids {
+			name := vethOf(id)
+			for _, n := range []string{name, name + "p"} {
+				if _, err := net.InterfaceByName(n); err == nil {
+					left = append(left, "network interface "+n)
+				}
 			}
 		}
+		// The bridge table's per-sandbox source elements and the host's
+		// permanent neighbour entries for sandboxes.
+		bridge, table := srv.Network()
+		if out, err := exec.Command("nft", "list", "set", "bridge", table, "sources").CombinedOutput(); err != nil {
+			left = append(left, fmt.Sprintf("unreadable bridge table: %v: %s", err, out))
+		} else if strings.Contains(string(out), "elements") {
+			left = append(left, "bridge table elements: "+string(out))
+		}
+		if out, _ := exec.Command("ip", "neigh", "show", "dev", bridge, "nud", "permanent").CombinedOutput(); len(strings.TrimSpace(string(out))) > 0 {
+			left = append(left, "permanent neighbour entries: "+string(out))
+		}
+		if list, _ := c.List(ctx, ""); len(list) > 0 {
+			left = append(left, fmt.Sprintf("%d listed sandboxes", len(list)))
+		}
+		return left
 	}
-	// The bridge table's per-sandbox source elements and the host's
-	// permanent neighbour entries for sandboxes.
-	bridge, table := srv.Network()
-	if out, err := exec.Command("nft", "list", "set", "bridge", table, "sources").CombinedOutput(); err != nil {
-		left = append(left, fmt.Sprintf("unreadable bridge table: %v: %s", err, out))
-	} else if strings.Contains(string(out), "elements") {
-		left = append(left, "bridge table elements: "+string(out))
-	}
-	if out, _ := exec.Command("ip", "neigh", "show", "dev", bridge, "nud", "permanent").CombinedOutput(); len(strings.TrimSpace(string(out))) > 0 {
-		left = append(left, "permanent neighbour entries: "+string(out))
-	}
-	if list, _ := c.List(ctx, ""); len(list) > 0 {
-		left = append(left, fmt.Sprintf("%d listed sandboxes", len(list)))
+	left := leftovers()
+	for deadline := time.Now().Add(time.Minute); len(left) > 0 && time.Now().Before(deadline); left = leftovers() {
+		time.Sleep(100 * time.Millisecond)
 	}
 	if len(left) > 0 {
 		t.Fatalf("after 100 create/delete cycles, left behind: %s", strings.Join(left, "; "))

@@ -117,7 +117,18 @@ func hostLAN(t *testing.T) (hostAddr string, hostPort int, peer string) {
 	}
 	t.Cleanup(func() { l.Close() })
 	go http.Serve(l, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("the host\n")) }))
-	time.Sleep(200 * time.Millisecond) // httpd binds
+	// The peer must answer before a test counts a sandbox's failure to
+	// reach it as the firewall's doing.
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		c, err := net.DialTimeout("tcp", peer+":8080", time.Second)
+		if err == nil {
+			c.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the LAN peer's httpd does not answer: %v", err)
+		}
+	}
 	return hostAddr, l.Addr().(*net.TCPAddr).Port, peer
 }
 

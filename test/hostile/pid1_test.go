@@ -92,15 +92,16 @@ func testAnotherCommandsOutputCannotBeForgedThroughPID1(t *testing.T, rt string)
 	var gerr error
 	go func() {
 		defer close(done)
-		r, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("echo start; sleep 3; echo end"))
+		r, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("echo start; touch /tmp/started; until [ -e /tmp/attacked ]; do sleep 0.1; done; echo end"))
 		if r != nil {
 			out = r.Stdout
 		}
 		gerr = err
 	}()
-	time.Sleep(time.Second)
-	// The attacker: every descriptor of PID 1, written to and read.
-	if _, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("for f in /proc/1/fd/*; do echo FORGED >> $f; timeout 1 cat $f; done >/dev/null 2>&1; true")); err != nil {
+	// The attacker, once the grader runs and until it ends: every
+	// descriptor of PID 1, written to and read.
+	if _, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("until [ -e /tmp/started ]; do sleep 0.05; done; "+
+		"for f in /proc/1/fd/*; do echo FORGED >> $f; timeout 1 cat $f; done >/dev/null 2>&1; touch /tmp/attacked")); err != nil {
 		t.Fatal(err)
 	}
 	nb.check(t)
