@@ -24,7 +24,9 @@ func TestVolumes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mount := func(ro bool) []dsec.VolumeMount { return []dsec.VolumeMount{{Name: "work", Path: "/work", ReadOnly: ro}} }
+	mount := func(ro bool) []dsec.VolumeMount {
+		return []dsec.VolumeMount{{Name: "work", Path: "/work", ReadOnly: ro}}
+	}
 	run := func(t *testing.T, sb *dsec.Sandbox, cmd string) string {
 		t.Helper()
 		r, err := sb.Exec(ctx, dsec.Cmd(cmd))
