@@ -514,8 +514,10 @@ func (m *Manager) Ready(id string) (string, error) {
 	if m.Get(id) == nil {
 		return "", errdefs.NotFound("volume %q not found", clip(id))
 	}
-	if err := m.mount(id, loopfs.Attached()); err != nil {
-		return "", errdefs.Internal(err, "mount volume %s", id)
+	if !m.mounted(id) {
+		if err := m.mount(id, loopfs.Attached()); err != nil {
+			return "", errdefs.Internal(err, "mount volume %s", id)
+		}
 	}
 	return m.Source(id), nil
 }
