@@ -57,6 +57,7 @@ func main() {
 	root.AddCommand(lifecycleCmds(g)...)
 	root.AddCommand(runCodeCmd(g))
 	root.AddCommand(networkCmd(g))
+	root.AddCommand(volumeCmd(g))
 	root.AddCommand(&cobra.Command{
 		Use:   "version",
 		Short: "Print the version",

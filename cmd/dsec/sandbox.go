@@ -24,6 +24,7 @@ func createCmd(g *globals) *cobra.Command {
 		memory       string
 		labels, env  []string
 		nodeSel      []string
+		volumes      []string
 		ttl, idleTTL time.Duration
 		quiet        bool
 		count        int
@@ -46,6 +47,13 @@ func createCmd(g *globals) *cobra.Command {
 			}
 			if o.NodeSelector, err = parseKV(nodeSel, "node-selector"); err != nil {
 				return err
+			}
+			for _, v := range volumes {
+				m, err := dsec.ParseVolumeMount(v)
+				if err != nil {
+					return err
+				}
+				o.Volumes = append(o.Volumes, m)
 			}
 			o.TTL, o.IdleTTL = ttl, idleTTL
 			if policy.set(cmd) {
@@ -92,6 +100,7 @@ func createCmd(g *globals) *cobra.Command {
 	f.StringVar(&o.Snapshot, "from", "", "start from this snapshot instead of an image")
 	f.StringVar(&o.Session, "session", "", "bind the sandbox to this trainer session")
 	f.StringArrayVar(&nodeSel, "node-selector", nil, "place only on nodes with label key=value (cluster mode; repeatable)")
+	f.StringArrayVar(&volumes, "volume", nil, "mount a volume NAME:/PATH (read-write, this sandbox alone) or NAME:/PATH:ro (shared read-only); repeatable")
 	f.IntVarP(&count, "count", "n", 1, "create this many (one ID per line)")
 	f.BoolVarP(&quiet, "quiet", "q", false, "print only the ID (the default in text output)")
 	return cmd

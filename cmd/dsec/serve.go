@@ -591,6 +591,7 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 		DefaultCPU: cfg.Node.DefaultCPU, DefaultMemoryMB: cfg.Node.DefaultMemoryMB,
 		DefaultExecTimeout: time.Duration(cfg.Node.DefaultExecTimeout),
 		Credentials:        creds,
+		DefaultVolumeMB:    cfg.Node.DefaultVolumeMB, MaxVolumeMB: cfg.Node.MaxVolumeMB,
 	}, log, images, nm, drivers)
 }
 

@@ -42,6 +42,7 @@ var procedureLimits = map[string]int64{
 	"ExecStream":      64 << 20,
 	"WriteStdin":      16 << 20,
 	"WriteFile":       streamed,
+	"WriteVolumeFile": streamed,
 	"UploadImage":     streamed,
 	"RunCode":         maxRunCodeBody, // files
 	"RunCodeBatch":    maxMessage,

@@ -75,6 +75,12 @@ type Node interface {
 	dsecv1connect.LogServiceHandler
 	dsecv1connect.ScreenServiceHandler
 
+	// VolumeService, for this node's volumes: its unary verbs, and its
+	// streams with callbacks (volume.go).
+	volumeVerbs
+	ReadVolumeFileChunks(ctx context.Context, req *dsecv1.ReadVolumeFileRequest, send func(*dsecv1.ReadVolumeFileResponse) error) error
+	WriteVolumeFileFrom(ctx context.Context, hdr *dsecv1.WriteVolumeFileHeader, r io.Reader) (*connect.Response[dsecv1.VolumeFileInfo], error)
+
 	// Images live on each node; the control plane fans image operations
 	// out to every node and their progress in (ImageService's verbs, with
 	// callbacks).
@@ -98,6 +104,7 @@ type NodeHandlers interface {
 	dsecv1connect.FunctionServiceHandler
 	dsecv1connect.SystemServiceHandler
 	dsecv1connect.ImageServiceHandler
+	dsecv1connect.VolumeServiceHandler
 }
 
 // Router finds nodes (the owner of a sandbox) and places new sandboxes.

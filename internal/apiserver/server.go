@@ -138,6 +138,7 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 		s.HandleConnect(dsecv1connect.NewSessionServiceHandler(&sessionService{m: sessions}, ConnectOptions()...))
 	}
 	s.HandleConnect(dsecv1connect.NewImageServiceHandler(&imageService{r: router, log: log}, ConnectOptions()...))
+	s.HandleConnect(dsecv1connect.NewVolumeServiceHandler(volumeService{r: router}, ConnectOptions()...))
 	s.HandleConnect(dsecv1connect.NewFunctionServiceHandler(&functionService{r: router}, ConnectOptions()...))
 	s.mux.Handle("/run_code", s.guard(maxRunCodeBody, http.HandlerFunc(s.serveRunCode)))
 	s.HandleConnect(dsecv1connect.NewSystemServiceHandler(&systemService{r: router, version: cfg.Version}, ConnectOptions()...))
@@ -166,6 +167,7 @@ func NewNodeAPI(token string, log *slog.Logger, h NodeHandlers) *Server {
 		func() (string, http.Handler) { return dsecv1connect.NewFunctionServiceHandler(h, ConnectOptions()...) },
 		func() (string, http.Handler) { return dsecv1connect.NewSystemServiceHandler(h, ConnectOptions()...) },
 		func() (string, http.Handler) { return dsecv1connect.NewImageServiceHandler(h, ConnectOptions()...) },
+		func() (string, http.Handler) { return dsecv1connect.NewVolumeServiceHandler(h, ConnectOptions()...) },
 	} {
 		s.HandleConnect(svc())
 	}

@@ -41,6 +41,7 @@ type remote struct {
 	dsecv1connect.LogServiceClient
 	dsecv1connect.ScreenServiceClient
 	dsecv1connect.FunctionServiceClient
+	dsecv1connect.VolumeServiceClient
 
 	sys dsecv1connect.SystemServiceClient
 	img dsecv1connect.ImageServiceClient
@@ -94,6 +95,7 @@ func newRemote(r *Router, name, addr string) *remote {
 	rn.LogServiceClient = dsecv1connect.NewLogServiceClient(r.http, base, opts...)
 	rn.ScreenServiceClient = dsecv1connect.NewScreenServiceClient(r.http, base, opts...)
 	rn.FunctionServiceClient = dsecv1connect.NewFunctionServiceClient(r.http, base, opts...)
+	rn.VolumeServiceClient = dsecv1connect.NewVolumeServiceClient(r.http, base, opts...)
 	rn.sys = dsecv1connect.NewSystemServiceClient(r.http, base, opts...)
 	rn.img = dsecv1connect.NewImageServiceClient(r.http, base, opts...)
 	rn.nd = nodev1connect.NewNodeServiceClient(r.http, base, opts...)
@@ -424,6 +426,21 @@ func (r *remote) WriteFileFrom(ctx context.Context, hdr *dsecv1.WriteFileHeader,
 	return upload(r.FilesystemServiceClient.WriteFile(ctx), &dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Header{Header: hdr}}, body,
 		func(b []byte) *dsecv1.WriteFileRequest {
 			return &dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Data{Data: b}}
+		})
+}
+
+func (r *remote) ReadVolumeFileChunks(ctx context.Context, req *dsecv1.ReadVolumeFileRequest, send func(*dsecv1.ReadVolumeFileResponse) error) error {
+	st, err := r.VolumeServiceClient.ReadVolumeFile(ctx, connect.NewRequest(req))
+	return relay(st, err, send)
+}
+
+// WriteVolumeFileFrom streams a volume's file to the node as it arrives.
+func (r *remote) WriteVolumeFileFrom(ctx context.Context, hdr *dsecv1.WriteVolumeFileHeader, body io.Reader) (*connect.Response[dsecv1.VolumeFileInfo], error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	return upload(r.VolumeServiceClient.WriteVolumeFile(ctx), &dsecv1.WriteVolumeFileRequest{Msg: &dsecv1.WriteVolumeFileRequest_Header{Header: hdr}}, body,
+		func(b []byte) *dsecv1.WriteVolumeFileRequest {
+			return &dsecv1.WriteVolumeFileRequest{Msg: &dsecv1.WriteVolumeFileRequest_Data{Data: b}}
 		})
 }
 

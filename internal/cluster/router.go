@@ -339,6 +339,11 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 		}
 	}
 	items := make([]*item, len(specs))
+	type place struct {
+		node string
+		err  error
+	}
+	volumesAt := map[*dsecv1.SandboxSpec]place{} // the node of a spec's volumes
 	for i, sp := range specs {
 		if sp == nil {
 			sp = &dsecv1.SandboxSpec{}
@@ -353,6 +358,23 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 				it.lastErr = err
 			}
 			it.pinned = name
+		}
+		if len(sp.GetVolumes()) > 0 && it.lastErr == nil {
+			// A sandbox runs where its volumes live.
+			at, ok := volumesAt[sp]
+			if !ok {
+				at.node, at.err = apiserver.VolumesNode(ctx, r, sp)
+				volumesAt[sp] = at
+			}
+			name := at.node
+			it.lastErr = at.err
+			switch {
+			case it.lastErr != nil:
+			case it.pinned != "" && it.pinned != name:
+				it.lastErr = errdefs.Invalid("snapshot %s is on node %s and the sandbox's volumes on node %s", sp.GetSnapshot(), it.pinned, name)
+			default:
+				it.pinned = name
+			}
 		}
 		items[i] = it
 	}
@@ -700,9 +722,9 @@ func (r *Router) createOn(ctx context.Context, name string, share []*item, proje
 // node: the node answered that it cannot take it (full, draining, a kind or
 // the image missing there), or the request never reached it. A call that
 // broke after it was sent may have created the sandbox, and an item bound
-// to its node by a snapshot has nowhere else to go.
+// to its node by a snapshot or its volumes has nowhere else to go.
 func movable(it *item, err error, answered, sent bool) bool {
-	if it.spec.GetSnapshot() != "" {
+	if it.spec.GetSnapshot() != "" || len(it.spec.GetVolumes()) > 0 {
 		return false
 	}
 	if !answered {

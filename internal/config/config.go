@@ -83,6 +83,10 @@ type Node struct {
 	// packed with sandboxes needs — kernel.pid_max, inotify instances and
 	// watches, nf_conntrack_max, ... — and logs each change).
 	KeepKernelLimits bool `json:"keep_kernel_limits,omitempty"`
+	// DefaultVolumeMB sizes a volume whose create gives no size (default
+	// 1024); MaxVolumeMB bounds a volume's size (default 102400).
+	DefaultVolumeMB int64 `json:"default_volume_mb,omitempty"`
+	MaxVolumeMB     int64 `json:"max_volume_mb,omitempty"`
 }
 
 // Cluster configures cluster mode (`dsec api` and `dsec node`); `dsec

@@ -140,6 +140,7 @@ type detailJSON struct {
 	EnvdAccessToken string            `json:"envdAccessToken,omitempty"`
 	Domain          *string           `json:"domain,omitempty"`
 	Lifecycle       *lifecycleJSON    `json:"lifecycle,omitempty"`
+	VolumeMounts    []volumeMountJSON `json:"volumeMounts,omitempty"`
 }
 
 func decode(r *http.Request, v any) error {
@@ -170,8 +171,10 @@ func (f *Facade) spec(in *newSandbox, defaultTimeout int64) (*dsecv1.SandboxSpec
 	switch {
 	case present(in.IAM):
 		return nil, errdefs.Invalid("IAM tokens are not supported")
-	case present(in.VolumeMounts):
-		return nil, errdefs.Invalid("volume mounts are not supported")
+	}
+	mounts, err := parseVolumeMounts(in.VolumeMounts)
+	if err != nil {
+		return nil, err
 	}
 	tpl := in.TemplateID
 	if tpl == "" {
@@ -180,7 +183,7 @@ func (f *Facade) spec(in *newSandbox, defaultTimeout int64) (*dsecv1.SandboxSpec
 	if len(tpl) > 256 {
 		return nil, errdefs.Invalid("templateID longer than 256 bytes")
 	}
-	spec := &dsecv1.SandboxSpec{Env: in.EnvVars, Labels: map[string]string{templateLabel: tpl}, Resources: &dsecv1.Resources{}}
+	spec := &dsecv1.SandboxSpec{Env: in.EnvVars, Labels: map[string]string{templateLabel: tpl}, Resources: &dsecv1.Resources{}, Volumes: mounts}
 	name := tpl
 	if k, rest, ok := strings.Cut(tpl, "/"); ok && kinds[k] {
 		spec.Kind, name = k, rest
@@ -317,6 +320,7 @@ func (f *Facade) detailJSON(sb *dsecv1.Sandbox, withToken bool) detailJSON {
 		StartedAt:   sb.GetCreatedAt().AsTime().UTC().Format(time.RFC3339Nano),
 		EndAt:       sb.GetExpiresAt().AsTime().UTC().Format(time.RFC3339Nano),
 		State:       sb.GetState(), Metadata: metadata(sb.GetSpec().GetLabels()),
+		VolumeMounts: volumeMountsJSON(sb.GetSpec()),
 	}
 	if withToken {
 		d.Lifecycle = lifecycleOf(sb)

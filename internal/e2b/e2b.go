@@ -145,6 +145,7 @@ func (f *Facade) Mount(handle func(pattern string, h http.Handler)) {
 	f.mountEnvd(handle)
 	f.mountInterpreter(handle)
 	f.mountPorts(handle)
+	f.mountVolumes(handle)
 }
 
 // token derives a sandbox's token of one purpose.

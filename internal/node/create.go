@@ -67,8 +67,8 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 	}
 	defer n.admitDone(project)
 	var s *sandbox
-	if img.Owner == tenant.Shared {
-		// Pools hold shared images only.
+	if img.Owner == tenant.Shared && len(spec.Volumes) == 0 {
+		// Pools hold shared images only, and mount no volumes.
 		s = n.pools.take(spec, project)
 	}
 	if s == nil {
@@ -173,6 +173,9 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image
 	}
 	// Reserved first so image GC keeps the layers while the sandbox starts.
 	n.sandboxes.reserve(s)
+	if s.volumes, err = n.holdVolumes(s, project); err != nil {
+		return nil, err
+	}
 	inst, err := n.drivers[substrate.Kind(spec.Kind)].Create(ctx, n.driverSpec(s, img))
 	if err != nil {
 		n.log.Warn("sandbox start failed", slog.String("sandbox_id", s.id), slog.Any("error", err))
@@ -217,7 +220,7 @@ func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
 		User: s.spec.User, Workdir: s.spec.Workdir, Hostname: "sandbox",
 		CPU: s.spec.Resources.GetCpu(), MemoryMB: s.spec.Resources.GetMemoryMb(),
 		DiskMB: s.spec.Resources.GetDiskMb(), Pids: s.spec.Resources.GetPids(),
-		Deadline: n.deadline(s), Runtime: s.spec.Runtime,
+		Deadline: n.deadline(s), Runtime: s.spec.Runtime, Volumes: s.volumes,
 		PrivilegeEscalation: img.Config.PrivilegeEscalation,
 	}
 	if s.net != nil {

@@ -30,6 +30,7 @@ import (
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/trajectory"
+	"github.com/opendsec/dsec/internal/volume"
 )
 
 // Config configures a node. The zero value works once DataDir is set and a
@@ -81,6 +82,9 @@ type Config struct {
 
 	// deadlineGrace replaces deadlineGrace in tests (0: deadlineGrace).
 	deadlineGrace time.Duration
+	// DefaultVolumeMB sizes a volume whose create gives no size (default
+	// 1024); MaxVolumeMB bounds a volume (default 100 GiB).
+	DefaultVolumeMB, MaxVolumeMB int64
 }
 
 func (c *Config) defaults() {
@@ -177,6 +181,7 @@ type Node struct {
 	starts    *admission // start slots and the fair-share queue
 	pools     *pools
 	logs      *trajectory.Store
+	volumes   *volume.Manager
 
 	trash chan string // sandbox directories to remove
 	stop  chan struct{}
@@ -214,6 +219,13 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 		return nil, err
 	}
 	n.logs = logs
+	vols, err := volume.Open(filepath.Join(cfg.DataDir, "volumes"), volume.Config{Node: cfg.Name, DefaultMB: cfg.DefaultVolumeMB, MaxMB: cfg.MaxVolumeMB}, n.log)
+	if err != nil {
+		logs.Close()
+		st.close()
+		return nil, fmt.Errorf("open volumes: %w", err)
+	}
+	n.volumes = vols
 	images.SetInUse(n.sandboxes.layers)
 	n.adopt()
 	n.releaseUnusedSnapshots()
@@ -256,6 +268,7 @@ func (n *Node) Close() error {
 		}
 	}
 	n.logs.Close()
+	n.volumes.Close()
 	return n.store.close()
 }
 
@@ -615,6 +628,7 @@ func (n *Node) adopt() {
 			continue
 		}
 		n.sandboxes.commit(s)
+		n.readoptVolumes(s)
 		n.watch(s)
 		n.log.Info("sandbox re-adopted", slog.String("sandbox_id", r.ID))
 	}

@@ -25,6 +25,9 @@ type sandbox struct {
 	dir     string
 	idemKey string
 	project string // the project that created it (quotas count by it)
+	// volumes are the sandbox's volume mounts as its driver got them (set
+	// while it starts; empty after a re-adoption).
+	volumes []substrate.VolumeMount
 
 	// inst is set once, before the sandbox goes live: every sandbox in the
 	// table's live set has one.

@@ -308,6 +308,9 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.Creat
 	if err != nil {
 		return nil, err
 	}
+	if v := readWriteVolume(parent.spec); v != "" {
+		return nil, errdefs.Conflict("sandbox %s mounts volume %q read-write, which one sandbox at a time does: its children cannot (mount it read-only to fork)", parent.id, v)
+	}
 	snap, err := n.snapshot(ctx, &dsecv1.SnapshotRequest{SandboxId: req.GetSandboxId(), Name: "fork of " + req.GetSandboxId()}, true)
 	if err != nil {
 		return nil, err

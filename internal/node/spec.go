@@ -166,6 +166,9 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 	if err := n.normalizeNetwork(project, spec); err != nil {
 		return nil, err
 	}
+	if err := n.normalizeVolumes(project, spec, caps); err != nil {
+		return nil, err
+	}
 	if len(spec.User) > 256 || strings.ContainsAny(spec.User, "\x00\n") {
 		return nil, errdefs.Invalid("spec.user is malformed")
 	}

@@ -1,9 +1,10 @@
-// Package sandboxid is the format of sandbox and snapshot IDs, the one
-// place both the node agent (which mints them) and the control plane
+// Package sandboxid is the format of sandbox, snapshot and volume IDs, the
+// one place both the node agent (which mints them) and the control plane
 // (which routes by them) read it from.
 //
-// A sandbox ID is "<16 lowercase base32 chars>-<node>" and a snapshot ID
-// "snap-<16 lowercase base32 chars>-<node>", where <node> is the owning
+// A sandbox ID is "<16 lowercase base32 chars>-<node>", a snapshot ID
+// "snap-<16 lowercase base32 chars>-<node>" and a volume ID
+// "vol-<16 lowercase base32 chars>-<node>", where <node> is the owning
 // node's name, a lowercase DNS label of at most 40 characters. Any
 // apiserver replica routes a call by the ID alone: the control plane keeps
 // no per-sandbox state.
@@ -19,8 +20,11 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 )
 
-// SnapshotPrefix starts every snapshot ID.
-const SnapshotPrefix = "snap-"
+// SnapshotPrefix starts every snapshot ID, VolumePrefix every volume ID.
+const (
+	SnapshotPrefix = "snap-"
+	VolumePrefix   = "vol-"
+)
 
 var nodeRe = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$`)
 
@@ -39,6 +43,9 @@ func New(node string) string { return random() + "-" + node }
 
 // NewSnapshot returns a fresh snapshot ID of node.
 func NewSnapshot(node string) string { return SnapshotPrefix + New(node) }
+
+// NewVolume returns a fresh volume ID of node.
+func NewVolume(node string) string { return VolumePrefix + New(node) }
 
 func random() string {
 	var b [10]byte
@@ -70,6 +77,19 @@ func SnapshotNode(id string) (string, error) {
 	node, err := Node(rest)
 	if err != nil {
 		return "", errdefs.Invalid("malformed snapshot id %q", clip(id))
+	}
+	return node, nil
+}
+
+// VolumeNode returns the node a volume ID names.
+func VolumeNode(id string) (string, error) {
+	rest, ok := strings.CutPrefix(id, VolumePrefix)
+	if !ok {
+		return "", errdefs.Invalid("malformed volume id %q", clip(id))
+	}
+	node, err := Node(rest)
+	if err != nil {
+		return "", errdefs.Invalid("malformed volume id %q", clip(id))
 	}
 	return node, nil
 }

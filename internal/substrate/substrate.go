@@ -44,6 +44,7 @@ const (
 	CapNetworkEgress  Capability = "network_egress"
 	CapScreen         Capability = "screen"
 	CapGPU            Capability = "gpu"
+	CapVolumes        Capability = "volumes" // mounts volumes (Spec.Volumes)
 )
 
 // Capabilities is what a driver can do on this host, found by probing at
@@ -166,12 +167,27 @@ type Spec struct {
 	// Runtime selects one of the driver's runtimes (Capabilities.Runtimes;
 	// "" is its default), fixed for the instance's life.
 	Runtime string
+	// Volumes are volumes to mount into the instance, for drivers with
+	// CapVolumes (others are never given any).
+	Volumes []VolumeMount
 	// Restore, if set, is a machine snapshot directory written by
 	// Instance.SnapshotMachine of the same kind: the instance starts from
 	// it (memory, devices and disk as they were) instead of booting, with
 	// its own writable disk and a fresh identity (hostname, clock,
 	// randomness). Image must be the snapshotted instance's.
 	Restore string
+}
+
+// VolumeMount is a volume mounted into an instance. Ownership on the
+// volume is as sandboxes see it (0 is their root): a driver whose instances
+// have a user namespace of their own maps it through that namespace.
+type VolumeMount struct {
+	// Source is the directory the node mounted the volume's file system
+	// at (its root).
+	Source string
+	// Path is where the volume appears inside: absolute and clean.
+	Path     string
+	ReadOnly bool
 }
 
 // Image is the image an instance starts from, as the node's image store

@@ -49,6 +49,7 @@ type Raw struct {
 	System   dsecv1connect.SystemServiceClient
 	Sessions dsecv1connect.SessionServiceClient
 	Function dsecv1connect.FunctionServiceClient
+	Volumes  dsecv1connect.VolumeServiceClient
 }
 
 // Option configures a Client.
@@ -93,6 +94,7 @@ func New(url string, opts ...Option) *Client {
 		Images:                  dsecv1connect.NewImageServiceClient(c.http, c.url, copts...),
 		System:                  dsecv1connect.NewSystemServiceClient(c.http, c.url, copts...),
 		Sessions:                dsecv1connect.NewSessionServiceClient(c.http, c.url, copts...),
+		Volumes:                 dsecv1connect.NewVolumeServiceClient(c.http, c.url, copts...),
 		// A batch of function calls answers up to 256 MiB.
 		Function: dsecv1connect.NewFunctionServiceClient(c.http, c.url, connect.WithInterceptors(keyInterceptor(c.key)), connect.WithReadMaxBytes(256<<20)),
 	}

@@ -47,6 +47,9 @@ type CreateOptions struct {
 	// or "pause" (a call resumes the sandbox; one paused at its TTL is
 	// kept for the node's paused_ttl and resumes with a fresh TTL).
 	OnTimeout string
+	// Volumes mounts volumes of the caller's project (CreateVolume); kind
+	// container only.
+	Volumes []VolumeMount
 }
 
 func (o CreateOptions) spec() *dsecv1.SandboxSpec {
@@ -59,7 +62,7 @@ func (o CreateOptions) spec() *dsecv1.SandboxSpec {
 		TtlS:      int64(o.TTL / time.Second), IdleTtlS: int64(o.IdleTTL / time.Second),
 		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network, Policy: o.Policy.proto()},
 		User: o.User, Workdir: o.Workdir, Snapshot: o.Snapshot, Session: o.Session,
-		NodeSelector: o.NodeSelector, Runtime: o.Runtime, OnTimeout: o.OnTimeout,
+		NodeSelector: o.NodeSelector, Runtime: o.Runtime, OnTimeout: o.OnTimeout, Volumes: volumeMounts(o.Volumes),
 	}
 }
 

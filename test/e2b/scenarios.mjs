@@ -1072,6 +1072,131 @@ async function backgroundSleep(sbx) {
   return pid
 }
 
+// Volumes: E2B's Volume class (control plane and content API, without a
+// sandbox) over dsec's volumes, and volumeMounts at create. The content API
+// is at E2B_VOLUME_API_URL (the test sets it to the dsec server). What E2B's
+// own volume tests check against a mocked server is checked here against
+// dsec.
+scenarios.volumes = async function volumes() {
+  const { Volume, VolumeError, VolumeFileType, VolumeNotFoundError, VolumePathNotFoundError } = await import('e2b')
+  const name = `vol-${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 6)}`
+  const vol = await Volume.create(name)
+  assert.ok(vol.volumeId && vol.token && vol.token !== 'undefined')
+  assert.equal(vol.name, name)
+  let destroyed = false
+  try {
+    const info = await Volume.getInfo(vol.volumeId)
+    assert.equal(info.volumeId, vol.volumeId)
+    assert.equal(info.name, name)
+    assert.equal(info.token, vol.token)
+    assert.ok((await Volume.list()).some((v) => v.volumeId === vol.volumeId && v.name === name))
+    const again = await Volume.connect(vol.volumeId)
+    assert.equal(again.token, vol.token)
+    await rejects(Volume.getInfo('vol-aaaaaaaaaaaaaaaa-local'), VolumeNotFoundError, 'getInfo of an unknown volume')
+    assert.equal(await Volume.destroy('vol-aaaaaaaaaaaaaaaa-local'), false)
+
+    // The content API, without a sandbox.
+    const st = await vol.writeFile('/test.txt', 'Hello, World!')
+    assert.equal(st.name, 'test.txt')
+    assert.equal(st.type, VolumeFileType.FILE)
+    assert.equal(st.path, '/test.txt')
+    assert.ok(st.mtime instanceof Date && !isNaN(st.mtime))
+    assert.equal(await vol.readFile('/test.txt'), 'Hello, World!')
+    assert.equal(await vol.readFile('test.txt'), 'Hello, World!', 'a relative path is relative to the root')
+    assert.deepEqual(await vol.readFile('/test.txt', { format: 'bytes' }), enc.encode('Hello, World!'))
+    assert.equal(await (await vol.readFile('/test.txt', { format: 'blob' })).text(), 'Hello, World!')
+    assert.equal(await new Response(await vol.readFile('/test.txt', { format: 'stream' })).text(), 'Hello, World!')
+    await vol.writeFile('/binary.bin', new Uint8Array([0, 1, 2, 3, 4]).buffer)
+    assert.deepEqual(await vol.readFile('/binary.bin', { format: 'bytes' }), new Uint8Array([0, 1, 2, 3, 4]))
+    await vol.writeFile('/stream.txt', new Blob(['from a stream']).stream())
+    assert.equal(await vol.readFile('/stream.txt'), 'from a stream')
+    await vol.writeFile('/empty.txt', '')
+    assert.equal(await vol.readFile('/empty.txt'), '')
+    assert.equal((await vol.readFile('/empty.txt', { format: 'bytes' })).length, 0)
+    assert.equal((await vol.readFile('/empty.txt', { format: 'blob' })).size, 0)
+    assert.equal(await new Response(await vol.readFile('/empty.txt', { format: 'stream' })).text(), '')
+    await rejects(vol.writeFile('/test.txt', 'no force'), VolumeError, 'writing over a file without force')
+    await rejects(vol.writeFile('/test.txt', 'no force', { force: false }), VolumeError, 'writing over a file with force: false')
+    await vol.writeFile('/test.txt', 'New content', { force: true })
+    assert.equal(await vol.readFile('/test.txt'), 'New content')
+    const meta = await vol.writeFile('/metadata.txt', 'owned', { uid: 1000, gid: 1000, mode: 0o644 })
+    assert.deepEqual([meta.uid, meta.gid, meta.mode], [1000, 1000, 0o644])
+    await rejects(vol.writeFile('/missing/dir/file.txt', 'x'), VolumePathNotFoundError, 'a write under a missing directory')
+    const dir = await vol.makeDir('/nested/deep/path', { force: true })
+    assert.equal(dir.type, VolumeFileType.DIRECTORY)
+    await vol.writeFile('/nested/deep/path/file.txt', 'Nested file content')
+    assert.equal(await vol.readFile('/nested/deep/path/file.txt'), 'Nested file content')
+    await rejects(vol.makeDir('/nested'), VolumeError, 'makeDir of an existing directory')
+    const dm = await vol.makeDir('/dir-with-metadata', { uid: 1000, gid: 1000, mode: 0o755 })
+    assert.deepEqual([dm.uid, dm.gid, dm.mode & 0o777], [1000, 1000, 0o755])
+    const fi = await vol.getInfo('/test.txt')
+    assert.deepEqual([fi.name, fi.type, fi.path, fi.size], ['test.txt', VolumeFileType.FILE, '/test.txt', 11])
+    assert.equal((await vol.getInfo('/nested')).type, VolumeFileType.DIRECTORY)
+    assert.equal(await vol.exists('/non-existent.txt'), false)
+    assert.equal(await vol.exists('/test.txt'), true)
+    const up = await vol.updateMetadata('/test.txt', { uid: 1001, gid: 1001, mode: 0o755 })
+    assert.deepEqual([up.path, up.uid, up.gid, up.mode], ['/test.txt', 1001, 1001, 0o755])
+    await rejects(vol.updateMetadata('/non-existent.txt', { mode: 0o644 }), VolumePathNotFoundError, 'updateMetadata of a missing path')
+    const names = (await vol.list('/')).map((e) => e.name).sort()
+    for (const n of ['binary.bin', 'dir-with-metadata', 'empty.txt', 'metadata.txt', 'nested', 'stream.txt', 'test.txt']) {
+      assert.ok(names.includes(n), `list / lacks ${n}: ${names}`)
+    }
+    assert.deepEqual((await vol.list('/nested/deep/path')).map((e) => e.name), ['file.txt'])
+    assert.ok((await vol.list('/nested', { depth: 3 })).some((e) => e.path === '/nested/deep/path/file.txt'))
+    await rejects(vol.list('/non-existent'), VolumePathNotFoundError, 'list of a missing directory')
+    await rejects(vol.readFile('/missing.txt'), VolumePathNotFoundError, 'readFile of a missing file')
+    await rejects(vol.readFile('/missing.txt', { format: 'stream' }), VolumePathNotFoundError, 'a streamed readFile of a missing file')
+    await vol.remove('/empty.txt')
+    assert.equal(await vol.exists('/empty.txt'), false)
+    await vol.makeDir('/recursive-dir/nested', { force: true })
+    await vol.writeFile('/recursive-dir/nested/file.txt', 'x')
+    await vol.remove('/recursive-dir')
+    assert.equal(await vol.exists('/recursive-dir'), false)
+    await rejects(vol.remove('/non-existent.txt'), VolumePathNotFoundError, 'remove of a missing path')
+    const forged = new Volume(vol.volumeId, vol.name, 'not-the-token', vol.domain)
+    await rejects(forged.readFile('/test.txt'), AuthenticationError, 'content with a wrong token')
+
+    // Mounted at create: what the content API wrote is there, what the
+    // sandbox writes is read back without it, and it outlives the sandbox.
+    await withSandbox(async (sbx) => {
+      const info = await sbx.getInfo()
+      assert.deepEqual(info.volumeMounts, [{ name, path: '/mnt/data' }])
+      assert.equal((await sbx.commands.run('cat /mnt/data/nested/deep/path/file.txt')).stdout, 'Nested file content')
+      await sbx.commands.run('echo written-in-a-sandbox > /mnt/data/from-sandbox.txt && id -u > /mnt/data/who')
+      assert.equal(await vol.readFile('/from-sandbox.txt'), 'written-in-a-sandbox\n')
+      const who = (await vol.readFile('/who')).trim()
+      assert.equal((await vol.getInfo('/from-sandbox.txt')).uid, Number(who), 'the file is owned by the sandbox user, as the sandbox sees it')
+      const e = await rejects(Sandbox.create(TEMPLATE, { timeoutMs: 60_000, volumeMounts: { '/data': vol } }), SandboxError, 'a second sandbox mounting the volume')
+      assert.equal(e.statusCode, 409)
+      assert.match(e.message, new RegExp(sbx.sandboxId))
+      await rejects(Volume.destroy(vol.volumeId), VolumeError, 'destroying a mounted volume')
+    }, { volumeMounts: { '/mnt/data': vol } })
+    await withSandbox(async (sbx) => {
+      assert.equal((await sbx.commands.run('cat /data/from-sandbox.txt')).stdout, 'written-in-a-sandbox\n')
+    }, { volumeMounts: { '/data': name } })
+    assert.equal(await Volume.destroy(vol.volumeId), true)
+    destroyed = true
+    assert.equal(await Volume.destroy(vol.volumeId), false)
+    await rejects(Volume.getInfo(vol.volumeId), VolumeNotFoundError, 'getInfo of a destroyed volume')
+  } finally {
+    if (!destroyed) await Volume.destroy(vol.volumeId).catch(() => {})
+  }
+}
+
+// Kinds that cannot mount volumes refuse volumeMounts with a 400 naming
+// the kind.
+scenarios['volumes-refused'] = async function volumesRefused() {
+  const { Volume } = await import('e2b')
+  const vol = await Volume.create(`vol-${Date.now().toString(36)}`)
+  try {
+    const e = await rejects(Sandbox.create(TEMPLATE, { timeoutMs: 60_000, volumeMounts: { '/data': vol } }), SandboxError, 'volumeMounts on a kind without volumes')
+    assert.equal(e.statusCode, 400)
+    assert.match(e.message, /cannot mount volumes/)
+  } finally {
+    await Volume.destroy(vol.volumeId)
+  }
+}
+
 const name = process.argv[2]
 if (!scenarios[name]) {
   console.error(`unknown scenario ${name}; have: ${Object.keys(scenarios).join(', ')}`)

@@ -843,7 +843,11 @@ type SandboxSpec struct {
 	// fresh ttl_s from the resume. A sandbox paused at its idle_ttl_s keeps
 	// its absolute expiry. Sessions act as they do on any sandbox: a
 	// session's expiry pauses or deletes it, closing the session deletes it.
-	OnTimeout     string `protobuf:"bytes,14,opt,name=on_timeout,json=onTimeout,proto3" json:"on_timeout,omitempty"`
+	OnTimeout string `protobuf:"bytes,14,opt,name=on_timeout,json=onTimeout,proto3" json:"on_timeout,omitempty"`
+	// volumes mounts volumes of the sandbox's project (VolumeService) into
+	// it, at most 16. Kind container only; in a cluster the sandbox runs on
+	// the node its volumes live on (all of them on one node).
+	Volumes       []*VolumeMount `protobuf:"bytes,21,rep,name=volumes,proto3" json:"volumes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -981,6 +985,13 @@ func (x *SandboxSpec) GetOnTimeout() string {
 		return x.OnTimeout
 	}
 	return ""
+}
+
+func (x *SandboxSpec) GetVolumes() []*VolumeMount {
+	if x != nil {
+		return x.Volumes
+	}
+	return nil
 }
 
 type Sandbox struct {
@@ -6048,7 +6059,7 @@ var File_dsec_v1_sandbox_proto protoreflect.FileDescriptor
 
 const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
-	"\x15dsec/v1/sandbox.proto\x12\adsec.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"y\n" +
+	"\x15dsec/v1/sandbox.proto\x12\adsec.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14dsec/v1/volume.proto\"y\n" +
 	"\tErrorInfo\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05infra\x18\x02 \x01(\bR\x05infra\x12\x1c\n" +
@@ -6097,7 +6108,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04host\x18\x06 \x01(\tR\x04host\x12\x18\n" +
 	"\averdict\x18\a \x01(\tR\averdict\x12\x16\n" +
 	"\x06reason\x18\b \x01(\tR\x06reason\x12\x1a\n" +
-	"\bbrokered\x18\t \x01(\bR\bbrokered\"\xd1\x05\n" +
+	"\bbrokered\x18\t \x01(\bR\bbrokered\"\x81\x06\n" +
 	"\vSandboxSpec\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x120\n" +
@@ -6116,7 +6127,8 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\rnode_selector\x18\x14 \x03(\v2&.dsec.v1.SandboxSpec.NodeSelectorEntryR\fnodeSelector\x12\x18\n" +
 	"\aruntime\x18\r \x01(\tR\aruntime\x12\x1d\n" +
 	"\n" +
-	"on_timeout\x18\x0e \x01(\tR\tonTimeout\x1a9\n" +
+	"on_timeout\x18\x0e \x01(\tR\tonTimeout\x12.\n" +
+	"\avolumes\x18\x15 \x03(\v2\x14.dsec.v1.VolumeMountR\avolumes\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +
@@ -6705,6 +6717,7 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	nil,                             // 93: dsec.v1.LogEntry.EnvEntry
 	nil,                             // 94: dsec.v1.LogEntry.MetadataEntry
 	(*timestamppb.Timestamp)(nil),   // 95: google.protobuf.Timestamp
+	(*VolumeMount)(nil),             // 96: dsec.v1.VolumeMount
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	3,  // 0: dsec.v1.Network.policy:type_name -> dsec.v1.NetworkPolicy
@@ -6718,135 +6731,136 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	86, // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,  // 9: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
 	87, // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
-	11, // 11: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	95, // 12: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	95, // 13: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	95, // 14: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
-	11, // 15: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
-	12, // 16: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	88, // 17: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
-	22, // 18: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
-	21, // 19: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	89, // 20: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
-	31, // 21: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	95, // 22: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
-	90, // 23: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
-	34, // 24: dsec.v1.FileInfo.target:type_name -> dsec.v1.FileInfo
-	34, // 25: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
-	91, // 26: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
-	37, // 27: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
-	34, // 28: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
-	34, // 29: dsec.v1.FsEvent.info:type_name -> dsec.v1.FileInfo
-	48, // 30: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	95, // 31: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	58, // 32: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
-	95, // 33: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
-	59, // 34: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
-	60, // 35: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
-	61, // 36: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
-	62, // 37: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
-	11, // 38: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	11, // 39: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	12, // 40: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	63, // 41: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	65, // 42: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	63, // 43: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	70, // 44: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	95, // 45: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	73, // 46: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	92, // 47: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	95, // 48: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	93, // 49: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
-	21, // 50: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	63, // 51: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	94, // 52: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
-	80, // 53: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	83, // 54: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	13, // 55: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	64, // 56: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	14, // 57: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	15, // 58: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	17, // 59: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	19, // 60: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	67, // 61: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	68, // 62: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	69, // 63: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	69, // 64: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	69, // 65: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	50, // 66: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	6,  // 67: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
-	7,  // 68: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
-	20, // 69: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
-	20, // 70: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
-	24, // 71: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	25, // 72: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	27, // 73: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	29, // 74: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	32, // 75: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	35, // 76: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	38, // 77: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	39, // 78: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
-	40, // 79: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
-	42, // 80: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	43, // 81: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
-	45, // 82: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
-	46, // 83: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
-	47, // 84: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	72, // 85: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	74, // 86: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	76, // 87: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	78, // 88: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
-	79, // 89: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
-	82, // 90: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
-	8,  // 91: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
-	52, // 92: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	54, // 93: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
-	56, // 94: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
-	12, // 95: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	66, // 96: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	12, // 97: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
-	16, // 98: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	18, // 99: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	12, // 100: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
-	12, // 101: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	12, // 102: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	71, // 103: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	71, // 104: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	71, // 105: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	51, // 106: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	2,  // 107: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
-	2,  // 108: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
-	21, // 109: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
-	23, // 110: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
-	23, // 111: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	26, // 112: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	28, // 113: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	30, // 114: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	33, // 115: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	36, // 116: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	34, // 117: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
-	34, // 118: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
-	41, // 119: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
-	34, // 120: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
-	44, // 121: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
-	34, // 122: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
-	34, // 123: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
-	49, // 124: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	73, // 125: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	75, // 126: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	77, // 127: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	66, // 128: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	81, // 129: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
-	84, // 130: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
-	9,  // 131: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
-	53, // 132: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	55, // 133: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
-	57, // 134: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
-	95, // [95:135] is the sub-list for method output_type
-	55, // [55:95] is the sub-list for method input_type
-	55, // [55:55] is the sub-list for extension type_name
-	55, // [55:55] is the sub-list for extension extendee
-	0,  // [0:55] is the sub-list for field type_name
+	96, // 11: dsec.v1.SandboxSpec.volumes:type_name -> dsec.v1.VolumeMount
+	11, // 12: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
+	95, // 13: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	95, // 14: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	95, // 15: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	11, // 16: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
+	12, // 17: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
+	88, // 18: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	22, // 19: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
+	21, // 20: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
+	89, // 21: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	31, // 22: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
+	95, // 23: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	90, // 24: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
+	34, // 25: dsec.v1.FileInfo.target:type_name -> dsec.v1.FileInfo
+	34, // 26: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
+	91, // 27: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
+	37, // 28: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
+	34, // 29: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
+	34, // 30: dsec.v1.FsEvent.info:type_name -> dsec.v1.FileInfo
+	48, // 31: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
+	95, // 32: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	58, // 33: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
+	95, // 34: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
+	59, // 35: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
+	60, // 36: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
+	61, // 37: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
+	62, // 38: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
+	11, // 39: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	11, // 40: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	12, // 41: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	63, // 42: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	65, // 43: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	63, // 44: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	70, // 45: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	95, // 46: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	73, // 47: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	92, // 48: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	95, // 49: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	93, // 50: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	21, // 51: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	63, // 52: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	94, // 53: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
+	80, // 54: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	83, // 55: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	13, // 56: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	64, // 57: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	14, // 58: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	15, // 59: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	17, // 60: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	19, // 61: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	67, // 62: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	68, // 63: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	69, // 64: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	69, // 65: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	69, // 66: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	50, // 67: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	6,  // 68: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
+	7,  // 69: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
+	20, // 70: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
+	20, // 71: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
+	24, // 72: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	25, // 73: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	27, // 74: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	29, // 75: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	32, // 76: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	35, // 77: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	38, // 78: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	39, // 79: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
+	40, // 80: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
+	42, // 81: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	43, // 82: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
+	45, // 83: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
+	46, // 84: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
+	47, // 85: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	72, // 86: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	74, // 87: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	76, // 88: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	78, // 89: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
+	79, // 90: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
+	82, // 91: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
+	8,  // 92: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
+	52, // 93: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	54, // 94: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
+	56, // 95: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	12, // 96: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	66, // 97: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	12, // 98: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
+	16, // 99: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	18, // 100: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	12, // 101: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
+	12, // 102: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	12, // 103: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	71, // 104: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	71, // 105: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	71, // 106: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	51, // 107: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	2,  // 108: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
+	2,  // 109: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
+	21, // 110: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
+	23, // 111: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
+	23, // 112: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	26, // 113: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	28, // 114: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	30, // 115: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	33, // 116: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	36, // 117: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	34, // 118: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
+	34, // 119: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
+	41, // 120: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
+	34, // 121: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
+	44, // 122: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
+	34, // 123: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
+	34, // 124: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
+	49, // 125: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	73, // 126: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	75, // 127: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	77, // 128: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	66, // 129: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	81, // 130: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
+	84, // 131: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
+	9,  // 132: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
+	53, // 133: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	55, // 134: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
+	57, // 135: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	96, // [96:136] is the sub-list for method output_type
+	56, // [56:96] is the sub-list for method input_type
+	56, // [56:56] is the sub-list for extension type_name
+	56, // [56:56] is the sub-list for extension extendee
+	0,  // [0:56] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -6854,6 +6868,7 @@ func file_dsec_v1_sandbox_proto_init() {
 	if File_dsec_v1_sandbox_proto != nil {
 		return
 	}
+	file_dsec_v1_volume_proto_init()
 	file_dsec_v1_sandbox_proto_msgTypes[23].OneofWrappers = []any{
 		(*ExecEvent_Started)(nil),
 		(*ExecEvent_Stdout)(nil),

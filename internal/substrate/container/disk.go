@@ -4,15 +4,13 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
-	"fmt"
 	"log/slog"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"sync"
 
+	"github.com/opendsec/dsec/internal/loopfs"
 	"golang.org/x/sys/unix"
 )
 
@@ -70,9 +68,9 @@ type diskPool struct {
 	defaultMB int64
 	log       *slog.Logger
 	kick      chan struct{}
-	// loops maps an image's (device, inode) to its loop device, as found
-	// at start (for re-adoption).
-	loops map[[2]uint64]string
+	// loops are the host's loop devices as found at start (for
+	// re-adoption).
+	loops loopfs.Loops
 
 	mu     sync.Mutex
 	closed bool
@@ -82,19 +80,16 @@ type diskPool struct {
 }
 
 func openDiskPool(imgDir, mntDir string, defaultMB int64, log *slog.Logger) (*diskPool, error) {
-	if _, err := exec.LookPath("mkfs.ext4"); err != nil {
-		return nil, errors.New("mkfs.ext4 not found (apt-get install e2fsprogs)")
+	if why := loopfs.Available(); why != "" {
+		return nil, errors.New(why)
 	}
 	for _, d := range []string{imgDir, mntDir} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, err
 		}
 	}
-	if _, err := os.Stat("/dev/loop-control"); err != nil {
-		return nil, errors.New("no loop devices (/dev/loop-control)")
-	}
 	p := &diskPool{imgDir: imgDir, mntDir: mntDir, defaultMB: defaultMB, log: log,
-		kick: make(chan struct{}, 1), loops: attachedLoops(), busy: map[string]bool{}}
+		kick: make(chan struct{}, 1), loops: loopfs.Attached(), busy: map[string]bool{}}
 	// One made now: a host that cannot make them says so at start.
 	sd, err := p.make(defaultMB)
 	if err != nil {
@@ -177,41 +172,14 @@ func (p *diskPool) make(sizeMB int64) (_ *sandboxDisk, err error) {
 			p.delete(sd)
 		}
 	}()
-	f, err := os.OpenFile(sd.img, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
-	if err != nil {
+	if err := loopfs.Make(sd.img, sizeMB, loopfs.Options{BytesPerInode: bytesPerInode}); err != nil {
 		return nil, err
 	}
-	err = f.Truncate(sizeMB << 20)
-	f.Close()
-	if err != nil {
-		return nil, err
-	}
-	out, err := exec.Command("mkfs.ext4", "-q", "-F", "-b", "4096", "-i", strconv.Itoa(bytesPerInode), "-m", "0",
-		"-O", "^has_journal", "-E", "nodiscard,lazy_itable_init=1,root_owner=0:0", sd.img).CombinedOutput()
-	if err != nil {
-		return nil, fmt.Errorf("mkfs.ext4: %w: %s", err, strings.TrimSpace(string(out)))
-	}
-	dev, held, err := attachLoop(sd.img)
-	if err != nil {
-		return nil, fmt.Errorf("attach a loop device: %w", err)
-	}
-	err = p.mount(dev, sd.dir)
-	held.Close() // the mount holds it now, or it detaches
-	if err != nil {
+	if err := loopfs.AttachMount(sd.img, sd.dir); err != nil {
 		return nil, err
 	}
 	os.Remove(filepath.Join(sd.dir, "lost+found"))
 	return sd, nil
-}
-
-func (p *diskPool) mount(dev, dir string) error {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return err
-	}
-	if err := unix.Mount(dev, dir, "ext4", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOATIME, "discard"); err != nil {
-		return fmt.Errorf("mount a sandbox file system: %w", err)
-	}
-	return nil
 }
 
 // own takes a sandbox's file system, named in its state, back after a
@@ -226,11 +194,10 @@ func (p *diskPool) own(sd *sandboxDisk) {
 // adopt mounts a running sandbox's file system (owned) again after a
 // restart, through the loop device it is still attached to.
 func (p *diskPool) adopt(sd *sandboxDisk) error {
-	var st unix.Stat_t
-	if err := unix.Stat(sd.img, &st); err != nil {
+	if _, err := os.Stat(sd.img); err != nil {
 		return err
 	}
-	dev := p.loops[[2]uint64{st.Dev, st.Ino}]
+	dev := p.loops.Of(sd.img)
 	if dev == "" {
 		return errors.New("its loop device is gone")
 	}
@@ -238,7 +205,7 @@ func (p *diskPool) adopt(sd *sandboxDisk) error {
 	if unix.Statfs(filepath.Join(sd.dir, "upper"), &mnt) == nil && mnt.Type == unix.EXT4_SUPER_MAGIC {
 		return nil // mounted already
 	}
-	return p.mount(dev, sd.dir)
+	return loopfs.Mount(dev, sd.dir)
 }
 
 // close deletes the pool's file systems; a later take makes one.
@@ -341,74 +308,4 @@ func (sd *sandboxDisk) usage() (bytes, inodes int64) {
 		return 0, 0
 	}
 	return int64(st.Blocks-st.Bfree) * st.Bsize, int64(st.Files - st.Ffree)
-}
-
-// attachedLoops maps the backing files of this host's attached loop
-// devices, by (device, inode), to the devices.
-func attachedLoops() map[[2]uint64]string {
-	out := map[[2]uint64]string{}
-	ents, _ := os.ReadDir("/sys/block")
-	for _, e := range ents {
-		if !strings.HasPrefix(e.Name(), "loop") {
-			continue
-		}
-		if _, err := os.Stat(filepath.Join("/sys/block", e.Name(), "loop")); err != nil {
-			continue // not attached
-		}
-		f, err := os.Open("/dev/" + e.Name())
-		if err != nil {
-			continue
-		}
-		info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
-		f.Close()
-		if err == nil {
-			out[[2]uint64{info.Device, info.Inode}] = "/dev/" + e.Name()
-		}
-	}
-	return out
-}
-
-// attachLoop attaches img to a free loop device that detaches itself once
-// nothing uses it: it is returned open, to be closed once mounted.
-func attachLoop(img string) (string, *os.File, error) {
-	ctl, err := os.OpenFile("/dev/loop-control", os.O_RDWR, 0)
-	if err != nil {
-		return "", nil, err
-	}
-	defer ctl.Close()
-	backing, err := os.OpenFile(img, os.O_RDWR, 0)
-	if err != nil {
-		return "", nil, err
-	}
-	defer backing.Close()
-	for tries := 0; tries < 16; tries++ {
-		n, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
-		if err != nil {
-			return "", nil, err
-		}
-		dev := "/dev/loop" + strconv.Itoa(n)
-		f, err := os.OpenFile(dev, os.O_RDWR, 0)
-		if err != nil {
-			return "", nil, err
-		}
-		// Direct I/O: the image's pages are not cached twice (in the
-		// sandbox's file system and in the host's).
-		cfg := unix.LoopConfig{Fd: uint32(backing.Fd())}
-		cfg.Info.Flags = unix.LO_FLAGS_AUTOCLEAR | unix.LO_FLAGS_DIRECT_IO
-		err = unix.IoctlLoopConfigure(int(f.Fd()), &cfg)
-		if errors.Is(err, unix.EINVAL) {
-			cfg.Info.Flags = unix.LO_FLAGS_AUTOCLEAR
-			err = unix.IoctlLoopConfigure(int(f.Fd()), &cfg)
-		}
-		if errors.Is(err, unix.EBUSY) {
-			f.Close()
-			continue // another process took it first
-		}
-		if err != nil {
-			f.Close()
-			return "", nil, err
-		}
-		return dev, f, nil
-	}
-	return "", nil, errors.New("no free loop device")
 }

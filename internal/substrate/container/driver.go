@@ -146,7 +146,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 	d.skel = filepath.Join(cfg.StateDir, "skel")
 	d.caps = substrate.Capabilities{
 		Kind: substrate.KindContainer,
-		Caps: []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapSnapshot, substrate.CapFork, substrate.CapNetworkEgress},
+		Caps: []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapSnapshot, substrate.CapFork, substrate.CapNetworkEgress, substrate.CapVolumes},
 		Details: map[string]string{
 			"cgroup": d.cgroups.mode.String(),
 		},
@@ -589,6 +589,11 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		undo.Push(undoAgent)
 		agentFiles = files
 	}
+	detachVolumes, err := attachVolumes(volumeDir(s, st), s.Volumes, nsFile)
+	if err != nil {
+		return nil, errdefs.Internal(err, "mount the sandbox's volumes")
+	}
+	undo.Push(detachVolumes)
 	spec, err := d.ociSpec(s, st, ns, gvisor)
 	if err != nil {
 		return nil, errdefs.Internal(err, "build runtime spec")
@@ -700,6 +705,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		return nil, errdefs.Internal(err, "read container pid")
 	}
 	st.Pid, st.StartTime = pid, proc.StartTime(pid)
+	detachVolumes() // the sandbox's mount namespace holds its own
 	if ns != nil && d.sysResource && !gvisor {
 		// Shield the agent (see ociSpec): lowering a score takes
 		// CAP_SYS_RESOURCE over the host, which the runtime in the

@@ -294,7 +294,7 @@ func (d *Driver) gvisorCaps(r *ociRuntime, reason string) substrate.Runtime {
 		return rt
 	}
 	// No egress (see the package comment on network), no memory snapshots.
-	rt.Caps = []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapSnapshot, substrate.CapFork}
+	rt.Caps = []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapSnapshot, substrate.CapFork, substrate.CapVolumes}
 	rt.Details = map[string]string{
 		"runtime":  "runsc " + r.version + " (" + strings.TrimPrefix(r.flags[0], "--") + ")",
 		"kernel":   "gVisor's application kernel: system calls never reach the host's",

@@ -160,6 +160,7 @@ func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS, gvisor bool) (
 			}
 		}
 	}
+	spec.Mounts = append(spec.Mounts, volumeMounts(volumeDir(s, st), s.Volumes)...)
 	for _, t := range s.Tmpfs {
 		opts := []string{"nosuid", "nodev"}
 		if t.Options != "" {

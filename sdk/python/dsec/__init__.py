@@ -16,6 +16,7 @@ from .runkeys import RunKeys
 from .aio import AsyncClient, AsyncSandbox
 from .functions import Checker, RunCodeResult
 from .network import ConnectionRecord, Credential, Network, NetworkLog, NetworkPolicy
+from .volumes import Volume, VolumeFileInfo
 from .errors import (
     Conflict,
     ConnectionFailed,
@@ -42,6 +43,8 @@ __all__ = [
     "RunCodeResult",
     "Checker",
     "NetworkPolicy",
+    "Volume",
+    "VolumeFileInfo",
     "Credential",
     "Network",
     "NetworkLog",

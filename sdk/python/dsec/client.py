@@ -12,6 +12,7 @@ from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, T
 from . import _wire
 from .errors import DsecError, NotFound, SandboxGone, make_error
 from .network import Network, NetworkLog, NetworkPolicy, PolicyLike, policy_wire
+from .volumes import _VOLUMES, MountLike, Volume, mount_wire
 
 DEFAULT_URL = "http://127.0.0.1:7070"
 # The sandbox API, one service per role (api/dsec/v1/sandbox.proto).
@@ -207,7 +208,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
                 workdir: Optional[str] = None, from_snapshot: Any = None, session: Any = None,
                 node_selector: Optional[Mapping[str, str]] = None, network_policy: Optional[PolicyLike] = None,
                 bandwidth_mbps: Optional[int] = None, runtime: Optional[str] = None,
-                on_timeout: Optional[str] = None) -> Dict[str, Any]:
+                on_timeout: Optional[str] = None,
+                volumes: Optional[Sequence[MountLike]] = None) -> Dict[str, Any]:
     # No kind: the server's default (container), or a machine snapshot's own kind.
     spec: Dict[str, Any] = {"resources": {}}
     if kind:
@@ -256,6 +258,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
         spec["runtime"] = runtime
     if on_timeout:
         spec["onTimeout"] = on_timeout
+    if volumes:
+        spec["volumes"] = [mount_wire(m) for m in volumes]
     return spec
 
 
@@ -605,7 +609,10 @@ class Client:
         "pause": reaching ``ttl_s`` or ``idle_ttl_s`` pauses the sandbox
         and any call resumes it; paused at its TTL it is kept for the
         node's ``paused_ttl``, 24 h by default, and resumes with a fresh
-        TTL). With ``count``, create that many in one request and
+        TTL), ``volumes`` (volumes of the project to mount: ``"name:/path"``
+        read-write, this sandbox alone, or ``"name:/path:ro"`` shared
+        read-only; see :meth:`create_volume`). With ``count``, create that
+        many in one request and
         return the list of those that started (raising if none did; see
         :meth:`create_many` for per-item results)."""
         body = _build_spec(image, **spec)
@@ -684,6 +691,30 @@ class Client:
             raise make_error(e.get("kind", ""), f"{len(fails)} sandboxes failed; first {f.get('id')}: {e.get('message', '')}",
                              infra=e.get("infra"), retryable=e.get("retryable"))
         return list(m.get("ids", []))
+
+    def create_volume(self, name: str, *, size_mb: Optional[int] = None, labels: Optional[Mapping[str, str]] = None,
+                      node: Optional[str] = None) -> Volume:
+        """Create an empty volume of the project (``size_mb`` is its limit;
+        default the node's, 1024). Mount it with ``create(volumes=...)``."""
+        req: Dict[str, Any] = {"name": name}
+        if size_mb:
+            req["sizeMb"] = str(int(size_mb))
+        if labels:
+            req["labels"] = {str(k): str(v) for k, v in labels.items()}
+        if node:
+            req["node"] = node
+        return Volume._from(self, self._t.unary(_VOLUMES, "CreateVolume", req))
+
+    def volume(self, name_or_id: str) -> Volume:
+        return Volume._from(self, self._t.unary(_VOLUMES, "GetVolume", {"volume": name_or_id}))
+
+    def volumes(self) -> List[Volume]:
+        """The project's volumes, oldest first."""
+        return [Volume._from(self, v) for v in self._t.unary(_VOLUMES, "ListVolumes", {}).get("volumes", [])]
+
+    def delete_volume(self, volume: Union[str, Volume]) -> None:
+        """Delete a volume and its content (a Conflict while a sandbox mounts it)."""
+        self._t.unary(_VOLUMES, "DeleteVolume", {"volume": volume if isinstance(volume, str) else volume.id})
 
     def snapshots(self) -> List[SnapshotInfo]:
         return [SnapshotInfo._from(s) for s in self._t.unary(_SNAPSHOTS, "ListSnapshots", {}).get("snapshots", [])]
