@@ -160,6 +160,17 @@ func (f *Facade) proxyPort(w http.ResponseWriter, r *http.Request, t target, str
 			return
 		}
 	}
+	// E2B's rule for a paused sandbox: 502 until connect(), unless it was
+	// created with autoResume (then this request resumes it). Only an
+	// authorized request may resume it.
+	if sb.State == "paused" {
+		if _, err := f.awake(ctx, t.id); err != nil {
+			if !writePaused(w, err) {
+				sandboxNotFound(w, t.id)
+			}
+			return
+		}
+	}
 	host := r.Host
 	if m := labels[maskHostLabel]; m != "" {
 		host = strings.ReplaceAll(m, "${PORT}", strconv.Itoa(t.port))

@@ -701,7 +701,9 @@ const scenarios = {
       assert.equal(t.path, '/home/tester/mine.txt')
       const info = await sbx.files.getInfo('mine.txt', { user: 'tester' })
       assert.deepEqual([info.path, info.owner, info.group], ['/home/tester/mine.txt', 'tester', 'tester'])
-      assert.equal((await sbx.commands.run('pwd', { user: 'tester' })).stdout, '/home/tester\n')
+      // (Without cwd a command starts in the image's working directory, if
+      // it has one, as envd starts it: the base image's is /home/user.)
+      assert.equal((await sbx.commands.run('pwd', { user: 'tester', cwd: '.' })).stdout, '/home/tester\n')
       assert.equal(await sbx.files.makeDir('made/deeper', { user: 'tester' }), true)
       assert.equal((await sbx.commands.run('pwd', { user: 'tester', cwd: 'made' })).stdout, '/home/tester/made\n')
       await sbx.files.makeDir('/tmp/by-tester/a/b', { user: 'tester' })
@@ -838,8 +840,16 @@ const scenarios = {
     await withSandbox(async (sbx) => {
       await sbx.files.write('/tmp/kept.txt', 'kept')
       const pid = await backgroundSleep(sbx)
+      await sbx.files.write('/tmp/srv/index.html', 'served')
+      await sbx.commands.run('cd /tmp/srv && exec python3 -m http.server 8000', { background: true })
+      const port = `${process.env.E2B_SANDBOX_URL}/sandboxes/${sbx.sandboxId}/ports/8000/index.html`
+      assert.equal(await untilServed(port), 'served')
       assert.equal(await sbx.pause(), true)
       for (let i = 0; i < 3; i++) assert.equal(await sbx.isRunning(), false, 'a request resumed the paused sandbox')
+      // A user port too: 502 with the paused body, the sandbox stays paused.
+      const viaPort = await fetch(port)
+      assert.equal(viaPort.status, 502)
+      assert.deepEqual(await viaPort.json(), { sandboxId: sbx.sandboxId, message: 'The sandbox is paused', code: 502, canAutoResume: false })
       const res = await fetch(`${process.env.E2B_SANDBOX_URL}/health`, { headers: { 'E2b-Sandbox-Id': sbx.sandboxId } })
       assert.equal(res.status, 502)
       assert.deepEqual(await res.json(), { sandboxId: sbx.sandboxId, message: 'The sandbox is paused', code: 502, canAutoResume: false })
@@ -856,6 +866,7 @@ const scenarios = {
       assert.equal((await sbx.getInfo()).state, 'running')
       assert.equal(await sbx.files.read('/tmp/kept.txt'), 'kept')
       assert.equal((await sbx.commands.run(`cat /proc/${pid}/comm`)).stdout.trim(), 'sleep')
+      assert.equal(await untilServed(port), 'served')
     })
   },
 
@@ -895,6 +906,15 @@ const scenarios = {
       await untilState(sbx, 'paused') // its timeout again, from the resume
       assert.equal(await sbx.isRunning(), true, 'a request did not resume the sandbox')
       assert.equal(await sbx.files.read('/tmp/kept.txt'), 'kept')
+      // A request to a user port resumes it too.
+      await sbx.files.write('/tmp/srv/index.html', 'served')
+      await sbx.commands.run('cd /tmp/srv && exec python3 -m http.server 8000', { background: true })
+      const port = `${process.env.E2B_SANDBOX_URL}/sandboxes/${sbx.sandboxId}/ports/8000/index.html`
+      assert.equal(await untilServed(port), 'served')
+      await untilState(sbx, 'paused')
+      const res = await fetch(port)
+      assert.equal(res.status, 200, 'a request to a user port did not resume the sandbox')
+      assert.equal(await res.text(), 'served')
     } finally {
       await sbx.kill().catch(() => {})
     }
@@ -1047,6 +1067,18 @@ async function wsEcho(sbx, port, via, text) {
 // How long the lifecycle scenarios' sandboxes live before their timeout
 // pauses them (longer for kinds that start slowly).
 const PAUSE_TIMEOUT_MS = Number(process.env.PAUSE_TIMEOUT_MS || 3000)
+
+// untilServed GETs url until it answers 200 (a server in the sandbox is
+// starting) and returns the body.
+async function untilServed(url) {
+  for (let i = 0; ; i++) {
+    const res = await fetch(url)
+    const body = await res.text()
+    if (res.status === 200) return body
+    if (i >= 100) throw new Error(`${url}: ${res.status} ${body}`)
+    await sleep(200)
+  }
+}
 
 // untilState waits until getInfo reports state.
 async function untilState(sbx, state) {
