@@ -15,6 +15,8 @@
 # E2B domain e2b.localhost:PORT over TLS on 127.0.0.2:PORT, so the tests that fetch
 # sandbox.getHost(port) reach it: the SDK trusts the server's CA (NODE_EXTRA_CA_CERTS) and
 # resolves *.e2b.localhost with test/e2b/resolve.mjs (docs/e2b.md, "TLS and host names").
+# With E2B_PORTS_DOMAIN, E2B_HOST_NAMES=1 leaves E2B_SANDBOX_URL empty, so the SDK reaches every
+# sandbox by host name (https://<port>-<id>.<domain>) as it does on E2B's cloud.
 #
 # A test counts as client-only when its file mocks the network (msw) or when it passes against
 # an address where nothing listens; every other test is a server test.
@@ -41,8 +43,8 @@ if [ ! -d "$sdk/node_modules" ]; then
 	(cd "$sdk" && npm install --no-audit --no-fund --loglevel=error)
 fi
 
-vitest() { # out.json api-url
-	(cd "$sdk" && E2B_API_KEY=$key E2B_API_URL=$2 E2B_SANDBOX_URL=$2 env $domain_env \
+vitest() { # out.json api-url [sandbox-url]
+	(cd "$sdk" && E2B_API_KEY=$key E2B_API_URL=$2 E2B_SANDBOX_URL=${3-$2} env $domain_env \
 		npx vitest run --project unit --maxWorkers 2 --reporter=json --outputFile="$1" $paths \
 		>"${1%.json}.log" 2>&1) || true
 }
@@ -66,5 +68,10 @@ for _ in $(seq 1200); do
 	kill -0 $pid 2>/dev/null || { cat "$work/serve.log"; exit 1; }
 	sleep 0.5
 done
-vitest "$sdk/dsec.json" http://127.0.0.1:$port
+if [ -n "${E2B_HOST_NAMES:-}" ]; then
+	# As on E2B's cloud: sandboxes by host name only (E2B_SANDBOX_URL empty).
+	vitest "$sdk/dsec.json" http://127.0.0.1:$port ""
+else
+	vitest "$sdk/dsec.json" http://127.0.0.1:$port
+fi
 python3 "$here/report.py" "$sdk" "$sdk/noserver.json" "$sdk/dsec.json"
