@@ -846,3 +846,29 @@ func TestAGVisorSandboxIsHeldToItsLimits(t *testing.T) {
 		}
 	}
 }
+
+// TestAFailedAttachUndoesWhatItDid: an attach that fails half way (its
+// second layer or volume is missing) returns the error, leaves nothing
+// mounted, and does not panic (a named result set to nil by the error
+// return was once the deferred cleanup).
+func TestAFailedAttachUndoesWhatItDid(t *testing.T) {
+	good := t.TempDir()
+	missing := filepath.Join(t.TempDir(), "gone")
+	for name, attach := range map[string]func(dir string) (func(), error){
+		"layers": func(dir string) (func(), error) { return attachLayers(dir, []string{good, missing}, nil) },
+		"volumes": func(dir string) (func(), error) {
+			return attachVolumes(dir, []substrate.VolumeMount{{Source: good, Path: "/a"}, {Source: missing, Path: "/b"}}, nil)
+		},
+	} {
+		dir := t.TempDir()
+		detach, err := attach(dir)
+		if err == nil {
+			detach()
+			t.Fatalf("%s: attaching a missing source succeeded", name)
+		}
+		mi, _ := os.ReadFile("/proc/self/mountinfo")
+		if strings.Contains(string(mi), dir) {
+			t.Errorf("%s: a failed attach left a mount under %s", name, dir)
+		}
+	}
+}

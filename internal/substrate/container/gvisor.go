@@ -383,15 +383,18 @@ func gvisorChannel(ctx context.Context, dir, link string, done <-chan struct{}) 
 func (d *Driver) prepareGVisor(s *substrate.Spec, rootfs string, host uint32) (jail string, undo func(), err error) {
 	id := s.ID
 	jail = d.jailOf(id)
+	dir := jail       // an error return sets jail to ""
 	var made []string // cgroup directories, in creation order
-	undo = func() {
-		unmount(filepath.Join(jail, "rootfs"))
-		os.RemoveAll(jail)
+	remove := func() {
+		unmount(filepath.Join(dir, "rootfs"))
+		os.RemoveAll(dir)
 		removeDirs(made)
 	}
+	undo = remove
 	defer func() {
+		// Not undo: an error return has set it to nil.
 		if err != nil {
-			undo()
+			remove()
 		}
 	}()
 	// Only the sandbox's gofer (its root's group) and the node get in.

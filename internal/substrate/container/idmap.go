@@ -479,14 +479,15 @@ const nsGetOwnerUID = 0xb704
 // its layers: detach the attachments once it is mounted.
 func attachLayers(dir string, layers []string, userns *os.File) (detach func(), err error) {
 	var attached []string
-	detach = func() {
+	undo := func() {
 		for _, p := range attached {
 			unix.Unmount(p, unix.MNT_DETACH)
 		}
 	}
 	defer func() {
+		// Not detach: an error return has set it to nil.
 		if err != nil {
-			detach()
+			undo()
 		}
 	}()
 	for i, l := range layers {
@@ -512,7 +513,7 @@ func attachLayers(dir string, layers []string, userns *os.File) (detach func(), 
 		}
 		attached = append(attached, target)
 	}
-	return detach, nil
+	return undo, nil
 }
 
 // mountSysfs mounts at target a read-only sysfs of the network namespace

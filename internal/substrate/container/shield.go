@@ -67,15 +67,17 @@ func (d *Driver) shieldable() bool {
 func (d *Driver) prepareAgent(id, dir string, host uint32) (_ *agentFiles, undo func(), err error) {
 	a := &agentFiles{}
 	var made []string // cgroup directories, in creation order
-	undo = func() {
+	remove := func() {
 		a.close()
 		for i := len(made) - 1; i >= 0; i-- {
 			os.Remove(made[i])
 		}
 	}
+	undo = remove
 	defer func() {
+		// Not undo: an error return has set it to nil.
 		if err != nil {
-			undo()
+			remove()
 		}
 	}()
 	spool := filepath.Join(dir, "spool")

@@ -33,17 +33,18 @@ import (
 // as they are), read-only where asked. detach undoes it.
 func attachVolumes(dir string, vols []substrate.VolumeMount, userns *os.File) (detach func(), err error) {
 	var attached []string
-	detach = func() {
+	undo := func() {
 		for _, p := range attached {
 			unix.Unmount(p, unix.MNT_DETACH)
 		}
 	}
 	if len(vols) == 0 {
-		return detach, nil
+		return undo, nil
 	}
 	defer func() {
+		// Not detach: an error return has set it to nil.
 		if err != nil {
-			detach()
+			undo()
 		}
 	}()
 	if err := os.MkdirAll(dir, 0o711); err != nil {
@@ -77,7 +78,7 @@ func attachVolumes(dir string, vols []substrate.VolumeMount, userns *os.File) (d
 		}
 		attached = append(attached, target)
 	}
-	return detach, nil
+	return undo, nil
 }
 
 // volumeDir is where s's volumes are attached for the runtime: the

@@ -80,6 +80,9 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
         subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
+        if os.environ.get("DSEC_TEST_KEEP"):  # for a post-mortem: the data directory and serve.log
+            print(f"kept {self.data_dir}")
+            return
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
