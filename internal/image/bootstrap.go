@@ -157,13 +157,14 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 	progress.report("unpack", "importing "+recipe+" root filesystem", 0, 0)
 	img := &Image{Name: as, Owner: tenant.ImageOwner(ctx), Created: time.Now().UTC(), Source: "bootstrap:" + key, Config: cfg}
 	if lower != nil {
-		diff, size, err := s.bootstrapLayer(lower, true, func(w io.Writer) error { return tarDir(lower.dir, w) })
+		diff, size, release, err := s.bootstrapLayer(lower, true, func(w io.Writer) error { return tarDir(lower.dir, w) })
 		if err != nil {
 			return nil, err
 		}
+		defer release()
 		img.Layers, img.Size = append(img.Layers, diff), img.Size+size
 	}
-	diff, size, err := s.bootstrapLayer(top, !opts.Force, func(w io.Writer) error {
+	diff, size, release, err := s.bootstrapLayer(top, !opts.Force, func(w io.Writer) error {
 		if lower != nil {
 			return TarOverlayUpper(top.dir, w, IDShift{})
 		}
@@ -172,6 +173,7 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 	if err != nil {
 		return nil, err
 	}
+	defer release()
 	img.Layers, img.Size = append(img.Layers, diff), img.Size+size
 	d := sha256.New()
 	json.NewEncoder(d).Encode(struct {
@@ -272,19 +274,21 @@ func (b *cachedBuild) ensure(ctx context.Context, cacheDir string, force bool, p
 // bootstrapLayer stores the layer of a cached build, written by write.
 // With reuse, a layer this store already imported from the same build
 // (another bootstrapped image's, e.g. "debian" under "base") is not read
-// again.
-func (s *Store) bootstrapLayer(b *cachedBuild, reuse bool, write func(io.Writer) error) (string, int64, error) {
+// again. The layer is held (see Hold) until release is called.
+func (s *Store) bootstrapLayer(b *cachedBuild, reuse bool, write func(io.Writer) error) (string, int64, func(), error) {
 	if diff, size, ok := s.bootstrapped(b.key); ok && reuse {
-		return diff, size, nil
+		if release, err := s.Hold([]string{diff}); err == nil {
+			return diff, size, release, nil
+		}
 	}
 	pr, pw := io.Pipe()
 	go func() { pw.CloseWithError(write(pw)) }()
-	diff, size, err := s.AddLayer(pr)
+	diff, size, release, err := s.AddLayer(pr)
 	pr.Close()
 	if err != nil {
-		return "", 0, fmt.Errorf("import %s root filesystem: %w", b.recipe, err)
+		return "", 0, nil, fmt.Errorf("import %s root filesystem: %w", b.recipe, err)
 	}
-	return diff, size, nil
+	return diff, size, release, nil
 }
 
 // bootstrapped finds the layer an image bootstrapped from the cached build

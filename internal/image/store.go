@@ -107,6 +107,14 @@ type Store struct {
 	// inUse reports layers held by live sandboxes; GC keeps them.
 	inUse func() map[string]bool
 
+	// layerMu orders what changes the layers directory: a layer's arrival
+	// (commitLayer), holds on layers (Hold, AddLayer), records naming
+	// them (put) and GC's choice and removal, so that GC never removes a
+	// layer between its arrival or its lookup and its record or its
+	// user's reservation. Order: layerMu, then mu (and inUse's locks).
+	layerMu sync.Mutex
+	held    map[string]int // layers (hex diff IDs) held by calls in flight
+
 	unpackMu  sync.Mutex
 	unpacking map[string]*sync.WaitGroup
 
@@ -123,7 +131,7 @@ func Open(dir string, log *slog.Logger) (*Store, error) {
 	}
 	os.RemoveAll(filepath.Join(dir, "tmp"))
 	os.MkdirAll(filepath.Join(dir, "tmp"), 0o700)
-	s := &Store{dir: dir, log: log, images: map[string]*Image{}, unpacking: map[string]*sync.WaitGroup{}}
+	s := &Store{dir: dir, log: log, images: map[string]*Image{}, unpacking: map[string]*sync.WaitGroup{}, held: map[string]int{}}
 	ents, err := os.ReadDir(filepath.Join(dir, "refs"))
 	if err != nil {
 		return nil, err
@@ -267,6 +275,12 @@ func (s *Store) Import(ctx context.Context, name, source string, img v1.Image, p
 	}
 	rec := &Image{Name: normalize(name), Owner: tenant.ImageOwner(ctx), Digest: digest.String(), Created: time.Now().UTC(), Source: source}
 	var done int64
+	var holds []func()
+	defer func() {
+		for _, release := range holds {
+			release()
+		}
+	}()
 	for i, l := range layers {
 		if err := ctx.Err(); err != nil {
 			return nil, errdefs.Classify(err)
@@ -277,12 +291,13 @@ func (s *Store) Import(ctx context.Context, name, source string, img v1.Image, p
 		}
 		sz, _ := l.Size()
 		msg := fmt.Sprintf("layer %d/%d %s", i+1, len(layers), shortID(diff.String()))
-		n, err := s.ensureLayer(diff.String(), func() (io.ReadCloser, error) { return l.Uncompressed() }, func(d int64) {
+		n, release, err := s.ensureLayer(diff.String(), func() (io.ReadCloser, error) { return l.Uncompressed() }, func(d int64) {
 			progress.report("unpack", msg, done+min(d, sz), total)
 		})
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", msg, err)
 		}
+		holds = append(holds, release)
 		done += sz
 		rec.Size += n
 		rec.Layers = append(rec.Layers, diff.String())
@@ -298,30 +313,73 @@ func (s *Store) Import(ctx context.Context, name, source string, img v1.Image, p
 }
 
 // AddLayer stores a layer from an uncompressed tar stream (snapshots use
-// it) and returns its diff ID.
-func (s *Store) AddLayer(r io.Reader) (string, int64, error) {
+// it) and returns its diff ID, held (see Hold) until release is called:
+// the caller puts the record naming it, then releases it.
+func (s *Store) AddLayer(r io.Reader) (diff string, size int64, release func(), err error) {
 	tmp, err := os.MkdirTemp(filepath.Join(s.dir, "tmp"), "layer-")
 	if err != nil {
-		return "", 0, err
+		return "", 0, nil, err
 	}
 	defer os.RemoveAll(tmp)
-	diff, size, err := unpackLayer(r, tmp)
+	diff, size, err = unpackLayer(r, tmp)
 	if err != nil {
-		return "", 0, err
+		return "", 0, nil, err
 	}
-	if err := s.commitLayer(diff, tmp); err != nil {
-		return "", 0, err
+	if release, err = s.commitLayer(diff, tmp); err != nil {
+		return "", 0, nil, err
 	}
-	return diff, size, nil
+	return diff, size, release, nil
 }
 
-// ensureLayer unpacks a layer unless the store has it. Concurrent imports
-// of one layer unpack it once.
-func (s *Store) ensureLayer(diffID string, open func() (io.ReadCloser, error), progress func(int64)) (int64, error) {
-	for {
-		if sz, ok := s.haveLayer(diffID); ok {
-			return sz, nil
+// Hold keeps layers in the store, whatever records name them, until
+// release is called (once): a create holds its image's layers until its
+// sandbox is reserved, so a delete of the image meanwhile (a fork's
+// snapshot released) frees nothing it starts from. It fails with a
+// not-found error if a layer is not in the store (its image deleted and
+// collected before the hold). Safe for concurrent use.
+func (s *Store) Hold(layers []string) (release func(), err error) {
+	s.layerMu.Lock()
+	defer s.layerMu.Unlock()
+	for _, l := range layers {
+		if _, ok := s.haveLayer(l); !ok {
+			return nil, errdefs.NotFound("layer %s is not in the store", shortID(l))
 		}
+	}
+	return s.holdLocked(layers), nil
+}
+
+// holdLocked holds layers; s.layerMu is held.
+func (s *Store) holdLocked(layers []string) func() {
+	for _, l := range layers {
+		s.held[strings.TrimPrefix(l, "sha256:")]++
+	}
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			s.layerMu.Lock()
+			defer s.layerMu.Unlock()
+			for _, l := range layers {
+				id := strings.TrimPrefix(l, "sha256:")
+				if s.held[id]--; s.held[id] <= 0 {
+					delete(s.held, id)
+				}
+			}
+		})
+	}
+}
+
+// ensureLayer unpacks a layer unless the store has it, and holds it (see
+// Hold) until release is called. Concurrent imports of one layer unpack
+// it once.
+func (s *Store) ensureLayer(diffID string, open func() (io.ReadCloser, error), progress func(int64)) (int64, func(), error) {
+	for {
+		s.layerMu.Lock()
+		if sz, ok := s.haveLayer(diffID); ok {
+			release := s.holdLocked([]string{diffID})
+			s.layerMu.Unlock()
+			return sz, release, nil
+		}
+		s.layerMu.Unlock()
 		s.unpackMu.Lock()
 		if wg, busy := s.unpacking[diffID]; busy {
 			s.unpackMu.Unlock()
@@ -332,12 +390,12 @@ func (s *Store) ensureLayer(diffID string, open func() (io.ReadCloser, error), p
 		wg.Add(1)
 		s.unpacking[diffID] = wg
 		s.unpackMu.Unlock()
-		n, err := s.unpack(diffID, open, progress)
+		n, release, err := s.unpack(diffID, open, progress)
 		s.unpackMu.Lock()
 		delete(s.unpacking, diffID)
 		s.unpackMu.Unlock()
 		wg.Done()
-		return n, err
+		return n, release, err
 	}
 }
 
@@ -351,53 +409,62 @@ func (s *Store) haveLayer(diffID string) (int64, bool) {
 	return n, true
 }
 
-func (s *Store) unpack(diffID string, open func() (io.ReadCloser, error), progress func(int64)) (int64, error) {
+func (s *Store) unpack(diffID string, open func() (io.ReadCloser, error), progress func(int64)) (int64, func(), error) {
 	rc, err := open()
 	if err != nil {
-		return 0, errdefs.Unavailable("open layer: %v", err).WithCause(err)
+		return 0, nil, errdefs.Unavailable("open layer: %v", err).WithCause(err)
 	}
 	defer rc.Close()
 	tmp, err := os.MkdirTemp(filepath.Join(s.dir, "tmp"), "layer-")
 	if err != nil {
-		return 0, err
+		return 0, nil, err
 	}
 	defer os.RemoveAll(tmp)
 	got, size, err := unpackLayer(&countingReader{r: rc, report: progress}, tmp)
 	if err != nil {
-		return 0, errdefs.Invalid("unpack layer: %v", err)
+		return 0, nil, errdefs.Invalid("unpack layer: %v", err)
 	}
 	if got != diffID {
-		return 0, errdefs.Invalid("%v: got %s, want %s", errLayerDigest, got, diffID)
+		return 0, nil, errdefs.Invalid("%v: got %s, want %s", errLayerDigest, got, diffID)
 	}
-	if err := s.commitLayer(diffID, tmp); err != nil {
-		return 0, err
+	release, err := s.commitLayer(diffID, tmp)
+	if err != nil {
+		return 0, nil, err
 	}
-	return size, nil
+	return size, release, nil
 }
 
 // commitLayer moves an unpacked layer into place with its short link and
-// size marker; the marker is written last and means "complete".
-func (s *Store) commitLayer(diffID, tmp string) error {
-	dst := s.LayerDir(diffID)
+// size marker (the marker is written last and means "complete"), unless
+// the store has it, and holds it (see Hold) until release is called.
+func (s *Store) commitLayer(diffID, tmp string) (release func(), err error) {
+	s.layerMu.Lock()
+	defer s.layerMu.Unlock()
 	if _, ok := s.haveLayer(diffID); ok {
-		return nil
+		return s.holdLocked([]string{diffID}), nil
 	}
+	dst := s.LayerDir(diffID)
 	os.RemoveAll(dst)
 	if err := os.Rename(tmp, dst); err != nil {
-		return fmt.Errorf("store layer: %w", err)
+		return nil, fmt.Errorf("store layer: %w", err)
 	}
 	if err := os.Chmod(dst, 0o755); err != nil {
-		return err
+		return nil, err
 	}
 	link := s.ShortLayerPath(diffID)
 	os.Remove(link)
 	if err := os.Symlink(filepath.Join("..", "layers", strings.TrimPrefix(diffID, "sha256:")), link); err != nil {
-		return fmt.Errorf("link layer: %w", err)
+		return nil, fmt.Errorf("link layer: %w", err)
 	}
 	size, _ := dirSize(dst)
-	return writeFileAtomic(dst+".size", []byte(fmt.Sprint(size)))
+	if err := writeFileAtomic(dst+".size", []byte(fmt.Sprint(size))); err != nil {
+		return nil, err
+	}
+	return s.holdLocked([]string{diffID}), nil
 }
 
+// put writes a record. Its layers must be held (or named by another
+// record) until it returns.
 func (s *Store) put(img *Image) error {
 	b, err := json.MarshalIndent(img, "", "  ")
 	if err != nil {
@@ -418,11 +485,11 @@ func (s *Store) Put(img *Image) error {
 	if err := ValidName(img.Name); err != nil {
 		return err
 	}
-	for _, l := range img.Layers {
-		if _, ok := s.haveLayer(l); !ok {
-			return errdefs.NotFound("layer %s is not in the store", shortID(l))
-		}
+	release, err := s.Hold(img.Layers)
+	if err != nil {
+		return err
 	}
+	defer release()
 	img.Name = normalize(img.Name)
 	return s.put(img)
 }
@@ -451,13 +518,27 @@ func (s *Store) Delete(key string) error {
 	return nil
 }
 
-// GC removes layers that no image references and no sandbox uses.
+// GC removes layers that no image references, no sandbox uses and no
+// call holds (see Hold). Its choice and the layers' unlinking are atomic
+// with respect to layers arriving, holds and records being put; the
+// removed files are deleted after.
 func (s *Store) GC() {
+	var doomed []string
+	defer func() {
+		for _, d := range doomed {
+			os.RemoveAll(d)
+		}
+	}()
+	s.layerMu.Lock()
+	defer s.layerMu.Unlock()
 	keep := map[string]bool{}
 	if s.inUse != nil {
 		for l := range s.inUse() {
 			keep[strings.TrimPrefix(l, "sha256:")] = true
 		}
+	}
+	for id := range s.held {
+		keep[id] = true
 	}
 	s.mu.Lock()
 	for _, img := range s.images {
@@ -467,17 +548,30 @@ func (s *Store) GC() {
 	}
 	s.mu.Unlock()
 	ents, _ := os.ReadDir(filepath.Join(s.dir, "layers"))
+	seen := map[string]bool{}
 	for _, e := range ents {
 		id := strings.TrimSuffix(e.Name(), ".size")
-		if keep[id] {
+		if keep[id] || seen[id] {
 			continue
 		}
+		seen[id] = true
 		if s.isUnpacking("sha256:" + id) {
 			continue
 		}
 		os.Remove(filepath.Join(s.dir, "layers", id+".size"))
-		os.RemoveAll(filepath.Join(s.dir, "layers", id))
 		os.Remove(s.ShortLayerPath(id))
+		// Out of the way at once (a rename), deleted after the lock.
+		dir := filepath.Join(s.dir, "layers", id)
+		if _, err := os.Lstat(dir); err != nil {
+			continue
+		}
+		trash, err := os.MkdirTemp(filepath.Join(s.dir, "tmp"), "gc-")
+		if err != nil || os.Rename(dir, filepath.Join(trash, id)) != nil {
+			os.RemoveAll(dir)
+		}
+		if err == nil {
+			doomed = append(doomed, trash)
+		}
 	}
 }
 

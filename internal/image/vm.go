@@ -94,9 +94,11 @@ func (s *Store) addVMLayer(owner, name, source, dir, digest string, meta *VMImag
 	if err := os.WriteFile(filepath.Join(tmp, VMMetaFile), mb, 0o644); err != nil {
 		return nil, err
 	}
-	if err := s.commitLayer(digest, tmp); err != nil {
+	release, err := s.commitLayer(digest, tmp)
+	if err != nil {
 		return nil, err
 	}
+	defer release() // until the record names it
 	size, _ := s.haveLayer(digest)
 	img := &Image{
 		Name: normalize(name), Owner: owner, Digest: digest, Layers: []string{digest}, Size: size,

@@ -40,6 +40,14 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 	if err != nil {
 		return nil, err
 	}
+	// The image's layers stay until the sandbox is reserved (then live,
+	// or released): a delete of the image meanwhile (a fork's snapshot
+	// released, its last child gone) must not collect what it starts from.
+	unhold, err := n.images.Hold(img.Layers)
+	if err != nil {
+		return nil, errdefs.NotFound("image %q was deleted while a sandbox was being created from it", imageOf(spec))
+	}
+	defer unhold()
 	if len(extra) > 0 {
 		if spec.Labels == nil {
 			spec.Labels = map[string]string{}

@@ -63,11 +63,14 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 	s.touch()
 	pr, pw := io.Pipe()
 	go func() { pw.CloseWithError(snap.Snapshot(ctx, pw)) }()
-	diff, size, err := n.images.AddLayer(pr)
+	diff, size, release, err := n.images.AddLayer(pr)
 	pr.Close()
 	if err != nil {
 		return nil, n.callFailed(s, errdefs.Classify(err))
 	}
+	// Held until the record names it: a GC meanwhile (another fork's
+	// snapshot released) would take it.
+	defer release()
 	cfg := n.snapshotConfig(s)
 	id := n.newSnapshotID()
 	rec := &image.Image{
