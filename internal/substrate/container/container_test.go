@@ -872,3 +872,29 @@ func TestAFailedAttachUndoesWhatItDid(t *testing.T) {
 		}
 	}
 }
+
+// TestACreateWhoseCallerGoesAwayAnswersCanceledAndLeavesNothing: a create
+// whose caller's context ends part way (a trainer SIGKILLed while its
+// fork's children start) answers canceled, not the agent's start timeout,
+// and leaves no mount, cgroup, runtime state or socket; or, if it was
+// done first, it made a working sandbox.
+func TestACreateWhoseCallerGoesAwayAnswersCanceledAndLeavesNothing(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	for i, after := range []time.Duration{0, 10 * time.Millisecond, 50 * time.Millisecond, 100 * time.Millisecond, 200 * time.Millisecond, 300 * time.Millisecond, 500 * time.Millisecond, 800 * time.Millisecond} {
+		spec := &substrate.Spec{ID: fmt.Sprintf("gone%d-%d", os.Getpid(), i), Dir: t.TempDir(), Image: layers, Hostname: "sandbox", MemoryMB: 128, Pids: 64, CPU: 1}
+		ctx, cancel := context.WithCancel(context.Background())
+		time.AfterFunc(after, cancel)
+		inst, err := d.Create(ctx, spec)
+		cancel()
+		if err == nil {
+			if err := inst.Destroy(context.Background()); err != nil {
+				t.Fatalf("cancel after %v: destroy: %v", after, err)
+			}
+		} else if k := errdefs.KindOf(err); k != errdefs.KindCanceled {
+			t.Errorf("cancel after %v: %v (%s), want canceled", after, err, k)
+		}
+		if left := leaks(d, spec); len(left) > 0 {
+			t.Errorf("cancel after %v: left %v", after, left)
+		}
+	}
+}

@@ -674,6 +674,9 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 			if hctx.Err() == nil {
 				return nil, errdefs.Internal(err, "open the sandbox's agent channel")
 			}
+			if err := ctx.Err(); err != nil {
+				return nil, errdefs.Classify(err) // the caller went away, not the agent
+			}
 			return nil, errdefs.Unavailable("sandbox agent did not answer within %s", d.cfg.StartTimeout).WithCause(err)
 		}
 	}
@@ -687,6 +690,9 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 			case <-runtimeDone:
 				return nil, failed("start container", err)
 			case <-time.After(100 * time.Millisecond):
+			}
+			if err := ctx.Err(); err != nil {
+				return nil, errdefs.Classify(err) // the caller went away, not the agent
 			}
 			return nil, errdefs.Unavailable("sandbox agent did not answer within %s", d.cfg.StartTimeout).WithCause(err)
 		}
