@@ -70,6 +70,10 @@ type SnapshotMeta struct {
 	// record's Layers are the sandbox's image layers, and only sandboxes
 	// of Kind start from it.
 	Machine bool `json:"machine,omitempty"`
+	// ForkKey is the idempotency key (as the node stores it) of the fork
+	// an ephemeral snapshot was taken for: its repeat starts the children
+	// it lacks from this snapshot while it exists.
+	ForkKey string `json:"fork_key,omitempty"`
 }
 
 // Config is the part of an OCI image config a sandbox uses.

@@ -12,6 +12,7 @@ import (
 	"github.com/opendsec/dsec/internal/sandboxid"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/substratetest"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // killedCall marks the context of a Fork whose client dies in the test.
@@ -20,10 +21,12 @@ type killedCall struct{}
 // TestForkResumedAfterItsClientDied replays a GRPO trainer SIGKILLed
 // while it forks: the killed Fork's children start slowly and fail when
 // its caller goes, its snapshot is released (an image GC), while the
-// resumed trainer repeats the Fork with the same idempotency key. Image
-// GCs run all along, as image deletes and fork releases make them on a
-// busy node: the layers a snapshot adds and the layers its children
-// start from must survive every one of them.
+// resumed trainer repeats the Fork with the same idempotency key (while
+// the killed call is still in flight, or after it ended). Image GCs run
+// all along, as image deletes and fork releases make them on a busy
+// node: the layers a snapshot adds and the layers its children start
+// from must survive every one of them. The repeat makes every child,
+// from the killed call's snapshot while that exists, else from its own.
 func TestForkResumedAfterItsClientDied(t *testing.T) {
 	t.Parallel()
 	entered := make(chan string, 64)
@@ -60,7 +63,11 @@ func TestForkResumedAfterItsClientDied(t *testing.T) {
 
 	const count = 2
 	for round := 0; round < 6; round++ {
-		t.Run(fmt.Sprintf("round %d: the resumed fork makes every child from a snapshot that exists", round), func(t *testing.T) {
+		name := "the resumed fork, after the killed one ended, makes every child from its own snapshot"
+		if round%2 == 0 {
+			name = "the resumed fork, while the killed one is in flight, makes every child from its snapshot"
+		}
+		t.Run(fmt.Sprintf("round %d: %s", round, name), func(t *testing.T) {
 			want := fmt.Sprintf("round-%d\n", round)
 			tn.sh(bg, parent.Id, "echo round-"+fmt.Sprint(round)+" > /tmp/state")
 			key := fmt.Sprintf("run/fork/%d", round)
@@ -72,9 +79,10 @@ func TestForkResumedAfterItsClientDied(t *testing.T) {
 				_, err := tn.Fork(killed, &dsecv1.ForkRequest{SandboxId: parent.Id, Count: count, IdempotencyKey: key})
 				first <- err
 			}()
+			var earlier string
 			for i := 0; i < count; i++ {
 				select {
-				case <-entered:
+				case earlier = <-entered:
 				case err := <-first:
 					t.Fatalf("the killed fork ended before its children started: %v", err)
 				case <-time.After(time.Minute):
@@ -87,17 +95,39 @@ func TestForkResumedAfterItsClientDied(t *testing.T) {
 				err  error
 			}
 			resumed := make(chan result, 1)
-			go func() {
-				resp, err := tn.Fork(bg, &dsecv1.ForkRequest{SandboxId: parent.Id, Count: count, IdempotencyKey: key})
-				resumed <- result{resp, err}
-			}()
-			time.Sleep(time.Duration(round) * 5 * time.Millisecond)
+			resume := func() {
+				go func() {
+					resp, err := tn.Fork(bg, &dsecv1.ForkRequest{SandboxId: parent.Id, Count: count, IdempotencyKey: key})
+					resumed <- result{resp, err}
+				}()
+			}
+			inFlight := round%2 == 0
+			if inFlight {
+				// The repeat takes the killed call's snapshot before the
+				// killed call ends.
+				resume()
+				pins := func() int {
+					tn.sandboxes.mu.Lock()
+					defer tn.sandboxes.mu.Unlock()
+					return tn.sandboxes.pinned[tenant.ImageKey(tenant.DefaultProject, earlier)]
+				}
+				eventually(t, "the repeat pins the killed call's snapshot", func() bool { return pins() == 2 })
+			}
 			kill() // the trainer is SIGKILLed: its call's context ends
 			<-first
+			if !inFlight {
+				if tn.snapshotByID(earlier) != nil {
+					t.Fatal("the snapshot of a killed fork without children is kept")
+				}
+				resume()
+			}
 
 			r := <-resumed
 			if r.err != nil {
 				t.Fatalf("resumed fork: %v", r.err)
+			}
+			if inFlight != (r.resp.SnapshotId == earlier) {
+				t.Fatalf("resumed fork started from snapshot %s, the killed call's was %s (still there: %v)", r.resp.SnapshotId, earlier, inFlight)
 			}
 			if r.resp.Created != count {
 				t.Fatalf("resumed fork made %d of %d children: %v", r.resp.Created, count, r.resp.Results)

@@ -178,10 +178,13 @@ type Node struct {
 	changed  chan struct{} // signalled when the load changes (see LoadChanged)
 
 	sandboxes *table
-	starts    *admission // start slots and the fair-share queue
-	pools     *pools
-	logs      *trajectory.Store
-	volumes   *volume.Manager
+	// forkMu orders taking a fork's earlier snapshot (lookup and pin)
+	// and releasing an ephemeral snapshot (check and delete).
+	forkMu  sync.Mutex
+	starts  *admission // start slots and the fair-share queue
+	pools   *pools
+	logs    *trajectory.Store
+	volumes *volume.Manager
 
 	trash chan string // sandbox directories to remove
 	stop  chan struct{}

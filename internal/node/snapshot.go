@@ -42,10 +42,12 @@ func NodeOfSnapshot(id string) (string, error) { return sandboxid.SnapshotNode(i
 // snapshot is an image record: listed, deleted and kept across restarts
 // the same way.
 func (n *Node) Snapshot(ctx context.Context, req *dsecv1.SnapshotRequest) (*dsecv1.SnapshotInfo, error) {
-	return n.snapshot(ctx, req, false)
+	return n.snapshot(ctx, req, false, "")
 }
 
-func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, ephemeral bool) (*dsecv1.SnapshotInfo, error) {
+// snapshot takes a snapshot; an ephemeral one is a fork's, forkKey its
+// idempotency key (or none).
+func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, ephemeral bool, forkKey string) (*dsecv1.SnapshotInfo, error) {
 	s, err := n.lookup(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err
@@ -54,7 +56,7 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 		return nil, errdefs.Invalid("snapshot name longer than 128 bytes")
 	}
 	if m, ok := s.inst.(substrate.MachineSnapshotter); ok {
-		return n.machineSnapshot(ctx, s, m, req, ephemeral)
+		return n.machineSnapshot(ctx, s, m, req, ephemeral, forkKey)
 	}
 	snap, err := can[substrate.Snapshotter](s, "cannot snapshot")
 	if err != nil {
@@ -76,7 +78,7 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 	rec := &image.Image{
 		Name: id, Owner: s.project, Layers: append(append([]string(nil), s.layers...), diff), Size: size,
 		Created: time.Now().UTC(), Source: "snapshot:" + s.id, Config: cfg, Digest: diff,
-		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size, Ephemeral: ephemeral},
+		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size, Ephemeral: ephemeral, ForkKey: forkKey},
 	}
 	if err := n.images.Put(rec); err != nil {
 		return nil, err
@@ -106,7 +108,7 @@ func (n *Node) snapshotDir(id string) string {
 }
 
 // machineSnapshot captures a sandbox's whole machine through its driver.
-func (n *Node) machineSnapshot(ctx context.Context, s *sandbox, m substrate.MachineSnapshotter, req *dsecv1.SnapshotRequest, ephemeral bool) (_ *dsecv1.SnapshotInfo, err error) {
+func (n *Node) machineSnapshot(ctx context.Context, s *sandbox, m substrate.MachineSnapshotter, req *dsecv1.SnapshotRequest, ephemeral bool, forkKey string) (_ *dsecv1.SnapshotInfo, err error) {
 	s.touch()
 	id := n.newSnapshotID()
 	dir := n.snapshotDir(id)
@@ -128,7 +130,7 @@ func (n *Node) machineSnapshot(ctx context.Context, s *sandbox, m substrate.Mach
 	rec := &image.Image{
 		Name: id, Owner: s.project, Layers: append([]string(nil), s.layers...), Size: size,
 		Created: time.Now().UTC(), Source: "snapshot:" + s.id, Config: n.snapshotConfig(s), Digest: "machine:" + id,
-		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size, Ephemeral: ephemeral, Machine: true},
+		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size, Ephemeral: ephemeral, Machine: true, ForkKey: forkKey},
 	}
 	if err := n.images.Put(rec); err != nil {
 		return nil, err
@@ -225,6 +227,8 @@ func (n *Node) DeleteSnapshot(ctx context.Context, id string) error {
 // snapshots go as soon as their fork is done. key is the snapshot's image
 // key (image.Image.Key).
 func (n *Node) releaseSnapshot(key string) {
+	n.forkMu.Lock()
+	defer n.forkMu.Unlock()
 	img, err := n.images.Get(key)
 	if err != nil || img.Snapshot == nil || !img.Snapshot.Ephemeral {
 		return
@@ -244,6 +248,23 @@ func (n *Node) releaseUnusedSnapshots() {
 			n.releaseSnapshot(img.Key())
 		}
 	}
+}
+
+// pinForkSnapshot pins and returns the ephemeral snapshot of parent an
+// earlier fork with forkKey took, if it still exists, or nil.
+func (n *Node) pinForkSnapshot(parent *sandbox, forkKey string) *dsecv1.SnapshotInfo {
+	if forkKey == "" {
+		return nil
+	}
+	n.forkMu.Lock()
+	defer n.forkMu.Unlock()
+	for _, img := range n.images.List() {
+		if m := img.Snapshot; m != nil && m.Ephemeral && m.ForkKey == forkKey && m.SandboxID == parent.id && img.Owner == parent.project {
+			n.sandboxes.pin(img.Key(), 1)
+			return n.snapshotView(img)
+		}
+	}
+	return nil
 }
 
 // CreateMany creates one sandbox per spec, concurrently, and reports each;
@@ -314,14 +335,24 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.Creat
 	if v := readWriteVolume(parent.spec); v != "" {
 		return nil, errdefs.Conflict("sandbox %s mounts volume %q read-write, which one sandbox at a time does: its children cannot (mount it read-only to fork)", parent.id, v)
 	}
-	snap, err := n.snapshot(ctx, &dsecv1.SnapshotRequest{SandboxId: req.GetSandboxId(), Name: "fork of " + req.GetSandboxId()}, true)
-	if err != nil {
-		return nil, err
+	// A repeat (a resumed trainer's) answers the children the first call
+	// made, adopted by their idempotency keys, and starts those it lacks
+	// from the first call's snapshot while that exists (pinned here, so
+	// its release by the first call, ending meanwhile, waits for this
+	// one), else from a snapshot of its own.
+	forkKey := ""
+	if req.GetIdempotencyKey() != "" {
+		forkKey = idemKey(parent.project, req.GetIdempotencyKey())
 	}
-	// Children adopted by idempotency key (a resumed trainer's repeat)
-	// start from an earlier snapshot, which leaves this one unused.
+	snap := n.pinForkSnapshot(parent, forkKey)
+	if snap == nil {
+		snap, err = n.snapshot(ctx, &dsecv1.SnapshotRequest{SandboxId: req.GetSandboxId(), Name: "fork of " + req.GetSandboxId()}, true, forkKey)
+		if err != nil {
+			return nil, err
+		}
+		n.sandboxes.pin(tenant.ImageKey(parent.project, snap.Id), 1)
+	}
 	snapKey := tenant.ImageKey(parent.project, snap.Id)
-	n.sandboxes.pin(snapKey, 1)
 	defer func() {
 		n.sandboxes.pin(snapKey, -1)
 		n.releaseSnapshot(snapKey)
