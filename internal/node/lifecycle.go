@@ -71,6 +71,9 @@ func (n *Node) stopLocked(ctx context.Context, s *sandbox) error {
 	if !ok {
 		return errdefs.Invalid("kind %q%s cannot pause without its memory (filesystem-only): only kind container under its default runtime can", s.spec.Kind, runtimeSuffix(s.spec.Runtime))
 	}
+	if len(s.spec.GetVolumes()) > 0 {
+		return errdefs.Invalid("a sandbox with volumes cannot pause without its memory (filesystem-only) on this node")
+	}
 	if err := st.Stop(ctx); err != nil {
 		return err
 	}

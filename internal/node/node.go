@@ -622,7 +622,15 @@ func (n *Node) adopt() {
 			aerr = errdefs.Unavailable("no %s driver on this node", r.Kind)
 		} else {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			inst, aerr = drv.Attach(ctx, &substrate.Spec{ID: r.ID, Dir: s.dir}, r.Driver)
+			ds := &substrate.Spec{ID: r.ID, Dir: s.dir}
+			if r.Stopped {
+				// A sandbox paused filesystem-only boots from its spec
+				// when resumed.
+				if img, err := n.images.Get(r.Image); err == nil {
+					ds = n.driverSpec(s, img)
+				}
+			}
+			inst, aerr = drv.Attach(ctx, ds, r.Driver)
 			cancel()
 		}
 		s.inst = inst

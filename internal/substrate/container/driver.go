@@ -543,18 +543,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if ns != nil {
 		nsFile = ns.f
 	}
-	lowers := append([]string{d.skel}, s.Image.Links()...)
-	detach, err := attachLayers(filepath.Join(diskDir, "l"), lowers, nsFile)
-	if err != nil {
-		return nil, errdefs.Internal(err, "mount the image's layers")
-	}
-	names := make([]string, len(lowers))
-	for i := range lowers {
-		names[i] = "l/" + strconv.Itoa(i)
-	}
-	err = mountOverlay(diskDir, names, "upper", "work", st.Rootfs)
-	detach() // the overlay holds its own clones
-	if err != nil {
+	if err := d.mountRoot(s, diskDir, st.Rootfs, nsFile); err != nil {
 		return nil, err
 	}
 	rootfs := st.Rootfs
@@ -594,6 +583,24 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	inst.ownsRange = ns != nil
 	inst.watch()
 	return inst.outer(), nil
+}
+
+// mountRoot mounts sandbox s's root file system at rootfs: the image's
+// layers (id-mapped to user namespace nsFile, nil: none) under the upper
+// and work directories of diskDir.
+func (d *Driver) mountRoot(s *substrate.Spec, diskDir, rootfs string, nsFile *os.File) error {
+	lowers := append([]string{d.skel}, s.Image.Links()...)
+	detach, err := attachLayers(filepath.Join(diskDir, "l"), lowers, nsFile)
+	if err != nil {
+		return errdefs.Internal(err, "mount the image's layers")
+	}
+	names := make([]string, len(lowers))
+	for i := range lowers {
+		names[i] = "l/" + strconv.Itoa(i)
+	}
+	err = mountOverlay(diskDir, names, "upper", "work", rootfs)
+	detach() // the overlay holds its own clones
+	return err
 }
 
 // booted is a started container's runtime: done is closed when the

@@ -19,6 +19,7 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/loopfs"
 	"github.com/opendsec/dsec/internal/substrate"
 )
 
@@ -352,6 +353,38 @@ func (i *instance) start(ctx context.Context) error {
 		defer f.Close() // crun has joined it once boot returns
 		ns = &userNS{index: i.st.IDRange, host: i.st.HostID, f: f}
 	}
+	// A node restarted in another mount namespace lost the sandbox's
+	// mounts (its disk, its root, its /sys): mount them again.
+	var nsFile *os.File
+	if ns != nil {
+		nsFile = ns.f
+	}
+	diskDir := filepath.Dir(i.st.Rootfs)
+	if i.st.Disk != nil {
+		if i.d.disk == nil {
+			return errdefs.Unavailable("sandbox %s has a disk and this node makes none", i.id)
+		}
+		if !mountedAs(filepath.Join(i.st.Disk.dir, "upper"), unix.EXT4_SUPER_MAGIC) {
+			// Through its loop device, or, if that went with the old
+			// namespace's last mount, the image attached anew.
+			if i.d.disk.adopt(i.st.Disk) != nil {
+				if err := loopfs.AttachMount(i.st.Disk.img, i.st.Disk.dir); err != nil {
+					return errdefs.Internal(err, "mount the sandbox's disk")
+				}
+			}
+		}
+		diskDir = i.st.Disk.dir
+	}
+	if !mountedAs(i.st.Rootfs, unix.OVERLAYFS_SUPER_MAGIC) {
+		if err := i.d.mountRoot(i.spec, diskDir, i.st.Rootfs, nsFile); err != nil {
+			return err
+		}
+	}
+	if i.st.Sys != "" && !mountedAs(i.st.Sys, unix.SYSFS_MAGIC) {
+		if err := mountSysfs(i.spec.Network.NetNS, i.st.Sys); err != nil {
+			return errdefs.Internal(err, "mount the sandbox's /sys")
+		}
+	}
 	// The node's files of the sandbox (/etc/hosts...) again if a
 	// restarted node cleared them (else they keep the sandbox's edits).
 	if _, err := os.Stat(filepath.Join(i.d.filesOf(i.id), "hosts")); err != nil {
@@ -359,9 +392,13 @@ func (i *instance) start(ctx context.Context) error {
 			return errdefs.Internal(err, "write sandbox /etc files")
 		}
 	}
+	// No deadline from the spec, which may have passed: the caller sets
+	// the agent's current one once it runs.
+	spec := *i.spec
+	spec.Deadline = time.Time{}
 	st := i.st
 	st.Stopped = false
-	b, err := i.d.boot(ctx, i.spec, &st, ns, rt)
+	b, err := i.d.boot(ctx, &spec, &st, ns, rt)
 	if err != nil {
 		return err
 	}
@@ -496,4 +533,10 @@ func (i *instance) waitRuntime(timeout time.Duration) bool {
 		}
 	}
 	return i.st.runtime().Wait(timeout)
+}
+
+// mountedAs reports whether path is on a file system of type magic.
+func mountedAs(path string, magic int64) bool {
+	var fs unix.Statfs_t
+	return unix.Statfs(path, &fs) == nil && int64(fs.Type) == magic
 }

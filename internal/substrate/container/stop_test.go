@@ -7,8 +7,10 @@ import (
 	"path/filepath"
 	"strings"
 	"syscall"
-	"time"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	"github.com/opendsec/dsec/internal/substrate"
@@ -114,6 +116,17 @@ func TestAStoppedSandboxBootsAgainOnItsFilesWithANewBootID(t *testing.T) {
 	})
 	t.Run("a stopped sandbox stays stopped across a node restart and boots after it", func(t *testing.T) {
 		stopped(t, inst)
+		// A node restarted in a new mount namespace no longer has the
+		// sandbox's root or disk mounted.
+		st := inner(inst).st
+		if err := unmount(st.Rootfs); err != nil {
+			t.Fatal(err)
+		}
+		if st.Disk != nil {
+			if err := unix.Unmount(st.Disk.dir, unix.MNT_DETACH); err != nil {
+				t.Fatal(err)
+			}
+		}
 		d2 := newDriver(t, state)
 		inst2, err := d2.Attach(ctx, spec, inst.State())
 		if err != nil {
