@@ -188,6 +188,8 @@ func (i *instance) runtime() (*ociRuntime, error) {
 func (i *instance) Guest() substrate.Guest { return i.client }
 
 func (i *instance) State() []byte {
+	i.mu.Lock()
+	defer i.mu.Unlock()
 	b, _ := json.Marshal(i.st)
 	return b
 }

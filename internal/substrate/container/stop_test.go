@@ -165,3 +165,24 @@ func TestAStoppedSandboxBootsAgainOnItsFilesWithANewBootID(t *testing.T) {
 		}
 	})
 }
+
+// A stopped sandbox is destroyed as a running one: nothing is left.
+func TestAStoppedSandboxIsDestroyedWithoutLeftovers(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	ctx := context.Background()
+	spec := &substrate.Spec{ID: fmt.Sprintf("stopdel%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox",
+		MemoryMB: 256, Pids: 256, CPU: 1, DiskMB: 32, Network: substrate.Network{Mode: "none"}}
+	inst, err := d.Create(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := inst.(substrate.Stopper).Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := inst.Destroy(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if l := leaks(d, spec); len(l) > 0 {
+		t.Fatalf("left behind: %v", l)
+	}
+}
