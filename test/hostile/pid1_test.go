@@ -5,10 +5,10 @@ package hostile
 // shields a pid namespace's init from its namespace and the agent is not
 // dumpable, so its /proc entries are closed to every process of the
 // sandbox. gVisor's kernel does neither (docs/substrates/container.md):
-// there a process can kill the agent, which ends the sandbox and is
-// reported as the task's doing, and can stop it and open its descriptors:
-// those two rows are not contained under gVisor yet, and run there only
-// with DSEC_HOSTILE_GAPS set (eachRuntimeGap), where they fail.
+// there every workload runs in a pid namespace of its own, with its own
+// /proc, under a small init, so PID 1 is that init, the agent has no pid a
+// workload can name, and killing or stopping PID 1 harms the workloads
+// alone.
 
 import (
 	"bytes"
@@ -30,11 +30,26 @@ func testKillingPID1(t *testing.T, rt string) {
 	sb := create(t, c, dsec.CreateOptions{Runtime: rt})
 	r, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("kill -9 1; kill -STOP 1; sleep 1; kill -CONT 1; echo sent"))
 	nb.check(t)
+	taskFailure(t, "kill -9 1", err)
 	if rt == "gvisor" {
-		endedByTask(t, sb, "kill -9 1", err, "killed the sandbox's agent (signal KILL)")
+		// PID 1 is the small init of the workloads' pid namespace: killing
+		// it kills every process of that namespace, the shell that sent
+		// the signal among them (the workload harming itself). The next
+		// command runs in a new namespace.
+		if r.Signal != "KILL" || strings.Contains(string(r.Stdout), "sent") {
+			t.Errorf("kill -9 1 under gVisor: exit %d, signal %q, %q, %q; want the shell killed with its namespace", r.ExitCode, r.Signal, r.Stdout, r.Stderr)
+		}
+		answers(t, sb, "kill -9 1")
+		// What ran in the killed namespace is gone with it.
+		_, err = sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("(sleep 1000 &); sleep 0.2; kill -9 1; sleep 5; echo survived"))
+		taskFailure(t, "kill -9 1 with a background process", err)
+		r, err = sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("ps -o comm | grep -c '^sleep' || true"))
+		taskFailure(t, "ps", err)
+		if strings.TrimSpace(string(r.Stdout)) != "0" {
+			t.Errorf("after kill -9 1, %s sleep processes of the killed namespace are left", strings.TrimSpace(string(r.Stdout)))
+		}
 		return
 	}
-	taskFailure(t, "kill -9 1", err)
 	if !strings.Contains(string(r.Stdout), "sent") {
 		t.Errorf("kill -9 1: exit %d, %q, %q", r.ExitCode, r.Stdout, r.Stderr)
 	}
@@ -47,7 +62,7 @@ func testKillingPID1(t *testing.T, rt string) {
 // command that sent it never ends. Once workloads have a pid namespace of their
 // own there, it stops their small init, which the agent must resume: the
 // command ends, later ones run and orphans are reaped.
-func TestStoppingPID1(t *testing.T) { eachRuntimeGap(t, testStoppingPID1) }
+func TestStoppingPID1(t *testing.T) { eachRuntime(t, testStoppingPID1) }
 
 func testStoppingPID1(t *testing.T, rt string) {
 	c := client(t)
@@ -108,11 +123,12 @@ func testWritesToPID1sOutputDoNotReachTheNode(t *testing.T, rt string) {
 // TestAnotherCommandsOutputCannotBeForgedThroughPID1: gVisor's /proc lets
 // any process open /proc/<pid>/fd/N without the ptrace access check Linux
 // makes, so under gVisor a process can write into the pipe that carries
-// another command's output (not contained yet: eachRuntimeGap). It will hold
-// there once PID 1 of a workload's /proc is a small init of the workloads'
-// pid namespace, not the agent, which holds every command's pipes.
+// another command's output: there this holds because PID 1 of a
+// workload's /proc is the small init of the workloads' pid namespace
+// (descriptors /dev/null), not the agent, which holds every command's
+// pipes.
 func TestAnotherCommandsOutputCannotBeForgedThroughPID1(t *testing.T) {
-	eachRuntimeGap(t, testAnotherCommandsOutputCannotBeForgedThroughPID1)
+	eachRuntime(t, testAnotherCommandsOutputCannotBeForgedThroughPID1)
 }
 
 func testAnotherCommandsOutputCannotBeForgedThroughPID1(t *testing.T, rt string) {
@@ -145,21 +161,4 @@ func testAnotherCommandsOutputCannotBeForgedThroughPID1(t *testing.T, rt string)
 	if string(out) != "start\nend\n" {
 		t.Errorf("the grader's output is %q, want %q", out, "start\nend\n")
 	}
-}
-
-// eachRuntimeGap runs body under crun, and under gVisor only when
-// DSEC_HOSTILE_GAPS is set: for rows not contained under gVisor yet (the
-// agent's reach in docs/substrates/container.md), which fail there. Not a
-// skip: the suite's report allows skips for missing hardware only.
-func eachRuntimeGap(t *testing.T, body func(t *testing.T, rt string)) {
-	t.Run("crun", func(t *testing.T) { body(t, "") })
-	if os.Getenv("DSEC_HOSTILE_GAPS") == "" {
-		return
-	}
-	t.Run("gvisor", func(t *testing.T) {
-		if why := gvisorMissing(t); why != "" {
-			t.Skip("no gvisor runtime: " + why)
-		}
-		body(t, "gvisor")
-	})
 }
