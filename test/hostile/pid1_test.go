@@ -58,10 +58,9 @@ func testKillingPID1(t *testing.T, rt string) {
 
 // TestStoppingPID1 stops PID 1 (SIGSTOP, which no handler catches). Under
 // crun the kernel drops it (the agent is its namespace's init). Under
-// gVisor it stops the agent (not contained yet: eachRuntimeGap): the
-// command that sent it never ends. Once workloads have a pid namespace of their
-// own there, it stops their small init, which the agent must resume: the
-// command ends, later ones run and orphans are reaped.
+// gVisor it stops the workloads' small init, not the agent: the command
+// that sent it ends, later ones run, and the agent resumes the init, so
+// orphans are reaped again.
 func TestStoppingPID1(t *testing.T) { eachRuntime(t, testStoppingPID1) }
 
 func testStoppingPID1(t *testing.T, rt string) {
