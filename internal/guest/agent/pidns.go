@@ -40,9 +40,11 @@ const PIDNamespaceInitArg = "pidns-init"
 //     PID 1 of the new namespace, it replaces the procfs at /proc by one of
 //     that namespace, gives up its capabilities and only reaps orphans;
 //   - then every process the agent asks the forker for (over a socket, its
-//     descriptors passed along), forked with CLONE_PARENT: the agent's
-//     child (the agent waits for it, signals it and reports it by its pid
-//     in the agent's namespace, as before), in the workloads' namespace.
+//     descriptors passed along), in the workloads' namespace. This gVisor
+//     ignores CLONE_PARENT, so they are the forker's children: it reaps
+//     them and sends each exit to the agent, which takes it as its own
+//     reaper's (Spawner.exitsTo). The pid it answers is the agent's view:
+//     the agent signals the process and reports it by that pid, as before.
 //
 // So in a workload's /proc, PID 1 is the init (descriptors /dev/null) and
 // neither the agent nor the forker has a pid a workload can name. The
