@@ -32,6 +32,10 @@ func main() {
 		identity(os.Args[2:])
 		return
 	}
+	if len(os.Args) > 1 && os.Args[1] == agent.PIDNamespaceInitArg {
+		agent.PIDNamespaceInit()
+		return
+	}
 	listenFD := flag.Int("listen-fd", -1, "serve on this inherited listening socket")
 	listen := flag.String("listen", "", "serve on this unix socket path (gVisor sandboxes, tests and debugging)")
 	port := flag.String("listen-port", "", "serve on the virtio-serial port with this name (VMs)")
@@ -43,6 +47,7 @@ func main() {
 	homeFDs := flag.String("home-fds", "", "inherited tasks files of the sandbox's cgroups: the thread that starts processes moves back into them")
 	pidsDirFD := flag.Int("pids-dir-fd", -1, "inherited directory of the sandbox's pids cgroup, for per-exec cgroups; its tasks file is the last of -home-fds")
 	spoolFD := flag.Int("spool-fd", -1, "inherited directory to spool collected output in, outside the sandbox")
+	pidNS := flag.Bool("pid-namespace", false, "start every process in a pid namespace of the workloads', under a small init, where no process can name the agent (gVisor, whose kernel does not shield a namespace's init nor check ptrace access in /proc; see agent.IsolatePIDs)")
 	nullStdioFlag := flag.Bool("null-stdio", false, "once listening, replace stdin, stdout and stderr with /dev/null (under gVisor, whose /proc/1/fd lets any process of the sandbox open them, they are the node's files)")
 	flag.Parse()
 	if *version {
@@ -102,6 +107,16 @@ func main() {
 		// children must never be born outside the sandbox's cgroups.
 		spawner, err = agent.Shield(join, home, pidsDir, home[len(home)-1])
 		if err != nil {
+			fmt.Fprintln(os.Stderr, "dsec-guest:", err)
+			os.Exit(2)
+		}
+	}
+	if *pidNS {
+		if spawner != nil {
+			fmt.Fprintln(os.Stderr, "dsec-guest: -pid-namespace does not go with cgroup shielding (-join-fds, -home-fds)")
+			os.Exit(2)
+		}
+		if spawner, err = agent.IsolatePIDs(); err != nil {
 			fmt.Fprintln(os.Stderr, "dsec-guest:", err)
 			os.Exit(2)
 		}

@@ -65,7 +65,13 @@ func New(log *slog.Logger) *Agent {
 
 // UseSpawner makes the agent start every process with sp (see Shield).
 // Call it before Serve.
-func (a *Agent) UseSpawner(sp *Spawner) { a.spawner = sp }
+func (a *Agent) UseSpawner(sp *Spawner) {
+	a.spawner = sp
+	a.procs.mu.Lock()
+	a.procs.onReap = sp.reaped
+	a.procs.mu.Unlock()
+	sp.exitsTo(a.procs.exited)
+}
 
 // SpoolIn makes the agent spool collected output in dir, a directory
 // outside the sandbox's reach (see tailSpool). Call it before Serve.

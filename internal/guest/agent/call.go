@@ -483,7 +483,7 @@ func killUID(uid, rounds int) bool {
 // pidsOf lists live (not zombie) processes whose real, effective or saved
 // uid is uid.
 func pidsOf(uid int) []int {
-	ents, err := os.ReadDir("/proc")
+	ents, err := os.ReadDir(procPath("."))
 	if err != nil {
 		return nil
 	}
@@ -495,7 +495,7 @@ func pidsOf(uid int) []int {
 		if err != nil {
 			continue
 		}
-		b, err := readHead("/proc/"+e.Name()+"/status", buf)
+		b, err := readHead(procPath(e.Name()+"/status"), buf)
 		if err != nil {
 			continue
 		}

@@ -190,7 +190,7 @@ func slotNamespace(dir string) (int, error) {
 					return -1, fmt.Errorf("bind over %s: %w", b[1], err)
 				}
 			}
-			return unix.Open("/proc/thread-self/ns/mnt", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+			return unix.Open(procPath("thread-self/ns/mnt"), unix.O_RDONLY|unix.O_CLOEXEC, 0)
 		}()
 		done <- result{fd, err}
 	}()

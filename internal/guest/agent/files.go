@@ -147,9 +147,9 @@ func fileInfo(path string, dir int, name string, st *unix.Stat_t, n names) *gues
 		// The entry through the descriptor of its directory (or its own):
 		// no path is resolved again.
 		if name == "" {
-			i.Metadata = readMetadata("/proc/self/fd/"+strconv.Itoa(dir), true)
+			i.Metadata = readMetadata(procPath("self/fd/"+strconv.Itoa(dir)), true)
 		} else {
-			i.Metadata = readMetadata("/proc/self/fd/"+strconv.Itoa(dir)+"/"+name, false)
+			i.Metadata = readMetadata(procPath("self/fd/"+strconv.Itoa(dir)+"/"+name), false)
 		}
 	}
 	if n == nil {
@@ -175,7 +175,7 @@ func linkTarget(path string, n names) *guestv1.FileInfo {
 	}
 	// The descriptor's /proc link names the file as the agent's root
 	// sees it: the sandbox's.
-	real, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd))
+	real, err := os.Readlink(procPath("self/fd/" + strconv.Itoa(fd)))
 	if err != nil || !filepath.IsAbs(real) {
 		return nil
 	}
@@ -476,7 +476,7 @@ func changeMode(m *guestv1.ChangeMode) (*guestv1.FileInfo, error) {
 		defer unix.Close(fd)
 		// fchmod(2) refuses an O_PATH descriptor; its /proc/self/fd entry
 		// names the very file resolved inside the root.
-		if err := unix.Fchmodat(unix.AT_FDCWD, "/proc/self/fd/"+strconv.Itoa(fd), m.Mode, 0); err != nil {
+		if err := unix.Fchmodat(unix.AT_FDCWD, procPath("self/fd/"+strconv.Itoa(fd)), m.Mode, 0); err != nil {
 			return pathErr("chmod", p, err)
 		}
 		var st unix.Stat_t

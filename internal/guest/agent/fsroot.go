@@ -211,7 +211,7 @@ func ownProc(fd int) bool {
 	if statfsErr == nil && fs.Type != unix.PROC_SUPER_MAGIC {
 		return false
 	}
-	target, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd))
+	target, err := os.Readlink(procPath("self/fd/" + strconv.Itoa(fd)))
 	if err != nil {
 		return true // cannot tell: refuse
 	}
@@ -230,7 +230,7 @@ func ownProc(fd int) bool {
 			return true
 		}
 		// One of the agent's threads (each has a /proc/<tid> too).
-		return unix.Access("/proc/self/task/"+task, unix.F_OK) == nil
+		return unix.Access(procPath("self/task/"+task), unix.F_OK) == nil
 	}
 	// No procfs on the way: a procfs file (by fstatfs) is refused, a file
 	// whose file system did not say is not one.

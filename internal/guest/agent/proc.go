@@ -50,6 +50,7 @@ type procTable struct {
 	byPid   map[int]*proc
 	byTag   map[string]*proc
 	early   map[int]exitStatus // statuses reaped before their process registered
+	onReap  func(pid int)      // told of every pid reaped (see UseSpawner)
 	retired []*proc            // finished, oldest first
 }
 
@@ -100,6 +101,9 @@ func (t *procTable) reap() {
 
 func (t *procTable) exited(st exitStatus) {
 	t.mu.Lock()
+	if t.onReap != nil {
+		t.onReap(st.pid)
+	}
 	p := t.byPid[st.pid]
 	if p != nil {
 		delete(t.byPid, st.pid)
@@ -332,7 +336,7 @@ func (a *Agent) start(x *guestv1.Exec, s sink, started func(*proc)) (*proc, erro
 	p.pid = pid
 	p.cg = cg
 	// The agent itself is shielded from the OOM killer; its children are not.
-	os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", []byte("0"), 0)
+	os.WriteFile(procPath(strconv.Itoa(pid)+"/oom_score_adj"), []byte("0"), 0)
 	applyRlimits(pid, x)
 	p.openFds = len(readers)
 	p.readers = readers

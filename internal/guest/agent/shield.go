@@ -47,7 +47,11 @@ import (
 //
 // A nil *Spawner forks from whichever thread asks, with no cgroups: the
 // agent in a VM, where the whole guest kernel is the sandbox's.
+//
+// A spawner from IsolatePIDs (gVisor) has no cgroups either: it starts
+// processes in the workloads' pid namespace instead.
 type Spawner struct {
+	pids *pidSpace // set by IsolatePIDs: every process starts there
 	reqs chan func()
 	home []*os.File // tasks files of the sandbox's cgroups
 	// execDir is the sandbox's pids cgroup directory (nil: no per-exec
@@ -130,6 +134,10 @@ type execCgroup struct {
 func (sp *Spawner) forkExec(path string, argv []string, attr *syscall.ProcAttr, perExec bool) (int, *execCgroup, error) {
 	if sp == nil {
 		pid, err := syscall.ForkExec(path, argv, attr)
+		return pid, nil, err
+	}
+	if sp.pids != nil {
+		pid, err := sp.pids.forkExec(path, argv, attr)
 		return pid, nil, err
 	}
 	var cg *execCgroup
@@ -267,7 +275,7 @@ func (cg *execCgroup) kill() {
 }
 
 func isZombie(pid int) bool {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	b, err := os.ReadFile(procPath(strconv.Itoa(pid) + "/stat"))
 	if err != nil {
 		return true
 	}
@@ -303,4 +311,24 @@ func (sp *Spawner) sweep() {
 		}
 	}
 	sp.pending = kept
+}
+
+// reaped tells the spawner that the agent reaped pid (a workloads' init or
+// forker, perhaps).
+func (sp *Spawner) reaped(pid int) {
+	if sp != nil && sp.pids != nil {
+		sp.pids.reaped(pid)
+	}
+}
+
+// exitsTo makes the spawner report the exits of processes it reaps itself
+// (the workloads' forker's children) to exited.
+func (sp *Spawner) exitsTo(exited func(exitStatus)) {
+	if sp != nil && sp.pids != nil {
+		sp.pids.mu.Lock()
+		sp.pids.exited = exited
+		sp.pids.mu.Unlock()
+		// The first namespace is made now, not on the first exec's path.
+		go sp.pids.current()
+	}
 }

@@ -67,7 +67,7 @@ type procEntry struct{ pid, ppid, pgid int }
 
 // allProcs lists the processes in /proc with their parents and groups.
 func allProcs() []procEntry {
-	ents, err := os.ReadDir("/proc")
+	ents, err := os.ReadDir(procPath("."))
 	if err != nil {
 		return nil
 	}
@@ -100,7 +100,7 @@ func procState(pid int) byte {
 // statFields are the fields of /proc/<pid>/stat after the command name
 // (the state first), or nil.
 func statFields(pid int) []string {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	b, err := os.ReadFile(procPath(strconv.Itoa(pid) + "/stat"))
 	if err != nil {
 		return nil
 	}

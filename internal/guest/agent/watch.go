@@ -188,7 +188,7 @@ func (wt *watcher) addFD(fd int, rel string) error {
 	if len(wt.dirs) >= maxWatchDirs {
 		return &codedError{guest.CodeInvalid, "the watched tree has more than 8192 directories; watch a narrower path"}
 	}
-	wd, err := unix.InotifyAddWatch(wt.fd, "/proc/self/fd/"+strconv.Itoa(fd), watchMask)
+	wd, err := unix.InotifyAddWatch(wt.fd, procPath("self/fd/"+strconv.Itoa(fd)), watchMask)
 	if err != nil {
 		if errors.Is(err, syscall.ENOTDIR) || errors.Is(err, syscall.ENOENT) {
 			return err // raced with a removal or replaced by a file

@@ -144,7 +144,6 @@ func TestConformanceUnderGVisor(t *testing.T) {
 			syscall.Kill(inner(inst).st.RuntimePid, syscall.SIGKILL)
 		},
 		LimitsEndInstance: true,
-		InitKillable:      true,
 	})
 }
 

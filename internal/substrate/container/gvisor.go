@@ -73,16 +73,18 @@ import (
 //     freezer. Memory snapshots (runsc checkpoint) are not offered.
 //   - The agent's reach. gVisor's kernel does not shield a pid namespace's
 //     init from its namespace (a TODO in its signal code) and checks no
-//     ptrace access on /proc/<pid>/fd, environ or maps. So: the agent gives
+//     ptrace access on /proc/<pid>/fd, environ or maps. So the agent gives
 //     up its stdio once listening (-null-stdio: else /proc/1/fd/1 is the
 //     node's log file, writable from inside), catches every signal Linux
-//     would drop for an init (no-op handlers), and when a process kills it
-//     the sandbox ends, reported as the task's end (EndedByTask, from
-//     runsc's exit code). What is not contained: a process can stop the
-//     agent (the sandbox's calls then wait out their deadlines) and can
-//     open the agent's descriptors, so it can write into the pipe that
-//     carries another command's output. A timed-out command's processes
-//     are killed by walking its tree (no exec cgroups to kill instead).
+//     would drop for an init (no-op handlers), and starts every workload in
+//     a pid namespace of the workloads' under a small init
+//     (-pid-namespace, agent.IsolatePIDs), so no workload can name it: for
+//     that the agent holds CAP_SYS_ADMIN and may unshare a pid namespace,
+//     mount and umount2 (pidNamespacesSeccomp); its workloads lose the
+//     capability. A runsc exit of 128 + a signal (a SIGKILL of the
+//     sandbox's kernel process on the host) still ends the sandbox as the
+//     task's end (EndedByTask). A timed-out command's processes are killed
+//     by walking its tree (no exec cgroups to kill instead).
 
 const (
 	// gvisorTasksPerProcess is what one process inside a gVisor sandbox

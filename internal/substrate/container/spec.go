@@ -73,6 +73,11 @@ var readonlyPaths = []string{
 func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS, gvisor bool) (*specs.Spec, error) {
 	rootfs := st.Rootfs
 	caps, bounding, noNewPrivs := privileges(s, ns)
+	if gvisor {
+		// The agent makes the workloads' pid namespaces (-pid-namespace);
+		// they lose CAP_SYS_ADMIN at exec (agent.IsolatePIDs).
+		caps, bounding = withCap(caps, "CAP_SYS_ADMIN"), withCap(bounding, "CAP_SYS_ADMIN")
+	}
 	env := s.Env
 	if !hasVar(env, "PATH") {
 		env = append([]string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, env...)
@@ -182,6 +187,8 @@ func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS, gvisor bool) (
 		// crun loads this precompiled filter instead of compiling the
 		// profile, which costs ~25 ms of CPU per sandbox.
 		spec.Annotations = map[string]string{"run.oci.seccomp_bpf_data": bpf}
+	} else if gvisor {
+		spec.Linux.Seccomp = pidNamespacesSeccomp(sc.profile)
 	} else {
 		spec.Linux.Seccomp = sc.profile
 	}
@@ -252,6 +259,31 @@ func mountsSeccomp() (*specs.LinuxSeccomp, error) {
 			Args: []specs.LinuxSeccompArg{{Index: 1, Value: unix.CLONE_NEWNS, Op: specs.OpEqualTo}}},
 	)
 	return p, nil
+}
+
+// pidNamespacesSeccomp is p plus what the agent needs under gVisor to make
+// the workloads' pid namespaces (agent.IsolatePIDs): unshare of a pid
+// namespace alone (its forker), mount and umount2 (the namespace's init,
+// for its /proc). Each needs CAP_SYS_ADMIN, which the agent holds and the
+// workloads do not: the forker drops it from their bounding set.
+func pidNamespacesSeccomp(p *specs.LinuxSeccomp) *specs.LinuxSeccomp {
+	q := *p
+	q.Syscalls = append(append([]specs.LinuxSyscall(nil), p.Syscalls...),
+		specs.LinuxSyscall{Names: []string{"mount", "umount2"}, Action: specs.ActAllow},
+		specs.LinuxSyscall{Names: []string{"unshare"}, Action: specs.ActAllow,
+			Args: []specs.LinuxSeccompArg{{Index: 0, Value: unix.CLONE_NEWPID, Op: specs.OpEqualTo}}},
+	)
+	return &q
+}
+
+// withCap is caps with c.
+func withCap(caps []string, c string) []string {
+	for _, x := range caps {
+		if x == c {
+			return caps
+		}
+	}
+	return append(append([]string(nil), caps...), c)
 }
 
 // resources are a sandbox's cgroup limits. Under gVisor the pids limit
@@ -335,11 +367,13 @@ func hasVar(env []string, name string) bool {
 // guestArgs is the agent's command line: it serves on its inherited
 // socket, or under gVisor on one it binds in the channel directory, and
 // there gives up its stdio once listening (gVisor's /proc lets any process
-// of the sandbox open /proc/1/fd/1, which would be the node's log file).
+// of the sandbox open /proc/1/fd/1, which would be the node's log file)
+// and starts every process in a pid namespace of the workloads', where no
+// process can name it (agent.IsolatePIDs).
 func guestArgs(s *substrate.Spec, gvisor bool) []string {
 	args := []string{guestPath, "-listen-fd", "3"}
 	if gvisor {
-		args = []string{guestPath, "-listen", chanDir + "/sock", "-null-stdio"}
+		args = []string{guestPath, "-listen", chanDir + "/sock", "-null-stdio", "-pid-namespace"}
 	}
 	if !s.Deadline.IsZero() {
 		args = append(args, "-deadline", strconv.FormatInt(s.Deadline.Unix(), 10))

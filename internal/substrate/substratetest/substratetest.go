@@ -52,11 +52,6 @@ type Harness struct {
 	// ends the whole instance, which says so (substrate.TaskEnder),
 	// instead of losing a process or a fork (gVisor).
 	LimitsEndInstance bool
-	// InitKillable: a process of the instance can kill its init, the
-	// agent, which ends the instance, and the instance says its workload
-	// did (substrate.TaskEnder; gVisor, whose kernel does not shield a pid
-	// namespace's init).
-	InitKillable bool
 }
 
 func ctxT(t *testing.T, d time.Duration) context.Context {
@@ -416,15 +411,6 @@ func Run(t *testing.T, h Harness) {
 			t.Fatalf("ended: its workload %q, want %q", got, want)
 		}
 	}
-	if h.InitKillable {
-		t.Run("a process that kills the init ends the instance, which says its workload did", func(t *testing.T) {
-			inst, _ := h.create(t, nil)
-			run(t, inst.Guest(), "echo", "started")
-			inst.Guest().Run(ctxT(t, time.Minute), &guestv1.Exec{Argv: []string{"sh", "-c", "kill -9 1; sleep 10"}, TimeoutMs: 30000})
-			endedBy(t, inst, "killed the sandbox's agent (signal KILL)")
-		})
-	}
-
 	if !h.SkipLimits && h.LimitsEndInstance {
 		t.Run("reaching the memory limit ends the instance, which says so", func(t *testing.T) {
 			inst, _ := h.create(t, func(s *substrate.Spec) { s.MemoryMB = 64 })
