@@ -805,7 +805,7 @@ func (f *Facade) listV1(w http.ResponseWriter, r *http.Request, _ string) {
 // withBootstrapHint says how to build the base image, which the SDKs'
 // default templates start, when a create failed for want of it.
 func withBootstrapHint(err error, image string) error {
-	if image == "base" && errdefs.Is(err, errdefs.KindNotFound) {
+	if image == "base" && errdefs.Is(err, errdefs.KindNotFound) && strings.Contains(err.Error(), `image "base"`) {
 		return errdefs.NotFound("%v: the E2B SDKs' default templates start the base image; build it with `dsec image bootstrap base` (or serve with --bootstrap busybox,debian,base)", err)
 	}
 	return err

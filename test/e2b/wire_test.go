@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -173,7 +174,7 @@ func TestControlPlaneErrors(t *testing.T) {
 		{"an unknown template (image) is 404", "POST", "/v2/sandboxes", key, `{"templateID":"no-such-image"}`, 404},
 		{"an unknown kind prefix is an image name, so 404", "POST", "/v2/sandboxes", key, `{"templateID":"quantum/base"}`, 404},
 		{"a zero timeout is 400", "POST", "/sandboxes/" + c.SandboxID + "/timeout", key, `{"timeout":0}`, 400},
-		{"volume mounts are 400", "POST", "/v2/sandboxes", key, `{"templateID":"base","volumeMounts":[{"name":"v","path":"/v"}]}`, 400},
+		{"a mount of an unknown volume is 404", "POST", "/v2/sandboxes", key, `{"templateID":"base","volumeMounts":[{"name":"v","path":"/v"}]}`, 404},
 		{"a reserved metadata key is 400", "POST", "/v2/sandboxes", key, `{"templateID":"base","metadata":{"e2b.dev/template":"x"}}`, 400},
 		{"an unknown list state is 400", "GET", "/v2/sandboxes?state=sleeping", key, "", 400},
 		{"a forged next token is 400", "GET", "/v2/sandboxes?nextToken=***", key, "", 400},
@@ -192,7 +193,8 @@ func TestControlPlaneErrors(t *testing.T) {
 		})
 	}
 	t.Run("create answers 201 with what the SDKs read", func(t *testing.T) {
-		if c.EnvdVersion != "0.6.4" || c.ClientID == "" || c.TemplateID != "base" || len(c.EnvdAccessToken) < 32 || c.Domain != nil {
+		if c.EnvdVersion != "0.6.4" || c.ClientID == "" || c.TemplateID != "base" || len(c.EnvdAccessToken) < 32 ||
+			c.Domain == nil || *c.Domain != testDomain+":"+strconv.Itoa(domainPort) {
 			t.Fatalf("create answered %+v", c)
 		}
 	})
@@ -262,7 +264,6 @@ func TestEnvdErrors(t *testing.T) {
 		{"JSON that does not fit the message is invalid_argument", stat, js(envdHeaders(c)), `{"path": 5}`, 400, "invalid_argument"},
 		{"an unknown method is unimplemented", s.URL + "/filesystem.Filesystem/Chmod", js(envdHeaders(c)), `{}`, 501, "unimplemented"},
 		{"the polling watcher RPCs are unimplemented", s.URL + "/filesystem.Filesystem/CreateWatcher", js(envdHeaders(c)), `{"path":"/tmp"}`, 501, "unimplemented"},
-		{"a port other than envd's is unavailable", stat, js(envdHeaders(c, "E2b-Sandbox-Port", "8080")), `{"path":"/"}`, 503, "unavailable"},
 		{"signalling an unknown pid is not_found (kill returns false)", s.URL + "/process.Process/SendSignal", js(envdHeaders(c)), `{"process":{"pid":99999},"signal":"SIGNAL_SIGKILL"}`, 404, "not_found"},
 		{"an unspecified signal is invalid_argument", s.URL + "/process.Process/SendSignal", js(envdHeaders(c)), `{"process":{"pid":1}}`, 400, "invalid_argument"},
 	}
