@@ -352,7 +352,8 @@ func TestEnvdErrors(t *testing.T) {
 func TestHostRouting(t *testing.T) {
 	s := server(t)
 	c := create(t, s)
-	host := "49983-" + c.SandboxID + ".sandbox.example"
+	domain := testDomain + ":" + strconv.Itoa(domainPort) // the shared server's E2B domain
+	host := "49983-" + c.SandboxID + "." + domain
 	if r := do(t, "GET", s.URL+"/health", map[string]string{"Host": host}, nil); r.status != 204 {
 		t.Fatalf("/health by host: %d %s", r.status, r.body)
 	}
@@ -374,7 +375,7 @@ func TestHostRouting(t *testing.T) {
 	if _, err := procs.List(ctx, connect.NewRequest(&process.ListRequest{})); err != nil {
 		t.Fatalf("List by host: %v", err)
 	}
-	other := "49983-aaaaaaaaaaaaaaaa-local.sandbox.example"
+	other := "49983-aaaaaaaaaaaaaaaa-local." + domain
 	if r := do(t, "GET", s.URL+"/health", map[string]string{"Host": other}, nil); r.status != 502 {
 		t.Fatalf("/health of an unknown sandbox by host: %d, want 502", r.status)
 	}
