@@ -352,15 +352,11 @@ func (n *Node) live(ctx context.Context, id string) (*sandbox, error) {
 const (
 	OnTimeoutDelete = "delete"
 	OnTimeoutPause  = "pause"
-	// OnTimeoutPauseFilesystem pauses filesystem-only (Pause's fsOnly).
-	OnTimeoutPauseFilesystem = "pause_filesystem"
 )
 
 // pausesAtTimeout reports whether s pauses, rather than ends, when its TTL
 // or idle TTL passes.
-func (s *sandbox) pausesAtTimeout() bool {
-	return s.spec.OnTimeout == OnTimeoutPause || s.spec.OnTimeout == OnTimeoutPauseFilesystem
-}
+func (s *sandbox) pausesAtTimeout() bool { return s.spec.OnTimeout == OnTimeoutPause }
 
 // deadlineGrace is how long after its TTL a sandbox ends itself if the node
 // has not deleted it (the node normally does, on time).
@@ -425,7 +421,7 @@ func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
 		LastActiveAt: timestamppb.New(time.Unix(0, s.lastActive.Load())),
 	}
 	if s.timedOut {
-		sb.Reason = "ttl expired: paused (on_timeout " + s.spec.OnTimeout + ") until expires_at"
+		sb.Reason = "ttl expired: paused (on_timeout pause) until expires_at"
 	}
 	return sb
 }
@@ -556,7 +552,7 @@ func (n *Node) reap(now time.Time) {
 		case st == stateRunning && idle > 0 && now.Sub(time.Unix(0, s.lastActive.Load())) > idle:
 			if !s.pausesAtTimeout() {
 				n.release(ctx, s, &end{reason: "idle ttl expired", infra: true})
-			} else if err := n.transition(ctx, s, statePaused, func(ctx context.Context) error { return n.timeoutPauseLocked(ctx, s) }); err != nil {
+			} else if err := n.pause(ctx, s); err != nil {
 				n.cannotPause(s, "idle ttl expired", err)
 			}
 		}
@@ -611,7 +607,7 @@ func (n *Node) adopt() {
 			id: r.ID, spec: spec, created: r.Created, image: r.Image, layers: r.Layers, net: att,
 			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey, project: projectOr(r.Project),
 			state: parseState(r.State), expires: r.Expires, rec: r, network: networkFromRecord(r.NetPolicy),
-			timedOut: r.TimedOut, stopped: r.Stopped,
+			timedOut: r.TimedOut,
 		}
 		if s.state != statePaused {
 			s.state = stateRunning // as were records written mid-delete, and those of old stores
@@ -625,15 +621,7 @@ func (n *Node) adopt() {
 			aerr = errdefs.Unavailable("no %s driver on this node", r.Kind)
 		} else {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			ds := &substrate.Spec{ID: r.ID, Dir: s.dir}
-			if r.Stopped {
-				// A sandbox paused filesystem-only boots from its spec
-				// when resumed.
-				if img, err := n.images.Get(r.Image); err == nil {
-					ds = n.driverSpec(s, img)
-				}
-			}
-			inst, aerr = drv.Attach(ctx, ds, r.Driver)
+			inst, aerr = drv.Attach(ctx, &substrate.Spec{ID: r.ID, Dir: s.dir}, r.Driver)
 			cancel()
 		}
 		s.inst = inst

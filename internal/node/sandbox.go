@@ -45,10 +45,7 @@ type sandbox struct {
 	// expires is then the end of its paused_ttl, and a resume gives it a
 	// fresh TTL.
 	timedOut bool
-	// stopped marks a sandbox paused filesystem-only: its instance is
-	// stopped (substrate.Stopper), and resuming it boots it.
-	stopped bool
-	rec     *record
+	rec      *record
 	// network is the sandbox's network since a SetNetworkPolicy (nil:
 	// spec.network), credentials' values included.
 	network *dsecv1.Network
@@ -193,7 +190,7 @@ func (s *sandbox) record() *record {
 	r := &record{
 		ID: s.id, Kind: s.spec.Kind, Image: s.image, Spec: specJSON, Layers: s.layers,
 		Created: s.created, Expires: s.expires, State: s.state.String(), Network: attachmentJSON(s.net), IdemKey: s.idemKey,
-		Project: s.project, NetPolicy: networkRecord(s.network), TimedOut: s.timedOut, Stopped: s.stopped,
+		Project: s.project, NetPolicy: networkRecord(s.network), TimedOut: s.timedOut,
 	}
 	if s.inst != nil {
 		r.Driver = s.inst.State()

@@ -29,18 +29,6 @@ func (c *Client) Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error) 
 	return r.Msg, nil
 }
 
-// PauseFilesystem pauses a sandbox filesystem-only: its processes end and
-// only its file system is kept (all its memory and CPU are released); a
-// later call or Resume cold-boots it (new processes, a new boot id, the
-// same ID and files). Kind container only.
-func (c *Client) PauseFilesystem(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
-	r, err := c.raw.PauseSandbox(ctx, connect.NewRequest(&dsecv1.PauseSandboxRequest{Id: id, FilesystemOnly: true}))
-	if err != nil {
-		return nil, err
-	}
-	return r.Msg, nil
-}
-
 // Resume thaws a paused sandbox.
 func (c *Client) Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
 	r, err := c.raw.ResumeSandbox(ctx, connect.NewRequest(&dsecv1.ResumeSandboxRequest{Id: id}))
@@ -51,14 +39,13 @@ func (c *Client) Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error)
 }
 
 // Bulk pauses, resumes or deletes ("pause", "resume", "delete") every
-// sandbox matching selector; "pause_filesystem" pauses them
-// filesystem-only (PauseFilesystem).
+// sandbox matching selector.
 func (c *Client) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkResponse, error) {
-	req := connect.NewRequest(&dsecv1.BulkRequest{LabelSelector: selector, FilesystemOnly: op == "pause_filesystem"})
+	req := connect.NewRequest(&dsecv1.BulkRequest{LabelSelector: selector})
 	var r *connect.Response[dsecv1.BulkResponse]
 	var err error
 	switch op {
-	case "pause", "pause_filesystem":
+	case "pause":
 		r, err = c.raw.PauseSandboxes(ctx, req)
 	case "resume":
 		r, err = c.raw.ResumeSandboxes(ctx, req)

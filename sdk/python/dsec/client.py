@@ -157,7 +157,7 @@ class SandboxInfo:
     expires_at: str = ""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
     runtime: str = ""  # "" is the kind's default runtime
-    on_timeout: str = ""  # "" or "delete": the TTL ends the sandbox; "pause": it pauses; "pause_filesystem": filesystem-only
+    on_timeout: str = ""  # "" or "delete": the TTL ends the sandbox; "pause": it pauses
 
     @classmethod
     def _from(cls, m: Dict[str, Any]) -> "SandboxInfo":
@@ -442,18 +442,10 @@ class Sandbox:
 
         return ShellSession(self, name, startup=startup, split_stderr=split_stderr)
 
-    def pause(self, *, keep_memory: bool = True) -> SandboxInfo:
+    def pause(self) -> SandboxInfo:
         """Freeze the sandbox and release what memory the host allows. Any
-        later call resumes it. Pausing a paused sandbox is not an error.
-
-        ``keep_memory=False`` pauses filesystem-only: every process ends and
-        only the file system is kept (all memory and CPU are released); the
-        resume cold-boots the sandbox (new processes, a new boot id, the
-        same ID and files). Kind container only."""
-        req: Dict[str, Any] = {"id": self.id}
-        if not keep_memory:
-            req["filesystemOnly"] = True
-        self._info = SandboxInfo._from(self._client._t.unary(_LIFECYCLE, "PauseSandbox", req))
+        later call resumes it. Pausing a paused sandbox is not an error."""
+        self._info = SandboxInfo._from(self._client._t.unary(_LIFECYCLE, "PauseSandbox", {"id": self.id}))
         return self._info
 
     def resume(self) -> SandboxInfo:
@@ -678,23 +670,20 @@ class Client:
             raise results[0]
         return ok
 
-    def pause(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None,
-              keep_memory: bool = True) -> List[str]:
-        """Pause every sandbox matching the labels (e.g. a preempted job);
-        ``keep_memory=False`` pauses them filesystem-only (Sandbox.pause)."""
-        return self._bulk("PauseSandboxes", labels, selector, {} if keep_memory else {"filesystemOnly": True})
+    def pause(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None) -> List[str]:
+        """Pause every sandbox matching the labels (e.g. a preempted job)."""
+        return self._bulk("PauseSandboxes", labels, selector)
 
     def resume(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None) -> List[str]:
         return self._bulk("ResumeSandboxes", labels, selector)
 
-    def _bulk(self, method: str, labels: Optional[Mapping[str, str]], selector: Optional[str],
-              extra: Optional[Dict[str, Any]] = None) -> List[str]:
+    def _bulk(self, method: str, labels: Optional[Mapping[str, str]], selector: Optional[str]) -> List[str]:
         parts = [f"{k}={v}" for k, v in (labels or {}).items()]
         if selector:
             parts.append(selector)
         if not parts:
             raise ValueError("labels or selector is required")
-        m = self._t.unary(_LIFECYCLE, method, {"labelSelector": ",".join(parts), **(extra or {})}, timeout=600)
+        m = self._t.unary(_LIFECYCLE, method, {"labelSelector": ",".join(parts)}, timeout=600)
         fails = m.get("failures") or []
         if fails:
             f = fails[0]
