@@ -256,29 +256,25 @@ func TestWatchInfo(t *testing.T) {
 	defer w.Close()
 	p := filepath.Join(dir, "f.txt")
 	os.WriteFile(p, []byte("abc"), 0o644)
-	time.Sleep(50 * time.Millisecond)
+	// The write's event first: the file is removed only once it was seen,
+	// so the agent's stat of it cannot race the removal.
+	next := func(op string) *guestv1.FsEvent {
+		for {
+			e, err := w.Recv()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if e.Op == op {
+				return e
+			}
+		}
+	}
+	if e := next("write"); e.Info == nil || e.Info.Path != p || e.Info.Type != "file" {
+		t.Fatalf("a write event carries %+v, want the file's info", e.Info)
+	}
 	os.Remove(p)
-	sawWrite := false
-	for {
-		e, err := w.Recv()
-		if err != nil {
-			t.Fatal(err)
-		}
-		switch e.Op {
-		case "write":
-			if e.Info == nil || e.Info.Path != p || e.Info.Type != "file" {
-				t.Fatalf("a write event carries %+v, want the file's info", e.Info)
-			}
-			sawWrite = true
-		case "remove":
-			if e.Info != nil {
-				t.Fatalf("a removal carries %+v", e.Info)
-			}
-			if !sawWrite {
-				t.Fatal("no write event before the removal")
-			}
-			return
-		}
+	if e := next("remove"); e.Info != nil {
+		t.Fatalf("a removal carries %+v", e.Info)
 	}
 }
 

@@ -310,20 +310,27 @@ func (s *Sandbox) ReadFile(ctx context.Context, path string, w io.Writer) (*dsec
 	if err != nil {
 		return nil, err
 	}
+	return readChunks(st, w, func(m *dsecv1.ReadFileResponse) (*dsecv1.FileInfo, []byte) { return m.GetInfo(), m.GetData() })
+}
+
+// readChunks copies a file's stream into w: each message carries either
+// the file's description (part's info, not nil) or a chunk of its data.
+// It returns the description.
+func readChunks[R any, I comparable](st *connect.ServerStreamForClient[R], w io.Writer, part func(*R) (I, []byte)) (I, error) {
 	defer st.Close()
-	var info *dsecv1.FileInfo
+	var info, none I
 	for st.Receive() {
-		m := st.Msg()
-		if i := m.GetInfo(); i != nil {
+		i, data := part(st.Msg())
+		if i != none {
 			info = i
 			continue
 		}
-		if _, err := w.Write(m.GetData()); err != nil {
-			return nil, err
+		if _, err := w.Write(data); err != nil {
+			return none, err
 		}
 	}
 	if err := st.Err(); err != nil {
-		return nil, asError(err)
+		return none, asError(err)
 	}
 	return info, nil
 }

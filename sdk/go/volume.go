@@ -131,22 +131,9 @@ func (c *Client) ReadVolumeFile(ctx context.Context, volume, path string, w io.W
 	if err != nil {
 		return nil, err
 	}
-	defer st.Close()
-	var info *dsecv1.VolumeFileInfo
-	for st.Receive() {
-		m := st.Msg()
-		if i := m.GetInfo(); i != nil {
-			info = i
-			continue
-		}
-		if _, err := w.Write(m.GetData()); err != nil {
-			return nil, err
-		}
-	}
-	if err := st.Err(); err != nil {
-		return nil, asError(err)
-	}
-	return info, nil
+	return readChunks(st, w, func(m *dsecv1.ReadVolumeFileResponse) (*dsecv1.VolumeFileInfo, []byte) {
+		return m.GetInfo(), m.GetData()
+	})
 }
 
 // ListVolumeDir lists a directory of a volume, depth levels deep (0: 1).
