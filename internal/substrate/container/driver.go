@@ -111,6 +111,8 @@ type Driver struct {
 	userns *usernsPool
 	// disk holds the sandboxes' writable layers (nil without limits).
 	disk *diskPool
+	// debt forgives the CPU debt of sandboxes stalled repaying it.
+	debt *debtWatch
 }
 
 var _ substrate.Driver = (*Driver)(nil)
@@ -165,6 +167,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 		return nil, fmt.Errorf("seccomp profile: %w", err)
 	}
 	d.caps.Available = true
+	d.debt = newDebtWatch(d.cgroups, log)
 	d.caps.Details["runtime"] = d.oci.name + " " + d.oci.version
 	d.gvisor, d.gvisorReason = d.probeGVisor()
 	if d.gvisor == nil {
@@ -359,6 +362,9 @@ func writeSkeleton(dir string) error {
 // namespaces and their id ranges, file systems); running sandboxes are
 // left alone. Call it when the node stops.
 func (d *Driver) Close() {
+	if d.debt != nil {
+		d.debt.close()
+	}
 	if d.userns != nil {
 		d.userns.close()
 	}

@@ -191,6 +191,9 @@ func (i *instance) alive() bool { return i.st.init().Alive() }
 // watch closes done when the init exits.
 func (i *instance) watch() {
 	i.watchOnce.Do(func() {
+		if i.d.debt != nil {
+			i.d.debt.add(i)
+		}
 		if i.rt == nil || !i.rt.gvisor() {
 			i.st.init().NotifyExit(i.done)
 			return
@@ -324,8 +327,14 @@ func (i *instance) Destroy(ctx context.Context) error {
 		i.rt.run(ctx, "resume", i.id)
 		i.paused = false
 	}
+	if i.d.debt != nil {
+		i.d.debt.remove(i)
+	}
 	// Killing the init ends the container's pid namespace, so every
 	// process in it; the runtime then removes the cgroup and its state.
+	// Without a CPU limit: killed processes that owe CPU debt (cpudebt.go)
+	// would otherwise wait to repay it before they can exit.
+	i.d.cgroups.liftCPULimit(i.st.Cgroup)
 	i.st.init().Kill()
 	if !i.waitRuntime(15 * time.Second) {
 		i.d.log.Warn("runtime did not finish after the sandbox's init died", slog.String("sandbox_id", i.id))
