@@ -32,7 +32,8 @@ func (m cgroupMode) String() string {
 }
 
 // cgroups reads a sandbox's cgroup files. The runtime creates and removes
-// the cgroups; the driver only reads them, and writes memory.reclaim.
+// the cgroups; the driver reads them, writes memory.reclaim, and rewrites
+// or lifts the CPU quota (cpudebt.go).
 type cgroups struct {
 	mode           cgroupMode
 	root           string // /sys/fs/cgroup

@@ -10,8 +10,8 @@ import (
 	"time"
 )
 
-// CPU debt. Since Linux 6.18 the CFS bandwidth controller throttles a
-// task only when it returns to user mode: time a sandbox spends in the
+// CPU debt. On this host's kernel (6.18, task-based CFS throttling) the
+// bandwidth controller throttles a task only when it returns to user mode: time a sandbox spends in the
 // kernel (a fork or memory bomb thrashing in reclaim at its memory limit)
 // is charged against its quota but never stopped, and the sandbox owes
 // it back afterwards at one quota per period. A bomb's 15 s at its memory
@@ -122,8 +122,6 @@ type debtWatch struct {
 
 	mu    sync.Mutex
 	insts map[*instance]*cpuSample // nil: not sampled yet
-	// forgiven counts debts forgiven since the node started.
-	forgiven int
 }
 
 func newDebtWatch(c cgroups, log *slog.Logger) *debtWatch {
@@ -193,9 +191,6 @@ func (w *debtWatch) check() {
 			w.log.Warn("cannot forgive a sandbox's CPU debt", slog.String("sandbox_id", i.id), slog.Any("error", err))
 			continue
 		}
-		w.mu.Lock()
-		w.forgiven++
-		w.mu.Unlock()
 		w.log.Info("forgave a sandbox's CPU debt (kernel time beyond its quota, repaid by stalling it)",
 			slog.String("sandbox_id", i.id), slog.Int64("throttled_periods", s.throttled-prev.throttled),
 			slog.Duration("cpu_used", s.usage-prev.usage))
