@@ -3,6 +3,7 @@
 - :mod:`dsec.adapters.verl` — verl ``BaseTool`` (and the SandboxFusion URL for verl's reward)
 - :mod:`dsec.adapters.harbor` — Harbor ``BaseEnvironment``
 - :mod:`dsec.adapters.swerex` — SWE-ReX ``AbstractDeployment`` and ``AbstractRuntime``
+- :mod:`dsec.adapters.rock` — ROCK's ``Sandbox`` client (what ROLL drives)
 - :mod:`dsec.adapters.tinker` — tinker-cookbook ``SandboxInterface`` and harbor_rl's ``SandboxFactory``
 - :mod:`dsec.adapters.rllm` — rLLM ``Sandbox``, registered by name
 - :mod:`dsec.adapters.open_instruct` — open-instruct ``SandboxBackend``, registered by name

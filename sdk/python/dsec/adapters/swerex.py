@@ -1,5 +1,6 @@
 """dsec as a SWE-ReX deployment and runtime (SWE-agent, mini-SWE-agent and
-ROLL/ROCK-style code that drives ``swerex.runtime.abstract.AbstractRuntime``).
+other code that drives ``swerex.runtime.abstract.AbstractRuntime``; ROCK's
+own client, which ROLL uses, is :mod:`dsec.adapters.rock`).
 
 Written against SWE-ReX 1.4.0 (``swerex/runtime/abstract.py``,
 ``swerex/deployment/abstract.py``, ``swerex/exceptions.py``) and SWE-agent
