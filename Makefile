@@ -27,7 +27,14 @@ build:
 run: setup build
 	bin/dsec serve --listen $(LISTEN) --data-dir $(DATA_DIR) --cache-dir $(CACHE_DIR) --bootstrap busybox,debian,base
 
-test: setup build test-go test-rootless test-python
+# After every test, nothing the tests made may be left on the host
+# (servers, agents, QEMU, cgroups, mounts, loop devices, links, nftables
+# tables, temporary files): scripts/leftovers compares with before.
+test: setup build
+	@mkdir -p $(DATA_DIR)
+	go run ./scripts/leftovers save $(DATA_DIR)/leftovers.before
+	$(MAKE) test-go test-rootless test-python
+	go run ./scripts/leftovers check $(DATA_DIR)/leftovers.before
 
 # The tests' servers run the binaries just built (internal/dsectest).
 test-go test-python: export DSEC_TEST_BIN := $(CURDIR)/bin

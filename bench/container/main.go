@@ -8,7 +8,8 @@
 //   - create→exec(true)→delete through the API vs. mount overlay + `crun run
 //     true` + umount (crun's default spec), at the same parallelism;
 //   - exec(true) round trip in a running sandbox vs. `crun exec`;
-//   - host memory per idle sandbox with -idle N sandboxes held at once.
+//   - host memory per idle sandbox with -idle N sandboxes held at once, and
+//     the CPU the host and the server spend while they idle.
 package main
 
 import (
@@ -291,6 +292,13 @@ func idleDensity(ctx context.Context, c *dsec.Client, n int) {
 	time.Sleep(5 * time.Second) // let the agents settle
 	after := memAvailable()
 	pss := pssOf("guest") + pssOf("crun")
+	// What holding them costs while nothing happens: the whole host's CPU
+	// and the server's own (its watches and the agents' wakeups), over a
+	// quiet window.
+	const quiet = 20 * time.Second
+	h0, s0 := hostBusy(), cpuOf("dsec")
+	time.Sleep(quiet)
+	h1, s1 := hostBusy(), cpuOf("dsec")
 	alive := 0
 	for _, sb := range ids {
 		if sb != nil {
@@ -302,6 +310,8 @@ func idleDensity(ctx context.Context, c *dsec.Client, n int) {
 	fmt.Printf("idle density: %d sandboxes held (%d create errors, %d answer exec) in %s\n", n-int(failed.Load()), failed.Load(), alive, took.Round(time.Millisecond))
 	fmt.Printf("host memory per idle sandbox: %.2f MiB (MemAvailable drop); agent+runtime PSS %.2f MiB per sandbox\n",
 		float64(before-after)/float64(n)/(1<<20), float64(pss)/float64(n)/(1<<20))
+	fmt.Printf("CPU while they idle (%s): host %.1f%% of one CPU, dsec server processes %.1f%%\n",
+		quiet, 100*float64(h1-h0)/float64(quiet), 100*float64(s1-s0)/float64(quiet))
 	wg = sync.WaitGroup{}
 	next.Store(0)
 	for w := 0; w < 4; w++ {
@@ -354,6 +364,51 @@ func pssOf(comm string) int64 {
 		}
 	}
 	return total
+}
+
+// clockTick is the kernel's USER_HZ (the unit of /proc's CPU times).
+const clockTick = 10 * time.Millisecond
+
+// hostBusy is the host's CPU time spent not idle since boot (/proc/stat).
+func hostBusy() time.Duration {
+	b, _ := os.ReadFile("/proc/stat")
+	line, _, _ := strings.Cut(string(b), "\n")
+	// cpu user nice system idle iowait irq softirq steal (guest time is
+	// already in user and nice)
+	f := strings.Fields(line)
+	var busy int64
+	for i, v := range f[1:min(len(f), 9)] {
+		n, _ := strconv.ParseInt(v, 10, 64)
+		if i != 3 && i != 4 { // idle, iowait
+			busy += n
+		}
+	}
+	return time.Duration(busy) * clockTick
+}
+
+// cpuOf sums the user and system CPU time of processes named comm.
+func cpuOf(comm string) time.Duration {
+	ents, _ := os.ReadDir("/proc")
+	var total int64
+	for _, e := range ents {
+		if e.Name()[0] < '0' || e.Name()[0] > '9' {
+			continue
+		}
+		b, _ := os.ReadFile("/proc/" + e.Name() + "/stat")
+		// pid (comm) state ppid ... utime stime are fields 14 and 15.
+		open, close := strings.IndexByte(string(b), '('), strings.LastIndexByte(string(b), ')')
+		if open < 0 || close < open || string(b[open+1:close]) != comm {
+			continue
+		}
+		f := strings.Fields(string(b[close+1:]))
+		if len(f) < 13 {
+			continue
+		}
+		u, _ := strconv.ParseInt(f[11], 10, 64)
+		s, _ := strconv.ParseInt(f[12], 10, 64)
+		total += u + s
+	}
+	return time.Duration(total) * clockTick
 }
 
 func busyboxLayers(ctx context.Context, c *dsec.Client, dataDir string) []string {

@@ -58,7 +58,7 @@ func haveBinaries(dir string) bool {
 // each carrying that process's pid.
 var (
 	leftoverFile   = regexp.MustCompile(`^dsec-(?:bin|serve|etcd|cluster)-(\d+)-`)
-	leftoverTable  = regexp.MustCompile(`^table inet (dsectest_(\d+)_\d+)$`)
+	leftoverTable  = regexp.MustCompile(`^table (inet|bridge) (dsectest_(\d+)_\d+)$`)
 	leftoverBridge = regexp.MustCompile(`^\d+: (ds[tc](\d+)-\d+)[:@]`)
 )
 
@@ -84,8 +84,8 @@ func sweep() {
 	}
 	if out, err := exec.Command("nft", "list", "tables").Output(); err == nil {
 		for _, l := range strings.Split(string(out), "\n") {
-			if m := leftoverTable.FindStringSubmatch(strings.TrimSpace(l)); m != nil && dead(m[2]) {
-				exec.Command("nft", "delete", "table", "inet", m[1]).Run()
+			if m := leftoverTable.FindStringSubmatch(strings.TrimSpace(l)); m != nil && dead(m[3]) {
+				exec.Command("nft", "delete", "table", m[1], m[2]).Run()
 			}
 		}
 	}

@@ -9,8 +9,6 @@ import (
 	"bytes"
 	"fmt"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -21,34 +19,6 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	dsec "github.com/opendsec/dsec/sdk/go"
 )
-
-var (
-	sigsendOnce sync.Once
-	sigsendBin  string
-	sigsendErr  error
-)
-
-// sigsend builds testdata/sigsend (static) once and returns its path.
-func sigsend(t *testing.T) string {
-	t.Helper()
-	sigsendOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "dsec-sigsend-")
-		if err != nil {
-			sigsendErr = err
-			return
-		}
-		sigsendBin = filepath.Join(dir, "sigsend")
-		cmd := exec.Command("go", "build", "-o", sigsendBin, "./testdata/sigsend")
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			sigsendErr = fmt.Errorf("build sigsend: %v\n%s", err, out)
-		}
-	})
-	if sigsendErr != nil {
-		t.Fatal(sigsendErr)
-	}
-	return sigsendBin
-}
 
 // upload copies a host file into the sandbox as an executable.
 func uploadFile(t *testing.T, sb *dsec.Sandbox, host, path string) {
@@ -124,7 +94,7 @@ func testAgentSurvivesEverySignalSentToPID1(t *testing.T, rt string) {
 	for _, w := range ways {
 		t.Run("sent by "+w.name, func(t *testing.T) {
 			sb := create(t, c, dsec.CreateOptions{Runtime: rt})
-			uploadFile(t, sb, sigsend(t), "/tmp/sigsend")
+			uploadFile(t, sb, testdataProgram(t, "sigsend"), "/tmp/sigsend")
 			for sig := 1; sig <= 64; sig++ {
 				if sig == int(unix.SIGKILL) || sig == int(unix.SIGSTOP) {
 					continue

@@ -27,7 +27,6 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -87,40 +86,12 @@ func egressClient(t *testing.T, entry string) *dsec.Client {
 	return dsec.New(s.URL, dsec.WithAPIKey(secret(entry)))
 }
 
-// netprobe builds testdata/netprobe (static) once and returns its path.
-func netprobe(t *testing.T) string {
-	t.Helper()
-	netprobeOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "dsec-netprobe-")
-		if err != nil {
-			netprobeErr = err
-			return
-		}
-		netprobeBin = filepath.Join(dir, "netprobe")
-		cmd := exec.Command("go", "build", "-o", netprobeBin, "./testdata/netprobe")
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			netprobeErr = fmt.Errorf("build netprobe: %v\n%s", err, out)
-		}
-	})
-	if netprobeErr != nil {
-		t.Fatal(netprobeErr)
-	}
-	return netprobeBin
-}
-
-var (
-	netprobeOnce sync.Once
-	netprobeBin  string
-	netprobeErr  error
-)
-
 // attacker creates a sandbox of project A on the egress server with
 // netprobe at /tmp/netprobe.
 func attacker(t *testing.T, o dsec.CreateOptions) *dsec.Sandbox {
 	t.Helper()
 	sb := create(t, egressClient(t, keyA), o)
-	uploadFile(t, sb, netprobe(t), "/tmp/netprobe")
+	uploadFile(t, sb, testdataProgram(t, "netprobe"), "/tmp/netprobe")
 	return sb
 }
 

@@ -13,7 +13,10 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"sort"
+	"sync"
 	"testing"
 	"time"
 
@@ -27,6 +30,9 @@ var shared = dsectest.Program()
 func TestMain(m *testing.M) {
 	code := m.Run()
 	shared.Close()
+	if programs.dir != "" {
+		os.RemoveAll(programs.dir)
+	}
 	os.Exit(code)
 }
 
@@ -191,4 +197,38 @@ func (nb *neighbour) check(t *testing.T) {
 		}
 	}
 	t.Errorf("neighbour exec p50 %v during the attack, more than 2x its %v before", during, nb.before)
+}
+
+// programs are the helper programs built from testdata, in one directory
+// TestMain removes.
+var programs struct {
+	sync.Mutex
+	dir   string
+	built map[string]string
+}
+
+// testdataProgram builds ./testdata/name (static, to run inside sandboxes)
+// once and returns its path.
+func testdataProgram(t *testing.T, name string) string {
+	t.Helper()
+	programs.Lock()
+	defer programs.Unlock()
+	if p, ok := programs.built[name]; ok {
+		return p
+	}
+	if programs.dir == "" {
+		dir, err := os.MkdirTemp("", "dsec-hostile-programs-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		programs.dir, programs.built = dir, map[string]string{}
+	}
+	p := filepath.Join(programs.dir, name)
+	cmd := exec.Command("go", "build", "-o", p, "./testdata/"+name)
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("build %s: %v\n%s", name, err, out)
+	}
+	programs.built[name] = p
+	return p
 }

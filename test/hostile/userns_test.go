@@ -8,12 +8,9 @@ package hostile
 
 import (
 	"fmt"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -24,39 +21,11 @@ import (
 	dsec "github.com/opendsec/dsec/sdk/go"
 )
 
-var (
-	hogOnce sync.Once
-	hogBin  string
-	hogErr  error
-)
-
-// inotifyHog builds testdata/inotifyhog (static) once and returns its path.
-func inotifyHog(t *testing.T) string {
-	t.Helper()
-	hogOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "dsec-inotifyhog-")
-		if err != nil {
-			hogErr = err
-			return
-		}
-		hogBin = filepath.Join(dir, "inotifyhog")
-		cmd := exec.Command("go", "build", "-o", hogBin, "./testdata/inotifyhog")
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			hogErr = fmt.Errorf("build inotifyhog: %v\n%s", err, out)
-		}
-	})
-	if hogErr != nil {
-		t.Fatal(hogErr)
-	}
-	return hogBin
-}
-
 // startHog starts inotifyhog in the background in sb and returns what it
 // printed once it stopped opening instances.
 func startHog(t *testing.T, sb *dsec.Sandbox, most int) string {
 	t.Helper()
-	uploadFile(t, sb, inotifyHog(t), "/tmp/inotifyhog")
+	uploadFile(t, sb, testdataProgram(t, "inotifyhog"), "/tmp/inotifyhog")
 	cmd := fmt.Sprintf("/tmp/inotifyhog %d > /tmp/hog.out 2>&1 &", most)
 	if r, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd(cmd)); err != nil || r.ExitCode != 0 {
 		t.Fatalf("start inotifyhog: %v %+v", err, r)

@@ -79,7 +79,8 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
-        subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
+        for family in ("inet", "bridge"):  # the server keeps its tables for a restart
+            subprocess.run(["nft", "delete", "table", family, self.table], capture_output=True)
         if os.environ.get("DSEC_TEST_KEEP"):  # for a post-mortem: the data directory and serve.log
             print(f"kept {self.data_dir}")
             return
