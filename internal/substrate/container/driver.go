@@ -21,6 +21,7 @@ import (
 	"syscall"
 	"time"
 
+	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
@@ -91,11 +92,15 @@ type Driver struct {
 	// files holds what is bind-mounted into sandboxes (the agent binary,
 	// each sandbox's /etc files): a tmpfs of its own, so a sandbox's
 	// /proc/self/mountinfo names no host path.
-	files    string
-	skel     string // the top lower layer with mountpoints
-	guestBin string
-	cgroups  cgroups
-	seccomp  *seccompCache
+	files string
+	// maskMounts and maskPaths mask the host's information (spec.go's
+	// masks).
+	maskMounts []specs.Mount
+	maskPaths  []string
+	skel       string // the top lower layer with mountpoints
+	guestBin   string
+	cgroups    cgroups
+	seccomp    *seccompCache
 	// seccompMounts is the profile of instances with MountNamespaces.
 	seccompMounts *seccompCache
 	caps          substrate.Capabilities
@@ -318,6 +323,10 @@ func (d *Driver) prepareFiles() error {
 			return err
 		}
 	}
+	if err := os.Mkdir(filepath.Join(d.files, emptyDir), 0o555); err != nil && !errors.Is(err, os.ErrExist) {
+		return err
+	}
+	d.maskMounts, d.maskPaths = masks(d.files)
 	src, err := os.Open(d.guestBin)
 	if err != nil {
 		return err
@@ -370,6 +379,12 @@ func (d *Driver) Close() {
 	}
 	if d.disk != nil {
 		d.disk.close()
+	}
+	if d.shieldable() {
+		// The agents' shared memory cgroup goes with the last agent on the
+		// host (this node's sandboxes outlive it, and other nodes may
+		// share the parent: then it is not empty and stays).
+		os.Remove(d.cgroups.dir(d.agentCgroup("", "memory"), "memory"))
 	}
 }
 

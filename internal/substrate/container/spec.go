@@ -63,6 +63,30 @@ var maskedPaths = []string{
 	"/sys/firmware", "/sys/devices/virtual/powercap", "/sys/kernel/debug",
 }
 
+// emptyDir is the node's empty, read-only directory (in its files tmpfs)
+// that masks directories.
+const emptyDir = "empty"
+
+// masks splits maskedPaths for crun and runc: the directories the host's
+// kernel has are masked by binding the node's empty directory over them
+// read-only; the rest (files, and what this kernel lacks, which the
+// runtime skips) go to the runtime, which binds /dev/null over files. The
+// runtime would mount a tmpfs over each directory: a file system per
+// masked directory per sandbox, and the kernel keeps, for every memory
+// cgroup, a slot for every file system's shrinker, so each one costs
+// memory in proportion to the number of sandboxes (see docs/performance.md).
+func masks(files string) (mounts []specs.Mount, paths []string) {
+	for _, p := range maskedPaths {
+		if st, err := os.Stat(p); err == nil && st.IsDir() {
+			mounts = append(mounts, specs.Mount{Destination: p, Type: "bind", Source: filepath.Join(files, emptyDir),
+				Options: []string{"bind", "ro", "nosuid", "nodev", "noexec"}})
+			continue
+		}
+		paths = append(paths, p)
+	}
+	return mounts, paths
+}
+
 var readonlyPaths = []string{
 	"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys",
 }
@@ -164,6 +188,10 @@ func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS, gvisor bool) (
 				spec.Mounts[j] = specs.Mount{Destination: "/sys", Type: "bind", Source: st.Sys, Options: []string{"bind", "ro", "nosuid", "noexec", "nodev"}}
 			}
 		}
+	}
+	if !gvisor { // runsc masks in its own kernel
+		spec.Linux.MaskedPaths = d.maskPaths
+		spec.Mounts = append(spec.Mounts, d.maskMounts...)
 	}
 	spec.Mounts = append(spec.Mounts, volumeMounts(volumeDir(s, st), s.Volumes)...)
 	for _, t := range s.Tmpfs {
