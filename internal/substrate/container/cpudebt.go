@@ -29,10 +29,12 @@ import (
 
 const debtInterval = time.Second
 
-// cpuSample is one reading of a sandbox's CPU accounting.
+// cpuSample is one reading of a sandbox's CPU accounting: its usage is
+// read only while it is being throttled (hasUsage).
 type cpuSample struct {
 	periods, throttled int64
 	usage              time.Duration
+	hasUsage           bool
 }
 
 // cpuLimit is a cgroup's CFS bandwidth: its quota per period (quota < 0:
@@ -53,10 +55,10 @@ func repaying(a, b cpuSample, l cpuLimit) bool {
 	return (b.usage-a.usage)*10 < granted
 }
 
-// cpuSample reads a cgroup's CFS periods, throttled periods and usage.
+// cpuSample reads a cgroup's CFS periods and throttled periods.
 func (c cgroups) cpuSample(path string) cpuSample {
 	stat := filepath.Join(c.dir(path, "cpu"), "cpu.stat")
-	return cpuSample{periods: keyed(stat, "nr_periods"), throttled: keyed(stat, "nr_throttled"), usage: c.cpu(path)}
+	return cpuSample{periods: keyed(stat, "nr_periods"), throttled: keyed(stat, "nr_throttled")}
 }
 
 // cpuLimit reads a cgroup's CFS quota and period.
@@ -171,16 +173,24 @@ func (w *debtWatch) check() {
 			continue
 		default:
 		}
+		// One file per sandbox per interval; its usage too only while it
+		// is throttled (a node holds thousands of idle sandboxes).
 		s := w.cgroups.cpuSample(i.st.Cgroup)
 		w.mu.Lock()
 		prev, ok := w.insts[i]
+		w.mu.Unlock()
 		if !ok {
-			w.mu.Unlock()
 			continue
 		}
-		w.insts[i] = &s
+		if prev != nil && s.throttled != prev.throttled {
+			s.usage, s.hasUsage = w.cgroups.cpu(i.st.Cgroup), true
+		}
+		w.mu.Lock()
+		if _, ok := w.insts[i]; ok {
+			w.insts[i] = &s
+		}
 		w.mu.Unlock()
-		if prev == nil || s.throttled == prev.throttled {
+		if prev == nil || !prev.hasUsage || !s.hasUsage {
 			continue
 		}
 		l, _ := w.cgroups.cpuLimit(i.st.Cgroup)

@@ -13,21 +13,21 @@ import (
 func TestRepayingIsAStallWithinTheQuotaNotRunningAtIt(t *testing.T) {
 	ms := time.Millisecond
 	limit := cpuLimit{quota: 100 * ms, period: 100 * ms}
-	start := cpuSample{periods: 100, throttled: 90, usage: 50 * time.Second}
+	start := cpuSample{periods: 100, throttled: 90, usage: 50 * time.Second, hasUsage: true}
 	for _, tc := range []struct {
 		name  string
 		end   cpuSample
 		limit cpuLimit
 		want  bool
 	}{
-		{"throttled in every period with no CPU", cpuSample{110, 100, 50 * time.Second}, limit, true},
-		{"throttled in all but one, a sliver of CPU", cpuSample{110, 99, 50*time.Second + 90*ms}, limit, true},
-		{"running at its quota (throttled every period, using it)", cpuSample{110, 100, 51 * time.Second}, limit, false},
-		{"a tenth of its quota is not a stall", cpuSample{110, 100, 50*time.Second + 100*ms}, limit, false},
-		{"throttled in some periods only", cpuSample{110, 95, 50 * time.Second}, limit, false},
-		{"too few periods to tell", cpuSample{103, 93, 50 * time.Second}, limit, false},
-		{"no quota", cpuSample{110, 100, 50 * time.Second}, cpuLimit{quota: -1, period: 100 * ms}, false},
-		{"half a CPU, stalled", cpuSample{110, 100, 50*time.Second + 40*ms}, cpuLimit{quota: 50 * ms, period: 100 * ms}, true},
+		{"throttled in every period with no CPU", cpuSample{110, 100, 50 * time.Second, true}, limit, true},
+		{"throttled in all but one, a sliver of CPU", cpuSample{110, 99, 50*time.Second + 90*ms, true}, limit, true},
+		{"running at its quota (throttled every period, using it)", cpuSample{110, 100, 51 * time.Second, true}, limit, false},
+		{"a tenth of its quota is not a stall", cpuSample{110, 100, 50*time.Second + 100*ms, true}, limit, false},
+		{"throttled in some periods only", cpuSample{110, 95, 50 * time.Second, true}, limit, false},
+		{"too few periods to tell", cpuSample{103, 93, 50 * time.Second, true}, limit, false},
+		{"no quota", cpuSample{110, 100, 50 * time.Second, true}, cpuLimit{quota: -1, period: 100 * ms}, false},
+		{"half a CPU, stalled", cpuSample{110, 100, 50*time.Second + 40*ms, true}, cpuLimit{quota: 50 * ms, period: 100 * ms}, true},
 	} {
 		if got := repaying(start, tc.end, tc.limit); got != tc.want {
 			t.Errorf("%s: repaying = %v, want %v", tc.name, got, tc.want)
@@ -59,8 +59,8 @@ func TestForgivingCPUDebtKeepsTheLimit(t *testing.T) {
 		t.Errorf("after forgiving its debt the limit is %v per %v, want %v per %v", after.quota, after.period, before.quota, before.period)
 	}
 	s := d.cgroups.cpuSample(path)
-	if s.periods < 0 || s.throttled < 0 || s.usage <= 0 {
-		t.Errorf("the sandbox's CPU accounting reads %+v", s)
+	if s.periods < 0 || s.throttled < 0 || d.cgroups.cpu(path) <= 0 {
+		t.Errorf("the sandbox's CPU accounting reads %+v, usage %v", s, d.cgroups.cpu(path))
 	}
 	d.cgroups.liftCPULimit(path)
 	if l, raw := d.cgroups.cpuLimit(path); l.quota > 0 {

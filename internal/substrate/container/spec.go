@@ -74,7 +74,8 @@ const emptyDir = "empty"
 // runtime would mount a tmpfs over each directory: a file system per
 // masked directory per sandbox, and the kernel keeps, for every memory
 // cgroup, a slot for every file system's shrinker, so each one costs
-// memory in proportion to the number of sandboxes (see docs/performance.md).
+// memory in proportion to the number of sandboxes
+// (TestASandboxMakesOnlyTheFileSystemsAndMemoryCgroupsItNeeds).
 func masks(files string) (mounts []specs.Mount, paths []string) {
 	for _, p := range maskedPaths {
 		if st, err := os.Stat(p); err == nil && st.IsDir() {
