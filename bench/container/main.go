@@ -300,12 +300,18 @@ func idleDensity(ctx context.Context, c *dsec.Client, n int) {
 	time.Sleep(quiet)
 	h1, s1 := hostBusy(), cpuOf("dsec")
 	alive := 0
+	whys := map[string]int{}
 	for _, sb := range ids {
 		if sb != nil {
 			if _, err := sb.Exec(ctx, dsec.Argv("true")); err == nil {
 				alive++
+			} else {
+				whys[err.Error()]++
 			}
 		}
+	}
+	for why, n := range whys {
+		fmt.Fprintf(os.Stderr, "exec failed %d times: %s\n", n, why)
 	}
 	fmt.Printf("idle density: %d sandboxes held (%d create errors, %d answer exec) in %s\n", n-int(failed.Load()), failed.Load(), alive, took.Round(time.Millisecond))
 	fmt.Printf("host memory per idle sandbox: %.2f MiB (MemAvailable drop); agent+runtime PSS %.2f MiB per sandbox\n",
