@@ -9,7 +9,6 @@ import (
 	"bytes"
 	"errors"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 	"syscall"
@@ -123,29 +122,6 @@ func (id ID) NotifyExit(done chan struct{}) {
 		})
 		close(done)
 	}()
-}
-
-// WaitChild waits for cmd, started, to exit, and reaps it (cmd.Wait)
-// without holding an OS thread while it runs: exec.Cmd.Wait blocks one in
-// waitid, a node runs a runtime per sandbox for the sandbox's life, and a
-// Go program stops at 10,000 threads. The pidfd waits in Go's poller;
-// once it is readable the child has exited and Wait returns at once.
-func WaitChild(cmd *exec.Cmd) error {
-	if fd, err := unix.PidfdOpen(cmd.Process.Pid, unix.PIDFD_NONBLOCK); err == nil {
-		f := os.NewFile(uintptr(fd), "pidfd")
-		if rc, err := f.SyscallConn(); err == nil {
-			first := true
-			rc.Read(func(uintptr) bool {
-				if first {
-					first = false
-					return false // wait until readable: the child exited
-				}
-				return true
-			})
-		}
-		f.Close()
-	}
-	return cmd.Wait()
 }
 
 func (id ID) poll(done chan struct{}, every time.Duration) {

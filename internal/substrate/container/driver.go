@@ -671,7 +671,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	runtimeDone := make(chan struct{})
 	var runtimeExit int
 	go func() {
-		proc.WaitChild(cmd)
+		cmd.Wait()
 		runtimeExit = cmd.ProcessState.ExitCode()
 		close(runtimeDone)
 	}()

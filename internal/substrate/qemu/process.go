@@ -40,7 +40,7 @@ func Start(binary string, args []string, logPath string, extra []*os.File) (*Pro
 		return nil, err
 	}
 	p := &Process{ID: proc.Of(cmd.Process.Pid), done: make(chan struct{}), exited: make(chan struct{})}
-	go func() { proc.WaitChild(cmd); close(p.exited) }()
+	go func() { cmd.Wait(); close(p.exited) }()
 	go func() { <-p.exited; close(p.done) }()
 	return p, nil
 }
