@@ -195,12 +195,14 @@ func (s *Server) start() {
 	if s.opts.Env != nil {
 		cmd.Env = s.opts.Env
 	}
-	logf, err := os.CreateTemp("", fmt.Sprintf("dsec-serve-%d-*.log", os.Getpid()))
-	if err != nil {
-		t.Fatal(err)
+	if s.log == nil { // a restarted server goes on writing its one log (cleanup removes it)
+		logf, err := os.CreateTemp("", fmt.Sprintf("dsec-serve-%d-*.log", os.Getpid()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.log = logf
 	}
-	s.log = logf
-	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.Stdout, cmd.Stderr = s.log, s.log
 	cmd.SysProcAttr = procAttr()
 	if err := start(cmd); err != nil {
 		t.Fatal(err)
