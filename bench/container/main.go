@@ -349,19 +349,26 @@ func memAvailable() int64 {
 	return 0
 }
 
-// pssOf sums the proportional set size of processes named comm.
-func pssOf(comm string) int64 {
+// pidsNamed lists the processes whose command is comm.
+func pidsNamed(comm string) []string {
 	ents, _ := os.ReadDir("/proc")
-	var total int64
+	var out []string
 	for _, e := range ents {
 		if e.Name()[0] < '0' || e.Name()[0] > '9' {
 			continue
 		}
-		c, _ := os.ReadFile("/proc/" + e.Name() + "/comm")
-		if strings.TrimSpace(string(c)) != comm {
-			continue
+		if c, _ := os.ReadFile("/proc/" + e.Name() + "/comm"); strings.TrimSpace(string(c)) == comm {
+			out = append(out, e.Name())
 		}
-		b, _ := os.ReadFile("/proc/" + e.Name() + "/smaps_rollup")
+	}
+	return out
+}
+
+// pssOf sums the proportional set size of processes named comm.
+func pssOf(comm string) int64 {
+	var total int64
+	for _, pid := range pidsNamed(comm) {
+		b, _ := os.ReadFile("/proc/" + pid + "/smaps_rollup")
 		for _, line := range strings.Split(string(b), "\n") {
 			if v, ok := strings.CutPrefix(line, "Pss:"); ok {
 				kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
@@ -394,19 +401,11 @@ func hostBusy() time.Duration {
 
 // cpuOf sums the user and system CPU time of processes named comm.
 func cpuOf(comm string) time.Duration {
-	ents, _ := os.ReadDir("/proc")
 	var total int64
-	for _, e := range ents {
-		if e.Name()[0] < '0' || e.Name()[0] > '9' {
-			continue
-		}
-		b, _ := os.ReadFile("/proc/" + e.Name() + "/stat")
-		// pid (comm) state ppid ... utime stime are fields 14 and 15.
-		open, close := strings.IndexByte(string(b), '('), strings.LastIndexByte(string(b), ')')
-		if open < 0 || close < open || string(b[open+1:close]) != comm {
-			continue
-		}
-		f := strings.Fields(string(b[close+1:]))
+	for _, pid := range pidsNamed(comm) {
+		b, _ := os.ReadFile("/proc/" + pid + "/stat")
+		// pid (comm) state ppid ...: utime and stime are fields 14 and 15.
+		f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
 		if len(f) < 13 {
 			continue
 		}

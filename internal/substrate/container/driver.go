@@ -384,7 +384,7 @@ func (d *Driver) Close() {
 		// The agents' shared memory cgroup goes with the last agent on the
 		// host (this node's sandboxes outlive it, and other nodes may
 		// share the parent: then it is not empty and stays).
-		os.Remove(d.cgroups.dir(d.agentCgroup("", "memory"), "memory"))
+		os.Remove(d.cgroups.dir(d.agentsMemoryCgroup(), "memory"))
 	}
 }
 

@@ -51,10 +51,13 @@ func (a *agentFiles) add(f *os.File) int {
 // hierarchy: its own pids cgroup, the agents' shared memory cgroup.
 func (d *Driver) agentCgroup(id, c string) string {
 	if c == "memory" {
-		return filepath.Join(d.cfg.CgroupParent, agentsMemory)
+		return d.agentsMemoryCgroup()
 	}
 	return d.cgroupPath(id) + agentSuffix
 }
+
+// agentsMemoryCgroup is the memory cgroup every agent shares.
+func (d *Driver) agentsMemoryCgroup() string { return filepath.Join(d.cfg.CgroupParent, agentsMemory) }
 
 // shieldable reports whether agents can be shielded on this host: cgroup v1
 // controllers (membership per thread) for memory and pids. On cgroup v2 a
@@ -115,15 +118,12 @@ func (d *Driver) prepareAgent(id, dir string, host uint32) (_ *agentFiles, undo 
 			return nil, nil, fmt.Errorf("create cgroup %s: %w", sandbox, err)
 		}
 		made = append(made, sandbox)
-		if c == "memory" {
-			// Shared by every agent: made once, never removed.
-			if err := os.MkdirAll(agent, 0o755); err != nil {
-				return nil, nil, fmt.Errorf("create cgroup %s: %w", agent, err)
-			}
-		} else {
-			if err := os.MkdirAll(agent, 0o755); err != nil {
-				return nil, nil, fmt.Errorf("create cgroup %s: %w", agent, err)
-			}
+		if err := os.MkdirAll(agent, 0o755); err != nil {
+			return nil, nil, fmt.Errorf("create cgroup %s: %w", agent, err)
+		}
+		// The shared memory one is not this sandbox's to undo (Close
+		// removes it once empty).
+		if c == "pids" {
 			made = append(made, agent)
 			if err := os.WriteFile(filepath.Join(agent, "pids.max"), []byte(strconv.Itoa(agentPidsLimit)), 0); err != nil {
 				return nil, nil, fmt.Errorf("limit the agent's cgroup: %w", err)

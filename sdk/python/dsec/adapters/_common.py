@@ -128,3 +128,11 @@ async def download_dir(sb: AsyncSandbox, remote_dir: str, local_dir: str, concur
 def _parents(rel: str) -> List[str]:
     parts = rel.split("/")
     return ["/".join(parts[:i]) for i in range(1, len(parts))]
+
+
+class StandInModel:
+    """A stand-in for a framework's pydantic model when the framework is not
+    installed: a dataclass with pydantic's ``model_dump``."""
+
+    def model_dump(self, **_: Any) -> Dict[str, Any]:
+        return dict(self.__dict__)

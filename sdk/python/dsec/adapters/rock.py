@@ -50,7 +50,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 from ..aio import AsyncSandbox
 from ..errors import DeadlineExceeded, DsecError, InvalidRequest, NotFound, SandboxGone
 from ..shell import AsyncShellSession
-from ._common import DISK_KINDS, UnsupportedOption, async_client, upload_dir
+from ._common import DISK_KINDS, StandInModel, UnsupportedOption, async_client, upload_dir
 
 _NAME = "dsec ROCK sandbox"
 _log = logging.getLogger(__name__)
@@ -121,11 +121,7 @@ except ImportError:
         OSS = "oss"
         DIRECT = "direct"
 
-    class _Model:
-        """A dataclass with pydantic's model_dump, like ROCK's models."""
-
-        def model_dump(self, **_: Any) -> Dict[str, Any]:
-            return dict(self.__dict__)
+    _Model = StandInModel
 
     @dataclass
     class Command(_Model):  # type: ignore[no-redef]
@@ -346,6 +342,14 @@ async def _guard(aw: Any, what: str) -> Any:
 
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*")
+
+
+def _refused(e: DsecError, response: Any, what: str) -> Any:
+    """A failed write or upload as ROCK answers it: a response with
+    ``success=False``; a dead sandbox raises ``SandboxTerminated``."""
+    if isinstance(e, SandboxGone) or (isinstance(e, NotFound) and "sandbox" in str(e)):
+        raise SandboxTerminated(f"{what}: {e}") from e
+    return response(success=False, message=f"{what}: {e}")
 
 
 def _size_mb(option: str, value: Any) -> int:
@@ -938,12 +942,8 @@ class Sandbox:
         ``success=False``, as ROCK's; a dead sandbox raises."""
         try:
             await self._live().write_file(path, content)
-        except (SandboxGone, NotFound) as e:
-            if isinstance(e, SandboxGone) or "sandbox" in str(e):
-                raise SandboxTerminated(f"Failed to write file {path}: {e}") from e
-            return WriteFileResponse(success=False, message=f"Failed to write file {path}: {e}")
         except DsecError as e:
-            return WriteFileResponse(success=False, message=f"Failed to write file {path}: {e}")
+            return _refused(e, WriteFileResponse, f"Failed to write file {path}")
         return WriteFileResponse(success=True, message=f"Successfully write content to file {path}")
 
     async def upload(self, request: Any) -> Any:
@@ -968,12 +968,8 @@ class Sandbox:
                 await upload_dir(sb, src, target_path)
             else:
                 await sb.upload(src, target_path)
-        except (SandboxGone, NotFound) as e:
-            if isinstance(e, SandboxGone) or "sandbox" in str(e):
-                raise SandboxTerminated(f"Failed to upload {name}: {e}") from e
-            return UploadResponse(success=False, message=f"Failed to upload file {name}: {e}")
         except DsecError as e:
-            return UploadResponse(success=False, message=f"Failed to upload file {name}: {e}")
+            return _refused(e, UploadResponse, f"Failed to upload file {name}")
         return UploadResponse(success=True, message=f"Successfully uploaded file {name} to {target_path}",
                               file_name=os.path.basename(target_path))
 

@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 from ..aio import AsyncSandbox
 from ..errors import DeadlineExceeded, DsecError, NotFound, SandboxGone
 from ..shell import AsyncShellSession
-from ._common import UnsupportedOption, async_client, sync_client, upload_dir
+from ._common import StandInModel, UnsupportedOption, async_client, sync_client, upload_dir
 
 _NAME = "dsec SWE-ReX runtime"
 
@@ -87,11 +87,7 @@ except ImportError:
     class DeploymentStartupError(SwerexException, RuntimeError):  # type: ignore[no-redef]
         pass
 
-    class _Model:
-        """A dataclass with pydantic's model_dump, like SWE-ReX's models."""
-
-        def model_dump(self, **_: Any) -> Dict[str, Any]:
-            return dict(self.__dict__)
+    _Model = StandInModel
 
     @dataclass
     class IsAliveResponse(_Model):  # type: ignore[no-redef]
