@@ -44,6 +44,10 @@ want etcd-server /usr/bin/etcd
 # The E2B compatibility tests (test/e2b) run the real e2b npm SDKs.
 want nodejs node
 want npm
+# The metrics test scrapes dsec with the distribution's Prometheus and lints
+# the exposition with its promtool; the tests start their own Prometheus,
+# so the package's service is stopped and disabled when setup installs it.
+want prometheus
 
 # busybox-static must be the static build (the busybox package is dynamic).
 if [[ -e /bin/busybox ]] && LC_ALL=C readelf -l /bin/busybox 2>/dev/null | grep -q 'program interpreter'; then
@@ -59,6 +63,9 @@ if ((${#need_pkgs[@]})); then
 	export DEBIAN_FRONTEND=noninteractive
 	apt-get update -q
 	apt-get install -y -q --no-install-recommends "${need_pkgs[@]}"
+	if [[ " ${need_pkgs[*]} " == *" prometheus "* && -d /run/systemd/system ]]; then
+		systemctl disable --now prometheus.service
+	fi
 fi
 
 cache=${DSEC_CACHE_DIR:-.dsec/cache}

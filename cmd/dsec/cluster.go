@@ -23,6 +23,7 @@ import (
 	"github.com/opendsec/dsec/internal/cluster"
 	"github.com/opendsec/dsec/internal/clusternode"
 	"github.com/opendsec/dsec/internal/config"
+	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/session"
 )
 
@@ -72,6 +73,7 @@ func apiCmd() *cobra.Command {
 	f.IntVar(&flagCfg.Cluster.Choices, "choices", 0, "fitting nodes sampled per placement (default 2)")
 	f.StringVar(&flagCfg.LogLevel, "log-level", "", "debug, info, warn or error")
 	f.StringVar(&flagCfg.DebugListen, "debug-listen", "", "serve Go profiling (net/http/pprof) on this loopback address")
+	f.StringVar(&flagCfg.MetricsListen, "metrics-listen", "", "also serve Prometheus metrics at /metrics on this address, without authentication (they are always at /metrics on --listen for admin keys)")
 	clusterFlags(f, &flagCfg)
 	return cmd
 }
@@ -94,11 +96,13 @@ func runAPI(ctx context.Context, cfg config.Config) error {
 		return err
 	}
 	go state.Run(ctx)
+	reg := metrics.NewRegistry(version)
+	calls := metrics.NewAPI(reg)
 	router := cluster.NewRouter(cluster.RouterConfig{
-		Token: cfg.Cluster.Token, Choices: cfg.Cluster.Choices, Attempts: cfg.Cluster.Attempts,
+		Token: cfg.Cluster.Token, Choices: cfg.Cluster.Choices, Attempts: cfg.Cluster.Attempts, Metrics: calls,
 	}, state, log)
 	sessions := session.New(store.Sessions(), apiserver.Actor(router), log)
-	api, err := apiserver.New(apiserver.Config{Keys: state, Version: version}, log, router, sessions)
+	api, err := apiserver.New(apiserver.Config{Keys: state, Version: version, Metrics: reg, API: calls}, log, router, sessions)
 	if err != nil {
 		return err
 	}
@@ -110,6 +114,9 @@ func runAPI(ctx context.Context, cfg config.Config) error {
 		return err
 	}
 	if err := serveDebug(cfg.DebugListen, log); err != nil {
+		return err
+	}
+	if err := serveMetrics(ctx, cfg.MetricsListen, reg, log); err != nil {
 		return err
 	}
 	l, err := net.Listen("tcp", cfg.Listen)
@@ -208,7 +215,8 @@ func runNode(ctx context.Context, cfg config.Config) error {
 		}
 		advertise = cfg.Listen
 	}
-	n, closeNode, err := openNode(cfg, log)
+	reg := metrics.NewRegistry(version)
+	n, closeNode, err := openNode(cfg, reg, log)
 	if err != nil {
 		return err
 	}
@@ -226,11 +234,15 @@ func runNode(ctx context.Context, cfg config.Config) error {
 	agent, err := clusternode.New(clusternode.Config{
 		Address: advertise, Token: cfg.Cluster.Token, Labels: cfg.Cluster.Labels, Version: version,
 		TTL: time.Duration(cfg.Cluster.NodeTTL), Interval: time.Duration(cfg.Cluster.LoadInterval),
+		Metrics: reg,
 	}, n, store, log)
 	if err != nil {
 		return err
 	}
 	if err := serveDebug(cfg.DebugListen, log); err != nil {
+		return err
+	}
+	if err := serveMetrics(ctx, cfg.MetricsListen, reg, log); err != nil {
 		return err
 	}
 	l, err := net.Listen("tcp", cfg.Listen)

@@ -31,6 +31,7 @@ import (
 	"github.com/opendsec/dsec/internal/e2b"
 	"github.com/opendsec/dsec/internal/hostlimits"
 	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/network"
 	"github.com/opendsec/dsec/internal/node"
@@ -112,6 +113,7 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, bootstrap *string, pool
 	f.BoolVar(&flagCfg.VM.VNC, "vm-vnc", false, "give every full VM a password-locked VNC server on 127.0.0.1 (see dsec vnc)")
 	f.StringArrayVar(pools, "pool", nil, "warm pool IMAGE:SIZE with default resources (repeatable; see the config file for shapes)")
 	f.StringVar(&flagCfg.DebugListen, "debug-listen", "", "serve Go profiling (net/http/pprof) on this loopback address")
+	f.StringVar(&flagCfg.MetricsListen, "metrics-listen", "", "also serve Prometheus metrics at /metrics on this address, without authentication (they are always at /metrics on --listen for admin keys)")
 }
 
 // applyPools adds --pool flags to cfg.
@@ -192,6 +194,9 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	if set("debug-listen") {
 		cfg.DebugListen = fl.DebugListen
 	}
+	if set("metrics-listen") {
+		cfg.MetricsListen = fl.MetricsListen
+	}
 	if set("runtime") {
 		cfg.Container.Runtime = fl.Container.Runtime
 	}
@@ -261,7 +266,8 @@ func serve(ctx context.Context, cfg config.Config) error {
 	if err := apiserver.CheckListen(cfg.Listen, append(cfg.APIKeys, cfg.AdminKeys...)); err != nil {
 		return err
 	}
-	n, closeNode, err := openNode(cfg, log)
+	reg := metrics.NewRegistry(version)
+	n, closeNode, err := openNode(cfg, reg, log)
 	if err != nil {
 		return err
 	}
@@ -275,7 +281,7 @@ func serve(ctx context.Context, cfg config.Config) error {
 	}
 	defer sessStore.Close()
 	sessions := session.New(sessStore, apiserver.Actor(router), log)
-	api, err := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, AdminKeys: cfg.AdminKeys, Version: version}, log, router, sessions)
+	api, err := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, AdminKeys: cfg.AdminKeys, Version: version, Metrics: reg, API: metrics.NewAPI(reg)}, log, router, sessions)
 	if err != nil {
 		return err
 	}
@@ -291,6 +297,9 @@ func serve(ctx context.Context, cfg config.Config) error {
 		return err
 	}
 	if err := serveDebug(cfg.DebugListen, log); err != nil {
+		return err
+	}
+	if err := serveMetrics(ctx, cfg.MetricsListen, reg, log); err != nil {
 		return err
 	}
 	l, err := net.Listen("tcp", cfg.Listen)
@@ -311,7 +320,7 @@ func serve(ctx context.Context, cfg config.Config) error {
 
 // openNode starts a node agent over cfg's data directory, with every
 // substrate this host runs. close stops it (sandboxes keep running).
-func openNode(cfg config.Config, log *slog.Logger) (_ *node.Node, close func(), _ error) {
+func openNode(cfg config.Config, reg *metrics.Registry, log *slog.Logger) (_ *node.Node, close func(), _ error) {
 	// Before anything starts threads: all sandbox mounts live in a private
 	// mount namespace, which also lets crun work on hybrid cgroup hosts.
 	if os.Geteuid() == 0 {
@@ -333,7 +342,7 @@ func openNode(cfg config.Config, log *slog.Logger) (_ *node.Node, close func(), 
 	if err := os.MkdirAll(dataDir, 0o700); err != nil {
 		return nil, nil, err
 	}
-	n, err := buildNode(cfg, dataDir, log)
+	n, err := buildNode(cfg, dataDir, reg, log)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -385,6 +394,32 @@ func serveDebug(addr string, log *slog.Logger) error {
 		err := http.ListenAndServe(addr, debugMux())
 		log.Warn("debug listener stopped", slog.Any("error", err))
 	}()
+	return nil
+}
+
+// serveMetrics serves reg at /metrics on addr (if set), without
+// authentication, until ctx ends.
+func serveMetrics(ctx context.Context, addr string, reg *metrics.Registry, log *slog.Logger) error {
+	if addr == "" {
+		return nil
+	}
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("metrics listener: %w", err)
+	}
+	m := http.NewServeMux()
+	m.Handle("GET /metrics", reg.Handler())
+	srv := &http.Server{Handler: m, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		<-ctx.Done()
+		srv.Close()
+	}()
+	go func() {
+		if err := srv.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Warn("metrics listener stopped", slog.Any("error", err))
+		}
+	}()
+	log.Info("serving metrics", slog.String("listen", l.Addr().String()))
 	return nil
 }
 
@@ -511,7 +546,7 @@ func debugMux() *http.ServeMux {
 }
 
 // buildNode assembles a node agent with every substrate this host runs.
-func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node, error) {
+func buildNode(cfg config.Config, dataDir string, reg *metrics.Registry, log *slog.Logger) (*node.Node, error) {
 	guestBin, err := findGuest(cfg.GuestBinary)
 	if err != nil {
 		return nil, err
@@ -592,6 +627,7 @@ func buildNode(cfg config.Config, dataDir string, log *slog.Logger) (*node.Node,
 		DefaultExecTimeout: time.Duration(cfg.Node.DefaultExecTimeout),
 		Credentials:        creds,
 		DefaultVolumeMB:    cfg.Node.DefaultVolumeMB, MaxVolumeMB: cfg.Node.MaxVolumeMB,
+		Metrics: reg,
 	}, log, images, nm, drivers)
 }
 

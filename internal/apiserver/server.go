@@ -13,6 +13,7 @@ import (
 
 	"github.com/opendsec/dsec/api/dsec/v1/dsecv1connect"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/session"
 	"github.com/opendsec/dsec/internal/tenant"
 )
@@ -38,6 +39,11 @@ type Config struct {
 	ClusterToken string
 	// Version is reported by GetInfo.
 	Version string
+	// Metrics, when set, is served at /metrics (to operators: an admin
+	// key, or the cluster token on a node agent) and API, when set, times
+	// every call (see package metrics).
+	Metrics *metrics.Registry
+	API     *metrics.API
 }
 
 // Headers carrying the caller from the control plane to a node agent.
@@ -128,22 +134,24 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 	}
 	s := &Server{cfg: cfg, log: log, router: router, mux: http.NewServeMux(), auth: &auth{keys: keys, token: cfg.ClusterToken}}
 	gate := sessionGate{sessions: sessions, log: log}
-	s.HandleConnect(dsecv1connect.NewLifecycleServiceHandler(&lifecycleService{r: router, sessionGate: gate}, ConnectOptions()...))
-	s.HandleConnect(dsecv1connect.NewProcessServiceHandler(processService{r: router}, ConnectOptions()...))
-	s.HandleConnect(dsecv1connect.NewFilesystemServiceHandler(filesystemService{r: router}, ConnectOptions()...))
-	s.HandleConnect(dsecv1connect.NewSnapshotServiceHandler(&snapshotService{r: router, sessionGate: gate}, ConnectOptions()...))
-	s.HandleConnect(dsecv1connect.NewLogServiceHandler(logService{r: router}, ConnectOptions()...))
-	s.HandleConnect(dsecv1connect.NewScreenServiceHandler(screenService{r: router}, ConnectOptions()...))
+	opts := s.ConnectOptions()
+	s.HandleConnect(dsecv1connect.NewLifecycleServiceHandler(&lifecycleService{r: router, sessionGate: gate}, opts...))
+	s.HandleConnect(dsecv1connect.NewProcessServiceHandler(processService{r: router}, opts...))
+	s.HandleConnect(dsecv1connect.NewFilesystemServiceHandler(filesystemService{r: router}, opts...))
+	s.HandleConnect(dsecv1connect.NewSnapshotServiceHandler(&snapshotService{r: router, sessionGate: gate}, opts...))
+	s.HandleConnect(dsecv1connect.NewLogServiceHandler(logService{r: router}, opts...))
+	s.HandleConnect(dsecv1connect.NewScreenServiceHandler(screenService{r: router}, opts...))
 	if sessions != nil {
-		s.HandleConnect(dsecv1connect.NewSessionServiceHandler(&sessionService{m: sessions}, ConnectOptions()...))
+		s.HandleConnect(dsecv1connect.NewSessionServiceHandler(&sessionService{m: sessions}, opts...))
 	}
-	s.HandleConnect(dsecv1connect.NewImageServiceHandler(&imageService{r: router, log: log}, ConnectOptions()...))
-	s.HandleConnect(dsecv1connect.NewVolumeServiceHandler(volumeService{r: router}, ConnectOptions()...))
-	s.HandleConnect(dsecv1connect.NewFunctionServiceHandler(&functionService{r: router}, ConnectOptions()...))
-	s.mux.Handle("/run_code", s.guard(maxRunCodeBody, http.HandlerFunc(s.serveRunCode)))
-	s.HandleConnect(dsecv1connect.NewSystemServiceHandler(&systemService{r: router, version: cfg.Version}, ConnectOptions()...))
-	s.mux.Handle("/v1/sandboxes/{id}/files", s.guard(streamed, http.HandlerFunc(s.serveFiles)))
+	s.HandleConnect(dsecv1connect.NewImageServiceHandler(&imageService{r: router, log: log}, opts...))
+	s.HandleConnect(dsecv1connect.NewVolumeServiceHandler(volumeService{r: router}, opts...))
+	s.HandleConnect(dsecv1connect.NewFunctionServiceHandler(&functionService{r: router}, opts...))
+	s.Handle("/run_code", s.guard(maxRunCodeBody, http.HandlerFunc(s.serveRunCode)))
+	s.HandleConnect(dsecv1connect.NewSystemServiceHandler(&systemService{r: router, version: cfg.Version}, opts...))
+	s.Handle("/v1/sandboxes/{id}/files", s.guard(streamed, http.HandlerFunc(s.serveFiles)))
 	s.mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })
+	s.serveMetrics()
 	return s, nil
 }
 
@@ -153,33 +161,43 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 // the node checks it against every object). Nothing is routed: the
 // control plane routed the call here. Mount NodeService with
 // HandleConnect.
-func NewNodeAPI(token string, log *slog.Logger, h NodeHandlers) *Server {
-	s := &Server{cfg: Config{ClusterToken: token}, log: log, mux: http.NewServeMux(), auth: &auth{token: token}}
+func NewNodeAPI(token string, log *slog.Logger, h NodeHandlers, reg *metrics.Registry, m *metrics.API) *Server {
+	s := &Server{cfg: Config{ClusterToken: token, Metrics: reg, API: m}, log: log, mux: http.NewServeMux(), auth: &auth{token: token}}
+	opts := s.ConnectOptions()
 	for _, svc := range []func() (string, http.Handler){
-		func() (string, http.Handler) { return dsecv1connect.NewLifecycleServiceHandler(h, ConnectOptions()...) },
-		func() (string, http.Handler) { return dsecv1connect.NewProcessServiceHandler(h, ConnectOptions()...) },
+		func() (string, http.Handler) { return dsecv1connect.NewLifecycleServiceHandler(h, opts...) },
+		func() (string, http.Handler) { return dsecv1connect.NewProcessServiceHandler(h, opts...) },
 		func() (string, http.Handler) {
-			return dsecv1connect.NewFilesystemServiceHandler(h, ConnectOptions()...)
+			return dsecv1connect.NewFilesystemServiceHandler(h, opts...)
 		},
-		func() (string, http.Handler) { return dsecv1connect.NewSnapshotServiceHandler(h, ConnectOptions()...) },
-		func() (string, http.Handler) { return dsecv1connect.NewLogServiceHandler(h, ConnectOptions()...) },
-		func() (string, http.Handler) { return dsecv1connect.NewScreenServiceHandler(h, ConnectOptions()...) },
-		func() (string, http.Handler) { return dsecv1connect.NewFunctionServiceHandler(h, ConnectOptions()...) },
-		func() (string, http.Handler) { return dsecv1connect.NewSystemServiceHandler(h, ConnectOptions()...) },
-		func() (string, http.Handler) { return dsecv1connect.NewImageServiceHandler(h, ConnectOptions()...) },
-		func() (string, http.Handler) { return dsecv1connect.NewVolumeServiceHandler(h, ConnectOptions()...) },
+		func() (string, http.Handler) { return dsecv1connect.NewSnapshotServiceHandler(h, opts...) },
+		func() (string, http.Handler) { return dsecv1connect.NewLogServiceHandler(h, opts...) },
+		func() (string, http.Handler) { return dsecv1connect.NewScreenServiceHandler(h, opts...) },
+		func() (string, http.Handler) { return dsecv1connect.NewFunctionServiceHandler(h, opts...) },
+		func() (string, http.Handler) { return dsecv1connect.NewSystemServiceHandler(h, opts...) },
+		func() (string, http.Handler) { return dsecv1connect.NewImageServiceHandler(h, opts...) },
+		func() (string, http.Handler) { return dsecv1connect.NewVolumeServiceHandler(h, opts...) },
 	} {
 		s.HandleConnect(svc())
 	}
 	s.mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("ok\n")) })
+	s.serveMetrics()
 	return s
 }
 
 // ConnectOptions are the handler options of the server's Connect services
 // (and a node agent's NodeService): the largest message any procedure
-// takes; each procedure's own bound is checked before its body is read
-// (see guard).
-func ConnectOptions() []connect.HandlerOption {
+// takes (each procedure's own bound is checked before its body is read:
+// see guard), and the timing of every call when the server has metrics.
+func (s *Server) ConnectOptions() []connect.HandlerOption {
+	opts := connectOptions()
+	if s.cfg.API != nil {
+		opts = append(opts, connect.WithInterceptors(s.cfg.API.Interceptor()))
+	}
+	return opts
+}
+
+func connectOptions() []connect.HandlerOption {
 	return []connect.HandlerOption{
 		connect.WithReadMaxBytes(maxMessage),
 		// Compressing a few hundred bytes costs more CPU (a flate state
@@ -195,8 +213,33 @@ func (s *Server) HandleConnect(pattern string, h http.Handler) {
 	s.mux.Handle(pattern, s.guard(procedureLimit, h))
 }
 
-// Handle mounts another handler (a compatibility facade) on the server.
-func (s *Server) Handle(pattern string, h http.Handler) { s.mux.Handle(pattern, h) }
+// Handle mounts another handler (a compatibility facade) on the server,
+// timed under its pattern when the server has metrics.
+func (s *Server) Handle(pattern string, h http.Handler) {
+	s.mux.Handle(pattern, s.cfg.API.Handler(pattern, h))
+}
+
+// serveMetrics serves the registry at /metrics to operators: callers with
+// an admin key (anyone on a server without keys), or on a node agent the
+// control plane's token.
+func (s *Server) serveMetrics() {
+	if s.cfg.Metrics == nil {
+		return
+	}
+	h := s.cfg.Metrics.Handler()
+	s.mux.Handle("GET /metrics", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx, err := s.auth.check(r.Context(), r.Header)
+		if err != nil {
+			refuse(w, r, http.StatusUnauthorized, err)
+			return
+		}
+		if s.auth.token == "" && !tenant.From(ctx).Admin {
+			refuse(w, r, http.StatusForbidden, errdefs.PermissionDenied("metrics are for operators: use an admin key"))
+			return
+		}
+		h.ServeHTTP(w, r)
+	}))
+}
 
 // Intercept makes route see every request before the server's own routes:
 // a request it returns a handler for goes there, the rest go on. (The E2B

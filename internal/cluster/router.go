@@ -18,6 +18,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/placement"
 	"github.com/opendsec/dsec/internal/sandboxid"
 	"github.com/opendsec/dsec/internal/tenant"
@@ -40,6 +41,8 @@ type RouterConfig struct {
 	// BatchRun is how many sandboxes of one batch spec go to one node
 	// together (default 8; 1 spreads every sandbox on its own).
 	BatchRun int
+	// Metrics, when set, counts placements and routing failures.
+	Metrics *metrics.API
 }
 
 // Router is the apiserver.Router of a cluster: it routes every call by the
@@ -238,8 +241,10 @@ func (r *Router) node(name, what string) (*remote, error) {
 		return rn, nil
 	}
 	if r.state.Node(name) == nil {
+		r.cfg.Metrics.RoutingError("unknown_node")
 		return nil, errdefs.NotFound("%s: no node %q in this cluster", what, name)
 	}
+	r.cfg.Metrics.RoutingError("lost")
 	return nil, lostError(name)
 }
 
@@ -378,6 +383,7 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 		}
 		items[i] = it
 	}
+	defer r.countPlacements(items, out)
 	// A keyed create first reads its claim: items a previous attempt
 	// placed go where it placed them.
 	ck := claimKey(keys)
@@ -640,6 +646,25 @@ func refused(it *item) error {
 	e.Msg = fmt.Sprintf("no node took this sandbox after %d attempts (%s)", len(names), strings.Join(parts, "; "))
 	e.Cause = nil
 	return &e
+}
+
+// countPlacements counts each item's placement once its create is
+// answered: placed on the first node tried, retried (placed after a node
+// refused it) or failed.
+func (r *Router) countPlacements(items []*item, out *dsecv1.CreateSandboxesResponse) {
+	if r.cfg.Metrics == nil {
+		return
+	}
+	for _, it := range items {
+		switch res := out.Results[it.i]; {
+		case res == nil || res.Error != nil:
+			r.cfg.Metrics.Placement(metrics.PlaceFailed)
+		case len(it.exclude) > 0:
+			r.cfg.Metrics.Placement(metrics.PlacedRetry)
+		default:
+			r.cfg.Metrics.Placement(metrics.Placed)
+		}
+	}
 }
 
 // send creates items on their nodes, each node's share in one call, all

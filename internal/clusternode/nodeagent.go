@@ -23,6 +23,7 @@ import (
 	"github.com/opendsec/dsec/internal/cluster"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/errwire"
+	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/node"
 )
 
@@ -40,6 +41,9 @@ type Config struct {
 	// TTL is the membership lease (default 10s); Interval the least time
 	// between load publications (default 1s).
 	TTL, Interval time.Duration
+	// Metrics, when set, is served at /metrics on the node API (to
+	// callers presenting the cluster token).
+	Metrics *metrics.Registry
 }
 
 // Agent is a node agent in a cluster.
@@ -61,8 +65,8 @@ func New(cfg Config, n *node.Node, store *cluster.Store, log *slog.Logger) (*Age
 	a.member = store.NewMember(cluster.MemberConfig{
 		Name: n.Name(), Address: cfg.Address, Labels: cfg.Labels, TTL: cfg.TTL, Interval: cfg.Interval,
 	}, log)
-	a.api = apiserver.NewNodeAPI(cfg.Token, log, agentService{n.Service(), a})
-	a.api.HandleConnect(nodev1connect.NewNodeServiceHandler(a, apiserver.ConnectOptions()...))
+	a.api = apiserver.NewNodeAPI(cfg.Token, log, agentService{n.Service(), a}, cfg.Metrics, nil)
+	a.api.HandleConnect(nodev1connect.NewNodeServiceHandler(a, a.api.ConnectOptions()...))
 	return a, nil
 }
 

@@ -41,6 +41,10 @@ type Config struct {
 	Bootstrap []string `json:"bootstrap,omitempty"`
 	// DebugListen serves Go profiling on a loopback address (default off).
 	DebugListen string `json:"debug_listen,omitempty"`
+	// MetricsListen also serves /metrics here, without authentication, for
+	// a Prometheus on the operators' network (default off: /metrics is on
+	// the API listener, for admin keys).
+	MetricsListen string `json:"metrics_listen,omitempty"`
 	// LogLevel is debug, info (default), warn or error.
 	LogLevel string `json:"log_level,omitempty"`
 

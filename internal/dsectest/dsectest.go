@@ -27,6 +27,7 @@ import (
 var (
 	buildOnce sync.Once
 	binDir    string
+	binBuilt  bool // binDir is this process's own build (removeBuiltBinaries)
 	buildErr  error
 	seq       atomic.Int32
 )
@@ -65,6 +66,7 @@ func Binaries(t TB) string {
 		if buildErr != nil {
 			return
 		}
+		binBuilt = true
 		for _, b := range []struct{ out, pkg string }{
 			{"dsec", "github.com/opendsec/dsec/cmd/dsec"},
 			{"dsec-guest", "github.com/opendsec/dsec/cmd/dsec-guest"},
@@ -81,6 +83,16 @@ func Binaries(t TB) string {
 		t.Fatal(buildErr)
 	}
 	return binDir
+}
+
+// removeBuiltBinaries removes the binaries Binaries built for this
+// process (none when it used $DSEC_TEST_BIN). A process that dies first
+// leaves them to the next one's sweep.
+func removeBuiltBinaries() {
+	if binBuilt {
+		os.RemoveAll(binDir)
+		binBuilt = false
+	}
 }
 
 // Need skips t unless the host can run container sandboxes.

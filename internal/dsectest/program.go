@@ -95,4 +95,16 @@ func (b *ProgramTB) Close() {
 	for _, d := range dirs {
 		os.RemoveAll(d)
 	}
+	programsMu.Lock()
+	for i, p := range programs {
+		if p == b {
+			programs = append(programs[:i], programs[i+1:]...)
+			break
+		}
+	}
+	last := len(programs) == 0
+	programsMu.Unlock()
+	if last {
+		removeBuiltBinaries() // the program is ending: nothing runs them any more
+	}
 }

@@ -16,6 +16,9 @@ import (
 type admission struct {
 	slots int
 	limit int
+	// refused is told why a create was refused: queue_full or
+	// queue_timeout (metrics).
+	refused func(reason string)
 
 	mu      sync.Mutex
 	busy    int
@@ -32,7 +35,7 @@ type waiter struct {
 }
 
 func newAdmission(slots, limit int) *admission {
-	return &admission{slots: slots, limit: limit, queues: map[string][]*waiter{}}
+	return &admission{slots: slots, limit: limit, queues: map[string][]*waiter{}, refused: func(string) {}}
 }
 
 // acquire takes a start slot for project, waiting in its queue if needed.
@@ -46,6 +49,7 @@ func (a *admission) acquire(ctx context.Context, project string) (release func()
 	if a.queued >= a.limit {
 		wait := a.retryAfterLocked()
 		a.mu.Unlock()
+		a.refused("queue_full")
 		return nil, errdefs.Exhausted(wait, "start queue full (%d waiting); retry later", a.limit)
 	}
 	w := &waiter{ready: make(chan struct{})}
@@ -69,6 +73,7 @@ func (a *admission) acquire(ctx context.Context, project string) (release func()
 			w.gone = true
 			a.mu.Unlock()
 		}
+		a.refused("queue_timeout")
 		return nil, errdefs.Exhausted(a.retryAfter(), "waited for a start slot until the request's deadline")
 	}
 }

@@ -13,6 +13,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/undo"
@@ -30,12 +31,13 @@ func (n *Node) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*d
 // create is Create with labels the node itself adds (reserved ones). The
 // sandbox belongs to project, whose images (and the shared ones) it may
 // start from.
-func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project string, extra map[string]string) (*dsecv1.Sandbox, error) {
+func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project string, extra map[string]string) (_ *dsecv1.Sandbox, err error) {
 	project = projectOr(project)
 	spec := proto.Clone(in).(*dsecv1.SandboxSpec)
 	if in == nil {
 		spec = &dsecv1.SandboxSpec{}
 	}
+	defer func(start time.Time) { n.m.Observe(ctx, metrics.OpCreate, spec.Kind, start, &err) }(time.Now())
 	img, err := n.normalize(project, spec)
 	if err != nil {
 		return nil, err
@@ -71,6 +73,7 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 		defer release()
 	}
 	if err := n.admit(project); err != nil {
+		n.m.Refused("full")
 		return nil, err
 	}
 	defer n.admitDone(project)

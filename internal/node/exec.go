@@ -17,6 +17,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
+	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/substrate"
 )
 
@@ -106,7 +107,8 @@ func (n *Node) guestExec(s *sandbox, req *dsecv1.ExecRequest, collect bool) (*gu
 
 // Exec runs a command to completion and logs it. With a request ID it is
 // exactly-once: a repeat is answered from the trajectory log.
-func (n *Node) Exec(ctx context.Context, req *dsecv1.ExecRequest) (*dsecv1.ExecResult, error) {
+func (n *Node) Exec(ctx context.Context, req *dsecv1.ExecRequest) (_ *dsecv1.ExecResult, err error) {
+	defer n.m.Observe(ctx, metrics.OpExec, n.kindOf(req.GetSandboxId()), time.Now(), &err)
 	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err
@@ -211,7 +213,7 @@ func (n *Node) callFailed(s *sandbox, err error) error {
 		return g
 	}
 	if cerr := s.inst.Check(context.Background()); cerr != nil {
-		go n.release(context.Background(), s, &end{reason: "the sandbox died during a call", infra: true})
+		go n.release(context.Background(), s, &end{reason: "the sandbox died during a call", cause: "died", infra: true})
 		return errdefs.Gone("sandbox %s died during the call", s.id).WithCause(err)
 	}
 	return err
@@ -239,12 +241,13 @@ func taskEnd(s *sandbox, wait time.Duration) *end {
 	if how == "" {
 		return nil
 	}
-	return &end{reason: fmt.Sprintf("its workload %s, which ends a sandbox of runtime %s", how, s.spec.Runtime)}
+	return &end{reason: fmt.Sprintf("its workload %s, which ends a sandbox of runtime %s", how, s.spec.Runtime), cause: "workload_exit"}
 }
 
 // ExecStream runs a command and streams its events to send. With a
 // request ID, a repeat replays the logged output and exit.
-func (n *Node) ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send func(*dsecv1.ExecEvent) error) error {
+func (n *Node) ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send func(*dsecv1.ExecEvent) error) (err error) {
+	defer n.m.Observe(ctx, metrics.OpExec, n.kindOf(req.GetSandboxId()), time.Now(), &err)
 	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return err

@@ -14,6 +14,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
+	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/trajectory"
 	"google.golang.org/protobuf/types/known/timestamppb"
 )
@@ -79,7 +80,8 @@ func fileInfo(i *guestv1.FileInfo) *dsecv1.FileInfo {
 }
 
 // ReadFile streams a file: info first, then data chunks.
-func (n *Node) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send func(*dsecv1.ReadFileResponse) error) error {
+func (n *Node) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send func(*dsecv1.ReadFileResponse) error) (err error) {
+	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
 	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return err
@@ -125,7 +127,8 @@ func (n *Node) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send f
 // WriteFile writes r into a file and logs it (with its content, for
 // replay). With a request ID a repeat is answered from the log; its data
 // must be the same.
-func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.Reader) (*dsecv1.FileInfo, error) {
+func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.Reader) (_ *dsecv1.FileInfo, err error) {
+	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(hdr.GetSandboxId()), time.Now(), &err)
 	s, err := n.live(ctx, hdr.GetSandboxId())
 	if err != nil {
 		return nil, err
@@ -203,7 +206,8 @@ func (t *touchReader) Read(p []byte) (int, error) {
 }
 
 // Stat returns a file's info.
-func (n *Node) Stat(ctx context.Context, req *dsecv1.StatRequest) (*dsecv1.FileInfo, error) {
+func (n *Node) Stat(ctx context.Context, req *dsecv1.StatRequest) (_ *dsecv1.FileInfo, err error) {
+	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
 	s, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetPath())
 	if err != nil {
 		return nil, err
@@ -220,7 +224,8 @@ func (n *Node) Stat(ctx context.Context, req *dsecv1.StatRequest) (*dsecv1.FileI
 }
 
 // MakeDir creates a directory and its parents, and logs it.
-func (n *Node) MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (*dsecv1.FileInfo, error) {
+func (n *Node) MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (_ *dsecv1.FileInfo, err error) {
+	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
 	s, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetPath())
 	if err != nil {
 		return nil, err
@@ -242,7 +247,8 @@ func (n *Node) MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (*dsecv1
 }
 
 // Rename moves a file or directory, and logs it.
-func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.FileInfo, error) {
+func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (_ *dsecv1.FileInfo, err error) {
+	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
 	s, from, err := n.pathIn(ctx, req.GetSandboxId(), req.GetFrom())
 	if err != nil {
 		return nil, err
@@ -268,7 +274,8 @@ func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (*dsecv1.F
 }
 
 // ChangeMode sets a path's permission bits, and logs it.
-func (n *Node) ChangeMode(ctx context.Context, req *dsecv1.ChangeModeRequest) (*dsecv1.FileInfo, error) {
+func (n *Node) ChangeMode(ctx context.Context, req *dsecv1.ChangeModeRequest) (_ *dsecv1.FileInfo, err error) {
+	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
 	s, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetPath())
 	if err != nil {
 		return nil, err
@@ -293,7 +300,8 @@ func (n *Node) ChangeMode(ctx context.Context, req *dsecv1.ChangeModeRequest) (*
 }
 
 // Remove removes a file or a tree, and logs it.
-func (n *Node) Remove(ctx context.Context, req *dsecv1.RemoveRequest) error {
+func (n *Node) Remove(ctx context.Context, req *dsecv1.RemoveRequest) (err error) {
+	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
 	s, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetPath())
 	if err != nil {
 		return err
@@ -313,7 +321,8 @@ func (n *Node) Remove(ctx context.Context, req *dsecv1.RemoveRequest) error {
 }
 
 // ListDir lists a directory.
-func (n *Node) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (*dsecv1.ListDirResponse, error) {
+func (n *Node) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (_ *dsecv1.ListDirResponse, err error) {
+	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
 	s, err := n.live(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err

@@ -2,9 +2,11 @@ package node
 
 import (
 	"context"
+	"time"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/function"
 )
@@ -18,7 +20,8 @@ func (n *Node) functions() (*function.Driver, error) {
 }
 
 // RunCode runs one function call.
-func (n *Node) RunCode(ctx context.Context, req *dsecv1.RunCodeRequest) (*dsecv1.RunCodeResult, error) {
+func (n *Node) RunCode(ctx context.Context, req *dsecv1.RunCodeRequest) (_ *dsecv1.RunCodeResult, err error) {
+	defer n.m.Observe(ctx, metrics.OpRunCode, "function", time.Now(), &err)
 	f, err := n.functions()
 	if err != nil {
 		return nil, err
@@ -27,7 +30,8 @@ func (n *Node) RunCode(ctx context.Context, req *dsecv1.RunCodeRequest) (*dsecv1
 }
 
 // RunCodeBatch runs function calls concurrently, results in order.
-func (n *Node) RunCodeBatch(ctx context.Context, reqs []*dsecv1.RunCodeRequest) ([]*dsecv1.RunCodeResult, error) {
+func (n *Node) RunCodeBatch(ctx context.Context, reqs []*dsecv1.RunCodeRequest) (_ []*dsecv1.RunCodeResult, err error) {
+	defer n.m.Observe(ctx, metrics.OpRunCodeBatch, "function", time.Now(), &err)
 	f, err := n.functions()
 	if err != nil {
 		return nil, err

@@ -3,6 +3,7 @@ package node
 import (
 	"context"
 	"io"
+	"time"
 
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -76,7 +77,8 @@ func (p Progress) image() image.Progress {
 }
 
 // PullImage imports an image from a registry.
-func (n *Node) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+func (n *Node) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (_ *dsecv1.Image, err error) {
+	defer func(start time.Time) { n.m.Image("pull", start, err) }(time.Now())
 	if req.GetRef() == "" {
 		return nil, errdefs.Invalid("ref is required")
 	}
@@ -92,12 +94,13 @@ func (n *Node) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, prog
 
 // UploadImage imports an archive streamed by the client: an image
 // archive, or (format "vm") a bootable disk image for kind vm.
-func (n *Node) UploadImage(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader) (*dsecv1.Image, error) {
+func (n *Node) UploadImage(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader) (_ *dsecv1.Image, err error) {
+	defer func(start time.Time) { n.m.Image("upload", start, err) }(time.Now())
 	if err := image.ValidName(hdr.GetName()); err != nil {
 		return nil, err
 	}
 	var img *image.Image
-	var err error
+	r = countingReader{r, n.m.ImageBytes}
 	switch hdr.GetFormat() {
 	case "":
 		img, err = n.images.ImportArchive(ctx, r, hdr.GetName(), nil)
@@ -114,7 +117,8 @@ func (n *Node) UploadImage(ctx context.Context, hdr *dsecv1.UploadImageHeader, r
 
 // BootstrapImage builds a base image offline: file system layers, or
 // with req.Vm a bootable VM image.
-func (n *Node) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+func (n *Node) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (_ *dsecv1.Image, err error) {
+	defer func(start time.Time) { n.m.Image("bootstrap", start, err) }(time.Now())
 	name := req.GetName()
 	if name == "" {
 		name = req.GetRecipe()
@@ -132,7 +136,6 @@ func (n *Node) BootstrapImage(ctx context.Context, req *dsecv1.BootstrapImageReq
 	}
 	opts := image.BootstrapOptions{CacheDir: n.cfg.CacheDir, Packages: req.GetPackages(), Force: req.GetForce(), DiskMB: req.GetDiskMb()}
 	var img *image.Image
-	var err error
 	if req.GetVm() {
 		img, err = n.images.BuildVM(ctx, req.GetRecipe(), name, opts, Progress(progress).image())
 	} else {
@@ -191,4 +194,16 @@ func (n *Node) Capacity(ctx context.Context) *dsecv1.Capacity {
 		StartsPerS: rate, MaxConcurrentStarts: int64(n.cfg.MaxConcurrentStarts),
 		Pools: n.pools.stats(),
 	}
+}
+
+// countingReader tells count how many bytes each read returned.
+type countingReader struct {
+	r     io.Reader
+	count func(int64)
+}
+
+func (c countingReader) Read(p []byte) (int, error) {
+	k, err := c.r.Read(p)
+	c.count(int64(k))
+	return k, err
 }

@@ -10,13 +10,15 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // Pause freezes a sandbox and releases what memory it can. Pausing a
 // paused sandbox succeeds.
-func (n *Node) Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
+func (n *Node) Pause(ctx context.Context, id string) (_ *dsecv1.Sandbox, err error) {
+	defer n.m.Observe(ctx, metrics.OpPause, n.kindOf(id), time.Now(), &err)
 	s, err := n.lookup(ctx, id)
 	if err != nil {
 		return nil, err
@@ -28,7 +30,8 @@ func (n *Node) Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
 }
 
 // Resume thaws a paused sandbox. Resuming a running one succeeds.
-func (n *Node) Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
+func (n *Node) Resume(ctx context.Context, id string) (_ *dsecv1.Sandbox, err error) {
+	defer n.m.Observe(ctx, metrics.OpResume, n.kindOf(id), time.Now(), &err)
 	s, err := n.lookup(ctx, id)
 	if err != nil {
 		return nil, err
@@ -140,7 +143,7 @@ func (n *Node) transition(ctx context.Context, s *sandbox, to state, do func(con
 // failedLocked turns a driver failure on a dead sandbox into gone.
 func (n *Node) failedLocked(s *sandbox, err error) error {
 	if s.inst.Check(context.Background()) != nil {
-		go n.release(context.Background(), s, &end{reason: "the sandbox died", infra: true})
+		go n.release(context.Background(), s, &end{reason: "the sandbox died", cause: "died", infra: true})
 		return errdefs.Gone("sandbox %s died", s.id)
 	}
 	return err
@@ -182,7 +185,7 @@ func (n *Node) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkRespo
 		act = n.resume
 	case "delete":
 		act = func(ctx context.Context, s *sandbox) error {
-			return n.release(ctx, s, &end{reason: "deleted by the user (by label)"})
+			return n.release(ctx, s, &end{reason: "deleted by the user (by label)", cause: "deleted"})
 		}
 	default:
 		return nil, errdefs.Invalid("unknown bulk operation %q", op)

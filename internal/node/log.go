@@ -52,6 +52,9 @@ func (n *Node) logged(ctx context.Context, s *sandbox, m mutation, run func(*dse
 	if m.requestID != "" {
 		replay, claim, err = log.Claim(m.requestID, trajectory.Fingerprint(m.fingerprint...), ctx.Done())
 		if err != nil || replay != nil {
+			if replay != nil {
+				n.m.Logged(true)
+			}
 			return nil, replay, err
 		}
 	}
@@ -66,6 +69,7 @@ func (n *Node) logged(ctx context.Context, s *sandbox, m mutation, run func(*dse
 		}
 		e.Error = ItemError(err)
 		log.Append(e)
+		n.m.Logged(false)
 		return nil, nil, err
 	}
 	if claim != nil {
@@ -76,6 +80,7 @@ func (n *Node) logged(ctx context.Context, s *sandbox, m mutation, run func(*dse
 	if err != nil {
 		return nil, nil, errdefs.Internal(err, "record the call in the trajectory log")
 	}
+	n.m.Logged(false)
 	return e, nil, nil
 }
 
@@ -123,7 +128,8 @@ func (n *Node) specOf(ctx context.Context, id string) (*dsecv1.SandboxSpec, stri
 // Replay re-executes a sandbox's logged mutating calls, in order, in a new
 // sandbox started from the same image or snapshot, and reports where the
 // results diverged.
-func (n *Node) Replay(ctx context.Context, req *dsecv1.ReplayRequest) (*dsecv1.ReplayResponse, error) {
+func (n *Node) Replay(ctx context.Context, req *dsecv1.ReplayRequest) (_ *dsecv1.ReplayResponse, err error) {
+	defer func() { n.m.Replay(err) }()
 	id := req.GetSandboxId()
 	spec, project, err := n.specOf(ctx, id)
 	if err != nil {

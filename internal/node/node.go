@@ -19,12 +19,14 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/network"
 	"github.com/opendsec/dsec/internal/sandboxid"
 	"github.com/opendsec/dsec/internal/substrate"
@@ -85,6 +87,9 @@ type Config struct {
 	// DefaultVolumeMB sizes a volume whose create gives no size (default
 	// 1024); MaxVolumeMB bounds a volume (default 100 GiB).
 	DefaultVolumeMB, MaxVolumeMB int64
+	// Metrics, when set, is where the node registers its metrics (see
+	// package metrics); nil records none.
+	Metrics prometheus.Registerer
 }
 
 func (c *Config) defaults() {
@@ -185,6 +190,7 @@ type Node struct {
 	pools   *pools
 	logs    *trajectory.Store
 	volumes *volume.Manager
+	m       *metrics.Node // nil: no metrics
 
 	trash chan string // sandbox directories to remove
 	stop  chan struct{}
@@ -216,6 +222,10 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 		starts: newAdmission(cfg.MaxConcurrentStarts, cfg.StartQueue),
 		trash:  make(chan string, 1024), stop: make(chan struct{}),
 	}
+	if cfg.Metrics != nil {
+		n.m = metrics.NewNode(cfg.Metrics, n.metricsState)
+	}
+	n.starts.refused = n.m.Refused
 	logs, err := trajectory.Open(filepath.Join(cfg.DataDir, "trajectories"))
 	if err != nil {
 		st.close()
@@ -393,7 +403,7 @@ func (n *Node) watch(s *sandbox) {
 				}
 			}
 			n.log.Warn("sandbox stopped by itself", attrs...)
-			n.release(context.Background(), s, &end{reason: reason, infra: true})
+			n.release(context.Background(), s, &end{reason: reason, cause: "died", infra: true})
 		}
 	}()
 }
@@ -466,7 +476,8 @@ func (n *Node) List(ctx context.Context, req *dsecv1.ListSandboxesRequest) (*dse
 
 // Delete deletes a sandbox. Deleting a deleted or unknown sandbox of this
 // node (or one the caller cannot see) succeeds and does nothing.
-func (n *Node) Delete(ctx context.Context, id string) error {
+func (n *Node) Delete(ctx context.Context, id string) (err error) {
+	defer n.m.Observe(ctx, metrics.OpDelete, n.kindOf(id), time.Now(), &err)
 	s, _, err := n.find(ctx, id)
 	if err != nil {
 		if errdefs.Is(err, errdefs.KindNotFound) {
@@ -477,7 +488,7 @@ func (n *Node) Delete(ctx context.Context, id string) error {
 	if s == nil {
 		return nil
 	}
-	return n.release(ctx, s, &end{reason: "deleted by the user"})
+	return n.release(ctx, s, &end{reason: "deleted by the user", cause: "deleted"})
 }
 
 // Keepalive resets the idle timer and optionally extends the TTL.
@@ -542,16 +553,16 @@ func (n *Node) reap(now time.Time) {
 		switch {
 		case st != stateRunning && st != statePaused:
 		case now.After(exp) && timedOut:
-			n.release(ctx, s, &end{reason: "paused ttl expired", infra: true})
+			n.release(ctx, s, &end{reason: "paused ttl expired", cause: "paused_ttl", infra: true})
 		case now.After(exp) && s.pausesAtTimeout():
 			if err := n.pauseAtTTL(ctx, s, now); err != nil {
 				n.cannotPause(s, "ttl expired", err)
 			}
 		case now.After(exp):
-			n.release(ctx, s, &end{reason: "ttl expired", infra: true})
+			n.release(ctx, s, &end{reason: "ttl expired", cause: "ttl", infra: true})
 		case st == stateRunning && idle > 0 && now.Sub(time.Unix(0, s.lastActive.Load())) > idle:
 			if !s.pausesAtTimeout() {
-				n.release(ctx, s, &end{reason: "idle ttl expired", infra: true})
+				n.release(ctx, s, &end{reason: "idle ttl expired", cause: "idle_ttl", infra: true})
 			} else if err := n.pause(ctx, s); err != nil {
 				n.cannotPause(s, "idle ttl expired", err)
 			}
@@ -566,7 +577,7 @@ func (n *Node) cannotPause(s *sandbox, reason string, err error) {
 		return // it died (failedLocked releases it) or was deleted meanwhile
 	}
 	n.log.Warn("pause at timeout", slog.String("sandbox_id", s.id), slog.Any("error", err))
-	n.release(context.Background(), s, &end{reason: reason + "; the sandbox could not pause: " + errdefs.Classify(err).Msg, infra: true})
+	n.release(context.Background(), s, &end{reason: reason + "; the sandbox could not pause: " + errdefs.Classify(err).Msg, cause: "pause_failed", infra: true})
 }
 
 // purge forgets the tombstones, idempotency keys and trajectory logs of
@@ -627,7 +638,7 @@ func (n *Node) adopt() {
 		s.inst = inst
 		if aerr != nil {
 			n.log.Warn("sandbox not re-adopted", slog.String("sandbox_id", r.ID), slog.Any("error", aerr))
-			n.release(context.Background(), s, &end{reason: "stopped while the node was down", infra: true})
+			n.release(context.Background(), s, &end{reason: "stopped while the node was down", cause: "node_down", infra: true})
 			continue
 		}
 		n.sandboxes.commit(s)

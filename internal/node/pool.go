@@ -171,6 +171,7 @@ func (ps *pools) take(spec *dsecv1.SandboxSpec, project string) *sandbox {
 		if len(p.ready) == 0 {
 			p.mu.Unlock()
 			p.misses.Add(1)
+			n.m.PoolClaim(spec.GetKind(), false)
 			return nil
 		}
 		s := p.ready[0]
@@ -191,6 +192,7 @@ func (ps *pools) take(spec *dsecv1.SandboxSpec, project string) *sandbox {
 			continue
 		}
 		p.hits.Add(1)
+		n.m.PoolClaim(spec.GetKind(), true)
 		return s
 	}
 }
@@ -250,6 +252,20 @@ func (ps *pools) close() {
 			ps.n.release(context.Background(), s, nil)
 		}
 	}
+}
+
+// readyByKind counts the pools' ready sandboxes by kind.
+func (ps *pools) readyByKind() map[string]int {
+	out := map[string]int{}
+	if ps == nil {
+		return out
+	}
+	for _, p := range ps.byKey {
+		p.mu.Lock()
+		out[p.spec.GetKind()] += len(p.ready)
+		p.mu.Unlock()
+	}
+	return out
 }
 
 func (ps *pools) stats() []*dsecv1.PoolStats {

@@ -14,6 +14,10 @@ import (
 // end is why a live sandbox ended, as its tombstone keeps it.
 type end struct {
 	reason string
+	// cause is the reason's class, a metrics label: deleted, ttl,
+	// idle_ttl, paused_ttl, workload_exit, died, pause_failed or
+	// node_down.
+	cause string
 	// infra marks ends that were the platform's doing (crash, TTL,
 	// eviction, a failed re-adoption): later calls answer gone (infra)
 	// rather than not found.
@@ -73,6 +77,7 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 		if err := n.store.bury(&t); err != nil {
 			n.log.Error("persist sandbox deletion", slog.String("sandbox_id", s.id), slog.Any("error", err))
 		}
+		n.m.Ended(s.spec.GetKind(), why.cause)
 	}
 	n.sandboxes.forget(s)
 	s.mu.Lock()

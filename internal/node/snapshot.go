@@ -17,6 +17,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/sandboxid"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/tenant"
@@ -41,7 +42,8 @@ func NodeOfSnapshot(id string) (string, error) { return sandboxid.SnapshotNode(i
 // start where the parent was, running processes included. Either way the
 // snapshot is an image record: listed, deleted and kept across restarts
 // the same way.
-func (n *Node) Snapshot(ctx context.Context, req *dsecv1.SnapshotRequest) (*dsecv1.SnapshotInfo, error) {
+func (n *Node) Snapshot(ctx context.Context, req *dsecv1.SnapshotRequest) (_ *dsecv1.SnapshotInfo, err error) {
+	defer n.m.Observe(ctx, metrics.OpSnapshot, n.kindOf(req.GetSandboxId()), time.Now(), &err)
 	return n.snapshot(ctx, req, false, "")
 }
 
@@ -324,7 +326,8 @@ func (n *Node) createMany(ctx context.Context, specs []*dsecv1.SandboxSpec, keys
 // Fork snapshots a sandbox and creates count children from the snapshot,
 // each with the parent's spec, labels marking the fork, and its own
 // writable layer.
-func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (*dsecv1.CreateSandboxesResponse, error) {
+func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (_ *dsecv1.CreateSandboxesResponse, err error) {
+	defer n.m.Observe(ctx, metrics.OpFork, n.kindOf(req.GetSandboxId()), time.Now(), &err)
 	if req.GetCount() < 1 || req.GetCount() > 1024 {
 		return nil, errdefs.Invalid("count must be between 1 and 1024")
 	}

@@ -43,6 +43,7 @@ const (
 	token = "cluster-token-for-tests-0123456789"
 	key   = "alpha=alpha-key-0123456789abcdef"
 	akey  = "alpha-key-0123456789abcdef"
+	admin = "operator-key-0123456789abcdef"
 )
 
 type testCluster struct {
@@ -110,7 +111,7 @@ func startCluster(t *testing.T) *testCluster {
 	}
 	wg.Wait()
 	for range 2 {
-		c.apis = append(c.apis, dsectest.StartAPI(t, c.etcd, dsectest.APIOptions{Token: token, APIKeys: []string{key}}))
+		c.apis = append(c.apis, dsectest.StartAPI(t, c.etcd, dsectest.APIOptions{Token: token, APIKeys: []string{key}, Args: []string{"--admin-key", admin}}))
 	}
 	for i := range c.apis {
 		eventually(t, "replica sees every node", 30*time.Second, func() error {
@@ -181,6 +182,44 @@ func TestCluster(t *testing.T) {
 		list, err := c.api(1).List(ctx, "test=spread")
 		if err != nil || len(list) != 12 {
 			t.Fatalf("list through replica 1: %d sandboxes, %v", len(list), err)
+		}
+	})
+
+	t.Run("each replica and node serves its metrics; together they count every call once", func(t *testing.T) {
+		// So far: 12 creates through alternating replicas, each sandbox
+		// exec'd through both (24 execs).
+		sum := func(procs []*dsectest.Proc, cred, series string) float64 {
+			total := 0.0
+			for _, p := range procs {
+				code, text, samples := dsectest.Scrape(t, p.URL, cred)
+				if code != 200 {
+					t.Fatalf("%s/metrics: %d: %s", p.URL, code, text)
+				}
+				total += samples[series]
+			}
+			return total
+		}
+		for _, m := range []struct {
+			procs        []*dsectest.Proc
+			cred, series string
+			want         float64
+		}{
+			{c.nodes, token, `dsec_sandbox_operation_duration_seconds_count{kind="container",operation="create",outcome="ok"}`, 12},
+			{c.nodes, token, `dsec_sandbox_operation_duration_seconds_count{kind="container",operation="exec",outcome="ok"}`, 24},
+			{c.nodes, token, `dsec_sandboxes{kind="container",state="running"}`, 12},
+			{c.apis, admin, `dsec_cluster_placements_total{result="placed"}`, 12},
+			{c.apis, admin, `dsec_api_rpc_duration_seconds_count{code="ok",procedure="/dsec.v1.ProcessService/Exec"}`, 24},
+			{c.apis, admin, `dsec_api_rpc_duration_seconds_count{code="ok",procedure="/dsec.v1.LifecycleService/CreateSandbox"}`, 12},
+		} {
+			if got := sum(m.procs, m.cred, m.series); got != m.want {
+				t.Errorf("%s summed over %d processes = %v, want %v", m.series, len(m.procs), got, m.want)
+			}
+		}
+		if code, _, _ := dsectest.Scrape(t, c.apis[0].URL, akey); code != http.StatusForbidden {
+			t.Errorf("a replica's /metrics with a project's key: %d, want 403", code)
+		}
+		if code, _, _ := dsectest.Scrape(t, c.nodes[0].URL, akey); code != http.StatusUnauthorized {
+			t.Errorf("a node's /metrics without the cluster token: %d, want 401", code)
 		}
 	})
 

@@ -721,14 +721,14 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		cancel()
 		return nil, failed("start container", fmt.Errorf("runtime exited: %v", cmd.ProcessState))
 	}
-	// The runtime writes the pid file around the time the agent starts; the
-	// agent can answer first.
-	pid, err := readPidFile(pidFile)
-	for wait := time.Now().Add(5 * time.Second); err != nil && time.Now().Before(wait); {
-		time.Sleep(time.Millisecond)
-		pid, err = readPidFile(pidFile)
-	}
+	// The runtime writes the pid file around the time the agent starts;
+	// the agent can answer first, by seconds on a loaded host (5,000
+	// sandboxes: the runtime copies the node's mount table).
+	pid, err := waitPidFile(hctx, pidFile, runtimeDone)
 	if err != nil {
+		if err := ctx.Err(); err != nil {
+			return nil, errdefs.Classify(err) // the caller went away
+		}
 		return nil, errdefs.Internal(err, "read container pid")
 	}
 	st.Pid, st.StartTime = pid, proc.StartTime(pid)
@@ -857,6 +857,29 @@ func runtimeMessage(s string) string {
 		s = s[:500]
 	}
 	return s
+}
+
+// waitPidFile reads the runtime's pid file once it is written: until ctx
+// (the start deadline) ends or the runtime exits.
+func waitPidFile(ctx context.Context, p string, runtimeDone <-chan struct{}) (int, error) {
+	pause := time.Millisecond
+	for {
+		pid, err := readPidFile(p)
+		if err == nil {
+			return pid, nil
+		}
+		select {
+		case <-ctx.Done():
+			return 0, fmt.Errorf("%w (no pid by the start deadline)", err)
+		case <-runtimeDone:
+			if pid, err := readPidFile(p); err == nil {
+				return pid, nil
+			}
+			return 0, fmt.Errorf("%w (the runtime exited)", err)
+		case <-time.After(pause):
+		}
+		pause = min(2*pause, 50*time.Millisecond)
+	}
 }
 
 func readPidFile(p string) (int, error) {
