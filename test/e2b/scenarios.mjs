@@ -568,7 +568,14 @@ const scenarios = {
       assert.match((await wrong.json()).message, /is invalid/)
       const access = await fetch(url, { headers: { 'x-access-token': sbx.envdAccessToken } })
       assert.equal(access.status, 403, 'the envd access token is not the traffic token')
-      const seen = await (await fetch(`https://${sbx.getHost(8001)}/host`, withToken)).text()
+      // The second server may start after the first answered: wait for it too.
+      let seen
+      for (let i = 0; i < 50; i++) {
+        const r = await fetch(`https://${sbx.getHost(8001)}/host`, withToken)
+        seen = await r.text()
+        if (r.status === 200) break
+        await sleep(200)
+      }
       assert.equal(seen, 'masked.example:8001')
     }, { network: { allowPublicTraffic: false, maskRequestHost: 'masked.example:${PORT}' } })
     await withSandbox(async (sbx) => {
