@@ -16,14 +16,31 @@ func TestWaitPidFileWaitsForALateRuntime(t *testing.T) {
 	dir := t.TempDir()
 	never := make(chan struct{})
 
+	// The wait starts before the file exists and has not ended when the
+	// file is written: it returns the pid only then.
 	late := filepath.Join(dir, "late")
+	type result struct {
+		pid int
+		err error
+	}
+	got := make(chan result, 1)
 	go func() {
-		time.Sleep(300 * time.Millisecond)
-		os.WriteFile(late+".tmp", []byte("4242\n"), 0o600)
-		os.Rename(late+".tmp", late)
+		pid, err := waitPidFile(context.Background(), late, never)
+		got <- result{pid, err}
 	}()
-	if pid, err := waitPidFile(context.Background(), late, never); err != nil || pid != 4242 {
-		t.Fatalf("late pid file: %d, %v", pid, err)
+	select {
+	case r := <-got:
+		t.Fatalf("the wait ended before the pid file existed: %v", r)
+	default:
+	}
+	if err := os.WriteFile(late+".tmp", []byte("4242\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(late+".tmp", late); err != nil {
+		t.Fatal(err)
+	}
+	if r := <-got; r.err != nil || r.pid != 4242 {
+		t.Fatalf("late pid file: %d, %v", r.pid, r.err)
 	}
 
 	exited := make(chan struct{})
