@@ -642,10 +642,21 @@ func runDirOf(dataDir string) string {
 }
 
 // removeEmptyRunDir removes the run directory if nothing is left in it
-// (live sandboxes keep their state there across a restart).
+// (live sandboxes keep their state there across a restart): each of its
+// subdirectories the drivers made, if empty, then the directory. It does
+// not descend further (a subdirectory's entries may be live sandboxes'
+// mounts).
 func removeEmptyRunDir(runDir string) {
-	for _, sub := range []string{"runtime", "sock", "netns", "vm", "fvm"} {
-		os.Remove(filepath.Join(runDir, sub))
+	// The container driver's files directory holds a tmpfs of this
+	// process's mount namespace (sandboxes that outlive the process hold
+	// their own bind mounts of what they use): detached, it is the empty
+	// directory the host sees.
+	syscall.Unmount(filepath.Join(runDir, "files"), syscall.MNT_DETACH)
+	ents, _ := os.ReadDir(runDir)
+	for _, e := range ents {
+		if e.IsDir() {
+			os.Remove(filepath.Join(runDir, e.Name()))
+		}
 	}
 	os.Remove(runDir)
 }
