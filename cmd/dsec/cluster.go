@@ -145,10 +145,9 @@ func runAPI(ctx context.Context, cfg config.Config) error {
 
 func nodeCmd() *cobra.Command {
 	var (
-		file      string
-		flagCfg   config.Config
-		bootstrap string
-		pools     []string
+		file    string
+		flagCfg config.Config
+		v       nodeVars
 	)
 	cmd := &cobra.Command{
 		Use:   "node",
@@ -159,8 +158,8 @@ func nodeCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			applyFlags(cmd, &cfg, &flagCfg, bootstrap)
-			if err := applyPools(&cfg, pools); err != nil {
+			applyFlags(cmd, &cfg, &flagCfg, v.bootstrap)
+			if err := v.apply(&cfg); err != nil {
 				return err
 			}
 			if cmd.Flags().Changed("label") {
@@ -189,7 +188,7 @@ func nodeCmd() *cobra.Command {
 	f.StringArrayVar(&flagLabels, "label", nil, "node label key=value (repeatable)")
 	f.DurationVar((*time.Duration)(&flagCfg.Cluster.NodeTTL), "node-ttl", 0, "membership lease: silent this long, the node is lost (default 10s)")
 	f.DurationVar((*time.Duration)(&flagCfg.Cluster.LoadInterval), "load-interval", 0, "least time between load publications (default 1s)")
-	nodeFlags(f, &flagCfg, &bootstrap, &pools)
+	nodeFlags(f, &flagCfg, &v)
 	clusterFlags(f, &flagCfg)
 	return cmd
 }

@@ -9,10 +9,66 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	dsec "github.com/opendsec/dsec/sdk/go"
 )
 
 func lifecycleCmds(g *globals) []*cobra.Command {
-	return []*cobra.Command{snapshotCmd(g), forkCmd(g), pauseCmd(g, "pause"), pauseCmd(g, "resume"), logCmd(g), replayCmd(g), sessionCmd(g), capacityCmd(g)}
+	return []*cobra.Command{snapshotCmd(g), forkCmd(g), pauseCmd(g, "pause"), pauseCmd(g, "resume"), logCmd(g), replayCmd(g), sessionCmd(g), capacityCmd(g), eventsCmd(g)}
+}
+
+func eventsCmd(g *globals) *cobra.Command {
+	var o dsec.EventOptions
+	var labels []string
+	var selector string
+	cmd := &cobra.Command{
+		Use:   "events",
+		Short: "Follow sandbox lifecycle events (created, paused, resumed, snapshotted, forked, ended) until interrupted",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			o.Labels = strings.Join(append(labels, selectorParts(selector)...), ",")
+			sub, err := g.client().Subscribe(cmd.Context(), o)
+			if err != nil {
+				return err
+			}
+			defer sub.Close()
+			fmt.Fprintln(os.Stderr, "following events (interrupt to stop)")
+			for {
+				ev, err := sub.Next()
+				if err != nil {
+					if cmd.Context().Err() != nil {
+						return nil
+					}
+					return err
+				}
+				if g.json() {
+					b, _ := protojson.Marshal(ev)
+					fmt.Println(string(b))
+					continue
+				}
+				line := fmt.Sprintf("%s %-11s %s", ev.At.AsTime().Local().Format("15:04:05.000"), ev.Type, orDash(ev.SandboxId))
+				switch ev.Type {
+				case "ended":
+					line += fmt.Sprintf(" %s: %s", ev.Cause, ev.Reason)
+					if ev.Infra {
+						line += " (infra)"
+					}
+				case "snapshotted":
+					line += " " + ev.SnapshotId
+				case "forked":
+					line += " -> " + strings.Join(ev.Children, ",")
+				case "dropped":
+					line += fmt.Sprintf(" %d events lost (node %s)", ev.Dropped, orDash(ev.Node))
+				}
+				fmt.Println(line)
+			}
+		},
+	}
+	f := cmd.Flags()
+	f.StringArrayVar(&labels, "label", nil, "only sandboxes with label key=value (repeatable)")
+	f.StringVar(&selector, "selector", "", "label selector, as ls takes (k=v,k2!=v,!k3)")
+	f.StringSliceVar(&o.Types, "type", nil, "event types to follow (repeatable or comma-separated; default all)")
+	f.StringVar(&o.Project, "project", "", "with an admin key: one project's events only")
+	return cmd
 }
 
 func snapshotCmd(g *globals) *cobra.Command {

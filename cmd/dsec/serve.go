@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -46,10 +47,9 @@ import (
 
 func serveCmd() *cobra.Command {
 	var (
-		file      string
-		flagCfg   config.Config
-		bootstrap string
-		pools     []string
+		file    string
+		flagCfg config.Config
+		v       nodeVars
 	)
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -60,8 +60,8 @@ func serveCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			applyFlags(cmd, &cfg, &flagCfg, bootstrap)
-			if err := applyPools(&cfg, pools); err != nil {
+			applyFlags(cmd, &cfg, &flagCfg, v.bootstrap)
+			if err := v.apply(&cfg); err != nil {
 				return err
 			}
 			cfg.Defaults()
@@ -74,7 +74,7 @@ func serveCmd() *cobra.Command {
 	f.StringArrayVar(&flagCfg.APIKeys, "api-key", nil, "accepted API key, KEY (project default) or PROJECT=KEY (repeatable; env DSEC_API_KEYS)")
 	f.StringArrayVar(&flagCfg.AdminKeys, "admin-key", nil, "an operator's key: reaches every project (repeatable; env DSEC_ADMIN_KEYS)")
 	e2bFlags(f, &flagCfg)
-	nodeFlags(f, &flagCfg, &bootstrap, &pools)
+	nodeFlags(f, &flagCfg, &v)
 	f.StringVar(&flagCfg.Node.Name, "name", "", "node name (default local)")
 	return cmd
 }
@@ -88,7 +88,8 @@ func e2bFlags(f *pflag.FlagSet, flagCfg *config.Config) {
 }
 
 // nodeFlags are the flags of a node agent, shared by serve and node.
-func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, bootstrap *string, pools *[]string) {
+func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, v *nodeVars) {
+	bootstrap, pools := &v.bootstrap, &v.pools
 	f.StringVar(&flagCfg.DataDir, "data-dir", "", "state directory (default ./.dsec)")
 	f.StringVar(&flagCfg.CacheDir, "cache-dir", "", "cache for bootstrapped images (default DATA_DIR/cache)")
 	f.StringVar(&flagCfg.GuestBinary, "guest-binary", "", "dsec-guest binary (default: next to dsec)")
@@ -114,11 +115,27 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, bootstrap *string, pool
 	f.StringArrayVar(pools, "pool", nil, "warm pool IMAGE:SIZE with default resources (repeatable; see the config file for shapes)")
 	f.StringVar(&flagCfg.DebugListen, "debug-listen", "", "serve Go profiling (net/http/pprof) on this loopback address")
 	f.StringVar(&flagCfg.MetricsListen, "metrics-listen", "", "also serve Prometheus metrics at /metrics on this address, without authentication (they are always at /metrics on --listen for admin keys)")
+	f.StringArrayVar(&v.webhooks, "webhook", nil, "POST every sandbox lifecycle event to this URL, signed with --webhook-secret-file's key (repeatable; the config file's node.webhooks also filter)")
+	f.StringVar(&v.webhookSecret, "webhook-secret-file", "", "file holding the key --webhook deliveries are signed with")
 }
 
-// applyPools adds --pool flags to cfg.
-func applyPools(cfg *config.Config, pools []string) error {
-	for _, p := range pools {
+// nodeVars are the node flags that are not config fields as they are.
+type nodeVars struct {
+	bootstrap     string
+	pools         []string
+	webhooks      []string
+	webhookSecret string
+}
+
+// apply adds the --pool and --webhook flags to cfg.
+func (v *nodeVars) apply(cfg *config.Config) error {
+	if len(v.webhooks) > 0 && v.webhookSecret == "" {
+		return fmt.Errorf("--webhook needs --webhook-secret-file (deliveries are signed)")
+	}
+	for _, u := range v.webhooks {
+		cfg.Node.Webhooks = append(cfg.Node.Webhooks, config.Webhook{URL: u, SecretFile: v.webhookSecret})
+	}
+	for _, p := range v.pools {
 		img, size, _ := strings.Cut(p, ":")
 		n, err := strconv.Atoi(size)
 		if err != nil || img == "" {
@@ -614,6 +631,17 @@ func buildNode(cfg config.Config, dataDir string, reg *metrics.Registry, log *sl
 		return nil, err
 	}
 	drivers := map[substrate.Kind]substrate.Driver{substrate.KindContainer: ct, substrate.KindFunction: fn, substrate.KindMicroVM: mvm, substrate.KindVM: fvm}
+	var hooks []node.Webhook
+	for _, h := range cfg.Node.Webhooks {
+		if h.SecretFile == "" {
+			return nil, fmt.Errorf("webhook %s: secret_file is required (deliveries are signed)", h.URL)
+		}
+		secret, err := os.ReadFile(h.SecretFile)
+		if err != nil {
+			return nil, fmt.Errorf("webhook %s: %w", h.URL, err)
+		}
+		hooks = append(hooks, node.Webhook{URL: h.URL, Secret: bytes.TrimSpace(secret), Selector: h.LabelSelector, Types: h.Types})
+	}
 	var pools []node.PoolConfig
 	for _, p := range cfg.Node.Pools {
 		pools = append(pools, node.PoolConfig{Kind: p.Kind, Image: p.Image, CPU: p.CPU, MemoryMB: p.MemoryMB, Pids: p.Pids, Network: p.Network, Runtime: p.Runtime, Size: p.Size})
@@ -627,7 +655,7 @@ func buildNode(cfg config.Config, dataDir string, reg *metrics.Registry, log *sl
 		DefaultExecTimeout: time.Duration(cfg.Node.DefaultExecTimeout),
 		Credentials:        creds,
 		DefaultVolumeMB:    cfg.Node.DefaultVolumeMB, MaxVolumeMB: cfg.Node.MaxVolumeMB,
-		Metrics: reg,
+		Metrics: reg, Webhooks: hooks,
 	}, log, images, nm, drivers)
 }
 

@@ -70,6 +70,12 @@ type Node interface {
 	// is a sandbox of a project ctx does not reach.
 	DialPort(ctx context.Context, sandboxID string, port uint32) (net.Conn, error)
 
+	// Events streams the node's lifecycle events the caller may see (the
+	// EventService, with a callback): first a heartbeat once the
+	// subscription is in place, then the events; later heartbeats only
+	// when heartbeats is set.
+	Events(ctx context.Context, req *dsecv1.SubscribeRequest, send func(*dsecv1.Event) error, heartbeats bool) error
+
 	// SnapshotService, LogService and ScreenService.
 	dsecv1connect.SnapshotServiceHandler
 	dsecv1connect.LogServiceHandler
@@ -105,6 +111,7 @@ type NodeHandlers interface {
 	dsecv1connect.SystemServiceHandler
 	dsecv1connect.ImageServiceHandler
 	dsecv1connect.VolumeServiceHandler
+	dsecv1connect.EventServiceHandler
 }
 
 // Router finds nodes (the owner of a sandbox) and places new sandboxes.

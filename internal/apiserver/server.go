@@ -146,6 +146,7 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 	}
 	s.HandleConnect(dsecv1connect.NewImageServiceHandler(&imageService{r: router, log: log}, opts...))
 	s.HandleConnect(dsecv1connect.NewVolumeServiceHandler(volumeService{r: router}, opts...))
+	s.HandleConnect(dsecv1connect.NewEventServiceHandler(eventService{r: router}, opts...))
 	s.HandleConnect(dsecv1connect.NewFunctionServiceHandler(&functionService{r: router}, opts...))
 	s.Handle("/run_code", s.guard(maxRunCodeBody, http.HandlerFunc(s.serveRunCode)))
 	s.HandleConnect(dsecv1connect.NewSystemServiceHandler(&systemService{r: router, version: cfg.Version}, opts...))
@@ -177,6 +178,7 @@ func NewNodeAPI(token string, log *slog.Logger, h NodeHandlers, reg *metrics.Reg
 		func() (string, http.Handler) { return dsecv1connect.NewSystemServiceHandler(h, opts...) },
 		func() (string, http.Handler) { return dsecv1connect.NewImageServiceHandler(h, opts...) },
 		func() (string, http.Handler) { return dsecv1connect.NewVolumeServiceHandler(h, opts...) },
+		func() (string, http.Handler) { return dsecv1connect.NewEventServiceHandler(h, opts...) },
 	} {
 		s.HandleConnect(svc())
 	}

@@ -1,7 +1,6 @@
 package cluster_test
 
 import (
-	"connectrpc.com/connect"
 	"context"
 	"errors"
 	"fmt"
@@ -9,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"connectrpc.com/connect"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 

@@ -45,6 +45,7 @@ type remote struct {
 
 	sys dsecv1connect.SystemServiceClient
 	img dsecv1connect.ImageServiceClient
+	ev  dsecv1connect.EventServiceClient
 	nd  nodev1connect.NodeServiceClient
 
 	lapsed atomic.Bool     // the node has no lease but answers: routed to, not placed on
@@ -98,6 +99,7 @@ func newRemote(r *Router, name, addr string) *remote {
 	rn.VolumeServiceClient = dsecv1connect.NewVolumeServiceClient(r.http, base, opts...)
 	rn.sys = dsecv1connect.NewSystemServiceClient(r.http, base, opts...)
 	rn.img = dsecv1connect.NewImageServiceClient(r.http, base, opts...)
+	rn.ev = dsecv1connect.NewEventServiceClient(r.http, base, opts...)
 	rn.nd = nodev1connect.NewNodeServiceClient(r.http, base, opts...)
 	return rn
 }
@@ -384,6 +386,21 @@ func (r *remote) ReadFileChunks(ctx context.Context, req *dsecv1.ReadFileRequest
 func (r *remote) WatchEvents(ctx context.Context, req *dsecv1.WatchDirRequest, send func(*dsecv1.WatchDirEvent) error) error {
 	st, err := r.FilesystemServiceClient.WatchDir(ctx, connect.NewRequest(req))
 	return relay(st, err, send)
+}
+
+// Events relays the node's event stream; the node's later heartbeats
+// only when heartbeats is set (the first always: it says the
+// subscription is in place).
+func (r *remote) Events(ctx context.Context, req *dsecv1.SubscribeRequest, send func(*dsecv1.Event) error, heartbeats bool) error {
+	st, err := r.ev.Subscribe(ctx, connect.NewRequest(req))
+	first := true
+	return relay(st, err, func(ev *dsecv1.Event) error {
+		if !first && !heartbeats && ev.GetType() == "heartbeat" {
+			return nil
+		}
+		first = false
+		return send(ev)
+	})
 }
 
 // chunk is the size of data messages relayed to a node.

@@ -58,10 +58,23 @@ type Config struct {
 	E2B       E2B       `json:"e2b,omitempty"`
 }
 
+// Webhook is a URL that receives the node's sandbox lifecycle events,
+// each a signed POST (docs/observability.md).
+type Webhook struct {
+	URL string `json:"url"`
+	// SecretFile holds the key deliveries are signed with (required).
+	SecretFile string `json:"secret_file"`
+	// LabelSelector and Types choose the events (default: all).
+	LabelSelector string   `json:"label_selector,omitempty"`
+	Types         []string `json:"types,omitempty"`
+}
+
 // Node configures the node agent.
 type Node struct {
 	// Name is the node's name in sandbox IDs (default "local").
 	Name string `json:"name,omitempty"`
+	// Webhooks receive the node's lifecycle events.
+	Webhooks []Webhook `json:"webhooks,omitempty"`
 	// MaxSandboxes is the node's admission limit (default 4096).
 	MaxSandboxes int `json:"max_sandboxes,omitempty"`
 	// DefaultTTL and MaxTTL bound sandbox lifetimes (default 1h and 168h).

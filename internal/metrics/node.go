@@ -35,6 +35,7 @@ type Node struct {
 	imageRead prometheus.Counter
 	logged    *prometheus.CounterVec
 	replayed  *prometheus.CounterVec
+	webhooks  *prometheus.CounterVec
 }
 
 // NodeState is what a scrape reads of a node's state at that moment.
@@ -92,7 +93,11 @@ func NewNode(r prometheus.Registerer, state func() NodeState) *Node {
 			Help: "Replays of a trajectory log into a new sandbox by outcome.",
 		}, []string{"outcome"}),
 	}
-	r.MustRegister(m.ops, m.ends, m.pool, m.refused, m.images, m.imageRead, m.logged, m.replayed, stateCollector(state))
+	m.webhooks = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Name: "webhook_deliveries_total",
+		Help: "Webhook deliveries of lifecycle events by result: delivered, retried (a try failed; another follows), failed (given up after its tries, or refused by the receiver), lost (the receiver fell too far behind).",
+	}, []string{"result"})
+	r.MustRegister(m.ops, m.ends, m.pool, m.refused, m.images, m.imageRead, m.logged, m.replayed, m.webhooks, stateCollector(state))
 	// Series whose label values are known start at zero, so a rate over
 	// them is defined from the first scrape.
 	for _, reason := range []string{"full", "queue_full", "queue_timeout"} {
@@ -170,6 +175,13 @@ func (m *Node) Logged(replayed bool) {
 		result = "replayed"
 	}
 	m.logged.WithLabelValues(result).Inc()
+}
+
+// Webhook counts a webhook delivery's result.
+func (m *Node) Webhook(result string) {
+	if m != nil {
+		m.webhooks.WithLabelValues(result).Inc()
+	}
 }
 
 // Replay counts a replay of a trajectory log.

@@ -12,6 +12,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/events"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/substrate"
@@ -203,6 +204,7 @@ func (n *Node) commit(ctx context.Context, s *sandbox) error {
 		return errdefs.Internal(err, "persist sandbox")
 	}
 	n.sandboxes.commit(s)
+	n.publish(s, events.Created, stateRunning, nil)
 	n.watch(s)
 	n.log.Debug("sandbox created", slog.String("sandbox_id", s.id), slog.String("image", s.image))
 	return nil

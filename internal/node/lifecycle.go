@@ -10,6 +10,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/events"
 	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/tenant"
@@ -137,7 +138,17 @@ func (n *Node) transition(ctx context.Context, s *sandbox, to state, do func(con
 		return n.failedLocked(s, err)
 	}
 	s.moveLocked(to)
-	return n.persistLocked(s)
+	err := n.persistLocked(s)
+	typ := events.Resumed
+	if to == statePaused {
+		typ = events.Paused
+	}
+	n.publish(s, typ, to, func(ev *dsecv1.Event) {
+		if s.timedOut {
+			ev.Reason, ev.Cause = "ttl expired: paused until its paused_ttl", "ttl"
+		}
+	})
+	return err
 }
 
 // failedLocked turns a driver failure on a dead sandbox into gone.

@@ -25,6 +25,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/events"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/network"
@@ -90,6 +91,8 @@ type Config struct {
 	// Metrics, when set, is where the node registers its metrics (see
 	// package metrics); nil records none.
 	Metrics prometheus.Registerer
+	// Webhooks receive the node's lifecycle events.
+	Webhooks []Webhook
 }
 
 func (c *Config) defaults() {
@@ -191,6 +194,7 @@ type Node struct {
 	logs    *trajectory.Store
 	volumes *volume.Manager
 	m       *metrics.Node // nil: no metrics
+	events  *events.Hub
 
 	trash chan string // sandbox directories to remove
 	stop  chan struct{}
@@ -219,13 +223,18 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 	n := &Node{
 		cfg: cfg, log: log.With(slog.String("node", cfg.Name)), store: st, images: images, net: net,
 		drivers: drivers, started: time.Now(), sandboxes: newTable(), changed: make(chan struct{}, 1),
-		starts: newAdmission(cfg.MaxConcurrentStarts, cfg.StartQueue),
-		trash:  make(chan string, 1024), stop: make(chan struct{}),
+		starts: newAdmission(cfg.MaxConcurrentStarts, cfg.StartQueue), events: events.NewHub(),
+		trash: make(chan string, 1024), stop: make(chan struct{}),
 	}
 	if cfg.Metrics != nil {
 		n.m = metrics.NewNode(cfg.Metrics, n.metricsState)
 	}
 	n.starts.refused = n.m.Refused
+	startWebhooks, err := n.webhooks(cfg.Webhooks)
+	if err != nil {
+		st.close()
+		return nil, err
+	}
 	logs, err := trajectory.Open(filepath.Join(cfg.DataDir, "trajectories"))
 	if err != nil {
 		st.close()
@@ -252,6 +261,7 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 			d.Start()
 		}
 	}
+	startWebhooks()
 	return n, nil
 }
 

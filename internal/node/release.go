@@ -8,7 +8,9 @@ import (
 	"path/filepath"
 	"time"
 
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/events"
 )
 
 // end is why a live sandbox ended, as its tombstone keeps it.
@@ -83,6 +85,11 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 	s.mu.Lock()
 	s.moveLocked(final)
 	s.mu.Unlock()
+	if why != nil {
+		n.publish(s, events.Ended, final, func(ev *dsecv1.Event) {
+			ev.Reason, ev.Cause, ev.Infra = why.reason, why.cause, why.infra
+		})
+	}
 	if why != nil {
 		n.loadChanged()
 		n.logs.Forget(s.id)

@@ -41,6 +41,7 @@ var (
 	_ dsecv1connect.ScreenServiceHandler     = (*Service)(nil)
 	_ dsecv1connect.FunctionServiceHandler   = (*Service)(nil)
 	_ dsecv1connect.SystemServiceHandler     = (*Service)(nil)
+	_ dsecv1connect.EventServiceHandler      = (*Service)(nil)
 )
 
 // Name is the node's name.
@@ -235,6 +236,19 @@ func (s *Service) WatchDir(ctx context.Context, req *connect.Request[dsecv1.Watc
 // WatchEvents is WatchDir with a callback for each event.
 func (s *Service) WatchEvents(ctx context.Context, req *dsecv1.WatchDirRequest, send func(*dsecv1.WatchDirEvent) error) error {
 	return stream(send, func(send func(*dsecv1.WatchDirEvent) error) error { return s.n.WatchDir(ctx, req, send) })
+}
+
+// Events.
+
+// Subscribe streams the node's lifecycle events the caller may see.
+func (s *Service) Subscribe(ctx context.Context, req *connect.Request[dsecv1.SubscribeRequest], st *connect.ServerStream[dsecv1.Event]) error {
+	return s.Events(ctx, req.Msg, st.Send, true)
+}
+
+// Events is Subscribe with a callback for each event; heartbeats false
+// sends only the first (see Node.Subscribe).
+func (s *Service) Events(ctx context.Context, req *dsecv1.SubscribeRequest, send func(*dsecv1.Event) error, heartbeats bool) error {
+	return stream(send, func(send func(*dsecv1.Event) error) error { return s.n.Subscribe(ctx, req, send, heartbeats) })
 }
 
 // Snapshots.

@@ -16,6 +16,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/events"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/sandboxid"
@@ -44,7 +45,14 @@ func NodeOfSnapshot(id string) (string, error) { return sandboxid.SnapshotNode(i
 // the same way.
 func (n *Node) Snapshot(ctx context.Context, req *dsecv1.SnapshotRequest) (_ *dsecv1.SnapshotInfo, err error) {
 	defer n.m.Observe(ctx, metrics.OpSnapshot, n.kindOf(req.GetSandboxId()), time.Now(), &err)
-	return n.snapshot(ctx, req, false, "")
+	info, err := n.snapshot(ctx, req, false, "")
+	if err != nil {
+		return nil, err
+	}
+	if s := n.sandboxes.get(req.GetSandboxId()); s != nil {
+		n.publish(s, events.Snapshotted, s.currentState(), func(ev *dsecv1.Event) { ev.SnapshotId = info.Id })
+	}
+	return info, nil
 }
 
 // snapshot takes a snapshot; an ephemeral one is a fork's, forkKey its
@@ -384,5 +392,13 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (_ *dsecv1.Cre
 		return map[string]string{ForkOfLabel: parent.id, ForkIndexLabel: fmt.Sprint(i)}
 	})
 	resp.SnapshotId = snap.Id
+	n.publish(parent, events.Forked, parent.currentState(), func(ev *dsecv1.Event) {
+		ev.SnapshotId = snap.Id
+		for _, r := range resp.Results {
+			if r.GetSandbox() != nil {
+				ev.Children = append(ev.Children, r.GetSandbox().GetId())
+			}
+		}
+	})
 	return resp, nil
 }

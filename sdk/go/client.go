@@ -50,6 +50,7 @@ type Raw struct {
 	Sessions dsecv1connect.SessionServiceClient
 	Function dsecv1connect.FunctionServiceClient
 	Volumes  dsecv1connect.VolumeServiceClient
+	Events   dsecv1connect.EventServiceClient
 }
 
 // Option configures a Client.
@@ -95,6 +96,7 @@ func New(url string, opts ...Option) *Client {
 		System:                  dsecv1connect.NewSystemServiceClient(c.http, c.url, copts...),
 		Sessions:                dsecv1connect.NewSessionServiceClient(c.http, c.url, copts...),
 		Volumes:                 dsecv1connect.NewVolumeServiceClient(c.http, c.url, copts...),
+		Events:                  dsecv1connect.NewEventServiceClient(c.http, c.url, copts...),
 		// A batch of function calls answers up to 256 MiB.
 		Function: dsecv1connect.NewFunctionServiceClient(c.http, c.url, connect.WithInterceptors(keyInterceptor(c.key)), connect.WithReadMaxBytes(256<<20)),
 	}

@@ -223,6 +223,53 @@ func TestCluster(t *testing.T) {
 		}
 	})
 
+	t.Run("a subscription through one replica follows sandboxes on every node", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		defer cancel()
+		sub, err := c.api(0).Subscribe(ctx, dsec.EventOptions{Labels: "test=events"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sub.Close()
+		made := map[string]bool{}
+		for range 6 {
+			sb, err := create(ctx, c.api(1), dsec.CreateOptions{Labels: map[string]string{"test": "events"}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			made[sb.ID] = true
+		}
+		nodes := map[string]bool{}
+		for range 6 {
+			ev, err := sub.Next()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ev.Type != "created" || !made[ev.SandboxId] || ev.Node != nodeOf(ev.SandboxId) {
+				t.Fatalf("event %v, want the creation of one of %v", ev, made)
+			}
+			nodes[ev.Node] = true
+		}
+		if len(nodes) < 2 {
+			t.Errorf("the six creates' events came from nodes %v only", nodes)
+		}
+		for id := range made {
+			if err := c.api(1).Delete(ctx, id); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for range 6 {
+			ev, err := sub.Next()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ev.Type != "ended" || !made[ev.SandboxId] || ev.Cause != "deleted" {
+				t.Fatalf("event %v, want a deletion", ev)
+			}
+			delete(made, ev.SandboxId)
+		}
+	})
+
 	t.Run("dsec get -o json shows the owning node", func(t *testing.T) {
 		out, err := c.cli("--url", c.apis[1].URL, "--api-key", akey, "get", ids[0], "-o", "json")
 		if err != nil {

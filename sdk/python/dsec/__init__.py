@@ -12,6 +12,7 @@ Standard library only. Every error is a :class:`DsecError` with ``.infra``
 
 from .client import Client, ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, SnapshotInfo, quote, request_id
 from .session import Session
+from .events import Event, EventStream
 from .runkeys import RunKeys
 from .aio import AsyncClient, AsyncSandbox
 from .functions import Checker, RunCodeResult
@@ -53,6 +54,8 @@ __all__ = [
     "SandboxInfo",
     "ExecResult",
     "ExecEvent",
+    "Event",
+    "EventStream",
     "FileInfo",
     "quote",
     "request_id",

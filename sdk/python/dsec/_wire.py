@@ -101,6 +101,7 @@ class Transport:
 
     def __init__(self, url: str, api_key: Optional[str], timeout: float) -> None:
         u = urllib.parse.urlsplit(url)
+        self.url = url
         if u.scheme not in ("http", "https"):
             raise ValueError(f"dsec URL must be http:// or https://, got {url!r}")
         self.scheme = u.scheme

@@ -11,6 +11,7 @@ from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, T
 
 from . import _wire
 from .errors import DsecError, NotFound, SandboxGone, make_error
+from .events import EventStream, subscribe
 from .network import Network, NetworkLog, NetworkPolicy, PolicyLike, policy_wire
 from .volumes import _VOLUMES, MountLike, Volume, mount_wire
 
@@ -767,6 +768,21 @@ class Client:
     def sandbox(self, sandbox_id: str) -> Sandbox:
         """A handle to an existing sandbox, without a call."""
         return Sandbox(self, sandbox_id)
+
+    def events(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None,
+               types: Optional[Sequence[str]] = None, project: Optional[str] = None) -> EventStream:
+        """Subscribe to the lifecycle events of your sandboxes whose labels
+        match ``labels`` or ``selector`` (and, with ``types``, only those
+        types: created, paused, resumed, snapshotted, forked, ended). It
+        returns once the subscription is in place: every later event
+        reaches it. Iterate the stream; close it when done::
+
+            with client.events({"job": "rollout-7"}, types=["ended"]) as stream:
+                for ev in stream:
+                    print(ev.sandbox_id, ev.cause, ev.infra)
+
+        An operator's key sees every project's (``project`` narrows)."""
+        return subscribe(self._t, labels, selector, types, project)
 
     def list(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None,
              state: Optional[str] = None) -> List[SandboxInfo]:

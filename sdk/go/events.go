@@ -1,0 +1,65 @@
+package dsec
+
+import (
+	"context"
+	"errors"
+	"io"
+
+	"connectrpc.com/connect"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+)
+
+// EventOptions choose the events of a subscription.
+type EventOptions struct {
+	// Labels is a label selector ("k=v,k2"), as List takes.
+	Labels string
+	// Types are the event types wanted (empty: all): created, paused,
+	// resumed, snapshotted, forked, ended.
+	Types []string
+	// Project, for an operator's key, narrows to one project.
+	Project string
+}
+
+// Events is a subscription to sandbox lifecycle events.
+type Events struct {
+	st *connect.ServerStreamForClient[dsecv1.Event]
+}
+
+// Subscribe opens a subscription to the lifecycle events of the caller's
+// sandboxes. It returns once the subscription is in place: every event
+// after that reaches it. Close it when done (or cancel ctx).
+func (c *Client) Subscribe(ctx context.Context, o EventOptions) (*Events, error) {
+	st, err := c.raw.Events.Subscribe(ctx, connect.NewRequest(&dsecv1.SubscribeRequest{LabelSelector: o.Labels, Types: o.Types, Project: o.Project}))
+	if err != nil {
+		return nil, asError(err)
+	}
+	if !st.Receive() { // the first event: a heartbeat once every node streams
+		err := st.Err()
+		st.Close()
+		if err == nil {
+			err = errors.New("event stream ended before it started")
+		}
+		return nil, asError(err)
+	}
+	return &Events{st: st}, nil
+}
+
+// Next returns the next event, waiting for it. A "dropped" event says the
+// subscriber fell behind and lost Dropped events (0: an unknown number, a
+// node's stream broke). Heartbeats are skipped. After Close, or when the
+// subscription's context ends, it returns io.EOF or the context's error.
+func (e *Events) Next() (*dsecv1.Event, error) {
+	for e.st.Receive() {
+		if ev := e.st.Msg(); ev.GetType() != "heartbeat" {
+			return ev, nil
+		}
+	}
+	if err := e.st.Err(); err != nil {
+		return nil, asError(err)
+	}
+	return nil, io.EOF
+}
+
+// Close ends the subscription.
+func (e *Events) Close() error { return e.st.Close() }

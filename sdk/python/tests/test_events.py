@@ -1,0 +1,58 @@
+"""Lifecycle events through the Python SDK against a real server."""
+
+import threading
+import time
+
+import pytest
+
+import dsec
+
+
+def test_events_follow_a_sandbox_and_leave_others_out(client):
+    job = f"events-{time.monotonic_ns()}"
+    with client.events({"job": job}) as stream:
+        sb = client.create(image="busybox", labels={"job": job}, ttl_s=600)
+        other = client.create(image="busybox", labels={"job": job + "-not"}, ttl_s=600)
+        sb.pause()
+        sb.resume()
+        sb.close()
+        seen = []
+        for ev in stream:
+            assert ev.sandbox_id == sb.id, f"an event of another sandbox: {ev}"
+            seen.append(ev)
+            if ev.type == "ended":
+                break
+        other.close()
+    assert [e.type for e in seen] == ["created", "paused", "resumed", "ended"]
+    created, ended = seen[0], seen[-1]
+    assert created.labels["job"] == job and created.kind == "container" and created.state == "running"
+    assert ended.cause == "deleted" and not ended.infra and ended.state == "deleted" and ended.reason
+
+
+def test_a_stream_runs_beside_the_clients_other_calls(client):
+    """The stream has its own connection: the same thread and others go on
+    calling while it is open, and a thread can wait on it."""
+    job = f"events-thread-{time.monotonic_ns()}"
+    got = []
+    stream = client.events({"job": job}, types=["ended"])
+
+    def consume():
+        for ev in stream:
+            got.append(ev)
+            return
+
+    t = threading.Thread(target=consume)
+    t.start()
+    sb = client.create(image="busybox", labels={"job": job}, ttl_s=600)
+    assert sb.exec("echo hi").stdout == "hi\n"
+    sb.close()
+    t.join(30)
+    stream.close()
+    assert not t.is_alive() and len(got) == 1 and got[0].sandbox_id == sb.id and got[0].type == "ended"
+
+
+def test_a_bad_subscription_is_refused_at_once(client):
+    with pytest.raises(dsec.InvalidRequest):
+        client.events(types=["exploded"])
+    with pytest.raises(dsec.InvalidRequest):
+        client.events(selector="bad key=1")
