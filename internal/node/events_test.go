@@ -115,6 +115,19 @@ func TestEventsFollowEverySandboxFromCreateToEnd(t *testing.T) {
 	if ev := jobY.next(); ev.SandboxId != b.Id || ev.Type != events.Ended || ev.Cause != "ttl" || !ev.Infra || ev.State != "failed" {
 		t.Fatalf("job=y subscriber's first event %v, want b's end at its TTL", ev)
 	}
+	// After the end, get says when and why.
+	for _, c := range []struct {
+		id, cause string
+		infra     bool
+	}{{a.Id, "deleted", false}, {b.Id, "ttl", true}} {
+		sb, err := tn.Get(bg, c.id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sb.EndCause != c.cause || sb.Infra != c.infra || sb.EndedAt == nil || sb.Reason == "" {
+			t.Errorf("get %s after its end: cause %q infra %v ended %v reason %q", c.id, sb.EndCause, sb.Infra, sb.EndedAt, sb.Reason)
+		}
+	}
 	// The other project saw none of this: its first event is its own.
 	mine := tn.create(as("other"), nil)
 	if ev := other.next(); ev.SandboxId != mine.Id || ev.Type != events.Created {

@@ -456,6 +456,7 @@ func (n *Node) tombstoneView(t *record) *dsecv1.Sandbox {
 	return &dsecv1.Sandbox{
 		Id: t.ID, Node: n.cfg.Name, State: t.State, Reason: t.Reason, Spec: spec,
 		CreatedAt: timestamppb.New(t.Created), ExpiresAt: timestamppb.New(t.Deleted),
+		EndedAt: timestamppb.New(t.Deleted), EndCause: t.Cause, Infra: t.Infra,
 	}
 }
 

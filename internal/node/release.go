@@ -75,7 +75,7 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 			rec = s.record()
 		}
 		t := *rec
-		t.State, t.Reason, t.Deleted, t.Infra, t.Driver = final.String(), why.reason, time.Now().UTC(), why.infra, nil
+		t.State, t.Reason, t.Cause, t.Deleted, t.Infra, t.Driver = final.String(), why.reason, why.cause, time.Now().UTC(), why.infra, nil
 		if err := n.store.bury(&t); err != nil {
 			n.log.Error("persist sandbox deletion", slog.String("sandbox_id", s.id), slog.Any("error", err))
 		}

@@ -33,6 +33,7 @@ type record struct {
 	IdemKey  string    `json:"idem_key,omitempty"`
 	Deleted  time.Time `json:"deleted,omitempty"`
 	Infra    bool      `json:"infra,omitempty"` // the end was the platform's doing
+	Cause    string    `json:"cause,omitempty"` // the end's class (end.cause)
 	Hostname string    `json:"hostname,omitempty"`
 	Project  string    `json:"project,omitempty"`
 	// NetPolicy is the sandbox's network (protojson of dsecv1.Network)

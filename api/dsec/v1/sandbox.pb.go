@@ -1001,11 +1001,17 @@ type Sandbox struct {
 	Node  string `protobuf:"bytes,2,opt,name=node,proto3" json:"node,omitempty"`
 	State string `protobuf:"bytes,3,opt,name=state,proto3" json:"state,omitempty"`
 	// reason explains a non-running state ("deleted by user", "ttl expired").
-	Reason        string                 `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
-	Spec          *SandboxSpec           `protobuf:"bytes,5,opt,name=spec,proto3" json:"spec,omitempty"`
-	CreatedAt     *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
-	ExpiresAt     *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
-	LastActiveAt  *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=last_active_at,json=lastActiveAt,proto3" json:"last_active_at,omitempty"`
+	Reason       string                 `protobuf:"bytes,4,opt,name=reason,proto3" json:"reason,omitempty"`
+	Spec         *SandboxSpec           `protobuf:"bytes,5,opt,name=spec,proto3" json:"spec,omitempty"`
+	CreatedAt    *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	ExpiresAt    *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	LastActiveAt *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=last_active_at,json=lastActiveAt,proto3" json:"last_active_at,omitempty"`
+	// For a sandbox that ended (a tombstone): when, the class of its reason
+	// (deleted, ttl, idle_ttl, paused_ttl, workload_exit, died,
+	// pause_failed, node_down) and whether the platform ended it.
+	EndedAt       *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=ended_at,json=endedAt,proto3" json:"ended_at,omitempty"`
+	EndCause      string                 `protobuf:"bytes,10,opt,name=end_cause,json=endCause,proto3" json:"end_cause,omitempty"`
+	Infra         bool                   `protobuf:"varint,11,opt,name=infra,proto3" json:"infra,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1094,6 +1100,27 @@ func (x *Sandbox) GetLastActiveAt() *timestamppb.Timestamp {
 		return x.LastActiveAt
 	}
 	return nil
+}
+
+func (x *Sandbox) GetEndedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.EndedAt
+	}
+	return nil
+}
+
+func (x *Sandbox) GetEndCause() string {
+	if x != nil {
+		return x.EndCause
+	}
+	return ""
+}
+
+func (x *Sandbox) GetInfra() bool {
+	if x != nil {
+		return x.Infra
+	}
+	return false
 }
 
 type CreateSandboxRequest struct {
@@ -6137,7 +6164,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a?\n" +
 	"\x11NodeSelectorEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xbd\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xa7\x03\n" +
 	"\aSandbox\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04node\x18\x02 \x01(\tR\x04node\x12\x14\n" +
@@ -6148,7 +6175,11 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"created_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x129\n" +
 	"\n" +
 	"expires_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12@\n" +
-	"\x0elast_active_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\flastActiveAt\"\x83\x01\n" +
+	"\x0elast_active_at\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\flastActiveAt\x125\n" +
+	"\bended_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\x12\x1b\n" +
+	"\tend_cause\x18\n" +
+	" \x01(\tR\bendCause\x12\x14\n" +
+	"\x05infra\x18\v \x01(\bR\x05infra\"\x83\x01\n" +
 	"\x14CreateSandboxRequest\x12(\n" +
 	"\x04spec\x18\x01 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12'\n" +
 	"\x0fidempotency_key\x18\x02 \x01(\tR\x0eidempotencyKey\x12\x18\n" +
@@ -6736,131 +6767,132 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	95, // 13: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
 	95, // 14: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
 	95, // 15: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
-	11, // 16: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
-	12, // 17: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	88, // 18: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
-	22, // 19: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
-	21, // 20: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	89, // 21: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
-	31, // 22: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	95, // 23: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
-	90, // 24: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
-	34, // 25: dsec.v1.FileInfo.target:type_name -> dsec.v1.FileInfo
-	34, // 26: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
-	91, // 27: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
-	37, // 28: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
-	34, // 29: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
-	34, // 30: dsec.v1.FsEvent.info:type_name -> dsec.v1.FileInfo
-	48, // 31: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	95, // 32: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	58, // 33: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
-	95, // 34: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
-	59, // 35: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
-	60, // 36: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
-	61, // 37: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
-	62, // 38: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
-	11, // 39: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	11, // 40: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	12, // 41: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	63, // 42: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	65, // 43: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	63, // 44: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	70, // 45: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	95, // 46: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	73, // 47: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	92, // 48: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	95, // 49: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	93, // 50: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
-	21, // 51: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	63, // 52: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	94, // 53: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
-	80, // 54: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	83, // 55: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	13, // 56: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	64, // 57: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	14, // 58: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	15, // 59: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	17, // 60: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	19, // 61: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	67, // 62: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	68, // 63: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	69, // 64: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	69, // 65: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	69, // 66: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	50, // 67: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	6,  // 68: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
-	7,  // 69: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
-	20, // 70: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
-	20, // 71: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
-	24, // 72: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	25, // 73: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	27, // 74: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	29, // 75: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	32, // 76: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	35, // 77: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	38, // 78: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	39, // 79: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
-	40, // 80: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
-	42, // 81: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	43, // 82: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
-	45, // 83: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
-	46, // 84: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
-	47, // 85: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	72, // 86: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	74, // 87: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	76, // 88: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	78, // 89: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
-	79, // 90: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
-	82, // 91: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
-	8,  // 92: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
-	52, // 93: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	54, // 94: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
-	56, // 95: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
-	12, // 96: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	66, // 97: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	12, // 98: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
-	16, // 99: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	18, // 100: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	12, // 101: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
-	12, // 102: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	12, // 103: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	71, // 104: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	71, // 105: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	71, // 106: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	51, // 107: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	2,  // 108: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
-	2,  // 109: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
-	21, // 110: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
-	23, // 111: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
-	23, // 112: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	26, // 113: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	28, // 114: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	30, // 115: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	33, // 116: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	36, // 117: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	34, // 118: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
-	34, // 119: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
-	41, // 120: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
-	34, // 121: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
-	44, // 122: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
-	34, // 123: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
-	34, // 124: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
-	49, // 125: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	73, // 126: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	75, // 127: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	77, // 128: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	66, // 129: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	81, // 130: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
-	84, // 131: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
-	9,  // 132: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
-	53, // 133: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	55, // 134: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
-	57, // 135: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
-	96, // [96:136] is the sub-list for method output_type
-	56, // [56:96] is the sub-list for method input_type
-	56, // [56:56] is the sub-list for extension type_name
-	56, // [56:56] is the sub-list for extension extendee
-	0,  // [0:56] is the sub-list for field type_name
+	95, // 16: dsec.v1.Sandbox.ended_at:type_name -> google.protobuf.Timestamp
+	11, // 17: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
+	12, // 18: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
+	88, // 19: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	22, // 20: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
+	21, // 21: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
+	89, // 22: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	31, // 23: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
+	95, // 24: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	90, // 25: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
+	34, // 26: dsec.v1.FileInfo.target:type_name -> dsec.v1.FileInfo
+	34, // 27: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
+	91, // 28: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
+	37, // 29: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
+	34, // 30: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
+	34, // 31: dsec.v1.FsEvent.info:type_name -> dsec.v1.FileInfo
+	48, // 32: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
+	95, // 33: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	58, // 34: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
+	95, // 35: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
+	59, // 36: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
+	60, // 37: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
+	61, // 38: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
+	62, // 39: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
+	11, // 40: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	11, // 41: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	12, // 42: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	63, // 43: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	65, // 44: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	63, // 45: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	70, // 46: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	95, // 47: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	73, // 48: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	92, // 49: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	95, // 50: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	93, // 51: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	21, // 52: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	63, // 53: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	94, // 54: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
+	80, // 55: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	83, // 56: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	13, // 57: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	64, // 58: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	14, // 59: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	15, // 60: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	17, // 61: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	19, // 62: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	67, // 63: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	68, // 64: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	69, // 65: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	69, // 66: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	69, // 67: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	50, // 68: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	6,  // 69: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
+	7,  // 70: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
+	20, // 71: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
+	20, // 72: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
+	24, // 73: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	25, // 74: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	27, // 75: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	29, // 76: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	32, // 77: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	35, // 78: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	38, // 79: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	39, // 80: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
+	40, // 81: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
+	42, // 82: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	43, // 83: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
+	45, // 84: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
+	46, // 85: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
+	47, // 86: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	72, // 87: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	74, // 88: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	76, // 89: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	78, // 90: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
+	79, // 91: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
+	82, // 92: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
+	8,  // 93: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
+	52, // 94: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	54, // 95: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
+	56, // 96: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	12, // 97: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	66, // 98: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	12, // 99: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
+	16, // 100: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	18, // 101: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	12, // 102: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
+	12, // 103: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	12, // 104: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	71, // 105: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	71, // 106: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	71, // 107: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	51, // 108: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	2,  // 109: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
+	2,  // 110: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
+	21, // 111: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
+	23, // 112: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
+	23, // 113: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	26, // 114: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	28, // 115: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	30, // 116: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	33, // 117: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	36, // 118: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	34, // 119: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
+	34, // 120: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
+	41, // 121: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
+	34, // 122: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
+	44, // 123: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
+	34, // 124: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
+	34, // 125: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
+	49, // 126: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	73, // 127: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	75, // 128: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	77, // 129: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	66, // 130: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	81, // 131: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
+	84, // 132: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
+	9,  // 133: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
+	53, // 134: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	55, // 135: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
+	57, // 136: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	97, // [97:137] is the sub-list for method output_type
+	57, // [57:97] is the sub-list for method input_type
+	57, // [57:57] is the sub-list for extension type_name
+	57, // [57:57] is the sub-list for extension extendee
+	0,  // [0:57] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }

@@ -159,6 +159,12 @@ class SandboxInfo:
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
     runtime: str = ""  # "" is the kind's default runtime
     on_timeout: str = ""  # "" or "delete": the TTL ends the sandbox; "pause": it pauses
+    # An ended sandbox's end: when, its class (deleted, ttl, idle_ttl,
+    # paused_ttl, workload_exit, died, pause_failed, node_down) and whether
+    # the platform ended it.
+    ended_at: str = ""
+    end_cause: str = ""
+    infra: bool = False
 
     @classmethod
     def _from(cls, m: Dict[str, Any]) -> "SandboxInfo":
@@ -168,6 +174,7 @@ class SandboxInfo:
             kind=spec.get("kind", ""), image=spec.get("image", ""), labels=dict(spec.get("labels") or {}),
             created_at=m.get("createdAt", ""), expires_at=m.get("expiresAt", ""), raw=m,
             runtime=spec.get("runtime", ""), on_timeout=spec.get("onTimeout", ""),
+            ended_at=m.get("endedAt", ""), end_cause=m.get("endCause", ""), infra=bool(m.get("infra", False)),
         )
 
 

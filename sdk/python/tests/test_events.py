@@ -27,6 +27,8 @@ def test_events_follow_a_sandbox_and_leave_others_out(client):
     created, ended = seen[0], seen[-1]
     assert created.labels["job"] == job and created.kind == "container" and created.state == "running"
     assert ended.cause == "deleted" and not ended.infra and ended.state == "deleted" and ended.reason
+    gone = client.get(sb.id).info
+    assert gone.end_cause == "deleted" and not gone.infra and gone.ended_at
 
 
 def test_a_stream_runs_beside_the_clients_other_calls(client):
