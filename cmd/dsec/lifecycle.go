@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 	"google.golang.org/protobuf/encoding/protojson"
@@ -13,7 +14,51 @@ import (
 )
 
 func lifecycleCmds(g *globals) []*cobra.Command {
-	return []*cobra.Command{snapshotCmd(g), forkCmd(g), pauseCmd(g, "pause"), pauseCmd(g, "resume"), logCmd(g), replayCmd(g), sessionCmd(g), capacityCmd(g), eventsCmd(g)}
+	return []*cobra.Command{snapshotCmd(g), forkCmd(g), pauseCmd(g, "pause"), pauseCmd(g, "resume"), logCmd(g), replayCmd(g), sessionCmd(g), capacityCmd(g), eventsCmd(g), statsCmd(g)}
+}
+
+func statsCmd(g *globals) *cobra.Command {
+	var history bool
+	cmd := &cobra.Command{
+		Use:   "stats ID [--history]",
+		Short: "Show a sandbox's resource use now, or with --history as the node sampled it (every 5 s, the last 15 minutes)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			sb := g.client().Sandbox(args[0])
+			get := sb.Stats
+			if history {
+				get = sb.StatsHistory
+			}
+			st, err := get(cmd.Context())
+			if err != nil {
+				return err
+			}
+			if g.json() {
+				printJSON(os.Stdout, st)
+				return nil
+			}
+			fmt.Printf("cpu time %s (%g cores), memory %s of %s, disk %s of %s, %d processes, %d OOM kills\n",
+				time.Duration(st.CpuTimeMs)*time.Millisecond, st.CpuLimit, humanBytes(st.MemoryBytes), humanBytes(st.MemoryLimitMb<<20),
+				humanBytes(st.DiskBytes), humanBytes(st.DiskLimitMb<<20), st.Pids, st.OomKills)
+			if !history {
+				return nil
+			}
+			tw := table("TIME", "CPU", "MEMORY", "DISK", "PROCESSES")
+			for i, s := range st.History {
+				cpu := "-"
+				if i > 0 {
+					prev := st.History[i-1]
+					if dt := s.At.AsTime().Sub(prev.At.AsTime()); dt > 0 {
+						cpu = fmt.Sprintf("%.1f%%", float64(s.CpuTimeMs-prev.CpuTimeMs)/float64(dt.Milliseconds())*100)
+					}
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\n", s.At.AsTime().Local().Format("15:04:05"), cpu, humanBytes(s.MemoryBytes), humanBytes(s.DiskBytes), s.Pids)
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().BoolVar(&history, "history", false, "also list the samples the node kept")
+	return cmd
 }
 
 func eventsCmd(g *globals) *cobra.Command {

@@ -530,9 +530,11 @@ type metricJSON struct {
 	DiskTotal     int64   `json:"diskTotal"`
 }
 
-// metrics reports one sample taken now: CPU use over a short window, memory
-// in use against the limit. dsec keeps no metric history; disk use is not
-// measured (0).
+// metrics reports the sandbox's use over its life as the node sampled it
+// (every 5 s, the last 15 minutes), between start and end when given: CPU
+// use over each interval, memory and disk in use against the limits. A
+// sandbox too young for two samples gets one taken now over a short
+// window.
 func (f *Facade) metrics(w http.ResponseWriter, r *http.Request, _ string) {
 	ctx := r.Context()
 	id := r.PathValue("id")
@@ -551,34 +553,47 @@ func (f *Facade) metrics(w http.ResponseWriter, r *http.Request, _ string) {
 			}
 		}
 	}
-	a, err := apiserver.Do(ctx, n, &dsecv1.GetSandboxStatsRequest{Id: id}, apiserver.Node.GetSandboxStats)
+	st, err := apiserver.Do(ctx, n, &dsecv1.GetSandboxStatsRequest{Id: id, History: true}, apiserver.Node.GetSandboxStats)
 	if err != nil {
 		apiError(w, err)
 		return
 	}
-	select {
-	case <-time.After(metricsWindow):
-	case <-ctx.Done():
-		return
+	samples := st.History
+	if len(samples) < 2 {
+		// Two samples now, a short window apart.
+		select {
+		case <-time.After(metricsWindow):
+		case <-ctx.Done():
+			return
+		}
+		b, err := apiserver.Do(ctx, n, &dsecv1.GetSandboxStatsRequest{Id: id}, apiserver.Node.GetSandboxStats)
+		if err != nil {
+			apiError(w, err)
+			return
+		}
+		samples = []*dsecv1.StatsSample{
+			{At: st.At, CpuTimeMs: st.CpuTimeMs, MemoryBytes: st.MemoryBytes, DiskBytes: st.DiskBytes},
+			{At: b.At, CpuTimeMs: b.CpuTimeMs, MemoryBytes: b.MemoryBytes, DiskBytes: b.DiskBytes},
+		}
 	}
-	b, err := apiserver.Do(ctx, n, &dsecv1.GetSandboxStatsRequest{Id: id}, apiserver.Node.GetSandboxStats)
-	if err != nil {
-		apiError(w, err)
-		return
-	}
-	now := b.At.AsTime()
+	cpus := int(math.Ceil(st.CpuLimit))
 	out := []metricJSON{}
-	if (bounds[0] == 0 || now.Unix() >= bounds[0]) && (bounds[1] == 0 || now.Unix() <= bounds[1]) {
-		cpus := int(math.Ceil(b.CpuLimit))
+	for i := 1; i < len(samples); i++ {
+		a, b := samples[i-1], samples[i]
+		at := b.At.AsTime()
+		if (bounds[0] != 0 && at.Unix() < bounds[0]) || (bounds[1] != 0 && at.Unix() > bounds[1]) {
+			continue
+		}
 		pct := 0.0
-		if dt := b.At.AsTime().Sub(a.At.AsTime()); dt > 0 && cpus > 0 {
+		if dt := at.Sub(a.At.AsTime()); dt > 0 && cpus > 0 {
 			pct = float64(b.CpuTimeMs-a.CpuTimeMs) / float64(dt.Milliseconds()) / float64(cpus) * 100
 		}
 		out = append(out, metricJSON{
-			Timestamp: now.UTC().Format(time.RFC3339Nano), TimestampUnix: now.Unix(),
+			Timestamp: at.UTC().Format(time.RFC3339Nano), TimestampUnix: at.Unix(),
 			// Sampling skew aside, the use is bounded by the CPUs.
 			CPUUsedPct: math.Round(min(max(pct, 0), 100)*100) / 100, CPUCount: cpus,
-			MemUsed: b.MemoryBytes, MemTotal: b.MemoryLimitMb << 20,
+			MemUsed: b.MemoryBytes, MemTotal: st.MemoryLimitMb << 20,
+			DiskUsed: b.DiskBytes, DiskTotal: st.DiskLimitMb << 20,
 		})
 	}
 	writeJSON(w, http.StatusOK, out)

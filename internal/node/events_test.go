@@ -161,3 +161,43 @@ func TestASubscriptionAsksOnlyForWhatItMaySee(t *testing.T) {
 		t.Fatalf("operator narrowed to project b got %v first", ev)
 	}
 }
+
+func TestEachSandboxKeepsAHistoryOfItsUse(t *testing.T) {
+	t.Parallel()
+	tn := newTestNode(t, nil)
+	sb := tn.create(bg, nil)
+	tn.sh(bg, sb.Id, "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done") // some CPU
+	var st *dsecv1.SandboxStats
+	eventually(t, "two samples in the sandbox's history", func() bool {
+		var err error
+		if st, err = tn.Stats(bg, sb.Id, true); err != nil {
+			t.Fatal(err)
+		}
+		return len(st.History) >= 2
+	})
+	for i, s := range st.History {
+		if s.At == nil || s.MemoryBytes <= 0 || s.Pids < 1 {
+			t.Errorf("sample %d: %v", i, s)
+		}
+		if i > 0 {
+			prev := st.History[i-1]
+			if !s.At.AsTime().After(prev.At.AsTime()) || s.CpuTimeMs < prev.CpuTimeMs {
+				t.Errorf("samples out of order: %v then %v", prev, s)
+			}
+		}
+	}
+	if now, err := tn.Stats(bg, sb.Id, false); err != nil || len(now.History) != 0 {
+		t.Errorf("stats without history: %v %v", now, err)
+	}
+}
+
+func TestAHistoryKeepsItsLastSamplesInOrder(t *testing.T) {
+	var h history
+	for i := range historyLen + 7 {
+		h.add(usage{at: int64(i)})
+	}
+	got := h.samples()
+	if len(got) != historyLen || got[0].At.AsTime().UnixMilli() != 7 || got[historyLen-1].At.AsTime().UnixMilli() != historyLen+6 {
+		t.Fatalf("%d samples from %v to %v", len(got), got[0].At.AsTime().UnixMilli(), got[len(got)-1].At.AsTime().UnixMilli())
+	}
+}

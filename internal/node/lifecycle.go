@@ -234,7 +234,7 @@ func ItemError(err error) *dsecv1.ItemError {
 
 // Stats reports a sandbox's resource use. It neither resumes a paused
 // sandbox nor counts as activity.
-func (n *Node) Stats(ctx context.Context, id string) (*dsecv1.SandboxStats, error) {
+func (n *Node) Stats(ctx context.Context, id string, withHistory bool) (*dsecv1.SandboxStats, error) {
 	s, err := n.lookup(ctx, id)
 	if err != nil {
 		return nil, err
@@ -246,10 +246,14 @@ func (n *Node) Stats(ctx context.Context, id string) (*dsecv1.SandboxStats, erro
 	if err != nil {
 		return nil, err
 	}
-	return &dsecv1.SandboxStats{
+	out := &dsecv1.SandboxStats{
 		Id: id, At: timestamppb.Now(), CpuTimeMs: st.CPUTime.Milliseconds(), MemoryBytes: st.MemoryBytes,
 		Pids: st.Pids, OomKills: st.OOMKills,
 		CpuLimit: s.spec.Resources.GetCpu(), MemoryLimitMb: s.spec.Resources.GetMemoryMb(),
 		DiskBytes: st.DiskBytes, DiskLimitMb: st.DiskLimitBytes >> 20,
-	}, nil
+	}
+	if withHistory {
+		out.History = s.history.samples()
+	}
+	return out, nil
 }

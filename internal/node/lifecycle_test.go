@@ -212,7 +212,7 @@ func TestPauseOnCall(t *testing.T) {
 	}
 
 	t.Run("stats neither resume a paused sandbox nor count as activity", func(t *testing.T) {
-		if _, err := tn.Stats(bg, sb.Id); err != nil {
+		if _, err := tn.Stats(bg, sb.Id, false); err != nil {
 			t.Fatal(err)
 		}
 		if st, _ := tn.state(sb.Id); st != "paused" {

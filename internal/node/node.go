@@ -253,8 +253,9 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 	n.releaseUnusedSnapshots()
 	n.removeOrphanSnapshotDirs()
 	n.pools = newPools(n, cfg.Pools)
-	n.wg.Add(1)
+	n.wg.Add(2)
 	go n.reaper()
+	go n.sampler()
 	go n.emptyTrash()
 	for _, d := range drivers {
 		if d, ok := d.(substrate.Starter); ok {

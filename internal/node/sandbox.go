@@ -37,6 +37,7 @@ type sandbox struct {
 	lastActive atomic.Int64
 	oomKills   atomic.Int64
 	pidsHits   atomic.Int64
+	history    history // samples of its use (history.go)
 
 	mu      sync.Mutex
 	state   state

@@ -126,7 +126,7 @@ func (s *Service) DeleteSandboxes(ctx context.Context, req *connect.Request[dsec
 }
 
 func (s *Service) GetSandboxStats(ctx context.Context, req *connect.Request[dsecv1.GetSandboxStatsRequest]) (*connect.Response[dsecv1.SandboxStats], error) {
-	return answer(s.n.Stats(ctx, req.Msg.GetId()))
+	return answer(s.n.Stats(ctx, req.Msg.GetId(), req.Msg.GetHistory()))
 }
 
 func (s *Service) SetNetworkPolicy(ctx context.Context, req *connect.Request[dsecv1.SetNetworkPolicyRequest]) (*connect.Response[dsecv1.Network], error) {

@@ -380,3 +380,13 @@ func (s *Sandbox) Stats(ctx context.Context) (*dsecv1.SandboxStats, error) {
 	}
 	return r.Msg, nil
 }
+
+// StatsHistory is Stats with the samples the node kept of the sandbox's
+// use (History: every 5 s, the last 15 minutes, oldest first).
+func (s *Sandbox) StatsHistory(ctx context.Context) (*dsecv1.SandboxStats, error) {
+	r, err := s.c.raw.GetSandboxStats(ctx, connect.NewRequest(&dsecv1.GetSandboxStatsRequest{Id: s.ID, History: true}))
+	if err != nil {
+		return nil, asError(err)
+	}
+	return r.Msg, nil
+}

@@ -3784,8 +3784,10 @@ func (*WatchDirEvent_Keepalive) isWatchDirEvent_Event() {}
 func (*WatchDirEvent_Overflow) isWatchDirEvent_Event() {}
 
 type GetSandboxStatsRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// history also returns the samples the node kept of the sandbox's life.
+	History       bool `protobuf:"varint,2,opt,name=history,proto3" json:"history,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3827,6 +3829,92 @@ func (x *GetSandboxStatsRequest) GetId() string {
 	return ""
 }
 
+func (x *GetSandboxStatsRequest) GetHistory() bool {
+	if x != nil {
+		return x.History
+	}
+	return false
+}
+
+// StatsSample is one sample of a sandbox's use, as the node takes them
+// every 5 s (less often on a node with thousands of sandboxes: it samples
+// at most 200 sandboxes a second).
+type StatsSample struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	At            *timestamppb.Timestamp `protobuf:"bytes,1,opt,name=at,proto3" json:"at,omitempty"`
+	CpuTimeMs     int64                  `protobuf:"varint,2,opt,name=cpu_time_ms,json=cpuTimeMs,proto3" json:"cpu_time_ms,omitempty"`
+	MemoryBytes   int64                  `protobuf:"varint,3,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	DiskBytes     int64                  `protobuf:"varint,4,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	Pids          int64                  `protobuf:"varint,5,opt,name=pids,proto3" json:"pids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StatsSample) Reset() {
+	*x = StatsSample{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StatsSample) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StatsSample) ProtoMessage() {}
+
+func (x *StatsSample) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StatsSample.ProtoReflect.Descriptor instead.
+func (*StatsSample) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
+}
+
+func (x *StatsSample) GetAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.At
+	}
+	return nil
+}
+
+func (x *StatsSample) GetCpuTimeMs() int64 {
+	if x != nil {
+		return x.CpuTimeMs
+	}
+	return 0
+}
+
+func (x *StatsSample) GetMemoryBytes() int64 {
+	if x != nil {
+		return x.MemoryBytes
+	}
+	return 0
+}
+
+func (x *StatsSample) GetDiskBytes() int64 {
+	if x != nil {
+		return x.DiskBytes
+	}
+	return 0
+}
+
+func (x *StatsSample) GetPids() int64 {
+	if x != nil {
+		return x.Pids
+	}
+	return 0
+}
+
 type SandboxStats struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -3845,15 +3933,18 @@ type SandboxStats struct {
 	// disk_limit_mb its size (the sandbox's resources.disk_mb, or the node's
 	// default); both 0 where the node does not limit disks (kinds other than
 	// container and function, or a node without per-sandbox file systems).
-	DiskBytes     int64 `protobuf:"varint,9,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
-	DiskLimitMb   int64 `protobuf:"varint,10,opt,name=disk_limit_mb,json=diskLimitMb,proto3" json:"disk_limit_mb,omitempty"`
+	DiskBytes   int64 `protobuf:"varint,9,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	DiskLimitMb int64 `protobuf:"varint,10,opt,name=disk_limit_mb,json=diskLimitMb,proto3" json:"disk_limit_mb,omitempty"`
+	// history, when asked for, holds the samples the node kept, oldest
+	// first: up to the last 180 (15 minutes at 5 s).
+	History       []*StatsSample `protobuf:"bytes,11,rep,name=history,proto3" json:"history,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SandboxStats) Reset() {
 	*x = SandboxStats{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3865,7 +3956,7 @@ func (x *SandboxStats) String() string {
 func (*SandboxStats) ProtoMessage() {}
 
 func (x *SandboxStats) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3878,7 +3969,7 @@ func (x *SandboxStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxStats.ProtoReflect.Descriptor instead.
 func (*SandboxStats) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *SandboxStats) GetId() string {
@@ -3951,6 +4042,13 @@ func (x *SandboxStats) GetDiskLimitMb() int64 {
 	return 0
 }
 
+func (x *SandboxStats) GetHistory() []*StatsSample {
+	if x != nil {
+		return x.History
+	}
+	return nil
+}
+
 type ScreenshotRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
@@ -3960,7 +4058,7 @@ type ScreenshotRequest struct {
 
 func (x *ScreenshotRequest) Reset() {
 	*x = ScreenshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3972,7 +4070,7 @@ func (x *ScreenshotRequest) String() string {
 func (*ScreenshotRequest) ProtoMessage() {}
 
 func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3985,7 +4083,7 @@ func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotRequest.ProtoReflect.Descriptor instead.
 func (*ScreenshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *ScreenshotRequest) GetSandboxId() string {
@@ -4008,7 +4106,7 @@ type ScreenshotResponse struct {
 
 func (x *ScreenshotResponse) Reset() {
 	*x = ScreenshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4020,7 +4118,7 @@ func (x *ScreenshotResponse) String() string {
 func (*ScreenshotResponse) ProtoMessage() {}
 
 func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4033,7 +4131,7 @@ func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotResponse.ProtoReflect.Descriptor instead.
 func (*ScreenshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *ScreenshotResponse) GetPng() []byte {
@@ -4068,7 +4166,7 @@ type SendInputRequest struct {
 
 func (x *SendInputRequest) Reset() {
 	*x = SendInputRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4080,7 +4178,7 @@ func (x *SendInputRequest) String() string {
 func (*SendInputRequest) ProtoMessage() {}
 
 func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4093,7 +4191,7 @@ func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputRequest.ProtoReflect.Descriptor instead.
 func (*SendInputRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *SendInputRequest) GetSandboxId() string {
@@ -4118,7 +4216,7 @@ type SendInputResponse struct {
 
 func (x *SendInputResponse) Reset() {
 	*x = SendInputResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4130,7 +4228,7 @@ func (x *SendInputResponse) String() string {
 func (*SendInputResponse) ProtoMessage() {}
 
 func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4143,7 +4241,7 @@ func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputResponse.ProtoReflect.Descriptor instead.
 func (*SendInputResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
 }
 
 type OpenVNCRequest struct {
@@ -4155,7 +4253,7 @@ type OpenVNCRequest struct {
 
 func (x *OpenVNCRequest) Reset() {
 	*x = OpenVNCRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4167,7 +4265,7 @@ func (x *OpenVNCRequest) String() string {
 func (*OpenVNCRequest) ProtoMessage() {}
 
 func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4180,7 +4278,7 @@ func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCRequest.ProtoReflect.Descriptor instead.
 func (*OpenVNCRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *OpenVNCRequest) GetSandboxId() string {
@@ -4205,7 +4303,7 @@ type OpenVNCResponse struct {
 
 func (x *OpenVNCResponse) Reset() {
 	*x = OpenVNCResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4217,7 +4315,7 @@ func (x *OpenVNCResponse) String() string {
 func (*OpenVNCResponse) ProtoMessage() {}
 
 func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4230,7 +4328,7 @@ func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCResponse.ProtoReflect.Descriptor instead.
 func (*OpenVNCResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *OpenVNCResponse) GetAddress() string {
@@ -4272,7 +4370,7 @@ type InputAction struct {
 
 func (x *InputAction) Reset() {
 	*x = InputAction{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4284,7 +4382,7 @@ func (x *InputAction) String() string {
 func (*InputAction) ProtoMessage() {}
 
 func (x *InputAction) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4297,7 +4395,7 @@ func (x *InputAction) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InputAction.ProtoReflect.Descriptor instead.
 func (*InputAction) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *InputAction) GetAction() isInputAction_Action {
@@ -4424,7 +4522,7 @@ type Point struct {
 
 func (x *Point) Reset() {
 	*x = Point{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4436,7 +4534,7 @@ func (x *Point) String() string {
 func (*Point) ProtoMessage() {}
 
 func (x *Point) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4449,7 +4547,7 @@ func (x *Point) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Point.ProtoReflect.Descriptor instead.
 func (*Point) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *Point) GetX() int32 {
@@ -4480,7 +4578,7 @@ type MouseClick struct {
 
 func (x *MouseClick) Reset() {
 	*x = MouseClick{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4492,7 +4590,7 @@ func (x *MouseClick) String() string {
 func (*MouseClick) ProtoMessage() {}
 
 func (x *MouseClick) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4505,7 +4603,7 @@ func (x *MouseClick) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseClick.ProtoReflect.Descriptor instead.
 func (*MouseClick) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *MouseClick) GetX() int32 {
@@ -4547,7 +4645,7 @@ type MouseButton struct {
 
 func (x *MouseButton) Reset() {
 	*x = MouseButton{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4559,7 +4657,7 @@ func (x *MouseButton) String() string {
 func (*MouseButton) ProtoMessage() {}
 
 func (x *MouseButton) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4572,7 +4670,7 @@ func (x *MouseButton) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseButton.ProtoReflect.Descriptor instead.
 func (*MouseButton) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *MouseButton) GetButton() string {
@@ -4600,7 +4698,7 @@ type MouseScroll struct {
 
 func (x *MouseScroll) Reset() {
 	*x = MouseScroll{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4612,7 +4710,7 @@ func (x *MouseScroll) String() string {
 func (*MouseScroll) ProtoMessage() {}
 
 func (x *MouseScroll) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4625,7 +4723,7 @@ func (x *MouseScroll) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseScroll.ProtoReflect.Descriptor instead.
 func (*MouseScroll) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *MouseScroll) GetDx() int32 {
@@ -4656,7 +4754,7 @@ type ItemError struct {
 
 func (x *ItemError) Reset() {
 	*x = ItemError{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4668,7 +4766,7 @@ func (x *ItemError) String() string {
 func (*ItemError) ProtoMessage() {}
 
 func (x *ItemError) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4681,7 +4779,7 @@ func (x *ItemError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemError.ProtoReflect.Descriptor instead.
 func (*ItemError) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *ItemError) GetKind() string {
@@ -4733,7 +4831,7 @@ type CreateSandboxesRequest struct {
 
 func (x *CreateSandboxesRequest) Reset() {
 	*x = CreateSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4745,7 +4843,7 @@ func (x *CreateSandboxesRequest) String() string {
 func (*CreateSandboxesRequest) ProtoMessage() {}
 
 func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4758,7 +4856,7 @@ func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *CreateSandboxesRequest) GetSpec() *SandboxSpec {
@@ -4800,7 +4898,7 @@ type CreateResult struct {
 
 func (x *CreateResult) Reset() {
 	*x = CreateResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4812,7 +4910,7 @@ func (x *CreateResult) String() string {
 func (*CreateResult) ProtoMessage() {}
 
 func (x *CreateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4825,7 +4923,7 @@ func (x *CreateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateResult.ProtoReflect.Descriptor instead.
 func (*CreateResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *CreateResult) GetIndex() int32 {
@@ -4862,7 +4960,7 @@ type CreateSandboxesResponse struct {
 
 func (x *CreateSandboxesResponse) Reset() {
 	*x = CreateSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4874,7 +4972,7 @@ func (x *CreateSandboxesResponse) String() string {
 func (*CreateSandboxesResponse) ProtoMessage() {}
 
 func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4887,7 +4985,7 @@ func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *CreateSandboxesResponse) GetResults() []*CreateResult {
@@ -4927,7 +5025,7 @@ type PauseSandboxRequest struct {
 
 func (x *PauseSandboxRequest) Reset() {
 	*x = PauseSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4939,7 +5037,7 @@ func (x *PauseSandboxRequest) String() string {
 func (*PauseSandboxRequest) ProtoMessage() {}
 
 func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4952,7 +5050,7 @@ func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseSandboxRequest.ProtoReflect.Descriptor instead.
 func (*PauseSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *PauseSandboxRequest) GetId() string {
@@ -4971,7 +5069,7 @@ type ResumeSandboxRequest struct {
 
 func (x *ResumeSandboxRequest) Reset() {
 	*x = ResumeSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4983,7 +5081,7 @@ func (x *ResumeSandboxRequest) String() string {
 func (*ResumeSandboxRequest) ProtoMessage() {}
 
 func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4996,7 +5094,7 @@ func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeSandboxRequest.ProtoReflect.Descriptor instead.
 func (*ResumeSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *ResumeSandboxRequest) GetId() string {
@@ -5015,7 +5113,7 @@ type BulkRequest struct {
 
 func (x *BulkRequest) Reset() {
 	*x = BulkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5027,7 +5125,7 @@ func (x *BulkRequest) String() string {
 func (*BulkRequest) ProtoMessage() {}
 
 func (x *BulkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5040,7 +5138,7 @@ func (x *BulkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRequest.ProtoReflect.Descriptor instead.
 func (*BulkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *BulkRequest) GetLabelSelector() string {
@@ -5060,7 +5158,7 @@ type BulkFailure struct {
 
 func (x *BulkFailure) Reset() {
 	*x = BulkFailure{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5072,7 +5170,7 @@ func (x *BulkFailure) String() string {
 func (*BulkFailure) ProtoMessage() {}
 
 func (x *BulkFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5085,7 +5183,7 @@ func (x *BulkFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkFailure.ProtoReflect.Descriptor instead.
 func (*BulkFailure) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *BulkFailure) GetId() string {
@@ -5112,7 +5210,7 @@ type BulkResponse struct {
 
 func (x *BulkResponse) Reset() {
 	*x = BulkResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5124,7 +5222,7 @@ func (x *BulkResponse) String() string {
 func (*BulkResponse) ProtoMessage() {}
 
 func (x *BulkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5137,7 +5235,7 @@ func (x *BulkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkResponse.ProtoReflect.Descriptor instead.
 func (*BulkResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *BulkResponse) GetIds() []string {
@@ -5165,7 +5263,7 @@ type SnapshotRequest struct {
 
 func (x *SnapshotRequest) Reset() {
 	*x = SnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5177,7 +5275,7 @@ func (x *SnapshotRequest) String() string {
 func (*SnapshotRequest) ProtoMessage() {}
 
 func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5190,7 +5288,7 @@ func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *SnapshotRequest) GetSandboxId() string {
@@ -5224,7 +5322,7 @@ type SnapshotInfo struct {
 
 func (x *SnapshotInfo) Reset() {
 	*x = SnapshotInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5236,7 +5334,7 @@ func (x *SnapshotInfo) String() string {
 func (*SnapshotInfo) ProtoMessage() {}
 
 func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5249,7 +5347,7 @@ func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotInfo.ProtoReflect.Descriptor instead.
 func (*SnapshotInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *SnapshotInfo) GetId() string {
@@ -5316,7 +5414,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5328,7 +5426,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5341,7 +5439,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
 }
 
 type ListSnapshotsResponse struct {
@@ -5353,7 +5451,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5365,7 +5463,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5378,7 +5476,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*SnapshotInfo {
@@ -5397,7 +5495,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5409,7 +5507,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5422,7 +5520,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{76}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *DeleteSnapshotRequest) GetId() string {
@@ -5440,7 +5538,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5452,7 +5550,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5465,7 +5563,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{77}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{78}
 }
 
 type ForkRequest struct {
@@ -5482,7 +5580,7 @@ type ForkRequest struct {
 
 func (x *ForkRequest) Reset() {
 	*x = ForkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5494,7 +5592,7 @@ func (x *ForkRequest) String() string {
 func (*ForkRequest) ProtoMessage() {}
 
 func (x *ForkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5507,7 +5605,7 @@ func (x *ForkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkRequest.ProtoReflect.Descriptor instead.
 func (*ForkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{78}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *ForkRequest) GetSandboxId() string {
@@ -5556,7 +5654,7 @@ type GetLogRequest struct {
 
 func (x *GetLogRequest) Reset() {
 	*x = GetLogRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5568,7 +5666,7 @@ func (x *GetLogRequest) String() string {
 func (*GetLogRequest) ProtoMessage() {}
 
 func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5581,7 +5679,7 @@ func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogRequest.ProtoReflect.Descriptor instead.
 func (*GetLogRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{79}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *GetLogRequest) GetSandboxId() string {
@@ -5641,7 +5739,7 @@ type LogEntry struct {
 
 func (x *LogEntry) Reset() {
 	*x = LogEntry{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5653,7 +5751,7 @@ func (x *LogEntry) String() string {
 func (*LogEntry) ProtoMessage() {}
 
 func (x *LogEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5666,7 +5764,7 @@ func (x *LogEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogEntry.ProtoReflect.Descriptor instead.
 func (*LogEntry) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{80}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *LogEntry) GetSeq() uint64 {
@@ -5827,7 +5925,7 @@ type GetLogResponse struct {
 
 func (x *GetLogResponse) Reset() {
 	*x = GetLogResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5839,7 +5937,7 @@ func (x *GetLogResponse) String() string {
 func (*GetLogResponse) ProtoMessage() {}
 
 func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5852,7 +5950,7 @@ func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogResponse.ProtoReflect.Descriptor instead.
 func (*GetLogResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{81}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{82}
 }
 
 func (x *GetLogResponse) GetEntries() []*LogEntry {
@@ -5889,7 +5987,7 @@ type ReplayRequest struct {
 
 func (x *ReplayRequest) Reset() {
 	*x = ReplayRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5901,7 +5999,7 @@ func (x *ReplayRequest) String() string {
 func (*ReplayRequest) ProtoMessage() {}
 
 func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5914,7 +6012,7 @@ func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayRequest.ProtoReflect.Descriptor instead.
 func (*ReplayRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{82}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{83}
 }
 
 func (x *ReplayRequest) GetSandboxId() string {
@@ -5951,7 +6049,7 @@ type ReplayStep struct {
 
 func (x *ReplayStep) Reset() {
 	*x = ReplayStep{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5963,7 +6061,7 @@ func (x *ReplayStep) String() string {
 func (*ReplayStep) ProtoMessage() {}
 
 func (x *ReplayStep) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5976,7 +6074,7 @@ func (x *ReplayStep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayStep.ProtoReflect.Descriptor instead.
 func (*ReplayStep) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{83}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *ReplayStep) GetSeq() uint64 {
@@ -6026,7 +6124,7 @@ type ReplayResponse struct {
 
 func (x *ReplayResponse) Reset() {
 	*x = ReplayResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6038,7 +6136,7 @@ func (x *ReplayResponse) String() string {
 func (*ReplayResponse) ProtoMessage() {}
 
 func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6051,7 +6149,7 @@ func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayResponse.ProtoReflect.Descriptor instead.
 func (*ReplayResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{84}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{85}
 }
 
 func (x *ReplayResponse) GetSandboxId() string {
@@ -6401,9 +6499,17 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x06change\x18\x02 \x01(\v2\x10.dsec.v1.FsEventH\x00R\x06change\x12\x1e\n" +
 	"\tkeepalive\x18\x03 \x01(\bH\x00R\tkeepalive\x12\x1c\n" +
 	"\boverflow\x18\x04 \x01(\bH\x00R\boverflowB\a\n" +
-	"\x05event\"(\n" +
+	"\x05event\"B\n" +
 	"\x16GetSandboxStatsRequest\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\tR\x02id\"\xc6\x02\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x18\n" +
+	"\ahistory\x18\x02 \x01(\bR\ahistory\"\xaf\x01\n" +
+	"\vStatsSample\x12*\n" +
+	"\x02at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x12\x1e\n" +
+	"\vcpu_time_ms\x18\x02 \x01(\x03R\tcpuTimeMs\x12!\n" +
+	"\fmemory_bytes\x18\x03 \x01(\x03R\vmemoryBytes\x12\x1d\n" +
+	"\n" +
+	"disk_bytes\x18\x04 \x01(\x03R\tdiskBytes\x12\x12\n" +
+	"\x04pids\x18\x05 \x01(\x03R\x04pids\"\xf6\x02\n" +
 	"\fSandboxStats\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12*\n" +
 	"\x02at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x12\x1e\n" +
@@ -6416,7 +6522,8 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"disk_bytes\x18\t \x01(\x03R\tdiskBytes\x12\"\n" +
 	"\rdisk_limit_mb\x18\n" +
-	" \x01(\x03R\vdiskLimitMb\"2\n" +
+	" \x01(\x03R\vdiskLimitMb\x12.\n" +
+	"\ahistory\x18\v \x03(\v2\x14.dsec.v1.StatsSampleR\ahistory\"2\n" +
 	"\x11ScreenshotRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\"T\n" +
@@ -6650,7 +6757,7 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 95)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 96)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
 	(*Resources)(nil),               // 1: dsec.v1.Resources
@@ -6703,52 +6810,53 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*FsEvent)(nil),                 // 48: dsec.v1.FsEvent
 	(*WatchDirEvent)(nil),           // 49: dsec.v1.WatchDirEvent
 	(*GetSandboxStatsRequest)(nil),  // 50: dsec.v1.GetSandboxStatsRequest
-	(*SandboxStats)(nil),            // 51: dsec.v1.SandboxStats
-	(*ScreenshotRequest)(nil),       // 52: dsec.v1.ScreenshotRequest
-	(*ScreenshotResponse)(nil),      // 53: dsec.v1.ScreenshotResponse
-	(*SendInputRequest)(nil),        // 54: dsec.v1.SendInputRequest
-	(*SendInputResponse)(nil),       // 55: dsec.v1.SendInputResponse
-	(*OpenVNCRequest)(nil),          // 56: dsec.v1.OpenVNCRequest
-	(*OpenVNCResponse)(nil),         // 57: dsec.v1.OpenVNCResponse
-	(*InputAction)(nil),             // 58: dsec.v1.InputAction
-	(*Point)(nil),                   // 59: dsec.v1.Point
-	(*MouseClick)(nil),              // 60: dsec.v1.MouseClick
-	(*MouseButton)(nil),             // 61: dsec.v1.MouseButton
-	(*MouseScroll)(nil),             // 62: dsec.v1.MouseScroll
-	(*ItemError)(nil),               // 63: dsec.v1.ItemError
-	(*CreateSandboxesRequest)(nil),  // 64: dsec.v1.CreateSandboxesRequest
-	(*CreateResult)(nil),            // 65: dsec.v1.CreateResult
-	(*CreateSandboxesResponse)(nil), // 66: dsec.v1.CreateSandboxesResponse
-	(*PauseSandboxRequest)(nil),     // 67: dsec.v1.PauseSandboxRequest
-	(*ResumeSandboxRequest)(nil),    // 68: dsec.v1.ResumeSandboxRequest
-	(*BulkRequest)(nil),             // 69: dsec.v1.BulkRequest
-	(*BulkFailure)(nil),             // 70: dsec.v1.BulkFailure
-	(*BulkResponse)(nil),            // 71: dsec.v1.BulkResponse
-	(*SnapshotRequest)(nil),         // 72: dsec.v1.SnapshotRequest
-	(*SnapshotInfo)(nil),            // 73: dsec.v1.SnapshotInfo
-	(*ListSnapshotsRequest)(nil),    // 74: dsec.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),   // 75: dsec.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),   // 76: dsec.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),  // 77: dsec.v1.DeleteSnapshotResponse
-	(*ForkRequest)(nil),             // 78: dsec.v1.ForkRequest
-	(*GetLogRequest)(nil),           // 79: dsec.v1.GetLogRequest
-	(*LogEntry)(nil),                // 80: dsec.v1.LogEntry
-	(*GetLogResponse)(nil),          // 81: dsec.v1.GetLogResponse
-	(*ReplayRequest)(nil),           // 82: dsec.v1.ReplayRequest
-	(*ReplayStep)(nil),              // 83: dsec.v1.ReplayStep
-	(*ReplayResponse)(nil),          // 84: dsec.v1.ReplayResponse
-	nil,                             // 85: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                             // 86: dsec.v1.SandboxSpec.EnvEntry
-	nil,                             // 87: dsec.v1.SandboxSpec.NodeSelectorEntry
-	nil,                             // 88: dsec.v1.ExecRequest.EnvEntry
-	nil,                             // 89: dsec.v1.ProcessInfo.EnvEntry
-	nil,                             // 90: dsec.v1.FileInfo.MetadataEntry
-	nil,                             // 91: dsec.v1.WriteFileHeader.MetadataEntry
-	nil,                             // 92: dsec.v1.ForkRequest.LabelsEntry
-	nil,                             // 93: dsec.v1.LogEntry.EnvEntry
-	nil,                             // 94: dsec.v1.LogEntry.MetadataEntry
-	(*timestamppb.Timestamp)(nil),   // 95: google.protobuf.Timestamp
-	(*VolumeMount)(nil),             // 96: dsec.v1.VolumeMount
+	(*StatsSample)(nil),             // 51: dsec.v1.StatsSample
+	(*SandboxStats)(nil),            // 52: dsec.v1.SandboxStats
+	(*ScreenshotRequest)(nil),       // 53: dsec.v1.ScreenshotRequest
+	(*ScreenshotResponse)(nil),      // 54: dsec.v1.ScreenshotResponse
+	(*SendInputRequest)(nil),        // 55: dsec.v1.SendInputRequest
+	(*SendInputResponse)(nil),       // 56: dsec.v1.SendInputResponse
+	(*OpenVNCRequest)(nil),          // 57: dsec.v1.OpenVNCRequest
+	(*OpenVNCResponse)(nil),         // 58: dsec.v1.OpenVNCResponse
+	(*InputAction)(nil),             // 59: dsec.v1.InputAction
+	(*Point)(nil),                   // 60: dsec.v1.Point
+	(*MouseClick)(nil),              // 61: dsec.v1.MouseClick
+	(*MouseButton)(nil),             // 62: dsec.v1.MouseButton
+	(*MouseScroll)(nil),             // 63: dsec.v1.MouseScroll
+	(*ItemError)(nil),               // 64: dsec.v1.ItemError
+	(*CreateSandboxesRequest)(nil),  // 65: dsec.v1.CreateSandboxesRequest
+	(*CreateResult)(nil),            // 66: dsec.v1.CreateResult
+	(*CreateSandboxesResponse)(nil), // 67: dsec.v1.CreateSandboxesResponse
+	(*PauseSandboxRequest)(nil),     // 68: dsec.v1.PauseSandboxRequest
+	(*ResumeSandboxRequest)(nil),    // 69: dsec.v1.ResumeSandboxRequest
+	(*BulkRequest)(nil),             // 70: dsec.v1.BulkRequest
+	(*BulkFailure)(nil),             // 71: dsec.v1.BulkFailure
+	(*BulkResponse)(nil),            // 72: dsec.v1.BulkResponse
+	(*SnapshotRequest)(nil),         // 73: dsec.v1.SnapshotRequest
+	(*SnapshotInfo)(nil),            // 74: dsec.v1.SnapshotInfo
+	(*ListSnapshotsRequest)(nil),    // 75: dsec.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),   // 76: dsec.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),   // 77: dsec.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),  // 78: dsec.v1.DeleteSnapshotResponse
+	(*ForkRequest)(nil),             // 79: dsec.v1.ForkRequest
+	(*GetLogRequest)(nil),           // 80: dsec.v1.GetLogRequest
+	(*LogEntry)(nil),                // 81: dsec.v1.LogEntry
+	(*GetLogResponse)(nil),          // 82: dsec.v1.GetLogResponse
+	(*ReplayRequest)(nil),           // 83: dsec.v1.ReplayRequest
+	(*ReplayStep)(nil),              // 84: dsec.v1.ReplayStep
+	(*ReplayResponse)(nil),          // 85: dsec.v1.ReplayResponse
+	nil,                             // 86: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                             // 87: dsec.v1.SandboxSpec.EnvEntry
+	nil,                             // 88: dsec.v1.SandboxSpec.NodeSelectorEntry
+	nil,                             // 89: dsec.v1.ExecRequest.EnvEntry
+	nil,                             // 90: dsec.v1.ProcessInfo.EnvEntry
+	nil,                             // 91: dsec.v1.FileInfo.MetadataEntry
+	nil,                             // 92: dsec.v1.WriteFileHeader.MetadataEntry
+	nil,                             // 93: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 94: dsec.v1.LogEntry.EnvEntry
+	nil,                             // 95: dsec.v1.LogEntry.MetadataEntry
+	(*timestamppb.Timestamp)(nil),   // 96: google.protobuf.Timestamp
+	(*VolumeMount)(nil),             // 97: dsec.v1.VolumeMount
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	3,  // 0: dsec.v1.Network.policy:type_name -> dsec.v1.NetworkPolicy
@@ -6756,143 +6864,145 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	5,  // 2: dsec.v1.NetworkPolicy.credentials:type_name -> dsec.v1.BrokeredCredential
 	3,  // 3: dsec.v1.SetNetworkPolicyRequest.policy:type_name -> dsec.v1.NetworkPolicy
 	10, // 4: dsec.v1.GetNetworkLogResponse.records:type_name -> dsec.v1.ConnectionRecord
-	95, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
+	96, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
 	1,  // 6: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	85, // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	86, // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
+	86, // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	87, // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,  // 9: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
-	87, // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
-	96, // 11: dsec.v1.SandboxSpec.volumes:type_name -> dsec.v1.VolumeMount
+	88, // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
+	97, // 11: dsec.v1.SandboxSpec.volumes:type_name -> dsec.v1.VolumeMount
 	11, // 12: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	95, // 13: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	95, // 14: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	95, // 15: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
-	95, // 16: dsec.v1.Sandbox.ended_at:type_name -> google.protobuf.Timestamp
+	96, // 13: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	96, // 14: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	96, // 15: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	96, // 16: dsec.v1.Sandbox.ended_at:type_name -> google.protobuf.Timestamp
 	11, // 17: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	12, // 18: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	88, // 19: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	89, // 19: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
 	22, // 20: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
 	21, // 21: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	89, // 22: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	90, // 22: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
 	31, // 23: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	95, // 24: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
-	90, // 25: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
+	96, // 24: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	91, // 25: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
 	34, // 26: dsec.v1.FileInfo.target:type_name -> dsec.v1.FileInfo
 	34, // 27: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
-	91, // 28: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
+	92, // 28: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
 	37, // 29: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
 	34, // 30: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
 	34, // 31: dsec.v1.FsEvent.info:type_name -> dsec.v1.FileInfo
 	48, // 32: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	95, // 33: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	58, // 34: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
-	95, // 35: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
-	59, // 36: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
-	60, // 37: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
-	61, // 38: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
-	62, // 39: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
-	11, // 40: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	11, // 41: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	12, // 42: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	63, // 43: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	65, // 44: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	63, // 45: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	70, // 46: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	95, // 47: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	73, // 48: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	92, // 49: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	95, // 50: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	93, // 51: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
-	21, // 52: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	63, // 53: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	94, // 54: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
-	80, // 55: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	83, // 56: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	13, // 57: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	64, // 58: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	14, // 59: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	15, // 60: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	17, // 61: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	19, // 62: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	67, // 63: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	68, // 64: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	69, // 65: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	69, // 66: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	69, // 67: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	50, // 68: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	6,  // 69: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
-	7,  // 70: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
-	20, // 71: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
-	20, // 72: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
-	24, // 73: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	25, // 74: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	27, // 75: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	29, // 76: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	32, // 77: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	35, // 78: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	38, // 79: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	39, // 80: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
-	40, // 81: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
-	42, // 82: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	43, // 83: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
-	45, // 84: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
-	46, // 85: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
-	47, // 86: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	72, // 87: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	74, // 88: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	76, // 89: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	78, // 90: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
-	79, // 91: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
-	82, // 92: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
-	8,  // 93: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
-	52, // 94: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	54, // 95: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
-	56, // 96: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
-	12, // 97: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	66, // 98: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	12, // 99: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
-	16, // 100: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	18, // 101: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	12, // 102: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
-	12, // 103: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	12, // 104: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	71, // 105: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	71, // 106: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	71, // 107: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	51, // 108: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	2,  // 109: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
-	2,  // 110: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
-	21, // 111: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
-	23, // 112: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
-	23, // 113: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	26, // 114: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	28, // 115: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	30, // 116: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	33, // 117: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	36, // 118: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	34, // 119: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
-	34, // 120: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
-	41, // 121: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
-	34, // 122: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
-	44, // 123: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
-	34, // 124: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
-	34, // 125: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
-	49, // 126: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	73, // 127: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	75, // 128: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	77, // 129: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	66, // 130: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	81, // 131: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
-	84, // 132: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
-	9,  // 133: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
-	53, // 134: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	55, // 135: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
-	57, // 136: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
-	97, // [97:137] is the sub-list for method output_type
-	57, // [57:97] is the sub-list for method input_type
-	57, // [57:57] is the sub-list for extension type_name
-	57, // [57:57] is the sub-list for extension extendee
-	0,  // [0:57] is the sub-list for field type_name
+	96, // 33: dsec.v1.StatsSample.at:type_name -> google.protobuf.Timestamp
+	96, // 34: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	51, // 35: dsec.v1.SandboxStats.history:type_name -> dsec.v1.StatsSample
+	59, // 36: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
+	96, // 37: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
+	60, // 38: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
+	61, // 39: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
+	62, // 40: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
+	63, // 41: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
+	11, // 42: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	11, // 43: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	12, // 44: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	64, // 45: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	66, // 46: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	64, // 47: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	71, // 48: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	96, // 49: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	74, // 50: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	93, // 51: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	96, // 52: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	94, // 53: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	21, // 54: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	64, // 55: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	95, // 56: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
+	81, // 57: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	84, // 58: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	13, // 59: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	65, // 60: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	14, // 61: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	15, // 62: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	17, // 63: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	19, // 64: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	68, // 65: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	69, // 66: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	70, // 67: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	70, // 68: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	70, // 69: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	50, // 70: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	6,  // 71: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
+	7,  // 72: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
+	20, // 73: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
+	20, // 74: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
+	24, // 75: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	25, // 76: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	27, // 77: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	29, // 78: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	32, // 79: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	35, // 80: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	38, // 81: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	39, // 82: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
+	40, // 83: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
+	42, // 84: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	43, // 85: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
+	45, // 86: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
+	46, // 87: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
+	47, // 88: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	73, // 89: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	75, // 90: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	77, // 91: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	79, // 92: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
+	80, // 93: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
+	83, // 94: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
+	8,  // 95: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
+	53, // 96: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	55, // 97: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
+	57, // 98: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	12, // 99: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	67, // 100: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	12, // 101: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
+	16, // 102: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	18, // 103: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	12, // 104: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
+	12, // 105: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	12, // 106: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	72, // 107: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	72, // 108: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	72, // 109: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	52, // 110: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	2,  // 111: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
+	2,  // 112: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
+	21, // 113: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
+	23, // 114: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
+	23, // 115: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	26, // 116: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	28, // 117: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	30, // 118: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	33, // 119: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	36, // 120: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	34, // 121: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
+	34, // 122: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
+	41, // 123: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
+	34, // 124: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
+	44, // 125: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
+	34, // 126: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
+	34, // 127: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
+	49, // 128: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	74, // 129: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	76, // 130: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	78, // 131: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	67, // 132: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	82, // 133: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
+	85, // 134: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
+	9,  // 135: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
+	54, // 136: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	56, // 137: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
+	58, // 138: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	99, // [99:139] is the sub-list for method output_type
+	59, // [59:99] is the sub-list for method input_type
+	59, // [59:59] is the sub-list for extension type_name
+	59, // [59:59] is the sub-list for extension extendee
+	0,  // [0:59] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -6922,7 +7032,7 @@ func file_dsec_v1_sandbox_proto_init() {
 		(*WatchDirEvent_Keepalive)(nil),
 		(*WatchDirEvent_Overflow)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[58].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[59].OneofWrappers = []any{
 		(*InputAction_Text)(nil),
 		(*InputAction_Keys)(nil),
 		(*InputAction_Move)(nil),
@@ -6936,7 +7046,7 @@ func file_dsec_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   95,
+			NumMessages:   96,
 			NumExtensions: 0,
 			NumServices:   6,
 		},

@@ -10,7 +10,8 @@ Standard library only. Every error is a :class:`DsecError` with ``.infra``
 (mask the rollout) and ``.retryable``.
 """
 
-from .client import Client, ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, SnapshotInfo, quote, request_id
+from .client import (Client, ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, SnapshotInfo, Stats, StatsSample,
+                     quote, request_id)
 from .session import Session
 from .events import Event, EventStream
 from .runkeys import RunKeys
@@ -54,6 +55,8 @@ __all__ = [
     "SandboxInfo",
     "ExecResult",
     "ExecEvent",
+    "Stats",
+    "StatsSample",
     "Event",
     "EventStream",
     "FileInfo",

@@ -178,6 +178,46 @@ class SandboxInfo:
         )
 
 
+@dataclass
+class StatsSample:
+    """One sample of a sandbox's use (``at`` is RFC 3339)."""
+
+    at: str
+    cpu_time_ms: int = 0
+    memory_bytes: int = 0
+    disk_bytes: int = 0
+    pids: int = 0
+
+
+@dataclass
+class Stats:
+    """A sandbox's resource use now (CPU time since it started, memory,
+    disk, processes, OOM kills, its limits) and, when asked for,
+    ``history``: the samples the node kept (every 5 s, the last 15
+    minutes), oldest first."""
+
+    cpu_time_ms: int
+    memory_bytes: int
+    pids: int
+    oom_kills: int
+    cpu_limit: float
+    memory_limit_mb: int
+    disk_bytes: int = 0
+    disk_limit_mb: int = 0
+    history: List[StatsSample] = field(default_factory=list)
+
+    @classmethod
+    def _from(cls, m: Dict[str, Any]) -> "Stats":
+        return cls(
+            cpu_time_ms=_int(m.get("cpuTimeMs")), memory_bytes=_int(m.get("memoryBytes")), pids=_int(m.get("pids")),
+            oom_kills=_int(m.get("oomKills")), cpu_limit=float(m.get("cpuLimit") or 0),
+            memory_limit_mb=_int(m.get("memoryLimitMb")), disk_bytes=_int(m.get("diskBytes")),
+            disk_limit_mb=_int(m.get("diskLimitMb")),
+            history=[StatsSample(at=h.get("at", ""), cpu_time_ms=_int(h.get("cpuTimeMs")), memory_bytes=_int(h.get("memoryBytes")),
+                                 disk_bytes=_int(h.get("diskBytes")), pids=_int(h.get("pids"))) for h in m.get("history") or []],
+        )
+
+
 def _exec_request(sandbox_id: str, cmd: Command, *, timeout_s: Optional[float], stdin: Union[bytes, str, None],
                   env: Optional[Mapping[str, str]], cwd: Optional[str], user: Optional[str],
                   max_output_bytes: Optional[int], pty: bool = False, tag: Optional[str] = None,
@@ -449,6 +489,15 @@ class Sandbox:
         from .shell import ShellSession
 
         return ShellSession(self, name, startup=startup, split_stderr=split_stderr)
+
+    def stats(self, *, history: bool = False) -> Stats:
+        """The sandbox's resource use now; with ``history`` also the samples
+        the node kept of it. It neither resumes a paused sandbox nor counts
+        as activity."""
+        req: Dict[str, Any] = {"id": self.id}
+        if history:
+            req["history"] = True
+        return Stats._from(self._client._t.unary(_LIFECYCLE, "GetSandboxStats", req, retry=True))
 
     def pause(self) -> SandboxInfo:
         """Freeze the sandbox and release what memory the host allows. Any

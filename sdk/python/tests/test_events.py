@@ -2,6 +2,7 @@
 
 import threading
 import time
+from datetime import datetime
 
 import pytest
 
@@ -58,3 +59,18 @@ def test_a_bad_subscription_is_refused_at_once(client):
         client.events(types=["exploded"])
     with pytest.raises(dsec.InvalidRequest):
         client.events(selector="bad key=1")
+
+
+def test_stats_history(sandbox):
+    now = sandbox.stats()
+    assert now.memory_limit_mb > 0 and now.history == []
+    deadline = time.monotonic() + 60
+    while True:
+        st = sandbox.stats(history=True)
+        if len(st.history) >= 2:
+            break
+        assert time.monotonic() < deadline, "the node kept no two samples within a minute"
+        time.sleep(1)
+    assert all(s.at and s.memory_bytes > 0 for s in st.history)
+    times = [datetime.fromisoformat(s.at.replace("Z", "+00:00")) for s in st.history]
+    assert times == sorted(times) and len(set(times)) == len(times)
