@@ -48,6 +48,8 @@ want npm
 # the exposition with its promtool; the tests start their own Prometheus,
 # so the package's service is stopped and disabled when setup installs it.
 want prometheus
+# The dashboard test drives the distribution's Chromium, headless.
+want chromium
 
 # busybox-static must be the static build (the busybox package is dynamic).
 if [[ -e /bin/busybox ]] && LC_ALL=C readelf -l /bin/busybox 2>/dev/null | grep -q 'program interpreter'; then

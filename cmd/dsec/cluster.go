@@ -23,6 +23,7 @@ import (
 	"github.com/opendsec/dsec/internal/cluster"
 	"github.com/opendsec/dsec/internal/clusternode"
 	"github.com/opendsec/dsec/internal/config"
+	"github.com/opendsec/dsec/internal/dashboard"
 	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/session"
 )
@@ -113,6 +114,7 @@ func runAPI(ctx context.Context, cfg config.Config) error {
 	if err := mountE2B(cfg.E2B, secret, log, router, api); err != nil {
 		return err
 	}
+	api.Handle("GET "+dashboard.Prefix, dashboard.Handler())
 	if err := serveDebug(cfg.DebugListen, log); err != nil {
 		return err
 	}

@@ -29,6 +29,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/config"
+	"github.com/opendsec/dsec/internal/dashboard"
 	"github.com/opendsec/dsec/internal/e2b"
 	"github.com/opendsec/dsec/internal/hostlimits"
 	"github.com/opendsec/dsec/internal/image"
@@ -309,6 +310,7 @@ func serve(ctx context.Context, cfg config.Config) error {
 	if err := mountE2B(cfg.E2B, secret, log, router, api); err != nil {
 		return err
 	}
+	api.Handle("GET "+dashboard.Prefix, dashboard.Handler())
 	go sessions.Run(ctx)
 	if err := bootstrapImages(ctx, n, cfg.Bootstrap, log); err != nil {
 		return err
