@@ -24,7 +24,6 @@ import (
 	"github.com/opendsec/dsec/internal/clusternode"
 	"github.com/opendsec/dsec/internal/config"
 	"github.com/opendsec/dsec/internal/dashboard"
-	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/session"
 )
 
@@ -75,6 +74,7 @@ func apiCmd() *cobra.Command {
 	f.StringVar(&flagCfg.LogLevel, "log-level", "", "debug, info, warn or error")
 	f.StringVar(&flagCfg.DebugListen, "debug-listen", "", "serve Go profiling (net/http/pprof) on this loopback address")
 	f.StringVar(&flagCfg.MetricsListen, "metrics-listen", "", "also serve Prometheus metrics at /metrics on this address, without authentication (they are always at /metrics on --listen for admin keys)")
+	f.BoolVar(&flagCfg.NoMetrics, "no-metrics", false, "count nothing and serve no /metrics (to measure what metrics cost)")
 	clusterFlags(f, &flagCfg)
 	return cmd
 }
@@ -97,8 +97,7 @@ func runAPI(ctx context.Context, cfg config.Config) error {
 		return err
 	}
 	go state.Run(ctx)
-	reg := metrics.NewRegistry(version)
-	calls := metrics.NewAPI(reg)
+	reg, calls := newMetrics(cfg)
 	router := cluster.NewRouter(cluster.RouterConfig{
 		Token: cfg.Cluster.Token, Choices: cfg.Cluster.Choices, Attempts: cfg.Cluster.Attempts, Metrics: calls,
 	}, state, log)
@@ -216,7 +215,7 @@ func runNode(ctx context.Context, cfg config.Config) error {
 		}
 		advertise = cfg.Listen
 	}
-	reg := metrics.NewRegistry(version)
+	reg, _ := newMetrics(cfg)
 	n, closeNode, err := openNode(cfg, reg, log)
 	if err != nil {
 		return err

@@ -23,6 +23,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
@@ -116,6 +117,8 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, v *nodeVars) {
 	f.StringArrayVar(pools, "pool", nil, "warm pool IMAGE:SIZE with default resources (repeatable; see the config file for shapes)")
 	f.StringVar(&flagCfg.DebugListen, "debug-listen", "", "serve Go profiling (net/http/pprof) on this loopback address")
 	f.StringVar(&flagCfg.MetricsListen, "metrics-listen", "", "also serve Prometheus metrics at /metrics on this address, without authentication (they are always at /metrics on --listen for admin keys)")
+	f.BoolVar(&flagCfg.NoMetrics, "no-metrics", false, "count nothing and serve no /metrics (to measure what metrics cost)")
+	f.DurationVar((*time.Duration)(&flagCfg.Node.SampleEvery), "sample-every", 0, "how often each sandbox's use is sampled into its history (default 5s; negative: never)")
 	f.StringArrayVar(&v.webhooks, "webhook", nil, "POST every sandbox lifecycle event to this URL, signed with --webhook-secret-file's key (repeatable; the config file's node.webhooks also filter)")
 	f.StringVar(&v.webhookSecret, "webhook-secret-file", "", "file holding the key --webhook deliveries are signed with")
 }
@@ -215,6 +218,12 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	if set("metrics-listen") {
 		cfg.MetricsListen = fl.MetricsListen
 	}
+	if set("no-metrics") {
+		cfg.NoMetrics = fl.NoMetrics
+	}
+	if set("sample-every") {
+		cfg.Node.SampleEvery = fl.Node.SampleEvery
+	}
 	if set("runtime") {
 		cfg.Container.Runtime = fl.Container.Runtime
 	}
@@ -284,7 +293,7 @@ func serve(ctx context.Context, cfg config.Config) error {
 	if err := apiserver.CheckListen(cfg.Listen, append(cfg.APIKeys, cfg.AdminKeys...)); err != nil {
 		return err
 	}
-	reg := metrics.NewRegistry(version)
+	reg, calls := newMetrics(cfg)
 	n, closeNode, err := openNode(cfg, reg, log)
 	if err != nil {
 		return err
@@ -299,7 +308,7 @@ func serve(ctx context.Context, cfg config.Config) error {
 	}
 	defer sessStore.Close()
 	sessions := session.New(sessStore, apiserver.Actor(router), log)
-	api, err := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, AdminKeys: cfg.AdminKeys, Version: version, Metrics: reg, API: metrics.NewAPI(reg)}, log, router, sessions)
+	api, err := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, AdminKeys: cfg.AdminKeys, Version: version, Metrics: reg, API: calls}, log, router, sessions)
 	if err != nil {
 		return err
 	}
@@ -416,11 +425,32 @@ func serveDebug(addr string, log *slog.Logger) error {
 	return nil
 }
 
+// newMetrics is the process's registry and API metrics, both nil when
+// cfg turns metrics off.
+func newMetrics(cfg config.Config) (*metrics.Registry, *metrics.API) {
+	if cfg.NoMetrics {
+		return nil, nil
+	}
+	reg := metrics.NewRegistry(version)
+	return reg, metrics.NewAPI(reg)
+}
+
+// registerer is reg as the node takes it (nil: no metrics).
+func registerer(reg *metrics.Registry) prometheus.Registerer {
+	if reg == nil {
+		return nil // not a nil *Registry in an interface
+	}
+	return reg
+}
+
 // serveMetrics serves reg at /metrics on addr (if set), without
 // authentication, until ctx ends.
 func serveMetrics(ctx context.Context, addr string, reg *metrics.Registry, log *slog.Logger) error {
 	if addr == "" {
 		return nil
+	}
+	if reg == nil {
+		return fmt.Errorf("--metrics-listen with metrics turned off (--no-metrics)")
 	}
 	l, err := net.Listen("tcp", addr)
 	if err != nil {
@@ -657,7 +687,7 @@ func buildNode(cfg config.Config, dataDir string, reg *metrics.Registry, log *sl
 		DefaultExecTimeout: time.Duration(cfg.Node.DefaultExecTimeout),
 		Credentials:        creds,
 		DefaultVolumeMB:    cfg.Node.DefaultVolumeMB, MaxVolumeMB: cfg.Node.MaxVolumeMB,
-		Metrics: reg, Webhooks: hooks,
+		Metrics: registerer(reg), Webhooks: hooks, SampleEvery: time.Duration(cfg.Node.SampleEvery),
 	}, log, images, nm, drivers)
 }
 

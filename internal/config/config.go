@@ -45,6 +45,9 @@ type Config struct {
 	// a Prometheus on the operators' network (default off: /metrics is on
 	// the API listener, for admin keys).
 	MetricsListen string `json:"metrics_listen,omitempty"`
+	// NoMetrics turns metrics off: nothing is counted and /metrics is not
+	// served (for measuring what they cost).
+	NoMetrics bool `json:"no_metrics,omitempty"`
 	// LogLevel is debug, info (default), warn or error.
 	LogLevel string `json:"log_level,omitempty"`
 
@@ -75,6 +78,9 @@ type Node struct {
 	Name string `json:"name,omitempty"`
 	// Webhooks receive the node's lifecycle events.
 	Webhooks []Webhook `json:"webhooks,omitempty"`
+	// SampleEvery is how often each sandbox's use is sampled into its
+	// history (default 5s; a negative duration turns sampling off).
+	SampleEvery Duration `json:"sample_every,omitempty"`
 	// MaxSandboxes is the node's admission limit (default 4096).
 	MaxSandboxes int `json:"max_sandboxes,omitempty"`
 	// DefaultTTL and MaxTTL bound sandbox lifetimes (default 1h and 168h).

@@ -9,6 +9,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/events"
+	"github.com/opendsec/dsec/internal/substrate/substratetest"
 	"github.com/opendsec/dsec/internal/tenant"
 )
 
@@ -164,7 +165,7 @@ func TestASubscriptionAsksOnlyForWhatItMaySee(t *testing.T) {
 
 func TestEachSandboxKeepsAHistoryOfItsUse(t *testing.T) {
 	t.Parallel()
-	tn := newTestNode(t, nil)
+	tn := newTestNode(t, func(c *Config, _ *substratetest.Fake) { c.SampleEvery = 200 * time.Millisecond })
 	sb := tn.create(bg, nil)
 	tn.sh(bg, sb.Id, "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done") // some CPU
 	var st *dsecv1.SandboxStats

@@ -11,7 +11,7 @@ import (
 )
 
 // Each live sandbox keeps a bounded history of its use: a sample every
-// historyEvery, the last historyLen of them. A node with many sandboxes
+// Config.SampleEvery, the last historyLen of them. A node with many sandboxes
 // samples at most historyRate a second, so a sandbox's samples come less
 // often there (5,000 sandboxes: every 25 s) and sampling costs the node a
 // bounded amount of CPU whatever its size.
@@ -19,10 +19,6 @@ const (
 	historyLen  = 180 // 15 minutes at 5 s
 	historyRate = 200 // sandboxes sampled a second, at most
 )
-
-// historyEvery is the interval between a sandbox's samples on a small
-// node (a variable for tests).
-var historyEvery = 5 * time.Second
 
 // usage is one StatsSample, compact (a sandbox keeps 180).
 type usage struct {
@@ -64,12 +60,15 @@ func (h *history) samples() []*dsecv1.StatsSample {
 
 // sampler samples every live sandbox's use into its history until the
 // node stops: each round visits every sandbox once, spread over the round
-// (historyEvery, or longer where historyRate requires it).
+// (SampleEvery, or longer where historyRate requires it).
 func (n *Node) sampler() {
 	defer n.wg.Done()
+	if n.cfg.SampleEvery < 0 {
+		return // sampling is off
+	}
 	for {
 		live := n.sandboxes.all(nil)
-		round := max(historyEvery, time.Duration(len(live))*time.Second/historyRate)
+		round := max(n.cfg.SampleEvery, time.Duration(len(live))*time.Second/historyRate)
 		gap := round
 		if len(live) > 0 {
 			gap = round / time.Duration(len(live))

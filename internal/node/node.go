@@ -93,6 +93,9 @@ type Config struct {
 	Metrics prometheus.Registerer
 	// Webhooks receive the node's lifecycle events.
 	Webhooks []Webhook
+	// SampleEvery is how often each sandbox's use is sampled into its
+	// history (default 5s; negative: never).
+	SampleEvery time.Duration
 }
 
 func (c *Config) defaults() {
@@ -156,6 +159,9 @@ func (c *Config) defaults() {
 	}
 	if c.ReapInterval == 0 {
 		c.ReapInterval = time.Second
+	}
+	if c.SampleEvery == 0 {
+		c.SampleEvery = 5 * time.Second
 	}
 	if c.deadlineGrace == 0 {
 		c.deadlineGrace = deadlineGrace

@@ -38,7 +38,7 @@ func TestTheDashboardShowsASandboxInAHeadlessBrowser(t *testing.T) {
 	if err != nil {
 		t.Fatal("chromium is not installed (scripts/setup.sh installs it): ", err)
 	}
-	srv := dsectest.Start(t, dsectest.Options{APIKeys: []string{"dash=dash-key-0123456789"}})
+	srv := dsectest.Start(t, dsectest.Options{APIKeys: []string{"dash=dash-key-0123456789"}, Args: []string{"--sample-every", "1s"}})
 	c := srv.Client()
 	ctx := ctxFor(t, 3*time.Minute)
 	sb := create(t, c, dsec.CreateOptions{Labels: map[string]string{"job": "dash"}})
@@ -103,7 +103,7 @@ func TestTheDashboardShowsASandboxInAHeadlessBrowser(t *testing.T) {
 	do(chromedp.Click(chromedp.CSS("#sandboxes tbody a")), chromedp.WaitVisible(chromedp.ID("facts")),
 		chromedp.WaitVisible(chromedp.CSS("#log tbody tr")))
 	facts, log := text("#facts"), text("#log")
-	// The node samples every 5 s: the charts come with two samples.
+	// The charts come with the history's second sample.
 	do(chromedp.WaitVisible(chromedp.ID("chart-cpu")), chromedp.WaitVisible(chromedp.ID("chart-memory")))
 	shot("sandbox.jpg")
 	if !strings.Contains(loginError, "refused") {
