@@ -77,7 +77,7 @@ func TestTheDashboardShowsASandboxInAHeadlessBrowser(t *testing.T) {
 	}
 	shot := func(name string) {
 		t.Helper()
-		png, err := chromedp.Run(browser, chromedp.FullScreenshot(90))
+		png, err := chromedp.Run(browser, chromedp.FullScreenshot(100))
 		if err != nil {
 			t.Fatalf("the browser: screenshot: %v", err)
 		}
@@ -95,7 +95,7 @@ func TestTheDashboardShowsASandboxInAHeadlessBrowser(t *testing.T) {
 	// The project's key signs in to the overview.
 	do(chromedp.SetValue(chromedp.ID("key"), "dash-key-0123456789"), chromedp.Click(chromedp.ID("signin")),
 		chromedp.WaitVisible(chromedp.ID("running")))
-	shot("overview.jpg")
+	shot("overview.png")
 	// The sandboxes, filtered by label, lead to the sandbox's page.
 	// (A change of the URL's fragment loads nothing: set it from the page.)
 	if _, err := chromedp.Run(browser, chromedp.Evaluate[string](`location.hash = "#/sandboxes?labels=job%3Ddash"`)); err != nil {
@@ -103,13 +103,13 @@ func TestTheDashboardShowsASandboxInAHeadlessBrowser(t *testing.T) {
 	}
 	do(chromedp.WaitVisible(chromedp.CSS("#sandboxes tbody a")))
 	rows := text("#sandboxes tbody")
-	shot("sandboxes.jpg")
+	shot("sandboxes.png")
 	do(chromedp.Click(chromedp.CSS("#sandboxes tbody a")), chromedp.WaitVisible(chromedp.ID("facts")),
 		chromedp.WaitVisible(chromedp.CSS("#log tbody tr")))
 	facts, log := text("#facts"), text("#log")
 	// The charts come with the history's second sample.
 	do(chromedp.WaitVisible(chromedp.ID("chart-cpu")), chromedp.WaitVisible(chromedp.ID("chart-memory")))
-	shot("sandbox.jpg")
+	shot("sandbox.png")
 	if !strings.Contains(loginError, "refused") {
 		t.Errorf("a wrong key: the sign-in form says %q", loginError)
 	}

@@ -18,7 +18,7 @@ function el(tag, attrs, ...children) {
     else if (k === "dataset") Object.assign(e.dataset, v);
     else e[k] = v;
   }
-  for (const c of children.flat()) {
+  for (const c of children.flat(Infinity)) {
     if (c === null || c === undefined) continue;
     e.append(c instanceof Node ? c : document.createTextNode(String(c)));
   }
