@@ -241,7 +241,11 @@ func taskEnd(s *sandbox, wait time.Duration) *end {
 	if how == "" {
 		return nil
 	}
-	return &end{reason: fmt.Sprintf("its workload %s, which ends a sandbox of runtime %s", how, s.spec.Runtime), cause: "workload_exit"}
+	cause := "workload_exit"
+	if how == substrate.EndedByMemoryLimit {
+		cause = "oom" // its memory cgroup's OOM kill ended it whole
+	}
+	return &end{reason: fmt.Sprintf("its workload %s, which ends a sandbox of runtime %s", how, s.spec.Runtime), cause: cause}
 }
 
 // ExecStream runs a command and streams its events to send. With a

@@ -17,7 +17,7 @@ import (
 type end struct {
 	reason string
 	// cause is the reason's class, a metrics label: deleted, ttl,
-	// idle_ttl, paused_ttl, workload_exit, died, pause_failed or
+	// idle_ttl, paused_ttl, workload_exit, oom, died, pause_failed or
 	// node_down.
 	cause string
 	// infra marks ends that were the platform's doing (crash, TTL,

@@ -318,6 +318,12 @@ type TaskEnder interface {
 	EndedByTask() string
 }
 
+// How a workload ends a TaskEnder by one of its limits (EndedByTask).
+const (
+	EndedByMemoryLimit = "reached its memory limit"
+	EndedByPidsLimit   = "reached its pids limit"
+)
+
 // Stats is an instance's resource use.
 type Stats struct {
 	MemoryBytes int64

@@ -74,6 +74,19 @@ func endedByTask(t *testing.T, sb *dsec.Sandbox, what string, err error, how str
 	if kindOf(err) != "not_found" || !strings.Contains(err.Error(), how) {
 		t.Fatalf("a call after the end: %v (kind %q); want not found, saying its workload %s", err, kindOf(err), how)
 	}
+	// Its get says so too, with the end's class: an OOM kill is "oom".
+	want := "workload_exit"
+	if strings.Contains(how, "memory limit") {
+		want = "oom"
+	}
+	got, err := client(t).Get(ctxFor(t, time.Minute), sb.ID)
+	if err != nil {
+		t.Fatalf("get after the end: %v", err)
+	}
+	if got.GetEndCause() != want || got.GetInfra() || got.GetEndedAt() == nil || !strings.Contains(got.GetReason(), how) {
+		t.Fatalf("get after the end: cause %q, infra %v, ended at %v, reason %q; want cause %q, not infra, a time, saying its workload %s",
+			got.GetEndCause(), got.GetInfra(), got.GetEndedAt(), got.GetReason(), want, how)
+	}
 }
 
 func TestAgentSurvivesEverySignalSentToPID1(t *testing.T) {

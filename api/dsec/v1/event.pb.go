@@ -101,7 +101,7 @@ type Event struct {
 	// state is the sandbox's state after the event.
 	State string `protobuf:"bytes,8,opt,name=state,proto3" json:"state,omitempty"`
 	// For ended: why, its class (deleted, ttl, idle_ttl, paused_ttl,
-	// workload_exit, died, pause_failed, node_down) and whether the
+	// workload_exit, oom, died, pause_failed, node_down) and whether the
 	// platform ended it (infra).
 	Reason string `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`
 	Cause  string `protobuf:"bytes,10,opt,name=cause,proto3" json:"cause,omitempty"`

@@ -1007,7 +1007,7 @@ type Sandbox struct {
 	ExpiresAt    *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
 	LastActiveAt *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=last_active_at,json=lastActiveAt,proto3" json:"last_active_at,omitempty"`
 	// For a sandbox that ended (a tombstone): when, the class of its reason
-	// (deleted, ttl, idle_ttl, paused_ttl, workload_exit, died,
+	// (deleted, ttl, idle_ttl, paused_ttl, workload_exit, oom, died,
 	// pause_failed, node_down) and whether the platform ended it.
 	EndedAt       *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=ended_at,json=endedAt,proto3" json:"ended_at,omitempty"`
 	EndCause      string                 `protobuf:"bytes,10,opt,name=end_cause,json=endCause,proto3" json:"end_cause,omitempty"`

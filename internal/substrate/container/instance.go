@@ -101,10 +101,10 @@ func (i *instance) readEndedBy() {
 	c := i.d.cgroups
 	switch {
 	case c.oomKills(i.st.Cgroup) > 0:
-		i.endedBy = "reached its memory limit"
+		i.endedBy = substrate.EndedByMemoryLimit
 		return
 	case c.pidsLimitHits(i.st.Cgroup) > 0:
-		i.endedBy = "reached its pids limit"
+		i.endedBy = substrate.EndedByPidsLimit
 		return
 	}
 	if i.runtimeDone == nil {

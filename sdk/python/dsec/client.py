@@ -160,7 +160,7 @@ class SandboxInfo:
     runtime: str = ""  # "" is the kind's default runtime
     on_timeout: str = ""  # "" or "delete": the TTL ends the sandbox; "pause": it pauses
     # An ended sandbox's end: when, its class (deleted, ttl, idle_ttl,
-    # paused_ttl, workload_exit, died, pause_failed, node_down) and whether
+    # paused_ttl, workload_exit, oom, died, pause_failed, node_down) and whether
     # the platform ended it.
     ended_at: str = ""
     end_cause: str = ""
