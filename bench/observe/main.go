@@ -13,6 +13,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"net/http"
@@ -37,10 +38,23 @@ func main() {
 	b := dsectest.Program()
 	defer b.Close()
 
-	// A webhook receiver that accepts everything.
+	// A webhook receiver that accepts everything; for the webhook
+	// registered through the API (path /api) it keeps each event's delay.
 	var hooked atomic.Int64
+	var hookMu sync.Mutex
+	var hookDelays []time.Duration
 	hook := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		hooked.Add(1)
+		if r.URL.Path == "/api" {
+			var ev struct {
+				At time.Time `json:"at"`
+			}
+			if json.NewDecoder(r.Body).Decode(&ev) == nil && !ev.At.IsZero() {
+				hookMu.Lock()
+				hookDelays = append(hookDelays, time.Since(ev.At))
+				hookMu.Unlock()
+			}
+		}
 		w.WriteHeader(http.StatusNoContent)
 	}))
 	defer hook.Close()
@@ -52,6 +66,9 @@ func main() {
 	off := dsectest.Start(b, dsectest.Options{Args: []string{"--no-metrics", "--sample-every", "-1s"}})
 	ctx := context.Background()
 	onC, offC := on.Client(), off.Client()
+	if _, err := onC.CreateWebhook(ctx, dsec.WebhookOptions{URL: hook.URL + "/api", Secret: "bench-secret", Types: []string{"created", "ended"}}); err != nil {
+		fatal(err)
+	}
 
 	// The "on" side has a subscriber, which measures delays as it reads.
 	sub, err := onC.Subscribe(ctx, dsec.EventOptions{Types: []string{"created", "ended"}})
@@ -74,7 +91,7 @@ func main() {
 	}()
 
 	fmt.Printf("dsec observability benchmark — %d CPUs, %s\n", runtime.NumCPU(), time.Now().Format(time.RFC3339))
-	fmt.Printf("on: metrics, history sampling every 5 s, one event subscriber, one webhook; off: none of them\n\n")
+	fmt.Printf("on: metrics, history sampling every 5 s, one event subscriber, a node's webhook and one registered through the API; off: none of them\n\n")
 	var ratios, onRates, offRates []float64
 	for r := 0; r < *runs; r++ {
 		var a, o float64
@@ -93,6 +110,11 @@ func main() {
 	fmt.Printf("event delay, state change to SDK subscriber: p50 %s p99 %s over %d events at %.1f creates/s\n",
 		pct(delays, 50), pct(delays, 99), len(delays), median(onRates))
 	mu.Unlock()
+	hookMu.Lock()
+	sort.Slice(hookDelays, func(i, j int) bool { return hookDelays[i] < hookDelays[j] })
+	fmt.Printf("event delay, state change to the API-registered webhook's receiver: p50 %s p99 %s over %d deliveries\n",
+		pct(hookDelays, 50), pct(hookDelays, 99), len(hookDelays))
+	hookMu.Unlock()
 	fmt.Printf("webhook deliveries: %d\n", hooked.Load())
 	sub.Close()
 }

@@ -102,7 +102,8 @@ func runAPI(ctx context.Context, cfg config.Config) error {
 		Token: cfg.Cluster.Token, Choices: cfg.Cluster.Choices, Attempts: cfg.Cluster.Attempts, Metrics: calls,
 	}, state, log)
 	sessions := session.New(store.Sessions(), apiserver.Actor(router), log)
-	api, err := apiserver.New(apiserver.Config{Keys: state, Version: version, Metrics: reg, API: calls}, log, router, sessions)
+	hooks := apiserver.NewHooks(store.Hooks(), router, log, calls.Webhook)
+	api, err := apiserver.New(apiserver.Config{Keys: state, Version: version, Metrics: reg, API: calls, Hooks: hooks}, log, router, sessions)
 	if err != nil {
 		return err
 	}
@@ -110,7 +111,7 @@ func runAPI(ctx context.Context, cfg config.Config) error {
 	if err != nil {
 		return fmt.Errorf("e2b token secret: %w", err)
 	}
-	if err := mountE2B(cfg.E2B, secret, log, router, api); err != nil {
+	if err := mountE2B(cfg.E2B, secret, log, router, api, hooks); err != nil {
 		return err
 	}
 	api.Handle("GET "+dashboard.Prefix, dashboard.Handler())
@@ -127,6 +128,9 @@ func runAPI(ctx context.Context, cfg config.Config) error {
 	id := cluster.NewReplicaID()
 	go store.RunReplica(ctx, id, l.Addr().String(), state, log)
 	go store.RunSessionExpiry(ctx, id, sessions, log)
+	// One replica delivers the registered webhooks' events; every replica
+	// serves their registrations.
+	go store.RunLeader(ctx, id, "webhooks", "webhook deliveries", hooks.Run, log)
 	// Serve once writers wait for this replica (it is registered) and its
 	// view includes its registration: from then on it reads every write
 	// that returned (cluster.Store.Sync).

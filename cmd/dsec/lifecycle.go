@@ -14,7 +14,7 @@ import (
 )
 
 func lifecycleCmds(g *globals) []*cobra.Command {
-	return []*cobra.Command{snapshotCmd(g), forkCmd(g), pauseCmd(g, "pause"), pauseCmd(g, "resume"), logCmd(g), replayCmd(g), sessionCmd(g), capacityCmd(g), eventsCmd(g), statsCmd(g)}
+	return []*cobra.Command{snapshotCmd(g), forkCmd(g), pauseCmd(g, "pause"), pauseCmd(g, "resume"), logCmd(g), replayCmd(g), sessionCmd(g), capacityCmd(g), eventsCmd(g), webhookCmd(g), statsCmd(g)}
 }
 
 func statsCmd(g *globals) *cobra.Command {

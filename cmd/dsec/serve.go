@@ -32,6 +32,7 @@ import (
 	"github.com/opendsec/dsec/internal/config"
 	"github.com/opendsec/dsec/internal/dashboard"
 	"github.com/opendsec/dsec/internal/e2b"
+	"github.com/opendsec/dsec/internal/events"
 	"github.com/opendsec/dsec/internal/hostlimits"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/metrics"
@@ -308,7 +309,8 @@ func serve(ctx context.Context, cfg config.Config) error {
 	}
 	defer sessStore.Close()
 	sessions := session.New(sessStore, apiserver.Actor(router), log)
-	api, err := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, AdminKeys: cfg.AdminKeys, Version: version, Metrics: reg, API: calls}, log, router, sessions)
+	hooks := apiserver.NewHooks(events.NewFileHooks(filepath.Join(n.DataDir(), "webhooks.json")), router, log, calls.Webhook)
+	api, err := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, AdminKeys: cfg.AdminKeys, Version: version, Metrics: reg, API: calls, Hooks: hooks}, log, router, sessions)
 	if err != nil {
 		return err
 	}
@@ -316,9 +318,10 @@ func serve(ctx context.Context, cfg config.Config) error {
 	if err != nil {
 		return fmt.Errorf("e2b token secret: %w", err)
 	}
-	if err := mountE2B(cfg.E2B, secret, log, router, api); err != nil {
+	if err := mountE2B(cfg.E2B, secret, log, router, api, hooks); err != nil {
 		return err
 	}
+	go hooks.Run(ctx)
 	api.Handle("GET "+dashboard.Prefix, dashboard.Handler())
 	go sessions.Run(ctx)
 	if err := bootstrapImages(ctx, n, cfg.Bootstrap, log); err != nil {
@@ -329,6 +332,13 @@ func serve(ctx context.Context, cfg config.Config) error {
 	}
 	if err := serveMetrics(ctx, cfg.MetricsListen, reg, log); err != nil {
 		return err
+	}
+	// The webhooks registered before a restart follow events before the
+	// first call is served (bounded: Hooks.Ready).
+	select {
+	case <-hooks.Ready():
+	case <-ctx.Done():
+		return nil
 	}
 	l, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
@@ -494,7 +504,7 @@ func e2bSecret(c config.E2B, dataDir, clusterToken string, log *slog.Logger) ([]
 }
 
 // mountE2B serves the E2B-compatible facade on the API's listener.
-func mountE2B(c config.E2B, secret []byte, log *slog.Logger, router apiserver.Router, api *apiserver.Server) error {
+func mountE2B(c config.E2B, secret []byte, log *slog.Logger, router apiserver.Router, api *apiserver.Server, hooks *apiserver.Hooks) error {
 	var templates map[string]e2b.Template
 	if len(c.Templates) > 0 {
 		templates = map[string]e2b.Template{}
@@ -503,7 +513,7 @@ func mountE2B(c config.E2B, secret []byte, log *slog.Logger, router apiserver.Ro
 		}
 	}
 	fac, err := e2b.New(e2b.Config{
-		Domain: c.Domain, Templates: templates, DefaultKind: c.DefaultKind, DefaultNetwork: c.DefaultNetwork, TokenSecret: secret,
+		Domain: c.Domain, Templates: templates, DefaultKind: c.DefaultKind, DefaultNetwork: c.DefaultNetwork, TokenSecret: secret, Hooks: hooks,
 	}, log, router, api.Authenticate)
 	if err != nil {
 		return err

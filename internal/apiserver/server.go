@@ -44,6 +44,9 @@ type Config struct {
 	// every call (see package metrics).
 	Metrics *metrics.Registry
 	API     *metrics.API
+	// Hooks, when set, serves the WebhookService over its registrations
+	// (run its deliveries with Hooks.Run).
+	Hooks *Hooks
 }
 
 // Headers carrying the caller from the control plane to a node agent.
@@ -147,6 +150,9 @@ func New(cfg Config, log *slog.Logger, router Router, sessions *session.Manager)
 	s.HandleConnect(dsecv1connect.NewImageServiceHandler(&imageService{r: router, log: log}, opts...))
 	s.HandleConnect(dsecv1connect.NewVolumeServiceHandler(volumeService{r: router}, opts...))
 	s.HandleConnect(dsecv1connect.NewEventServiceHandler(eventService{r: router}, opts...))
+	if cfg.Hooks != nil {
+		s.HandleConnect(dsecv1connect.NewWebhookServiceHandler(webhookService{cfg.Hooks}, opts...))
+	}
 	s.HandleConnect(dsecv1connect.NewFunctionServiceHandler(&functionService{r: router}, opts...))
 	s.Handle("/run_code", s.guard(maxRunCodeBody, http.HandlerFunc(s.serveRunCode)))
 	s.HandleConnect(dsecv1connect.NewSystemServiceHandler(&systemService{r: router, version: cfg.Version}, opts...))

@@ -96,10 +96,16 @@ func (s *Store) takeOverReplica(ctx context.Context, id, value string) {
 }
 
 // RunSessionExpiry expires sessions on one replica of the cluster at a
-// time: it campaigns for leadership (an etcd election bound to a lease)
-// and runs m's expiry while it leads, until ctx ends. A new leader counts
-// grace from when it took over.
+// time (RunLeader). A new leader counts grace from when it took over.
 func (s *Store) RunSessionExpiry(ctx context.Context, id string, m *session.Manager, log *slog.Logger) {
+	s.RunLeader(ctx, id, "sessions", "session expiry", m.Run, log)
+}
+
+// RunLeader runs run on one replica of the cluster at a time, until ctx
+// ends: it campaigns for leadership of election (an etcd election bound
+// to a lease) and runs run while it leads; run's context ends when the
+// leadership is lost, and the replica campaigns again.
+func (s *Store) RunLeader(ctx context.Context, id, election, what string, run func(context.Context), log *slog.Logger) {
 	for ctx.Err() == nil {
 		sess, err := concurrency.NewSession(s.cli, concurrency.WithTTL(10), concurrency.WithContext(ctx))
 		if err != nil {
@@ -110,12 +116,12 @@ func (s *Store) RunSessionExpiry(ctx context.Context, id string, m *session.Mana
 			}
 			continue
 		}
-		el := concurrency.NewElection(sess, s.prefix+dirElection+"sessions")
+		el := concurrency.NewElection(sess, s.prefix+dirElection+election)
 		if err := el.Campaign(ctx, id); err != nil {
 			sess.Close()
 			continue
 		}
-		log.Info("this replica expires sessions")
+		log.Info("this replica leads " + what)
 		lctx, cancel := context.WithCancel(ctx)
 		go func() {
 			select {
@@ -124,7 +130,7 @@ func (s *Store) RunSessionExpiry(ctx context.Context, id string, m *session.Mana
 			}
 			cancel()
 		}()
-		m.Run(lctx)
+		run(lctx)
 		cancel()
 		if ctx.Err() != nil {
 			rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
@@ -133,7 +139,7 @@ func (s *Store) RunSessionExpiry(ctx context.Context, id string, m *session.Mana
 		}
 		sess.Close()
 		if ctx.Err() == nil {
-			log.Warn("lost session expiry leadership; campaigning again")
+			log.Warn("lost the leadership of " + what + "; campaigning again")
 		}
 	}
 }

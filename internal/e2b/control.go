@@ -85,6 +85,7 @@ func (f *Facade) mountControl(handle func(string, http.Handler)) {
 	h("POST /sandboxes/{id}/fork", f.fork)
 	h("PUT /sandboxes/{id}/network", f.updateNetwork)
 	f.mountSnapshots(h)
+	f.mountWebhooks(h)
 	unsupported := func(w http.ResponseWriter, r *http.Request, _ string) {
 		apiError(w, errdefs.Unimplemented("%s %s is not supported by dsec's E2B facade (see docs/e2b.md)", r.Method, r.URL.Path))
 	}

@@ -30,6 +30,7 @@ import (
 
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/events"
 	"github.com/opendsec/dsec/internal/tenant"
 )
 
@@ -73,6 +74,9 @@ type Config struct {
 	// TokenSecret keys the envd access tokens (required; at least 16
 	// bytes). Every replica serving the facade needs the same secret.
 	TokenSecret []byte
+	// Hooks, when set, keeps the webhooks registered at /events/webhooks
+	// (without: those routes answer 501).
+	Hooks *apiserver.Hooks
 }
 
 // Template is what an E2B template ID starts.
@@ -134,6 +138,9 @@ func New(cfg Config, log *slog.Logger, r apiserver.Router, auth Authenticator) (
 	cfg.Domain = strings.TrimSuffix(strings.ToLower(cfg.Domain), ".")
 	f := &Facade{cfg: cfg, log: log.With(slog.String("facade", "e2b")), r: r, auth: auth, host: domainHost(cfg.Domain)}
 	f.ports = f.portTransport()
+	if cfg.Hooks != nil {
+		cfg.Hooks.AddFormat(events.FormatE2B, newWebhookFormat)
+	}
 	return f, nil
 }
 

@@ -7,14 +7,12 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
-	"strconv"
 	"time"
-
-	"google.golang.org/protobuf/encoding/protojson"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 )
@@ -54,6 +52,9 @@ type Webhook struct {
 	Timeout time.Duration
 	// Client posts (default: a client of its own).
 	Client *http.Client
+	// Format is how deliveries look (default: the Event's JSON, signed
+	// in Dsec-Signature).
+	Format Format
 	// Count, when set, is told each event's fate: delivered, retried (a
 	// try failed, another follows), failed (given up) or lost (the
 	// subscription's buffer overflowed while the receiver was slow).
@@ -75,6 +76,9 @@ func (w *Webhook) defaults() {
 	}
 	if w.Count == nil {
 		w.Count = func(string) {}
+	}
+	if w.Format == nil {
+		w.Format = dsecFormat{}
 	}
 }
 
@@ -99,6 +103,9 @@ func (w *Webhook) Run(ctx context.Context, sub *Sub, log *slog.Logger) {
 			if ctx.Err() != nil {
 				return
 			}
+			if err == errLeftOut {
+				continue
+			}
 			w.Count("failed")
 			log.Warn("webhook delivery failed", slog.String("url", w.URL), slog.String("event", ev.Type),
 				slog.String("sandbox_id", ev.SandboxId), slog.Any("error", err))
@@ -108,18 +115,24 @@ func (w *Webhook) Run(ctx context.Context, sub *Sub, log *slog.Logger) {
 	}
 }
 
+// errLeftOut is deliver's answer for an event the format leaves out.
+var errLeftOut = errors.New("not delivered in this format")
+
 // deliver posts ev, retrying as configured.
 func (w *Webhook) deliver(ctx context.Context, ev *dsecv1.Event) error {
-	body, err := protojson.Marshal(ev)
+	typ, body, ok, err := w.Format.Encode(ev)
 	if err != nil {
 		return err
+	}
+	if !ok {
+		return errLeftOut
 	}
 	var id [12]byte
 	rand.Read(id[:])
 	delivery := hex.EncodeToString(id[:])
 	wait := w.Backoff
 	for attempt := 1; ; attempt++ {
-		retry, err := w.post(ctx, ev.Type, delivery, body)
+		retry, err := w.post(ctx, typ, delivery, body)
 		if err == nil {
 			return nil
 		}
@@ -144,13 +157,10 @@ func (w *Webhook) post(ctx context.Context, typ, delivery string, body []byte) (
 	if err != nil {
 		return false, err
 	}
-	ts := time.Now().Unix()
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("User-Agent", "dsec-webhook/1")
 	req.Header.Set(HeaderEvent, typ)
-	req.Header.Set(HeaderDelivery, delivery)
-	req.Header.Set(HeaderTimestamp, strconv.FormatInt(ts, 10))
-	req.Header.Set(HeaderSignature, Sign(w.Secret, ts, body))
+	w.Format.Sign(req.Header, w.Secret, delivery, body)
 	resp, err := w.Client.Do(req)
 	if err != nil {
 		return true, err

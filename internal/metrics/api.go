@@ -20,6 +20,7 @@ type API struct {
 	http       *prometheus.HistogramVec
 	placements *prometheus.CounterVec
 	routing    *prometheus.CounterVec
+	webhooks   *prometheus.CounterVec
 }
 
 // NewAPI registers an API server's metrics on r.
@@ -43,8 +44,12 @@ func NewAPI(r prometheus.Registerer) *API {
 			Namespace: namespace, Subsystem: "cluster", Name: "routing_errors_total",
 			Help: "Calls the control plane could not route to their node, by reason: unknown_node (the ID names no node of the cluster) or lost (the node is gone from the cluster's view).",
 		}, []string{"reason"}),
+		webhooks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Subsystem: "api", Name: "webhook_deliveries_total",
+			Help: "Deliveries to the webhooks registered through the API (WebhookService, E2B's /events/webhooks) by result: delivered, retried (a try failed; another follows), failed (given up after its tries, or refused by the receiver), lost (the receiver fell too far behind).",
+		}, []string{"result"}),
 	}
-	r.MustRegister(m.rpc, m.http, m.placements, m.routing)
+	r.MustRegister(m.rpc, m.http, m.placements, m.routing, m.webhooks)
 	return m
 }
 
@@ -102,6 +107,13 @@ const (
 func (m *API) Placement(result string) {
 	if m != nil {
 		m.placements.WithLabelValues(result).Inc()
+	}
+}
+
+// Webhook counts a delivery's result to a registered webhook.
+func (m *API) Webhook(result string) {
+	if m != nil {
+		m.webhooks.WithLabelValues(result).Inc()
 	}
 }
 

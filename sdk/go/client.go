@@ -51,6 +51,7 @@ type Raw struct {
 	Function dsecv1connect.FunctionServiceClient
 	Volumes  dsecv1connect.VolumeServiceClient
 	Events   dsecv1connect.EventServiceClient
+	Webhooks dsecv1connect.WebhookServiceClient
 }
 
 // Option configures a Client.
@@ -97,6 +98,7 @@ func New(url string, opts ...Option) *Client {
 		Sessions:                dsecv1connect.NewSessionServiceClient(c.http, c.url, copts...),
 		Volumes:                 dsecv1connect.NewVolumeServiceClient(c.http, c.url, copts...),
 		Events:                  dsecv1connect.NewEventServiceClient(c.http, c.url, copts...),
+		Webhooks:                dsecv1connect.NewWebhookServiceClient(c.http, c.url, copts...),
 		// A batch of function calls answers up to 256 MiB.
 		Function: dsecv1connect.NewFunctionServiceClient(c.http, c.url, connect.WithInterceptors(keyInterceptor(c.key)), connect.WithReadMaxBytes(256<<20)),
 	}

@@ -63,3 +63,54 @@ func (e *Events) Next() (*dsecv1.Event, error) {
 
 // Close ends the subscription.
 func (e *Events) Close() error { return e.st.Close() }
+
+// WebhookOptions register a webhook.
+type WebhookOptions struct {
+	// URL receives each event as a signed POST (http or https).
+	URL string
+	// Secret keys the signature (Dsec-Signature: see docs/observability.md).
+	Secret string
+	Name   string
+	// Labels and Types choose the events, as in EventOptions.
+	Labels string
+	Types  []string
+	// Disabled registers it without delivering yet.
+	Disabled bool
+}
+
+// CreateWebhook registers a URL that receives the lifecycle events of the
+// caller's sandboxes (an operator's: every project's) until it is deleted.
+func (c *Client) CreateWebhook(ctx context.Context, o WebhookOptions) (*dsecv1.Webhook, error) {
+	r, err := c.raw.Webhooks.CreateWebhook(ctx, connect.NewRequest(&dsecv1.CreateWebhookRequest{
+		Url: o.URL, Secret: o.Secret, Name: o.Name, LabelSelector: o.Labels, Types: o.Types, Disabled: o.Disabled,
+	}))
+	if err != nil {
+		return nil, asError(err)
+	}
+	return r.Msg, nil
+}
+
+// Webhooks lists the caller's webhooks.
+func (c *Client) Webhooks(ctx context.Context) ([]*dsecv1.Webhook, error) {
+	r, err := c.raw.Webhooks.ListWebhooks(ctx, connect.NewRequest(&dsecv1.ListWebhooksRequest{}))
+	if err != nil {
+		return nil, asError(err)
+	}
+	return r.Msg.Webhooks, nil
+}
+
+// EnableWebhook starts (enabled) or stops delivering to webhook id.
+func (c *Client) EnableWebhook(ctx context.Context, id string, enabled bool) (*dsecv1.Webhook, error) {
+	r, err := c.raw.Webhooks.UpdateWebhook(ctx, connect.NewRequest(&dsecv1.UpdateWebhookRequest{Id: id, Enabled: &enabled}))
+	if err != nil {
+		return nil, asError(err)
+	}
+	return r.Msg, nil
+}
+
+// DeleteWebhook removes webhook id; deliveries to it stop within seconds
+// (a delivery under way finishes).
+func (c *Client) DeleteWebhook(ctx context.Context, id string) error {
+	_, err := c.raw.Webhooks.DeleteWebhook(ctx, connect.NewRequest(&dsecv1.DeleteWebhookRequest{Id: id}))
+	return asError(err)
+}

@@ -223,6 +223,87 @@ func TestCluster(t *testing.T) {
 		}
 	})
 
+	t.Run("a webhook registered through one replica is delivered once, from every node", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		defer cancel()
+		var mu sync.Mutex
+		got := map[string]int{} // sandbox ID → created deliveries
+		receiver := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			var ev struct {
+				Type      string `json:"type"`
+				SandboxID string `json:"sandboxId"`
+			}
+			json.NewDecoder(r.Body).Decode(&ev)
+			if ev.Type == "created" {
+				mu.Lock()
+				got[ev.SandboxID]++
+				mu.Unlock()
+			}
+		}))
+		defer receiver.Close()
+		w, err := c.api(0).CreateWebhook(ctx, dsec.WebhookOptions{URL: receiver.URL, Secret: "cluster-secret", Labels: "test=webhook", Types: []string{"created"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.api(1).DeleteWebhook(context.WithoutCancel(ctx), w.Id)
+		if list, err := c.api(1).Webhooks(ctx); err != nil || len(list) != 1 || list[0].Id != w.Id {
+			t.Fatalf("the other replica lists %v (%v)", list, err)
+		}
+		delivered := func(id string) int {
+			mu.Lock()
+			defer mu.Unlock()
+			return got[id]
+		}
+		// The replica that delivers picks the registration up within
+		// seconds (it may be the other one): probe until a create arrives.
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			sb, err := create(ctx, c.api(1), dsec.CreateOptions{Labels: map[string]string{"test": "webhook"}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.api(1).Delete(ctx, sb.ID)
+			time.Sleep(500 * time.Millisecond)
+			if delivered(sb.ID) > 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("no webhook delivery within 30 s of the registration")
+			}
+		}
+		made := map[string]bool{}
+		for range 6 {
+			sb, err := create(ctx, c.api(1), dsec.CreateOptions{Labels: map[string]string{"test": "webhook"}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			made[sb.ID] = true
+			defer c.api(1).Delete(context.WithoutCancel(ctx), sb.ID)
+		}
+		for time.Now().Before(deadline.Add(30 * time.Second)) {
+			n := 0
+			for id := range made {
+				if delivered(id) > 0 {
+					n++
+				}
+			}
+			if n == len(made) {
+				break
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		time.Sleep(3 * time.Second) // a second replica delivering would have by now
+		nodes := map[string]bool{}
+		for id := range made {
+			if n := delivered(id); n != 1 {
+				t.Errorf("%s: created delivered %d times, want once", id, n)
+			}
+			nodes[nodeOf(id)] = true
+		}
+		if len(nodes) < 2 {
+			t.Errorf("the creates landed on nodes %v only", nodes)
+		}
+	})
 	t.Run("a subscription through one replica follows sandboxes on every node", func(t *testing.T) {
 		ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 		defer cancel()

@@ -13,7 +13,7 @@ Standard library only. Every error is a :class:`DsecError` with ``.infra``
 from .client import (Client, ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, SnapshotInfo, Stats, StatsSample,
                      quote, request_id)
 from .session import Session
-from .events import Event, EventStream
+from .events import Event, EventStream, Webhook, verify_signature
 from .runkeys import RunKeys
 from .aio import AsyncClient, AsyncSandbox
 from .functions import Checker, RunCodeResult
@@ -59,6 +59,8 @@ __all__ = [
     "StatsSample",
     "Event",
     "EventStream",
+    "Webhook",
+    "verify_signature",
     "FileInfo",
     "quote",
     "request_id",

@@ -11,7 +11,8 @@ from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, T
 
 from . import _wire
 from .errors import DsecError, NotFound, SandboxGone, make_error
-from .events import EventStream, subscribe
+from .events import (EventStream, Webhook, create_webhook, delete_webhook, enable_webhook, list_webhooks,
+                     subscribe)
 from .network import Network, NetworkLog, NetworkPolicy, PolicyLike, policy_wire
 from .volumes import _VOLUMES, MountLike, Volume, mount_wire
 
@@ -839,6 +840,25 @@ class Client:
 
         An operator's key sees every project's (``project`` narrows)."""
         return subscribe(self._t, labels, selector, types, project)
+
+    def create_webhook(self, url: str, secret: str, *, name: Optional[str] = None,
+                       labels: Optional[Mapping[str, str]] = None, selector: Optional[str] = None,
+                       types: Optional[Sequence[str]] = None, enabled: bool = True) -> Webhook:
+        """Register ``url`` to receive the lifecycle events of your
+        sandboxes (filtered as ``events`` filters) as POSTs signed with
+        ``secret``; check each with ``dsec.verify_signature``. Deliveries
+        are retried with backoff; a receiver that is down never slows a
+        sandbox. Kept by the server until deleted."""
+        return create_webhook(self._t, url, secret, name, labels, selector, types, enabled)
+
+    def webhooks(self) -> List[Webhook]:
+        return list_webhooks(self._t)
+
+    def enable_webhook(self, webhook: Union[str, Webhook], enabled: bool = True) -> Webhook:
+        return enable_webhook(self._t, webhook if isinstance(webhook, str) else webhook.id, enabled)
+
+    def delete_webhook(self, webhook: Union[str, Webhook]) -> None:
+        delete_webhook(self._t, webhook if isinstance(webhook, str) else webhook.id)
 
     def list(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None,
              state: Optional[str] = None) -> List[SandboxInfo]:
