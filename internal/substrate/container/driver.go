@@ -668,13 +668,17 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if startErr != nil {
 		return nil, errdefs.Internal(startErr, "start the OCI runtime")
 	}
+	// The runtime lives as long as the sandbox. Waiting for it with
+	// cmd.Wait would park an OS thread in waitid per sandbox (5,000
+	// sandboxes: 5,000 threads; Go gives up at 10,000) and keep a pidfd
+	// open in os.Process besides: the process handle is released (its
+	// Pid becomes -1: never use cmd.Process again) and the exit is waited
+	// for by one pidfd in Go's poller, then reaped.
+	rtProc := proc.Of(cmd.Process.Pid)
+	cmd.Process.Release()
 	runtimeDone := make(chan struct{})
 	var runtimeExit int
-	go func() {
-		cmd.Wait()
-		runtimeExit = cmd.ProcessState.ExitCode()
-		close(runtimeDone)
-	}()
+	awaitChild(rtProc, runtimeDone, &runtimeExit)
 	undo.Push(func() {
 		rt.forceDelete(s.ID)
 		<-runtimeDone
@@ -719,7 +723,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		}
 	case <-runtimeDone:
 		cancel()
-		return nil, failed("start container", fmt.Errorf("runtime exited: %v", cmd.ProcessState))
+		return nil, failed("start container", fmt.Errorf("runtime exited with status %d", runtimeExit))
 	}
 	// The runtime writes the pid file around the time the agent starts;
 	// the agent can answer first, by seconds on a loaded host (5,000
@@ -740,7 +744,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		// the pid is the sandbox's kernel, agent and workload at once.)
 		os.WriteFile("/proc/"+strconv.Itoa(pid)+"/oom_score_adj", []byte("-998"), 0)
 	}
-	st.RuntimePid, st.RuntimeStartTime = cmd.Process.Pid, proc.StartTime(cmd.Process.Pid)
+	st.RuntimePid, st.RuntimeStartTime = rtProc.Pid, rtProc.StartTime
 	st.Socket = sock
 	if sc := d.seccompFor(s); rt.name == "crun" && sc.bpf() == "" {
 		sc.learn(filepath.Join(d.runRoot, s.ID))
@@ -857,6 +861,30 @@ func runtimeMessage(s string) string {
 		s = s[:500]
 	}
 	return s
+}
+
+// awaitChild reaps child, a child process of the node whose os.Process
+// was released, once it exits: its exit status goes to *status (-1 when a
+// signal ended it), then done is closed. No thread waits meanwhile: the
+// exit is noticed through a pidfd in Go's poller (proc.NotifyExit).
+func awaitChild(child proc.ID, done chan struct{}, status *int) {
+	exited := make(chan struct{})
+	child.NotifyExit(exited)
+	go func() {
+		<-exited
+		var ws unix.WaitStatus
+		for {
+			_, err := unix.Wait4(child.Pid, &ws, 0, nil)
+			if err != unix.EINTR {
+				break
+			}
+		}
+		*status = -1
+		if ws.Exited() {
+			*status = ws.ExitStatus()
+		}
+		close(done)
+	}()
 }
 
 // waitPidFile reads the runtime's pid file once it is written: until ctx
