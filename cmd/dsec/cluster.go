@@ -102,6 +102,7 @@ func runAPI(ctx context.Context, cfg config.Config) error {
 		Token: cfg.Cluster.Token, Choices: cfg.Cluster.Choices, Attempts: cfg.Cluster.Attempts, Metrics: calls,
 	}, state, log)
 	sessions := session.New(store.Sessions(), apiserver.Actor(router), log)
+	sessions.CountExpiries(calls.SessionExpired)
 	hooks := apiserver.NewHooks(store.Hooks(), router, log, calls.Webhook)
 	api, err := apiserver.New(apiserver.Config{Keys: state, Version: version, Metrics: reg, API: calls, Hooks: hooks}, log, router, sessions)
 	if err != nil {

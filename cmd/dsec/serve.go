@@ -309,6 +309,7 @@ func serve(ctx context.Context, cfg config.Config) error {
 	}
 	defer sessStore.Close()
 	sessions := session.New(sessStore, apiserver.Actor(router), log)
+	sessions.CountExpiries(calls.SessionExpired)
 	hooks := apiserver.NewHooks(events.NewFileHooks(filepath.Join(n.DataDir(), "webhooks.json")), router, log, calls.Webhook)
 	api, err := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, AdminKeys: cfg.AdminKeys, Version: version, Metrics: reg, API: calls, Hooks: hooks}, log, router, sessions)
 	if err != nil {

@@ -21,6 +21,7 @@ type API struct {
 	placements *prometheus.CounterVec
 	routing    *prometheus.CounterVec
 	webhooks   *prometheus.CounterVec
+	sessions   *prometheus.CounterVec
 }
 
 // NewAPI registers an API server's metrics on r.
@@ -48,9 +49,23 @@ func NewAPI(r prometheus.Registerer) *API {
 			Namespace: namespace, Subsystem: "api", Name: "webhook_deliveries_total",
 			Help: "Deliveries to the webhooks registered through the API (WebhookService, E2B's /events/webhooks) by result: delivered, retried (a try failed; another follows), failed (given up after its tries, or refused by the receiver), lost (the receiver fell too far behind).",
 		}, []string{"result"}),
+		sessions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Subsystem: "session", Name: "expiries_total",
+			Help: "Trainer sessions that expired (their heartbeats stopped past the grace) by the action taken on their sandboxes: pause or delete. In a cluster, counted by the replica that expires sessions.",
+		}, []string{"action"}),
 	}
-	r.MustRegister(m.rpc, m.http, m.placements, m.routing, m.webhooks)
+	r.MustRegister(m.rpc, m.http, m.placements, m.routing, m.webhooks, m.sessions)
+	for _, a := range []string{"pause", "delete"} {
+		m.sessions.WithLabelValues(a)
+	}
 	return m
+}
+
+// SessionExpired counts a session's expiry.
+func (m *API) SessionExpired(action string) {
+	if m != nil {
+		m.sessions.WithLabelValues(action).Inc()
+	}
 }
 
 // Interceptor times every call of the Connect services it is given to.

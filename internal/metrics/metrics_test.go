@@ -3,6 +3,8 @@ package metrics
 import (
 	"context"
 	"errors"
+	"os"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -91,4 +93,58 @@ func BenchmarkObserve(b *testing.B) {
 			api.rpcDone("/dsec.v1.ProcessService/Exec", start, nil)
 		}
 	})
+}
+
+// TestEveryMetricIsDocumented: docs/observability.md lists every dsec_
+// metric a process can serve (the operators' reference for dashboards and
+// alerts), so a metric added without a line there fails here.
+func TestEveryMetricIsDocumented(t *testing.T) {
+	doc, err := os.ReadFile("../../docs/observability.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Every collector the servers register, described (a vector with no
+	// series yet is not gathered, but it is described).
+	rec := &recorder{Registry: NewRegistry("test")}
+	NewNode(rec, func() NodeState { return NodeState{} })
+	NewAPI(rec)
+	descs := make(chan *prometheus.Desc, 256)
+	for _, c := range rec.collectors {
+		c.Describe(descs)
+	}
+	close(descs)
+	fqName := regexp.MustCompile(`fqName: "([^"]+)"`)
+	names := map[string]bool{"dsec_build_info": true}
+	for d := range descs {
+		if m := fqName.FindStringSubmatch(d.String()); m != nil {
+			names[m[1]] = true
+		}
+	}
+	if len(names) < 15 {
+		t.Fatalf("only %d metrics described: %v", len(names), names)
+	}
+	for name := range names {
+		if !strings.Contains(string(doc), "`"+name) {
+			t.Errorf("%s is not in docs/observability.md", name)
+		}
+	}
+}
+
+// recorder keeps the collectors registered through it.
+type recorder struct {
+	*Registry
+	collectors []prometheus.Collector
+}
+
+func (r *recorder) Register(c prometheus.Collector) error {
+	r.collectors = append(r.collectors, c)
+	return r.Registry.Register(c)
+}
+
+func (r *recorder) MustRegister(cs ...prometheus.Collector) {
+	for _, c := range cs {
+		if err := r.Register(c); err != nil {
+			panic(err)
+		}
+	}
 }

@@ -101,7 +101,13 @@ type Manager struct {
 
 	mu   sync.Mutex // serializes state changes of sessions
 	seen map[string]beat
+
+	expired func(action string) // counts expiries (CountExpiries)
 }
+
+// CountExpiries has f told of each session this manager expires, with the
+// session's action (pause or delete). Call before Run.
+func (m *Manager) CountExpiries(f func(action string)) { m.expired = f }
 
 // beat is a heartbeat value and when this process first saw it.
 type beat struct {
@@ -351,6 +357,9 @@ func (m *Manager) expire(ctx context.Context, now time.Time) {
 		if err != nil {
 			m.log.Warn("expire session", slog.String("session", cur.Name), slog.Any("error", err))
 			continue
+		}
+		if m.expired != nil {
+			m.expired(cur.OnExpire)
 		}
 		m.apply(ctx, cur.Key())
 	}

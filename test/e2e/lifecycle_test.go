@@ -118,6 +118,10 @@ func TestSessionExpiryPausesAndReopeningResumes(t *testing.T) {
 				}
 			}
 			c.CloseSession(ctx, name, true)
+			_, _, samples := dsectest.Scrape(t, srv.URL, "")
+			if n := samples[`dsec_session_expiries_total{action="`+tc.onExpire+`"}`]; n != 1 {
+				t.Errorf("%v %s expiries counted, want 1", n, tc.onExpire)
+			}
 		})
 	}
 }
