@@ -73,8 +73,9 @@ func main() {
 				fatal(fmt.Errorf("create: %s", r.Error.Message))
 			}
 		}
+		before := made
 		made += batch
-		if made%1000 == 0 {
+		if made/1000 > before/1000 {
 			fmt.Printf("  %d sandboxes after %s\n", made, time.Since(start).Round(time.Second))
 		}
 	}

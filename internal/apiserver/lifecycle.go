@@ -216,7 +216,7 @@ var bulkOps = map[string]func(Node, context.Context, *connect.Request[dsecv1.Bul
 
 // Bulk runs a label-selected operation ("pause", "resume", "delete") on
 // the caller's sandboxes on every node and gathers the results.
-func Bulk(ctx context.Context, r Router, op, selector string) (*dsecv1.BulkResponse, error) {
+func Bulk(ctx context.Context, r Router, op, selector, cause string) (*dsecv1.BulkResponse, error) {
 	verb, ok := bulkOps[op]
 	switch {
 	case !ok:
@@ -224,7 +224,7 @@ func Bulk(ctx context.Context, r Router, op, selector string) (*dsecv1.BulkRespo
 	case selector == "":
 		return nil, wire(errdefs.Invalid("a label selector is required for a bulk %s", op))
 	}
-	q := &dsecv1.BulkRequest{LabelSelector: selector}
+	q := &dsecv1.BulkRequest{LabelSelector: selector, Cause: cause}
 	resps, err := fanOut(r.Nodes(ctx), func(n Node) (*connect.Response[dsecv1.BulkResponse], error) {
 		return verb(n, ctx, connect.NewRequest(q))
 	})
@@ -242,8 +242,8 @@ func Bulk(ctx context.Context, r Router, op, selector string) (*dsecv1.BulkRespo
 
 // Actor adapts bulk operations for the session manager.
 func Actor(r Router) session.Actor {
-	return func(ctx context.Context, op, selector string) (int, error) {
-		resp, err := Bulk(ctx, r, op, selector)
+	return func(ctx context.Context, op, selector, cause string) (int, error) {
+		resp, err := Bulk(ctx, r, op, selector, cause)
 		if err != nil {
 			return 0, errwire.FromConnect(err)
 		}
@@ -256,7 +256,7 @@ func Actor(r Router) session.Actor {
 }
 
 func (s *lifecycleService) bulk(ctx context.Context, op string, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
-	resp, err := Bulk(ctx, s.r, op, req.Msg.GetLabelSelector())
+	resp, err := Bulk(ctx, s.r, op, req.Msg.GetLabelSelector(), req.Msg.GetCause())
 	if err != nil {
 		return nil, err
 	}

@@ -65,7 +65,7 @@ func NewNode(r prometheus.Registerer, state func() NodeState) *Node {
 		}, []string{"operation", "kind", "outcome"}),
 		ends: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Subsystem: "sandbox", Name: "ends_total",
-			Help: "Sandboxes that ended on this node, by kind and cause (deleted, ttl, idle_ttl, paused_ttl, workload_exit, oom, died, pause_failed, node_down).",
+			Help: "Sandboxes that ended on this node, by kind and cause (deleted, session_expired, ttl, idle_ttl, paused_ttl, workload_exit, oom, died, pause_failed, node_down).",
 		}, []string{"kind", "cause"}),
 		pool: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "warm_pool_claims_total",

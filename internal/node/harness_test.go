@@ -92,7 +92,7 @@ func (tn *testNode) open() {
 			return // closed by restart
 		}
 		ctx := tenant.System(context.Background())
-		n.Bulk(ctx, "delete", "!nothing")
+		n.Bulk(ctx, "delete", "!nothing", "")
 		n.Close()
 	})
 }

@@ -179,10 +179,19 @@ func (n *Node) persistLocked(s *sandbox) error {
 
 // Bulk pauses, resumes or deletes every live sandbox of the caller's
 // (an operator: of any project) matching a non-empty label selector, in
-// parallel, and reports each failure.
-func (n *Node) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkResponse, error) {
+// parallel, and reports each failure. cause is a delete's end cause: ""
+// (deleted) or session_expired.
+func (n *Node) Bulk(ctx context.Context, op, selector, cause string) (*dsecv1.BulkResponse, error) {
 	if selector == "" {
 		return nil, errdefs.Invalid("a label selector is required for a bulk %s", op)
+	}
+	deleted := &end{reason: "deleted by the user (by label)", cause: "deleted"}
+	switch cause {
+	case "":
+	case "session_expired": // session.CauseExpired
+		deleted = &end{reason: "its trainer session expired (on_expire: delete)", cause: "session_expired"}
+	default:
+		return nil, errdefs.Invalid("unknown end cause %q (want session_expired or none)", cause)
 	}
 	sel, err := ParseSelector(selector)
 	if err != nil {
@@ -196,7 +205,7 @@ func (n *Node) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkRespo
 		act = n.resume
 	case "delete":
 		act = func(ctx context.Context, s *sandbox) error {
-			return n.release(ctx, s, &end{reason: "deleted by the user (by label)", cause: "deleted"})
+			return n.release(ctx, s, deleted)
 		}
 	default:
 		return nil, errdefs.Invalid("unknown bulk operation %q", op)

@@ -184,7 +184,7 @@ func TestTombstones(t *testing.T) {
 		a := tn.create(bg, &dsecv1.SandboxSpec{Labels: map[string]string{"job": "bulk"}})
 		b := tn.create(bg, &dsecv1.SandboxSpec{Labels: map[string]string{"job": "bulk"}})
 		keep := tn.create(bg, nil)
-		resp, err := tn.Bulk(bg, "delete", "job=bulk")
+		resp, err := tn.Bulk(bg, "delete", "job=bulk", "")
 		if err != nil || len(resp.Ids) != 2 || len(resp.Failures) != 0 {
 			t.Fatalf("bulk: %v %v", resp, err)
 		}

@@ -113,12 +113,19 @@ func TestOnTimeoutPause(t *testing.T) {
 		tn.reap(time.Now().Add(3 * time.Second))
 		// A session's expiry (on_expire delete) and its close delete by
 		// its label (internal/session).
-		resp, err := tn.Bulk(bg, "delete", "job=ended-by-session")
+		resp, err := tn.Bulk(bg, "delete", "job=ended-by-session", "session_expired")
 		if err != nil || len(resp.Ids) != 1 {
 			t.Fatalf("bulk delete: %v %v", resp, err)
 		}
 		if st, _ := tn.state(sb.Id); st != "deleted" {
 			t.Fatalf("state %s", st)
+		}
+		// The expiry's delete says so in the sandbox's end.
+		if got, err := tn.Get(bg, sb.Id); err != nil || got.GetEndCause() != "session_expired" || got.GetInfra() {
+			t.Fatalf("get after the session's delete: %v (%v); want end cause session_expired, not infra", got, err)
+		}
+		if _, err := tn.Bulk(bg, "delete", "job=ended-by-session", "made_up"); !errdefs.Is(err, errdefs.KindInvalid) {
+			t.Fatalf("a made-up end cause: %v, want invalid", err)
 		}
 	})
 

@@ -16,9 +16,9 @@ import (
 // end is why a live sandbox ended, as its tombstone keeps it.
 type end struct {
 	reason string
-	// cause is the reason's class, a metrics label: deleted, ttl,
-	// idle_ttl, paused_ttl, workload_exit, oom, died, pause_failed or
-	// node_down.
+	// cause is the reason's class, a metrics label: deleted,
+	// session_expired, ttl, idle_ttl, paused_ttl, workload_exit, oom, died,
+	// pause_failed or node_down.
 	cause string
 	// infra marks ends that were the platform's doing (crash, TTL,
 	// eviction, a failed re-adoption): later calls answer gone (infra)

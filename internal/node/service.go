@@ -114,15 +114,15 @@ func (s *Service) ResumeSandbox(ctx context.Context, req *connect.Request[dsecv1
 }
 
 func (s *Service) PauseSandboxes(ctx context.Context, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
-	return answer(s.n.Bulk(ctx, "pause", req.Msg.GetLabelSelector()))
+	return answer(s.n.Bulk(ctx, "pause", req.Msg.GetLabelSelector(), ""))
 }
 
 func (s *Service) ResumeSandboxes(ctx context.Context, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
-	return answer(s.n.Bulk(ctx, "resume", req.Msg.GetLabelSelector()))
+	return answer(s.n.Bulk(ctx, "resume", req.Msg.GetLabelSelector(), ""))
 }
 
 func (s *Service) DeleteSandboxes(ctx context.Context, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
-	return answer(s.n.Bulk(ctx, "delete", req.Msg.GetLabelSelector()))
+	return answer(s.n.Bulk(ctx, "delete", req.Msg.GetLabelSelector(), req.Msg.GetCause()))
 }
 
 func (s *Service) GetSandboxStats(ctx context.Context, req *connect.Request[dsecv1.GetSandboxStatsRequest]) (*connect.Response[dsecv1.SandboxStats], error) {

@@ -82,8 +82,13 @@ func (r *Record) forProject(ctx context.Context) context.Context {
 
 // Actor applies a bulk operation ("pause", "resume", "delete") to every
 // sandbox matching a label selector, on every node, and returns how many
-// it reached.
-type Actor func(ctx context.Context, op, selector string) (int, error)
+// it reached. cause is a delete's end cause ("" for deleted, or
+// CauseExpired).
+type Actor func(ctx context.Context, op, selector, cause string) (int, error)
+
+// CauseExpired is the end cause of the sandboxes an expired session's
+// "delete" ends.
+const CauseExpired = "session_expired"
 
 var nameRe = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$`)
 
@@ -179,7 +184,7 @@ func (m *Manager) reviveLocked(ctx context.Context, r *Record, now time.Time) (i
 	if !wasExpired || r.OnExpire != "pause" {
 		return 0, nil
 	}
-	n, err := m.act(r.forProject(ctx), "resume", selector(r.Name))
+	n, err := m.act(r.forProject(ctx), "resume", selector(r.Name), "")
 	if err != nil {
 		return n, err
 	}
@@ -253,12 +258,12 @@ func (m *Manager) Close(ctx context.Context, name string, deleteSandboxes bool) 
 		return nil, err
 	}
 	if deleteSandboxes {
-		if _, err := m.act(r.forProject(ctx), "delete", selector(name)); err != nil {
+		if _, err := m.act(r.forProject(ctx), "delete", selector(name), ""); err != nil {
 			return nil, err
 		}
 	} else if r.State == Expired && r.OnExpire == "pause" {
 		// Leave nothing frozen behind an ended lease.
-		m.act(r.forProject(ctx), "resume", selector(name))
+		m.act(r.forProject(ctx), "resume", selector(name), "")
 	}
 	r.State = Closed
 	if err := m.store.DeleteSession(ctx, r.Key()); err != nil {
@@ -294,7 +299,7 @@ func (m *Manager) Settle(ctx context.Context, name string) (string, error) {
 	if err != nil || r.State != Expired {
 		return "", nil // active, or closed (its sandboxes live on under their TTLs)
 	}
-	if _, err := m.act(r.forProject(ctx), r.OnExpire, selector(name)); err != nil {
+	if _, err := m.act(r.forProject(ctx), r.OnExpire, selector(name), CauseExpired); err != nil {
 		return r.OnExpire, err
 	}
 	return r.OnExpire, nil
@@ -381,7 +386,7 @@ func (m *Manager) apply(ctx context.Context, key string) {
 	if err != nil || cur.State != Expired || !cur.ActionPending {
 		return // revived, closed or done meanwhile
 	}
-	n, err := m.act(cur.forProject(ctx), cur.OnExpire, selector(cur.Name))
+	n, err := m.act(cur.forProject(ctx), cur.OnExpire, selector(cur.Name), CauseExpired)
 	if err != nil {
 		m.log.Warn("expire session", slog.String("session", cur.Name), slog.Any("error", err))
 		return

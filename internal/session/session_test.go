@@ -66,7 +66,7 @@ func TestExpiryIgnoresOtherClocks(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			store := &memStore{m: map[string]Record{}}
 			var acted []string
-			m := New(store, func(ctx context.Context, op, sel string) (int, error) {
+			m := New(store, func(ctx context.Context, op, sel, cause string) (int, error) {
 				acted = append(acted, op)
 				return 1, nil
 			}, slog.New(slog.DiscardHandler))
@@ -94,7 +94,7 @@ func TestExpiryIgnoresOtherClocks(t *testing.T) {
 func TestAHeartbeatSeenLateRestartsTheGrace(t *testing.T) {
 	store := &memStore{m: map[string]Record{}}
 	expired := 0
-	m := New(store, func(ctx context.Context, op, sel string) (int, error) { expired++; return 0, nil }, slog.New(slog.DiscardHandler))
+	m := New(store, func(ctx context.Context, op, sel, cause string) (int, error) { expired++; return 0, nil }, slog.New(slog.DiscardHandler))
 	ctx := context.Background()
 	if _, err := m.Open(ctx, &dsecv1.OpenSessionRequest{Name: "s", HeartbeatS: 1, GraceS: 10}); err != nil {
 		t.Fatal(err)
@@ -124,7 +124,7 @@ type sandboxes struct {
 	failOn int             // fail this many act calls first
 }
 
-func (s *sandboxes) act(ctx context.Context, op, sel string) (int, error) {
+func (s *sandboxes) act(ctx context.Context, op, sel, cause string) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.failOn > 0 {

@@ -102,6 +102,12 @@ func TestSessionExpiryPausesAndReopeningResumes(t *testing.T) {
 			if state != tc.want {
 				t.Fatalf("state %q, want %q", state, tc.want)
 			}
+			if tc.onExpire == "delete" {
+				// Its end says the session's expiry ended it.
+				if info, err := c.Get(ctx, sb.ID); err != nil || info.GetEndCause() != "session_expired" || info.GetInfra() {
+					t.Fatalf("get after the expiry: %v (%v); want end cause session_expired, not infra", info, err)
+				}
+			}
 			if _, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox", Session: name}); kind(err) != "conflict" {
 				t.Fatalf("create in an expired session: %v", err)
 			}

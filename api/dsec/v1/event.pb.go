@@ -100,7 +100,7 @@ type Event struct {
 	At     *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=at,proto3" json:"at,omitempty"`
 	// state is the sandbox's state after the event.
 	State string `protobuf:"bytes,8,opt,name=state,proto3" json:"state,omitempty"`
-	// For ended: why, its class (deleted, ttl, idle_ttl, paused_ttl,
+	// For ended: why, its class (deleted, session_expired, ttl, idle_ttl, paused_ttl,
 	// workload_exit, oom, died, pause_failed, node_down) and whether the
 	// platform ended it (infra).
 	Reason string `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`

@@ -1007,7 +1007,7 @@ type Sandbox struct {
 	ExpiresAt    *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
 	LastActiveAt *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=last_active_at,json=lastActiveAt,proto3" json:"last_active_at,omitempty"`
 	// For a sandbox that ended (a tombstone): when, the class of its reason
-	// (deleted, ttl, idle_ttl, paused_ttl, workload_exit, oom, died,
+	// (deleted, session_expired, ttl, idle_ttl, paused_ttl, workload_exit, oom, died,
 	// pause_failed, node_down) and whether the platform ended it.
 	EndedAt       *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=ended_at,json=endedAt,proto3" json:"ended_at,omitempty"`
 	EndCause      string                 `protobuf:"bytes,10,opt,name=end_cause,json=endCause,proto3" json:"end_cause,omitempty"`
@@ -5107,6 +5107,10 @@ func (x *ResumeSandboxRequest) GetId() string {
 type BulkRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	LabelSelector string                 `protobuf:"bytes,1,opt,name=label_selector,json=labelSelector,proto3" json:"label_selector,omitempty"`
+	// cause, for a delete, is the deleted sandboxes' end cause: empty
+	// ("deleted") or "session_expired" (the delete of a trainer session's
+	// expiry, which the session manager sends).
+	Cause         string `protobuf:"bytes,2,opt,name=cause,proto3" json:"cause,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -5144,6 +5148,13 @@ func (*BulkRequest) Descriptor() ([]byte, []int) {
 func (x *BulkRequest) GetLabelSelector() string {
 	if x != nil {
 		return x.LabelSelector
+	}
+	return ""
+}
+
+func (x *BulkRequest) GetCause() string {
+	if x != nil {
+		return x.Cause
 	}
 	return ""
 }
@@ -6591,9 +6602,10 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x13PauseSandboxRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"&\n" +
 	"\x14ResumeSandboxRequest\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\tR\x02id\"4\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"J\n" +
 	"\vBulkRequest\x12%\n" +
-	"\x0elabel_selector\x18\x01 \x01(\tR\rlabelSelector\"G\n" +
+	"\x0elabel_selector\x18\x01 \x01(\tR\rlabelSelector\x12\x14\n" +
+	"\x05cause\x18\x02 \x01(\tR\x05cause\"G\n" +
 	"\vBulkFailure\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12(\n" +
 	"\x05error\x18\x02 \x01(\v2\x12.dsec.v1.ItemErrorR\x05error\"R\n" +

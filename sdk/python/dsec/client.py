@@ -160,7 +160,7 @@ class SandboxInfo:
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
     runtime: str = ""  # "" is the kind's default runtime
     on_timeout: str = ""  # "" or "delete": the TTL ends the sandbox; "pause": it pauses
-    # An ended sandbox's end: when, its class (deleted, ttl, idle_ttl,
+    # An ended sandbox's end: when, its class (deleted, session_expired, ttl, idle_ttl,
     # paused_ttl, workload_exit, oom, died, pause_failed, node_down) and whether
     # the platform ended it.
     ended_at: str = ""

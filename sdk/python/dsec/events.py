@@ -16,7 +16,7 @@ class Event:
     resumed, snapshotted, forked or ended; or ``dropped``: the subscriber
     fell behind and lost ``dropped`` events (0: an unknown number, a node's
     stream broke). An ended event says why (``reason``), its class
-    (``cause``: deleted, ttl, idle_ttl, paused_ttl, workload_exit, oom, died,
+    (``cause``: deleted, session_expired, ttl, idle_ttl, paused_ttl, workload_exit, oom, died,
     pause_failed, node_down) and whether the platform ended it
     (``infra``)."""
 
