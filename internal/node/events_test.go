@@ -3,6 +3,7 @@ package node
 import (
 	"context"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -189,6 +190,14 @@ func TestEachSandboxKeepsAHistoryOfItsUse(t *testing.T) {
 	}
 	if now, err := tn.Stats(bg, sb.Id, false); err != nil || len(now.History) != 0 {
 		t.Errorf("stats without history: %v %v", now, err)
+	}
+	// Its history ends with it: a query after the end is a clear not
+	// found, saying it ended and why.
+	if err := tn.Delete(bg, sb.Id); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tn.Stats(bg, sb.Id, true); !errdefs.Is(err, errdefs.KindNotFound) || !strings.Contains(err.Error(), "deleted by the user") {
+		t.Errorf("the history of an ended sandbox: %v, want not found saying it was deleted", err)
 	}
 }
 
