@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"context"
 	"net/http"
 	"os"
 	"os/exec"
@@ -30,6 +31,16 @@ func artifacts(t *testing.T, sub string) string {
 	return dir
 }
 
+// newBrowser starts the distribution's headless Chromium for the test.
+func newBrowser(t *testing.T, ctx context.Context, chromium string) context.Context {
+	alloc, cancel := chromedp.NewExecAllocator(ctx, append(chromedp.DefaultExecAllocatorOptions[:],
+		chromedp.ExecPath(chromium), chromedp.NoSandbox, chromedp.DisableGPU, chromedp.WindowSize(1280, 900))...)
+	t.Cleanup(cancel)
+	browser, cancel := chromedp.NewContext(alloc)
+	t.Cleanup(cancel)
+	return browser
+}
+
 // TestTheDashboardShowsASandboxInAHeadlessBrowser signs in to the
 // dashboard in the distribution's Chromium, as a person would, and clicks
 // through to a sandbox: its spec, its trajectory log and its use charts.
@@ -55,11 +66,7 @@ func TestTheDashboardShowsASandboxInAHeadlessBrowser(t *testing.T) {
 		t.Fatalf("the dashboard's data without a key: %v %v, want 401", resp, err)
 	}
 
-	alloc, cancel := chromedp.NewExecAllocator(ctx, append(chromedp.DefaultExecAllocatorOptions[:],
-		chromedp.ExecPath(chromium), chromedp.NoSandbox, chromedp.DisableGPU, chromedp.WindowSize(1280, 900))...)
-	defer cancel()
-	browser, cancel := chromedp.NewContext(alloc)
-	defer cancel()
+	browser := newBrowser(t, ctx, chromium)
 	dir := artifacts(t, "dashboard")
 	do := func(steps ...chromedp.Action[chromedp.Void]) {
 		t.Helper()

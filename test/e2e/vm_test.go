@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/chromedp/chromedp"
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/dsectest"
 	"github.com/opendsec/dsec/internal/substrate/qemu"
@@ -88,6 +89,39 @@ func TestVM(t *testing.T) {
 			t.Fatal(err)
 		}
 		waitExec(t, vm, "cat /tmp/go 2>/dev/null", "from-go\n")
+	})
+
+	t.Run("the dashboard streams its screen and types into it", func(t *testing.T) {
+		chromium, err := exec.LookPath("chromium")
+		if err != nil {
+			t.Fatal("chromium is not installed (scripts/setup.sh installs it): ", err)
+		}
+		browser := newBrowser(t, ctx, chromium)
+		do := func(steps ...chromedp.Action[chromedp.Void]) {
+			t.Helper()
+			if err := chromedp.Do(browser, steps...); err != nil {
+				t.Fatalf("the browser: %v", err)
+			}
+		}
+		// An open server: any key signs in.
+		do(chromedp.Navigate(srv.URL+"/ui/"), chromedp.WaitVisible(chromedp.ID("key")),
+			chromedp.SendKeys(chromedp.ID("key"), "any"), chromedp.Click(chromedp.ID("signin")),
+			chromedp.WaitVisible(chromedp.ID("running")))
+		if _, err := chromedp.Run(browser, chromedp.Evaluate[string](`location.hash = "#/sandbox/`+id+`"`)); err != nil {
+			t.Fatalf("the browser: %v", err)
+		}
+		// The screen is streamed: the image gets a PNG the size of the VM's.
+		if _, err := chromedp.Run(browser, chromedp.Poll[bool](`(() => { const i = document.getElementById("screen");
+			return !!i && i.src.startsWith("data:image/png") && i.naturalWidth === 720 && i.naturalHeight === 400; })()`)); err != nil {
+			t.Fatalf("the browser: no screen shown: %v", err)
+		}
+		// Keys typed on the focused screen reach the VM's console, in order.
+		do(chromedp.Focus(chromedp.ID("screen")), chromedp.SendKeys(chromedp.ID("screen"), "echo from-the-dashboard > /tmp/ui\r"))
+		waitExec(t, vm, "cat /tmp/ui 2>/dev/null", "from-the-dashboard\n")
+		shot, err := chromedp.Run(browser, chromedp.FullScreenshot(100))
+		if err == nil {
+			os.WriteFile(filepath.Join(artifacts(t, "dashboard"), "vm-screen.png"), shot, 0o644)
+		}
 	})
 
 	t.Run("the Python SDK creates a VM and drives its screen", func(t *testing.T) {

@@ -150,6 +150,14 @@ async function sandboxes(params) {
   await page();
 }
 
+// sendInput sends one input action to a sandbox's screen after the ones
+// before it have been delivered: keys typed fast must reach the guest in
+// the order they were typed (concurrent requests may arrive in any order).
+let inputs = Promise.resolve();
+function sendInput(id, action) {
+  inputs = inputs.then(() => rpc("ScreenService", "SendInput", { sandboxId: id, actions: [action] })).catch(() => {});
+}
+
 async function sandbox(id) {
   const s = await rpc("LifecycleService", "GetSandbox", { id });
   const spec = s.spec || {};
@@ -170,7 +178,7 @@ async function sandbox(id) {
     img.addEventListener("click", e => {
       const r = img.getBoundingClientRect();
       const x = Math.round((e.clientX - r.left) * img.naturalWidth / r.width), y = Math.round((e.clientY - r.top) * img.naturalHeight / r.height);
-      rpc("ScreenService", "SendInput", { sandboxId: id, actions: [{ click: { x, y } }] }).catch(() => {});
+      sendInput(id, { click: { x, y } });
     });
     img.addEventListener("keydown", e => {
       e.preventDefault();
@@ -178,7 +186,7 @@ async function sandbox(id) {
       let k = named[e.key] || e.key;
       const mods = [e.ctrlKey && "ctrl", e.altKey && "alt"].filter(Boolean);
       const action = (k.length === 1 && !mods.length) ? { text: k } : { keys: [...mods, k].join("+") };
-      rpc("ScreenService", "SendInput", { sandboxId: id, actions: [action] }).catch(() => {});
+      sendInput(id, action);
     });
     parts.push(el("h2", {}, "Screen (click to focus; keys and clicks go to the sandbox)"), img);
     every(1000, async () => {

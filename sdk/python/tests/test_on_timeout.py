@@ -45,7 +45,9 @@ def test_a_session_expiry_still_deletes_a_sandbox_paused_at_its_ttl(client):
         s.stop_heartbeats()
         _until("the session's expiry deletes it", lambda: client.get(sb.id).info.state == "deleted")
         _until("it is no longer listed", lambda: client.list(selector="dsec.io/session=py-on-timeout") == [])
-        assert client.get(sb.id).info.reason == "deleted by the user (by label)"
+        info = client.get(sb.id).info
+        assert info.end_cause == "session_expired" and not info.infra
+        assert info.reason == "its trainer session expired (on_expire: delete)"
     finally:
         s.close(delete_sandboxes=True)
 
