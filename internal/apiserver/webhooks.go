@@ -45,13 +45,14 @@ type Hooks struct {
 	live    map[string]chan struct{} // closed once a hook's stream is in place
 	ready   chan struct{}            // closed once Run's first deliveries are in place
 	readied sync.Once
+	passed  chan struct{} // closed at the end of each pass of Run's over the registrations
 }
 
 // NewHooks keeps registrations in store and delivers through r; count is
 // told each delivery's result.
 func NewHooks(store events.HookStore, r Router, log *slog.Logger, count func(string)) *Hooks {
 	return &Hooks{store: store, r: r, log: log, count: count, formats: map[string]func(*events.Hook) events.Format{},
-		changed: make(chan struct{}, 1), live: map[string]chan struct{}{}, ready: make(chan struct{})}
+		changed: make(chan struct{}, 1), live: map[string]chan struct{}{}, ready: make(chan struct{}), passed: make(chan struct{})}
 }
 
 // AddFormat adds a delivery format to the native one (the E2B facade's):
@@ -116,7 +117,8 @@ const liveWait = 10 * time.Second
 
 // apply has Run apply a change to hk now and, where this server runs the
 // deliveries and hk is enabled, waits until its event stream is in place
-// (every node's), so every event after the call reaches it. Elsewhere (a
+// (every node's), so every event after the call reaches it; disabled, it
+// waits until its delivery has stopped (settle). Elsewhere (a
 // replica of a cluster that does not lead) the leader applies it within
 // hooksEvery.
 func (h *Hooks) apply(ctx context.Context, hk *events.Hook) {
@@ -127,10 +129,11 @@ func (h *Hooks) apply(ctx context.Context, hk *events.Hook) {
 		h.live[hk.ID] = ch
 		h.mu.Unlock()
 	}
-	h.Changed()
 	if ch == nil {
+		h.settle(ctx)
 		return
 	}
+	h.Changed()
 	select {
 	case <-ch:
 		return
@@ -210,8 +213,33 @@ func (h *Hooks) Remove(ctx context.Context, id string) error {
 	if err := h.store.DeleteHook(ctx, id); err != nil {
 		return err
 	}
-	h.Changed()
+	h.settle(ctx)
 	return nil
+}
+
+// settle has Run apply a change now and, where this server runs the
+// deliveries, waits until it has: a disabled or deleted registration's
+// delivery has stopped when the call returns. The pass under way may have
+// read the registrations before the change; the one after it has not.
+func (h *Hooks) settle(ctx context.Context) {
+	if !h.running.Load() {
+		h.Changed()
+		return
+	}
+	timeout := time.After(liveWait)
+	for range 2 {
+		h.mu.Lock()
+		passed := h.passed
+		h.mu.Unlock()
+		h.Changed()
+		select {
+		case <-passed:
+		case <-timeout:
+			return
+		case <-ctx.Done():
+			return
+		}
+	}
 }
 
 // Run delivers until ctx ends: it rereads the registrations every
@@ -304,6 +332,10 @@ func (h *Hooks) Run(ctx context.Context) {
 				}()
 			}
 		}
+		h.mu.Lock()
+		close(h.passed)
+		h.passed = make(chan struct{})
+		h.mu.Unlock()
 		select {
 		case <-ctx.Done():
 			return

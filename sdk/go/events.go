@@ -108,8 +108,9 @@ func (c *Client) EnableWebhook(ctx context.Context, id string, enabled bool) (*d
 	return r.Msg, nil
 }
 
-// DeleteWebhook removes webhook id; deliveries to it stop within seconds
-// (a delivery under way finishes).
+// DeleteWebhook removes webhook id. Where the server delivers (dsec
+// serve, a cluster's leading replica) it returns once the deliveries have
+// stopped; through another replica they stop within 2 s.
 func (c *Client) DeleteWebhook(ctx context.Context, id string) error {
 	_, err := c.raw.Webhooks.DeleteWebhook(ctx, connect.NewRequest(&dsecv1.DeleteWebhookRequest{Id: id}))
 	return asError(err)

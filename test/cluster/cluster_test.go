@@ -292,7 +292,44 @@ func TestCluster(t *testing.T) {
 			}
 			time.Sleep(50 * time.Millisecond)
 		}
-		time.Sleep(3 * time.Second) // a second replica delivering would have by now
+		// One replica delivers: every delivery received is counted by the
+		// replicas' metrics, all by one of them (a second delivering
+		// replica would have counted the probes' by now).
+		received := func() float64 {
+			mu.Lock()
+			defer mu.Unlock()
+			n := 0
+			for _, k := range got {
+				n += k
+			}
+			return float64(n)
+		}
+		var counted []float64
+		for {
+			counted = counted[:0]
+			total := 0.0
+			for _, p := range c.apis {
+				_, _, samples := dsectest.Scrape(t, p.URL, admin)
+				v := samples[`dsec_api_webhook_deliveries_total{result="delivered"}`]
+				counted, total = append(counted, v), total+v
+			}
+			if total == received() {
+				break
+			}
+			if time.Now().After(deadline.Add(30 * time.Second)) {
+				t.Fatalf("the replicas count %v deliveries, the receiver got %v", counted, received())
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		delivering := 0
+		for _, v := range counted {
+			if v > 0 {
+				delivering++
+			}
+		}
+		if delivering != 1 {
+			t.Errorf("deliveries counted per replica %v, want all %v by one replica", counted, received())
+		}
 		nodes := map[string]bool{}
 		for id := range made {
 			if n := delivered(id); n != 1 {

@@ -100,17 +100,26 @@ func TestWebhooksRegisteredThroughTheAPI(t *testing.T) {
 	after := create(t, a, dsec.CreateOptions{Labels: map[string]string{"job": "hooked"}})
 	hook.await("created", after.ID)
 
-	// Disabled, then deleted: no more deliveries.
+	// Disabled, then deleted: no more deliveries. Each call returns once
+	// the delivery has stopped; a second webhook, still enabled, shows
+	// when the events of a sandbox made afterwards have gone out.
+	sentinel := &hookReceiver{t: t, secret: []byte(secret), more: make(chan struct{}, 1)}
+	sentinelSrv := httptest.NewServer(sentinel)
+	defer sentinelSrv.Close()
+	if _, err := a.CreateWebhook(ctx, dsec.WebhookOptions{URL: sentinelSrv.URL, Secret: secret, Labels: "job=hooked", Types: []string{"created", "ended"}}); err != nil {
+		t.Fatal(err)
+	}
 	if w, err := a.EnableWebhook(ctx, w.Id, false); err != nil || w.Enabled {
 		t.Fatalf("disable: %v %v", w, err)
 	}
 	quiet := func(what string) {
 		t.Helper()
-		time.Sleep(3 * time.Second) // a reread of the registrations is 2 s apart at most
 		before := len(hook.all())
 		sb := create(t, a, dsec.CreateOptions{Labels: map[string]string{"job": "hooked"}})
-		sb.Close()
-		time.Sleep(3 * time.Second)
+		if err := sb.Close(); err != nil {
+			t.Fatal(err)
+		}
+		sentinel.await("ended", sb.ID)
 		if got := hook.all(); len(got) != before {
 			t.Errorf("%s: %d more deliveries: %v", what, len(got)-before, got[before:])
 		}
@@ -119,8 +128,8 @@ func TestWebhooksRegisteredThroughTheAPI(t *testing.T) {
 	if err := a.DeleteWebhook(ctx, w.Id); err != nil {
 		t.Fatal(err)
 	}
-	if list, err := a.Webhooks(ctx); err != nil || len(list) != 0 {
-		t.Errorf("after delete A lists %v (%v)", list, err)
+	if list, err := a.Webhooks(ctx); err != nil || len(list) != 1 || list[0].Id == w.Id {
+		t.Errorf("after delete A lists %v (%v), want the sentinel only", list, err)
 	}
 	quiet("deleted")
 
