@@ -450,6 +450,12 @@ func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
 	if s.timedOut {
 		sb.Reason = "ttl expired: paused (on_timeout pause) until expires_at"
 	}
+	if e := s.ending; e != nil {
+		// Being torn down: its end, as its tombstone will say it. (Its
+		// state reads deleted meanwhile, failed once torn down for an
+		// infra end, as before.)
+		sb.Reason, sb.EndCause, sb.Infra, sb.EndedAt = e.reason, e.cause, e.infra, timestamppb.New(s.endedAt)
+	}
 	return sb
 }
 

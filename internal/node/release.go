@@ -48,6 +48,8 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 		return nil // ending already
 	}
 	inst, rec := s.inst, s.rec
+	endedAt := time.Now().UTC()
+	s.ending, s.endedAt = why, endedAt
 	s.mu.Unlock()
 	ctx = context.WithoutCancel(ctx)
 	if inst != nil {
@@ -56,6 +58,7 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 			if why != nil {
 				s.mu.Lock()
 				s.undeleteLocked(prev)
+				s.ending = nil
 				s.mu.Unlock()
 				return errdefs.Internal(err, "delete sandbox %s", s.id)
 			}
@@ -75,7 +78,7 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 			rec = s.record()
 		}
 		t := *rec
-		t.State, t.Reason, t.Cause, t.Deleted, t.Infra, t.Driver = final.String(), why.reason, why.cause, time.Now().UTC(), why.infra, nil
+		t.State, t.Reason, t.Cause, t.Deleted, t.Infra, t.Driver = final.String(), why.reason, why.cause, endedAt, why.infra, nil
 		if err := n.store.bury(&t); err != nil {
 			n.log.Error("persist sandbox deletion", slog.String("sandbox_id", s.id), slog.Any("error", err))
 		}

@@ -39,8 +39,13 @@ type sandbox struct {
 	pidsHits   atomic.Int64
 	history    history // samples of its use (history.go)
 
-	mu      sync.Mutex
-	state   state
+	mu    sync.Mutex
+	state state
+	// ending is why a sandbox being torn down ends, and endedAt when: its
+	// view shows them (as its tombstone will) from the moment it is
+	// deleting.
+	ending  *end
+	endedAt time.Time
 	expires time.Time
 	// timedOut marks a sandbox paused at its TTL (on_timeout "pause"):
 	// expires is then the end of its paused_ttl, and a resume gives it a
