@@ -253,6 +253,42 @@ func (s *Server) Log() string {
 // Pid is the server's process (the re-executed child runs the node).
 func (s *Server) Pid() int { return s.cmd.Process.Pid }
 
+// RunDir is the server's directory under /run (runtime state, sandbox file
+// system mount points, network namespaces): serve names it by an FNV-1a
+// hash of the absolute data directory (cmd/dsec runDirOf). Tests that look
+// for leftovers there check first that they see a live sandbox's entry.
+func (s *Server) RunDir() string {
+	abs, _ := filepath.Abs(s.DataDir)
+	h := uint32(2166136261)
+	for i := 0; i < len(abs); i++ {
+		h = (h ^ uint32(abs[i])) * 16777619
+	}
+	return filepath.Join("/run/dsec", fmt.Sprintf("%08x", h))
+}
+
+// NodePid is the server's node process: `dsec serve` re-executes itself in
+// a private mount namespace, and that child (the server's only one) holds
+// the node's mounts, sandboxes and memory. Any of the server's threads may
+// have started it, so every thread's children are read (reading only the
+// main thread's finds none when another thread forked). The test fails if
+// there is none: a check made on the server's own (the host's) mount
+// namespace instead would pass whatever the node leaves.
+func (s *Server) NodePid() int {
+	s.t.Helper()
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/children", s.Pid()))
+	for _, task := range tasks {
+		b, _ := os.ReadFile(task)
+		if f := strings.Fields(string(b)); len(f) > 0 {
+			var child int
+			if _, err := fmt.Sscan(f[0], &child); err == nil {
+				return child
+			}
+		}
+	}
+	s.t.Fatalf("dsec serve (pid %d) has no node process", s.Pid())
+	return 0
+}
+
 // adminKey is the operator key the harness gives a server with keys.
 func (s *Server) adminKey() string { return fmt.Sprintf("dsectest-operator-%d-%d", os.Getpid(), s.n) }
 

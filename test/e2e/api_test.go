@@ -480,9 +480,8 @@ func (p *patternReader) Read(b []byte) (int, error) {
 // peakRSS reads VmHWM of the server's node process (the re-executed child).
 func peakRSS(srv *dsectest.Server) int64 {
 	var best int64
-	children, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", srv.Pid(), srv.Pid()))
-	for _, pid := range append(strings.Fields(string(children)), fmt.Sprint(srv.Pid())) {
-		st, _ := os.ReadFile("/proc/" + pid + "/status")
+	for _, pid := range []int{srv.NodePid(), srv.Pid()} {
+		st, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 		for _, line := range strings.Split(string(st), "\n") {
 			if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
 				var kb int64

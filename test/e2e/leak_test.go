@@ -1,8 +1,6 @@
 package e2e
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"net"
 	"os"
@@ -16,33 +14,59 @@ import (
 	dsec "github.com/opendsec/dsec/sdk/go"
 )
 
-// nodePid is the server's node process: `dsec serve` re-executes itself in a
-// private mount namespace, so the node is the first child.
-func nodePid(srv *dsectest.Server) int {
-	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", srv.Pid(), srv.Pid()))
-	var pid int
-	if f := strings.Fields(string(b)); len(f) > 0 {
-		fmt.Sscan(f[0], &pid)
+// mountPoints lists the mount points in a process's mount namespace,
+// leaving out the node's pool of sandbox file systems (RUN_DIR/disks/…):
+// the pool keeps up to four made ahead or recycled, whatever sandboxes
+// come and go, so the test bounds it separately.
+func mountPoints(pid int, poolDir string) (points []string, pool int) {
+	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", pid))
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 5 {
+			continue
+		}
+		if strings.HasPrefix(f[4], poolDir+"/") {
+			pool++
+			continue
+		}
+		points = append(points, f[4])
 	}
-	if pid == 0 {
-		pid = srv.Pid()
-	}
-	return pid
+	return points, pool
 }
 
-func countLines(p string) int {
-	b, _ := os.ReadFile(p)
-	return strings.Count(string(b), "\n")
+// without is a's elements that b lacks, counting repeats (a mount point
+// can be mounted over).
+func without(a, b []string) []string {
+	have := map[string]int{}
+	for _, x := range b {
+		have[x]++
+	}
+	var out []string
+	for _, x := range a {
+		if have[x] > 0 {
+			have[x]--
+			continue
+		}
+		out = append(out, x)
+	}
+	return out
 }
 
 func TestHundredCreateDeleteCyclesLeaveNothingBehind(t *testing.T) {
 	srv := dsectest.Start(t, dsectest.Options{})
 	c := srv.Client()
 	ctx := ctxFor(t, 10*time.Minute)
-	mountsBefore := countLines(fmt.Sprintf("/proc/%d/mountinfo", nodePid(srv)))
 	abs, _ := filepath.Abs(filepath.Join(srv.DataDir, "container"))
-	h := sha256.Sum256([]byte(abs))
-	runtimeDir := filepath.Join("/run/dsec", hex.EncodeToString(h[:4]), "runtime")
+	runDir := srv.RunDir()
+	runtimeDir := filepath.Join(runDir, "runtime")
+	// The node's own mount namespace (where sandboxes' overlays, disks and
+	// network namespaces are mounted), not the server's: the host's shows
+	// none of them.
+	node := srv.NodePid()
+	mountsBefore, _ := mountPoints(node, filepath.Join(runDir, "disks"))
+	if _, pool := mountPoints(node, filepath.Join(runDir, "disks")); pool == 0 {
+		t.Fatalf("the check below would not see sandbox file systems: none mounted under %s/disks in the node (pid %d)", runDir, node)
+	}
 
 	var ids []string
 	for i := 0; i < 100; i++ {
@@ -60,6 +84,13 @@ func TestHundredCreateDeleteCyclesLeaveNothingBehind(t *testing.T) {
 		if _, err := net.InterfaceByName(vethOf(sb.ID)); mode == "egress" && err != nil {
 			t.Fatalf("cycle %d: the check below would not see the sandbox's veth: %v", i, err)
 		}
+		if i == 0 {
+			for _, p := range []string{filepath.Join(runtimeDir, sb.ID), filepath.Join(srv.DataDir, "sandboxes", sb.ID), "/sys/fs/cgroup/pids/dsec/" + sb.ID} {
+				if _, err := os.Stat(p); err != nil {
+					t.Fatalf("the check below would not see a sandbox's %s: %v", p, err)
+				}
+			}
+		}
 		if i == 1 {
 			_, table := srv.Network()
 			if out, _ := exec.Command("nft", "list", "set", "bridge", table, "sources").CombinedOutput(); !strings.Contains(string(out), vethOf(sb.ID)) {
@@ -74,8 +105,16 @@ func TestHundredCreateDeleteCyclesLeaveNothingBehind(t *testing.T) {
 	// The trash is emptied in the background: what is left is looked for
 	// until nothing is or a minute has passed.
 	leftovers := func() (left []string) {
-		if n := countLines(fmt.Sprintf("/proc/%d/mountinfo", nodePid(srv))); n > mountsBefore {
-			left = append(left, fmt.Sprintf("%d mounts", n-mountsBefore))
+		points, pool := mountPoints(node, filepath.Join(runDir, "disks"))
+		if extra := without(points, mountsBefore); len(extra) > 0 {
+			left = append(left, fmt.Sprintf("%d mounts (%s)", len(extra), strings.Join(extra, ", ")))
+		}
+		// The pool's bound (container.diskPoolMax), mounted and on disk.
+		if pool > 4 {
+			left = append(left, fmt.Sprintf("%d sandbox file systems mounted (the pool keeps at most 4)", pool))
+		}
+		if imgs, _ := filepath.Glob(filepath.Join(abs, "disks", "*.img")); len(imgs) > 4 {
+			left = append(left, fmt.Sprintf("%d sandbox file system images (the pool keeps at most 4)", len(imgs)))
 		}
 		for _, id := range ids {
 			for _, p := range []string{

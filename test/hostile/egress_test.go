@@ -666,15 +666,7 @@ func sandboxPids(t *testing.T, srv *dsectest.Server, sb *dsec.Sandbox) []int {
 // netNSOn is sandboxNetNS for a server other than the shared one.
 func netNSOn(t *testing.T, srv *dsectest.Server, id string) string {
 	t.Helper()
-	var node int
-	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/children", srv.Pid()))
-	for _, task := range tasks {
-		b, _ := os.ReadFile(task)
-		if f := strings.Fields(string(b)); len(f) > 0 {
-			node, _ = strconv.Atoi(f[0])
-			break
-		}
-	}
+	node := srv.NodePid()
 	m, _ := filepath.Glob(fmt.Sprintf("/proc/%d/root/run/dsec/*/netns/%s", node, id))
 	if len(m) != 1 {
 		t.Fatalf("network namespace of %s: found %v", id, m)

@@ -145,23 +145,10 @@ func fetch(t *testing.T, sb *dsec.Sandbox, host string, port int) (string, bool)
 	return out, strings.Contains(out, " 200 ")
 }
 
-// nodePid is the shared server's node process: `dsec serve` re-executes
-// itself in a private mount namespace, so the node is its first child.
+// nodePid is the shared server's node process.
 func nodePid(t *testing.T) int {
 	t.Helper()
-	pid := srv(t).Pid()
-	// Any of its threads may have started the child.
-	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/children", pid))
-	for _, task := range tasks {
-		b, _ := os.ReadFile(task)
-		if f := strings.Fields(string(b)); len(f) > 0 {
-			var child int
-			fmt.Sscan(f[0], &child)
-			return child
-		}
-	}
-	t.Fatal("cannot find the node process")
-	return 0
+	return srv(t).NodePid()
 }
 
 // sandboxNetNS is the path of an egress sandbox's network namespace, seen
