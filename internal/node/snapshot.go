@@ -65,6 +65,9 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 	if len(req.GetName()) > 128 {
 		return nil, errdefs.Invalid("snapshot name longer than 128 bytes")
 	}
+	if len(s.spec.Sidecars) > 0 {
+		return nil, errdefs.Unimplemented("sandbox %s has sidecars: a sandbox with sidecars cannot be snapshotted or forked yet", s.id)
+	}
 	if m, ok := s.inst.(substrate.MachineSnapshotter); ok {
 		return n.machineSnapshot(ctx, s, m, req, ephemeral, forkKey)
 	}
@@ -342,6 +345,9 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (_ *dsecv1.Cre
 	parent, err := n.lookup(ctx, req.GetSandboxId())
 	if err != nil {
 		return nil, err
+	}
+	if len(parent.spec.Sidecars) > 0 {
+		return nil, errdefs.Unimplemented("sandbox %s has sidecars: a sandbox with sidecars cannot be snapshotted or forked yet", parent.id)
 	}
 	if v := readWriteVolume(parent.spec); v != "" {
 		return nil, errdefs.Conflict("sandbox %s mounts volume %q read-write, which one sandbox at a time does: its children cannot (mount it read-only to fork)", parent.id, v)

@@ -209,6 +209,9 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 		}
 		spec.Labels[SessionLabel] = spec.Session
 	}
+	if err := n.normalizeSidecars(project, spec); err != nil {
+		return nil, err
+	}
 	return img, nil
 }
 
