@@ -302,7 +302,7 @@ func parseService(name string, raw map[string]any, isMain bool) (*service, error
 			return nil, fail(k, "%v", err)
 		}
 	}
-	if s.image == "" {
+	if s.image == "" && !isMain {
 		return nil, fail("image", "required")
 	}
 	if isMain {
@@ -719,44 +719,42 @@ func millis(v any) (int64, error) {
 	return d.Milliseconds(), nil
 }
 
-// Apply makes spec the sandbox f describes: the main container's image,
-// environment, working directory, user and limits (each an error if spec
-// sets it too), its aliases and the sidecars.
+// Apply makes spec the sandbox f describes. The file's main service says
+// what a Compose service says over its image: its environment is added to
+// the spec's (the file's entries win), its working directory, user and
+// limits replace the spec's. The image comes from one of the two (a file
+// whose main service has none takes the spec's image or snapshot, as
+// Harbor's tasks do, whose main image Harbor builds). The sidecars and
+// aliases are the file's.
 func Apply(f *File, spec *dsecv1.SandboxSpec) error {
 	m := f.Main
-	both := func(key string) error {
-		return errdefs.Invalid("the compose file's main container (service %q) and the spec both set %s: set it in one of them", m.Name, key)
+	switch {
+	case m.Image != "" && (spec.Image != "" || spec.Snapshot != ""):
+		return errdefs.Invalid("the compose file's main container (service %q) and the spec both name an image: name it in one of them", m.Name)
+	case m.Image == "" && spec.Image == "" && spec.Snapshot == "":
+		return errdefs.Invalid("compose file: services.%s.image: required (or give the spec an image)", m.Name)
+	case m.Image != "":
+		spec.Image = m.Image
 	}
-	if spec.Image != "" || spec.Snapshot != "" {
-		return both("the image")
-	}
-	spec.Image = m.Image
 	if len(m.Env) > 0 {
-		if len(spec.Env) > 0 {
-			return both("environment variables")
+		if spec.Env == nil {
+			spec.Env = map[string]string{}
 		}
-		spec.Env = m.Env
+		for k, v := range m.Env {
+			spec.Env[k] = v
+		}
 	}
-	for _, x := range []struct {
-		key       string
-		dst       *string
-		composite string
-	}{{"the working directory", &spec.Workdir, m.Workdir}, {"the user", &spec.User, m.User}} {
-		if x.composite != "" {
-			if *x.dst != "" {
-				return both(x.key)
-			}
-			*x.dst = x.composite
-		}
+	if m.Workdir != "" {
+		spec.Workdir = m.Workdir
+	}
+	if m.User != "" {
+		spec.User = m.User
 	}
 	if m.CPU != 0 || m.MemoryMB != 0 || m.Pids != 0 {
 		if spec.Resources == nil {
 			spec.Resources = &dsecv1.Resources{}
 		}
 		r := spec.Resources
-		if (m.CPU != 0 && r.Cpu != 0) || (m.MemoryMB != 0 && r.MemoryMb != 0) || (m.Pids != 0 && r.Pids != 0) {
-			return both("resource limits")
-		}
 		if m.CPU != 0 {
 			r.Cpu = m.CPU
 		}

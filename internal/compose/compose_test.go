@@ -94,6 +94,22 @@ func TestParseHarborTask(t *testing.T) {
 	if err := Apply(f, &dsecv1.SandboxSpec{Image: "other"}); err == nil || !strings.Contains(err.Error(), "image") {
 		t.Fatalf("spec and file both giving the image: %v", err)
 	}
+	// A main service without an image takes the spec's (Harbor builds the
+	// main image); its environment goes over the spec's.
+	f, err = Parse([]byte("services:\n  main:\n    environment: {A: file, C: c}\n    working_dir: /w\n  db:\n    image: pg\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec = &dsecv1.SandboxSpec{Snapshot: "built", Env: map[string]string{"A": "image", "B": "b"}, Workdir: "/image"}
+	if err := Apply(f, spec); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(spec.Env, map[string]string{"A": "file", "B": "b", "C": "c"}) || spec.Workdir != "/w" || spec.Snapshot != "built" || len(spec.Sidecars) != 1 {
+		t.Fatalf("applied over a built main: %v", spec)
+	}
+	if err := Apply(f, &dsecv1.SandboxSpec{}); err == nil || !strings.Contains(err.Error(), "image: required") {
+		t.Fatalf("no image anywhere: %v", err)
+	}
 }
 
 // The main container is "main", else "client" (terminal-bench's), else
@@ -130,7 +146,7 @@ func TestRefusedKeys(t *testing.T) {
 		{"services:\n  main:\n    image: a\nvolumes:\n  data: {}\n", "top-level \"volumes\""},
 		{"services:\n  main:\n    image: a\nnetworks:\n  n:\n    internal: true\n", "networks.n.internal"},
 		{"services:\n  main:\n    image: a\n  s:\n    image: b\n    depends_on: {main: {condition: service_healthy}}\n", "only started applies"},
-		{"services:\n  main: {}\n", "services.main.image: required"},
+		{"services:\n  main:\n    image: a\n  s: {}\n", "services.s.image: required"},
 		{"servics: {}\n", "unknown top-level key"},
 	} {
 		_, err := Parse([]byte(c.file))

@@ -1543,9 +1543,12 @@ type CreateSandboxRequest struct {
 	// one named "main" (or the only one, or "client") its main container,
 	// the others its sidecars. Variables must already be substituted (the
 	// CLI and SDKs do it from their environment). spec gives the rest (TTL,
-	// labels, network, ...); the main container's image, environment,
-	// working directory, user and limits come from one of the two, not
-	// both. Keys dsec cannot honour are refused by name (docs/sidecars.md).
+	// labels, network, ...). The main service says what a Compose service
+	// says over its image: its environment goes over spec.env, its
+	// working directory, user and limits replace spec's; the image is named
+	// in one of the two (a main service without one runs spec's image or
+	// snapshot). Keys dsec cannot honour are refused by name
+	// (docs/sidecars.md).
 	Compose       string `protobuf:"bytes,4,opt,name=compose,proto3" json:"compose,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
