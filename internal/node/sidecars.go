@@ -210,24 +210,10 @@ func (n *Node) normalizeSidecar(project string, sc *dsecv1.Sidecar, byName map[s
 		sc.Resources = &dsecv1.Resources{}
 	}
 	r := sc.Resources
-	if r.Cpu == 0 {
-		r.Cpu = n.cfg.DefaultCPU
-	}
-	if r.MemoryMb == 0 {
-		r.MemoryMb = n.cfg.DefaultMemoryMB
-	}
-	if r.Pids == 0 {
-		r.Pids = n.cfg.DefaultPids
+	if err := n.defaultResources(r); err != nil {
+		return fail("%s", errdefs.Classify(err).Msg)
 	}
 	switch {
-	case r.Cpu != r.Cpu || r.Cpu < 0.01 || r.Cpu > n.cfg.MaxCPU:
-		return fail("resources.cpu %g out of range [0.01, %g]", r.Cpu, n.cfg.MaxCPU)
-	case r.MemoryMb < 16 || r.MemoryMb > n.cfg.MaxMemoryMB:
-		return fail("resources.memory_mb %d out of range [16, %d]", r.MemoryMb, n.cfg.MaxMemoryMB)
-	case r.Pids < 8 || r.Pids > n.cfg.MaxPids:
-		return fail("resources.pids %d out of range [8, %d]", r.Pids, n.cfg.MaxPids)
-	case r.DiskMb < 0:
-		return fail("resources.disk_mb must not be negative")
 	case r.Gpu != 0:
 		return fail("resources.gpu: sidecars have no GPUs")
 	case r.BandwidthMbps != 0:
