@@ -31,7 +31,7 @@ func createCmd(g *globals) *cobra.Command {
 		quiet        bool
 		count        int
 		policy       policyFlags
-		composeFile  string
+		composeFiles []string
 	)
 	cmd := &cobra.Command{
 		Use:   "create (--image IMAGE | --compose FILE) [flags]",
@@ -62,15 +62,21 @@ func createCmd(g *globals) *cobra.Command {
 			if policy.set(cmd) {
 				o.Policy = policy.policy()
 			}
-			if composeFile != "" {
-				b, err := os.ReadFile(composeFile)
+			for i, file := range composeFiles {
+				b, err := os.ReadFile(file)
 				if err != nil {
 					return err
 				}
 				// Variables come from this shell, as docker compose
 				// takes them; the server never sees the environment.
-				if o.Compose, err = compose.Interpolate(string(b), os.LookupEnv); err != nil {
-					return err
+				text, err := compose.Interpolate(string(b), os.LookupEnv)
+				if err != nil {
+					return fmt.Errorf("%s: %w", file, err)
+				}
+				if i == 0 {
+					o.Compose = text
+				} else {
+					o.ComposeOverrides = append(o.ComposeOverrides, text)
 				}
 				if count > 1 {
 					return fmt.Errorf("--compose creates one sandbox at a time")
@@ -118,7 +124,7 @@ func createCmd(g *globals) *cobra.Command {
 	f.StringVar(&o.Session, "session", "", "bind the sandbox to this trainer session")
 	f.StringArrayVar(&nodeSel, "node-selector", nil, "place only on nodes with label key=value (cluster mode; repeatable)")
 	f.StringArrayVar(&volumes, "volume", nil, "mount a volume NAME:/PATH (read-write, this sandbox alone) or NAME:/PATH:ro (shared read-only); repeatable")
-	f.StringVar(&composeFile, "compose", "", "a Compose file: its service \"main\" (or its only one) is the main container, the others sidecars sharing its network (variables are substituted from this shell); see docs/sidecars.md")
+	f.StringArrayVar(&composeFiles, "compose", nil, "a Compose file: its service \"main\" (or its only one) is the main container, the others sidecars sharing its network (variables are substituted from this shell); repeated, later files are laid over earlier ones as docker compose -f does; see docs/sidecars.md")
 	f.IntVarP(&count, "count", "n", 1, "create this many (one ID per line)")
 	f.BoolVarP(&quiet, "quiet", "q", false, "print only the ID (the default in text output)")
 	return cmd

@@ -393,12 +393,21 @@ func (s *systemService) GetCapacity(ctx context.Context, req *connect.Request[ds
 // container and its sidecars), so placement and the node see one spec.
 func applyCompose(req *dsecv1.CreateSandboxRequest) error {
 	if req.GetCompose() == "" {
+		if len(req.GetComposeOverrides()) > 0 {
+			return errdefs.Invalid("compose_overrides are laid over a compose file: give compose too")
+		}
 		return nil
 	}
-	if len(req.Compose) > 1<<20 {
-		return errdefs.Invalid("compose file larger than 1 MiB")
+	size := len(req.Compose)
+	overrides := make([][]byte, len(req.ComposeOverrides))
+	for i, o := range req.ComposeOverrides {
+		size += len(o)
+		overrides[i] = []byte(o)
 	}
-	f, err := compose.Parse([]byte(req.Compose))
+	if size > 1<<20 || len(overrides) > 16 {
+		return errdefs.Invalid("compose files larger than 1 MiB together, or more than 16 overrides")
+	}
+	f, err := compose.Parse([]byte(req.Compose), overrides...)
 	if err != nil {
 		return err
 	}
@@ -408,6 +417,6 @@ func applyCompose(req *dsecv1.CreateSandboxRequest) error {
 	if err := compose.Apply(f, req.Spec); err != nil {
 		return err
 	}
-	req.Compose = ""
+	req.Compose, req.ComposeOverrides = "", nil
 	return nil
 }

@@ -60,10 +60,28 @@ type File struct {
 // terminal-bench's "client".
 var mainNames = []string{"main", "client"}
 
-// Parse reads a Compose file (YAML, variables already substituted).
-func Parse(data []byte) (*File, error) {
-	// YAML 1.2's core schema, as Compose reads it: yes, no, on and off
-	// are strings, not booleans. Through JSON, so numbers keep their text.
+// Parse reads a Compose file (YAML, variables already substituted), and
+// the files laid over it in order, as `docker compose -f base -f over`
+// merges them (Merge).
+func Parse(data []byte, overrides ...[]byte) (*File, error) {
+	top, err := load(data)
+	if err != nil {
+		return nil, err
+	}
+	for i, o := range overrides {
+		over, err := load(o)
+		if err != nil {
+			return nil, errdefs.Invalid("compose override %d: %s", i+1, errdefs.Classify(err).Msg)
+		}
+		top = Merge(top, over)
+	}
+	return parse(top)
+}
+
+// load reads one file's YAML as Compose does: YAML 1.2's core schema
+// (yes, no, on and off are strings, not booleans), through JSON so that
+// numbers keep their text.
+func load(data []byte) (map[string]any, error) {
 	var doc any
 	if err := yaml.Unmarshal(data, &doc); err != nil {
 		return nil, errdefs.Invalid("compose file: %v", err)
@@ -78,6 +96,95 @@ func Parse(data []byte) (*File, error) {
 	if err := dec.Decode(&top); err != nil || top == nil {
 		return nil, errdefs.Invalid("compose file: not a mapping of top-level keys")
 	}
+	return top, nil
+}
+
+// Merge lays over on base as Compose merges files: mappings merge key by
+// key, recursively; environment, labels and depends_on merge by name
+// whichever form (list or mapping) each file writes them in; expose and
+// ports add what is new; anything else (command, entrypoint, image, a
+// health check's test, ...) over replaces. base is changed and returned.
+func Merge(base, over map[string]any) map[string]any {
+	for k, ov := range over {
+		bv, ok := base[k]
+		if !ok {
+			base[k] = ov
+			continue
+		}
+		switch k {
+		case "environment", "labels":
+			base[k] = mergeNamed(asMap(bv, "="), asMap(ov, "="))
+			continue
+		case "depends_on":
+			base[k] = mergeNamed(asMap(bv, ""), asMap(ov, ""))
+			continue
+		case "expose", "ports":
+			base[k] = union(bv, ov)
+			continue
+		}
+		bm, bok := bv.(map[string]any)
+		om, ook := ov.(map[string]any)
+		if bok && ook {
+			base[k] = Merge(bm, om)
+			continue
+		}
+		base[k] = ov
+	}
+	return base
+}
+
+// asMap reads a list form (["K=V", "K"] with sep "=", or ["name"] with
+// sep "") as a mapping; a mapping is returned as it is.
+func asMap(v any, sep string) map[string]any {
+	if m, ok := v.(map[string]any); ok {
+		return m
+	}
+	out := map[string]any{}
+	l, _ := v.([]any)
+	for _, x := range l {
+		s, _ := x.(string)
+		if sep == "" {
+			out[s] = map[string]any{"condition": "service_started"}
+			continue
+		}
+		if k, val, ok := strings.Cut(s, sep); ok {
+			out[k] = val
+		} else {
+			out[s] = nil
+		}
+	}
+	return out
+}
+
+func mergeNamed(a, b map[string]any) map[string]any {
+	for k, v := range b {
+		am, aok := a[k].(map[string]any)
+		bm, bok := v.(map[string]any)
+		if aok && bok {
+			a[k] = Merge(am, bm)
+			continue
+		}
+		a[k] = v
+	}
+	return a
+}
+
+func union(a, b any) any {
+	al, _ := a.([]any)
+	bl, _ := b.([]any)
+	seen := map[string]bool{}
+	var out []any
+	for _, x := range append(append([]any(nil), al...), bl...) {
+		k := fmt.Sprint(x)
+		if !seen[k] {
+			seen[k] = true
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
+func parse(top map[string]any) (*File, error) {
 	for k, v := range top {
 		switch {
 		case k == "services", k == "version", k == "name", strings.HasPrefix(k, "x-"):

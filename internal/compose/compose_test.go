@@ -245,3 +245,27 @@ func TestYAMLCoreSchema(t *testing.T) {
 		t.Fatalf("environment %v", e)
 	}
 }
+
+// Files laid over one another merge as docker compose -f merges them:
+// Harbor's job-level extra_docker_compose adds a sidecar and changes the
+// main service's environment.
+func TestOverrides(t *testing.T) {
+	base := "services:\n  main:\n    image: a\n    environment: [A=1, B=2]\n    depends_on: [db]\n  db:\n    image: pg\n    command: [postgres]\n    expose: [\"5432\"]\n"
+	over := "services:\n  main:\n    environment: {B: over, C: \"3\"}\n    depends_on:\n      mcp: {condition: service_healthy}\n  db:\n    command: postgres -c fsync=off\n    expose: [\"5432\", \"5433\"]\n  mcp:\n    image: mcp-server\n    healthcheck: {test: [CMD, \"true\"]}\n"
+	f, err := Parse([]byte(base), []byte(over))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := map[string]string{"A": "1", "B": "over", "C": "3"}; !reflect.DeepEqual(f.Main.Env, want) {
+		t.Fatalf("main env %v", f.Main.Env)
+	}
+	if len(f.Sidecars) != 2 || f.Sidecars[0].Name != "db" || f.Sidecars[1].Name != "mcp" {
+		t.Fatalf("sidecars %v", f.Sidecars)
+	}
+	if want := []string{"postgres", "-c", "fsync=off"}; !reflect.DeepEqual(f.Sidecars[0].Command, want) {
+		t.Fatalf("db command %q", f.Sidecars[0].Command)
+	}
+	if _, err := Parse([]byte(base), []byte("services: {oops\n")); err == nil || !strings.Contains(err.Error(), "override 1") {
+		t.Fatalf("a broken override: %v", err)
+	}
+}

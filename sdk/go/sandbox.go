@@ -54,6 +54,9 @@ type CreateOptions struct {
 	// docs/sidecars.md): its main service makes the main container, the
 	// others sidecars. Image and Sidecars are then left empty.
 	Compose string
+	// ComposeOverrides are Compose files laid over Compose, in order, as
+	// `docker compose -f base -f override` merges them.
+	ComposeOverrides []string
 	// Sidecars are further containers sharing the sandbox's network
 	// (database, service under test, MCP server); reach one with
 	// Sandbox.Container.
@@ -96,7 +99,7 @@ func (s *Sandbox) Container(name string) *Sandbox {
 
 // Create starts a sandbox.
 func (c *Client) Create(ctx context.Context, o CreateOptions) (*Sandbox, error) {
-	r, err := c.raw.CreateSandbox(ctx, connect.NewRequest(&dsecv1.CreateSandboxRequest{Spec: o.spec(), IdempotencyKey: o.IdempotencyKey, Compose: o.Compose}))
+	r, err := c.raw.CreateSandbox(ctx, connect.NewRequest(&dsecv1.CreateSandboxRequest{Spec: o.spec(), IdempotencyKey: o.IdempotencyKey, Compose: o.Compose, ComposeOverrides: o.ComposeOverrides}))
 	if err != nil {
 		return nil, err
 	}

@@ -1549,9 +1549,12 @@ type CreateSandboxRequest struct {
 	// in one of the two (a main service without one runs spec's image or
 	// snapshot). Keys dsec cannot honour are refused by name
 	// (docs/sidecars.md).
-	Compose       string `protobuf:"bytes,4,opt,name=compose,proto3" json:"compose,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Compose string `protobuf:"bytes,4,opt,name=compose,proto3" json:"compose,omitempty"`
+	// compose_overrides are further Compose files laid over compose in
+	// order, merged as `docker compose -f compose -f override` merges them.
+	ComposeOverrides []string `protobuf:"bytes,5,rep,name=compose_overrides,json=composeOverrides,proto3" json:"compose_overrides,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *CreateSandboxRequest) Reset() {
@@ -1610,6 +1613,13 @@ func (x *CreateSandboxRequest) GetCompose() string {
 		return x.Compose
 	}
 	return ""
+}
+
+func (x *CreateSandboxRequest) GetComposeOverrides() []string {
+	if x != nil {
+		return x.ComposeOverrides
+	}
+	return nil
 }
 
 type GetSandboxRequest struct {
@@ -6913,12 +6923,13 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\tend_cause\x18\n" +
 	" \x01(\tR\bendCause\x12\x14\n" +
 	"\x05infra\x18\v \x01(\bR\x05infra\x122\n" +
-	"\bsidecars\x18\f \x03(\v2\x16.dsec.v1.SidecarStatusR\bsidecars\"\x9d\x01\n" +
+	"\bsidecars\x18\f \x03(\v2\x16.dsec.v1.SidecarStatusR\bsidecars\"\xca\x01\n" +
 	"\x14CreateSandboxRequest\x12(\n" +
 	"\x04spec\x18\x01 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12'\n" +
 	"\x0fidempotency_key\x18\x02 \x01(\tR\x0eidempotencyKey\x12\x18\n" +
 	"\aproject\x18\x03 \x01(\tR\aproject\x12\x18\n" +
-	"\acompose\x18\x04 \x01(\tR\acompose\"#\n" +
+	"\acompose\x18\x04 \x01(\tR\acompose\x12+\n" +
+	"\x11compose_overrides\x18\x05 \x03(\tR\x10composeOverrides\"#\n" +
 	"\x11GetSandboxRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"\x8f\x01\n" +
 	"\x14ListSandboxesRequest\x12%\n" +

@@ -587,7 +587,7 @@ class AsyncClient:
 
     async def create(self, image: Optional[str] = None, *, count: Optional[int] = None,
                      idempotency_key: Optional[str] = None, timeout_s: float = 300,
-                     compose: Optional[str] = None, compose_env: Optional[Mapping[str, str]] = None,
+                     compose: Union[str, Sequence[str], None] = None, compose_env: Optional[Mapping[str, str]] = None,
                      **spec: Any) -> Any:
         """Create a sandbox (the synchronous ``create``'s keywords)."""
         body = _build_spec(image, **spec)
@@ -603,7 +603,13 @@ class AsyncClient:
         if idempotency_key:
             req["idempotencyKey"] = idempotency_key
         if compose is not None:
-            req["compose"] = interpolate(compose, compose_env)
+            files = [compose] if isinstance(compose, str) else list(compose)
+            if not files:
+                raise ValueError("compose: no file given")
+            texts = [interpolate(f, compose_env) for f in files]
+            req["compose"] = texts[0]
+            if texts[1:]:
+                req["composeOverrides"] = texts[1:]
         m = await self._t.unary(_LIFECYCLE, "CreateSandbox", req, timeout=timeout_s, retry=idempotency_key is not None)
         return AsyncSandbox(self, SandboxInfo._from(m))
 

@@ -702,7 +702,7 @@ class Client:
 
     def create(self, image: Optional[str] = None, *, count: Optional[int] = None,
                idempotency_key: Optional[str] = None, timeout_s: float = 300,
-               compose: Optional[str] = None, compose_env: Optional[Mapping[str, str]] = None, **spec: Any) -> Any:
+               compose: Union[str, Sequence[str], None] = None, compose_env: Optional[Mapping[str, str]] = None, **spec: Any) -> Any:
         """Create a sandbox and return once it accepts commands.
 
         Spec keywords: ``kind`` ("container"), ``cpu``, ``memory_mb``,
@@ -725,8 +725,9 @@ class Client:
         ``aliases`` (further names of the main container for its sidecars).
         ``compose`` is a Compose file's text instead of ``image`` and
         ``sidecars`` (its service "main", or its only one, is the main
-        container); its variables are substituted here from
-        ``compose_env`` (default: ``os.environ``). With ``count``, create
+        container), or a list of texts laid over one another as
+        ``docker compose -f a -f b`` merges them; variables are
+        substituted here from ``compose_env`` (default: ``os.environ``). With ``count``, create
         that many in one request and return the list of those that started
         (raising if none did; see :meth:`create_many` for per-item
         results)."""
@@ -743,7 +744,13 @@ class Client:
         if idempotency_key:
             req["idempotencyKey"] = idempotency_key
         if compose is not None:
-            req["compose"] = interpolate(compose, compose_env)
+            files = [compose] if isinstance(compose, str) else list(compose)
+            if not files:
+                raise ValueError("compose: no file given")
+            texts = [interpolate(f, compose_env) for f in files]
+            req["compose"] = texts[0]
+            if texts[1:]:
+                req["composeOverrides"] = texts[1:]
         m = self._t.unary(_LIFECYCLE, "CreateSandbox", req, timeout=timeout_s, retry=idempotency_key is not None)
         return Sandbox(self, SandboxInfo._from(m))
 

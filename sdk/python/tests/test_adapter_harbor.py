@@ -483,6 +483,36 @@ def test_a_compose_task_runs_with_its_sidecar_and_is_scored(server, client, tmp_
     assert client.list(labels={"harbor-session": "compose__1"}) == []
 
 
+def test_a_jobs_extra_compose_file_adds_a_sidecar_to_any_task(server, client, tmp_path):
+    """Harbor's --extra-docker-compose: a job-level overlay (here an MCP-like
+    service and an environment variable for main) laid over a task that
+    has no compose file of its own."""
+    task = make_task(tmp_path / "tasks", name="overlay")
+    overlay = tmp_path / "mcp.yaml"
+    overlay.write_text(
+        "services:\n"
+        "  main:\n"
+        "    environment:\n"
+        "      MCP_URL: http://mcp-server:9000/\n"
+        "  mcp-server:\n"
+        "    image: busybox\n"
+        "    command: [sh, -c, 'mkdir -p /w && echo tools > /w/index.html && exec httpd -f -p 9000 -h /w']\n")
+    env = build_environment(task, TrialPaths(tmp_path / "trial"), session="overlay__1",
+                            extra_docker_compose=[str(overlay)])
+
+    async def go():
+        await env.start(force_build=False)
+        try:
+            r = await env.exec('python3 -c "import os, urllib.request; '
+                               'print(urllib.request.urlopen(os.environ[\'MCP_URL\']).read().decode())"')
+            return r.stdout
+        finally:
+            await env.stop(delete=True)
+
+    assert asyncio.run(go()) == "tools\n\n"
+    assert client.list(labels={"harbor-session": "overlay__1"}) == []
+
+
 def test_a_compose_task_on_a_kind_without_sidecars_is_refused(server, tmp_path):
     task = make_task(tmp_path / "tasks", name="compose-vm")
     (task / "environment" / "docker-compose.yaml").write_text(COMPOSE)

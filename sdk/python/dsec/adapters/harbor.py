@@ -48,8 +48,9 @@ honour (``build`` of a sidecar, volumes, privileged, ...) are refused by the
 server, naming them.
 
 What dsec cannot honour is refused at construction, naming it, never
-widened: a compose file on kinds other than container,
-``extra_docker_compose``, an allowlist or a change
+widened: a compose file or ``extra_docker_compose`` (a job's overlays,
+laid over the task's file as Harbor does) on kinds other than container,
+an allowlist or a change
 of network policy on kinds microvm and vm (no network there yet), a storage
 size on a kind without a disk of its own, GPUs, TPUs, Windows, resource
 enforcement ``request``/``guarantee``, mounts other than Harbor's own log
@@ -480,8 +481,8 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
             raise UnsupportedOption(_NAME, "override_tpu", "dsec has no TPUs")
         if kw.get("override_gpus"):
             raise UnsupportedOption(_NAME, f"override_gpus={kw['override_gpus']}", "dsec's Harbor environment has no GPUs")
-        if kw.get("extra_docker_compose"):
-            raise UnsupportedOption(_NAME, "extra_docker_compose", "dsec does not run Docker Compose files yet")
+        if kw.get("extra_docker_compose") and kw.get("_kind", "container") != "container":
+            raise UnsupportedOption(_NAME, "extra_docker_compose", "sidecars are containers: use kind container")
         for k in ("cpu_enforcement_policy", "memory_enforcement_policy"):
             v = _mode_value(kw.get(k)).lower()
             if v in ("request", "guarantee"):
@@ -643,8 +644,13 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
         img = await self._image(force_build)
         kw = {**(img.spec() if img else {}), **self._resources, "kind": self._kind, **self._dsec_network(self._policy)}
         compose = _compose_file(Path(self.environment_dir))
-        if compose is not None:
-            kw["compose"] = compose.read_text()
+        extra = [Path(p).read_text() for p in getattr(self, "extra_docker_compose_paths", None) or []]
+        if compose is not None or extra:
+            # Harbor's order: the task's file, then the job's overlays.
+            # A task without a file of its own gets a main service for the
+            # overlays to extend.
+            base = compose.read_text() if compose is not None else "services:\n  main: {}\n"
+            kw["compose"] = [base, *extra]
             kw["compose_env"] = self._compose_env(img)
         workdir = getattr(self.task_env_config, "workdir", None)
         if workdir:
