@@ -635,9 +635,6 @@ func (n *Node) adopt() {
 			n.log.Error("unreadable sandbox record", slog.String("sandbox_id", r.ID), slog.Any("error", err))
 			continue
 		}
-		for _, id := range memberIDs(r.ID, spec) {
-			known[id] = true
-		}
 		if _, err := n.images.Get(r.Image); err != nil {
 			if img := n.snapshotByID(r.Image); img != nil {
 				r.Image = img.Key() // a record from before snapshots had owners
@@ -678,6 +675,11 @@ func (n *Node) adopt() {
 		n.sandboxes.commit(s)
 		n.readoptVolumes(s)
 		n.watch(s)
+		// Its sidecars are known to the sweep below only now: those of a
+		// sandbox that was not re-adopted go with it.
+		for _, id := range memberIDs(r.ID, spec) {
+			known[id] = true
+		}
 		n.log.Info("sandbox re-adopted", slog.String("sandbox_id", r.ID))
 	}
 	for _, d := range n.drivers {

@@ -12,6 +12,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
@@ -337,6 +338,9 @@ type member struct {
 	id   string
 	spec *dsecv1.Sidecar
 	inst substrate.Instance
+	// paused is set while the sandbox is paused: health checks wait (a
+	// frozen agent answers none).
+	paused atomic.Bool
 	// stop ends the member's watchers (at Destroy).
 	ctx  context.Context
 	stop context.CancelFunc
@@ -680,6 +684,10 @@ func (n *Node) checkHealth(m *member) {
 		if exited {
 			return
 		}
+		if m.paused.Load() {
+			timer.Reset(time.Duration(hc.StartIntervalMs) * time.Millisecond)
+			continue
+		}
 		ctx, cancel := context.WithTimeout(m.ctx, time.Duration(hc.TimeoutMs)*time.Millisecond)
 		exit, err := m.inst.Guest().Run(ctx, &guestv1.Exec{
 			Argv: hc.Command, Cwd: m.spec.Workdir, User: m.spec.User, Collect: true,
@@ -702,8 +710,8 @@ func (n *Node) checkHealth(m *member) {
 			out = strings.TrimSpace(string(exit.GetStdout()) + string(exit.GetStderr()))
 		}
 		m.set(func() {
-			if m.state == scExited {
-				return
+			if m.state == scExited || (!ok && m.paused.Load()) {
+				return // a check cut short by a pause says nothing
 			}
 			if ok {
 				m.healthy, m.failures, m.state = true, 0, scHealthy
@@ -803,6 +811,7 @@ func (g *group) Pause(ctx context.Context) error {
 		return errdefs.Unimplemented("the sandbox cannot pause")
 	}
 	for _, m := range g.members {
+		m.paused.Store(true)
 		if mp, ok := m.inst.(substrate.Pauser); ok && m.inst != nil {
 			if err := mp.Pause(ctx); err != nil {
 				g.resumeMembers(context.WithoutCancel(ctx))
@@ -835,28 +844,34 @@ func (g *group) resumeMembers(ctx context.Context) error {
 		if mp, ok := m.inst.(substrate.Pauser); ok && m.inst != nil {
 			if err := mp.Resume(ctx); err != nil {
 				errs = append(errs, fmt.Errorf("resume sidecar %q: %w", m.name, err))
+				continue
 			}
 		}
+		m.paused.Store(false)
 	}
 	return errors.Join(errs...)
 }
 
 // attachGroup re-adopts a sandbox with sidecars after a restart: its main
-// container as any sandbox's, and each sidecar that still runs, with its
-// service watched and health checked again. A sidecar that is gone shows
-// as exited (-1); the sandbox lives on.
+// container as any sandbox's, and each sidecar, with its service watched
+// and health checked again. A sidecar that is gone shows as exited (-1);
+// the sandbox lives on. As drivers do, it returns the group with an error
+// when the main container is gone: releasing the group cleans up every
+// container's leftovers.
 func (n *Node) attachGroup(ctx context.Context, drv substrate.Driver, s *sandbox, raw []byte) (substrate.Instance, error) {
 	var st groupState
 	if err := json.Unmarshal(raw, &st); err != nil {
 		return nil, errdefs.Internal(err, "read the sandbox's state")
 	}
-	main, err := drv.Attach(ctx, &substrate.Spec{ID: s.id, Dir: s.dir}, st.Main)
-	if err != nil {
-		return nil, err
+	main, mainErr := drv.Attach(ctx, &substrate.Spec{ID: s.id, Dir: s.dir}, st.Main)
+	if main == nil {
+		return nil, mainErr
 	}
 	g := &group{main: main, log: n.log}
+	paused := s.state == statePaused
 	for i, sc := range s.spec.Sidecars {
 		m := newMember(sc.Name, memberID(s.id, i), sc)
+		m.paused.Store(paused)
 		g.members = append(g.members, m)
 		var ms *memberState
 		for j := range st.Members {
@@ -864,38 +879,48 @@ func (n *Node) attachGroup(ctx context.Context, drv substrate.Driver, s *sandbox
 				ms = &st.Members[j]
 			}
 		}
-		gone := func(err error) {
-			n.log.Warn("sidecar not re-adopted", slog.String("sandbox_id", s.id), slog.String("sidecar", m.name), slog.Any("error", err))
+		exited := func(why string, err error) {
+			if mainErr == nil {
+				n.log.Warn("sidecar not re-adopted", slog.String("sandbox_id", s.id), slog.String("sidecar", m.name), slog.String("why", why), slog.Any("error", err))
+			}
 			m.set(func() { m.state, m.exitCode = scExited, -1 })
 		}
 		if ms == nil || len(ms.State) == 0 {
-			gone(errors.New("no state kept"))
+			exited("no state kept", nil)
 			continue
 		}
 		inst, err := drv.Attach(ctx, &substrate.Spec{ID: m.id, Dir: memberDir(s.dir, m.id)}, ms.State)
-		if err != nil {
-			gone(err)
+		m.inst = inst // even when gone: its Destroy removes what is left
+		if err != nil || mainErr != nil {
+			exited("its container is gone", err)
 			continue
 		}
-		m.inst = inst
-		pg, ok := inst.Guest().(substrate.ProcessGuest)
-		if !ok {
-			gone(errors.New("its agent cannot attach to processes"))
-			continue
-		}
-		p, err := pg.Attach(m.ctx, "", serviceTag, true)
-		if err != nil {
-			// Its command ended while the node was down.
-			m.set(func() { m.state, m.exitCode = scExited, -1 })
-			continue
-		}
-		m.set(func() { m.state = scRunning })
-		go n.watchService(m, p)
+		m.set(func() { m.state, m.started = scRunning, time.Now() })
+		// In the background: a paused sidecar's agent answers only once
+		// the sandbox resumes.
+		go n.rewatchService(m)
 		if sc.Healthcheck != nil {
 			go n.checkHealth(m)
 		}
 	}
-	return g, nil
+	return g, mainErr
+}
+
+// rewatchService finds a re-adopted sidecar's service again and watches
+// it; a service that ended while the node was down shows as exited (-1).
+func (n *Node) rewatchService(m *member) {
+	pg, ok := m.inst.Guest().(substrate.ProcessGuest)
+	if !ok {
+		return
+	}
+	p, err := pg.Attach(m.ctx, "", serviceTag, true)
+	if err != nil {
+		if m.ctx.Err() == nil {
+			m.set(func() { m.state, m.exitCode = scExited, -1 })
+		}
+		return
+	}
+	n.watchService(m, p)
 }
 
 // memberIDs are the instance IDs of a record's sidecars (known to the

@@ -357,4 +357,21 @@ services:
 	if _, err := sb.Container("api").Exec(ctx, dsec.Cmd("true")); err != nil {
 		t.Fatalf("exec in the re-adopted sidecar: %v", err)
 	}
+
+	// Paused across a restart: re-adopted frozen (its agents answer
+	// nothing until the resume), then resumed whole.
+	if _, err := c.Pause(ctx, sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	srv.Restart()
+	if info, err := c.Get(ctx, sb.ID); err != nil || info.State != "paused" {
+		t.Fatalf("after a restart while paused: %v, %v", info, err)
+	}
+	if _, err := c.Resume(ctx, sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	check()
+	if out, code := stdout(t, ctx, sb.Container("api"), "wget -qO- http://main:9000/"); code != 0 || out != "hi-there" {
+		t.Fatalf("the sidecar after resume: %q (exit %d)", out, code)
+	}
 }
