@@ -185,7 +185,11 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image
 		return nil, err
 	}
 	// The sidecars' images count as the sandbox's (held until then).
-	scLayers, scImages, unhold, err := n.sidecarLayers(project, spec)
+	var from *image.Image
+	if spec.Snapshot != "" {
+		from = img
+	}
+	scLayers, scImages, unhold, err := n.sidecarLayers(project, spec, from)
 	if err != nil {
 		return nil, err
 	}

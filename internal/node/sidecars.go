@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"path"
 	"path/filepath"
@@ -21,6 +22,7 @@ import (
 	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/substrate"
+	"google.golang.org/protobuf/encoding/protojson"
 )
 
 // Sidecars (SandboxSpec.sidecars).
@@ -84,7 +86,25 @@ const (
 // (command, user and working directory from their images, resources and
 // health check timing from the node's defaults). spec is otherwise
 // normalized.
-func (n *Node) normalizeSidecars(project string, spec *dsecv1.SandboxSpec) error {
+func (n *Node) normalizeSidecars(project string, spec *dsecv1.SandboxSpec, from *image.Image) error {
+	if snap := from.GetSnapshot(); snap != nil && len(snap.Sidecars) > 0 {
+		// A sandbox from a snapshot of a sandbox with sidecars gets them
+		// back, each from its own captured layers (its image left empty).
+		if len(spec.Sidecars) > 0 {
+			return errdefs.Invalid("snapshot %s has sidecars of its own: a sandbox started from it gets them (give none)", snap.ID)
+		}
+		for _, ss := range snap.Sidecars {
+			sc := &dsecv1.Sidecar{}
+			if err := protojson.Unmarshal(ss.Spec, sc); err != nil {
+				return errdefs.Internal(err, "read snapshot %s's sidecar %q", snap.ID, ss.Name)
+			}
+			sc.Image = ""
+			spec.Sidecars = append(spec.Sidecars, sc)
+		}
+		if len(spec.Aliases) == 0 {
+			spec.Aliases = append([]string(nil), snap.Aliases...)
+		}
+	}
 	if len(spec.Sidecars) == 0 {
 		if len(spec.Aliases) > 0 {
 			return errdefs.Invalid("aliases name the main container for its sidecars: a sandbox without sidecars has none")
@@ -127,7 +147,7 @@ func (n *Node) normalizeSidecars(project string, spec *dsecv1.SandboxSpec) error
 		byName[sc.Name] = sc
 	}
 	for _, sc := range spec.Sidecars {
-		if err := n.normalizeSidecar(project, sc, byName); err != nil {
+		if err := n.normalizeSidecar(project, sc, byName, from); err != nil {
 			return err
 		}
 	}
@@ -160,22 +180,13 @@ func (n *Node) normalizeSidecars(project string, spec *dsecv1.SandboxSpec) error
 	return nil
 }
 
-func (n *Node) normalizeSidecar(project string, sc *dsecv1.Sidecar, byName map[string]*dsecv1.Sidecar) error {
+func (n *Node) normalizeSidecar(project string, sc *dsecv1.Sidecar, byName map[string]*dsecv1.Sidecar, from *image.Image) error {
 	fail := func(format string, a ...any) error {
 		return errdefs.Invalid("sidecar %q: %s", sc.Name, fmt.Sprintf(format, a...))
 	}
-	if sc.Image == "" {
-		return fail("image is required")
-	}
-	img, err := n.images.Lookup(project, sc.Image)
+	img, err := n.sidecarImage(project, sc, from)
 	if err != nil {
 		return err
-	}
-	switch {
-	case img.Snapshot != nil:
-		return fail("%q is a snapshot; sidecars start from images", sc.Image)
-	case img.VM != nil:
-		return fail("%q is a VM image; sidecars are containers", sc.Image)
 	}
 	// Docker's rule: an entrypoint of the sidecar's own replaces the
 	// image's entrypoint and command; a command of its own, the image's
@@ -295,10 +306,36 @@ func hostNames(spec *dsecv1.SandboxSpec) []string {
 	return out
 }
 
+// sidecarImage is the image sidecar sc starts from: its image, or (its
+// image empty) its own layers in the snapshot from the sandbox starts
+// from.
+func (n *Node) sidecarImage(project string, sc *dsecv1.Sidecar, from *image.Image) (*image.Image, error) {
+	if sc.Image == "" {
+		for _, ss := range from.GetSnapshot().GetSidecars() {
+			if ss.Name == sc.Name {
+				return &image.Image{Name: from.Name + "/" + ss.Name, Owner: from.Owner, Layers: ss.Layers, Config: ss.Config}, nil
+			}
+		}
+		return nil, errdefs.Invalid("sidecar %q: image is required", sc.Name)
+	}
+	img, err := n.images.Lookup(project, sc.Image)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case img.Snapshot != nil:
+		return nil, errdefs.Invalid("sidecar %q: %q is a snapshot; sidecars start from images (a sandbox started from a snapshot of one with sidecars gets its sidecars back)", sc.Name, sc.Image)
+	case img.VM != nil:
+		return nil, errdefs.Invalid("sidecar %q: %q is a VM image; sidecars are containers", sc.Name, sc.Image)
+	}
+	return img, nil
+}
+
 // sidecarLayers are the layers of spec's sidecars' images, held until
 // release is called (image GC must not take them before the sandbox is
-// reserved, which keeps them as its own).
-func (n *Node) sidecarLayers(project string, spec *dsecv1.SandboxSpec) (layers []string, imgs []*image.Image, release func(), err error) {
+// reserved, which keeps them as its own). from is the snapshot the
+// sandbox starts from, if any.
+func (n *Node) sidecarLayers(project string, spec *dsecv1.SandboxSpec, from *image.Image) (layers []string, imgs []*image.Image, release func(), err error) {
 	var holds []func()
 	release = func() {
 		for _, h := range holds {
@@ -306,7 +343,7 @@ func (n *Node) sidecarLayers(project string, spec *dsecv1.SandboxSpec) (layers [
 		}
 	}
 	for _, sc := range spec.Sidecars {
-		img, err := n.images.Lookup(project, sc.Image)
+		img, err := n.sidecarImage(project, sc, from)
 		if err != nil {
 			release()
 			return nil, nil, nil, err
@@ -314,7 +351,7 @@ func (n *Node) sidecarLayers(project string, spec *dsecv1.SandboxSpec) (layers [
 		unhold, err := n.images.Hold(img.Layers)
 		if err != nil {
 			release()
-			return nil, nil, nil, errdefs.NotFound("image %q was deleted while a sandbox was being created from it", sc.Image)
+			return nil, nil, nil, errdefs.NotFound("image %q of sidecar %q was deleted while a sandbox was being created from it", sc.Image, sc.Name)
 		}
 		holds = append(holds, unhold)
 		imgs = append(imgs, img)
@@ -338,6 +375,10 @@ type member struct {
 	id   string
 	spec *dsecv1.Sidecar
 	inst substrate.Instance
+	// layers and config are the sidecar's image's (a snapshot keeps them
+	// with the sidecar's own layer).
+	layers []string
+	config image.Config
 	// paused is set while the sandbox is paused: health checks wait (a
 	// frozen agent answers none).
 	paused atomic.Bool
@@ -472,7 +513,9 @@ func keepTail(tail, b []byte) []byte {
 func (n *Node) startSidecars(ctx context.Context, s *sandbox, main substrate.Instance, imgs []*image.Image) (_ *group, err error) {
 	g := &group{main: main, log: n.log}
 	for i, sc := range s.spec.Sidecars {
-		g.members = append(g.members, newMember(sc.Name, memberID(s.id, i), sc))
+		m := newMember(sc.Name, memberID(s.id, i), sc)
+		m.layers, m.config = imgs[i].Layers, imgs[i].Config
+		g.members = append(g.members, m)
 	}
 	defer func() {
 		if err != nil {
@@ -744,6 +787,67 @@ func (g *group) member(name string) *member {
 	return nil
 }
 
+// Snapshot captures the main container's writable layer (the node
+// captures the sidecars' with snapshotSidecars).
+func (g *group) Snapshot(ctx context.Context, w io.Writer) error {
+	sn, ok := g.main.(substrate.Snapshotter)
+	if !ok {
+		return errdefs.Unimplemented("the sandbox cannot snapshot")
+	}
+	return sn.Snapshot(ctx, w)
+}
+
+// snapshotSidecars captures each sidecar's writable layer as a layer of
+// the store, held until release is called (once a snapshot record names
+// them).
+func (n *Node) snapshotSidecars(ctx context.Context, s *sandbox, g *group) (out []image.SnapshotSidecar, release func(), err error) {
+	var releases []func()
+	release = func() {
+		for _, r := range releases {
+			r()
+		}
+	}
+	defer func() {
+		if err != nil {
+			release()
+		}
+	}()
+	for _, m := range g.members {
+		sn, ok := m.inst.(substrate.Snapshotter)
+		if !ok || m.inst.Check(ctx) != nil {
+			return nil, nil, errdefs.Conflict("sidecar %q of sandbox %s has ended: it cannot be snapshotted", m.name, s.id)
+		}
+		pr, pw := io.Pipe()
+		go func() { pw.CloseWithError(sn.Snapshot(ctx, pw)) }()
+		diff, _, rel, err := n.images.AddLayer(pr)
+		pr.Close()
+		if err != nil {
+			return nil, nil, sidecarError(m.name, err)
+		}
+		releases = append(releases, rel)
+		spec, err := protojson.Marshal(m.spec)
+		if err != nil {
+			return nil, nil, errdefs.Internal(err, "record sidecar %q", m.name)
+		}
+		out = append(out, image.SnapshotSidecar{
+			Name: m.name, Spec: spec, Layers: append(append([]string(nil), m.layers...), diff), Config: m.config,
+		})
+	}
+	return out, release, nil
+}
+
+// mainLayers are the layers of s's main container's image: s.layers
+// holds them followed by each sidecar's (prepare).
+func mainLayers(s *sandbox) []string {
+	n := len(s.layers)
+	if g, ok := s.inst.(*group); ok {
+		for _, m := range g.members {
+			n -= len(m.layers)
+		}
+	}
+	return append([]string(nil), s.layers[:max(n, 0)]...)
+}
+
 func (g *group) Guest() substrate.Guest                             { return g.main.Guest() }
 func (g *group) Done() <-chan struct{}                              { return g.main.Done() }
 func (g *group) Check(ctx context.Context) error                    { return g.main.Check(ctx) }
@@ -756,15 +860,17 @@ type groupState struct {
 }
 
 type memberState struct {
-	Name  string `json:"name"`
-	ID    string `json:"id"`
-	State []byte `json:"state,omitempty"`
+	Name   string       `json:"name"`
+	ID     string       `json:"id"`
+	State  []byte       `json:"state,omitempty"`
+	Layers []string     `json:"layers,omitempty"`
+	Config image.Config `json:"config"`
 }
 
 func (g *group) State() []byte {
 	st := groupState{Main: g.main.State()}
 	for _, m := range g.members {
-		ms := memberState{Name: m.name, ID: m.id}
+		ms := memberState{Name: m.name, ID: m.id, Layers: m.layers, Config: m.config}
 		if m.inst != nil {
 			ms.State = m.inst.State()
 		}
@@ -889,6 +995,7 @@ func (n *Node) attachGroup(ctx context.Context, drv substrate.Driver, s *sandbox
 			exited("no state kept", nil)
 			continue
 		}
+		m.layers, m.config = ms.Layers, ms.Config
 		inst, err := drv.Attach(ctx, &substrate.Spec{ID: m.id, Dir: memberDir(s.dir, m.id)}, ms.State)
 		m.inst = inst // even when gone: its Destroy removes what is left
 		if err != nil || mainErr != nil {

@@ -65,9 +65,6 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 	if len(req.GetName()) > 128 {
 		return nil, errdefs.Invalid("snapshot name longer than 128 bytes")
 	}
-	if len(s.spec.Sidecars) > 0 {
-		return nil, errdefs.Unimplemented("sandbox %s has sidecars: a sandbox with sidecars cannot be snapshotted or forked yet", s.id)
-	}
 	if m, ok := s.inst.(substrate.MachineSnapshotter); ok {
 		return n.machineSnapshot(ctx, s, m, req, ephemeral, forkKey)
 	}
@@ -86,12 +83,23 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 	// Held until the record names it: a GC meanwhile (another fork's
 	// snapshot released) would take it.
 	defer release()
+	// Each sidecar is captured the same way, one after another (the group
+	// is not frozen as one: each container is, while its layer is read).
+	var sidecars []image.SnapshotSidecar
+	if g, ok := s.inst.(*group); ok {
+		var releaseSidecars func()
+		if sidecars, releaseSidecars, err = n.snapshotSidecars(ctx, s, g); err != nil {
+			return nil, err
+		}
+		defer releaseSidecars()
+	}
 	cfg := n.snapshotConfig(s)
 	id := n.newSnapshotID()
 	rec := &image.Image{
-		Name: id, Owner: s.project, Layers: append(append([]string(nil), s.layers...), diff), Size: size,
+		Name: id, Owner: s.project, Layers: append(mainLayers(s), diff), Size: size,
 		Created: time.Now().UTC(), Source: "snapshot:" + s.id, Config: cfg, Digest: diff,
-		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size, Ephemeral: ephemeral, ForkKey: forkKey},
+		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size, Ephemeral: ephemeral, ForkKey: forkKey,
+			Sidecars: sidecars, Aliases: s.spec.Aliases},
 	}
 	if err := n.images.Put(rec); err != nil {
 		return nil, err
@@ -346,9 +354,6 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (_ *dsecv1.Cre
 	if err != nil {
 		return nil, err
 	}
-	if len(parent.spec.Sidecars) > 0 {
-		return nil, errdefs.Unimplemented("sandbox %s has sidecars: a sandbox with sidecars cannot be snapshotted or forked yet", parent.id)
-	}
 	if v := readWriteVolume(parent.spec); v != "" {
 		return nil, errdefs.Conflict("sandbox %s mounts volume %q read-write, which one sandbox at a time does: its children cannot (mount it read-only to fork)", parent.id, v)
 	}
@@ -376,6 +381,9 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (_ *dsecv1.Cre
 	}()
 	base := parent.currentSpec()
 	base.Snapshot, base.Image = snap.Id, ""
+	// The children's sidecars (and the names they answer to) come from
+	// the snapshot, each from its own captured layer.
+	base.Sidecars, base.Aliases = nil, nil
 	labels := map[string]string{}
 	for k, v := range base.Labels {
 		if !strings.HasPrefix(k, "dsec.io/") {

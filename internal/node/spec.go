@@ -195,7 +195,11 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 		}
 		spec.Labels[SessionLabel] = spec.Session
 	}
-	if err := n.normalizeSidecars(project, spec); err != nil {
+	var from *image.Image
+	if spec.Snapshot != "" {
+		from = img
+	}
+	if err := n.normalizeSidecars(project, spec, from); err != nil {
 		return nil, err
 	}
 	return img, nil

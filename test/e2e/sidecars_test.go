@@ -181,9 +181,51 @@ func TestSidecars(t *testing.T) {
 		}
 	})
 
-	t.Run("snapshots and forks are refused by name", func(t *testing.T) {
-		if _, err := c.Snapshot(ctx, sb.ID, ""); err == nil || !strings.Contains(err.Error(), "sidecars") {
-			t.Fatalf("snapshot: %v", err)
+	t.Run("a snapshot and a fork carry every container", func(t *testing.T) {
+		web := sb.Container("web")
+		if _, err := web.WriteFile(ctx, "/www/state.html", strings.NewReader("state-1\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if _, code := stdout(t, ctx, sb, "echo main-state > /root/m"); code != 0 {
+			t.Fatal("write in main")
+		}
+		snap, err := c.Snapshot(ctx, sb.ID, "group")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.DeleteSnapshot(ctx, snap.Id)
+		child, err := c.Create(ctx, dsec.CreateOptions{Snapshot: snap.Id})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer child.Close()
+		if st := sidecarState(child.Info, "web"); st.GetState() != "healthy" || len(child.Info.Spec.Sidecars) != 2 {
+			t.Fatalf("the child's sidecars: %v", child.Info.GetSidecars())
+		}
+		if out, code := stdout(t, ctx, child, "cat /root/m; wget -qO- http://web.internal:8080/state.html"); code != 0 || out != "main-state\nstate-1" {
+			t.Fatalf("in the snapshot's child: %q (exit %d)", out, code)
+		}
+		res, err := c.Fork(ctx, &dsecv1.ForkRequest{SandboxId: sb.ID, Count: 2})
+		if err != nil || res.Created != 2 {
+			t.Fatalf("fork: %v, %v", res, err)
+		}
+		var kids []*dsec.Sandbox
+		for _, r := range res.Results {
+			k := c.Sandbox(r.GetSandbox().GetId())
+			defer k.Close()
+			kids = append(kids, k)
+		}
+		// Each child's sidecar has the parent's files, and its own from then on.
+		if _, err := kids[0].Container("web").WriteFile(ctx, "/www/state.html", strings.NewReader("child-0\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		for i, want := range []string{"child-0", "state-1"} {
+			if out, code := stdout(t, ctx, kids[i], "wget -qO- http://web:8080/state.html"); code != 0 || out != want {
+				t.Fatalf("fork child %d: %q (exit %d), want %q", i, out, code, want)
+			}
+		}
+		if out, _ := stdout(t, ctx, sb, "wget -qO- http://web:8080/state.html"); out != "state-1" {
+			t.Fatalf("the parent after its children wrote: %q", out)
 		}
 	})
 

@@ -860,8 +860,10 @@ type SandboxSpec struct {
 	// or exited 0 where another depends on its completion. Calls name a
 	// container by its sidecar name (empty or "main": the main one); the
 	// sandbox's TTLs, pause, resume and delete act on every container. Kind
-	// container with the default runtime only; at most 8. A sandbox with
-	// sidecars cannot be snapshotted or forked yet.
+	// container with the default runtime only; at most 8. A snapshot (and
+	// so a fork) captures every container, each as a layer of its own; a
+	// sandbox started from it gets the sidecars back (give none), their
+	// image empty in its spec: they start from the snapshot.
 	Sidecars []*Sidecar `protobuf:"bytes,22,rep,name=sidecars,proto3" json:"sidecars,omitempty"`
 	// aliases are further names of the main container: like its sidecars'
 	// names, they resolve to 127.0.0.1 in every container of the sandbox.
