@@ -399,6 +399,17 @@ services:
 	if _, err := sb.Container("api").Exec(ctx, dsec.Cmd("true")); err != nil {
 		t.Fatalf("exec in the re-adopted sidecar: %v", err)
 	}
+	// A fork of the re-adopted sandbox: its sidecars' layers were kept
+	// across the restart.
+	res, err := c.Fork(ctx, &dsecv1.ForkRequest{SandboxId: sb.ID, Count: 1})
+	if err != nil || res.Created != 1 {
+		t.Fatalf("fork after the restart: %v, %v", res, err)
+	}
+	kid := c.Sandbox(res.Results[0].GetSandbox().GetId())
+	if out, code := stdout(t, ctx, kid, "echo $ROLE; wget -qO- http://api-server:9000/"); code != 0 || out != "agent\nhi-there" {
+		t.Fatalf("the fork child: %q (exit %d)", out, code)
+	}
+	kid.Close()
 
 	// Paused across a restart: re-adopted frozen (its agents answer
 	// nothing until the resume), then resumed whole.
