@@ -47,12 +47,16 @@ type Main struct {
 	// Aliases are the service's other names (its own name if not "main",
 	// hostname, container_name, network aliases).
 	Aliases []string
+	// Volumes are its mounts of the file's named volumes.
+	Volumes []*dsecv1.VolumeMount
 }
 
 // File is a parsed Compose file.
 type File struct {
 	Main     Main
 	Sidecars []*dsecv1.Sidecar
+	// Shared are the file's named volumes: the sandbox's shared volumes.
+	Shared []*dsecv1.SharedVolume
 }
 
 // mainNames are the service names taken as the main container, in order,
@@ -192,7 +196,8 @@ func parse(top map[string]any) (*File, error) {
 			if err := checkNetworks(v); err != nil {
 				return nil, err
 			}
-		case k == "volumes" || k == "secrets" || k == "configs":
+		case k == "volumes":
+		case k == "secrets" || k == "configs":
 			if m, ok := v.(map[string]any); !ok || len(m) > 0 {
 				return nil, errdefs.Invalid("compose file: top-level %q is not supported: a sandbox's containers share no %s yet", k, k)
 			}
@@ -226,6 +231,30 @@ func parse(top map[string]any) (*File, error) {
 	}
 	sort.Strings(names)
 	f := &File{}
+	declared := map[string]bool{}
+	if vols, ok := top["volumes"]; ok && vols != nil {
+		vm, ok := vols.(map[string]any)
+		if !ok {
+			return nil, errdefs.Invalid("compose file: volumes is not a mapping")
+		}
+		vnames := make([]string, 0, len(vm))
+		for name := range vm {
+			vnames = append(vnames, name)
+		}
+		sort.Strings(vnames)
+		for _, name := range vnames {
+			def, _ := vm[name].(map[string]any)
+			for k, v := range def {
+				switch {
+				case k == "driver" && v == "local", k == "labels", k == "name", strings.HasPrefix(k, "x-"):
+				default:
+					return nil, errdefs.Invalid("compose file: volumes.%s.%s is not supported: a named volume is a file system of the sandbox alone, made empty at create (docs/sidecars.md)", name, k)
+				}
+			}
+			declared[name] = true
+			f.Shared = append(f.Shared, &dsecv1.SharedVolume{Name: name})
+		}
+	}
 	for _, name := range names {
 		raw, ok := services[name].(map[string]any)
 		if !ok {
@@ -234,6 +263,11 @@ func parse(top map[string]any) (*File, error) {
 		svc, err := parseService(name, raw, name == mainName)
 		if err != nil {
 			return nil, err
+		}
+		for _, m := range svc.volumes {
+			if !declared[m.Name] {
+				return nil, errdefs.Invalid("compose file: services.%s.volumes: volume %q is not declared in the top-level volumes", name, m.Name)
+			}
 		}
 		if name == mainName {
 			f.Main = svc.main()
@@ -274,6 +308,7 @@ type service struct {
 	health     *dsecv1.HealthCheck
 	deps       []*dsecv1.SidecarDependency
 	aliases    []string
+	volumes    []*dsecv1.VolumeMount
 }
 
 func (s *service) main() Main {
@@ -282,14 +317,14 @@ func (s *service) main() Main {
 		aliases = append([]string{s.name}, aliases...)
 	}
 	return Main{Name: s.name, Image: s.image, Env: s.env, Workdir: s.workdir, User: s.user,
-		CPU: s.cpu, MemoryMB: s.memoryMB, Pids: s.pids, Aliases: dedupe(aliases, "main")}
+		CPU: s.cpu, MemoryMB: s.memoryMB, Pids: s.pids, Aliases: dedupe(aliases, "main"), Volumes: s.volumes}
 }
 
 func (s *service) sidecar() *dsecv1.Sidecar {
 	sc := &dsecv1.Sidecar{
 		Name: s.name, Image: s.image, Command: s.command, Entrypoint: s.entrypoint, Env: s.env,
 		Workdir: s.workdir, User: s.user, Healthcheck: s.health, DependsOn: s.deps,
-		Aliases: dedupe(s.aliases, s.name),
+		Aliases: dedupe(s.aliases, s.name), Volumes: s.volumes,
 	}
 	if s.cpu != 0 || s.memoryMB != 0 || s.pids != 0 {
 		sc.Resources = &dsecv1.Resources{Cpu: s.cpu, MemoryMb: s.memoryMB, Pids: s.pids}
@@ -348,6 +383,8 @@ func parseService(name string, raw map[string]any, isMain bool) (*service, error
 			s.env, err = environment(v)
 		case "env_file":
 			return nil, fail(k, "not supported: put the variables in environment")
+		case "volumes":
+			s.volumes, err = serviceVolumes(v)
 		case "working_dir":
 			s.workdir, err = str(v)
 		case "user":
@@ -420,6 +457,62 @@ func parseService(name string, raw map[string]any, isMain bool) (*service, error
 		s.command, s.entrypoint = nil, nil
 	}
 	return s, nil
+}
+
+// serviceVolumes reads a service's mounts of named volumes, short
+// ("name:/path[:ro]") or long ({type: volume, source, target, read_only})
+// syntax. Host paths (binds) and anonymous volumes are refused: a sandbox
+// cannot see the caller's files, and a file system of its own is named.
+func serviceVolumes(v any) ([]*dsecv1.VolumeMount, error) {
+	l, ok := v.([]any)
+	if !ok {
+		return nil, fmt.Errorf("not a list")
+	}
+	var out []*dsecv1.VolumeMount
+	for _, x := range l {
+		m := &dsecv1.VolumeMount{}
+		switch x := x.(type) {
+		case string:
+			parts := strings.Split(x, ":")
+			if len(parts) < 2 || len(parts) > 3 {
+				return nil, fmt.Errorf("%q: anonymous volumes are not supported (name it, and declare it in the top-level volumes)", x)
+			}
+			m.Name, m.Path = parts[0], parts[1]
+			if len(parts) == 3 {
+				switch parts[2] {
+				case "ro":
+					m.ReadOnly = true
+				case "rw":
+				default:
+					return nil, fmt.Errorf("%q: mode %q is not supported (ro or rw)", x, parts[2])
+				}
+			}
+		case map[string]any:
+			for k, val := range x {
+				switch k {
+				case "type":
+					if val != "volume" {
+						return nil, fmt.Errorf("type %v is not supported: only named volumes (type volume) are", val)
+					}
+				case "source":
+					m.Name, _ = val.(string)
+				case "target":
+					m.Path, _ = val.(string)
+				case "read_only":
+					m.ReadOnly, _ = val.(bool)
+				default:
+					return nil, fmt.Errorf("%s: not supported", k)
+				}
+			}
+		default:
+			return nil, fmt.Errorf("an item is neither a string nor a mapping")
+		}
+		if m.Name == "" || strings.ContainsAny(m.Name[:1], "/.~$") || strings.Contains(m.Name, "/") {
+			return nil, fmt.Errorf("%q is a host path: bind mounts are not supported (a sandbox cannot see the caller's files; use a named volume)", m.Name)
+		}
+		out = append(out, m)
+	}
+	return out, nil
 }
 
 func (s *service) deploy(v any) error {
@@ -872,11 +965,13 @@ func Apply(f *File, spec *dsecv1.SandboxSpec) error {
 			r.Pids = m.Pids
 		}
 	}
-	if len(spec.Sidecars) > 0 {
-		return errdefs.Invalid("give sidecars in the compose file or in the spec, not both")
+	if len(spec.Sidecars) > 0 || len(spec.SharedVolumes) > 0 {
+		return errdefs.Invalid("give sidecars and shared volumes in the compose file or in the spec, not both")
 	}
 	spec.Aliases = append(spec.Aliases, m.Aliases...)
 	spec.Sidecars = f.Sidecars
+	spec.SharedVolumes = f.Shared
+	spec.Volumes = append(spec.Volumes, m.Volumes...)
 	return nil
 }
 

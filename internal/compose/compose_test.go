@@ -143,7 +143,10 @@ func TestRefusedKeys(t *testing.T) {
 		{"services:\n  main:\n    image: a\n    healthcheck: {test: [CMD, \"true\"]}\n", "services.main.healthcheck"},
 		{"services:\n  main:\n    image: a\n  s:\n    image: b\n    environment: [FOO]\n", "FOO has no value"},
 		{"services:\n  main:\n    image: a\n  s:\n    image: b\n    deploy: {resources: {reservations: {devices: []}}}\n", "reservations"},
-		{"services:\n  main:\n    image: a\nvolumes:\n  data: {}\n", "top-level \"volumes\""},
+		{"services:\n  main:\n    image: a\nvolumes:\n  data:\n    external: true\n", "volumes.data.external"},
+		{"services:\n  main:\n    image: a\n    volumes: [\"data:/d\"]\n", "not declared"},
+		{"services:\n  main:\n    image: a\n    volumes: [\"/anon\"]\n", "anonymous"},
+		{"services:\n  main:\n    image: a\n    volumes: [{type: tmpfs, target: /t}]\n", "type tmpfs"},
 		{"services:\n  main:\n    image: a\nnetworks:\n  n:\n    internal: true\n", "networks.n.internal"},
 		{"services:\n  main:\n    image: a\n  s:\n    image: b\n    depends_on: {main: {condition: service_healthy}}\n", "only started applies"},
 		{"services:\n  main:\n    image: a\n  s: {}\n", "services.s.image: required"},
@@ -267,5 +270,27 @@ func TestOverrides(t *testing.T) {
 	}
 	if _, err := Parse([]byte(base), []byte("services: {oops\n")); err == nil || !strings.Contains(err.Error(), "override 1") {
 		t.Fatalf("a broken override: %v", err)
+	}
+}
+
+// Named volumes between services become the sandbox's shared volumes,
+// mounted where each service says.
+func TestNamedVolumes(t *testing.T) {
+	f, err := Parse([]byte("services:\n  main:\n    image: a\n    volumes: [\"data:/data:ro\"]\n  w:\n    image: b\n    volumes:\n      - {type: volume, source: data, target: /out}\nvolumes:\n  data:\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(f.Shared) != 1 || f.Shared[0].Name != "data" {
+		t.Fatalf("shared %v", f.Shared)
+	}
+	if m := f.Main.Volumes; len(m) != 1 || m[0].Name != "data" || m[0].Path != "/data" || !m[0].ReadOnly {
+		t.Fatalf("main mounts %v", m)
+	}
+	if m := f.Sidecars[0].Volumes; len(m) != 1 || m[0].Path != "/out" || m[0].ReadOnly {
+		t.Fatalf("sidecar mounts %v", m)
+	}
+	spec := &dsecv1.SandboxSpec{}
+	if err := Apply(f, spec); err != nil || len(spec.SharedVolumes) != 1 || len(spec.Volumes) != 1 {
+		t.Fatalf("applied: %v %v", spec, err)
 	}
 }

@@ -79,6 +79,24 @@ type SnapshotMeta struct {
 	// back. Aliases are its main container's.
 	Sidecars []SnapshotSidecar `json:"sidecars,omitempty"`
 	Aliases  []string          `json:"aliases,omitempty"`
+	// Shared are the sandbox's shared volumes (not their content: a
+	// sandbox from the snapshot gets them empty) and SharedMounts its main
+	// container's mounts of them.
+	Shared       []SnapshotShared `json:"shared,omitempty"`
+	SharedMounts []SnapshotMount  `json:"shared_mounts,omitempty"`
+}
+
+// SnapshotShared is a shared volume of a snapshotted sandbox.
+type SnapshotShared struct {
+	Name   string `json:"name"`
+	SizeMB int64  `json:"size_mb"`
+}
+
+// SnapshotMount is a mount of a shared volume.
+type SnapshotMount struct {
+	Name     string `json:"name"`
+	Path     string `json:"path"`
+	ReadOnly bool   `json:"read_only,omitempty"`
 }
 
 // GetSnapshot is img's snapshot metadata: nil for a plain image, or no

@@ -79,7 +79,7 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 	}
 	defer n.admitDone(project)
 	var s *sandbox
-	if img.Owner == tenant.Shared && len(spec.Volumes) == 0 && len(spec.Sidecars) == 0 {
+	if img.Owner == tenant.Shared && len(spec.Volumes) == 0 && len(spec.Sidecars) == 0 && len(spec.SharedVolumes) == 0 {
 		// Pools hold shared images only, and mount no volumes and have
 		// no sidecars.
 		s = n.pools.take(spec, project)
@@ -197,6 +197,9 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image
 	s.layers = append(s.layers[:len(s.layers):len(s.layers)], scLayers...)
 	// Reserved first so image GC keeps the layers while the sandbox starts.
 	n.sandboxes.reserve(s)
+	if err := n.makeShared(s); err != nil {
+		return nil, err
+	}
 	if s.volumes, err = n.holdVolumes(s, project); err != nil {
 		return nil, err
 	}

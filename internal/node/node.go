@@ -121,6 +121,9 @@ func (c *Config) defaults() {
 	if c.DefaultCPU == 0 {
 		c.DefaultCPU = 1
 	}
+	if c.MaxVolumeMB == 0 {
+		c.MaxVolumeMB = 100 << 10 // as the volume manager's default
+	}
 	if c.MaxCPU == 0 {
 		c.MaxCPU = float64(hostCPUs())
 	}

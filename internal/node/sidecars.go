@@ -150,6 +150,9 @@ func (n *Node) normalizeSidecars(project string, spec *dsecv1.SandboxSpec, from 
 		if err := n.normalizeSidecar(project, sc, byName, from); err != nil {
 			return err
 		}
+		if err := sidecarMounts(spec, sc); err != nil {
+			return err
+		}
 	}
 	// Dependencies form no cycle: a depth-first walk meets no sidecar it
 	// is still walking below.
@@ -284,6 +287,30 @@ func (n *Node) normalizeSidecar(project string, sc *dsecv1.Sidecar, byName map[s
 		default:
 			return fail("depends_on %q: condition %q (use started, healthy or completed)", d.Name, truncate(d.Condition, 64))
 		}
+	}
+	return nil
+}
+
+// sidecarMounts checks sc's volume mounts: the sandbox's shared volumes,
+// at paths as a sandbox's volumes' are.
+func sidecarMounts(spec *dsecv1.SandboxSpec, sc *dsecv1.Sidecar) error {
+	if len(sc.Volumes) > maxSharedVolumes {
+		return errdefs.Invalid("sidecar %q: at most %d volumes", sc.Name, maxSharedVolumes)
+	}
+	var paths []string
+	for _, m := range sc.Volumes {
+		if sharedVolume(spec, m.GetName()) == nil {
+			return errdefs.Invalid("sidecar %q: volume %q is none of the sandbox's shared volumes (sidecars mount those)", sc.Name, truncate(m.GetName(), 64))
+		}
+		if err := mountPath(m.GetPath()); err != nil {
+			return errdefs.Invalid("sidecar %q: volume %q: %v", sc.Name, m.GetName(), err)
+		}
+		for _, other := range paths {
+			if other == m.Path || strings.HasPrefix(m.Path, other+"/") || strings.HasPrefix(other, m.Path+"/") {
+				return errdefs.Invalid("sidecar %q: volume paths %s and %s overlap", sc.Name, m.Path, other)
+			}
+		}
+		paths = append(paths, m.Path)
 	}
 	return nil
 }
@@ -639,6 +666,7 @@ func (n *Node) memberSpec(s *sandbox, m *member, img *image.Image) *substrate.Sp
 		User: m.spec.User, Workdir: m.spec.Workdir, Hostname: m.name, Hosts: hostNames(s.spec),
 		CPU: r.GetCpu(), MemoryMB: r.GetMemoryMb(), DiskMB: r.GetDiskMb(), Pids: r.GetPids(),
 		Deadline: n.deadline(s), PrivilegeEscalation: img.Config.PrivilegeEscalation,
+		Volumes: sharedMounts(s, m.spec.Volumes),
 	}
 	if s.net != nil {
 		ds.Network = substrate.Network{Mode: s.net.Mode, NetNS: s.net.NetNS, ResolvConf: s.net.ResolvConf}

@@ -93,13 +93,14 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 		}
 		defer releaseSidecars()
 	}
+	shared, sharedMounts := sharedMeta(s.spec)
 	cfg := n.snapshotConfig(s)
 	id := n.newSnapshotID()
 	rec := &image.Image{
 		Name: id, Owner: s.project, Layers: append(mainLayers(s), diff), Size: size,
 		Created: time.Now().UTC(), Source: "snapshot:" + s.id, Config: cfg, Digest: diff,
 		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size, Ephemeral: ephemeral, ForkKey: forkKey,
-			Sidecars: sidecars, Aliases: s.spec.Aliases},
+			Sidecars: sidecars, Aliases: s.spec.Aliases, Shared: shared, SharedMounts: sharedMounts},
 	}
 	if err := n.images.Put(rec); err != nil {
 		return nil, err

@@ -152,6 +152,12 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 	if err := n.normalizeNetwork(project, spec); err != nil {
 		return nil, err
 	}
+	if spec.Snapshot != "" && imgErr == nil {
+		restoreShared(spec, img)
+	}
+	if err := n.normalizeShared(spec); err != nil {
+		return nil, err
+	}
 	if err := n.normalizeVolumes(project, spec, caps); err != nil {
 		return nil, err
 	}

@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -426,5 +427,67 @@ services:
 	check()
 	if out, code := stdout(t, ctx, sb.Container("api"), "wget -qO- http://main:9000/"); code != 0 || out != "hi-there" {
 		t.Fatalf("the sidecar after resume: %q (exit %d)", out, code)
+	}
+}
+
+// TestSharedVolumes: Compose's named volumes between services are file
+// systems of the sandbox alone: every container sees the same files, owned
+// as it sees them, limited in size, and nothing is left after the delete.
+func TestSharedVolumes(t *testing.T) {
+	srv := dsectest.Start(t, dsectest.Options{})
+	c := srv.Client()
+	ctx := ctxFor(t, 5*time.Minute)
+	const file = `
+services:
+  main:
+    image: busybox
+    volumes: ["data:/data"]
+  writer:
+    image: busybox
+    command: ["sh", "-c", "echo from-writer > /out/note && touch /out/owned && chown 1000:1000 /out/owned && exec sleep 600"]
+    volumes:
+      - {type: volume, source: data, target: /out}
+volumes:
+  data: {}
+`
+	sb, err := c.Create(ctx, dsec.CreateOptions{Compose: file})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(sb.Info.Spec.SharedVolumes) != 1 || sb.Info.Spec.SharedVolumes[0].SizeMb != 1024 {
+		t.Fatalf("shared volumes: %v", sb.Info.Spec.SharedVolumes)
+	}
+	// The writer may still be writing when create returns (it is ready once
+	// running): wait for its file.
+	if out, code := stdout(t, ctx, sb, "for i in $(seq 100); do [ -s /data/note ] && break; sleep 0.05; done; cat /data/note; stat -c %u:%g /data/owned"); code != 0 || out != "from-writer\n1000:1000" {
+		t.Fatalf("main reads the writer's files: %q (exit %d)", out, code)
+	}
+	if _, code := stdout(t, ctx, sb, "echo from-main > /data/back"); code != 0 {
+		t.Fatal("main writes")
+	}
+	if out, code := stdout(t, ctx, sb.Container("writer"), "cat /out/back; stat -c %u /out/back"); code != 0 || out != "from-main\n0" {
+		t.Fatalf("the writer reads main's file, root's in its own view: %q (exit %d)", out, code)
+	}
+	// Its size is the volume's own (1024 MiB), not the node's disk.
+	if out, _ := stdout(t, ctx, sb, "df -m /data | awk 'NR==2 {print $2}'"); out == "" || len(out) > 4 {
+		t.Fatalf("df /data: %q MiB, want about 1000", out)
+	}
+	node := srv.NodePid()
+	mounted := func() bool {
+		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", node))
+		return strings.Contains(string(b), filepath.Join("sandboxes", sb.ID, "shared"))
+	}
+	if !mounted() {
+		t.Fatal("the check below would not see the shared volume's mount in the node")
+	}
+	if err := sb.Close(); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for mounted() && time.Now().Before(deadline) {
+		time.Sleep(100 * time.Millisecond)
+	}
+	if mounted() {
+		t.Fatal("the shared volume is still mounted in the node after the delete")
 	}
 }

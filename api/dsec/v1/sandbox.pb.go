@@ -867,7 +867,15 @@ type SandboxSpec struct {
 	Sidecars []*Sidecar `protobuf:"bytes,22,rep,name=sidecars,proto3" json:"sidecars,omitempty"`
 	// aliases are further names of the main container: like its sidecars'
 	// names, they resolve to 127.0.0.1 in every container of the sandbox.
-	Aliases       []string `protobuf:"bytes,23,rep,name=aliases,proto3" json:"aliases,omitempty"`
+	Aliases []string `protobuf:"bytes,23,rep,name=aliases,proto3" json:"aliases,omitempty"`
+	// shared_volumes are file systems of this sandbox alone, made empty at
+	// create and removed with it, that its containers mount by name
+	// (volumes of the spec and of its sidecars): Compose's named volumes
+	// between services. Every container sees the same files, owned as it
+	// sees them (its root is the others' root). Kind container with the
+	// default runtime; at most 8. A snapshot does not capture them: a
+	// sandbox started from it gets them empty.
+	SharedVolumes []*SharedVolume `protobuf:"bytes,24,rep,name=shared_volumes,json=sharedVolumes,proto3" json:"shared_volumes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1028,6 +1036,69 @@ func (x *SandboxSpec) GetAliases() []string {
 	return nil
 }
 
+func (x *SandboxSpec) GetSharedVolumes() []*SharedVolume {
+	if x != nil {
+		return x.SharedVolumes
+	}
+	return nil
+}
+
+// SharedVolume is a sandbox's own file system (SandboxSpec.shared_volumes).
+type SharedVolume struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// name is what mounts name ([a-z0-9][a-z0-9_.-]*, at most 63 bytes; it
+	// hides a project volume of the same name).
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// size_mb is its size (default 1024): writers past it get ENOSPC.
+	SizeMb        int64 `protobuf:"varint,2,opt,name=size_mb,json=sizeMb,proto3" json:"size_mb,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SharedVolume) Reset() {
+	*x = SharedVolume{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SharedVolume) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SharedVolume) ProtoMessage() {}
+
+func (x *SharedVolume) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SharedVolume.ProtoReflect.Descriptor instead.
+func (*SharedVolume) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *SharedVolume) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *SharedVolume) GetSizeMb() int64 {
+	if x != nil {
+		return x.SizeMb
+	}
+	return 0
+}
+
 // Sidecar is one further container of a sandbox (SandboxSpec.sidecars).
 type Sidecar struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1059,14 +1130,17 @@ type Sidecar struct {
 	// one starts.
 	DependsOn []*SidecarDependency `protobuf:"bytes,9,rep,name=depends_on,json=dependsOn,proto3" json:"depends_on,omitempty"`
 	// aliases are further names that resolve to 127.0.0.1.
-	Aliases       []string `protobuf:"bytes,10,rep,name=aliases,proto3" json:"aliases,omitempty"`
+	Aliases []string `protobuf:"bytes,10,rep,name=aliases,proto3" json:"aliases,omitempty"`
+	// volumes mount the sandbox's shared volumes (SandboxSpec.shared_volumes)
+	// by name.
+	Volumes       []*VolumeMount `protobuf:"bytes,12,rep,name=volumes,proto3" json:"volumes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Sidecar) Reset() {
 	*x = Sidecar{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1078,7 +1152,7 @@ func (x *Sidecar) String() string {
 func (*Sidecar) ProtoMessage() {}
 
 func (x *Sidecar) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1091,7 +1165,7 @@ func (x *Sidecar) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sidecar.ProtoReflect.Descriptor instead.
 func (*Sidecar) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Sidecar) GetName() string {
@@ -1171,6 +1245,13 @@ func (x *Sidecar) GetAliases() []string {
 	return nil
 }
 
+func (x *Sidecar) GetVolumes() []*VolumeMount {
+	if x != nil {
+		return x.Volumes
+	}
+	return nil
+}
+
 // HealthCheck is a command that tells whether a sidecar serves (exit 0),
 // timed as Docker's HEALTHCHECK with start_interval: the first check runs
 // as the sidecar starts, then one every start_interval_ms until one
@@ -1197,7 +1278,7 @@ type HealthCheck struct {
 
 func (x *HealthCheck) Reset() {
 	*x = HealthCheck{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1209,7 +1290,7 @@ func (x *HealthCheck) String() string {
 func (*HealthCheck) ProtoMessage() {}
 
 func (x *HealthCheck) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1222,7 +1303,7 @@ func (x *HealthCheck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthCheck.ProtoReflect.Descriptor instead.
 func (*HealthCheck) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *HealthCheck) GetCommand() []string {
@@ -1280,7 +1361,7 @@ type SidecarDependency struct {
 
 func (x *SidecarDependency) Reset() {
 	*x = SidecarDependency{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1292,7 +1373,7 @@ func (x *SidecarDependency) String() string {
 func (*SidecarDependency) ProtoMessage() {}
 
 func (x *SidecarDependency) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1305,7 +1386,7 @@ func (x *SidecarDependency) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SidecarDependency.ProtoReflect.Descriptor instead.
 func (*SidecarDependency) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *SidecarDependency) GetName() string {
@@ -1339,7 +1420,7 @@ type SidecarStatus struct {
 
 func (x *SidecarStatus) Reset() {
 	*x = SidecarStatus{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1351,7 +1432,7 @@ func (x *SidecarStatus) String() string {
 func (*SidecarStatus) ProtoMessage() {}
 
 func (x *SidecarStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1364,7 +1445,7 @@ func (x *SidecarStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SidecarStatus.ProtoReflect.Descriptor instead.
 func (*SidecarStatus) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{15}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *SidecarStatus) GetName() string {
@@ -1421,7 +1502,7 @@ type Sandbox struct {
 
 func (x *Sandbox) Reset() {
 	*x = Sandbox{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1433,7 +1514,7 @@ func (x *Sandbox) String() string {
 func (*Sandbox) ProtoMessage() {}
 
 func (x *Sandbox) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1446,7 +1527,7 @@ func (x *Sandbox) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sandbox.ProtoReflect.Descriptor instead.
 func (*Sandbox) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{16}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *Sandbox) GetId() string {
@@ -1561,7 +1642,7 @@ type CreateSandboxRequest struct {
 
 func (x *CreateSandboxRequest) Reset() {
 	*x = CreateSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1573,7 +1654,7 @@ func (x *CreateSandboxRequest) String() string {
 func (*CreateSandboxRequest) ProtoMessage() {}
 
 func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1586,7 +1667,7 @@ func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{17}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CreateSandboxRequest) GetSpec() *SandboxSpec {
@@ -1633,7 +1714,7 @@ type GetSandboxRequest struct {
 
 func (x *GetSandboxRequest) Reset() {
 	*x = GetSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1645,7 +1726,7 @@ func (x *GetSandboxRequest) String() string {
 func (*GetSandboxRequest) ProtoMessage() {}
 
 func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1658,7 +1739,7 @@ func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{18}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *GetSandboxRequest) GetId() string {
@@ -1683,7 +1764,7 @@ type ListSandboxesRequest struct {
 
 func (x *ListSandboxesRequest) Reset() {
 	*x = ListSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1695,7 +1776,7 @@ func (x *ListSandboxesRequest) String() string {
 func (*ListSandboxesRequest) ProtoMessage() {}
 
 func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1708,7 +1789,7 @@ func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*ListSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{19}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ListSandboxesRequest) GetLabelSelector() string {
@@ -1749,7 +1830,7 @@ type ListSandboxesResponse struct {
 
 func (x *ListSandboxesResponse) Reset() {
 	*x = ListSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1761,7 +1842,7 @@ func (x *ListSandboxesResponse) String() string {
 func (*ListSandboxesResponse) ProtoMessage() {}
 
 func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1774,7 +1855,7 @@ func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*ListSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ListSandboxesResponse) GetSandboxes() []*Sandbox {
@@ -1800,7 +1881,7 @@ type DeleteSandboxRequest struct {
 
 func (x *DeleteSandboxRequest) Reset() {
 	*x = DeleteSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1812,7 +1893,7 @@ func (x *DeleteSandboxRequest) String() string {
 func (*DeleteSandboxRequest) ProtoMessage() {}
 
 func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1825,7 +1906,7 @@ func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *DeleteSandboxRequest) GetId() string {
@@ -1843,7 +1924,7 @@ type DeleteSandboxResponse struct {
 
 func (x *DeleteSandboxResponse) Reset() {
 	*x = DeleteSandboxResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1855,7 +1936,7 @@ func (x *DeleteSandboxResponse) String() string {
 func (*DeleteSandboxResponse) ProtoMessage() {}
 
 func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1868,7 +1949,7 @@ func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{22}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{23}
 }
 
 type KeepaliveRequest struct {
@@ -1882,7 +1963,7 @@ type KeepaliveRequest struct {
 
 func (x *KeepaliveRequest) Reset() {
 	*x = KeepaliveRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1894,7 +1975,7 @@ func (x *KeepaliveRequest) String() string {
 func (*KeepaliveRequest) ProtoMessage() {}
 
 func (x *KeepaliveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1907,7 +1988,7 @@ func (x *KeepaliveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeepaliveRequest.ProtoReflect.Descriptor instead.
 func (*KeepaliveRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{23}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *KeepaliveRequest) GetId() string {
@@ -1962,7 +2043,7 @@ type ExecRequest struct {
 
 func (x *ExecRequest) Reset() {
 	*x = ExecRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1974,7 +2055,7 @@ func (x *ExecRequest) String() string {
 func (*ExecRequest) ProtoMessage() {}
 
 func (x *ExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1987,7 +2068,7 @@ func (x *ExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecRequest.ProtoReflect.Descriptor instead.
 func (*ExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{24}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ExecRequest) GetSandboxId() string {
@@ -2129,7 +2210,7 @@ type ExecResult struct {
 
 func (x *ExecResult) Reset() {
 	*x = ExecResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2141,7 +2222,7 @@ func (x *ExecResult) String() string {
 func (*ExecResult) ProtoMessage() {}
 
 func (x *ExecResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2154,7 +2235,7 @@ func (x *ExecResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResult.ProtoReflect.Descriptor instead.
 func (*ExecResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{25}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ExecResult) GetExitCode() int32 {
@@ -2251,7 +2332,7 @@ type ExecStarted struct {
 
 func (x *ExecStarted) Reset() {
 	*x = ExecStarted{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2263,7 +2344,7 @@ func (x *ExecStarted) String() string {
 func (*ExecStarted) ProtoMessage() {}
 
 func (x *ExecStarted) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2276,7 +2357,7 @@ func (x *ExecStarted) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecStarted.ProtoReflect.Descriptor instead.
 func (*ExecStarted) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{26}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ExecStarted) GetProcessId() string {
@@ -2309,7 +2390,7 @@ type ExecEvent struct {
 
 func (x *ExecEvent) Reset() {
 	*x = ExecEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2321,7 +2402,7 @@ func (x *ExecEvent) String() string {
 func (*ExecEvent) ProtoMessage() {}
 
 func (x *ExecEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2334,7 +2415,7 @@ func (x *ExecEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecEvent.ProtoReflect.Descriptor instead.
 func (*ExecEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{27}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ExecEvent) GetEvent() isExecEvent_Event {
@@ -2442,7 +2523,7 @@ type ConnectProcessRequest struct {
 
 func (x *ConnectProcessRequest) Reset() {
 	*x = ConnectProcessRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2454,7 +2535,7 @@ func (x *ConnectProcessRequest) String() string {
 func (*ConnectProcessRequest) ProtoMessage() {}
 
 func (x *ConnectProcessRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2467,7 +2548,7 @@ func (x *ConnectProcessRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConnectProcessRequest.ProtoReflect.Descriptor instead.
 func (*ConnectProcessRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{28}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *ConnectProcessRequest) GetSandboxId() string {
@@ -2521,7 +2602,7 @@ type WriteStdinRequest struct {
 
 func (x *WriteStdinRequest) Reset() {
 	*x = WriteStdinRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2533,7 +2614,7 @@ func (x *WriteStdinRequest) String() string {
 func (*WriteStdinRequest) ProtoMessage() {}
 
 func (x *WriteStdinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2546,7 +2627,7 @@ func (x *WriteStdinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteStdinRequest.ProtoReflect.Descriptor instead.
 func (*WriteStdinRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{29}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *WriteStdinRequest) GetSandboxId() string {
@@ -2592,7 +2673,7 @@ type WriteStdinResponse struct {
 
 func (x *WriteStdinResponse) Reset() {
 	*x = WriteStdinResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2604,7 +2685,7 @@ func (x *WriteStdinResponse) String() string {
 func (*WriteStdinResponse) ProtoMessage() {}
 
 func (x *WriteStdinResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2617,7 +2698,7 @@ func (x *WriteStdinResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteStdinResponse.ProtoReflect.Descriptor instead.
 func (*WriteStdinResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{30}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{31}
 }
 
 type SignalProcessRequest struct {
@@ -2635,7 +2716,7 @@ type SignalProcessRequest struct {
 
 func (x *SignalProcessRequest) Reset() {
 	*x = SignalProcessRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2647,7 +2728,7 @@ func (x *SignalProcessRequest) String() string {
 func (*SignalProcessRequest) ProtoMessage() {}
 
 func (x *SignalProcessRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2660,7 +2741,7 @@ func (x *SignalProcessRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalProcessRequest.ProtoReflect.Descriptor instead.
 func (*SignalProcessRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{31}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *SignalProcessRequest) GetSandboxId() string {
@@ -2699,7 +2780,7 @@ type SignalProcessResponse struct {
 
 func (x *SignalProcessResponse) Reset() {
 	*x = SignalProcessResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2711,7 +2792,7 @@ func (x *SignalProcessResponse) String() string {
 func (*SignalProcessResponse) ProtoMessage() {}
 
 func (x *SignalProcessResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2724,7 +2805,7 @@ func (x *SignalProcessResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalProcessResponse.ProtoReflect.Descriptor instead.
 func (*SignalProcessResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{32}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{33}
 }
 
 type ResizePTYRequest struct {
@@ -2742,7 +2823,7 @@ type ResizePTYRequest struct {
 
 func (x *ResizePTYRequest) Reset() {
 	*x = ResizePTYRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2754,7 +2835,7 @@ func (x *ResizePTYRequest) String() string {
 func (*ResizePTYRequest) ProtoMessage() {}
 
 func (x *ResizePTYRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2767,7 +2848,7 @@ func (x *ResizePTYRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResizePTYRequest.ProtoReflect.Descriptor instead.
 func (*ResizePTYRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{33}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *ResizePTYRequest) GetSandboxId() string {
@@ -2813,7 +2894,7 @@ type ResizePTYResponse struct {
 
 func (x *ResizePTYResponse) Reset() {
 	*x = ResizePTYResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2825,7 +2906,7 @@ func (x *ResizePTYResponse) String() string {
 func (*ResizePTYResponse) ProtoMessage() {}
 
 func (x *ResizePTYResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2838,7 +2919,7 @@ func (x *ResizePTYResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResizePTYResponse.ProtoReflect.Descriptor instead.
 func (*ResizePTYResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{34}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{35}
 }
 
 type ProcessInfo struct {
@@ -2858,7 +2939,7 @@ type ProcessInfo struct {
 
 func (x *ProcessInfo) Reset() {
 	*x = ProcessInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2870,7 +2951,7 @@ func (x *ProcessInfo) String() string {
 func (*ProcessInfo) ProtoMessage() {}
 
 func (x *ProcessInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2883,7 +2964,7 @@ func (x *ProcessInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProcessInfo.ProtoReflect.Descriptor instead.
 func (*ProcessInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{35}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *ProcessInfo) GetProcessId() string {
@@ -2961,7 +3042,7 @@ type ListProcessesRequest struct {
 
 func (x *ListProcessesRequest) Reset() {
 	*x = ListProcessesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2973,7 +3054,7 @@ func (x *ListProcessesRequest) String() string {
 func (*ListProcessesRequest) ProtoMessage() {}
 
 func (x *ListProcessesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2986,7 +3067,7 @@ func (x *ListProcessesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListProcessesRequest.ProtoReflect.Descriptor instead.
 func (*ListProcessesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{36}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *ListProcessesRequest) GetSandboxId() string {
@@ -3012,7 +3093,7 @@ type ListProcessesResponse struct {
 
 func (x *ListProcessesResponse) Reset() {
 	*x = ListProcessesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3024,7 +3105,7 @@ func (x *ListProcessesResponse) String() string {
 func (*ListProcessesResponse) ProtoMessage() {}
 
 func (x *ListProcessesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3037,7 +3118,7 @@ func (x *ListProcessesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListProcessesResponse.ProtoReflect.Descriptor instead.
 func (*ListProcessesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{37}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *ListProcessesResponse) GetProcesses() []*ProcessInfo {
@@ -3078,7 +3159,7 @@ type FileInfo struct {
 
 func (x *FileInfo) Reset() {
 	*x = FileInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3090,7 +3171,7 @@ func (x *FileInfo) String() string {
 func (*FileInfo) ProtoMessage() {}
 
 func (x *FileInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3103,7 +3184,7 @@ func (x *FileInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
 func (*FileInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{38}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *FileInfo) GetPath() string {
@@ -3216,7 +3297,7 @@ type ReadFileRequest struct {
 
 func (x *ReadFileRequest) Reset() {
 	*x = ReadFileRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3228,7 +3309,7 @@ func (x *ReadFileRequest) String() string {
 func (*ReadFileRequest) ProtoMessage() {}
 
 func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3241,7 +3322,7 @@ func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileRequest.ProtoReflect.Descriptor instead.
 func (*ReadFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{39}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *ReadFileRequest) GetSandboxId() string {
@@ -3299,7 +3380,7 @@ type ReadFileResponse struct {
 
 func (x *ReadFileResponse) Reset() {
 	*x = ReadFileResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3311,7 +3392,7 @@ func (x *ReadFileResponse) String() string {
 func (*ReadFileResponse) ProtoMessage() {}
 
 func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3324,7 +3405,7 @@ func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileResponse.ProtoReflect.Descriptor instead.
 func (*ReadFileResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{40}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *ReadFileResponse) GetMsg() isReadFileResponse_Msg {
@@ -3395,7 +3476,7 @@ type WriteFileHeader struct {
 
 func (x *WriteFileHeader) Reset() {
 	*x = WriteFileHeader{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3407,7 +3488,7 @@ func (x *WriteFileHeader) String() string {
 func (*WriteFileHeader) ProtoMessage() {}
 
 func (x *WriteFileHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3420,7 +3501,7 @@ func (x *WriteFileHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileHeader.ProtoReflect.Descriptor instead.
 func (*WriteFileHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{41}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *WriteFileHeader) GetSandboxId() string {
@@ -3492,7 +3573,7 @@ type WriteFileRequest struct {
 
 func (x *WriteFileRequest) Reset() {
 	*x = WriteFileRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3504,7 +3585,7 @@ func (x *WriteFileRequest) String() string {
 func (*WriteFileRequest) ProtoMessage() {}
 
 func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3517,7 +3598,7 @@ func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileRequest.ProtoReflect.Descriptor instead.
 func (*WriteFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{42}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *WriteFileRequest) GetMsg() isWriteFileRequest_Msg {
@@ -3575,7 +3656,7 @@ type StatRequest struct {
 
 func (x *StatRequest) Reset() {
 	*x = StatRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3587,7 +3668,7 @@ func (x *StatRequest) String() string {
 func (*StatRequest) ProtoMessage() {}
 
 func (x *StatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3600,7 +3681,7 @@ func (x *StatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatRequest.ProtoReflect.Descriptor instead.
 func (*StatRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *StatRequest) GetSandboxId() string {
@@ -3647,7 +3728,7 @@ type ListDirRequest struct {
 
 func (x *ListDirRequest) Reset() {
 	*x = ListDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3659,7 +3740,7 @@ func (x *ListDirRequest) String() string {
 func (*ListDirRequest) ProtoMessage() {}
 
 func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3672,7 +3753,7 @@ func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirRequest.ProtoReflect.Descriptor instead.
 func (*ListDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *ListDirRequest) GetSandboxId() string {
@@ -3719,7 +3800,7 @@ type ListDirResponse struct {
 
 func (x *ListDirResponse) Reset() {
 	*x = ListDirResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3731,7 +3812,7 @@ func (x *ListDirResponse) String() string {
 func (*ListDirResponse) ProtoMessage() {}
 
 func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3744,7 +3825,7 @@ func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirResponse.ProtoReflect.Descriptor instead.
 func (*ListDirResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *ListDirResponse) GetEntries() []*FileInfo {
@@ -3769,7 +3850,7 @@ type MakeDirRequest struct {
 
 func (x *MakeDirRequest) Reset() {
 	*x = MakeDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3781,7 +3862,7 @@ func (x *MakeDirRequest) String() string {
 func (*MakeDirRequest) ProtoMessage() {}
 
 func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3794,7 +3875,7 @@ func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirRequest.ProtoReflect.Descriptor instead.
 func (*MakeDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *MakeDirRequest) GetSandboxId() string {
@@ -3841,7 +3922,7 @@ type RemoveRequest struct {
 
 func (x *RemoveRequest) Reset() {
 	*x = RemoveRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3853,7 +3934,7 @@ func (x *RemoveRequest) String() string {
 func (*RemoveRequest) ProtoMessage() {}
 
 func (x *RemoveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3866,7 +3947,7 @@ func (x *RemoveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveRequest.ProtoReflect.Descriptor instead.
 func (*RemoveRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *RemoveRequest) GetSandboxId() string {
@@ -3912,7 +3993,7 @@ type RemoveResponse struct {
 
 func (x *RemoveResponse) Reset() {
 	*x = RemoveResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3924,7 +4005,7 @@ func (x *RemoveResponse) String() string {
 func (*RemoveResponse) ProtoMessage() {}
 
 func (x *RemoveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3937,7 +4018,7 @@ func (x *RemoveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveResponse.ProtoReflect.Descriptor instead.
 func (*RemoveResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
 }
 
 type RenameRequest struct {
@@ -3955,7 +4036,7 @@ type RenameRequest struct {
 
 func (x *RenameRequest) Reset() {
 	*x = RenameRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3967,7 +4048,7 @@ func (x *RenameRequest) String() string {
 func (*RenameRequest) ProtoMessage() {}
 
 func (x *RenameRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3980,7 +4061,7 @@ func (x *RenameRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RenameRequest.ProtoReflect.Descriptor instead.
 func (*RenameRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *RenameRequest) GetSandboxId() string {
@@ -4035,7 +4116,7 @@ type ChangeModeRequest struct {
 
 func (x *ChangeModeRequest) Reset() {
 	*x = ChangeModeRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4047,7 +4128,7 @@ func (x *ChangeModeRequest) String() string {
 func (*ChangeModeRequest) ProtoMessage() {}
 
 func (x *ChangeModeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4060,7 +4141,7 @@ func (x *ChangeModeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChangeModeRequest.ProtoReflect.Descriptor instead.
 func (*ChangeModeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *ChangeModeRequest) GetSandboxId() string {
@@ -4118,7 +4199,7 @@ type WatchDirRequest struct {
 
 func (x *WatchDirRequest) Reset() {
 	*x = WatchDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4130,7 +4211,7 @@ func (x *WatchDirRequest) String() string {
 func (*WatchDirRequest) ProtoMessage() {}
 
 func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4143,7 +4224,7 @@ func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirRequest.ProtoReflect.Descriptor instead.
 func (*WatchDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *WatchDirRequest) GetSandboxId() string {
@@ -4204,7 +4285,7 @@ type FsEvent struct {
 
 func (x *FsEvent) Reset() {
 	*x = FsEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4216,7 +4297,7 @@ func (x *FsEvent) String() string {
 func (*FsEvent) ProtoMessage() {}
 
 func (x *FsEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4229,7 +4310,7 @@ func (x *FsEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FsEvent.ProtoReflect.Descriptor instead.
 func (*FsEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *FsEvent) GetName() string {
@@ -4268,7 +4349,7 @@ type WatchDirEvent struct {
 
 func (x *WatchDirEvent) Reset() {
 	*x = WatchDirEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4280,7 +4361,7 @@ func (x *WatchDirEvent) String() string {
 func (*WatchDirEvent) ProtoMessage() {}
 
 func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4293,7 +4374,7 @@ func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirEvent.ProtoReflect.Descriptor instead.
 func (*WatchDirEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *WatchDirEvent) GetEvent() isWatchDirEvent_Event {
@@ -4382,7 +4463,7 @@ type GetSandboxStatsRequest struct {
 
 func (x *GetSandboxStatsRequest) Reset() {
 	*x = GetSandboxStatsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4394,7 +4475,7 @@ func (x *GetSandboxStatsRequest) String() string {
 func (*GetSandboxStatsRequest) ProtoMessage() {}
 
 func (x *GetSandboxStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4407,7 +4488,7 @@ func (x *GetSandboxStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxStatsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *GetSandboxStatsRequest) GetId() string {
@@ -4440,7 +4521,7 @@ type StatsSample struct {
 
 func (x *StatsSample) Reset() {
 	*x = StatsSample{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4452,7 +4533,7 @@ func (x *StatsSample) String() string {
 func (*StatsSample) ProtoMessage() {}
 
 func (x *StatsSample) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4465,7 +4546,7 @@ func (x *StatsSample) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsSample.ProtoReflect.Descriptor instead.
 func (*StatsSample) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *StatsSample) GetAt() *timestamppb.Timestamp {
@@ -4532,7 +4613,7 @@ type SandboxStats struct {
 
 func (x *SandboxStats) Reset() {
 	*x = SandboxStats{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4544,7 +4625,7 @@ func (x *SandboxStats) String() string {
 func (*SandboxStats) ProtoMessage() {}
 
 func (x *SandboxStats) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4557,7 +4638,7 @@ func (x *SandboxStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxStats.ProtoReflect.Descriptor instead.
 func (*SandboxStats) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *SandboxStats) GetId() string {
@@ -4646,7 +4727,7 @@ type ScreenshotRequest struct {
 
 func (x *ScreenshotRequest) Reset() {
 	*x = ScreenshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4658,7 +4739,7 @@ func (x *ScreenshotRequest) String() string {
 func (*ScreenshotRequest) ProtoMessage() {}
 
 func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4671,7 +4752,7 @@ func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotRequest.ProtoReflect.Descriptor instead.
 func (*ScreenshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *ScreenshotRequest) GetSandboxId() string {
@@ -4694,7 +4775,7 @@ type ScreenshotResponse struct {
 
 func (x *ScreenshotResponse) Reset() {
 	*x = ScreenshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4706,7 +4787,7 @@ func (x *ScreenshotResponse) String() string {
 func (*ScreenshotResponse) ProtoMessage() {}
 
 func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4719,7 +4800,7 @@ func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotResponse.ProtoReflect.Descriptor instead.
 func (*ScreenshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *ScreenshotResponse) GetPng() []byte {
@@ -4754,7 +4835,7 @@ type SendInputRequest struct {
 
 func (x *SendInputRequest) Reset() {
 	*x = SendInputRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4766,7 +4847,7 @@ func (x *SendInputRequest) String() string {
 func (*SendInputRequest) ProtoMessage() {}
 
 func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4779,7 +4860,7 @@ func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputRequest.ProtoReflect.Descriptor instead.
 func (*SendInputRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *SendInputRequest) GetSandboxId() string {
@@ -4804,7 +4885,7 @@ type SendInputResponse struct {
 
 func (x *SendInputResponse) Reset() {
 	*x = SendInputResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4816,7 +4897,7 @@ func (x *SendInputResponse) String() string {
 func (*SendInputResponse) ProtoMessage() {}
 
 func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4829,7 +4910,7 @@ func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputResponse.ProtoReflect.Descriptor instead.
 func (*SendInputResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
 }
 
 type OpenVNCRequest struct {
@@ -4841,7 +4922,7 @@ type OpenVNCRequest struct {
 
 func (x *OpenVNCRequest) Reset() {
 	*x = OpenVNCRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4853,7 +4934,7 @@ func (x *OpenVNCRequest) String() string {
 func (*OpenVNCRequest) ProtoMessage() {}
 
 func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4866,7 +4947,7 @@ func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCRequest.ProtoReflect.Descriptor instead.
 func (*OpenVNCRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *OpenVNCRequest) GetSandboxId() string {
@@ -4891,7 +4972,7 @@ type OpenVNCResponse struct {
 
 func (x *OpenVNCResponse) Reset() {
 	*x = OpenVNCResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4903,7 +4984,7 @@ func (x *OpenVNCResponse) String() string {
 func (*OpenVNCResponse) ProtoMessage() {}
 
 func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4916,7 +4997,7 @@ func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCResponse.ProtoReflect.Descriptor instead.
 func (*OpenVNCResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *OpenVNCResponse) GetAddress() string {
@@ -4958,7 +5039,7 @@ type InputAction struct {
 
 func (x *InputAction) Reset() {
 	*x = InputAction{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4970,7 +5051,7 @@ func (x *InputAction) String() string {
 func (*InputAction) ProtoMessage() {}
 
 func (x *InputAction) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4983,7 +5064,7 @@ func (x *InputAction) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InputAction.ProtoReflect.Descriptor instead.
 func (*InputAction) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *InputAction) GetAction() isInputAction_Action {
@@ -5110,7 +5191,7 @@ type Point struct {
 
 func (x *Point) Reset() {
 	*x = Point{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5122,7 +5203,7 @@ func (x *Point) String() string {
 func (*Point) ProtoMessage() {}
 
 func (x *Point) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5135,7 +5216,7 @@ func (x *Point) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Point.ProtoReflect.Descriptor instead.
 func (*Point) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *Point) GetX() int32 {
@@ -5166,7 +5247,7 @@ type MouseClick struct {
 
 func (x *MouseClick) Reset() {
 	*x = MouseClick{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5178,7 +5259,7 @@ func (x *MouseClick) String() string {
 func (*MouseClick) ProtoMessage() {}
 
 func (x *MouseClick) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5191,7 +5272,7 @@ func (x *MouseClick) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseClick.ProtoReflect.Descriptor instead.
 func (*MouseClick) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *MouseClick) GetX() int32 {
@@ -5233,7 +5314,7 @@ type MouseButton struct {
 
 func (x *MouseButton) Reset() {
 	*x = MouseButton{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5245,7 +5326,7 @@ func (x *MouseButton) String() string {
 func (*MouseButton) ProtoMessage() {}
 
 func (x *MouseButton) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5258,7 +5339,7 @@ func (x *MouseButton) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseButton.ProtoReflect.Descriptor instead.
 func (*MouseButton) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *MouseButton) GetButton() string {
@@ -5286,7 +5367,7 @@ type MouseScroll struct {
 
 func (x *MouseScroll) Reset() {
 	*x = MouseScroll{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5298,7 +5379,7 @@ func (x *MouseScroll) String() string {
 func (*MouseScroll) ProtoMessage() {}
 
 func (x *MouseScroll) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5311,7 +5392,7 @@ func (x *MouseScroll) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseScroll.ProtoReflect.Descriptor instead.
 func (*MouseScroll) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *MouseScroll) GetDx() int32 {
@@ -5342,7 +5423,7 @@ type ItemError struct {
 
 func (x *ItemError) Reset() {
 	*x = ItemError{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5354,7 +5435,7 @@ func (x *ItemError) String() string {
 func (*ItemError) ProtoMessage() {}
 
 func (x *ItemError) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5367,7 +5448,7 @@ func (x *ItemError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemError.ProtoReflect.Descriptor instead.
 func (*ItemError) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *ItemError) GetKind() string {
@@ -5419,7 +5500,7 @@ type CreateSandboxesRequest struct {
 
 func (x *CreateSandboxesRequest) Reset() {
 	*x = CreateSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5431,7 +5512,7 @@ func (x *CreateSandboxesRequest) String() string {
 func (*CreateSandboxesRequest) ProtoMessage() {}
 
 func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5444,7 +5525,7 @@ func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *CreateSandboxesRequest) GetSpec() *SandboxSpec {
@@ -5486,7 +5567,7 @@ type CreateResult struct {
 
 func (x *CreateResult) Reset() {
 	*x = CreateResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5498,7 +5579,7 @@ func (x *CreateResult) String() string {
 func (*CreateResult) ProtoMessage() {}
 
 func (x *CreateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5511,7 +5592,7 @@ func (x *CreateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateResult.ProtoReflect.Descriptor instead.
 func (*CreateResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *CreateResult) GetIndex() int32 {
@@ -5548,7 +5629,7 @@ type CreateSandboxesResponse struct {
 
 func (x *CreateSandboxesResponse) Reset() {
 	*x = CreateSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5560,7 +5641,7 @@ func (x *CreateSandboxesResponse) String() string {
 func (*CreateSandboxesResponse) ProtoMessage() {}
 
 func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5573,7 +5654,7 @@ func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *CreateSandboxesResponse) GetResults() []*CreateResult {
@@ -5613,7 +5694,7 @@ type PauseSandboxRequest struct {
 
 func (x *PauseSandboxRequest) Reset() {
 	*x = PauseSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5625,7 +5706,7 @@ func (x *PauseSandboxRequest) String() string {
 func (*PauseSandboxRequest) ProtoMessage() {}
 
 func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5638,7 +5719,7 @@ func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseSandboxRequest.ProtoReflect.Descriptor instead.
 func (*PauseSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *PauseSandboxRequest) GetId() string {
@@ -5657,7 +5738,7 @@ type ResumeSandboxRequest struct {
 
 func (x *ResumeSandboxRequest) Reset() {
 	*x = ResumeSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5669,7 +5750,7 @@ func (x *ResumeSandboxRequest) String() string {
 func (*ResumeSandboxRequest) ProtoMessage() {}
 
 func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5682,7 +5763,7 @@ func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeSandboxRequest.ProtoReflect.Descriptor instead.
 func (*ResumeSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *ResumeSandboxRequest) GetId() string {
@@ -5705,7 +5786,7 @@ type BulkRequest struct {
 
 func (x *BulkRequest) Reset() {
 	*x = BulkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5717,7 +5798,7 @@ func (x *BulkRequest) String() string {
 func (*BulkRequest) ProtoMessage() {}
 
 func (x *BulkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5730,7 +5811,7 @@ func (x *BulkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRequest.ProtoReflect.Descriptor instead.
 func (*BulkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *BulkRequest) GetLabelSelector() string {
@@ -5757,7 +5838,7 @@ type BulkFailure struct {
 
 func (x *BulkFailure) Reset() {
 	*x = BulkFailure{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5769,7 +5850,7 @@ func (x *BulkFailure) String() string {
 func (*BulkFailure) ProtoMessage() {}
 
 func (x *BulkFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5782,7 +5863,7 @@ func (x *BulkFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkFailure.ProtoReflect.Descriptor instead.
 func (*BulkFailure) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *BulkFailure) GetId() string {
@@ -5809,7 +5890,7 @@ type BulkResponse struct {
 
 func (x *BulkResponse) Reset() {
 	*x = BulkResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5821,7 +5902,7 @@ func (x *BulkResponse) String() string {
 func (*BulkResponse) ProtoMessage() {}
 
 func (x *BulkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5834,7 +5915,7 @@ func (x *BulkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkResponse.ProtoReflect.Descriptor instead.
 func (*BulkResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{76}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *BulkResponse) GetIds() []string {
@@ -5862,7 +5943,7 @@ type SnapshotRequest struct {
 
 func (x *SnapshotRequest) Reset() {
 	*x = SnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5874,7 +5955,7 @@ func (x *SnapshotRequest) String() string {
 func (*SnapshotRequest) ProtoMessage() {}
 
 func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5887,7 +5968,7 @@ func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{77}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *SnapshotRequest) GetSandboxId() string {
@@ -5921,7 +6002,7 @@ type SnapshotInfo struct {
 
 func (x *SnapshotInfo) Reset() {
 	*x = SnapshotInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5933,7 +6014,7 @@ func (x *SnapshotInfo) String() string {
 func (*SnapshotInfo) ProtoMessage() {}
 
 func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5946,7 +6027,7 @@ func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotInfo.ProtoReflect.Descriptor instead.
 func (*SnapshotInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{78}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *SnapshotInfo) GetId() string {
@@ -6013,7 +6094,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6025,7 +6106,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6038,7 +6119,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{79}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{80}
 }
 
 type ListSnapshotsResponse struct {
@@ -6050,7 +6131,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6062,7 +6143,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6075,7 +6156,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{80}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*SnapshotInfo {
@@ -6094,7 +6175,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6106,7 +6187,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6119,7 +6200,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{81}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{82}
 }
 
 func (x *DeleteSnapshotRequest) GetId() string {
@@ -6137,7 +6218,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6149,7 +6230,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6162,7 +6243,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{82}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{83}
 }
 
 type ForkRequest struct {
@@ -6179,7 +6260,7 @@ type ForkRequest struct {
 
 func (x *ForkRequest) Reset() {
 	*x = ForkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6191,7 +6272,7 @@ func (x *ForkRequest) String() string {
 func (*ForkRequest) ProtoMessage() {}
 
 func (x *ForkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6204,7 +6285,7 @@ func (x *ForkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkRequest.ProtoReflect.Descriptor instead.
 func (*ForkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{83}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *ForkRequest) GetSandboxId() string {
@@ -6253,7 +6334,7 @@ type GetLogRequest struct {
 
 func (x *GetLogRequest) Reset() {
 	*x = GetLogRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6265,7 +6346,7 @@ func (x *GetLogRequest) String() string {
 func (*GetLogRequest) ProtoMessage() {}
 
 func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6278,7 +6359,7 @@ func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogRequest.ProtoReflect.Descriptor instead.
 func (*GetLogRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{84}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{85}
 }
 
 func (x *GetLogRequest) GetSandboxId() string {
@@ -6341,7 +6422,7 @@ type LogEntry struct {
 
 func (x *LogEntry) Reset() {
 	*x = LogEntry{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[86]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6353,7 +6434,7 @@ func (x *LogEntry) String() string {
 func (*LogEntry) ProtoMessage() {}
 
 func (x *LogEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[86]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6366,7 +6447,7 @@ func (x *LogEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogEntry.ProtoReflect.Descriptor instead.
 func (*LogEntry) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{85}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{86}
 }
 
 func (x *LogEntry) GetSeq() uint64 {
@@ -6534,7 +6615,7 @@ type GetLogResponse struct {
 
 func (x *GetLogResponse) Reset() {
 	*x = GetLogResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[86]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[87]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6546,7 +6627,7 @@ func (x *GetLogResponse) String() string {
 func (*GetLogResponse) ProtoMessage() {}
 
 func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[86]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[87]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6559,7 +6640,7 @@ func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogResponse.ProtoReflect.Descriptor instead.
 func (*GetLogResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{86}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{87}
 }
 
 func (x *GetLogResponse) GetEntries() []*LogEntry {
@@ -6596,7 +6677,7 @@ type ReplayRequest struct {
 
 func (x *ReplayRequest) Reset() {
 	*x = ReplayRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[87]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[88]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6608,7 +6689,7 @@ func (x *ReplayRequest) String() string {
 func (*ReplayRequest) ProtoMessage() {}
 
 func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[87]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[88]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6621,7 +6702,7 @@ func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayRequest.ProtoReflect.Descriptor instead.
 func (*ReplayRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{87}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{88}
 }
 
 func (x *ReplayRequest) GetSandboxId() string {
@@ -6658,7 +6739,7 @@ type ReplayStep struct {
 
 func (x *ReplayStep) Reset() {
 	*x = ReplayStep{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[88]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[89]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6670,7 +6751,7 @@ func (x *ReplayStep) String() string {
 func (*ReplayStep) ProtoMessage() {}
 
 func (x *ReplayStep) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[88]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[89]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6683,7 +6764,7 @@ func (x *ReplayStep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayStep.ProtoReflect.Descriptor instead.
 func (*ReplayStep) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{88}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{89}
 }
 
 func (x *ReplayStep) GetSeq() uint64 {
@@ -6733,7 +6814,7 @@ type ReplayResponse struct {
 
 func (x *ReplayResponse) Reset() {
 	*x = ReplayResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[89]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[90]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6745,7 +6826,7 @@ func (x *ReplayResponse) String() string {
 func (*ReplayResponse) ProtoMessage() {}
 
 func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[89]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[90]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6758,7 +6839,7 @@ func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayResponse.ProtoReflect.Descriptor instead.
 func (*ReplayResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{89}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{90}
 }
 
 func (x *ReplayResponse) GetSandboxId() string {
@@ -6842,7 +6923,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04host\x18\x06 \x01(\tR\x04host\x12\x18\n" +
 	"\averdict\x18\a \x01(\tR\averdict\x12\x16\n" +
 	"\x06reason\x18\b \x01(\tR\x06reason\x12\x1a\n" +
-	"\bbrokered\x18\t \x01(\bR\bbrokered\"\xc9\x06\n" +
+	"\bbrokered\x18\t \x01(\bR\bbrokered\"\x87\a\n" +
 	"\vSandboxSpec\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x120\n" +
@@ -6864,7 +6945,8 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"on_timeout\x18\x0e \x01(\tR\tonTimeout\x12.\n" +
 	"\avolumes\x18\x15 \x03(\v2\x14.dsec.v1.VolumeMountR\avolumes\x12,\n" +
 	"\bsidecars\x18\x16 \x03(\v2\x10.dsec.v1.SidecarR\bsidecars\x12\x18\n" +
-	"\aaliases\x18\x17 \x03(\tR\aaliases\x1a9\n" +
+	"\aaliases\x18\x17 \x03(\tR\aaliases\x12<\n" +
+	"\x0eshared_volumes\x18\x18 \x03(\v2\x15.dsec.v1.SharedVolumeR\rsharedVolumes\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +
@@ -6873,7 +6955,10 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a?\n" +
 	"\x11NodeSelectorEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xbf\x03\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\";\n" +
+	"\fSharedVolume\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x17\n" +
+	"\asize_mb\x18\x02 \x01(\x03R\x06sizeMb\"\xef\x03\n" +
 	"\aSidecar\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x12\x18\n" +
@@ -6889,7 +6974,8 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"depends_on\x18\t \x03(\v2\x1a.dsec.v1.SidecarDependencyR\tdependsOn\x12\x18\n" +
 	"\aaliases\x18\n" +
-	" \x03(\tR\aaliases\x1a6\n" +
+	" \x03(\tR\aaliases\x12.\n" +
+	"\avolumes\x18\f \x03(\v2\x14.dsec.v1.VolumeMountR\avolumes\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xd5\x01\n" +
@@ -7424,7 +7510,7 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 101)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 102)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
 	(*Resources)(nil),               // 1: dsec.v1.Resources
@@ -7438,97 +7524,98 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*GetNetworkLogResponse)(nil),   // 9: dsec.v1.GetNetworkLogResponse
 	(*ConnectionRecord)(nil),        // 10: dsec.v1.ConnectionRecord
 	(*SandboxSpec)(nil),             // 11: dsec.v1.SandboxSpec
-	(*Sidecar)(nil),                 // 12: dsec.v1.Sidecar
-	(*HealthCheck)(nil),             // 13: dsec.v1.HealthCheck
-	(*SidecarDependency)(nil),       // 14: dsec.v1.SidecarDependency
-	(*SidecarStatus)(nil),           // 15: dsec.v1.SidecarStatus
-	(*Sandbox)(nil),                 // 16: dsec.v1.Sandbox
-	(*CreateSandboxRequest)(nil),    // 17: dsec.v1.CreateSandboxRequest
-	(*GetSandboxRequest)(nil),       // 18: dsec.v1.GetSandboxRequest
-	(*ListSandboxesRequest)(nil),    // 19: dsec.v1.ListSandboxesRequest
-	(*ListSandboxesResponse)(nil),   // 20: dsec.v1.ListSandboxesResponse
-	(*DeleteSandboxRequest)(nil),    // 21: dsec.v1.DeleteSandboxRequest
-	(*DeleteSandboxResponse)(nil),   // 22: dsec.v1.DeleteSandboxResponse
-	(*KeepaliveRequest)(nil),        // 23: dsec.v1.KeepaliveRequest
-	(*ExecRequest)(nil),             // 24: dsec.v1.ExecRequest
-	(*ExecResult)(nil),              // 25: dsec.v1.ExecResult
-	(*ExecStarted)(nil),             // 26: dsec.v1.ExecStarted
-	(*ExecEvent)(nil),               // 27: dsec.v1.ExecEvent
-	(*ConnectProcessRequest)(nil),   // 28: dsec.v1.ConnectProcessRequest
-	(*WriteStdinRequest)(nil),       // 29: dsec.v1.WriteStdinRequest
-	(*WriteStdinResponse)(nil),      // 30: dsec.v1.WriteStdinResponse
-	(*SignalProcessRequest)(nil),    // 31: dsec.v1.SignalProcessRequest
-	(*SignalProcessResponse)(nil),   // 32: dsec.v1.SignalProcessResponse
-	(*ResizePTYRequest)(nil),        // 33: dsec.v1.ResizePTYRequest
-	(*ResizePTYResponse)(nil),       // 34: dsec.v1.ResizePTYResponse
-	(*ProcessInfo)(nil),             // 35: dsec.v1.ProcessInfo
-	(*ListProcessesRequest)(nil),    // 36: dsec.v1.ListProcessesRequest
-	(*ListProcessesResponse)(nil),   // 37: dsec.v1.ListProcessesResponse
-	(*FileInfo)(nil),                // 38: dsec.v1.FileInfo
-	(*ReadFileRequest)(nil),         // 39: dsec.v1.ReadFileRequest
-	(*ReadFileResponse)(nil),        // 40: dsec.v1.ReadFileResponse
-	(*WriteFileHeader)(nil),         // 41: dsec.v1.WriteFileHeader
-	(*WriteFileRequest)(nil),        // 42: dsec.v1.WriteFileRequest
-	(*StatRequest)(nil),             // 43: dsec.v1.StatRequest
-	(*ListDirRequest)(nil),          // 44: dsec.v1.ListDirRequest
-	(*ListDirResponse)(nil),         // 45: dsec.v1.ListDirResponse
-	(*MakeDirRequest)(nil),          // 46: dsec.v1.MakeDirRequest
-	(*RemoveRequest)(nil),           // 47: dsec.v1.RemoveRequest
-	(*RemoveResponse)(nil),          // 48: dsec.v1.RemoveResponse
-	(*RenameRequest)(nil),           // 49: dsec.v1.RenameRequest
-	(*ChangeModeRequest)(nil),       // 50: dsec.v1.ChangeModeRequest
-	(*WatchDirRequest)(nil),         // 51: dsec.v1.WatchDirRequest
-	(*FsEvent)(nil),                 // 52: dsec.v1.FsEvent
-	(*WatchDirEvent)(nil),           // 53: dsec.v1.WatchDirEvent
-	(*GetSandboxStatsRequest)(nil),  // 54: dsec.v1.GetSandboxStatsRequest
-	(*StatsSample)(nil),             // 55: dsec.v1.StatsSample
-	(*SandboxStats)(nil),            // 56: dsec.v1.SandboxStats
-	(*ScreenshotRequest)(nil),       // 57: dsec.v1.ScreenshotRequest
-	(*ScreenshotResponse)(nil),      // 58: dsec.v1.ScreenshotResponse
-	(*SendInputRequest)(nil),        // 59: dsec.v1.SendInputRequest
-	(*SendInputResponse)(nil),       // 60: dsec.v1.SendInputResponse
-	(*OpenVNCRequest)(nil),          // 61: dsec.v1.OpenVNCRequest
-	(*OpenVNCResponse)(nil),         // 62: dsec.v1.OpenVNCResponse
-	(*InputAction)(nil),             // 63: dsec.v1.InputAction
-	(*Point)(nil),                   // 64: dsec.v1.Point
-	(*MouseClick)(nil),              // 65: dsec.v1.MouseClick
-	(*MouseButton)(nil),             // 66: dsec.v1.MouseButton
-	(*MouseScroll)(nil),             // 67: dsec.v1.MouseScroll
-	(*ItemError)(nil),               // 68: dsec.v1.ItemError
-	(*CreateSandboxesRequest)(nil),  // 69: dsec.v1.CreateSandboxesRequest
-	(*CreateResult)(nil),            // 70: dsec.v1.CreateResult
-	(*CreateSandboxesResponse)(nil), // 71: dsec.v1.CreateSandboxesResponse
-	(*PauseSandboxRequest)(nil),     // 72: dsec.v1.PauseSandboxRequest
-	(*ResumeSandboxRequest)(nil),    // 73: dsec.v1.ResumeSandboxRequest
-	(*BulkRequest)(nil),             // 74: dsec.v1.BulkRequest
-	(*BulkFailure)(nil),             // 75: dsec.v1.BulkFailure
-	(*BulkResponse)(nil),            // 76: dsec.v1.BulkResponse
-	(*SnapshotRequest)(nil),         // 77: dsec.v1.SnapshotRequest
-	(*SnapshotInfo)(nil),            // 78: dsec.v1.SnapshotInfo
-	(*ListSnapshotsRequest)(nil),    // 79: dsec.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),   // 80: dsec.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),   // 81: dsec.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),  // 82: dsec.v1.DeleteSnapshotResponse
-	(*ForkRequest)(nil),             // 83: dsec.v1.ForkRequest
-	(*GetLogRequest)(nil),           // 84: dsec.v1.GetLogRequest
-	(*LogEntry)(nil),                // 85: dsec.v1.LogEntry
-	(*GetLogResponse)(nil),          // 86: dsec.v1.GetLogResponse
-	(*ReplayRequest)(nil),           // 87: dsec.v1.ReplayRequest
-	(*ReplayStep)(nil),              // 88: dsec.v1.ReplayStep
-	(*ReplayResponse)(nil),          // 89: dsec.v1.ReplayResponse
-	nil,                             // 90: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                             // 91: dsec.v1.SandboxSpec.EnvEntry
-	nil,                             // 92: dsec.v1.SandboxSpec.NodeSelectorEntry
-	nil,                             // 93: dsec.v1.Sidecar.EnvEntry
-	nil,                             // 94: dsec.v1.ExecRequest.EnvEntry
-	nil,                             // 95: dsec.v1.ProcessInfo.EnvEntry
-	nil,                             // 96: dsec.v1.FileInfo.MetadataEntry
-	nil,                             // 97: dsec.v1.WriteFileHeader.MetadataEntry
-	nil,                             // 98: dsec.v1.ForkRequest.LabelsEntry
-	nil,                             // 99: dsec.v1.LogEntry.EnvEntry
-	nil,                             // 100: dsec.v1.LogEntry.MetadataEntry
-	(*timestamppb.Timestamp)(nil),   // 101: google.protobuf.Timestamp
-	(*VolumeMount)(nil),             // 102: dsec.v1.VolumeMount
+	(*SharedVolume)(nil),            // 12: dsec.v1.SharedVolume
+	(*Sidecar)(nil),                 // 13: dsec.v1.Sidecar
+	(*HealthCheck)(nil),             // 14: dsec.v1.HealthCheck
+	(*SidecarDependency)(nil),       // 15: dsec.v1.SidecarDependency
+	(*SidecarStatus)(nil),           // 16: dsec.v1.SidecarStatus
+	(*Sandbox)(nil),                 // 17: dsec.v1.Sandbox
+	(*CreateSandboxRequest)(nil),    // 18: dsec.v1.CreateSandboxRequest
+	(*GetSandboxRequest)(nil),       // 19: dsec.v1.GetSandboxRequest
+	(*ListSandboxesRequest)(nil),    // 20: dsec.v1.ListSandboxesRequest
+	(*ListSandboxesResponse)(nil),   // 21: dsec.v1.ListSandboxesResponse
+	(*DeleteSandboxRequest)(nil),    // 22: dsec.v1.DeleteSandboxRequest
+	(*DeleteSandboxResponse)(nil),   // 23: dsec.v1.DeleteSandboxResponse
+	(*KeepaliveRequest)(nil),        // 24: dsec.v1.KeepaliveRequest
+	(*ExecRequest)(nil),             // 25: dsec.v1.ExecRequest
+	(*ExecResult)(nil),              // 26: dsec.v1.ExecResult
+	(*ExecStarted)(nil),             // 27: dsec.v1.ExecStarted
+	(*ExecEvent)(nil),               // 28: dsec.v1.ExecEvent
+	(*ConnectProcessRequest)(nil),   // 29: dsec.v1.ConnectProcessRequest
+	(*WriteStdinRequest)(nil),       // 30: dsec.v1.WriteStdinRequest
+	(*WriteStdinResponse)(nil),      // 31: dsec.v1.WriteStdinResponse
+	(*SignalProcessRequest)(nil),    // 32: dsec.v1.SignalProcessRequest
+	(*SignalProcessResponse)(nil),   // 33: dsec.v1.SignalProcessResponse
+	(*ResizePTYRequest)(nil),        // 34: dsec.v1.ResizePTYRequest
+	(*ResizePTYResponse)(nil),       // 35: dsec.v1.ResizePTYResponse
+	(*ProcessInfo)(nil),             // 36: dsec.v1.ProcessInfo
+	(*ListProcessesRequest)(nil),    // 37: dsec.v1.ListProcessesRequest
+	(*ListProcessesResponse)(nil),   // 38: dsec.v1.ListProcessesResponse
+	(*FileInfo)(nil),                // 39: dsec.v1.FileInfo
+	(*ReadFileRequest)(nil),         // 40: dsec.v1.ReadFileRequest
+	(*ReadFileResponse)(nil),        // 41: dsec.v1.ReadFileResponse
+	(*WriteFileHeader)(nil),         // 42: dsec.v1.WriteFileHeader
+	(*WriteFileRequest)(nil),        // 43: dsec.v1.WriteFileRequest
+	(*StatRequest)(nil),             // 44: dsec.v1.StatRequest
+	(*ListDirRequest)(nil),          // 45: dsec.v1.ListDirRequest
+	(*ListDirResponse)(nil),         // 46: dsec.v1.ListDirResponse
+	(*MakeDirRequest)(nil),          // 47: dsec.v1.MakeDirRequest
+	(*RemoveRequest)(nil),           // 48: dsec.v1.RemoveRequest
+	(*RemoveResponse)(nil),          // 49: dsec.v1.RemoveResponse
+	(*RenameRequest)(nil),           // 50: dsec.v1.RenameRequest
+	(*ChangeModeRequest)(nil),       // 51: dsec.v1.ChangeModeRequest
+	(*WatchDirRequest)(nil),         // 52: dsec.v1.WatchDirRequest
+	(*FsEvent)(nil),                 // 53: dsec.v1.FsEvent
+	(*WatchDirEvent)(nil),           // 54: dsec.v1.WatchDirEvent
+	(*GetSandboxStatsRequest)(nil),  // 55: dsec.v1.GetSandboxStatsRequest
+	(*StatsSample)(nil),             // 56: dsec.v1.StatsSample
+	(*SandboxStats)(nil),            // 57: dsec.v1.SandboxStats
+	(*ScreenshotRequest)(nil),       // 58: dsec.v1.ScreenshotRequest
+	(*ScreenshotResponse)(nil),      // 59: dsec.v1.ScreenshotResponse
+	(*SendInputRequest)(nil),        // 60: dsec.v1.SendInputRequest
+	(*SendInputResponse)(nil),       // 61: dsec.v1.SendInputResponse
+	(*OpenVNCRequest)(nil),          // 62: dsec.v1.OpenVNCRequest
+	(*OpenVNCResponse)(nil),         // 63: dsec.v1.OpenVNCResponse
+	(*InputAction)(nil),             // 64: dsec.v1.InputAction
+	(*Point)(nil),                   // 65: dsec.v1.Point
+	(*MouseClick)(nil),              // 66: dsec.v1.MouseClick
+	(*MouseButton)(nil),             // 67: dsec.v1.MouseButton
+	(*MouseScroll)(nil),             // 68: dsec.v1.MouseScroll
+	(*ItemError)(nil),               // 69: dsec.v1.ItemError
+	(*CreateSandboxesRequest)(nil),  // 70: dsec.v1.CreateSandboxesRequest
+	(*CreateResult)(nil),            // 71: dsec.v1.CreateResult
+	(*CreateSandboxesResponse)(nil), // 72: dsec.v1.CreateSandboxesResponse
+	(*PauseSandboxRequest)(nil),     // 73: dsec.v1.PauseSandboxRequest
+	(*ResumeSandboxRequest)(nil),    // 74: dsec.v1.ResumeSandboxRequest
+	(*BulkRequest)(nil),             // 75: dsec.v1.BulkRequest
+	(*BulkFailure)(nil),             // 76: dsec.v1.BulkFailure
+	(*BulkResponse)(nil),            // 77: dsec.v1.BulkResponse
+	(*SnapshotRequest)(nil),         // 78: dsec.v1.SnapshotRequest
+	(*SnapshotInfo)(nil),            // 79: dsec.v1.SnapshotInfo
+	(*ListSnapshotsRequest)(nil),    // 80: dsec.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),   // 81: dsec.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),   // 82: dsec.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),  // 83: dsec.v1.DeleteSnapshotResponse
+	(*ForkRequest)(nil),             // 84: dsec.v1.ForkRequest
+	(*GetLogRequest)(nil),           // 85: dsec.v1.GetLogRequest
+	(*LogEntry)(nil),                // 86: dsec.v1.LogEntry
+	(*GetLogResponse)(nil),          // 87: dsec.v1.GetLogResponse
+	(*ReplayRequest)(nil),           // 88: dsec.v1.ReplayRequest
+	(*ReplayStep)(nil),              // 89: dsec.v1.ReplayStep
+	(*ReplayResponse)(nil),          // 90: dsec.v1.ReplayResponse
+	nil,                             // 91: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                             // 92: dsec.v1.SandboxSpec.EnvEntry
+	nil,                             // 93: dsec.v1.SandboxSpec.NodeSelectorEntry
+	nil,                             // 94: dsec.v1.Sidecar.EnvEntry
+	nil,                             // 95: dsec.v1.ExecRequest.EnvEntry
+	nil,                             // 96: dsec.v1.ProcessInfo.EnvEntry
+	nil,                             // 97: dsec.v1.FileInfo.MetadataEntry
+	nil,                             // 98: dsec.v1.WriteFileHeader.MetadataEntry
+	nil,                             // 99: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 100: dsec.v1.LogEntry.EnvEntry
+	nil,                             // 101: dsec.v1.LogEntry.MetadataEntry
+	(*timestamppb.Timestamp)(nil),   // 102: google.protobuf.Timestamp
+	(*VolumeMount)(nil),             // 103: dsec.v1.VolumeMount
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	3,   // 0: dsec.v1.Network.policy:type_name -> dsec.v1.NetworkPolicy
@@ -7536,151 +7623,153 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	5,   // 2: dsec.v1.NetworkPolicy.credentials:type_name -> dsec.v1.BrokeredCredential
 	3,   // 3: dsec.v1.SetNetworkPolicyRequest.policy:type_name -> dsec.v1.NetworkPolicy
 	10,  // 4: dsec.v1.GetNetworkLogResponse.records:type_name -> dsec.v1.ConnectionRecord
-	101, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
+	102, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
 	1,   // 6: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	90,  // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	91,  // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
+	91,  // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	92,  // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,   // 9: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
-	92,  // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
-	102, // 11: dsec.v1.SandboxSpec.volumes:type_name -> dsec.v1.VolumeMount
-	12,  // 12: dsec.v1.SandboxSpec.sidecars:type_name -> dsec.v1.Sidecar
-	93,  // 13: dsec.v1.Sidecar.env:type_name -> dsec.v1.Sidecar.EnvEntry
-	1,   // 14: dsec.v1.Sidecar.resources:type_name -> dsec.v1.Resources
-	13,  // 15: dsec.v1.Sidecar.healthcheck:type_name -> dsec.v1.HealthCheck
-	14,  // 16: dsec.v1.Sidecar.depends_on:type_name -> dsec.v1.SidecarDependency
-	11,  // 17: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	101, // 18: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	101, // 19: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	101, // 20: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
-	101, // 21: dsec.v1.Sandbox.ended_at:type_name -> google.protobuf.Timestamp
-	15,  // 22: dsec.v1.Sandbox.sidecars:type_name -> dsec.v1.SidecarStatus
-	11,  // 23: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
-	16,  // 24: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	94,  // 25: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
-	26,  // 26: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
-	25,  // 27: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	95,  // 28: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
-	35,  // 29: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	101, // 30: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
-	96,  // 31: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
-	38,  // 32: dsec.v1.FileInfo.target:type_name -> dsec.v1.FileInfo
-	38,  // 33: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
-	97,  // 34: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
-	41,  // 35: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
-	38,  // 36: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
-	38,  // 37: dsec.v1.FsEvent.info:type_name -> dsec.v1.FileInfo
-	52,  // 38: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	101, // 39: dsec.v1.StatsSample.at:type_name -> google.protobuf.Timestamp
-	101, // 40: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	55,  // 41: dsec.v1.SandboxStats.history:type_name -> dsec.v1.StatsSample
-	63,  // 42: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
-	101, // 43: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
-	64,  // 44: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
-	65,  // 45: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
-	66,  // 46: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
-	67,  // 47: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
-	11,  // 48: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	11,  // 49: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	16,  // 50: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	68,  // 51: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	70,  // 52: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	68,  // 53: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	75,  // 54: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	101, // 55: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	78,  // 56: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	98,  // 57: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	101, // 58: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	99,  // 59: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
-	25,  // 60: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	68,  // 61: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	100, // 62: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
-	85,  // 63: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	88,  // 64: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	17,  // 65: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	69,  // 66: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	18,  // 67: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	19,  // 68: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	21,  // 69: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	23,  // 70: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	72,  // 71: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	73,  // 72: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	74,  // 73: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	74,  // 74: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	74,  // 75: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	54,  // 76: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	6,   // 77: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
-	7,   // 78: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
-	24,  // 79: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
-	24,  // 80: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
-	28,  // 81: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	29,  // 82: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	31,  // 83: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	33,  // 84: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	36,  // 85: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	39,  // 86: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	42,  // 87: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	43,  // 88: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
-	44,  // 89: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
-	46,  // 90: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	47,  // 91: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
-	49,  // 92: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
-	50,  // 93: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
-	51,  // 94: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	77,  // 95: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	79,  // 96: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	81,  // 97: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	83,  // 98: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
-	84,  // 99: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
-	87,  // 100: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
-	8,   // 101: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
-	57,  // 102: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	59,  // 103: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
-	61,  // 104: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
-	16,  // 105: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	71,  // 106: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	16,  // 107: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
-	20,  // 108: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	22,  // 109: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	16,  // 110: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
-	16,  // 111: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	16,  // 112: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	76,  // 113: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	76,  // 114: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	76,  // 115: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	56,  // 116: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	2,   // 117: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
-	2,   // 118: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
-	25,  // 119: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
-	27,  // 120: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
-	27,  // 121: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	30,  // 122: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	32,  // 123: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	34,  // 124: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	37,  // 125: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	40,  // 126: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	38,  // 127: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
-	38,  // 128: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
-	45,  // 129: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
-	38,  // 130: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
-	48,  // 131: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
-	38,  // 132: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
-	38,  // 133: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
-	53,  // 134: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	78,  // 135: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	80,  // 136: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	82,  // 137: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	71,  // 138: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	86,  // 139: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
-	89,  // 140: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
-	9,   // 141: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
-	58,  // 142: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	60,  // 143: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
-	62,  // 144: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
-	105, // [105:145] is the sub-list for method output_type
-	65,  // [65:105] is the sub-list for method input_type
-	65,  // [65:65] is the sub-list for extension type_name
-	65,  // [65:65] is the sub-list for extension extendee
-	0,   // [0:65] is the sub-list for field type_name
+	93,  // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
+	103, // 11: dsec.v1.SandboxSpec.volumes:type_name -> dsec.v1.VolumeMount
+	13,  // 12: dsec.v1.SandboxSpec.sidecars:type_name -> dsec.v1.Sidecar
+	12,  // 13: dsec.v1.SandboxSpec.shared_volumes:type_name -> dsec.v1.SharedVolume
+	94,  // 14: dsec.v1.Sidecar.env:type_name -> dsec.v1.Sidecar.EnvEntry
+	1,   // 15: dsec.v1.Sidecar.resources:type_name -> dsec.v1.Resources
+	14,  // 16: dsec.v1.Sidecar.healthcheck:type_name -> dsec.v1.HealthCheck
+	15,  // 17: dsec.v1.Sidecar.depends_on:type_name -> dsec.v1.SidecarDependency
+	103, // 18: dsec.v1.Sidecar.volumes:type_name -> dsec.v1.VolumeMount
+	11,  // 19: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
+	102, // 20: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	102, // 21: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	102, // 22: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	102, // 23: dsec.v1.Sandbox.ended_at:type_name -> google.protobuf.Timestamp
+	16,  // 24: dsec.v1.Sandbox.sidecars:type_name -> dsec.v1.SidecarStatus
+	11,  // 25: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
+	17,  // 26: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
+	95,  // 27: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	27,  // 28: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
+	26,  // 29: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
+	96,  // 30: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	36,  // 31: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
+	102, // 32: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	97,  // 33: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
+	39,  // 34: dsec.v1.FileInfo.target:type_name -> dsec.v1.FileInfo
+	39,  // 35: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
+	98,  // 36: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
+	42,  // 37: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
+	39,  // 38: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
+	39,  // 39: dsec.v1.FsEvent.info:type_name -> dsec.v1.FileInfo
+	53,  // 40: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
+	102, // 41: dsec.v1.StatsSample.at:type_name -> google.protobuf.Timestamp
+	102, // 42: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	56,  // 43: dsec.v1.SandboxStats.history:type_name -> dsec.v1.StatsSample
+	64,  // 44: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
+	102, // 45: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
+	65,  // 46: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
+	66,  // 47: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
+	67,  // 48: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
+	68,  // 49: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
+	11,  // 50: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	11,  // 51: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	17,  // 52: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	69,  // 53: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	71,  // 54: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	69,  // 55: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	76,  // 56: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	102, // 57: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	79,  // 58: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	99,  // 59: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	102, // 60: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	100, // 61: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	26,  // 62: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	69,  // 63: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	101, // 64: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
+	86,  // 65: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	89,  // 66: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	18,  // 67: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	70,  // 68: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	19,  // 69: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	20,  // 70: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	22,  // 71: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	24,  // 72: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	73,  // 73: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	74,  // 74: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	75,  // 75: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	75,  // 76: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	75,  // 77: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	55,  // 78: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	6,   // 79: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
+	7,   // 80: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
+	25,  // 81: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
+	25,  // 82: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
+	29,  // 83: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	30,  // 84: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	32,  // 85: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	34,  // 86: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	37,  // 87: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	40,  // 88: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	43,  // 89: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	44,  // 90: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
+	45,  // 91: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
+	47,  // 92: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	48,  // 93: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
+	50,  // 94: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
+	51,  // 95: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
+	52,  // 96: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	78,  // 97: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	80,  // 98: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	82,  // 99: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	84,  // 100: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
+	85,  // 101: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
+	88,  // 102: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
+	8,   // 103: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
+	58,  // 104: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	60,  // 105: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
+	62,  // 106: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	17,  // 107: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	72,  // 108: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	17,  // 109: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
+	21,  // 110: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	23,  // 111: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	17,  // 112: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
+	17,  // 113: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	17,  // 114: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	77,  // 115: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	77,  // 116: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	77,  // 117: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	57,  // 118: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	2,   // 119: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
+	2,   // 120: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
+	26,  // 121: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
+	28,  // 122: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
+	28,  // 123: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	31,  // 124: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	33,  // 125: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	35,  // 126: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	38,  // 127: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	41,  // 128: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	39,  // 129: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
+	39,  // 130: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
+	46,  // 131: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
+	39,  // 132: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
+	49,  // 133: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
+	39,  // 134: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
+	39,  // 135: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
+	54,  // 136: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	79,  // 137: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	81,  // 138: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	83,  // 139: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	72,  // 140: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	87,  // 141: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
+	90,  // 142: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
+	9,   // 143: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
+	59,  // 144: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	61,  // 145: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
+	63,  // 146: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	107, // [107:147] is the sub-list for method output_type
+	67,  // [67:107] is the sub-list for method input_type
+	67,  // [67:67] is the sub-list for extension type_name
+	67,  // [67:67] is the sub-list for extension extendee
+	0,   // [0:67] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -7689,28 +7778,28 @@ func file_dsec_v1_sandbox_proto_init() {
 		return
 	}
 	file_dsec_v1_volume_proto_init()
-	file_dsec_v1_sandbox_proto_msgTypes[27].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[28].OneofWrappers = []any{
 		(*ExecEvent_Started)(nil),
 		(*ExecEvent_Stdout)(nil),
 		(*ExecEvent_Stderr)(nil),
 		(*ExecEvent_Exit)(nil),
 		(*ExecEvent_Keepalive)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[40].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[41].OneofWrappers = []any{
 		(*ReadFileResponse_Info)(nil),
 		(*ReadFileResponse_Data)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[42].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[43].OneofWrappers = []any{
 		(*WriteFileRequest_Header)(nil),
 		(*WriteFileRequest_Data)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[53].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[54].OneofWrappers = []any{
 		(*WatchDirEvent_Started)(nil),
 		(*WatchDirEvent_Change)(nil),
 		(*WatchDirEvent_Keepalive)(nil),
 		(*WatchDirEvent_Overflow)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[63].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[64].OneofWrappers = []any{
 		(*InputAction_Text)(nil),
 		(*InputAction_Keys)(nil),
 		(*InputAction_Move)(nil),
@@ -7724,7 +7813,7 @@ func file_dsec_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   101,
+			NumMessages:   102,
 			NumExtensions: 0,
 			NumServices:   6,
 		},
