@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _wire
-from .compose import interpolate, sidecar_wire
+from .compose import interpolate, shared_volume_wire, sidecar_wire
 from .errors import DsecError, NotFound, SandboxGone, make_error
 from .events import (EventStream, Webhook, create_webhook, delete_webhook, enable_webhook, list_webhooks,
                      subscribe)
@@ -280,7 +280,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
                 on_timeout: Optional[str] = None,
                 volumes: Optional[Sequence[MountLike]] = None,
                 sidecars: Optional[Sequence[Mapping[str, Any]]] = None,
-                aliases: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+                aliases: Optional[Sequence[str]] = None,
+                shared_volumes: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
     # No kind: the server's default (container), or a machine snapshot's own kind.
     spec: Dict[str, Any] = {"resources": {}}
     if kind:
@@ -335,6 +336,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
         spec["sidecars"] = [sidecar_wire(sc) for sc in sidecars]
     if aliases:
         spec["aliases"] = [str(a) for a in aliases]
+    if shared_volumes:
+        spec["sharedVolumes"] = [shared_volume_wire(v) for v in shared_volumes]
     return spec
 
 
@@ -722,7 +725,10 @@ class Client:
         read-write, this sandbox alone, or ``"name:/path:ro"`` shared
         read-only; see :meth:`create_volume`), ``sidecars`` (further
         containers sharing the sandbox's network: see :mod:`dsec.compose`),
-        ``aliases`` (further names of the main container for its sidecars).
+        ``aliases`` (further names of the main container for its sidecars),
+        ``shared_volumes`` (file systems of the sandbox alone that its
+        containers mount by name through ``volumes``: names, or dicts with
+        ``name`` and ``size_mb``).
         ``compose`` is a Compose file's text instead of ``image`` and
         ``sidecars`` (its service "main", or its only one, is the main
         container), or a list of texts laid over one another as

@@ -12,7 +12,8 @@ file calls act in a sidecar; ``.logs()`` on it follows the sidecar's output.
 A sidecar dict: ``name``, ``image`` (required), ``command`` and
 ``entrypoint`` (argv lists, Docker's meaning; default the image's), ``env``,
 ``workdir``, ``user``, ``cpu``, ``memory_mb``, ``pids``, ``disk_mb``,
-``aliases`` (further names), ``depends_on`` (names, or dicts with ``name``
+``aliases`` (further names), ``volumes`` (mounts of the sandbox's
+``shared_volumes``: ``"name:/path[:ro]"``), ``depends_on`` (names, or dicts with ``name``
 and ``condition``: "started", "healthy" or "completed"), ``healthcheck``
 (a dict: ``command`` argv, ``interval_ms``, ``timeout_ms``,
 ``start_period_ms``, ``start_interval_ms``, ``retries``)."""
@@ -20,7 +21,7 @@ and ``condition``: "started", "healthy" or "completed"), ``healthcheck``
 import re
 from typing import Any, Dict, Mapping, Optional
 
-__all__ = ["interpolate", "sidecar_wire"]
+__all__ = ["interpolate", "sidecar_wire", "shared_volume_wire"]
 
 _VAR = re.compile(r"\$(\$|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])((?:[^{}]|\{[^{}]*\})*))?\}|[A-Za-z_][A-Za-z0-9_]*)")
 
@@ -62,7 +63,7 @@ def interpolate(text: str, env: Optional[Mapping[str, str]] = None) -> str:
 
 
 _KEYS = {"name", "image", "command", "entrypoint", "env", "workdir", "user", "cpu", "memory_mb", "pids",
-         "disk_mb", "aliases", "depends_on", "healthcheck"}
+         "disk_mb", "aliases", "depends_on", "healthcheck", "volumes"}
 _HEALTH = {"command": "command", "interval_ms": "intervalMs", "timeout_ms": "timeoutMs",
            "start_period_ms": "startPeriodMs", "start_interval_ms": "startIntervalMs", "retries": "retries"}
 
@@ -93,6 +94,9 @@ def sidecar_wire(d: Mapping[str, Any]) -> Dict[str, Any]:
             res[w] = str(int(d[k]))
     if res:
         out["resources"] = res
+    if d.get("volumes"):
+        from .volumes import mount_wire
+        out["volumes"] = [mount_wire(m) for m in d["volumes"]]
     deps = []
     for dep in d.get("depends_on") or []:
         if isinstance(dep, str):
@@ -115,4 +119,16 @@ def sidecar_wire(d: Mapping[str, Any]) -> Dict[str, Any]:
             else:
                 w[_HEALTH[k]] = str(int(v))
         out["healthcheck"] = w
+    return out
+
+
+def shared_volume_wire(v: Any) -> Dict[str, Any]:
+    """A shared volume (a file system of the sandbox alone, which its
+    containers mount by name) as the API takes it: a name, or a dict with
+    ``name`` and ``size_mb``."""
+    if isinstance(v, str):
+        return {"name": v}
+    out: Dict[str, Any] = {"name": str(v["name"])}
+    if v.get("size_mb"):
+        out["sizeMb"] = str(int(v["size_mb"]))
     return out
