@@ -52,7 +52,7 @@ func main() {
 	root.PersistentFlags().StringVarP(&g.output, "output", "o", "text", "output format: text or json")
 
 	root.AddCommand(serveCmd(), apiCmd(), nodeCmd(), clusterCmd(g), setupCmd())
-	root.AddCommand(createCmd(g), execCmd(g), cpCmd(g), lsCmd(g), getCmd(g), rmCmd(g), keepaliveCmd(g), psCmd(g))
+	root.AddCommand(createCmd(g), execCmd(g), cpCmd(g), lsCmd(g), getCmd(g), rmCmd(g), keepaliveCmd(g), psCmd(g), logsCmd(g))
 	root.AddCommand(imageCmd(g), infoCmd(g), screenshotCmd(g), inputCmd(g), vncCmd(g))
 	root.AddCommand(lifecycleCmds(g)...)
 	root.AddCommand(runCodeCmd(g))

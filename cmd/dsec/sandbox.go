@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/opendsec/dsec/internal/compose"
+
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
@@ -29,9 +31,10 @@ func createCmd(g *globals) *cobra.Command {
 		quiet        bool
 		count        int
 		policy       policyFlags
+		composeFiles []string
 	)
 	cmd := &cobra.Command{
-		Use:   "create --image IMAGE [flags]",
+		Use:   "create (--image IMAGE | --compose FILE) [flags]",
 		Short: "Create a sandbox and print its ID",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -58,6 +61,26 @@ func createCmd(g *globals) *cobra.Command {
 			o.TTL, o.IdleTTL = ttl, idleTTL
 			if policy.set(cmd) {
 				o.Policy = policy.policy()
+			}
+			for i, file := range composeFiles {
+				b, err := os.ReadFile(file)
+				if err != nil {
+					return err
+				}
+				// Variables come from this shell, as docker compose
+				// takes them; the server never sees the environment.
+				text, err := compose.Interpolate(string(b), os.LookupEnv)
+				if err != nil {
+					return fmt.Errorf("%s: %w", file, err)
+				}
+				if i == 0 {
+					o.Compose = text
+				} else {
+					o.ComposeOverrides = append(o.ComposeOverrides, text)
+				}
+				if count > 1 {
+					return fmt.Errorf("--compose creates one sandbox at a time")
+				}
 			}
 			if count > 1 {
 				resp, err := g.client().CreateMany(cmd.Context(), o, count)
@@ -101,6 +124,7 @@ func createCmd(g *globals) *cobra.Command {
 	f.StringVar(&o.Session, "session", "", "bind the sandbox to this trainer session")
 	f.StringArrayVar(&nodeSel, "node-selector", nil, "place only on nodes with label key=value (cluster mode; repeatable)")
 	f.StringArrayVar(&volumes, "volume", nil, "mount a volume NAME:/PATH (read-write, this sandbox alone) or NAME:/PATH:ro (shared read-only); repeatable")
+	f.StringArrayVar(&composeFiles, "compose", nil, "a Compose file: its service \"main\" (or its only one) is the main container, the others sidecars sharing its network (variables are substituted from this shell); repeated, later files are laid over earlier ones as docker compose -f does; see docs/sidecars.md")
 	f.IntVarP(&count, "count", "n", 1, "create this many (one ID per line)")
 	f.BoolVarP(&quiet, "quiet", "q", false, "print only the ID (the default in text output)")
 	return cmd
@@ -114,6 +138,7 @@ func execCmd(g *globals) *cobra.Command {
 		cwd, user        string
 		requestID        string
 		maxOutput        string
+		container        string
 	)
 	cmd := &cobra.Command{
 		Use:   "exec [flags] ID [flags] [--] COMMAND [ARG...]",
@@ -141,7 +166,7 @@ func execCmd(g *globals) *cobra.Command {
 				return err
 			}
 			ctx := cmd.Context()
-			sb := g.client().Sandbox(args[0])
+			sb := g.client().Sandbox(args[0]).Container(container)
 			if len(argv) == 0 {
 				return fmt.Errorf("no command given")
 			}
@@ -231,6 +256,7 @@ func execCmd(g *globals) *cobra.Command {
 	f.StringVarP(&cwd, "workdir", "w", "", "working directory")
 	f.StringVarP(&user, "user", "u", "", "user to run as")
 	f.StringVar(&requestID, "request-id", "", "exactly-once: a repeat with this ID returns the logged result")
+	f.StringVarP(&container, "container", "c", "", "run in this sidecar (default: the main container)")
 	f.StringVar(&maxOutput, "max-output", "", "cap on each output stream, e.g. 16M (default: the server's, 1M)")
 	f.SetInterspersed(false)
 	return cmd
@@ -247,6 +273,7 @@ func sandboxRef(s string) (id, path string, ok bool) {
 
 func cpCmd(g *globals) *cobra.Command {
 	var mode uint32
+	var container string
 	cmd := &cobra.Command{
 		Use:   "cp SRC DST",
 		Short: "Copy a file to (LOCAL ID:PATH) or from (ID:PATH LOCAL) a sandbox; - is stdin/stdout",
@@ -274,7 +301,7 @@ func cpCmd(g *globals) *cobra.Command {
 					}
 					r = f
 				}
-				info, err := c.Sandbox(dstID).WriteFile(ctx, dstPath, r, mode)
+				info, err := c.Sandbox(dstID).Container(container).WriteFile(ctx, dstPath, r, mode)
 				if err != nil {
 					return err
 				}
@@ -293,7 +320,7 @@ func cpCmd(g *globals) *cobra.Command {
 					defer os.Remove(f.Name())
 					w = f
 				}
-				info, err := c.Sandbox(srcID).ReadFile(ctx, srcPath, w)
+				info, err := c.Sandbox(srcID).Container(container).ReadFile(ctx, srcPath, w)
 				if err != nil {
 					return err
 				}
@@ -312,6 +339,7 @@ func cpCmd(g *globals) *cobra.Command {
 		},
 	}
 	cmd.Flags().Uint32Var(&mode, "mode", 0, "file mode in the sandbox (default: the local file's)")
+	cmd.Flags().StringVarP(&container, "container", "c", "", "copy to or from this sidecar (default: the main container)")
 	return cmd
 }
 
@@ -468,12 +496,13 @@ func keepaliveCmd(g *globals) *cobra.Command {
 }
 
 func psCmd(g *globals) *cobra.Command {
-	return &cobra.Command{
+	var container string
+	cmd := &cobra.Command{
 		Use:   "ps ID",
 		Short: "List the processes started in a sandbox",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			procs, err := g.client().Sandbox(args[0]).Processes(cmd.Context())
+			procs, err := g.client().Sandbox(args[0]).Container(container).Processes(cmd.Context())
 			if err != nil {
 				return err
 			}
@@ -490,6 +519,24 @@ func psCmd(g *globals) *cobra.Command {
 				fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\n", p.ProcessId, p.Pid, state, orDash(p.Tag), strings.Join(p.Argv, " "))
 			}
 			return tw.Flush()
+		},
+	}
+	cmd.Flags().StringVarP(&container, "container", "c", "", "list this sidecar's processes (default: the main container's)")
+	return cmd
+}
+
+func logsCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "logs ID SIDECAR",
+		Short: "Print a sidecar's output (its service process) so far and follow it until it exits (Ctrl-C stops)",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			res, err := g.client().Sandbox(args[0]).Container(args[1]).Logs(cmd.Context(), os.Stdout, os.Stderr)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(os.Stderr, "dsec: sidecar %s exited with status %d\n", args[1], res.ExitCode)
+			return nil
 		},
 	}
 }

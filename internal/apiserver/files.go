@@ -30,7 +30,7 @@ func (s *Server) serveFiles(w http.ResponseWriter, r *http.Request) {
 		offset, _ := strconv.ParseInt(q.Get("offset"), 10, 64)
 		limit, _ := strconv.ParseInt(q.Get("max_bytes"), 10, 64)
 		started := false
-		err := n.ReadFileChunks(r.Context(), &dsecv1.ReadFileRequest{SandboxId: id, Path: q.Get("path"), Offset: offset, MaxBytes: limit, User: q.Get("user")}, func(m *dsecv1.ReadFileResponse) error {
+		err := n.ReadFileChunks(r.Context(), &dsecv1.ReadFileRequest{SandboxId: id, Container: q.Get("container"), Path: q.Get("path"), Offset: offset, MaxBytes: limit, User: q.Get("user")}, func(m *dsecv1.ReadFileResponse) error {
 			if info := m.GetInfo(); info != nil {
 				w.Header().Set("Content-Type", "application/octet-stream")
 				if limit == 0 && offset == 0 {
@@ -56,7 +56,7 @@ func (s *Server) serveFiles(w http.ResponseWriter, r *http.Request) {
 	case http.MethodPut, http.MethodPost:
 		mode, _ := strconv.ParseUint(q.Get("mode"), 8, 32)
 		resp, err := n.WriteFileFrom(r.Context(), &dsecv1.WriteFileHeader{
-			SandboxId: id, Path: q.Get("path"), Mode: uint32(mode), Append: q.Get("append") == "1" || q.Get("append") == "true", User: q.Get("user"),
+			SandboxId: id, Container: q.Get("container"), Path: q.Get("path"), Mode: uint32(mode), Append: q.Get("append") == "1" || q.Get("append") == "true", User: q.Get("user"),
 			RequestId: q.Get("request_id"),
 		}, r.Body)
 		if err != nil {

@@ -6,6 +6,8 @@ import (
 	"log/slog"
 	"sort"
 
+	"github.com/opendsec/dsec/internal/compose"
+
 	"connectrpc.com/connect"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
@@ -88,6 +90,9 @@ type lifecycleService struct {
 var _ dsecv1connect.LifecycleServiceHandler = (*lifecycleService)(nil)
 
 func (s *lifecycleService) CreateSandbox(ctx context.Context, req *connect.Request[dsecv1.CreateSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error) {
+	if err := applyCompose(req.Msg); err != nil {
+		return nil, wire(err)
+	}
 	if err := s.admit(ctx, req.Msg.GetSpec()); err != nil {
 		return nil, wire(err)
 	}
@@ -382,4 +387,36 @@ func (s *systemService) GetCapacity(ctx context.Context, req *connect.Request[ds
 		out.Pools = append(out.Pools, c.Msg.Pools...)
 	}
 	return connect.NewResponse(out), nil
+}
+
+// applyCompose makes a create's compose file part of its spec (the main
+// container and its sidecars), so placement and the node see one spec.
+func applyCompose(req *dsecv1.CreateSandboxRequest) error {
+	if req.GetCompose() == "" {
+		if len(req.GetComposeOverrides()) > 0 {
+			return errdefs.Invalid("compose_overrides are laid over a compose file: give compose too")
+		}
+		return nil
+	}
+	size := len(req.Compose)
+	overrides := make([][]byte, len(req.ComposeOverrides))
+	for i, o := range req.ComposeOverrides {
+		size += len(o)
+		overrides[i] = []byte(o)
+	}
+	if size > 1<<20 || len(overrides) > 16 {
+		return errdefs.Invalid("compose files larger than 1 MiB together, or more than 16 overrides")
+	}
+	f, err := compose.Parse([]byte(req.Compose), overrides...)
+	if err != nil {
+		return err
+	}
+	if req.Spec == nil {
+		req.Spec = &dsecv1.SandboxSpec{}
+	}
+	if err := compose.Apply(f, req.Spec); err != nil {
+		return err
+	}
+	req.Compose, req.ComposeOverrides = "", nil
+	return nil
 }

@@ -481,7 +481,7 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 				run = append(run, o)
 			}
 			res, err := r.placer.PickN(v.nodes, placement.Request{
-				Kind: kindOf(it.spec), Image: it.spec.GetImage(), Selector: it.spec.GetNodeSelector(),
+				Kind: kindOf(it.spec), Image: it.spec.GetImage(), Images: sidecarImages(it.spec), Selector: it.spec.GetNodeSelector(),
 				Exclude: it.exclude, Project: project,
 			}, len(run))
 			if err != nil {
@@ -829,4 +829,14 @@ func (b *bucket) take(n int, rate, burst float64) int {
 	got := min(n, int(b.tokens))
 	b.tokens -= float64(got)
 	return got
+}
+
+// sidecarImages are the images of a spec's sidecars, which its node must
+// hold too.
+func sidecarImages(spec *dsecv1.SandboxSpec) []string {
+	var out []string
+	for _, sc := range spec.GetSidecars() {
+		out = append(out, sc.GetImage())
+	}
+	return out
 }

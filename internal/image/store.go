@@ -74,6 +74,56 @@ type SnapshotMeta struct {
 	// an ephemeral snapshot was taken for: its repeat starts the children
 	// it lacks from this snapshot while it exists.
 	ForkKey string `json:"fork_key,omitempty"`
+	// Sidecars are the snapshotted sandbox's sidecars, each captured as
+	// layers of its own: a sandbox started from the snapshot gets them
+	// back. Aliases are its main container's.
+	Sidecars []SnapshotSidecar `json:"sidecars,omitempty"`
+	Aliases  []string          `json:"aliases,omitempty"`
+	// Shared are the sandbox's shared volumes (not their content: a
+	// sandbox from the snapshot gets them empty) and SharedMounts its main
+	// container's mounts of them.
+	Shared       []SnapshotShared `json:"shared,omitempty"`
+	SharedMounts []SnapshotMount  `json:"shared_mounts,omitempty"`
+}
+
+// SnapshotShared is a shared volume of a snapshotted sandbox.
+type SnapshotShared struct {
+	Name   string `json:"name"`
+	SizeMB int64  `json:"size_mb"`
+}
+
+// SnapshotMount is a mount of a shared volume.
+type SnapshotMount struct {
+	Name     string `json:"name"`
+	Path     string `json:"path"`
+	ReadOnly bool   `json:"read_only,omitempty"`
+}
+
+// GetSnapshot is img's snapshot metadata: nil for a plain image, or no
+// image.
+func (img *Image) GetSnapshot() *SnapshotMeta {
+	if img == nil {
+		return nil
+	}
+	return img.Snapshot
+}
+
+// GetSidecars is m's sidecars (none for nil).
+func (m *SnapshotMeta) GetSidecars() []SnapshotSidecar {
+	if m == nil {
+		return nil
+	}
+	return m.Sidecars
+}
+
+// SnapshotSidecar is one sidecar in a snapshot: its spec as the node
+// keeps it (protojson of a dsecv1.Sidecar) and the image it starts from:
+// its image's layers and its own captured layer, and its image's config.
+type SnapshotSidecar struct {
+	Name   string          `json:"name"`
+	Spec   json.RawMessage `json:"spec"`
+	Layers []string        `json:"layers"`
+	Config Config          `json:"config"`
 }
 
 // Config is the part of an OCI image config a sandbox uses.
@@ -548,6 +598,13 @@ func (s *Store) GC() {
 	for _, img := range s.images {
 		for _, l := range img.Layers {
 			keep[strings.TrimPrefix(l, "sha256:")] = true
+		}
+		if img.Snapshot != nil {
+			for _, sc := range img.Snapshot.Sidecars {
+				for _, l := range sc.Layers {
+					keep[strings.TrimPrefix(l, "sha256:")] = true
+				}
+			}
 		}
 	}
 	s.mu.Unlock()

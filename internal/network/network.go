@@ -157,6 +157,11 @@ type Options struct {
 	Policy *Policy
 	// BandwidthMbps limits throughput each way (0: none).
 	BandwidthMbps int64
+	// Shared gives a sandbox of mode none a network namespace of its own
+	// that further containers join (a sandbox's sidecars): loopback only,
+	// kept at a path like an egress sandbox's. Egress sandboxes have one
+	// anyway.
+	Shared bool
 }
 
 // New prepares the manager. Egress needs root, nftables and bridges; when
@@ -692,7 +697,14 @@ func (m *Manager) Setup(ctx context.Context, id string, o Options) (_ *Attachmen
 		if o.Policy != nil || o.BandwidthMbps != 0 {
 			return nil, errdefs.Invalid("a network policy or bandwidth limit needs network mode egress")
 		}
-		return &Attachment{Mode: ModeNone}, nil
+		if !o.Shared {
+			return &Attachment{Mode: ModeNone}, nil
+		}
+		nsPath := filepath.Join(m.cfg.RunDir, id)
+		if err := loopbackNetNS(nsPath); err != nil {
+			return nil, errdefs.Internal(err, "create network namespace")
+		}
+		return &Attachment{ID: id, Mode: ModeNone, NetNS: nsPath}, nil
 	case ModeEgress:
 	default:
 		return nil, errdefs.Invalid("unknown network mode %q (use none or egress)", o.Mode)
@@ -951,7 +963,14 @@ func (m *Manager) configureInside(ns netns.NsHandle, ifname string, addr netip.A
 // veth (with the port's forwarding entry), the namespace, and, batched
 // within forgetBatch, its bridge table element. It is idempotent.
 func (m *Manager) Release(a *Attachment) {
-	if a == nil || a.Mode != ModeEgress {
+	if a == nil {
+		return
+	}
+	if a.Mode != ModeEgress {
+		if a.NetNS != "" { // Options.Shared
+			unix.Unmount(a.NetNS, unix.MNT_DETACH)
+			os.Remove(a.NetNS)
+		}
 		return
 	}
 	if a.MAC != "" && m.egress == "" {
@@ -1111,6 +1130,38 @@ func vethName(id string) string {
 		n = n[:13]
 	}
 	return n
+}
+
+// loopbackNetNS creates a named network namespace (newNamedNetNS) with
+// only its loopback interface, up.
+func loopbackNetNS(path string) (err error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return err
+	}
+	if err := newNamedNetNS(path); err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			unix.Unmount(path, unix.MNT_DETACH)
+			os.Remove(path)
+		}
+	}()
+	ns, err := netns.GetFromPath(path)
+	if err != nil {
+		return err
+	}
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	lo, err := h.LinkByName("lo")
+	if err != nil {
+		return err
+	}
+	return h.LinkSetUp(lo)
 }
 
 // newNamedNetNS creates a network namespace kept alive by a bind mount at

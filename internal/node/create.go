@@ -79,8 +79,9 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 	}
 	defer n.admitDone(project)
 	var s *sandbox
-	if img.Owner == tenant.Shared && len(spec.Volumes) == 0 {
-		// Pools hold shared images only, and mount no volumes.
+	if img.Owner == tenant.Shared && len(spec.Volumes) == 0 && len(spec.Sidecars) == 0 && len(spec.SharedVolumes) == 0 {
+		// Pools hold shared images only, and mount no volumes and have
+		// no sidecars.
 		s = n.pools.take(spec, project)
 	}
 	if s == nil {
@@ -183,8 +184,22 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image
 	if s.net, err = n.net.Setup(ctx, s.id, opts); err != nil {
 		return nil, err
 	}
+	// The sidecars' images count as the sandbox's (held until then).
+	var from *image.Image
+	if spec.Snapshot != "" {
+		from = img
+	}
+	scLayers, scImages, unhold, err := n.sidecarLayers(project, spec, from)
+	if err != nil {
+		return nil, err
+	}
+	defer unhold()
+	s.layers = append(s.layers[:len(s.layers):len(s.layers)], scLayers...)
 	// Reserved first so image GC keeps the layers while the sandbox starts.
 	n.sandboxes.reserve(s)
+	if err := n.makeShared(s); err != nil {
+		return nil, err
+	}
 	if s.volumes, err = n.holdVolumes(s, project); err != nil {
 		return nil, err
 	}
@@ -194,6 +209,14 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image
 		return nil, err
 	}
 	s.inst = inst
+	if len(spec.Sidecars) > 0 {
+		g, err := n.startSidecars(ctx, s, inst, scImages)
+		if err != nil {
+			n.log.Warn("sandbox start failed", slog.String("sandbox_id", s.id), slog.Any("error", err))
+			return nil, err // the release destroys the main container
+		}
+		s.inst = g
+	}
 	return s, nil
 }
 
@@ -233,7 +256,7 @@ func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
 		User: s.spec.User, Workdir: s.spec.Workdir, Hostname: "sandbox",
 		CPU: s.spec.Resources.GetCpu(), MemoryMB: s.spec.Resources.GetMemoryMb(),
 		DiskMB: s.spec.Resources.GetDiskMb(), Pids: s.spec.Resources.GetPids(),
-		Deadline: n.deadline(s), Runtime: s.spec.Runtime, Volumes: s.volumes,
+		Deadline: n.deadline(s), Runtime: s.spec.Runtime, Volumes: s.volumes, Hosts: hostNames(s.spec),
 		PrivilegeEscalation: img.Config.PrivilegeEscalation,
 	}
 	if s.net != nil {

@@ -29,7 +29,7 @@ const (
 )
 
 // guestExec turns an API exec request into the agent's.
-func (n *Node) guestExec(s *sandbox, req *dsecv1.ExecRequest, collect bool) (*guestv1.Exec, error) {
+func (n *Node) guestExec(c *ctr, req *dsecv1.ExecRequest, collect bool) (*guestv1.Exec, error) {
 	argv := req.GetArgv()
 	switch {
 	case len(argv) > 0 && req.GetCmd() != "":
@@ -88,13 +88,13 @@ func (n *Node) guestExec(s *sandbox, req *dsecv1.ExecRequest, collect bool) (*gu
 	// user's home; a relative one is relative to that (relPath).
 	cwd := req.GetCwd()
 	if cwd == "" {
-		cwd = s.spec.Workdir
+		cwd = c.workdir
 	} else {
-		cwd = relPath(s, cwd)
+		cwd = relPath(c.workdir, cwd)
 	}
 	user := req.GetUser()
 	if user == "" {
-		user = s.spec.User
+		user = c.user
 	}
 	return &guestv1.Exec{
 		Argv: argv, Env: env, Cwd: cwd, User: user,
@@ -109,16 +109,16 @@ func (n *Node) guestExec(s *sandbox, req *dsecv1.ExecRequest, collect bool) (*gu
 // exactly-once: a repeat is answered from the trajectory log.
 func (n *Node) Exec(ctx context.Context, req *dsecv1.ExecRequest) (_ *dsecv1.ExecResult, err error) {
 	defer n.m.Observe(ctx, metrics.OpExec, n.kindOf(req.GetSandboxId()), time.Now(), &err)
-	s, err := n.live(ctx, req.GetSandboxId())
+	s, c, err := n.ctrIn(ctx, req.GetSandboxId(), req.GetContainer())
 	if err != nil {
 		return nil, err
 	}
-	x, err := n.guestExec(s, req, true)
+	x, err := n.guestExec(c, req, true)
 	if err != nil {
 		return nil, err
 	}
-	e, replay, err := n.logged(ctx, s, n.execMutation(req, x), func(e *dsecv1.LogEntry) error {
-		exit, err := s.inst.Guest().Run(ctx, x)
+	e, replay, err := n.logged(ctx, s, n.execMutation(c, req, x), func(e *dsecv1.LogEntry) error {
+		exit, err := c.guest.Run(ctx, x)
 		if err != nil {
 			return err
 		}
@@ -137,12 +137,12 @@ func (n *Node) Exec(ctx context.Context, req *dsecv1.ExecRequest) (_ *dsecv1.Exe
 
 // execMutation is an exec as the trajectory log records it (its stdin
 // kept as a blob, for replay).
-func (n *Node) execMutation(req *dsecv1.ExecRequest, x *guestv1.Exec) mutation {
+func (n *Node) execMutation(c *ctr, req *dsecv1.ExecRequest, x *guestv1.Exec) mutation {
 	env := map[string]string{}
 	for k, v := range req.GetEnv() {
 		env[k] = v
 	}
-	e := &dsecv1.LogEntry{Op: "exec", Argv: x.Argv, Cwd: x.Cwd, Env: env, User: x.User, TimeoutS: float64(x.TimeoutMs) / 1000}
+	e := &dsecv1.LogEntry{Op: "exec", Container: c.name, Argv: x.Argv, Cwd: x.Cwd, Env: env, User: x.User, TimeoutS: float64(x.TimeoutMs) / 1000}
 	if len(x.StdinData) > 0 {
 		e.StdinDigest = n.logs.PutBlob(x.StdinData)
 	}
@@ -252,17 +252,17 @@ func taskEnd(s *sandbox, wait time.Duration) *end {
 // request ID, a repeat replays the logged output and exit.
 func (n *Node) ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send func(*dsecv1.ExecEvent) error) (err error) {
 	defer n.m.Observe(ctx, metrics.OpExec, n.kindOf(req.GetSandboxId()), time.Now(), &err)
-	s, err := n.live(ctx, req.GetSandboxId())
+	s, c, err := n.ctrIn(ctx, req.GetSandboxId(), req.GetContainer())
 	if err != nil {
 		return err
 	}
-	x, err := n.guestExec(s, req, false)
+	x, err := n.guestExec(c, req, false)
 	if err != nil {
 		return err
 	}
 	var res *dsecv1.ExecResult
-	e, replay, err := n.logged(ctx, s, n.execMutation(req, x), func(e *dsecv1.LogEntry) error {
-		pg, err := s.procs()
+	e, replay, err := n.logged(ctx, s, n.execMutation(c, req, x), func(e *dsecv1.LogEntry) error {
+		pg, err := c.procs()
 		if err != nil {
 			return err
 		}
@@ -305,14 +305,14 @@ func sendReplay(r *dsecv1.ExecResult, send func(*dsecv1.ExecEvent) error) error 
 
 // ConnectProcess attaches to a running or recently finished process.
 func (n *Node) ConnectProcess(ctx context.Context, req *dsecv1.ConnectProcessRequest, send func(*dsecv1.ExecEvent) error) error {
-	s, err := n.live(ctx, req.GetSandboxId())
+	s, c, err := n.ctrIn(ctx, req.GetSandboxId(), req.GetContainer())
 	if err != nil {
 		return err
 	}
 	if req.GetProcessId() == "" && req.GetTag() == "" {
 		return errdefs.Invalid("process_id or tag is required")
 	}
-	pg, err := s.procs()
+	pg, err := c.procs()
 	if err != nil {
 		return err
 	}
@@ -421,7 +421,7 @@ func (h *headTail) bytes() []byte { return append(append([]byte(nil), h.head...)
 
 // WriteStdin writes to a process's stdin.
 func (n *Node) WriteStdin(ctx context.Context, req *dsecv1.WriteStdinRequest) error {
-	s, err := n.live(ctx, req.GetSandboxId())
+	s, c, err := n.ctrIn(ctx, req.GetSandboxId(), req.GetContainer())
 	if err != nil {
 		return err
 	}
@@ -431,7 +431,7 @@ func (n *Node) WriteStdin(ctx context.Context, req *dsecv1.WriteStdinRequest) er
 	if len(req.GetData()) > maxStdin {
 		return errdefs.Invalid("stdin chunk larger than %d bytes", maxStdin)
 	}
-	pg, err := s.procs()
+	pg, err := c.procs()
 	if err != nil {
 		return err
 	}
@@ -443,7 +443,7 @@ func (n *Node) WriteStdin(ctx context.Context, req *dsecv1.WriteStdinRequest) er
 
 // SignalProcess signals a process group.
 func (n *Node) SignalProcess(ctx context.Context, req *dsecv1.SignalProcessRequest) error {
-	s, err := n.live(ctx, req.GetSandboxId())
+	s, c, err := n.ctrIn(ctx, req.GetSandboxId(), req.GetContainer())
 	if err != nil {
 		return err
 	}
@@ -451,7 +451,7 @@ func (n *Node) SignalProcess(ctx context.Context, req *dsecv1.SignalProcessReque
 	if err != nil {
 		return err
 	}
-	pg, err := s.procs()
+	pg, err := c.procs()
 	if err != nil {
 		return err
 	}
@@ -478,14 +478,14 @@ func ParseSignal(name string) (syscall.Signal, error) {
 
 // ResizePTY resizes a process's terminal.
 func (n *Node) ResizePTY(ctx context.Context, req *dsecv1.ResizePTYRequest) error {
-	s, err := n.live(ctx, req.GetSandboxId())
+	s, c, err := n.ctrIn(ctx, req.GetSandboxId(), req.GetContainer())
 	if err != nil {
 		return err
 	}
 	if req.GetRows() == 0 || req.GetCols() == 0 || req.GetRows() > 1000 || req.GetCols() > 1000 {
 		return errdefs.Invalid("rows and cols must be between 1 and 1000")
 	}
-	pg, err := s.procs()
+	pg, err := c.procs()
 	if err != nil {
 		return err
 	}
@@ -497,11 +497,11 @@ func (n *Node) ResizePTY(ctx context.Context, req *dsecv1.ResizePTYRequest) erro
 
 // ListProcesses lists the agent's processes.
 func (n *Node) ListProcesses(ctx context.Context, req *dsecv1.ListProcessesRequest) (*dsecv1.ListProcessesResponse, error) {
-	s, err := n.live(ctx, req.GetSandboxId())
+	s, c, err := n.ctrIn(ctx, req.GetSandboxId(), req.GetContainer())
 	if err != nil {
 		return nil, err
 	}
-	pg, err := s.procs()
+	pg, err := c.procs()
 	if err != nil {
 		return &dsecv1.ListProcessesResponse{}, nil // calls run to completion: none outlives its call
 	}

@@ -27,7 +27,7 @@ import (
 // is the agent's work: inside the sandbox's root, as the call's user
 // (fileUser), so ".." and symlinks cannot lead outside the sandbox or to
 // files that user may not touch.
-func sandboxPath(s *sandbox, p string) (string, error) {
+func sandboxPath(c *ctr, p string) (string, error) {
 	if p == "" {
 		return "", errdefs.Invalid("path is required")
 	}
@@ -39,20 +39,20 @@ func sandboxPath(s *sandbox, p string) (string, error) {
 			return "", errdefs.Invalid("path contains a NUL byte")
 		}
 	}
-	return relPath(s, p), nil
+	return relPath(c.workdir, p), nil
 }
 
 // relPath makes a non-empty path of a file call or a cwd absolute, except
 // that "~" paths are left for the agent, and paths relative to the home
 // become "~/..." (the sandbox has no working directory of its own).
-func relPath(s *sandbox, p string) string {
+func relPath(workdir, p string) string {
 	switch {
 	case path.IsAbs(p):
 		return path.Clean(p)
 	case strings.HasPrefix(p, "~"):
 		return p // the agent expands "~" and "~/", and refuses "~name"
-	case s.spec.Workdir != "":
-		return path.Join(s.spec.Workdir, p)
+	case workdir != "":
+		return path.Join(workdir, p)
 	default:
 		return "~/" + path.Clean(p)
 	}
@@ -61,11 +61,11 @@ func relPath(s *sandbox, p string) string {
 // fileUser is the user a file call acts as inside the sandbox: the
 // request's, else the sandbox's (spec.User, defaulted to the image's at
 // create), else root ("").
-func fileUser(s *sandbox, requested string) string {
+func fileUser(c *ctr, requested string) string {
 	if requested != "" {
 		return requested
 	}
-	return s.spec.User
+	return c.user
 }
 
 func fileInfo(i *guestv1.FileInfo) *dsecv1.FileInfo {
@@ -82,22 +82,22 @@ func fileInfo(i *guestv1.FileInfo) *dsecv1.FileInfo {
 // ReadFile streams a file: info first, then data chunks.
 func (n *Node) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send func(*dsecv1.ReadFileResponse) error) (err error) {
 	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
-	s, err := n.live(ctx, req.GetSandboxId())
+	s, c, err := n.ctrIn(ctx, req.GetSandboxId(), req.GetContainer())
 	if err != nil {
 		return err
 	}
-	p, err := sandboxPath(s, req.GetPath())
+	p, err := sandboxPath(c, req.GetPath())
 	if err != nil {
 		return err
 	}
 	if req.GetOffset() < 0 || req.GetMaxBytes() < 0 {
 		return errdefs.Invalid("offset and max_bytes must not be negative")
 	}
-	fg, err := s.files()
+	fg, err := c.files()
 	if err != nil {
 		return err
 	}
-	f, err := fg.ReadFile(ctx, &guestv1.ReadFile{Path: p, Offset: req.GetOffset(), Limit: req.GetMaxBytes(), User: fileUser(s, req.GetUser())})
+	f, err := fg.ReadFile(ctx, &guestv1.ReadFile{Path: p, Offset: req.GetOffset(), Limit: req.GetMaxBytes(), User: fileUser(c, req.GetUser())})
 	if err != nil {
 		return n.callFailed(s, err)
 	}
@@ -129,11 +129,11 @@ func (n *Node) ReadFile(ctx context.Context, req *dsecv1.ReadFileRequest, send f
 // must be the same.
 func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.Reader) (_ *dsecv1.FileInfo, err error) {
 	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(hdr.GetSandboxId()), time.Now(), &err)
-	s, err := n.live(ctx, hdr.GetSandboxId())
+	s, c, err := n.ctrIn(ctx, hdr.GetSandboxId(), hdr.GetContainer())
 	if err != nil {
 		return nil, err
 	}
-	p, err := sandboxPath(s, hdr.GetPath())
+	p, err := sandboxPath(c, hdr.GetPath())
 	if err != nil {
 		return nil, err
 	}
@@ -144,15 +144,15 @@ func (n *Node) WriteFile(ctx context.Context, hdr *dsecv1.WriteFileHeader, r io.
 	if err := guest.ValidateMetadata(md); err != nil {
 		return nil, errdefs.Invalid("%v", err)
 	}
-	user := fileUser(s, hdr.GetUser())
+	user := fileUser(c, hdr.GetUser())
 	m := mutation{
-		entry:       &dsecv1.LogEntry{Op: "write_file", Path: p, Mode: hdr.GetMode(), User: user, Metadata: md},
+		entry:       &dsecv1.LogEntry{Op: "write_file", Container: c.name, Path: p, Mode: hdr.GetMode(), User: user, Metadata: md},
 		requestID:   hdr.GetRequestId(),
 		fingerprint: append([]string{"write_file", p, fmt.Sprint(hdr.GetMode()), fmt.Sprint(hdr.GetAppend()), user}, metadataPairs(md)...),
 	}
 	var info *guestv1.FileInfo
 	_, replay, err := n.logged(ctx, s, m, func(e *dsecv1.LogEntry) error {
-		fg, err := s.files()
+		fg, err := c.files()
 		if err != nil {
 			return err
 		}
@@ -208,15 +208,15 @@ func (t *touchReader) Read(p []byte) (int, error) {
 // Stat returns a file's info.
 func (n *Node) Stat(ctx context.Context, req *dsecv1.StatRequest) (_ *dsecv1.FileInfo, err error) {
 	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
-	s, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetPath())
+	s, c, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetContainer(), req.GetPath())
 	if err != nil {
 		return nil, err
 	}
-	fg, err := s.files()
+	fg, err := c.files()
 	if err != nil {
 		return nil, err
 	}
-	info, err := fg.Stat(ctx, &guestv1.Path{Path: p, User: fileUser(s, req.GetUser())})
+	info, err := fg.Stat(ctx, &guestv1.Path{Path: p, User: fileUser(c, req.GetUser())})
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}
@@ -226,14 +226,14 @@ func (n *Node) Stat(ctx context.Context, req *dsecv1.StatRequest) (_ *dsecv1.Fil
 // MakeDir creates a directory and its parents, and logs it.
 func (n *Node) MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (_ *dsecv1.FileInfo, err error) {
 	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
-	s, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetPath())
+	s, c, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetContainer(), req.GetPath())
 	if err != nil {
 		return nil, err
 	}
-	user := fileUser(s, req.GetUser())
+	user := fileUser(c, req.GetUser())
 	var info *guestv1.FileInfo
-	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "make_dir", Path: p, User: user}}, func(*dsecv1.LogEntry) (err error) {
-		fg, err := s.files()
+	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "make_dir", Container: c.name, Path: p, User: user}}, func(*dsecv1.LogEntry) (err error) {
+		fg, err := c.files()
 		if err != nil {
 			return err
 		}
@@ -249,18 +249,18 @@ func (n *Node) MakeDir(ctx context.Context, req *dsecv1.MakeDirRequest) (_ *dsec
 // Rename moves a file or directory, and logs it.
 func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (_ *dsecv1.FileInfo, err error) {
 	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
-	s, from, err := n.pathIn(ctx, req.GetSandboxId(), req.GetFrom())
+	s, c, from, err := n.pathIn(ctx, req.GetSandboxId(), req.GetContainer(), req.GetFrom())
 	if err != nil {
 		return nil, err
 	}
-	to, err := sandboxPath(s, req.GetTo())
+	to, err := sandboxPath(c, req.GetTo())
 	if err != nil {
 		return nil, err
 	}
-	user := fileUser(s, req.GetUser())
+	user := fileUser(c, req.GetUser())
 	var info *guestv1.FileInfo
-	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "rename", Path: from, To: to, User: user}}, func(*dsecv1.LogEntry) (err error) {
-		fg, err := s.files()
+	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "rename", Container: c.name, Path: from, To: to, User: user}}, func(*dsecv1.LogEntry) (err error) {
+		fg, err := c.files()
 		if err != nil {
 			return err
 		}
@@ -276,17 +276,17 @@ func (n *Node) Rename(ctx context.Context, req *dsecv1.RenameRequest) (_ *dsecv1
 // ChangeMode sets a path's permission bits, and logs it.
 func (n *Node) ChangeMode(ctx context.Context, req *dsecv1.ChangeModeRequest) (_ *dsecv1.FileInfo, err error) {
 	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
-	s, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetPath())
+	s, c, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetContainer(), req.GetPath())
 	if err != nil {
 		return nil, err
 	}
 	if req.GetMode()&^0o7777 != 0 {
 		return nil, errdefs.Invalid("mode %#o has bits beyond 07777", req.GetMode())
 	}
-	user := fileUser(s, req.GetUser())
+	user := fileUser(c, req.GetUser())
 	var info *guestv1.FileInfo
-	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "change_mode", Path: p, Mode: req.GetMode(), User: user}}, func(*dsecv1.LogEntry) (err error) {
-		fg, err := s.files()
+	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "change_mode", Container: c.name, Path: p, Mode: req.GetMode(), User: user}}, func(*dsecv1.LogEntry) (err error) {
+		fg, err := c.files()
 		if err != nil {
 			return err
 		}
@@ -302,13 +302,13 @@ func (n *Node) ChangeMode(ctx context.Context, req *dsecv1.ChangeModeRequest) (_
 // Remove removes a file or a tree, and logs it.
 func (n *Node) Remove(ctx context.Context, req *dsecv1.RemoveRequest) (err error) {
 	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
-	s, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetPath())
+	s, c, p, err := n.pathIn(ctx, req.GetSandboxId(), req.GetContainer(), req.GetPath())
 	if err != nil {
 		return err
 	}
-	user := fileUser(s, req.GetUser())
-	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "remove", Path: p, Recursive: req.GetRecursive(), User: user}}, func(*dsecv1.LogEntry) error {
-		fg, err := s.files()
+	user := fileUser(c, req.GetUser())
+	_, _, err = n.logged(ctx, s, mutation{entry: &dsecv1.LogEntry{Op: "remove", Container: c.name, Path: p, Recursive: req.GetRecursive(), User: user}}, func(*dsecv1.LogEntry) error {
+		fg, err := c.files()
 		if err != nil {
 			return err
 		}
@@ -323,22 +323,22 @@ func (n *Node) Remove(ctx context.Context, req *dsecv1.RemoveRequest) (err error
 // ListDir lists a directory.
 func (n *Node) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (_ *dsecv1.ListDirResponse, err error) {
 	defer n.m.Observe(ctx, metrics.OpFile, n.kindOf(req.GetSandboxId()), time.Now(), &err)
-	s, err := n.live(ctx, req.GetSandboxId())
+	s, c, err := n.ctrIn(ctx, req.GetSandboxId(), req.GetContainer())
 	if err != nil {
 		return nil, err
 	}
-	p, err := sandboxPath(s, req.GetPath())
+	p, err := sandboxPath(c, req.GetPath())
 	if err != nil {
 		return nil, err
 	}
 	if req.GetDepth() < 0 || req.GetDepth() > 64 {
 		return nil, errdefs.Invalid("depth must be between 0 and 64")
 	}
-	fg, err := s.files()
+	fg, err := c.files()
 	if err != nil {
 		return nil, err
 	}
-	ents, err := fg.ListDir(ctx, &guestv1.ListDir{Path: p, Depth: req.GetDepth(), User: fileUser(s, req.GetUser())})
+	ents, err := fg.ListDir(ctx, &guestv1.ListDir{Path: p, Depth: req.GetDepth(), User: fileUser(c, req.GetUser())})
 	if err != nil {
 		return nil, n.callFailed(s, err)
 	}
@@ -351,35 +351,48 @@ func (n *Node) ListDir(ctx context.Context, req *dsecv1.ListDirRequest) (_ *dsec
 
 // pathIn returns a live sandbox and a path of the caller's made absolute
 // in it (see sandboxPath).
-func (n *Node) pathIn(ctx context.Context, id, p string) (*sandbox, string, error) {
+func (n *Node) pathIn(ctx context.Context, id, container, p string) (*sandbox, *ctr, string, error) {
+	s, c, err := n.ctrIn(ctx, id, container)
+	if err != nil {
+		return nil, nil, "", err
+	}
+	p, err = sandboxPath(c, p)
+	if err != nil {
+		return nil, nil, "", err
+	}
+	return s, c, p, nil
+}
+
+// ctrIn returns a live sandbox and its container the call names.
+func (n *Node) ctrIn(ctx context.Context, id, container string) (*sandbox, *ctr, error) {
 	s, err := n.live(ctx, id)
 	if err != nil {
-		return nil, "", err
+		return nil, nil, err
 	}
-	p, err = sandboxPath(s, p)
+	c, err := s.ctrOf(container)
 	if err != nil {
-		return nil, "", err
+		return nil, nil, err
 	}
-	return s, p, nil
+	return s, c, nil
 }
 
 // WatchDir streams changes under a directory until ctx ends: "started" once
 // the watch is in place, then one event per change, keepalives on quiet
 // streams and "overflow" when the kernel dropped events.
 func (n *Node) WatchDir(ctx context.Context, req *dsecv1.WatchDirRequest, send func(*dsecv1.WatchDirEvent) error) error {
-	s, err := n.live(ctx, req.GetSandboxId())
+	s, c, err := n.ctrIn(ctx, req.GetSandboxId(), req.GetContainer())
 	if err != nil {
 		return err
 	}
-	p, err := sandboxPath(s, req.GetPath())
+	p, err := sandboxPath(c, req.GetPath())
 	if err != nil {
 		return err
 	}
-	fg, err := s.files()
+	fg, err := c.files()
 	if err != nil {
 		return err
 	}
-	w, err := fg.Watch(ctx, &guestv1.Watch{Path: p, Recursive: req.GetRecursive(), User: fileUser(s, req.GetUser()), IncludeInfo: req.GetIncludeInfo()})
+	w, err := fg.Watch(ctx, &guestv1.Watch{Path: p, Recursive: req.GetRecursive(), User: fileUser(c, req.GetUser()), IncludeInfo: req.GetIncludeInfo()})
 	if err != nil {
 		return n.callFailed(s, err)
 	}

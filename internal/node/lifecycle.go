@@ -60,11 +60,11 @@ func (n *Node) freezeLocked(ctx context.Context, s *sandbox) error {
 	if !s.pausesAtTimeout() {
 		return p.Pause(ctx)
 	}
-	if err := s.inst.Guest().SetDeadline(ctx, time.Time{}); err != nil {
+	if err := n.setDeadline(ctx, s, time.Time{}); err != nil {
 		return err
 	}
 	if err := p.Pause(ctx); err != nil {
-		s.inst.Guest().SetDeadline(context.WithoutCancel(ctx), n.deadline(s))
+		n.setDeadline(context.WithoutCancel(ctx), s, n.deadline(s))
 		return err
 	}
 	return nil
@@ -93,7 +93,7 @@ func (n *Node) resumeLocked(ctx context.Context, s *sandbox) error {
 	if s.pausesAtTimeout() {
 		// The node enforces the TTL on its own; the agent's deadline is
 		// the fallback for a node that is gone.
-		if err := s.inst.Guest().SetDeadline(context.WithoutCancel(ctx), n.deadline(s)); err != nil {
+		if err := n.setDeadline(context.WithoutCancel(ctx), s, n.deadline(s)); err != nil {
 			n.log.Warn("set the agent's deadline after a resume", slog.String("sandbox_id", s.id), slog.Any("error", err))
 		}
 	}

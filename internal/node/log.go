@@ -49,6 +49,9 @@ func (n *Node) logged(ctx context.Context, s *sandbox, m mutation, run func(*dse
 		return nil, nil, errdefs.Internal(err, "open trajectory log")
 	}
 	var claim func(*dsecv1.LogEntry) (*dsecv1.LogEntry, error)
+	if c := m.entry.GetContainer(); c != "" {
+		m.fingerprint = append(m.fingerprint, "container", c)
+	}
 	if m.requestID != "" {
 		replay, claim, err = log.Claim(m.requestID, trajectory.Fingerprint(m.fingerprint...), ctx.Done())
 		if err != nil || replay != nil {

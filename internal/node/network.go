@@ -86,7 +86,7 @@ func (n *Node) netOptions(project string, spec *dsecv1.SandboxSpec) (network.Opt
 	if err != nil {
 		return network.Options{}, err
 	}
-	return network.Options{Mode: spec.Network.GetMode(), Policy: p, BandwidthMbps: spec.Resources.GetBandwidthMbps()}, nil
+	return network.Options{Mode: spec.Network.GetMode(), Policy: p, BandwidthMbps: spec.Resources.GetBandwidthMbps(), Shared: len(spec.Sidecars) > 0}, nil
 }
 
 // redacted is a network as answers show it: credentials without values.
@@ -235,7 +235,7 @@ var _ = time.Now
 // attachmentJSON is the persisted form of an egress sandbox's network
 // attachment (nil for none).
 func attachmentJSON(a *network.Attachment) []byte {
-	if a == nil || a.Mode != network.ModeEgress {
+	if a == nil || (a.Mode != network.ModeEgress && a.NetNS == "") {
 		return nil
 	}
 	b, _ := jsonMarshal(a)

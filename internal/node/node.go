@@ -121,6 +121,9 @@ func (c *Config) defaults() {
 	if c.DefaultCPU == 0 {
 		c.DefaultCPU = 1
 	}
+	if c.MaxVolumeMB == 0 {
+		c.MaxVolumeMB = 100 << 10 // as the volume manager's default
+	}
 	if c.MaxCPU == 0 {
 		c.MaxCPU = float64(hostCPUs())
 	}
@@ -447,6 +450,9 @@ func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
 		ExpiresAt:    timestamppb.New(s.expires),
 		LastActiveAt: timestamppb.New(time.Unix(0, s.lastActive.Load())),
 	}
+	if s.inst != nil {
+		sb.Sidecars = s.sidecarStatus()
+	}
 	if s.timedOut {
 		sb.Reason = "ttl expired: paused (on_timeout pause) until expires_at"
 	}
@@ -529,7 +535,7 @@ func (n *Node) Keepalive(ctx context.Context, req *dsecv1.KeepaliveRequest) (*ds
 		s.expires = time.Now().Add(time.Duration(ext) * time.Second)
 		exp := s.expires
 		s.mu.Unlock()
-		if err := s.inst.Guest().SetDeadline(ctx, exp.Add(n.cfg.deadlineGrace)); err != nil {
+		if err := n.setDeadline(ctx, s, exp.Add(n.cfg.deadlineGrace)); err != nil {
 			return nil, n.callFailed(s, err)
 		}
 		s.rec = s.record()
@@ -656,7 +662,11 @@ func (n *Node) adopt() {
 			aerr = errdefs.Unavailable("no %s driver on this node", r.Kind)
 		} else {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			inst, aerr = drv.Attach(ctx, &substrate.Spec{ID: r.ID, Dir: s.dir}, r.Driver)
+			if len(spec.Sidecars) > 0 {
+				inst, aerr = n.attachGroup(ctx, drv, s, r.Driver)
+			} else {
+				inst, aerr = drv.Attach(ctx, &substrate.Spec{ID: r.ID, Dir: s.dir}, r.Driver)
+			}
 			cancel()
 		}
 		s.inst = inst
@@ -668,6 +678,11 @@ func (n *Node) adopt() {
 		n.sandboxes.commit(s)
 		n.readoptVolumes(s)
 		n.watch(s)
+		// Its sidecars are known to the sweep below only now: those of a
+		// sandbox that was not re-adopted go with it.
+		for _, id := range memberIDs(r.ID, spec) {
+			known[id] = true
+		}
 		n.log.Info("sandbox re-adopted", slog.String("sandbox_id", r.ID))
 	}
 	for _, d := range n.drivers {

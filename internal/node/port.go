@@ -24,7 +24,13 @@ func (n *Node) DialPort(ctx context.Context, id string, port uint32) (net.Conn, 
 	if err != nil {
 		return nil, err
 	}
-	pg, err := guestCan[substrate.PortGuest](s, "cannot reach its ports")
+	main, err := s.ctrOf("")
+	if err != nil {
+		return nil, err
+	}
+	// Sidecars share the main container's network namespace: its agent
+	// reaches their ports too.
+	pg, err := guestCan[substrate.PortGuest](main, "cannot reach its ports")
 	if err != nil {
 		return nil, err
 	}

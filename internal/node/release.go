@@ -66,6 +66,7 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 	}
 	n.net.Release(s.net)
 	n.volumes.Release(s.id)
+	n.dropShared(s)
 	if s.dir != "" {
 		n.discardDir(s.dir)
 	}

@@ -59,21 +59,12 @@ type sandbox struct {
 
 func (s *sandbox) touch() { s.lastActive.Store(time.Now().UnixNano()) }
 
-// procs is s's agent's processes that outlive their call.
-func (s *sandbox) procs() (substrate.ProcessGuest, error) {
-	return guestCan[substrate.ProcessGuest](s, "runs commands to completion only (use exec)")
-}
-
-// files is s's agent's file calls.
-func (s *sandbox) files() (substrate.FileGuest, error) {
-	return guestCan[substrate.FileGuest](s, "has no files (use kind container)")
-}
-
-// guestCan is can for s's agent (substrate.ProcessGuest, FileGuest).
-func guestCan[T any](s *sandbox, cannot string) (T, error) {
-	v, ok := s.inst.Guest().(T)
+// guestCan is can for a container's agent (substrate.ProcessGuest,
+// FileGuest).
+func guestCan[T any](c *ctr, cannot string) (T, error) {
+	v, ok := c.guest.(T)
 	if !ok {
-		return v, errdefs.Unimplemented("kind %q %s", s.spec.Kind, cannot)
+		return v, errdefs.Unimplemented("kind %q %s", c.s.spec.Kind, cannot)
 	}
 	return v, nil
 }

@@ -69,6 +69,10 @@ func done[T any](err error) (*connect.Response[T], error) {
 // CreateSandbox starts a sandbox of the caller's project on this node.
 func (s *Service) CreateSandbox(ctx context.Context, req *connect.Request[dsecv1.CreateSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error) {
 	m := req.Msg
+	if m.GetCompose() != "" || len(m.GetComposeOverrides()) > 0 {
+		// The API server reads compose files; a node is given specs.
+		return nil, errwire.ToConnect(errdefs.Invalid("a node takes specs, not compose files: create through the API"))
+	}
 	return answer(s.n.create(ctx, m.GetSpec(), m.GetIdempotencyKey(), tenant.Project(ctx), nil))
 }
 

@@ -83,12 +83,24 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 	// Held until the record names it: a GC meanwhile (another fork's
 	// snapshot released) would take it.
 	defer release()
+	// Each sidecar is captured the same way, one after another (the group
+	// is not frozen as one: each container is, while its layer is read).
+	var sidecars []image.SnapshotSidecar
+	if g, ok := s.inst.(*group); ok {
+		var releaseSidecars func()
+		if sidecars, releaseSidecars, err = n.snapshotSidecars(ctx, s, g); err != nil {
+			return nil, err
+		}
+		defer releaseSidecars()
+	}
+	shared, sharedMounts := sharedMeta(s.spec)
 	cfg := n.snapshotConfig(s)
 	id := n.newSnapshotID()
 	rec := &image.Image{
-		Name: id, Owner: s.project, Layers: append(append([]string(nil), s.layers...), diff), Size: size,
+		Name: id, Owner: s.project, Layers: append(mainLayers(s), diff), Size: size,
 		Created: time.Now().UTC(), Source: "snapshot:" + s.id, Config: cfg, Digest: diff,
-		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size, Ephemeral: ephemeral, ForkKey: forkKey},
+		Snapshot: &image.SnapshotMeta{ID: id, Name: req.GetName(), SandboxID: s.id, Kind: s.spec.Kind, BaseImage: s.spec.Image, Size: size, Ephemeral: ephemeral, ForkKey: forkKey,
+			Sidecars: sidecars, Aliases: s.spec.Aliases, Shared: shared, SharedMounts: sharedMounts},
 	}
 	if err := n.images.Put(rec); err != nil {
 		return nil, err
@@ -370,6 +382,9 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (_ *dsecv1.Cre
 	}()
 	base := parent.currentSpec()
 	base.Snapshot, base.Image = snap.Id, ""
+	// The children's sidecars (and the names they answer to) come from
+	// the snapshot, each from its own captured layer.
+	base.Sidecars, base.Aliases = nil, nil
 	labels := map[string]string{}
 	for k, v := range base.Labels {
 		if !strings.HasPrefix(k, "dsec.io/") {

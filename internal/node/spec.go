@@ -86,24 +86,10 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 		spec.Resources = &dsecv1.Resources{}
 	}
 	r := spec.Resources
-	if r.Cpu == 0 {
-		r.Cpu = n.cfg.DefaultCPU
-	}
-	if r.MemoryMb == 0 {
-		r.MemoryMb = n.cfg.DefaultMemoryMB
-	}
-	if r.Pids == 0 {
-		r.Pids = n.cfg.DefaultPids
+	if err := n.defaultResources(r); err != nil {
+		return nil, err
 	}
 	switch {
-	case math.IsNaN(r.Cpu) || r.Cpu < 0.01 || r.Cpu > n.cfg.MaxCPU:
-		return nil, errdefs.Invalid("resources.cpu %g out of range [0.01, %g]", r.Cpu, n.cfg.MaxCPU)
-	case r.MemoryMb < 16 || r.MemoryMb > n.cfg.MaxMemoryMB:
-		return nil, errdefs.Invalid("resources.memory_mb %d out of range [16, %d]", r.MemoryMb, n.cfg.MaxMemoryMB)
-	case r.Pids < 8 || r.Pids > n.cfg.MaxPids:
-		return nil, errdefs.Invalid("resources.pids %d out of range [8, %d]", r.Pids, n.cfg.MaxPids)
-	case r.DiskMb < 0:
-		return nil, errdefs.Invalid("resources.disk_mb must not be negative")
 	case r.Gpu < 0:
 		return nil, errdefs.Invalid("resources.gpu must not be negative")
 	case r.Gpu > 0:
@@ -166,6 +152,12 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 	if err := n.normalizeNetwork(project, spec); err != nil {
 		return nil, err
 	}
+	if spec.Snapshot != "" && imgErr == nil {
+		restoreShared(spec, img)
+	}
+	if err := n.normalizeShared(spec); err != nil {
+		return nil, err
+	}
 	if err := n.normalizeVolumes(project, spec, caps); err != nil {
 		return nil, err
 	}
@@ -209,7 +201,39 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 		}
 		spec.Labels[SessionLabel] = spec.Session
 	}
+	var from *image.Image
+	if spec.Snapshot != "" {
+		from = img
+	}
+	if err := n.normalizeSidecars(project, spec, from); err != nil {
+		return nil, err
+	}
 	return img, nil
+}
+
+// defaultResources gives r's unset cpu, memory and pids the node's
+// defaults and checks them, and the disk size, against its maxima.
+func (n *Node) defaultResources(r *dsecv1.Resources) error {
+	if r.Cpu == 0 {
+		r.Cpu = n.cfg.DefaultCPU
+	}
+	if r.MemoryMb == 0 {
+		r.MemoryMb = n.cfg.DefaultMemoryMB
+	}
+	if r.Pids == 0 {
+		r.Pids = n.cfg.DefaultPids
+	}
+	switch {
+	case math.IsNaN(r.Cpu) || r.Cpu < 0.01 || r.Cpu > n.cfg.MaxCPU:
+		return errdefs.Invalid("resources.cpu %g out of range [0.01, %g]", r.Cpu, n.cfg.MaxCPU)
+	case r.MemoryMb < 16 || r.MemoryMb > n.cfg.MaxMemoryMB:
+		return errdefs.Invalid("resources.memory_mb %d out of range [16, %d]", r.MemoryMb, n.cfg.MaxMemoryMB)
+	case r.Pids < 8 || r.Pids > n.cfg.MaxPids:
+		return errdefs.Invalid("resources.pids %d out of range [8, %d]", r.Pids, n.cfg.MaxPids)
+	case r.DiskMb < 0:
+		return errdefs.Invalid("resources.disk_mb must not be negative")
+	}
+	return nil
 }
 
 // runtimeNames lists c's runtimes for an error message ("" if none).

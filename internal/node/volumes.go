@@ -130,6 +130,9 @@ func (n *Node) normalizeVolumes(project string, spec *dsecv1.SandboxSpec, caps s
 	}
 	ctx := tenant.With(context.Background(), tenant.Caller{Project: project})
 	for _, m := range vols {
+		if sharedVolume(spec, m.GetName()) != nil {
+			continue // the sandbox's own (shared.go)
+		}
 		if _, err := n.volumeOf(ctx, project, m.GetName()); err != nil {
 			return err
 		}
@@ -164,6 +167,9 @@ func (n *Node) holdVolumes(s *sandbox, project string) ([]substrate.VolumeMount,
 	var out []substrate.VolumeMount
 	ctx := tenant.With(context.Background(), tenant.Caller{Project: project})
 	for _, m := range s.spec.GetVolumes() {
+		if sharedVolume(s.spec, m.GetName()) != nil {
+			continue // below
+		}
 		v, err := n.volumeOf(ctx, project, m.GetName())
 		if err != nil {
 			return nil, err
@@ -177,7 +183,7 @@ func (n *Node) holdVolumes(s *sandbox, project string) ([]substrate.VolumeMount,
 		}
 		out = append(out, substrate.VolumeMount{Source: src, Path: m.GetPath(), ReadOnly: m.GetReadOnly()})
 	}
-	return out, nil
+	return append(out, sharedMounts(s, s.spec.GetVolumes())...), nil
 }
 
 // readoptVolumes takes a re-adopted sandbox's volumes again (its mount
@@ -185,6 +191,9 @@ func (n *Node) holdVolumes(s *sandbox, project string) ([]substrate.VolumeMount,
 func (n *Node) readoptVolumes(s *sandbox) {
 	ctx := tenant.With(context.Background(), tenant.Caller{Project: s.project})
 	for _, m := range s.spec.GetVolumes() {
+		if sharedVolume(s.spec, m.GetName()) != nil {
+			continue
+		}
 		v, err := n.volumeOf(ctx, s.project, m.GetName())
 		if err == nil {
 			err = n.volumes.Hold(v.ID, s.id, m.GetReadOnly())
@@ -198,7 +207,7 @@ func (n *Node) readoptVolumes(s *sandbox) {
 // readWriteVolume names a volume spec mounts read-write ("" if none).
 func readWriteVolume(spec *dsecv1.SandboxSpec) string {
 	for _, m := range spec.GetVolumes() {
-		if !m.GetReadOnly() {
+		if !m.GetReadOnly() && sharedVolume(spec, m.GetName()) == nil {
 			return m.GetName()
 		}
 	}

@@ -57,6 +57,8 @@ type Request struct {
 	// Image must be present on the node ("" for none): shared, or Project's
 	// own (its load report lists tenant.ImageKey(Project, Image)).
 	Image string
+	// Images must be present too (a sandbox's sidecars' images).
+	Images []string
 	// Selector must be a subset of the node's labels.
 	Selector map[string]string
 	// Exclude rules nodes out with a reason (nodes that refused this
@@ -222,8 +224,10 @@ func (p *Placer) unfitLocked(n *Node, req *Request) string {
 	if !n.Kinds[req.Kind] {
 		return "no " + req.Kind + " substrate"
 	}
-	if req.Image != "" && !n.Images[req.Image] && !n.Images[tenant.ImageKey(req.Project, req.Image)] {
-		return "no image " + req.Image
+	for _, img := range append([]string{req.Image}, req.Images...) {
+		if img != "" && !n.Images[img] && !n.Images[tenant.ImageKey(req.Project, img)] {
+			return "no image " + img
+		}
 	}
 	for k, v := range req.Selector {
 		if lv, ok := n.Labels[k]; !ok || lv != v {

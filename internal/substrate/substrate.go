@@ -133,6 +133,10 @@ type Spec struct {
 	User     string
 	Workdir  string
 	Hostname string
+	// Hosts are further names that resolve to 127.0.0.1 inside (the
+	// names of a sandbox's containers, which share one network
+	// namespace). Drivers that write no hosts file ignore them.
+	Hosts []string
 
 	CPU      float64
 	MemoryMB int64

@@ -50,6 +50,17 @@ type CreateOptions struct {
 	// Volumes mounts volumes of the caller's project (CreateVolume); kind
 	// container only.
 	Volumes []VolumeMount
+	// Compose is a Compose file (YAML, variables substituted: see
+	// docs/sidecars.md): its main service makes the main container, the
+	// others sidecars. Image and Sidecars are then left empty.
+	Compose string
+	// ComposeOverrides are Compose files laid over Compose, in order, as
+	// `docker compose -f base -f override` merges them.
+	ComposeOverrides []string
+	// Sidecars are further containers sharing the sandbox's network
+	// (database, service under test, MCP server); reach one with
+	// Sandbox.Container.
+	Sidecars []*dsecv1.Sidecar
 }
 
 func (o CreateOptions) spec() *dsecv1.SandboxSpec {
@@ -63,6 +74,7 @@ func (o CreateOptions) spec() *dsecv1.SandboxSpec {
 		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network, Policy: o.Policy.proto()},
 		User: o.User, Workdir: o.Workdir, Snapshot: o.Snapshot, Session: o.Session,
 		NodeSelector: o.NodeSelector, Runtime: o.Runtime, OnTimeout: o.OnTimeout, Volumes: volumeMounts(o.Volumes),
+		Sidecars: o.Sidecars,
 	}
 }
 
@@ -71,11 +83,23 @@ type Sandbox struct {
 	ID   string
 	Info *dsecv1.Sandbox
 	c    *Client
+	// container is the sidecar the handle's exec, process and file calls
+	// act in ("": the main container).
+	container string
+}
+
+// Container is a handle whose exec, process and file calls act in the
+// sandbox's sidecar name ("" or "main": the main container); its other
+// calls act on the whole sandbox, as s's do.
+func (s *Sandbox) Container(name string) *Sandbox {
+	c := *s
+	c.container = name
+	return &c
 }
 
 // Create starts a sandbox.
 func (c *Client) Create(ctx context.Context, o CreateOptions) (*Sandbox, error) {
-	r, err := c.raw.CreateSandbox(ctx, connect.NewRequest(&dsecv1.CreateSandboxRequest{Spec: o.spec(), IdempotencyKey: o.IdempotencyKey}))
+	r, err := c.raw.CreateSandbox(ctx, connect.NewRequest(&dsecv1.CreateSandboxRequest{Spec: o.spec(), IdempotencyKey: o.IdempotencyKey, Compose: o.Compose, ComposeOverrides: o.ComposeOverrides}))
 	if err != nil {
 		return nil, err
 	}
@@ -156,16 +180,16 @@ func Cmd(cmd string) ExecOptions { return ExecOptions{Cmd: cmd} }
 // Argv is ExecOptions for a command and its arguments.
 func Argv(argv ...string) ExecOptions { return ExecOptions{Argv: argv} }
 
-func (o ExecOptions) request(id string) *dsecv1.ExecRequest {
+func (o ExecOptions) request(id, container string) *dsecv1.ExecRequest {
 	return &dsecv1.ExecRequest{
-		SandboxId: id, Argv: o.Argv, Cmd: o.Cmd, Env: o.Env, Cwd: o.Cwd, User: o.User, Stdin: o.Stdin,
+		SandboxId: id, Container: container, Argv: o.Argv, Cmd: o.Cmd, Env: o.Env, Cwd: o.Cwd, User: o.User, Stdin: o.Stdin,
 		TimeoutS: o.Timeout.Seconds(), MaxOutputBytes: o.MaxOutputBytes, Pty: o.PTY, PtyRows: o.Rows, PtyCols: o.Cols, Tag: o.Tag, RequestId: o.RequestID,
 	}
 }
 
 // Exec runs a command to completion.
 func (s *Sandbox) Exec(ctx context.Context, o ExecOptions) (*dsecv1.ExecResult, error) {
-	r, err := s.c.raw.Exec(ctx, connect.NewRequest(o.request(s.ID)))
+	r, err := s.c.raw.Exec(ctx, connect.NewRequest(o.request(s.ID, s.container)))
 	if err != nil {
 		return nil, err
 	}
@@ -182,7 +206,7 @@ type Stream struct {
 // Start starts a command and returns once it runs. With stdinOpen, write
 // its stdin with Stream.Write and Stream.CloseStdin.
 func (s *Sandbox) Start(ctx context.Context, o ExecOptions, stdinOpen bool) (*Stream, error) {
-	req := o.request(s.ID)
+	req := o.request(s.ID, s.container)
 	req.StdinOpen = stdinOpen
 	st, err := s.c.raw.ExecStream(ctx, connect.NewRequest(req))
 	if err != nil {
@@ -221,7 +245,7 @@ func (x *Stream) Next() (*dsecv1.ExecEvent, error) {
 
 // Write sends data to the process's stdin.
 func (x *Stream) Write(p []byte) (int, error) {
-	_, err := x.s.c.raw.WriteStdin(context.Background(), connect.NewRequest(&dsecv1.WriteStdinRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Data: p}))
+	_, err := x.s.c.raw.WriteStdin(context.Background(), connect.NewRequest(&dsecv1.WriteStdinRequest{SandboxId: x.s.ID, Container: x.s.container, ProcessId: x.ProcessID, Data: p}))
 	if err != nil {
 		return 0, err
 	}
@@ -230,19 +254,19 @@ func (x *Stream) Write(p []byte) (int, error) {
 
 // CloseStdin closes the process's stdin.
 func (x *Stream) CloseStdin() error {
-	_, err := x.s.c.raw.WriteStdin(context.Background(), connect.NewRequest(&dsecv1.WriteStdinRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Close: true}))
+	_, err := x.s.c.raw.WriteStdin(context.Background(), connect.NewRequest(&dsecv1.WriteStdinRequest{SandboxId: x.s.ID, Container: x.s.container, ProcessId: x.ProcessID, Close: true}))
 	return err
 }
 
 // Signal signals the process group ("INT", "TERM", "KILL", ...).
 func (x *Stream) Signal(ctx context.Context, sig string) error {
-	_, err := x.s.c.raw.SignalProcess(ctx, connect.NewRequest(&dsecv1.SignalProcessRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Signal: sig}))
+	_, err := x.s.c.raw.SignalProcess(ctx, connect.NewRequest(&dsecv1.SignalProcessRequest{SandboxId: x.s.ID, Container: x.s.container, ProcessId: x.ProcessID, Signal: sig}))
 	return err
 }
 
 // Resize resizes the process's PTY.
 func (x *Stream) Resize(ctx context.Context, rows, cols uint32) error {
-	_, err := x.s.c.raw.ResizePTY(ctx, connect.NewRequest(&dsecv1.ResizePTYRequest{SandboxId: x.s.ID, ProcessId: x.ProcessID, Rows: rows, Cols: cols}))
+	_, err := x.s.c.raw.ResizePTY(ctx, connect.NewRequest(&dsecv1.ResizePTYRequest{SandboxId: x.s.ID, Container: x.s.container, ProcessId: x.ProcessID, Rows: rows, Cols: cols}))
 	return err
 }
 
@@ -274,10 +298,23 @@ func (x *Stream) Wait(stdout, stderr io.Writer) (*dsecv1.ExecResult, error) {
 	}
 }
 
+// Logs writes a sidecar's output (its service process; call it on
+// Sandbox.Container) kept so far, then follows it until the sidecar's
+// process exits or ctx ends, and returns its exit.
+func (s *Sandbox) Logs(ctx context.Context, stdout, stderr io.Writer) (*dsecv1.ExecResult, error) {
+	st, err := s.c.raw.ConnectProcess(ctx, connect.NewRequest(&dsecv1.ConnectProcessRequest{SandboxId: s.ID, Container: s.container, Tag: "service"}))
+	if err != nil {
+		return nil, err
+	}
+	x := &Stream{s: s, st: st}
+	defer x.Close()
+	return x.Wait(stdout, stderr)
+}
+
 // WriteFile streams r into path (mode 0 means 0644).
 func (s *Sandbox) WriteFile(ctx context.Context, path string, r io.Reader, mode uint32) (*dsecv1.FileInfo, error) {
 	st := s.c.raw.WriteFile(ctx)
-	if err := st.Send(&dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Header{Header: &dsecv1.WriteFileHeader{SandboxId: s.ID, Path: path, Mode: mode}}}); err != nil && !errors.Is(err, io.EOF) {
+	if err := st.Send(&dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Header{Header: &dsecv1.WriteFileHeader{SandboxId: s.ID, Container: s.container, Path: path, Mode: mode}}}); err != nil && !errors.Is(err, io.EOF) {
 		return nil, asError(err)
 	}
 	buf := make([]byte, 256<<10)
@@ -306,7 +343,7 @@ func (s *Sandbox) WriteFile(ctx context.Context, path string, r io.Reader, mode 
 
 // ReadFile streams path into w.
 func (s *Sandbox) ReadFile(ctx context.Context, path string, w io.Writer) (*dsecv1.FileInfo, error) {
-	st, err := s.c.raw.ReadFile(ctx, connect.NewRequest(&dsecv1.ReadFileRequest{SandboxId: s.ID, Path: path}))
+	st, err := s.c.raw.ReadFile(ctx, connect.NewRequest(&dsecv1.ReadFileRequest{SandboxId: s.ID, Container: s.container, Path: path}))
 	if err != nil {
 		return nil, err
 	}
@@ -337,7 +374,7 @@ func readChunks[R any, I comparable](st *connect.ServerStreamForClient[R], w io.
 
 // Stat returns a file's info.
 func (s *Sandbox) Stat(ctx context.Context, path string) (*dsecv1.FileInfo, error) {
-	r, err := s.c.raw.Stat(ctx, connect.NewRequest(&dsecv1.StatRequest{SandboxId: s.ID, Path: path}))
+	r, err := s.c.raw.Stat(ctx, connect.NewRequest(&dsecv1.StatRequest{SandboxId: s.ID, Container: s.container, Path: path}))
 	if err != nil {
 		return nil, asError(err)
 	}
@@ -346,7 +383,7 @@ func (s *Sandbox) Stat(ctx context.Context, path string) (*dsecv1.FileInfo, erro
 
 // ChangeMode sets a path's permission bits (chmod), as the sandbox's user.
 func (s *Sandbox) ChangeMode(ctx context.Context, path string, mode uint32) (*dsecv1.FileInfo, error) {
-	r, err := s.c.raw.ChangeMode(ctx, connect.NewRequest(&dsecv1.ChangeModeRequest{SandboxId: s.ID, Path: path, Mode: mode}))
+	r, err := s.c.raw.ChangeMode(ctx, connect.NewRequest(&dsecv1.ChangeModeRequest{SandboxId: s.ID, Container: s.container, Path: path, Mode: mode}))
 	if err != nil {
 		return nil, asError(err)
 	}
@@ -355,7 +392,7 @@ func (s *Sandbox) ChangeMode(ctx context.Context, path string, mode uint32) (*ds
 
 // ListDir lists a directory.
 func (s *Sandbox) ListDir(ctx context.Context, path string, depth int32) ([]*dsecv1.FileInfo, error) {
-	r, err := s.c.raw.ListDir(ctx, connect.NewRequest(&dsecv1.ListDirRequest{SandboxId: s.ID, Path: path, Depth: depth}))
+	r, err := s.c.raw.ListDir(ctx, connect.NewRequest(&dsecv1.ListDirRequest{SandboxId: s.ID, Container: s.container, Path: path, Depth: depth}))
 	if err != nil {
 		return nil, asError(err)
 	}
@@ -364,7 +401,7 @@ func (s *Sandbox) ListDir(ctx context.Context, path string, depth int32) ([]*dse
 
 // Processes lists the sandbox's processes.
 func (s *Sandbox) Processes(ctx context.Context) ([]*dsecv1.ProcessInfo, error) {
-	r, err := s.c.raw.ListProcesses(ctx, connect.NewRequest(&dsecv1.ListProcessesRequest{SandboxId: s.ID}))
+	r, err := s.c.raw.ListProcesses(ctx, connect.NewRequest(&dsecv1.ListProcessesRequest{SandboxId: s.ID, Container: s.container}))
 	if err != nil {
 		return nil, err
 	}

@@ -417,6 +417,29 @@ func TestCluster(t *testing.T) {
 		}
 	})
 
+	t.Run("a sandbox with sidecars is placed where all its images are and reached through either replica", func(t *testing.T) {
+		web := &dsecv1.Sidecar{
+			Name: "web", Image: "busybox",
+			Command:     []string{"sh", "-c", "mkdir -p /www && echo from-web > /www/index.html && exec httpd -f -p 8080 -h /www"},
+			Healthcheck: &dsecv1.HealthCheck{Command: []string{"wget", "-qO-", "http://127.0.0.1:8080/"}, StartIntervalMs: 100, Retries: 50},
+		}
+		sb, err := c.api(0).Create(ctx, dsec.CreateOptions{Image: "busybox", TTL: 10 * time.Minute, Sidecars: []*dsecv1.Sidecar{web}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.api(0).Delete(ctx, sb.ID)
+		if res, err := c.api(1).Sandbox(sb.ID).Exec(ctx, dsec.Cmd("wget -qO- http://web:8080/")); err != nil || string(res.Stdout) != "from-web\n" {
+			t.Fatalf("main through the other replica: %v, %v", res, err)
+		}
+		if res, err := c.api(1).Sandbox(sb.ID).Container("web").Exec(ctx, dsec.Cmd("hostname")); err != nil || string(res.Stdout) != "web\n" {
+			t.Fatalf("the sidecar through the other replica: %v, %v", res, err)
+		}
+		_, err = c.api(1).Create(ctx, dsec.CreateOptions{Image: "busybox", Sidecars: []*dsecv1.Sidecar{{Name: "x", Image: "no-such-image", Command: []string{"true"}}}})
+		if err == nil || !strings.Contains(err.Error(), "no image no-such-image") {
+			t.Fatalf("a sidecar image no node has: %v", err)
+		}
+	})
+
 	t.Run("an exec stream and stdin pass through different replicas", func(t *testing.T) {
 		sb := c.api(0).Sandbox(ids[1])
 		st, err := sb.Start(ctx, dsec.Cmd("cat"), true)

@@ -847,7 +847,35 @@ type SandboxSpec struct {
 	// volumes mounts volumes of the sandbox's project (VolumeService) into
 	// it, at most 16. Kind container only; in a cluster the sandbox runs on
 	// the node its volumes live on (all of them on one node).
-	Volumes       []*VolumeMount `protobuf:"bytes,21,rep,name=volumes,proto3" json:"volumes,omitempty"`
+	Volumes []*VolumeMount `protobuf:"bytes,21,rep,name=volumes,proto3" json:"volumes,omitempty"`
+	// sidecars are further containers of the sandbox, beside its main one: a
+	// database, a web service under test, an MCP server. Each runs its own
+	// image with its own command, environment, user namespace, root file
+	// system, processes and limits, and shares the main container's network
+	// namespace: the containers reach each other on localhost, and every
+	// sidecar's name (and aliases) resolves to 127.0.0.1 in all of them. The
+	// sandbox's network mode and egress policy are the group's. Sidecars
+	// start after the main container, in dependency order (depends_on);
+	// create returns once each is running, healthy if it has a health check,
+	// or exited 0 where another depends on its completion. Calls name a
+	// container by its sidecar name (empty or "main": the main one); the
+	// sandbox's TTLs, pause, resume and delete act on every container. Kind
+	// container with the default runtime only; at most 8. A snapshot (and
+	// so a fork) captures every container, each as a layer of its own; a
+	// sandbox started from it gets the sidecars back (give none), their
+	// image empty in its spec: they start from the snapshot.
+	Sidecars []*Sidecar `protobuf:"bytes,22,rep,name=sidecars,proto3" json:"sidecars,omitempty"`
+	// aliases are further names of the main container: like its sidecars'
+	// names, they resolve to 127.0.0.1 in every container of the sandbox.
+	Aliases []string `protobuf:"bytes,23,rep,name=aliases,proto3" json:"aliases,omitempty"`
+	// shared_volumes are file systems of this sandbox alone, made empty at
+	// create and removed with it, that its containers mount by name
+	// (volumes of the spec and of its sidecars): Compose's named volumes
+	// between services. Every container sees the same files, owned as it
+	// sees them (its root is the others' root). Kind container with the
+	// default runtime; at most 8. A snapshot does not capture them: a
+	// sandbox started from it gets them empty.
+	SharedVolumes []*SharedVolume `protobuf:"bytes,24,rep,name=shared_volumes,json=sharedVolumes,proto3" json:"shared_volumes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -994,6 +1022,460 @@ func (x *SandboxSpec) GetVolumes() []*VolumeMount {
 	return nil
 }
 
+func (x *SandboxSpec) GetSidecars() []*Sidecar {
+	if x != nil {
+		return x.Sidecars
+	}
+	return nil
+}
+
+func (x *SandboxSpec) GetAliases() []string {
+	if x != nil {
+		return x.Aliases
+	}
+	return nil
+}
+
+func (x *SandboxSpec) GetSharedVolumes() []*SharedVolume {
+	if x != nil {
+		return x.SharedVolumes
+	}
+	return nil
+}
+
+// SharedVolume is a sandbox's own file system (SandboxSpec.shared_volumes).
+type SharedVolume struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// name is what mounts name ([a-z0-9][a-z0-9_.-]*, at most 63 bytes; it
+	// hides a project volume of the same name).
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// size_mb is its size (default 1024): writers past it get ENOSPC.
+	SizeMb        int64 `protobuf:"varint,2,opt,name=size_mb,json=sizeMb,proto3" json:"size_mb,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SharedVolume) Reset() {
+	*x = SharedVolume{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SharedVolume) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SharedVolume) ProtoMessage() {}
+
+func (x *SharedVolume) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SharedVolume.ProtoReflect.Descriptor instead.
+func (*SharedVolume) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *SharedVolume) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *SharedVolume) GetSizeMb() int64 {
+	if x != nil {
+		return x.SizeMb
+	}
+	return 0
+}
+
+// Sidecar is one further container of a sandbox (SandboxSpec.sidecars).
+type Sidecar struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// name addresses the container ([a-z0-9][a-z0-9_.-]*, at most 63
+	// bytes; not "main"); it resolves to 127.0.0.1 in every container.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// image names an image in the node's image store (the sandbox's
+	// project's or a shared one).
+	Image string `protobuf:"bytes,2,opt,name=image,proto3" json:"image,omitempty"`
+	// entrypoint and command make the sidecar's process, as Docker makes a
+	// container's: entrypoint replaces the image's ENTRYPOINT (and then its
+	// CMD too), command replaces the image's CMD; the process is entrypoint
+	// followed by command. It runs as the container's service (tagged
+	// "service": its output is the sidecar's log); exec runs further
+	// commands beside it. Once created, the sandbox's spec shows both as
+	// resolved.
+	Command    []string `protobuf:"bytes,3,rep,name=command,proto3" json:"command,omitempty"`
+	Entrypoint []string `protobuf:"bytes,11,rep,name=entrypoint,proto3" json:"entrypoint,omitempty"`
+	// env is added to the image's environment.
+	Env map[string]string `protobuf:"bytes,4,rep,name=env,proto3" json:"env,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// workdir and user default to the image's.
+	Workdir string `protobuf:"bytes,5,opt,name=workdir,proto3" json:"workdir,omitempty"`
+	User    string `protobuf:"bytes,6,opt,name=user,proto3" json:"user,omitempty"`
+	// resources limit the sidecar on its own (cpu, memory_mb, disk_mb,
+	// pids; defaults as for a sandbox).
+	Resources   *Resources   `protobuf:"bytes,7,opt,name=resources,proto3" json:"resources,omitempty"`
+	Healthcheck *HealthCheck `protobuf:"bytes,8,opt,name=healthcheck,proto3" json:"healthcheck,omitempty"`
+	// depends_on are the sidecars that must reach a condition before this
+	// one starts.
+	DependsOn []*SidecarDependency `protobuf:"bytes,9,rep,name=depends_on,json=dependsOn,proto3" json:"depends_on,omitempty"`
+	// aliases are further names that resolve to 127.0.0.1.
+	Aliases []string `protobuf:"bytes,10,rep,name=aliases,proto3" json:"aliases,omitempty"`
+	// volumes mount the sandbox's shared volumes (SandboxSpec.shared_volumes)
+	// by name.
+	Volumes       []*VolumeMount `protobuf:"bytes,12,rep,name=volumes,proto3" json:"volumes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Sidecar) Reset() {
+	*x = Sidecar{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Sidecar) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Sidecar) ProtoMessage() {}
+
+func (x *Sidecar) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Sidecar.ProtoReflect.Descriptor instead.
+func (*Sidecar) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *Sidecar) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *Sidecar) GetImage() string {
+	if x != nil {
+		return x.Image
+	}
+	return ""
+}
+
+func (x *Sidecar) GetCommand() []string {
+	if x != nil {
+		return x.Command
+	}
+	return nil
+}
+
+func (x *Sidecar) GetEntrypoint() []string {
+	if x != nil {
+		return x.Entrypoint
+	}
+	return nil
+}
+
+func (x *Sidecar) GetEnv() map[string]string {
+	if x != nil {
+		return x.Env
+	}
+	return nil
+}
+
+func (x *Sidecar) GetWorkdir() string {
+	if x != nil {
+		return x.Workdir
+	}
+	return ""
+}
+
+func (x *Sidecar) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
+func (x *Sidecar) GetResources() *Resources {
+	if x != nil {
+		return x.Resources
+	}
+	return nil
+}
+
+func (x *Sidecar) GetHealthcheck() *HealthCheck {
+	if x != nil {
+		return x.Healthcheck
+	}
+	return nil
+}
+
+func (x *Sidecar) GetDependsOn() []*SidecarDependency {
+	if x != nil {
+		return x.DependsOn
+	}
+	return nil
+}
+
+func (x *Sidecar) GetAliases() []string {
+	if x != nil {
+		return x.Aliases
+	}
+	return nil
+}
+
+func (x *Sidecar) GetVolumes() []*VolumeMount {
+	if x != nil {
+		return x.Volumes
+	}
+	return nil
+}
+
+// HealthCheck is a command that tells whether a sidecar serves (exit 0),
+// timed as Docker's HEALTHCHECK with start_interval: the first check runs
+// as the sidecar starts, then one every start_interval_ms until one
+// passes, then one every interval_ms. Failures during start_period_ms do
+// not count; retries failures in a row make the sidecar unhealthy, a later
+// pass healthy again.
+type HealthCheck struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// command is argv, run in the sidecar as its user.
+	Command []string `protobuf:"bytes,1,rep,name=command,proto3" json:"command,omitempty"`
+	// interval_ms between checks once one passed (default 30000).
+	IntervalMs int64 `protobuf:"varint,2,opt,name=interval_ms,json=intervalMs,proto3" json:"interval_ms,omitempty"`
+	// timeout_ms for each check (default 30000).
+	TimeoutMs int64 `protobuf:"varint,3,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	// start_period_ms (default 0).
+	StartPeriodMs int64 `protobuf:"varint,4,opt,name=start_period_ms,json=startPeriodMs,proto3" json:"start_period_ms,omitempty"`
+	// retries (default 3).
+	Retries int32 `protobuf:"varint,5,opt,name=retries,proto3" json:"retries,omitempty"`
+	// start_interval_ms between checks until one passes (default 500).
+	StartIntervalMs int64 `protobuf:"varint,6,opt,name=start_interval_ms,json=startIntervalMs,proto3" json:"start_interval_ms,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *HealthCheck) Reset() {
+	*x = HealthCheck{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HealthCheck) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HealthCheck) ProtoMessage() {}
+
+func (x *HealthCheck) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HealthCheck.ProtoReflect.Descriptor instead.
+func (*HealthCheck) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *HealthCheck) GetCommand() []string {
+	if x != nil {
+		return x.Command
+	}
+	return nil
+}
+
+func (x *HealthCheck) GetIntervalMs() int64 {
+	if x != nil {
+		return x.IntervalMs
+	}
+	return 0
+}
+
+func (x *HealthCheck) GetTimeoutMs() int64 {
+	if x != nil {
+		return x.TimeoutMs
+	}
+	return 0
+}
+
+func (x *HealthCheck) GetStartPeriodMs() int64 {
+	if x != nil {
+		return x.StartPeriodMs
+	}
+	return 0
+}
+
+func (x *HealthCheck) GetRetries() int32 {
+	if x != nil {
+		return x.Retries
+	}
+	return 0
+}
+
+func (x *HealthCheck) GetStartIntervalMs() int64 {
+	if x != nil {
+		return x.StartIntervalMs
+	}
+	return 0
+}
+
+// SidecarDependency is a condition on another sidecar.
+type SidecarDependency struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// condition is "started" (default: its process runs), "healthy" (its
+	// health check passed) or "completed" (it exited 0).
+	Condition     string `protobuf:"bytes,2,opt,name=condition,proto3" json:"condition,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SidecarDependency) Reset() {
+	*x = SidecarDependency{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SidecarDependency) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SidecarDependency) ProtoMessage() {}
+
+func (x *SidecarDependency) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SidecarDependency.ProtoReflect.Descriptor instead.
+func (*SidecarDependency) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *SidecarDependency) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *SidecarDependency) GetCondition() string {
+	if x != nil {
+		return x.Condition
+	}
+	return ""
+}
+
+// SidecarStatus is where a sidecar is.
+type SidecarStatus struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// state is "starting", "running", "healthy", "unhealthy" or "exited".
+	State string `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"`
+	// exit_code is the service's exit status once exited (-1: killed by a
+	// signal).
+	ExitCode int32 `protobuf:"varint,3,opt,name=exit_code,json=exitCode,proto3" json:"exit_code,omitempty"`
+	// health_output is the last failed health check's output, trimmed.
+	HealthOutput  string `protobuf:"bytes,4,opt,name=health_output,json=healthOutput,proto3" json:"health_output,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SidecarStatus) Reset() {
+	*x = SidecarStatus{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SidecarStatus) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SidecarStatus) ProtoMessage() {}
+
+func (x *SidecarStatus) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SidecarStatus.ProtoReflect.Descriptor instead.
+func (*SidecarStatus) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *SidecarStatus) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *SidecarStatus) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *SidecarStatus) GetExitCode() int32 {
+	if x != nil {
+		return x.ExitCode
+	}
+	return 0
+}
+
+func (x *SidecarStatus) GetHealthOutput() string {
+	if x != nil {
+		return x.HealthOutput
+	}
+	return ""
+}
+
 type Sandbox struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -1009,16 +1491,18 @@ type Sandbox struct {
 	// For a sandbox that ended (a tombstone): when, the class of its reason
 	// (deleted, session_expired, ttl, idle_ttl, paused_ttl, workload_exit, oom, died,
 	// pause_failed, node_down) and whether the platform ended it.
-	EndedAt       *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=ended_at,json=endedAt,proto3" json:"ended_at,omitempty"`
-	EndCause      string                 `protobuf:"bytes,10,opt,name=end_cause,json=endCause,proto3" json:"end_cause,omitempty"`
-	Infra         bool                   `protobuf:"varint,11,opt,name=infra,proto3" json:"infra,omitempty"`
+	EndedAt  *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=ended_at,json=endedAt,proto3" json:"ended_at,omitempty"`
+	EndCause string                 `protobuf:"bytes,10,opt,name=end_cause,json=endCause,proto3" json:"end_cause,omitempty"`
+	Infra    bool                   `protobuf:"varint,11,opt,name=infra,proto3" json:"infra,omitempty"`
+	// sidecars report each sidecar container (SandboxSpec.sidecars).
+	Sidecars      []*SidecarStatus `protobuf:"bytes,12,rep,name=sidecars,proto3" json:"sidecars,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Sandbox) Reset() {
 	*x = Sandbox{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1030,7 +1514,7 @@ func (x *Sandbox) String() string {
 func (*Sandbox) ProtoMessage() {}
 
 func (x *Sandbox) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1043,7 +1527,7 @@ func (x *Sandbox) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sandbox.ProtoReflect.Descriptor instead.
 func (*Sandbox) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *Sandbox) GetId() string {
@@ -1123,6 +1607,13 @@ func (x *Sandbox) GetInfra() bool {
 	return false
 }
 
+func (x *Sandbox) GetSidecars() []*SidecarStatus {
+	if x != nil {
+		return x.Sidecars
+	}
+	return nil
+}
+
 type CreateSandboxRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Spec  *SandboxSpec           `protobuf:"bytes,1,opt,name=spec,proto3" json:"spec,omitempty"`
@@ -1130,14 +1621,28 @@ type CreateSandboxRequest struct {
 	IdempotencyKey string `protobuf:"bytes,2,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 	// project is set by the apiserver from the caller's API key (for fair
 	// sharing of the start queue); a client's value is ignored.
-	Project       string `protobuf:"bytes,3,opt,name=project,proto3" json:"project,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Project string `protobuf:"bytes,3,opt,name=project,proto3" json:"project,omitempty"`
+	// compose is a Compose file (YAML) whose services make the sandbox: the
+	// one named "main" (or the only one, or "client") its main container,
+	// the others its sidecars. Variables must already be substituted (the
+	// CLI and SDKs do it from their environment). spec gives the rest (TTL,
+	// labels, network, ...). The main service says what a Compose service
+	// says over its image: its environment goes over spec.env, its
+	// working directory, user and limits replace spec's; the image is named
+	// in one of the two (a main service without one runs spec's image or
+	// snapshot). Keys dsec cannot honour are refused by name
+	// (docs/sidecars.md).
+	Compose string `protobuf:"bytes,4,opt,name=compose,proto3" json:"compose,omitempty"`
+	// compose_overrides are further Compose files laid over compose in
+	// order, merged as `docker compose -f compose -f override` merges them.
+	ComposeOverrides []string `protobuf:"bytes,5,rep,name=compose_overrides,json=composeOverrides,proto3" json:"compose_overrides,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *CreateSandboxRequest) Reset() {
 	*x = CreateSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1149,7 +1654,7 @@ func (x *CreateSandboxRequest) String() string {
 func (*CreateSandboxRequest) ProtoMessage() {}
 
 func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1162,7 +1667,7 @@ func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CreateSandboxRequest) GetSpec() *SandboxSpec {
@@ -1186,6 +1691,20 @@ func (x *CreateSandboxRequest) GetProject() string {
 	return ""
 }
 
+func (x *CreateSandboxRequest) GetCompose() string {
+	if x != nil {
+		return x.Compose
+	}
+	return ""
+}
+
+func (x *CreateSandboxRequest) GetComposeOverrides() []string {
+	if x != nil {
+		return x.ComposeOverrides
+	}
+	return nil
+}
+
 type GetSandboxRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -1195,7 +1714,7 @@ type GetSandboxRequest struct {
 
 func (x *GetSandboxRequest) Reset() {
 	*x = GetSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1207,7 +1726,7 @@ func (x *GetSandboxRequest) String() string {
 func (*GetSandboxRequest) ProtoMessage() {}
 
 func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1220,7 +1739,7 @@ func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *GetSandboxRequest) GetId() string {
@@ -1245,7 +1764,7 @@ type ListSandboxesRequest struct {
 
 func (x *ListSandboxesRequest) Reset() {
 	*x = ListSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1257,7 +1776,7 @@ func (x *ListSandboxesRequest) String() string {
 func (*ListSandboxesRequest) ProtoMessage() {}
 
 func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1270,7 +1789,7 @@ func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*ListSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{15}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ListSandboxesRequest) GetLabelSelector() string {
@@ -1311,7 +1830,7 @@ type ListSandboxesResponse struct {
 
 func (x *ListSandboxesResponse) Reset() {
 	*x = ListSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1323,7 +1842,7 @@ func (x *ListSandboxesResponse) String() string {
 func (*ListSandboxesResponse) ProtoMessage() {}
 
 func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1336,7 +1855,7 @@ func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*ListSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{16}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ListSandboxesResponse) GetSandboxes() []*Sandbox {
@@ -1362,7 +1881,7 @@ type DeleteSandboxRequest struct {
 
 func (x *DeleteSandboxRequest) Reset() {
 	*x = DeleteSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1374,7 +1893,7 @@ func (x *DeleteSandboxRequest) String() string {
 func (*DeleteSandboxRequest) ProtoMessage() {}
 
 func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1387,7 +1906,7 @@ func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{17}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *DeleteSandboxRequest) GetId() string {
@@ -1405,7 +1924,7 @@ type DeleteSandboxResponse struct {
 
 func (x *DeleteSandboxResponse) Reset() {
 	*x = DeleteSandboxResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1417,7 +1936,7 @@ func (x *DeleteSandboxResponse) String() string {
 func (*DeleteSandboxResponse) ProtoMessage() {}
 
 func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1430,7 +1949,7 @@ func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{18}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{23}
 }
 
 type KeepaliveRequest struct {
@@ -1444,7 +1963,7 @@ type KeepaliveRequest struct {
 
 func (x *KeepaliveRequest) Reset() {
 	*x = KeepaliveRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1456,7 +1975,7 @@ func (x *KeepaliveRequest) String() string {
 func (*KeepaliveRequest) ProtoMessage() {}
 
 func (x *KeepaliveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1469,7 +1988,7 @@ func (x *KeepaliveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeepaliveRequest.ProtoReflect.Descriptor instead.
 func (*KeepaliveRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{19}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *KeepaliveRequest) GetId() string {
@@ -1514,14 +2033,17 @@ type ExecRequest struct {
 	Tag string `protobuf:"bytes,14,opt,name=tag,proto3" json:"tag,omitempty"`
 	// request_id makes the exec exactly-once: repeating it returns the
 	// logged result with replayed set, without running it again.
-	RequestId     string `protobuf:"bytes,15,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	RequestId string `protobuf:"bytes,15,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ExecRequest) Reset() {
 	*x = ExecRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1533,7 +2055,7 @@ func (x *ExecRequest) String() string {
 func (*ExecRequest) ProtoMessage() {}
 
 func (x *ExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1546,7 +2068,7 @@ func (x *ExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecRequest.ProtoReflect.Descriptor instead.
 func (*ExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ExecRequest) GetSandboxId() string {
@@ -1654,6 +2176,13 @@ func (x *ExecRequest) GetRequestId() string {
 	return ""
 }
 
+func (x *ExecRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type ExecResult struct {
 	state      protoimpl.MessageState `protogen:"open.v1"`
 	ExitCode   int32                  `protobuf:"varint,1,opt,name=exit_code,json=exitCode,proto3" json:"exit_code,omitempty"`
@@ -1681,7 +2210,7 @@ type ExecResult struct {
 
 func (x *ExecResult) Reset() {
 	*x = ExecResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1693,7 +2222,7 @@ func (x *ExecResult) String() string {
 func (*ExecResult) ProtoMessage() {}
 
 func (x *ExecResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1706,7 +2235,7 @@ func (x *ExecResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResult.ProtoReflect.Descriptor instead.
 func (*ExecResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ExecResult) GetExitCode() int32 {
@@ -1803,7 +2332,7 @@ type ExecStarted struct {
 
 func (x *ExecStarted) Reset() {
 	*x = ExecStarted{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1815,7 +2344,7 @@ func (x *ExecStarted) String() string {
 func (*ExecStarted) ProtoMessage() {}
 
 func (x *ExecStarted) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1828,7 +2357,7 @@ func (x *ExecStarted) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecStarted.ProtoReflect.Descriptor instead.
 func (*ExecStarted) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{22}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ExecStarted) GetProcessId() string {
@@ -1861,7 +2390,7 @@ type ExecEvent struct {
 
 func (x *ExecEvent) Reset() {
 	*x = ExecEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1873,7 +2402,7 @@ func (x *ExecEvent) String() string {
 func (*ExecEvent) ProtoMessage() {}
 
 func (x *ExecEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1886,7 +2415,7 @@ func (x *ExecEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecEvent.ProtoReflect.Descriptor instead.
 func (*ExecEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{23}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ExecEvent) GetEvent() isExecEvent_Event {
@@ -1984,14 +2513,17 @@ type ConnectProcessRequest struct {
 	Tag       string `protobuf:"bytes,3,opt,name=tag,proto3" json:"tag,omitempty"`
 	// live_only skips the replay of buffered output: only output produced
 	// after the call is streamed.
-	LiveOnly      bool `protobuf:"varint,4,opt,name=live_only,json=liveOnly,proto3" json:"live_only,omitempty"`
+	LiveOnly bool `protobuf:"varint,4,opt,name=live_only,json=liveOnly,proto3" json:"live_only,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ConnectProcessRequest) Reset() {
 	*x = ConnectProcessRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2003,7 +2535,7 @@ func (x *ConnectProcessRequest) String() string {
 func (*ConnectProcessRequest) ProtoMessage() {}
 
 func (x *ConnectProcessRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2016,7 +2548,7 @@ func (x *ConnectProcessRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConnectProcessRequest.ProtoReflect.Descriptor instead.
 func (*ConnectProcessRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{24}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *ConnectProcessRequest) GetSandboxId() string {
@@ -2047,20 +2579,30 @@ func (x *ConnectProcessRequest) GetLiveOnly() bool {
 	return false
 }
 
+func (x *ConnectProcessRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type WriteStdinRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	ProcessId string                 `protobuf:"bytes,2,opt,name=process_id,json=processId,proto3" json:"process_id,omitempty"`
 	Data      []byte                 `protobuf:"bytes,3,opt,name=data,proto3" json:"data,omitempty"`
 	// close closes stdin after writing data.
-	Close         bool `protobuf:"varint,4,opt,name=close,proto3" json:"close,omitempty"`
+	Close bool `protobuf:"varint,4,opt,name=close,proto3" json:"close,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *WriteStdinRequest) Reset() {
 	*x = WriteStdinRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2072,7 +2614,7 @@ func (x *WriteStdinRequest) String() string {
 func (*WriteStdinRequest) ProtoMessage() {}
 
 func (x *WriteStdinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2085,7 +2627,7 @@ func (x *WriteStdinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteStdinRequest.ProtoReflect.Descriptor instead.
 func (*WriteStdinRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{25}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *WriteStdinRequest) GetSandboxId() string {
@@ -2116,6 +2658,13 @@ func (x *WriteStdinRequest) GetClose() bool {
 	return false
 }
 
+func (x *WriteStdinRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type WriteStdinResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -2124,7 +2673,7 @@ type WriteStdinResponse struct {
 
 func (x *WriteStdinResponse) Reset() {
 	*x = WriteStdinResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2136,7 +2685,7 @@ func (x *WriteStdinResponse) String() string {
 func (*WriteStdinResponse) ProtoMessage() {}
 
 func (x *WriteStdinResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2149,7 +2698,7 @@ func (x *WriteStdinResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteStdinResponse.ProtoReflect.Descriptor instead.
 func (*WriteStdinResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{26}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{31}
 }
 
 type SignalProcessRequest struct {
@@ -2157,14 +2706,17 @@ type SignalProcessRequest struct {
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	ProcessId string                 `protobuf:"bytes,2,opt,name=process_id,json=processId,proto3" json:"process_id,omitempty"`
 	// signal is a name ("TERM", "KILL", "INT") or number.
-	Signal        string `protobuf:"bytes,3,opt,name=signal,proto3" json:"signal,omitempty"`
+	Signal string `protobuf:"bytes,3,opt,name=signal,proto3" json:"signal,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SignalProcessRequest) Reset() {
 	*x = SignalProcessRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2176,7 +2728,7 @@ func (x *SignalProcessRequest) String() string {
 func (*SignalProcessRequest) ProtoMessage() {}
 
 func (x *SignalProcessRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2189,7 +2741,7 @@ func (x *SignalProcessRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalProcessRequest.ProtoReflect.Descriptor instead.
 func (*SignalProcessRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{27}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *SignalProcessRequest) GetSandboxId() string {
@@ -2213,6 +2765,13 @@ func (x *SignalProcessRequest) GetSignal() string {
 	return ""
 }
 
+func (x *SignalProcessRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type SignalProcessResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -2221,7 +2780,7 @@ type SignalProcessResponse struct {
 
 func (x *SignalProcessResponse) Reset() {
 	*x = SignalProcessResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2233,7 +2792,7 @@ func (x *SignalProcessResponse) String() string {
 func (*SignalProcessResponse) ProtoMessage() {}
 
 func (x *SignalProcessResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2246,22 +2805,25 @@ func (x *SignalProcessResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalProcessResponse.ProtoReflect.Descriptor instead.
 func (*SignalProcessResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{28}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{33}
 }
 
 type ResizePTYRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	ProcessId     string                 `protobuf:"bytes,2,opt,name=process_id,json=processId,proto3" json:"process_id,omitempty"`
-	Rows          uint32                 `protobuf:"varint,3,opt,name=rows,proto3" json:"rows,omitempty"`
-	Cols          uint32                 `protobuf:"varint,4,opt,name=cols,proto3" json:"cols,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	ProcessId string                 `protobuf:"bytes,2,opt,name=process_id,json=processId,proto3" json:"process_id,omitempty"`
+	Rows      uint32                 `protobuf:"varint,3,opt,name=rows,proto3" json:"rows,omitempty"`
+	Cols      uint32                 `protobuf:"varint,4,opt,name=cols,proto3" json:"cols,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ResizePTYRequest) Reset() {
 	*x = ResizePTYRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2273,7 +2835,7 @@ func (x *ResizePTYRequest) String() string {
 func (*ResizePTYRequest) ProtoMessage() {}
 
 func (x *ResizePTYRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2286,7 +2848,7 @@ func (x *ResizePTYRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResizePTYRequest.ProtoReflect.Descriptor instead.
 func (*ResizePTYRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{29}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *ResizePTYRequest) GetSandboxId() string {
@@ -2317,6 +2879,13 @@ func (x *ResizePTYRequest) GetCols() uint32 {
 	return 0
 }
 
+func (x *ResizePTYRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type ResizePTYResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -2325,7 +2894,7 @@ type ResizePTYResponse struct {
 
 func (x *ResizePTYResponse) Reset() {
 	*x = ResizePTYResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2337,7 +2906,7 @@ func (x *ResizePTYResponse) String() string {
 func (*ResizePTYResponse) ProtoMessage() {}
 
 func (x *ResizePTYResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2350,7 +2919,7 @@ func (x *ResizePTYResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResizePTYResponse.ProtoReflect.Descriptor instead.
 func (*ResizePTYResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{30}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{35}
 }
 
 type ProcessInfo struct {
@@ -2370,7 +2939,7 @@ type ProcessInfo struct {
 
 func (x *ProcessInfo) Reset() {
 	*x = ProcessInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2382,7 +2951,7 @@ func (x *ProcessInfo) String() string {
 func (*ProcessInfo) ProtoMessage() {}
 
 func (x *ProcessInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2395,7 +2964,7 @@ func (x *ProcessInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProcessInfo.ProtoReflect.Descriptor instead.
 func (*ProcessInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{31}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *ProcessInfo) GetProcessId() string {
@@ -2462,15 +3031,18 @@ func (x *ProcessInfo) GetEnv() map[string]string {
 }
 
 type ListProcessesRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ListProcessesRequest) Reset() {
 	*x = ListProcessesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2482,7 +3054,7 @@ func (x *ListProcessesRequest) String() string {
 func (*ListProcessesRequest) ProtoMessage() {}
 
 func (x *ListProcessesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2495,12 +3067,19 @@ func (x *ListProcessesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListProcessesRequest.ProtoReflect.Descriptor instead.
 func (*ListProcessesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{32}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *ListProcessesRequest) GetSandboxId() string {
 	if x != nil {
 		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *ListProcessesRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
 	}
 	return ""
 }
@@ -2514,7 +3093,7 @@ type ListProcessesResponse struct {
 
 func (x *ListProcessesResponse) Reset() {
 	*x = ListProcessesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2526,7 +3105,7 @@ func (x *ListProcessesResponse) String() string {
 func (*ListProcessesResponse) ProtoMessage() {}
 
 func (x *ListProcessesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2539,7 +3118,7 @@ func (x *ListProcessesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListProcessesResponse.ProtoReflect.Descriptor instead.
 func (*ListProcessesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{33}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *ListProcessesResponse) GetProcesses() []*ProcessInfo {
@@ -2580,7 +3159,7 @@ type FileInfo struct {
 
 func (x *FileInfo) Reset() {
 	*x = FileInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2592,7 +3171,7 @@ func (x *FileInfo) String() string {
 func (*FileInfo) ProtoMessage() {}
 
 func (x *FileInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2605,7 +3184,7 @@ func (x *FileInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
 func (*FileInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{34}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *FileInfo) GetPath() string {
@@ -2707,15 +3286,18 @@ type ReadFileRequest struct {
 	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	Offset    int64                  `protobuf:"varint,3,opt,name=offset,proto3" json:"offset,omitempty"`
 	// max_bytes stops after this many bytes (0: whole file).
-	MaxBytes      int64  `protobuf:"varint,4,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
-	User          string `protobuf:"bytes,5,opt,name=user,proto3" json:"user,omitempty"`
+	MaxBytes int64  `protobuf:"varint,4,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
+	User     string `protobuf:"bytes,5,opt,name=user,proto3" json:"user,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ReadFileRequest) Reset() {
 	*x = ReadFileRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2727,7 +3309,7 @@ func (x *ReadFileRequest) String() string {
 func (*ReadFileRequest) ProtoMessage() {}
 
 func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2740,7 +3322,7 @@ func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileRequest.ProtoReflect.Descriptor instead.
 func (*ReadFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{35}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *ReadFileRequest) GetSandboxId() string {
@@ -2778,6 +3360,13 @@ func (x *ReadFileRequest) GetUser() string {
 	return ""
 }
 
+func (x *ReadFileRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type ReadFileResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Msg:
@@ -2791,7 +3380,7 @@ type ReadFileResponse struct {
 
 func (x *ReadFileResponse) Reset() {
 	*x = ReadFileResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2803,7 +3392,7 @@ func (x *ReadFileResponse) String() string {
 func (*ReadFileResponse) ProtoMessage() {}
 
 func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2816,7 +3405,7 @@ func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileResponse.ProtoReflect.Descriptor instead.
 func (*ReadFileResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{36}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *ReadFileResponse) GetMsg() isReadFileResponse_Msg {
@@ -2877,14 +3466,17 @@ type WriteFileHeader struct {
 	// metadata clears the old; an append without metadata keeps it. Keys
 	// and values are printable ASCII, keys not empty, at most 4096 bytes in
 	// all.
-	Metadata      map[string]string `protobuf:"bytes,7,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	Metadata map[string]string `protobuf:"bytes,7,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *WriteFileHeader) Reset() {
 	*x = WriteFileHeader{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2896,7 +3488,7 @@ func (x *WriteFileHeader) String() string {
 func (*WriteFileHeader) ProtoMessage() {}
 
 func (x *WriteFileHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2909,7 +3501,7 @@ func (x *WriteFileHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileHeader.ProtoReflect.Descriptor instead.
 func (*WriteFileHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{37}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *WriteFileHeader) GetSandboxId() string {
@@ -2961,6 +3553,13 @@ func (x *WriteFileHeader) GetMetadata() map[string]string {
 	return nil
 }
 
+func (x *WriteFileHeader) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type WriteFileRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Msg:
@@ -2974,7 +3573,7 @@ type WriteFileRequest struct {
 
 func (x *WriteFileRequest) Reset() {
 	*x = WriteFileRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2986,7 +3585,7 @@ func (x *WriteFileRequest) String() string {
 func (*WriteFileRequest) ProtoMessage() {}
 
 func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2999,7 +3598,7 @@ func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileRequest.ProtoReflect.Descriptor instead.
 func (*WriteFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{38}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *WriteFileRequest) GetMsg() isWriteFileRequest_Msg {
@@ -3044,17 +3643,20 @@ func (*WriteFileRequest_Header) isWriteFileRequest_Msg() {}
 func (*WriteFileRequest_Data) isWriteFileRequest_Msg() {}
 
 type StatRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	Path          string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
-	User          string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	User      string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StatRequest) Reset() {
 	*x = StatRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3066,7 +3668,7 @@ func (x *StatRequest) String() string {
 func (*StatRequest) ProtoMessage() {}
 
 func (x *StatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3079,7 +3681,7 @@ func (x *StatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatRequest.ProtoReflect.Descriptor instead.
 func (*StatRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{39}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *StatRequest) GetSandboxId() string {
@@ -3103,20 +3705,30 @@ func (x *StatRequest) GetUser() string {
 	return ""
 }
 
+func (x *StatRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type ListDirRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	// depth lists this many levels (default 1).
-	Depth         int32  `protobuf:"varint,3,opt,name=depth,proto3" json:"depth,omitempty"`
-	User          string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	Depth int32  `protobuf:"varint,3,opt,name=depth,proto3" json:"depth,omitempty"`
+	User  string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ListDirRequest) Reset() {
 	*x = ListDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3128,7 +3740,7 @@ func (x *ListDirRequest) String() string {
 func (*ListDirRequest) ProtoMessage() {}
 
 func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3141,7 +3753,7 @@ func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirRequest.ProtoReflect.Descriptor instead.
 func (*ListDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{40}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *ListDirRequest) GetSandboxId() string {
@@ -3172,6 +3784,13 @@ func (x *ListDirRequest) GetUser() string {
 	return ""
 }
 
+func (x *ListDirRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type ListDirResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Entries       []*FileInfo            `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
@@ -3181,7 +3800,7 @@ type ListDirResponse struct {
 
 func (x *ListDirResponse) Reset() {
 	*x = ListDirResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3193,7 +3812,7 @@ func (x *ListDirResponse) String() string {
 func (*ListDirResponse) ProtoMessage() {}
 
 func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3206,7 +3825,7 @@ func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirResponse.ProtoReflect.Descriptor instead.
 func (*ListDirResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{41}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *ListDirResponse) GetEntries() []*FileInfo {
@@ -3221,14 +3840,17 @@ type MakeDirRequest struct {
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	// user makes the directories and owns them (default: the sandbox's user).
-	User          string `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
+	User string `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *MakeDirRequest) Reset() {
 	*x = MakeDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3240,7 +3862,7 @@ func (x *MakeDirRequest) String() string {
 func (*MakeDirRequest) ProtoMessage() {}
 
 func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3253,7 +3875,7 @@ func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirRequest.ProtoReflect.Descriptor instead.
 func (*MakeDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{42}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *MakeDirRequest) GetSandboxId() string {
@@ -3277,20 +3899,30 @@ func (x *MakeDirRequest) GetUser() string {
 	return ""
 }
 
+func (x *MakeDirRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type RemoveRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	// recursive removes directories and their contents.
-	Recursive     bool   `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
-	User          string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	Recursive bool   `protobuf:"varint,3,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	User      string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RemoveRequest) Reset() {
 	*x = RemoveRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3302,7 +3934,7 @@ func (x *RemoveRequest) String() string {
 func (*RemoveRequest) ProtoMessage() {}
 
 func (x *RemoveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3315,7 +3947,7 @@ func (x *RemoveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveRequest.ProtoReflect.Descriptor instead.
 func (*RemoveRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *RemoveRequest) GetSandboxId() string {
@@ -3346,6 +3978,13 @@ func (x *RemoveRequest) GetUser() string {
 	return ""
 }
 
+func (x *RemoveRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type RemoveResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -3354,7 +3993,7 @@ type RemoveResponse struct {
 
 func (x *RemoveResponse) Reset() {
 	*x = RemoveResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3366,7 +4005,7 @@ func (x *RemoveResponse) String() string {
 func (*RemoveResponse) ProtoMessage() {}
 
 func (x *RemoveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3379,22 +4018,25 @@ func (x *RemoveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveResponse.ProtoReflect.Descriptor instead.
 func (*RemoveResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
 }
 
 type RenameRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	SandboxId     string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
-	From          string                 `protobuf:"bytes,2,opt,name=from,proto3" json:"from,omitempty"`
-	To            string                 `protobuf:"bytes,3,opt,name=to,proto3" json:"to,omitempty"`
-	User          string                 `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	From      string                 `protobuf:"bytes,2,opt,name=from,proto3" json:"from,omitempty"`
+	To        string                 `protobuf:"bytes,3,opt,name=to,proto3" json:"to,omitempty"`
+	User      string                 `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RenameRequest) Reset() {
 	*x = RenameRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3406,7 +4048,7 @@ func (x *RenameRequest) String() string {
 func (*RenameRequest) ProtoMessage() {}
 
 func (x *RenameRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3419,7 +4061,7 @@ func (x *RenameRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RenameRequest.ProtoReflect.Descriptor instead.
 func (*RenameRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *RenameRequest) GetSandboxId() string {
@@ -3450,21 +4092,31 @@ func (x *RenameRequest) GetUser() string {
 	return ""
 }
 
+func (x *RenameRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type ChangeModeRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
 	Path      string                 `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
 	// mode is the permission bits, at most 07777 (setuid, setgid, sticky
 	// and rwx for owner, group and others).
-	Mode          uint32 `protobuf:"varint,3,opt,name=mode,proto3" json:"mode,omitempty"`
-	User          string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	Mode uint32 `protobuf:"varint,3,opt,name=mode,proto3" json:"mode,omitempty"`
+	User string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ChangeModeRequest) Reset() {
 	*x = ChangeModeRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3476,7 +4128,7 @@ func (x *ChangeModeRequest) String() string {
 func (*ChangeModeRequest) ProtoMessage() {}
 
 func (x *ChangeModeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3489,7 +4141,7 @@ func (x *ChangeModeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChangeModeRequest.ProtoReflect.Descriptor instead.
 func (*ChangeModeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *ChangeModeRequest) GetSandboxId() string {
@@ -3520,6 +4172,13 @@ func (x *ChangeModeRequest) GetUser() string {
 	return ""
 }
 
+func (x *ChangeModeRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type WatchDirRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
@@ -3530,14 +4189,17 @@ type WatchDirRequest struct {
 	User      string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
 	// include_info attaches the entry's FileInfo to "create", "write" and
 	// "chmod" events (best effort: absent when the entry is gone again).
-	IncludeInfo   bool `protobuf:"varint,5,opt,name=include_info,json=includeInfo,proto3" json:"include_info,omitempty"`
+	IncludeInfo bool `protobuf:"varint,5,opt,name=include_info,json=includeInfo,proto3" json:"include_info,omitempty"`
+	// container is the sidecar the call acts in (SandboxSpec.sidecars;
+	// empty or "main": the main container).
+	Container     string `protobuf:"bytes,40,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *WatchDirRequest) Reset() {
 	*x = WatchDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3549,7 +4211,7 @@ func (x *WatchDirRequest) String() string {
 func (*WatchDirRequest) ProtoMessage() {}
 
 func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3562,7 +4224,7 @@ func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirRequest.ProtoReflect.Descriptor instead.
 func (*WatchDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *WatchDirRequest) GetSandboxId() string {
@@ -3600,6 +4262,13 @@ func (x *WatchDirRequest) GetIncludeInfo() bool {
 	return false
 }
 
+func (x *WatchDirRequest) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 // FsEvent is one change under a watched directory.
 type FsEvent struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -3616,7 +4285,7 @@ type FsEvent struct {
 
 func (x *FsEvent) Reset() {
 	*x = FsEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3628,7 +4297,7 @@ func (x *FsEvent) String() string {
 func (*FsEvent) ProtoMessage() {}
 
 func (x *FsEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3641,7 +4310,7 @@ func (x *FsEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FsEvent.ProtoReflect.Descriptor instead.
 func (*FsEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *FsEvent) GetName() string {
@@ -3680,7 +4349,7 @@ type WatchDirEvent struct {
 
 func (x *WatchDirEvent) Reset() {
 	*x = WatchDirEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3692,7 +4361,7 @@ func (x *WatchDirEvent) String() string {
 func (*WatchDirEvent) ProtoMessage() {}
 
 func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3705,7 +4374,7 @@ func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirEvent.ProtoReflect.Descriptor instead.
 func (*WatchDirEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *WatchDirEvent) GetEvent() isWatchDirEvent_Event {
@@ -3794,7 +4463,7 @@ type GetSandboxStatsRequest struct {
 
 func (x *GetSandboxStatsRequest) Reset() {
 	*x = GetSandboxStatsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3806,7 +4475,7 @@ func (x *GetSandboxStatsRequest) String() string {
 func (*GetSandboxStatsRequest) ProtoMessage() {}
 
 func (x *GetSandboxStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3819,7 +4488,7 @@ func (x *GetSandboxStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxStatsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *GetSandboxStatsRequest) GetId() string {
@@ -3852,7 +4521,7 @@ type StatsSample struct {
 
 func (x *StatsSample) Reset() {
 	*x = StatsSample{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3864,7 +4533,7 @@ func (x *StatsSample) String() string {
 func (*StatsSample) ProtoMessage() {}
 
 func (x *StatsSample) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3877,7 +4546,7 @@ func (x *StatsSample) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsSample.ProtoReflect.Descriptor instead.
 func (*StatsSample) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *StatsSample) GetAt() *timestamppb.Timestamp {
@@ -3944,7 +4613,7 @@ type SandboxStats struct {
 
 func (x *SandboxStats) Reset() {
 	*x = SandboxStats{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3956,7 +4625,7 @@ func (x *SandboxStats) String() string {
 func (*SandboxStats) ProtoMessage() {}
 
 func (x *SandboxStats) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3969,7 +4638,7 @@ func (x *SandboxStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxStats.ProtoReflect.Descriptor instead.
 func (*SandboxStats) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *SandboxStats) GetId() string {
@@ -4058,7 +4727,7 @@ type ScreenshotRequest struct {
 
 func (x *ScreenshotRequest) Reset() {
 	*x = ScreenshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4070,7 +4739,7 @@ func (x *ScreenshotRequest) String() string {
 func (*ScreenshotRequest) ProtoMessage() {}
 
 func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4083,7 +4752,7 @@ func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotRequest.ProtoReflect.Descriptor instead.
 func (*ScreenshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *ScreenshotRequest) GetSandboxId() string {
@@ -4106,7 +4775,7 @@ type ScreenshotResponse struct {
 
 func (x *ScreenshotResponse) Reset() {
 	*x = ScreenshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4118,7 +4787,7 @@ func (x *ScreenshotResponse) String() string {
 func (*ScreenshotResponse) ProtoMessage() {}
 
 func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4131,7 +4800,7 @@ func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotResponse.ProtoReflect.Descriptor instead.
 func (*ScreenshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *ScreenshotResponse) GetPng() []byte {
@@ -4166,7 +4835,7 @@ type SendInputRequest struct {
 
 func (x *SendInputRequest) Reset() {
 	*x = SendInputRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4178,7 +4847,7 @@ func (x *SendInputRequest) String() string {
 func (*SendInputRequest) ProtoMessage() {}
 
 func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4191,7 +4860,7 @@ func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputRequest.ProtoReflect.Descriptor instead.
 func (*SendInputRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *SendInputRequest) GetSandboxId() string {
@@ -4216,7 +4885,7 @@ type SendInputResponse struct {
 
 func (x *SendInputResponse) Reset() {
 	*x = SendInputResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4228,7 +4897,7 @@ func (x *SendInputResponse) String() string {
 func (*SendInputResponse) ProtoMessage() {}
 
 func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4241,7 +4910,7 @@ func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputResponse.ProtoReflect.Descriptor instead.
 func (*SendInputResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
 }
 
 type OpenVNCRequest struct {
@@ -4253,7 +4922,7 @@ type OpenVNCRequest struct {
 
 func (x *OpenVNCRequest) Reset() {
 	*x = OpenVNCRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4265,7 +4934,7 @@ func (x *OpenVNCRequest) String() string {
 func (*OpenVNCRequest) ProtoMessage() {}
 
 func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4278,7 +4947,7 @@ func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCRequest.ProtoReflect.Descriptor instead.
 func (*OpenVNCRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *OpenVNCRequest) GetSandboxId() string {
@@ -4303,7 +4972,7 @@ type OpenVNCResponse struct {
 
 func (x *OpenVNCResponse) Reset() {
 	*x = OpenVNCResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4315,7 +4984,7 @@ func (x *OpenVNCResponse) String() string {
 func (*OpenVNCResponse) ProtoMessage() {}
 
 func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4328,7 +4997,7 @@ func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCResponse.ProtoReflect.Descriptor instead.
 func (*OpenVNCResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
 }
 
 func (x *OpenVNCResponse) GetAddress() string {
@@ -4370,7 +5039,7 @@ type InputAction struct {
 
 func (x *InputAction) Reset() {
 	*x = InputAction{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4382,7 +5051,7 @@ func (x *InputAction) String() string {
 func (*InputAction) ProtoMessage() {}
 
 func (x *InputAction) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4395,7 +5064,7 @@ func (x *InputAction) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InputAction.ProtoReflect.Descriptor instead.
 func (*InputAction) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *InputAction) GetAction() isInputAction_Action {
@@ -4522,7 +5191,7 @@ type Point struct {
 
 func (x *Point) Reset() {
 	*x = Point{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4534,7 +5203,7 @@ func (x *Point) String() string {
 func (*Point) ProtoMessage() {}
 
 func (x *Point) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4547,7 +5216,7 @@ func (x *Point) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Point.ProtoReflect.Descriptor instead.
 func (*Point) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *Point) GetX() int32 {
@@ -4578,7 +5247,7 @@ type MouseClick struct {
 
 func (x *MouseClick) Reset() {
 	*x = MouseClick{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4590,7 +5259,7 @@ func (x *MouseClick) String() string {
 func (*MouseClick) ProtoMessage() {}
 
 func (x *MouseClick) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4603,7 +5272,7 @@ func (x *MouseClick) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseClick.ProtoReflect.Descriptor instead.
 func (*MouseClick) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *MouseClick) GetX() int32 {
@@ -4645,7 +5314,7 @@ type MouseButton struct {
 
 func (x *MouseButton) Reset() {
 	*x = MouseButton{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4657,7 +5326,7 @@ func (x *MouseButton) String() string {
 func (*MouseButton) ProtoMessage() {}
 
 func (x *MouseButton) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4670,7 +5339,7 @@ func (x *MouseButton) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseButton.ProtoReflect.Descriptor instead.
 func (*MouseButton) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *MouseButton) GetButton() string {
@@ -4698,7 +5367,7 @@ type MouseScroll struct {
 
 func (x *MouseScroll) Reset() {
 	*x = MouseScroll{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4710,7 +5379,7 @@ func (x *MouseScroll) String() string {
 func (*MouseScroll) ProtoMessage() {}
 
 func (x *MouseScroll) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4723,7 +5392,7 @@ func (x *MouseScroll) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseScroll.ProtoReflect.Descriptor instead.
 func (*MouseScroll) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *MouseScroll) GetDx() int32 {
@@ -4754,7 +5423,7 @@ type ItemError struct {
 
 func (x *ItemError) Reset() {
 	*x = ItemError{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4766,7 +5435,7 @@ func (x *ItemError) String() string {
 func (*ItemError) ProtoMessage() {}
 
 func (x *ItemError) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4779,7 +5448,7 @@ func (x *ItemError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemError.ProtoReflect.Descriptor instead.
 func (*ItemError) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *ItemError) GetKind() string {
@@ -4831,7 +5500,7 @@ type CreateSandboxesRequest struct {
 
 func (x *CreateSandboxesRequest) Reset() {
 	*x = CreateSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4843,7 +5512,7 @@ func (x *CreateSandboxesRequest) String() string {
 func (*CreateSandboxesRequest) ProtoMessage() {}
 
 func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4856,7 +5525,7 @@ func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *CreateSandboxesRequest) GetSpec() *SandboxSpec {
@@ -4898,7 +5567,7 @@ type CreateResult struct {
 
 func (x *CreateResult) Reset() {
 	*x = CreateResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4910,7 +5579,7 @@ func (x *CreateResult) String() string {
 func (*CreateResult) ProtoMessage() {}
 
 func (x *CreateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4923,7 +5592,7 @@ func (x *CreateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateResult.ProtoReflect.Descriptor instead.
 func (*CreateResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *CreateResult) GetIndex() int32 {
@@ -4960,7 +5629,7 @@ type CreateSandboxesResponse struct {
 
 func (x *CreateSandboxesResponse) Reset() {
 	*x = CreateSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4972,7 +5641,7 @@ func (x *CreateSandboxesResponse) String() string {
 func (*CreateSandboxesResponse) ProtoMessage() {}
 
 func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4985,7 +5654,7 @@ func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *CreateSandboxesResponse) GetResults() []*CreateResult {
@@ -5025,7 +5694,7 @@ type PauseSandboxRequest struct {
 
 func (x *PauseSandboxRequest) Reset() {
 	*x = PauseSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5037,7 +5706,7 @@ func (x *PauseSandboxRequest) String() string {
 func (*PauseSandboxRequest) ProtoMessage() {}
 
 func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5050,7 +5719,7 @@ func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseSandboxRequest.ProtoReflect.Descriptor instead.
 func (*PauseSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *PauseSandboxRequest) GetId() string {
@@ -5069,7 +5738,7 @@ type ResumeSandboxRequest struct {
 
 func (x *ResumeSandboxRequest) Reset() {
 	*x = ResumeSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5081,7 +5750,7 @@ func (x *ResumeSandboxRequest) String() string {
 func (*ResumeSandboxRequest) ProtoMessage() {}
 
 func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5094,7 +5763,7 @@ func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeSandboxRequest.ProtoReflect.Descriptor instead.
 func (*ResumeSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *ResumeSandboxRequest) GetId() string {
@@ -5117,7 +5786,7 @@ type BulkRequest struct {
 
 func (x *BulkRequest) Reset() {
 	*x = BulkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5129,7 +5798,7 @@ func (x *BulkRequest) String() string {
 func (*BulkRequest) ProtoMessage() {}
 
 func (x *BulkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5142,7 +5811,7 @@ func (x *BulkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRequest.ProtoReflect.Descriptor instead.
 func (*BulkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *BulkRequest) GetLabelSelector() string {
@@ -5169,7 +5838,7 @@ type BulkFailure struct {
 
 func (x *BulkFailure) Reset() {
 	*x = BulkFailure{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5181,7 +5850,7 @@ func (x *BulkFailure) String() string {
 func (*BulkFailure) ProtoMessage() {}
 
 func (x *BulkFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5194,7 +5863,7 @@ func (x *BulkFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkFailure.ProtoReflect.Descriptor instead.
 func (*BulkFailure) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *BulkFailure) GetId() string {
@@ -5221,7 +5890,7 @@ type BulkResponse struct {
 
 func (x *BulkResponse) Reset() {
 	*x = BulkResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5233,7 +5902,7 @@ func (x *BulkResponse) String() string {
 func (*BulkResponse) ProtoMessage() {}
 
 func (x *BulkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5246,7 +5915,7 @@ func (x *BulkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkResponse.ProtoReflect.Descriptor instead.
 func (*BulkResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *BulkResponse) GetIds() []string {
@@ -5274,7 +5943,7 @@ type SnapshotRequest struct {
 
 func (x *SnapshotRequest) Reset() {
 	*x = SnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5286,7 +5955,7 @@ func (x *SnapshotRequest) String() string {
 func (*SnapshotRequest) ProtoMessage() {}
 
 func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5299,7 +5968,7 @@ func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *SnapshotRequest) GetSandboxId() string {
@@ -5333,7 +6002,7 @@ type SnapshotInfo struct {
 
 func (x *SnapshotInfo) Reset() {
 	*x = SnapshotInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5345,7 +6014,7 @@ func (x *SnapshotInfo) String() string {
 func (*SnapshotInfo) ProtoMessage() {}
 
 func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5358,7 +6027,7 @@ func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotInfo.ProtoReflect.Descriptor instead.
 func (*SnapshotInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *SnapshotInfo) GetId() string {
@@ -5425,7 +6094,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5437,7 +6106,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5450,7 +6119,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{80}
 }
 
 type ListSnapshotsResponse struct {
@@ -5462,7 +6131,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5474,7 +6143,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5487,7 +6156,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{76}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*SnapshotInfo {
@@ -5506,7 +6175,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5518,7 +6187,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5531,7 +6200,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{77}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{82}
 }
 
 func (x *DeleteSnapshotRequest) GetId() string {
@@ -5549,7 +6218,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5561,7 +6230,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5574,7 +6243,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{78}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{83}
 }
 
 type ForkRequest struct {
@@ -5591,7 +6260,7 @@ type ForkRequest struct {
 
 func (x *ForkRequest) Reset() {
 	*x = ForkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5603,7 +6272,7 @@ func (x *ForkRequest) String() string {
 func (*ForkRequest) ProtoMessage() {}
 
 func (x *ForkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5616,7 +6285,7 @@ func (x *ForkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkRequest.ProtoReflect.Descriptor instead.
 func (*ForkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{79}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *ForkRequest) GetSandboxId() string {
@@ -5665,7 +6334,7 @@ type GetLogRequest struct {
 
 func (x *GetLogRequest) Reset() {
 	*x = GetLogRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5677,7 +6346,7 @@ func (x *GetLogRequest) String() string {
 func (*GetLogRequest) ProtoMessage() {}
 
 func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5690,7 +6359,7 @@ func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogRequest.ProtoReflect.Descriptor instead.
 func (*GetLogRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{80}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{85}
 }
 
 func (x *GetLogRequest) GetSandboxId() string {
@@ -5743,14 +6412,17 @@ type LogEntry struct {
 	// for a different call is refused rather than answered wrongly.
 	Fingerprint string `protobuf:"bytes,20,opt,name=fingerprint,proto3" json:"fingerprint,omitempty"`
 	// metadata is a write_file's metadata (WriteFileHeader.metadata).
-	Metadata      map[string]string `protobuf:"bytes,21,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	Metadata map[string]string `protobuf:"bytes,21,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// container is the sidecar the call acted in (empty: the main
+	// container).
+	Container     string `protobuf:"bytes,22,opt,name=container,proto3" json:"container,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *LogEntry) Reset() {
 	*x = LogEntry{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[86]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5762,7 +6434,7 @@ func (x *LogEntry) String() string {
 func (*LogEntry) ProtoMessage() {}
 
 func (x *LogEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[86]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5775,7 +6447,7 @@ func (x *LogEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogEntry.ProtoReflect.Descriptor instead.
 func (*LogEntry) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{81}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{86}
 }
 
 func (x *LogEntry) GetSeq() uint64 {
@@ -5925,6 +6597,13 @@ func (x *LogEntry) GetMetadata() map[string]string {
 	return nil
 }
 
+func (x *LogEntry) GetContainer() string {
+	if x != nil {
+		return x.Container
+	}
+	return ""
+}
+
 type GetLogResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Entries       []*LogEntry            `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
@@ -5936,7 +6615,7 @@ type GetLogResponse struct {
 
 func (x *GetLogResponse) Reset() {
 	*x = GetLogResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[87]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5948,7 +6627,7 @@ func (x *GetLogResponse) String() string {
 func (*GetLogResponse) ProtoMessage() {}
 
 func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[87]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5961,7 +6640,7 @@ func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogResponse.ProtoReflect.Descriptor instead.
 func (*GetLogResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{82}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{87}
 }
 
 func (x *GetLogResponse) GetEntries() []*LogEntry {
@@ -5998,7 +6677,7 @@ type ReplayRequest struct {
 
 func (x *ReplayRequest) Reset() {
 	*x = ReplayRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[88]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6010,7 +6689,7 @@ func (x *ReplayRequest) String() string {
 func (*ReplayRequest) ProtoMessage() {}
 
 func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[88]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6023,7 +6702,7 @@ func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayRequest.ProtoReflect.Descriptor instead.
 func (*ReplayRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{83}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{88}
 }
 
 func (x *ReplayRequest) GetSandboxId() string {
@@ -6060,7 +6739,7 @@ type ReplayStep struct {
 
 func (x *ReplayStep) Reset() {
 	*x = ReplayStep{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[89]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6072,7 +6751,7 @@ func (x *ReplayStep) String() string {
 func (*ReplayStep) ProtoMessage() {}
 
 func (x *ReplayStep) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[89]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6085,7 +6764,7 @@ func (x *ReplayStep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayStep.ProtoReflect.Descriptor instead.
 func (*ReplayStep) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{84}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{89}
 }
 
 func (x *ReplayStep) GetSeq() uint64 {
@@ -6135,7 +6814,7 @@ type ReplayResponse struct {
 
 func (x *ReplayResponse) Reset() {
 	*x = ReplayResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[90]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6147,7 +6826,7 @@ func (x *ReplayResponse) String() string {
 func (*ReplayResponse) ProtoMessage() {}
 
 func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[90]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6160,7 +6839,7 @@ func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayResponse.ProtoReflect.Descriptor instead.
 func (*ReplayResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{85}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{90}
 }
 
 func (x *ReplayResponse) GetSandboxId() string {
@@ -6244,7 +6923,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04host\x18\x06 \x01(\tR\x04host\x12\x18\n" +
 	"\averdict\x18\a \x01(\tR\averdict\x12\x16\n" +
 	"\x06reason\x18\b \x01(\tR\x06reason\x12\x1a\n" +
-	"\bbrokered\x18\t \x01(\bR\bbrokered\"\x81\x06\n" +
+	"\bbrokered\x18\t \x01(\bR\bbrokered\"\x87\a\n" +
 	"\vSandboxSpec\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x120\n" +
@@ -6264,7 +6943,10 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\aruntime\x18\r \x01(\tR\aruntime\x12\x1d\n" +
 	"\n" +
 	"on_timeout\x18\x0e \x01(\tR\tonTimeout\x12.\n" +
-	"\avolumes\x18\x15 \x03(\v2\x14.dsec.v1.VolumeMountR\avolumes\x1a9\n" +
+	"\avolumes\x18\x15 \x03(\v2\x14.dsec.v1.VolumeMountR\avolumes\x12,\n" +
+	"\bsidecars\x18\x16 \x03(\v2\x10.dsec.v1.SidecarR\bsidecars\x12\x18\n" +
+	"\aaliases\x18\x17 \x03(\tR\aaliases\x12<\n" +
+	"\x0eshared_volumes\x18\x18 \x03(\v2\x15.dsec.v1.SharedVolumeR\rsharedVolumes\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +
@@ -6273,7 +6955,47 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a?\n" +
 	"\x11NodeSelectorEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xa7\x03\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\";\n" +
+	"\fSharedVolume\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x17\n" +
+	"\asize_mb\x18\x02 \x01(\x03R\x06sizeMb\"\xef\x03\n" +
+	"\aSidecar\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
+	"\x05image\x18\x02 \x01(\tR\x05image\x12\x18\n" +
+	"\acommand\x18\x03 \x03(\tR\acommand\x12\x1e\n" +
+	"\n" +
+	"entrypoint\x18\v \x03(\tR\n" +
+	"entrypoint\x12+\n" +
+	"\x03env\x18\x04 \x03(\v2\x19.dsec.v1.Sidecar.EnvEntryR\x03env\x12\x18\n" +
+	"\aworkdir\x18\x05 \x01(\tR\aworkdir\x12\x12\n" +
+	"\x04user\x18\x06 \x01(\tR\x04user\x120\n" +
+	"\tresources\x18\a \x01(\v2\x12.dsec.v1.ResourcesR\tresources\x126\n" +
+	"\vhealthcheck\x18\b \x01(\v2\x14.dsec.v1.HealthCheckR\vhealthcheck\x129\n" +
+	"\n" +
+	"depends_on\x18\t \x03(\v2\x1a.dsec.v1.SidecarDependencyR\tdependsOn\x12\x18\n" +
+	"\aaliases\x18\n" +
+	" \x03(\tR\aaliases\x12.\n" +
+	"\avolumes\x18\f \x03(\v2\x14.dsec.v1.VolumeMountR\avolumes\x1a6\n" +
+	"\bEnvEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xd5\x01\n" +
+	"\vHealthCheck\x12\x18\n" +
+	"\acommand\x18\x01 \x03(\tR\acommand\x12\x1f\n" +
+	"\vinterval_ms\x18\x02 \x01(\x03R\n" +
+	"intervalMs\x12\x1d\n" +
+	"\n" +
+	"timeout_ms\x18\x03 \x01(\x03R\ttimeoutMs\x12&\n" +
+	"\x0fstart_period_ms\x18\x04 \x01(\x03R\rstartPeriodMs\x12\x18\n" +
+	"\aretries\x18\x05 \x01(\x05R\aretries\x12*\n" +
+	"\x11start_interval_ms\x18\x06 \x01(\x03R\x0fstartIntervalMs\"E\n" +
+	"\x11SidecarDependency\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1c\n" +
+	"\tcondition\x18\x02 \x01(\tR\tcondition\"{\n" +
+	"\rSidecarStatus\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
+	"\x05state\x18\x02 \x01(\tR\x05state\x12\x1b\n" +
+	"\texit_code\x18\x03 \x01(\x05R\bexitCode\x12#\n" +
+	"\rhealth_output\x18\x04 \x01(\tR\fhealthOutput\"\xdb\x03\n" +
 	"\aSandbox\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04node\x18\x02 \x01(\tR\x04node\x12\x14\n" +
@@ -6288,11 +7010,14 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\bended_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\x12\x1b\n" +
 	"\tend_cause\x18\n" +
 	" \x01(\tR\bendCause\x12\x14\n" +
-	"\x05infra\x18\v \x01(\bR\x05infra\"\x83\x01\n" +
+	"\x05infra\x18\v \x01(\bR\x05infra\x122\n" +
+	"\bsidecars\x18\f \x03(\v2\x16.dsec.v1.SidecarStatusR\bsidecars\"\xca\x01\n" +
 	"\x14CreateSandboxRequest\x12(\n" +
 	"\x04spec\x18\x01 \x01(\v2\x14.dsec.v1.SandboxSpecR\x04spec\x12'\n" +
 	"\x0fidempotency_key\x18\x02 \x01(\tR\x0eidempotencyKey\x12\x18\n" +
-	"\aproject\x18\x03 \x01(\tR\aproject\"#\n" +
+	"\aproject\x18\x03 \x01(\tR\aproject\x12\x18\n" +
+	"\acompose\x18\x04 \x01(\tR\acompose\x12+\n" +
+	"\x11compose_overrides\x18\x05 \x03(\tR\x10composeOverrides\"#\n" +
 	"\x11GetSandboxRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"\x8f\x01\n" +
 	"\x14ListSandboxesRequest\x12%\n" +
@@ -6310,7 +7035,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x10KeepaliveRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12 \n" +
 	"\fextend_ttl_s\x18\x02 \x01(\x03R\n" +
-	"extendTtlS\"\xd6\x03\n" +
+	"extendTtlS\"\xf4\x03\n" +
 	"\vExecRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
@@ -6330,7 +7055,8 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\bpty_cols\x18\r \x01(\rR\aptyCols\x12\x10\n" +
 	"\x03tag\x18\x0e \x01(\tR\x03tag\x12\x1d\n" +
 	"\n" +
-	"request_id\x18\x0f \x01(\tR\trequestId\x1a6\n" +
+	"request_id\x18\x0f \x01(\tR\trequestId\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xdc\x02\n" +
@@ -6362,36 +7088,40 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x06stderr\x18\x03 \x01(\fH\x00R\x06stderr\x12)\n" +
 	"\x04exit\x18\x04 \x01(\v2\x13.dsec.v1.ExecResultH\x00R\x04exit\x12\x1e\n" +
 	"\tkeepalive\x18\x05 \x01(\bH\x00R\tkeepaliveB\a\n" +
-	"\x05event\"\x84\x01\n" +
+	"\x05event\"\xa2\x01\n" +
 	"\x15ConnectProcessRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
 	"\n" +
 	"process_id\x18\x02 \x01(\tR\tprocessId\x12\x10\n" +
 	"\x03tag\x18\x03 \x01(\tR\x03tag\x12\x1b\n" +
-	"\tlive_only\x18\x04 \x01(\bR\bliveOnly\"{\n" +
+	"\tlive_only\x18\x04 \x01(\bR\bliveOnly\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\"\x99\x01\n" +
 	"\x11WriteStdinRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
 	"\n" +
 	"process_id\x18\x02 \x01(\tR\tprocessId\x12\x12\n" +
 	"\x04data\x18\x03 \x01(\fR\x04data\x12\x14\n" +
-	"\x05close\x18\x04 \x01(\bR\x05close\"\x14\n" +
-	"\x12WriteStdinResponse\"l\n" +
+	"\x05close\x18\x04 \x01(\bR\x05close\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\"\x14\n" +
+	"\x12WriteStdinResponse\"\x8a\x01\n" +
 	"\x14SignalProcessRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
 	"\n" +
 	"process_id\x18\x02 \x01(\tR\tprocessId\x12\x16\n" +
-	"\x06signal\x18\x03 \x01(\tR\x06signal\"\x17\n" +
-	"\x15SignalProcessResponse\"x\n" +
+	"\x06signal\x18\x03 \x01(\tR\x06signal\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\"\x17\n" +
+	"\x15SignalProcessResponse\"\x96\x01\n" +
 	"\x10ResizePTYRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
 	"\n" +
 	"process_id\x18\x02 \x01(\tR\tprocessId\x12\x12\n" +
 	"\x04rows\x18\x03 \x01(\rR\x04rows\x12\x12\n" +
-	"\x04cols\x18\x04 \x01(\rR\x04cols\"\x13\n" +
+	"\x04cols\x18\x04 \x01(\rR\x04cols\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\"\x13\n" +
 	"\x11ResizePTYResponse\"\xa8\x02\n" +
 	"\vProcessInfo\x12\x1d\n" +
 	"\n" +
@@ -6406,10 +7136,11 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x03env\x18\t \x03(\v2\x1d.dsec.v1.ProcessInfo.EnvEntryR\x03env\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"5\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"S\n" +
 	"\x14ListProcessesRequest\x12\x1d\n" +
 	"\n" +
-	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\"K\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\"K\n" +
 	"\x15ListProcessesResponse\x122\n" +
 	"\tprocesses\x18\x01 \x03(\v2\x14.dsec.v1.ProcessInfoR\tprocesses\"\xb4\x03\n" +
 	"\bFileInfo\x12\x12\n" +
@@ -6428,18 +7159,19 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x06target\x18\f \x01(\v2\x11.dsec.v1.FileInfoR\x06target\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x8d\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xab\x01\n" +
 	"\x0fReadFileRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x16\n" +
 	"\x06offset\x18\x03 \x01(\x03R\x06offset\x12\x1b\n" +
 	"\tmax_bytes\x18\x04 \x01(\x03R\bmaxBytes\x12\x12\n" +
-	"\x04user\x18\x05 \x01(\tR\x04user\"X\n" +
+	"\x04user\x18\x05 \x01(\tR\x04user\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\"X\n" +
 	"\x10ReadFileResponse\x12'\n" +
 	"\x04info\x18\x01 \x01(\v2\x11.dsec.v1.FileInfoH\x00R\x04info\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\x05\n" +
-	"\x03msg\"\xa4\x02\n" +
+	"\x03msg\"\xc2\x02\n" +
 	"\x0fWriteFileHeader\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
@@ -6449,58 +7181,66 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04user\x18\x05 \x01(\tR\x04user\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x06 \x01(\tR\trequestId\x12B\n" +
-	"\bmetadata\x18\a \x03(\v2&.dsec.v1.WriteFileHeader.MetadataEntryR\bmetadata\x1a;\n" +
+	"\bmetadata\x18\a \x03(\v2&.dsec.v1.WriteFileHeader.MetadataEntryR\bmetadata\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\x1a;\n" +
 	"\rMetadataEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"c\n" +
 	"\x10WriteFileRequest\x122\n" +
 	"\x06header\x18\x01 \x01(\v2\x18.dsec.v1.WriteFileHeaderH\x00R\x06header\x12\x14\n" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\x05\n" +
-	"\x03msg\"T\n" +
+	"\x03msg\"r\n" +
 	"\vStatRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
-	"\x04user\x18\x03 \x01(\tR\x04user\"m\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\"\x8b\x01\n" +
 	"\x0eListDirRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x14\n" +
 	"\x05depth\x18\x03 \x01(\x05R\x05depth\x12\x12\n" +
-	"\x04user\x18\x04 \x01(\tR\x04user\">\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\">\n" +
 	"\x0fListDirResponse\x12+\n" +
-	"\aentries\x18\x01 \x03(\v2\x11.dsec.v1.FileInfoR\aentries\"W\n" +
+	"\aentries\x18\x01 \x03(\v2\x11.dsec.v1.FileInfoR\aentries\"u\n" +
 	"\x0eMakeDirRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
-	"\x04user\x18\x03 \x01(\tR\x04user\"t\n" +
+	"\x04user\x18\x03 \x01(\tR\x04user\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\"\x92\x01\n" +
 	"\rRemoveRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1c\n" +
 	"\trecursive\x18\x03 \x01(\bR\trecursive\x12\x12\n" +
-	"\x04user\x18\x04 \x01(\tR\x04user\"\x10\n" +
-	"\x0eRemoveResponse\"f\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\"\x10\n" +
+	"\x0eRemoveResponse\"\x84\x01\n" +
 	"\rRenameRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04from\x18\x02 \x01(\tR\x04from\x12\x0e\n" +
 	"\x02to\x18\x03 \x01(\tR\x02to\x12\x12\n" +
-	"\x04user\x18\x04 \x01(\tR\x04user\"n\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\"\x8c\x01\n" +
 	"\x11ChangeModeRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x12\n" +
 	"\x04mode\x18\x03 \x01(\rR\x04mode\x12\x12\n" +
-	"\x04user\x18\x04 \x01(\tR\x04user\"\x99\x01\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\"\xb7\x01\n" +
 	"\x0fWatchDirRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04path\x18\x02 \x01(\tR\x04path\x12\x1c\n" +
 	"\trecursive\x18\x03 \x01(\bR\trecursive\x12\x12\n" +
 	"\x04user\x18\x04 \x01(\tR\x04user\x12!\n" +
-	"\finclude_info\x18\x05 \x01(\bR\vincludeInfo\"T\n" +
+	"\finclude_info\x18\x05 \x01(\bR\vincludeInfo\x12\x1c\n" +
+	"\tcontainer\x18( \x01(\tR\tcontainer\"T\n" +
 	"\aFsEvent\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
 	"\x02op\x18\x02 \x01(\tR\x02op\x12%\n" +
@@ -6648,7 +7388,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x19\n" +
 	"\bfrom_seq\x18\x02 \x01(\x04R\afromSeq\x12\x14\n" +
-	"\x05limit\x18\x03 \x01(\x05R\x05limit\"\xfc\x05\n" +
+	"\x05limit\x18\x03 \x01(\x05R\x05limit\"\x9a\x06\n" +
 	"\bLogEntry\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x1d\n" +
 	"\n" +
@@ -6673,7 +7413,8 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\trecursive\x18\x12 \x01(\bR\trecursive\x12\x1b\n" +
 	"\ttimeout_s\x18\x13 \x01(\x01R\btimeoutS\x12 \n" +
 	"\vfingerprint\x18\x14 \x01(\tR\vfingerprint\x12;\n" +
-	"\bmetadata\x18\x15 \x03(\v2\x1f.dsec.v1.LogEntry.MetadataEntryR\bmetadata\x1a6\n" +
+	"\bmetadata\x18\x15 \x03(\v2\x1f.dsec.v1.LogEntry.MetadataEntryR\bmetadata\x12\x1c\n" +
+	"\tcontainer\x18\x16 \x01(\tR\tcontainer\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a;\n" +
@@ -6769,7 +7510,7 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 96)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 102)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
 	(*Resources)(nil),               // 1: dsec.v1.Resources
@@ -6783,238 +7524,252 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*GetNetworkLogResponse)(nil),   // 9: dsec.v1.GetNetworkLogResponse
 	(*ConnectionRecord)(nil),        // 10: dsec.v1.ConnectionRecord
 	(*SandboxSpec)(nil),             // 11: dsec.v1.SandboxSpec
-	(*Sandbox)(nil),                 // 12: dsec.v1.Sandbox
-	(*CreateSandboxRequest)(nil),    // 13: dsec.v1.CreateSandboxRequest
-	(*GetSandboxRequest)(nil),       // 14: dsec.v1.GetSandboxRequest
-	(*ListSandboxesRequest)(nil),    // 15: dsec.v1.ListSandboxesRequest
-	(*ListSandboxesResponse)(nil),   // 16: dsec.v1.ListSandboxesResponse
-	(*DeleteSandboxRequest)(nil),    // 17: dsec.v1.DeleteSandboxRequest
-	(*DeleteSandboxResponse)(nil),   // 18: dsec.v1.DeleteSandboxResponse
-	(*KeepaliveRequest)(nil),        // 19: dsec.v1.KeepaliveRequest
-	(*ExecRequest)(nil),             // 20: dsec.v1.ExecRequest
-	(*ExecResult)(nil),              // 21: dsec.v1.ExecResult
-	(*ExecStarted)(nil),             // 22: dsec.v1.ExecStarted
-	(*ExecEvent)(nil),               // 23: dsec.v1.ExecEvent
-	(*ConnectProcessRequest)(nil),   // 24: dsec.v1.ConnectProcessRequest
-	(*WriteStdinRequest)(nil),       // 25: dsec.v1.WriteStdinRequest
-	(*WriteStdinResponse)(nil),      // 26: dsec.v1.WriteStdinResponse
-	(*SignalProcessRequest)(nil),    // 27: dsec.v1.SignalProcessRequest
-	(*SignalProcessResponse)(nil),   // 28: dsec.v1.SignalProcessResponse
-	(*ResizePTYRequest)(nil),        // 29: dsec.v1.ResizePTYRequest
-	(*ResizePTYResponse)(nil),       // 30: dsec.v1.ResizePTYResponse
-	(*ProcessInfo)(nil),             // 31: dsec.v1.ProcessInfo
-	(*ListProcessesRequest)(nil),    // 32: dsec.v1.ListProcessesRequest
-	(*ListProcessesResponse)(nil),   // 33: dsec.v1.ListProcessesResponse
-	(*FileInfo)(nil),                // 34: dsec.v1.FileInfo
-	(*ReadFileRequest)(nil),         // 35: dsec.v1.ReadFileRequest
-	(*ReadFileResponse)(nil),        // 36: dsec.v1.ReadFileResponse
-	(*WriteFileHeader)(nil),         // 37: dsec.v1.WriteFileHeader
-	(*WriteFileRequest)(nil),        // 38: dsec.v1.WriteFileRequest
-	(*StatRequest)(nil),             // 39: dsec.v1.StatRequest
-	(*ListDirRequest)(nil),          // 40: dsec.v1.ListDirRequest
-	(*ListDirResponse)(nil),         // 41: dsec.v1.ListDirResponse
-	(*MakeDirRequest)(nil),          // 42: dsec.v1.MakeDirRequest
-	(*RemoveRequest)(nil),           // 43: dsec.v1.RemoveRequest
-	(*RemoveResponse)(nil),          // 44: dsec.v1.RemoveResponse
-	(*RenameRequest)(nil),           // 45: dsec.v1.RenameRequest
-	(*ChangeModeRequest)(nil),       // 46: dsec.v1.ChangeModeRequest
-	(*WatchDirRequest)(nil),         // 47: dsec.v1.WatchDirRequest
-	(*FsEvent)(nil),                 // 48: dsec.v1.FsEvent
-	(*WatchDirEvent)(nil),           // 49: dsec.v1.WatchDirEvent
-	(*GetSandboxStatsRequest)(nil),  // 50: dsec.v1.GetSandboxStatsRequest
-	(*StatsSample)(nil),             // 51: dsec.v1.StatsSample
-	(*SandboxStats)(nil),            // 52: dsec.v1.SandboxStats
-	(*ScreenshotRequest)(nil),       // 53: dsec.v1.ScreenshotRequest
-	(*ScreenshotResponse)(nil),      // 54: dsec.v1.ScreenshotResponse
-	(*SendInputRequest)(nil),        // 55: dsec.v1.SendInputRequest
-	(*SendInputResponse)(nil),       // 56: dsec.v1.SendInputResponse
-	(*OpenVNCRequest)(nil),          // 57: dsec.v1.OpenVNCRequest
-	(*OpenVNCResponse)(nil),         // 58: dsec.v1.OpenVNCResponse
-	(*InputAction)(nil),             // 59: dsec.v1.InputAction
-	(*Point)(nil),                   // 60: dsec.v1.Point
-	(*MouseClick)(nil),              // 61: dsec.v1.MouseClick
-	(*MouseButton)(nil),             // 62: dsec.v1.MouseButton
-	(*MouseScroll)(nil),             // 63: dsec.v1.MouseScroll
-	(*ItemError)(nil),               // 64: dsec.v1.ItemError
-	(*CreateSandboxesRequest)(nil),  // 65: dsec.v1.CreateSandboxesRequest
-	(*CreateResult)(nil),            // 66: dsec.v1.CreateResult
-	(*CreateSandboxesResponse)(nil), // 67: dsec.v1.CreateSandboxesResponse
-	(*PauseSandboxRequest)(nil),     // 68: dsec.v1.PauseSandboxRequest
-	(*ResumeSandboxRequest)(nil),    // 69: dsec.v1.ResumeSandboxRequest
-	(*BulkRequest)(nil),             // 70: dsec.v1.BulkRequest
-	(*BulkFailure)(nil),             // 71: dsec.v1.BulkFailure
-	(*BulkResponse)(nil),            // 72: dsec.v1.BulkResponse
-	(*SnapshotRequest)(nil),         // 73: dsec.v1.SnapshotRequest
-	(*SnapshotInfo)(nil),            // 74: dsec.v1.SnapshotInfo
-	(*ListSnapshotsRequest)(nil),    // 75: dsec.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),   // 76: dsec.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),   // 77: dsec.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),  // 78: dsec.v1.DeleteSnapshotResponse
-	(*ForkRequest)(nil),             // 79: dsec.v1.ForkRequest
-	(*GetLogRequest)(nil),           // 80: dsec.v1.GetLogRequest
-	(*LogEntry)(nil),                // 81: dsec.v1.LogEntry
-	(*GetLogResponse)(nil),          // 82: dsec.v1.GetLogResponse
-	(*ReplayRequest)(nil),           // 83: dsec.v1.ReplayRequest
-	(*ReplayStep)(nil),              // 84: dsec.v1.ReplayStep
-	(*ReplayResponse)(nil),          // 85: dsec.v1.ReplayResponse
-	nil,                             // 86: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                             // 87: dsec.v1.SandboxSpec.EnvEntry
-	nil,                             // 88: dsec.v1.SandboxSpec.NodeSelectorEntry
-	nil,                             // 89: dsec.v1.ExecRequest.EnvEntry
-	nil,                             // 90: dsec.v1.ProcessInfo.EnvEntry
-	nil,                             // 91: dsec.v1.FileInfo.MetadataEntry
-	nil,                             // 92: dsec.v1.WriteFileHeader.MetadataEntry
-	nil,                             // 93: dsec.v1.ForkRequest.LabelsEntry
-	nil,                             // 94: dsec.v1.LogEntry.EnvEntry
-	nil,                             // 95: dsec.v1.LogEntry.MetadataEntry
-	(*timestamppb.Timestamp)(nil),   // 96: google.protobuf.Timestamp
-	(*VolumeMount)(nil),             // 97: dsec.v1.VolumeMount
+	(*SharedVolume)(nil),            // 12: dsec.v1.SharedVolume
+	(*Sidecar)(nil),                 // 13: dsec.v1.Sidecar
+	(*HealthCheck)(nil),             // 14: dsec.v1.HealthCheck
+	(*SidecarDependency)(nil),       // 15: dsec.v1.SidecarDependency
+	(*SidecarStatus)(nil),           // 16: dsec.v1.SidecarStatus
+	(*Sandbox)(nil),                 // 17: dsec.v1.Sandbox
+	(*CreateSandboxRequest)(nil),    // 18: dsec.v1.CreateSandboxRequest
+	(*GetSandboxRequest)(nil),       // 19: dsec.v1.GetSandboxRequest
+	(*ListSandboxesRequest)(nil),    // 20: dsec.v1.ListSandboxesRequest
+	(*ListSandboxesResponse)(nil),   // 21: dsec.v1.ListSandboxesResponse
+	(*DeleteSandboxRequest)(nil),    // 22: dsec.v1.DeleteSandboxRequest
+	(*DeleteSandboxResponse)(nil),   // 23: dsec.v1.DeleteSandboxResponse
+	(*KeepaliveRequest)(nil),        // 24: dsec.v1.KeepaliveRequest
+	(*ExecRequest)(nil),             // 25: dsec.v1.ExecRequest
+	(*ExecResult)(nil),              // 26: dsec.v1.ExecResult
+	(*ExecStarted)(nil),             // 27: dsec.v1.ExecStarted
+	(*ExecEvent)(nil),               // 28: dsec.v1.ExecEvent
+	(*ConnectProcessRequest)(nil),   // 29: dsec.v1.ConnectProcessRequest
+	(*WriteStdinRequest)(nil),       // 30: dsec.v1.WriteStdinRequest
+	(*WriteStdinResponse)(nil),      // 31: dsec.v1.WriteStdinResponse
+	(*SignalProcessRequest)(nil),    // 32: dsec.v1.SignalProcessRequest
+	(*SignalProcessResponse)(nil),   // 33: dsec.v1.SignalProcessResponse
+	(*ResizePTYRequest)(nil),        // 34: dsec.v1.ResizePTYRequest
+	(*ResizePTYResponse)(nil),       // 35: dsec.v1.ResizePTYResponse
+	(*ProcessInfo)(nil),             // 36: dsec.v1.ProcessInfo
+	(*ListProcessesRequest)(nil),    // 37: dsec.v1.ListProcessesRequest
+	(*ListProcessesResponse)(nil),   // 38: dsec.v1.ListProcessesResponse
+	(*FileInfo)(nil),                // 39: dsec.v1.FileInfo
+	(*ReadFileRequest)(nil),         // 40: dsec.v1.ReadFileRequest
+	(*ReadFileResponse)(nil),        // 41: dsec.v1.ReadFileResponse
+	(*WriteFileHeader)(nil),         // 42: dsec.v1.WriteFileHeader
+	(*WriteFileRequest)(nil),        // 43: dsec.v1.WriteFileRequest
+	(*StatRequest)(nil),             // 44: dsec.v1.StatRequest
+	(*ListDirRequest)(nil),          // 45: dsec.v1.ListDirRequest
+	(*ListDirResponse)(nil),         // 46: dsec.v1.ListDirResponse
+	(*MakeDirRequest)(nil),          // 47: dsec.v1.MakeDirRequest
+	(*RemoveRequest)(nil),           // 48: dsec.v1.RemoveRequest
+	(*RemoveResponse)(nil),          // 49: dsec.v1.RemoveResponse
+	(*RenameRequest)(nil),           // 50: dsec.v1.RenameRequest
+	(*ChangeModeRequest)(nil),       // 51: dsec.v1.ChangeModeRequest
+	(*WatchDirRequest)(nil),         // 52: dsec.v1.WatchDirRequest
+	(*FsEvent)(nil),                 // 53: dsec.v1.FsEvent
+	(*WatchDirEvent)(nil),           // 54: dsec.v1.WatchDirEvent
+	(*GetSandboxStatsRequest)(nil),  // 55: dsec.v1.GetSandboxStatsRequest
+	(*StatsSample)(nil),             // 56: dsec.v1.StatsSample
+	(*SandboxStats)(nil),            // 57: dsec.v1.SandboxStats
+	(*ScreenshotRequest)(nil),       // 58: dsec.v1.ScreenshotRequest
+	(*ScreenshotResponse)(nil),      // 59: dsec.v1.ScreenshotResponse
+	(*SendInputRequest)(nil),        // 60: dsec.v1.SendInputRequest
+	(*SendInputResponse)(nil),       // 61: dsec.v1.SendInputResponse
+	(*OpenVNCRequest)(nil),          // 62: dsec.v1.OpenVNCRequest
+	(*OpenVNCResponse)(nil),         // 63: dsec.v1.OpenVNCResponse
+	(*InputAction)(nil),             // 64: dsec.v1.InputAction
+	(*Point)(nil),                   // 65: dsec.v1.Point
+	(*MouseClick)(nil),              // 66: dsec.v1.MouseClick
+	(*MouseButton)(nil),             // 67: dsec.v1.MouseButton
+	(*MouseScroll)(nil),             // 68: dsec.v1.MouseScroll
+	(*ItemError)(nil),               // 69: dsec.v1.ItemError
+	(*CreateSandboxesRequest)(nil),  // 70: dsec.v1.CreateSandboxesRequest
+	(*CreateResult)(nil),            // 71: dsec.v1.CreateResult
+	(*CreateSandboxesResponse)(nil), // 72: dsec.v1.CreateSandboxesResponse
+	(*PauseSandboxRequest)(nil),     // 73: dsec.v1.PauseSandboxRequest
+	(*ResumeSandboxRequest)(nil),    // 74: dsec.v1.ResumeSandboxRequest
+	(*BulkRequest)(nil),             // 75: dsec.v1.BulkRequest
+	(*BulkFailure)(nil),             // 76: dsec.v1.BulkFailure
+	(*BulkResponse)(nil),            // 77: dsec.v1.BulkResponse
+	(*SnapshotRequest)(nil),         // 78: dsec.v1.SnapshotRequest
+	(*SnapshotInfo)(nil),            // 79: dsec.v1.SnapshotInfo
+	(*ListSnapshotsRequest)(nil),    // 80: dsec.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),   // 81: dsec.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),   // 82: dsec.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),  // 83: dsec.v1.DeleteSnapshotResponse
+	(*ForkRequest)(nil),             // 84: dsec.v1.ForkRequest
+	(*GetLogRequest)(nil),           // 85: dsec.v1.GetLogRequest
+	(*LogEntry)(nil),                // 86: dsec.v1.LogEntry
+	(*GetLogResponse)(nil),          // 87: dsec.v1.GetLogResponse
+	(*ReplayRequest)(nil),           // 88: dsec.v1.ReplayRequest
+	(*ReplayStep)(nil),              // 89: dsec.v1.ReplayStep
+	(*ReplayResponse)(nil),          // 90: dsec.v1.ReplayResponse
+	nil,                             // 91: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                             // 92: dsec.v1.SandboxSpec.EnvEntry
+	nil,                             // 93: dsec.v1.SandboxSpec.NodeSelectorEntry
+	nil,                             // 94: dsec.v1.Sidecar.EnvEntry
+	nil,                             // 95: dsec.v1.ExecRequest.EnvEntry
+	nil,                             // 96: dsec.v1.ProcessInfo.EnvEntry
+	nil,                             // 97: dsec.v1.FileInfo.MetadataEntry
+	nil,                             // 98: dsec.v1.WriteFileHeader.MetadataEntry
+	nil,                             // 99: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 100: dsec.v1.LogEntry.EnvEntry
+	nil,                             // 101: dsec.v1.LogEntry.MetadataEntry
+	(*timestamppb.Timestamp)(nil),   // 102: google.protobuf.Timestamp
+	(*VolumeMount)(nil),             // 103: dsec.v1.VolumeMount
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
-	3,  // 0: dsec.v1.Network.policy:type_name -> dsec.v1.NetworkPolicy
-	4,  // 1: dsec.v1.NetworkPolicy.rules:type_name -> dsec.v1.NetworkRule
-	5,  // 2: dsec.v1.NetworkPolicy.credentials:type_name -> dsec.v1.BrokeredCredential
-	3,  // 3: dsec.v1.SetNetworkPolicyRequest.policy:type_name -> dsec.v1.NetworkPolicy
-	10, // 4: dsec.v1.GetNetworkLogResponse.records:type_name -> dsec.v1.ConnectionRecord
-	96, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
-	1,  // 6: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	86, // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	87, // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
-	2,  // 9: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
-	88, // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
-	97, // 11: dsec.v1.SandboxSpec.volumes:type_name -> dsec.v1.VolumeMount
-	11, // 12: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	96, // 13: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	96, // 14: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	96, // 15: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
-	96, // 16: dsec.v1.Sandbox.ended_at:type_name -> google.protobuf.Timestamp
-	11, // 17: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
-	12, // 18: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	89, // 19: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
-	22, // 20: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
-	21, // 21: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	90, // 22: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
-	31, // 23: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	96, // 24: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
-	91, // 25: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
-	34, // 26: dsec.v1.FileInfo.target:type_name -> dsec.v1.FileInfo
-	34, // 27: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
-	92, // 28: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
-	37, // 29: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
-	34, // 30: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
-	34, // 31: dsec.v1.FsEvent.info:type_name -> dsec.v1.FileInfo
-	48, // 32: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	96, // 33: dsec.v1.StatsSample.at:type_name -> google.protobuf.Timestamp
-	96, // 34: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	51, // 35: dsec.v1.SandboxStats.history:type_name -> dsec.v1.StatsSample
-	59, // 36: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
-	96, // 37: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
-	60, // 38: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
-	61, // 39: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
-	62, // 40: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
-	63, // 41: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
-	11, // 42: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	11, // 43: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	12, // 44: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	64, // 45: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	66, // 46: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	64, // 47: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	71, // 48: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	96, // 49: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	74, // 50: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	93, // 51: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	96, // 52: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	94, // 53: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
-	21, // 54: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	64, // 55: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	95, // 56: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
-	81, // 57: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	84, // 58: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	13, // 59: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	65, // 60: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	14, // 61: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	15, // 62: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	17, // 63: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	19, // 64: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	68, // 65: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	69, // 66: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	70, // 67: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	70, // 68: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	70, // 69: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	50, // 70: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	6,  // 71: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
-	7,  // 72: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
-	20, // 73: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
-	20, // 74: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
-	24, // 75: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	25, // 76: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	27, // 77: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	29, // 78: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	32, // 79: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	35, // 80: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	38, // 81: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	39, // 82: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
-	40, // 83: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
-	42, // 84: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	43, // 85: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
-	45, // 86: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
-	46, // 87: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
-	47, // 88: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	73, // 89: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	75, // 90: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	77, // 91: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	79, // 92: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
-	80, // 93: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
-	83, // 94: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
-	8,  // 95: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
-	53, // 96: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	55, // 97: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
-	57, // 98: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
-	12, // 99: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	67, // 100: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	12, // 101: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
-	16, // 102: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	18, // 103: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	12, // 104: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
-	12, // 105: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	12, // 106: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	72, // 107: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	72, // 108: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	72, // 109: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	52, // 110: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	2,  // 111: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
-	2,  // 112: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
-	21, // 113: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
-	23, // 114: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
-	23, // 115: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	26, // 116: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	28, // 117: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	30, // 118: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	33, // 119: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	36, // 120: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	34, // 121: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
-	34, // 122: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
-	41, // 123: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
-	34, // 124: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
-	44, // 125: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
-	34, // 126: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
-	34, // 127: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
-	49, // 128: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	74, // 129: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	76, // 130: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	78, // 131: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	67, // 132: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	82, // 133: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
-	85, // 134: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
-	9,  // 135: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
-	54, // 136: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	56, // 137: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
-	58, // 138: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
-	99, // [99:139] is the sub-list for method output_type
-	59, // [59:99] is the sub-list for method input_type
-	59, // [59:59] is the sub-list for extension type_name
-	59, // [59:59] is the sub-list for extension extendee
-	0,  // [0:59] is the sub-list for field type_name
+	3,   // 0: dsec.v1.Network.policy:type_name -> dsec.v1.NetworkPolicy
+	4,   // 1: dsec.v1.NetworkPolicy.rules:type_name -> dsec.v1.NetworkRule
+	5,   // 2: dsec.v1.NetworkPolicy.credentials:type_name -> dsec.v1.BrokeredCredential
+	3,   // 3: dsec.v1.SetNetworkPolicyRequest.policy:type_name -> dsec.v1.NetworkPolicy
+	10,  // 4: dsec.v1.GetNetworkLogResponse.records:type_name -> dsec.v1.ConnectionRecord
+	102, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
+	1,   // 6: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
+	91,  // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	92,  // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
+	2,   // 9: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
+	93,  // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
+	103, // 11: dsec.v1.SandboxSpec.volumes:type_name -> dsec.v1.VolumeMount
+	13,  // 12: dsec.v1.SandboxSpec.sidecars:type_name -> dsec.v1.Sidecar
+	12,  // 13: dsec.v1.SandboxSpec.shared_volumes:type_name -> dsec.v1.SharedVolume
+	94,  // 14: dsec.v1.Sidecar.env:type_name -> dsec.v1.Sidecar.EnvEntry
+	1,   // 15: dsec.v1.Sidecar.resources:type_name -> dsec.v1.Resources
+	14,  // 16: dsec.v1.Sidecar.healthcheck:type_name -> dsec.v1.HealthCheck
+	15,  // 17: dsec.v1.Sidecar.depends_on:type_name -> dsec.v1.SidecarDependency
+	103, // 18: dsec.v1.Sidecar.volumes:type_name -> dsec.v1.VolumeMount
+	11,  // 19: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
+	102, // 20: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	102, // 21: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	102, // 22: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	102, // 23: dsec.v1.Sandbox.ended_at:type_name -> google.protobuf.Timestamp
+	16,  // 24: dsec.v1.Sandbox.sidecars:type_name -> dsec.v1.SidecarStatus
+	11,  // 25: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
+	17,  // 26: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
+	95,  // 27: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	27,  // 28: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
+	26,  // 29: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
+	96,  // 30: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	36,  // 31: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
+	102, // 32: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	97,  // 33: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
+	39,  // 34: dsec.v1.FileInfo.target:type_name -> dsec.v1.FileInfo
+	39,  // 35: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
+	98,  // 36: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
+	42,  // 37: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
+	39,  // 38: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
+	39,  // 39: dsec.v1.FsEvent.info:type_name -> dsec.v1.FileInfo
+	53,  // 40: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
+	102, // 41: dsec.v1.StatsSample.at:type_name -> google.protobuf.Timestamp
+	102, // 42: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	56,  // 43: dsec.v1.SandboxStats.history:type_name -> dsec.v1.StatsSample
+	64,  // 44: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
+	102, // 45: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
+	65,  // 46: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
+	66,  // 47: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
+	67,  // 48: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
+	68,  // 49: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
+	11,  // 50: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	11,  // 51: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	17,  // 52: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	69,  // 53: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	71,  // 54: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	69,  // 55: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	76,  // 56: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	102, // 57: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	79,  // 58: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	99,  // 59: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	102, // 60: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	100, // 61: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	26,  // 62: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	69,  // 63: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	101, // 64: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
+	86,  // 65: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	89,  // 66: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	18,  // 67: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	70,  // 68: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	19,  // 69: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	20,  // 70: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	22,  // 71: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	24,  // 72: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	73,  // 73: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	74,  // 74: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	75,  // 75: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	75,  // 76: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	75,  // 77: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	55,  // 78: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	6,   // 79: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
+	7,   // 80: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
+	25,  // 81: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
+	25,  // 82: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
+	29,  // 83: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	30,  // 84: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	32,  // 85: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	34,  // 86: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	37,  // 87: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	40,  // 88: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	43,  // 89: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	44,  // 90: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
+	45,  // 91: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
+	47,  // 92: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	48,  // 93: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
+	50,  // 94: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
+	51,  // 95: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
+	52,  // 96: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	78,  // 97: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	80,  // 98: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	82,  // 99: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	84,  // 100: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
+	85,  // 101: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
+	88,  // 102: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
+	8,   // 103: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
+	58,  // 104: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	60,  // 105: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
+	62,  // 106: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	17,  // 107: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	72,  // 108: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	17,  // 109: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
+	21,  // 110: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	23,  // 111: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	17,  // 112: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
+	17,  // 113: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	17,  // 114: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	77,  // 115: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	77,  // 116: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	77,  // 117: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	57,  // 118: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	2,   // 119: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
+	2,   // 120: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
+	26,  // 121: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
+	28,  // 122: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
+	28,  // 123: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	31,  // 124: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	33,  // 125: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	35,  // 126: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	38,  // 127: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	41,  // 128: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	39,  // 129: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
+	39,  // 130: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
+	46,  // 131: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
+	39,  // 132: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
+	49,  // 133: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
+	39,  // 134: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
+	39,  // 135: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
+	54,  // 136: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	79,  // 137: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	81,  // 138: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	83,  // 139: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	72,  // 140: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	87,  // 141: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
+	90,  // 142: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
+	9,   // 143: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
+	59,  // 144: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	61,  // 145: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
+	63,  // 146: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	107, // [107:147] is the sub-list for method output_type
+	67,  // [67:107] is the sub-list for method input_type
+	67,  // [67:67] is the sub-list for extension type_name
+	67,  // [67:67] is the sub-list for extension extendee
+	0,   // [0:67] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -7023,28 +7778,28 @@ func file_dsec_v1_sandbox_proto_init() {
 		return
 	}
 	file_dsec_v1_volume_proto_init()
-	file_dsec_v1_sandbox_proto_msgTypes[23].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[28].OneofWrappers = []any{
 		(*ExecEvent_Started)(nil),
 		(*ExecEvent_Stdout)(nil),
 		(*ExecEvent_Stderr)(nil),
 		(*ExecEvent_Exit)(nil),
 		(*ExecEvent_Keepalive)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[36].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[41].OneofWrappers = []any{
 		(*ReadFileResponse_Info)(nil),
 		(*ReadFileResponse_Data)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[38].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[43].OneofWrappers = []any{
 		(*WriteFileRequest_Header)(nil),
 		(*WriteFileRequest_Data)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[49].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[54].OneofWrappers = []any{
 		(*WatchDirEvent_Started)(nil),
 		(*WatchDirEvent_Change)(nil),
 		(*WatchDirEvent_Keepalive)(nil),
 		(*WatchDirEvent_Overflow)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[59].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[64].OneofWrappers = []any{
 		(*InputAction_Text)(nil),
 		(*InputAction_Keys)(nil),
 		(*InputAction_Move)(nil),
@@ -7058,7 +7813,7 @@ func file_dsec_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   96,
+			NumMessages:   102,
 			NumExtensions: 0,
 			NumServices:   6,
 		},

@@ -356,8 +356,12 @@ func writeEtc(dir string, s *substrate.Spec, owner uint32) error {
 		return err
 	}
 	host := s.Hostname
+	hosts := "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t" + host + "\n"
+	if len(s.Hosts) > 0 {
+		hosts += "127.0.0.1\t" + strings.Join(s.Hosts, " ") + "\n"
+	}
 	files := map[string]string{
-		"hosts":       "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t" + host + "\n",
+		"hosts":       hosts,
 		"hostname":    host + "\n",
 		"resolv.conf": s.Network.ResolvConf,
 	}

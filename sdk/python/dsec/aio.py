@@ -32,6 +32,7 @@ from typing import IO, Any, AsyncIterator, Callable, Dict, List, Mapping, Option
 
 from . import _wire
 from ._aiowire import AsyncTransport, Sent, Stream, _http_error, bounded
+from .compose import interpolate
 from .client import (_FILES, _IMAGE, _LIFECYCLE, _LOGS, _PROCESS, _SNAPSHOTS, _SYSTEM, DEFAULT_URL, Client, Command,
                      ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, SnapshotInfo, _build_spec, _exec_request,
                      _int)
@@ -79,20 +80,63 @@ class AsyncSandbox:
             self.id = info.id
             self._info = info
         self._closed = False
+        self._container = ""  # see container()
 
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.id!r})"
 
-    async def __aenter__(self) -> "AsyncSandbox":
-        return self
+    def container(self, name: str) -> "AsyncSandbox":
+        """A handle whose exec, process and file calls act in the sidecar
+        ``name`` ("" or "main": the main container); its other calls act on
+        the whole sandbox."""
+        c = AsyncSandbox(self._client, self._info if self._info is not None else self.id)
+        c._container = name
+        c._closed = True  # closing is the sandbox's handle's to do
+        return c
 
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
+    def _req(self, **kw: Any) -> Dict[str, Any]:
+        req: Dict[str, Any] = {"sandboxId": self.id}
+        if self._container:
+            req["container"] = self._container
+        req.update(kw)
+        return req
+
+    def logs(self, *, timeout_s: float = 3600) -> "ExecEvents":
+        """A sidecar's output (call it on :meth:`container`): what it
+        printed so far, then what it prints, until its process exits."""
+        return ExecEvents(self._attach_events(self._req(tag="service"), timeout_s))
+
+    async def _attach_events(self, req: Dict[str, Any], timeout_s: float) -> AsyncIterator[ExecEvent]:
+        pid = ""
+        st = await self._t.stream(_PROCESS, "ConnectProcess", req, timeout=timeout_s)
+        try:
+            async for m in st:
+                for ev in self._attach_event(m, pid):
+                    pid = ev.process_id
+                    yield ev
+                    if ev.kind == "exit":
+                        return
+        finally:
+            if not st.done:
+                st.close()
+
+    @staticmethod
+    def _attach_event(m: Dict[str, Any], pid: str) -> List[ExecEvent]:
+        if "started" in m:
+            return [ExecEvent("started", process_id=m["started"].get("processId", ""))]
+        if "stdout" in m:
+            return [ExecEvent("stdout", _wire.unb64(m["stdout"]), process_id=pid)]
+        if "stderr" in m:
+            return [ExecEvent("stderr", _wire.unb64(m["stderr"]), process_id=pid)]
+        if "exit" in m:
+            return [ExecEvent("exit", result=ExecResult._from(m["exit"]), process_id=pid)]
+        return []
 
     @property
     def sync(self) -> Sandbox:
-        """A synchronous handle to the same sandbox."""
-        return Sandbox(self._client.sync, self._info or self.id)
+        """A synchronous handle to the same sandbox (and container)."""
+        sb = Sandbox(self._client.sync, self._info or self.id)
+        return sb.container(self._container) if self._container else sb
 
     @property
     def _sb(self) -> Sandbox:  # the name adapters used before the client was native
@@ -133,6 +177,8 @@ class AsyncSandbox:
         process."""
         req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
                             max_output_bytes=max_output_bytes, request_id=request_id)
+        if self._container:
+            req["container"] = self._container
         tag = req["tag"] = _tag()
         sent = Sent()
         try:
@@ -172,6 +218,8 @@ class AsyncSandbox:
         closes them when they are garbage collected)."""
         req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
                             max_output_bytes=max_output_bytes, pty=pty, tag=tag, request_id=request_id)
+        if self._container:
+            req["container"] = self._container
         req.setdefault("tag", _tag())
         return ExecEvents(self._events(req))
 
@@ -192,17 +240,17 @@ class AsyncSandbox:
         """Write to (and optionally close) a process's stdin (started with
         stdin open, e.g. a shell session)."""
         b = data.encode() if isinstance(data, str) else bytes(data)
-        await self._t.unary(_PROCESS, "WriteStdin", {"sandboxId": self.id, "processId": process_id,
+        await self._t.unary(_PROCESS, "WriteStdin", {**self._req(), "processId": process_id,
                                                      "data": _wire.b64(b), "close": close})
 
     async def signal(self, process_id: str, signal: str = "TERM") -> None:
         """Send a signal ("TERM", "KILL", "INT" or a number) to a process's group."""
-        await self._t.unary(_PROCESS, "SignalProcess", {"sandboxId": self.id, "processId": process_id,
+        await self._t.unary(_PROCESS, "SignalProcess", {**self._req(), "processId": process_id,
                                                         "signal": str(signal)}, retry=True)
 
     async def processes(self) -> List[Dict[str, Any]]:
         """The processes the sandbox's agent started, running or recently finished."""
-        m = await self._t.unary(_PROCESS, "ListProcesses", {"sandboxId": self.id}, retry=True)
+        m = await self._t.unary(_PROCESS, "ListProcesses", self._req(), retry=True)
         return list(m.get("processes", []))
 
     async def shell(self, name: str = "default", *, startup: Optional[str] = None,
@@ -216,6 +264,8 @@ class AsyncSandbox:
     # Files.
 
     def _files_path(self, q: Mapping[str, str]) -> str:
+        if self._container:
+            q = {**q, "container": self._container}
         return f"/v1/sandboxes/{urllib.parse.quote(self.id)}/files?" + urllib.parse.urlencode(q)
 
     async def write_file(self, path: str, data: Union[bytes, str, IO[bytes]], *, mode: Optional[int] = None,
@@ -297,7 +347,7 @@ class AsyncSandbox:
     async def stat(self, path: str, *, user: Optional[str] = None) -> FileInfo:
         """A path's info (as ``user``, when given: a path that user cannot
         reach is PermissionDenied)."""
-        req = {"sandboxId": self.id, "path": path}
+        req = self._req(path=path)
         if user:
             req["user"] = user
         return FileInfo._from(await self._t.unary(_FILES, "Stat", req, retry=True))
@@ -310,17 +360,17 @@ class AsyncSandbox:
             return False
 
     async def list_dir(self, path: str, depth: int = 1) -> List[FileInfo]:
-        m = await self._t.unary(_FILES, "ListDir", {"sandboxId": self.id, "path": path, "depth": depth}, retry=True)
+        m = await self._t.unary(_FILES, "ListDir", self._req(path=path, depth=depth), retry=True)
         return [FileInfo._from(e) for e in m.get("entries", [])]
 
     async def make_dir(self, path: str) -> FileInfo:
-        return FileInfo._from(await self._t.unary(_FILES, "MakeDir", {"sandboxId": self.id, "path": path}))
+        return FileInfo._from(await self._t.unary(_FILES, "MakeDir", self._req(path=path)))
 
     async def remove(self, path: str, recursive: bool = False) -> None:
-        await self._t.unary(_FILES, "Remove", {"sandboxId": self.id, "path": path, "recursive": recursive})
+        await self._t.unary(_FILES, "Remove", self._req(path=path, recursive=recursive))
 
     async def rename(self, src: str, dst: str) -> FileInfo:
-        return FileInfo._from(await self._t.unary(_FILES, "Rename", {"sandboxId": self.id, "from": src, "to": dst}))
+        return FileInfo._from(await self._t.unary(_FILES, "Rename", self._req(**{"from": src, "to": dst})))
 
     # Lifecycle.
 
@@ -536,9 +586,13 @@ class AsyncClient:
         return AsyncSandbox(self, SandboxInfo._from(m))
 
     async def create(self, image: Optional[str] = None, *, count: Optional[int] = None,
-                     idempotency_key: Optional[str] = None, timeout_s: float = 300, **spec: Any) -> Any:
+                     idempotency_key: Optional[str] = None, timeout_s: float = 300,
+                     compose: Union[str, Sequence[str], None] = None, compose_env: Optional[Mapping[str, str]] = None,
+                     **spec: Any) -> Any:
         """Create a sandbox (the synchronous ``create``'s keywords)."""
         body = _build_spec(image, **spec)
+        if count is not None and compose is not None:
+            raise ValueError("compose creates one sandbox at a time")
         if count is not None:
             results = await self._create_many(body, int(count), idempotency_key, timeout_s)
             ok = [r for r in results if isinstance(r, AsyncSandbox)]
@@ -548,6 +602,14 @@ class AsyncClient:
         req: Dict[str, Any] = {"spec": body}
         if idempotency_key:
             req["idempotencyKey"] = idempotency_key
+        if compose is not None:
+            files = [compose] if isinstance(compose, str) else list(compose)
+            if not files:
+                raise ValueError("compose: no file given")
+            texts = [interpolate(f, compose_env) for f in files]
+            req["compose"] = texts[0]
+            if texts[1:]:
+                req["composeOverrides"] = texts[1:]
         m = await self._t.unary(_LIFECYCLE, "CreateSandbox", req, timeout=timeout_s, retry=idempotency_key is not None)
         return AsyncSandbox(self, SandboxInfo._from(m))
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _wire
+from .compose import interpolate, shared_volume_wire, sidecar_wire
 from .errors import DsecError, NotFound, SandboxGone, make_error
 from .events import (EventStream, Webhook, create_webhook, delete_webhook, enable_webhook, list_webhooks,
                      subscribe)
@@ -166,6 +167,9 @@ class SandboxInfo:
     ended_at: str = ""
     end_cause: str = ""
     infra: bool = False
+    # Each sidecar's status: {"name", "state" (starting, running, healthy,
+    # unhealthy, exited), "exitCode", "healthOutput"}.
+    sidecars: List[Dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def _from(cls, m: Dict[str, Any]) -> "SandboxInfo":
@@ -176,6 +180,7 @@ class SandboxInfo:
             created_at=m.get("createdAt", ""), expires_at=m.get("expiresAt", ""), raw=m,
             runtime=spec.get("runtime", ""), on_timeout=spec.get("onTimeout", ""),
             ended_at=m.get("endedAt", ""), end_cause=m.get("endCause", ""), infra=bool(m.get("infra", False)),
+            sidecars=list(m.get("sidecars") or []),
         )
 
 
@@ -249,6 +254,21 @@ def _exec_request(sandbox_id: str, cmd: Command, *, timeout_s: Optional[float], 
     return req
 
 
+def _events(stream: Iterator[Dict[str, Any]]) -> Iterator[ExecEvent]:
+    """The ExecEvents of an ExecStream or ConnectProcess stream."""
+    pid = ""
+    for m in stream:
+        if "started" in m:
+            pid = m["started"].get("processId", "")
+            yield ExecEvent("started", process_id=pid)
+        elif "stdout" in m:
+            yield ExecEvent("stdout", _wire.unb64(m["stdout"]), process_id=pid)
+        elif "stderr" in m:
+            yield ExecEvent("stderr", _wire.unb64(m["stderr"]), process_id=pid)
+        elif "exit" in m:
+            yield ExecEvent("exit", result=ExecResult._from(m["exit"]), process_id=pid)
+
+
 def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Optional[float] = None,
                 memory_mb: Optional[int] = None, pids: Optional[int] = None, disk_mb: Optional[int] = None,
                 gpu: Optional[int] = None, ttl_s: Optional[int] = None,
@@ -258,7 +278,10 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
                 node_selector: Optional[Mapping[str, str]] = None, network_policy: Optional[PolicyLike] = None,
                 bandwidth_mbps: Optional[int] = None, runtime: Optional[str] = None,
                 on_timeout: Optional[str] = None,
-                volumes: Optional[Sequence[MountLike]] = None) -> Dict[str, Any]:
+                volumes: Optional[Sequence[MountLike]] = None,
+                sidecars: Optional[Sequence[Mapping[str, Any]]] = None,
+                aliases: Optional[Sequence[str]] = None,
+                shared_volumes: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
     # No kind: the server's default (container), or a machine snapshot's own kind.
     spec: Dict[str, Any] = {"resources": {}}
     if kind:
@@ -309,6 +332,12 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
         spec["onTimeout"] = on_timeout
     if volumes:
         spec["volumes"] = [mount_wire(m) for m in volumes]
+    if sidecars:
+        spec["sidecars"] = [sidecar_wire(sc) for sc in sidecars]
+    if aliases:
+        spec["aliases"] = [str(a) for a in aliases]
+    if shared_volumes:
+        spec["sharedVolumes"] = [shared_volume_wire(v) for v in shared_volumes]
     return spec
 
 
@@ -325,6 +354,25 @@ class Sandbox:
             self.id = info.id
             self._info = info
         self._closed = False
+        # The sidecar this handle's exec, process and file calls act in
+        # ("": the main container); see container().
+        self._container = ""
+
+    def container(self, name: str) -> "Sandbox":
+        """A handle whose exec, process and file calls act in the sidecar
+        ``name`` (``""`` or ``"main"``: the main container); its other
+        calls (pause, close, ...) act on the whole sandbox."""
+        c = Sandbox(self._client, self._info if self._info is not None else self.id)
+        c._container = name
+        c._closed = True  # closing is the sandbox's handle's to do
+        return c
+
+    def _req(self, **kw: Any) -> Dict[str, Any]:
+        req: Dict[str, Any] = {"sandboxId": self.id}
+        if self._container:
+            req["container"] = self._container
+        req.update(kw)
+        return req
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r})"
@@ -363,6 +411,8 @@ class Sandbox:
         also safe to retry after a lost connection."""
         req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
                             max_output_bytes=max_output_bytes, request_id=request_id)
+        if self._container:
+            req["container"] = self._container
         http_timeout = (timeout_s or 600) + 30
         return ExecResult._from(self._client._t.unary(_PROCESS, "Exec", req, timeout=http_timeout,
                                                       retry=request_id is not None))
@@ -374,17 +424,16 @@ class Sandbox:
         """Run a command and yield its events as they happen."""
         req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
                             max_output_bytes=max_output_bytes, pty=pty, tag=tag, request_id=request_id)
-        pid = ""
-        for m in self._client._t.stream(_PROCESS, "ExecStream", req, timeout=(timeout_s or 600) + 60):
-            if "started" in m:
-                pid = m["started"].get("processId", "")
-                yield ExecEvent("started", process_id=pid)
-            elif "stdout" in m:
-                yield ExecEvent("stdout", _wire.unb64(m["stdout"]), process_id=pid)
-            elif "stderr" in m:
-                yield ExecEvent("stderr", _wire.unb64(m["stderr"]), process_id=pid)
-            elif "exit" in m:
-                yield ExecEvent("exit", result=ExecResult._from(m["exit"]), process_id=pid)
+        if self._container:
+            req["container"] = self._container
+        return _events(self._client._t.stream(_PROCESS, "ExecStream", req, timeout=(timeout_s or 600) + 60))
+
+    def logs(self, *, timeout_s: float = 3600) -> Iterator[ExecEvent]:
+        """A sidecar's output (its service process; call it on
+        :meth:`container`): what it printed so far, then what it prints,
+        until its process exits (the last event, "exit")."""
+        stream = self._client._t.stream(_PROCESS, "ConnectProcess", self._req(tag="service"), timeout=timeout_s)
+        return _events(stream)
 
     def write_file(self, path: str, data: Union[bytes, str, IO[bytes]], *, mode: Optional[int] = None,
                    request_id: Optional[str] = None) -> FileInfo:
@@ -393,6 +442,8 @@ class Sandbox:
         exactly-once (a repeat with the same content is answered from the
         log)."""
         q = {"path": path}
+        if self._container:
+            q["container"] = self._container
         if mode is not None:
             q["mode"] = format(mode, "o")
         if request_id:
@@ -414,6 +465,8 @@ class Sandbox:
 
     def read_file_stream(self, path: str, *, max_bytes: Optional[int] = None, chunk_size: int = 1 << 20) -> Iterator[bytes]:
         q: Dict[str, str] = {"path": path}
+        if self._container:
+            q["container"] = self._container
         if max_bytes:
             q["max_bytes"] = str(max_bytes)
         resp = self._client._t.request("GET", self._files_path(q), None, self._client._t.headers("application/octet-stream"))
@@ -441,7 +494,7 @@ class Sandbox:
     def stat(self, path: str, *, user: Optional[str] = None) -> FileInfo:
         """A path's info (as ``user``, when given: a path that user cannot
         reach is PermissionDenied)."""
-        req = {"sandboxId": self.id, "path": path}
+        req = self._req(path=path)
         if user:
             req["user"] = user
         return FileInfo._from(self._client._t.unary(_FILES, "Stat", req))
@@ -454,21 +507,21 @@ class Sandbox:
             return False
 
     def list_dir(self, path: str, depth: int = 1) -> List[FileInfo]:
-        m = self._client._t.unary(_FILES, "ListDir", {"sandboxId": self.id, "path": path, "depth": depth})
+        m = self._client._t.unary(_FILES, "ListDir", self._req(path=path, depth=depth))
         return [FileInfo._from(e) for e in m.get("entries", [])]
 
     def make_dir(self, path: str) -> FileInfo:
-        return FileInfo._from(self._client._t.unary(_FILES, "MakeDir", {"sandboxId": self.id, "path": path}))
+        return FileInfo._from(self._client._t.unary(_FILES, "MakeDir", self._req(path=path)))
 
     def remove(self, path: str, recursive: bool = False) -> None:
-        self._client._t.unary(_FILES, "Remove", {"sandboxId": self.id, "path": path, "recursive": recursive})
+        self._client._t.unary(_FILES, "Remove", self._req(path=path, recursive=recursive))
 
     def rename(self, src: str, dst: str) -> FileInfo:
-        return FileInfo._from(self._client._t.unary(_FILES, "Rename", {"sandboxId": self.id, "from": src, "to": dst}))
+        return FileInfo._from(self._client._t.unary(_FILES, "Rename", self._req(**{"from": src, "to": dst})))
 
     def chmod(self, path: str, mode: int, *, user: Optional[str] = None) -> FileInfo:
         """Set ``path``'s permission bits (``0o755``); only its owner or root may."""
-        req: Dict[str, Any] = {"sandboxId": self.id, "path": path, "mode": mode}
+        req: Dict[str, Any] = self._req(path=path, mode=mode)
         if user:
             req["user"] = user
         return FileInfo._from(self._client._t.unary(_FILES, "ChangeMode", req))
@@ -651,7 +704,8 @@ class Client:
         self._t.close()
 
     def create(self, image: Optional[str] = None, *, count: Optional[int] = None,
-               idempotency_key: Optional[str] = None, timeout_s: float = 300, **spec: Any) -> Any:
+               idempotency_key: Optional[str] = None, timeout_s: float = 300,
+               compose: Union[str, Sequence[str], None] = None, compose_env: Optional[Mapping[str, str]] = None, **spec: Any) -> Any:
         """Create a sandbox and return once it accepts commands.
 
         Spec keywords: ``kind`` ("container"), ``cpu``, ``memory_mb``,
@@ -669,11 +723,23 @@ class Client:
         node's ``paused_ttl``, 24 h by default, and resumes with a fresh
         TTL), ``volumes`` (volumes of the project to mount: ``"name:/path"``
         read-write, this sandbox alone, or ``"name:/path:ro"`` shared
-        read-only; see :meth:`create_volume`). With ``count``, create that
-        many in one request and
-        return the list of those that started (raising if none did; see
-        :meth:`create_many` for per-item results)."""
+        read-only; see :meth:`create_volume`), ``sidecars`` (further
+        containers sharing the sandbox's network: see :mod:`dsec.compose`),
+        ``aliases`` (further names of the main container for its sidecars),
+        ``shared_volumes`` (file systems of the sandbox alone that its
+        containers mount by name through ``volumes``: names, or dicts with
+        ``name`` and ``size_mb``).
+        ``compose`` is a Compose file's text instead of ``image`` and
+        ``sidecars`` (its service "main", or its only one, is the main
+        container), or a list of texts laid over one another as
+        ``docker compose -f a -f b`` merges them; variables are
+        substituted here from ``compose_env`` (default: ``os.environ``). With ``count``, create
+        that many in one request and return the list of those that started
+        (raising if none did; see :meth:`create_many` for per-item
+        results)."""
         body = _build_spec(image, **spec)
+        if count is not None and compose is not None:
+            raise ValueError("compose creates one sandbox at a time")
         if count is not None:
             results = self._create_many(body, int(count), idempotency_key, timeout_s)
             ok = [r for r in results if isinstance(r, Sandbox)]
@@ -683,6 +749,14 @@ class Client:
         req: Dict[str, Any] = {"spec": body}
         if idempotency_key:
             req["idempotencyKey"] = idempotency_key
+        if compose is not None:
+            files = [compose] if isinstance(compose, str) else list(compose)
+            if not files:
+                raise ValueError("compose: no file given")
+            texts = [interpolate(f, compose_env) for f in files]
+            req["compose"] = texts[0]
+            if texts[1:]:
+                req["composeOverrides"] = texts[1:]
         m = self._t.unary(_LIFECYCLE, "CreateSandbox", req, timeout=timeout_s, retry=idempotency_key is not None)
         return Sandbox(self, SandboxInfo._from(m))
 

@@ -151,7 +151,7 @@ def test_a_harbor_trial_builds_the_task_environment_and_scores_it(server, client
     assert env.type() == "dsec" and env.type().value == "dsec"
     assert not env.capabilities.mounted and env.capabilities.disable_internet
     assert env.capabilities.network_allowlist and env.capabilities.dynamic_network_policy
-    assert not env.capabilities.docker_compose
+    assert env.capabilities.docker_compose
 
     reward = asyncio.run(run_trial(env, task, trial))
     assert reward == 1.0
@@ -422,8 +422,100 @@ def test_a_storage_size_is_the_sandboxs_disk(server, tmp_path):
     assert env._resources == {"cpu": 1.0, "memory_mb": 1024, "disk_mb": 512}
 
 
-def test_a_compose_task_is_refused_until_multi_container_sandboxes_exist(server, tmp_path):
+COMPOSE = """\
+services:
+  main:
+    environment:
+      API_URL: http://api:8080/answer
+    depends_on:
+      api: {condition: service_healthy}
+  api:
+    image: ${API_IMAGE:-busybox}
+    command: ["sh", "-c", "mkdir -p /www && echo $${ANSWER} > /www/answer && exec httpd -f -p 8080 -h /www"]
+    environment:
+      ANSWER: "5"
+      CONTEXT: ${CONTEXT_DIR}
+    healthcheck:
+      test: ["CMD", "wget", "-qO-", "http://localhost:8080/answer"]
+      start_interval: 100ms
+      retries: 50
+"""
+
+COMPOSE_TEST = (
+    "#!/bin/bash\n"
+    "cd /app\n"
+    "want=$(python3 -c 'import os, urllib.request; print(urllib.request.urlopen(os.environ[\"API_URL\"]).read().decode().strip())')\n"
+    "out=$(check)\n"
+    "echo \"check printed $out; the api answers $want\"\n"
+    "if [ -n \"$want\" ] && [ \"$out\" = \"$want\" ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+
+
+def test_a_compose_task_runs_with_its_sidecar_and_is_scored(server, client, tmp_path):
+    """Harbor's compose task: the main container built from the task's
+    Dockerfile, a service the tests query by name, the task's no-network
+    policy on the group (the sidecar is reachable, the internet is not)."""
     task = make_task(tmp_path / "tasks", name="compose")
-    (task / "environment" / "docker-compose.yaml").write_text("services:\n  main:\n    build: .\n")
+    (task / "environment" / "docker-compose.yaml").write_text(COMPOSE)
+    (task / "tests" / "test.sh").write_text(COMPOSE_TEST)
+    trial = TrialPaths(tmp_path / "trial")
+    env = build_environment(task, trial, session="compose__1")
+    assert env.capabilities.docker_compose
+
+    async def trial_with_checks() -> float:
+        await env.start(force_build=False)
+        sb = env.sandbox
+        info = await sb.refresh()
+        assert [(s["name"], s["state"]) for s in info.sidecars] == [("api", "healthy")]
+        # Harbor's CONTEXT_DIR reached the sidecar; the api is served, and
+        # the no-network policy still denies the internet.
+        r = await sb.container("api").exec("echo $CONTEXT")
+        assert r.stdout.strip() == str((task / "environment").resolve())
+        r = await sb.exec(["bash", "-c", "exec 3<>/dev/tcp/203.0.113.9/8080 && echo connected; "
+                                          "getent hosts example.com || echo unresolved"], timeout_s=60)
+        assert "connected" not in r.stdout and "unresolved" in r.stdout, r.stdout
+        env._sb = None  # run_trial starts it again
+        await sb.close()
+        return await run_trial(env, task, trial)
+
+    reward = asyncio.run(trial_with_checks())
+    assert reward == 1.0, trial.test_stdout_path.read_text()
+    assert trial.test_stdout_path.read_text() == "check printed 5; the api answers 5\n"
+    assert client.list(labels={"harbor-session": "compose__1"}) == []
+
+
+def test_a_jobs_extra_compose_file_adds_a_sidecar_to_any_task(server, client, tmp_path):
+    """Harbor's --extra-docker-compose: a job-level overlay (here an MCP-like
+    service and an environment variable for main) laid over a task that
+    has no compose file of its own."""
+    task = make_task(tmp_path / "tasks", name="overlay")
+    overlay = tmp_path / "mcp.yaml"
+    overlay.write_text(
+        "services:\n"
+        "  main:\n"
+        "    environment:\n"
+        "      MCP_URL: http://mcp-server:9000/\n"
+        "  mcp-server:\n"
+        "    image: busybox\n"
+        "    command: [sh, -c, 'mkdir -p /w && echo tools > /w/index.html && exec httpd -f -p 9000 -h /w']\n")
+    env = build_environment(task, TrialPaths(tmp_path / "trial"), session="overlay__1",
+                            extra_docker_compose=[str(overlay)])
+
+    async def go():
+        await env.start(force_build=False)
+        try:
+            r = await env.exec('python3 -c "import os, urllib.request; '
+                               'print(urllib.request.urlopen(os.environ[\'MCP_URL\']).read().decode())"')
+            return r.stdout
+        finally:
+            await env.stop(delete=True)
+
+    assert asyncio.run(go()) == "tools\n\n"
+    assert client.list(labels={"harbor-session": "overlay__1"}) == []
+
+
+def test_a_compose_task_on_a_kind_without_sidecars_is_refused(server, tmp_path):
+    task = make_task(tmp_path / "tasks", name="compose-vm")
+    (task / "environment" / "docker-compose.yaml").write_text(COMPOSE)
     with pytest.raises(UnsupportedOption, match="docker-compose.yaml"):
-        build_environment(task, TrialPaths(tmp_path / "trial"), session="compose__1")
+        build_environment(task, TrialPaths(tmp_path / "trial"), session="compose__2", config_kwargs={"kind": "microvm"})
+

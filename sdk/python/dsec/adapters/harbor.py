@@ -34,9 +34,23 @@ rest, ``no-network`` a policy denying everything; the trial's phase changes
 (agent, verifier) go through ``set_network_policy`` while the sandbox runs.
 ``storage_mb`` is the sandbox's disk size (``disk_mb``).
 
+A task whose environment has a ``docker-compose.yaml`` runs as one sandbox
+of several containers on kind container: the compose file's ``main``
+service is the main container (its image built from the Dockerfile or
+named by ``docker_image``, as for any task, unless the file names one),
+the other services its sidecars, sharing its network namespace (they reach
+each other on localhost and by service name; the task's network policy is
+the group's). Variables in the file are substituted as Harbor does: the
+process environment, under the task's and persistent environment, under
+Harbor's infrastructure variables (``CONTEXT_DIR``, ``MAIN_IMAGE_NAME``,
+``PREBUILT_IMAGE_NAME``, ``CPUS``, ``MEMORY``). Compose keys dsec cannot
+honour (``build`` of a sidecar, volumes, privileged, ...) are refused by the
+server, naming them.
+
 What dsec cannot honour is refused at construction, naming it, never
-widened: ``environment/docker-compose.yaml`` (multi-container environments
-are not supported yet), ``extra_docker_compose``, an allowlist or a change
+widened: a compose file or ``extra_docker_compose`` (a job's overlays,
+laid over the task's file as Harbor does) on kinds other than container,
+an allowlist or a change
 of network policy on kinds microvm and vm (no network there yet), a storage
 size on a kind without a disk of its own, GPUs, TPUs, Windows, resource
 enforcement ``request``/``guarantee``, mounts other than Harbor's own log
@@ -408,6 +422,14 @@ _LOG_DIRS = ("/logs/agent", "/logs/verifier", "/logs/artifacts")
 _COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 
 
+def _compose_file(environment_dir: Path) -> Optional[Path]:
+    """The task environment's compose file, if it has one."""
+    for f in _COMPOSE_FILES:
+        if (environment_dir / f).exists():
+            return environment_dir / f
+    return None
+
+
 def _mode_value(x: Any) -> str:
     return str(getattr(x, "value", x) or "")
 
@@ -433,7 +455,7 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
         self._labels = dict(labels or {})
         self._sb: Optional[AsyncSandbox] = None
         self._shell = "sh"
-        self._refuse(harbor_kwargs, Path(environment_dir), environment_name)
+        self._refuse({**harbor_kwargs, "_kind": kind}, Path(environment_dir), environment_name)
         policy = harbor_kwargs.get("network_policy")
         if policy is None and hasattr(task_env_config, "resolve_baseline"):
             # Constructed without the trial's policy (Harbor 0.1, or by
@@ -459,8 +481,8 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
             raise UnsupportedOption(_NAME, "override_tpu", "dsec has no TPUs")
         if kw.get("override_gpus"):
             raise UnsupportedOption(_NAME, f"override_gpus={kw['override_gpus']}", "dsec's Harbor environment has no GPUs")
-        if kw.get("extra_docker_compose"):
-            raise UnsupportedOption(_NAME, "extra_docker_compose", "dsec does not run Docker Compose files yet")
+        if kw.get("extra_docker_compose") and kw.get("_kind", "container") != "container":
+            raise UnsupportedOption(_NAME, "extra_docker_compose", "sidecars are containers: use kind container")
         for k in ("cpu_enforcement_policy", "memory_enforcement_policy"):
             v = _mode_value(kw.get(k)).lower()
             if v in ("request", "guarantee"):
@@ -471,11 +493,11 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
                 raise UnsupportedOption(_NAME, f"mount {m.get('source')} -> {target}",
                                         "a host directory cannot be mounted into a dsec sandbox; "
                                         f"only Harbor's own {', '.join(_LOG_DIRS)} (copied by the trial) are accepted")
-        for f in _COMPOSE_FILES:
-            if (environment_dir / f).exists():
-                raise UnsupportedOption(_NAME, f"task {name}'s environment/{f} (a multi-container environment)",
-                                        "multi-container sandboxes are not implemented yet; "
-                                        "a task with a single Dockerfile or docker_image runs")
+        kind = kw.get("_kind", "container")
+        f = _compose_file(environment_dir)
+        if f is not None and kind != "container":
+            raise UnsupportedOption(_NAME, f"task {name}'s environment/{f.name} (a multi-container environment) "
+                                    f"on kind {kind}", "sidecars are containers: use kind container")
 
     def _harbor_policy(self, policy: Any) -> Any:
         """Harbor's policy as a NetworkPolicy: a policy as it is, a mode
@@ -560,7 +582,7 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
         policy can change while the sandbox runs (the trial's phases)."""
         policies = self._kind in POLICY_KINDS
         return EnvironmentCapabilities(disable_internet=True, network_allowlist=policies,
-                                       dynamic_network_policy=policies)
+                                       dynamic_network_policy=policies, docker_compose=self._kind == "container")
 
     @classmethod
     def resource_capabilities(cls) -> Any:
@@ -586,16 +608,19 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
 
     def _validate_definition(self) -> None:
         d = Path(self.environment_dir)
-        self._refuse({}, d, self.environment_name)
-        if not getattr(self.task_env_config, "docker_image", None) and not (d / "Dockerfile").exists():
+        self._refuse({"_kind": self._kind}, d, self.environment_name)
+        if (not getattr(self.task_env_config, "docker_image", None) and not (d / "Dockerfile").exists()
+                and _compose_file(d) is None):
             raise FileNotFoundError(f"Task environment directory {d} has no environment definition: "
-                                    "no Dockerfile and no [environment].docker_image")
+                                    "no Dockerfile, no docker-compose.yaml and no [environment].docker_image")
 
     # -- lifecycle -------------------------------------------------------
 
-    async def _image(self, force_build: bool) -> Image:
+    async def _image(self, force_build: bool) -> Optional[Image]:
         cfg = self.task_env_config
         d = Path(self.environment_dir)
+        if not getattr(cfg, "docker_image", None) and not (d / "Dockerfile").exists():
+            return None  # a compose file whose main service names its image
         if getattr(cfg, "docker_image", None) and not (force_build and (d / "Dockerfile").exists()):
             name = self._image_map.get(cfg.docker_image, cfg.docker_image)
             if name not in {i.get("name") for i in await self._client.images()}:
@@ -617,7 +642,16 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
         if self._sb is not None:
             return
         img = await self._image(force_build)
-        kw = {**img.spec(), **self._resources, "kind": self._kind, **self._dsec_network(self._policy)}
+        kw = {**(img.spec() if img else {}), **self._resources, "kind": self._kind, **self._dsec_network(self._policy)}
+        compose = _compose_file(Path(self.environment_dir))
+        extra = [Path(p).read_text() for p in getattr(self, "extra_docker_compose_paths", None) or []]
+        if compose is not None or extra:
+            # Harbor's order: the task's file, then the job's overlays.
+            # A task without a file of its own gets a main service for the
+            # overlays to extend.
+            base = compose.read_text() if compose is not None else "services:\n  main: {}\n"
+            kw["compose"] = [base, *extra]
+            kw["compose_env"] = self._compose_env(img)
         workdir = getattr(self.task_env_config, "workdir", None)
         if workdir:
             kw["workdir"] = workdir
@@ -641,6 +675,25 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
         except BaseException:
             await self.stop(delete=True)
             raise
+
+    def _compose_env(self, img: Optional[Image]) -> Dict[str, str]:
+        """The variables of the task's compose file, with Harbor's
+        precedence: the process environment, then the task's and persistent
+        environment, then Harbor's infrastructure variables (compose_env.py),
+        which win."""
+        cfg = self.task_env_config
+        env = {**os.environ, **getattr(self, "_persistent_env", {})}
+        main = (img.image or img.snapshot or "") if img else ""
+        env.update({
+            "CONTEXT_DIR": str(Path(self.environment_dir).resolve()),
+            "MAIN_IMAGE_NAME": main,
+            "PREBUILT_IMAGE_NAME": str(getattr(cfg, "docker_image", None) or main),
+        })
+        if self._resources.get("cpu"):
+            env["CPUS"] = str(self._resources["cpu"])
+        if self._resources.get("memory_mb"):
+            env["MEMORY"] = f"{int(self._resources['memory_mb'])}M"
+        return env
 
     async def stop(self, delete: bool) -> None:
         """Delete the sandbox (``delete``) or pause it. A sandbox already gone
