@@ -6,6 +6,7 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"math"
 	"net/http"
 	"slices"
 	"time"
@@ -252,9 +253,20 @@ func (f webhookFormat) Encode(ev *dsecv1.Event) (string, []byte, bool, error) {
 	rand.Read(id[:])
 	labels := ev.GetLabels()
 	template := labels[templateLabel]
+	data := map[string]any{"sandbox_metadata": metadata(labels)}
+	if run := ev.GetRun(); run != nil {
+		// On killed and paused events, as E2B sends them: the execution
+		// that stopped, in whole vCPUs and milliseconds.
+		data["execution"] = map[string]any{
+			"started_at":     run.GetStartedAt().AsTime().UTC().Format(time.RFC3339),
+			"vcpu_count":     int(math.Ceil(run.GetCpu())),
+			"memory_mb":      run.GetMemoryMb(),
+			"execution_time": run.GetDurationMs(),
+		}
+	}
 	b, err := json.Marshal(webhookEventJSON{
 		Version: "v2", ID: hex.EncodeToString(id[:]), Type: typ,
-		EventData:          map[string]any{"sandbox_metadata": metadata(labels)},
+		EventData:          data,
 		SandboxExecutionID: ev.SandboxId, SandboxID: ev.SandboxId,
 		SandboxTeamID: ev.Project, SandboxTemplateID: template,
 		Timestamp: ev.GetAt().AsTime().UTC().Format(time.RFC3339Nano),

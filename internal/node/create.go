@@ -222,6 +222,9 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image
 
 // commit makes a prepared sandbox live: persisted, listed and watched.
 func (n *Node) commit(ctx context.Context, s *sandbox) error {
+	s.mu.Lock()
+	s.runStart = time.Now().UTC()
+	s.mu.Unlock()
 	s.rec = s.record()
 	if err := n.store.put(s.rec); err != nil {
 		return errdefs.Internal(err, "persist sandbox")

@@ -143,11 +143,21 @@ func (n *Node) transition(ctx context.Context, s *sandbox, to state, do func(con
 	if to == statePaused {
 		typ = events.Paused
 	}
+	now := time.Now().UTC()
+	if to == statePaused {
+		s.runEnd = now
+	}
 	n.publish(s, typ, to, func(ev *dsecv1.Event) {
 		if s.timedOut {
 			ev.Reason, ev.Cause = "ttl expired: paused until its paused_ttl", "ttl"
 		}
+		if to == statePaused {
+			ev.Run = s.runLocked(now)
+		}
 	})
+	if to == stateRunning {
+		s.runStart, s.runEnd = now, time.Time{}
+	}
 	return err
 }
 

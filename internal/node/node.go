@@ -648,7 +648,7 @@ func (n *Node) adopt() {
 			id: r.ID, spec: spec, created: r.Created, image: r.Image, layers: r.Layers, net: att,
 			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey, project: projectOr(r.Project),
 			state: parseState(r.State), expires: r.Expires, rec: r, network: networkFromRecord(r.NetPolicy),
-			timedOut: r.TimedOut,
+			timedOut: r.TimedOut, runStart: r.Created,
 		}
 		if s.state != statePaused {
 			s.state = stateRunning // as were records written mid-delete, and those of old stores

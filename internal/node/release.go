@@ -50,6 +50,7 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 	inst, rec := s.inst, s.rec
 	endedAt := time.Now().UTC()
 	s.ending, s.endedAt = why, endedAt
+	run := s.runLocked(endedAt)
 	s.mu.Unlock()
 	ctx = context.WithoutCancel(ctx)
 	if inst != nil {
@@ -91,7 +92,7 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 	s.mu.Unlock()
 	if why != nil {
 		n.publish(s, events.Ended, final, func(ev *dsecv1.Event) {
-			ev.Reason, ev.Cause, ev.Infra = why.reason, why.cause, why.infra
+			ev.Reason, ev.Cause, ev.Infra, ev.Run = why.reason, why.cause, why.infra, run
 		})
 	}
 	if why != nil {

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
@@ -51,7 +52,11 @@ type sandbox struct {
 	// expires is then the end of its paused_ttl, and a resume gives it a
 	// fresh TTL.
 	timedOut bool
-	rec      *record
+	// runStart is when the sandbox's current run started (it went live or
+	// was last resumed), runEnd when it stopped (paused; zero while it
+	// runs): the run paused and ended events report.
+	runStart, runEnd time.Time
+	rec              *record
 	// network is the sandbox's network since a SetNetworkPolicy (nil:
 	// spec.network), credentials' values included.
 	network *dsecv1.Network
@@ -193,4 +198,20 @@ func (s *sandbox) record() *record {
 		r.Driver = s.inst.State()
 	}
 	return r
+}
+
+// runLocked is s's run that stops at end (its pause, if it is paused) as
+// events report it. s.mu is held.
+func (s *sandbox) runLocked(end time.Time) *dsecv1.EventRun {
+	if !s.runEnd.IsZero() {
+		end = s.runEnd
+	}
+	start := s.runStart
+	if start.IsZero() {
+		start = s.created
+	}
+	return &dsecv1.EventRun{
+		StartedAt: timestamppb.New(start), Cpu: s.spec.GetResources().GetCpu(), MemoryMb: s.spec.GetResources().GetMemoryMb(),
+		DurationMs: max(end.Sub(start), 0).Milliseconds(),
+	}
 }

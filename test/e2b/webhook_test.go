@@ -20,6 +20,13 @@ type e2bDelivery struct {
 	Type      string `json:"type"`
 	EventData struct {
 		SandboxMetadata map[string]string `json:"sandbox_metadata"`
+		// On killed and paused events.
+		Execution *struct {
+			StartedAt     string `json:"started_at"`
+			VCPUCount     int    `json:"vcpu_count"`
+			MemoryMB      int64  `json:"memory_mb"`
+			ExecutionTime int64  `json:"execution_time"`
+		} `json:"execution"`
 	} `json:"eventData"`
 	SandboxID         string `json:"sandboxId"`
 	SandboxTeamID     string `json:"sandboxTeamId"`
@@ -126,7 +133,20 @@ func TestLifecycleWebhooksAsE2BRegistersThem(t *testing.T) {
 	if r := do(t, "DELETE", s.URL+"/sandboxes/"+c.SandboxID, key, nil); r.status != http.StatusNoContent {
 		t.Fatalf("kill: %d %s", r.status, r.body)
 	}
-	hook.await("sandbox.lifecycle.killed", c.SandboxID)
+	if d.EventData.Execution != nil {
+		t.Errorf("a created delivery with an execution: %+v", d.EventData.Execution)
+	}
+	killed := hook.await("sandbox.lifecycle.killed", c.SandboxID)
+	// The execution that stopped: from the create to the pause (E2B's
+	// eventData.execution), in whole vCPUs and milliseconds.
+	x := killed.EventData.Execution
+	if x == nil {
+		t.Fatalf("the killed delivery has no execution: %+v", killed)
+	}
+	started, err := time.Parse(time.RFC3339, x.StartedAt)
+	if err != nil || time.Since(started) > time.Minute || x.VCPUCount < 1 || x.MemoryMB < 16 || x.ExecutionTime < 0 || x.ExecutionTime > time.Since(started).Milliseconds()+1000 {
+		t.Errorf("the killed delivery's execution: %+v (%v)", x, err)
+	}
 	hook.mu.Lock()
 	for _, d := range hook.got {
 		if d.Type == "sandbox.lifecycle.paused" {

@@ -112,7 +112,11 @@ type Event struct {
 	// children are a forked event's new sandboxes.
 	Children []string `protobuf:"bytes,13,rep,name=children,proto3" json:"children,omitempty"`
 	// dropped is, in a dropped event, how many events this subscriber lost.
-	Dropped       uint64 `protobuf:"varint,14,opt,name=dropped,proto3" json:"dropped,omitempty"`
+	Dropped uint64 `protobuf:"varint,14,opt,name=dropped,proto3" json:"dropped,omitempty"`
+	// run is, for paused and ended events, the sandbox's run that stopped:
+	// from its create or its last resume until the pause or the end (until
+	// its pause for a paused sandbox that ended), with its limits.
+	Run           *EventRun `protobuf:"bytes,15,opt,name=run,proto3" json:"run,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -245,6 +249,82 @@ func (x *Event) GetDropped() uint64 {
 	return 0
 }
 
+func (x *Event) GetRun() *EventRun {
+	if x != nil {
+		return x.Run
+	}
+	return nil
+}
+
+// EventRun is a sandbox's run (Event.run).
+type EventRun struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	StartedAt     *timestamppb.Timestamp `protobuf:"bytes,1,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"`
+	Cpu           float64                `protobuf:"fixed64,2,opt,name=cpu,proto3" json:"cpu,omitempty"`
+	MemoryMb      int64                  `protobuf:"varint,3,opt,name=memory_mb,json=memoryMb,proto3" json:"memory_mb,omitempty"`
+	DurationMs    int64                  `protobuf:"varint,4,opt,name=duration_ms,json=durationMs,proto3" json:"duration_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EventRun) Reset() {
+	*x = EventRun{}
+	mi := &file_dsec_v1_event_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EventRun) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EventRun) ProtoMessage() {}
+
+func (x *EventRun) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_event_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EventRun.ProtoReflect.Descriptor instead.
+func (*EventRun) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_event_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *EventRun) GetStartedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.StartedAt
+	}
+	return nil
+}
+
+func (x *EventRun) GetCpu() float64 {
+	if x != nil {
+		return x.Cpu
+	}
+	return 0
+}
+
+func (x *EventRun) GetMemoryMb() int64 {
+	if x != nil {
+		return x.MemoryMb
+	}
+	return 0
+}
+
+func (x *EventRun) GetDurationMs() int64 {
+	if x != nil {
+		return x.DurationMs
+	}
+	return 0
+}
+
 var File_dsec_v1_event_proto protoreflect.FileDescriptor
 
 const file_dsec_v1_event_proto_rawDesc = "" +
@@ -253,7 +333,7 @@ const file_dsec_v1_event_proto_rawDesc = "" +
 	"\x10SubscribeRequest\x12%\n" +
 	"\x0elabel_selector\x18\x01 \x01(\tR\rlabelSelector\x12\x14\n" +
 	"\x05types\x18\x02 \x03(\tR\x05types\x12\x18\n" +
-	"\aproject\x18\x03 \x01(\tR\aproject\"\xc8\x03\n" +
+	"\aproject\x18\x03 \x01(\tR\aproject\"\xed\x03\n" +
 	"\x05Event\x12\x12\n" +
 	"\x04type\x18\x01 \x01(\tR\x04type\x12\x1d\n" +
 	"\n" +
@@ -271,10 +351,18 @@ const file_dsec_v1_event_proto_rawDesc = "" +
 	"\vsnapshot_id\x18\f \x01(\tR\n" +
 	"snapshotId\x12\x1a\n" +
 	"\bchildren\x18\r \x03(\tR\bchildren\x12\x18\n" +
-	"\adropped\x18\x0e \x01(\x04R\adropped\x1a9\n" +
+	"\adropped\x18\x0e \x01(\x04R\adropped\x12#\n" +
+	"\x03run\x18\x0f \x01(\v2\x11.dsec.v1.EventRunR\x03run\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012H\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x95\x01\n" +
+	"\bEventRun\x129\n" +
+	"\n" +
+	"started_at\x18\x01 \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x12\x10\n" +
+	"\x03cpu\x18\x02 \x01(\x01R\x03cpu\x12\x1b\n" +
+	"\tmemory_mb\x18\x03 \x01(\x03R\bmemoryMb\x12\x1f\n" +
+	"\vduration_ms\x18\x04 \x01(\x03R\n" +
+	"durationMs2H\n" +
 	"\fEventService\x128\n" +
 	"\tSubscribe\x12\x19.dsec.v1.SubscribeRequest\x1a\x0e.dsec.v1.Event0\x01B-Z+github.com/opendsec/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
@@ -290,23 +378,26 @@ func file_dsec_v1_event_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_event_proto_rawDescData
 }
 
-var file_dsec_v1_event_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
+var file_dsec_v1_event_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
 var file_dsec_v1_event_proto_goTypes = []any{
 	(*SubscribeRequest)(nil),      // 0: dsec.v1.SubscribeRequest
 	(*Event)(nil),                 // 1: dsec.v1.Event
-	nil,                           // 2: dsec.v1.Event.LabelsEntry
-	(*timestamppb.Timestamp)(nil), // 3: google.protobuf.Timestamp
+	(*EventRun)(nil),              // 2: dsec.v1.EventRun
+	nil,                           // 3: dsec.v1.Event.LabelsEntry
+	(*timestamppb.Timestamp)(nil), // 4: google.protobuf.Timestamp
 }
 var file_dsec_v1_event_proto_depIdxs = []int32{
-	2, // 0: dsec.v1.Event.labels:type_name -> dsec.v1.Event.LabelsEntry
-	3, // 1: dsec.v1.Event.at:type_name -> google.protobuf.Timestamp
-	0, // 2: dsec.v1.EventService.Subscribe:input_type -> dsec.v1.SubscribeRequest
-	1, // 3: dsec.v1.EventService.Subscribe:output_type -> dsec.v1.Event
-	3, // [3:4] is the sub-list for method output_type
-	2, // [2:3] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	3, // 0: dsec.v1.Event.labels:type_name -> dsec.v1.Event.LabelsEntry
+	4, // 1: dsec.v1.Event.at:type_name -> google.protobuf.Timestamp
+	2, // 2: dsec.v1.Event.run:type_name -> dsec.v1.EventRun
+	4, // 3: dsec.v1.EventRun.started_at:type_name -> google.protobuf.Timestamp
+	0, // 4: dsec.v1.EventService.Subscribe:input_type -> dsec.v1.SubscribeRequest
+	1, // 5: dsec.v1.EventService.Subscribe:output_type -> dsec.v1.Event
+	5, // [5:6] is the sub-list for method output_type
+	4, // [4:5] is the sub-list for method input_type
+	4, // [4:4] is the sub-list for extension type_name
+	4, // [4:4] is the sub-list for extension extendee
+	0, // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_event_proto_init() }
@@ -320,7 +411,7 @@ func file_dsec_v1_event_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_event_proto_rawDesc), len(file_dsec_v1_event_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   3,
+			NumMessages:   4,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

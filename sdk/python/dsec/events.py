@@ -18,7 +18,8 @@ class Event:
     stream broke). An ended event says why (``reason``), its class
     (``cause``: deleted, session_expired, ttl, idle_ttl, paused_ttl, workload_exit, oom, died,
     pause_failed, node_down) and whether the platform ended it
-    (``infra``)."""
+    (``infra``). Paused and ended events carry ``run``: the run that
+    stopped (``startedAt``, ``cpu``, ``memoryMb``, ``durationMs``)."""
 
     type: str
     sandbox_id: str = ""
@@ -34,6 +35,7 @@ class Event:
     snapshot_id: str = ""
     children: List[str] = field(default_factory=list)
     dropped: int = 0
+    run: Dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def _from(cls, m: Mapping[str, Any]) -> "Event":
@@ -42,6 +44,7 @@ class Event:
                    at=m.get("at", ""), state=m.get("state", ""), reason=m.get("reason", ""),
                    cause=m.get("cause", ""), infra=bool(m.get("infra", False)),
                    snapshot_id=m.get("snapshotId", ""), children=list(m.get("children") or []),
+                   run=dict(m.get("run") or {}),
                    dropped=int(m.get("dropped", 0) or 0))
 
 

@@ -30,6 +30,13 @@ def test_events_follow_a_sandbox_and_leave_others_out(client):
     assert ended.cause == "deleted" and not ended.infra and ended.state == "deleted" and ended.reason
     gone = client.get(sb.id).info
     assert gone.end_cause == "deleted" and not gone.infra and gone.ended_at
+    # The runs that stopped: the first from the create to the pause, the
+    # second from the resume to the end, each with the sandbox's limits.
+    paused, resumed = seen[1], seen[2]
+    assert not created.run and not resumed.run
+    for ev, start_after in ((paused, created.at), (ended, resumed.at)):
+        assert ev.run["cpu"] == 1 and int(ev.run["memoryMb"]) == 512 and int(ev.run.get("durationMs", 0)) >= 0, ev.run
+        assert ev.run["startedAt"] >= start_after[:19], (ev.run, start_after)
 
 
 def test_a_stream_runs_beside_the_clients_other_calls(client):
