@@ -804,6 +804,10 @@ const scenarios = {
       const events = []
       const w = await sbx.files.watchDir('/tmp/we', (e) => events.push(e), { includeEntry: true })
       await sbx.files.write('/tmp/we/f.txt', 'hello', { metadata: { k: 'v' } })
+      // The entry is the file as the watcher finds it when it reports the
+      // change: a file removed before then has none. Removed once its write
+      // was reported (a slow guest reported it after the removal).
+      for (let i = 0; i < 50 && !events.some((e) => e.type === 'write' && e.name === 'f.txt'); i++) await sleep(100)
       await sbx.files.remove('/tmp/we/f.txt')
       for (let i = 0; i < 50 && !events.some((e) => e.type === 'remove'); i++) await sleep(100)
       await w.stop()

@@ -155,9 +155,16 @@ func TestEventsReachSubscribersWebhooksAndTheCLI(t *testing.T) {
 		t.Errorf("dsec events printed %q", line)
 	}
 
-	// Deliveries are counted.
-	_, _, samples := dsectest.Scrape(t, srv.URL, "")
-	if n := samples[`dsec_webhook_deliveries_total{result="delivered"}`]; n < 5 {
+	// Deliveries are counted: once the server has read the receiver's
+	// answer, a moment after the receiver recorded the delivery.
+	var n float64
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		_, _, samples := dsectest.Scrape(t, srv.URL, "")
+		if n = samples[`dsec_webhook_deliveries_total{result="delivered"}`]; n >= 5 || time.Now().After(deadline) {
+			break
+		}
+	}
+	if n < 5 {
 		t.Errorf("%v webhook deliveries counted delivered, want at least 5", n)
 	}
 }
