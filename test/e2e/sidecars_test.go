@@ -459,7 +459,7 @@ volumes:
 	}
 	// The writer may still be writing when create returns (it is ready once
 	// running): wait for its file.
-	if out, code := stdout(t, ctx, sb, "for i in $(seq 100); do [ -s /data/note ] && break; sleep 0.05; done; cat /data/note; stat -c %u:%g /data/owned"); code != 0 || out != "from-writer\n1000:1000" {
+	if out, code := stdout(t, ctx, sb, "for i in $(seq 100); do [ \"$(stat -c %u /data/owned 2>/dev/null)\" = 1000 ] && break; sleep 0.05; done; cat /data/note; stat -c %u:%g /data/owned"); code != 0 || out != "from-writer\n1000:1000" {
 		t.Fatalf("main reads the writer's files: %q (exit %d)", out, code)
 	}
 	if _, code := stdout(t, ctx, sb, "echo from-main > /data/back"); code != 0 {

@@ -112,7 +112,8 @@ def test_shared_volumes_between_the_containers(client):
               "command": ["sh", "-c", "echo hi > /out/f && chown 1000 /out/f && exec sleep 600"]}
     with client.create("busybox", ttl_s=300, sidecars=[writer], shared_volumes=[{"name": "data", "size_mb": 64}],
                        volumes=["data:/data:ro"]) as sb:
-        r = sb.exec("for i in $(seq 100); do [ -s /data/f ] && break; sleep 0.05; done; cat /data/f; stat -c %u /data/f; "
+        r = sb.exec("for i in $(seq 100); do [ \"$(stat -c %u /data/f 2>/dev/null)\" = 1000 ] && break; sleep 0.05; done; "
+                    "cat /data/f; stat -c %u /data/f; "
                     "touch /data/g 2>&1 | grep -c 'Read-only'; df -m /data | awk 'NR==2 {print $2}'")
         out = r.stdout.split()
         assert out[:3] == ["hi", "1000", "1"], r
