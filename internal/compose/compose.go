@@ -298,7 +298,6 @@ type service struct {
 	image      string
 	command    []string
 	entrypoint []string
-	hasCommand bool
 	env        map[string]string
 	workdir    string
 	user       string
@@ -376,7 +375,6 @@ func parseService(name string, raw map[string]any, isMain bool) (*service, error
 			return nil, fail(k, "dsec builds no images from a compose file yet: import the image (dsec image import) and name it with image")
 		case "command":
 			s.command, err = words(v)
-			s.hasCommand = true
 		case "entrypoint":
 			s.entrypoint, err = words(v)
 		case "environment":
@@ -414,13 +412,11 @@ func parseService(name string, raw map[string]any, isMain bool) (*service, error
 		case "deploy":
 			err = s.deploy(v)
 		case "cpus":
-			s.cpu, err = number(v)
+			err = s.limit("cpus", v)
 		case "mem_limit":
-			s.memoryMB, err = megabytes(v)
+			err = s.limit("memory", v)
 		case "pids_limit":
-			var p float64
-			p, err = number(v)
-			s.pids = int64(p)
+			err = s.limit("pids", v)
 		case "restart":
 			var r string
 			if r, err = str(v); err == nil && r != "no" {
@@ -516,39 +512,26 @@ func serviceVolumes(v any) ([]*dsecv1.VolumeMount, error) {
 }
 
 func (s *service) deploy(v any) error {
-	m, ok := v.(map[string]any)
-	if !ok {
-		return fmt.Errorf("not a mapping")
+	m, err := mapping(v, "")
+	if err != nil {
+		return err
 	}
 	for k, v := range m {
 		switch k {
 		case "resources":
-			r, ok := v.(map[string]any)
-			if !ok {
-				return fmt.Errorf("resources: not a mapping")
+			r, err := mapping(v, "resources")
+			if err != nil {
+				return err
 			}
 			for k, v := range r {
 				switch k {
 				case "limits":
-					l, ok := v.(map[string]any)
-					if !ok {
-						return fmt.Errorf("resources.limits: not a mapping")
+					l, err := mapping(v, "resources.limits")
+					if err != nil {
+						return err
 					}
 					for k, v := range l {
-						var err error
-						switch k {
-						case "cpus":
-							s.cpu, err = number(v)
-						case "memory":
-							s.memoryMB, err = megabytes(v)
-						case "pids":
-							var p float64
-							p, err = number(v)
-							s.pids = int64(p)
-						default:
-							return fmt.Errorf("resources.limits.%s: not supported", k)
-						}
-						if err != nil {
+						if err := s.limit(k, v); err != nil {
 							return fmt.Errorf("resources.limits.%s: %v", k, err)
 						}
 					}
@@ -569,6 +552,36 @@ func (s *service) deploy(v any) error {
 		}
 	}
 	return nil
+}
+
+// limit sets one of the service's limits (cpus, memory, pids), written
+// as deploy.resources.limits or as the older cpus, mem_limit, pids_limit.
+func (s *service) limit(which string, v any) (err error) {
+	switch which {
+	case "cpus":
+		s.cpu, err = number(v)
+	case "memory":
+		s.memoryMB, err = megabytes(v)
+	case "pids":
+		var p float64
+		p, err = number(v)
+		s.pids = int64(p)
+	default:
+		return fmt.Errorf("not supported")
+	}
+	return err
+}
+
+// mapping is v as a mapping, or an error naming what is not one.
+func mapping(v any, what string) (map[string]any, error) {
+	m, ok := v.(map[string]any)
+	if !ok && what == "" {
+		return nil, fmt.Errorf("not a mapping")
+	}
+	if !ok {
+		return nil, fmt.Errorf("%s: not a mapping", what)
+	}
+	return m, nil
 }
 
 // checkNetworks accepts top-level network definitions that change nothing

@@ -150,32 +150,46 @@ func TestSidecars(t *testing.T) {
 		if _, code := stdout(t, ctx, web, "(while :; do cut -d' ' -f1 /proc/uptime >> /tmp/tick; usleep 50000; done) >/dev/null 2>&1 &"); code != 0 {
 			t.Fatal("start the ticker")
 		}
-		time.Sleep(300 * time.Millisecond)
+		// ticks waits until the ticker has written more than n ticks, and
+		// returns them.
+		ticks := func(n int) []float64 {
+			t.Helper()
+			out, code := stdout(t, ctx, web, fmt.Sprintf("for i in $(seq 200); do [ $(wc -l < /tmp/tick) -gt %d ] && break; usleep 20000; done; cat /tmp/tick", n))
+			var vs []float64
+			for _, l := range strings.Fields(out) {
+				v, err := strconv.ParseFloat(l, 64)
+				if err != nil {
+					t.Fatalf("tick %q: %v", l, err)
+				}
+				vs = append(vs, v)
+			}
+			if code != 0 || len(vs) <= n {
+				t.Fatalf("the ticker wrote %d ticks, want more than %d (exit %d)", len(vs), n, code)
+			}
+			return vs
+		}
+		before := len(ticks(2))
 		if _, err := c.Pause(ctx, sb.ID); err != nil {
 			t.Fatal(err)
 		}
+		paused := time.Now()
 		if info, _ := c.Get(ctx, sb.ID); info.GetState() != "paused" {
 			t.Fatalf("state while paused: %s", info.GetState())
 		}
+		// The experiment: the sandbox stays paused this long (nothing to
+		// wait for; any call would resume it).
 		time.Sleep(1500 * time.Millisecond)
+		pausedFor := time.Since(paused).Seconds()
 		if _, err := c.Resume(ctx, sb.ID); err != nil {
 			t.Fatal(err)
 		}
-		time.Sleep(300 * time.Millisecond)
-		out, _ := stdout(t, ctx, web, "cat /tmp/tick")
-		var prev, gap float64
-		for i, l := range strings.Fields(out) {
-			v, err := strconv.ParseFloat(l, 64)
-			if err != nil {
-				t.Fatalf("tick %q: %v", l, err)
-			}
-			if i > 0 {
-				gap = max(gap, v-prev)
-			}
-			prev = v
+		vs := ticks(before + 2) // ticking again
+		var gap float64
+		for i := 1; i < len(vs); i++ {
+			gap = max(gap, vs[i]-vs[i-1])
 		}
-		if gap < 1.2 {
-			t.Fatalf("the sidecar ran on while the sandbox was paused: the longest gap between its ticks is %.2f s", gap)
+		if gap < pausedFor-0.3 {
+			t.Fatalf("the sidecar ran on while the sandbox was paused for %.2f s: the longest gap between its ticks is %.2f s", pausedFor, gap)
 		}
 		if out, code := stdout(t, ctx, sb, "wget -qO- http://web:8080/"); code != 0 || out != "hello-from-web" {
 			t.Fatalf("GET after resume: %q (exit %d)", out, code)

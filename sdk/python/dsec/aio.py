@@ -34,8 +34,8 @@ from . import _wire
 from ._aiowire import AsyncTransport, Sent, Stream, _http_error, bounded
 from .compose import interpolate
 from .client import (_FILES, _IMAGE, _LIFECYCLE, _LOGS, _PROCESS, _SNAPSHOTS, _SYSTEM, DEFAULT_URL, Client, Command,
-                     ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, SnapshotInfo, _build_spec, _exec_request,
-                     _int)
+                     ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, SnapshotInfo, _build_spec, _call,
+                     _event_of, _exec_request, _int)
 from .errors import ConnectionFailed, DsecError, NotFound, make_error
 from .functions import _FUNCTION, RunCodeResult, _request as _run_code_request
 
@@ -95,11 +95,7 @@ class AsyncSandbox:
         return c
 
     def _req(self, **kw: Any) -> Dict[str, Any]:
-        req: Dict[str, Any] = {"sandboxId": self.id}
-        if self._container:
-            req["container"] = self._container
-        req.update(kw)
-        return req
+        return _call(self.id, self._container, **kw)
 
     def logs(self, *, timeout_s: float = 3600) -> "ExecEvents":
         """A sidecar's output (call it on :meth:`container`): what it
@@ -111,26 +107,16 @@ class AsyncSandbox:
         st = await self._t.stream(_PROCESS, "ConnectProcess", req, timeout=timeout_s)
         try:
             async for m in st:
-                for ev in self._attach_event(m, pid):
-                    pid = ev.process_id
-                    yield ev
-                    if ev.kind == "exit":
-                        return
+                ev = _event_of(m, pid)
+                if ev is None:
+                    continue
+                pid = ev.process_id
+                yield ev
+                if ev.kind == "exit":
+                    return
         finally:
             if not st.done:
                 st.close()
-
-    @staticmethod
-    def _attach_event(m: Dict[str, Any], pid: str) -> List[ExecEvent]:
-        if "started" in m:
-            return [ExecEvent("started", process_id=m["started"].get("processId", ""))]
-        if "stdout" in m:
-            return [ExecEvent("stdout", _wire.unb64(m["stdout"]), process_id=pid)]
-        if "stderr" in m:
-            return [ExecEvent("stderr", _wire.unb64(m["stderr"]), process_id=pid)]
-        if "exit" in m:
-            return [ExecEvent("exit", result=ExecResult._from(m["exit"]), process_id=pid)]
-        return []
 
     @property
     def sync(self) -> Sandbox:
@@ -176,9 +162,7 @@ class AsyncSandbox:
         it exactly-once). Cancelling the call, or its timing out, kills the
         process."""
         req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
-                            max_output_bytes=max_output_bytes, request_id=request_id)
-        if self._container:
-            req["container"] = self._container
+                            max_output_bytes=max_output_bytes, request_id=request_id, container=self._container)
         tag = req["tag"] = _tag()
         sent = Sent()
         try:
@@ -217,9 +201,7 @@ class AsyncSandbox:
         ``await events.aclose()`` (a plain ``async for`` left with ``break``
         closes them when they are garbage collected)."""
         req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
-                            max_output_bytes=max_output_bytes, pty=pty, tag=tag, request_id=request_id)
-        if self._container:
-            req["container"] = self._container
+                            max_output_bytes=max_output_bytes, pty=pty, tag=tag, request_id=request_id, container=self._container)
         req.setdefault("tag", _tag())
         return ExecEvents(self._events(req))
 

@@ -224,11 +224,20 @@ class Stats:
         )
 
 
+def _call(sandbox_id: str, container: str, **kw: Any) -> Dict[str, Any]:
+    """A request naming a sandbox and, for a sidecar, its container."""
+    req: Dict[str, Any] = {"sandboxId": sandbox_id}
+    if container:
+        req["container"] = container
+    req.update(kw)
+    return req
+
+
 def _exec_request(sandbox_id: str, cmd: Command, *, timeout_s: Optional[float], stdin: Union[bytes, str, None],
                   env: Optional[Mapping[str, str]], cwd: Optional[str], user: Optional[str],
                   max_output_bytes: Optional[int], pty: bool = False, tag: Optional[str] = None,
-                  request_id: Optional[str] = None) -> Dict[str, Any]:
-    req: Dict[str, Any] = {"sandboxId": sandbox_id}
+                  request_id: Optional[str] = None, container: str = "") -> Dict[str, Any]:
+    req = _call(sandbox_id, container)
     if request_id:
         req["requestId"] = request_id
     if isinstance(cmd, str):
@@ -254,19 +263,28 @@ def _exec_request(sandbox_id: str, cmd: Command, *, timeout_s: Optional[float], 
     return req
 
 
+def _event_of(m: Dict[str, Any], pid: str) -> Optional[ExecEvent]:
+    """The ExecEvent of one message of an ExecStream or ConnectProcess
+    stream (None for a keepalive); pid is the process's, once started."""
+    if "started" in m:
+        return ExecEvent("started", process_id=m["started"].get("processId", ""))
+    if "stdout" in m:
+        return ExecEvent("stdout", _wire.unb64(m["stdout"]), process_id=pid)
+    if "stderr" in m:
+        return ExecEvent("stderr", _wire.unb64(m["stderr"]), process_id=pid)
+    if "exit" in m:
+        return ExecEvent("exit", result=ExecResult._from(m["exit"]), process_id=pid)
+    return None
+
+
 def _events(stream: Iterator[Dict[str, Any]]) -> Iterator[ExecEvent]:
     """The ExecEvents of an ExecStream or ConnectProcess stream."""
     pid = ""
     for m in stream:
-        if "started" in m:
-            pid = m["started"].get("processId", "")
-            yield ExecEvent("started", process_id=pid)
-        elif "stdout" in m:
-            yield ExecEvent("stdout", _wire.unb64(m["stdout"]), process_id=pid)
-        elif "stderr" in m:
-            yield ExecEvent("stderr", _wire.unb64(m["stderr"]), process_id=pid)
-        elif "exit" in m:
-            yield ExecEvent("exit", result=ExecResult._from(m["exit"]), process_id=pid)
+        ev = _event_of(m, pid)
+        if ev is not None:
+            pid = ev.process_id
+            yield ev
 
 
 def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Optional[float] = None,
@@ -368,11 +386,7 @@ class Sandbox:
         return c
 
     def _req(self, **kw: Any) -> Dict[str, Any]:
-        req: Dict[str, Any] = {"sandboxId": self.id}
-        if self._container:
-            req["container"] = self._container
-        req.update(kw)
-        return req
+        return _call(self.id, self._container, **kw)
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r})"
@@ -410,9 +424,7 @@ class Sandbox:
         logged result (``result.replayed``) without running again, so it is
         also safe to retry after a lost connection."""
         req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
-                            max_output_bytes=max_output_bytes, request_id=request_id)
-        if self._container:
-            req["container"] = self._container
+                            max_output_bytes=max_output_bytes, request_id=request_id, container=self._container)
         http_timeout = (timeout_s or 600) + 30
         return ExecResult._from(self._client._t.unary(_PROCESS, "Exec", req, timeout=http_timeout,
                                                       retry=request_id is not None))
@@ -423,9 +435,7 @@ class Sandbox:
                     request_id: Optional[str] = None) -> Iterator[ExecEvent]:
         """Run a command and yield its events as they happen."""
         req = _exec_request(self.id, cmd, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd, user=user,
-                            max_output_bytes=max_output_bytes, pty=pty, tag=tag, request_id=request_id)
-        if self._container:
-            req["container"] = self._container
+                            max_output_bytes=max_output_bytes, pty=pty, tag=tag, request_id=request_id, container=self._container)
         return _events(self._client._t.stream(_PROCESS, "ExecStream", req, timeout=(timeout_s or 600) + 60))
 
     def logs(self, *, timeout_s: float = 3600) -> Iterator[ExecEvent]:
