@@ -258,8 +258,8 @@ func (n *Node) Stats(ctx context.Context, id string, withHistory bool) (*dsecv1.
 	if err != nil {
 		return nil, err
 	}
-	if s.currentState().ending() {
-		return nil, errdefs.NotFound("sandbox %s is being deleted", id)
+	if err := s.isEnding(); err != nil {
+		return nil, err
 	}
 	st, err := s.inst.Stats(ctx)
 	if err != nil {

@@ -155,8 +155,8 @@ func (n *Node) SetNetworkPolicy(ctx context.Context, req *dsecv1.SetNetworkPolic
 	s.touch()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.state == stateDeleting {
-		return nil, errdefs.NotFound("sandbox %s is being deleted", s.id)
+	if err := s.endingLocked(); err != nil {
+		return nil, err
 	}
 	if s.net == nil || s.net.Mode != network.ModeEgress {
 		return nil, errdefs.Invalid("sandbox %s has no egress (network mode %q): a policy needs egress", s.id, s.spec.GetNetwork().GetMode())

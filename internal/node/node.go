@@ -365,10 +365,10 @@ func (n *Node) live(ctx context.Context, id string) (*sandbox, error) {
 	if err != nil {
 		return nil, err
 	}
-	switch st := s.currentState(); {
-	case st.ending():
-		return nil, errdefs.NotFound("sandbox %s is being deleted", id)
-	case st == statePaused:
+	if err := s.isEnding(); err != nil {
+		return nil, err
+	}
+	if s.currentState() == statePaused {
 		// Any call on a paused sandbox resumes it first.
 		if err := n.resume(context.Background(), s); err != nil {
 			return nil, err

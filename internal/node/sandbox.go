@@ -146,8 +146,32 @@ var moves = map[state][]state{
 // ending reports whether a sandbox in st is being or has been deleted.
 func (st state) ending() bool { return st >= stateDeleting }
 
-// mayLocked returns nil if s may move to `to`: not found if s is ending
-// (what a call on a sandbox being deleted answers), internal otherwise.
+// endingLocked is nil while s is not ending, else what a call on it
+// answers: why it ends when that is known (gone if it was the platform's
+// doing, not found otherwise, as its tombstone will answer), else not
+// found.
+func (s *sandbox) endingLocked() error {
+	switch e := s.ending; {
+	case !s.state.ending():
+		return nil
+	case e == nil:
+		return errdefs.NotFound("sandbox %s is being deleted", s.id)
+	case e.infra:
+		return errdefs.Gone("sandbox %s is gone: %s", s.id, e.reason)
+	default:
+		return errdefs.NotFound("sandbox %s is being deleted: %s", s.id, e.reason)
+	}
+}
+
+// isEnding is endingLocked for a caller not holding s.mu.
+func (s *sandbox) isEnding() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.endingLocked()
+}
+
+// mayLocked returns nil if s may move to `to`: endingLocked's answer if s
+// is ending, internal otherwise.
 func (s *sandbox) mayLocked(to state) error {
 	for _, ok := range moves[s.state] {
 		if ok == to {
@@ -155,7 +179,7 @@ func (s *sandbox) mayLocked(to state) error {
 		}
 	}
 	if s.state.ending() && !to.ending() {
-		return errdefs.NotFound("sandbox %s is being deleted", s.id)
+		return s.endingLocked()
 	}
 	return errdefs.Internal(fmt.Errorf("%s to %s", s.state, to), "sandbox %s cannot change state", s.id)
 }

@@ -142,8 +142,8 @@ func (n *Node) machineSnapshot(ctx context.Context, s *sandbox, m substrate.Mach
 			os.RemoveAll(dir)
 		}
 	}()
-	if s.currentState().ending() {
-		return nil, errdefs.NotFound("sandbox %s is being deleted", s.id)
+	if err := s.isEnding(); err != nil {
+		return nil, err
 	}
 	if err := m.SnapshotMachine(ctx, dir); err != nil {
 		return nil, n.callFailed(s, errdefs.Classify(err))

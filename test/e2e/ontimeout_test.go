@@ -10,7 +10,8 @@ import (
 )
 
 // TestOnTimeoutPauseOnEveryKind: a sandbox created with `dsec create
-// --on-timeout pause` pauses at its TTL on every kind that can pause,
+// --on-timeout pause` pauses at its TTL (here one a keepalive set) on
+// every kind that can pause,
 // stays paused past the moment its agent would have ended it by itself
 // (TTL + 1 min), and the next native call resumes it with its files and a
 // fresh TTL.
@@ -32,8 +33,13 @@ func TestOnTimeoutPauseOnEveryKind(t *testing.T) {
 			srv := dsectest.Start(t, dsectest.Options{Images: row.images})
 			c := srv.Client()
 			ctx := ctxFor(t, 15*time.Minute)
-			const ttl = 20 * time.Second // the machine kinds start slowly without KVM
-			args := append([]string{"create", "--kind", row.kind, "--image", row.image, "--ttl", ttl.String(), "--on-timeout", "pause"}, row.args...)
+			// The sandbox starts with a long TTL, and its short one is set
+			// once it has its state: a machine kind can take longer than
+			// the short TTL to boot on a loaded host without KVM, and a
+			// TTL counts from the create.
+			const specTTL = 10 * time.Minute
+			const ttl = 20 * time.Second
+			args := append([]string{"create", "--kind", row.kind, "--image", row.image, "--ttl", specTTL.String(), "--on-timeout", "pause"}, row.args...)
 			out, errOut, code := srv.CLI(ctx, "", args...)
 			if code != 0 {
 				t.Fatalf("create: %d %s", code, errOut)
@@ -44,14 +50,17 @@ func TestOnTimeoutPauseOnEveryKind(t *testing.T) {
 			if x, err := sb.Exec(ctx, dsec.Cmd("echo kept > /tmp/state")); err != nil || x.ExitCode != 0 {
 				t.Fatalf("exec: %v %v", x, err)
 			}
+			if _, err := sb.Keepalive(ctx, ttl); err != nil {
+				t.Fatalf("keepalive: %v", err)
+			}
+			armed := time.Now()
 			info, err := c.Get(ctx, id)
 			if err != nil || info.Spec.OnTimeout != "pause" {
 				t.Fatalf("get: %v %v", info, err)
 			}
-			created := info.CreatedAt.AsTime()
 
 			for info.GetState() != "paused" {
-				if time.Since(created) > ttl+time.Minute {
+				if time.Since(armed) > ttl+time.Minute {
 					t.Fatalf("the TTL did not pause the sandbox: %v", info)
 				}
 				time.Sleep(500 * time.Millisecond)
@@ -64,7 +73,7 @@ func TestOnTimeoutPauseOnEveryKind(t *testing.T) {
 			}
 			// Past the agent's own deadline (TTL + 1 min), which a sandbox
 			// paused at its TTL must not meet when it resumes.
-			time.Sleep(time.Until(created.Add(ttl + time.Minute + 5*time.Second)))
+			time.Sleep(time.Until(armed.Add(ttl + time.Minute + 5*time.Second)))
 			if info, _ = c.Get(ctx, id); info.GetState() != "paused" {
 				t.Fatalf("a sandbox paused at its TTL is %s (%s)", info.GetState(), info.GetReason())
 			}
@@ -73,7 +82,7 @@ func TestOnTimeoutPauseOnEveryKind(t *testing.T) {
 				t.Fatalf("the call that resumes it: %v %v", x, err)
 			}
 			info, err = c.Get(ctx, id)
-			if err != nil || info.State != "running" || time.Until(info.ExpiresAt.AsTime()) > ttl {
+			if left := time.Until(info.GetExpiresAt().AsTime()); err != nil || info.State != "running" || left > specTTL || left < specTTL-time.Minute {
 				t.Fatalf("after the resume: %v %v", info, err)
 			}
 			time.Sleep(2 * time.Second)
