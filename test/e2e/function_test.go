@@ -311,9 +311,10 @@ func TestFunctionBatchOfMixedLanguages(t *testing.T) {
 			continue
 		}
 		if r.Status != want[i] {
-			t.Errorf("call %d (%s): status %q, want %q", i, calls[i].Language, r.Status, want[i])
+			t.Errorf("call %d (%s): status %q (%s; compile %v), want %q", i, calls[i].Language, r.Status, r.Message, r.Compile, want[i])
+			continue
 		}
-		if want[i] == "success" && strings.TrimSpace(r.Run.Stdout) != fmt.Sprint(i) {
+		if want[i] == "success" && strings.TrimSpace(r.GetRun().GetStdout()) != fmt.Sprint(i) {
 			t.Errorf("call %d printed %q", i, r.Run.Stdout)
 		}
 	}

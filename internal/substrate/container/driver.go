@@ -685,7 +685,14 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	})
 	failed := func(what string, cause error) error {
 		msg, _ := os.ReadFile(logPath)
-		return errdefs.Unavailable("%s: %s", what, runtimeMessage(string(msg))).WithCause(cause)
+		if m := runtimeMessage(string(msg)); m != "" {
+			return errdefs.Unavailable("%s: %s", what, m).WithCause(cause)
+		}
+		if outOfSpace(s.Dir) {
+			// A runtime that cannot write says nothing either.
+			return errdefs.Internal(syscall.ENOSPC, "%s", what)
+		}
+		return errdefs.Unavailable("%s: the runtime ended without saying why", what).WithCause(cause)
 	}
 	hctx, cancel := context.WithTimeout(ctx, d.cfg.StartTimeout)
 	defer cancel()
@@ -916,4 +923,14 @@ func readPidFile(p string) (int, error) {
 		return 0, err
 	}
 	return strconv.Atoi(strings.TrimSpace(string(b)))
+}
+
+// outOfSpace reports whether the file system holding dir has (almost) no
+// free blocks or inodes left.
+func outOfSpace(dir string) bool {
+	var st unix.Statfs_t
+	if unix.Statfs(dir, &st) != nil {
+		return false
+	}
+	return st.Bavail*uint64(st.Bsize) < 1<<20 || st.Files > 0 && st.Ffree == 0
 }

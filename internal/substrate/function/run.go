@@ -494,6 +494,14 @@ func (d *Driver) single(ctx context.Context, p *pool, pl *plan) *dsecv1.RunCodeR
 			res.Status, res.Message = StatusCompile, "compilation failed"
 			if res.Compile.Status == StatusTLE {
 				res.Message = "compilation timed out"
+				if c := res.Compile; c.CpuS < c.DurationS/2 {
+					// A compiler does not wait: one that ran out of wall
+					// time with its CPU time well below it was starved by
+					// a busy host, which is no fault of the program.
+					r := infraResult("the host was too busy to compile the program within its compile timeout (%.1fs of CPU in %.1fs)", c.CpuS, c.DurationS)
+					r.Compile = c
+					return r
+				}
 			}
 			return res
 		}
