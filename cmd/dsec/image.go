@@ -9,17 +9,19 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"time"
 
 	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/spf13/cobra"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/buildctx"
 )
 
 func imageCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "image", Short: "Manage images"}
-	cmd.AddCommand(imageImportCmd(g), imageLsCmd(g), imageRmCmd(g), imageBootstrapCmd(g), imageBuildVMCmd(g), imageImportVMCmd(g))
+	cmd.AddCommand(imageImportCmd(g), imageLsCmd(g), imageRmCmd(g), imageBootstrapCmd(g), imageBuildVMCmd(g), imageImportVMCmd(g), imageBuildCmd(g), imagePruneCmd(g))
 	return cmd
 }
 
@@ -293,3 +295,141 @@ func printImage(g *globals, img *dsecv1.Image) {
 }
 
 func sortStrings(s []string) { sort.Strings(s) }
+
+func imageBuildCmd(g *globals) *cobra.Command {
+	var file, as, target, network string
+	var buildArgs []string
+	var noCache, quiet bool
+	var stepTimeout time.Duration
+	cmd := &cobra.Command{
+		Use:   "build [CONTEXT] --name NAME [-f Dockerfile]",
+		Short: "Build an image from a Dockerfile: each RUN in a sandbox, each step a cached layer",
+		Long: "Build an image from a Dockerfile. The context directory (default: none) is sent to the server,\n" +
+			"minus what its .dockerignore excludes; RUN steps run in container sandboxes of your project,\n" +
+			"and steps whose parent, text, arguments and copied files did not change come from the build cache.\n" +
+			"Supported: FROM (images, stages, scratch), RUN, COPY (--from, --chown, --chmod), ADD of local files and\n" +
+			"archives, ENV, ARG, WORKDIR, USER, ENTRYPOINT, CMD, LABEL, EXPOSE, SHELL; others are refused by name.",
+		Args: cobra.MaximumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if as == "" {
+				return fmt.Errorf("--name is required")
+			}
+			req := &dsecv1.BuildImageRequest{Name: as, Target: target, NoCache: noCache, Network: network, StepTimeoutS: int64(stepTimeout / time.Second), BuildArgs: map[string]string{}}
+			for _, kv := range buildArgs {
+				k, v, ok := strings.Cut(kv, "=")
+				if !ok {
+					// As docker: --build-arg NAME takes the value from the environment.
+					if v, ok = os.LookupEnv(k); !ok {
+						continue
+					}
+				}
+				req.BuildArgs[k] = v
+			}
+			if file == "" {
+				if len(args) == 0 {
+					return fmt.Errorf("give a context directory or -f Dockerfile")
+				}
+				file = filepath.Join(args[0], "Dockerfile")
+			}
+			var df []byte
+			var err error
+			if file == "-" {
+				df, err = io.ReadAll(os.Stdin)
+			} else {
+				df, err = os.ReadFile(file)
+			}
+			if err != nil {
+				return err
+			}
+			req.Dockerfile = string(df)
+			c := g.client()
+			if len(args) == 1 {
+				pr, pw := io.Pipe()
+				go func() {
+					_, err := buildctx.Tar(args[0], pw)
+					pw.CloseWithError(err)
+				}()
+				bar := newProgress("context " + args[0])
+				bc, err := c.UploadBuildContext(cmd.Context(), pr, func(n int64) { bar.update("upload", humanBytes(n), 0, 0) })
+				pr.CloseWithError(io.ErrClosedPipe)
+				if err != nil {
+					bar.finish()
+					return err
+				}
+				bar.update("done", fmt.Sprintf("%d files, %s", bc.Files, humanBytes(bc.SizeBytes)), 0, 0)
+				req.ContextDigest = bc.Digest
+			}
+			img, err := c.BuildImage(cmd.Context(), req, func(p *dsecv1.ImageProgress) {
+				switch p.Phase {
+				case "step", "build":
+					fmt.Fprintln(os.Stderr, p.Message)
+				case "output":
+					if !quiet {
+						os.Stderr.WriteString(p.Message)
+					}
+				}
+			})
+			if err != nil {
+				return err
+			}
+			if g.json() {
+				printJSON(os.Stdout, img)
+			} else {
+				fmt.Printf("%s %s (%d layers, %s)\n", img.Name, shortDigest(img.Digest), len(img.Layers), humanBytes(img.SizeBytes))
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVarP(&file, "file", "f", "", "the Dockerfile (default: CONTEXT/Dockerfile; - reads standard input)")
+	f.StringVar(&as, "name", "", "store the image under this name")
+	f.StringArrayVar(&buildArgs, "build-arg", nil, "set a build argument: NAME=VALUE (or NAME, from the environment); repeatable")
+	f.StringVar(&target, "target", "", "build this stage rather than the last")
+	f.BoolVar(&noCache, "no-cache", false, "run every step, whatever the build cache holds")
+	f.StringVar(&network, "network", "", "the RUN steps' network: none or egress (default: the server's default for sandboxes)")
+	f.DurationVar(&stepTimeout, "step-timeout", 0, "bound each RUN step (default 1h)")
+	f.BoolVarP(&quiet, "quiet", "q", false, "do not print the steps' output")
+	return cmd
+}
+
+func imagePruneCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "prune",
+		Short: "Remove your project's build cache",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			n, err := g.client().PruneBuildCache(cmd.Context())
+			if err != nil {
+				return err
+			}
+			fmt.Printf("removed %d cached build steps\n", n)
+			return nil
+		},
+	}
+}
+
+func commitCmd(g *globals) *cobra.Command {
+	var as string
+	cmd := &cobra.Command{
+		Use:   "commit SANDBOX --name NAME",
+		Short: "Store a running container sandbox's files, environment, user and working directory as an image",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if as == "" {
+				return fmt.Errorf("--name is required")
+			}
+			img, err := g.client().CommitSandbox(cmd.Context(), args[0], as)
+			if err != nil {
+				return err
+			}
+			if g.json() {
+				printJSON(os.Stdout, img)
+			} else {
+				fmt.Printf("%s %s (%d layers, %s)\n", img.Name, shortDigest(img.Digest), len(img.Layers), humanBytes(img.SizeBytes))
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&as, "name", "", "store the image under this name")
+	return cmd
+}

@@ -53,7 +53,7 @@ func main() {
 
 	root.AddCommand(serveCmd(), apiCmd(), nodeCmd(), clusterCmd(g), setupCmd())
 	root.AddCommand(createCmd(g), execCmd(g), cpCmd(g), lsCmd(g), getCmd(g), rmCmd(g), keepaliveCmd(g), psCmd(g), logsCmd(g))
-	root.AddCommand(imageCmd(g), infoCmd(g), screenshotCmd(g), inputCmd(g), vncCmd(g))
+	root.AddCommand(imageCmd(g), commitCmd(g), infoCmd(g), screenshotCmd(g), inputCmd(g), vncCmd(g))
 	root.AddCommand(lifecycleCmds(g)...)
 	root.AddCommand(runCodeCmd(g))
 	root.AddCommand(networkCmd(g))

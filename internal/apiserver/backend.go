@@ -96,6 +96,12 @@ type Node interface {
 	Pull(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
 	Upload(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader) (*dsecv1.Image, error)
 	Bootstrap(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
+	// Builds run on one node, from a context uploaded to it; a commit on
+	// the sandbox's node; a prune on every node.
+	UploadContext(ctx context.Context, hdr *dsecv1.UploadBuildContextHeader, r io.Reader) (*dsecv1.BuildContext, error)
+	Build(ctx context.Context, req *dsecv1.BuildImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
+	Commit(ctx context.Context, req *dsecv1.CommitSandboxRequest) (*dsecv1.Image, error)
+	PruneCache(ctx context.Context) (int64, error)
 }
 
 // NodeHandlers are a node's public services for its own sandboxes, as a

@@ -136,7 +136,7 @@ func (s *imageService) UploadImage(ctx context.Context, stream *connect.ClientSt
 	if len(nodes) != 1 {
 		return nil, wire(errdefs.Unimplemented("uploading an image to a cluster of %d nodes; pull it from a registry instead", len(nodes)))
 	}
-	img, err := nodes[0].Upload(ctx, hdr, &uploadReader{stream: stream})
+	img, err := nodes[0].Upload(ctx, hdr, streamData(stream))
 	if err != nil {
 		return nil, wire(err)
 	}
@@ -144,20 +144,108 @@ func (s *imageService) UploadImage(ctx context.Context, stream *connect.ClientSt
 	return connect.NewResponse(img), nil
 }
 
+// oneNode is the node builds run on: the only one. Until layers move
+// between nodes, a built image would exist on one node of a cluster only.
+func (s *imageService) oneNode(ctx context.Context, what string) (Node, error) {
+	nodes := s.r.Nodes(ctx)
+	if len(nodes) != 1 {
+		return nil, wire(errdefs.Unimplemented("%s on a cluster of %d nodes: build on one node and push the image to a registry the cluster pulls from", what, len(nodes)))
+	}
+	return nodes[0], nil
+}
+
+func (s *imageService) UploadBuildContext(ctx context.Context, stream *connect.ClientStream[dsecv1.UploadBuildContextRequest]) (*connect.Response[dsecv1.BuildContext], error) {
+	if !stream.Receive() || stream.Msg().GetHeader() == nil {
+		return nil, wire(errdefs.Invalid("UploadBuildContext needs a header message first"))
+	}
+	hdr := stream.Msg().GetHeader()
+	n, err := s.oneNode(ctx, "building an image")
+	if err != nil {
+		return nil, err
+	}
+	c, err := n.UploadContext(ctx, hdr, streamData(stream))
+	if err != nil {
+		return nil, wire(err)
+	}
+	return connect.NewResponse(c), nil
+}
+
+func (s *imageService) BuildImage(ctx context.Context, req *connect.Request[dsecv1.BuildImageRequest], stream *connect.ServerStream[dsecv1.ImageProgress]) error {
+	n, err := s.oneNode(ctx, "building an image")
+	if err != nil {
+		return err
+	}
+	var sendErr error
+	img, err := n.Build(ctx, req.Msg, func(p *dsecv1.ImageProgress) {
+		if sendErr == nil {
+			sendErr = stream.Send(p)
+		}
+	})
+	if err != nil {
+		return wire(err)
+	}
+	if sendErr != nil {
+		return sendErr
+	}
+	s.settle(ctx)
+	return stream.Send(&dsecv1.ImageProgress{Phase: "done", Message: img.GetName(), Image: img})
+}
+
+func (s *imageService) CommitSandbox(ctx context.Context, req *connect.Request[dsecv1.CommitSandboxRequest]) (*connect.Response[dsecv1.Image], error) {
+	n, err := s.r.ForSandbox(ctx, req.Msg.GetSandboxId())
+	if err != nil {
+		return nil, wire(err)
+	}
+	img, err := n.Commit(ctx, req.Msg)
+	if err != nil {
+		return nil, wire(err)
+	}
+	s.settle(ctx)
+	return connect.NewResponse(img), nil
+}
+
+func (s *imageService) PruneBuildCache(ctx context.Context, req *connect.Request[dsecv1.PruneBuildCacheRequest]) (*connect.Response[dsecv1.PruneBuildCacheResponse], error) {
+	counts, err := fanOut(s.r.Nodes(ctx), func(n Node) (int64, error) { return n.PruneCache(ctx) })
+	if err != nil {
+		return nil, wire(err)
+	}
+	out := &dsecv1.PruneBuildCacheResponse{}
+	for _, c := range counts {
+		out.Removed += c
+	}
+	return connect.NewResponse(out), nil
+}
+
+// uploadReader reads the data of a client stream's messages after its
+// header.
 type uploadReader struct {
-	stream *connect.ClientStream[dsecv1.UploadImageRequest]
-	buf    []byte
+	next func() (data []byte, ok bool, err error)
+	buf  []byte
+}
+
+// streamData reads stream's data messages.
+func streamData[T any, P interface {
+	*T
+	GetData() []byte
+}](stream *connect.ClientStream[T]) *uploadReader {
+	return &uploadReader{next: func() ([]byte, bool, error) {
+		if !stream.Receive() {
+			return nil, false, stream.Err()
+		}
+		return P(stream.Msg()).GetData(), true, nil
+	}}
 }
 
 func (r *uploadReader) Read(p []byte) (int, error) {
 	for len(r.buf) == 0 {
-		if !r.stream.Receive() {
-			if err := r.stream.Err(); err != nil {
-				return 0, err
-			}
+		b, ok, err := r.next()
+		if err != nil {
+			return 0, err
+		}
+		if !ok {
 			return 0, io.EOF
 		}
-		r.buf = r.stream.Msg().GetData()
+		r.buf = b
 	}
 	n := copy(p, r.buf)
 	r.buf = r.buf[n:]

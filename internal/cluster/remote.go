@@ -527,3 +527,37 @@ func (r *remote) Upload(ctx context.Context, hdr *dsecv1.UploadImageHeader, body
 	}
 	return resp.Msg, nil
 }
+
+func (r *remote) UploadContext(ctx context.Context, hdr *dsecv1.UploadBuildContextHeader, body io.Reader) (*dsecv1.BuildContext, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	resp, err := upload(r.img.UploadBuildContext(ctx), &dsecv1.UploadBuildContextRequest{Msg: &dsecv1.UploadBuildContextRequest_Header{Header: hdr}}, body,
+		func(b []byte) *dsecv1.UploadBuildContextRequest {
+			return &dsecv1.UploadBuildContextRequest{Msg: &dsecv1.UploadBuildContextRequest_Data{Data: b}}
+		})
+	if err != nil {
+		return nil, err
+	}
+	return resp.Msg, nil
+}
+
+func (r *remote) Build(ctx context.Context, req *dsecv1.BuildImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	st, err := r.img.BuildImage(ctx, connect.NewRequest(req))
+	return importImage(r, st, err, progress)
+}
+
+func (r *remote) Commit(ctx context.Context, req *dsecv1.CommitSandboxRequest) (*dsecv1.Image, error) {
+	resp, err := r.img.CommitSandbox(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	return resp.Msg, nil
+}
+
+func (r *remote) PruneCache(ctx context.Context) (int64, error) {
+	resp, err := r.img.PruneBuildCache(ctx, connect.NewRequest(&dsecv1.PruneBuildCacheRequest{}))
+	if err != nil {
+		return 0, err
+	}
+	return resp.Msg.GetRemoved(), nil
+}

@@ -342,6 +342,10 @@ func validStageName(s string) bool {
 	return s != ""
 }
 
+// ArgsOf returns the declarations of an ARG step inside a stage (Parse
+// has checked them).
+func ArgsOf(step *Step) ([]Arg, error) { return parseArgs(step) }
+
 // parseArgs returns the declarations of an ARG step.
 func parseArgs(step *Step) ([]Arg, error) {
 	args := make([]Arg, 0, len(step.Args))

@@ -299,3 +299,20 @@ func TestBootstrapBusybox(t *testing.T) {
 		t.Fatalf("bootstrap is not reproducible: %s vs %s", again.Layers[0], img.Layers[0])
 	}
 }
+
+// TestEmptyLayerIsAnEmptyUpper: the diff ID builds and commits compare
+// with is the one an untouched writable layer captures to.
+func TestEmptyLayerIsAnEmptyUpper(t *testing.T) {
+	var buf bytes.Buffer
+	if err := TarOverlayUpper(t.TempDir(), &buf, IDShift{}); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	diff, _, err := unpackLayer(&buf, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff != EmptyLayer {
+		t.Fatalf("an empty upper captures to %s, EmptyLayer is %s", diff, EmptyLayer)
+	}
+}

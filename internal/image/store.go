@@ -51,6 +51,20 @@ type Image struct {
 	// VM is set when the image is a bootable disk for kind vm (see
 	// VMImage); its one layer holds the disk.
 	VM *VMImage `json:"vm,omitempty"`
+	// BuildCache is set on a build's cached step (its state after the
+	// step): such records are no image of their own, listed nowhere, and
+	// go with `dsec image prune`.
+	BuildCache *BuildCacheMeta `json:"build_cache,omitempty"`
+}
+
+// BuildCacheMeta describes a cached build step.
+type BuildCacheMeta struct {
+	// Key is the step's cache key: its parent's, its instruction as
+	// expanded, the environment and arguments it saw, and the digest of
+	// the files it copied.
+	Key string `json:"key"`
+	// Step is the instruction, for `dsec image prune` to report.
+	Step string `json:"step"`
 }
 
 // SnapshotMeta describes a snapshot image.
@@ -142,6 +156,9 @@ type Config struct {
 	// recipe, for its user's sudo); imported images never have it, and a
 	// snapshot keeps its image's.
 	PrivilegeEscalation bool `json:"privilege_escalation,omitempty"`
+	// Labels and ExposedPorts are a built image's LABELs and EXPOSEs.
+	Labels       map[string]string `json:"labels,omitempty"`
+	ExposedPorts []string          `json:"exposed_ports,omitempty"`
 }
 
 // Progress receives import progress. It may be nil.
@@ -365,6 +382,11 @@ func (s *Store) Import(ctx context.Context, name, source string, img v1.Image, p
 	progress.report("done", rec.Name, total, total)
 	return rec, nil
 }
+
+// EmptyLayer is the diff ID of a layer without entries (the tar
+// TarOverlayUpper writes for an empty writable layer): a build step or a
+// commit that changed no file adds no layer.
+const EmptyLayer = "sha256:5f70bf18a086007016e948b04aed3b82103a36bea41755b6cddfaf10ace3c6ef"
 
 // AddLayer stores a layer from an uncompressed tar stream (snapshots use
 // it) and returns its diff ID, held (see Hold) until release is called:

@@ -30,6 +30,27 @@ const (
 // RESOLVE_IN_ROOT, so neither "..", absolute names nor symlinks planted by
 // earlier entries can make a write land outside dir.
 func unpackLayer(r io.Reader, dir string) (diffID string, size int64, err error) {
+	return extract(r, dir, true)
+}
+
+// ExtractInto extracts an uncompressed tar into the root file system at
+// dir as unpackLayer does (every entry resolved inside dir, symlinks in
+// the names as a chroot would resolve them), without whiteouts: a name
+// starting with ".wh." is a file like any other. Builds copy files into a
+// stage's root with it. It returns the bytes written.
+func ExtractInto(r io.Reader, dir string) (int64, error) {
+	_, size, err := extract(r, dir, false)
+	return size, err
+}
+
+// ExtractTar extracts an uncompressed tar into dir as ExtractInto does,
+// returning the stream's sha256 as well: a build context, kept by it.
+func ExtractTar(r io.Reader, dir string) (digest string, size int64, err error) {
+	return extract(r, dir, false)
+}
+
+// extract is unpackLayer, with or without whiteouts.
+func extract(r io.Reader, dir string, whiteouts bool) (diffID string, size int64, err error) {
 	h := sha256.New()
 	tr := tar.NewReader(io.TeeReader(r, h))
 	root, err := unix.Open(dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
@@ -59,7 +80,7 @@ func unpackLayer(r io.Reader, dir string) (diffID string, size int64, err error)
 		if err != nil {
 			return "", 0, fmt.Errorf("layer entry %q: %w", hdr.Name, err)
 		}
-		n, err := extractEntry(root, pfd, base, hdr, tr)
+		n, err := extractEntry(root, pfd, base, hdr, tr, whiteouts)
 		unix.Close(pfd)
 		if err != nil {
 			return "", 0, fmt.Errorf("layer entry %q: %w", hdr.Name, err)
@@ -109,11 +130,11 @@ func openInRoot(root int, rel string) (int, error) {
 	return unix.Openat2(root, rel, how)
 }
 
-func extractEntry(root, pfd int, base string, hdr *tar.Header, r io.Reader) (int64, error) {
-	if base == whiteoutOpaque {
+func extractEntry(root, pfd int, base string, hdr *tar.Header, r io.Reader, whiteouts bool) (int64, error) {
+	if whiteouts && base == whiteoutOpaque {
 		return 0, setXattrAt(pfd, "", "trusted.overlay.opaque", []byte("y"))
 	}
-	if strings.HasPrefix(base, whiteoutPrefix) {
+	if whiteouts && strings.HasPrefix(base, whiteoutPrefix) {
 		target := strings.TrimPrefix(base, whiteoutPrefix)
 		removeAt(pfd, target)
 		return 0, unix.Mknodat(pfd, target, unix.S_IFCHR, 0)

@@ -21,6 +21,7 @@ func imageView(img *image.Image) *dsecv1.Image {
 		Config: &dsecv1.ImageConfig{
 			Env: img.Config.Env, Workdir: img.Config.Workdir, User: img.Config.User,
 			Entrypoint: img.Config.Entrypoint, Cmd: img.Config.Cmd,
+			Labels: img.Config.Labels, ExposedPorts: img.Config.ExposedPorts,
 		},
 	}
 	if m := img.VM; m != nil {
@@ -34,7 +35,7 @@ func imageView(img *image.Image) *dsecv1.Image {
 func (n *Node) ListImages(ctx context.Context) []*dsecv1.Image {
 	var out []*dsecv1.Image
 	for _, img := range n.images.List() {
-		if tenant.Sees(ctx, img.Owner) {
+		if img.BuildCache == nil && tenant.Sees(ctx, img.Owner) {
 			out = append(out, imageView(img))
 		}
 	}

@@ -46,7 +46,9 @@ func (n *Node) Load() Load {
 		}
 	}
 	for _, img := range n.images.List() {
-		l.Images = append(l.Images, img.Key())
+		if img.BuildCache == nil {
+			l.Images = append(l.Images, img.Key())
+		}
 	}
 	sort.Strings(l.Images)
 	return l

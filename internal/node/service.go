@@ -436,3 +436,59 @@ func (s *Service) Bootstrap(ctx context.Context, req *dsecv1.BootstrapImageReque
 	img, err := s.n.BootstrapImage(ctx, req, progress)
 	return img, errwire.ToConnect(err)
 }
+
+// Builds and commits.
+
+func (s *Service) BuildImage(ctx context.Context, req *connect.Request[dsecv1.BuildImageRequest], st *connect.ServerStream[dsecv1.ImageProgress]) error {
+	return progressStream(st, func(p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) { return s.Build(ctx, req.Msg, p) })
+}
+
+func (s *Service) UploadBuildContext(ctx context.Context, st *connect.ClientStream[dsecv1.UploadBuildContextRequest]) (*connect.Response[dsecv1.BuildContext], error) {
+	if !st.Receive() || st.Msg().GetHeader() == nil {
+		return nil, errwire.ToConnect(errdefs.Invalid("UploadBuildContext needs a header message first"))
+	}
+	hdr := st.Msg().GetHeader()
+	r := &chunkReader{next: func() ([]byte, error) {
+		if !st.Receive() {
+			if err := st.Err(); err != nil {
+				return nil, err
+			}
+			return nil, io.EOF
+		}
+		return st.Msg().GetData(), nil
+	}}
+	return answer(s.UploadContext(ctx, hdr, r))
+}
+
+func (s *Service) CommitSandbox(ctx context.Context, req *connect.Request[dsecv1.CommitSandboxRequest]) (*connect.Response[dsecv1.Image], error) {
+	return answer(s.Commit(ctx, req.Msg))
+}
+
+func (s *Service) PruneBuildCache(ctx context.Context, req *connect.Request[dsecv1.PruneBuildCacheRequest]) (*connect.Response[dsecv1.PruneBuildCacheResponse], error) {
+	n, err := s.PruneCache(ctx)
+	return answer(&dsecv1.PruneBuildCacheResponse{Removed: n}, err)
+}
+
+// Build builds an image from a Dockerfile on this node.
+func (s *Service) Build(ctx context.Context, req *dsecv1.BuildImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	img, err := s.n.BuildImage(ctx, req, progress)
+	return img, errwire.ToConnect(err)
+}
+
+// UploadContext stores a build context streamed by the client.
+func (s *Service) UploadContext(ctx context.Context, hdr *dsecv1.UploadBuildContextHeader, r io.Reader) (*dsecv1.BuildContext, error) {
+	c, err := s.n.UploadBuildContext(ctx, r)
+	return c, errwire.ToConnect(err)
+}
+
+// Commit stores a sandbox's files as an image.
+func (s *Service) Commit(ctx context.Context, req *dsecv1.CommitSandboxRequest) (*dsecv1.Image, error) {
+	img, err := s.n.CommitSandbox(ctx, req)
+	return img, errwire.ToConnect(err)
+}
+
+// PruneCache removes the build cache the caller reaches.
+func (s *Service) PruneCache(ctx context.Context) (int64, error) {
+	n, err := s.n.PruneBuildCache(ctx)
+	return n, errwire.ToConnect(err)
+}

@@ -2,6 +2,9 @@ package node
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -68,17 +71,9 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 	if m, ok := s.inst.(substrate.MachineSnapshotter); ok {
 		return n.machineSnapshot(ctx, s, m, req, ephemeral, forkKey)
 	}
-	snap, err := can[substrate.Snapshotter](s, "cannot snapshot")
+	diff, size, release, err := n.captureLayer(ctx, s)
 	if err != nil {
 		return nil, err
-	}
-	s.touch()
-	pr, pw := io.Pipe()
-	go func() { pw.CloseWithError(snap.Snapshot(ctx, pw)) }()
-	diff, size, release, err := n.images.AddLayer(pr)
-	pr.Close()
-	if err != nil {
-		return nil, n.callFailed(s, errdefs.Classify(err))
 	}
 	// Held until the record names it: a GC meanwhile (another fork's
 	// snapshot released) would take it.
@@ -106,6 +101,67 @@ func (n *Node) snapshot(ctx context.Context, req *dsecv1.SnapshotRequest, epheme
 		return nil, err
 	}
 	return n.snapshotView(rec), nil
+}
+
+// captureLayer stores s's writable layer (captured consistently: frozen)
+// as a layer, held until release is called.
+func (n *Node) captureLayer(ctx context.Context, s *sandbox) (diff string, size int64, release func(), err error) {
+	snap, err := can[substrate.Snapshotter](s, "cannot snapshot")
+	if err != nil {
+		return "", 0, nil, err
+	}
+	s.touch()
+	pr, pw := io.Pipe()
+	go func() { pw.CloseWithError(snap.Snapshot(ctx, pw)) }()
+	diff, size, release, err = n.images.AddLayer(pr)
+	pr.Close()
+	if err != nil {
+		return "", 0, nil, n.callFailed(s, errdefs.Classify(err))
+	}
+	return diff, size, release, nil
+}
+
+// CommitSandbox stores a container sandbox's files (its image's layers
+// and its writable layer) and its environment, user and working
+// directory as an image of the caller's project. The sandbox runs on.
+func (n *Node) CommitSandbox(ctx context.Context, req *dsecv1.CommitSandboxRequest) (_ *dsecv1.Image, err error) {
+	defer func(start time.Time) { n.m.Image("commit", start, err) }(time.Now())
+	if err := image.ValidName(req.GetName()); err != nil {
+		return nil, err
+	}
+	if strings.HasPrefix(req.GetName(), buildCachePrefix) {
+		return nil, errdefs.Invalid("image names starting with %q are the build cache's", buildCachePrefix)
+	}
+	s, err := n.live(ctx, req.GetSandboxId())
+	if err != nil {
+		return nil, err
+	}
+	if _, ok := s.inst.(substrate.MachineSnapshotter); ok {
+		return nil, errdefs.Invalid("sandbox %s is a %s: commit captures a container's files (snapshot it instead)", s.id, s.spec.Kind)
+	}
+	diff, size, release, err := n.captureLayer(ctx, s)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	base := int64(0)
+	if img, err := n.images.Get(s.image); err == nil {
+		base = img.Size
+	}
+	layers := mainLayers(s)
+	if diff != image.EmptyLayer {
+		layers = append(layers, diff)
+	}
+	cfg := n.snapshotConfig(s)
+	rec := &image.Image{
+		Name: req.GetName(), Owner: s.project, Layers: layers, Size: base + size,
+		Created: time.Now().UTC(), Source: "commit:" + s.id, Config: cfg, Digest: configDigest(layers, cfg),
+	}
+	if err := n.images.Put(rec); err != nil {
+		return nil, err
+	}
+	n.loadChanged()
+	return imageView(rec), nil
 }
 
 // snapshotConfig is the image config a snapshot's children start with:
@@ -416,4 +472,14 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (_ *dsecv1.Cre
 		}
 	})
 	return resp, nil
+}
+
+// configDigest names an image by its layers and configuration.
+func configDigest(layers []string, cfg image.Config) string {
+	b, _ := json.Marshal(struct {
+		Layers []string     `json:"layers"`
+		Config image.Config `json:"config"`
+	}{layers, cfg})
+	h := sha256.Sum256(b)
+	return "sha256:" + hex.EncodeToString(h[:])
 }

@@ -83,13 +83,29 @@ func (c *Client) upload(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io
 	if err := st.Send(&dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Header{Header: hdr}}); err != nil && !errors.Is(err, io.EOF) {
 		return nil, asError(err)
 	}
+	if err := sendBody(r, sent, func(b []byte) error {
+		return st.Send(&dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Data{Data: b}})
+	}); err != nil {
+		st.CloseAndReceive()
+		return nil, err
+	}
+	resp, err := st.CloseAndReceive()
+	if err != nil {
+		return nil, asError(err)
+	}
+	return resp.Msg, nil
+}
+
+// sendBody sends r in chunks until it ends or a send fails (the server
+// answered early: the answer says why). It returns r's errors.
+func sendBody(r io.Reader, sent func(int64), send func([]byte) error) error {
 	buf := make([]byte, 1<<20)
 	var total int64
 	for {
 		n, err := r.Read(buf)
 		if n > 0 {
-			if serr := st.Send(&dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Data{Data: buf[:n]}}); serr != nil {
-				break
+			if serr := send(buf[:n]); serr != nil {
+				return nil
 			}
 			total += int64(n)
 			if sent != nil {
@@ -97,16 +113,62 @@ func (c *Client) upload(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io
 			}
 		}
 		if err == io.EOF {
-			break
+			return nil
 		}
 		if err != nil {
-			st.CloseAndReceive()
-			return nil, err
+			return err
 		}
+	}
+}
+
+// UploadBuildContext sends a build context (a tar of the files a
+// Dockerfile's COPY and ADD read, such as buildctx.Tar writes) for
+// BuildImage, which names it by the returned digest.
+func (c *Client) UploadBuildContext(ctx context.Context, r io.Reader, sent func(int64)) (*dsecv1.BuildContext, error) {
+	st := c.raw.Images.UploadBuildContext(ctx)
+	if err := st.Send(&dsecv1.UploadBuildContextRequest{Msg: &dsecv1.UploadBuildContextRequest_Header{Header: &dsecv1.UploadBuildContextHeader{}}}); err != nil && !errors.Is(err, io.EOF) {
+		return nil, asError(err)
+	}
+	if err := sendBody(r, sent, func(b []byte) error {
+		return st.Send(&dsecv1.UploadBuildContextRequest{Msg: &dsecv1.UploadBuildContextRequest_Data{Data: b}})
+	}); err != nil {
+		st.CloseAndReceive()
+		return nil, err
 	}
 	resp, err := st.CloseAndReceive()
 	if err != nil {
 		return nil, asError(err)
 	}
 	return resp.Msg, nil
+}
+
+// BuildImage builds an image from a Dockerfile (req.Dockerfile, with the
+// context req.ContextDigest names), streaming each step and its output to
+// progress.
+func (c *Client) BuildImage(ctx context.Context, req *dsecv1.BuildImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	st, err := c.raw.Images.BuildImage(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, asError(err)
+	}
+	return progressStream(st, progress)
+}
+
+// CommitSandbox stores a container sandbox's files and environment as an
+// image named name.
+func (c *Client) CommitSandbox(ctx context.Context, sandboxID, name string) (*dsecv1.Image, error) {
+	r, err := c.raw.Images.CommitSandbox(ctx, connect.NewRequest(&dsecv1.CommitSandboxRequest{SandboxId: sandboxID, Name: name}))
+	if err != nil {
+		return nil, asError(err)
+	}
+	return r.Msg, nil
+}
+
+// PruneBuildCache removes the caller's build cache and returns how many
+// cached steps went.
+func (c *Client) PruneBuildCache(ctx context.Context) (int64, error) {
+	r, err := c.raw.Images.PruneBuildCache(ctx, connect.NewRequest(&dsecv1.PruneBuildCacheRequest{}))
+	if err != nil {
+		return 0, asError(err)
+	}
+	return r.Msg.GetRemoved(), nil
 }

@@ -202,12 +202,16 @@ func (x *VMImageInfo) GetAgent() string {
 }
 
 type ImageConfig struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Env           []string               `protobuf:"bytes,1,rep,name=env,proto3" json:"env,omitempty"`
-	Workdir       string                 `protobuf:"bytes,2,opt,name=workdir,proto3" json:"workdir,omitempty"`
-	User          string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
-	Entrypoint    []string               `protobuf:"bytes,4,rep,name=entrypoint,proto3" json:"entrypoint,omitempty"`
-	Cmd           []string               `protobuf:"bytes,5,rep,name=cmd,proto3" json:"cmd,omitempty"`
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	Env        []string               `protobuf:"bytes,1,rep,name=env,proto3" json:"env,omitempty"`
+	Workdir    string                 `protobuf:"bytes,2,opt,name=workdir,proto3" json:"workdir,omitempty"`
+	User       string                 `protobuf:"bytes,3,opt,name=user,proto3" json:"user,omitempty"`
+	Entrypoint []string               `protobuf:"bytes,4,rep,name=entrypoint,proto3" json:"entrypoint,omitempty"`
+	Cmd        []string               `protobuf:"bytes,5,rep,name=cmd,proto3" json:"cmd,omitempty"`
+	// labels are the image's labels (a Dockerfile's LABEL).
+	Labels map[string]string `protobuf:"bytes,6,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// exposed_ports are the ports the image declares (EXPOSE: "80/tcp").
+	ExposedPorts  []string `protobuf:"bytes,7,rep,name=exposed_ports,json=exposedPorts,proto3" json:"exposed_ports,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -273,6 +277,20 @@ func (x *ImageConfig) GetEntrypoint() []string {
 func (x *ImageConfig) GetCmd() []string {
 	if x != nil {
 		return x.Cmd
+	}
+	return nil
+}
+
+func (x *ImageConfig) GetLabels() map[string]string {
+	if x != nil {
+		return x.Labels
+	}
+	return nil
+}
+
+func (x *ImageConfig) GetExposedPorts() []string {
+	if x != nil {
+		return x.ExposedPorts
 	}
 	return nil
 }
@@ -860,13 +878,21 @@ func (x *BootstrapImageRequest) GetDiskMb() int64 {
 
 type ImageProgress struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// phase is a short word: "resolve", "download", "unpack", "build", "done".
-	Phase      string `protobuf:"bytes,1,opt,name=phase,proto3" json:"phase,omitempty"`
+	// phase is a short word: "resolve", "download", "unpack", "build",
+	// "step", "output", "done".
+	Phase string `protobuf:"bytes,1,opt,name=phase,proto3" json:"phase,omitempty"`
+	// message describes the phase; for "output", it is a piece of a step's
+	// output (stdout and stderr as they come).
 	Message    string `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
 	DoneBytes  int64  `protobuf:"varint,3,opt,name=done_bytes,json=doneBytes,proto3" json:"done_bytes,omitempty"`
 	TotalBytes int64  `protobuf:"varint,4,opt,name=total_bytes,json=totalBytes,proto3" json:"total_bytes,omitempty"`
 	// image is set on the final message.
-	Image         *Image `protobuf:"bytes,5,opt,name=image,proto3" json:"image,omitempty"`
+	Image *Image `protobuf:"bytes,5,opt,name=image,proto3" json:"image,omitempty"`
+	// step and steps number a build's step (from 1) among the steps it
+	// runs; cached marks a step the build cache answered.
+	Step          int32 `protobuf:"varint,6,opt,name=step,proto3" json:"step,omitempty"`
+	Steps         int32 `protobuf:"varint,7,opt,name=steps,proto3" json:"steps,omitempty"`
+	Cached        bool  `protobuf:"varint,8,opt,name=cached,proto3" json:"cached,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -936,11 +962,474 @@ func (x *ImageProgress) GetImage() *Image {
 	return nil
 }
 
+func (x *ImageProgress) GetStep() int32 {
+	if x != nil {
+		return x.Step
+	}
+	return 0
+}
+
+func (x *ImageProgress) GetSteps() int32 {
+	if x != nil {
+		return x.Steps
+	}
+	return 0
+}
+
+func (x *ImageProgress) GetCached() bool {
+	if x != nil {
+		return x.Cached
+	}
+	return false
+}
+
+type UploadBuildContextHeader struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// size is the tar's size in bytes, if known.
+	Size          int64 `protobuf:"varint,1,opt,name=size,proto3" json:"size,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UploadBuildContextHeader) Reset() {
+	*x = UploadBuildContextHeader{}
+	mi := &file_dsec_v1_image_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UploadBuildContextHeader) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UploadBuildContextHeader) ProtoMessage() {}
+
+func (x *UploadBuildContextHeader) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_image_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UploadBuildContextHeader.ProtoReflect.Descriptor instead.
+func (*UploadBuildContextHeader) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *UploadBuildContextHeader) GetSize() int64 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+type UploadBuildContextRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Msg:
+	//
+	//	*UploadBuildContextRequest_Header
+	//	*UploadBuildContextRequest_Data
+	Msg           isUploadBuildContextRequest_Msg `protobuf_oneof:"msg"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UploadBuildContextRequest) Reset() {
+	*x = UploadBuildContextRequest{}
+	mi := &file_dsec_v1_image_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UploadBuildContextRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UploadBuildContextRequest) ProtoMessage() {}
+
+func (x *UploadBuildContextRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_image_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UploadBuildContextRequest.ProtoReflect.Descriptor instead.
+func (*UploadBuildContextRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *UploadBuildContextRequest) GetMsg() isUploadBuildContextRequest_Msg {
+	if x != nil {
+		return x.Msg
+	}
+	return nil
+}
+
+func (x *UploadBuildContextRequest) GetHeader() *UploadBuildContextHeader {
+	if x != nil {
+		if x, ok := x.Msg.(*UploadBuildContextRequest_Header); ok {
+			return x.Header
+		}
+	}
+	return nil
+}
+
+func (x *UploadBuildContextRequest) GetData() []byte {
+	if x != nil {
+		if x, ok := x.Msg.(*UploadBuildContextRequest_Data); ok {
+			return x.Data
+		}
+	}
+	return nil
+}
+
+type isUploadBuildContextRequest_Msg interface {
+	isUploadBuildContextRequest_Msg()
+}
+
+type UploadBuildContextRequest_Header struct {
+	Header *UploadBuildContextHeader `protobuf:"bytes,1,opt,name=header,proto3,oneof"`
+}
+
+type UploadBuildContextRequest_Data struct {
+	Data []byte `protobuf:"bytes,2,opt,name=data,proto3,oneof"`
+}
+
+func (*UploadBuildContextRequest_Header) isUploadBuildContextRequest_Msg() {}
+
+func (*UploadBuildContextRequest_Data) isUploadBuildContextRequest_Msg() {}
+
+type BuildContext struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// digest names the context ("sha256:..." of the tar as sent).
+	Digest        string `protobuf:"bytes,1,opt,name=digest,proto3" json:"digest,omitempty"`
+	SizeBytes     int64  `protobuf:"varint,2,opt,name=size_bytes,json=sizeBytes,proto3" json:"size_bytes,omitempty"`
+	Files         int64  `protobuf:"varint,3,opt,name=files,proto3" json:"files,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BuildContext) Reset() {
+	*x = BuildContext{}
+	mi := &file_dsec_v1_image_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BuildContext) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BuildContext) ProtoMessage() {}
+
+func (x *BuildContext) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_image_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BuildContext.ProtoReflect.Descriptor instead.
+func (*BuildContext) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *BuildContext) GetDigest() string {
+	if x != nil {
+		return x.Digest
+	}
+	return ""
+}
+
+func (x *BuildContext) GetSizeBytes() int64 {
+	if x != nil {
+		return x.SizeBytes
+	}
+	return 0
+}
+
+func (x *BuildContext) GetFiles() int64 {
+	if x != nil {
+		return x.Files
+	}
+	return 0
+}
+
+type BuildImageRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// name stores the built image under this name.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// dockerfile is the Dockerfile's text.
+	Dockerfile string `protobuf:"bytes,2,opt,name=dockerfile,proto3" json:"dockerfile,omitempty"`
+	// context_digest names a context UploadBuildContext stored (empty: no
+	// context; COPY and ADD of local files then fail).
+	ContextDigest string `protobuf:"bytes,3,opt,name=context_digest,json=contextDigest,proto3" json:"context_digest,omitempty"`
+	// build_args set the Dockerfile's ARGs (--build-arg).
+	BuildArgs map[string]string `protobuf:"bytes,4,rep,name=build_args,json=buildArgs,proto3" json:"build_args,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// target builds this stage (by name) and what it needs, rather than
+	// the last stage.
+	Target string `protobuf:"bytes,5,opt,name=target,proto3" json:"target,omitempty"`
+	// no_cache runs every step, whatever the cache holds.
+	NoCache bool `protobuf:"varint,6,opt,name=no_cache,json=noCache,proto3" json:"no_cache,omitempty"`
+	// network is the RUN sandboxes' network: "none" or "egress" (default:
+	// the node's default for sandboxes).
+	Network string `protobuf:"bytes,7,opt,name=network,proto3" json:"network,omitempty"`
+	// step_timeout_s bounds each RUN (default 3600).
+	StepTimeoutS int64 `protobuf:"varint,8,opt,name=step_timeout_s,json=stepTimeoutS,proto3" json:"step_timeout_s,omitempty"`
+	// resources are each RUN sandbox's (default: the node's defaults).
+	Resources     *Resources `protobuf:"bytes,9,opt,name=resources,proto3" json:"resources,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BuildImageRequest) Reset() {
+	*x = BuildImageRequest{}
+	mi := &file_dsec_v1_image_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BuildImageRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BuildImageRequest) ProtoMessage() {}
+
+func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_image_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BuildImageRequest.ProtoReflect.Descriptor instead.
+func (*BuildImageRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *BuildImageRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *BuildImageRequest) GetDockerfile() string {
+	if x != nil {
+		return x.Dockerfile
+	}
+	return ""
+}
+
+func (x *BuildImageRequest) GetContextDigest() string {
+	if x != nil {
+		return x.ContextDigest
+	}
+	return ""
+}
+
+func (x *BuildImageRequest) GetBuildArgs() map[string]string {
+	if x != nil {
+		return x.BuildArgs
+	}
+	return nil
+}
+
+func (x *BuildImageRequest) GetTarget() string {
+	if x != nil {
+		return x.Target
+	}
+	return ""
+}
+
+func (x *BuildImageRequest) GetNoCache() bool {
+	if x != nil {
+		return x.NoCache
+	}
+	return false
+}
+
+func (x *BuildImageRequest) GetNetwork() string {
+	if x != nil {
+		return x.Network
+	}
+	return ""
+}
+
+func (x *BuildImageRequest) GetStepTimeoutS() int64 {
+	if x != nil {
+		return x.StepTimeoutS
+	}
+	return 0
+}
+
+func (x *BuildImageRequest) GetResources() *Resources {
+	if x != nil {
+		return x.Resources
+	}
+	return nil
+}
+
+type CommitSandboxRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	// name stores the image under this name.
+	Name          string `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CommitSandboxRequest) Reset() {
+	*x = CommitSandboxRequest{}
+	mi := &file_dsec_v1_image_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CommitSandboxRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CommitSandboxRequest) ProtoMessage() {}
+
+func (x *CommitSandboxRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_image_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CommitSandboxRequest.ProtoReflect.Descriptor instead.
+func (*CommitSandboxRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *CommitSandboxRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *CommitSandboxRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type PruneBuildCacheRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PruneBuildCacheRequest) Reset() {
+	*x = PruneBuildCacheRequest{}
+	mi := &file_dsec_v1_image_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PruneBuildCacheRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PruneBuildCacheRequest) ProtoMessage() {}
+
+func (x *PruneBuildCacheRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_image_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PruneBuildCacheRequest.ProtoReflect.Descriptor instead.
+func (*PruneBuildCacheRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{19}
+}
+
+type PruneBuildCacheResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// removed is how many cached steps were removed.
+	Removed       int64 `protobuf:"varint,1,opt,name=removed,proto3" json:"removed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PruneBuildCacheResponse) Reset() {
+	*x = PruneBuildCacheResponse{}
+	mi := &file_dsec_v1_image_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PruneBuildCacheResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PruneBuildCacheResponse) ProtoMessage() {}
+
+func (x *PruneBuildCacheResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_image_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PruneBuildCacheResponse.ProtoReflect.Descriptor instead.
+func (*PruneBuildCacheResponse) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *PruneBuildCacheResponse) GetRemoved() int64 {
+	if x != nil {
+		return x.Removed
+	}
+	return 0
+}
+
 var File_dsec_v1_image_proto protoreflect.FileDescriptor
 
 const file_dsec_v1_image_proto_rawDesc = "" +
 	"\n" +
-	"\x13dsec/v1/image.proto\x12\adsec.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x91\x02\n" +
+	"\x13dsec/v1/image.proto\x12\adsec.v1\x1a\x15dsec/v1/sandbox.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x91\x02\n" +
 	"\x05Image\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06digest\x18\x02 \x01(\tR\x06digest\x12\x16\n" +
@@ -958,7 +1447,7 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"\bfirmware\x18\x02 \x01(\tR\bfirmware\x12\x1f\n" +
 	"\vdirect_boot\x18\x03 \x01(\bR\n" +
 	"directBoot\x12\x14\n" +
-	"\x05agent\x18\x04 \x01(\tR\x05agent\"\x7f\n" +
+	"\x05agent\x18\x04 \x01(\tR\x05agent\"\x99\x02\n" +
 	"\vImageConfig\x12\x10\n" +
 	"\x03env\x18\x01 \x03(\tR\x03env\x12\x18\n" +
 	"\aworkdir\x18\x02 \x01(\tR\aworkdir\x12\x12\n" +
@@ -966,7 +1455,12 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"\n" +
 	"entrypoint\x18\x04 \x03(\tR\n" +
 	"entrypoint\x12\x10\n" +
-	"\x03cmd\x18\x05 \x03(\tR\x03cmd\"\x13\n" +
+	"\x03cmd\x18\x05 \x03(\tR\x03cmd\x128\n" +
+	"\x06labels\x18\x06 \x03(\v2 .dsec.v1.ImageConfig.LabelsEntryR\x06labels\x12#\n" +
+	"\rexposed_ports\x18\a \x03(\tR\fexposedPorts\x1a9\n" +
+	"\vLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x13\n" +
 	"\x11ListImagesRequest\"<\n" +
 	"\x12ListImagesResponse\x12&\n" +
 	"\x06images\x18\x01 \x03(\v2\x0e.dsec.v1.ImageR\x06images\"%\n" +
@@ -999,7 +1493,7 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"\x05force\x18\x03 \x01(\bR\x05force\x12\x1a\n" +
 	"\bpackages\x18\x04 \x03(\tR\bpackages\x12\x0e\n" +
 	"\x02vm\x18\x05 \x01(\bR\x02vm\x12\x17\n" +
-	"\adisk_mb\x18\x06 \x01(\x03R\x06diskMb\"\xa5\x01\n" +
+	"\adisk_mb\x18\x06 \x01(\x03R\x06diskMb\"\xe7\x01\n" +
 	"\rImageProgress\x12\x14\n" +
 	"\x05phase\x18\x01 \x01(\tR\x05phase\x12\x18\n" +
 	"\amessage\x18\x02 \x01(\tR\amessage\x12\x1d\n" +
@@ -1007,7 +1501,44 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"done_bytes\x18\x03 \x01(\x03R\tdoneBytes\x12\x1f\n" +
 	"\vtotal_bytes\x18\x04 \x01(\x03R\n" +
 	"totalBytes\x12$\n" +
-	"\x05image\x18\x05 \x01(\v2\x0e.dsec.v1.ImageR\x05image2\xab\x03\n" +
+	"\x05image\x18\x05 \x01(\v2\x0e.dsec.v1.ImageR\x05image\x12\x12\n" +
+	"\x04step\x18\x06 \x01(\x05R\x04step\x12\x14\n" +
+	"\x05steps\x18\a \x01(\x05R\x05steps\x12\x16\n" +
+	"\x06cached\x18\b \x01(\bR\x06cached\".\n" +
+	"\x18UploadBuildContextHeader\x12\x12\n" +
+	"\x04size\x18\x01 \x01(\x03R\x04size\"u\n" +
+	"\x19UploadBuildContextRequest\x12;\n" +
+	"\x06header\x18\x01 \x01(\v2!.dsec.v1.UploadBuildContextHeaderH\x00R\x06header\x12\x14\n" +
+	"\x04data\x18\x02 \x01(\fH\x00R\x04dataB\x05\n" +
+	"\x03msg\"[\n" +
+	"\fBuildContext\x12\x16\n" +
+	"\x06digest\x18\x01 \x01(\tR\x06digest\x12\x1d\n" +
+	"\n" +
+	"size_bytes\x18\x02 \x01(\x03R\tsizeBytes\x12\x14\n" +
+	"\x05files\x18\x03 \x01(\x03R\x05files\"\x9b\x03\n" +
+	"\x11BuildImageRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1e\n" +
+	"\n" +
+	"dockerfile\x18\x02 \x01(\tR\n" +
+	"dockerfile\x12%\n" +
+	"\x0econtext_digest\x18\x03 \x01(\tR\rcontextDigest\x12H\n" +
+	"\n" +
+	"build_args\x18\x04 \x03(\v2).dsec.v1.BuildImageRequest.BuildArgsEntryR\tbuildArgs\x12\x16\n" +
+	"\x06target\x18\x05 \x01(\tR\x06target\x12\x19\n" +
+	"\bno_cache\x18\x06 \x01(\bR\anoCache\x12\x18\n" +
+	"\anetwork\x18\a \x01(\tR\anetwork\x12$\n" +
+	"\x0estep_timeout_s\x18\b \x01(\x03R\fstepTimeoutS\x120\n" +
+	"\tresources\x18\t \x01(\v2\x12.dsec.v1.ResourcesR\tresources\x1a<\n" +
+	"\x0eBuildArgsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"I\n" +
+	"\x14CommitSandboxRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\"\x18\n" +
+	"\x16PruneBuildCacheRequest\"3\n" +
+	"\x17PruneBuildCacheResponse\x12\x18\n" +
+	"\aremoved\x18\x01 \x01(\x03R\aremoved2\xd8\x05\n" +
 	"\fImageService\x12J\n" +
 	"\n" +
 	"ListImages\x12\x1a.dsec.v1.ListImagesRequest\x1a\x1b.dsec.v1.ListImagesResponse\"\x03\x90\x02\x01\x129\n" +
@@ -1015,7 +1546,12 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"\vDeleteImage\x12\x1b.dsec.v1.DeleteImageRequest\x1a\x1c.dsec.v1.DeleteImageResponse\x12@\n" +
 	"\tPullImage\x12\x19.dsec.v1.PullImageRequest\x1a\x16.dsec.v1.ImageProgress0\x01\x12<\n" +
 	"\vUploadImage\x12\x1b.dsec.v1.UploadImageRequest\x1a\x0e.dsec.v1.Image(\x01\x12J\n" +
-	"\x0eBootstrapImage\x12\x1e.dsec.v1.BootstrapImageRequest\x1a\x16.dsec.v1.ImageProgress0\x01B-Z+github.com/opendsec/dsec/api/dsec/v1;dsecv1b\x06proto3"
+	"\x0eBootstrapImage\x12\x1e.dsec.v1.BootstrapImageRequest\x1a\x16.dsec.v1.ImageProgress0\x01\x12Q\n" +
+	"\x12UploadBuildContext\x12\".dsec.v1.UploadBuildContextRequest\x1a\x15.dsec.v1.BuildContext(\x01\x12B\n" +
+	"\n" +
+	"BuildImage\x12\x1a.dsec.v1.BuildImageRequest\x1a\x16.dsec.v1.ImageProgress0\x01\x12>\n" +
+	"\rCommitSandbox\x12\x1d.dsec.v1.CommitSandboxRequest\x1a\x0e.dsec.v1.Image\x12T\n" +
+	"\x0fPruneBuildCache\x12\x1f.dsec.v1.PruneBuildCacheRequest\x1a .dsec.v1.PruneBuildCacheResponseB-Z+github.com/opendsec/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
 var (
 	file_dsec_v1_image_proto_rawDescOnce sync.Once
@@ -1029,49 +1565,71 @@ func file_dsec_v1_image_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_image_proto_rawDescData
 }
 
-var file_dsec_v1_image_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_dsec_v1_image_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
 var file_dsec_v1_image_proto_goTypes = []any{
-	(*Image)(nil),                 // 0: dsec.v1.Image
-	(*VMImageInfo)(nil),           // 1: dsec.v1.VMImageInfo
-	(*ImageConfig)(nil),           // 2: dsec.v1.ImageConfig
-	(*ListImagesRequest)(nil),     // 3: dsec.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),    // 4: dsec.v1.ListImagesResponse
-	(*GetImageRequest)(nil),       // 5: dsec.v1.GetImageRequest
-	(*DeleteImageRequest)(nil),    // 6: dsec.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),   // 7: dsec.v1.DeleteImageResponse
-	(*RegistryAuth)(nil),          // 8: dsec.v1.RegistryAuth
-	(*PullImageRequest)(nil),      // 9: dsec.v1.PullImageRequest
-	(*UploadImageHeader)(nil),     // 10: dsec.v1.UploadImageHeader
-	(*UploadImageRequest)(nil),    // 11: dsec.v1.UploadImageRequest
-	(*BootstrapImageRequest)(nil), // 12: dsec.v1.BootstrapImageRequest
-	(*ImageProgress)(nil),         // 13: dsec.v1.ImageProgress
-	(*timestamppb.Timestamp)(nil), // 14: google.protobuf.Timestamp
+	(*Image)(nil),                     // 0: dsec.v1.Image
+	(*VMImageInfo)(nil),               // 1: dsec.v1.VMImageInfo
+	(*ImageConfig)(nil),               // 2: dsec.v1.ImageConfig
+	(*ListImagesRequest)(nil),         // 3: dsec.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),        // 4: dsec.v1.ListImagesResponse
+	(*GetImageRequest)(nil),           // 5: dsec.v1.GetImageRequest
+	(*DeleteImageRequest)(nil),        // 6: dsec.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),       // 7: dsec.v1.DeleteImageResponse
+	(*RegistryAuth)(nil),              // 8: dsec.v1.RegistryAuth
+	(*PullImageRequest)(nil),          // 9: dsec.v1.PullImageRequest
+	(*UploadImageHeader)(nil),         // 10: dsec.v1.UploadImageHeader
+	(*UploadImageRequest)(nil),        // 11: dsec.v1.UploadImageRequest
+	(*BootstrapImageRequest)(nil),     // 12: dsec.v1.BootstrapImageRequest
+	(*ImageProgress)(nil),             // 13: dsec.v1.ImageProgress
+	(*UploadBuildContextHeader)(nil),  // 14: dsec.v1.UploadBuildContextHeader
+	(*UploadBuildContextRequest)(nil), // 15: dsec.v1.UploadBuildContextRequest
+	(*BuildContext)(nil),              // 16: dsec.v1.BuildContext
+	(*BuildImageRequest)(nil),         // 17: dsec.v1.BuildImageRequest
+	(*CommitSandboxRequest)(nil),      // 18: dsec.v1.CommitSandboxRequest
+	(*PruneBuildCacheRequest)(nil),    // 19: dsec.v1.PruneBuildCacheRequest
+	(*PruneBuildCacheResponse)(nil),   // 20: dsec.v1.PruneBuildCacheResponse
+	nil,                               // 21: dsec.v1.ImageConfig.LabelsEntry
+	nil,                               // 22: dsec.v1.BuildImageRequest.BuildArgsEntry
+	(*timestamppb.Timestamp)(nil),     // 23: google.protobuf.Timestamp
+	(*Resources)(nil),                 // 24: dsec.v1.Resources
 }
 var file_dsec_v1_image_proto_depIdxs = []int32{
-	14, // 0: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	23, // 0: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
 	2,  // 1: dsec.v1.Image.config:type_name -> dsec.v1.ImageConfig
 	1,  // 2: dsec.v1.Image.vm:type_name -> dsec.v1.VMImageInfo
-	0,  // 3: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	8,  // 4: dsec.v1.PullImageRequest.auth:type_name -> dsec.v1.RegistryAuth
-	10, // 5: dsec.v1.UploadImageRequest.header:type_name -> dsec.v1.UploadImageHeader
-	0,  // 6: dsec.v1.ImageProgress.image:type_name -> dsec.v1.Image
-	3,  // 7: dsec.v1.ImageService.ListImages:input_type -> dsec.v1.ListImagesRequest
-	5,  // 8: dsec.v1.ImageService.GetImage:input_type -> dsec.v1.GetImageRequest
-	6,  // 9: dsec.v1.ImageService.DeleteImage:input_type -> dsec.v1.DeleteImageRequest
-	9,  // 10: dsec.v1.ImageService.PullImage:input_type -> dsec.v1.PullImageRequest
-	11, // 11: dsec.v1.ImageService.UploadImage:input_type -> dsec.v1.UploadImageRequest
-	12, // 12: dsec.v1.ImageService.BootstrapImage:input_type -> dsec.v1.BootstrapImageRequest
-	4,  // 13: dsec.v1.ImageService.ListImages:output_type -> dsec.v1.ListImagesResponse
-	0,  // 14: dsec.v1.ImageService.GetImage:output_type -> dsec.v1.Image
-	7,  // 15: dsec.v1.ImageService.DeleteImage:output_type -> dsec.v1.DeleteImageResponse
-	13, // 16: dsec.v1.ImageService.PullImage:output_type -> dsec.v1.ImageProgress
-	0,  // 17: dsec.v1.ImageService.UploadImage:output_type -> dsec.v1.Image
-	13, // 18: dsec.v1.ImageService.BootstrapImage:output_type -> dsec.v1.ImageProgress
-	13, // [13:19] is the sub-list for method output_type
-	7,  // [7:13] is the sub-list for method input_type
-	7,  // [7:7] is the sub-list for extension type_name
-	7,  // [7:7] is the sub-list for extension extendee
-	0,  // [0:7] is the sub-list for field type_name
+	21, // 3: dsec.v1.ImageConfig.labels:type_name -> dsec.v1.ImageConfig.LabelsEntry
+	0,  // 4: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	8,  // 5: dsec.v1.PullImageRequest.auth:type_name -> dsec.v1.RegistryAuth
+	10, // 6: dsec.v1.UploadImageRequest.header:type_name -> dsec.v1.UploadImageHeader
+	0,  // 7: dsec.v1.ImageProgress.image:type_name -> dsec.v1.Image
+	14, // 8: dsec.v1.UploadBuildContextRequest.header:type_name -> dsec.v1.UploadBuildContextHeader
+	22, // 9: dsec.v1.BuildImageRequest.build_args:type_name -> dsec.v1.BuildImageRequest.BuildArgsEntry
+	24, // 10: dsec.v1.BuildImageRequest.resources:type_name -> dsec.v1.Resources
+	3,  // 11: dsec.v1.ImageService.ListImages:input_type -> dsec.v1.ListImagesRequest
+	5,  // 12: dsec.v1.ImageService.GetImage:input_type -> dsec.v1.GetImageRequest
+	6,  // 13: dsec.v1.ImageService.DeleteImage:input_type -> dsec.v1.DeleteImageRequest
+	9,  // 14: dsec.v1.ImageService.PullImage:input_type -> dsec.v1.PullImageRequest
+	11, // 15: dsec.v1.ImageService.UploadImage:input_type -> dsec.v1.UploadImageRequest
+	12, // 16: dsec.v1.ImageService.BootstrapImage:input_type -> dsec.v1.BootstrapImageRequest
+	15, // 17: dsec.v1.ImageService.UploadBuildContext:input_type -> dsec.v1.UploadBuildContextRequest
+	17, // 18: dsec.v1.ImageService.BuildImage:input_type -> dsec.v1.BuildImageRequest
+	18, // 19: dsec.v1.ImageService.CommitSandbox:input_type -> dsec.v1.CommitSandboxRequest
+	19, // 20: dsec.v1.ImageService.PruneBuildCache:input_type -> dsec.v1.PruneBuildCacheRequest
+	4,  // 21: dsec.v1.ImageService.ListImages:output_type -> dsec.v1.ListImagesResponse
+	0,  // 22: dsec.v1.ImageService.GetImage:output_type -> dsec.v1.Image
+	7,  // 23: dsec.v1.ImageService.DeleteImage:output_type -> dsec.v1.DeleteImageResponse
+	13, // 24: dsec.v1.ImageService.PullImage:output_type -> dsec.v1.ImageProgress
+	0,  // 25: dsec.v1.ImageService.UploadImage:output_type -> dsec.v1.Image
+	13, // 26: dsec.v1.ImageService.BootstrapImage:output_type -> dsec.v1.ImageProgress
+	16, // 27: dsec.v1.ImageService.UploadBuildContext:output_type -> dsec.v1.BuildContext
+	13, // 28: dsec.v1.ImageService.BuildImage:output_type -> dsec.v1.ImageProgress
+	0,  // 29: dsec.v1.ImageService.CommitSandbox:output_type -> dsec.v1.Image
+	20, // 30: dsec.v1.ImageService.PruneBuildCache:output_type -> dsec.v1.PruneBuildCacheResponse
+	21, // [21:31] is the sub-list for method output_type
+	11, // [11:21] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_image_proto_init() }
@@ -1079,9 +1637,14 @@ func file_dsec_v1_image_proto_init() {
 	if File_dsec_v1_image_proto != nil {
 		return
 	}
+	file_dsec_v1_sandbox_proto_init()
 	file_dsec_v1_image_proto_msgTypes[11].OneofWrappers = []any{
 		(*UploadImageRequest_Header)(nil),
 		(*UploadImageRequest_Data)(nil),
+	}
+	file_dsec_v1_image_proto_msgTypes[15].OneofWrappers = []any{
+		(*UploadBuildContextRequest_Header)(nil),
+		(*UploadBuildContextRequest_Data)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1089,7 +1652,7 @@ func file_dsec_v1_image_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_image_proto_rawDesc), len(file_dsec_v1_image_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   14,
+			NumMessages:   23,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

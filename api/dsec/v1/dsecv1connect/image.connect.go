@@ -48,6 +48,17 @@ const (
 	// ImageServiceBootstrapImageProcedure is the fully-qualified name of the ImageService's
 	// BootstrapImage RPC.
 	ImageServiceBootstrapImageProcedure = "/dsec.v1.ImageService/BootstrapImage"
+	// ImageServiceUploadBuildContextProcedure is the fully-qualified name of the ImageService's
+	// UploadBuildContext RPC.
+	ImageServiceUploadBuildContextProcedure = "/dsec.v1.ImageService/UploadBuildContext"
+	// ImageServiceBuildImageProcedure is the fully-qualified name of the ImageService's BuildImage RPC.
+	ImageServiceBuildImageProcedure = "/dsec.v1.ImageService/BuildImage"
+	// ImageServiceCommitSandboxProcedure is the fully-qualified name of the ImageService's
+	// CommitSandbox RPC.
+	ImageServiceCommitSandboxProcedure = "/dsec.v1.ImageService/CommitSandbox"
+	// ImageServicePruneBuildCacheProcedure is the fully-qualified name of the ImageService's
+	// PruneBuildCache RPC.
+	ImageServicePruneBuildCacheProcedure = "/dsec.v1.ImageService/PruneBuildCache"
 )
 
 // ImageServiceClient is a client for the dsec.v1.ImageService service.
@@ -67,6 +78,25 @@ type ImageServiceClient interface {
 	// mirror; with vm, a bootable Debian disk for kind vm), streaming
 	// progress.
 	BootstrapImage(context.Context, *connect.Request[v1.BootstrapImageRequest]) (*connect.ServerStreamForClient[v1.ImageProgress], error)
+	// UploadBuildContext stores a build context (a tar of the files a
+	// Dockerfile's COPY and ADD read) on the node, for BuildImage. The first
+	// message is the header, the rest are data chunks. Contexts are kept by
+	// digest for the caller's project, for an hour after their last use.
+	UploadBuildContext(context.Context) *connect.ClientStreamForClient[v1.UploadBuildContextRequest, v1.BuildContext]
+	// BuildImage builds an image from a Dockerfile: each step that changes
+	// files runs in a sandbox of its own (RUN) or on the node (COPY, ADD,
+	// WORKDIR), and its changes become one layer; steps whose parent, text,
+	// arguments and copied files are unchanged come from the build cache.
+	// It streams progress (phase "step" per step, "output" with a RUN's
+	// output) and the image as the final message.
+	BuildImage(context.Context, *connect.Request[v1.BuildImageRequest]) (*connect.ServerStreamForClient[v1.ImageProgress], error)
+	// CommitSandbox stores a running container sandbox's files (its image
+	// with its writable layer on top) and its environment, user and working
+	// directory as a new image of the caller's project.
+	CommitSandbox(context.Context, *connect.Request[v1.CommitSandboxRequest]) (*connect.Response[v1.Image], error)
+	// PruneBuildCache removes the caller's project's build cache (an
+	// operator's: every project's); layers no image uses are freed.
+	PruneBuildCache(context.Context, *connect.Request[v1.PruneBuildCacheRequest]) (*connect.Response[v1.PruneBuildCacheResponse], error)
 }
 
 // NewImageServiceClient constructs a client for the dsec.v1.ImageService service. By default, it
@@ -118,17 +148,45 @@ func NewImageServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(imageServiceMethods.ByName("BootstrapImage")),
 			connect.WithClientOptions(opts...),
 		),
+		uploadBuildContext: connect.NewClient[v1.UploadBuildContextRequest, v1.BuildContext](
+			httpClient,
+			baseURL+ImageServiceUploadBuildContextProcedure,
+			connect.WithSchema(imageServiceMethods.ByName("UploadBuildContext")),
+			connect.WithClientOptions(opts...),
+		),
+		buildImage: connect.NewClient[v1.BuildImageRequest, v1.ImageProgress](
+			httpClient,
+			baseURL+ImageServiceBuildImageProcedure,
+			connect.WithSchema(imageServiceMethods.ByName("BuildImage")),
+			connect.WithClientOptions(opts...),
+		),
+		commitSandbox: connect.NewClient[v1.CommitSandboxRequest, v1.Image](
+			httpClient,
+			baseURL+ImageServiceCommitSandboxProcedure,
+			connect.WithSchema(imageServiceMethods.ByName("CommitSandbox")),
+			connect.WithClientOptions(opts...),
+		),
+		pruneBuildCache: connect.NewClient[v1.PruneBuildCacheRequest, v1.PruneBuildCacheResponse](
+			httpClient,
+			baseURL+ImageServicePruneBuildCacheProcedure,
+			connect.WithSchema(imageServiceMethods.ByName("PruneBuildCache")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // imageServiceClient implements ImageServiceClient.
 type imageServiceClient struct {
-	listImages     *connect.Client[v1.ListImagesRequest, v1.ListImagesResponse]
-	getImage       *connect.Client[v1.GetImageRequest, v1.Image]
-	deleteImage    *connect.Client[v1.DeleteImageRequest, v1.DeleteImageResponse]
-	pullImage      *connect.Client[v1.PullImageRequest, v1.ImageProgress]
-	uploadImage    *connect.Client[v1.UploadImageRequest, v1.Image]
-	bootstrapImage *connect.Client[v1.BootstrapImageRequest, v1.ImageProgress]
+	listImages         *connect.Client[v1.ListImagesRequest, v1.ListImagesResponse]
+	getImage           *connect.Client[v1.GetImageRequest, v1.Image]
+	deleteImage        *connect.Client[v1.DeleteImageRequest, v1.DeleteImageResponse]
+	pullImage          *connect.Client[v1.PullImageRequest, v1.ImageProgress]
+	uploadImage        *connect.Client[v1.UploadImageRequest, v1.Image]
+	bootstrapImage     *connect.Client[v1.BootstrapImageRequest, v1.ImageProgress]
+	uploadBuildContext *connect.Client[v1.UploadBuildContextRequest, v1.BuildContext]
+	buildImage         *connect.Client[v1.BuildImageRequest, v1.ImageProgress]
+	commitSandbox      *connect.Client[v1.CommitSandboxRequest, v1.Image]
+	pruneBuildCache    *connect.Client[v1.PruneBuildCacheRequest, v1.PruneBuildCacheResponse]
 }
 
 // ListImages calls dsec.v1.ImageService.ListImages.
@@ -161,6 +219,26 @@ func (c *imageServiceClient) BootstrapImage(ctx context.Context, req *connect.Re
 	return c.bootstrapImage.CallServerStream(ctx, req)
 }
 
+// UploadBuildContext calls dsec.v1.ImageService.UploadBuildContext.
+func (c *imageServiceClient) UploadBuildContext(ctx context.Context) *connect.ClientStreamForClient[v1.UploadBuildContextRequest, v1.BuildContext] {
+	return c.uploadBuildContext.CallClientStream(ctx)
+}
+
+// BuildImage calls dsec.v1.ImageService.BuildImage.
+func (c *imageServiceClient) BuildImage(ctx context.Context, req *connect.Request[v1.BuildImageRequest]) (*connect.ServerStreamForClient[v1.ImageProgress], error) {
+	return c.buildImage.CallServerStream(ctx, req)
+}
+
+// CommitSandbox calls dsec.v1.ImageService.CommitSandbox.
+func (c *imageServiceClient) CommitSandbox(ctx context.Context, req *connect.Request[v1.CommitSandboxRequest]) (*connect.Response[v1.Image], error) {
+	return c.commitSandbox.CallUnary(ctx, req)
+}
+
+// PruneBuildCache calls dsec.v1.ImageService.PruneBuildCache.
+func (c *imageServiceClient) PruneBuildCache(ctx context.Context, req *connect.Request[v1.PruneBuildCacheRequest]) (*connect.Response[v1.PruneBuildCacheResponse], error) {
+	return c.pruneBuildCache.CallUnary(ctx, req)
+}
+
 // ImageServiceHandler is an implementation of the dsec.v1.ImageService service.
 type ImageServiceHandler interface {
 	ListImages(context.Context, *connect.Request[v1.ListImagesRequest]) (*connect.Response[v1.ListImagesResponse], error)
@@ -178,6 +256,25 @@ type ImageServiceHandler interface {
 	// mirror; with vm, a bootable Debian disk for kind vm), streaming
 	// progress.
 	BootstrapImage(context.Context, *connect.Request[v1.BootstrapImageRequest], *connect.ServerStream[v1.ImageProgress]) error
+	// UploadBuildContext stores a build context (a tar of the files a
+	// Dockerfile's COPY and ADD read) on the node, for BuildImage. The first
+	// message is the header, the rest are data chunks. Contexts are kept by
+	// digest for the caller's project, for an hour after their last use.
+	UploadBuildContext(context.Context, *connect.ClientStream[v1.UploadBuildContextRequest]) (*connect.Response[v1.BuildContext], error)
+	// BuildImage builds an image from a Dockerfile: each step that changes
+	// files runs in a sandbox of its own (RUN) or on the node (COPY, ADD,
+	// WORKDIR), and its changes become one layer; steps whose parent, text,
+	// arguments and copied files are unchanged come from the build cache.
+	// It streams progress (phase "step" per step, "output" with a RUN's
+	// output) and the image as the final message.
+	BuildImage(context.Context, *connect.Request[v1.BuildImageRequest], *connect.ServerStream[v1.ImageProgress]) error
+	// CommitSandbox stores a running container sandbox's files (its image
+	// with its writable layer on top) and its environment, user and working
+	// directory as a new image of the caller's project.
+	CommitSandbox(context.Context, *connect.Request[v1.CommitSandboxRequest]) (*connect.Response[v1.Image], error)
+	// PruneBuildCache removes the caller's project's build cache (an
+	// operator's: every project's); layers no image uses are freed.
+	PruneBuildCache(context.Context, *connect.Request[v1.PruneBuildCacheRequest]) (*connect.Response[v1.PruneBuildCacheResponse], error)
 }
 
 // NewImageServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -225,6 +322,30 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(imageServiceMethods.ByName("BootstrapImage")),
 		connect.WithHandlerOptions(opts...),
 	)
+	imageServiceUploadBuildContextHandler := connect.NewClientStreamHandler(
+		ImageServiceUploadBuildContextProcedure,
+		svc.UploadBuildContext,
+		connect.WithSchema(imageServiceMethods.ByName("UploadBuildContext")),
+		connect.WithHandlerOptions(opts...),
+	)
+	imageServiceBuildImageHandler := connect.NewServerStreamHandler(
+		ImageServiceBuildImageProcedure,
+		svc.BuildImage,
+		connect.WithSchema(imageServiceMethods.ByName("BuildImage")),
+		connect.WithHandlerOptions(opts...),
+	)
+	imageServiceCommitSandboxHandler := connect.NewUnaryHandler(
+		ImageServiceCommitSandboxProcedure,
+		svc.CommitSandbox,
+		connect.WithSchema(imageServiceMethods.ByName("CommitSandbox")),
+		connect.WithHandlerOptions(opts...),
+	)
+	imageServicePruneBuildCacheHandler := connect.NewUnaryHandler(
+		ImageServicePruneBuildCacheProcedure,
+		svc.PruneBuildCache,
+		connect.WithSchema(imageServiceMethods.ByName("PruneBuildCache")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.ImageService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case ImageServiceListImagesProcedure:
@@ -239,6 +360,14 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 			imageServiceUploadImageHandler.ServeHTTP(w, r)
 		case ImageServiceBootstrapImageProcedure:
 			imageServiceBootstrapImageHandler.ServeHTTP(w, r)
+		case ImageServiceUploadBuildContextProcedure:
+			imageServiceUploadBuildContextHandler.ServeHTTP(w, r)
+		case ImageServiceBuildImageProcedure:
+			imageServiceBuildImageHandler.ServeHTTP(w, r)
+		case ImageServiceCommitSandboxProcedure:
+			imageServiceCommitSandboxHandler.ServeHTTP(w, r)
+		case ImageServicePruneBuildCacheProcedure:
+			imageServicePruneBuildCacheHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -270,4 +399,20 @@ func (UnimplementedImageServiceHandler) UploadImage(context.Context, *connect.Cl
 
 func (UnimplementedImageServiceHandler) BootstrapImage(context.Context, *connect.Request[v1.BootstrapImageRequest], *connect.ServerStream[v1.ImageProgress]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.BootstrapImage is not implemented"))
+}
+
+func (UnimplementedImageServiceHandler) UploadBuildContext(context.Context, *connect.ClientStream[v1.UploadBuildContextRequest]) (*connect.Response[v1.BuildContext], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.UploadBuildContext is not implemented"))
+}
+
+func (UnimplementedImageServiceHandler) BuildImage(context.Context, *connect.Request[v1.BuildImageRequest], *connect.ServerStream[v1.ImageProgress]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.BuildImage is not implemented"))
+}
+
+func (UnimplementedImageServiceHandler) CommitSandbox(context.Context, *connect.Request[v1.CommitSandboxRequest]) (*connect.Response[v1.Image], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.CommitSandbox is not implemented"))
+}
+
+func (UnimplementedImageServiceHandler) PruneBuildCache(context.Context, *connect.Request[v1.PruneBuildCacheRequest]) (*connect.Response[v1.PruneBuildCacheResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.PruneBuildCache is not implemented"))
 }

@@ -1,0 +1,410 @@
+package e2e
+
+import (
+	"archive/tar"
+	"bytes"
+	"compress/gzip"
+	"context"
+	"encoding/json"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/buildctx"
+	"github.com/opendsec/dsec/internal/dsectest"
+	dsec "github.com/opendsec/dsec/sdk/go"
+)
+
+// buildDockerfile is a two-stage build over every kind of step a task
+// image uses: global and stage ARGs, WORKDIR, COPY of files and of a
+// directory's contents, ADD of a local archive (unpacked), RUN, COPY
+// --from an earlier stage, --chown, ENV, USER, LABEL, EXPOSE and CMD.
+const buildDockerfile = `# syntax=docker/dockerfile:1
+ARG BASE=busybox
+FROM ${BASE} AS build
+ARG FLAVOUR=plain
+WORKDIR /src
+COPY a.txt sub ./
+RUN echo "built $FLAVOUR from $(cat a.txt)" > out.txt && cat a.txt b.txt
+FROM busybox
+ENV GREETING=hi
+LABEL org.example.task="build test"
+EXPOSE 8080
+COPY --from=build /src/out.txt /opt/out.txt
+COPY --chown=1000:1000 a.txt /home/u/
+ADD tools.tar.gz /opt/tools/
+WORKDIR /home/u
+USER 1000
+CMD ["cat", "/opt/out.txt"]
+`
+
+// writeBuildContext lays out the context buildDockerfile reads, with a
+// .dockerignore'd secret beside it.
+func writeBuildContext(t *testing.T, dir string) {
+	t.Helper()
+	var tgz bytes.Buffer
+	zw := gzip.NewWriter(&tgz)
+	tw := tar.NewWriter(zw)
+	body := "#!/bin/sh\necho tool\n"
+	tw.WriteHeader(&tar.Header{Name: "bin/", Typeflag: tar.TypeDir, Mode: 0o755})
+	tw.WriteHeader(&tar.Header{Name: "bin/tool", Typeflag: tar.TypeReg, Mode: 0o755, Size: int64(len(body))})
+	tw.Write([]byte(body))
+	tw.Close()
+	zw.Close()
+	for name, content := range map[string]string{
+		"Dockerfile":    buildDockerfile,
+		"a.txt":         "hello\n",
+		"sub/b.txt":     "nested\n",
+		"secret.txt":    "the reference solution\n",
+		".dockerignore": "secret.txt\n",
+		"tools.tar.gz":  tgz.String(),
+	} {
+		p := filepath.Join(dir, name)
+		os.MkdirAll(filepath.Dir(p), 0o755)
+		if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// steps is what a build's progress said: each step's line, and the
+// output of its RUNs.
+type steps struct {
+	lines  []string
+	output strings.Builder
+}
+
+func (s *steps) progress(p *dsecv1.ImageProgress) {
+	switch p.Phase {
+	case "step":
+		s.lines = append(s.lines, p.Message)
+	case "output":
+		s.output.WriteString(p.Message)
+	}
+}
+
+// cached says whether the step whose text contains what came from the
+// build cache.
+func (s *steps) cached(t *testing.T, what string) bool {
+	t.Helper()
+	for _, l := range s.lines {
+		if strings.Contains(l, what) {
+			return strings.HasSuffix(l, "(cached)")
+		}
+	}
+	t.Fatalf("no step %q among %q", what, s.lines)
+	return false
+}
+
+// uploadContext sends dir as a build context.
+func uploadContext(ctx context.Context, c *dsec.Client, dir string) (*dsecv1.BuildContext, error) {
+	pr, pw := io.Pipe()
+	go func() {
+		_, err := buildctx.Tar(dir, pw)
+		pw.CloseWithError(err)
+	}()
+	defer pr.Close()
+	return c.UploadBuildContext(ctx, pr, nil)
+}
+
+// TestImageBuild: `dsec image build` builds a Dockerfile's image step by
+// step (RUN in sandboxes, files on the node), caches each step, refuses
+// bad input clearly without storing anything or leaving sandboxes, keeps
+// projects apart, and `dsec commit` turns a running sandbox into an image.
+func TestImageBuild(t *testing.T) {
+	const keyA, keyB = "build-a=build-key-of-project-a-0123", "build-b=build-key-of-project-b-0123"
+	srv := dsectest.Start(shared, dsectest.Options{APIKeys: []string{keyA, keyB}})
+	a := srv.Client()
+	b := dsec.New(srv.URL, dsec.WithAPIKey(strings.SplitN(keyB, "=", 2)[1]))
+	ctx := ctxFor(t, 5*time.Minute)
+	dir := t.TempDir()
+	writeBuildContext(t, dir)
+
+	build := func(t *testing.T, c *dsec.Client, dockerfile string, req *dsecv1.BuildImageRequest) (*dsecv1.Image, *steps, error) {
+		t.Helper()
+		bc, err := uploadContext(ctx, c, dir)
+		if err != nil {
+			t.Fatalf("upload the context: %v", err)
+		}
+		req.Dockerfile, req.ContextDigest = dockerfile, bc.Digest
+		var s steps
+		img, err := c.BuildImage(ctx, req, s.progress)
+		return img, &s, err
+	}
+	noBuildSandboxes := func(t *testing.T, c *dsec.Client) {
+		t.Helper()
+		// A RUN's sandbox is deleted before the build answers.
+		if l, err := c.List(ctx, "dsec.io/build"); err != nil || len(l) != 0 {
+			t.Fatalf("build sandboxes left: %v %v", l, err)
+		}
+	}
+
+	var first *dsecv1.Image
+	t.Run("a multi-stage Dockerfile builds an image that runs as written", func(t *testing.T) {
+		img, s, err := build(t, a, buildDockerfile, &dsecv1.BuildImageRequest{Name: "task", BuildArgs: map[string]string{"FLAVOUR": "spicy"}})
+		if err != nil {
+			t.Fatalf("build: %v", err)
+		}
+		first = img
+		if !strings.Contains(s.output.String(), "hello\nnested\n") {
+			t.Errorf("the RUN's output did not stream: %q", s.output.String())
+		}
+		if n := len(s.lines); n != 15 || !strings.HasPrefix(s.lines[0], "[1/15] FROM busybox") {
+			t.Errorf("steps %q, want 15 numbered from [1/15]", s.lines)
+		}
+		cfg := img.GetConfig()
+		if !slices.Equal(cfg.GetCmd(), []string{"cat", "/opt/out.txt"}) || cfg.GetUser() != "1000" || cfg.GetWorkdir() != "/home/u" ||
+			!slices.Contains(cfg.GetEnv(), "GREETING=hi") || cfg.GetLabels()["org.example.task"] != "build test" || !slices.Equal(cfg.GetExposedPorts(), []string{"8080/tcp"}) {
+			t.Errorf("image config %v", cfg)
+		}
+		noBuildSandboxes(t, a)
+		sb := create(t, a, dsec.CreateOptions{Image: "task"})
+		for _, tc := range []struct{ cmd, want string }{
+			{"id -u; pwd; echo $GREETING", "1000\n/home/u\nhi\n"},
+			{"cat /opt/out.txt", "built spicy from hello\n"},
+			{"stat -c '%u:%g %a' /home/u/a.txt", "1000:1000 644\n"},
+			{"/opt/tools/bin/tool", "tool\n"},
+			{"ls /src /secret.txt /home/u/secret.txt 2>&1 | wc -l", "3\n"}, // the build stage's files and the ignored file are nowhere
+		} {
+			r, err := sb.Exec(ctx, dsec.Cmd(tc.cmd))
+			if err != nil || string(r.Stdout) != tc.want {
+				t.Errorf("%s: %q %q %v, want %q", tc.cmd, r.GetStdout(), r.GetStderr(), err, tc.want)
+			}
+		}
+		out, errOut, code := srv.CLI(ctx, "", "-o", "json", "image", "ls")
+		if code != 0 || !strings.Contains(out, `"task"`) || strings.Contains(out, "dsec-build-cache") {
+			t.Errorf("image ls shows the image and no cached step: %d %s %s", code, out, errOut)
+		}
+	})
+	if first == nil {
+		t.FailNow()
+	}
+
+	t.Run("a rebuild takes every step from the cache", func(t *testing.T) {
+		img, s, err := build(t, a, buildDockerfile, &dsecv1.BuildImageRequest{Name: "task", BuildArgs: map[string]string{"FLAVOUR": "spicy"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, step := range []string{"WORKDIR /src", "COPY a.txt", "RUN echo", "COPY --from", "COPY --chown", "ADD tools"} {
+			if !s.cached(t, step) {
+				t.Errorf("%s ran again: %q", step, s.lines)
+			}
+		}
+		if s.output.Len() != 0 || img.GetDigest() != first.GetDigest() || !slices.Equal(img.GetLayers(), first.GetLayers()) {
+			t.Errorf("rebuilt %v (output %q), first %v", img, s.output.String(), first)
+		}
+	})
+
+	t.Run("another build argument reruns the steps that saw it", func(t *testing.T) {
+		_, s, err := build(t, a, buildDockerfile, &dsecv1.BuildImageRequest{Name: "task-mild", BuildArgs: map[string]string{"FLAVOUR": "mild"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !s.cached(t, "COPY a.txt") || s.cached(t, "RUN echo") || s.cached(t, "COPY --from") {
+			t.Errorf("steps %q", s.lines)
+		}
+	})
+
+	t.Run("a changed context file reruns its COPY and what follows, not what precedes", func(t *testing.T) {
+		os.WriteFile(filepath.Join(dir, "a.txt"), []byte("changed\n"), 0o644)
+		defer os.WriteFile(filepath.Join(dir, "a.txt"), []byte("hello\n"), 0o644)
+		_, s, err := build(t, a, buildDockerfile, &dsecv1.BuildImageRequest{Name: "task-changed", BuildArgs: map[string]string{"FLAVOUR": "spicy"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !s.cached(t, "WORKDIR /src") || s.cached(t, "COPY a.txt") || s.cached(t, "RUN echo") || s.cached(t, "COPY --chown") || !strings.Contains(s.output.String(), "changed") {
+			t.Errorf("steps %q, output %q", s.lines, s.output.String())
+		}
+		// A change to an ignored file changes nothing.
+		os.WriteFile(filepath.Join(dir, "secret.txt"), []byte("another solution\n"), 0o644)
+		_, s, err = build(t, a, buildDockerfile, &dsecv1.BuildImageRequest{Name: "task-changed", BuildArgs: map[string]string{"FLAVOUR": "spicy"}})
+		if err != nil || !s.cached(t, "RUN echo") || !s.cached(t, "ADD tools") {
+			t.Errorf("after an ignored file changed: %v %q", err, s.lines)
+		}
+	})
+
+	t.Run("a RUN that writes nothing adds no layer: the platform leaves no residue", func(t *testing.T) {
+		img, _, err := build(t, a, "FROM busybox\nRUN true\nRUN ls / >/dev/null\n", &dsecv1.BuildImageRequest{Name: "untouched", NoCache: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var busybox *dsecv1.Image
+		imgs, _ := a.ListImages(ctx)
+		for _, i := range imgs {
+			if i.Name == "busybox" {
+				busybox = i
+			}
+		}
+		if busybox == nil || !slices.Equal(img.GetLayers(), busybox.GetLayers()) {
+			t.Fatalf("layers %q, busybox's %v", img.GetLayers(), busybox)
+		}
+	})
+
+	t.Run("bad input gets a clear error and stores nothing", func(t *testing.T) {
+		for _, tc := range []struct {
+			name, dockerfile, target string
+			kind                     string
+			msgs                     []string
+		}{
+			{"a failing RUN quotes its output's tail", "FROM busybox\nRUN echo to-out; echo to-err >&2; exit 3\n", "", "invalid", []string{"line 2: RUN echo to-out; echo to-err >&2; exit 3: exit code 3; its output ended with:\n", "to-out\n", "to-err\n"}},
+			{"a missing context file", "FROM busybox\nCOPY nothere /x\n", "", "invalid", []string{"line 2: COPY: nothere: no such file in the build context"}},
+			{"an ignored context file", "FROM busybox\nCOPY secret.txt /x\n", "", "invalid", []string{"secret.txt: no such file in the build context"}},
+			{"a path out of the context", "FROM busybox\nCOPY ../../../etc/passwd /x\n", "", "invalid", []string{"no such file in the build context"}},
+			{"an unsupported instruction", "FROM busybox\nVOLUME /data\n", "", "invalid", []string{"line 2: VOLUME"}},
+			{"an unsupported flag", "FROM busybox\nRUN --mount=type=cache,target=/c true\n", "", "invalid", []string{"RUN --mount"}},
+			{"a base image that is not there", "FROM no-such-image\n", "", "not_found", []string{`FROM no-such-image: no image "no-such-image"`}},
+			{"an unknown target", "FROM busybox AS one\n", "two", "invalid", []string{`target stage "two"`}},
+			{"a RUN without a shell", "FROM scratch\nRUN true\n", "", "invalid", []string{"FROM scratch"}},
+			{"a parse error", "FROM busybox\nRUN\n", "", "invalid", []string{"line 2"}},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				_, _, err := build(t, a, tc.dockerfile, &dsecv1.BuildImageRequest{Name: "broken", Target: tc.target})
+				if kind(err) != tc.kind || strings.Contains(err.Error(), srv.DataDir) {
+					t.Fatalf("%v, want %s", err, tc.kind)
+				}
+				for _, m := range tc.msgs {
+					if !strings.Contains(err.Error(), m) {
+						t.Fatalf("%v, want it to say %q", err, m)
+					}
+				}
+				imgs, _ := a.ListImages(ctx)
+				for _, i := range imgs {
+					if i.Name == "broken" {
+						t.Fatalf("a failed build stored %v", i)
+					}
+				}
+				noBuildSandboxes(t, a)
+			})
+		}
+	})
+
+	t.Run("a build the client abandons leaves no sandbox behind", func(t *testing.T) {
+		bc, err := uploadContext(ctx, a, dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		_, err = a.BuildImage(cctx, &dsecv1.BuildImageRequest{Name: "abandoned", ContextDigest: bc.Digest, NoCache: true,
+			Dockerfile: "FROM busybox\nRUN echo started; sleep 600\n"}, func(p *dsecv1.ImageProgress) {
+			if p.Phase == "output" && strings.Contains(p.Message, "started") {
+				cancel()
+			}
+		})
+		if err == nil {
+			t.Fatal("an abandoned build succeeded")
+		}
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			l, err := a.List(ctx, "dsec.io/build")
+			if err == nil && len(l) == 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the abandoned step's sandbox is still there: %v %v", l, err)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	})
+
+	t.Run("another project reaches neither the context, the image nor the cache", func(t *testing.T) {
+		bc, err := uploadContext(ctx, a, dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := b.BuildImage(ctx, &dsecv1.BuildImageRequest{Name: "stolen", ContextDigest: bc.Digest, Dockerfile: "FROM busybox\nCOPY secret.txt /\n"}, nil); kind(err) != "not_found" {
+			t.Errorf("B used A's context: %v", err)
+		}
+		if _, err := b.BuildImage(ctx, &dsecv1.BuildImageRequest{Name: "stolen", Dockerfile: "FROM task\n"}, nil); kind(err) != "not_found" {
+			t.Errorf("B built on A's image: %v", err)
+		}
+		if _, err := b.Create(ctx, dsec.CreateOptions{Image: "task"}); kind(err) != "not_found" {
+			t.Errorf("B created from A's image: %v", err)
+		}
+		// B's own build of the same steps runs them: A's cache is A's.
+		_, s, err := build(t, b, buildDockerfile, &dsecv1.BuildImageRequest{Name: "task", BuildArgs: map[string]string{"FLAVOUR": "spicy"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s.cached(t, "RUN echo") {
+			t.Errorf("B's build took A's cached step: %q", s.lines)
+		}
+		if n, err := b.PruneBuildCache(ctx); err != nil || n == 0 {
+			t.Errorf("B's prune: %d %v", n, err)
+		}
+	})
+
+	t.Run("commit turns a running sandbox into an image", func(t *testing.T) {
+		sb := create(t, a, dsec.CreateOptions{Env: map[string]string{"MODE": "committed"}, Workdir: "/tmp"})
+		if _, err := sb.Exec(ctx, dsec.Cmd("echo state > /tmp/state && rm /bin/vi")); err != nil {
+			t.Fatal(err)
+		}
+		out, errOut, code := srv.CLI(ctx, "", "commit", sb.ID, "--name", "committed")
+		if code != 0 || !strings.HasPrefix(out, "committed ") {
+			t.Fatalf("dsec commit: %d %s %s", code, out, errOut)
+		}
+		// The sandbox runs on.
+		if r, err := sb.Exec(ctx, dsec.Cmd("cat /tmp/state")); err != nil || string(r.Stdout) != "state\n" {
+			t.Fatalf("after the commit: %v %v", r, err)
+		}
+		child := create(t, a, dsec.CreateOptions{Image: "committed"})
+		r, err := child.Exec(ctx, dsec.Cmd("pwd; echo $MODE; cat state; test -e /bin/vi || echo no-vi"))
+		if err != nil || string(r.Stdout) != "/tmp\ncommitted\nstate\nno-vi\n" {
+			t.Fatalf("in a sandbox of the committed image: %q %q %v", r.GetStdout(), r.GetStderr(), err)
+		}
+		if _, err := b.CommitSandbox(ctx, sb.ID, "stolen"); kind(err) != "not_found" {
+			t.Errorf("B committed A's sandbox: %v", err)
+		}
+		if _, err := a.CommitSandbox(ctx, sb.ID, "dsec-build-cache/x"); kind(err) != "invalid" {
+			t.Errorf("a commit into the build cache's names: %v", err)
+		}
+	})
+
+	t.Run("prune empties the build cache", func(t *testing.T) {
+		out, errOut, code := srv.CLI(ctx, "", "image", "prune")
+		if code != 0 || !strings.HasPrefix(out, "removed ") || strings.HasPrefix(out, "removed 0 ") {
+			t.Fatalf("dsec image prune: %d %q %s", code, out, errOut)
+		}
+		_, s, err := build(t, a, buildDockerfile, &dsecv1.BuildImageRequest{Name: "task", BuildArgs: map[string]string{"FLAVOUR": "spicy"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s.cached(t, "COPY a.txt") || s.cached(t, "RUN echo") {
+			t.Errorf("steps after the prune %q", s.lines)
+		}
+		// The images built before the prune still run.
+		sb := create(t, a, dsec.CreateOptions{Image: "task-mild"})
+		if r, err := sb.Exec(ctx, dsec.Cmd("cat /opt/out.txt")); err != nil || string(r.Stdout) != "built mild from hello\n" {
+			t.Errorf("task-mild after the prune: %v %v", r, err)
+		}
+	})
+
+	t.Run("the CLI builds from a context directory and streams the steps", func(t *testing.T) {
+		out, errOut, code := srv.CLI(ctx, "", "image", "build", dir, "--name", "from-cli", "--build-arg", "FLAVOUR=cli")
+		if code != 0 || !strings.HasPrefix(out, "from-cli ") || !strings.Contains(errOut, "[5/15] RUN echo") || !strings.Contains(errOut, "hello\nnested\n") {
+			t.Fatalf("dsec image build: %d %q %q", code, out, errOut)
+		}
+		out, _, code = srv.CLI(ctx, "", "-o", "json", "image", "ls")
+		var list struct {
+			Images []*struct {
+				Name   string `json:"name"`
+				Source string `json:"source"`
+			} `json:"images"`
+		}
+		if code != 0 || json.Unmarshal([]byte(out), &list) != nil {
+			t.Fatalf("image ls: %d %s", code, out)
+		}
+		found := false
+		for _, i := range list.Images {
+			found = found || i.Name == "from-cli" && i.Source == "build"
+		}
+		if !found {
+			t.Errorf("from-cli not listed as built: %s", out)
+		}
+	})
+}
