@@ -7,11 +7,14 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
 )
@@ -406,23 +409,18 @@ func TestTarErrors(t *testing.T) {
 		}
 	})
 	t.Run("an unreadable file fails naming its path", func(t *testing.T) {
-		if os.Geteuid() == 0 {
-			t.Skip("needs a non-root user: root reads files whatever their mode")
-		}
 		dir := t.TempDir()
 		writeTree(t, dir, "sub/secret")
 		if err := os.Chmod(filepath.Join(dir, "sub", "secret"), 0); err != nil {
 			t.Fatal(err)
 		}
-		_, err := Tar(dir, io.Discard)
+		var err error
+		withModesEnforced(t, func() { _, err = Tar(dir, io.Discard) })
 		if err == nil || !strings.Contains(err.Error(), "sub/secret") {
 			t.Errorf("Tar = %v, want an error naming sub/secret", err)
 		}
 	})
 	t.Run("an excluded directory without exceptions is not read", func(t *testing.T) {
-		if os.Geteuid() == 0 {
-			t.Skip("needs a non-root user: root reads directories whatever their mode")
-		}
 		dir := t.TempDir()
 		writeTree(t, dir, "cache/locked/f", "keep")
 		locked := filepath.Join(dir, "cache", "locked")
@@ -433,9 +431,54 @@ func TestTarErrors(t *testing.T) {
 		if err := os.WriteFile(filepath.Join(dir, ".dockerignore"), []byte("cache\n!keep\n"), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		es, _ := tarDir(t, dir)
-		if got, want := names(es), []string{".dockerignore", "keep"}; !slices.Equal(got, want) {
+		var buf bytes.Buffer
+		var err error
+		withModesEnforced(t, func() { _, err = Tar(dir, &buf) })
+		if err != nil {
+			t.Fatalf("Tar read the excluded directory: %v", err)
+		}
+		var got []string
+		for tr := tar.NewReader(&buf); ; {
+			hdr, err := tr.Next()
+			if err != nil {
+				break
+			}
+			got = append(got, hdr.Name)
+		}
+		if want := []string{".dockerignore", "keep"}; !slices.Equal(got, want) {
 			t.Errorf("entries = %q, want %q", got, want)
 		}
 	})
+}
+
+// withModesEnforced runs f on a thread of its own on which file modes bind
+// even root: a root caller's thread gives up CAP_DAC_OVERRIDE and
+// CAP_DAC_READ_SEARCH (capabilities are per thread), so a file of mode 0
+// refuses it as it refuses anyone. The thread ends with f.
+func withModesEnforced(t *testing.T, f func()) {
+	t.Helper()
+	var err error
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		runtime.LockOSThread() // never unlocked: the thread goes with the goroutine
+		if os.Geteuid() == 0 {
+			hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+			var data [2]unix.CapUserData
+			if err = unix.Capget(&hdr, &data[0]); err != nil {
+				return
+			}
+			for _, c := range []uint{unix.CAP_DAC_OVERRIDE, unix.CAP_DAC_READ_SEARCH} {
+				data[c/32].Effective &^= 1 << (c % 32)
+			}
+			if err = unix.Capset(&hdr, &data[0]); err != nil {
+				return
+			}
+		}
+		f()
+	}()
+	<-done
+	if err != nil {
+		t.Fatalf("drop the thread's override of file modes: %v", err)
+	}
 }
