@@ -48,6 +48,10 @@ want npm
 # the exposition with its promtool; the tests start their own Prometheus,
 # so the package's service is stopped and disabled when setup installs it.
 want prometheus
+# The image push and pull tests run the distribution's registry on loopback
+# (their own, with and without auth); the package's service is stopped and
+# disabled when setup installs it.
+want docker-registry /usr/bin/docker-registry
 # The dashboard test drives the distribution's Chromium, headless.
 want chromium
 
@@ -67,6 +71,9 @@ if ((${#need_pkgs[@]})); then
 	apt-get install -y -q --no-install-recommends "${need_pkgs[@]}"
 	if [[ " ${need_pkgs[*]} " == *" prometheus "* && -d /run/systemd/system ]]; then
 		systemctl disable --now prometheus.service
+	fi
+	if [[ " ${need_pkgs[*]} " == *" docker-registry "* && -d /run/systemd/system ]]; then
+		systemctl disable --now docker-registry.service
 	fi
 fi
 

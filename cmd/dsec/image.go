@@ -21,7 +21,7 @@ import (
 
 func imageCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "image", Short: "Manage images"}
-	cmd.AddCommand(imageImportCmd(g), imageLsCmd(g), imageRmCmd(g), imageBootstrapCmd(g), imageBuildVMCmd(g), imageImportVMCmd(g), imageBuildCmd(g), imagePruneCmd(g))
+	cmd.AddCommand(imageImportCmd(g), imageLsCmd(g), imageRmCmd(g), imageBootstrapCmd(g), imageBuildVMCmd(g), imageImportVMCmd(g), imageBuildCmd(g), imagePruneCmd(g), imagePushCmd(g))
 	return cmd
 }
 
@@ -64,13 +64,7 @@ func imageImportCmd(g *globals) *cobra.Command {
 				if perr != nil {
 					return fmt.Errorf("%s is neither a local file nor an image reference: %v", src, perr)
 				}
-				req := &dsecv1.PullImageRequest{Ref: src, Name: as, Insecure: insecure}
-				// Credentials come from the user's docker config, as docker does.
-				if a, kerr := authn.DefaultKeychain.Resolve(ref.Context()); kerr == nil && a != authn.Anonymous {
-					if cfg, aerr := a.Authorization(); aerr == nil {
-						req.Auth = &dsecv1.RegistryAuth{Username: cfg.Username, Password: cfg.Password, IdentityToken: cfg.IdentityToken, RegistryToken: cfg.RegistryToken}
-					}
-				}
+				req := &dsecv1.PullImageRequest{Ref: src, Name: as, Insecure: insecure, Auth: registryAuth(ref)}
 				img, err = c.PullImage(cmd.Context(), req, func(p *dsecv1.ImageProgress) { bar.update(p.Phase, p.Message, p.DoneBytes, p.TotalBytes) })
 			}
 			bar.finish()
@@ -86,6 +80,53 @@ func imageImportCmd(g *globals) *cobra.Command {
 		},
 	}
 	cmd.Flags().StringVar(&as, "name", "", "store the image under this name")
+	cmd.Flags().BoolVar(&insecure, "insecure", false, "allow a plain-HTTP registry")
+	return cmd
+}
+
+// registryAuth is the user's docker config credentials for ref's
+// registry, as docker uses them (nil: none; the node then uses its own).
+func registryAuth(ref name.Reference) *dsecv1.RegistryAuth {
+	a, err := authn.DefaultKeychain.Resolve(ref.Context())
+	if err != nil || a == authn.Anonymous {
+		return nil
+	}
+	cfg, err := a.Authorization()
+	if err != nil {
+		return nil
+	}
+	return &dsecv1.RegistryAuth{Username: cfg.Username, Password: cfg.Password, IdentityToken: cfg.IdentityToken, RegistryToken: cfg.RegistryToken}
+}
+
+func imagePushCmd(g *globals) *cobra.Command {
+	var insecure bool
+	cmd := &cobra.Command{
+		Use:   "push NAME REF",
+		Short: "Push an image to a registry (credentials from your docker config), as an OCI image",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ref, err := name.ParseReference(args[1])
+			if err != nil {
+				return fmt.Errorf("%s is not an image reference: %v", args[1], err)
+			}
+			bar := newProgress("push " + args[0])
+			req := &dsecv1.PushImageRequest{Name: args[0], Ref: args[1], Insecure: insecure, Auth: registryAuth(ref)}
+			pushed := ""
+			_, err = g.client().PushImage(cmd.Context(), req, func(p *dsecv1.ImageProgress) {
+				if p.Phase == "done" {
+					pushed = p.Message
+					return
+				}
+				bar.update(p.Phase, "", p.DoneBytes, p.TotalBytes)
+			})
+			bar.finish()
+			if err != nil {
+				return err
+			}
+			fmt.Println(pushed)
+			return nil
+		},
+	}
 	cmd.Flags().BoolVar(&insecure, "insecure", false, "allow a plain-HTTP registry")
 	return cmd
 }

@@ -121,6 +121,38 @@ func (s *imageService) PullImage(ctx context.Context, req *connect.Request[dsecv
 	})
 }
 
+// PushImage pushes the image from the first node that has it (every
+// node's copy has the same layers).
+func (s *imageService) PushImage(ctx context.Context, req *connect.Request[dsecv1.PushImageRequest], stream *connect.ServerStream[dsecv1.ImageProgress]) error {
+	var from Node
+	for _, n := range s.r.Nodes(ctx) {
+		if _, err := n.Image(ctx, req.Msg.GetName()); err == nil {
+			from = n
+			break
+		}
+	}
+	if from == nil {
+		return wire(errdefs.NotFound("image %q not found", req.Msg.GetName()))
+	}
+	var sendErr error
+	pushed := ""
+	img, err := from.Push(ctx, req.Msg, func(p *dsecv1.ImageProgress) {
+		if p.GetPhase() == "pushed" {
+			pushed = p.GetMessage()
+		}
+		if sendErr == nil {
+			sendErr = stream.Send(p)
+		}
+	})
+	if err != nil {
+		return wire(err)
+	}
+	if sendErr != nil {
+		return sendErr
+	}
+	return stream.Send(&dsecv1.ImageProgress{Phase: "done", Message: pushed, Image: img})
+}
+
 func (s *imageService) BootstrapImage(ctx context.Context, req *connect.Request[dsecv1.BootstrapImageRequest], stream *connect.ServerStream[dsecv1.ImageProgress]) error {
 	return s.eachNode(ctx, stream, func(n Node, p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
 		return n.Bootstrap(ctx, req.Msg, p)

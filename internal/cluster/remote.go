@@ -510,6 +510,11 @@ func (r *remote) Pull(ctx context.Context, req *dsecv1.PullImageRequest, progres
 	return importImage(r, st, err, progress)
 }
 
+func (r *remote) Push(ctx context.Context, req *dsecv1.PushImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	st, err := r.img.PushImage(ctx, connect.NewRequest(req))
+	return importImage(r, st, err, progress)
+}
+
 func (r *remote) Bootstrap(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
 	st, err := r.img.BootstrapImage(ctx, connect.NewRequest(req))
 	return importImage(r, st, err, progress)

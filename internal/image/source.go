@@ -8,8 +8,6 @@ import (
 	"path/filepath"
 	"strings"
 
-	"github.com/google/go-containerregistry/pkg/authn"
-	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/layout"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
@@ -29,21 +27,9 @@ type Auth struct {
 // Pull imports an image from a registry. Without auth it uses the node's
 // docker config (~/.docker/config.json, DOCKER_CONFIG).
 func (s *Store) Pull(ctx context.Context, ref, as string, auth Auth, insecure bool, progress Progress) (*Image, error) {
-	var opts []name.Option
-	if insecure {
-		opts = append(opts, name.Insecure)
-	}
-	r, err := name.ParseReference(ref, opts...)
+	r, ropts, err := remoteRef(ctx, ref, auth, insecure)
 	if err != nil {
-		return nil, errdefs.Invalid("bad image reference %q: %v", ref, err)
-	}
-	ropts := []remote.Option{remote.WithContext(ctx), remote.WithPlatform(hostPlatform)}
-	if auth != (Auth{}) {
-		ropts = append(ropts, remote.WithAuth(authn.FromConfig(authn.AuthConfig{
-			Username: auth.Username, Password: auth.Password, IdentityToken: auth.IdentityToken, RegistryToken: auth.RegistryToken,
-		})))
-	} else {
-		ropts = append(ropts, remote.WithAuthFromKeychain(authn.DefaultKeychain))
+		return nil, err
 	}
 	progress.report("resolve", r.String(), 0, 0)
 	img, err := remote.Image(r, ropts...)

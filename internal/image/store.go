@@ -374,8 +374,7 @@ func (s *Store) Import(ctx context.Context, name, source string, img v1.Image, p
 		rec.Layers = append(rec.Layers, diff.String())
 		progress.report("unpack", msg, done, total)
 	}
-	c := cfg.Config
-	rec.Config = Config{Env: c.Env, Workdir: c.WorkingDir, User: c.User, Entrypoint: c.Entrypoint, Cmd: c.Cmd}
+	rec.Config = configOf(cfg.Config)
 	if err := s.put(rec); err != nil {
 		return nil, err
 	}

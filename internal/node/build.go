@@ -322,7 +322,7 @@ func (b *builder) report(line int, text string, cached bool) {
 func (b *builder) stage(ctx context.Context, i int, st *dockerfile.Stage) (*buildState, error) {
 	base, _ := dockerfile.Expand(st.Base, b.lookupGlobal) // needed checked it
 	if p := st.Platform; p != "" && p != "linux/amd64" && p != "$BUILDPLATFORM" && p != "$TARGETPLATFORM" {
-		return nil, errdefs.Invalid("line %d: FROM --platform=%s: this node builds linux/amd64 only", st.Line, truncate(p, 64))
+		return nil, errdefs.Unimplemented("line %d: FROM --platform=%s: this node builds linux/amd64 only", st.Line, truncate(p, 64))
 	}
 	var s *buildState
 	if j, ok := b.stageRef(base, i); ok {
@@ -359,9 +359,10 @@ func stepErr(err error, format string, args ...any) error {
 	return &e
 }
 
-// unsupported names what a build refuses.
+// unsupported names what a build refuses: an unimplemented error (what
+// dsec does not build), unlike a step's own failure (invalid).
 func unsupported(step *dockerfile.Step, what string) error {
-	return errdefs.Invalid("line %d: %s is not supported by dsec image build", step.Line, what)
+	return errdefs.Unimplemented("line %d: %s is not supported by dsec image build", step.Line, what)
 }
 
 // onlyFlags refuses flags of step other than allowed.

@@ -440,7 +440,7 @@ func (b *builder) copyStep(ctx context.Context, stage int, s *buildState, step *
 	}
 	for _, p := range srcs {
 		if step.Command == "ADD" && (strings.Contains(p, "://") || strings.HasPrefix(p, "git@")) {
-			return unsupported(step, "ADD of a URL (fetch it in a RUN step)")
+			return unsupported(step, "ADD "+truncate(p, 128)+" (a URL: fetch it in a RUN step)")
 		}
 	}
 	// The sources' root: the context, another stage or an image.
@@ -592,7 +592,7 @@ func addArchive(t *tarWriter, e entry, dest string, f copyFlags, uid, gid int) (
 		defer zr.Close()
 		tr = zr
 	case bytes.HasPrefix(head, []byte{0xfd, '7', 'z', 'X', 'Z', 0}):
-		return false, errdefs.Invalid("xz archives are not unpacked by ADD here; use a .tar.gz, .tar.bz2 or .tar.zst")
+		return false, errdefs.Unimplemented("xz archives are not unpacked by ADD here; use a .tar.gz, .tar.bz2 or .tar.zst")
 	case len(head) >= 262 && string(head[257:262]) == "ustar":
 		tr = br
 	default:

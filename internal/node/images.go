@@ -93,6 +93,30 @@ func (n *Node) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, prog
 	return imageView(img), nil
 }
 
+// PushImage writes an image the caller sees to a registry (see
+// image.Store.Push); progress gets "upload" messages and, once written,
+// phase "pushed" with the reference by digest.
+func (n *Node) PushImage(ctx context.Context, req *dsecv1.PushImageRequest, progress func(*dsecv1.ImageProgress)) (_ *dsecv1.Image, err error) {
+	defer func(start time.Time) { n.m.Image("push", start, err) }(time.Now())
+	if req.GetRef() == "" {
+		return nil, errdefs.Invalid("ref is required")
+	}
+	img, err := n.images.Lookup(tenant.Project(ctx), req.GetName())
+	if err != nil {
+		return nil, err
+	}
+	if img.BuildCache != nil {
+		return nil, errdefs.NotFound("image %q not found", req.GetName())
+	}
+	a := req.GetAuth()
+	if _, err := n.images.Push(ctx, img, req.GetRef(), image.Auth{
+		Username: a.GetUsername(), Password: a.GetPassword(), IdentityToken: a.GetIdentityToken(), RegistryToken: a.GetRegistryToken(),
+	}, req.GetInsecure(), Progress(progress).image()); err != nil {
+		return nil, err
+	}
+	return imageView(img), nil
+}
+
 // UploadImage imports an archive streamed by the client: an image
 // archive, or (format "vm") a bootable disk image for kind vm.
 func (n *Node) UploadImage(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader) (_ *dsecv1.Image, err error) {

@@ -365,6 +365,10 @@ func (s *Service) PullImage(ctx context.Context, req *connect.Request[dsecv1.Pul
 	return progressStream(st, func(p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) { return s.Pull(ctx, req.Msg, p) })
 }
 
+func (s *Service) PushImage(ctx context.Context, req *connect.Request[dsecv1.PushImageRequest], st *connect.ServerStream[dsecv1.ImageProgress]) error {
+	return progressStream(st, func(p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) { return s.Push(ctx, req.Msg, p) })
+}
+
 func (s *Service) BootstrapImage(ctx context.Context, req *connect.Request[dsecv1.BootstrapImageRequest], st *connect.ServerStream[dsecv1.ImageProgress]) error {
 	return progressStream(st, func(p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) { return s.Bootstrap(ctx, req.Msg, p) })
 }
@@ -422,6 +426,12 @@ func (s *Service) RemoveImage(ctx context.Context, name string) error {
 // Pull imports an image from a registry.
 func (s *Service) Pull(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
 	img, err := s.n.PullImage(ctx, req, progress)
+	return img, errwire.ToConnect(err)
+}
+
+// Push writes an image to a registry.
+func (s *Service) Push(ctx context.Context, req *dsecv1.PushImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	img, err := s.n.PushImage(ctx, req, progress)
 	return img, errwire.ToConnect(err)
 }
 

@@ -171,7 +171,7 @@ func mounts() []string {
 }
 
 // ours are the commands of the project's processes and those it starts.
-var ours = []string{"dsec", "dsec-guest", "crun", "runc", "runsc", "qemu-system", "etcd", "bwrap", "virtiofsd"}
+var ours = []string{"dsec", "dsec-guest", "crun", "runc", "runsc", "qemu-system", "etcd", "bwrap", "virtiofsd", "docker-registry"}
 
 // procs lists the project's processes: by command, or by living in a
 // sandbox's cgroup.

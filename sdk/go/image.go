@@ -47,6 +47,16 @@ func progressStream(st *connect.ServerStreamForClient[dsecv1.ImageProgress], pro
 	return img, nil
 }
 
+// PushImage writes an image to a registry; the final progress message
+// (phase "done") names the pushed reference by digest.
+func (c *Client) PushImage(ctx context.Context, req *dsecv1.PushImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
+	st, err := c.raw.Images.PushImage(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, asError(err)
+	}
+	return progressStream(st, progress)
+}
+
 // PullImage imports an image from a registry on every node.
 func (c *Client) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
 	st, err := c.raw.Images.PullImage(ctx, connect.NewRequest(req))

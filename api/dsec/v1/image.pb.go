@@ -638,6 +638,78 @@ func (x *PullImageRequest) GetInsecure() bool {
 	return false
 }
 
+type PushImageRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// name is the image to push.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// ref is where: a registry reference ("registry.example.com/team/img:tag").
+	Ref string `protobuf:"bytes,2,opt,name=ref,proto3" json:"ref,omitempty"`
+	// auth overrides the node's own registry credentials.
+	Auth *RegistryAuth `protobuf:"bytes,3,opt,name=auth,proto3" json:"auth,omitempty"`
+	// insecure allows plain HTTP to the registry.
+	Insecure      bool `protobuf:"varint,4,opt,name=insecure,proto3" json:"insecure,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PushImageRequest) Reset() {
+	*x = PushImageRequest{}
+	mi := &file_dsec_v1_image_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PushImageRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PushImageRequest) ProtoMessage() {}
+
+func (x *PushImageRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_image_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PushImageRequest.ProtoReflect.Descriptor instead.
+func (*PushImageRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *PushImageRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *PushImageRequest) GetRef() string {
+	if x != nil {
+		return x.Ref
+	}
+	return ""
+}
+
+func (x *PushImageRequest) GetAuth() *RegistryAuth {
+	if x != nil {
+		return x.Auth
+	}
+	return nil
+}
+
+func (x *PushImageRequest) GetInsecure() bool {
+	if x != nil {
+		return x.Insecure
+	}
+	return false
+}
+
 type UploadImageHeader struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
@@ -653,7 +725,7 @@ type UploadImageHeader struct {
 
 func (x *UploadImageHeader) Reset() {
 	*x = UploadImageHeader{}
-	mi := &file_dsec_v1_image_proto_msgTypes[10]
+	mi := &file_dsec_v1_image_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -665,7 +737,7 @@ func (x *UploadImageHeader) String() string {
 func (*UploadImageHeader) ProtoMessage() {}
 
 func (x *UploadImageHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[10]
+	mi := &file_dsec_v1_image_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -678,7 +750,7 @@ func (x *UploadImageHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadImageHeader.ProtoReflect.Descriptor instead.
 func (*UploadImageHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{10}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *UploadImageHeader) GetName() string {
@@ -715,7 +787,7 @@ type UploadImageRequest struct {
 
 func (x *UploadImageRequest) Reset() {
 	*x = UploadImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[11]
+	mi := &file_dsec_v1_image_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -727,7 +799,7 @@ func (x *UploadImageRequest) String() string {
 func (*UploadImageRequest) ProtoMessage() {}
 
 func (x *UploadImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[11]
+	mi := &file_dsec_v1_image_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -740,7 +812,7 @@ func (x *UploadImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadImageRequest.ProtoReflect.Descriptor instead.
 func (*UploadImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{11}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *UploadImageRequest) GetMsg() isUploadImageRequest_Msg {
@@ -806,7 +878,7 @@ type BootstrapImageRequest struct {
 
 func (x *BootstrapImageRequest) Reset() {
 	*x = BootstrapImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[12]
+	mi := &file_dsec_v1_image_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -818,7 +890,7 @@ func (x *BootstrapImageRequest) String() string {
 func (*BootstrapImageRequest) ProtoMessage() {}
 
 func (x *BootstrapImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[12]
+	mi := &file_dsec_v1_image_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -831,7 +903,7 @@ func (x *BootstrapImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BootstrapImageRequest.ProtoReflect.Descriptor instead.
 func (*BootstrapImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *BootstrapImageRequest) GetRecipe() string {
@@ -899,7 +971,7 @@ type ImageProgress struct {
 
 func (x *ImageProgress) Reset() {
 	*x = ImageProgress{}
-	mi := &file_dsec_v1_image_proto_msgTypes[13]
+	mi := &file_dsec_v1_image_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -911,7 +983,7 @@ func (x *ImageProgress) String() string {
 func (*ImageProgress) ProtoMessage() {}
 
 func (x *ImageProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[13]
+	mi := &file_dsec_v1_image_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -924,7 +996,7 @@ func (x *ImageProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImageProgress.ProtoReflect.Descriptor instead.
 func (*ImageProgress) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ImageProgress) GetPhase() string {
@@ -993,7 +1065,7 @@ type UploadBuildContextHeader struct {
 
 func (x *UploadBuildContextHeader) Reset() {
 	*x = UploadBuildContextHeader{}
-	mi := &file_dsec_v1_image_proto_msgTypes[14]
+	mi := &file_dsec_v1_image_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1005,7 +1077,7 @@ func (x *UploadBuildContextHeader) String() string {
 func (*UploadBuildContextHeader) ProtoMessage() {}
 
 func (x *UploadBuildContextHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[14]
+	mi := &file_dsec_v1_image_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1018,7 +1090,7 @@ func (x *UploadBuildContextHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadBuildContextHeader.ProtoReflect.Descriptor instead.
 func (*UploadBuildContextHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *UploadBuildContextHeader) GetSize() int64 {
@@ -1041,7 +1113,7 @@ type UploadBuildContextRequest struct {
 
 func (x *UploadBuildContextRequest) Reset() {
 	*x = UploadBuildContextRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[15]
+	mi := &file_dsec_v1_image_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1053,7 +1125,7 @@ func (x *UploadBuildContextRequest) String() string {
 func (*UploadBuildContextRequest) ProtoMessage() {}
 
 func (x *UploadBuildContextRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[15]
+	mi := &file_dsec_v1_image_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1066,7 +1138,7 @@ func (x *UploadBuildContextRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadBuildContextRequest.ProtoReflect.Descriptor instead.
 func (*UploadBuildContextRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{15}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *UploadBuildContextRequest) GetMsg() isUploadBuildContextRequest_Msg {
@@ -1122,7 +1194,7 @@ type BuildContext struct {
 
 func (x *BuildContext) Reset() {
 	*x = BuildContext{}
-	mi := &file_dsec_v1_image_proto_msgTypes[16]
+	mi := &file_dsec_v1_image_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1134,7 +1206,7 @@ func (x *BuildContext) String() string {
 func (*BuildContext) ProtoMessage() {}
 
 func (x *BuildContext) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[16]
+	mi := &file_dsec_v1_image_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1147,7 +1219,7 @@ func (x *BuildContext) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildContext.ProtoReflect.Descriptor instead.
 func (*BuildContext) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{16}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *BuildContext) GetDigest() string {
@@ -1200,7 +1272,7 @@ type BuildImageRequest struct {
 
 func (x *BuildImageRequest) Reset() {
 	*x = BuildImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[17]
+	mi := &file_dsec_v1_image_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1212,7 +1284,7 @@ func (x *BuildImageRequest) String() string {
 func (*BuildImageRequest) ProtoMessage() {}
 
 func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[17]
+	mi := &file_dsec_v1_image_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1225,7 +1297,7 @@ func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildImageRequest.ProtoReflect.Descriptor instead.
 func (*BuildImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{17}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *BuildImageRequest) GetName() string {
@@ -1302,7 +1374,7 @@ type CommitSandboxRequest struct {
 
 func (x *CommitSandboxRequest) Reset() {
 	*x = CommitSandboxRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[18]
+	mi := &file_dsec_v1_image_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1314,7 +1386,7 @@ func (x *CommitSandboxRequest) String() string {
 func (*CommitSandboxRequest) ProtoMessage() {}
 
 func (x *CommitSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[18]
+	mi := &file_dsec_v1_image_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1327,7 +1399,7 @@ func (x *CommitSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitSandboxRequest.ProtoReflect.Descriptor instead.
 func (*CommitSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{18}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *CommitSandboxRequest) GetSandboxId() string {
@@ -1352,7 +1424,7 @@ type PruneBuildCacheRequest struct {
 
 func (x *PruneBuildCacheRequest) Reset() {
 	*x = PruneBuildCacheRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[19]
+	mi := &file_dsec_v1_image_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1364,7 +1436,7 @@ func (x *PruneBuildCacheRequest) String() string {
 func (*PruneBuildCacheRequest) ProtoMessage() {}
 
 func (x *PruneBuildCacheRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[19]
+	mi := &file_dsec_v1_image_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1377,7 +1449,7 @@ func (x *PruneBuildCacheRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PruneBuildCacheRequest.ProtoReflect.Descriptor instead.
 func (*PruneBuildCacheRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{19}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{20}
 }
 
 type PruneBuildCacheResponse struct {
@@ -1390,7 +1462,7 @@ type PruneBuildCacheResponse struct {
 
 func (x *PruneBuildCacheResponse) Reset() {
 	*x = PruneBuildCacheResponse{}
-	mi := &file_dsec_v1_image_proto_msgTypes[20]
+	mi := &file_dsec_v1_image_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1402,7 +1474,7 @@ func (x *PruneBuildCacheResponse) String() string {
 func (*PruneBuildCacheResponse) ProtoMessage() {}
 
 func (x *PruneBuildCacheResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[20]
+	mi := &file_dsec_v1_image_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1415,7 +1487,7 @@ func (x *PruneBuildCacheResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PruneBuildCacheResponse.ProtoReflect.Descriptor instead.
 func (*PruneBuildCacheResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *PruneBuildCacheResponse) GetRemoved() int64 {
@@ -1478,6 +1550,11 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"\x03ref\x18\x01 \x01(\tR\x03ref\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12)\n" +
 	"\x04auth\x18\x03 \x01(\v2\x15.dsec.v1.RegistryAuthR\x04auth\x12\x1a\n" +
+	"\binsecure\x18\x04 \x01(\bR\binsecure\"\x7f\n" +
+	"\x10PushImageRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x10\n" +
+	"\x03ref\x18\x02 \x01(\tR\x03ref\x12)\n" +
+	"\x04auth\x18\x03 \x01(\v2\x15.dsec.v1.RegistryAuthR\x04auth\x12\x1a\n" +
 	"\binsecure\x18\x04 \x01(\bR\binsecure\"S\n" +
 	"\x11UploadImageHeader\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
@@ -1538,13 +1615,14 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"\x04name\x18\x02 \x01(\tR\x04name\"\x18\n" +
 	"\x16PruneBuildCacheRequest\"3\n" +
 	"\x17PruneBuildCacheResponse\x12\x18\n" +
-	"\aremoved\x18\x01 \x01(\x03R\aremoved2\xd8\x05\n" +
+	"\aremoved\x18\x01 \x01(\x03R\aremoved2\x9a\x06\n" +
 	"\fImageService\x12J\n" +
 	"\n" +
 	"ListImages\x12\x1a.dsec.v1.ListImagesRequest\x1a\x1b.dsec.v1.ListImagesResponse\"\x03\x90\x02\x01\x129\n" +
 	"\bGetImage\x12\x18.dsec.v1.GetImageRequest\x1a\x0e.dsec.v1.Image\"\x03\x90\x02\x01\x12H\n" +
 	"\vDeleteImage\x12\x1b.dsec.v1.DeleteImageRequest\x1a\x1c.dsec.v1.DeleteImageResponse\x12@\n" +
-	"\tPullImage\x12\x19.dsec.v1.PullImageRequest\x1a\x16.dsec.v1.ImageProgress0\x01\x12<\n" +
+	"\tPullImage\x12\x19.dsec.v1.PullImageRequest\x1a\x16.dsec.v1.ImageProgress0\x01\x12@\n" +
+	"\tPushImage\x12\x19.dsec.v1.PushImageRequest\x1a\x16.dsec.v1.ImageProgress0\x01\x12<\n" +
 	"\vUploadImage\x12\x1b.dsec.v1.UploadImageRequest\x1a\x0e.dsec.v1.Image(\x01\x12J\n" +
 	"\x0eBootstrapImage\x12\x1e.dsec.v1.BootstrapImageRequest\x1a\x16.dsec.v1.ImageProgress0\x01\x12Q\n" +
 	"\x12UploadBuildContext\x12\".dsec.v1.UploadBuildContextRequest\x1a\x15.dsec.v1.BuildContext(\x01\x12B\n" +
@@ -1565,7 +1643,7 @@ func file_dsec_v1_image_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_image_proto_rawDescData
 }
 
-var file_dsec_v1_image_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
+var file_dsec_v1_image_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_dsec_v1_image_proto_goTypes = []any{
 	(*Image)(nil),                     // 0: dsec.v1.Image
 	(*VMImageInfo)(nil),               // 1: dsec.v1.VMImageInfo
@@ -1577,59 +1655,63 @@ var file_dsec_v1_image_proto_goTypes = []any{
 	(*DeleteImageResponse)(nil),       // 7: dsec.v1.DeleteImageResponse
 	(*RegistryAuth)(nil),              // 8: dsec.v1.RegistryAuth
 	(*PullImageRequest)(nil),          // 9: dsec.v1.PullImageRequest
-	(*UploadImageHeader)(nil),         // 10: dsec.v1.UploadImageHeader
-	(*UploadImageRequest)(nil),        // 11: dsec.v1.UploadImageRequest
-	(*BootstrapImageRequest)(nil),     // 12: dsec.v1.BootstrapImageRequest
-	(*ImageProgress)(nil),             // 13: dsec.v1.ImageProgress
-	(*UploadBuildContextHeader)(nil),  // 14: dsec.v1.UploadBuildContextHeader
-	(*UploadBuildContextRequest)(nil), // 15: dsec.v1.UploadBuildContextRequest
-	(*BuildContext)(nil),              // 16: dsec.v1.BuildContext
-	(*BuildImageRequest)(nil),         // 17: dsec.v1.BuildImageRequest
-	(*CommitSandboxRequest)(nil),      // 18: dsec.v1.CommitSandboxRequest
-	(*PruneBuildCacheRequest)(nil),    // 19: dsec.v1.PruneBuildCacheRequest
-	(*PruneBuildCacheResponse)(nil),   // 20: dsec.v1.PruneBuildCacheResponse
-	nil,                               // 21: dsec.v1.ImageConfig.LabelsEntry
-	nil,                               // 22: dsec.v1.BuildImageRequest.BuildArgsEntry
-	(*timestamppb.Timestamp)(nil),     // 23: google.protobuf.Timestamp
-	(*Resources)(nil),                 // 24: dsec.v1.Resources
+	(*PushImageRequest)(nil),          // 10: dsec.v1.PushImageRequest
+	(*UploadImageHeader)(nil),         // 11: dsec.v1.UploadImageHeader
+	(*UploadImageRequest)(nil),        // 12: dsec.v1.UploadImageRequest
+	(*BootstrapImageRequest)(nil),     // 13: dsec.v1.BootstrapImageRequest
+	(*ImageProgress)(nil),             // 14: dsec.v1.ImageProgress
+	(*UploadBuildContextHeader)(nil),  // 15: dsec.v1.UploadBuildContextHeader
+	(*UploadBuildContextRequest)(nil), // 16: dsec.v1.UploadBuildContextRequest
+	(*BuildContext)(nil),              // 17: dsec.v1.BuildContext
+	(*BuildImageRequest)(nil),         // 18: dsec.v1.BuildImageRequest
+	(*CommitSandboxRequest)(nil),      // 19: dsec.v1.CommitSandboxRequest
+	(*PruneBuildCacheRequest)(nil),    // 20: dsec.v1.PruneBuildCacheRequest
+	(*PruneBuildCacheResponse)(nil),   // 21: dsec.v1.PruneBuildCacheResponse
+	nil,                               // 22: dsec.v1.ImageConfig.LabelsEntry
+	nil,                               // 23: dsec.v1.BuildImageRequest.BuildArgsEntry
+	(*timestamppb.Timestamp)(nil),     // 24: google.protobuf.Timestamp
+	(*Resources)(nil),                 // 25: dsec.v1.Resources
 }
 var file_dsec_v1_image_proto_depIdxs = []int32{
-	23, // 0: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	24, // 0: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
 	2,  // 1: dsec.v1.Image.config:type_name -> dsec.v1.ImageConfig
 	1,  // 2: dsec.v1.Image.vm:type_name -> dsec.v1.VMImageInfo
-	21, // 3: dsec.v1.ImageConfig.labels:type_name -> dsec.v1.ImageConfig.LabelsEntry
+	22, // 3: dsec.v1.ImageConfig.labels:type_name -> dsec.v1.ImageConfig.LabelsEntry
 	0,  // 4: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
 	8,  // 5: dsec.v1.PullImageRequest.auth:type_name -> dsec.v1.RegistryAuth
-	10, // 6: dsec.v1.UploadImageRequest.header:type_name -> dsec.v1.UploadImageHeader
-	0,  // 7: dsec.v1.ImageProgress.image:type_name -> dsec.v1.Image
-	14, // 8: dsec.v1.UploadBuildContextRequest.header:type_name -> dsec.v1.UploadBuildContextHeader
-	22, // 9: dsec.v1.BuildImageRequest.build_args:type_name -> dsec.v1.BuildImageRequest.BuildArgsEntry
-	24, // 10: dsec.v1.BuildImageRequest.resources:type_name -> dsec.v1.Resources
-	3,  // 11: dsec.v1.ImageService.ListImages:input_type -> dsec.v1.ListImagesRequest
-	5,  // 12: dsec.v1.ImageService.GetImage:input_type -> dsec.v1.GetImageRequest
-	6,  // 13: dsec.v1.ImageService.DeleteImage:input_type -> dsec.v1.DeleteImageRequest
-	9,  // 14: dsec.v1.ImageService.PullImage:input_type -> dsec.v1.PullImageRequest
-	11, // 15: dsec.v1.ImageService.UploadImage:input_type -> dsec.v1.UploadImageRequest
-	12, // 16: dsec.v1.ImageService.BootstrapImage:input_type -> dsec.v1.BootstrapImageRequest
-	15, // 17: dsec.v1.ImageService.UploadBuildContext:input_type -> dsec.v1.UploadBuildContextRequest
-	17, // 18: dsec.v1.ImageService.BuildImage:input_type -> dsec.v1.BuildImageRequest
-	18, // 19: dsec.v1.ImageService.CommitSandbox:input_type -> dsec.v1.CommitSandboxRequest
-	19, // 20: dsec.v1.ImageService.PruneBuildCache:input_type -> dsec.v1.PruneBuildCacheRequest
-	4,  // 21: dsec.v1.ImageService.ListImages:output_type -> dsec.v1.ListImagesResponse
-	0,  // 22: dsec.v1.ImageService.GetImage:output_type -> dsec.v1.Image
-	7,  // 23: dsec.v1.ImageService.DeleteImage:output_type -> dsec.v1.DeleteImageResponse
-	13, // 24: dsec.v1.ImageService.PullImage:output_type -> dsec.v1.ImageProgress
-	0,  // 25: dsec.v1.ImageService.UploadImage:output_type -> dsec.v1.Image
-	13, // 26: dsec.v1.ImageService.BootstrapImage:output_type -> dsec.v1.ImageProgress
-	16, // 27: dsec.v1.ImageService.UploadBuildContext:output_type -> dsec.v1.BuildContext
-	13, // 28: dsec.v1.ImageService.BuildImage:output_type -> dsec.v1.ImageProgress
-	0,  // 29: dsec.v1.ImageService.CommitSandbox:output_type -> dsec.v1.Image
-	20, // 30: dsec.v1.ImageService.PruneBuildCache:output_type -> dsec.v1.PruneBuildCacheResponse
-	21, // [21:31] is the sub-list for method output_type
-	11, // [11:21] is the sub-list for method input_type
-	11, // [11:11] is the sub-list for extension type_name
-	11, // [11:11] is the sub-list for extension extendee
-	0,  // [0:11] is the sub-list for field type_name
+	8,  // 6: dsec.v1.PushImageRequest.auth:type_name -> dsec.v1.RegistryAuth
+	11, // 7: dsec.v1.UploadImageRequest.header:type_name -> dsec.v1.UploadImageHeader
+	0,  // 8: dsec.v1.ImageProgress.image:type_name -> dsec.v1.Image
+	15, // 9: dsec.v1.UploadBuildContextRequest.header:type_name -> dsec.v1.UploadBuildContextHeader
+	23, // 10: dsec.v1.BuildImageRequest.build_args:type_name -> dsec.v1.BuildImageRequest.BuildArgsEntry
+	25, // 11: dsec.v1.BuildImageRequest.resources:type_name -> dsec.v1.Resources
+	3,  // 12: dsec.v1.ImageService.ListImages:input_type -> dsec.v1.ListImagesRequest
+	5,  // 13: dsec.v1.ImageService.GetImage:input_type -> dsec.v1.GetImageRequest
+	6,  // 14: dsec.v1.ImageService.DeleteImage:input_type -> dsec.v1.DeleteImageRequest
+	9,  // 15: dsec.v1.ImageService.PullImage:input_type -> dsec.v1.PullImageRequest
+	10, // 16: dsec.v1.ImageService.PushImage:input_type -> dsec.v1.PushImageRequest
+	12, // 17: dsec.v1.ImageService.UploadImage:input_type -> dsec.v1.UploadImageRequest
+	13, // 18: dsec.v1.ImageService.BootstrapImage:input_type -> dsec.v1.BootstrapImageRequest
+	16, // 19: dsec.v1.ImageService.UploadBuildContext:input_type -> dsec.v1.UploadBuildContextRequest
+	18, // 20: dsec.v1.ImageService.BuildImage:input_type -> dsec.v1.BuildImageRequest
+	19, // 21: dsec.v1.ImageService.CommitSandbox:input_type -> dsec.v1.CommitSandboxRequest
+	20, // 22: dsec.v1.ImageService.PruneBuildCache:input_type -> dsec.v1.PruneBuildCacheRequest
+	4,  // 23: dsec.v1.ImageService.ListImages:output_type -> dsec.v1.ListImagesResponse
+	0,  // 24: dsec.v1.ImageService.GetImage:output_type -> dsec.v1.Image
+	7,  // 25: dsec.v1.ImageService.DeleteImage:output_type -> dsec.v1.DeleteImageResponse
+	14, // 26: dsec.v1.ImageService.PullImage:output_type -> dsec.v1.ImageProgress
+	14, // 27: dsec.v1.ImageService.PushImage:output_type -> dsec.v1.ImageProgress
+	0,  // 28: dsec.v1.ImageService.UploadImage:output_type -> dsec.v1.Image
+	14, // 29: dsec.v1.ImageService.BootstrapImage:output_type -> dsec.v1.ImageProgress
+	17, // 30: dsec.v1.ImageService.UploadBuildContext:output_type -> dsec.v1.BuildContext
+	14, // 31: dsec.v1.ImageService.BuildImage:output_type -> dsec.v1.ImageProgress
+	0,  // 32: dsec.v1.ImageService.CommitSandbox:output_type -> dsec.v1.Image
+	21, // 33: dsec.v1.ImageService.PruneBuildCache:output_type -> dsec.v1.PruneBuildCacheResponse
+	23, // [23:34] is the sub-list for method output_type
+	12, // [12:23] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_image_proto_init() }
@@ -1638,11 +1720,11 @@ func file_dsec_v1_image_proto_init() {
 		return
 	}
 	file_dsec_v1_sandbox_proto_init()
-	file_dsec_v1_image_proto_msgTypes[11].OneofWrappers = []any{
+	file_dsec_v1_image_proto_msgTypes[12].OneofWrappers = []any{
 		(*UploadImageRequest_Header)(nil),
 		(*UploadImageRequest_Data)(nil),
 	}
-	file_dsec_v1_image_proto_msgTypes[15].OneofWrappers = []any{
+	file_dsec_v1_image_proto_msgTypes[16].OneofWrappers = []any{
 		(*UploadBuildContextRequest_Header)(nil),
 		(*UploadBuildContextRequest_Data)(nil),
 	}
@@ -1652,7 +1734,7 @@ func file_dsec_v1_image_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_image_proto_rawDesc), len(file_dsec_v1_image_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   23,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

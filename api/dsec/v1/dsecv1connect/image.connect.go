@@ -42,6 +42,8 @@ const (
 	ImageServiceDeleteImageProcedure = "/dsec.v1.ImageService/DeleteImage"
 	// ImageServicePullImageProcedure is the fully-qualified name of the ImageService's PullImage RPC.
 	ImageServicePullImageProcedure = "/dsec.v1.ImageService/PullImage"
+	// ImageServicePushImageProcedure is the fully-qualified name of the ImageService's PushImage RPC.
+	ImageServicePushImageProcedure = "/dsec.v1.ImageService/PushImage"
 	// ImageServiceUploadImageProcedure is the fully-qualified name of the ImageService's UploadImage
 	// RPC.
 	ImageServiceUploadImageProcedure = "/dsec.v1.ImageService/UploadImage"
@@ -69,6 +71,11 @@ type ImageServiceClient interface {
 	DeleteImage(context.Context, *connect.Request[v1.DeleteImageRequest]) (*connect.Response[v1.DeleteImageResponse], error)
 	// PullImage imports an image from a registry, streaming progress.
 	PullImage(context.Context, *connect.Request[v1.PullImageRequest]) (*connect.ServerStreamForClient[v1.ImageProgress], error)
+	// PushImage writes an image of the caller's project (or a shared one)
+	// to a registry as an OCI image for linux/amd64, streaming upload
+	// progress; the final message carries the image and, as its message,
+	// the pushed reference by digest (repository@sha256:...).
+	PushImage(context.Context, *connect.Request[v1.PushImageRequest]) (*connect.ServerStreamForClient[v1.ImageProgress], error)
 	// UploadImage imports an image archive (a `docker save` tar or a tar of an
 	// OCI layout directory) sent by the client. The first message is the
 	// header, the rest are data chunks.
@@ -136,6 +143,12 @@ func NewImageServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(imageServiceMethods.ByName("PullImage")),
 			connect.WithClientOptions(opts...),
 		),
+		pushImage: connect.NewClient[v1.PushImageRequest, v1.ImageProgress](
+			httpClient,
+			baseURL+ImageServicePushImageProcedure,
+			connect.WithSchema(imageServiceMethods.ByName("PushImage")),
+			connect.WithClientOptions(opts...),
+		),
 		uploadImage: connect.NewClient[v1.UploadImageRequest, v1.Image](
 			httpClient,
 			baseURL+ImageServiceUploadImageProcedure,
@@ -181,6 +194,7 @@ type imageServiceClient struct {
 	getImage           *connect.Client[v1.GetImageRequest, v1.Image]
 	deleteImage        *connect.Client[v1.DeleteImageRequest, v1.DeleteImageResponse]
 	pullImage          *connect.Client[v1.PullImageRequest, v1.ImageProgress]
+	pushImage          *connect.Client[v1.PushImageRequest, v1.ImageProgress]
 	uploadImage        *connect.Client[v1.UploadImageRequest, v1.Image]
 	bootstrapImage     *connect.Client[v1.BootstrapImageRequest, v1.ImageProgress]
 	uploadBuildContext *connect.Client[v1.UploadBuildContextRequest, v1.BuildContext]
@@ -207,6 +221,11 @@ func (c *imageServiceClient) DeleteImage(ctx context.Context, req *connect.Reque
 // PullImage calls dsec.v1.ImageService.PullImage.
 func (c *imageServiceClient) PullImage(ctx context.Context, req *connect.Request[v1.PullImageRequest]) (*connect.ServerStreamForClient[v1.ImageProgress], error) {
 	return c.pullImage.CallServerStream(ctx, req)
+}
+
+// PushImage calls dsec.v1.ImageService.PushImage.
+func (c *imageServiceClient) PushImage(ctx context.Context, req *connect.Request[v1.PushImageRequest]) (*connect.ServerStreamForClient[v1.ImageProgress], error) {
+	return c.pushImage.CallServerStream(ctx, req)
 }
 
 // UploadImage calls dsec.v1.ImageService.UploadImage.
@@ -247,6 +266,11 @@ type ImageServiceHandler interface {
 	DeleteImage(context.Context, *connect.Request[v1.DeleteImageRequest]) (*connect.Response[v1.DeleteImageResponse], error)
 	// PullImage imports an image from a registry, streaming progress.
 	PullImage(context.Context, *connect.Request[v1.PullImageRequest], *connect.ServerStream[v1.ImageProgress]) error
+	// PushImage writes an image of the caller's project (or a shared one)
+	// to a registry as an OCI image for linux/amd64, streaming upload
+	// progress; the final message carries the image and, as its message,
+	// the pushed reference by digest (repository@sha256:...).
+	PushImage(context.Context, *connect.Request[v1.PushImageRequest], *connect.ServerStream[v1.ImageProgress]) error
 	// UploadImage imports an image archive (a `docker save` tar or a tar of an
 	// OCI layout directory) sent by the client. The first message is the
 	// header, the rest are data chunks.
@@ -310,6 +334,12 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(imageServiceMethods.ByName("PullImage")),
 		connect.WithHandlerOptions(opts...),
 	)
+	imageServicePushImageHandler := connect.NewServerStreamHandler(
+		ImageServicePushImageProcedure,
+		svc.PushImage,
+		connect.WithSchema(imageServiceMethods.ByName("PushImage")),
+		connect.WithHandlerOptions(opts...),
+	)
 	imageServiceUploadImageHandler := connect.NewClientStreamHandler(
 		ImageServiceUploadImageProcedure,
 		svc.UploadImage,
@@ -356,6 +386,8 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 			imageServiceDeleteImageHandler.ServeHTTP(w, r)
 		case ImageServicePullImageProcedure:
 			imageServicePullImageHandler.ServeHTTP(w, r)
+		case ImageServicePushImageProcedure:
+			imageServicePushImageHandler.ServeHTTP(w, r)
 		case ImageServiceUploadImageProcedure:
 			imageServiceUploadImageHandler.ServeHTTP(w, r)
 		case ImageServiceBootstrapImageProcedure:
@@ -391,6 +423,10 @@ func (UnimplementedImageServiceHandler) DeleteImage(context.Context, *connect.Re
 
 func (UnimplementedImageServiceHandler) PullImage(context.Context, *connect.Request[v1.PullImageRequest], *connect.ServerStream[v1.ImageProgress]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.PullImage is not implemented"))
+}
+
+func (UnimplementedImageServiceHandler) PushImage(context.Context, *connect.Request[v1.PushImageRequest], *connect.ServerStream[v1.ImageProgress]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.PushImage is not implemented"))
 }
 
 func (UnimplementedImageServiceHandler) UploadImage(context.Context, *connect.ClientStream[v1.UploadImageRequest]) (*connect.Response[v1.Image], error) {
