@@ -19,6 +19,7 @@ from .aio import AsyncClient, AsyncSandbox
 from .functions import Checker, RunCodeResult
 from .network import ConnectionRecord, Credential, Network, NetworkLog, NetworkPolicy
 from .volumes import Volume, VolumeFileInfo
+from .build import DockerIgnore
 from .errors import (
     Conflict,
     ConnectionFailed,
@@ -47,6 +48,7 @@ __all__ = [
     "NetworkPolicy",
     "Volume",
     "VolumeFileInfo",
+    "DockerIgnore",
     "Credential",
     "Network",
     "NetworkLog",

@@ -7,15 +7,16 @@ import os
 import shlex
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import IO, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import IO, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _wire
+from .build import context_chunks, from_map
 from .compose import interpolate, shared_volume_wire, sidecar_wire
 from .errors import DsecError, NotFound, SandboxGone, make_error
 from .events import (EventStream, Webhook, create_webhook, delete_webhook, enable_webhook, list_webhooks,
                      subscribe)
 from .network import Network, NetworkLog, NetworkPolicy, PolicyLike, policy_wire
-from .volumes import _VOLUMES, MountLike, Volume, mount_wire
+from .volumes import _VOLUMES, MountLike, Volume, _client_stream, mount_wire
 
 DEFAULT_URL = "http://127.0.0.1:7070"
 # The sandbox API, one service per role (api/dsec/v1/sandbox.proto).
@@ -581,6 +582,13 @@ class Sandbox:
             req["name"] = name
         return SnapshotInfo._from(self._client._t.unary(_SNAPSHOTS, "Snapshot", req))
 
+    def commit(self, name: str) -> Dict[str, Any]:
+        """Store this container sandbox's files (its image with its writable
+        layer, captured frozen) and its environment, user and working
+        directory as an image ``name`` of its project; the sandbox runs on.
+        Returns the image (as :meth:`Client.images` lists it)."""
+        return self._client._t.unary(_IMAGE, "CommitSandbox", {"sandboxId": self.id, "name": name}, timeout=600)
+
     def fork(self, n: int, *, labels: Optional[Mapping[str, str]] = None, idempotency_key: Optional[str] = None) -> List["Sandbox"]:
         """Snapshot this sandbox and start ``n`` children from it."""
         return self._client.fork(self, n, labels=labels, idempotency_key=idempotency_key)
@@ -980,6 +988,95 @@ class Client:
 
     def images(self) -> List[Dict[str, Any]]:
         return self._t.unary(_IMAGE, "ListImages", {}).get("images", [])
+
+    def build_image(self, name: str, context: Optional[str] = None, *, dockerfile: Optional[str] = None,
+                    dockerfile_text: Optional[str] = None, build_args: Optional[Mapping[str, str]] = None,
+                    target: Optional[str] = None, no_cache: bool = False, network: Optional[str] = None,
+                    step_timeout_s: Optional[int] = None, cpu: Optional[float] = None, memory_mb: Optional[int] = None,
+                    image_map: Optional[Mapping[str, str]] = None,
+                    on_progress: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+        """Build an image ``name`` of the caller's project from a Dockerfile
+        on the server (docs/images.md): each RUN in a sandbox, each step that
+        changes files a layer the server caches for later builds.
+
+        ``context`` is the build context directory (sent minus what its
+        ``.dockerignore`` excludes; None: no context). The Dockerfile is
+        ``dockerfile_text``, else the file ``dockerfile`` (default
+        ``Dockerfile``) in the context. ``image_map`` renames FROM images to
+        dsec image names. ``on_progress`` gets each progress message: phase
+        ``step`` (``message`` like ``[3/9] RUN make``, ``cached``), ``output``
+        (a RUN's output as it comes). A failing step raises an
+        :class:`~dsec.errors.InvalidRequest` quoting its output's tail.
+        Returns the image (as :meth:`images` lists it)."""
+        if dockerfile_text is None:
+            if context is None:
+                raise ValueError("build_image needs a context directory or dockerfile_text")
+            with open(os.path.join(context, dockerfile or "Dockerfile"), encoding="utf-8") as f:
+                dockerfile_text = f.read()
+        req: Dict[str, Any] = {"name": name, "dockerfile": from_map(dockerfile_text, dict(image_map or {}))}
+        if context is not None:
+            bc = _client_stream(self, "UploadBuildContext", [{"header": {}}], context_chunks(context), service=_IMAGE)
+            req["contextDigest"] = bc["digest"]
+        if build_args:
+            req["buildArgs"] = {str(k): str(v) for k, v in build_args.items()}
+        if target:
+            req["target"] = target
+        if no_cache:
+            req["noCache"] = True
+        if network:
+            req["network"] = network
+        if step_timeout_s:
+            req["stepTimeoutS"] = str(int(step_timeout_s))
+        res: Dict[str, Any] = {}
+        if cpu:
+            res["cpu"] = float(cpu)
+        if memory_mb:
+            res["memoryMb"] = str(int(memory_mb))
+        if res:
+            req["resources"] = res
+        # A RUN may print nothing for as long as it runs: the stream waits
+        # as long as a step may take.
+        wait = float(step_timeout_s or 3600) + 300
+        for m in self._t.stream(_IMAGE, "BuildImage", req, timeout=wait):
+            if m.get("image"):
+                return m["image"]
+            if on_progress is not None:
+                on_progress(m)
+        raise make_error("unavailable", f"the build of {name} ended without its image")
+
+    def push_image(self, name: str, ref: str, *, insecure: bool = False, username: Optional[str] = None,
+                   password: Optional[str] = None) -> str:
+        """Push the image ``name`` to a registry at ``ref`` (an OCI image
+        for linux/amd64); without credentials the server uses its own.
+        ``insecure`` allows plain HTTP. Returns the pushed reference by
+        digest (``repository@sha256:...``)."""
+        req: Dict[str, Any] = {"name": name, "ref": ref, "insecure": insecure}
+        if username is not None:
+            req["auth"] = {"username": username, "password": password or ""}
+        for m in self._t.stream(_IMAGE, "PushImage", req, timeout=3600):
+            if m.get("image"):
+                return m.get("message", "")
+        raise make_error("unavailable", f"the push of {name} ended without an answer")
+
+    def pull_image(self, ref: str, name: Optional[str] = None, *, insecure: bool = False,
+                   username: Optional[str] = None, password: Optional[str] = None) -> Dict[str, Any]:
+        """Import an image from a registry on every node (as ``name``,
+        default ``ref``); without credentials the server uses its own.
+        Returns the image."""
+        req: Dict[str, Any] = {"ref": ref, "insecure": insecure}
+        if name:
+            req["name"] = name
+        if username is not None:
+            req["auth"] = {"username": username, "password": password or ""}
+        for m in self._t.stream(_IMAGE, "PullImage", req, timeout=3600):
+            if m.get("image"):
+                return m["image"]
+        raise make_error("unavailable", f"the pull of {ref} ended without its image")
+
+    def prune_build_cache(self) -> int:
+        """Remove the project's build cache; returns how many cached steps
+        went (images already built keep their layers)."""
+        return _int(self._t.unary(_IMAGE, "PruneBuildCache", {}).get("removed"))
 
     def _http_json(self, method: str, path: str, body: Any, headers: Dict[str, str]) -> Dict[str, Any]:
         import json

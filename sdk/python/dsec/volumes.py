@@ -186,7 +186,8 @@ def _envelope(msg: Dict[str, Any]) -> bytes:
     return struct.pack(">BI", 0, len(payload)) + payload
 
 
-def _client_stream(client: "Client", method: str, first: Sequence[Dict[str, Any]], data: Iterable[bytes]) -> Dict[str, Any]:
+def _client_stream(client: "Client", method: str, first: Sequence[Dict[str, Any]], data: Iterable[bytes],
+                   service: str = _VOLUMES) -> Dict[str, Any]:
     """A client-streaming call (Connect, JSON): ``first`` messages, then one
     data message per chunk, sent chunked as they come."""
 
@@ -198,7 +199,7 @@ def _client_stream(client: "Client", method: str, first: Sequence[Dict[str, Any]
 
     t = client._t
     headers = t.headers("application/connect+json")  # http.client sends an iterable body chunked
-    resp = t.request("POST", f"/{_VOLUMES}/{method}", body(), headers)
+    resp = t.request("POST", f"/{service}/{method}", body(), headers)
     raw = resp.read()
     if resp.status != 200:
         try:

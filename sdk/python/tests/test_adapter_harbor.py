@@ -169,7 +169,7 @@ def test_a_grpo_group_of_trials_shares_one_build_of_the_environment(server, clie
     envs = [build_environment(task, TrialPaths(tmp_path / f"t{i}"), session=f"group-task__{i}") for i in range(3)]
 
     def builds():
-        return len([s for s in client.snapshots() if s.name.startswith("harbor-build-")])
+        return len([i for i in client.images() if i["name"].startswith("harbor-build-")])
 
     async def group():
         return await asyncio.gather(*(run_trial(e, task, e.trial_paths) for e in envs))
@@ -224,7 +224,7 @@ def test_a_prebuilt_image_the_server_does_not_have_is_an_error_naming_it(server,
 
 
 @pytest.mark.parametrize("dockerfile,named", [
-    ("FROM debian AS build\nRUN true\nFROM debian\nCOPY --from=build /x /x\n", "FROM ... AS build"),
+    ("FROM debian\nVOLUME /data\n", "VOLUME"),
     ("FROM debian\nRUN --mount=type=cache,target=/root/.cache true\n", "RUN --mount"),
     ("FROM debian\nADD https://example.com/x.tar.gz /x\n", "ADD https://example.com/x.tar.gz"),
     ("FROM debian\nHEALTHCHECK CMD true\n", "HEALTHCHECK"),
@@ -236,6 +236,32 @@ def test_a_dockerfile_the_builder_cannot_honour_is_refused_naming_the_instructio
     with pytest.raises(UnsupportedOption) as e:
         asyncio.run(env.start(force_build=False))
     assert named in str(e.value)
+
+
+def test_a_multi_stage_dockerfile_builds_as_docker_builds_it(server, tmp_path):
+    dockerfile = ("FROM debian AS tools\nRUN mkdir -p /out && printf '#!/bin/sh\\necho built-in-stage\\n' > /out/tool"
+                  " && chmod 755 /out/tool\nFROM debian\nCOPY --from=tools /out/tool /usr/local/bin/tool\n"
+                  "ADD tools.tar.gz /opt/\nWORKDIR /app\n")
+    task = make_task(tmp_path / "tasks", name="multi-stage", dockerfile=dockerfile)
+    import io
+    import tarfile
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        data = b"unpacked\n"
+        ti = tarfile.TarInfo("extra/readme")
+        ti.size = len(data)
+        t.addfile(ti, io.BytesIO(data))
+    (task / "environment" / "tools.tar.gz").write_bytes(buf.getvalue())
+    env = build_environment(task, TrialPaths(tmp_path / "trial"), session="multi-stage__1")
+
+    async def go():
+        await env.start(force_build=False)
+        try:
+            return (await env.exec("tool; cat /opt/extra/readme; pwd")).stdout
+        finally:
+            await env.stop(delete=True)
+
+    assert asyncio.run(go()) == "built-in-stage\nunpacked\n/app\n"
 
 
 def test_a_failing_build_step_is_harbors_build_failure(server, tmp_path):

@@ -80,9 +80,9 @@ def test_a_harbor_rl_group_builds_once_runs_the_bash_tool_and_scores(server, cli
             for sb in sandboxes:
                 await sb.cleanup()
 
-    before = len([s for s in client.snapshots() if s.name.startswith("tinker-build-")])
+    before = len([i for i in client.images() if i["name"].startswith("tinker-build-")])
     assert asyncio.run(group()) == [1.0, 1.0, 0.0]
-    assert len([s for s in client.snapshots() if s.name.startswith("tinker-build-")]) == before + 1
+    assert len([i for i in client.images() if i["name"].startswith("tinker-build-")]) == before + 1
 
 
 def test_files_and_errors_come_back_as_tinkers_results(server, tmp_path):

@@ -1,29 +1,32 @@
 """Task environments from the task: a Dockerfile built through dsec.
 
 A task directory (Harbor, terminal-bench, tinker's harbor_rl) brings an
-``environment/Dockerfile``. dsec has no image builder yet, so the build
-runs in a sandbox: it starts from the FROM image (an image the dsec server
+``environment/Dockerfile``. For kind ``container`` the dsec server builds it
+(``Client.build_image``, docs/images.md): the whole Dockerfile with Docker's
+meaning (multi-stage, ADD of archives, ENTRYPOINT/CMD kept in the image),
+each step cached by the server. The image is named after a digest of what
+the build reads (the Dockerfile with ``image_map`` applied, the kind, the
+build network, and the context's content as ``.dockerignore`` leaves it,
+without times or owners), so an unchanged environment is one image per
+server: a GRPO group of trials, and later runs, start from it. What the
+server does not build is UnsupportedOption; a failing step is BuildFailed.
+
+Machine kinds (microvm, vm) have no layer builds: there the build runs in a
+sandbox of the kind: it starts from the FROM image (an image the dsec server
 already has, under that name or mapped with ``image_map``), runs the RUN
 steps, copies the COPY/ADD sources from the build context, and snapshots
-the result. The snapshot is named after a digest of everything the build
-read (the FROM image and its digest, the kind, the Dockerfile, every
-copied file's path, mode and content), so an unchanged environment is built
-once per server: a GRPO group of trials, and later runs, start from the
-same snapshot. ENV, WORKDIR and USER become the sandboxes' defaults.
-
-Instructions that have no meaning for a sandbox whose first process is
-dsec's agent are recorded nowhere: CMD, ENTRYPOINT, EXPOSE, LABEL,
-MAINTAINER, STOPSIGNAL. Instructions the builder cannot honour raise
-UnsupportedOption naming them: multi-stage builds (a second FROM, AS
-names, COPY --from), RUN flags (--mount, --network, --security), SHELL,
-HEALTHCHECK, ONBUILD, FROM --platform, ADD of a URL or of a local archive
-(which Docker would unpack).
+the result, named as above. ENV, WORKDIR and USER become the sandboxes'
+defaults. Instructions that have no meaning for a sandbox whose first
+process is dsec's agent are recorded nowhere there: CMD, ENTRYPOINT,
+EXPOSE, LABEL, MAINTAINER, STOPSIGNAL; and it refuses with UnsupportedOption
+multi-stage builds (a second FROM, AS names, COPY --from), RUN flags
+(--mount, --network, --security), SHELL, HEALTHCHECK, ONBUILD, FROM
+--platform, ADD of a URL or of a local archive (which Docker would unpack).
 """
 
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import glob
 import hashlib
 import json
@@ -35,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..aio import AsyncClient, AsyncSandbox
-from ..errors import DsecError
+from ..build import DockerIgnore, context_digest, from_map
+from ..errors import DsecError, InvalidRequest, NotFound, Unimplemented
 from ._common import UnsupportedOption
 
 #: the PATH a container sandbox has when its image sets none
@@ -140,7 +144,7 @@ def parse(text: str, context: str, where: str = "Dockerfile",
     base = ""
     steps: List[Step] = []
     sources: List[str] = []
-    ignore = _dockerignore(context)
+    ignore = DockerIgnore.of(context)
     for op, rest in _lines(text):
         if op == "FROM":
             if base:
@@ -208,24 +212,7 @@ def parse(text: str, context: str, where: str = "Dockerfile",
     return Plan(base=base, steps=steps, env=env, workdir=workdir, user=user, sources=sources)
 
 
-def _dockerignore(context: str) -> List[str]:
-    p = os.path.join(context, ".dockerignore")
-    if not os.path.exists(p):
-        return []
-    return [line.strip() for line in open(p) if line.strip() and not line.startswith("#")]
-
-
-def _ignored(rel: str, patterns: List[str]) -> bool:
-    out = False
-    for pat in patterns:
-        neg = pat.startswith("!")
-        pat = pat[1:] if neg else pat
-        if fnmatch.fnmatch(rel, pat.strip("/")) or rel.startswith(pat.strip("/") + "/"):
-            out = not neg
-    return out
-
-
-def _resolve(context: str, src: str, dest: str, dest_is_dir: bool, workdir: str, ignore: List[str],
+def _resolve(context: str, src: str, dest: str, dest_is_dir: bool, workdir: str, ignore: DockerIgnore,
              where: str) -> List[Tuple[str, str]]:
     root = os.path.realpath(context)
     if not dest.startswith("/"):
@@ -243,11 +230,11 @@ def _resolve(context: str, src: str, dest: str, dest_is_dir: bool, workdir: str,
                 for f in fs:
                     p = os.path.join(d, f)
                     rel = os.path.relpath(p, root)
-                    if not _ignored(rel, ignore):
+                    if not ignore.excluded(rel):
                         out.append((rel, os.path.join(dest, os.path.relpath(p, real))))
         else:
             rel = os.path.relpath(real, root)
-            if _ignored(rel, ignore):
+            if ignore.excluded(rel):
                 continue
             out.append((rel, os.path.join(dest, os.path.basename(real)) if dest_is_dir else dest))
     return out
@@ -301,6 +288,8 @@ class Builder:
         path = os.path.join(context, dockerfile)
         with open(path) as f:
             text = f.read()
+        if self.kind == "container":
+            return await self._build_image(context, path, dockerfile, text, force)
         images = {i.get("name"): i for i in await self.client.images()}
 
         def base_env(name: str) -> Dict[str, str]:
@@ -328,6 +317,29 @@ class Builder:
                     return Image(snapshot=snap, **defaults)
             snap = await self._build(context, plan, base, name)
             return Image(snapshot=snap, built=True, **defaults)
+
+    async def _build_image(self, context: str, path: str, dockerfile: str, text: str, force: bool) -> Image:
+        """The image the server builds from the Dockerfile, once per content."""
+        text = from_map(text, self.image_map)
+        h = hashlib.sha256()
+        for part in (self.kind, self.network, text, context_digest(context)):
+            h.update(part.encode() + b"\0")
+        name = self.prefix + h.hexdigest()[:24]
+        lock = _locks.setdefault(asyncio.get_running_loop(), {}).setdefault(name, asyncio.Lock())
+        async with lock:
+            if not force and name in {i.get("name") for i in await self.client.images()}:
+                return Image(image=name)
+            try:
+                await self.client.build_image(name, context, dockerfile_text=text, no_cache=force, network=self.network,
+                                              cpu=self.cpu, memory_mb=self.memory_mb, step_timeout_s=int(self.timeout_s))
+            except Unimplemented as e:
+                raise UnsupportedOption(path, e.message, "dsec image build does not build it") from e
+            except NotFound as e:
+                raise UnsupportedOption(path, e.message, "import the image under that name (dsec image import) "
+                                        "or map it with image_map") from e
+            except InvalidRequest as e:
+                raise BuildFailed(f"{path}: {e.message}") from e
+            return Image(image=name, built=True)
 
     def _key(self, context: str, plan: Plan, base: str, digest: str, text: str) -> str:
         h = hashlib.sha256()
