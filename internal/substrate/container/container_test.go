@@ -408,7 +408,7 @@ func TestASandboxMakesOnlyTheFileSystemsAndMemoryCgroupsItNeeds(t *testing.T) {
 	memcgs := func() int {
 		n := 0
 		filepath.WalkDir(d.cgroups.dir(d.cfg.CgroupParent, "memory"), func(_ string, e fs.DirEntry, err error) error {
-			if err == nil && e.IsDir() && e.Name() != agentsMemory { // (shared, made once)
+			if err == nil && e.IsDir() && e.Name() != agentsShared { // (shared, made once)
 				n++
 			}
 			return nil
@@ -471,14 +471,14 @@ func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 	member := func(cgroupFile, controller string) string {
 		b, _ := os.ReadFile(cgroupFile)
 		for _, l := range strings.Split(string(b), "\n") {
-			if f := strings.SplitN(l, ":", 3); len(f) == 3 && f[1] == controller {
+			if f := strings.SplitN(l, ":", 3); len(f) == 3 && slices.Contains(strings.Split(f[1], ","), controller) {
 				return f[2]
 			}
 		}
 		return ""
 	}
 	pid := inner(inst).st.Pid
-	for _, c := range []string{"memory", "pids"} {
+	for _, c := range shieldedControllers {
 		if got, want := member(fmt.Sprintf("/proc/%d/cgroup", pid), c), d.agentCgroup(spec.ID, c); got != want {
 			t.Errorf("the agent is in %s cgroup %q, want %q", c, got, want)
 		}
@@ -489,8 +489,10 @@ func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 	}
 	f := filepath.Join(t.TempDir(), "cgroup")
 	os.WriteFile(f, x.Stdout, 0o600)
-	if got, want := member(f, "memory"), d.cgroupPath(spec.ID); got != want {
-		t.Errorf("a child is in memory cgroup %q, want the sandbox's %q", got, want)
+	for _, c := range []string{"memory", "cpu"} {
+		if got, want := member(f, c), d.cgroupPath(spec.ID); got != want {
+			t.Errorf("a child is in %s cgroup %q, want the sandbox's %q", c, got, want)
+		}
 	}
 	if got := member(f, "pids"); !strings.HasPrefix(got, d.cgroupPath(spec.ID)+"/exec-") {
 		t.Errorf("a child is in pids cgroup %q, want an exec's below the sandbox's", got)
@@ -510,15 +512,15 @@ func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 	tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
 	inSandbox := 0
 	for _, task := range tasks {
-		for _, c := range []string{"memory", "pids"} {
+		for _, c := range shieldedControllers {
 			if member(fmt.Sprintf("/proc/%d/task/%s/cgroup", pid, task.Name()), c) != d.agentCgroup(spec.ID, c) {
 				inSandbox++
 			}
 		}
 	}
 	t.Logf("the agent runs %d threads", len(tasks))
-	if inSandbox != 2 {
-		t.Errorf("of the agent's %d threads, %d memberships are outside its cgroups, want 2 (the spawner's memory and pids)", len(tasks), inSandbox)
+	if inSandbox != len(shieldedControllers) {
+		t.Errorf("of the agent's %d threads, %d memberships are outside its cgroups, want %d (the spawner's)", len(tasks), inSandbox, len(shieldedControllers))
 	}
 }
 

@@ -381,10 +381,12 @@ func (d *Driver) Close() {
 		d.disk.close()
 	}
 	if d.shieldable() {
-		// The agents' shared memory cgroup goes with the last agent on the
-		// host (this node's sandboxes outlive it, and other nodes may
-		// share the parent: then it is not empty and stays).
-		os.Remove(d.cgroups.dir(d.agentsMemoryCgroup(), "memory"))
+		// The agents' shared cgroups go with the last agent on the host
+		// (this node's sandboxes outlive it, and other nodes may share the
+		// parent: then they are not empty and stay).
+		for _, c := range []string{"memory", "cpu"} {
+			os.Remove(d.cgroups.dir(d.agentsCgroup(), c))
+		}
 	}
 }
 

@@ -15,14 +15,23 @@ const (
 	// agentSuffix names a sandbox's agent cgroup, beside the sandbox's
 	// own: <CgroupParent>/<id>.agent.
 	agentSuffix = ".agent"
-	// agentsMemory names the one memory cgroup every agent of the node
-	// shares, beside the sandboxes': <CgroupParent>/agents. A memory
+	// agentsShared names the memory and cpu cgroups every agent of the
+	// node shares, beside the sandboxes': <CgroupParent>/agents. A memory
 	// cgroup per agent would cost the kernel memory in proportion to the
 	// node's sandboxes for each one (for every memory cgroup, a slot per
 	// file system's shrinker: 1.3 MiB per sandbox at 3,890 sandboxes,
 	// measured); agents bound their own memory (the spool budget, 128 MiB
-	// of tails across an agent's execs).
-	agentsMemory = "agents"
+	// of tails across an agent's execs). Out of the sandbox's cpu cgroup,
+	// an agent is not throttled by its sandbox's CPU limit nor starved by
+	// its workload: a fork bomb of a thousand runnable processes in one
+	// CPU's quota left the agent's timer 1/1000 of it, and a 15 s timeout
+	// took 44 s to 5 min to kill the bomb (test/hostile).
+	agentsShared = "agents"
+	// agentsCPUShares weighs the agents' cpu cgroup against each
+	// sandbox's (1024, cgroup v1's default): idle agents use none of it;
+	// an agent with work (a timeout's kill, a call's answer) gets the CPU
+	// before the workloads do.
+	agentsCPUShares = 4096
 	// agentPidsLimit bounds the agent's threads.
 	agentPidsLimit = 512
 )
@@ -48,16 +57,22 @@ func (a *agentFiles) add(f *os.File) int {
 }
 
 // agentCgroup is a sandbox's agent cgroup path in controller c's
-// hierarchy: its own pids cgroup, the agents' shared memory cgroup.
+// hierarchy: its own pids cgroup, the agents' shared memory and cpu
+// cgroups.
 func (d *Driver) agentCgroup(id, c string) string {
-	if c == "memory" {
-		return d.agentsMemoryCgroup()
+	if c == "memory" || c == "cpu" {
+		return d.agentsCgroup()
 	}
 	return d.cgroupPath(id) + agentSuffix
 }
 
-// agentsMemoryCgroup is the memory cgroup every agent shares.
-func (d *Driver) agentsMemoryCgroup() string { return filepath.Join(d.cfg.CgroupParent, agentsMemory) }
+// agentsCgroup is the memory and cpu cgroup every agent shares.
+func (d *Driver) agentsCgroup() string { return filepath.Join(d.cfg.CgroupParent, agentsShared) }
+
+// shieldedControllers are the controllers whose cgroups an agent has of
+// its own, pids last (the agent takes the last of -home-fds as the pids
+// one, where it makes per-exec cgroups).
+var shieldedControllers = []string{"memory", "cpu", "pids"}
 
 // shieldable reports whether agents can be shielded on this host: cgroup v1
 // controllers (membership per thread) for memory and pids. On cgroup v2 a
@@ -111,7 +126,7 @@ func (d *Driver) prepareAgent(id, dir string, host uint32) (_ *agentFiles, undo 
 	}
 	var join, home []string
 	var pidsDir int
-	for _, c := range []string{"memory", "pids"} {
+	for _, c := range shieldedControllers {
 		sandbox := d.cgroups.dir(d.cgroupPath(id), c)
 		agent := d.cgroups.dir(d.agentCgroup(id, c), c)
 		if err := os.MkdirAll(sandbox, 0o755); err != nil {
@@ -121,8 +136,13 @@ func (d *Driver) prepareAgent(id, dir string, host uint32) (_ *agentFiles, undo 
 		if err := os.MkdirAll(agent, 0o755); err != nil {
 			return nil, nil, fmt.Errorf("create cgroup %s: %w", agent, err)
 		}
-		// The shared memory one is not this sandbox's to undo (Close
-		// removes it once empty).
+		// The shared ones are not this sandbox's to undo (Close removes
+		// them once empty).
+		if c == "cpu" {
+			if err := os.WriteFile(filepath.Join(agent, "cpu.shares"), []byte(strconv.Itoa(agentsCPUShares)), 0); err != nil {
+				return nil, nil, fmt.Errorf("weigh the agents' cgroup: %w", err)
+			}
+		}
 		if c == "pids" {
 			made = append(made, agent)
 			if err := os.WriteFile(filepath.Join(agent, "pids.max"), []byte(strconv.Itoa(agentPidsLimit)), 0); err != nil {
