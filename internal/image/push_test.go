@@ -75,7 +75,10 @@ func TestPushAndPullThroughARegistry(t *testing.T) {
 		if len(got.Layers) != 2 {
 			t.Fatalf("layers %v", got.Layers)
 		}
-		for _, f := range []struct{ layer int; name, body string }{{0, "a.txt", "one"}, {0, "gone.txt", "bye"}, {1, "b.txt", "two"}} {
+		for _, f := range []struct {
+			layer      int
+			name, body string
+		}{{0, "a.txt", "one"}, {0, "gone.txt", "bye"}, {1, "b.txt", "two"}} {
 			if b, err := os.ReadFile(filepath.Join(dst.LayerDir(got.Layers[f.layer]), f.name)); err != nil || string(b) != f.body {
 				t.Errorf("layer %d %s: %q %v", f.layer, f.name, b, err)
 			}
