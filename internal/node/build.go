@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -740,6 +741,41 @@ func (b *builder) files(ctx context.Context, s *buildState, step *dockerfile.Ste
 // last upload or use.
 const contextTTL = time.Hour
 
+// maxContextBytes bounds an uploaded build context (the tar as sent), so
+// one upload cannot fill the node's disk.
+const maxContextBytes = 8 << 30
+
+// errContextTooLarge ends the read of a context past maxContextBytes.
+var errContextTooLarge = errdefs.Invalid("the build context is larger than %d GiB: leave out what the build does not copy (.dockerignore)", maxContextBytes>>30)
+
+// limitedReader reads at most n bytes of r: past them, it fails with
+// errContextTooLarge unless r has ended.
+type limitedReader struct {
+	r io.Reader
+	n int64
+}
+
+func (l *limitedReader) Read(p []byte) (int, error) {
+	if l.n <= 0 {
+		var b [1]byte
+		for {
+			k, err := l.r.Read(b[:])
+			switch {
+			case k > 0:
+				return 0, errContextTooLarge
+			case err != nil:
+				return 0, err
+			}
+		}
+	}
+	if int64(len(p)) > l.n {
+		p = p[:l.n]
+	}
+	k, err := l.r.Read(p)
+	l.n -= int64(k)
+	return k, err
+}
+
 // contextPath is where a project's build context of digest lives.
 func (n *Node) contextPath(project, digest string) string {
 	h := sha256.Sum256([]byte(project + " " + digest))
@@ -776,8 +812,11 @@ func (n *Node) UploadBuildContext(ctx context.Context, r io.Reader) (_ *dsecv1.B
 	if err := os.Mkdir(root, 0o755); err != nil {
 		return nil, errdefs.Internal(err, "create build context directory")
 	}
-	digest, size, err := image.ExtractTar(countingReader{r, n.m.ImageBytes}, root)
+	digest, size, err := image.ExtractTar(&limitedReader{countingReader{r, n.m.ImageBytes}, maxContextBytes}, root)
 	if err != nil {
+		if errors.Is(err, errContextTooLarge) {
+			return nil, errContextTooLarge
+		}
 		if errdefs.KindOf(err) == errdefs.KindCanceled || errdefs.KindOf(err) == errdefs.KindDeadlineExceeded {
 			return nil, err
 		}
