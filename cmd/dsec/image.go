@@ -71,11 +71,7 @@ func imageImportCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if g.json() {
-				printJSON(os.Stdout, img)
-			} else {
-				fmt.Printf("%s %s (%d layers, %s)\n", img.Name, shortDigest(img.Digest), len(img.Layers), humanBytes(img.SizeBytes))
-			}
+			printImage(g, img)
 			return nil
 		},
 	}
@@ -332,7 +328,7 @@ func printImage(g *globals, img *dsecv1.Image) {
 		fmt.Printf("%s %s (VM image: %s disk, boots through %s, %s)\n", img.Name, shortDigest(img.Digest), humanBytes(vm.DiskBytes), boot, humanBytes(img.SizeBytes))
 		return
 	}
-	fmt.Printf("%s %s (%s)\n", img.Name, shortDigest(img.Digest), humanBytes(img.SizeBytes))
+	fmt.Printf("%s %s (%d layers, %s)\n", img.Name, shortDigest(img.Digest), len(img.Layers), humanBytes(img.SizeBytes))
 }
 
 func sortStrings(s []string) { sort.Strings(s) }
@@ -413,11 +409,7 @@ func imageBuildCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if g.json() {
-				printJSON(os.Stdout, img)
-			} else {
-				fmt.Printf("%s %s (%d layers, %s)\n", img.Name, shortDigest(img.Digest), len(img.Layers), humanBytes(img.SizeBytes))
-			}
+			printImage(g, img)
 			return nil
 		},
 	}
@@ -463,11 +455,7 @@ func commitCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if g.json() {
-				printJSON(os.Stdout, img)
-			} else {
-				fmt.Printf("%s %s (%d layers, %s)\n", img.Name, shortDigest(img.Digest), len(img.Layers), humanBytes(img.SizeBytes))
-			}
+			printImage(g, img)
 			return nil
 		},
 	}

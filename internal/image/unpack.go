@@ -33,18 +33,12 @@ func unpackLayer(r io.Reader, dir string) (diffID string, size int64, err error)
 	return extract(r, dir, true)
 }
 
-// ExtractInto extracts an uncompressed tar into the root file system at
-// dir as unpackLayer does (every entry resolved inside dir, symlinks in
-// the names as a chroot would resolve them), without whiteouts: a name
-// starting with ".wh." is a file like any other. Builds copy files into a
-// stage's root with it. It returns the bytes written.
-func ExtractInto(r io.Reader, dir string) (int64, error) {
-	_, size, err := extract(r, dir, false)
-	return size, err
-}
-
-// ExtractTar extracts an uncompressed tar into dir as ExtractInto does,
-// returning the stream's sha256 as well: a build context, kept by it.
+// ExtractTar extracts an uncompressed tar into the root file system at dir
+// as unpackLayer does (every entry resolved inside dir, symlinks in the
+// names as a chroot would resolve them), without whiteouts: a name
+// starting with ".wh." is a file like any other. It returns the stream's
+// sha256 (a build context is kept by it) and the bytes written. Builds
+// copy files into a stage's root with it.
 func ExtractTar(r io.Reader, dir string) (digest string, size int64, err error) {
 	return extract(r, dir, false)
 }

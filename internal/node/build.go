@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"path"
 	"path/filepath"
@@ -71,21 +72,10 @@ func (st *buildState) clone() *buildState {
 	c.cfg.Entrypoint = slices.Clone(st.cfg.Entrypoint)
 	c.cfg.Cmd = slices.Clone(st.cfg.Cmd)
 	c.cfg.ExposedPorts = slices.Clone(st.cfg.ExposedPorts)
-	c.cfg.Labels = cloneMap(st.cfg.Labels)
+	c.cfg.Labels = maps.Clone(st.cfg.Labels)
 	c.shell = slices.Clone(st.shell)
 	c.args = map[string]string{}
 	return &c
-}
-
-func cloneMap(m map[string]string) map[string]string {
-	if m == nil {
-		return nil
-	}
-	c := make(map[string]string, len(m))
-	for k, v := range m {
-		c[k] = v
-	}
-	return c
 }
 
 // getenv looks name up in the state's environment.
@@ -135,6 +125,7 @@ type builder struct {
 	step    int32
 	steps   int32
 	tmp     string
+	holds   []func() // layer holds, released when the build ends
 }
 
 // BuildImage builds an image from a Dockerfile (see builder), streaming
@@ -178,6 +169,11 @@ func (n *Node) BuildImage(ctx context.Context, req *dsecv1.BuildImageRequest, pr
 		return nil, errdefs.Internal(err, "create build directory")
 	}
 	defer os.RemoveAll(b.tmp)
+	defer func() {
+		for _, release := range b.holds {
+			release()
+		}
+	}()
 	img, err := b.run(ctx)
 	if err != nil {
 		return nil, err
@@ -338,6 +334,9 @@ func (b *builder) stage(ctx context.Context, i int, st *dockerfile.Stage) (*buil
 		if img.VM != nil || img.Snapshot != nil && img.Snapshot.Machine {
 			return nil, errdefs.Invalid("line %d: FROM %s: a VM image or machine snapshot has no layers to build on", st.Line, truncate(base, 128))
 		}
+		if err := b.hold(img.Layers); err != nil {
+			return nil, errdefs.NotFound("line %d: FROM %s: the image was removed as the build started", st.Line, truncate(base, 128))
+		}
 		s = (&buildState{layers: img.Layers, size: img.Size, cfg: img.Config, rec: img.Name, key: "from"}).clone()
 		s.chain(img.Digest, img.Layers)
 	}
@@ -368,22 +367,12 @@ func unsupported(step *dockerfile.Step, what string) error {
 
 // onlyFlags refuses flags of step other than allowed.
 func onlyFlags(step *dockerfile.Step, allowed ...string) error {
-	for _, f := range slices.Sorted(mapsKeys(step.Flags)) {
+	for _, f := range slices.Sorted(maps.Keys(step.Flags)) {
 		if !slices.Contains(allowed, f) {
 			return unsupported(step, step.Command+" --"+truncate(f, 32))
 		}
 	}
 	return nil
-}
-
-func mapsKeys(m map[string]string) func(func(string) bool) {
-	return func(yield func(string) bool) {
-		for k := range m {
-			if !yield(k) {
-				return
-			}
-		}
-	}
 }
 
 // expandAll expands each word of step.
@@ -541,10 +530,8 @@ func (b *builder) cached(s *buildState, key string) bool {
 	if err != nil || img.BuildCache == nil || img.BuildCache.Key != key {
 		return false
 	}
-	if release, err := b.n.images.Hold(img.Layers); err != nil {
+	if b.hold(img.Layers) != nil {
 		return false // collected meanwhile: run the step
-	} else {
-		release()
 	}
 	s.layers, s.size, s.rec, s.key = slices.Clone(img.Layers), img.Size, img.Name, key
 	return true
@@ -564,7 +551,22 @@ func (b *builder) commit(s *buildState, key, step, diff string, size int64) erro
 	if err := b.n.images.Put(rec); err != nil {
 		return err
 	}
+	if err := b.hold(layers); err != nil {
+		return err
+	}
 	s.layers, s.size, s.rec, s.key = layers, rec.Size, rec.Name, key
+	return nil
+}
+
+// hold keeps layers in the store until the build ends, whatever happens
+// to the records naming them meanwhile (a prune, an image removed): the
+// build's later steps and its image stack on them.
+func (b *builder) hold(layers []string) error {
+	release, err := b.n.images.Hold(layers)
+	if err != nil {
+		return err
+	}
+	b.holds = append(b.holds, release)
 	return nil
 }
 

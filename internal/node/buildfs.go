@@ -31,7 +31,7 @@ import (
 
 // The file side of builds: a stage's root as a private overlay of its
 // layers, and COPY and ADD, which write the files they copy into it as a
-// tar that image.ExtractInto unpacks resolving every name inside the root
+// tar that image.ExtractTar unpacks resolving every name inside the root
 // (a chroot's view: an image's absolute symlinks such as /bin -> /usr/bin
 // lead where they lead inside it). Sources are read through file
 // descriptors resolved inside their root (the build context or another
@@ -89,7 +89,7 @@ func (b *builder) withRoot(layers []string, writable bool, f func(root, upper st
 }
 
 // tarWriter writes the entries a step copies, as a tar for
-// image.ExtractInto.
+// image.ExtractTar.
 type tarWriter struct{ tw *tar.Writer }
 
 func (t *tarWriter) dir(name string, mode os.FileMode, uid, gid int) error {
@@ -107,7 +107,7 @@ func writeTar(root string, fill func(*tarWriter) error) error {
 		}
 		pw.CloseWithError(err)
 	}()
-	_, err := image.ExtractInto(pr, root)
+	_, _, err := image.ExtractTar(pr, root)
 	pr.CloseWithError(errors.New("extraction ended"))
 	if err != nil {
 		return classifyCopy(err)

@@ -217,15 +217,7 @@ func (s *Service) WriteFile(ctx context.Context, st *connect.ClientStream[dsecv1
 		}
 		return nil, errwire.ToConnect(errdefs.Invalid("WriteFile needs a header message first"))
 	}
-	return s.WriteFileFrom(ctx, st.Msg().GetHeader(), &chunkReader{next: func() ([]byte, error) {
-		if !st.Receive() {
-			if err := st.Err(); err != nil {
-				return nil, err
-			}
-			return nil, io.EOF
-		}
-		return st.Msg().GetData(), nil
-	}})
+	return s.WriteFileFrom(ctx, st.Msg().GetHeader(), streamData(st))
 }
 
 // WriteFileFrom is WriteFile with the header read and the data a reader.
@@ -377,17 +369,24 @@ func (s *Service) UploadImage(ctx context.Context, st *connect.ClientStream[dsec
 	if !st.Receive() || st.Msg().GetHeader() == nil {
 		return nil, errwire.ToConnect(errdefs.Invalid("UploadImage needs a header message first"))
 	}
-	hdr := st.Msg().GetHeader()
-	r := &chunkReader{next: func() ([]byte, error) {
+	return answer(s.Upload(ctx, st.Msg().GetHeader(), streamData(st)))
+}
+
+// streamData reads the data of a client stream's messages after its
+// header.
+func streamData[T any, P interface {
+	*T
+	GetData() []byte
+}](st *connect.ClientStream[T]) io.Reader {
+	return &chunkReader{next: func() ([]byte, error) {
 		if !st.Receive() {
 			if err := st.Err(); err != nil {
 				return nil, err
 			}
 			return nil, io.EOF
 		}
-		return st.Msg().GetData(), nil
+		return P(st.Msg()).GetData(), nil
 	}}
-	return answer(s.Upload(ctx, hdr, r))
 }
 
 // chunkReader reads the data of a stream's messages.
@@ -457,17 +456,7 @@ func (s *Service) UploadBuildContext(ctx context.Context, st *connect.ClientStre
 	if !st.Receive() || st.Msg().GetHeader() == nil {
 		return nil, errwire.ToConnect(errdefs.Invalid("UploadBuildContext needs a header message first"))
 	}
-	hdr := st.Msg().GetHeader()
-	r := &chunkReader{next: func() ([]byte, error) {
-		if !st.Receive() {
-			if err := st.Err(); err != nil {
-				return nil, err
-			}
-			return nil, io.EOF
-		}
-		return st.Msg().GetData(), nil
-	}}
-	return answer(s.UploadContext(ctx, hdr, r))
+	return answer(s.UploadContext(ctx, st.Msg().GetHeader(), streamData(st)))
 }
 
 func (s *Service) CommitSandbox(ctx context.Context, req *connect.Request[dsecv1.CommitSandboxRequest]) (*connect.Response[dsecv1.Image], error) {

@@ -373,15 +373,7 @@ func (s *Service) WriteVolumeFile(ctx context.Context, st *connect.ClientStream[
 		}
 		return nil, errwire.ToConnect(errdefs.Invalid("WriteVolumeFile needs a header message first"))
 	}
-	return s.WriteVolumeFileFrom(ctx, st.Msg().GetHeader(), &chunkReader{next: func() ([]byte, error) {
-		if !st.Receive() {
-			if err := st.Err(); err != nil {
-				return nil, err
-			}
-			return nil, io.EOF
-		}
-		return st.Msg().GetData(), nil
-	}})
+	return s.WriteVolumeFileFrom(ctx, st.Msg().GetHeader(), streamData(st))
 }
 
 // WriteVolumeFileFrom is WriteVolumeFile with the header read and the data

@@ -89,33 +89,28 @@ func (c *Client) UploadVMImage(ctx context.Context, name string, size int64, r i
 }
 
 func (c *Client) upload(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader, sent func(int64)) (*dsecv1.Image, error) {
-	st := c.raw.Images.UploadImage(ctx)
-	if err := st.Send(&dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Header{Header: hdr}}); err != nil && !errors.Is(err, io.EOF) {
-		return nil, asError(err)
-	}
-	if err := sendBody(r, sent, func(b []byte) error {
-		return st.Send(&dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Data{Data: b}})
-	}); err != nil {
-		st.CloseAndReceive()
-		return nil, err
-	}
-	resp, err := st.CloseAndReceive()
-	if err != nil {
-		return nil, asError(err)
-	}
-	return resp.Msg, nil
+	return sendStream(c.raw.Images.UploadImage(ctx), &dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Header{Header: hdr}},
+		func(b []byte) *dsecv1.UploadImageRequest {
+			return &dsecv1.UploadImageRequest{Msg: &dsecv1.UploadImageRequest_Data{Data: b}}
+		}, r, 1<<20, sent)
 }
 
-// sendBody sends r in chunks until it ends or a send fails (the server
-// answered early: the answer says why). It returns r's errors.
-func sendBody(r io.Reader, sent func(int64), send func([]byte) error) error {
-	buf := make([]byte, 1<<20)
+// sendStream makes a client-streaming call: the header message, then r in
+// data messages of up to chunk bytes (sent reports the bytes sent so far;
+// it may be nil), then the answer. A send that fails means the server
+// answered early: the answer says why. r's own errors are returned as
+// they are.
+func sendStream[Req, Res any](st *connect.ClientStreamForClient[Req, Res], header *Req, data func([]byte) *Req, r io.Reader, chunk int, sent func(int64)) (*Res, error) {
+	if err := st.Send(header); err != nil && !errors.Is(err, io.EOF) {
+		return nil, asError(err)
+	}
+	buf := make([]byte, chunk)
 	var total int64
 	for {
 		n, err := r.Read(buf)
 		if n > 0 {
-			if serr := send(buf[:n]); serr != nil {
-				return nil
+			if st.Send(data(buf[:n])) != nil {
+				break
 			}
 			total += int64(n)
 			if sent != nil {
@@ -123,33 +118,29 @@ func sendBody(r io.Reader, sent func(int64), send func([]byte) error) error {
 			}
 		}
 		if err == io.EOF {
-			return nil
+			break
 		}
 		if err != nil {
-			return err
+			st.CloseAndReceive()
+			return nil, err
 		}
-	}
-}
-
-// UploadBuildContext sends a build context (a tar of the files a
-// Dockerfile's COPY and ADD read, such as buildctx.Tar writes) for
-// BuildImage, which names it by the returned digest.
-func (c *Client) UploadBuildContext(ctx context.Context, r io.Reader, sent func(int64)) (*dsecv1.BuildContext, error) {
-	st := c.raw.Images.UploadBuildContext(ctx)
-	if err := st.Send(&dsecv1.UploadBuildContextRequest{Msg: &dsecv1.UploadBuildContextRequest_Header{Header: &dsecv1.UploadBuildContextHeader{}}}); err != nil && !errors.Is(err, io.EOF) {
-		return nil, asError(err)
-	}
-	if err := sendBody(r, sent, func(b []byte) error {
-		return st.Send(&dsecv1.UploadBuildContextRequest{Msg: &dsecv1.UploadBuildContextRequest_Data{Data: b}})
-	}); err != nil {
-		st.CloseAndReceive()
-		return nil, err
 	}
 	resp, err := st.CloseAndReceive()
 	if err != nil {
 		return nil, asError(err)
 	}
 	return resp.Msg, nil
+}
+
+// UploadBuildContext sends a build context (a tar of the files a
+// Dockerfile's COPY and ADD read, such as buildctx.Tar writes) for
+// BuildImage, which names it by the returned digest.
+func (c *Client) UploadBuildContext(ctx context.Context, r io.Reader, sent func(int64)) (*dsecv1.BuildContext, error) {
+	return sendStream(c.raw.Images.UploadBuildContext(ctx),
+		&dsecv1.UploadBuildContextRequest{Msg: &dsecv1.UploadBuildContextRequest_Header{Header: &dsecv1.UploadBuildContextHeader{}}},
+		func(b []byte) *dsecv1.UploadBuildContextRequest {
+			return &dsecv1.UploadBuildContextRequest{Msg: &dsecv1.UploadBuildContextRequest_Data{Data: b}}
+		}, r, 1<<20, sent)
 }
 
 // BuildImage builds an image from a Dockerfile (req.Dockerfile, with the

@@ -313,32 +313,12 @@ func (s *Sandbox) Logs(ctx context.Context, stdout, stderr io.Writer) (*dsecv1.E
 
 // WriteFile streams r into path (mode 0 means 0644).
 func (s *Sandbox) WriteFile(ctx context.Context, path string, r io.Reader, mode uint32) (*dsecv1.FileInfo, error) {
-	st := s.c.raw.WriteFile(ctx)
-	if err := st.Send(&dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Header{Header: &dsecv1.WriteFileHeader{SandboxId: s.ID, Container: s.container, Path: path, Mode: mode}}}); err != nil && !errors.Is(err, io.EOF) {
-		return nil, asError(err)
-	}
-	buf := make([]byte, 256<<10)
-	for {
-		n, err := r.Read(buf)
-		if n > 0 {
-			if serr := st.Send(&dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Data{Data: buf[:n]}}); serr != nil {
-				// The server answered early (an error); CloseAndReceive has it.
-				break
-			}
-		}
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			st.CloseAndReceive()
-			return nil, err
-		}
-	}
-	resp, err := st.CloseAndReceive()
-	if err != nil {
-		return nil, asError(err)
-	}
-	return resp.Msg, nil
+	hdr := &dsecv1.WriteFileHeader{SandboxId: s.ID, Container: s.container, Path: path, Mode: mode}
+	return sendStream(s.c.raw.WriteFile(ctx), &dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Header{Header: hdr}},
+		func(b []byte) *dsecv1.WriteFileRequest {
+			return &dsecv1.WriteFileRequest{Msg: &dsecv1.WriteFileRequest_Data{Data: b}}
+		},
+		r, 256<<10, nil)
 }
 
 // ReadFile streams path into w.

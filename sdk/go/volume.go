@@ -2,7 +2,6 @@ package dsec
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"strings"
@@ -97,32 +96,11 @@ func (c *Client) DeleteVolume(ctx context.Context, volume string) error {
 // WriteVolumeFile writes a file of a volume from r, without a sandbox. An
 // existing file is a conflict unless overwrite.
 func (c *Client) WriteVolumeFile(ctx context.Context, volume, path string, r io.Reader, overwrite bool) (*dsecv1.VolumeFileInfo, error) {
-	st := c.raw.Volumes.WriteVolumeFile(ctx)
 	hdr := &dsecv1.WriteVolumeFileHeader{Volume: volume, Path: path, Overwrite: overwrite}
-	if err := st.Send(&dsecv1.WriteVolumeFileRequest{Msg: &dsecv1.WriteVolumeFileRequest_Header{Header: hdr}}); err != nil && !errors.Is(err, io.EOF) {
-		return nil, asError(err)
-	}
-	buf := make([]byte, 256<<10)
-	for {
-		n, err := r.Read(buf)
-		if n > 0 {
-			if serr := st.Send(&dsecv1.WriteVolumeFileRequest{Msg: &dsecv1.WriteVolumeFileRequest_Data{Data: buf[:n]}}); serr != nil {
-				break // the server answered early (an error): CloseAndReceive has it
-			}
-		}
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			st.CloseAndReceive()
-			return nil, err
-		}
-	}
-	resp, err := st.CloseAndReceive()
-	if err != nil {
-		return nil, asError(err)
-	}
-	return resp.Msg, nil
+	return sendStream(c.raw.Volumes.WriteVolumeFile(ctx), &dsecv1.WriteVolumeFileRequest{Msg: &dsecv1.WriteVolumeFileRequest_Header{Header: hdr}},
+		func(b []byte) *dsecv1.WriteVolumeFileRequest {
+			return &dsecv1.WriteVolumeFileRequest{Msg: &dsecv1.WriteVolumeFileRequest_Data{Data: b}}
+		}, r, 256<<10, nil)
 }
 
 // ReadVolumeFile streams a file of a volume into w, without a sandbox.

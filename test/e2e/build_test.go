@@ -288,6 +288,13 @@ func TestImageBuild(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// The step's sandbox is deleted once the build notices the client
+		// went: its ended event says when.
+		events, err := a.Subscribe(ctx, dsec.EventOptions{Labels: "dsec.io/build=abandoned", Types: []string{"created", "ended"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer events.Close()
 		cctx, cancel := context.WithCancel(ctx)
 		defer cancel()
 		_, err = a.BuildImage(cctx, &dsecv1.BuildImageRequest{Name: "abandoned", ContextDigest: bc.Digest, NoCache: true,
@@ -299,17 +306,23 @@ func TestImageBuild(t *testing.T) {
 		if err == nil {
 			t.Fatal("an abandoned build succeeded")
 		}
-		deadline := time.Now().Add(30 * time.Second)
-		for {
-			l, err := a.List(ctx, "dsec.io/build")
-			if err == nil && len(l) == 0 {
-				break
+		var created, ended string
+		for ended == "" {
+			ev, err := events.Next()
+			if err != nil {
+				t.Fatalf("waiting for the abandoned step's sandbox to end: %v", err)
 			}
-			if time.Now().After(deadline) {
-				t.Fatalf("the abandoned step's sandbox is still there: %v %v", l, err)
+			switch ev.GetType() {
+			case "created":
+				created = ev.GetSandboxId()
+			case "ended":
+				if ev.GetSandboxId() != created || ev.GetCause() != "deleted" {
+					t.Fatalf("ended %v, want the step's sandbox %s deleted", ev, created)
+				}
+				ended = created
 			}
-			time.Sleep(100 * time.Millisecond)
 		}
+		noBuildSandboxes(t, a)
 	})
 
 	t.Run("another project reaches neither the context, the image nor the cache", func(t *testing.T) {

@@ -483,6 +483,9 @@ func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 			t.Errorf("the agent is in %s cgroup %q, want %q", c, got, want)
 		}
 	}
+	if got := readInt(filepath.Join(d.cgroups.dir(d.agentsCgroup(), "cpu"), "cpu.shares")); got != agentsCPUShares {
+		t.Errorf("the agents' cpu cgroup weighs %d, want %d", got, agentsCPUShares)
+	}
 	x, err := inst.Guest().Run(context.Background(), (&runExec{"cat /proc/self/cgroup"}).exec())
 	if err != nil {
 		t.Fatal(err)

@@ -209,7 +209,10 @@ func (d *Driver) probe() string {
 	}
 	switch {
 	case d.shieldable():
-		d.caps.Details["agent_shield"] = "cgroups (the agent's own memory and pids cgroups)"
+		if err := d.prepareAgentsCgroups(); err != nil {
+			return fmt.Sprintf("cannot prepare the agents' cgroups: %v", err)
+		}
+		d.caps.Details["agent_shield"] = "cgroups (the agent's own memory, cpu and pids cgroups)"
 	case d.sysResource:
 		d.caps.Details["agent_shield"] = "oom_score_adj only (cgroup v2)"
 	default:

@@ -83,6 +83,17 @@ func (d *Driver) shieldable() bool {
 	return d.cgroups.mode == cgroupV1 || d.cgroups.mode == cgroupHybrid
 }
 
+// prepareAgentsCgroups makes the cgroups every agent shares (memory, cpu)
+// and gives the cpu one its weight, once, when the driver starts.
+func (d *Driver) prepareAgentsCgroups() error {
+	for _, c := range []string{"memory", "cpu"} {
+		if err := os.MkdirAll(d.cgroups.dir(d.agentsCgroup(), c), 0o755); err != nil {
+			return err
+		}
+	}
+	return os.WriteFile(filepath.Join(d.cgroups.dir(d.agentsCgroup(), "cpu"), "cpu.shares"), []byte(strconv.Itoa(agentsCPUShares)), 0)
+}
+
 // prepareAgent makes what a sandbox's agent inherits: a spool directory
 // for collected output (dir/spool), and, where shieldable, the agent's own
 // cgroups and the sandbox's (which the runtime then joins), opened here
@@ -137,12 +148,7 @@ func (d *Driver) prepareAgent(id, dir string, host uint32) (_ *agentFiles, undo 
 			return nil, nil, fmt.Errorf("create cgroup %s: %w", agent, err)
 		}
 		// The shared ones are not this sandbox's to undo (Close removes
-		// them once empty).
-		if c == "cpu" {
-			if err := os.WriteFile(filepath.Join(agent, "cpu.shares"), []byte(strconv.Itoa(agentsCPUShares)), 0); err != nil {
-				return nil, nil, fmt.Errorf("weigh the agents' cgroup: %w", err)
-			}
-		}
+		// them once empty; probe made and weighed them).
 		if c == "pids" {
 			made = append(made, agent)
 			if err := os.WriteFile(filepath.Join(agent, "pids.max"), []byte(strconv.Itoa(agentPidsLimit)), 0); err != nil {

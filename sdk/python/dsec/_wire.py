@@ -15,7 +15,7 @@ import struct
 import threading
 import time
 import urllib.parse
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterable, Iterator, Optional, Sequence
 
 from .errors import ConnectionFailed, DsecError, make_error
 
@@ -94,6 +94,12 @@ def error_from_json(body: Dict[str, Any], status: Optional[int] = None, retry_af
         retry_after_s=ra,
         status=status,
     )
+
+
+def _envelope(msg: Dict[str, Any]) -> bytes:
+    """A Connect streaming message (JSON) in its envelope."""
+    payload = json.dumps(msg).encode()
+    return struct.pack(">BI", 0, len(payload)) + payload
 
 
 class Transport:
@@ -191,12 +197,42 @@ class Transport:
             raise error_from_json(err, resp.status, resp.getheader("Retry-After"))
         return json.loads(data) if data else {}
 
+    def client_stream(self, service: str, method: str, first: Sequence[Dict[str, Any]], data: Iterable[bytes]) -> Dict[str, Any]:
+        """A client-streaming call: ``first`` messages, then one data message
+        per chunk of ``data``, sent chunked as they come; returns the answer."""
+
+        def body() -> Iterator[bytes]:
+            for m in first:
+                yield _envelope(m)
+            for b in data:
+                yield _envelope({"data": b64(b)})
+
+        # http.client sends an iterable body chunked.
+        resp = self.request("POST", f"/{service}/{method}", body(), self.headers("application/connect+json"))
+        raw = resp.read()
+        if resp.status != 200:
+            try:
+                err = json.loads(raw)
+            except ValueError:
+                err = {"code": "unknown", "message": raw.decode(errors="replace")[:500]}
+            raise error_from_json(err, resp.status)
+        out: Dict[str, Any] = {}
+        i = 0
+        while i + 5 <= len(raw):
+            flags, n = struct.unpack(">BI", raw[i:i + 5])
+            obj = json.loads(raw[i + 5:i + 5 + n]) if n else {}
+            i += 5 + n
+            if flags & 0x02:
+                if obj.get("error"):
+                    raise error_from_json(obj["error"])
+            else:
+                out = obj
+        return out
+
     def stream(self, service: str, method: str, msg: Dict[str, Any], timeout: Optional[float] = None) -> Iterator[Dict[str, Any]]:
         """A server-streaming call; yields each message. The connection is
         used exclusively until the stream ends."""
-        payload = json.dumps(msg).encode()
-        body = struct.pack(">BI", 0, len(payload)) + payload
-        resp = self.request("POST", f"/{service}/{method}", body, self.headers("application/connect+json"), timeout)
+        resp = self.request("POST", f"/{service}/{method}", _envelope(msg), self.headers("application/connect+json"), timeout)
         if resp.status != 200:
             data = resp.read()
             try:

@@ -16,7 +16,7 @@ from .errors import DsecError, NotFound, SandboxGone, make_error
 from .events import (EventStream, Webhook, create_webhook, delete_webhook, enable_webhook, list_webhooks,
                      subscribe)
 from .network import Network, NetworkLog, NetworkPolicy, PolicyLike, policy_wire
-from .volumes import _VOLUMES, MountLike, Volume, _client_stream, mount_wire
+from .volumes import _VOLUMES, MountLike, Volume, mount_wire
 
 DEFAULT_URL = "http://127.0.0.1:7070"
 # The sandbox API, one service per role (api/dsec/v1/sandbox.proto).
@@ -1015,7 +1015,7 @@ class Client:
                 dockerfile_text = f.read()
         req: Dict[str, Any] = {"name": name, "dockerfile": from_map(dockerfile_text, dict(image_map or {}))}
         if context is not None:
-            bc = _client_stream(self, "UploadBuildContext", [{"header": {}}], context_chunks(context), service=_IMAGE)
+            bc = self._t.client_stream(_IMAGE, "UploadBuildContext", [{"header": {}}], context_chunks(context))
             req["contextDigest"] = bc["digest"]
         if build_args:
             req["buildArgs"] = {str(k): str(v) for k, v in build_args.items()}

@@ -13,12 +13,10 @@ the first sandbox lives); deleting a mounted volume is a Conflict. Only
 kind ``container`` mounts volumes.
 """
 
-import json
-import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, IO, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, IO, Iterator, List, Mapping, Optional, Sequence, Union
 
-from ._wire import b64, error_from_json, unb64
+from ._wire import unb64
 
 if TYPE_CHECKING:
     from .client import Client
@@ -117,7 +115,7 @@ class Volume:
             if v is not None:
                 hdr[k] = int(v)
         assert self._client is not None
-        return VolumeFileInfo._from(_client_stream(self._client, "WriteVolumeFile", [{"header": hdr}],
+        return VolumeFileInfo._from(self._client._t.client_stream(_VOLUMES, "WriteVolumeFile", [{"header": hdr}],
                                                    _chunks(data, chunk_size)))
 
     def read_file(self, path: str) -> bytes:
@@ -181,41 +179,3 @@ def _chunks(data: Union[bytes, str, IO[bytes]], size: int) -> Iterator[bytes]:
         yield b
 
 
-def _envelope(msg: Dict[str, Any]) -> bytes:
-    payload = json.dumps(msg).encode()
-    return struct.pack(">BI", 0, len(payload)) + payload
-
-
-def _client_stream(client: "Client", method: str, first: Sequence[Dict[str, Any]], data: Iterable[bytes],
-                   service: str = _VOLUMES) -> Dict[str, Any]:
-    """A client-streaming call (Connect, JSON): ``first`` messages, then one
-    data message per chunk, sent chunked as they come."""
-
-    def body() -> Iterator[bytes]:
-        for m in first:
-            yield _envelope(m)
-        for b in data:
-            yield _envelope({"data": b64(b)})
-
-    t = client._t
-    headers = t.headers("application/connect+json")  # http.client sends an iterable body chunked
-    resp = t.request("POST", f"/{service}/{method}", body(), headers)
-    raw = resp.read()
-    if resp.status != 200:
-        try:
-            err = json.loads(raw)
-        except ValueError:
-            err = {"code": "unknown", "message": raw.decode(errors="replace")[:500]}
-        raise error_from_json(err, resp.status)
-    out: Dict[str, Any] = {}
-    i = 0
-    while i + 5 <= len(raw):
-        flags, n = struct.unpack(">BI", raw[i:i + 5])
-        obj = json.loads(raw[i + 5:i + 5 + n]) if n else {}
-        i += 5 + n
-        if flags & 0x02:
-            if obj.get("error"):
-                raise error_from_json(obj["error"])
-        else:
-            out = obj
-    return out
