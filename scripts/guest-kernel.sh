@@ -3,15 +3,18 @@
 # $DSEC_CACHE_DIR/guest-kernel): Debian's linux-image-cloud-amd64 is
 # downloaded with apt (not installed on the host), its bzImage is
 # decompressed into a vmlinux with a PVH entry, and the modules the guest's
-# initramfs loads are copied next to it. Idempotent; concurrent runs wait
-# for each other.
+# initramfs loads (block, console, balloon, rng, file systems, vsock, and
+# the NIC's for sandboxes with egress) are copied next to it. Idempotent;
+# concurrent runs wait for each other.
 set -euo pipefail
 
 dest=${1:-${DSEC_CACHE_DIR:-.dsec/cache}/guest-kernel}
 mkdir -p "$(dirname "$dest")"
 exec 9>"$dest.lock"
 flock 9
-[[ -s $dest/vmlinux && -s $dest/release ]] && exit 0
+# A kernel prepared before a module was added to the list below is
+# prepared again.
+[[ -s $dest/vmlinux && -s $dest/release && -s $dest/modules/virtio_net.ko ]] && exit 0
 
 meta=${GUEST_KERNEL_PACKAGE:-linux-image-cloud-amd64}
 pkg=$(apt-cache depends "$meta" 2>/dev/null | awk '/Depends: linux-image-/{print $2; exit}')
@@ -55,7 +58,8 @@ for m in drivers/virtio/virtio_ring drivers/virtio/virtio drivers/virtio/virtio_
 	drivers/block/virtio_blk drivers/char/virtio_console drivers/virtio/virtio_balloon \
 	drivers/char/hw_random/virtio-rng lib/libcrc32c fs/erofs/erofs fs/overlayfs/overlay \
 	net/vmw_vsock/vsock net/vmw_vsock/vmw_vsock_virtio_transport_common \
-	net/vmw_vsock/vmw_vsock_virtio_transport; do
+	net/vmw_vsock/vmw_vsock_virtio_transport \
+	net/core/failover drivers/net/net_failover drivers/net/virtio_net; do
 	[[ -f $mods/$m.ko ]] || { echo "guest-kernel: $pkg lacks $m.ko" >&2; exit 1; }
 	cp "$mods/$m.ko" "$out/modules/"
 done

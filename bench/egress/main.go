@@ -42,11 +42,10 @@ import (
 	"strings"
 	"time"
 
-	"github.com/vishvananda/netns"
-
 	"github.com/opendsec/dsec/internal/dsectest"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/network"
+	"github.com/opendsec/dsec/internal/nsthread"
 )
 
 func main() {
@@ -128,7 +127,7 @@ func main() {
 	}{{"no policy", open}, {"policy", policed}}
 	// The policed sandbox resolves the name once (as a client would), which
 	// pins its address.
-	inside(policed, func() error {
+	nsthread.NetNS(policed.NetNS, func() error {
 		_, err := net.DefaultResolver.LookupHost(context.Background(), host)
 		return err
 	})
@@ -140,7 +139,7 @@ func main() {
 		for c, cs := range cases {
 			for s, sb := range sandboxes {
 				var ds []time.Duration
-				err := inside(sb.a, func() error {
+				err := nsthread.NetNS(sb.a.NetNS, func() error {
 					for i := 0; i < 20; i++ { // warm up
 						if _, err := cs.conn(); err != nil {
 							return err
@@ -175,7 +174,7 @@ func main() {
 	rate := make([][]float64, len(sandboxes))
 	for r := 0; r < *runs; r++ {
 		for s, sb := range sandboxes {
-			err := inside(sb.a, func() error {
+			err := nsthread.NetNS(sb.a.NetNS, func() error {
 				t0 := time.Now()
 				c, err := net.DialTimeout("tcp4", web+":80", 3*time.Second)
 				if err != nil {
@@ -236,26 +235,6 @@ func tlsHandshake(addr, host string) (time.Duration, error) {
 	dur := time.Since(t0)
 	c.Close()
 	return dur, nil
-}
-
-// inside runs fn on a thread in a's network namespace (as the sandbox).
-func inside(a *network.Attachment, fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread() // never unlocked: the thread ends with fn
-		ns, err := netns.GetFromPath(a.NetNS)
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer ns.Close()
-		if err := netns.Set(ns); err != nil {
-			errc <- err
-			return
-		}
-		errc <- fn()
-	}()
-	return <-errc
 }
 
 func pct(ds []time.Duration, p int) time.Duration {

@@ -24,6 +24,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/guest/agent"
 )
 
@@ -48,6 +49,7 @@ func main() {
 	pidsDirFD := flag.Int("pids-dir-fd", -1, "inherited directory of the sandbox's pids cgroup, for per-exec cgroups; its tasks file is the last of -home-fds")
 	spoolFD := flag.Int("spool-fd", -1, "inherited directory to spool collected output in, outside the sandbox")
 	pidNS := flag.Bool("pid-namespace", false, "start every process in a pid namespace of the workloads', under a small init, where no process can name the agent (gVisor, whose kernel does not shield a namespace's init nor check ptrace access in /proc; see agent.IsolatePIDs)")
+	netConfig := flag.String("net", "", "configure the VM's network interface first: ADDR/BITS,GATEWAY,MAC,MTU[,DNS...] (microVMs with egress)")
 	nullStdioFlag := flag.Bool("null-stdio", false, "once listening, replace stdin, stdout and stderr with /dev/null (under gVisor, whose /proc/1/fd lets any process of the sandbox open them, they are the node's files)")
 	flag.Parse()
 	if *version {
@@ -63,6 +65,14 @@ func main() {
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 
+	if *netConfig != "" {
+		// Before the agent answers: a create returns with the network up.
+		// A failure ends the boot, its reason on the console.
+		if err := configureNetwork(*netConfig); err != nil {
+			fmt.Fprintln(os.Stderr, "dsec-init: configure the network:", err)
+			os.Exit(2)
+		}
+	}
 	var l net.Listener
 	var err error
 	switch {
@@ -172,6 +182,7 @@ func identity(args []string) {
 	unixMs := fs.Int64("unix-ms", 0, "wall clock to set, unix milliseconds")
 	seed := fs.String("seed", "", "hex bytes to credit to the kernel's random pool")
 	machineID := fs.Bool("machine-id", false, "give the machine a new random /etc/machine-id")
+	netConfig := fs.String("net", "", "give the network interface this configuration (see the agent's -net)")
 	fs.Parse(args)
 	var t time.Time
 	if *unixMs > 0 {
@@ -192,6 +203,20 @@ func identity(args []string) {
 			os.Exit(1)
 		}
 	}
+	if *netConfig != "" {
+		if err := configureNetwork(*netConfig); err != nil {
+			fmt.Fprintln(os.Stderr, "dsec-guest identity: configure the network:", err)
+			os.Exit(1)
+		}
+	}
+}
+
+func configureNetwork(s string) error {
+	c, err := guest.ParseNetConfig(s)
+	if err != nil {
+		return err
+	}
+	return agent.ConfigureNetwork(c, 5*time.Second)
 }
 
 // nullStdio makes descriptors 0, 1 and 2 /dev/null.

@@ -18,14 +18,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"sort"
 	"strings"
 	"sync"
 	"time"
 
-	"github.com/vishvananda/netns"
 	"golang.org/x/net/dns/dnsmessage"
+
+	"github.com/opendsec/dsec/internal/nsthread"
 )
 
 // Internet is a network namespace that plays the internet for egress
@@ -112,7 +112,7 @@ func StartInternet(t TB, web int) *Internet {
 	var udp *net.UDPConn
 	var echoes []*net.UDPConn
 	var listeners []net.Listener
-	err := inNamespace(in.NS, func() error {
+	err := nsthread.NetNS(in.NS, func() error {
 		var err error
 		if udp, err = net.ListenUDP("udp4", &net.UDPAddr{IP: in.DNS.AsSlice(), Port: 53}); err != nil {
 			return err
@@ -165,28 +165,6 @@ func StartInternet(t TB, web int) *Internet {
 		go (&http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second}).Serve(l)
 	}
 	return in
-}
-
-// inNamespace runs fn on a thread in the network namespace at path; the
-// thread is never unlocked, so it exits with its goroutine and nothing
-// else runs there. Sockets fn opens stay in the namespace.
-func inNamespace(path string, fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		ns, err := netns.GetFromPath(path)
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer ns.Close()
-		if err := netns.Set(ns); err != nil {
-			errc <- err
-			return
-		}
-		errc <- fn()
-	}()
-	return <-errc
 }
 
 // Set makes name (an exact name, or "*.suffix") resolve to addrs; no

@@ -2,7 +2,6 @@ package network
 
 import (
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 
 	"github.com/opendsec/dsec/internal/errdefs"
 )
@@ -30,12 +29,7 @@ func (m *Manager) SetBandwidth(a *Attachment, mbps int64) error {
 	if err := shape(&netlink.Handle{}, host, mbps); err != nil {
 		return errdefs.Internal(err, "limit the sandbox's bandwidth")
 	}
-	ns, err := netns.GetFromPath(a.NetNS)
-	if err != nil {
-		return errdefs.Internal(err, "open the sandbox's network namespace")
-	}
-	defer ns.Close()
-	h, err := netlink.NewHandleAt(ns)
+	h, err := handleIn(a.NetNS)
 	if err != nil {
 		return errdefs.Internal(err, "open the sandbox's network namespace")
 	}

@@ -9,15 +9,14 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/vishvananda/netns"
 	"golang.org/x/net/dns/dnsmessage"
 
 	"github.com/opendsec/dsec/internal/dsectest"
+	"github.com/opendsec/dsec/internal/nsthread"
 )
 
 // egressSetup starts an internet (two web servers: allowed.test and
@@ -41,27 +40,6 @@ func egressSetup(t *testing.T) (*Manager, *dsectest.Internet) {
 	return m, in
 }
 
-// inside runs fn on a thread in a's network namespace (as the sandbox).
-func inside(t *testing.T, a *Attachment, fn func() error) error {
-	t.Helper()
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread() // never unlocked: the thread ends with fn
-		ns, err := netns.GetFromPath(a.NetNS)
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer ns.Close()
-		if err := netns.Set(ns); err != nil {
-			errc <- err
-			return
-		}
-		errc <- fn()
-	}()
-	return <-errc
-}
-
 // someResolver is where the sandbox sends its queries: any address will
 // do, the node's resolver answers them all.
 var someResolver = netip.MustParseAddrPort("203.0.113.53:53")
@@ -71,7 +49,7 @@ func query(t *testing.T, a *Attachment, name string) (dnsmessage.RCode, []netip.
 	t.Helper()
 	var rcode dnsmessage.RCode
 	var addrs []netip.Addr
-	err := inside(t, a, func() error {
+	err := nsthread.NetNS(a.NetNS, func() error {
 		c, err := net.DialUDP("udp4", nil, net.UDPAddrFromAddrPort(someResolver))
 		if err != nil {
 			return err
@@ -114,7 +92,7 @@ func query(t *testing.T, a *Attachment, name string) (dnsmessage.RCode, []netip.
 func get(t *testing.T, a *Attachment, addr netip.AddrPort, host, path string) (string, error) {
 	t.Helper()
 	var out string
-	err := inside(t, a, func() error {
+	err := nsthread.NetNS(a.NetNS, func() error {
 		c, err := net.DialTimeout("tcp4", addr.String(), 3*time.Second)
 		if err != nil {
 			return err
@@ -146,7 +124,7 @@ func handshake(t *testing.T, a *Attachment, in *dsectest.Internet, addr netip.Ad
 	roots := x509.NewCertPool()
 	roots.AppendCertsFromPEM(pem)
 	var out string
-	err = inside(t, a, func() error {
+	err = nsthread.NetNS(a.NetNS, func() error {
 		d := net.Dialer{Timeout: 3 * time.Second}
 		c, err := tls.DialWithDialer(&d, "tcp4", addr.String(), &tls.Config{ServerName: sni, RootCAs: roots})
 		if err != nil {
@@ -165,7 +143,7 @@ func handshake(t *testing.T, a *Attachment, in *dsectest.Internet, addr netip.Ad
 // dial opens a TCP connection to addr from inside a.
 func dial(t *testing.T, a *Attachment, addr netip.AddrPort) error {
 	t.Helper()
-	return inside(t, a, func() error {
+	return nsthread.NetNS(a.NetNS, func() error {
 		c, err := net.DialTimeout("tcp4", addr.String(), 2*time.Second)
 		if err == nil {
 			c.Close()
@@ -338,7 +316,7 @@ func TestABandwidthLimitHoldsEachWay(t *testing.T) {
 	rate := func(t *testing.T, what string, fn func(c net.Conn) (int64, error)) float64 {
 		t.Helper()
 		var mbit float64
-		err := inside(t, a, func() error {
+		err := nsthread.NetNS(a.NetNS, func() error {
 			c, err := net.DialTimeout("tcp4", web, 3*time.Second)
 			if err != nil {
 				return err

@@ -1071,14 +1071,19 @@ func (m *Manager) readopt(a *Attachment) error {
 	return m.hardenPort(host, br, a)
 }
 
-// macInside reads eth0's MAC in the namespace at path.
-func macInside(path string) (net.HardwareAddr, error) {
+// handleIn opens a netlink handle in the network namespace at path.
+func handleIn(path string) (*netlink.Handle, error) {
 	ns, err := netns.GetFromPath(path)
 	if err != nil {
 		return nil, err
 	}
 	defer ns.Close()
-	h, err := netlink.NewHandleAt(ns)
+	return netlink.NewHandleAt(ns)
+}
+
+// macInside reads eth0's MAC in the namespace at path.
+func macInside(path string) (net.HardwareAddr, error) {
+	h, err := handleIn(path)
 	if err != nil {
 		return nil, err
 	}
@@ -1147,12 +1152,7 @@ func loopbackNetNS(path string) (err error) {
 			os.Remove(path)
 		}
 	}()
-	ns, err := netns.GetFromPath(path)
-	if err != nil {
-		return err
-	}
-	defer ns.Close()
-	h, err := netlink.NewHandleAt(ns)
+	h, err := handleIn(path)
 	if err != nil {
 		return err
 	}

@@ -263,7 +263,7 @@ func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
 		PrivilegeEscalation: img.Config.PrivilegeEscalation,
 	}
 	if s.net != nil {
-		ds.Network = substrate.Network{Mode: s.net.Mode, NetNS: s.net.NetNS, ResolvConf: s.net.ResolvConf}
+		ds.Network = n.substrateNetwork(s.net)
 	}
 	if img.Snapshot != nil && img.Snapshot.Machine {
 		ds.Restore = n.snapshotDir(img.Name)

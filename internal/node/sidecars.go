@@ -669,7 +669,7 @@ func (n *Node) memberSpec(s *sandbox, m *member, img *image.Image) *substrate.Sp
 		Volumes: sharedMounts(s, m.spec.Volumes),
 	}
 	if s.net != nil {
-		ds.Network = substrate.Network{Mode: s.net.Mode, NetNS: s.net.NetNS, ResolvConf: s.net.ResolvConf}
+		ds.Network = n.substrateNetwork(s.net)
 	}
 	return ds
 }

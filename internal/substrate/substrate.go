@@ -118,6 +118,10 @@ type Network struct {
 	NetNS string
 	// ResolvConf is the resolv.conf content for the sandbox.
 	ResolvConf string
+	// Guest is what a virtual machine's own network stack is given
+	// (egress): the VM drivers attach its NIC to the namespace's tap
+	// (network.PrepareTap) and the guest takes the sandbox's address.
+	Guest guest.NetConfig
 }
 
 // Spec is what a driver needs to start an instance.

@@ -2,6 +2,9 @@ package e2e
 
 import (
 	"bytes"
+	"fmt"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -189,4 +192,134 @@ func TestMicroVMDebian(t *testing.T) {
 	if err != nil || string(x.Stdout) != "42\n3\n" {
 		t.Fatalf("debian microVM: %v %v", x, err)
 	}
+}
+
+// TestMicroVMEgress puts microVMs on the sandbox network the way containers
+// are (issue 18): the guest's NIC sits on a tap in the sandbox's network
+// namespace, so the host's rules, policy and connection log hold for it
+// unchanged. Before, a microVM had no network at all and egress was
+// refused as unimplemented.
+func TestMicroVMEgress(t *testing.T) {
+	dsectest.NeedMicroVM(t)
+	srv := dsectest.Start(t, dsectest.Options{})
+	ext := outside(t)
+	c := srv.Client()
+	ctx := ctxFor(t, 10*time.Minute)
+	extURL := "http://" + ext + ":8080/"
+
+	host, err := net.Listen("tcp", "0.0.0.0:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer host.Close()
+	go http.Serve(host, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("host service\n")) }))
+	hostPort := host.Addr().(*net.TCPAddr).Port
+
+	vm := create(t, c, dsec.CreateOptions{Kind: "microvm", MemoryMB: 256, Network: "egress"})
+	peer := create(t, c, dsec.CreateOptions{Network: "egress"})
+	if _, err := peer.Exec(ctx, dsec.Cmd("mkdir -p /srv && echo peer > /srv/index.html && httpd -p 8000 -h /srv")); err != nil {
+		t.Fatal(err)
+	}
+	vmAddr, peerAddr := addrOf(t, vm), addrOf(t, peer)
+
+	t.Run("the guest has the sandbox's address and reaches the outside through NAT", func(t *testing.T) {
+		if !strings.HasPrefix(vmAddr, "10.") || vmAddr == peerAddr {
+			t.Fatalf("the guest's address %q (the peer container's %q)", vmAddr, peerAddr)
+		}
+		if out, ok := fetchFrom(t, vm, extURL); !ok || out != "hello from outside\n" {
+			t.Fatalf("got %q ok=%v", out, ok)
+		}
+		if _, err := vm.Exec(ctx, dsec.Cmd("mkdir -p /srv && echo vm > /srv/index.html && httpd -p 8000 -h /srv")); err != nil {
+			t.Fatal(err)
+		}
+		if out, ok := fetchFrom(t, vm, "http://127.0.0.1:8000/"); !ok || out != "vm\n" {
+			t.Fatalf("the guest's own server: %q", out)
+		}
+		if out, ok := fetchFrom(t, peer, "http://"+vmAddr+":8000/"); ok {
+			t.Fatalf("another sandbox reached the microVM's server: %q", out)
+		}
+	})
+	t.Run("the guest reaches neither the host's services nor another sandbox", func(t *testing.T) {
+		r, err := vm.Exec(ctx, dsec.Cmd("ip route | awk '/default/ {print $3}'"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		gw := strings.TrimSpace(string(r.Stdout))
+		for _, url := range []string{fmt.Sprintf("http://%s:%d/", gw, hostPort), "http://" + peerAddr + ":8000/", "http://169.254.169.254/"} {
+			if out, ok := fetchFrom(t, vm, url); ok {
+				t.Errorf("reached %s: %q", url, out)
+			}
+		}
+	})
+	t.Run("a policy holds for the guest, changed at runtime, and its connections are logged", func(t *testing.T) {
+		if _, err := vm.SetNetworkPolicy(ctx, &dsec.Policy{Deny: []string{ext}}); err != nil {
+			t.Fatal(err)
+		}
+		if out, ok := fetchFrom(t, vm, extURL); ok {
+			t.Fatalf("reached a denied address: %q", out)
+		}
+		if _, err := vm.SetNetworkPolicy(ctx, &dsec.Policy{Allow: []string{ext + "/32"}}); err != nil {
+			t.Fatal(err)
+		}
+		if out, ok := fetchFrom(t, vm, extURL); !ok {
+			t.Fatalf("an allowed address: %q", out)
+		}
+		log, err := vm.NetworkLog(ctx, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var deny, allow bool
+		for _, r := range log.Records {
+			if r.Address == ext && r.Port == 8080 {
+				deny = deny || r.Verdict == "deny"
+				allow = allow || r.Verdict == "allow"
+			}
+		}
+		if !deny || !allow {
+			t.Fatalf("the connection log lacks the denied or the allowed connection to %s: %v", ext, log.Records)
+		}
+		if _, err := vm.SetNetworkPolicy(ctx, nil); err != nil {
+			t.Fatal(err)
+		}
+	})
+	t.Run("a fork child takes its own address and keeps the network", func(t *testing.T) {
+		resp, err := c.Fork(ctx, &dsecv1.ForkRequest{SandboxId: vm.ID, Count: 1})
+		if err != nil || resp.Created != 1 {
+			t.Fatalf("fork: %v %v", resp, err)
+		}
+		child := c.Sandbox(resp.Results[0].Sandbox.Id)
+		defer child.Close()
+		if a := addrOf(t, child); a == vmAddr || !strings.HasPrefix(a, "10.") {
+			t.Fatalf("the child's address %q (the parent's %q)", a, vmAddr)
+		}
+		if out, ok := fetchFrom(t, child, extURL); !ok {
+			t.Fatalf("the child: %q", out)
+		}
+		if out, ok := fetchFrom(t, vm, extURL); !ok {
+			t.Fatalf("the parent after the fork: %q", out)
+		}
+	})
+	t.Run("a paused guest resumes with its network", func(t *testing.T) {
+		if _, err := c.Pause(ctx, vm.ID); err != nil {
+			t.Fatal(err)
+		}
+		if out, ok := fetchFrom(t, vm, extURL); !ok {
+			t.Fatalf("after resume: %q", out)
+		}
+		if a := addrOf(t, vm); a != vmAddr {
+			t.Fatalf("address after resume %q, was %q", a, vmAddr)
+		}
+	})
+	t.Run("a microVM without network cannot be made into one with egress", func(t *testing.T) {
+		plain := create(t, c, dsec.CreateOptions{Kind: "microvm", MemoryMB: 256})
+		snap, err := c.Snapshot(ctx, plain.ID, "")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.DeleteSnapshot(ctx, snap.Id)
+		_, err = c.Create(ctx, dsec.CreateOptions{Snapshot: snap.Id, Network: "egress"})
+		if kind(err) != "invalid" || !strings.Contains(err.Error(), "without a network interface") {
+			t.Fatalf("egress from a snapshot without a NIC: %v", err)
+		}
+	})
 }

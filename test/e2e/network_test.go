@@ -54,6 +54,38 @@ func outside(t *testing.T) string {
 	return sub + ".2"
 }
 
+// fetchFrom GETs an http://ADDR[:PORT]/ URL from inside sb with nc (the
+// static busybox's wget crashes in its resolver even for literal
+// addresses) and returns the body, and whether the answer was a 200.
+func fetchFrom(t *testing.T, sb *dsec.Sandbox, url string) (string, bool) {
+	t.Helper()
+	hostPort := strings.TrimSuffix(strings.TrimPrefix(url, "http://"), "/")
+	host, port, _ := net.SplitHostPort(hostPort)
+	if port == "" {
+		host, port = hostPort, "80"
+	}
+	cmd := fmt.Sprintf(`printf 'GET / HTTP/1.0\r\n\r\n' | timeout 3 nc %s %s`, host, port)
+	r, err := sb.Exec(ctxFor(t, time.Minute), dsec.ExecOptions{Cmd: cmd, Timeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := string(r.Stdout)
+	if i := strings.Index(out, "\r\n\r\n"); i >= 0 && strings.Contains(out[:i], " 200 ") {
+		return out[i+4:], true
+	}
+	return out, false
+}
+
+// addrOf is the IPv4 address of sb's eth0.
+func addrOf(t *testing.T, sb *dsec.Sandbox) string {
+	t.Helper()
+	r, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("ip -4 -o addr show eth0 | awk '{print $4}' | cut -d/ -f1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.TrimSpace(string(r.Stdout))
+}
+
 func TestEgressNetwork(t *testing.T) {
 	srv := dsectest.Start(t, dsectest.Options{})
 	if _, err := exec.LookPath("ip"); err != nil {
@@ -82,34 +114,9 @@ func TestEgressNetwork(t *testing.T) {
 	if r, err := b.Exec(ctx, dsec.Cmd(`printf 'GET / HTTP/1.0\r\n\r\n' | nc 127.0.0.1 8000`)); err != nil || !strings.Contains(string(r.Stdout), " 200 ") {
 		t.Fatal(err)
 	}
-	addrOf := func(sb *dsec.Sandbox) string {
-		r, err := sb.Exec(ctx, dsec.Cmd("ip -4 -o addr show eth0 | awk '{print $4}' | cut -d/ -f1"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		return strings.TrimSpace(string(r.Stdout))
-	}
-	bAddr := addrOf(b)
-	gateway := strings.Join(append(strings.Split(addrOf(a), ".")[:3], "1"), ".")
-	// An HTTP GET with nc: the static busybox's wget crashes in its
-	// resolver even for literal addresses.
-	fetch := func(sb *dsec.Sandbox, url string) (string, bool) {
-		hostPort := strings.TrimSuffix(strings.TrimPrefix(url, "http://"), "/")
-		host, port, _ := net.SplitHostPort(hostPort)
-		if port == "" {
-			host, port = hostPort, "80"
-		}
-		cmd := fmt.Sprintf(`printf 'GET / HTTP/1.0\r\n\r\n' | timeout 3 nc %s %s`, host, port)
-		r, err := sb.Exec(ctx, dsec.ExecOptions{Cmd: cmd, Timeout: 10 * time.Second})
-		if err != nil {
-			t.Fatal(err)
-		}
-		out := string(r.Stdout)
-		if i := strings.Index(out, "\r\n\r\n"); i >= 0 && strings.Contains(out[:i], " 200 ") {
-			return out[i+4:], true
-		}
-		return out, false
-	}
+	bAddr := addrOf(t, b)
+	gateway := strings.Join(append(strings.Split(addrOf(t, a), ".")[:3], "1"), ".")
+	fetch := func(sb *dsec.Sandbox, url string) (string, bool) { return fetchFrom(t, sb, url) }
 	t.Run("an egress sandbox reaches the outside through NAT", func(t *testing.T) {
 		if out, ok := fetch(a, "http://"+ext+":8080/"); !ok || out != "hello from outside\n" {
 			t.Fatalf("got %q ok=%v", out, ok)

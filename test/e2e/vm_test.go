@@ -257,6 +257,48 @@ finally:
 		}
 	})
 
+	t.Run("a VM with egress is on the sandbox network, under its policy", func(t *testing.T) {
+		ext := outside(t)
+		nvm := create(t, c, dsec.CreateOptions{Kind: "vm", Image: "debian-vm", Network: "egress"})
+		get := func(sb *dsec.Sandbox, url string) string {
+			t.Helper()
+			x, err := sb.Exec(ctx, dsec.ExecOptions{Timeout: time.Minute, Cmd: "python3 -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode(), end=\"\")' " + url + " 2>&1; echo rc=$?"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return string(x.Stdout)
+		}
+		if a := addrOf(t, nvm); !strings.HasPrefix(a, "10.") {
+			t.Fatalf("the guest's address: %q", a)
+		}
+		url := "http://" + ext + ":8080/"
+		if out := get(nvm, url); out != "hello from outside\nrc=0\n" {
+			t.Fatalf("through NAT: %q", out)
+		}
+		if _, err := nvm.SetNetworkPolicy(ctx, &dsec.Policy{Deny: []string{ext}}); err != nil {
+			t.Fatal(err)
+		}
+		if out := get(nvm, url); strings.Contains(out, "rc=0") {
+			t.Fatalf("a denied address: %q", out)
+		}
+		// A fork's children take the parent's network as it is now.
+		if _, err := nvm.SetNetworkPolicy(ctx, nil); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := c.Fork(ctx, &dsecv1.ForkRequest{SandboxId: nvm.ID, Count: 1})
+		if err != nil || resp.Created != 1 {
+			t.Fatalf("fork: %v %v", resp, err)
+		}
+		child := c.Sandbox(resp.Results[0].Sandbox.Id)
+		defer child.Close()
+		if a, b := addrOf(t, child), addrOf(t, nvm); a == b || !strings.HasPrefix(a, "10.") {
+			t.Fatalf("the child's address %q, the parent's %q", a, b)
+		}
+		if out := get(child, url); out != "hello from outside\nrc=0\n" {
+			t.Fatalf("the child through NAT: %q", out)
+		}
+	})
+
 	t.Run("deleted VMs leave no QEMU behind", func(t *testing.T) {
 		if err := c.Delete(ctx, id); err != nil {
 			t.Fatal(err)

@@ -95,6 +95,28 @@ func attacker(t *testing.T, o dsec.CreateOptions) *dsec.Sandbox {
 	return sb
 }
 
+// eachEgressKind runs body once per kind whose sandboxes have egress, as
+// subtests: "container" and "microvm" (whose guest, root over its own
+// kernel, may reconfigure its network stack at will: only the host's
+// rules stand between it and the rest).
+func eachEgressKind(t *testing.T, body func(t *testing.T, kind string)) {
+	t.Run("container", func(t *testing.T) { body(t, "container") })
+	t.Run("microvm", func(t *testing.T) {
+		dsectest.NeedMicroVM(t)
+		body(t, "microvm")
+	})
+}
+
+// attackerOf is attacker for a sandbox of kind.
+func attackerOf(t *testing.T, kind string, o dsec.CreateOptions) *dsec.Sandbox {
+	t.Helper()
+	o.Kind = kind
+	if kind == "microvm" {
+		o.MemoryMB = 256
+	}
+	return attacker(t, o)
+}
+
 // egressNeighbour is the neighbour (project B, unrestricted egress) on the
 // egress server.
 func egressNeighbour(t *testing.T) *neighbour {
@@ -301,7 +323,9 @@ func TestEgressToADeniedDomainIsRefused(t *testing.T) {
 	deleteLeavesNoRule(t, sb)
 }
 
-func TestEgressToADeniedAddressIsRefused(t *testing.T) {
+func TestEgressToADeniedAddressIsRefused(t *testing.T) { eachEgressKind(t, egressToADeniedAddress) }
+
+func egressToADeniedAddress(t *testing.T, kind string) {
 	_, in := egressSrv(t)
 	nb := egressNeighbour(t)
 	mirror, evil := in.Web[0], in.Web[1]
@@ -310,7 +334,7 @@ func TestEgressToADeniedAddressIsRefused(t *testing.T) {
 	in.Set("sneaky."+mirrorHost, evil)
 	defer in.Set("sneaky."+mirrorHost, mirror)
 	internet := netip.PrefixFrom(mirror, 16).Masked().String()
-	sb := attacker(t, dsec.CreateOptions{Network: "egress", Policy: &dsec.Policy{
+	sb := attackerOf(t, kind, dsec.CreateOptions{Network: "egress", Policy: &dsec.Policy{
 		Allow: []string{internet, "*." + mirrorHost},
 		Deny:  []string{evil.String()},
 	}})
@@ -396,6 +420,10 @@ func gatewayOf(t *testing.T, sb *dsec.Sandbox) string {
 }
 
 func TestEgressNeverReachesTheHostsLoopbackOrMetadata(t *testing.T) {
+	eachEgressKind(t, egressToTheHostsLoopbackOrMetadata)
+}
+
+func egressToTheHostsLoopbackOrMetadata(t *testing.T, kind string) {
 	_, in := egressSrv(t)
 	nb := egressNeighbour(t)
 	// Host services: one on loopback, one on every address, one on port
@@ -411,7 +439,7 @@ func TestEgressNeverReachesTheHostsLoopbackOrMetadata(t *testing.T) {
 		in.Set(name+"."+mirrorHost, addr)
 		defer in.Set(name+"."+mirrorHost, in.Web[0])
 	}
-	sb := attacker(t, dsec.CreateOptions{Network: "egress", Policy: &dsec.Policy{
+	sb := attackerOf(t, kind, dsec.CreateOptions{Network: "egress", Policy: &dsec.Policy{
 		Allow: []string{"0.0.0.0/0", "127.0.0.0/8", "169.254.0.0/16", "10.0.0.0/8", "*"},
 	}})
 	gw := gatewayOf(t, sb)
@@ -455,7 +483,9 @@ func TestEgressNeverReachesTheHostsLoopbackOrMetadata(t *testing.T) {
 	deleteLeavesNoRule(t, sb)
 }
 
-func TestEgressNeverReachesAnotherSandbox(t *testing.T) {
+func TestEgressNeverReachesAnotherSandbox(t *testing.T) { eachEgressKind(t, egressToAnotherSandbox) }
+
+func egressToAnotherSandbox(t *testing.T, kind string) {
 	egressSrv(t)
 	nb := egressNeighbour(t)
 	victim := create(t, egressClient(t, keyB), dsec.CreateOptions{Network: "egress"})
@@ -476,35 +506,90 @@ func TestEgressNeverReachesAnotherSandbox(t *testing.T) {
 		{"without a policy", nil},
 	} {
 		t.Run("an attacker "+c.name+" does not reach it", func(t *testing.T) {
-			sb := attacker(t, dsec.CreateOptions{Network: "egress", Policy: c.policy})
+			sb := attackerOf(t, kind, dsec.CreateOptions{Network: "egress", Policy: c.policy})
 			// Ports 80 and 8080, the first of which a policed sandbox's
 			// proxy would take. Neither gets there: the victim is on the
 			// attacker's link, and the bridge's isolated ports drop every
 			// frame between sandboxes (so nothing reaches the node's
-			// rules, its proxy or the connection log); the attacker cannot
+			// rules, its proxy or the connection log). A container cannot
 			// route through the gateway instead (no CAP_NET_ADMIN over its
-			// network namespace, no raw sockets).
-			for _, port := range []int{80, 8080} {
-				if out := wget(t, sb, fmt.Sprintf("http://%s:%d/", victimIP, port)); strings.Contains(out, mark) || strings.Contains(out, "rc=0") {
-					t.Errorf("port %d: reached the victim: %q", port, out)
+			// network namespace, no raw sockets); a microVM's guest can
+			// (its own kernel), and the host drops that too.
+			reach := func() {
+				t.Helper()
+				for _, port := range []int{80, 8080} {
+					if out := wget(t, sb, fmt.Sprintf("http://%s:%d/", victimIP, port)); strings.Contains(out, mark) || strings.Contains(out, "rc=0") {
+						t.Errorf("port %d: reached the victim: %q", port, out)
+					}
 				}
 			}
-			if out := sh(t, sb, "ip route add "+victimIP+"/32 via "+gatewayOf(t, sb)+" 2>&1; echo rc=$?"); !strings.Contains(out, "rc=2") && !strings.Contains(out, "rc=1") {
+			reach()
+			out := sh(t, sb, "ip route add "+victimIP+"/32 via "+gatewayOf(t, sb)+" 2>&1; echo rc=$?")
+			switch {
+			case kind == "container" && !strings.Contains(out, "rc=2") && !strings.Contains(out, "rc=1"):
 				t.Errorf("the attacker changed its routes: %q", out)
+			case kind == "microvm" && !strings.Contains(out, "rc=0"):
+				t.Errorf("the guest could not change its own routes: %q", out)
 			}
+			reach()
 			probing(t, sb, "get http://"+victimIP+"/", "get http://"+victimIP+":8080/")
 			nb.check(t)
 			deleteLeavesNoRule(t, sb)
 		})
 	}
+	if kind != "microvm" {
+		return
+	}
+	t.Run("a guest that takes the victim's address and MAC reaches nothing, and the victim keeps its network", func(t *testing.T) {
+		_, in := egressSrv(t)
+		mirror := in.Web[0].String()
+		uploadFile(t, victim, testdataProgram(t, "netprobe"), "/tmp/netprobe")
+		sb := attackerOf(t, kind, dsec.CreateOptions{Network: "egress"})
+		// UDP shows what gets out, answer or not: a datagram sent as
+		// the victim would reach the internet even though any answer
+		// went to the victim.
+		own, spoofed := egressMark("udp-own-"), egressMark("udp-spoofed-")
+		if out := probeUDP(t, sb, mirror, 9999, own); !strings.Contains(out, "echo: "+own) {
+			t.Fatalf("the attacker does not reach the internet to begin with: %q", out)
+		}
+		victimMAC := strings.TrimSpace(sh(t, victim, "cat /sys/class/net/eth0/address"))
+		gw := gatewayOf(t, sb)
+		// The guest is root over its own kernel: it takes the victim's
+		// identity and announces it (gratuitous ARP, from a raw socket).
+		sh(t, sb, fmt.Sprintf("ip link set eth0 down && ip link set eth0 address %s && ip addr flush dev eth0 && ip addr add %s/16 dev eth0 && ip link set eth0 up && ip route add default via %s; arping -U -c 3 -w 2 -I eth0 %s 2>&1; true",
+			victimMAC, victimIP, gw, victimIP))
+		if out := sh(t, sb, "ip -4 -o addr show eth0; cat /sys/class/net/eth0/address"); !strings.Contains(out, " "+victimIP+"/") || !strings.Contains(out, victimMAC) {
+			t.Fatalf("the guest did not take the victim's identity: %q", out)
+		}
+		for i := 0; i < 3; i++ {
+			probeUDP(t, sb, mirror, 9999, spoofed)
+		}
+		if out := rawGet(t, sb, mirror, 8080, "x"); strings.Contains(out, "rc=0") {
+			t.Errorf("the guest reached the internet as the victim: %q", out)
+		}
+		if got := strings.Join(in.UDP(), "\n"); !strings.Contains(got, own) || strings.Contains(got, spoofed) {
+			t.Errorf("the internet got the attacker's own datagram: %v, one sent as the victim: %v", strings.Contains(got, own), strings.Contains(got, spoofed))
+		}
+		if out := rawGet(t, victim, mirror, 8080, "x"); !strings.Contains(out, "rc=0") {
+			t.Errorf("the victim lost its network: %q", out)
+		}
+		nb.check(t)
+		if err := sb.Close(); err != nil {
+			t.Fatal(err)
+		}
+	})
 }
 
 func TestDNSTunnellingPastADenyRuleNeverLeavesTheNode(t *testing.T) {
+	eachEgressKind(t, dnsTunnellingPastADenyRule)
+}
+
+func dnsTunnellingPastADenyRule(t *testing.T, kind string) {
 	_, in := egressSrv(t)
 	nb := egressNeighbour(t)
 	// Everything is allowed but the attacker's domain: its names are the
 	// channel (each query carries data to its authoritative server).
-	sb := attacker(t, dsec.CreateOptions{Network: "egress", Policy: &dsec.Policy{
+	sb := attackerOf(t, kind, dsec.CreateOptions{Network: "egress", Policy: &dsec.Policy{
 		Allow: []string{"*", "0.0.0.0/0"},
 		Deny:  []string{evilHost, "*." + evilHost},
 	}})

@@ -18,7 +18,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -28,6 +27,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/opendsec/dsec/internal/nsthread"
 	dsec "github.com/opendsec/dsec/sdk/go"
 )
 
@@ -163,28 +163,6 @@ func sandboxNetNS(t *testing.T, id string) string {
 	return m[0]
 }
 
-// inNetNS runs fn on a thread that joined the namespace at path. The thread
-// is never unlocked: it exits with its goroutine, so nothing else ever runs
-// in the namespace. Sockets fn opens stay in the namespace.
-func inNetNS(path string, fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		ns, err := netns.GetFromPath(path)
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer ns.Close()
-		if err := netns.Set(ns); err != nil {
-			errc <- err
-			return
-		}
-		errc <- fn()
-	}()
-	return <-errc
-}
-
 // iface is an interface inside a namespace: its index, MAC and IPv4 address.
 type iface struct {
 	index int
@@ -222,7 +200,7 @@ type packetSocket struct{ fd int }
 func openPacket(t *testing.T, nsPath, ifname string) *packetSocket {
 	t.Helper()
 	var fd int
-	err := inNetNS(nsPath, func() error {
+	err := nsthread.NetNS(nsPath, func() error {
 		l, err := netlink.LinkByName(ifname)
 		if err != nil {
 			return err

@@ -21,6 +21,10 @@ var initModules = []string{
 
 var vsockModules = []string{"vsock", "vmw_vsock_virtio_transport_common", "vmw_vsock_virtio_transport"}
 
+// netModules drive the NIC of a sandbox with egress; the initramfs loads
+// them only when the kernel command line carries dsec.net.
+var netModules = []string{"failover", "net_failover", "virtio_net"}
+
 // initScript is the initramfs's /init. It loads the virtio and filesystem
 // modules, finds the two disks by their serial numbers, mounts the image
 // (EROFS, read-only, shared by every VM of the image) under an overlay
@@ -29,6 +33,8 @@ var vsockModules = []string{"vsock", "vmw_vsock_virtio_transport_common", "vmw_v
 // starting with "dsec-init:" and powers off, so the node sees QEMU exit.
 // The kernel argument dsec.init=hold stops the boot before the agent
 // starts (to debug a guest from its console, and to test boot timeouts).
+// With dsec.net (a guest.NetConfig), the NIC's modules are loaded and the
+// agent configures the interface before it answers.
 const initScript = `#!/bin/busybox sh
 B=/bin/busybox
 fail() { echo "dsec-init: $*" >/dev/ttyS0; $B sync; $B poweroff -f; }
@@ -46,15 +52,22 @@ done
 # page blocks, so an idle guest gives back what it freed.
 [ -w /sys/module/page_reporting/parameters/page_reporting_order ] &&
 	echo 5 >/sys/module/page_reporting/parameters/page_reporting_order
-host=sandbox; deadline=0; chan=port
+host=sandbox; deadline=0; chan=port; net=
 for a in $(cat /proc/cmdline); do
 	case $a in
 	dsec.hostname=*) host=${a#dsec.hostname=} ;;
 	dsec.deadline=*) deadline=${a#dsec.deadline=} ;;
 	dsec.chan=*) chan=${a#dsec.chan=} ;;
+	dsec.net=*) net=${a#dsec.net=} ;;
 	dsec.init=hold) echo "dsec-init: holding before the agent (dsec.init=hold)" >/dev/ttyS0; while :; do sleep 3600; done ;;
 	esac
 done
+if [ -n "$net" ]; then
+	[ -e /net-modules.list ] || fail "dsec.net given but the initramfs has no NIC driver"
+	for m in $(cat /net-modules.list); do
+		insmod /lib/modules/$m.ko || fail "load module $m"
+	done
+fi
 img=; disk=
 i=0
 while [ $i -lt 500 ]; do
@@ -93,14 +106,16 @@ hostname "$host"
 ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up
 listen="-listen-port dsec.agent"
 [ "$chan" = vsock ] && listen="-listen-vsock 1024"
+[ -n "$net" ] && listen="$listen -net $net"
 exec $B env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
 	$B switch_root $R /.dsec/guest $listen -deadline $deadline
 `
 
 // buildInitramfs writes the initramfs for kernel k into dir (named by its
 // content, so restores of old snapshots find theirs) and returns its
-// path.
-func buildInitramfs(dir string, k *qemu.Kernel, busybox string, vsock bool) (string, error) {
+// path. The NIC's modules go in when k has them (netModules reports
+// whether it did).
+func buildInitramfs(dir string, k *qemu.Kernel, busybox string, vsock bool) (path string, withNet bool, err error) {
 	var buf bytes.Buffer
 	c := cpio.NewWriter(&buf)
 	c.FileFrom("bin/busybox", 0o755, busybox)
@@ -116,27 +131,39 @@ func buildInitramfs(dir string, k *qemu.Kernel, busybox string, vsock bool) (str
 	var list bytes.Buffer
 	for _, m := range mods {
 		if !k.HasModule(m) {
-			return "", fmt.Errorf("the guest kernel lacks module %s", m)
+			return "", false, fmt.Errorf("the guest kernel lacks module %s", m)
 		}
 		c.FileFrom("lib/modules/"+m+".ko", 0o644, k.Module(m))
 		fmt.Fprintln(&list, m)
 	}
 	c.File("modules.list", 0o644, list.Bytes())
+	withNet = true
+	for _, m := range netModules {
+		withNet = withNet && k.HasModule(m)
+	}
+	if withNet {
+		list.Reset()
+		for _, m := range netModules {
+			c.FileFrom("lib/modules/"+m+".ko", 0o644, k.Module(m))
+			fmt.Fprintln(&list, m)
+		}
+		c.File("net-modules.list", 0o644, list.Bytes())
+	}
 	c.File("init", 0o755, []byte(initScript))
 	if err := c.Close(); err != nil {
-		return "", err
+		return "", false, err
 	}
 	sum := sha256.Sum256(buf.Bytes())
 	p := filepath.Join(dir, "initramfs-"+hex.EncodeToString(sum[:8])+".cpio")
 	if _, err := os.Stat(p); err == nil {
-		return p, nil
+		return p, withNet, nil
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return "", err
+		return "", false, err
 	}
 	tmp := p + ".tmp"
 	if err := os.WriteFile(tmp, buf.Bytes(), 0o644); err != nil {
-		return "", err
+		return "", false, err
 	}
-	return p, os.Rename(tmp, p)
+	return p, withNet, os.Rename(tmp, p)
 }

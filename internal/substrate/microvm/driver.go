@@ -87,7 +87,9 @@ type Driver struct {
 	mkfsErofs   string
 	mkfsExt4    string
 	guestDigest string
-	caps        substrate.Capabilities
+	// noNet is why sandboxes cannot have egress here ("": they can).
+	noNet string
+	caps  substrate.Capabilities
 }
 
 var _ substrate.Driver = (*Driver)(nil)
@@ -134,6 +136,11 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 		return d, nil
 	}
 	d.caps.Available = true
+	if d.noNet == "" {
+		d.caps.Caps = append(d.caps.Caps, substrate.CapNetworkEgress)
+	} else {
+		d.caps.Details["network"] = d.noNet
+	}
 	log.Info("microvm substrate ready", slog.String("accel", d.accel.Name), slog.String("accel_reason", d.accel.Reason),
 		slog.String("kernel", d.kernel.Release), slog.String("channel", d.caps.Details["channel"]))
 	if d.accel.Name == "tcg" {
@@ -191,8 +198,13 @@ func (d *Driver) probe() string {
 	if d.vsock {
 		d.caps.Details["channel"] = "vsock"
 	}
-	if d.initrd, err = buildInitramfs(filepath.Join(d.cfg.StateDir, "initramfs"), d.kernel, d.cfg.Busybox, d.vsock); err != nil {
+	var withNet bool
+	if d.initrd, withNet, err = buildInitramfs(filepath.Join(d.cfg.StateDir, "initramfs"), d.kernel, d.cfg.Busybox, d.vsock); err != nil {
 		return fmt.Sprintf("build the initramfs: %v", err)
+	}
+	d.noNet = qemu.NetUnavailable()
+	if !withNet {
+		d.noNet = fmt.Sprintf("the guest kernel in %s has no NIC driver (prepared before dsec networked microVMs: `dsec setup` prepares it again)", d.cfg.KernelDir)
 	}
 	if err := os.MkdirAll(d.cfg.RunDir, 0o700); err != nil {
 		return fmt.Sprintf("create %s: %v", d.cfg.RunDir, err)

@@ -10,6 +10,7 @@ import (
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/network"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/qemu"
 	"github.com/opendsec/dsec/internal/undo"
@@ -37,8 +38,8 @@ var (
 	_ substrate.MachineSnapshotter = (*instance)(nil)
 )
 
-func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instance {
-	i := &instance{Instance: qemu.Instance[machine]{ID: id, Dir: dir, Machine: m, DiskFile: diskFile}, d: d}
+func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState, tapNS string) *instance {
+	i := &instance{Instance: qemu.Instance[machine]{ID: id, Dir: dir, Machine: m, DiskFile: diskFile, TapNS: tapNS}, d: d}
 	var cid uint32
 	if m.Vsock {
 		cid = m.CID
@@ -47,8 +48,9 @@ func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instan
 		ID: id, Dir: dir, Binary: d.qemu, AgentSock: d.agentSock(id), QMPSock: d.qmpSock(id),
 		VsockCID: cid, VsockPort: vsockPort,
 		Args: func() []string {
-			return i.Machine.args(id, i.Path(diskFile), d.agentSock(id), d.qmpSock(id), i.Path(qemu.ConsoleFile))
+			return i.Machine.args(id, i.Path(diskFile), d.agentSock(id), d.qmpSock(id), i.Path(qemu.ConsoleFile), tapNS != "")
 		},
+		TapNS:       tapNS,
 		BootTimeout: d.cfg.BootTimeout, Kind: "microVM",
 		HintLine: func(l string) bool { return strings.Contains(l, "dsec-init:") || strings.Contains(l, "Kernel panic") },
 		Redact:   []string{d.cfg.StateDir},
@@ -73,6 +75,13 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if diskMB < minDiskMB || diskMB > d.cfg.MaxDiskMB {
 		return nil, errdefs.Invalid("resources.disk_mb %d out of range [%d, %d] for a microvm", diskMB, minDiskMB, d.cfg.MaxDiskMB)
 	}
+	if s.Network.Mode == network.ModeEgress && d.noNet != "" {
+		return nil, errdefs.Unavailable("microVMs cannot have egress on this node: %s", d.noNet)
+	}
+	tapNS, err := qemu.PrepareNetwork(s.Network)
+	if err != nil {
+		return nil, err
+	}
 	var u undo.Stack
 	defer u.RunUnless(&err)
 	disk := filepath.Join(s.Dir, diskFile)
@@ -83,6 +92,9 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		m, err = d.restoreMachine(s.Restore)
 		if err != nil {
 			return nil, err
+		}
+		if tapNS != "" && m.Net == "" {
+			return nil, errdefs.Invalid("the snapshot is of a microVM without a network interface (network mode none): a sandbox made from it cannot have egress")
 		}
 		if st, err := os.Stat(filepath.Join(s.Restore, diskFile)); err == nil && s.DiskMB > 0 && st.Size() > s.DiskMB<<20 {
 			return nil, errdefs.Invalid("the snapshot's disk (%d MiB) is larger than resources.disk_mb %d", st.Size()>>20, s.DiskMB)
@@ -120,11 +132,14 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 			Initrd: d.initrd, Image: img, Accel: d.accel.Arg(d.cfg.TBSizeMiB), Vsock: d.vsock,
 			Hostname: host, Deadline: deadline, ExtraArgs: d.cfg.KernelArgs,
 		}
+		if tapNS != "" {
+			m.Net = s.Network.Guest.String()
+		}
 	}
 	if d.vsock {
 		m.CID = qemu.VsockCID(s.ID)
 	}
-	i := d.newInstance(s.ID, s.Dir, m, qemu.VMState{})
+	i := d.newInstance(s.ID, s.Dir, m, qemu.VMState{}, tapNS)
 	u.Push(func() { i.Destroy(context.WithoutCancel(ctx)) })
 	if err := i.VM.Start(ctx, incoming); err != nil {
 		return nil, err
@@ -132,9 +147,17 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	client := i.VM.Client()
 	if incoming != nil {
 		// Clock and randomness came with the channel's session; a
-		// hostname other than the snapshot's takes an exec.
+		// hostname other than the snapshot's, or the sandbox's own
+		// address, takes an exec.
+		var args []string
 		if s.Hostname != "" && s.Hostname != m.Hostname {
-			if err := i.freshIdentity(ctx, s.Hostname); err != nil {
+			args = append(args, "-hostname", s.Hostname)
+		}
+		if tapNS != "" {
+			args = append(args, "-net", s.Network.Guest.String())
+		}
+		if len(args) > 0 {
+			if err := i.freshIdentity(ctx, args); err != nil {
 				return nil, err
 			}
 		}
@@ -172,10 +195,11 @@ func (d *Driver) restoreMachine(dir string) (machine, error) {
 	return m, nil
 }
 
-// freshIdentity gives a restored VM its own hostname (clock and
-// randomness come with every channel session).
-func (i *instance) freshIdentity(ctx context.Context, hostname string) error {
-	argv := []string{"/.dsec/guest", "identity", "-hostname", hostname}
+// freshIdentity gives a restored VM its own hostname and network (clock
+// and randomness come with every channel session): args are
+// `dsec-guest identity`'s.
+func (i *instance) freshIdentity(ctx context.Context, args []string) error {
+	argv := append([]string{"/.dsec/guest", "identity"}, args...)
 	x, err := i.VM.Client().Run(ctx, &guestv1.Exec{Argv: argv, TimeoutMs: 30000})
 	if err != nil {
 		return qemu.Failed(err, "give the restored VM its identity")
@@ -192,6 +216,6 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 	if err != nil {
 		return nil, err
 	}
-	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState)
+	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState, st.TapNS)
 	return i, i.VM.Adopt(ctx)
 }

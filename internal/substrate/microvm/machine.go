@@ -5,6 +5,7 @@ import (
 	"math"
 	"strconv"
 
+	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/substrate/qemu"
 )
 
@@ -25,6 +26,11 @@ type machine struct {
 	Deadline int64  `json:"deadline"`
 	// ExtraArgs are extra kernel arguments (Config.KernelArgs).
 	ExtraArgs string `json:"extra_args,omitempty"`
+	// Net is the network the machine booted with (a guest.NetConfig, ""
+	// for none): it has a NIC with Net's MAC, and its agent configured
+	// the interface before it answered. A VM restored from a snapshot of
+	// the machine keeps the NIC and is given its own address.
+	Net string `json:"net,omitempty"`
 }
 
 // cpusFor maps a CPU share to whole vCPUs.
@@ -34,13 +40,17 @@ func cpusFor(cpu float64) int {
 
 // args is QEMU's command line for m, with the sandbox's disk, sockets and
 // log files. The device order is part of the machine: a restore uses the
-// same order.
-func (m *machine) args(id, disk, agentSock, qmpSock, console string) []string {
+// same order. With tap, the NIC's backend is the netdev net0 (the VM adds
+// it); without, a machine's NIC is there but connected to nothing.
+func (m *machine) args(id, disk, agentSock, qmpSock, console string, tap bool) []string {
 	append_ := "console=ttyS0 quiet loglevel=4 panic=-1 " + qemu.TSCArgs() +
 		" init_on_alloc=0 init_on_free=0 random.trust_cpu=on" +
 		" dsec.hostname=" + m.Hostname + " dsec.deadline=" + strconv.FormatInt(m.Deadline, 10)
 	if m.Vsock {
 		append_ += " dsec.chan=vsock"
+	}
+	if m.Net != "" {
+		append_ += " dsec.net=" + m.Net
 	}
 	if m.ExtraArgs != "" {
 		append_ += " " + m.ExtraArgs
@@ -68,6 +78,13 @@ func (m *machine) args(id, disk, agentSock, qmpSock, console string) []string {
 		// Free pages go back to the host as the guest frees them.
 		"-device", "virtio-balloon-device,free-page-reporting=on",
 	}
+	if m.Net != "" {
+		nic := "virtio-net-device,id=nic,mac=" + m.mac()
+		if tap {
+			nic += ",netdev=net0"
+		}
+		args = append(args, "-device", nic)
+	}
 	return append(args, qemu.ControlArgs("device", m.Vsock, m.CID, agentSock, qmpSock)...)
 }
 
@@ -80,5 +97,14 @@ func SnapshotArgs(dir, id, disk, agentSock, qmpSock, console string) ([]string, 
 	if err != nil {
 		return nil, err
 	}
-	return append(m.args(id, disk, agentSock, qmpSock, console), "-incoming", "fd:3"), nil
+	return append(m.args(id, disk, agentSock, qmpSock, console, false), "-incoming", "fd:3"), nil
+}
+
+// mac is the MAC of the machine's NIC.
+func (m *machine) mac() string {
+	c, err := guest.ParseNetConfig(m.Net)
+	if err != nil {
+		return ""
+	}
+	return c.MAC.String()
 }

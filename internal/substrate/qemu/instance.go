@@ -30,6 +30,10 @@ type Instance[M any] struct {
 	VM      *VM
 	// DiskFile is the writable disk's name in Dir; snapshots copy it.
 	DiskFile string
+	// TapNS is the network namespace whose tap (network.TapName) backs
+	// the machine's NIC ("": none). It is the sandbox's, not the
+	// machine's: a snapshot does not keep it.
+	TapNS string
 }
 
 // InstanceState is what an Instance persists (in its directory and
@@ -41,6 +45,7 @@ type InstanceState[M any] struct {
 	VMState
 	Machine M      `json:"machine"`
 	Dir     string `json:"dir"`
+	TapNS   string `json:"tap_ns,omitempty"`
 }
 
 // StateVersion is the version of InstanceState this node writes. A node
@@ -84,7 +89,7 @@ func (i *Instance[M]) Path(name string) string { return filepath.Join(i.Dir, nam
 // Persist writes the instance's state for Attach (StateFile; the node
 // keeps a copy in its record). It is the VM's VMConfig.Persist.
 func (i *Instance[M]) Persist(st VMState) error {
-	b, err := json.Marshal(InstanceState[M]{Version: StateVersion, VMState: st, Machine: i.Machine, Dir: i.Dir})
+	b, err := json.Marshal(InstanceState[M]{Version: StateVersion, VMState: st, Machine: i.Machine, Dir: i.Dir, TapNS: i.TapNS})
 	if err != nil {
 		return err
 	}
@@ -102,7 +107,7 @@ func (i *Instance[M]) Guest() substrate.Guest { return i.VM.Client() }
 func (i *Instance[M]) LastWords() string { return strings.TrimPrefix(i.VM.Hint(), ": ") }
 
 func (i *Instance[M]) State() []byte {
-	b, _ := json.Marshal(InstanceState[M]{Version: StateVersion, VMState: i.VM.State(), Machine: i.Machine, Dir: i.Dir})
+	b, _ := json.Marshal(InstanceState[M]{Version: StateVersion, VMState: i.VM.State(), Machine: i.Machine, Dir: i.Dir, TapNS: i.TapNS})
 	return b
 }
 

@@ -20,6 +20,7 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/guest/portmux"
+	"github.com/opendsec/dsec/internal/network"
 	"github.com/opendsec/dsec/internal/proc"
 )
 
@@ -49,6 +50,11 @@ type VMConfig struct {
 	// Args returns QEMU's command line for the machine, without
 	// -incoming. A restore appends "-incoming fd:3".
 	Args func() []string
+	// TapNS, if set, is the network namespace whose tap (PrepareTap)
+	// backs the machine's NIC: each QEMU the VM starts (boot, restore,
+	// resume) gets it opened anew as "-netdev tap,id=net0,fd=N", the
+	// backend of the device the machine declares with netdev=net0.
+	TapNS string
 	// BootTimeout bounds a boot or restore until the agent answers
 	// (default 90s).
 	BootTimeout time.Duration
@@ -209,6 +215,15 @@ func (v *VM) Start(ctx context.Context, incoming *os.File) (err error) {
 	if incoming != nil {
 		args = append(args, "-incoming", "fd:3")
 		extra = []*os.File{incoming}
+	}
+	if v.cfg.TapNS != "" {
+		tap, err := network.OpenTap(v.cfg.TapNS)
+		if err != nil {
+			return errdefs.Unavailable("open the sandbox's tap device").WithCause(err)
+		}
+		defer tap.Close()
+		extra = append(extra, tap)
+		args = append(args, "-netdev", fmt.Sprintf("tap,id=net0,fd=%d", 2+len(extra)))
 	}
 	t0 := time.Now()
 	p, err := Start(v.cfg.Binary, args, v.path(LogFile), extra)

@@ -149,6 +149,11 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 		return d, nil
 	}
 	d.caps.Available = true
+	if why := qemu.NetUnavailable(); why == "" {
+		d.caps.Caps = append(d.caps.Caps, substrate.CapNetworkEgress)
+	} else {
+		d.caps.Details["network"] = why
+	}
 	log.Info("vm substrate ready", slog.String("accel", d.accel.Name), slog.String("accel_reason", d.accel.Reason),
 		slog.String("boot", cfg.Boot), slog.String("channel", d.caps.Details["channel"]))
 	if d.accel.Name == "tcg" {

@@ -38,8 +38,8 @@ var (
 	_ substrate.Screen             = (*instance)(nil)
 )
 
-func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instance {
-	i := &instance{Instance: qemu.Instance[machine]{ID: id, Dir: dir, Machine: m, DiskFile: diskFile}, d: d}
+func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState, tapNS string) *instance {
+	i := &instance{Instance: qemu.Instance[machine]{ID: id, Dir: dir, Machine: m, DiskFile: diskFile, TapNS: tapNS}, d: d}
 	var cid uint32
 	if m.Vsock {
 		cid = m.CID
@@ -48,8 +48,9 @@ func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState) *instan
 		ID: id, Dir: dir, Binary: d.qemu, AgentSock: d.agentSock(id), QMPSock: d.qmpSock(id),
 		VsockCID: cid, VsockPort: vsockPort,
 		Args: func() []string {
-			return i.Machine.args(id, i.Path(diskFile), d.agentSock(id), d.qmpSock(id), i.Path(qemu.ConsoleFile), d.cfg.VNC)
+			return i.Machine.args(id, i.Path(diskFile), d.agentSock(id), d.qmpSock(id), i.Path(qemu.ConsoleFile), d.cfg.VNC, tapNS != "")
 		},
+		TapNS:       tapNS,
 		BootTimeout: d.cfg.BootTimeout, Kind: "VM",
 		HintLine: func(l string) bool {
 			return fatalLine(l) || strings.Contains(l, "Boot failed") || strings.Contains(l, "Gave up waiting for root") ||
@@ -84,6 +85,10 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if s.DiskMB > d.cfg.MaxDiskMB {
 		return nil, errdefs.Invalid("resources.disk_mb %d is more than %d", s.DiskMB, d.cfg.MaxDiskMB)
 	}
+	tapNS, err := qemu.PrepareNetwork(s.Network)
+	if err != nil {
+		return nil, err
+	}
 	var u undo.Stack
 	defer u.RunUnless(&err)
 	disk := filepath.Join(s.Dir, diskFile)
@@ -95,11 +100,15 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		if m, err = d.restoreMachine(s.Restore); err != nil {
 			return nil, err
 		}
+		if tapNS != "" && !m.NIC {
+			return nil, errdefs.Invalid("the snapshot is of a VM without a network interface (network mode none): a sandbox made from it cannot have egress")
+		}
 		restored = s.Restore
 	} else {
 		if m, err = d.newMachine(s); err != nil {
 			return nil, err
 		}
+		m.NIC = tapNS != ""
 		if !d.cfg.ColdBoot {
 			if dir, ok := d.bootSnapshot(m); ok {
 				restored = dir
@@ -121,7 +130,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if m.Vsock {
 		m.CID = qemu.VsockCID(s.ID)
 	}
-	i := d.newInstance(s.ID, s.Dir, m, qemu.VMState{})
+	i := d.newInstance(s.ID, s.Dir, m, qemu.VMState{}, tapNS)
 	u.Push(func() { i.Destroy(context.WithoutCancel(ctx)) })
 	if err := i.VM.Start(ctx, incoming); err != nil {
 		return nil, err
@@ -199,20 +208,24 @@ func (d *Driver) restoreMachine(dir string) (machine, error) {
 
 // personalize makes a started VM the spec's sandbox: a VM restored from a
 // snapshot gets its own hostname and machine ID (clock and randomness come
-// with every channel session), then every VM gets its deadline and
-// environment.
+// with every channel session), a VM with egress its network (booted or
+// restored: the image's own network configuration is not used), then
+// every VM gets its deadline and environment.
 func (i *instance) personalize(ctx context.Context, s *substrate.Spec, restored bool) error {
 	client := i.VM.Client()
 	host := s.Hostname
 	if host == "" {
 		host = "sandbox"
 	}
-	if restored || host != i.Machine.Hostname {
+	if restored || host != i.Machine.Hostname || i.TapNS != "" {
 		// The agent runs itself (the child of its fork execs
 		// /proc/self/exe): where it is installed varies between images.
 		argv := []string{"/proc/self/exe", "identity", "-hostname", host}
 		if restored {
 			argv = append(argv, "-machine-id")
+		}
+		if i.TapNS != "" {
+			argv = append(argv, "-net", s.Network.Guest.String())
 		}
 		x, err := client.Run(ctx, &guestv1.Exec{Argv: argv, TimeoutMs: 60000})
 		if err != nil {
@@ -242,6 +255,6 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 	if err != nil {
 		return nil, err
 	}
-	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState)
+	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState, st.TapNS)
 	return i, i.VM.Adopt(ctx)
 }

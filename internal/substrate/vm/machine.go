@@ -37,7 +37,16 @@ type machine struct {
 	CID       uint32 `json:"cid,omitempty"`
 	// Hostname is the guest's hostname when the machine was started.
 	Hostname string `json:"hostname"`
+	// NIC gives the machine a network interface (a sandbox with egress).
+	// Its hardware MAC is the same in every machine, so sandboxes share
+	// boot snapshots; the agent gives it the sandbox's own.
+	NIC bool `json:"nic,omitempty"`
 }
+
+// nicMAC is the hardware address of every VM's NIC (locally
+// administered; never seen on the wire: the guest's interface takes the
+// sandbox's MAC before it is up).
+const nicMAC = "02:64:00:00:00:01"
 
 // cpusFor maps a CPU share to whole vCPUs.
 func cpusFor(cpu float64) int {
@@ -47,8 +56,9 @@ func cpusFor(cpu float64) int {
 // args is QEMU's command line for m, with the sandbox's disk, sockets and
 // console file, and with vnc a VNC server on loopback. The device order is
 // part of the machine: a restore uses the same order (a VNC server is not
-// a device: it may differ).
-func (m *machine) args(id, disk, agentSock, qmpSock, console string, vnc bool) []string {
+// a device: it may differ). With tap, the NIC's backend is the netdev
+// net0 (the VM adds it); without, a machine's NIC is connected to nothing.
+func (m *machine) args(id, disk, agentSock, qmpSock, console string, vnc, tap bool) []string {
 	// The firmware boots the disk and nothing else; a direct boot's kernel
 	// is the first boot entry itself.
 	bootIndex := ",bootindex=1"
@@ -91,6 +101,13 @@ func (m *machine) args(id, disk, agentSock, qmpSock, console string, vnc bool) [
 		"-device", "virtio-rng-pci,rng=rng",
 		// Free pages go back to the host as the guest frees them.
 		"-device", "virtio-balloon-pci,free-page-reporting=on",
+	}
+	if m.NIC {
+		nic := "virtio-net-pci,id=nic,mac=" + nicMAC
+		if tap {
+			nic += ",netdev=net0"
+		}
+		args = append(args, "-device", nic)
 	}
 	if m.Boot == "direct" {
 		args = append(args, "-kernel", m.Kernel, "-initrd", m.Initrd, "-append", m.Cmdline)

@@ -396,13 +396,18 @@ def test_a_no_network_task_is_denied_everything_and_never_widened(server, tmp_pa
     assert nw.mode == "egress" and nw.policy == dsec.NetworkPolicy()  # deny everything
     assert "connected" not in out and "unresolved" in out, out
 
-    # Where dsec has no egress policy (microVMs, VMs), an allowlist is
-    # refused naming the hosts, never "public"; so is a phase change.
+    # microVMs and VMs are on the sandbox network as containers are: the
+    # same capabilities. Where dsec has no network (function sandboxes),
+    # an allowlist is refused naming the hosts, never "public"; so is a
+    # phase change.
+    for i, k in enumerate(("microvm", "vm")):
+        env = build_environment(task, trial, session=f"net__{4 + i}", config_kwargs={"kind": k, "build_network": "none"})
+        assert env.capabilities.network_allowlist and env.capabilities.dynamic_network_policy, k
     allow = harbor.NetworkPolicy(network_mode=harbor.NetworkMode.ALLOWLIST, allowed_hosts=["pypi.org"])
-    with pytest.raises(UnsupportedOption, match="allowlist.*pypi.org.*kind microvm"):
+    with pytest.raises(UnsupportedOption, match="allowlist.*pypi.org.*kind function"):
         build_environment(task, trial, session="net__2", network_policy=allow,
-                          config_kwargs={"kind": "microvm", "build_network": "none"})
-    vm = build_environment(task, trial, session="net__3", config_kwargs={"kind": "microvm", "build_network": "none"})
+                          config_kwargs={"kind": "function", "build_network": "none"})
+    vm = build_environment(task, trial, session="net__3", config_kwargs={"kind": "function", "build_network": "none"})
     assert not vm.capabilities.network_allowlist and not vm.capabilities.dynamic_network_policy
     with pytest.raises(ValueError, match="cannot change network policy"):
         asyncio.run(vm.set_network_policy(harbor.NetworkPolicy(network_mode=harbor.NetworkMode.PUBLIC)))

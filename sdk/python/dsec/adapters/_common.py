@@ -17,8 +17,8 @@ from ..client import Client
 #: sandbox has no disk of its own: a storage request there is refused)
 DISK_KINDS = ("container", "microvm", "vm")
 #: kinds whose sandboxes take an egress policy and may change it while they
-#: run (microVMs and VMs have no network yet: docs/egress.md)
-POLICY_KINDS = ("container",)
+#: run (function sandboxes have no network: docs/egress.md)
+POLICY_KINDS = ("container", "microvm", "vm")
 
 
 class UnsupportedOption(ValueError):

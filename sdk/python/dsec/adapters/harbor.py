@@ -27,7 +27,7 @@ server has (or ``image_map`` maps it); otherwise ``environment/Dockerfile`` is
 built through dsec and cached by content (see ``_dockerfile``), so a GRPO
 group of trials shares one build.
 
-Harbor's network policies become dsec egress policies on kind container:
+Harbor's network policies become dsec egress policies (kinds container, microvm, vm):
 ``public`` is unrestricted egress, ``allowlist`` a policy allowing exactly
 ``allowed_hosts`` (names, ``*.name`` wildcards, addresses) and denying the
 rest, ``no-network`` a policy denying everything; the trial's phase changes
@@ -51,7 +51,7 @@ What dsec cannot honour is refused at construction, naming it, never
 widened: a compose file or ``extra_docker_compose`` (a job's overlays,
 laid over the task's file as Harbor does) on kinds other than container,
 an allowlist or a change
-of network policy on kinds microvm and vm (no network there yet), a storage
+of network policy on kind function (no network there), a storage
 size on a kind without a disk of its own, GPUs, TPUs, Windows, resource
 enforcement ``request``/``guarantee``, mounts other than Harbor's own log
 directories (a host directory cannot be bind-mounted into a remote
@@ -533,7 +533,7 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
             if mode == "allowlist":
                 raise UnsupportedOption(_NAME, f"network_mode='allowlist' (allowed_hosts: {', '.join(hosts)}) "
                                         f"on kind {self._kind}",
-                                        f"a {self._kind} has no egress policy yet; use kind "
+                                        f"a {self._kind} sandbox has no network; use kind "
                                         f"{' or '.join(POLICY_KINDS)}")
             return {"network": "egress" if mode == "public" else "none"}
         if mode == "public":
@@ -578,8 +578,9 @@ class DsecEnvironment(_HarborBase):  # type: ignore[misc,valid-type]
     @property
     def capabilities(self) -> Any:
         """What Harbor's base and trial check before they ask: internet can
-        be disabled; on kind container an allowlist is enforced and the
-        policy can change while the sandbox runs (the trial's phases)."""
+        be disabled; on every kind with a network (container, microvm, vm)
+        an allowlist is enforced and the policy can change while the
+        sandbox runs (the trial's phases)."""
         policies = self._kind in POLICY_KINDS
         return EnvironmentCapabilities(disable_internet=True, network_allowlist=policies,
                                        dynamic_network_policy=policies, docker_compose=self._kind == "container")
