@@ -2,14 +2,18 @@ package image
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"reflect"
 	"testing"
 
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/remote/transport"
 	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/dsectest"
@@ -140,4 +144,27 @@ func TestPushAndPullThroughARegistry(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestARegistrysAnswerIsClassifiedByItsStatusNotItsText: the registry's
+// address is in every error's text, and a port such as 40473 reads "404"
+// (a connection refused there was reported as an image not found).
+func TestARegistrysAnswerIsClassifiedByItsStatusNotItsText(t *testing.T) {
+	refused := errors.New(`Get "https://127.0.0.1:40473/v2/": dial tcp 127.0.0.1:40473: connect: connection refused; Get "http://127.0.0.1:40123/v2/": dial tcp 127.0.0.1:40123: connect: connection refused`)
+	for _, tc := range []struct {
+		name string
+		err  error
+		kind errdefs.Kind
+	}{
+		{"connection refused at a port that reads 404 and 401", refused, errdefs.KindUnavailable},
+		{"404", &transport.Error{StatusCode: http.StatusNotFound}, errdefs.KindNotFound},
+		{"MANIFEST_UNKNOWN", fmt.Errorf("wrapped: %w", &transport.Error{StatusCode: http.StatusBadRequest, Errors: []transport.Diagnostic{{Code: transport.ManifestUnknownErrorCode}}}), errdefs.KindNotFound},
+		{"401", &transport.Error{StatusCode: http.StatusUnauthorized}, errdefs.KindPermissionDenied},
+		{"DENIED", &transport.Error{StatusCode: http.StatusBadRequest, Errors: []transport.Diagnostic{{Code: transport.DeniedErrorCode}}}, errdefs.KindPermissionDenied},
+		{"500", &transport.Error{StatusCode: http.StatusInternalServerError}, errdefs.KindUnavailable},
+	} {
+		if err := classifyRemote("127.0.0.1:40473/team/app:1", tc.err); !errdefs.Is(err, tc.kind) {
+			t.Errorf("%s: %v, want %s", tc.name, err, tc.kind)
+		}
+	}
 }

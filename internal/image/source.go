@@ -3,14 +3,18 @@ package image
 import (
 	"archive/tar"
 	"context"
+	"errors"
 	"io"
+	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/layout"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/google/go-containerregistry/pkg/v1/remote/transport"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
 	"github.com/opendsec/dsec/internal/errdefs"
@@ -42,15 +46,30 @@ func (s *Store) Pull(ctx context.Context, ref, as string, auth Auth, insecure bo
 	return s.Import(ctx, as, "registry:"+r.String(), img, progress)
 }
 
+// classifyRemote classifies a registry call's failure by the registry's
+// answer (its status and error codes), never by the message's text: a
+// message also carries the registry's address, whose port may read 404.
 func classifyRemote(ref string, err error) error {
-	msg := err.Error()
-	switch {
-	case strings.Contains(msg, "MANIFEST_UNKNOWN"), strings.Contains(msg, "NAME_UNKNOWN"), strings.Contains(msg, "404"):
-		return errdefs.NotFound("image %s not found in its registry: %v", ref, err)
-	case strings.Contains(msg, "UNAUTHORIZED"), strings.Contains(msg, "401"), strings.Contains(msg, "DENIED"):
-		return errdefs.PermissionDenied("registry refused %s: %v", ref, err)
+	var te *transport.Error
+	if errors.As(err, &te) {
+		switch {
+		case te.StatusCode == http.StatusNotFound || hasCode(te, transport.ManifestUnknownErrorCode, transport.NameUnknownErrorCode, transport.BlobUnknownErrorCode):
+			return errdefs.NotFound("image %s not found in its registry: %v", ref, err)
+		case te.StatusCode == http.StatusUnauthorized || te.StatusCode == http.StatusForbidden || hasCode(te, transport.UnauthorizedErrorCode, transport.DeniedErrorCode):
+			return errdefs.PermissionDenied("registry refused %s: %v", ref, err)
+		}
 	}
 	return errdefs.Unavailable("pull %s: %v", ref, err).WithCause(err)
+}
+
+// hasCode reports whether the registry's answer carries one of codes.
+func hasCode(te *transport.Error, codes ...transport.ErrorCode) bool {
+	for _, d := range te.Errors {
+		if slices.Contains(codes, d.Code) {
+			return true
+		}
+	}
+	return false
 }
 
 // ImportPath imports a `docker save` archive, an OCI archive (a tar of an

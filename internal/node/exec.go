@@ -221,8 +221,9 @@ func (n *Node) callFailed(s *sandbox, err error) error {
 
 // taskEnd is the end of a sandbox whose instance its own workload ended
 // (substrate.TaskEnder: runtime gvisor, by reaching a limit or killing the
-// agent), or nil if it did not (or has not stopped within wait). Such an
-// end is the task's, not the platform's.
+// agent; a VM's guest, by ending its machine), or nil if it did not (or
+// has not stopped within wait). Such an end is the task's, not the
+// platform's.
 func taskEnd(s *sandbox, wait time.Duration) *end {
 	te, ok := s.inst.(substrate.TaskEnder)
 	if !ok {
@@ -245,7 +246,11 @@ func taskEnd(s *sandbox, wait time.Duration) *end {
 	if how == substrate.EndedByMemoryLimit {
 		cause = "oom" // its memory cgroup's OOM kill ended it whole
 	}
-	return &end{reason: fmt.Sprintf("its workload %s, which ends a sandbox of runtime %s", how, s.spec.Runtime), cause: cause}
+	what := "runtime " + s.spec.Runtime
+	if s.spec.Runtime == "" {
+		what = "kind " + s.spec.Kind
+	}
+	return &end{reason: fmt.Sprintf("its workload %s, which ends a sandbox of %s", how, what), cause: cause}
 }
 
 // ExecStream runs a command and streams its events to send. With a

@@ -316,12 +316,14 @@ type Diagnoser interface {
 // as a whole: containers under gVisor, whose application kernel has no OOM
 // killer and no process limit of its own (the host's cgroup limits stop
 // the whole sandbox, kernel and all) and lets a process of the sandbox
-// kill its init, the agent. The node reports such an end as the task's,
-// not the platform's.
+// kill its init, the agent; and VMs, whose guest (root over its own
+// kernel) can power its machine off, reboot it or crash its kernel. The
+// node reports such an end as the task's, not the platform's.
 type TaskEnder interface {
 	// EndedByTask says, once the instance has stopped by itself, how its
 	// workload ended it, as a clause: "reached its memory limit", "reached
-	// its pids limit" or "killed the sandbox's agent (signal KILL)"; ""
+	// its pids limit", "killed the sandbox's agent (signal KILL)" or
+	// "powered the machine off"; ""
 	// if it did not (it crashed, or was killed from outside).
 	EndedByTask() string
 }

@@ -54,6 +54,25 @@ func taskFailure(t *testing.T, what string, err error) {
 	}
 }
 
+// attack runs cmd in sb for up to timeout while, after settle, the
+// neighbour is measured, and returns the call's answer.
+func attack(t *testing.T, sb *dsec.Sandbox, nb *neighbour, cmd string, timeout, settle time.Duration) (*dsecv1.ExecResult, error) {
+	t.Helper()
+	done := make(chan struct{})
+	var r *dsecv1.ExecResult
+	var err error
+	go func() {
+		defer close(done)
+		// Minutes, not seconds: on a host busy with other tests a bomb's
+		// thousands of processes take long to kill.
+		r, err = sb.Exec(ctxFor(t, 5*time.Minute), dsec.ExecOptions{Cmd: cmd, Timeout: timeout})
+	}()
+	time.Sleep(settle)
+	nb.check(t)
+	<-done
+	return r, err
+}
+
 // endedByTask checks the end of a gVisor sandbox that its workload ended,
 // as it can there: by reaching its memory or pids limit (gVisor's kernel
 // has no OOM killer or process limit of its own; the host's cgroup stops
@@ -174,18 +193,7 @@ func testForkBombIsTheTasksFailureNotTheSandboxs(t *testing.T, rt string) {
 		t.Run(tc.name, func(t *testing.T) {
 			tc.opts.Runtime = rt
 			sb := create(t, c, tc.opts)
-			done := make(chan struct{})
-			var r *dsecv1.ExecResult
-			var err error
-			go func() {
-				defer close(done)
-				// Minutes, not seconds: on a host busy with other tests a bomb's
-				// thousands of processes take long to kill.
-				r, err = sb.Exec(ctxFor(t, 5*time.Minute), dsec.ExecOptions{Cmd: "b() { b | b & }; b; sleep 30", Timeout: 15 * time.Second})
-			}()
-			time.Sleep(3 * time.Second)
-			nb.check(t)
-			<-done
+			r, err := attack(t, sb, nb, "b() { b | b & }; b; sleep 30", 15*time.Second, 3*time.Second)
 			if rt == "gvisor" {
 				limit := "pids"
 				if tc.wantOOM {
@@ -218,16 +226,7 @@ func testMemoryBombOfSmallProcessesIsReportedAsOOM(t *testing.T, rt string) {
 	// Many processes, each smaller than the agent: the OOM killer's
 	// biggest candidate would be the agent if it were one.
 	bomb := `for i in $(seq 40); do (x=$(head -c 3000000 /dev/zero | tr '\0' a); sleep 60) & done; wait`
-	done := make(chan struct{})
-	var r *dsecv1.ExecResult
-	var err error
-	go func() {
-		defer close(done)
-		r, err = sb.Exec(ctxFor(t, 5*time.Minute), dsec.ExecOptions{Cmd: bomb, Timeout: 20 * time.Second})
-	}()
-	time.Sleep(2 * time.Second)
-	nb.check(t)
-	<-done
+	r, err := attack(t, sb, nb, bomb, 20*time.Second, 2*time.Second)
 	if rt == "gvisor" {
 		endedByTask(t, sb, "memory bomb", err, "reached its memory limit")
 		return

@@ -166,6 +166,9 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 				return nil, qemu.Failed(err, "set the restored sandbox's deadline")
 			}
 		}
+		if err := i.VM.CountOOMKillsFromNow(ctx); err != nil {
+			return nil, qemu.Failed(err, "read the restored guest's OOM kills")
+		}
 	}
 	if len(s.Env) > 0 {
 		if err := client.SetEnv(ctx, s.Env); err != nil {
@@ -199,7 +202,9 @@ func (d *Driver) restoreMachine(dir string) (machine, error) {
 // and randomness come with every channel session): args are
 // `dsec-guest identity`'s.
 func (i *instance) freshIdentity(ctx context.Context, args []string) error {
-	argv := append([]string{"/.dsec/guest", "identity"}, args...)
+	// The agent runs itself (the child of its fork execs /proc/self/exe):
+	// /.dsec/guest is the workload's to overwrite in its writable layer.
+	argv := append([]string{"/proc/self/exe", "identity"}, args...)
 	x, err := i.VM.Client().Run(ctx, &guestv1.Exec{Argv: argv, TimeoutMs: 30000})
 	if err != nil {
 		return qemu.Failed(err, "give the restored VM its identity")

@@ -113,6 +113,10 @@ func (i *Instance[M]) State() []byte {
 
 func (i *Instance[M]) Done() <-chan struct{} { return i.VM.Done() }
 
+// EndedByTask implements substrate.TaskEnder: the guest, root over its
+// own kernel, may end its machine (VM.EndedByGuest).
+func (i *Instance[M]) EndedByTask() string { return i.VM.EndedByGuest() }
+
 func (i *Instance[M]) Check(ctx context.Context) error { return i.VM.Check() }
 
 // Stats reports the guest's own use (VM.Stats).

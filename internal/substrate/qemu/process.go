@@ -20,6 +20,10 @@ type Process struct {
 
 	done   chan struct{}
 	exited chan struct{} // closed by cmd.Wait when this process started it
+	// status is cmd.Wait's answer, set before exited is closed (an
+	// adopted process has none: it is not this node's child).
+	status error
+	waited bool
 }
 
 // Start starts binary with args, its stdout and stderr appended to
@@ -40,7 +44,7 @@ func Start(binary string, args []string, logPath string, extra []*os.File) (*Pro
 		return nil, err
 	}
 	p := &Process{ID: proc.Of(cmd.Process.Pid), done: make(chan struct{}), exited: make(chan struct{})}
-	go func() { cmd.Wait(); close(p.exited) }()
+	go func() { p.status = cmd.Wait(); p.waited = true; close(p.exited) }()
 	go func() { <-p.exited; close(p.done) }()
 	return p, nil
 }
@@ -58,6 +62,21 @@ func Adopt(pid int, startTime uint64) (*Process, error) {
 
 // Done is closed when the process has exited.
 func (p *Process) Done() <-chan struct{} { return p.done }
+
+// ExitedCleanly reports, once the process has exited, whether it exited
+// with status 0, and whether that is known (it is not for a process this
+// node adopted rather than started).
+func (p *Process) ExitedCleanly() (clean, known bool) {
+	select {
+	case <-p.done:
+	default:
+		return false, false
+	}
+	if !p.waited {
+		return false, false
+	}
+	return p.status == nil, true
+}
 
 // Alive reports whether the process runs (and is the same process).
 func (p *Process) Alive() bool {

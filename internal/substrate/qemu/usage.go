@@ -16,29 +16,65 @@ import (
 // Linux architecture QEMU runs here.
 const userHZ = 100
 
-// GuestUsage is the guest's own account of its use: memory in use
-// (MemTotal less MemAvailable) and CPU time (every CPU's time less idle and
-// I/O wait), read through the agent. QEMU's resident memory also holds
-// guest memory the guest has freed, the translation cache and QEMU itself,
-// and its CPU time the emulation's; neither is what the sandbox used.
-func (v *VM) GuestUsage(ctx context.Context) (memory int64, cpu time.Duration, err error) {
+// guestUsage is the guest's own account of its use: memory in use
+// (MemTotal less MemAvailable), CPU time (every CPU's time less idle and
+// I/O wait) and the processes its kernel's OOM killer killed since it
+// booted (/proc/vmstat's oom_kill), read through the agent. QEMU's
+// resident memory also holds guest memory the guest has freed, the
+// translation cache and QEMU itself, and its CPU time the emulation's;
+// neither is what the sandbox used.
+func (v *VM) guestUsage(ctx context.Context) (st substrate.Stats, err error) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	meminfo, err := v.readGuestFile(ctx, "/proc/meminfo")
 	if err != nil {
-		return 0, 0, err
+		return st, err
 	}
 	stat, err := v.readGuestFile(ctx, "/proc/stat")
 	if err != nil {
-		return 0, 0, err
+		return st, err
 	}
-	if memory, err = parseMeminfo(meminfo); err != nil {
-		return 0, 0, err
+	if st.MemoryBytes, err = parseMeminfo(meminfo); err != nil {
+		return st, err
 	}
-	if cpu, err = parseProcStat(stat); err != nil {
-		return 0, 0, err
+	if st.CPUTime, err = parseProcStat(stat); err != nil {
+		return st, err
 	}
-	return memory, cpu, nil
+	st.OOMKills, err = v.guestOOMKills(ctx)
+	return st, err
+}
+
+// guestOOMKills is the guest kernel's count of OOM kills since it booted.
+func (v *VM) guestOOMKills(ctx context.Context) (int64, error) {
+	vmstat, err := v.readGuestFile(ctx, "/proc/vmstat")
+	if err != nil {
+		return 0, err
+	}
+	return parseOOMKills(vmstat)
+}
+
+// parseOOMKills answers /proc/vmstat's oom_kill.
+func parseOOMKills(s string) (int64, error) {
+	for _, line := range strings.Split(s, "\n") {
+		if n, ok := strings.CutPrefix(line, "oom_kill "); ok {
+			return strconv.ParseInt(strings.TrimSpace(n), 10, 64)
+		}
+	}
+	return 0, fmt.Errorf("unreadable /proc/vmstat: no oom_kill")
+}
+
+// CountOOMKillsFromNow makes Stats count the guest's OOM kills from now
+// on: a VM restored from another's snapshot (a fork child) wakes with its
+// parent's count, which are not its own.
+func (v *VM) CountOOMKillsFromNow(ctx context.Context) error {
+	n, err := v.guestOOMKills(ctx)
+	if err != nil {
+		return err
+	}
+	v.mu.Lock()
+	v.st.OOMBase = n
+	v.mu.Unlock()
+	return nil
 }
 
 func (v *VM) readGuestFile(ctx context.Context, path string) (string, error) {
@@ -102,8 +138,11 @@ func (v *VM) Stats(ctx context.Context) substrate.Stats {
 		return substrate.Stats{}
 	}
 	st := substrate.Stats{MemoryBytes: rss, CPUTime: cpu}
-	if mem, gcpu, err := v.GuestUsage(ctx); err == nil {
-		st.MemoryBytes, st.CPUTime = mem, gcpu
+	if g, err := v.guestUsage(ctx); err == nil {
+		v.mu.Lock()
+		g.OOMKills = max(0, g.OOMKills-v.st.OOMBase)
+		v.mu.Unlock()
+		st = g
 	}
 	return st
 }

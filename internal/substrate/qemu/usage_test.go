@@ -24,3 +24,13 @@ func TestGuestUsageParsing(t *testing.T) {
 		}
 	}
 }
+
+func TestParseOOMKills(t *testing.T) {
+	n, err := parseOOMKills("nr_free_pages 1000\noom_kill 3\nnr_dirty 2\n")
+	if err != nil || n != 3 {
+		t.Fatalf("oom_kill: %d %v", n, err)
+	}
+	if _, err := parseOOMKills("nr_free_pages 1000\n"); err == nil {
+		t.Fatal("a vmstat without oom_kill was read")
+	}
+}

@@ -82,6 +82,9 @@ type VMState struct {
 	Pid       int    `json:"pid"`
 	StartTime uint64 `json:"start_time"`
 	Paused    bool   `json:"paused"`
+	// OOMBase is the guest's count of OOM kills that are not the
+	// sandbox's (CountOOMKillsFromNow).
+	OOMBase int64 `json:"oom_base,omitempty"`
 }
 
 // VM is one sandbox's virtual machine across the QEMU processes that run
@@ -102,6 +105,7 @@ type VM struct {
 	mu        sync.Mutex
 	st        VMState
 	run       *vmRun // the running QEMU; nil while paused or destroyed
+	crashed   *vmRun // the QEMU that exited by itself, ending the VM
 	destroyed bool
 	doneOnce  sync.Once
 }
@@ -352,6 +356,9 @@ func (v *VM) watch(r *vmRun) {
 		if v.run == r {
 			v.run = nil
 		}
+		if crashed {
+			v.crashed = r
+		}
 		v.mu.Unlock()
 		if crashed {
 			v.cfg.Log.Warn(v.cfg.Kind+" exited by itself", slog.String("sandbox_id", v.cfg.ID), slog.String("hint", v.Hint()))
@@ -361,6 +368,62 @@ func (v *VM) watch(r *vmRun) {
 }
 
 func (v *VM) closeDone() { v.doneOnce.Do(func() { close(v.done) }) }
+
+// The guest's own ends, as its kernel says them on the console (at
+// KERN_EMERG, so whatever the log level) before QEMU exits (-no-reboot:
+// a reset ends QEMU too).
+var guestEnds = []struct{ line, how string }{
+	{"reboot: Power down", "powered the machine off"},
+	{"reboot: Restarting system", "rebooted the machine"},
+}
+
+// EndedByGuest says, once the VM has stopped by itself, how its guest
+// ended it, as a clause for "its workload …": powered it off, rebooted
+// or reset it, or crashed its kernel through /proc/sysrq-trigger — what a
+// workload that is root over its own kernel may do. It is "" when the
+// platform failed or it cannot be told: QEMU died of a signal or an error,
+// or was told to end from the host (it logs "terminating on signal"), or
+// the guest's kernel panicked otherwise (its agent, PID 1, died, or the
+// kernel failed). QEMU's exit status is known only for a QEMU this node
+// process started; for one it adopted, only the kernel's own lines count.
+// The console can be written by the guest, but only the guest can make
+// QEMU exit cleanly, so a forged line changes nothing the guest did not do
+// itself.
+func (v *VM) EndedByGuest() string {
+	select {
+	case <-v.done:
+	default:
+		return ""
+	}
+	v.mu.Lock()
+	r := v.crashed
+	v.mu.Unlock()
+	if r == nil {
+		return ""
+	}
+	clean, known := r.p.ExitedCleanly()
+	if known && !clean {
+		return ""
+	}
+	console := ReadLogTail(v.path(ConsoleFile), 4096)
+	if strings.Contains(console, "Kernel panic") {
+		if strings.Contains(console, "sysrq triggered crash") {
+			return "crashed its kernel through /proc/sysrq-trigger"
+		}
+		return ""
+	}
+	for _, e := range guestEnds {
+		if strings.Contains(console, e.line) {
+			return e.how
+		}
+	}
+	if known && !strings.Contains(ReadLogTail(v.path(LogFile), 4096), "terminating on signal") {
+		// A reset without the kernel's word: sysrq-trigger's b, a triple
+		// fault.
+		return "reset the machine"
+	}
+	return ""
+}
 
 // stop kills a QEMU process the VM ends on purpose.
 func (v *VM) stop(r *vmRun) {
@@ -468,7 +531,7 @@ func (v *VM) Pause(ctx context.Context) error {
 		return err
 	}
 	r.intended = true
-	v.st = VMState{Paused: true}
+	v.st = VMState{Paused: true, OOMBase: v.st.OOMBase}
 	v.run = nil
 	v.quit(r)
 	return v.persistLocked()

@@ -141,6 +141,11 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if err := i.personalize(ctx, s, restored != ""); err != nil {
 		return nil, err
 	}
+	if restored != "" {
+		if err := i.VM.CountOOMKillsFromNow(ctx); err != nil {
+			return nil, qemu.Failed(err, "read the restored guest's OOM kills")
+		}
+	}
 	if err := i.Persist(i.VM.State()); err != nil {
 		return nil, errdefs.Internal(err, "persist vm state")
 	}

@@ -1,0 +1,135 @@
+package hostile
+
+// microVMs (issue 18: "the applicable parts on microVMs"). The workload
+// runs on a kernel of its own, as root by default: it may do in the guest
+// what no container can — write /proc/sysrq-trigger, power off, reboot —
+// and that is the sandbox's business. What must hold is the host's side:
+// the machine it ends is its own, the caller learns that the task ended
+// it (not the platform: a verdict the trainer would mask), the neighbour
+// does not notice, and nothing is left. Before, every one of these ends
+// was reported as the platform's failure (unavailable, infra).
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/internal/dsectest"
+	dsec "github.com/opendsec/dsec/sdk/go"
+)
+
+// microVM creates a microVM sandbox of project A on the shared server.
+func microVM(t *testing.T) *dsec.Sandbox {
+	t.Helper()
+	dsectest.NeedMicroVM(t)
+	return create(t, client(t), dsec.CreateOptions{Kind: "microvm", MemoryMB: 256})
+}
+
+func TestAMicroVMGuestEndingItsMachineIsTheTasksEnd(t *testing.T) {
+	srv(t)
+	nb := newNeighbour(t)
+	for _, a := range []struct{ name, cmd, how string }{
+		{"poweroff", "poweroff -f", "powered the machine off"},
+		{"reboot", "reboot -f", "rebooted the machine"},
+		{"sysrq power off", "echo o > /proc/sysrq-trigger", "powered the machine off"},
+		{"sysrq reset", "echo b > /proc/sysrq-trigger", "reset the machine"},
+		{"sysrq crash", "echo c > /proc/sysrq-trigger", "crashed its kernel through /proc/sysrq-trigger"},
+	} {
+		t.Run(a.name, func(t *testing.T) {
+			sb := microVM(t)
+			answers(t, sb, "the start")
+			_, err := sb.Exec(ctxFor(t, 2*time.Minute), dsec.ExecOptions{Cmd: "sync; " + a.cmd + "; sleep 30", Timeout: time.Minute})
+			endedByTask(t, sb, a.cmd, err, a.how)
+			nb.check(t)
+		})
+	}
+}
+
+func TestAMicroVMsAgentSurvivesSignalsToPID1(t *testing.T) {
+	srv(t)
+	sb := microVM(t)
+	// The guest kernel drops KILL and STOP sent to its init, as a pid
+	// namespace's; the agent ignores the rest (see the container rows).
+	for _, sig := range []string{"KILL", "STOP", "TERM", "SEGV", "INT", "HUP"} {
+		r, err := sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("kill -"+sig+" 1; echo sent"))
+		taskFailure(t, "kill -"+sig+" 1", err)
+		if !strings.Contains(string(r.Stdout), "sent") {
+			t.Fatalf("kill -%s 1: %q %q", sig, r.Stdout, r.Stderr)
+		}
+		answers(t, sb, "kill -"+sig+" 1")
+	}
+}
+
+func TestAMicroVMGuestCannotOpenTheAgentsChannel(t *testing.T) {
+	srv(t)
+	sb := microVM(t)
+	// The agent's virtio-serial port has no device node once the agent
+	// opened it, and admits one opener: a node made again from sysfs
+	// does not open.
+	out := sh(t, sb, `for d in /sys/class/virtio-ports/*; do
+		[ "$(cat $d/name)" = dsec.agent ] || continue
+		echo found $(cat $d/dev)
+		mknod /tmp/agentport c $(tr : ' ' < $d/dev) && ( exec 3<>/tmp/agentport && echo OPENED ) 2>&1
+	done; ls /dev/vport* 2>&1`)
+	if !strings.Contains(out, "found ") || strings.Contains(out, "OPENED") || strings.Contains(out, "/dev/vport") && !strings.Contains(out, "No such file") {
+		t.Fatalf("the agent's port: %q", out)
+	}
+	t.Logf("%s", out)
+	answers(t, sb, "opening the agent's port")
+}
+
+func TestAMicroVMGuestOverwritingTheAgentBinaryChangesNothingOfTheNodes(t *testing.T) {
+	srv(t)
+	dsectest.NeedMicroVM(t)
+	// With egress, a fork child always gets its identity (its own
+	// address) from the agent binary in the guest.
+	sb := create(t, client(t), dsec.CreateOptions{Kind: "microvm", MemoryMB: 256, Network: "egress"})
+	// The binary is the workload's to overwrite in its own writable
+	// layer; what the node runs later in the guest (a fork child's new
+	// identity) is the running agent's own image, not the path.
+	sh(t, sb, `printf '#!/bin/sh\necho pwned > /pwned\nexit 1\n' > /.dsec/guest && chmod 755 /.dsec/guest; head -c 20 /.dsec/guest`)
+	resp, err := client(t).Fork(ctxFor(t, 2*time.Minute), &dsecv1.ForkRequest{SandboxId: sb.ID, Count: 1})
+	if err != nil || resp.Created != 1 {
+		t.Fatalf("fork after the agent binary was overwritten: %v %v", resp, err)
+	}
+	child := client(t).Sandbox(resp.Results[0].Sandbox.Id)
+	defer child.Close()
+	if out := sh(t, child, "cat /pwned 2>&1"); !strings.Contains(out, "No such file") {
+		t.Fatalf("the node ran the planted binary in the child: %q", out)
+	}
+	if a, b := strings.Fields(sh(t, child, "ip -4 -o addr show eth0")), strings.Fields(sh(t, sb, "ip -4 -o addr show eth0")); len(a) < 4 || len(b) < 4 || a[3] == b[3] {
+		t.Fatalf("the child's address %v, the parent's %v: the child did not get its identity", a, b)
+	}
+	answers(t, child, "the fork")
+	answers(t, sb, "overwriting the agent binary")
+}
+
+func TestAMicroVMsMemoryBombIsReportedAsOOM(t *testing.T) {
+	srv(t)
+	nb := newNeighbour(t)
+	sb := microVM(t)
+	// Many processes, each smaller than the agent would be, past the
+	// guest's 256 MiB: its kernel's OOM killer picks among them (never
+	// init, the agent). Survivors sleep, so the command times out.
+	bomb := `for i in $(seq 40); do (x=$(head -c 12000000 /dev/zero | tr '\0' a); sleep 120) & done; wait`
+	r, err := attack(t, sb, nb, bomb, 40*time.Second, 5*time.Second)
+	taskFailure(t, "memory bomb", err)
+	t.Logf("memory bomb: exit %d, signal %q, timed out %v, oom %v", r.ExitCode, r.Signal, r.TimedOut, r.OomKilled)
+	if !r.OomKilled {
+		t.Errorf("the memory bomb is not reported as OOM")
+	}
+	answers(t, sb, "the memory bomb")
+	// A fork child starts from its parent's memory, OOM count and all:
+	// its own first failure is not an OOM kill.
+	resp, err := client(t).Fork(ctxFor(t, 2*time.Minute), &dsecv1.ForkRequest{SandboxId: sb.ID, Count: 1})
+	if err != nil || resp.Created != 1 {
+		t.Fatalf("fork: %v %v", resp, err)
+	}
+	child := client(t).Sandbox(resp.Results[0].Sandbox.Id)
+	defer child.Close()
+	x, err := child.Exec(ctxFor(t, time.Minute), dsec.Cmd("exit 3"))
+	if err != nil || x.ExitCode != 3 || x.OomKilled {
+		t.Fatalf("the child's first failure: %v %v", x, err)
+	}
+}
