@@ -457,6 +457,37 @@ func TestASandboxMakesOnlyTheFileSystemsAndMemoryCgroupsItNeeds(t *testing.T) {
 	}
 }
 
+// TestAStoppingNodeLeavesAnotherNodesAgentsCgroupsAlone: two nodes on a
+// host share the cgroup parent (the tests' servers do); one that stops
+// with no sandbox left removed the agents' cgroups the other's next
+// agent was about to join ("join the agent's cgroup: write fd5: no such
+// device", a CI run's flake).
+func TestAStoppingNodeLeavesAnotherNodesAgentsCgroupsAlone(t *testing.T) {
+	a := newDriver(t, t.TempDir())
+	if !a.shieldable() {
+		t.Skipf("agents are shielded on cgroup v1 controllers only; this host has %s", a.cgroups.mode)
+	}
+	b, err := New(Config{GuestBinary: guestBin, StateDir: t.TempDir()}, slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.cfg.CgroupParent != b.cfg.CgroupParent || a.agentsCgroup() == b.agentsCgroup() {
+		t.Fatalf("parents %q and %q, agents' cgroups %q and %q: want one parent, two agents' cgroups", a.cfg.CgroupParent, b.cfg.CgroupParent, a.agentsCgroup(), b.agentsCgroup())
+	}
+	b.Close()
+	spec := &substrate.Spec{ID: fmt.Sprintf("stop%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox", MemoryMB: 64, Pids: 64, CPU: 1}
+	inst, err := a.Create(context.Background(), spec)
+	if err != nil {
+		t.Fatalf("a create after another node stopped: %v", err)
+	}
+	inst.Destroy(context.Background())
+	for _, c := range []string{"memory", "cpu"} {
+		if _, err := os.Stat(b.cgroups.dir(b.agentsCgroup(), c)); err == nil {
+			t.Errorf("the stopped node's agents' %s cgroup is still there", c)
+		}
+	}
+}
+
 func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 	d := newDriver(t, t.TempDir())
 	if !d.shieldable() {

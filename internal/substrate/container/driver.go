@@ -384,9 +384,9 @@ func (d *Driver) Close() {
 		d.disk.close()
 	}
 	if d.shieldable() {
-		// The agents' shared cgroups go with the last agent on the host
-		// (this node's sandboxes outlive it, and other nodes may share the
-		// parent: then they are not empty and stay).
+		// The agents' shared cgroups go with this node's last agent (its
+		// sandboxes outlive it: then they are not empty and stay, for
+		// the node that comes back with the same run directory).
 		for _, c := range []string{"memory", "cpu"} {
 			os.Remove(d.cgroups.dir(d.agentsCgroup(), c))
 		}

@@ -16,7 +16,9 @@ const (
 	// own: <CgroupParent>/<id>.agent.
 	agentSuffix = ".agent"
 	// agentsShared names the memory and cpu cgroups every agent of the
-	// node shares, beside the sandboxes': <CgroupParent>/agents. A memory
+	// node shares, beside the sandboxes': <CgroupParent>/agents-<hash of
+	// the driver's run directory>, the node's own (nodes sharing a host
+	// and a parent never remove one another's when they stop). A memory
 	// cgroup per agent would cost the kernel memory in proportion to the
 	// node's sandboxes for each one (for every memory cgroup, a slot per
 	// file system's shrinker: 1.3 MiB per sandbox at 3,890 sandboxes,
@@ -66,8 +68,11 @@ func (d *Driver) agentCgroup(id, c string) string {
 	return d.cgroupPath(id) + agentSuffix
 }
 
-// agentsCgroup is the memory and cpu cgroup every agent shares.
-func (d *Driver) agentsCgroup() string { return filepath.Join(d.cfg.CgroupParent, agentsShared) }
+// agentsCgroup is the memory and cpu cgroup every agent of this driver
+// shares.
+func (d *Driver) agentsCgroup() string {
+	return filepath.Join(d.cfg.CgroupParent, agentsShared+"-"+shortHash(d.cfg.RunDir))
+}
 
 // shieldedControllers are the controllers whose cgroups an agent has of
 // its own, pids last (the agent takes the last of -home-fds as the pids
