@@ -3,12 +3,14 @@ package network
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/nsthread"
 )
 
@@ -126,26 +128,16 @@ func openTap() (*os.File, error) {
 	return os.NewFile(uintptr(fd), "/dev/net/tun"), nil
 }
 
-// Guest is what a virtual machine's own network stack is given: the
-// sandbox's address with the subnet's length, its gateway, its MAC, the
-// MTU of its link and its resolvers.
-type Guest struct {
-	Addr    netip.Prefix
-	Gateway netip.Addr
-	MAC     string
-	MTU     int
-	DNS     []netip.Addr
-}
-
-// Guest is the configuration of attachment a's guest (ok false: a has no
-// egress).
-func (m *Manager) Guest(a *Attachment) (Guest, bool) {
+// Guest is the configuration of attachment a's guest, what a virtual
+// machine's own stack is given (ok false: a has no egress).
+func (m *Manager) Guest(a *Attachment) (guest.NetConfig, bool) {
 	if a == nil || a.Mode != ModeEgress {
-		return Guest{}, false
+		return guest.NetConfig{}, false
 	}
-	addr, err := netip.ParseAddr(a.Addr)
-	if err != nil {
-		return Guest{}, false
+	addr, err1 := netip.ParseAddr(a.Addr)
+	mac, err2 := net.ParseMAC(a.MAC)
+	if err1 != nil || err2 != nil {
+		return guest.NetConfig{}, false
 	}
-	return Guest{Addr: netip.PrefixFrom(addr, m.prefix.Bits()), Gateway: m.gateway, MAC: a.MAC, MTU: m.bridgeMTU(), DNS: m.dns}, true
+	return guest.NetConfig{Addr: netip.PrefixFrom(addr, m.prefix.Bits()), Gateway: m.gateway, MAC: mac, MTU: m.bridgeMTU(), DNS: m.dns}, true
 }

@@ -112,7 +112,7 @@ func TestATapCarriesTheGuestsFramesThroughTheSandboxsPort(t *testing.T) {
 	if !ok {
 		t.Fatal("no guest configuration for an egress attachment")
 	}
-	mac, _ := net.ParseMAC(g.MAC)
+	mac := g.MAC
 	if got := arpAsk(t, tap, arpFrame(mac, g.Addr.Addr(), g.Gateway), g.Gateway, 10*time.Second); got == nil {
 		t.Fatal("the gateway did not answer the guest's ARP requests")
 	}

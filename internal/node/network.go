@@ -2,7 +2,6 @@ package node
 
 import (
 	"context"
-	"net"
 	"slices"
 	"time"
 
@@ -12,7 +11,6 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
-	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/network"
 	"github.com/opendsec/dsec/internal/substrate"
 )
@@ -248,11 +246,6 @@ func attachmentJSON(a *network.Attachment) []byte {
 // substrateNetwork is attachment a as a driver takes it.
 func (n *Node) substrateNetwork(a *network.Attachment) substrate.Network {
 	nw := substrate.Network{Mode: a.Mode, NetNS: a.NetNS, ResolvConf: a.ResolvConf}
-	if g, ok := n.net.Guest(a); ok {
-		mac, err := net.ParseMAC(g.MAC)
-		if err == nil {
-			nw.Guest = guest.NetConfig{Addr: g.Addr, Gateway: g.Gateway, MAC: mac, MTU: g.MTU, DNS: g.DNS}
-		}
-	}
+	nw.Guest, _ = n.net.Guest(a)
 	return nw
 }
