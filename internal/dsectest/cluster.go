@@ -3,6 +3,7 @@ package dsectest
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -146,6 +147,9 @@ type Proc struct {
 	Addr, URL string
 	// DataDir is a node's data directory.
 	DataDir string
+	// debug serves the process's Go profiles (its goroutines when a test
+	// finds it stuck).
+	debug   string
 	t       TB
 	bin     string
 	args    []string
@@ -187,6 +191,8 @@ func StartNode(t TB, etcd *Etcd, name string, opts NodeOptions) *Proc {
 	p.args = append([]string{"node", "--name", name, "--listen", p.Addr, "--data-dir", p.DataDir,
 		"--etcd", etcd.URL, "--cluster-token", opts.Token, "--log-level", "info",
 		"--bootstrap", strings.Join(opts.Images, ",")}, p.netArgs...)
+	p.debug = freePort(t)
+	p.args = append(p.args, "--debug-listen", p.debug)
 	p.args = append(p.args, opts.Args...)
 	p.Start()
 	t.Cleanup(p.cleanupNode)
@@ -206,7 +212,8 @@ func StartAPI(t TB, etcd *Etcd, opts APIOptions) *Proc {
 	p := &Proc{t: t, bin: filepath.Join(Binaries(t), "dsec"), token: opts.Token}
 	p.Addr = freePort(t)
 	p.URL = "http://" + p.Addr
-	p.args = []string{"api", "--listen", p.Addr, "--etcd", etcd.URL, "--cluster-token", opts.Token, "--log-level", "info"}
+	p.debug = freePort(t)
+	p.args = []string{"api", "--listen", p.Addr, "--etcd", etcd.URL, "--cluster-token", opts.Token, "--log-level", "info", "--debug-listen", p.debug}
 	for _, k := range opts.APIKeys {
 		p.args = append(p.args, "--api-key", k)
 	}
@@ -302,6 +309,25 @@ func (p *Proc) Stop() {
 		<-p.done
 	}
 	p.cmd = nil
+}
+
+// Goroutines returns the stacks of the running process's goroutines (Go's
+// debug=2 form), or why it cannot.
+func (p *Proc) Goroutines() string {
+	if p.cmd == nil {
+		return "(not running)"
+	}
+	c := http.Client{Timeout: 10 * time.Second}
+	resp, err := c.Get("http://" + p.debug + "/debug/pprof/goroutine?debug=2")
+	if err != nil {
+		return fmt.Sprintf("(no goroutines: %v)", err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return fmt.Sprintf("(goroutines cut short: %v)\n%s", err, b)
+	}
+	return string(b)
 }
 
 // Log returns what the process printed.

@@ -11,6 +11,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -93,6 +94,32 @@ func (c *cluster) members(i, n int) error {
 		}
 	}
 	return nil
+}
+
+// stuck logs where the cluster's running processes wait, when a call got
+// no answer: each one's goroutines that are in a create, and the path of a
+// file with all of them.
+func (c *cluster) stuck(why string) {
+	f, err := os.CreateTemp("", "dsec-fault-goroutines-*.txt")
+	if err != nil {
+		c.t.Logf("%s; no goroutine dump: %v", why, err)
+		return
+	}
+	defer f.Close()
+	var b strings.Builder
+	for _, p := range append(append([]*dsectest.Proc(nil), c.apis...), c.nodes...) {
+		if !p.Running() {
+			continue
+		}
+		all := p.Goroutines()
+		fmt.Fprintf(f, "=== %s\n%s\n", p, all)
+		for _, g := range strings.Split(all, "\n\n") {
+			if strings.Contains(strings.ToLower(g), "create") {
+				fmt.Fprintf(&b, "--- %s\n%s\n", p, g)
+			}
+		}
+	}
+	c.t.Logf("%s; goroutines of every process in %s, those in a create:\n%s", why, f.Name(), b.String())
 }
 
 // state is node's state as replica i reports it ("" when it does not
@@ -400,7 +427,10 @@ func TestReplicaKilledDuringKeyedBurst(t *testing.T) {
 				// The client's own deadline: a client retries with the same
 				// key, which is what the key is for (a slow machine), but not
 				// for ever (a create that hangs).
-				if timeouts++; timeouts == 3 {
+				if timeouts++; timeouts == 1 {
+					c.stuck(fmt.Sprintf("item %d through replica %d: no answer within 30 s (%v)", i, r, err))
+				}
+				if timeouts == 3 {
 					return fmt.Errorf("item %d: no answer within 30 s, 3 times", i)
 				}
 				t.Logf("item %d through replica %d: no answer within 30 s (%v); retrying", i, r, err)

@@ -997,3 +997,58 @@ func TestACreateWhoseCallerGoesAwayAnswersCanceledAndLeavesNothing(t *testing.T)
 		}
 	}
 }
+
+// TestACreateGivenUpBeforeTheRuntimeRecordedItsContainerEnds: on a loaded
+// host the runtime can take longer to record a container than the caller
+// waits. A delete sent then finds nothing and the runtime goes on to start
+// the container; the abandoned create must still end (it used to wait for
+// that runtime for ever, holding its idempotency key: a replica killed
+// during a burst left retried creates unanswered) and leave nothing. The
+// runtime here is crun behind a wrapper that waits before running it.
+func TestACreateGivenUpBeforeTheRuntimeRecordedItsContainerEnds(t *testing.T) {
+	if setupErr != "" {
+		t.Skip(setupErr)
+	}
+	crun, err := exec.LookPath("crun")
+	if err != nil {
+		t.Fatal("needs crun (apt-get install crun)")
+	}
+	slow := filepath.Join(t.TempDir(), "crun-slow-start")
+	script := "#!/bin/sh\ncase \" $* \" in *\" run \"*) sleep 1 ;; esac\nexec " + crun + " \"$@\"\n"
+	if err := os.WriteFile(slow, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// As the host's root the late runtime starts the container; in a user
+	// namespace it finds the namespace gone and fails: both must end.
+	for _, hostRoot := range []bool{true, false} {
+		t.Run(fmt.Sprintf("host root %v", hostRoot), func(t *testing.T) {
+			d, err := New(Config{GuestBinary: guestBin, StateDir: t.TempDir(), Runtime: slow, HostRoot: hostRoot}, slog.Default())
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(d.Close)
+			spec := &substrate.Spec{ID: fmt.Sprintf("slow%d-%v", os.Getpid(), hostRoot), Dir: t.TempDir(), Image: layers, Hostname: "sandbox", MemoryMB: 128, Pids: 64, CPU: 1}
+			ctx, cancel := context.WithCancel(context.Background())
+			time.AfterFunc(200*time.Millisecond, cancel) // while the wrapper waits
+			done := make(chan error, 1)
+			go func() {
+				inst, err := d.Create(ctx, spec)
+				if err == nil {
+					inst.Destroy(context.Background())
+				}
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if k := errdefs.KindOf(err); k != errdefs.KindCanceled {
+					t.Errorf("create: %v (%s), want canceled", err, k)
+				}
+			case <-time.After(45 * time.Second):
+				t.Fatal("the create whose caller went away did not end within 45 s: it waits for a runtime that started the container after the delete")
+			}
+			if left := leaks(d, spec); len(left) > 0 {
+				t.Errorf("left %v", left)
+			}
+		})
+	}
+}

@@ -684,10 +684,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	runtimeDone := make(chan struct{})
 	var runtimeExit int
 	awaitChild(rtProc, runtimeDone, &runtimeExit)
-	undo.Push(func() {
-		rt.forceDelete(s.ID)
-		<-runtimeDone
-	})
+	undo.Push(func() { rt.abandon(s.ID, rtProc, runtimeDone, d.log) })
 	failed := func(what string, cause error) error {
 		msg, _ := os.ReadFile(logPath)
 		if m := runtimeMessage(string(msg)); m != "" {
@@ -897,6 +894,32 @@ func awaitChild(child proc.ID, done chan struct{}, status *int) {
 		}
 		close(done)
 	}()
+}
+
+// abandon ends the container of a start given up part way, and returns
+// once its runtime has exited. The runtime may not have recorded the
+// container yet (a loaded host, a caller gone within milliseconds): a
+// delete then finds nothing and the runtime goes on to start the
+// container, whose agent would hold it (and the create waiting on it) for
+// ever. So the delete is repeated until the runtime exits; a runtime that
+// has not recorded the container within a minute is killed.
+func (r *ociRuntime) abandon(id string, runtime proc.ID, runtimeDone <-chan struct{}, log *slog.Logger) {
+	start := time.Now()
+	for pause := 20 * time.Millisecond; ; pause = min(2*pause, time.Second) {
+		r.forceDelete(id)
+		select {
+		case <-runtimeDone:
+			return
+		case <-time.After(pause):
+		}
+		if time.Since(start) > time.Minute {
+			log.Warn("the runtime of an abandoned start did not end: killed", slog.String("sandbox_id", id))
+			runtime.Kill()
+			<-runtimeDone
+			r.forceDelete(id) // what it recorded before it died
+			return
+		}
+	}
 }
 
 // waitPidFile reads the runtime's pid file once it is written: until ctx
