@@ -24,6 +24,7 @@ func TestSDKFilesLikeEnvd(t *testing.T) {
 	}
 	for kind := range kinds(t, s) {
 		t.Run(kind, func(t *testing.T) {
+			t.Parallel() // kinds side by side: a machine kind waits on its guests
 			if ok, why := dsectest.VMReady(); kind == "vm" && !ok {
 				t.Skipf("the server has no VM image to start: %s", why)
 			}
