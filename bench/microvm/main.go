@@ -11,6 +11,9 @@
 //   - restore from a machine snapshot to first exec vs a raw QEMU
 //     `-incoming` restore of the same snapshot (start → state loaded and
 //     running);
+//   - a create that restores its image's boot snapshot (the default: the
+//     boot row's server boots every sandbox) to first exec, against the
+//     same raw restore;
 //   - fork N from one running sandbox: per-child cost and memory;
 //   - density: N idle 128 MiB sandboxes, host memory per VM after they
 //     settle (PSS of each QEMU: its own pages plus its share of pages
@@ -69,7 +72,9 @@ func main() {
 		os.WriteFile(cfg, []byte(fmt.Sprintf("microvm:\n  tb_size_mib: %d\n", *tb)), 0o600)
 		srvArgs = append(srvArgs, "--config", cfg)
 	}
-	srv := dsectest.Start(b, dsectest.Options{Args: srvArgs})
+	// Every create of this server boots; the boot-snapshot row has a
+	// server of its own.
+	srv := dsectest.Start(b, dsectest.Options{Args: append(srvArgs, "--microvm-cold-boot")})
 	c := srv.Client()
 	ctx := context.Background()
 	info, err := c.Info(ctx)
@@ -149,6 +154,27 @@ func main() {
 		sb.Close()
 	}
 	report("restore to first exec", dsecRestore, "raw -incoming restore", rawRestore)
+
+	// A create of the same image and shape on a server that keeps boot
+	// snapshots: its first create boots and saves one, the next restore it.
+	bootSrv := dsectest.Start(b, dsectest.Options{Args: srvArgs})
+	bc := bootSrv.Client()
+	var dsecBootSnap []time.Duration
+	for r := 0; r <= *runs; r++ {
+		t0 := time.Now()
+		sb, err := bc.Create(ctx, opts)
+		if err != nil {
+			fatal(err)
+		}
+		if _, err := sb.Exec(ctx, dsec.Cmd("true")); err != nil {
+			fatal(err)
+		}
+		if r > 0 {
+			dsecBootSnap = append(dsecBootSnap, time.Since(t0))
+		}
+		sb.Close()
+	}
+	report("create from the image's boot snapshot to first exec", dsecBootSnap, "raw -incoming restore", rawRestore)
 
 	restoreKSM := func() {}
 	if *ksm {
@@ -243,7 +269,7 @@ func rawBootOnce(bin string, k *qemu.Kernel, initrd, accel string, mem int64, tm
 	os.Remove(log)
 	args := qemu.MarkerArgs(k, initrd, accel, int(mem))
 	t0 := time.Now()
-	p, err := qemu.Start(bin, args, log, nil)
+	p, err := qemu.Start(bin, args, log, nil, "")
 	if err != nil {
 		fatal(err)
 	}
@@ -284,7 +310,7 @@ func rawRestoreOnce(bin, snapDir, tmp string, r int) time.Duration {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	t0 := time.Now()
-	p, err := qemu.Start(bin, args, filepath.Join(dir, "log"), []*os.File{f})
+	p, err := qemu.Start(bin, args, filepath.Join(dir, "log"), []*os.File{f}, "")
 	if err != nil {
 		fatal(err)
 	}

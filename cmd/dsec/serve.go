@@ -111,6 +111,7 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, v *nodeVars) {
 	f.BoolVar(&flagCfg.Container.HostRoot, "host-root", false, "run container sandboxes without a user namespace: root inside is the host's root")
 	f.StringVar(&flagCfg.MicroVM.Accel, "microvm-accel", "", "microvm acceleration: auto, kvm or tcg (default auto)")
 	f.StringVar(&flagCfg.MicroVM.KernelDir, "guest-kernel", "", "microvm guest kernel directory (default CACHE_DIR/guest-kernel)")
+	f.BoolVar(&flagCfg.MicroVM.ColdBoot, "microvm-cold-boot", false, "boot every microVM instead of restoring its image's boot snapshot")
 	f.StringVar(&flagCfg.VM.Accel, "vm-accel", "", "vm acceleration: auto, kvm or tcg (default auto)")
 	f.StringVar(&flagCfg.VM.Boot, "vm-boot", "", "how full VMs boot: auto, firmware or direct (default auto)")
 	f.BoolVar(&flagCfg.VM.ColdBoot, "vm-cold-boot", false, "boot every full VM instead of restoring its image's boot snapshot")
@@ -242,6 +243,9 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("vm-boot") {
 		cfg.VM.Boot = fl.VM.Boot
+	}
+	if set("microvm-cold-boot") {
+		cfg.MicroVM.ColdBoot = fl.MicroVM.ColdBoot
 	}
 	if set("vm-cold-boot") {
 		cfg.VM.ColdBoot = fl.VM.ColdBoot
@@ -660,7 +664,8 @@ func buildNode(cfg config.Config, dataDir string, reg *metrics.Registry, log *sl
 	mvm, err := microvm.New(microvm.Config{
 		KernelDir: kernelDir, GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "microvm"),
 		RunDir: filepath.Join(runDir, "vm"), Accel: cfg.MicroVM.Accel, BootTimeout: time.Duration(cfg.MicroVM.BootTimeout),
-		TBSizeMiB: cfg.MicroVM.TBSizeMiB, DefaultDiskMB: cfg.MicroVM.DefaultDiskMB,
+		TBSizeMiB: cfg.MicroVM.TBSizeMiB, DefaultDiskMB: cfg.MicroVM.DefaultDiskMB, CgroupParent: cfg.Container.CgroupParent,
+		ColdBoot: cfg.MicroVM.ColdBoot,
 	}, log)
 	if err != nil {
 		return nil, err
@@ -669,6 +674,7 @@ func buildNode(cfg config.Config, dataDir string, reg *metrics.Registry, log *sl
 		GuestBinary: guestBin, StateDir: filepath.Join(dataDir, "vm"), RunDir: filepath.Join(runDir, "fvm"),
 		KernelDir: kernelDir, Accel: cfg.VM.Accel, Boot: cfg.VM.Boot, ColdBoot: cfg.VM.ColdBoot,
 		BootTimeout: time.Duration(cfg.VM.BootTimeout), TBSizeMiB: cfg.VM.TBSizeMiB, VNC: cfg.VM.VNC,
+		CgroupParent: cfg.Container.CgroupParent,
 	}, log)
 	if err != nil {
 		return nil, err

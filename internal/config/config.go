@@ -213,7 +213,8 @@ type Credential struct {
 type Container struct {
 	// Runtime is crun, runc or a path (default: crun, else runc).
 	Runtime string `json:"runtime,omitempty"`
-	// CgroupParent is the cgroup for sandboxes (default /dsec).
+	// CgroupParent is the cgroup for sandboxes: containers, and each
+	// microVM's and VM's QEMU (default /dsec).
 	CgroupParent string `json:"cgroup_parent,omitempty"`
 	// HostRoot runs container and function sandboxes without a user
 	// namespace, root inside being the host's root (flag --host-root;
@@ -250,6 +251,9 @@ type MicroVM struct {
 	// DefaultDiskMB sizes the writable disk when a create gives no
 	// disk_mb (default 1024).
 	DefaultDiskMB int64 `json:"default_disk_mb,omitempty"`
+	// ColdBoot boots every sandbox instead of restoring its image's boot
+	// snapshot for its machine shape (default false).
+	ColdBoot bool `json:"cold_boot,omitempty"`
 }
 
 // VM configures the vm substrate (full VMs, docs/substrates/vm.md).

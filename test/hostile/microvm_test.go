@@ -10,6 +10,8 @@ package hostile
 // was reported as the platform's failure (unavailable, infra).
 
 import (
+	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -132,4 +134,70 @@ func TestAMicroVMsMemoryBombIsReportedAsOOM(t *testing.T) {
 	if err != nil || x.ExitCode != 3 || x.OomKilled {
 		t.Fatalf("the child's first failure: %v %v", x, err)
 	}
+}
+
+func TestAMicroVMsForkBombIsTheTasksFailure(t *testing.T) {
+	srv(t)
+	nb := newNeighbour(t)
+	sb := microVM(t)
+	// The guest's kernel holds the bomb: its processes fill the guest's
+	// memory and pid space, never the host's; the agent (the guest's
+	// init) is not the OOM killer's pick and its timeout ends every
+	// process of the command.
+	procs := func() int {
+		n, _ := strconv.Atoi(strings.TrimSpace(sh(t, sb, "ls -d /proc/[0-9]* | wc -l")))
+		return n
+	}
+	before := procs()
+	r, err := attack(t, sb, nb, "b() { b | b & }; b; sleep 30", 15*time.Second, 4*time.Second)
+	taskFailure(t, "fork bomb", err)
+	t.Logf("fork bomb: exit %d, signal %q, timed out %v, oom %v", r.ExitCode, r.Signal, r.TimedOut, r.OomKilled)
+	if r.ExitCode == 0 && !r.TimedOut {
+		t.Errorf("the fork bomb succeeded")
+	}
+	answers(t, sb, "the fork bomb")
+	if after := procs(); after > before+2 {
+		t.Errorf("%d processes in the guest after the bomb's command ended, %d before", after, before)
+	}
+}
+
+func TestAMicroVMFillsOnlyItsOwnDisk(t *testing.T) {
+	srv(t)
+	dsectest.NeedMicroVM(t)
+	nb := newNeighbour(t)
+	sb := create(t, client(t), dsec.CreateOptions{Kind: "microvm", MemoryMB: 256, DiskMB: fillDiskMB})
+	size, _ := dfRoot(t, sb)
+	t.Logf("df / in the guest: %d KiB", size)
+	if size > fillDiskMB<<10 {
+		// Checked before any unbounded write.
+		t.Fatalf("df / in the guest says %d KiB, more than the sandbox's %d MiB", size, fillDiskMB)
+	}
+	use := dataDirUse(t)
+	r, err := sb.Exec(ctxFor(t, 3*time.Minute), dsec.ExecOptions{Cmd: fmt.Sprintf("dd if=/dev/zero of=/fill bs=1M count=%d; sync", 2*fillDiskMB), Timeout: 2 * time.Minute})
+	taskFailure(t, "dd", err)
+	if !strings.Contains(string(r.Stderr), "No space left") {
+		t.Errorf("dd of %d MiB into a %d MiB disk: exit %d, stderr %q", 2*fillDiskMB, fillDiskMB, r.ExitCode, r.Stderr)
+	}
+	if grew := dataDirUse(t) - use; grew > (fillDiskMB+16)<<20 {
+		t.Errorf("the node's data directory grew by %d MiB for a %d MiB sandbox", grew>>20, fillDiskMB)
+	}
+	x, err := nb.sb.Exec(ctxFor(t, time.Minute), dsec.Cmd("dd if=/dev/zero of=/tmp/nb bs=1M count=8 && rm /tmp/nb"))
+	if err != nil || x.ExitCode != 0 {
+		t.Errorf("the neighbour cannot write: %v %q", err, x.GetStderr())
+	}
+	answers(t, sb, "filling its disk")
+}
+
+func TestAMicroVMReadingThePageTablesOfProcReadsItsOwnKernels(t *testing.T) {
+	srv(t)
+	nb := newNeighbour(t)
+	sb := microVM(t)
+	// DSec's field report: an agent crashed a host kernel through
+	// /proc/kpagecgroup. A container sees it masked; a microVM's guest is
+	// root over a kernel of its own, whose files these are: reading all
+	// of them reaches no host page, and the machine goes on.
+	r, err := attack(t, sb, nb, "for f in /proc/kpagecgroup /proc/kpageflags /proc/kpagecount; do cat $f > /dev/null; echo $f $?; done", time.Minute, 2*time.Second)
+	taskFailure(t, "reading /proc/kpage*", err)
+	t.Logf("%s%s", r.Stdout, r.Stderr)
+	answers(t, sb, "reading /proc/kpage*")
 }

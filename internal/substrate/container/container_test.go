@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"github.com/opendsec/dsec/internal/cgroup"
 	"io/fs"
 	"log/slog"
 	"os"
@@ -19,7 +20,6 @@ import (
 	"testing"
 	"time"
 
-	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
@@ -165,10 +165,10 @@ func leaks(d *Driver, s *substrate.Spec) []string {
 		out = append(out, "mount under "+s.Dir)
 	}
 	for _, ctrl := range []string{"pids", "memory", "cpu", ""} {
-		if ctrl == "" && d.cgroups.mode != cgroupV2 {
+		if ctrl == "" && d.cgroups.Mode != cgroup.V2 {
 			continue
 		}
-		for _, p := range []string{d.cgroups.dir(d.cgroupPath(s.ID), ctrl), d.cgroups.dir(d.cgroupPath(s.ID)+agentSuffix, ctrl)} {
+		for _, p := range []string{d.cgroups.Dir(d.cgroupPath(s.ID), ctrl), d.cgroups.Dir(d.cgroupPath(s.ID)+agentSuffix, ctrl)} {
 			if _, err := os.Stat(p); err == nil {
 				out = append(out, "cgroup "+p)
 			}
@@ -407,7 +407,7 @@ func TestASandboxMakesOnlyTheFileSystemsAndMemoryCgroupsItNeeds(t *testing.T) {
 		MemoryMB: 64, Pids: 64, CPU: 1, DiskMB: 64, Network: substrate.Network{Mode: "none"}}
 	memcgs := func() int {
 		n := 0
-		filepath.WalkDir(d.cgroups.dir(d.cfg.CgroupParent, "memory"), func(_ string, e fs.DirEntry, err error) error {
+		filepath.WalkDir(d.cgroups.Dir(d.cfg.CgroupParent, "memory"), func(_ string, e fs.DirEntry, err error) error {
 			if err == nil && e.IsDir() && e.Name() != agentsShared { // (shared, made once)
 				n++
 			}
@@ -465,7 +465,7 @@ func TestASandboxMakesOnlyTheFileSystemsAndMemoryCgroupsItNeeds(t *testing.T) {
 func TestAStoppingNodeLeavesAnotherNodesAgentsCgroupsAlone(t *testing.T) {
 	a := newDriver(t, t.TempDir())
 	if !a.shieldable() {
-		t.Skipf("agents are shielded on cgroup v1 controllers only; this host has %s", a.cgroups.mode)
+		t.Skipf("agents are shielded on cgroup v1 controllers only; this host has %s", a.cgroups.Mode)
 	}
 	b, err := New(Config{GuestBinary: guestBin, StateDir: t.TempDir()}, slog.Default())
 	if err != nil {
@@ -482,7 +482,7 @@ func TestAStoppingNodeLeavesAnotherNodesAgentsCgroupsAlone(t *testing.T) {
 	}
 	inst.Destroy(context.Background())
 	for _, c := range []string{"memory", "cpu"} {
-		if _, err := os.Stat(b.cgroups.dir(b.agentsCgroup(), c)); err == nil {
+		if _, err := os.Stat(b.cgroups.Dir(b.agentsCgroup(), c)); err == nil {
 			t.Errorf("the stopped node's agents' %s cgroup is still there", c)
 		}
 	}
@@ -491,7 +491,7 @@ func TestAStoppingNodeLeavesAnotherNodesAgentsCgroupsAlone(t *testing.T) {
 func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 	d := newDriver(t, t.TempDir())
 	if !d.shieldable() {
-		t.Skipf("agents are shielded on cgroup v1 controllers only; this host has %s", d.cgroups.mode)
+		t.Skipf("agents are shielded on cgroup v1 controllers only; this host has %s", d.cgroups.Mode)
 	}
 	spec := &substrate.Spec{ID: fmt.Sprintf("cg%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox", MemoryMB: 64, Pids: 64, CPU: 1}
 	inst, err := d.Create(context.Background(), spec)
@@ -514,7 +514,7 @@ func TestTheAgentLivesInItsOwnCgroupsAndChildrenInTheSandboxs(t *testing.T) {
 			t.Errorf("the agent is in %s cgroup %q, want %q", c, got, want)
 		}
 	}
-	if got := readInt(filepath.Join(d.cgroups.dir(d.agentsCgroup(), "cpu"), "cpu.shares")); got != agentsCPUShares {
+	if got := cgroup.ReadInt(filepath.Join(d.cgroups.Dir(d.agentsCgroup(), "cpu"), "cpu.shares")); got != agentsCPUShares {
 		t.Errorf("the agents' cpu cgroup weighs %d, want %d", got, agentsCPUShares)
 	}
 	x, err := inst.Guest().Run(context.Background(), (&runExec{"cat /proc/self/cgroup"}).exec())
@@ -848,38 +848,6 @@ func threadsAreRoot(t *testing.T) {
 	}
 }
 
-func TestGVisorLimitFiles(t *testing.T) {
-	period, quota, shares, mem, swap := uint64(100000), int64(50000), uint64(512), int64(64<<20), int64(128<<20)
-	res := &specs.LinuxResources{
-		Memory: &specs.LinuxMemory{Limit: &mem, Swap: &swap},
-		CPU:    &specs.LinuxCPU{Period: &period, Quota: &quota, Shares: &shares},
-		Pids:   &specs.LinuxPids{Limit: 64},
-	}
-	for _, tc := range []struct {
-		name string
-		got  []cgroupLimit
-		want []cgroupLimit
-	}{
-		{"cgroup v1 with swap accounting", v1Limits(res, true), []cgroupLimit{
-			{"memory", "memory.limit_in_bytes", "67108864"}, {"memory", "memory.memsw.limit_in_bytes", "134217728"},
-			{"cpu", "cpu.cfs_period_us", "100000"}, {"cpu", "cpu.cfs_quota_us", "50000"}, {"cpu", "cpu.shares", "512"},
-			{"pids", "pids.max", "64"}}},
-		{"cgroup v1 without swap accounting", v1Limits(res, false), []cgroupLimit{
-			{"memory", "memory.limit_in_bytes", "67108864"},
-			{"cpu", "cpu.cfs_period_us", "100000"}, {"cpu", "cpu.cfs_quota_us", "50000"}, {"cpu", "cpu.shares", "512"},
-			{"pids", "pids.max", "64"}}},
-		{"cgroup v2", v2Limits(res), []cgroupLimit{
-			{"", "memory.max", "67108864"}, {"", "memory.swap.max", "67108864"}, {"", "cpu.max", "50000 100000"},
-			{"", "cpu.weight", "20"}, {"", "pids.max", "64"}}},
-		{"cgroup v2 without limits", v2Limits(&specs.LinuxResources{}), []cgroupLimit{
-			{"", "memory.max", "max"}, {"", "memory.swap.max", "max"}, {"", "cpu.max", "max 100000"}, {"", "pids.max", "max"}}},
-	} {
-		if !slices.Equal(tc.got, tc.want) {
-			t.Errorf("%s: %v, want %v", tc.name, tc.got, tc.want)
-		}
-	}
-}
-
 // TestAGVisorSandboxIsHeldToItsLimits reads back, from the host, the cgroup
 // files of a gVisor sandbox (runsc does not write them: the node does) and
 // checks that runsc's sandbox process is in those cgroups.
@@ -898,7 +866,7 @@ func TestAGVisorSandboxIsHeldToItsLimits(t *testing.T) {
 		"cpu":    {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "50000", "cpu.shares": "512"},
 		"pids":   {"pids.max": strconv.Itoa(64*gvisorTasksPerProcess + gvisorBaseTasks)},
 	}
-	if d.cgroups.mode == cgroupV2 {
+	if d.cgroups.Mode == cgroup.V2 {
 		files = map[string]map[string]string{"": {"memory.max": strconv.Itoa(64 << 20), "cpu.max": "50000 100000",
 			"cpu.weight": "20", "pids.max": strconv.Itoa(64*gvisorTasksPerProcess + gvisorBaseTasks)}}
 	}
@@ -924,7 +892,7 @@ func TestAGVisorSandboxIsHeldToItsLimits(t *testing.T) {
 		t.Fatal(err)
 	}
 	for ctrl, want := range files {
-		dir := d.cgroups.dir(d.cgroupPath(spec.ID), ctrl)
+		dir := d.cgroups.Dir(d.cgroupPath(spec.ID), ctrl)
 		for file, value := range want {
 			b, err := os.ReadFile(filepath.Join(dir, file))
 			if err != nil {

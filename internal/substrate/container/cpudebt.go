@@ -1,6 +1,7 @@
 package container
 
 import (
+	"github.com/opendsec/dsec/internal/cgroup"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -57,14 +58,14 @@ func repaying(a, b cpuSample, l cpuLimit) bool {
 
 // cpuSample reads a cgroup's CFS periods and throttled periods.
 func (c cgroups) cpuSample(path string) cpuSample {
-	stat := filepath.Join(c.dir(path, "cpu"), "cpu.stat")
-	return cpuSample{periods: keyed(stat, "nr_periods"), throttled: keyed(stat, "nr_throttled")}
+	stat := filepath.Join(c.Dir(path, "cpu"), "cpu.stat")
+	return cpuSample{periods: cgroup.Keyed(stat, "nr_periods"), throttled: cgroup.Keyed(stat, "nr_throttled")}
 }
 
 // cpuLimit reads a cgroup's CFS quota and period.
 func (c cgroups) cpuLimit(path string) (cpuLimit, string) {
-	if c.mode == cgroupV2 {
-		b, err := os.ReadFile(filepath.Join(c.dir(path, ""), "cpu.max"))
+	if c.Mode == cgroup.V2 {
+		b, err := os.ReadFile(filepath.Join(c.Dir(path, ""), "cpu.max"))
 		if err != nil {
 			return cpuLimit{quota: -1}, ""
 		}
@@ -77,9 +78,9 @@ func (c cgroups) cpuLimit(path string) (cpuLimit, string) {
 		}
 		return cpuLimit{quota: time.Duration(quota) * time.Microsecond, period: time.Duration(period) * time.Microsecond}, raw
 	}
-	dir := c.dir(path, "cpu")
-	quota := readInt(filepath.Join(dir, "cpu.cfs_quota_us"))
-	period := readInt(filepath.Join(dir, "cpu.cfs_period_us"))
+	dir := c.Dir(path, "cpu")
+	quota := cgroup.ReadInt(filepath.Join(dir, "cpu.cfs_quota_us"))
+	period := cgroup.ReadInt(filepath.Join(dir, "cpu.cfs_period_us"))
 	if quota == 0 {
 		quota = -1 // unreadable
 	}
@@ -89,17 +90,17 @@ func (c cgroups) cpuLimit(path string) (cpuLimit, string) {
 // setCPUQuota writes a cgroup's quota (v1: microseconds or -1; v2: cpu.max's
 // "quota period" or "max").
 func (c cgroups) setCPUQuota(path, v string) error {
-	if c.mode == cgroupV2 {
-		return os.WriteFile(filepath.Join(c.dir(path, ""), "cpu.max"), []byte(v), 0)
+	if c.Mode == cgroup.V2 {
+		return os.WriteFile(filepath.Join(c.Dir(path, ""), "cpu.max"), []byte(v), 0)
 	}
-	return os.WriteFile(filepath.Join(c.dir(path, "cpu"), "cpu.cfs_quota_us"), []byte(v), 0)
+	return os.WriteFile(filepath.Join(c.Dir(path, "cpu"), "cpu.cfs_quota_us"), []byte(v), 0)
 }
 
 // liftCPULimit removes a cgroup's CPU limit (before its processes are
 // killed: they may owe CPU debt and must run to exit).
 func (c cgroups) liftCPULimit(path string) {
 	v := "-1"
-	if c.mode == cgroupV2 {
+	if c.Mode == cgroup.V2 {
 		v = "max"
 	}
 	c.setCPUQuota(path, v)
@@ -183,7 +184,7 @@ func (w *debtWatch) check() {
 			continue
 		}
 		if prev != nil && s.throttled != prev.throttled {
-			s.usage, s.hasUsage = w.cgroups.cpu(i.st.Cgroup), true
+			s.usage, s.hasUsage = w.cgroups.CPU(i.st.Cgroup), true
 		}
 		w.mu.Lock()
 		if _, ok := w.insts[i]; ok {

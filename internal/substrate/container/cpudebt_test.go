@@ -59,8 +59,8 @@ func TestForgivingCPUDebtKeepsTheLimit(t *testing.T) {
 		t.Errorf("after forgiving its debt the limit is %v per %v, want %v per %v", after.quota, after.period, before.quota, before.period)
 	}
 	s := d.cgroups.cpuSample(path)
-	if s.periods < 0 || s.throttled < 0 || d.cgroups.cpu(path) <= 0 {
-		t.Errorf("the sandbox's CPU accounting reads %+v, usage %v", s, d.cgroups.cpu(path))
+	if s.periods < 0 || s.throttled < 0 || d.cgroups.CPU(path) <= 0 {
+		t.Errorf("the sandbox's CPU accounting reads %+v, usage %v", s, d.cgroups.CPU(path))
 	}
 	d.cgroups.liftCPULimit(path)
 	if l, raw := d.cgroups.cpuLimit(path); l.quota > 0 {

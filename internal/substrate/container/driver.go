@@ -155,7 +155,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 		Kind: substrate.KindContainer,
 		Caps: []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapSnapshot, substrate.CapFork, substrate.CapNetworkEgress, substrate.CapVolumes},
 		Details: map[string]string{
-			"cgroup": d.cgroups.mode.String(),
+			"cgroup": d.cgroups.Mode.String(),
 		},
 	}
 	if reason := d.probe(); reason != "" {
@@ -189,7 +189,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 	} else if d.caps.Details["disk_limit"] == "" {
 		d.caps.Details["disk_limit"] = "off"
 	}
-	log.Info("container substrate ready", slog.String("runtime", d.oci.name+" "+d.oci.version), slog.String("cgroup", d.cgroups.mode.String()))
+	log.Info("container substrate ready", slog.String("runtime", d.oci.name+" "+d.oci.version), slog.String("cgroup", d.cgroups.Mode.String()))
 	return d, nil
 }
 
@@ -388,7 +388,7 @@ func (d *Driver) Close() {
 		// sandboxes outlive it: then they are not empty and stay, for
 		// the node that comes back with the same run directory).
 		for _, c := range []string{"memory", "cpu"} {
-			os.Remove(d.cgroups.dir(d.agentsCgroup(), c))
+			os.Remove(d.cgroups.Dir(d.agentsCgroup(), c))
 		}
 	}
 }
@@ -802,7 +802,7 @@ func (d *Driver) attach(ctx context.Context, s *substrate.Spec, raw []byte) (*in
 	if inst.rt == nil {
 		return inst, errdefs.Gone("sandbox %s runs under runtime %q, which this node no longer has", s.ID, st.Runtime)
 	}
-	if inst.rt.gvisor() && inst.rt.paused(s.ID) || !inst.rt.gvisor() && d.cgroups.frozen(st.Cgroup) {
+	if inst.rt.gvisor() && inst.rt.paused(s.ID) || !inst.rt.gvisor() && d.cgroups.Frozen(st.Cgroup) {
 		// Paused before the restart: its agent cannot answer until resumed.
 		inst.paused = true
 		inst.watch()

@@ -15,7 +15,6 @@ import (
 	"strings"
 	"time"
 
-	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/substrate"
@@ -419,104 +418,13 @@ func (d *Driver) prepareGVisor(s *substrate.Spec, rootfs string, host uint32) (j
 	if err := os.Chown(ch, int(host), int(host)); err != nil {
 		return "", nil, err
 	}
-	res := d.resources(s, true)
-	var limits []cgroupLimit
-	switch {
-	case d.cgroups.mode == cgroupV2:
-		limits = v2Limits(res)
-	default:
-		limits = v1Limits(res, d.cgroups.swapAccounting)
-	}
-	for _, l := range limits {
-		p := d.cgroups.dir(d.cgroupPath(id), l.controller)
-		if _, err := os.Stat(p); err != nil {
-			if d.cgroups.mode == cgroupV2 {
-				// The controllers must be on for the parent's children.
-				parent := filepath.Dir(p)
-				if err := os.MkdirAll(parent, 0o755); err != nil {
-					return "", nil, err
-				}
-				os.WriteFile(filepath.Join(parent, "cgroup.subtree_control"), []byte("+memory +pids +cpu"), 0)
-			}
-			if err := os.MkdirAll(p, 0o755); err != nil {
-				return "", nil, fmt.Errorf("create cgroup %s: %w", p, err)
-			}
-			made = append(made, p)
-		}
-		if err := os.WriteFile(filepath.Join(p, l.file), []byte(l.value), 0); err != nil {
-			return "", nil, fmt.Errorf("limit the sandbox's cgroup (%s): %w", l.file, err)
-		}
+	dirs, err := d.cgroups.Make(d.cgroupPath(id), d.resources(s, true))
+	made = append(made, dirs...)
+	if err != nil {
+		return "", nil, err
 	}
 	return jail, undo, nil
 }
-
-// cgroupLimit is a value to write into a cgroup file.
-type cgroupLimit struct{ controller, file, value string }
-
-// v1Limits are the memory, CPU and pids limits of res in cgroup v1 files,
-// in the order they may be written (memsw after the memory limit, the
-// period before the quota).
-func v1Limits(res *specs.LinuxResources, swap bool) []cgroupLimit {
-	var l []cgroupLimit
-	if m := res.Memory; m != nil && m.Limit != nil {
-		l = append(l, cgroupLimit{"memory", "memory.limit_in_bytes", strconv.FormatInt(*m.Limit, 10)})
-		if swap && m.Swap != nil {
-			l = append(l, cgroupLimit{"memory", "memory.memsw.limit_in_bytes", strconv.FormatInt(*m.Swap, 10)})
-		}
-	} else {
-		l = append(l, cgroupLimit{"memory", "memory.limit_in_bytes", "-1"})
-	}
-	if c := res.CPU; c != nil && c.Quota != nil && c.Period != nil {
-		l = append(l, cgroupLimit{"cpu", "cpu.cfs_period_us", strconv.FormatUint(*c.Period, 10)},
-			cgroupLimit{"cpu", "cpu.cfs_quota_us", strconv.FormatInt(*c.Quota, 10)})
-		if c.Shares != nil {
-			l = append(l, cgroupLimit{"cpu", "cpu.shares", strconv.FormatUint(*c.Shares, 10)})
-		}
-	}
-	pids := "max"
-	if res.Pids != nil && res.Pids.Limit > 0 {
-		pids = strconv.FormatInt(res.Pids.Limit, 10)
-	}
-	return append(l, cgroupLimit{"pids", "pids.max", pids})
-}
-
-// v2Limits are the same in cgroup v2 files (TestGVisorLimitFiles checks
-// the values; on a hybrid host like the development machines no sandbox
-// runs under them).
-func v2Limits(res *specs.LinuxResources) []cgroupLimit {
-	mem, swap := "max", "max"
-	if m := res.Memory; m != nil && m.Limit != nil {
-		mem = strconv.FormatInt(*m.Limit, 10)
-		if m.Swap != nil {
-			swap = strconv.FormatInt(max(*m.Swap-*m.Limit, 0), 10)
-		}
-	}
-	cpu := "max 100000"
-	var weight []cgroupLimit
-	if c := res.CPU; c != nil && c.Quota != nil && c.Period != nil {
-		cpu = strconv.FormatInt(*c.Quota, 10) + " " + strconv.FormatUint(*c.Period, 10)
-		if c.Shares != nil {
-			weight = []cgroupLimit{{"", "cpu.weight", strconv.FormatUint(sharesToWeight(*c.Shares), 10)}}
-		}
-	}
-	pids := "max"
-	if res.Pids != nil && res.Pids.Limit > 0 {
-		pids = strconv.FormatInt(res.Pids.Limit, 10)
-	}
-	l := append([]cgroupLimit{{"", "memory.max", mem}, {"", "memory.swap.max", swap}, {"", "cpu.max", cpu}}, weight...)
-	return append(l, cgroupLimit{"", "pids.max", pids})
-}
-
-// sharesToWeight converts cgroup v1 CPU shares (2–262144) to a cgroup v2
-// weight (1–10000) as crun and runc do.
-func sharesToWeight(shares uint64) uint64 {
-	if shares == 0 {
-		return 100
-	}
-	return 1 + ((clamp(shares, 2, 262144)-2)*9999)/262142
-}
-
-func clamp(v, lo, hi uint64) uint64 { return min(max(v, lo), hi) }
 
 // jailOf is a gVisor sandbox's jail: a directory of the node's run
 // directory holding what runsc's gofer opens in the sandbox's user

@@ -100,7 +100,7 @@ func (i *instance) readEndedBy() {
 	}
 	c := i.d.cgroups
 	switch {
-	case c.oomKills(i.st.Cgroup) > 0:
+	case c.OOMKills(i.st.Cgroup) > 0:
 		i.endedBy = substrate.EndedByMemoryLimit
 		return
 	case c.pidsLimitHits(i.st.Cgroup) > 0:
@@ -229,10 +229,10 @@ func (i *instance) Check(ctx context.Context) error {
 func (i *instance) Stats(ctx context.Context) (substrate.Stats, error) {
 	c := i.d.cgroups
 	st := substrate.Stats{
-		MemoryBytes:   c.memory(i.st.Cgroup),
-		CPUTime:       c.cpu(i.st.Cgroup),
-		Pids:          c.pids(i.st.Cgroup),
-		OOMKills:      c.oomKills(i.st.Cgroup),
+		MemoryBytes:   c.Memory(i.st.Cgroup),
+		CPUTime:       c.CPU(i.st.Cgroup),
+		Pids:          c.Pids(i.st.Cgroup),
+		OOMKills:      c.OOMKills(i.st.Cgroup),
 		PidsLimitHits: c.pidsLimitHits(i.st.Cgroup),
 	}
 	if i.rt != nil && i.rt.gvisor() {
@@ -262,7 +262,7 @@ func (i *instance) Pause(ctx context.Context) error {
 		return errdefs.Internal(err, "pause sandbox")
 	}
 	i.paused = true
-	i.d.cgroups.reclaim(i.st.Cgroup)
+	i.d.cgroups.Reclaim(i.st.Cgroup)
 	return nil
 }
 

@@ -3,6 +3,7 @@ package container
 import (
 	"errors"
 	"fmt"
+	"github.com/opendsec/dsec/internal/cgroup"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -85,18 +86,18 @@ var shieldedControllers = []string{"memory", "cpu", "pids"}
 // into the sandbox's with clone3, which the sandbox's seccomp profile
 // refuses; there the agent stays in the sandbox's cgroup.
 func (d *Driver) shieldable() bool {
-	return d.cgroups.mode == cgroupV1 || d.cgroups.mode == cgroupHybrid
+	return d.cgroups.Mode == cgroup.V1 || d.cgroups.Mode == cgroup.Hybrid
 }
 
 // prepareAgentsCgroups makes the cgroups every agent shares (memory, cpu)
 // and gives the cpu one its weight, once, when the driver starts.
 func (d *Driver) prepareAgentsCgroups() error {
 	for _, c := range []string{"memory", "cpu"} {
-		if err := os.MkdirAll(d.cgroups.dir(d.agentsCgroup(), c), 0o755); err != nil {
+		if err := os.MkdirAll(d.cgroups.Dir(d.agentsCgroup(), c), 0o755); err != nil {
 			return err
 		}
 	}
-	return os.WriteFile(filepath.Join(d.cgroups.dir(d.agentsCgroup(), "cpu"), "cpu.shares"), []byte(strconv.Itoa(agentsCPUShares)), 0)
+	return os.WriteFile(filepath.Join(d.cgroups.Dir(d.agentsCgroup(), "cpu"), "cpu.shares"), []byte(strconv.Itoa(agentsCPUShares)), 0)
 }
 
 // prepareAgent makes what a sandbox's agent inherits: a spool directory
@@ -143,8 +144,8 @@ func (d *Driver) prepareAgent(id, dir string, host uint32) (_ *agentFiles, undo 
 	var join, home []string
 	var pidsDir int
 	for _, c := range shieldedControllers {
-		sandbox := d.cgroups.dir(d.cgroupPath(id), c)
-		agent := d.cgroups.dir(d.agentCgroup(id, c), c)
+		sandbox := d.cgroups.Dir(d.cgroupPath(id), c)
+		agent := d.cgroups.Dir(d.agentCgroup(id, c), c)
 		if err := os.MkdirAll(sandbox, 0o755); err != nil {
 			return nil, nil, fmt.Errorf("create cgroup %s: %w", sandbox, err)
 		}
@@ -198,7 +199,7 @@ func (d *Driver) removeAgentCgroups(id string) error {
 	var errs []error
 	// (A memory cgroup of its own: an agent started by an earlier node.)
 	for _, c := range []string{"memory", "pids"} {
-		if err := os.Remove(d.cgroups.dir(d.cgroupPath(id)+agentSuffix, c)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		if err := os.Remove(d.cgroups.Dir(d.cgroupPath(id)+agentSuffix, c)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			errs = append(errs, err)
 		}
 	}
@@ -212,46 +213,7 @@ func (d *Driver) removeAgentCgroups(id string) error {
 // memory and pids cgroups, for shielded agents and for gVisor). It retries
 // for a few seconds.
 func (d *Driver) removeSandboxCgroups(id string) {
-	if d.cgroups.mode == cgroupV2 {
-		// Left by runsc (made by the node for gVisor sandboxes); crun
-		// removes its own.
-		removeTree(d.cgroups.dir(d.cgroupPath(id), ""))
-		return
-	}
-	ents, err := os.ReadDir(d.cgroups.root)
-	if err != nil {
-		return
-	}
-	deadline := time.Now().Add(5 * time.Second)
-	for _, h := range ents {
-		if !h.IsDir() || h.Name() == "unified" {
-			continue
-		}
-		p := filepath.Join(d.cgroups.root, h.Name(), d.cgroupPath(id))
-		for removeTree(p) != nil && time.Now().Before(deadline) {
-			time.Sleep(50 * time.Millisecond)
-		}
-	}
-}
-
-// removeTree removes a cgroup and the cgroups below it. A missing one is
-// fine.
-func removeTree(p string) error {
-	ents, err := os.ReadDir(p)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil
-	}
-	for _, e := range ents {
-		if e.IsDir() {
-			if err := removeTree(filepath.Join(p, e.Name())); err != nil {
-				return err
-			}
-		}
-	}
-	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return err
-	}
-	return nil
+	d.cgroups.Remove(d.cgroupPath(id), 5*time.Second)
 }
 
 // sweepAgentCgroups removes empty agent cgroups of sandboxes keep is false
@@ -262,7 +224,7 @@ func (d *Driver) sweepAgentCgroups(keep func(id string) bool) {
 	if !d.shieldable() {
 		return
 	}
-	ents, err := os.ReadDir(d.cgroups.dir(d.cfg.CgroupParent, "pids"))
+	ents, err := os.ReadDir(d.cgroups.Dir(d.cfg.CgroupParent, "pids"))
 	if err != nil {
 		return
 	}
@@ -280,5 +242,5 @@ func (d *Driver) sweepAgentCgroups(keep func(id string) bool) {
 
 // pidsLimitHits counts forks the sandbox's pids limit refused.
 func (c cgroups) pidsLimitHits(path string) int64 {
-	return keyed(filepath.Join(c.dir(path, "pids"), "pids.events"), "max")
+	return cgroup.Keyed(filepath.Join(c.Dir(path, "pids"), "pids.events"), "max")
 }

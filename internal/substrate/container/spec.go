@@ -2,6 +2,7 @@ package container
 
 import (
 	"fmt"
+	"github.com/opendsec/dsec/internal/cgroup"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -202,7 +203,7 @@ func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS, gvisor bool) (
 		}
 		spec.Mounts = append(spec.Mounts, specs.Mount{Destination: t.Path, Type: "tmpfs", Source: "tmpfs", Options: opts})
 	}
-	if d.cgroups.mode == cgroupV2 && !gvisor {
+	if d.cgroups.Mode == cgroup.V2 && !gvisor {
 		spec.Linux.Namespaces = append(spec.Linux.Namespaces, specs.LinuxNamespace{Type: specs.CgroupNamespace})
 	}
 	sc := d.seccompFor(s)
@@ -330,7 +331,7 @@ func (d *Driver) resources(s *substrate.Spec, gvisor bool) *specs.LinuxResources
 	if s.MemoryMB > 0 {
 		limit := s.MemoryMB << 20
 		r.Memory = &specs.LinuxMemory{Limit: &limit}
-		if d.cgroups.swapAccounting {
+		if d.cgroups.SwapAccounting {
 			r.Memory.Swap = &limit // no swap beyond the limit
 		}
 	}

@@ -60,6 +60,16 @@ type Config struct {
 	BootTimeout time.Duration
 	// TBSizeMiB is TCG's translation buffer per VM (default 32).
 	TBSizeMiB int
+	// CgroupParent is the cgroup under which each VM's QEMU gets its own
+	// (default /dsec, the containers' parent), limited to the sandbox's
+	// CPU share and to its guest's memory plus QEMU's own
+	// (qemu.Resources). NoCgroups runs QEMU in the node's cgroup, without
+	// limits.
+	CgroupParent string
+	NoCgroups    bool
+	// ColdBoot boots every sandbox instead of restoring its image's boot
+	// snapshot for its machine shape (default false: see bootsnap.go).
+	ColdBoot bool
 	// DefaultDiskMB sizes a sandbox's writable disk when the spec gives no
 	// disk_mb (default 1024). MaxDiskMB caps it (default 65536).
 	DefaultDiskMB, MaxDiskMB int64
@@ -87,6 +97,8 @@ type Driver struct {
 	mkfsErofs   string
 	mkfsExt4    string
 	guestDigest string
+	version     string // QEMU's
+	boots       qemu.BootSnapshots
 	// noNet is why sandboxes cannot have egress here ("": they can).
 	noNet string
 	caps  substrate.Capabilities
@@ -114,6 +126,9 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 	if cfg.TBSizeMiB == 0 {
 		cfg.TBSizeMiB = 32
 	}
+	if cfg.CgroupParent == "" {
+		cfg.CgroupParent = "/dsec"
+	}
 	if cfg.DefaultDiskMB == 0 {
 		cfg.DefaultDiskMB = 1024
 	}
@@ -123,7 +138,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 	if cfg.RunDir == "" {
 		cfg.RunDir = qemu.RunDir(cfg.StateDir, "vm")
 	}
-	d := &Driver{log: log, cfg: cfg}
+	d := &Driver{log: log, cfg: cfg, boots: qemu.BootSnapshots{Dir: filepath.Join(cfg.StateDir, "boot"), Log: log}}
 	d.caps = substrate.Capabilities{
 		Kind: substrate.KindMicroVM,
 		Caps: []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles,
@@ -136,6 +151,14 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 		return d, nil
 	}
 	d.caps.Available = true
+	if !d.cfg.NoCgroups {
+		detail, ok := qemu.CgroupsUsable(d.cfg.CgroupParent)
+		d.caps.Details["cgroup"] = detail
+		if !ok {
+			d.cfg.NoCgroups = true
+			log.Warn("microVMs run without cgroups of their own: their QEMU's CPU and memory are not limited", slog.String("reason", detail))
+		}
+	}
 	if d.noNet == "" {
 		d.caps.Caps = append(d.caps.Caps, substrate.CapNetworkEgress)
 	} else {
@@ -159,7 +182,7 @@ func (d *Driver) probe() string {
 		return err.Error()
 	}
 	if v, err := qemu.Version(d.qemu); err == nil {
-		d.caps.Details["qemu"] = v
+		d.caps.Details["qemu"], d.version = v, v
 	}
 	if d.cfg.KernelDir == "" {
 		return "no guest kernel directory configured"
@@ -217,6 +240,7 @@ func (d *Driver) probe() string {
 	}, d.log)
 	d.caps.Details["accel"] = d.accel.Name
 	d.caps.Details["accel_reason"] = d.accel.Reason
+	d.pruneBootSnapshots()
 	return ""
 }
 
@@ -236,5 +260,21 @@ func (d *Driver) Sweep(keep func(id string) bool) int {
 	if !d.caps.Available {
 		return 0
 	}
-	return qemu.SweepVMs(d.cfg.RunDir, keep)
+	return qemu.SweepVMs(d.cfg.RunDir, d.cgroupParent(), keep)
+}
+
+// cgroupParent is the parent of the VMs' cgroups ("" without cgroups).
+func (d *Driver) cgroupParent() string {
+	if d.cfg.NoCgroups {
+		return ""
+	}
+	return d.cfg.CgroupParent
+}
+
+// cgroupOf is sandbox id's QEMU cgroup ("" without cgroups).
+func (d *Driver) cgroupOf(id string) string {
+	if d.cfg.NoCgroups {
+		return ""
+	}
+	return qemu.CgroupOf(d.cfg.CgroupParent, id)
 }

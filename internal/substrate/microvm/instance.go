@@ -38,7 +38,10 @@ var (
 	_ substrate.MachineSnapshotter = (*instance)(nil)
 )
 
-func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState, tapNS string) *instance {
+// newInstance is the instance of sandbox id run by machine m in dir; its
+// QEMU is held to cpu cores (the spec's share, not the machine's whole
+// vCPUs).
+func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState, tapNS string, cpu float64) *instance {
 	i := &instance{Instance: qemu.Instance[machine]{ID: id, Dir: dir, Machine: m, DiskFile: diskFile, TapNS: tapNS}, d: d}
 	var cid uint32
 	if m.Vsock {
@@ -50,7 +53,8 @@ func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState, tapNS s
 		Args: func() []string {
 			return i.Machine.args(id, i.Path(diskFile), d.agentSock(id), d.qmpSock(id), i.Path(qemu.ConsoleFile), tapNS != "")
 		},
-		TapNS:       tapNS,
+		TapNS:  tapNS,
+		Cgroup: d.cgroupOf(id), Resources: qemu.Resources(cpu, m.MemoryMB, m.Accel),
 		BootTimeout: d.cfg.BootTimeout, Kind: "microVM",
 		HintLine: func(l string) bool { return strings.Contains(l, "dsec-init:") || strings.Contains(l, "Kernel panic") },
 		Redact:   []string{d.cfg.StateDir},
@@ -88,6 +92,9 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	u.Push(func() { os.Remove(disk) })
 	var m machine
 	var incoming *os.File
+	// restored is the snapshot the sandbox starts from: the spec's, else
+	// its image's boot snapshot for this machine shape (bootKey), if any.
+	restored, bootKey := "", ""
 	if s.Restore != "" {
 		m, err = d.restoreMachine(s.Restore)
 		if err != nil {
@@ -99,25 +106,11 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		if st, err := os.Stat(filepath.Join(s.Restore, diskFile)); err == nil && s.DiskMB > 0 && st.Size() > s.DiskMB<<20 {
 			return nil, errdefs.Invalid("the snapshot's disk (%d MiB) is larger than resources.disk_mb %d", st.Size()>>20, s.DiskMB)
 		}
-		if err := qemu.CopySparse(filepath.Join(s.Restore, diskFile), disk); err != nil {
-			return nil, errdefs.Internal(err, "copy the snapshot's disk")
-		}
-		incoming, err = os.Open(filepath.Join(s.Restore, qemu.MemoryFile))
-		if err != nil {
-			return nil, errdefs.NotFound("the machine snapshot has no memory state")
-		}
-		defer incoming.Close()
+		restored = s.Restore
 	} else {
 		img, err := d.imageDisk(s.Image.Layers)
 		if err != nil {
 			return nil, err
-		}
-		tmpl, err := d.diskTemplate(diskMB)
-		if err != nil {
-			return nil, errdefs.Internal(err, "create the writable disk template")
-		}
-		if err := qemu.CopySparse(tmpl, disk); err != nil {
-			return nil, errdefs.Internal(err, "create the writable disk")
 		}
 		host := s.Hostname
 		if host == "" {
@@ -135,23 +128,58 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		if tapNS != "" {
 			m.Net = s.Network.Guest.String()
 		}
+		if !d.cfg.ColdBoot {
+			bootKey = d.bootKey(m, diskMB)
+			if dir, ok := d.boots.Find(bootKey); ok {
+				if bm, err := d.restoreMachine(dir); err == nil {
+					m, restored = bm, dir
+				}
+			}
+		}
+		if restored == "" {
+			tmpl, err := d.diskTemplate(diskMB)
+			if err != nil {
+				return nil, errdefs.Internal(err, "create the writable disk template")
+			}
+			if err := qemu.CopySparse(tmpl, disk); err != nil {
+				return nil, errdefs.Internal(err, "create the writable disk")
+			}
+		}
+	}
+	if restored != "" {
+		if err := qemu.CopySparse(filepath.Join(restored, diskFile), disk); err != nil {
+			return nil, errdefs.Internal(err, "copy the snapshot's disk")
+		}
+		incoming, err = os.Open(filepath.Join(restored, qemu.MemoryFile))
+		if err != nil {
+			return nil, errdefs.NotFound("the machine snapshot has no memory state")
+		}
+		defer incoming.Close()
 	}
 	if d.vsock {
 		m.CID = qemu.VsockCID(s.ID)
 	}
-	i := d.newInstance(s.ID, s.Dir, m, qemu.VMState{}, tapNS)
+	i := d.newInstance(s.ID, s.Dir, m, qemu.VMState{}, tapNS, s.CPU)
 	u.Push(func() { i.Destroy(context.WithoutCancel(ctx)) })
 	if err := i.VM.Start(ctx, incoming); err != nil {
 		return nil, err
 	}
+	if restored == "" && bootKey != "" {
+		d.boots.Save(ctx, bootKey, s.ID, i.SnapshotMachine)
+	}
 	client := i.VM.Client()
 	if incoming != nil {
 		// Clock and randomness came with the channel's session; a
-		// hostname other than the snapshot's, or the sandbox's own
-		// address, takes an exec.
+		// hostname other than the snapshot's (a boot snapshot's is its
+		// first sandbox's; a fork keeps its parent's unless told), or
+		// the sandbox's own address, takes an exec.
+		host := s.Hostname
+		if host == "" && s.Restore == "" {
+			host = "sandbox"
+		}
 		var args []string
-		if s.Hostname != "" && s.Hostname != m.Hostname {
-			args = append(args, "-hostname", s.Hostname)
+		if host != "" && host != m.Hostname {
+			args = append(args, "-hostname", host)
 		}
 		if tapNS != "" {
 			args = append(args, "-net", s.Network.Guest.String())
@@ -161,10 +189,13 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 				return nil, err
 			}
 		}
-		if !s.Deadline.IsZero() {
-			if err := client.SetDeadline(ctx, s.Deadline); err != nil {
-				return nil, qemu.Failed(err, "set the restored sandbox's deadline")
-			}
+		if host != "" {
+			i.Machine.Hostname = host // what the guest's is now (its snapshots record it)
+		}
+		// The snapshot's deadline is another sandbox's: set this one's
+		// (none clears it).
+		if err := client.SetDeadline(ctx, s.Deadline); err != nil {
+			return nil, qemu.Failed(err, "set the restored sandbox's deadline")
 		}
 		if err := i.VM.CountOOMKillsFromNow(ctx); err != nil {
 			return nil, qemu.Failed(err, "read the restored guest's OOM kills")
@@ -221,6 +252,6 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 	if err != nil {
 		return nil, err
 	}
-	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState, st.TapNS)
+	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState, st.TapNS, s.CPU)
 	return i, i.VM.Adopt(ctx)
 }

@@ -13,9 +13,11 @@ import (
 	"time"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/cgroup"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/mountns"
+	"github.com/opendsec/dsec/internal/proc"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/qemu"
 	"github.com/opendsec/dsec/internal/substrate/qemu/qemutest"
@@ -444,4 +446,127 @@ func TestMissingKernelMakesTheKindUnavailable(t *testing.T) {
 // saved memory.
 func leaks(d *Driver, s *substrate.Spec) []string {
 	return qemutest.Leftovers(d.cfg.RunDir, s.ID, s.Dir, diskFile, qemu.PauseFile)
+}
+
+// TestAGuestSpinningItsVCPUIsHeldToTheSandboxsCPUShare: a microVM's vCPUs
+// are whole (cpu 0.5 gets one), and under TCG a guest that spins on one
+// makes QEMU take a whole host core. QEMU runs in a cgroup of the
+// sandbox's own, at its CPU share and with its guest's memory plus
+// QEMU's own as the limit, and the cgroup goes with the sandbox.
+func TestAGuestSpinningItsVCPUIsHeldToTheSandboxsCPUShare(t *testing.T) {
+	d := newDriver(t, nil)
+	spec := newSpec(t)
+	spec.CPU = 0.5
+	inst, err := d.Create(ctxT(t, 3*time.Minute), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(context.Background())
+	pid := inst.(*instance).VM.State().Pid
+	h := cgroup.Probe()
+	cg := qemu.CgroupOf(d.cfg.CgroupParent, spec.ID)
+	in := qemutest.CgroupsOf(pid)
+	for _, c := range []string{"memory", "cpu", "pids"} {
+		if h.Mode == cgroup.V2 {
+			c = ""
+		}
+		if in[c] != cg {
+			t.Fatalf("QEMU's %s cgroup is %q, not the sandbox's %s", c, in[c], cg)
+		}
+	}
+	wantMem := (spec.MemoryMB + int64(d.cfg.TBSizeMiB) + qemu.QEMUOverheadMiB) << 20
+	memFile, quotaFile := filepath.Join(h.Dir(cg, "memory"), "memory.limit_in_bytes"), filepath.Join(h.Dir(cg, "cpu"), "cpu.cfs_quota_us")
+	wantQuota := "50000"
+	if h.Mode == cgroup.V2 {
+		memFile, quotaFile, wantQuota = filepath.Join(h.Dir(cg, ""), "memory.max"), filepath.Join(h.Dir(cg, ""), "cpu.max"), "50000 100000"
+	}
+	if got := cgroup.ReadInt(memFile); got != wantMem {
+		t.Errorf("memory limit %d, want %d (guest, translation buffer, QEMU's own)", got, wantMem)
+	}
+	if b, _ := os.ReadFile(quotaFile); strings.TrimSpace(string(b)) != wantQuota {
+		t.Errorf("CPU quota %q, want %q", strings.TrimSpace(string(b)), wantQuota)
+	}
+	throttled := func() int64 { return cgroup.Keyed(filepath.Join(h.Dir(cg, "cpu"), "cpu.stat"), "nr_throttled") }
+	before, cpu0, t0 := throttled(), proc.CPUTime(pid), time.Now()
+	run(t, inst, "timeout 5 sh -c 'while :; do :; done' || true")
+	share := float64(proc.CPUTime(pid)-cpu0) / float64(time.Since(t0))
+	t.Logf("QEMU used %.2f of a core while its guest spun for 5 s", share)
+	if share > 0.65 {
+		t.Errorf("QEMU used %.2f of a core, more than the sandbox's 0.5", share)
+	}
+	if throttled() == before {
+		t.Error("the spinning guest's QEMU was never throttled")
+	}
+	inst.Destroy(context.Background())
+	if left := qemutest.Cgroup(spec.ID); left != "" {
+		t.Errorf("the cgroup %s is left after the sandbox", left)
+	}
+}
+
+// TestLaterSandboxesOfAShapeRestoreTheImagesBootSnapshot: the first boot
+// of an image on a machine shape is saved; the next sandbox of that shape
+// restores it (QEMU starts with -incoming) with its own
+// hostname, deadline and nothing of the first one's own files; a cold-boot
+// driver boots.
+func TestLaterSandboxesOfAShapeRestoreTheImagesBootSnapshot(t *testing.T) {
+	d := newDriver(t, nil)
+	shape := func(host string) *substrate.Spec {
+		s := newSpec(t)
+		s.MemoryMB, s.Hostname = 144, host // a shape no other test uses
+		return s
+	}
+	first := shape("")
+	a, err := d.Create(ctxT(t, 3*time.Minute), first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Destroy(context.Background())
+	if _, ok := d.boots.Find(d.bootKey(a.(*instance).Machine, first.DiskMB)); !ok {
+		t.Fatal("the first boot of the shape saved no boot snapshot")
+	}
+	// A restore is a QEMU started with -incoming.
+	restored := func(id string) bool {
+		for _, p := range qemu.VMProcesses() {
+			if p.ID == id {
+				return strings.Contains(p.Cmdline, "\x00-incoming\x00")
+			}
+		}
+		t.Fatalf("no QEMU runs sandbox %s", id)
+		return false
+	}
+	if restored(first.ID) {
+		t.Error("the first sandbox of the shape was restored")
+	}
+	run(t, a, "echo mine > /root/first")
+	second := shape("second")
+	second.Deadline = time.Now().Add(time.Hour)
+	start := time.Now()
+	b, err := d.Create(ctxT(t, 3*time.Minute), second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Destroy(context.Background())
+	t.Logf("the second sandbox started in %v", time.Since(start))
+	if !restored(second.ID) {
+		t.Error("the second sandbox booted instead of restoring the boot snapshot")
+	}
+	if got := run(t, b, "hostname"); got != "second\n" {
+		t.Errorf("the restored sandbox's hostname is %q", got)
+	}
+	if got := run(t, b, "cat /root/first 2>&1 || true"); !strings.Contains(got, "No such file") {
+		t.Errorf("the restored sandbox has the first one's file: %q", got)
+	}
+	if got := run(t, a, "hostname"); got != "sandbox\n" {
+		t.Errorf("the first sandbox's hostname changed to %q", got)
+	}
+	cold := newDriver(t, func(c *Config) { c.ColdBoot = true })
+	third := shape("")
+	c, err := cold.Create(ctxT(t, 3*time.Minute), third)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Destroy(context.Background())
+	if restored(third.ID) {
+		t.Error("a cold-boot driver restored the boot snapshot")
+	}
 }

@@ -184,7 +184,7 @@ func probeBoot(ctx context.Context, cfg ProbeConfig) error {
 		return err
 	}
 	logPath := filepath.Join(dir, "log")
-	p, err := Start(cfg.Binary, MarkerArgs(cfg.Kernel, initrd, "kvm", 64), logPath, nil)
+	p, err := Start(cfg.Binary, MarkerArgs(cfg.Kernel, initrd, "kvm", 64), logPath, nil, "")
 	if err != nil {
 		return err
 	}

@@ -6,9 +6,11 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
+	"github.com/opendsec/dsec/internal/cgroup"
 	"github.com/opendsec/dsec/internal/proc"
 )
 
@@ -27,8 +29,11 @@ type Process struct {
 }
 
 // Start starts binary with args, its stdout and stderr appended to
-// logPath, and extra inherited files from fd 3 on.
-func Start(binary string, args []string, logPath string, extra []*os.File) (*Process, error) {
+// logPath, and extra inherited files from fd 3 on. With cg set, the
+// process runs in that cgroup (see cgroup.Hierarchy.Dir), which must
+// exist: cloned into it on cgroup v2, moved into it before it returns on
+// v1.
+func Start(binary string, args []string, logPath string, extra []*os.File, cg string) (*Process, error) {
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return nil, err
@@ -40,14 +45,32 @@ func Start(binary string, args []string, logPath string, extra []*os.File) (*Pro
 	// Not killed by the node's terminal signals; the node may exit and
 	// QEMU keeps running.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	h := cgroups()
+	if cg != "" && h.Mode == cgroup.V2 {
+		dir, err := os.Open(h.Dir(cg, ""))
+		if err != nil {
+			return nil, fmt.Errorf("open the cgroup %s: %w", cg, err)
+		}
+		defer dir.Close()
+		cmd.SysProcAttr.UseCgroupFD, cmd.SysProcAttr.CgroupFD = true, int(dir.Fd())
+	}
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
 	p := &Process{ID: proc.Of(cmd.Process.Pid), done: make(chan struct{}), exited: make(chan struct{})}
 	go func() { p.status = cmd.Wait(); p.waited = true; close(p.exited) }()
 	go func() { <-p.exited; close(p.done) }()
+	if cg != "" && h.Mode != cgroup.V2 {
+		if err := h.Join(cg, p.Pid); err != nil {
+			p.Kill(10 * time.Second)
+			return nil, err
+		}
+	}
 	return p, nil
 }
+
+// cgroups is the host's cgroup hierarchy, probed once.
+var cgroups = sync.OnceValue(cgroup.Probe)
 
 // Adopt returns the process pid if it still runs and started at
 // startTime, else an error.

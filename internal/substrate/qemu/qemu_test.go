@@ -18,7 +18,7 @@ func TestQMPAndProcessAgainstQEMU(t *testing.T) {
 	}
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "qmp")
-	p, err := Start(bin, []string{"-M", "none", "-nodefaults", "-display", "none", "-qmp", "unix:" + sock + ",server=on,wait=off"}, filepath.Join(dir, "log"), nil)
+	p, err := Start(bin, []string{"-M", "none", "-nodefaults", "-display", "none", "-qmp", "unix:" + sock + ",server=on,wait=off"}, filepath.Join(dir, "log"), nil, "")
 	if err != nil {
 		t.Fatal(err)
 	}

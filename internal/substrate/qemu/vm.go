@@ -17,6 +17,8 @@ import (
 	"sync"
 	"time"
 
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/guest/portmux"
@@ -55,6 +57,11 @@ type VMConfig struct {
 	// resume) gets it opened anew as "-netdev tap,id=net0,fd=N", the
 	// backend of the device the machine declares with netdev=net0.
 	TapNS string
+	// Cgroup, if set, is the cgroup every QEMU of the VM runs in (a path
+	// below each controller's root, made at each start, removed by
+	// Destroy), limited to Resources (see Resources).
+	Cgroup    string
+	Resources *specs.LinuxResources
 	// BootTimeout bounds a boot or restore until the agent answers
 	// (default 90s).
 	BootTimeout time.Duration
@@ -229,8 +236,13 @@ func (v *VM) Start(ctx context.Context, incoming *os.File) (err error) {
 		extra = append(extra, tap)
 		args = append(args, "-netdev", fmt.Sprintf("tap,id=net0,fd=%d", 2+len(extra)))
 	}
+	if v.cfg.Cgroup != "" {
+		if _, err := cgroups().Make(v.cfg.Cgroup, v.cfg.Resources); err != nil {
+			return errdefs.Internal(err, "make the %s's cgroup", v.cfg.Kind)
+		}
+	}
 	t0 := time.Now()
-	p, err := Start(v.cfg.Binary, args, v.path(LogFile), extra)
+	p, err := Start(v.cfg.Binary, args, v.path(LogFile), extra, v.cfg.Cgroup)
 	if err != nil {
 		return errdefs.Unavailable("start QEMU").WithCause(err)
 	}
@@ -711,7 +723,75 @@ func (v *VM) Destroy() {
 	os.Remove(v.cfg.AgentSock)
 	os.Remove(v.cfg.QMPSock)
 	os.Remove(v.path(PauseFile))
+	if v.cfg.Cgroup != "" {
+		if err := cgroups().Remove(v.cfg.Cgroup, 5*time.Second); err != nil {
+			v.cfg.Log.Warn("remove the "+v.cfg.Kind+"'s cgroup", slog.String("sandbox_id", v.cfg.ID), slog.Any("error", err))
+		}
+	}
 	v.closeDone()
+}
+
+// CgroupOf is the cgroup of sandbox id's QEMU, below parent (the
+// sandboxes' cgroup parent): named as a container's is.
+func CgroupOf(parent, id string) string { return filepath.Join(parent, id) }
+
+// CgroupsUsable makes and removes a cgroup below parent, as each VM's
+// start does, to tell at a driver's start whether QEMU can be held to its
+// sandbox's limits; detail says which, for the kind's capabilities.
+func CgroupsUsable(parent string) (detail string, ok bool) {
+	probe := CgroupOf(parent, "qemu-probe-"+strconv.Itoa(os.Getpid()))
+	h := cgroups()
+	_, err := h.Make(probe, Resources(1, 64, "kvm"))
+	defer h.Remove(probe, time.Second)
+	if err != nil {
+		return "off: " + err.Error(), false
+	}
+	return fmt.Sprintf("%s/<id> (%s): CPU quota from cpu, memory limit from the guest's RAM plus QEMU's own", parent, h.Mode), true
+}
+
+// QEMUOverheadMiB is the memory a VM's QEMU may hold beyond the guest's
+// RAM and TCG's translation buffer: its own heap, device state, I/O
+// buffers and the page cache of the VM's disks (reclaimed first when the
+// cgroup is at its limit).
+const QEMUOverheadMiB = 256
+
+// qemuPidsLimit bounds a QEMU's threads (vCPUs, I/O workers, RCU).
+const qemuPidsLimit = 512
+
+// Resources are the cgroup limits of a VM's QEMU: cpu cores of CPU time
+// (0: no quota; a guest's vCPUs are whole, ceil(cpu), and the quota holds
+// them to the sandbox's share), the guest's RAM plus TCG's translation
+// buffer (from accel, the machine's -accel value) plus QEMUOverheadMiB of
+// memory, and a bound on threads. A guest cannot spend more than its RAM
+// on its own workload (its kernel's OOM killer acts first); the memory
+// limit bounds what QEMU spends for it, so a VM cannot grow QEMU past
+// what its sandbox was given.
+func Resources(cpu float64, guestMiB int64, accel string) *specs.LinuxResources {
+	mem := (guestMiB + tbMiB(accel) + QEMUOverheadMiB) << 20
+	res := &specs.LinuxResources{Memory: &specs.LinuxMemory{Limit: &mem}, Pids: &specs.LinuxPids{Limit: qemuPidsLimit}}
+	if cpu > 0 {
+		period := uint64(100000)
+		quota := max(int64(cpu*float64(period)), 1000)
+		res.CPU = &specs.LinuxCPU{Period: &period, Quota: &quota}
+	}
+	return res
+}
+
+// tbMiB is the translation buffer an -accel value gives TCG (QEMU's
+// default, up to 1 GiB, when it names none; none under KVM).
+func tbMiB(accel string) int64 {
+	name, opts, _ := strings.Cut(accel, ",")
+	if name != "tcg" {
+		return 0
+	}
+	for _, o := range strings.Split(opts, ",") {
+		if v, ok := strings.CutPrefix(o, "tb-size="); ok {
+			if n, err := strconv.ParseInt(v, 10, 64); err == nil {
+				return n
+			}
+		}
+	}
+	return 1024
 }
 
 // CopySparse copies a disk or memory file keeping its holes (reflinked
@@ -742,8 +822,9 @@ func QMPSock(runDir, id string) string { return filepath.Join(runDir, id+".qmp")
 
 // SweepVMs kills the QEMU processes started with a monitor or agent socket
 // in runDir whose VM ID keep is false for (leftovers a node no longer
-// knows) and removes their sockets. It returns how many it ended.
-func SweepVMs(runDir string, keep func(id string) bool) int {
+// knows) and removes their sockets and, with cgroupParent set, their
+// cgroups. It returns how many it ended.
+func SweepVMs(runDir, cgroupParent string, keep func(id string) bool) int {
 	n := 0
 	for _, vm := range VMProcesses() {
 		if !strings.Contains(vm.Cmdline, "unix:"+runDir+"/") || keep(vm.ID) {
@@ -754,6 +835,9 @@ func SweepVMs(runDir string, keep func(id string) bool) int {
 		}
 		os.Remove(AgentSock(runDir, vm.ID))
 		os.Remove(QMPSock(runDir, vm.ID))
+		if cgroupParent != "" {
+			cgroups().Remove(CgroupOf(cgroupParent, vm.ID), 5*time.Second)
+		}
 		n++
 	}
 	return n

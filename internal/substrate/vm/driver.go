@@ -65,6 +65,13 @@ type Config struct {
 	BootTimeout time.Duration
 	// TBSizeMiB is TCG's translation buffer per VM (default 64).
 	TBSizeMiB int
+	// CgroupParent is the cgroup under which each VM's QEMU gets its own
+	// (default /dsec, the containers' parent), limited to the sandbox's
+	// CPU share and to its guest's memory plus QEMU's own
+	// (qemu.Resources). NoCgroups runs QEMU in the node's cgroup, without
+	// limits.
+	CgroupParent string
+	NoCgroups    bool
 	// Boot is how VMs boot: "auto" (default: the image's own kernel and
 	// initramfs when it has them, else the firmware), "firmware" (SeaBIOS
 	// and the disk's bootloader) or "direct".
@@ -102,6 +109,7 @@ type Driver struct {
 	accel     qemu.Accel
 	vsock     bool
 	agentDisk string
+	boots     qemu.BootSnapshots
 	caps      substrate.Capabilities
 }
 
@@ -127,6 +135,9 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 	if cfg.TBSizeMiB == 0 {
 		cfg.TBSizeMiB = 64
 	}
+	if cfg.CgroupParent == "" {
+		cfg.CgroupParent = "/dsec"
+	}
 	if cfg.MaxDiskMB == 0 {
 		cfg.MaxDiskMB = 256 << 10
 	}
@@ -136,7 +147,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 	if cfg.RunDir == "" {
 		cfg.RunDir = qemu.RunDir(cfg.StateDir, "fvm")
 	}
-	d := &Driver{log: log, cfg: cfg}
+	d := &Driver{log: log, cfg: cfg, boots: qemu.BootSnapshots{Dir: filepath.Join(cfg.StateDir, "boot"), Log: log}}
 	d.caps = substrate.Capabilities{
 		Kind: substrate.KindVM,
 		Caps: []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles,
@@ -149,6 +160,14 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 		return d, nil
 	}
 	d.caps.Available = true
+	if !d.cfg.NoCgroups {
+		detail, ok := qemu.CgroupsUsable(d.cfg.CgroupParent)
+		d.caps.Details["cgroup"] = detail
+		if !ok {
+			d.cfg.NoCgroups = true
+			log.Warn("full VMs run without cgroups of their own: their QEMU's CPU and memory are not limited", slog.String("reason", detail))
+		}
+	}
 	if why := qemu.NetUnavailable(); why == "" {
 		d.caps.Caps = append(d.caps.Caps, substrate.CapNetworkEgress)
 	} else {
@@ -261,7 +280,7 @@ func (d *Driver) Sweep(keep func(id string) bool) int {
 	if !d.caps.Available {
 		return 0
 	}
-	return qemu.SweepVMs(d.cfg.RunDir, keep)
+	return qemu.SweepVMs(d.cfg.RunDir, d.cgroupParent(), keep)
 }
 
 // buildAgentDisk writes the agent disk every VM gets: an uncompressed tar
@@ -305,4 +324,20 @@ func buildAgentDisk(dir, guestBin string) (string, error) {
 	}
 	os.Chmod(tmp.Name(), 0o644)
 	return p, os.Rename(tmp.Name(), p)
+}
+
+// cgroupParent is the parent of the VMs' cgroups ("" without cgroups).
+func (d *Driver) cgroupParent() string {
+	if d.cfg.NoCgroups {
+		return ""
+	}
+	return d.cfg.CgroupParent
+}
+
+// cgroupOf is sandbox id's QEMU cgroup ("" without cgroups).
+func (d *Driver) cgroupOf(id string) string {
+	if d.cfg.NoCgroups {
+		return ""
+	}
+	return qemu.CgroupOf(d.cfg.CgroupParent, id)
 }

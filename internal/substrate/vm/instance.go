@@ -38,7 +38,10 @@ var (
 	_ substrate.Screen             = (*instance)(nil)
 )
 
-func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState, tapNS string) *instance {
+// newInstance is the instance of sandbox id run by machine m in dir; its
+// QEMU is held to cpu cores (the spec's share, not the machine's whole
+// vCPUs).
+func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState, tapNS string, cpu float64) *instance {
 	i := &instance{Instance: qemu.Instance[machine]{ID: id, Dir: dir, Machine: m, DiskFile: diskFile, TapNS: tapNS}, d: d}
 	var cid uint32
 	if m.Vsock {
@@ -50,7 +53,8 @@ func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState, tapNS s
 		Args: func() []string {
 			return i.Machine.args(id, i.Path(diskFile), d.agentSock(id), d.qmpSock(id), i.Path(qemu.ConsoleFile), d.cfg.VNC, tapNS != "")
 		},
-		TapNS:       tapNS,
+		TapNS:  tapNS,
+		Cgroup: d.cgroupOf(id), Resources: qemu.Resources(cpu, m.MemoryMB, m.Accel),
 		BootTimeout: d.cfg.BootTimeout, Kind: "VM",
 		HintLine: func(l string) bool {
 			return fatalLine(l) || strings.Contains(l, "Boot failed") || strings.Contains(l, "Gave up waiting for root") ||
@@ -130,7 +134,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if m.Vsock {
 		m.CID = qemu.VsockCID(s.ID)
 	}
-	i := d.newInstance(s.ID, s.Dir, m, qemu.VMState{}, tapNS)
+	i := d.newInstance(s.ID, s.Dir, m, qemu.VMState{}, tapNS, s.CPU)
 	u.Push(func() { i.Destroy(context.WithoutCancel(ctx)) })
 	if err := i.VM.Start(ctx, incoming); err != nil {
 		return nil, err
@@ -260,6 +264,6 @@ func (d *Driver) Attach(ctx context.Context, s *substrate.Spec, raw []byte) (sub
 	if err != nil {
 		return nil, err
 	}
-	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState, st.TapNS)
+	i := d.newInstance(s.ID, s.Dir, st.Machine, st.VMState, st.TapNS, s.CPU)
 	return i, i.VM.Adopt(ctx)
 }

@@ -607,12 +607,23 @@ func TestSweepEndsVMsTheNodeDoesNotKnow(t *testing.T) {
 	known, unknown := newSpec(t), newSpec(t)
 	a := create(t, d, known)
 	create(t, d, unknown)
+	// Each VM's QEMU runs in a cgroup of its own, which goes with it.
+	cg := qemu.CgroupOf(d.cfg.CgroupParent, known.ID)
+	if in := qemutest.CgroupsOf(a.(*instance).VM.State().Pid); in["memory"] != cg && in[""] != cg {
+		t.Fatalf("a VM's QEMU is in the cgroups %v, not its own %s", in, cg)
+	}
+	if qemutest.Cgroup(unknown.ID) == "" {
+		t.Fatal("the unknown VM has no cgroup")
+	}
 	n := newDriver(t, nil).Sweep(func(id string) bool { return id != unknown.ID })
 	if n != 1 {
 		t.Fatalf("swept %d VMs, want 1", n)
 	}
 	if qemutest.Running(unknown.ID) {
 		t.Fatal("the unknown VM's QEMU still runs")
+	}
+	if left := qemutest.Cgroup(unknown.ID); left != "" {
+		t.Fatalf("the unknown VM's cgroup %s is left", left)
 	}
 	for _, p := range []string{d.agentSock(unknown.ID), d.qmpSock(unknown.ID)} {
 		if _, err := os.Stat(p); err == nil {
