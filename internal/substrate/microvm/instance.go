@@ -54,7 +54,7 @@ func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState, tapNS s
 			return i.Machine.args(id, i.Path(diskFile), d.agentSock(id), d.qmpSock(id), i.Path(qemu.ConsoleFile), tapNS != "")
 		},
 		TapNS:  tapNS,
-		Cgroup: d.cgroupOf(id), Resources: qemu.Resources(cpu, m.MemoryMB, m.Accel),
+		Cgroup: qemu.CgroupOf(d.cgroupParent(), id), Resources: qemu.Resources(cpu, m.MemoryMB, m.Accel),
 		BootTimeout: d.cfg.BootTimeout, Kind: "microVM",
 		HintLine: func(l string) bool { return strings.Contains(l, "dsec-init:") || strings.Contains(l, "Kernel panic") },
 		Redact:   []string{d.cfg.StateDir},
@@ -147,12 +147,8 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		}
 	}
 	if restored != "" {
-		if err := qemu.CopySparse(filepath.Join(restored, diskFile), disk); err != nil {
-			return nil, errdefs.Internal(err, "copy the snapshot's disk")
-		}
-		incoming, err = os.Open(filepath.Join(restored, qemu.MemoryFile))
-		if err != nil {
-			return nil, errdefs.NotFound("the machine snapshot has no memory state")
+		if incoming, err = qemu.RestoreFiles(restored, diskFile, disk); err != nil {
+			return nil, err
 		}
 		defer incoming.Close()
 	}

@@ -732,8 +732,28 @@ func (v *VM) Destroy() {
 }
 
 // CgroupOf is the cgroup of sandbox id's QEMU, below parent (the
-// sandboxes' cgroup parent): named as a container's is.
-func CgroupOf(parent, id string) string { return filepath.Join(parent, id) }
+// sandboxes' cgroup parent): named as a container's is. Without a parent
+// (cgroups off) it is "": none.
+func CgroupOf(parent, id string) string {
+	if parent == "" {
+		return ""
+	}
+	return filepath.Join(parent, id)
+}
+
+// RestoreFiles prepares a start from the machine snapshot in dir: a
+// sparse copy of its writable disk (diskFile) at disk, and its memory
+// state opened for the new QEMU's -incoming (the caller closes it).
+func RestoreFiles(dir, diskFile, disk string) (*os.File, error) {
+	if err := CopySparse(filepath.Join(dir, diskFile), disk); err != nil {
+		return nil, errdefs.Internal(err, "copy the snapshot's disk")
+	}
+	f, err := os.Open(filepath.Join(dir, MemoryFile))
+	if err != nil {
+		return nil, errdefs.NotFound("the machine snapshot has no memory state")
+	}
+	return f, nil
+}
 
 // CgroupsUsable makes and removes a cgroup below parent, as each VM's
 // start does, to tell at a driver's start whether QEMU can be held to its
@@ -835,8 +855,8 @@ func SweepVMs(runDir, cgroupParent string, keep func(id string) bool) int {
 		}
 		os.Remove(AgentSock(runDir, vm.ID))
 		os.Remove(QMPSock(runDir, vm.ID))
-		if cgroupParent != "" {
-			cgroups().Remove(CgroupOf(cgroupParent, vm.ID), 5*time.Second)
+		if cg := CgroupOf(cgroupParent, vm.ID); cg != "" {
+			cgroups().Remove(cg, 5*time.Second)
 		}
 		n++
 	}

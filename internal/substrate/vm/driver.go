@@ -333,11 +333,3 @@ func (d *Driver) cgroupParent() string {
 	}
 	return d.cfg.CgroupParent
 }
-
-// cgroupOf is sandbox id's QEMU cgroup ("" without cgroups).
-func (d *Driver) cgroupOf(id string) string {
-	if d.cfg.NoCgroups {
-		return ""
-	}
-	return qemu.CgroupOf(d.cfg.CgroupParent, id)
-}
