@@ -99,6 +99,8 @@ type Driver struct {
 	guestDigest string
 	version     string // QEMU's
 	boots       qemu.BootSnapshots
+	// cgroupParent is the parent of its QEMUs' cgroups ("": none).
+	cgroupParent string
 	// noNet is why sandboxes cannot have egress here ("": they can).
 	noNet string
 	caps  substrate.Capabilities
@@ -151,14 +153,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 		return d, nil
 	}
 	d.caps.Available = true
-	if !d.cfg.NoCgroups {
-		detail, ok := qemu.CgroupsUsable(d.cfg.CgroupParent)
-		d.caps.Details["cgroup"] = detail
-		if !ok {
-			d.cfg.NoCgroups = true
-			log.Warn("microVMs run without cgroups of their own: their QEMU's CPU and memory are not limited", slog.String("reason", detail))
-		}
-	}
+	d.cgroupParent = qemu.CgroupParent(d.cfg.CgroupParent, d.cfg.NoCgroups, "microVMs", d.caps.Details, log)
 	if d.noNet == "" {
 		d.caps.Caps = append(d.caps.Caps, substrate.CapNetworkEgress)
 	} else {
@@ -260,13 +255,5 @@ func (d *Driver) Sweep(keep func(id string) bool) int {
 	if !d.caps.Available {
 		return 0
 	}
-	return qemu.SweepVMs(d.cfg.RunDir, d.cgroupParent(), keep)
-}
-
-// cgroupParent is the parent of the VMs' cgroups ("" without cgroups).
-func (d *Driver) cgroupParent() string {
-	if d.cfg.NoCgroups {
-		return ""
-	}
-	return d.cfg.CgroupParent
+	return qemu.SweepVMs(d.cfg.RunDir, d.cgroupParent, keep)
 }

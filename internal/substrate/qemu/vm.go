@@ -755,18 +755,27 @@ func RestoreFiles(dir, diskFile, disk string) (*os.File, error) {
 	return f, nil
 }
 
-// CgroupsUsable makes and removes a cgroup below parent, as each VM's
-// start does, to tell at a driver's start whether QEMU can be held to its
-// sandbox's limits; detail says which, for the kind's capabilities.
-func CgroupsUsable(parent string) (detail string, ok bool) {
+// CgroupParent is the parent of a VM driver's QEMU cgroups: parent, once
+// a cgroup made and removed below it (as each VM's start does) shows QEMU
+// can be held to its sandbox's limits here, or "" (none) when it cannot
+// or off is set. It says which in details["cgroup"], for the kind's
+// capabilities, and warns when the host refuses.
+func CgroupParent(parent string, off bool, kind string, details map[string]string, log *slog.Logger) string {
+	if off {
+		details["cgroup"] = "off (configured)"
+		return ""
+	}
 	probe := CgroupOf(parent, "qemu-probe-"+strconv.Itoa(os.Getpid()))
 	h := cgroups()
 	_, err := h.Make(probe, Resources(1, 64, "kvm"))
 	defer h.Remove(probe, time.Second)
 	if err != nil {
-		return "off: " + err.Error(), false
+		details["cgroup"] = "off: " + err.Error()
+		log.Warn(kind+" run without cgroups of their own: their QEMU's CPU and memory are not limited", slog.Any("error", err))
+		return ""
 	}
-	return fmt.Sprintf("%s/<id> (%s): CPU quota from cpu, memory limit from the guest's RAM plus QEMU's own", parent, h.Mode), true
+	details["cgroup"] = fmt.Sprintf("%s/<id> (%s): CPU quota from cpu, memory limit from the guest's RAM plus QEMU's own", parent, h.Mode)
+	return parent
 }
 
 // QEMUOverheadMiB is the memory a VM's QEMU may hold beyond the guest's

@@ -110,7 +110,9 @@ type Driver struct {
 	vsock     bool
 	agentDisk string
 	boots     qemu.BootSnapshots
-	caps      substrate.Capabilities
+	// cgroupParent is the parent of its QEMUs' cgroups ("": none).
+	cgroupParent string
+	caps         substrate.Capabilities
 }
 
 var _ substrate.Driver = (*Driver)(nil)
@@ -160,14 +162,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 		return d, nil
 	}
 	d.caps.Available = true
-	if !d.cfg.NoCgroups {
-		detail, ok := qemu.CgroupsUsable(d.cfg.CgroupParent)
-		d.caps.Details["cgroup"] = detail
-		if !ok {
-			d.cfg.NoCgroups = true
-			log.Warn("full VMs run without cgroups of their own: their QEMU's CPU and memory are not limited", slog.String("reason", detail))
-		}
-	}
+	d.cgroupParent = qemu.CgroupParent(d.cfg.CgroupParent, d.cfg.NoCgroups, "full VMs", d.caps.Details, log)
 	if why := qemu.NetUnavailable(); why == "" {
 		d.caps.Caps = append(d.caps.Caps, substrate.CapNetworkEgress)
 	} else {
@@ -280,7 +275,7 @@ func (d *Driver) Sweep(keep func(id string) bool) int {
 	if !d.caps.Available {
 		return 0
 	}
-	return qemu.SweepVMs(d.cfg.RunDir, d.cgroupParent(), keep)
+	return qemu.SweepVMs(d.cfg.RunDir, d.cgroupParent, keep)
 }
 
 // buildAgentDisk writes the agent disk every VM gets: an uncompressed tar
@@ -324,12 +319,4 @@ func buildAgentDisk(dir, guestBin string) (string, error) {
 	}
 	os.Chmod(tmp.Name(), 0o644)
 	return p, os.Rename(tmp.Name(), p)
-}
-
-// cgroupParent is the parent of the VMs' cgroups ("" without cgroups).
-func (d *Driver) cgroupParent() string {
-	if d.cfg.NoCgroups {
-		return ""
-	}
-	return d.cfg.CgroupParent
 }

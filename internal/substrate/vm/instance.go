@@ -54,7 +54,7 @@ func (d *Driver) newInstance(id, dir string, m machine, st qemu.VMState, tapNS s
 			return i.Machine.args(id, i.Path(diskFile), d.agentSock(id), d.qmpSock(id), i.Path(qemu.ConsoleFile), d.cfg.VNC, tapNS != "")
 		},
 		TapNS:  tapNS,
-		Cgroup: qemu.CgroupOf(d.cgroupParent(), id), Resources: qemu.Resources(cpu, m.MemoryMB, m.Accel),
+		Cgroup: qemu.CgroupOf(d.cgroupParent, id), Resources: qemu.Resources(cpu, m.MemoryMB, m.Accel),
 		BootTimeout: d.cfg.BootTimeout, Kind: "VM",
 		HintLine: func(l string) bool {
 			return fatalLine(l) || strings.Contains(l, "Boot failed") || strings.Contains(l, "Gave up waiting for root") ||
