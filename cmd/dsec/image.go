@@ -229,7 +229,7 @@ func imageBootstrapCmd(g *globals) *cobra.Command {
 	var pkgs []string
 	cmd := &cobra.Command{
 		Use:   "bootstrap busybox|debian|polyglot|base [--name NAME]",
-		Short: "Build a base image offline: busybox from busybox-static, debian (and polyglot) with debootstrap from the host's apt mirror, base (E2B's base template) on top of debian",
+		Short: "Build a base image offline: busybox from busybox-static, debian with debootstrap from the host's apt mirror, base (E2B's base template) and polyglot (every SandboxFusion language) as a layer on top of debian",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			bar := newProgress("bootstrap " + args[0])

@@ -418,7 +418,7 @@ func NeedMicroVM(t TB) string {
 // missing. Container sandboxes (Need) are assumed.
 func VMReady() (bool, string) {
 	for _, t := range []struct{ tool, pkg string }{
-		{"qemu-system-x86_64", "qemu-system-x86"}, {"qemu-img", "qemu-utils"}, {"debootstrap", "debootstrap"}, {"debugfs", "e2fsprogs"},
+		{"qemu-system-x86_64", "qemu-system-x86"}, {"qemu-img", "qemu-utils"}, {"debootstrap", "debootstrap"}, {"mkfs.ext4", "e2fsprogs"},
 	} {
 		if _, err := exec.LookPath(t.tool); err != nil {
 			return false, fmt.Sprintf("needs %s (apt-get install %s; scripts/setup.sh installs it)", t.tool, t.pkg)

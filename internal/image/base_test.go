@@ -100,6 +100,13 @@ func TestBootstrapBase(t *testing.T) {
 			}
 		}
 	})
+	t.Run("neither layer keeps the build's dpkg setting", func(t *testing.T) {
+		for _, l := range img.Layers {
+			if _, err := os.Lstat(filepath.Join(s.LayerDir(l), "etc/dpkg/dpkg.cfg.d/dsec-build-unsafe-io")); err == nil {
+				t.Errorf("layer %s keeps dpkg's force-unsafe-io", l)
+			}
+		}
+	})
 	t.Run("another store imports the cached build", func(t *testing.T) {
 		s2, err := Open(t.TempDir(), slog.Default())
 		if err != nil {

@@ -31,8 +31,8 @@ var Recipes = []string{"busybox", "debian", "polyglot", "base"}
 // DebianPackages are installed in the "debian" recipe on top of minbase.
 var DebianPackages = []string{"bash", "coreutils", "python3", "gcc", "g++", "libc6-dev", "make", "ca-certificates", "procps"}
 
-// PolyglotPackages are installed in the "polyglot" recipe on top of the
-// "debian" recipe's: the toolchain of every SandboxFusion language that
+// PolyglotPackages are installed in the "polyglot" recipe, a layer on top
+// of the "debian" recipe's: the toolchain of every SandboxFusion language that
 // Debian packages (the function substrate's languages.go), and the test
 // runners of its test modes (pytest, go test, JUnit 5, Jest). Julia, Lean
 // and Swift are not packaged by Debian 12; SandboxFusion's C# runs on
@@ -55,9 +55,12 @@ const (
 	BaseUID  = 1000
 )
 
-// baseVersion changes whenever the "base" recipe below does, so cached
-// layers are rebuilt.
-const baseVersion = "1"
+// baseVersion and polyglotVersion change whenever the "base" or
+// "polyglot" recipe below does, so cached layers are rebuilt.
+const (
+	baseVersion     = "1"
+	polyglotVersion = "2"
+)
 
 // BootstrapOptions configure Bootstrap.
 type BootstrapOptions struct {
@@ -78,9 +81,9 @@ type BootstrapOptions struct {
 }
 
 // Bootstrap builds a base image from the host's packages without any
-// registry: "busybox" from the static busybox binary, "debian" (and
-// "polyglot") with debootstrap from the host's apt mirror, and "base" as a
-// layer on top of "debian"'s (see buildBase). Root filesystems and layers
+// registry: "busybox" from the static busybox binary, "debian" with
+// debootstrap from the host's apt mirror, and "base" and "polyglot" as a
+// layer on top of "debian"'s (see overlayBuild). Root filesystems and layers
 // are cached in opts.CacheDir, so a second store imports them in seconds.
 func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts BootstrapOptions, progress Progress) (*Image, error) {
 	if as == "" {
@@ -111,29 +114,39 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 		key = "busybox-" + fileDigest(bb)
 		build = func(ctx context.Context, dir string, _ Progress) error { return buildBusybox(bb, dir) }
 		cfg = Config{Env: []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}, Cmd: []string{"sh"}}
-	case "debian", "polyglot":
+	case "debian":
 		mirror, suite, err := aptSource(opts)
 		if err != nil {
 			return nil, err
 		}
-		pkgs := append(append([]string(nil), DebianPackages...), opts.Packages...)
-		var extra []string
-		if recipe == "polyglot" {
-			extra = PolyglotPackages
-		}
-		key, build = debianBuild(recipe, mirror, suite, pkgs, extra)
+		key, build = debianBuild(mirror, suite, append(append([]string(nil), DebianPackages...), opts.Packages...))
 		cfg = Config{Env: debianEnv, Cmd: []string{"bash"}}
-	case "base":
+	case "base", "polyglot":
+		// A layer over the "debian" recipe's root filesystem (built once
+		// for every recipe on it): apt installs only the layer's packages.
 		mirror, suite, err := aptSource(opts)
 		if err != nil {
 			return nil, err
 		}
-		dkey, dbuild := debianBuild("debian", mirror, suite, DebianPackages, nil)
+		dkey, dbuild := debianBuild(mirror, suite, DebianPackages)
 		lower = &cachedBuild{key: dkey, recipe: "debian", build: dbuild}
-		pkgs := append(append([]string(nil), BasePackages...), opts.Packages...)
+		own, version := BasePackages, baseVersion
+		if recipe == "polyglot" {
+			own, version = PolyglotPackages, polyglotVersion
+		}
+		pkgs := append(append([]string(nil), own...), opts.Packages...)
 		sort.Strings(pkgs)
-		h := sha256.Sum256([]byte(dkey + "|" + strings.Join(pkgs, ",") + "|" + baseVersion))
-		key = "base-" + suite + "-" + hex.EncodeToString(h[:6])
+		h := sha256.Sum256([]byte(dkey + "|" + strings.Join(pkgs, ",") + "|" + version))
+		key = recipe + "-" + suite + "-" + hex.EncodeToString(h[:6])
+		if recipe == "polyglot" {
+			build = func(ctx context.Context, dir string, progress Progress) error {
+				return overlayBuild(lower.dir, dir, func(merged string) error {
+					return aptInstall(ctx, merged, mirror, suite, pkgs, progress)
+				})
+			}
+			cfg = Config{Env: debianEnv, Cmd: []string{"bash"}}
+			break
+		}
 		build = func(ctx context.Context, dir string, progress Progress) error {
 			return buildBase(ctx, lower.dir, dir, mirror, suite, pkgs, progress)
 		}
@@ -207,19 +220,15 @@ func aptSource(opts BootstrapOptions) (mirror, suite string, err error) {
 	return mirror, suite, nil
 }
 
-// debianBuild is the cache key and build of a debootstrapped root
-// filesystem with pkgs, then extra installed with apt-get.
-func debianBuild(recipe, mirror, suite string, pkgs, extra []string) (string, func(context.Context, string, Progress) error) {
+// debianBuild is the cache key and build of a root filesystem
+// debootstrapped with pkgs.
+func debianBuild(mirror, suite string, pkgs []string) (string, func(context.Context, string, Progress) error) {
 	pkgs = append([]string(nil), pkgs...)
 	sort.Strings(pkgs)
-	h := sha256.Sum256([]byte(mirror + "|" + suite + "|" + strings.Join(pkgs, ",") + "|" + strings.Join(extra, ",")))
-	if len(extra) == 0 {
-		// The key "debian" images had before polyglot.
-		h = sha256.Sum256([]byte(mirror + "|" + suite + "|" + strings.Join(pkgs, ",")))
-	}
-	key := recipe + "-" + suite + "-" + hex.EncodeToString(h[:6])
+	h := sha256.Sum256([]byte(mirror + "|" + suite + "|" + strings.Join(pkgs, ",")))
+	key := "debian-" + suite + "-" + hex.EncodeToString(h[:6])
 	return key, func(ctx context.Context, dir string, progress Progress) error {
-		return buildDebian(ctx, dir, mirror, suite, pkgs, extra, progress)
+		return buildDebian(ctx, dir, mirror, suite, pkgs, progress)
 	}
 }
 
@@ -257,6 +266,12 @@ func (b *cachedBuild) ensure(ctx context.Context, cacheDir string, force bool, p
 		}
 		if err := b.build(ctx, tmp, progress); err != nil {
 			os.RemoveAll(tmp)
+			return err
+		}
+		// dpkg wrote without syncing each file (unsafeIO): one sync of
+		// the file system makes the build durable before it is marked
+		// complete.
+		if err := syncFS(tmp); err != nil {
 			return err
 		}
 		os.RemoveAll(rootfs)
@@ -406,32 +421,24 @@ func buildBusybox(bb, dir string) error {
 	return nil
 }
 
-// buildDebian debootstraps suite from mirror into dir with pkgs, then
-// installs extra with apt-get inside it (debootstrap's own resolver does
-// not handle every dependency of large package sets: virtual packages,
-// alternatives).
-func buildDebian(ctx context.Context, dir, mirror, suite string, pkgs, extra []string, progress Progress) error {
+// buildDebian debootstraps suite from mirror into dir with pkgs.
+func buildDebian(ctx context.Context, dir, mirror, suite string, pkgs []string, progress Progress) error {
 	if _, err := exec.LookPath("debootstrap"); err != nil {
 		return errdefs.Unavailable("debootstrap is not installed (apt-get install debootstrap)")
 	}
+	// debootstrap runs dpkg in the new root, which reads its
+	// configuration from there: put unsafeIO in place first.
+	undo, err := unsafeIO(dir)
+	if err != nil {
+		return err
+	}
+	defer undo()
 	cmd := exec.CommandContext(ctx, "debootstrap", "--variant=minbase", "--include="+strings.Join(pkgs, ","), suite, dir, mirror)
 	if err := runLogged(cmd, progress); err != nil {
 		return errdefs.Unavailable("debootstrap %s from %s: %v", suite, mirror, err)
 	}
-	if len(extra) > 0 {
-		if err := aptInstall(ctx, dir, mirror, suite, extra, progress); err != nil {
-			return err
-		}
-	}
 	// Leave a clean image: no package caches, no host identity.
-	for _, p := range []string{"var/cache/apt/archives", "var/lib/apt/lists", "var/log"} {
-		ents, _ := os.ReadDir(filepath.Join(dir, p))
-		for _, e := range ents {
-			if e.Name() != "partial" && e.Name() != "lock" {
-				os.RemoveAll(filepath.Join(dir, p, e.Name()))
-			}
-		}
-	}
+	cleanInstall(dir)
 	os.WriteFile(filepath.Join(dir, "etc/resolv.conf"), nil, 0o644)
 	os.WriteFile(filepath.Join(dir, "etc/hostname"), []byte("sandbox\n"), 0o644)
 	os.WriteFile(filepath.Join(dir, "etc/apt/sources.list"), []byte(fmt.Sprintf("deb %s %s main\n", mirror, suite)), 0o644)
@@ -445,7 +452,39 @@ func buildDebian(ctx context.Context, dir, mirror, suite string, pkgs, extra []s
 // sudoers entry that lets it run anything as anyone without a password.
 // sudo is setuid root: it elevates only in sandboxes of images with
 // Config.PrivilegeEscalation, which this recipe's has.
-func buildBase(ctx context.Context, lower, upper, mirror, suite string, pkgs []string, progress Progress) (err error) {
+func buildBase(ctx context.Context, lower, upper, mirror, suite string, pkgs []string, progress Progress) error {
+	return overlayBuild(lower, upper, func(merged string) error {
+		if err := aptInstall(ctx, merged, mirror, suite, pkgs, progress); err != nil {
+			return err
+		}
+		uid := fmt.Sprint(BaseUID)
+		useradd := exec.CommandContext(ctx, "chroot", merged, "useradd", "--create-home", "--uid", uid, "--user-group",
+			"--groups", "sudo", "--shell", "/bin/bash", BaseUser)
+		if err := runLogged(useradd, progress); err != nil {
+			return fmt.Errorf("add the user %s: %w", BaseUser, err)
+		}
+		sudoers := filepath.Join(merged, "etc/sudoers.d", BaseUser)
+		if err := os.WriteFile(sudoers, []byte(BaseUser+" ALL=(ALL:ALL) NOPASSWD: ALL\n"), 0o440); err != nil {
+			return err
+		}
+		if err := os.Chmod(sudoers, 0o440); err != nil { // whatever the umask
+			return err
+		}
+		if err := runLogged(exec.CommandContext(ctx, "chroot", merged, "visudo", "--check", "--strict"), progress); err != nil {
+			return fmt.Errorf("check the sudoers entry: %w", err)
+		}
+		return nil
+	})
+}
+
+// overlayBuild builds a layer into upper, an overlayfs upper directory
+// over the root filesystem lower: build changes the merged tree (mounted
+// for its time), then what an install leaves behind that an image does not
+// need is removed (the lower root filesystem has none of it either, so
+// nothing becomes a whiteout), as are the host's resolver configuration
+// and the sources.list that aptInstall put there (the lower's show
+// through).
+func overlayBuild(lower, upper string, build func(merged string) error) (err error) {
 	work, merged := upper+".work", upper+".merged"
 	for _, d := range []string{work, merged} {
 		os.RemoveAll(d)
@@ -455,7 +494,7 @@ func buildBase(ctx context.Context, lower, upper, mirror, suite string, pkgs []s
 		defer os.RemoveAll(d)
 	}
 	if err := unix.Mount("overlay", merged, "overlay", 0, "lowerdir="+lower+",upperdir="+upper+",workdir="+work); err != nil {
-		return fmt.Errorf("mount the debian root filesystem under the base layer: %w", err)
+		return fmt.Errorf("mount the root filesystem under the new layer: %w", err)
 	}
 	mounted := true
 	defer func() {
@@ -463,43 +502,58 @@ func buildBase(ctx context.Context, lower, upper, mirror, suite string, pkgs []s
 			unix.Unmount(merged, unix.MNT_DETACH)
 		}
 	}()
-	if err := aptInstall(ctx, merged, mirror, suite, pkgs, progress); err != nil {
+	if err := build(merged); err != nil {
 		return err
 	}
-	uid := fmt.Sprint(BaseUID)
-	useradd := exec.CommandContext(ctx, "chroot", merged, "useradd", "--create-home", "--uid", uid, "--user-group",
-		"--groups", "sudo", "--shell", "/bin/bash", BaseUser)
-	if err := runLogged(useradd, progress); err != nil {
-		return fmt.Errorf("add the user %s: %w", BaseUser, err)
+	cleanInstall(merged)
+	if err := unix.Unmount(merged, 0); err != nil {
+		return fmt.Errorf("unmount the new layer: %w", err)
 	}
-	sudoers := filepath.Join(merged, "etc/sudoers.d", BaseUser)
-	if err := os.WriteFile(sudoers, []byte(BaseUser+" ALL=(ALL:ALL) NOPASSWD: ALL\n"), 0o440); err != nil {
-		return err
-	}
-	if err := os.Chmod(sudoers, 0o440); err != nil { // whatever the umask
-		return err
-	}
-	if err := runLogged(exec.CommandContext(ctx, "chroot", merged, "visudo", "--check", "--strict"), progress); err != nil {
-		return fmt.Errorf("check the sudoers entry: %w", err)
-	}
-	// What the install leaves behind that the image does not need (the
-	// lower layer has none of it: nothing becomes a whiteout).
-	for _, p := range []string{"var/lib/apt/lists", "var/log"} {
-		ents, _ := os.ReadDir(filepath.Join(merged, p))
+	mounted = false
+	os.Remove(filepath.Join(upper, "etc/resolv.conf"))
+	os.Remove(filepath.Join(upper, "etc/apt/sources.list"))
+	return nil
+}
+
+// cleanInstall removes from the root filesystem dir what package installs
+// leave that an image does not need: downloaded packages, apt's lists,
+// logs.
+func cleanInstall(dir string) {
+	for _, p := range []string{"var/cache/apt/archives", "var/lib/apt/lists", "var/log"} {
+		ents, _ := os.ReadDir(filepath.Join(dir, p))
 		for _, e := range ents {
 			if name := e.Name(); name != "partial" && name != "lock" {
-				os.RemoveAll(filepath.Join(merged, p, name))
+				os.RemoveAll(filepath.Join(dir, p, name))
 			}
 		}
 	}
-	if err := unix.Unmount(merged, 0); err != nil {
-		return fmt.Errorf("unmount the base layer: %w", err)
+}
+
+// unsafeIO makes dpkg in the root filesystem dir write files without
+// syncing each one (dpkg's force-unsafe-io): a build is thrown away if it
+// fails, and the finished one is synced once (syncFS) before it is marked
+// complete. undo removes the setting, so images do not keep it.
+func unsafeIO(dir string) (undo func(), err error) {
+	p := filepath.Join(dir, "etc/dpkg/dpkg.cfg.d/dsec-build-unsafe-io")
+	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		return nil, err
 	}
-	mounted = false
-	// aptInstall copied the host's resolver configuration in, and wrote
-	// the sources.list the lower layer already has.
-	os.Remove(filepath.Join(upper, "etc/resolv.conf"))
-	os.Remove(filepath.Join(upper, "etc/apt/sources.list"))
+	if err := os.WriteFile(p, []byte("# written by dsec for the time of an image build\nforce-unsafe-io\n"), 0o644); err != nil {
+		return nil, err
+	}
+	return func() { os.Remove(p) }, nil
+}
+
+// syncFS flushes the file system that holds dir to its disk.
+func syncFS(dir string) error {
+	f, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := unix.Syncfs(int(f.Fd())); err != nil {
+		return fmt.Errorf("sync %s: %w", dir, err)
+	}
 	return nil
 }
 
@@ -540,9 +594,27 @@ func aptInstall(ctx context.Context, dir, mirror, suite string, pkgs []string, p
 	if err := os.WriteFile(filepath.Join(dir, "etc/apt/sources.list"), []byte(fmt.Sprintf("deb %s %s main\n", mirror, suite)), 0o644); err != nil {
 		return err
 	}
+	// The host's resolver configuration, for the time of the install;
+	// then the root filesystem's own again (a file, a link or nothing).
+	resolv := filepath.Join(dir, "etc/resolv.conf")
 	if b, err := os.ReadFile("/etc/resolv.conf"); err == nil {
-		os.WriteFile(filepath.Join(dir, "etc/resolv.conf"), b, 0o644)
+		restore := func() { os.Remove(resolv) }
+		if fi, err := os.Lstat(resolv); err == nil && fi.Mode()&os.ModeSymlink != 0 {
+			target, _ := os.Readlink(resolv)
+			restore = func() { os.Remove(resolv); os.Symlink(target, resolv) }
+		} else if before, err := os.ReadFile(resolv); err == nil {
+			restore = func() { os.WriteFile(resolv, before, fi.Mode().Perm()) }
+		}
+		// Removed first: an absolute link would write through to the host's.
+		os.Remove(resolv)
+		os.WriteFile(resolv, b, 0o644)
+		defer restore()
 	}
+	undo, err := unsafeIO(dir)
+	if err != nil {
+		return err
+	}
+	defer undo()
 	proc := filepath.Join(dir, "proc")
 	if err := unix.Mount("proc", proc, "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
 		return fmt.Errorf("mount /proc for apt-get: %w", err)

@@ -58,7 +58,7 @@ func qemuImgInfoOf(t *testing.T, p string) qemuImgInfo {
 // a qcow2 disk with no backing file, the image's kernel and initramfs for
 // direct boot, GRUB in the disk's MBR. The vm driver's tests boot it.
 func TestBuildVM(t *testing.T) {
-	needVMTools(t, "debootstrap", "qemu-img", "qemu-system-x86_64", "debugfs")
+	needVMTools(t, "debootstrap", "qemu-img", "qemu-system-x86_64", "mkfs.ext4")
 	if testing.Short() {
 		t.Skip("builds a Debian VM image")
 	}

@@ -61,7 +61,7 @@ func TestMain(m *testing.M) {
 			setupErr = "needs DSEC_CACHE_DIR, where the debian VM image is built once (make test sets it)"
 			return m.Run()
 		}
-		for _, tool := range []string{"qemu-system-x86_64", "qemu-img", "debootstrap", "debugfs"} {
+		for _, tool := range []string{"qemu-system-x86_64", "qemu-img", "debootstrap", "mkfs.ext4"} {
 			if _, err := exec.LookPath(tool); err != nil {
 				setupErr = "needs " + tool + " (scripts/setup.sh installs it)"
 				return m.Run()
