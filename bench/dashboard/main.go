@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"sort"
 	"strconv"
@@ -42,8 +43,12 @@ func main() {
 	c := dsec.New(srv.URL, dsec.WithAPIKey(key))
 	ctx := context.Background()
 
+	// Chromium's profile and its singleton socket (made under TMPDIR) go in
+	// a directory of the bench's, removed on every exit path.
+	dir := b.TempDir()
 	alloc, cancel := chromedp.NewExecAllocator(ctx, append(chromedp.DefaultExecAllocatorOptions[:],
-		chromedp.ExecPath(chromium), chromedp.NoSandbox, chromedp.DisableGPU, chromedp.WindowSize(1280, 900))...)
+		chromedp.ExecPath(chromium), chromedp.NoSandbox, chromedp.DisableGPU, chromedp.WindowSize(1280, 900),
+		chromedp.UserDataDir(filepath.Join(dir, "profile")), chromedp.Env("TMPDIR="+dir))...)
 	defer cancel()
 	browser, cancel := chromedp.NewContext(alloc)
 	defer cancel()

@@ -205,13 +205,15 @@ func procs() []string {
 	return out
 }
 
-// tempFiles lists the project's temporary files and directories.
+// tempFiles lists the project's temporary files and directories, and those
+// of the programs the tests drive (the dashboard test's Chromium makes its
+// singleton socket's directory under TMPDIR unless told otherwise).
 func tempFiles() []string {
 	var out []string
 	for _, dir := range []string{os.TempDir(), "/dev/shm"} {
 		ents, _ := os.ReadDir(dir)
 		for _, e := range ents {
-			if strings.HasPrefix(e.Name(), "dsec") {
+			if strings.HasPrefix(e.Name(), "dsec") || strings.HasPrefix(e.Name(), "org.chromium.") {
 				out = append(out, "file "+filepath.Join(dir, e.Name()))
 			}
 		}

@@ -31,10 +31,19 @@ func artifacts(t *testing.T, sub string) string {
 	return dir
 }
 
-// newBrowser starts the distribution's headless Chromium for the test.
+// newBrowser starts the distribution's headless Chromium for the test. Its
+// profile and the singleton socket it makes under TMPDIR live in a
+// directory of the test's, removed at its end, so nothing of it is left in
+// the host's /tmp (a short name: the socket's path must fit a sockaddr).
 func newBrowser(t *testing.T, ctx context.Context, chromium string) context.Context {
+	dir, err := os.MkdirTemp("", "dsec-chromium-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
 	alloc, cancel := chromedp.NewExecAllocator(ctx, append(chromedp.DefaultExecAllocatorOptions[:],
-		chromedp.ExecPath(chromium), chromedp.NoSandbox, chromedp.DisableGPU, chromedp.WindowSize(1280, 900))...)
+		chromedp.ExecPath(chromium), chromedp.NoSandbox, chromedp.DisableGPU, chromedp.WindowSize(1280, 900),
+		chromedp.UserDataDir(filepath.Join(dir, "profile")), chromedp.Env("TMPDIR="+dir))...)
 	t.Cleanup(cancel)
 	browser, cancel := chromedp.NewContext(alloc)
 	t.Cleanup(cancel)
