@@ -102,11 +102,12 @@ func none(err error) int {
 func get(args []string) int {
 	fs := flag.NewFlagSet("get", flag.ExitOnError)
 	connect := fs.String("connect", "", "dial this address instead of the URL's host")
+	dial := fs.Duration("dial", 3*time.Second, "how long a connection may take to set up")
 	fs.Parse(args)
 	if fs.NArg() != 1 {
 		usage()
 	}
-	d := &net.Dialer{Timeout: 3 * time.Second}
+	d := &net.Dialer{Timeout: *dial}
 	tr := &http.Transport{
 		TLSClientConfig: &tls.Config{InsecureSkipVerify: true},
 		Proxy:           nil,
