@@ -45,14 +45,16 @@ test-go test-python: export DSEC_TEST_BIN := $(CURDIR)/bin
 # after the rest: it measures a neighbour sandbox's latency during each
 # attack, which another package's load beside it would disturb.
 HOSTILE := ./test/hostile
-# The slowest packages start first (go test runs them in the order given,
-# two at a time here), so the two run side by side to the end instead of
-# one long package running alone after the short ones.
+# The slowest packages start first (go test runs them in the order given),
+# so they run side by side to the end instead of one long package running
+# alone after the short ones. Three packages run at a time on a 2-core
+# machine: much of a package's time is spent waiting (timeouts, TTLs,
+# outages, guests), which a third package fills.
 SLOWEST := ./test/e2b ./test/verdicts ./test/e2e ./internal/image ./internal/substrate/vm ./internal/substrate/microvm
 test-go:
 	go vet ./...
 	@mkdir -p $(DATA_DIR)
-	set -o pipefail; { go test -count=1 -timeout 25m -json $$({ go list $(SLOWEST); go list ./... | grep -v '/test/hostile$$'; } | awk '!seen[$$0]++'); \
+	set -o pipefail; { go test -p 3 -count=1 -timeout 30m -json $$({ go list $(SLOWEST); go list ./... | grep -v '/test/hostile$$'; } | awk '!seen[$$0]++'); \
 		go test -count=1 -timeout 25m -json $(HOSTILE); } | tee $(DATA_DIR)/go-test.json | go run ./scripts/testreport
 
 # The node's unit tests need no root (they run over the rootless fake
@@ -62,8 +64,11 @@ test-rootless:
 		go test -c -o $$d/node.test ./internal/node; \
 		cd $$d && setpriv --reuid=65534 --regid=65534 --clear-groups env HOME=$$d TMPDIR=$$d ./node.test -test.count=1 -test.timeout 5m
 
+# Three workers side by side (pytest-xdist), each with a server of its own
+# and whole files (a file's tests may build on each other): the tests mostly
+# wait on their sandboxes.
 test-python:
-	cd sdk/python && /usr/bin/python3 -m pytest -q tests
+	cd sdk/python && /usr/bin/python3 -m pytest -q -n 3 --dist loadfile tests
 
 proto:
 	protoc -I api --go_out=. --go_opt=module=github.com/opendsec/dsec \

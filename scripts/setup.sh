@@ -30,6 +30,7 @@ want util-linux unshare # container sandboxes' user namespaces
 want erofs-utils mkfs.erofs
 want python3 /usr/bin/python3
 want python3-pytest /usr/lib/python3/dist-packages/pytest
+want python3-pytest-xdist /usr/lib/python3/dist-packages/xdist # make test-python runs workers side by side
 want ca-certificates /etc/ssl/certs/ca-certificates.crt
 want curl
 # The microvm substrate: QEMU, and what scripts/guest-kernel.sh uses.
@@ -38,7 +39,7 @@ want qemu-utils qemu-img
 want lz4
 want binutils readelf
 # The vm substrate (full VMs): SeaBIOS, and what `dsec image build-vm`
-# uses besides debootstrap and e2fsprogs (debugfs).
+# uses besides debootstrap and e2fsprogs (mkfs.ext4).
 want seabios /usr/share/seabios/bios-256k.bin
 want etcd-server /usr/bin/etcd
 # The E2B compatibility tests (test/e2b) run the real e2b npm SDKs.

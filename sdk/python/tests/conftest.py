@@ -40,7 +40,11 @@ class Server:
         self.data_dir = tempfile.mkdtemp(prefix="dsec-py-")
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        n = os.getpid() % 10000
+        # Names and a subnet of this process's own: under pytest-xdist
+        # (make test-python runs workers side by side) each worker's server
+        # gets a second octet of its own.
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        n = int(worker[2:]) if worker.startswith("gw") else os.getpid() % 10000
         self.bridge = f"dpy{n}-{self.port % 1000}"
         self.table = f"dsecpy_{n}_{self.port}"
         args = [
