@@ -296,10 +296,12 @@ func (a *Agent) serveExec(x *guestv1.Exec, r *guest.Reader, w *guest.Writer) {
 // live events.
 func (a *Agent) attach(p *proc, replay bool, r *guest.Reader, w *guest.Writer) {
 	s := connSink{w}
-	if err := w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Started{Started: &guestv1.Started{Id: p.id, Pid: int32(p.pid)}}}); err != nil {
+	// The answer and the subscription are one step: output the process
+	// writes once the client has its answer (and may send input) is live
+	// output, never taken for what was buffered before the attach.
+	if err := p.subscribe(s, replay, &guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Started{Started: &guestv1.Started{Id: p.id, Pid: int32(p.pid)}}}); err != nil {
 		return
 	}
-	p.subscribe(s, replay)
 	a.follow(p, s, r)
 }
 

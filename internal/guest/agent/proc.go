@@ -759,11 +759,16 @@ func (p *proc) finish() {
 
 func tvUs(tv unix.Timeval) int64 { return tv.Sec*1e6 + tv.Usec }
 
-// subscribe adds s for live events. With replay, buffered output is sent
-// first. If the process already finished, s gets the exit and is not kept.
-func (p *proc) subscribe(s sink, replay bool) {
+// subscribe sends first to s, then (with replay) the buffered output, and
+// adds s for live events, all under the process's lock: nothing the process
+// writes falls between them. If the process already finished, s gets the
+// exit and is not kept.
+func (p *proc) subscribe(s sink, replay bool, first *guestv1.ServerMsg) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if err := s.send(first); err != nil {
+		return err
+	}
 	if replay {
 		r := p.replay
 		for len(r) >= 5 {
@@ -775,9 +780,10 @@ func (p *proc) subscribe(s sink, replay bool) {
 	}
 	if p.exit != nil {
 		s.send(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Exit{Exit: p.exit}})
-		return
+		return nil
 	}
 	p.subs[s] = struct{}{}
+	return nil
 }
 
 func (p *proc) unsubscribe(s sink) {
