@@ -405,17 +405,29 @@ func TestASandboxMakesOnlyTheFileSystemsAndMemoryCgroupsItNeeds(t *testing.T) {
 	d := newDriver(t, t.TempDir())
 	spec := &substrate.Spec{ID: fmt.Sprintf("fs%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox",
 		MemoryMB: 64, Pids: 64, CPU: 1, DiskMB: 64, Network: substrate.Network{Mode: "none"}}
-	memcgs := func() int {
-		n := 0
-		filepath.WalkDir(d.cgroups.Dir(d.cfg.CgroupParent, "memory"), func(_ string, e fs.DirEntry, err error) error {
-			if err == nil && e.IsDir() && e.Name() != agentsShared { // (shared, made once)
-				n++
+	// The memory cgroups the sandbox made: new under the parent and named
+	// by its ID (its agent's are in its node's agents' cgroup, made once
+	// and shared). Other packages' sandboxes come and go under the same
+	// parent, and the test may not count theirs.
+	dirs := func() map[string]bool {
+		out := map[string]bool{}
+		filepath.WalkDir(d.cgroups.Dir(d.cfg.CgroupParent, "memory"), func(p string, e fs.DirEntry, err error) error {
+			if err == nil && e.IsDir() {
+				out[p] = true
 			}
 			return nil
 		})
+		return out
+	}
+	was := dirs()
+	memcgs := func() (n int) {
+		for p := range dirs() {
+			if !was[p] && strings.Contains(p, spec.ID) {
+				n++
+			}
+		}
 		return n
 	}
-	before := memcgs()
 	inst, err := d.Create(context.Background(), spec)
 	if err != nil {
 		t.Fatal(err)
@@ -451,7 +463,7 @@ func TestASandboxMakesOnlyTheFileSystemsAndMemoryCgroupsItNeeds(t *testing.T) {
 		t.Errorf("the sandbox made %d file systems, want at most 7 (no tmpfs per masked directory): %s", len(made), strings.Join(made, ", "))
 	}
 	if d.shieldable() {
-		if n := memcgs() - before; n > 1 {
+		if n := memcgs(); n > 1 {
 			t.Errorf("the sandbox made %d memory cgroups, want 1 (agents share one)", n)
 		}
 	}
