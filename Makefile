@@ -29,12 +29,14 @@ run: setup build
 
 # After every test, nothing the tests made may be left on the host
 # (servers, agents, QEMU, cgroups, mounts, loop devices, links, nftables
-# tables, temporary files): scripts/leftovers compares with before.
+# tables, temporary files): scripts/leftovers compares with before. Every
+# part runs even if one before it failed (-k), and the leftovers are
+# checked whatever the outcome; the run fails if any of it did.
 test: setup build
 	@mkdir -p $(DATA_DIR)
 	go run ./scripts/leftovers save $(DATA_DIR)/leftovers.before
-	$(MAKE) test-go test-rootless test-python
-	go run ./scripts/leftovers check $(DATA_DIR)/leftovers.before
+	$(MAKE) -k test-go test-rootless test-python; rc=$$?; \
+		go run ./scripts/leftovers check $(DATA_DIR)/leftovers.before && exit $$rc
 
 # The tests' servers run the binaries just built (internal/dsectest).
 test-go test-python: export DSEC_TEST_BIN := $(CURDIR)/bin

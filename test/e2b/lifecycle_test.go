@@ -11,16 +11,17 @@ import (
 func TestSDKLifecycle(t *testing.T) {
 	needNode(t)
 	s := server(t)
-	// machine: as in TestSDK (the listing's order is the node's, the same
-	// for every kind: not run again on full VMs).
+	// vm: as in TestSDK (full VMs run the snapshots, their own path; a
+	// pause at the timeout is the node's, on the driver's pause that
+	// TestSDK's pause-and-connect runs on them).
 	tests := []struct {
 		scenario, name string
 		needs          func(caps map[string]bool) bool
-		machine        bool
+		vm             bool
 	}{
-		{"pause-stays-paused", "a paused sandbox answers 502 until connect resumes it with its state", pauses, true},
-		{"auto-pause", "lifecycle onTimeout pause pauses the sandbox at its timeout and only connect resumes it", pauses, true},
-		{"auto-resume", "with autoResume the next request resumes a sandbox paused at its timeout", pauses, true},
+		{"pause-stays-paused", "a paused sandbox answers 502 until connect resumes it with its state", pauses, false},
+		{"auto-pause", "lifecycle onTimeout pause pauses the sandbox at its timeout and only connect resumes it", pauses, false},
+		{"auto-resume", "with autoResume the next request resumes a sandbox paused at its timeout", pauses, false},
 		{"snapshots", "snapshots are created, listed, started from as templates and deleted", snapshots, true},
 		{"list-order", "Sandbox.list is newest first and its pages hold when a sandbox goes", nil, false},
 	}
@@ -39,7 +40,7 @@ func TestSDKLifecycle(t *testing.T) {
 				env = append(env, "PAUSE_TIMEOUT_MS=20000")
 			}
 			for _, tt := range tests {
-				if kind == "vm" && !tt.machine {
+				if kind == "vm" && !tt.vm {
 					continue
 				}
 				t.Run(tt.name, func(t *testing.T) {
