@@ -130,29 +130,27 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 		}
 		dkey, dbuild := debianBuild(mirror, suite, DebianPackages)
 		lower = &cachedBuild{key: dkey, recipe: "debian", build: dbuild}
-		own, version := BasePackages, baseVersion
-		if recipe == "polyglot" {
-			own, version = PolyglotPackages, polyglotVersion
+		// The layer's packages, then (base) what apt does not make.
+		own, version, finish := PolyglotPackages, polyglotVersion, func(context.Context, string, Progress) error { return nil }
+		cfg = Config{Env: debianEnv, Cmd: []string{"bash"}}
+		if recipe == "base" {
+			own, version, finish = BasePackages, baseVersion, addBaseUser
+			// E2B's template defaults: user "user", working directory its
+			// home (where envd starts a process without a cwd, as any user).
+			cfg = Config{Env: debianEnv, User: BaseUser, Workdir: "/home/" + BaseUser, Cmd: []string{"bash"}, PrivilegeEscalation: true}
 		}
 		pkgs := append(append([]string(nil), own...), opts.Packages...)
 		sort.Strings(pkgs)
 		h := sha256.Sum256([]byte(dkey + "|" + strings.Join(pkgs, ",") + "|" + version))
 		key = recipe + "-" + suite + "-" + hex.EncodeToString(h[:6])
-		if recipe == "polyglot" {
-			build = func(ctx context.Context, dir string, progress Progress) error {
-				return overlayBuild(lower.dir, dir, func(merged string) error {
-					return aptInstall(ctx, merged, mirror, suite, pkgs, progress)
-				})
-			}
-			cfg = Config{Env: debianEnv, Cmd: []string{"bash"}}
-			break
-		}
 		build = func(ctx context.Context, dir string, progress Progress) error {
-			return buildBase(ctx, lower.dir, dir, mirror, suite, pkgs, progress)
+			return overlayBuild(lower.dir, dir, func(merged string) error {
+				if err := aptInstall(ctx, merged, mirror, suite, pkgs, progress); err != nil {
+					return err
+				}
+				return finish(ctx, merged, progress)
+			})
 		}
-		// E2B's template defaults: user "user", working directory its
-		// home (where envd starts a process without a cwd, as any user).
-		cfg = Config{Env: debianEnv, User: BaseUser, Workdir: "/home/" + BaseUser, Cmd: []string{"bash"}, PrivilegeEscalation: true}
 	default:
 		return nil, errdefs.Invalid("unknown bootstrap recipe %q (have %s)", recipe, strings.Join(Recipes, ", "))
 	}
@@ -445,36 +443,30 @@ func buildDebian(ctx context.Context, dir, mirror, suite string, pkgs []string, 
 	return nil
 }
 
-// buildBase builds the "base" recipe's own layer into upper, an overlayfs
-// upper directory over lower, the "debian" recipe's root filesystem (the
-// image's first layer): pkgs installed with apt-get, the user BaseUser
-// (uid and gid BaseUID, home /home/user, bash, in the sudo group) and a
-// sudoers entry that lets it run anything as anyone without a password.
-// sudo is setuid root: it elevates only in sandboxes of images with
+// addBaseUser finishes the "base" recipe's layer in root (the merged tree
+// of overlayBuild, its packages installed): the user BaseUser (uid and gid
+// BaseUID, home /home/user, bash, in the sudo group) and a sudoers entry
+// that lets it run anything as anyone without a password. sudo is setuid
+// root: it elevates only in sandboxes of images with
 // Config.PrivilegeEscalation, which this recipe's has.
-func buildBase(ctx context.Context, lower, upper, mirror, suite string, pkgs []string, progress Progress) error {
-	return overlayBuild(lower, upper, func(merged string) error {
-		if err := aptInstall(ctx, merged, mirror, suite, pkgs, progress); err != nil {
-			return err
-		}
-		uid := fmt.Sprint(BaseUID)
-		useradd := exec.CommandContext(ctx, "chroot", merged, "useradd", "--create-home", "--uid", uid, "--user-group",
-			"--groups", "sudo", "--shell", "/bin/bash", BaseUser)
-		if err := runLogged(useradd, progress); err != nil {
-			return fmt.Errorf("add the user %s: %w", BaseUser, err)
-		}
-		sudoers := filepath.Join(merged, "etc/sudoers.d", BaseUser)
-		if err := os.WriteFile(sudoers, []byte(BaseUser+" ALL=(ALL:ALL) NOPASSWD: ALL\n"), 0o440); err != nil {
-			return err
-		}
-		if err := os.Chmod(sudoers, 0o440); err != nil { // whatever the umask
-			return err
-		}
-		if err := runLogged(exec.CommandContext(ctx, "chroot", merged, "visudo", "--check", "--strict"), progress); err != nil {
-			return fmt.Errorf("check the sudoers entry: %w", err)
-		}
-		return nil
-	})
+func addBaseUser(ctx context.Context, root string, progress Progress) error {
+	uid := fmt.Sprint(BaseUID)
+	useradd := exec.CommandContext(ctx, "chroot", root, "useradd", "--create-home", "--uid", uid, "--user-group",
+		"--groups", "sudo", "--shell", "/bin/bash", BaseUser)
+	if err := runLogged(useradd, progress); err != nil {
+		return fmt.Errorf("add the user %s: %w", BaseUser, err)
+	}
+	sudoers := filepath.Join(root, "etc/sudoers.d", BaseUser)
+	if err := os.WriteFile(sudoers, []byte(BaseUser+" ALL=(ALL:ALL) NOPASSWD: ALL\n"), 0o440); err != nil {
+		return err
+	}
+	if err := os.Chmod(sudoers, 0o440); err != nil { // whatever the umask
+		return err
+	}
+	if err := runLogged(exec.CommandContext(ctx, "chroot", root, "visudo", "--check", "--strict"), progress); err != nil {
+		return fmt.Errorf("check the sudoers entry: %w", err)
+	}
+	return nil
 }
 
 // overlayBuild builds a layer into upper, an overlayfs upper directory

@@ -209,6 +209,9 @@ func buildDebianVM(ctx context.Context, dir, lower, mirror, suite string, pkgs [
 		if err := writeVMInitramfs(filepath.Join(dir, VMInitrdFile), rootfs, release); err != nil {
 			return fmt.Errorf("build the direct-boot initramfs: %w", err)
 		}
+		// The disk is the merged tree, written before overlayBuild
+		// cleans it: clean it first (overlayBuild's pass then finds
+		// nothing).
 		cleanInstall(rootfs)
 		progress.report("build", "writing the disk", 0, 0)
 		return writeVMDisk(ctx, raw, rootfs, diskMB)
