@@ -73,8 +73,16 @@ func (e *env) replica(n int) (*cluster.Router, *cluster.State) {
 	if err != nil {
 		e.t.Fatal(err)
 	}
-	r := cluster.NewRouter(cluster.RouterConfig{Token: token}, st, quiet)
+	// The router comes after the view's first read, as it can in dsec api
+	// (which starts the view first): it must learn the nodes read before
+	// it listened.
 	go st.Run(ctx)
+	select {
+	case <-st.Synced():
+	case <-time.After(15 * time.Second):
+		e.t.Fatal("the replica's view did not read the cluster state")
+	}
+	r := cluster.NewRouter(cluster.RouterConfig{Token: token}, st, quiet)
 	go e.store.RunReplica(ctx, cluster.NewReplicaID(), "", st, quiet)
 	select {
 	case <-st.Joined():

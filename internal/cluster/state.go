@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"log/slog"
+	"maps"
 	"sort"
 	"strconv"
 	"strings"
@@ -40,8 +41,12 @@ type State struct {
 	projects map[string]Project
 	keys     map[string]tenant.Caller // key hash → caller
 	replicas map[string]bool
-	onNode   []func(name string, n *NodeStatus) // called with mu not held, in event order
+	onNode   []func(name string, n *NodeStatus) // called with mu not held, under hookMu, in event order
 	runCtx   context.Context                    // Run's
+
+	// hookMu orders the calls to onNode: a listener's first calls (the
+	// nodes the view had when it registered) come before any change after.
+	hookMu sync.Mutex
 
 	pnodes map[string]*placement.Node // each node's placement entry, rebuilt when it changes (under mu)
 	view   atomic.Pointer[view]
@@ -95,11 +100,21 @@ func (s *Store) NewState(static, admin []string, allowOpen bool, log *slog.Logge
 }
 
 // OnNode registers f to be called whenever a node's entry changes (load,
-// drain mark, registration, loss).
+// drain mark, registration, loss), first with every node the view has: a
+// listener registered after Run read the state (a replica's router, when
+// the first read was quick) misses none of them. Without that, a router
+// whose nodes' entries did not change again saw none of them (a replica
+// listed 0 of 3 live nodes for 30 s in CI).
 func (st *State) OnNode(f func(name string, n *NodeStatus)) {
+	st.hookMu.Lock()
+	defer st.hookMu.Unlock()
 	st.mu.Lock()
 	st.onNode = append(st.onNode, f)
+	nodes := maps.Clone(st.nodes)
 	st.mu.Unlock()
+	for name, n := range nodes {
+		f(name, n)
+	}
 }
 
 // runContext is Run's context: what the view's followers (the router's
@@ -425,6 +440,8 @@ func (st *State) publish(changed map[string]bool) {
 	if len(changed) == 0 {
 		return
 	}
+	st.hookMu.Lock()
+	defer st.hookMu.Unlock()
 	st.mu.Lock()
 	for name := range changed {
 		if n := st.nodes[name]; n != nil {

@@ -3,7 +3,8 @@
 // test mounts one attack beside a neighbour sandbox and asserts that the
 // attack is contained, that the caller gets a clear, typed status, and that
 // the neighbour's exec latency (p50 over 20 calls) during the attack stays
-// within 2x of its value before it.
+// within 2x of its value beside a busy loop, plus the host's noise (see
+// neighbourNoise).
 //
 // The tests run against a real `dsec serve` (crun, nftables) and need root;
 // `make test` runs them.
@@ -209,22 +210,33 @@ func (nb *neighbour) p50(t *testing.T) time.Duration {
 	return d[len(d)/2]
 }
 
+// neighbourNoise is what the neighbour's p50 moves by with no attack at
+// all on this 2-core host: the same busy-loop baseline measured 3.6 to
+// 7.6 ms across one run of this suite, and a compile beside it took a
+// p50 of 3.6 ms to 8.7 ms, three times running: twice a baseline measured
+// in a quiet moment failed an attack that reached nothing. What the check
+// is after is starvation (a neighbour waiting behind a bomb's thousands of
+// processes, or on a thrashing host), not a few milliseconds: the limit is
+// 2x plus this.
+const neighbourNoise = 5 * time.Millisecond
+
 // check measures the neighbour while an attack runs and fails t if its
-// p50 is more than twice what it was beside a spinning sandbox. The host is
-// shared (other test processes come and go): a measurement over 2x is
-// taken again, up to three times, and an attack fails the check only if
-// every one is.
+// p50 is more than twice what it was beside a spinning sandbox, plus the
+// host's noise. The host is shared (other test processes come and go): a
+// measurement over that is taken again, up to three times, and an attack
+// fails the check only if every one is.
 func (nb *neighbour) check(t *testing.T) {
 	t.Helper()
 	var during time.Duration
+	limit := 2*nb.before + neighbourNoise
 	for range 3 {
 		during = nb.p50(t)
-		t.Logf("neighbour exec p50: %v beside a busy loop, %v during the attack", nb.before, during)
-		if during <= 2*nb.before {
+		t.Logf("neighbour exec p50: %v beside a busy loop, %v during the attack (limit %v)", nb.before, during, limit)
+		if during <= limit {
 			return
 		}
 	}
-	t.Errorf("neighbour exec p50 %v during the attack, more than 2x its %v beside a busy loop", during, nb.before)
+	t.Errorf("neighbour exec p50 %v during the attack, more than 2x its %v beside a busy loop plus %v", during, nb.before, neighbourNoise)
 }
 
 // programs are the helper programs built from testdata, in one directory

@@ -124,9 +124,32 @@ func (ps *pidSpace) forkExec(path string, argv []string, attr *syscall.ProcAttr)
 			return 0, err
 		}
 		pid, err := ns.forkExec(path, argv, attr)
-		if err == nil || attempt > 0 || ns.alive() {
+		if err == nil || attempt > 0 {
 			return pid, err
 		}
+		if errors.Is(err, syscall.ENOMEM) {
+			// A fork into a namespace whose init is exiting fails with
+			// ENOMEM (pid_namespaces(7); gVisor's allocateTID too). The
+			// init still looks alive until it is a zombie and the forker
+			// reaped it: a command started right after the one that
+			// killed it lands in that window.
+			ns.awaitDeath(exitingInit)
+		}
+		if ns.alive() {
+			return pid, err
+		}
+	}
+}
+
+// exitingInit is how long a fork that failed with ENOMEM waits for the
+// namespace's init to be seen dead before the error stands (a real
+// shortage of memory).
+const exitingInit = 2 * time.Second
+
+// awaitDeath waits up to d for the namespace to be seen dead.
+func (ns *pidNS) awaitDeath(d time.Duration) {
+	for deadline := time.Now().Add(d); ns.alive() && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
 	}
 }
 
