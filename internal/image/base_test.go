@@ -2,14 +2,19 @@ package image
 
 import (
 	"context"
+	"crypto/sha256"
+	"io"
 	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/tenant"
 )
@@ -107,21 +112,157 @@ func TestBootstrapBase(t *testing.T) {
 			}
 		}
 	})
-	t.Run("another store imports the cached build", func(t *testing.T) {
-		s2, err := Open(t.TempDir(), slog.Default())
+	t.Run("another store imports the cached build, by tar or by links, to the same layers", func(t *testing.T) {
+		byTar, err := Open(t.TempDir(), slog.Default())
 		if err != nil {
 			t.Fatal(err)
 		}
+		byTar.noLinks = true
 		start := time.Now()
-		again, err := s2.Bootstrap(ctx, "base", "e2b-base", BootstrapOptions{CacheDir: cache}, nil)
+		tarred, err := byTar.Bootstrap(ctx, "base", "e2b-base", BootstrapOptions{CacheDir: cache}, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if strings.Join(again.Layers, ",") != strings.Join(img.Layers, ",") || again.Digest != img.Digest {
-			t.Fatalf("second import: %v %s, first %v %s", again.Layers, again.Digest, img.Layers, img.Digest)
+		t.Logf("imported by tar in %v", time.Since(start))
+		if strings.Join(tarred.Layers, ",") != strings.Join(img.Layers, ",") || tarred.Digest != img.Digest {
+			t.Fatalf("import by tar: %v %s, first %v %s", tarred.Layers, tarred.Digest, img.Layers, img.Digest)
 		}
-		t.Logf("imported from the cache in %v", time.Since(start))
+		// The import by tar recorded the layers: the next links them
+		// where the cache and the store share a file system.
+		dir := t.TempDir()
+		byLinks, err := Open(dir, slog.Default())
+		if err != nil {
+			t.Fatal(err)
+		}
+		start = time.Now()
+		linked, err := byLinks.Bootstrap(ctx, "base", "e2b-base", BootstrapOptions{CacheDir: cache}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("imported by links in %v", time.Since(start))
+		if strings.Join(linked.Layers, ",") != strings.Join(img.Layers, ",") || linked.Digest != img.Digest {
+			t.Fatalf("import by links: %v %s, first %v %s", linked.Layers, linked.Digest, img.Layers, img.Digest)
+		}
+		var storeFS, cacheFS syscall.Stat_t
+		if err := syscall.Stat(dir, &storeFS); err != nil {
+			t.Fatal(err)
+		}
+		if err := syscall.Stat(cache, &cacheFS); err != nil {
+			t.Fatal(err)
+		}
+		shared := storeFS.Dev == cacheFS.Dev
+		for i, l := range img.Layers {
+			a, b := byTar.LayerDir(l), byLinks.LayerDir(l)
+			whiteouts, opaque := sameTree(t, a, b)
+			t.Logf("layer %d: the same tree by tar and by links (%d whiteouts, %d opaque directories)", i, whiteouts, opaque)
+			var tarBash, linkBash syscall.Stat_t
+			syscall.Lstat(filepath.Join(a, "usr/bin/bash"), &tarBash)
+			syscall.Lstat(filepath.Join(b, "usr/bin/bash"), &linkBash)
+			if i == 0 && (linkBash.Nlink > 1) != shared {
+				t.Errorf("usr/bin/bash in the linked layer has %d links (store and cache on one file system: %v)", linkBash.Nlink, shared)
+			}
+			if i == 0 && tarBash.Nlink != 1 {
+				t.Errorf("usr/bin/bash in the layer by tar has %d links", tarBash.Nlink)
+			}
+		}
 	})
+}
+
+// sameTree fails t where the trees at a and b differ in a name, a type,
+// an owner, a mode, a size, a modification time, a device, a symlink's
+// target, an extended attribute or a regular file's content; files linked
+// together in one must be in the other. It counts b's whiteouts and
+// opaque directories.
+func sameTree(t *testing.T, a, b string) (whiteouts, opaque int) {
+	t.Helper()
+	type entry struct {
+		st     syscall.Stat_t
+		target string
+		xattrs string
+		sum    [32]byte
+	}
+	read := func(root string) (map[string]*entry, map[string]string) {
+		out := map[string]*entry{}
+		firstOf := map[uint64]string{}
+		linkedTo := map[string]string{} // a path → the first path of its inode
+		filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+			if err != nil {
+				t.Fatal(err)
+			}
+			rel, _ := filepath.Rel(root, p)
+			if rel == "." {
+				return nil
+			}
+			e := &entry{}
+			if err := syscall.Lstat(p, &e.st); err != nil {
+				t.Fatal(err)
+			}
+			var names []string
+			buf := make([]byte, 4096)
+			if n, err := unix.Llistxattr(p, buf); err == nil {
+				for _, name := range strings.Split(string(buf[:n]), "\x00") {
+					if name != "" {
+						v, _ := getXattr(p, name)
+						names = append(names, name+"="+string(v))
+					}
+				}
+			}
+			sort.Strings(names)
+			e.xattrs = strings.Join(names, ",")
+			switch e.st.Mode & syscall.S_IFMT {
+			case syscall.S_IFLNK:
+				e.target, _ = os.Readlink(p)
+			case syscall.S_IFREG:
+				if prev, ok := firstOf[e.st.Ino]; ok {
+					linkedTo[rel] = prev
+				} else {
+					firstOf[e.st.Ino] = rel
+				}
+				f, err := os.Open(p)
+				if err != nil {
+					t.Fatal(err)
+				}
+				h := sha256.New()
+				io.Copy(h, f)
+				f.Close()
+				copy(e.sum[:], h.Sum(nil))
+			}
+			out[rel] = e
+			return nil
+		})
+		return out, linkedTo
+	}
+	ta, la := read(a)
+	tb, lb := read(b)
+	for rel, x := range ta {
+		y, ok := tb[rel]
+		if !ok {
+			t.Errorf("%s: only in the layer by tar", rel)
+			continue
+		}
+		if x.st.Mode != y.st.Mode || x.st.Uid != y.st.Uid || x.st.Gid != y.st.Gid || x.st.Rdev != y.st.Rdev ||
+			x.st.Mtim != y.st.Mtim || x.target != y.target || x.xattrs != y.xattrs || x.sum != y.sum ||
+			(x.st.Mode&syscall.S_IFMT != syscall.S_IFDIR && x.st.Size != y.st.Size) {
+			t.Errorf("%s differs: by tar mode %o uid %d gid %d rdev %d mtime %v size %d -> %q xattrs %q; by links mode %o uid %d gid %d rdev %d mtime %v size %d -> %q xattrs %q",
+				rel, x.st.Mode, x.st.Uid, x.st.Gid, x.st.Rdev, x.st.Mtim, x.st.Size, x.target, x.xattrs,
+				y.st.Mode, y.st.Uid, y.st.Gid, y.st.Rdev, y.st.Mtim, y.st.Size, y.target, y.xattrs)
+		}
+		if la[rel] != lb[rel] {
+			t.Errorf("%s: linked to %q by tar, %q by links", rel, la[rel], lb[rel])
+		}
+		if y.st.Mode&syscall.S_IFMT == syscall.S_IFCHR && y.st.Rdev == 0 {
+			whiteouts++
+		}
+		if strings.Contains(y.xattrs, "trusted.overlay.opaque=y") {
+			opaque++
+		}
+	}
+	for rel := range tb {
+		if _, ok := ta[rel]; !ok {
+			t.Errorf("%s: only in the layer by links", rel)
+		}
+	}
+	return whiteouts, opaque
 }
 
 // wantOwner checks that p is owned by uid (and the same gid) with mode.

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -168,19 +169,14 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 	progress.report("unpack", "importing "+recipe+" root filesystem", 0, 0)
 	img := &Image{Name: as, Owner: tenant.ImageOwner(ctx), Created: time.Now().UTC(), Source: "bootstrap:" + key, Config: cfg}
 	if lower != nil {
-		diff, size, release, err := s.bootstrapLayer(lower, true, func(w io.Writer) error { return tarDir(lower.dir, w) })
+		diff, size, release, err := s.bootstrapLayer(lower, true, false)
 		if err != nil {
 			return nil, err
 		}
 		defer release()
 		img.Layers, img.Size = append(img.Layers, diff), img.Size+size
 	}
-	diff, size, release, err := s.bootstrapLayer(top, !opts.Force, func(w io.Writer) error {
-		if lower != nil {
-			return TarOverlayUpper(top.dir, w, IDShift{})
-		}
-		return tarDir(top.dir, w)
-	})
+	diff, size, release, err := s.bootstrapLayer(top, !opts.Force, lower != nil)
 	if err != nil {
 		return nil, err
 	}
@@ -256,6 +252,7 @@ func (b *cachedBuild) ensure(ctx context.Context, cacheDir string, force bool, p
 		os.Remove(rootfs + ".complete")
 	}
 	if _, err := os.Stat(rootfs + ".complete"); err != nil {
+		os.Remove(rootfs + ".layer") // the layer of a build that is no more
 		progress.report("build", "building "+b.recipe+" root filesystem", 0, 0)
 		tmp := rootfs + ".building"
 		os.RemoveAll(tmp)
@@ -284,23 +281,39 @@ func (b *cachedBuild) ensure(ctx context.Context, cacheDir string, force bool, p
 	return nil
 }
 
-// bootstrapLayer stores the layer of a cached build, written by write.
+// bootstrapLayer stores the layer of a cached build: its directory as a
+// tar (an overlayfs upper directory's, with overlay), unpacked, or its
+// files linked when an import by tar recorded the layer (linklayer.go).
 // With reuse, a layer this store already imported from the same build
 // (another bootstrapped image's, e.g. "debian" under "base") is not read
 // again. The layer is held (see Hold) until release is called.
-func (s *Store) bootstrapLayer(b *cachedBuild, reuse bool, write func(io.Writer) error) (string, int64, func(), error) {
+func (s *Store) bootstrapLayer(b *cachedBuild, reuse, overlay bool) (string, int64, func(), error) {
 	if diff, size, ok := s.bootstrapped(b.key); ok && reuse {
 		if release, err := s.Hold([]string{diff}); err == nil {
 			return diff, size, release, nil
 		}
 	}
+	if m, ok := b.memo(overlay); ok && !s.noLinks {
+		release, err := s.linkLayer(m.Diff, b.dir, overlay)
+		if err == nil {
+			return m.Diff, m.Size, release, nil
+		}
+		s.log.Info("importing a cached build by tar: its files cannot be linked", slog.String("build", b.key), slog.Any("error", err))
+	}
 	pr, pw := io.Pipe()
-	go func() { pw.CloseWithError(write(pw)) }()
+	go func() {
+		if overlay {
+			pw.CloseWithError(TarOverlayUpper(b.dir, pw, IDShift{}))
+		} else {
+			pw.CloseWithError(tarDir(b.dir, pw))
+		}
+	}()
 	diff, size, release, err := s.AddLayer(pr)
 	pr.Close()
 	if err != nil {
 		return "", 0, nil, fmt.Errorf("import %s root filesystem: %w", b.recipe, err)
 	}
+	b.remember(diff, size, overlay)
 	return diff, size, release, nil
 }
 

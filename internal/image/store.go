@@ -189,6 +189,10 @@ type Store struct {
 	unpackMu  sync.Mutex
 	unpacking map[string]*sync.WaitGroup
 
+	// noLinks makes bootstrapped layers always imported by tar (tests
+	// compare the two ways).
+	noLinks bool
+
 	mu     sync.Mutex
 	images map[string]*Image
 }

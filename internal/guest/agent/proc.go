@@ -224,6 +224,9 @@ type proc struct {
 	cg       *execCgroup   // the exec's own cgroup, if any
 	trunc    bool
 	timedOut bool
+	// killed is closed once the processes a timeout killed without an
+	// exec cgroup are gone (nil: no such kill): the result waits for it.
+	killed   chan struct{}
 	status   *exitStatus
 	openFds  int
 	readers  []*os.File    // the output pipes (or the PTY master) being read
@@ -533,11 +536,20 @@ func (p *proc) onTimeout() {
 		return
 	}
 	p.timedOut = true
+	var killed chan struct{}
+	if p.cg == nil {
+		killed = make(chan struct{})
+		p.killed = killed
+	}
 	p.mu.Unlock()
 	if p.cg == nil {
-		// No exec cgroup (gVisor has none to make): every process below
-		// the exec's, and its group.
-		killTree(p.pid)
+		// No exec cgroup (gVisor, a machine's guest): every process below
+		// the exec's, and its group. The result waits until they are gone
+		// (reaped), within killedGrace: a fork bomb's thousands of
+		// processes take a while to die under TCG, and until they have,
+		// the next command's fork fails at the guest's process limit.
+		awaitGone(killTree(p.pid), killedGrace)
+		close(killed)
 		return
 	}
 	p.signal(syscall.SIGKILL)
@@ -707,6 +719,17 @@ func (p *proc) finish() {
 	if p.exit != nil || p.status == nil {
 		p.mu.Unlock()
 		return
+	}
+	if k := p.killed; k != nil {
+		select {
+		case <-k:
+		default:
+			// Not here: finish runs on the reaper's goroutine, which
+			// reaps what the kill waits for.
+			p.mu.Unlock()
+			go func() { <-k; p.finish() }()
+			return
+		}
 	}
 	st := p.status
 	x := &guestv1.Exit{

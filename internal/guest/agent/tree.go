@@ -20,7 +20,9 @@ import (
 // kill (a daemon: fork, setsid, fork, exit) is the agent's child then, no
 // longer the exec's, and outlives it, bounded by the sandbox's limits and
 // life. An exec cgroup has no such gap.
-func killTree(pid int) {
+//
+// It returns the processes it killed.
+func killTree(pid int) []int {
 	stopped := map[int]bool{}
 	stop := func(p int) {
 		if !stopped[p] {
@@ -42,10 +44,28 @@ func killTree(pid int) {
 			break
 		}
 	}
+	killed := make([]int, 0, len(stopped))
 	for p := range stopped {
 		syscall.Kill(p, syscall.SIGKILL)
+		killed = append(killed, p)
 	}
 	syscall.Kill(-pid, syscall.SIGKILL)
+	return killed
+}
+
+// killedGrace bounds how long a timed-out exec's result waits for the
+// processes its timeout killed to be reaped.
+const killedGrace = 10 * time.Second
+
+// awaitGone waits up to d until none of pids is left, reaped (a zombie
+// still holds its pid, counted against the process limits).
+func awaitGone(pids []int, d time.Duration) {
+	deadline := time.Now().Add(d)
+	for _, p := range pids {
+		for procState(p) != 0 && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
 }
 
 // waitStopped waits up to 100 ms for the processes to be stopped (or gone),
