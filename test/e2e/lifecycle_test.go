@@ -212,9 +212,23 @@ func TestWarmPool(t *testing.T) {
 	}
 	// A refill that yields to takes still happens once they pause.
 	waitReady(2)
-	for i := 0; i < 3; i++ { // more than the pool holds: at least one miss
-		create(t, c, dsec.CreateOptions{})
+	// More creates at once than the pool holds: at least one misses. One
+	// after another, each could find a sandbox the pool refilled after
+	// the last (CI: 3 creates in a row, 3 hits).
+	var wg sync.WaitGroup
+	for i := 0; i < 4; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sb, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox", TTL: 90 * time.Second})
+			if err != nil {
+				t.Errorf("create: %v", err)
+				return
+			}
+			t.Cleanup(func() { sb.Close() })
+		}()
 	}
+	wg.Wait()
 	capy, _ := c.Capacity(ctx)
 	if capy.Pools[0].Misses < 1 || capy.Pools[0].Hits < 2 {
 		t.Fatalf("draining the pool: %v", capy.Pools[0])

@@ -519,8 +519,8 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		return nil, err
 	}
 	gvisor := rt.gvisor()
-	if gvisor && s.Network.NetNS != "" {
-		return nil, errdefs.Unimplemented("sandboxes of runtime gvisor have no egress networking on this node (see its capabilities)")
+	if gvisor && s.Network.NetNS != "" && rt.netMask == "" {
+		return nil, errdefs.Unimplemented("sandboxes of runtime gvisor have no egress networking on this node: %s", rt.egressReason)
 	}
 	var undo undo.Stack
 	defer undo.RunUnless(&err)
@@ -586,10 +586,11 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		return nil, errdefs.Internal(err, "write sandbox /etc files")
 	}
 	undo.Push(func() { os.RemoveAll(d.filesOf(s.ID)) })
-	if ns != nil && s.Network.NetNS != "" {
+	if ns != nil && s.Network.NetNS != "" && !gvisor {
 		// The runtime cannot mount a sysfs for a network namespace its
 		// user namespace does not own (it would bind the host's /sys):
-		// the node mounts the namespace's own for it.
+		// the node mounts the namespace's own for it. (gVisor's kernel
+		// has a sysfs of its own.)
 		st.Sys = filepath.Join(s.Dir, "sys")
 		if err := mountSysfs(s.Network.NetNS, st.Sys); err != nil {
 			return nil, errdefs.Internal(err, "mount the sandbox's /sys")
@@ -640,8 +641,16 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	var cmd *exec.Cmd
 	var lf *os.File
 	if gvisor {
-		// gVisor's own network stack, loopback only (see gvisorCaps).
-		cmd = rt.command(nil, "--network=none", "run", "--pid-file", pidFile, "--bundle", s.Dir, s.ID)
+		// gVisor's own network stack: on the sandbox's veth (egress), or
+		// loopback only (see gvisorCaps).
+		runArgs := []string{"run", "--pid-file", pidFile, "--bundle", s.Dir, s.ID}
+		if s.Network.NetNS != "" {
+			if cmd, err = rt.sandboxNetwork(s.Dir, runArgs...); err != nil {
+				return nil, errdefs.Internal(err, "prepare gVisor's network")
+			}
+		} else {
+			cmd = rt.command(nil, append([]string{"--network=none"}, runArgs...)...)
+		}
 		undo.Push(func() { os.Remove(sock) })
 	} else {
 		if lf, err = listenSocket(sock); err != nil {

@@ -54,12 +54,16 @@ import (
 //     kernel included, and a workload that reaches either ends the sandbox
 //     (the node reports it as the task's end, not the platform's). The pids
 //     limit counts host tasks: gvisorTasksPerProcess per process inside.
-//   - Network: none only, gVisor's own network stack with loopback
-//     (runsc --network=none). This release cannot join the node's network
-//     namespace: its own stack refuses every namespace on kernels where
-//     each has /proc/sys/net/core/rmem_default (it takes them for the
-//     host's), and the host's stack (--network=host) in a namespace with
-//     a user namespace fails to set up its chroot. Egress is not declared.
+//   - Network: gVisor's own network stack, never the host kernel's.
+//     Network none is loopback only (runsc --network=none); egress joins
+//     the sandbox's network namespace on the node's bridge and takes over
+//     its veth (--network=sandbox), so the node's rules, resolver and
+//     proxy see the sandbox's traffic as a crun sandbox's. This release
+//     refuses a namespace that has /proc/sys/net/core/rmem_default
+//     (every one on this kernel: it takes them for the host's), so runsc
+//     is started where /proc/sys hides it (sandboxNetwork); the host's
+//     stack (--network=host) is not used: in a user namespace it fails to
+//     set up its chroot, and it would expose the host kernel's.
 //   - User namespace: runsc cannot join one by path, so the spec asks for
 //     a new one with the sandbox's range mapping; the node's namespace
 //     (from its pool) still id-maps the image's layers. The gofer runs in
@@ -106,6 +110,9 @@ type ociRuntime struct {
 	root    string // its state directory (--root)
 	// flags come before every subcommand (runsc's configuration).
 	flags []string
+	// netMask runs `runsc run` for a sandbox with egress (see
+	// sandboxNetwork); "" where it cannot (egressReason says why).
+	netMask, egressReason string
 }
 
 // gvisor reports whether r is runsc.
@@ -118,6 +125,36 @@ func (r *ociRuntime) command(ctx context.Context, args ...string) *exec.Cmd {
 		return exec.Command(r.path, all...)
 	}
 	return exec.CommandContext(ctx, r.path, all...)
+}
+
+// sandboxNetwork makes `runsc run` with args (in bundle dir) join the
+// sandbox's network namespace (the spec's) with gVisor's own network stack
+// on its interface (--network=sandbox): the Sentry takes over the veth
+// and its address, so the node's rules on the bridge apply to everything
+// the sandbox sends, as for crun.
+//
+// This release refuses that in any namespace where
+// /proc/sys/net/core/rmem_default exists, taking it for the host's (every
+// namespace has one on this kernel). So runsc runs in a mount namespace of
+// its own where /proc/sys is a tmpfs holding only kernel, vm and fs (bound
+// from a second procfs): it finds no net/core there. The second procfs
+// mount, with nothing over it, is what lets the sandbox's user namespace
+// mount a procfs of its own (the kernel allows that only where a procfs
+// is fully visible). The mounts live and die with runsc's namespace:
+// nothing on the node changes.
+func (r *ociRuntime) sandboxNetwork(dir string, args ...string) (*exec.Cmd, error) {
+	proc := filepath.Join(dir, "runsc-proc")
+	if err := os.MkdirAll(proc, 0o700); err != nil {
+		return nil, err
+	}
+	const script = `set -e
+p=$1; shift
+mount -t proc proc "$p"
+mount -t tmpfs -o mode=0555,nosuid,nodev,noexec dsec-sysctl-mask /proc/sys
+for d in kernel vm fs; do mkdir /proc/sys/$d; mount --bind "$p/sys/$d" /proc/sys/$d; done
+exec "$@"`
+	all := append(append([]string{"--mount", "--propagation", "private", "sh", "-c", script, "dsec-runsc-netns", proc, r.path, "--root", r.root}, r.flags...), "--network=sandbox")
+	return exec.Command(r.netMask, append(all, args...)...), nil
 }
 
 // run runs the runtime and turns a failure into an error carrying its
@@ -210,6 +247,14 @@ func (d *Driver) probeGVisor() (*ociRuntime, string) {
 		platform = "ptrace"
 	}
 	r.flags = []string{"--platform=" + platform, "--host-uds=create", "--oci-seccomp", "--overlay2=none"}
+	r.netMask, r.egressReason = "", "needs unshare, mount and sh (util-linux, dash) to start runsc with the sandbox's network"
+	if p, err := exec.LookPath("unshare"); err == nil {
+		if _, err := exec.LookPath("mount"); err == nil {
+			if _, err := exec.LookPath("sh"); err == nil {
+				r.netMask, r.egressReason = p, ""
+			}
+		}
+	}
 	if err := os.MkdirAll(r.root, 0o700); err != nil {
 		return nil, err.Error()
 	}
@@ -294,13 +339,20 @@ func (d *Driver) gvisorCaps(r *ociRuntime, reason string) substrate.Runtime {
 	if r == nil {
 		return rt
 	}
-	// No egress (see the package comment on network), no memory snapshots.
+	// No memory snapshots; egress where runsc can be started in the
+	// sandbox's network namespace (sandboxNetwork).
 	rt.Caps = []substrate.Capability{substrate.CapExec, substrate.CapPTY, substrate.CapFiles, substrate.CapPause, substrate.CapSnapshot, substrate.CapFork, substrate.CapVolumes}
+	network := "none or egress: gVisor's own network stack, on the sandbox's veth under the node's rules (egress), or loopback only (none)"
+	if r.netMask != "" {
+		rt.Caps = append(rt.Caps, substrate.CapNetworkEgress)
+	} else {
+		network = "none only (gVisor's own stack, loopback only): egress " + r.egressReason
+	}
 	rt.Details = map[string]string{
 		"runtime":  "runsc " + r.version + " (" + strings.TrimPrefix(r.flags[0], "--") + ")",
 		"kernel":   "gVisor's application kernel: system calls never reach the host's",
 		"limits":   "memory and pids bound the whole sandbox, its kernel and agent included: a workload that reaches either ends the sandbox (reported as the task's end)",
-		"network":  "none only: gVisor's own stack, loopback only",
+		"network":  network,
 		"snapshot": "layer snapshots; no memory snapshots",
 		"agent":    "weaker than under crun: gVisor's kernel does not shield the sandbox's init (a process can kill or stop the agent: a kill ends the sandbox, reported as the task's end) nor check ptrace access on /proc/1/fd (a process can write into another command's output); see docs/substrates/container.md",
 	}
