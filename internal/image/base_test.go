@@ -113,36 +113,30 @@ func TestBootstrapBase(t *testing.T) {
 		}
 	})
 	t.Run("another store imports the cached build, by tar or by links, to the same layers", func(t *testing.T) {
-		byTar, err := Open(t.TempDir(), slog.Default())
-		if err != nil {
-			t.Fatal(err)
+		// importInto bootstraps base into a new store in dir, by tar only
+		// with noLinks, and checks it has the first store's layers.
+		importInto := func(dir string, noLinks bool, how string) *Store {
+			st, err := Open(dir, slog.Default())
+			if err != nil {
+				t.Fatal(err)
+			}
+			st.noLinks = noLinks
+			start := time.Now()
+			again, err := st.Bootstrap(ctx, "base", "e2b-base", BootstrapOptions{CacheDir: cache}, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("imported %s in %v", how, time.Since(start))
+			if strings.Join(again.Layers, ",") != strings.Join(img.Layers, ",") || again.Digest != img.Digest {
+				t.Fatalf("import %s: %v %s, first %v %s", how, again.Layers, again.Digest, img.Layers, img.Digest)
+			}
+			return st
 		}
-		byTar.noLinks = true
-		start := time.Now()
-		tarred, err := byTar.Bootstrap(ctx, "base", "e2b-base", BootstrapOptions{CacheDir: cache}, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Logf("imported by tar in %v", time.Since(start))
-		if strings.Join(tarred.Layers, ",") != strings.Join(img.Layers, ",") || tarred.Digest != img.Digest {
-			t.Fatalf("import by tar: %v %s, first %v %s", tarred.Layers, tarred.Digest, img.Layers, img.Digest)
-		}
+		byTar := importInto(t.TempDir(), true, "by tar")
 		// The import by tar recorded the layers: the next links them
 		// where the cache and the store share a file system.
 		dir := t.TempDir()
-		byLinks, err := Open(dir, slog.Default())
-		if err != nil {
-			t.Fatal(err)
-		}
-		start = time.Now()
-		linked, err := byLinks.Bootstrap(ctx, "base", "e2b-base", BootstrapOptions{CacheDir: cache}, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Logf("imported by links in %v", time.Since(start))
-		if strings.Join(linked.Layers, ",") != strings.Join(img.Layers, ",") || linked.Digest != img.Digest {
-			t.Fatalf("import by links: %v %s, first %v %s", linked.Layers, linked.Digest, img.Layers, img.Digest)
-		}
+		byLinks := importInto(dir, false, "by links")
 		var storeFS, cacheFS syscall.Stat_t
 		if err := syscall.Stat(dir, &storeFS); err != nil {
 			t.Fatal(err)

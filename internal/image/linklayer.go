@@ -67,27 +67,11 @@ func (b *cachedBuild) memo(overlay bool) (layerMemo, bool) {
 }
 
 // remember records the layer an import by tar made of the build (stores
-// on one host may write it at once: each writes a file of its own and
-// renames it).
+// on one host may write it at once: writeFileAtomic).
 func (b *cachedBuild) remember(diff string, size int64, overlay bool) {
-	id := b.identity()
-	if id == "" {
-		return
-	}
-	raw, _ := json.Marshal(layerMemo{Diff: diff, Size: size, Build: id, Overlay: overlay})
-	f, err := os.CreateTemp(filepath.Dir(b.dir), filepath.Base(b.memoPath())+".*")
-	if err != nil {
-		return
-	}
-	_, err = f.Write(raw)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(f.Name(), b.memoPath())
-	}
-	if err != nil {
-		os.Remove(f.Name())
+	if id := b.identity(); id != "" {
+		raw, _ := json.Marshal(layerMemo{Diff: diff, Size: size, Build: id, Overlay: overlay})
+		writeFileAtomic(b.memoPath(), raw)
 	}
 }
 

@@ -212,6 +212,11 @@ func Open(dir string, log *slog.Logger) (*Store, error) {
 		return nil, err
 	}
 	for _, e := range ents {
+		if strings.HasSuffix(e.Name(), ".tmp") {
+			// A write a crash interrupted (writeFileAtomic): not a record.
+			os.Remove(filepath.Join(dir, "refs", e.Name()))
+			continue
+		}
 		b, err := os.ReadFile(filepath.Join(dir, "refs", e.Name()))
 		if err != nil {
 			continue
@@ -685,12 +690,26 @@ func (c *countingReader) Read(p []byte) (int, error) {
 	return n, err
 }
 
+// writeFileAtomic writes b to path (mode 0600) by a file of its own
+// renamed into place: a reader sees the old content or the new, and
+// writers at once (stores on one host writing beside a cached build) do
+// not write into one another's.
 func writeFileAtomic(path string, b []byte) error {
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+	f, err := os.CreateTemp(filepath.Dir(path), filepath.Base(path)+".*.tmp")
+	if err != nil {
 		return err
 	}
-	return os.Rename(tmp, path)
+	_, err = f.Write(b)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(f.Name(), path)
+	}
+	if err != nil {
+		os.Remove(f.Name())
+	}
+	return err
 }
 
 func dirSize(dir string) (int64, error) {
