@@ -1,6 +1,7 @@
 package image
 
 import (
+	"archive/tar"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -10,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -236,19 +238,8 @@ func copyFile(src, dst string, st *syscall.Stat_t, capab []byte) error {
 }
 
 // setAttrs gives p st's owner, mode (not a symlink's) and modification
-// time, as finishAttrs does for an unpacked entry.
+// time by unpacking's own rules (finishAttrs).
 func setAttrs(p string, st *syscall.Stat_t, symlink bool) error {
-	if !rootless {
-		if err := unix.Lchown(p, int(st.Uid), int(st.Gid)); err != nil {
-			return err
-		}
-	}
-	if !symlink {
-		// Lchown cleared setuid bits; the mode comes after it.
-		if err := unix.Fchmodat(unix.AT_FDCWD, p, st.Mode&0o7777, 0); err != nil {
-			return err
-		}
-	}
-	mtime := unix.NsecToTimespec(syscall.TimespecToNsec(st.Mtim))
-	return unix.UtimesNanoAt(unix.AT_FDCWD, p, []unix.Timespec{mtime, mtime}, unix.AT_SYMLINK_NOFOLLOW)
+	hdr := &tar.Header{Uid: int(st.Uid), Gid: int(st.Gid), ModTime: time.Unix(st.Mtim.Unix())}
+	return finishAttrs(unix.AT_FDCWD, p, hdr, st.Mode&0o7777, symlink)
 }

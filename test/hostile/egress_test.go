@@ -103,9 +103,7 @@ func attacker(t *testing.T, o dsec.CreateOptions) *dsec.Sandbox {
 func eachEgressKind(t *testing.T, body func(t *testing.T, kind string)) {
 	t.Run("container", func(t *testing.T) { body(t, "container") })
 	t.Run("gvisor", func(t *testing.T) {
-		if why := gvisorMissing(t); why != "" {
-			t.Skip("no gvisor runtime: " + why)
-		}
+		needGVisor(t)
 		body(t, "gvisor")
 	})
 	t.Run("microvm", func(t *testing.T) {

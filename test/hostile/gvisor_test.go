@@ -19,9 +19,7 @@ import (
 // node gave the namespace. (What an egress sandbox under gVisor can and
 // cannot reach is in the egress tests, as for crun.)
 func TestAGVisorSandboxesNetworkIsGVisorsOwn(t *testing.T) {
-	if why := gvisorMissing(t); why != "" {
-		t.Skip("no gvisor runtime: " + why)
-	}
+	needGVisor(t)
 	const links = "ip -o link | grep -v ' lo:' | grep -c . ; ip -o -4 addr | grep -v ' lo ' | grep -c inet; ip route | grep -c '^default'"
 	t.Run("network none: loopback only", func(t *testing.T) {
 		sb := create(t, client(t), dsec.CreateOptions{Runtime: "gvisor"})
@@ -58,9 +56,7 @@ func TestAGVisorSandboxesNetworkIsGVisorsOwn(t *testing.T) {
 // workload can see: not in the one at /proc, nor below it once unmounted,
 // nor in a procfs the workload mounts (it may not: no CAP_SYS_ADMIN).
 func TestTheAgentIsNotVisibleInsideAGVisorSandbox(t *testing.T) {
-	if why := gvisorMissing(t); why != "" {
-		t.Skip("no gvisor runtime: " + why)
-	}
+	needGVisor(t)
 	c := client(t)
 	nb := newNeighbour(t)
 	sb := create(t, c, dsec.CreateOptions{Runtime: "gvisor"})

@@ -153,8 +153,8 @@ mount -t proc proc "$p"
 mount -t tmpfs -o mode=0555,nosuid,nodev,noexec dsec-sysctl-mask /proc/sys
 for d in kernel vm fs; do mkdir /proc/sys/$d; mount --bind "$p/sys/$d" /proc/sys/$d; done
 exec "$@"`
-	all := append(append([]string{"--mount", "--propagation", "private", "sh", "-c", script, "dsec-runsc-netns", proc, r.path, "--root", r.root}, r.flags...), "--network=sandbox")
-	return exec.Command(r.netMask, append(all, args...)...), nil
+	runsc := r.command(nil, append([]string{"--network=sandbox"}, args...)...).Args
+	return exec.Command(r.netMask, append([]string{"--mount", "--propagation", "private", "sh", "-c", script, "dsec-runsc-netns", proc}, runsc...)...), nil
 }
 
 // run runs the runtime and turns a failure into an error carrying its
