@@ -51,8 +51,11 @@ HOSTILE := ./test/hostile
 # so they run side by side to the end instead of one long package running
 # alone after the short ones. Three packages run at a time on a 2-core
 # machine: much of a package's time is spent waiting (timeouts, TTLs,
-# outages, guests), which a third package fills.
-SLOWEST := ./test/e2b ./test/verdicts ./test/e2e ./internal/image ./internal/substrate/vm ./internal/substrate/microvm
+# outages, guests), which a third package fills. The minute-long ones
+# (container, the fault and cluster suites) come next: alphabetically,
+# the fault suite started last and ran alone for its last minute.
+SLOWEST := ./test/e2b ./test/verdicts ./test/e2e ./internal/image ./internal/substrate/vm ./internal/substrate/microvm \
+	./internal/substrate/container ./test/fault ./test/cluster ./internal/cluster
 test-go:
 	go vet ./...
 	@mkdir -p $(DATA_DIR)
