@@ -217,9 +217,11 @@ func page(all *dsecv1.ListSandboxesResponse, size int32, token string) *dsecv1.L
 // bulkOps are the label-selected operations, by name, as node verbs.
 var bulkOps = map[string]func(Node, context.Context, *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error){
 	"pause": Node.PauseSandboxes, "resume": Node.ResumeSandboxes, "delete": Node.DeleteSandboxes,
+	"pause_filesystem": Node.PauseSandboxes, // with BulkRequest.filesystem_only
 }
 
-// Bulk runs a label-selected operation ("pause", "resume", "delete") on
+// Bulk runs a label-selected operation ("pause", "pause_filesystem",
+// "resume", "delete") on
 // the caller's sandboxes on every node and gathers the results.
 func Bulk(ctx context.Context, r Router, op, selector, cause string) (*dsecv1.BulkResponse, error) {
 	verb, ok := bulkOps[op]
@@ -229,7 +231,7 @@ func Bulk(ctx context.Context, r Router, op, selector, cause string) (*dsecv1.Bu
 	case selector == "":
 		return nil, wire(errdefs.Invalid("a label selector is required for a bulk %s", op))
 	}
-	q := &dsecv1.BulkRequest{LabelSelector: selector, Cause: cause}
+	q := &dsecv1.BulkRequest{LabelSelector: selector, Cause: cause, FilesystemOnly: op == "pause_filesystem"}
 	resps, err := fanOut(r.Nodes(ctx), func(n Node) (*connect.Response[dsecv1.BulkResponse], error) {
 		return verb(n, ctx, connect.NewRequest(q))
 	})
@@ -269,7 +271,11 @@ func (s *lifecycleService) bulk(ctx context.Context, op string, req *connect.Req
 }
 
 func (s *lifecycleService) PauseSandboxes(ctx context.Context, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
-	return s.bulk(ctx, "pause", req)
+	op := "pause"
+	if req.Msg.GetFilesystemOnly() {
+		op = "pause_filesystem"
+	}
+	return s.bulk(ctx, op, req)
 }
 
 func (s *lifecycleService) ResumeSandboxes(ctx context.Context, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {

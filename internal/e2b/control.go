@@ -437,10 +437,9 @@ func (f *Facade) pause(w http.ResponseWriter, r *http.Request, _ string) {
 		apiError(w, err)
 		return
 	}
-	if in.Memory != nil && !*in.Memory {
-		apiError(w, errdefs.Invalid("a filesystem-only pause (keepMemory: false) is not supported: dsec's pause keeps the sandbox's memory"))
-		return
-	}
+	// keepMemory: false is the node's filesystem-only pause: connect()
+	// cold-boots the sandbox on its kept files.
+	fsOnly := in.Memory != nil && !*in.Memory
 	n, sb, err := f.live(r.Context(), id)
 	if err != nil {
 		apiError(w, err)
@@ -450,7 +449,7 @@ func (f *Facade) pause(w http.ResponseWriter, r *http.Request, _ string) {
 		apiError(w, errdefs.Conflict("sandbox %s is already paused", id))
 		return
 	}
-	if _, err := apiserver.Do(r.Context(), n, &dsecv1.PauseSandboxRequest{Id: id}, apiserver.Node.PauseSandbox); err != nil {
+	if _, err := apiserver.Do(r.Context(), n, &dsecv1.PauseSandboxRequest{Id: id, FilesystemOnly: fsOnly}, apiserver.Node.PauseSandbox); err != nil {
 		apiError(w, err)
 		return
 	}

@@ -16,14 +16,22 @@ import (
 // interpreter, user ports) answers 502 meanwhile. A sandbox created with
 // lifecycle {onTimeout: "pause"} pauses at its timeout instead of ending
 // (the node's on_timeout "pause"); with autoResume, the next data-plane
-// request resumes it.
+// request resumes it. keepMemory: false (pause's, or onTimeout's) is the
+// node's filesystem-only pause ("pause_filesystem"): the sandbox's
+// processes end, its files stay, and connect() cold-boots it (new
+// processes, a new boot id, the same ID and access tokens). Such a
+// sandbox cannot auto-resume on traffic.
 
 // autoResumeLabel marks a sandbox created with autoResume: its data plane
 // resumes it instead of answering that it is paused.
 const autoResumeLabel = labelPrefix + "auto-resume"
 
-// onTimeoutPause is SandboxSpec.on_timeout's "pause".
-const onTimeoutPause = "pause"
+// onTimeoutPause and onTimeoutPauseFilesystem are SandboxSpec.on_timeout's
+// "pause" and "pause_filesystem" (keepMemory: false).
+const (
+	onTimeoutPause           = "pause"
+	onTimeoutPauseFilesystem = "pause_filesystem"
+)
 
 // lifecycleJSON is E2B's SandboxLifecycle (getInfo).
 type lifecycleJSON struct {
@@ -34,7 +42,7 @@ type lifecycleJSON struct {
 // lifecycleOf is a sandbox's lifecycle as E2B reports it.
 func lifecycleOf(sb *dsecv1.Sandbox) *lifecycleJSON {
 	l := &lifecycleJSON{OnTimeout: "kill"}
-	if sb.GetSpec().GetOnTimeout() == onTimeoutPause {
+	if o := sb.GetSpec().GetOnTimeout(); o == onTimeoutPause || o == onTimeoutPauseFilesystem {
 		l.OnTimeout = "pause"
 		l.AutoResume = sb.GetSpec().GetLabels()[autoResumeLabel] == "true"
 	}
@@ -46,13 +54,17 @@ func lifecycleOf(sb *dsecv1.Sandbox) *lifecycleJSON {
 func lifecycleSpec(in *newSandbox, spec *dsecv1.SandboxSpec) error {
 	pause := in.AutoPause != nil && *in.AutoPause
 	resume := in.AutoResume != nil && in.AutoResume.Enabled
+	fsOnly := in.AutoPauseMemory != nil && !*in.AutoPauseMemory
 	switch {
-	case in.AutoPauseMemory != nil && !*in.AutoPauseMemory:
-		return errdefs.Invalid("a filesystem-only auto-pause (keepMemory: false) is not supported: dsec's pause keeps the sandbox's memory")
 	case resume && !pause:
 		return errdefs.Invalid("autoResume needs lifecycle onTimeout \"pause\" (autoPause)")
+	case resume && fsOnly:
+		return errdefs.Invalid("autoResume needs a pause that keeps memory: a filesystem-only auto-pause (keepMemory: false) resumes by connect() only")
 	}
-	if pause {
+	switch {
+	case pause && fsOnly:
+		spec.OnTimeout = onTimeoutPauseFilesystem
+	case pause:
 		spec.OnTimeout = onTimeoutPause
 	}
 	if resume {

@@ -37,7 +37,8 @@ func TestLifecycleAtCreate(t *testing.T) {
 		{name: "autoResume false is the default", in: newSandbox{AutoPause: ptr(true), AutoResume: on(false)}, onTimeout: "pause"},
 		{name: "a full-memory auto-pause is dsec's pause", in: newSandbox{AutoPause: ptr(true), AutoPauseMemory: ptr(true)}, onTimeout: "pause"},
 		{name: "autoResume without the pause is refused", in: newSandbox{AutoResume: on(true)}, wantErr: "autoResume"},
-		{name: "a filesystem-only auto-pause is refused", in: newSandbox{AutoPause: ptr(true), AutoPauseMemory: ptr(false)}, wantErr: "filesystem-only"},
+		{name: "a filesystem-only auto-pause is the node's pause_filesystem", in: newSandbox{AutoPause: ptr(true), AutoPauseMemory: ptr(false)}, onTimeout: "pause_filesystem"},
+		{name: "a filesystem-only auto-pause with autoResume is refused", in: newSandbox{AutoPause: ptr(true), AutoPauseMemory: ptr(false), AutoResume: on(true)}, wantErr: "filesystem-only"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

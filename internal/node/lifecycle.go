@@ -3,6 +3,7 @@ package node
 import (
 	"context"
 	"log/slog"
+	"sort"
 	"sync"
 	"time"
 
@@ -20,11 +21,24 @@ import (
 // paused sandbox succeeds.
 func (n *Node) Pause(ctx context.Context, id string) (_ *dsecv1.Sandbox, err error) {
 	defer n.m.Observe(ctx, metrics.OpPause, n.kindOf(id), time.Now(), &err)
+	return n.pauseBy(ctx, id, n.pause)
+}
+
+// PauseFilesystem pauses a sandbox without its memory (a filesystem-only
+// pause): it stops, keeping only its file system, and resuming it boots
+// it (see stopLocked). Pausing a paused sandbox succeeds and leaves it as
+// it is.
+func (n *Node) PauseFilesystem(ctx context.Context, id string) (_ *dsecv1.Sandbox, err error) {
+	defer n.m.Observe(ctx, metrics.OpPause, n.kindOf(id), time.Now(), &err)
+	return n.pauseBy(ctx, id, n.pauseFilesystem)
+}
+
+func (n *Node) pauseBy(ctx context.Context, id string, pause func(context.Context, *sandbox) error) (*dsecv1.Sandbox, error) {
 	s, err := n.lookup(ctx, id)
 	if err != nil {
 		return nil, err
 	}
-	if err := n.pause(ctx, s); err != nil {
+	if err := pause(ctx, s); err != nil {
 		return nil, err
 	}
 	return n.view(s), nil
@@ -46,6 +60,41 @@ func (n *Node) Resume(ctx context.Context, id string) (_ *dsecv1.Sandbox, err er
 
 func (n *Node) pause(ctx context.Context, s *sandbox) error {
 	return n.transition(ctx, s, statePaused, func(ctx context.Context) error { return n.freezeLocked(ctx, s) })
+}
+
+func (n *Node) pauseFilesystem(ctx context.Context, s *sandbox) error {
+	return n.transition(ctx, s, statePaused, func(ctx context.Context) error { return n.stopLocked(ctx, s) })
+}
+
+// stopLocked pauses s without its memory: its instance stops (every
+// process ends, the agent too, and its memory and CPU are freed) keeping
+// its file system, its network and its ID; resumeLocked boots it again.
+// Nothing of the sandbox's processes survives, so the agent's deadline
+// goes with them (the resume sets it again).
+func (n *Node) stopLocked(ctx context.Context, s *sandbox) error {
+	st, ok := s.inst.(substrate.Stopper)
+	if !ok {
+		return errdefs.Invalid("kind %q%s cannot pause without its memory (filesystem-only): only kind container under its default runtime can", s.spec.Kind, runtimeSuffix(s.spec.Runtime))
+	}
+	if len(s.spec.GetVolumes()) > 0 {
+		return errdefs.Invalid("a sandbox with volumes cannot pause without its memory (filesystem-only) on this node")
+	}
+	if err := st.Stop(ctx); err != nil {
+		return err
+	}
+	s.stopped = true
+	return nil
+}
+
+// pausesFilesystem reports whether s's timeout pauses it filesystem-only.
+func (s *sandbox) pausesFilesystem() bool { return s.spec.OnTimeout == OnTimeoutPauseFilesystem }
+
+// timeoutPauseLocked pauses s as its on_timeout says.
+func (n *Node) timeoutPauseLocked(ctx context.Context, s *sandbox) error {
+	if s.pausesFilesystem() {
+		return n.stopLocked(ctx, s)
+	}
+	return n.freezeLocked(ctx, s)
 }
 
 // freezeLocked pauses s's instance. A sandbox that pauses at its timeout
@@ -81,8 +130,13 @@ func (n *Node) resumeLocked(ctx context.Context, s *sandbox) error {
 	if err != nil {
 		return err
 	}
+	cold := s.stopped
 	if err := p.Resume(ctx); err != nil {
 		return err
+	}
+	if cold {
+		s.stopped = false
+		n.booted(ctx, s)
 	}
 	// A resume is activity: the idle TTL counts from it (a session's
 	// revival must not meet an idle TTL that ran out before the pause).
@@ -90,9 +144,10 @@ func (n *Node) resumeLocked(ctx context.Context, s *sandbox) error {
 	if s.timedOut {
 		s.expires, s.timedOut = time.Now().Add(time.Duration(s.spec.TtlS)*time.Second), false
 	}
-	if s.pausesAtTimeout() {
+	if s.pausesAtTimeout() || cold {
 		// The node enforces the TTL on its own; the agent's deadline is
-		// the fallback for a node that is gone.
+		// the fallback for a node that is gone (a cold boot's agent has
+		// none yet).
 		if err := n.setDeadline(context.WithoutCancel(ctx), s, n.deadline(s)); err != nil {
 			n.log.Warn("set the agent's deadline after a resume", slog.String("sandbox_id", s.id), slog.Any("error", err))
 		}
@@ -115,7 +170,7 @@ func (n *Node) pauseAtTTL(ctx context.Context, s *sandbox, now time.Time) error 
 	}
 	s.mu.Unlock()
 	return n.transition(ctx, s, statePaused, func(ctx context.Context) error {
-		if err := n.freezeLocked(ctx, s); err != nil {
+		if err := n.timeoutPauseLocked(ctx, s); err != nil {
 			return err
 		}
 		mark()
@@ -173,7 +228,7 @@ func (n *Node) failedLocked(s *sandbox, err error) error {
 // persistLocked writes the sandbox's record with its current state.
 func (n *Node) persistLocked(s *sandbox) error {
 	r := *s.rec
-	r.State, r.Expires, r.TimedOut = s.state.String(), s.expires, s.timedOut
+	r.State, r.Expires, r.TimedOut, r.Stopped = s.state.String(), s.expires, s.timedOut, s.stopped
 	r.Network, r.NetPolicy = attachmentJSON(s.net), networkRecord(s.network)
 	if s.inst != nil {
 		// A pause or resume may change what the driver re-adopts from
@@ -190,7 +245,8 @@ func (n *Node) persistLocked(s *sandbox) error {
 // Bulk pauses, resumes or deletes every live sandbox of the caller's
 // (an operator: of any project) matching a non-empty label selector, in
 // parallel, and reports each failure. cause is a delete's end cause: ""
-// (deleted) or session_expired.
+// (deleted) or session_expired. Op "pause_filesystem" pauses
+// filesystem-only (PauseFilesystem).
 func (n *Node) Bulk(ctx context.Context, op, selector, cause string) (*dsecv1.BulkResponse, error) {
 	if selector == "" {
 		return nil, errdefs.Invalid("a label selector is required for a bulk %s", op)
@@ -211,6 +267,8 @@ func (n *Node) Bulk(ctx context.Context, op, selector, cause string) (*dsecv1.Bu
 	switch op {
 	case "pause":
 		act = n.pause
+	case "pause_filesystem":
+		act = n.pauseFilesystem
 	case "resume":
 		act = n.resume
 	case "delete":
@@ -275,4 +333,30 @@ func (n *Node) Stats(ctx context.Context, id string, withHistory bool) (*dsecv1.
 		out.History = s.history.samples()
 	}
 	return out, nil
+}
+
+// booted prepares the agent of s's cold boot (a resume after a
+// filesystem-only pause) as a create would, and records the boot in s's
+// trajectory log: the processes before it are gone, its files stay. The
+// agent's environment is the spec's; its deadline is set by the caller.
+func (n *Node) booted(ctx context.Context, s *sandbox) {
+	ctx = context.WithoutCancel(ctx)
+	if len(s.spec.Env) > 0 {
+		env := make([]string, 0, len(s.spec.Env))
+		for k, v := range s.spec.Env {
+			env = append(env, k+"="+v)
+		}
+		sort.Strings(env)
+		if err := s.inst.Guest().SetEnv(ctx, env); err != nil {
+			n.log.Warn("set the agent's environment after a cold boot", slog.String("sandbox_id", s.id), slog.Any("error", err))
+		}
+	}
+	log, err := n.logs.Log(s.id)
+	if err != nil {
+		n.log.Warn("open the trajectory log", slog.String("sandbox_id", s.id), slog.Any("error", err))
+		return
+	}
+	if _, err := log.Append(&dsecv1.LogEntry{Op: "boot", At: timestamppb.Now()}); err != nil {
+		n.log.Warn("record a cold boot in the trajectory log", slog.String("sandbox_id", s.id), slog.Any("error", err))
+	}
 }

@@ -382,11 +382,15 @@ func (n *Node) live(ctx context.Context, id string) (*sandbox, error) {
 const (
 	OnTimeoutDelete = "delete"
 	OnTimeoutPause  = "pause"
+	// OnTimeoutPauseFilesystem pauses filesystem-only (Pause's fsOnly).
+	OnTimeoutPauseFilesystem = "pause_filesystem"
 )
 
 // pausesAtTimeout reports whether s pauses, rather than ends, when its TTL
 // or idle TTL passes.
-func (s *sandbox) pausesAtTimeout() bool { return s.spec.OnTimeout == OnTimeoutPause }
+func (s *sandbox) pausesAtTimeout() bool {
+	return s.spec.OnTimeout == OnTimeoutPause || s.spec.OnTimeout == OnTimeoutPauseFilesystem
+}
 
 // deadlineGrace is how long after its TTL a sandbox ends itself if the node
 // has not deleted it (the node normally does, on time).
@@ -454,7 +458,7 @@ func (n *Node) view(s *sandbox) *dsecv1.Sandbox {
 		sb.Sidecars = s.sidecarStatus()
 	}
 	if s.timedOut {
-		sb.Reason = "ttl expired: paused (on_timeout pause) until expires_at"
+		sb.Reason = "ttl expired: paused (on_timeout " + s.spec.OnTimeout + ") until expires_at"
 	}
 	if e := s.ending; e != nil {
 		// Being torn down: its end, as its tombstone will say it. (Its
@@ -593,7 +597,7 @@ func (n *Node) reap(now time.Time) {
 		case st == stateRunning && idle > 0 && now.Sub(time.Unix(0, s.lastActive.Load())) > idle:
 			if !s.pausesAtTimeout() {
 				n.release(ctx, s, &end{reason: "idle ttl expired", cause: "idle_ttl", infra: true})
-			} else if err := n.pause(ctx, s); err != nil {
+			} else if err := n.transition(ctx, s, statePaused, func(ctx context.Context) error { return n.timeoutPauseLocked(ctx, s) }); err != nil {
 				n.cannotPause(s, "idle ttl expired", err)
 			}
 		}
@@ -648,7 +652,7 @@ func (n *Node) adopt() {
 			id: r.ID, spec: spec, created: r.Created, image: r.Image, layers: r.Layers, net: att,
 			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey, project: projectOr(r.Project),
 			state: parseState(r.State), expires: r.Expires, rec: r, network: networkFromRecord(r.NetPolicy),
-			timedOut: r.TimedOut, runStart: r.Created,
+			timedOut: r.TimedOut, runStart: r.Created, stopped: r.Stopped,
 		}
 		if s.state != statePaused {
 			s.state = stateRunning // as were records written mid-delete, and those of old stores
@@ -662,9 +666,18 @@ func (n *Node) adopt() {
 			aerr = errdefs.Unavailable("no %s driver on this node", r.Kind)
 		} else {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			if len(spec.Sidecars) > 0 {
+			switch {
+			case len(spec.Sidecars) > 0:
 				inst, aerr = n.attachGroup(ctx, drv, s, r.Driver)
-			} else {
+			case r.Stopped:
+				// A sandbox paused filesystem-only boots from its spec
+				// when resumed.
+				ds := &substrate.Spec{ID: r.ID, Dir: s.dir}
+				if img, err := n.images.Get(r.Image); err == nil {
+					ds = n.driverSpec(s, img)
+				}
+				inst, aerr = drv.Attach(ctx, ds, r.Driver)
+			default:
 				inst, aerr = drv.Attach(ctx, &substrate.Spec{ID: r.ID, Dir: s.dir}, r.Driver)
 			}
 			cancel()

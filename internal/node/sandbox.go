@@ -56,7 +56,10 @@ type sandbox struct {
 	// was last resumed), runEnd when it stopped (paused; zero while it
 	// runs): the run paused and ended events report.
 	runStart, runEnd time.Time
-	rec              *record
+	// stopped marks a sandbox paused filesystem-only: its instance is
+	// stopped (substrate.Stopper), and resuming it boots it.
+	stopped bool
+	rec     *record
 	// network is the sandbox's network since a SetNetworkPolicy (nil:
 	// spec.network), credentials' values included.
 	network *dsecv1.Network
@@ -216,7 +219,7 @@ func (s *sandbox) record() *record {
 	r := &record{
 		ID: s.id, Kind: s.spec.Kind, Image: s.image, Spec: specJSON, Layers: s.layers,
 		Created: s.created, Expires: s.expires, State: s.state.String(), Network: attachmentJSON(s.net), IdemKey: s.idemKey,
-		Project: s.project, NetPolicy: networkRecord(s.network), TimedOut: s.timedOut,
+		Project: s.project, NetPolicy: networkRecord(s.network), TimedOut: s.timedOut, Stopped: s.stopped,
 	}
 	if s.inst != nil {
 		r.Driver = s.inst.State()

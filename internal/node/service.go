@@ -110,7 +110,7 @@ func (s *Service) Keepalive(ctx context.Context, req *connect.Request[dsecv1.Kee
 }
 
 func (s *Service) PauseSandbox(ctx context.Context, req *connect.Request[dsecv1.PauseSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error) {
-	return answer(s.n.Pause(ctx, req.Msg.GetId()))
+	return answer(s.n.pauseRequest(ctx, req.Msg))
 }
 
 func (s *Service) ResumeSandbox(ctx context.Context, req *connect.Request[dsecv1.ResumeSandboxRequest]) (*connect.Response[dsecv1.Sandbox], error) {
@@ -118,7 +118,7 @@ func (s *Service) ResumeSandbox(ctx context.Context, req *connect.Request[dsecv1
 }
 
 func (s *Service) PauseSandboxes(ctx context.Context, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
-	return answer(s.n.Bulk(ctx, "pause", req.Msg.GetLabelSelector(), ""))
+	return answer(s.n.Bulk(ctx, pauseOp(req.Msg.GetFilesystemOnly()), req.Msg.GetLabelSelector(), ""))
 }
 
 func (s *Service) ResumeSandboxes(ctx context.Context, req *connect.Request[dsecv1.BulkRequest]) (*connect.Response[dsecv1.BulkResponse], error) {
@@ -490,4 +490,20 @@ func (s *Service) Commit(ctx context.Context, req *dsecv1.CommitSandboxRequest) 
 func (s *Service) PruneCache(ctx context.Context) (int64, error) {
 	n, err := s.n.PruneBuildCache(ctx)
 	return n, errwire.ToConnect(err)
+}
+
+// pauseRequest pauses as req says (filesystem-only or not).
+func (n *Node) pauseRequest(ctx context.Context, req *dsecv1.PauseSandboxRequest) (*dsecv1.Sandbox, error) {
+	if req.GetFilesystemOnly() {
+		return n.PauseFilesystem(ctx, req.GetId())
+	}
+	return n.Pause(ctx, req.GetId())
+}
+
+// pauseOp is Bulk's pause operation.
+func pauseOp(fsOnly bool) string {
+	if fsOnly {
+		return "pause_filesystem"
+	}
+	return "pause"
 }

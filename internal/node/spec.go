@@ -79,8 +79,12 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 		if !caps.Has(substrate.CapPause) {
 			return nil, errdefs.Invalid("on_timeout %q: kind %q%s cannot pause", spec.OnTimeout, spec.Kind, runtimeSuffix(spec.Runtime))
 		}
+	case OnTimeoutPauseFilesystem:
+		if substrate.Kind(spec.Kind) != substrate.KindContainer || spec.Runtime != "" {
+			return nil, errdefs.Invalid("on_timeout %q: kind %q%s cannot pause without its memory (only kind container under its default runtime can)", spec.OnTimeout, spec.Kind, runtimeSuffix(spec.Runtime))
+		}
 	default:
-		return nil, errdefs.Invalid("on_timeout %q (use delete or pause)", truncate(spec.OnTimeout, 64))
+		return nil, errdefs.Invalid("on_timeout %q (use delete, pause or pause_filesystem)", truncate(spec.OnTimeout, 64))
 	}
 	if spec.Resources == nil {
 		spec.Resources = &dsecv1.Resources{}

@@ -41,6 +41,8 @@ type record struct {
 	NetPolicy []byte `json:"net_policy,omitempty"`
 	// TimedOut marks a sandbox paused at its TTL (see sandbox.timedOut).
 	TimedOut bool `json:"timed_out,omitempty"`
+	// Stopped marks a sandbox paused filesystem-only (see sandbox.stopped).
+	Stopped bool `json:"stopped,omitempty"`
 }
 
 type store struct {

@@ -411,6 +411,18 @@ type Pauser interface {
 	Resume(ctx context.Context) error
 }
 
+// Stopper is an instance that can pause without its memory (a
+// filesystem-only pause, CapPause's kinds that implement it): Stop ends
+// every process of the instance, agent and all, and releases its memory
+// and CPU, keeping its file system (and its network identity); the
+// Pauser's Resume then starts it again on that file system, a fresh boot:
+// a new agent, no process from before, a new boot id. The instance's Done
+// is not closed by a Stop; Check answers nil while it is stopped. Stop is
+// idempotent.
+type Stopper interface {
+	Stop(ctx context.Context) error
+}
+
 // Snapshotter is an instance whose writable filesystem layer can be
 // captured (CapSnapshot): Snapshot writes it, captured consistently
 // (processes frozen), as an uncompressed OCI layer tar.

@@ -29,6 +29,18 @@ func (c *Client) Pause(ctx context.Context, id string) (*dsecv1.Sandbox, error) 
 	return r.Msg, nil
 }
 
+// PauseFilesystem pauses a sandbox filesystem-only: its processes end and
+// only its file system is kept (all its memory and CPU are released); a
+// later call or Resume cold-boots it (new processes, a new boot id, the
+// same ID and files). Kind container only.
+func (c *Client) PauseFilesystem(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
+	r, err := c.raw.PauseSandbox(ctx, connect.NewRequest(&dsecv1.PauseSandboxRequest{Id: id, FilesystemOnly: true}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
 // Resume thaws a paused sandbox.
 func (c *Client) Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error) {
 	r, err := c.raw.ResumeSandbox(ctx, connect.NewRequest(&dsecv1.ResumeSandboxRequest{Id: id}))
@@ -39,13 +51,14 @@ func (c *Client) Resume(ctx context.Context, id string) (*dsecv1.Sandbox, error)
 }
 
 // Bulk pauses, resumes or deletes ("pause", "resume", "delete") every
-// sandbox matching selector.
+// sandbox matching selector; "pause_filesystem" pauses them
+// filesystem-only (PauseFilesystem).
 func (c *Client) Bulk(ctx context.Context, op, selector string) (*dsecv1.BulkResponse, error) {
-	req := connect.NewRequest(&dsecv1.BulkRequest{LabelSelector: selector})
+	req := connect.NewRequest(&dsecv1.BulkRequest{LabelSelector: selector, FilesystemOnly: op == "pause_filesystem"})
 	var r *connect.Response[dsecv1.BulkResponse]
 	var err error
 	switch op {
-	case "pause":
+	case "pause", "pause_filesystem":
 		r, err = c.raw.PauseSandboxes(ctx, req)
 	case "resume":
 		r, err = c.raw.ResumeSandboxes(ctx, req)

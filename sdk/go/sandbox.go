@@ -45,7 +45,8 @@ type CreateOptions struct {
 	Runtime string
 	// OnTimeout is what reaching TTL or IdleTTL does: "delete" (default)
 	// or "pause" (a call resumes the sandbox; one paused at its TTL is
-	// kept for the node's paused_ttl and resumes with a fresh TTL).
+	// kept for the node's paused_ttl and resumes with a fresh TTL), or
+	// "pause_filesystem" (so, but filesystem-only: see PauseFilesystem).
 	OnTimeout string
 	// Volumes mounts volumes of the caller's project (CreateVolume); kind
 	// container only.

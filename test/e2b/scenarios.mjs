@@ -468,7 +468,6 @@ const scenarios = {
     await rejects(Sandbox.getInfo('not-a-sandbox-id'), SandboxNotFoundError, 'getInfo of a malformed ID')
     assert.equal(await Sandbox.kill('aaaaaaaaaaaaaaaa-local'), false)
     await rejects(Sandbox.create('no-such-image-anywhere'), SandboxError, 'create from an unknown template')
-    await rejects(Sandbox.create(TEMPLATE, { lifecycle: { onTimeout: { action: 'pause', keepMemory: false } } }), SandboxError, 'a filesystem-only auto-pause')
     await withSandbox(async (sbx) => {
       const real = sbx.envdAccessToken
       sbx.envdAccessToken = 'wrong-token'
@@ -1238,6 +1237,65 @@ scenarios['volumes-refused'] = async function volumesRefused() {
   } finally {
     await Volume.destroy(vol.volumeId)
   }
+}
+
+// A filesystem-only pause (keepMemory: false) ends the sandbox's processes
+// and keeps its files; connect() cold-boots it: same ID and token, same
+// files, a new boot id, none of the processes from before. The timeout's
+// auto-pause does the same.
+scenarios['filesystem-pause'] = async function filesystemPause() {
+  const bootID = async (sbx) => (await sbx.commands.run('cat /proc/sys/kernel/random/boot_id')).stdout.trim()
+  await withSandbox(async (sbx) => {
+    await sbx.files.write('/home/user/kept.txt', 'kept')
+    await sbx.commands.run('sleep 1000', { background: true, timeoutMs: 0 })
+    let pid = ''
+    for (let i = 0; i < 200 && !pid; i++) {
+      pid = (await sbx.commands.run('pgrep -x sleep || true')).stdout.trim()
+      if (!pid) await sleep(50)
+    }
+    assert.ok(/^\d+$/.test(pid), `the background sleep never started (${pid})`)
+    const before = await bootID(sbx)
+    assert.match(before, /^[0-9a-f-]{36}$/)
+    assert.equal(await sbx.pause({ keepMemory: false }), true)
+    assert.equal(await sbx.isRunning(), false)
+    assert.equal((await sbx.getInfo()).state, 'paused')
+    await rejects(sbx.commands.run('true'), SandboxError, 'a command on the paused sandbox')
+    const resumed = await sbx.connect()
+    assert.equal(resumed.sandboxId, sbx.sandboxId)
+    assert.equal(await resumed.files.read('/home/user/kept.txt'), 'kept')
+    assert.notEqual(await bootID(resumed), before, 'the boot id after a cold boot')
+    assert.equal((await resumed.commands.run('pgrep -x sleep || true')).stdout.trim(), '', 'a process survived the cold boot')
+    assert.equal((await resumed.commands.run('whoami')).stdout.trim(), 'user')
+  })
+  const sbx = await Sandbox.create(TEMPLATE, { timeoutMs: 3_000, lifecycle: { onTimeout: { action: 'pause', keepMemory: false } } })
+  try {
+    assert.equal((await sbx.getInfo()).lifecycle?.onTimeout, 'pause')
+    await sbx.files.write('/home/user/marker.txt', 'marker')
+    const before = await bootID(sbx)
+    let state = ''
+    for (let i = 0; i < 100 && state !== 'paused'; i++) {
+      await sleep(200)
+      state = (await sbx.getInfo()).state
+    }
+    assert.equal(state, 'paused', 'the sandbox did not pause at its timeout')
+    await sbx.connect()
+    assert.equal(await sbx.files.read('/home/user/marker.txt'), 'marker')
+    assert.notEqual(await bootID(sbx), before, 'the boot id after the auto-pause')
+  } finally {
+    await sbx.kill().catch(() => {})
+  }
+}
+
+// Kinds that cannot pause without memory refuse it with a 400 naming the
+// kind, at pause() and at create.
+scenarios['filesystem-pause-refused'] = async function filesystemPauseRefused() {
+  await withSandbox(async (sbx) => {
+    const e = await rejects(sbx.pause({ keepMemory: false }), SandboxError, 'a filesystem-only pause')
+    assert.match(e.message, /cannot pause without its memory/)
+    assert.equal((await sbx.commands.run('echo up')).stdout, 'up\n')
+  })
+  const e = await rejects(Sandbox.create(TEMPLATE, { lifecycle: { onTimeout: { action: 'pause', keepMemory: false } } }), SandboxError, 'a filesystem-only auto-pause')
+  assert.match(e.message, /cannot pause without its memory/)
 }
 
 const name = process.argv[2]

@@ -181,7 +181,7 @@ func TestControlPlaneErrors(t *testing.T) {
 		{"an unsupported call is 501", "GET", "/templates/base", key, "", 501},
 		{"a snapshot of an unknown sandbox is 404", "POST", "/sandboxes/aaaaaaaaaaaaaaaa-local/snapshots", key, `{}`, 404},
 		{"deleting an unknown snapshot is 404", "DELETE", "/templates/snap-aaaaaaaaaaaaaaaa-local", key, "", 404},
-		{"a filesystem-only pause is 400", "POST", "/sandboxes/" + c.SandboxID + "/pause", key, `{"memory":false}`, 400},
+		{"a filesystem-only auto-pause with autoResume is 400", "POST", "/v2/sandboxes", key, `{"templateID":"base","autoPause":true,"autoPauseMemory":false,"autoResume":{"enabled":true}}`, 400},
 		{"autoResume without autoPause is 400", "POST", "/v2/sandboxes", key, `{"templateID":"base","autoResume":{"enabled":true}}`, 400},
 		{"network rules for a sandbox without internet access are 400", "PUT", "/sandboxes/" + c.SandboxID + "/network", key, `{"allowOut":["pypi.org"]}`, 400},
 		{"a domain name in denyOut is 400", "POST", "/v2/sandboxes", key, `{"templateID":"base","network":{"denyOut":["evil.test"]}}`, 400},

@@ -843,6 +843,9 @@ type SandboxSpec struct {
 	// fresh ttl_s from the resume. A sandbox paused at its idle_ttl_s keeps
 	// its absolute expiry. Sessions act as they do on any sandbox: a
 	// session's expiry pauses or deletes it, closing the session deletes it.
+	// "pause_filesystem" pauses it filesystem-only (PauseSandboxRequest's
+	// filesystem_only), for kinds that can: kind container under its
+	// default runtime.
 	OnTimeout string `protobuf:"bytes,14,opt,name=on_timeout,json=onTimeout,proto3" json:"on_timeout,omitempty"`
 	// volumes mounts volumes of the sandbox's project (VolumeService) into
 	// it, at most 16. Kind container only; in a cluster the sandbox runs on
@@ -5686,10 +5689,20 @@ func (x *CreateSandboxesResponse) GetSnapshotId() string {
 }
 
 type PauseSandboxRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// filesystem_only pauses without memory: every process of the sandbox
+	// ends (its memory, CPU and cgroups are released) and its file system
+	// is kept, with its ID, network identity and credentials. Resuming it
+	// cold-boots it: a fresh start on the same files, with new processes and
+	// a new boot id (/proc/sys/kernel/random/boot_id, the sandbox's boot
+	// identity); its trajectory log records the boot. A sandbox paused so
+	// stays paused across a restart of its node. Kind container under its
+	// default runtime only (others: invalid_argument). A sandbox paused
+	// already stays paused as it is.
+	FilesystemOnly bool `protobuf:"varint,2,opt,name=filesystem_only,json=filesystemOnly,proto3" json:"filesystem_only,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *PauseSandboxRequest) Reset() {
@@ -5727,6 +5740,13 @@ func (x *PauseSandboxRequest) GetId() string {
 		return x.Id
 	}
 	return ""
+}
+
+func (x *PauseSandboxRequest) GetFilesystemOnly() bool {
+	if x != nil {
+		return x.FilesystemOnly
+	}
+	return false
 }
 
 type ResumeSandboxRequest struct {
@@ -5779,9 +5799,12 @@ type BulkRequest struct {
 	// cause, for a delete, is the deleted sandboxes' end cause: empty
 	// ("deleted") or "session_expired" (the delete of a trainer session's
 	// expiry, which the session manager sends).
-	Cause         string `protobuf:"bytes,2,opt,name=cause,proto3" json:"cause,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Cause string `protobuf:"bytes,2,opt,name=cause,proto3" json:"cause,omitempty"`
+	// filesystem_only: PauseSandboxes pauses filesystem-only (see
+	// PauseSandboxRequest). Ignored by the others.
+	FilesystemOnly bool `protobuf:"varint,3,opt,name=filesystem_only,json=filesystemOnly,proto3" json:"filesystem_only,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *BulkRequest) Reset() {
@@ -5826,6 +5849,13 @@ func (x *BulkRequest) GetCause() string {
 		return x.Cause
 	}
 	return ""
+}
+
+func (x *BulkRequest) GetFilesystemOnly() bool {
+	if x != nil {
+		return x.FilesystemOnly
+	}
+	return false
 }
 
 type BulkFailure struct {
@@ -7338,14 +7368,16 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\acreated\x18\x02 \x01(\x05R\acreated\x12\x16\n" +
 	"\x06failed\x18\x03 \x01(\x05R\x06failed\x12\x1f\n" +
 	"\vsnapshot_id\x18\x04 \x01(\tR\n" +
-	"snapshotId\"%\n" +
+	"snapshotId\"N\n" +
 	"\x13PauseSandboxRequest\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\tR\x02id\"&\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12'\n" +
+	"\x0ffilesystem_only\x18\x02 \x01(\bR\x0efilesystemOnly\"&\n" +
 	"\x14ResumeSandboxRequest\x12\x0e\n" +
-	"\x02id\x18\x01 \x01(\tR\x02id\"J\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"s\n" +
 	"\vBulkRequest\x12%\n" +
 	"\x0elabel_selector\x18\x01 \x01(\tR\rlabelSelector\x12\x14\n" +
-	"\x05cause\x18\x02 \x01(\tR\x05cause\"G\n" +
+	"\x05cause\x18\x02 \x01(\tR\x05cause\x12'\n" +
+	"\x0ffilesystem_only\x18\x03 \x01(\bR\x0efilesystemOnly\"G\n" +
 	"\vBulkFailure\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12(\n" +
 	"\x05error\x18\x02 \x01(\v2\x12.dsec.v1.ItemErrorR\x05error\"R\n" +

@@ -442,6 +442,9 @@ type state struct {
 	// a gVisor sandbox's jail (jailOf).
 	Runtime string `json:"runtime,omitempty"`
 	Jail    string `json:"jail,omitempty"`
+	// Stopped: the container is stopped with its file system kept
+	// (Stop); Resume starts it again.
+	Stopped bool `json:"stopped,omitempty"`
 }
 
 // stateVersion is the version of state this driver writes. A node
@@ -566,18 +569,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if ns != nil {
 		nsFile = ns.f
 	}
-	lowers := append([]string{d.skel}, s.Image.Links()...)
-	detach, err := attachLayers(filepath.Join(diskDir, "l"), lowers, nsFile)
-	if err != nil {
-		return nil, errdefs.Internal(err, "mount the image's layers")
-	}
-	names := make([]string, len(lowers))
-	for i := range lowers {
-		names[i] = "l/" + strconv.Itoa(i)
-	}
-	err = mountOverlay(diskDir, names, "upper", "work", st.Rootfs)
-	detach() // the overlay holds its own clones
-	if err != nil {
+	if err := d.mountRoot(s, diskDir, st.Rootfs, nsFile); err != nil {
 		return nil, err
 	}
 	rootfs := st.Rootfs
@@ -598,7 +590,6 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		sys := st.Sys
 		undo.Push(func() { unmount(sys) })
 	}
-	agentFiles := &agentFiles{}
 	if gvisor {
 		// No descriptors pass into gVisor: the agent binds its socket in
 		// a directory of the sandbox's jail (see gvisor.go).
@@ -608,7 +599,67 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		}
 		undo.Push(undoJail)
 		st.Jail = jail
-	} else {
+	}
+	b, err := d.boot(ctx, s, &st, ns, rt)
+	if err != nil {
+		return nil, err
+	}
+	inst := d.newInstance(s.ID, st)
+	inst.spec = s
+	inst.runtimeDone, inst.runtimeExit = b.done, b.exit
+	inst.ownsRange = ns != nil
+	inst.watch()
+	return inst.outer(), nil
+}
+
+// mountRoot mounts sandbox s's root file system at rootfs: the image's
+// layers (id-mapped to user namespace nsFile, nil: none) under the upper
+// and work directories of diskDir.
+func (d *Driver) mountRoot(s *substrate.Spec, diskDir, rootfs string, nsFile *os.File) error {
+	lowers := append([]string{d.skel}, s.Image.Links()...)
+	detach, err := attachLayers(filepath.Join(diskDir, "l"), lowers, nsFile)
+	if err != nil {
+		return errdefs.Internal(err, "mount the image's layers")
+	}
+	names := make([]string, len(lowers))
+	for i := range lowers {
+		names[i] = "l/" + strconv.Itoa(i)
+	}
+	err = mountOverlay(diskDir, names, "upper", "work", rootfs)
+	detach() // the overlay holds its own clones
+	return err
+}
+
+// booted is a started container's runtime: done is closed when the
+// runtime process exits, with its exit code in exit.
+type booted struct {
+	done chan struct{}
+	exit *int
+}
+
+// boot starts sandbox s's container on its prepared root file system
+// (st.Rootfs, mounted) in user namespace ns (nil: none), and returns once
+// its agent answers, with st's init, runtime and socket set. On error
+// nothing of the start is left behind (the file system stays). Create and
+// a cold resume (Resume after Stop) call it.
+func (d *Driver) boot(ctx context.Context, s *substrate.Spec, st *state, ns *userNS, rt *ociRuntime) (_ *booted, err error) {
+	gvisor := rt.gvisor()
+	var undo undo.Stack
+	defer undo.RunUnless(&err)
+	var nsFile *os.File
+	if ns != nil {
+		nsFile = ns.f
+	}
+	// The sandbox's boot identity: a fresh random boot id per start,
+	// bound read-only over /proc/sys/kernel/random/boot_id (ociSpec)
+	// from the node's tmpfs of sandbox files, as /etc/hosts is: a file of
+	// the host's file system would name its path in the sandbox's
+	// /proc/self/mountinfo.
+	if err := writeBootID(d.filesOf(s.ID)); err != nil {
+		return nil, errdefs.Internal(err, "write the sandbox's boot id")
+	}
+	agentFiles := &agentFiles{}
+	if !gvisor {
 		files, undoAgent, err := d.prepareAgent(s.ID, s.Dir, st.HostID)
 		if err != nil {
 			return nil, errdefs.Internal(err, "prepare the agent's cgroups")
@@ -616,12 +667,12 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		undo.Push(undoAgent)
 		agentFiles = files
 	}
-	detachVolumes, err := attachVolumes(volumeDir(s, st), s.Volumes, nsFile)
+	detachVolumes, err := attachVolumes(volumeDir(s, *st), s.Volumes, nsFile)
 	if err != nil {
 		return nil, errdefs.Internal(err, "mount the sandbox's volumes")
 	}
 	undo.Push(detachVolumes)
-	spec, err := d.ociSpec(s, st, ns, gvisor)
+	spec, err := d.ociSpec(s, *st, ns, gvisor)
 	if err != nil {
 		return nil, errdefs.Internal(err, "build runtime spec")
 	}
@@ -767,11 +818,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if sc := d.seccompFor(s); rt.name == "crun" && sc.bpf() == "" {
 		sc.learn(filepath.Join(d.runRoot, s.ID))
 	}
-	inst := d.newInstance(s.ID, st)
-	inst.runtimeDone, inst.runtimeExit = runtimeDone, &runtimeExit
-	inst.ownsRange = ns != nil
-	inst.watch()
-	return inst.outer(), nil
+	return &booted{done: runtimeDone, exit: &runtimeExit}, nil
 }
 
 // Attach implements substrate.Driver.
@@ -799,6 +846,13 @@ func (d *Driver) attach(ctx context.Context, s *substrate.Spec, raw []byte) (*in
 	}
 	if st.Disk != nil && d.disk != nil {
 		d.disk.own(st.Disk)
+	}
+	inst.spec = s
+	if st.Stopped {
+		// Stopped before the restart (a filesystem-only pause): it stays
+		// stopped until resumed.
+		inst.stopped = true
+		return inst, nil
 	}
 	if !inst.alive() {
 		return inst, errdefs.Gone("sandbox %s stopped while the node was down", s.ID)

@@ -19,6 +19,7 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/image"
+	"github.com/opendsec/dsec/internal/loopfs"
 	"github.com/opendsec/dsec/internal/substrate"
 )
 
@@ -39,10 +40,18 @@ type instance struct {
 	runtimeDone chan struct{}
 	runtimeExit *int
 
-	watchOnce sync.Once
+	// spec is the sandbox's spec, which a cold resume starts it from.
+	spec *substrate.Spec
+
 	mu        sync.Mutex
+	watching  bool
 	destroyed bool
 	paused    bool
+	// stopped: its container is stopped, its file system kept (Stop).
+	stopped bool
+	// boots counts the container's starts by this node since Create or
+	// Attach: a watcher of an earlier start's init ignores its end.
+	boots int
 	// ownsRange: Destroy gives the id range back (this node holds it).
 	ownsRange bool
 }
@@ -52,6 +61,7 @@ var (
 	_ substrate.Diagnoser   = (*instance)(nil)
 	_ substrate.TaskEnder   = gvisorInstance{}
 	_ substrate.Pauser      = (*instance)(nil)
+	_ substrate.Stopper     = (*instance)(nil)
 	_ substrate.Snapshotter = (*instance)(nil)
 )
 
@@ -178,6 +188,8 @@ func (i *instance) runtime() (*ociRuntime, error) {
 func (i *instance) Guest() substrate.Guest { return i.client }
 
 func (i *instance) State() []byte {
+	i.mu.Lock()
+	defer i.mu.Unlock()
 	b, _ := json.Marshal(i.st)
 	return b
 }
@@ -188,26 +200,40 @@ func (i *instance) Done() <-chan struct{} { return i.done }
 // process, not a reused pid).
 func (i *instance) alive() bool { return i.st.init().Alive() }
 
-// watch closes done when the init exits.
+// watch closes done when the init of the container's current start
+// exits, unless Stop ended it. Called once per start.
 func (i *instance) watch() {
-	i.watchOnce.Do(func() {
-		if i.d.debt != nil {
-			i.d.debt.add(i)
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.watching {
+		return
+	}
+	i.watching = true
+	if i.d.debt != nil {
+		i.d.debt.add(i) // a start's cgroup, sampled afresh
+	}
+	exited := make(chan struct{})
+	i.st.init().NotifyExit(exited)
+	gvisor := i.rt != nil && i.rt.gvisor()
+	boot := i.boots
+	go func() {
+		<-exited
+		i.mu.Lock()
+		ended := !i.stopped && i.boots == boot
+		if i.boots == boot {
+			i.watching = false
 		}
-		if i.rt == nil || !i.rt.gvisor() {
-			i.st.init().NotifyExit(i.done)
-			return
+		i.mu.Unlock()
+		if !ended {
+			return // stopped (Stop), or an earlier start
 		}
-		// Under gVisor, which limit ended the sandbox is read from its
-		// cgroups before done says it ended.
-		exited := make(chan struct{})
-		i.st.init().NotifyExit(exited)
-		go func() {
-			<-exited
+		if gvisor {
+			// Under gVisor, which limit ended the sandbox is read from
+			// its cgroups before done says it ended.
 			i.readEndedBy()
-			close(i.done)
-		}()
-	})
+		}
+		close(i.done)
+	}()
 }
 
 func (i *instance) Check(ctx context.Context) error {
@@ -216,7 +242,10 @@ func (i *instance) Check(ctx context.Context) error {
 		return errdefs.Gone("sandbox %s has stopped", i.id)
 	default:
 	}
-	if !i.alive() {
+	i.mu.Lock()
+	stopped := i.stopped
+	i.mu.Unlock()
+	if !stopped && !i.alive() {
 		return errdefs.Gone("sandbox %s has stopped", i.id)
 	}
 	return nil
@@ -266,8 +295,139 @@ func (i *instance) Pause(ctx context.Context) error {
 	return nil
 }
 
+// Stop implements substrate.Stopper: it ends the container (its agent and
+// every process), which frees its memory and its cgroups, and keeps its
+// file system (the overlay, the disk), its user namespace's id range and
+// its network. Resume starts it again.
+func (i *instance) Stop(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	if i.stopped {
+		return nil
+	}
+	rt, err := i.runtime()
+	if err != nil {
+		return err
+	}
+	if rt.gvisor() {
+		return errdefs.Invalid("sandboxes of runtime gvisor cannot pause without their memory")
+	}
+	if i.spec == nil {
+		return errdefs.Internal(nil, "sandbox %s has no spec to start it again from", i.id)
+	}
+	if i.paused {
+		// Frozen processes cannot receive the kill.
+		rt.run(ctx, "resume", i.id)
+		i.paused = false
+	}
+	// Marked first: the watcher must not take the init's end for the
+	// sandbox's.
+	i.stopped = true
+	i.st.Stopped = true
+	i.st.init().Kill()
+	if !i.waitRuntime(15 * time.Second) {
+		i.d.log.Warn("runtime did not finish after the sandbox's init died", slog.String("sandbox_id", i.id))
+	}
+	if rt.exists(i.id) {
+		if err := rt.forceDelete(i.id); err != nil {
+			return errdefs.Internal(err, "delete container")
+		}
+	}
+	if i.d.debt != nil {
+		i.d.debt.remove(i) // no cgroup to sample until it starts again
+	}
+	i.d.removeSandboxCgroups(i.id)
+	if err := i.d.removeAgentCgroups(i.id); err != nil {
+		i.d.log.Warn("remove the agent's cgroups", slog.String("sandbox_id", i.id), slog.Any("error", err))
+	}
+	os.Remove(i.st.Socket)
+	return nil
+}
+
+// start starts a stopped container again on its file system: a new
+// agent, new processes, a new boot id.
+func (i *instance) start(ctx context.Context) error {
+	rt, err := i.runtime()
+	if err != nil {
+		return err
+	}
+	var ns *userNS
+	if i.st.HostID != 0 {
+		// The range's mapping again: the layers are id-mapped to it.
+		f, err := newUserNamespace(i.st.HostID)
+		if err != nil {
+			return errdefs.Unavailable("no user namespace for the sandbox: %v", err).WithCause(err)
+		}
+		defer f.Close() // crun has joined it once boot returns
+		ns = &userNS{index: i.st.IDRange, host: i.st.HostID, f: f}
+	}
+	// A node restarted in another mount namespace lost the sandbox's
+	// mounts (its disk, its root, its /sys): mount them again.
+	var nsFile *os.File
+	if ns != nil {
+		nsFile = ns.f
+	}
+	diskDir := filepath.Dir(i.st.Rootfs)
+	if i.st.Disk != nil {
+		if i.d.disk == nil {
+			return errdefs.Unavailable("sandbox %s has a disk and this node makes none", i.id)
+		}
+		if !mountedAs(filepath.Join(i.st.Disk.dir, "upper"), unix.EXT4_SUPER_MAGIC) {
+			// Through its loop device, or, if that went with the old
+			// namespace's last mount, the image attached anew.
+			if i.d.disk.adopt(i.st.Disk) != nil {
+				if err := loopfs.AttachMount(i.st.Disk.img, i.st.Disk.dir); err != nil {
+					return errdefs.Internal(err, "mount the sandbox's disk")
+				}
+			}
+		}
+		diskDir = i.st.Disk.dir
+	}
+	if !mountedAs(i.st.Rootfs, unix.OVERLAYFS_SUPER_MAGIC) {
+		if err := i.d.mountRoot(i.spec, diskDir, i.st.Rootfs, nsFile); err != nil {
+			return err
+		}
+	}
+	if i.st.Sys != "" && !mountedAs(i.st.Sys, unix.SYSFS_MAGIC) {
+		if err := mountSysfs(i.spec.Network.NetNS, i.st.Sys); err != nil {
+			return errdefs.Internal(err, "mount the sandbox's /sys")
+		}
+	}
+	// The node's files of the sandbox (/etc/hosts...) again if a
+	// restarted node cleared them (else they keep the sandbox's edits).
+	if _, err := os.Stat(filepath.Join(i.d.filesOf(i.id), "hosts")); err != nil {
+		if err := writeEtc(i.d.filesOf(i.id), i.spec, i.st.HostID); err != nil {
+			return errdefs.Internal(err, "write sandbox /etc files")
+		}
+	}
+	// No deadline from the spec, which may have passed: the caller sets
+	// the agent's current one once it runs.
+	spec := *i.spec
+	spec.Deadline = time.Time{}
+	st := i.st
+	st.Stopped = false
+	b, err := i.d.boot(ctx, &spec, &st, ns, rt)
+	if err != nil {
+		return err
+	}
+	i.st = st
+	i.runtimeDone, i.runtimeExit = b.done, b.exit
+	i.stopped = false
+	i.boots++
+	i.watching = false
+	return nil
+}
+
 func (i *instance) Resume(ctx context.Context) error {
 	i.mu.Lock()
+	if i.stopped {
+		err := i.start(ctx)
+		i.mu.Unlock()
+		if err == nil {
+			i.watch()
+		}
+		return err
+	}
 	defer i.mu.Unlock()
 	if !i.paused {
 		return nil
@@ -288,7 +448,7 @@ func (i *instance) Resume(ctx context.Context) error {
 
 func (i *instance) Snapshot(ctx context.Context, w io.Writer) error {
 	i.mu.Lock()
-	wasPaused := i.paused
+	wasPaused := i.paused || i.stopped // a stopped container writes nothing
 	i.mu.Unlock()
 	if !wasPaused && i.rt != nil && i.rt.gvisor() {
 		// gVisor's kernel keeps written file data in its own page cache
@@ -387,4 +547,10 @@ func (i *instance) waitRuntime(timeout time.Duration) bool {
 		}
 	}
 	return i.st.runtime().Wait(timeout)
+}
+
+// mountedAs reports whether path is on a file system of type magic.
+func mountedAs(path string, magic int64) bool {
+	var fs unix.Statfs_t
+	return unix.Statfs(path, &fs) == nil && int64(fs.Type) == magic
 }

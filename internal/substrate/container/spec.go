@@ -1,6 +1,7 @@
 package container
 
 import (
+	"crypto/rand"
 	"fmt"
 	"github.com/opendsec/dsec/internal/cgroup"
 	"os"
@@ -183,6 +184,11 @@ func (d *Driver) ociSpec(s *substrate.Spec, st state, ns *userNS, gvisor bool) (
 		if tmp := filepath.Join(st.Jail, "rootfs", "tmp"); isDir(tmp) && !hasMount(s.Tmpfs, "/tmp") {
 			spec.Mounts = append(spec.Mounts, specs.Mount{Destination: "/tmp", Type: "bind", Source: tmp, Options: []string{"bind", "rw", "nosuid", "nodev"}})
 		}
+	}
+	if !gvisor {
+		// Each start's own boot id (writeBootID): the kernel's is the
+		// host's, the same for every sandbox and across their restarts.
+		spec.Mounts = append(spec.Mounts, specs.Mount{Destination: bootIDPath, Type: "bind", Source: filepath.Join(d.filesOf(s.ID), "boot_id"), Options: []string{"bind", "ro", "nosuid", "nodev", "noexec"}})
 	}
 	if st.Sys != "" {
 		for j, m := range spec.Mounts {
@@ -423,4 +429,27 @@ func hasMount(t []substrate.Tmpfs, path string) bool {
 		}
 	}
 	return false
+}
+
+// bootIDPath is the kernel's boot id as a sandbox reads it.
+const bootIDPath = "/proc/sys/kernel/random/boot_id"
+
+// writeBootID writes a fresh random boot id (a UUID, as the kernel's) to
+// dir/boot_id, which the container's start binds over bootIDPath: the
+// sandbox's boot identity, new at every start of its container (its
+// create and every cold resume), the same across a pause that keeps
+// memory.
+func writeBootID(dir string) error {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return err
+	}
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	id := fmt.Sprintf("%x-%x-%x-%x-%x\n", b[0:4], b[4:6], b[6:8], b[8:10], b[10:])
+	tmp := filepath.Join(dir, "boot_id.tmp")
+	if err := os.WriteFile(tmp, []byte(id), 0o444); err != nil {
+		return err
+	}
+	return os.Rename(tmp, filepath.Join(dir, "boot_id"))
 }

@@ -363,8 +363,12 @@ class AsyncSandbox:
         self._info = SandboxInfo._from(await self._t.unary(_LIFECYCLE, "Keepalive", req))
         return self._info
 
-    async def pause(self) -> SandboxInfo:
-        self._info = SandboxInfo._from(await self._t.unary(_LIFECYCLE, "PauseSandbox", {"id": self.id}))
+    async def pause(self, *, keep_memory: bool = True) -> SandboxInfo:
+        """See dsec.Sandbox.pause (``keep_memory=False``: filesystem-only)."""
+        req: Dict[str, Any] = {"id": self.id}
+        if not keep_memory:
+            req["filesystemOnly"] = True
+        self._info = SandboxInfo._from(await self._t.unary(_LIFECYCLE, "PauseSandbox", req))
         return self._info
 
     async def resume(self) -> SandboxInfo:
@@ -660,19 +664,21 @@ class AsyncClient:
         await self._t.unary(_LIFECYCLE, "DeleteSandbox", {"id": sandbox_id}, retry=True)
         return [sandbox_id]
 
-    async def pause(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None) -> List[str]:
-        return await self._bulk("PauseSandboxes", labels, selector)
+    async def pause(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None,
+                    keep_memory: bool = True) -> List[str]:
+        return await self._bulk("PauseSandboxes", labels, selector, {} if keep_memory else {"filesystemOnly": True})
 
     async def resume(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None) -> List[str]:
         return await self._bulk("ResumeSandboxes", labels, selector)
 
-    async def _bulk(self, method: str, labels: Optional[Mapping[str, str]], selector: Optional[str]) -> List[str]:
+    async def _bulk(self, method: str, labels: Optional[Mapping[str, str]], selector: Optional[str],
+                    extra: Optional[Dict[str, Any]] = None) -> List[str]:
         parts = [f"{k}={v}" for k, v in (labels or {}).items()]
         if selector:
             parts.append(selector)
         if not parts:
             raise ValueError("labels or selector is required")
-        m = await self._t.unary(_LIFECYCLE, method, {"labelSelector": ",".join(parts)}, timeout=600)
+        m = await self._t.unary(_LIFECYCLE, method, {"labelSelector": ",".join(parts), **(extra or {})}, timeout=600)
         fails = m.get("failures") or []
         if fails:
             f = fails[0]

@@ -161,7 +161,7 @@ class SandboxInfo:
     expires_at: str = ""
     raw: Dict[str, Any] = field(default_factory=dict, repr=False)
     runtime: str = ""  # "" is the kind's default runtime
-    on_timeout: str = ""  # "" or "delete": the TTL ends the sandbox; "pause": it pauses
+    on_timeout: str = ""  # "" or "delete": the TTL ends the sandbox; "pause": it pauses; "pause_filesystem": filesystem-only
     # An ended sandbox's end: when, its class (deleted, session_expired, ttl, idle_ttl,
     # paused_ttl, workload_exit, oom, died, pause_failed, node_down) and whether
     # the platform ended it.
@@ -564,10 +564,18 @@ class Sandbox:
             req["history"] = True
         return Stats._from(self._client._t.unary(_LIFECYCLE, "GetSandboxStats", req, retry=True))
 
-    def pause(self) -> SandboxInfo:
+    def pause(self, *, keep_memory: bool = True) -> SandboxInfo:
         """Freeze the sandbox and release what memory the host allows. Any
-        later call resumes it. Pausing a paused sandbox is not an error."""
-        self._info = SandboxInfo._from(self._client._t.unary(_LIFECYCLE, "PauseSandbox", {"id": self.id}))
+        later call resumes it. Pausing a paused sandbox is not an error.
+
+        ``keep_memory=False`` pauses filesystem-only: every process ends and
+        only the file system is kept (all memory and CPU are released); the
+        resume cold-boots the sandbox (new processes, a new boot id, the
+        same ID and files). Kind container only."""
+        req: Dict[str, Any] = {"id": self.id}
+        if not keep_memory:
+            req["filesystemOnly"] = True
+        self._info = SandboxInfo._from(self._client._t.unary(_LIFECYCLE, "PauseSandbox", req))
         return self._info
 
     def resume(self) -> SandboxInfo:
@@ -820,20 +828,23 @@ class Client:
             raise results[0]
         return ok
 
-    def pause(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None) -> List[str]:
-        """Pause every sandbox matching the labels (e.g. a preempted job)."""
-        return self._bulk("PauseSandboxes", labels, selector)
+    def pause(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None,
+              keep_memory: bool = True) -> List[str]:
+        """Pause every sandbox matching the labels (e.g. a preempted job);
+        ``keep_memory=False`` pauses them filesystem-only (Sandbox.pause)."""
+        return self._bulk("PauseSandboxes", labels, selector, {} if keep_memory else {"filesystemOnly": True})
 
     def resume(self, labels: Optional[Mapping[str, str]] = None, *, selector: Optional[str] = None) -> List[str]:
         return self._bulk("ResumeSandboxes", labels, selector)
 
-    def _bulk(self, method: str, labels: Optional[Mapping[str, str]], selector: Optional[str]) -> List[str]:
+    def _bulk(self, method: str, labels: Optional[Mapping[str, str]], selector: Optional[str],
+              extra: Optional[Dict[str, Any]] = None) -> List[str]:
         parts = [f"{k}={v}" for k, v in (labels or {}).items()]
         if selector:
             parts.append(selector)
         if not parts:
             raise ValueError("labels or selector is required")
-        m = self._t.unary(_LIFECYCLE, method, {"labelSelector": ",".join(parts)}, timeout=600)
+        m = self._t.unary(_LIFECYCLE, method, {"labelSelector": ",".join(parts), **(extra or {})}, timeout=600)
         fails = m.get("failures") or []
         if fails:
             f = fails[0]

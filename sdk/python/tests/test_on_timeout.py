@@ -55,3 +55,38 @@ def test_a_session_expiry_still_deletes_a_sandbox_paused_at_its_ttl(client):
 def test_a_policy_the_server_does_not_know_is_refused(client):
     with pytest.raises(dsec.InvalidRequest):
         client.create(image="busybox", on_timeout="hibernate")
+
+
+def _boot_id(sb):
+    return sb.exec("cat /proc/sys/kernel/random/boot_id").stdout.strip()
+
+
+def test_a_filesystem_only_pause_keeps_the_files_and_the_resume_boots_afresh(client):
+    sb = client.create(image="busybox", labels={"test": "fs-pause"})
+    try:
+        sb.exec("echo kept > /root/k")
+        before = _boot_id(sb)
+        assert sb.pause(keep_memory=False).state == "paused"
+        assert sb.resume().state == "running"
+        assert sb.exec("cat /root/k").stdout == "kept\n"
+        after = _boot_id(sb)
+        assert after != before
+        # The bulk form, for a preempted job's sandboxes.
+        assert client.pause({"test": "fs-pause"}, keep_memory=False) == [sb.id]
+        assert sb.exec("cat /root/k").stdout == "kept\n"  # a call resumes (boots) it
+        assert _boot_id(sb) != after
+    finally:
+        sb.close()
+
+
+def test_the_ttl_pauses_filesystem_only_with_pause_filesystem(client):
+    sb = client.create(image="busybox", ttl_s=2, on_timeout="pause_filesystem")
+    try:
+        before = _boot_id(sb)
+        sb.exec("echo kept > /root/k")
+        _until("the TTL pauses the sandbox", lambda: client.get(sb.id).info.state == "paused")
+        assert "on_timeout pause_filesystem" in client.get(sb.id).info.reason
+        assert sb.exec("cat /root/k").stdout == "kept\n"
+        assert _boot_id(sb) != before
+    finally:
+        sb.close()

@@ -192,7 +192,10 @@ type LifecycleServiceClient interface {
 	// TTL (to extend_ttl_s from now, at most the node's maximum TTL).
 	Keepalive(context.Context, *connect.Request[v1.KeepaliveRequest]) (*connect.Response[v1.Sandbox], error)
 	// PauseSandbox freezes a sandbox and releases what memory it can. Any
-	// later call resumes it. Pausing a paused sandbox succeeds.
+	// later call resumes it. Pausing a paused sandbox succeeds. With
+	// filesystem_only the sandbox keeps no memory: its processes end and
+	// only its file system is kept; resuming it cold-boots it (see
+	// PauseSandboxRequest).
 	PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error)
 	// ResumeSandbox thaws a paused sandbox. Resuming a running one succeeds.
 	ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error)
@@ -437,7 +440,10 @@ type LifecycleServiceHandler interface {
 	// TTL (to extend_ttl_s from now, at most the node's maximum TTL).
 	Keepalive(context.Context, *connect.Request[v1.KeepaliveRequest]) (*connect.Response[v1.Sandbox], error)
 	// PauseSandbox freezes a sandbox and releases what memory it can. Any
-	// later call resumes it. Pausing a paused sandbox succeeds.
+	// later call resumes it. Pausing a paused sandbox succeeds. With
+	// filesystem_only the sandbox keeps no memory: its processes end and
+	// only its file system is kept; resuming it cold-boots it (see
+	// PauseSandboxRequest).
 	PauseSandbox(context.Context, *connect.Request[v1.PauseSandboxRequest]) (*connect.Response[v1.Sandbox], error)
 	// ResumeSandbox thaws a paused sandbox. Resuming a running one succeeds.
 	ResumeSandbox(context.Context, *connect.Request[v1.ResumeSandboxRequest]) (*connect.Response[v1.Sandbox], error)
