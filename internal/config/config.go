@@ -246,7 +246,7 @@ type MicroVM struct {
 	// BootTimeout bounds a boot or restore until the agent answers
 	// (default 90s).
 	BootTimeout Duration `json:"boot_timeout,omitempty"`
-	// TBSizeMiB is the TCG translation buffer per VM (default 32).
+	// TBSizeMiB is the TCG translation buffer per VM (default 128).
 	TBSizeMiB int `json:"tb_size_mib,omitempty"`
 	// DefaultDiskMB sizes the writable disk when a create gives no
 	// disk_mb (default 1024).
@@ -270,7 +270,7 @@ type VM struct {
 	// BootTimeout bounds a boot or restore until the agent answers
 	// (default 3m).
 	BootTimeout Duration `json:"boot_timeout,omitempty"`
-	// TBSizeMiB is the TCG translation buffer per VM (default 64).
+	// TBSizeMiB is the TCG translation buffer per VM (default 256).
 	TBSizeMiB int `json:"tb_size_mib,omitempty"`
 	// VNC gives every VM a VNC server on 127.0.0.1, locked until `dsec vnc`
 	// (OpenVNC) sets a password (default false).

@@ -63,7 +63,8 @@ type Config struct {
 	// BootTimeout bounds a boot or restore until the agent answers
 	// (default 3m: a full OS under TCG on a loaded host is slow).
 	BootTimeout time.Duration
-	// TBSizeMiB is TCG's translation buffer per VM (default 64).
+	// TBSizeMiB is TCG's translation buffer per VM (default 256: a full
+	// OS's boot retranslated a sixth more with 64).
 	TBSizeMiB int
 	// CgroupParent is the cgroup under which each VM's QEMU gets its own
 	// (default /dsec, the containers' parent), limited to the sandbox's
@@ -135,7 +136,7 @@ func New(cfg Config, log *slog.Logger) (*Driver, error) {
 		cfg.ProbeCache = "/run/dsec/kvm-probe.json"
 	}
 	if cfg.TBSizeMiB == 0 {
-		cfg.TBSizeMiB = 64
+		cfg.TBSizeMiB = 256
 	}
 	if cfg.CgroupParent == "" {
 		cfg.CgroupParent = "/dsec"
