@@ -112,7 +112,7 @@ func runAPI(ctx context.Context, cfg config.Config) error {
 	if err != nil {
 		return fmt.Errorf("e2b token secret: %w", err)
 	}
-	if err := mountE2B(cfg.E2B, secret, log, router, api, hooks); err != nil {
+	if err := mountE2B(cfg.E2B, secret, "", log, router, api, hooks); err != nil {
 		return err
 	}
 	api.Handle("GET "+dashboard.Prefix, dashboard.Handler())

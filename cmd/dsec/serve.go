@@ -323,7 +323,7 @@ func serve(ctx context.Context, cfg config.Config) error {
 	if err != nil {
 		return fmt.Errorf("e2b token secret: %w", err)
 	}
-	if err := mountE2B(cfg.E2B, secret, log, router, api, hooks); err != nil {
+	if err := mountE2B(cfg.E2B, secret, filepath.Join(cfg.DataDir, "e2b-templates"), log, router, api, hooks); err != nil {
 		return err
 	}
 	go hooks.Run(ctx)
@@ -508,8 +508,10 @@ func e2bSecret(c config.E2B, dataDir, clusterToken string, log *slog.Logger) ([]
 	return b, err
 }
 
-// mountE2B serves the E2B-compatible facade on the API's listener.
-func mountE2B(c config.E2B, secret []byte, log *slog.Logger, router apiserver.Router, api *apiserver.Server, hooks *apiserver.Hooks) error {
+// mountE2B serves the E2B-compatible facade on the API's listener, with
+// template builds kept in templateDir (none: "", as on a cluster's API
+// replicas, which hold no data).
+func mountE2B(c config.E2B, secret []byte, templateDir string, log *slog.Logger, router apiserver.Router, api *apiserver.Server, hooks *apiserver.Hooks) error {
 	var templates map[string]e2b.Template
 	if len(c.Templates) > 0 {
 		templates = map[string]e2b.Template{}
@@ -519,6 +521,7 @@ func mountE2B(c config.E2B, secret []byte, log *slog.Logger, router apiserver.Ro
 	}
 	fac, err := e2b.New(e2b.Config{
 		Domain: c.Domain, Templates: templates, DefaultKind: c.DefaultKind, DefaultNetwork: c.DefaultNetwork, TokenSecret: secret, Hooks: hooks,
+		TemplateDir: templateDir,
 	}, log, router, api.Authenticate)
 	if err != nil {
 		return err

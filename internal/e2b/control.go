@@ -86,6 +86,7 @@ func (f *Facade) mountControl(handle func(string, http.Handler)) {
 	h("PUT /sandboxes/{id}/network", f.updateNetwork)
 	f.mountSnapshots(h)
 	f.mountWebhooks(h)
+	f.mountTemplates(h, handle)
 	unsupported := func(w http.ResponseWriter, r *http.Request, _ string) {
 		apiError(w, errdefs.Unimplemented("%s %s is not supported by dsec's E2B facade (see docs/e2b.md)", r.Method, r.URL.Path))
 	}
@@ -262,10 +263,20 @@ func (f *Facade) create(w http.ResponseWriter, r *http.Request, project string, 
 		apiError(w, err)
 		return
 	}
+	if img, ok := f.templateImage(r.Context(), spec.Image); ok {
+		spec.Image = img // a template built here, by its ID
+	}
 	sb, err := f.r.Create(r.Context(), &dsecv1.CreateSandboxRequest{Spec: spec, Project: project})
 	if err != nil {
 		apiError(w, withBootstrapHint(err, spec.Image))
 		return
+	}
+	if _, builtIn := f.cfg.Templates[in.TemplateID]; f.tb != nil && spec.Image != "" && !builtIn && in.TemplateID != "" {
+		// A template built here may have a start command.
+		if err := f.startTemplate(r.Context(), sb.Id, spec.Image); err != nil {
+			apiError(w, err)
+			return
+		}
 	}
 	writeJSON(w, http.StatusCreated, f.sandboxJSON(sb))
 }

@@ -77,6 +77,10 @@ type Config struct {
 	// Hooks, when set, keeps the webhooks registered at /events/webhooks
 	// (without: those routes answer 501).
 	Hooks *apiserver.Hooks
+	// TemplateDir, when set, keeps the templates built through the facade
+	// and their uploaded files (templates.go; without: the template build
+	// routes answer 501).
+	TemplateDir string
 }
 
 // Template is what an E2B template ID starts.
@@ -118,6 +122,9 @@ type Facade struct {
 	ports *http.Transport
 	// host is cfg.Domain without its port: what Host names end with.
 	host string
+	// tb holds the template builds this replica started (nil without
+	// Config.TemplateDir).
+	tb *templateBuilds
 }
 
 // New returns a facade over r. auth checks API keys (apiserver's
@@ -138,6 +145,9 @@ func New(cfg Config, log *slog.Logger, r apiserver.Router, auth Authenticator) (
 	cfg.Domain = strings.TrimSuffix(strings.ToLower(cfg.Domain), ".")
 	f := &Facade{cfg: cfg, log: log.With(slog.String("facade", "e2b")), r: r, auth: auth, host: domainHost(cfg.Domain)}
 	f.ports = f.portTransport()
+	if cfg.TemplateDir != "" {
+		f.tb = &templateBuilds{dir: cfg.TemplateDir, builds: map[string]*templateBuild{}}
+	}
 	if cfg.Hooks != nil {
 		cfg.Hooks.AddFormat(events.FormatE2B, newWebhookFormat)
 	}

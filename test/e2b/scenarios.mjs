@@ -635,6 +635,55 @@ const scenarios = {
     assert.deepEqual(await Sandbox.list({ query: { metadata: { tag }, state: ['running'] } }).nextItems(), [])
   },
 
+  // Template.build (dsec's image builder under E2B's template API): COPY
+  // of uploaded files (a link among the sources copied as its target, as
+  // a Dockerfile's COPY does), RUN as the template's user and
+  // as root, ENV taken literally, WORKDIR, and a start command that runs in
+  // every new sandbox, which is answered once the ready command succeeds;
+  // the template starts by name and by ID, Template.exists finds it, and a
+  // failing step fails the build with its output.
+  async 'template-build'() {
+    const { Template, BuildError, waitForURL } = await import('e2b')
+    const fs = await import('node:fs')
+    const os = await import('node:os')
+    const path = await import('node:path')
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'e2b-template-test-'))
+    try {
+      fs.mkdirSync(path.join(dir, 'folder'))
+      fs.writeFileSync(path.join(dir, 'folder', 'test.txt'), 'from the context')
+      fs.symlinkSync('test.txt', path.join(dir, 'folder', 'link.txt'))
+      const name = `dsec-template-${process.pid}-${Date.now()}`
+      const template = Template({ fileContextPath: dir })
+        .fromBaseImage()
+        .copy('folder/*', 'folder', { forceUpload: true })
+        .runCmd('cat folder/test.txt > copied.txt')
+        .runCmd('whoami > /tmp/ran-as && mkdir -p /srv/www && echo served > /srv/www/index.html', { user: 'root' })
+        .setEnvs({ GREETING: 'hi $HOME "quoted"' })
+        .setWorkdir('/srv/www')
+        .setStartCmd('python3 -m http.server 8000', waitForURL('http://localhost:8000/index.html'))
+      const logs = []
+      const info = await Template.build(template, name, { onBuildLogs: (l) => logs.push(l.message) })
+      assert.match(info.templateId, /^tpl-/)
+      assert.ok(logs.some((m) => m.includes('RUN')), `the build's log: ${logs.join('\n')}`)
+      assert.equal(await Template.exists(name), true)
+      assert.equal(await Template.exists(`${name}-none`), false)
+      for (const id of [name, info.templateId]) {
+        const sbx = await Sandbox.create(id, { timeoutMs: 120_000 })
+        try {
+          const r = await sbx.commands.run('cat /home/user/folder/test.txt; echo; cat /home/user/folder/link.txt; echo; cat /home/user/copied.txt; echo; cat /tmp/ran-as; whoami; echo "$GREETING"; pwd; curl -s localhost:8000/index.html')
+          assert.equal(r.stdout, 'from the context\nfrom the context\nfrom the context\nroot\nuser\nhi $HOME "quoted"\n/srv/www\nserved\n')
+        } finally {
+          await sbx.kill()
+        }
+      }
+      const bad = Template().fromBaseImage().runCmd('echo about to fail; exit 3')
+      const e = await rejects(Template.build(bad, `${name}-bad`), BuildError, 'a build whose step fails')
+      assert.match(e.message, /exit|status|3/, e.message)
+    } finally {
+      fs.rmSync(dir, { recursive: true, force: true })
+    }
+  },
+
   // The base template is E2B's: commands, file calls and the code
   // interpreter run as "user" (uid 1000, home /home/user, HOME set) in
   // /home/user unless a call names another user or directory; "user" has
