@@ -545,14 +545,19 @@ func planBuild(in *buildStart, base, user string) (*buildPlan, error) {
 				}
 				line += " --chmod=" + s.Args[3]
 			}
-			dest := s.Args[1]
-			if strings.ContainsAny(src, "*?[") && !strings.HasSuffix(dest, "/") {
+			from, dest := filesPrefix+"/"+s.FilesHash+"/"+src, s.Args[1]
+			if i := strings.IndexAny(src, "*?["); i >= 0 {
 				// A pattern copies what it matches into a directory
-				// (E2B's copy('dir/*', 'dir')), which a Dockerfile writes
-				// with a trailing slash.
-				dest += "/"
+				// (E2B's copy('dir/*', 'dir')). The uploaded tar holds
+				// just the matches, so the directory above the pattern is
+				// copied whole: its symbolic links stay links (a
+				// Dockerfile's COPY would follow each match that is one,
+				// and fail on a dangling one, which E2B copies).
+				from = filesPrefix + "/" + s.FilesHash + "/" + src[:strings.LastIndexByte("/"+src[:i], '/')]
+				from = strings.TrimSuffix(from, "/") + "/"
+				dest = strings.TrimSuffix(dest, "/") + "/"
 			}
-			add(step, line+" "+jsonArray(filesPrefix+"/"+s.FilesHash+"/"+src, dest))
+			add(step, line+" "+jsonArray(from, dest))
 		case "RUN":
 			if len(s.Args) < 1 || strings.TrimSpace(s.Args[0]) == "" {
 				return nil, errdefs.Invalid("step %s: RUN needs a command", step)

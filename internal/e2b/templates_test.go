@@ -56,7 +56,7 @@ func TestTemplateStepsBecomeADockerfile(t *testing.T) {
 			t.Errorf("instruction %d: %s from step %s, want %s from step %s", i, steps[i].Command, p.steps[i], w.cmd, w.step)
 		}
 	}
-	if c := steps[0]; c.Flags["chown"] != "user" || c.Flags["chmod"] != "0755" || len(c.Args) != 2 || c.Args[0] != "e2b-files/"+hash+"/folder/*" || c.Args[1] != "dest dir/" {
+	if c := steps[0]; c.Flags["chown"] != "user" || c.Flags["chmod"] != "0755" || len(c.Args) != 2 || c.Args[0] != "e2b-files/"+hash+"/folder/" || c.Args[1] != "dest dir/" {
 		t.Errorf("COPY: %v %q", c.Flags, c.Args)
 	}
 	if r := steps[1]; !r.JSON || len(r.Args) != 4 || r.Args[3] != in.Steps[1].Args[0] {

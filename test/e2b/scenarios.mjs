@@ -636,8 +636,7 @@ const scenarios = {
   },
 
   // Template.build (dsec's image builder under E2B's template API): COPY
-  // of uploaded files (a link among the sources copied as its target, as
-  // a Dockerfile's COPY does), RUN as the template's user and
+  // of uploaded files (symbolic links stay links, a dangling one too), RUN as the template's user and
   // as root, ENV taken literally, WORKDIR, and a start command that runs in
   // every new sandbox, which is answered once the ready command succeeds;
   // the template starts by name and by ID, Template.exists finds it, and a
@@ -652,6 +651,7 @@ const scenarios = {
       fs.mkdirSync(path.join(dir, 'folder'))
       fs.writeFileSync(path.join(dir, 'folder', 'test.txt'), 'from the context')
       fs.symlinkSync('test.txt', path.join(dir, 'folder', 'link.txt'))
+      fs.symlinkSync('nowhere.txt', path.join(dir, 'folder', 'dangling.txt'))
       const name = `dsec-template-${process.pid}-${Date.now()}`
       const template = Template({ fileContextPath: dir })
         .fromBaseImage()
@@ -670,8 +670,8 @@ const scenarios = {
       for (const id of [name, info.templateId]) {
         const sbx = await Sandbox.create(id, { timeoutMs: 120_000 })
         try {
-          const r = await sbx.commands.run('cat /home/user/folder/test.txt; echo; cat /home/user/folder/link.txt; echo; cat /home/user/copied.txt; echo; cat /tmp/ran-as; whoami; echo "$GREETING"; pwd; curl -s localhost:8000/index.html')
-          assert.equal(r.stdout, 'from the context\nfrom the context\nfrom the context\nroot\nuser\nhi $HOME "quoted"\n/srv/www\nserved\n')
+          const r = await sbx.commands.run('cat /home/user/folder/test.txt; echo; cat /home/user/folder/link.txt; echo; readlink /home/user/folder/link.txt /home/user/folder/dangling.txt; cat /home/user/copied.txt; echo; cat /tmp/ran-as; whoami; echo "$GREETING"; pwd; curl -s localhost:8000/index.html')
+          assert.equal(r.stdout, 'from the context\nfrom the context\ntest.txt\nnowhere.txt\nfrom the context\nroot\nuser\nhi $HOME "quoted"\n/srv/www\nserved\n')
         } finally {
           await sbx.kill()
         }
