@@ -237,15 +237,20 @@ func (i *instance) watch() {
 }
 
 func (i *instance) Check(ctx context.Context) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	return i.checkLocked()
+}
+
+// checkLocked is Check for a caller holding i.mu (Pause and Resume, whose
+// runtime call failed: the mutex is not reentrant).
+func (i *instance) checkLocked() error {
 	select {
 	case <-i.done:
 		return errdefs.Gone("sandbox %s has stopped", i.id)
 	default:
 	}
-	i.mu.Lock()
-	stopped := i.stopped
-	i.mu.Unlock()
-	if !stopped && !i.alive() {
+	if !i.stopped && !i.alive() {
 		return errdefs.Gone("sandbox %s has stopped", i.id)
 	}
 	return nil
@@ -285,7 +290,7 @@ func (i *instance) Pause(ctx context.Context) error {
 		return err
 	}
 	if err := rt.run(ctx, "pause", i.id); err != nil {
-		if i.Check(ctx) != nil {
+		if i.checkLocked() != nil {
 			return errdefs.Gone("sandbox %s has stopped", i.id)
 		}
 		return errdefs.Internal(err, "pause sandbox")
@@ -437,7 +442,7 @@ func (i *instance) Resume(ctx context.Context) error {
 		return err
 	}
 	if err := rt.run(ctx, "resume", i.id); err != nil {
-		if i.Check(ctx) != nil {
+		if i.checkLocked() != nil {
 			return errdefs.Gone("sandbox %s has stopped", i.id)
 		}
 		return errdefs.Internal(err, "resume sandbox")

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
+	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/substrate"
 )
 
@@ -184,5 +185,38 @@ func TestAStoppedSandboxIsDestroyedWithoutLeftovers(t *testing.T) {
 	}
 	if l := leaks(d, spec); len(l) > 0 {
 		t.Fatalf("left behind: %v", l)
+	}
+}
+
+// TestPausingASandboxThatDiedAnswersGone: a pause whose runtime call fails
+// because the sandbox died checks the sandbox under the lock it holds; it
+// answers gone (it deadlocked on its own lock, hanging a fork's snapshot).
+func TestPausingASandboxThatDiedAnswersGone(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	ctx := context.Background()
+	spec := &substrate.Spec{ID: fmt.Sprintf("died%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox",
+		MemoryMB: 256, Pids: 256, CPU: 1, Network: substrate.Network{Mode: "none"}}
+	inst, err := d.Create(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { inst.Destroy(ctx) }()
+	inner(inst).mu.Lock()
+	inner(inst).st.init().Kill()
+	inner(inst).mu.Unlock()
+	for inner(inst).alive() {
+		time.Sleep(10 * time.Millisecond)
+	}
+	pctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	errc := make(chan error, 1)
+	go func() { errc <- inst.(substrate.Pauser).Pause(pctx) }()
+	select {
+	case err := <-errc:
+		if !errdefs.Is(err, errdefs.KindGone) {
+			t.Fatalf("pause of a dead sandbox: %v, want gone", err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("the pause of a dead sandbox never returned (its own lock)")
 	}
 }
