@@ -201,11 +201,11 @@ func TestPausingASandboxThatDiedAnswersGone(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { inst.Destroy(ctx) }()
-	inner(inst).mu.Lock()
 	inner(inst).st.init().Kill()
-	inner(inst).mu.Unlock()
-	for inner(inst).alive() {
-		time.Sleep(10 * time.Millisecond)
+	select { // its watcher saw the init end
+	case <-inst.Done():
+	case <-time.After(time.Minute):
+		t.Fatal("the sandbox's init was killed and Done stays open")
 	}
 	pctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
