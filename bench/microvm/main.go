@@ -298,7 +298,7 @@ func rawRestoreOnce(bin, snapDir, tmp string, r int) time.Duration {
 		fatal(err)
 	}
 	qmpSock := filepath.Join(dir, "q")
-	args, err := microvm.SnapshotArgs(snapDir, fmt.Sprintf("benchraw%d", r), disk, filepath.Join(dir, "a"), qmpSock, filepath.Join(dir, "console"))
+	args, deferred, err := microvm.SnapshotArgs(snapDir, fmt.Sprintf("benchraw%d", r), disk, filepath.Join(dir, "a"), qmpSock, filepath.Join(dir, "console"))
 	if err != nil {
 		fatal(err)
 	}
@@ -320,6 +320,11 @@ func rawRestoreOnce(bin, snapDir, tmp string, r int) time.Duration {
 		fatal(err)
 	}
 	defer q.Close()
+	if deferred {
+		if err := qemu.StartIncomingIgnoringShared(ctx, q, "fd:3"); err != nil {
+			fatal(err)
+		}
+	}
 	if err := qemu.WaitIncoming(ctx, q); err != nil {
 		fatal(err)
 	}

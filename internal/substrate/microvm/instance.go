@@ -91,7 +91,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	disk := filepath.Join(s.Dir, diskFile)
 	u.Push(func() { os.Remove(disk) })
 	var m machine
-	var incoming *os.File
+	var incoming *qemu.Restore
 	// restored is the snapshot the sandbox starts from: the spec's, else
 	// its image's boot snapshot for this machine shape (bootKey), if any.
 	restored, bootKey := "", ""
@@ -150,7 +150,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		if incoming, err = qemu.RestoreFiles(restored, diskFile, disk); err != nil {
 			return nil, err
 		}
-		defer incoming.Close()
+		defer incoming.State.Close()
 	}
 	if d.vsock {
 		m.CID = qemu.VsockCID(s.ID)

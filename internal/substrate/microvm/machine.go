@@ -89,15 +89,25 @@ func (m *machine) args(id, disk, agentSock, qmpSock, console string, tap bool) [
 }
 
 // SnapshotArgs returns the QEMU command line that restores the machine
-// snapshot in dir (with -incoming fd:3 appended), for a VM named id with
-// the given disk, sockets and console file. The driver restores this way;
-// benchmarks run it raw as the baseline of a restore.
-func SnapshotArgs(dir, id, disk, agentSock, qmpSock, console string) ([]string, error) {
+// snapshot in dir, for a VM named id with the given disk, sockets and
+// console file, and whether the stream (fd 3) is loaded through the
+// monitor (qemu.StartIncomingIgnoringShared with "fd:3": the RAM was
+// saved apart) rather than by "-incoming fd:3", which the line then ends
+// with. The driver restores this way; benchmarks run it raw as the
+// baseline of a restore.
+func SnapshotArgs(dir, id, disk, agentSock, qmpSock, console string) ([]string, bool, error) {
 	m, err := qemu.ReadMachine[machine](dir)
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
-	return append(m.args(id, disk, agentSock, qmpSock, console, false), "-incoming", "fd:3"), nil
+	args, deferred, err := qemu.RestoreArgs(m.args(id, disk, agentSock, qmpSock, console, false), dir)
+	if err != nil {
+		return nil, false, err
+	}
+	if deferred {
+		return append(args, "-incoming", "defer"), true, nil
+	}
+	return append(args, "-incoming", "fd:3"), false, nil
 }
 
 // mac is the MAC of the machine's NIC.

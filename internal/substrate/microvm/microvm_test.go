@@ -570,3 +570,109 @@ func TestLaterSandboxesOfAShapeRestoreTheImagesBootSnapshot(t *testing.T) {
 		t.Error("a cold-boot driver restored the boot snapshot")
 	}
 }
+
+// TestARestoredGuestGivingMemoryBackChangesNoOtherSandboxsRAM attacks the
+// RAM that sandboxes restored from one boot snapshot share (see
+// qemu/ram.go): a restored guest fills memory and frees it, so its kernel
+// reports the pages free and QEMU discards them, which on the shared RAM
+// would punch holes every other sandbox of the shape reads as zeros. The
+// discards must be refused (QEMU logs each) and the shared RAM must still
+// hold the snapshot's bytes; a later sandbox still restores and runs.
+func TestARestoredGuestGivingMemoryBackChangesNoOtherSandboxsRAM(t *testing.T) {
+	d := newDriver(t, nil)
+	shape := func() *substrate.Spec {
+		s := newSpec(t)
+		s.MemoryMB = 176 // a shape no other test uses
+		return s
+	}
+	first := shape()
+	a, err := d.Create(ctxT(t, 3*time.Minute), first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Destroy(context.Background())
+	dir, ok := d.boots.Find(d.bootKey(a.(*instance).Machine, first.DiskMB))
+	if !ok {
+		t.Fatal("the first boot of the shape saved no boot snapshot")
+	}
+	ram := filepath.Join(dir, qemu.RAMFile)
+	stream, err1 := os.Stat(filepath.Join(dir, qemu.MemoryFile))
+	saved, err2 := os.Stat(ram)
+	if err1 != nil || err2 != nil {
+		t.Fatalf("the boot snapshot has no stream or no RAM file: %v, %v", err1, err2)
+	}
+	if stream.Size() > 4<<20 || saved.Size() != first.MemoryMB<<20 {
+		t.Errorf("the boot snapshot's stream is %d bytes and its RAM file %d: the RAM went in the stream", stream.Size(), saved.Size())
+	}
+	want := digestOf(t, ram)
+
+	second := shape()
+	b, err := d.Create(ctxT(t, 3*time.Minute), second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Destroy(context.Background())
+	shared := sharedRAMOf(t, second.ID)
+	run(t, b, "mkdir -p /tmp/fill && mount -t tmpfs -o size=96m tmpfs /tmp/fill && "+
+		"dd if=/dev/urandom of=/tmp/fill/x bs=1M count=80 2>/dev/null && rm /tmp/fill/x && umount /tmp/fill")
+	// The guest reports free memory in batches a few seconds apart; QEMU
+	// logs each discard refused.
+	log := filepath.Join(second.Dir, qemu.LogFile)
+	for deadline := time.Now().Add(time.Minute); ; {
+		if got := digestOf(t, shared); got != want {
+			t.Fatal("the RAM restored sandboxes share changed after a guest gave memory back")
+		}
+		if b, _ := os.ReadFile(log); strings.Contains(string(b), "ram_block_discard_range") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the restored guest's freed memory was never discarded (no refused discard in QEMU's log)")
+		}
+		time.Sleep(time.Second)
+	}
+	if got := digestOf(t, shared); got != want {
+		t.Fatal("the RAM restored sandboxes share changed after a guest gave memory back")
+	}
+	if got := digestOf(t, ram); got != want {
+		t.Fatal("the boot snapshot's RAM file changed")
+	}
+	third := shape()
+	c, err := d.Create(ctxT(t, 3*time.Minute), third)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Destroy(context.Background())
+	if got := run(t, c, "echo alive"); got != "alive\n" {
+		t.Errorf("a sandbox restored after the attack: %q", got)
+	}
+}
+
+// sharedRAMOf is the path (through /proc) of the RAM that sandbox id's
+// QEMU maps copy-on-write: the sealed memfd restores share.
+func sharedRAMOf(t *testing.T, id string) string {
+	t.Helper()
+	for _, p := range qemu.VMProcesses() {
+		if p.ID != id {
+			continue
+		}
+		dir := fmt.Sprintf("/proc/%d/fd", p.Pid)
+		ents, _ := os.ReadDir(dir)
+		for _, e := range ents {
+			if l, _ := os.Readlink(filepath.Join(dir, e.Name())); strings.HasPrefix(l, "/memfd:dsec-ram") {
+				return filepath.Join(dir, e.Name())
+			}
+		}
+		t.Fatalf("sandbox %s's QEMU maps no shared RAM (was it restored?)", id)
+	}
+	t.Fatalf("no QEMU runs sandbox %s", id)
+	return ""
+}
+
+func digestOf(t *testing.T, path string) string {
+	t.Helper()
+	out, err := exec.Command("sha256sum", path).Output()
+	if err != nil {
+		t.Fatalf("digest of %s: %v", path, err)
+	}
+	return strings.Fields(string(out))[0]
+}

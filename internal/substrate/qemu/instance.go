@@ -139,7 +139,7 @@ func (i *Instance[M]) SnapshotMachine(ctx context.Context, dir string) error {
 	if err != nil {
 		return errdefs.Internal(err, "encode the machine")
 	}
-	err = i.VM.SaveMachine(ctx, filepath.Join(dir, MemoryFile), func() error {
+	err = i.VM.SaveMachine(ctx, filepath.Join(dir, MemoryFile), filepath.Join(dir, RAMFile), func() error {
 		return CopySparse(i.Path(i.DiskFile), filepath.Join(dir, i.DiskFile))
 	})
 	if err != nil {

@@ -92,6 +92,10 @@ type VMState struct {
 	// OOMBase is the guest's count of OOM kills that are not the
 	// sandbox's (CountOOMKillsFromNow).
 	OOMBase int64 `json:"oom_base,omitempty"`
+	// RAM is the file the running QEMU maps its RAM from copy-on-write
+	// (a restore of RAM saved apart: see ram.go); "" when its RAM is
+	// its memfd.
+	RAM string `json:"ram,omitempty"`
 }
 
 // VM is one sandbox's virtual machine across the QEMU processes that run
@@ -213,19 +217,36 @@ func (c *channelSet) acquire(sock string) (*portmux.Dialer, func()) {
 	}
 }
 
-// Start starts QEMU for the machine, booting it or (with incoming, a
-// state file) restoring it, and returns once the agent answers, within
+// Start starts QEMU for the machine, booting it or (with r) restoring
+// it, and returns once the agent answers, within
 // BootTimeout. On error QEMU is stopped and its sockets removed; the
 // error is unavailable (infra) with what the guest console or QEMU said
 // last.
-func (v *VM) Start(ctx context.Context, incoming *os.File) (err error) {
+func (v *VM) Start(ctx context.Context, r *Restore) (err error) {
 	os.Remove(v.cfg.AgentSock)
 	os.Remove(v.cfg.QMPSock)
 	args := v.cfg.Args()
 	var extra []*os.File
-	if incoming != nil {
-		args = append(args, "-incoming", "fd:3")
-		extra = []*os.File{incoming}
+	ram := ""
+	if r != nil {
+		extra = []*os.File{r.State}
+		if r.RAM != "" {
+			mem, err := ramFiles.open(r.RAM)
+			if err != nil {
+				return errdefs.Internal(err, "read the %s's saved RAM", v.cfg.Kind)
+			}
+			defer mem.Close()
+			extra = append(extra, mem)
+			if args, err = withRAMFile(args, fmt.Sprintf("/proc/self/fd/%d", 2+len(extra))); err != nil {
+				return errdefs.Internal(err, "restore the %s's RAM", v.cfg.Kind)
+			}
+			ram = r.RAM
+			// Its stream was saved with x-ignore-shared, which the
+			// monitor sets before the incoming migration starts.
+			args = append(args, "-incoming", "defer")
+		} else {
+			args = append(args, "-incoming", "fd:3")
+		}
 	}
 	if v.cfg.TapNS != "" {
 		tap, err := network.OpenTap(v.cfg.TapNS)
@@ -249,7 +270,7 @@ func (v *VM) Start(ctx context.Context, incoming *os.File) (err error) {
 	run := &vmRun{p: p}
 	v.mu.Lock()
 	v.run = run
-	v.st.Pid, v.st.StartTime = p.Pid, p.StartTime
+	v.st.Pid, v.st.StartTime, v.st.RAM = p.Pid, p.StartTime, ram
 	v.mu.Unlock()
 	v.watch(run)
 	defer func() {
@@ -261,13 +282,19 @@ func (v *VM) Start(ctx context.Context, incoming *os.File) (err error) {
 	defer cancel()
 	ready := make(chan error, 1)
 	go func() {
-		if incoming != nil {
+		if r != nil {
 			q, err := DialQMP(bctx, v.cfg.QMPSock)
 			if err != nil {
 				ready <- err
 				return
 			}
 			defer q.Close()
+			if ram != "" {
+				if err := StartIncomingIgnoringShared(bctx, q, "fd:3"); err != nil {
+					ready <- fmt.Errorf("restore: %w", err)
+					return
+				}
+			}
 			if err := WaitIncoming(bctx, q); err != nil {
 				ready <- fmt.Errorf("restore: %w", err)
 				return
@@ -275,7 +302,7 @@ func (v *VM) Start(ctx context.Context, incoming *os.File) (err error) {
 		}
 		tr := time.Now()
 		_, err := v.client.Hello(bctx)
-		v.cfg.Log.Debug(v.cfg.Kind+" started", slog.String("sandbox_id", v.cfg.ID), slog.Bool("restore", incoming != nil),
+		v.cfg.Log.Debug(v.cfg.Kind+" started", slog.String("sandbox_id", v.cfg.ID), slog.Bool("restore", r != nil),
 			slog.Duration("qemu", tr.Sub(t0)), slog.Duration("agent", time.Since(tr)))
 		ready <- err
 	}()
@@ -538,7 +565,9 @@ func (v *VM) Pause(ctx context.Context) error {
 	if r == nil {
 		return errdefs.Gone("sandbox %s has stopped", v.cfg.ID)
 	}
-	if err := v.saveLocked(ctx, v.path(PauseFile)); err != nil {
+	// The RAM goes in the stream: a pause's RAM would be mapped by one
+	// VM alone (see ram.go).
+	if err := v.saveLocked(ctx, v.path(PauseFile), ""); err != nil {
 		os.Remove(v.path(PauseFile))
 		return err
 	}
@@ -559,9 +588,10 @@ func (v *VM) persistLocked() error {
 	return nil
 }
 
-// saveLocked writes the running VM's memory and devices to path and
-// leaves it stopped; on error the VM is continued.
-func (v *VM) saveLocked(ctx context.Context, path string) error {
+// saveLocked writes the running VM's memory and devices to path (and,
+// with ram set, its RAM apart to ram when it is in a memfd; see ram.go)
+// and leaves it stopped; on error the VM is continued.
+func (v *VM) saveLocked(ctx context.Context, path, ram string) error {
 	q, err := DialQMP(ctx, v.cfg.QMPSock)
 	if err != nil {
 		return v.callErrLocked(err, "reach the VM's monitor")
@@ -572,7 +602,11 @@ func (v *VM) saveLocked(ctx context.Context, path string) error {
 		return errdefs.Internal(err, "create the memory snapshot file")
 	}
 	defer f.Close()
-	if err := SaveState(ctx, q, f); err != nil {
+	ramPID := 0
+	if ram != "" && v.st.RAM == "" {
+		ramPID = v.run.p.Pid
+	}
+	if err := SaveState(ctx, q, f, ramPID, ram); err != nil {
 		Cont(context.WithoutCancel(ctx), q)
 		return v.callErrLocked(err, "save the VM's memory")
 	}
@@ -626,7 +660,7 @@ func (v *VM) Resume(ctx context.Context) error {
 		return errdefs.Gone("paused sandbox %s lost its saved memory", v.cfg.ID)
 	}
 	defer f.Close()
-	if err := v.Start(ctx, f); err != nil {
+	if err := v.Start(ctx, &Restore{State: f}); err != nil {
 		return err
 	}
 	v.mu.Lock()
@@ -637,11 +671,11 @@ func (v *VM) Resume(ctx context.Context) error {
 	return err
 }
 
-// SaveMachine writes the VM's memory and devices to memPath and, while
-// the VM is stopped (so disk and memory agree), calls copyDisks to copy
-// its writable disks; then the VM continues. A paused VM's saved memory
-// is copied as it is.
-func (v *VM) SaveMachine(ctx context.Context, memPath string, copyDisks func() error) error {
+// SaveMachine writes the VM's memory and devices to memPath (and its RAM
+// to ram, when it is in a memfd; see ram.go) and, while the VM is stopped
+// (so disk and memory agree), calls copyDisks to copy its writable disks;
+// then the VM continues. A paused VM's saved memory is copied as it is.
+func (v *VM) SaveMachine(ctx context.Context, memPath, ram string, copyDisks func() error) error {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	if v.destroyed {
@@ -655,7 +689,7 @@ func (v *VM) SaveMachine(ctx context.Context, memPath string, copyDisks func() e
 		if v.run == nil {
 			return errdefs.Gone("sandbox %s has stopped", v.cfg.ID)
 		}
-		if err := v.saveLocked(ctx, memPath); err != nil {
+		if err := v.saveLocked(ctx, memPath, ram); err != nil {
 			return err
 		}
 		defer func() {
@@ -742,9 +776,10 @@ func CgroupOf(parent, id string) string {
 }
 
 // RestoreFiles prepares a start from the machine snapshot in dir: a
-// sparse copy of its writable disk (diskFile) at disk, and its memory
-// state opened for the new QEMU's -incoming (the caller closes it).
-func RestoreFiles(dir, diskFile, disk string) (*os.File, error) {
+// sparse copy of its writable disk (diskFile) at disk, its memory state
+// opened for the new QEMU's -incoming (the caller closes r.State), and
+// its RAM file when the RAM was saved apart.
+func RestoreFiles(dir, diskFile, disk string) (*Restore, error) {
 	if err := CopySparse(filepath.Join(dir, diskFile), disk); err != nil {
 		return nil, errdefs.Internal(err, "copy the snapshot's disk")
 	}
@@ -752,7 +787,11 @@ func RestoreFiles(dir, diskFile, disk string) (*os.File, error) {
 	if err != nil {
 		return nil, errdefs.NotFound("the machine snapshot has no memory state")
 	}
-	return f, nil
+	r := &Restore{State: f}
+	if _, err := os.Stat(filepath.Join(dir, RAMFile)); err == nil {
+		r.RAM = filepath.Join(dir, RAMFile)
+	}
+	return r, nil
 }
 
 // CgroupParent is the parent of a VM driver's QEMU cgroups: parent, once

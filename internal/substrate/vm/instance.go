@@ -98,7 +98,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	disk := filepath.Join(s.Dir, diskFile)
 	u.Push(func() { os.Remove(disk) })
 	var m machine
-	var incoming *os.File
+	var incoming *qemu.Restore
 	restored := ""
 	if s.Restore != "" {
 		if m, err = d.restoreMachine(s.Restore); err != nil {
@@ -123,7 +123,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		if incoming, err = qemu.RestoreFiles(restored, diskFile, disk); err != nil {
 			return nil, err
 		}
-		defer incoming.Close()
+		defer incoming.State.Close()
 	} else if err := d.createDisk(m, disk); err != nil {
 		return nil, err
 	}
