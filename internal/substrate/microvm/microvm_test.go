@@ -510,9 +510,10 @@ func TestAGuestSpinningItsVCPUIsHeldToTheSandboxsCPUShare(t *testing.T) {
 // driver boots.
 func TestLaterSandboxesOfAShapeRestoreTheImagesBootSnapshot(t *testing.T) {
 	d := newDriver(t, nil)
+	disk := newShapeDisk()
 	shape := func(host string) *substrate.Spec {
 		s := newSpec(t)
-		s.MemoryMB, s.Hostname = 144, host // a shape no other test uses
+		s.MemoryMB, s.DiskMB, s.Hostname = 144, disk, host // a shape no other test or run uses
 		return s
 	}
 	first := shape("")
@@ -580,9 +581,10 @@ func TestLaterSandboxesOfAShapeRestoreTheImagesBootSnapshot(t *testing.T) {
 // hold the snapshot's bytes; a later sandbox still restores and runs.
 func TestARestoredGuestGivingMemoryBackChangesNoOtherSandboxsRAM(t *testing.T) {
 	d := newDriver(t, nil)
+	disk := newShapeDisk()
 	shape := func() *substrate.Spec {
 		s := newSpec(t)
-		s.MemoryMB = 176 // a shape no other test uses
+		s.MemoryMB, s.DiskMB = 176, disk // a shape no other test or run uses
 		return s
 	}
 	first := shape()
@@ -645,6 +647,18 @@ func TestARestoredGuestGivingMemoryBackChangesNoOtherSandboxsRAM(t *testing.T) {
 	if got := run(t, c, "echo alive"); got != "alive\n" {
 		t.Errorf("a sandbox restored after the attack: %q", got)
 	}
+}
+
+// shapeDisks counts the writable disk sizes newShapeDisk gave out.
+var shapeDisks int64
+
+// newShapeDisk is a writable disk size (MiB) no sandbox of this test
+// process had yet: the machine shape of a test that needs its first
+// sandbox to boot (the tests share a state directory, and so its boot
+// snapshots, also across the runs of -count).
+func newShapeDisk() int64 {
+	shapeDisks++
+	return 300 + shapeDisks
 }
 
 // sharedRAMOf is the path (through /proc) of the RAM that sandbox id's
