@@ -389,6 +389,9 @@ func TestFailuresAreInfraErrorsAndLeaveNothing(t *testing.T) {
 		},
 		{
 			name: "a QEMU that dies while the guest boots is reported",
+			// A boot, not a restore of the shape's boot snapshot, which
+			// can end before the kill lands.
+			cfg:  func(c *Config) { c.ColdBoot = true },
 			kill: true,
 			want: "stopped while starting",
 		},
@@ -409,8 +412,9 @@ func TestFailuresAreInfraErrorsAndLeaveNothing(t *testing.T) {
 				}()
 			}
 			start := time.Now()
-			_, err := d.Create(ctxT(t, 3*time.Minute), s)
+			inst, err := d.Create(ctxT(t, 3*time.Minute), s)
 			if err == nil {
+				inst.Destroy(context.Background())
 				t.Fatal("create succeeded")
 			}
 			if !errdefs.IsInfra(err) || !strings.Contains(err.Error(), c.want) {
