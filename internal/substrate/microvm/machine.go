@@ -89,25 +89,16 @@ func (m *machine) args(id, disk, agentSock, qmpSock, console string, tap bool) [
 }
 
 // SnapshotArgs returns the QEMU command line that restores the machine
-// snapshot in dir, for a VM named id with the given disk, sockets and
-// console file, and whether the stream (fd 3) is loaded through the
-// monitor (qemu.StartIncomingIgnoringShared with "fd:3": the RAM was
-// saved apart) rather than by "-incoming fd:3", which the line then ends
-// with. The driver restores this way; benchmarks run it raw as the
-// baseline of a restore.
+// snapshot in dir from fd 3, for a VM named id with the given disk,
+// sockets and console file, and whether the stream is loaded through the
+// monitor (qemu.RestoreArgs). The driver restores this way; benchmarks
+// run it raw as the baseline of a restore.
 func SnapshotArgs(dir, id, disk, agentSock, qmpSock, console string) ([]string, bool, error) {
 	m, err := qemu.ReadMachine[machine](dir)
 	if err != nil {
 		return nil, false, err
 	}
-	args, deferred, err := qemu.RestoreArgs(m.args(id, disk, agentSock, qmpSock, console, false), dir)
-	if err != nil {
-		return nil, false, err
-	}
-	if deferred {
-		return append(args, "-incoming", "defer"), true, nil
-	}
-	return append(args, "-incoming", "fd:3"), false, nil
+	return qemu.RestoreArgs(m.args(id, disk, agentSock, qmpSock, console, false), dir)
 }
 
 // mac is the MAC of the machine's NIC.

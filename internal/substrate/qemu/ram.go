@@ -1,11 +1,9 @@
 package qemu
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -60,16 +58,21 @@ type Restore struct {
 // args): guest RAM in a memfd, named mem.
 const memfdRAM = "memory-backend-memfd,id=mem,"
 
-// withRAMFile rewrites a machine's command line to map its RAM from file
-// (copy-on-write). Its stream, saved with x-ignore-shared, is loaded with
-// the capability set (StartIncomingIgnoringShared).
-func withRAMFile(args []string, file string) ([]string, error) {
+// incomingArgs completes a machine's command line (args) for a restore
+// whose stream is fd 3: with ram, the path QEMU maps its RAM from
+// copy-on-write in place of the memfd, and "-incoming defer" (the stream
+// was saved with x-ignore-shared, which StartIncomingIgnoringShared sets
+// before loading it); without, "-incoming fd:3".
+func incomingArgs(args []string, ram string) ([]string, error) {
+	if ram == "" {
+		return append(args, "-incoming", "fd:3"), nil
+	}
 	out := make([]string, 0, len(args)+2)
 	found := false
 	for _, a := range args {
 		if rest, ok := strings.CutPrefix(a, memfdRAM); ok {
 			// QEMU's option syntax doubles a comma inside a value.
-			a = "memory-backend-file,id=mem," + rest + ",mem-path=" + strings.ReplaceAll(file, ",", ",,") + ",share=off"
+			a = "memory-backend-file,id=mem," + rest + ",mem-path=" + strings.ReplaceAll(ram, ",", ",,") + ",share=off"
 			found = true
 		}
 		out = append(out, a)
@@ -77,25 +80,25 @@ func withRAMFile(args []string, file string) ([]string, error) {
 	if !found {
 		return nil, errors.New("the machine declares no memfd RAM backend to map a RAM file in place of")
 	}
-	return out, nil
+	return append(out, "-incoming", "defer"), nil
 }
 
 // RestoreArgs is a machine's command line (args, without -incoming) for
-// a restore of the machine snapshot in dir: with its RAM file mapped if
-// the RAM was saved apart, which deferred reports (the stream is then
-// loaded through StartIncomingIgnoringShared).
+// a restore of the machine snapshot in dir from fd 3 (incomingArgs: its
+// RAM file mapped if the RAM was saved apart), and whether the stream is
+// then loaded through StartIncomingIgnoringShared.
 func RestoreArgs(args []string, dir string) (_ []string, deferred bool, _ error) {
 	ram := filepath.Join(dir, RAMFile)
 	if _, err := os.Stat(ram); err != nil {
-		return args, false, nil
+		ram = ""
 	}
-	args, err := withRAMFile(args, ram)
-	return args, err == nil, err
+	args, err := incomingArgs(args, ram)
+	return args, ram != "", err
 }
 
 // StartIncomingIgnoringShared starts the incoming migration from uri of a
 // QEMU started with "-incoming defer" for a stream saved with
-// x-ignore-shared (its RAM mapped from a file: withRAMFile).
+// x-ignore-shared (its RAM mapped from a file: incomingArgs).
 func StartIncomingIgnoringShared(ctx context.Context, q *QMP, uri string) error {
 	caps := []map[string]any{{"capability": "x-ignore-shared", "state": true}}
 	if err := q.Execute(ctx, "migrate-set-capabilities", map[string]any{"capabilities": caps}, nil); err != nil {
@@ -187,26 +190,21 @@ func (c *ramCache) open(path string) (*os.File, error) {
 	return os.NewFile(uintptr(fd), e.f.Name()), nil
 }
 
-// loadSealed copies the RAM file at path (size bytes) into a new memfd
-// and seals it against writes and size changes.
+// loadSealed copies the RAM file at path (size bytes) into a new memfd,
+// holes kept (CopySparse), and seals it against writes and size changes.
 func loadSealed(path string, size int64) (*os.File, error) {
-	src, err := os.Open(path)
-	if err != nil {
-		return nil, err
-	}
-	defer src.Close()
 	fd, err := unix.MemfdCreate("dsec-ram", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return nil, err
 	}
 	f := os.NewFile(uintptr(fd), "memfd:dsec-ram")
+	if err := CopySparse(path, fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), fd)); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("load the RAM file: %w", err)
+	}
 	if err := f.Truncate(size); err != nil {
 		f.Close()
 		return nil, err
-	}
-	if err := copyPages(src, f, size); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("load the RAM file: %w", err)
 	}
 	seals := unix.F_SEAL_WRITE | unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
 	if _, err := unix.FcntlInt(f.Fd(), unix.F_ADD_SEALS, seals); err != nil {
@@ -217,105 +215,38 @@ func loadSealed(path string, size int64) (*os.File, error) {
 }
 
 // saveRAM copies the guest RAM of QEMU process pid (its memfd, found
-// among its open files) into a new sparse file at dst: the memfd's data
-// extents, without the pages in them that are all zero. It writes dst
-// through a temporary file renamed into place, so a VM mapping an
-// earlier file of that name keeps its pages.
+// among its open files) into a new sparse file at dst (CopySparse: the
+// pages the guest never touched, and those that are all zero, are holes)
+// and syncs it.
 func saveRAM(pid int, dst string) error {
-	src, err := openMemfd(pid)
+	src, err := memfdPath(pid)
 	if err != nil {
 		return err
 	}
-	defer src.Close()
-	st, err := src.Stat()
-	if err != nil {
-		return err
-	}
-	tmp := dst + ".tmp"
-	out, err := os.OpenFile(tmp, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
-	if err != nil {
-		return err
-	}
-	defer os.Remove(tmp)
-	defer out.Close()
-	if err := out.Truncate(st.Size()); err != nil {
-		return err
-	}
-	if err := copyPages(src, out, st.Size()); err != nil {
+	if err := CopySparse(src, dst); err != nil {
 		return fmt.Errorf("copy the guest RAM: %w", err)
 	}
-	if err := out.Sync(); err != nil {
+	f, err := os.Open(dst)
+	if err != nil {
 		return err
 	}
-	if err := out.Close(); err != nil {
-		return err
-	}
-	return os.Rename(tmp, dst)
+	defer f.Close()
+	return f.Sync()
 }
 
-// openMemfd opens QEMU process pid's guest RAM memfd (QEMU names it after
-// its backend type) for reading.
-func openMemfd(pid int) (*os.File, error) {
+// memfdPath is the path (through /proc) of QEMU process pid's guest RAM
+// memfd (QEMU names it after its backend type).
+func memfdPath(pid int) (string, error) {
 	dir := filepath.Join("/proc", strconv.Itoa(pid), "fd")
 	ents, err := os.ReadDir(dir)
 	if err != nil {
-		return nil, err
+		return "", err
 	}
 	for _, e := range ents {
 		p := filepath.Join(dir, e.Name())
 		if l, err := os.Readlink(p); err == nil && strings.HasPrefix(l, "/memfd:memory-backend-memfd ") {
-			return os.Open(p)
+			return p, nil
 		}
 	}
-	return nil, errors.New("QEMU holds no guest RAM memfd")
-}
-
-// copyPages copies src's data extents to dst at the same offsets, leaving
-// holes where src has them and where a page is all zero.
-func copyPages(src, dst *os.File, size int64) error {
-	const page = 4096
-	buf := make([]byte, 1<<20)
-	zero := make([]byte, page)
-	fd := int(src.Fd())
-	for off := int64(0); off < size; {
-		data, err := unix.Seek(fd, off, unix.SEEK_DATA)
-		if err != nil {
-			if errors.Is(err, unix.ENXIO) {
-				return nil // no data after off
-			}
-			return err
-		}
-		hole, err := unix.Seek(fd, data, unix.SEEK_HOLE)
-		if err != nil {
-			return err
-		}
-		for pos := data; pos < hole; {
-			n, err := src.ReadAt(buf[:min(int64(len(buf)), hole-pos)], pos)
-			if n == 0 && err != nil {
-				if err == io.EOF {
-					break
-				}
-				return err
-			}
-			// Write the runs of pages that are not all zero.
-			for i := 0; i < n; {
-				if bytes.Equal(buf[i:min(i+page, n)], zero[:min(page, n-i)]) {
-					i += page
-					continue
-				}
-				j := i + page
-				for j < n && !bytes.Equal(buf[j:min(j+page, n)], zero[:min(page, n-j)]) {
-					j += page
-				}
-				j = min(j, n)
-				if _, err := dst.WriteAt(buf[i:j], pos+int64(i)); err != nil {
-					return err
-				}
-				i = j
-			}
-			pos += int64(n)
-		}
-		off = hole
-	}
-	return nil
+	return "", errors.New("QEMU holds no guest RAM memfd")
 }

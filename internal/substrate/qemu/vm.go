@@ -230,6 +230,7 @@ func (v *VM) Start(ctx context.Context, r *Restore) (err error) {
 	ram := ""
 	if r != nil {
 		extra = []*os.File{r.State}
+		mapped := ""
 		if r.RAM != "" {
 			mem, err := ramFiles.open(r.RAM)
 			if err != nil {
@@ -237,15 +238,10 @@ func (v *VM) Start(ctx context.Context, r *Restore) (err error) {
 			}
 			defer mem.Close()
 			extra = append(extra, mem)
-			if args, err = withRAMFile(args, fmt.Sprintf("/proc/self/fd/%d", 2+len(extra))); err != nil {
-				return errdefs.Internal(err, "restore the %s's RAM", v.cfg.Kind)
-			}
-			ram = r.RAM
-			// Its stream was saved with x-ignore-shared, which the
-			// monitor sets before the incoming migration starts.
-			args = append(args, "-incoming", "defer")
-		} else {
-			args = append(args, "-incoming", "fd:3")
+			mapped, ram = fmt.Sprintf("/proc/self/fd/%d", 2+len(extra)), r.RAM
+		}
+		if args, err = incomingArgs(args, mapped); err != nil {
+			return errdefs.Internal(err, "restore the %s's RAM", v.cfg.Kind)
 		}
 	}
 	if v.cfg.TapNS != "" {
