@@ -113,15 +113,16 @@ func TestAMicroVMsMemoryBombIsReportedAsOOM(t *testing.T) {
 	sb := microVM(t)
 	// Many processes, each smaller than the agent would be, past the
 	// guest's 256 MiB: its kernel's OOM killer picks among them (never
-	// init, the agent). They grow side by side, so the guest runs out
-	// while each holds a part of its 12 MB. The command ends itself (kill
-	// 0: the shell and every survivor) once the guest's kernel counted an
-	// OOM kill, which under TCG takes seconds; the survivors hold their
-	// memory 12 s only, since a full guest can refuse the check's own
-	// forks until they let go; the timeout is the bound if no OOM kill
-	// ever comes (waiting it out was 40 s of this suite).
+	// init, the agent). Each doubles a string to 16 MiB in a few steps
+	// (awk: little work per byte, which under TCG matters: 40 shells
+	// filling their 12 MB through tr took up to the whole timeout), so the
+	// guest runs out within seconds. The command ends itself (kill 0: the
+	// shell and every survivor) once the guest's kernel counted an OOM
+	// kill; the survivors hold their memory 12 s only, since a full guest
+	// can refuse the check's own forks until they let go; the timeout is
+	// the bound if no OOM kill ever comes.
 	bomb := `oom() { awk '/^oom_kill /{print $2}' /proc/vmstat; }; n=$(oom); ` +
-		`for i in $(seq 40); do (x=$(head -c 12000000 /dev/zero | tr '\0' a); sleep 12) & done; ` +
+		`for i in $(seq 40); do awk 'BEGIN { s = "a"; while (length(s) < 12000000) s = s s; system("sleep 12") }' & done; ` +
 		`until [ "$(oom)" -gt "$n" ] 2>/dev/null; do sleep 0.5; done; kill 0`
 	r, err := attack(t, sb, nb, bomb, 40*time.Second, 5*time.Second)
 	taskFailure(t, "memory bomb", err)

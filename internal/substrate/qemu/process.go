@@ -28,6 +28,10 @@ type Process struct {
 	waited bool
 }
 
+// ErrExitedEarly is Start's error for a QEMU that exited before Start
+// returned.
+var ErrExitedEarly = errors.New("QEMU exited as it started")
+
 // Start starts binary with args, its stdout and stderr appended to
 // logPath, and extra inherited files from fd 3 on. With cg set, the
 // process runs in that cgroup (see cgroup.Hierarchy.Dir), which must
@@ -62,6 +66,13 @@ func Start(binary string, args []string, logPath string, extra []*os.File, cg st
 	go func() { <-p.exited; close(p.done) }()
 	if cg != "" && h.Mode != cgroup.V2 {
 		if err := h.Join(cg, p.Pid); err != nil {
+			// A QEMU that died as it started (killed before it could be
+			// moved into its cgroup) is gone, not a cgroup failure.
+			select {
+			case <-p.exited:
+				return nil, fmt.Errorf("%w: %v", ErrExitedEarly, err)
+			case <-time.After(100 * time.Millisecond):
+			}
 			p.Kill(10 * time.Second)
 			return nil, err
 		}

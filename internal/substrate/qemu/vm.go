@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -260,6 +261,9 @@ func (v *VM) Start(ctx context.Context, r *Restore) (err error) {
 	}
 	t0 := time.Now()
 	p, err := Start(v.cfg.Binary, args, v.path(LogFile), extra, v.cfg.Cgroup)
+	if errors.Is(err, ErrExitedEarly) {
+		return v.died("the " + v.cfg.Kind + " stopped while starting")
+	}
 	if err != nil {
 		return errdefs.Unavailable("start QEMU").WithCause(err)
 	}
