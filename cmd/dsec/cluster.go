@@ -19,6 +19,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/apiserver"
 	"github.com/opendsec/dsec/internal/cluster"
 	"github.com/opendsec/dsec/internal/clusternode"
@@ -236,6 +237,10 @@ func runNode(ctx context.Context, cfg config.Config) error {
 	if err := bootstrapImages(ctx, n, cfg.Bootstrap, log); err != nil {
 		return err
 	}
+	sessStore := store.Sessions()
+	n.UseModelRegistry(func(ctx context.Context, project, name string) (*dsecv1.ModelUpstreams, error) {
+		return session.Models(ctx, sessStore, project, name)
+	})
 	agent, err := clusternode.New(clusternode.Config{
 		Address: advertise, Token: cfg.Cluster.Token, Labels: cfg.Cluster.Labels, Version: version,
 		TTL: time.Duration(cfg.Cluster.NodeTTL), Interval: time.Duration(cfg.Cluster.LoadInterval),

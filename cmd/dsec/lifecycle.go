@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"io"
 	"os"
 	"strings"
 	"time"
@@ -14,7 +15,7 @@ import (
 )
 
 func lifecycleCmds(g *globals) []*cobra.Command {
-	return []*cobra.Command{snapshotCmd(g), forkCmd(g), pauseCmd(g, "pause"), pauseCmd(g, "resume"), logCmd(g), replayCmd(g), sessionCmd(g), capacityCmd(g), eventsCmd(g), webhookCmd(g), statsCmd(g)}
+	return []*cobra.Command{snapshotCmd(g), forkCmd(g), pauseCmd(g, "pause"), pauseCmd(g, "resume"), logCmd(g), replayCmd(g), rolloutCmd(g), sessionCmd(g), capacityCmd(g), eventsCmd(g), webhookCmd(g), statsCmd(g)}
 }
 
 func statsCmd(g *globals) *cobra.Command {
@@ -289,7 +290,15 @@ func logCmd(g *globals) *cobra.Command {
 			tw := table("SEQ", "AT", "OP", "REQUEST", "RESULT", "CALL")
 			for _, e := range entries {
 				what := strings.Join(e.Argv, " ")
-				if e.Op != "exec" {
+				if mc := e.ModelCall; mc != nil {
+					what = fmt.Sprintf("#%d %s %s %d tokens", mc.Index, mc.Endpoint, mc.Model, mc.PromptTokens+mc.CompletionTokens)
+					if mc.Replayed {
+						what += " (replayed)"
+					}
+					if mc.Diverged {
+						what += " (diverged)"
+					}
+				} else if e.Op != "exec" {
 					what = e.Path
 					if e.To != "" {
 						what += " → " + e.To
@@ -304,6 +313,8 @@ func logCmd(g *globals) *cobra.Command {
 					res = "error: " + e.Error.Kind
 				case e.Op == "exec":
 					res = fmt.Sprintf("exit %d", e.Result.GetExitCode())
+				case e.ModelCall != nil:
+					res = fmt.Sprintf("status %d", e.ModelCall.Status)
 				}
 				fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\n", e.Seq, e.At.AsTime().Format("15:04:05.000"), e.Op, orDash(e.RequestId), res, what)
 			}
@@ -349,6 +360,64 @@ func replayCmd(g *globals) *cobra.Command {
 	return cmd
 }
 
+func rolloutCmd(g *globals) *cobra.Command {
+	cmd := &cobra.Command{Use: "rollout", Short: "Agent rollouts: a command that runs on when its trainer goes, scored by a verifier"}
+	var verifier string
+	var timeout time.Duration
+	start := &cobra.Command{
+		Use:   "start SANDBOX ROLLOUT -- CMD [ARG...]",
+		Short: "Start an agent command as a rollout (an ID the sandbox has: show that rollout)",
+		Args:  cobra.MinimumNArgs(3),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			req := &dsecv1.StartRolloutRequest{SandboxId: args[0], RolloutId: args[1], Argv: args[2:], TimeoutS: timeout.Seconds()}
+			if verifier != "" {
+				req.Verifier = &dsecv1.RolloutVerifier{Cmd: verifier}
+			}
+			r, err := g.client().StartRollout(cmd.Context(), req)
+			if err != nil {
+				return err
+			}
+			printRollout(g, r)
+			return nil
+		},
+	}
+	start.Flags().StringVar(&verifier, "verifier", "", "a shell command run when the agent ended: the last line of its stdout, as a number, is the reward")
+	start.Flags().DurationVar(&timeout, "timeout", 0, "the rollout's deadline (default: the node's longest exec timeout)")
+	var wait time.Duration
+	get := &cobra.Command{
+		Use:   "get SANDBOX ROLLOUT [--wait D]",
+		Short: "Show a rollout; with --wait, once it ended (or D passed)",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			r, err := g.client().GetRollout(cmd.Context(), args[0], args[1], min(wait, 300*time.Second))
+			if err != nil {
+				return err
+			}
+			printRollout(g, r)
+			return nil
+		},
+	}
+	get.Flags().DurationVar(&wait, "wait", 0, "wait up to this long for it to end (at most 5m)")
+	cmd.AddCommand(start, get)
+	return cmd
+}
+
+func printRollout(g *globals, r *dsecv1.Rollout) {
+	if g.json() {
+		printJSON(os.Stdout, r)
+		return
+	}
+	reward := "-"
+	if r.HasReward {
+		reward = fmt.Sprint(r.Reward)
+	}
+	fmt.Printf("%s %s: %s, reward %s, %d model calls, %d commands", r.SandboxId, r.RolloutId, r.State, reward, r.ModelCalls, r.Commands)
+	if r.Detail != "" {
+		fmt.Printf(" (%s)", r.Detail)
+	}
+	fmt.Println()
+}
+
 func sessionCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "session", Short: "Trainer sessions (leases)"}
 	cmd.AddCommand(&cobra.Command{
@@ -383,6 +452,58 @@ func sessionCmd(g *globals) *cobra.Command {
 	}
 	closeCmd.Flags().BoolVar(&del, "delete", false, "delete the session's sandboxes")
 	cmd.AddCommand(closeCmd)
+	cmd.AddCommand(sessionModelsCmd(g))
+	return cmd
+}
+
+func sessionModelsCmd(g *globals) *cobra.Command {
+	var file string
+	cmd := &cobra.Command{
+		Use:   "models NAME [-f upstreams.json]",
+		Short: "Show a session's model upstreams, or set them from a file (JSON of SetModelUpstreamsRequest; - reads stdin)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var out *dsecv1.ModelUpstreams
+			var err error
+			if file == "" {
+				out, err = g.client().GetModelUpstreams(cmd.Context(), args[0])
+			} else {
+				var b []byte
+				if file == "-" {
+					b, err = io.ReadAll(os.Stdin)
+				} else {
+					b, err = os.ReadFile(file)
+				}
+				if err != nil {
+					return err
+				}
+				req := &dsecv1.SetModelUpstreamsRequest{}
+				if err := protojson.Unmarshal(b, req); err != nil {
+					return fmt.Errorf("%s: %w", file, err)
+				}
+				req.Session = args[0]
+				out, err = g.client().SetModelUpstreams(cmd.Context(), req)
+			}
+			if err != nil {
+				return err
+			}
+			if g.json() {
+				printJSON(os.Stdout, out)
+				return nil
+			}
+			tw := table("UPSTREAM", "API", "BASE URL", "KEY", "MODELS")
+			for _, u := range out.Upstreams {
+				key := "-"
+				if u.HasApiKey {
+					key = "set"
+				}
+				models := strings.Join(u.Models, ",")
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", u.Name, orDash(u.Api), u.BaseUrl, key, orDash(models))
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().StringVarP(&file, "file", "f", "", "set the upstreams from this JSON file")
 	return cmd
 }
 

@@ -314,6 +314,9 @@ func serve(ctx context.Context, cfg config.Config) error {
 	defer sessStore.Close()
 	sessions := session.New(sessStore, apiserver.Actor(router), log)
 	sessions.CountExpiries(calls.SessionExpired)
+	n.UseModelRegistry(func(ctx context.Context, project, name string) (*dsecv1.ModelUpstreams, error) {
+		return session.Models(ctx, sessStore, project, name)
+	})
 	hooks := apiserver.NewHooks(events.NewFileHooks(filepath.Join(n.DataDir(), "webhooks.json")), router, log, calls.Webhook)
 	api, err := apiserver.New(apiserver.Config{APIKeys: cfg.APIKeys, AdminKeys: cfg.AdminKeys, Version: version, Metrics: reg, API: calls, Hooks: hooks}, log, router, sessions)
 	if err != nil {

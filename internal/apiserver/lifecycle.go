@@ -374,6 +374,14 @@ func (s *sessionService) CloseSession(ctx context.Context, req *connect.Request[
 	})
 }
 
+func (s *sessionService) SetModelUpstreams(ctx context.Context, req *connect.Request[dsecv1.SetModelUpstreamsRequest]) (*connect.Response[dsecv1.ModelUpstreams], error) {
+	return unary(func() (*dsecv1.ModelUpstreams, error) { return s.m.SetModels(ctx, req.Msg) })
+}
+
+func (s *sessionService) GetModelUpstreams(ctx context.Context, req *connect.Request[dsecv1.GetModelUpstreamsRequest]) (*connect.Response[dsecv1.ModelUpstreams], error) {
+	return unary(func() (*dsecv1.ModelUpstreams, error) { return s.m.GetModels(ctx, req.Msg.GetSession()) })
+}
+
 func (s *systemService) GetCapacity(ctx context.Context, req *connect.Request[dsecv1.GetCapacityRequest]) (*connect.Response[dsecv1.Capacity], error) {
 	out := &dsecv1.Capacity{}
 	caps, _ := fanOut(s.r.Nodes(ctx), func(n Node) (*connect.Response[dsecv1.Capacity], error) {

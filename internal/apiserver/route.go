@@ -200,6 +200,14 @@ func (s logService) Replay(ctx context.Context, req *connect.Request[dsecv1.Repl
 	return route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.Replay)
 }
 
+func (s logService) StartRollout(ctx context.Context, req *connect.Request[dsecv1.StartRolloutRequest]) (*connect.Response[dsecv1.Rollout], error) {
+	return route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.StartRollout)
+}
+
+func (s logService) GetRollout(ctx context.Context, req *connect.Request[dsecv1.GetRolloutRequest]) (*connect.Response[dsecv1.Rollout], error) {
+	return route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.GetRollout)
+}
+
 func (s logService) GetNetworkLog(ctx context.Context, req *connect.Request[dsecv1.GetNetworkLogRequest]) (*connect.Response[dsecv1.GetNetworkLogResponse], error) {
 	return route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.GetNetworkLog)
 }

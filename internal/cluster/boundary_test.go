@@ -15,7 +15,7 @@ func TestImportBoundaries(t *testing.T) {
 		t.Skip("needs the go command (go list)")
 	}
 	const mod = "github.com/opendsec/dsec/"
-	nodeSide := []string{"internal/node", "internal/clusternode", "internal/substrate", "internal/image", "internal/network", "internal/mountns", "internal/guest", "internal/trajectory"}
+	nodeSide := []string{"internal/node", "internal/clusternode", "internal/substrate", "internal/image", "internal/network", "internal/mountns", "internal/guest", "internal/trajectory", "internal/gateway"}
 	cases := []struct {
 		pkg       string
 		forbidden []string

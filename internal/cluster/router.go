@@ -365,6 +365,19 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 			}
 			it.pinned = name
 		}
+		if from := sp.GetModelGateway().GetFastForwardFrom(); from != "" && it.lastErr == nil {
+			// Its model calls are answered from the log of a sandbox of
+			// that node.
+			name, err := sandboxid.Node(from)
+			switch {
+			case err != nil:
+				it.lastErr = errdefs.NotFound("model_gateway.fast_forward_from: sandbox %s not found", from)
+			case it.pinned != "" && it.pinned != name:
+				it.lastErr = errdefs.Invalid("snapshot %s is on node %s and the sandbox it fast-forwards from on node %s", sp.GetSnapshot(), it.pinned, name)
+			default:
+				it.pinned = name
+			}
+		}
 		if len(sp.GetVolumes()) > 0 && it.lastErr == nil {
 			// A sandbox runs where its volumes live.
 			at, ok := volumesAt[sp]

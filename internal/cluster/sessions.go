@@ -63,3 +63,28 @@ func (ss Sessions) ListSessions(ctx context.Context) ([]*session.Record, error) 
 	})
 	return out, err
 }
+
+func (ss Sessions) GetModels(ctx context.Context, key string) ([]byte, error) {
+	ctx, cancel := ss.s.ctx(ctx)
+	defer cancel()
+	resp, err := ss.s.cli.Get(ctx, ss.s.key(dirModels, key))
+	if err != nil {
+		return nil, unavailable(err, "get model upstreams")
+	}
+	if len(resp.Kvs) == 0 {
+		return nil, nil
+	}
+	return resp.Kvs[0].Value, nil
+}
+
+func (ss Sessions) PutModels(ctx context.Context, key string, b []byte) error {
+	ctx, cancel := ss.s.ctx(ctx)
+	defer cancel()
+	var err error
+	if b == nil {
+		_, err = ss.s.cli.Delete(ctx, ss.s.key(dirModels, key))
+	} else {
+		_, err = ss.s.cli.Put(ctx, ss.s.key(dirModels, key), string(b))
+	}
+	return unavailable(err, "put model upstreams")
+}

@@ -59,6 +59,7 @@ const (
 	dirKeys     = dirCluster + "keys/"     // <sha256 of key> → KeyRecord (JSON)
 	dirReplicas = dirCluster + "replicas/" // <id> → Replica (JSON), bound to the replica's lease
 	dirSessions = "sessions/"              // <name> → session.Record (JSON)
+	dirModels   = "models/"                // <session key> → dsec.v1.ModelUpstreams (protojson)
 	dirIdem     = "idem/"                  // <project>/<key> → claim (JSON), bound to an hourly lease
 	dirElection = "election/"
 )

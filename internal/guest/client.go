@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync"
 	"syscall"
 	"time"
 
@@ -711,4 +712,76 @@ func (p *portConn) CloseWrite() error {
 		return cw.CloseWrite()
 	}
 	return p.Conn.Close()
+}
+
+// Listen listens on a TCP port of the sandbox's loopback (127.0.0.1) and
+// returns a listener whose Accept yields the connections processes in the
+// sandbox open to it, each carried over a call of its own. The listener
+// ends with Close, ctx, or the agent's connection (Accept then fails).
+func (c *Client) Listen(ctx context.Context, port uint32) (net.Listener, error) {
+	cn, err := c.open(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_ListenPort{ListenPort: &guestv1.ListenPort{Port: port}}})
+	if err != nil {
+		return nil, err
+	}
+	m, err := cn.recv(ctx)
+	if err == nil && m.GetDone() == nil {
+		err = errdefs.Internal(nil, "agent answered listen_port with %T", m.Msg)
+	}
+	if err != nil {
+		cn.close()
+		return nil, err
+	}
+	return &portListener{c: c, cn: cn, ctx: ctx, port: port}, nil
+}
+
+// portListener is a Listen call.
+type portListener struct {
+	c    *Client
+	cn   *conn
+	ctx  context.Context
+	port uint32
+	once sync.Once
+}
+
+// Accept waits for the next connection and takes it. A connection the
+// agent no longer holds (it waited too long) is skipped.
+func (l *portListener) Accept() (net.Conn, error) {
+	for {
+		m, err := l.cn.recv(l.ctx)
+		if err != nil {
+			return nil, net.ErrClosed
+		}
+		a := m.GetAccepted()
+		if a == nil {
+			return nil, errdefs.Internal(nil, "agent sent %T on a listener", m.Msg)
+		}
+		tc, err := l.c.open(l.ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_TakeConn{TakeConn: &guestv1.TakeConn{Id: a.Id}}})
+		if err != nil {
+			return nil, err
+		}
+		ans, err := tc.recv(l.ctx)
+		if err == nil && ans.GetDone() == nil {
+			err = errdefs.Internal(nil, "agent answered take_conn with %T", ans.Msg)
+		}
+		if err != nil {
+			tc.close()
+			if errdefs.Is(err, errdefs.KindNotFound) {
+				continue
+			}
+			return nil, err
+		}
+		tc.stop()
+		return &portConn{Conn: tc.c, r: tc.r.Raw()}, nil
+	}
+}
+
+// Close ends the listener in the sandbox.
+func (l *portListener) Close() error {
+	l.once.Do(l.cn.close)
+	return nil
+}
+
+// Addr is the sandbox's side: 127.0.0.1 and the port.
+func (l *portListener) Addr() net.Addr {
+	return &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: int(l.port)}
 }

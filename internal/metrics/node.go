@@ -36,6 +36,8 @@ type Node struct {
 	logged    *prometheus.CounterVec
 	replayed  *prometheus.CounterVec
 	webhooks  *prometheus.CounterVec
+	models    *prometheus.HistogramVec
+	tokens    *prometheus.CounterVec
 }
 
 // NodeState is what a scrape reads of a node's state at that moment.
@@ -97,7 +99,16 @@ func NewNode(r prometheus.Registerer, state func() NodeState) *Node {
 		Namespace: namespace, Name: "webhook_deliveries_total",
 		Help: "Webhook deliveries of lifecycle events by result: delivered, retried (a try failed; another follows), failed (given up after its tries, or refused by the receiver), lost (the receiver fell too far behind).",
 	}, []string{"result"})
-	r.MustRegister(m.ops, m.ends, m.pool, m.refused, m.images, m.imageRead, m.logged, m.replayed, m.webhooks, stateCollector(state))
+	m.models = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: namespace, Subsystem: "model_gateway", Name: "call_duration_seconds",
+		Help:    "Model calls through the gateway by outcome (ok; replayed: answered from a recorded log; error: the request's own, or refused; infra: the upstream or the platform failed; canceled: the agent went away) and how long they took.",
+		Buckets: []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600},
+	}, []string{"outcome"})
+	m.tokens = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: namespace, Subsystem: "model_gateway", Name: "tokens_total",
+		Help: "Tokens of the model calls the upstreams answered, by type: prompt or completion (replayed calls are not counted).",
+	}, []string{"type"})
+	r.MustRegister(m.ops, m.ends, m.pool, m.refused, m.images, m.imageRead, m.logged, m.replayed, m.webhooks, m.models, m.tokens, stateCollector(state))
 	// Series whose label values are known start at zero, so a rate over
 	// them is defined from the first scrape.
 	for _, reason := range []string{"full", "queue_full", "queue_timeout"} {
@@ -105,6 +116,12 @@ func NewNode(r prometheus.Registerer, state func() NodeState) *Node {
 	}
 	for _, result := range []string{"run", "replayed"} {
 		m.logged.WithLabelValues(result)
+	}
+	for _, o := range []string{"ok", "replayed", "error", "infra", "canceled"} {
+		m.models.WithLabelValues(o)
+	}
+	for _, typ := range []string{"prompt", "completion"} {
+		m.tokens.WithLabelValues(typ)
 	}
 	return m
 }
@@ -175,6 +192,19 @@ func (m *Node) Logged(replayed bool) {
 		result = "replayed"
 	}
 	m.logged.WithLabelValues(result).Inc()
+}
+
+// ModelCall records a model call through the gateway: its outcome (see
+// the metric's help), how long it took and the upstream's tokens.
+func (m *Node) ModelCall(outcome string, d time.Duration, prompt, completion int64) {
+	if m == nil {
+		return
+	}
+	m.models.WithLabelValues(outcome).Observe(d.Seconds())
+	if outcome != "replayed" {
+		m.tokens.WithLabelValues("prompt").Add(float64(prompt))
+		m.tokens.WithLabelValues("completion").Add(float64(completion))
+	}
 }
 
 // Webhook counts a webhook delivery's result.

@@ -13,6 +13,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/events"
+	"github.com/opendsec/dsec/internal/gateway"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/substrate"
@@ -73,6 +74,10 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 		}
 		defer release()
 	}
+	gw, err := n.modelGateway(ctx, project, spec)
+	if err != nil {
+		return nil, err
+	}
 	if err := n.admit(project); err != nil {
 		n.m.Refused("full")
 		return nil, err
@@ -95,7 +100,13 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 			return nil, err
 		}
 	}
-	s.idemKey, s.project = key, project
+	s.idemKey, s.project, s.gw = key, project, gw
+	if gw != nil {
+		if err := n.openGateway(ctx, s); err != nil {
+			n.release(ctx, s, nil)
+			return nil, err
+		}
+	}
 	if err := n.commit(ctx, s); err != nil {
 		n.release(ctx, s, nil)
 		return nil, err
@@ -246,6 +257,9 @@ func imageOf(spec *dsecv1.SandboxSpec) string {
 
 func (n *Node) driverSpec(s *sandbox, img *image.Image) *substrate.Spec {
 	env := append([]string(nil), img.Config.Env...)
+	if s.spec.GetModelGateway().GetEnabled() {
+		env = append(env, gateway.Env...)
+	}
 	keys := make([]string, 0, len(s.spec.Env))
 	for k := range s.spec.Env {
 		keys = append(keys, k)

@@ -141,6 +141,13 @@ func (n *Node) resumeLocked(ctx context.Context, s *sandbox) error {
 	// A resume is activity: the idle TTL counts from it (a session's
 	// revival must not meet an idle TTL that ran out before the pause).
 	s.touch()
+	if s.gwKick != nil {
+		// A VM's agent channel is new: its gateway listener too, now.
+		select {
+		case s.gwKick <- struct{}{}:
+		default:
+		}
+	}
 	if s.timedOut {
 		s.expires, s.timedOut = time.Now().Add(time.Duration(s.spec.TtlS)*time.Second), false
 	}

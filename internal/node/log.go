@@ -150,6 +150,9 @@ func (n *Node) Replay(ctx context.Context, req *dsecv1.ReplayRequest) (_ *dsecv1
 		return nil, err
 	}
 	spec.Session = ""
+	// Model calls are the agent's, not calls to re-execute: the replay
+	// sandbox has no gateway (and no session to take upstreams from).
+	spec.ModelGateway = nil
 	labels := map[string]string{}
 	for k, v := range spec.Labels {
 		if !strings.HasPrefix(k, "dsec.io/") {
@@ -172,8 +175,8 @@ func (n *Node) Replay(ctx context.Context, req *dsecv1.ReplayRequest) (_ *dsecv1
 		if req.GetUntilSeq() > 0 && e.Seq > req.GetUntilSeq() {
 			break
 		}
-		if e.Error != nil {
-			continue // did not complete the first time
+		if e.Error != nil || e.Op == "model_call" {
+			continue // did not complete the first time; not a command
 		}
 		step := &dsecv1.ReplayStep{Seq: e.Seq, Op: e.Op, RequestId: e.RequestId}
 		diverged, detail := n.replayOne(ctx, sb.Id, e)

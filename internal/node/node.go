@@ -26,6 +26,7 @@ import (
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/events"
+	"github.com/opendsec/dsec/internal/gateway"
 	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/network"
@@ -197,13 +198,19 @@ type Node struct {
 	sandboxes *table
 	// forkMu orders taking a fork's earlier snapshot (lookup and pin)
 	// and releasing an ephemeral snapshot (check and delete).
-	forkMu  sync.Mutex
-	starts  *admission // start slots and the fair-share queue
-	pools   *pools
-	logs    *trajectory.Store
-	volumes *volume.Manager
-	m       *metrics.Node // nil: no metrics
-	events  *events.Hub
+	forkMu   sync.Mutex
+	starts   *admission // start slots and the fair-share queue
+	pools    *pools
+	logs     *trajectory.Store
+	volumes  *volume.Manager
+	m        *metrics.Node // nil: no metrics
+	events   *events.Hub
+	gw       *gateway.Gateway
+	models   modelRegistry
+	rollouts rollouts
+	// life ends when the node closes: the context of what the node runs
+	// on its own (rollouts' agents' streams), not of any call.
+	life context.Context
 
 	trash chan string // sandbox directories to remove
 	stop  chan struct{}
@@ -235,6 +242,7 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 		starts: newAdmission(cfg.MaxConcurrentStarts, cfg.StartQueue), events: events.NewHub(),
 		trash: make(chan string, 1024), stop: make(chan struct{}),
 	}
+	n.gw = gateway.New(n.models.resolve, nil, n.log)
 	if cfg.Metrics != nil {
 		n.m = metrics.NewNode(cfg.Metrics, n.metricsState)
 	}
@@ -258,6 +266,9 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 	}
 	n.volumes = vols
 	images.SetInUse(n.sandboxes.layers)
+	life, endLife := context.WithCancel(context.Background())
+	n.life = life
+	go func() { <-n.stop; endLife() }()
 	n.adopt()
 	n.releaseUnusedSnapshots()
 	n.removeOrphanSnapshotDirs()
@@ -691,6 +702,8 @@ func (n *Node) adopt() {
 		n.sandboxes.commit(s)
 		n.readoptVolumes(s)
 		n.watch(s)
+		n.readoptGateway(s)
+		n.readoptRollouts(s)
 		// Its sidecars are known to the sweep below only now: those of a
 		// sandbox that was not re-adopted go with it.
 		for _, id := range memberIDs(r.ID, spec) {

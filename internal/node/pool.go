@@ -13,6 +13,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/gateway"
 	"github.com/opendsec/dsec/internal/tenant"
 )
 
@@ -218,12 +219,17 @@ func (ps *pools) personalize(s *sandbox, spec *dsecv1.SandboxSpec, project strin
 	s.expires = s.created.Add(time.Duration(spec.TtlS) * time.Second)
 	s.touch()
 	g := s.inst.Guest()
-	if len(spec.Env) > 0 {
+	if len(spec.Env) > 0 || spec.GetModelGateway().GetEnabled() {
 		env := make([]string, 0, len(spec.Env))
 		for k, v := range spec.Env {
 			env = append(env, k+"="+v)
 		}
 		sort.Strings(env)
+		if spec.GetModelGateway().GetEnabled() {
+			// Before the spec's own: a process sees the spec's where both
+			// set one.
+			env = append(append([]string(nil), gateway.Env...), env...)
+		}
 		if err := g.SetEnv(ctx, env); err != nil {
 			n.release(context.Background(), s, nil)
 			return errdefs.Unavailable("prepare pooled sandbox: %v", err)

@@ -53,6 +53,7 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 	run := s.runLocked(endedAt)
 	s.mu.Unlock()
 	ctx = context.WithoutCancel(ctx)
+	s.stopGateway()
 	if inst != nil {
 		if err := inst.Destroy(ctx); err != nil {
 			n.log.Error("destroy sandbox", slog.String("sandbox_id", s.id), slog.Any("error", err))
@@ -64,6 +65,11 @@ func (n *Node) release(ctx context.Context, s *sandbox, why *end) error {
 				return errdefs.Internal(err, "delete sandbox %s", s.id)
 			}
 		}
+	}
+	if s.gw != nil {
+		// The agent is gone: its model calls in flight end now; once they
+		// are recorded the log is final.
+		s.gw.Drain(5 * time.Second)
 	}
 	n.net.Release(s.net)
 	n.volumes.Release(s.id)

@@ -11,6 +11,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/gateway"
 	"github.com/opendsec/dsec/internal/network"
 	"github.com/opendsec/dsec/internal/substrate"
 )
@@ -63,6 +64,14 @@ type sandbox struct {
 	// network is the sandbox's network since a SetNetworkPolicy (nil:
 	// spec.network), credentials' values included.
 	network *dsecv1.Network
+	// gwStop ends the model gateway's listener (gateway.go); gwKick has
+	// it opened again now (a resume).
+	gwStop func()
+	gwKick chan struct{}
+
+	// gw is the sandbox's model gateway (nil: none), set before it goes
+	// live.
+	gw *gateway.Sandbox
 }
 
 func (s *sandbox) touch() { s.lastActive.Store(time.Now().UnixNano()) }

@@ -279,6 +279,14 @@ func (s *Service) Replay(ctx context.Context, req *connect.Request[dsecv1.Replay
 	return answer(s.n.Replay(ctx, req.Msg))
 }
 
+func (s *Service) StartRollout(ctx context.Context, req *connect.Request[dsecv1.StartRolloutRequest]) (*connect.Response[dsecv1.Rollout], error) {
+	return answer(s.n.StartRollout(ctx, req.Msg))
+}
+
+func (s *Service) GetRollout(ctx context.Context, req *connect.Request[dsecv1.GetRolloutRequest]) (*connect.Response[dsecv1.Rollout], error) {
+	return answer(s.n.GetRollout(ctx, req.Msg))
+}
+
 // Screens.
 
 func (s *Service) Screenshot(ctx context.Context, req *connect.Request[dsecv1.ScreenshotRequest]) (*connect.Response[dsecv1.ScreenshotResponse], error) {

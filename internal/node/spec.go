@@ -126,6 +126,9 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 	if err := validEnv(spec.Env); err != nil {
 		return nil, err
 	}
+	if err := checkModelGateway(spec); err != nil {
+		return nil, err
+	}
 	if spec.Network == nil {
 		spec.Network = &dsecv1.Network{}
 	}

@@ -12,7 +12,10 @@ import (
 	"github.com/opendsec/dsec/internal/errdefs"
 )
 
-var bucket = []byte("sessions")
+var (
+	bucket       = []byte("sessions")
+	modelsBucket = []byte("models")
+)
 
 // BoltStore keeps sessions in an embedded bbolt file (single-host mode).
 type BoltStore struct {
@@ -28,7 +31,13 @@ func OpenBolt(path string) (*BoltStore, error) {
 		}
 		return nil, err
 	}
-	if err := db.Update(func(tx *bolt.Tx) error { _, err := tx.CreateBucketIfNotExists(bucket); return err }); err != nil {
+	if err := db.Update(func(tx *bolt.Tx) error {
+		if _, err := tx.CreateBucketIfNotExists(bucket); err != nil {
+			return err
+		}
+		_, err := tx.CreateBucketIfNotExists(modelsBucket)
+		return err
+	}); err != nil {
 		db.Close()
 		return nil, err
 	}
@@ -75,4 +84,24 @@ func (s *BoltStore) ListSessions(ctx context.Context) ([]*Record, error) {
 		})
 	})
 	return out, err
+}
+
+func (s *BoltStore) GetModels(ctx context.Context, key string) ([]byte, error) {
+	var out []byte
+	err := s.db.View(func(tx *bolt.Tx) error {
+		if v := tx.Bucket(modelsBucket).Get([]byte(key)); v != nil {
+			out = append([]byte(nil), v...)
+		}
+		return nil
+	})
+	return out, err
+}
+
+func (s *BoltStore) PutModels(ctx context.Context, key string, b []byte) error {
+	return s.db.Update(func(tx *bolt.Tx) error {
+		if b == nil {
+			return tx.Bucket(modelsBucket).Delete([]byte(key))
+		}
+		return tx.Bucket(modelsBucket).Put([]byte(key), b)
+	})
 }

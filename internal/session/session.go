@@ -59,6 +59,11 @@ type Store interface {
 	PutSession(ctx context.Context, r *Record) error             // under r.Key()
 	DeleteSession(ctx context.Context, key string) error
 	ListSessions(ctx context.Context) ([]*Record, error)
+	// GetModels returns what PutModels stored under key (nil if nothing);
+	// PutModels with nil removes it. A session's model upstreams live
+	// apart from its record (models.go).
+	GetModels(ctx context.Context, key string) ([]byte, error)
+	PutModels(ctx context.Context, key string, b []byte) error
 }
 
 // Key is where a session of project named name is stored: its name for
@@ -266,6 +271,9 @@ func (m *Manager) Close(ctx context.Context, name string, deleteSandboxes bool) 
 		m.act(r.forProject(ctx), "resume", selector(name), "")
 	}
 	r.State = Closed
+	if err := m.store.PutModels(ctx, r.Key(), nil); err != nil {
+		return nil, err
+	}
 	if err := m.store.DeleteSession(ctx, r.Key()); err != nil {
 		return nil, err
 	}

@@ -41,6 +41,14 @@ func (s *memStore) DeleteSession(ctx context.Context, name string) error {
 	return nil
 }
 
+func (s *memStore) GetModels(ctx context.Context, key string) ([]byte, error) {
+	return nil, errdefs.Unimplemented("memStore keeps no model upstreams (models_test.go uses the bbolt store)")
+}
+
+func (s *memStore) PutModels(ctx context.Context, key string, b []byte) error {
+	return errdefs.Unimplemented("memStore keeps no model upstreams (models_test.go uses the bbolt store)")
+}
+
 func (s *memStore) ListSessions(ctx context.Context) ([]*Record, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -294,6 +294,11 @@ type FileGuest interface {
 // listening is a not_found error. Every kind with dsec-guest has it.
 type PortGuest interface {
 	DialPort(ctx context.Context, port uint32) (net.Conn, error)
+	// Listen listens on a port of the sandbox's loopback (127.0.0.1) and
+	// yields the connections processes in the sandbox open to it; ctx
+	// bounds the listener's life. A port a process of the sandbox holds
+	// already is an exists error.
+	Listen(ctx context.Context, port uint32) (net.Listener, error)
 }
 
 var (

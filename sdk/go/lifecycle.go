@@ -2,6 +2,7 @@ package dsec
 
 import (
 	"context"
+	"time"
 
 	"connectrpc.com/connect"
 
@@ -163,6 +164,46 @@ func (c *Client) ListSessions(ctx context.Context) ([]*dsecv1.Session, error) {
 		return nil, err
 	}
 	return r.Msg.Sessions, nil
+}
+
+// SetModelUpstreams replaces a session's model upstreams and limits (the
+// model gateway's: CreateOptions.ModelGateway).
+func (c *Client) SetModelUpstreams(ctx context.Context, req *dsecv1.SetModelUpstreamsRequest) (*dsecv1.ModelUpstreams, error) {
+	r, err := c.sessionsClient().SetModelUpstreams(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// GetModelUpstreams returns a session's model upstreams, without their
+// credentials.
+func (c *Client) GetModelUpstreams(ctx context.Context, session string) (*dsecv1.ModelUpstreams, error) {
+	r, err := c.sessionsClient().GetModelUpstreams(ctx, connect.NewRequest(&dsecv1.GetModelUpstreamsRequest{Session: session}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// StartRollout starts an agent command as a rollout in its sandbox (or
+// answers the rollout of that ID: see the proto).
+func (c *Client) StartRollout(ctx context.Context, req *dsecv1.StartRolloutRequest) (*dsecv1.Rollout, error) {
+	r, err := c.raw.StartRollout(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
+}
+
+// GetRollout answers a rollout; with wait > 0, once it ended or wait
+// passed.
+func (c *Client) GetRollout(ctx context.Context, sandbox, rollout string, wait time.Duration) (*dsecv1.Rollout, error) {
+	r, err := c.raw.GetRollout(ctx, connect.NewRequest(&dsecv1.GetRolloutRequest{SandboxId: sandbox, RolloutId: rollout, WaitS: wait.Seconds()}))
+	if err != nil {
+		return nil, err
+	}
+	return r.Msg, nil
 }
 
 // CloseSession ends a session.

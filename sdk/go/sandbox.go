@@ -62,14 +62,26 @@ type CreateOptions struct {
 	// (database, service under test, MCP server); reach one with
 	// Sandbox.Container.
 	Sidecars []*dsecv1.Sidecar
+	// ModelGateway gives an agent in the sandbox the model gateway
+	// (dsecv1.ModelGateway: http://127.0.0.1:4319/v1 inside, the
+	// session's upstreams behind it); Session is required.
+	ModelGateway bool
+	// FastForwardFrom answers the sandbox's first model calls from those
+	// another sandbox recorded, while they are the same (ModelGateway).
+	FastForwardFrom string
 }
 
 func (o CreateOptions) spec() *dsecv1.SandboxSpec {
 	if o.Policy != nil && o.Network == "" {
 		o.Network = "egress"
 	}
+	var mg *dsecv1.ModelGateway
+	if o.ModelGateway || o.FastForwardFrom != "" {
+		mg = &dsecv1.ModelGateway{Enabled: o.ModelGateway, FastForwardFrom: o.FastForwardFrom}
+	}
 	return &dsecv1.SandboxSpec{
-		Kind: o.Kind, Image: o.Image,
+		ModelGateway: mg,
+		Kind:         o.Kind, Image: o.Image,
 		Resources: &dsecv1.Resources{Cpu: o.CPU, MemoryMb: o.MemoryMB, DiskMb: o.DiskMB, Pids: o.Pids, BandwidthMbps: o.BandwidthMbps},
 		TtlS:      int64(o.TTL / time.Second), IdleTtlS: int64(o.IdleTTL / time.Second),
 		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network, Policy: o.Policy.proto()},

@@ -230,7 +230,7 @@ func TestImportRules(t *testing.T) {
 // substratetest fake driver above all, whose init can turn a binary into
 // a sandbox's init) never ship in a binary.
 func TestNoBinaryLinksATestSupportPackage(t *testing.T) {
-	support := []string{"internal/substrate/substratetest", "internal/dsectest", "internal/cluster/clustertest", "internal/substrate/qemu/qemutest"}
+	support := []string{"internal/substrate/substratetest", "internal/dsectest", "internal/cluster/clustertest", "internal/substrate/qemu/qemutest", "internal/gateway/gatewaytest"}
 	out, err := exec.Command(goCmd(t), "list", "-f", "{{.ImportPath}}", mod+"/cmd/...").CombinedOutput()
 	if err != nil {
 		t.Fatalf("go list: %v\n%s", err, out)

@@ -879,6 +879,9 @@ type SandboxSpec struct {
 	// default runtime; at most 8. A snapshot does not capture them: a
 	// sandbox started from it gets them empty.
 	SharedVolumes []*SharedVolume `protobuf:"bytes,24,rep,name=shared_volumes,json=sharedVolumes,proto3" json:"shared_volumes,omitempty"`
+	// model_gateway gives an agent in the sandbox the node's model gateway
+	// (see ModelGateway).
+	ModelGateway  *ModelGateway `protobuf:"bytes,25,opt,name=model_gateway,json=modelGateway,proto3" json:"model_gateway,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1046,6 +1049,287 @@ func (x *SandboxSpec) GetSharedVolumes() []*SharedVolume {
 	return nil
 }
 
+func (x *SandboxSpec) GetModelGateway() *ModelGateway {
+	if x != nil {
+		return x.ModelGateway
+	}
+	return nil
+}
+
+// ModelGateway is an OpenAI-compatible endpoint (chat completions and
+// completions, streaming or not, and Anthropic's messages) on the
+// sandbox's own loopback, http://127.0.0.1:4319/v1, reachable whatever
+// the sandbox's network and egress policy. Every process of the sandbox
+// gets OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL and
+// ANTHROPIC_API_KEY pointing at it (the keys are placeholders: the
+// upstream's credential stays on the server). The node forwards each call
+// to an upstream its session registered (SetModelUpstreams), by the
+// request's model, and records it in the sandbox's trajectory log
+// (LogEntry.model_call) beside its commands. Kinds container, microvm
+// and vm; the sandbox must belong to a session.
+type ModelGateway struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Enabled bool                   `protobuf:"varint,1,opt,name=enabled,proto3" json:"enabled,omitempty"`
+	// fast_forward_from names a sandbox of the same project, live or
+	// recently deleted, whose recorded model calls answer this sandbox's in
+	// order: the n-th call is answered from the n-th recorded one while the
+	// requests are the same, without reaching the upstream. The first call
+	// whose request differs from the recorded one at its position is a
+	// divergence (logged with the position, model_call.diverged) and goes
+	// live, as does every call after it and every call past the end of the
+	// recording: a resumed rollout replays its completed prefix and goes on.
+	FastForwardFrom string `protobuf:"bytes,2,opt,name=fast_forward_from,json=fastForwardFrom,proto3" json:"fast_forward_from,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *ModelGateway) Reset() {
+	*x = ModelGateway{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ModelGateway) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ModelGateway) ProtoMessage() {}
+
+func (x *ModelGateway) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ModelGateway.ProtoReflect.Descriptor instead.
+func (*ModelGateway) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *ModelGateway) GetEnabled() bool {
+	if x != nil {
+		return x.Enabled
+	}
+	return false
+}
+
+func (x *ModelGateway) GetFastForwardFrom() string {
+	if x != nil {
+		return x.FastForwardFrom
+	}
+	return ""
+}
+
+// ModelCall is one call an agent in the sandbox made to the model
+// gateway, as the trajectory log records it (op "model_call").
+type ModelCall struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// index is the call's position among the sandbox's model calls, from 1.
+	Index uint64 `protobuf:"varint,1,opt,name=index,proto3" json:"index,omitempty"`
+	// endpoint is the path called: "/v1/chat/completions",
+	// "/v1/completions" or "/v1/messages".
+	Endpoint string `protobuf:"bytes,2,opt,name=endpoint,proto3" json:"endpoint,omitempty"`
+	// upstream is the registered upstream that answered (empty for a
+	// call answered from the log, or refused before one was chosen).
+	Upstream string `protobuf:"bytes,3,opt,name=upstream,proto3" json:"upstream,omitempty"`
+	Model    string `protobuf:"bytes,4,opt,name=model,proto3" json:"model,omitempty"`
+	Stream   bool   `protobuf:"varint,5,opt,name=stream,proto3" json:"stream,omitempty"`
+	// status is the HTTP status the agent got.
+	Status int32 `protobuf:"varint,6,opt,name=status,proto3" json:"status,omitempty"`
+	// request and response are the bodies as the agent sent and got them:
+	// JSON, and for a stream the server-sent events as they came.
+	Request  string `protobuf:"bytes,7,opt,name=request,proto3" json:"request,omitempty"`
+	Response string `protobuf:"bytes,8,opt,name=response,proto3" json:"response,omitempty"`
+	// The upstream's token counts (its usage), when it reported them.
+	PromptTokens     int64 `protobuf:"varint,9,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	CompletionTokens int64 `protobuf:"varint,10,opt,name=completion_tokens,json=completionTokens,proto3" json:"completion_tokens,omitempty"`
+	// token_ids, logprobs and prompt_token_ids are the sampled tokens'
+	// IDs, their log probabilities and the prompt's token IDs of the first
+	// choice, when the upstream returned them (OpenAI logprobs; vLLM's and
+	// SGLang's token IDs): what a policy-gradient step needs.
+	TokenIds       []int64   `protobuf:"varint,11,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
+	Logprobs       []float64 `protobuf:"fixed64,12,rep,packed,name=logprobs,proto3" json:"logprobs,omitempty"`
+	PromptTokenIds []int64   `protobuf:"varint,13,rep,packed,name=prompt_token_ids,json=promptTokenIds,proto3" json:"prompt_token_ids,omitempty"`
+	// first_byte_ms is when the first byte of the answer reached the
+	// gateway, from the start of the call.
+	FirstByteMs int64 `protobuf:"varint,14,opt,name=first_byte_ms,json=firstByteMs,proto3" json:"first_byte_ms,omitempty"`
+	// retries counts the upstream's rate limits (429) and transient
+	// failures the gateway waited out.
+	Retries int32 `protobuf:"varint,15,opt,name=retries,proto3" json:"retries,omitempty"`
+	// replayed is set when the call was answered from the log of the
+	// sandbox named by ModelGateway.fast_forward_from.
+	Replayed bool `protobuf:"varint,16,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	// diverged is set on the call whose request differed from the recorded
+	// one at its position (it went live); detail says how.
+	Diverged      bool   `protobuf:"varint,17,opt,name=diverged,proto3" json:"diverged,omitempty"`
+	Detail        string `protobuf:"bytes,18,opt,name=detail,proto3" json:"detail,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ModelCall) Reset() {
+	*x = ModelCall{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ModelCall) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ModelCall) ProtoMessage() {}
+
+func (x *ModelCall) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ModelCall.ProtoReflect.Descriptor instead.
+func (*ModelCall) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *ModelCall) GetIndex() uint64 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
+func (x *ModelCall) GetEndpoint() string {
+	if x != nil {
+		return x.Endpoint
+	}
+	return ""
+}
+
+func (x *ModelCall) GetUpstream() string {
+	if x != nil {
+		return x.Upstream
+	}
+	return ""
+}
+
+func (x *ModelCall) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *ModelCall) GetStream() bool {
+	if x != nil {
+		return x.Stream
+	}
+	return false
+}
+
+func (x *ModelCall) GetStatus() int32 {
+	if x != nil {
+		return x.Status
+	}
+	return 0
+}
+
+func (x *ModelCall) GetRequest() string {
+	if x != nil {
+		return x.Request
+	}
+	return ""
+}
+
+func (x *ModelCall) GetResponse() string {
+	if x != nil {
+		return x.Response
+	}
+	return ""
+}
+
+func (x *ModelCall) GetPromptTokens() int64 {
+	if x != nil {
+		return x.PromptTokens
+	}
+	return 0
+}
+
+func (x *ModelCall) GetCompletionTokens() int64 {
+	if x != nil {
+		return x.CompletionTokens
+	}
+	return 0
+}
+
+func (x *ModelCall) GetTokenIds() []int64 {
+	if x != nil {
+		return x.TokenIds
+	}
+	return nil
+}
+
+func (x *ModelCall) GetLogprobs() []float64 {
+	if x != nil {
+		return x.Logprobs
+	}
+	return nil
+}
+
+func (x *ModelCall) GetPromptTokenIds() []int64 {
+	if x != nil {
+		return x.PromptTokenIds
+	}
+	return nil
+}
+
+func (x *ModelCall) GetFirstByteMs() int64 {
+	if x != nil {
+		return x.FirstByteMs
+	}
+	return 0
+}
+
+func (x *ModelCall) GetRetries() int32 {
+	if x != nil {
+		return x.Retries
+	}
+	return 0
+}
+
+func (x *ModelCall) GetReplayed() bool {
+	if x != nil {
+		return x.Replayed
+	}
+	return false
+}
+
+func (x *ModelCall) GetDiverged() bool {
+	if x != nil {
+		return x.Diverged
+	}
+	return false
+}
+
+func (x *ModelCall) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
 // SharedVolume is a sandbox's own file system (SandboxSpec.shared_volumes).
 type SharedVolume struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1060,7 +1344,7 @@ type SharedVolume struct {
 
 func (x *SharedVolume) Reset() {
 	*x = SharedVolume{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1072,7 +1356,7 @@ func (x *SharedVolume) String() string {
 func (*SharedVolume) ProtoMessage() {}
 
 func (x *SharedVolume) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[12]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1085,7 +1369,7 @@ func (x *SharedVolume) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SharedVolume.ProtoReflect.Descriptor instead.
 func (*SharedVolume) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *SharedVolume) GetName() string {
@@ -1143,7 +1427,7 @@ type Sidecar struct {
 
 func (x *Sidecar) Reset() {
 	*x = Sidecar{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1155,7 +1439,7 @@ func (x *Sidecar) String() string {
 func (*Sidecar) ProtoMessage() {}
 
 func (x *Sidecar) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[13]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1168,7 +1452,7 @@ func (x *Sidecar) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sidecar.ProtoReflect.Descriptor instead.
 func (*Sidecar) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Sidecar) GetName() string {
@@ -1281,7 +1565,7 @@ type HealthCheck struct {
 
 func (x *HealthCheck) Reset() {
 	*x = HealthCheck{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1293,7 +1577,7 @@ func (x *HealthCheck) String() string {
 func (*HealthCheck) ProtoMessage() {}
 
 func (x *HealthCheck) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[14]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1306,7 +1590,7 @@ func (x *HealthCheck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthCheck.ProtoReflect.Descriptor instead.
 func (*HealthCheck) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *HealthCheck) GetCommand() []string {
@@ -1364,7 +1648,7 @@ type SidecarDependency struct {
 
 func (x *SidecarDependency) Reset() {
 	*x = SidecarDependency{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1376,7 +1660,7 @@ func (x *SidecarDependency) String() string {
 func (*SidecarDependency) ProtoMessage() {}
 
 func (x *SidecarDependency) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[15]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1389,7 +1673,7 @@ func (x *SidecarDependency) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SidecarDependency.ProtoReflect.Descriptor instead.
 func (*SidecarDependency) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{15}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *SidecarDependency) GetName() string {
@@ -1423,7 +1707,7 @@ type SidecarStatus struct {
 
 func (x *SidecarStatus) Reset() {
 	*x = SidecarStatus{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1435,7 +1719,7 @@ func (x *SidecarStatus) String() string {
 func (*SidecarStatus) ProtoMessage() {}
 
 func (x *SidecarStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[16]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1448,7 +1732,7 @@ func (x *SidecarStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SidecarStatus.ProtoReflect.Descriptor instead.
 func (*SidecarStatus) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{16}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *SidecarStatus) GetName() string {
@@ -1505,7 +1789,7 @@ type Sandbox struct {
 
 func (x *Sandbox) Reset() {
 	*x = Sandbox{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1517,7 +1801,7 @@ func (x *Sandbox) String() string {
 func (*Sandbox) ProtoMessage() {}
 
 func (x *Sandbox) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[17]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1530,7 +1814,7 @@ func (x *Sandbox) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sandbox.ProtoReflect.Descriptor instead.
 func (*Sandbox) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{17}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Sandbox) GetId() string {
@@ -1645,7 +1929,7 @@ type CreateSandboxRequest struct {
 
 func (x *CreateSandboxRequest) Reset() {
 	*x = CreateSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1657,7 +1941,7 @@ func (x *CreateSandboxRequest) String() string {
 func (*CreateSandboxRequest) ProtoMessage() {}
 
 func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[18]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1670,7 +1954,7 @@ func (x *CreateSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{18}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *CreateSandboxRequest) GetSpec() *SandboxSpec {
@@ -1717,7 +2001,7 @@ type GetSandboxRequest struct {
 
 func (x *GetSandboxRequest) Reset() {
 	*x = GetSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1729,7 +2013,7 @@ func (x *GetSandboxRequest) String() string {
 func (*GetSandboxRequest) ProtoMessage() {}
 
 func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[19]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1742,7 +2026,7 @@ func (x *GetSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{19}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *GetSandboxRequest) GetId() string {
@@ -1767,7 +2051,7 @@ type ListSandboxesRequest struct {
 
 func (x *ListSandboxesRequest) Reset() {
 	*x = ListSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1779,7 +2063,7 @@ func (x *ListSandboxesRequest) String() string {
 func (*ListSandboxesRequest) ProtoMessage() {}
 
 func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[20]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1792,7 +2076,7 @@ func (x *ListSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*ListSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ListSandboxesRequest) GetLabelSelector() string {
@@ -1833,7 +2117,7 @@ type ListSandboxesResponse struct {
 
 func (x *ListSandboxesResponse) Reset() {
 	*x = ListSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1845,7 +2129,7 @@ func (x *ListSandboxesResponse) String() string {
 func (*ListSandboxesResponse) ProtoMessage() {}
 
 func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[21]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1858,7 +2142,7 @@ func (x *ListSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*ListSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ListSandboxesResponse) GetSandboxes() []*Sandbox {
@@ -1884,7 +2168,7 @@ type DeleteSandboxRequest struct {
 
 func (x *DeleteSandboxRequest) Reset() {
 	*x = DeleteSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1896,7 +2180,7 @@ func (x *DeleteSandboxRequest) String() string {
 func (*DeleteSandboxRequest) ProtoMessage() {}
 
 func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[22]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1909,7 +2193,7 @@ func (x *DeleteSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{22}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *DeleteSandboxRequest) GetId() string {
@@ -1927,7 +2211,7 @@ type DeleteSandboxResponse struct {
 
 func (x *DeleteSandboxResponse) Reset() {
 	*x = DeleteSandboxResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1939,7 +2223,7 @@ func (x *DeleteSandboxResponse) String() string {
 func (*DeleteSandboxResponse) ProtoMessage() {}
 
 func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[23]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1952,7 +2236,7 @@ func (x *DeleteSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSandboxResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{23}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{25}
 }
 
 type KeepaliveRequest struct {
@@ -1966,7 +2250,7 @@ type KeepaliveRequest struct {
 
 func (x *KeepaliveRequest) Reset() {
 	*x = KeepaliveRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1978,7 +2262,7 @@ func (x *KeepaliveRequest) String() string {
 func (*KeepaliveRequest) ProtoMessage() {}
 
 func (x *KeepaliveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[24]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1991,7 +2275,7 @@ func (x *KeepaliveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KeepaliveRequest.ProtoReflect.Descriptor instead.
 func (*KeepaliveRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{24}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *KeepaliveRequest) GetId() string {
@@ -2046,7 +2330,7 @@ type ExecRequest struct {
 
 func (x *ExecRequest) Reset() {
 	*x = ExecRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2058,7 +2342,7 @@ func (x *ExecRequest) String() string {
 func (*ExecRequest) ProtoMessage() {}
 
 func (x *ExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[25]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2071,7 +2355,7 @@ func (x *ExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecRequest.ProtoReflect.Descriptor instead.
 func (*ExecRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{25}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ExecRequest) GetSandboxId() string {
@@ -2213,7 +2497,7 @@ type ExecResult struct {
 
 func (x *ExecResult) Reset() {
 	*x = ExecResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2225,7 +2509,7 @@ func (x *ExecResult) String() string {
 func (*ExecResult) ProtoMessage() {}
 
 func (x *ExecResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[26]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2238,7 +2522,7 @@ func (x *ExecResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResult.ProtoReflect.Descriptor instead.
 func (*ExecResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{26}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ExecResult) GetExitCode() int32 {
@@ -2335,7 +2619,7 @@ type ExecStarted struct {
 
 func (x *ExecStarted) Reset() {
 	*x = ExecStarted{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2347,7 +2631,7 @@ func (x *ExecStarted) String() string {
 func (*ExecStarted) ProtoMessage() {}
 
 func (x *ExecStarted) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[27]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2360,7 +2644,7 @@ func (x *ExecStarted) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecStarted.ProtoReflect.Descriptor instead.
 func (*ExecStarted) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{27}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *ExecStarted) GetProcessId() string {
@@ -2393,7 +2677,7 @@ type ExecEvent struct {
 
 func (x *ExecEvent) Reset() {
 	*x = ExecEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2405,7 +2689,7 @@ func (x *ExecEvent) String() string {
 func (*ExecEvent) ProtoMessage() {}
 
 func (x *ExecEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[28]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2418,7 +2702,7 @@ func (x *ExecEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecEvent.ProtoReflect.Descriptor instead.
 func (*ExecEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{28}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *ExecEvent) GetEvent() isExecEvent_Event {
@@ -2526,7 +2810,7 @@ type ConnectProcessRequest struct {
 
 func (x *ConnectProcessRequest) Reset() {
 	*x = ConnectProcessRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2538,7 +2822,7 @@ func (x *ConnectProcessRequest) String() string {
 func (*ConnectProcessRequest) ProtoMessage() {}
 
 func (x *ConnectProcessRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[29]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2551,7 +2835,7 @@ func (x *ConnectProcessRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConnectProcessRequest.ProtoReflect.Descriptor instead.
 func (*ConnectProcessRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{29}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *ConnectProcessRequest) GetSandboxId() string {
@@ -2605,7 +2889,7 @@ type WriteStdinRequest struct {
 
 func (x *WriteStdinRequest) Reset() {
 	*x = WriteStdinRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2617,7 +2901,7 @@ func (x *WriteStdinRequest) String() string {
 func (*WriteStdinRequest) ProtoMessage() {}
 
 func (x *WriteStdinRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[30]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2630,7 +2914,7 @@ func (x *WriteStdinRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteStdinRequest.ProtoReflect.Descriptor instead.
 func (*WriteStdinRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{30}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *WriteStdinRequest) GetSandboxId() string {
@@ -2676,7 +2960,7 @@ type WriteStdinResponse struct {
 
 func (x *WriteStdinResponse) Reset() {
 	*x = WriteStdinResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2688,7 +2972,7 @@ func (x *WriteStdinResponse) String() string {
 func (*WriteStdinResponse) ProtoMessage() {}
 
 func (x *WriteStdinResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[31]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2701,7 +2985,7 @@ func (x *WriteStdinResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteStdinResponse.ProtoReflect.Descriptor instead.
 func (*WriteStdinResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{31}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{33}
 }
 
 type SignalProcessRequest struct {
@@ -2719,7 +3003,7 @@ type SignalProcessRequest struct {
 
 func (x *SignalProcessRequest) Reset() {
 	*x = SignalProcessRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2731,7 +3015,7 @@ func (x *SignalProcessRequest) String() string {
 func (*SignalProcessRequest) ProtoMessage() {}
 
 func (x *SignalProcessRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[32]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2744,7 +3028,7 @@ func (x *SignalProcessRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalProcessRequest.ProtoReflect.Descriptor instead.
 func (*SignalProcessRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{32}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *SignalProcessRequest) GetSandboxId() string {
@@ -2783,7 +3067,7 @@ type SignalProcessResponse struct {
 
 func (x *SignalProcessResponse) Reset() {
 	*x = SignalProcessResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2795,7 +3079,7 @@ func (x *SignalProcessResponse) String() string {
 func (*SignalProcessResponse) ProtoMessage() {}
 
 func (x *SignalProcessResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[33]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2808,7 +3092,7 @@ func (x *SignalProcessResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalProcessResponse.ProtoReflect.Descriptor instead.
 func (*SignalProcessResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{33}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{35}
 }
 
 type ResizePTYRequest struct {
@@ -2826,7 +3110,7 @@ type ResizePTYRequest struct {
 
 func (x *ResizePTYRequest) Reset() {
 	*x = ResizePTYRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2838,7 +3122,7 @@ func (x *ResizePTYRequest) String() string {
 func (*ResizePTYRequest) ProtoMessage() {}
 
 func (x *ResizePTYRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[34]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2851,7 +3135,7 @@ func (x *ResizePTYRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResizePTYRequest.ProtoReflect.Descriptor instead.
 func (*ResizePTYRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{34}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *ResizePTYRequest) GetSandboxId() string {
@@ -2897,7 +3181,7 @@ type ResizePTYResponse struct {
 
 func (x *ResizePTYResponse) Reset() {
 	*x = ResizePTYResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2909,7 +3193,7 @@ func (x *ResizePTYResponse) String() string {
 func (*ResizePTYResponse) ProtoMessage() {}
 
 func (x *ResizePTYResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[35]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2922,7 +3206,7 @@ func (x *ResizePTYResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResizePTYResponse.ProtoReflect.Descriptor instead.
 func (*ResizePTYResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{35}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{37}
 }
 
 type ProcessInfo struct {
@@ -2942,7 +3226,7 @@ type ProcessInfo struct {
 
 func (x *ProcessInfo) Reset() {
 	*x = ProcessInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2954,7 +3238,7 @@ func (x *ProcessInfo) String() string {
 func (*ProcessInfo) ProtoMessage() {}
 
 func (x *ProcessInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[36]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2967,7 +3251,7 @@ func (x *ProcessInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProcessInfo.ProtoReflect.Descriptor instead.
 func (*ProcessInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{36}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *ProcessInfo) GetProcessId() string {
@@ -3045,7 +3329,7 @@ type ListProcessesRequest struct {
 
 func (x *ListProcessesRequest) Reset() {
 	*x = ListProcessesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3057,7 +3341,7 @@ func (x *ListProcessesRequest) String() string {
 func (*ListProcessesRequest) ProtoMessage() {}
 
 func (x *ListProcessesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[37]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3070,7 +3354,7 @@ func (x *ListProcessesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListProcessesRequest.ProtoReflect.Descriptor instead.
 func (*ListProcessesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{37}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *ListProcessesRequest) GetSandboxId() string {
@@ -3096,7 +3380,7 @@ type ListProcessesResponse struct {
 
 func (x *ListProcessesResponse) Reset() {
 	*x = ListProcessesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3108,7 +3392,7 @@ func (x *ListProcessesResponse) String() string {
 func (*ListProcessesResponse) ProtoMessage() {}
 
 func (x *ListProcessesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[38]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3121,7 +3405,7 @@ func (x *ListProcessesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListProcessesResponse.ProtoReflect.Descriptor instead.
 func (*ListProcessesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{38}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *ListProcessesResponse) GetProcesses() []*ProcessInfo {
@@ -3162,7 +3446,7 @@ type FileInfo struct {
 
 func (x *FileInfo) Reset() {
 	*x = FileInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3174,7 +3458,7 @@ func (x *FileInfo) String() string {
 func (*FileInfo) ProtoMessage() {}
 
 func (x *FileInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[39]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3187,7 +3471,7 @@ func (x *FileInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
 func (*FileInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{39}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *FileInfo) GetPath() string {
@@ -3300,7 +3584,7 @@ type ReadFileRequest struct {
 
 func (x *ReadFileRequest) Reset() {
 	*x = ReadFileRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3312,7 +3596,7 @@ func (x *ReadFileRequest) String() string {
 func (*ReadFileRequest) ProtoMessage() {}
 
 func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[40]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3325,7 +3609,7 @@ func (x *ReadFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileRequest.ProtoReflect.Descriptor instead.
 func (*ReadFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{40}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *ReadFileRequest) GetSandboxId() string {
@@ -3383,7 +3667,7 @@ type ReadFileResponse struct {
 
 func (x *ReadFileResponse) Reset() {
 	*x = ReadFileResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3395,7 +3679,7 @@ func (x *ReadFileResponse) String() string {
 func (*ReadFileResponse) ProtoMessage() {}
 
 func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[41]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3408,7 +3692,7 @@ func (x *ReadFileResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadFileResponse.ProtoReflect.Descriptor instead.
 func (*ReadFileResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{41}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *ReadFileResponse) GetMsg() isReadFileResponse_Msg {
@@ -3479,7 +3763,7 @@ type WriteFileHeader struct {
 
 func (x *WriteFileHeader) Reset() {
 	*x = WriteFileHeader{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3491,7 +3775,7 @@ func (x *WriteFileHeader) String() string {
 func (*WriteFileHeader) ProtoMessage() {}
 
 func (x *WriteFileHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[42]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3504,7 +3788,7 @@ func (x *WriteFileHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileHeader.ProtoReflect.Descriptor instead.
 func (*WriteFileHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{42}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *WriteFileHeader) GetSandboxId() string {
@@ -3576,7 +3860,7 @@ type WriteFileRequest struct {
 
 func (x *WriteFileRequest) Reset() {
 	*x = WriteFileRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3588,7 +3872,7 @@ func (x *WriteFileRequest) String() string {
 func (*WriteFileRequest) ProtoMessage() {}
 
 func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[43]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3601,7 +3885,7 @@ func (x *WriteFileRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteFileRequest.ProtoReflect.Descriptor instead.
 func (*WriteFileRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{43}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *WriteFileRequest) GetMsg() isWriteFileRequest_Msg {
@@ -3659,7 +3943,7 @@ type StatRequest struct {
 
 func (x *StatRequest) Reset() {
 	*x = StatRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3671,7 +3955,7 @@ func (x *StatRequest) String() string {
 func (*StatRequest) ProtoMessage() {}
 
 func (x *StatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[44]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3684,7 +3968,7 @@ func (x *StatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatRequest.ProtoReflect.Descriptor instead.
 func (*StatRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{44}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *StatRequest) GetSandboxId() string {
@@ -3731,7 +4015,7 @@ type ListDirRequest struct {
 
 func (x *ListDirRequest) Reset() {
 	*x = ListDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3743,7 +4027,7 @@ func (x *ListDirRequest) String() string {
 func (*ListDirRequest) ProtoMessage() {}
 
 func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[45]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3756,7 +4040,7 @@ func (x *ListDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirRequest.ProtoReflect.Descriptor instead.
 func (*ListDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{45}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *ListDirRequest) GetSandboxId() string {
@@ -3803,7 +4087,7 @@ type ListDirResponse struct {
 
 func (x *ListDirResponse) Reset() {
 	*x = ListDirResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3815,7 +4099,7 @@ func (x *ListDirResponse) String() string {
 func (*ListDirResponse) ProtoMessage() {}
 
 func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[46]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3828,7 +4112,7 @@ func (x *ListDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDirResponse.ProtoReflect.Descriptor instead.
 func (*ListDirResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{46}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *ListDirResponse) GetEntries() []*FileInfo {
@@ -3853,7 +4137,7 @@ type MakeDirRequest struct {
 
 func (x *MakeDirRequest) Reset() {
 	*x = MakeDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3865,7 +4149,7 @@ func (x *MakeDirRequest) String() string {
 func (*MakeDirRequest) ProtoMessage() {}
 
 func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[47]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3878,7 +4162,7 @@ func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirRequest.ProtoReflect.Descriptor instead.
 func (*MakeDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{47}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *MakeDirRequest) GetSandboxId() string {
@@ -3925,7 +4209,7 @@ type RemoveRequest struct {
 
 func (x *RemoveRequest) Reset() {
 	*x = RemoveRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3937,7 +4221,7 @@ func (x *RemoveRequest) String() string {
 func (*RemoveRequest) ProtoMessage() {}
 
 func (x *RemoveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[48]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3950,7 +4234,7 @@ func (x *RemoveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveRequest.ProtoReflect.Descriptor instead.
 func (*RemoveRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{48}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *RemoveRequest) GetSandboxId() string {
@@ -3996,7 +4280,7 @@ type RemoveResponse struct {
 
 func (x *RemoveResponse) Reset() {
 	*x = RemoveResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4008,7 +4292,7 @@ func (x *RemoveResponse) String() string {
 func (*RemoveResponse) ProtoMessage() {}
 
 func (x *RemoveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[49]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4021,7 +4305,7 @@ func (x *RemoveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveResponse.ProtoReflect.Descriptor instead.
 func (*RemoveResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{49}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
 }
 
 type RenameRequest struct {
@@ -4039,7 +4323,7 @@ type RenameRequest struct {
 
 func (x *RenameRequest) Reset() {
 	*x = RenameRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4051,7 +4335,7 @@ func (x *RenameRequest) String() string {
 func (*RenameRequest) ProtoMessage() {}
 
 func (x *RenameRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[50]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4064,7 +4348,7 @@ func (x *RenameRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RenameRequest.ProtoReflect.Descriptor instead.
 func (*RenameRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{50}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
 }
 
 func (x *RenameRequest) GetSandboxId() string {
@@ -4119,7 +4403,7 @@ type ChangeModeRequest struct {
 
 func (x *ChangeModeRequest) Reset() {
 	*x = ChangeModeRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4131,7 +4415,7 @@ func (x *ChangeModeRequest) String() string {
 func (*ChangeModeRequest) ProtoMessage() {}
 
 func (x *ChangeModeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[51]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4144,7 +4428,7 @@ func (x *ChangeModeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChangeModeRequest.ProtoReflect.Descriptor instead.
 func (*ChangeModeRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{51}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *ChangeModeRequest) GetSandboxId() string {
@@ -4202,7 +4486,7 @@ type WatchDirRequest struct {
 
 func (x *WatchDirRequest) Reset() {
 	*x = WatchDirRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4214,7 +4498,7 @@ func (x *WatchDirRequest) String() string {
 func (*WatchDirRequest) ProtoMessage() {}
 
 func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[52]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4227,7 +4511,7 @@ func (x *WatchDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirRequest.ProtoReflect.Descriptor instead.
 func (*WatchDirRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{52}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *WatchDirRequest) GetSandboxId() string {
@@ -4288,7 +4572,7 @@ type FsEvent struct {
 
 func (x *FsEvent) Reset() {
 	*x = FsEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4300,7 +4584,7 @@ func (x *FsEvent) String() string {
 func (*FsEvent) ProtoMessage() {}
 
 func (x *FsEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[53]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4313,7 +4597,7 @@ func (x *FsEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FsEvent.ProtoReflect.Descriptor instead.
 func (*FsEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{53}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *FsEvent) GetName() string {
@@ -4352,7 +4636,7 @@ type WatchDirEvent struct {
 
 func (x *WatchDirEvent) Reset() {
 	*x = WatchDirEvent{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4364,7 +4648,7 @@ func (x *WatchDirEvent) String() string {
 func (*WatchDirEvent) ProtoMessage() {}
 
 func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[54]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4377,7 +4661,7 @@ func (x *WatchDirEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchDirEvent.ProtoReflect.Descriptor instead.
 func (*WatchDirEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{54}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *WatchDirEvent) GetEvent() isWatchDirEvent_Event {
@@ -4466,7 +4750,7 @@ type GetSandboxStatsRequest struct {
 
 func (x *GetSandboxStatsRequest) Reset() {
 	*x = GetSandboxStatsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4478,7 +4762,7 @@ func (x *GetSandboxStatsRequest) String() string {
 func (*GetSandboxStatsRequest) ProtoMessage() {}
 
 func (x *GetSandboxStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[55]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4491,7 +4775,7 @@ func (x *GetSandboxStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetSandboxStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetSandboxStatsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{55}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *GetSandboxStatsRequest) GetId() string {
@@ -4524,7 +4808,7 @@ type StatsSample struct {
 
 func (x *StatsSample) Reset() {
 	*x = StatsSample{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4536,7 +4820,7 @@ func (x *StatsSample) String() string {
 func (*StatsSample) ProtoMessage() {}
 
 func (x *StatsSample) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[56]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4549,7 +4833,7 @@ func (x *StatsSample) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatsSample.ProtoReflect.Descriptor instead.
 func (*StatsSample) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{56}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
 }
 
 func (x *StatsSample) GetAt() *timestamppb.Timestamp {
@@ -4616,7 +4900,7 @@ type SandboxStats struct {
 
 func (x *SandboxStats) Reset() {
 	*x = SandboxStats{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4628,7 +4912,7 @@ func (x *SandboxStats) String() string {
 func (*SandboxStats) ProtoMessage() {}
 
 func (x *SandboxStats) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[57]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4641,7 +4925,7 @@ func (x *SandboxStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SandboxStats.ProtoReflect.Descriptor instead.
 func (*SandboxStats) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{57}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
 }
 
 func (x *SandboxStats) GetId() string {
@@ -4730,7 +5014,7 @@ type ScreenshotRequest struct {
 
 func (x *ScreenshotRequest) Reset() {
 	*x = ScreenshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4742,7 +5026,7 @@ func (x *ScreenshotRequest) String() string {
 func (*ScreenshotRequest) ProtoMessage() {}
 
 func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[58]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4755,7 +5039,7 @@ func (x *ScreenshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotRequest.ProtoReflect.Descriptor instead.
 func (*ScreenshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{58}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
 }
 
 func (x *ScreenshotRequest) GetSandboxId() string {
@@ -4778,7 +5062,7 @@ type ScreenshotResponse struct {
 
 func (x *ScreenshotResponse) Reset() {
 	*x = ScreenshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4790,7 +5074,7 @@ func (x *ScreenshotResponse) String() string {
 func (*ScreenshotResponse) ProtoMessage() {}
 
 func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[59]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4803,7 +5087,7 @@ func (x *ScreenshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ScreenshotResponse.ProtoReflect.Descriptor instead.
 func (*ScreenshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{59}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
 }
 
 func (x *ScreenshotResponse) GetPng() []byte {
@@ -4838,7 +5122,7 @@ type SendInputRequest struct {
 
 func (x *SendInputRequest) Reset() {
 	*x = SendInputRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4850,7 +5134,7 @@ func (x *SendInputRequest) String() string {
 func (*SendInputRequest) ProtoMessage() {}
 
 func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[60]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4863,7 +5147,7 @@ func (x *SendInputRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputRequest.ProtoReflect.Descriptor instead.
 func (*SendInputRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{60}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
 }
 
 func (x *SendInputRequest) GetSandboxId() string {
@@ -4888,7 +5172,7 @@ type SendInputResponse struct {
 
 func (x *SendInputResponse) Reset() {
 	*x = SendInputResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4900,7 +5184,7 @@ func (x *SendInputResponse) String() string {
 func (*SendInputResponse) ProtoMessage() {}
 
 func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[61]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4913,7 +5197,7 @@ func (x *SendInputResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SendInputResponse.ProtoReflect.Descriptor instead.
 func (*SendInputResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{61}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
 }
 
 type OpenVNCRequest struct {
@@ -4925,7 +5209,7 @@ type OpenVNCRequest struct {
 
 func (x *OpenVNCRequest) Reset() {
 	*x = OpenVNCRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4937,7 +5221,7 @@ func (x *OpenVNCRequest) String() string {
 func (*OpenVNCRequest) ProtoMessage() {}
 
 func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[62]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -4950,7 +5234,7 @@ func (x *OpenVNCRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCRequest.ProtoReflect.Descriptor instead.
 func (*OpenVNCRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{62}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
 }
 
 func (x *OpenVNCRequest) GetSandboxId() string {
@@ -4975,7 +5259,7 @@ type OpenVNCResponse struct {
 
 func (x *OpenVNCResponse) Reset() {
 	*x = OpenVNCResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -4987,7 +5271,7 @@ func (x *OpenVNCResponse) String() string {
 func (*OpenVNCResponse) ProtoMessage() {}
 
 func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[63]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5000,7 +5284,7 @@ func (x *OpenVNCResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenVNCResponse.ProtoReflect.Descriptor instead.
 func (*OpenVNCResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{63}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
 }
 
 func (x *OpenVNCResponse) GetAddress() string {
@@ -5042,7 +5326,7 @@ type InputAction struct {
 
 func (x *InputAction) Reset() {
 	*x = InputAction{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5054,7 +5338,7 @@ func (x *InputAction) String() string {
 func (*InputAction) ProtoMessage() {}
 
 func (x *InputAction) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[64]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5067,7 +5351,7 @@ func (x *InputAction) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InputAction.ProtoReflect.Descriptor instead.
 func (*InputAction) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{64}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
 }
 
 func (x *InputAction) GetAction() isInputAction_Action {
@@ -5194,7 +5478,7 @@ type Point struct {
 
 func (x *Point) Reset() {
 	*x = Point{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5206,7 +5490,7 @@ func (x *Point) String() string {
 func (*Point) ProtoMessage() {}
 
 func (x *Point) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[65]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5219,7 +5503,7 @@ func (x *Point) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Point.ProtoReflect.Descriptor instead.
 func (*Point) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{65}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
 }
 
 func (x *Point) GetX() int32 {
@@ -5250,7 +5534,7 @@ type MouseClick struct {
 
 func (x *MouseClick) Reset() {
 	*x = MouseClick{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5262,7 +5546,7 @@ func (x *MouseClick) String() string {
 func (*MouseClick) ProtoMessage() {}
 
 func (x *MouseClick) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[66]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5275,7 +5559,7 @@ func (x *MouseClick) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseClick.ProtoReflect.Descriptor instead.
 func (*MouseClick) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{66}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
 }
 
 func (x *MouseClick) GetX() int32 {
@@ -5317,7 +5601,7 @@ type MouseButton struct {
 
 func (x *MouseButton) Reset() {
 	*x = MouseButton{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5329,7 +5613,7 @@ func (x *MouseButton) String() string {
 func (*MouseButton) ProtoMessage() {}
 
 func (x *MouseButton) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[67]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5342,7 +5626,7 @@ func (x *MouseButton) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseButton.ProtoReflect.Descriptor instead.
 func (*MouseButton) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{67}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
 }
 
 func (x *MouseButton) GetButton() string {
@@ -5370,7 +5654,7 @@ type MouseScroll struct {
 
 func (x *MouseScroll) Reset() {
 	*x = MouseScroll{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5382,7 +5666,7 @@ func (x *MouseScroll) String() string {
 func (*MouseScroll) ProtoMessage() {}
 
 func (x *MouseScroll) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[68]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5395,7 +5679,7 @@ func (x *MouseScroll) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MouseScroll.ProtoReflect.Descriptor instead.
 func (*MouseScroll) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{68}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
 }
 
 func (x *MouseScroll) GetDx() int32 {
@@ -5426,7 +5710,7 @@ type ItemError struct {
 
 func (x *ItemError) Reset() {
 	*x = ItemError{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5438,7 +5722,7 @@ func (x *ItemError) String() string {
 func (*ItemError) ProtoMessage() {}
 
 func (x *ItemError) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[69]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5451,7 +5735,7 @@ func (x *ItemError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ItemError.ProtoReflect.Descriptor instead.
 func (*ItemError) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{69}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
 }
 
 func (x *ItemError) GetKind() string {
@@ -5503,7 +5787,7 @@ type CreateSandboxesRequest struct {
 
 func (x *CreateSandboxesRequest) Reset() {
 	*x = CreateSandboxesRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5515,7 +5799,7 @@ func (x *CreateSandboxesRequest) String() string {
 func (*CreateSandboxesRequest) ProtoMessage() {}
 
 func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[70]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5528,7 +5812,7 @@ func (x *CreateSandboxesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesRequest.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{70}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
 }
 
 func (x *CreateSandboxesRequest) GetSpec() *SandboxSpec {
@@ -5570,7 +5854,7 @@ type CreateResult struct {
 
 func (x *CreateResult) Reset() {
 	*x = CreateResult{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5582,7 +5866,7 @@ func (x *CreateResult) String() string {
 func (*CreateResult) ProtoMessage() {}
 
 func (x *CreateResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[71]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5595,7 +5879,7 @@ func (x *CreateResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateResult.ProtoReflect.Descriptor instead.
 func (*CreateResult) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{71}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
 }
 
 func (x *CreateResult) GetIndex() int32 {
@@ -5632,7 +5916,7 @@ type CreateSandboxesResponse struct {
 
 func (x *CreateSandboxesResponse) Reset() {
 	*x = CreateSandboxesResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5644,7 +5928,7 @@ func (x *CreateSandboxesResponse) String() string {
 func (*CreateSandboxesResponse) ProtoMessage() {}
 
 func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[72]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5657,7 +5941,7 @@ func (x *CreateSandboxesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateSandboxesResponse.ProtoReflect.Descriptor instead.
 func (*CreateSandboxesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{72}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
 }
 
 func (x *CreateSandboxesResponse) GetResults() []*CreateResult {
@@ -5707,7 +5991,7 @@ type PauseSandboxRequest struct {
 
 func (x *PauseSandboxRequest) Reset() {
 	*x = PauseSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5719,7 +6003,7 @@ func (x *PauseSandboxRequest) String() string {
 func (*PauseSandboxRequest) ProtoMessage() {}
 
 func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[73]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5732,7 +6016,7 @@ func (x *PauseSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseSandboxRequest.ProtoReflect.Descriptor instead.
 func (*PauseSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{73}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
 }
 
 func (x *PauseSandboxRequest) GetId() string {
@@ -5758,7 +6042,7 @@ type ResumeSandboxRequest struct {
 
 func (x *ResumeSandboxRequest) Reset() {
 	*x = ResumeSandboxRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5770,7 +6054,7 @@ func (x *ResumeSandboxRequest) String() string {
 func (*ResumeSandboxRequest) ProtoMessage() {}
 
 func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[74]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5783,7 +6067,7 @@ func (x *ResumeSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeSandboxRequest.ProtoReflect.Descriptor instead.
 func (*ResumeSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{74}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{76}
 }
 
 func (x *ResumeSandboxRequest) GetId() string {
@@ -5809,7 +6093,7 @@ type BulkRequest struct {
 
 func (x *BulkRequest) Reset() {
 	*x = BulkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5821,7 +6105,7 @@ func (x *BulkRequest) String() string {
 func (*BulkRequest) ProtoMessage() {}
 
 func (x *BulkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[75]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5834,7 +6118,7 @@ func (x *BulkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkRequest.ProtoReflect.Descriptor instead.
 func (*BulkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{75}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{77}
 }
 
 func (x *BulkRequest) GetLabelSelector() string {
@@ -5868,7 +6152,7 @@ type BulkFailure struct {
 
 func (x *BulkFailure) Reset() {
 	*x = BulkFailure{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5880,7 +6164,7 @@ func (x *BulkFailure) String() string {
 func (*BulkFailure) ProtoMessage() {}
 
 func (x *BulkFailure) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[76]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5893,7 +6177,7 @@ func (x *BulkFailure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkFailure.ProtoReflect.Descriptor instead.
 func (*BulkFailure) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{76}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{78}
 }
 
 func (x *BulkFailure) GetId() string {
@@ -5920,7 +6204,7 @@ type BulkResponse struct {
 
 func (x *BulkResponse) Reset() {
 	*x = BulkResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5932,7 +6216,7 @@ func (x *BulkResponse) String() string {
 func (*BulkResponse) ProtoMessage() {}
 
 func (x *BulkResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[77]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5945,7 +6229,7 @@ func (x *BulkResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BulkResponse.ProtoReflect.Descriptor instead.
 func (*BulkResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{77}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{79}
 }
 
 func (x *BulkResponse) GetIds() []string {
@@ -5973,7 +6257,7 @@ type SnapshotRequest struct {
 
 func (x *SnapshotRequest) Reset() {
 	*x = SnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -5985,7 +6269,7 @@ func (x *SnapshotRequest) String() string {
 func (*SnapshotRequest) ProtoMessage() {}
 
 func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[78]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -5998,7 +6282,7 @@ func (x *SnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{78}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{80}
 }
 
 func (x *SnapshotRequest) GetSandboxId() string {
@@ -6032,7 +6316,7 @@ type SnapshotInfo struct {
 
 func (x *SnapshotInfo) Reset() {
 	*x = SnapshotInfo{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6044,7 +6328,7 @@ func (x *SnapshotInfo) String() string {
 func (*SnapshotInfo) ProtoMessage() {}
 
 func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[79]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6057,7 +6341,7 @@ func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotInfo.ProtoReflect.Descriptor instead.
 func (*SnapshotInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{79}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{81}
 }
 
 func (x *SnapshotInfo) GetId() string {
@@ -6124,7 +6408,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6136,7 +6420,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[80]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6149,7 +6433,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{80}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{82}
 }
 
 type ListSnapshotsResponse struct {
@@ -6161,7 +6445,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6173,7 +6457,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[81]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6186,7 +6470,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{81}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{83}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*SnapshotInfo {
@@ -6205,7 +6489,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6217,7 +6501,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[82]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6230,7 +6514,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{82}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{84}
 }
 
 func (x *DeleteSnapshotRequest) GetId() string {
@@ -6248,7 +6532,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6260,7 +6544,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[83]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6273,7 +6557,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{83}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{85}
 }
 
 type ForkRequest struct {
@@ -6290,7 +6574,7 @@ type ForkRequest struct {
 
 func (x *ForkRequest) Reset() {
 	*x = ForkRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[86]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6302,7 +6586,7 @@ func (x *ForkRequest) String() string {
 func (*ForkRequest) ProtoMessage() {}
 
 func (x *ForkRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[84]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[86]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6315,7 +6599,7 @@ func (x *ForkRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkRequest.ProtoReflect.Descriptor instead.
 func (*ForkRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{84}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{86}
 }
 
 func (x *ForkRequest) GetSandboxId() string {
@@ -6364,7 +6648,7 @@ type GetLogRequest struct {
 
 func (x *GetLogRequest) Reset() {
 	*x = GetLogRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[87]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6376,7 +6660,7 @@ func (x *GetLogRequest) String() string {
 func (*GetLogRequest) ProtoMessage() {}
 
 func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[85]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[87]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6389,7 +6673,7 @@ func (x *GetLogRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogRequest.ProtoReflect.Descriptor instead.
 func (*GetLogRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{85}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{87}
 }
 
 func (x *GetLogRequest) GetSandboxId() string {
@@ -6417,8 +6701,8 @@ type LogEntry struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	Seq       uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
 	RequestId string                 `protobuf:"bytes,2,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
-	// op is "exec", "write_file", "make_dir", "remove", "rename" or
-	// "change_mode".
+	// op is "exec", "write_file", "make_dir", "remove", "rename",
+	// "change_mode", "model_call", "rollout_start" or "rollout_end".
 	Op         string                 `protobuf:"bytes,3,opt,name=op,proto3" json:"op,omitempty"`
 	At         *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=at,proto3" json:"at,omitempty"`
 	DurationMs int64                  `protobuf:"varint,5,opt,name=duration_ms,json=durationMs,proto3" json:"duration_ms,omitempty"`
@@ -6445,14 +6729,18 @@ type LogEntry struct {
 	Metadata map[string]string `protobuf:"bytes,21,rep,name=metadata,proto3" json:"metadata,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// container is the sidecar the call acted in (empty: the main
 	// container).
-	Container     string `protobuf:"bytes,22,opt,name=container,proto3" json:"container,omitempty"`
+	Container string `protobuf:"bytes,22,opt,name=container,proto3" json:"container,omitempty"`
+	// model_call is an op "model_call" entry's call.
+	ModelCall *ModelCall `protobuf:"bytes,23,opt,name=model_call,json=modelCall,proto3" json:"model_call,omitempty"`
+	// rollout is an op "rollout_start" or "rollout_end" entry's rollout.
+	Rollout       *Rollout `protobuf:"bytes,24,opt,name=rollout,proto3" json:"rollout,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *LogEntry) Reset() {
 	*x = LogEntry{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[86]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[88]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6464,7 +6752,7 @@ func (x *LogEntry) String() string {
 func (*LogEntry) ProtoMessage() {}
 
 func (x *LogEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[86]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[88]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6477,7 +6765,7 @@ func (x *LogEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LogEntry.ProtoReflect.Descriptor instead.
 func (*LogEntry) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{86}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{88}
 }
 
 func (x *LogEntry) GetSeq() uint64 {
@@ -6634,6 +6922,20 @@ func (x *LogEntry) GetContainer() string {
 	return ""
 }
 
+func (x *LogEntry) GetModelCall() *ModelCall {
+	if x != nil {
+		return x.ModelCall
+	}
+	return nil
+}
+
+func (x *LogEntry) GetRollout() *Rollout {
+	if x != nil {
+		return x.Rollout
+	}
+	return nil
+}
+
 type GetLogResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Entries       []*LogEntry            `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
@@ -6645,7 +6947,7 @@ type GetLogResponse struct {
 
 func (x *GetLogResponse) Reset() {
 	*x = GetLogResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[87]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[89]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6657,7 +6959,7 @@ func (x *GetLogResponse) String() string {
 func (*GetLogResponse) ProtoMessage() {}
 
 func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[87]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[89]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6670,7 +6972,7 @@ func (x *GetLogResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetLogResponse.ProtoReflect.Descriptor instead.
 func (*GetLogResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{87}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{89}
 }
 
 func (x *GetLogResponse) GetEntries() []*LogEntry {
@@ -6694,6 +6996,406 @@ func (x *GetLogResponse) GetSandboxId() string {
 	return ""
 }
 
+type StartRolloutRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	// rollout_id names the rollout in its sandbox: 1 to 120 letters,
+	// digits, '.', '_' or '-'.
+	RolloutId string `protobuf:"bytes,2,opt,name=rollout_id,json=rolloutId,proto3" json:"rollout_id,omitempty"`
+	// The agent's command: argv, or cmd for /bin/sh -c; env, cwd and user
+	// as an exec's.
+	Argv []string          `protobuf:"bytes,3,rep,name=argv,proto3" json:"argv,omitempty"`
+	Cmd  string            `protobuf:"bytes,4,opt,name=cmd,proto3" json:"cmd,omitempty"`
+	Env  map[string]string `protobuf:"bytes,5,rep,name=env,proto3" json:"env,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	Cwd  string            `protobuf:"bytes,6,opt,name=cwd,proto3" json:"cwd,omitempty"`
+	User string            `protobuf:"bytes,7,opt,name=user,proto3" json:"user,omitempty"`
+	// timeout_s is the rollout's deadline: the agent is killed then and the
+	// rollout fails, timed out (default, and at most: the node's longest
+	// exec timeout).
+	TimeoutS float64 `protobuf:"fixed64,8,opt,name=timeout_s,json=timeoutS,proto3" json:"timeout_s,omitempty"`
+	// verifier scores the rollout once the agent ended: its exit code, and
+	// the last line of its stdout as a number (the reward) where it is one.
+	Verifier      *RolloutVerifier `protobuf:"bytes,9,opt,name=verifier,proto3" json:"verifier,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StartRolloutRequest) Reset() {
+	*x = StartRolloutRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[90]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StartRolloutRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StartRolloutRequest) ProtoMessage() {}
+
+func (x *StartRolloutRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[90]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StartRolloutRequest.ProtoReflect.Descriptor instead.
+func (*StartRolloutRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{90}
+}
+
+func (x *StartRolloutRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *StartRolloutRequest) GetRolloutId() string {
+	if x != nil {
+		return x.RolloutId
+	}
+	return ""
+}
+
+func (x *StartRolloutRequest) GetArgv() []string {
+	if x != nil {
+		return x.Argv
+	}
+	return nil
+}
+
+func (x *StartRolloutRequest) GetCmd() string {
+	if x != nil {
+		return x.Cmd
+	}
+	return ""
+}
+
+func (x *StartRolloutRequest) GetEnv() map[string]string {
+	if x != nil {
+		return x.Env
+	}
+	return nil
+}
+
+func (x *StartRolloutRequest) GetCwd() string {
+	if x != nil {
+		return x.Cwd
+	}
+	return ""
+}
+
+func (x *StartRolloutRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
+func (x *StartRolloutRequest) GetTimeoutS() float64 {
+	if x != nil {
+		return x.TimeoutS
+	}
+	return 0
+}
+
+func (x *StartRolloutRequest) GetVerifier() *RolloutVerifier {
+	if x != nil {
+		return x.Verifier
+	}
+	return nil
+}
+
+type RolloutVerifier struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Argv          []string               `protobuf:"bytes,1,rep,name=argv,proto3" json:"argv,omitempty"`
+	Cmd           string                 `protobuf:"bytes,2,opt,name=cmd,proto3" json:"cmd,omitempty"`
+	TimeoutS      float64                `protobuf:"fixed64,3,opt,name=timeout_s,json=timeoutS,proto3" json:"timeout_s,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RolloutVerifier) Reset() {
+	*x = RolloutVerifier{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[91]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RolloutVerifier) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RolloutVerifier) ProtoMessage() {}
+
+func (x *RolloutVerifier) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[91]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RolloutVerifier.ProtoReflect.Descriptor instead.
+func (*RolloutVerifier) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{91}
+}
+
+func (x *RolloutVerifier) GetArgv() []string {
+	if x != nil {
+		return x.Argv
+	}
+	return nil
+}
+
+func (x *RolloutVerifier) GetCmd() string {
+	if x != nil {
+		return x.Cmd
+	}
+	return ""
+}
+
+func (x *RolloutVerifier) GetTimeoutS() float64 {
+	if x != nil {
+		return x.TimeoutS
+	}
+	return 0
+}
+
+type GetRolloutRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	RolloutId string                 `protobuf:"bytes,2,opt,name=rollout_id,json=rolloutId,proto3" json:"rollout_id,omitempty"`
+	// wait_s waits up to this long for a running rollout to end (at most
+	// 300).
+	WaitS         float64 `protobuf:"fixed64,3,opt,name=wait_s,json=waitS,proto3" json:"wait_s,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetRolloutRequest) Reset() {
+	*x = GetRolloutRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[92]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetRolloutRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetRolloutRequest) ProtoMessage() {}
+
+func (x *GetRolloutRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[92]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetRolloutRequest.ProtoReflect.Descriptor instead.
+func (*GetRolloutRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{92}
+}
+
+func (x *GetRolloutRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *GetRolloutRequest) GetRolloutId() string {
+	if x != nil {
+		return x.RolloutId
+	}
+	return ""
+}
+
+func (x *GetRolloutRequest) GetWaitS() float64 {
+	if x != nil {
+		return x.WaitS
+	}
+	return 0
+}
+
+type Rollout struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	RolloutId string                 `protobuf:"bytes,2,opt,name=rollout_id,json=rolloutId,proto3" json:"rollout_id,omitempty"`
+	// state is "running"; "succeeded" (the agent exited 0); "failed" (it
+	// exited otherwise or timed out: the task's outcome, to score);
+	// "infra" (the platform failed it: the sandbox died, the agent's
+	// channel broke, a model upstream failed a call: mask it); or
+	// "canceled" (the sandbox was deleted while it ran).
+	State     string                 `protobuf:"bytes,3,opt,name=state,proto3" json:"state,omitempty"`
+	StartedAt *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"`
+	EndedAt   *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=ended_at,json=endedAt,proto3" json:"ended_at,omitempty"`
+	// result is the agent's exit, with the tails of its output.
+	Result *ExecResult `protobuf:"bytes,6,opt,name=result,proto3" json:"result,omitempty"`
+	// verifier is the verifier's exit; reward its score (has_reward: the
+	// last line of its stdout was a number).
+	Verifier  *ExecResult `protobuf:"bytes,7,opt,name=verifier,proto3" json:"verifier,omitempty"`
+	Reward    float64     `protobuf:"fixed64,8,opt,name=reward,proto3" json:"reward,omitempty"`
+	HasReward bool        `protobuf:"varint,9,opt,name=has_reward,json=hasReward,proto3" json:"has_reward,omitempty"`
+	// start_seq is the log entry that started it: its progress is the log
+	// from there (GetLog from_seq).
+	StartSeq uint64 `protobuf:"varint,10,opt,name=start_seq,json=startSeq,proto3" json:"start_seq,omitempty"`
+	// model_calls and commands count the log's entries since the start.
+	ModelCalls int64 `protobuf:"varint,11,opt,name=model_calls,json=modelCalls,proto3" json:"model_calls,omitempty"`
+	Commands   int64 `protobuf:"varint,12,opt,name=commands,proto3" json:"commands,omitempty"`
+	// detail says why an infra or canceled rollout ended so.
+	Detail string `protobuf:"bytes,13,opt,name=detail,proto3" json:"detail,omitempty"`
+	// request is what started it.
+	Request       *StartRolloutRequest `protobuf:"bytes,14,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Rollout) Reset() {
+	*x = Rollout{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[93]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Rollout) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Rollout) ProtoMessage() {}
+
+func (x *Rollout) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[93]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Rollout.ProtoReflect.Descriptor instead.
+func (*Rollout) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{93}
+}
+
+func (x *Rollout) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *Rollout) GetRolloutId() string {
+	if x != nil {
+		return x.RolloutId
+	}
+	return ""
+}
+
+func (x *Rollout) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *Rollout) GetStartedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.StartedAt
+	}
+	return nil
+}
+
+func (x *Rollout) GetEndedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.EndedAt
+	}
+	return nil
+}
+
+func (x *Rollout) GetResult() *ExecResult {
+	if x != nil {
+		return x.Result
+	}
+	return nil
+}
+
+func (x *Rollout) GetVerifier() *ExecResult {
+	if x != nil {
+		return x.Verifier
+	}
+	return nil
+}
+
+func (x *Rollout) GetReward() float64 {
+	if x != nil {
+		return x.Reward
+	}
+	return 0
+}
+
+func (x *Rollout) GetHasReward() bool {
+	if x != nil {
+		return x.HasReward
+	}
+	return false
+}
+
+func (x *Rollout) GetStartSeq() uint64 {
+	if x != nil {
+		return x.StartSeq
+	}
+	return 0
+}
+
+func (x *Rollout) GetModelCalls() int64 {
+	if x != nil {
+		return x.ModelCalls
+	}
+	return 0
+}
+
+func (x *Rollout) GetCommands() int64 {
+	if x != nil {
+		return x.Commands
+	}
+	return 0
+}
+
+func (x *Rollout) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
+func (x *Rollout) GetRequest() *StartRolloutRequest {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
 type ReplayRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
@@ -6707,7 +7409,7 @@ type ReplayRequest struct {
 
 func (x *ReplayRequest) Reset() {
 	*x = ReplayRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[88]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[94]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6719,7 +7421,7 @@ func (x *ReplayRequest) String() string {
 func (*ReplayRequest) ProtoMessage() {}
 
 func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[88]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[94]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6732,7 +7434,7 @@ func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayRequest.ProtoReflect.Descriptor instead.
 func (*ReplayRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{88}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{94}
 }
 
 func (x *ReplayRequest) GetSandboxId() string {
@@ -6769,7 +7471,7 @@ type ReplayStep struct {
 
 func (x *ReplayStep) Reset() {
 	*x = ReplayStep{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[89]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[95]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6781,7 +7483,7 @@ func (x *ReplayStep) String() string {
 func (*ReplayStep) ProtoMessage() {}
 
 func (x *ReplayStep) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[89]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[95]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6794,7 +7496,7 @@ func (x *ReplayStep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayStep.ProtoReflect.Descriptor instead.
 func (*ReplayStep) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{89}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{95}
 }
 
 func (x *ReplayStep) GetSeq() uint64 {
@@ -6844,7 +7546,7 @@ type ReplayResponse struct {
 
 func (x *ReplayResponse) Reset() {
 	*x = ReplayResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[90]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[96]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -6856,7 +7558,7 @@ func (x *ReplayResponse) String() string {
 func (*ReplayResponse) ProtoMessage() {}
 
 func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[90]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[96]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -6869,7 +7571,7 @@ func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayResponse.ProtoReflect.Descriptor instead.
 func (*ReplayResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{90}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{96}
 }
 
 func (x *ReplayResponse) GetSandboxId() string {
@@ -6953,7 +7655,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04host\x18\x06 \x01(\tR\x04host\x12\x18\n" +
 	"\averdict\x18\a \x01(\tR\averdict\x12\x16\n" +
 	"\x06reason\x18\b \x01(\tR\x06reason\x12\x1a\n" +
-	"\bbrokered\x18\t \x01(\bR\bbrokered\"\x87\a\n" +
+	"\bbrokered\x18\t \x01(\bR\bbrokered\"\xc3\a\n" +
 	"\vSandboxSpec\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x120\n" +
@@ -6976,7 +7678,8 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\avolumes\x18\x15 \x03(\v2\x14.dsec.v1.VolumeMountR\avolumes\x12,\n" +
 	"\bsidecars\x18\x16 \x03(\v2\x10.dsec.v1.SidecarR\bsidecars\x12\x18\n" +
 	"\aaliases\x18\x17 \x03(\tR\aaliases\x12<\n" +
-	"\x0eshared_volumes\x18\x18 \x03(\v2\x15.dsec.v1.SharedVolumeR\rsharedVolumes\x1a9\n" +
+	"\x0eshared_volumes\x18\x18 \x03(\v2\x15.dsec.v1.SharedVolumeR\rsharedVolumes\x12:\n" +
+	"\rmodel_gateway\x18\x19 \x01(\v2\x15.dsec.v1.ModelGatewayR\fmodelGateway\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a6\n" +
@@ -6985,7 +7688,30 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a?\n" +
 	"\x11NodeSelectorEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\";\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"T\n" +
+	"\fModelGateway\x12\x18\n" +
+	"\aenabled\x18\x01 \x01(\bR\aenabled\x12*\n" +
+	"\x11fast_forward_from\x18\x02 \x01(\tR\x0ffastForwardFrom\"\x98\x04\n" +
+	"\tModelCall\x12\x14\n" +
+	"\x05index\x18\x01 \x01(\x04R\x05index\x12\x1a\n" +
+	"\bendpoint\x18\x02 \x01(\tR\bendpoint\x12\x1a\n" +
+	"\bupstream\x18\x03 \x01(\tR\bupstream\x12\x14\n" +
+	"\x05model\x18\x04 \x01(\tR\x05model\x12\x16\n" +
+	"\x06stream\x18\x05 \x01(\bR\x06stream\x12\x16\n" +
+	"\x06status\x18\x06 \x01(\x05R\x06status\x12\x18\n" +
+	"\arequest\x18\a \x01(\tR\arequest\x12\x1a\n" +
+	"\bresponse\x18\b \x01(\tR\bresponse\x12#\n" +
+	"\rprompt_tokens\x18\t \x01(\x03R\fpromptTokens\x12+\n" +
+	"\x11completion_tokens\x18\n" +
+	" \x01(\x03R\x10completionTokens\x12\x1b\n" +
+	"\ttoken_ids\x18\v \x03(\x03R\btokenIds\x12\x1a\n" +
+	"\blogprobs\x18\f \x03(\x01R\blogprobs\x12(\n" +
+	"\x10prompt_token_ids\x18\r \x03(\x03R\x0epromptTokenIds\x12\"\n" +
+	"\rfirst_byte_ms\x18\x0e \x01(\x03R\vfirstByteMs\x12\x18\n" +
+	"\aretries\x18\x0f \x01(\x05R\aretries\x12\x1a\n" +
+	"\breplayed\x18\x10 \x01(\bR\breplayed\x12\x1a\n" +
+	"\bdiverged\x18\x11 \x01(\bR\bdiverged\x12\x16\n" +
+	"\x06detail\x18\x12 \x01(\tR\x06detail\";\n" +
 	"\fSharedVolume\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x17\n" +
 	"\asize_mb\x18\x02 \x01(\x03R\x06sizeMb\"\xef\x03\n" +
@@ -7420,7 +8146,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x19\n" +
 	"\bfrom_seq\x18\x02 \x01(\x04R\afromSeq\x12\x14\n" +
-	"\x05limit\x18\x03 \x01(\x05R\x05limit\"\x9a\x06\n" +
+	"\x05limit\x18\x03 \x01(\x05R\x05limit\"\xf9\x06\n" +
 	"\bLogEntry\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x1d\n" +
 	"\n" +
@@ -7446,7 +8172,10 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\ttimeout_s\x18\x13 \x01(\x01R\btimeoutS\x12 \n" +
 	"\vfingerprint\x18\x14 \x01(\tR\vfingerprint\x12;\n" +
 	"\bmetadata\x18\x15 \x03(\v2\x1f.dsec.v1.LogEntry.MetadataEntryR\bmetadata\x12\x1c\n" +
-	"\tcontainer\x18\x16 \x01(\tR\tcontainer\x1a6\n" +
+	"\tcontainer\x18\x16 \x01(\tR\tcontainer\x121\n" +
+	"\n" +
+	"model_call\x18\x17 \x01(\v2\x12.dsec.v1.ModelCallR\tmodelCall\x12*\n" +
+	"\arollout\x18\x18 \x01(\v2\x10.dsec.v1.RolloutR\arollout\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a;\n" +
@@ -7457,7 +8186,53 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\aentries\x18\x01 \x03(\v2\x11.dsec.v1.LogEntryR\aentries\x12\x19\n" +
 	"\bnext_seq\x18\x02 \x01(\x04R\anextSeq\x12\x1d\n" +
 	"\n" +
-	"sandbox_id\x18\x03 \x01(\tR\tsandboxId\"_\n" +
+	"sandbox_id\x18\x03 \x01(\tR\tsandboxId\"\xe3\x02\n" +
+	"\x13StartRolloutRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
+	"\n" +
+	"rollout_id\x18\x02 \x01(\tR\trolloutId\x12\x12\n" +
+	"\x04argv\x18\x03 \x03(\tR\x04argv\x12\x10\n" +
+	"\x03cmd\x18\x04 \x01(\tR\x03cmd\x127\n" +
+	"\x03env\x18\x05 \x03(\v2%.dsec.v1.StartRolloutRequest.EnvEntryR\x03env\x12\x10\n" +
+	"\x03cwd\x18\x06 \x01(\tR\x03cwd\x12\x12\n" +
+	"\x04user\x18\a \x01(\tR\x04user\x12\x1b\n" +
+	"\ttimeout_s\x18\b \x01(\x01R\btimeoutS\x124\n" +
+	"\bverifier\x18\t \x01(\v2\x18.dsec.v1.RolloutVerifierR\bverifier\x1a6\n" +
+	"\bEnvEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"T\n" +
+	"\x0fRolloutVerifier\x12\x12\n" +
+	"\x04argv\x18\x01 \x03(\tR\x04argv\x12\x10\n" +
+	"\x03cmd\x18\x02 \x01(\tR\x03cmd\x12\x1b\n" +
+	"\ttimeout_s\x18\x03 \x01(\x01R\btimeoutS\"h\n" +
+	"\x11GetRolloutRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
+	"\n" +
+	"rollout_id\x18\x02 \x01(\tR\trolloutId\x12\x15\n" +
+	"\x06wait_s\x18\x03 \x01(\x01R\x05waitS\"\x8e\x04\n" +
+	"\aRollout\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
+	"\n" +
+	"rollout_id\x18\x02 \x01(\tR\trolloutId\x12\x14\n" +
+	"\x05state\x18\x03 \x01(\tR\x05state\x129\n" +
+	"\n" +
+	"started_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x125\n" +
+	"\bended_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\x12+\n" +
+	"\x06result\x18\x06 \x01(\v2\x13.dsec.v1.ExecResultR\x06result\x12/\n" +
+	"\bverifier\x18\a \x01(\v2\x13.dsec.v1.ExecResultR\bverifier\x12\x16\n" +
+	"\x06reward\x18\b \x01(\x01R\x06reward\x12\x1d\n" +
+	"\n" +
+	"has_reward\x18\t \x01(\bR\thasReward\x12\x1b\n" +
+	"\tstart_seq\x18\n" +
+	" \x01(\x04R\bstartSeq\x12\x1f\n" +
+	"\vmodel_calls\x18\v \x01(\x03R\n" +
+	"modelCalls\x12\x1a\n" +
+	"\bcommands\x18\f \x01(\x03R\bcommands\x12\x16\n" +
+	"\x06detail\x18\r \x01(\tR\x06detail\x126\n" +
+	"\arequest\x18\x0e \x01(\v2\x1c.dsec.v1.StartRolloutRequestR\arequest\"_\n" +
 	"\rReplayRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
@@ -7518,11 +8293,14 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\bSnapshot\x12\x18.dsec.v1.SnapshotRequest\x1a\x15.dsec.v1.SnapshotInfo\x12S\n" +
 	"\rListSnapshots\x12\x1d.dsec.v1.ListSnapshotsRequest\x1a\x1e.dsec.v1.ListSnapshotsResponse\"\x03\x90\x02\x01\x12Q\n" +
 	"\x0eDeleteSnapshot\x12\x1e.dsec.v1.DeleteSnapshotRequest\x1a\x1f.dsec.v1.DeleteSnapshotResponse\x12>\n" +
-	"\x04Fork\x12\x14.dsec.v1.ForkRequest\x1a .dsec.v1.CreateSandboxesResponse2\xdc\x01\n" +
+	"\x04Fork\x12\x14.dsec.v1.ForkRequest\x1a .dsec.v1.CreateSandboxesResponse2\xdd\x02\n" +
 	"\n" +
 	"LogService\x12>\n" +
 	"\x06GetLog\x12\x16.dsec.v1.GetLogRequest\x1a\x17.dsec.v1.GetLogResponse\"\x03\x90\x02\x01\x129\n" +
-	"\x06Replay\x12\x16.dsec.v1.ReplayRequest\x1a\x17.dsec.v1.ReplayResponse\x12S\n" +
+	"\x06Replay\x12\x16.dsec.v1.ReplayRequest\x1a\x17.dsec.v1.ReplayResponse\x12>\n" +
+	"\fStartRollout\x12\x1c.dsec.v1.StartRolloutRequest\x1a\x10.dsec.v1.Rollout\x12?\n" +
+	"\n" +
+	"GetRollout\x12\x1a.dsec.v1.GetRolloutRequest\x1a\x10.dsec.v1.Rollout\"\x03\x90\x02\x01\x12S\n" +
 	"\rGetNetworkLog\x12\x1d.dsec.v1.GetNetworkLogRequest\x1a\x1e.dsec.v1.GetNetworkLogResponse\"\x03\x90\x02\x012\xd8\x01\n" +
 	"\rScreenService\x12E\n" +
 	"\n" +
@@ -7542,7 +8320,7 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 102)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 109)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
 	(*Resources)(nil),               // 1: dsec.v1.Resources
@@ -7556,98 +8334,105 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*GetNetworkLogResponse)(nil),   // 9: dsec.v1.GetNetworkLogResponse
 	(*ConnectionRecord)(nil),        // 10: dsec.v1.ConnectionRecord
 	(*SandboxSpec)(nil),             // 11: dsec.v1.SandboxSpec
-	(*SharedVolume)(nil),            // 12: dsec.v1.SharedVolume
-	(*Sidecar)(nil),                 // 13: dsec.v1.Sidecar
-	(*HealthCheck)(nil),             // 14: dsec.v1.HealthCheck
-	(*SidecarDependency)(nil),       // 15: dsec.v1.SidecarDependency
-	(*SidecarStatus)(nil),           // 16: dsec.v1.SidecarStatus
-	(*Sandbox)(nil),                 // 17: dsec.v1.Sandbox
-	(*CreateSandboxRequest)(nil),    // 18: dsec.v1.CreateSandboxRequest
-	(*GetSandboxRequest)(nil),       // 19: dsec.v1.GetSandboxRequest
-	(*ListSandboxesRequest)(nil),    // 20: dsec.v1.ListSandboxesRequest
-	(*ListSandboxesResponse)(nil),   // 21: dsec.v1.ListSandboxesResponse
-	(*DeleteSandboxRequest)(nil),    // 22: dsec.v1.DeleteSandboxRequest
-	(*DeleteSandboxResponse)(nil),   // 23: dsec.v1.DeleteSandboxResponse
-	(*KeepaliveRequest)(nil),        // 24: dsec.v1.KeepaliveRequest
-	(*ExecRequest)(nil),             // 25: dsec.v1.ExecRequest
-	(*ExecResult)(nil),              // 26: dsec.v1.ExecResult
-	(*ExecStarted)(nil),             // 27: dsec.v1.ExecStarted
-	(*ExecEvent)(nil),               // 28: dsec.v1.ExecEvent
-	(*ConnectProcessRequest)(nil),   // 29: dsec.v1.ConnectProcessRequest
-	(*WriteStdinRequest)(nil),       // 30: dsec.v1.WriteStdinRequest
-	(*WriteStdinResponse)(nil),      // 31: dsec.v1.WriteStdinResponse
-	(*SignalProcessRequest)(nil),    // 32: dsec.v1.SignalProcessRequest
-	(*SignalProcessResponse)(nil),   // 33: dsec.v1.SignalProcessResponse
-	(*ResizePTYRequest)(nil),        // 34: dsec.v1.ResizePTYRequest
-	(*ResizePTYResponse)(nil),       // 35: dsec.v1.ResizePTYResponse
-	(*ProcessInfo)(nil),             // 36: dsec.v1.ProcessInfo
-	(*ListProcessesRequest)(nil),    // 37: dsec.v1.ListProcessesRequest
-	(*ListProcessesResponse)(nil),   // 38: dsec.v1.ListProcessesResponse
-	(*FileInfo)(nil),                // 39: dsec.v1.FileInfo
-	(*ReadFileRequest)(nil),         // 40: dsec.v1.ReadFileRequest
-	(*ReadFileResponse)(nil),        // 41: dsec.v1.ReadFileResponse
-	(*WriteFileHeader)(nil),         // 42: dsec.v1.WriteFileHeader
-	(*WriteFileRequest)(nil),        // 43: dsec.v1.WriteFileRequest
-	(*StatRequest)(nil),             // 44: dsec.v1.StatRequest
-	(*ListDirRequest)(nil),          // 45: dsec.v1.ListDirRequest
-	(*ListDirResponse)(nil),         // 46: dsec.v1.ListDirResponse
-	(*MakeDirRequest)(nil),          // 47: dsec.v1.MakeDirRequest
-	(*RemoveRequest)(nil),           // 48: dsec.v1.RemoveRequest
-	(*RemoveResponse)(nil),          // 49: dsec.v1.RemoveResponse
-	(*RenameRequest)(nil),           // 50: dsec.v1.RenameRequest
-	(*ChangeModeRequest)(nil),       // 51: dsec.v1.ChangeModeRequest
-	(*WatchDirRequest)(nil),         // 52: dsec.v1.WatchDirRequest
-	(*FsEvent)(nil),                 // 53: dsec.v1.FsEvent
-	(*WatchDirEvent)(nil),           // 54: dsec.v1.WatchDirEvent
-	(*GetSandboxStatsRequest)(nil),  // 55: dsec.v1.GetSandboxStatsRequest
-	(*StatsSample)(nil),             // 56: dsec.v1.StatsSample
-	(*SandboxStats)(nil),            // 57: dsec.v1.SandboxStats
-	(*ScreenshotRequest)(nil),       // 58: dsec.v1.ScreenshotRequest
-	(*ScreenshotResponse)(nil),      // 59: dsec.v1.ScreenshotResponse
-	(*SendInputRequest)(nil),        // 60: dsec.v1.SendInputRequest
-	(*SendInputResponse)(nil),       // 61: dsec.v1.SendInputResponse
-	(*OpenVNCRequest)(nil),          // 62: dsec.v1.OpenVNCRequest
-	(*OpenVNCResponse)(nil),         // 63: dsec.v1.OpenVNCResponse
-	(*InputAction)(nil),             // 64: dsec.v1.InputAction
-	(*Point)(nil),                   // 65: dsec.v1.Point
-	(*MouseClick)(nil),              // 66: dsec.v1.MouseClick
-	(*MouseButton)(nil),             // 67: dsec.v1.MouseButton
-	(*MouseScroll)(nil),             // 68: dsec.v1.MouseScroll
-	(*ItemError)(nil),               // 69: dsec.v1.ItemError
-	(*CreateSandboxesRequest)(nil),  // 70: dsec.v1.CreateSandboxesRequest
-	(*CreateResult)(nil),            // 71: dsec.v1.CreateResult
-	(*CreateSandboxesResponse)(nil), // 72: dsec.v1.CreateSandboxesResponse
-	(*PauseSandboxRequest)(nil),     // 73: dsec.v1.PauseSandboxRequest
-	(*ResumeSandboxRequest)(nil),    // 74: dsec.v1.ResumeSandboxRequest
-	(*BulkRequest)(nil),             // 75: dsec.v1.BulkRequest
-	(*BulkFailure)(nil),             // 76: dsec.v1.BulkFailure
-	(*BulkResponse)(nil),            // 77: dsec.v1.BulkResponse
-	(*SnapshotRequest)(nil),         // 78: dsec.v1.SnapshotRequest
-	(*SnapshotInfo)(nil),            // 79: dsec.v1.SnapshotInfo
-	(*ListSnapshotsRequest)(nil),    // 80: dsec.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),   // 81: dsec.v1.ListSnapshotsResponse
-	(*DeleteSnapshotRequest)(nil),   // 82: dsec.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil),  // 83: dsec.v1.DeleteSnapshotResponse
-	(*ForkRequest)(nil),             // 84: dsec.v1.ForkRequest
-	(*GetLogRequest)(nil),           // 85: dsec.v1.GetLogRequest
-	(*LogEntry)(nil),                // 86: dsec.v1.LogEntry
-	(*GetLogResponse)(nil),          // 87: dsec.v1.GetLogResponse
-	(*ReplayRequest)(nil),           // 88: dsec.v1.ReplayRequest
-	(*ReplayStep)(nil),              // 89: dsec.v1.ReplayStep
-	(*ReplayResponse)(nil),          // 90: dsec.v1.ReplayResponse
-	nil,                             // 91: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                             // 92: dsec.v1.SandboxSpec.EnvEntry
-	nil,                             // 93: dsec.v1.SandboxSpec.NodeSelectorEntry
-	nil,                             // 94: dsec.v1.Sidecar.EnvEntry
-	nil,                             // 95: dsec.v1.ExecRequest.EnvEntry
-	nil,                             // 96: dsec.v1.ProcessInfo.EnvEntry
-	nil,                             // 97: dsec.v1.FileInfo.MetadataEntry
-	nil,                             // 98: dsec.v1.WriteFileHeader.MetadataEntry
-	nil,                             // 99: dsec.v1.ForkRequest.LabelsEntry
-	nil,                             // 100: dsec.v1.LogEntry.EnvEntry
-	nil,                             // 101: dsec.v1.LogEntry.MetadataEntry
-	(*timestamppb.Timestamp)(nil),   // 102: google.protobuf.Timestamp
-	(*VolumeMount)(nil),             // 103: dsec.v1.VolumeMount
+	(*ModelGateway)(nil),            // 12: dsec.v1.ModelGateway
+	(*ModelCall)(nil),               // 13: dsec.v1.ModelCall
+	(*SharedVolume)(nil),            // 14: dsec.v1.SharedVolume
+	(*Sidecar)(nil),                 // 15: dsec.v1.Sidecar
+	(*HealthCheck)(nil),             // 16: dsec.v1.HealthCheck
+	(*SidecarDependency)(nil),       // 17: dsec.v1.SidecarDependency
+	(*SidecarStatus)(nil),           // 18: dsec.v1.SidecarStatus
+	(*Sandbox)(nil),                 // 19: dsec.v1.Sandbox
+	(*CreateSandboxRequest)(nil),    // 20: dsec.v1.CreateSandboxRequest
+	(*GetSandboxRequest)(nil),       // 21: dsec.v1.GetSandboxRequest
+	(*ListSandboxesRequest)(nil),    // 22: dsec.v1.ListSandboxesRequest
+	(*ListSandboxesResponse)(nil),   // 23: dsec.v1.ListSandboxesResponse
+	(*DeleteSandboxRequest)(nil),    // 24: dsec.v1.DeleteSandboxRequest
+	(*DeleteSandboxResponse)(nil),   // 25: dsec.v1.DeleteSandboxResponse
+	(*KeepaliveRequest)(nil),        // 26: dsec.v1.KeepaliveRequest
+	(*ExecRequest)(nil),             // 27: dsec.v1.ExecRequest
+	(*ExecResult)(nil),              // 28: dsec.v1.ExecResult
+	(*ExecStarted)(nil),             // 29: dsec.v1.ExecStarted
+	(*ExecEvent)(nil),               // 30: dsec.v1.ExecEvent
+	(*ConnectProcessRequest)(nil),   // 31: dsec.v1.ConnectProcessRequest
+	(*WriteStdinRequest)(nil),       // 32: dsec.v1.WriteStdinRequest
+	(*WriteStdinResponse)(nil),      // 33: dsec.v1.WriteStdinResponse
+	(*SignalProcessRequest)(nil),    // 34: dsec.v1.SignalProcessRequest
+	(*SignalProcessResponse)(nil),   // 35: dsec.v1.SignalProcessResponse
+	(*ResizePTYRequest)(nil),        // 36: dsec.v1.ResizePTYRequest
+	(*ResizePTYResponse)(nil),       // 37: dsec.v1.ResizePTYResponse
+	(*ProcessInfo)(nil),             // 38: dsec.v1.ProcessInfo
+	(*ListProcessesRequest)(nil),    // 39: dsec.v1.ListProcessesRequest
+	(*ListProcessesResponse)(nil),   // 40: dsec.v1.ListProcessesResponse
+	(*FileInfo)(nil),                // 41: dsec.v1.FileInfo
+	(*ReadFileRequest)(nil),         // 42: dsec.v1.ReadFileRequest
+	(*ReadFileResponse)(nil),        // 43: dsec.v1.ReadFileResponse
+	(*WriteFileHeader)(nil),         // 44: dsec.v1.WriteFileHeader
+	(*WriteFileRequest)(nil),        // 45: dsec.v1.WriteFileRequest
+	(*StatRequest)(nil),             // 46: dsec.v1.StatRequest
+	(*ListDirRequest)(nil),          // 47: dsec.v1.ListDirRequest
+	(*ListDirResponse)(nil),         // 48: dsec.v1.ListDirResponse
+	(*MakeDirRequest)(nil),          // 49: dsec.v1.MakeDirRequest
+	(*RemoveRequest)(nil),           // 50: dsec.v1.RemoveRequest
+	(*RemoveResponse)(nil),          // 51: dsec.v1.RemoveResponse
+	(*RenameRequest)(nil),           // 52: dsec.v1.RenameRequest
+	(*ChangeModeRequest)(nil),       // 53: dsec.v1.ChangeModeRequest
+	(*WatchDirRequest)(nil),         // 54: dsec.v1.WatchDirRequest
+	(*FsEvent)(nil),                 // 55: dsec.v1.FsEvent
+	(*WatchDirEvent)(nil),           // 56: dsec.v1.WatchDirEvent
+	(*GetSandboxStatsRequest)(nil),  // 57: dsec.v1.GetSandboxStatsRequest
+	(*StatsSample)(nil),             // 58: dsec.v1.StatsSample
+	(*SandboxStats)(nil),            // 59: dsec.v1.SandboxStats
+	(*ScreenshotRequest)(nil),       // 60: dsec.v1.ScreenshotRequest
+	(*ScreenshotResponse)(nil),      // 61: dsec.v1.ScreenshotResponse
+	(*SendInputRequest)(nil),        // 62: dsec.v1.SendInputRequest
+	(*SendInputResponse)(nil),       // 63: dsec.v1.SendInputResponse
+	(*OpenVNCRequest)(nil),          // 64: dsec.v1.OpenVNCRequest
+	(*OpenVNCResponse)(nil),         // 65: dsec.v1.OpenVNCResponse
+	(*InputAction)(nil),             // 66: dsec.v1.InputAction
+	(*Point)(nil),                   // 67: dsec.v1.Point
+	(*MouseClick)(nil),              // 68: dsec.v1.MouseClick
+	(*MouseButton)(nil),             // 69: dsec.v1.MouseButton
+	(*MouseScroll)(nil),             // 70: dsec.v1.MouseScroll
+	(*ItemError)(nil),               // 71: dsec.v1.ItemError
+	(*CreateSandboxesRequest)(nil),  // 72: dsec.v1.CreateSandboxesRequest
+	(*CreateResult)(nil),            // 73: dsec.v1.CreateResult
+	(*CreateSandboxesResponse)(nil), // 74: dsec.v1.CreateSandboxesResponse
+	(*PauseSandboxRequest)(nil),     // 75: dsec.v1.PauseSandboxRequest
+	(*ResumeSandboxRequest)(nil),    // 76: dsec.v1.ResumeSandboxRequest
+	(*BulkRequest)(nil),             // 77: dsec.v1.BulkRequest
+	(*BulkFailure)(nil),             // 78: dsec.v1.BulkFailure
+	(*BulkResponse)(nil),            // 79: dsec.v1.BulkResponse
+	(*SnapshotRequest)(nil),         // 80: dsec.v1.SnapshotRequest
+	(*SnapshotInfo)(nil),            // 81: dsec.v1.SnapshotInfo
+	(*ListSnapshotsRequest)(nil),    // 82: dsec.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),   // 83: dsec.v1.ListSnapshotsResponse
+	(*DeleteSnapshotRequest)(nil),   // 84: dsec.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),  // 85: dsec.v1.DeleteSnapshotResponse
+	(*ForkRequest)(nil),             // 86: dsec.v1.ForkRequest
+	(*GetLogRequest)(nil),           // 87: dsec.v1.GetLogRequest
+	(*LogEntry)(nil),                // 88: dsec.v1.LogEntry
+	(*GetLogResponse)(nil),          // 89: dsec.v1.GetLogResponse
+	(*StartRolloutRequest)(nil),     // 90: dsec.v1.StartRolloutRequest
+	(*RolloutVerifier)(nil),         // 91: dsec.v1.RolloutVerifier
+	(*GetRolloutRequest)(nil),       // 92: dsec.v1.GetRolloutRequest
+	(*Rollout)(nil),                 // 93: dsec.v1.Rollout
+	(*ReplayRequest)(nil),           // 94: dsec.v1.ReplayRequest
+	(*ReplayStep)(nil),              // 95: dsec.v1.ReplayStep
+	(*ReplayResponse)(nil),          // 96: dsec.v1.ReplayResponse
+	nil,                             // 97: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                             // 98: dsec.v1.SandboxSpec.EnvEntry
+	nil,                             // 99: dsec.v1.SandboxSpec.NodeSelectorEntry
+	nil,                             // 100: dsec.v1.Sidecar.EnvEntry
+	nil,                             // 101: dsec.v1.ExecRequest.EnvEntry
+	nil,                             // 102: dsec.v1.ProcessInfo.EnvEntry
+	nil,                             // 103: dsec.v1.FileInfo.MetadataEntry
+	nil,                             // 104: dsec.v1.WriteFileHeader.MetadataEntry
+	nil,                             // 105: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 106: dsec.v1.LogEntry.EnvEntry
+	nil,                             // 107: dsec.v1.LogEntry.MetadataEntry
+	nil,                             // 108: dsec.v1.StartRolloutRequest.EnvEntry
+	(*timestamppb.Timestamp)(nil),   // 109: google.protobuf.Timestamp
+	(*VolumeMount)(nil),             // 110: dsec.v1.VolumeMount
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	3,   // 0: dsec.v1.Network.policy:type_name -> dsec.v1.NetworkPolicy
@@ -7655,153 +8440,167 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	5,   // 2: dsec.v1.NetworkPolicy.credentials:type_name -> dsec.v1.BrokeredCredential
 	3,   // 3: dsec.v1.SetNetworkPolicyRequest.policy:type_name -> dsec.v1.NetworkPolicy
 	10,  // 4: dsec.v1.GetNetworkLogResponse.records:type_name -> dsec.v1.ConnectionRecord
-	102, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
+	109, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
 	1,   // 6: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	91,  // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	92,  // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
+	97,  // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	98,  // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,   // 9: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
-	93,  // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
-	103, // 11: dsec.v1.SandboxSpec.volumes:type_name -> dsec.v1.VolumeMount
-	13,  // 12: dsec.v1.SandboxSpec.sidecars:type_name -> dsec.v1.Sidecar
-	12,  // 13: dsec.v1.SandboxSpec.shared_volumes:type_name -> dsec.v1.SharedVolume
-	94,  // 14: dsec.v1.Sidecar.env:type_name -> dsec.v1.Sidecar.EnvEntry
-	1,   // 15: dsec.v1.Sidecar.resources:type_name -> dsec.v1.Resources
-	14,  // 16: dsec.v1.Sidecar.healthcheck:type_name -> dsec.v1.HealthCheck
-	15,  // 17: dsec.v1.Sidecar.depends_on:type_name -> dsec.v1.SidecarDependency
-	103, // 18: dsec.v1.Sidecar.volumes:type_name -> dsec.v1.VolumeMount
-	11,  // 19: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	102, // 20: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	102, // 21: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	102, // 22: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
-	102, // 23: dsec.v1.Sandbox.ended_at:type_name -> google.protobuf.Timestamp
-	16,  // 24: dsec.v1.Sandbox.sidecars:type_name -> dsec.v1.SidecarStatus
-	11,  // 25: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
-	17,  // 26: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	95,  // 27: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
-	27,  // 28: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
-	26,  // 29: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	96,  // 30: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
-	36,  // 31: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	102, // 32: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
-	97,  // 33: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
-	39,  // 34: dsec.v1.FileInfo.target:type_name -> dsec.v1.FileInfo
-	39,  // 35: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
-	98,  // 36: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
-	42,  // 37: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
-	39,  // 38: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
-	39,  // 39: dsec.v1.FsEvent.info:type_name -> dsec.v1.FileInfo
-	53,  // 40: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	102, // 41: dsec.v1.StatsSample.at:type_name -> google.protobuf.Timestamp
-	102, // 42: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
-	56,  // 43: dsec.v1.SandboxStats.history:type_name -> dsec.v1.StatsSample
-	64,  // 44: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
-	102, // 45: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
-	65,  // 46: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
-	66,  // 47: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
-	67,  // 48: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
-	68,  // 49: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
-	11,  // 50: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
-	11,  // 51: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
-	17,  // 52: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
-	69,  // 53: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
-	71,  // 54: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
-	69,  // 55: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
-	76,  // 56: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	102, // 57: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
-	79,  // 58: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	99,  // 59: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	102, // 60: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	100, // 61: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
-	26,  // 62: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
-	69,  // 63: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	101, // 64: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
-	86,  // 65: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	89,  // 66: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	18,  // 67: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	70,  // 68: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	19,  // 69: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	20,  // 70: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	22,  // 71: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	24,  // 72: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	73,  // 73: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	74,  // 74: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	75,  // 75: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	75,  // 76: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	75,  // 77: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	55,  // 78: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	6,   // 79: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
-	7,   // 80: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
-	25,  // 81: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
-	25,  // 82: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
-	29,  // 83: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	30,  // 84: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	32,  // 85: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	34,  // 86: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	37,  // 87: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	40,  // 88: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	43,  // 89: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	44,  // 90: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
-	45,  // 91: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
-	47,  // 92: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	48,  // 93: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
-	50,  // 94: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
-	51,  // 95: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
-	52,  // 96: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	78,  // 97: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	80,  // 98: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	82,  // 99: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	84,  // 100: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
-	85,  // 101: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
-	88,  // 102: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
-	8,   // 103: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
-	58,  // 104: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	60,  // 105: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
-	62,  // 106: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
-	17,  // 107: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	72,  // 108: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	17,  // 109: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
-	21,  // 110: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	23,  // 111: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	17,  // 112: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
-	17,  // 113: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	17,  // 114: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	77,  // 115: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	77,  // 116: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	77,  // 117: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	57,  // 118: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	2,   // 119: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
-	2,   // 120: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
-	26,  // 121: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
-	28,  // 122: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
-	28,  // 123: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	31,  // 124: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	33,  // 125: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	35,  // 126: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	38,  // 127: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	41,  // 128: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	39,  // 129: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
-	39,  // 130: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
-	46,  // 131: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
-	39,  // 132: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
-	49,  // 133: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
-	39,  // 134: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
-	39,  // 135: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
-	54,  // 136: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	79,  // 137: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	81,  // 138: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	83,  // 139: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	72,  // 140: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	87,  // 141: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
-	90,  // 142: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
-	9,   // 143: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
-	59,  // 144: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	61,  // 145: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
-	63,  // 146: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
-	107, // [107:147] is the sub-list for method output_type
-	67,  // [67:107] is the sub-list for method input_type
-	67,  // [67:67] is the sub-list for extension type_name
-	67,  // [67:67] is the sub-list for extension extendee
-	0,   // [0:67] is the sub-list for field type_name
+	99,  // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
+	110, // 11: dsec.v1.SandboxSpec.volumes:type_name -> dsec.v1.VolumeMount
+	15,  // 12: dsec.v1.SandboxSpec.sidecars:type_name -> dsec.v1.Sidecar
+	14,  // 13: dsec.v1.SandboxSpec.shared_volumes:type_name -> dsec.v1.SharedVolume
+	12,  // 14: dsec.v1.SandboxSpec.model_gateway:type_name -> dsec.v1.ModelGateway
+	100, // 15: dsec.v1.Sidecar.env:type_name -> dsec.v1.Sidecar.EnvEntry
+	1,   // 16: dsec.v1.Sidecar.resources:type_name -> dsec.v1.Resources
+	16,  // 17: dsec.v1.Sidecar.healthcheck:type_name -> dsec.v1.HealthCheck
+	17,  // 18: dsec.v1.Sidecar.depends_on:type_name -> dsec.v1.SidecarDependency
+	110, // 19: dsec.v1.Sidecar.volumes:type_name -> dsec.v1.VolumeMount
+	11,  // 20: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
+	109, // 21: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	109, // 22: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	109, // 23: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	109, // 24: dsec.v1.Sandbox.ended_at:type_name -> google.protobuf.Timestamp
+	18,  // 25: dsec.v1.Sandbox.sidecars:type_name -> dsec.v1.SidecarStatus
+	11,  // 26: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
+	19,  // 27: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
+	101, // 28: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	29,  // 29: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
+	28,  // 30: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
+	102, // 31: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	38,  // 32: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
+	109, // 33: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	103, // 34: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
+	41,  // 35: dsec.v1.FileInfo.target:type_name -> dsec.v1.FileInfo
+	41,  // 36: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
+	104, // 37: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
+	44,  // 38: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
+	41,  // 39: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
+	41,  // 40: dsec.v1.FsEvent.info:type_name -> dsec.v1.FileInfo
+	55,  // 41: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
+	109, // 42: dsec.v1.StatsSample.at:type_name -> google.protobuf.Timestamp
+	109, // 43: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	58,  // 44: dsec.v1.SandboxStats.history:type_name -> dsec.v1.StatsSample
+	66,  // 45: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
+	109, // 46: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
+	67,  // 47: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
+	68,  // 48: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
+	69,  // 49: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
+	70,  // 50: dsec.v1.InputAction.scroll:type_name -> dsec.v1.MouseScroll
+	11,  // 51: dsec.v1.CreateSandboxesRequest.spec:type_name -> dsec.v1.SandboxSpec
+	11,  // 52: dsec.v1.CreateSandboxesRequest.specs:type_name -> dsec.v1.SandboxSpec
+	19,  // 53: dsec.v1.CreateResult.sandbox:type_name -> dsec.v1.Sandbox
+	71,  // 54: dsec.v1.CreateResult.error:type_name -> dsec.v1.ItemError
+	73,  // 55: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
+	71,  // 56: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
+	78,  // 57: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
+	109, // 58: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	81,  // 59: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
+	105, // 60: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	109, // 61: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	106, // 62: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	28,  // 63: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
+	71,  // 64: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
+	107, // 65: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
+	13,  // 66: dsec.v1.LogEntry.model_call:type_name -> dsec.v1.ModelCall
+	93,  // 67: dsec.v1.LogEntry.rollout:type_name -> dsec.v1.Rollout
+	88,  // 68: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
+	108, // 69: dsec.v1.StartRolloutRequest.env:type_name -> dsec.v1.StartRolloutRequest.EnvEntry
+	91,  // 70: dsec.v1.StartRolloutRequest.verifier:type_name -> dsec.v1.RolloutVerifier
+	109, // 71: dsec.v1.Rollout.started_at:type_name -> google.protobuf.Timestamp
+	109, // 72: dsec.v1.Rollout.ended_at:type_name -> google.protobuf.Timestamp
+	28,  // 73: dsec.v1.Rollout.result:type_name -> dsec.v1.ExecResult
+	28,  // 74: dsec.v1.Rollout.verifier:type_name -> dsec.v1.ExecResult
+	90,  // 75: dsec.v1.Rollout.request:type_name -> dsec.v1.StartRolloutRequest
+	95,  // 76: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	20,  // 77: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	72,  // 78: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	21,  // 79: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	22,  // 80: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	24,  // 81: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	26,  // 82: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	75,  // 83: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	76,  // 84: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	77,  // 85: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	77,  // 86: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	77,  // 87: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	57,  // 88: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	6,   // 89: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
+	7,   // 90: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
+	27,  // 91: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
+	27,  // 92: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
+	31,  // 93: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	32,  // 94: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	34,  // 95: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	36,  // 96: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	39,  // 97: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	42,  // 98: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	45,  // 99: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	46,  // 100: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
+	47,  // 101: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
+	49,  // 102: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	50,  // 103: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
+	52,  // 104: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
+	53,  // 105: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
+	54,  // 106: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	80,  // 107: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	82,  // 108: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	84,  // 109: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	86,  // 110: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
+	87,  // 111: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
+	94,  // 112: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
+	90,  // 113: dsec.v1.LogService.StartRollout:input_type -> dsec.v1.StartRolloutRequest
+	92,  // 114: dsec.v1.LogService.GetRollout:input_type -> dsec.v1.GetRolloutRequest
+	8,   // 115: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
+	60,  // 116: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	62,  // 117: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
+	64,  // 118: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	19,  // 119: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	74,  // 120: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	19,  // 121: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
+	23,  // 122: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	25,  // 123: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	19,  // 124: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
+	19,  // 125: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	19,  // 126: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	79,  // 127: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	79,  // 128: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	79,  // 129: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	59,  // 130: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	2,   // 131: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
+	2,   // 132: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
+	28,  // 133: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
+	30,  // 134: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
+	30,  // 135: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	33,  // 136: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	35,  // 137: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	37,  // 138: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	40,  // 139: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	43,  // 140: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	41,  // 141: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
+	41,  // 142: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
+	48,  // 143: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
+	41,  // 144: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
+	51,  // 145: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
+	41,  // 146: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
+	41,  // 147: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
+	56,  // 148: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	81,  // 149: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	83,  // 150: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	85,  // 151: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	74,  // 152: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	89,  // 153: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
+	96,  // 154: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
+	93,  // 155: dsec.v1.LogService.StartRollout:output_type -> dsec.v1.Rollout
+	93,  // 156: dsec.v1.LogService.GetRollout:output_type -> dsec.v1.Rollout
+	9,   // 157: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
+	61,  // 158: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	63,  // 159: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
+	65,  // 160: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	119, // [119:161] is the sub-list for method output_type
+	77,  // [77:119] is the sub-list for method input_type
+	77,  // [77:77] is the sub-list for extension type_name
+	77,  // [77:77] is the sub-list for extension extendee
+	0,   // [0:77] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -7810,28 +8609,28 @@ func file_dsec_v1_sandbox_proto_init() {
 		return
 	}
 	file_dsec_v1_volume_proto_init()
-	file_dsec_v1_sandbox_proto_msgTypes[28].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[30].OneofWrappers = []any{
 		(*ExecEvent_Started)(nil),
 		(*ExecEvent_Stdout)(nil),
 		(*ExecEvent_Stderr)(nil),
 		(*ExecEvent_Exit)(nil),
 		(*ExecEvent_Keepalive)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[41].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[43].OneofWrappers = []any{
 		(*ReadFileResponse_Info)(nil),
 		(*ReadFileResponse_Data)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[43].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[45].OneofWrappers = []any{
 		(*WriteFileRequest_Header)(nil),
 		(*WriteFileRequest_Data)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[54].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[56].OneofWrappers = []any{
 		(*WatchDirEvent_Started)(nil),
 		(*WatchDirEvent_Change)(nil),
 		(*WatchDirEvent_Keepalive)(nil),
 		(*WatchDirEvent_Overflow)(nil),
 	}
-	file_dsec_v1_sandbox_proto_msgTypes[64].OneofWrappers = []any{
+	file_dsec_v1_sandbox_proto_msgTypes[66].OneofWrappers = []any{
 		(*InputAction_Text)(nil),
 		(*InputAction_Keys)(nil),
 		(*InputAction_Move)(nil),
@@ -7845,7 +8644,7 @@ func file_dsec_v1_sandbox_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   102,
+			NumMessages:   109,
 			NumExtensions: 0,
 			NumServices:   6,
 		},

@@ -586,6 +586,363 @@ func (x *ListSessionsResponse) GetSessions() []*Session {
 	return nil
 }
 
+// ModelUpstream is a model server the gateway forwards to: an
+// OpenAI-compatible one (vLLM, SGLang, a hosted API) or Anthropic's.
+type ModelUpstream struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// name identifies it in the log (1 to 63 letters, digits, '.', '_' or
+	// '-').
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// base_url is the URL the API's paths follow, with its version:
+	// "http://10.0.0.5:8000/v1", "https://api.openai.com/v1".
+	BaseUrl string `protobuf:"bytes,2,opt,name=base_url,json=baseUrl,proto3" json:"base_url,omitempty"`
+	// api is "openai" (default: Authorization: Bearer) or "anthropic"
+	// (x-api-key and anthropic-version).
+	Api string `protobuf:"bytes,3,opt,name=api,proto3" json:"api,omitempty"`
+	// api_key is sent to the upstream; it never reaches a sandbox and is
+	// never returned (GetModelUpstreams says whether one is set).
+	ApiKey    string `protobuf:"bytes,4,opt,name=api_key,json=apiKey,proto3" json:"api_key,omitempty"`
+	HasApiKey bool   `protobuf:"varint,5,opt,name=has_api_key,json=hasApiKey,proto3" json:"has_api_key,omitempty"`
+	// models are the model names it serves; a call goes to the first
+	// upstream that lists its model, else to the one with no models listed
+	// (a default). A call for a model no upstream takes is refused (403).
+	Models []string `protobuf:"bytes,6,rep,name=models,proto3" json:"models,omitempty"`
+	// timeout_s bounds one call, the whole answer (default 600); a stream
+	// that sends nothing for idle_timeout_s (default 120) is cut as hung.
+	TimeoutS      float64 `protobuf:"fixed64,7,opt,name=timeout_s,json=timeoutS,proto3" json:"timeout_s,omitempty"`
+	IdleTimeoutS  float64 `protobuf:"fixed64,8,opt,name=idle_timeout_s,json=idleTimeoutS,proto3" json:"idle_timeout_s,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ModelUpstream) Reset() {
+	*x = ModelUpstream{}
+	mi := &file_dsec_v1_system_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ModelUpstream) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ModelUpstream) ProtoMessage() {}
+
+func (x *ModelUpstream) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ModelUpstream.ProtoReflect.Descriptor instead.
+func (*ModelUpstream) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *ModelUpstream) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ModelUpstream) GetBaseUrl() string {
+	if x != nil {
+		return x.BaseUrl
+	}
+	return ""
+}
+
+func (x *ModelUpstream) GetApi() string {
+	if x != nil {
+		return x.Api
+	}
+	return ""
+}
+
+func (x *ModelUpstream) GetApiKey() string {
+	if x != nil {
+		return x.ApiKey
+	}
+	return ""
+}
+
+func (x *ModelUpstream) GetHasApiKey() bool {
+	if x != nil {
+		return x.HasApiKey
+	}
+	return false
+}
+
+func (x *ModelUpstream) GetModels() []string {
+	if x != nil {
+		return x.Models
+	}
+	return nil
+}
+
+func (x *ModelUpstream) GetTimeoutS() float64 {
+	if x != nil {
+		return x.TimeoutS
+	}
+	return 0
+}
+
+func (x *ModelUpstream) GetIdleTimeoutS() float64 {
+	if x != nil {
+		return x.IdleTimeoutS
+	}
+	return 0
+}
+
+// ModelLimits bound a session's model calls (0: no bound). They are held
+// per node: a session spread over n nodes gets up to n times them.
+type ModelLimits struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// max_concurrent bounds calls in flight; more wait for a slot.
+	MaxConcurrent int32 `protobuf:"varint,1,opt,name=max_concurrent,json=maxConcurrent,proto3" json:"max_concurrent,omitempty"`
+	// tokens_per_minute bounds prompt plus completion tokens per minute;
+	// a call over it waits.
+	TokensPerMinute int64 `protobuf:"varint,2,opt,name=tokens_per_minute,json=tokensPerMinute,proto3" json:"tokens_per_minute,omitempty"`
+	// token_budget bounds the session's tokens in total (on this node);
+	// a call once it is spent is refused (429, no retry helps).
+	TokenBudget int64 `protobuf:"varint,3,opt,name=token_budget,json=tokenBudget,proto3" json:"token_budget,omitempty"`
+	// per_sandbox_concurrent bounds one sandbox's calls in flight (default
+	// 16): a sandbox that floods the gateway is answered 429 beyond it and
+	// takes no slot from its neighbours.
+	PerSandboxConcurrent int32 `protobuf:"varint,4,opt,name=per_sandbox_concurrent,json=perSandboxConcurrent,proto3" json:"per_sandbox_concurrent,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
+}
+
+func (x *ModelLimits) Reset() {
+	*x = ModelLimits{}
+	mi := &file_dsec_v1_system_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ModelLimits) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ModelLimits) ProtoMessage() {}
+
+func (x *ModelLimits) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ModelLimits.ProtoReflect.Descriptor instead.
+func (*ModelLimits) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *ModelLimits) GetMaxConcurrent() int32 {
+	if x != nil {
+		return x.MaxConcurrent
+	}
+	return 0
+}
+
+func (x *ModelLimits) GetTokensPerMinute() int64 {
+	if x != nil {
+		return x.TokensPerMinute
+	}
+	return 0
+}
+
+func (x *ModelLimits) GetTokenBudget() int64 {
+	if x != nil {
+		return x.TokenBudget
+	}
+	return 0
+}
+
+func (x *ModelLimits) GetPerSandboxConcurrent() int32 {
+	if x != nil {
+		return x.PerSandboxConcurrent
+	}
+	return 0
+}
+
+type ModelUpstreams struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Session       string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
+	Upstreams     []*ModelUpstream       `protobuf:"bytes,2,rep,name=upstreams,proto3" json:"upstreams,omitempty"`
+	Limits        *ModelLimits           `protobuf:"bytes,3,opt,name=limits,proto3" json:"limits,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ModelUpstreams) Reset() {
+	*x = ModelUpstreams{}
+	mi := &file_dsec_v1_system_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ModelUpstreams) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ModelUpstreams) ProtoMessage() {}
+
+func (x *ModelUpstreams) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ModelUpstreams.ProtoReflect.Descriptor instead.
+func (*ModelUpstreams) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *ModelUpstreams) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+func (x *ModelUpstreams) GetUpstreams() []*ModelUpstream {
+	if x != nil {
+		return x.Upstreams
+	}
+	return nil
+}
+
+func (x *ModelUpstreams) GetLimits() *ModelLimits {
+	if x != nil {
+		return x.Limits
+	}
+	return nil
+}
+
+type SetModelUpstreamsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Session       string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
+	Upstreams     []*ModelUpstream       `protobuf:"bytes,2,rep,name=upstreams,proto3" json:"upstreams,omitempty"`
+	Limits        *ModelLimits           `protobuf:"bytes,3,opt,name=limits,proto3" json:"limits,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetModelUpstreamsRequest) Reset() {
+	*x = SetModelUpstreamsRequest{}
+	mi := &file_dsec_v1_system_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetModelUpstreamsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetModelUpstreamsRequest) ProtoMessage() {}
+
+func (x *SetModelUpstreamsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetModelUpstreamsRequest.ProtoReflect.Descriptor instead.
+func (*SetModelUpstreamsRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *SetModelUpstreamsRequest) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+func (x *SetModelUpstreamsRequest) GetUpstreams() []*ModelUpstream {
+	if x != nil {
+		return x.Upstreams
+	}
+	return nil
+}
+
+func (x *SetModelUpstreamsRequest) GetLimits() *ModelLimits {
+	if x != nil {
+		return x.Limits
+	}
+	return nil
+}
+
+type GetModelUpstreamsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Session       string                 `protobuf:"bytes,1,opt,name=session,proto3" json:"session,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetModelUpstreamsRequest) Reset() {
+	*x = GetModelUpstreamsRequest{}
+	mi := &file_dsec_v1_system_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetModelUpstreamsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetModelUpstreamsRequest) ProtoMessage() {}
+
+func (x *GetModelUpstreamsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_system_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetModelUpstreamsRequest.ProtoReflect.Descriptor instead.
+func (*GetModelUpstreamsRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *GetModelUpstreamsRequest) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
 type CloseSessionRequest struct {
 	state           protoimpl.MessageState `protogen:"open.v1"`
 	Name            string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
@@ -596,7 +953,7 @@ type CloseSessionRequest struct {
 
 func (x *CloseSessionRequest) Reset() {
 	*x = CloseSessionRequest{}
-	mi := &file_dsec_v1_system_proto_msgTypes[9]
+	mi := &file_dsec_v1_system_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -608,7 +965,7 @@ func (x *CloseSessionRequest) String() string {
 func (*CloseSessionRequest) ProtoMessage() {}
 
 func (x *CloseSessionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_system_proto_msgTypes[9]
+	mi := &file_dsec_v1_system_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -621,7 +978,7 @@ func (x *CloseSessionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseSessionRequest.ProtoReflect.Descriptor instead.
 func (*CloseSessionRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_system_proto_rawDescGZIP(), []int{9}
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *CloseSessionRequest) GetName() string {
@@ -646,7 +1003,7 @@ type GetInfoRequest struct {
 
 func (x *GetInfoRequest) Reset() {
 	*x = GetInfoRequest{}
-	mi := &file_dsec_v1_system_proto_msgTypes[10]
+	mi := &file_dsec_v1_system_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -658,7 +1015,7 @@ func (x *GetInfoRequest) String() string {
 func (*GetInfoRequest) ProtoMessage() {}
 
 func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_system_proto_msgTypes[10]
+	mi := &file_dsec_v1_system_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -671,7 +1028,7 @@ func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetInfoRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_system_proto_rawDescGZIP(), []int{10}
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{15}
 }
 
 type Info struct {
@@ -684,7 +1041,7 @@ type Info struct {
 
 func (x *Info) Reset() {
 	*x = Info{}
-	mi := &file_dsec_v1_system_proto_msgTypes[11]
+	mi := &file_dsec_v1_system_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -696,7 +1053,7 @@ func (x *Info) String() string {
 func (*Info) ProtoMessage() {}
 
 func (x *Info) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_system_proto_msgTypes[11]
+	mi := &file_dsec_v1_system_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -709,7 +1066,7 @@ func (x *Info) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Info.ProtoReflect.Descriptor instead.
 func (*Info) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_system_proto_rawDescGZIP(), []int{11}
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Info) GetVersion() string {
@@ -745,7 +1102,7 @@ type NodeInfo struct {
 
 func (x *NodeInfo) Reset() {
 	*x = NodeInfo{}
-	mi := &file_dsec_v1_system_proto_msgTypes[12]
+	mi := &file_dsec_v1_system_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -757,7 +1114,7 @@ func (x *NodeInfo) String() string {
 func (*NodeInfo) ProtoMessage() {}
 
 func (x *NodeInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_system_proto_msgTypes[12]
+	mi := &file_dsec_v1_system_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -770,7 +1127,7 @@ func (x *NodeInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use NodeInfo.ProtoReflect.Descriptor instead.
 func (*NodeInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_system_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *NodeInfo) GetName() string {
@@ -856,7 +1213,7 @@ type KindInfo struct {
 
 func (x *KindInfo) Reset() {
 	*x = KindInfo{}
-	mi := &file_dsec_v1_system_proto_msgTypes[13]
+	mi := &file_dsec_v1_system_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -868,7 +1225,7 @@ func (x *KindInfo) String() string {
 func (*KindInfo) ProtoMessage() {}
 
 func (x *KindInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_system_proto_msgTypes[13]
+	mi := &file_dsec_v1_system_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -881,7 +1238,7 @@ func (x *KindInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KindInfo.ProtoReflect.Descriptor instead.
 func (*KindInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_system_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *KindInfo) GetKind() string {
@@ -941,7 +1298,7 @@ type RuntimeInfo struct {
 
 func (x *RuntimeInfo) Reset() {
 	*x = RuntimeInfo{}
-	mi := &file_dsec_v1_system_proto_msgTypes[14]
+	mi := &file_dsec_v1_system_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -953,7 +1310,7 @@ func (x *RuntimeInfo) String() string {
 func (*RuntimeInfo) ProtoMessage() {}
 
 func (x *RuntimeInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_system_proto_msgTypes[14]
+	mi := &file_dsec_v1_system_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -966,7 +1323,7 @@ func (x *RuntimeInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RuntimeInfo.ProtoReflect.Descriptor instead.
 func (*RuntimeInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_system_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_system_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *RuntimeInfo) GetName() string {
@@ -1054,7 +1411,31 @@ const file_dsec_v1_system_proto_rawDesc = "" +
 	"\x04name\x18\x01 \x01(\tR\x04name\"\x15\n" +
 	"\x13ListSessionsRequest\"D\n" +
 	"\x14ListSessionsResponse\x12,\n" +
-	"\bsessions\x18\x01 \x03(\v2\x10.dsec.v1.SessionR\bsessions\"T\n" +
+	"\bsessions\x18\x01 \x03(\v2\x10.dsec.v1.SessionR\bsessions\"\xe4\x01\n" +
+	"\rModelUpstream\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x19\n" +
+	"\bbase_url\x18\x02 \x01(\tR\abaseUrl\x12\x10\n" +
+	"\x03api\x18\x03 \x01(\tR\x03api\x12\x17\n" +
+	"\aapi_key\x18\x04 \x01(\tR\x06apiKey\x12\x1e\n" +
+	"\vhas_api_key\x18\x05 \x01(\bR\thasApiKey\x12\x16\n" +
+	"\x06models\x18\x06 \x03(\tR\x06models\x12\x1b\n" +
+	"\ttimeout_s\x18\a \x01(\x01R\btimeoutS\x12$\n" +
+	"\x0eidle_timeout_s\x18\b \x01(\x01R\fidleTimeoutS\"\xb9\x01\n" +
+	"\vModelLimits\x12%\n" +
+	"\x0emax_concurrent\x18\x01 \x01(\x05R\rmaxConcurrent\x12*\n" +
+	"\x11tokens_per_minute\x18\x02 \x01(\x03R\x0ftokensPerMinute\x12!\n" +
+	"\ftoken_budget\x18\x03 \x01(\x03R\vtokenBudget\x124\n" +
+	"\x16per_sandbox_concurrent\x18\x04 \x01(\x05R\x14perSandboxConcurrent\"\x8e\x01\n" +
+	"\x0eModelUpstreams\x12\x18\n" +
+	"\asession\x18\x01 \x01(\tR\asession\x124\n" +
+	"\tupstreams\x18\x02 \x03(\v2\x16.dsec.v1.ModelUpstreamR\tupstreams\x12,\n" +
+	"\x06limits\x18\x03 \x01(\v2\x14.dsec.v1.ModelLimitsR\x06limits\"\x98\x01\n" +
+	"\x18SetModelUpstreamsRequest\x12\x18\n" +
+	"\asession\x18\x01 \x01(\tR\asession\x124\n" +
+	"\tupstreams\x18\x02 \x03(\v2\x16.dsec.v1.ModelUpstreamR\tupstreams\x12,\n" +
+	"\x06limits\x18\x03 \x01(\v2\x14.dsec.v1.ModelLimitsR\x06limits\"4\n" +
+	"\x18GetModelUpstreamsRequest\x12\x18\n" +
+	"\asession\x18\x01 \x01(\tR\asession\"T\n" +
 	"\x13CloseSessionRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12)\n" +
 	"\x10delete_sandboxes\x18\x02 \x01(\bR\x0fdeleteSandboxes\"\x10\n" +
@@ -1096,14 +1477,16 @@ const file_dsec_v1_system_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x012\x8b\x01\n" +
 	"\rSystemService\x126\n" +
 	"\aGetInfo\x12\x17.dsec.v1.GetInfoRequest\x1a\r.dsec.v1.Info\"\x03\x90\x02\x01\x12B\n" +
-	"\vGetCapacity\x12\x1b.dsec.v1.GetCapacityRequest\x1a\x11.dsec.v1.Capacity\"\x03\x90\x02\x012\xdb\x02\n" +
+	"\vGetCapacity\x12\x1b.dsec.v1.GetCapacityRequest\x1a\x11.dsec.v1.Capacity\"\x03\x90\x02\x012\x82\x04\n" +
 	"\x0eSessionService\x12<\n" +
 	"\vOpenSession\x12\x1b.dsec.v1.OpenSessionRequest\x1a\x10.dsec.v1.Session\x128\n" +
 	"\tHeartbeat\x12\x19.dsec.v1.HeartbeatRequest\x1a\x10.dsec.v1.Session\x12?\n" +
 	"\n" +
 	"GetSession\x12\x1a.dsec.v1.GetSessionRequest\x1a\x10.dsec.v1.Session\"\x03\x90\x02\x01\x12P\n" +
 	"\fListSessions\x12\x1c.dsec.v1.ListSessionsRequest\x1a\x1d.dsec.v1.ListSessionsResponse\"\x03\x90\x02\x01\x12>\n" +
-	"\fCloseSession\x12\x1c.dsec.v1.CloseSessionRequest\x1a\x10.dsec.v1.SessionB-Z+github.com/opendsec/dsec/api/dsec/v1;dsecv1b\x06proto3"
+	"\fCloseSession\x12\x1c.dsec.v1.CloseSessionRequest\x1a\x10.dsec.v1.Session\x12O\n" +
+	"\x11SetModelUpstreams\x12!.dsec.v1.SetModelUpstreamsRequest\x1a\x17.dsec.v1.ModelUpstreams\x12T\n" +
+	"\x11GetModelUpstreams\x12!.dsec.v1.GetModelUpstreamsRequest\x1a\x17.dsec.v1.ModelUpstreams\"\x03\x90\x02\x01B-Z+github.com/opendsec/dsec/api/dsec/v1;dsecv1b\x06proto3"
 
 var (
 	file_dsec_v1_system_proto_rawDescOnce sync.Once
@@ -1117,59 +1500,72 @@ func file_dsec_v1_system_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_system_proto_rawDescData
 }
 
-var file_dsec_v1_system_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
+var file_dsec_v1_system_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
 var file_dsec_v1_system_proto_goTypes = []any{
-	(*GetCapacityRequest)(nil),    // 0: dsec.v1.GetCapacityRequest
-	(*PoolStats)(nil),             // 1: dsec.v1.PoolStats
-	(*Capacity)(nil),              // 2: dsec.v1.Capacity
-	(*Session)(nil),               // 3: dsec.v1.Session
-	(*OpenSessionRequest)(nil),    // 4: dsec.v1.OpenSessionRequest
-	(*HeartbeatRequest)(nil),      // 5: dsec.v1.HeartbeatRequest
-	(*GetSessionRequest)(nil),     // 6: dsec.v1.GetSessionRequest
-	(*ListSessionsRequest)(nil),   // 7: dsec.v1.ListSessionsRequest
-	(*ListSessionsResponse)(nil),  // 8: dsec.v1.ListSessionsResponse
-	(*CloseSessionRequest)(nil),   // 9: dsec.v1.CloseSessionRequest
-	(*GetInfoRequest)(nil),        // 10: dsec.v1.GetInfoRequest
-	(*Info)(nil),                  // 11: dsec.v1.Info
-	(*NodeInfo)(nil),              // 12: dsec.v1.NodeInfo
-	(*KindInfo)(nil),              // 13: dsec.v1.KindInfo
-	(*RuntimeInfo)(nil),           // 14: dsec.v1.RuntimeInfo
-	nil,                           // 15: dsec.v1.NodeInfo.HostEntry
-	nil,                           // 16: dsec.v1.KindInfo.DetailsEntry
-	nil,                           // 17: dsec.v1.RuntimeInfo.DetailsEntry
-	(*timestamppb.Timestamp)(nil), // 18: google.protobuf.Timestamp
+	(*GetCapacityRequest)(nil),       // 0: dsec.v1.GetCapacityRequest
+	(*PoolStats)(nil),                // 1: dsec.v1.PoolStats
+	(*Capacity)(nil),                 // 2: dsec.v1.Capacity
+	(*Session)(nil),                  // 3: dsec.v1.Session
+	(*OpenSessionRequest)(nil),       // 4: dsec.v1.OpenSessionRequest
+	(*HeartbeatRequest)(nil),         // 5: dsec.v1.HeartbeatRequest
+	(*GetSessionRequest)(nil),        // 6: dsec.v1.GetSessionRequest
+	(*ListSessionsRequest)(nil),      // 7: dsec.v1.ListSessionsRequest
+	(*ListSessionsResponse)(nil),     // 8: dsec.v1.ListSessionsResponse
+	(*ModelUpstream)(nil),            // 9: dsec.v1.ModelUpstream
+	(*ModelLimits)(nil),              // 10: dsec.v1.ModelLimits
+	(*ModelUpstreams)(nil),           // 11: dsec.v1.ModelUpstreams
+	(*SetModelUpstreamsRequest)(nil), // 12: dsec.v1.SetModelUpstreamsRequest
+	(*GetModelUpstreamsRequest)(nil), // 13: dsec.v1.GetModelUpstreamsRequest
+	(*CloseSessionRequest)(nil),      // 14: dsec.v1.CloseSessionRequest
+	(*GetInfoRequest)(nil),           // 15: dsec.v1.GetInfoRequest
+	(*Info)(nil),                     // 16: dsec.v1.Info
+	(*NodeInfo)(nil),                 // 17: dsec.v1.NodeInfo
+	(*KindInfo)(nil),                 // 18: dsec.v1.KindInfo
+	(*RuntimeInfo)(nil),              // 19: dsec.v1.RuntimeInfo
+	nil,                              // 20: dsec.v1.NodeInfo.HostEntry
+	nil,                              // 21: dsec.v1.KindInfo.DetailsEntry
+	nil,                              // 22: dsec.v1.RuntimeInfo.DetailsEntry
+	(*timestamppb.Timestamp)(nil),    // 23: google.protobuf.Timestamp
 }
 var file_dsec_v1_system_proto_depIdxs = []int32{
 	1,  // 0: dsec.v1.Capacity.pools:type_name -> dsec.v1.PoolStats
-	18, // 1: dsec.v1.Session.created_at:type_name -> google.protobuf.Timestamp
-	18, // 2: dsec.v1.Session.last_heartbeat:type_name -> google.protobuf.Timestamp
-	18, // 3: dsec.v1.Session.expired_at:type_name -> google.protobuf.Timestamp
+	23, // 1: dsec.v1.Session.created_at:type_name -> google.protobuf.Timestamp
+	23, // 2: dsec.v1.Session.last_heartbeat:type_name -> google.protobuf.Timestamp
+	23, // 3: dsec.v1.Session.expired_at:type_name -> google.protobuf.Timestamp
 	3,  // 4: dsec.v1.ListSessionsResponse.sessions:type_name -> dsec.v1.Session
-	12, // 5: dsec.v1.Info.nodes:type_name -> dsec.v1.NodeInfo
-	13, // 6: dsec.v1.NodeInfo.kinds:type_name -> dsec.v1.KindInfo
-	15, // 7: dsec.v1.NodeInfo.host:type_name -> dsec.v1.NodeInfo.HostEntry
-	16, // 8: dsec.v1.KindInfo.details:type_name -> dsec.v1.KindInfo.DetailsEntry
-	14, // 9: dsec.v1.KindInfo.runtimes:type_name -> dsec.v1.RuntimeInfo
-	17, // 10: dsec.v1.RuntimeInfo.details:type_name -> dsec.v1.RuntimeInfo.DetailsEntry
-	10, // 11: dsec.v1.SystemService.GetInfo:input_type -> dsec.v1.GetInfoRequest
-	0,  // 12: dsec.v1.SystemService.GetCapacity:input_type -> dsec.v1.GetCapacityRequest
-	4,  // 13: dsec.v1.SessionService.OpenSession:input_type -> dsec.v1.OpenSessionRequest
-	5,  // 14: dsec.v1.SessionService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
-	6,  // 15: dsec.v1.SessionService.GetSession:input_type -> dsec.v1.GetSessionRequest
-	7,  // 16: dsec.v1.SessionService.ListSessions:input_type -> dsec.v1.ListSessionsRequest
-	9,  // 17: dsec.v1.SessionService.CloseSession:input_type -> dsec.v1.CloseSessionRequest
-	11, // 18: dsec.v1.SystemService.GetInfo:output_type -> dsec.v1.Info
-	2,  // 19: dsec.v1.SystemService.GetCapacity:output_type -> dsec.v1.Capacity
-	3,  // 20: dsec.v1.SessionService.OpenSession:output_type -> dsec.v1.Session
-	3,  // 21: dsec.v1.SessionService.Heartbeat:output_type -> dsec.v1.Session
-	3,  // 22: dsec.v1.SessionService.GetSession:output_type -> dsec.v1.Session
-	8,  // 23: dsec.v1.SessionService.ListSessions:output_type -> dsec.v1.ListSessionsResponse
-	3,  // 24: dsec.v1.SessionService.CloseSession:output_type -> dsec.v1.Session
-	18, // [18:25] is the sub-list for method output_type
-	11, // [11:18] is the sub-list for method input_type
-	11, // [11:11] is the sub-list for extension type_name
-	11, // [11:11] is the sub-list for extension extendee
-	0,  // [0:11] is the sub-list for field type_name
+	9,  // 5: dsec.v1.ModelUpstreams.upstreams:type_name -> dsec.v1.ModelUpstream
+	10, // 6: dsec.v1.ModelUpstreams.limits:type_name -> dsec.v1.ModelLimits
+	9,  // 7: dsec.v1.SetModelUpstreamsRequest.upstreams:type_name -> dsec.v1.ModelUpstream
+	10, // 8: dsec.v1.SetModelUpstreamsRequest.limits:type_name -> dsec.v1.ModelLimits
+	17, // 9: dsec.v1.Info.nodes:type_name -> dsec.v1.NodeInfo
+	18, // 10: dsec.v1.NodeInfo.kinds:type_name -> dsec.v1.KindInfo
+	20, // 11: dsec.v1.NodeInfo.host:type_name -> dsec.v1.NodeInfo.HostEntry
+	21, // 12: dsec.v1.KindInfo.details:type_name -> dsec.v1.KindInfo.DetailsEntry
+	19, // 13: dsec.v1.KindInfo.runtimes:type_name -> dsec.v1.RuntimeInfo
+	22, // 14: dsec.v1.RuntimeInfo.details:type_name -> dsec.v1.RuntimeInfo.DetailsEntry
+	15, // 15: dsec.v1.SystemService.GetInfo:input_type -> dsec.v1.GetInfoRequest
+	0,  // 16: dsec.v1.SystemService.GetCapacity:input_type -> dsec.v1.GetCapacityRequest
+	4,  // 17: dsec.v1.SessionService.OpenSession:input_type -> dsec.v1.OpenSessionRequest
+	5,  // 18: dsec.v1.SessionService.Heartbeat:input_type -> dsec.v1.HeartbeatRequest
+	6,  // 19: dsec.v1.SessionService.GetSession:input_type -> dsec.v1.GetSessionRequest
+	7,  // 20: dsec.v1.SessionService.ListSessions:input_type -> dsec.v1.ListSessionsRequest
+	14, // 21: dsec.v1.SessionService.CloseSession:input_type -> dsec.v1.CloseSessionRequest
+	12, // 22: dsec.v1.SessionService.SetModelUpstreams:input_type -> dsec.v1.SetModelUpstreamsRequest
+	13, // 23: dsec.v1.SessionService.GetModelUpstreams:input_type -> dsec.v1.GetModelUpstreamsRequest
+	16, // 24: dsec.v1.SystemService.GetInfo:output_type -> dsec.v1.Info
+	2,  // 25: dsec.v1.SystemService.GetCapacity:output_type -> dsec.v1.Capacity
+	3,  // 26: dsec.v1.SessionService.OpenSession:output_type -> dsec.v1.Session
+	3,  // 27: dsec.v1.SessionService.Heartbeat:output_type -> dsec.v1.Session
+	3,  // 28: dsec.v1.SessionService.GetSession:output_type -> dsec.v1.Session
+	8,  // 29: dsec.v1.SessionService.ListSessions:output_type -> dsec.v1.ListSessionsResponse
+	3,  // 30: dsec.v1.SessionService.CloseSession:output_type -> dsec.v1.Session
+	11, // 31: dsec.v1.SessionService.SetModelUpstreams:output_type -> dsec.v1.ModelUpstreams
+	11, // 32: dsec.v1.SessionService.GetModelUpstreams:output_type -> dsec.v1.ModelUpstreams
+	24, // [24:33] is the sub-list for method output_type
+	15, // [15:24] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_system_proto_init() }
@@ -1183,7 +1579,7 @@ func file_dsec_v1_system_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_system_proto_rawDesc), len(file_dsec_v1_system_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   18,
+			NumMessages:   23,
 			NumExtensions: 0,
 			NumServices:   2,
 		},

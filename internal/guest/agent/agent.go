@@ -53,6 +53,7 @@ type Agent struct {
 	runner   *runner  // the function runner, if started
 
 	calls callSlots // function calls' storage (call.go)
+	ports portListeners
 }
 
 // New returns an agent. Call Harden once, early, when running as a
@@ -176,6 +177,10 @@ func (a *Agent) serveConn(c net.Conn) {
 		serveWatch(m.Watch, r, w)
 	case *guestv1.ClientMsg_DialPort:
 		serveDialPort(m.DialPort, c, r, w)
+	case *guestv1.ClientMsg_ListenPort:
+		a.serveListenPort(m.ListenPort, c, r, w)
+	case *guestv1.ClientMsg_TakeConn:
+		a.serveTakeConn(m.TakeConn, c, r, w)
 	case *guestv1.ClientMsg_Sync:
 		unix.Sync()
 		done()

@@ -94,6 +94,10 @@ func fakeInit(raw string) int {
 		fmt.Fprintln(os.Stderr, "fake init:", err)
 		return 2
 	}
+	if err := loopbackUp(); err != nil {
+		fmt.Fprintln(os.Stderr, "fake init: loopback:", err)
+		return 2
+	}
 	os.Clearenv()
 	for _, e := range c.Env {
 		if k, v, ok := strings.Cut(e, "="); ok {
@@ -195,4 +199,25 @@ func fakeRoot(c fakeConfig) error {
 		return fmt.Errorf("detach the old root: %w", err)
 	}
 	return os.Chdir("/")
+}
+
+// loopbackUp brings up the loopback interface of the instance's network
+// namespace, as the container substrate does for a sandbox without
+// network: its processes reach each other (and the agent's listeners) on
+// 127.0.0.1.
+func loopbackUp() error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	ifr, err := unix.NewIfreq("lo")
+	if err != nil {
+		return err
+	}
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
+		return err
+	}
+	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
+	return unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr)
 }

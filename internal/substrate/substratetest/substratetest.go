@@ -16,6 +16,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net/http"
 	"strings"
 	"sync"
 	"testing"
@@ -31,7 +32,7 @@ type Harness struct {
 	// Driver is the driver under test.
 	Driver substrate.Driver
 	// NewSpec returns a spec for a fresh instance of a busybox-like image
-	// (sh, echo, cat, awk, sleep) with its own Dir.
+	// (sh, echo, cat, awk, sleep, and wget or python3) with its own Dir.
 	NewSpec func(t *testing.T) *substrate.Spec
 	// Restart returns a new driver over the same state, as after a node
 	// restart. Nil skips the re-adoption case.
@@ -136,6 +137,29 @@ func Run(t *testing.T, h Harness) {
 			}
 		}
 	})
+
+	// Every kind with dsec-guest (all but function) serves ports.
+	if caps.Kind != substrate.KindFunction {
+		t.Run("a listener on the instance's loopback takes the connections its processes open", func(t *testing.T) {
+			// How the node serves its model gateway inside every sandbox.
+			inst, _ := h.create(t, nil)
+			pg := guestAs[substrate.PortGuest](t, inst)
+			ctx := ctxT(t, time.Minute)
+			l, err := pg.Listen(ctx, 4319)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer l.Close()
+			go http.Serve(l, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				io.WriteString(w, "hello from the node, "+r.URL.Path)
+			}))
+			// busybox has wget, the debian VM image python3.
+			x := run(t, inst.Guest(), "sh", "-c", `wget -q -O - http://127.0.0.1:4319/x 2>/dev/null || python3 -c 'import urllib.request,sys; sys.stdout.write(urllib.request.urlopen("http://127.0.0.1:4319/x").read().decode())'`)
+			if x.ExitCode != 0 || string(x.Stdout) != "hello from the node, /x" {
+				t.Fatalf("exit %d stdout %q stderr %q", x.ExitCode, x.Stdout, x.Stderr)
+			}
+		})
+	}
 
 	t.Run("the environment and working directory of the spec apply", func(t *testing.T) {
 		inst, _ := h.create(t, func(s *substrate.Spec) { s.Env = append(s.Env, "DSEC_TEST=42") })

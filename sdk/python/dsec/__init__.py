@@ -13,6 +13,7 @@ Standard library only. Every error is a :class:`DsecError` with ``.infra``
 from .client import (Client, ExecEvent, ExecResult, FileInfo, Sandbox, SandboxInfo, SnapshotInfo, Stats, StatsSample,
                      quote, request_id)
 from .session import Session
+from .rollout import Rollout
 from .events import Event, EventStream, Webhook, verify_signature
 from .runkeys import RunKeys
 from .aio import AsyncClient, AsyncSandbox
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Client",
+    "Rollout",
     "AsyncClient",
     "AsyncSandbox",
     "RunCodeResult",

@@ -300,7 +300,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
                 volumes: Optional[Sequence[MountLike]] = None,
                 sidecars: Optional[Sequence[Mapping[str, Any]]] = None,
                 aliases: Optional[Sequence[str]] = None,
-                shared_volumes: Optional[Sequence[Any]] = None) -> Dict[str, Any]:
+                shared_volumes: Optional[Sequence[Any]] = None,
+                model_gateway: bool = False, fast_forward_from: Any = None) -> Dict[str, Any]:
     # No kind: the server's default (container), or a machine snapshot's own kind.
     spec: Dict[str, Any] = {"resources": {}}
     if kind:
@@ -357,6 +358,11 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
         spec["aliases"] = [str(a) for a in aliases]
     if shared_volumes:
         spec["sharedVolumes"] = [shared_volume_wire(v) for v in shared_volumes]
+    if model_gateway or fast_forward_from is not None:
+        mg: Dict[str, Any] = {"enabled": bool(model_gateway)}
+        if fast_forward_from is not None:
+            mg["fastForwardFrom"] = fast_forward_from if isinstance(fast_forward_from, str) else fast_forward_from.id
+        spec["modelGateway"] = mg
     return spec
 
 
@@ -615,6 +621,17 @@ class Sandbox:
                 return out
             seq = nxt
 
+    def rollout(self, cmd: Union[str, Sequence[str]], rollout_id: str, **kw: Any) -> "Rollout":
+        """Start an agent command as a rollout (see :mod:`dsec.rollout`): it
+        runs on if this process dies, within ``timeout_s``; ``verifier`` (a
+        command) scores it when it ends (the last line of its stdout, as a
+        number, is ``reward``). Starting ``rollout_id`` again reattaches to
+        it. Keywords: ``env``, ``cwd``, ``user``, ``timeout_s``,
+        ``verifier``, ``verifier_timeout_s``."""
+        from .rollout import start
+
+        return start(self._client, self.id, rollout_id, cmd, **kw)
+
     def replay(self, keep: bool = False) -> Dict[str, Any]:
         """Re-execute the logged calls in a fresh sandbox; reports divergences."""
         return self._client._t.unary(_LOGS, "Replay", {"sandboxId": self.id, "keep": keep}, timeout=3600)
@@ -754,7 +771,12 @@ class Client:
         ``aliases`` (further names of the main container for its sidecars),
         ``shared_volumes`` (file systems of the sandbox alone that its
         containers mount by name through ``volumes``: names, or dicts with
-        ``name`` and ``size_mb``).
+        ``name`` and ``size_mb``), ``model_gateway`` (True: an
+        OpenAI-compatible endpoint inside, ``OPENAI_BASE_URL`` =
+        http://127.0.0.1:4319/v1, forwarding to the session's upstreams,
+        see :meth:`Session.set_model_upstreams`, and recording each call in
+        the log), ``fast_forward_from`` (a sandbox or its ID: its recorded
+        model calls answer this one's while they are the same).
         ``compose`` is a Compose file's text instead of ``image`` and
         ``sidecars`` (its service "main", or its only one, is the main
         container), or a list of texts laid over one another as
@@ -919,6 +941,13 @@ class Client:
         from .session import Session
 
         return Session(self, name, heartbeat_s=heartbeat_s, grace_s=grace_s, on_expire=on_expire)
+
+    def rollout(self, sandbox_id: str, rollout_id: str) -> "Rollout":
+        """Reattach to a rollout (a trainer that restarted): as it is now;
+        ``.wait()`` for its outcome, ``.events()`` for its progress."""
+        from .rollout import get
+
+        return get(self, sandbox_id, rollout_id)
 
     def get(self, sandbox_id: str) -> Sandbox:
         """Fetch a sandbox (live or recently deleted; see ``.info.state``)."""

@@ -69,6 +69,8 @@ type ClientMsg struct {
 	//	*ClientMsg_Watch
 	//	*ClientMsg_ChangeMode
 	//	*ClientMsg_DialPort
+	//	*ClientMsg_ListenPort
+	//	*ClientMsg_TakeConn
 	Msg           isClientMsg_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -336,6 +338,24 @@ func (x *ClientMsg) GetDialPort() *DialPort {
 	return nil
 }
 
+func (x *ClientMsg) GetListenPort() *ListenPort {
+	if x != nil {
+		if x, ok := x.Msg.(*ClientMsg_ListenPort); ok {
+			return x.ListenPort
+		}
+	}
+	return nil
+}
+
+func (x *ClientMsg) GetTakeConn() *TakeConn {
+	if x != nil {
+		if x, ok := x.Msg.(*ClientMsg_TakeConn); ok {
+			return x.TakeConn
+		}
+	}
+	return nil
+}
+
 type isClientMsg_Msg interface {
 	isClientMsg_Msg()
 }
@@ -440,6 +460,14 @@ type ClientMsg_DialPort struct {
 	DialPort *DialPort `protobuf:"bytes,25,opt,name=dial_port,json=dialPort,proto3,oneof"`
 }
 
+type ClientMsg_ListenPort struct {
+	ListenPort *ListenPort `protobuf:"bytes,26,opt,name=listen_port,json=listenPort,proto3,oneof"`
+}
+
+type ClientMsg_TakeConn struct {
+	TakeConn *TakeConn `protobuf:"bytes,27,opt,name=take_conn,json=takeConn,proto3,oneof"`
+}
+
 func (*ClientMsg_Hello) isClientMsg_Msg() {}
 
 func (*ClientMsg_Exec) isClientMsg_Msg() {}
@@ -490,6 +518,10 @@ func (*ClientMsg_ChangeMode) isClientMsg_Msg() {}
 
 func (*ClientMsg_DialPort) isClientMsg_Msg() {}
 
+func (*ClientMsg_ListenPort) isClientMsg_Msg() {}
+
+func (*ClientMsg_TakeConn) isClientMsg_Msg() {}
+
 type ServerMsg struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Msg:
@@ -507,6 +539,7 @@ type ServerMsg struct {
 	//	*ServerMsg_Done
 	//	*ServerMsg_CallResult
 	//	*ServerMsg_FsEvent
+	//	*ServerMsg_Accepted
 	Msg           isServerMsg_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -666,6 +699,15 @@ func (x *ServerMsg) GetFsEvent() *FsEvent {
 	return nil
 }
 
+func (x *ServerMsg) GetAccepted() *Accepted {
+	if x != nil {
+		if x, ok := x.Msg.(*ServerMsg_Accepted); ok {
+			return x.Accepted
+		}
+	}
+	return nil
+}
+
 type isServerMsg_Msg interface {
 	isServerMsg_Msg()
 }
@@ -722,6 +764,10 @@ type ServerMsg_FsEvent struct {
 	FsEvent *FsEvent `protobuf:"bytes,13,opt,name=fs_event,json=fsEvent,proto3,oneof"`
 }
 
+type ServerMsg_Accepted struct {
+	Accepted *Accepted `protobuf:"bytes,14,opt,name=accepted,proto3,oneof"`
+}
+
 func (*ServerMsg_Hello) isServerMsg_Msg() {}
 
 func (*ServerMsg_Started) isServerMsg_Msg() {}
@@ -747,6 +793,8 @@ func (*ServerMsg_Done) isServerMsg_Msg() {}
 func (*ServerMsg_CallResult) isServerMsg_Msg() {}
 
 func (*ServerMsg_FsEvent) isServerMsg_Msg() {}
+
+func (*ServerMsg_Accepted) isServerMsg_Msg() {}
 
 type Hello struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -2110,6 +2158,152 @@ func (x *DialPort) GetPort() uint32 {
 	return 0
 }
 
+// ListenPort listens on a TCP port of the sandbox's loopback (127.0.0.1)
+// for the node: the agent answers Done once it listens, then Accepted for
+// each connection a process in the sandbox opens, until the call's
+// connection ends (which closes the listener and every connection not
+// taken yet). The node takes each accepted connection with TakeConn on a
+// new call. One listener per port: a new ListenPort for a port replaces
+// the one before (a node that restarted). The node's model gateway is
+// served this way (internal/gateway): a process in the sandbox reaches it
+// on its own loopback whatever its network.
+type ListenPort struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Port          uint32                 `protobuf:"varint,1,opt,name=port,proto3" json:"port,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListenPort) Reset() {
+	*x = ListenPort{}
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListenPort) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListenPort) ProtoMessage() {}
+
+func (x *ListenPort) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListenPort.ProtoReflect.Descriptor instead.
+func (*ListenPort) Descriptor() ([]byte, []int) {
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *ListenPort) GetPort() uint32 {
+	if x != nil {
+		return x.Port
+	}
+	return 0
+}
+
+// Accepted announces a connection on a ListenPort's listener.
+type Accepted struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Accepted) Reset() {
+	*x = Accepted{}
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Accepted) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Accepted) ProtoMessage() {}
+
+func (x *Accepted) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Accepted.ProtoReflect.Descriptor instead.
+func (*Accepted) Descriptor() ([]byte, []int) {
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *Accepted) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+// TakeConn takes an accepted connection: the agent answers Done and the
+// call's connection carries the connection's bytes both ways from then
+// on. An ID taken already, or not taken within ten seconds of its
+// Accepted, is not_found.
+type TakeConn struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TakeConn) Reset() {
+	*x = TakeConn{}
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TakeConn) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TakeConn) ProtoMessage() {}
+
+func (x *TakeConn) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TakeConn.ProtoReflect.Descriptor instead.
+func (*TakeConn) Descriptor() ([]byte, []int) {
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *TakeConn) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
 type ListProcs struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -2118,7 +2312,7 @@ type ListProcs struct {
 
 func (x *ListProcs) Reset() {
 	*x = ListProcs{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[22]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2130,7 +2324,7 @@ func (x *ListProcs) String() string {
 func (*ListProcs) ProtoMessage() {}
 
 func (x *ListProcs) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[22]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2143,7 +2337,7 @@ func (x *ListProcs) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListProcs.ProtoReflect.Descriptor instead.
 func (*ListProcs) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{22}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{25}
 }
 
 type Sync struct {
@@ -2154,7 +2348,7 @@ type Sync struct {
 
 func (x *Sync) Reset() {
 	*x = Sync{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[23]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2166,7 +2360,7 @@ func (x *Sync) String() string {
 func (*Sync) ProtoMessage() {}
 
 func (x *Sync) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[23]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2179,7 +2373,7 @@ func (x *Sync) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sync.ProtoReflect.Descriptor instead.
 func (*Sync) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{23}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{26}
 }
 
 type Shutdown struct {
@@ -2190,7 +2384,7 @@ type Shutdown struct {
 
 func (x *Shutdown) Reset() {
 	*x = Shutdown{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[24]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2202,7 +2396,7 @@ func (x *Shutdown) String() string {
 func (*Shutdown) ProtoMessage() {}
 
 func (x *Shutdown) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[24]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2215,7 +2409,7 @@ func (x *Shutdown) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Shutdown.ProtoReflect.Descriptor instead.
 func (*Shutdown) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{24}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{27}
 }
 
 // SetDeadline sets when the agent ends the sandbox by itself (kills every
@@ -2232,7 +2426,7 @@ type SetEnv struct {
 
 func (x *SetEnv) Reset() {
 	*x = SetEnv{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[25]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2244,7 +2438,7 @@ func (x *SetEnv) String() string {
 func (*SetEnv) ProtoMessage() {}
 
 func (x *SetEnv) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[25]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2257,7 +2451,7 @@ func (x *SetEnv) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetEnv.ProtoReflect.Descriptor instead.
 func (*SetEnv) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{25}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *SetEnv) GetEnv() []string {
@@ -2276,7 +2470,7 @@ type SetDeadline struct {
 
 func (x *SetDeadline) Reset() {
 	*x = SetDeadline{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[26]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2288,7 +2482,7 @@ func (x *SetDeadline) String() string {
 func (*SetDeadline) ProtoMessage() {}
 
 func (x *SetDeadline) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[26]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2301,7 +2495,7 @@ func (x *SetDeadline) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetDeadline.ProtoReflect.Descriptor instead.
 func (*SetDeadline) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{26}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *SetDeadline) GetUnixMs() int64 {
@@ -2319,7 +2513,7 @@ type Done struct {
 
 func (x *Done) Reset() {
 	*x = Done{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[27]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2331,7 +2525,7 @@ func (x *Done) String() string {
 func (*Done) ProtoMessage() {}
 
 func (x *Done) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[27]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2344,7 +2538,7 @@ func (x *Done) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Done.ProtoReflect.Descriptor instead.
 func (*Done) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{27}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{30}
 }
 
 type FileInfo struct {
@@ -2372,7 +2566,7 @@ type FileInfo struct {
 
 func (x *FileInfo) Reset() {
 	*x = FileInfo{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[28]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2384,7 +2578,7 @@ func (x *FileInfo) String() string {
 func (*FileInfo) ProtoMessage() {}
 
 func (x *FileInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[28]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2397,7 +2591,7 @@ func (x *FileInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
 func (*FileInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{28}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *FileInfo) GetPath() string {
@@ -2486,7 +2680,7 @@ type Entries struct {
 
 func (x *Entries) Reset() {
 	*x = Entries{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[29]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2498,7 +2692,7 @@ func (x *Entries) String() string {
 func (*Entries) ProtoMessage() {}
 
 func (x *Entries) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[29]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2511,7 +2705,7 @@ func (x *Entries) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Entries.ProtoReflect.Descriptor instead.
 func (*Entries) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{29}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *Entries) GetEntries() []*FileInfo {
@@ -2538,7 +2732,7 @@ type Proc struct {
 
 func (x *Proc) Reset() {
 	*x = Proc{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[30]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2550,7 +2744,7 @@ func (x *Proc) String() string {
 func (*Proc) ProtoMessage() {}
 
 func (x *Proc) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[30]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2563,7 +2757,7 @@ func (x *Proc) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Proc.ProtoReflect.Descriptor instead.
 func (*Proc) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{30}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *Proc) GetId() string {
@@ -2638,7 +2832,7 @@ type Procs struct {
 
 func (x *Procs) Reset() {
 	*x = Procs{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[31]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2650,7 +2844,7 @@ func (x *Procs) String() string {
 func (*Procs) ProtoMessage() {}
 
 func (x *Procs) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[31]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2663,7 +2857,7 @@ func (x *Procs) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Procs.ProtoReflect.Descriptor instead.
 func (*Procs) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{31}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *Procs) GetProcs() []*Proc {
@@ -2685,7 +2879,7 @@ type Error struct {
 
 func (x *Error) Reset() {
 	*x = Error{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[32]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2697,7 +2891,7 @@ func (x *Error) String() string {
 func (*Error) ProtoMessage() {}
 
 func (x *Error) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[32]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2710,7 +2904,7 @@ func (x *Error) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Error.ProtoReflect.Descriptor instead.
 func (*Error) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{32}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *Error) GetCode() string {
@@ -2740,7 +2934,7 @@ type StartRunner struct {
 
 func (x *StartRunner) Reset() {
 	*x = StartRunner{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[33]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2752,7 +2946,7 @@ func (x *StartRunner) String() string {
 func (*StartRunner) ProtoMessage() {}
 
 func (x *StartRunner) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[33]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2765,7 +2959,7 @@ func (x *StartRunner) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StartRunner.ProtoReflect.Descriptor instead.
 func (*StartRunner) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{33}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *StartRunner) GetArgv() []string {
@@ -2810,7 +3004,7 @@ type Call struct {
 
 func (x *Call) Reset() {
 	*x = Call{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[34]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2822,7 +3016,7 @@ func (x *Call) String() string {
 func (*Call) ProtoMessage() {}
 
 func (x *Call) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[34]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2835,7 +3029,7 @@ func (x *Call) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Call.ProtoReflect.Descriptor instead.
 func (*Call) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{34}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *Call) GetDir() string {
@@ -2908,7 +3102,7 @@ type CallFile struct {
 
 func (x *CallFile) Reset() {
 	*x = CallFile{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[35]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2920,7 +3114,7 @@ func (x *CallFile) String() string {
 func (*CallFile) ProtoMessage() {}
 
 func (x *CallFile) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[35]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2933,7 +3127,7 @@ func (x *CallFile) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CallFile.ProtoReflect.Descriptor instead.
 func (*CallFile) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{35}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *CallFile) GetPath() string {
@@ -2993,7 +3187,7 @@ type CallStep struct {
 
 func (x *CallStep) Reset() {
 	*x = CallStep{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[36]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3005,7 +3199,7 @@ func (x *CallStep) String() string {
 func (*CallStep) ProtoMessage() {}
 
 func (x *CallStep) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[36]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3018,7 +3212,7 @@ func (x *CallStep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CallStep.ProtoReflect.Descriptor instead.
 func (*CallStep) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{36}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *CallStep) GetArgv() []string {
@@ -3111,7 +3305,7 @@ type CallResult struct {
 
 func (x *CallResult) Reset() {
 	*x = CallResult{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[37]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3123,7 +3317,7 @@ func (x *CallResult) String() string {
 func (*CallResult) ProtoMessage() {}
 
 func (x *CallResult) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[37]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3136,7 +3330,7 @@ func (x *CallResult) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CallResult.ProtoReflect.Descriptor instead.
 func (*CallResult) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{37}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *CallResult) GetSteps() []*Exit {
@@ -3183,7 +3377,7 @@ type Watch struct {
 
 func (x *Watch) Reset() {
 	*x = Watch{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[38]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3195,7 +3389,7 @@ func (x *Watch) String() string {
 func (*Watch) ProtoMessage() {}
 
 func (x *Watch) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[38]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3208,7 +3402,7 @@ func (x *Watch) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Watch.ProtoReflect.Descriptor instead.
 func (*Watch) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{38}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *Watch) GetPath() string {
@@ -3257,7 +3451,7 @@ type FsEvent struct {
 
 func (x *FsEvent) Reset() {
 	*x = FsEvent{}
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[39]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3269,7 +3463,7 @@ func (x *FsEvent) String() string {
 func (*FsEvent) ProtoMessage() {}
 
 func (x *FsEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_guest_v1_guest_proto_msgTypes[39]
+	mi := &file_dsec_guest_v1_guest_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3282,7 +3476,7 @@ func (x *FsEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FsEvent.ProtoReflect.Descriptor instead.
 func (*FsEvent) Descriptor() ([]byte, []int) {
-	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{39}
+	return file_dsec_guest_v1_guest_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *FsEvent) GetName() string {
@@ -3317,7 +3511,8 @@ var File_dsec_guest_v1_guest_proto protoreflect.FileDescriptor
 
 const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\n" +
-	"\x19dsec/guest/v1/guest.proto\x12\rdsec.guest.v1\"\xf4\t\n" +
+	"\x19dsec/guest/v1/guest.proto\x12\rdsec.guest.v1\"\xea\n" +
+	"\n" +
 	"\tClientMsg\x12,\n" +
 	"\x05hello\x18\x01 \x01(\v2\x14.dsec.guest.v1.HelloH\x00R\x05hello\x12)\n" +
 	"\x04exec\x18\x02 \x01(\v2\x13.dsec.guest.v1.ExecH\x00R\x04exec\x12/\n" +
@@ -3347,8 +3542,11 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\x05watch\x18\x17 \x01(\v2\x14.dsec.guest.v1.WatchH\x00R\x05watch\x12<\n" +
 	"\vchange_mode\x18\x18 \x01(\v2\x19.dsec.guest.v1.ChangeModeH\x00R\n" +
 	"changeMode\x126\n" +
-	"\tdial_port\x18\x19 \x01(\v2\x17.dsec.guest.v1.DialPortH\x00R\bdialPortB\x05\n" +
-	"\x03msg\"\xf0\x04\n" +
+	"\tdial_port\x18\x19 \x01(\v2\x17.dsec.guest.v1.DialPortH\x00R\bdialPort\x12<\n" +
+	"\vlisten_port\x18\x1a \x01(\v2\x19.dsec.guest.v1.ListenPortH\x00R\n" +
+	"listenPort\x126\n" +
+	"\ttake_conn\x18\x1b \x01(\v2\x17.dsec.guest.v1.TakeConnH\x00R\btakeConnB\x05\n" +
+	"\x03msg\"\xa7\x05\n" +
 	"\tServerMsg\x121\n" +
 	"\x05hello\x18\x01 \x01(\v2\x19.dsec.guest.v1.HelloReplyH\x00R\x05hello\x122\n" +
 	"\astarted\x18\x02 \x01(\v2\x16.dsec.guest.v1.StartedH\x00R\astarted\x12/\n" +
@@ -3364,7 +3562,8 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\x04done\x18\v \x01(\v2\x13.dsec.guest.v1.DoneH\x00R\x04done\x12<\n" +
 	"\vcall_result\x18\f \x01(\v2\x19.dsec.guest.v1.CallResultH\x00R\n" +
 	"callResult\x123\n" +
-	"\bfs_event\x18\r \x01(\v2\x16.dsec.guest.v1.FsEventH\x00R\afsEventB\x05\n" +
+	"\bfs_event\x18\r \x01(\v2\x16.dsec.guest.v1.FsEventH\x00R\afsEvent\x125\n" +
+	"\baccepted\x18\x0e \x01(\v2\x17.dsec.guest.v1.AcceptedH\x00R\bacceptedB\x05\n" +
 	"\x03msg\"\a\n" +
 	"\x05Hello\"\x8e\x01\n" +
 	"\n" +
@@ -3475,7 +3674,14 @@ const file_dsec_guest_v1_guest_proto_rawDesc = "" +
 	"\x04mode\x18\x02 \x01(\rR\x04mode\x12\x12\n" +
 	"\x04user\x18\x03 \x01(\tR\x04user\"\x1e\n" +
 	"\bDialPort\x12\x12\n" +
-	"\x04port\x18\x01 \x01(\rR\x04port\"\v\n" +
+	"\x04port\x18\x01 \x01(\rR\x04port\" \n" +
+	"\n" +
+	"ListenPort\x12\x12\n" +
+	"\x04port\x18\x01 \x01(\rR\x04port\"\x1a\n" +
+	"\bAccepted\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"\x1a\n" +
+	"\bTakeConn\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"\v\n" +
 	"\tListProcs\"\x06\n" +
 	"\x04Sync\"\n" +
 	"\n" +
@@ -3582,7 +3788,7 @@ func file_dsec_guest_v1_guest_proto_rawDescGZIP() []byte {
 	return file_dsec_guest_v1_guest_proto_rawDescData
 }
 
-var file_dsec_guest_v1_guest_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
+var file_dsec_guest_v1_guest_proto_msgTypes = make([]protoimpl.MessageInfo, 45)
 var file_dsec_guest_v1_guest_proto_goTypes = []any{
 	(*ClientMsg)(nil),   // 0: dsec.guest.v1.ClientMsg
 	(*ServerMsg)(nil),   // 1: dsec.guest.v1.ServerMsg
@@ -3606,26 +3812,29 @@ var file_dsec_guest_v1_guest_proto_goTypes = []any{
 	(*Rename)(nil),      // 19: dsec.guest.v1.Rename
 	(*ChangeMode)(nil),  // 20: dsec.guest.v1.ChangeMode
 	(*DialPort)(nil),    // 21: dsec.guest.v1.DialPort
-	(*ListProcs)(nil),   // 22: dsec.guest.v1.ListProcs
-	(*Sync)(nil),        // 23: dsec.guest.v1.Sync
-	(*Shutdown)(nil),    // 24: dsec.guest.v1.Shutdown
-	(*SetEnv)(nil),      // 25: dsec.guest.v1.SetEnv
-	(*SetDeadline)(nil), // 26: dsec.guest.v1.SetDeadline
-	(*Done)(nil),        // 27: dsec.guest.v1.Done
-	(*FileInfo)(nil),    // 28: dsec.guest.v1.FileInfo
-	(*Entries)(nil),     // 29: dsec.guest.v1.Entries
-	(*Proc)(nil),        // 30: dsec.guest.v1.Proc
-	(*Procs)(nil),       // 31: dsec.guest.v1.Procs
-	(*Error)(nil),       // 32: dsec.guest.v1.Error
-	(*StartRunner)(nil), // 33: dsec.guest.v1.StartRunner
-	(*Call)(nil),        // 34: dsec.guest.v1.Call
-	(*CallFile)(nil),    // 35: dsec.guest.v1.CallFile
-	(*CallStep)(nil),    // 36: dsec.guest.v1.CallStep
-	(*CallResult)(nil),  // 37: dsec.guest.v1.CallResult
-	(*Watch)(nil),       // 38: dsec.guest.v1.Watch
-	(*FsEvent)(nil),     // 39: dsec.guest.v1.FsEvent
-	nil,                 // 40: dsec.guest.v1.WriteFile.MetadataEntry
-	nil,                 // 41: dsec.guest.v1.FileInfo.MetadataEntry
+	(*ListenPort)(nil),  // 22: dsec.guest.v1.ListenPort
+	(*Accepted)(nil),    // 23: dsec.guest.v1.Accepted
+	(*TakeConn)(nil),    // 24: dsec.guest.v1.TakeConn
+	(*ListProcs)(nil),   // 25: dsec.guest.v1.ListProcs
+	(*Sync)(nil),        // 26: dsec.guest.v1.Sync
+	(*Shutdown)(nil),    // 27: dsec.guest.v1.Shutdown
+	(*SetEnv)(nil),      // 28: dsec.guest.v1.SetEnv
+	(*SetDeadline)(nil), // 29: dsec.guest.v1.SetDeadline
+	(*Done)(nil),        // 30: dsec.guest.v1.Done
+	(*FileInfo)(nil),    // 31: dsec.guest.v1.FileInfo
+	(*Entries)(nil),     // 32: dsec.guest.v1.Entries
+	(*Proc)(nil),        // 33: dsec.guest.v1.Proc
+	(*Procs)(nil),       // 34: dsec.guest.v1.Procs
+	(*Error)(nil),       // 35: dsec.guest.v1.Error
+	(*StartRunner)(nil), // 36: dsec.guest.v1.StartRunner
+	(*Call)(nil),        // 37: dsec.guest.v1.Call
+	(*CallFile)(nil),    // 38: dsec.guest.v1.CallFile
+	(*CallStep)(nil),    // 39: dsec.guest.v1.CallStep
+	(*CallResult)(nil),  // 40: dsec.guest.v1.CallResult
+	(*Watch)(nil),       // 41: dsec.guest.v1.Watch
+	(*FsEvent)(nil),     // 42: dsec.guest.v1.FsEvent
+	nil,                 // 43: dsec.guest.v1.WriteFile.MetadataEntry
+	nil,                 // 44: dsec.guest.v1.FileInfo.MetadataEntry
 }
 var file_dsec_guest_v1_guest_proto_depIdxs = []int32{
 	2,  // 0: dsec.guest.v1.ClientMsg.hello:type_name -> dsec.guest.v1.Hello
@@ -3642,43 +3851,46 @@ var file_dsec_guest_v1_guest_proto_depIdxs = []int32{
 	17, // 11: dsec.guest.v1.ClientMsg.make_dir:type_name -> dsec.guest.v1.MakeDir
 	18, // 12: dsec.guest.v1.ClientMsg.remove:type_name -> dsec.guest.v1.Remove
 	19, // 13: dsec.guest.v1.ClientMsg.rename:type_name -> dsec.guest.v1.Rename
-	22, // 14: dsec.guest.v1.ClientMsg.list_procs:type_name -> dsec.guest.v1.ListProcs
-	23, // 15: dsec.guest.v1.ClientMsg.sync:type_name -> dsec.guest.v1.Sync
-	24, // 16: dsec.guest.v1.ClientMsg.shutdown:type_name -> dsec.guest.v1.Shutdown
-	26, // 17: dsec.guest.v1.ClientMsg.set_deadline:type_name -> dsec.guest.v1.SetDeadline
-	25, // 18: dsec.guest.v1.ClientMsg.set_env:type_name -> dsec.guest.v1.SetEnv
-	33, // 19: dsec.guest.v1.ClientMsg.start_runner:type_name -> dsec.guest.v1.StartRunner
-	34, // 20: dsec.guest.v1.ClientMsg.call:type_name -> dsec.guest.v1.Call
-	38, // 21: dsec.guest.v1.ClientMsg.watch:type_name -> dsec.guest.v1.Watch
+	25, // 14: dsec.guest.v1.ClientMsg.list_procs:type_name -> dsec.guest.v1.ListProcs
+	26, // 15: dsec.guest.v1.ClientMsg.sync:type_name -> dsec.guest.v1.Sync
+	27, // 16: dsec.guest.v1.ClientMsg.shutdown:type_name -> dsec.guest.v1.Shutdown
+	29, // 17: dsec.guest.v1.ClientMsg.set_deadline:type_name -> dsec.guest.v1.SetDeadline
+	28, // 18: dsec.guest.v1.ClientMsg.set_env:type_name -> dsec.guest.v1.SetEnv
+	36, // 19: dsec.guest.v1.ClientMsg.start_runner:type_name -> dsec.guest.v1.StartRunner
+	37, // 20: dsec.guest.v1.ClientMsg.call:type_name -> dsec.guest.v1.Call
+	41, // 21: dsec.guest.v1.ClientMsg.watch:type_name -> dsec.guest.v1.Watch
 	20, // 22: dsec.guest.v1.ClientMsg.change_mode:type_name -> dsec.guest.v1.ChangeMode
 	21, // 23: dsec.guest.v1.ClientMsg.dial_port:type_name -> dsec.guest.v1.DialPort
-	3,  // 24: dsec.guest.v1.ServerMsg.hello:type_name -> dsec.guest.v1.HelloReply
-	9,  // 25: dsec.guest.v1.ServerMsg.started:type_name -> dsec.guest.v1.Started
-	10, // 26: dsec.guest.v1.ServerMsg.output:type_name -> dsec.guest.v1.Output
-	11, // 27: dsec.guest.v1.ServerMsg.exit:type_name -> dsec.guest.v1.Exit
-	28, // 28: dsec.guest.v1.ServerMsg.info:type_name -> dsec.guest.v1.FileInfo
-	14, // 29: dsec.guest.v1.ServerMsg.end:type_name -> dsec.guest.v1.End
-	32, // 30: dsec.guest.v1.ServerMsg.error:type_name -> dsec.guest.v1.Error
-	29, // 31: dsec.guest.v1.ServerMsg.entries:type_name -> dsec.guest.v1.Entries
-	31, // 32: dsec.guest.v1.ServerMsg.procs:type_name -> dsec.guest.v1.Procs
-	27, // 33: dsec.guest.v1.ServerMsg.done:type_name -> dsec.guest.v1.Done
-	37, // 34: dsec.guest.v1.ServerMsg.call_result:type_name -> dsec.guest.v1.CallResult
-	39, // 35: dsec.guest.v1.ServerMsg.fs_event:type_name -> dsec.guest.v1.FsEvent
-	40, // 36: dsec.guest.v1.WriteFile.metadata:type_name -> dsec.guest.v1.WriteFile.MetadataEntry
-	41, // 37: dsec.guest.v1.FileInfo.metadata:type_name -> dsec.guest.v1.FileInfo.MetadataEntry
-	28, // 38: dsec.guest.v1.FileInfo.target:type_name -> dsec.guest.v1.FileInfo
-	28, // 39: dsec.guest.v1.Entries.entries:type_name -> dsec.guest.v1.FileInfo
-	30, // 40: dsec.guest.v1.Procs.procs:type_name -> dsec.guest.v1.Proc
-	35, // 41: dsec.guest.v1.Call.files:type_name -> dsec.guest.v1.CallFile
-	36, // 42: dsec.guest.v1.Call.steps:type_name -> dsec.guest.v1.CallStep
-	11, // 43: dsec.guest.v1.CallResult.steps:type_name -> dsec.guest.v1.Exit
-	35, // 44: dsec.guest.v1.CallResult.fetched:type_name -> dsec.guest.v1.CallFile
-	28, // 45: dsec.guest.v1.FsEvent.info:type_name -> dsec.guest.v1.FileInfo
-	46, // [46:46] is the sub-list for method output_type
-	46, // [46:46] is the sub-list for method input_type
-	46, // [46:46] is the sub-list for extension type_name
-	46, // [46:46] is the sub-list for extension extendee
-	0,  // [0:46] is the sub-list for field type_name
+	22, // 24: dsec.guest.v1.ClientMsg.listen_port:type_name -> dsec.guest.v1.ListenPort
+	24, // 25: dsec.guest.v1.ClientMsg.take_conn:type_name -> dsec.guest.v1.TakeConn
+	3,  // 26: dsec.guest.v1.ServerMsg.hello:type_name -> dsec.guest.v1.HelloReply
+	9,  // 27: dsec.guest.v1.ServerMsg.started:type_name -> dsec.guest.v1.Started
+	10, // 28: dsec.guest.v1.ServerMsg.output:type_name -> dsec.guest.v1.Output
+	11, // 29: dsec.guest.v1.ServerMsg.exit:type_name -> dsec.guest.v1.Exit
+	31, // 30: dsec.guest.v1.ServerMsg.info:type_name -> dsec.guest.v1.FileInfo
+	14, // 31: dsec.guest.v1.ServerMsg.end:type_name -> dsec.guest.v1.End
+	35, // 32: dsec.guest.v1.ServerMsg.error:type_name -> dsec.guest.v1.Error
+	32, // 33: dsec.guest.v1.ServerMsg.entries:type_name -> dsec.guest.v1.Entries
+	34, // 34: dsec.guest.v1.ServerMsg.procs:type_name -> dsec.guest.v1.Procs
+	30, // 35: dsec.guest.v1.ServerMsg.done:type_name -> dsec.guest.v1.Done
+	40, // 36: dsec.guest.v1.ServerMsg.call_result:type_name -> dsec.guest.v1.CallResult
+	42, // 37: dsec.guest.v1.ServerMsg.fs_event:type_name -> dsec.guest.v1.FsEvent
+	23, // 38: dsec.guest.v1.ServerMsg.accepted:type_name -> dsec.guest.v1.Accepted
+	43, // 39: dsec.guest.v1.WriteFile.metadata:type_name -> dsec.guest.v1.WriteFile.MetadataEntry
+	44, // 40: dsec.guest.v1.FileInfo.metadata:type_name -> dsec.guest.v1.FileInfo.MetadataEntry
+	31, // 41: dsec.guest.v1.FileInfo.target:type_name -> dsec.guest.v1.FileInfo
+	31, // 42: dsec.guest.v1.Entries.entries:type_name -> dsec.guest.v1.FileInfo
+	33, // 43: dsec.guest.v1.Procs.procs:type_name -> dsec.guest.v1.Proc
+	38, // 44: dsec.guest.v1.Call.files:type_name -> dsec.guest.v1.CallFile
+	39, // 45: dsec.guest.v1.Call.steps:type_name -> dsec.guest.v1.CallStep
+	11, // 46: dsec.guest.v1.CallResult.steps:type_name -> dsec.guest.v1.Exit
+	38, // 47: dsec.guest.v1.CallResult.fetched:type_name -> dsec.guest.v1.CallFile
+	31, // 48: dsec.guest.v1.FsEvent.info:type_name -> dsec.guest.v1.FileInfo
+	49, // [49:49] is the sub-list for method output_type
+	49, // [49:49] is the sub-list for method input_type
+	49, // [49:49] is the sub-list for extension type_name
+	49, // [49:49] is the sub-list for extension extendee
+	0,  // [0:49] is the sub-list for field type_name
 }
 
 func init() { file_dsec_guest_v1_guest_proto_init() }
@@ -3712,6 +3924,8 @@ func file_dsec_guest_v1_guest_proto_init() {
 		(*ClientMsg_Watch)(nil),
 		(*ClientMsg_ChangeMode)(nil),
 		(*ClientMsg_DialPort)(nil),
+		(*ClientMsg_ListenPort)(nil),
+		(*ClientMsg_TakeConn)(nil),
 	}
 	file_dsec_guest_v1_guest_proto_msgTypes[1].OneofWrappers = []any{
 		(*ServerMsg_Hello)(nil),
@@ -3727,6 +3941,7 @@ func file_dsec_guest_v1_guest_proto_init() {
 		(*ServerMsg_Done)(nil),
 		(*ServerMsg_CallResult)(nil),
 		(*ServerMsg_FsEvent)(nil),
+		(*ServerMsg_Accepted)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -3734,7 +3949,7 @@ func file_dsec_guest_v1_guest_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_guest_v1_guest_proto_rawDesc), len(file_dsec_guest_v1_guest_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   42,
+			NumMessages:   45,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -153,6 +153,10 @@ const (
 	LogServiceGetLogProcedure = "/dsec.v1.LogService/GetLog"
 	// LogServiceReplayProcedure is the fully-qualified name of the LogService's Replay RPC.
 	LogServiceReplayProcedure = "/dsec.v1.LogService/Replay"
+	// LogServiceStartRolloutProcedure is the fully-qualified name of the LogService's StartRollout RPC.
+	LogServiceStartRolloutProcedure = "/dsec.v1.LogService/StartRollout"
+	// LogServiceGetRolloutProcedure is the fully-qualified name of the LogService's GetRollout RPC.
+	LogServiceGetRolloutProcedure = "/dsec.v1.LogService/GetRollout"
 	// LogServiceGetNetworkLogProcedure is the fully-qualified name of the LogService's GetNetworkLog
 	// RPC.
 	LogServiceGetNetworkLogProcedure = "/dsec.v1.LogService/GetNetworkLog"
@@ -1423,6 +1427,18 @@ type LogServiceClient interface {
 	// sandbox of its project from the same image or snapshot, and reports
 	// divergences.
 	Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error)
+	// StartRollout runs an agent command in a sandbox as a rollout: the
+	// command runs on when its caller goes (a trainer that dies reattaches
+	// with GetRollout), within its deadline; when it ends the verifier
+	// command, if any, scores it. Its progress is the sandbox's log from
+	// start_seq on: the agent's model calls (SandboxSpec.model_gateway) and
+	// the commands sent to the sandbox. Starting a rollout ID the sandbox
+	// has answers that rollout as it is (the caller reattaches), whatever
+	// the rest of the request. The sandbox's TTLs still apply.
+	StartRollout(context.Context, *connect.Request[v1.StartRolloutRequest]) (*connect.Response[v1.Rollout], error)
+	// GetRollout answers a rollout as it is; with wait_s, once it ended or
+	// wait_s passed. Rollouts outlive their sandbox as its log does.
+	GetRollout(context.Context, *connect.Request[v1.GetRolloutRequest]) (*connect.Response[v1.Rollout], error)
 	// GetNetworkLog reads a sandbox's connection log: every connection an
 	// egress sandbox opened (TCP, UDP, ICMP, DNS queries, HTTP and TLS through
 	// the node's egress proxy), allowed or denied, oldest first, after
@@ -1457,6 +1473,19 @@ func NewLogServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...
 			connect.WithSchema(logServiceMethods.ByName("Replay")),
 			connect.WithClientOptions(opts...),
 		),
+		startRollout: connect.NewClient[v1.StartRolloutRequest, v1.Rollout](
+			httpClient,
+			baseURL+LogServiceStartRolloutProcedure,
+			connect.WithSchema(logServiceMethods.ByName("StartRollout")),
+			connect.WithClientOptions(opts...),
+		),
+		getRollout: connect.NewClient[v1.GetRolloutRequest, v1.Rollout](
+			httpClient,
+			baseURL+LogServiceGetRolloutProcedure,
+			connect.WithSchema(logServiceMethods.ByName("GetRollout")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
 		getNetworkLog: connect.NewClient[v1.GetNetworkLogRequest, v1.GetNetworkLogResponse](
 			httpClient,
 			baseURL+LogServiceGetNetworkLogProcedure,
@@ -1471,6 +1500,8 @@ func NewLogServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...
 type logServiceClient struct {
 	getLog        *connect.Client[v1.GetLogRequest, v1.GetLogResponse]
 	replay        *connect.Client[v1.ReplayRequest, v1.ReplayResponse]
+	startRollout  *connect.Client[v1.StartRolloutRequest, v1.Rollout]
+	getRollout    *connect.Client[v1.GetRolloutRequest, v1.Rollout]
 	getNetworkLog *connect.Client[v1.GetNetworkLogRequest, v1.GetNetworkLogResponse]
 }
 
@@ -1482,6 +1513,16 @@ func (c *logServiceClient) GetLog(ctx context.Context, req *connect.Request[v1.G
 // Replay calls dsec.v1.LogService.Replay.
 func (c *logServiceClient) Replay(ctx context.Context, req *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error) {
 	return c.replay.CallUnary(ctx, req)
+}
+
+// StartRollout calls dsec.v1.LogService.StartRollout.
+func (c *logServiceClient) StartRollout(ctx context.Context, req *connect.Request[v1.StartRolloutRequest]) (*connect.Response[v1.Rollout], error) {
+	return c.startRollout.CallUnary(ctx, req)
+}
+
+// GetRollout calls dsec.v1.LogService.GetRollout.
+func (c *logServiceClient) GetRollout(ctx context.Context, req *connect.Request[v1.GetRolloutRequest]) (*connect.Response[v1.Rollout], error) {
+	return c.getRollout.CallUnary(ctx, req)
 }
 
 // GetNetworkLog calls dsec.v1.LogService.GetNetworkLog.
@@ -1499,6 +1540,18 @@ type LogServiceHandler interface {
 	// sandbox of its project from the same image or snapshot, and reports
 	// divergences.
 	Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error)
+	// StartRollout runs an agent command in a sandbox as a rollout: the
+	// command runs on when its caller goes (a trainer that dies reattaches
+	// with GetRollout), within its deadline; when it ends the verifier
+	// command, if any, scores it. Its progress is the sandbox's log from
+	// start_seq on: the agent's model calls (SandboxSpec.model_gateway) and
+	// the commands sent to the sandbox. Starting a rollout ID the sandbox
+	// has answers that rollout as it is (the caller reattaches), whatever
+	// the rest of the request. The sandbox's TTLs still apply.
+	StartRollout(context.Context, *connect.Request[v1.StartRolloutRequest]) (*connect.Response[v1.Rollout], error)
+	// GetRollout answers a rollout as it is; with wait_s, once it ended or
+	// wait_s passed. Rollouts outlive their sandbox as its log does.
+	GetRollout(context.Context, *connect.Request[v1.GetRolloutRequest]) (*connect.Response[v1.Rollout], error)
 	// GetNetworkLog reads a sandbox's connection log: every connection an
 	// egress sandbox opened (TCP, UDP, ICMP, DNS queries, HTTP and TLS through
 	// the node's egress proxy), allowed or denied, oldest first, after
@@ -1529,6 +1582,19 @@ func NewLogServiceHandler(svc LogServiceHandler, opts ...connect.HandlerOption) 
 		connect.WithSchema(logServiceMethods.ByName("Replay")),
 		connect.WithHandlerOptions(opts...),
 	)
+	logServiceStartRolloutHandler := connect.NewUnaryHandler(
+		LogServiceStartRolloutProcedure,
+		svc.StartRollout,
+		connect.WithSchema(logServiceMethods.ByName("StartRollout")),
+		connect.WithHandlerOptions(opts...),
+	)
+	logServiceGetRolloutHandler := connect.NewUnaryHandler(
+		LogServiceGetRolloutProcedure,
+		svc.GetRollout,
+		connect.WithSchema(logServiceMethods.ByName("GetRollout")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
 	logServiceGetNetworkLogHandler := connect.NewUnaryHandler(
 		LogServiceGetNetworkLogProcedure,
 		svc.GetNetworkLog,
@@ -1542,6 +1608,10 @@ func NewLogServiceHandler(svc LogServiceHandler, opts ...connect.HandlerOption) 
 			logServiceGetLogHandler.ServeHTTP(w, r)
 		case LogServiceReplayProcedure:
 			logServiceReplayHandler.ServeHTTP(w, r)
+		case LogServiceStartRolloutProcedure:
+			logServiceStartRolloutHandler.ServeHTTP(w, r)
+		case LogServiceGetRolloutProcedure:
+			logServiceGetRolloutHandler.ServeHTTP(w, r)
 		case LogServiceGetNetworkLogProcedure:
 			logServiceGetNetworkLogHandler.ServeHTTP(w, r)
 		default:
@@ -1559,6 +1629,14 @@ func (UnimplementedLogServiceHandler) GetLog(context.Context, *connect.Request[v
 
 func (UnimplementedLogServiceHandler) Replay(context.Context, *connect.Request[v1.ReplayRequest]) (*connect.Response[v1.ReplayResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LogService.Replay is not implemented"))
+}
+
+func (UnimplementedLogServiceHandler) StartRollout(context.Context, *connect.Request[v1.StartRolloutRequest]) (*connect.Response[v1.Rollout], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LogService.StartRollout is not implemented"))
+}
+
+func (UnimplementedLogServiceHandler) GetRollout(context.Context, *connect.Request[v1.GetRolloutRequest]) (*connect.Response[v1.Rollout], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LogService.GetRollout is not implemented"))
 }
 
 func (UnimplementedLogServiceHandler) GetNetworkLog(context.Context, *connect.Request[v1.GetNetworkLogRequest]) (*connect.Response[v1.GetNetworkLogResponse], error) {

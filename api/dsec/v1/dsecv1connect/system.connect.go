@@ -55,6 +55,12 @@ const (
 	// SessionServiceCloseSessionProcedure is the fully-qualified name of the SessionService's
 	// CloseSession RPC.
 	SessionServiceCloseSessionProcedure = "/dsec.v1.SessionService/CloseSession"
+	// SessionServiceSetModelUpstreamsProcedure is the fully-qualified name of the SessionService's
+	// SetModelUpstreams RPC.
+	SessionServiceSetModelUpstreamsProcedure = "/dsec.v1.SessionService/SetModelUpstreams"
+	// SessionServiceGetModelUpstreamsProcedure is the fully-qualified name of the SessionService's
+	// GetModelUpstreams RPC.
+	SessionServiceGetModelUpstreamsProcedure = "/dsec.v1.SessionService/GetModelUpstreams"
 )
 
 // SystemServiceClient is a client for the dsec.v1.SystemService service.
@@ -172,6 +178,12 @@ type SessionServiceClient interface {
 	// CloseSession ends a session; with delete_sandboxes its sandboxes go too,
 	// otherwise they live on under their TTLs.
 	CloseSession(context.Context, *connect.Request[v1.CloseSessionRequest]) (*connect.Response[v1.Session], error)
+	// SetModelUpstreams replaces the model upstreams of a session: where
+	// the model gateway of its sandboxes (SandboxSpec.model_gateway) sends
+	// their agents' model calls, and the limits it holds them to. The next
+	// model call of any of its sandboxes uses them.
+	SetModelUpstreams(context.Context, *connect.Request[v1.SetModelUpstreamsRequest]) (*connect.Response[v1.ModelUpstreams], error)
+	GetModelUpstreams(context.Context, *connect.Request[v1.GetModelUpstreamsRequest]) (*connect.Response[v1.ModelUpstreams], error)
 }
 
 // NewSessionServiceClient constructs a client for the dsec.v1.SessionService service. By default,
@@ -217,16 +229,31 @@ func NewSessionServiceClient(httpClient connect.HTTPClient, baseURL string, opts
 			connect.WithSchema(sessionServiceMethods.ByName("CloseSession")),
 			connect.WithClientOptions(opts...),
 		),
+		setModelUpstreams: connect.NewClient[v1.SetModelUpstreamsRequest, v1.ModelUpstreams](
+			httpClient,
+			baseURL+SessionServiceSetModelUpstreamsProcedure,
+			connect.WithSchema(sessionServiceMethods.ByName("SetModelUpstreams")),
+			connect.WithClientOptions(opts...),
+		),
+		getModelUpstreams: connect.NewClient[v1.GetModelUpstreamsRequest, v1.ModelUpstreams](
+			httpClient,
+			baseURL+SessionServiceGetModelUpstreamsProcedure,
+			connect.WithSchema(sessionServiceMethods.ByName("GetModelUpstreams")),
+			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // sessionServiceClient implements SessionServiceClient.
 type sessionServiceClient struct {
-	openSession  *connect.Client[v1.OpenSessionRequest, v1.Session]
-	heartbeat    *connect.Client[v1.HeartbeatRequest, v1.Session]
-	getSession   *connect.Client[v1.GetSessionRequest, v1.Session]
-	listSessions *connect.Client[v1.ListSessionsRequest, v1.ListSessionsResponse]
-	closeSession *connect.Client[v1.CloseSessionRequest, v1.Session]
+	openSession       *connect.Client[v1.OpenSessionRequest, v1.Session]
+	heartbeat         *connect.Client[v1.HeartbeatRequest, v1.Session]
+	getSession        *connect.Client[v1.GetSessionRequest, v1.Session]
+	listSessions      *connect.Client[v1.ListSessionsRequest, v1.ListSessionsResponse]
+	closeSession      *connect.Client[v1.CloseSessionRequest, v1.Session]
+	setModelUpstreams *connect.Client[v1.SetModelUpstreamsRequest, v1.ModelUpstreams]
+	getModelUpstreams *connect.Client[v1.GetModelUpstreamsRequest, v1.ModelUpstreams]
 }
 
 // OpenSession calls dsec.v1.SessionService.OpenSession.
@@ -254,6 +281,16 @@ func (c *sessionServiceClient) CloseSession(ctx context.Context, req *connect.Re
 	return c.closeSession.CallUnary(ctx, req)
 }
 
+// SetModelUpstreams calls dsec.v1.SessionService.SetModelUpstreams.
+func (c *sessionServiceClient) SetModelUpstreams(ctx context.Context, req *connect.Request[v1.SetModelUpstreamsRequest]) (*connect.Response[v1.ModelUpstreams], error) {
+	return c.setModelUpstreams.CallUnary(ctx, req)
+}
+
+// GetModelUpstreams calls dsec.v1.SessionService.GetModelUpstreams.
+func (c *sessionServiceClient) GetModelUpstreams(ctx context.Context, req *connect.Request[v1.GetModelUpstreamsRequest]) (*connect.Response[v1.ModelUpstreams], error) {
+	return c.getModelUpstreams.CallUnary(ctx, req)
+}
+
 // SessionServiceHandler is an implementation of the dsec.v1.SessionService service.
 type SessionServiceHandler interface {
 	OpenSession(context.Context, *connect.Request[v1.OpenSessionRequest]) (*connect.Response[v1.Session], error)
@@ -263,6 +300,12 @@ type SessionServiceHandler interface {
 	// CloseSession ends a session; with delete_sandboxes its sandboxes go too,
 	// otherwise they live on under their TTLs.
 	CloseSession(context.Context, *connect.Request[v1.CloseSessionRequest]) (*connect.Response[v1.Session], error)
+	// SetModelUpstreams replaces the model upstreams of a session: where
+	// the model gateway of its sandboxes (SandboxSpec.model_gateway) sends
+	// their agents' model calls, and the limits it holds them to. The next
+	// model call of any of its sandboxes uses them.
+	SetModelUpstreams(context.Context, *connect.Request[v1.SetModelUpstreamsRequest]) (*connect.Response[v1.ModelUpstreams], error)
+	GetModelUpstreams(context.Context, *connect.Request[v1.GetModelUpstreamsRequest]) (*connect.Response[v1.ModelUpstreams], error)
 }
 
 // NewSessionServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -304,6 +347,19 @@ func NewSessionServiceHandler(svc SessionServiceHandler, opts ...connect.Handler
 		connect.WithSchema(sessionServiceMethods.ByName("CloseSession")),
 		connect.WithHandlerOptions(opts...),
 	)
+	sessionServiceSetModelUpstreamsHandler := connect.NewUnaryHandler(
+		SessionServiceSetModelUpstreamsProcedure,
+		svc.SetModelUpstreams,
+		connect.WithSchema(sessionServiceMethods.ByName("SetModelUpstreams")),
+		connect.WithHandlerOptions(opts...),
+	)
+	sessionServiceGetModelUpstreamsHandler := connect.NewUnaryHandler(
+		SessionServiceGetModelUpstreamsProcedure,
+		svc.GetModelUpstreams,
+		connect.WithSchema(sessionServiceMethods.ByName("GetModelUpstreams")),
+		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/dsec.v1.SessionService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case SessionServiceOpenSessionProcedure:
@@ -316,6 +372,10 @@ func NewSessionServiceHandler(svc SessionServiceHandler, opts ...connect.Handler
 			sessionServiceListSessionsHandler.ServeHTTP(w, r)
 		case SessionServiceCloseSessionProcedure:
 			sessionServiceCloseSessionHandler.ServeHTTP(w, r)
+		case SessionServiceSetModelUpstreamsProcedure:
+			sessionServiceSetModelUpstreamsHandler.ServeHTTP(w, r)
+		case SessionServiceGetModelUpstreamsProcedure:
+			sessionServiceGetModelUpstreamsHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -343,4 +403,12 @@ func (UnimplementedSessionServiceHandler) ListSessions(context.Context, *connect
 
 func (UnimplementedSessionServiceHandler) CloseSession(context.Context, *connect.Request[v1.CloseSessionRequest]) (*connect.Response[v1.Session], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SessionService.CloseSession is not implemented"))
+}
+
+func (UnimplementedSessionServiceHandler) SetModelUpstreams(context.Context, *connect.Request[v1.SetModelUpstreamsRequest]) (*connect.Response[v1.ModelUpstreams], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SessionService.SetModelUpstreams is not implemented"))
+}
+
+func (UnimplementedSessionServiceHandler) GetModelUpstreams(context.Context, *connect.Request[v1.GetModelUpstreamsRequest]) (*connect.Response[v1.ModelUpstreams], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.SessionService.GetModelUpstreams is not implemented"))
 }
