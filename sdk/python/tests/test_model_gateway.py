@@ -84,19 +84,23 @@ def run_example(server, *args, check=True):
     return p
 
 
-def test_the_agent_example_resumes_a_killed_trainer_from_the_log(server, client, tmp_path):
+@pytest.mark.parametrize("kill_after", [1, 5, 10])  # model calls served before the SIGKILL (12 in all)
+def test_the_agent_example_resumes_a_killed_trainer_from_the_log(server, client, tmp_path, kill_after):
+    run = f"py-agents-{kill_after}"
     state = str(tmp_path / "agents.jsonl")
-    killed = run_example(server, "--run", "py-agents", "--state", state, "--kill-after", "5", check=False)
+    killed = run_example(server, "--run", run, "--state", state, "--kill-after", str(kill_after), check=False)
     assert killed.returncode == -9, killed.stdout + killed.stderr
 
     out = tmp_path / "summary.json"
-    run_example(server, "--run", "py-agents", "--state", state, "--resume", "--json", str(out))
+    run_example(server, "--run", run, "--state", state, "--resume", "--json", str(out))
     s = json.loads(out.read_text())
     assert s["rewards"] == [1.0, 1.0, 1.0] and s["infra_failures"] == 0, s
-    assert s["prefix_calls"] > 0 and s["prefix_replay_hits"] == s["prefix_calls"], s
+    # Every call the killed run completed is answered from its log, and
+    # none reached the model twice.
+    assert s["prefix_calls"] >= kill_after and s["prefix_replay_hits"] == s["prefix_calls"], s
     assert s["prefix_duplicates_at_model"] == 0, s
     assert s["sandboxes_leaked"] == 0
-    assert client.list(labels={"run": "py-agents"}) == []
+    assert client.list(labels={"run": run}) == []
 
 
 TRAINER = r'''
