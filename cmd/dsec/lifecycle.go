@@ -459,10 +459,11 @@ func sessionCmd(g *globals) *cobra.Command {
 func sessionModelsCmd(g *globals) *cobra.Command {
 	var file string
 	cmd := &cobra.Command{
-		Use:   "models NAME [-f upstreams.json]",
-		Short: "Show a session's model upstreams, or set them from a file (JSON of SetModelUpstreamsRequest; - reads stdin)",
-		Args:  cobra.ExactArgs(1),
+		Use:   "models [NAME] [-f upstreams.json]",
+		Short: "Show a session's model upstreams (no NAME: the project's own), or set them from a file (JSON of SetModelUpstreamsRequest; - reads stdin)",
+		Args:  cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			args = append(args, "")
 			var out *dsecv1.ModelUpstreams
 			var err error
 			if file == "" {

@@ -122,7 +122,7 @@ func createCmd(g *globals) *cobra.Command {
 	f.StringVar(&o.IdempotencyKey, "idempotency-key", "", "return the same sandbox when retried with this key")
 	f.StringVar(&o.Snapshot, "from", "", "start from this snapshot instead of an image")
 	f.StringVar(&o.Session, "session", "", "bind the sandbox to this trainer session")
-	f.BoolVar(&o.ModelGateway, "model-gateway", false, "give the sandbox the model gateway: OPENAI_BASE_URL=http://127.0.0.1:4319/v1 inside, the session's upstreams behind it (needs --session)")
+	f.BoolVar(&o.ModelGateway, "model-gateway", false, "give the sandbox the model gateway: OPENAI_BASE_URL=http://127.0.0.1:4319/v1 inside, the session's and the project's upstreams behind it")
 	f.StringVar(&o.FastForwardFrom, "fast-forward-from", "", "answer the sandbox's model calls from those sandbox ID recorded, while they are the same (with --model-gateway)")
 	f.StringArrayVar(&nodeSel, "node-selector", nil, "place only on nodes with label key=value (cluster mode; repeatable)")
 	f.StringArrayVar(&volumes, "volume", nil, "mount a volume NAME:/PATH (read-write, this sandbox alone) or NAME:/PATH:ro (shared read-only); repeatable")

@@ -326,9 +326,9 @@ func (g *Gateway) serveHTTP(sb *Sandbox, w http.ResponseWriter, r *http.Request)
 	}
 	up := pick(cfg.GetUpstreams(), head.Model)
 	if up == nil {
-		msg := fmt.Sprintf("no upstream of session %q serves model %q", sb.Session, head.Model)
+		msg := fmt.Sprintf("no upstream of session %q or of its project serves model %q", sb.Session, head.Model)
 		if sb.Session == "" {
-			msg = "the sandbox belongs to no session: its trainer registers model upstreams on a session (SetModelUpstreams)"
+			msg = fmt.Sprintf("no upstream of the project serves model %q (SetModelUpstreams)", head.Model)
 		}
 		writeError(w, http.StatusForbidden, "permission_error", msg, false)
 		call.Status = http.StatusForbidden

@@ -62,9 +62,6 @@ func checkModelGateway(spec *dsecv1.SandboxSpec) error {
 	if substrate.Kind(spec.Kind) == substrate.KindFunction {
 		return errdefs.Invalid("kind function has no model gateway (use container, microvm or vm)")
 	}
-	if spec.Session == "" {
-		return errdefs.Invalid("model_gateway needs a session: its upstreams are the session's (SetModelUpstreams)")
-	}
 	return nil
 }
 

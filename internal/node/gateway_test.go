@@ -113,14 +113,13 @@ func TestAnAgentInTheSandboxReachesItsSessionsModelThroughTheGateway(t *testing.
 	})
 }
 
-func TestAModelGatewayNeedsASessionAndAKindWithAnAgent(t *testing.T) {
+func TestBadModelGatewaySpecs(t *testing.T) {
 	tn := newTestNode(t, nil)
 	for _, tc := range []struct {
 		name string
 		spec *dsecv1.SandboxSpec
 		kind errdefs.Kind
 	}{
-		{"without a session", &dsecv1.SandboxSpec{Image: "busybox", ModelGateway: &dsecv1.ModelGateway{Enabled: true}}, errdefs.KindInvalid},
 		{"fast-forwarded without the gateway", &dsecv1.SandboxSpec{Image: "busybox", Session: "s", ModelGateway: &dsecv1.ModelGateway{FastForwardFrom: "x"}}, errdefs.KindInvalid},
 		{"fast-forwarded from a sandbox of another project", &dsecv1.SandboxSpec{Image: "busybox", Session: "s", ModelGateway: &dsecv1.ModelGateway{Enabled: true, FastForwardFrom: tn.create(as("other"), nil).Id}}, errdefs.KindNotFound},
 	} {

@@ -9,18 +9,24 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/tenant"
 )
 
 // A session's model upstreams (the model gateway's registry, see
 // internal/gateway) are kept beside its record, under the same key, so a
 // heartbeat written by another replica never overwrites them.
 
-// maxUpstreams bounds a session's upstreams.
+// maxUpstreams bounds a session's (or a project's) upstreams.
 const maxUpstreams = 16
 
+// projectKey is where a project's own upstreams are kept, for every
+// sandbox of it: '@' is in no session's or project's name, so it meets no
+// session's key.
+func projectKey(project string) string { return "@project/" + projectName(project) }
+
 // SetModels replaces the model upstreams and limits of a session of the
-// caller's project. The session must exist and not be closed. The answer
-// holds no credential.
+// caller's project (it must exist and not be closed), or with no session
+// the project's own. The answer holds no credential.
 func (m *Manager) SetModels(ctx context.Context, req *dsecv1.SetModelUpstreamsRequest) (*dsecv1.ModelUpstreams, error) {
 	cfg := &dsecv1.ModelUpstreams{Session: req.GetSession(), Upstreams: req.GetUpstreams(), Limits: req.GetLimits()}
 	if err := validModels(cfg); err != nil {
@@ -28,53 +34,84 @@ func (m *Manager) SetModels(ctx context.Context, req *dsecv1.SetModelUpstreamsRe
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	r, err := m.get(ctx, req.GetSession())
-	if err != nil {
-		return nil, err
-	}
-	if r.State == Closed {
-		return nil, errdefs.NotFound("session %q is closed", r.Name)
+	key := projectKey(tenant.Project(ctx))
+	if req.GetSession() != "" {
+		r, err := m.get(ctx, req.GetSession())
+		if err != nil {
+			return nil, err
+		}
+		if r.State == Closed {
+			return nil, errdefs.NotFound("session %q is closed", r.Name)
+		}
+		key = r.Key()
 	}
 	b, err := protojson.Marshal(cfg)
 	if err != nil {
 		return nil, errdefs.Internal(err, "encode model upstreams")
 	}
-	if err := m.store.PutModels(ctx, r.Key(), b); err != nil {
+	if err := m.store.PutModels(ctx, key, b); err != nil {
 		return nil, err
 	}
 	return redacted(cfg), nil
 }
 
-// GetModels returns a session's model upstreams, without credentials.
+// GetModels returns a session's model upstreams (with no session, the
+// project's own), without credentials.
 func (m *Manager) GetModels(ctx context.Context, name string) (*dsecv1.ModelUpstreams, error) {
-	r, err := m.get(ctx, name)
-	if err != nil {
-		return nil, err
+	key := projectKey(tenant.Project(ctx))
+	if name != "" {
+		r, err := m.get(ctx, name)
+		if err != nil {
+			return nil, err
+		}
+		key = r.Key()
 	}
-	cfg, err := Models(ctx, m.store, r.Project, r.Name)
+	cfg, err := readModels(ctx, m.store, key)
 	if err != nil {
 		return nil, err
 	}
 	if cfg == nil {
-		cfg = &dsecv1.ModelUpstreams{Session: r.Name}
+		cfg = &dsecv1.ModelUpstreams{}
 	}
+	cfg.Session = name
 	return redacted(cfg), nil
 }
 
-// Models reads the model upstreams of project's session name from store,
-// credentials included (for the gateway only): nil when it registered
-// none or does not exist.
+// Models reads the model upstreams a sandbox of project in session name
+// ("" for none) reaches, credentials included (for the gateway only): the
+// session's first, then the project's; the session's limits if it set
+// any, else the project's. nil when neither registered any.
 func Models(ctx context.Context, store Store, project, name string) (*dsecv1.ModelUpstreams, error) {
-	if name == "" {
-		return nil, nil
+	var own *dsecv1.ModelUpstreams
+	if name != "" {
+		var err error
+		if own, err = readModels(ctx, store, Key(project, name)); err != nil {
+			return nil, err
+		}
 	}
-	b, err := store.GetModels(ctx, Key(project, name))
+	shared, err := readModels(ctx, store, projectKey(project))
+	if err != nil || shared == nil {
+		return own, err
+	}
+	if own == nil {
+		shared.Session = name
+		return shared, nil
+	}
+	own.Upstreams = append(own.Upstreams, shared.Upstreams...)
+	if own.Limits == nil {
+		own.Limits = shared.Limits
+	}
+	return own, nil
+}
+
+func readModels(ctx context.Context, store Store, key string) (*dsecv1.ModelUpstreams, error) {
+	b, err := store.GetModels(ctx, key)
 	if err != nil || b == nil {
 		return nil, err
 	}
 	cfg := new(dsecv1.ModelUpstreams)
 	if err := protojson.Unmarshal(b, cfg); err != nil {
-		return nil, errdefs.Internal(err, "decode model upstreams of session %q", name)
+		return nil, errdefs.Internal(err, "decode model upstreams %s", key)
 	}
 	return cfg, nil
 }
@@ -120,4 +157,12 @@ func validModels(cfg *dsecv1.ModelUpstreams) error {
 		return errdefs.Invalid("limits must not be negative")
 	}
 	return nil
+}
+
+// projectName is project, "" being the default project.
+func projectName(project string) string {
+	if project == "" {
+		return tenant.DefaultProject
+	}
+	return project
 }

@@ -58,11 +58,33 @@ func TestASessionsModelUpstreams(t *testing.T) {
 		t.Fatalf("project q gets %v", err)
 	}
 
+	t.Run("a project's own upstreams come after its sessions'", func(t *testing.T) {
+		shared := &dsecv1.SetModelUpstreamsRequest{Upstreams: []*dsecv1.ModelUpstream{{Name: "hosted", BaseUrl: "https://api.example.com/v1", ApiKey: "sk-2"}},
+			Limits: &dsecv1.ModelLimits{MaxConcurrent: 8}}
+		if _, err := m.SetModels(ctx, shared); err != nil {
+			t.Fatal(err)
+		}
+		if got, _ := m.GetModels(ctx, ""); len(got.Upstreams) != 1 || got.Upstreams[0].ApiKey != "" || !got.Upstreams[0].HasApiKey {
+			t.Fatalf("the project's: %v", got)
+		}
+		both, err := Models(context.Background(), store, "p", "s")
+		if err != nil || len(both.Upstreams) != 2 || both.Upstreams[0].Name != "vllm" || both.Upstreams[1].Name != "hosted" || both.Limits.GetMaxConcurrent() != 8 {
+			t.Fatalf("session s reaches %v, %v", both, err)
+		}
+		alone, err := Models(context.Background(), store, "p", "")
+		if err != nil || len(alone.Upstreams) != 1 || alone.Upstreams[0].ApiKey != "sk-2" {
+			t.Fatalf("a sandbox without a session reaches %v, %v", alone, err)
+		}
+		if other, err := Models(context.Background(), store, "q", ""); other != nil || err != nil {
+			t.Fatalf("project q reaches %v, %v", other, err)
+		}
+	})
+
 	t.Run("a heartbeat keeps them", func(t *testing.T) {
 		if _, err := m.Heartbeat(ctx, "s"); err != nil {
 			t.Fatal(err)
 		}
-		if full, _ := Models(context.Background(), store, "p", "s"); full == nil || len(full.Upstreams) != 1 {
+		if full, _ := Models(context.Background(), store, "p", "s"); full == nil || len(full.Upstreams) != 2 || full.Upstreams[0].Name != "vllm" {
 			t.Fatalf("after a heartbeat: %v", full)
 		}
 	})
@@ -71,8 +93,8 @@ func TestASessionsModelUpstreams(t *testing.T) {
 		if _, err := m.Close(ctx, "s", false); err != nil {
 			t.Fatal(err)
 		}
-		if full, err := Models(context.Background(), store, "p", "s"); full != nil || err != nil {
-			t.Fatalf("after close: %v, %v", full, err)
+		if full, err := Models(context.Background(), store, "p", "s"); len(full.GetUpstreams()) != 1 || full.Upstreams[0].Name != "hosted" || err != nil {
+			t.Fatalf("after close (the project's remain): %v, %v", full, err)
 		}
 		if _, err := m.Open(ctx, &dsecv1.OpenSessionRequest{Name: "s"}); err != nil {
 			t.Fatal(err)

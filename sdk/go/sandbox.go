@@ -64,7 +64,7 @@ type CreateOptions struct {
 	Sidecars []*dsecv1.Sidecar
 	// ModelGateway gives an agent in the sandbox the model gateway
 	// (dsecv1.ModelGateway: http://127.0.0.1:4319/v1 inside, the
-	// session's upstreams behind it); Session is required.
+	// session's and the project's upstreams behind it).
 	ModelGateway bool
 	// FastForwardFrom answers the sandbox's first model calls from those
 	// another sandbox recorded, while they are the same (ModelGateway).

@@ -1063,10 +1063,10 @@ func (x *SandboxSpec) GetModelGateway() *ModelGateway {
 // gets OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL and
 // ANTHROPIC_API_KEY pointing at it (the keys are placeholders: the
 // upstream's credential stays on the server). The node forwards each call
-// to an upstream its session registered (SetModelUpstreams), by the
+// to an upstream its session or project registered (SetModelUpstreams), by the
 // request's model, and records it in the sandbox's trajectory log
 // (LogEntry.model_call) beside its commands. Kinds container, microvm
-// and vm; the sandbox must belong to a session.
+// and vm. The upstreams are its session's, then its project's.
 type ModelGateway struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	Enabled bool                   `protobuf:"varint,1,opt,name=enabled,proto3" json:"enabled,omitempty"`

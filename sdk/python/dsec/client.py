@@ -773,7 +773,7 @@ class Client:
         containers mount by name through ``volumes``: names, or dicts with
         ``name`` and ``size_mb``), ``model_gateway`` (True: an
         OpenAI-compatible endpoint inside, ``OPENAI_BASE_URL`` =
-        http://127.0.0.1:4319/v1, forwarding to the session's upstreams,
+        http://127.0.0.1:4319/v1, forwarding to the session's and the project's upstreams,
         see :meth:`Session.set_model_upstreams`, and recording each call in
         the log), ``fast_forward_from`` (a sandbox or its ID: its recorded
         model calls answer this one's while they are the same).
@@ -941,6 +941,19 @@ class Client:
         from .session import Session
 
         return Session(self, name, heartbeat_s=heartbeat_s, grace_s=grace_s, on_expire=on_expire)
+
+    def set_model_upstreams(self, upstreams: Sequence[Mapping[str, Any]], **limits: int) -> Dict[str, Any]:
+        """Replace the project's own model upstreams: those every sandbox of
+        the project with ``model_gateway=True`` reaches, after its
+        session's (see :meth:`Session.set_model_upstreams` for the keys).
+        ``[]`` removes them."""
+        from .session import set_model_upstreams
+
+        return set_model_upstreams(self, "", upstreams, **limits)
+
+    def model_upstreams(self) -> Dict[str, Any]:
+        """The project's own model upstreams, without keys."""
+        return self._t.unary("dsec.v1.SessionService", "GetModelUpstreams", {}, retry=True)
 
     def rollout(self, sandbox_id: str, rollout_id: str) -> "Rollout":
         """Reattach to a rollout (a trainer that restarted): as it is now;

@@ -55,40 +55,19 @@ class Session:
         self._stop.set()
         self._thread.join(timeout=self.heartbeat_s + 5)
 
-    def set_model_upstreams(self, upstreams: Sequence[Mapping[str, Any]], *,
-                            max_concurrent: int = 0, tokens_per_minute: int = 0, token_budget: int = 0,
-                            per_sandbox_concurrent: int = 0) -> Dict[str, Any]:
+    def set_model_upstreams(self, upstreams: Sequence[Mapping[str, Any]], **limits: int) -> Dict[str, Any]:
         """Replace the session's model upstreams: where the model gateway of
         its sandboxes (``create(..., model_gateway=True)``) sends their
-        agents' model calls. Each upstream is a dict with ``name``,
-        ``base_url`` (e.g. ``"http://10.0.0.5:8000/v1"``), and optionally
-        ``api`` ("openai" or "anthropic"), ``api_key`` (kept on the
-        server, never in a sandbox), ``models`` (the model names it
+        agents' model calls, before the project's own
+        (:meth:`Client.set_model_upstreams`). Each upstream is a dict with
+        ``name``, ``base_url`` (e.g. ``"http://10.0.0.5:8000/v1"``), and
+        optionally ``api`` ("openai" or "anthropic"), ``api_key`` (kept on
+        the server, never in a sandbox), ``models`` (the model names it
         serves; none: it takes every model no other lists), ``timeout_s``
-        and ``idle_timeout_s``. The limits hold per node. Returns the
-        registration, without keys."""
-        ups = []
-        for u in upstreams:
-            w: Dict[str, Any] = {"name": u["name"], "baseUrl": u["base_url"]}
-            for k, wk in (("api", "api"), ("api_key", "apiKey"), ("timeout_s", "timeoutS"), ("idle_timeout_s", "idleTimeoutS")):
-                if u.get(k):
-                    w[wk] = u[k]
-            if u.get("models"):
-                w["models"] = [str(m) for m in u["models"]]
-            ups.append(w)
-        limits: Dict[str, Any] = {}
-        if max_concurrent:
-            limits["maxConcurrent"] = int(max_concurrent)
-        if tokens_per_minute:
-            limits["tokensPerMinute"] = str(int(tokens_per_minute))
-        if token_budget:
-            limits["tokenBudget"] = str(int(token_budget))
-        if per_sandbox_concurrent:
-            limits["perSandboxConcurrent"] = int(per_sandbox_concurrent)
-        req: Dict[str, Any] = {"session": self.name, "upstreams": ups}
-        if limits:
-            req["limits"] = limits
-        return self._client._t.unary(_SESSION, "SetModelUpstreams", req, retry=True)
+        and ``idle_timeout_s``. Limits (per node): ``max_concurrent``,
+        ``tokens_per_minute``, ``token_budget``, ``per_sandbox_concurrent``.
+        Returns the registration, without keys."""
+        return set_model_upstreams(self._client, self.name, upstreams, **limits)
 
     def model_upstreams(self) -> Dict[str, Any]:
         """The session's model upstreams (``hasApiKey`` says whether a key
@@ -108,3 +87,31 @@ class Session:
 
     def __repr__(self) -> str:
         return f"Session({self.name!r}, state={self.state!r})"
+
+
+def set_model_upstreams(client: "Client", session: str, upstreams: Sequence[Mapping[str, Any]], *,
+                        max_concurrent: int = 0, tokens_per_minute: int = 0, token_budget: int = 0,
+                        per_sandbox_concurrent: int = 0) -> Dict[str, Any]:
+    """SetModelUpstreams for a session ("" for the project's own)."""
+    ups = []
+    for u in upstreams:
+        w: Dict[str, Any] = {"name": u["name"], "baseUrl": u["base_url"]}
+        for k, wk in (("api", "api"), ("api_key", "apiKey"), ("timeout_s", "timeoutS"), ("idle_timeout_s", "idleTimeoutS")):
+            if u.get(k):
+                w[wk] = u[k]
+        if u.get("models"):
+            w["models"] = [str(m) for m in u["models"]]
+        ups.append(w)
+    limits: Dict[str, Any] = {}
+    if max_concurrent:
+        limits["maxConcurrent"] = int(max_concurrent)
+    if tokens_per_minute:
+        limits["tokensPerMinute"] = str(int(tokens_per_minute))
+    if token_budget:
+        limits["tokenBudget"] = str(int(token_budget))
+    if per_sandbox_concurrent:
+        limits["perSandboxConcurrent"] = int(per_sandbox_concurrent)
+    req: Dict[str, Any] = {"session": session, "upstreams": ups}
+    if limits:
+        req["limits"] = limits
+    return client._t.unary(_SESSION, "SetModelUpstreams", req, retry=True)

@@ -67,10 +67,19 @@ def test_an_agent_without_network_reaches_its_sessions_model(client, model):
         assert mc2.get("replayed") is True
 
 
-def test_a_model_gateway_needs_a_session(client):
-    with pytest.raises(dsec.DsecError) as e:
-        client.create("busybox", model_gateway=True)
-    assert "session" in str(e.value)
+def test_a_sandbox_without_a_session_reaches_its_projects_upstreams(client, model):
+    sb = client.create("debian", model_gateway=True)
+    try:
+        # Nothing registered: the model is refused (403), not forwarded.
+        r = sb.exec(["python3", "-c", CALL])
+        assert r.exit_code != 0 and "403" in r.stderr, r.stderr
+        client.set_model_upstreams([{"name": "shared", "base_url": model + "/v1"}])
+        assert client.model_upstreams()["upstreams"][0]["name"] == "shared"
+        r = sb.exec(["python3", "-c", CALL])  # the next call sees it
+        assert r.exit_code == 0 and "cat task.txt" in r.stdout, r.stderr
+    finally:
+        client.set_model_upstreams([])
+        sb.close()
 
 
 EXAMPLE = os.path.join(EXAMPLES, "agent_gateway.py")

@@ -178,10 +178,13 @@ type SessionServiceClient interface {
 	// CloseSession ends a session; with delete_sandboxes its sandboxes go too,
 	// otherwise they live on under their TTLs.
 	CloseSession(context.Context, *connect.Request[v1.CloseSessionRequest]) (*connect.Response[v1.Session], error)
-	// SetModelUpstreams replaces the model upstreams of a session: where
-	// the model gateway of its sandboxes (SandboxSpec.model_gateway) sends
-	// their agents' model calls, and the limits it holds them to. The next
-	// model call of any of its sandboxes uses them.
+	// SetModelUpstreams replaces the model upstreams of a session (with no
+	// session: of the caller's project): where the model gateway of its
+	// sandboxes (SandboxSpec.model_gateway) sends their agents' model
+	// calls, and the limits it holds them to. A sandbox reaches its
+	// session's upstreams first, then its project's; its session's limits
+	// if it set any, else its project's. The next model call of any of its
+	// sandboxes uses them.
 	SetModelUpstreams(context.Context, *connect.Request[v1.SetModelUpstreamsRequest]) (*connect.Response[v1.ModelUpstreams], error)
 	GetModelUpstreams(context.Context, *connect.Request[v1.GetModelUpstreamsRequest]) (*connect.Response[v1.ModelUpstreams], error)
 }
@@ -300,10 +303,13 @@ type SessionServiceHandler interface {
 	// CloseSession ends a session; with delete_sandboxes its sandboxes go too,
 	// otherwise they live on under their TTLs.
 	CloseSession(context.Context, *connect.Request[v1.CloseSessionRequest]) (*connect.Response[v1.Session], error)
-	// SetModelUpstreams replaces the model upstreams of a session: where
-	// the model gateway of its sandboxes (SandboxSpec.model_gateway) sends
-	// their agents' model calls, and the limits it holds them to. The next
-	// model call of any of its sandboxes uses them.
+	// SetModelUpstreams replaces the model upstreams of a session (with no
+	// session: of the caller's project): where the model gateway of its
+	// sandboxes (SandboxSpec.model_gateway) sends their agents' model
+	// calls, and the limits it holds them to. A sandbox reaches its
+	// session's upstreams first, then its project's; its session's limits
+	// if it set any, else its project's. The next model call of any of its
+	// sandboxes uses them.
 	SetModelUpstreams(context.Context, *connect.Request[v1.SetModelUpstreamsRequest]) (*connect.Response[v1.ModelUpstreams], error)
 	GetModelUpstreams(context.Context, *connect.Request[v1.GetModelUpstreamsRequest]) (*connect.Response[v1.ModelUpstreams], error)
 }
