@@ -74,7 +74,7 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 		}
 		defer release()
 	}
-	gw, err := n.modelGateway(ctx, project, spec)
+	gw, err := n.modelGateway(ctx, project, spec, true)
 	if err != nil {
 		return nil, err
 	}

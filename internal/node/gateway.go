@@ -68,15 +68,15 @@ func checkModelGateway(spec *dsecv1.SandboxSpec) error {
 // modelGateway returns the gateway's view of a new sandbox of project
 // with spec: its session, and the completed calls of the sandbox it is
 // fast-forwarded from (which must be one the project reaches on this
-// node). nil when spec has no gateway.
-func (n *Node) modelGateway(ctx context.Context, project string, spec *dsecv1.SandboxSpec) (*gateway.Sandbox, error) {
+// node, when check). nil when spec has no gateway.
+func (n *Node) modelGateway(ctx context.Context, project string, spec *dsecv1.SandboxSpec, check bool) (*gateway.Sandbox, error) {
 	mg := spec.GetModelGateway()
 	if !mg.GetEnabled() {
 		return nil, nil
 	}
 	sb := &gateway.Sandbox{Project: project, Session: spec.Session}
 	if from := mg.FastForwardFrom; from != "" {
-		if _, _, err := n.find(tenant.With(ctx, tenant.Caller{Project: project}), from); err != nil {
+		if _, _, err := n.find(tenant.With(ctx, tenant.Caller{Project: project}), from); check && err != nil {
 			return nil, errdefs.NotFound("model_gateway.fast_forward_from: sandbox %s not found on node %s", from, n.cfg.Name)
 		}
 		if n.logs.Exists(from) {
@@ -230,7 +230,9 @@ func (n *Node) readoptGateway(s *sandbox) {
 	if !s.spec.GetModelGateway().GetEnabled() {
 		return
 	}
-	gw, err := n.modelGateway(context.Background(), s.project, s.spec)
+	// Its source was checked at create (and may be re-adopted after it):
+	// its log is read as it is.
+	gw, err := n.modelGateway(context.Background(), s.project, s.spec, false)
 	if err != nil {
 		// Its recording is gone: what is left of its prefix goes live.
 		n.log.Warn("model gateway restored without its fast-forward", slog.String("sandbox_id", s.id), slog.Any("error", err))
