@@ -44,6 +44,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -592,9 +593,14 @@ func (g *Gateway) forward(ctx context.Context, w http.ResponseWriter, up *dsecv1
 
 // copyAnswer passes a whole answer on, once it is read and checked.
 func (g *Gateway) copyAnswer(ctx context.Context, w http.ResponseWriter, up *dsecv1.ModelUpstream, resp *http.Response, call *dsecv1.ModelCall, idle time.Duration) error {
-	body, err := readIdle(ctx, resp.Body, idle, maxResponse)
+	ir := newIdleReader(resp.Body, idle)
+	defer ir.stop()
+	body, err := io.ReadAll(io.LimitReader(ir, maxResponse+1))
+	if err == nil && len(body) > maxResponse {
+		err = fmt.Errorf("answer over %d bytes", maxResponse)
+	}
 	if err != nil {
-		if errors.Is(err, errIdle) {
+		if ir.stalled.Load() {
 			return g.fail(w, call, http.StatusGatewayTimeout, "upstream_error", fmt.Sprintf("upstream %s stopped answering", up.Name), errdefs.Unavailable("upstream %s hung: nothing for %s", up.Name, idle))
 		}
 		return g.fail(w, call, http.StatusBadGateway, "upstream_error", fmt.Sprintf("upstream %s broke off its answer", up.Name), errdefs.Unavailable("upstream %s broke off its answer: %v", up.Name, err))
@@ -637,50 +643,31 @@ func (g *Gateway) stream(ctx context.Context, w http.ResponseWriter, up *dsecv1.
 	var u usage
 	var line []byte
 	done := false
+	end := func(err error) error {
+		call.Response = rec.String()
+		u.into(call)
+		return err
+	}
 	fail := func(msg string, err error) error {
 		ev := "data: " + mustJSON(errorBody("upstream_error", msg)) + "\n\n"
 		io.WriteString(w, ev)
 		flush()
 		rec.WriteString(ev)
-		call.Response = rec.String()
-		u.into(call)
-		return err
+		return end(err)
 	}
-	chunks := make(chan []byte)
-	errc := make(chan error, 1)
-	go func() {
-		buf := make([]byte, 32<<10)
-		for {
-			n, err := resp.Body.Read(buf)
-			if n > 0 {
-				select {
-				case chunks <- append([]byte(nil), buf[:n]...):
-				case <-ctx.Done():
-					return
-				}
-			}
-			if err != nil {
-				errc <- err
-				return
-			}
-		}
-	}()
-	timer := time.NewTimer(idle)
-	defer timer.Stop()
+	ir := newIdleReader(resp.Body, idle)
+	defer ir.stop()
+	buf := make([]byte, 32<<10)
 	for {
-		select {
-		case b := <-chunks:
-			if _, err := w.Write(b); err != nil {
-				// The agent went away: the call ends, its own doing.
-				rec.Write(b)
-				call.Response = rec.String()
-				u.into(call)
-				return errdefs.New(errdefs.KindCanceled, "the agent closed the connection mid-stream")
-			}
-			flush()
+		n, err := ir.Read(buf)
+		if b := buf[:n]; n > 0 {
 			if rec.Len() < maxResponse {
 				rec.Write(b)
 			}
+			if _, werr := w.Write(b); werr != nil {
+				return end(errdefs.New(errdefs.KindCanceled, "the agent closed the connection mid-stream"))
+			}
+			flush()
 			for _, c := range b {
 				if c != '\n' {
 					line = append(line, c)
@@ -699,24 +686,50 @@ func (g *Gateway) stream(ctx context.Context, w http.ResponseWriter, up *dsecv1.
 				}
 				line = line[:0]
 			}
-			timer.Reset(idle)
-		case err := <-errc:
-			if errors.Is(err, io.EOF) && done {
-				call.Response = rec.String()
-				u.into(call)
-				return nil
-			}
-			if ctx.Err() != nil {
-				return fail("the model call timed out", errdefs.Unavailable("upstream %s timed out", up.Name))
-			}
-			return fail(fmt.Sprintf("upstream %s ended its stream early", up.Name), errdefs.Unavailable("upstream %s truncated its stream", up.Name))
-		case <-timer.C:
+		}
+		switch {
+		case err == nil:
+		case errors.Is(err, io.EOF) && done:
+			return end(nil)
+		case ir.stalled.Load():
 			return fail(fmt.Sprintf("upstream %s stopped streaming", up.Name), errdefs.Unavailable("upstream %s hung: nothing for %s", up.Name, idle))
-		case <-ctx.Done():
+		case errors.Is(context.Cause(ctx), context.Canceled):
+			return end(errdefs.New(errdefs.KindCanceled, "the agent closed the connection mid-stream"))
+		case ctx.Err() != nil:
 			return fail("the model call timed out", errdefs.Unavailable("upstream %s timed out", up.Name))
+		default:
+			return fail(fmt.Sprintf("upstream %s ended its stream early", up.Name), errdefs.Unavailable("upstream %s truncated its stream", up.Name))
 		}
 	}
 }
+
+// idleReader reads an answer's body and closes it when nothing came for
+// idle (stalled is then set), so a read blocked on a hung upstream ends.
+type idleReader struct {
+	body    io.ReadCloser
+	idle    time.Duration
+	t       *time.Timer
+	stalled atomic.Bool
+}
+
+func newIdleReader(body io.ReadCloser, idle time.Duration) *idleReader {
+	r := &idleReader{body: body, idle: idle}
+	r.t = time.AfterFunc(idle, func() {
+		r.stalled.Store(true)
+		body.Close()
+	})
+	return r
+}
+
+func (r *idleReader) Read(p []byte) (int, error) {
+	n, err := r.body.Read(p)
+	if n > 0 {
+		r.t.Reset(r.idle)
+	}
+	return n, err
+}
+
+func (r *idleReader) stop() { r.t.Stop() }
 
 // fail answers the agent with an error and returns err.
 func (g *Gateway) fail(w http.ResponseWriter, call *dsecv1.ModelCall, status int, typ, msg string, err error) error {
@@ -790,42 +803,6 @@ func seconds(s float64, def time.Duration) time.Duration {
 		return def
 	}
 	return time.Duration(s * float64(time.Second))
-}
-
-var errIdle = errors.New("idle")
-
-// readIdle reads r to its end, failing when nothing comes for idle.
-func readIdle(ctx context.Context, r io.Reader, idle time.Duration, limit int) ([]byte, error) {
-	var out bytes.Buffer
-	type chunk struct {
-		b   []byte
-		err error
-	}
-	ch := make(chan chunk, 1)
-	buf := make([]byte, 64<<10)
-	for {
-		go func() {
-			n, err := r.Read(buf)
-			ch <- chunk{append([]byte(nil), buf[:n]...), err}
-		}()
-		select {
-		case c := <-ch:
-			if out.Len()+len(c.b) > limit {
-				return nil, fmt.Errorf("answer over %d bytes", limit)
-			}
-			out.Write(c.b)
-			if c.err == io.EOF {
-				return out.Bytes(), nil
-			}
-			if c.err != nil {
-				return nil, c.err
-			}
-		case <-time.After(idle):
-			return nil, errIdle
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		}
-	}
 }
 
 func mustJSON(v any) string {

@@ -313,7 +313,7 @@ func TestASandboxThatFloodsTheGatewayMeetsItsOwnLimitNotItsNeighbours(t *testing
 		wg.Add(1)
 		go func() { defer wg.Done(); call(t, flood, "/v1/chat/completions", chat("held", false)) }()
 	}
-	waitFor(t, func() bool { return m.Calls.Load() == 2 })
+	waitCalls(t, m, 2)
 	if resp, _ := call(t, flood, "/v1/chat/completions", chat("third", false)); resp.StatusCode != 429 {
 		t.Fatalf("a third call of the flooding sandbox got %d, want 429", resp.StatusCode)
 	}
@@ -322,7 +322,7 @@ func TestASandboxThatFloodsTheGatewayMeetsItsOwnLimitNotItsNeighbours(t *testing
 		resp, _ := call(t, neighbour, "/v1/chat/completions", chat("mine", false))
 		done <- resp.StatusCode
 	}()
-	waitFor(t, func() bool { return m.Calls.Load() == 3 })
+	waitCalls(t, m, 3)
 	close(hold)
 	if st := <-done; st != 200 {
 		t.Fatalf("the neighbour got %d", st)
@@ -358,7 +358,7 @@ func TestASessionsLimitsHoldItsCalls(t *testing.T) {
 		m.Calls.Store(0)
 		results := make(chan int, 2)
 		go func() { resp, _ := call(t, a, "/v1/chat/completions", chat("a", false)); results <- resp.StatusCode }()
-		waitFor(t, func() bool { return m.Calls.Load() == 1 })
+		waitCalls(t, m, 1)
 		m.Set(func(m *gatewaytest.Model) { m.Peak = 0 })
 		go func() { resp, _ := call(t, b, "/v1/chat/completions", chat("b", false)); results <- resp.StatusCode }()
 		close(hold)
@@ -407,14 +407,10 @@ func TestModelsListsTheSessionsModels(t *testing.T) {
 	}
 }
 
-func waitFor(t *testing.T, cond func() bool) {
+func waitCalls(t *testing.T, m *gatewaytest.Model, n int64) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not met within 10s")
-		}
-		time.Sleep(5 * time.Millisecond)
+	if !m.WaitCalls(n, 10*time.Second) {
+		t.Fatalf("the model got %d calls within 10s, want %d", m.Calls.Load(), n)
 	}
 }
 

@@ -717,7 +717,8 @@ func (p *portConn) CloseWrite() error {
 // Listen listens on a TCP port of the sandbox's loopback (127.0.0.1) and
 // returns a listener whose Accept yields the connections processes in the
 // sandbox open to it, each carried over a call of its own. The listener
-// ends with Close, ctx, or the agent's connection (Accept then fails).
+// ends with Close (which returns once the agent closed the port, or after
+// listenCloseWait), ctx, or the agent's connection (Accept then fails).
 func (c *Client) Listen(ctx context.Context, port uint32) (net.Listener, error) {
 	cn, err := c.open(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_ListenPort{ListenPort: &guestv1.ListenPort{Port: port}}})
 	if err != nil {
@@ -731,31 +732,59 @@ func (c *Client) Listen(ctx context.Context, port uint32) (net.Listener, error) 
 		cn.close()
 		return nil, err
 	}
-	return &portListener{c: c, cn: cn, ctx: ctx, port: port}, nil
+	l := &portListener{c: c, cn: cn, ctx: ctx, port: port, ids: make(chan string), ended: make(chan struct{}), closing: make(chan struct{})}
+	go l.read()
+	return l, nil
 }
 
-// portListener is a Listen call.
+// listenCloseWait bounds how long Close waits for the agent to close the
+// port.
+const listenCloseWait = 5 * time.Second
+
+// portListener is a Listen call. One goroutine reads its connection:
+// the agent's Accepted messages, then its end.
 type portListener struct {
-	c    *Client
-	cn   *conn
-	ctx  context.Context
-	port uint32
-	once sync.Once
+	c       *Client
+	cn      *conn
+	ctx     context.Context
+	port    uint32
+	ids     chan string   // accepted connections' IDs
+	ended   chan struct{} // closed when the agent's side ended
+	closing chan struct{} // closed by Close
+	once    sync.Once
+}
+
+func (l *portListener) read() {
+	defer close(l.ended)
+	for {
+		m, err := l.cn.recv(l.ctx)
+		if err != nil {
+			return
+		}
+		a := m.GetAccepted()
+		if a == nil {
+			return // not the protocol: end the listener
+		}
+		select {
+		case l.ids <- a.Id:
+		case <-l.closing:
+		}
+	}
 }
 
 // Accept waits for the next connection and takes it. A connection the
 // agent no longer holds (it waited too long) is skipped.
 func (l *portListener) Accept() (net.Conn, error) {
 	for {
-		m, err := l.cn.recv(l.ctx)
-		if err != nil {
+		var id string
+		select {
+		case id = <-l.ids:
+		case <-l.ended:
+			return nil, net.ErrClosed
+		case <-l.closing:
 			return nil, net.ErrClosed
 		}
-		a := m.GetAccepted()
-		if a == nil {
-			return nil, errdefs.Internal(nil, "agent sent %T on a listener", m.Msg)
-		}
-		tc, err := l.c.open(l.ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_TakeConn{TakeConn: &guestv1.TakeConn{Id: a.Id}}})
+		tc, err := l.c.open(l.ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_TakeConn{TakeConn: &guestv1.TakeConn{Id: id}}})
 		if err != nil {
 			return nil, err
 		}
@@ -775,9 +804,22 @@ func (l *portListener) Accept() (net.Conn, error) {
 	}
 }
 
-// Close ends the listener in the sandbox.
+// Close ends the listener in the sandbox: it ends its sending side, which
+// has the agent close the port and then its side, and returns once that
+// came (so the port is free), or after listenCloseWait.
 func (l *portListener) Close() error {
-	l.once.Do(l.cn.close)
+	l.once.Do(func() {
+		close(l.closing)
+		if cw, ok := l.cn.c.(interface{ CloseWrite() error }); ok && cw.CloseWrite() == nil {
+			t := time.NewTimer(listenCloseWait)
+			select {
+			case <-l.ended:
+			case <-t.C:
+			}
+			t.Stop()
+		}
+		l.cn.close()
+	})
 	return nil
 }
 

@@ -153,7 +153,7 @@ func (n *Node) BuildImage(ctx context.Context, req *dsecv1.BuildImageRequest, pr
 	if err != nil {
 		return nil, err
 	}
-	project := projectOr(tenant.Project(ctx))
+	project := tenant.OrDefault(tenant.Project(ctx))
 	b := &builder{n: n, project: project, req: req, file: file, progress: progress, names: map[string]int{}, used: map[string]bool{}}
 	if progress == nil {
 		b.progress = func(*dsecv1.ImageProgress) {}
@@ -804,7 +804,7 @@ func (n *Node) UploadBuildContext(ctx context.Context, r io.Reader) (_ *dsecv1.B
 		return nil, errdefs.Unavailable("node %s runs unprivileged: builds mount overlays and need root", n.cfg.Name)
 	}
 	n.removeOldContexts()
-	project := projectOr(tenant.Project(ctx))
+	project := tenant.OrDefault(tenant.Project(ctx))
 	tmp, err := os.MkdirTemp(n.buildDir("tmp"), "context-")
 	if err != nil {
 		return nil, errdefs.Internal(err, "create build context directory")

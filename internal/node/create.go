@@ -34,7 +34,7 @@ func (n *Node) Create(ctx context.Context, req *dsecv1.CreateSandboxRequest) (*d
 // sandbox belongs to project, whose images (and the shared ones) it may
 // start from.
 func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project string, extra map[string]string) (_ *dsecv1.Sandbox, err error) {
-	project = projectOr(project)
+	project = tenant.OrDefault(project)
 	spec := proto.Clone(in).(*dsecv1.SandboxSpec)
 	if in == nil {
 		spec = &dsecv1.SandboxSpec{}
@@ -121,13 +121,6 @@ func idemKey(project, key string) string {
 		return key // as stores before projects had their own keys
 	}
 	return project + "\x00" + key
-}
-
-func projectOr(p string) string {
-	if p == "" {
-		return "default"
-	}
-	return p
 }
 
 // claimKey makes one create per idempotency key proceed; a concurrent or

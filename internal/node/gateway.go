@@ -76,8 +76,10 @@ func (n *Node) modelGateway(ctx context.Context, project string, spec *dsecv1.Sa
 	}
 	sb := &gateway.Sandbox{Project: project, Session: spec.Session}
 	if from := mg.FastForwardFrom; from != "" {
-		if _, _, err := n.find(tenant.With(ctx, tenant.Caller{Project: project}), from); check && err != nil {
-			return nil, errdefs.NotFound("model_gateway.fast_forward_from: sandbox %s not found on node %s", from, n.cfg.Name)
+		if check {
+			if _, _, err := n.find(tenant.With(ctx, tenant.Caller{Project: project}), from); err != nil {
+				return nil, errdefs.NotFound("model_gateway.fast_forward_from: sandbox %s not found on node %s", from, n.cfg.Name)
+			}
 		}
 		if n.logs.Exists(from) {
 			log, err := n.logs.Log(from)

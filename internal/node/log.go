@@ -12,6 +12,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/tenant"
 	"github.com/opendsec/dsec/internal/trajectory"
 )
 
@@ -125,7 +126,7 @@ func (n *Node) specOf(ctx context.Context, id string) (*dsecv1.SandboxSpec, stri
 	if err := protojson.Unmarshal(t.Spec, spec); err != nil {
 		return nil, "", errdefs.Internal(err, "decode sandbox record")
 	}
-	return spec, projectOr(t.Project), nil
+	return spec, tenant.OrDefault(t.Project), nil
 }
 
 // Replay re-executes a sandbox's logged mutating calls, in order, in a new

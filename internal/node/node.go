@@ -661,7 +661,7 @@ func (n *Node) adopt() {
 		att, _ := n.net.Restore(r.ID, r.Network)
 		s := &sandbox{
 			id: r.ID, spec: spec, created: r.Created, image: r.Image, layers: r.Layers, net: att,
-			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey, project: projectOr(r.Project),
+			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey, project: tenant.OrDefault(r.Project),
 			state: parseState(r.State), expires: r.Expires, rec: r, network: networkFromRecord(r.NetPolicy),
 			timedOut: r.TimedOut, runStart: r.Created, stopped: r.Stopped,
 		}

@@ -37,13 +37,14 @@ func TestARolloutRunsOnScoredByItsVerifier(t *testing.T) {
 		return r
 	}
 
-	// The agent waits for a command of the trainer's, which its progress
-	// then counts.
-	r := start("r1", "while ! test -e /tmp/ready; do sleep 0.02; done; echo thinking; echo 42 > /tmp/answer; echo to stderr >&2")
+	// The agents wait on fifos for a command of the trainer's (which the
+	// rollout's progress then counts).
+	tn.sh(bg, sb.Id, "mkfifo /tmp/ready /tmp/go")
+	r := start("r1", "read x < /tmp/ready; echo thinking; echo 42 > /tmp/answer; echo to stderr >&2")
 	if r.State != RolloutRunning || r.StartSeq == 0 {
 		t.Fatalf("started as %v", r)
 	}
-	tn.sh(bg, sb.Id, "touch /tmp/ready")
+	tn.sh(bg, sb.Id, "echo go > /tmp/ready")
 	end := tn.waitRollout(sb.Id, "r1")
 	if end.State != RolloutSucceeded || !end.HasReward || end.Reward != 0.75 || end.Result.GetExitCode() != 0 {
 		t.Fatalf("ended as %v", end)
@@ -72,12 +73,12 @@ func TestARolloutRunsOnScoredByItsVerifier(t *testing.T) {
 
 	t.Run("a rollout outlives a node restart", func(t *testing.T) {
 		// The agent waits for a file the test writes once the node is back.
-		start("r3", "while ! test -e /tmp/go; do sleep 0.05; done; echo 1 > /tmp/answer")
+		start("r3", "read x < /tmp/go; echo 1 > /tmp/answer")
 		tn.restart(nil)
 		if r, _ := tn.GetRollout(bg, &dsecv1.GetRolloutRequest{SandboxId: sb.Id, RolloutId: "r3"}); r.GetState() != RolloutRunning {
 			t.Fatalf("after the restart: %v", r)
 		}
-		tn.sh(bg, sb.Id, "touch /tmp/go")
+		tn.sh(bg, sb.Id, "echo go > /tmp/go")
 		if end := tn.waitRollout(sb.Id, "r3"); end.State != RolloutSucceeded || end.Reward != 0.75 {
 			t.Fatalf("ended as %v", end)
 		}

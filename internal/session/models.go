@@ -22,7 +22,7 @@ const maxUpstreams = 16
 // projectKey is where a project's own upstreams are kept, for every
 // sandbox of it: '@' is in no session's or project's name, so it meets no
 // session's key.
-func projectKey(project string) string { return "@project/" + projectName(project) }
+func projectKey(project string) string { return "@project/" + tenant.OrDefault(project) }
 
 // SetModels replaces the model upstreams and limits of a session of the
 // caller's project (it must exist and not be closed), or with no session
@@ -157,12 +157,4 @@ func validModels(cfg *dsecv1.ModelUpstreams) error {
 		return errdefs.Invalid("limits must not be negative")
 	}
 	return nil
-}
-
-// projectName is project, "" being the default project.
-func projectName(project string) string {
-	if project == "" {
-		return tenant.DefaultProject
-	}
-	return project
 }

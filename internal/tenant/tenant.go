@@ -63,7 +63,7 @@ func Project(ctx context.Context) string { return From(ctx).Project }
 // by project ("" is the default project).
 func Reaches(ctx context.Context, project string) bool {
 	c := From(ctx)
-	return c.Admin || c.Project == orDefault(project)
+	return c.Admin || c.Project == OrDefault(project)
 }
 
 // Shared is the owner of shared objects (images an operator or the server
@@ -97,7 +97,8 @@ func ImageKey(owner, name string) string {
 	return owner + " " + name
 }
 
-func orDefault(p string) string {
+// OrDefault is project p, "" being the default project.
+func OrDefault(p string) string {
 	if p == "" {
 		return DefaultProject
 	}

@@ -35,6 +35,31 @@ type Model struct {
 	// the answer); ChunkDelay the pause before each.
 	Chunks     int
 	ChunkDelay time.Duration
+
+	arrived chan struct{} // closed (and dropped) when a call arrives
+}
+
+// WaitCalls waits until the model has received n calls, for at most
+// within, and reports whether it has.
+func (m *Model) WaitCalls(n int64, within time.Duration) bool {
+	t := time.NewTimer(within)
+	defer t.Stop()
+	for {
+		m.mu.Lock()
+		if m.arrived == nil {
+			m.arrived = make(chan struct{})
+		}
+		ch := m.arrived
+		m.mu.Unlock()
+		if m.Calls.Load() >= n {
+			return true
+		}
+		select {
+		case <-ch:
+		case <-t.C:
+			return m.Calls.Load() >= n
+		}
+	}
 }
 
 // NewModel starts a model server on the host's loopback until t ends.
@@ -60,6 +85,10 @@ func NewModel(t interface {
 func (m *Model) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	m.Calls.Add(1)
 	m.mu.Lock()
+	if m.arrived != nil {
+		close(m.arrived)
+		m.arrived = nil
+	}
 	m.Auth = append(m.Auth, r.Header.Get("Authorization")+r.Header.Get("x-api-key"))
 	limited := m.RateLimit > 0
 	if limited {

@@ -118,7 +118,7 @@ sys.path.insert(0, sys.argv[3])
 import dsec
 c = dsec.Client(sys.argv[1])
 sb = c.get(sys.argv[2])
-r = sb.rollout("while ! test -e /tmp/go; do sleep 0.05; done; echo solved > /tmp/answer", "traj-1",
+r = sb.rollout("read x < /tmp/go; echo solved > /tmp/answer", "traj-1",
                verifier="test -s /tmp/answer && echo 1 || echo 0")
 print(r.state, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
@@ -129,12 +129,13 @@ def test_a_rollout_outlives_its_trainer_and_is_scored(server, client):
     sdk = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     sb = client.create("busybox")
     try:
+        sb.exec("mkfifo /tmp/go")  # the agent waits on it for the trainer's word
         p = subprocess.run([sys.executable, "-c", TRAINER, server.url, sb.id, sdk], capture_output=True, text=True, timeout=120)
         assert p.returncode == -9 and p.stdout.strip() == "running", p.stdout + p.stderr
         # A new trainer reattaches: the agent never stopped.
         r = client.rollout(sb.id, "traj-1")
         assert r.state == "running" and not r.done
-        sb.exec("touch /tmp/go")
+        sb.exec("echo go > /tmp/go")
         events = list(r.events())
         assert [e["op"] for e in events] == ["exec"]  # the trainer's command, in the rollout's progress
         assert r.state == "succeeded" and r.reward == 1.0 and not r.infra, r.raw
