@@ -330,12 +330,13 @@ func itemResult(resp *dsecv1.CreateSandboxesResponse, i int) (*dsecv1.Sandbox, e
 	}
 	res := resp.Results[i]
 	if e := res.GetError(); e != nil {
-		return nil, fromItemError(e)
+		return nil, FromItemError(e)
 	}
 	return res.GetSandbox(), nil
 }
 
-func fromItemError(e *dsecv1.ItemError) *errdefs.Error {
+// FromItemError is the error of a batch item's answer.
+func FromItemError(e *dsecv1.ItemError) *errdefs.Error {
 	return &errdefs.Error{Kind: errdefs.Kind(e.Kind), Msg: e.Message, Infra: e.Infra, Retryable: e.Retryable, RetryAfter: time.Duration(e.RetryAfterMs) * time.Millisecond}
 }
 

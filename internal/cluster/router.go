@@ -758,24 +758,36 @@ func (r *Router) createOn(ctx context.Context, name string, share []*item, proje
 }
 
 // movable says whether an item a node did not create may go to another
-// node: the node answered that it cannot take it (full, draining, a kind or
-// the image missing there), or the request never reached it. A call that
-// broke after it was sent may have created the sandbox, and an item bound
-// to its node by a snapshot or its volumes has nowhere else to go.
+// node: the node refused it (Refusal), or the request never reached it. A
+// call that broke after it was sent may have created the sandbox.
 func movable(it *item, err error, answered, sent bool) bool {
-	if it.spec.GetSnapshot() != "" || len(it.spec.GetVolumes()) > 0 {
+	if !answered {
+		return !sent && !bound(it.spec)
+	}
+	return Refusal(it.spec, err)
+}
+
+// Refusal says whether err, a node's answer to an item's create, is one
+// the router takes elsewhere: the node cannot take it (full, draining, a
+// kind or the image missing there: the view was stale) and nothing binds
+// the item to that node. A node fences the idempotency key of an item it
+// refuses so (node.Fence) before it answers: a create of the key still on
+// its way there, from a replica that died, cannot also make one.
+func Refusal(spec *dsecv1.SandboxSpec, err error) bool {
+	if bound(spec) {
 		return false
 	}
-	if !answered {
-		return !sent
-	}
 	switch errdefs.KindOf(err) {
-	case errdefs.KindExhausted, errdefs.KindUnavailable:
+	case errdefs.KindExhausted, errdefs.KindUnavailable, errdefs.KindNotFound:
 		return true
-	case errdefs.KindNotFound:
-		return true // the image is not on that node (the view was stale)
 	}
 	return false
+}
+
+// bound says whether a spec can run on one node only: its snapshot's or
+// its volumes'.
+func bound(spec *dsecv1.SandboxSpec) bool {
+	return spec.GetSnapshot() != "" || len(spec.GetVolumes()) > 0
 }
 
 // admitQuota admits up to n creates of project under its quotas and

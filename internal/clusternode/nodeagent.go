@@ -111,7 +111,35 @@ func (a *Agent) CreateSandboxes(ctx context.Context, req *connect.Request[nodev1
 	} else {
 		res = a.n.CreateMany(ctx, m.Specs, m.IdempotencyKeys, m.Project)
 	}
+	a.fenceRefused(ctx, m, res)
 	return connect.NewResponse(&nodev1.CreateSandboxesResponse{Result: res, Admitted: a.n.Admitted(), Incarnation: a.incarnation}), nil
+}
+
+// fenceRefused fences the idempotency key of each item the router will
+// place elsewhere (cluster.Refusal) before the node answers, so that a
+// create of the key still on its way here cannot complete too. An item
+// whose key a create completed meanwhile gets that sandbox; one whose key
+// could not be fenced fails with an error the router does not move.
+func (a *Agent) fenceRefused(ctx context.Context, m *nodev1.CreateSandboxesRequest, res *dsecv1.CreateSandboxesResponse) {
+	for i, r := range res.GetResults() {
+		if i >= len(m.IdempotencyKeys) || m.IdempotencyKeys[i] == "" || r.GetError() == nil {
+			continue
+		}
+		if !cluster.Refusal(m.Specs[i], cluster.FromItemError(r.Error)) {
+			continue
+		}
+		sb, err := a.n.Fence(ctx, m.Project, m.IdempotencyKeys[i])
+		switch {
+		case err != nil:
+			e := errdefs.Internal(err, "node %s refused a create and could not fence its idempotency key", a.n.Name())
+			e.Retryable = true
+			r.Error = node.ItemError(e)
+		case sb != nil:
+			r.Error, r.Sandbox = nil, sb
+			res.Failed--
+			res.Created++
+		}
+	}
 }
 
 // GetLoad returns what the node publishes.

@@ -65,9 +65,12 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 	}
 	if key != "" {
 		key = idemKey(project, key)
-		release, existing, err := n.claimKey(ctx, key)
+		release, existing, fenced, err := n.claimKey(ctx, key)
 		if err != nil {
 			return nil, err
+		}
+		if fenced {
+			return nil, errdefs.Unavailable("node %s refused this create's idempotency key before and the cluster placed it on another node", n.cfg.Name)
 		}
 		if existing != "" {
 			return n.Get(tenant.With(ctx, tenant.Caller{Project: project}), existing)
@@ -124,22 +127,48 @@ func idemKey(project, key string) string {
 }
 
 // claimKey makes one create per idempotency key proceed; a concurrent or
-// later create with the key gets the first one's sandbox.
-func (n *Node) claimKey(ctx context.Context, key string) (release func(), existing string, err error) {
+// later create with the key gets the first one's sandbox (existing). A
+// key fenced on this node (Fence) is neither. The store is read while the
+// key is held: a create that held it before has written its record.
+func (n *Node) claimKey(ctx context.Context, key string) (release func(), existing string, fenced bool, err error) {
 	for {
-		if id, ok := n.store.idem(key); ok {
-			return nil, id, nil
-		}
 		release, busy := n.sandboxes.claim(key)
-		if release != nil {
-			return release, "", nil
+		if release == nil {
+			select {
+			case <-busy:
+				continue
+			case <-ctx.Done():
+				return nil, "", false, errdefs.Classify(ctx.Err())
+			}
 		}
-		select {
-		case <-busy:
-		case <-ctx.Done():
-			return nil, "", errdefs.Classify(ctx.Err())
+		if id, fenced := n.store.idemOrFence(key); id != "" || fenced {
+			release()
+			return nil, id, fenced, nil
 		}
+		return release, "", false, nil
 	}
+}
+
+// Fence makes sure no create with the idempotency key completes on this
+// node from now on, unless one did: then it returns that sandbox. The
+// cluster fences a key on a node that refused its create before it
+// places the create elsewhere, so a create of the key still on its way
+// to this node (sent by a replica that died meanwhile) cannot make a
+// second sandbox for it here.
+func (n *Node) Fence(ctx context.Context, project, key string) (*dsecv1.Sandbox, error) {
+	project = tenant.OrDefault(project)
+	release, existing, fenced, err := n.claimKey(ctx, idemKey(project, key))
+	if err != nil || fenced {
+		return nil, err
+	}
+	if existing != "" {
+		return n.Get(tenant.With(ctx, tenant.Caller{Project: project}), existing)
+	}
+	defer release()
+	if err := n.store.fence(idemKey(project, key), time.Now()); err != nil {
+		return nil, errdefs.Internal(err, "fence idempotency key")
+	}
+	return nil, nil
 }
 
 // admit is the node's final admission: it refuses creates beyond its

@@ -69,6 +69,37 @@ func TestIdempotency(t *testing.T) {
 		}
 	})
 
+	t.Run("a fenced key makes nothing here until its fence is purged; a fence after the create answers its sandbox", func(t *testing.T) {
+		if sb, err := tn.Fence(bg, "", "fenced"); sb != nil || err != nil {
+			t.Fatalf("fence of an unused key: %v, %v", sb, err)
+		}
+		req := &dsecv1.CreateSandboxRequest{Spec: &dsecv1.SandboxSpec{Image: "busybox"}, IdempotencyKey: "fenced"}
+		for range 2 {
+			if sb, err := tn.Create(bg, req); !errdefs.Is(err, errdefs.KindUnavailable) {
+				t.Fatalf("a create with a fenced key: %v, %v", sb, err)
+			}
+		}
+		if sb, err := tn.Fence(bg, "", "fenced"); sb != nil || err != nil {
+			t.Fatalf("a second fence: %v, %v", sb, err)
+		}
+		tn.purge(time.Now().Add(-time.Hour))
+		if _, err := tn.Create(bg, req); !errdefs.Is(err, errdefs.KindUnavailable) {
+			t.Fatalf("a recent fence was purged: %v", err)
+		}
+		tn.purge(time.Now().Add(time.Second))
+		a, err := tn.Create(bg, req)
+		if err != nil {
+			t.Fatalf("a create once the fence was purged: %v", err)
+		}
+		b, err := tn.Fence(bg, "", "fenced")
+		if err != nil || b.GetId() != a.Id {
+			t.Fatalf("a fence of a key that made %s: %v, %v", a.Id, b, err)
+		}
+		if again, err := tn.Create(bg, req); err != nil || again.Id != a.Id {
+			t.Fatalf("the key after a fence that found its sandbox: %v, %v", again, err)
+		}
+	})
+
 	t.Run("keys are per project", func(t *testing.T) {
 		a, err := tn.Create(as("a"), &dsecv1.CreateSandboxRequest{Spec: &dsecv1.SandboxSpec{Image: "busybox"}, IdempotencyKey: "shared-key", Project: "a"})
 		if err != nil {

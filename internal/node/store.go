@@ -15,6 +15,10 @@ var (
 	bucketSandboxes  = []byte("sandboxes")
 	bucketTombstones = []byte("tombstones")
 	bucketIdem       = []byte("idempotency")
+	// bucketFences holds idempotency keys this node refused and the
+	// cluster placed elsewhere (key → when, RFC 3339): no create with one
+	// may complete here afterwards.
+	bucketFences = []byte("fences")
 )
 
 // record is a sandbox as persisted.
@@ -61,7 +65,7 @@ func openStore(path string) (*store, error) {
 	// short window keeps a lone writer from waiting the 10 ms default.
 	db.MaxBatchDelay = time.Millisecond
 	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketSandboxes, bucketTombstones, bucketIdem} {
+		for _, b := range [][]byte{bucketSandboxes, bucketTombstones, bucketIdem, bucketFences} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
@@ -139,14 +143,28 @@ func (s *store) tombstone(id string) (*record, bool) {
 }
 
 func (s *store) idem(key string) (string, bool) {
-	var id string
+	id, _ := s.idemOrFence(key)
+	return id, id != ""
+}
+
+// idemOrFence returns the sandbox an idempotency key created, or whether
+// the key is fenced on this node.
+func (s *store) idemOrFence(key string) (id string, fenced bool) {
 	s.db.View(func(tx *bolt.Tx) error {
 		if v := tx.Bucket(bucketIdem).Get([]byte(key)); v != nil {
 			id = string(v)
 		}
+		fenced = tx.Bucket(bucketFences).Get([]byte(key)) != nil
 		return nil
 	})
-	return id, id != ""
+	return id, fenced
+}
+
+// fence records that no create with key may complete on this node.
+func (s *store) fence(key string, at time.Time) error {
+	return s.db.Batch(func(tx *bolt.Tx) error {
+		return tx.Bucket(bucketFences).Put([]byte(key), []byte(at.UTC().Format(time.RFC3339)))
+	})
 }
 
 // purge removes tombstones and idempotency keys of sandboxes deleted
@@ -174,6 +192,19 @@ func (s *store) purge(cutoff time.Time) ([]string, error) {
 		}
 		for _, k := range keys {
 			ib.Delete(k)
+		}
+		// Fences last as long as the keys of deleted sandboxes: longer than
+		// a client retries a create.
+		fb := tx.Bucket(bucketFences)
+		var old [][]byte
+		fb.ForEach(func(k, v []byte) error {
+			if at, err := time.Parse(time.RFC3339, string(v)); err != nil || at.Before(cutoff) {
+				old = append(old, append([]byte(nil), k...))
+			}
+			return nil
+		})
+		for _, k := range old {
+			fb.Delete(k)
 		}
 		return nil
 	})

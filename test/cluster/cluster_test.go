@@ -34,6 +34,8 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
+	nodev1 "github.com/opendsec/dsec/api/dsec/node/v1"
+	"github.com/opendsec/dsec/api/dsec/node/v1/nodev1connect"
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/dsectest"
 	dsec "github.com/opendsec/dsec/sdk/go"
@@ -797,6 +799,25 @@ func TestCluster(t *testing.T) {
 				}
 			}
 		}
+		// A replica's create that n3 refused while draining fences its key
+		// there (the router places it elsewhere): the same create arriving
+		// at n3 later (sent by a replica that died) makes nothing, undrained
+		// or not.
+		late := func() (*dsecv1.CreateResult, error) {
+			nd := nodev1connect.NewNodeServiceClient(http.DefaultClient, c.node("n3").URL)
+			req := connect.NewRequest(&nodev1.CreateSandboxesRequest{
+				Specs: []*dsecv1.SandboxSpec{{Image: "busybox", TtlS: 600}}, IdempotencyKeys: []string{"refused-then-late"}, Project: "alpha",
+			})
+			req.Header().Set("Authorization", "Bearer "+token)
+			resp, err := nd.CreateSandboxes(ctx, req)
+			if err != nil {
+				return nil, err
+			}
+			return resp.Msg.GetResult().GetResults()[0], nil
+		}
+		if r, err := late(); err != nil || r.GetError().GetKind() != "unavailable" || !strings.Contains(r.GetError().GetMessage(), "draining") {
+			t.Fatalf("a keyed create sent to draining n3: %v, %v", r, err)
+		}
 		// Only n3 has rack=r3: refused while it drains, taken at once when
 		// undrained, through either replica.
 		for i := range c.apis {
@@ -813,6 +834,9 @@ func TestCluster(t *testing.T) {
 			if err != nil || nodeOf(strings.TrimSpace(out)) != "n3" {
 				t.Fatalf("a create only n3 fits, right after the undrain, through replica %d: %v: %s", i, err, out)
 			}
+		}
+		if r, err := late(); err != nil || r.GetSandbox() != nil || r.GetError().GetKind() != "unavailable" {
+			t.Fatalf("the refused keyed create arriving again at n3, undrained: %v, %v", r, err)
 		}
 	})
 
