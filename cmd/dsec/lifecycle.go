@@ -289,40 +289,46 @@ func logCmd(g *globals) *cobra.Command {
 			}
 			tw := table("SEQ", "AT", "OP", "REQUEST", "RESULT", "CALL")
 			for _, e := range entries {
-				what := strings.Join(e.Argv, " ")
-				if mc := e.ModelCall; mc != nil {
-					what = fmt.Sprintf("#%d %s %s %d tokens", mc.Index, mc.Endpoint, mc.Model, mc.PromptTokens+mc.CompletionTokens)
-					if mc.Replayed {
-						what += " (replayed)"
-					}
-					if mc.Diverged {
-						what += " (diverged)"
-					}
-				} else if e.Op != "exec" {
-					what = e.Path
-					if e.To != "" {
-						what += " → " + e.To
-					}
-				}
-				if len(what) > 60 {
-					what = what[:60] + "…"
-				}
-				res := "ok"
-				switch {
-				case e.Error != nil:
-					res = "error: " + e.Error.Kind
-				case e.Op == "exec":
-					res = fmt.Sprintf("exit %d", e.Result.GetExitCode())
-				case e.ModelCall != nil:
-					res = fmt.Sprintf("status %d", e.ModelCall.Status)
-				}
-				fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\n", e.Seq, e.At.AsTime().Format("15:04:05.000"), e.Op, orDash(e.RequestId), res, what)
+				fmt.Fprintln(tw, logRow(e))
 			}
 			return tw.Flush()
 		},
 	}
 	cmd.Flags().Uint64Var(&from, "from", 0, "start at this sequence number")
 	return cmd
+}
+
+// logRow is a log entry as a row of `dsec log`'s table (tab-separated):
+// seq, time, op, request ID, result and what was called.
+func logRow(e *dsecv1.LogEntry) string {
+	what := strings.Join(e.Argv, " ")
+	if mc := e.ModelCall; mc != nil {
+		what = fmt.Sprintf("#%d %s %s %d tokens", mc.Index, mc.Endpoint, mc.Model, mc.PromptTokens+mc.CompletionTokens)
+		if mc.Replayed {
+			what += " (replayed)"
+		}
+		if mc.Diverged {
+			what += " (diverged)"
+		}
+	} else if e.Op != "exec" {
+		what = e.Path
+		if e.To != "" {
+			what += " → " + e.To
+		}
+	}
+	if len(what) > 60 {
+		what = what[:60] + "…"
+	}
+	res := "ok"
+	switch {
+	case e.Error != nil:
+		res = "error: " + e.Error.Kind
+	case e.Op == "exec":
+		res = fmt.Sprintf("exit %d", e.Result.GetExitCode())
+	case e.ModelCall != nil:
+		res = fmt.Sprintf("status %d", e.ModelCall.Status)
+	}
+	return fmt.Sprintf("%d\t%s\t%s\t%s\t%s\t%s", e.Seq, e.At.AsTime().Format("15:04:05.000"), e.Op, orDash(e.RequestId), res, what)
 }
 
 func replayCmd(g *globals) *cobra.Command {
@@ -364,12 +370,13 @@ func rolloutCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "rollout", Short: "Agent rollouts: a command that runs on when its trainer goes, scored by a verifier"}
 	var verifier string
 	var timeout time.Duration
+	var workers []string
 	start := &cobra.Command{
 		Use:   "start SANDBOX ROLLOUT -- CMD [ARG...]",
 		Short: "Start an agent command as a rollout (an ID the sandbox has: show that rollout)",
 		Args:  cobra.MinimumNArgs(3),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			req := &dsecv1.StartRolloutRequest{SandboxId: args[0], RolloutId: args[1], Argv: args[2:], TimeoutS: timeout.Seconds()}
+			req := &dsecv1.StartRolloutRequest{SandboxId: args[0], RolloutId: args[1], Argv: args[2:], TimeoutS: timeout.Seconds(), Workers: workers}
 			if verifier != "" {
 				req.Verifier = &dsecv1.RolloutVerifier{Cmd: verifier}
 			}
@@ -383,6 +390,7 @@ func rolloutCmd(g *globals) *cobra.Command {
 	}
 	start.Flags().StringVar(&verifier, "verifier", "", "a shell command run when the agent ended: the last line of its stdout, as a number, is the reward")
 	start.Flags().DurationVar(&timeout, "timeout", 0, "the rollout's deadline (default: the node's longest exec timeout)")
+	start.Flags().StringSliceVar(&workers, "worker", nil, "a sandbox the agent drives through the dsec API at $DSEC_URL (repeat or comma-separate; the agent's sandbox needs --model-gateway)")
 	var wait time.Duration
 	get := &cobra.Command{
 		Use:   "get SANDBOX ROLLOUT [--wait D]",
@@ -398,7 +406,30 @@ func rolloutCmd(g *globals) *cobra.Command {
 		},
 	}
 	get.Flags().DurationVar(&wait, "wait", 0, "wait up to this long for it to end (at most 5m)")
-	cmd.AddCommand(start, get)
+	var from uint64
+	watch := &cobra.Command{
+		Use:   "watch SANDBOX ROLLOUT [--from-seq N]",
+		Short: "Follow a rollout: each model call and command as it happens, then its outcome",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			r, err := g.client().WatchRollout(cmd.Context(), args[0], args[1], from, func(e *dsecv1.LogEntry) error {
+				if g.json() {
+					b, _ := protojson.MarshalOptions{UseProtoNames: true}.Marshal(e)
+					fmt.Println(string(b)) // JSON Lines, as dsec log's
+					return nil
+				}
+				fmt.Println(strings.ReplaceAll(logRow(e), "\t", "  "))
+				return nil
+			})
+			if err != nil {
+				return err
+			}
+			printRollout(g, r)
+			return nil
+		},
+	}
+	watch.Flags().Uint64Var(&from, "from-seq", 0, "the first log entry to show (default: the one after the rollout's start)")
+	cmd.AddCommand(start, get, watch)
 	return cmd
 }
 
@@ -412,6 +443,12 @@ func printRollout(g *globals, r *dsecv1.Rollout) {
 		reward = fmt.Sprint(r.Reward)
 	}
 	fmt.Printf("%s %s: %s, reward %s, %d model calls, %d commands", r.SandboxId, r.RolloutId, r.State, reward, r.ModelCalls, r.Commands)
+	if r.WorkerCalls > 0 {
+		fmt.Printf(", %d worker calls (%d from the log)", r.WorkerCalls, r.WorkerReplays)
+	}
+	if r.Divergence != "" {
+		fmt.Printf(", diverged: %s", r.Divergence)
+	}
 	if r.Detail != "" {
 		fmt.Printf(" (%s)", r.Detail)
 	}

@@ -208,6 +208,14 @@ func (s logService) GetRollout(ctx context.Context, req *connect.Request[dsecv1.
 	return route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.GetRollout)
 }
 
+func (s logService) WatchRollout(ctx context.Context, req *connect.Request[dsecv1.WatchRolloutRequest], st *connect.ServerStream[dsecv1.RolloutEvent]) error {
+	n, err := node(ctx, s.r, req.Msg.GetSandboxId())
+	if err != nil {
+		return err
+	}
+	return n.WatchRollout(ctx, req, st)
+}
+
 func (s logService) GetNetworkLog(ctx context.Context, req *connect.Request[dsecv1.GetNetworkLogRequest]) (*connect.Response[dsecv1.GetNetworkLogResponse], error) {
 	return route(ctx, s.r, req.Msg.GetSandboxId(), req, Node.GetNetworkLog)
 }

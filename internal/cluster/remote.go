@@ -389,6 +389,12 @@ func (r *remote) WatchEvents(ctx context.Context, req *dsecv1.WatchDirRequest, s
 	return relay(st, err, send)
 }
 
+// WatchRollout relays the node's stream of a rollout's progress.
+func (r *remote) WatchRollout(ctx context.Context, req *connect.Request[dsecv1.WatchRolloutRequest], st *connect.ServerStream[dsecv1.RolloutEvent]) error {
+	cs, err := r.LogServiceClient.WatchRollout(ctx, req)
+	return relay(cs, err, st.Send)
+}
+
 // Events relays the node's event stream; the node's later heartbeats
 // only when heartbeats is set (the first always: it says the
 // subscription is in place).

@@ -101,6 +101,9 @@ type Sandbox struct {
 	// Touch, if set, is told of each call as it starts (the sandbox is
 	// active while its agent waits for a model).
 	Touch func()
+	// Workers, if set, serves the dsec API paths (/dsec.v1.*) for the
+	// sandboxes the sandbox's rollouts drive (rollout workers).
+	Workers http.Handler
 
 	mu       sync.Mutex
 	next     uint64 // the last call's index
@@ -273,6 +276,14 @@ func (g *Gateway) serveHTTP(sb *Sandbox, w http.ResponseWriter, r *http.Request)
 		return
 	}
 	path := r.URL.Path
+	if strings.HasPrefix(path, "/dsec.v1.") {
+		if sb.Workers == nil {
+			writeError(w, http.StatusNotFound, "not_found", "this sandbox drives no other sandbox", false)
+			return
+		}
+		sb.Workers.ServeHTTP(w, r)
+		return
+	}
 	if !strings.HasPrefix(path, "/v1/") {
 		path = "/v1" + path // ANTHROPIC_BASE_URL has no /v1; some clients drop it
 	}

@@ -134,6 +134,7 @@ func (n *Node) serveGateway(life context.Context, end context.CancelFunc, s *san
 	sb := s.gw
 	sb.ID = s.id
 	sb.Touch = s.touch
+	sb.Workers = n.workersFor(s)
 	sb.Record = func(c *dsecv1.ModelCall, start time.Time, d time.Duration, err error) {
 		s.touch()
 		e := &dsecv1.LogEntry{Op: "model_call", At: timestamppb.New(start.UTC()), DurationMs: d.Milliseconds(), ModelCall: c}

@@ -12,6 +12,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"os"
 	"path/filepath"
 	"sort"
@@ -208,6 +209,10 @@ type Node struct {
 	gw       *gateway.Gateway
 	models   modelRegistry
 	rollouts rollouts
+	// workers is the API rollouts' agents drive their workers through
+	// (workerAPI), made once.
+	workersOnce sync.Once
+	workers     http.Handler
 	// life ends when the node closes: the context of what the node runs
 	// on its own (rollouts' agents' streams), not of any call.
 	life context.Context

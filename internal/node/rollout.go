@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"log/slog"
+	"maps"
 	"regexp"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -15,6 +17,7 @@ import (
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/gateway"
 	"github.com/opendsec/dsec/internal/guest"
 	"github.com/opendsec/dsec/internal/substrate"
 )
@@ -59,6 +62,8 @@ type rollout struct {
 	mu   sync.Mutex
 	view *dsecv1.Rollout
 	done chan struct{}
+	// workers numbers the agent's calls to its workers (nil: none).
+	workers *workerCalls
 }
 
 func rolloutKey(sandbox, id string) string { return sandbox + "/" + id }
@@ -86,8 +91,14 @@ func (rs *rollouts) drop(r *rollout) {
 
 func (r *rollout) current() *dsecv1.Rollout {
 	r.mu.Lock()
-	defer r.mu.Unlock()
-	return proto.Clone(r.view).(*dsecv1.Rollout)
+	v := proto.Clone(r.view).(*dsecv1.Rollout)
+	r.mu.Unlock()
+	if w := r.workers; w != nil {
+		w.mu.Lock()
+		v.WorkerCalls, v.WorkerReplays, v.Divergence = w.calls, w.replays, w.diverged
+		w.mu.Unlock()
+	}
+	return v
 }
 
 // StartRollout starts an agent command as a rollout, or answers the
@@ -118,8 +129,23 @@ func (n *Node) StartRollout(ctx context.Context, req *dsecv1.StartRolloutRequest
 	if timeout == 0 {
 		timeout = n.cfg.MaxExecTimeout.Seconds()
 	}
+	env := req.GetEnv()
+	var workers *workerCalls
+	if len(req.GetWorkers()) > 0 {
+		if workers, err = n.rolloutWorkers(ctx, s, req.GetWorkers()); err != nil {
+			return nil, err
+		}
+		env = maps.Clone(env)
+		if env == nil {
+			env = map[string]string{}
+		}
+		if env["DSEC_URL"] == "" {
+			env["DSEC_URL"] = "http://127.0.0.1:" + strconv.Itoa(gateway.Port)
+		}
+		env["DSEC_WORKERS"] = strings.Join(req.GetWorkers(), ",")
+	}
 	x, err := n.guestExec(c, &dsecv1.ExecRequest{
-		Argv: req.GetArgv(), Cmd: req.GetCmd(), Env: req.GetEnv(), Cwd: req.GetCwd(), User: req.GetUser(),
+		Argv: req.GetArgv(), Cmd: req.GetCmd(), Env: env, Cwd: req.GetCwd(), User: req.GetUser(),
 		TimeoutS: timeout, Tag: rolloutTag + id,
 	}, false)
 	if err != nil {
@@ -142,9 +168,13 @@ func (n *Node) StartRollout(ctx context.Context, req *dsecv1.StartRolloutRequest
 	}
 	view.StartSeq = e.Seq
 	s.touch()
+	// Watched (and its workers reachable) before the agent runs.
+	r := &rollout{view: view, done: make(chan struct{}), workers: workers}
+	n.rollouts.put(r)
 	// The agent outlives this call: its stream is the node's.
 	p, err := pg.Start(n.life, x)
 	if err != nil {
+		n.rollouts.drop(r)
 		err = n.callFailed(s, err)
 		end := proto.Clone(view).(*dsecv1.Rollout)
 		end.State, end.Detail = RolloutFailed, "the agent did not start: "+errdefs.Classify(err).Msg
@@ -154,10 +184,36 @@ func (n *Node) StartRollout(ctx context.Context, req *dsecv1.StartRolloutRequest
 		n.endRollout(s.id, end)
 		return nil, err
 	}
-	r := &rollout{view: view, done: make(chan struct{})}
-	n.rollouts.put(r)
 	go n.watchRollout(s, r, p)
 	return n.counted(r.current())
+}
+
+// rolloutWorkers checks the workers of a rollout of agent sandbox s: live
+// sandboxes of the caller's on this node, reached through s's gateway.
+func (n *Node) rolloutWorkers(ctx context.Context, s *sandbox, ids []string) (*workerCalls, error) {
+	if s.gw == nil {
+		return nil, errdefs.Invalid("a rollout with workers needs its sandbox's model gateway (model_gateway.enabled): its agent reaches the workers there")
+	}
+	for _, w := range ids {
+		if w == s.id {
+			return nil, errdefs.Invalid("workers: %s is the agent's own sandbox", w)
+		}
+		if _, err := n.live(ctx, w); err != nil {
+			if errdefs.Is(err, errdefs.KindNotFound) {
+				return nil, errdefs.NotFound("workers: sandbox %s not found on node %s (a rollout's workers run on its agent's node)", w, n.cfg.Name)
+			}
+			return nil, err
+		}
+	}
+	return &workerCalls{workers: setOf(ids)}, nil
+}
+
+func setOf(ids []string) map[string]bool {
+	out := make(map[string]bool, len(ids))
+	for _, id := range ids {
+		out[id] = true
+	}
+	return out
 }
 
 // GetRollout answers a rollout, once it ended or wait_s passed.
@@ -183,6 +239,70 @@ func (n *Node) GetRollout(ctx context.Context, req *dsecv1.GetRolloutRequest) (*
 		err = errdefs.NotFound("sandbox %s has no rollout %q", req.GetSandboxId(), req.GetRolloutId())
 	}
 	return v, err
+}
+
+// rolloutKeepalive is how often WatchRollout says it is there while
+// nothing happens (proxies close idle streams).
+var rolloutKeepalive = 15 * time.Second
+
+// WatchRollout sends a rollout's progress (see the proto): the rollout
+// while it runs, its sandbox's log entries from req.FromSeq as they are
+// written, and the rollout once it ended.
+func (n *Node) WatchRollout(ctx context.Context, req *dsecv1.WatchRolloutRequest, send func(*dsecv1.RolloutEvent) error) error {
+	sb, id := req.GetSandboxId(), req.GetRolloutId()
+	v, err := n.GetRollout(ctx, &dsecv1.GetRolloutRequest{SandboxId: sb, RolloutId: id})
+	if err != nil {
+		return err
+	}
+	if v.State == RolloutRunning {
+		if err := send(&dsecv1.RolloutEvent{Event: &dsecv1.RolloutEvent_Rollout{Rollout: v}}); err != nil {
+			return err
+		}
+	}
+	from := req.GetFromSeq()
+	if from == 0 {
+		from = v.StartSeq + 1
+	}
+	keep := time.NewTicker(rolloutKeepalive)
+	defer keep.Stop()
+	for {
+		log, err := n.logs.Log(sb)
+		if err != nil {
+			return errdefs.Internal(err, "open trajectory log")
+		}
+		changed := log.Changed()
+		entries, next, err := log.Read(from, 256)
+		if err != nil {
+			return err
+		}
+		for _, e := range entries {
+			if r := e.GetRollout(); r != nil && r.RolloutId == id && e.Op == "rollout_end" {
+				end, err := n.rolloutView(sb, id)
+				if err != nil {
+					return err
+				}
+				return send(&dsecv1.RolloutEvent{Event: &dsecv1.RolloutEvent_Rollout{Rollout: end}})
+			}
+			if err := send(&dsecv1.RolloutEvent{Event: &dsecv1.RolloutEvent_Entry{Entry: e}}); err != nil {
+				return err
+			}
+		}
+		from = next
+		if len(entries) == 256 {
+			continue
+		}
+		select {
+		case <-changed:
+		case <-keep.C:
+			if err := send(&dsecv1.RolloutEvent{Event: &dsecv1.RolloutEvent_Keepalive{Keepalive: true}}); err != nil {
+				return err
+			}
+		case <-ctx.Done():
+			return errdefs.Classify(ctx.Err())
+		case <-n.stop:
+			return errdefs.Unavailable("node %s is stopping", n.cfg.Name)
+		}
+	}
 }
 
 // rolloutView is a sandbox's rollout id as it is (nil if none): the
@@ -407,6 +527,10 @@ func (n *Node) readoptRollouts(s *sandbox) {
 			continue
 		}
 		r := &rollout{view: view, done: make(chan struct{})}
+		if ws := view.GetRequest().GetWorkers(); len(ws) > 0 {
+			r.workers = &workerCalls{workers: setOf(ws)}
+			r.workers.restore(n, id, s.id)
+		}
 		c, err := s.ctrOf("")
 		var p *guest.Process
 		if err == nil {

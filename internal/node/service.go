@@ -283,6 +283,10 @@ func (s *Service) StartRollout(ctx context.Context, req *connect.Request[dsecv1.
 	return answer(s.n.StartRollout(ctx, req.Msg))
 }
 
+func (s *Service) WatchRollout(ctx context.Context, req *connect.Request[dsecv1.WatchRolloutRequest], st *connect.ServerStream[dsecv1.RolloutEvent]) error {
+	return stream(st.Send, func(send func(*dsecv1.RolloutEvent) error) error { return s.n.WatchRollout(ctx, req.Msg, send) })
+}
+
 func (s *Service) GetRollout(ctx context.Context, req *connect.Request[dsecv1.GetRolloutRequest]) (*connect.Response[dsecv1.Rollout], error) {
 	return answer(s.n.GetRollout(ctx, req.Msg))
 }

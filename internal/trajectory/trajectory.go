@@ -223,7 +223,9 @@ type Log struct {
 	f        *os.File
 	next     uint64
 	byReq    map[string]int64 // request ID → offset of its entry
+	offs     []int64          // offs[i]: the offset of entry seq i+1 (-1: none)
 	inflight map[string]chan struct{}
+	changed  chan struct{} // closed at the next Append or close (nil: nobody waits)
 }
 
 func openLog(path string) (*Log, error) {
@@ -247,6 +249,7 @@ func openLog(path string) (*Log, error) {
 				if e.RequestId != "" {
 					l.byReq[e.RequestId] = off
 				}
+				l.index(e.Seq, off)
 			}
 			off += int64(len(line))
 			continue
@@ -267,6 +270,47 @@ func (l *Log) close() {
 	if l.f != nil {
 		l.f.Close()
 		l.f = nil
+	}
+	l.notify()
+}
+
+// index records where entry seq starts (under mu).
+func (l *Log) index(seq uint64, off int64) {
+	if seq == 0 || seq > 1<<40 {
+		return
+	}
+	for uint64(len(l.offs)) < seq-1 {
+		l.offs = append(l.offs, -1)
+	}
+	if uint64(len(l.offs)) == seq-1 {
+		l.offs = append(l.offs, off)
+	} else {
+		l.offs[seq-1] = off
+	}
+}
+
+// Changed returns a channel closed at the next Append, or when the log is
+// closed (the store forgot it: open it again to read on). Take it before
+// reading, so an entry appended after the read wakes the reader.
+func (l *Log) Changed() <-chan struct{} {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.f == nil {
+		return closedChan
+	}
+	if l.changed == nil {
+		l.changed = make(chan struct{})
+	}
+	return l.changed
+}
+
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+// notify wakes Changed's waiters (under mu).
+func (l *Log) notify() {
+	if l.changed != nil {
+		close(l.changed)
+		l.changed = nil
 	}
 }
 
@@ -354,6 +398,8 @@ func (l *Log) Append(e *dsecv1.LogEntry) (*dsecv1.LogEntry, error) {
 	if e.RequestId != "" {
 		l.byReq[e.RequestId] = off
 	}
+	l.index(e.Seq, off)
+	l.notify()
 	return e, nil
 }
 
@@ -385,6 +431,11 @@ func (l *Log) Read(from uint64, limit int) ([]*dsecv1.LogEntry, uint64, error) {
 		return nil, from, errdefs.Internal(err, "read trajectory log")
 	}
 	defer f.Close()
+	if start := l.offset(from); start > 0 {
+		if _, err := f.Seek(start, io.SeekStart); err != nil {
+			return nil, from, errdefs.Internal(err, "read trajectory log")
+		}
+	}
 	var out []*dsecv1.LogEntry
 	r := bufio.NewReaderSize(f, 1<<20)
 	next := from
@@ -404,6 +455,19 @@ func (l *Log) Read(from uint64, limit int) ([]*dsecv1.LogEntry, uint64, error) {
 			return out, next, nil
 		}
 	}
+}
+
+// offset is where reading from seq may start: the offset of the closest
+// indexed entry at or before it (0: the file's start).
+func (l *Log) offset(seq uint64) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for i := min(seq, uint64(len(l.offs))); i >= 1; i-- {
+		if off := l.offs[i-1]; off >= 0 {
+			return off
+		}
+	}
+	return 0
 }
 
 // Len is the number of entries.

@@ -114,3 +114,66 @@ func TestBlobs(t *testing.T) {
 		t.Fatalf("unreferenced blob kept: %v", err)
 	}
 }
+
+func TestReadFromTheMiddleAndWaitForMore(t *testing.T) {
+	dir := t.TempDir()
+	s, _ := Open(dir)
+	l, err := s.Log("sb1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 50 {
+		if _, err := l.Append(entry(string(rune('a' + i%26)))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	check := func(l *Log, from uint64, limit, want int, wantNext uint64) {
+		t.Helper()
+		got, next, err := l.Read(from, limit)
+		if err != nil || len(got) != want || next != wantNext {
+			t.Fatalf("read from %d limit %d: %d entries, next %d, %v; want %d, next %d", from, limit, len(got), next, err, want, wantNext)
+		}
+		for i, e := range got {
+			if e.Seq != max(from, 1)+uint64(i) {
+				t.Fatalf("read from %d: entry %d has seq %d", from, i, e.Seq)
+			}
+		}
+	}
+	check(l, 0, 0, 50, 51)
+	check(l, 37, 0, 14, 51)
+	check(l, 37, 5, 5, 42)
+	check(l, 51, 0, 0, 51)
+	// A log opened again (a restarted node) reads from the middle too.
+	s.Forget("sb1")
+	l2, err := s.Log("sb1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	check(l2, 49, 0, 2, 51)
+
+	changed := l2.Changed()
+	select {
+	case <-changed:
+		t.Fatal("changed before anything was appended")
+	default:
+	}
+	if _, err := l2.Append(entry("z")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-changed:
+	default:
+		t.Fatal("an append did not wake the waiter")
+	}
+	check(l2, 51, 0, 1, 52)
+	changed = l2.Changed()
+	s.Forget("sb1")
+	select {
+	case <-changed:
+	default:
+		t.Fatal("closing the log did not wake the waiter")
+	}
+	if _, err := os.Stat(filepath.Join(dir, "logs", "sb1.jsonl")); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -2,6 +2,7 @@ package dsec
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"connectrpc.com/connect"
@@ -204,6 +205,57 @@ func (c *Client) GetRollout(ctx context.Context, sandbox, rollout string, wait t
 		return nil, err
 	}
 	return r.Msg, nil
+}
+
+// WatchRollout streams a rollout's progress: entry gets each entry of its
+// sandbox's log from fromSeq on (0: the one after the rollout's start) as
+// it is written (the agent's model calls, the commands sent to the
+// sandbox), until the rollout ended; it returns the ended rollout. A
+// stream that breaks (a replica or the network went) is opened again from
+// the entry after the last one given, up to 5 times in a row; ctx ends
+// the watch, and an error of entry's ends it with that error.
+func (c *Client) WatchRollout(ctx context.Context, sandbox, rollout string, fromSeq uint64, entry func(*dsecv1.LogEntry) error) (*dsecv1.Rollout, error) {
+	failures := 0
+	for {
+		st, err := c.raw.WatchRollout(ctx, connect.NewRequest(&dsecv1.WatchRolloutRequest{SandboxId: sandbox, RolloutId: rollout, FromSeq: fromSeq}))
+		if err == nil {
+			for st.Receive() {
+				failures = 0
+				ev := st.Msg()
+				if r := ev.GetRollout(); r != nil && r.State != "running" {
+					st.Close()
+					return r, nil
+				}
+				if e := ev.GetEntry(); e != nil {
+					fromSeq = e.Seq + 1
+					if e.Op == "rollout_start" || e.Op == "rollout_end" {
+						continue
+					}
+					if err := entry(e); err != nil {
+						st.Close()
+						return nil, err
+					}
+				}
+			}
+			err = st.Err()
+			st.Close()
+		}
+		err = asError(err)
+		if err == nil {
+			// The stream ended without the rollout's end (its replica stopped).
+			err = &Error{Kind: "unavailable", Message: "the rollout's stream ended before the rollout", Infra: true, Retryable: true}
+		}
+		var de *Error
+		if ctx.Err() != nil || !errors.As(err, &de) || !de.Retryable || failures >= 5 {
+			return nil, err
+		}
+		failures++
+		select {
+		case <-time.After(time.Duration(100<<failures) * time.Millisecond):
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
 }
 
 // CloseSession ends a session.

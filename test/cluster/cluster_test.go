@@ -472,6 +472,59 @@ func TestCluster(t *testing.T) {
 		}
 	})
 
+	t.Run("a rollout's progress streams through one replica while the other drives it", func(t *testing.T) {
+		sb := c.api(0).Sandbox(ids[2])
+		if _, err := sb.Exec(ctx, dsec.Cmd("mkfifo /tmp/rollout-go")); err != nil {
+			t.Fatal(err)
+		}
+		r, err := c.api(0).StartRollout(ctx, &dsecv1.StartRolloutRequest{SandboxId: ids[2], RolloutId: "streamed",
+			Cmd: "read x < /tmp/rollout-go; echo 1", Verifier: &dsecv1.RolloutVerifier{Cmd: "echo 0.5"}})
+		if err != nil || r.State != "running" {
+			t.Fatalf("start: %v, %v", r, err)
+		}
+		entries := make(chan *dsecv1.LogEntry, 8)
+		type ended struct {
+			r   *dsecv1.Rollout
+			err error
+		}
+		done := make(chan ended, 1)
+		go func() {
+			r, err := c.api(1).WatchRollout(ctx, ids[2], "streamed", 0, func(e *dsecv1.LogEntry) error {
+				entries <- e
+				return nil
+			})
+			done <- ended{r, err}
+		}()
+		// A command through replica 0 reaches the watch through replica 1
+		// while the agent still waits.
+		if _, err := sb.Exec(ctx, dsec.Cmd("echo step")); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case e := <-entries:
+			if e.Op != "exec" || !strings.Contains(strings.Join(e.Argv, " "), "echo step") {
+				t.Fatalf("first entry %v", e)
+			}
+		case end := <-done:
+			t.Fatalf("the watch ended before the rollout: %v, %v", end.r, end.err)
+		case <-time.After(time.Minute):
+			t.Fatal("no entry within a minute")
+		}
+		if _, err := sb.Exec(ctx, dsec.Cmd("echo go > /tmp/rollout-go")); err != nil {
+			t.Fatal(err)
+		}
+		end := <-done
+		if end.err != nil || end.r.State != "succeeded" || end.r.Reward != 0.5 || end.r.Commands != 2 {
+			t.Fatalf("the watch ended with %v, %v", end.r, end.err)
+		}
+		// The CLI shows the same, for an ended rollout at once.
+		out, err := c.cli("--url", c.apis[1].URL, "--api-key", akey, "rollout", "watch", ids[2], "streamed")
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		if err != nil || len(lines) != 3 || !strings.Contains(lines[0], "echo step") || !strings.Contains(lines[2], "succeeded, reward 0.5, 0 model calls, 2 commands") {
+			t.Fatalf("dsec rollout watch: %v:\n%s", err, out)
+		}
+	})
+
 	t.Run("files stream through replicas without being buffered whole", func(t *testing.T) {
 		const size = 256 << 20
 		api := c.apis[0]

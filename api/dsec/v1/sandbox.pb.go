@@ -7015,7 +7015,18 @@ type StartRolloutRequest struct {
 	TimeoutS float64 `protobuf:"fixed64,8,opt,name=timeout_s,json=timeoutS,proto3" json:"timeout_s,omitempty"`
 	// verifier scores the rollout once the agent ended: its exit code, and
 	// the last line of its stdout as a number (the reward) where it is one.
-	Verifier      *RolloutVerifier `protobuf:"bytes,9,opt,name=verifier,proto3" json:"verifier,omitempty"`
+	Verifier *RolloutVerifier `protobuf:"bytes,9,opt,name=verifier,proto3" json:"verifier,omitempty"`
+	// workers are sandboxes the agent drives (a sandbox group: the agent's
+	// sandbox beside the task's): sandboxes of the project on the agent's
+	// node. The agent reaches them through the dsec API (ProcessService,
+	// FilesystemService) at its model gateway's address (env DSEC_URL, the
+	// IDs in DSEC_WORKERS; the sandbox needs model_gateway), with no key,
+	// and no other sandbox. Each exec and file write it sends without a
+	// request_id gets one by position ("rollout:<rollout_id>/<n>"), so the
+	// same rollout started again (a new agent sandbox, the same rollout_id
+	// and workers: a resume) is answered from the workers' logs up to where
+	// it differs, then runs live (Rollout.divergence).
+	Workers       []string `protobuf:"bytes,10,rep,name=workers,proto3" json:"workers,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -7109,6 +7120,13 @@ func (x *StartRolloutRequest) GetTimeoutS() float64 {
 func (x *StartRolloutRequest) GetVerifier() *RolloutVerifier {
 	if x != nil {
 		return x.Verifier
+	}
+	return nil
+}
+
+func (x *StartRolloutRequest) GetWorkers() []string {
+	if x != nil {
+		return x.Workers
 	}
 	return nil
 }
@@ -7235,6 +7253,169 @@ func (x *GetRolloutRequest) GetWaitS() float64 {
 	return 0
 }
 
+type WatchRolloutRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
+	RolloutId string                 `protobuf:"bytes,2,opt,name=rollout_id,json=rolloutId,proto3" json:"rollout_id,omitempty"`
+	// from_seq is the first log entry to send (0: the one after the
+	// rollout's start).
+	FromSeq       uint64 `protobuf:"varint,3,opt,name=from_seq,json=fromSeq,proto3" json:"from_seq,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchRolloutRequest) Reset() {
+	*x = WatchRolloutRequest{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[93]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchRolloutRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchRolloutRequest) ProtoMessage() {}
+
+func (x *WatchRolloutRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[93]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchRolloutRequest.ProtoReflect.Descriptor instead.
+func (*WatchRolloutRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{93}
+}
+
+func (x *WatchRolloutRequest) GetSandboxId() string {
+	if x != nil {
+		return x.SandboxId
+	}
+	return ""
+}
+
+func (x *WatchRolloutRequest) GetRolloutId() string {
+	if x != nil {
+		return x.RolloutId
+	}
+	return ""
+}
+
+func (x *WatchRolloutRequest) GetFromSeq() uint64 {
+	if x != nil {
+		return x.FromSeq
+	}
+	return 0
+}
+
+type RolloutEvent struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Event:
+	//
+	//	*RolloutEvent_Rollout
+	//	*RolloutEvent_Entry
+	//	*RolloutEvent_Keepalive
+	Event         isRolloutEvent_Event `protobuf_oneof:"event"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RolloutEvent) Reset() {
+	*x = RolloutEvent{}
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[94]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RolloutEvent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RolloutEvent) ProtoMessage() {}
+
+func (x *RolloutEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[94]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RolloutEvent.ProtoReflect.Descriptor instead.
+func (*RolloutEvent) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{94}
+}
+
+func (x *RolloutEvent) GetEvent() isRolloutEvent_Event {
+	if x != nil {
+		return x.Event
+	}
+	return nil
+}
+
+func (x *RolloutEvent) GetRollout() *Rollout {
+	if x != nil {
+		if x, ok := x.Event.(*RolloutEvent_Rollout); ok {
+			return x.Rollout
+		}
+	}
+	return nil
+}
+
+func (x *RolloutEvent) GetEntry() *LogEntry {
+	if x != nil {
+		if x, ok := x.Event.(*RolloutEvent_Entry); ok {
+			return x.Entry
+		}
+	}
+	return nil
+}
+
+func (x *RolloutEvent) GetKeepalive() bool {
+	if x != nil {
+		if x, ok := x.Event.(*RolloutEvent_Keepalive); ok {
+			return x.Keepalive
+		}
+	}
+	return false
+}
+
+type isRolloutEvent_Event interface {
+	isRolloutEvent_Event()
+}
+
+type RolloutEvent_Rollout struct {
+	// rollout is the rollout: as it is when the watch starts (if it
+	// runs), and once it ended (the last event).
+	Rollout *Rollout `protobuf:"bytes,1,opt,name=rollout,proto3,oneof"`
+}
+
+type RolloutEvent_Entry struct {
+	// entry is the next entry of the sandbox's log.
+	Entry *LogEntry `protobuf:"bytes,2,opt,name=entry,proto3,oneof"`
+}
+
+type RolloutEvent_Keepalive struct {
+	Keepalive bool `protobuf:"varint,3,opt,name=keepalive,proto3,oneof"`
+}
+
+func (*RolloutEvent_Rollout) isRolloutEvent_Event() {}
+
+func (*RolloutEvent_Entry) isRolloutEvent_Event() {}
+
+func (*RolloutEvent_Keepalive) isRolloutEvent_Event() {}
+
 type Rollout struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
@@ -7263,14 +7444,21 @@ type Rollout struct {
 	// detail says why an infra or canceled rollout ended so.
 	Detail string `protobuf:"bytes,13,opt,name=detail,proto3" json:"detail,omitempty"`
 	// request is what started it.
-	Request       *StartRolloutRequest `protobuf:"bytes,14,opt,name=request,proto3" json:"request,omitempty"`
+	Request *StartRolloutRequest `protobuf:"bytes,14,opt,name=request,proto3" json:"request,omitempty"`
+	// worker_calls counts the exec and file writes the agent sent its
+	// workers; worker_replays those answered from their logs (a resume).
+	WorkerCalls   int64 `protobuf:"varint,15,opt,name=worker_calls,json=workerCalls,proto3" json:"worker_calls,omitempty"`
+	WorkerReplays int64 `protobuf:"varint,16,opt,name=worker_replays,json=workerReplays,proto3" json:"worker_replays,omitempty"`
+	// divergence says where a resumed agent's call to a worker first
+	// differed from the recorded one (its calls ran live from there).
+	Divergence    string `protobuf:"bytes,17,opt,name=divergence,proto3" json:"divergence,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Rollout) Reset() {
 	*x = Rollout{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[93]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[95]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7282,7 +7470,7 @@ func (x *Rollout) String() string {
 func (*Rollout) ProtoMessage() {}
 
 func (x *Rollout) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[93]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[95]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7295,7 +7483,7 @@ func (x *Rollout) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Rollout.ProtoReflect.Descriptor instead.
 func (*Rollout) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{93}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{95}
 }
 
 func (x *Rollout) GetSandboxId() string {
@@ -7396,6 +7584,27 @@ func (x *Rollout) GetRequest() *StartRolloutRequest {
 	return nil
 }
 
+func (x *Rollout) GetWorkerCalls() int64 {
+	if x != nil {
+		return x.WorkerCalls
+	}
+	return 0
+}
+
+func (x *Rollout) GetWorkerReplays() int64 {
+	if x != nil {
+		return x.WorkerReplays
+	}
+	return 0
+}
+
+func (x *Rollout) GetDivergence() string {
+	if x != nil {
+		return x.Divergence
+	}
+	return ""
+}
+
 type ReplayRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	SandboxId string                 `protobuf:"bytes,1,opt,name=sandbox_id,json=sandboxId,proto3" json:"sandbox_id,omitempty"`
@@ -7409,7 +7618,7 @@ type ReplayRequest struct {
 
 func (x *ReplayRequest) Reset() {
 	*x = ReplayRequest{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[94]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[96]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7421,7 +7630,7 @@ func (x *ReplayRequest) String() string {
 func (*ReplayRequest) ProtoMessage() {}
 
 func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[94]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[96]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7434,7 +7643,7 @@ func (x *ReplayRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayRequest.ProtoReflect.Descriptor instead.
 func (*ReplayRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{94}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{96}
 }
 
 func (x *ReplayRequest) GetSandboxId() string {
@@ -7471,7 +7680,7 @@ type ReplayStep struct {
 
 func (x *ReplayStep) Reset() {
 	*x = ReplayStep{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[95]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[97]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7483,7 +7692,7 @@ func (x *ReplayStep) String() string {
 func (*ReplayStep) ProtoMessage() {}
 
 func (x *ReplayStep) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[95]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[97]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7496,7 +7705,7 @@ func (x *ReplayStep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayStep.ProtoReflect.Descriptor instead.
 func (*ReplayStep) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{95}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{97}
 }
 
 func (x *ReplayStep) GetSeq() uint64 {
@@ -7546,7 +7755,7 @@ type ReplayResponse struct {
 
 func (x *ReplayResponse) Reset() {
 	*x = ReplayResponse{}
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[96]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[98]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -7558,7 +7767,7 @@ func (x *ReplayResponse) String() string {
 func (*ReplayResponse) ProtoMessage() {}
 
 func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_sandbox_proto_msgTypes[96]
+	mi := &file_dsec_v1_sandbox_proto_msgTypes[98]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -7571,7 +7780,7 @@ func (x *ReplayResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReplayResponse.ProtoReflect.Descriptor instead.
 func (*ReplayResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{96}
+	return file_dsec_v1_sandbox_proto_rawDescGZIP(), []int{98}
 }
 
 func (x *ReplayResponse) GetSandboxId() string {
@@ -8186,7 +8395,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\aentries\x18\x01 \x03(\v2\x11.dsec.v1.LogEntryR\aentries\x12\x19\n" +
 	"\bnext_seq\x18\x02 \x01(\x04R\anextSeq\x12\x1d\n" +
 	"\n" +
-	"sandbox_id\x18\x03 \x01(\tR\tsandboxId\"\xe3\x02\n" +
+	"sandbox_id\x18\x03 \x01(\tR\tsandboxId\"\xfd\x02\n" +
 	"\x13StartRolloutRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
@@ -8198,7 +8407,9 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x03cwd\x18\x06 \x01(\tR\x03cwd\x12\x12\n" +
 	"\x04user\x18\a \x01(\tR\x04user\x12\x1b\n" +
 	"\ttimeout_s\x18\b \x01(\x01R\btimeoutS\x124\n" +
-	"\bverifier\x18\t \x01(\v2\x18.dsec.v1.RolloutVerifierR\bverifier\x1a6\n" +
+	"\bverifier\x18\t \x01(\v2\x18.dsec.v1.RolloutVerifierR\bverifier\x12\x18\n" +
+	"\aworkers\x18\n" +
+	" \x03(\tR\aworkers\x1a6\n" +
 	"\bEnvEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"T\n" +
@@ -8211,7 +8422,18 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
 	"\n" +
 	"rollout_id\x18\x02 \x01(\tR\trolloutId\x12\x15\n" +
-	"\x06wait_s\x18\x03 \x01(\x01R\x05waitS\"\x8e\x04\n" +
+	"\x06wait_s\x18\x03 \x01(\x01R\x05waitS\"n\n" +
+	"\x13WatchRolloutRequest\x12\x1d\n" +
+	"\n" +
+	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
+	"\n" +
+	"rollout_id\x18\x02 \x01(\tR\trolloutId\x12\x19\n" +
+	"\bfrom_seq\x18\x03 \x01(\x04R\afromSeq\"\x90\x01\n" +
+	"\fRolloutEvent\x12,\n" +
+	"\arollout\x18\x01 \x01(\v2\x10.dsec.v1.RolloutH\x00R\arollout\x12)\n" +
+	"\x05entry\x18\x02 \x01(\v2\x11.dsec.v1.LogEntryH\x00R\x05entry\x12\x1e\n" +
+	"\tkeepalive\x18\x03 \x01(\bH\x00R\tkeepaliveB\a\n" +
+	"\x05event\"\xf8\x04\n" +
 	"\aRollout\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x1d\n" +
@@ -8232,7 +8454,12 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"modelCalls\x12\x1a\n" +
 	"\bcommands\x18\f \x01(\x03R\bcommands\x12\x16\n" +
 	"\x06detail\x18\r \x01(\tR\x06detail\x126\n" +
-	"\arequest\x18\x0e \x01(\v2\x1c.dsec.v1.StartRolloutRequestR\arequest\"_\n" +
+	"\arequest\x18\x0e \x01(\v2\x1c.dsec.v1.StartRolloutRequestR\arequest\x12!\n" +
+	"\fworker_calls\x18\x0f \x01(\x03R\vworkerCalls\x12%\n" +
+	"\x0eworker_replays\x18\x10 \x01(\x03R\rworkerReplays\x12\x1e\n" +
+	"\n" +
+	"divergence\x18\x11 \x01(\tR\n" +
+	"divergence\"_\n" +
 	"\rReplayRequest\x12\x1d\n" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
@@ -8293,14 +8520,15 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\bSnapshot\x12\x18.dsec.v1.SnapshotRequest\x1a\x15.dsec.v1.SnapshotInfo\x12S\n" +
 	"\rListSnapshots\x12\x1d.dsec.v1.ListSnapshotsRequest\x1a\x1e.dsec.v1.ListSnapshotsResponse\"\x03\x90\x02\x01\x12Q\n" +
 	"\x0eDeleteSnapshot\x12\x1e.dsec.v1.DeleteSnapshotRequest\x1a\x1f.dsec.v1.DeleteSnapshotResponse\x12>\n" +
-	"\x04Fork\x12\x14.dsec.v1.ForkRequest\x1a .dsec.v1.CreateSandboxesResponse2\xdd\x02\n" +
+	"\x04Fork\x12\x14.dsec.v1.ForkRequest\x1a .dsec.v1.CreateSandboxesResponse2\xa4\x03\n" +
 	"\n" +
 	"LogService\x12>\n" +
 	"\x06GetLog\x12\x16.dsec.v1.GetLogRequest\x1a\x17.dsec.v1.GetLogResponse\"\x03\x90\x02\x01\x129\n" +
 	"\x06Replay\x12\x16.dsec.v1.ReplayRequest\x1a\x17.dsec.v1.ReplayResponse\x12>\n" +
 	"\fStartRollout\x12\x1c.dsec.v1.StartRolloutRequest\x1a\x10.dsec.v1.Rollout\x12?\n" +
 	"\n" +
-	"GetRollout\x12\x1a.dsec.v1.GetRolloutRequest\x1a\x10.dsec.v1.Rollout\"\x03\x90\x02\x01\x12S\n" +
+	"GetRollout\x12\x1a.dsec.v1.GetRolloutRequest\x1a\x10.dsec.v1.Rollout\"\x03\x90\x02\x01\x12E\n" +
+	"\fWatchRollout\x12\x1c.dsec.v1.WatchRolloutRequest\x1a\x15.dsec.v1.RolloutEvent0\x01\x12S\n" +
 	"\rGetNetworkLog\x12\x1d.dsec.v1.GetNetworkLogRequest\x1a\x1e.dsec.v1.GetNetworkLogResponse\"\x03\x90\x02\x012\xd8\x01\n" +
 	"\rScreenService\x12E\n" +
 	"\n" +
@@ -8320,7 +8548,7 @@ func file_dsec_v1_sandbox_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_sandbox_proto_rawDescData
 }
 
-var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 109)
+var file_dsec_v1_sandbox_proto_msgTypes = make([]protoimpl.MessageInfo, 111)
 var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*ErrorInfo)(nil),               // 0: dsec.v1.ErrorInfo
 	(*Resources)(nil),               // 1: dsec.v1.Resources
@@ -8415,24 +8643,26 @@ var file_dsec_v1_sandbox_proto_goTypes = []any{
 	(*StartRolloutRequest)(nil),     // 90: dsec.v1.StartRolloutRequest
 	(*RolloutVerifier)(nil),         // 91: dsec.v1.RolloutVerifier
 	(*GetRolloutRequest)(nil),       // 92: dsec.v1.GetRolloutRequest
-	(*Rollout)(nil),                 // 93: dsec.v1.Rollout
-	(*ReplayRequest)(nil),           // 94: dsec.v1.ReplayRequest
-	(*ReplayStep)(nil),              // 95: dsec.v1.ReplayStep
-	(*ReplayResponse)(nil),          // 96: dsec.v1.ReplayResponse
-	nil,                             // 97: dsec.v1.SandboxSpec.LabelsEntry
-	nil,                             // 98: dsec.v1.SandboxSpec.EnvEntry
-	nil,                             // 99: dsec.v1.SandboxSpec.NodeSelectorEntry
-	nil,                             // 100: dsec.v1.Sidecar.EnvEntry
-	nil,                             // 101: dsec.v1.ExecRequest.EnvEntry
-	nil,                             // 102: dsec.v1.ProcessInfo.EnvEntry
-	nil,                             // 103: dsec.v1.FileInfo.MetadataEntry
-	nil,                             // 104: dsec.v1.WriteFileHeader.MetadataEntry
-	nil,                             // 105: dsec.v1.ForkRequest.LabelsEntry
-	nil,                             // 106: dsec.v1.LogEntry.EnvEntry
-	nil,                             // 107: dsec.v1.LogEntry.MetadataEntry
-	nil,                             // 108: dsec.v1.StartRolloutRequest.EnvEntry
-	(*timestamppb.Timestamp)(nil),   // 109: google.protobuf.Timestamp
-	(*VolumeMount)(nil),             // 110: dsec.v1.VolumeMount
+	(*WatchRolloutRequest)(nil),     // 93: dsec.v1.WatchRolloutRequest
+	(*RolloutEvent)(nil),            // 94: dsec.v1.RolloutEvent
+	(*Rollout)(nil),                 // 95: dsec.v1.Rollout
+	(*ReplayRequest)(nil),           // 96: dsec.v1.ReplayRequest
+	(*ReplayStep)(nil),              // 97: dsec.v1.ReplayStep
+	(*ReplayResponse)(nil),          // 98: dsec.v1.ReplayResponse
+	nil,                             // 99: dsec.v1.SandboxSpec.LabelsEntry
+	nil,                             // 100: dsec.v1.SandboxSpec.EnvEntry
+	nil,                             // 101: dsec.v1.SandboxSpec.NodeSelectorEntry
+	nil,                             // 102: dsec.v1.Sidecar.EnvEntry
+	nil,                             // 103: dsec.v1.ExecRequest.EnvEntry
+	nil,                             // 104: dsec.v1.ProcessInfo.EnvEntry
+	nil,                             // 105: dsec.v1.FileInfo.MetadataEntry
+	nil,                             // 106: dsec.v1.WriteFileHeader.MetadataEntry
+	nil,                             // 107: dsec.v1.ForkRequest.LabelsEntry
+	nil,                             // 108: dsec.v1.LogEntry.EnvEntry
+	nil,                             // 109: dsec.v1.LogEntry.MetadataEntry
+	nil,                             // 110: dsec.v1.StartRolloutRequest.EnvEntry
+	(*timestamppb.Timestamp)(nil),   // 111: google.protobuf.Timestamp
+	(*VolumeMount)(nil),             // 112: dsec.v1.VolumeMount
 }
 var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	3,   // 0: dsec.v1.Network.policy:type_name -> dsec.v1.NetworkPolicy
@@ -8440,48 +8670,48 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	5,   // 2: dsec.v1.NetworkPolicy.credentials:type_name -> dsec.v1.BrokeredCredential
 	3,   // 3: dsec.v1.SetNetworkPolicyRequest.policy:type_name -> dsec.v1.NetworkPolicy
 	10,  // 4: dsec.v1.GetNetworkLogResponse.records:type_name -> dsec.v1.ConnectionRecord
-	109, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
+	111, // 5: dsec.v1.ConnectionRecord.at:type_name -> google.protobuf.Timestamp
 	1,   // 6: dsec.v1.SandboxSpec.resources:type_name -> dsec.v1.Resources
-	97,  // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
-	98,  // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
+	99,  // 7: dsec.v1.SandboxSpec.labels:type_name -> dsec.v1.SandboxSpec.LabelsEntry
+	100, // 8: dsec.v1.SandboxSpec.env:type_name -> dsec.v1.SandboxSpec.EnvEntry
 	2,   // 9: dsec.v1.SandboxSpec.network:type_name -> dsec.v1.Network
-	99,  // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
-	110, // 11: dsec.v1.SandboxSpec.volumes:type_name -> dsec.v1.VolumeMount
+	101, // 10: dsec.v1.SandboxSpec.node_selector:type_name -> dsec.v1.SandboxSpec.NodeSelectorEntry
+	112, // 11: dsec.v1.SandboxSpec.volumes:type_name -> dsec.v1.VolumeMount
 	15,  // 12: dsec.v1.SandboxSpec.sidecars:type_name -> dsec.v1.Sidecar
 	14,  // 13: dsec.v1.SandboxSpec.shared_volumes:type_name -> dsec.v1.SharedVolume
 	12,  // 14: dsec.v1.SandboxSpec.model_gateway:type_name -> dsec.v1.ModelGateway
-	100, // 15: dsec.v1.Sidecar.env:type_name -> dsec.v1.Sidecar.EnvEntry
+	102, // 15: dsec.v1.Sidecar.env:type_name -> dsec.v1.Sidecar.EnvEntry
 	1,   // 16: dsec.v1.Sidecar.resources:type_name -> dsec.v1.Resources
 	16,  // 17: dsec.v1.Sidecar.healthcheck:type_name -> dsec.v1.HealthCheck
 	17,  // 18: dsec.v1.Sidecar.depends_on:type_name -> dsec.v1.SidecarDependency
-	110, // 19: dsec.v1.Sidecar.volumes:type_name -> dsec.v1.VolumeMount
+	112, // 19: dsec.v1.Sidecar.volumes:type_name -> dsec.v1.VolumeMount
 	11,  // 20: dsec.v1.Sandbox.spec:type_name -> dsec.v1.SandboxSpec
-	109, // 21: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
-	109, // 22: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
-	109, // 23: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
-	109, // 24: dsec.v1.Sandbox.ended_at:type_name -> google.protobuf.Timestamp
+	111, // 21: dsec.v1.Sandbox.created_at:type_name -> google.protobuf.Timestamp
+	111, // 22: dsec.v1.Sandbox.expires_at:type_name -> google.protobuf.Timestamp
+	111, // 23: dsec.v1.Sandbox.last_active_at:type_name -> google.protobuf.Timestamp
+	111, // 24: dsec.v1.Sandbox.ended_at:type_name -> google.protobuf.Timestamp
 	18,  // 25: dsec.v1.Sandbox.sidecars:type_name -> dsec.v1.SidecarStatus
 	11,  // 26: dsec.v1.CreateSandboxRequest.spec:type_name -> dsec.v1.SandboxSpec
 	19,  // 27: dsec.v1.ListSandboxesResponse.sandboxes:type_name -> dsec.v1.Sandbox
-	101, // 28: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
+	103, // 28: dsec.v1.ExecRequest.env:type_name -> dsec.v1.ExecRequest.EnvEntry
 	29,  // 29: dsec.v1.ExecEvent.started:type_name -> dsec.v1.ExecStarted
 	28,  // 30: dsec.v1.ExecEvent.exit:type_name -> dsec.v1.ExecResult
-	102, // 31: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
+	104, // 31: dsec.v1.ProcessInfo.env:type_name -> dsec.v1.ProcessInfo.EnvEntry
 	38,  // 32: dsec.v1.ListProcessesResponse.processes:type_name -> dsec.v1.ProcessInfo
-	109, // 33: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
-	103, // 34: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
+	111, // 33: dsec.v1.FileInfo.mtime:type_name -> google.protobuf.Timestamp
+	105, // 34: dsec.v1.FileInfo.metadata:type_name -> dsec.v1.FileInfo.MetadataEntry
 	41,  // 35: dsec.v1.FileInfo.target:type_name -> dsec.v1.FileInfo
 	41,  // 36: dsec.v1.ReadFileResponse.info:type_name -> dsec.v1.FileInfo
-	104, // 37: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
+	106, // 37: dsec.v1.WriteFileHeader.metadata:type_name -> dsec.v1.WriteFileHeader.MetadataEntry
 	44,  // 38: dsec.v1.WriteFileRequest.header:type_name -> dsec.v1.WriteFileHeader
 	41,  // 39: dsec.v1.ListDirResponse.entries:type_name -> dsec.v1.FileInfo
 	41,  // 40: dsec.v1.FsEvent.info:type_name -> dsec.v1.FileInfo
 	55,  // 41: dsec.v1.WatchDirEvent.change:type_name -> dsec.v1.FsEvent
-	109, // 42: dsec.v1.StatsSample.at:type_name -> google.protobuf.Timestamp
-	109, // 43: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
+	111, // 42: dsec.v1.StatsSample.at:type_name -> google.protobuf.Timestamp
+	111, // 43: dsec.v1.SandboxStats.at:type_name -> google.protobuf.Timestamp
 	58,  // 44: dsec.v1.SandboxStats.history:type_name -> dsec.v1.StatsSample
 	66,  // 45: dsec.v1.SendInputRequest.actions:type_name -> dsec.v1.InputAction
-	109, // 46: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
+	111, // 46: dsec.v1.OpenVNCResponse.expires_at:type_name -> google.protobuf.Timestamp
 	67,  // 47: dsec.v1.InputAction.move:type_name -> dsec.v1.Point
 	68,  // 48: dsec.v1.InputAction.click:type_name -> dsec.v1.MouseClick
 	69,  // 49: dsec.v1.InputAction.button:type_name -> dsec.v1.MouseButton
@@ -8493,114 +8723,118 @@ var file_dsec_v1_sandbox_proto_depIdxs = []int32{
 	73,  // 55: dsec.v1.CreateSandboxesResponse.results:type_name -> dsec.v1.CreateResult
 	71,  // 56: dsec.v1.BulkFailure.error:type_name -> dsec.v1.ItemError
 	78,  // 57: dsec.v1.BulkResponse.failures:type_name -> dsec.v1.BulkFailure
-	109, // 58: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
+	111, // 58: dsec.v1.SnapshotInfo.created_at:type_name -> google.protobuf.Timestamp
 	81,  // 59: dsec.v1.ListSnapshotsResponse.snapshots:type_name -> dsec.v1.SnapshotInfo
-	105, // 60: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
-	109, // 61: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
-	106, // 62: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
+	107, // 60: dsec.v1.ForkRequest.labels:type_name -> dsec.v1.ForkRequest.LabelsEntry
+	111, // 61: dsec.v1.LogEntry.at:type_name -> google.protobuf.Timestamp
+	108, // 62: dsec.v1.LogEntry.env:type_name -> dsec.v1.LogEntry.EnvEntry
 	28,  // 63: dsec.v1.LogEntry.result:type_name -> dsec.v1.ExecResult
 	71,  // 64: dsec.v1.LogEntry.error:type_name -> dsec.v1.ItemError
-	107, // 65: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
+	109, // 65: dsec.v1.LogEntry.metadata:type_name -> dsec.v1.LogEntry.MetadataEntry
 	13,  // 66: dsec.v1.LogEntry.model_call:type_name -> dsec.v1.ModelCall
-	93,  // 67: dsec.v1.LogEntry.rollout:type_name -> dsec.v1.Rollout
+	95,  // 67: dsec.v1.LogEntry.rollout:type_name -> dsec.v1.Rollout
 	88,  // 68: dsec.v1.GetLogResponse.entries:type_name -> dsec.v1.LogEntry
-	108, // 69: dsec.v1.StartRolloutRequest.env:type_name -> dsec.v1.StartRolloutRequest.EnvEntry
+	110, // 69: dsec.v1.StartRolloutRequest.env:type_name -> dsec.v1.StartRolloutRequest.EnvEntry
 	91,  // 70: dsec.v1.StartRolloutRequest.verifier:type_name -> dsec.v1.RolloutVerifier
-	109, // 71: dsec.v1.Rollout.started_at:type_name -> google.protobuf.Timestamp
-	109, // 72: dsec.v1.Rollout.ended_at:type_name -> google.protobuf.Timestamp
-	28,  // 73: dsec.v1.Rollout.result:type_name -> dsec.v1.ExecResult
-	28,  // 74: dsec.v1.Rollout.verifier:type_name -> dsec.v1.ExecResult
-	90,  // 75: dsec.v1.Rollout.request:type_name -> dsec.v1.StartRolloutRequest
-	95,  // 76: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
-	20,  // 77: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
-	72,  // 78: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
-	21,  // 79: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
-	22,  // 80: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
-	24,  // 81: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
-	26,  // 82: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
-	75,  // 83: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
-	76,  // 84: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
-	77,  // 85: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
-	77,  // 86: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
-	77,  // 87: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
-	57,  // 88: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
-	6,   // 89: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
-	7,   // 90: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
-	27,  // 91: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
-	27,  // 92: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
-	31,  // 93: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
-	32,  // 94: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
-	34,  // 95: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
-	36,  // 96: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
-	39,  // 97: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
-	42,  // 98: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
-	45,  // 99: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
-	46,  // 100: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
-	47,  // 101: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
-	49,  // 102: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
-	50,  // 103: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
-	52,  // 104: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
-	53,  // 105: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
-	54,  // 106: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
-	80,  // 107: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
-	82,  // 108: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
-	84,  // 109: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
-	86,  // 110: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
-	87,  // 111: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
-	94,  // 112: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
-	90,  // 113: dsec.v1.LogService.StartRollout:input_type -> dsec.v1.StartRolloutRequest
-	92,  // 114: dsec.v1.LogService.GetRollout:input_type -> dsec.v1.GetRolloutRequest
-	8,   // 115: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
-	60,  // 116: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
-	62,  // 117: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
-	64,  // 118: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
-	19,  // 119: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
-	74,  // 120: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
-	19,  // 121: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
-	23,  // 122: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
-	25,  // 123: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
-	19,  // 124: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
-	19,  // 125: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
-	19,  // 126: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
-	79,  // 127: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
-	79,  // 128: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
-	79,  // 129: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
-	59,  // 130: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
-	2,   // 131: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
-	2,   // 132: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
-	28,  // 133: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
-	30,  // 134: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
-	30,  // 135: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
-	33,  // 136: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
-	35,  // 137: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
-	37,  // 138: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
-	40,  // 139: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
-	43,  // 140: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
-	41,  // 141: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
-	41,  // 142: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
-	48,  // 143: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
-	41,  // 144: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
-	51,  // 145: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
-	41,  // 146: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
-	41,  // 147: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
-	56,  // 148: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
-	81,  // 149: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
-	83,  // 150: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
-	85,  // 151: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
-	74,  // 152: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
-	89,  // 153: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
-	96,  // 154: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
-	93,  // 155: dsec.v1.LogService.StartRollout:output_type -> dsec.v1.Rollout
-	93,  // 156: dsec.v1.LogService.GetRollout:output_type -> dsec.v1.Rollout
-	9,   // 157: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
-	61,  // 158: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
-	63,  // 159: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
-	65,  // 160: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
-	119, // [119:161] is the sub-list for method output_type
-	77,  // [77:119] is the sub-list for method input_type
-	77,  // [77:77] is the sub-list for extension type_name
-	77,  // [77:77] is the sub-list for extension extendee
-	0,   // [0:77] is the sub-list for field type_name
+	95,  // 71: dsec.v1.RolloutEvent.rollout:type_name -> dsec.v1.Rollout
+	88,  // 72: dsec.v1.RolloutEvent.entry:type_name -> dsec.v1.LogEntry
+	111, // 73: dsec.v1.Rollout.started_at:type_name -> google.protobuf.Timestamp
+	111, // 74: dsec.v1.Rollout.ended_at:type_name -> google.protobuf.Timestamp
+	28,  // 75: dsec.v1.Rollout.result:type_name -> dsec.v1.ExecResult
+	28,  // 76: dsec.v1.Rollout.verifier:type_name -> dsec.v1.ExecResult
+	90,  // 77: dsec.v1.Rollout.request:type_name -> dsec.v1.StartRolloutRequest
+	97,  // 78: dsec.v1.ReplayResponse.steps:type_name -> dsec.v1.ReplayStep
+	20,  // 79: dsec.v1.LifecycleService.CreateSandbox:input_type -> dsec.v1.CreateSandboxRequest
+	72,  // 80: dsec.v1.LifecycleService.CreateSandboxes:input_type -> dsec.v1.CreateSandboxesRequest
+	21,  // 81: dsec.v1.LifecycleService.GetSandbox:input_type -> dsec.v1.GetSandboxRequest
+	22,  // 82: dsec.v1.LifecycleService.ListSandboxes:input_type -> dsec.v1.ListSandboxesRequest
+	24,  // 83: dsec.v1.LifecycleService.DeleteSandbox:input_type -> dsec.v1.DeleteSandboxRequest
+	26,  // 84: dsec.v1.LifecycleService.Keepalive:input_type -> dsec.v1.KeepaliveRequest
+	75,  // 85: dsec.v1.LifecycleService.PauseSandbox:input_type -> dsec.v1.PauseSandboxRequest
+	76,  // 86: dsec.v1.LifecycleService.ResumeSandbox:input_type -> dsec.v1.ResumeSandboxRequest
+	77,  // 87: dsec.v1.LifecycleService.PauseSandboxes:input_type -> dsec.v1.BulkRequest
+	77,  // 88: dsec.v1.LifecycleService.ResumeSandboxes:input_type -> dsec.v1.BulkRequest
+	77,  // 89: dsec.v1.LifecycleService.DeleteSandboxes:input_type -> dsec.v1.BulkRequest
+	57,  // 90: dsec.v1.LifecycleService.GetSandboxStats:input_type -> dsec.v1.GetSandboxStatsRequest
+	6,   // 91: dsec.v1.LifecycleService.SetNetworkPolicy:input_type -> dsec.v1.SetNetworkPolicyRequest
+	7,   // 92: dsec.v1.LifecycleService.GetNetworkPolicy:input_type -> dsec.v1.GetNetworkPolicyRequest
+	27,  // 93: dsec.v1.ProcessService.Exec:input_type -> dsec.v1.ExecRequest
+	27,  // 94: dsec.v1.ProcessService.ExecStream:input_type -> dsec.v1.ExecRequest
+	31,  // 95: dsec.v1.ProcessService.ConnectProcess:input_type -> dsec.v1.ConnectProcessRequest
+	32,  // 96: dsec.v1.ProcessService.WriteStdin:input_type -> dsec.v1.WriteStdinRequest
+	34,  // 97: dsec.v1.ProcessService.SignalProcess:input_type -> dsec.v1.SignalProcessRequest
+	36,  // 98: dsec.v1.ProcessService.ResizePTY:input_type -> dsec.v1.ResizePTYRequest
+	39,  // 99: dsec.v1.ProcessService.ListProcesses:input_type -> dsec.v1.ListProcessesRequest
+	42,  // 100: dsec.v1.FilesystemService.ReadFile:input_type -> dsec.v1.ReadFileRequest
+	45,  // 101: dsec.v1.FilesystemService.WriteFile:input_type -> dsec.v1.WriteFileRequest
+	46,  // 102: dsec.v1.FilesystemService.Stat:input_type -> dsec.v1.StatRequest
+	47,  // 103: dsec.v1.FilesystemService.ListDir:input_type -> dsec.v1.ListDirRequest
+	49,  // 104: dsec.v1.FilesystemService.MakeDir:input_type -> dsec.v1.MakeDirRequest
+	50,  // 105: dsec.v1.FilesystemService.Remove:input_type -> dsec.v1.RemoveRequest
+	52,  // 106: dsec.v1.FilesystemService.Rename:input_type -> dsec.v1.RenameRequest
+	53,  // 107: dsec.v1.FilesystemService.ChangeMode:input_type -> dsec.v1.ChangeModeRequest
+	54,  // 108: dsec.v1.FilesystemService.WatchDir:input_type -> dsec.v1.WatchDirRequest
+	80,  // 109: dsec.v1.SnapshotService.Snapshot:input_type -> dsec.v1.SnapshotRequest
+	82,  // 110: dsec.v1.SnapshotService.ListSnapshots:input_type -> dsec.v1.ListSnapshotsRequest
+	84,  // 111: dsec.v1.SnapshotService.DeleteSnapshot:input_type -> dsec.v1.DeleteSnapshotRequest
+	86,  // 112: dsec.v1.SnapshotService.Fork:input_type -> dsec.v1.ForkRequest
+	87,  // 113: dsec.v1.LogService.GetLog:input_type -> dsec.v1.GetLogRequest
+	96,  // 114: dsec.v1.LogService.Replay:input_type -> dsec.v1.ReplayRequest
+	90,  // 115: dsec.v1.LogService.StartRollout:input_type -> dsec.v1.StartRolloutRequest
+	92,  // 116: dsec.v1.LogService.GetRollout:input_type -> dsec.v1.GetRolloutRequest
+	93,  // 117: dsec.v1.LogService.WatchRollout:input_type -> dsec.v1.WatchRolloutRequest
+	8,   // 118: dsec.v1.LogService.GetNetworkLog:input_type -> dsec.v1.GetNetworkLogRequest
+	60,  // 119: dsec.v1.ScreenService.Screenshot:input_type -> dsec.v1.ScreenshotRequest
+	62,  // 120: dsec.v1.ScreenService.SendInput:input_type -> dsec.v1.SendInputRequest
+	64,  // 121: dsec.v1.ScreenService.OpenVNC:input_type -> dsec.v1.OpenVNCRequest
+	19,  // 122: dsec.v1.LifecycleService.CreateSandbox:output_type -> dsec.v1.Sandbox
+	74,  // 123: dsec.v1.LifecycleService.CreateSandboxes:output_type -> dsec.v1.CreateSandboxesResponse
+	19,  // 124: dsec.v1.LifecycleService.GetSandbox:output_type -> dsec.v1.Sandbox
+	23,  // 125: dsec.v1.LifecycleService.ListSandboxes:output_type -> dsec.v1.ListSandboxesResponse
+	25,  // 126: dsec.v1.LifecycleService.DeleteSandbox:output_type -> dsec.v1.DeleteSandboxResponse
+	19,  // 127: dsec.v1.LifecycleService.Keepalive:output_type -> dsec.v1.Sandbox
+	19,  // 128: dsec.v1.LifecycleService.PauseSandbox:output_type -> dsec.v1.Sandbox
+	19,  // 129: dsec.v1.LifecycleService.ResumeSandbox:output_type -> dsec.v1.Sandbox
+	79,  // 130: dsec.v1.LifecycleService.PauseSandboxes:output_type -> dsec.v1.BulkResponse
+	79,  // 131: dsec.v1.LifecycleService.ResumeSandboxes:output_type -> dsec.v1.BulkResponse
+	79,  // 132: dsec.v1.LifecycleService.DeleteSandboxes:output_type -> dsec.v1.BulkResponse
+	59,  // 133: dsec.v1.LifecycleService.GetSandboxStats:output_type -> dsec.v1.SandboxStats
+	2,   // 134: dsec.v1.LifecycleService.SetNetworkPolicy:output_type -> dsec.v1.Network
+	2,   // 135: dsec.v1.LifecycleService.GetNetworkPolicy:output_type -> dsec.v1.Network
+	28,  // 136: dsec.v1.ProcessService.Exec:output_type -> dsec.v1.ExecResult
+	30,  // 137: dsec.v1.ProcessService.ExecStream:output_type -> dsec.v1.ExecEvent
+	30,  // 138: dsec.v1.ProcessService.ConnectProcess:output_type -> dsec.v1.ExecEvent
+	33,  // 139: dsec.v1.ProcessService.WriteStdin:output_type -> dsec.v1.WriteStdinResponse
+	35,  // 140: dsec.v1.ProcessService.SignalProcess:output_type -> dsec.v1.SignalProcessResponse
+	37,  // 141: dsec.v1.ProcessService.ResizePTY:output_type -> dsec.v1.ResizePTYResponse
+	40,  // 142: dsec.v1.ProcessService.ListProcesses:output_type -> dsec.v1.ListProcessesResponse
+	43,  // 143: dsec.v1.FilesystemService.ReadFile:output_type -> dsec.v1.ReadFileResponse
+	41,  // 144: dsec.v1.FilesystemService.WriteFile:output_type -> dsec.v1.FileInfo
+	41,  // 145: dsec.v1.FilesystemService.Stat:output_type -> dsec.v1.FileInfo
+	48,  // 146: dsec.v1.FilesystemService.ListDir:output_type -> dsec.v1.ListDirResponse
+	41,  // 147: dsec.v1.FilesystemService.MakeDir:output_type -> dsec.v1.FileInfo
+	51,  // 148: dsec.v1.FilesystemService.Remove:output_type -> dsec.v1.RemoveResponse
+	41,  // 149: dsec.v1.FilesystemService.Rename:output_type -> dsec.v1.FileInfo
+	41,  // 150: dsec.v1.FilesystemService.ChangeMode:output_type -> dsec.v1.FileInfo
+	56,  // 151: dsec.v1.FilesystemService.WatchDir:output_type -> dsec.v1.WatchDirEvent
+	81,  // 152: dsec.v1.SnapshotService.Snapshot:output_type -> dsec.v1.SnapshotInfo
+	83,  // 153: dsec.v1.SnapshotService.ListSnapshots:output_type -> dsec.v1.ListSnapshotsResponse
+	85,  // 154: dsec.v1.SnapshotService.DeleteSnapshot:output_type -> dsec.v1.DeleteSnapshotResponse
+	74,  // 155: dsec.v1.SnapshotService.Fork:output_type -> dsec.v1.CreateSandboxesResponse
+	89,  // 156: dsec.v1.LogService.GetLog:output_type -> dsec.v1.GetLogResponse
+	98,  // 157: dsec.v1.LogService.Replay:output_type -> dsec.v1.ReplayResponse
+	95,  // 158: dsec.v1.LogService.StartRollout:output_type -> dsec.v1.Rollout
+	95,  // 159: dsec.v1.LogService.GetRollout:output_type -> dsec.v1.Rollout
+	94,  // 160: dsec.v1.LogService.WatchRollout:output_type -> dsec.v1.RolloutEvent
+	9,   // 161: dsec.v1.LogService.GetNetworkLog:output_type -> dsec.v1.GetNetworkLogResponse
+	61,  // 162: dsec.v1.ScreenService.Screenshot:output_type -> dsec.v1.ScreenshotResponse
+	63,  // 163: dsec.v1.ScreenService.SendInput:output_type -> dsec.v1.SendInputResponse
+	65,  // 164: dsec.v1.ScreenService.OpenVNC:output_type -> dsec.v1.OpenVNCResponse
+	122, // [122:165] is the sub-list for method output_type
+	79,  // [79:122] is the sub-list for method input_type
+	79,  // [79:79] is the sub-list for extension type_name
+	79,  // [79:79] is the sub-list for extension extendee
+	0,   // [0:79] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_sandbox_proto_init() }
@@ -8638,13 +8872,18 @@ func file_dsec_v1_sandbox_proto_init() {
 		(*InputAction_Button)(nil),
 		(*InputAction_Scroll)(nil),
 	}
+	file_dsec_v1_sandbox_proto_msgTypes[94].OneofWrappers = []any{
+		(*RolloutEvent_Rollout)(nil),
+		(*RolloutEvent_Entry)(nil),
+		(*RolloutEvent_Keepalive)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_sandbox_proto_rawDesc), len(file_dsec_v1_sandbox_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   109,
+			NumMessages:   111,
 			NumExtensions: 0,
 			NumServices:   6,
 		},

@@ -627,7 +627,11 @@ class Sandbox:
         command) scores it when it ends (the last line of its stdout, as a
         number, is ``reward``). Starting ``rollout_id`` again reattaches to
         it. Keywords: ``env``, ``cwd``, ``user``, ``timeout_s``,
-        ``verifier``, ``verifier_timeout_s``."""
+        ``verifier``, ``verifier_timeout_s``, and ``workers``: sandboxes
+        (or IDs) the agent drives through the dsec API at its model
+        gateway's address (``dsec.Client(os.environ["DSEC_URL"])`` inside,
+        no key); its calls to them are answered from their logs when the
+        same rollout runs again in a new agent sandbox (a resume)."""
         from .rollout import start
 
         return start(self._client, self.id, rollout_id, cmd, **kw)

@@ -11,14 +11,20 @@ trainer that started it dies, scored by a verifier when it ends.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+
+from . import _wire
+from .errors import DsecError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .client import Client
 
 _LOGS = "dsec.v1.LogService"
 _MAX_WAIT_S = 300
+#: the server sends a keepalive every 15 s while nothing happens
+_STREAM_IDLE_S = 60
 
 #: Rollout states: the task's outcomes to score, and the platform's to mask.
 RUNNING, SUCCEEDED, FAILED, INFRA, CANCELED = "running", "succeeded", "failed", "infra", "canceled"
@@ -50,6 +56,12 @@ class Rollout:
         self.verifier: Dict[str, Any] = m.get("verifier") or {}
         self.reward: Optional[float] = float(m.get("reward") or 0) if m.get("hasReward") else None
         self.detail: str = m.get("detail", "")
+        #: the agent's execs and file writes in its workers, and how many
+        #: of them were answered from the workers' logs (a resume)
+        self.worker_calls = int(m.get("workerCalls") or 0)
+        self.worker_replays = int(m.get("workerReplays") or 0)
+        #: where a resumed agent's worker calls went live ("": they did not)
+        self.divergence: str = m.get("divergence", "")
 
     @property
     def done(self) -> bool:
@@ -77,25 +89,42 @@ class Rollout:
             self.refresh(min(left, _MAX_WAIT_S))
         return self
 
-    def events(self, poll_s: float = 0.2) -> Iterator[Dict[str, Any]]:
-        """The rollout's progress: each log entry after its start (model
-        calls, commands) as it lands, until its end entry."""
-        seq = self.start_seq + 1
+    def events(self, from_seq: Optional[int] = None) -> Iterator[Dict[str, Any]]:
+        """The rollout's progress, streamed by the server as it happens:
+        each entry of its sandbox's log after its start (model calls,
+        commands), until it ended (then ``self`` holds its outcome). A
+        stream that breaks (a replica or the network went) is opened again
+        from the entry after the last one yielded; pass ``from_seq`` to
+        start elsewhere (a trainer that saw entries up to seq n: n + 1)."""
+        seq = int(from_seq) if from_seq else self.start_seq + 1
+        t = self._client._t
+        # The stream holds its connection: its own, so the trainer's calls
+        # go on meanwhile.
+        with contextlib.closing(_wire.Transport(t.url, t.api_key, t.timeout)) as st:
+            yield from self._watch(st, seq)
+
+    def _watch(self, st: "_wire.Transport", seq: int) -> Iterator[Dict[str, Any]]:
+        failures = 0
         while True:
-            m = self._client._t.unary(_LOGS, "GetLog", {"sandboxId": self.sandbox_id, "fromSeq": str(seq)}, retry=True)
-            entries: List[Dict[str, Any]] = m.get("entries", [])
-            for e in entries:
-                seq = int(e.get("seq") or seq) + 1
-                r = e.get("rollout")
-                if r and r.get("rolloutId") == self.id and e.get("op") == "rollout_end":
-                    self._set(r)
-                    return
-                if e.get("op") not in ("rollout_start", "rollout_end"):
-                    yield e
-            if not entries:
-                # Nothing new: wait on the server for the end, at most poll_s
-                # (its end entry is then in the log, read next).
-                self.refresh(poll_s)
+            try:
+                for ev in st.stream(_LOGS, "WatchRollout", {"sandboxId": self.sandbox_id, "rolloutId": self.id,
+                                                                         "fromSeq": str(seq)}, timeout=_STREAM_IDLE_S):
+                    failures = 0
+                    if "rollout" in ev:
+                        self._set(ev["rollout"])
+                        if self.done:
+                            return
+                    elif "entry" in ev:
+                        e = ev["entry"]
+                        seq = int(e.get("seq") or seq) + 1
+                        if e.get("op") not in ("rollout_start", "rollout_end"):
+                            yield e
+                # A stream that ended without the rollout's end: watch again.
+            except DsecError as e:
+                if not e.retryable or failures >= 5:
+                    raise
+                failures += 1
+                time.sleep(0.2 * 2 ** failures)
 
     def __repr__(self) -> str:
         return f"Rollout({self.sandbox_id!r}, {self.id!r}, state={self.state!r}, reward={self.reward!r})"
@@ -104,11 +133,13 @@ class Rollout:
 def start(client: "Client", sandbox_id: str, rollout_id: str, cmd: Union[str, Sequence[str]], *,
           env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None, user: Optional[str] = None,
           timeout_s: Optional[float] = None, verifier: Union[str, Sequence[str], None] = None,
-          verifier_timeout_s: Optional[float] = None) -> Rollout:
+          verifier_timeout_s: Optional[float] = None, workers: Optional[Sequence[Any]] = None) -> Rollout:
     from .client import _exec_request  # the same fields as an exec's
 
     req = _exec_request(sandbox_id, cmd, timeout_s=timeout_s, stdin=None, env=env, cwd=cwd, user=user, max_output_bytes=None)
     req["rolloutId"] = rollout_id
+    if workers:
+        req["workers"] = [w if isinstance(w, str) else w.id for w in workers]
     if verifier is not None:
         req["verifier"] = _command(verifier)
         if verifier_timeout_s:

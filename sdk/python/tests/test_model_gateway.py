@@ -135,12 +135,48 @@ def test_a_rollout_outlives_its_trainer_and_is_scored(server, client):
         # A new trainer reattaches: the agent never stopped.
         r = client.rollout(sb.id, "traj-1")
         assert r.state == "running" and not r.done
+        # Its progress streams while it runs: the trainer's command, then
+        # (once the agent is told to go) the rest and its end.
+        sb.exec("echo step")
+        events = r.events()
+        first = next(events)
+        assert first["op"] == "exec" and "echo step" in " ".join(first["argv"]) and not r.done, (first, r.raw)
         sb.exec("echo go > /tmp/go")
-        events = list(r.events())
-        assert [e["op"] for e in events] == ["exec"]  # the trainer's command, in the rollout's progress
+        rest = list(events)
+        assert [e["op"] for e in rest] == ["exec"]
         assert r.state == "succeeded" and r.reward == 1.0 and not r.infra, r.raw
         # Starting it again answers it, runs nothing.
         again = sb.rollout("touch /tmp/second", "traj-1")
         assert again.state == "succeeded" and not sb.exists("/tmp/second")
     finally:
         sb.close()
+
+
+# An agent that runs two commands in its worker through the dsec API at
+# DSEC_URL (busybox's wget: the base image has no Python), and prints what
+# the worker answered.
+WORKER_AGENT = r'''call() { wget -q -O - --header 'Content-Type: application/json' --post-data "{\"sandboxId\":\"$DSEC_WORKERS\",\"cmd\":\"$1\"}" "$DSEC_URL/dsec.v1.ProcessService/Exec" || exit 9; echo; }
+call 'echo one >> /tmp/count; wc -l < /tmp/count'
+call 'echo two >> /tmp/count; wc -l < /tmp/count'
+'''
+
+
+def test_a_rollouts_agent_drives_its_worker_and_a_resume_replays_its_calls(client):
+    worker = client.create("busybox")
+    agents = []
+    try:
+        worker.exec("touch /tmp/count")
+        agents.append(client.create("busybox", model_gateway=True))
+        first = agents[0].rollout(WORKER_AGENT, "traj-w", workers=[worker]).wait(120)
+        assert first.state == "succeeded" and first.worker_calls == 2 and first.worker_replays == 0, first.raw
+        assert worker.exec("wc -l < /tmp/count").stdout.strip() == "2"
+        # The trainer resumes the rollout in a new agent sandbox: the
+        # agent's commands are answered from the worker's log, run nowhere.
+        agents.append(client.create("busybox", model_gateway=True, fast_forward_from=agents[0]))
+        again = agents[1].rollout(WORKER_AGENT, "traj-w", workers=[worker.id]).wait(120)
+        assert again.state == "succeeded" and again.worker_replays == 2 and not again.divergence, again.raw
+        assert again.result["stdout"] == first.result["stdout"]
+        assert worker.exec("wc -l < /tmp/count").stdout.strip() == "2"
+    finally:
+        for sb in agents + [worker]:
+            sb.close()

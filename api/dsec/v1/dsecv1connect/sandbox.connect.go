@@ -157,6 +157,8 @@ const (
 	LogServiceStartRolloutProcedure = "/dsec.v1.LogService/StartRollout"
 	// LogServiceGetRolloutProcedure is the fully-qualified name of the LogService's GetRollout RPC.
 	LogServiceGetRolloutProcedure = "/dsec.v1.LogService/GetRollout"
+	// LogServiceWatchRolloutProcedure is the fully-qualified name of the LogService's WatchRollout RPC.
+	LogServiceWatchRolloutProcedure = "/dsec.v1.LogService/WatchRollout"
 	// LogServiceGetNetworkLogProcedure is the fully-qualified name of the LogService's GetNetworkLog
 	// RPC.
 	LogServiceGetNetworkLogProcedure = "/dsec.v1.LogService/GetNetworkLog"
@@ -1439,6 +1441,14 @@ type LogServiceClient interface {
 	// GetRollout answers a rollout as it is; with wait_s, once it ended or
 	// wait_s passed. Rollouts outlive their sandbox as its log does.
 	GetRollout(context.Context, *connect.Request[v1.GetRolloutRequest]) (*connect.Response[v1.Rollout], error)
+	// WatchRollout streams a rollout's progress: while it runs, first the
+	// rollout as it is; then each entry of its sandbox's log from from_seq
+	// on (default: the entry after its start) as it is written: the
+	// agent's model calls and the commands sent to the sandbox; last the
+	// rollout once it ended (state other than "running"), after which the
+	// stream ends. A keepalive every 15 s while nothing happens. A trainer
+	// that reattaches passes the seq after the last entry it saw.
+	WatchRollout(context.Context, *connect.Request[v1.WatchRolloutRequest]) (*connect.ServerStreamForClient[v1.RolloutEvent], error)
 	// GetNetworkLog reads a sandbox's connection log: every connection an
 	// egress sandbox opened (TCP, UDP, ICMP, DNS queries, HTTP and TLS through
 	// the node's egress proxy), allowed or denied, oldest first, after
@@ -1486,6 +1496,12 @@ func NewLogServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...
 			connect.WithIdempotency(connect.IdempotencyNoSideEffects),
 			connect.WithClientOptions(opts...),
 		),
+		watchRollout: connect.NewClient[v1.WatchRolloutRequest, v1.RolloutEvent](
+			httpClient,
+			baseURL+LogServiceWatchRolloutProcedure,
+			connect.WithSchema(logServiceMethods.ByName("WatchRollout")),
+			connect.WithClientOptions(opts...),
+		),
 		getNetworkLog: connect.NewClient[v1.GetNetworkLogRequest, v1.GetNetworkLogResponse](
 			httpClient,
 			baseURL+LogServiceGetNetworkLogProcedure,
@@ -1502,6 +1518,7 @@ type logServiceClient struct {
 	replay        *connect.Client[v1.ReplayRequest, v1.ReplayResponse]
 	startRollout  *connect.Client[v1.StartRolloutRequest, v1.Rollout]
 	getRollout    *connect.Client[v1.GetRolloutRequest, v1.Rollout]
+	watchRollout  *connect.Client[v1.WatchRolloutRequest, v1.RolloutEvent]
 	getNetworkLog *connect.Client[v1.GetNetworkLogRequest, v1.GetNetworkLogResponse]
 }
 
@@ -1523,6 +1540,11 @@ func (c *logServiceClient) StartRollout(ctx context.Context, req *connect.Reques
 // GetRollout calls dsec.v1.LogService.GetRollout.
 func (c *logServiceClient) GetRollout(ctx context.Context, req *connect.Request[v1.GetRolloutRequest]) (*connect.Response[v1.Rollout], error) {
 	return c.getRollout.CallUnary(ctx, req)
+}
+
+// WatchRollout calls dsec.v1.LogService.WatchRollout.
+func (c *logServiceClient) WatchRollout(ctx context.Context, req *connect.Request[v1.WatchRolloutRequest]) (*connect.ServerStreamForClient[v1.RolloutEvent], error) {
+	return c.watchRollout.CallServerStream(ctx, req)
 }
 
 // GetNetworkLog calls dsec.v1.LogService.GetNetworkLog.
@@ -1552,6 +1574,14 @@ type LogServiceHandler interface {
 	// GetRollout answers a rollout as it is; with wait_s, once it ended or
 	// wait_s passed. Rollouts outlive their sandbox as its log does.
 	GetRollout(context.Context, *connect.Request[v1.GetRolloutRequest]) (*connect.Response[v1.Rollout], error)
+	// WatchRollout streams a rollout's progress: while it runs, first the
+	// rollout as it is; then each entry of its sandbox's log from from_seq
+	// on (default: the entry after its start) as it is written: the
+	// agent's model calls and the commands sent to the sandbox; last the
+	// rollout once it ended (state other than "running"), after which the
+	// stream ends. A keepalive every 15 s while nothing happens. A trainer
+	// that reattaches passes the seq after the last entry it saw.
+	WatchRollout(context.Context, *connect.Request[v1.WatchRolloutRequest], *connect.ServerStream[v1.RolloutEvent]) error
 	// GetNetworkLog reads a sandbox's connection log: every connection an
 	// egress sandbox opened (TCP, UDP, ICMP, DNS queries, HTTP and TLS through
 	// the node's egress proxy), allowed or denied, oldest first, after
@@ -1595,6 +1625,12 @@ func NewLogServiceHandler(svc LogServiceHandler, opts ...connect.HandlerOption) 
 		connect.WithIdempotency(connect.IdempotencyNoSideEffects),
 		connect.WithHandlerOptions(opts...),
 	)
+	logServiceWatchRolloutHandler := connect.NewServerStreamHandler(
+		LogServiceWatchRolloutProcedure,
+		svc.WatchRollout,
+		connect.WithSchema(logServiceMethods.ByName("WatchRollout")),
+		connect.WithHandlerOptions(opts...),
+	)
 	logServiceGetNetworkLogHandler := connect.NewUnaryHandler(
 		LogServiceGetNetworkLogProcedure,
 		svc.GetNetworkLog,
@@ -1612,6 +1648,8 @@ func NewLogServiceHandler(svc LogServiceHandler, opts ...connect.HandlerOption) 
 			logServiceStartRolloutHandler.ServeHTTP(w, r)
 		case LogServiceGetRolloutProcedure:
 			logServiceGetRolloutHandler.ServeHTTP(w, r)
+		case LogServiceWatchRolloutProcedure:
+			logServiceWatchRolloutHandler.ServeHTTP(w, r)
 		case LogServiceGetNetworkLogProcedure:
 			logServiceGetNetworkLogHandler.ServeHTTP(w, r)
 		default:
@@ -1637,6 +1675,10 @@ func (UnimplementedLogServiceHandler) StartRollout(context.Context, *connect.Req
 
 func (UnimplementedLogServiceHandler) GetRollout(context.Context, *connect.Request[v1.GetRolloutRequest]) (*connect.Response[v1.Rollout], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LogService.GetRollout is not implemented"))
+}
+
+func (UnimplementedLogServiceHandler) WatchRollout(context.Context, *connect.Request[v1.WatchRolloutRequest], *connect.ServerStream[v1.RolloutEvent]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.LogService.WatchRollout is not implemented"))
 }
 
 func (UnimplementedLogServiceHandler) GetNetworkLog(context.Context, *connect.Request[v1.GetNetworkLogRequest]) (*connect.Response[v1.GetNetworkLogResponse], error) {
