@@ -1,25 +1,31 @@
 #!/usr/bin/env python3
-"""Agents inside their sandboxes, calling a model through dsec's model gateway.
+"""Agents in sandboxes of their own, calling a model through dsec's model
+gateway and driving the task's sandbox through dsec.
 
-Each rollout is a sandbox (the debian image) running a small agent scaffold
-(AGENT below, Python, standard library only) that talks to
-``$OPENAI_BASE_URL`` as any OpenAI client would, runs the tool calls the
-model returns and submits. The model is examples/model_server.py, a
-deterministic stand-in for vLLM that this script starts itself and registers
-as the session's upstream: the sandboxes hold no key and have no network;
-the gateway on their own loopback forwards their calls and records each one
-(request, response, token IDs, log probabilities) in the sandbox's
-trajectory log.
+Each rollout is a sandbox group: a task sandbox (the debian image, holding
+task.txt) and an agent sandbox running a small agent scaffold (AGENT below,
+Python, standard library only) as a dsec rollout. The agent talks to
+``$OPENAI_BASE_URL`` as any OpenAI client would and runs the model's tool
+calls in the task sandbox through the dsec API at ``$DSEC_URL`` (its
+workers, ``$DSEC_WORKERS``). The model is examples/model_server.py, a
+deterministic stand-in for vLLM that this script starts itself and
+registers as the session's upstream: the sandboxes hold no key and have no
+network; the gateway on the agent's own loopback forwards its calls and
+records each one (request, response, token IDs, log probabilities) in the
+agent sandbox's trajectory log, and each command in the task sandbox's.
 
     python3 examples/agent_gateway.py --rollouts 4
     python3 examples/agent_gateway.py --run r1 --kill-after 5   # SIGKILLs itself once the model served 5 calls
-    python3 examples/agent_gateway.py --run r1 --resume         # fast-forwards each rollout through its log
+    python3 examples/agent_gateway.py --run r1 --resume         # replays each unfinished rollout from the logs
 
-A resumed run starts each unfinished rollout again in a fresh sandbox
-created with ``fast_forward_from`` the killed one: its agent's model calls
-are answered from the recorded ones while they are the same, then go live.
-The summary counts the recorded calls answered from the log and checks at
-the model server that none of them reached it twice.
+A resumed run starts each unfinished rollout again in a fresh agent sandbox
+created with ``fast_forward_from`` the killed one (standing in for an agent
+sandbox lost with its trainer; a trainer that merely died would reattach to
+the rollout, which never stopped), beside the same task sandbox: its
+model calls are answered from the recorded ones and its commands from the
+task sandbox's log while they are the same, then go live. The summary
+counts both and checks at the model server that no recorded call reached it
+twice, and in the task sandbox's log that no command ran twice.
 """
 
 from __future__ import annotations
@@ -42,26 +48,36 @@ import dsec  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# The scaffold inside the sandbox: it knows nothing of dsec, only the OpenAI
-# protocol at OPENAI_BASE_URL.
+# The scaffold inside the agent's sandbox: it knows nothing of dsec beyond
+# two addresses, the OpenAI protocol at OPENAI_BASE_URL and an exec in its
+# worker at DSEC_URL.
 AGENT = r'''
-import json, os, re, subprocess, urllib.request
+import base64, json, os, re, urllib.request
 base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
-messages = [{"role": "system", "content": "Solve the task in task.txt with <bash> tool calls, then <submit/>."},
-            {"role": "user", "content": "Begin. Your task: " + open("task.txt").read()}]
-for turn in range(8):
-    req = urllib.request.Request(base + "/chat/completions", method="POST",
-        data=json.dumps({"model": "policy", "messages": messages, "temperature": 0, "logprobs": True}).encode(),
-        headers={"Content-Type": "application/json", "Authorization": "Bearer " + key})
+
+def post(url, body, headers):
+    req = urllib.request.Request(url, method="POST", data=json.dumps(body).encode(),
+                                 headers=dict(headers, **{"Content-Type": "application/json"}))
     with urllib.request.urlopen(req, timeout=120) as r:
-        text = json.load(r)["choices"][0]["message"]["content"]
+        return json.load(r)
+
+def bash(cmd):
+    r = post(os.environ["DSEC_URL"] + "/dsec.v1.ProcessService/Exec",
+             {"sandboxId": os.environ["DSEC_WORKERS"], "cmd": cmd, "cwd": "/root", "timeoutS": 60}, {})
+    return (base64.b64decode(r.get("stdout", "")) + base64.b64decode(r.get("stderr", ""))).decode(errors="replace")
+
+task = bash("cat task.txt")
+messages = [{"role": "system", "content": "Solve the task in task.txt with <bash> tool calls, then <submit/>."},
+            {"role": "user", "content": "Begin. Your task: " + task}]
+for turn in range(8):
+    text = post(base + "/chat/completions", {"model": "policy", "messages": messages, "temperature": 0, "logprobs": True},
+                {"Authorization": "Bearer " + key})["choices"][0]["message"]["content"]
     messages.append({"role": "assistant", "content": text})
     if "<submit/>" in text:
         print(json.dumps({"turns": turn + 1, "submitted": True}))
         break
     m = re.search(r"<bash>(.*?)</bash>", text, re.S)
-    out = subprocess.run(m.group(1), shell=True, capture_output=True, text=True, timeout=60) if m else None
-    obs = (out.stdout + out.stderr) if out else "no tool call found"
+    obs = bash(m.group(1)) if m else "no tool call found"
     messages.append({"role": "user", "content": obs[-4000:]})
 '''
 
@@ -122,34 +138,48 @@ def stats(model_url: str) -> Dict[str, Any]:
         return json.load(r)
 
 
-def rollout(client: dsec.Client, sess: Any, run: str, i: int, journal: Journal, resume_from: str = "") -> Dict[str, Any]:
+def commands_in(task: Any, rid: str) -> int:
+    """The commands rollout rid's agents ran in the task sandbox: the
+    execs its log holds under the IDs the worker API gave them."""
+    return sum(1 for e in task.log() if e.get("op") == "exec" and e.get("requestId", "").startswith(f"rollout:{rid}/"))
+
+
+def rollout(client: dsec.Client, sess: Any, run: str, i: int, journal: Journal, old: Dict[str, str]) -> Dict[str, Any]:
     labels = {"run": run, "rollout": str(i)}
-    if resume_from:
-        # The killed run's agent may still be at work in its sandbox (a
-        # command outlives its caller): end it, so its log is final, then
-        # fast-forward a fresh sandbox through that log.
+    rid = f"{run}-{i}"
+    if old.get("agent"):
+        # The killed run's agent may still be at work (a rollout outlives
+        # its trainer): end it, so both logs are final, then fast-forward
+        # a fresh agent sandbox through them.
         try:
-            client.delete(resume_from)
+            client.delete(old["agent"])
         except dsec.NotFound:
             pass
-    sb = client.create("debian", session=sess, model_gateway=True, labels=labels,
-                       fast_forward_from=resume_from or None)
-    journal.add({"rollout": i, "sandbox": sb.id})
+    task = client.get(old["task"]) if old.get("task") else client.create("debian", session=sess, labels=labels)
+    prefix_commands = commands_in(task, rid)  # what the killed agent ran there
+    agent = client.create("debian", session=sess, model_gateway=True, labels=labels,
+                          fast_forward_from=old.get("agent") or None)
+    journal.add({"rollout": i, "task": task.id, "agent": agent.id})
     try:
         nums = task_numbers(run, i)
-        sb.write_file("/root/task.txt", "Write the sum of these numbers to answer.txt. numbers: " + " ".join(map(str, nums)) + "\n")
-        sb.write_file("/root/agent.py", AGENT)
-        r = sb.exec("cd /root && python3 agent.py", timeout_s=300)
-        if r.exit_code != 0:
-            return {"rollout": i, "reward": 0.0, "infra": True, "error": r.stderr[-500:]}
-        answer = sb.exec("cat /root/answer.txt 2>/dev/null").stdout.strip()
-        calls = [e["modelCall"] for e in sb.log() if e.get("op") == "model_call"]
+        # Exactly once: a resumed run's write is answered from the log.
+        task.write_file("/root/task.txt", "Write the sum of these numbers to answer.txt. numbers: " + " ".join(map(str, nums)) + "\n",
+                        request_id=f"task-{rid}")
+        agent.write_file("/root/agent.py", AGENT)
+        r = agent.rollout("cd /root && python3 agent.py", rid, workers=[task], timeout_s=300).wait(600)
+        if r.state != "succeeded":
+            return {"rollout": i, "reward": 0.0, "infra": True, "error": r.detail or r.result.get("stderr", "")}
+        answer = task.exec("cat /root/answer.txt 2>/dev/null").stdout.strip()
+        calls = [e["modelCall"] for e in agent.log() if e.get("op") == "model_call"]
         return {"rollout": i, "reward": 1.0 if answer == str(sum(nums)) else 0.0, "infra": False,
                 "model_calls": len(calls), "replayed": sum(1 for c in calls if c.get("replayed")),
                 "diverged": sum(1 for c in calls if c.get("diverged")),
-                "logprobs": sum(len(c.get("logprobs", [])) for c in calls)}
+                "logprobs": sum(len(c.get("logprobs", [])) for c in calls),
+                "commands": r.worker_calls, "commands_replayed": r.worker_replays, "divergence": r.divergence,
+                "prefix_commands": prefix_commands, "commands_logged": commands_in(task, rid)}
     finally:
-        sb.close()
+        agent.close()
+        task.close()
 
 
 def main() -> int:
@@ -169,7 +199,7 @@ def main() -> int:
     if args.resume:
         recs = journal.read()
         model_url, model_pid = recs[0]["model_url"], recs[0]["model_pid"]
-        old = {r["rollout"]: r["sandbox"] for r in recs if "sandbox" in r}
+        old: Dict[int, Dict[str, str]] = {r["rollout"]: r for r in recs if "agent" in r}
         done = {r["rollout"]: r for r in recs if "reward" in r}
     else:
         if os.path.exists(state):
@@ -192,27 +222,29 @@ def main() -> int:
 
         todo = [i for i in range(args.rollouts) if i not in done]
         with ThreadPoolExecutor(max_workers=4) as pool:
-            results = list(pool.map(lambda i: rollout(client, sess, args.run, i, journal, old.get(i, "")), todo))
+            results = list(pool.map(lambda i: rollout(client, sess, args.run, i, journal, old.get(i, {})), todo))
         for r in results:
             journal.add(r)
             done[r["rollout"]] = r
 
-        # What the resumed rollouts replayed: every call the killed sandbox
-        # completed is answered from its log and reached the model once.
-        prefix_calls = prefix_hits = duplicates = 0
+        # What the resumed rollouts replayed: every call the killed agent
+        # completed is answered from its log and reached the model once;
+        # every command it completed in the task sandbox is answered from
+        # that sandbox's log and ran there once.
+        prefix_calls = duplicates = 0
         seen = stats(model_url)["by_digest"]
-        for i, sid in old.items():
-            if i not in {r["rollout"] for r in results}:
-                continue
-            recorded = [e["modelCall"] for e in client.get(sid).log() if e.get("op") == "model_call" and not e.get("error")]
+        resumed = [r for r in results if r["rollout"] in old]
+        for r in resumed:
+            recorded = [e["modelCall"] for e in client.get(old[r["rollout"]]["agent"]).log()
+                        if e.get("op") == "model_call" and not e.get("error")]
             prefix_calls += len(recorded)
             for mc in recorded:
                 if seen.get(hashlib.sha256(mc["request"].encode()).hexdigest(), 0) > 1:
                     duplicates += 1
         prefix_hits = sum(r.get("replayed", 0) for r in results)
-        for sid in old.values():
+        for o in old.values():
             try:
-                client.delete(sid)
+                client.delete(o["agent"])
             except dsec.NotFound:
                 pass
 
@@ -221,6 +253,10 @@ def main() -> int:
                "infra_failures": sum(1 for i in range(args.rollouts) if done[i].get("infra")),
                "model_calls": sum(done[i].get("model_calls", 0) for i in range(args.rollouts)),
                "prefix_calls": prefix_calls, "prefix_replay_hits": prefix_hits, "prefix_duplicates_at_model": duplicates,
+               "prefix_commands": sum(r["prefix_commands"] for r in resumed),
+               "prefix_command_replay_hits": sum(r["commands_replayed"] for r in resumed),
+               "commands_run_twice": sum(r["commands_logged"] - r["prefix_commands"] - (r["commands"] - r["commands_replayed"])
+                                         for r in resumed),
                "upstream_calls": stats(model_url)["calls"],
                "sandboxes_leaked": len(client.list(labels={"run": args.run}))}
     os.kill(model_pid, signal.SIGTERM)  # the run is over: nothing left behind

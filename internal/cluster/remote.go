@@ -391,7 +391,9 @@ func (r *remote) WatchEvents(ctx context.Context, req *dsecv1.WatchDirRequest, s
 
 // WatchRollout relays the node's stream of a rollout's progress.
 func (r *remote) WatchRollout(ctx context.Context, req *connect.Request[dsecv1.WatchRolloutRequest], st *connect.ServerStream[dsecv1.RolloutEvent]) error {
-	cs, err := r.LogServiceClient.WatchRollout(ctx, req)
+	// A request of its own: the caller's headers (its accepted
+	// compressions) are not this client's.
+	cs, err := r.LogServiceClient.WatchRollout(ctx, connect.NewRequest(req.Msg))
 	return relay(cs, err, st.Send)
 }
 

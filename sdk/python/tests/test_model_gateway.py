@@ -108,6 +108,9 @@ def test_the_agent_example_resumes_a_killed_trainer_from_the_log(server, client,
     # none reached the model twice.
     assert s["prefix_calls"] >= kill_after and s["prefix_replay_hits"] == s["prefix_calls"], s
     assert s["prefix_duplicates_at_model"] == 0, s
+    # So is every command it ran in its task sandbox, and none ran twice.
+    assert s["prefix_commands"] >= 1 and s["prefix_command_replay_hits"] == s["prefix_commands"], s
+    assert s["commands_run_twice"] == 0, s
     assert s["sandboxes_leaked"] == 0
     assert client.list(labels={"run": run}) == []
 
