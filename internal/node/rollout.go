@@ -200,7 +200,7 @@ func (n *Node) rolloutWorkers(ctx context.Context, s *sandbox, ids []string) (*w
 		}
 		if _, err := n.live(ctx, w); err != nil {
 			if errdefs.Is(err, errdefs.KindNotFound) {
-				return nil, errdefs.NotFound("workers: sandbox %s not found on node %s (a rollout's workers run on its agent's node)", w, n.cfg.Name)
+				return nil, errdefs.NotFound("workers: sandbox %s not found on node %s (a rollout's workers run on its agent's node: create the agent with node_selector dsec.io/node=<the worker's node>)", w, n.cfg.Name)
 			}
 			return nil, err
 		}

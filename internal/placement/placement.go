@@ -59,7 +59,8 @@ type Request struct {
 	Image string
 	// Images must be present too (a sandbox's sidecars' images).
 	Images []string
-	// Selector must be a subset of the node's labels.
+	// Selector must be a subset of the node's labels, where every node
+	// has NodeLabel: its name.
 	Selector map[string]string
 	// Exclude rules nodes out with a reason (nodes that refused this
 	// sandbox already).
@@ -230,7 +231,11 @@ func (p *Placer) unfitLocked(n *Node, req *Request) string {
 		}
 	}
 	for k, v := range req.Selector {
-		if lv, ok := n.Labels[k]; !ok || lv != v {
+		lv, ok := n.Labels[k]
+		if k == NodeLabel {
+			lv, ok = n.Name, true
+		}
+		if !ok || lv != v {
 			return "labels do not match"
 		}
 	}
@@ -239,6 +244,11 @@ func (p *Placer) unfitLocked(n *Node, req *Request) string {
 	}
 	return ""
 }
+
+// NodeLabel is the label every node has, whose value is its name: a
+// selector with it places a sandbox beside another (a rollout's agent on
+// its workers' node).
+const NodeLabel = "dsec.io/node"
 
 // extraLocked is this placer's load on n that n's report does not show.
 func (p *Placer) extraLocked(n *Node) int64 {

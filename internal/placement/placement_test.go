@@ -131,6 +131,24 @@ func TestPickTakesOnlyFittingNodes(t *testing.T) {
 	}
 }
 
+func TestTheNodeLabelPlacesOnThatNode(t *testing.T) {
+	view := []*Node{node("n1", 0, 4), node("n2", 3, 4), node("n3", 0, 4)}
+	p := New(Config{})
+	r := req()
+	r.Selector = map[string]string{NodeLabel: "n2"}
+	for range 5 {
+		res, err := p.Pick(view, r)
+		if err != nil || res.Node != "n2" {
+			t.Fatalf("placed on %v, %v", res, err)
+		}
+		res.Done(false, "", 0)
+	}
+	r.Selector = map[string]string{NodeLabel: "n9"}
+	if _, err := p.Pick(view, r); !errdefs.Is(err, errdefs.KindNotFound) {
+		t.Fatalf("a node that is not there: %v", err)
+	}
+}
+
 func TestPickSpreadsItsOwnPlacements(t *testing.T) {
 	// Reports never change here: only the placer's own accounting keeps
 	// it from piling onto one node.

@@ -417,6 +417,13 @@ func TestCluster(t *testing.T) {
 		if err == nil || !strings.Contains(out, "labels do not match") {
 			t.Fatalf("a selector no node matches: %v: %s", err, out)
 		}
+		// Every node has dsec.io/node: its name (a sandbox beside another).
+		for i := range 2 {
+			sb, err := create(ctx, c.api(i), dsec.CreateOptions{NodeSelector: map[string]string{"dsec.io/node": "n3"}})
+			if err != nil || sb.Info.Node != "n3" {
+				t.Fatalf("dsec.io/node=n3 through replica %d: %v, %v", i, sb, err)
+			}
+		}
 	})
 
 	t.Run("a sandbox with sidecars is placed where all its images are and reached through either replica", func(t *testing.T) {

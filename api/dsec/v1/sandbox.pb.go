@@ -828,7 +828,9 @@ type SandboxSpec struct {
 	// heartbeats stop, the sandbox is paused or deleted.
 	Session string `protobuf:"bytes,12,opt,name=session,proto3" json:"session,omitempty"`
 	// node_selector places the sandbox on a node whose labels include every
-	// one of these (cluster mode; a single-node server ignores it).
+	// one of these (cluster mode; a single-node server ignores it). Every
+	// node has the label dsec.io/node, its name: {"dsec.io/node":
+	// other.node} places a sandbox beside another.
 	NodeSelector map[string]string `protobuf:"bytes,20,rep,name=node_selector,json=nodeSelector,proto3" json:"node_selector,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	// runtime runs the sandbox under another of its kind's runtimes (empty:
 	// the kind's default). Kind container offers "gvisor" (gVisor's runsc:
