@@ -14,13 +14,9 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
-	"os/exec"
-	"path/filepath"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -29,6 +25,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/opendsec/dsec/bench/internal/rawcrun"
 	"github.com/opendsec/dsec/internal/dsectest"
 	"github.com/opendsec/dsec/internal/mountns"
 	dsec "github.com/opendsec/dsec/sdk/go"
@@ -54,8 +51,10 @@ func main() {
 	srv := dsectest.Start(b, dsectest.Options{Args: args})
 	c := srv.Client()
 	ctx := context.Background()
-	layers := busyboxLayers(ctx, c, srv.DataDir)
-	raw := newRaw(b.TempDir(), layers)
+	raw, err := rawcrun.Beside(ctx, c, srv.DataDir, b.TempDir())
+	if err != nil {
+		fatal(err)
+	}
 
 	fmt.Printf("dsec container benchmark — %d CPUs, %s\n", runtimeCPUs(), time.Now().Format(time.RFC3339))
 	fmt.Printf("raw baseline: mount overlay of the same busybox layers + `crun run` (crun's default spec) of `true` + umount\n")
@@ -69,23 +68,30 @@ func main() {
 			// Alternate order so neither side always runs on a warmer machine.
 			var d, w float64
 			var l []time.Duration
+			var err error
 			if r%2 == 0 {
 				d, l = cycleAPI(ctx, c, *n, par)
-				w = raw.cycle(*n, par)
+				w, err = raw.Cycle(*n, par)
 			} else {
-				w = raw.cycle(*n, par)
+				w, err = raw.Cycle(*n, par)
 				d, l = cycleAPI(ctx, c, *n, par)
+			}
+			if err != nil {
+				fatal(err)
 			}
 			ds, rs, ratios = append(ds, d), append(rs, w), append(ratios, d/w)
 			lat = append(lat, l...)
 		}
-		fmt.Printf("%-4d %12.1f %12.1f %6.2fx   %s\n", par, median(ds), median(rs), median(ratios), pcts(lat))
+		fmt.Printf("%-4d %12.1f %12.1f %6.2fx   %s\n", par, rawcrun.Median(ds), rawcrun.Median(rs), rawcrun.Median(ratios), rawcrun.Pcts(lat))
 	}
 
 	fmt.Println("sequential cycle:", breakdown(ctx, c, 50))
 	fmt.Println()
 	d50, d99 := execAPI(ctx, c, *execN)
-	r50, r99 := raw.execLatency(*execN / 5)
+	r50, r99, err := raw.ExecLatency(*execN / 5)
+	if err != nil {
+		fatal(err)
+	}
 	fmt.Printf("exec(true) round trip: dsec p50 %s p99 %s; crun exec p50 %s p99 %s; dsec is %.1fx faster at p50\n",
 		d50, d99, r50, r99, float64(r50)/float64(d50))
 
@@ -144,7 +150,7 @@ func breakdown(ctx context.Context, c *dsec.Client, n int) string {
 		sb.Close()
 		cr, ex, de = append(cr, t1.Sub(t0)), append(ex, time.Since(t1)-time.Since(t2)), append(de, time.Since(t2))
 	}
-	return fmt.Sprintf("create %s, exec %s, delete %s (p50)", pct(cr, 50), pct(ex, 50), pct(de, 50))
+	return fmt.Sprintf("create %s, exec %s, delete %s (p50)", rawcrun.Pct(cr, 50), rawcrun.Pct(ex, 50), rawcrun.Pct(de, 50))
 }
 
 func execAPI(ctx context.Context, c *dsec.Client, n int) (p50, p99 time.Duration) {
@@ -163,102 +169,7 @@ func execAPI(ctx context.Context, c *dsec.Client, n int) (p50, p99 time.Duration
 			lat = append(lat, time.Since(t0))
 		}
 	}
-	return pct(lat, 50), pct(lat, 99)
-}
-
-// raw is the baseline: overlay + crun with crun's default spec.
-type raw struct {
-	dir    string
-	lowers string
-	seq    atomic.Int64
-}
-
-func newRaw(dir string, layers []string) *raw {
-	return &raw{dir: dir, lowers: strings.Join(layers, ":")}
-}
-
-func (r *raw) bundle(args []string) string {
-	b := filepath.Join(r.dir, fmt.Sprintf("b%d", r.seq.Add(1)))
-	for _, d := range []string{"rootfs", "upper", "work"} {
-		os.MkdirAll(filepath.Join(b, d), 0o755)
-	}
-	out, err := exec.Command("crun", "spec", "--bundle", b).CombinedOutput()
-	if err != nil {
-		fatal(fmt.Errorf("crun spec: %v %s", err, out))
-	}
-	var spec map[string]any
-	cfg := filepath.Join(b, "config.json")
-	raw, _ := os.ReadFile(cfg)
-	json.Unmarshal(raw, &spec)
-	p := spec["process"].(map[string]any)
-	p["terminal"] = false
-	p["args"] = args
-	spec["root"] = map[string]any{"path": filepath.Join(b, "rootfs")}
-	raw, _ = json.Marshal(spec)
-	os.WriteFile(cfg, raw, 0o644)
-	return b
-}
-
-func (r *raw) mount(b string) {
-	os.RemoveAll(filepath.Join(b, "upper"))
-	os.RemoveAll(filepath.Join(b, "work"))
-	os.MkdirAll(filepath.Join(b, "upper"), 0o755)
-	os.MkdirAll(filepath.Join(b, "work"), 0o755)
-	data := "lowerdir=" + r.lowers + ",upperdir=" + filepath.Join(b, "upper") + ",workdir=" + filepath.Join(b, "work")
-	if err := unix.Mount("overlay", filepath.Join(b, "rootfs"), "overlay", 0, data); err != nil {
-		fatal(fmt.Errorf("mount overlay: %w", err))
-	}
-}
-
-func (r *raw) cycle(n, par int) float64 {
-	var next atomic.Int64
-	bundles := make([]string, par)
-	for i := range bundles {
-		bundles[i] = r.bundle([]string{"true"})
-	}
-	start := time.Now()
-	var wg sync.WaitGroup
-	for w := 0; w < par; w++ {
-		wg.Add(1)
-		go func(b string) {
-			defer wg.Done()
-			for {
-				i := next.Add(1)
-				if i > int64(n) {
-					return
-				}
-				r.mount(b)
-				if out, err := exec.Command("crun", "run", "--bundle", b, fmt.Sprintf("raw%d-%d", os.Getpid(), i)).CombinedOutput(); err != nil {
-					fatal(fmt.Errorf("crun run: %v %s", err, out))
-				}
-				unix.Unmount(filepath.Join(b, "rootfs"), 0)
-			}
-		}(bundles[w])
-	}
-	wg.Wait()
-	return float64(n) / time.Since(start).Seconds()
-}
-
-func (r *raw) execLatency(n int) (p50, p99 time.Duration) {
-	b := r.bundle([]string{"sleep", "1000"})
-	r.mount(b)
-	defer unix.Unmount(filepath.Join(b, "rootfs"), 0)
-	id := fmt.Sprintf("rawexec%d", os.Getpid())
-	// The detached container inherits crun's stdio: a pipe would never close.
-	run := exec.Command("crun", "run", "--detach", "--bundle", b, id)
-	if err := run.Run(); err != nil {
-		fatal(fmt.Errorf("crun run -d: %v", err))
-	}
-	defer exec.Command("crun", "delete", "--force", id).Run()
-	var lat []time.Duration
-	for i := 0; i < n; i++ {
-		t0 := time.Now()
-		if out, err := exec.Command("crun", "exec", id, "true").CombinedOutput(); err != nil {
-			fatal(fmt.Errorf("crun exec: %v %s", err, out))
-		}
-		lat = append(lat, time.Since(t0))
-	}
-	return pct(lat, 50), pct(lat, 99)
+	return rawcrun.Pct(lat, 50), rawcrun.Pct(lat, 99)
 }
 
 func idleDensity(ctx context.Context, c *dsec.Client, n int) {
@@ -414,43 +325,6 @@ func cpuOf(comm string) time.Duration {
 		total += u + s
 	}
 	return time.Duration(total) * clockTick
-}
-
-func busyboxLayers(ctx context.Context, c *dsec.Client, dataDir string) []string {
-	imgs, err := c.ListImages(ctx)
-	if err != nil {
-		fatal(err)
-	}
-	for _, img := range imgs {
-		if img.Name == "busybox" {
-			var out []string
-			for i := len(img.Layers) - 1; i >= 0; i-- {
-				out = append(out, filepath.Join(dataDir, "images", "layers", strings.TrimPrefix(img.Layers[i], "sha256:")))
-			}
-			return out
-		}
-	}
-	fatal(fmt.Errorf("no busybox image"))
-	return nil
-}
-
-func pct(d []time.Duration, p int) time.Duration {
-	if len(d) == 0 {
-		return 0
-	}
-	s := append([]time.Duration(nil), d...)
-	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
-	return s[min(len(s)-1, len(s)*p/100)].Round(10 * time.Microsecond)
-}
-
-func pcts(d []time.Duration) string {
-	return fmt.Sprintf("%s / %s / %s", pct(d, 50), pct(d, 90), pct(d, 99))
-}
-
-func median(v []float64) float64 {
-	s := append([]float64(nil), v...)
-	sort.Float64s(s)
-	return s[len(s)/2]
 }
 
 func runtimeCPUs() int {
