@@ -2,21 +2,27 @@
 // side by side with a raw crun loop on the same root filesystem, and
 // prints ratios (not a test: numbers, never pass/fail).
 //
-//	go run ./bench/container [-n 200] [-par 1,2,4,8] [-runs 3] [-idle 1000]
+//	go run ./bench/container [-n 200] [-par 1,2,4,8] [-runs 3] [-idle 1000] [-profile dir]
 //
 // Measured:
 //   - create→exec(true)→delete through the API vs. mount overlay + `crun run
 //     true` + umount (crun's default spec), at the same parallelism;
 //   - exec(true) round trip in a running sandbox vs. `crun exec`;
 //   - host memory per idle sandbox with -idle N sandboxes held at once, and
-//     the CPU the host and the server spend while they idle.
+//     the CPU the host and the server spend while they idle;
+//   - with -profile, the server's CPU profile and execution trace under a
+//     sequential create→exec→delete loop (where the create path's time goes).
 package main
 
 import (
 	"context"
 	"flag"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -38,6 +44,7 @@ func main() {
 	idle := flag.Int("idle", 0, "also hold this many idle sandboxes and report memory per sandbox")
 	execN := flag.Int("exec", 500, "exec round trips to time")
 	pool := flag.Int("pool", 0, "serve creates from a warm pool of this size (0: cold creates)")
+	profile := flag.String("profile", "", "also profile the server under a sequential create→exec→delete loop, after the measurements: a CPU profile and an execution trace (go tool trace -pprof=syscall: its off-CPU time) in this directory")
 	flag.Parse()
 	if err := mountns.Enter(); err != nil {
 		fatal(err)
@@ -47,6 +54,11 @@ func main() {
 	args := []string{"--max-sandboxes", strconv.Itoa(max(*idle+64, 4096))}
 	if *pool > 0 {
 		args = append(args, "--pool", fmt.Sprintf("busybox:%d", *pool))
+	}
+	debug := ""
+	if *profile != "" {
+		debug = freeAddr()
+		args = append(args, "--debug-listen", debug)
 	}
 	srv := dsectest.Start(b, dsectest.Options{Args: args})
 	c := srv.Client()
@@ -99,6 +111,63 @@ func main() {
 		fmt.Println()
 		idleDensity(ctx, c, *idle)
 	}
+	if *profile != "" {
+		fmt.Println()
+		profileServer(ctx, c, debug, *profile)
+	}
+}
+
+// profileServer takes the server's CPU profile (10 s) and then its
+// execution trace (3 s), each while a sequential create→exec→delete loop
+// runs, into dir.
+func profileServer(ctx context.Context, c *dsec.Client, debug, dir string) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		fatal(err)
+	}
+	for _, p := range []struct{ file, url string }{
+		{"server-cpu.pprof", "http://" + debug + "/debug/pprof/profile?seconds=10"},
+		{"server.trace", "http://" + debug + "/debug/pprof/trace?seconds=3"},
+	} {
+		done := make(chan error, 1)
+		go func() {
+			resp, err := http.Get(p.url)
+			if err != nil {
+				done <- err
+				return
+			}
+			defer resp.Body.Close()
+			f, err := os.Create(filepath.Join(dir, p.file))
+			if err == nil {
+				_, err = io.Copy(f, resp.Body)
+				f.Close()
+			}
+			done <- err
+		}()
+		cycles := 0
+		for running := true; running; {
+			select {
+			case err := <-done:
+				if err != nil {
+					fatal(err)
+				}
+				running = false
+			default:
+				cycleAPI(ctx, c, 1, 1)
+				cycles++
+			}
+		}
+		fmt.Printf("profile: %s over %d create→exec→delete cycles\n", filepath.Join(dir, p.file), cycles)
+	}
+}
+
+// freeAddr is a loopback address with a port free now.
+func freeAddr() string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
 }
 
 func cycleAPI(ctx context.Context, c *dsec.Client, n, par int) (float64, []time.Duration) {
