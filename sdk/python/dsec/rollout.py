@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from . import _wire
-from .errors import DsecError
+from .errors import ConnectionFailed, DsecError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .client import Client
@@ -119,7 +119,9 @@ class Rollout:
                         seq = int(e.get("seq") or seq) + 1
                         if e.get("op") not in ("rollout_start", "rollout_end"):
                             yield e
-                # A stream that ended without the rollout's end: watch again.
+                # A stream that ended without the rollout's end (its
+                # server stopped): watch again, as after a break.
+                raise ConnectionFailed("the rollout's stream ended before the rollout")
             except DsecError as e:
                 if not e.retryable or failures >= 5:
                     raise
