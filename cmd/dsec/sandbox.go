@@ -125,6 +125,7 @@ func createCmd(g *globals) *cobra.Command {
 	f.BoolVar(&o.ModelGateway, "model-gateway", false, "give the sandbox the model gateway: OPENAI_BASE_URL=http://127.0.0.1:4319/v1 inside, the session's and the project's upstreams behind it")
 	f.StringVar(&o.FastForwardFrom, "fast-forward-from", "", "answer the sandbox's model calls from those sandbox ID recorded, while they are the same (with --model-gateway)")
 	f.StringArrayVar(&nodeSel, "node-selector", nil, "place only on nodes with label key=value (cluster mode; repeatable)")
+	f.StringArrayVar(&o.Layers, "layer", nil, "stack this image's layers over the image's (a workspace, a toolkit; repeatable, in order)")
 	f.StringArrayVar(&volumes, "volume", nil, "mount a volume NAME:/PATH (read-write, this sandbox alone) or NAME:/PATH:ro (shared read-only); repeatable")
 	f.StringArrayVar(&composeFiles, "compose", nil, "a Compose file: its service \"main\" (or its only one) is the main container, the others sidecars sharing its network (variables are substituted from this shell); repeated, later files are laid over earlier ones as docker compose -f does; see docs/sidecars.md")
 	f.IntVarP(&count, "count", "n", 1, "create this many (one ID per line)")

@@ -856,10 +856,10 @@ func (b *bucket) take(n int, rate, burst float64) int {
 	return got
 }
 
-// sidecarImages are the images of a spec's sidecars, which its node must
-// hold too.
+// sidecarImages are the images of a spec's sidecars and of its composed
+// layers, which its node must hold too.
 func sidecarImages(spec *dsecv1.SandboxSpec) []string {
-	var out []string
+	out := append([]string(nil), spec.GetLayers()...)
 	for _, sc := range spec.GetSidecars() {
 		out = append(out, sc.GetImage())
 	}

@@ -87,9 +87,9 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 	}
 	defer n.admitDone(project)
 	var s *sandbox
-	if img.Owner == tenant.Shared && len(spec.Volumes) == 0 && len(spec.Sidecars) == 0 && len(spec.SharedVolumes) == 0 {
-		// Pools hold shared images only, and mount no volumes and have
-		// no sidecars.
+	if img.Owner == tenant.Shared && len(spec.Volumes) == 0 && len(spec.Sidecars) == 0 && len(spec.SharedVolumes) == 0 && len(spec.Layers) == 0 {
+		// Pools hold shared images only, uncomposed, and mount no volumes
+		// and have no sidecars.
 		s = n.pools.take(spec, project)
 	}
 	if s == nil {

@@ -441,6 +441,8 @@ func (n *Node) Fork(ctx context.Context, req *dsecv1.ForkRequest) (_ *dsecv1.Cre
 	// The children's sidecars (and the names they answer to) come from
 	// the snapshot, each from its own captured layer.
 	base.Sidecars, base.Aliases = nil, nil
+	// The snapshot holds the parent's composed layers already.
+	base.Layers = nil
 	labels := map[string]string{}
 	for k, v := range base.Labels {
 		if !strings.HasPrefix(k, "dsec.io/") {

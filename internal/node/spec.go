@@ -215,7 +215,51 @@ func (n *Node) normalize(project string, spec *dsecv1.SandboxSpec) (*image.Image
 	if err := n.normalizeSidecars(project, spec, from); err != nil {
 		return nil, err
 	}
-	return img, nil
+	return n.compose(project, spec, img)
+}
+
+// maxComposed bounds spec.layers.
+const maxComposed = 16
+
+// compose stacks the layers of spec.layers' images over img's (a copy):
+// the sandbox's filesystem; its configuration stays img's.
+func (n *Node) compose(project string, spec *dsecv1.SandboxSpec, img *image.Image) (*image.Image, error) {
+	if len(spec.Layers) == 0 {
+		return img, nil
+	}
+	if substrate.Kind(spec.Kind) != substrate.KindContainer {
+		return nil, errdefs.Invalid("spec.layers composes container sandboxes; kind %s boots one image's disk", spec.Kind)
+	}
+	if len(spec.Layers) > maxComposed {
+		return nil, errdefs.Invalid("spec.layers: at most %d images", maxComposed)
+	}
+	out := *img
+	out.Layers = append([]string(nil), img.Layers...)
+	// A layer already in the stack is not stacked again: a toolkit
+	// committed over the base contributes its own layers, and does not put
+	// the base's back over a workspace's changes to them.
+	have := map[string]bool{}
+	for _, l := range out.Layers {
+		have[l] = true
+	}
+	for _, name := range spec.Layers {
+		l, err := n.images.Lookup(project, name)
+		switch {
+		case err != nil:
+			return nil, errdefs.NotFound("spec.layers: image %q not found", truncate(name, 256))
+		case l.VM != nil:
+			return nil, errdefs.Invalid("spec.layers: %q is a VM image (a bootable disk), not file system layers", name)
+		case l.Snapshot != nil && l.Snapshot.Machine:
+			return nil, errdefs.Invalid("spec.layers: %q is a machine snapshot (memory and disk), not file system layers", name)
+		}
+		for _, d := range l.Layers {
+			if !have[d] {
+				have[d] = true
+				out.Layers = append(out.Layers, d)
+			}
+		}
+	}
+	return &out, nil // the driver refuses more layers than one overlay mount takes
 }
 
 // defaultResources gives r's unset cpu, memory and pids the node's

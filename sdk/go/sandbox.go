@@ -35,6 +35,9 @@ type CreateOptions struct {
 	IdempotencyKey string
 	// Snapshot starts the sandbox from a snapshot instead of Image.
 	Snapshot string
+	// Layers are images whose layers are stacked over Image's (or the
+	// snapshot's), in order, at create: a workspace, a toolkit.
+	Layers []string
 	// Session binds the sandbox to a trainer session.
 	Session string
 	// NodeSelector places the sandbox on a node with all these labels
@@ -86,7 +89,7 @@ func (o CreateOptions) spec() *dsecv1.SandboxSpec {
 		TtlS:      int64(o.TTL / time.Second), IdleTtlS: int64(o.IdleTTL / time.Second),
 		Labels: o.Labels, Env: o.Env, Network: &dsecv1.Network{Mode: o.Network, Policy: o.Policy.proto()},
 		User: o.User, Workdir: o.Workdir, Snapshot: o.Snapshot, Session: o.Session,
-		NodeSelector: o.NodeSelector, Runtime: o.Runtime, OnTimeout: o.OnTimeout, Volumes: volumeMounts(o.Volumes),
+		NodeSelector: o.NodeSelector, Layers: o.Layers, Runtime: o.Runtime, OnTimeout: o.OnTimeout, Volumes: volumeMounts(o.Volumes),
 		Sidecars: o.Sidecars,
 	}
 }

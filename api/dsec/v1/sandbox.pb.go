@@ -824,6 +824,14 @@ type SandboxSpec struct {
 	// snapshot starts the sandbox from a snapshot (its image and filesystem)
 	// instead of image.
 	Snapshot string `protobuf:"bytes,11,opt,name=snapshot,proto3" json:"snapshot,omitempty"`
+	// layers composes the sandbox's filesystem at create: the layers of each
+	// of these images (of the project, or shared) stacked in order above
+	// image's (or the snapshot's), a later one's files over an earlier's: a
+	// workspace over a shared base, a toolkit (an agent harness, a set of
+	// tools) over any task image, without building an image of them. The
+	// configuration (env, user, workdir, entrypoint) stays image's. At most
+	// 16; kind container (a microvm or vm boots one image's disk).
+	Layers []string `protobuf:"bytes,26,rep,name=layers,proto3" json:"layers,omitempty"`
 	// session binds the sandbox to a trainer session: when the session's
 	// heartbeats stop, the sandbox is paused or deleted.
 	Session string `protobuf:"bytes,12,opt,name=session,proto3" json:"session,omitempty"`
@@ -993,6 +1001,13 @@ func (x *SandboxSpec) GetSnapshot() string {
 		return x.Snapshot
 	}
 	return ""
+}
+
+func (x *SandboxSpec) GetLayers() []string {
+	if x != nil {
+		return x.Layers
+	}
+	return nil
 }
 
 func (x *SandboxSpec) GetSession() string {
@@ -7866,7 +7881,7 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04host\x18\x06 \x01(\tR\x04host\x12\x18\n" +
 	"\averdict\x18\a \x01(\tR\averdict\x12\x16\n" +
 	"\x06reason\x18\b \x01(\tR\x06reason\x12\x1a\n" +
-	"\bbrokered\x18\t \x01(\bR\bbrokered\"\xc3\a\n" +
+	"\bbrokered\x18\t \x01(\bR\bbrokered\"\xdb\a\n" +
 	"\vSandboxSpec\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x120\n" +
@@ -7880,7 +7895,8 @@ const file_dsec_v1_sandbox_proto_rawDesc = "" +
 	"\x04user\x18\t \x01(\tR\x04user\x12\x18\n" +
 	"\aworkdir\x18\n" +
 	" \x01(\tR\aworkdir\x12\x1a\n" +
-	"\bsnapshot\x18\v \x01(\tR\bsnapshot\x12\x18\n" +
+	"\bsnapshot\x18\v \x01(\tR\bsnapshot\x12\x16\n" +
+	"\x06layers\x18\x1a \x03(\tR\x06layers\x12\x18\n" +
 	"\asession\x18\f \x01(\tR\asession\x12K\n" +
 	"\rnode_selector\x18\x14 \x03(\v2&.dsec.v1.SandboxSpec.NodeSelectorEntryR\fnodeSelector\x12\x18\n" +
 	"\aruntime\x18\r \x01(\tR\aruntime\x12\x1d\n" +

@@ -301,7 +301,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
                 sidecars: Optional[Sequence[Mapping[str, Any]]] = None,
                 aliases: Optional[Sequence[str]] = None,
                 shared_volumes: Optional[Sequence[Any]] = None,
-                model_gateway: bool = False, fast_forward_from: Any = None) -> Dict[str, Any]:
+                model_gateway: bool = False, fast_forward_from: Any = None,
+                layers: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     # No kind: the server's default (container), or a machine snapshot's own kind.
     spec: Dict[str, Any] = {"resources": {}}
     if kind:
@@ -363,6 +364,8 @@ def _build_spec(image: Optional[str], *, kind: Optional[str] = None, cpu: Option
         if fast_forward_from is not None:
             mg["fastForwardFrom"] = fast_forward_from if isinstance(fast_forward_from, str) else fast_forward_from.id
         spec["modelGateway"] = mg
+    if layers:
+        spec["layers"] = [str(x) for x in layers]
     return spec
 
 
@@ -780,7 +783,10 @@ class Client:
         http://127.0.0.1:4319/v1, forwarding to the session's and the project's upstreams,
         see :meth:`Session.set_model_upstreams`, and recording each call in
         the log), ``fast_forward_from`` (a sandbox or its ID: its recorded
-        model calls answer this one's while they are the same).
+        model calls answer this one's while they are the same), ``layers``
+        (images whose layers are stacked over ``image``'s, in order, at
+        create: a workspace over a shared base, a toolkit over any task
+        image; kind container).
         ``compose`` is a Compose file's text instead of ``image`` and
         ``sidecars`` (its service "main", or its only one, is the main
         container), or a list of texts laid over one another as

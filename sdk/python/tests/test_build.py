@@ -167,3 +167,22 @@ def test_from_map_renames_base_images_only():
     df = "FROM --platform=linux/amd64 python:3.11 AS build\nRUN echo FROM python:3.11\nFROM build\nfrom python:3.11\n"
     assert from_map(df, {"python:3.11": "py311"}) == (
         "FROM --platform=linux/amd64 py311 AS build\nRUN echo FROM python:3.11\nFROM build\nfrom py311\n")
+
+
+def test_layers_compose_a_toolkit_and_a_workspace_over_a_task_image_at_create(client, tmp_path):
+    tag = uuid.uuid4().hex[:8]
+    # A toolkit built from scratch (its own files only) and a workspace
+    # committed from a sandbox of the base.
+    (tmp_path / "Dockerfile").write_text("FROM scratch\nCOPY run.sh /opt/tool/run.sh\n")
+    (tmp_path / "run.sh").write_text("echo tool sees $(cat /work/task.txt)\n")
+    toolkit = "py-toolkit-" + tag
+    client.build_image(toolkit, str(tmp_path))
+    workspace = "py-workspace-" + tag
+    with client.create("busybox", ttl_s=300) as sb:
+        sb.exec("mkdir -p /work && echo task-7 > /work/task.txt")
+        sb.commit(workspace)
+    with client.create("busybox", layers=[workspace, toolkit], ttl_s=300) as sb:
+        assert sb.exec("sh /opt/tool/run.sh").stdout == "tool sees task-7\n"
+        assert client.get(sb.id).info.raw["spec"]["layers"] == [workspace, toolkit]
+    with pytest.raises(dsec.NotFound):
+        client.create("busybox", layers=["py-no-such-" + tag])
