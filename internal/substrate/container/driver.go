@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -688,7 +689,15 @@ func (d *Driver) boot(ctx context.Context, s *substrate.Spec, st *state, ns *use
 		return nil, errdefs.Internal(err, "write runtime spec")
 	}
 	sock := d.sockPath(s.ID)
+	// A pid file of an earlier start (a cold boot after a filesystem-only
+	// pause) names a process that is gone, or by now a stranger's: read
+	// before the runtime writes this start's (the agent may answer
+	// first), it made the node take its init for dead at once (and never
+	// kill the real one).
 	pidFile := filepath.Join(s.Dir, "pid")
+	if err := os.Remove(pidFile); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return nil, errdefs.Internal(err, "remove an earlier start's pid file")
+	}
 	var cmd *exec.Cmd
 	var lf *os.File
 	if gvisor {
@@ -805,6 +814,9 @@ func (d *Driver) boot(ctx context.Context, s *substrate.Spec, st *state, ns *use
 		return nil, errdefs.Internal(err, "read container pid")
 	}
 	st.Pid, st.StartTime = pid, proc.StartTime(pid)
+	if st.StartTime == 0 {
+		return nil, failed("start container", fmt.Errorf("the container's init (pid %d) is gone", pid))
+	}
 	detachVolumes() // the sandbox's mount namespace holds its own
 	if ns != nil && d.sysResource && !gvisor {
 		// Shield the agent (see ociSpec): lowering a score takes

@@ -228,6 +228,38 @@ func TestPausingASandboxThatDiedAnswersGone(t *testing.T) {
 	}
 }
 
+// A start finds the pid file of an earlier start in the sandbox's
+// directory (a cold boot after a filesystem-only pause: fresh-clone run
+// 36). Read before the runtime wrote this start's, it named a process
+// that was gone (the sandbox was taken for dead at once, its real init
+// left running) or a stranger (here the host's init).
+func TestAStartIgnoresAnEarlierStartsPidFile(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	ctx := context.Background()
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "pid"), []byte("1\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	spec := &substrate.Spec{ID: fmt.Sprintf("stale%d", os.Getpid()), Dir: dir, Image: layers, Hostname: "sandbox",
+		MemoryMB: 256, Pids: 256, CPU: 1, Network: substrate.Network{Mode: "none"}}
+	inst, err := d.Create(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { inst.Destroy(ctx) }()
+	if init := inner(inst).st.init(); init.Pid == 1 || !init.Alive() {
+		t.Fatalf("the sandbox's init is pid %d (alive %v)", init.Pid, init.Alive())
+	}
+	select {
+	case <-inst.Done():
+		t.Fatal("the sandbox was taken for dead at its start")
+	default:
+	}
+	if err := inst.Check(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // pidNamespace is the PID namespace of process pid ("" if gone).
 func pidNamespace(pid int) string {
 	ns, _ := os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", pid))
