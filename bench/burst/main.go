@@ -17,6 +17,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"sync"
 	"time"
@@ -175,7 +176,7 @@ func rawFirst(raw *rawcrun.Baseline, bundle string, run int) error {
 		return err
 	}
 	defer raw.Unmount(bundle)
-	id := fmt.Sprintf("burst%d-%d-%s", os.Getpid(), run, bundle[len(bundle)-6:])
+	id := fmt.Sprintf("burst%d-%d-%s", os.Getpid(), run, filepath.Base(bundle))
 	if out, err := exec.Command("crun", "run", "--bundle", bundle, id).CombinedOutput(); err != nil {
 		return fmt.Errorf("crun run: %v %s", err, out)
 	}
