@@ -38,7 +38,16 @@ type Node struct {
 	webhooks  *prometheus.CounterVec
 	models    *prometheus.HistogramVec
 	tokens    *prometheus.CounterVec
+	phases    *prometheus.HistogramVec
 }
+
+// Create phases (CreatePhase): where a create's time goes on the node.
+const (
+	PhaseWait     = "wait"     // for a start slot
+	PhaseNetwork  = "network"  // the sandbox's network (namespace, veth, rules)
+	PhaseInstance = "instance" // the substrate's start: runtime or VM, to the agent's first answer
+	PhaseCommit   = "commit"   // the record made durable and the sandbox live
+)
 
 // NodeState is what a scrape reads of a node's state at that moment.
 type NodeState struct {
@@ -108,7 +117,12 @@ func NewNode(r prometheus.Registerer, state func() NodeState) *Node {
 		Namespace: namespace, Subsystem: "model_gateway", Name: "tokens_total",
 		Help: "Tokens of the model calls the upstreams answered, by type: prompt or completion (replayed calls are not counted).",
 	}, []string{"type"})
-	r.MustRegister(m.ops, m.ends, m.pool, m.refused, m.images, m.imageRead, m.logged, m.replayed, m.webhooks, m.models, m.tokens, stateCollector(state))
+	m.phases = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: namespace, Subsystem: "sandbox", Name: "create_phase_duration_seconds",
+		Help:    "Where creates' time goes on this node, by sandbox kind and phase: wait (for a start slot), network, instance (the substrate's start, to the agent's first answer), commit (the record made durable). Warm pools' starts are counted too.",
+		Buckets: durations,
+	}, []string{"kind", "phase"})
+	r.MustRegister(m.ops, m.ends, m.pool, m.refused, m.images, m.imageRead, m.logged, m.replayed, m.webhooks, m.models, m.tokens, m.phases, stateCollector(state))
 	// Series whose label values are known start at zero, so a rate over
 	// them is defined from the first scrape.
 	for _, reason := range []string{"full", "queue_full", "queue_timeout"} {
@@ -124,6 +138,15 @@ func NewNode(r prometheus.Registerer, state func() NodeState) *Node {
 		m.tokens.WithLabelValues(typ)
 	}
 	return m
+}
+
+// CreatePhase records how long one phase of a create of kind took since
+// start.
+func (m *Node) CreatePhase(kind, phase string, start time.Time) {
+	if m == nil {
+		return
+	}
+	m.phases.WithLabelValues(kind, phase).Observe(time.Since(start).Seconds())
 }
 
 // Observe records one operation on a sandbox of kind that started at

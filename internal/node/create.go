@@ -93,10 +93,12 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 		s = n.pools.take(spec, project)
 	}
 	if s == nil {
+		waited := time.Now()
 		release, err := n.starts.acquire(ctx, project)
 		if err != nil {
 			return nil, err
 		}
+		n.m.CreatePhase(spec.Kind, metrics.PhaseWait, waited)
 		s, err = n.prepare(ctx, spec, img, project)
 		release()
 		if err != nil {
@@ -110,10 +112,12 @@ func (n *Node) create(ctx context.Context, in *dsecv1.SandboxSpec, key, project 
 			return nil, err
 		}
 	}
+	committed := time.Now()
 	if err := n.commit(ctx, s); err != nil {
 		n.release(ctx, s, nil)
 		return nil, err
 	}
+	n.m.CreatePhase(spec.Kind, metrics.PhaseCommit, committed)
 	return n.view(s), nil
 }
 
@@ -214,9 +218,11 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image
 	if err != nil {
 		return nil, err
 	}
+	started := time.Now()
 	if s.net, err = n.net.Setup(ctx, s.id, opts); err != nil {
 		return nil, err
 	}
+	n.m.CreatePhase(spec.Kind, metrics.PhaseNetwork, started)
 	// The sidecars' images count as the sandbox's (held until then).
 	var from *image.Image
 	if spec.Snapshot != "" {
@@ -236,11 +242,13 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image
 	if s.volumes, err = n.holdVolumes(s, project); err != nil {
 		return nil, err
 	}
+	started = time.Now()
 	inst, err := n.drivers[substrate.Kind(spec.Kind)].Create(ctx, n.driverSpec(s, img))
 	if err != nil {
 		n.log.Warn("sandbox start failed", slog.String("sandbox_id", s.id), slog.Any("error", err))
 		return nil, err
 	}
+	n.m.CreatePhase(spec.Kind, metrics.PhaseInstance, started)
 	s.inst = inst
 	if len(spec.Sidecars) > 0 {
 		g, err := n.startSidecars(ctx, s, inst, scImages)

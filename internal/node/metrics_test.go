@@ -116,6 +116,12 @@ func TestMetricsCountEveryCallOnceByKindAndOutcome(t *testing.T) {
 		{"dsec_sandboxes", map[string]string{"kind": "container", "state": "running"}, 0},
 		{"dsec_sandboxes", map[string]string{"kind": "container", "state": "paused"}, 0},
 		{"dsec_sandboxes_max", nil, 2},
+		// Each create that started (3) waited for a slot, made its network
+		// and instance, and was committed.
+		{"dsec_sandbox_create_phase_duration_seconds", map[string]string{"kind": "container", "phase": "wait"}, 3},
+		{"dsec_sandbox_create_phase_duration_seconds", map[string]string{"kind": "container", "phase": "network"}, 3},
+		{"dsec_sandbox_create_phase_duration_seconds", map[string]string{"kind": "container", "phase": "instance"}, 3},
+		{"dsec_sandbox_create_phase_duration_seconds", map[string]string{"kind": "container", "phase": "commit"}, 3},
 	} {
 		if got := sample(t, reg, c.name, c.labels); got != c.want {
 			t.Errorf("%s%v = %v, want %v", c.name, c.labels, got, c.want)
