@@ -39,6 +39,16 @@ func StartTime(pid int) uint64 {
 	return n
 }
 
+// Parent is pid's parent's pid, 0 if no process has that pid.
+func Parent(pid int) int {
+	f := statFields(pid)
+	if len(f) < 2 {
+		return 0
+	}
+	n, _ := strconv.Atoi(f[1])
+	return n
+}
+
 // Alive reports whether the process runs: its pid exists, started at
 // StartTime, and is not a zombie.
 func (id ID) Alive() bool {

@@ -806,7 +806,11 @@ func (d *Driver) boot(ctx context.Context, s *substrate.Spec, st *state, ns *use
 	// The runtime writes the pid file around the time the agent starts;
 	// the agent can answer first, by seconds on a loaded host (5,000
 	// sandboxes: the runtime copies the node's mount table).
-	pid, err := waitPidFile(hctx, pidFile, runtimeDone)
+	// The pid file is written by the runtime, not atomically: a pid is
+	// taken once it names the runtime's child (gVisor's names its
+	// sandbox process, further down its tree).
+	isInit := func(pid int) bool { return gvisor || proc.Parent(pid) == rtProc.Pid }
+	pid, err := waitPidFile(hctx, pidFile, runtimeDone, isInit)
 	if err != nil {
 		if err := ctx.Err(); err != nil {
 			return nil, errdefs.Classify(err) // the caller went away
@@ -999,10 +1003,13 @@ func (r *ociRuntime) abandon(id string, runtime proc.ID, runtimeDone <-chan stru
 
 // waitPidFile reads the runtime's pid file once it is written: until ctx
 // (the start deadline) ends or the runtime exits.
-func waitPidFile(ctx context.Context, p string, runtimeDone <-chan struct{}) (int, error) {
+func waitPidFile(ctx context.Context, p string, runtimeDone <-chan struct{}, valid func(int) bool) (int, error) {
 	pause := time.Millisecond
 	for {
 		pid, err := readPidFile(p)
+		if err == nil && !valid(pid) {
+			err = fmt.Errorf("pid file names pid %d, not the container's init", pid)
+		}
 		if err == nil {
 			return pid, nil
 		}
@@ -1010,9 +1017,6 @@ func waitPidFile(ctx context.Context, p string, runtimeDone <-chan struct{}) (in
 		case <-ctx.Done():
 			return 0, fmt.Errorf("%w (no pid by the start deadline)", err)
 		case <-runtimeDone:
-			if pid, err := readPidFile(p); err == nil {
-				return pid, nil
-			}
 			return 0, fmt.Errorf("%w (the runtime exited)", err)
 		case <-time.After(pause):
 		}
