@@ -155,31 +155,43 @@ def rollout(client: dsec.Client, sess: Any, run: str, i: int, journal: Journal, 
             client.delete(old["agent"])
         except dsec.NotFound:
             pass
-    task = client.get(old["task"]) if old.get("task") else client.create("debian", session=sess, labels=labels)
+    if old.get("task"):
+        task = client.get(old["task"])
+    else:
+        task = client.create("debian", session=sess, labels=labels)
+        journal.add({"rollout": i, "task": task.id})
     prefix_commands = commands_in(task, rid)  # what the killed agent ran there
     agent = client.create("debian", session=sess, model_gateway=True, labels=labels,
                           fast_forward_from=old.get("agent") or None)
     journal.add({"rollout": i, "task": task.id, "agent": agent.id})
     try:
-        nums = task_numbers(run, i)
-        # Exactly once: a resumed run's write is answered from the log.
-        task.write_file("/root/task.txt", "Write the sum of these numbers to answer.txt. numbers: " + " ".join(map(str, nums)) + "\n",
-                        request_id=f"task-{rid}")
-        agent.write_file("/root/agent.py", AGENT)
-        r = agent.rollout("cd /root && python3 agent.py", rid, workers=[task], timeout_s=300).wait(600)
-        if r.state != "succeeded":
-            return {"rollout": i, "reward": 0.0, "infra": True, "error": r.detail or r.result.get("stderr", "")}
-        answer = task.exec("cat /root/answer.txt 2>/dev/null").stdout.strip()
-        calls = [e["modelCall"] for e in agent.log() if e.get("op") == "model_call"]
-        return {"rollout": i, "reward": 1.0 if answer == str(sum(nums)) else 0.0, "infra": False,
-                "model_calls": len(calls), "replayed": sum(1 for c in calls if c.get("replayed")),
-                "diverged": sum(1 for c in calls if c.get("diverged")),
-                "logprobs": sum(len(c.get("logprobs", [])) for c in calls),
-                "commands": r.worker_calls, "commands_replayed": r.worker_replays, "divergence": r.divergence,
-                "prefix_commands": prefix_commands, "commands_logged": commands_in(task, rid)}
+        res = attempt(client, task, agent, run, i, rid, prefix_commands)
+        # Journaled before its sandboxes go: a rollout whose task sandbox
+        # is gone is always a finished one to a resumed run.
+        journal.add(res)
+        return res
     finally:
         agent.close()
         task.close()
+
+
+def attempt(client: dsec.Client, task: Any, agent: Any, run: str, i: int, rid: str, prefix_commands: int) -> Dict[str, Any]:
+    nums = task_numbers(run, i)
+    # Exactly once: a resumed run's write is answered from the log.
+    task.write_file("/root/task.txt", "Write the sum of these numbers to answer.txt. numbers: " + " ".join(map(str, nums)) + "\n",
+                    request_id=f"task-{rid}")
+    agent.write_file("/root/agent.py", AGENT)
+    r = agent.rollout("cd /root && python3 agent.py", rid, workers=[task], timeout_s=300).wait(600)
+    if r.state != "succeeded":
+        return {"rollout": i, "reward": 0.0, "infra": True, "error": r.detail or r.result.get("stderr", "")}
+    answer = task.exec("cat /root/answer.txt 2>/dev/null").stdout.strip()
+    calls = [e["modelCall"] for e in agent.log() if e.get("op") == "model_call"]
+    return {"rollout": i, "reward": 1.0 if answer == str(sum(nums)) else 0.0, "infra": False,
+            "model_calls": len(calls), "replayed": sum(1 for c in calls if c.get("replayed")),
+            "diverged": sum(1 for c in calls if c.get("diverged")),
+            "logprobs": sum(len(c.get("logprobs", [])) for c in calls),
+            "commands": r.worker_calls, "commands_replayed": r.worker_replays, "divergence": r.divergence,
+            "prefix_commands": prefix_commands, "commands_logged": commands_in(task, rid)}
 
 
 def main() -> int:
@@ -199,8 +211,16 @@ def main() -> int:
     if args.resume:
         recs = journal.read()
         model_url, model_pid = recs[0]["model_url"], recs[0]["model_pid"]
-        old: Dict[int, Dict[str, str]] = {r["rollout"]: r for r in recs if "agent" in r}
+        old: Dict[int, Dict[str, str]] = {r["rollout"]: r for r in recs if "task" in r}
         done = {r["rollout"]: r for r in recs if "reward" in r}
+        # Sandboxes the killed run made but had not journaled yet.
+        known = {r.get(k) for r in recs for k in ("task", "agent")}
+        for info in client.list(labels={"run": args.run}):
+            if info.id not in known:
+                try:
+                    client.delete(info.id)
+                except dsec.NotFound:
+                    pass
     else:
         if os.path.exists(state):
             os.remove(state)
@@ -220,11 +240,11 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             threading.Thread(target=killer, daemon=True).start()
 
+        finished_before = sorted(done)
         todo = [i for i in range(args.rollouts) if i not in done]
         with ThreadPoolExecutor(max_workers=4) as pool:
             results = list(pool.map(lambda i: rollout(client, sess, args.run, i, journal, old.get(i, {})), todo))
         for r in results:
-            journal.add(r)
             done[r["rollout"]] = r
 
         # What the resumed rollouts replayed: every call the killed agent
@@ -235,6 +255,8 @@ def main() -> int:
         seen = stats(model_url)["by_digest"]
         resumed = [r for r in results if r["rollout"] in old]
         for r in resumed:
+            if not old[r["rollout"]].get("agent"):
+                continue  # killed before its agent existed: nothing recorded
             recorded = [e["modelCall"] for e in client.get(old[r["rollout"]]["agent"]).log()
                         if e.get("op") == "model_call" and not e.get("error")]
             prefix_calls += len(recorded)
@@ -242,17 +264,23 @@ def main() -> int:
                 if seen.get(hashlib.sha256(mc["request"].encode()).hexdigest(), 0) > 1:
                     duplicates += 1
         prefix_hits = sum(r.get("replayed", 0) for r in results)
+        # The killed run's sandboxes: its agents, and those of rollouts it
+        # finished but had not deleted yet.
         for o in old.values():
-            try:
-                client.delete(o["agent"])
-            except dsec.NotFound:
-                pass
+            for sid in (o.get("agent"), o["task"]):
+                try:
+                    if sid:
+                        client.delete(sid)
+                except dsec.NotFound:
+                    pass
 
     rewards = [done[i]["reward"] for i in range(args.rollouts)]
     summary = {"run": args.run, "rollouts": args.rollouts, "rewards": rewards,
                "infra_failures": sum(1 for i in range(args.rollouts) if done[i].get("infra")),
                "model_calls": sum(done[i].get("model_calls", 0) for i in range(args.rollouts)),
                "prefix_calls": prefix_calls, "prefix_replay_hits": prefix_hits, "prefix_duplicates_at_model": duplicates,
+               # calls of the rollouts the killed run had finished (not resumed)
+               "finished_before_calls": sum(done[i].get("model_calls", 0) for i in finished_before),
                "prefix_commands": sum(r["prefix_commands"] for r in resumed),
                "prefix_command_replay_hits": sum(r["commands_replayed"] for r in resumed),
                "commands_run_twice": sum(r["commands_logged"] - r["prefix_commands"] - (r["commands"] - r["commands_replayed"])
