@@ -45,6 +45,7 @@ func TestARolloutRunsOnScoredByItsVerifier(t *testing.T) {
 	if r.State != RolloutRunning || r.StartSeq == 0 {
 		t.Fatalf("started as %v", r)
 	}
+	tn.sh(bg, sb.Id, "echo a command of the rollout")
 	tn.sh(bg, sb.Id, "echo go > /tmp/ready")
 	end := tn.waitRollout(sb.Id, "r1")
 	if end.State != RolloutSucceeded || !end.HasReward || end.Reward != 0.75 || end.Result.GetExitCode() != 0 {
@@ -86,8 +87,9 @@ func TestARolloutRunsOnScoredByItsVerifier(t *testing.T) {
 	})
 
 	t.Run("the log counts its progress", func(t *testing.T) {
+		// The command that let the agent go may be logged after its end.
 		got, err := tn.GetRollout(bg, &dsecv1.GetRolloutRequest{SandboxId: sb.Id, RolloutId: "r1"})
-		if err != nil || got.Commands != 1 {
+		if err != nil || got.Commands < 1 || got.Commands > 2 {
 			t.Fatalf("r1's commands: %v, %v", got, err)
 		}
 	})
@@ -129,7 +131,9 @@ func TestARolloutRunsOnScoredByItsVerifier(t *testing.T) {
 		var last *dsecv1.RolloutEvent
 		for last = next(); last.GetRollout() == nil; last = next() {
 		}
-		if last.GetRollout().GetState() != RolloutSucceeded || last.GetRollout().GetCommands() != 2 {
+		// The exec that let the agent go may be logged after the end (the
+		// agent exits as the fifo is written, before that exec answers).
+		if last.GetRollout().GetState() != RolloutSucceeded || last.GetRollout().GetCommands() < 1 {
 			t.Fatalf("last event %v", last)
 		}
 		if err := <-watched; err != nil {
@@ -141,7 +145,8 @@ func TestARolloutRunsOnScoredByItsVerifier(t *testing.T) {
 			again = append(again, ev)
 			return nil
 		})
-		if err != nil || len(again) != 2 || again[0].GetEntry().GetSeq() != seen+1 || again[1].GetRollout().GetState() != RolloutSucceeded {
+		n := len(again)
+		if err != nil || n == 0 || n > 2 || again[n-1].GetRollout().GetState() != RolloutSucceeded || (n == 2 && again[0].GetEntry().GetSeq() != seen+1) {
 			t.Fatalf("reattached: %v, %v", again, err)
 		}
 		if err := tn.WatchRollout(as("other"), &dsecv1.WatchRolloutRequest{SandboxId: sb.Id, RolloutId: "r4"}, func(*dsecv1.RolloutEvent) error { return nil }); !errdefs.Is(err, errdefs.KindNotFound) {

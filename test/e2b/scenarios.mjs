@@ -513,7 +513,14 @@ const scenarios = {
         assert.equal(text, 'hello from the sandbox', form)
       }
       // Streamed: the first line arrives before the server writes the last.
-      const stream = await fetch(`https://${sbx.getHost(8001)}/stream`)
+      // The second server may still be starting: a 502 until it listens.
+      let stream
+      for (let i = 0; i < 50; i++) {
+        stream = await fetch(`https://${sbx.getHost(8001)}/stream`)
+        if (stream.status === 200) break
+        await stream.text()
+        await sleep(200)
+      }
       assert.equal(stream.status, 200)
       const reader = stream.body.getReader()
       const t0 = Date.now()

@@ -148,7 +148,9 @@ def test_a_rollout_outlives_its_trainer_and_is_scored(server, client):
         assert first["op"] == "exec" and "echo step" in " ".join(first["argv"]) and not r.done, (first, r.raw)
         sb.exec("echo go > /tmp/go")
         rest = list(events)
-        assert [e["op"] for e in rest] == ["exec"]
+        # The exec that let the agent go may be logged after the rollout's
+        # end (the agent exits as the fifo is written): then it is not in it.
+        assert [e["op"] for e in rest] in (["exec"], []), rest
         assert r.state == "succeeded" and r.reward == 1.0 and not r.infra, r.raw
         # Starting it again answers it, runs nothing.
         again = sb.rollout("touch /tmp/second", "traj-1")
