@@ -16,7 +16,6 @@ import (
 	"flag"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"sync"
@@ -93,7 +92,12 @@ func main() {
 				d, f := arrivals(*n, p.offset, func(int) error { return firstCommand(ctx, c) })
 				dl, failed = append(dl, d...), failed+f
 				deleteAll(ctx, c)
-				w, f := arrivals(*n, p.offset, func(i int) error { return rawFirst(raw, bundles[i], r) })
+				// The floor's create and first command: a fresh overlay and
+				// `crun run true`, with its unmount (the floor has no cheaper
+				// way to end its container; dsec's deletes are not timed).
+				w, f := arrivals(*n, p.offset, func(i int) error {
+					return raw.Run(bundles[i], fmt.Sprintf("burst%d-%d-%s", os.Getpid(), r, filepath.Base(bundles[i])))
+				})
 				if f > 0 {
 					fatal(fmt.Errorf("the floor failed %d times", f))
 				}
@@ -166,21 +170,6 @@ func firstCommand(ctx context.Context, c *dsec.Client) error {
 	}
 	_, err = sb.Exec(ctx, dsec.Argv("true"))
 	return err
-}
-
-// rawFirst is the floor's create and first command: a fresh overlay and
-// `crun run true`, and its unmount (the floor has no cheaper way to end
-// its container; dsec's deletes are not timed).
-func rawFirst(raw *rawcrun.Baseline, bundle string, run int) error {
-	if err := raw.Mount(bundle); err != nil {
-		return err
-	}
-	defer raw.Unmount(bundle)
-	id := fmt.Sprintf("burst%d-%d-%s", os.Getpid(), run, filepath.Base(bundle))
-	if out, err := exec.Command("crun", "run", "--bundle", bundle, id).CombinedOutput(); err != nil {
-		return fmt.Errorf("crun run: %v %s", err, out)
-	}
-	return nil
 }
 
 // deleteAll deletes the run's sandboxes.

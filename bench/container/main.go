@@ -99,9 +99,9 @@ func main() {
 		fmt.Printf("%-4d %12.1f %12.1f %6.2fx   %s\n", par, rawcrun.Median(ds), rawcrun.Median(rs), rawcrun.Median(ratios), rawcrun.Pcts(lat))
 	}
 
-	before := phases(metricsAddr)
+	before := phases(b, metricsAddr)
 	fmt.Println("sequential cycle:", breakdown(ctx, c, 50))
-	fmt.Println("  its creates on the node (mean):", phaseDelta(before, phases(metricsAddr)))
+	fmt.Println("  its creates on the node (mean):", phaseDelta(before, phases(b, metricsAddr)))
 	fmt.Println()
 	d50, d99 := execAPI(ctx, c, *execN)
 	r50, r99, err := raw.ExecLatency(*execN / 5)
@@ -164,61 +164,27 @@ func profileServer(ctx context.Context, c *dsec.Client, debug, dir string) {
 	}
 }
 
-// phaseSeries is one create phase's histogram sum (seconds) and count.
-type phaseSeries struct{ sum, count float64 }
-
-// phases scrapes the server's create phases (container sandboxes).
-func phases(addr string) map[string]phaseSeries {
-	resp, err := http.Get("http://" + addr + "/metrics")
-	if err != nil {
-		fatal(err)
+// phases scrapes the server's create-phase histograms (series name →
+// value: each phase's _sum and _count for container sandboxes).
+func phases(b dsectest.TB, addr string) map[string]float64 {
+	code, text, samples := dsectest.Scrape(b, "http://"+addr, "")
+	if code != http.StatusOK {
+		fatal(fmt.Errorf("scrape %s: %d %s", addr, code, text))
 	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		fatal(err)
-	}
-	out := map[string]phaseSeries{}
-	const name = "dsec_sandbox_create_phase_duration_seconds"
-	for _, line := range strings.Split(string(body), "\n") {
-		var field string
-		switch {
-		case strings.HasPrefix(line, name+"_sum{"):
-			field = "sum"
-		case strings.HasPrefix(line, name+"_count{"):
-			field = "count"
-		default:
-			continue
-		}
-		if !strings.Contains(line, `kind="container"`) {
-			continue
-		}
-		_, rest, _ := strings.Cut(line, `phase="`)
-		phase, _, _ := strings.Cut(rest, `"`)
-		v, err := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
-		if err != nil {
-			continue
-		}
-		p := out[phase]
-		if field == "sum" {
-			p.sum = v
-		} else {
-			p.count = v
-		}
-		out[phase] = p
-	}
-	return out
+	return samples
 }
 
 // phaseDelta is each phase's mean between two scrapes.
-func phaseDelta(a, b map[string]phaseSeries) string {
+func phaseDelta(a, b map[string]float64) string {
+	const name = "dsec_sandbox_create_phase_duration_seconds"
 	var parts []string
 	for _, ph := range []string{"wait", "network", "instance", "commit"} {
-		n := b[ph].count - a[ph].count
+		series := fmt.Sprintf(`{kind="container",phase=%q}`, ph)
+		n := b[name+"_count"+series] - a[name+"_count"+series]
 		if n <= 0 {
 			continue
 		}
-		mean := time.Duration((b[ph].sum - a[ph].sum) / n * float64(time.Second))
+		mean := time.Duration((b[name+"_sum"+series] - a[name+"_sum"+series]) / n * float64(time.Second))
 		parts = append(parts, fmt.Sprintf("%s %s", ph, mean.Round(10*time.Microsecond)))
 	}
 	return strings.Join(parts, ", ")

@@ -12,7 +12,7 @@ import (
 // Scrape reads base's /metrics with key as a bearer credential (none when
 // empty). It returns the HTTP status, the exposition, and its samples by
 // series, each written name{label="value",...} with its labels sorted by
-// name, a histogram as its name_count series.
+// name, a histogram as its name_count and name_sum series.
 func Scrape(t TB, base, key string) (status int, text string, samples map[string]float64) {
 	t.Helper()
 	req, err := http.NewRequest("GET", base+"/metrics", nil)
@@ -54,6 +54,7 @@ func Scrape(t TB, base, key string) (status int, text string, samples map[string
 				samples[name+series] = m.GetGauge().GetValue()
 			case m.GetHistogram() != nil:
 				samples[name+"_count"+series] = float64(m.GetHistogram().GetSampleCount())
+				samples[name+"_sum"+series] = m.GetHistogram().GetSampleSum()
 			}
 		}
 	}

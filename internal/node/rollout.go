@@ -243,7 +243,7 @@ func (n *Node) GetRollout(ctx context.Context, req *dsecv1.GetRolloutRequest) (*
 
 // rolloutKeepalive is how often WatchRollout says it is there while
 // nothing happens (proxies close idle streams).
-var rolloutKeepalive = 15 * time.Second
+const rolloutKeepalive = 15 * time.Second
 
 // WatchRollout sends a rollout's progress (see the proto): the rollout
 // while it runs, its sandbox's log entries from req.FromSeq as they are

@@ -177,7 +177,7 @@ func (g workerGuard) answered(r *rollout, id string, res any, err error) (diverg
 	w := r.workers
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if err != nil && errdefs.Is(errwire.FromConnect(err), errdefs.KindConflict) && strings.Contains(err.Error(), trajectory.ErrReused.Error()) {
+	if trajectory.Reused(err) {
 		if w.diverged == "" {
 			w.diverged = "call " + strings.TrimPrefix(id, workerPrefix+r.view.RolloutId+"/") + " differs from the recorded one"
 		}

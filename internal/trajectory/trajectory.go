@@ -318,6 +318,13 @@ func (l *Log) notify() {
 // request: replaying would answer the wrong call.
 var ErrReused = errors.New("request id reused with a different request")
 
+// Reused says whether err is the conflict of a reused request ID (Claim's,
+// or a file write's), also once it crossed a Connect boundary, which
+// keeps its message but not its cause.
+func Reused(err error) bool {
+	return err != nil && strings.Contains(err.Error(), ErrReused.Error())
+}
+
 // Claim starts an exactly-once call. If requestID was logged, it returns
 // that entry (replay). Otherwise the caller runs the call and must call
 // done with the entry to append (or nil if the call did not happen); a

@@ -11,6 +11,7 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/errwire"
 )
 
 func entry(out string) *dsecv1.LogEntry {
@@ -43,6 +44,10 @@ func TestExactlyOnce(t *testing.T) {
 		_, _, err := l.Claim("r1", "other", nil)
 		if !errdefs.Is(err, errdefs.KindConflict) {
 			t.Fatalf("got %v", err)
+		}
+		// Told apart from other conflicts, on either side of the wire.
+		if !Reused(err) || !Reused(errwire.ToConnect(err)) || Reused(errdefs.Conflict("another conflict")) || Reused(nil) {
+			t.Fatalf("Reused(%v) on and off the wire", err)
 		}
 	})
 	t.Run("concurrent duplicates run once", func(t *testing.T) {
