@@ -12,7 +12,7 @@ export DSEC_CACHE_DIR := $(CACHE_DIR)
 VERSION   ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LISTEN    ?= 127.0.0.1:7070
 
-.PHONY: all setup build run test test-go test-rootless test-python proto bench bench-microvm bench-vm bench-cluster bench-gateway bench-burst clean
+.PHONY: all setup build run test test-go test-rootless test-python proto bench bench-microvm bench-vm bench-cluster bench-gateway bench-burst bench-image clean
 
 all: build
 
@@ -95,6 +95,9 @@ bench-cluster: setup
 
 bench-burst: build
 	go run ./bench/burst
+
+bench-image: build
+	go run ./bench/image
 
 bench-gateway: build
 	go run ./bench/gateway

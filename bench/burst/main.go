@@ -111,6 +111,7 @@ func main() {
 				fmt.Sprintf("%s / %s", rawcrun.Pct(rl, 50), rawcrun.Pct(rl, 99)),
 				res.DsecP99/res.RawP99, failed)
 		}
+		raw.Close()
 		srv.Stop()
 	}
 	if *out != "" {

@@ -69,6 +69,7 @@ func main() {
 	if err != nil {
 		fatal(err)
 	}
+	defer raw.Close()
 
 	fmt.Printf("dsec container benchmark — %d CPUs, %s\n", runtimeCPUs(), time.Now().Format(time.RFC3339))
 	fmt.Printf("raw baseline: mount overlay of the same busybox layers + `crun run` (crun's default spec) of `true` + umount\n")
@@ -174,20 +175,24 @@ func phases(b dsectest.TB, addr string) map[string]float64 {
 	return samples
 }
 
-// phaseDelta is each phase's mean between two scrapes.
+// phaseDelta is each phase's mean between two scrapes, and the
+// container driver's steps inside the instance phase.
 func phaseDelta(a, b map[string]float64) string {
-	const name = "dsec_sandbox_create_phase_duration_seconds"
-	var parts []string
-	for _, ph := range []string{"wait", "network", "instance", "commit"} {
-		series := fmt.Sprintf(`{kind="container",phase=%q}`, ph)
-		n := b[name+"_count"+series] - a[name+"_count"+series]
-		if n <= 0 {
-			continue
+	mean := func(name, label string, values []string) string {
+		var parts []string
+		for _, v := range values {
+			series := fmt.Sprintf(`{kind="container",%s=%q}`, label, v)
+			n := b[name+"_count"+series] - a[name+"_count"+series]
+			if n <= 0 {
+				continue
+			}
+			d := time.Duration((b[name+"_sum"+series] - a[name+"_sum"+series]) / n * float64(time.Second))
+			parts = append(parts, fmt.Sprintf("%s %s", v, d.Round(10*time.Microsecond)))
 		}
-		mean := time.Duration((b[name+"_sum"+series] - a[name+"_sum"+series]) / n * float64(time.Second))
-		parts = append(parts, fmt.Sprintf("%s %s", ph, mean.Round(10*time.Microsecond)))
+		return strings.Join(parts, ", ")
 	}
-	return strings.Join(parts, ", ")
+	return mean("dsec_sandbox_create_phase_duration_seconds", "phase", []string{"wait", "network", "instance", "commit"}) +
+		"; instance: " + mean("dsec_sandbox_start_step_duration_seconds", "step", []string{"prepare", "mount", "files", "cgroups", "spec", "runtime", "init"})
 }
 
 // freeAddr is a loopback address with a port free now.

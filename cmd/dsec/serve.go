@@ -96,6 +96,7 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, v *nodeVars) {
 	f.StringVar(&flagCfg.DataDir, "data-dir", "", "state directory (default ./.dsec)")
 	f.StringVar(&flagCfg.CacheDir, "cache-dir", "", "cache for bootstrapped images (default DATA_DIR/cache)")
 	f.StringVar(&flagCfg.GuestBinary, "guest-binary", "", "dsec-guest binary (default: next to dsec)")
+	f.StringVar(&flagCfg.ImageLayers, "image-layers", "", "how image layers are kept: erofs (an EROFS image each), dir (directories) or auto (default: erofs where the host can)")
 	f.StringVar(bootstrap, "bootstrap", "", "base images to build at start if missing, e.g. busybox,debian,base,debian-vm (a VM image); the E2B facade's default templates start base")
 	f.StringVar(&flagCfg.LogLevel, "log-level", "", "debug, info, warn or error")
 	f.IntVar(&flagCfg.Node.MaxSandboxes, "max-sandboxes", 0, "admission limit (default 4096)")
@@ -623,6 +624,9 @@ func buildNode(cfg config.Config, dataDir string, reg *metrics.Registry, log *sl
 	}
 	images, err := image.Open(filepath.Join(dataDir, "images"), log)
 	if err != nil {
+		return nil, err
+	}
+	if err := images.UseLayers(cfg.ImageLayers); err != nil {
 		return nil, err
 	}
 	runDir := runDirOf(dataDir)

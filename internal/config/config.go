@@ -24,6 +24,11 @@ type Config struct {
 	DataDir string `json:"data_dir,omitempty"`
 	// CacheDir keeps bootstrapped root filesystems (default DataDir/cache).
 	CacheDir string `json:"cache_dir,omitempty"`
+	// ImageLayers is how the image store keeps file system layers: erofs
+	// (one read-only EROFS image per layer, mounted from its file), dir
+	// (unpacked directories), or auto: erofs where the host can (default).
+	// Layers already stored either way keep working under both.
+	ImageLayers string `json:"image_layers,omitempty"`
 	// APIKeys are accepted API keys, "KEY" (project "default") or
 	// "PROJECT=KEY" (env DSEC_API_KEYS, comma-separated). A key reaches only
 	// its project's sandboxes, snapshots, sessions, images and logs. Empty

@@ -253,6 +253,11 @@ func (b *cachedBuild) ensure(ctx context.Context, cacheDir string, force bool, p
 	}
 	if _, err := os.Stat(rootfs + ".complete"); err != nil {
 		os.Remove(rootfs + ".layer") // the layer of a build that is no more
+		if stale, err := filepath.Glob(rootfs + ".*.erofs*"); err == nil {
+			for _, f := range stale {
+				os.Remove(f) // its EROFS images (linklayer.go)
+			}
+		}
 		progress.report("build", "building "+b.recipe+" root filesystem", 0, 0)
 		tmp := rootfs + ".building"
 		os.RemoveAll(tmp)

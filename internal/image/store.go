@@ -195,6 +195,15 @@ type Store struct {
 
 	mu     sync.Mutex
 	images map[string]*Image
+
+	// mkfs is mkfs.erofs when new file system layers are kept as EROFS
+	// images (erofs.go); "" keeps them as directories, because of
+	// noErofs.
+	mkfs, noErofs string
+	// mounts are the mounted layers' images: hex diff ID → detached
+	// mount's descriptor.
+	mountMu sync.Mutex
+	mounts  map[string]int
 }
 
 // Open opens (creating if needed) the store in dir.
@@ -206,7 +215,8 @@ func Open(dir string, log *slog.Logger) (*Store, error) {
 	}
 	os.RemoveAll(filepath.Join(dir, "tmp"))
 	os.MkdirAll(filepath.Join(dir, "tmp"), 0o700)
-	s := &Store{dir: dir, log: log, images: map[string]*Image{}, unpacking: map[string]*sync.WaitGroup{}, held: map[string]int{}}
+	s := &Store{dir: dir, log: log, images: map[string]*Image{}, unpacking: map[string]*sync.WaitGroup{}, held: map[string]int{}, mounts: map[string]int{}}
+	s.mkfs, s.noErofs = erofsSupport() // see UseLayers
 	ents, err := os.ReadDir(filepath.Join(dir, "refs"))
 	if err != nil {
 		return nil, err
@@ -311,15 +321,34 @@ func (s *Store) List() []*Image {
 	return out
 }
 
-// LayerDir is the unpacked directory of a layer.
+// LayerDir is the directory of a layer: its EROFS image's mount (a path
+// only this process can use: see erofs.go) or its unpacked directory.
+// Layers are mounted by Hold, which says why one cannot be; a layer that
+// cannot be mounted here is logged and named by a path that does not
+// exist.
 func (s *Store) LayerDir(diffID string) string {
-	return filepath.Join(s.dir, "layers", strings.TrimPrefix(diffID, "sha256:"))
+	id := strings.TrimPrefix(diffID, "sha256:")
+	dir, err := s.layerRoot(id)
+	if err != nil {
+		s.log.Warn("image layer cannot be mounted", slog.String("layer", shortID(id)), slog.Any("error", err))
+		return filepath.Join(s.dir, "layers", id)
+	}
+	return dir
 }
 
 // ShortLayerPath is a short path to a layer, for overlay mount options whose
 // length the kernel limits to one page.
 func (s *Store) ShortLayerPath(diffID string) string {
+	if dir := s.LayerDir(diffID); strings.HasPrefix(dir, "/proc/self/fd/") {
+		return dir
+	}
 	return filepath.Join(s.dir, "l", shortID(diffID))
+}
+
+// layerPath is where layer diffID is stored, without an extension: its
+// directory, or beside its image, size marker and short link.
+func (s *Store) layerPath(diffID string) string {
+	return filepath.Join(s.dir, "layers", strings.TrimPrefix(diffID, "sha256:"))
 }
 
 func shortID(diffID string) string {
@@ -409,7 +438,7 @@ func (s *Store) AddLayer(r io.Reader) (diff string, size int64, release func(), 
 	if err != nil {
 		return "", 0, nil, err
 	}
-	if release, err = s.commitLayer(diff, tmp); err != nil {
+	if release, err = s.commitLayer(diff, tmp, ""); err != nil {
 		return "", 0, nil, err
 	}
 	return diff, size, release, nil
@@ -427,6 +456,9 @@ func (s *Store) Hold(layers []string) (release func(), err error) {
 	for _, l := range layers {
 		if _, ok := s.haveLayer(l); !ok {
 			return nil, errdefs.NotFound("layer %s is not in the store", shortID(l))
+		}
+		if _, err := s.layerRoot(strings.TrimPrefix(l, "sha256:")); err != nil {
+			return nil, errdefs.Internal(err, "mount image layer %s", shortID(l))
 		}
 	}
 	return s.holdLocked(layers), nil
@@ -484,7 +516,7 @@ func (s *Store) ensureLayer(diffID string, open func() (io.ReadCloser, error), p
 }
 
 func (s *Store) haveLayer(diffID string) (int64, bool) {
-	b, err := os.ReadFile(s.LayerDir(diffID) + ".size")
+	b, err := os.ReadFile(s.layerPath(diffID) + ".size")
 	if err != nil {
 		return 0, false
 	}
@@ -511,23 +543,75 @@ func (s *Store) unpack(diffID string, open func() (io.ReadCloser, error), progre
 	if got != diffID {
 		return 0, nil, errdefs.Invalid("%v: got %s, want %s", errLayerDigest, got, diffID)
 	}
-	release, err := s.commitLayer(diffID, tmp)
+	release, err := s.commitLayer(diffID, tmp, "")
 	if err != nil {
 		return 0, nil, err
 	}
 	return size, release, nil
 }
 
-// commitLayer moves an unpacked layer into place with its short link and
-// size marker (the marker is written last and means "complete"), unless
-// the store has it, and holds it (see Hold) until release is called.
-func (s *Store) commitLayer(diffID, tmp string) (release func(), err error) {
+// commitLayer stores the file system layer unpacked in tmp: as its EROFS
+// image where the store keeps them (from cache, a host-wide copy of the
+// image, when cache is not "": tmp is then read only if the copy is
+// missing, and may be ""), as the directory itself otherwise. See
+// commitDir.
+func (s *Store) commitLayer(diffID, tmp, cache string) (release func(), err error) {
+	if s.mkfs == "" {
+		return s.commitDir(diffID, tmp)
+	}
+	if release, ok := s.holdIfPresent(diffID); ok {
+		return release, nil
+	}
+	// The image is made outside the lock (a large layer takes seconds;
+	// creates hold layers meanwhile), then renamed into place under it.
+	f, err := os.CreateTemp(filepath.Join(s.dir, "tmp"), "layer-*.erofs")
+	if err != nil {
+		return nil, err
+	}
+	img := f.Name()
+	f.Close()
+	defer os.Remove(img)
+	size, err := s.makeErofs(tmp, cache, img)
+	if err != nil {
+		return nil, fmt.Errorf("store layer: %w", err)
+	}
 	s.layerMu.Lock()
 	defer s.layerMu.Unlock()
 	if _, ok := s.haveLayer(diffID); ok {
 		return s.holdLocked([]string{diffID}), nil
 	}
-	dst := s.LayerDir(diffID)
+	os.RemoveAll(s.layerPath(diffID)) // a directory of an interrupted commit
+	if err := os.Rename(img, s.erofsFile(strings.TrimPrefix(diffID, "sha256:"))); err != nil {
+		return nil, fmt.Errorf("store layer: %w", err)
+	}
+	if err := writeFileAtomic(s.layerPath(diffID)+".size", []byte(fmt.Sprint(size))); err != nil {
+		return nil, err
+	}
+	return s.holdLocked([]string{diffID}), nil
+}
+
+// holdIfPresent holds layer diffID if the store has it.
+func (s *Store) holdIfPresent(diffID string) (func(), bool) {
+	s.layerMu.Lock()
+	defer s.layerMu.Unlock()
+	if _, ok := s.haveLayer(diffID); ok {
+		return s.holdLocked([]string{diffID}), true
+	}
+	return nil, false
+}
+
+// commitDir moves an unpacked layer into place as a directory, with its
+// short link and size marker (the marker is written last and means
+// "complete"), unless the store has it, and holds it (see Hold) until
+// release is called. VM disk layers are directories (QEMU opens their
+// files), as are file system layers on a host without EROFS.
+func (s *Store) commitDir(diffID, tmp string) (release func(), err error) {
+	s.layerMu.Lock()
+	defer s.layerMu.Unlock()
+	if _, ok := s.haveLayer(diffID); ok {
+		return s.holdLocked([]string{diffID}), nil
+	}
+	dst := s.layerPath(diffID)
 	os.RemoveAll(dst)
 	if err := os.Rename(tmp, dst); err != nil {
 		return nil, fmt.Errorf("store layer: %w", err)
@@ -535,7 +619,7 @@ func (s *Store) commitLayer(diffID, tmp string) (release func(), err error) {
 	if err := os.Chmod(dst, 0o755); err != nil {
 		return nil, err
 	}
-	link := s.ShortLayerPath(diffID)
+	link := filepath.Join(s.dir, "l", shortID(diffID))
 	os.Remove(link)
 	if err := os.Symlink(filepath.Join("..", "layers", strings.TrimPrefix(diffID, "sha256:")), link); err != nil {
 		return nil, fmt.Errorf("link layer: %w", err)
@@ -641,7 +725,7 @@ func (s *Store) GC() {
 	ents, _ := os.ReadDir(filepath.Join(s.dir, "layers"))
 	seen := map[string]bool{}
 	for _, e := range ents {
-		id := strings.TrimSuffix(e.Name(), ".size")
+		id := strings.TrimSuffix(strings.TrimSuffix(e.Name(), ".size"), ".erofs")
 		if keep[id] || seen[id] {
 			continue
 		}
@@ -650,7 +734,11 @@ func (s *Store) GC() {
 			continue
 		}
 		os.Remove(filepath.Join(s.dir, "layers", id+".size"))
-		os.Remove(s.ShortLayerPath(id))
+		os.Remove(filepath.Join(s.dir, "l", shortID(id)))
+		// An image: its mount closed (nothing holds the layer; the
+		// sandboxes' clones of it are their own), the file removed.
+		s.unmountLayer(id)
+		os.Remove(s.erofsFile(id))
 		// Out of the way at once (a rename), deleted after the lock.
 		dir := filepath.Join(s.dir, "layers", id)
 		if _, err := os.Lstat(dir); err != nil {

@@ -94,7 +94,7 @@ func (s *Store) addVMLayer(owner, name, source, dir, digest string, meta *VMImag
 	if err := os.WriteFile(filepath.Join(tmp, VMMetaFile), mb, 0o644); err != nil {
 		return nil, err
 	}
-	release, err := s.commitLayer(digest, tmp)
+	release, err := s.commitDir(digest, tmp)
 	if err != nil {
 		return nil, err
 	}

@@ -88,6 +88,9 @@ func (r *Registry) Handler() http.Handler {
 // full VM's minute-long cold boot.
 var durations = []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120}
 
+// stepDurations are the buckets of parts of a create, from 100 µs.
+var stepDurations = []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30}
+
 // canceledOrOutcome classifies err, counting a call whose context ended
 // as canceled whatever error it ended with.
 func canceledOrOutcome(ctx context.Context, err error) string {

@@ -39,6 +39,7 @@ type Node struct {
 	models    *prometheus.HistogramVec
 	tokens    *prometheus.CounterVec
 	phases    *prometheus.HistogramVec
+	steps     *prometheus.HistogramVec
 }
 
 // Create phases (CreatePhase): where a create's time goes on the node.
@@ -122,7 +123,12 @@ func NewNode(r prometheus.Registerer, state func() NodeState) *Node {
 		Help:    "Where creates' time goes on this node, by sandbox kind and phase: wait (for a start slot), network, instance (the substrate's start, to the agent's first answer), commit (the record made durable). Warm pools' starts are counted too.",
 		Buckets: durations,
 	}, []string{"kind", "phase"})
-	r.MustRegister(m.ops, m.ends, m.pool, m.refused, m.images, m.imageRead, m.logged, m.replayed, m.webhooks, m.models, m.tokens, m.phases, stateCollector(state))
+	m.steps = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: namespace, Subsystem: "sandbox", Name: "start_step_duration_seconds",
+		Help:    "The steps of the instance phase of creates on this node, by sandbox kind and step, as the substrate reports them (container: prepare, mount, files, cgroups, spec, runtime, init).",
+		Buckets: stepDurations,
+	}, []string{"kind", "step"})
+	r.MustRegister(m.ops, m.ends, m.pool, m.refused, m.images, m.imageRead, m.logged, m.replayed, m.webhooks, m.models, m.tokens, m.phases, m.steps, stateCollector(state))
 	// Series whose label values are known start at zero, so a rate over
 	// them is defined from the first scrape.
 	for _, reason := range []string{"full", "queue_full", "queue_timeout"} {
@@ -147,6 +153,15 @@ func (m *Node) CreatePhase(kind, phase string, start time.Time) {
 		return
 	}
 	m.phases.WithLabelValues(kind, phase).Observe(time.Since(start).Seconds())
+}
+
+// StartStep records that one step of a substrate's start of a sandbox of
+// kind took took (substrate.Step).
+func (m *Node) StartStep(kind, step string, took time.Duration) {
+	if m == nil {
+		return
+	}
+	m.steps.WithLabelValues(kind, step).Observe(took.Seconds())
 }
 
 // Observe records one operation on a sandbox of kind that started at

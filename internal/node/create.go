@@ -243,7 +243,8 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image
 		return nil, err
 	}
 	started = time.Now()
-	inst, err := n.drivers[substrate.Kind(spec.Kind)].Create(ctx, n.driverSpec(s, img))
+	steps := substrate.WithSteps(ctx, func(step string, took time.Duration) { n.m.StartStep(spec.Kind, step, took) })
+	inst, err := n.drivers[substrate.Kind(spec.Kind)].Create(steps, n.driverSpec(s, img))
 	if err != nil {
 		n.log.Warn("sandbox start failed", slog.String("sandbox_id", s.id), slog.Any("error", err))
 		return nil, err

@@ -184,6 +184,11 @@ func (n *Node) Info(ctx context.Context) *dsecv1.NodeInfo {
 	} else {
 		info.Host["network_egress"] = "available"
 	}
+	if ok, why := n.images.Erofs(); ok {
+		info.Host["image_layers"] = "erofs"
+	} else {
+		info.Host["image_layers"] = "dir: " + why
+	}
 	for _, k := range substrate.Kinds {
 		d := n.drivers[k]
 		if d == nil {

@@ -122,6 +122,8 @@ func TestMetricsCountEveryCallOnceByKindAndOutcome(t *testing.T) {
 		{"dsec_sandbox_create_phase_duration_seconds", map[string]string{"kind": "container", "phase": "network"}, 3},
 		{"dsec_sandbox_create_phase_duration_seconds", map[string]string{"kind": "container", "phase": "instance"}, 3},
 		{"dsec_sandbox_create_phase_duration_seconds", map[string]string{"kind": "container", "phase": "commit"}, 3},
+		// The driver's steps of each start (the fake reports one).
+		{"dsec_sandbox_start_step_duration_seconds", map[string]string{"kind": "container", "step": "runtime"}, 3},
 	} {
 		if got := sample(t, reg, c.name, c.labels); got != c.want {
 			t.Errorf("%s%v = %v, want %v", c.name, c.labels, got, c.want)

@@ -24,9 +24,10 @@ import (
 
 // Baseline makes bundles over one set of lower layers.
 type Baseline struct {
-	dir    string
-	lowers string
-	seq    atomic.Int64
+	dir     string
+	lowers  string
+	seq     atomic.Int64
+	mounted []string // layers' EROFS images mounted for it (Beside)
 }
 
 // New makes bundles in dir over layers (topmost first).
@@ -35,13 +36,43 @@ func New(dir string, layers []string) *Baseline {
 }
 
 // Beside makes bundles in dir over the busybox layers of a running
-// server (its client c, its data directory).
+// server (its client c, its data directory): the same directories, or
+// the same EROFS images, each mounted once for the baseline as the
+// server mounts it (Close unmounts them).
 func Beside(ctx context.Context, c *dsec.Client, dataDir, dir string) (*Baseline, error) {
 	layers, err := BusyboxLayers(ctx, c, dataDir)
 	if err != nil {
 		return nil, err
 	}
-	return New(dir, layers), nil
+	var mounted []string
+	for i, l := range layers {
+		if _, err := os.Stat(l + ".erofs"); err != nil {
+			continue
+		}
+		target := filepath.Join(dir, fmt.Sprintf("layer-%d", i))
+		if err := os.MkdirAll(target, 0o755); err != nil {
+			return nil, err
+		}
+		if err := unix.Mount(l+".erofs", target, "erofs", unix.MS_RDONLY, ""); err != nil {
+			for _, m := range mounted {
+				unix.Unmount(m, unix.MNT_DETACH)
+			}
+			return nil, fmt.Errorf("mount layer image %s: %w", l+".erofs", err)
+		}
+		mounted = append(mounted, target)
+		layers[i] = target
+	}
+	r := New(dir, layers)
+	r.mounted = mounted
+	return r, nil
+}
+
+// Close unmounts the layer images Beside mounted.
+func (r *Baseline) Close() {
+	for _, m := range r.mounted {
+		unix.Unmount(m, unix.MNT_DETACH)
+	}
+	r.mounted = nil
 }
 
 // Bundle makes an OCI bundle (crun's default spec, args as its process)
@@ -168,8 +199,9 @@ func (r *Baseline) ExecLatency(n int) (p50, p99 time.Duration, err error) {
 	return Pct(lat, 50), Pct(lat, 99), nil
 }
 
-// BusyboxLayers are the busybox image's layer directories in a server's
-// data directory, topmost first.
+// BusyboxLayers are the busybox image's layers in a server's data
+// directory, topmost first: each a directory, or beside its EROFS image
+// (the path plus ".erofs").
 func BusyboxLayers(ctx context.Context, c *dsec.Client, dataDir string) ([]string, error) {
 	imgs, err := c.ListImages(ctx)
 	if err != nil {

@@ -533,6 +533,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if err != nil {
 		return nil, err
 	}
+	t := time.Now()
 	st := state{Version: stateVersion, Cgroup: d.cgroupPath(s.ID), Rootfs: filepath.Join(s.Dir, "rootfs"), Runtime: s.Runtime}
 	if err := os.MkdirAll(st.Rootfs, 0o755); err != nil {
 		return nil, errdefs.Internal(err, "prepare sandbox directory")
@@ -570,9 +571,11 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 	if ns != nil {
 		nsFile = ns.f
 	}
+	t = substrate.Step(ctx, "prepare", t)
 	if err := d.mountRoot(s, diskDir, st.Rootfs, nsFile); err != nil {
 		return nil, err
 	}
+	t = substrate.Step(ctx, "mount", t)
 	rootfs := st.Rootfs
 	undo.Push(func() { unmount(rootfs) })
 	if err := writeEtc(d.filesOf(s.ID), s, st.HostID); err != nil {
@@ -601,6 +604,7 @@ func (d *Driver) Create(ctx context.Context, s *substrate.Spec) (_ substrate.Ins
 		undo.Push(undoJail)
 		st.Jail = jail
 	}
+	substrate.Step(ctx, "files", t)
 	b, err := d.boot(ctx, s, &st, ns, rt)
 	if err != nil {
 		return nil, err
@@ -651,6 +655,7 @@ func (d *Driver) boot(ctx context.Context, s *substrate.Spec, st *state, ns *use
 	if ns != nil {
 		nsFile = ns.f
 	}
+	t := time.Now()
 	// The sandbox's boot identity: a fresh random boot id per start,
 	// bound read-only over /proc/sys/kernel/random/boot_id (ociSpec)
 	// from the node's tmpfs of sandbox files, as /etc/hosts is: a file of
@@ -668,6 +673,7 @@ func (d *Driver) boot(ctx context.Context, s *substrate.Spec, st *state, ns *use
 		undo.Push(undoAgent)
 		agentFiles = files
 	}
+	t = substrate.Step(ctx, "cgroups", t)
 	detachVolumes, err := attachVolumes(volumeDir(s, *st), s.Volumes, nsFile)
 	if err != nil {
 		return nil, errdefs.Internal(err, "mount the sandbox's volumes")
@@ -733,6 +739,7 @@ func (d *Driver) boot(ctx context.Context, s *substrate.Spec, st *state, ns *use
 	}
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // not killed by the node's terminal signals
+	t = substrate.Step(ctx, "spec", t)
 	startErr := cmd.Start()
 	logFile.Close()
 	if lf != nil {
@@ -803,6 +810,7 @@ func (d *Driver) boot(ctx context.Context, s *substrate.Spec, st *state, ns *use
 		cancel()
 		return nil, failed("start container", fmt.Errorf("runtime exited with status %d", runtimeExit))
 	}
+	t = substrate.Step(ctx, "runtime", t)
 	// The runtime writes the pid file around the time the agent starts;
 	// the agent can answer first, by seconds on a loaded host (5,000
 	// sandboxes: the runtime copies the node's mount table).
@@ -834,6 +842,7 @@ func (d *Driver) boot(ctx context.Context, s *substrate.Spec, st *state, ns *use
 	if sc := d.seccompFor(s); rt.name == "crun" && sc.bpf() == "" {
 		sc.learn(filepath.Join(d.runRoot, s.ID))
 	}
+	substrate.Step(ctx, "init", t)
 	return &booted{done: runtimeDone, exit: &runtimeExit}, nil
 }
 

@@ -151,8 +151,41 @@ func (f *Fake) Create(ctx context.Context, spec *substrate.Spec) (_ substrate.In
 		return nil, errdefs.Internal(err, "create init log")
 	}
 	defer logf.Close()
+	// A layer kept as an EROFS image is the store's detached mount, named
+	// by a descriptor of this process (/proc/self/fd/<n>): the init's
+	// overlay, mounted in its own user namespace, may only stack mounts of
+	// its own mount namespace, so a clone of each is attached under the
+	// instance's directory, which the init's namespace copies, and
+	// detached here once the init has answered.
+	layers := spec.Image.Links()
+	var attached []string
+	defer func() {
+		for _, a := range attached {
+			unix.Unmount(a, unix.MNT_DETACH)
+		}
+	}()
+	for i, l := range layers {
+		if !strings.HasPrefix(l, "/proc/self/fd/") {
+			continue
+		}
+		at := filepath.Join(dir, "l", strconv.Itoa(i))
+		if err := os.MkdirAll(at, 0o755); err != nil {
+			return nil, errdefs.Internal(err, "attach image layer")
+		}
+		fd, err := unix.OpenTree(unix.AT_FDCWD, l, unix.OPEN_TREE_CLONE|unix.OPEN_TREE_CLOEXEC)
+		if err != nil {
+			return nil, errdefs.Internal(err, "clone image layer")
+		}
+		err = unix.MoveMount(fd, "", unix.AT_FDCWD, at, unix.MOVE_MOUNT_F_EMPTY_PATH)
+		unix.Close(fd)
+		if err != nil {
+			return nil, errdefs.Internal(err, "attach image layer")
+		}
+		attached = append(attached, at)
+		layers[i] = at
+	}
 	cmd, err := fakeCommand(fakeConfig{
-		Dir: dir, Layers: spec.Image.Links(), Env: spec.Env, Workdir: spec.Workdir,
+		Dir: dir, Layers: layers, Env: spec.Env, Workdir: spec.Workdir,
 		Hostname: spec.Hostname, Deadline: spec.Deadline,
 	})
 	if err != nil {
@@ -160,6 +193,7 @@ func (f *Fake) Create(ctx context.Context, spec *substrate.Spec) (_ substrate.In
 	}
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.ExtraFiles = []*os.File{lf, life}
+	started := time.Now()
 	if err := cmd.Start(); err != nil {
 		return nil, errdefs.Internal(err, "start instance")
 	}
@@ -173,6 +207,7 @@ func (f *Fake) Create(ctx context.Context, spec *substrate.Spec) (_ substrate.In
 	if err := inst.waitHello(ctx); err != nil {
 		return nil, err
 	}
+	substrate.Step(ctx, "runtime", started) // as the container driver's: its init to the agent's answer
 	return inst, nil
 }
 

@@ -1,0 +1,293 @@
+package image
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// File system layers as EROFS images.
+//
+// Where the host can (mkfs.erofs from erofs-utils, a kernel that mounts an
+// EROFS image from a regular file), every file system layer the store
+// takes in (imported, bootstrapped, a snapshot's captured layer) is kept
+// as one read-only EROFS image, layers/<hex diff ID>.erofs: one file per
+// layer instead of a tree of thousands, written once, read by the kernel
+// as a file system.
+//
+// The store mounts each image it is asked for once, as a detached mount
+// (fsopen, fsmount: in no mount table), and keeps the mount's descriptor;
+// the layer's directory is then /proc/self/fd/<descriptor>, which this
+// process resolves into the mount's root. Sandboxes clone that mount (the
+// container driver's id-mapped lower layers) or name it as an overlay's
+// lower directory, so every sandbox of a layer shares one superblock and
+// one page cache. Nothing is left mounted on the host: a node that is
+// killed leaves no mount behind, and the runtime's copy of the host's
+// mount table does not grow with the number of layers.
+//
+// Only this process can use such a path: it is for the node's own
+// mounts and reads, never for a child process (VM disk layers, whose files
+// QEMU opens, stay directories). A layer's mount is closed only by GC,
+// under the rules that keep a layer a sandbox or a call holds.
+//
+// Layers stored as directories (by a store from before, or on a host
+// without EROFS) keep working: a layer is an image if its .erofs file is
+// there, a directory otherwise.
+
+// erofsSupport is whether this host can keep layers as EROFS images:
+// mkfs is mkfs.erofs's path, "" with the reason in why.
+var erofsSupport = sync.OnceValues(func() (mkfs, why string) {
+	mkfs, err := exec.LookPath("mkfs.erofs")
+	if err != nil {
+		return "", "no mkfs.erofs (install erofs-utils)"
+	}
+	dir, err := os.MkdirTemp("", "dsec-erofs-probe-")
+	if err != nil {
+		return "", err.Error()
+	}
+	defer os.RemoveAll(dir)
+	src := filepath.Join(dir, "src")
+	if err := os.Mkdir(src, 0o755); err != nil {
+		return "", err.Error()
+	}
+	if err := os.WriteFile(filepath.Join(src, "probe"), []byte("erofs"), 0o644); err != nil {
+		return "", err.Error()
+	}
+	img := filepath.Join(dir, "probe.erofs")
+	if err := mkfsErofs(mkfs, src, img); err != nil {
+		return "", err.Error()
+	}
+	fd, err := mountErofs(img)
+	if err != nil {
+		return "", fmt.Sprintf("the kernel cannot mount an EROFS image from a file: %v", err)
+	}
+	defer unix.Close(fd)
+	b, err := os.ReadFile(fdPath(fd) + "/probe")
+	if err != nil || string(b) != "erofs" {
+		return "", fmt.Sprintf("an EROFS image mounted from a file reads wrong: %q, %v", b, err)
+	}
+	return mkfs, ""
+})
+
+// mkfsErofs writes an EROFS image of directory src to dst (through a
+// temporary file of its own beside it: dst is complete or absent, and
+// stores on one host making the same image do not write into each
+// other's). Owners, modes,
+// modification times, hard links, devices (overlayfs whiteouts among
+// them) and extended attributes (opaque directories, file capabilities)
+// are the directory's.
+func mkfsErofs(mkfs, src, dst string) error {
+	f, err := os.CreateTemp(filepath.Dir(dst), filepath.Base(dst)+".*.tmp")
+	if err != nil {
+		return err
+	}
+	tmp := f.Name()
+	f.Close()
+	out, err := exec.Command(mkfs, "--quiet", "--preserve-mtime", tmp, src).CombinedOutput()
+	if err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("mkfs.erofs: %w: %s", err, strings.TrimSpace(string(out)))
+	}
+	if err := os.Chmod(tmp, 0o644); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	if err := os.Rename(tmp, dst); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	return nil
+}
+
+// mountErofs mounts the EROFS image in file read-only as a detached
+// mount and returns its descriptor (close-on-exec).
+func mountErofs(file string) (int, error) {
+	fsfd, err := unix.Fsopen("erofs", unix.FSOPEN_CLOEXEC)
+	if err != nil {
+		return -1, fmt.Errorf("fsopen erofs: %w", err)
+	}
+	defer unix.Close(fsfd)
+	if err := unix.FsconfigSetString(fsfd, "source", file); err != nil {
+		return -1, fmt.Errorf("erofs source %s: %w", file, err)
+	}
+	if err := unix.FsconfigSetFlag(fsfd, "ro"); err != nil {
+		return -1, fmt.Errorf("erofs ro: %w", err)
+	}
+	if err := unix.FsconfigCreate(fsfd); err != nil {
+		return -1, fmt.Errorf("mount erofs %s: %w", file, err)
+	}
+	fd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_RDONLY)
+	if err != nil {
+		return -1, fmt.Errorf("fsmount erofs %s: %w", file, err)
+	}
+	return fd, nil
+}
+
+// fdPath is the path of descriptor fd in this process.
+func fdPath(fd int) string { return "/proc/self/fd/" + strconv.Itoa(fd) }
+
+// erofsFile is the EROFS image of layer id (hex diff ID).
+func (s *Store) erofsFile(id string) string {
+	return filepath.Join(s.dir, "layers", id+".erofs")
+}
+
+// Erofs says whether the store keeps new file system layers as EROFS
+// images, and if not, why.
+func (s *Store) Erofs() (bool, string) {
+	if s.mkfs != "" {
+		return true, ""
+	}
+	return false, s.noErofs
+}
+
+// layerRoot is the directory of layer id (hex diff ID): its image's
+// mount, mounted if it is not yet, or its directory.
+func (s *Store) layerRoot(id string) (string, error) {
+	s.mountMu.Lock()
+	defer s.mountMu.Unlock()
+	if fd, ok := s.mounts[id]; ok {
+		return fdPath(fd), nil
+	}
+	file := s.erofsFile(id)
+	if _, err := os.Stat(file); err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return filepath.Join(s.dir, "layers", id), nil
+		}
+		return "", err
+	}
+	fd, err := mountErofs(file)
+	if err != nil {
+		return "", fmt.Errorf("layer %s: %w", shortID(id), err)
+	}
+	s.mounts[id] = fd
+	return fdPath(fd), nil
+}
+
+// unmountLayer closes layer id's mount, if it has one (GC: nothing holds
+// the layer).
+func (s *Store) unmountLayer(id string) {
+	s.mountMu.Lock()
+	defer s.mountMu.Unlock()
+	if fd, ok := s.mounts[id]; ok {
+		unix.Close(fd)
+		delete(s.mounts, id)
+	}
+}
+
+// Close closes the layers' mounts (sandboxes' own mounts of them stay).
+func (s *Store) Close() {
+	s.mountMu.Lock()
+	defer s.mountMu.Unlock()
+	for id, fd := range s.mounts {
+		unix.Close(fd)
+		delete(s.mounts, id)
+	}
+}
+
+// makeErofs writes the EROFS image of the file system layer unpacked in
+// tmp to dst and returns the layer's size (its files' bytes), from cache
+// (a host-wide copy of the image, made first if missing, with its size
+// beside it) when cache is not "".
+func (s *Store) makeErofs(tmp, cache, dst string) (int64, error) {
+	if cache == "" {
+		size, _ := dirSize(tmp)
+		return size, mkfsErofs(s.mkfs, tmp, dst)
+	}
+	size, err := cachedSize(cache)
+	if err != nil {
+		if tmp == "" {
+			return 0, fmt.Errorf("no EROFS image at %s: %w", cache, err)
+		}
+		size, _ = dirSize(tmp)
+		if err := mkfsErofs(s.mkfs, tmp, cache); err != nil {
+			return 0, err
+		}
+		if err := writeFileAtomic(cache+".size", []byte(fmt.Sprint(size))); err != nil {
+			return 0, err
+		}
+	}
+	os.Remove(dst)
+	if err := os.Link(cache, dst); err == nil {
+		return size, nil
+	}
+	// Another file system: a copy.
+	return size, copyTo(cache, dst)
+}
+
+// cachedSize reads the size recorded beside a host-wide image; an image
+// without one (its maker interrupted) is not complete.
+func cachedSize(cache string) (int64, error) {
+	b, err := os.ReadFile(cache + ".size")
+	if err != nil {
+		return 0, err
+	}
+	if _, err := os.Stat(cache); err != nil {
+		return 0, err
+	}
+	var n int64
+	if _, err := fmt.Sscan(string(b), &n); err != nil {
+		return 0, err
+	}
+	return n, nil
+}
+
+// copyTo copies file src to dst (through a temporary file).
+func copyTo(src, dst string) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	tmp := dst + ".tmp"
+	out, err := os.OpenFile(tmp, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o644)
+	if err != nil {
+		return err
+	}
+	_, err = io.Copy(out, in)
+	if cerr := out.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp, dst)
+	}
+	if err != nil {
+		os.Remove(tmp)
+	}
+	return err
+}
+
+// UseLayers sets how new file system layers are kept: "erofs" (an error
+// if the host cannot), "dir", or "" and "auto": EROFS images where the
+// host can. Layers already stored either way keep working.
+func (s *Store) UseLayers(format string) error {
+	mkfs, why := erofsSupport()
+	switch format {
+	case "", "auto":
+		s.mkfs, s.noErofs = mkfs, why
+	case "erofs":
+		if mkfs == "" {
+			return fmt.Errorf("image layers as EROFS images: %s", why)
+		}
+		s.mkfs, s.noErofs = mkfs, ""
+	case "dir":
+		s.mkfs, s.noErofs = "", "image_layers is dir"
+	default:
+		return fmt.Errorf("image layers %q: erofs, dir or auto", format)
+	}
+	if s.mkfs != "" {
+		s.log.Info("image layers are kept as EROFS images")
+	} else {
+		s.log.Info("image layers are kept as directories", slog.String("reason", s.noErofs))
+	}
+	return nil
+}

@@ -1,0 +1,52 @@
+package container
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/opendsec/dsec/internal/substrate"
+)
+
+// A create tells the recorder in its context each step of the start, in
+// order, once each, and the steps add up to no more than the create took:
+// the node's dsec_sandbox_start_step_duration_seconds is where the
+// instance phase goes (docs/performance.md).
+func TestACreateReportsItsSteps(t *testing.T) {
+	d := newDriver(t, t.TempDir())
+	var mu sync.Mutex
+	var steps []string
+	var sum time.Duration
+	ctx := substrate.WithSteps(context.Background(), func(step string, took time.Duration) {
+		mu.Lock()
+		defer mu.Unlock()
+		if took < 0 {
+			t.Errorf("step %s took %v", step, took)
+		}
+		steps = append(steps, step)
+		sum += took
+	})
+	spec := &substrate.Spec{ID: fmt.Sprintf("steps%d", os.Getpid()), Dir: t.TempDir(), Image: layers, Hostname: "sandbox",
+		MemoryMB: 256, Pids: 256, CPU: 1, Network: substrate.Network{Mode: "none"}}
+	start := time.Now()
+	inst, err := d.Create(ctx, spec)
+	took := time.Since(start)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inst.Destroy(context.Background())
+	mu.Lock()
+	defer mu.Unlock()
+	want := []string{"prepare", "mount", "files", "cgroups", "spec", "runtime", "init"}
+	if !slices.Equal(steps, want) {
+		t.Fatalf("steps %s, want %s", strings.Join(steps, ","), strings.Join(want, ","))
+	}
+	if sum > took {
+		t.Fatalf("the steps add up to %v, the create took %v", sum, took)
+	}
+}
