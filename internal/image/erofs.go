@@ -9,11 +9,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"sync"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/opendsec/dsec/internal/erofs"
 )
 
 // File system layers as EROFS images.
@@ -64,77 +64,20 @@ var erofsSupport = sync.OnceValues(func() (mkfs, why string) {
 		return "", err.Error()
 	}
 	img := filepath.Join(dir, "probe.erofs")
-	if err := mkfsErofs(mkfs, src, img); err != nil {
+	if err := erofs.Mkfs(mkfs, src, img); err != nil {
 		return "", err.Error()
 	}
-	fd, err := mountErofs(img)
+	fd, err := erofs.Mount(img)
 	if err != nil {
 		return "", fmt.Sprintf("the kernel cannot mount an EROFS image from a file: %v", err)
 	}
 	defer unix.Close(fd)
-	b, err := os.ReadFile(fdPath(fd) + "/probe")
+	b, err := os.ReadFile(erofs.FdPath(fd) + "/probe")
 	if err != nil || string(b) != "erofs" {
 		return "", fmt.Sprintf("an EROFS image mounted from a file reads wrong: %q, %v", b, err)
 	}
 	return mkfs, ""
 })
-
-// mkfsErofs writes an EROFS image of directory src to dst (through a
-// temporary file of its own beside it: dst is complete or absent, and
-// stores on one host making the same image do not write into each
-// other's). Owners, modes,
-// modification times, hard links, devices (overlayfs whiteouts among
-// them) and extended attributes (opaque directories, file capabilities)
-// are the directory's.
-func mkfsErofs(mkfs, src, dst string) error {
-	f, err := os.CreateTemp(filepath.Dir(dst), filepath.Base(dst)+".*.tmp")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	f.Close()
-	out, err := exec.Command(mkfs, "--quiet", "--preserve-mtime", tmp, src).CombinedOutput()
-	if err != nil {
-		os.Remove(tmp)
-		return fmt.Errorf("mkfs.erofs: %w: %s", err, strings.TrimSpace(string(out)))
-	}
-	if err := os.Chmod(tmp, 0o644); err != nil {
-		os.Remove(tmp)
-		return err
-	}
-	if err := os.Rename(tmp, dst); err != nil {
-		os.Remove(tmp)
-		return err
-	}
-	return nil
-}
-
-// mountErofs mounts the EROFS image in file read-only as a detached
-// mount and returns its descriptor (close-on-exec).
-func mountErofs(file string) (int, error) {
-	fsfd, err := unix.Fsopen("erofs", unix.FSOPEN_CLOEXEC)
-	if err != nil {
-		return -1, fmt.Errorf("fsopen erofs: %w", err)
-	}
-	defer unix.Close(fsfd)
-	if err := unix.FsconfigSetString(fsfd, "source", file); err != nil {
-		return -1, fmt.Errorf("erofs source %s: %w", file, err)
-	}
-	if err := unix.FsconfigSetFlag(fsfd, "ro"); err != nil {
-		return -1, fmt.Errorf("erofs ro: %w", err)
-	}
-	if err := unix.FsconfigCreate(fsfd); err != nil {
-		return -1, fmt.Errorf("mount erofs %s: %w", file, err)
-	}
-	fd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_RDONLY)
-	if err != nil {
-		return -1, fmt.Errorf("fsmount erofs %s: %w", file, err)
-	}
-	return fd, nil
-}
-
-// fdPath is the path of descriptor fd in this process.
-func fdPath(fd int) string { return "/proc/self/fd/" + strconv.Itoa(fd) }
 
 // erofsFile is the EROFS image of layer id (hex diff ID).
 func (s *Store) erofsFile(id string) string {
@@ -156,7 +99,7 @@ func (s *Store) layerRoot(id string) (string, error) {
 	s.mountMu.Lock()
 	defer s.mountMu.Unlock()
 	if fd, ok := s.mounts[id]; ok {
-		return fdPath(fd), nil
+		return erofs.FdPath(fd), nil
 	}
 	file := s.erofsFile(id)
 	if _, err := os.Stat(file); err != nil {
@@ -165,12 +108,12 @@ func (s *Store) layerRoot(id string) (string, error) {
 		}
 		return "", err
 	}
-	fd, err := mountErofs(file)
+	fd, err := erofs.Mount(file)
 	if err != nil {
 		return "", fmt.Errorf("layer %s: %w", shortID(id), err)
 	}
 	s.mounts[id] = fd
-	return fdPath(fd), nil
+	return erofs.FdPath(fd), nil
 }
 
 // unmountLayer closes layer id's mount, if it has one (GC: nothing holds
@@ -201,7 +144,7 @@ func (s *Store) Close() {
 func (s *Store) makeErofs(tmp, cache, dst string) (int64, error) {
 	if cache == "" {
 		size, _ := dirSize(tmp)
-		return size, mkfsErofs(s.mkfs, tmp, dst)
+		return size, erofs.Mkfs(s.mkfs, tmp, dst)
 	}
 	size, err := cachedSize(cache)
 	if err != nil {
@@ -209,7 +152,7 @@ func (s *Store) makeErofs(tmp, cache, dst string) (int64, error) {
 			return 0, fmt.Errorf("no EROFS image at %s: %w", cache, err)
 		}
 		size, _ = dirSize(tmp)
-		if err := mkfsErofs(s.mkfs, tmp, cache); err != nil {
+		if err := erofs.Mkfs(s.mkfs, tmp, cache); err != nil {
 			return 0, err
 		}
 		if err := writeFileAtomic(cache+".size", []byte(fmt.Sprint(size))); err != nil {

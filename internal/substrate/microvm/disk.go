@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/erofs"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/qemu"
 )
@@ -75,13 +76,8 @@ func (d *Driver) imageDisk(layers []substrate.Layer) (string, error) {
 		return "", errdefs.Internal(err, "mount image layers")
 	}
 	defer unix.Unmount(merged, unix.MNT_DETACH)
-	tmp := filepath.Join(work, "disk.erofs")
-	cmd := exec.Command(d.mkfsErofs, "--quiet", "--preserve-mtime", tmp, merged)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", errdefs.Internal(fmt.Errorf("%w: %s", err, bytes.TrimSpace(out)), "build the image disk")
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		return "", errdefs.Internal(err, "store the image disk")
+	if err := erofs.Mkfs(d.mkfsErofs, merged, path); err != nil {
+		return "", errdefs.Internal(err, "build the image disk")
 	}
 	return path, nil
 }

@@ -1,0 +1,425 @@
+// Package blobfs serves a node's lazily loaded layer data: each blob (the
+// data device of a layer's EROFS image, made with mkfs.erofs --blobdev) is
+// a read-only file of a FUSE file system the node mounts once, whose
+// bytes are fetched from a Source in fixed chunks on first read, checked
+// against the chunk's digest, and kept in an on-disk chunk cache. The
+// layer's EROFS metadata image is local and names the blob file as its
+// device, so a sandbox starts from an image whose data the node does not
+// hold: the kernel reads through EROFS, EROFS through this file, and only
+// the chunks a sandbox touches ever cross the network (DSec's on-demand
+// loading; issue 19).
+//
+// A chunk that cannot be fetched, or whose bytes do not match its digest,
+// fails the read with EIO: the reading process sees an I/O error, the
+// sandbox and the node stay up, and nothing wrong is cached.
+package blobfs
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+)
+
+// Source reads a blob's bytes.
+type Source interface {
+	// ReadAt reads len(p) bytes at off (fewer only at the blob's end).
+	ReadAt(ctx context.Context, p []byte, off int64) (int, error)
+}
+
+// HTTPSource reads a blob by HTTP range requests: a registry's blob URL,
+// another node's, an object store's.
+type HTTPSource struct {
+	URL    string
+	Header http.Header // e.g. Authorization
+	Client *http.Client
+}
+
+// ReadAt implements Source.
+func (s HTTPSource) ReadAt(ctx context.Context, p []byte, off int64) (int, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.URL, nil)
+	if err != nil {
+		return 0, err
+	}
+	for k, v := range s.Header {
+		req.Header[k] = v
+	}
+	req.Header.Set("Range", fmt.Sprintf("bytes=%d-%d", off, off+int64(len(p))-1))
+	c := s.Client
+	if c == nil {
+		c = http.DefaultClient
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusPartialContent {
+		return 0, fmt.Errorf("range read of %s: %s", s.URL, resp.Status)
+	}
+	n, err := io.ReadFull(resp.Body, p)
+	if err == io.ErrUnexpectedEOF {
+		err = nil // the blob's end
+	}
+	return n, err
+}
+
+// Blob describes one blob: its size, its chunk size and each chunk's
+// SHA-256 (hex), in order.
+type Blob struct {
+	Size   int64    `json:"size"`
+	Chunk  int64    `json:"chunk"`
+	Digest []string `json:"chunks"`
+}
+
+// Describe reads the blob at path and describes it in chunks of chunk
+// bytes (a power of two of at least 4 KiB).
+func Describe(path string, chunk int64) (Blob, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return Blob{}, err
+	}
+	defer f.Close()
+	b := Blob{Chunk: chunk}
+	buf := make([]byte, chunk)
+	for {
+		n, err := io.ReadFull(f, buf)
+		if n > 0 {
+			sum := sha256.Sum256(buf[:n])
+			b.Digest = append(b.Digest, hex.EncodeToString(sum[:]))
+			b.Size += int64(n)
+		}
+		if err == io.EOF || err == io.ErrUnexpectedEOF {
+			return b, nil
+		}
+		if err != nil {
+			return Blob{}, err
+		}
+	}
+}
+
+// Stats are a blob's counters.
+type Stats struct {
+	// Chunks is the blob's chunk count, Cached those on the node.
+	Chunks, Cached int
+	// Hits are reads of cached chunks; Fetches chunks fetched from the
+	// source, FetchedBytes their bytes; Failed fetches that failed or
+	// were refused (a digest mismatch).
+	Hits, Fetches, FetchedBytes, Failed int64
+}
+
+// FS is a node's mount of lazily loaded blobs.
+type FS struct {
+	dir, cache string
+	log        *slog.Logger
+	server     *fuse.Server
+	root       *rootNode
+}
+
+// Mount mounts the blob file system at dir, with its chunk cache in cache.
+func Mount(dir, cache string, log *slog.Logger) (*FS, error) {
+	for _, d := range []string{dir, cache} {
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			return nil, err
+		}
+	}
+	f := &FS{dir: dir, cache: cache, log: log, root: &rootNode{blobs: map[string]*blobNode{}}}
+	timeout := time.Hour // the set of blobs changes only through Add and Remove
+	server, err := fs.Mount(dir, f.root, &fs.Options{
+		EntryTimeout: &timeout, AttrTimeout: &timeout,
+		MountOptions: fuse.MountOptions{
+			DirectMount: true, FsName: "dsec-blobs", Name: "dsecblobs",
+			AllowOther:   true, // the kernel reads for EROFS on behalf of any sandbox
+			MaxReadAhead: 128 << 10,
+			// A FUSE mount with passthrough counts as a stacked file
+			// system, and EROFS refuses a device file on one.
+			DisabledCapabilities: fuse.CAP_PASSTHROUGH,
+		},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("mount the blob file system at %s: %w", dir, err)
+	}
+	f.server = server
+	return f, nil
+}
+
+// Close unmounts the file system.
+func (f *FS) Close() error {
+	return f.server.Unmount()
+}
+
+// Add serves blob name (a digest's hex: a file name) of description d
+// from src, and returns its path. Chunks cached by an earlier Add of the
+// same name (another run of the node) are used.
+func (f *FS) Add(name string, d Blob, src Source) (string, error) {
+	if d.Chunk < 4096 || d.Chunk&(d.Chunk-1) != 0 || int64(len(d.Digest)) != (d.Size+d.Chunk-1)/d.Chunk {
+		return "", fmt.Errorf("blob %s: a bad description (%d bytes, chunks of %d, %d digests)", name, d.Size, d.Chunk, len(d.Digest))
+	}
+	data, err := os.OpenFile(filepath.Join(f.cache, name), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return "", err
+	}
+	if err := data.Truncate(d.Size); err != nil {
+		data.Close()
+		return "", err
+	}
+	b := &blobNode{name: name, desc: d, src: src, data: data, log: f.log,
+		present: make([]bool, len(d.Digest)), inflight: map[int]*fetch{}}
+	// The chunk map: one byte per chunk, 1 once its bytes were written
+	// and synced (a lost mark costs a refetch, never a wrong byte).
+	if marks, err := os.ReadFile(filepath.Join(f.cache, name+".chunks")); err == nil && len(marks) == len(d.Digest) {
+		for i, m := range marks {
+			b.present[i] = m == 1
+		}
+	}
+	if b.marks, err = os.OpenFile(filepath.Join(f.cache, name+".chunks"), os.O_RDWR|os.O_CREATE, 0o600); err != nil {
+		data.Close()
+		return "", err
+	}
+	b.marks.Truncate(int64(len(d.Digest)))
+	f.root.mu.Lock()
+	old := f.root.blobs[name]
+	f.root.blobs[name] = b
+	f.root.mu.Unlock()
+	if old != nil {
+		old.close()
+	}
+	return filepath.Join(f.dir, name), nil
+}
+
+// Remove stops serving blob name and removes its cached chunks.
+func (f *FS) Remove(name string) {
+	f.root.mu.Lock()
+	b := f.root.blobs[name]
+	delete(f.root.blobs, name)
+	f.root.mu.Unlock()
+	if b != nil {
+		b.close()
+	}
+	os.Remove(filepath.Join(f.cache, name))
+	os.Remove(filepath.Join(f.cache, name+".chunks"))
+}
+
+// Stats reports blob name's counters.
+func (f *FS) Stats(name string) (Stats, bool) {
+	f.root.mu.Lock()
+	b := f.root.blobs[name]
+	f.root.mu.Unlock()
+	if b == nil {
+		return Stats{}, false
+	}
+	return b.stats(), true
+}
+
+// Names lists the blobs served.
+func (f *FS) Names() []string {
+	f.root.mu.Lock()
+	defer f.root.mu.Unlock()
+	var out []string
+	for n := range f.root.blobs {
+		out = append(out, n)
+	}
+	sort.Strings(out)
+	return out
+}
+
+type rootNode struct {
+	fs.Inode
+	mu    sync.Mutex
+	blobs map[string]*blobNode
+}
+
+var _ = (fs.NodeLookuper)((*rootNode)(nil))
+var _ = (fs.NodeReaddirer)((*rootNode)(nil))
+
+func (r *rootNode) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (*fs.Inode, syscall.Errno) {
+	r.mu.Lock()
+	b := r.blobs[name]
+	r.mu.Unlock()
+	if b == nil {
+		return nil, syscall.ENOENT
+	}
+	b.attr(&out.Attr)
+	return r.NewInode(ctx, b, fs.StableAttr{Mode: fuse.S_IFREG}), 0
+}
+
+func (r *rootNode) Readdir(ctx context.Context) (fs.DirStream, syscall.Errno) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var ents []fuse.DirEntry
+	for n := range r.blobs {
+		ents = append(ents, fuse.DirEntry{Name: n, Mode: fuse.S_IFREG})
+	}
+	sort.Slice(ents, func(i, j int) bool { return ents[i].Name < ents[j].Name })
+	return fs.NewListDirStream(ents), 0
+}
+
+// blobNode is one blob's file.
+type blobNode struct {
+	fs.Inode
+	name string
+	desc Blob
+	src  Source
+	log  *slog.Logger
+
+	data, marks *os.File
+
+	mu       sync.Mutex
+	present  []bool
+	inflight map[int]*fetch
+	closed   bool
+
+	hits, fetches, fetched, failed atomic.Int64
+}
+
+// fetch is a chunk being fetched; err is set when done closes.
+type fetch struct {
+	done chan struct{}
+	err  error
+}
+
+var _ = (fs.NodeGetattrer)((*blobNode)(nil))
+var _ = (fs.NodeOpener)((*blobNode)(nil))
+var _ = (fs.NodeReader)((*blobNode)(nil))
+
+func (b *blobNode) attr(a *fuse.Attr) {
+	a.Mode = fuse.S_IFREG | 0o444
+	a.Size = uint64(b.desc.Size)
+	a.Blocks = (a.Size + 511) / 512
+}
+
+func (b *blobNode) Getattr(ctx context.Context, fh fs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	b.attr(&out.Attr)
+	return 0
+}
+
+func (b *blobNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint32, syscall.Errno) {
+	if flags&(syscall.O_WRONLY|syscall.O_RDWR) != 0 {
+		return nil, 0, syscall.EROFS
+	}
+	return nil, fuse.FOPEN_KEEP_CACHE, 0
+}
+
+func (b *blobNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
+	if off >= b.desc.Size {
+		return fuse.ReadResultData(nil), 0
+	}
+	end := min(off+int64(len(dest)), b.desc.Size)
+	for c := int(off / b.desc.Chunk); int64(c)*b.desc.Chunk < end; c++ {
+		if err := b.ensure(ctx, c); err != nil {
+			b.log.Warn("a layer's data cannot be read", slog.String("blob", b.name), slog.Int("chunk", c), slog.Any("error", err))
+			return nil, syscall.EIO
+		}
+	}
+	n, err := b.data.ReadAt(dest[:end-off], off)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return nil, syscall.EIO
+	}
+	return fuse.ReadResultData(dest[:n]), 0
+}
+
+// ensure makes chunk c present in the cache, fetching it once however
+// many reads want it at once.
+func (b *blobNode) ensure(ctx context.Context, c int) error {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return errors.New("the blob is no longer served")
+	}
+	if b.present[c] {
+		b.mu.Unlock()
+		b.hits.Add(1)
+		return nil
+	}
+	f := b.inflight[c]
+	if f == nil {
+		f = &fetch{done: make(chan struct{})}
+		b.inflight[c] = f
+		go b.fetch(c, f)
+	}
+	b.mu.Unlock()
+	select {
+	case <-f.done:
+		return f.err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// fetch fetches chunk c into the cache, checks it and marks it present.
+func (b *blobNode) fetch(c int, f *fetch) {
+	off := int64(c) * b.desc.Chunk
+	size := min(b.desc.Chunk, b.desc.Size-off)
+	err := func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		buf := make([]byte, size)
+		n, err := b.src.ReadAt(ctx, buf, off)
+		if err != nil {
+			return err
+		}
+		if int64(n) != size {
+			return fmt.Errorf("chunk %d: %d bytes of %d", c, n, size)
+		}
+		sum := sha256.Sum256(buf)
+		if got := hex.EncodeToString(sum[:]); got != b.desc.Digest[c] {
+			return fmt.Errorf("chunk %d: digest %s, want %s", c, got[:12], b.desc.Digest[c][:12])
+		}
+		if _, err := b.data.WriteAt(buf, off); err != nil {
+			return err
+		}
+		if err := b.data.Sync(); err != nil {
+			return err
+		}
+		b.fetched.Add(size)
+		_, err = b.marks.WriteAt([]byte{1}, int64(c))
+		return err
+	}()
+	b.fetches.Add(1)
+	if err != nil {
+		b.failed.Add(1)
+	}
+	b.mu.Lock()
+	delete(b.inflight, c)
+	if err == nil {
+		b.present[c] = true
+	}
+	b.mu.Unlock()
+	f.err = err
+	close(f.done)
+}
+
+func (b *blobNode) stats() Stats {
+	b.mu.Lock()
+	cached := 0
+	for _, p := range b.present {
+		if p {
+			cached++
+		}
+	}
+	b.mu.Unlock()
+	return Stats{Chunks: len(b.present), Cached: cached, Hits: b.hits.Load(), Fetches: b.fetches.Load(),
+		FetchedBytes: b.fetched.Load(), Failed: b.failed.Load()}
+}
+
+func (b *blobNode) close() {
+	b.mu.Lock()
+	b.closed = true
+	b.mu.Unlock()
+	b.data.Close()
+	b.marks.Close()
+}
