@@ -77,4 +77,3 @@ func Mount(file string, devices ...string) (int, error) {
 
 // FdPath is the path of descriptor fd in this process: a mount's root.
 func FdPath(fd int) string { return "/proc/self/fd/" + strconv.Itoa(fd) }
-

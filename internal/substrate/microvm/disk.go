@@ -13,8 +13,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/erofs"
+	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/substrate"
 	"github.com/opendsec/dsec/internal/substrate/qemu"
 )
