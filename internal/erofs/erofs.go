@@ -76,4 +76,6 @@ func Mount(file string, devices ...string) (int, error) {
 }
 
 // FdPath is the path of descriptor fd in this process: a mount's root.
-func FdPath(fd int) string { return "/proc/self/fd/" + strconv.Itoa(fd) }
+// It ends in "/.", so the magic link is followed even by a walk that
+// takes its root as it is (filepath.WalkDir does not follow a symlink).
+func FdPath(fd int) string { return "/proc/self/fd/" + strconv.Itoa(fd) + "/." }

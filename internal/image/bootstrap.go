@@ -253,9 +253,9 @@ func (b *cachedBuild) ensure(ctx context.Context, cacheDir string, force bool, p
 	}
 	if _, err := os.Stat(rootfs + ".complete"); err != nil {
 		os.Remove(rootfs + ".layer") // the layer of a build that is no more
-		if stale, err := filepath.Glob(rootfs + ".*.erofs*"); err == nil {
+		if stale, err := filepath.Glob(rootfs + ".*.erofs.d*"); err == nil {
 			for _, f := range stale {
-				os.Remove(f) // its EROFS images (linklayer.go)
+				os.RemoveAll(f) // its EROFS layer files (linklayer.go)
 			}
 		}
 		progress.report("build", "building "+b.recipe+" root filesystem", 0, 0)

@@ -1,6 +1,7 @@
 package image
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -9,11 +10,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/erofs"
+	"github.com/opendsec/dsec/internal/image/blobfs"
 )
 
 // File system layers as EROFS images.
@@ -108,7 +111,11 @@ func (s *Store) layerRoot(id string) (string, error) {
 		}
 		return "", err
 	}
-	fd, err := erofs.Mount(file)
+	var devices []string
+	if blob := filepath.Join(s.dir, "layers", id+".blob"); exists(blob) {
+		devices = append(devices, blob)
+	}
+	fd, err := erofs.Mount(file, devices...)
 	if err != nil {
 		return "", fmt.Errorf("layer %s: %w", shortID(id), err)
 	}
@@ -137,44 +144,96 @@ func (s *Store) Close() {
 	}
 }
 
-// makeErofs writes the EROFS image of the file system layer unpacked in
-// tmp to dst and returns the layer's size (its files' bytes), from cache
-// (a host-wide copy of the image, made first if missing, with its size
-// beside it) when cache is not "".
-func (s *Store) makeErofs(tmp, cache, dst string) (int64, error) {
+// A layer's EROFS files, stored beside each other as <hex diff ID> plus:
+//
+//	.erofs   the metadata image: the tree, owners, modes, attributes, and
+//	         each file's data as 64 KiB chunks of the blob
+//	.blob    the files' data, the image's device
+//	.chunks  the blob's description (blobfs.Blob): size and each 256 KiB
+//	         chunk's SHA-256, what another node checks when it loads the
+//	         layer's data on demand from this one or from a registry
+//
+// (A layer stored before blobs existed is one .erofs image holding its
+// data; it is mounted without a device.)
+const (
+	erofsChunk = 64 << 10  // mkfs.erofs --chunksize
+	fetchChunk = 256 << 10 // the unit a blob's data is checked and fetched in
+)
+
+// layerSuffixes are a layer's EROFS files, in the order they are put in
+// place: the metadata image, whose presence means "an image", last.
+var layerSuffixes = []string{".blob", ".chunks", ".erofs"}
+
+// setFile maps a layer file's suffix to its name in a set directory.
+func setFile(dir, suffix string) string { return filepath.Join(dir, strings.TrimPrefix(suffix, ".")) }
+
+// makeSet writes the EROFS files of the file system layer unpacked in src
+// into set directory dir (blob, chunks, erofs and size) and returns the
+// layer's size (its files' bytes).
+func (s *Store) makeSet(src, dir string) (int64, error) {
+	size, _ := dirSize(src)
+	blob := setFile(dir, ".blob")
+	if err := erofs.Mkfs(s.mkfs, src, setFile(dir, ".erofs"), fmt.Sprintf("--chunksize=%d", erofsChunk), "--blobdev="+blob); err != nil {
+		return 0, err
+	}
+	desc, err := blobfs.Describe(blob, fetchChunk)
+	if err != nil {
+		return 0, fmt.Errorf("describe the layer's blob: %w", err)
+	}
+	b, _ := json.Marshal(desc)
+	if err := os.WriteFile(setFile(dir, ".chunks"), b, 0o644); err != nil {
+		return 0, err
+	}
+	return size, os.WriteFile(filepath.Join(dir, "size"), []byte(fmt.Sprint(size)), 0o644)
+}
+
+// makeErofs writes the EROFS files of the file system layer unpacked in
+// tmp into set directory out and returns the layer's size, from cache (a
+// host-wide set directory of the layer, made first if missing) when cache
+// is not "": tmp is then read only if the cache lacks the set, and may be
+// "".
+func (s *Store) makeErofs(tmp, cache, out string) (int64, error) {
 	if cache == "" {
-		size, _ := dirSize(tmp)
-		return size, erofs.Mkfs(s.mkfs, tmp, dst)
+		return s.makeSet(tmp, out)
 	}
 	size, err := cachedSize(cache)
 	if err != nil {
 		if tmp == "" {
-			return 0, fmt.Errorf("no EROFS image at %s: %w", cache, err)
+			return 0, fmt.Errorf("no EROFS layer at %s: %w", cache, err)
 		}
-		size, _ = dirSize(tmp)
-		if err := erofs.Mkfs(s.mkfs, tmp, cache); err != nil {
+		// Made beside the cache's place and renamed into it whole: stores
+		// on one host making it at once do not mix their files.
+		mine, err := os.MkdirTemp(filepath.Dir(cache), filepath.Base(cache)+".*.tmp")
+		if err != nil {
 			return 0, err
 		}
-		if err := writeFileAtomic(cache+".size", []byte(fmt.Sprint(size))); err != nil {
+		defer os.RemoveAll(mine)
+		if size, err = s.makeSet(tmp, mine); err != nil {
 			return 0, err
 		}
+		if err := os.Rename(mine, cache); err != nil {
+			if _, err2 := cachedSize(cache); err2 != nil {
+				return 0, err // not another store's complete set either
+			}
+		}
 	}
-	os.Remove(dst)
-	if err := os.Link(cache, dst); err == nil {
-		return size, nil
+	for _, suf := range layerSuffixes {
+		src, dst := setFile(cache, suf), setFile(out, suf)
+		if err := os.Link(src, dst); err != nil {
+			// Another file system: a copy.
+			if err := copyTo(src, dst); err != nil {
+				return 0, err
+			}
+		}
 	}
-	// Another file system: a copy.
-	return size, copyTo(cache, dst)
+	return size, nil
 }
 
-// cachedSize reads the size recorded beside a host-wide image; an image
-// without one (its maker interrupted) is not complete.
+// cachedSize reads the size recorded in a host-wide set directory; a set
+// without one is not complete.
 func cachedSize(cache string) (int64, error) {
-	b, err := os.ReadFile(cache + ".size")
+	b, err := os.ReadFile(filepath.Join(cache, "size"))
 	if err != nil {
-		return 0, err
-	}
-	if _, err := os.Stat(cache); err != nil {
 		return 0, err
 	}
 	var n int64
@@ -182,6 +241,12 @@ func cachedSize(cache string) (int64, error) {
 		return 0, err
 	}
 	return n, nil
+}
+
+// exists says whether path names something.
+func exists(path string) bool {
+	_, err := os.Lstat(path)
+	return err == nil
 }
 
 // copyTo copies file src to dst (through a temporary file).

@@ -4,10 +4,12 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"encoding/json"
 	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -17,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/image/blobfs"
 	"github.com/opendsec/dsec/internal/tenant"
 )
 
@@ -84,9 +87,21 @@ func TestErofsLayers(t *testing.T) {
 	img := importLayer(t, s, "layered", entries)
 	id := strings.TrimPrefix(img.Layers[0], "sha256:")
 
-	t.Run("a layer is one image file, read through its mount", func(t *testing.T) {
-		if _, err := os.Stat(s.erofsFile(id)); err != nil {
-			t.Fatalf("no image file: %v", err)
+	t.Run("a layer is its EROFS files, read through its mount", func(t *testing.T) {
+		for _, suf := range layerSuffixes {
+			if _, err := os.Stat(filepath.Join(s.dir, "layers", id+suf)); err != nil {
+				t.Fatalf("no %s file: %v", suf, err)
+			}
+		}
+		// The blob's description covers the blob, chunk by chunk.
+		var desc blobfs.Blob
+		b, _ := os.ReadFile(filepath.Join(s.dir, "layers", id+".chunks"))
+		if err := json.Unmarshal(b, &desc); err != nil {
+			t.Fatal(err)
+		}
+		again, err := blobfs.Describe(filepath.Join(s.dir, "layers", id+".blob"), fetchChunk)
+		if err != nil || !slices.Equal(again.Digest, desc.Digest) || again.Size != desc.Size || desc.Chunk != fetchChunk {
+			t.Fatalf("the blob's description %+v, the blob's %+v (%v)", desc, again, err)
 		}
 		if _, err := os.Lstat(filepath.Join(s.dir, "layers", id)); !os.IsNotExist(err) {
 			t.Fatalf("an unpacked directory beside the image: %v", err)

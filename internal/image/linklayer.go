@@ -80,13 +80,13 @@ func (b *cachedBuild) remember(diff string, size int64, overlay bool) {
 // linkLayer makes the layer diff of the build in src by linking its files
 // (linkTree) and stores it, held until release is called.
 func (s *Store) linkLayer(diff, src string, overlay bool) (release func(), err error) {
-	// Where the store keeps EROFS images, the build's image is made once
-	// per host, beside the build (by its layer's diff ID: content-
-	// addressed), and linked into each store: once it is there, the
-	// build's files are not read at all.
+	// Where the store keeps EROFS images, the build's layer files are
+	// made once per host, in a directory beside the build (by its layer's
+	// diff ID: content-addressed), and linked into each store: once they
+	// are there, the build's files are not read at all.
 	var cache string
 	if ok, _ := s.Erofs(); ok {
-		cache = src + "." + strings.TrimPrefix(diff, "sha256:") + ".erofs"
+		cache = src + "." + strings.TrimPrefix(diff, "sha256:") + ".erofs.d"
 		if _, err := cachedSize(cache); err == nil {
 			return s.commitLayer(diff, "", cache)
 		}

@@ -562,16 +562,14 @@ func (s *Store) commitLayer(diffID, tmp, cache string) (release func(), err erro
 	if release, ok := s.holdIfPresent(diffID); ok {
 		return release, nil
 	}
-	// The image is made outside the lock (a large layer takes seconds;
+	// The files are made outside the lock (a large layer takes seconds;
 	// creates hold layers meanwhile), then renamed into place under it.
-	f, err := os.CreateTemp(filepath.Join(s.dir, "tmp"), "layer-*.erofs")
+	out, err := os.MkdirTemp(filepath.Join(s.dir, "tmp"), "set-")
 	if err != nil {
 		return nil, err
 	}
-	img := f.Name()
-	f.Close()
-	defer os.Remove(img)
-	size, err := s.makeErofs(tmp, cache, img)
+	defer os.RemoveAll(out)
+	size, err := s.makeErofs(tmp, cache, out)
 	if err != nil {
 		return nil, fmt.Errorf("store layer: %w", err)
 	}
@@ -581,8 +579,10 @@ func (s *Store) commitLayer(diffID, tmp, cache string) (release func(), err erro
 		return s.holdLocked([]string{diffID}), nil
 	}
 	os.RemoveAll(s.layerPath(diffID)) // a directory of an interrupted commit
-	if err := os.Rename(img, s.erofsFile(strings.TrimPrefix(diffID, "sha256:"))); err != nil {
-		return nil, fmt.Errorf("store layer: %w", err)
+	for _, suf := range layerSuffixes {
+		if err := os.Rename(setFile(out, suf), s.layerPath(diffID)+suf); err != nil {
+			return nil, fmt.Errorf("store layer: %w", err)
+		}
 	}
 	if err := writeFileAtomic(s.layerPath(diffID)+".size", []byte(fmt.Sprint(size))); err != nil {
 		return nil, err
@@ -725,7 +725,10 @@ func (s *Store) GC() {
 	ents, _ := os.ReadDir(filepath.Join(s.dir, "layers"))
 	seen := map[string]bool{}
 	for _, e := range ents {
-		id := strings.TrimSuffix(strings.TrimSuffix(e.Name(), ".size"), ".erofs")
+		id := e.Name()
+		for _, suf := range append(layerSuffixes, ".size") {
+			id = strings.TrimSuffix(id, suf)
+		}
 		if keep[id] || seen[id] {
 			continue
 		}
@@ -738,7 +741,9 @@ func (s *Store) GC() {
 		// An image: its mount closed (nothing holds the layer; the
 		// sandboxes' clones of it are their own), the file removed.
 		s.unmountLayer(id)
-		os.Remove(s.erofsFile(id))
+		for _, suf := range layerSuffixes {
+			os.Remove(filepath.Join(s.dir, "layers", id+suf))
+		}
 		// Out of the way at once (a rename), deleted after the lock.
 		dir := filepath.Join(s.dir, "layers", id)
 		if _, err := os.Lstat(dir); err != nil {
