@@ -95,7 +95,7 @@ func registryAuth(ref name.Reference) *dsecv1.RegistryAuth {
 }
 
 func imagePushCmd(g *globals) *cobra.Command {
-	var insecure bool
+	var insecure, onDemand bool
 	cmd := &cobra.Command{
 		Use:   "push NAME REF",
 		Short: "Push an image to a registry (credentials from your docker config), as an OCI image",
@@ -106,7 +106,7 @@ func imagePushCmd(g *globals) *cobra.Command {
 				return fmt.Errorf("%s is not an image reference: %v", args[1], err)
 			}
 			bar := newProgress("push " + args[0])
-			req := &dsecv1.PushImageRequest{Name: args[0], Ref: args[1], Insecure: insecure, Auth: registryAuth(ref)}
+			req := &dsecv1.PushImageRequest{Name: args[0], Ref: args[1], Insecure: insecure, Auth: registryAuth(ref), OnDemand: onDemand}
 			pushed := ""
 			_, err = g.client().PushImage(cmd.Context(), req, func(p *dsecv1.ImageProgress) {
 				if p.Phase == "done" {
@@ -124,6 +124,7 @@ func imagePushCmd(g *globals) *cobra.Command {
 		},
 	}
 	cmd.Flags().BoolVar(&insecure, "insecure", false, "allow a plain-HTTP registry")
+	cmd.Flags().BoolVar(&onDemand, "on-demand", false, "push the layers' EROFS files instead: dsec nodes that pull it load each layer's data from the registry as sandboxes read it")
 	return cmd
 }
 

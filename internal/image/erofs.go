@@ -112,7 +112,15 @@ func (s *Store) layerRoot(id string) (string, error) {
 		return "", err
 	}
 	var devices []string
-	if blob := filepath.Join(s.dir, "layers", id+".blob"); exists(blob) {
+	base := filepath.Join(s.dir, "layers", id)
+	switch {
+	case exists(base + ".blob"):
+		devices = append(devices, base+".blob")
+	case exists(base + ".lazy"):
+		blob, err := s.lazyDevice(id)
+		if err != nil {
+			return "", fmt.Errorf("layer %s: its data: %w", shortID(id), err)
+		}
 		devices = append(devices, blob)
 	}
 	fd, err := erofs.Mount(file, devices...)
@@ -134,13 +142,35 @@ func (s *Store) unmountLayer(id string) {
 	}
 }
 
-// Close closes the layers' mounts (sandboxes' own mounts of them stay).
+// Close closes the layers' mounts (sandboxes' own mounts of them stay)
+// and unmounts the blob file system of lazily loaded layers.
 func (s *Store) Close() {
 	s.mountMu.Lock()
-	defer s.mountMu.Unlock()
 	for id, fd := range s.mounts {
 		unix.Close(fd)
 		delete(s.mounts, id)
+	}
+	s.mountMu.Unlock()
+	s.blobsMu.Lock()
+	defer s.blobsMu.Unlock()
+	if s.blobs != nil {
+		if err := s.blobs.Close(); err != nil {
+			s.log.Warn("unmount the blob file system", slog.Any("error", err))
+		}
+		s.blobs = nil
+	}
+}
+
+// dropLazy stops serving lazily loaded layer id and removes its cached
+// chunks (GC).
+func (s *Store) dropLazy(id string) {
+	s.blobsMu.Lock()
+	defer s.blobsMu.Unlock()
+	if s.blobs != nil {
+		s.blobs.Remove(id)
+	} else {
+		os.Remove(filepath.Join(s.dir, "chunks", id))
+		os.Remove(filepath.Join(s.dir, "chunks", id+".chunks"))
 	}
 }
 

@@ -68,6 +68,12 @@ func (s *Store) Push(ctx context.Context, img *Image, ref string, auth Auth, ins
 	if err != nil {
 		return "", err
 	}
+	return s.write(ctx, r, ref, out, ropts, progress)
+}
+
+// write writes out to a registry at r (ref as the caller named it),
+// reporting upload progress, and returns the manifest's digest.
+func (s *Store) write(ctx context.Context, r name.Reference, ref string, out v1.Image, ropts []remote.Option, progress Progress) (string, error) {
 	digest, err := out.Digest()
 	if err != nil {
 		return "", errdefs.Internal(err, "archive the image's layers")
@@ -114,7 +120,23 @@ func (s *Store) ociImage(img *Image) (v1.Image, error) {
 	if err != nil {
 		return nil, errdefs.Internal(err, "make the image config")
 	}
-	cf = cf.DeepCopy()
+	own, err := s.configFile(img)
+	if err != nil {
+		return nil, err
+	}
+	own.RootFS, own.History = cf.RootFS, cf.History
+	out, err = mutate.ConfigFile(out, own)
+	if err != nil {
+		return nil, errdefs.Internal(err, "make the image config")
+	}
+	return out, nil
+}
+
+// configFile is img's OCI configuration (without its layers): platform,
+// creation time, environment, user, working directory, entrypoint, cmd,
+// labels and exposed ports.
+func (s *Store) configFile(img *Image) (*v1.ConfigFile, error) {
+	cf := &v1.ConfigFile{}
 	cf.OS, cf.Architecture = hostPlatform.OS, hostPlatform.Architecture
 	cf.Created = v1.Time{Time: img.Created}
 	c := img.Config
@@ -127,11 +149,7 @@ func (s *Store) ociImage(img *Image) (v1.Image, error) {
 			cf.Config.ExposedPorts[p] = struct{}{}
 		}
 	}
-	out, err = mutate.ConfigFile(out, cf)
-	if err != nil {
-		return nil, errdefs.Internal(err, "make the image config")
-	}
-	return out, nil
+	return cf, nil
 }
 
 // configOf is the part of an OCI config a sandbox uses.

@@ -43,6 +43,9 @@ func (s *Store) Pull(ctx context.Context, ref, as string, auth Auth, insecure bo
 	if as == "" {
 		as = ref
 	}
+	if m, err := img.Manifest(); err == nil && lazyManifest(m) {
+		return s.pullLazy(ctx, as, "registry:"+r.String()+" (on demand)", r, img, m, auth, insecure, progress)
+	}
 	return s.Import(ctx, as, "registry:"+r.String(), img, progress)
 }
 

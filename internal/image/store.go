@@ -30,6 +30,7 @@ import (
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
 	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/image/blobfs"
 	"github.com/opendsec/dsec/internal/tenant"
 )
 
@@ -204,6 +205,11 @@ type Store struct {
 	// mount's descriptor.
 	mountMu sync.Mutex
 	mounts  map[string]int
+
+	// blobs serves lazily loaded layers' data (lazy.go), mounted on
+	// first use.
+	blobsMu sync.Mutex
+	blobs   *blobfs.FS
 }
 
 // Open opens (creating if needed) the store in dir.
@@ -726,7 +732,7 @@ func (s *Store) GC() {
 	seen := map[string]bool{}
 	for _, e := range ents {
 		id := e.Name()
-		for _, suf := range append(layerSuffixes, ".size") {
+		for _, suf := range append(layerSuffixes, ".size", ".lazy") {
 			id = strings.TrimSuffix(id, suf)
 		}
 		if keep[id] || seen[id] {
@@ -743,6 +749,9 @@ func (s *Store) GC() {
 		s.unmountLayer(id)
 		for _, suf := range layerSuffixes {
 			os.Remove(filepath.Join(s.dir, "layers", id+suf))
+		}
+		if os.Remove(filepath.Join(s.dir, "layers", id+".lazy")) == nil {
+			s.dropLazy(id)
 		}
 		// Out of the way at once (a rename), deleted after the lock.
 		dir := filepath.Join(s.dir, "layers", id)

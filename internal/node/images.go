@@ -109,7 +109,11 @@ func (n *Node) PushImage(ctx context.Context, req *dsecv1.PushImageRequest, prog
 		return nil, errdefs.NotFound("image %q not found", req.GetName())
 	}
 	a := req.GetAuth()
-	if _, err := n.images.Push(ctx, img, req.GetRef(), image.Auth{
+	push := n.images.Push
+	if req.GetOnDemand() {
+		push = n.images.PushLazy
+	}
+	if _, err := push(ctx, img, req.GetRef(), image.Auth{
 		Username: a.GetUsername(), Password: a.GetPassword(), IdentityToken: a.GetIdentityToken(), RegistryToken: a.GetRegistryToken(),
 	}, req.GetInsecure(), Progress(progress).image()); err != nil {
 		return nil, err

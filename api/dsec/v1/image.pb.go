@@ -647,7 +647,13 @@ type PushImageRequest struct {
 	// auth overrides the node's own registry credentials.
 	Auth *RegistryAuth `protobuf:"bytes,3,opt,name=auth,proto3" json:"auth,omitempty"`
 	// insecure allows plain HTTP to the registry.
-	Insecure      bool `protobuf:"varint,4,opt,name=insecure,proto3" json:"insecure,omitempty"`
+	Insecure bool `protobuf:"varint,4,opt,name=insecure,proto3" json:"insecure,omitempty"`
+	// on_demand pushes the image as its layers' EROFS files (a metadata
+	// image, a blob description and a blob per layer, dsec's own media
+	// types): a node that pulls it fetches the metadata only and reads each
+	// layer's data from the registry in checked chunks as sandboxes touch
+	// it. Only dsec nodes pull such an image.
+	OnDemand      bool `protobuf:"varint,5,opt,name=on_demand,json=onDemand,proto3" json:"on_demand,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -706,6 +712,13 @@ func (x *PushImageRequest) GetAuth() *RegistryAuth {
 func (x *PushImageRequest) GetInsecure() bool {
 	if x != nil {
 		return x.Insecure
+	}
+	return false
+}
+
+func (x *PushImageRequest) GetOnDemand() bool {
+	if x != nil {
+		return x.OnDemand
 	}
 	return false
 }
@@ -1550,12 +1563,13 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"\x03ref\x18\x01 \x01(\tR\x03ref\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12)\n" +
 	"\x04auth\x18\x03 \x01(\v2\x15.dsec.v1.RegistryAuthR\x04auth\x12\x1a\n" +
-	"\binsecure\x18\x04 \x01(\bR\binsecure\"\x7f\n" +
+	"\binsecure\x18\x04 \x01(\bR\binsecure\"\x9c\x01\n" +
 	"\x10PushImageRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x10\n" +
 	"\x03ref\x18\x02 \x01(\tR\x03ref\x12)\n" +
 	"\x04auth\x18\x03 \x01(\v2\x15.dsec.v1.RegistryAuthR\x04auth\x12\x1a\n" +
-	"\binsecure\x18\x04 \x01(\bR\binsecure\"S\n" +
+	"\binsecure\x18\x04 \x01(\bR\binsecure\x12\x1b\n" +
+	"\ton_demand\x18\x05 \x01(\bR\bonDemand\"S\n" +
 	"\x11UploadImageHeader\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x03R\x04size\x12\x16\n" +

@@ -1108,12 +1108,15 @@ class Client:
         raise make_error("unavailable", f"the build of {name} ended without its image")
 
     def push_image(self, name: str, ref: str, *, insecure: bool = False, username: Optional[str] = None,
-                   password: Optional[str] = None) -> str:
+                   password: Optional[str] = None, on_demand: bool = False) -> str:
         """Push the image ``name`` to a registry at ``ref`` (an OCI image
         for linux/amd64); without credentials the server uses its own.
-        ``insecure`` allows plain HTTP. Returns the pushed reference by
-        digest (``repository@sha256:...``)."""
-        req: Dict[str, Any] = {"name": name, "ref": ref, "insecure": insecure}
+        ``insecure`` allows plain HTTP. With ``on_demand`` the layers' EROFS
+        files are pushed instead: a dsec node that pulls the image fetches
+        only their metadata and reads each layer's data from the registry
+        as sandboxes touch it. Returns the pushed reference by digest
+        (``repository@sha256:...``)."""
+        req: Dict[str, Any] = {"name": name, "ref": ref, "insecure": insecure, "onDemand": on_demand}
         if username is not None:
             req["auth"] = {"username": username, "password": password or ""}
         for m in self._t.stream(_IMAGE, "PushImage", req, timeout=3600):

@@ -3,6 +3,7 @@ the context's .dockerignore rules checked on their own."""
 
 import asyncio
 import io
+import os
 import socket
 import subprocess
 import tarfile
@@ -105,6 +106,30 @@ def test_a_built_image_goes_to_a_registry_and_comes_back(client, registry, tmp_p
         assert sb.exec("cat /srv/app.py").stdout == "print('app')\n"
     with pytest.raises(dsec.NotFound):
         client.push_image("py-no-such-image", f"{registry}/py/x:1", insecure=True)
+
+
+def test_an_image_pushed_on_demand_runs_on_another_server_without_its_data(client, registry, tmp_path):
+    from conftest import Server
+
+    name = "py-lazy-" + uuid.uuid4().hex[:8]
+    client.build_image(name, str(_context(tmp_path, "FROM busybox\nCOPY app.py /srv/\nCMD [\"cat\", \"/srv/app.py\"]\n")))
+    pushed = client.push_image(name, f"{registry}/py/{name}:1", insecure=True, on_demand=True)
+    assert pushed.startswith(f"{registry}/py/{name}@sha256:")
+    other = Server()
+    try:
+        c2 = dsec.Client(other.url)
+        img = c2.pull_image(f"{registry}/py/{name}:1", name, insecure=True)
+        assert "on demand" in img["source"] and img["config"]["cmd"] == ["cat", "/srv/app.py"]
+        # The layer the build added is on the other server as its metadata
+        # only, its data read from the registry as the sandbox reads it.
+        top = img["layers"][-1].removeprefix("sha256:")
+        layers = os.path.join(other.data_dir, "images", "layers")
+        assert os.path.exists(os.path.join(layers, top + ".lazy"))
+        assert not os.path.exists(os.path.join(layers, top + ".blob"))
+        with c2.create(name, ttl_s=300) as sb:
+            assert sb.exec("cat /srv/app.py").stdout == "print('app')\n"
+    finally:
+        other.stop()
 
 
 def test_the_async_client_builds_too(server, tmp_path):

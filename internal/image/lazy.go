@@ -1,0 +1,408 @@
+package image
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/authn"
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/remote/transport"
+	"github.com/google/go-containerregistry/pkg/v1/types"
+	"golang.org/x/sys/unix"
+
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/image/blobfs"
+	"github.com/opendsec/dsec/internal/tenant"
+)
+
+// Images loaded on demand.
+//
+// PushLazy writes an image to a registry as its layers' EROFS files: for
+// each layer, its metadata image, its blob's description and its blob,
+// three manifest layers of dsec's own media types, annotated with the
+// layer's diff ID and size, under an OCI config like Push's. A node that
+// pulls such an image fetches only the metadata images and descriptions
+// (a few percent of the image); each layer's blob stays in the registry
+// and its chunks are read by range, checked against their digests and
+// cached as sandboxes touch them (blobfs). The layers keep their diff
+// IDs, so a lazily pulled layer is the same layer as the one pushed, on
+// every node.
+//
+// A lazily loaded layer's data is served by the node's own process (its
+// FUSE mount): a sandbox reads chunks not yet cached only while the node
+// runs; a restarted node serves them again to new mounts (the cached
+// chunks survive), but a sandbox started before the restart keeps reading
+// through the old connection, which is gone.
+
+// Media types and annotations of a lazily loaded image's manifest.
+const (
+	MediaLayerMeta   types.MediaType = "application/vnd.dsec.layer.erofs.v1"
+	MediaLayerChunks types.MediaType = "application/vnd.dsec.layer.chunks.v1+json"
+	MediaLayerBlob   types.MediaType = "application/vnd.dsec.layer.blob.v1"
+
+	annotLayer = "org.opendsec.dsec.layer" // the layer's diff ID
+	annotSize  = "org.opendsec.dsec.size"  // the layer's files' bytes
+)
+
+// fileLayer is a file as a manifest layer, stored as it is (no
+// compression): a range of the registry's blob is a range of the file.
+type fileLayer struct {
+	path   string
+	mt     types.MediaType
+	digest v1.Hash
+	size   int64
+}
+
+func newFileLayer(path string, mt types.MediaType) (*fileLayer, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	h := sha256.New()
+	n, err := io.Copy(h, f)
+	if err != nil {
+		return nil, err
+	}
+	return &fileLayer{path: path, mt: mt, size: n, digest: v1.Hash{Algorithm: "sha256", Hex: hex.EncodeToString(h.Sum(nil))}}, nil
+}
+
+func (l *fileLayer) Digest() (v1.Hash, error)             { return l.digest, nil }
+func (l *fileLayer) DiffID() (v1.Hash, error)             { return l.digest, nil }
+func (l *fileLayer) Compressed() (io.ReadCloser, error)   { return os.Open(l.path) }
+func (l *fileLayer) Uncompressed() (io.ReadCloser, error) { return os.Open(l.path) }
+func (l *fileLayer) Size() (int64, error)                 { return l.size, nil }
+func (l *fileLayer) MediaType() (types.MediaType, error)  { return l.mt, nil }
+
+// PushLazy writes img to a registry at ref as its layers' EROFS files
+// (see above) and returns the manifest's digest. Every layer must be
+// stored as EROFS files with a blob (a layer stored as a directory is
+// invalid here: Push it).
+func (s *Store) PushLazy(ctx context.Context, img *Image, ref string, auth Auth, insecure bool, progress Progress) (string, error) {
+	if img.VM != nil || img.Snapshot != nil && img.Snapshot.Machine {
+		return "", errdefs.Invalid("image %s is a VM disk or machine snapshot: only layered images are pushed", img.Name)
+	}
+	r, ropts, err := remoteRef(ctx, ref, auth, insecure)
+	if err != nil {
+		return "", err
+	}
+	release, err := s.Hold(img.Layers)
+	if err != nil {
+		return "", err
+	}
+	defer release()
+	out := mutate.ConfigMediaType(mutate.MediaType(empty.Image, types.OCIManifestSchema1), types.OCIConfigJSON)
+	var diffs []v1.Hash
+	for _, diff := range img.Layers {
+		base := s.layerPath(diff)
+		if !exists(base+".blob") || !exists(base+".chunks") {
+			return "", errdefs.Invalid("layer %s of %s is not stored as EROFS files with a blob: push it as an OCI image", shortID(diff), img.Name)
+		}
+		size, _ := s.haveLayer(diff)
+		ann := map[string]string{annotLayer: diff, annotSize: strconv.FormatInt(size, 10)}
+		for _, part := range []struct {
+			suffix string
+			mt     types.MediaType
+		}{{".erofs", MediaLayerMeta}, {".chunks", MediaLayerChunks}, {".blob", MediaLayerBlob}} {
+			l, err := newFileLayer(base+part.suffix, part.mt)
+			if err != nil {
+				return "", errdefs.Internal(err, "read layer %s", shortID(diff))
+			}
+			if out, err = mutate.Append(out, mutate.Addendum{Layer: l, MediaType: part.mt, Annotations: ann}); err != nil {
+				return "", errdefs.Internal(err, "add layer %s", shortID(diff))
+			}
+		}
+		h, err := v1.NewHash(diff)
+		if err != nil {
+			return "", errdefs.Internal(err, "layer %s", diff)
+		}
+		diffs = append(diffs, h)
+	}
+	cf, err := s.configFile(img)
+	if err != nil {
+		return "", err
+	}
+	cf.RootFS = v1.RootFS{Type: "layers", DiffIDs: diffs}
+	cf.History = nil
+	if out, err = mutate.ConfigFile(out, cf); err != nil {
+		return "", errdefs.Internal(err, "make the image config")
+	}
+	return s.write(ctx, r, ref, out, ropts, progress)
+}
+
+// lazyManifest reports whether m is an image of layers' EROFS files.
+func lazyManifest(m *v1.Manifest) bool {
+	for _, l := range m.Layers {
+		if l.MediaType == MediaLayerMeta {
+			return true
+		}
+	}
+	return false
+}
+
+// lazySource is where a lazily loaded layer's blob is read: a registry's
+// blob, and how to reach it (<diff>.lazy, 0600: it may hold the
+// registry's credentials, which a read after a node restart needs).
+type lazySource struct {
+	Registry string `json:"registry"`
+	Repo     string `json:"repository"`
+	Digest   string `json:"digest"`
+	Insecure bool   `json:"insecure,omitempty"`
+	Auth     Auth   `json:"auth,omitzero"`
+}
+
+// source is the blobfs source of s.
+func (ls lazySource) source() (blobfs.Source, error) {
+	var opts []name.Option
+	if ls.Insecure {
+		opts = append(opts, name.Insecure)
+	}
+	repo, err := name.NewRepository(ls.Registry+"/"+ls.Repo, opts...)
+	if err != nil {
+		return nil, err
+	}
+	var auth authn.Authenticator
+	if ls.Auth != (Auth{}) {
+		auth = authn.FromConfig(authn.AuthConfig{Username: ls.Auth.Username, Password: ls.Auth.Password, IdentityToken: ls.Auth.IdentityToken, RegistryToken: ls.Auth.RegistryToken})
+	} else if auth, err = authn.DefaultKeychain.Resolve(repo.Registry); err != nil {
+		return nil, err
+	}
+	rt, err := transport.NewWithContext(context.Background(), repo.Registry, auth, http.DefaultTransport, []string{repo.Scope(transport.PullScope)})
+	if err != nil {
+		return nil, err
+	}
+	url := fmt.Sprintf("%s://%s/v2/%s/blobs/%s", repo.Registry.Scheme(), repo.RegistryStr(), repo.RepositoryStr(), ls.Digest)
+	return blobfs.HTTPSource{URL: url, Client: &http.Client{Transport: rt, Timeout: 2 * time.Minute}}, nil
+}
+
+// pullLazy imports img, an image of layers' EROFS files from r, as name:
+// each layer's metadata image and blob description are fetched, its blob
+// left in the registry to be read on demand.
+func (s *Store) pullLazy(ctx context.Context, as, source string, r name.Reference, img v1.Image, m *v1.Manifest, auth Auth, insecure bool, progress Progress) (*Image, error) {
+	if err := ValidName(as); err != nil {
+		return nil, err
+	}
+	cfg, err := img.ConfigFile()
+	if err != nil {
+		return nil, errdefs.Invalid("read image config: %v", err)
+	}
+	digest, err := img.Digest()
+	if err != nil {
+		return nil, errdefs.Invalid("image digest: %v", err)
+	}
+	type parts struct {
+		meta, chunks, blob *v1.Descriptor
+		size               int64
+	}
+	byDiff := map[string]*parts{}
+	for i := range m.Layers {
+		d := &m.Layers[i]
+		diff := d.Annotations[annotLayer]
+		p := byDiff[diff]
+		if p == nil {
+			p = &parts{}
+			byDiff[diff] = p
+		}
+		p.size, _ = strconv.ParseInt(d.Annotations[annotSize], 10, 64)
+		switch d.MediaType {
+		case MediaLayerMeta:
+			p.meta = d
+		case MediaLayerChunks:
+			p.chunks = d
+		case MediaLayerBlob:
+			p.blob = d
+		}
+	}
+	rec := &Image{Name: normalize(as), Owner: tenant.ImageOwner(ctx), Digest: digest.String(), Created: time.Now().UTC(), Source: source}
+	var holds []func()
+	defer func() {
+		for _, release := range holds {
+			release()
+		}
+	}()
+	for i, h := range cfg.RootFS.DiffIDs {
+		diff := h.String()
+		p := byDiff[diff]
+		if p == nil || p.meta == nil || p.chunks == nil || p.blob == nil {
+			return nil, errdefs.Invalid("image %s: layer %s lacks its EROFS files", r, shortID(diff))
+		}
+		progress.report("fetch", fmt.Sprintf("layer %d/%d %s metadata", i+1, len(cfg.RootFS.DiffIDs), shortID(diff)), int64(i), int64(len(cfg.RootFS.DiffIDs)))
+		release, err := s.fetchLazyLayer(ctx, img, diff, p.meta, p.chunks, p.blob, p.size, lazySource{
+			Registry: r.Context().RegistryStr(), Repo: r.Context().RepositoryStr(), Digest: p.blob.Digest.String(), Insecure: insecure, Auth: auth,
+		})
+		if err != nil {
+			return nil, fmt.Errorf("layer %s: %w", shortID(diff), err)
+		}
+		holds = append(holds, release)
+		rec.Layers = append(rec.Layers, diff)
+		rec.Size += p.size
+	}
+	rec.Config = configOf(cfg.Config)
+	if err := s.put(rec); err != nil {
+		return nil, err
+	}
+	progress.report("done", rec.Name, 0, 0)
+	return rec, nil
+}
+
+// fetchLazyLayer stores layer diff from img unless the store has it: its
+// metadata image and blob description fetched (digests checked by the
+// registry client), its blob to be read from src. It holds the layer.
+func (s *Store) fetchLazyLayer(ctx context.Context, img v1.Image, diff string, meta, chunks, blob *v1.Descriptor, size int64, src lazySource) (func(), error) {
+	if release, ok := s.holdIfPresent(diff); ok {
+		return release, nil
+	}
+	out, err := os.MkdirTemp(filepath.Join(s.dir, "tmp"), "lazy-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(out)
+	for _, part := range []struct {
+		d    *v1.Descriptor
+		file string
+	}{{meta, ".erofs"}, {chunks, ".chunks"}} {
+		if err := fetchBlob(ctx, img, part.d, setFile(out, part.file)); err != nil {
+			return nil, err
+		}
+	}
+	var desc blobfs.Blob
+	b, err := os.ReadFile(setFile(out, ".chunks"))
+	if err != nil {
+		return nil, err
+	}
+	if err := json.Unmarshal(b, &desc); err != nil || desc.Size != blob.Size {
+		return nil, errdefs.Invalid("the blob's description does not match the blob (%d bytes described, %d in the registry): %v", desc.Size, blob.Size, err)
+	}
+	rb, _ := json.Marshal(src)
+	if err := os.WriteFile(setFile(out, ".lazy"), rb, 0o600); err != nil {
+		return nil, err
+	}
+	s.layerMu.Lock()
+	defer s.layerMu.Unlock()
+	if _, ok := s.haveLayer(diff); ok {
+		return s.holdLocked([]string{diff}), nil
+	}
+	for _, suf := range []string{".chunks", ".lazy", ".erofs"} {
+		if err := os.Rename(setFile(out, suf), s.layerPath(diff)+suf); err != nil {
+			return nil, fmt.Errorf("store layer: %w", err)
+		}
+	}
+	if err := writeFileAtomic(s.layerPath(diff)+".size", []byte(fmt.Sprint(size))); err != nil {
+		return nil, err
+	}
+	return s.holdLocked([]string{diff}), nil
+}
+
+// fetchBlob writes manifest layer d of img to path; the registry client
+// checks its digest as it reads.
+func fetchBlob(ctx context.Context, img v1.Image, d *v1.Descriptor, path string) error {
+	l, err := img.LayerByDigest(d.Digest)
+	if err != nil {
+		return errdefs.Unavailable("fetch %s: %v", d.Digest, err).WithCause(err)
+	}
+	rc, err := l.Compressed()
+	if err != nil {
+		return errdefs.Unavailable("fetch %s: %v", d.Digest, err).WithCause(err)
+	}
+	defer rc.Close()
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
+	if err != nil {
+		return err
+	}
+	_, err = io.Copy(f, rc)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return errdefs.Unavailable("fetch %s: %v", d.Digest, err).WithCause(err)
+	}
+	return nil
+}
+
+// lazyDevice serves layer id's blob from its source (<id>.lazy) and
+// returns the blob file's path, the layer's device.
+func (s *Store) lazyDevice(id string) (string, error) {
+	base := filepath.Join(s.dir, "layers", id)
+	raw, err := os.ReadFile(base + ".lazy")
+	if err != nil {
+		return "", err
+	}
+	var ls lazySource
+	if err := json.Unmarshal(raw, &ls); err != nil {
+		return "", fmt.Errorf("the layer's source: %w", err)
+	}
+	var desc blobfs.Blob
+	b, err := os.ReadFile(base + ".chunks")
+	if err != nil {
+		return "", err
+	}
+	if err := json.Unmarshal(b, &desc); err != nil {
+		return "", fmt.Errorf("the layer's blob description: %w", err)
+	}
+	src, err := ls.source()
+	if err != nil {
+		return "", fmt.Errorf("the layer's source: %w", err)
+	}
+	fsys, err := s.blobFS()
+	if err != nil {
+		return "", err
+	}
+	return fsys.Add(id, desc, src)
+}
+
+// blobFS is the store's blob file system, mounted on first use.
+func (s *Store) blobFS() (*blobfs.FS, error) {
+	s.blobsMu.Lock()
+	defer s.blobsMu.Unlock()
+	if s.blobs != nil {
+		return s.blobs, nil
+	}
+	mnt := filepath.Join(s.dir, "blobs")
+	// A mount a killed node left (in a namespace that outlived it) is
+	// gone stale: off its mountpoint first.
+	detachStale(mnt)
+	fsys, err := blobfs.Mount(mnt, filepath.Join(s.dir, "chunks"), s.log)
+	if err != nil {
+		return nil, err
+	}
+	s.blobs = fsys
+	return fsys, nil
+}
+
+// LazyStats reports how much of each lazily loaded layer the node holds,
+// by diff ID; layers whose data has not been read since the node started
+// are not listed.
+func (s *Store) LazyStats() map[string]blobfs.Stats {
+	s.blobsMu.Lock()
+	fsys := s.blobs
+	s.blobsMu.Unlock()
+	out := map[string]blobfs.Stats{}
+	if fsys == nil {
+		return out
+	}
+	for _, id := range fsys.Names() {
+		if st, ok := fsys.Stats(id); ok {
+			out["sha256:"+id] = st
+		}
+	}
+	return out
+}
+
+// detachStale unmounts whatever is mounted at mnt (a blob file system a
+// killed node left in a mount namespace that outlived it).
+func detachStale(mnt string) {
+	for unix.Unmount(mnt, unix.MNT_DETACH) == nil {
+	}
+}

@@ -1,0 +1,163 @@
+package image
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"crypto/rand"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/opendsec/dsec/internal/dsectest"
+	"github.com/opendsec/dsec/internal/errdefs"
+	"github.com/opendsec/dsec/internal/tenant"
+)
+
+// TestAnImagePushedAsLayersLoadsOnDemand: an image pushed to the
+// distribution's registry as its layers' EROFS files pulls into another
+// store without its data; a file read fetches the chunks it touches,
+// checked, and a whole file reads back as pushed; a reopened store reads
+// from its chunk cache; an authenticating registry is read with its
+// credentials; GC removes the layer's files and chunks.
+func TestAnImagePushedAsLayersLoadsOnDemand(t *testing.T) {
+	needRoot(t)
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("needs /dev/fuse: ", err)
+	}
+	ctx := tenant.System(context.Background())
+	src, err := Open(t.TempDir(), slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	needErofs(t, src)
+	big := make([]byte, 4<<20)
+	rand.Read(big)
+	rec := importLayer(t, src, "task", []entry{
+		{name: "repo/", typ: tar.TypeDir, mode: 0o755},
+		{name: "repo/big.bin", body: string(big), mode: 0o644},
+		{name: "repo/README", body: "read me\n", mode: 0o644},
+		{name: "etc/.wh.gone"},
+	})
+	reg := dsectest.StartRegistry(t, "", "")
+	ref := reg.Host + "/tasks/task:1"
+	if _, err := src.PushLazy(ctx, rec, ref, Auth{}, true, nil); err != nil {
+		t.Fatal(err)
+	}
+	blobSize := func(s *Store, diff string) int64 {
+		st, err := os.Stat(src.layerPath(diff) + ".blob")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st.Size()
+	}(src, rec.Layers[0])
+
+	dstDir := t.TempDir()
+	dst, err := Open(dstDir, slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := dst.Pull(ctx, ref, "task", Auth{}, true, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	diff := got.Layers[0]
+	t.Run("the pull fetches the metadata, not the data", func(t *testing.T) {
+		if len(got.Layers) != 1 || diff != rec.Layers[0] || !strings.Contains(got.Source, "on demand") {
+			t.Fatalf("pulled %+v, pushed layers %v", got, rec.Layers)
+		}
+		base := dst.layerPath(diff)
+		for _, suf := range []string{".erofs", ".chunks", ".lazy"} {
+			if _, err := os.Stat(base + suf); err != nil {
+				t.Fatalf("no %s: %v", suf, err)
+			}
+		}
+		if _, err := os.Stat(base + ".blob"); !os.IsNotExist(err) {
+			t.Fatalf("the blob was pulled: %v", err)
+		}
+		if st, _ := os.Stat(base + ".lazy"); st.Mode().Perm() != 0o600 {
+			t.Fatalf("the layer's source record is %v, want 0600 (it may hold credentials)", st.Mode().Perm())
+		}
+	})
+	t.Run("a small file fetches a chunk, a big one reads back whole", func(t *testing.T) {
+		release, err := dst.Hold(got.Layers)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer release()
+		dir := dst.LayerDir(diff)
+		if b, err := os.ReadFile(filepath.Join(dir, "repo/README")); err != nil || string(b) != "read me\n" {
+			t.Fatalf("README: %q, %v", b, err)
+		}
+		st := dst.LazyStats()[diff]
+		if st.FetchedBytes == 0 || st.FetchedBytes > 2*fetchChunk || st.FetchedBytes*4 > blobSize {
+			t.Fatalf("an 8-byte file fetched %d bytes of a %d-byte blob: %+v", st.FetchedBytes, blobSize, st)
+		}
+		if b, err := os.ReadFile(filepath.Join(dir, "repo/big.bin")); err != nil || !bytes.Equal(b, big) {
+			t.Fatalf("big.bin: %d bytes, %v", len(b), err)
+		}
+		var wh unix.Stat_t
+		if err := unix.Lstat(filepath.Join(dir, "etc/gone"), &wh); err != nil || wh.Mode&unix.S_IFMT != unix.S_IFCHR {
+			t.Fatalf("the whiteout: %v", err)
+		}
+	})
+	t.Run("a reopened store reads from its chunk cache", func(t *testing.T) {
+		dst.Close()
+		again, err := Open(dstDir, slog.Default())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer again.Close()
+		release, err := again.Hold(got.Layers)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b, err := os.ReadFile(filepath.Join(again.LayerDir(diff), "repo/big.bin")); err != nil || !bytes.Equal(b, big) {
+			t.Fatalf("big.bin after reopening: %d bytes, %v", len(b), err)
+		}
+		if st := again.LazyStats()[diff]; st.Fetches != 0 || st.Hits == 0 {
+			t.Fatalf("after reopening: %+v, want hits and no fetch", st)
+		}
+		release()
+		if err := again.Delete("task"); err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range []string{again.layerPath(diff) + ".lazy", again.layerPath(diff) + ".erofs", filepath.Join(dstDir, "chunks", strings.TrimPrefix(diff, "sha256:"))} {
+			if _, err := os.Stat(p); !os.IsNotExist(err) {
+				t.Errorf("%s kept after the image's deletion: %v", p, err)
+			}
+		}
+	})
+	t.Run("an authenticating registry is read with its credentials", func(t *testing.T) {
+		locked := dsectest.StartRegistry(t, "trainer", "s3cret-pass")
+		ref := locked.Host + "/tasks/task:1"
+		auth := Auth{Username: "trainer", Password: "s3cret-pass"}
+		if _, err := src.PushLazy(ctx, rec, ref, auth, true, nil); err != nil {
+			t.Fatal(err)
+		}
+		other, _ := Open(t.TempDir(), slog.Default())
+		defer other.Close()
+		got, err := other.Pull(ctx, ref, "task", auth, true, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := other.Hold(got.Layers); err != nil {
+			t.Fatal(err)
+		}
+		if b, err := os.ReadFile(filepath.Join(other.LayerDir(got.Layers[0]), "repo/big.bin")); err != nil || !bytes.Equal(b, big) {
+			t.Fatalf("big.bin through an authenticating registry: %d bytes, %v", len(b), err)
+		}
+	})
+	t.Run("a layer stored as a directory is pushed as an OCI image, not lazily", func(t *testing.T) {
+		old, _ := Open(t.TempDir(), slog.Default())
+		old.UseLayers("dir")
+		dirImg := importLayer(t, old, "old", []entry{{name: "a.txt", body: "a"}})
+		if _, err := old.PushLazy(ctx, dirImg, reg.Host+"/tasks/old:1", Auth{}, true, nil); !errdefs.Is(err, errdefs.KindInvalid) {
+			t.Fatalf("a lazy push of a directory layer: %v, want invalid", err)
+		}
+	})
+}
