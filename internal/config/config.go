@@ -29,6 +29,11 @@ type Config struct {
 	// (unpacked directories), or auto: erofs where the host can (default).
 	// Layers already stored either way keep working under both.
 	ImageLayers string `json:"image_layers,omitempty"`
+	// ImageCacheMB is the byte budget, in MiB, of the cache of chunks of
+	// layers loaded on demand (default: a quarter of the file system
+	// DataDir is on). Past it the least recently read chunks go, never a
+	// running sandbox's layer's.
+	ImageCacheMB int64 `json:"image_cache_mb,omitempty"`
 	// APIKeys are accepted API keys, "KEY" (project "default") or
 	// "PROJECT=KEY" (env DSEC_API_KEYS, comma-separated). A key reaches only
 	// its project's sandboxes, snapshots, sessions, images and logs. Empty

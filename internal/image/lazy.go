@@ -373,12 +373,49 @@ func (s *Store) blobFS() (*blobfs.FS, error) {
 	// A mount a killed node left (in a namespace that outlived it) is
 	// gone stale: off its mountpoint first.
 	detachStale(mnt)
-	fsys, err := blobfs.Mount(mnt, filepath.Join(s.dir, "chunks"), s.log)
+	budget := s.chunkBudget
+	if budget == 0 {
+		budget = defaultChunkBudget(s.dir)
+	}
+	fsys, err := blobfs.Mount(mnt, filepath.Join(s.dir, "chunks"), blobfs.Options{Budget: budget, Pinned: s.pinned}, s.log)
 	if err != nil {
 		return nil, err
 	}
 	s.blobs = fsys
 	return fsys, nil
+}
+
+// SetChunkBudget sets the byte budget of the cache of lazily loaded
+// layers' chunks (0: a quarter of the file system the store is on).
+func (s *Store) SetChunkBudget(bytes int64) { s.chunkBudget = bytes }
+
+// defaultChunkBudget is a quarter of the file system dir is on.
+func defaultChunkBudget(dir string) int64 {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return 0
+	}
+	return int64(st.Blocks) * st.Bsize / 4
+}
+
+// pinned says whether a lazily loaded layer (its hex diff ID) is a
+// running sandbox's: its cached chunks stay.
+func (s *Store) pinned(id string) bool {
+	if s.inUse == nil {
+		return false
+	}
+	return s.inUse()["sha256:"+id]
+}
+
+// ChunkCache reports the cache of lazily loaded layers' chunks (zero
+// before the first such layer is read).
+func (s *Store) ChunkCache() blobfs.CacheStats {
+	s.blobsMu.Lock()
+	defer s.blobsMu.Unlock()
+	if s.blobs == nil {
+		return blobfs.CacheStats{}
+	}
+	return s.blobs.Cache()
 }
 
 // LazyStats reports how much of each lazily loaded layer the node holds,

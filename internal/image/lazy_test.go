@@ -100,6 +100,9 @@ func TestAnImagePushedAsLayersLoadsOnDemand(t *testing.T) {
 		if b, err := os.ReadFile(filepath.Join(dir, "repo/big.bin")); err != nil || !bytes.Equal(b, big) {
 			t.Fatalf("big.bin: %d bytes, %v", len(b), err)
 		}
+		if c := dst.ChunkCache(); c.Budget <= 0 || c.Used < int64(len(big)) {
+			t.Fatalf("the chunk cache after reading 4 MiB: %+v", c)
+		}
 		var wh unix.Stat_t
 		if err := unix.Lstat(filepath.Join(dir, "etc/gone"), &wh); err != nil || wh.Mode&unix.S_IFMT != unix.S_IFCHR {
 			t.Fatalf("the whiteout: %v", err)

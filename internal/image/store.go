@@ -210,6 +210,8 @@ type Store struct {
 	// first use.
 	blobsMu sync.Mutex
 	blobs   *blobfs.FS
+	// chunkBudget is the chunk cache's byte budget (SetChunkBudget).
+	chunkBudget int64
 }
 
 // Open opens (creating if needed) the store in dir.

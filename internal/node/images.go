@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"time"
 
@@ -192,6 +193,9 @@ func (n *Node) Info(ctx context.Context) *dsecv1.NodeInfo {
 		info.Host["image_layers"] = "erofs"
 	} else {
 		info.Host["image_layers"] = "dir: " + why
+	}
+	if c := n.images.ChunkCache(); c.Budget > 0 {
+		info.Host["image_chunk_cache"] = fmt.Sprintf("%d MiB of %d MiB (%d MiB dropped to stay within it)", c.Used>>20, c.Budget>>20, c.Evicted>>20)
 	}
 	for _, k := range substrate.Kinds {
 		d := n.drivers[k]

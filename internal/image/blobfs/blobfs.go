@@ -15,6 +15,7 @@
 package blobfs
 
 import (
+	"container/list"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -33,6 +34,7 @@ import (
 
 	"github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
 )
 
 // Source reads a blob's bytes.
@@ -122,22 +124,52 @@ type Stats struct {
 	Hits, Fetches, FetchedBytes, Failed int64
 }
 
+// CacheStats are the chunk cache's: its budget (0: none), the bytes it
+// holds, and the bytes it dropped to stay within the budget.
+type CacheStats struct {
+	Budget, Used, Evicted int64
+}
+
+// Trim drops chunks until the cache is within its budget, as the cache
+// does by itself after the fetch that takes it over, and returns when
+// done (prune).
+func (f *FS) Trim() { f.lru.evict() }
+
+// Cache reports the chunk cache's use.
+func (f *FS) Cache() CacheStats {
+	f.lru.mu.Lock()
+	defer f.lru.mu.Unlock()
+	return CacheStats{Budget: f.lru.budget, Used: f.lru.used, Evicted: f.lru.evicted}
+}
+
 // FS is a node's mount of lazily loaded blobs.
 type FS struct {
 	dir, cache string
 	log        *slog.Logger
 	server     *fuse.Server
 	root       *rootNode
+	lru        *lru
+}
+
+// Options are a mount's settings.
+type Options struct {
+	// Budget is the chunk cache's size in bytes (0: no limit). Past it,
+	// the least recently read chunks are dropped (read again from their
+	// source when next needed), never a chunk of a pinned blob.
+	Budget int64
+	// Pinned says whether a blob's chunks must stay (a running sandbox's
+	// layer). Nil: none is.
+	Pinned func(name string) bool
 }
 
 // Mount mounts the blob file system at dir, with its chunk cache in cache.
-func Mount(dir, cache string, log *slog.Logger) (*FS, error) {
+func Mount(dir, cache string, opts Options, log *slog.Logger) (*FS, error) {
 	for _, d := range []string{dir, cache} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, err
 		}
 	}
-	f := &FS{dir: dir, cache: cache, log: log, root: &rootNode{blobs: map[string]*blobNode{}}}
+	f := &FS{dir: dir, cache: cache, log: log, root: &rootNode{blobs: map[string]*blobNode{}}, lru: newLRU(opts, log)}
 	timeout := time.Hour // the set of blobs changes only through Add and Remove
 	server, err := fs.Mount(dir, f.root, &fs.Options{
 		EntryTimeout: &timeout, AttrTimeout: &timeout,
@@ -159,6 +191,7 @@ func Mount(dir, cache string, log *slog.Logger) (*FS, error) {
 
 // Close unmounts the file system.
 func (f *FS) Close() error {
+	f.lru.close()
 	return f.server.Unmount()
 }
 
@@ -177,7 +210,7 @@ func (f *FS) Add(name string, d Blob, src Source) (string, error) {
 		data.Close()
 		return "", err
 	}
-	b := &blobNode{name: name, desc: d, src: src, data: data, log: f.log,
+	b := &blobNode{name: name, desc: d, src: src, data: data, log: f.log, lru: f.lru,
 		present: make([]bool, len(d.Digest)), inflight: map[int]*fetch{}}
 	// The chunk map: one byte per chunk, 1 once its bytes were written
 	// and synced (a lost mark costs a refetch, never a wrong byte).
@@ -191,12 +224,18 @@ func (f *FS) Add(name string, d Blob, src Source) (string, error) {
 		return "", err
 	}
 	b.marks.Truncate(int64(len(d.Digest)))
+	for c, ok := range b.present {
+		if ok {
+			f.lru.add(b, c) // least recent: read before this run
+		}
+	}
 	f.root.mu.Lock()
 	old := f.root.blobs[name]
 	f.root.blobs[name] = b
 	f.root.mu.Unlock()
 	if old != nil {
 		old.close()
+		f.lru.forget(old)
 	}
 	return filepath.Join(f.dir, name), nil
 }
@@ -209,6 +248,7 @@ func (f *FS) Remove(name string) {
 	f.root.mu.Unlock()
 	if b != nil {
 		b.close()
+		f.lru.forget(b)
 	}
 	os.Remove(filepath.Join(f.cache, name))
 	os.Remove(filepath.Join(f.cache, name+".chunks"))
@@ -277,6 +317,11 @@ type blobNode struct {
 	log  *slog.Logger
 
 	data, marks *os.File
+	lru         *lru
+	// evictMu: a read holds it (shared) from its chunks' check to its
+	// copy, an eviction (exclusive) while it drops a chunk, so no read
+	// copies a chunk being dropped.
+	evictMu sync.RWMutex
 
 	mu       sync.Mutex
 	present  []bool
@@ -319,6 +364,8 @@ func (b *blobNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off 
 		return fuse.ReadResultData(nil), 0
 	}
 	end := min(off+int64(len(dest)), b.desc.Size)
+	b.evictMu.RLock()
+	defer b.evictMu.RUnlock()
 	for c := int(off / b.desc.Chunk); int64(c)*b.desc.Chunk < end; c++ {
 		if err := b.ensure(ctx, c); err != nil {
 			b.log.Warn("a layer's data cannot be read", slog.String("blob", b.name), slog.Int("chunk", c), slog.Any("error", err))
@@ -343,6 +390,7 @@ func (b *blobNode) ensure(ctx context.Context, c int) error {
 	if b.present[c] {
 		b.mu.Unlock()
 		b.hits.Add(1)
+		b.lru.touch(b, c)
 		return nil
 	}
 	f := b.inflight[c]
@@ -399,6 +447,9 @@ func (b *blobNode) fetch(c int, f *fetch) {
 		b.present[c] = true
 	}
 	b.mu.Unlock()
+	if err == nil {
+		b.lru.add(b, c) // counted before its readers go on
+	}
 	f.err = err
 	close(f.done)
 }
@@ -422,4 +473,165 @@ func (b *blobNode) close() {
 	b.mu.Unlock()
 	b.data.Close()
 	b.marks.Close()
+}
+
+// lru orders the cached chunks of every blob by their last read, and keeps
+// their bytes within the budget: a goroutine of its own drops chunks when
+// an add takes the cache over it.
+type lru struct {
+	mu      sync.Mutex
+	budget  int64
+	used    int64
+	evicted int64
+	order   *list.List // of chunkRef, most recently read first
+	at      map[chunkRef]*list.Element
+	pinned  func(name string) bool
+	log     *slog.Logger
+	warned  time.Time
+	kick    chan struct{}
+	stop    chan struct{}
+
+	evicting sync.Mutex
+}
+
+type chunkRef struct {
+	b *blobNode
+	c int
+}
+
+func newLRU(opts Options, log *slog.Logger) *lru {
+	l := &lru{budget: opts.Budget, order: list.New(), at: map[chunkRef]*list.Element{}, pinned: opts.Pinned, log: log,
+		kick: make(chan struct{}, 1), stop: make(chan struct{})}
+	go func() {
+		for {
+			select {
+			case <-l.kick:
+				l.evict()
+			case <-l.stop:
+				return
+			}
+		}
+	}()
+	return l
+}
+
+func (l *lru) close() { close(l.stop) }
+
+func (b *blobNode) chunkSize(c int) int64 {
+	return min(b.desc.Chunk, b.desc.Size-int64(c)*b.desc.Chunk)
+}
+
+// add counts chunk c of b as cached and most recently read (least
+// recently, for chunks found in the cache at Add: see there).
+func (l *lru) add(b *blobNode, c int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ref := chunkRef{b, c}
+	if e, ok := l.at[ref]; ok {
+		l.order.MoveToFront(e)
+		return
+	}
+	l.at[ref] = l.order.PushFront(ref)
+	l.used += b.chunkSize(c)
+	if l.budget > 0 && l.used > l.budget {
+		select {
+		case l.kick <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// touch marks chunk c of b most recently read.
+func (l *lru) touch(b *blobNode, c int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if e, ok := l.at[chunkRef{b, c}]; ok {
+		l.order.MoveToFront(e)
+	}
+}
+
+// forget drops b's chunks from the order (b is no longer served).
+func (l *lru) forget(b *blobNode) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for ref, e := range l.at {
+		if ref.b == b {
+			l.order.Remove(e)
+			delete(l.at, ref)
+			l.used -= b.chunkSize(ref.c)
+		}
+	}
+}
+
+// evict drops the least recently read chunks of unpinned blobs until the
+// cache is within its budget. What cannot be dropped (every chunk left
+// is a pinned blob's) stays, with a warning. The chunk is taken out of
+// the order first and dropped without the order's lock: a drop waits for
+// the reads of its blob in flight, which may be touching the order.
+func (l *lru) evict() {
+	l.evicting.Lock() // one at a time: Trim returns once the goroutine's drops are done
+	defer l.evicting.Unlock()
+	pinned := map[string]bool{} // asked once per blob and round
+	isPinned := func(name string) bool {
+		p, ok := pinned[name]
+		if !ok {
+			p = l.pinned != nil && l.pinned(name)
+			pinned[name] = p
+		}
+		return p
+	}
+	for {
+		l.mu.Lock()
+		if l.budget <= 0 || l.used <= l.budget {
+			l.mu.Unlock()
+			return
+		}
+		var victim *list.Element
+		for e := l.order.Back(); e != nil; e = e.Prev() {
+			if ref := e.Value.(chunkRef); !isPinned(ref.b.name) {
+				victim = e
+				break
+			}
+		}
+		if victim == nil {
+			if time.Since(l.warned) > time.Minute {
+				l.warned = time.Now()
+				l.log.Warn("the layer chunk cache is over its budget: what it holds is running sandboxes' layers",
+					slog.Int64("used", l.used), slog.Int64("budget", l.budget))
+			}
+			l.mu.Unlock()
+			return
+		}
+		ref := victim.Value.(chunkRef)
+		size := ref.b.chunkSize(ref.c)
+		l.order.Remove(victim)
+		delete(l.at, ref)
+		l.used -= size
+		l.mu.Unlock()
+		if ref.b.drop(ref.c) {
+			l.mu.Lock()
+			l.evicted += size
+			l.mu.Unlock()
+		}
+	}
+}
+
+// drop removes chunk c from the cache (its mark first, then its bytes)
+// once no read of the blob is copying (a read may be copying c), unless
+// it is not cached (any more) or being fetched again (the fetch counts it
+// when it lands).
+func (b *blobNode) drop(c int) bool {
+	b.evictMu.Lock()
+	defer b.evictMu.Unlock()
+	b.mu.Lock()
+	if b.closed || !b.present[c] || b.inflight[c] != nil {
+		b.mu.Unlock()
+		return false
+	}
+	b.present[c] = false
+	b.mu.Unlock()
+	b.marks.WriteAt([]byte{0}, int64(c))
+	off := int64(c) * b.desc.Chunk
+	unix.Fallocate(int(b.data.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, b.chunkSize(c))
+	return true
 }

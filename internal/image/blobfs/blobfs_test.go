@@ -119,12 +119,16 @@ func mountLayer(t *testing.T, l layer, blob string) string {
 	return erofs.FdPath(fd)
 }
 
-func newFS(t *testing.T, cache string) *FS {
+func newFS(t *testing.T, cache string, opts ...Options) *FS {
 	t.Helper()
 	if _, err := os.Stat("/dev/fuse"); err != nil {
 		t.Skip("needs /dev/fuse: ", err)
 	}
-	f, err := Mount(filepath.Join(t.TempDir(), "mnt"), cache, slog.Default())
+	var o Options
+	if len(opts) > 0 {
+		o = opts[0]
+	}
+	f, err := Mount(filepath.Join(t.TempDir(), "mnt"), cache, o, slog.Default())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -215,8 +219,73 @@ func TestABadSourceIsAnIOErrorAndNothingIsCached(t *testing.T) {
 	}
 }
 
+// The chunk cache keeps to its budget by dropping the least recently read
+// chunks, which are read again from the source when needed; a pinned
+// blob's chunks are never dropped.
+func TestTheChunkCacheKeepsToItsBudget(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (FUSE and EROFS mounts)")
+	}
+	l := makeLayer(t)
+	o := newOrigin(t, l.blob)
+	const budget = 4 * chunk
+	f := newFS(t, t.TempDir(), Options{Budget: budget})
+	path, err := f.Add("b", l.desc, HTTPSource{URL: o.URL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := mountLayer(t, l, path)
+	for i := 0; i < 2; i++ {
+		// The file's and the blob's pages dropped first, so the second
+		// pass reads the blob file again.
+		dropPages(t, filepath.Join(root, "big.bin"), path)
+		b, err := os.ReadFile(filepath.Join(root, "big.bin"))
+		if err != nil || !bytes.Equal(b, l.big) {
+			t.Fatalf("pass %d: big.bin %d bytes, %v", i, len(b), err)
+		}
+	}
+	f.Trim() // the cache trims itself behind the reads; Trim waits for it
+	c := f.Cache()
+	st, _ := f.Stats("b")
+	if c.Used > budget || c.Evicted == 0 || st.Cached > budget/chunk {
+		t.Fatalf("a %d-byte budget after reading 1 MiB twice: %+v, %+v", budget, c, st)
+	}
+	if st.FetchedBytes <= int64(len(l.big)) {
+		t.Fatalf("dropped chunks were not read again from the source: %+v", st)
+	}
+
+	pinned := newFS(t, t.TempDir(), Options{Budget: budget, Pinned: func(string) bool { return true }})
+	p2, err := pinned.Add("b", l.desc, HTTPSource{URL: o.URL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(mountLayer(t, l, p2), "big.bin")); err != nil || !bytes.Equal(b, l.big) {
+		t.Fatalf("pinned: big.bin %d bytes, %v", len(b), err)
+	}
+	pinned.Trim()
+	if c := pinned.Cache(); c.Evicted != 0 || c.Used <= budget {
+		t.Fatalf("a pinned blob's chunks were dropped: %+v", c)
+	}
+}
+
+// dropPages drops the page cache of the files at paths.
+func dropPages(t *testing.T, paths ...string) {
+	t.Helper()
+	for _, p := range paths {
+		f, err := os.Open(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED)
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 func TestABadDescriptionIsRefused(t *testing.T) {
-	f := &FS{root: &rootNode{blobs: map[string]*blobNode{}}}
+	f := &FS{root: &rootNode{blobs: map[string]*blobNode{}}, lru: newLRU(Options{}, slog.Default())}
 	for _, d := range []Blob{
 		{Size: 100, Chunk: 1000, Digest: []string{"x"}},            // not a power of two
 		{Size: 100, Chunk: 4096},                                   // no digests
