@@ -107,7 +107,10 @@ func (s *Store) PushLazy(ctx context.Context, img *Image, ref string, auth Auth,
 	var diffs []v1.Hash
 	for _, diff := range img.Layers {
 		base := s.layerPath(diff)
-		if !exists(base+".blob") || !exists(base+".chunks") {
+		switch {
+		case exists(base+".lazy") && !exists(base+".blob"):
+			return "", errdefs.Invalid("layer %s of %s is loaded on demand here: its data is in its registry (push it as an OCI image to copy it whole)", shortID(diff), img.Name)
+		case !exists(base+".blob") || !exists(base+".chunks"):
 			return "", errdefs.Invalid("layer %s of %s is not stored as EROFS files with a blob: push it as an OCI image", shortID(diff), img.Name)
 		}
 		size, _ := s.haveLayer(diff)
@@ -193,6 +196,9 @@ func (ls lazySource) source() (blobfs.Source, error) {
 func (s *Store) pullLazy(ctx context.Context, as, source string, r name.Reference, img v1.Image, m *v1.Manifest, auth Auth, insecure bool, progress Progress) (*Image, error) {
 	if err := ValidName(as); err != nil {
 		return nil, err
+	}
+	if _, why := erofsSupport(); why != "" {
+		return nil, errdefs.Unimplemented("%s is an image loaded on demand, which this node cannot mount: %s", r, why)
 	}
 	cfg, err := img.ConfigFile()
 	if err != nil {

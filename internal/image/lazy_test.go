@@ -82,6 +82,10 @@ func TestAnImagePushedAsLayersLoadsOnDemand(t *testing.T) {
 		if st, _ := os.Stat(base + ".lazy"); st.Mode().Perm() != 0o600 {
 			t.Fatalf("the layer's source record is %v, want 0600 (it may hold credentials)", st.Mode().Perm())
 		}
+		// Its data is not here to push on demand again.
+		if _, err := dst.PushLazy(ctx, got, reg.Host+"/tasks/again:1", Auth{}, true, nil); !errdefs.Is(err, errdefs.KindInvalid) || !strings.Contains(err.Error(), "loaded on demand") {
+			t.Fatalf("an on-demand push of a layer loaded on demand: %v", err)
+		}
 	})
 	t.Run("a small file fetches a chunk, a big one reads back whole", func(t *testing.T) {
 		release, err := dst.Hold(got.Layers)
