@@ -418,7 +418,7 @@ func TestFailuresAreInfraErrorsAndLeaveNothing(t *testing.T) {
 				inst.Destroy(context.Background())
 				t.Fatal("create succeeded")
 			}
-			if !errdefs.IsInfra(err) || !strings.Contains(err.Error(), c.want) {
+			if !errdefs.IsInfra(err) || !strings.Contains(err.Error(), c.want) || c.kill && !strings.Contains(err.Error(), "killed by signal SIGKILL") {
 				t.Fatalf("got %v (infra %v), want an infra error containing %q", err, errdefs.IsInfra(err), c.want)
 			}
 			t.Logf("failed after %v: %v", time.Since(start).Round(time.Millisecond), err)

@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/opendsec/dsec/internal/cgroup"
 	"github.com/opendsec/dsec/internal/proc"
 )
@@ -29,8 +31,21 @@ type Process struct {
 }
 
 // ErrExitedEarly is Start's error for a QEMU that exited before Start
-// returned.
+// returned (an *ExitedEarly says how).
 var ErrExitedEarly = errors.New("QEMU exited as it started")
+
+// ExitedEarly is Start's error for a QEMU that exited before Start
+// returned: how (Reason: Process.ExitReason) and what failed then.
+type ExitedEarly struct {
+	Reason string
+	Err    error
+}
+
+func (e *ExitedEarly) Error() string {
+	return fmt.Sprintf("%v (%s): %v", ErrExitedEarly, e.Reason, e.Err)
+}
+
+func (e *ExitedEarly) Is(target error) bool { return target == ErrExitedEarly }
 
 // Start starts binary with args, its stdout and stderr appended to
 // logPath, and extra inherited files from fd 3 on. With cg set, the
@@ -70,7 +85,7 @@ func Start(binary string, args []string, logPath string, extra []*os.File, cg st
 			// moved into its cgroup) is gone, not a cgroup failure.
 			select {
 			case <-p.exited:
-				return nil, fmt.Errorf("%w: %v", ErrExitedEarly, err)
+				return nil, &ExitedEarly{Reason: p.ExitReason(), Err: err}
 			case <-time.After(100 * time.Millisecond):
 			}
 			p.Kill(10 * time.Second)
@@ -110,6 +125,27 @@ func (p *Process) ExitedCleanly() (clean, known bool) {
 		return false, false
 	}
 	return p.status == nil, true
+}
+
+// ExitReason says how the process ended, once it has: "exit status N"
+// or "killed by signal S" ("" if not known: still running, or adopted).
+func (p *Process) ExitReason() string {
+	select {
+	case <-p.exited:
+	default:
+		return ""
+	}
+	if p.status == nil {
+		return "exit status 0"
+	}
+	var ee *exec.ExitError
+	if errors.As(p.status, &ee) {
+		if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+			return "killed by signal " + unix.SignalName(ws.Signal())
+		}
+		return fmt.Sprintf("exit status %d", ee.ExitCode())
+	}
+	return p.status.Error()
 }
 
 // Alive reports whether the process runs (and is the same process).

@@ -261,8 +261,9 @@ func (v *VM) Start(ctx context.Context, r *Restore) (err error) {
 	}
 	t0 := time.Now()
 	p, err := Start(v.cfg.Binary, args, v.path(LogFile), extra, v.cfg.Cgroup)
-	if errors.Is(err, ErrExitedEarly) {
-		return v.died("the " + v.cfg.Kind + " stopped while starting")
+	var early *ExitedEarly
+	if errors.As(err, &early) {
+		return v.died("the "+v.cfg.Kind+" stopped while starting", early.Reason)
 	}
 	if err != nil {
 		return errdefs.Unavailable("start QEMU").WithCause(err)
@@ -318,13 +319,13 @@ func (v *VM) Start(ctx context.Context, r *Restore) (err error) {
 			return v.startErr(ctx, p, err)
 		case <-p.Done():
 			cancel()
-			return v.died("the " + v.cfg.Kind + " stopped while starting")
+			return v.died("the "+v.cfg.Kind+" stopped while starting", v.exitReason(p))
 		case <-fatal:
 			for _, f := range append([]string{ConsoleFile}, v.cfg.Logs...) {
 				for _, l := range strings.Split(ReadLogTail(v.path(f), 4096), "\n") {
 					if v.cfg.FatalLine(strings.TrimSpace(l)) {
 						cancel()
-						return v.died("the " + v.cfg.Kind + " failed to boot")
+						return v.died("the "+v.cfg.Kind+" failed to boot", "")
 					}
 				}
 			}
@@ -339,7 +340,7 @@ func (v *VM) startErr(ctx context.Context, p *Process, err error) error {
 	}
 	select {
 	case <-p.Done():
-		return v.died("the " + v.cfg.Kind + " stopped while starting")
+		return v.died("the "+v.cfg.Kind+" stopped while starting", v.exitReason(p))
 	case <-time.After(200 * time.Millisecond):
 	}
 	if ctx.Err() != nil {
@@ -348,10 +349,26 @@ func (v *VM) startErr(ctx context.Context, p *Process, err error) error {
 	return errdefs.Unavailable("the %s's agent did not answer within %s%s", v.cfg.Kind, v.cfg.BootTimeout, v.Hint()).WithCause(err)
 }
 
-// died is the error for a QEMU that exited, with what the guest or QEMU
-// said last.
-func (v *VM) died(what string) error {
+// died is the error for a QEMU that exited, with how (reason, "" if not
+// known) and what the guest or QEMU said last.
+func (v *VM) died(what, reason string) error {
+	if reason != "" {
+		what += " (" + reason + ")"
+	}
 	return errdefs.Unavailable("%s%s", what, v.Hint())
+}
+
+// exitReason is how QEMU process p ended, and whether its cgroup's
+// memory limit killed something (a QEMU the OOM killer took says nothing
+// in its log).
+func (v *VM) exitReason(p *Process) string {
+	reason := p.ExitReason()
+	if v.cfg.Cgroup != "" {
+		if n := cgroups().OOMKills(v.cfg.Cgroup); n > 0 {
+			reason += fmt.Sprintf("; its cgroup's memory limit killed %d process(es)", n)
+		}
+	}
+	return strings.TrimPrefix(reason, "; ")
 }
 
 // Hint is the end of the guest console or QEMU's log that explains a
