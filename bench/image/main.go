@@ -300,7 +300,9 @@ func layerBytes(ctx context.Context, s *side, img string) int64 {
 		var total int64
 		for _, l := range im.Layers {
 			p := filepath.Join(s.srv.DataDir, "images", "layers", strings.TrimPrefix(l, "sha256:"))
-			total += allocated(p) + allocated(p+".erofs")
+			for _, suffix := range []string{"", ".erofs", ".blob", ".chunks"} {
+				total += allocated(p + suffix)
+			}
 		}
 		return total
 	}

@@ -166,6 +166,12 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	if set("cache-dir") {
 		cfg.CacheDir = fl.CacheDir
 	}
+	if set("image-layers") {
+		cfg.ImageLayers = fl.ImageLayers
+	}
+	if set("image-cache-mb") {
+		cfg.ImageCacheMB = fl.ImageCacheMB
+	}
 	if set("api-key") {
 		cfg.APIKeys = fl.APIKeys
 	}

@@ -249,3 +249,71 @@ func TestNoBinaryLinksATestSupportPackage(t *testing.T) {
 		}
 	}
 }
+
+// TestEveryServeFlagReachesTheConfig: each `dsec serve` flag bound to a
+// config field (a flag set into flagCfg) is applied over the config file
+// in applyFlags; a flag defined but never applied would be silently
+// ignored (--image-layers was, until this test).
+func TestEveryServeFlagReachesTheConfig(t *testing.T) {
+	path := filepath.Join(root(), "cmd", "dsec", "serve.go")
+	f, err := parser.ParseFile(token.NewFileSet(), path, nil, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rootIdent := func(e ast.Expr) string {
+		for {
+			switch x := e.(type) {
+			case *ast.UnaryExpr:
+				e = x.X
+			case *ast.SelectorExpr:
+				e = x.X
+			case *ast.ParenExpr:
+				e = x.X
+			case *ast.CallExpr:
+				e = x.Fun
+			case *ast.Ident:
+				return x.Name
+			default:
+				return ""
+			}
+		}
+	}
+	defined := map[string]bool{}
+	applied := map[string]bool{}
+	ast.Inspect(f, func(n ast.Node) bool {
+		fn, ok := n.(*ast.FuncDecl)
+		if ok && fn.Name.Name == "applyFlags" {
+			ast.Inspect(fn, func(n ast.Node) bool {
+				if call, ok := n.(*ast.CallExpr); ok {
+					if id, ok := call.Fun.(*ast.Ident); ok && id.Name == "set" && len(call.Args) == 1 {
+						if lit, ok := call.Args[0].(*ast.BasicLit); ok {
+							applied[strings.Trim(lit.Value, `"`)] = true
+						}
+					}
+				}
+				return true
+			})
+			return false
+		}
+		call, ok := n.(*ast.CallExpr)
+		if !ok || len(call.Args) < 2 {
+			return true
+		}
+		sel, ok := call.Fun.(*ast.SelectorExpr)
+		if !ok || !strings.HasSuffix(sel.Sel.Name, "Var") || rootIdent(call.Args[0]) != "flagCfg" {
+			return true
+		}
+		if lit, ok := call.Args[1].(*ast.BasicLit); ok {
+			defined[strings.Trim(lit.Value, `"`)] = true
+		}
+		return true
+	})
+	if len(defined) < 10 {
+		t.Fatalf("found only %d flags bound to flagCfg in %s: the test no longer reads the file right", len(defined), path)
+	}
+	for name := range defined {
+		if !applied[name] {
+			t.Errorf("serve flag --%s is bound to the config but applyFlags never applies it: it is silently ignored", name)
+		}
+	}
+}

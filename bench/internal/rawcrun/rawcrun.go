@@ -53,7 +53,11 @@ func Beside(ctx context.Context, c *dsec.Client, dataDir, dir string) (*Baseline
 		if err := os.MkdirAll(target, 0o755); err != nil {
 			return nil, err
 		}
-		if err := unix.Mount(l+".erofs", target, "erofs", unix.MS_RDONLY, ""); err != nil {
+		opts := ""
+		if _, err := os.Stat(l + ".blob"); err == nil {
+			opts = "device=" + l + ".blob" // the layer's data
+		}
+		if err := unix.Mount(l+".erofs", target, "erofs", unix.MS_RDONLY, opts); err != nil {
 			for _, m := range mounted {
 				unix.Unmount(m, unix.MNT_DETACH)
 			}
