@@ -1,8 +1,8 @@
 // Command image benchmarks how image layers are kept and loaded, side by
 // side in one run (numbers, never pass/fail).
 //
-//	go run ./bench/image [-rows layers,ondemand] [-image debian] [-n 100] [-runs 3] [-hold 100]
-//	                     [-big polyglot] [-first "python3 -c 'print(1)'"]
+//	go run ./bench/image [-rows layers,tasks,ondemand] [-image debian] [-n 100] [-runs 3] [-hold 100]
+//	                     [-tasks 100] [-big polyglot] [-first "python3 -c 'print(1)'"]
 //
 // Row "layers": two servers, one keeping layers as EROFS files
 // (--image-layers erofs), one as unpacked directories (--image-layers
@@ -13,6 +13,11 @@
 //     the image held at once, per sandbox, on each side (shared layers:
 //     flat in N);
 //   - the store's own bytes for the image's layers on each side.
+//
+// Row "tasks": -tasks distinct task images over one base (-image), each
+// its own workspace layer (a sandbox of the base that wrote its files,
+// committed), created round-robin, against creates of the base alone:
+// create→exec→delete per second, side by side in alternating rounds.
 //
 // Row "ondemand": a server bootstraps -big (polyglot: Debian with
 // compilers, Python, Go, Node; about 3 GB) and pushes it to the
@@ -58,7 +63,8 @@ type side struct {
 }
 
 func main() {
-	rows := flag.String("rows", "layers,ondemand", "rows to run: layers, ondemand")
+	rows := flag.String("rows", "layers,tasks,ondemand", "rows to run: layers, tasks, ondemand")
+	tasks := flag.Int("tasks", 100, "row tasks: distinct task images")
 	img := flag.String("image", "debian", "row layers: bootstrapped image to create sandboxes of")
 	n := flag.Int("n", 100, "row layers: creates per side and round")
 	runs := flag.Int("runs", 3, "rounds (alternating which side goes first)")
@@ -77,6 +83,8 @@ func main() {
 		switch row {
 		case "layers":
 			layersRow(ctx, b, *img, *n, *runs, *hold)
+		case "tasks":
+			tasksRow(ctx, b, *img, *tasks, *n, *runs)
 		case "ondemand":
 			onDemandRow(ctx, b, *big, *first, *runs)
 		default:
@@ -120,6 +128,60 @@ func layersRow(ctx context.Context, b *dsectest.ProgramTB, img string, n, runs, 
 	for _, s := range sides {
 		s.srv.Stop()
 	}
+}
+
+// tasksRow compares creates of n distinct task images over base, round-
+// robin, with creates of base alone.
+func tasksRow(ctx context.Context, b *dsectest.ProgramTB, base string, tasks, n, runs int) {
+	srv := dsectest.Start(b, dsectest.Options{Images: []string{base}})
+	defer srv.Stop()
+	c := srv.Client()
+	var names []string
+	t0 := time.Now()
+	for i := 0; i < tasks; i++ {
+		sb, err := c.Create(ctx, dsec.CreateOptions{Image: base})
+		if err != nil {
+			fatal(err)
+		}
+		if _, err := sb.Exec(ctx, dsec.Cmd(fmt.Sprintf("mkdir -p /workspace && seq %d > /workspace/task && echo task-%d > /workspace/README", 1000+i, i))); err != nil {
+			fatal(err)
+		}
+		name := fmt.Sprintf("task-%03d", i)
+		if _, err := c.CommitSandbox(ctx, sb.ID, name); err != nil {
+			fatal(err)
+		}
+		sb.Close()
+		names = append(names, name)
+	}
+	fmt.Printf("tasks: %d task images over %s made in %s\n", tasks, base, time.Since(t0).Round(time.Second))
+	rate := func(images []string) float64 {
+		start := time.Now()
+		for i := 0; i < n; i++ {
+			img := images[i%len(images)]
+			sb, err := c.Create(ctx, dsec.CreateOptions{Image: img})
+			if err != nil {
+				fatal(fmt.Errorf("create %s: %w", img, err))
+			}
+			if _, err := sb.Exec(ctx, dsec.Argv("true")); err != nil {
+				fatal(err)
+			}
+			if err := sb.Close(); err != nil {
+				fatal(err)
+			}
+		}
+		return float64(n) / time.Since(start).Seconds()
+	}
+	rate(names) // every task image's layers mounted once, as a warm node has them
+	var one, many []float64
+	for r := 0; r < runs; r++ {
+		if r%2 == 0 {
+			one, many = append(one, rate([]string{base})), append(many, rate(names))
+		} else {
+			many, one = append(many, rate(names)), append(one, rate([]string{base}))
+		}
+	}
+	o, m := rawcrun.Median(one), rawcrun.Median(many)
+	fmt.Printf("tasks: create→exec→delete %.1f/s over %d task images round-robin vs %.1f/s of %s alone: %.0f%%\n", m, tasks, o, base, 100*m/o)
 }
 
 // onDemandRow times a cold node's pull, create and first command of a

@@ -200,7 +200,11 @@ func imageLsCmd(g *globals) *cobra.Command {
 				if i.Vm != nil {
 					layers = "vm disk"
 				}
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", i.Name, shortDigest(i.Digest), layers, humanBytes(i.SizeBytes), i.Source, ago(i.CreatedAt.AsTime()))
+				source := i.Source
+				if od := i.OnDemand; od != nil {
+					source += fmt.Sprintf(", %s of %s here", humanBytes(od.CachedBytes), humanBytes(od.DataBytes))
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", i.Name, shortDigest(i.Digest), layers, humanBytes(i.SizeBytes), source, ago(i.CreatedAt.AsTime()))
 			}
 			return tw.Flush()
 		},

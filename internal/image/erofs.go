@@ -54,33 +54,74 @@ var erofsSupport = sync.OnceValues(func() (mkfs, why string) {
 	if err != nil {
 		return "", "no mkfs.erofs (install erofs-utils)"
 	}
-	dir, err := os.MkdirTemp("", "dsec-erofs-probe-")
-	if err != nil {
+	if why := probeErofs(mkfs, ""); why != "" {
+		return "", why
+	}
+	return mkfs, ""
+})
+
+// erofsSupportIn is erofsSupport for layers stored in dir: the kernel
+// mounts an EROFS image only from a file system that reads through the
+// page cache's own paths (not tmpfs, for one). Probed once per file
+// system.
+func erofsSupportIn(dir string) (mkfs, why string) {
+	if mkfs, why = erofsSupport(); why != "" {
+		return "", why
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
 		return "", err.Error()
 	}
-	defer os.RemoveAll(dir)
-	src := filepath.Join(dir, "src")
+	if v, ok := probedFS.Load(st.Dev); ok {
+		why = v.(string)
+	} else {
+		why = probeErofs(mkfs, dir)
+		probedFS.Store(st.Dev, why)
+	}
+	if why != "" {
+		return "", why
+	}
+	return mkfs, ""
+}
+
+// probedFS caches erofsSupportIn's answer by file system (device).
+var probedFS sync.Map
+
+// probeErofs makes a small EROFS image in a temporary directory under
+// dir ("": the system's) and mounts it from there; "" if that works, else
+// why not.
+func probeErofs(mkfs, dir string) string {
+	tmp, err := os.MkdirTemp(dir, "dsec-erofs-probe-")
+	if err != nil {
+		return err.Error()
+	}
+	defer os.RemoveAll(tmp)
+	src := filepath.Join(tmp, "src")
 	if err := os.Mkdir(src, 0o755); err != nil {
-		return "", err.Error()
+		return err.Error()
 	}
 	if err := os.WriteFile(filepath.Join(src, "probe"), []byte("erofs"), 0o644); err != nil {
-		return "", err.Error()
+		return err.Error()
 	}
-	img := filepath.Join(dir, "probe.erofs")
+	img := filepath.Join(tmp, "probe.erofs")
 	if err := erofs.Mkfs(mkfs, src, img); err != nil {
-		return "", err.Error()
+		return err.Error()
 	}
 	fd, err := erofs.Mount(img)
 	if err != nil {
-		return "", fmt.Sprintf("the kernel cannot mount an EROFS image from a file: %v", err)
+		where := "a file"
+		if dir != "" {
+			where = "a file in " + dir
+		}
+		return fmt.Sprintf("the kernel cannot mount an EROFS image from %s: %v", where, err)
 	}
 	defer unix.Close(fd)
 	b, err := os.ReadFile(erofs.FdPath(fd) + "/probe")
 	if err != nil || string(b) != "erofs" {
-		return "", fmt.Sprintf("an EROFS image mounted from a file reads wrong: %q, %v", b, err)
+		return fmt.Sprintf("an EROFS image mounted from a file reads wrong: %q, %v", b, err)
 	}
-	return mkfs, ""
-})
+	return ""
+}
 
 // erofsFile is the EROFS image of layer id (hex diff ID).
 func (s *Store) erofsFile(id string) string {
@@ -308,7 +349,7 @@ func copyTo(src, dst string) error {
 // if the host cannot), "dir", or "" and "auto": EROFS images where the
 // host can. Layers already stored either way keep working.
 func (s *Store) UseLayers(format string) error {
-	mkfs, why := erofsSupport()
+	mkfs, why := erofsSupportIn(filepath.Join(s.dir, "tmp"))
 	switch format {
 	case "", "auto":
 		s.mkfs, s.noErofs = mkfs, why

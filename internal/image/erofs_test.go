@@ -217,3 +217,32 @@ func checkLayerTree(t *testing.T, dir string) {
 		t.Fatalf("read through the symlink: %q, %v", b, err)
 	}
 }
+
+// A store on a file system the kernel cannot mount EROFS images from
+// (tmpfs) keeps its layers as directories and says why.
+func TestAStoreOnTmpfsKeepsDirectories(t *testing.T) {
+	needRoot(t)
+	if _, why := erofsSupport(); why != "" {
+		t.Skip("layers are kept as directories on this host: ", why)
+	}
+	dir := t.TempDir()
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=64m"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	s, err := Open(dir, slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ok, why := s.Erofs()
+	if ok || !strings.Contains(why, "cannot mount an EROFS image from a file in "+dir) {
+		t.Fatalf("a store on tmpfs: EROFS %v (%s)", ok, why)
+	}
+	img := importLayer(t, s, "on-tmpfs", []entry{{name: "a.txt", body: "a"}})
+	if b, err := os.ReadFile(filepath.Join(s.LayerDir(img.Layers[0]), "a.txt")); err != nil || string(b) != "a" {
+		t.Fatalf("a layer on tmpfs: %q, %v", b, err)
+	}
+	if err := s.UseLayers("erofs"); err == nil {
+		t.Fatal("image_layers erofs accepted on a file system that cannot back EROFS images")
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/authn"
@@ -197,7 +198,7 @@ func (s *Store) pullLazy(ctx context.Context, as, source string, r name.Referenc
 	if err := ValidName(as); err != nil {
 		return nil, err
 	}
-	if _, why := erofsSupport(); why != "" {
+	if _, why := erofsSupportIn(filepath.Join(s.dir, "tmp")); why != "" {
 		return nil, errdefs.Unimplemented("%s is an image loaded on demand, which this node cannot mount: %s", r, why)
 	}
 	cfg, err := img.ConfigFile()
@@ -389,6 +390,26 @@ func (s *Store) blobFS() (*blobfs.FS, error) {
 	}
 	s.blobs = fsys
 	return fsys, nil
+}
+
+// OnDemand reports, for an image some of whose layers are loaded on
+// demand, their data's size and how much of it the chunk cache holds.
+func (s *Store) OnDemand(img *Image) (data, cached int64, ok bool) {
+	for _, diff := range img.Layers {
+		base := s.layerPath(diff)
+		if !exists(base + ".lazy") {
+			continue
+		}
+		var desc blobfs.Blob
+		b, err := os.ReadFile(base + ".chunks")
+		if err != nil || json.Unmarshal(b, &desc) != nil {
+			continue
+		}
+		ok = true
+		data += desc.Size
+		cached += blobfs.CachedBytes(filepath.Join(s.dir, "chunks"), strings.TrimPrefix(diff, "sha256:"), desc)
+	}
+	return data, cached, ok
 }
 
 // SetChunkBudget sets the byte budget of the cache of lazily loaded

@@ -101,8 +101,18 @@ func TestAnImagePushedAsLayersLoadsOnDemand(t *testing.T) {
 		if st.FetchedBytes == 0 || st.FetchedBytes > 2*fetchChunk || st.FetchedBytes*4 > blobSize {
 			t.Fatalf("an 8-byte file fetched %d bytes of a %d-byte blob: %+v", st.FetchedBytes, blobSize, st)
 		}
+		data, cached, ok := dst.OnDemand(got)
+		if !ok || data != blobSize || cached != st.FetchedBytes {
+			t.Fatalf("on demand after one small file: %d of %d bytes here (%v), fetched %d", cached, data, ok, st.FetchedBytes)
+		}
 		if b, err := os.ReadFile(filepath.Join(dir, "repo/big.bin")); err != nil || !bytes.Equal(b, big) {
 			t.Fatalf("big.bin: %d bytes, %v", len(b), err)
+		}
+		if _, cached, _ := dst.OnDemand(got); cached < int64(len(big)) {
+			t.Fatalf("on demand after reading 4 MiB: %d bytes here", cached)
+		}
+		if _, _, ok := src.OnDemand(rec); ok {
+			t.Fatal("an image whose layers are all here is reported as loaded on demand")
 		}
 		if c := dst.ChunkCache(); c.Budget <= 0 || c.Used < int64(len(big)) {
 			t.Fatalf("the chunk cache after reading 4 MiB: %+v", c)

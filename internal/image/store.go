@@ -224,7 +224,7 @@ func Open(dir string, log *slog.Logger) (*Store, error) {
 	os.RemoveAll(filepath.Join(dir, "tmp"))
 	os.MkdirAll(filepath.Join(dir, "tmp"), 0o700)
 	s := &Store{dir: dir, log: log, images: map[string]*Image{}, unpacking: map[string]*sync.WaitGroup{}, held: map[string]int{}, mounts: map[string]int{}}
-	s.mkfs, s.noErofs = erofsSupport() // see UseLayers
+	s.mkfs, s.noErofs = erofsSupportIn(filepath.Join(dir, "tmp")) // see UseLayers
 	ents, err := os.ReadDir(filepath.Join(dir, "refs"))
 	if err != nil {
 		return nil, err
@@ -466,7 +466,7 @@ func (s *Store) Hold(layers []string) (release func(), err error) {
 			return nil, errdefs.NotFound("layer %s is not in the store", shortID(l))
 		}
 		if _, err := s.layerRoot(strings.TrimPrefix(l, "sha256:")); err != nil {
-			return nil, errdefs.Internal(err, "mount image layer %s", shortID(l))
+			return nil, errdefs.Internal(err, "mount image layer %s: %v", shortID(l), err)
 		}
 	}
 	return s.holdLocked(layers), nil

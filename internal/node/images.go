@@ -37,10 +37,20 @@ func (n *Node) ListImages(ctx context.Context) []*dsecv1.Image {
 	var out []*dsecv1.Image
 	for _, img := range n.images.List() {
 		if img.BuildCache == nil && tenant.Sees(ctx, img.Owner) {
-			out = append(out, imageView(img))
+			out = append(out, n.imageView(img))
 		}
 	}
 	return out
+}
+
+// imageView is imageView with what this node holds of the image's layers
+// loaded on demand.
+func (n *Node) imageView(img *image.Image) *dsecv1.Image {
+	v := imageView(img)
+	if data, cached, ok := n.images.OnDemand(img); ok {
+		v.OnDemand = &dsecv1.OnDemandInfo{DataBytes: data, CachedBytes: cached}
+	}
+	return v
 }
 
 // GetImage returns one image as the caller sees it: its project's own of
@@ -50,7 +60,7 @@ func (n *Node) GetImage(ctx context.Context, name string) (*dsecv1.Image, error)
 	if err != nil {
 		return nil, err
 	}
-	return imageView(img), nil
+	return n.imageView(img), nil
 }
 
 // DeleteImage removes an image as the caller sees it. Running sandboxes of

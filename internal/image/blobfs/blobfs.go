@@ -114,6 +114,23 @@ func Describe(path string, chunk int64) (Blob, error) {
 	}
 }
 
+// CachedBytes is how many bytes of blob name of description d the chunk
+// cache in directory cache holds (by its chunk marks, whether or not the
+// blob is being served).
+func CachedBytes(cache, name string, d Blob) int64 {
+	marks, err := os.ReadFile(filepath.Join(cache, name+".chunks"))
+	if err != nil {
+		return 0
+	}
+	var n int64
+	for c, m := range marks {
+		if m == 1 && int64(c)*d.Chunk < d.Size {
+			n += min(d.Chunk, d.Size-int64(c)*d.Chunk)
+		}
+	}
+	return n
+}
+
 // Stats are a blob's counters.
 type Stats struct {
 	// Chunks is the blob's chunk count, Cached those on the node.

@@ -128,6 +128,9 @@ def test_an_image_pushed_on_demand_runs_on_another_server_without_its_data(clien
         assert not os.path.exists(os.path.join(layers, top + ".blob"))
         with c2.create(name, ttl_s=300) as sb:
             assert sb.exec("cat /srv/app.py").stdout == "print('app')\n"
+        listed = [i for i in c2.images() if i["name"] == name][0]
+        od = listed["onDemand"]
+        assert int(od["dataBytes"]) > 0 and 0 < int(od.get("cachedBytes", 0)) <= int(od["dataBytes"])
     finally:
         other.stop()
 
