@@ -35,7 +35,10 @@ type Image struct {
 	Source string       `protobuf:"bytes,6,opt,name=source,proto3" json:"source,omitempty"`
 	Config *ImageConfig `protobuf:"bytes,7,opt,name=config,proto3" json:"config,omitempty"`
 	// vm is set for VM images (a bootable disk for kind vm).
-	Vm            *VMImageInfo `protobuf:"bytes,8,opt,name=vm,proto3" json:"vm,omitempty"`
+	Vm *VMImageInfo `protobuf:"bytes,8,opt,name=vm,proto3" json:"vm,omitempty"`
+	// on_demand is set when some of the image's layers are loaded on demand
+	// on the node that answered (pulled from an image pushed on demand).
+	OnDemand      *OnDemandInfo `protobuf:"bytes,9,opt,name=on_demand,json=onDemand,proto3" json:"on_demand,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -126,6 +129,69 @@ func (x *Image) GetVm() *VMImageInfo {
 	return nil
 }
 
+func (x *Image) GetOnDemand() *OnDemandInfo {
+	if x != nil {
+		return x.OnDemand
+	}
+	return nil
+}
+
+// OnDemandInfo is how much of an image's on-demand layers' data a node
+// holds.
+type OnDemandInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// data_bytes is the size of those layers' data (their blobs).
+	DataBytes int64 `protobuf:"varint,1,opt,name=data_bytes,json=dataBytes,proto3" json:"data_bytes,omitempty"`
+	// cached_bytes is how much of it the node's chunk cache holds.
+	CachedBytes   int64 `protobuf:"varint,2,opt,name=cached_bytes,json=cachedBytes,proto3" json:"cached_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OnDemandInfo) Reset() {
+	*x = OnDemandInfo{}
+	mi := &file_dsec_v1_image_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OnDemandInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OnDemandInfo) ProtoMessage() {}
+
+func (x *OnDemandInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_image_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OnDemandInfo.ProtoReflect.Descriptor instead.
+func (*OnDemandInfo) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *OnDemandInfo) GetDataBytes() int64 {
+	if x != nil {
+		return x.DataBytes
+	}
+	return 0
+}
+
+func (x *OnDemandInfo) GetCachedBytes() int64 {
+	if x != nil {
+		return x.CachedBytes
+	}
+	return 0
+}
+
 // VMImageInfo describes a VM image's disk and how it boots.
 type VMImageInfo struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -145,7 +211,7 @@ type VMImageInfo struct {
 
 func (x *VMImageInfo) Reset() {
 	*x = VMImageInfo{}
-	mi := &file_dsec_v1_image_proto_msgTypes[1]
+	mi := &file_dsec_v1_image_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -157,7 +223,7 @@ func (x *VMImageInfo) String() string {
 func (*VMImageInfo) ProtoMessage() {}
 
 func (x *VMImageInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[1]
+	mi := &file_dsec_v1_image_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -170,7 +236,7 @@ func (x *VMImageInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VMImageInfo.ProtoReflect.Descriptor instead.
 func (*VMImageInfo) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{1}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *VMImageInfo) GetDiskBytes() int64 {
@@ -218,7 +284,7 @@ type ImageConfig struct {
 
 func (x *ImageConfig) Reset() {
 	*x = ImageConfig{}
-	mi := &file_dsec_v1_image_proto_msgTypes[2]
+	mi := &file_dsec_v1_image_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -230,7 +296,7 @@ func (x *ImageConfig) String() string {
 func (*ImageConfig) ProtoMessage() {}
 
 func (x *ImageConfig) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[2]
+	mi := &file_dsec_v1_image_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -243,7 +309,7 @@ func (x *ImageConfig) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImageConfig.ProtoReflect.Descriptor instead.
 func (*ImageConfig) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{2}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *ImageConfig) GetEnv() []string {
@@ -303,7 +369,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[3]
+	mi := &file_dsec_v1_image_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -315,7 +381,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[3]
+	mi := &file_dsec_v1_image_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -328,7 +394,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{3}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{4}
 }
 
 type ListImagesResponse struct {
@@ -340,7 +406,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_dsec_v1_image_proto_msgTypes[4]
+	mi := &file_dsec_v1_image_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -352,7 +418,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[4]
+	mi := &file_dsec_v1_image_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -365,7 +431,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{4}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -384,7 +450,7 @@ type GetImageRequest struct {
 
 func (x *GetImageRequest) Reset() {
 	*x = GetImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[5]
+	mi := &file_dsec_v1_image_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -396,7 +462,7 @@ func (x *GetImageRequest) String() string {
 func (*GetImageRequest) ProtoMessage() {}
 
 func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[5]
+	mi := &file_dsec_v1_image_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -409,7 +475,7 @@ func (x *GetImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetImageRequest.ProtoReflect.Descriptor instead.
 func (*GetImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{5}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *GetImageRequest) GetName() string {
@@ -428,7 +494,7 @@ type DeleteImageRequest struct {
 
 func (x *DeleteImageRequest) Reset() {
 	*x = DeleteImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[6]
+	mi := &file_dsec_v1_image_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -440,7 +506,7 @@ func (x *DeleteImageRequest) String() string {
 func (*DeleteImageRequest) ProtoMessage() {}
 
 func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[6]
+	mi := &file_dsec_v1_image_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -453,7 +519,7 @@ func (x *DeleteImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageRequest.ProtoReflect.Descriptor instead.
 func (*DeleteImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{6}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *DeleteImageRequest) GetName() string {
@@ -471,7 +537,7 @@ type DeleteImageResponse struct {
 
 func (x *DeleteImageResponse) Reset() {
 	*x = DeleteImageResponse{}
-	mi := &file_dsec_v1_image_proto_msgTypes[7]
+	mi := &file_dsec_v1_image_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -483,7 +549,7 @@ func (x *DeleteImageResponse) String() string {
 func (*DeleteImageResponse) ProtoMessage() {}
 
 func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[7]
+	mi := &file_dsec_v1_image_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -496,7 +562,7 @@ func (x *DeleteImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteImageResponse.ProtoReflect.Descriptor instead.
 func (*DeleteImageResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{7}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{8}
 }
 
 type RegistryAuth struct {
@@ -511,7 +577,7 @@ type RegistryAuth struct {
 
 func (x *RegistryAuth) Reset() {
 	*x = RegistryAuth{}
-	mi := &file_dsec_v1_image_proto_msgTypes[8]
+	mi := &file_dsec_v1_image_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -523,7 +589,7 @@ func (x *RegistryAuth) String() string {
 func (*RegistryAuth) ProtoMessage() {}
 
 func (x *RegistryAuth) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[8]
+	mi := &file_dsec_v1_image_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -536,7 +602,7 @@ func (x *RegistryAuth) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RegistryAuth.ProtoReflect.Descriptor instead.
 func (*RegistryAuth) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{8}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *RegistryAuth) GetUsername() string {
@@ -582,7 +648,7 @@ type PullImageRequest struct {
 
 func (x *PullImageRequest) Reset() {
 	*x = PullImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[9]
+	mi := &file_dsec_v1_image_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -594,7 +660,7 @@ func (x *PullImageRequest) String() string {
 func (*PullImageRequest) ProtoMessage() {}
 
 func (x *PullImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[9]
+	mi := &file_dsec_v1_image_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -607,7 +673,7 @@ func (x *PullImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PullImageRequest.ProtoReflect.Descriptor instead.
 func (*PullImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{9}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *PullImageRequest) GetRef() string {
@@ -660,7 +726,7 @@ type PushImageRequest struct {
 
 func (x *PushImageRequest) Reset() {
 	*x = PushImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[10]
+	mi := &file_dsec_v1_image_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -672,7 +738,7 @@ func (x *PushImageRequest) String() string {
 func (*PushImageRequest) ProtoMessage() {}
 
 func (x *PushImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[10]
+	mi := &file_dsec_v1_image_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -685,7 +751,7 @@ func (x *PushImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PushImageRequest.ProtoReflect.Descriptor instead.
 func (*PushImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{10}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *PushImageRequest) GetName() string {
@@ -738,7 +804,7 @@ type UploadImageHeader struct {
 
 func (x *UploadImageHeader) Reset() {
 	*x = UploadImageHeader{}
-	mi := &file_dsec_v1_image_proto_msgTypes[11]
+	mi := &file_dsec_v1_image_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -750,7 +816,7 @@ func (x *UploadImageHeader) String() string {
 func (*UploadImageHeader) ProtoMessage() {}
 
 func (x *UploadImageHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[11]
+	mi := &file_dsec_v1_image_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -763,7 +829,7 @@ func (x *UploadImageHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadImageHeader.ProtoReflect.Descriptor instead.
 func (*UploadImageHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{11}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *UploadImageHeader) GetName() string {
@@ -800,7 +866,7 @@ type UploadImageRequest struct {
 
 func (x *UploadImageRequest) Reset() {
 	*x = UploadImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[12]
+	mi := &file_dsec_v1_image_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -812,7 +878,7 @@ func (x *UploadImageRequest) String() string {
 func (*UploadImageRequest) ProtoMessage() {}
 
 func (x *UploadImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[12]
+	mi := &file_dsec_v1_image_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -825,7 +891,7 @@ func (x *UploadImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadImageRequest.ProtoReflect.Descriptor instead.
 func (*UploadImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *UploadImageRequest) GetMsg() isUploadImageRequest_Msg {
@@ -891,7 +957,7 @@ type BootstrapImageRequest struct {
 
 func (x *BootstrapImageRequest) Reset() {
 	*x = BootstrapImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[13]
+	mi := &file_dsec_v1_image_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -903,7 +969,7 @@ func (x *BootstrapImageRequest) String() string {
 func (*BootstrapImageRequest) ProtoMessage() {}
 
 func (x *BootstrapImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[13]
+	mi := &file_dsec_v1_image_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -916,7 +982,7 @@ func (x *BootstrapImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BootstrapImageRequest.ProtoReflect.Descriptor instead.
 func (*BootstrapImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *BootstrapImageRequest) GetRecipe() string {
@@ -984,7 +1050,7 @@ type ImageProgress struct {
 
 func (x *ImageProgress) Reset() {
 	*x = ImageProgress{}
-	mi := &file_dsec_v1_image_proto_msgTypes[14]
+	mi := &file_dsec_v1_image_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -996,7 +1062,7 @@ func (x *ImageProgress) String() string {
 func (*ImageProgress) ProtoMessage() {}
 
 func (x *ImageProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[14]
+	mi := &file_dsec_v1_image_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1009,7 +1075,7 @@ func (x *ImageProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImageProgress.ProtoReflect.Descriptor instead.
 func (*ImageProgress) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ImageProgress) GetPhase() string {
@@ -1078,7 +1144,7 @@ type UploadBuildContextHeader struct {
 
 func (x *UploadBuildContextHeader) Reset() {
 	*x = UploadBuildContextHeader{}
-	mi := &file_dsec_v1_image_proto_msgTypes[15]
+	mi := &file_dsec_v1_image_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1090,7 +1156,7 @@ func (x *UploadBuildContextHeader) String() string {
 func (*UploadBuildContextHeader) ProtoMessage() {}
 
 func (x *UploadBuildContextHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[15]
+	mi := &file_dsec_v1_image_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1103,7 +1169,7 @@ func (x *UploadBuildContextHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadBuildContextHeader.ProtoReflect.Descriptor instead.
 func (*UploadBuildContextHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{15}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *UploadBuildContextHeader) GetSize() int64 {
@@ -1126,7 +1192,7 @@ type UploadBuildContextRequest struct {
 
 func (x *UploadBuildContextRequest) Reset() {
 	*x = UploadBuildContextRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[16]
+	mi := &file_dsec_v1_image_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1138,7 +1204,7 @@ func (x *UploadBuildContextRequest) String() string {
 func (*UploadBuildContextRequest) ProtoMessage() {}
 
 func (x *UploadBuildContextRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[16]
+	mi := &file_dsec_v1_image_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1151,7 +1217,7 @@ func (x *UploadBuildContextRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadBuildContextRequest.ProtoReflect.Descriptor instead.
 func (*UploadBuildContextRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{16}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *UploadBuildContextRequest) GetMsg() isUploadBuildContextRequest_Msg {
@@ -1207,7 +1273,7 @@ type BuildContext struct {
 
 func (x *BuildContext) Reset() {
 	*x = BuildContext{}
-	mi := &file_dsec_v1_image_proto_msgTypes[17]
+	mi := &file_dsec_v1_image_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1219,7 +1285,7 @@ func (x *BuildContext) String() string {
 func (*BuildContext) ProtoMessage() {}
 
 func (x *BuildContext) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[17]
+	mi := &file_dsec_v1_image_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1232,7 +1298,7 @@ func (x *BuildContext) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildContext.ProtoReflect.Descriptor instead.
 func (*BuildContext) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{17}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *BuildContext) GetDigest() string {
@@ -1285,7 +1351,7 @@ type BuildImageRequest struct {
 
 func (x *BuildImageRequest) Reset() {
 	*x = BuildImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[18]
+	mi := &file_dsec_v1_image_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1297,7 +1363,7 @@ func (x *BuildImageRequest) String() string {
 func (*BuildImageRequest) ProtoMessage() {}
 
 func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[18]
+	mi := &file_dsec_v1_image_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1310,7 +1376,7 @@ func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildImageRequest.ProtoReflect.Descriptor instead.
 func (*BuildImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{18}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *BuildImageRequest) GetName() string {
@@ -1387,7 +1453,7 @@ type CommitSandboxRequest struct {
 
 func (x *CommitSandboxRequest) Reset() {
 	*x = CommitSandboxRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[19]
+	mi := &file_dsec_v1_image_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1399,7 +1465,7 @@ func (x *CommitSandboxRequest) String() string {
 func (*CommitSandboxRequest) ProtoMessage() {}
 
 func (x *CommitSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[19]
+	mi := &file_dsec_v1_image_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1412,7 +1478,7 @@ func (x *CommitSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitSandboxRequest.ProtoReflect.Descriptor instead.
 func (*CommitSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{19}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *CommitSandboxRequest) GetSandboxId() string {
@@ -1437,7 +1503,7 @@ type PruneBuildCacheRequest struct {
 
 func (x *PruneBuildCacheRequest) Reset() {
 	*x = PruneBuildCacheRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[20]
+	mi := &file_dsec_v1_image_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1449,7 +1515,7 @@ func (x *PruneBuildCacheRequest) String() string {
 func (*PruneBuildCacheRequest) ProtoMessage() {}
 
 func (x *PruneBuildCacheRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[20]
+	mi := &file_dsec_v1_image_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1462,7 +1528,7 @@ func (x *PruneBuildCacheRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PruneBuildCacheRequest.ProtoReflect.Descriptor instead.
 func (*PruneBuildCacheRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{21}
 }
 
 type PruneBuildCacheResponse struct {
@@ -1475,7 +1541,7 @@ type PruneBuildCacheResponse struct {
 
 func (x *PruneBuildCacheResponse) Reset() {
 	*x = PruneBuildCacheResponse{}
-	mi := &file_dsec_v1_image_proto_msgTypes[21]
+	mi := &file_dsec_v1_image_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1487,7 +1553,7 @@ func (x *PruneBuildCacheResponse) String() string {
 func (*PruneBuildCacheResponse) ProtoMessage() {}
 
 func (x *PruneBuildCacheResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[21]
+	mi := &file_dsec_v1_image_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1500,7 +1566,7 @@ func (x *PruneBuildCacheResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PruneBuildCacheResponse.ProtoReflect.Descriptor instead.
 func (*PruneBuildCacheResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *PruneBuildCacheResponse) GetRemoved() int64 {
@@ -1514,7 +1580,7 @@ var File_dsec_v1_image_proto protoreflect.FileDescriptor
 
 const file_dsec_v1_image_proto_rawDesc = "" +
 	"\n" +
-	"\x13dsec/v1/image.proto\x12\adsec.v1\x1a\x15dsec/v1/sandbox.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x91\x02\n" +
+	"\x13dsec/v1/image.proto\x12\adsec.v1\x1a\x15dsec/v1/sandbox.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc5\x02\n" +
 	"\x05Image\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06digest\x18\x02 \x01(\tR\x06digest\x12\x16\n" +
@@ -1525,7 +1591,12 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"created_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\tcreatedAt\x12\x16\n" +
 	"\x06source\x18\x06 \x01(\tR\x06source\x12,\n" +
 	"\x06config\x18\a \x01(\v2\x14.dsec.v1.ImageConfigR\x06config\x12$\n" +
-	"\x02vm\x18\b \x01(\v2\x14.dsec.v1.VMImageInfoR\x02vm\"\x7f\n" +
+	"\x02vm\x18\b \x01(\v2\x14.dsec.v1.VMImageInfoR\x02vm\x122\n" +
+	"\ton_demand\x18\t \x01(\v2\x15.dsec.v1.OnDemandInfoR\bonDemand\"P\n" +
+	"\fOnDemandInfo\x12\x1d\n" +
+	"\n" +
+	"data_bytes\x18\x01 \x01(\x03R\tdataBytes\x12!\n" +
+	"\fcached_bytes\x18\x02 \x01(\x03R\vcachedBytes\"\x7f\n" +
 	"\vVMImageInfo\x12\x1d\n" +
 	"\n" +
 	"disk_bytes\x18\x01 \x01(\x03R\tdiskBytes\x12\x1a\n" +
@@ -1657,75 +1728,77 @@ func file_dsec_v1_image_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_image_proto_rawDescData
 }
 
-var file_dsec_v1_image_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_dsec_v1_image_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
 var file_dsec_v1_image_proto_goTypes = []any{
 	(*Image)(nil),                     // 0: dsec.v1.Image
-	(*VMImageInfo)(nil),               // 1: dsec.v1.VMImageInfo
-	(*ImageConfig)(nil),               // 2: dsec.v1.ImageConfig
-	(*ListImagesRequest)(nil),         // 3: dsec.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),        // 4: dsec.v1.ListImagesResponse
-	(*GetImageRequest)(nil),           // 5: dsec.v1.GetImageRequest
-	(*DeleteImageRequest)(nil),        // 6: dsec.v1.DeleteImageRequest
-	(*DeleteImageResponse)(nil),       // 7: dsec.v1.DeleteImageResponse
-	(*RegistryAuth)(nil),              // 8: dsec.v1.RegistryAuth
-	(*PullImageRequest)(nil),          // 9: dsec.v1.PullImageRequest
-	(*PushImageRequest)(nil),          // 10: dsec.v1.PushImageRequest
-	(*UploadImageHeader)(nil),         // 11: dsec.v1.UploadImageHeader
-	(*UploadImageRequest)(nil),        // 12: dsec.v1.UploadImageRequest
-	(*BootstrapImageRequest)(nil),     // 13: dsec.v1.BootstrapImageRequest
-	(*ImageProgress)(nil),             // 14: dsec.v1.ImageProgress
-	(*UploadBuildContextHeader)(nil),  // 15: dsec.v1.UploadBuildContextHeader
-	(*UploadBuildContextRequest)(nil), // 16: dsec.v1.UploadBuildContextRequest
-	(*BuildContext)(nil),              // 17: dsec.v1.BuildContext
-	(*BuildImageRequest)(nil),         // 18: dsec.v1.BuildImageRequest
-	(*CommitSandboxRequest)(nil),      // 19: dsec.v1.CommitSandboxRequest
-	(*PruneBuildCacheRequest)(nil),    // 20: dsec.v1.PruneBuildCacheRequest
-	(*PruneBuildCacheResponse)(nil),   // 21: dsec.v1.PruneBuildCacheResponse
-	nil,                               // 22: dsec.v1.ImageConfig.LabelsEntry
-	nil,                               // 23: dsec.v1.BuildImageRequest.BuildArgsEntry
-	(*timestamppb.Timestamp)(nil),     // 24: google.protobuf.Timestamp
-	(*Resources)(nil),                 // 25: dsec.v1.Resources
+	(*OnDemandInfo)(nil),              // 1: dsec.v1.OnDemandInfo
+	(*VMImageInfo)(nil),               // 2: dsec.v1.VMImageInfo
+	(*ImageConfig)(nil),               // 3: dsec.v1.ImageConfig
+	(*ListImagesRequest)(nil),         // 4: dsec.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),        // 5: dsec.v1.ListImagesResponse
+	(*GetImageRequest)(nil),           // 6: dsec.v1.GetImageRequest
+	(*DeleteImageRequest)(nil),        // 7: dsec.v1.DeleteImageRequest
+	(*DeleteImageResponse)(nil),       // 8: dsec.v1.DeleteImageResponse
+	(*RegistryAuth)(nil),              // 9: dsec.v1.RegistryAuth
+	(*PullImageRequest)(nil),          // 10: dsec.v1.PullImageRequest
+	(*PushImageRequest)(nil),          // 11: dsec.v1.PushImageRequest
+	(*UploadImageHeader)(nil),         // 12: dsec.v1.UploadImageHeader
+	(*UploadImageRequest)(nil),        // 13: dsec.v1.UploadImageRequest
+	(*BootstrapImageRequest)(nil),     // 14: dsec.v1.BootstrapImageRequest
+	(*ImageProgress)(nil),             // 15: dsec.v1.ImageProgress
+	(*UploadBuildContextHeader)(nil),  // 16: dsec.v1.UploadBuildContextHeader
+	(*UploadBuildContextRequest)(nil), // 17: dsec.v1.UploadBuildContextRequest
+	(*BuildContext)(nil),              // 18: dsec.v1.BuildContext
+	(*BuildImageRequest)(nil),         // 19: dsec.v1.BuildImageRequest
+	(*CommitSandboxRequest)(nil),      // 20: dsec.v1.CommitSandboxRequest
+	(*PruneBuildCacheRequest)(nil),    // 21: dsec.v1.PruneBuildCacheRequest
+	(*PruneBuildCacheResponse)(nil),   // 22: dsec.v1.PruneBuildCacheResponse
+	nil,                               // 23: dsec.v1.ImageConfig.LabelsEntry
+	nil,                               // 24: dsec.v1.BuildImageRequest.BuildArgsEntry
+	(*timestamppb.Timestamp)(nil),     // 25: google.protobuf.Timestamp
+	(*Resources)(nil),                 // 26: dsec.v1.Resources
 }
 var file_dsec_v1_image_proto_depIdxs = []int32{
-	24, // 0: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
-	2,  // 1: dsec.v1.Image.config:type_name -> dsec.v1.ImageConfig
-	1,  // 2: dsec.v1.Image.vm:type_name -> dsec.v1.VMImageInfo
-	22, // 3: dsec.v1.ImageConfig.labels:type_name -> dsec.v1.ImageConfig.LabelsEntry
-	0,  // 4: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
-	8,  // 5: dsec.v1.PullImageRequest.auth:type_name -> dsec.v1.RegistryAuth
-	8,  // 6: dsec.v1.PushImageRequest.auth:type_name -> dsec.v1.RegistryAuth
-	11, // 7: dsec.v1.UploadImageRequest.header:type_name -> dsec.v1.UploadImageHeader
-	0,  // 8: dsec.v1.ImageProgress.image:type_name -> dsec.v1.Image
-	15, // 9: dsec.v1.UploadBuildContextRequest.header:type_name -> dsec.v1.UploadBuildContextHeader
-	23, // 10: dsec.v1.BuildImageRequest.build_args:type_name -> dsec.v1.BuildImageRequest.BuildArgsEntry
-	25, // 11: dsec.v1.BuildImageRequest.resources:type_name -> dsec.v1.Resources
-	3,  // 12: dsec.v1.ImageService.ListImages:input_type -> dsec.v1.ListImagesRequest
-	5,  // 13: dsec.v1.ImageService.GetImage:input_type -> dsec.v1.GetImageRequest
-	6,  // 14: dsec.v1.ImageService.DeleteImage:input_type -> dsec.v1.DeleteImageRequest
-	9,  // 15: dsec.v1.ImageService.PullImage:input_type -> dsec.v1.PullImageRequest
-	10, // 16: dsec.v1.ImageService.PushImage:input_type -> dsec.v1.PushImageRequest
-	12, // 17: dsec.v1.ImageService.UploadImage:input_type -> dsec.v1.UploadImageRequest
-	13, // 18: dsec.v1.ImageService.BootstrapImage:input_type -> dsec.v1.BootstrapImageRequest
-	16, // 19: dsec.v1.ImageService.UploadBuildContext:input_type -> dsec.v1.UploadBuildContextRequest
-	18, // 20: dsec.v1.ImageService.BuildImage:input_type -> dsec.v1.BuildImageRequest
-	19, // 21: dsec.v1.ImageService.CommitSandbox:input_type -> dsec.v1.CommitSandboxRequest
-	20, // 22: dsec.v1.ImageService.PruneBuildCache:input_type -> dsec.v1.PruneBuildCacheRequest
-	4,  // 23: dsec.v1.ImageService.ListImages:output_type -> dsec.v1.ListImagesResponse
-	0,  // 24: dsec.v1.ImageService.GetImage:output_type -> dsec.v1.Image
-	7,  // 25: dsec.v1.ImageService.DeleteImage:output_type -> dsec.v1.DeleteImageResponse
-	14, // 26: dsec.v1.ImageService.PullImage:output_type -> dsec.v1.ImageProgress
-	14, // 27: dsec.v1.ImageService.PushImage:output_type -> dsec.v1.ImageProgress
-	0,  // 28: dsec.v1.ImageService.UploadImage:output_type -> dsec.v1.Image
-	14, // 29: dsec.v1.ImageService.BootstrapImage:output_type -> dsec.v1.ImageProgress
-	17, // 30: dsec.v1.ImageService.UploadBuildContext:output_type -> dsec.v1.BuildContext
-	14, // 31: dsec.v1.ImageService.BuildImage:output_type -> dsec.v1.ImageProgress
-	0,  // 32: dsec.v1.ImageService.CommitSandbox:output_type -> dsec.v1.Image
-	21, // 33: dsec.v1.ImageService.PruneBuildCache:output_type -> dsec.v1.PruneBuildCacheResponse
-	23, // [23:34] is the sub-list for method output_type
-	12, // [12:23] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	25, // 0: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	3,  // 1: dsec.v1.Image.config:type_name -> dsec.v1.ImageConfig
+	2,  // 2: dsec.v1.Image.vm:type_name -> dsec.v1.VMImageInfo
+	1,  // 3: dsec.v1.Image.on_demand:type_name -> dsec.v1.OnDemandInfo
+	23, // 4: dsec.v1.ImageConfig.labels:type_name -> dsec.v1.ImageConfig.LabelsEntry
+	0,  // 5: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
+	9,  // 6: dsec.v1.PullImageRequest.auth:type_name -> dsec.v1.RegistryAuth
+	9,  // 7: dsec.v1.PushImageRequest.auth:type_name -> dsec.v1.RegistryAuth
+	12, // 8: dsec.v1.UploadImageRequest.header:type_name -> dsec.v1.UploadImageHeader
+	0,  // 9: dsec.v1.ImageProgress.image:type_name -> dsec.v1.Image
+	16, // 10: dsec.v1.UploadBuildContextRequest.header:type_name -> dsec.v1.UploadBuildContextHeader
+	24, // 11: dsec.v1.BuildImageRequest.build_args:type_name -> dsec.v1.BuildImageRequest.BuildArgsEntry
+	26, // 12: dsec.v1.BuildImageRequest.resources:type_name -> dsec.v1.Resources
+	4,  // 13: dsec.v1.ImageService.ListImages:input_type -> dsec.v1.ListImagesRequest
+	6,  // 14: dsec.v1.ImageService.GetImage:input_type -> dsec.v1.GetImageRequest
+	7,  // 15: dsec.v1.ImageService.DeleteImage:input_type -> dsec.v1.DeleteImageRequest
+	10, // 16: dsec.v1.ImageService.PullImage:input_type -> dsec.v1.PullImageRequest
+	11, // 17: dsec.v1.ImageService.PushImage:input_type -> dsec.v1.PushImageRequest
+	13, // 18: dsec.v1.ImageService.UploadImage:input_type -> dsec.v1.UploadImageRequest
+	14, // 19: dsec.v1.ImageService.BootstrapImage:input_type -> dsec.v1.BootstrapImageRequest
+	17, // 20: dsec.v1.ImageService.UploadBuildContext:input_type -> dsec.v1.UploadBuildContextRequest
+	19, // 21: dsec.v1.ImageService.BuildImage:input_type -> dsec.v1.BuildImageRequest
+	20, // 22: dsec.v1.ImageService.CommitSandbox:input_type -> dsec.v1.CommitSandboxRequest
+	21, // 23: dsec.v1.ImageService.PruneBuildCache:input_type -> dsec.v1.PruneBuildCacheRequest
+	5,  // 24: dsec.v1.ImageService.ListImages:output_type -> dsec.v1.ListImagesResponse
+	0,  // 25: dsec.v1.ImageService.GetImage:output_type -> dsec.v1.Image
+	8,  // 26: dsec.v1.ImageService.DeleteImage:output_type -> dsec.v1.DeleteImageResponse
+	15, // 27: dsec.v1.ImageService.PullImage:output_type -> dsec.v1.ImageProgress
+	15, // 28: dsec.v1.ImageService.PushImage:output_type -> dsec.v1.ImageProgress
+	0,  // 29: dsec.v1.ImageService.UploadImage:output_type -> dsec.v1.Image
+	15, // 30: dsec.v1.ImageService.BootstrapImage:output_type -> dsec.v1.ImageProgress
+	18, // 31: dsec.v1.ImageService.UploadBuildContext:output_type -> dsec.v1.BuildContext
+	15, // 32: dsec.v1.ImageService.BuildImage:output_type -> dsec.v1.ImageProgress
+	0,  // 33: dsec.v1.ImageService.CommitSandbox:output_type -> dsec.v1.Image
+	22, // 34: dsec.v1.ImageService.PruneBuildCache:output_type -> dsec.v1.PruneBuildCacheResponse
+	24, // [24:35] is the sub-list for method output_type
+	13, // [13:24] is the sub-list for method input_type
+	13, // [13:13] is the sub-list for extension type_name
+	13, // [13:13] is the sub-list for extension extendee
+	0,  // [0:13] is the sub-list for field type_name
 }
 
 func init() { file_dsec_v1_image_proto_init() }
@@ -1734,11 +1807,11 @@ func file_dsec_v1_image_proto_init() {
 		return
 	}
 	file_dsec_v1_sandbox_proto_init()
-	file_dsec_v1_image_proto_msgTypes[12].OneofWrappers = []any{
+	file_dsec_v1_image_proto_msgTypes[13].OneofWrappers = []any{
 		(*UploadImageRequest_Header)(nil),
 		(*UploadImageRequest_Data)(nil),
 	}
-	file_dsec_v1_image_proto_msgTypes[16].OneofWrappers = []any{
+	file_dsec_v1_image_proto_msgTypes[17].OneofWrappers = []any{
 		(*UploadBuildContextRequest_Header)(nil),
 		(*UploadBuildContextRequest_Data)(nil),
 	}
@@ -1748,7 +1821,7 @@ func file_dsec_v1_image_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_image_proto_rawDesc), len(file_dsec_v1_image_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   24,
+			NumMessages:   25,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
