@@ -76,6 +76,7 @@ func main() {
 		if err != nil {
 			fatal(err)
 		}
+		b.Cleanup(raw.Close) // on any exit: before the temporary directories go
 		bundles := make([]string, *n)
 		for i := range bundles {
 			if bundles[i], err = raw.Bundle([]string{"true"}); err != nil {

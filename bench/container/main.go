@@ -69,7 +69,7 @@ func main() {
 	if err != nil {
 		fatal(err)
 	}
-	defer raw.Close()
+	b.Cleanup(raw.Close) // before the temporary directories go, on any exit
 
 	fmt.Printf("dsec container benchmark — %d CPUs, %s\n", runtimeCPUs(), time.Now().Format(time.RFC3339))
 	fmt.Printf("raw baseline: mount overlay of the same busybox layers + `crun run` (crun's default spec) of `true` + umount\n")

@@ -402,6 +402,7 @@ func openNode(cfg config.Config, reg *metrics.Registry, log *slog.Logger) (_ *no
 	}
 	return n, func() {
 		n.Close()
+		n.Images().Close() // the layers' mounts and the blob file system of layers loaded on demand
 		removeEmptyRunDir(runDirOf(dataDir))
 	}, nil
 }

@@ -71,7 +71,7 @@ func Beside(ctx context.Context, c *dsec.Client, dataDir, dir string) (*Baseline
 	return r, nil
 }
 
-// Close unmounts the layer images Beside mounted.
+// Close unmounts the layer images Beside mounted (again: nothing).
 func (r *Baseline) Close() {
 	for _, m := range r.mounted {
 		unix.Unmount(m, unix.MNT_DETACH)
