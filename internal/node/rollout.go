@@ -277,7 +277,14 @@ func (n *Node) WatchRollout(ctx context.Context, req *dsecv1.WatchRolloutRequest
 		}
 		for _, e := range entries {
 			if r := e.GetRollout(); r != nil && r.RolloutId == id && e.Op == "rollout_end" {
-				end, err := n.rolloutView(sb, id)
+				// The entry is the rollout as it ended: the node's own
+				// record of it may not say so yet (the end is logged
+				// first), and a view from it would read "running".
+				end := proto.Clone(r).(*dsecv1.Rollout)
+				if end.StartSeq == 0 {
+					end.StartSeq = v.StartSeq
+				}
+				end, err := n.counted(end)
 				if err != nil {
 					return err
 				}
