@@ -92,14 +92,7 @@ func (l *fileLayer) MediaType() (types.MediaType, error)  { return l.mt, nil }
 // stored as EROFS files with a blob (a layer stored as a directory is
 // invalid here: Push it).
 func (s *Store) PushLazy(ctx context.Context, img *Image, ref string, auth Auth, insecure bool, progress Progress) (string, error) {
-	if img.VM != nil || img.Snapshot != nil && img.Snapshot.Machine {
-		return "", errdefs.Invalid("image %s is a VM disk or machine snapshot: only layered images are pushed", img.Name)
-	}
-	r, ropts, err := remoteRef(ctx, ref, auth, insecure)
-	if err != nil {
-		return "", err
-	}
-	release, err := s.Hold(img.Layers)
+	r, ropts, release, err := s.pushable(ctx, img, ref, auth, insecure)
 	if err != nil {
 		return "", err
 	}
@@ -296,20 +289,7 @@ func (s *Store) fetchLazyLayer(ctx context.Context, img v1.Image, diff string, m
 	if err := os.WriteFile(setFile(out, ".lazy"), rb, 0o600); err != nil {
 		return nil, err
 	}
-	s.layerMu.Lock()
-	defer s.layerMu.Unlock()
-	if _, ok := s.haveLayer(diff); ok {
-		return s.holdLocked([]string{diff}), nil
-	}
-	for _, suf := range []string{".chunks", ".lazy", ".erofs"} {
-		if err := os.Rename(setFile(out, suf), s.layerPath(diff)+suf); err != nil {
-			return nil, fmt.Errorf("store layer: %w", err)
-		}
-	}
-	if err := writeFileAtomic(s.layerPath(diff)+".size", []byte(fmt.Sprint(size))); err != nil {
-		return nil, err
-	}
-	return s.holdLocked([]string{diff}), nil
+	return s.placeLayer(diff, out, []string{".chunks", ".lazy", ".erofs"}, size)
 }
 
 // fetchBlob writes manifest layer d of img to path; the registry client

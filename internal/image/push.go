@@ -52,14 +52,7 @@ func remoteRef(ctx context.Context, ref string, auth Auth, insecure bool) (name.
 // the same. The image's layers are held while they are read. VM images
 // and machine snapshots have no layers to push (invalid).
 func (s *Store) Push(ctx context.Context, img *Image, ref string, auth Auth, insecure bool, progress Progress) (string, error) {
-	if img.VM != nil || img.Snapshot != nil && img.Snapshot.Machine {
-		return "", errdefs.Invalid("image %s is a VM disk or machine snapshot: only layered images are pushed", img.Name)
-	}
-	r, ropts, err := remoteRef(ctx, ref, auth, insecure)
-	if err != nil {
-		return "", err
-	}
-	release, err := s.Hold(img.Layers)
+	r, ropts, release, err := s.pushable(ctx, img, ref, auth, insecure)
 	if err != nil {
 		return "", err
 	}
@@ -69,6 +62,24 @@ func (s *Store) Push(ctx context.Context, img *Image, ref string, auth Auth, ins
 		return "", err
 	}
 	return s.write(ctx, r, ref, out, ropts, progress)
+}
+
+// pushable checks img can be pushed (VM images and machine snapshots
+// have no layers to push), parses ref and holds img's layers until
+// release is called.
+func (s *Store) pushable(ctx context.Context, img *Image, ref string, auth Auth, insecure bool) (name.Reference, []remote.Option, func(), error) {
+	if img.VM != nil || img.Snapshot != nil && img.Snapshot.Machine {
+		return nil, nil, nil, errdefs.Invalid("image %s is a VM disk or machine snapshot: only layered images are pushed", img.Name)
+	}
+	r, ropts, err := remoteRef(ctx, ref, auth, insecure)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	release, err := s.Hold(img.Layers)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	return r, ropts, release, nil
 }
 
 // write writes out to a registry at r (ref as the caller named it),

@@ -581,13 +581,21 @@ func (s *Store) commitLayer(diffID, tmp, cache string) (release func(), err erro
 	if err != nil {
 		return nil, fmt.Errorf("store layer: %w", err)
 	}
+	return s.placeLayer(diffID, out, layerSuffixes, size)
+}
+
+// placeLayer moves layer diffID's files (suffixes, in order: the metadata
+// image last) from set directory out into the store, then its size marker
+// (which means "complete"), unless the store has the layer meanwhile, and
+// holds it.
+func (s *Store) placeLayer(diffID, out string, suffixes []string, size int64) (func(), error) {
 	s.layerMu.Lock()
 	defer s.layerMu.Unlock()
 	if _, ok := s.haveLayer(diffID); ok {
 		return s.holdLocked([]string{diffID}), nil
 	}
 	os.RemoveAll(s.layerPath(diffID)) // a directory of an interrupted commit
-	for _, suf := range layerSuffixes {
+	for _, suf := range suffixes {
 		if err := os.Rename(setFile(out, suf), s.layerPath(diffID)+suf); err != nil {
 			return nil, fmt.Errorf("store layer: %w", err)
 		}
