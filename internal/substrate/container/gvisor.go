@@ -151,17 +151,26 @@ func (r *ociRuntime) command(ctx context.Context, args ...string) *exec.Cmd {
 // guarantee: the binary a container could reach cannot be written.
 // Measured: docs/performance.md.
 func (r *ociRuntime) sealExe() error {
+	src, err := os.Open(r.path)
+	if err != nil {
+		return err
+	}
+	defer src.Close()
+	// Only a binary: a script run from a close-on-exec descriptor cannot
+	// be opened by its interpreter (a wrapper around the runtime stays
+	// on its path).
+	magic := make([]byte, 4)
+	if _, err := io.ReadFull(src, magic); err != nil || string(magic) != "\x7fELF" {
+		return nil
+	}
+	if _, err := src.Seek(0, io.SeekStart); err != nil {
+		return err
+	}
 	fd, err := unix.MemfdCreate(r.name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return err
 	}
 	f := os.NewFile(uintptr(fd), r.name)
-	src, err := os.Open(r.path)
-	if err != nil {
-		f.Close()
-		return err
-	}
-	defer src.Close()
 	if _, err := io.Copy(f, src); err != nil {
 		f.Close()
 		return err
