@@ -205,7 +205,12 @@ func (n *Node) Info(ctx context.Context) *dsecv1.NodeInfo {
 		info.Host["image_layers"] = "dir: " + why
 	}
 	if c := n.images.ChunkCache(); c.Budget > 0 {
-		info.Host["image_chunk_cache"] = fmt.Sprintf("%d MiB of %d MiB (%d MiB dropped to stay within it)", c.Used>>20, c.Budget>>20, c.Evicted>>20)
+		var hits, fetches int64
+		for _, st := range n.images.LazyStats() {
+			hits, fetches = hits+st.Hits, fetches+st.Fetches
+		}
+		info.Host["image_chunk_cache"] = fmt.Sprintf("%d MiB of %d MiB (%d MiB dropped to stay within it); reads since start: %d from the cache, %d fetched",
+			c.Used>>20, c.Budget>>20, c.Evicted>>20, hits, fetches)
 	}
 	for _, k := range substrate.Kinds {
 		d := n.drivers[k]
