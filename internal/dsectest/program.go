@@ -16,6 +16,7 @@ type ProgramTB struct {
 	mu       sync.Mutex
 	cleanups []func()
 	dirs     []string
+	failed   bool
 }
 
 var (
@@ -63,7 +64,7 @@ func (b *ProgramTB) Fatalf(f string, args ...any) { b.fail(fmt.Sprintf(f, args..
 func (b *ProgramTB) Skip(args ...any)             { b.fail(fmt.Sprint(args...)) }
 func (b *ProgramTB) Skipf(f string, args ...any)  { b.fail(fmt.Sprintf(f, args...)) }
 func (b *ProgramTB) Logf(f string, args ...any)   { fmt.Fprintf(os.Stderr, f+"\n", args...) }
-func (b *ProgramTB) Failed() bool                 { return false }
+func (b *ProgramTB) Failed() bool                 { b.mu.Lock(); defer b.mu.Unlock(); return b.failed }
 func (b *ProgramTB) Cleanup(f func())             { b.mu.Lock(); b.cleanups = append(b.cleanups, f); b.mu.Unlock() }
 
 func (b *ProgramTB) fail(msg string) {
@@ -81,6 +82,18 @@ func (b *ProgramTB) TempDir() string {
 	b.dirs = append(b.dirs, d)
 	b.mu.Unlock()
 	return d
+}
+
+// CloseWith closes b after a test binary's run whose exit code is code: a
+// failed run (code != 0) marks b failed first, so its servers print their
+// logs as they close, as a failed test's own servers do.
+func (b *ProgramTB) CloseWith(code int) {
+	if code != 0 {
+		b.mu.Lock()
+		b.failed = true
+		b.mu.Unlock()
+	}
+	b.Close()
 }
 
 // Close runs the cleanups, newest first.

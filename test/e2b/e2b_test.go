@@ -26,7 +26,7 @@ var shared = dsectest.Program()
 
 func TestMain(m *testing.M) {
 	code := m.Run()
-	shared.Close()
+	shared.CloseWith(code)
 	os.Exit(code)
 }
 
@@ -113,7 +113,7 @@ func scenario(t *testing.T, s *dsectest.Server, name string, env ...string) {
 	cmd.Env = append(cmd.Env, env...)
 	out, err := cmd.CombinedOutput()
 	if err != nil {
-		t.Fatalf("scenario %s: %v\n%s", name, err, out)
+		t.Fatalf("scenario %s: %v\n%s\nthe host when it failed:\n%s", name, err, out, s.Diagnose())
 	}
 	if !strings.HasSuffix(strings.TrimSpace(string(out)), "ok") {
 		t.Fatalf("scenario %s did not finish:\n%s", name, out)

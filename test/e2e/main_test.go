@@ -12,6 +12,6 @@ var shared = dsectest.Program()
 
 func TestMain(m *testing.M) {
 	code := m.Run()
-	shared.Close()
+	shared.CloseWith(code)
 	os.Exit(code)
 }

@@ -30,7 +30,7 @@ var shared = dsectest.Program()
 
 func TestMain(m *testing.M) {
 	code := m.Run()
-	shared.Close()
+	shared.CloseWith(code)
 	if programs.dir != "" {
 		os.RemoveAll(programs.dir)
 	}
