@@ -23,6 +23,49 @@ import './resolve.mjs'
 const TEMPLATE = process.env.TEMPLATE || 'base'
 const CI_TEMPLATE = process.env.CI_TEMPLATE || 'code-interpreter-v1'
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms))
+
+// until waits for cond (async) to hold, for at most ms, and returns its
+// last value. Readiness waits are bounded by time, not a count of tries:
+// a full VM under TCG on a loaded 2-core host takes seconds for what a
+// container does in milliseconds, and nothing here asserts a duration.
+async function until(cond, ms = 90_000) {
+  const deadline = Date.now() + ms
+  for (;;) {
+    const v = await cond()
+    if (v || Date.now() > deadline) return v
+    await sleep(100)
+  }
+}
+
+// untilStatus fetches with get until the answer is want (a server in the
+// sandbox starting) or ms pass, and returns the last answer.
+async function untilStatus(get, want = 200, ms = 90_000) {
+  const deadline = Date.now() + ms
+  for (;;) {
+    const res = await get()
+    if (res.status === want || Date.now() > deadline) return res
+    await res.text()
+    await sleep(200)
+  }
+}
+
+// gate is a file a command in the sandbox waits for (up to 30 s, then it
+// goes on and prints "late"): the test opens it once it has received the
+// output printed before the wait, so that output arriving while the
+// command still runs shows it streamed, by cause rather than by timing.
+function gate(sbx) {
+  const path = `/tmp/gate-${randomBytes(6).toString('hex')}`
+  let opened
+  return {
+    sh: `i=0; while [ ! -e ${path} ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; [ -e ${path} ] || echo late`,
+    py: `import os, time\nfor _ in range(600):\n    if os.path.exists("${path}"): break\n    time.sleep(0.05)\n`,
+    path,
+    open() {
+      opened ??= sbx.files.write(path, '')
+      return opened
+    },
+  }
+}
 const enc = new TextEncoder()
 const dec = new TextDecoder()
 
@@ -69,18 +112,19 @@ const scenarios = {
   // command writes them, and returns the collected result.
   async 'commands-run-streams'() {
     await withSandbox(async (sbx) => {
+      // Streamed, not delivered at the end: the command waits, after each
+      // line, for the test to have received that line.
       const events = []
-      const t0 = Date.now()
-      const r = await sbx.commands.run('echo one; sleep 0.4; echo two >&2; sleep 0.4; echo three', {
-        onStdout: (d) => events.push(['out', d, Date.now() - t0]),
-        onStderr: (d) => events.push(['err', d, Date.now() - t0]),
+      const g1 = gate(sbx), g2 = gate(sbx)
+      const r = await sbx.commands.run(`echo one; ${g1.sh}; echo two >&2; ${g2.sh}; echo three`, {
+        onStdout: (d) => { events.push(['out', d]); if (d === 'one\n') g1.open() },
+        onStderr: (d) => { events.push(['err', d]); if (d === 'two\n') g2.open() },
       })
+      await Promise.all([g1.open(), g2.open()])
       assert.equal(r.exitCode, 0)
-      assert.equal(r.stdout, 'one\nthree\n')
+      assert.equal(r.stdout, 'one\nthree\n', `output was not streamed: ${JSON.stringify(events)}`)
       assert.equal(r.stderr, 'two\n')
-      assert.deepEqual(events.map((e) => e.slice(0, 2)), [['out', 'one\n'], ['err', 'two\n'], ['out', 'three\n']])
-      // Streamed, not delivered at the end: "one" arrived well before "three".
-      assert.ok(events[2][2] - events[0][2] >= 300, `output was not streamed: ${JSON.stringify(events)}`)
+      assert.deepEqual(events, [['out', 'one\n'], ['err', 'two\n'], ['out', 'three\n']])
       const cwd = await sbx.commands.run('pwd; echo $FOO', { cwd: '/tmp', envs: { FOO: 'bar' } })
       assert.equal(cwd.stdout, '/tmp\nbar\n')
     })
@@ -108,9 +152,8 @@ const scenarios = {
       await rejects(sbx.commands.run('sleep 30; echo late', { timeoutMs: 1500 }), TimeoutError, 'timeout')
       const took = Date.now() - t0
       assert.ok(took >= 1400 && took < 10_000, `timed out after ${took} ms`)
-      await sleep(300)
-      const left = await sbx.commands.run('pgrep -c -x sleep || true')
-      assert.equal(left.stdout.trim(), '0', 'the timed-out command is still running')
+      const left = await until(async () => (await sbx.commands.run('pgrep -c -x sleep || true')).stdout.trim() === '0', 30_000)
+      assert.ok(left, 'the timed-out command is still running')
     })
   },
 
@@ -258,7 +301,7 @@ const scenarios = {
       await sbx.files.write('/tmp/watched/sub/deep.txt', 'y')
       await sbx.files.remove('/tmp/watched/g.txt')
       const want = ['create f.txt', 'write f.txt', 'rename f.txt', 'create g.txt', 'create sub/deep.txt', 'remove g.txt']
-      for (let i = 0; i < 50 && !want.every((x) => events.includes(x)); i++) await sleep(100)
+      await until(() => want.every((x) => events.includes(x)), 30_000)
       await w.stop()
       for (const x of want) assert.ok(events.includes(x), `missing "${x}" in ${JSON.stringify(events)}`)
     })
@@ -311,7 +354,7 @@ const scenarios = {
       await sbx.setTimeout(2_000)
       const soon = (await sbx.getInfo()).endAt.getTime() - Date.now()
       assert.ok(soon <= 2_100, `endAt is ${soon} ms away after setTimeout(2000)`)
-      for (let i = 0; i < 100 && await sbx.isRunning(); i++) await sleep(100)
+      await until(async () => !(await sbx.isRunning()), 60_000)
       assert.equal(await sbx.isRunning(), false, 'the sandbox outlived its timeout')
       await rejects(sbx.getInfo(), SandboxNotFoundError, 'getInfo after the timeout')
     })
@@ -324,11 +367,7 @@ const scenarios = {
       await sbx.commands.run('sleep 1000', { background: true, timeoutMs: 0 })
       // Its shell runs the login profile first (forks that show the same
       // command line): wait for the sleep itself, then pause.
-      let pid = ''
-      for (let i = 0; i < 200 && !pid; i++) {
-        pid = (await sbx.commands.run('pgrep -x sleep || true')).stdout.trim()
-        if (!pid) await sleep(50)
-      }
+      const pid = await until(async () => (await sbx.commands.run('pgrep -x sleep || true')).stdout.trim(), 60_000)
       assert.ok(/^\d+$/.test(pid), `the background sleep never started (${pid})`)
       assert.equal(await sbx.pause(), true)
       assert.equal(await sbx.pause(), false, 'pausing a paused sandbox must answer false (409)')
@@ -413,10 +452,15 @@ const scenarios = {
       assert.equal(err.error.name, 'ValueError')
       assert.equal(err.error.value, 'bad value')
       assert.ok(err.error.traceback.includes('raise ValueError'), err.error.traceback)
-      const times = []
-      await sbx.runCode('import time\nprint("a")\ntime.sleep(0.8)\nprint("b")', { onStdout: () => times.push(Date.now()) })
-      assert.equal(times.length, 2)
-      assert.ok(times[1] - times[0] >= 300, 'runCode output must stream as it is printed')
+      // Streamed as printed: the code waits, after its first line, for
+      // the test to have received it.
+      const lines = []
+      const g = gate(sbx)
+      await sbx.runCode(`print("a", flush=True)\n${g.py}print("b" if os.path.exists("${g.path}") else "late")`, {
+        onStdout: (m) => { lines.push(m.line); if (m.line === 'a\n') g.open() },
+      })
+      await g.open()
+      assert.deepEqual(lines, ['a\n', 'b\n'], 'runCode output must stream as it is printed')
       const env = await sbx.runCode('import os\nos.environ["ONLY_HERE"]', { envs: { ONLY_HERE: 'yes' } })
       assert.equal(env.text, "'yes'")
 
@@ -502,34 +546,25 @@ const scenarios = {
         path: () => fetch(`${base}/sandboxes/${sbx.sandboxId}/ports/8000/hello.txt`),
       }
       for (const [form, get] of Object.entries(forms)) {
-        let res
-        for (let i = 0; i < 50; i++) {
-          res = await get()
-          if (res.status === 200) break
-          await sleep(200)
-        }
+        const res = await untilStatus(get)
         const text = await res.text()
         assert.equal(res.status, 200, `${form}: ${res.status} ${text}`)
         assert.equal(text, 'hello from the sandbox', form)
       }
       // Streamed: the first line arrives before the server writes the last.
       // The second server may still be starting: a 502 until it listens.
-      let stream
-      for (let i = 0; i < 50; i++) {
-        stream = await fetch(`https://${sbx.getHost(8001)}/stream`)
-        if (stream.status === 200) break
-        await stream.text()
-        await sleep(200)
-      }
+      // The server writes its first line, then waits for the test to
+      // have received it before it writes the rest.
+      const stream = await untilStatus(() => fetch(`https://${sbx.getHost(8001)}/stream`))
       assert.equal(stream.status, 200)
       const reader = stream.body.getReader()
-      const t0 = Date.now()
       const first = dec.decode((await reader.read()).value)
       assert.match(first, /^tick 0/)
+      await sbx.files.write('/tmp/stream-go', '')
       let rest = ''
       for (let r = await reader.read(); !r.done; r = await reader.read()) rest += dec.decode(r.value)
       assert.match(rest, /tick 2/)
-      assert.ok(Date.now() - t0 >= 500, 'the stream was not streamed')
+      assert.ok(!rest.includes('late'), `the stream was not streamed: ${rest}`)
       for (const via of ['host', 'path']) {
         assert.equal(await wsEcho(sbx, 8001, via, 'ping through the proxy'), 'echo: ping through the proxy')
       }
@@ -558,12 +593,7 @@ const scenarios = {
       await sbx.commands.run('exec python3 /tmp/ws.py 8001', { background: true })
       const url = `https://${sbx.getHost(8000)}/index.html`
       const withToken = { headers: { 'e2b-traffic-access-token': sbx.trafficAccessToken } }
-      let res
-      for (let i = 0; i < 50; i++) {
-        res = await fetch(url, withToken)
-        if (res.status === 200) break
-        await sleep(200)
-      }
+      const res = await untilStatus(() => fetch(url, withToken))
       assert.equal(res.status, 200)
       assert.equal(await res.text(), 'private')
       const none = await fetch(url)
@@ -575,24 +605,13 @@ const scenarios = {
       const access = await fetch(url, { headers: { 'x-access-token': sbx.envdAccessToken } })
       assert.equal(access.status, 403, 'the envd access token is not the traffic token')
       // The second server may start after the first answered: wait for it too.
-      let seen
-      for (let i = 0; i < 50; i++) {
-        const r = await fetch(`https://${sbx.getHost(8001)}/host`, withToken)
-        seen = await r.text()
-        if (r.status === 200) break
-        await sleep(200)
-      }
+      const seen = await (await untilStatus(() => fetch(`https://${sbx.getHost(8001)}/host`, withToken))).text()
       assert.equal(seen, 'masked.example:8001')
     }, { network: { allowPublicTraffic: false, maskRequestHost: 'masked.example:${PORT}' } })
     await withSandbox(async (sbx) => {
       await sbx.files.write('/tmp/srv/index.html', 'public')
       await sbx.commands.run('cd /tmp/srv && exec python3 -m http.server 8000', { background: true })
-      let res
-      for (let i = 0; i < 50; i++) {
-        res = await fetch(`https://${sbx.getHost(8000)}/`)
-        if (res.status === 200) break
-        await sleep(200)
-      }
+      const res = await untilStatus(() => fetch(`https://${sbx.getHost(8000)}/`))
       assert.equal(res.status, 200, 'a public sandbox needs no token')
     }, { network: { allowPublicTraffic: true } })
   },
@@ -862,9 +881,9 @@ const scenarios = {
       // The entry is the file as the watcher finds it when it reports the
       // change: a file removed before then has none. Removed once its write
       // was reported (a slow guest reported it after the removal).
-      for (let i = 0; i < 50 && !events.some((e) => e.type === 'write' && e.name === 'f.txt'); i++) await sleep(100)
+      await until(() => events.some((e) => e.type === 'write' && e.name === 'f.txt'), 30_000)
       await sbx.files.remove('/tmp/we/f.txt')
-      for (let i = 0; i < 50 && !events.some((e) => e.type === 'remove'); i++) await sleep(100)
+      await until(() => events.some((e) => e.type === 'remove'), 30_000)
       await w.stop()
       const write = events.find((e) => e.type === 'write' && e.name === 'f.txt' && e.entry)
       assert.ok(write, `no write event with an entry: ${JSON.stringify(events)}`)
@@ -1052,11 +1071,12 @@ const scenarios = {
 }
 
 // WS_SERVER is a small server for the port scenarios: GET /stream writes
-// three lines 300 ms apart (chunked), GET /host answers the Host header it
+// three lines (chunked), the last two once /tmp/stream-go exists (the
+// client has the first; after 30 s without it they say "late"), GET /host answers the Host header it
 // got, and a WebSocket upgrade answers each text frame with "echo: " and
 // the text.
 const WS_SERVER = `
-import base64, hashlib, http.server, struct, sys, time
+import base64, hashlib, http.server, os, struct, sys, time
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = 'HTTP/1.1'
     def log_message(self, *a): pass
@@ -1084,11 +1104,16 @@ class H(http.server.BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header('Transfer-Encoding', 'chunked')
             self.end_headers()
+            late = ''
             for i in range(3):
-                line = ('tick %d\\n' % i).encode()
+                line = ('tick %d%s\\n' % (i, late)).encode()
                 self.wfile.write(b'%x\\r\\n%s\\r\\n' % (len(line), line))
                 self.wfile.flush()
-                time.sleep(0.3)
+                # After the first line: wait for the client to have it.
+                for _ in range(600 if i == 0 else 0):
+                    if os.path.exists('/tmp/stream-go'): break
+                    time.sleep(0.05)
+                if i == 0 and not os.path.exists('/tmp/stream-go'): late = ' late'
             self.wfile.write(b'0\\r\\n\\r\\n')
             return
         self.send_response(200)
@@ -1161,11 +1186,7 @@ async function untilState(sbx, state) {
 // pid once the sleep itself runs (its login shell forks first).
 async function backgroundSleep(sbx) {
   await sbx.commands.run('sleep 1000', { background: true, timeoutMs: 0 })
-  let pid = ''
-  for (let i = 0; i < 200 && !pid; i++) {
-    pid = (await sbx.commands.run('pgrep -x sleep || true')).stdout.trim()
-    if (!pid) await sleep(50)
-  }
+  const pid = await until(async () => (await sbx.commands.run('pgrep -x sleep || true')).stdout.trim(), 60_000)
   assert.ok(/^\d+$/.test(pid), `the background sleep never started (${pid})`)
   return pid
 }
@@ -1304,11 +1325,7 @@ scenarios['filesystem-pause'] = async function filesystemPause() {
   await withSandbox(async (sbx) => {
     await sbx.files.write('/home/user/kept.txt', 'kept')
     await sbx.commands.run('sleep 1000', { background: true, timeoutMs: 0 })
-    let pid = ''
-    for (let i = 0; i < 200 && !pid; i++) {
-      pid = (await sbx.commands.run('pgrep -x sleep || true')).stdout.trim()
-      if (!pid) await sleep(50)
-    }
+    const pid = await until(async () => (await sbx.commands.run('pgrep -x sleep || true')).stdout.trim(), 60_000)
     assert.ok(/^\d+$/.test(pid), `the background sleep never started (${pid})`)
     const before = await bootID(sbx)
     assert.match(before, /^[0-9a-f-]{36}$/)
@@ -1329,10 +1346,7 @@ scenarios['filesystem-pause'] = async function filesystemPause() {
     await sbx.files.write('/home/user/marker.txt', 'marker')
     const before = await bootID(sbx)
     let state = ''
-    for (let i = 0; i < 100 && state !== 'paused'; i++) {
-      await sleep(200)
-      state = (await sbx.getInfo()).state
-    }
+    await until(async () => (state = (await sbx.getInfo()).state) === 'paused', 60_000)
     assert.equal(state, 'paused', 'the sandbox did not pause at its timeout')
     await sbx.connect()
     assert.equal(await sbx.files.read('/home/user/marker.txt'), 'marker')

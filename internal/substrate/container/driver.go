@@ -260,6 +260,11 @@ func (d *Driver) probe() string {
 	if d.oci.path == "" {
 		return "no usable OCI runtime: " + strings.Join(skipped, "; ") + " (apt-get install crun)"
 	}
+	if d.oci.name == "crun" {
+		if err := d.oci.sealExe(); err != nil {
+			d.log.Warn("crun runs from its file, copying itself at every start", slog.Any("error", err))
+		}
+	}
 	for _, dir := range []string{d.runRoot, d.sockDir} {
 		if err := os.MkdirAll(dir, 0o700); err != nil {
 			return fmt.Sprintf("create %s: %v", dir, err)

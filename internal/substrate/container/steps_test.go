@@ -49,4 +49,12 @@ func TestACreateReportsItsSteps(t *testing.T) {
 	if sum > took {
 		t.Fatalf("the steps add up to %v, the create took %v", sum, took)
 	}
+	// crun runs from the node's sealed copy of itself (sealExe), so it
+	// does not copy itself again.
+	if d.oci.name == "crun" {
+		exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", inner(inst).st.RuntimePid))
+		if err != nil || !strings.HasPrefix(exe, "/memfd:crun") {
+			t.Fatalf("the sandbox's crun runs %q (%v), not the node's sealed copy", exe, err)
+		}
+	}
 }
