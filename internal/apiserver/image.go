@@ -164,11 +164,11 @@ func (s *imageService) UploadImage(ctx context.Context, stream *connect.ClientSt
 		return nil, wire(errdefs.Invalid("UploadImage needs a header message first"))
 	}
 	hdr := stream.Msg().GetHeader()
-	nodes := s.r.Nodes(ctx)
-	if len(nodes) != 1 {
-		return nil, wire(errdefs.Unimplemented("uploading an image to a cluster of %d nodes; pull it from a registry instead", len(nodes)))
+	n, err := s.oneNode(ctx, "uploading an image")
+	if err != nil {
+		return nil, err
 	}
-	img, err := nodes[0].Upload(ctx, hdr, streamData(stream))
+	img, err := n.Upload(ctx, hdr, streamData(stream))
 	if err != nil {
 		return nil, wire(err)
 	}
@@ -176,9 +176,23 @@ func (s *imageService) UploadImage(ctx context.Context, stream *connect.ClientSt
 	return connect.NewResponse(img), nil
 }
 
-// oneNode is the node builds run on: the only one. Until layers move
-// between nodes, a built image would exist on one node of a cluster only.
+// builder is a Router of several nodes that chooses the one node builds
+// and uploads run on (a cluster's: the other nodes load the images it
+// makes from it on demand).
+type builder interface {
+	ForBuild(ctx context.Context) (Node, error)
+}
+
+// oneNode is the node builds and uploads run on: the router's choice, or
+// the only node.
 func (s *imageService) oneNode(ctx context.Context, what string) (Node, error) {
+	if b, ok := s.r.(builder); ok {
+		n, err := b.ForBuild(ctx)
+		if err != nil {
+			return nil, wire(err)
+		}
+		return n, nil
+	}
 	nodes := s.r.Nodes(ctx)
 	if len(nodes) != 1 {
 		return nil, wire(errdefs.Unimplemented("%s on a cluster of %d nodes: build on one node and push the image to a registry the cluster pulls from", what, len(nodes)))

@@ -2,6 +2,7 @@ package apiserver
 
 import (
 	"context"
+	"crypto/subtle"
 	"errors"
 	"log/slog"
 	"net"
@@ -225,6 +226,19 @@ func (s *Server) HandleConnect(pattern string, h http.Handler) {
 // timed under its pattern when the server has metrics.
 func (s *Server) Handle(pattern string, h http.Handler) {
 	s.mux.Handle(pattern, s.cfg.API.Handler(pattern, h))
+}
+
+// HandlePeer mounts h for the cluster's own callers on a node agent's API
+// (other nodes, the control plane): a request must carry the cluster
+// token, and is not a project's call.
+func (s *Server) HandlePeer(pattern string, h http.Handler) {
+	s.mux.Handle(pattern, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if subtle.ConstantTimeCompare([]byte(s.auth.token), []byte(keyOf(r.Header))) != 1 {
+			refuse(w, r, http.StatusUnauthorized, errdefs.Unauthenticated("missing or wrong cluster token (this is a node agent's peer API)"))
+			return
+		}
+		h.ServeHTTP(w, r)
+	}))
 }
 
 // serveMetrics serves the registry at /metrics to operators: callers with

@@ -276,6 +276,20 @@ func (r *Router) ForFunction(ctx context.Context) (apiserver.Node, error) {
 	return r.node(res.Node, "function call")
 }
 
+// ForBuild is the node image builds and uploads run on: the first node by
+// name that is live, not draining and runs containers, so a build
+// context's upload and its build go to the same node while the cluster
+// does not change. The images it makes reach the other nodes on demand
+// (clusternode: a create elsewhere imports them from it).
+func (r *Router) ForBuild(ctx context.Context) (apiserver.Node, error) {
+	for _, n := range r.state.view.Load().nodes {
+		if !n.Lost && !n.Draining && n.Kinds["container"] {
+			return r.node(n.Name, "image build")
+		}
+	}
+	return nil, errdefs.Unavailable("no node can build images: none is live, not draining and running containers")
+}
+
 // Nodes lists the live nodes by name.
 func (r *Router) Nodes(ctx context.Context) []apiserver.Node {
 	r.mu.Lock()
@@ -495,7 +509,7 @@ func (r *Router) CreateMany(ctx context.Context, specs []*dsecv1.SandboxSpec, ke
 			}
 			res, err := r.placer.PickN(v.nodes, placement.Request{
 				Kind: kindOf(it.spec), Image: it.spec.GetImage(), Images: sidecarImages(it.spec), Selector: it.spec.GetNodeSelector(),
-				Exclude: it.exclude, Project: project,
+				Exclude: it.exclude, Project: project, Fetchable: v.fetchable(project),
 			}, len(run))
 			if err != nil {
 				for _, o := range run {
@@ -854,6 +868,16 @@ func (b *bucket) take(n int, rate, burst float64) int {
 	got := min(n, int(b.tokens))
 	b.tokens -= float64(got)
 	return got
+}
+
+// SpecImages are the images a spec's node must hold: its image (unless it
+// starts from a snapshot), its composed layers' and its sidecars'.
+func SpecImages(spec *dsecv1.SandboxSpec) []string {
+	out := sidecarImages(spec)
+	if spec.GetSnapshot() == "" && spec.GetImage() != "" {
+		out = append(out, spec.GetImage())
+	}
+	return out
 }
 
 // sidecarImages are the images of a spec's sidecars and of its composed

@@ -78,6 +78,20 @@ type view struct {
 	totals map[string]int64 // sandboxes by project over live nodes
 }
 
+// fetchable says, for project, whether a live node of v holds an image
+// (its own or the shared one): a node lacking it can load it from there
+// (clusternode's pull on demand).
+func (v *view) fetchable(project string) func(image string) bool {
+	return func(img string) bool {
+		for _, n := range v.nodes {
+			if !n.Lost && (n.Images[img] || n.Images[tenant.ImageKey(project, img)]) {
+				return true
+			}
+		}
+		return false
+	}
+}
+
 var _ apiserver.Keys = (*State)(nil)
 
 // NewState returns a view of the cluster state; Run keeps it. static are

@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"sync"
 	"time"
 
 	"connectrpc.com/connect"
@@ -23,6 +24,7 @@ import (
 	"github.com/opendsec/dsec/internal/cluster"
 	"github.com/opendsec/dsec/internal/errdefs"
 	"github.com/opendsec/dsec/internal/errwire"
+	"github.com/opendsec/dsec/internal/image"
 	"github.com/opendsec/dsec/internal/metrics"
 	"github.com/opendsec/dsec/internal/node"
 )
@@ -50,10 +52,16 @@ type Config struct {
 type Agent struct {
 	cfg         Config
 	n           *node.Node
+	store       *cluster.Store
 	member      *cluster.Member
 	api         *apiserver.Server
 	incarnation string
 	log         *slog.Logger
+
+	// fetching are the images being imported from other nodes (fetch.go),
+	// by tenant.ImageKey.
+	fetchMu  sync.Mutex
+	fetching map[string]*fetch
 }
 
 // New returns the agent of n, a member of the cluster in store. It does
@@ -61,12 +69,20 @@ type Agent struct {
 func New(cfg Config, n *node.Node, store *cluster.Store, log *slog.Logger) (*Agent, error) {
 	var b [8]byte
 	rand.Read(b[:])
-	a := &Agent{cfg: cfg, n: n, incarnation: hex.EncodeToString(b[:]), log: log}
+	a := &Agent{cfg: cfg, n: n, store: store, incarnation: hex.EncodeToString(b[:]), log: log, fetching: map[string]*fetch{}}
 	a.member = store.NewMember(cluster.MemberConfig{
 		Name: n.Name(), Address: cfg.Address, Labels: cfg.Labels, TTL: cfg.TTL, Interval: cfg.Interval,
 	}, log)
 	a.api = apiserver.NewNodeAPI(cfg.Token, log, agentService{n.Service(), a}, cfg.Metrics, nil)
 	a.api.HandleConnect(nodev1connect.NewNodeServiceHandler(a, a.api.ConnectOptions()...))
+	// Images move between nodes (image.ImportFromPeer): this node serves
+	// its own to the others and reads theirs with the cluster token.
+	peers := image.Peers{Header: http.Header{}}
+	if cfg.Token != "" {
+		peers.Header.Set("Authorization", "Bearer "+cfg.Token)
+	}
+	n.Images().SetPeers(peers)
+	a.api.HandlePeer(image.PeerPath, n.Images().PeerHandler())
 	return a, nil
 }
 
@@ -109,6 +125,7 @@ func (a *Agent) CreateSandboxes(ctx context.Context, req *connect.Request[nodev1
 			res.Results = append(res.Results, &dsecv1.CreateResult{Index: int32(i), Error: node.ItemError(err)})
 		}
 	} else {
+		a.fetchImages(ctx, m.Specs, m.Project)
 		res = a.n.CreateMany(ctx, m.Specs, m.IdempotencyKeys, m.Project)
 	}
 	a.fenceRefused(ctx, m, res)
@@ -198,6 +215,15 @@ func (s agentService) UploadImage(ctx context.Context, st *connect.ClientStream[
 
 func (s agentService) DeleteImage(ctx context.Context, req *connect.Request[dsecv1.DeleteImageRequest]) (*connect.Response[dsecv1.DeleteImageResponse], error) {
 	resp, err := s.Service.DeleteImage(ctx, req)
+	return resp, s.a.published(ctx, err)
+}
+
+func (s agentService) BuildImage(ctx context.Context, req *connect.Request[dsecv1.BuildImageRequest], st *connect.ServerStream[dsecv1.ImageProgress]) error {
+	return s.a.published(ctx, s.Service.BuildImage(ctx, req, st))
+}
+
+func (s agentService) CommitSandbox(ctx context.Context, req *connect.Request[dsecv1.CommitSandboxRequest]) (*connect.Response[dsecv1.Image], error) {
+	resp, err := s.Service.CommitSandbox(ctx, req)
 	return resp, s.a.published(ctx, err)
 }
 

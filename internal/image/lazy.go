@@ -151,17 +151,24 @@ func lazyManifest(m *v1.Manifest) bool {
 
 // lazySource is where a lazily loaded layer's blob is read: a registry's
 // blob, and how to reach it (<diff>.lazy, 0600: it may hold the
-// registry's credentials, which a read after a node restart needs).
+// registry's credentials, which a read after a node restart needs); or
+// another node's (Peer, URL: see ImportFromPeer), reached as the store's
+// Peers say.
 type lazySource struct {
-	Registry string `json:"registry"`
-	Repo     string `json:"repository"`
-	Digest   string `json:"digest"`
+	Registry string `json:"registry,omitempty"`
+	Repo     string `json:"repository,omitempty"`
+	Digest   string `json:"digest,omitempty"`
 	Insecure bool   `json:"insecure,omitempty"`
 	Auth     Auth   `json:"auth,omitzero"`
+	Peer     string `json:"peer,omitempty"`
+	URL      string `json:"url,omitempty"`
 }
 
-// source is the blobfs source of s.
-func (ls lazySource) source() (blobfs.Source, error) {
+// source is the blobfs source of ls in store s.
+func (ls lazySource) source(s *Store) (blobfs.Source, error) {
+	if ls.URL != "" {
+		return peerSource{s: s, url: ls.URL}, nil
+	}
 	var opts []name.Option
 	if ls.Insecure {
 		opts = append(opts, name.Insecure)
@@ -338,7 +345,7 @@ func (s *Store) lazyDevice(id string) (string, error) {
 	if err := json.Unmarshal(b, &desc); err != nil {
 		return "", fmt.Errorf("the layer's blob description: %w", err)
 	}
-	src, err := ls.source()
+	src, err := ls.source(s)
 	if err != nil {
 		return "", fmt.Errorf("the layer's source: %w", err)
 	}
@@ -442,6 +449,26 @@ func (s *Store) LazyStats() map[string]blobfs.Stats {
 		}
 	}
 	return out
+}
+
+// LoadFailures counts the failed fetches of the data of layers (diff IDs)
+// loaded on demand since the node started: a read that failed with EIO
+// because the source did not answer or answered wrong. Layers held whole
+// count nothing.
+func (s *Store) LoadFailures(layers []string) int64 {
+	s.blobsMu.Lock()
+	fsys := s.blobs
+	s.blobsMu.Unlock()
+	if fsys == nil {
+		return 0
+	}
+	var n int64
+	for _, l := range layers {
+		if st, ok := fsys.Stats(strings.TrimPrefix(l, "sha256:")); ok {
+			n += st.Failed
+		}
+	}
+	return n
 }
 
 // detachStale unmounts whatever is mounted at mnt (a blob file system a

@@ -18,6 +18,31 @@ import (
 	"github.com/opendsec/dsec/internal/tenant"
 )
 
+// taskStore is a store (EROFS layers, FUSE: root) holding image "task" of
+// one layer: repo/big.bin (4 MiB of random bytes, returned), repo/README
+// ("read me\n") and more entries.
+func taskStore(t *testing.T, more ...entry) (*Store, *Image, []byte) {
+	t.Helper()
+	needRoot(t)
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skip("needs /dev/fuse: ", err)
+	}
+	src, err := Open(t.TempDir(), slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(src.Close)
+	needErofs(t, src)
+	big := make([]byte, 4<<20)
+	rand.Read(big)
+	rec := importLayer(t, src, "task", append([]entry{
+		{name: "repo/", typ: tar.TypeDir, mode: 0o755},
+		{name: "repo/big.bin", body: string(big), mode: 0o644},
+		{name: "repo/README", body: "read me\n", mode: 0o644},
+	}, more...))
+	return src, rec, big
+}
+
 // TestAnImagePushedAsLayersLoadsOnDemand: an image pushed to the
 // distribution's registry as its layers' EROFS files pulls into another
 // store without its data; a file read fetches the chunks it touches,
@@ -25,24 +50,8 @@ import (
 // from its chunk cache; an authenticating registry is read with its
 // credentials; GC removes the layer's files and chunks.
 func TestAnImagePushedAsLayersLoadsOnDemand(t *testing.T) {
-	needRoot(t)
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Skip("needs /dev/fuse: ", err)
-	}
 	ctx := tenant.System(context.Background())
-	src, err := Open(t.TempDir(), slog.Default())
-	if err != nil {
-		t.Fatal(err)
-	}
-	needErofs(t, src)
-	big := make([]byte, 4<<20)
-	rand.Read(big)
-	rec := importLayer(t, src, "task", []entry{
-		{name: "repo/", typ: tar.TypeDir, mode: 0o755},
-		{name: "repo/big.bin", body: string(big), mode: 0o644},
-		{name: "repo/README", body: "read me\n", mode: 0o644},
-		{name: "etc/.wh.gone"},
-	})
+	src, rec, big := taskStore(t, entry{name: "etc/.wh.gone"})
 	reg := dsectest.StartRegistry(t, "", "")
 	ref := reg.Host + "/tasks/task:1"
 	if _, err := src.PushLazy(ctx, rec, ref, Auth{}, true, nil); err != nil {

@@ -212,6 +212,9 @@ type Store struct {
 	blobs   *blobfs.FS
 	// chunkBudget is the chunk cache's byte budget (SetChunkBudget).
 	chunkBudget int64
+	// peers reaches other nodes' stores (SetPeers, peer.go).
+	peersMu sync.Mutex
+	peers   Peers
 }
 
 // Open opens (creating if needed) the store in dir.

@@ -118,8 +118,12 @@ func (n *Node) Exec(ctx context.Context, req *dsecv1.ExecRequest) (_ *dsecv1.Exe
 		return nil, err
 	}
 	e, replay, err := n.logged(ctx, s, n.execMutation(c, req, x), func(e *dsecv1.LogEntry) error {
+		lost := n.images.LoadFailures(s.layers)
 		exit, err := c.guest.Run(ctx, x)
 		if err != nil {
+			return err
+		}
+		if err := n.imageDataLost(s, exit.ExitCode != 0 || exit.Signal != 0, lost); err != nil {
 			return err
 		}
 		e.Result = n.result(s, exit, "")
@@ -156,6 +160,19 @@ func (n *Node) execMutation(c *ctr, req *dsecv1.ExecRequest, x *guestv1.Exec) mu
 		m.fingerprint = append(append([]string{"exec", x.Cwd, x.User, e.StdinDigest, fmt.Sprint(x.Pty)}, x.Argv...), keys...)
 	}
 	return m
+}
+
+// imageDataLost is the error of a command that failed (failed) while
+// reads of its sandbox's image data failed (a layer loaded on demand whose
+// source, a registry or another node, did not answer or answered wrong:
+// the process read EIO), lost being the count of such failures before it
+// started: the platform's failure, not the task's result. A command that
+// succeeded is answered as it is.
+func (n *Node) imageDataLost(s *sandbox, failed bool, lost int64) error {
+	if !failed || n.images.LoadFailures(s.layers) <= lost {
+		return nil
+	}
+	return errdefs.Unavailable("the command failed while its sandbox's image data could not be loaded: a layer loaded on demand could not be read from its source (a registry or another node); the sandbox is up, retry when the source answers")
 }
 
 // replayed is a logged exec's result, answered again.
@@ -271,12 +288,15 @@ func (n *Node) ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send fun
 		if err != nil {
 			return err
 		}
+		lost := n.images.LoadFailures(s.layers)
 		p, err := pg.Start(ctx, x)
 		if err != nil {
 			return err
 		}
-		res, e.Result, err = n.pump(ctx, s, p, send, x.MaxOutput)
-		return err
+		if res, e.Result, err = n.pump(ctx, s, p, send, x.MaxOutput); err != nil {
+			return err
+		}
+		return n.imageDataLost(s, res.ExitCode != 0 || res.Signal != "", lost)
 	})
 	switch {
 	case err != nil:

@@ -58,6 +58,10 @@ func (n *Node) Load() Load {
 // the load may have changed.
 func (n *Node) LoadChanged() <-chan struct{} { return n.changed }
 
+// ImagesChanged tells the node's load publisher that its images changed
+// outside the node's own calls (an image imported from another node).
+func (n *Node) ImagesChanged() { n.loadChanged() }
+
 func (n *Node) loadChanged() {
 	select {
 	case n.changed <- struct{}{}:

@@ -59,6 +59,14 @@ type Request struct {
 	Image string
 	// Images must be present too (a sandbox's sidecars' images).
 	Images []string
+	// Fetchable, when set, says whether a node can load an image it
+	// lacks from another node (some live node holds it): when no node
+	// that holds every image fits, a node lacking only fetchable images
+	// is chosen. Nodes that hold the images are always preferred.
+	Fetchable func(image string) bool
+	// fetching is set on the second pass, which takes nodes lacking
+	// fetchable images.
+	fetching bool
 	// Selector must be a subset of the node's labels, where every node
 	// has NodeLabel: its name.
 	Selector map[string]string
@@ -132,6 +140,12 @@ func (p *Placer) Pick(view []*Node, req Request) (*Reservation, error) {
 // of them as fit (at least one) on the node Pick would choose. Batches are
 // placed in such runs, so a batch costs a call per run, not per sandbox.
 func (p *Placer) PickN(view []*Node, req Request, count int) ([]*Reservation, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.pickLocked(view, req, count)
+}
+
+func (p *Placer) pickLocked(view []*Node, req Request, count int) ([]*Reservation, error) {
 	var (
 		sample [8]*Node
 		used   [8]float64
@@ -139,8 +153,6 @@ func (p *Placer) PickN(view []*Node, req Request, count int) ([]*Reservation, er
 		why    reasons
 	)
 	k := min(p.k, len(sample))
-	p.mu.Lock()
-	defer p.mu.Unlock()
 	// In a large view most nodes usually fit: probing random nodes finds k
 	// in about k looks. The full scan below runs only when probing fails,
 	// and it also collects the reasons.
@@ -176,6 +188,12 @@ func (p *Placer) PickN(view []*Node, req Request, count int) ([]*Reservation, er
 			sample[j], used[j] = n, u
 		}
 		seen++
+	}
+	if seen == 0 && req.Fetchable != nil && !req.fetching && why.has(noImage) {
+		// No node that holds the images fits: one that can load them
+		// from another node will do.
+		req.fetching = true
+		return p.pickLocked(view, req, count)
 	}
 	if seen == 0 {
 		return nil, why.err(len(view), &req)
@@ -226,8 +244,8 @@ func (p *Placer) unfitLocked(n *Node, req *Request) string {
 		return "no " + req.Kind + " substrate"
 	}
 	for _, img := range append([]string{req.Image}, req.Images...) {
-		if img != "" && !n.Images[img] && !n.Images[tenant.ImageKey(req.Project, img)] {
-			return "no image " + img
+		if img != "" && !n.Images[img] && !n.Images[tenant.ImageKey(req.Project, img)] && !(req.fetching && req.Fetchable(img)) {
+			return noImage + img
 		}
 	}
 	for k, v := range req.Selector {
@@ -244,6 +262,9 @@ func (p *Placer) unfitLocked(n *Node, req *Request) string {
 	}
 	return ""
 }
+
+// noImage begins the reason of a node that lacks an image.
+const noImage = "no image "
 
 // NodeLabel is the label every node has, whose value is its name: a
 // selector with it places a sandbox beside another (a rollout's agent on
@@ -404,7 +425,7 @@ func (r *reasons) err(total int, req *Request) error {
 		return errdefs.Exhausted(time.Second, "%s", msg)
 	case transient:
 		return errdefs.Unavailable("%s", msg)
-	case r.has("no image "):
+	case r.has(noImage):
 		return errdefs.NotFound("%s", msg)
 	case r.has("labels"):
 		return errdefs.NotFound("%s", msg)

@@ -131,6 +131,49 @@ func TestPickTakesOnlyFittingNodes(t *testing.T) {
 	}
 }
 
+// TestPickLoadsAnImageOnDemandOnlyWhenNoHolderFits: with Fetchable, a
+// node that holds the image is chosen however loaded it is, as long as it
+// fits; a node lacking the image is chosen only when no holder fits, and
+// only for an image Fetchable says another node holds; an image nobody
+// holds is still not found.
+func TestPickLoadsAnImageOnDemandOnlyWhenNoHolderFits(t *testing.T) {
+	holder := func(n *Node) { n.Images = map[string]bool{"busybox": true, "p task": true} }
+	lacks := func(n *Node) { n.Images = map[string]bool{"busybox": true} }
+	fetchable := func(img string) bool { return img == "task" }
+	p := New(Config{})
+	r := req()
+	r.Image, r.Fetchable = "task", fetchable
+	view := []*Node{node("holder", 3, 4, holder), node("empty1", 0, 4, lacks), node("empty2", 0, 4, lacks)}
+	for range 20 {
+		res, err := p.Pick(view, r)
+		if err != nil || res.Node != "holder" {
+			t.Fatalf("placed on %v (%v), want the node holding the image", res, err)
+		}
+		res.Done(false, "", 0)
+	}
+	// The holder is full: a node that loads it from the holder.
+	view[0] = node("holder", 4, 4, holder)
+	res, err := p.Pick(view, r)
+	if err != nil || (res.Node != "empty1" && res.Node != "empty2") {
+		t.Fatalf("with the holder full: %v, %v", res, err)
+	}
+	res.Done(false, "", 0)
+	// Without Fetchable (or for an image it does not know), as before.
+	r.Fetchable = nil
+	if _, err := p.Pick(view, r); !errdefs.Is(err, errdefs.KindNotFound) && !errdefs.Is(err, errdefs.KindExhausted) {
+		t.Fatalf("without Fetchable: %v", err)
+	}
+	r.Image, r.Fetchable = "nowhere", fetchable
+	if _, err := p.Pick(view, r); !errdefs.Is(err, errdefs.KindNotFound) || !strings.Contains(err.Error(), "no image nowhere") {
+		t.Fatalf("an image no node holds: %v", err)
+	}
+	// A sidecar's image counts the same way.
+	r.Image, r.Images = "busybox", []string{"task"}
+	if res, err := p.Pick(view, r); err != nil || res.Node == "holder" {
+		t.Fatalf("a sidecar's image with its holder full: %v, %v", res, err)
+	}
+}
+
 func TestTheNodeLabelPlacesOnThatNode(t *testing.T) {
 	view := []*Node{node("n1", 0, 4), node("n2", 3, 4), node("n3", 0, 4)}
 	p := New(Config{})

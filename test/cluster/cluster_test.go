@@ -449,6 +449,63 @@ func TestCluster(t *testing.T) {
 		}
 	})
 
+	t.Run("an image committed on one node starts sandboxes on the others, its data loaded on demand", func(t *testing.T) {
+		on := func(n string) map[string]string { return map[string]string{"dsec.io/node": n} }
+		sb, err := create(ctx, c.api(0), dsec.CreateOptions{NodeSelector: on("n1")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.api(0).Delete(ctx, sb.ID)
+		if _, err := sb.Exec(ctx, dsec.Cmd("mkdir -p /work && echo 42 > /work/answer.txt && head -c 3000000 /dev/urandom > /work/big.bin && md5sum /work/big.bin > /work/big.md5")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.api(0).CommitSandbox(ctx, sb.ID, "workspace"); err != nil {
+			t.Fatal(err)
+		}
+		defer c.cli("--url", c.apis[0].URL, "--api-key", akey, "image", "rm", "workspace")
+		// Through each replica, onto a node that does not hold the image.
+		for i, n := range []string{"n2", "n3"} {
+			child, err := create(ctx, c.api(i), dsec.CreateOptions{Image: "workspace", NodeSelector: on(n)})
+			if err != nil {
+				t.Fatalf("a create of the image on %s through replica %d: %v", n, i, err)
+			}
+			defer c.api(i).Delete(ctx, child.ID)
+			res, err := child.Exec(ctx, dsec.Cmd("cat /work/answer.txt && md5sum -c /work/big.md5"))
+			if err != nil || res.ExitCode != 0 || !strings.HasPrefix(string(res.Stdout), "42\n") {
+				t.Fatalf("the workspace's files on %s: %v, %v", n, res, err)
+			}
+		}
+		// A build runs on one node (a cluster's builder); its image starts
+		// sandboxes on every node the same way.
+		dir := t.TempDir()
+		os.WriteFile(filepath.Join(dir, "Dockerfile"), []byte("FROM busybox\nCOPY note.txt /opt/note.txt\nRUN echo built >> /opt/note.txt\nENV FLAVOUR=cluster\n"), 0o644)
+		os.WriteFile(filepath.Join(dir, "note.txt"), []byte("from the context\n"), 0o644)
+		if out, err := c.cli("--url", c.apis[1].URL, "--api-key", akey, "image", "build", dir, "--name", "built"); err != nil {
+			t.Fatalf("dsec image build through a cluster: %v: %s", err, out)
+		}
+		defer c.cli("--url", c.apis[0].URL, "--api-key", akey, "image", "rm", "built")
+		for _, n := range []string{"n1", "n2", "n3"} {
+			b, err := create(ctx, c.api(0), dsec.CreateOptions{Image: "built", NodeSelector: on(n)})
+			if err != nil {
+				t.Fatalf("a create of the built image on %s: %v", n, err)
+			}
+			defer c.api(0).Delete(ctx, b.ID)
+			res, err := b.Exec(ctx, dsec.Cmd("cat /opt/note.txt; echo $FLAVOUR"))
+			if err != nil || string(res.Stdout) != "from the context\nbuilt\ncluster\n" {
+				t.Fatalf("the built image on %s: %v, %v", n, res, err)
+			}
+		}
+		// Another project sees nothing of it, on any node.
+		out, err := c.cli("cluster", "--etcd", c.etcd.URL, "key", "add", "tenant-w")
+		if err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+		_, err = create(ctx, c.apis[1].Client(strings.TrimSpace(out)), dsec.CreateOptions{Image: "workspace"})
+		if err == nil || !strings.Contains(err.Error(), "no image workspace") {
+			t.Fatalf("another project's create of the image: %v", err)
+		}
+	})
+
 	t.Run("an exec stream and stdin pass through different replicas", func(t *testing.T) {
 		sb := c.api(0).Sandbox(ids[1])
 		st, err := sb.Start(ctx, dsec.Cmd("cat"), true)

@@ -6,11 +6,17 @@ import (
 	"compress/gzip"
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -394,6 +400,59 @@ func TestImageBuild(t *testing.T) {
 		sb := create(t, a, dsec.CreateOptions{Image: "task-mild"})
 		if r, err := sb.Exec(ctx, dsec.Cmd("cat /opt/out.txt")); err != nil || string(r.Stdout) != "built mild from hello\n" {
 			t.Errorf("task-mild after the prune: %v %v", r, err)
+		}
+	})
+
+	t.Run("a command that fails because its image data cannot be loaded is an infra error", func(t *testing.T) {
+		// A committed image with a file of random bytes, pushed on
+		// demand; another server pulls it through a proxy that can stop
+		// serving the blob's ranges.
+		sb := create(t, a, dsec.CreateOptions{})
+		if r, err := sb.Exec(ctx, dsec.Cmd("mkdir -p /data && head -c 3000000 /dev/urandom > /data/big.bin && md5sum /data/big.bin > /data/big.md5")); err != nil || r.ExitCode != 0 {
+			t.Fatalf("write the data: %v %v", r, err)
+		}
+		if _, err := a.CommitSandbox(ctx, sb.ID, "lazybig"); err != nil {
+			t.Fatal(err)
+		}
+		reg := dsectest.StartRegistry(t, "", "")
+		if _, err := a.PushImage(ctx, &dsecv1.PushImageRequest{Name: "lazybig", Ref: reg.Host + "/tasks/lazybig:1", Insecure: true, OnDemand: true}, nil); err != nil {
+			t.Fatal(err)
+		}
+		var broken atomic.Bool
+		target, _ := url.Parse("http://" + reg.Host)
+		rp := httputil.NewSingleHostReverseProxy(target)
+		proxy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if broken.Load() && r.Header.Get("Range") != "" {
+				http.Error(w, "the blob store is down", http.StatusServiceUnavailable)
+				return
+			}
+			rp.ServeHTTP(w, r)
+		}))
+		defer proxy.Close()
+		other := dsectest.Start(shared, dsectest.Options{})
+		c2 := other.Client()
+		ref := strings.TrimPrefix(proxy.URL, "http://") + "/tasks/lazybig:1"
+		if _, err := c2.PullImage(ctx, &dsecv1.PullImageRequest{Ref: ref, Name: "lazybig", Insecure: true}, nil); err != nil {
+			t.Fatal(err)
+		}
+		lazy := create(t, c2, dsec.CreateOptions{Image: "lazybig"})
+		if r, err := lazy.Exec(ctx, dsec.Cmd("head -c 100 /data/big.bin | wc -c")); err != nil || strings.TrimSpace(string(r.Stdout)) != "100" {
+			t.Fatalf("the first bytes, loaded on demand: %v %v", r, err)
+		}
+		broken.Store(true)
+		_, err := lazy.Exec(ctx, dsec.Cmd("cat /data/big.bin > /dev/null"))
+		var de *dsec.Error
+		if !errors.As(err, &de) || !de.Infra || !strings.Contains(de.Message, "image data could not be loaded") {
+			t.Fatalf("a read of data its source no longer serves: %v, want an infra error", err)
+		}
+		// The sandbox is up; a command that succeeds is answered as it
+		// is; once the source answers the data reads whole.
+		if r, err := lazy.Exec(ctx, dsec.Cmd("echo alive")); err != nil || string(r.Stdout) != "alive\n" {
+			t.Fatalf("the sandbox after the failed read: %v %v", r, err)
+		}
+		broken.Store(false)
+		if r, err := lazy.Exec(ctx, dsec.Cmd("md5sum -c /data/big.md5")); err != nil || r.ExitCode != 0 {
+			t.Fatalf("the data once its source answers again: %v %v", r, err)
 		}
 	})
 
