@@ -746,12 +746,21 @@ func (d *Driver) boot(ctx context.Context, s *substrate.Spec, st *state, ns *use
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // not killed by the node's terminal signals
 	t = substrate.Step(ctx, "spec", t)
 	startErr := cmd.Start()
+	if startErr != nil && rt.exe != nil && cmd.Path != rt.path {
+		// The sealed copy did not execute (seen: EACCES from the exec of
+		// /proc/self/fd/N, about once in 2,000 starts under 100
+		// concurrent creates, cause not found): run it from its file.
+		d.log.Warn("the runtime's sealed copy did not execute; running it from its file", slog.String("sandbox_id", s.ID), slog.Any("error", startErr))
+		cmd = rt.fromFile(cmd)
+		startErr = cmd.Start()
+	}
 	logFile.Close()
 	if lf != nil {
 		lf.Close() // the agent holds the only copy now
 	}
 	agentFiles.close()
 	if startErr != nil {
+		d.log.Warn("start the OCI runtime", slog.String("sandbox_id", s.ID), slog.String("runtime", cmd.Path), slog.Any("error", startErr))
 		return nil, errdefs.Internal(startErr, "start the OCI runtime")
 	}
 	// The runtime lives as long as the sandbox. Waiting for it with

@@ -139,6 +139,15 @@ func (r *ociRuntime) command(ctx context.Context, args ...string) *exec.Cmd {
 	return cmd
 }
 
+// fromFile is cmd, not yet started, running the runtime from its file
+// rather than from the sealed copy.
+func (r *ociRuntime) fromFile(cmd *exec.Cmd) *exec.Cmd {
+	c := exec.Command(r.path, cmd.Args[1:]...)
+	c.Env, c.Dir, c.ExtraFiles = cmd.Env, cmd.Dir, cmd.ExtraFiles
+	c.Stdin, c.Stdout, c.Stderr, c.SysProcAttr = cmd.Stdin, cmd.Stdout, cmd.Stderr, cmd.SysProcAttr
+	return c
+}
+
 // sealExe makes the runtime run from a sealed copy of its binary.
 //
 // crun (as runc) guards the host's runtime binary against a container
@@ -148,7 +157,8 @@ func (r *ociRuntime) command(ctx context.Context, args ...string) *exec.Cmd {
 // executes itself again, loading its dozen shared libraries twice. Run
 // from the node's own sealed memfd (no writes, no size change, no further
 // seals: what crun checks for), it executes once, with the same
-// guarantee: the binary a container could reach cannot be written.
+// guarantee: the binary a container could reach cannot be written (and
+// the node holds no writable descriptor of it either).
 // Measured: docs/performance.md.
 func (r *ociRuntime) sealExe() error {
 	src, err := os.Open(r.path)
@@ -179,12 +189,21 @@ func (r *ociRuntime) sealExe() error {
 		f.Close()
 		return err
 	}
+	// Executed through a read-only descriptor only: the writable one
+	// memfd_create returned is closed (as runc does with its own sealed
+	// copy), so no open of the file for writing exists when exec checks
+	// (ETXTBSY).
+	ro, err := os.OpenFile("/proc/self/fd/"+strconv.Itoa(fd), os.O_RDONLY, 0)
+	f.Close()
+	if err != nil {
+		return err
+	}
+	defer ro.Close()
 	// The child that executes it first moves the command's extra files
-	// to descriptors 3, 4, ...: the memfd sits far above them, or a
+	// to descriptors 3, 4, ...: the copy sits far above them, or a
 	// runtime started with its agent's descriptors would execute one of
 	// those.
-	high, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 256)
-	f.Close()
+	high, err := unix.FcntlInt(ro.Fd(), unix.F_DUPFD_CLOEXEC, 256)
 	if err != nil {
 		return err
 	}

@@ -5,10 +5,13 @@ import (
 	"fmt"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/internal/substrate"
 )
@@ -55,6 +58,18 @@ func TestACreateReportsItsSteps(t *testing.T) {
 		exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", inner(inst).st.RuntimePid))
 		if err != nil || !strings.HasPrefix(exe, "/memfd:crun") {
 			t.Fatalf("the sandbox's crun runs %q (%v), not the node's sealed copy", exe, err)
+		}
+		// The node holds the copy read-only: no descriptor of it is
+		// open for writing when a start executes it.
+		fds, _ := os.ReadDir("/proc/self/fd")
+		for _, e := range fds {
+			if l, _ := os.Readlink("/proc/self/fd/" + e.Name()); !strings.HasPrefix(l, "/memfd:crun") {
+				continue
+			}
+			fd, _ := strconv.Atoi(e.Name())
+			if fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0); err != nil || fl&unix.O_ACCMODE != unix.O_RDONLY {
+				t.Fatalf("descriptor %d of the sealed runtime is open with flags %#o (%v), want read-only", fd, fl, err)
+			}
 		}
 	}
 }
