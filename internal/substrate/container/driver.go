@@ -730,7 +730,7 @@ func (d *Driver) boot(ctx context.Context, s *substrate.Spec, st *state, ns *use
 		undo.Push(func() { os.Remove(sock) })
 		// The runtime outlives this call (and the node): no ctx on the command.
 		cmd = rt.command(nil, "run", "--pid-file", pidFile, "--bundle", s.Dir, "--preserve-fds", strconv.Itoa(1+len(agentFiles.files)), s.ID)
-		cmd.ExtraFiles = append([]*os.File{lf}, agentFiles.files...)
+		rt.withFiles(cmd, append([]*os.File{lf}, agentFiles.files...)...)
 	}
 	// The container inherits the runtime's stdio: a file on the host,
 	// outside the sandbox's view.
@@ -746,14 +746,6 @@ func (d *Driver) boot(ctx context.Context, s *substrate.Spec, st *state, ns *use
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // not killed by the node's terminal signals
 	t = substrate.Step(ctx, "spec", t)
 	startErr := cmd.Start()
-	if startErr != nil && rt.exe != nil && cmd.Path != rt.path {
-		// The sealed copy did not execute (seen: EACCES from the exec of
-		// /proc/self/fd/N, about once in 2,000 starts under 100
-		// concurrent creates, cause not found): run it from its file.
-		d.log.Warn("the runtime's sealed copy did not execute; running it from its file", slog.String("sandbox_id", s.ID), slog.Any("error", startErr))
-		cmd = rt.fromFile(cmd)
-		startErr = cmd.Start()
-	}
 	logFile.Close()
 	if lf != nil {
 		lf.Close() // the agent holds the only copy now

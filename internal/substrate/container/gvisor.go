@@ -122,30 +122,40 @@ type ociRuntime struct {
 // gvisor reports whether r is runsc.
 func (r *ociRuntime) gvisor() bool { return r.name == "runsc" }
 
-// command runs the runtime with its state root and flags.
+// command runs the runtime with its state root and flags (from its
+// sealed copy, if it has one: see withFiles).
 func (r *ociRuntime) command(ctx context.Context, args ...string) *exec.Cmd {
 	all := append(append([]string{"--root", r.root}, r.flags...), args...)
-	bin := r.path
-	if r.exe != nil {
-		bin = "/proc/self/fd/" + strconv.Itoa(int(r.exe.Fd()))
-	}
 	var cmd *exec.Cmd
 	if ctx == nil {
-		cmd = exec.Command(bin, all...)
+		cmd = exec.Command(r.path, all...)
 	} else {
-		cmd = exec.CommandContext(ctx, bin, all...)
+		cmd = exec.CommandContext(ctx, r.path, all...)
 	}
-	cmd.Args[0] = r.path // what ps shows
-	return cmd
+	return r.withFiles(cmd)
 }
 
-// fromFile is cmd, not yet started, running the runtime from its file
-// rather than from the sealed copy.
-func (r *ociRuntime) fromFile(cmd *exec.Cmd) *exec.Cmd {
-	c := exec.Command(r.path, cmd.Args[1:]...)
-	c.Env, c.Dir, c.ExtraFiles = cmd.Env, cmd.Dir, cmd.ExtraFiles
-	c.Stdin, c.Stdout, c.Stderr, c.SysProcAttr = cmd.Stdin, cmd.Stdout, cmd.Stderr, cmd.SysProcAttr
-	return c
+// withFiles sets cmd's extra files (descriptors 3, 4, ... of the
+// runtime) and, for a runtime with a sealed copy, passes the copy after
+// them and executes it there.
+//
+// The copy is executed through the child's own descriptor, at a place
+// os/exec assigns: a descriptor number of the node's own, named in the
+// path, is not safe. Go's child moves its error pipe (and any extra file
+// it must shuffle) to one above the highest descriptor it was given, which
+// can be exactly the node's (golang/go#61751): found here as EACCES, about
+// one start in 2,000 under 100 concurrent creates, the exec opening the
+// pipe. crun closes every descriptor past those --preserve-fds passes on
+// before the container's process starts, so the sandbox never holds it.
+func (r *ociRuntime) withFiles(cmd *exec.Cmd, files ...*os.File) *exec.Cmd {
+	cmd.ExtraFiles = files
+	if r.exe == nil {
+		return cmd
+	}
+	cmd.ExtraFiles = append(cmd.ExtraFiles, r.exe)
+	cmd.Path = "/proc/self/fd/" + strconv.Itoa(2+len(cmd.ExtraFiles))
+	cmd.Args[0] = r.path // what ps shows
+	return cmd
 }
 
 // sealExe makes the runtime run from a sealed copy of its binary.
@@ -189,25 +199,15 @@ func (r *ociRuntime) sealExe() error {
 		f.Close()
 		return err
 	}
-	// Executed through a read-only descriptor only: the writable one
-	// memfd_create returned is closed (as runc does with its own sealed
-	// copy), so no open of the file for writing exists when exec checks
-	// (ETXTBSY).
+	// Held through a read-only descriptor only: the writable one
+	// memfd_create returned is closed, so no open of the file for
+	// writing exists when a start executes it (ETXTBSY).
 	ro, err := os.OpenFile("/proc/self/fd/"+strconv.Itoa(fd), os.O_RDONLY, 0)
 	f.Close()
 	if err != nil {
 		return err
 	}
-	defer ro.Close()
-	// The child that executes it first moves the command's extra files
-	// to descriptors 3, 4, ...: the copy sits far above them, or a
-	// runtime started with its agent's descriptors would execute one of
-	// those.
-	high, err := unix.FcntlInt(ro.Fd(), unix.F_DUPFD_CLOEXEC, 256)
-	if err != nil {
-		return err
-	}
-	r.exe = os.NewFile(uintptr(high), r.name)
+	r.exe = ro
 	return nil
 }
 

@@ -59,6 +59,17 @@ func TestACreateReportsItsSteps(t *testing.T) {
 		if err != nil || !strings.HasPrefix(exe, "/memfd:crun") {
 			t.Fatalf("the sandbox's crun runs %q (%v), not the node's sealed copy", exe, err)
 		}
+		// The sandbox's own process (the agent) holds no descriptor of
+		// it: crun passes on only the descriptors --preserve-fds names.
+		agentFds, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", inner(inst).st.Pid))
+		if len(agentFds) == 0 {
+			t.Fatal("the agent's descriptors cannot be read")
+		}
+		for _, e := range agentFds {
+			if l, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", inner(inst).st.Pid, e.Name())); strings.HasPrefix(l, "/memfd:crun") {
+				t.Fatalf("the sandbox's agent holds the runtime's copy at descriptor %s", e.Name())
+			}
+		}
 		// The node holds the copy read-only: no descriptor of it is
 		// open for writing when a start executes it.
 		fds, _ := os.ReadDir("/proc/self/fd")
