@@ -433,14 +433,15 @@ func imageBuildCmd(g *globals) *cobra.Command {
 func imagePruneCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:   "prune",
-		Short: "Remove your project's build cache",
+		Short: "Remove what the nodes keep as a cache for your project: its build cache, unused copies of images loaded from other nodes (an operator's: every project's, and unused cached chunks)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			n, err := g.client().PruneBuildCache(cmd.Context())
+			p, err := g.client().PruneImages(cmd.Context())
 			if err != nil {
 				return err
 			}
-			fmt.Printf("removed %d cached build steps\n", n)
+			fmt.Printf("removed %d cached build steps and %d image copies; freed %d MiB of layers and %d MiB of cached chunks\n",
+				p.GetRemoved(), p.GetCopies(), p.GetLayerBytes()>>20, p.GetChunkBytes()>>20)
 			return nil
 		},
 	}

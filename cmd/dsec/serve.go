@@ -97,6 +97,7 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, v *nodeVars) {
 	f.StringVar(&flagCfg.CacheDir, "cache-dir", "", "cache for bootstrapped images (default DATA_DIR/cache)")
 	f.StringVar(&flagCfg.GuestBinary, "guest-binary", "", "dsec-guest binary (default: next to dsec)")
 	f.Int64Var(&flagCfg.ImageCacheMB, "image-cache-mb", 0, "byte budget in MiB of the cache of chunks of images loaded on demand (default: a quarter of the data directory's file system)")
+	f.Int64Var(&flagCfg.ImageStoreMB, "image-store-mb", 0, "byte budget in MiB of the image store's layers (default: half of the data directory's file system); past it cached build steps and image copies go, then imports and builds are refused")
 	f.StringVar(&flagCfg.ImageLayers, "image-layers", "", "how image layers are kept: erofs (an EROFS image each), dir (directories) or auto (default: erofs where the host can)")
 	f.StringVar(bootstrap, "bootstrap", "", "base images to build at start if missing, e.g. busybox,debian,base,debian-vm (a VM image); the E2B facade's default templates start base")
 	f.StringVar(&flagCfg.LogLevel, "log-level", "", "debug, info, warn or error")
@@ -171,6 +172,9 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("image-cache-mb") {
 		cfg.ImageCacheMB = fl.ImageCacheMB
+	}
+	if set("image-store-mb") {
+		cfg.ImageStoreMB = fl.ImageStoreMB
 	}
 	if set("api-key") {
 		cfg.APIKeys = fl.APIKeys
@@ -638,6 +642,7 @@ func buildNode(cfg config.Config, dataDir string, reg *metrics.Registry, log *sl
 		return nil, err
 	}
 	images.SetChunkBudget(cfg.ImageCacheMB << 20)
+	images.SetBudget(cfg.ImageStoreMB << 20)
 	runDir := runDirOf(dataDir)
 	creds := map[string]node.NamedCredential{}
 	for _, c := range cfg.Network.Credentials {

@@ -102,7 +102,7 @@ type Node interface {
 	UploadContext(ctx context.Context, hdr *dsecv1.UploadBuildContextHeader, r io.Reader) (*dsecv1.BuildContext, error)
 	Build(ctx context.Context, req *dsecv1.BuildImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
 	Commit(ctx context.Context, req *dsecv1.CommitSandboxRequest) (*dsecv1.Image, error)
-	PruneCache(ctx context.Context) (int64, error)
+	PruneCache(ctx context.Context) (*dsecv1.PruneBuildCacheResponse, error)
 }
 
 // NodeHandlers are a node's public services for its own sandboxes, as a

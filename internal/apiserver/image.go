@@ -251,14 +251,18 @@ func (s *imageService) CommitSandbox(ctx context.Context, req *connect.Request[d
 }
 
 func (s *imageService) PruneBuildCache(ctx context.Context, req *connect.Request[dsecv1.PruneBuildCacheRequest]) (*connect.Response[dsecv1.PruneBuildCacheResponse], error) {
-	counts, err := fanOut(s.r.Nodes(ctx), func(n Node) (int64, error) { return n.PruneCache(ctx) })
+	each, err := fanOut(s.r.Nodes(ctx), func(n Node) (*dsecv1.PruneBuildCacheResponse, error) { return n.PruneCache(ctx) })
 	if err != nil {
 		return nil, wire(err)
 	}
 	out := &dsecv1.PruneBuildCacheResponse{}
-	for _, c := range counts {
-		out.Removed += c
+	for _, p := range each {
+		out.Removed += p.GetRemoved()
+		out.Copies += p.GetCopies()
+		out.LayerBytes += p.GetLayerBytes()
+		out.ChunkBytes += p.GetChunkBytes()
 	}
+	s.settle(ctx)
 	return connect.NewResponse(out), nil
 }
 

@@ -568,10 +568,10 @@ func (r *remote) Commit(ctx context.Context, req *dsecv1.CommitSandboxRequest) (
 	return resp.Msg, nil
 }
 
-func (r *remote) PruneCache(ctx context.Context) (int64, error) {
+func (r *remote) PruneCache(ctx context.Context) (*dsecv1.PruneBuildCacheResponse, error) {
 	resp, err := r.img.PruneBuildCache(ctx, connect.NewRequest(&dsecv1.PruneBuildCacheRequest{}))
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	return resp.Msg.GetRemoved(), nil
+	return resp.Msg, nil
 }

@@ -34,6 +34,12 @@ type Config struct {
 	// DataDir is on). Past it the least recently read chunks go, never a
 	// running sandbox's layer's.
 	ImageCacheMB int64 `json:"image_cache_mb,omitempty"`
+	// ImageStoreMB is the byte budget, in MiB, of the image store's layers
+	// (default: half of the file system DataDir is on). Past it the least
+	// recently used cached build steps and copies of other nodes' images
+	// go; when only images users made remain, imports, builds and commits
+	// are refused until some are removed.
+	ImageStoreMB int64 `json:"image_store_mb,omitempty"`
 	// APIKeys are accepted API keys, "KEY" (project "default") or
 	// "PROJECT=KEY" (env DSEC_API_KEYS, comma-separated). A key reaches only
 	// its project's sandboxes, snapshots, sessions, images and logs. Empty

@@ -93,6 +93,10 @@ func (s *Store) Bootstrap(ctx context.Context, recipe, as string, opts Bootstrap
 	if err := ValidName(as); err != nil {
 		return nil, err
 	}
+	if err := s.admit(); err != nil {
+		return nil, err
+	}
+	defer s.fit()
 	if opts.CacheDir == "" {
 		opts.CacheDir = filepath.Join(s.dir, "cache")
 	}

@@ -205,7 +205,7 @@ func (s *Store) ImportFromPeer(ctx context.Context, peer, base, project, name st
 		holds = append(holds, release)
 	}
 	out := &Image{Name: rec.Name, Owner: rec.Owner, Digest: rec.Digest, Layers: rec.Layers, Size: rec.Size,
-		Created: time.Now().UTC(), Source: "node " + peer + " (on demand)", Config: rec.Config}
+		Created: time.Now().UTC(), Source: "node " + peer + " (on demand)", Config: rec.Config, Copy: true}
 	if err := s.put(out); err != nil {
 		return nil, err
 	}

@@ -56,6 +56,10 @@ type Image struct {
 	// step): such records are no image of their own, listed nowhere, and
 	// go with `dsec image prune`.
 	BuildCache *BuildCacheMeta `json:"build_cache,omitempty"`
+	// Copy is set on an image this node imported from another on demand
+	// (ImportFromPeer): the node may remove it to make room (budget.go);
+	// it is imported again when needed.
+	Copy bool `json:"copy,omitempty"`
 }
 
 // BuildCacheMeta describes a cached build step.
@@ -196,6 +200,9 @@ type Store struct {
 
 	mu     sync.Mutex
 	images map[string]*Image
+	used   map[string]time.Time // each image's last lookup (budget.go)
+	// budget is the layers' byte budget (SetBudget).
+	budget int64
 
 	// mkfs is mkfs.erofs when new file system layers are kept as EROFS
 	// images (erofs.go); "" keeps them as directories, because of
@@ -226,7 +233,7 @@ func Open(dir string, log *slog.Logger) (*Store, error) {
 	}
 	os.RemoveAll(filepath.Join(dir, "tmp"))
 	os.MkdirAll(filepath.Join(dir, "tmp"), 0o700)
-	s := &Store{dir: dir, log: log, images: map[string]*Image{}, unpacking: map[string]*sync.WaitGroup{}, held: map[string]int{}, mounts: map[string]int{}}
+	s := &Store{dir: dir, log: log, images: map[string]*Image{}, used: map[string]time.Time{}, unpacking: map[string]*sync.WaitGroup{}, held: map[string]int{}, mounts: map[string]int{}}
 	s.mkfs, s.noErofs = erofsSupportIn(filepath.Join(dir, "tmp")) // see UseLayers
 	ents, err := os.ReadDir(filepath.Join(dir, "refs"))
 	if err != nil {
@@ -259,6 +266,7 @@ func Open(dir string, log *slog.Logger) (*Store, error) {
 			continue
 		}
 		s.images[img.Key()] = &img
+		s.used[img.Key()] = img.Created
 	}
 	return s, nil
 }
@@ -297,6 +305,7 @@ func (s *Store) Get(key string) (*Image, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if img, ok := s.images[normalize(key)]; ok {
+		s.touch(img.Key())
 		return img, nil
 	}
 	return nil, errdefs.NotFound("image %q not found (see `dsec image ls`)", key)
@@ -311,10 +320,12 @@ func (s *Store) Lookup(owner, name string) (*Image, error) {
 	name = normalize(name)
 	if owner != tenant.Shared {
 		if img, ok := s.images[tenant.ImageKey(owner, name)]; ok {
+			s.touch(img.Key())
 			return img, nil
 		}
 	}
 	if img, ok := s.images[name]; ok {
+		s.touch(img.Key())
 		return img, nil
 	}
 	return nil, errdefs.NotFound("image %q not found (see `dsec image ls`)", name)
@@ -387,6 +398,10 @@ func (s *Store) Import(ctx context.Context, name, source string, img v1.Image, p
 	if err != nil {
 		return nil, errdefs.Invalid("read image layers: %v", err)
 	}
+	if err := s.admit(); err != nil {
+		return nil, err
+	}
+	defer s.fit()
 	var total int64
 	for _, l := range layers {
 		if sz, err := l.Size(); err == nil {
@@ -440,6 +455,10 @@ const EmptyLayer = "sha256:5f70bf18a086007016e948b04aed3b82103a36bea41755b6cddfa
 // it) and returns its diff ID, held (see Hold) until release is called:
 // the caller puts the record naming it, then releases it.
 func (s *Store) AddLayer(r io.Reader) (diff string, size int64, release func(), err error) {
+	if err := s.admit(); err != nil {
+		return "", 0, nil, err
+	}
+	defer s.fit()
 	tmp, err := os.MkdirTemp(filepath.Join(s.dir, "tmp"), "layer-")
 	if err != nil {
 		return "", 0, nil, err
@@ -662,6 +681,7 @@ func (s *Store) put(img *Image) error {
 	}
 	s.mu.Lock()
 	s.images[img.Key()] = img
+	s.touch(img.Key())
 	s.mu.Unlock()
 	return nil
 }
@@ -693,6 +713,7 @@ func (s *Store) Delete(key string) error {
 	img, ok := s.images[normalize(key)]
 	if ok {
 		delete(s.images, img.Key())
+		delete(s.used, img.Key())
 	}
 	s.mu.Unlock()
 	if !ok {
@@ -718,40 +739,18 @@ func (s *Store) GC() {
 	}()
 	s.layerMu.Lock()
 	defer s.layerMu.Unlock()
-	keep := map[string]bool{}
-	if s.inUse != nil {
-		for l := range s.inUse() {
-			keep[strings.TrimPrefix(l, "sha256:")] = true
-		}
-	}
-	for id := range s.held {
-		keep[id] = true
-	}
+	keep := s.busyLayers()
 	s.mu.Lock()
 	for _, img := range s.images {
-		for _, l := range img.Layers {
-			keep[strings.TrimPrefix(l, "sha256:")] = true
-		}
-		if img.Snapshot != nil {
-			for _, sc := range img.Snapshot.Sidecars {
-				for _, l := range sc.Layers {
-					keep[strings.TrimPrefix(l, "sha256:")] = true
-				}
-			}
+		for _, id := range recordLayers(img) {
+			keep[id] = true
 		}
 	}
 	s.mu.Unlock()
-	ents, _ := os.ReadDir(filepath.Join(s.dir, "layers"))
-	seen := map[string]bool{}
-	for _, e := range ents {
-		id := e.Name()
-		for _, suf := range append(layerSuffixes, ".size", ".lazy") {
-			id = strings.TrimSuffix(id, suf)
-		}
-		if keep[id] || seen[id] {
+	for id := range s.storedLayers() {
+		if keep[id] {
 			continue
 		}
-		seen[id] = true
 		if s.isUnpacking("sha256:" + id) {
 			continue
 		}
@@ -779,6 +778,21 @@ func (s *Store) GC() {
 			doomed = append(doomed, trash)
 		}
 	}
+}
+
+// busyLayers are the layers (hex diff IDs) sandboxes use or calls hold.
+// s.layerMu is held.
+func (s *Store) busyLayers() map[string]bool {
+	busy := map[string]bool{}
+	if s.inUse != nil {
+		for l := range s.inUse() {
+			busy[strings.TrimPrefix(l, "sha256:")] = true
+		}
+	}
+	for id := range s.held {
+		busy[id] = true
+	}
+	return busy
 }
 
 func (s *Store) isUnpacking(diffID string) bool {

@@ -150,6 +150,10 @@ func (s *Store) ImportVM(ctx context.Context, r io.Reader, name string, progress
 	if err := ValidName(name); err != nil {
 		return nil, err
 	}
+	if err := s.admit(); err != nil {
+		return nil, err
+	}
+	defer s.fit()
 	qemuImg, err := exec.LookPath("qemu-img")
 	if err != nil {
 		return nil, errdefs.Unavailable("qemu-img is not installed on the node (apt-get install qemu-utils)")

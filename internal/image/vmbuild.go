@@ -78,6 +78,10 @@ func (s *Store) BuildVM(ctx context.Context, recipe, as string, opts BootstrapOp
 	if recipe != "debian" {
 		return nil, errdefs.Invalid("unknown VM image recipe %q (have %s)", recipe, strings.Join(VMRecipes, ", "))
 	}
+	if err := s.admit(); err != nil {
+		return nil, err
+	}
+	defer s.fit()
 	if opts.CacheDir == "" {
 		opts.CacheDir = filepath.Join(s.dir, "cache")
 	}

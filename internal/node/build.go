@@ -853,18 +853,18 @@ func (n *Node) removeOldContexts() {
 	}
 }
 
-// PruneBuildCache removes the build cache the caller reaches (its
-// project's; an operator's: all), freeing layers no image uses.
-func (n *Node) PruneBuildCache(ctx context.Context) (int64, error) {
-	var removed int64
-	for _, img := range n.images.List() {
-		if img.BuildCache == nil || !tenant.Reaches(ctx, img.Owner) {
-			continue
-		}
-		if err := n.images.Delete(img.Key()); err != nil && !errdefs.Is(err, errdefs.KindNotFound) {
-			return removed, err
-		}
-		removed++
+// PruneImages removes what the node keeps as a cache for the caller (its
+// project's; an operator's: every project's and the shared images'): the
+// build cache and the copies of other nodes' images no sandbox uses,
+// freeing layers no image uses; an operator's also drops the cached
+// chunks of layers loaded on demand no sandbox uses.
+func (n *Node) PruneImages(ctx context.Context) image.Pruned {
+	c := tenant.From(ctx)
+	p := n.images.Prune(func(owner string) bool {
+		return c.Admin || (owner != tenant.Shared && owner == c.Project)
+	}, c.Admin)
+	if p.Copies > 0 {
+		n.ImagesChanged()
 	}
-	return removed, nil
+	return p
 }

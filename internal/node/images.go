@@ -204,6 +204,7 @@ func (n *Node) Info(ctx context.Context) *dsecv1.NodeInfo {
 	} else {
 		info.Host["image_layers"] = "dir: " + why
 	}
+	info.Host["image_store"] = fmt.Sprintf("layers take %d MiB of a %d MiB budget", n.images.LayerBytes()>>20, n.images.Budget()>>20)
 	if c := n.images.ChunkCache(); c.Budget > 0 {
 		var hits, fetches int64
 		for _, st := range n.images.LazyStats() {

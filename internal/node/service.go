@@ -476,8 +476,7 @@ func (s *Service) CommitSandbox(ctx context.Context, req *connect.Request[dsecv1
 }
 
 func (s *Service) PruneBuildCache(ctx context.Context, req *connect.Request[dsecv1.PruneBuildCacheRequest]) (*connect.Response[dsecv1.PruneBuildCacheResponse], error) {
-	n, err := s.PruneCache(ctx)
-	return answer(&dsecv1.PruneBuildCacheResponse{Removed: n}, err)
+	return answer(s.PruneCache(ctx))
 }
 
 // Build builds an image from a Dockerfile on this node.
@@ -498,10 +497,11 @@ func (s *Service) Commit(ctx context.Context, req *dsecv1.CommitSandboxRequest) 
 	return img, errwire.ToConnect(err)
 }
 
-// PruneCache removes the build cache the caller reaches.
-func (s *Service) PruneCache(ctx context.Context) (int64, error) {
-	n, err := s.n.PruneBuildCache(ctx)
-	return n, errwire.ToConnect(err)
+// PruneCache removes what the node keeps as a cache for the caller (see
+// Node.PruneImages).
+func (s *Service) PruneCache(ctx context.Context) (*dsecv1.PruneBuildCacheResponse, error) {
+	p := s.n.PruneImages(ctx)
+	return &dsecv1.PruneBuildCacheResponse{Removed: p.BuildSteps, Copies: p.Copies, LayerBytes: p.LayerBytes, ChunkBytes: p.ChunkBytes}, nil
 }
 
 // pauseRequest pauses as req says (filesystem-only or not).

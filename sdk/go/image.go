@@ -173,3 +173,15 @@ func (c *Client) PruneBuildCache(ctx context.Context) (int64, error) {
 	}
 	return r.Msg.GetRemoved(), nil
 }
+
+// PruneImages removes what the nodes keep as a cache for the caller: its
+// build cache and the copies of images nodes loaded from each other that
+// no sandbox uses (an operator's: every project's, and the cached chunks
+// of layers loaded on demand no sandbox uses). It says what went.
+func (c *Client) PruneImages(ctx context.Context) (*dsecv1.PruneBuildCacheResponse, error) {
+	r, err := c.raw.Images.PruneBuildCache(ctx, connect.NewRequest(&dsecv1.PruneBuildCacheRequest{}))
+	if err != nil {
+		return nil, asError(err)
+	}
+	return r.Msg, nil
+}

@@ -464,17 +464,37 @@ func TestCluster(t *testing.T) {
 		}
 		defer c.cli("--url", c.apis[0].URL, "--api-key", akey, "image", "rm", "workspace")
 		// Through each replica, onto a node that does not hold the image.
-		for i, n := range []string{"n2", "n3"} {
+		onNode := map[string]string{}
+		startOn := func(i int, n string) {
+			t.Helper()
 			child, err := create(ctx, c.api(i), dsec.CreateOptions{Image: "workspace", NodeSelector: on(n)})
 			if err != nil {
 				t.Fatalf("a create of the image on %s through replica %d: %v", n, i, err)
 			}
-			defer c.api(i).Delete(ctx, child.ID)
+			onNode[n] = child.ID
+			t.Cleanup(func() { c.api(0).Delete(ctx, child.ID) })
 			res, err := child.Exec(ctx, dsec.Cmd("cat /work/answer.txt && md5sum -c /work/big.md5"))
 			if err != nil || res.ExitCode != 0 || !strings.HasPrefix(string(res.Stdout), "42\n") {
 				t.Fatalf("the workspace's files on %s: %v, %v", n, res, err)
 			}
 		}
+		if _, err := c.api(1).PruneImages(ctx); err != nil { // what earlier tests left
+			t.Fatal(err)
+		}
+		startOn(0, "n2")
+		startOn(1, "n3")
+		// A prune leaves the copies sandboxes run from; once n2's sandbox
+		// is gone its copy goes, and the next create there imports it again.
+		if p, err := c.api(1).PruneImages(ctx); err != nil || p.GetCopies() != 0 {
+			t.Fatalf("a prune while both copies run sandboxes: %v, %v", p, err)
+		}
+		if err := c.api(0).Delete(ctx, onNode["n2"]); err != nil {
+			t.Fatal(err)
+		}
+		if p, err := c.api(1).PruneImages(ctx); err != nil || p.GetCopies() != 1 {
+			t.Fatalf("a prune after n2's sandbox ended: %v, %v (want one copy removed)", p, err)
+		}
+		startOn(0, "n2")
 		// A build runs on one node (a cluster's builder); its image starts
 		// sandboxes on every node the same way.
 		dir := t.TempDir()

@@ -353,8 +353,11 @@ func TestImageBuild(t *testing.T) {
 		if s.cached(t, "RUN echo") {
 			t.Errorf("B's build took A's cached step: %q", s.lines)
 		}
-		if n, err := b.PruneBuildCache(ctx); err != nil || n == 0 {
-			t.Errorf("B's prune: %d %v", n, err)
+		if p, err := b.PruneImages(ctx); err != nil || p.GetRemoved() == 0 || p.GetCopies() != 0 {
+			t.Errorf("B's prune: %v %v", p, err)
+		}
+		if n, err := b.PruneBuildCache(ctx); err != nil || n != 0 {
+			t.Errorf("B's second prune: %d %v", n, err)
 		}
 	})
 

@@ -1534,7 +1534,13 @@ func (*PruneBuildCacheRequest) Descriptor() ([]byte, []int) {
 type PruneBuildCacheResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// removed is how many cached steps were removed.
-	Removed       int64 `protobuf:"varint,1,opt,name=removed,proto3" json:"removed,omitempty"`
+	Removed int64 `protobuf:"varint,1,opt,name=removed,proto3" json:"removed,omitempty"`
+	// copies is how many copies of other nodes' images were removed.
+	Copies int64 `protobuf:"varint,2,opt,name=copies,proto3" json:"copies,omitempty"`
+	// layer_bytes are the bytes of layers freed, chunk_bytes those of
+	// cached chunks of layers loaded on demand.
+	LayerBytes    int64 `protobuf:"varint,3,opt,name=layer_bytes,json=layerBytes,proto3" json:"layer_bytes,omitempty"`
+	ChunkBytes    int64 `protobuf:"varint,4,opt,name=chunk_bytes,json=chunkBytes,proto3" json:"chunk_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1572,6 +1578,27 @@ func (*PruneBuildCacheResponse) Descriptor() ([]byte, []int) {
 func (x *PruneBuildCacheResponse) GetRemoved() int64 {
 	if x != nil {
 		return x.Removed
+	}
+	return 0
+}
+
+func (x *PruneBuildCacheResponse) GetCopies() int64 {
+	if x != nil {
+		return x.Copies
+	}
+	return 0
+}
+
+func (x *PruneBuildCacheResponse) GetLayerBytes() int64 {
+	if x != nil {
+		return x.LayerBytes
+	}
+	return 0
+}
+
+func (x *PruneBuildCacheResponse) GetChunkBytes() int64 {
+	if x != nil {
+		return x.ChunkBytes
 	}
 	return 0
 }
@@ -1698,9 +1725,14 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"\n" +
 	"sandbox_id\x18\x01 \x01(\tR\tsandboxId\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\"\x18\n" +
-	"\x16PruneBuildCacheRequest\"3\n" +
+	"\x16PruneBuildCacheRequest\"\x8d\x01\n" +
 	"\x17PruneBuildCacheResponse\x12\x18\n" +
-	"\aremoved\x18\x01 \x01(\x03R\aremoved2\x9a\x06\n" +
+	"\aremoved\x18\x01 \x01(\x03R\aremoved\x12\x16\n" +
+	"\x06copies\x18\x02 \x01(\x03R\x06copies\x12\x1f\n" +
+	"\vlayer_bytes\x18\x03 \x01(\x03R\n" +
+	"layerBytes\x12\x1f\n" +
+	"\vchunk_bytes\x18\x04 \x01(\x03R\n" +
+	"chunkBytes2\x9a\x06\n" +
 	"\fImageService\x12J\n" +
 	"\n" +
 	"ListImages\x12\x1a.dsec.v1.ListImagesRequest\x1a\x1b.dsec.v1.ListImagesResponse\"\x03\x90\x02\x01\x129\n" +

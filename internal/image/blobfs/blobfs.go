@@ -149,8 +149,14 @@ type CacheStats struct {
 
 // Trim drops chunks until the cache is within its budget, as the cache
 // does by itself after the fetch that takes it over, and returns when
-// done (prune).
-func (f *FS) Trim() { f.lru.evict() }
+// done.
+func (f *FS) Trim() { f.lru.evict(-1) }
+
+// Shrink drops the least recently read chunks of blobs no running
+// sandbox uses (see Options.Pinned) until the cache holds at most limit
+// bytes or only such blobs' chunks, and returns the bytes it dropped
+// (`dsec image prune`).
+func (f *FS) Shrink(limit int64) int64 { return f.lru.evict(max(limit, 0)) }
 
 // Cache reports the chunk cache's use.
 func (f *FS) Cache() CacheStats {
@@ -523,7 +529,7 @@ func newLRU(opts Options, log *slog.Logger) *lru {
 		for {
 			select {
 			case <-l.kick:
-				l.evict()
+				l.evict(-1)
 			case <-l.stop:
 				return
 			}
@@ -581,11 +587,13 @@ func (l *lru) forget(b *blobNode) {
 }
 
 // evict drops the least recently read chunks of unpinned blobs until the
-// cache is within its budget. What cannot be dropped (every chunk left
-// is a pinned blob's) stays, with a warning. The chunk is taken out of
-// the order first and dropped without the order's lock: a drop waits for
-// the reads of its blob in flight, which may be touching the order.
-func (l *lru) evict() {
+// cache holds at most limit bytes (limit < 0: its budget) and returns the
+// bytes dropped. What cannot be dropped (every chunk left is a pinned
+// blob's) stays, with a warning when over the budget. The chunk is taken
+// out of the order first and dropped without the order's lock: a drop
+// waits for the reads of its blob in flight, which may be touching the
+// order.
+func (l *lru) evict(limit int64) (dropped int64) {
 	l.evicting.Lock() // one at a time: Trim returns once the goroutine's drops are done
 	defer l.evicting.Unlock()
 	pinned := map[string]bool{} // asked once per blob and round
@@ -599,9 +607,16 @@ func (l *lru) evict() {
 	}
 	for {
 		l.mu.Lock()
-		if l.budget <= 0 || l.used <= l.budget {
+		to := limit
+		if to < 0 {
+			to = l.budget
+			if to <= 0 {
+				to = l.used
+			}
+		}
+		if l.used <= to {
 			l.mu.Unlock()
-			return
+			return dropped
 		}
 		var victim *list.Element
 		for e := l.order.Back(); e != nil; e = e.Prev() {
@@ -611,13 +626,13 @@ func (l *lru) evict() {
 			}
 		}
 		if victim == nil {
-			if time.Since(l.warned) > time.Minute {
+			if l.budget > 0 && l.used > l.budget && time.Since(l.warned) > time.Minute {
 				l.warned = time.Now()
 				l.log.Warn("the layer chunk cache is over its budget: what it holds is running sandboxes' layers",
 					slog.Int64("used", l.used), slog.Int64("budget", l.budget))
 			}
 			l.mu.Unlock()
-			return
+			return dropped
 		}
 		ref := victim.Value.(chunkRef)
 		size := ref.b.chunkSize(ref.c)
@@ -629,6 +644,7 @@ func (l *lru) evict() {
 			l.mu.Lock()
 			l.evicted += size
 			l.mu.Unlock()
+			dropped += size
 		}
 	}
 }

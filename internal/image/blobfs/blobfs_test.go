@@ -253,6 +253,10 @@ func TestTheChunkCacheKeepsToItsBudget(t *testing.T) {
 	if st.FetchedBytes <= int64(len(l.big)) {
 		t.Fatalf("dropped chunks were not read again from the source: %+v", st)
 	}
+	// A prune empties the cache of what no sandbox uses.
+	if n := f.Shrink(0); n != c.Used || f.Cache().Used != 0 {
+		t.Fatalf("shrink to nothing dropped %d bytes of %d: %+v", n, c.Used, f.Cache())
+	}
 
 	pinned := newFS(t, t.TempDir(), Options{Budget: budget, Pinned: func(string) bool { return true }})
 	p2, err := pinned.Add("b", l.desc, HTTPSource{URL: o.URL})
@@ -263,6 +267,9 @@ func TestTheChunkCacheKeepsToItsBudget(t *testing.T) {
 		t.Fatalf("pinned: big.bin %d bytes, %v", len(b), err)
 	}
 	pinned.Trim()
+	if n := pinned.Shrink(0); n != 0 {
+		t.Fatalf("shrink dropped %d bytes of a pinned blob", n)
+	}
 	if c := pinned.Cache(); c.Evicted != 0 || c.Used <= budget {
 		t.Fatalf("a pinned blob's chunks were dropped: %+v", c)
 	}

@@ -1144,6 +1144,20 @@ class Client:
         went (images already built keep their layers)."""
         return _int(self._t.unary(_IMAGE, "PruneBuildCache", {}).get("removed"))
 
+    def prune_images(self) -> Dict[str, int]:
+        """Remove what the nodes keep as a cache for the project: its build
+        cache and the copies of images nodes loaded from each other that no
+        sandbox uses (an operator's key: every project's, and the cached
+        chunks of layers loaded on demand no sandbox uses). Returns what went:
+        ``build_steps``, ``copies``, ``layer_bytes``, ``chunk_bytes``."""
+        r = self._t.unary(_IMAGE, "PruneBuildCache", {})
+        return {
+            "build_steps": _int(r.get("removed")),
+            "copies": _int(r.get("copies")),
+            "layer_bytes": _int(r.get("layerBytes")),
+            "chunk_bytes": _int(r.get("chunkBytes")),
+        }
+
     def _http_json(self, method: str, path: str, body: Any, headers: Dict[str, str]) -> Dict[str, Any]:
         import json
 

@@ -56,7 +56,9 @@ def test_a_context_is_built_into_an_image_with_its_config_and_a_rebuild_is_cache
                                on_progress=seen.append)
     assert again["layers"] == img["layers"]
     assert all(m.get("cached") for m in seen if m.get("phase") == "step" and ("RUN" in m["message"] or "COPY" in m["message"]))
-    assert client.prune_build_cache() > 0
+    pruned = client.prune_images()
+    assert pruned["build_steps"] > 0 and pruned["copies"] == 0, pruned
+    assert client.prune_build_cache() == 0
 
 
 def test_a_failing_step_raises_invalid_with_its_output_and_stores_nothing(client, tmp_path):

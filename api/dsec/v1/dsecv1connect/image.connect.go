@@ -101,8 +101,11 @@ type ImageServiceClient interface {
 	// with its writable layer on top) and its environment, user and working
 	// directory as a new image of the caller's project.
 	CommitSandbox(context.Context, *connect.Request[v1.CommitSandboxRequest]) (*connect.Response[v1.Image], error)
-	// PruneBuildCache removes the caller's project's build cache (an
-	// operator's: every project's); layers no image uses are freed.
+	// PruneBuildCache removes what the nodes keep as a cache for the
+	// caller's project (an operator's: every project's): its build cache and
+	// the copies of images nodes imported from other nodes on demand that no
+	// sandbox uses; layers no image uses are freed. An operator's also drops
+	// every cached chunk of a layer loaded on demand no sandbox uses.
 	PruneBuildCache(context.Context, *connect.Request[v1.PruneBuildCacheRequest]) (*connect.Response[v1.PruneBuildCacheResponse], error)
 }
 
@@ -296,8 +299,11 @@ type ImageServiceHandler interface {
 	// with its writable layer on top) and its environment, user and working
 	// directory as a new image of the caller's project.
 	CommitSandbox(context.Context, *connect.Request[v1.CommitSandboxRequest]) (*connect.Response[v1.Image], error)
-	// PruneBuildCache removes the caller's project's build cache (an
-	// operator's: every project's); layers no image uses are freed.
+	// PruneBuildCache removes what the nodes keep as a cache for the
+	// caller's project (an operator's: every project's): its build cache and
+	// the copies of images nodes imported from other nodes on demand that no
+	// sandbox uses; layers no image uses are freed. An operator's also drops
+	// every cached chunk of a layer loaded on demand no sandbox uses.
 	PruneBuildCache(context.Context, *connect.Request[v1.PruneBuildCacheRequest]) (*connect.Response[v1.PruneBuildCacheResponse], error)
 }
 
