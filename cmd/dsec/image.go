@@ -17,11 +17,12 @@ import (
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
 	"github.com/opendsec/dsec/internal/buildctx"
+	"github.com/opendsec/dsec/internal/image"
 )
 
 func imageCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "image", Short: "Manage images"}
-	cmd.AddCommand(imageImportCmd(g), imageLsCmd(g), imageRmCmd(g), imageBootstrapCmd(g), imageBuildVMCmd(g), imageImportVMCmd(g), imageBuildCmd(g), imagePruneCmd(g), imagePushCmd(g))
+	cmd.AddCommand(imageImportCmd(g), imageLsCmd(g), imageRmCmd(g), imageBootstrapCmd(g), imageBuildVMCmd(g), imageImportVMCmd(g), imageBuildCmd(g), imagePruneCmd(g), imagePushCmd(g), imageExportCmd(g))
 	return cmd
 }
 
@@ -30,7 +31,7 @@ func imageImportCmd(g *globals) *cobra.Command {
 	var insecure bool
 	cmd := &cobra.Command{
 		Use:   "import SRC --name NAME",
-		Short: "Import an image: a `docker save` archive, an OCI layout directory or archive, or a registry reference",
+		Short: "Import an image: a `docker save` archive, an OCI layout directory or archive, a registry reference, or the http(s) URL of an OCI layout (`dsec image export`; loaded on demand)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			src := args[0]
@@ -59,6 +60,12 @@ func imageImportCmd(g *globals) *cobra.Command {
 					r = f
 				}
 				img, err = c.UploadImage(cmd.Context(), as, size, r, func(n int64) { bar.update("upload", "", n, size) })
+			} else if image.IsURL(src) {
+				if as == "" {
+					return fmt.Errorf("--name is required for an image on an HTTP server")
+				}
+				req := &dsecv1.PullImageRequest{Ref: src, Name: as}
+				img, err = c.PullImage(cmd.Context(), req, func(p *dsecv1.ImageProgress) { bar.update(p.Phase, p.Message, p.DoneBytes, p.TotalBytes) })
 			} else {
 				ref, perr := name.ParseReference(src)
 				if perr != nil {
@@ -92,6 +99,96 @@ func registryAuth(ref name.Reference) *dsecv1.RegistryAuth {
 		return nil
 	}
 	return &dsecv1.RegistryAuth{Username: cfg.Username, Password: cfg.Password, IdentityToken: cfg.IdentityToken, RegistryToken: cfg.RegistryToken}
+}
+
+func imageExportCmd(g *globals) *cobra.Command {
+	var out string
+	cmd := &cobra.Command{
+		Use:   "export NAME -o DIR|FILE.tar|-",
+		Short: "Write an image as an OCI image layout of its layers' EROFS files: put the directory on any HTTP server or object store and `dsec image import https://host/prefix/ --name NAME` loads it on demand",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			c := g.client()
+			switch {
+			case out == "-":
+				return c.ExportImage(cmd.Context(), args[0], os.Stdout)
+			case strings.HasSuffix(out, ".tar"):
+				f, err := os.Create(out)
+				if err != nil {
+					return err
+				}
+				if err := c.ExportImage(cmd.Context(), args[0], f); err != nil {
+					f.Close()
+					os.Remove(out)
+					return err
+				}
+				return f.Close()
+			}
+			if err := os.MkdirAll(out, 0o755); err != nil {
+				return err
+			}
+			pr, pw := io.Pipe()
+			done := make(chan error, 1)
+			go func() { done <- untarLayout(pr, out) }()
+			err := c.ExportImage(cmd.Context(), args[0], pw)
+			pw.CloseWithError(err)
+			if uerr := <-done; err == nil {
+				err = uerr
+			}
+			if err == nil {
+				fmt.Printf("%s: an OCI image layout (index.json, blobs/); serve it and import its URL\n", out)
+			}
+			return err
+		},
+	}
+	cmd.Flags().StringVarP(&out, "output", "o", "", "a directory to write the layout into, a .tar file, or - for a tar on stdout")
+	cmd.MarkFlagRequired("output")
+	return cmd
+}
+
+// untarLayout writes the files of a layout's tar into dir: regular files
+// and directories whose names stay inside it.
+func untarLayout(r io.Reader, dir string) error {
+	tr := tar.NewReader(r)
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if !filepath.IsLocal(h.Name) {
+			return fmt.Errorf("the export names %q, outside its directory", h.Name)
+		}
+		p := filepath.Join(dir, h.Name)
+		switch h.Typeflag {
+		case tar.TypeDir:
+			err = os.MkdirAll(p, 0o755)
+		case tar.TypeReg:
+			err = writeFrom(p, tr)
+		default:
+			err = fmt.Errorf("the export holds %q of type %c", h.Name, h.Typeflag)
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+func writeFrom(p string, r io.Reader) error {
+	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		return err
+	}
+	f, err := os.Create(p)
+	if err != nil {
+		return err
+	}
+	_, err = io.Copy(f, r)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 func imagePushCmd(g *globals) *cobra.Command {

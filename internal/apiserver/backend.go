@@ -95,6 +95,7 @@ type Node interface {
 	RemoveImage(ctx context.Context, name string) error
 	Pull(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
 	Push(ctx context.Context, req *dsecv1.PushImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
+	Export(ctx context.Context, req *dsecv1.ExportImageRequest, send func(*dsecv1.ExportImageChunk) error) error
 	Upload(ctx context.Context, hdr *dsecv1.UploadImageHeader, r io.Reader) (*dsecv1.Image, error)
 	Bootstrap(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error)
 	// Builds run on one node, from a context uploaded to it; a commit on

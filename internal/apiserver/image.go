@@ -123,16 +123,28 @@ func (s *imageService) PullImage(ctx context.Context, req *connect.Request[dsecv
 
 // PushImage pushes the image from the first node that has it (every
 // node's copy has the same layers).
-func (s *imageService) PushImage(ctx context.Context, req *connect.Request[dsecv1.PushImageRequest], stream *connect.ServerStream[dsecv1.ImageProgress]) error {
-	var from Node
+// holder is a node holding image name, as ctx's caller sees it.
+func (s *imageService) holder(ctx context.Context, name string) (Node, error) {
 	for _, n := range s.r.Nodes(ctx) {
-		if _, err := n.Image(ctx, req.Msg.GetName()); err == nil {
-			from = n
-			break
+		if _, err := n.Image(ctx, name); err == nil {
+			return n, nil
 		}
 	}
-	if from == nil {
-		return wire(errdefs.NotFound("image %q not found", req.Msg.GetName()))
+	return nil, errdefs.NotFound("image %q not found", name)
+}
+
+func (s *imageService) ExportImage(ctx context.Context, req *connect.Request[dsecv1.ExportImageRequest], stream *connect.ServerStream[dsecv1.ExportImageChunk]) error {
+	from, err := s.holder(ctx, req.Msg.GetName())
+	if err != nil {
+		return wire(err)
+	}
+	return from.Export(ctx, req.Msg, stream.Send)
+}
+
+func (s *imageService) PushImage(ctx context.Context, req *connect.Request[dsecv1.PushImageRequest], stream *connect.ServerStream[dsecv1.ImageProgress]) error {
+	from, err := s.holder(ctx, req.Msg.GetName())
+	if err != nil {
+		return wire(err)
 	}
 	var sendErr error
 	pushed := ""

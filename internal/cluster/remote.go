@@ -524,6 +524,11 @@ func (r *remote) Push(ctx context.Context, req *dsecv1.PushImageRequest, progres
 	return importImage(r, st, err, progress)
 }
 
+func (r *remote) Export(ctx context.Context, req *dsecv1.ExportImageRequest, send func(*dsecv1.ExportImageChunk) error) error {
+	st, err := r.img.ExportImage(ctx, connect.NewRequest(req))
+	return relay(st, err, send)
+}
+
 func (r *remote) Bootstrap(ctx context.Context, req *dsecv1.BootstrapImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
 	st, err := r.img.BootstrapImage(ctx, connect.NewRequest(req))
 	return importImage(r, st, err, progress)

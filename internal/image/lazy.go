@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -97,15 +98,25 @@ func (s *Store) PushLazy(ctx context.Context, img *Image, ref string, auth Auth,
 		return "", err
 	}
 	defer release()
+	out, err := s.lazyImage(img)
+	if err != nil {
+		return "", err
+	}
+	return s.write(ctx, r, ref, out, ropts, progress)
+}
+
+// lazyImage is img as an OCI image of its layers' EROFS files (see
+// above), which must be held.
+func (s *Store) lazyImage(img *Image) (v1.Image, error) {
 	out := mutate.ConfigMediaType(mutate.MediaType(empty.Image, types.OCIManifestSchema1), types.OCIConfigJSON)
 	var diffs []v1.Hash
 	for _, diff := range img.Layers {
 		base := s.layerPath(diff)
 		switch {
 		case exists(base+".lazy") && !exists(base+".blob"):
-			return "", errdefs.Invalid("layer %s of %s is loaded on demand here: its data is in its registry (push it as an OCI image to copy it whole)", shortID(diff), img.Name)
+			return nil, errdefs.Invalid("layer %s of %s is loaded on demand here: its data is in its registry (push it as an OCI image to copy it whole)", shortID(diff), img.Name)
 		case !exists(base+".blob") || !exists(base+".chunks"):
-			return "", errdefs.Invalid("layer %s of %s is not stored as EROFS files with a blob: push it as an OCI image", shortID(diff), img.Name)
+			return nil, errdefs.Invalid("layer %s of %s is not stored as EROFS files with a blob: push it as an OCI image", shortID(diff), img.Name)
 		}
 		size, _ := s.haveLayer(diff)
 		ann := map[string]string{annotLayer: diff, annotSize: strconv.FormatInt(size, 10)}
@@ -115,28 +126,28 @@ func (s *Store) PushLazy(ctx context.Context, img *Image, ref string, auth Auth,
 		}{{".erofs", MediaLayerMeta}, {".chunks", MediaLayerChunks}, {".blob", MediaLayerBlob}} {
 			l, err := newFileLayer(base+part.suffix, part.mt)
 			if err != nil {
-				return "", errdefs.Internal(err, "read layer %s", shortID(diff))
+				return nil, errdefs.Internal(err, "read layer %s", shortID(diff))
 			}
 			if out, err = mutate.Append(out, mutate.Addendum{Layer: l, MediaType: part.mt, Annotations: ann}); err != nil {
-				return "", errdefs.Internal(err, "add layer %s", shortID(diff))
+				return nil, errdefs.Internal(err, "add layer %s", shortID(diff))
 			}
 		}
 		h, err := v1.NewHash(diff)
 		if err != nil {
-			return "", errdefs.Internal(err, "layer %s", diff)
+			return nil, errdefs.Internal(err, "layer %s", diff)
 		}
 		diffs = append(diffs, h)
 	}
 	cf, err := s.configFile(img)
 	if err != nil {
-		return "", err
+		return nil, err
 	}
 	cf.RootFS = v1.RootFS{Type: "layers", DiffIDs: diffs}
 	cf.History = nil
 	if out, err = mutate.ConfigFile(out, cf); err != nil {
-		return "", errdefs.Internal(err, "make the image config")
+		return nil, errdefs.Internal(err, "make the image config")
 	}
-	return s.write(ctx, r, ref, out, ropts, progress)
+	return out, nil
 }
 
 // lazyManifest reports whether m is an image of layers' EROFS files.
@@ -151,9 +162,9 @@ func lazyManifest(m *v1.Manifest) bool {
 
 // lazySource is where a lazily loaded layer's blob is read: a registry's
 // blob, and how to reach it (<diff>.lazy, 0600: it may hold the
-// registry's credentials, which a read after a node restart needs); or
+// registry's credentials, which a read after a node restart needs);
 // another node's (Peer, URL: see ImportFromPeer), reached as the store's
-// Peers say.
+// Peers say; or a URL on an HTTP server (URL, with Auth: see PullURL).
 type lazySource struct {
 	Registry string `json:"registry,omitempty"`
 	Repo     string `json:"repository,omitempty"`
@@ -166,8 +177,11 @@ type lazySource struct {
 
 // source is the blobfs source of ls in store s.
 func (ls lazySource) source(s *Store) (blobfs.Source, error) {
-	if ls.URL != "" {
+	if ls.Peer != "" {
 		return peerSource{s: s, url: ls.URL}, nil
+	}
+	if ls.URL != "" {
+		return blobfs.HTTPSource{URL: ls.URL, Header: ls.Auth.header(), Client: &http.Client{Timeout: 2 * time.Minute}}, nil
 	}
 	var opts []name.Option
 	if ls.Insecure {
@@ -191,15 +205,16 @@ func (ls lazySource) source(s *Store) (blobfs.Source, error) {
 	return blobfs.HTTPSource{URL: url, Client: &http.Client{Transport: rt, Timeout: 2 * time.Minute}}, nil
 }
 
-// pullLazy imports img, an image of layers' EROFS files from r, as name:
-// each layer's metadata image and blob description are fetched, its blob
-// left in the registry to be read on demand.
-func (s *Store) pullLazy(ctx context.Context, as, source string, r name.Reference, img v1.Image, m *v1.Manifest, auth Auth, insecure bool, progress Progress) (*Image, error) {
+// pullLazy imports img, an image of layers' EROFS files from where (a
+// registry reference or a URL), as name: each layer's metadata image and
+// blob description are fetched, its blob left where it is, to be read on
+// demand from the source srcOf says.
+func (s *Store) pullLazy(ctx context.Context, as, source, where string, img v1.Image, m *v1.Manifest, srcOf func(blob *v1.Descriptor) lazySource, progress Progress) (*Image, error) {
 	if err := ValidName(as); err != nil {
 		return nil, err
 	}
 	if _, why := erofsSupportIn(filepath.Join(s.dir, "tmp")); why != "" {
-		return nil, errdefs.Unimplemented("%s is an image loaded on demand, which this node cannot mount: %s", r, why)
+		return nil, errdefs.Unimplemented("%s is an image loaded on demand, which this node cannot mount: %s", where, why)
 	}
 	cfg, err := img.ConfigFile()
 	if err != nil {
@@ -243,12 +258,10 @@ func (s *Store) pullLazy(ctx context.Context, as, source string, r name.Referenc
 		diff := h.String()
 		p := byDiff[diff]
 		if p == nil || p.meta == nil || p.chunks == nil || p.blob == nil {
-			return nil, errdefs.Invalid("image %s: layer %s lacks its EROFS files", r, shortID(diff))
+			return nil, errdefs.Invalid("image %s: layer %s lacks its EROFS files", where, shortID(diff))
 		}
 		progress.report("fetch", fmt.Sprintf("layer %d/%d %s metadata", i+1, len(cfg.RootFS.DiffIDs), shortID(diff)), int64(i), int64(len(cfg.RootFS.DiffIDs)))
-		release, err := s.fetchLazyLayer(ctx, img, diff, p.meta, p.chunks, p.blob, p.size, lazySource{
-			Registry: r.Context().RegistryStr(), Repo: r.Context().RepositoryStr(), Digest: p.blob.Digest.String(), Insecure: insecure, Auth: auth,
-		})
+		release, err := s.fetchLazyLayer(ctx, img, diff, p.meta, p.chunks, p.blob, p.size, srcOf(p.blob))
 		if err != nil {
 			return nil, fmt.Errorf("layer %s: %w", shortID(diff), err)
 		}
@@ -320,6 +333,10 @@ func fetchBlob(ctx context.Context, img v1.Image, d *v1.Descriptor, path string)
 		err = cerr
 	}
 	if err != nil {
+		var e *errdefs.Error
+		if errors.As(err, &e) {
+			return err // the source's own verdict (a digest that does not match: invalid)
+		}
 		return errdefs.Unavailable("fetch %s: %v", d.Digest, err).WithCause(err)
 	}
 	return nil

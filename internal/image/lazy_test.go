@@ -43,6 +43,22 @@ func taskStore(t *testing.T, more ...entry) (*Store, *Image, []byte) {
 	return src, rec, big
 }
 
+// readsREADME holds layers in s until the test ends and reads
+// taskStore's repo/README from the top one, whose directory it returns.
+func readsREADME(t *testing.T, s *Store, layers []string) string {
+	t.Helper()
+	release, err := s.Hold(layers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(release)
+	dir := s.LayerDir(layers[len(layers)-1])
+	if b, err := os.ReadFile(filepath.Join(dir, "repo/README")); err != nil || string(b) != "read me\n" {
+		t.Fatalf("README: %q, %v", b, err)
+	}
+	return dir
+}
+
 // TestAnImagePushedAsLayersLoadsOnDemand: an image pushed to the
 // distribution's registry as its layers' EROFS files pulls into another
 // store without its data; a file read fetches the chunks it touches,
@@ -97,15 +113,7 @@ func TestAnImagePushedAsLayersLoadsOnDemand(t *testing.T) {
 		}
 	})
 	t.Run("a small file fetches a chunk, a big one reads back whole", func(t *testing.T) {
-		release, err := dst.Hold(got.Layers)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer release()
-		dir := dst.LayerDir(diff)
-		if b, err := os.ReadFile(filepath.Join(dir, "repo/README")); err != nil || string(b) != "read me\n" {
-			t.Fatalf("README: %q, %v", b, err)
-		}
+		dir := readsREADME(t, dst, got.Layers)
 		st := dst.LazyStats()[diff]
 		if st.FetchedBytes == 0 || st.FetchedBytes > 2*fetchChunk || st.FetchedBytes*4 > blobSize {
 			t.Fatalf("an 8-byte file fetched %d bytes of a %d-byte blob: %+v", st.FetchedBytes, blobSize, st)

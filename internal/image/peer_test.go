@@ -89,15 +89,7 @@ func TestAnImageMovesFromAnotherNodeOnDemand(t *testing.T) {
 		}
 	})
 	t.Run("a read fetches what it touches from the peer", func(t *testing.T) {
-		release, err := dst.Hold(got.Layers)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer release()
-		dir := dst.LayerDir(diff)
-		if b, err := os.ReadFile(filepath.Join(dir, "repo/README")); err != nil || string(b) != "read me\n" {
-			t.Fatalf("README: %q, %v", b, err)
-		}
+		dir := readsREADME(t, dst, got.Layers)
 		if st := dst.LazyStats()[diff]; st.FetchedBytes == 0 || st.FetchedBytes > 2*fetchChunk {
 			t.Fatalf("an 8-byte file fetched %+v from the peer", st)
 		}

@@ -31,6 +31,9 @@ type Auth struct {
 // Pull imports an image from a registry. Without auth it uses the node's
 // docker config (~/.docker/config.json, DOCKER_CONFIG).
 func (s *Store) Pull(ctx context.Context, ref, as string, auth Auth, insecure bool, progress Progress) (*Image, error) {
+	if IsURL(ref) {
+		return s.PullURL(ctx, ref, as, auth, progress)
+	}
 	r, ropts, err := remoteRef(ctx, ref, auth, insecure)
 	if err != nil {
 		return nil, err
@@ -44,7 +47,9 @@ func (s *Store) Pull(ctx context.Context, ref, as string, auth Auth, insecure bo
 		as = ref
 	}
 	if m, err := img.Manifest(); err == nil && lazyManifest(m) {
-		return s.pullLazy(ctx, as, "registry:"+r.String()+" (on demand)", r, img, m, auth, insecure, progress)
+		return s.pullLazy(ctx, as, "registry:"+r.String()+" (on demand)", r.String(), img, m, func(blob *v1.Descriptor) lazySource {
+			return lazySource{Registry: r.Context().RegistryStr(), Repo: r.Context().RepositoryStr(), Digest: blob.Digest.String(), Insecure: insecure, Auth: auth}
+		}, progress)
 	}
 	return s.Import(ctx, as, "registry:"+r.String(), img, progress)
 }

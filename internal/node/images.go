@@ -1,6 +1,8 @@
 package node
 
 import (
+	"bufio"
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -130,6 +132,40 @@ func (n *Node) PushImage(ctx context.Context, req *dsecv1.PushImageRequest, prog
 		return nil, err
 	}
 	return imageView(img), nil
+}
+
+// ExportImage sends an image the caller sees as a tar of an OCI image
+// layout of its layers' EROFS files (image.Store.Export), in chunks of at
+// most exportChunk bytes.
+func (n *Node) ExportImage(ctx context.Context, req *dsecv1.ExportImageRequest, send func(*dsecv1.ExportImageChunk) error) (err error) {
+	defer func(start time.Time) { n.m.Image("export", start, err) }(time.Now())
+	img, err := n.images.Lookup(tenant.Project(ctx), req.GetName())
+	if err != nil {
+		return err
+	}
+	if img.BuildCache != nil {
+		return errdefs.NotFound("image %q not found", req.GetName())
+	}
+	w := bufio.NewWriterSize(chunkWriter(func(b []byte) error { return send(&dsecv1.ExportImageChunk{Data: b}) }), exportChunk)
+	if err := n.images.Export(ctx, img, w); err != nil {
+		return err
+	}
+	return w.Flush()
+}
+
+const exportChunk = 1 << 20
+
+// chunkWriter sends what is written in messages of at most exportChunk
+// bytes.
+type chunkWriter func([]byte) error
+
+func (c chunkWriter) Write(p []byte) (int, error) {
+	for off := 0; off < len(p); off += exportChunk {
+		if err := c(bytes.Clone(p[off:min(off+exportChunk, len(p))])); err != nil {
+			return off, err
+		}
+	}
+	return len(p), nil
 }
 
 // UploadImage imports an archive streamed by the client: an image

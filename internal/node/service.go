@@ -369,6 +369,15 @@ func (s *Service) PullImage(ctx context.Context, req *connect.Request[dsecv1.Pul
 	return progressStream(st, func(p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) { return s.Pull(ctx, req.Msg, p) })
 }
 
+func (s *Service) ExportImage(ctx context.Context, req *connect.Request[dsecv1.ExportImageRequest], st *connect.ServerStream[dsecv1.ExportImageChunk]) error {
+	return s.Export(ctx, req.Msg, st.Send)
+}
+
+// Export sends an image as a tar of an OCI image layout, in chunks.
+func (s *Service) Export(ctx context.Context, req *dsecv1.ExportImageRequest, send func(*dsecv1.ExportImageChunk) error) error {
+	return stream(send, func(send func(*dsecv1.ExportImageChunk) error) error { return s.n.ExportImage(ctx, req, send) })
+}
+
 func (s *Service) PushImage(ctx context.Context, req *connect.Request[dsecv1.PushImageRequest], st *connect.ServerStream[dsecv1.ImageProgress]) error {
 	return progressStream(st, func(p func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) { return s.Push(ctx, req.Msg, p) })
 }

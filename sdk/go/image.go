@@ -57,7 +57,29 @@ func (c *Client) PushImage(ctx context.Context, req *dsecv1.PushImageRequest, pr
 	return progressStream(st, progress)
 }
 
-// PullImage imports an image from a registry on every node.
+// ExportImage writes an image of the caller's project (or a shared one) to
+// w as a tar of an OCI image layout of its layers' EROFS files: unpacked
+// under a prefix of an HTTP server or object store that answers range
+// requests, PullImage with ref "https://host/prefix/" loads it on demand.
+func (c *Client) ExportImage(ctx context.Context, name string, w io.Writer) error {
+	st, err := c.raw.Images.ExportImage(ctx, connect.NewRequest(&dsecv1.ExportImageRequest{Name: name}))
+	if err != nil {
+		return asError(err)
+	}
+	defer st.Close()
+	for st.Receive() {
+		if _, err := w.Write(st.Msg().GetData()); err != nil {
+			return err
+		}
+	}
+	if err := st.Err(); err != nil {
+		return asError(err)
+	}
+	return nil
+}
+
+// PullImage imports an image from a registry on every node (or, ref an
+// http(s) URL, from the OCI image layout there: see ExportImage).
 func (c *Client) PullImage(ctx context.Context, req *dsecv1.PullImageRequest, progress func(*dsecv1.ImageProgress)) (*dsecv1.Image, error) {
 	st, err := c.raw.Images.PullImage(ctx, connect.NewRequest(req))
 	if err != nil {

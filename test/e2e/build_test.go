@@ -486,6 +486,52 @@ func TestImageBuild(t *testing.T) {
 		}
 	})
 
+	t.Run("an image exported to a plain HTTP server runs on another server, loaded on demand", func(t *testing.T) {
+		layoutDir := t.TempDir()
+		if _, errOut, code := srv.CLI(ctx, "", "image", "export", "task", "-o", layoutDir); code != 0 {
+			t.Fatalf("dsec image export: %d %s", code, errOut)
+		}
+		files := http.FileServer(http.Dir(layoutDir))
+		var blobBytes atomic.Int64
+		web := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if u, p, ok := r.BasicAuth(); !ok || u != "reader" || p != "pw" {
+				http.Error(w, "who are you", http.StatusUnauthorized)
+				return
+			}
+			if r.Header.Get("Range") != "" {
+				blobBytes.Add(1)
+			}
+			files.ServeHTTP(w, r)
+		}))
+		defer web.Close()
+		other := dsectest.Start(shared, dsectest.Options{})
+		src := strings.Replace(web.URL, "http://", "http://reader:pw@", 1) + "/"
+		if _, errOut, code := other.CLI(ctx, "", "image", "import", src, "--name", "served"); code != 0 {
+			t.Fatalf("dsec image import of a URL: %d %s", code, errOut)
+		}
+		if _, errOut, code := other.CLI(ctx, "", "image", "import", web.URL+"/", "--name", "refused"); code == 0 || !strings.Contains(errOut, "401") {
+			t.Errorf("an import without the server's credentials: %d %s", code, errOut)
+		}
+		sb := create(t, other.Client(), dsec.CreateOptions{Image: "served"})
+		r, err := sb.Exec(ctx, dsec.Cmd("id -u; pwd; echo $GREETING; cat /opt/out.txt; /opt/tools/bin/tool"))
+		if err != nil || string(r.Stdout) != "1000\n/home/u\nhi\nbuilt spicy from hello\ntool\n" {
+			t.Fatalf("in a sandbox of the served image: %q %q %v", r.GetStdout(), r.GetStderr(), err)
+		}
+		if blobBytes.Load() == 0 {
+			t.Error("the sandbox read no range of the served blobs: the image was not loaded on demand")
+		}
+		imgs, err := other.Client().ListImages(ctx)
+		source := "(not listed)"
+		for _, i := range imgs {
+			if i.Name == "served" {
+				source = i.GetSource()
+			}
+		}
+		if err != nil || strings.Contains(source, "pw") || !strings.Contains(source, "on demand") {
+			t.Errorf("the served image's source: %q, %v", source, err)
+		}
+	})
+
 	t.Run("the CLI builds from a context directory and streams the steps", func(t *testing.T) {
 		out, errOut, code := srv.CLI(ctx, "", "image", "build", dir, "--name", "from-cli", "--build-arg", "FLAVOUR=cli")
 		if code != 0 || !strings.HasPrefix(out, "from-cli ") || !strings.Contains(errOut, "[5/15] RUN echo") || !strings.Contains(errOut, "hello\nnested\n") {

@@ -635,7 +635,13 @@ func (x *RegistryAuth) GetRegistryToken() string {
 
 type PullImageRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// ref is a registry reference ("registry.example.com/team/img:tag").
+	// ref is a registry reference ("registry.example.com/team/img:tag"), or
+	// the http(s) URL of a directory holding an OCI image layout that
+	// ExportImage wrote (its index.json, blobs/sha256/...), served by any
+	// HTTP server or object store that answers range requests: its layers'
+	// data is then read from there on demand. auth's username and password
+	// are sent to such a URL as HTTP basic authentication, its
+	// registry_token as a bearer token.
 	Ref string `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`
 	// name stores the image under this name (default: ref).
 	Name string `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
@@ -789,6 +795,96 @@ func (x *PushImageRequest) GetOnDemand() bool {
 	return false
 }
 
+type ExportImageRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// name is the image to export.
+	Name          string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ExportImageRequest) Reset() {
+	*x = ExportImageRequest{}
+	mi := &file_dsec_v1_image_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ExportImageRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ExportImageRequest) ProtoMessage() {}
+
+func (x *ExportImageRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_image_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ExportImageRequest.ProtoReflect.Descriptor instead.
+func (*ExportImageRequest) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *ExportImageRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type ExportImageChunk struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// data is the next part of the tar.
+	Data          []byte `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ExportImageChunk) Reset() {
+	*x = ExportImageChunk{}
+	mi := &file_dsec_v1_image_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ExportImageChunk) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ExportImageChunk) ProtoMessage() {}
+
+func (x *ExportImageChunk) ProtoReflect() protoreflect.Message {
+	mi := &file_dsec_v1_image_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ExportImageChunk.ProtoReflect.Descriptor instead.
+func (*ExportImageChunk) Descriptor() ([]byte, []int) {
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *ExportImageChunk) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
 type UploadImageHeader struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
@@ -804,7 +900,7 @@ type UploadImageHeader struct {
 
 func (x *UploadImageHeader) Reset() {
 	*x = UploadImageHeader{}
-	mi := &file_dsec_v1_image_proto_msgTypes[12]
+	mi := &file_dsec_v1_image_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -816,7 +912,7 @@ func (x *UploadImageHeader) String() string {
 func (*UploadImageHeader) ProtoMessage() {}
 
 func (x *UploadImageHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[12]
+	mi := &file_dsec_v1_image_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -829,7 +925,7 @@ func (x *UploadImageHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadImageHeader.ProtoReflect.Descriptor instead.
 func (*UploadImageHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{12}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *UploadImageHeader) GetName() string {
@@ -866,7 +962,7 @@ type UploadImageRequest struct {
 
 func (x *UploadImageRequest) Reset() {
 	*x = UploadImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[13]
+	mi := &file_dsec_v1_image_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -878,7 +974,7 @@ func (x *UploadImageRequest) String() string {
 func (*UploadImageRequest) ProtoMessage() {}
 
 func (x *UploadImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[13]
+	mi := &file_dsec_v1_image_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -891,7 +987,7 @@ func (x *UploadImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadImageRequest.ProtoReflect.Descriptor instead.
 func (*UploadImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{13}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *UploadImageRequest) GetMsg() isUploadImageRequest_Msg {
@@ -957,7 +1053,7 @@ type BootstrapImageRequest struct {
 
 func (x *BootstrapImageRequest) Reset() {
 	*x = BootstrapImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[14]
+	mi := &file_dsec_v1_image_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -969,7 +1065,7 @@ func (x *BootstrapImageRequest) String() string {
 func (*BootstrapImageRequest) ProtoMessage() {}
 
 func (x *BootstrapImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[14]
+	mi := &file_dsec_v1_image_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -982,7 +1078,7 @@ func (x *BootstrapImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BootstrapImageRequest.ProtoReflect.Descriptor instead.
 func (*BootstrapImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{14}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *BootstrapImageRequest) GetRecipe() string {
@@ -1050,7 +1146,7 @@ type ImageProgress struct {
 
 func (x *ImageProgress) Reset() {
 	*x = ImageProgress{}
-	mi := &file_dsec_v1_image_proto_msgTypes[15]
+	mi := &file_dsec_v1_image_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1062,7 +1158,7 @@ func (x *ImageProgress) String() string {
 func (*ImageProgress) ProtoMessage() {}
 
 func (x *ImageProgress) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[15]
+	mi := &file_dsec_v1_image_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1075,7 +1171,7 @@ func (x *ImageProgress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImageProgress.ProtoReflect.Descriptor instead.
 func (*ImageProgress) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{15}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ImageProgress) GetPhase() string {
@@ -1144,7 +1240,7 @@ type UploadBuildContextHeader struct {
 
 func (x *UploadBuildContextHeader) Reset() {
 	*x = UploadBuildContextHeader{}
-	mi := &file_dsec_v1_image_proto_msgTypes[16]
+	mi := &file_dsec_v1_image_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1156,7 +1252,7 @@ func (x *UploadBuildContextHeader) String() string {
 func (*UploadBuildContextHeader) ProtoMessage() {}
 
 func (x *UploadBuildContextHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[16]
+	mi := &file_dsec_v1_image_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1169,7 +1265,7 @@ func (x *UploadBuildContextHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadBuildContextHeader.ProtoReflect.Descriptor instead.
 func (*UploadBuildContextHeader) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{16}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *UploadBuildContextHeader) GetSize() int64 {
@@ -1192,7 +1288,7 @@ type UploadBuildContextRequest struct {
 
 func (x *UploadBuildContextRequest) Reset() {
 	*x = UploadBuildContextRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[17]
+	mi := &file_dsec_v1_image_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1204,7 +1300,7 @@ func (x *UploadBuildContextRequest) String() string {
 func (*UploadBuildContextRequest) ProtoMessage() {}
 
 func (x *UploadBuildContextRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[17]
+	mi := &file_dsec_v1_image_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1217,7 +1313,7 @@ func (x *UploadBuildContextRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UploadBuildContextRequest.ProtoReflect.Descriptor instead.
 func (*UploadBuildContextRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{17}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *UploadBuildContextRequest) GetMsg() isUploadBuildContextRequest_Msg {
@@ -1273,7 +1369,7 @@ type BuildContext struct {
 
 func (x *BuildContext) Reset() {
 	*x = BuildContext{}
-	mi := &file_dsec_v1_image_proto_msgTypes[18]
+	mi := &file_dsec_v1_image_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1285,7 +1381,7 @@ func (x *BuildContext) String() string {
 func (*BuildContext) ProtoMessage() {}
 
 func (x *BuildContext) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[18]
+	mi := &file_dsec_v1_image_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1298,7 +1394,7 @@ func (x *BuildContext) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildContext.ProtoReflect.Descriptor instead.
 func (*BuildContext) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{18}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *BuildContext) GetDigest() string {
@@ -1351,7 +1447,7 @@ type BuildImageRequest struct {
 
 func (x *BuildImageRequest) Reset() {
 	*x = BuildImageRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[19]
+	mi := &file_dsec_v1_image_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1363,7 +1459,7 @@ func (x *BuildImageRequest) String() string {
 func (*BuildImageRequest) ProtoMessage() {}
 
 func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[19]
+	mi := &file_dsec_v1_image_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1376,7 +1472,7 @@ func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildImageRequest.ProtoReflect.Descriptor instead.
 func (*BuildImageRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{19}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *BuildImageRequest) GetName() string {
@@ -1453,7 +1549,7 @@ type CommitSandboxRequest struct {
 
 func (x *CommitSandboxRequest) Reset() {
 	*x = CommitSandboxRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[20]
+	mi := &file_dsec_v1_image_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1465,7 +1561,7 @@ func (x *CommitSandboxRequest) String() string {
 func (*CommitSandboxRequest) ProtoMessage() {}
 
 func (x *CommitSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[20]
+	mi := &file_dsec_v1_image_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1478,7 +1574,7 @@ func (x *CommitSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommitSandboxRequest.ProtoReflect.Descriptor instead.
 func (*CommitSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{20}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *CommitSandboxRequest) GetSandboxId() string {
@@ -1503,7 +1599,7 @@ type PruneBuildCacheRequest struct {
 
 func (x *PruneBuildCacheRequest) Reset() {
 	*x = PruneBuildCacheRequest{}
-	mi := &file_dsec_v1_image_proto_msgTypes[21]
+	mi := &file_dsec_v1_image_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1515,7 +1611,7 @@ func (x *PruneBuildCacheRequest) String() string {
 func (*PruneBuildCacheRequest) ProtoMessage() {}
 
 func (x *PruneBuildCacheRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[21]
+	mi := &file_dsec_v1_image_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1528,7 +1624,7 @@ func (x *PruneBuildCacheRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PruneBuildCacheRequest.ProtoReflect.Descriptor instead.
 func (*PruneBuildCacheRequest) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{21}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{23}
 }
 
 type PruneBuildCacheResponse struct {
@@ -1547,7 +1643,7 @@ type PruneBuildCacheResponse struct {
 
 func (x *PruneBuildCacheResponse) Reset() {
 	*x = PruneBuildCacheResponse{}
-	mi := &file_dsec_v1_image_proto_msgTypes[22]
+	mi := &file_dsec_v1_image_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1559,7 +1655,7 @@ func (x *PruneBuildCacheResponse) String() string {
 func (*PruneBuildCacheResponse) ProtoMessage() {}
 
 func (x *PruneBuildCacheResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_dsec_v1_image_proto_msgTypes[22]
+	mi := &file_dsec_v1_image_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1572,7 +1668,7 @@ func (x *PruneBuildCacheResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PruneBuildCacheResponse.ProtoReflect.Descriptor instead.
 func (*PruneBuildCacheResponse) Descriptor() ([]byte, []int) {
-	return file_dsec_v1_image_proto_rawDescGZIP(), []int{22}
+	return file_dsec_v1_image_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *PruneBuildCacheResponse) GetRemoved() int64 {
@@ -1667,7 +1763,11 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"\x03ref\x18\x02 \x01(\tR\x03ref\x12)\n" +
 	"\x04auth\x18\x03 \x01(\v2\x15.dsec.v1.RegistryAuthR\x04auth\x12\x1a\n" +
 	"\binsecure\x18\x04 \x01(\bR\binsecure\x12\x1b\n" +
-	"\ton_demand\x18\x05 \x01(\bR\bonDemand\"S\n" +
+	"\ton_demand\x18\x05 \x01(\bR\bonDemand\"(\n" +
+	"\x12ExportImageRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"&\n" +
+	"\x10ExportImageChunk\x12\x12\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\"S\n" +
 	"\x11UploadImageHeader\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
 	"\x04size\x18\x02 \x01(\x03R\x04size\x12\x16\n" +
@@ -1732,14 +1832,15 @@ const file_dsec_v1_image_proto_rawDesc = "" +
 	"\vlayer_bytes\x18\x03 \x01(\x03R\n" +
 	"layerBytes\x12\x1f\n" +
 	"\vchunk_bytes\x18\x04 \x01(\x03R\n" +
-	"chunkBytes2\x9a\x06\n" +
+	"chunkBytes2\xe3\x06\n" +
 	"\fImageService\x12J\n" +
 	"\n" +
 	"ListImages\x12\x1a.dsec.v1.ListImagesRequest\x1a\x1b.dsec.v1.ListImagesResponse\"\x03\x90\x02\x01\x129\n" +
 	"\bGetImage\x12\x18.dsec.v1.GetImageRequest\x1a\x0e.dsec.v1.Image\"\x03\x90\x02\x01\x12H\n" +
 	"\vDeleteImage\x12\x1b.dsec.v1.DeleteImageRequest\x1a\x1c.dsec.v1.DeleteImageResponse\x12@\n" +
 	"\tPullImage\x12\x19.dsec.v1.PullImageRequest\x1a\x16.dsec.v1.ImageProgress0\x01\x12@\n" +
-	"\tPushImage\x12\x19.dsec.v1.PushImageRequest\x1a\x16.dsec.v1.ImageProgress0\x01\x12<\n" +
+	"\tPushImage\x12\x19.dsec.v1.PushImageRequest\x1a\x16.dsec.v1.ImageProgress0\x01\x12G\n" +
+	"\vExportImage\x12\x1b.dsec.v1.ExportImageRequest\x1a\x19.dsec.v1.ExportImageChunk0\x01\x12<\n" +
 	"\vUploadImage\x12\x1b.dsec.v1.UploadImageRequest\x1a\x0e.dsec.v1.Image(\x01\x12J\n" +
 	"\x0eBootstrapImage\x12\x1e.dsec.v1.BootstrapImageRequest\x1a\x16.dsec.v1.ImageProgress0\x01\x12Q\n" +
 	"\x12UploadBuildContext\x12\".dsec.v1.UploadBuildContextRequest\x1a\x15.dsec.v1.BuildContext(\x01\x12B\n" +
@@ -1760,7 +1861,7 @@ func file_dsec_v1_image_proto_rawDescGZIP() []byte {
 	return file_dsec_v1_image_proto_rawDescData
 }
 
-var file_dsec_v1_image_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
+var file_dsec_v1_image_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_dsec_v1_image_proto_goTypes = []any{
 	(*Image)(nil),                     // 0: dsec.v1.Image
 	(*OnDemandInfo)(nil),              // 1: dsec.v1.OnDemandInfo
@@ -1774,60 +1875,64 @@ var file_dsec_v1_image_proto_goTypes = []any{
 	(*RegistryAuth)(nil),              // 9: dsec.v1.RegistryAuth
 	(*PullImageRequest)(nil),          // 10: dsec.v1.PullImageRequest
 	(*PushImageRequest)(nil),          // 11: dsec.v1.PushImageRequest
-	(*UploadImageHeader)(nil),         // 12: dsec.v1.UploadImageHeader
-	(*UploadImageRequest)(nil),        // 13: dsec.v1.UploadImageRequest
-	(*BootstrapImageRequest)(nil),     // 14: dsec.v1.BootstrapImageRequest
-	(*ImageProgress)(nil),             // 15: dsec.v1.ImageProgress
-	(*UploadBuildContextHeader)(nil),  // 16: dsec.v1.UploadBuildContextHeader
-	(*UploadBuildContextRequest)(nil), // 17: dsec.v1.UploadBuildContextRequest
-	(*BuildContext)(nil),              // 18: dsec.v1.BuildContext
-	(*BuildImageRequest)(nil),         // 19: dsec.v1.BuildImageRequest
-	(*CommitSandboxRequest)(nil),      // 20: dsec.v1.CommitSandboxRequest
-	(*PruneBuildCacheRequest)(nil),    // 21: dsec.v1.PruneBuildCacheRequest
-	(*PruneBuildCacheResponse)(nil),   // 22: dsec.v1.PruneBuildCacheResponse
-	nil,                               // 23: dsec.v1.ImageConfig.LabelsEntry
-	nil,                               // 24: dsec.v1.BuildImageRequest.BuildArgsEntry
-	(*timestamppb.Timestamp)(nil),     // 25: google.protobuf.Timestamp
-	(*Resources)(nil),                 // 26: dsec.v1.Resources
+	(*ExportImageRequest)(nil),        // 12: dsec.v1.ExportImageRequest
+	(*ExportImageChunk)(nil),          // 13: dsec.v1.ExportImageChunk
+	(*UploadImageHeader)(nil),         // 14: dsec.v1.UploadImageHeader
+	(*UploadImageRequest)(nil),        // 15: dsec.v1.UploadImageRequest
+	(*BootstrapImageRequest)(nil),     // 16: dsec.v1.BootstrapImageRequest
+	(*ImageProgress)(nil),             // 17: dsec.v1.ImageProgress
+	(*UploadBuildContextHeader)(nil),  // 18: dsec.v1.UploadBuildContextHeader
+	(*UploadBuildContextRequest)(nil), // 19: dsec.v1.UploadBuildContextRequest
+	(*BuildContext)(nil),              // 20: dsec.v1.BuildContext
+	(*BuildImageRequest)(nil),         // 21: dsec.v1.BuildImageRequest
+	(*CommitSandboxRequest)(nil),      // 22: dsec.v1.CommitSandboxRequest
+	(*PruneBuildCacheRequest)(nil),    // 23: dsec.v1.PruneBuildCacheRequest
+	(*PruneBuildCacheResponse)(nil),   // 24: dsec.v1.PruneBuildCacheResponse
+	nil,                               // 25: dsec.v1.ImageConfig.LabelsEntry
+	nil,                               // 26: dsec.v1.BuildImageRequest.BuildArgsEntry
+	(*timestamppb.Timestamp)(nil),     // 27: google.protobuf.Timestamp
+	(*Resources)(nil),                 // 28: dsec.v1.Resources
 }
 var file_dsec_v1_image_proto_depIdxs = []int32{
-	25, // 0: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
+	27, // 0: dsec.v1.Image.created_at:type_name -> google.protobuf.Timestamp
 	3,  // 1: dsec.v1.Image.config:type_name -> dsec.v1.ImageConfig
 	2,  // 2: dsec.v1.Image.vm:type_name -> dsec.v1.VMImageInfo
 	1,  // 3: dsec.v1.Image.on_demand:type_name -> dsec.v1.OnDemandInfo
-	23, // 4: dsec.v1.ImageConfig.labels:type_name -> dsec.v1.ImageConfig.LabelsEntry
+	25, // 4: dsec.v1.ImageConfig.labels:type_name -> dsec.v1.ImageConfig.LabelsEntry
 	0,  // 5: dsec.v1.ListImagesResponse.images:type_name -> dsec.v1.Image
 	9,  // 6: dsec.v1.PullImageRequest.auth:type_name -> dsec.v1.RegistryAuth
 	9,  // 7: dsec.v1.PushImageRequest.auth:type_name -> dsec.v1.RegistryAuth
-	12, // 8: dsec.v1.UploadImageRequest.header:type_name -> dsec.v1.UploadImageHeader
+	14, // 8: dsec.v1.UploadImageRequest.header:type_name -> dsec.v1.UploadImageHeader
 	0,  // 9: dsec.v1.ImageProgress.image:type_name -> dsec.v1.Image
-	16, // 10: dsec.v1.UploadBuildContextRequest.header:type_name -> dsec.v1.UploadBuildContextHeader
-	24, // 11: dsec.v1.BuildImageRequest.build_args:type_name -> dsec.v1.BuildImageRequest.BuildArgsEntry
-	26, // 12: dsec.v1.BuildImageRequest.resources:type_name -> dsec.v1.Resources
+	18, // 10: dsec.v1.UploadBuildContextRequest.header:type_name -> dsec.v1.UploadBuildContextHeader
+	26, // 11: dsec.v1.BuildImageRequest.build_args:type_name -> dsec.v1.BuildImageRequest.BuildArgsEntry
+	28, // 12: dsec.v1.BuildImageRequest.resources:type_name -> dsec.v1.Resources
 	4,  // 13: dsec.v1.ImageService.ListImages:input_type -> dsec.v1.ListImagesRequest
 	6,  // 14: dsec.v1.ImageService.GetImage:input_type -> dsec.v1.GetImageRequest
 	7,  // 15: dsec.v1.ImageService.DeleteImage:input_type -> dsec.v1.DeleteImageRequest
 	10, // 16: dsec.v1.ImageService.PullImage:input_type -> dsec.v1.PullImageRequest
 	11, // 17: dsec.v1.ImageService.PushImage:input_type -> dsec.v1.PushImageRequest
-	13, // 18: dsec.v1.ImageService.UploadImage:input_type -> dsec.v1.UploadImageRequest
-	14, // 19: dsec.v1.ImageService.BootstrapImage:input_type -> dsec.v1.BootstrapImageRequest
-	17, // 20: dsec.v1.ImageService.UploadBuildContext:input_type -> dsec.v1.UploadBuildContextRequest
-	19, // 21: dsec.v1.ImageService.BuildImage:input_type -> dsec.v1.BuildImageRequest
-	20, // 22: dsec.v1.ImageService.CommitSandbox:input_type -> dsec.v1.CommitSandboxRequest
-	21, // 23: dsec.v1.ImageService.PruneBuildCache:input_type -> dsec.v1.PruneBuildCacheRequest
-	5,  // 24: dsec.v1.ImageService.ListImages:output_type -> dsec.v1.ListImagesResponse
-	0,  // 25: dsec.v1.ImageService.GetImage:output_type -> dsec.v1.Image
-	8,  // 26: dsec.v1.ImageService.DeleteImage:output_type -> dsec.v1.DeleteImageResponse
-	15, // 27: dsec.v1.ImageService.PullImage:output_type -> dsec.v1.ImageProgress
-	15, // 28: dsec.v1.ImageService.PushImage:output_type -> dsec.v1.ImageProgress
-	0,  // 29: dsec.v1.ImageService.UploadImage:output_type -> dsec.v1.Image
-	15, // 30: dsec.v1.ImageService.BootstrapImage:output_type -> dsec.v1.ImageProgress
-	18, // 31: dsec.v1.ImageService.UploadBuildContext:output_type -> dsec.v1.BuildContext
-	15, // 32: dsec.v1.ImageService.BuildImage:output_type -> dsec.v1.ImageProgress
-	0,  // 33: dsec.v1.ImageService.CommitSandbox:output_type -> dsec.v1.Image
-	22, // 34: dsec.v1.ImageService.PruneBuildCache:output_type -> dsec.v1.PruneBuildCacheResponse
-	24, // [24:35] is the sub-list for method output_type
-	13, // [13:24] is the sub-list for method input_type
+	12, // 18: dsec.v1.ImageService.ExportImage:input_type -> dsec.v1.ExportImageRequest
+	15, // 19: dsec.v1.ImageService.UploadImage:input_type -> dsec.v1.UploadImageRequest
+	16, // 20: dsec.v1.ImageService.BootstrapImage:input_type -> dsec.v1.BootstrapImageRequest
+	19, // 21: dsec.v1.ImageService.UploadBuildContext:input_type -> dsec.v1.UploadBuildContextRequest
+	21, // 22: dsec.v1.ImageService.BuildImage:input_type -> dsec.v1.BuildImageRequest
+	22, // 23: dsec.v1.ImageService.CommitSandbox:input_type -> dsec.v1.CommitSandboxRequest
+	23, // 24: dsec.v1.ImageService.PruneBuildCache:input_type -> dsec.v1.PruneBuildCacheRequest
+	5,  // 25: dsec.v1.ImageService.ListImages:output_type -> dsec.v1.ListImagesResponse
+	0,  // 26: dsec.v1.ImageService.GetImage:output_type -> dsec.v1.Image
+	8,  // 27: dsec.v1.ImageService.DeleteImage:output_type -> dsec.v1.DeleteImageResponse
+	17, // 28: dsec.v1.ImageService.PullImage:output_type -> dsec.v1.ImageProgress
+	17, // 29: dsec.v1.ImageService.PushImage:output_type -> dsec.v1.ImageProgress
+	13, // 30: dsec.v1.ImageService.ExportImage:output_type -> dsec.v1.ExportImageChunk
+	0,  // 31: dsec.v1.ImageService.UploadImage:output_type -> dsec.v1.Image
+	17, // 32: dsec.v1.ImageService.BootstrapImage:output_type -> dsec.v1.ImageProgress
+	20, // 33: dsec.v1.ImageService.UploadBuildContext:output_type -> dsec.v1.BuildContext
+	17, // 34: dsec.v1.ImageService.BuildImage:output_type -> dsec.v1.ImageProgress
+	0,  // 35: dsec.v1.ImageService.CommitSandbox:output_type -> dsec.v1.Image
+	24, // 36: dsec.v1.ImageService.PruneBuildCache:output_type -> dsec.v1.PruneBuildCacheResponse
+	25, // [25:37] is the sub-list for method output_type
+	13, // [13:25] is the sub-list for method input_type
 	13, // [13:13] is the sub-list for extension type_name
 	13, // [13:13] is the sub-list for extension extendee
 	0,  // [0:13] is the sub-list for field type_name
@@ -1839,11 +1944,11 @@ func file_dsec_v1_image_proto_init() {
 		return
 	}
 	file_dsec_v1_sandbox_proto_init()
-	file_dsec_v1_image_proto_msgTypes[13].OneofWrappers = []any{
+	file_dsec_v1_image_proto_msgTypes[15].OneofWrappers = []any{
 		(*UploadImageRequest_Header)(nil),
 		(*UploadImageRequest_Data)(nil),
 	}
-	file_dsec_v1_image_proto_msgTypes[17].OneofWrappers = []any{
+	file_dsec_v1_image_proto_msgTypes[19].OneofWrappers = []any{
 		(*UploadBuildContextRequest_Header)(nil),
 		(*UploadBuildContextRequest_Data)(nil),
 	}
@@ -1853,7 +1958,7 @@ func file_dsec_v1_image_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_dsec_v1_image_proto_rawDesc), len(file_dsec_v1_image_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   25,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

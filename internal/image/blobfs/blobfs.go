@@ -71,7 +71,7 @@ func (s HTTPSource) ReadAt(ctx context.Context, p []byte, off int64) (int, error
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusPartialContent {
-		return 0, fmt.Errorf("range read of %s: %s", s.URL, resp.Status)
+		return 0, fmt.Errorf("range read of %s: %s", req.URL.Redacted(), resp.Status)
 	}
 	n, err := io.ReadFull(resp.Body, p)
 	if err == io.ErrUnexpectedEOF {

@@ -44,6 +44,9 @@ const (
 	ImageServicePullImageProcedure = "/dsec.v1.ImageService/PullImage"
 	// ImageServicePushImageProcedure is the fully-qualified name of the ImageService's PushImage RPC.
 	ImageServicePushImageProcedure = "/dsec.v1.ImageService/PushImage"
+	// ImageServiceExportImageProcedure is the fully-qualified name of the ImageService's ExportImage
+	// RPC.
+	ImageServiceExportImageProcedure = "/dsec.v1.ImageService/ExportImage"
 	// ImageServiceUploadImageProcedure is the fully-qualified name of the ImageService's UploadImage
 	// RPC.
 	ImageServiceUploadImageProcedure = "/dsec.v1.ImageService/UploadImage"
@@ -76,6 +79,12 @@ type ImageServiceClient interface {
 	// progress; the final message carries the image and, as its message,
 	// the pushed reference by digest (repository@sha256:...).
 	PushImage(context.Context, *connect.Request[v1.PushImageRequest]) (*connect.ServerStreamForClient[v1.ImageProgress], error)
+	// ExportImage streams an image of the caller's project (or a shared one)
+	// as a tar of an OCI image layout (oci-layout, index.json, blobs/) of its
+	// layers' EROFS files, as PushImage with on_demand writes them: unpack
+	// it on any HTTP server or object store that answers range requests,
+	// and PullImage with ref "https://host/prefix/" loads it on demand.
+	ExportImage(context.Context, *connect.Request[v1.ExportImageRequest]) (*connect.ServerStreamForClient[v1.ExportImageChunk], error)
 	// UploadImage imports an image archive (a `docker save` tar or a tar of an
 	// OCI layout directory) sent by the client. The first message is the
 	// header, the rest are data chunks.
@@ -152,6 +161,12 @@ func NewImageServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(imageServiceMethods.ByName("PushImage")),
 			connect.WithClientOptions(opts...),
 		),
+		exportImage: connect.NewClient[v1.ExportImageRequest, v1.ExportImageChunk](
+			httpClient,
+			baseURL+ImageServiceExportImageProcedure,
+			connect.WithSchema(imageServiceMethods.ByName("ExportImage")),
+			connect.WithClientOptions(opts...),
+		),
 		uploadImage: connect.NewClient[v1.UploadImageRequest, v1.Image](
 			httpClient,
 			baseURL+ImageServiceUploadImageProcedure,
@@ -198,6 +213,7 @@ type imageServiceClient struct {
 	deleteImage        *connect.Client[v1.DeleteImageRequest, v1.DeleteImageResponse]
 	pullImage          *connect.Client[v1.PullImageRequest, v1.ImageProgress]
 	pushImage          *connect.Client[v1.PushImageRequest, v1.ImageProgress]
+	exportImage        *connect.Client[v1.ExportImageRequest, v1.ExportImageChunk]
 	uploadImage        *connect.Client[v1.UploadImageRequest, v1.Image]
 	bootstrapImage     *connect.Client[v1.BootstrapImageRequest, v1.ImageProgress]
 	uploadBuildContext *connect.Client[v1.UploadBuildContextRequest, v1.BuildContext]
@@ -229,6 +245,11 @@ func (c *imageServiceClient) PullImage(ctx context.Context, req *connect.Request
 // PushImage calls dsec.v1.ImageService.PushImage.
 func (c *imageServiceClient) PushImage(ctx context.Context, req *connect.Request[v1.PushImageRequest]) (*connect.ServerStreamForClient[v1.ImageProgress], error) {
 	return c.pushImage.CallServerStream(ctx, req)
+}
+
+// ExportImage calls dsec.v1.ImageService.ExportImage.
+func (c *imageServiceClient) ExportImage(ctx context.Context, req *connect.Request[v1.ExportImageRequest]) (*connect.ServerStreamForClient[v1.ExportImageChunk], error) {
+	return c.exportImage.CallServerStream(ctx, req)
 }
 
 // UploadImage calls dsec.v1.ImageService.UploadImage.
@@ -274,6 +295,12 @@ type ImageServiceHandler interface {
 	// progress; the final message carries the image and, as its message,
 	// the pushed reference by digest (repository@sha256:...).
 	PushImage(context.Context, *connect.Request[v1.PushImageRequest], *connect.ServerStream[v1.ImageProgress]) error
+	// ExportImage streams an image of the caller's project (or a shared one)
+	// as a tar of an OCI image layout (oci-layout, index.json, blobs/) of its
+	// layers' EROFS files, as PushImage with on_demand writes them: unpack
+	// it on any HTTP server or object store that answers range requests,
+	// and PullImage with ref "https://host/prefix/" loads it on demand.
+	ExportImage(context.Context, *connect.Request[v1.ExportImageRequest], *connect.ServerStream[v1.ExportImageChunk]) error
 	// UploadImage imports an image archive (a `docker save` tar or a tar of an
 	// OCI layout directory) sent by the client. The first message is the
 	// header, the rest are data chunks.
@@ -346,6 +373,12 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(imageServiceMethods.ByName("PushImage")),
 		connect.WithHandlerOptions(opts...),
 	)
+	imageServiceExportImageHandler := connect.NewServerStreamHandler(
+		ImageServiceExportImageProcedure,
+		svc.ExportImage,
+		connect.WithSchema(imageServiceMethods.ByName("ExportImage")),
+		connect.WithHandlerOptions(opts...),
+	)
 	imageServiceUploadImageHandler := connect.NewClientStreamHandler(
 		ImageServiceUploadImageProcedure,
 		svc.UploadImage,
@@ -394,6 +427,8 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 			imageServicePullImageHandler.ServeHTTP(w, r)
 		case ImageServicePushImageProcedure:
 			imageServicePushImageHandler.ServeHTTP(w, r)
+		case ImageServiceExportImageProcedure:
+			imageServiceExportImageHandler.ServeHTTP(w, r)
 		case ImageServiceUploadImageProcedure:
 			imageServiceUploadImageHandler.ServeHTTP(w, r)
 		case ImageServiceBootstrapImageProcedure:
@@ -433,6 +468,10 @@ func (UnimplementedImageServiceHandler) PullImage(context.Context, *connect.Requ
 
 func (UnimplementedImageServiceHandler) PushImage(context.Context, *connect.Request[v1.PushImageRequest], *connect.ServerStream[v1.ImageProgress]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.PushImage is not implemented"))
+}
+
+func (UnimplementedImageServiceHandler) ExportImage(context.Context, *connect.Request[v1.ExportImageRequest], *connect.ServerStream[v1.ExportImageChunk]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("dsec.v1.ImageService.ExportImage is not implemented"))
 }
 
 func (UnimplementedImageServiceHandler) UploadImage(context.Context, *connect.ClientStream[v1.UploadImageRequest]) (*connect.Response[v1.Image], error) {
