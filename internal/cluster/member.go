@@ -96,6 +96,12 @@ func (m *Member) Publish(ctx context.Context) error {
 // retried the next interval).
 const publishTimeout = 2 * time.Second
 
+// revokeTimeout bounds a leaving node's revocation of its lease. It is
+// longer than one publication's: a loaded etcd stalls for seconds, and a
+// revocation that fails leaves the node a member, routed to while it no
+// longer answers, until its lease's TTL runs out.
+const revokeTimeout = 10 * time.Second
+
 // Run registers the node and publishes load() whenever changed fires (at
 // most once per Interval, and only what differs), until ctx ends; then it
 // revokes the lease, so the node leaves at once. It survives etcd outages
@@ -142,8 +148,10 @@ func (m *Member) session(ctx context.Context, load func() *nodev1.Load, changed 
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	revoke := func() {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
-		cli.Revoke(rctx, lease)
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), revokeTimeout)
+		if _, err := cli.Revoke(rctx, lease); err != nil {
+			m.log.Warn("revoke the node's lease on leaving: it lapses at its TTL", slog.Any("error", err))
+		}
 		cancel()
 	}
 	leaseGone := make(chan error, 1)

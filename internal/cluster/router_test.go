@@ -24,6 +24,9 @@ import (
 
 const token = "router-test-token"
 
+// nodeTTL is the simulated nodes' lease TTL.
+const nodeTTL = 15 * time.Second
+
 type env struct {
 	t     testing.TB
 	etcd  *dsectest.Etcd
@@ -46,7 +49,7 @@ func (e *env) node(cfg clustertest.Config) *clustertest.Node {
 	// A lease long enough to outlive etcd's stalls on a loaded host (a 2 s
 	// lease lapsed under CI's load and every placement said "no lease"):
 	// these tests end nodes by closing them, which revokes the lease.
-	cfg.Token, cfg.TTL, cfg.Interval = token, 15*time.Second, 50*time.Millisecond
+	cfg.Token, cfg.TTL, cfg.Interval = token, nodeTTL, 50*time.Millisecond
 	n, err := clustertest.Start(e.store, cfg, slog.New(slog.DiscardHandler))
 	if err != nil {
 		e.t.Fatal(err)
@@ -108,7 +111,13 @@ func (e *env) replica(n int) (*cluster.Router, *cluster.State) {
 
 func waitFor(t testing.TB, what string, f func() error) {
 	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
+	waitWithin(t, 15*time.Second, what, f)
+}
+
+// waitWithin waits as waitFor does, up to d.
+func waitWithin(t testing.TB, d time.Duration, what string, f func() error) {
+	t.Helper()
+	deadline := time.Now().Add(d)
 	for {
 		err := f()
 		if err == nil {
@@ -256,8 +265,11 @@ func TestRouterPlacesAroundRefusals(t *testing.T) {
 				id = sb.Id
 			}
 		}
+		// Closing b revokes its lease; should the revocation fail (etcd
+		// stalls on a loaded host), the lease lapses at its TTL: b is
+		// lost within that, and its sandboxes' routes say so.
 		e.nodes["b"].Close()
-		waitFor(t, "node b lost", func() error {
+		waitWithin(t, 15*time.Second+nodeTTL, "node b lost", func() error {
 			_, err := r.ForSandbox(ctx, id)
 			if err == nil || !strings.Contains(err.Error(), "node b lost") || !errdefs.IsInfra(err) {
 				return fmt.Errorf("route: %v", err)
