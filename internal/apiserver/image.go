@@ -123,14 +123,26 @@ func (s *imageService) PullImage(ctx context.Context, req *connect.Request[dsecv
 
 // PushImage pushes the image from the first node that has it (every
 // node's copy has the same layers).
-// holder is a node holding image name, as ctx's caller sees it.
+// holder is a node holding image name, as ctx's caller sees it: one
+// holding its data whole (where it was made or pulled) before one that
+// loads some of it on demand (a copy from another node, a pull of an
+// image pushed on demand).
 func (s *imageService) holder(ctx context.Context, name string) (Node, error) {
+	var partial Node
 	for _, n := range s.r.Nodes(ctx) {
-		if _, err := n.Image(ctx, name); err == nil {
+		img, err := n.Image(ctx, name)
+		switch {
+		case err != nil:
+		case img.GetOnDemand() == nil:
 			return n, nil
+		case partial == nil:
+			partial = n
 		}
 	}
-	return nil, errdefs.NotFound("image %q not found", name)
+	if partial == nil {
+		return nil, errdefs.NotFound("image %q not found", name)
+	}
+	return partial, nil
 }
 
 func (s *imageService) ExportImage(ctx context.Context, req *connect.Request[dsecv1.ExportImageRequest], stream *connect.ServerStream[dsecv1.ExportImageChunk]) error {

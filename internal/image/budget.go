@@ -140,12 +140,9 @@ func (s *Store) reclaim(limit int64) int64 {
 	busy := s.busyLayers()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	refs := map[string]int{}
+	refs := s.layerRefs()
 	var candidates []*Image
 	for _, img := range s.images {
-		for _, l := range recordLayers(img) {
-			refs[l]++
-		}
 		if evictable(img) {
 			candidates = append(candidates, img)
 		}
@@ -155,32 +152,62 @@ func (s *Store) reclaim(limit int64) int64 {
 		if used <= limit {
 			break
 		}
-		var frees int64
-		freeable := false
-		for _, l := range recordLayers(img) {
-			if refs[l] == 1 && !busy[l] {
-				freeable = true
-				frees += size[l]
-			}
-		}
-		if !freeable {
+		free := freed(img, refs, busy)
+		if len(free) == 0 {
 			continue
 		}
-		if err := os.Remove(s.refPath(img.Key())); err != nil && !os.IsNotExist(err) {
-			s.log.Warn("remove an image record to make room", "image", img.Key(), "error", err)
+		if !s.dropRecord(img, refs) {
 			continue
 		}
-		delete(s.images, img.Key())
-		delete(s.used, img.Key())
 		removed = true
-		for _, l := range recordLayers(img) {
-			refs[l]--
+		var frees int64
+		for _, l := range free {
+			frees += size[l]
 		}
 		used -= frees
 		s.log.Info("image store over its budget: removed the least recently used "+what(img),
 			"image", img.Name, "owner", img.Owner, "freed", frees)
 	}
 	return used
+}
+
+// layerRefs counts the records naming each layer (hex diff ID). s.mu is
+// held.
+func (s *Store) layerRefs() map[string]int {
+	refs := map[string]int{}
+	for _, img := range s.images {
+		for _, l := range recordLayers(img) {
+			refs[l]++
+		}
+	}
+	return refs
+}
+
+// freed are the layers removing img's record would free: those no other
+// record names and no sandbox or call holds (busy).
+func freed(img *Image, refs map[string]int, busy map[string]bool) []string {
+	var out []string
+	for _, l := range recordLayers(img) {
+		if refs[l] == 1 && !busy[l] {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// dropRecord removes img's record, counting its layers out of refs; it
+// says whether it did. s.mu is held.
+func (s *Store) dropRecord(img *Image, refs map[string]int) bool {
+	if err := os.Remove(s.refPath(img.Key())); err != nil && !os.IsNotExist(err) {
+		s.log.Warn("remove an image record", "image", img.Key(), "error", err)
+		return false
+	}
+	delete(s.images, img.Key())
+	delete(s.used, img.Key())
+	for _, l := range recordLayers(img) {
+		refs[l]--
+	}
+	return true
 }
 
 func what(img *Image) string {
@@ -221,41 +248,27 @@ type Pruned struct {
 	LayerBytes, ChunkBytes int64
 }
 
-// Prune removes the cached build steps and the image copies no sandbox
-// uses of the owners reaches allows, the layers nothing else needs, and,
-// when chunks is set, every cached chunk of a layer no running sandbox
-// uses.
+// Prune removes the cached build steps and the image copies of the
+// owners reaches allows, the copies only where that frees a layer (a copy
+// a sandbox runs from frees none: it stays), then the layers nothing else
+// needs; when chunks is set, also every cached chunk of a layer no running
+// sandbox uses.
 func (s *Store) Prune(reaches func(owner string) bool, chunks bool) Pruned {
 	var out Pruned
 	before := s.LayerBytes()
+	s.layerMu.Lock()
+	busy := s.busyLayers()
 	s.mu.Lock()
-	var doomed []*Image
+	refs := s.layerRefs()
 	for _, img := range s.images {
-		if evictable(img) && reaches(img.Owner) {
-			doomed = append(doomed, img)
-		}
-	}
-	s.mu.Unlock()
-	busy := map[string]bool{}
-	if s.inUse != nil {
-		busy = s.inUse()
-	}
-	for _, img := range doomed {
-		if img.Copy && usesAny(busy, img.Layers) {
-			continue // a running sandbox's image: it stays until it ends
-		}
-		s.mu.Lock()
-		cur, ok := s.images[img.Key()]
-		if ok && cur == img {
-			delete(s.images, img.Key())
-			delete(s.used, img.Key())
-		}
-		s.mu.Unlock()
-		if !ok || cur != img {
+		if !evictable(img) || !reaches(img.Owner) {
 			continue
 		}
-		if err := os.Remove(s.refPath(img.Key())); err != nil && !os.IsNotExist(err) {
-			s.log.Warn("prune an image record", "image", img.Key(), "error", err)
+		if img.Copy && len(freed(img, refs, busy)) == 0 {
+			continue
+		}
+		if !s.dropRecord(img, refs) {
+			continue
 		}
 		if img.BuildCache != nil {
 			out.BuildSteps++
@@ -263,6 +276,8 @@ func (s *Store) Prune(reaches func(owner string) bool, chunks bool) Pruned {
 			out.Copies++
 		}
 	}
+	s.mu.Unlock()
+	s.layerMu.Unlock()
 	s.GC()
 	out.LayerBytes = max(before-s.LayerBytes(), 0)
 	if chunks {
@@ -274,13 +289,4 @@ func (s *Store) Prune(reaches func(owner string) bool, chunks bool) Pruned {
 		}
 	}
 	return out
-}
-
-func usesAny(busy map[string]bool, layers []string) bool {
-	for _, l := range layers {
-		if busy[l] {
-			return true
-		}
-	}
-	return false
 }

@@ -147,15 +147,18 @@ func TestTheStoreKeepsItsLayersWithinItsBudget(t *testing.T) {
 	t.Run("prune removes what the project reaches and no sandbox uses", func(t *testing.T) {
 		s.SetBudget(0)
 		put(&Image{Name: "copy-2", Layers: []string{layer()}, Copy: true})
+		// A copy over a layer a sandbox uses (a running sandbox of its
+		// base) whose own layer none does.
+		put(&Image{Name: "copy-3", Layers: []string{busy, layer()}, Copy: true})
 		other := layer()
 		if err := s.Put(&Image{Name: "build-cache/x", Owner: "p2", Layers: []string{other}, BuildCache: steps("x"), Digest: other}); err != nil {
 			t.Fatal(err)
 		}
 		p := s.Prune(func(owner string) bool { return owner == project }, false)
-		if p.BuildSteps != 1 || p.Copies != 1 || p.LayerBytes < 1<<20 {
-			t.Errorf("prune: %+v, want one step, one copy, at least 1 MiB", p)
+		if p.BuildSteps != 1 || p.Copies != 2 || p.LayerBytes < 2<<20 {
+			t.Errorf("prune: %+v, want one step, two copies, at least 2 MiB", p)
 		}
-		if have("build-cache/0") || have("copy-2") {
+		if have("build-cache/0") || have("copy-2") || have("copy-3") {
 			t.Error("prune kept a step or an unused copy")
 		}
 		if !have("task") || !have("copy-busy") {

@@ -162,7 +162,11 @@ func (s *Store) PullURL(ctx context.Context, base, as string, auth Auth, progres
 		pu.User = url.User("_")
 	}
 	shown := strings.Replace(pu.String(), "_@", "", 1)
-	u := urlLayout{base: base, shown: shown, header: auth.header(), client: &http.Client{Timeout: 2 * time.Minute}}
+	// No deadline on a whole read (an ordinary layout's layers may take
+	// minutes); a server that does not answer is given up after a minute.
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.ResponseHeaderTimeout = time.Minute
+	u := urlLayout{base: base, shown: shown, header: auth.header(), client: &http.Client{Transport: tr}}
 	progress.report("resolve", shown, 0, 0)
 	var index v1.IndexManifest
 	if err := u.getJSON(ctx, "index.json", nil, &index); err != nil {

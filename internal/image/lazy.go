@@ -468,6 +468,17 @@ func (s *Store) LazyStats() map[string]blobfs.Stats {
 	return out
 }
 
+// LoadsOnDemand says whether any of layers (diff IDs) is loaded on demand
+// here.
+func (s *Store) LoadsOnDemand(layers []string) bool {
+	for _, l := range layers {
+		if exists(s.layerPath(l) + ".lazy") {
+			return true
+		}
+	}
+	return false
+}
+
 // LoadFailures counts the failed fetches of the data of layers (diff IDs)
 // loaded on demand since the node started: a read that failed with EIO
 // because the source did not answer or answered wrong. Layers held whole

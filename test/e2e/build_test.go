@@ -457,6 +457,22 @@ func TestImageBuild(t *testing.T) {
 		if r, err := lazy.Exec(ctx, dsec.Cmd("md5sum -c /data/big.md5")); err != nil || r.ExitCode != 0 {
 			t.Fatalf("the data once its source answers again: %v %v", r, err)
 		}
+		// After a restart of its node the sandbox runs on, re-adopted,
+		// but what served its image data went with the old process: a
+		// failed command is the platform's, a command that succeeds is
+		// answered as it is; a new sandbox reads the image whole.
+		other.Restart()
+		_, err = lazy.Exec(ctx, dsec.Cmd("exit 3"))
+		if !errors.As(err, &de) || !de.Infra || !strings.Contains(de.Message, "restarted") {
+			t.Fatalf("a failed command in a sandbox loaded on demand before its node restarted: %v, want an infra error", err)
+		}
+		if r, err := lazy.Exec(ctx, dsec.Cmd("echo alive")); err != nil || string(r.Stdout) != "alive\n" {
+			t.Fatalf("the re-adopted sandbox: %v %v", r, err)
+		}
+		fresh := create(t, c2, dsec.CreateOptions{Image: "lazybig"})
+		if r, err := fresh.Exec(ctx, dsec.Cmd("md5sum -c /data/big.md5")); err != nil || r.ExitCode != 0 {
+			t.Fatalf("a sandbox started after the restart: %v %v", r, err)
+		}
 	})
 
 	t.Run("a built image pushed to a registry runs on another server", func(t *testing.T) {

@@ -81,7 +81,17 @@ func start() (*function.Driver, *container.Driver, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	if _, err := store.Bootstrap(tenant.System(context.Background()), "polyglot", "", image.BootstrapOptions{CacheDir: os.Getenv("DSEC_CACHE_DIR")}, nil); err != nil {
+	// Each phase logged as it starts: the import is this package's
+	// critical path on a fresh machine.
+	last := ""
+	progress := func(phase, msg string, done, total int64) {
+		if phase+msg != last {
+			last = phase + msg
+			slog.Info("polyglot image", "phase", phase, "step", msg)
+		}
+	}
+	slog.Info("polyglot image: importing", "cache", os.Getenv("DSEC_CACHE_DIR"))
+	if _, err := store.Bootstrap(tenant.System(context.Background()), "polyglot", "", image.BootstrapOptions{CacheDir: os.Getenv("DSEC_CACHE_DIR")}, progress); err != nil {
 		return nil, nil, err
 	}
 	ct, err := container.New(container.Config{GuestBinary: guestBin, StateDir: filepath.Join(dir, "container")}, slog.Default())

@@ -1124,11 +1124,20 @@ class Client:
                 return m.get("message", "")
         raise make_error("unavailable", f"the push of {name} ended without an answer")
 
+    def export_image(self, name: str, out: IO[bytes]) -> None:
+        """Write the image ``name`` to the binary file ``out`` as a tar of an
+        OCI image layout of its layers' EROFS files. Unpacked under a prefix
+        of any HTTP server or object store that answers range requests,
+        ``pull_image("https://host/prefix/", name)`` loads it on demand."""
+        for m in self._t.stream(_IMAGE, "ExportImage", {"name": name}, timeout=3600):
+            out.write(_wire.unb64(m.get("data")))
+
     def pull_image(self, ref: str, name: Optional[str] = None, *, insecure: bool = False,
                    username: Optional[str] = None, password: Optional[str] = None) -> Dict[str, Any]:
         """Import an image from a registry on every node (as ``name``,
-        default ``ref``); without credentials the server uses its own.
-        Returns the image."""
+        default ``ref``), or from the http(s) URL of an OCI image layout
+        (``export_image``; ``name`` required); without credentials the
+        server uses its own. Returns the image."""
         req: Dict[str, Any] = {"ref": ref, "insecure": insecure}
         if name:
             req["name"] = name

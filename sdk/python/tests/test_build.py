@@ -2,11 +2,14 @@
 the context's .dockerignore rules checked on their own."""
 
 import asyncio
+import functools
+import http.server
 import io
 import os
 import socket
 import subprocess
 import tarfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -135,6 +138,60 @@ def test_an_image_pushed_on_demand_runs_on_another_server_without_its_data(clien
         assert int(od["dataBytes"]) > 0 and 0 < int(od.get("cachedBytes", 0)) <= int(od["dataBytes"])
     finally:
         other.stop()
+
+
+class _RangeHandler(http.server.SimpleHTTPRequestHandler):
+    """A static file server that answers range requests, as object stores do."""
+
+    def log_message(self, *args):
+        pass
+
+    def send_head(self):
+        rng = self.headers.get("Range")
+        if not rng:
+            return super().send_head()
+        path = self.translate_path(self.path)
+        size = os.path.getsize(path)
+        first, last = rng.removeprefix("bytes=").split("-")
+        first, last = int(first), min(int(last or size - 1), size - 1)
+        f = open(path, "rb")
+        f.seek(first)
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+        self.send_header("Content-Length", str(last - first + 1))
+        self.end_headers()
+        return io.BytesIO(f.read(last - first + 1))
+
+
+def test_an_exported_image_served_over_plain_http_runs_on_another_server(client, tmp_path):
+    from conftest import Server
+
+    name = "py-export-" + uuid.uuid4().hex[:8]
+    client.build_image(name, str(_context(tmp_path, "FROM busybox\nCOPY app.py /srv/\nCMD [\"cat\", \"/srv/app.py\"]\n")))
+    buf = io.BytesIO()
+    client.export_image(name, buf)
+    site = tmp_path / "site" / "tasks" / name
+    site.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(buf.getvalue())) as tf:
+        names = tf.getnames()
+        assert "index.json" in names and "oci-layout" in names, names
+        for m in tf.getmembers():
+            assert m.isfile() or m.isdir(), m.name
+            assert not m.name.startswith("/") and ".." not in m.name.split("/"), m.name
+        tf.extractall(site)
+    handler = functools.partial(_RangeHandler, directory=str(tmp_path / "site"))
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    other = Server()
+    try:
+        c2 = dsec.Client(other.url)
+        img = c2.pull_image(f"http://127.0.0.1:{web.server_address[1]}/tasks/{name}/", name)
+        assert "on demand" in img["source"] and img["config"]["cmd"] == ["cat", "/srv/app.py"]
+        with c2.create(name, ttl_s=300) as sb:
+            assert sb.exec("cat /srv/app.py").stdout == "print('app')\n"
+    finally:
+        other.stop()
+        web.shutdown()
 
 
 def test_the_async_client_builds_too(server, tmp_path):
