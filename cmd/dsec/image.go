@@ -129,7 +129,7 @@ func imageExportCmd(g *globals) *cobra.Command {
 			}
 			pr, pw := io.Pipe()
 			done := make(chan error, 1)
-			go func() { done <- untarLayout(pr, out) }()
+			go func() { done <- image.UnpackLayout(pr, out) }()
 			err := c.ExportImage(cmd.Context(), args[0], pw)
 			pw.CloseWithError(err)
 			if uerr := <-done; err == nil {
@@ -144,51 +144,6 @@ func imageExportCmd(g *globals) *cobra.Command {
 	cmd.Flags().StringVarP(&out, "output", "o", "", "a directory to write the layout into, a .tar file, or - for a tar on stdout")
 	cmd.MarkFlagRequired("output")
 	return cmd
-}
-
-// untarLayout writes the files of a layout's tar into dir: regular files
-// and directories whose names stay inside it.
-func untarLayout(r io.Reader, dir string) error {
-	tr := tar.NewReader(r)
-	for {
-		h, err := tr.Next()
-		if err == io.EOF {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-		if !filepath.IsLocal(h.Name) {
-			return fmt.Errorf("the export names %q, outside its directory", h.Name)
-		}
-		p := filepath.Join(dir, h.Name)
-		switch h.Typeflag {
-		case tar.TypeDir:
-			err = os.MkdirAll(p, 0o755)
-		case tar.TypeReg:
-			err = writeFrom(p, tr)
-		default:
-			err = fmt.Errorf("the export holds %q of type %c", h.Name, h.Typeflag)
-		}
-		if err != nil {
-			return err
-		}
-	}
-}
-
-func writeFrom(p string, r io.Reader) error {
-	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
-		return err
-	}
-	f, err := os.Create(p)
-	if err != nil {
-		return err
-	}
-	_, err = io.Copy(f, r)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	return err
 }
 
 func imagePushCmd(g *globals) *cobra.Command {

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -13,6 +14,8 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -79,7 +82,6 @@ func (s *Store) Export(ctx context.Context, img *Image, w io.Writer) error {
 		return err
 	}
 	small := func(name string, b []byte) error { return file(name, int64(len(b)), bytes.NewReader(b)) }
-	blob := func(h v1.Hash) string { return "blobs/" + h.Algorithm + "/" + h.Hex }
 	if err := tw.WriteHeader(&tar.Header{Name: "blobs/sha256/", Mode: 0o755, ModTime: now, Typeflag: tar.TypeDir}); err != nil {
 		return err
 	}
@@ -87,7 +89,7 @@ func (s *Store) Export(ctx context.Context, img *Image, w io.Writer) error {
 	if err != nil {
 		return errdefs.Internal(err, "the image's config digest")
 	}
-	if err := small(blob(cd), config); err != nil {
+	if err := small(layoutBlob(cd), config); err != nil {
 		return err
 	}
 	layers, err := out.Layers()
@@ -112,13 +114,13 @@ func (s *Store) Export(ctx context.Context, img *Image, w io.Writer) error {
 		if err != nil {
 			return errdefs.Internal(err, "read a layer")
 		}
-		err = file(blob(d), size, rc)
+		err = file(layoutBlob(d), size, rc)
 		rc.Close()
 		if err != nil {
 			return err
 		}
 	}
-	if err := small(blob(digest), manifest); err != nil {
+	if err := small(layoutBlob(digest), manifest); err != nil {
 		return err
 	}
 	if err := small("oci-layout", []byte(`{"imageLayoutVersion":"1.0.0"}`)); err != nil {
@@ -128,6 +130,46 @@ func (s *Store) Export(ctx context.Context, img *Image, w io.Writer) error {
 		return err
 	}
 	return tw.Close()
+}
+
+// UnpackLayout writes the entries of a tar of an OCI layout (Export's,
+// an OCI archive) into dir: directories and regular files, each once,
+// their names kept inside dir; anything else is refused.
+func UnpackLayout(r io.Reader, dir string) error {
+	tr := tar.NewReader(r)
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return errdefs.Invalid("read the OCI layout's tar: %v", err)
+		}
+		dst := filepath.Join(dir, filepath.Clean("/"+h.Name))
+		switch h.Typeflag {
+		case tar.TypeDir:
+			if err := os.MkdirAll(dst, 0o755); err != nil {
+				return err
+			}
+		case tar.TypeReg, tar.TypeRegA:
+			if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
+				return err
+			}
+			out, err := os.OpenFile(dst, os.O_CREATE|os.O_WRONLY|os.O_EXCL, 0o644)
+			if err != nil {
+				return errdefs.Invalid("OCI layout entry %q: %v", h.Name, err)
+			}
+			_, err = io.Copy(out, tr)
+			if cerr := out.Close(); err == nil {
+				err = cerr
+			}
+			if err != nil {
+				return err
+			}
+		default:
+			return errdefs.Invalid("OCI layout entry %q has unsupported type %c", h.Name, h.Typeflag)
+		}
+	}
 }
 
 // IsURL says whether ref names an image layout on an HTTP server (see
@@ -155,13 +197,11 @@ func (s *Store) PullURL(ctx context.Context, base, as string, auth Auth, progres
 	if err != nil {
 		return nil, errdefs.Invalid("%q: %v", base, err)
 	}
-	if pu.User != nil {
-		// Credentials in the URL are sent as basic authentication (Go's
-		// client does), kept with the layer's source (0600), and named
-		// nowhere else.
-		pu.User = url.User("_")
-	}
-	shown := strings.Replace(pu.String(), "_@", "", 1)
+	// Credentials in the URL are sent as basic authentication (Go's
+	// client does), kept with the layer's source (0600), and named nowhere
+	// else.
+	pu.User = nil
+	shown := pu.String()
 	// No deadline on a whole read (an ordinary layout's layers may take
 	// minutes); a server that does not answer is given up after a minute.
 	tr := http.DefaultTransport.(*http.Transport).Clone()
@@ -195,7 +235,7 @@ func (s *Store) PullURL(ctx context.Context, base, as string, auth Auth, progres
 	}
 	if lazyManifest(m) {
 		return s.pullLazy(ctx, as, shown+" (on demand)", shown, img, m, func(blob *v1.Descriptor) lazySource {
-			return lazySource{URL: u.base + u.blobPath(blob.Digest), Auth: auth}
+			return lazySource{URL: u.base + layoutBlob(blob.Digest), Auth: auth}
 		}, progress)
 	}
 	return s.Import(ctx, as, shown, img, progress)
@@ -208,9 +248,7 @@ func (a Auth) header() http.Header {
 	case a.RegistryToken != "":
 		h.Set("Authorization", "Bearer "+a.RegistryToken)
 	case a.Username != "" || a.Password != "":
-		r, _ := http.NewRequest(http.MethodGet, "/", nil)
-		r.SetBasicAuth(a.Username, a.Password)
-		h.Set("Authorization", r.Header.Get("Authorization"))
+		h.Set("Authorization", "Basic "+base64.StdEncoding.EncodeToString([]byte(a.Username+":"+a.Password)))
 	}
 	return h
 }
@@ -223,7 +261,8 @@ type urlLayout struct {
 	client      *http.Client
 }
 
-func (u urlLayout) blobPath(h v1.Hash) string { return "blobs/" + h.Algorithm + "/" + h.Hex }
+// layoutBlob is the path of blob h in an OCI image layout.
+func layoutBlob(h v1.Hash) string { return "blobs/" + h.Algorithm + "/" + h.Hex }
 
 // get opens path under the layout; a refusal is an error of the kind its
 // status says.
@@ -294,7 +333,7 @@ type urlImage struct {
 func (i *urlImage) MediaType() (types.MediaType, error) { return i.desc.MediaType, nil }
 
 func (i *urlImage) RawManifest() ([]byte, error) {
-	return i.u.getSmall(i.ctx, i.u.blobPath(i.desc.Digest), &i.desc.Digest)
+	return i.u.getSmall(i.ctx, layoutBlob(i.desc.Digest), &i.desc.Digest)
 }
 
 func (i *urlImage) RawConfigFile() ([]byte, error) {
@@ -302,7 +341,7 @@ func (i *urlImage) RawConfigFile() ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	return i.u.getSmall(i.ctx, i.u.blobPath(m.Config.Digest), &m.Config.Digest)
+	return i.u.getSmall(i.ctx, layoutBlob(m.Config.Digest), &m.Config.Digest)
 }
 
 func (i *urlImage) LayerByDigest(h v1.Hash) (partial.CompressedLayer, error) {
@@ -334,11 +373,11 @@ func (b *urlBlob) Compressed() (io.ReadCloser, error) {
 	if b.desc.Digest.Algorithm != "sha256" {
 		return nil, errdefs.Invalid("layer digest %s: only sha256 is read", b.desc.Digest)
 	}
-	rc, err := b.i.u.get(b.i.ctx, "blobs/sha256/"+b.desc.Digest.Hex)
+	rc, err := b.i.u.get(b.i.ctx, layoutBlob(b.desc.Digest))
 	if err != nil {
 		return nil, err
 	}
-	return &verified{rc: rc, h: sha256.New(), want: b.desc.Digest.Hex, left: b.desc.Size, name: b.i.u.shown + b.i.u.blobPath(b.desc.Digest)}, nil
+	return &verified{rc: rc, h: sha256.New(), want: b.desc.Digest.Hex, left: b.desc.Size, name: b.i.u.shown + layoutBlob(b.desc.Digest)}, nil
 }
 
 // verified reads a blob of a known size and digest, failing at its end

@@ -1,10 +1,8 @@
 package image
 
 import (
-	"archive/tar"
 	"bytes"
 	"context"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -73,34 +71,6 @@ func (c *countingWriter) Write(b []byte) (int, error) {
 	return n, err
 }
 
-// untar writes the regular files and directories of a tar into dir.
-func untar(t *testing.T, r io.Reader, dir string) {
-	t.Helper()
-	tr := tar.NewReader(r)
-	for {
-		h, err := tr.Next()
-		if err == io.EOF {
-			return
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		p := filepath.Join(dir, h.Name)
-		if h.Typeflag == tar.TypeDir {
-			os.MkdirAll(p, 0o755)
-			continue
-		}
-		os.MkdirAll(filepath.Dir(p), 0o755)
-		b, err := io.ReadAll(tr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(p, b, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-}
-
 // TestAnImageExportedToAPlainHTTPServerLoadsOnDemand: an exported image,
 // unpacked under a prefix of a plain HTTP server, pulls into another store
 // with its metadata only (the server's credentials sent); a file read
@@ -115,7 +85,9 @@ func TestAnImageExportedToAPlainHTTPServerLoadsOnDemand(t *testing.T) {
 		t.Fatal(err)
 	}
 	root := t.TempDir()
-	untar(t, bytes.NewReader(tarball.Bytes()), filepath.Join(root, "tasks", "task"))
+	if err := UnpackLayout(bytes.NewReader(tarball.Bytes()), filepath.Join(root, "tasks", "task")); err != nil {
+		t.Fatal(err)
+	}
 	srv := serveDir(t, root, "reader", "secret")
 	url := srv.URL + "/tasks/task/"
 	auth := Auth{Username: "reader", Password: "secret"}
@@ -170,7 +142,9 @@ func TestAnImageExportedToAPlainHTTPServerLoadsOnDemand(t *testing.T) {
 
 	t.Run("a metadata blob that does not match its digest stores nothing", func(t *testing.T) {
 		lying := filepath.Join(root, "tasks", "lying")
-		untar(t, bytes.NewReader(tarball.Bytes()), lying)
+		if err := UnpackLayout(bytes.NewReader(tarball.Bytes()), lying); err != nil {
+			t.Fatal(err)
+		}
 		// The layer's metadata image rewritten: it no longer matches its
 		// digest.
 		lp, err := layout.FromPath(lying)

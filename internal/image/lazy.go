@@ -324,15 +324,7 @@ func fetchBlob(ctx context.Context, img v1.Image, d *v1.Descriptor, path string)
 		return errdefs.Unavailable("fetch %s: %v", d.Digest, err).WithCause(err)
 	}
 	defer rc.Close()
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
-	if err != nil {
-		return err
-	}
-	_, err = io.Copy(f, rc)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
+	if err := writeFrom(path, rc); err != nil {
 		var e *errdefs.Error
 		if errors.As(err, &e) {
 			return err // the source's own verdict (a digest that does not match: invalid)

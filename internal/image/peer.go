@@ -227,15 +227,7 @@ func (s *Store) fetchPeerLayer(ctx context.Context, p Peers, peer, base, diff st
 	layerURL := base + PeerPath + "layer/" + diff + "/"
 	for _, part := range []string{"erofs", "chunks"} {
 		if err := peerGet(ctx, p, layerURL+part, func(r io.Reader) error {
-			f, err := os.OpenFile(setFile(out, peerParts[part]), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
-			if err != nil {
-				return err
-			}
-			_, err = io.Copy(f, r)
-			if cerr := f.Close(); err == nil {
-				err = cerr
-			}
-			return err
+			return writeFrom(setFile(out, peerParts[part]), r)
 		}); err != nil {
 			return nil, err
 		}

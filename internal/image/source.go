@@ -167,47 +167,15 @@ func archiveKind(path string) (string, error) {
 	return "", errdefs.Invalid("image archive has neither manifest.json (docker save) nor oci-layout (OCI)")
 }
 
-// extractPlain extracts a trusted-shape archive of regular files and
-// directories (an OCI layout) into dir, refusing anything else.
+// extractPlain extracts an OCI archive (a tar of an OCI layout) at path
+// into dir (UnpackLayout).
 func extractPlain(path, dir string) error {
 	f, err := os.Open(path)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
-	tr := tar.NewReader(f)
-	for {
-		h, err := tr.Next()
-		if err == io.EOF {
-			return nil
-		}
-		if err != nil {
-			return errdefs.Invalid("read OCI archive: %v", err)
-		}
-		clean := filepath.Clean("/" + h.Name)
-		dst := filepath.Join(dir, clean)
-		switch h.Typeflag {
-		case tar.TypeDir:
-			if err := os.MkdirAll(dst, 0o700); err != nil {
-				return err
-			}
-		case tar.TypeReg, tar.TypeRegA:
-			if err := os.MkdirAll(filepath.Dir(dst), 0o700); err != nil {
-				return err
-			}
-			out, err := os.OpenFile(dst, os.O_CREATE|os.O_WRONLY|os.O_TRUNC|os.O_EXCL, 0o600)
-			if err != nil {
-				return errdefs.Invalid("OCI archive entry %q: %v", h.Name, err)
-			}
-			_, err = io.Copy(out, tr)
-			out.Close()
-			if err != nil {
-				return err
-			}
-		default:
-			return errdefs.Invalid("OCI archive entry %q has unsupported type %c", h.Name, h.Typeflag)
-		}
-	}
+	return UnpackLayout(f, dir)
 }
 
 // imageFromLayout picks the linux/amd64 image of an OCI layout.

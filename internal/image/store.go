@@ -823,6 +823,19 @@ func (c *countingReader) Read(p []byte) (int, error) {
 // renamed into place: a reader sees the old content or the new, and
 // writers at once (stores on one host writing beside a cached build) do
 // not write into one another's.
+// writeFrom writes what r reads to a new (or truncated) file at path.
+func writeFrom(path string, r io.Reader) error {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
+	if err != nil {
+		return err
+	}
+	_, err = io.Copy(f, r)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
 func writeFileAtomic(path string, b []byte) error {
 	f, err := os.CreateTemp(filepath.Dir(path), filepath.Base(path)+".*.tmp")
 	if err != nil {

@@ -2,7 +2,6 @@ package node
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -156,12 +155,13 @@ func (n *Node) ExportImage(ctx context.Context, req *dsecv1.ExportImageRequest, 
 const exportChunk = 1 << 20
 
 // chunkWriter sends what is written in messages of at most exportChunk
-// bytes.
+// bytes. The slice is not kept: a stream's Send marshals the message
+// before it returns.
 type chunkWriter func([]byte) error
 
 func (c chunkWriter) Write(p []byte) (int, error) {
 	for off := 0; off < len(p); off += exportChunk {
-		if err := c(bytes.Clone(p[off:min(off+exportChunk, len(p))])); err != nil {
+		if err := c(p[off:min(off+exportChunk, len(p))]); err != nil {
 			return off, err
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"testing"
 
@@ -81,13 +82,15 @@ func start() (*function.Driver, *container.Driver, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	// Each phase logged as it starts: the import is this package's
-	// critical path on a fresh machine.
+	// Each phase logged as it starts (not the build's own output): the
+	// import is this package's critical path on a fresh machine.
 	last := ""
 	progress := func(phase, msg string, done, total int64) {
-		if phase+msg != last {
-			last = phase + msg
-			slog.Info("polyglot image", "phase", phase, "step", msg)
+		if phase != "build" || strings.HasPrefix(msg, "building ") {
+			if phase+msg != last {
+				last = phase + msg
+				slog.Info("polyglot image", "phase", phase, "step", msg)
+			}
 		}
 	}
 	slog.Info("polyglot image: importing", "cache", os.Getenv("DSEC_CACHE_DIR"))
