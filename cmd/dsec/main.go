@@ -51,7 +51,7 @@ func main() {
 	root.PersistentFlags().StringVar(&g.apiKey, "api-key", "", "API key (default $DSEC_API_KEY)")
 	root.PersistentFlags().StringVarP(&g.output, "output", "o", "text", "output format: text or json")
 
-	root.AddCommand(serveCmd(), apiCmd(), nodeCmd(), clusterCmd(g), setupCmd())
+	root.AddCommand(serveCmd(), apiCmd(), nodeCmd(), clusterCmd(g), setupCmd(), blobdCmd())
 	root.AddCommand(createCmd(g), execCmd(g), cpCmd(g), lsCmd(g), getCmd(g), rmCmd(g), keepaliveCmd(g), psCmd(g), logsCmd(g))
 	root.AddCommand(imageCmd(g), commitCmd(g), infoCmd(g), screenshotCmd(g), inputCmd(g), vncCmd(g))
 	root.AddCommand(lifecycleCmds(g)...)

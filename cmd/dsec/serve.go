@@ -376,6 +376,24 @@ func serve(ctx context.Context, cfg config.Config) error {
 	return api.Serve(ctx, l)
 }
 
+// blobdCmd is the blob server a node starts for the data of layers it
+// loads on demand (internal/image/blobd.go); an operator runs it by hand
+// only to look at it.
+func blobdCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:                "blobd --dir DATA_DIR/images",
+		Short:              "Serve the data of image layers loaded on demand (started by the node)",
+		Hidden:             true,
+		DisableFlagParsing: true,
+		RunE: func(_ *cobra.Command, args []string) error {
+			if code := image.RunBlobd(args); code != 0 {
+				return exitError(code)
+			}
+			return nil
+		},
+	}
+}
+
 // openNode starts a node agent over cfg's data directory, with every
 // substrate this host runs. close stops it (sandboxes keep running).
 func openNode(cfg config.Config, reg *metrics.Registry, log *slog.Logger) (_ *node.Node, close func(), _ error) {
@@ -644,6 +662,7 @@ func buildNode(cfg config.Config, dataDir string, reg *metrics.Registry, log *sl
 	images.SetChunkBudget(cfg.ImageCacheMB << 20)
 	images.SetBudget(cfg.ImageStoreMB << 20)
 	runDir := runDirOf(dataDir)
+	images.SetSandboxDirs(dataDir, runDir)
 	creds := map[string]node.NamedCredential{}
 	for _, c := range cfg.Network.Credentials {
 		if c.Name == "" || c.Host == "" || c.Value == "" {

@@ -290,11 +290,10 @@ func (s *Store) Prune(reaches func(owner string) bool, chunks bool) Pruned {
 	s.GC()
 	out.LayerBytes = max(before-s.LayerBytes(), 0)
 	if chunks {
-		s.blobsMu.Lock()
-		fsys := s.blobs
-		s.blobsMu.Unlock()
-		if fsys != nil {
-			out.ChunkBytes = fsys.Shrink(0)
+		if c := s.connected(); c != nil {
+			if err := c.setPinned(s.pinnedLazy()); err == nil {
+				out.ChunkBytes, _ = c.shrink(0)
+			}
 		}
 	}
 	return out

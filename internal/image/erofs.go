@@ -180,38 +180,45 @@ func (s *Store) unmountLayer(id string) {
 		unix.Close(fd)
 		delete(s.mounts, id)
 	}
+	for _, fd := range s.stale[id] {
+		unix.Close(fd)
+	}
+	delete(s.stale, id)
 }
 
 // Close closes the layers' mounts (sandboxes' own mounts of them stay)
-// and unmounts the blob file system of lazily loaded layers.
+// and its connection to the blob server (which serves on while mounts
+// read through it).
 func (s *Store) Close() {
 	s.mountMu.Lock()
 	for id, fd := range s.mounts {
 		unix.Close(fd)
 		delete(s.mounts, id)
 	}
+	for id, fds := range s.stale {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+		delete(s.stale, id)
+	}
 	s.mountMu.Unlock()
 	s.blobsMu.Lock()
-	defer s.blobsMu.Unlock()
-	if s.blobs != nil {
-		if err := s.blobs.Close(); err != nil {
-			s.log.Warn("unmount the blob file system", slog.Any("error", err))
-		}
-		s.blobs = nil
+	c := s.blobs
+	s.blobs = nil
+	s.blobsMu.Unlock()
+	if c != nil {
+		c.close()
 	}
 }
 
 // dropLazy stops serving lazily loaded layer id and removes its cached
 // chunks (GC).
 func (s *Store) dropLazy(id string) {
-	s.blobsMu.Lock()
-	defer s.blobsMu.Unlock()
-	if s.blobs != nil {
-		s.blobs.Remove(id)
-	} else {
-		os.Remove(filepath.Join(s.dir, "chunks", id))
-		os.Remove(filepath.Join(s.dir, "chunks", id+".chunks"))
+	if c := s.connected(); c != nil && c.remove(id) == nil {
+		return
 	}
+	os.Remove(filepath.Join(s.dir, "chunks", id))
+	os.Remove(filepath.Join(s.dir, "chunks", id+".chunks"))
 }
 
 // A layer's EROFS files, stored beside each other as <hex diff ID> plus:

@@ -11,6 +11,8 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
+	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -42,11 +44,9 @@ import (
 // IDs, so a lazily pulled layer is the same layer as the one pushed, on
 // every node.
 //
-// A lazily loaded layer's data is served by the node's own process (its
-// FUSE mount): a sandbox reads chunks not yet cached only while the node
-// runs; a restarted node serves them again to new mounts (the cached
-// chunks survive), but a sandbox started before the restart keeps reading
-// through the old connection, which is gone.
+// A lazily loaded layer's data is served by the blob server (blobd.go), a
+// process apart from the node's: a sandbox keeps reading its image's data
+// while its node restarts.
 
 // Media types and annotations of a lazily loaded image's manifest.
 const (
@@ -175,10 +175,10 @@ type lazySource struct {
 	URL      string `json:"url,omitempty"`
 }
 
-// source is the blobfs source of ls in store s.
-func (ls lazySource) source(s *Store) (blobfs.Source, error) {
+// source is the blobfs source of ls, reaching other nodes as peers says.
+func (ls lazySource) source(peers func() Peers) (blobfs.Source, error) {
 	if ls.Peer != "" {
-		return peerSource{s: s, url: ls.URL}, nil
+		return peerSource{access: peers, url: ls.URL}, nil
 	}
 	if ls.URL != "" {
 		return blobfs.HTTPSource{URL: ls.URL, Header: ls.Auth.header(), Client: &http.Client{Timeout: 2 * time.Minute}}, nil
@@ -354,38 +354,154 @@ func (s *Store) lazyDevice(id string) (string, error) {
 	if err := json.Unmarshal(b, &desc); err != nil {
 		return "", fmt.Errorf("the layer's blob description: %w", err)
 	}
-	src, err := ls.source(s)
-	if err != nil {
-		return "", fmt.Errorf("the layer's source: %w", err)
-	}
-	fsys, err := s.blobFS()
+	c, err := s.blobServer()
 	if err != nil {
 		return "", err
 	}
-	return fsys.Add(id, desc, src)
+	return c.add(id, desc, ls)
 }
 
-// blobFS is the store's blob file system, mounted on first use.
-func (s *Store) blobFS() (*blobfs.FS, error) {
+// blobServer is the store's connection to its blob server, which it
+// starts if none runs (blobd.go). When the server goes away (killed), the
+// layers it served are lost to the sandboxes that mounted them before
+// (see DataLost), their mounts are dropped, and the next mount starts a
+// new server.
+func (s *Store) blobServer() (*blobClient, error) {
 	s.blobsMu.Lock()
 	defer s.blobsMu.Unlock()
 	if s.blobs != nil {
 		return s.blobs, nil
 	}
-	mnt := filepath.Join(s.dir, "blobs")
-	// A mount a killed node left (in a namespace that outlived it) is
-	// gone stale: off its mountpoint first.
-	detachStale(mnt)
 	budget := s.chunkBudget
 	if budget == 0 {
 		budget = defaultChunkBudget(s.dir)
 	}
-	fsys, err := blobfs.Mount(mnt, filepath.Join(s.dir, "chunks"), blobfs.Options{Budget: budget, Pinned: s.pinned}, s.log)
+	detach := s.sandboxDirs
+	if detach == nil {
+		detach = []string{filepath.Dir(s.dir)}
+	}
+	c, err := connectBlobd(s.dir, budget, detach, s.log)
 	if err != nil {
 		return nil, err
 	}
-	s.blobs = fsys
-	return fsys, nil
+	served, err := c.stats()
+	if err != nil {
+		c.close()
+		return nil, err
+	}
+	// A layer of this store the server does not serve was served, if by
+	// anything, by something gone before this store opened: sandboxes
+	// that mounted it before then read through a lost connection.
+	for _, id := range s.lazyLayers() {
+		if _, ok := served[id]; !ok && s.lost[id].Before(s.opened) {
+			s.lost[id] = s.opened
+		}
+	}
+	s.peersMu.Lock()
+	h := s.peers.Header
+	s.peersMu.Unlock()
+	if h != nil {
+		if err := c.setPeers(h); err != nil {
+			c.close()
+			return nil, err
+		}
+	}
+	s.blobs = c
+	go s.watchBlobServer(c)
+	return c, nil
+}
+
+// watchBlobServer keeps the blob server's pinned set (the lazily loaded
+// layers sandboxes use) current while c's session lasts, and when the
+// server went away, not closed by Close, forgets it: the layers it served
+// are lost to their mounts so far, which are dropped from the mount cache
+// so that new sandboxes mount them through a new server.
+func (s *Store) watchBlobServer(c *blobClient) {
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	last := []string{""} // none sent yet: the first tick sends
+	for gone := false; !gone; {
+		select {
+		case <-tick.C:
+			pins := s.pinnedLazy()
+			if !slices.Equal(pins, last) && c.setPinned(pins) == nil {
+				last = pins
+			}
+		case <-c.done:
+			gone = true
+		}
+	}
+	s.mountMu.Lock()
+	s.blobsMu.Lock()
+	if s.blobs != c { // closed
+		s.blobsMu.Unlock()
+		s.mountMu.Unlock()
+		return
+	}
+	s.blobs = nil
+	now := time.Now()
+	for _, id := range s.lazyLayers() {
+		s.lost[id] = now
+		if fd, ok := s.mounts[id]; ok {
+			// Closed once nothing holds the layer (unmountLayer): a
+			// create holding it may be opening its directory now.
+			s.stale[id] = append(s.stale[id], fd)
+			delete(s.mounts, id)
+		}
+	}
+	s.blobsMu.Unlock()
+	s.mountMu.Unlock()
+	s.log.Error("the blob server went away: sandboxes started from layers loaded on demand before now cannot read their data not yet cached; new ones start a new server")
+}
+
+// lazyLayers lists the layers (hex diff IDs) loaded on demand here.
+func (s *Store) lazyLayers() []string {
+	ents, _ := os.ReadDir(filepath.Join(s.dir, "layers"))
+	var out []string
+	for _, e := range ents {
+		if id, ok := strings.CutSuffix(e.Name(), ".lazy"); ok {
+			out = append(out, id)
+		}
+	}
+	return out
+}
+
+// pinnedLazy lists the lazily loaded layers (hex diff IDs) running
+// sandboxes use, sorted.
+func (s *Store) pinnedLazy() []string {
+	if s.inUse == nil {
+		return nil
+	}
+	var out []string
+	for l := range s.inUse() {
+		id := strings.TrimPrefix(l, "sha256:")
+		if exists(filepath.Join(s.dir, "layers", id+".lazy")) {
+			out = append(out, id)
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+// DataLost says whether a sandbox created at created from layers (diff
+// IDs) mounted a layer loaded on demand through a blob server that has
+// gone since (killed, or gone with its host): its reads of data not in
+// the page cache fail, its failures may be the platform's.
+func (s *Store) DataLost(layers []string, created time.Time) bool {
+	if !s.LoadsOnDemand(layers) {
+		return false
+	}
+	if _, err := s.blobServer(); err != nil {
+		return true
+	}
+	s.blobsMu.Lock()
+	defer s.blobsMu.Unlock()
+	for _, l := range layers {
+		if s.lost[strings.TrimPrefix(l, "sha256:")].After(created) {
+			return true
+		}
+	}
+	return false
 }
 
 // OnDemand reports, for an image some of whose layers are loaded on
@@ -408,8 +524,15 @@ func (s *Store) OnDemand(img *Image) (data, cached int64, ok bool) {
 	return data, cached, ok
 }
 
+// SetSandboxDirs names the directories under which the node mounts
+// sandboxes' file systems, disks and namespaces (its data and run
+// directories; default: the store's parent): the blob server detaches
+// them from its copy of the node's mount namespace.
+func (s *Store) SetSandboxDirs(dirs ...string) { s.sandboxDirs = dirs }
+
 // SetChunkBudget sets the byte budget of the cache of lazily loaded
-// layers' chunks (0: a quarter of the file system the store is on).
+// layers' chunks (0: a quarter of the file system the store is on), for
+// the blob server this store starts.
 func (s *Store) SetChunkBudget(bytes int64) { s.chunkBudget = bytes }
 
 // defaultChunkBudget is a quarter of the file system dir is on.
@@ -421,41 +544,36 @@ func defaultChunkBudget(dir string) int64 {
 	return int64(st.Blocks) * st.Bsize / 4
 }
 
-// pinned says whether a lazily loaded layer (its hex diff ID) is a
-// running sandbox's: its cached chunks stay.
-func (s *Store) pinned(id string) bool {
-	if s.inUse == nil {
-		return false
-	}
-	return s.inUse()["sha256:"+id]
+// connected is the store's blob server connection, if it has one.
+func (s *Store) connected() *blobClient {
+	s.blobsMu.Lock()
+	defer s.blobsMu.Unlock()
+	return s.blobs
 }
 
 // ChunkCache reports the cache of lazily loaded layers' chunks (zero
 // before the first such layer is read).
 func (s *Store) ChunkCache() blobfs.CacheStats {
-	s.blobsMu.Lock()
-	defer s.blobsMu.Unlock()
-	if s.blobs == nil {
+	c := s.connected()
+	if c == nil {
 		return blobfs.CacheStats{}
 	}
-	return s.blobs.Cache()
+	st, _ := c.cache()
+	return st
 }
 
 // LazyStats reports how much of each lazily loaded layer the node holds,
-// by diff ID; layers whose data has not been read since the node started
-// are not listed.
+// by diff ID; layers whose data has not been read since the blob server
+// started are not listed.
 func (s *Store) LazyStats() map[string]blobfs.Stats {
-	s.blobsMu.Lock()
-	fsys := s.blobs
-	s.blobsMu.Unlock()
 	out := map[string]blobfs.Stats{}
-	if fsys == nil {
+	c := s.connected()
+	if c == nil {
 		return out
 	}
-	for _, id := range fsys.Names() {
-		if st, ok := fsys.Stats(id); ok {
-			out["sha256:"+id] = st
-		}
+	st, _ := c.stats()
+	for id, v := range st {
+		out["sha256:"+id] = v
 	}
 	return out
 }
@@ -472,27 +590,27 @@ func (s *Store) LoadsOnDemand(layers []string) bool {
 }
 
 // LoadFailures counts the failed fetches of the data of layers (diff IDs)
-// loaded on demand since the node started: a read that failed with EIO
-// because the source did not answer or answered wrong. Layers held whole
-// count nothing.
+// loaded on demand since the blob server started: a read that failed with
+// EIO because the source did not answer or answered wrong. Layers held
+// whole count nothing (and cost no call to the blob server).
 func (s *Store) LoadFailures(layers []string) int64 {
-	s.blobsMu.Lock()
-	fsys := s.blobs
-	s.blobsMu.Unlock()
-	if fsys == nil {
+	c := s.connected()
+	if c == nil || !s.LoadsOnDemand(layers) {
+		return 0
+	}
+	st, err := c.stats()
+	if err != nil {
 		return 0
 	}
 	var n int64
 	for _, l := range layers {
-		if st, ok := fsys.Stats(strings.TrimPrefix(l, "sha256:")); ok {
-			n += st.Failed
-		}
+		n += st[strings.TrimPrefix(l, "sha256:")].Failed
 	}
 	return n
 }
 
 // detachStale unmounts whatever is mounted at mnt (a blob file system a
-// killed node left in a mount namespace that outlived it).
+// killed server left in a mount namespace that outlived it).
 func detachStale(mnt string) {
 	for unix.Unmount(mnt, unix.MNT_DETACH) == nil {
 	}

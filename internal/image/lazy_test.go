@@ -6,10 +6,12 @@ import (
 	"context"
 	"crypto/rand"
 	"log/slog"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -150,11 +152,15 @@ func TestAnImagePushedAsLayersLoadsOnDemand(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		if _, err := again.blobServer(); err != nil {
+			t.Fatal(err)
+		}
+		before := again.LazyStats()[diff] // the blob server's counts, if it is the one before
 		if b, err := os.ReadFile(filepath.Join(again.LayerDir(diff), "repo/big.bin")); err != nil || !bytes.Equal(b, big) {
 			t.Fatalf("big.bin after reopening: %d bytes, %v", len(b), err)
 		}
-		if st := again.LazyStats()[diff]; st.Fetches != 0 || st.Hits == 0 {
-			t.Fatalf("after reopening: %+v, want hits and no fetch", st)
+		if st := again.LazyStats()[diff]; st.Fetches != before.Fetches {
+			t.Fatalf("after reopening: %+v (before the read %+v), want no fetch", st, before)
 		}
 		release()
 		if err := again.Delete("task"); err != nil {
@@ -194,4 +200,108 @@ func TestAnImagePushedAsLayersLoadsOnDemand(t *testing.T) {
 			t.Fatalf("a lazy push of a directory layer: %v, want invalid", err)
 		}
 	})
+}
+
+// TestTheBlobServerOutlivesItsNode: the data of layers loaded on demand is
+// served by a process of its own. A store that goes away without closing
+// (its node killed) leaves its mounts reading, and the store opened next
+// connects to the same server; a killed server loses the data to the
+// mounts made through it, which DataLost says, and the next mount starts
+// a new server; with no store connected and no mount left, the server
+// exits by itself.
+func TestTheBlobServerOutlivesItsNode(t *testing.T) {
+	ctx := tenant.System(context.Background())
+	src, rec, big := taskStore(t)
+	reg := dsectest.StartRegistry(t, "", "")
+	ref := reg.Host + "/tasks/task:1"
+	if _, err := src.PushLazy(ctx, rec, ref, Auth{}, true, nil); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	first, err := Open(dir, slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(first.Close)
+	got, err := first.Pull(ctx, ref, "task", Auth{}, true, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	diff := got.Layers[0]
+	created := time.Now() // a sandbox's, created before the node went away
+	mnt := readsREADME(t, first, got.Layers)
+	server := first.connected().hello.PID
+
+	// The node is killed: its connection ends, its mounts stay (the
+	// sandboxes' overlays hold them).
+	c := first.connected()
+	first.blobsMu.Lock()
+	first.blobs = nil
+	first.blobsMu.Unlock()
+	c.close()
+
+	second, err := Open(dir, slog.Default())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(second.Close)
+	if second.DataLost(got.Layers, created) {
+		t.Fatal("a sandbox's layer is lost although its blob server runs on")
+	}
+	if pid := second.connected().hello.PID; pid != server {
+		t.Fatalf("the store after the restart started blob server %d, want %d's", pid, server)
+	}
+	if b, err := os.ReadFile(filepath.Join(mnt, "repo/big.bin")); err != nil || !bytes.Equal(b, big) {
+		t.Fatalf("big.bin through the mount made before the restart: %d bytes, %v", len(b), err)
+	}
+
+	// Killed, the server takes the data of the mounts made through it.
+	if err := unix.Kill(server, unix.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	within(t, 30*time.Second, "the store notices its blob server's death", func() bool { return second.connected() == nil })
+	if !second.DataLost(got.Layers, created) {
+		t.Fatal("a sandbox started before its blob server was killed is not told its data is lost")
+	}
+	if second.DataLost(got.Layers, time.Now()) {
+		t.Fatal("a sandbox started after the blob server's death is told its data is lost")
+	}
+	release, err := second.Hold(got.Layers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(second.LayerDir(diff), "repo/big.bin")); err != nil || !bytes.Equal(b, big) {
+		t.Fatalf("big.bin through a new mount: %d bytes, %v", len(b), err)
+	}
+	next := second.connected().hello.PID
+	if next == server {
+		t.Fatal("no new blob server")
+	}
+
+	// No store connected, no mount left: the server exits.
+	release()
+	second.Close()
+	first.Close()
+	deadline := time.Now().Add(30 * time.Second)
+	for unix.Kill(next, 0) != unix.ESRCH {
+		if time.Now().After(deadline) {
+			c := &blobClient{hc: &http.Client{Transport: blobdTransport(dir)}}
+			var h blobdHello
+			err := c.call(context.Background(), http.MethodGet, "/hello", nil, &h)
+			t.Fatalf("the idle blob server still runs 30 s on: %+v %v", h, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// within waits up to d for cond, checked every 20 ms.
+func within(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within %v", what, d)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/url"
 	"os"
@@ -50,12 +51,24 @@ func (s *Store) SetPeers(p Peers) {
 	s.peersMu.Lock()
 	s.peers = p
 	s.peersMu.Unlock()
+	s.blobsMu.Lock()
+	c := s.blobs
+	s.blobsMu.Unlock()
+	if c != nil {
+		if err := c.setPeers(p.Header); err != nil {
+			s.log.Warn("tell the blob server how to reach other nodes", slog.Any("error", err))
+		}
+	}
 }
 
 func (s *Store) peerAccess() Peers {
 	s.peersMu.Lock()
 	defer s.peersMu.Unlock()
-	p := s.peers
+	return s.peers.withClient()
+}
+
+// withClient is p with defaultPeerClient if it names no client.
+func (p Peers) withClient() Peers {
 	if p.Client == nil {
 		p.Client = defaultPeerClient
 	}
@@ -72,12 +85,12 @@ var defaultPeerClient = &http.Client{Timeout: 2 * time.Minute, Transport: &http.
 // access as it is at each read: a layer mounted before the node's cluster
 // agent set it (a restart re-adopting sandboxes) reads with it once set.
 type peerSource struct {
-	s   *Store
-	url string
+	access func() Peers
+	url    string
 }
 
 func (p peerSource) ReadAt(ctx context.Context, b []byte, off int64) (int, error) {
-	pa := p.s.peerAccess()
+	pa := p.access()
 	return blobfs.HTTPSource{URL: p.url, Header: pa.Header, Client: pa.Client}.ReadAt(ctx, b, off)
 }
 
@@ -119,8 +132,11 @@ func (s *Store) PeerHandler() http.Handler {
 		path := s.layerPath(diff) + suffix
 		if part == "blob" && !exists(path) && exists(s.layerPath(diff)+".lazy") {
 			// Loaded on demand here too: served through this node's
-			// chunk cache (Hold mounted it).
-			path = filepath.Join(s.dir, "blobs", id)
+			// chunk cache, by its blob server.
+			if path, err = s.lazyDevice(id); err != nil {
+				http.Error(w, err.Error(), http.StatusServiceUnavailable)
+				return
+			}
 		}
 		f, err := os.Open(path)
 		if err != nil {

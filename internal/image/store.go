@@ -30,7 +30,6 @@ import (
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
 	"github.com/opendsec/dsec/internal/errdefs"
-	"github.com/opendsec/dsec/internal/image/blobfs"
 	"github.com/opendsec/dsec/internal/tenant"
 )
 
@@ -212,13 +211,22 @@ type Store struct {
 	// mount's descriptor.
 	mountMu sync.Mutex
 	mounts  map[string]int
+	// stale are mounts of lazily loaded layers whose blob server went
+	// away, closed once nothing holds the layer (lazy.go).
+	stale map[string][]int
 
-	// blobs serves lazily loaded layers' data (lazy.go), mounted on
-	// first use.
+	// blobs is the connection to the blob server, which serves lazily
+	// loaded layers' data (blobd.go, lazy.go), made on first use. lost
+	// says, by hex diff ID, when such a layer's mounts made before lost
+	// their server (see DataLost); opened is when the store opened.
 	blobsMu sync.Mutex
-	blobs   *blobfs.FS
+	blobs   *blobClient
+	lost    map[string]time.Time
+	opened  time.Time
 	// chunkBudget is the chunk cache's byte budget (SetChunkBudget).
 	chunkBudget int64
+	// sandboxDirs are where the node mounts sandboxes' (SetSandboxDirs).
+	sandboxDirs []string
 	// peers reaches other nodes' stores (SetPeers, peer.go).
 	peersMu sync.Mutex
 	peers   Peers
@@ -233,7 +241,8 @@ func Open(dir string, log *slog.Logger) (*Store, error) {
 	}
 	os.RemoveAll(filepath.Join(dir, "tmp"))
 	os.MkdirAll(filepath.Join(dir, "tmp"), 0o700)
-	s := &Store{dir: dir, log: log, images: map[string]*Image{}, used: map[string]time.Time{}, unpacking: map[string]*sync.WaitGroup{}, held: map[string]int{}, mounts: map[string]int{}}
+	s := &Store{dir: dir, log: log, images: map[string]*Image{}, used: map[string]time.Time{}, unpacking: map[string]*sync.WaitGroup{}, held: map[string]int{}, mounts: map[string]int{}, stale: map[string][]int{},
+		lost: map[string]time.Time{}, opened: time.Now()}
 	s.mkfs, s.noErofs = erofsSupportIn(filepath.Join(dir, "tmp")) // see UseLayers
 	ents, err := os.ReadDir(filepath.Join(dir, "refs"))
 	if err != nil {

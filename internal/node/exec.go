@@ -167,12 +167,13 @@ func (n *Node) execMutation(c *ctr, req *dsecv1.ExecRequest, x *guestv1.Exec) mu
 // source, a registry or another node, did not answer or answered wrong:
 // the process read EIO), lost being the count of such failures before it
 // started: the platform's failure, not the task's result. In a sandbox
-// re-adopted running from such layers (servedBefore) every failed command
-// is: its reads of data not yet in the page cache fail, and the node cannot
-// tell which did. A command that succeeded is answered as it is.
+// whose layers loaded on demand lost their blob server (killed, or gone
+// with the host) every failed command is: its reads of data not yet in
+// the page cache fail, and the node cannot tell which did. A command that
+// succeeded is answered as it is.
 func (n *Node) imageDataLost(s *sandbox, failed bool, lost int64) error {
-	if failed && s.servedBefore {
-		return errdefs.Unavailable("the command failed in a sandbox started before its node restarted from an image loaded on demand: the image data it had not yet read can no longer be read, so the failure may be the platform's; recreate the sandbox")
+	if failed && n.images.DataLost(s.layers, s.created) {
+		return errdefs.Unavailable("the command failed in a sandbox whose image, loaded on demand, lost the server of its data (the blob server stopped): the image data it had not yet read can no longer be read, so the failure may be the platform's; recreate the sandbox")
 	}
 	if !failed || n.images.LoadFailures(s.layers) <= lost {
 		return nil

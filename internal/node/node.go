@@ -704,9 +704,8 @@ func (n *Node) adopt() {
 			n.release(context.Background(), s, &end{reason: "stopped while the node was down", cause: "node_down", infra: true})
 			continue
 		}
-		if !r.Stopped && n.images.LoadsOnDemand(s.layers) {
-			s.servedBefore = true
-			n.log.Warn("sandbox re-adopted from an image loaded on demand: data of it not in the page cache can no longer be read, and its failed commands are answered as infrastructure errors; recreate it",
+		if !r.Stopped && n.images.DataLost(s.layers, s.created) {
+			n.log.Warn("sandbox re-adopted from an image loaded on demand whose blob server is gone: data of it not in the page cache can no longer be read, and its failed commands are answered as infrastructure errors; recreate it",
 				slog.String("sandbox_id", r.ID), slog.String("image", r.Image))
 		}
 		n.sandboxes.commit(s)

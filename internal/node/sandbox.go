@@ -30,10 +30,6 @@ type sandbox struct {
 	// volumes are the sandbox's volume mounts as its driver got them (set
 	// while it starts; empty after a re-adoption).
 	volumes []substrate.VolumeMount
-	// servedBefore is set on a sandbox re-adopted running from layers
-	// loaded on demand: their data was served by the node process before
-	// this one, whose connection went with it (see imageDataLost).
-	servedBefore bool
 
 	// inst is set once, before the sandbox goes live: every sandbox in the
 	// table's live set has one.

@@ -26,6 +26,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -172,7 +173,14 @@ type FS struct {
 	server     *fuse.Server
 	root       *rootNode
 	lru        *lru
+	// opens counts the blob files open (an EROFS mount holds its
+	// device open for as long as it lives).
+	opens atomic.Int64
 }
+
+// Open reports how many blob files are open: while any is, a mount
+// reads through this file system.
+func (f *FS) Open() int64 { return f.opens.Load() }
 
 // Options are a mount's settings.
 type Options struct {
@@ -212,6 +220,10 @@ func Mount(dir, cache string, opts Options, log *slog.Logger) (*FS, error) {
 	return f, nil
 }
 
+// Wait returns once the file system is no longer served: unmounted by
+// Close, or detached by anything else (its mountpoint removed).
+func (f *FS) Wait() { f.server.Wait() }
+
 // Close unmounts the file system.
 func (f *FS) Close() error {
 	f.lru.close()
@@ -220,10 +232,19 @@ func (f *FS) Close() error {
 
 // Add serves blob name (a digest's hex: a file name) of description d
 // from src, and returns its path. Chunks cached by an earlier Add of the
-// same name (another run of the node) are used.
+// same name (another run of the node) are used. A blob served already
+// with the same description stays as it is, open files and all, and
+// reads from src from now on.
 func (f *FS) Add(name string, d Blob, src Source) (string, error) {
 	if d.Chunk < 4096 || d.Chunk&(d.Chunk-1) != 0 || int64(len(d.Digest)) != (d.Size+d.Chunk-1)/d.Chunk {
 		return "", fmt.Errorf("blob %s: a bad description (%d bytes, chunks of %d, %d digests)", name, d.Size, d.Chunk, len(d.Digest))
+	}
+	f.root.mu.Lock()
+	old := f.root.blobs[name]
+	f.root.mu.Unlock()
+	if old != nil && slices.Equal(old.desc.Digest, d.Digest) && old.desc.Size == d.Size && old.desc.Chunk == d.Chunk {
+		old.src.Store(&source{src})
+		return filepath.Join(f.dir, name), nil
 	}
 	data, err := os.OpenFile(filepath.Join(f.cache, name), os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
@@ -233,8 +254,9 @@ func (f *FS) Add(name string, d Blob, src Source) (string, error) {
 		data.Close()
 		return "", err
 	}
-	b := &blobNode{name: name, desc: d, src: src, data: data, log: f.log, lru: f.lru,
+	b := &blobNode{name: name, desc: d, data: data, log: f.log, lru: f.lru, opens: &f.opens,
 		present: make([]bool, len(d.Digest)), inflight: map[int]*fetch{}}
+	b.src.Store(&source{src})
 	// The chunk map: one byte per chunk, 1 once its bytes were written
 	// and synced (a lost mark costs a refetch, never a wrong byte).
 	if marks, err := os.ReadFile(filepath.Join(f.cache, name+".chunks")); err == nil && len(marks) == len(d.Digest) {
@@ -253,7 +275,7 @@ func (f *FS) Add(name string, d Blob, src Source) (string, error) {
 		}
 	}
 	f.root.mu.Lock()
-	old := f.root.blobs[name]
+	old = f.root.blobs[name]
 	f.root.blobs[name] = b
 	f.root.mu.Unlock()
 	if old != nil {
@@ -334,10 +356,11 @@ func (r *rootNode) Readdir(ctx context.Context) (fs.DirStream, syscall.Errno) {
 // blobNode is one blob's file.
 type blobNode struct {
 	fs.Inode
-	name string
-	desc Blob
-	src  Source
-	log  *slog.Logger
+	name  string
+	desc  Blob
+	src   atomic.Pointer[source]
+	log   *slog.Logger
+	opens *atomic.Int64 // the file system's
 
 	data, marks *os.File
 	lru         *lru
@@ -354,6 +377,9 @@ type blobNode struct {
 	hits, fetches, fetched, failed atomic.Int64
 }
 
+// source boxes a blob's Source (which Add may replace).
+type source struct{ Source }
+
 // fetch is a chunk being fetched; err is set when done closes.
 type fetch struct {
 	done chan struct{}
@@ -363,6 +389,7 @@ type fetch struct {
 var _ = (fs.NodeGetattrer)((*blobNode)(nil))
 var _ = (fs.NodeOpener)((*blobNode)(nil))
 var _ = (fs.NodeReader)((*blobNode)(nil))
+var _ = (fs.NodeReleaser)((*blobNode)(nil))
 
 func (b *blobNode) attr(a *fuse.Attr) {
 	a.Mode = fuse.S_IFREG | 0o444
@@ -379,7 +406,18 @@ func (b *blobNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint3
 	if flags&(syscall.O_WRONLY|syscall.O_RDWR) != 0 {
 		return nil, 0, syscall.EROFS
 	}
-	return nil, fuse.FOPEN_KEEP_CACHE, 0
+	b.opens.Add(1)
+	// A handle, so that the file's release reaches Release (with none,
+	// the bridge keeps no entry for it and drops the release).
+	return &openBlob{}, fuse.FOPEN_KEEP_CACHE, 0
+}
+
+// openBlob is an open blob file's handle (reads go to the blob's node).
+type openBlob struct{ _ byte }
+
+func (b *blobNode) Release(ctx context.Context, fh fs.FileHandle) syscall.Errno {
+	b.opens.Add(-1)
+	return 0
 }
 
 func (b *blobNode) Read(ctx context.Context, fh fs.FileHandle, dest []byte, off int64) (fuse.ReadResult, syscall.Errno) {
@@ -439,7 +477,7 @@ func (b *blobNode) fetch(c int, f *fetch) {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()
 		buf := make([]byte, size)
-		n, err := b.src.ReadAt(ctx, buf, off)
+		n, err := b.src.Load().ReadAt(ctx, buf, off)
 		if err != nil {
 			return err
 		}

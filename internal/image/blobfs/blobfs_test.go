@@ -160,6 +160,21 @@ func TestALayerLoadsOnDemand(t *testing.T) {
 			t.Fatalf("fetched %d bytes of a %d-byte blob for a 6-byte file: %+v", st.FetchedBytes, l.desc.Size, st)
 		}
 	})
+	t.Run("served again, a blob keeps its open files and reads from its new source", func(t *testing.T) {
+		if f.Open() != 1 {
+			t.Fatalf("%d blob files open under one mount, want 1", f.Open())
+		}
+		o2 := newOrigin(t, l.blob)
+		if p, err := f.Add("blob1", l.desc, HTTPSource{URL: o2.URL}); err != nil || p != path {
+			t.Fatalf("served again: %q, %v", p, err)
+		}
+		o.down.Store(true)
+		defer o.down.Store(false)
+		b, err := os.ReadFile(filepath.Join(root, "big.bin"))
+		if err != nil || !bytes.Equal(b, l.big) || o2.sent.Load() == 0 {
+			t.Fatalf("big.bin through the mount made before: %d bytes, %v; %d bytes from the new source", len(b), err, o2.sent.Load())
+		}
+	})
 	t.Run("a whole file reads back as written", func(t *testing.T) {
 		b, err := os.ReadFile(filepath.Join(root, "big.bin"))
 		if err != nil || !bytes.Equal(b, l.big) {
@@ -168,6 +183,24 @@ func TestALayerLoadsOnDemand(t *testing.T) {
 		st, _ := f.Stats("blob1")
 		if st.Cached < int(len(l.big)/chunk) || st.Failed != 0 {
 			t.Fatalf("after reading 1 MiB: %+v", st)
+		}
+	})
+	t.Run("a blob is open while a mount reads through it", func(t *testing.T) {
+		// (The blob server exits only when none is.)
+		fd, err := erofs.Mount(l.meta, path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := f.Open(); n != 2 {
+			t.Fatalf("%d blob files open under two mounts, want 2", n)
+		}
+		unix.Close(fd)
+		deadline := time.Now().Add(10 * time.Second)
+		for f.Open() != 1 { // the kernel releases the file once the mount went
+			if time.Now().After(deadline) {
+				t.Fatalf("%d blob files open 10 s after one of two mounts went, want 1", f.Open())
+			}
+			time.Sleep(10 * time.Millisecond)
 		}
 	})
 	t.Run("chunks cached by an earlier run are not fetched again", func(t *testing.T) {
