@@ -76,6 +76,25 @@ func TestSessionsSnapshotsAndLogsSurviveRestart(t *testing.T) {
 			t.Fatalf("exec on a paused, re-adopted sandbox: %v %v", r, err)
 		}
 	})
+	t.Run("an answered call is in the log when its node is killed right after", func(t *testing.T) {
+		// The log is written and synced before the answer: a crash of
+		// the node process loses nothing it answered, and the call is
+		// not run twice.
+		cmd := dsec.ExecOptions{Cmd: "echo crash >> /tmp/crash; wc -l < /tmp/crash", RequestID: "traj/crash"}
+		first, err := sb.Exec(ctx, cmd)
+		if err != nil || string(first.Stdout) != "1\n" {
+			t.Fatalf("the call: %v %v", first, err)
+		}
+		srv.Kill()
+		srv.Restart()
+		again, err := sb.Exec(ctx, cmd)
+		if err != nil || !again.Replayed || again.Seq != first.Seq || string(again.Stdout) != "1\n" {
+			t.Fatalf("the call repeated after its node was killed: %+v %v (first %+v)", again, err, first)
+		}
+		if r, err := sb.Exec(ctx, dsec.Cmd("wc -l < /tmp/crash")); err != nil || string(r.Stdout) != "1\n" {
+			t.Fatalf("the command ran %q times: %v", r.GetStdout(), err)
+		}
+	})
 }
 
 func TestSessionExpiryPausesAndReopeningResumes(t *testing.T) {
