@@ -124,14 +124,31 @@ func main() {
 
 // profileServer takes the server's CPU profile (10 s) and then its
 // execution trace (3 s), each while a sequential create→exec→delete loop
-// runs, into dir.
+// runs, into dir; then the same (exec-cpu.pprof, exec.trace) while a
+// sequential exec(true) loop runs in one sandbox.
 func profileServer(ctx context.Context, c *dsec.Client, debug, dir string) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		fatal(err)
 	}
+	profileUnder(debug, dir, "server", "create→exec→delete cycles", func() { cycleAPI(ctx, c, 1, 1) })
+	sb, err := c.Create(ctx, dsec.CreateOptions{Image: "busybox"})
+	if err != nil {
+		fatal(err)
+	}
+	defer sb.Close()
+	profileUnder(debug, dir, "exec", "exec(true) round trips", func() {
+		if _, err := sb.Exec(ctx, dsec.Argv("true")); err != nil {
+			fatal(err)
+		}
+	})
+}
+
+// profileUnder takes the server's CPU profile and execution trace into
+// dir (<name>-cpu.pprof, <name>.trace) while work runs again and again.
+func profileUnder(debug, dir, name, what string, work func()) {
 	for _, p := range []struct{ file, url string }{
-		{"server-cpu.pprof", "http://" + debug + "/debug/pprof/profile?seconds=10"},
-		{"server.trace", "http://" + debug + "/debug/pprof/trace?seconds=3"},
+		{name + "-cpu.pprof", "http://" + debug + "/debug/pprof/profile?seconds=10"},
+		{name + ".trace", "http://" + debug + "/debug/pprof/trace?seconds=3"},
 	} {
 		done := make(chan error, 1)
 		go func() {
@@ -157,11 +174,11 @@ func profileServer(ctx context.Context, c *dsec.Client, debug, dir string) {
 				}
 				running = false
 			default:
-				cycleAPI(ctx, c, 1, 1)
+				work()
 				cycles++
 			}
 		}
-		fmt.Printf("profile: %s over %d create→exec→delete cycles\n", filepath.Join(dir, p.file), cycles)
+		fmt.Printf("profile: %s over %d %s\n", filepath.Join(dir, p.file), cycles, what)
 	}
 }
 
