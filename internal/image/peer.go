@@ -51,10 +51,7 @@ func (s *Store) SetPeers(p Peers) {
 	s.peersMu.Lock()
 	s.peers = p
 	s.peersMu.Unlock()
-	s.blobsMu.Lock()
-	c := s.blobs
-	s.blobsMu.Unlock()
-	if c != nil {
+	if c := s.connected(); c != nil {
 		if err := c.setPeers(p.Header); err != nil {
 			s.log.Warn("tell the blob server how to reach other nodes", slog.Any("error", err))
 		}
