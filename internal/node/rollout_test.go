@@ -111,6 +111,14 @@ func TestARolloutRunsOnScoredByItsVerifier(t *testing.T) {
 			case ev := <-events:
 				return ev
 			case err := <-watched:
+				// The watch sends its last event before it returns: when
+				// both are ready, select may take the end first.
+				select {
+				case ev := <-events:
+					watched <- err
+					return ev
+				default:
+				}
 				t.Fatalf("the watch ended early: %v", err)
 			case <-time.After(time.Minute):
 				t.Fatal("no event within a minute")
