@@ -595,6 +595,16 @@ func (c *blobClient) setPeers(h http.Header) error {
 	return c.call(context.Background(), http.MethodPut, "/peers", h, nil)
 }
 
+// gone says whether the session ended: the server went away (or close).
+func (c *blobClient) gone() bool {
+	select {
+	case <-c.done:
+		return true
+	default:
+		return false
+	}
+}
+
 // close ends the session (the server stays while mounts read through it).
 func (c *blobClient) close() {
 	c.end()

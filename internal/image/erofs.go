@@ -142,7 +142,15 @@ func (s *Store) layerRoot(id string) (string, error) {
 	s.mountMu.Lock()
 	defer s.mountMu.Unlock()
 	if fd, ok := s.mounts[id]; ok {
-		return erofs.FdPath(fd), nil
+		if c := s.mountedVia[id]; c == nil || !c.gone() {
+			return erofs.FdPath(fd), nil
+		}
+		// Its data's server went away: mounted again through a new one,
+		// the old mount closed once nothing holds the layer (a create
+		// holding it may be opening its directory now).
+		s.stale[id] = append(s.stale[id], fd)
+		delete(s.mounts, id)
+		delete(s.mountedVia, id)
 	}
 	file := s.erofsFile(id)
 	if _, err := os.Stat(file); err != nil {
@@ -152,22 +160,26 @@ func (s *Store) layerRoot(id string) (string, error) {
 		return "", err
 	}
 	var devices []string
+	var via *blobClient
 	base := filepath.Join(s.dir, "layers", id)
 	switch {
 	case exists(base + ".blob"):
 		devices = append(devices, base+".blob")
 	case exists(base + ".lazy"):
-		blob, err := s.lazyDevice(id)
+		blob, c, err := s.lazyDevice(id)
 		if err != nil {
 			return "", fmt.Errorf("layer %s: its data: %w", shortID(id), err)
 		}
-		devices = append(devices, blob)
+		devices, via = append(devices, blob), c
 	}
 	fd, err := erofs.Mount(file, devices...)
 	if err != nil {
 		return "", fmt.Errorf("layer %s: %w", shortID(id), err)
 	}
 	s.mounts[id] = fd
+	if via != nil {
+		s.mountedVia[id] = via
+	}
 	return erofs.FdPath(fd), nil
 }
 
@@ -179,6 +191,7 @@ func (s *Store) unmountLayer(id string) {
 	if fd, ok := s.mounts[id]; ok {
 		unix.Close(fd)
 		delete(s.mounts, id)
+		delete(s.mountedVia, id)
 	}
 	for _, fd := range s.stale[id] {
 		unix.Close(fd)
@@ -194,6 +207,7 @@ func (s *Store) Close() {
 	for id, fd := range s.mounts {
 		unix.Close(fd)
 		delete(s.mounts, id)
+		delete(s.mountedVia, id)
 	}
 	for id, fds := range s.stale {
 		for _, fd := range fds {

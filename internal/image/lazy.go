@@ -335,38 +335,43 @@ func fetchBlob(ctx context.Context, img v1.Image, d *v1.Descriptor, path string)
 }
 
 // lazyDevice serves layer id's blob from its source (<id>.lazy) and
-// returns the blob file's path, the layer's device.
-func (s *Store) lazyDevice(id string) (string, error) {
+// returns the blob file's path, the layer's device, and the blob server
+// connection it is read through.
+func (s *Store) lazyDevice(id string) (string, *blobClient, error) {
 	base := filepath.Join(s.dir, "layers", id)
 	raw, err := os.ReadFile(base + ".lazy")
 	if err != nil {
-		return "", err
+		return "", nil, err
 	}
 	var ls lazySource
 	if err := json.Unmarshal(raw, &ls); err != nil {
-		return "", fmt.Errorf("the layer's source: %w", err)
+		return "", nil, fmt.Errorf("the layer's source: %w", err)
 	}
 	var desc blobfs.Blob
 	b, err := os.ReadFile(base + ".chunks")
 	if err != nil {
-		return "", err
+		return "", nil, err
 	}
 	if err := json.Unmarshal(b, &desc); err != nil {
-		return "", fmt.Errorf("the layer's blob description: %w", err)
+		return "", nil, fmt.Errorf("the layer's blob description: %w", err)
 	}
 	c, err := s.blobServer()
 	if err != nil {
-		return "", err
+		return "", nil, err
 	}
-	return c.add(id, desc, ls)
+	path, err := c.add(id, desc, ls)
+	return path, c, err
 }
 
 // blobServer is the store's connection to its blob server, which it
 // starts if none runs (blobd.go). When the server goes away (killed), the
 // layers it served are lost to the sandboxes that mounted them before
-// (see DataLost), their mounts are dropped, and the next mount starts a
-// new server.
+// (see DataLost), the layers' mounts are made again (layerRoot), and the
+// next mount starts a new server.
 func (s *Store) blobServer() (*blobClient, error) {
+	if c := s.connected(); c != nil {
+		return c, nil
+	}
 	s.blobsMu.Lock()
 	defer s.blobsMu.Unlock()
 	if s.blobs != nil {
@@ -411,16 +416,25 @@ func (s *Store) blobServer() (*blobClient, error) {
 	return c, nil
 }
 
+// connected is the store's blob server connection, if it has one whose
+// server is there.
+func (s *Store) connected() *blobClient {
+	s.blobsMu.Lock()
+	defer s.blobsMu.Unlock()
+	if s.blobs != nil && s.blobs.gone() {
+		s.forget(s.blobs)
+	}
+	return s.blobs
+}
+
 // watchBlobServer keeps the blob server's pinned set (the lazily loaded
-// layers sandboxes use) current while c's session lasts, and when the
-// server went away, not closed by Close, forgets it: the layers it served
-// are lost to their mounts so far, which are dropped from the mount cache
-// so that new sandboxes mount them through a new server.
+// layers sandboxes use) current while c's session lasts, and forgets the
+// server when it goes away.
 func (s *Store) watchBlobServer(c *blobClient) {
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
 	last := []string{""} // none sent yet: the first tick sends
-	for gone := false; !gone; {
+	for {
 		select {
 		case <-tick.C:
 			pins := s.pinnedLazy()
@@ -428,29 +442,26 @@ func (s *Store) watchBlobServer(c *blobClient) {
 				last = pins
 			}
 		case <-c.done:
-			gone = true
+			s.blobsMu.Lock()
+			s.forget(c)
+			s.blobsMu.Unlock()
+			return
 		}
 	}
-	s.mountMu.Lock()
-	s.blobsMu.Lock()
-	if s.blobs != c { // closed
-		s.blobsMu.Unlock()
-		s.mountMu.Unlock()
+}
+
+// forget drops connection c, whose session ended, unless Close did: the
+// lazily loaded layers are lost to what mounted them before now. Its
+// caller holds blobsMu.
+func (s *Store) forget(c *blobClient) {
+	if s.blobs != c { // closed, or forgotten already
 		return
 	}
 	s.blobs = nil
 	now := time.Now()
 	for _, id := range s.lazyLayers() {
 		s.lost[id] = now
-		if fd, ok := s.mounts[id]; ok {
-			// Closed once nothing holds the layer (unmountLayer): a
-			// create holding it may be opening its directory now.
-			s.stale[id] = append(s.stale[id], fd)
-			delete(s.mounts, id)
-		}
 	}
-	s.blobsMu.Unlock()
-	s.mountMu.Unlock()
 	s.log.Error("the blob server went away: sandboxes started from layers loaded on demand before now cannot read their data not yet cached; new ones start a new server")
 }
 
@@ -544,13 +555,6 @@ func defaultChunkBudget(dir string) int64 {
 	return int64(st.Blocks) * st.Bsize / 4
 }
 
-// connected is the store's blob server connection, if it has one.
-func (s *Store) connected() *blobClient {
-	s.blobsMu.Lock()
-	defer s.blobsMu.Unlock()
-	return s.blobs
-}
-
 // ChunkCache reports the cache of lazily loaded layers' chunks (zero
 // before the first such layer is read).
 func (s *Store) ChunkCache() blobfs.CacheStats {
@@ -592,10 +596,11 @@ func (s *Store) LoadsOnDemand(layers []string) bool {
 // LoadFailures counts the failed fetches of the data of layers (diff IDs)
 // loaded on demand since the blob server started: a read that failed with
 // EIO because the source did not answer or answered wrong. Layers held
-// whole count nothing (and cost no call to the blob server).
+// whole count nothing; it asks the blob server, so callers ask only for
+// layers that LoadsOnDemand.
 func (s *Store) LoadFailures(layers []string) int64 {
 	c := s.connected()
-	if c == nil || !s.LoadsOnDemand(layers) {
+	if c == nil {
 		return 0
 	}
 	st, err := c.stats()

@@ -130,7 +130,7 @@ func (s *Store) PeerHandler() http.Handler {
 		if part == "blob" && !exists(path) && exists(s.layerPath(diff)+".lazy") {
 			// Loaded on demand here too: served through this node's
 			// chunk cache, by its blob server.
-			if path, err = s.lazyDevice(id); err != nil {
+			if path, _, err = s.lazyDevice(id); err != nil {
 				http.Error(w, err.Error(), http.StatusServiceUnavailable)
 				return
 			}

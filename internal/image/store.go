@@ -211,9 +211,11 @@ type Store struct {
 	// mount's descriptor.
 	mountMu sync.Mutex
 	mounts  map[string]int
-	// stale are mounts of lazily loaded layers whose blob server went
-	// away, closed once nothing holds the layer (lazy.go).
-	stale map[string][]int
+	// mountedVia is, for a lazily loaded layer's mount, the blob server
+	// connection its data is read through; stale are mounts whose server
+	// went away, closed once nothing holds the layer (layerRoot).
+	mountedVia map[string]*blobClient
+	stale      map[string][]int
 
 	// blobs is the connection to the blob server, which serves lazily
 	// loaded layers' data (blobd.go, lazy.go), made on first use. lost
@@ -241,7 +243,7 @@ func Open(dir string, log *slog.Logger) (*Store, error) {
 	}
 	os.RemoveAll(filepath.Join(dir, "tmp"))
 	os.MkdirAll(filepath.Join(dir, "tmp"), 0o700)
-	s := &Store{dir: dir, log: log, images: map[string]*Image{}, used: map[string]time.Time{}, unpacking: map[string]*sync.WaitGroup{}, held: map[string]int{}, mounts: map[string]int{}, stale: map[string][]int{},
+	s := &Store{dir: dir, log: log, images: map[string]*Image{}, used: map[string]time.Time{}, unpacking: map[string]*sync.WaitGroup{}, held: map[string]int{}, mounts: map[string]int{}, mountedVia: map[string]*blobClient{}, stale: map[string][]int{},
 		lost: map[string]time.Time{}, opened: time.Now()}
 	s.mkfs, s.noErofs = erofsSupportIn(filepath.Join(dir, "tmp")) // see UseLayers
 	ents, err := os.ReadDir(filepath.Join(dir, "refs"))

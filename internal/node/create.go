@@ -204,7 +204,7 @@ func (n *Node) prepare(ctx context.Context, spec *dsecv1.SandboxSpec, img *image
 	var u undo.Stack
 	defer u.RunUnless(&err)
 	s := &sandbox{
-		id: n.newID(), spec: spec, created: time.Now().UTC(), image: img.Key(), layers: img.Layers,
+		id: n.newID(), spec: spec, created: time.Now().UTC(), image: img.Key(), layers: img.Layers, lazy: n.images.LoadsOnDemand(img.Layers),
 		state: stateRunning, expires: time.Now().Add(time.Duration(spec.TtlS) * time.Second),
 	}
 	s.touch()

@@ -118,7 +118,7 @@ func (n *Node) Exec(ctx context.Context, req *dsecv1.ExecRequest) (_ *dsecv1.Exe
 		return nil, err
 	}
 	e, replay, err := n.logged(ctx, s, n.execMutation(c, req, x), func(e *dsecv1.LogEntry) error {
-		lost := n.images.LoadFailures(s.layers)
+		lost := n.loadFailures(s)
 		exit, err := c.guest.Run(ctx, x)
 		if err != nil {
 			return err
@@ -172,13 +172,25 @@ func (n *Node) execMutation(c *ctr, req *dsecv1.ExecRequest, x *guestv1.Exec) mu
 // the page cache fail, and the node cannot tell which did. A command that
 // succeeded is answered as it is.
 func (n *Node) imageDataLost(s *sandbox, failed bool, lost int64) error {
-	if failed && n.images.DataLost(s.layers, s.created) {
+	if !failed || !s.lazy {
+		return nil
+	}
+	if n.images.DataLost(s.layers, s.created) {
 		return errdefs.Unavailable("the command failed in a sandbox whose image, loaded on demand, lost the server of its data (the blob server stopped): the image data it had not yet read can no longer be read, so the failure may be the platform's; recreate the sandbox")
 	}
-	if !failed || n.images.LoadFailures(s.layers) <= lost {
+	if n.loadFailures(s) <= lost {
 		return nil
 	}
 	return errdefs.Unavailable("the command failed while its sandbox's image data could not be loaded: a layer loaded on demand could not be read from its source (a registry or another node); the sandbox is up, retry when the source answers")
+}
+
+// loadFailures counts the failed reads of sandbox s's image data loaded
+// on demand (none for an image held whole).
+func (n *Node) loadFailures(s *sandbox) int64 {
+	if !s.lazy {
+		return 0
+	}
+	return n.images.LoadFailures(s.layers)
 }
 
 // replayed is a logged exec's result, answered again.
@@ -294,7 +306,7 @@ func (n *Node) ExecStream(ctx context.Context, req *dsecv1.ExecRequest, send fun
 		if err != nil {
 			return err
 		}
-		lost := n.images.LoadFailures(s.layers)
+		lost := n.loadFailures(s)
 		p, err := pg.Start(ctx, x)
 		if err != nil {
 			return err

@@ -665,7 +665,7 @@ func (n *Node) adopt() {
 		}
 		att, _ := n.net.Restore(r.ID, r.Network)
 		s := &sandbox{
-			id: r.ID, spec: spec, created: r.Created, image: r.Image, layers: r.Layers, net: att,
+			id: r.ID, spec: spec, created: r.Created, image: r.Image, layers: r.Layers, lazy: n.images.LoadsOnDemand(r.Layers), net: att,
 			dir: filepath.Join(n.cfg.DataDir, "sandboxes", r.ID), idemKey: r.IdemKey, project: tenant.OrDefault(r.Project),
 			state: parseState(r.State), expires: r.Expires, rec: r, network: networkFromRecord(r.NetPolicy),
 			timedOut: r.TimedOut, runStart: r.Created, stopped: r.Stopped,
@@ -704,7 +704,7 @@ func (n *Node) adopt() {
 			n.release(context.Background(), s, &end{reason: "stopped while the node was down", cause: "node_down", infra: true})
 			continue
 		}
-		if !r.Stopped && n.images.DataLost(s.layers, s.created) {
+		if !r.Stopped && s.lazy && n.images.DataLost(s.layers, s.created) {
 			n.log.Warn("sandbox re-adopted from an image loaded on demand whose blob server is gone: data of it not in the page cache can no longer be read, and its failed commands are answered as infrastructure errors; recreate it",
 				slog.String("sandbox_id", r.ID), slog.String("image", r.Image))
 		}

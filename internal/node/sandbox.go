@@ -23,6 +23,10 @@ type sandbox struct {
 	created time.Time
 	image   string
 	layers  []string
+	// lazy is set when a layer of it is loaded on demand (its data read
+	// through the blob server), found once at create or re-adoption so
+	// that execs ask the image store nothing otherwise.
+	lazy    bool
 	net     *network.Attachment
 	dir     string
 	idemKey string

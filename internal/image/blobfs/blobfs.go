@@ -175,12 +175,40 @@ type FS struct {
 	lru        *lru
 	// opens counts the blob files open (an EROFS mount holds its
 	// device open for as long as it lives).
-	opens atomic.Int64
+	opens openCount
 }
 
 // Open reports how many blob files are open: while any is, a mount
 // reads through this file system.
-func (f *FS) Open() int64 { return f.opens.Load() }
+func (f *FS) Open() int64 {
+	n, _ := f.OpenChanged()
+	return n
+}
+
+// OpenChanged reports how many blob files are open and a channel closed
+// when that changes (the kernel releases a file after the mount holding
+// it went, asynchronously).
+func (f *FS) OpenChanged() (int64, <-chan struct{}) {
+	f.opens.mu.Lock()
+	defer f.opens.mu.Unlock()
+	return f.opens.n, f.opens.changed
+}
+
+// openCount counts open blob files; changed is closed and replaced at
+// each change.
+type openCount struct {
+	mu      sync.Mutex
+	n       int64
+	changed chan struct{}
+}
+
+func (o *openCount) add(d int64) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.n += d
+	close(o.changed)
+	o.changed = make(chan struct{})
+}
 
 // Options are a mount's settings.
 type Options struct {
@@ -200,7 +228,8 @@ func Mount(dir, cache string, opts Options, log *slog.Logger) (*FS, error) {
 			return nil, err
 		}
 	}
-	f := &FS{dir: dir, cache: cache, log: log, root: &rootNode{blobs: map[string]*blobNode{}}, lru: newLRU(opts, log)}
+	f := &FS{dir: dir, cache: cache, log: log, root: &rootNode{blobs: map[string]*blobNode{}}, lru: newLRU(opts, log),
+		opens: openCount{changed: make(chan struct{})}}
 	timeout := time.Hour // the set of blobs changes only through Add and Remove
 	server, err := fs.Mount(dir, f.root, &fs.Options{
 		EntryTimeout: &timeout, AttrTimeout: &timeout,
@@ -360,7 +389,7 @@ type blobNode struct {
 	desc  Blob
 	src   atomic.Pointer[source]
 	log   *slog.Logger
-	opens *atomic.Int64 // the file system's
+	opens *openCount // the file system's
 
 	data, marks *os.File
 	lru         *lru
@@ -406,7 +435,7 @@ func (b *blobNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint3
 	if flags&(syscall.O_WRONLY|syscall.O_RDWR) != 0 {
 		return nil, 0, syscall.EROFS
 	}
-	b.opens.Add(1)
+	b.opens.add(1)
 	// A handle, so that the file's release reaches Release (with none,
 	// the bridge keeps no entry for it and drops the release).
 	return &openBlob{}, fuse.FOPEN_KEEP_CACHE, 0
@@ -416,7 +445,7 @@ func (b *blobNode) Open(ctx context.Context, flags uint32) (fs.FileHandle, uint3
 type openBlob struct{ _ byte }
 
 func (b *blobNode) Release(ctx context.Context, fh fs.FileHandle) syscall.Errno {
-	b.opens.Add(-1)
+	b.opens.add(-1)
 	return 0
 }
 

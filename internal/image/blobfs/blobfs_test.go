@@ -195,12 +195,17 @@ func TestALayerLoadsOnDemand(t *testing.T) {
 			t.Fatalf("%d blob files open under two mounts, want 2", n)
 		}
 		unix.Close(fd)
-		deadline := time.Now().Add(10 * time.Second)
-		for f.Open() != 1 { // the kernel releases the file once the mount went
-			if time.Now().After(deadline) {
-				t.Fatalf("%d blob files open 10 s after one of two mounts went, want 1", f.Open())
+		timeout := time.After(10 * time.Second)
+		for { // the kernel releases the file once the mount went
+			n, changed := f.OpenChanged()
+			if n == 1 {
+				break
 			}
-			time.Sleep(10 * time.Millisecond)
+			select {
+			case <-changed:
+			case <-timeout:
+				t.Fatalf("%d blob files open 10 s after one of two mounts went, want 1", n)
+			}
 		}
 	})
 	t.Run("chunks cached by an earlier run are not fetched again", func(t *testing.T) {
