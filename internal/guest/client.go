@@ -8,9 +8,11 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 
 	guestv1 "github.com/opendsec/dsec/api/dsec/guest/v1"
@@ -28,21 +30,50 @@ func UnixDialer(path string) DialFunc {
 	}
 }
 
-// Client calls one sandbox's agent. It is safe for concurrent use: every
-// call opens its own connection, so calls never wait on each other.
+// Client calls one sandbox's agent. It is safe for concurrent use, and
+// calls never wait on each other: a call that sends nothing after its
+// first message (Run, and the calls with one answer) takes an idle kept
+// connection or opens one (see the protocol's top comment), and gives it
+// back once answered; every other call, and every call to an agent that
+// keeps no connection (an older one), opens a connection of its own.
+// Close the client when its sandbox ends.
 type Client struct {
 	dial DialFunc
+
+	// single: the agent keeps no connection, or its connections cannot be
+	// checked for life before reuse (see alive).
+	single atomic.Bool
+	mu     sync.Mutex
+	idle   []*conn // kept connections between calls
+	closed bool
 }
+
+// maxIdle bounds the kept connections held between calls: concurrent
+// calls beyond it open connections they close after.
+const maxIdle = 4
 
 // NewClient returns a client that connects with dial.
 func NewClient(dial DialFunc) *Client { return &Client{dial: dial} }
 
+// Close closes the kept connections; calls after it open their own.
+func (c *Client) Close() {
+	c.mu.Lock()
+	idle := c.idle
+	c.idle, c.closed = nil, true
+	c.mu.Unlock()
+	for _, cn := range idle {
+		cn.c.Close()
+	}
+}
+
 // conn is one call's connection.
 type conn struct {
-	c    net.Conn
-	r    *Reader
-	w    *Writer
-	stop func() bool
+	c      net.Conn
+	r      *Reader
+	w      *Writer
+	stop   func() bool
+	kept   bool // a kept connection: given back after its call
+	broken bool // a read or write failed: never given back
 }
 
 // open dials and sends the call. The connection closes when ctx ends.
@@ -52,12 +83,128 @@ func (c *Client) open(ctx context.Context, call *guestv1.ClientMsg) (*conn, erro
 		return nil, unreachable(err)
 	}
 	cn := &conn{c: nc, r: NewReader(nc), w: NewWriter(nc)}
+	return cn, cn.send(ctx, call)
+}
+
+// send arms the connection for ctx (a deadline in the past when it ends)
+// and sends the call; on failure the connection is closed.
+func (cn *conn) send(ctx context.Context, call *guestv1.ClientMsg) error {
+	nc := cn.c
 	cn.stop = context.AfterFunc(ctx, func() { nc.SetDeadline(time.Unix(1, 0)) })
 	if err := cn.w.Write(call); err != nil {
+		cn.broken = true
 		cn.close()
-		return nil, cn.wrapSend(ctx, err)
+		return cn.wrapSend(ctx, err)
+	}
+	return nil
+}
+
+// begin sends a call that sends nothing after its first message: over a
+// kept connection when the agent keeps them, else over its own. End it
+// with finish.
+func (c *Client) begin(ctx context.Context, call *guestv1.ClientMsg) (*conn, error) {
+	cn, err := c.kept(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if cn == nil {
+		return c.open(ctx, call)
+	}
+	return cn, cn.send(ctx, call)
+}
+
+// kept returns an idle kept connection, or a new one; nil (and no error)
+// when the agent keeps none.
+func (c *Client) kept(ctx context.Context) (*conn, error) {
+	for {
+		c.mu.Lock()
+		n := len(c.idle)
+		if n == 0 {
+			c.mu.Unlock()
+			break
+		}
+		cn := c.idle[n-1]
+		c.idle = c.idle[:n-1]
+		c.mu.Unlock()
+		if alive(cn.c) {
+			return cn, nil
+		}
+		cn.c.Close() // the agent is gone (or restarted): a new one is dialled
+	}
+	c.mu.Lock()
+	closed := c.closed
+	c.mu.Unlock()
+	if closed || c.single.Load() {
+		return nil, nil
+	}
+	nc, err := c.dial(ctx)
+	if err != nil {
+		return nil, unreachable(err)
+	}
+	if _, ok := nc.(syscall.Conn); !ok {
+		c.single.Store(true)
+		nc.Close()
+		return nil, nil
+	}
+	cn := &conn{c: nc, r: NewReader(nc), w: NewWriter(nc), kept: true}
+	if err := cn.send(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Hello{Hello: &guestv1.Hello{Keep: true}}}); err != nil {
+		return nil, err
+	}
+	m, err := cn.recv(ctx)
+	stopped := cn.stop()
+	switch {
+	case err != nil:
+		cn.c.Close()
+		return nil, err
+	case !stopped:
+		cn.c.Close()
+		return nil, errdefs.Classify(ctx.Err())
+	case !m.GetHello().GetKeep():
+		// An agent of an older protocol: it answered and closed.
+		c.single.Store(true)
+		cn.c.Close()
+		return nil, nil
 	}
 	return cn, nil
+}
+
+// finish ends a call begun with begin: a kept connection whose answer was
+// read whole goes back to the idle ones, any other is closed.
+func (c *Client) finish(cn *conn) {
+	if !cn.kept || cn.broken || !cn.stop() {
+		cn.close()
+		return
+	}
+	c.mu.Lock()
+	if c.closed || len(c.idle) >= maxIdle {
+		c.mu.Unlock()
+		cn.c.Close()
+		return
+	}
+	c.idle = append(c.idle, cn)
+	c.mu.Unlock()
+}
+
+// alive reports whether a kept connection's agent is still there: nothing
+// is waiting to be read on it between calls, so a peek that finds no data
+// and no end of stream means it is open. A connection whose descriptor
+// cannot be reached is taken for gone.
+func alive(nc net.Conn) bool {
+	sc, ok := nc.(syscall.Conn)
+	if !ok {
+		return false
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	open := false
+	var b [1]byte
+	rc.Control(func(fd uintptr) {
+		_, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		open = err == unix.EAGAIN
+	})
+	return open
 }
 
 // wrapSend classifies a failure to send: a message too large for a frame
@@ -116,6 +263,7 @@ func (cn *conn) close() {
 func (cn *conn) recv(ctx context.Context) (*guestv1.ServerMsg, error) {
 	m := new(guestv1.ServerMsg)
 	if err := cn.r.Read(m); err != nil {
+		cn.broken = true
 		if errors.Is(err, errTooLarge) {
 			return nil, errdefs.Internal(err, "the sandbox agent sent a message larger than %d bytes", MaxMessage)
 		}
@@ -145,11 +293,11 @@ func unreachable(err error) error {
 
 // call runs a call with a single answer.
 func (c *Client) call(ctx context.Context, call *guestv1.ClientMsg) (*guestv1.ServerMsg, error) {
-	cn, err := c.open(ctx, call)
+	cn, err := c.begin(ctx, call)
 	if err != nil {
 		return nil, err
 	}
-	defer cn.close()
+	defer c.finish(cn)
 	return cn.recv(ctx)
 }
 
@@ -169,14 +317,27 @@ func (c *Client) Hello(ctx context.Context) (*guestv1.HelloReply, error) {
 func (c *Client) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, error) {
 	x.Collect = true
 	x, stdin, eof := splitStdin(x)
-	cn, err := c.open(ctx, &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Exec{Exec: x}})
+	call := &guestv1.ClientMsg{Msg: &guestv1.ClientMsg_Exec{Exec: x}}
+	if stdin != nil || x.StdinOpen {
+		// Input follows the call: a connection of its own.
+		cn, err := c.open(ctx, call)
+		if err != nil {
+			return nil, err
+		}
+		defer cn.close()
+		go cn.feed(stdin, eof)
+		return cn.collect(ctx)
+	}
+	cn, err := c.begin(ctx, call)
 	if err != nil {
 		return nil, err
 	}
-	defer cn.close()
-	if stdin != nil {
-		go cn.feed(stdin, eof)
-	}
+	defer c.finish(cn)
+	return cn.collect(ctx)
+}
+
+// collect reads an exec's output and exit in collect mode.
+func (cn *conn) collect(ctx context.Context) (*guestv1.Exit, error) {
 	var out [3][]byte
 	for {
 		m, err := cn.recv(ctx)
@@ -194,6 +355,7 @@ func (c *Client) Run(ctx context.Context, x *guestv1.Exec) (*guestv1.Exit, error
 			v.Exit.Stderr = append(out[2], v.Exit.Stderr...)
 			return v.Exit, nil
 		default:
+			cn.broken = true
 			return nil, errdefs.Internal(nil, "agent answered exec with %T", m.Msg)
 		}
 	}

@@ -41,26 +41,10 @@ func TestMain(m *testing.M) {
 func startAgent(t *testing.T) *guest.Client {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "g.sock")
-	cmd := exec.Command(agentBin, "-listen", sock)
-	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	agentAt(t, sock)
 	c := guest.NewClient(guest.UnixDialer(sock))
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		_, err := c.Hello(ctx)
-		cancel()
-		if err == nil {
-			return c
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("agent did not answer: %v", err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	t.Cleanup(c.Close)
+	return c
 }
 
 func run(t *testing.T, c *guest.Client, x *guestv1.Exec) *guestv1.Exit {

@@ -120,13 +120,69 @@ func (a *Agent) serveConn(c net.Conn) {
 	if err := r.Read(call); err != nil {
 		return
 	}
+	if h := call.GetHello(); h != nil && h.Keep {
+		a.serveKept(r, w)
+		return
+	}
+	a.serveCall(call, c, r, w, nil)
+}
+
+// serveKept serves the calls of a kept connection one after another (see
+// the protocol's top comment), from its Hello's answer until the client
+// closes it. One goroutine reads the connection throughout: the next call
+// waits there until the previous one is answered, and its end (gone) is
+// the caller going away for an exec running then.
+func (a *Agent) serveKept(r *guest.Reader, w *guest.Writer) {
+	h := a.hello()
+	h.Keep = true
+	if w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Hello{Hello: h}}) != nil {
+		return
+	}
+	calls := make(chan *guestv1.ClientMsg)
+	gone, quit := make(chan struct{}), make(chan struct{})
+	defer close(quit)
+	go func() {
+		defer close(gone)
+		for {
+			m := new(guestv1.ClientMsg)
+			if r.Read(m) != nil {
+				return
+			}
+			select {
+			case calls <- m:
+			case <-quit:
+				return
+			}
+		}
+	}()
+	for {
+		select {
+		case m := <-calls:
+			a.serveCall(m, nil, nil, w, gone)
+		case <-gone:
+			return
+		}
+	}
+}
+
+// serveCall serves one call. On a connection of its own c and r are the
+// connection and its reader; on a kept one they are nil, gone is closed
+// when the connection ends, and calls that read more of the connection
+// are refused.
+func (a *Agent) serveCall(call *guestv1.ClientMsg, c net.Conn, r *guest.Reader, w *guest.Writer, gone <-chan struct{}) {
 	fail := func(err error) { w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Error{Error: guest.ToWire(err)}}) }
 	done := func() { w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Done{Done: &guestv1.Done{}}}) }
+	if r == nil && !keptCall(call) {
+		fail(invalid("call %T needs a connection of its own", call.Msg))
+		return
+	}
 	switch m := call.Msg.(type) {
 	case *guestv1.ClientMsg_Hello:
-		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Hello{Hello: a.hello()}})
+		h := a.hello()
+		h.Keep = r == nil
+		w.Write(&guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Hello{Hello: h}})
 	case *guestv1.ClientMsg_Exec:
-		a.serveExec(m.Exec, r, w)
+		a.serveExec(m.Exec, r, w, gone)
 	case *guestv1.ClientMsg_Attach:
 		p := a.procs.find(m.Attach.Id, m.Attach.Tag)
 		if p == nil {
@@ -275,7 +331,21 @@ func (a *Agent) hello() *guestv1.HelloReply {
 	}
 }
 
-func (a *Agent) serveExec(x *guestv1.Exec, r *guest.Reader, w *guest.Writer) {
+// keptCall reports whether call may run on a kept connection: every
+// message after it goes from the agent to the client.
+func keptCall(call *guestv1.ClientMsg) bool {
+	switch m := call.Msg.(type) {
+	case *guestv1.ClientMsg_Exec:
+		return m.Exec.Collect && !m.Exec.StdinOpen
+	case *guestv1.ClientMsg_Attach, *guestv1.ClientMsg_ReadFile, *guestv1.ClientMsg_WriteFile,
+		*guestv1.ClientMsg_Watch, *guestv1.ClientMsg_DialPort, *guestv1.ClientMsg_ListenPort,
+		*guestv1.ClientMsg_TakeConn, *guestv1.ClientMsg_Data, *guestv1.ClientMsg_End:
+		return false
+	}
+	return true
+}
+
+func (a *Agent) serveExec(x *guestv1.Exec, r *guest.Reader, w *guest.Writer, gone <-chan struct{}) {
 	s := connSink{w}
 	var started func(*proc)
 	if !x.Collect {
@@ -294,7 +364,7 @@ func (a *Agent) serveExec(x *guestv1.Exec, r *guest.Reader, w *guest.Writer) {
 		return
 	}
 	// Collect mode too: stdin larger than a frame arrives as Input.
-	a.follow(p, s, r)
+	a.follow(p, s, r, gone)
 }
 
 // attach streams an existing process: replayed output (with replay), then
@@ -307,16 +377,30 @@ func (a *Agent) attach(p *proc, replay bool, r *guest.Reader, w *guest.Writer) {
 	if err := p.subscribe(s, replay, &guestv1.ServerMsg{Msg: &guestv1.ServerMsg_Started{Started: &guestv1.Started{Id: p.id, Pid: int32(p.pid)}}}); err != nil {
 		return
 	}
-	a.follow(p, s, r)
+	a.follow(p, s, r, nil)
 }
 
-// follow applies the client's input, signals and resizes until the process
-// exits or the client goes away. The process outlives the connection.
-func (a *Agent) follow(p *proc, s sink, r *guest.Reader) {
-	var once sync.Once
+// follow applies the client's input, signals and resizes read from r until
+// the process exits or the client goes away (r ends, or gone is closed on a
+// kept connection, which carries none of them). The process outlives the
+// connection.
+func (a *Agent) follow(p *proc, s sink, r *guest.Reader, gone <-chan struct{}) {
+	if r != nil {
+		gone = a.control(p, r)
+	}
+	select {
+	case <-p.done:
+	case <-gone:
+		p.unsubscribe(s)
+	}
+}
+
+// control applies the Input, Signal and Resize messages read from r to p
+// until r ends, and then closes the channel it returns.
+func (a *Agent) control(p *proc, r *guest.Reader) <-chan struct{} {
 	gone := make(chan struct{})
 	go func() {
-		defer once.Do(func() { close(gone) })
+		defer close(gone)
 		for {
 			m := new(guestv1.ClientMsg)
 			if err := r.Read(m); err != nil {
@@ -332,11 +416,7 @@ func (a *Agent) follow(p *proc, s sink, r *guest.Reader) {
 			}
 		}
 	}()
-	select {
-	case <-p.done:
-	case <-gone:
-		p.unsubscribe(s)
-	}
+	return gone
 }
 
 func deliverInput(p *proc, in *guestv1.Input) error {

@@ -798,6 +798,7 @@ func (d *Driver) boot(ctx context.Context, s *substrate.Spec, st *state, ns *use
 	}
 	helloErr := make(chan error, 1)
 	client := guest.NewClient(guest.UnixDialer(sock))
+	defer client.Close() // the instance has a client of its own
 	go func() { _, err := client.Hello(hctx); helloErr <- err }()
 	select {
 	case err := <-helloErr:

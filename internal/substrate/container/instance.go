@@ -487,6 +487,7 @@ func (i *instance) Destroy(ctx context.Context) error {
 	if i.destroyed {
 		return nil
 	}
+	i.client.Close()
 	if i.paused && i.rt != nil {
 		// Frozen processes cannot receive the kill.
 		i.rt.run(ctx, "resume", i.id)

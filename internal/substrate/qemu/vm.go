@@ -770,6 +770,7 @@ func (v *VM) Destroy() {
 			p.Kill(10 * time.Second)
 		}
 	}
+	v.client.Close()
 	v.release()
 	os.Remove(v.cfg.AgentSock)
 	os.Remove(v.cfg.QMPSock)

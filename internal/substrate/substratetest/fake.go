@@ -439,6 +439,7 @@ func (i *fakeInstance) Destroy(ctx context.Context) error {
 	if i.destroyed {
 		return nil
 	}
+	i.client.Close()
 	if fd, err := unix.PidfdOpen(i.st.Pid, 0); err == nil {
 		if i.alive() { // the pidfd refers to the verified process
 			unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
