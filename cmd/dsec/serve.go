@@ -124,6 +124,7 @@ func nodeFlags(f *pflag.FlagSet, flagCfg *config.Config, v *nodeVars) {
 	f.StringVar(&flagCfg.MetricsListen, "metrics-listen", "", "also serve Prometheus metrics at /metrics on this address, without authentication (they are always at /metrics on --listen for admin keys)")
 	f.BoolVar(&flagCfg.NoMetrics, "no-metrics", false, "count nothing and serve no /metrics (to measure what metrics cost)")
 	f.DurationVar((*time.Duration)(&flagCfg.Node.SampleEvery), "sample-every", 0, "how often each sandbox's use is sampled into its history (default 5s; negative: never)")
+	f.DurationVar((*time.Duration)(&flagCfg.Node.LogSyncWindow), "log-sync-window", 0, "how long an answered call's trajectory entry may wait for its fsync; written before the answer either way (default 10ms; negative: synced before each answer)")
 	f.StringArrayVar(&v.webhooks, "webhook", nil, "POST every sandbox lifecycle event to this URL, signed with --webhook-secret-file's key (repeatable; the config file's node.webhooks also filter)")
 	f.StringVar(&v.webhookSecret, "webhook-secret-file", "", "file holding the key --webhook deliveries are signed with")
 }
@@ -237,6 +238,9 @@ func applyFlags(cmd *cobra.Command, cfg, fl *config.Config, bootstrap string) {
 	}
 	if set("sample-every") {
 		cfg.Node.SampleEvery = fl.Node.SampleEvery
+	}
+	if set("log-sync-window") {
+		cfg.Node.LogSyncWindow = fl.Node.LogSyncWindow
 	}
 	if set("runtime") {
 		cfg.Container.Runtime = fl.Container.Runtime
@@ -748,6 +752,7 @@ func buildNode(cfg config.Config, dataDir string, reg *metrics.Registry, log *sl
 		Credentials:        creds,
 		DefaultVolumeMB:    cfg.Node.DefaultVolumeMB, MaxVolumeMB: cfg.Node.MaxVolumeMB,
 		Metrics: registerer(reg), Webhooks: hooks, SampleEvery: time.Duration(cfg.Node.SampleEvery),
+		LogSyncWindow: time.Duration(cfg.Node.LogSyncWindow),
 	}, log, images, nm, drivers)
 }
 

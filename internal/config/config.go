@@ -97,6 +97,11 @@ type Node struct {
 	// SampleEvery is how often each sandbox's use is sampled into its
 	// history (default 5s; a negative duration turns sampling off).
 	SampleEvery Duration `json:"sample_every,omitempty"`
+	// LogSyncWindow is how long an answered call's trajectory entry may
+	// wait for its fsync (default 10ms; negative: synced before each
+	// answer). Written before the answer either way: a kill of the node
+	// loses none; a crash of the host, at most the last window's.
+	LogSyncWindow Duration `json:"log_sync_window,omitempty"`
 	// MaxSandboxes is the node's admission limit (default 4096).
 	MaxSandboxes int `json:"max_sandboxes,omitempty"`
 	// DefaultTTL and MaxTTL bound sandbox lifetimes (default 1h and 168h).

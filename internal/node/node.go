@@ -98,6 +98,10 @@ type Config struct {
 	// SampleEvery is how often each sandbox's use is sampled into its
 	// history (default 5s; negative: never).
 	SampleEvery time.Duration
+	// LogSyncWindow is how long an answered call's trajectory entry may
+	// wait for its fsync (default 10ms; negative: synced before each
+	// answer). See trajectory.Store.SetSyncWindow.
+	LogSyncWindow time.Duration
 }
 
 func (c *Config) defaults() {
@@ -167,6 +171,9 @@ func (c *Config) defaults() {
 	}
 	if c.SampleEvery == 0 {
 		c.SampleEvery = 5 * time.Second
+	}
+	if c.LogSyncWindow == 0 {
+		c.LogSyncWindow = 10 * time.Millisecond
 	}
 	if c.deadlineGrace == 0 {
 		c.deadlineGrace = deadlineGrace
@@ -262,6 +269,7 @@ func New(cfg Config, log *slog.Logger, images *image.Store, net *network.Manager
 		st.close()
 		return nil, err
 	}
+	logs.SetSyncWindow(cfg.LogSyncWindow)
 	n.logs = logs
 	vols, err := volume.Open(filepath.Join(cfg.DataDir, "volumes"), volume.Config{Node: cfg.Name, DefaultMB: cfg.DefaultVolumeMB, MaxMB: cfg.MaxVolumeMB}, n.log)
 	if err != nil {

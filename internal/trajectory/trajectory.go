@@ -1,6 +1,7 @@
 // Package trajectory keeps each sandbox's trajectory log: every exec and
-// file mutation, in order, with its result, appended durably before the
-// result is returned. A call with a request ID is exactly-once: repeating
+// file mutation, in order, with its result, written before the result is
+// returned and made durable as the store's sync window says (SetSyncWindow:
+// synced before the result, or within the window after it). A call with a request ID is exactly-once: repeating
 // it returns the logged entry instead of running again, which is how a
 // trainer resumed after preemption is fast-forwarded to where it stopped.
 //
@@ -38,8 +39,70 @@ const MaxBlob = 64 << 20
 type Store struct {
 	dir string
 
-	mu   sync.Mutex
-	logs map[string]*Log
+	mu     sync.Mutex
+	logs   map[string]*Log
+	syncer *syncer // nil: every entry is synced before Append returns
+}
+
+// SetSyncWindow sets when an appended entry reaches the disk. Zero (the
+// default) or less: Append syncs it before it returns. Otherwise Append
+// returns once the entry is written to the file, which a crash or kill of
+// the process that wrote it does not lose, and one fsync per window makes
+// every entry written in it durable: a crash of the host loses at most the
+// entries answered in the last window. Logs opened before keep their mode.
+func (s *Store) SetSyncWindow(d time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.syncer = nil
+	if d > 0 {
+		s.syncer = &syncer{window: d, dirty: map[*Log]struct{}{}}
+	}
+}
+
+// Sync makes every entry written so far durable.
+func (s *Store) Sync() error {
+	s.mu.Lock()
+	logs := make([]*Log, 0, len(s.logs))
+	for _, l := range s.logs {
+		logs = append(logs, l)
+	}
+	s.mu.Unlock()
+	var first error
+	for _, l := range logs {
+		if err := l.sync(); err != nil && first == nil {
+			first = err
+		}
+	}
+	return first
+}
+
+// syncer syncs the logs written in a window once the window ends: one
+// fsync per log per window, off the answers' path.
+type syncer struct {
+	window time.Duration
+	mu     sync.Mutex
+	dirty  map[*Log]struct{}
+}
+
+// mark notes that l has entries to sync; the first mark of a window starts
+// the window.
+func (y *syncer) mark(l *Log) {
+	y.mu.Lock()
+	defer y.mu.Unlock()
+	if len(y.dirty) == 0 {
+		time.AfterFunc(y.window, y.flush)
+	}
+	y.dirty[l] = struct{}{}
+}
+
+func (y *syncer) flush() {
+	y.mu.Lock()
+	dirty := y.dirty
+	y.dirty = map[*Log]struct{}{}
+	y.mu.Unlock()
+	for l := range dirty {
+		l.sync()
+	}
 }
 
 // Open opens the store in dir.
@@ -63,6 +126,7 @@ func (s *Store) Log(id string) (*Log, error) {
 	if err != nil {
 		return nil, err
 	}
+	l.syncer = s.syncer
 	s.logs[id] = l
 	return l, nil
 }
@@ -219,8 +283,12 @@ func (s *Store) GCBlobs() {
 type Log struct {
 	path string
 
+	syncer *syncer // nil: synced on each Append
+
 	mu       sync.Mutex
 	f        *os.File
+	synced   uint64 // the entries before it are on disk
+	syncErr  error  // a failed sync of entries already answered
 	next     uint64
 	byReq    map[string]int64 // request ID → offset of its entry
 	offs     []int64          // offs[i]: the offset of entry seq i+1 (-1: none)
@@ -235,6 +303,7 @@ func openLog(path string) (*Log, error) {
 		return nil, fmt.Errorf("open trajectory log: %w", err)
 	}
 	l.f = f
+	defer func() { l.synced = l.next }()
 	// Index the existing entries; a torn last line (crash mid-write) is cut.
 	r := bufio.NewReaderSize(f, 1<<20)
 	var off int64
@@ -265,6 +334,7 @@ func openLog(path string) (*Log, error) {
 }
 
 func (l *Log) close() {
+	l.sync()
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.f != nil {
@@ -272,6 +342,38 @@ func (l *Log) close() {
 		l.f = nil
 	}
 	l.notify()
+}
+
+// sync makes the entries written so far durable. The fsync runs outside
+// mu: appends go on meanwhile.
+func (l *Log) sync() error {
+	l.mu.Lock()
+	f, upTo := l.f, l.next
+	if f == nil || l.synced >= upTo {
+		err := l.syncErr
+		l.mu.Unlock()
+		return err
+	}
+	l.mu.Unlock()
+	err := f.Sync()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	switch {
+	case err != nil && l.f == f:
+		// The kernel may have dropped what it could not write: the log
+		// stops taking entries rather than claim them.
+		l.syncErr = errdefs.Internal(err, "sync trajectory log")
+	case err == nil && upTo > l.synced:
+		l.synced = upTo
+	}
+	return l.syncErr
+}
+
+// Synced returns the sequence number below which every entry is on disk.
+func (l *Log) Synced() uint64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.synced
 }
 
 // index records where entry seq starts (under mu).
@@ -372,13 +474,16 @@ func (l *Log) Claim(requestID, fingerprint string, wait <-chan struct{}) (replay
 	}
 }
 
-// Append assigns the next sequence number, writes the entry and syncs it
-// before returning.
+// Append assigns the next sequence number and writes the entry: synced
+// before it returns, or within the store's sync window (SetSyncWindow).
 func (l *Log) Append(e *dsecv1.LogEntry) (*dsecv1.LogEntry, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.f == nil {
 		return nil, errdefs.Gone("trajectory log closed")
+	}
+	if l.syncErr != nil {
+		return nil, l.syncErr
 	}
 	e.Seq = l.next
 	if e.At == nil {
@@ -398,8 +503,13 @@ func (l *Log) Append(e *dsecv1.LogEntry) (*dsecv1.LogEntry, error) {
 		l.f.Truncate(off)
 		return nil, errdefs.Internal(err, "write trajectory log")
 	}
-	if err := l.f.Sync(); err != nil {
-		return nil, errdefs.Internal(err, "sync trajectory log")
+	if l.syncer == nil {
+		if err := l.f.Sync(); err != nil {
+			return nil, errdefs.Internal(err, "sync trajectory log")
+		}
+		l.synced = l.next + 1
+	} else {
+		l.syncer.mark(l)
 	}
 	l.next++
 	if e.RequestId != "" {

@@ -1,11 +1,16 @@
 package trajectory
 
 import (
+	"bufio"
+	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -181,4 +186,132 @@ func TestReadFromTheMiddleAndWaitForMore(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(dir, "logs", "sb1.jsonl")); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// With a sync window, an appended entry is in the file when Append returns
+// (another process reads it; a kill of the writer loses none) and on disk
+// once the window has passed, or at Sync or close.
+func TestSyncWindow(t *testing.T) {
+	t.Run("an entry waits for the window's sync, and Sync and close make it durable", func(t *testing.T) {
+		dir := t.TempDir()
+		s, _ := Open(dir)
+		s.SetSyncWindow(time.Hour)
+		l, err := s.Log("sb1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		e, err := l.Append(entry("a"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l.Synced() > e.Seq {
+			t.Fatalf("synced to %d within an hour's window", l.Synced())
+		}
+		other, _ := Open(dir)
+		ol, _ := other.Log("sb1")
+		if got, _, err := ol.Read(0, 0); err != nil || len(got) != 1 || string(got[0].Result.Stdout) != "a" {
+			t.Fatalf("another reader of the file: %v %v", got, err)
+		}
+		if err := s.Sync(); err != nil || l.Synced() != e.Seq+1 {
+			t.Fatalf("after Sync: synced to %d (%v), want %d", l.Synced(), err, e.Seq+1)
+		}
+		e2, _ := l.Append(entry("b"))
+		if l.Synced() > e2.Seq {
+			t.Fatal("the second entry was synced at once")
+		}
+		s.Forget("sb1")
+		if l.Synced() != e2.Seq+1 {
+			t.Fatalf("closed with entries not synced: %d, want %d", l.Synced(), e2.Seq+1)
+		}
+	})
+	t.Run("the window's end syncs what it took", func(t *testing.T) {
+		s, _ := Open(t.TempDir())
+		s.SetSyncWindow(time.Millisecond)
+		l, _ := s.Log("sb1")
+		var last *dsecv1.LogEntry
+		for range 20 {
+			last, _ = l.Append(entry("x"))
+		}
+		for deadline := time.Now().Add(10 * time.Second); l.Synced() <= last.Seq; time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("synced to %d 10 s after a 1 ms window, want %d", l.Synced(), last.Seq+1)
+			}
+		}
+	})
+	t.Run("without a window every entry is synced before Append returns", func(t *testing.T) {
+		s, _ := Open(t.TempDir())
+		l, _ := s.Log("sb1")
+		for range 3 {
+			if e, _ := l.Append(entry("x")); l.Synced() != e.Seq+1 {
+				t.Fatalf("synced to %d after entry %d", l.Synced(), e.Seq)
+			}
+		}
+	})
+	t.Run("a writer killed right after its answer loses no answered entry", func(t *testing.T) {
+		dir := t.TempDir()
+		cmd := exec.Command(os.Args[0])
+		cmd.Env = append(os.Environ(), "TRAJECTORY_WRITER="+dir)
+		out, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		// The writer prints each sequence number once Append returned it,
+		// then waits to be killed, its window far from over.
+		var answered []string
+		sc := bufio.NewScanner(out)
+		for sc.Scan() && sc.Text() != "done" {
+			answered = append(answered, sc.Text())
+		}
+		cmd.Process.Kill()
+		cmd.Wait()
+		if len(answered) != 50 {
+			t.Fatalf("the writer answered %d entries: %v", len(answered), answered)
+		}
+		s, _ := Open(dir)
+		l, _ := s.Log("sb1")
+		got, _, err := l.Read(0, 0)
+		if err != nil || len(got) != len(answered) {
+			t.Fatalf("%d entries after the kill (%v), %d answered", len(got), err, len(answered))
+		}
+		for i, e := range got {
+			if strconv.FormatUint(e.Seq, 10) != answered[i] {
+				t.Fatalf("entry %d is seq %d, answered %s", i, e.Seq, answered[i])
+			}
+		}
+	})
+}
+
+// TestMain runs the package's tests, or TestSyncWindow's writer process.
+func TestMain(m *testing.M) {
+	if dir := os.Getenv("TRAJECTORY_WRITER"); dir != "" {
+		if err := writer(dir); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+	}
+	os.Exit(m.Run())
+}
+
+// writer appends 50 entries with an hour's sync window, printing each
+// sequence number once Append returned it, then "done", and waits to be
+// killed.
+func writer(dir string) error {
+	s, _ := Open(dir)
+	s.SetSyncWindow(time.Hour)
+	l, err := s.Log("sb1")
+	if err != nil {
+		return err
+	}
+	for range 50 {
+		e, err := l.Append(entry("x"))
+		if err != nil {
+			return err
+		}
+		fmt.Println(e.Seq)
+	}
+	fmt.Println("done")
+	select {}
 }
