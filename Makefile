@@ -12,7 +12,7 @@ export DSEC_CACHE_DIR := $(CACHE_DIR)
 VERSION   ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LISTEN    ?= 127.0.0.1:7070
 
-.PHONY: all setup build run test test-go test-rootless test-python proto bench bench-microvm bench-vm bench-cluster bench-gateway bench-burst bench-image clean
+.PHONY: all setup build run test test-go test-rootless test-python proto bench bench-microvm bench-vm bench-cluster bench-gateway bench-burst bench-image bench-report clean
 
 all: build
 
@@ -98,6 +98,9 @@ bench-burst: build
 
 bench-image: build
 	go run ./bench/image
+
+bench-report: build
+	mkdir -p .dsec && go run ./bench/report -json .dsec/bench-report.json
 
 bench-gateway: build
 	go run ./bench/gateway

@@ -55,6 +55,8 @@ want prometheus
 want docker-registry /usr/bin/docker-registry
 # The dashboard test drives the distribution's Chromium, headless.
 want chromium
+# bench/function's baseline runs Python in bubblewrap (make bench-report).
+want bubblewrap bwrap
 
 # busybox-static must be the static build (the busybox package is dynamic).
 if [[ -e /bin/busybox ]] && LC_ALL=C readelf -l /bin/busybox 2>/dev/null | grep -q 'program interpreter'; then

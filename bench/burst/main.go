@@ -22,13 +22,14 @@ import (
 	"time"
 
 	"github.com/opendsec/dsec/bench/internal/rawcrun"
+	"github.com/opendsec/dsec/bench/internal/result"
 	"github.com/opendsec/dsec/internal/dsectest"
 	"github.com/opendsec/dsec/internal/mountns"
 	dsec "github.com/opendsec/dsec/sdk/go"
 )
 
-// result is one pattern's numbers, as printed and written to -json.
-type result struct {
+// outcome is one pattern's numbers, as printed and written to -json.
+type outcome struct {
 	Start   string  `json:"start"` // cold or warm
 	Pattern string  `json:"pattern"`
 	N       int     `json:"n"`
@@ -56,14 +57,14 @@ func main() {
 	fmt.Printf("floor: overlay of the same layers + `crun run true` for the same arrivals\n\n")
 	fmt.Printf("%-5s %-11s %24s %24s %8s %s\n", "start", "pattern", "dsec p50 / p99", "floor p50 / p99", "p99 ×", "failed")
 	patterns := []struct {
-		name   string
-		offset func(i int) time.Duration // -1: after the previous one's answer
+		name, words string
+		offset      func(i int) time.Duration // -1: after the previous one's answer
 	}{
-		{"burst", func(int) time.Duration { return 0 }},
-		{"staggered", func(i int) time.Duration { return time.Duration(i) * *stagger / time.Duration(*n) }},
-		{"sequential", func(int) time.Duration { return -1 }},
+		{"burst", "at once", func(int) time.Duration { return 0 }},
+		{"staggered", "over " + stagger.String(), func(i int) time.Duration { return time.Duration(i) * *stagger / time.Duration(*n) }},
+		{"sequential", "one after another", func(int) time.Duration { return -1 }},
 	}
-	var results []result
+	var results []outcome
 	for _, start := range []string{"cold", "warm"} {
 		args := []string{"--max-sandboxes", strconv.Itoa(*n*2 + 64)}
 		if start == "warm" {
@@ -104,9 +105,11 @@ func main() {
 				}
 				rl = append(rl, w...)
 			}
-			res := result{Start: start, Pattern: p.name, N: *n, Failed: failed,
+			res := outcome{Start: start, Pattern: p.name, N: *n, Failed: failed,
 				DsecP50: ms(rawcrun.Pct(dl, 50)), DsecP99: ms(rawcrun.Pct(dl, 99)), RawP50: ms(rawcrun.Pct(rl, 50)), RawP99: ms(rawcrun.Pct(rl, 99))}
 			results = append(results, res)
+			result.Emit(result.Row{Key: "burst." + start + "." + p.name, What: fmt.Sprintf("time to first command, %s start, %d %s, p99", start, *n, p.words),
+				Unit: "ms", Dsec: res.DsecP99, Baseline: res.RawP99, BaselineName: "overlay + crun run true, same arrivals"})
 			fmt.Printf("%-5s %-11s %24s %24s %7.2fx %d\n", start, p.name,
 				fmt.Sprintf("%s / %s", rawcrun.Pct(dl, 50), rawcrun.Pct(dl, 99)),
 				fmt.Sprintf("%s / %s", rawcrun.Pct(rl, 50), rawcrun.Pct(rl, 99)),

@@ -32,6 +32,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/opendsec/dsec/bench/internal/rawcrun"
+	"github.com/opendsec/dsec/bench/internal/result"
 	"github.com/opendsec/dsec/internal/dsectest"
 	"github.com/opendsec/dsec/internal/mountns"
 	dsec "github.com/opendsec/dsec/sdk/go"
@@ -98,6 +99,8 @@ func main() {
 			lat = append(lat, l...)
 		}
 		fmt.Printf("%-4d %12.1f %12.1f %6.2fx   %s\n", par, rawcrun.Median(ds), rawcrun.Median(rs), rawcrun.Median(ratios), rawcrun.Pcts(lat))
+		result.Emit(result.Row{Key: fmt.Sprintf("cycle.par%d", par), What: fmt.Sprintf("create→exec→delete, %d in parallel", par),
+			Unit: "/s", Dsec: rawcrun.Median(ds), Baseline: rawcrun.Median(rs), BaselineName: "overlay + crun run + umount"})
 	}
 
 	before := phases(b, metricsAddr)
@@ -111,6 +114,8 @@ func main() {
 	}
 	fmt.Printf("exec(true) round trip: dsec p50 %s p99 %s; crun exec p50 %s p99 %s; dsec is %.1fx faster at p50\n",
 		d50, d99, r50, r99, float64(r50)/float64(d50))
+	result.Emit(result.Row{Key: "exec.p50", What: "exec(true) round trip, p50", Unit: "ms", Dsec: result.Ms(d50), Baseline: result.Ms(r50), BaselineName: "crun exec"},
+		result.Row{Key: "exec.p99", What: "exec(true) round trip, p99", Unit: "ms", Dsec: result.Ms(d99), Baseline: result.Ms(r99), BaselineName: "crun exec"})
 
 	if *idle > 0 {
 		fmt.Println()

@@ -33,6 +33,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/bench/internal/result"
 	"github.com/opendsec/dsec/internal/dsectest"
 	"github.com/opendsec/dsec/internal/mountns"
 )
@@ -115,6 +116,13 @@ func main() {
 		rate, lat := load(*n, c, call)
 		brate, _ := load(max(*n/5, 50), min(c, 8*2), baseline)
 		fmt.Printf("%-10d %12.0f %10s %10s %14.0f %7.1fx\n", c, rate, pct(lat, 50), pct(lat, 99), brate, rate/brate)
+		who := fmt.Sprintf("%d callers", c)
+		if c == 1 {
+			who = "1 caller"
+		}
+		result.Emit(result.Row{Key: fmt.Sprintf("run_code.c%d", c), What: "run_code python, " + who,
+			Unit: "/s", Dsec: rate, Baseline: brate, BaselineName: "a fresh python in bubblewrap"},
+			result.Row{Key: fmt.Sprintf("run_code.c%d.p99", c), What: "run_code python, " + who + ", p99", Unit: "ms", Dsec: result.Ms(pct(lat, 99))})
 	}
 	fmt.Println("(the baseline runs with at most 16 in parallel: more only queues on 2 cores)")
 

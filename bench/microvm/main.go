@@ -35,6 +35,7 @@ import (
 	"time"
 
 	dsecv1 "github.com/opendsec/dsec/api/dsec/v1"
+	"github.com/opendsec/dsec/bench/internal/result"
 	"github.com/opendsec/dsec/internal/dsectest"
 	"github.com/opendsec/dsec/internal/mountns"
 	"github.com/opendsec/dsec/internal/proc"
@@ -123,6 +124,8 @@ func main() {
 		sb.Close()
 	}
 	report("boot to first exec", dsecBoot, "raw boot to marker", rawBoot)
+	result.Emit(result.Row{Key: "microvm.boot", What: "microVM boot to first exec, p50", Unit: "ms",
+		Dsec: result.Ms(p50(dsecBoot)), Baseline: result.Ms(p50(rawBoot)), BaselineName: "raw QEMU boot to a marker"})
 
 	// Restore.
 	parent, err := c.Create(ctx, opts)
@@ -154,6 +157,8 @@ func main() {
 		sb.Close()
 	}
 	report("restore to first exec", dsecRestore, "raw -incoming restore", rawRestore)
+	result.Emit(result.Row{Key: "microvm.restore", What: "microVM restore to first exec, p50", Unit: "ms",
+		Dsec: result.Ms(p50(dsecRestore)), Baseline: result.Ms(p50(rawRestore)), BaselineName: "raw QEMU -incoming restore"})
 
 	// A create of the same image and shape on a server that keeps boot
 	// snapshots: its first create boots and saves one, the next restore it.
@@ -212,6 +217,10 @@ func main() {
 		fmt.Printf("fork %d: %d created in %v, %v per child; child PSS %.1f MiB each (KSM pages_sharing %s)\n",
 			*forkN, len(ids), total.Round(time.Millisecond), (total / time.Duration(max(1, len(ids)))).Round(time.Millisecond),
 			float64(rss)/float64(max(1, len(ids)))/(1<<20), ksmSharing())
+		result.Emit(result.Row{Key: "microvm.fork", What: fmt.Sprintf("fork %d microVMs from one, per child", *forkN), Unit: "ms",
+			Dsec: result.Ms(total) / float64(max(1, len(ids)))},
+			result.Row{Key: "microvm.fork.pss", What: fmt.Sprintf("fork %d microVMs from one, PSS per idle child", *forkN), Unit: "MiB",
+				Dsec: float64(rss) / float64(max(1, len(ids))) / (1 << 20)})
 		for _, id := range ids {
 			c.Sandbox(id).Close()
 		}
