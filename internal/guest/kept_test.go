@@ -85,7 +85,7 @@ func bytesReader(b []byte) io.Reader { return &byteSlice{b} }
 
 // agentAt runs the real agent binary on sock until the test ends (or the
 // returned process is killed).
-func agentAt(t *testing.T, sock string) *exec.Cmd {
+func agentAt(t testing.TB, sock string) *exec.Cmd {
 	t.Helper()
 	cmd := exec.Command(agentBin, "-listen", sock)
 	cmd.Stderr = os.Stderr
@@ -300,5 +300,20 @@ func TestAKeptConnectionRefusesCallsThatNeedTheirOwn(t *testing.T) {
 	nc.(*net.UnixConn).CloseWrite()
 	if err := r.Read(new(guestv1.ServerMsg)); !errors.Is(err, io.EOF) {
 		t.Fatalf("after the client's end: %v", err)
+	}
+}
+
+// BenchmarkRunTrue times the agent's own exec(true) round trip (the node's
+// share of an exec is measured by bench/container).
+func BenchmarkRunTrue(b *testing.B) {
+	sock := filepath.Join(b.TempDir(), "g.sock")
+	agentAt(b, sock)
+	c := guest.NewClient(guest.UnixDialer(sock))
+	defer c.Close()
+	ctx := context.Background()
+	for b.Loop() {
+		if _, err := c.Run(ctx, &guestv1.Exec{Argv: []string{"/bin/true"}}); err != nil {
+			b.Fatal(err)
+		}
 	}
 }
