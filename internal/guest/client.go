@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -43,27 +44,92 @@ type Client struct {
 	// single: the agent keeps no connection, or its connections cannot be
 	// checked for life before reuse (see alive).
 	single atomic.Bool
+	idle   *idleConns
+}
+
+// idleConns are a client's kept connections between calls.
+type idleConns struct {
 	mu     sync.Mutex
-	idle   []*conn // kept connections between calls
+	conns  []*conn
 	closed bool
 }
 
-// maxIdle bounds the kept connections held between calls: concurrent
-// calls beyond it open connections they close after.
+// maxIdle bounds one client's kept connections held between calls:
+// concurrent calls beyond it open connections they close after.
 const maxIdle = 4
 
+// The process's idle kept connections, across its clients, stay within
+// idleBudget (a quarter of its open-file limit): on a node with thousands
+// of sandboxes the rest go back to a connection per call rather than
+// spend the limit.
+var (
+	idleKept   atomic.Int64
+	idleBudget = sync.OnceValue(func() int64 {
+		var rl unix.Rlimit
+		if unix.Getrlimit(unix.RLIMIT_NOFILE, &rl) != nil {
+			return 256
+		}
+		return int64(rl.Cur / 4)
+	})
+)
+
 // NewClient returns a client that connects with dial.
-func NewClient(dial DialFunc) *Client { return &Client{dial: dial} }
+func NewClient(dial DialFunc) *Client {
+	c := &Client{dial: dial, idle: &idleConns{}}
+	// A client dropped without Close gives its kept connections, and their
+	// share of the budget, back once it is collected.
+	runtime.AddCleanup(c, (*idleConns).close, c.idle)
+	return c
+}
 
 // Close closes the kept connections; calls after it open their own.
-func (c *Client) Close() {
-	c.mu.Lock()
-	idle := c.idle
-	c.idle, c.closed = nil, true
-	c.mu.Unlock()
-	for _, cn := range idle {
+func (c *Client) Close() { c.idle.close() }
+
+func (p *idleConns) close() {
+	p.mu.Lock()
+	conns := p.conns
+	p.conns, p.closed = nil, true
+	p.mu.Unlock()
+	idleKept.Add(-int64(len(conns)))
+	for _, cn := range conns {
 		cn.c.Close()
 	}
+}
+
+// take returns an idle connection, or nil.
+func (p *idleConns) take() *conn {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := len(p.conns)
+	if n == 0 {
+		return nil
+	}
+	cn := p.conns[n-1]
+	p.conns = p.conns[:n-1]
+	idleKept.Add(-1)
+	return cn
+}
+
+// put keeps cn for the next call if the client is open and the client's
+// and the process's bounds allow; it reports whether it did.
+func (p *idleConns) put(cn *conn) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed || len(p.conns) >= maxIdle {
+		return false
+	}
+	if idleKept.Add(1) > idleBudget() {
+		idleKept.Add(-1)
+		return false
+	}
+	p.conns = append(p.conns, cn)
+	return true
+}
+
+func (p *idleConns) isClosed() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.closed
 }
 
 // conn is one call's connection.
@@ -116,25 +182,13 @@ func (c *Client) begin(ctx context.Context, call *guestv1.ClientMsg) (*conn, err
 // kept returns an idle kept connection, or a new one; nil (and no error)
 // when the agent keeps none.
 func (c *Client) kept(ctx context.Context) (*conn, error) {
-	for {
-		c.mu.Lock()
-		n := len(c.idle)
-		if n == 0 {
-			c.mu.Unlock()
-			break
-		}
-		cn := c.idle[n-1]
-		c.idle = c.idle[:n-1]
-		c.mu.Unlock()
+	for cn := c.idle.take(); cn != nil; cn = c.idle.take() {
 		if alive(cn.c) {
 			return cn, nil
 		}
 		cn.c.Close() // the agent is gone (or restarted): a new one is dialled
 	}
-	c.mu.Lock()
-	closed := c.closed
-	c.mu.Unlock()
-	if closed || c.single.Load() {
+	if c.single.Load() || c.idle.isClosed() || idleKept.Load() >= idleBudget() {
 		return nil, nil
 	}
 	nc, err := c.dial(ctx)
@@ -171,18 +225,9 @@ func (c *Client) kept(ctx context.Context) (*conn, error) {
 // finish ends a call begun with begin: a kept connection whose answer was
 // read whole goes back to the idle ones, any other is closed.
 func (c *Client) finish(cn *conn) {
-	if !cn.kept || cn.broken || !cn.stop() {
+	if !cn.kept || cn.broken || !cn.stop() || !c.idle.put(cn) {
 		cn.close()
-		return
 	}
-	c.mu.Lock()
-	if c.closed || len(c.idle) >= maxIdle {
-		c.mu.Unlock()
-		cn.c.Close()
-		return
-	}
-	c.idle = append(c.idle, cn)
-	c.mu.Unlock()
 }
 
 // alive reports whether a kept connection's agent is still there: nothing

@@ -28,6 +28,7 @@ func TestProcessesGetTheirUsersHome(t *testing.T) {
 	}
 	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
 	c := guest.NewClient(guest.UnixDialer(sock))
+	t.Cleanup(c.Close)
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		_, err := c.Hello(ctx)

@@ -317,3 +317,33 @@ func BenchmarkRunTrue(b *testing.B) {
 		}
 	}
 }
+
+// The process keeps no more idle connections than its budget, whatever the
+// number of clients: the others get a connection per call.
+func TestKeptConnectionsStayWithinTheProcesssBudget(t *testing.T) {
+	defer guest.SetIdleBudget(1)()
+	sock := filepath.Join(t.TempDir(), "g.sock")
+	agentAt(t, sock)
+	var ds [3]*dials
+	for i := range ds {
+		ds[i] = &dials{path: sock}
+		c := guest.NewClient(ds[i].dial)
+		defer c.Close()
+		for range 5 {
+			if x := run(t, c, &guestv1.Exec{Argv: []string{"true"}}); x.ExitCode != 0 {
+				t.Fatalf("exit %d", x.ExitCode)
+			}
+		}
+	}
+	if n := ds[0].open.Load(); n != 1 {
+		t.Fatalf("the first client keeps %d connections, want 1", n)
+	}
+	for _, d := range ds[1:] {
+		if n := d.open.Load(); n != 0 {
+			t.Fatalf("a client beyond the budget keeps %d connections", n)
+		}
+		if n := d.made.Load(); n != 5 {
+			t.Fatalf("a client beyond the budget opened %d connections for 5 calls, want one per call", n)
+		}
+	}
+}
