@@ -276,6 +276,7 @@ func breakdown(ctx context.Context, c *dsec.Client, n int) string {
 		sb.Close()
 		cr, ex, de = append(cr, t1.Sub(t0)), append(ex, time.Since(t1)-time.Since(t2)), append(de, time.Since(t2))
 	}
+	result.Emit(result.Row{Key: "create.p50", What: "create alone (sequential cycle), p50", Unit: "ms", Dsec: result.Ms(rawcrun.Pct(cr, 50))})
 	return fmt.Sprintf("create %s, exec %s, delete %s (p50)", rawcrun.Pct(cr, 50), rawcrun.Pct(ex, 50), rawcrun.Pct(de, 50))
 }
 
