@@ -7,4 +7,3 @@ func SetIdleBudget(n int64) (restore func()) {
 	idleBudget = func() int64 { return n }
 	return func() { idleBudget = old }
 }
-

@@ -66,10 +66,17 @@ func TestNodeKilledMidExec(t *testing.T) {
 	}
 	errc := make(chan error, 1)
 	go func() {
-		_, err := sb.Exec(ctx, dsec.Cmd("sleep 60"))
+		_, err := sb.Exec(ctx, dsec.Cmd("touch /tmp/running; exec sleep 60"))
 		errc <- err
 	}()
-	time.Sleep(500 * time.Millisecond) // the exec is running
+	// The exec is running once its command made the marker.
+	for {
+		if _, err := sb.Stat(ctx, "/tmp/running"); err == nil {
+			break
+		} else if ctx.Err() != nil {
+			t.Fatalf("the exec did not start: %v", err)
+		}
+	}
 	killed := time.Now()
 	srv.Kill()
 	select {
