@@ -421,8 +421,11 @@ func (n *Node) watchRollout(s *sandbox, r *rollout, p *guest.Process) {
 	if v := end.Request.GetVerifier(); v != nil && (end.State == RolloutSucceeded || end.State == RolloutFailed) {
 		n.verify(s, end, v)
 	}
-	n.endRollout(s.id, end)
+	// The end is logged and the record says so in one step: a view taken
+	// after a watch saw the end in the log must not read "running" (run
+	// 65: a reattached watch got running, the last entry, then the end).
 	r.mu.Lock()
+	n.endRollout(s.id, end)
 	r.view = end
 	r.mu.Unlock()
 	close(r.done)
