@@ -101,9 +101,15 @@ func (id ID) open(flags int) (int, error) {
 	return fd, nil
 }
 
+// exitCheck is how often a process watched through its pidfd is also
+// checked through /proc: a pidfd that never polls readable (seen twice in
+// CI: a sandbox's init killed and reaped, its watcher still waiting a
+// minute later) delays the news of its exit by at most this much.
+var exitCheck = 20 * time.Second
+
 // NotifyExit closes done when the process exits (at once if it is gone):
-// a pidfd in Go's poller, no thread per process, or a poll every
-// second where pidfds are missing.
+// a pidfd in Go's poller, no thread per process, checked through /proc
+// every exitCheck too, or a poll every second where pidfds are missing.
 func (id ID) NotifyExit(done chan struct{}) {
 	fd, err := id.open(unix.PIDFD_NONBLOCK)
 	if err != nil {
@@ -115,6 +121,7 @@ func (id ID) NotifyExit(done chan struct{}) {
 		return
 	}
 	f := os.NewFile(uintptr(fd), "pidfd")
+	check := exitCheck
 	go func() {
 		defer f.Close()
 		rc, err := f.SyscallConn()
@@ -122,14 +129,20 @@ func (id ID) NotifyExit(done chan struct{}) {
 			id.poll(done, time.Second)
 			return
 		}
-		first := true
-		rc.Read(func(uintptr) bool {
-			if first {
-				first = false
-				return false // wait until readable: the process exited
+		for {
+			f.SetReadDeadline(time.Now().Add(check))
+			first := true
+			err := rc.Read(func(uintptr) bool {
+				if first {
+					first = false
+					return false // wait until readable: the process exited
+				}
+				return true
+			})
+			if !errors.Is(err, os.ErrDeadlineExceeded) || !id.Alive() {
+				break
 			}
-			return true
-		})
+		}
 		close(done)
 	}()
 }

@@ -43,6 +43,30 @@ func TestAProcessIsAliveUntilItExitsAndKillEndsIt(t *testing.T) {
 	}
 }
 
+// The pidfd's wait is checked through /proc every exitCheck: a check
+// finding the process alive goes on waiting, and its exit still closes
+// done.
+func TestNotifyExitWaitsAcrossItsChecks(t *testing.T) {
+	defer func(old time.Duration) { exitCheck = old }(exitCheck)
+	exitCheck = 5 * time.Millisecond
+	_, id := start(t, "sleep", "60")
+	done := make(chan struct{})
+	id.NotifyExit(done)
+	select {
+	case <-done:
+		t.Fatal("NotifyExit closed done for a running process")
+	case <-time.After(100 * time.Millisecond): // about 20 checks
+	}
+	if err := id.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("NotifyExit did not close done after the exit")
+	}
+}
+
 func TestAReusedPidIsNotTheSameProcess(t *testing.T) {
 	_, id := start(t, "sleep", "60")
 	other := ID{Pid: id.Pid, StartTime: id.StartTime + 1}
