@@ -289,6 +289,7 @@ type Log struct {
 	f        *os.File
 	synced   uint64 // the entries before it are on disk
 	syncErr  error  // a failed sync of entries already answered
+	waiters  []syncWaiter
 	next     uint64
 	byReq    map[string]int64 // request ID → offset of its entry
 	offs     []int64          // offs[i]: the offset of entry seq i+1 (-1: none)
@@ -363,10 +364,47 @@ func (l *Log) sync() error {
 		// The kernel may have dropped what it could not write: the log
 		// stops taking entries rather than claim them.
 		l.syncErr = errdefs.Internal(err, "sync trajectory log")
-	case err == nil && upTo > l.synced:
-		l.synced = upTo
+	case err == nil:
+		l.syncedTo(upTo)
 	}
 	return l.syncErr
+}
+
+// syncWaiter is a SyncedTo channel and the sequence number it waits for.
+type syncWaiter struct {
+	seq uint64
+	ch  chan struct{}
+}
+
+// syncedTo records that the entries before upTo are on disk and wakes
+// their waiters (under mu).
+func (l *Log) syncedTo(upTo uint64) {
+	if upTo <= l.synced {
+		return
+	}
+	l.synced = upTo
+	kept := l.waiters[:0]
+	for _, w := range l.waiters {
+		if w.seq < upTo {
+			close(w.ch)
+		} else {
+			kept = append(kept, w)
+		}
+	}
+	l.waiters = kept
+}
+
+// SyncedTo returns a channel closed once entry seq is on disk.
+func (l *Log) SyncedTo(seq uint64) <-chan struct{} {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ch := make(chan struct{})
+	if seq < l.synced {
+		close(ch)
+	} else {
+		l.waiters = append(l.waiters, syncWaiter{seq, ch})
+	}
+	return ch
 }
 
 // Synced returns the sequence number below which every entry is on disk.
@@ -507,7 +545,7 @@ func (l *Log) Append(e *dsecv1.LogEntry) (*dsecv1.LogEntry, error) {
 		if err := l.f.Sync(); err != nil {
 			return nil, errdefs.Internal(err, "sync trajectory log")
 		}
-		l.synced = l.next + 1
+		l.syncedTo(l.next + 1)
 	} else {
 		l.syncer.mark(l)
 	}

@@ -207,6 +207,12 @@ func TestSyncWindow(t *testing.T) {
 		if l.Synced() > e.Seq {
 			t.Fatalf("synced to %d within an hour's window", l.Synced())
 		}
+		onDisk := l.SyncedTo(e.Seq)
+		select {
+		case <-onDisk:
+			t.Fatal("SyncedTo fired before any sync")
+		default:
+		}
 		other, _ := Open(dir)
 		ol, _ := other.Log("sb1")
 		if got, _, err := ol.Read(0, 0); err != nil || len(got) != 1 || string(got[0].Result.Stdout) != "a" {
@@ -214,6 +220,11 @@ func TestSyncWindow(t *testing.T) {
 		}
 		if err := s.Sync(); err != nil || l.Synced() != e.Seq+1 {
 			t.Fatalf("after Sync: synced to %d (%v), want %d", l.Synced(), err, e.Seq+1)
+		}
+		select {
+		case <-onDisk:
+		default:
+			t.Fatal("SyncedTo did not fire at the sync")
 		}
 		e2, _ := l.Append(entry("b"))
 		if l.Synced() > e2.Seq {
@@ -232,10 +243,13 @@ func TestSyncWindow(t *testing.T) {
 		for range 20 {
 			last, _ = l.Append(entry("x"))
 		}
-		for deadline := time.Now().Add(10 * time.Second); l.Synced() <= last.Seq; time.Sleep(time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("synced to %d 10 s after a 1 ms window, want %d", l.Synced(), last.Seq+1)
-			}
+		select {
+		case <-l.SyncedTo(last.Seq):
+		case <-time.After(10 * time.Second):
+			t.Fatalf("synced to %d 10 s after a 1 ms window, want %d", l.Synced(), last.Seq+1)
+		}
+		if l.Synced() <= last.Seq {
+			t.Fatalf("SyncedTo(%d) fired with the log synced to %d", last.Seq, l.Synced())
 		}
 	})
 	t.Run("without a window every entry is synced before Append returns", func(t *testing.T) {
